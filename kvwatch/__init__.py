@@ -1,0 +1,3 @@
+"""kvwatch: KV-cache observability sidecar for vLLM."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,33 @@
+"""The `kvwatch` command. Each subcommand lives in its own module, which exposes
+`add_arguments(parser)` and `run(args) -> int`. This file only dispatches, and
+imports only the module of the subcommand that runs, so `kvwatch serve` never
+pays for matplotlib or grafanalib."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS = {
+    "serve": ("kvwatch.serve", "poll a vLLM /metrics and serve kvwatch's signals"),
+    "sim": ("kvwatch.sim.cli", "run a simulated vLLM engine (for demos and tests)"),
+    "diagnose": ("kvwatch.diagnose_cli", "poll a target for a while and print signals and findings"),
+    "generate": ("kvwatch.mixin.generate", "write dashboards, rules, runbooks and manifests"),
+    "capacity": ("kvwatch.capacity_cli", "KV bytes per token and the concurrency a KV budget holds"),
+    "sweep": ("kvwatch.sweep", "measure a server across lengths and concurrency levels"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="kvwatch", description="KV-cache observability for vLLM.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if argv and argv[0] == name:
+            importlib.import_module(module_name).add_arguments(sub_parser)
+    args = parser.parse_args(argv)
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run(args) or 0)
