@@ -1,0 +1,441 @@
+"""`kvwatch capacity`: how many requests a KV budget holds, with the arithmetic
+shown. Reads a local config.json or a live vLLM's /metrics, calls the
+arithmetic in kvwatch/capacity.py, prints a table or JSON.
+
+`read_live_capacity` is a deliberately small reader of the few series this
+command needs; it can be replaced by the core adapter's Snapshot without
+changing anything else here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvwatch import capacity as cap
+from kvwatch.capacity import CapacityInputError
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
+FETCH_TIMEOUT_S = 10.0
+FETCH_MAX_BYTES = 32 * 2**20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-config", metavar="PATH",
+                        help="the model's config.json (a local file or the folder holding it)")
+    parser.add_argument("--kv-dtype", default="auto", metavar="DTYPE",
+                        help="KV cache dtype: " + "|".join(cap.KV_DTYPE_CHOICES)
+                        + " (auto = the config's torch_dtype; default auto)")
+    parser.add_argument("--kv-budget", metavar="SIZE",
+                        help="bytes left for the KV cache after weights and runtime memory, e.g. "
+                        "3GiB (binary) or 3GB (decimal) or plain bytes")
+    parser.add_argument("--block-size", type=int, default=None, metavar="TOKENS",
+                        help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE}, vLLM's GPU "
+                        "default; with --target, the target's own)")
+    parser.add_argument("--input-tokens", metavar="N|DIST",
+                        help="prompt tokens per request: 2048, or p50=512,p95=2048")
+    parser.add_argument("--output-tokens", metavar="N|DIST",
+                        help="generated tokens per request: 1024, or p50=256,p95=1024")
+    parser.add_argument("--per-request-bytes", metavar="SIZE",
+                        help="KV bytes per request given directly (e.g. 384MiB) instead of a "
+                        "model config and lengths")
+    parser.add_argument("--target", metavar="URL",
+                        help="a live vLLM (http://host:8000 or its /metrics URL): read the "
+                        "capacity it reports instead of, or to compare with, a budget")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+# ---------------------------------------------------------------------------
+# Reading a live target.
+
+_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
+_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def _labels(text: str | None) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    position = 0
+    text = text or ""
+    while position < len(text):
+        match = _LABEL.match(text, position)
+        if not match:
+            break
+        labels[match.group(1)] = re.sub(r"\\[\\\"n]", lambda m: _UNESCAPE[m.group(0)],
+                                         match.group(2))
+        position = match.end()
+    return labels
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    value = labels.get(key)
+    try:
+        number = float(value) if value not in (None, "None", "") else None
+    except ValueError:
+        return None
+    return int(number) if number is not None else None
+
+
+def _float_label(labels: dict[str, str], key: str) -> float | None:
+    value = labels.get(key)
+    try:
+        return float(value) if value not in (None, "None", "") else None
+    except ValueError:
+        return None
+
+
+def read_live_capacity(metrics_text: str) -> dict[str, Any]:
+    """The KV pool each engine reports in `vllm:cache_config_info`, and the running
+    requests and KV usage at this scrape. Accepts `vllm:` and `vllm_` spellings; a
+    missing engine label means "0" (V0, early V1).
+
+    Returns {"engines": [{engine, block_size, num_gpu_blocks, kv_cache_size_tokens,
+    capacity_tokens, capacity_source, kv_cache_memory_bytes, cache_dtype,
+    kv_cache_max_concurrency, sliding_window, num_requests_running,
+    num_requests_waiting, kv_cache_usage, usage_metric, model_name}, ...]}
+    sorted by engine; an empty list when the text has no cache_config_info."""
+    engines: dict[str, dict[str, Any]] = {}
+    gauges: dict[str, dict[str, tuple[str, float]]] = {}
+    for line in metrics_text.splitlines():
+        if not line.startswith("vllm"):
+            continue
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        name = match.group("name").replace("vllm_", "vllm:", 1)
+        if name not in ("vllm:cache_config_info", "vllm:num_requests_running",
+                        "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                        "vllm:gpu_cache_usage_perc"):
+            continue
+        labels = _labels(match.group("labels"))
+        engine = labels.get("engine", "0")
+        if name == "vllm:cache_config_info":
+            engines[engine] = {
+                "engine": engine,
+                "block_size": _int_label(labels, "block_size"),
+                "num_gpu_blocks": _int_label(labels, "num_gpu_blocks"),
+                "kv_cache_size_tokens": _int_label(labels, "kv_cache_size_tokens"),
+                "kv_cache_memory_bytes": _int_label(labels, "kv_cache_memory_bytes"),
+                "cache_dtype": labels.get("cache_dtype"),
+                "kv_cache_max_concurrency": _float_label(labels, "kv_cache_max_concurrency"),
+                "sliding_window": _int_label(labels, "sliding_window"),
+            }
+            continue
+        try:
+            value = float(match.group("value"))
+        except ValueError:
+            continue
+        per_engine = gauges.setdefault(engine, {})
+        per_engine[name] = (labels.get("model_name", ""), value)
+
+    result = []
+    for engine in sorted(engines, key=lambda e: (len(e), e)):
+        info = engines[engine]
+        blocks, block_size = info["num_gpu_blocks"], info["block_size"]
+        if info["kv_cache_size_tokens"] is not None:
+            info["capacity_tokens"] = info["kv_cache_size_tokens"]
+            info["capacity_source"] = "kv_cache_size_tokens"
+        elif blocks is not None and block_size is not None:
+            info["capacity_tokens"] = blocks * block_size
+            info["capacity_source"] = "num_gpu_blocks x block_size"
+        else:
+            info["capacity_tokens"] = None
+            info["capacity_source"] = None
+        seen = gauges.get(engine, {})
+        usage_metric = next((m for m in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+                             if m in seen), None)
+        info["num_requests_running"] = seen.get("vllm:num_requests_running", (None, None))[1]
+        info["num_requests_waiting"] = seen.get("vllm:num_requests_waiting", (None, None))[1]
+        info["kv_cache_usage"] = seen[usage_metric][1] if usage_metric else None
+        info["usage_metric"] = usage_metric
+        info["model_name"] = next((model for model, _ in seen.values() if model), None)
+        result.append(info)
+    return {"engines": result}
+
+
+def _metrics_url(target: str) -> str:
+    parts = urlsplit(target if "://" in target else f"http://{target}")
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise CapacityInputError(f"--target {target!r} is not an http(s) URL")
+    path = parts.path if parts.path not in ("", "/") else "/metrics"
+    return f"{parts.scheme}://{parts.netloc}{path}" + (f"?{parts.query}" if parts.query else "")
+
+
+def fetch_metrics(url: str) -> str:
+    import requests  # only the --target path needs it
+
+    try:
+        with requests.get(url, timeout=FETCH_TIMEOUT_S, stream=True,
+                          headers={"Accept": "text/plain; version=0.0.4"}) as response:
+            if response.status_code != 200:
+                raise CapacityInputError(f"{url} answered HTTP {response.status_code}")
+            body = bytearray()
+            for chunk in response.iter_content(65536):
+                body.extend(chunk)
+                if len(body) > FETCH_MAX_BYTES:
+                    raise CapacityInputError(f"{url} sent more than {FETCH_MAX_BYTES} bytes")
+            return body.decode("utf-8", errors="replace")
+    except requests.RequestException as error:
+        raise CapacityInputError(f"cannot fetch {url}: {error}") from None
+
+
+# ---------------------------------------------------------------------------
+# The command.
+
+
+def _load_config(path_text: str) -> dict[str, Any]:
+    path = Path(path_text)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise CapacityInputError(f"model config not found: {path}")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise CapacityInputError(f"cannot read {path}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise CapacityInputError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise CapacityInputError(f"{path} holds JSON but not an object of model fields")
+    return config
+
+
+def _lengths(args: argparse.Namespace) -> tuple[Any, Any]:
+    if args.input_tokens is None or args.output_tokens is None:
+        raise CapacityInputError(
+            "--input-tokens and --output-tokens are both needed to size a request "
+            "(use --output-tokens 0 to count the prompt only)")
+    inputs = cap.parse_token_lengths(args.input_tokens)
+    outputs = cap.parse_token_lengths(args.output_tokens)
+    cap.combine_lengths(inputs, outputs)  # validates before any network or file work
+    return inputs, outputs
+
+
+def _check_dtype(kv_dtype: str) -> str:
+    kv_dtype = kv_dtype.lower()
+    if kv_dtype not in cap.KV_DTYPE_CHOICES:
+        raise CapacityInputError(
+            f"--kv-dtype {kv_dtype!r} is not one of {', '.join(cap.KV_DTYPE_CHOICES)}")
+    return kv_dtype
+
+
+def build_report(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything the command prints, as one JSON-ready dict."""
+    kv_dtype = _check_dtype(args.kv_dtype)
+    if args.block_size is not None and args.block_size <= 0:
+        raise CapacityInputError(f"--block-size must be a positive integer, got {args.block_size}")
+    budget = cap.parse_size(args.kv_budget) if args.kv_budget is not None else None
+
+    if args.per_request_bytes is not None:
+        clashes = [flag for flag, value in (("--model-config", args.model_config),
+                                            ("--target", args.target),
+                                            ("--input-tokens", args.input_tokens),
+                                            ("--output-tokens", args.output_tokens))
+                   if value is not None]
+        if clashes:
+            raise CapacityInputError(
+                "--per-request-bytes gives the bytes per request directly; drop "
+                + ", ".join(clashes))
+        if budget is None:
+            raise CapacityInputError("--per-request-bytes needs --kv-budget")
+        per_request = cap.parse_size(args.per_request_bytes)
+        result = cap.capacity_from_request_bytes(budget, per_request)
+        return {"mode": "per-request-bytes", "result": result.to_dict(), "live": None}
+
+    if args.target is None and args.model_config is None:
+        raise CapacityInputError(
+            "give --model-config with --kv-budget, or --target URL, or --kv-budget with "
+            "--per-request-bytes")
+    if args.target is None and budget is None:
+        raise CapacityInputError(
+            "--model-config needs --kv-budget (the bytes left for the KV cache), or --target "
+            "to read the capacity from a live vLLM")
+    inputs, outputs = _lengths(args)
+    config = _load_config(args.model_config) if args.model_config is not None else None
+
+    if args.target is None:
+        block_size = args.block_size or DEFAULT_BLOCK_SIZE
+        result = cap.compute_capacity(config, kv_dtype, block_size, budget, inputs, outputs)
+        return {"mode": "config", "result": result.to_dict(), "live": None}
+    return _live_report(args, config, kv_dtype, budget, inputs, outputs)
+
+
+def _live_report(args, config, kv_dtype, budget, inputs, outputs) -> dict[str, Any]:
+    url = _metrics_url(args.target)
+    live = read_live_capacity(fetch_metrics(url))
+    if not live["engines"]:
+        raise CapacityInputError(
+            f"{url} has no vllm:cache_config_info; is it a vLLM with stats logging on?")
+    engines = []
+    result_dict = None
+    notes = []
+    for info in live["engines"]:
+        entry: dict[str, Any] = {"reported": info}
+        if info["capacity_tokens"] is None or not info["block_size"]:
+            entry["error"] = "cache_config_info lacks num_gpu_blocks or block_size"
+            engines.append(entry)
+            continue
+        block_size = info["block_size"]
+        if args.block_size is not None and args.block_size != block_size:
+            notes.append(f"engine {info['engine']} reports block_size {block_size}; it is used "
+                         f"instead of --block-size {args.block_size}")
+        if (info["num_gpu_blocks"] is not None and info["kv_cache_size_tokens"] is not None
+                and info["num_gpu_blocks"] * block_size != info["kv_cache_size_tokens"]):
+            notes.append(
+                f"engine {info['engine']}: num_gpu_blocks x block_size = "
+                f"{info['num_gpu_blocks'] * block_size} but kv_cache_size_tokens = "
+                f"{info['kv_cache_size_tokens']}; the latter is vLLM's own group-aware figure "
+                "(hybrid or MLA models) and is used")
+        entry["bounds_from_reported"] = cap.live_bounds(info["capacity_tokens"], block_size,
+                                                        inputs, outputs)
+        entry["observed"] = cap.observed_occupancy(
+            info["num_requests_running"], info["kv_cache_usage"], info["capacity_tokens"],
+            block_size)
+        if config is not None:
+            dtype = kv_dtype
+            if dtype == "auto" and info["cache_dtype"] and info["cache_dtype"] != "auto":
+                if info["cache_dtype"].lower() in cap.DTYPE_BYTES:
+                    dtype = info["cache_dtype"].lower()
+            if budget is not None:
+                engine_budget, budget_source = budget, "--kv-budget"
+            elif info["kv_cache_memory_bytes"]:
+                engine_budget, budget_source = info["kv_cache_memory_bytes"], \
+                    "kv_cache_memory_bytes reported by the target"
+            else:
+                engine_budget, budget_source = None, None
+            if engine_budget is None:
+                structure = cap.kv_structure(config, dtype)
+                engine_budget = info["capacity_tokens"] * structure.bytes_per_token
+                budget_source = ("implied: reported capacity x computed bytes per token "
+                                 "(no independent budget, so no comparison)")
+            result = cap.compute_capacity(config, dtype, block_size, engine_budget, inputs,
+                                          outputs)
+            result_dict = result_dict or result.to_dict()
+            entry["computed"] = {"budget_bytes": engine_budget, "budget_source": budget_source,
+                                 "result": result.to_dict()}
+            if not budget_source.startswith("implied"):
+                entry["comparison"] = cap.compare_pools(
+                    result.pool_blocks, result.pool_tokens, info["num_gpu_blocks"],
+                    info["capacity_tokens"])
+        engines.append(entry)
+    return {"mode": "target", "target": url, "engines": engines, "notes": notes,
+            "result": result_dict, "ignores": list(cap.IGNORED)}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = build_report(args)
+    except CapacityInputError as error:
+        print(f"kvwatch capacity: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        print(render_table(report))
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Text output.
+
+
+def _n(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
+def _result_lines(result: dict[str, Any]) -> list[str]:
+    out = ["How it is derived:"]
+    out += [f"  {step}" for step in result["steps"]]
+    out.append("")
+    budget = result["kv_budget_bytes"]
+    out.append(f"KV budget: {_n(budget)} B ({cap.human_bytes(budget)})"
+               + (f"; bytes per token: {_n(result['bytes_per_token'])} B" if
+                  result["bytes_per_token"] else "")
+               + (f"; block size: {result['block_size']} tokens" if result["block_size"] else ""))
+    headers = ["length", "tokens", "bytes/request", "simple bound", "blocks", "rounded bytes",
+               "rounded bound", "pool bound (null block)"]
+    has_state = any(r["state_bytes_per_request"] is not None for r in result["requests"])
+    if has_state:
+        headers.append("with state")
+    rows = []
+    for r in result["requests"]:
+        blocks = r["full_layer_blocks"]
+        if r["sliding_layer_blocks"] is not None:
+            blocks = f"{blocks}/{r['sliding_layer_blocks']}"
+        row = [r["label"], _n(r["tokens"]), _n(r["bytes_per_request"]), _n(r["simple_bound"]),
+               _n(blocks), _n(r["rounded_bytes_per_request"]), _n(r["rounded_bound"]),
+               _n(r["pool_bound"])]
+        if has_state:
+            row.append(_n(r["bound_with_state"]))
+        rows.append(row)
+    keep = [i for i in range(len(headers)) if any(row[i] != "-" for row in rows)]
+    out += _table([headers[i] for i in keep], [[row[i] for i in keep] for row in rows])
+    if any(r["sliding_layer_blocks"] is not None for r in result["requests"]):
+        out.append("(blocks: per full-attention layer / per sliding-window layer)")
+    return out
+
+
+def render_table(report: dict[str, Any]) -> str:
+    out = [f"kvwatch capacity ({report['mode']})", ""]
+    if report["mode"] != "target":
+        result = report["result"]
+        out += _result_lines(result)
+        notes, ignores = result["notes"], result["ignores"]
+    else:
+        notes, ignores = list(report["notes"]), report["ignores"]
+        out.append(f"Target: {report['target']}")
+        for entry in report["engines"]:
+            info = entry["reported"]
+            out.append("")
+            out.append(f"Engine {info['engine']}"
+                       + (f" ({info['model_name']})" if info["model_name"] else ""))
+            if "error" in entry:
+                out.append(f"  {entry['error']}")
+                continue
+            out.append(f"  reported: num_gpu_blocks {_n(info['num_gpu_blocks'])} x block_size "
+                       f"{info['block_size']}; capacity {_n(info['capacity_tokens'])} tokens "
+                       f"(from {info['capacity_source']}); cache_dtype {info['cache_dtype']}")
+            if info["kv_cache_max_concurrency"] is not None:
+                out.append(f"  vLLM's own kv_cache_max_concurrency: "
+                           f"{info['kv_cache_max_concurrency']:g} (vLLM computes it at "
+                           "max_model_len, not at these lengths)")
+            out.append("  bound from the reported capacity (every layer keeps every token):")
+            out += [f"    {row['step']}" for row in entry["bounds_from_reported"]]
+            if "computed" in entry:
+                computed = entry["computed"]
+                out.append(f"  computed from the config with budget "
+                           f"{_n(computed['budget_bytes'])} B ({computed['budget_source']}):")
+                out += [f"    {line}" for line in _result_lines(computed["result"])]
+                notes += [n for n in computed["result"]["notes"] if n not in notes]
+                if "comparison" in entry:
+                    c = entry["comparison"]
+                    out.append(f"  computed vs reported: {_n(c['computed_tokens'])} vs "
+                               f"{_n(c['reported_tokens'])} tokens ({c['verdict']}, difference "
+                               f"{c['difference_tokens']:+,} tokens)")
+            observed = entry["observed"]
+            if observed:
+                out.append(f"  observed at this scrape: {observed['step']}"
+                           + (f"; {info['num_requests_waiting']:g} waiting"
+                              if info["num_requests_waiting"] is not None else ""))
+                out.append(f"    ({observed['caveat']})")
+    if notes:
+        out += ["", "Notes:"] + [f"  - {note}" for note in notes]
+    out += ["", "What the bound ignores (it is never a guarantee):"]
+    out += [f"  - {item}" for item in ignores]
+    return "\n".join(out)
