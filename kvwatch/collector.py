@@ -1,0 +1,166 @@
+"""The prometheus_client Collector over the monitor's latest State.
+
+`collect()` reads one State reference and yields fresh families from it, so a
+scrape sees one poll's values, never a mix, and never waits on the engine.
+Engine and window series are present only while the latest poll succeeded:
+values from a failed poll's past would look current. kvwatch adds no target
+labels of its own (Prometheus' exporter guidance); model_name and engine come
+from vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvwatch import __version__
+from kvwatch.signals import ENGINE_SERIES, SIGNALS, engine_series_value
+from kvwatch.snapshot import Histogram
+
+IDENTITY = ["model_name", "engine"]
+# cache_config_info keys re-exported on kvwatch_engine_info (a bounded set, not
+# the whole open map, so the label set does not change with every vLLM release).
+INFO_KEYS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "kv_cache_size_tokens")
+POLL_ERROR_REASONS = (
+    "refused", "dns", "timeout", "tls", "connection", "disconnected", "http_3xx", "http_4xx", "http_5xx",
+    "content_type", "too_large", "truncated", "decode", "no_engine_metrics", "error", "internal",
+)
+
+
+class KvwatchCollector(Collector):
+    def __init__(self, monitor):
+        self.monitor = monitor
+
+    def collect(self):
+        state = self.monitor.state
+        yield from self._health(state)
+        if not state.up or state.snapshot is None:
+            return
+        yield from self._engine_series(state.snapshot)
+        yield from self._signals(state)
+        yield from self._findings(state)
+
+    def _health(self, state):
+        up = GaugeMetricFamily("kvwatch_up", "1 if the latest poll of the engine's /metrics succeeded, else 0.")
+        up.add_metric([], 1.0 if state.up else 0.0)
+        yield up
+        info = GaugeMetricFamily("kvwatch_build_info", "kvwatch's version.", labels=["version"])
+        info.add_metric([__version__], 1.0)
+        yield info
+        polls = CounterMetricFamily("kvwatch_polls", "Polls of the engine's /metrics.")
+        polls.add_metric([], state.polls)
+        yield polls
+        errors = CounterMetricFamily("kvwatch_poll_errors", "Failed polls by reason.", labels=["reason"])
+        # Every known reason is present from the start so rate() works at once.
+        for reason in sorted(set(POLL_ERROR_REASONS) | set(state.errors_by_reason)):
+            errors.add_metric([reason], state.errors_by_reason.get(reason, 0))
+        yield errors
+        parse = CounterMetricFamily("kvwatch_parse_errors", "Malformed lines in the engine's pages (skipped; the rest counts).")
+        parse.add_metric([], state.parse_errors)
+        yield parse
+        dropped = CounterMetricFamily("kvwatch_dropped_series", "Engine series dropped by the max_series cap.")
+        dropped.add_metric([], state.dropped_series)
+        yield dropped
+        duration = GaugeMetricFamily("kvwatch_poll_duration_seconds", "Wall time of the latest poll.")
+        duration.add_metric([], state.poll_seconds)
+        yield duration
+        cpu = GaugeMetricFamily("kvwatch_poll_cpu_seconds", "CPU time of the latest poll (fetch, parse, signals, diagnosis).")
+        cpu.add_metric([], state.poll_cpu_seconds)
+        yield cpu
+        if state.last_success_time is not None:
+            last = GaugeMetricFamily("kvwatch_last_success_timestamp_seconds", "Unix time of the latest successful poll.")
+            last.add_metric([], state.last_success_time)
+            yield last
+        window = GaugeMetricFamily("kvwatch_window_seconds", "Span the windowed signals cover now.")
+        window.add_metric([], state.window_seconds)
+        yield window
+
+    def _engine_series(self, snapshot):
+        families = {}
+        for series in ENGINE_SERIES:
+            labels = IDENTITY + ([series.label] if series.label else [])
+            if series.kind == "gauge":
+                families[series.name] = GaugeMetricFamily(series.name, series.help, labels=labels, unit="")
+            elif series.kind == "counter":
+                families[series.name] = CounterMetricFamily(series.name, series.help, labels=labels)
+            else:
+                families[series.name] = HistogramMetricFamily(series.name, series.help, labels=labels)
+        info = GaugeMetricFamily("kvwatch_engine_info", "The engine's KV-cache configuration (from vllm:cache_config_info); "
+                                 "changes() on it marks a configuration change.", labels=IDENTITY + list(INFO_KEYS))
+        for (model, engine_id), engine in sorted(snapshot.engines.items()):
+            cache_config = snapshot.cache_config.get(engine_id, {})
+            for series in ENGINE_SERIES:
+                value = engine_series_value(series, engine, cache_config)
+                if value is None:
+                    continue
+                family = families[series.name]
+                if isinstance(value, Histogram):
+                    buckets = [(_le(bound), count) for bound, count in zip(value.bounds, value.cumulative)]
+                    family.add_metric([model, engine_id], buckets, value.sum)
+                elif isinstance(value, dict):
+                    for label_value, number in sorted(value.items()):
+                        family.add_metric([model, engine_id, label_value], number)
+                else:
+                    family.add_metric([model, engine_id], value)
+            info.add_metric([model, engine_id] + [cache_config.get(k, "") for k in INFO_KEYS], 1.0)
+        yield from families.values()
+        yield info
+
+    def _signals(self, state):
+        for prefix, rows, labels in (
+            ("kvwatch_", state.per_engine, IDENTITY),
+            ("kvwatch_model_", state.per_model, ["model_name"]),
+        ):
+            for signal in SIGNALS:
+                name = prefix + signal.name[len("kvwatch_"):]
+                family_labels = labels + ([signal.label] if signal.label else [])
+                family = GaugeMetricFamily(name, signal.help, labels=family_labels)
+                for row in rows:
+                    identity = [row.model] if row.engine is None else [row.model, row.engine]
+                    value = row.values.get(signal.name)
+                    if value is None:
+                        continue
+                    if isinstance(value, dict):
+                        for label_value, number in sorted(value.items()):
+                            if _finite(number):
+                                family.add_metric(identity + [label_value], number)
+                    elif _finite(value):
+                        family.add_metric(identity, value)
+                yield family
+
+    def _findings(self, state):
+        family = GaugeMetricFamily(
+            "kvwatch_finding",
+            "1 for each active diagnosis finding (absent when not active); see /api/v1/diagnosis for its evidence.",
+            labels=["symptom", "cause", "severity", "model_name", "engine"],
+        )
+        for finding in state.findings:
+            family.add_metric([finding.symptom, finding.cause, finding.severity, finding.model, finding.engine or ""], 1.0)
+        yield family
+
+
+def _le(bound: float) -> str:
+    if math.isinf(bound):
+        return "+Inf"
+    return repr(float(bound))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def make_registry(monitor) -> CollectorRegistry:
+    # A private registry: no process/platform collectors mixed in by default,
+    # and tests get a fresh one per case.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(KvwatchCollector(monitor))
+    # kvwatch's own CPU and memory, so its cost in the pod is visible.
+    ProcessCollector(registry=registry)
+    return registry

@@ -1,0 +1,251 @@
+"""The poll loop and the state it publishes.
+
+One poll per interval, whatever scrapes kvwatch: fetch -> adapt -> window ->
+signals -> diagnosis. Each poll ends by swapping in one new immutable State;
+readers (the exporter, the API, the status page) take a reference to the
+current State and never see a half-built one, and never wait on the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwatch import diagnose as diagnosis
+from kvwatch.engines.vllm import VllmAdapter
+from kvwatch.scrape import Fetcher, FetchResult
+from kvwatch.settings import Settings
+from kvwatch.signals import Evaluated, evaluate_window
+from kvwatch.snapshot import Snapshot
+from kvwatch.window import Window
+
+log = logging.getLogger("kvwatch")
+
+MAX_EVENTS = 100
+
+
+@dataclass(frozen=True)
+class Event:
+    """A change that invalidates comparisons across it."""
+
+    time: float
+    kind: str  # restart | cache_config | models | lora
+    model: str | None
+    engine: str | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class State:
+    up: bool = False
+    reason: str | None = "not_polled_yet"
+    detail: str = ""
+    polls: int = 0
+    errors_by_reason: dict[str, int] = field(default_factory=dict)
+    parse_errors: int = 0
+    last_parse_errors: tuple[str, ...] = ()
+    dropped_series: int = 0
+    last_poll_time: float | None = None
+    last_success_time: float | None = None
+    poll_seconds: float = 0.0
+    poll_cpu_seconds: float = 0.0
+    snapshot: Snapshot | None = None
+    window_seconds: float = 0.0
+    per_engine: tuple[Evaluated, ...] = ()
+    per_model: tuple[Evaluated, ...] = ()
+    findings: tuple[diagnosis.Finding, ...] = ()
+    events: tuple[Event, ...] = ()
+    upstream: dict[str, Any] | None = None
+
+
+class Monitor:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.fetcher = Fetcher(
+            settings.target,
+            settings.fetch_timeout,
+            settings.max_body_bytes,
+            settings.bearer_token_file,
+            settings.ca_bundle,
+            settings.tls_verify,
+        )
+        self.adapter = VllmAdapter(max_series=settings.max_series)
+        self.window = Window(settings.window)
+        self.upstream = None
+        if settings.upstream_target and settings.upstream_histogram:
+            from kvwatch.upstream import UpstreamSource
+
+            self.upstream = UpstreamSource(settings, self.window.seconds)
+        self.state = State()
+        self._errors: dict[str, int] = {}
+        self._parse_errors = 0
+        self._polls = 0
+        self._events: deque[Event] = deque(maxlen=MAX_EVENTS)
+        self._lora_seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one poll at a time (loop or CLI)
+
+    # --- the loop -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvwatch-poll", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        interval = self.settings.poll_interval
+        next_due = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:  # the loop must outlive any bug in one poll
+                log.exception("poll failed unexpectedly; kvwatch keeps polling")
+                self._record_failure("internal", "unexpected error, see log", time.time(), 0.0, 0.0)
+            next_due += interval
+            now = time.monotonic()
+            if next_due < now:  # a slow poll skips missed slots, never bursts
+                next_due = now + interval
+            self._stop.wait(next_due - now)
+
+    # --- one poll -------------------------------------------------------
+
+    def poll_once(self) -> State:
+        with self._lock:
+            started_cpu = time.thread_time()
+            started = time.time()
+            result = self.fetcher.fetch()
+            if not result.ok:
+                return self._record_failure(result.reason, result.detail, started, result.seconds,
+                                            time.thread_time() - started_cpu)
+            return self._ingest(result, started, started_cpu)
+
+    def _ingest(self, result: FetchResult, started: float, started_cpu: float) -> State:
+        snapshot = self.adapter.adapt(result.text, at=started)
+        self._parse_errors += len(snapshot.parse_errors)
+        if snapshot.parse_errors:
+            log.debug("%d malformed lines, first: %s", len(snapshot.parse_errors), snapshot.parse_errors[0])
+        if not snapshot.engines:
+            detail = f"no vLLM engine metrics in a page of {result.size} bytes"
+            if snapshot.parse_errors:
+                detail += f" ({len(snapshot.parse_errors)} malformed lines, first: {snapshot.parse_errors[0]})"
+            return self._record_failure("no_engine_metrics", detail, started, result.seconds,
+                                        time.thread_time() - started_cpu)
+        previous = self.window.latest
+        self.window.add(snapshot)
+        self._note_changes(previous, snapshot)
+        per_engine, per_model = evaluate_window(self.window)
+        upstream = self.upstream.poll() if self.upstream is not None else None
+        events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
+        findings = diagnosis.diagnose(self.window, per_engine, per_model, events,
+                                      self.settings.diagnosis, upstream)
+        self._polls += 1
+        was_up = self.state.up
+        earliest = self.window.earliest
+        self.state = State(
+            up=True,
+            reason=None,
+            polls=self._polls,
+            errors_by_reason=dict(self._errors),
+            parse_errors=self._parse_errors,
+            last_parse_errors=tuple(str(e) for e in snapshot.parse_errors[:5]),
+            dropped_series=self.adapter.dropped_series,
+            last_poll_time=started,
+            last_success_time=started,
+            poll_seconds=time.time() - started,
+            poll_cpu_seconds=time.thread_time() - started_cpu,
+            snapshot=snapshot,
+            window_seconds=snapshot.time - earliest.time if earliest else 0.0,
+            per_engine=tuple(per_engine),
+            per_model=tuple(per_model),
+            findings=tuple(findings),
+            events=events,
+            upstream=upstream,
+        )
+        if not was_up:
+            log.info("polling %s: up (%d engines)", self.settings.target, len(snapshot.engines))
+        return self.state
+
+    def _record_failure(self, reason: str, detail: str, started: float, seconds: float, cpu: float) -> State:
+        self._polls += 1
+        self._errors[reason] = self._errors.get(reason, 0) + 1
+        previous = self.state
+        if previous.up or previous.reason != reason:
+            # Log transitions, not every failed poll: a down engine must not
+            # flood the log at one line per interval.
+            log.warning("polling %s failed: %s (%s)", self.settings.target, reason, detail)
+        self.state = State(
+            up=False,
+            reason=reason,
+            detail=detail,
+            polls=self._polls,
+            errors_by_reason=dict(self._errors),
+            parse_errors=self._parse_errors,
+            dropped_series=self.adapter.dropped_series,
+            last_poll_time=started,
+            last_success_time=previous.last_success_time,
+            poll_seconds=seconds,
+            poll_cpu_seconds=cpu,
+            events=previous.events,
+        )
+        return self.state
+
+    def _note_changes(self, previous: Snapshot | None, current: Snapshot) -> None:
+        if previous is None:
+            return
+        entry = self.window.entries[-1]
+        for (model, engine), step in entry.steps.items():
+            if step.restarted:
+                self._event(current.time, "restart", model, engine, "counters reset or _created moved: the engine restarted")
+        for engine, config in current.cache_config.items():
+            before = previous.cache_config.get(engine)
+            if before is not None and before != config:
+                changed = sorted(k for k in set(before) | set(config) if before.get(k) != config.get(k))
+                detail = ", ".join(f"{k}: {before.get(k)} -> {config.get(k)}" for k in changed[:8])
+                self._event(current.time, "cache_config", None, engine, detail)
+        models_before = {m for m, _ in previous.engines}
+        models_now = {m for m, _ in current.engines}
+        if models_before != models_now:
+            self._event(current.time, "models", None, None,
+                        f"served models changed: {sorted(models_before)} -> {sorted(models_now)}")
+        # Running and waiting adapter lists change with every request; what
+        # invalidates comparisons is an adapter never seen before, or max_lora.
+        adapters = _lora_adapters(current.lora)
+        new = adapters - self._lora_seen
+        if self._lora_seen and new:
+            self._event(current.time, "lora", None, None, f"new LoRA adapters: {', '.join(sorted(new))}")
+        self._lora_seen |= adapters
+        before_max = (previous.lora or {}).get("max_lora")
+        now_max = (current.lora or {}).get("max_lora")
+        if before_max and now_max and before_max != now_max:
+            self._event(current.time, "lora", None, None, f"max_lora {before_max} -> {now_max}")
+
+    def _event(self, at: float, kind: str, model: str | None, engine: str | None, detail: str) -> None:
+        log.info("change: %s %s/%s: %s", kind, model or "*", engine or "*", detail)
+        self._events.append(Event(at, kind, model, engine, detail))
+
+    def ready(self) -> tuple[bool, str]:
+        """Ready when the latest poll succeeded and is recent."""
+        state = self.state
+        if not state.up:
+            return False, f"last poll failed: {state.reason} {state.detail}".strip()
+        age = time.time() - (state.last_success_time or 0)
+        limit = max(3 * self.settings.poll_interval, self.settings.fetch_timeout + self.settings.poll_interval)
+        if age > limit:
+            return False, f"no successful poll for {age:.0f}s"
+        return True, "ok"
+
+
+def _lora_adapters(info: dict[str, str] | None) -> set[str]:
+    if not info:
+        return set()
+    names = info.get("running_lora_adapters", "") + "," + info.get("waiting_lora_adapters", "")
+    return {name.strip() for name in names.split(",") if name.strip()}

@@ -1,0 +1,81 @@
+"""JSON views of the monitor's State, shared by the API and the CLI."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kvwatch.signals import SIGNALS
+
+
+def public_url(url: str | None) -> str | None:
+    """The URL without credentials, for anything a user or scraper can read."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _rows(rows) -> list[dict[str, Any]]:
+    return [
+        {
+            "model_name": row.model,
+            **({"engine": row.engine} if row.engine is not None else {}),
+            "signals": {signal.name: _clean(row.values.get(signal.name)) for signal in SIGNALS},
+            "notes": list(dict.fromkeys(row.notes)),
+        }
+        for row in rows
+    ]
+
+
+def status_json(state, settings) -> dict[str, Any]:
+    return {
+        "target": public_url(settings.target),
+        "up": state.up,
+        "reason": state.reason,
+        "detail": state.detail,
+        "polls": state.polls,
+        "errors_by_reason": state.errors_by_reason,
+        "parse_errors": state.parse_errors,
+        "last_parse_errors": list(state.last_parse_errors),
+        "last_success_time": state.last_success_time,
+        "poll_interval_seconds": settings.poll_interval,
+        "window_seconds": settings.window,
+        "window_covered_seconds": state.window_seconds,
+    }
+
+
+def signals_json(state, settings) -> dict[str, Any]:
+    snapshot = state.snapshot if state.up else None
+    return {
+        **status_json(state, settings),
+        "engines": _rows(state.per_engine) if snapshot else [],
+        "models": _rows(state.per_model) if snapshot else [],
+        "cache_config": snapshot.cache_config if snapshot else {},
+        "sources": snapshot.sources if snapshot else {},
+        "events": [asdict(e) for e in state.events],
+    }
+
+
+def diagnosis_json(state, settings) -> dict[str, Any]:
+    return {
+        **status_json(state, settings),
+        "findings": [_clean(asdict(f)) for f in state.findings] if state.up else [],
+        "events": [asdict(e) for e in state.events],
+        "upstream": _clean(state.upstream),
+    }

@@ -1,0 +1,169 @@
+"""Fetching the engine's /metrics: the only network I/O toward the engine.
+
+Limits on every fetch: a connect and read timeout and an overall deadline (a
+server that trickles bytes cannot hold a poll past it), a cap on the body size
+(counted after decompression), no redirects (kvwatch only ever fetches the
+configured target), and a content-type check (an HTML error page from a proxy
+is not a metrics page). Each failure has a short machine-readable reason for
+`kvwatch_poll_errors_total{reason}` and a human detail for logs; neither ever
+contains the bearer token.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+import urllib3
+
+from kvwatch import __version__
+
+ACCEPT = "text/plain; version=0.0.4; charset=utf-8, application/openmetrics-text; version=1.0.0; q=0.5"
+ACCEPTED_CONTENT_TYPES = ("text/plain", "application/openmetrics-text")
+CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    text: str | None
+    reason: str | None = None  # None on success
+    detail: str = ""
+    seconds: float = 0.0
+    size: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+class Fetcher:
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        max_body_bytes: int,
+        bearer_token_file: str | None = None,
+        ca_bundle: str | None = None,
+        tls_verify: bool = True,
+    ):
+        self.url = url
+        self.timeout = timeout
+        self.max_body_bytes = max_body_bytes
+        self.bearer_token_file = bearer_token_file
+        self.session = requests.Session()
+        # The environment's proxies must not redirect a sidecar's loopback poll.
+        self.session.trust_env = False
+        self.session.verify = ca_bundle if ca_bundle else tls_verify
+        self.session.headers.update({
+            "Accept": ACCEPT,
+            "Accept-Encoding": "gzip",
+            "User-Agent": f"kvwatch/{__version__}",
+        })
+        self._token: str | None = None
+        if not tls_verify:
+            urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+
+    def _headers(self) -> dict[str, str]:
+        if not self.bearer_token_file:
+            return {}
+        # Re-read each poll: projected service-account tokens rotate.
+        try:
+            self._token = Path(self.bearer_token_file).read_text().strip()
+        except OSError:
+            pass  # keep the last good token; the poll reports auth errors itself
+        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
+
+    def fetch(self) -> FetchResult:
+        started = time.monotonic()
+        deadline = started + self.timeout
+        try:
+            response = self.session.get(
+                self.url,
+                headers=self._headers(),
+                timeout=(self.timeout, self.timeout),
+                allow_redirects=False,
+                stream=True,
+            )
+        except requests.exceptions.SSLError as exc:
+            return self._fail("tls", _safe(exc), started)
+        except requests.exceptions.ConnectTimeout:
+            return self._fail("timeout", f"connect timed out after {self.timeout:g}s", started)
+        except requests.exceptions.ReadTimeout:
+            return self._fail("timeout", f"no response within {self.timeout:g}s", started)
+        except requests.exceptions.ConnectionError as exc:
+            return self._fail(_connection_reason(exc), _safe(exc), started)
+        except requests.exceptions.RequestException as exc:
+            return self._fail("error", _safe(exc), started)
+
+        with response:
+            status = response.status_code
+            if status != 200:
+                location = response.headers.get("Location", "")
+                detail = f"HTTP {status}" + (f" redirect to {location[:200]} refused" if 300 <= status < 400 else "")
+                return self._fail(f"http_{status // 100}xx", detail, started)
+            content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if content_type and content_type not in ACCEPTED_CONTENT_TYPES:
+                return self._fail("content_type", f"content type {content_type[:80]!r} is not a metrics page", started)
+            body, failure = self._read_body(response, deadline)
+            if failure is not None:
+                return self._fail(failure[0], failure[1], started)
+
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return self._fail("decode", f"body is not UTF-8 (byte {exc.start})", started)
+        if text and not text.endswith("\n"):
+            # The text format ends every line with a newline; a page without
+            # one was cut off, and half a page would skew every delta.
+            return self._fail("truncated", f"page of {len(body)} bytes ends mid-line", started)
+        return FetchResult(text, seconds=time.monotonic() - started, size=len(body))
+
+    def _read_body(self, response: requests.Response, deadline: float) -> tuple[bytes, tuple[str, str] | None]:
+        encoding = response.headers.get("Content-Encoding", "").lower()
+        decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS) if encoding == "gzip" else None
+        parts: list[bytes] = []
+        size = 0
+        try:
+            # decode_content=False: decompress ourselves, so the cap applies to
+            # what we hold in memory (a gzip bomb stops at the cap).
+            for chunk in response.raw.stream(CHUNK, decode_content=False):
+                if decompressor is not None:
+                    chunk = decompressor.decompress(chunk, self.max_body_bytes + 1 - size)
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    return b"", ("too_large", f"body exceeds the {self.max_body_bytes} byte cap")
+                parts.append(chunk)
+                if time.monotonic() > deadline:
+                    return b"", ("timeout", f"body not complete within {self.timeout:g}s (slow server)")
+        except (urllib3.exceptions.ProtocolError, urllib3.exceptions.ReadTimeoutError,
+                requests.exceptions.RequestException, zlib.error, OSError) as exc:
+            reason = "timeout" if "timed out" in str(exc).lower() else "truncated"
+            return b"", (reason, _safe(exc))
+        return b"".join(parts), None
+
+    def _fail(self, reason: str, detail: str, started: float) -> FetchResult:
+        return FetchResult(None, reason, detail, time.monotonic() - started)
+
+
+def _connection_reason(exc: Exception) -> str:
+    text = str(exc)
+    if isinstance(exc.__context__, socket.gaierror) or "Name or service not known" in text or "NameResolutionError" in text \
+            or "nodename nor servname" in text or "Temporary failure in name resolution" in text:
+        return "dns"
+    if "Connection refused" in text or "ConnectionRefusedError" in text:
+        return "refused"
+    if "timed out" in text.lower():
+        return "timeout"
+    if "RemoteDisconnected" in text or "Connection aborted" in text or "reset by peer" in text:
+        return "disconnected"
+    return "connection"
+
+
+def _safe(exc: Exception) -> str:
+    # Exception texts name the URL, never headers, so no token can leak; cap
+    # the length so a hostile server cannot flood the log.
+    return f"{type(exc).__name__}: {str(exc)[:300]}"

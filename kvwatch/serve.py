@@ -1,0 +1,78 @@
+"""`kvwatch serve`: poll the target in the background and serve kvwatch's
+endpoints. Every option is also a `KVWATCH_*` environment variable and a key
+of the YAML config file."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvwatch.settings import SettingsError, env_name, load_settings
+
+# flag -> settings key; the help names the environment variable too.
+OPTIONS = {
+    "target": "the engine's /metrics URL (a bare http://host:port gets /metrics)",
+    "host": "address to listen on (default 127.0.0.1)",
+    "port": "port to listen on (default 9400)",
+    "poll_interval": "seconds between polls, e.g. 5 or 5s (default 5s)",
+    "timeout": "fetch deadline (default 80%% of the poll interval)",
+    "window": "span of the windowed signals, e.g. 5m (default 5m)",
+    "max_body_bytes": "cap on the engine's page size, e.g. 16MiB",
+    "max_series": "most (model, engine) pairs kept per poll",
+    "bearer_token_file": "file holding a bearer token for the engine",
+    "ca_bundle": "CA bundle to verify the engine's TLS certificate",
+    "tls_verify": "verify the engine's TLS certificate: true/false (default true)",
+    "log_level": "debug, info, warning, error",
+    "upstream_target": "a gateway's or application's /metrics (second source for TTFT diagnosis)",
+    "upstream_histogram": "the histogram there that measures time before the engine, e.g. app_retrieval_seconds",
+    "auth_token_file": "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
+    "tls_cert_file": "serve kvwatch over TLS with this certificate",
+    "tls_key_file": "and this key",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help=f"YAML config file (env {env_name('config')})")
+    for key, help_text in OPTIONS.items():
+        parser.add_argument("--" + key.replace("_", "-"), dest=key, default=None,
+                            help=f"{help_text} (env {env_name(key)})")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config, {key: getattr(args, key) for key in OPTIONS})
+    except SettingsError as exc:
+        print(f"kvwatch: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+
+    import uvicorn
+
+    from kvwatch.app import create_app
+    from kvwatch.monitor import Monitor
+    from kvwatch.report import public_url
+
+    monitor = Monitor(settings)
+    monitor.start()
+    scheme = "https" if settings.tls_cert_file else "http"
+    logging.getLogger("kvwatch").info(
+        "kvwatch polling %s every %gs; serving %s://%s:%d/", public_url(settings.target), settings.poll_interval,
+        scheme, settings.host, settings.port)
+    try:
+        uvicorn.run(
+            create_app(monitor, settings),
+            host=settings.host,
+            port=settings.port,
+            log_level="warning" if settings.log_level == "info" else settings.log_level,
+            access_log=False,
+            ssl_certfile=settings.tls_cert_file,
+            ssl_keyfile=settings.tls_key_file,
+        )
+    finally:
+        monitor.stop()
+    return 0

@@ -1,0 +1,252 @@
+"""Configuration: defaults, then a YAML file, then `KVWATCH_*` environment
+variables, then command-line flags; the later wins. Every problem is collected
+and reported at once, so a bad config is fixed in one round trip."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+
+
+class SettingsError(Exception):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class Settings:
+    # The engine's /metrics. A bare http://host:port gets /metrics appended.
+    target: str = "http://127.0.0.1:8000/metrics"
+    # Loopback by default: exposing the sidecar is a decision, not an accident.
+    # The container image sets 0.0.0.0 explicitly.
+    host: str = "127.0.0.1"
+    port: int = 9400
+    # One poll per interval whatever scrapes kvwatch; 5 s matches vLLM's own
+    # example scrape interval and costs well under 1 % of a core.
+    poll_interval: float = 5.0
+    # Fetch deadline; defaults to 80 % of the interval so polls never overlap.
+    timeout: float | None = None
+    # Signals are computed over this span; 5 m matches rate(...[5m]) in the rules.
+    window: float = 300.0
+    # A real vLLM page is 50-300 KB; 16 MiB is far above any sane page and
+    # bounds memory against a runaway or hostile target.
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Most (model, engine) pairs kept per poll; the rest are dropped and counted.
+    max_series: int = 1000
+    bearer_token_file: str | None = None
+    ca_bundle: str | None = None
+    tls_verify: bool = True
+    log_level: str = "info"
+    # Optional second source for the slow-first-token diagnosis: a gateway's or
+    # application's /metrics and the histogram there that measures time spent
+    # before the engine (e.g. retrieval).
+    upstream_target: str | None = None
+    upstream_histogram: str | None = None
+    # Protect kvwatch's own endpoints (/healthz and /readyz stay open for probes).
+    auth_token_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    # Diagnosis thresholds (see kvwatch/diagnose.py for every key and default).
+    diagnosis: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fetch_timeout(self) -> float:
+        return self.timeout if self.timeout is not None else max(0.2, 0.8 * self.poll_interval)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise ValueError(f"{value!r} is not a duration (examples: 5, 5s, 500ms, 2m)")
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds <= 0:
+        raise ValueError(f"{value!r} must be positive")
+    return seconds
+
+
+def parse_size(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        match = _SIZE.match(str(value))
+        if not match:
+            raise ValueError(f"{value!r} is not a size (examples: 1048576, 16MiB, 10MB)")
+        unit = (match.group(2) or "B").upper().rstrip("B") or "B"
+        binary = "I" in unit
+        power = "BKMGT".index(unit[0]) if unit != "B" else 0
+        size = int(float(match.group(1)) * ((1024 if binary else 1000) ** power))
+    if size <= 0:
+        raise ValueError(f"{value!r} must be positive")
+    return size
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean (true/false)")
+
+
+def _parse_port(value: Any) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{value!r} is not a port (0-65535)")
+    return port
+
+
+def normalize_target(value: Any) -> str:
+    text = str(value).strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{text!r} is not an http(s) URL")
+    path = parts.path if parts.path not in ("", "/") else "/metrics"
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value in (None, "") else str(value)
+
+
+def _existing_file(value: Any) -> str | None:
+    if value in (None, ""):
+        return None
+    if not Path(str(value)).is_file():
+        raise ValueError(f"file {value!r} does not exist")
+    return str(value)
+
+
+def _log_level(value: Any) -> str:
+    text = str(value).lower()
+    if text not in ("debug", "info", "warning", "error", "critical"):
+        raise ValueError(f"{value!r} is not a log level (debug, info, warning, error, critical)")
+    return text
+
+
+def _mapping(value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError("must be a mapping")
+    return dict(value)
+
+
+def _positive_int(value: Any) -> int:
+    number = int(value)
+    if number <= 0:
+        raise ValueError(f"{value!r} must be a positive integer")
+    return number
+
+
+PARSERS = {
+    "target": normalize_target,
+    "host": str,
+    "port": _parse_port,
+    "poll_interval": parse_duration,
+    "timeout": parse_duration,
+    "window": parse_duration,
+    "max_body_bytes": parse_size,
+    "max_series": _positive_int,
+    "bearer_token_file": _existing_file,
+    "ca_bundle": _existing_file,
+    "tls_verify": _parse_bool,
+    "log_level": _log_level,
+    "upstream_target": lambda v: None if v in (None, "") else normalize_target(v),
+    "upstream_histogram": _optional_str,
+    "auth_token_file": _existing_file,
+    "tls_cert_file": _existing_file,
+    "tls_key_file": _existing_file,
+    "diagnosis": _mapping,
+}
+assert set(PARSERS) == {f.name for f in fields(Settings)}
+
+ENV_PREFIX = "KVWATCH_"
+
+
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def load_settings(
+    config_file: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Settings:
+    """Build Settings from file, environment and flag overrides (None values in
+    overrides mean "not given"). Raises SettingsError listing every problem."""
+    environ = os.environ if environ is None else environ
+    problems: list[str] = []
+    raw: dict[str, tuple[Any, str]] = {}
+
+    config_file = config_file or environ.get(env_name("config"))
+    if config_file:
+        try:
+            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+        except OSError as exc:
+            problems.append(f"config file {config_file}: {exc.strerror or exc}")
+            loaded = {}
+        except yaml.YAMLError as exc:
+            problems.append(f"config file {config_file}: not valid YAML: {exc}")
+            loaded = {}
+        if not isinstance(loaded, dict):
+            problems.append(f"config file {config_file}: must be a mapping of settings")
+            loaded = {}
+        for key, value in loaded.items():
+            normalized = str(key).replace("-", "_")
+            if normalized not in PARSERS:
+                problems.append(f"config file {config_file}: unknown setting {key!r} (known: {', '.join(sorted(PARSERS))})")
+                continue
+            raw[normalized] = (value, f"{config_file}: {key}")
+
+    for key in PARSERS:
+        name = env_name(key)
+        if key != "diagnosis" and name in environ:
+            raw[key] = (environ[name], name)
+
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            raw[key] = (value, f"--{key.replace('_', '-')}")
+
+    values: dict[str, Any] = {}
+    for key, (value, origin) in raw.items():
+        try:
+            values[key] = PARSERS[key](value)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{origin}: {exc}")
+
+    settings = Settings(**values)
+    if settings.timeout is not None and settings.timeout >= settings.poll_interval:
+        problems.append(
+            f"timeout ({settings.timeout:g}s) must be below poll_interval ({settings.poll_interval:g}s), or polls would overlap"
+        )
+    if settings.window < 2 * settings.poll_interval:
+        problems.append(f"window ({settings.window:g}s) must hold at least two polls ({settings.poll_interval:g}s each)")
+    if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
+        problems.append("tls_cert_file and tls_key_file must be given together")
+    if bool(settings.upstream_target) != bool(settings.upstream_histogram):
+        problems.append("upstream_target and upstream_histogram must be given together")
+    if settings.diagnosis:
+        from kvwatch.diagnose import validate_thresholds
+
+        problems.extend(f"diagnosis: {p}" for p in validate_thresholds(settings.diagnosis))
+    if problems:
+        raise SettingsError(problems)
+    return settings

@@ -1,0 +1,145 @@
+"""The canonical snapshot: what one poll of an engine's /metrics says, in
+kvwatch's own vocabulary, whatever the engine's version spelled.
+
+Canonical keys (the adapter's alias table maps every vLLM spelling to these):
+
+gauges      kv_usage, running, waiting, waiting_by_reason/<reason>,
+            v0_prefix_hit_rate
+counters    prefix_queries, prefix_hits, external_prefix_queries,
+            external_prefix_hits, preemptions, prompt_tokens,
+            generation_tokens, prompt_tokens_cached,
+            prompt_tokens_by_source/<source>, finished/<finished_reason>
+histograms  ttft, queue_time, prefill_time, decode_time, inference_time,
+            e2e_latency, inter_token_latency, tpot, prompt_len,
+            generation_len, kv_block_lifetime, kv_block_idle_before_evict,
+            kv_block_reuse_gap
+
+A labelled family is flattened into `<key>/<label value>` so that deltas and
+windows work on flat dicts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """A cumulative histogram as scraped: upper bounds (the last is +Inf) and
+    cumulative counts, plus sum and count. Bounds are the scraped ones, never
+    assumed, because vLLM 0.32+ lets users change them."""
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[float, ...]
+    sum: float
+    count: float
+
+    def minus(self, earlier: "Histogram") -> "Histogram | None":
+        """This histogram's increase since `earlier`, or None when the two are
+        not comparable (bounds changed) or a reset happened (anything fell)."""
+        if earlier.bounds != self.bounds or self.count < earlier.count:
+            return None
+        cumulative = tuple(a - b for a, b in zip(self.cumulative, earlier.cumulative))
+        if any(c < 0 for c in cumulative):
+            return None
+        return Histogram(self.bounds, cumulative, self.sum - earlier.sum, self.count - earlier.count)
+
+    def plus(self, other: "Histogram") -> "Histogram | None":
+        if other.bounds != self.bounds:
+            return None
+        return Histogram(
+            self.bounds,
+            tuple(a + b for a, b in zip(self.cumulative, other.cumulative)),
+            self.sum + other.sum,
+            self.count + other.count,
+        )
+
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+    def quantile(self, q: float) -> "Quantile | None":
+        """Prometheus' histogram_quantile on these buckets (linear interpolation
+        inside the bucket; the first bucket's lower edge is 0), and whether the
+        answer is pinned at the first or last finite bound, where it only says
+        "at most" or "at least"."""
+        total = self.cumulative[-1] if self.cumulative else 0.0
+        if total <= 0 or not self.bounds:
+            return None
+        rank = q * total
+        for index, (bound, cumulative) in enumerate(zip(self.bounds, self.cumulative)):
+            if cumulative >= rank:
+                break
+        if math.isinf(bound):
+            # In the +Inf bucket: Prometheus answers the last finite bound.
+            finite = self.bounds[-2] if len(self.bounds) > 1 else 0.0
+            return Quantile(finite, "last")
+        lower = self.bounds[index - 1] if index > 0 else 0.0
+        below = self.cumulative[index - 1] if index > 0 else 0.0
+        in_bucket = cumulative - below
+        value = bound if in_bucket <= 0 else lower + (bound - lower) * (rank - below) / in_bucket
+        return Quantile(value, "first" if index == 0 else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Quantile:
+    value: float
+    pinned: str | None  # "first" (answer is an upper bound) / "last" (a lower bound) / None
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """One (model_name, engine) of one poll."""
+
+    model: str
+    engine: str
+    gauges: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+    # Creation time of the engine's counters (`_created`): a change means the
+    # engine restarted even if its counters already climbed past the old values.
+    created: float | None = None
+
+
+@dataclass(slots=True)
+class Snapshot:
+    time: float
+    engines: dict[tuple[str, str], EngineSnapshot]
+    # engine -> cache_config_info labels, read as an open map (the label set
+    # changes with every vLLM release).
+    cache_config: dict[str, dict[str, str]] = field(default_factory=dict)
+    # lora_requests_info labels of the most recent series, or None without LoRA.
+    lora: dict[str, str] | None = None
+    # canonical key -> the vLLM family that supplied it (tells versions apart).
+    sources: dict[str, str] = field(default_factory=dict)
+    parse_errors: list = field(default_factory=list)
+
+    def capacity_tokens(self, engine: str) -> float | None:
+        return capacity_tokens(self.cache_config.get(engine, {}))
+
+
+def capacity_tokens(cache_config: dict[str, str]) -> float | None:
+    """KV capacity in tokens: `kv_cache_size_tokens` where vLLM states it
+    (group-aware, since 0.24), else num_gpu_blocks x block_size."""
+    stated = _number(cache_config.get("kv_cache_size_tokens"))
+    if stated:
+        return stated
+    blocks = _number(cache_config.get("num_gpu_blocks"))
+    block_size = _number(cache_config.get("block_size"))
+    if blocks and block_size:
+        return blocks * block_size
+    return None
+
+
+def _number(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:  # "None", "auto", ...
+        return None
+    return value if math.isfinite(value) else None
+
+
+def config_number(cache_config: dict[str, str], key: str) -> float | None:
+    return _number(cache_config.get(key))
