@@ -298,9 +298,14 @@ def _live_report(args, config, kv_dtype, budget, inputs, outputs) -> dict[str, A
             block_size)
         if config is not None:
             dtype = kv_dtype
-            if dtype == "auto" and info["cache_dtype"] and info["cache_dtype"] != "auto":
-                if info["cache_dtype"].lower() in cap.DTYPE_BYTES:
-                    dtype = info["cache_dtype"].lower()
+            reported_dtype = (info["cache_dtype"] or "auto").lower()
+            if dtype == "auto" and reported_dtype != "auto":
+                if reported_dtype in cap.DTYPE_BYTES:
+                    dtype = reported_dtype
+                else:
+                    notes.append(f"engine {info['engine']} reports cache_dtype {reported_dtype}, "
+                                 "which kvwatch does not size; computed with the model's "
+                                 "torch_dtype instead (pass --kv-dtype to choose)")
             if budget is not None:
                 engine_budget, budget_source = budget, "--kv-budget"
             elif info["kv_cache_memory_bytes"]:
