@@ -639,17 +639,18 @@ class LoadRun:
 def shared_prefix_load(base_url: str, duration_s: float = 10.0, concurrency: int = 8,
                        prefix_tokens: int = 512, suffix_tokens: int = 64,
                        output_tokens: int = 32, max_requests: int = 1000,
-                       request_timeout_s: float = 60.0, seed: int = 0) -> LoadRun:
+                       request_timeout_s: float = 60.0, seed: int | None = None) -> LoadRun:
     """Requests sharing one prefix_tokens-long prefix, each with its own suffix.
 
     The first request runs alone so the prefix is cached before the others
     arrive: every later request then hits prefix_tokens tokens (whole blocks only,
-    so keep prefix_tokens a multiple of the block size).
+    so keep prefix_tokens a multiple of the block size). Without a seed each call
+    draws a new prefix, so an earlier load cannot have cached it already.
     """
     rng = random.Random(seed)
     words = prompt_words()
     prefix = prompt_text(prefix_tokens, rng, words)
-    suffixes = random.Random(seed + 1)
+    suffixes = random.Random(rng.random())
     suffix_lock = threading.Lock()
 
     def make_prompt(_index: int) -> str:

@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-vllm bench generate system-deps clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# Prometheus, Alertmanager (promtool) and Chromium for the end-to-end tests.
+system-deps:
+	scripts/install-system-deps.sh
+
+run: $(STAMP)
+	scripts/run-demo.sh
+
+test: $(STAMP) system-deps
+	$(VENV)/bin/pytest -q
+
+test-vllm: $(STAMP) system-deps
+	scripts/test-vllm.sh
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+generate: $(STAMP)
+	$(VENV)/bin/kvwatch generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

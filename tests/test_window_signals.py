@@ -1,0 +1,157 @@
+"""Derived signals from pairs and sequences of snapshots, resets included,
+checked against values computed by hand from the captures' counter deltas."""
+
+import pytest
+
+from kvwatch.engines.vllm import VllmAdapter
+from kvwatch.signals import evaluate_window
+from kvwatch.snapshot import Histogram
+from kvwatch.window import Window
+
+KEY = ("tiny-llama", "0")
+
+
+def window_of(fixtures_dir, names, spacing=10.0, seconds=3600):
+    adapter = VllmAdapter()
+    window = Window(seconds)
+    for i, name in enumerate(names):
+        window.add(adapter.adapt((fixtures_dir / "vllm-0.32-cpu" / f"metrics-{name}.txt").read_text(), at=1000 + i * spacing))
+    return window
+
+
+def values(window, engine=True):
+    per_engine, per_model = evaluate_window(window)
+    return (per_engine if engine else per_model)[0].values
+
+
+def test_burst_to_long_load_pair_matches_hand_computed_deltas(fixtures_dir):
+    v = values(window_of(fixtures_dir, ["load", "long-load"], spacing=10.0))
+    # preemptions 0 -> 12 over 10 s
+    assert v["kvwatch_preemptions_per_second"] == pytest.approx(1.2)
+    # prefix hits 3584 -> 3584, queries 7424 -> 17424: no hit in the window
+    assert v["kvwatch_prefix_cache_hit_ratio"] == 0.0
+    # TTFT count 16 -> 36, sum 0.45321393 -> 30.49546957
+    assert v["kvwatch_time_to_first_token_mean_seconds"] == pytest.approx((30.495469570159912 - 0.4532139301300049) / 20)
+    # bucket deltas: le=1.0 -> 4, le=2.5 -> 16, le=5.0 -> 20 of 20
+    # p50: rank 10 in (1.0, 2.5]: 1.0 + 1.5 * (10 - 4) / 12 = 1.75
+    # p95: rank 19 in (2.5, 5.0]: 2.5 + 2.5 * (19 - 16) / 4 = 4.375
+    assert v["kvwatch_time_to_first_token_seconds"]["0.5"] == pytest.approx(1.75)
+    assert v["kvwatch_time_to_first_token_seconds"]["0.95"] == pytest.approx(4.375)
+    assert v["kvwatch_kv_cache_usage_ratio"] == pytest.approx(0.9685039370078741)
+    assert v["kvwatch_kv_cache_usage_max_ratio"] == pytest.approx(0.9921259842519685)
+    assert v["kvwatch_kv_cache_free_tokens"] == pytest.approx(4096 * (1 - 0.9685039370078741))
+    # prompt tokens 7424 -> 17424, generation 1856 -> 9976 over 10 s
+    assert v["kvwatch_prompt_tokens_per_second"] == pytest.approx(1000.0)
+    assert v["kvwatch_generation_tokens_per_second"] == pytest.approx(812.0)
+    assert v["kvwatch_requests_finished_per_second"]["length"] == pytest.approx(2.4)
+
+
+def test_prefix_load_window_hit_ratio_is_windowed_not_lifetime(fixtures_dir):
+    v = values(window_of(fixtures_dir, ["idle", "prefix-load"]))
+    assert v["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(2048 / 2640)
+    # Over the whole run the lifetime ratio would be 3584/19224; the window
+    # holding only load -> after says something else again.
+    v = values(window_of(fixtures_dir, ["long-load", "after"]))
+    assert v["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(0.0)
+
+
+def test_window_drops_old_snapshots_and_keeps_one_at_the_horizon(fixtures_dir):
+    window = window_of(fixtures_dir, ["idle", "prefix-load", "load", "long-load", "after"], spacing=10, seconds=15)
+    # The horizon is 1025: 1020 stays as the start of the step that crosses it,
+    # so the window covers at least its length; 1000 and 1010 are gone.
+    assert [round(e.snapshot.time) for e in window.entries] == [1020, 1030, 1040]
+    v = values(window)
+    assert v["kvwatch_kv_cache_usage_max_ratio"] == pytest.approx(0.9921259842519685)
+    assert v["kvwatch_preemptions_per_second"] == pytest.approx(13 / 20)
+
+
+def page(prompt_tokens, hits, queries, preemptions, created=1.0, ttft_counts=(0, 0), ttft_sum=0.0):
+    return (
+        f'vllm:prompt_tokens_total{{engine="0",model_name="m"}} {prompt_tokens}\n'
+        f'vllm:prompt_tokens_created{{engine="0",model_name="m"}} {created}\n'
+        f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {hits}\n'
+        f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {queries}\n'
+        f'vllm:num_preemptions_total{{engine="0",model_name="m"}} {preemptions}\n'
+        f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="1.0",model_name="m"}} {ttft_counts[0]}\n'
+        f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {ttft_counts[1]}\n'
+        f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="m"}} {ttft_counts[1]}\n'
+        f'vllm:time_to_first_token_seconds_sum{{engine="0",model_name="m"}} {ttft_sum}\n'
+        f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.5\n'
+    )
+
+
+def run(pages, seconds=3600, spacing=5.0):
+    adapter = VllmAdapter()
+    window = Window(seconds)
+    for i, text in enumerate(pages):
+        window.add(adapter.adapt(text, at=i * spacing))
+    return window, values(window)
+
+
+def test_counter_reset_counts_the_new_value_from_zero_never_negative():
+    window, v = run([
+        page(1000, 400, 800, 10, ttft_counts=(5, 10), ttft_sum=20),
+        page(1100, 450, 900, 12, ttft_counts=(6, 12), ttft_sum=22),
+        # restart: everything fell
+        page(30, 10, 20, 1, ttft_counts=(1, 1), ttft_sum=0.5),
+        page(130, 60, 120, 2, ttft_counts=(2, 3), ttft_sum=1.5),
+    ])
+    # increases: 100 + 30 + 100 prompt tokens over 15 s
+    assert v["kvwatch_prompt_tokens_per_second"] == pytest.approx(230 / 15)
+    # hits 50 + 10 + 50, queries 100 + 20 + 100
+    assert v["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(110 / 220)
+    assert v["kvwatch_preemptions_per_second"] == pytest.approx((2 + 1 + 1) / 15)
+    # TTFT: 2 + 1 + 2 observations, sum 2 + 0.5 + 1
+    assert v["kvwatch_time_to_first_token_mean_seconds"] == pytest.approx(3.5 / 5)
+    assert [e.steps.get(("m", "0")).restarted for e in list(window.entries)[1:]] == [False, True, False]
+
+
+def test_restart_detected_from_created_even_when_counters_climbed_past():
+    window, v = run([page(100, 0, 100, 0, created=1.0), page(500, 0, 500, 0, created=2.0)])
+    # Prometheus semantics after a restart: the increase is the new value.
+    assert v["kvwatch_prompt_tokens_per_second"] == pytest.approx(500 / 5)
+    assert window.entries[-1].steps[("m", "0")].restarted
+
+
+def test_no_traffic_gives_no_ratio_rather_than_zero():
+    _, v = run([page(100, 50, 100, 0), page(100, 50, 100, 0)])
+    assert v["kvwatch_prefix_cache_hit_ratio"] is None
+    assert v["kvwatch_preemptions_per_second"] == 0.0
+    assert v["kvwatch_time_to_first_token_seconds"] is None
+
+
+def test_quantile_pinned_in_last_bucket_is_flagged():
+    _, v = run([page(0, 0, 0, 0, ttft_counts=(0, 0)), page(0, 0, 0, 0, ttft_counts=(0, 4), ttft_sum=40)])
+    per_engine, _ = evaluate_window(run([page(0, 0, 0, 0, ttft_counts=(0, 0)), page(0, 0, 0, 0, ttft_counts=(0, 4), ttft_sum=40)])[0])
+    assert v["kvwatch_time_to_first_token_seconds"]["0.95"] == 1.0
+    assert any("at least 1" in note for note in per_engine[0].notes)
+
+
+def test_per_model_aggregates_sum_counters_and_take_max_usage():
+    def two(prompt0, prompt1, usage0, usage1):
+        return (
+            f'vllm:prompt_tokens_total{{engine="0",model_name="m"}} {prompt0}\n'
+            f'vllm:prompt_tokens_total{{engine="1",model_name="m"}} {prompt1}\n'
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {usage0}\n'
+            f'vllm:kv_cache_usage_perc{{engine="1",model_name="m"}} {usage1}\n'
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} 2\n'
+            f'vllm:num_requests_running{{engine="1",model_name="m"}} 3\n'
+        )
+    adapter = VllmAdapter()
+    window = Window(600)
+    window.add(adapter.adapt(two(0, 0, 0.1, 0.2), at=0))
+    window.add(adapter.adapt(two(100, 300, 0.4, 0.9), at=10))
+    per_engine, per_model = evaluate_window(window)
+    assert [row.engine for row in per_engine] == ["0", "1"]
+    (model,) = per_model
+    assert model.values["kvwatch_prompt_tokens_per_second"] == pytest.approx(40.0)
+    assert model.values["kvwatch_kv_cache_usage_ratio"] == 0.9
+    assert model.values["kvwatch_requests_running"] == 5
+
+
+def test_histogram_quantile_matches_prometheus_interpolation():
+    h = Histogram((0.1, 0.5, 1.0, float("inf")), (2.0, 6.0, 10.0, 10.0), 4.0, 10.0)
+    # rank 5 in (0.1, 0.5] holding 4: 0.1 + 0.4 * (5 - 2) / 4 = 0.4
+    assert h.quantile(0.5).value == pytest.approx(0.4)
+    assert h.quantile(0.1).pinned == "first"
+    assert h.quantile(0.99).pinned is None
