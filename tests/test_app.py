@@ -1,0 +1,120 @@
+"""kvwatch's own endpoints over a monitor polling a loopback replay of real
+captures, and the failure modes of the core issue: each leaves kvwatch
+serving with kvwatch_up 0 and the reason counted; the next good poll recovers."""
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwatch.app import create_app
+from kvwatch.monitor import Monitor
+from kvwatch.settings import load_settings
+from pageserver import Answer, PageServer
+
+
+def metric_values(text):
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def value(text, name, **labels):
+    return metric_values(text).get((name, tuple(sorted(labels.items()))))
+
+
+@pytest.fixture
+def capture(fixtures_dir):
+    return lambda name: (fixtures_dir / "vllm-0.32-cpu" / f"metrics-{name}.txt").read_text()
+
+
+def make(server, **overrides):
+    settings = load_settings(overrides={"target": server.url, "poll_interval": "1s", "timeout": "0.5s", **overrides}, environ={})
+    monitor = Monitor(settings)
+    return monitor, TestClient(create_app(monitor, settings))
+
+
+def test_replayed_captures_are_exported_with_signals(capture):
+    with PageServer([Answer(capture("load")), Answer(capture("long-load"))]) as server:
+        monitor, client = make(server)
+        assert client.get("/readyz").status_code == 503  # no poll yet
+        monitor.poll_once()
+        monitor.poll_once()
+        body = client.get("/metrics").text
+        assert value(body, "kvwatch_up") == 1.0
+        engine = {"model_name": "tiny-llama", "engine": "0"}
+        assert value(body, "kvwatch_engine_kv_cache_usage_ratio", **engine) == pytest.approx(0.9685039370078741)
+        assert value(body, "kvwatch_engine_preemptions_total", **engine) == 12
+        assert value(body, "kvwatch_engine_kv_cache_capacity_tokens", **engine) == 4096
+        assert value(body, "kvwatch_engine_time_to_first_token_seconds_bucket", le="2.5", **engine) == 32
+        assert value(body, "kvwatch_kv_cache_usage_max_ratio", **engine) == pytest.approx(0.9921259842519685)
+        assert value(body, "kvwatch_prefix_cache_hit_ratio", **engine) == 0.0
+        assert value(body, "kvwatch_model_requests_waiting", model_name="tiny-llama") == 2
+        assert value(body, "kvwatch_requests_waiting_by_reason", reason="capacity", **engine) == 2
+        assert client.get("/readyz").status_code == 200
+        assert client.get("/healthz").status_code == 200
+        signals = client.get("/api/v1/signals").json()
+        assert signals["up"] is True
+        assert signals["engines"][0]["signals"]["kvwatch_preemptions_per_second"] > 0
+        assert signals["models"][0]["model_name"] == "tiny-llama"
+        assert "kvwatch" in client.get("/").text
+        assert client.get("/api/v1/diagnosis").json()["up"] is True
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (Answer("this is not a metrics page\x00\x01 {{{\n"), "no_engine_metrics"),
+        (Answer(""), "no_engine_metrics"),
+        (Answer('vllm:num_requests_running{engine="0",model_name="tiny-ll'), "truncated"),
+        (Answer("oops\n", status=500), "http_5xx"),
+        (Answer("late\n", delay=1.5), "timeout"),
+    ],
+    ids=["garbage", "empty", "truncated", "500", "timeout"],
+)
+def test_bad_poll_leaves_kvwatch_serving_and_the_next_good_poll_recovers(capture, bad, reason):
+    with PageServer([Answer(capture("idle")), bad, Answer(capture("prefix-load"))]) as server:
+        monitor, client = make(server)
+        monitor.poll_once()
+        state = monitor.poll_once()
+        assert state.up is False and state.reason == reason
+        body = client.get("/metrics").text
+        assert value(body, "kvwatch_up") == 0.0
+        assert value(body, "kvwatch_poll_errors_total", reason=reason) == 1
+        # Engine series are absent while down: values from the past would look current.
+        assert value(body, "kvwatch_engine_kv_cache_usage_ratio", model_name="tiny-llama", engine="0") is None
+        assert client.get("/readyz").status_code == 503
+        state = monitor.poll_once()
+        assert state.up is True
+        body = client.get("/metrics").text
+        assert value(body, "kvwatch_up") == 1.0
+        # The good poll after the bad one is not lost: the window spans idle -> prefix-load.
+        assert value(body, "kvwatch_prefix_cache_hit_ratio", model_name="tiny-llama", engine="0") == pytest.approx(2048 / 2640)
+
+
+def test_refused_connection_is_reported_and_recovers(capture):
+    with PageServer([Answer(capture("idle"))]) as server:
+        url = server.url
+    # the server is gone: the port refuses
+    settings = load_settings(overrides={"target": url, "poll_interval": "1s"}, environ={})
+    monitor = Monitor(settings)
+    client = TestClient(create_app(monitor, settings))
+    assert monitor.poll_once().reason == "refused"
+    assert value(client.get("/metrics").text, "kvwatch_poll_errors_total", reason="refused") == 1
+    assert "refused" in client.get("/readyz").text
+
+
+def test_background_loop_polls_without_scrapes(capture):
+    import time
+
+    with PageServer([Answer(capture("idle"))]) as server:
+        monitor, client = make(server, poll_interval="0.2s", timeout="0.1s")
+        monitor.start()
+        try:
+            deadline = time.time() + 5
+            while monitor.state.polls < 3 and time.time() < deadline:
+                time.sleep(0.05)
+        finally:
+            monitor.stop()
+        assert monitor.state.polls >= 3 and monitor.state.up

@@ -1,0 +1,55 @@
+import pytest
+
+from kvwatch.cli import main
+from kvwatch.settings import SettingsError, load_settings
+
+
+def test_defaults_env_file_and_flags_layer_in_that_order(tmp_path):
+    config = tmp_path / "kvwatch.yaml"
+    config.write_text("target: http://engine:8000\nport: 9500\npoll_interval: 2s\nwindow: 1m\n")
+    env = {"KVWATCH_PORT": "9600", "KVWATCH_LOG_LEVEL": "debug"}
+    settings = load_settings(str(config), {"poll_interval": "1500ms"}, environ=env)
+    assert settings.target == "http://engine:8000/metrics"  # bare host:port gets /metrics
+    assert settings.port == 9600  # env over file
+    assert settings.poll_interval == 1.5  # flag over file
+    assert settings.window == 60 and settings.log_level == "debug"
+    assert settings.host == "127.0.0.1"  # loopback unless told otherwise
+    assert settings.fetch_timeout == pytest.approx(1.2)  # below the interval
+
+
+def test_config_file_from_environment(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("port: 9700\n")
+    assert load_settings(environ={"KVWATCH_CONFIG": str(config)}).port == 9700
+
+
+def test_every_error_is_reported_at_once(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("target: ftp://nowhere\nport: 99999\npoll_interval: soon\nunknown_key: 1\nmax_body_bytes: 12XB\n")
+    with pytest.raises(SettingsError) as raised:
+        load_settings(str(config), {"bearer_token_file": "/does/not/exist"}, environ={"KVWATCH_TLS_VERIFY": "maybe"})
+    text = str(raised.value)
+    for fragment in ("ftp://nowhere", "99999", "soon", "unknown_key", "12XB", "/does/not/exist", "maybe"):
+        assert fragment in text
+    assert len(raised.value.problems) == 7
+
+
+def test_timeout_must_stay_below_interval_and_window_hold_two_polls():
+    with pytest.raises(SettingsError) as raised:
+        load_settings(overrides={"poll_interval": "5s", "timeout": "6s", "window": "8s"}, environ={})
+    assert len(raised.value.problems) == 2
+
+
+def test_unreadable_yaml_is_an_error_not_a_crash(tmp_path):
+    config = tmp_path / "broken.yaml"
+    config.write_text("target: [unclosed\n")
+    with pytest.raises(SettingsError, match="not valid YAML"):
+        load_settings(str(config), environ={})
+
+
+def test_serve_with_bad_config_exits_non_zero_and_names_every_problem(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("port: -1\nwindow: never\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "port" in err and "never" in err
