@@ -386,6 +386,13 @@ def test_config_without_needed_fields(config, fragment):
         cap.kv_structure(config, "fp16")
 
 
+def test_auto_dtype_reads_transformers_v5_dtype_key():
+    # transformers 5 writes "dtype" where 4.x wrote "torch_dtype" (the real tiny model does)
+    config = {k: v for k, v in TINY_LLAMA.items() if k != "torch_dtype"}
+    assert cap.kv_structure({**config, "dtype": "float32"}).bytes_per_token == 1024
+    assert cap.kv_structure({**config, "dtype": "bfloat16"}).bytes_per_token == 512
+
+
 def test_auto_dtype_needs_torch_dtype():
     config = {k: v for k, v in TINY_LLAMA.items() if k != "torch_dtype"}
     with pytest.raises(CapacityInputError, match="--kv-dtype"):
