@@ -274,6 +274,9 @@ def _live_report(args, config, kv_dtype, budget, inputs, outputs) -> dict[str, A
     engines = []
     result_dict = None
     notes = []
+    if budget is not None and config is None:
+        notes.append("--kv-budget is not used without --model-config: the bytes per token "
+                     "needed to turn it into blocks come from the config")
     for info in live["engines"]:
         entry: dict[str, Any] = {"reported": info}
         if info["capacity_tokens"] is None or not info["block_size"]:
