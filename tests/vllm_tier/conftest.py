@@ -7,6 +7,8 @@ as it happens. A failure there is not a skip: every test using `real_vllm`
 errors with the message.
 """
 
+import contextlib
+
 import pytest
 
 from .harness import (
@@ -23,12 +25,15 @@ _failure = pytest.StashKey[str]()
 
 def _reporter(config: pytest.Config):
     terminal = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
 
     def report(message: str) -> None:
-        if terminal is not None:
-            terminal.write_line(f"[vllm-tier] {message}")
-        else:
-            print(f"[vllm-tier] {message}", flush=True)
+        # Shown as it happens, not swallowed by the output capture of a test's setup.
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            if terminal is not None:
+                terminal.write_line(f"[vllm-tier] {message}")
+            else:
+                print(f"[vllm-tier] {message}", flush=True)
 
     return report
 
