@@ -1,0 +1,142 @@
+"""Real Prometheus and Alertmanager (Debian packages) on loopback for
+end-to-end tests: started in temp dirs on free ports, stopped and removed
+after. Use `prometheus(...)` and `alertmanager(...)` as context managers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import requests
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _binary(*names: str) -> str:
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise RuntimeError(f"none of {names} is installed (make test installs them: scripts/install-system-deps.sh)")
+
+
+def wait_until(check, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as exc:  # not up yet
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
+
+
+class Running:
+    def __init__(self, url: str, process: subprocess.Popen, workdir: Path):
+        self.url = url
+        self.process = process
+        self.workdir = workdir
+
+    def log(self) -> str:
+        path = self.workdir / "log.txt"
+        return path.read_text()[-4000:] if path.exists() else ""
+
+
+@contextlib.contextmanager
+def _process(args: list[str], workdir: Path, ready_url: str, name: str) -> Iterator[subprocess.Popen]:
+    log = open(workdir / "log.txt", "w")
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True)
+    try:
+        def ready():
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited: {(workdir / 'log.txt').read_text()[-2000:]}")
+            return requests.get(ready_url, timeout=1).status_code == 200
+        wait_until(ready, 30, f"{name} at {ready_url}")
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+        log.close()
+
+
+@contextlib.contextmanager
+def prometheus(targets: list[str], rule_files: list[Path] = (), interval: str = "1s",
+               alertmanager_url: str | None = None, metrics_path: str = "/metrics") -> Iterator[Running]:
+    """targets: host:port strings scraped every `interval`."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-prom-"))
+    try:
+        rules = []
+        for i, path in enumerate(rule_files):
+            copy = workdir / f"rules-{i}.yaml"
+            shutil.copy(path, copy)
+            rules.append(str(copy))
+        config = {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "rule_files": rules,
+            "scrape_configs": [{"job_name": "kvwatch", "metrics_path": metrics_path,
+                                "static_configs": [{"targets": targets}]}],
+        }
+        if alertmanager_url:
+            config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager_url.split("//")[1]]}]}]}
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = [
+            _binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+            "--storage.tsdb.retention.time=1h",
+        ]
+        with _process(args, workdir, f"{url}/-/ready", "prometheus") as process:
+            yield Running(url, process, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def alertmanager(webhook_url: str) -> Iterator[Running]:
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-am-"))
+    try:
+        config = {
+            "route": {"receiver": "test", "group_by": ["alertname", "cause"], "group_wait": "1s",
+                      "group_interval": "1s", "repeat_interval": "1h"},
+            "receivers": [{"name": "test", "webhook_configs": [{"url": webhook_url, "send_resolved": True}]}],
+        }
+        (workdir / "alertmanager.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = [
+            _binary("prometheus-alertmanager", "alertmanager"), f"--config.file={workdir / 'alertmanager.yml'}",
+            f"--storage.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ]
+        with _process(args, workdir, f"{url}/-/ready", "alertmanager") as process:
+            yield Running(url, process, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def query(prometheus_url: str, expr: str) -> list[dict]:
+    response = requests.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=5)
+    body = response.json()
+    if body.get("status") != "success":
+        raise AssertionError(f"query {expr!r} failed: {json.dumps(body)[:500]}")
+    return body["data"]["result"]
