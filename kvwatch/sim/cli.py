@@ -1,0 +1,117 @@
+"""`kvwatch sim`: serve a simulated vLLM 0.32 engine on loopback, list the shipped
+scenarios, or run a scenario offline (no wall time) and print how its signals
+move (`--report SECONDS`)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+
+from kvwatch.sim.scenario import ScenarioError, list_scenarios, load_scenario
+from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", default="demo",
+                        help="shipped scenario name or path to a YAML file (default: demo)")
+    parser.add_argument("--list-scenarios", action="store_true", help="list the shipped scenarios and exit")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to serve on; 0 picks a free one (default: 8000)")
+    parser.add_argument("--speed", type=float, default=1.0,
+                        help="simulated seconds per wall second (default: 1.0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload's random draws (default: 0)")
+    parser.add_argument("--engines", type=int, default=None,
+                        help="number of engines (data-parallel ranks, label engine=\"0\"..); default from the scenario")
+    parser.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
+                        help=f"served model name (default: {DEFAULT_MODEL_NAME})")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="stop after this many wall seconds (default: run until Ctrl-C)")
+    parser.add_argument("--report", type=float, default=None, metavar="SECONDS",
+                        help="do not serve: simulate SECONDS offline and print the signals every --interval")
+    parser.add_argument("--interval", type=float, default=15.0, help="report interval, simulated seconds (default: 15)")
+
+
+def _report(sim: Simulation, seconds: float, interval: float) -> None:
+    """A table of windowed signals straight from the engine counters."""
+    print(f"{'t':>7} {'phase':<18} {'usage':>6} {'peak':>5} {'run':>4} {'wait':>5} {'hit%':>6} {'preempt':>7} "
+          f"{'ttft':>7} {'queue':>7} {'prefill':>7} {'retrieval':>9} {'done':>5}")
+    previous = sim.summary()
+    step = min(interval, 1.0)
+    while sim.now < seconds - 1e-9:
+        window_end = min(seconds, sim.now + interval)
+        peak_usage = 0.0
+        usage_samples = []
+        while sim.now < window_end - 1e-9:
+            sim.advance_to(min(window_end, sim.now + step))
+            usage_samples.append(sim.summary()["kv_usage"])
+            peak_usage = max(peak_usage, usage_samples[-1])
+        mean_usage = sum(usage_samples) / len(usage_samples)
+        now = sim.summary()
+
+        def delta(key: str) -> float:
+            return now[key] - previous[key]
+
+        queries = delta("prefix_queries")
+        hit = f"{100 * delta('prefix_hits') / queries:5.1f}" if queries else "    -"
+        ttft = f"{delta('ttft_sum') / delta('ttft_count'):7.2f}" if delta("ttft_count") else "      -"
+        finished = delta("phase_count")
+        queue = f"{delta('queue_sum') / finished:7.2f}" if finished else "      -"
+        prefill = f"{delta('prefill_sum') / finished:7.2f}" if finished else "      -"
+        retrievals = delta("app_retrieval_count")
+        retrieval = f"{delta('app_retrieval_sum') / retrievals:9.2f}" if retrievals else "        -"
+        print(f"{now['time']:7.0f} {now['phase']:<18} {mean_usage:6.2f} {peak_usage:5.2f} {now['running']:4d} {now['waiting']:5d} "
+              f"{hit:>6} {int(delta('preemptions')):7d} {ttft} {queue} {prefill} {retrieval} {int(finished):5d}")
+        previous = now
+    print("(usage: mean of 1 s samples in the window, peak: their max; ttft/queue/prefill/retrieval: mean seconds of the window)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_scenarios:
+        for name, description in list_scenarios():
+            print(f"{name:<18} {description}")
+        return 0
+    try:
+        scenario = load_scenario(args.scenario)
+    except ScenarioError as exc:
+        print(f"kvwatch sim: {exc}", file=sys.stderr)
+        return 2
+    if args.speed < 0:
+        print("kvwatch sim: --speed must be >= 0", file=sys.stderr)
+        return 2
+    if args.engines is not None and args.engines < 1:
+        print("kvwatch sim: --engines must be >= 1", file=sys.stderr)
+        return 2
+    sim = Simulation(scenario, seed=args.seed, engines=args.engines, model_name=args.model_name)
+    if args.report is not None:
+        _report(sim, args.report, args.interval)
+        return 0
+
+    from kvwatch.sim.server import SimServer
+
+    try:
+        server = SimServer(sim, speed=args.speed, host=args.host, port=args.port)
+    except OSError as exc:
+        print(f"kvwatch sim: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server.start()
+    print(f"kvwatch sim: scenario {scenario.name!r}, {len(sim.engines)} engine(s), model {sim.model_name!r}, "
+          f"speed {args.speed:g}", flush=True)
+    print(f"kvwatch sim: serving {server.url}  (metrics {server.metrics_url}, app metrics {server.app_metrics_url})",
+          flush=True)
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    try:
+        while not stop.wait(0.2):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        print("kvwatch sim: stopped", flush=True)
+    return 0

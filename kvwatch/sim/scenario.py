@@ -1,0 +1,228 @@
+"""Scenario files: an engine configuration and a sequence of timed phases, each
+with a workload (and optionally changed runtime engine knobs). Shipped scenarios
+live in `kvwatch/scenarios/*.yaml`; any other path works too.
+
+A phase changes what it names; everything else carries over from the phase
+before it (the first phase starts from the top-level `workload`). Loading
+reports every problem in the file at once, each with its location.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvwatch.sim.engine import EngineConfig
+from kvwatch.sim.workload import WorkloadSpec, parse_workload
+
+TOP_KEYS = ("name", "description", "engines", "engine", "workload", "phases", "loop")
+PHASE_KEYS = ("name", "duration", "workload", "engine", "note")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class ScenarioError(ValueError):
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {problem}" for problem in problems)
+        super().__init__(f"invalid scenario {source}: {len(problems)} problem(s)\n{lines}")
+
+
+@dataclass
+class Phase:
+    name: str
+    duration: float
+    workload: WorkloadSpec
+    engine: EngineConfig
+    note: str = ""
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str
+    engine: EngineConfig
+    phases: list[Phase]
+    loop: bool = False
+    engines: int = 1
+    source: str = ""
+
+    @property
+    def cycle_seconds(self) -> float:
+        return sum(phase.duration for phase in self.phases)
+
+    def phase_at(self, t: float) -> tuple[int, Phase]:
+        """The phase running at simulated time t (the last one holds after the end
+        unless the scenario loops)."""
+        total = self.cycle_seconds
+        if self.loop and total > 0:
+            t = math.fmod(t, total)
+        for index, phase in enumerate(self.phases):
+            if t < phase.duration:
+                return index, phase
+            t -= phase.duration
+        return len(self.phases) - 1, self.phases[-1]
+
+
+def parse_duration(raw: Any) -> float | None:
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, (int, float)):
+        return float(raw) if math.isfinite(raw) else None
+    if isinstance(raw, str):
+        match = _DURATION.match(raw)
+        if match:
+            return float(match.group(1)) * _UNITS[match.group(2)]
+    return None
+
+
+def _merge(base: dict, change: dict) -> dict:
+    out = dict(base)
+    for key, value in change.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and "dist" not in value:
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_scenario(data: Any, source: str) -> Scenario:
+    problems: list[str] = []
+    if not isinstance(data, dict):
+        raise ScenarioError(source, [f"top level: expected a mapping, got {type(data).__name__}"])
+    for key in data:
+        if key not in TOP_KEYS:
+            problems.append(f"{key}: unknown top-level key (expected one of {', '.join(TOP_KEYS)})")
+    name = data.get("name", Path(source).stem)
+    if not isinstance(name, str) or not name:
+        problems.append(f"name: expected a non-empty string, got {name!r}")
+        name = Path(source).stem
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        problems.append("description: expected a string")
+        description = ""
+    engines = data.get("engines", 1)
+    if not isinstance(engines, int) or isinstance(engines, bool) or not 1 <= engines <= 64:
+        problems.append(f"engines: expected an integer from 1 to 64, got {engines!r}")
+        engines = 1
+    loop = data.get("loop", False)
+    if not isinstance(loop, bool):
+        problems.append(f"loop: expected true or false, got {loop!r}")
+        loop = False
+
+    known = EngineConfig.field_names()
+    raw_engine = data.get("engine") or {}
+    engine = EngineConfig()
+    if not isinstance(raw_engine, dict):
+        problems.append(f"engine: expected a mapping, got {raw_engine!r}")
+    else:
+        unknown = [key for key in raw_engine if key not in known]
+        for key in unknown:
+            problems.append(f"engine.{key}: unknown engine setting (expected one of {', '.join(sorted(known))})")
+        engine = replace(engine, **{k: v for k, v in raw_engine.items() if k in known})
+        problems.extend(engine.problems("engine"))
+
+    raw_phases = data.get("phases")
+    phases: list[Phase] = []
+    if not isinstance(raw_phases, list) or not raw_phases:
+        problems.append("phases: expected a non-empty list of phases")
+        raw_phases = []
+    workload_raw = data.get("workload") or {}
+    if not isinstance(workload_raw, dict):
+        problems.append(f"workload: expected a mapping, got {workload_raw!r}")
+        workload_raw = {}
+    phase_engine = engine
+    for index, raw_phase in enumerate(raw_phases):
+        where = f"phases[{index}]"
+        if not isinstance(raw_phase, dict):
+            problems.append(f"{where}: expected a mapping, got {raw_phase!r}")
+            continue
+        phase_name = raw_phase.get("name", f"phase-{index + 1}")
+        if isinstance(phase_name, str) and phase_name:
+            where = f"phases[{index}] ({phase_name})"
+        else:
+            problems.append(f"{where}.name: expected a non-empty string, got {phase_name!r}")
+            phase_name = f"phase-{index + 1}"
+        for key in raw_phase:
+            if key not in PHASE_KEYS:
+                problems.append(f"{where}.{key}: unknown phase key (expected one of {', '.join(PHASE_KEYS)})")
+        duration = parse_duration(raw_phase.get("duration"))
+        if duration is None or duration <= 0:
+            problems.append(
+                f"{where}.duration: expected a positive number of seconds or a string like '90s', '3m', "
+                f"got {raw_phase.get('duration')!r}"
+            )
+            duration = 1.0
+        change = raw_phase.get("workload") or {}
+        if not isinstance(change, dict):
+            problems.append(f"{where}.workload: expected a mapping, got {change!r}")
+            change = {}
+        workload_raw = _merge(workload_raw, change)
+        workload = parse_workload(workload_raw, f"{where}.workload", problems)
+        engine_change = raw_phase.get("engine") or {}
+        if not isinstance(engine_change, dict):
+            problems.append(f"{where}.engine: expected a mapping, got {engine_change!r}")
+            engine_change = {}
+        for key in engine_change:
+            if key not in EngineConfig.RUNTIME_FIELDS:
+                problems.append(
+                    f"{where}.engine.{key}: cannot change during a run "
+                    f"(a phase may change {', '.join(EngineConfig.RUNTIME_FIELDS)})"
+                )
+        phase_engine = replace(phase_engine, **{k: v for k, v in engine_change.items() if k in EngineConfig.RUNTIME_FIELDS})
+        if engine_change:
+            problems.extend(phase_engine.problems(f"{where}.engine"))
+        note = raw_phase.get("note", "")
+        if workload is not None:
+            phases.append(Phase(phase_name, duration, workload, phase_engine, str(note)))
+    if problems:
+        raise ScenarioError(source, problems)
+    return Scenario(name, description, engine, phases, loop, engines, source)
+
+
+def _builtin_dir():
+    return resources.files("kvwatch").joinpath("scenarios")
+
+
+def list_scenarios() -> list[tuple[str, str]]:
+    """(name, first line of description) of every shipped scenario."""
+    out = []
+    for entry in sorted(_builtin_dir().iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            try:
+                data = yaml.safe_load(entry.read_text(encoding="utf-8")) or {}
+            except yaml.YAMLError:
+                data = {}
+            description = str(data.get("description", "")).strip().splitlines()
+            out.append((entry.name[: -len(".yaml")], description[0] if description else ""))
+    return out
+
+
+def load_scenario(name_or_path: str | Path) -> Scenario:
+    """A shipped scenario by name (`healthy`), or a YAML file by path."""
+    text = None
+    source = str(name_or_path)
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists() or "/" in source:
+        if not path.is_file():
+            raise ScenarioError(source, [f"no such scenario file: {source}"])
+        text = path.read_text(encoding="utf-8")
+    else:
+        entry = _builtin_dir().joinpath(f"{source}.yaml")
+        if not entry.is_file():
+            names = ", ".join(name for name, _ in list_scenarios())
+            raise ScenarioError(source, [f"no shipped scenario named {source!r} (shipped: {names})"])
+        text = entry.read_text(encoding="utf-8")
+        source = f"{source} (kvwatch/scenarios/{source}.yaml)"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ScenarioError(source, [f"not valid YAML: {exc}"]) from None
+    return parse_scenario(data, source)

@@ -1,0 +1,461 @@
+"""The simulator as a server: a clock thread advances the simulation at wall time
+times `speed`, and a stdlib HTTP server on loopback answers `/metrics`,
+`/health`, `/v1/models`, `/v1/completions`, `/v1/chat/completions` (OpenAI
+style, streaming or not) and `/app/metrics` (the RAG application's histogram).
+
+A request sent over HTTP becomes a request in the engine model; its tokens are
+sent as the simulated engine produces them, so with speed 10 a completion that
+takes 5 simulated seconds streams in 0.5 s.
+
+For tests of other parts of kvwatch:
+
+    with start_background("exhaustion", speed=20) as sim:
+        requests.get(sim.metrics_url)
+
+`speed=0` freezes the clock; move it with `handle.advance(seconds)`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+import zlib
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from kvwatch.sim.engine import FINISHED, Request, RequestRejected
+from kvwatch.sim.render import CONTENT_TYPE, HttpStats, render_app_metrics, render_metrics
+from kvwatch.sim.scenario import Scenario, load_scenario
+from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
+from kvwatch.sim.workload import token_block_hashes
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+CLOCK_TICK_SECONDS = 0.01
+# Vocabulary of the simulated model's output; each token is one word, so the
+# whitespace tokenizer counts it back exactly.
+_WORDS = (
+    "cache", "block", "prefix", "token", "engine", "queue", "decode", "prefill", "batch", "page",
+    "hit", "miss", "evict", "usage", "latency", "stream", "model", "kernel", "memory", "request",
+)
+
+
+class _TokenStream:
+    """Progress of one HTTP request, updated by the engine under the sim lock."""
+
+    __slots__ = ("produced", "finish_reason")
+
+    def __init__(self) -> None:
+        self.produced = 0
+        self.finish_reason: str | None = None
+
+    def __call__(self, request: Request, now: float) -> None:
+        self.produced = request.num_output
+        if request.state == FINISHED:
+            self.finish_reason = request.finish_reason
+
+
+class SimServer:
+    def __init__(
+        self,
+        simulation: Simulation,
+        speed: float = 1.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        request_timeout: float = 600.0,
+    ) -> None:
+        if speed < 0:
+            raise ValueError("speed must be >= 0")
+        self.sim = simulation
+        self.speed = float(speed)
+        self.request_timeout = request_timeout
+        self.cond = threading.Condition()
+        self.http_stats = HttpStats(time.time())
+        self.stopping = threading.Event()
+        self._offset = 0.0
+        self._base_sim = simulation.now
+        self._base_wall = time.monotonic()
+        self.httpd = ThreadingHTTPServer((host, port), _Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.sim_server = self  # type: ignore[attr-defined]
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -------------------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        return self.httpd.server_address[0]
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return self.url + "/metrics"
+
+    @property
+    def app_metrics_url(self) -> str:
+        return self.url + "/app/metrics"
+
+    def start(self) -> SimServer:
+        serve = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
+                                 name="kvwatch-sim-http", daemon=True)
+        serve.start()
+        self._threads.append(serve)
+        if self.speed > 0:
+            clock = threading.Thread(target=self._clock_loop, name="kvwatch-sim-clock", daemon=True)
+            clock.start()
+            self._threads.append(clock)
+        return self
+
+    def stop(self) -> None:
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        with self.cond:
+            self.cond.notify_all()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> SimServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- the clock -------------------------------------------------------------
+
+    def _clock_loop(self) -> None:
+        while not self.stopping.wait(CLOCK_TICK_SECONDS):
+            with self.cond:
+                target = self._base_sim + self._offset + (time.monotonic() - self._base_wall) * self.speed
+                if target > self.sim.now:
+                    self.sim.advance_to(target)
+                    self.cond.notify_all()
+
+    def advance(self, seconds: float) -> None:
+        """Move the simulated clock forward now, on top of what wall time does."""
+        with self.cond:
+            self._offset += seconds
+            self.sim.advance(seconds)
+            self.cond.notify_all()
+
+    def metrics_text(self) -> str:
+        with self.cond:
+            return render_metrics(self.sim.engines, self.sim.model_name, self.sim.created_unix, self.http_stats)
+
+    def app_metrics_text(self) -> str:
+        with self.cond:
+            return render_app_metrics(self.sim.app_retrieval, self.sim.created_unix)
+
+
+def start_background(
+    scenario: str | Path | Scenario = "healthy",
+    speed: float = 1.0,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    seed: int = 0,
+    engines: int | None = None,
+    model_name: str = DEFAULT_MODEL_NAME,
+) -> SimServer:
+    """Start a simulator in this process (threads); port 0 picks a free port.
+    The handle has .url, .metrics_url, .app_metrics_url, .sim, .advance(s), .stop()
+    and works as a context manager."""
+    if not isinstance(scenario, Scenario):
+        scenario = load_scenario(scenario)
+    simulation = Simulation(scenario, seed=seed, engines=engines, model_name=model_name)
+    return SimServer(simulation, speed=speed, host=host, port=port).start()
+
+
+# -- HTTP ----------------------------------------------------------------------
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _words_of_messages(messages: Any) -> list[str]:
+    if not isinstance(messages, list) or not messages:
+        raise _BadRequest("'messages' must be a non-empty list")
+    words: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise _BadRequest("each message must be an object")
+        content = message.get("content", "")
+        if isinstance(content, list):  # content parts
+            content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+        words.append(f"<|{message.get('role', 'user')}|>")
+        words.extend(str(content).split())
+    return words
+
+
+def _prompt_tokens(body: dict) -> list:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        tokens: list = prompt.split()
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        tokens = list(prompt)
+    else:
+        raise _BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
+    return tokens
+
+
+def _int_field(body: dict, name: str, default: int | None) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _BadRequest(f"'{name}' must be an integer")
+    return value
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "kvwatch-sim"
+
+    @property
+    def sim_server(self) -> SimServer:
+        return self.server.sim_server  # type: ignore[attr-defined]
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass  # quiet: a load test would flood the terminal
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def _begin(self) -> None:
+        self._started = time.monotonic()
+        self._request_bytes = int(self.headers.get("Content-Length") or 0)
+        self._response_bytes = 0
+        self._status = 200
+
+    def _finish(self) -> None:
+        path = self.path.split("?", 1)[0]
+        self.sim_server.http_stats.record(path, self.command, self._status, self._request_bytes,
+                                          self._response_bytes, time.monotonic() - self._started, time.time())
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self._status = status
+        self._response_bytes = len(body)
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _send_json(self, status: int, payload: Any) -> None:
+        self._send(status, json.dumps(payload).encode(), "application/json")
+
+    def _send_error(self, status: int, message: str) -> None:
+        kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "Error")
+        self._send_json(status, {"object": "error", "message": message, "type": kind, "param": None, "code": status})
+
+    def _read_json(self) -> dict:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise _BadRequest("a JSON body with Content-Length is required", 411)
+        size = int(length)
+        if size > MAX_BODY_BYTES:
+            raise _BadRequest("request body too large", 413)
+        raw = self.rfile.read(size)
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            raise _BadRequest("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise _BadRequest("the body must be a JSON object")
+        return body
+
+    # -- routes ------------------------------------------------------------------
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        self._begin()
+        path = self.path.split("?", 1)[0]
+        server = self.sim_server
+        try:
+            if path == "/metrics":
+                self._send(200, server.metrics_text().encode(), CONTENT_TYPE)
+            elif path == "/app/metrics":
+                self._send(200, server.app_metrics_text().encode(), CONTENT_TYPE)
+            elif path in ("/health", "/ping"):
+                self._send(200, b"", "application/json")
+            elif path == "/v1/models":
+                sim = server.sim
+                model = sim.model_name
+                self._send_json(200, {"object": "list", "data": [{
+                    "id": model, "object": "model", "created": int(sim.created_unix), "owned_by": "vllm",
+                    "root": model, "parent": None, "max_model_len": sim.engines[0].config.max_model_len,
+                }]})
+            else:
+                self._send_json(404, {"detail": "Not Found"})
+        finally:
+            self._finish()
+
+    def do_POST(self) -> None:  # noqa: N802 - stdlib name
+        self._begin()
+        path = self.path.split("?", 1)[0]
+        try:
+            if path not in ("/v1/completions", "/v1/chat/completions"):
+                self._send_json(404, {"detail": "Not Found"})
+                return
+            try:
+                body = self._read_json()
+                self._complete(body, chat=path == "/v1/chat/completions")
+            except _BadRequest as exc:
+                self._send_error(exc.status, str(exc))
+            except RequestRejected as exc:
+                self._send_error(exc.status, str(exc))
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        finally:
+            self._finish()
+
+    def _complete(self, body: dict, chat: bool) -> None:
+        server = self.sim_server
+        sim = server.sim
+        model = body.get("model", sim.model_name)
+        if model != sim.model_name:
+            raise _BadRequest(f"The model `{model}` does not exist.", 404)
+        if body.get("n", 1) != 1:
+            raise _BadRequest("the simulator serves n=1 only")
+        tokens = _words_of_messages(body.get("messages")) if chat else _prompt_tokens(body)
+        explicit_len = _int_field(body, "kvwatch_prompt_tokens", None)
+        if explicit_len is not None:
+            # Pad with tokens private to this request: they never match a cache entry.
+            filler = f"#{uuid.uuid4().hex}"
+            tokens = tokens[:explicit_len] + [(filler, i) for i in range(max(0, explicit_len - len(tokens)))]
+        if not tokens:
+            raise _BadRequest("the prompt is empty")
+        max_model_len = sim.engines[0].config.max_model_len
+        default_max = max(1, max_model_len - len(tokens)) if chat else 16
+        max_tokens = _int_field(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
+                                default_max)
+        if max_tokens is None:
+            max_tokens = default_max
+        if body.get("ignore_eos"):
+            output_len = max_tokens
+        else:
+            # The simulated model emits end-of-sequence at a point fixed by the
+            # prompt, somewhere in [1, max_tokens] (send ignore_eos for exact lengths).
+            output_len = 1 + zlib.crc32(repr(tokens[:64]).encode()) % max(1, max_tokens)
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        block_size = sim.engines[0].config.block_size
+        hashes = token_block_hashes(tokens, block_size)
+        progress = _TokenStream()
+        with server.cond:
+            request = sim.submit(len(tokens), hashes, max_tokens, output_len, progress)
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        try:
+            if stream:
+                self._stream(request, progress, ident, created, model, chat, include_usage)
+            else:
+                self._unary(request, progress, ident, created, model, chat)
+        except (BrokenPipeError, ConnectionResetError):
+            with server.cond:
+                sim.abort(request)
+            raise
+
+    def _wait(self, progress: _TokenStream, seen: int) -> tuple[int, str | None, bool]:
+        """Block until the request produced more than `seen` tokens or finished.
+        Returns (produced, finish_reason, gave_up)."""
+        server = self.sim_server
+        deadline = time.monotonic() + server.request_timeout
+        with server.cond:
+            while progress.produced == seen and progress.finish_reason is None:
+                if server.stopping.is_set() or time.monotonic() > deadline:
+                    return progress.produced, progress.finish_reason, True
+                server.cond.wait(0.25)
+            return progress.produced, progress.finish_reason, False
+
+    def _give_up(self, request: Request) -> None:
+        with self.sim_server.cond:
+            self.sim_server.sim.abort(request)
+
+    def _text(self, request: Request, start: int, stop: int) -> str:
+        return "".join(f" {_WORDS[(request.uid * 7 + i) % len(_WORDS)]}" for i in range(start, stop))
+
+    def _usage(self, request: Request) -> dict:
+        return {"prompt_tokens": request.prompt_len, "completion_tokens": request.num_output,
+                "total_tokens": request.prompt_len + request.num_output}
+
+    def _unary(self, request, progress, ident, created, model, chat) -> None:
+        seen = 0
+        while True:
+            seen, reason, gave_up = self._wait(progress, seen)
+            if gave_up:
+                self._give_up(request)
+                self._send_error(503, "the simulator stopped or the request timed out")
+                return
+            if reason is not None:
+                break
+        text = self._text(request, 0, request.num_output)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason, "stop_reason": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
+        self._send_json(200, {"id": ident, "object": "chat.completion" if chat else "text_completion",
+                              "created": created, "model": model, "choices": [choice], "usage": self._usage(request)})
+
+    def _chunk(self, payload: dict | str) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        raw = f"data: {data}\n\n".encode()
+        self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
+        self.wfile.flush()
+
+    def _stream(self, request, progress, ident, created, model, chat, include_usage) -> None:
+        self._status = 200
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choice: dict) -> dict:
+            return {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
+
+        if chat:
+            self._chunk(event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}))
+        sent = 0
+        reason = None
+        while reason is None:
+            produced, reason, gave_up = self._wait(progress, sent)
+            if gave_up:
+                self._give_up(request)
+                break
+            for index in range(sent, produced):
+                last = reason is not None and index == produced - 1
+                text = self._text(request, index, index + 1)
+                if chat:
+                    choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                              "finish_reason": reason if last else None}
+                else:
+                    choice = {"index": 0, "text": text, "logprobs": None,
+                              "finish_reason": reason if last else None, "stop_reason": None}
+                self._chunk(event(choice))
+            sent = produced
+        if include_usage:
+            self._chunk({"id": ident, "object": kind, "created": created, "model": model, "choices": [],
+                         "usage": self._usage(request)})
+        self._chunk("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
