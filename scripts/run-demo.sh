@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# `make run`: a simulated vLLM cycling through the KV-cache symptoms, and
+# kvwatch polling it. Ctrl-C stops both.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KVWATCH=.venv/bin/kvwatch
+SIM_PORT=${SIM_PORT:-8000}
+KVWATCH_PORT=${KVWATCH_PORT:-9400}
+SCENARIO=${SCENARIO:-demo}
+SPEED=${SPEED:-1}
+
+pids=()
+stop() {
+  trap - INT TERM EXIT
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  echo "stopped."
+}
+trap stop INT TERM EXIT
+
+"$KVWATCH" sim --scenario "$SCENARIO" --speed "$SPEED" --port "$SIM_PORT" --host 127.0.0.1 &
+pids+=($!)
+"$KVWATCH" serve --target "http://127.0.0.1:$SIM_PORT/metrics" --port "$KVWATCH_PORT" \
+  --poll-interval 2s --window 1m --upstream-target "http://127.0.0.1:$SIM_PORT/app/metrics" \
+  --upstream-histogram app_retrieval_seconds &
+pids+=($!)
+
+for _ in $(seq 1 50); do
+  curl -fs "http://127.0.0.1:$KVWATCH_PORT/healthz" >/dev/null 2>&1 && break
+  sleep 0.2
+done
+cat <<MSG
+
+  kvwatch is running against a simulated vLLM (scenario: $SCENARIO, speed: $SPEED).
+
+    status page      http://127.0.0.1:$KVWATCH_PORT/
+    kvwatch metrics  http://127.0.0.1:$KVWATCH_PORT/metrics
+    signals (JSON)   http://127.0.0.1:$KVWATCH_PORT/api/v1/signals
+    diagnosis (JSON) http://127.0.0.1:$KVWATCH_PORT/api/v1/diagnosis
+    simulated vLLM   http://127.0.0.1:$SIM_PORT/metrics
+
+  Signals appear after two polls (a few seconds). Ctrl-C stops both.
+
+MSG
+wait -n "${pids[@]}"

@@ -1,0 +1,25 @@
+from pathlib import Path
+
+from kvwatch.metrics_doc import render
+from kvwatch.signals import ENGINE_SERIES, SIGNALS
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+
+def test_committed_metrics_doc_is_current():
+    assert DOC.read_text() == render(), "docs/metrics.md is stale: run `make generate`"
+
+
+def test_catalogue_names_follow_prometheus_conventions():
+    names = [s.name for s in SIGNALS] + [s.sample_name for s in ENGINE_SERIES]
+    assert len(names) == len(set(names))
+    for name in names:
+        assert name.startswith("kvwatch_") and ":" not in name
+    for signal in SIGNALS:
+        if signal.unit == "ratio":
+            assert signal.name.endswith("_ratio"), signal.name
+        if signal.unit == "seconds":
+            assert signal.name.endswith("_seconds"), signal.name
+        assert not signal.name.endswith("_total")
+    for series in ENGINE_SERIES:
+        assert series.kind != "counter" or not series.name.endswith("_total")
