@@ -139,6 +139,8 @@ def _run_logged(step: str, cmd: list[str], log_path: Path, error: type[HarnessEr
             outcome = f"exit code {result.returncode}" if result.returncode else None
         except subprocess.TimeoutExpired:
             outcome = f"no result within {timeout_s:.0f} s"
+        except OSError as err:
+            outcome = f"could not run {cmd[0]}: {err}"
     if outcome:
         raise error(f"step '{step}' failed ({outcome}); last lines of {log_path}:\n"
                     f"{_tail(log_path)}")
@@ -320,9 +322,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Every request goes to 127.0.0.1; an http_proxy from the environment must not catch it.
+_open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open
+
+
 def _http_status(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with _open(url, timeout=timeout) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as err:
         return err.code, b""
@@ -472,7 +478,7 @@ class Metrics:
 
 
 def read_metrics(metrics_url: str, timeout_s: float = 10.0) -> Metrics:
-    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+    with _open(metrics_url, timeout=timeout_s) as response:
         text = response.read().decode()
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
@@ -523,7 +529,7 @@ def count_prompt_tokens(base_url: str, text: str, timeout_s: float = 10.0) -> in
 def _post_json(url: str, body: dict, timeout_s: float) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+    with _open(request, timeout=timeout_s) as response:
         return json.loads(response.read())
 
 

