@@ -29,6 +29,10 @@ _LABEL_PAIR = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"
 _LABEL_BLOCK = re.compile(r'\{((?:[^"}]|"(?:[^"\\]|\\.)*")*)\}')
 _ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 _ESCAPE_RE = re.compile(r'\\[\\"n]')
+# Whitespace up to the end of a label block. Matched in place: slicing the rest
+# of the block at every label would make a hostile line with many labels cost
+# quadratic time.
+_ONLY_SPACE_LEFT = re.compile(r"\s*\Z")
 
 # Label blocks repeat verbatim from one poll to the next; caching their parsed
 # form removes most of the per-poll work. Bounded so that an engine emitting
@@ -158,7 +162,7 @@ def _parse_labels(block: str) -> dict[str, str]:
     position = 0
     length = len(block)
     while position < length:
-        if block[position:].strip() == "":
+        if _ONLY_SPACE_LEFT.match(block, position):
             break
         match = _LABEL_PAIR.match(block, position)
         if match is None:
@@ -168,7 +172,7 @@ def _parse_labels(block: str) -> dict[str, str]:
             value = _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group(0)], value)
         labels[match.group(1)] = value
         position = match.end()
-        if match.group(3) == "" and position < length and block[position:].strip():
+        if match.group(3) == "" and position < length and not _ONLY_SPACE_LEFT.match(block, position):
             raise ValueError("missing comma between labels")
     return labels
 
