@@ -135,9 +135,12 @@ class Monitor:
             log.debug("%d malformed lines, first: %s", len(snapshot.parse_errors), snapshot.parse_errors[0])
         if not snapshot.engines:
             detail = f"no vLLM engine metrics in a page of {result.size} bytes"
+            if result.unexpected_content_type:
+                detail += f" of content type {result.content_type!r}"
             if snapshot.parse_errors:
                 detail += f" ({len(snapshot.parse_errors)} malformed lines, first: {snapshot.parse_errors[0]})"
-            return self._record_failure("no_engine_metrics", detail, started, result.seconds,
+            reason = "content_type" if result.unexpected_content_type else "no_engine_metrics"
+            return self._record_failure(reason, detail, started, result.seconds,
                                         time.thread_time() - started_cpu)
         previous = self.window.latest
         self.window.add(snapshot)

@@ -118,3 +118,16 @@ def test_background_loop_polls_without_scrapes(capture):
         finally:
             monitor.stop()
         assert monitor.state.polls >= 3 and monitor.state.up
+
+
+def test_content_type_is_a_hint_not_a_gate(capture):
+    # A good page behind a plain file server (application/octet-stream) counts;
+    # an HTML error page is reported as a content-type problem.
+    html = Answer("<html><body>502 Bad Gateway</body></html>\n", headers={"Content-Type": "text/html"})
+    octet = Answer(capture("idle"), headers={"Content-Type": "application/octet-stream"})
+    with PageServer([octet, html, Answer(capture("idle"))]) as server:
+        monitor, _ = make(server)
+        assert monitor.poll_once().up is True
+        state = monitor.poll_once()
+        assert state.up is False and state.reason == "content_type" and "text/html" in state.detail
+        assert monitor.poll_once().up is True
