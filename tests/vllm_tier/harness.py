@@ -642,7 +642,7 @@ class LoadRun:
         self.stats.seconds = time.monotonic() - self._started
 
 
-def shared_prefix_load(base_url: str, duration_s: float = 10.0, concurrency: int = 8,
+def shared_prefix_load(base_url: str, duration: float = 10.0, concurrency: int = 8,
                        prefix_tokens: int = 512, suffix_tokens: int = 64,
                        output_tokens: int = 32, max_requests: int = 1000,
                        request_timeout_s: float = 60.0, seed: int | None = None) -> LoadRun:
@@ -664,43 +664,46 @@ def shared_prefix_load(base_url: str, duration_s: float = 10.0, concurrency: int
             return prefix + prompt_suffix(suffix_tokens, suffixes, words)
 
     return LoadRun("shared-prefix", base_url, make_prompt, output_tokens, concurrency,
-                   duration_s, max_requests, request_timeout_s, prime=True)
+                   duration, max_requests, request_timeout_s, prime=True)
 
 
 def _distinct_prompts_load(name: str, base_url: str, concurrency: int, prompt_tokens: int,
-                           output_tokens: int, duration_s: float, max_requests: int,
-                           request_timeout_s: float, seed: int) -> LoadRun:
+                           output_tokens: int, duration: float, max_requests: int,
+                           request_timeout_s: float, seed: int | None) -> LoadRun:
     words = prompt_words()
+    # A new seed per call unless one is given: a later load must not hit blocks
+    # that an earlier one left in the prefix cache.
+    run_seed = random.randrange(1 << 62) if seed is None else seed
 
     def make_prompt(index: int) -> str:
         # Random words per request: no two prompts share even a first block.
-        return prompt_text(prompt_tokens, random.Random(f"{seed}-{index}"), words)
+        return prompt_text(prompt_tokens, random.Random(f"{run_seed}-{index}"), words)
 
-    return LoadRun(name, base_url, make_prompt, output_tokens, concurrency, duration_s,
+    return LoadRun(name, base_url, make_prompt, output_tokens, concurrency, duration,
                    max_requests, request_timeout_s)
 
 
 def burst_load(base_url: str, concurrency: int = 24, prompt_tokens: int = 400,
-               output_tokens: int = 400, duration_s: float = 10.0, max_requests: int = 2000,
-               request_timeout_s: float = 120.0, seed: int = 1) -> LoadRun:
-    """Keeps `concurrency` requests in flight, far beyond the KV cache, for duration_s.
+               output_tokens: int = 400, duration: float = 10.0, max_requests: int = 2000,
+               request_timeout_s: float = 120.0, seed: int | None = None) -> LoadRun:
+    """Keeps `concurrency` requests in flight, far beyond the KV cache, for `duration` seconds.
 
     A finished request is replaced at once, so the burst repeats without a gap and
     KV usage stays near 1 while the scheduler preempts.
     """
     return _distinct_prompts_load("burst", base_url, concurrency, prompt_tokens, output_tokens,
-                                  duration_s, max_requests, request_timeout_s, seed)
+                                  duration, max_requests, request_timeout_s, seed)
 
 
 def long_prompt_load(base_url: str, concurrency: int = 6, prompt_tokens: int = 900,
-                     output_tokens: int = 64, duration_s: float = 10.0, max_requests: int = 1000,
-                     request_timeout_s: float = 120.0, seed: int = 2) -> LoadRun:
-    """Keeps `concurrency` requests with long prompts in flight for duration_s.
+                     output_tokens: int = 64, duration: float = 10.0, max_requests: int = 1000,
+                     request_timeout_s: float = 120.0, seed: int | None = None) -> LoadRun:
+    """Keeps `concurrency` requests with long prompts in flight for `duration` seconds.
 
     prompt_tokens + output_tokens must fit the server's --max-model-len (1024).
     """
     return _distinct_prompts_load("long-prompt", base_url, concurrency, prompt_tokens,
-                                  output_tokens, duration_s, max_requests, request_timeout_s, seed)
+                                  output_tokens, duration, max_requests, request_timeout_s, seed)
 
 
 def watch(run: LoadRun, metrics_url: str, interval_s: float = 0.25) -> Iterator[Metrics]:

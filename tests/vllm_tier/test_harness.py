@@ -247,7 +247,7 @@ def test_load_stops_at_its_request_count(completions_server):
     base_url, _ = completions_server
 
     stats = burst_load(base_url, concurrency=4, prompt_tokens=400, output_tokens=7,
-                       duration_s=60, max_requests=10).wait(timeout_s=30)
+                       duration=60, max_requests=10).wait(timeout_s=30)
 
     assert (stats.sent, stats.completed, stats.failed) == (10, 10, 0)
     assert stats.prompt_tokens == 10 * 400
@@ -258,7 +258,7 @@ def test_load_stops_at_its_duration_and_counts_failures(completions_server):
     base_url, handler = completions_server
     handler.fail_every = 3
 
-    run = burst_load(base_url, concurrency=4, duration_s=0.5, max_requests=100_000)
+    run = burst_load(base_url, concurrency=4, duration=0.5, max_requests=100_000)
     stats = run.wait(timeout_s=30)
 
     assert not run.running
