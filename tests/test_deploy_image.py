@@ -1,0 +1,286 @@
+"""deploy/Dockerfile, checked without a Docker engine: its structure (two
+stages on python:3.11-slim, wheels only in the runtime, numeric non-root
+user, `kvwatch serve` as entry point), and the command line it and the
+Kubernetes sidecar produce, run locally: ENTRYPOINT/CMD, the container's
+command/args and env, the mounted kvwatch.yaml, against a loopback engine
+until /readyz answers 200."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from kvwatch.settings import PARSERS, Settings, env_name
+from pageserver import Answer, PageServer
+from promstack import free_port, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKERFILE = REPO / "deploy" / "Dockerfile"
+KUBE = REPO / "deploy" / "kubernetes"
+KNOWN_ENV = {env_name(key) for key in PARSERS if key != "diagnosis"} | {env_name("config")}
+
+
+# ---------------------------------------------------------------- a small Dockerfile reader
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str | None
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[str]:
+        return [args for kw, args in self.instructions if kw == keyword]
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) with comments dropped and continuations joined."""
+    instructions, pending = [], ""
+    for line in text.splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if pending and line.lstrip().startswith("#"):
+            continue  # comments inside a continued instruction
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        keyword, _, args = full.partition(" ")
+        instructions.append((keyword.upper(), args.strip()))
+    assert not pending, "Dockerfile ends inside a continued line"
+    return instructions
+
+
+def parse_dockerfile(text: str) -> tuple[dict[str, str], list[Stage]]:
+    args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for keyword, rest in dockerfile_instructions(text):
+        if keyword == "ARG" and not stages:
+            name, _, default = rest.partition("=")
+            args[name] = default
+        elif keyword == "FROM":
+            words = rest.split()
+            base = words[0]
+            for name, default in args.items():
+                base = base.replace("${%s}" % name, default).replace("$" + name, default)
+            stages.append(Stage(base, words[2] if len(words) == 3 and words[1].upper() == "AS" else None))
+        else:
+            assert stages, f"{keyword} before FROM"
+            stages[-1].instructions.append((keyword, rest))
+    return args, stages
+
+
+def env_pairs(stage: Stage) -> dict[str, str]:
+    env = {}
+    for rest in stage.all("ENV"):
+        for word in shlex.split(rest):
+            key, sep, value = word.partition("=")
+            assert sep, f"ENV {rest!r}: use KEY=value"
+            env[key] = value
+    return env
+
+
+def exec_form(stage: Stage, keyword: str) -> list[str] | None:
+    found = stage.all(keyword)
+    if not found:
+        return None
+    value = json.loads(found[-1])  # shell form would put `sh -c` in front and eat signals
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), f"{keyword} must be exec form"
+    return value
+
+
+@pytest.fixture(scope="module")
+def dockerfile():
+    return parse_dockerfile(DOCKERFILE.read_text())
+
+
+# ---------------------------------------------------------------- structure
+
+
+def test_two_stages_on_python_slim_with_only_wheels_in_the_runtime(dockerfile):
+    args, stages = dockerfile
+    assert [s.base for s in stages] == ["python:3.11-slim", "python:3.11-slim"]
+    builder, runtime = stages
+    assert builder.name and runtime.name
+    assert any(run.startswith("pip wheel") and "--wheel-dir /wheels" in run for run in builder.all("RUN"))
+    # Nothing is copied into the runtime stage: the wheels come through a
+    # build-time mount, so neither source nor wheel files stay in a layer.
+    assert runtime.all("COPY") == [] and runtime.all("ADD") == []
+    installs = [run for run in runtime.all("RUN") if "pip install" in run]
+    assert len(installs) == 1
+    install = installs[0]
+    assert f"--mount=type=bind,from={builder.name},source=/wheels,target=/wheels" in install
+    assert "--no-index" in install and "--find-links=/wheels" in install and "--no-cache-dir" in install
+    assert "gcc" not in " ".join(runtime.all("RUN")) and "apt-get" not in " ".join(runtime.all("RUN"))
+
+
+def test_builder_copies_only_what_the_wheel_needs_and_the_ignore_file_lets_it_through(dockerfile):
+    _, (builder, _) = dockerfile
+    copied = []
+    for rest in builder.all("COPY"):
+        *sources, _destination = rest.split()
+        copied += sources
+    assert sorted(copied) == ["README.md", "kvwatch", "pyproject.toml"]
+    for source in copied:
+        assert (REPO / source).exists(), source
+    patterns = [line.strip() for line in (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+
+    def ignored(path: str) -> bool:
+        result = False
+        for pattern in patterns:
+            negate = pattern.startswith("!")
+            pattern = pattern.lstrip("!").rstrip("/")
+            if fnmatch.fnmatch(path, pattern) or path.startswith(pattern + "/") or fnmatch.fnmatch(path, pattern.replace("**/", "*/")):
+                result = not negate
+        return result
+
+    for source in copied:
+        assert not ignored(source), f"{source} would be left out of the build context"
+    assert ignored(".venv") and ignored("tests") and ignored("kvwatch/__pycache__")
+
+
+def test_runs_as_a_numeric_non_root_user_with_kvwatch_serve_as_entry_point(dockerfile):
+    _, stages = dockerfile
+    runtime = stages[-1]
+    users = runtime.all("USER")
+    assert users, "no USER: the image would run as root"
+    uid, _, gid = users[-1].partition(":")
+    assert uid.isdigit() and int(uid) > 0 and (not gid or int(gid) > 0)  # numeric: runAsNonRoot can verify it
+    assert f"--uid {uid}" in " ".join(runtime.all("RUN"))
+    assert exec_form(runtime, "ENTRYPOINT") == ["kvwatch", "serve"]
+    assert exec_form(runtime, "CMD") == []
+    assert runtime.all("EXPOSE") == [str(Settings().port)]
+    # The Kubernetes sidecar runs as the same uid.
+    deployment = yaml.safe_load((KUBE / "base" / "vllm-deployment.yaml").read_text())
+    container = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "kvwatch"][0]
+    assert container["securityContext"]["runAsUser"] == int(uid)
+
+
+def test_environment_binds_all_interfaces_and_names_only_real_settings(dockerfile):
+    _, stages = dockerfile
+    env = env_pairs(stages[-1])
+    assert env["KVWATCH_HOST"] == "0.0.0.0"
+    assert Settings().host == "127.0.0.1"  # the package stays loopback by default
+    kvwatch_env = {key for key in env if key.startswith("KVWATCH_")}
+    assert kvwatch_env <= KNOWN_ENV, kvwatch_env - KNOWN_ENV
+    # A port or config file fixed in the image would override the mounted
+    # config file's keys (environment beats file), so the image sets neither.
+    assert "KVWATCH_PORT" not in env and "KVWATCH_CONFIG" not in env
+
+
+def test_reader_understands_continuations_and_rejects_shell_form():
+    args, stages = parse_dockerfile(
+        "ARG IMG=base:1\nFROM ${IMG} AS one\n# c\nENV A=1 \\\n    B='two words'\nENTRYPOINT kvwatch serve\n")
+    assert stages[0].base == "base:1" and stages[0].name == "one"
+    assert env_pairs(stages[0]) == {"A": "1", "B": "two words"}
+    with pytest.raises(json.JSONDecodeError):
+        exec_form(stages[0], "ENTRYPOINT")
+
+
+# ---------------------------------------------------------------- the same command line, run here
+
+
+def container_argv(image_entrypoint: list[str], image_cmd: list[str], container: dict) -> list[str]:
+    """Kubernetes' rule: `command` replaces ENTRYPOINT (and drops CMD), `args` replaces CMD."""
+    if "command" in container:
+        return list(container["command"]) + list(container.get("args", []))
+    return list(image_entrypoint) + list(container.get("args", image_cmd))
+
+
+def sidecar_deployments() -> list[tuple[str, dict, dict]]:
+    """(layout, kvwatch container, kvwatch.yaml ConfigMap) for the base and the sidecar patch."""
+    base = yaml.safe_load((KUBE / "base" / "vllm-deployment.yaml").read_text())
+    base_container = [c for c in base["spec"]["template"]["spec"]["containers"] if c["name"] == "kvwatch"][0]
+    patch_ops = yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-container.yaml").read_text())
+    return [
+        ("base", base_container, yaml.safe_load((KUBE / "base" / "kvwatch-config.yaml").read_text())),
+        ("sidecar-patch", patch_ops[0]["value"], yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-config.yaml").read_text())),
+    ]
+
+
+@pytest.mark.parametrize("layout", ["base", "sidecar-patch"])
+def test_the_containers_command_line_serves_and_becomes_ready(layout, dockerfile, fixtures_dir, tmp_path):
+    _, stages = dockerfile
+    runtime = stages[-1]
+    _, container, config_map = [d for d in sidecar_deployments() if d[0] == layout][0]
+
+    argv = container_argv(exec_form(runtime, "ENTRYPOINT"), exec_form(runtime, "CMD") or [], container)
+    assert argv[0] == "kvwatch"
+    # The image's `kvwatch` is the console script; here it is the venv's.
+    argv[0] = str(Path(sys.executable).with_name("kvwatch"))
+
+    # The image's environment, then the container's (Kubernetes order), with
+    # the paths and addresses that only exist in a pod mapped to this machine.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVWATCH_")}
+    env.update(env_pairs(runtime))
+    container_env = {e["name"]: e["value"] for e in container.get("env", [])}
+    assert set(container_env) <= KNOWN_ENV, set(container_env) - KNOWN_ENV
+    env.update(container_env)
+
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    config_dir = tmp_path / "etc-kvwatch"
+    config_dir.mkdir()
+    mounted_config = Path(env["KVWATCH_CONFIG"])
+    assert str(mounted_config.parent) == mounts["kvwatch-config"]
+    config = yaml.safe_load(config_map["data"][mounted_config.name])
+
+    port = free_port()
+    assert int(env["KVWATCH_PORT"]) == [p for p in container["ports"] if p["name"] == container["readinessProbe"]["httpGet"]["port"]][0]["containerPort"]
+    assert env["KVWATCH_HOST"] == "0.0.0.0"
+    env["KVWATCH_PORT"] = str(port)
+    env["KVWATCH_HOST"] = "127.0.0.1"  # tests stay on loopback; the image's 0.0.0.0 is asserted above
+    env["KVWATCH_CONFIG"] = str(config_dir / mounted_config.name)
+
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()
+    with PageServer([Answer(page)]) as engine:
+        assert config["target"].startswith("http://127.0.0.1:")  # vLLM in the same pod
+        config["target"] = engine.url
+        (config_dir / mounted_config.name).write_text(yaml.safe_dump(config))
+        log = open(tmp_path / "kvwatch.log", "w")
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+
+            def answered(path: str) -> requests.Response | None:
+                if process.poll() is not None:
+                    raise AssertionError(f"kvwatch exited {process.returncode}: {(tmp_path / 'kvwatch.log').read_text()[-2000:]}")
+                try:
+                    response = requests.get(base_url + path, timeout=2)
+                except requests.ConnectionError:
+                    return None
+                return response if response.status_code == 200 else None
+
+            wait_until(lambda: answered(container["readinessProbe"]["httpGet"]["path"]), 30, "/readyz to answer 200")
+            assert answered(container["livenessProbe"]["httpGet"]["path"]).text == "ok\n"
+            metrics = answered("/metrics").text
+            assert "kvwatch_up 1.0" in metrics
+            assert "kvwatch_engine_kv_cache_capacity_tokens" in metrics
+            assert engine.requests and engine.requests[0]["path"] == "/metrics"
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+            log.close()
+
+
+def test_kubernetes_argument_rule():
+    entrypoint, cmd = ["kvwatch", "serve"], ["--log-level", "info"]
+    assert container_argv(entrypoint, cmd, {}) == ["kvwatch", "serve", "--log-level", "info"]
+    assert container_argv(entrypoint, cmd, {"args": ["--port", "1"]}) == ["kvwatch", "serve", "--port", "1"]
+    assert container_argv(entrypoint, cmd, {"command": ["kvwatch"]}) == ["kvwatch"]

@@ -1,0 +1,520 @@
+"""deploy/kubernetes and deploy/prometheus: the committed files are what
+render_manifests produces; every object validates offline against the
+Kubernetes schemas (kubernetes-validate) or the Prometheus Operator CRD
+schemas (tests/schemas/); the sidecar's ports, probes and labels line up with
+what the Service, ServiceMonitor and PodMonitor select; kustomize builds
+every layout (when kustomize or kubectl is installed)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvwatch.mixin import manifests
+from kvwatch.mixin.manifests import DeploySettings, deploy_settings, render_manifests
+from kvwatch.settings import PARSERS, env_name, load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+KUBE = DEPLOY / "kubernetes"
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+# The oldest Kubernetes minor still commonly run, and the newest the package ships.
+KUBERNETES_VERSIONS = ["1.29", kubernetes_validate.utils.latest_version()]
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+SETTINGS = DeploySettings()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def load_docs(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def manifest_files() -> list[Path]:
+    """Every Kubernetes object file under deploy/kubernetes (kustomizations and
+    the sidecar's patches are not whole objects)."""
+    not_objects = {"kustomization.yaml", "kvwatch-container.yaml", "kvwatch-volumes.yaml"}
+    return sorted(p for p in KUBE.rglob("*.yaml") if p.name not in not_objects)
+
+
+def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
+    schema = json.loads((SCHEMAS / f"{kind.lower()}-monitoring-v1.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def validate_object(doc: dict, version: str) -> None:
+    if doc["kind"] in CRD_KINDS:
+        assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+        crd_validator(doc["kind"]).validate(doc)
+    else:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def kustomize_command() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+def kustomize_build(path: Path) -> list[dict]:
+    command = kustomize_command()
+    if command is None:
+        pytest.skip("neither kustomize nor kubectl is installed (test_kustomizations_reference_existing_files still runs)")
+    result = subprocess.run(command + [str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [doc for doc in docs if doc["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def kvwatch_container(deployment: dict) -> dict:
+    containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    return containers["kvwatch"]
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, "only matchLabels selectors are checked here"
+    wanted = selector.get("matchLabels") or {}
+    return bool(wanted) and all(labels.get(k) == v for k, v in wanted.items())
+
+
+def named_port(container: dict, name: str) -> dict:
+    ports = [p for p in container.get("ports", []) if p.get("name") == name]
+    assert len(ports) == 1, f"container {container['name']} has no single port named {name}"
+    return ports[0]
+
+
+def base_objects() -> list[dict]:
+    """The base's objects as a kustomization lists them (no kustomize needed)."""
+    kustomization = yaml.safe_load((KUBE / "base" / "kustomization.yaml").read_text())
+    return [doc for name in kustomization["resources"] for doc in load_docs(KUBE / "base" / name)]
+
+
+def generated_inputs() -> tuple[str | None, dict[str, str]]:
+    rule = REPO / manifests.PROMETHEUS_RULE_FILE
+    dashboards = {p.name: p.read_text() for p in sorted((REPO / manifests.DASHBOARDS_DIR).glob("*.json"))}
+    return (rule.read_text() if rule.is_file() else None), dashboards
+
+
+SAMPLE_RULE = """\
+apiVersion: monitoring.coreos.com/v1
+kind: PrometheusRule
+metadata:
+  name: kvwatch-rules
+  namespace: monitoring
+  labels:
+    role: alert-rules
+spec:
+  groups:
+    - name: kvwatch.recording
+      rules:
+        - record: model:kvwatch_engine_kv_cache_usage_ratio:max
+          expr: max by (namespace, model_name) (kvwatch_engine_kv_cache_usage_ratio{job="kvwatch"})
+    - name: kvwatch.alerts
+      rules:
+        - alert: KvwatchDown
+          expr: kvwatch_up{job="kvwatch"} == 0
+          for: 5m
+          labels:
+            severity: warning
+          annotations:
+            summary: kvwatch cannot poll its vLLM engine
+"""
+SAMPLE_DASHBOARDS = {
+    "kvwatch-overview.json": json.dumps({"uid": "kvwatch-overview", "title": "kvwatch / Overview", "panels": []}, indent=2) + "\n",
+    "kvwatch-prefix-cache.json": json.dumps({"uid": "kvwatch-prefix", "title": "kvwatch / Prefix cache"}, indent=2) + "\n",
+}
+
+
+# ---------------------------------------------------------------- committed files
+
+
+def test_committed_deploy_files_are_what_render_manifests_writes():
+    files = render_manifests(None, source_dir=REPO)
+    stale = []
+    for relative, text in files.items():
+        path = DEPLOY / relative
+        if not path.is_file() or path.read_text() != text:
+            stale.append(relative)
+    assert not stale, f"deploy/ is out of date (run `kvwatch generate`): {stale}"
+    generated_dirs = [DEPLOY / "kubernetes", DEPLOY / "prometheus"]
+    extra = sorted(str(p.relative_to(DEPLOY)) for d in generated_dirs for p in d.rglob("*") if p.is_file()
+                   and str(p.relative_to(DEPLOY)) not in files)
+    assert not extra, f"files under deploy/ that render_manifests no longer writes: {extra}"
+
+
+def test_committed_manifests_embed_the_generated_rules_and_dashboards():
+    rule_text, dashboards = generated_inputs()
+    objects = base_objects()
+    if rule_text is None:
+        assert not [d for d in objects if d["kind"] == "PrometheusRule"]
+    else:
+        embedded = one(objects, "PrometheusRule")
+        assert embedded["spec"] == yaml.safe_load(rule_text)["spec"]
+    maps = {d["metadata"]["name"]: d for d in objects if d["kind"] == "ConfigMap"
+            and d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"}
+    embedded_dashboards = {key: value for cm in maps.values() for key, value in cm["data"].items()}
+    assert embedded_dashboards == dashboards
+
+
+# ---------------------------------------------------------------- schemas
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_manifest_validates_offline(version):
+    checked = set()
+    for path in manifest_files():
+        for doc in load_docs(path):
+            try:
+                validate_object(doc, version)
+            except (jsonschema.ValidationError, kubernetes_validate.utils.ValidationError) as exc:
+                pytest.fail(f"{path.relative_to(REPO)}: {doc['kind']}/{doc['metadata']['name']}: "
+                            f"{'.'.join(map(str, exc.path))}: {exc.message}")
+            checked.add(doc["kind"])
+    assert {"Deployment", "Service", "ConfigMap", "ServiceMonitor", "PodMonitor"} <= checked
+
+
+def test_embedded_objects_validate_when_rules_and_dashboards_are_given():
+    files = render_manifests(None, prometheus_rule=SAMPLE_RULE, dashboards=SAMPLE_DASHBOARDS)
+    rule = yaml.safe_load(files["kubernetes/base/prometheusrule.yaml"])
+    crd_validator("PrometheusRule").validate(rule)
+    # Prometheus selects rules by these labels; kustomize (or kubectl -n) places it.
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert rule["metadata"]["labels"]["role"] == "alert-rules"
+    assert "namespace" not in rule["metadata"]
+    assert rule["spec"] == yaml.safe_load(SAMPLE_RULE)["spec"]
+    maps = [d for d in yaml.safe_load_all(files["kubernetes/base/grafana-dashboards.yaml"]) if d]
+    assert len(maps) == 2
+    for cm in maps:
+        kubernetes_validate.validate(cm, KUBERNETES_VERSIONS[-1], strict=True)
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"]["grafana_folder"] == "kvwatch"
+    # Byte for byte: the Grafana sidecar writes these values to files as they are.
+    assert {k: v for cm in maps for k, v in cm["data"].items()} == SAMPLE_DASHBOARDS
+    resources = yaml.safe_load(files["kubernetes/base/kustomization.yaml"])["resources"]
+    assert "prometheusrule.yaml" in resources and "grafana-dashboards.yaml" in resources
+
+
+def test_dashboard_config_maps_fit_the_kubernetes_limit():
+    for cm in [d for d in base_objects() if d["kind"] == "ConfigMap"]:
+        # A ConfigMap holds at most 1 MiB; client-side `kubectl apply` also
+        # copies it into a 256 KiB annotation (docs/deploy.md: use --server-side).
+        assert len(json.dumps(cm["data"]).encode()) < 1024 * 1024, cm["metadata"]["name"]
+        for key in cm["data"]:
+            assert all(ch.isalnum() or ch in "-._" for ch in key), key
+
+
+def test_validators_reject_what_kubernetes_and_the_operator_would():
+    deployment = one(base_objects(), "Deployment")
+    misspelt = copy.deepcopy(deployment)
+    container = kvwatch_container(misspelt)
+    container["readinesProbe"] = container.pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.utils.ValidationError):
+        kubernetes_validate.validate(misspelt, KUBERNETES_VERSIONS[-1], strict=True)
+
+    monitor = yaml.safe_load((KUBE / "overlays/servicemonitor/servicemonitor.yaml").read_text())
+    for mutate in (
+        lambda m: m["spec"].__setitem__("endpoint", m["spec"].pop("endpoints")),
+        lambda m: m["spec"]["endpoints"][0].__setitem__("interval", "15 seconds"),
+        lambda m: m["spec"]["endpoints"][0]["relabelings"][0].__setitem__("action", "rename"),
+        lambda m: m["spec"].pop("selector"),
+    ):
+        broken = copy.deepcopy(monitor)
+        mutate(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            crd_validator("ServiceMonitor").validate(broken)
+
+    rule = yaml.safe_load(SAMPLE_RULE)
+    both = copy.deepcopy(rule)
+    both["spec"]["groups"][1]["rules"][0]["record"] = "kvwatch:down"
+    no_expr = copy.deepcopy(rule)
+    del no_expr["spec"]["groups"][0]["rules"][0]["expr"]
+    for broken in (both, no_expr):
+        with pytest.raises(jsonschema.ValidationError):
+            crd_validator("PrometheusRule").validate(broken)
+
+
+# ---------------------------------------------------------------- what selects what
+
+
+def check_wiring(objects: list[dict], monitor_kind: str) -> None:
+    s = SETTINGS
+    deployment = one(objects, "Deployment")
+    service = one(objects, "Service")
+    monitor = one(objects, monitor_kind)
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert matches(deployment["spec"]["selector"], pod_labels)
+    assert service["spec"]["selector"] and all(pod_labels.get(k) == v for k, v in service["spec"]["selector"].items())
+
+    container = kvwatch_container(deployment)
+    port = named_port(container, s.port_name)
+    assert port["containerPort"] == s.kvwatch_port
+    assert len(port["name"]) <= 15  # IANA service name limit for named ports
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert container[probe]["httpGet"] == {"path": path, "port": s.port_name}
+
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert service_ports[s.port_name]["targetPort"] == s.port_name
+    assert service_ports[s.port_name]["port"] == s.kvwatch_port
+
+    if monitor_kind == "ServiceMonitor":
+        assert matches(monitor["spec"]["selector"], service["metadata"]["labels"])
+        endpoints = monitor["spec"]["endpoints"]
+        assert [e["port"] for e in endpoints] == [s.port_name]
+        assert service_ports[endpoints[0]["port"]]["targetPort"] == port["name"]
+    else:
+        assert matches(monitor["spec"]["selector"], pod_labels)
+        endpoints = monitor["spec"]["podMetricsEndpoints"]
+        assert [e["port"] for e in endpoints] == [port["name"]]
+    assert endpoints[0]["path"] == "/metrics"
+    assert {"action": "replace", "targetLabel": "job", "replacement": s.job} in endpoints[0]["relabelings"]
+    assert all(monitor["metadata"]["labels"].get(k) == v for k, v in s.monitor_labels.items())
+    # Monitors select in their own namespace unless told otherwise.
+    assert "namespaceSelector" not in monitor["spec"]
+    namespaces = {doc["metadata"].get("namespace") for doc in objects}
+    assert len(namespaces) == 1, namespaces
+
+
+@pytest.mark.parametrize("overlay, kind", [("servicemonitor", "ServiceMonitor"), ("podmonitor", "PodMonitor")])
+def test_monitor_selects_the_sidecar_port_in_the_committed_files(overlay, kind):
+    objects = base_objects() + load_docs(KUBE / "overlays" / overlay / f"{overlay}.yaml")
+    for doc in objects:
+        doc["metadata"]["namespace"] = SETTINGS.namespace  # what the kustomizations set
+    check_wiring(objects, kind)
+
+
+@pytest.mark.parametrize("overlay, kind", [("servicemonitor", "ServiceMonitor"), ("podmonitor", "PodMonitor")])
+def test_kustomize_builds_each_overlay_into_valid_wired_objects(overlay, kind):
+    objects = kustomize_build(KUBE / "overlays" / overlay)
+    other = ({"ServiceMonitor", "PodMonitor"} - {kind}).pop()
+    assert not [d for d in objects if d["kind"] == other], "one monitor per overlay"
+    for doc in objects:
+        assert doc["metadata"]["namespace"] == SETTINGS.namespace
+        validate_object(doc, KUBERNETES_VERSIONS[-1])
+    check_wiring(objects, kind)
+
+
+def test_wiring_check_catches_a_mismatch():
+    objects = base_objects() + load_docs(KUBE / "overlays/servicemonitor/servicemonitor.yaml")
+    for doc in objects:
+        doc["metadata"]["namespace"] = SETTINGS.namespace
+    broken = copy.deepcopy(objects)
+    one(broken, "ServiceMonitor")["spec"]["endpoints"][0]["port"] = "metrics"
+    with pytest.raises(AssertionError):
+        check_wiring(broken, "ServiceMonitor")
+    broken = copy.deepcopy(objects)
+    one(broken, "Service")["metadata"]["labels"] = {"app": "other"}
+    with pytest.raises(AssertionError):
+        check_wiring(broken, "ServiceMonitor")
+
+
+def test_kustomizations_reference_existing_files():
+    kustomizations = sorted(KUBE.rglob("kustomization.yaml"))
+    assert len(kustomizations) == 4
+    for path in kustomizations:
+        doc = yaml.safe_load(path.read_text())
+        assert doc["apiVersion"].startswith("kustomize.config.k8s.io/")
+        assert doc["kind"] in ("Kustomization", "Component")
+        references = list(doc.get("resources", [])) + list(doc.get("components", []))
+        references += [patch["path"] for patch in doc.get("patches", []) if "path" in patch]
+        assert references
+        for reference in references:
+            target = (path.parent / reference).resolve()
+            assert target.exists(), f"{path.relative_to(REPO)} references missing {reference}"
+            if target.is_dir():
+                assert (target / "kustomization.yaml").is_file(), f"{reference} is not a kustomization"
+
+
+# ---------------------------------------------------------------- the sidecar itself
+
+
+def test_sidecar_is_hardened_and_sized_from_the_benchmark():
+    deployment = one(base_objects(), "Deployment")
+    container = kvwatch_container(deployment)
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] > 0
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["resources"] == {"requests": {"cpu": "20m", "memory": "96Mi"}, "limits": {"memory": "160Mi"}}
+    text = (KUBE / "base" / "vllm-deployment.yaml").read_text()
+    assert "~5 ms CPU per poll" in text and "60-80 MiB" in text  # the comment that says where the figures come from
+    # Writable scratch is the only writable path.
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts[manifests.CONFIG_MOUNT_DIR]["readOnly"] is True
+    assert set(mounts) == {manifests.CONFIG_MOUNT_DIR, "/tmp"}
+
+
+def test_sidecar_configuration_is_what_kvwatch_serve_accepts(tmp_path):
+    objects = base_objects()
+    deployment = one(objects, "Deployment")
+    container = kvwatch_container(deployment)
+    known = {env_name(key) for key in PARSERS if key != "diagnosis"} | {env_name("config")}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert set(env) <= known, set(env) - known
+    assert env["KVWATCH_HOST"] == "0.0.0.0"
+    assert int(env["KVWATCH_PORT"]) == named_port(container, SETTINGS.port_name)["containerPort"]
+
+    config_map = [d for d in objects if d["kind"] == "ConfigMap" and d["metadata"]["name"] == SETTINGS.config_map_name][0]
+    volume = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v.get("configMap", {}).get("name") == SETTINGS.config_map_name]
+    assert len(volume) == 1
+    mount = [m for m in container["volumeMounts"] if m["name"] == volume[0]["name"]][0]
+    config_path = Path(env["KVWATCH_CONFIG"])
+    assert str(config_path.parent) == mount["mountPath"] and config_path.name in config_map["data"]
+
+    config_file = tmp_path / config_path.name
+    config_file.write_text(config_map["data"][config_path.name])
+    settings = load_settings(str(config_file), environ={})
+    vllm = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}["vllm"]
+    # Containers of a pod share its network namespace: kvwatch reaches vLLM on loopback.
+    assert settings.target == f"http://127.0.0.1:{named_port(vllm, 'http')['containerPort']}/metrics"
+    assert settings.window == 300 and settings.poll_interval == 5
+
+
+def test_sidecar_patch_carries_the_same_container_as_the_base():
+    patch = KUBE / "sidecar-patch"
+    base = one(base_objects(), "Deployment")
+    operations = yaml.safe_load((patch / "kvwatch-container.yaml").read_text())
+    assert operations == [{"op": "add", "path": "/spec/template/spec/containers/-", "value": kvwatch_container(base)}]
+    base_volumes = {v["name"]: v for v in base["spec"]["template"]["spec"]["volumes"]}
+    volumes = yaml.safe_load((patch / "kvwatch-volumes.yaml").read_text())["spec"]["template"]["spec"]["volumes"]
+    assert {v["name"] for v in volumes} == {"kvwatch-config", "kvwatch-tmp"}
+    for volume in volumes:
+        assert base_volumes[volume["name"]] == volume
+    assert (patch / "kvwatch-config.yaml").read_text() == (KUBE / "base" / "kvwatch-config.yaml").read_text()
+    component = yaml.safe_load((patch / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component"
+    assert [p["target"]["name"] for p in component["patches"]] == [SETTINGS.name, SETTINGS.name]
+
+
+EXISTING_VLLM = {
+    "apiVersion": "apps/v1",
+    "kind": "Deployment",
+    "metadata": {"name": "vllm", "labels": {"app": "my-vllm"}},
+    "spec": {
+        "replicas": 3,
+        "selector": {"matchLabels": {"app": "my-vllm"}},
+        "template": {
+            "metadata": {"labels": {"app": "my-vllm"}},
+            "spec": {
+                "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0", "args": ["my-model"],
+                                "ports": [{"name": "http", "containerPort": 8000}]}],
+                "volumes": [{"name": "cache", "emptyDir": {}}],
+            },
+        },
+    },
+}
+
+
+def test_sidecar_patch_adds_kvwatch_to_an_existing_deployment(tmp_path):
+    (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(EXISTING_VLLM))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": ["deployment.yaml"],
+        "components": [os.path.relpath(KUBE / "sidecar-patch", tmp_path)],
+    }))
+    objects = kustomize_build(tmp_path)
+    deployment = one(objects, "Deployment")
+    assert one(objects, "ConfigMap")["metadata"]["name"] == SETTINGS.config_map_name
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["vllm", "kvwatch"]
+    assert containers[0] == EXISTING_VLLM["spec"]["template"]["spec"]["containers"][0]
+    assert kvwatch_container(deployment) == kvwatch_container(one(base_objects(), "Deployment"))
+    volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes == {"cache", "kvwatch-config", "kvwatch-tmp"}
+    assert deployment["spec"]["replicas"] == 3
+    for doc in objects:
+        validate_object(doc, KUBERNETES_VERSIONS[-1])
+
+
+def test_scrape_config_for_prometheus_without_the_operator_is_valid(tmp_path):
+    promtool = shutil.which("promtool")
+    if not promtool:
+        pytest.skip("promtool is not installed (make test installs it)")
+    snippet = yaml.safe_load((DEPLOY / "prometheus" / "scrape-configs.yaml").read_text())
+    job = snippet["scrape_configs"][0]
+    assert job["job_name"] == SETTINGS.job
+    assert {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": SETTINGS.port_name,
+            "action": "keep"} in job["relabel_configs"]
+    # Debian's Prometheus is built without Kubernetes discovery, so promtool
+    # there rejects kubernetes_sd_configs; swap in a static target to check the
+    # rest of the job (relabelling, intervals) for real.
+    assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]
+    job["static_configs"] = [{"targets": ["127.0.0.1:9400"]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({"global": {"scrape_interval": "15s"}, **snippet}))
+    result = subprocess.run([promtool, "check", "config", "--syntax-only", str(tmp_path / "prometheus.yml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_embedded_rules_pass_promtool(tmp_path):
+    promtool = shutil.which("promtool")
+    if not promtool:
+        pytest.skip("promtool is not installed (make test installs it)")
+    rules = [d for d in base_objects() if d["kind"] == "PrometheusRule"]
+    spec = rules[0]["spec"] if rules else yaml.safe_load(SAMPLE_RULE)["spec"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(spec))
+    result = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yaml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- config object
+
+
+def test_render_manifests_reads_the_fields_it_needs_from_any_config_object():
+    config = SimpleNamespace(deploy=SimpleNamespace(
+        namespace="inference", kvwatch_port=9500, port_name="kvw", vllm_port=8080, job="kvwatch-sidecars",
+        labels={"app": "llm"}, monitor_labels={"prometheus": "main"}, image="registry.example/kvwatch:1"))
+    files = render_manifests(config, prometheus_rule="", dashboards={})
+    assert yaml.safe_load(files["kubernetes/base/kustomization.yaml"])["namespace"] == "inference"
+    deployment = yaml.safe_load(files["kubernetes/base/vllm-deployment.yaml"])
+    container = kvwatch_container(deployment)
+    assert container["image"] == "registry.example/kvwatch:1"
+    assert named_port(container, "kvw")["containerPort"] == 9500
+    assert {"name": "KVWATCH_PORT", "value": "9500"} in container["env"]
+    assert deployment["spec"]["template"]["metadata"]["labels"] == {"app": "llm"}
+    config_map = yaml.safe_load(files["kubernetes/base/kvwatch-config.yaml"])
+    assert yaml.safe_load(config_map["data"]["kvwatch.yaml"])["target"] == "http://127.0.0.1:8080/metrics"
+    monitor = yaml.safe_load(files["kubernetes/overlays/podmonitor/podmonitor.yaml"])
+    assert monitor["spec"]["selector"] == {"matchLabels": {"app": "llm"}}
+    assert monitor["metadata"]["labels"]["prometheus"] == "main"
+    assert monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["replacement"] == "kvwatch-sidecars"
+    # No rules or dashboards given: the base lists only what exists.
+    assert "kubernetes/base/prometheusrule.yaml" not in files
+    assert yaml.safe_load(files["kubernetes/base/kustomization.yaml"])["resources"] == [
+        "kvwatch-config.yaml", "vllm-deployment.yaml", "service.yaml"]
+    # A flat config and a dict work too.
+    assert deploy_settings(SimpleNamespace(namespace="a")).namespace == "a"
+    assert deploy_settings({"deploy": {"kvwatch_port": 9401}}).kvwatch_port == 9401
+
+
+@pytest.mark.parametrize("field, value", [
+    ("port_name", "kvwatch-metrics-port"),  # longer than 15
+    ("port_name", "Metrics"),
+    ("kvwatch_port", 8000),  # same as vLLM's in one network namespace
+    ("labels", {}),
+])
+def test_render_manifests_refuses_settings_kubernetes_would_reject(field, value):
+    with pytest.raises(ValueError, match=field.split("_")[0]):
+        render_manifests({field: value}, prometheus_rule="", dashboards={})
