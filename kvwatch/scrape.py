@@ -1,7 +1,8 @@
 """Fetching the engine's /metrics: the only network I/O toward the engine.
 
 Limits on every fetch: a connect and read timeout and an overall deadline (a
-server that trickles bytes cannot hold a poll past it), a cap on the body size
+server that trickles bytes, in its headers or its body, cannot hold a poll past
+it: a watchdog shuts the socket down when the deadline passes), a cap on the body size
 (counted after decompression), no redirects (kvwatch only ever fetches the
 configured target), and a record of the content type (an HTML error page from
 a proxy is reported as such). Each failure has a short machine-readable reason for
@@ -12,13 +13,16 @@ contains the bearer token.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+import requests.adapters
 import urllib3
+import urllib3.connection
 
 from kvwatch import __version__
 
@@ -63,6 +67,8 @@ class Fetcher:
         # The environment's proxies must not redirect a sidecar's loopback poll.
         self.session.trust_env = False
         self.session.verify = ca_bundle if ca_bundle else tls_verify
+        for scheme in ("http://", "https://"):
+            self.session.mount(scheme, _WatchedAdapter())
         self.session.headers.update({
             "Accept": ACCEPT,
             "Accept-Encoding": "gzip",
@@ -84,6 +90,19 @@ class Fetcher:
 
     def fetch(self) -> FetchResult:
         started = time.monotonic()
+        watchdog = _Watchdog(self.timeout)
+        try:
+            with watchdog:
+                result = self._fetch(started)
+        except Exception as exc:  # a fetch reports, it never raises into the poll loop
+            result = self._fail("error", f"unexpected {type(exc).__name__}", started)
+        if watchdog.fired and result.reason != "timeout":
+            # Whatever the cut-off read looked like (an early EOF, a short
+            # body), the server did not answer within the deadline.
+            return self._fail("timeout", f"response not complete within {self.timeout:g}s (slow server)", started)
+        return result
+
+    def _fetch(self, started: float) -> FetchResult:
         deadline = started + self.timeout
         try:
             response = self.session.get(
@@ -153,6 +172,91 @@ class Fetcher:
 
     def _fail(self, reason: str, detail: str, started: float) -> FetchResult:
         return FetchResult(None, reason, detail, time.monotonic() - started)
+
+
+class _Watchdog:
+    """Shuts down the sockets of one fetch when its overall deadline passes.
+
+    A socket timeout bounds only the wait for the next byte, so a server that
+    sends one byte per second could hold a poll for as long as it likes;
+    shutting the socket down wakes the blocked read at once."""
+
+    _current = threading.local()
+
+    def __init__(self, seconds: float):
+        self.fired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> "_Watchdog":
+        _Watchdog._current.watchdog = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+        _Watchdog._current.watchdog = None
+
+    @classmethod
+    def watch(cls, sock: socket.socket | None) -> None:
+        watchdog = getattr(cls._current, "watchdog", None)
+        if watchdog is None or sock is None:
+            return
+        with watchdog._lock:
+            if watchdog.fired:
+                _shutdown(sock)
+            else:
+                watchdog._sockets.append(sock)
+
+    def _fire(self) -> None:
+        with self._lock:
+            self.fired = True
+            for sock in self._sockets:
+                _shutdown(sock)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
+class _WatchedConnectionMixin:
+    # A new connection is watched from its TCP connect on (TLS handshake
+    # included); a reused keep-alive connection from its next response on.
+    def _new_conn(self):
+        sock = super()._new_conn()
+        _Watchdog.watch(sock)
+        return sock
+
+    def getresponse(self, *args, **kwargs):
+        _Watchdog.watch(self.sock)
+        return super().getresponse(*args, **kwargs)
+
+
+class _WatchedHTTPConnection(_WatchedConnectionMixin, urllib3.connection.HTTPConnection):
+    pass
+
+
+class _WatchedHTTPSConnection(_WatchedConnectionMixin, urllib3.connection.HTTPSConnection):
+    pass
+
+
+class _WatchedHTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _WatchedHTTPConnection
+
+
+class _WatchedHTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
+class _WatchedAdapter(requests.adapters.HTTPAdapter):
+    def init_poolmanager(self, *args, **kwargs) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
 
 
 def _connection_reason(exc: Exception) -> str:
