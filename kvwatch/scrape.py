@@ -168,6 +168,10 @@ class Fetcher:
                 requests.exceptions.RequestException, zlib.error, OSError) as exc:
             reason = "timeout" if "timed out" in str(exc).lower() else "truncated"
             return b"", (reason, _safe(exc))
+        if decompressor is not None and not decompressor.eof:
+            # A gzip stream cut off at a line boundary would otherwise pass
+            # for a whole page.
+            return b"", ("truncated", "gzip stream ends before its end marker")
         return b"".join(parts), None
 
     def _fail(self, reason: str, detail: str, started: float) -> FetchResult:
