@@ -7,7 +7,7 @@ it: a watchdog shuts the socket down when the deadline passes), a cap on the bod
 configured target), and a record of the content type (an HTML error page from
 a proxy is reported as such). Each failure has a short machine-readable reason for
 `kvwatch_poll_errors_total{reason}` and a human detail for logs; neither ever
-contains the bearer token.
+contains the bearer token, nor the credentials or query string of the target URL.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import requests
 import requests.adapters
@@ -120,6 +121,9 @@ class Fetcher:
             return self._fail("timeout", f"no response within {self.timeout:g}s", started)
         except requests.exceptions.ConnectionError as exc:
             return self._fail(_connection_reason(exc), _safe(exc), started)
+        except requests.exceptions.InvalidHeader:
+            # Its message quotes the header value, that is the token itself.
+            return self._fail("error", "the bearer token file does not hold a valid HTTP header value", started)
         except requests.exceptions.RequestException as exc:
             return self._fail("error", _safe(exc), started)
 
@@ -175,7 +179,26 @@ class Fetcher:
         return b"".join(parts), None
 
     def _fail(self, reason: str, detail: str, started: float) -> FetchResult:
-        return FetchResult(None, reason, detail, time.monotonic() - started)
+        return FetchResult(None, reason, self._redact(detail), time.monotonic() - started)
+
+    def _redact(self, text: str) -> str:
+        # Exception texts quote the request's URL (its query string included)
+        # and sometimes more; a detail reaches logs, the status page and the API.
+        for secret in self._secrets():
+            text = text.replace(secret, "<redacted>")
+        return text
+
+    def _secrets(self) -> list[str]:
+        parts = urlsplit(self.url)
+        found = [parts.query, parts.username, parts.password]
+        found += [unquote(p) for p in (parts.query, parts.username, parts.password) if p]
+        if parts.username is not None:
+            found.append(parts.netloc.rpartition("@")[0])
+        if self._token:
+            found.append(self._token)
+            found.extend(self._token.splitlines())
+        # Longest first, so a secret containing another is replaced whole.
+        return sorted({s for s in found if s and len(s) >= 3}, key=len, reverse=True)
 
 
 class _Watchdog:
