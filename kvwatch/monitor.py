@@ -17,6 +17,7 @@ from typing import Any
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.engines.vllm import VllmAdapter
+from kvwatch.report import public_url
 from kvwatch.scrape import Fetcher, FetchResult
 from kvwatch.settings import Settings
 from kvwatch.signals import Evaluated, evaluate_window
@@ -174,7 +175,7 @@ class Monitor:
             upstream=upstream,
         )
         if not was_up:
-            log.info("polling %s: up (%d engines)", self.settings.target, len(snapshot.engines))
+            log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))
         return self.state
 
     def _record_failure(self, reason: str, detail: str, started: float, seconds: float, cpu: float) -> State:
@@ -184,7 +185,8 @@ class Monitor:
         if previous.up or previous.reason != reason:
             # Log transitions, not every failed poll: a down engine must not
             # flood the log at one line per interval.
-            log.warning("polling %s failed: %s (%s)", self.settings.target, reason, detail)
+            # public_url: the log must not carry credentials from the target URL.
+            log.warning("polling %s failed: %s (%s)", public_url(self.settings.target), reason, detail)
         self.state = State(
             up=False,
             reason=reason,
