@@ -1,0 +1,129 @@
+"""The optional second source for the slow-first-token diagnosis: a gateway's
+or application's /metrics and one histogram there that measures time spent
+before the engine sees a request (retrieval, routing, guardrails), named by
+`upstream_histogram`, polled at `upstream_target`.
+
+It keeps its own small window of that histogram (all its series summed, resets
+handled like the engine's counters) and reports the window's mean and p95.
+The engine's bearer token is never sent here: the upstream is another service.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Any
+
+from kvwatch.exposition import FamilySelector
+from kvwatch.report import public_url
+from kvwatch.scrape import Fetcher
+from kvwatch.snapshot import Histogram
+
+_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def histogram_base_name(name: str) -> str:
+    """`app_retrieval_seconds_bucket` and `app_retrieval_seconds` name the same
+    family."""
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def summed_histogram(page, name: str) -> Histogram | None:
+    """The family's series summed across every label set but `le`."""
+    family = page.families.get(name)
+    if family is None:
+        return None
+    buckets: dict[float, float] = {}
+    total = 0.0
+    count = None
+    for suffix, labels, value in family.samples:
+        if math.isnan(value):
+            continue
+        if suffix == "_bucket":
+            try:
+                bound = float(labels.get("le", "nan"))
+            except ValueError:
+                continue
+            if not math.isnan(bound):
+                buckets[bound] = buckets.get(bound, 0.0) + value
+        elif suffix == "_sum":
+            total += value
+        elif suffix == "_count":
+            count = (count or 0.0) + value
+    if math.inf not in buckets:
+        return None
+    bounds = tuple(sorted(buckets))
+    cumulative = tuple(buckets[b] for b in bounds)
+    return Histogram(bounds, cumulative, total, cumulative[-1] if count is None else count)
+
+
+class UpstreamSource:
+    def __init__(self, settings, window_seconds: float, clock=time.time):
+        self.name = histogram_base_name(settings.upstream_histogram)
+        self.target = settings.upstream_target
+        # Half the poll interval at most: the engine's fetch comes first in the
+        # same poll, and both together should fit one interval.
+        timeout = min(settings.fetch_timeout, max(0.2, 0.5 * settings.poll_interval))
+        self.fetcher = Fetcher(self.target, timeout, settings.max_body_bytes, None,
+                               settings.ca_bundle, settings.tls_verify)
+        self.selector = FamilySelector([self.name], ("",))
+        self.window_seconds = window_seconds
+        self.clock = clock
+        # (time, histogram as scraped, increase since the previous poll)
+        self._entries: deque[tuple[float, Histogram, Histogram | None]] = deque(maxlen=10_000)
+
+    def poll(self) -> dict[str, Any]:
+        now = self.clock()
+        result = self.fetcher.fetch()
+        if not result.ok:
+            return self._report(now, False, result.reason, result.detail)
+        return self.ingest(result.text, now)
+
+    def ingest(self, text: str, now: float) -> dict[str, Any]:
+        page = self.selector.parse(text)
+        histogram = summed_histogram(page, self.name)
+        if histogram is None:
+            return self._report(now, False, "histogram_missing", f"no histogram {self.name!r} on the page")
+        step = None
+        if self._entries:
+            previous = self._entries[-1][1]
+            step = histogram.minus(previous)
+            if step is None:
+                # Restarted (or bounds changed): the increase is the new value.
+                step = histogram
+        self._entries.append((now, histogram, step))
+        horizon = now - self.window_seconds
+        while len(self._entries) > 2 and self._entries[1][0] <= horizon:
+            self._entries.popleft()
+        return self._report(now, True, None, "")
+
+    def increase(self) -> Histogram | None:
+        total = None
+        for _, _, step in list(self._entries)[1:]:
+            if step is None:
+                continue
+            merged = step if total is None else total.plus(step)
+            total = merged if merged is not None else step
+        return total
+
+    def _report(self, now: float, up: bool, reason: str | None, detail: str) -> dict[str, Any]:
+        increase = self.increase()
+        p95 = increase.quantile(0.95) if increase is not None else None
+        covered = self._entries[-1][0] - self._entries[0][0] if len(self._entries) > 1 else 0.0
+        return {
+            "histogram": self.name,
+            "target": public_url(self.target),
+            "up": up,
+            "reason": reason,
+            "detail": detail,
+            "count": increase.count if increase is not None else 0.0,
+            "mean_seconds": increase.mean() if increase is not None else None,
+            "p95_seconds": p95.value if p95 is not None else None,
+            "p95_pinned": p95.pinned if p95 is not None else None,
+            "window_seconds": covered,
+            "time": now,
+        }
