@@ -268,7 +268,7 @@ def check_wiring(objects: list[dict], monitor_kind: str) -> None:
     port = named_port(container, s.port_name)
     assert port["containerPort"] == s.kvwatch_port
     assert len(port["name"]) <= 15  # IANA service name limit for named ports
-    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         assert container[probe]["httpGet"] == {"path": path, "port": s.port_name}
 
     service_ports = {p["name"]: p for p in service["spec"]["ports"]}
@@ -518,3 +518,9 @@ def test_render_manifests_reads_the_fields_it_needs_from_any_config_object():
 def test_render_manifests_refuses_settings_kubernetes_would_reject(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         render_manifests({field: value}, prometheus_rule="", dashboards={})
+
+
+def test_docs_describe_every_generator_setting():
+    text = (REPO / "docs" / "deploy.md").read_text()
+    missing = [name for name in manifests.DEPLOY_FIELDS if f"| `{name}` |" not in text]
+    assert not missing, f"docs/deploy.md's settings table lacks {missing}"

@@ -192,12 +192,17 @@ CONFIG_FILE_NAME = "kvwatch.yaml"
 
 
 def kvwatch_container(s: DeploySettings) -> dict:
-    probe_common = {"httpGet": None, "periodSeconds": 10, "timeoutSeconds": 2}
-    liveness = dict(probe_common, httpGet={"path": "/healthz", "port": s.port_name}, failureThreshold=3)
+    def probe(path: str, **timing) -> dict:
+        return {"httpGet": {"path": path, "port": s.port_name}, "periodSeconds": 10, "timeoutSeconds": 2, **timing}
+
+    # Importing the web stack takes seconds on a busy node with a 20m CPU
+    # request; liveness applies only once the startup probe passed (up to 60 s).
+    startup = probe("/healthz", periodSeconds=2, failureThreshold=30)
+    liveness = probe("/healthz", failureThreshold=3)
     # /readyz is 503 until a recent poll of vLLM succeeded. A pod is Ready only
     # when every container is, so this also holds inference traffic back until
     # vLLM answers on /metrics; a generous threshold rides out a slow poll.
-    readiness = dict(probe_common, httpGet={"path": "/readyz", "port": s.port_name}, failureThreshold=6)
+    readiness = probe("/readyz", failureThreshold=6)
     return {
         "name": "kvwatch",
         "image": s.image,
@@ -211,6 +216,7 @@ def kvwatch_container(s: DeploySettings) -> dict:
             {"name": "KVWATCH_PORT", "value": str(s.kvwatch_port)},
         ],
         "ports": [{"name": s.port_name, "containerPort": s.kvwatch_port, "protocol": "TCP"}],
+        "startupProbe": startup,
         "livenessProbe": liveness,
         "readinessProbe": readiness,
         "resources": s.resources,
