@@ -1,0 +1,549 @@
+"""Diagnosis rules, each cause driven by a sequence of hand-built snapshots:
+the finding appears, and the causes it could be mistaken for do not."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+
+import pytest
+
+from kvwatch.diagnose import (
+    CAUSES,
+    DEFAULT_THRESHOLDS,
+    diagnose,
+    is_actionable,
+    resolve_thresholds,
+    validate_thresholds,
+)
+from kvwatch.monitor import Event
+from kvwatch.settings import SettingsError, load_settings
+from kvwatch.signals import evaluate_window
+from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
+from kvwatch.window import Window
+
+# vLLM 0.32's default bounds (reference §1.2).
+LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+           960.0, 1920.0, 7680.0, math.inf)
+TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+        160.0, 640.0, 2560.0, math.inf)
+TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, math.inf)
+RESIDENCY = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800,
+             math.inf)
+BOUNDS = {"ttft": TTFT, "queue_time": LATENCY, "prefill_time": LATENCY, "prompt_len": TOKENS,
+          "generation_len": TOKENS, "kv_block_idle_before_evict": RESIDENCY, "kv_block_reuse_gap": RESIDENCY}
+
+CONFIG = {"block_size": "32", "num_gpu_blocks": "128", "kv_cache_size_tokens": "4096", "cache_dtype": "auto",
+          "enable_prefix_caching": "True", "kv_cache_max_concurrency": "4.0", "engine": "0"}
+
+
+class Engine:
+    """A hand-driven engine: cumulative counters and histograms that each
+    `step` advances, rendered into Snapshots on a synthetic clock."""
+
+    def __init__(self, model: str = "tiny-llama", engine: str = "0", config: dict | None = None):
+        self.model = model
+        self.engine = engine
+        self.config = dict(CONFIG if config is None else config)
+        self.counters: dict[str, float] = defaultdict(float)
+        self.buckets: dict[str, list[float]] = {}
+        self.sums: dict[str, float] = defaultdict(float)
+        self.created = 1000.0
+        self.gauges: dict[str, float] = {}
+
+    def observe(self, key: str, value: float, times: int = 1) -> None:
+        bounds = BOUNDS[key]
+        counts = self.buckets.setdefault(key, [0.0] * len(bounds))
+        for index in range(bisect.bisect_left(bounds, value), len(bounds)):
+            counts[index] += times
+        self.sums[key] += value * times
+
+    def restart(self) -> None:
+        self.counters = defaultdict(float)
+        self.buckets = {}
+        self.sums = defaultdict(float)
+        self.created += 1
+
+    def snapshot(self) -> EngineSnapshot:
+        histograms = {key: Histogram(BOUNDS[key], tuple(counts), self.sums[key], counts[-1])
+                      for key, counts in self.buckets.items()}
+        for key in BOUNDS:
+            histograms.setdefault(key, Histogram(BOUNDS[key], (0.0,) * len(BOUNDS[key]), 0.0, 0.0))
+        return EngineSnapshot(self.model, self.engine, dict(self.gauges), dict(self.counters), histograms, self.created)
+
+
+class Run:
+    """A window fed one poll per `step`, and the diagnosis over it."""
+
+    def __init__(self, window_seconds: float = 300.0, thresholds: dict | None = None, interval: float = 10.0):
+        self.window = Window(window_seconds)
+        self.thresholds = thresholds or {}
+        self.interval = interval
+        self.now = 10_000.0
+        self.events: list[Event] = []
+        self.engines = [Engine()]
+
+    @property
+    def engine(self) -> Engine:
+        return self.engines[0]
+
+    def step(self, *, usage: float = 0.2, running: float = 2, waiting: float = 0, requests: int = 0,
+             prompt: float = 500, generated: float = 100, hit_ratio: float | None = None, cached_ratio: float = 0.0,
+             ttft: float | None = None, queue: float = 0.0, prefill: float = 0.05, preemptions: float = 0,
+             extra_gauges: dict | None = None, engine: Engine | None = None, residency: tuple | None = None,
+             poll: bool = True):
+        """One interval of one engine: `requests` finish with these lengths
+        and timings, their prompt tokens query the prefix cache with
+        `hit_ratio`; then (with `poll`) one snapshot of every engine."""
+        engine = engine or self.engine
+        c = engine.counters
+        if requests:
+            queried = requests * prompt
+            c["prompt_tokens"] += queried
+            c["generation_tokens"] += requests * generated
+            c["finished/length"] += requests
+            c["preemptions"] += preemptions
+            if hit_ratio is not None:
+                c["prefix_queries"] += queried
+                c["prefix_hits"] += queried * hit_ratio
+                c["prompt_tokens_cached"] += queried * hit_ratio
+            else:
+                c["prefix_queries"] += 0
+                c["prompt_tokens_cached"] += queried * cached_ratio
+            engine.observe("prompt_len", prompt, requests)
+            engine.observe("generation_len", generated, requests)
+            engine.observe("queue_time", queue, requests)
+            engine.observe("prefill_time", prefill, requests)
+            engine.observe("ttft", queue + prefill + 0.02 if ttft is None else ttft, requests)
+        else:
+            c["preemptions"] += preemptions
+        if residency:
+            idle, gap = residency
+            engine.observe("kv_block_idle_before_evict", idle, 50)
+            engine.observe("kv_block_reuse_gap", gap, 50)
+        engine.gauges = {"kv_usage": usage, "running": running, "waiting": waiting,
+                         "waiting_by_reason/capacity": waiting, "waiting_by_reason/deferred": 0.0,
+                         **(extra_gauges or {})}
+        if poll:
+            self.now += self.interval
+            engines = {(e.model, e.engine): e.snapshot() for e in self.engines}
+            self.window.add(Snapshot(self.now, engines, cache_config={e.engine: dict(e.config) for e in self.engines}))
+        return self
+
+    def steps(self, count: int, **kwargs):
+        for _ in range(count):
+            self.step(**kwargs)
+        return self
+
+    def findings(self, upstream=None):
+        per_engine, per_model = evaluate_window(self.window)
+        return diagnose(self.window, per_engine, per_model, tuple(self.events), self.thresholds, upstream)
+
+
+def causes(findings, symptom: str | None = None) -> set[str]:
+    return {f.cause for f in findings if symptom is None or f.symptom == symptom}
+
+
+def only(findings, cause: str):
+    matching = [f for f in findings if f.cause == cause]
+    assert len(matching) == 1, [(f.symptom, f.cause) for f in findings]
+    return matching[0]
+
+
+# --------------------------------------------------------------------------
+# exhaustion
+# --------------------------------------------------------------------------
+
+# 300 + 100 tokens = 13 blocks of 32; 128 blocks hold 9 such requests.
+SHORT = dict(prompt=300, generated=100)
+
+
+def test_concurrency_beyond_capacity_with_kv_bound_queueing():
+    run = Run(thresholds={"max_num_seqs": 9})
+    run.steps(6, usage=0.4, running=3, requests=5, **SHORT, queue=0.01, prefill=0.05)
+    run.steps(4, usage=0.97, running=9, waiting=20, requests=8, **SHORT, queue=4.0, prefill=0.05, preemptions=3)
+    findings = run.findings()
+    finding = only(findings, "concurrency_beyond_capacity")
+    assert finding.symptom == "exhaustion" and finding.severity == "critical" and finding.confidence == "high"
+    assert finding.evidence["kv_cache_capacity_requests"] == 9
+    assert finding.evidence["demand_at_peak"] == 29
+    assert finding.evidence["preemptions"] == 12
+    assert finding.next_check
+    assert "long_requests" not in causes(findings)
+    assert "capacity_below_max_num_seqs" not in causes(findings)
+    # The queue comes from the full cache: never called compute-bound.
+    assert "queueing_kv_bound" in causes(findings, "slow_first_token")
+    assert "queueing_compute_bound" not in causes(findings)
+
+
+def test_full_cache_without_preemption_is_a_warning():
+    run = Run(thresholds={"max_num_seqs": 9})
+    run.steps(3, usage=0.95, running=9, waiting=6, requests=4, **SHORT)
+    finding = only(run.findings(), "concurrency_beyond_capacity")
+    assert finding.severity == "warning"
+    assert finding.evidence["preemptions"] == 0
+
+
+def test_long_requests():
+    # 1000 + 200 tokens each: 3 running requests fill 95 % of the cache.
+    run = Run()
+    run.steps(8, usage=0.95, running=3, waiting=1, requests=1, prompt=1000, generated=200, preemptions=1)
+    findings = run.findings()
+    finding = only(findings, "long_requests")
+    assert finding.symptom == "exhaustion"
+    assert finding.evidence["capacity_share_per_running_request"] == pytest.approx(0.95 / 3, rel=1e-3)
+    assert finding.evidence["running_at_peak"] == 3
+    assert "concurrency_beyond_capacity" not in causes(findings)
+    # 38 blocks each: the cache holds 3, and 3 ran; no inferred excess.
+    assert "capacity_below_max_num_seqs" not in causes(findings)
+
+
+def test_capacity_below_configured_max_num_seqs():
+    run = Run(thresholds={"max_num_seqs": 16})
+    run.steps(4, usage=0.96, running=9, waiting=4, requests=4, **SHORT, preemptions=2)
+    findings = run.findings()
+    finding = only(findings, "capacity_below_max_num_seqs")
+    assert finding.severity == "warning" and finding.confidence == "high"
+    assert finding.evidence["max_num_seqs"] == 16
+    assert finding.evidence["kv_cache_capacity_requests"] == 9
+    assert "configured" in finding.evidence["max_num_seqs_source"]
+    assert finding.evidence["kv_cache_max_concurrency_at_max_model_len"] == 4
+
+
+def test_capacity_below_max_num_seqs_inferred_from_running():
+    # Without the setting, 12 requests seen running prove max_num_seqs >= 12.
+    run = Run()
+    run.steps(4, usage=0.93, running=12, waiting=3, requests=4, prompt=200, generated=200, preemptions=1)
+    run.steps(2, usage=0.93, running=9, waiting=3, requests=4, **SHORT, preemptions=1)
+    finding = only(run.findings(), "capacity_below_max_num_seqs")
+    assert finding.evidence["max_num_seqs"] == 12
+    assert finding.confidence == "medium"
+    assert "at least" in finding.evidence["max_num_seqs_source"]
+
+
+def test_capacity_below_max_num_seqs_without_exhaustion_is_info():
+    run = Run(thresholds={"max_num_seqs": 16})
+    run.steps(4, usage=0.5, running=4, requests=4, **SHORT)
+    findings = run.findings()
+    assert only(findings, "capacity_below_max_num_seqs").severity == "info"
+    assert not causes(findings) - {"capacity_below_max_num_seqs"}
+
+
+def test_high_usage_alone_is_not_exhaustion():
+    # A busy cache with nobody waiting and no preemption is working, not full.
+    run = Run()
+    run.steps(5, usage=0.98, running=9, waiting=0, requests=4, **SHORT)
+    assert not causes(run.findings(), "exhaustion")
+
+
+def test_preemption_without_a_full_poll_is_still_exhaustion():
+    run = Run()
+    run.steps(3, usage=0.6, running=12, waiting=0, requests=4, **SHORT, preemptions=2)
+    finding = only(run.findings(), "concurrency_beyond_capacity")
+    assert finding.severity == "critical" and finding.confidence == "medium"
+
+
+# --------------------------------------------------------------------------
+# low hit rate
+# --------------------------------------------------------------------------
+
+
+def test_caching_disabled():
+    run = Run()
+    run.engine.config["enable_prefix_caching"] = "False"
+    run.steps(6, usage=0.3, running=2, requests=4, hit_ratio=None)
+    findings = run.findings()
+    finding = only(findings, "caching_disabled")
+    assert finding.symptom == "low_hit_rate" and finding.severity == "info"
+    assert causes(findings, "low_hit_rate") == {"caching_disabled"}
+
+
+def test_cold_cache_after_restart():
+    run = Run()
+    run.steps(6, usage=0.4, running=3, requests=4, hit_ratio=0.8)
+    run.engine.restart()
+    run.steps(4, usage=0.4, running=3, requests=4, hit_ratio=0.05)
+    findings = run.findings()
+    finding = only(findings, "cold_cache")
+    assert finding.evidence["hit_ratio_since_restart"] == pytest.approx(0.05, rel=1e-3)
+    assert finding.evidence["hit_ratio_before_restart"] == pytest.approx(0.8, rel=1e-3)
+    assert causes(findings, "low_hit_rate") == {"cold_cache"}
+    assert "engine_restarted" in causes(findings, "change")
+
+
+def test_prefix_changed_step_drop_with_moderate_usage():
+    run = Run()
+    run.steps(12, usage=0.4, running=3, requests=4, hit_ratio=0.8)
+    run.steps(6, usage=0.45, running=3, requests=4, hit_ratio=0.05)
+    findings = run.findings()
+    finding = only(findings, "prefix_changed")
+    assert finding.severity == "warning" and finding.confidence == "medium"
+    assert finding.evidence["hit_ratio_baseline"] == pytest.approx(0.8, rel=1e-3)
+    assert finding.evidence["hit_ratio_recent"] == pytest.approx(0.05, rel=1e-3)
+    assert causes(findings, "low_hit_rate") == {"prefix_changed"}
+
+
+def test_prefix_changed_at_a_recorded_change():
+    run = Run()
+    run.steps(12, usage=0.4, running=3, requests=4, hit_ratio=0.8)
+    run.events.append(Event(run.now + 10, "lora", None, None, "new LoRA adapters: sql-v2"))
+    # The change at the drop explains it even with a busy cache.
+    run.steps(6, usage=0.9, running=3, requests=4, hit_ratio=0.05)
+    findings = run.findings()
+    finding = only(findings, "prefix_changed")
+    assert finding.confidence == "high"
+    assert "sql-v2" in finding.evidence["changes_at_drop"]
+    assert "eviction_before_reuse" not in causes(findings)
+    assert "lora_changed" in causes(findings, "change")
+
+
+def test_eviction_before_reuse_from_usage():
+    run = Run()
+    run.steps(12, usage=0.5, running=3, requests=4, hit_ratio=0.7)
+    run.steps(6, usage=0.93, running=8, requests=4, hit_ratio=0.15)
+    findings = run.findings()
+    finding = only(findings, "eviction_before_reuse")
+    assert finding.confidence == "medium"
+    assert finding.evidence["kv_usage_recent_max"] == pytest.approx(0.93)
+    assert causes(findings, "low_hit_rate") == {"eviction_before_reuse"}
+
+
+def test_eviction_before_reuse_from_residency_histograms():
+    # Blocks sit idle 0.5 s before eviction, but reuse comes after 30 s.
+    run = Run()
+    run.steps(8, usage=0.5, running=3, requests=4, hit_ratio=0.08, residency=(0.5, 30.0))
+    findings = run.findings()
+    finding = only(findings, "eviction_before_reuse")
+    assert finding.evidence["kv_block_idle_before_evict_p50_seconds"] < finding.evidence["kv_block_reuse_gap_p50_seconds"]
+    assert "no_reuse" not in causes(findings)
+
+
+def test_no_reuse():
+    run = Run()
+    run.steps(18, usage=0.4, running=3, requests=4, hit_ratio=0.03)
+    findings = run.findings()
+    finding = only(findings, "no_reuse")
+    assert finding.severity == "info"
+    assert causes(findings, "low_hit_rate") == {"no_reuse"}
+    assert not [f for f in findings if is_actionable(f)]
+
+
+def test_residency_that_keeps_blocks_long_enough_is_no_reuse():
+    run = Run()
+    run.steps(8, usage=0.85, running=3, requests=4, hit_ratio=0.05, residency=(120.0, 5.0))
+    assert causes(run.findings(), "low_hit_rate") == {"no_reuse"}
+
+
+def test_healthy_hit_ratio_has_no_finding():
+    run = Run()
+    run.steps(18, usage=0.4, running=3, requests=4, hit_ratio=0.75)
+    assert not run.findings()
+
+
+def test_too_few_queries_to_judge():
+    run = Run()
+    run.steps(4, usage=0.4, running=1, requests=1, prompt=100, hit_ratio=0.0)
+    assert not causes(run.findings(), "low_hit_rate")
+
+
+# --------------------------------------------------------------------------
+# slow first token
+# --------------------------------------------------------------------------
+
+
+def test_queueing_compute_bound_is_not_exhaustion():
+    # Scheduler slots, not KV blocks: usage 50 % while 30 requests wait.
+    run = Run(thresholds={"max_num_seqs": 8})
+    run.steps(10, usage=0.5, running=8, waiting=30, requests=8, prompt=100, generated=50, queue=3.0, prefill=0.05,
+              hit_ratio=0.5)
+    findings = run.findings()
+    finding = only(findings, "queueing_compute_bound")
+    assert finding.symptom == "slow_first_token"
+    assert finding.evidence["kv_usage_max_while_waiting"] == pytest.approx(0.5)
+    assert finding.evidence["queue_share"] > 0.9
+    assert "bigger cache does not" in finding.summary
+    assert not causes(findings, "exhaustion")
+    assert "queueing_kv_bound" not in causes(findings)
+
+
+def test_prefill():
+    run = Run()
+    run.steps(10, usage=0.5, running=2, requests=3, prompt=8000, generated=50, queue=0.05, prefill=2.4,
+              hit_ratio=0.3)
+    findings = run.findings()
+    finding = only(findings, "prefill")
+    assert finding.evidence["prefill_share"] > 0.9
+    assert finding.evidence["uncached_prompt_tokens_mean"] == pytest.approx(8000 * 0.7, rel=1e-3)
+    assert causes(findings, "slow_first_token") == {"prefill"}
+
+
+def test_front_end():
+    run = Run()
+    run.steps(10, usage=0.3, running=2, requests=4, prompt=300, queue=0.01, prefill=0.05, ttft=2.2, hit_ratio=0.5)
+    findings = run.findings()
+    finding = only(findings, "front_end")
+    assert finding.evidence["other_share"] > 0.9
+    assert causes(findings, "slow_first_token") == {"front_end"}
+
+
+def test_upstream_is_the_larger_part():
+    run = Run()
+    run.steps(10, usage=0.3, running=2, requests=4, prompt=300, queue=0.01, prefill=0.1, hit_ratio=0.5)
+    upstream = {"histogram": "app_retrieval_seconds", "up": True, "mean_seconds": 2.5, "p95_seconds": 4.0,
+                "count": 40}
+    findings = run.findings(upstream)
+    finding = only(findings, "upstream")
+    assert finding.evidence["upstream_share"] > 0.9
+    assert "does not repair" in finding.next_check
+    # The engine's own TTFT is fast: no engine-side cause.
+    assert causes(findings, "slow_first_token") == {"upstream"}
+
+
+def test_upstream_down_is_not_a_cause():
+    run = Run()
+    run.steps(10, usage=0.3, running=2, requests=4, prompt=300, queue=0.01, prefill=0.1, hit_ratio=0.5)
+    upstream = {"histogram": "app_retrieval_seconds", "up": False, "mean_seconds": 2.5, "count": 40}
+    assert not run.findings(upstream)
+
+
+def test_fast_first_token_has_no_finding():
+    run = Run()
+    run.steps(10, usage=0.3, running=2, requests=4, prompt=300, queue=0.01, prefill=0.1, hit_ratio=0.5)
+    assert not run.findings()
+
+
+def test_ttft_objective_is_configurable():
+    run = Run(thresholds={"ttft_p95_seconds": "100ms", "ttft_mean_seconds": "50ms"})
+    run.steps(10, usage=0.3, running=2, requests=4, prompt=300, queue=0.01, prefill=0.1, hit_ratio=0.5)
+    assert causes(run.findings(), "slow_first_token") == {"prefill"}
+
+
+# --------------------------------------------------------------------------
+# changes
+# --------------------------------------------------------------------------
+
+
+def test_model_changed():
+    run = Run()
+    run.steps(3, requests=2, hit_ratio=0.5)
+    run.engines = [Engine(model="llama-3-8b")]
+    run.steps(2, requests=2, hit_ratio=0.5)
+    finding = only(run.findings(), "model_changed")
+    assert finding.symptom == "change" and finding.severity == "info"
+    assert finding.model == "llama-3-8b"
+    assert finding.evidence["models_before"] == "tiny-llama"
+
+
+def test_lora_changed():
+    run = Run()
+    run.steps(3, requests=2, hit_ratio=0.5)
+    run.events.append(Event(run.now, "lora", None, None, "new LoRA adapters: sql"))
+    finding = only(run.findings(), "lora_changed")
+    assert finding.model == "tiny-llama"  # the only served model
+
+
+def test_cache_dtype_changed():
+    run = Run()
+    run.steps(3, requests=2, hit_ratio=0.5)
+    run.engine.config["cache_dtype"] = "fp8_e4m3"
+    run.steps(2, requests=2, hit_ratio=0.5)
+    findings = run.findings()
+    finding = only(findings, "cache_dtype_changed")
+    assert finding.severity == "info"
+    assert "accuracy" in finding.summary and "accuracy" in finding.next_check
+    assert "auto -> fp8_e4m3" in finding.evidence["detail"]
+    assert "cache_config_changed" not in causes(findings)
+
+
+def test_cache_config_changed():
+    run = Run()
+    run.steps(3, requests=2, hit_ratio=0.5)
+    run.engine.config.update(num_gpu_blocks="256", kv_cache_size_tokens="8192")
+    run.steps(2, requests=2, hit_ratio=0.5)
+    findings = run.findings()
+    finding = only(findings, "cache_config_changed")
+    assert finding.evidence["changed_keys"] == "kv_cache_size_tokens,num_gpu_blocks"
+    assert "cache_dtype_changed" not in causes(findings)
+
+
+def test_engine_restarted():
+    run = Run()
+    run.steps(3, requests=2, hit_ratio=0.5)
+    run.engine.restart()
+    run.steps(2, requests=2, hit_ratio=0.5)
+    finding = only(run.findings(), "engine_restarted")
+    assert finding.engine == "0" and finding.evidence["seconds_ago"] == 10
+
+
+def test_changes_leave_the_window():
+    run = Run(window_seconds=60)
+    run.steps(3, requests=2, hit_ratio=0.5)
+    run.engine.restart()
+    run.steps(2, requests=2, hit_ratio=0.5)
+    assert "engine_restarted" in causes(run.findings())
+    run.steps(8, requests=2, hit_ratio=0.5)
+    assert not run.findings()
+
+
+# --------------------------------------------------------------------------
+# structure, thresholds
+# --------------------------------------------------------------------------
+
+
+def test_every_cause_in_the_vocabulary_has_a_next_check():
+    from kvwatch.diagnose import NEXT_CHECK
+
+    assert {cause for group in CAUSES.values() for cause in group} == set(NEXT_CHECK)
+
+
+def test_per_engine_findings_name_their_engine():
+    run = Run(thresholds={"max_num_seqs": 9})
+    second = Engine(engine="1")
+    run.engines.append(second)
+    for _ in range(4):
+        run.step(usage=0.3, running=2, requests=2, **SHORT, engine=second, poll=False)
+        run.step(usage=0.97, running=9, waiting=20, requests=8, **SHORT, preemptions=1)
+    exhausted = [f for f in run.findings() if f.symptom == "exhaustion"]
+    assert {f.engine for f in exhausted} == {"0"}
+
+
+def test_a_failing_rule_drops_only_its_findings(monkeypatch):
+    import kvwatch.diagnose as module
+
+    run = Run(thresholds={"max_num_seqs": 9})
+    run.steps(4, usage=0.97, running=9, waiting=20, requests=8, **SHORT, queue=4.0, preemptions=1)
+
+    def broken(ctx):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(module, "_exhaustion_findings", broken)
+    findings = run.findings()
+    assert not causes(findings, "exhaustion")
+    assert "queueing_kv_bound" in causes(findings)
+
+
+def test_validate_thresholds_reports_everything_at_once():
+    problems = validate_thresholds({"hit_ratio_lo": 0.1, "hit_ratio_low": 1.5, "ttft_p95_seconds": "soon",
+                                    "max_num_seqs": 0, "ttft_min_requests": True, "exhaustion_usage_ratio": 0.95})
+    assert len(problems) == 5
+    assert any("unknown threshold 'hit_ratio_lo'" in p and "hit_ratio_low" in p for p in problems)
+    assert any(p.startswith("hit_ratio_low:") for p in problems)
+    assert any(p.startswith("ttft_p95_seconds:") for p in problems)
+    assert any(p.startswith("max_num_seqs:") for p in problems)
+    assert any(p.startswith("ttft_min_requests:") for p in problems)
+
+
+def test_thresholds_accept_durations_and_defaults_fill_in():
+    assert validate_thresholds({"ttft_p95_seconds": "500ms", "hit_recent_seconds": "2m", "max_num_seqs": None}) == []
+    resolved = resolve_thresholds({"ttft_p95_seconds": "500ms", "hit_recent_seconds": "2m"})
+    assert resolved["ttft_p95_seconds"] == 0.5 and resolved["hit_recent_seconds"] == 120.0
+    assert resolved["hit_ratio_low"] == DEFAULT_THRESHOLDS["hit_ratio_low"]
+
+
+def test_settings_reject_bad_diagnosis_thresholds(tmp_path):
+    config = tmp_path / "kvwatch.yaml"
+    config.write_text("diagnosis:\n  hit_ratio_low: 3\n  bogus: 1\n")
+    with pytest.raises(SettingsError) as raised:
+        load_settings(str(config), environ={})
+    assert len([p for p in raised.value.problems if p.startswith("diagnosis:")]) == 2
