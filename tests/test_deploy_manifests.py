@@ -509,14 +509,26 @@ def test_render_manifests_reads_the_fields_it_needs_from_any_config_object():
     assert deploy_settings({"deploy": {"kvwatch_port": 9401}}).kvwatch_port == 9401
 
 
+def test_kvwatch_window_follows_the_mixins_rate_window_unless_set():
+    # The mixin config (kvwatch/mixin/config.py) nests these fields under `deploy`.
+    assert deploy_settings(SimpleNamespace(rate_window="10m", deploy={})).window == "10m"
+    assert deploy_settings(SimpleNamespace(rate_window="10m", deploy={"window": "15m"})).window == "15m"
+    files = render_manifests(SimpleNamespace(rate_window="10m", deploy={}), prometheus_rule="", dashboards={})
+    config_map = yaml.safe_load(files["kubernetes/base/kvwatch-config.yaml"])
+    assert yaml.safe_load(config_map["data"]["kvwatch.yaml"])["window"] == "10m"
+
+
 @pytest.mark.parametrize("field, value", [
     ("port_name", "kvwatch-metrics-port"),  # longer than 15
     ("port_name", "Metrics"),
     ("kvwatch_port", 8000),  # same as vLLM's in one network namespace
     ("labels", {}),
+    ("poll_interval", "often"),
+    ("log_level", "loud"),
+    ("scrape_interval", "15 seconds"),
 ])
 def test_render_manifests_refuses_settings_kubernetes_would_reject(field, value):
-    with pytest.raises(ValueError, match=field.split("_")[0]):
+    with pytest.raises(ValueError, match=field.split("_")[0]):  # the message names the field
         render_manifests({field: value}, prometheus_rule="", dashboards={})
 
 

@@ -131,18 +131,27 @@ DEPLOY_FIELDS = {
 assert set(DEPLOY_FIELDS) == {f.name for f in fields(DeploySettings)}
 
 
+def _get(source: Any, name: str) -> Any:
+    return source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+
+
 def deploy_settings(config: Any = None) -> DeploySettings:
-    """Read DeploySettings fields from `config.deploy`, or `config`, or a dict; absent fields keep defaults."""
+    """Read DeploySettings fields from `config.deploy`, or `config`, or a dict; absent fields keep defaults.
+    kvwatch's window follows the mixin's `rate_window` unless `window` is given, so the
+    sidecar's findings and the alerts look at the same span."""
     source = config
-    if source is not None:
-        nested = source.get("deploy") if isinstance(source, dict) else getattr(source, "deploy", None)
-        if nested is not None:
-            source = nested
     values = {}
+    if source is not None:
+        nested = _get(source, "deploy")
+        if nested is not None:
+            rate_window = _get(source, "rate_window")
+            if isinstance(rate_window, str):
+                values["window"] = rate_window
+            source = nested
     for f in fields(DeploySettings):
         if source is None:
             break
-        value = source.get(f.name) if isinstance(source, dict) else getattr(source, f.name, None)
+        value = _get(source, f.name)
         if value is None:
             continue
         if f.name == "vllm_args":
@@ -167,6 +176,17 @@ def _check(s: DeploySettings) -> None:
         problems.append("kvwatch_port and vllm_port share the pod's network namespace and must differ")
     if not s.labels:
         problems.append("labels must not be empty: the Service and monitors select pods by them")
+    # These land in kvwatch.yaml: check them the way `kvwatch serve` will.
+    from kvwatch.settings import PARSERS
+
+    for key in ("poll_interval", "window", "log_level"):
+        try:
+            PARSERS[key](getattr(s, key))
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{key}: {exc}")
+    for key in ("scrape_interval", "scrape_timeout"):
+        if not re.fullmatch(r"(\d+(ms|s|m|h))+", str(getattr(s, key))):
+            problems.append(f"{key}: {getattr(s, key)!r} is not a Prometheus duration (e.g. 15s)")
     if problems:
         raise ValueError("deploy settings: " + "; ".join(problems))
 
@@ -369,7 +389,8 @@ def prometheus_rule_object(s: DeploySettings, text: str) -> dict:
     metadata = dict(rule.get("metadata") or {})
     metadata.pop("namespace", None)
     metadata["name"] = metadata.get("name") or "kvwatch"
-    metadata["labels"] = {**_kvwatch_labels(), **(metadata.get("labels") or {}), **s.monitor_labels}
+    # Labels the generator put on the rule (prometheus_rule_labels) win over the defaults.
+    metadata["labels"] = {**_kvwatch_labels(), **s.monitor_labels, **(metadata.get("labels") or {})}
     return {"apiVersion": rule["apiVersion"], "kind": "PrometheusRule", "metadata": metadata, "spec": rule["spec"]}
 
 
