@@ -42,6 +42,7 @@ def _report(sim: Simulation, seconds: float, interval: float) -> None:
     step = min(interval, 1.0)
     while sim.now < seconds - 1e-9:
         window_end = min(seconds, sim.now + interval)
+        phase = sim.phase.name  # the phase the window starts in
         peak_usage = 0.0
         usage_samples = []
         while sim.now < window_end - 1e-9:
@@ -62,7 +63,7 @@ def _report(sim: Simulation, seconds: float, interval: float) -> None:
         prefill = f"{delta('prefill_sum') / finished:7.2f}" if finished else "      -"
         retrievals = delta("app_retrieval_count")
         retrieval = f"{delta('app_retrieval_sum') / retrievals:9.2f}" if retrievals else "        -"
-        print(f"{now['time']:7.0f} {now['phase']:<18} {mean_usage:6.2f} {peak_usage:5.2f} {now['running']:4d} {now['waiting']:5d} "
+        print(f"{now['time']:7.0f} {phase:<18} {mean_usage:6.2f} {peak_usage:5.2f} {now['running']:4d} {now['waiting']:5d} "
               f"{hit:>6} {int(delta('preemptions')):7d} {ttft} {queue} {prefill} {retrieval} {int(finished):5d}")
         previous = now
     print("(usage: mean of 1 s samples in the window, peak: their max; ttft/queue/prefill/retrieval: mean seconds of the window)")

@@ -116,13 +116,27 @@ def _head(out: list[str], name: str, help_text: str, kind: str) -> None:
     out.append(f"# TYPE {name} {kind}")
 
 
+# (family, labels, bounds) -> the series names with labels of its buckets, _count
+# and _sum; a page repeats the same few hundred of them on every scrape.
+_histogram_keys: dict[tuple, tuple[list[str], str, str]] = {}
+
+
 def _histogram_lines(out: list[str], name: str, base: dict[str, str], histogram: Histogram) -> None:
-    cumulative = histogram.cumulative()
-    for bound, count in zip(histogram.bounds, cumulative):
-        out.append(f"{name}_bucket{_labels({**base, 'le': _fmt(bound)})} {_fmt(count)}")
-    out.append(f"{name}_bucket{_labels({**base, 'le': '+Inf'})} {_fmt(cumulative[-1])}")
-    out.append(f"{name}_count{_labels(base)} {_fmt(histogram.count)}")
-    out.append(f"{name}_sum{_labels(base)} {_fmt(histogram.sum)}")
+    key = (name, tuple(base.items()), histogram.bounds)
+    keys = _histogram_keys.get(key)
+    if keys is None:
+        buckets = [f"{name}_bucket{_labels({**base, 'le': _fmt(bound)})} " for bound in histogram.bounds]
+        buckets.append(f"{name}_bucket{_labels({**base, 'le': '+Inf'})} ")
+        keys = (buckets, f"{name}_count{_labels(base)} ", f"{name}_sum{_labels(base)} ")
+        if len(_histogram_keys) < 10000:
+            _histogram_keys[key] = keys
+    buckets, count_key, sum_key = keys
+    running = 0
+    for prefix, count in zip(buckets, histogram.counts):
+        running += count
+        out.append(prefix + _fmt(running))
+    out.append(count_key + _fmt(histogram.count))
+    out.append(sum_key + _fmt(histogram.sum))
 
 
 def _counter(out, base_name, help_text, series, created):

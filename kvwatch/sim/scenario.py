@@ -144,11 +144,12 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         if not isinstance(raw_phase, dict):
             problems.append(f"{where}: expected a mapping, got {raw_phase!r}")
             continue
-        phase_name = raw_phase.get("name", f"phase-{index + 1}")
+        phase_name = raw_phase.get("name")
         if isinstance(phase_name, str) and phase_name:
             where = f"phases[{index}] ({phase_name})"
         else:
-            problems.append(f"{where}.name: expected a non-empty string, got {phase_name!r}")
+            if phase_name is not None:
+                problems.append(f"{where}.name: expected a non-empty string, got {phase_name!r}")
             phase_name = f"phase-{index + 1}"
         for key in raw_phase:
             if key not in PHASE_KEYS:
