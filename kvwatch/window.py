@@ -7,7 +7,12 @@ computed once when it arrives, so a window's increase is a sum of stored steps
 - a histogram whose count or any bucket went down, or whose bounds changed,
   restarted too;
 - a changed `_created` time means a restart even when the new counters already
-  climbed past the old ones.
+  climbed past the old ones;
+- a canonical key read from another vLLM family than in the previous poll
+  (`gpu_prefix_cache_queries` -> `prefix_cache_queries`) means the engine was
+  upgraded, so restarted, but the two values may not even share a unit
+  (blocks before vLLM 0.9, tokens after) and nothing says the new ones started
+  from zero: that step is marked a restart and counts neither increase nor time.
 A reset therefore never produces a negative rate or a spike.
 """
 
@@ -78,9 +83,15 @@ class Increase:
         return above / below
 
 
-def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float) -> Step:
+def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float, renamed: bool = False) -> Step:
     """Only series present in both polls count: one that just appeared has no
-    increase yet."""
+    increase yet. `renamed`: the page spells a key with another vLLM family
+    than the previous one did (a version change)."""
+    if renamed:
+        # Counting the new values (the reset rule) could add lifetime totals
+        # in another unit as one step's increase: a spike. Skip the step, its
+        # time included, so rates average over the steps that did count.
+        return Step(0.0, {}, {}, True)
     histogram_deltas = {
         key: histogram.minus(earlier.histograms[key])
         for key, histogram in later.histograms.items()
@@ -116,10 +127,11 @@ class Window:
         if self.entries:
             previous = self.entries[-1].snapshot
             seconds = snapshot.time - previous.time
+            renamed = any(previous.sources.get(key, family) != family for key, family in snapshot.sources.items())
             for key, engine in snapshot.engines.items():
                 before = previous.engines.get(key)
                 if before is not None:
-                    entry.steps[key] = step_between(before, engine, seconds)
+                    entry.steps[key] = step_between(before, engine, seconds, renamed)
         self.entries.append(entry)
         horizon = snapshot.time - self.seconds
         # Keep one entry at or before the horizon so the window spans it fully.
