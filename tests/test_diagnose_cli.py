@@ -1,0 +1,161 @@
+"""`kvwatch diagnose` against a loopback page server playing the real
+captures, and the upstream source it can add."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from kvwatch.cli import main
+from kvwatch.settings import Settings
+from kvwatch.upstream import UpstreamSource, histogram_base_name
+from pageserver import Answer, PageServer
+
+
+def page(fixtures_dir, name: str) -> str:
+    return (fixtures_dir / "vllm-0.32-cpu" / f"metrics-{name}.txt").read_text()
+
+
+def diagnose_cli(url: str, *extra: str) -> int:
+    return main(["diagnose", "--target", url, "--duration", "0.3s", "--interval", "0.1s", *extra])
+
+
+def test_exit_1_and_table_when_exhausted(fixtures_dir, capsys):
+    answers = [Answer(page(fixtures_dir, name)) for name in ("idle", "prefix-load", "load")]
+    with PageServer(answers) as server:
+        assert diagnose_cli(server.url) == 1
+    out = capsys.readouterr().out
+    assert "SIGNALS" in out and "tiny-llama / 0" in out
+    assert "kv_cache_usage_ratio" in out and "99.2%" in out
+    assert "exhaustion / concurrency_beyond_capacity" in out
+    assert "evidence: " in out and "waiting_at_peak=18" in out
+    assert "next: " in out
+
+
+def test_exit_0_when_idle(fixtures_dir, capsys):
+    with PageServer([Answer(page(fixtures_dir, "idle"))]) as server:
+        assert diagnose_cli(server.url) == 0
+    assert "FINDINGS (0 active)" in capsys.readouterr().out
+
+
+def test_json_for_scripts(fixtures_dir, capsys):
+    answers = [Answer(page(fixtures_dir, name)) for name in ("idle", "load")]
+    with PageServer(answers) as server:
+        assert diagnose_cli(server.url, "--json") == 1
+    body = json.loads(capsys.readouterr().out)
+    assert body["exit_code"] == 1 and body["polls"] >= 2
+    assert body["engines"][0]["model_name"] == "tiny-llama"
+    assert body["engines"][0]["signals"]["kvwatch_requests_waiting"] == 18
+    assert {(f["symptom"], f["cause"]) for f in body["findings"]} >= {("exhaustion", "concurrency_beyond_capacity")}
+
+
+def test_info_findings_alone_exit_0(fixtures_dir, tmp_path, capsys):
+    # The idle page with max_num_seqs configured: nothing happened, nothing to act on.
+    config = tmp_path / "kvwatch.yaml"
+    config.write_text("diagnosis:\n  max_num_seqs: 8\n")
+    with PageServer([Answer(page(fixtures_dir, "idle"))]) as server:
+        assert diagnose_cli(server.url, "--config", str(config)) == 0
+
+
+def test_unreachable_target_exits_2(capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # Nothing listens on the port now: every poll is refused.
+    assert diagnose_cli(f"http://127.0.0.1:{port}/metrics") == 2
+    assert "refused" in capsys.readouterr().err
+
+
+def test_page_without_engine_metrics_exits_2(capsys):
+    with PageServer([Answer("# nothing here\nup 1\n")]) as server:
+        assert diagnose_cli(server.url, "--json") == 2
+    assert json.loads(capsys.readouterr().out)["reason"] == "no_engine_metrics"
+
+
+def test_bad_config_exits_2_listing_every_problem(tmp_path, capsys):
+    config = tmp_path / "kvwatch.yaml"
+    config.write_text("diagnosis:\n  hit_ratio_low: 7\n  nonsense: 1\n")
+    assert main(["diagnose", "--target", "http://127.0.0.1:1/metrics", "--duration", "nope",
+                 "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "--duration" in err
+    assert main(["diagnose", "--target", "http://127.0.0.1:1/metrics", "--duration", "1s", "--interval", "0.5s",
+                 "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "hit_ratio_low" in err and "nonsense" in err
+
+
+def test_credentials_never_printed(fixtures_dir, capsys):
+    with PageServer([Answer(page(fixtures_dir, "idle"))]) as server:
+        url = server.url.replace("http://", "http://admin:hunter2@")
+        diagnose_cli(url)
+        diagnose_cli(url, "--json")
+    captured = capsys.readouterr()
+    assert "hunter2" not in captured.out + captured.err
+
+
+# --------------------------------------------------------------------------
+# upstream
+# --------------------------------------------------------------------------
+
+def retrieval_page(counts: list[float], total: float, labels: str = 'route="/chat"') -> str:
+    bounds = ("0.1", "0.5", "1.0", "2.5", "+Inf")
+    lines = ["# TYPE app_retrieval_seconds histogram"]
+    for bound, count in zip(bounds, counts):
+        lines.append(f'app_retrieval_seconds_bucket{{{labels},le="{bound}"}} {count}')
+    lines.append(f"app_retrieval_seconds_sum{{{labels}}} {total}")
+    lines.append(f"app_retrieval_seconds_count{{{labels}}} {counts[-1]}")
+    return "\n".join(lines) + "\n"
+
+
+def upstream_settings(url: str = "http://127.0.0.1:9/metrics") -> Settings:
+    return Settings(upstream_target=url, upstream_histogram="app_retrieval_seconds_bucket", poll_interval=1.0)
+
+
+def test_upstream_window_mean_and_p95():
+    source = UpstreamSource(upstream_settings(), window_seconds=60)
+    assert source.name == "app_retrieval_seconds"
+    first = source.ingest(retrieval_page([0, 0, 0, 0, 0], 0.0), now=100.0)
+    assert first["up"] and first["count"] == 0
+    report = source.ingest(retrieval_page([0, 0, 10, 20, 20], 30.0), now=110.0)
+    assert report["count"] == 20 and report["mean_seconds"] == pytest.approx(1.5)
+    assert 1.0 < report["p95_seconds"] <= 2.5
+    # 70 s later the first step has left the 60 s window.
+    source.ingest(retrieval_page([0, 0, 10, 20, 20], 30.0), now=170.0)
+    report = source.ingest(retrieval_page([0, 10, 20, 30, 30], 33.0), now=180.0)
+    assert report["count"] == 10 and report["mean_seconds"] == pytest.approx(0.3)
+
+
+def test_upstream_reset_counts_from_zero():
+    source = UpstreamSource(upstream_settings(), window_seconds=60)
+    source.ingest(retrieval_page([0, 0, 10, 20, 20], 30.0), now=100.0)
+    report = source.ingest(retrieval_page([0, 4, 4, 4, 4], 1.0), now=110.0)
+    assert report["count"] == 4 and report["mean_seconds"] == pytest.approx(0.25)
+
+
+def test_upstream_sums_label_sets_and_reports_missing_histogram():
+    source = UpstreamSource(upstream_settings(), window_seconds=60)
+    both = retrieval_page([0, 0, 0, 0, 0], 0.0) + retrieval_page([0, 0, 0, 0, 0], 0.0, 'route="/rag"').split("\n", 1)[1]
+    source.ingest(both, now=100.0)
+    both = retrieval_page([0, 0, 2, 2, 2], 2.0) + retrieval_page([0, 0, 0, 2, 2], 4.0, 'route="/rag"').split("\n", 1)[1]
+    assert source.ingest(both, now=110.0)["count"] == 4
+    missing = source.ingest("other_metric 1\n", now=120.0)
+    assert not missing["up"] and missing["reason"] == "histogram_missing"
+    assert histogram_base_name("x_seconds_count") == "x_seconds"
+
+
+def test_upstream_poll_over_http_without_the_engine_token(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("engine-secret")
+    with PageServer([Answer(retrieval_page([0, 0, 1, 1, 1], 0.6))]) as server:
+        settings = upstream_settings(server.url.replace("http://", "http://u:p@"))
+        settings.bearer_token_file = str(token)
+        report = UpstreamSource(settings, window_seconds=60).poll()
+        assert report["up"] and report["histogram"] == "app_retrieval_seconds"
+        assert "u:p" not in report["target"]
+        # URL credentials are the upstream's own (basic auth); the engine's bearer token never goes there.
+        assert server.requests and all("engine-secret" not in str(r["headers"]) for r in server.requests)
+    down = UpstreamSource(upstream_settings("http://127.0.0.1:9/metrics"), window_seconds=60).poll()
+    assert not down["up"] and down["reason"]
