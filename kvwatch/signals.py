@@ -277,8 +277,10 @@ def _capacity_requests(view: View) -> float | None:
     return float(view.capacity_tokens // per_request)
 
 
-def _sel(metric: str, sel: str = "{sel}") -> str:
-    return f"{metric}{{{sel}}}"
+def _sel(metric: str) -> str:
+    # The result is spliced into a template that is .format()ted later, so the
+    # selector's braces must stay escaped: `metric{{{sel}}}` -> `metric{<sel>}`.
+    return metric + "{{{sel}}}"
 
 
 def _ratio_of_rates(numerator: str, denominator: str) -> str:
