@@ -50,6 +50,7 @@ MODEL_RECIPE = 1
 INSTALL_MARKER = "kvwatch-install.json"
 INSTALL_LOG = "kvwatch-install.log"
 MODEL_MARKER = "kvwatch-model.json"
+MODEL_BUILD_SUMMARY = "kvwatch-build.json"  # SUMMARY_FILE of make_tiny_model.py
 
 PIP_INSTALL_TIMEOUT_S = 3600.0
 LOCK_TIMEOUT_S = 3600.0
@@ -157,7 +158,7 @@ def _base_python(python: str | None) -> str:
         f"{sys.version.split()[0]}; set KVWATCH_VLLM_PYTHON to such an interpreter")
 
 
-_VERIFY_SCRIPT = f"""
+_VERIFY_SCRIPT = """
 import importlib.metadata
 import tokenizers, transformers, vllm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -169,8 +170,8 @@ print("vllm", version, "transformers", transformers.__version__, "tokenizers", t
 """
 
 
-def _vllm_env(base: dict | None = None) -> dict:
-    env = dict(os.environ if base is None else base)
+def _vllm_env() -> dict:
+    env = dict(os.environ)
     # A kvwatch PYTHONPATH must not leak into the other interpreter.
     for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE"):
         env.pop(name, None)
@@ -289,7 +290,7 @@ def build_tiny_model(dest: Path, venv: Path | None = None,
                                          str(staging), str(staging / "words-input.json")],
                     log, HarnessError, env=_vllm_env())
         (staging / "words-input.json").unlink()
-        summary = json.loads((staging / "kvwatch-build.json").read_text())
+        summary = json.loads((staging / MODEL_BUILD_SUMMARY).read_text())
         (staging / MODEL_MARKER).write_text(json.dumps({**expected, **summary}, indent=2) + "\n")
         shutil.rmtree(dest, ignore_errors=True)
         staging.rename(dest)
@@ -377,9 +378,10 @@ def _wait_ready(proc: subprocess.Popen, base_url: str, model_name: str, log_path
             healthy = _http_status(base_url + "/health")[0] == 200
         if healthy:
             status, body = _http_status(base_url + "/v1/models")
-            if status == 200 and any(m.get("id") == model_name
-                                     for m in json.loads(body).get("data", [])):
-                return
+            with contextlib.suppress(ValueError, AttributeError):
+                if status == 200 and any(m.get("id") == model_name
+                                         for m in json.loads(body).get("data", [])):
+                    return
         time.sleep(0.5)
 
 
@@ -401,15 +403,15 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
     model_dir = model_dir or build_tiny_model(default_model_dir(venv), venv=venv, report=report)
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-vllm-"))
     log_path = Path(log_path) if log_path else workdir / "server.log"
-    env = _vllm_env()
-    for sub in ("tmp", "cache", "config", "hf"):
-        (workdir / sub).mkdir()
-    env.update(TMPDIR=str(workdir / "tmp"), VLLM_CACHE_ROOT=str(workdir / "cache"),
-               VLLM_CONFIG_ROOT=str(workdir / "config"), HF_HOME=str(workdir / "hf"),
-               VLLM_CPU_OMP_THREADS_BIND="auto",
-               PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
     proc = None
     try:
+        env = _vllm_env()
+        for sub in ("tmp", "cache", "config", "hf"):
+            (workdir / sub).mkdir()
+        env.update(TMPDIR=str(workdir / "tmp"), VLLM_CACHE_ROOT=str(workdir / "cache"),
+                   VLLM_CONFIG_ROOT=str(workdir / "config"), HF_HOME=str(workdir / "hf"),
+                   VLLM_CPU_OMP_THREADS_BIND="auto",
+                   PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
         # A free port can be taken between finding and binding it; only then try another.
         for attempt in range(3):
             chosen = port or _free_port()
@@ -510,8 +512,7 @@ def prompt_text(tokens: int, rng: random.Random, words: list[str] | None = None)
     """
     if tokens < 1:
         raise ValueError("a prompt has at least the <s> token")
-    words = words or prompt_words()
-    return " ".join(rng.choice(words) for _ in range(tokens - 1))
+    return prompt_suffix(tokens - 1, rng, words).lstrip(" ")
 
 
 def prompt_suffix(tokens: int, rng: random.Random, words: list[str] | None = None) -> str:
