@@ -10,7 +10,7 @@ from kvwatch.sim.simulation import Simulation
 from sim_support import observe, scrape, total
 
 SHIPPED = {"healthy", "exhaustion", "prefix-change", "eviction-pressure", "queueing", "slow-prefill",
-           "upstream-delay", "demo"}
+           "upstream-delay", "demo", "idle"}
 
 
 def simulation(name: str, seed: int = 0) -> Simulation:
@@ -131,6 +131,13 @@ def test_upstream_delay_app_retrieval_grows_and_dominates():
     assert engine_ttft < 0.5
     assert abs(engine_ttft - fast.hist_mean("vllm:time_to_first_token_seconds")) < 0.1
     assert slow.delta("app_retrieval_seconds_count") > 300
+
+
+def test_idle_serves_only_what_is_sent():
+    sim = simulation("idle")
+    sim.advance(600)
+    assert total(scrape(sim), "vllm:request_success_total") == 0
+    assert sim.engines[0].config.kv_cache_size_tokens == 4096
 
 
 def test_demo_visits_every_phase_and_loops():

@@ -18,14 +18,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.cli import main as kvwatch_main
-from kvwatch.sim.scenario import parse_scenario
+from kvwatch.sim.scenario import load_scenario
 from kvwatch.sim.server import start_background
 from sim_support import parse_samples, total
 
-QUIET = parse_scenario(
-    {"workload": {"rate": 0, "prompt_tokens": 10, "output_tokens": 10}, "phases": [{"name": "idle", "duration": "1h"}]},
-    "quiet",
-)
+QUIET = load_scenario("idle")
 TIMEOUT = httpx.Timeout(20.0)
 
 

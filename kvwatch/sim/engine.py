@@ -213,6 +213,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def next_step_end(self) -> float | None:
+        """When the step in flight ends (its outputs appear), if one is."""
+        return self._pending[0] if self._pending is not None else None
+
     def load(self) -> int:
         """What vLLM's DP coordinator balances on: waiting weighs 4x running."""
         return 4 * len(self.waiting) + len(self.running)

@@ -18,6 +18,7 @@ For tests of other parts of kvwatch:
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import uuid
@@ -34,7 +35,11 @@ from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
 from kvwatch.sim.workload import token_block_hashes
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
-CLOCK_TICK_SECONDS = 0.01
+# The clock thread sleeps until the next simulated event (a step ending, an
+# arrival), at most this long, so streamed tokens leave when the simulated
+# engine produces them rather than on a coarse tick.
+CLOCK_MAX_SLEEP_SECONDS = 0.02
+CLOCK_MIN_SLEEP_SECONDS = 0.0005
 # Vocabulary of the simulated model's output; each token is one word, so the
 # whitespace tokenizer counts it back exactly.
 _WORDS = (
@@ -46,16 +51,18 @@ _WORDS = (
 class _TokenStream:
     """Progress of one HTTP request, updated by the engine under the sim lock."""
 
-    __slots__ = ("produced", "finish_reason")
+    __slots__ = ("produced", "finish_reason", "server")
 
-    def __init__(self) -> None:
+    def __init__(self, server: SimServer) -> None:
         self.produced = 0
         self.finish_reason: str | None = None
+        self.server = server
 
     def __call__(self, request: Request, now: float) -> None:
         self.produced = request.num_output
         if request.state == FINISHED:
             self.finish_reason = request.finish_reason
+        self.server.progress += 1
 
 
 class SimServer:
@@ -75,6 +82,8 @@ class SimServer:
         self.cond = threading.Condition()
         self.http_stats = HttpStats(time.time())
         self.stopping = threading.Event()
+        self.progress = 0  # bumped by every token or finish of an HTTP request
+        self._wake = threading.Event()
         self._offset = 0.0
         self._base_sim = simulation.now
         self._base_wall = time.monotonic()
@@ -121,6 +130,7 @@ class SimServer:
         if self.stopping.is_set():
             return
         self.stopping.set()
+        self._wake.set()
         with self.cond:
             self.cond.notify_all()
         self.httpd.shutdown()
@@ -136,13 +146,33 @@ class SimServer:
 
     # -- the clock -------------------------------------------------------------
 
+    def catch_up(self) -> None:
+        """Advance the simulation to what wall time says it is now (caller holds cond)."""
+        if self.speed <= 0:
+            return
+        target = self._base_sim + self._offset + (time.monotonic() - self._base_wall) * self.speed
+        if target > self.sim.now:
+            before = self.progress
+            self.sim.advance_to(target)
+            if self.progress != before:
+                self.cond.notify_all()
+
     def _clock_loop(self) -> None:
-        while not self.stopping.wait(CLOCK_TICK_SECONDS):
+        while not self.stopping.is_set():
             with self.cond:
-                target = self._base_sim + self._offset + (time.monotonic() - self._base_wall) * self.speed
-                if target > self.sim.now:
-                    self.sim.advance_to(target)
-                    self.cond.notify_all()
+                self.catch_up()
+                wait = (self.sim.next_event_time() - self.sim.now) / self.speed
+            self._wake.wait(min(CLOCK_MAX_SLEEP_SECONDS, max(CLOCK_MIN_SLEEP_SECONDS, wait)))
+            self._wake.clear()
+
+    def submit(self, prompt_len: int, prompt_hashes: list, max_tokens: int, output_len: int,
+               progress: _TokenStream) -> Request:
+        """Hand an HTTP request to the simulation at the current (wall-derived) time."""
+        with self.cond:
+            self.catch_up()
+            request = self.sim.submit(prompt_len, prompt_hashes, max_tokens, output_len, progress)
+        self._wake.set()  # its first step may end before the clock thread's next planned wake-up
+        return request
 
     def advance(self, seconds: float) -> None:
         """Move the simulated clock forward now, on top of what wall time does."""
@@ -150,6 +180,7 @@ class SimServer:
             self._offset += seconds
             self.sim.advance(seconds)
             self.cond.notify_all()
+        self._wake.set()
 
     def metrics_text(self) -> str:
         with self.cond:
@@ -231,6 +262,12 @@ class _Handler(BaseHTTPRequestHandler):
     @property
     def sim_server(self) -> SimServer:
         return self.server.sim_server  # type: ignore[attr-defined]
+
+    def setup(self) -> None:
+        super().setup()
+        # Streamed chunks are small writes; without this, Nagle's algorithm and
+        # the client's delayed ACK hold each one back by up to 40 ms.
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass  # quiet: a load test would flood the terminal
@@ -357,9 +394,8 @@ class _Handler(BaseHTTPRequestHandler):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         block_size = sim.engines[0].config.block_size
         hashes = token_block_hashes(tokens, block_size)
-        progress = _TokenStream()
-        with server.cond:
-            request = sim.submit(len(tokens), hashes, max_tokens, output_len, progress)
+        progress = _TokenStream(server)
+        request = server.submit(len(tokens), hashes, max_tokens, output_len, progress)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         try:

@@ -120,6 +120,15 @@ class Simulation:
         if t > self.now:
             self.now = t
 
+    def next_event_time(self) -> float:
+        """The next simulated time at which anything observable happens."""
+        t = min(self._phase_end, self._next_arrival, self._retrieving[0][0] if self._retrieving else math.inf)
+        for engine in self.engines:
+            end = engine.next_step_end
+            if end is not None and end < t:
+                t = end
+        return t
+
     # -- requests --------------------------------------------------------------
 
     def pick_engine(self) -> Engine:
