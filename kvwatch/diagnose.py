@@ -278,11 +278,16 @@ class EngineContext:
     @property
     def exhaustion(self) -> Exhaustion | None:
         """KV exhaustion in the window: a poll with usage at the threshold while
-        requests waited for capacity, or any preemption (the V1 scheduler
-        preempts only when it cannot allocate a KV block)."""
+        requests waited for capacity and the batch was below max_num_seqs, or
+        any preemption (the V1 scheduler preempts only when it cannot allocate
+        a KV block)."""
         if self._exhaustion is False:
             limit = self.t["exhaustion_usage_ratio"]
-            full = [p for p in self.polls if p.usage is not None and p.usage >= limit and p.waiting_for_capacity > 0]
+            # With the batch at --max-num-seqs, requests wait for a slot, not
+            # for blocks, however full the cache is (known only when set).
+            slots = self.t["max_num_seqs"]
+            full = [p for p in self.polls if p.usage is not None and p.usage >= limit and p.waiting_for_capacity > 0
+                    and not (slots is not None and (p.gauge("running") or 0) >= slots)]
             preemptions = self.increase.counters.get("preemptions", 0.0)
             if not full and preemptions <= 0:
                 self._exhaustion = None
@@ -697,19 +702,33 @@ def _slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | No
 
     queue_histogram = ctx.histogram("queue_time")
     prefill_histogram = ctx.histogram("prefill_time")
-    queue = queue_histogram.mean() if queue_histogram else None
+    queue_observed = queue_histogram.mean() if queue_histogram else None
     prefill = prefill_histogram.mean() if prefill_histogram else None
+    # The same lag from the gauges: by Little's law the mean wait is the mean
+    # queue length over the arrival rate (first tokens per second). It counts
+    # the requests still waiting, which no histogram has seen yet; when the
+    # queue is steady the two agree.
+    waiting = [p.gauge("waiting") for p in ctx.polls[1:] if p.gauge("waiting") is not None]
+    queue_little = None
+    if waiting and ctx.increase.seconds > 0:
+        queue_little = (sum(waiting) / len(waiting)) / (ttft.count / ctx.increase.seconds)
+    queue = max((q for q in (queue_observed, queue_little) if q is not None), default=None)
     other = None
     if ttft_mean and queue is not None and prefill is not None:
         other = max(0.0, ttft_mean - queue - prefill)
     parts = {"queue": queue, "prefill": prefill, "other": other}
+    coverage = None
+    if queue_histogram is not None and prefill_histogram is not None:
+        coverage = min(queue_histogram.count, prefill_histogram.count) / ttft.count
     shares = {name: min(1.0, _share(v, ttft_mean)) for name, v in parts.items() if _share(v, ttft_mean) is not None}
     evidence = {
         "ttft_p95_seconds": p95, "ttft_p95_pinned": pinned, "ttft_mean_seconds": ttft_mean,
         "ttft_requests": ttft.count, "objective_p95_seconds": t["ttft_p95_seconds"],
         "objective_mean_seconds": t["ttft_mean_seconds"],
-        "queue_mean_seconds": queue, "prefill_mean_seconds": prefill, "other_mean_seconds": other,
+        "queue_mean_seconds": queue_observed, "queue_from_waiting_seconds": queue_little,
+        "prefill_mean_seconds": prefill, "other_mean_seconds": other,
         "queue_share": shares.get("queue"), "prefill_share": shares.get("prefill"), "other_share": shares.get("other"),
+        "finished_per_first_token": coverage,
         "window_seconds": ctx.increase.seconds,
     }
     headline = (f"Time to first token p95 {p95:.2f}s{'+' if pinned == 'last' else ''}, mean {ttft_mean:.2f}s "
@@ -735,6 +754,12 @@ def _slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | No
     if not named:
         named = [max(shares, key=shares.get)]
         confidence = "low"
+    # Queue and prefill times are observed when a request finishes, TTFT at its
+    # first token: while many requests are between the two (load rising, long
+    # answers), the parts lag and the rest is inflated. The rest is only named
+    # when the parts cover nearly the same requests as TTFT.
+    if coverage is None or coverage < MIN_PART_COVERAGE:
+        named = [name for name in named if name != "other"]
     for part in sorted(named, key=lambda name: -shares[name]):
         share_text = f"{shares[part]:.0%} of it"
         if part == "queue":
@@ -882,6 +907,10 @@ def _change_findings(window: Window, changes: list[Change]) -> list[Finding]:
 # --------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------
+
+# Finished requests (which carry queue and prefill times) per first token in
+# the window, below which the TTFT residual is not named as front-end time.
+MIN_PART_COVERAGE = 0.8
 
 _SEVERITY_ORDER = {severity: index for index, severity in enumerate(SEVERITIES)}
 

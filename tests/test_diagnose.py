@@ -162,12 +162,12 @@ SHORT = dict(prompt=300, generated=100)
 def test_concurrency_beyond_capacity_with_kv_bound_queueing():
     run = Run(thresholds={"max_num_seqs": 9})
     run.steps(6, usage=0.4, running=3, requests=5, **SHORT, queue=0.01, prefill=0.05)
-    run.steps(4, usage=0.97, running=9, waiting=20, requests=8, **SHORT, queue=4.0, prefill=0.05, preemptions=3)
+    run.steps(4, usage=0.97, running=8, waiting=20, requests=8, **SHORT, queue=4.0, prefill=0.05, preemptions=3)
     findings = run.findings()
     finding = only(findings, "concurrency_beyond_capacity")
     assert finding.symptom == "exhaustion" and finding.severity == "critical" and finding.confidence == "high"
     assert finding.evidence["kv_cache_capacity_requests"] == 9
-    assert finding.evidence["demand_at_peak"] == 29
+    assert finding.evidence["demand_at_peak"] == 28
     assert finding.evidence["preemptions"] == 12
     assert finding.next_check
     assert "long_requests" not in causes(findings)
@@ -179,7 +179,7 @@ def test_concurrency_beyond_capacity_with_kv_bound_queueing():
 
 def test_full_cache_without_preemption_is_a_warning():
     run = Run(thresholds={"max_num_seqs": 9})
-    run.steps(3, usage=0.95, running=9, waiting=6, requests=4, **SHORT)
+    run.steps(3, usage=0.95, running=8, waiting=6, requests=4, **SHORT)
     finding = only(run.findings(), "concurrency_beyond_capacity")
     assert finding.severity == "warning"
     assert finding.evidence["preemptions"] == 0
@@ -235,6 +235,16 @@ def test_high_usage_alone_is_not_exhaustion():
     run = Run()
     run.steps(5, usage=0.98, running=9, waiting=0, requests=4, **SHORT)
     assert not causes(run.findings(), "exhaustion")
+
+
+def test_batch_at_max_num_seqs_waits_for_slots_not_blocks():
+    # A full batch of 12 with the cache at 93 %: requests wait for a slot.
+    run = Run(thresholds={"max_num_seqs": 12})
+    run.steps(10, usage=0.93, running=12, waiting=8, requests=6, prompt=200, generated=100, queue=3.0, hit_ratio=0.6)
+    findings = run.findings()
+    assert not causes(findings, "exhaustion")
+    assert "queueing_compute_bound" in causes(findings)
+    assert "queueing_kv_bound" not in causes(findings)
 
 
 def test_preemption_without_a_full_poll_is_still_exhaustion():
@@ -503,7 +513,7 @@ def test_per_engine_findings_name_their_engine():
     run.engines.append(second)
     for _ in range(4):
         run.step(usage=0.3, running=2, requests=2, **SHORT, engine=second, poll=False)
-        run.step(usage=0.97, running=9, waiting=20, requests=8, **SHORT, preemptions=1)
+        run.step(usage=0.97, running=8, waiting=20, requests=8, **SHORT, preemptions=1)
     exhausted = [f for f in run.findings() if f.symptom == "exhaustion"]
     assert {f.engine for f in exhausted} == {"0"}
 
@@ -512,7 +522,7 @@ def test_a_failing_rule_drops_only_its_findings(monkeypatch):
     import kvwatch.diagnose as module
 
     run = Run(thresholds={"max_num_seqs": 9})
-    run.steps(4, usage=0.97, running=9, waiting=20, requests=8, **SHORT, queue=4.0, preemptions=1)
+    run.steps(4, usage=0.97, running=8, waiting=20, requests=8, **SHORT, queue=4.0, preemptions=1)
 
     def broken(ctx):
         raise RuntimeError("bug")
