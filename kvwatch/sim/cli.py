@@ -98,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwatch sim: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()
+    previous_handler = None
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server.start()
     print(f"kvwatch sim: scenario {scenario.name!r}, {len(sim.engines)} engine(s), model {sim.model_name!r}, "
           f"speed {args.speed:g}", flush=True)
@@ -114,5 +115,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     finally:
         server.stop()
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
         print("kvwatch sim: stopped", flush=True)
     return 0

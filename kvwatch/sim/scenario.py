@@ -58,18 +58,6 @@ class Scenario:
     def cycle_seconds(self) -> float:
         return sum(phase.duration for phase in self.phases)
 
-    def phase_at(self, t: float) -> tuple[int, Phase]:
-        """The phase running at simulated time t (the last one holds after the end
-        unless the scenario loops)."""
-        total = self.cycle_seconds
-        if self.loop and total > 0:
-            t = math.fmod(t, total)
-        for index, phase in enumerate(self.phases):
-            if t < phase.duration:
-                return index, phase
-            t -= phase.duration
-        return len(self.phases) - 1, self.phases[-1]
-
 
 def parse_duration(raw: Any) -> float | None:
     if isinstance(raw, bool):

@@ -23,7 +23,6 @@ import threading
 import time
 import uuid
 import zlib
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,9 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 # engine produces them rather than on a coarse tick.
 CLOCK_MAX_SLEEP_SECONDS = 0.02
 CLOCK_MIN_SLEEP_SECONDS = 0.0005
+# Most simulated seconds one catch-up runs while holding the lock, so /metrics
+# stays responsive when a high --speed outruns the CPU (the simulation then lags).
+MAX_CATCH_UP_SECONDS = 5.0
 # Vocabulary of the simulated model's output; each token is one word, so the
 # whitespace tokenizer counts it back exactly.
 _WORDS = (
@@ -153,7 +155,7 @@ class SimServer:
         target = self._base_sim + self._offset + (time.monotonic() - self._base_wall) * self.speed
         if target > self.sim.now:
             before = self.progress
-            self.sim.advance_to(target)
+            self.sim.advance_to(min(target, self.sim.now + MAX_CATCH_UP_SECONDS))
             if self.progress != before:
                 self.cond.notify_all()
 
@@ -279,6 +281,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._request_bytes = int(self.headers.get("Content-Length") or 0)
         self._response_bytes = 0
         self._status = 200
+        self._headers_sent = False
 
     def _finish(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -288,6 +291,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, status: int, body: bytes, content_type: str) -> None:
         self._status = status
         self._response_bytes = len(body)
+        self._headers_sent = True
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -306,8 +310,11 @@ class _Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             raise _BadRequest("a JSON body with Content-Length is required", 411)
-        size = int(length)
-        if size > MAX_BODY_BYTES:
+        try:
+            size = int(length)
+        except ValueError:
+            raise _BadRequest("Content-Length is not a number") from None
+        if size < 0 or size > MAX_BODY_BYTES:
             raise _BadRequest("request body too large", 413)
         raw = self.rfile.read(size)
         try:
@@ -359,6 +366,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_error(exc.status, str(exc))
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+        except Exception as exc:  # a bug must not kill the connection silently
+            self.close_connection = True
+            if not self._headers_sent:
+                self._send_error(500, f"simulator error: {type(exc).__name__}: {exc}")
+            raise
         finally:
             self._finish()
 
@@ -458,6 +470,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _stream(self, request, progress, ident, created, model, chat, include_usage) -> None:
         self._status = 200
+        self._headers_sent = True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")

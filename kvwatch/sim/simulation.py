@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from kvwatch.sim.engine import Engine, Request
+from kvwatch.sim.engine import Engine, Request, RequestRejected
 from kvwatch.sim.scenario import Scenario
 from kvwatch.sim.stats import APP_DEFAULT_BUCKETS, Histogram
 from kvwatch.sim.workload import DrawnRequest, draw_request, symbolic_block_hashes
@@ -150,8 +150,8 @@ class Simulation:
         request = Request(uid, drawn.prompt_len, drawn.max_tokens, drawn.output_len, hashes, self.now)
         try:
             engine.add_request(request)
-        except Exception:
-            pass  # rejected by the queue limit; the engine counted it
+        except RequestRejected:
+            pass  # over max_num_queued_reqs: the engine counted the rejection
 
     def submit(
         self,
