@@ -3,9 +3,13 @@
 It parses only the families it is asked for. A caller names the families by
 their base name (no `vllm:` prefix, no `_total`/`_bucket`/... suffix); every
 spelling an engine may use on the wire (`vllm:`, `vllm_`, `ray_vllm:`, the
-suffixes a counter or histogram adds) is precomputed once into one dict, so a
-line of an unwanted family costs one `str.find` and one dict miss, and is never
-tokenized further.
+suffixes a counter or histogram adds) is precomputed once into one dict and
+into one regular expression (a trie of the spellings) that finds the lines of
+wanted families in C. A line of an unwanted family never reaches Python code,
+and a wanted line in the canonical form (`name{labels} value [timestamp]`) is
+split by the same expression. Any wanted line in another form (tabs, stray
+spaces, exemplars, garbage) sends the page to the line-by-line parser, which
+defines the behaviour; the fast path only ever returns what it would.
 
 What it handles: escaped label values (`\\\\`, `\\"`, `\\n`), NaN and +/-Inf,
 optional timestamps, OpenMetrics exemplars and `# EOF`, HELP/TYPE lines with no
@@ -33,11 +37,18 @@ _ESCAPE_RE = re.compile(r'\\[\\"n]')
 # of the block at every label would make a hostile line with many labels cost
 # quadratic time.
 _ONLY_SPACE_LEFT = re.compile(r"\s*\Z")
+# What _LABEL_BLOCK takes between the braces, for validating a block the fast
+# path cut out by its closing `} `.
+_LABEL_BLOCK_INNER = re.compile(r'(?:[^"}]|"(?:[^"\\]|\\.)*")*')
 
 # Label blocks repeat verbatim from one poll to the next; caching their parsed
 # form removes most of the per-poll work. Bounded so that an engine emitting
 # unbounded label values (one per request) cannot grow it without limit.
 _LABEL_CACHE_MAX = 20_000
+
+# Characters a sample name may hold for the scanner to be built (names outside
+# this alphabet would need escaping beyond what the line parser assumes).
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_:]+\Z")
 
 
 @dataclass(slots=True)
@@ -80,8 +91,78 @@ class FamilySelector:
                     # setdefault keeps the first (most exact) interpretation.
                     self.sample_names.setdefault(prefix + base + suffix, (base, suffix))
         self._label_cache: dict[str, dict[str, str]] = {}
+        self._scanner = _scanner(self.sample_names)
 
     def parse(self, text: str) -> Page:
+        if self._scanner is not None:
+            page = self._parse_scanned(text)
+            if page is not None:
+                return page
+        return self._parse_lines(text)
+
+    def _parse_scanned(self, text: str) -> Page | None:
+        """The page in one regex pass that yields only the lines of wanted
+        families; None when any of them is not in canonical form (the line
+        parser then handles the page and records errors with line numbers)."""
+        families: dict[str, Family] = {}
+        sample_names = self.sample_names
+        label_cache = self._label_cache
+        family = None
+        family_base = None
+        # The leading newline lets the first line match like any other; the
+        # trailing one ends a last line that has no newline of its own.
+        for name, rest, type_line, other in self._scanner.findall("\n" + text + "\n"):
+            if not name:
+                if other:
+                    return None
+                self._parse_comment(type_line, families)
+                family_base = None  # the comment may have created a family
+                continue
+            if rest[0] == "{":
+                close = rest.find("} ")
+                if close == -1:
+                    return None
+                block = rest[1:close]
+                labels = label_cache.get(block)
+                if labels is None:
+                    # Only blocks _LABEL_BLOCK would have cut out of this line
+                    # enter the cache, so a cached block is a valid one.
+                    if _LABEL_BLOCK_INNER.fullmatch(block) is None:
+                        return None
+                    try:
+                        labels = _parse_labels(block)
+                    except ValueError:
+                        return None
+                    if len(label_cache) >= _LABEL_CACHE_MAX:
+                        label_cache.clear()
+                    label_cache[block] = labels
+                value = rest[close + 2:]
+            else:
+                labels = {}
+                value = rest[1:]
+            try:
+                number = float(value)
+            except ValueError:
+                # A timestamp after the value; anything else is left to the
+                # line parser.
+                parts = value.split(" ")
+                if len(parts) != 2:
+                    return None
+                try:
+                    number = float(parts[0])
+                    float(parts[1])
+                except ValueError:
+                    return None
+            base, suffix = sample_names[name]
+            if base != family_base:
+                family = families.get(base)
+                if family is None:
+                    family = families[base] = Family(base, spelling=_prefix_of(name, base))
+                family_base = base
+            family.samples.append((suffix, labels, number))
+        return Page(families, [], text.count("\n") + 1)
+
+    def _parse_lines(self, text: str) -> Page:
         families: dict[str, Family] = {}
         errors: list[ParseError] = []
         sample_names = self.sample_names
@@ -151,6 +232,50 @@ class FamilySelector:
         if family is None:
             family = families[base] = Family(base, spelling=_prefix_of(parts[2], base))
         family.type = parts[3]
+
+
+def _scanner(sample_names: dict[str, tuple[str, str]]) -> re.Pattern | None:
+    """One pattern over the whole page (each line preceded by its newline)
+    whose matches are, by group:
+    1, 2: a wanted sample name followed by `{` or a space, and the rest of
+       its line;
+    3: a `# TYPE` line (of any family; the comment parser picks);
+    4: any other line the line parser would take as a wanted sample, by its
+       rule: whitespace other than spaces, the name, such whitespace again,
+       then `{`, a space or the end of the line.
+    Lines of other families match nothing; the regex engine skips them
+    without entering Python."""
+    if not sample_names or not all(_NAME_CHARS.match(name) for name in sample_names):
+        return None
+    names = _trie_pattern(sample_names)
+    return re.compile(
+        rf"\n(?:({names})([{{\x20][^\n]*)"
+        r"|(\#\x20TYPE\x20[^\n]*)"
+        rf"|([^\S\x20\n]*(?:{names})[^\S\x20\n]*(?=[{{\x20\n])[^\n]*))"
+    )
+
+
+def _trie_pattern(words: Iterable[str]) -> str:
+    """A regex alternation of `words` shaped as a trie, so the regex engine
+    tests each character once instead of each word in turn."""
+    trie: dict = {}
+    for word in words:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def render(node: dict) -> str:
+        ends_here = "" in node
+        branches = [re.escape(char) + render(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        if ends_here:
+            return ("(?:" + body + ")?") if len(branches) == 1 else body + "?"
+        return body
+
+    return render(trie)
 
 
 def _prefix_of(sample_name: str, base: str) -> str:

@@ -104,28 +104,35 @@ class VllmAdapter:
         # kvwatch's memory without bound.
         self.max_series = max_series
         self.dropped_series = 0
+        # Derived forms of the parser's cached label sets, which come back as
+        # the same objects poll after poll (see _SeriesCache).
+        self._series = _SeriesCache()
 
     def adapt(self, text: str, at: float | None = None) -> Snapshot:
         page = self.selector.parse(text)
         families = page.families
         snapshot = Snapshot(time=_time.time() if at is None else at, engines={}, parse_errors=page.errors)
+        engines = snapshot.engines
+        series = self._series
+        series.trim()
 
         def engine_of(labels: dict[str, str]) -> EngineSnapshot | None:
-            key = (labels.get("model_name", "unknown"), labels.get("engine", "0"))
-            found = snapshot.engines.get(key)
+            key = series.engine_key(labels)
+            found = engines.get(key)
             if found is None:
-                if len(snapshot.engines) >= self.max_series:
+                if len(engines) >= self.max_series:
                     self.dropped_series += 1
                     return None
-                found = snapshot.engines[key] = EngineSnapshot(*key)
+                found = engines[key] = EngineSnapshot(*key)
             return found
 
+        # `value == value` is False only for NaN, and cheaper than math.isnan.
         for key, aliases in GAUGES.items():
             family = _first_present(families, aliases, snapshot.sources, key)
             if family is None:
                 continue
             for suffix, labels, value in family.samples:
-                if suffix == "" and not math.isnan(value):
+                if suffix == "" and value == value:
                     engine = engine_of(labels)
                     if engine is not None:
                         _fold_max(engine.gauges, key, value)
@@ -136,7 +143,7 @@ class VllmAdapter:
                 continue
             snapshot.sources[key] = name
             for suffix, labels, value in family.samples:
-                if suffix == "" and not math.isnan(value):
+                if suffix == "" and value == value:
                     engine = engine_of(labels)
                     if engine is not None:
                         _fold_max(engine.gauges, f"{key}/{labels.get(dimension, '')}", value)
@@ -145,12 +152,14 @@ class VllmAdapter:
             family = _first_present(families, aliases, snapshot.sources, key)
             if family is None:
                 continue
+            marks_restart = aliases[0] == RESTART_MARKER
             for suffix, labels, value in family.samples:
-                if suffix in ("_total", "") and not math.isnan(value):
+                if (suffix == "_total" or suffix == "") and value == value:
                     engine = engine_of(labels)
                     if engine is not None:
-                        engine.counters[key] = engine.counters.get(key, 0.0) + value
-                elif suffix == "_created" and aliases[0] == RESTART_MARKER:
+                        counters = engine.counters
+                        counters[key] = counters.get(key, 0.0) + value
+                elif suffix == "_created" and marks_restart:
                     engine = engine_of(labels)
                     if engine is not None:
                         engine.created = value if engine.created is None else min(engine.created, value)
@@ -161,7 +170,7 @@ class VllmAdapter:
                 continue
             snapshot.sources[key] = name
             for suffix, labels, value in family.samples:
-                if suffix in ("_total", "") and not math.isnan(value):
+                if (suffix == "_total" or suffix == "") and value == value:
                     engine = engine_of(labels)
                     if engine is not None:
                         flat = f"{key}/{labels.get(dimension, '')}"
@@ -170,7 +179,7 @@ class VllmAdapter:
         for key, aliases in HISTOGRAMS.items():
             family = _first_present(families, aliases, snapshot.sources, key)
             if family is not None:
-                for labels, histogram in _histograms(family, snapshot.parse_errors):
+                for labels, histogram in _histograms(family, snapshot.parse_errors, series):
                     engine = engine_of(labels)
                     if engine is not None:
                         existing = engine.histograms.get(key)
@@ -210,45 +219,132 @@ def _identity(labels: dict[str, str]) -> tuple[str, str]:
     return labels.get("model_name", "unknown"), labels.get("engine", "0")
 
 
-def _histograms(family: Family, errors: list) -> list[tuple[dict[str, str], Histogram]]:
+class _SeriesCache:
+    """What the adapter derives from a label set, computed once per label set.
+
+    The parser hands out the same dict object for the same label block on
+    every poll, so these are keyed by the dict's id; each entry holds the
+    dict itself, so the id cannot be reused by another object while the
+    entry lives. Bucket bounds are interned too: every poll, and every
+    snapshot in the window, shares one bounds tuple per layout. Bounded:
+    cleared between polls once it outgrows `limit` (a page with one label
+    value per request would otherwise grow it forever)."""
+
+    def __init__(self, limit: int = 50_000):
+        self.limit = limit
+        self.engine_keys: dict[int, tuple[dict[str, str], tuple[str, str]]] = {}
+        # id(labels) -> (labels, identity token, `le` or None, bound or None)
+        self.buckets: dict[int, tuple[dict[str, str], tuple, str | None, float | None]] = {}
+        # id(labels) -> (labels, identity token) for _sum, _count and the rest
+        self.others: dict[int, tuple[dict[str, str], tuple]] = {}
+        # identity tuple -> the one tuple object standing for it (its token)
+        self.tokens: dict[tuple, tuple] = {}
+        # token -> (labels as a dict, (model_name, engine))
+        self.token_labels: dict[tuple, tuple[dict[str, str], tuple[str, str]]] = {}
+        # bounds in page order -> (sorted bounds, whether page order was sorted)
+        self.bounds: dict[tuple[float, ...], tuple[tuple[float, ...], bool]] = {}
+
+    def trim(self) -> None:
+        if (len(self.engine_keys) + len(self.buckets) + len(self.others) + len(self.tokens)
+                + len(self.bounds) > self.limit):
+            for table in (self.engine_keys, self.buckets, self.others, self.tokens, self.token_labels, self.bounds):
+                table.clear()
+
+    # Empty label sets are fresh dicts on every line (nothing to reuse), so
+    # they are answered without an entry.
+
+    def engine_key(self, labels: dict[str, str]) -> tuple[str, str]:
+        if not labels:
+            return _identity(labels)
+        entry = self.engine_keys.get(id(labels))
+        if entry is None:
+            entry = self.engine_keys[id(labels)] = (labels, _identity(labels))
+        return entry[1]
+
+    def token(self, identity: tuple) -> tuple:
+        return self.tokens.setdefault(identity, identity)
+
+    def bucket(self, labels: dict[str, str]) -> tuple[dict[str, str], tuple, str | None, float | None]:
+        if not labels:
+            return labels, self.token(()), None, None
+        entry = self.buckets.get(id(labels))
+        if entry is None:
+            le = labels.get("le")
+            identity = self.token(tuple(sorted((k, v) for k, v in labels.items() if k != "le")))
+            try:
+                bound = float(le) if le is not None else None
+            except ValueError:
+                bound = None
+            entry = self.buckets[id(labels)] = (labels, identity, le, bound)
+        return entry
+
+    def other(self, labels: dict[str, str]) -> tuple:
+        if not labels:
+            return self.token(())
+        entry = self.others.get(id(labels))
+        if entry is None:
+            entry = self.others[id(labels)] = (labels, self.token(tuple(sorted(labels.items()))))
+        return entry[1]
+
+    def labels_of(self, token: tuple) -> tuple[dict[str, str], tuple[str, str]]:
+        entry = self.token_labels.get(token)
+        if entry is None:
+            labels = dict(token)
+            entry = self.token_labels[token] = (labels, _identity(labels))
+        return entry
+
+    def sorted_bounds(self, page_order: tuple[float, ...]) -> tuple[tuple[float, ...], bool]:
+        entry = self.bounds.get(page_order)
+        if entry is None:
+            bounds = tuple(sorted(page_order))
+            entry = self.bounds[page_order] = (bounds, bounds == page_order)
+        return entry
+
+
+def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None) -> list[tuple[dict[str, str], Histogram]]:
     """Group a histogram family's samples into one Histogram per label set
     (minus `le`), summing series that differ only in folded labels."""
-    groups: dict[tuple, dict] = {}
+    if cache is None:
+        cache = _SeriesCache()
+    # Groups are keyed by the id of their interned identity tuple (an int
+    # hashes faster than a tuple of pairs); the token itself keeps the id live.
+    groups: dict[int, list] = {}  # id(token) -> [token, buckets, sum, count]
+    bucket_of = cache.bucket
+    other_of = cache.other
     for suffix, labels, value in family.samples:
-        if suffix == "_created":
-            continue
         if suffix == "_bucket":
-            le = labels.get("le")
+            _labels, token, le, bound = bucket_of(labels)
             if le is None:
                 continue
-            identity = tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
-        else:
-            identity = tuple(sorted(labels.items()))
-        group = groups.setdefault(identity, {"buckets": {}, "sum": None, "count": None})
-        if suffix == "_bucket":
-            try:
-                bound = float(le)
-            except ValueError:
+            group = groups.get(id(token))
+            if group is None:
+                group = groups[id(token)] = [token, {}, None, None]
+            if bound is None:  # an `le` that is not a number
                 continue
-            group["buckets"][bound] = group["buckets"].get(bound, 0.0) + value
-        elif suffix == "_sum":
-            group["sum"] = value
-        elif suffix == "_count":
-            group["count"] = value
+            buckets = group[1]
+            buckets[bound] = buckets.get(bound, 0.0) + value
+        elif suffix == "_created":
+            continue
+        else:
+            token = other_of(labels)
+            group = groups.get(id(token))
+            if group is None:
+                group = groups[id(token)] = [token, {}, None, None]
+            if suffix == "_sum":
+                group[2] = value
+            elif suffix == "_count":
+                group[3] = value
 
     # Fold label sets that share (model_name, engine).
     folded: dict[tuple[str, str], tuple[dict[str, str], Histogram]] = {}
-    for identity, group in groups.items():
-        buckets = group["buckets"]
+    for token, buckets, total, count in groups.values():
         if not buckets or math.inf not in buckets:
             errors.append(f"{family.name}: histogram without a +Inf bucket, ignored")
             continue
-        bounds = tuple(sorted(buckets))
-        cumulative = tuple(buckets[b] for b in bounds)
-        count = group["count"] if group["count"] is not None else cumulative[-1]
-        histogram = Histogram(bounds, cumulative, group["sum"] or 0.0, count)
-        labels = dict(identity)
-        key = _identity(labels)
+        bounds, in_order = cache.sorted_bounds(tuple(buckets))
+        cumulative = tuple(buckets.values()) if in_order else tuple(buckets[b] for b in bounds)
+        histogram = Histogram(bounds, cumulative, total or 0.0, count if count is not None else cumulative[-1])
+        labels, key = cache.labels_of(token)
         if key in folded:
             merged = folded[key][1].plus(histogram)
             if merged is not None:

@@ -1,0 +1,154 @@
+"""The fast parser reads exactly what prometheus_client reads, and its
+one-regex path exactly what its own line-by-line path reads.
+
+The benchmark (benchmarks/run.py) times the parser against prometheus_client;
+these tests hold the values it compares, with no timing: on every real
+capture, every sample of every family kvwatch asks for has the same labels
+and value in both parsers, and the regex path (taken for canonical pages)
+gives the same Page as the line parser (which defines the behaviour,
+malformed lines and their line numbers included)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwatch.engines.vllm import VllmAdapter
+from kvwatch.exposition import FamilySelector, Page
+
+
+def captures(fixtures_dir):
+    paths = sorted(fixtures_dir.glob("*/*.txt"))
+    assert paths, f"no captures under {fixtures_dir}"
+    return paths
+
+
+def same_value(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def kvwatch_samples(selector: FamilySelector, text: str) -> list[tuple[str, dict, float]]:
+    page = selector.parse(text)
+    assert page.errors == []
+    return [
+        (family.spelling + family.name + suffix, labels, value)
+        for family in page.families.values()
+        for suffix, labels, value in family.samples
+    ]
+
+
+def reference_samples(selector: FamilySelector, text: str) -> list[tuple[str, dict, float]]:
+    return [
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in selector.sample_names
+    ]
+
+
+def as_comparable(page: Page):
+    """A Page as plain data; NaN compared by its text."""
+    return (
+        [(name, f.type, f.spelling, [(s, sorted(lbl.items()), repr(v)) for s, lbl, v in f.samples])
+         for name, f in page.families.items()],
+        [(e.line_number, e.reason, e.line) for e in page.errors],
+        page.line_count,
+    )
+
+
+def test_every_sample_kvwatch_uses_matches_prometheus_client(fixtures_dir):
+    selector = VllmAdapter().selector
+    compared = 0
+    for path in captures(fixtures_dir):
+        text = path.read_text()
+        ours = kvwatch_samples(selector, text)
+        theirs = reference_samples(selector, text)
+        # Same samples, in page order, with the same labels and values.
+        assert [(n, lbl) for n, lbl, _ in ours] == [(n, lbl) for n, lbl, _ in theirs], path.name
+        for (name, labels, a), (_, _, b) in zip(ours, theirs):
+            assert same_value(a, b), f"{path.name}: {name}{labels}: {a} != {b}"
+        compared += len(ours)
+    assert compared > 1000  # the captures really hold the families kvwatch reads
+
+
+def test_fast_path_is_taken_on_real_captures_and_agrees_with_the_line_parser(fixtures_dir):
+    selector = VllmAdapter().selector
+    for path in captures(fixtures_dir):
+        text = path.read_text()
+        fast = selector._parse_scanned(text)
+        assert fast is not None, f"{path.name} fell back to the line parser"
+        assert as_comparable(fast) == as_comparable(selector._parse_lines(text)), path.name
+
+
+def test_adapter_reads_the_same_snapshot_twice_from_its_caches(fixtures_dir):
+    """The label-set and bucket-bound caches give the second poll exactly
+    what a fresh adapter computes."""
+    for path in captures(fixtures_dir):
+        text = path.read_text()
+        warm = VllmAdapter()
+        warm.adapt(text, at=1.0)
+        assert warm.adapt(text, at=1.0) == VllmAdapter().adapt(text, at=1.0), path.name
+
+
+ODD_PAGES = [
+    # Each differs from the canonical form in one way the line parser accepts
+    # or rejects in its own manner; parse() must answer what it answers.
+    'vllm:g\t{engine="0"} 1\n',
+    '\tvllm:g{engine="0"} 1\n',
+    'vllm:g{engine="0"}  1\n',
+    'vllm:g{engine="0"} 1 \n',
+    'vllm:g{engine="0"}1\n',
+    'vllm:g{engine="0"} 1 1700000000\n',
+    'vllm:g{engine="0"} 1 17x\n',
+    'vllm:g{engine="0"} 1 2 3\n',
+    'vllm:g{engine="0"} 1 # {trace_id="a"} 0.5 1\n',
+    'vllm:g{engine="0"} \n',
+    'vllm:g{engine="0"}\n',
+    'vllm:g\n',
+    'vllm:g 1\n',
+    'vllm:g  1\n',
+    'vllm:g{a="x} y",engine="0"} 1\n',
+    'vllm:g{a="x\\"} 2"} 1\n',
+    'vllm:g{a="x"}} 1\n',
+    'vllm:g{a="x" b="y"} 1\n',
+    'vllm:g{a="x",} 1\n',
+    'vllm:g{a="unterminated} 1\n',
+    'vllm:g{} 1\n',
+    'vllm:g{ a = "x" } 1\n',
+    'vllm:g{engine="0"} 1\r\n',
+    'vllm:g{engine="0"} NaN\nvllm:g{engine="1"} -Inf\n',
+    'vllm:g{engine="0"} 1_0\n',
+    'vllm:gg{engine="0"} 1\nvllm:g_total_x 1\n',
+    ' vllm:g 1\n',
+    '# TYPE vllm:g gauge\n# TYPE  vllm:g_created   counter\n#TYPE vllm:g counter\n',
+    '# TYPE vllm:g\n',
+    'vllm:g{engine="0"} 1',
+    'vllm:g{engine="0"} 1\n\n\nvllm:g{engine="1"} 2\n',
+]
+
+
+@pytest.mark.parametrize("text", ODD_PAGES)
+def test_odd_lines_parse_as_the_line_parser_parses_them(text):
+    selector = FamilySelector(["g", "h"], ("vllm:", "vllm_"))
+    page = selector.parse(text)
+    assert as_comparable(page) == as_comparable(FamilySelector(["g", "h"], ("vllm:", "vllm_"))._parse_lines(text))
+
+
+FRAGMENTS = st.sampled_from([
+    "vllm:g", "vllm_g", "vllm:g_total", "vllm:g_bucket", "vllm:h_created", "vllm:gx", "other", "#", "# TYPE ",
+    "# HELP ", "{", "}", '"', "\\", ",", "=", "a", 'le="+Inf"', 'engine="0"', " ", "  ", "\t", "\r", "\x0b",
+    "1", "1.5", "NaN", "+Inf", "x", "1e3", "_", "\n", "\n",
+])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(FRAGMENTS, max_size=40))
+def test_any_page_parses_as_the_line_parser_parses_it(fragments):
+    text = "".join(fragments)
+    fast = FamilySelector(["g", "h"], ("vllm:", "vllm_")).parse(text)
+    slow = FamilySelector(["g", "h"], ("vllm:", "vllm_"))._parse_lines(text)
+    assert as_comparable(fast) == as_comparable(slow)
