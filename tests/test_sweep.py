@@ -1,0 +1,396 @@
+"""`kvwatch sweep` against the in-process simulator (the `idle` scenario: no
+background traffic, 128 blocks of 32 tokens, 8 sequences), its output files,
+its input errors, and its parts: prompt lengths, the stream reader, the cell
+summary."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from kvwatch.cli import main
+from kvwatch.sim.server import start_background
+from kvwatch.snapshot import Histogram
+from kvwatch.sweep import percentile, summarize_cell
+from kvwatch.sweep_client import Client, RequestResult, Worker, split_base_url
+from kvwatch.sweep_metrics import CellMetrics
+from kvwatch.sweep_output import COLUMNS, REQUEST_COLUMNS
+from kvwatch.sweep_prompts import (
+    PromptError,
+    calibrate_with_probes,
+    calibrate_with_tokenize,
+)
+
+# The tiny Llama of the real tier: 2 layers x 2 KV heads x head_dim 32 x K,V x 4 B
+# = 1024 B per token, which is also what the simulator reports per token.
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32"}
+
+
+@pytest.fixture
+def sim():
+    # speed 10: a 192-token answer takes about 2.5 simulated seconds, 0.25 s of wall time
+    with start_background("idle", speed=10) as handle:
+        yield handle
+
+
+def _read_outputs(out: Path) -> tuple[dict, list[dict]]:
+    report = json.loads((out / "sweep.json").read_text())
+    with open(out / "sweep.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    return report, rows
+
+
+def test_sweep_against_the_simulator_peak_kv_rises_with_concurrency(sim, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--base-url", sim.url, "--model", "tiny-llama",
+                 "--input-tokens", "256", "--output-tokens", "192", "--concurrency", "1,4,8",
+                 "--duration", "1s", "--poll-interval", "0.05s", "--timeout", "30s",
+                 "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    report, rows = _read_outputs(out)
+    cells = report["cells"]
+    assert [c["concurrency"] for c in cells] == [1, 4, 8]
+    peaks = [c["peak_kv_usage"] for c in cells]
+    assert peaks[0] < peaks[1] < peaks[2], peaks
+    # One request holds ceil(448 / 32) = 14 of the 127 usable blocks; eight hold 112.
+    assert 14 / 127 - 1e-9 <= peaks[0] <= 2 * 14 / 127
+    assert peaks[2] <= 112 / 127 + 1e-9
+    for cell in cells:
+        assert cell["failed"] == 0 and cell["completed"] >= 1
+        assert cell["peak_running"] <= cell["concurrency"]
+        # The simulator counts one token per word, so calibrated prompts are exact.
+        assert cell["prompt_tokens_mean"] == 256
+        assert cell["prompt_tokens_client_mean"] == 256
+        assert cell["engine_finished"] == cell["completed"]
+        assert cell["engine_ttft_count"] == cell["completed"]
+        assert cell["client_ttft_p50_s"] <= cell["client_ttft_p95_s"]
+        assert cell["engine_ttft_p50_s"] <= cell["engine_ttft_p95_s"]
+        # 127 usable blocks // 14 blocks per request
+        assert cell["capacity_bound"] == 9 and cell["capacity_source"] == "cache_config_info"
+        assert cell["preemptions"] == 0
+        assert cell["generation_tokens_per_s"] > 0
+    assert cells[2]["peak_running"] > cells[0]["peak_running"]
+    assert report["interrupted"] is False and report["planned_cells"] == 3
+    assert report["server"]["prompt_method"].startswith("calibrated words")
+
+    # The files agree with each other.
+    assert [int(r["cell"]) for r in rows] == [1, 2, 3]
+    assert list(rows[0]) == list(COLUMNS)
+    assert float(rows[2]["peak_kv_usage"]) == pytest.approx(peaks[2], rel=1e-5)
+    with open(out / "requests.csv", newline="") as handle:
+        requests_rows = list(csv.DictReader(handle))
+    assert list(requests_rows[0]) == list(REQUEST_COLUMNS)
+    assert len(requests_rows) == sum(c["requests_sent"] for c in cells)
+    assert all(r["ok"] == "1" and r["completion_tokens"] == "192" for r in requests_rows)
+    summary = (out / "summary.md").read_text()
+    assert "| 256 | 192 | 8 |" in summary and "3 of 3 cells measured" in summary
+    for name in ("ttft_p95.png", "kv_usage_peak.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+    # One progress line per cell, on stderr.
+    assert [line.split(" ")[0] for line in err.splitlines() if line.startswith("[")] == \
+        ["[1/3]", "[2/3]", "[3/3]"]
+
+
+def test_sweep_by_request_count_with_the_bound_from_a_model_config(sim, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    out = tmp_path / "by-count"
+    code = main(["sweep", "--base-url", sim.url + "/v1", "--model", "tiny-llama",
+                 "--input-tokens", "100,300", "--output-tokens", "20", "--concurrency", "3",
+                 "--requests", "5", "--poll-interval", "0.05s", "--model-config", str(config),
+                 "--out", str(out), "--no-plots", "--warmup", "0"])
+    assert code == 0, capsys.readouterr().err
+    report, rows = _read_outputs(out)
+    assert [(c["input_tokens"], c["requests_sent"], c["completed"]) for c in report["cells"]] == \
+        [(100, 5, 5), (300, 5, 5)]
+    # budget 4096 tokens x 1024 B = 4 MiB (kv_cache_memory_bytes); a block is 32 x 1024 B.
+    # 120 tokens -> 4 blocks: (4194304 - 32768) // (4 x 32768) = 31
+    # 320 tokens -> 10 blocks: 4161536 // 327680 = 12
+    assert [c["capacity_bound"] for c in report["cells"]] == [31, 12]
+    assert {c["capacity_source"] for c in report["cells"]} == {"model config"}
+    assert [c["prompt_tokens_mean"] for c in report["cells"]] == [100, 300]
+    assert not (out / "ttft_p95.png").exists()
+    assert "1024 B per token" in report["server"]["capacity_note"]
+
+
+# ---------------------------------------------------------------------------
+# Bad inputs: one clear line, exit status 2 (1 when the server cannot be measured).
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--concurrency", "0"], "--concurrency: 0 is below the minimum of 1"),
+    (["--concurrency", "1,four"], "--concurrency: 'four' is not a whole number"),
+    (["--input-tokens", ","], "--input-tokens: give at least one value"),
+    (["--requests", "0"], "--requests must be at least 1"),
+    (["--poll-interval", "soon"], "--poll-interval: 'soon' is not a duration"),
+    (["--timeout", "0s"], "--timeout: '0s' must be positive"),
+    (["--base-url", "ftp://127.0.0.1:1"], "--base-url: 'ftp://127.0.0.1:1' is not an http(s) URL"),
+    (["--kv-budget", "3GiB"], "give --model-config too"),
+    (["--model-config", "/nonexistent/config.json"], "--model-config: /nonexistent/config.json not found"),
+    (["--kv-dtype", "int4", "--model-config", "x"], "--kv-dtype 'int4' is not one of"),
+    (["--warmup", "-1"], "--warmup cannot be negative"),
+])
+def test_bad_flags_give_one_clear_error(extra, message, tmp_path, capsys):
+    args = {"--base-url": "http://127.0.0.1:9", "--model": "m", "--input-tokens": "8",
+            "--output-tokens": "8", "--concurrency": "1", "--requests": "1",
+            "--out": str(tmp_path / "o")}
+    for flag, value in zip(extra[::2], extra[1::2]):
+        args[flag] = value
+    argv = ["sweep"] + [item for pair in args.items() for item in pair]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwatch sweep: error: ") and message in err, err
+    assert not (tmp_path / "o").exists()  # nothing is created before the inputs are good
+
+
+def test_requests_and_duration_are_exclusive_and_one_is_needed(capsys):
+    base = ["sweep", "--base-url", "http://127.0.0.1:9", "--model", "m", "--input-tokens", "8",
+            "--output-tokens", "8", "--concurrency", "1"]
+    with pytest.raises(SystemExit) as both:
+        main(base + ["--requests", "2", "--duration", "5s"])
+    assert both.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as neither:
+        main(base)
+    assert neither.value.code == 2
+    assert "one of the arguments --requests --duration is required" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("extra, code, message", [
+    (["--model", "llama-70b"], 2, "--model 'llama-70b' is not served by"),
+    (["--input-tokens", "1000", "--output-tokens", "8,100"], 2,
+     "exceed the server's max_model_len 1024: 1000+100"),
+    (["--metrics-url", "{url}/v1/models"], 1, "cannot read {url}/v1/models: "),
+])
+def test_server_side_errors_are_reported_before_any_cell(sim, tmp_path, capsys, extra, code,
+                                                         message):
+    args = {"--base-url": sim.url, "--model": "tiny-llama", "--input-tokens": "8",
+            "--output-tokens": "8", "--concurrency": "1", "--requests": "1",
+            "--out": str(tmp_path / "o")}
+    for flag, value in zip(extra[::2], extra[1::2]):
+        args[flag] = value.format(url=sim.url)
+    assert main(["sweep"] + [item for pair in args.items() for item in pair]) == code
+    err = capsys.readouterr().err
+    assert message.format(url=sim.url) in err, err
+    if "--model" in extra:
+        assert "(it serves: tiny-llama)" in err
+    assert not (tmp_path / "o" / "sweep.json").exists()
+
+
+def test_an_unreachable_server_is_a_clear_error(tmp_path, capsys):
+    url = f"http://127.0.0.1:{_free_port()}"
+    code = main(["sweep", "--base-url", url, "--model", "m", "--input-tokens", "8",
+                 "--output-tokens", "8", "--concurrency", "1", "--requests", "1",
+                 "--out", str(tmp_path / "o")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach the server: GET {url}/v1/models: connection refused" in err
+
+
+# ---------------------------------------------------------------------------
+# Prompt lengths.
+
+
+class FakeTokenizer:
+    """Counts like a BPE with a BOS token: each known short word is one token,
+    any other word one token per two letters; optionally merges 'to be'."""
+
+    def __init__(self, one_token: set[str], merge_to_be: bool = False):
+        self.one_token = one_token
+        self.merge_to_be = merge_to_be
+        self.calls = 0
+
+    def __call__(self, text: str) -> int:
+        self.calls += 1
+        words = text.split()
+        count = 1  # BOS
+        for word in words:
+            count += 1 if word in self.one_token else (len(word) + 1) // 2 + 1
+        if self.merge_to_be:
+            count -= sum(1 for a, b in zip(words, words[1:]) if (a, b) == ("to", "be"))
+        return count
+
+
+def test_tokenize_calibration_keeps_one_token_words_and_hits_lengths_exactly():
+    tokenizer = FakeTokenizer({"to", "be", "go", "do", "so", "no", "me"})
+    maker = calibrate_with_tokenize(tokenizer)
+    assert maker is not None and set(maker.words) == {"to", "be", "go", "do", "so", "no", "me"}
+    assert set(maker.first_cost.values()) == {2}  # BOS + the word
+    for length in (2, 3, 17, 256, 1000):
+        maker.check_length(length, "seed")
+        assert not maker.fitted_lengths
+        for index in range(5):
+            prompt = maker.make(length, random.Random(index))
+            assert tokenizer(prompt.text) == length == prompt.expected_tokens
+    assert maker.min_tokens() == 2
+    # Different generators give different first words: no shared first block.
+    firsts = {" ".join(maker.make(64, random.Random(i)).text.split()[:16]) for i in range(20)}
+    assert len(firsts) == 20
+
+
+def test_tokenize_lengths_that_do_not_add_up_are_fitted_per_prompt():
+    tokenizer = FakeTokenizer({"to", "be", "go", "do"}, merge_to_be=True)
+    maker = calibrate_with_tokenize(tokenizer)
+    maker.check_length(300, "seed")
+    assert maker.fitted_lengths == {300}
+    for index in range(5):
+        prompt = maker.make(300, random.Random(index))
+        assert tokenizer(prompt.text) == 300 == prompt.expected_tokens
+
+
+def test_too_few_one_token_words_means_no_tokenize_calibration():
+    assert calibrate_with_tokenize(FakeTokenizer({"to", "be"})) is None
+
+
+def test_probe_calibration_fits_slope_and_overhead():
+    # A server that counts 3 template tokens plus 1.5 tokens per word.
+    maker = calibrate_with_probes(lambda text: 3 + round(1.5 * len(text.split())), 4096, "s")
+    assert maker.slope == pytest.approx(1.5) and maker.overhead == pytest.approx(3)
+    prompt = maker.make(303, random.Random(0))
+    assert len(prompt.text.split()) == 200 and prompt.expected_tokens == 303
+    with pytest.raises(PromptError, match="cannot calibrate"):
+        calibrate_with_probes(lambda text: 7, 4096, "s")
+
+
+# ---------------------------------------------------------------------------
+# The stream reader against a scripted server.
+
+
+class ScriptedSSE:
+    """Answers every POST with the scripted raw bytes after the status line."""
+
+    def __init__(self, status: int, body: bytes, chunked: bool = True):
+        script = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(script.status)
+                if chunked:
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    self.wfile.write(f"{len(script.body):x}\r\n".encode() + script.body + b"\r\n")
+                    if script.finish:
+                        self.wfile.write(b"0\r\n\r\n")
+                    self.close_connection = True
+                else:
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(script.body)))
+                    self.end_headers()
+                    self.wfile.write(script.body)
+
+        self.status, self.body, self.finish = status, body, True
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _stream_once(server: ScriptedSSE) -> RequestResult:
+    client = Client(server.url, timeout=5.0)
+    worker = Worker(client)
+    try:
+        return client.stream_completion(worker, {"model": "m", "prompt": "x", "stream": True})
+    finally:
+        worker.close()
+        server.close()
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def test_stream_reader_counts_tokens_with_empty_text_and_reads_usage():
+    body = (_event({"choices": [{"text": "", "finish_reason": None}]})
+            + _event({"choices": [{"text": " hi", "finish_reason": None}]})
+            + _event({"choices": [{"text": "!", "finish_reason": "length"}]})
+            + _event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}})
+            + b"data: [DONE]\n\n")
+    result = _stream_once(ScriptedSSE(200, body))
+    assert result.ok and result.error is None
+    assert result.chunks == 3 and result.finish_reason == "length"
+    assert (result.prompt_tokens, result.completion_tokens, result.generated_tokens) == (7, 3, 3)
+    assert 0 <= result.ttft <= result.latency
+
+
+@pytest.mark.parametrize("status, body, finish, error", [
+    (400, b'{"object": "error", "message": "This model\'s maximum context length is 1024"}',
+     True, "HTTP 400: This model's maximum context length is 1024"),
+    (200, _event({"choices": [{"text": "a", "finish_reason": None}]}), False,
+     "the stream ended before a finish_reason or [DONE]"),
+    (200, _event({"error": {"message": "engine dead"}}), True, "error in the stream: engine dead"),
+    (200, b"data: {not json\n\n", True, "a stream event is not JSON"),
+])
+def test_stream_reader_failures_are_results_not_exceptions(status, body, finish, error):
+    server = ScriptedSSE(status, body, chunked=status == 200)
+    server.finish = finish
+    result = _stream_once(server)
+    assert not result.ok
+    assert result.error.startswith(error), result.error
+
+
+def test_base_url_forms():
+    assert split_base_url("http://127.0.0.1:8000") == ("http", "127.0.0.1", 8000, "")
+    assert split_base_url("http://h:1/v1/") == ("http", "h", 1, "")
+    assert split_base_url("https://gw.example/llm/v1") == ("https", "gw.example", 443, "/llm")
+    with pytest.raises(ValueError):
+        split_base_url("127.0.0.1:8000")
+
+
+# ---------------------------------------------------------------------------
+# Statistics and the cell row.
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([], 0.5) is None
+    assert percentile([3.0], 0.95) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile(list(map(float, range(1, 101))), 0.95) == pytest.approx(95.05)
+
+
+def test_cell_summary_puts_client_and_engine_side_by_side():
+    results = [RequestResult(ok=True, started=10.0 + i, ttft=0.1 * (i + 1), latency=2.0,
+                             chunks=4, prompt_tokens=100, completion_tokens=50) for i in range(4)]
+    results.append(RequestResult(ok=False, started=11.0, latency=0.5, error="HTTP 503"))
+    ttft = Histogram((0.1, 0.5, float("inf")), (2.0, 4.0, 4.0), 1.0, 4.0)
+    metrics = CellMetrics(polls=9, peak_kv_usage=0.5, peak_running=4.0, peak_waiting=0.0,
+                          counters={"prompt_tokens": 400.0, "generation_tokens": 200.0,
+                                    "preemptions": 1.0, "finished/length": 4.0},
+                          histograms={"ttft": ttft})
+    cell = summarize_cell(1, 100, 50, 4, results, metrics, {"bound": 7, "source": "x"})
+    assert set(COLUMNS) <= set(cell)
+    assert (cell["completed"], cell["failed"], cell["requests_sent"]) == (4, 1, 5)
+    assert cell["seconds"] == pytest.approx(5.0)  # first sent at 10, last ended at 13 + 2
+    assert cell["client_ttft_p50_s"] == pytest.approx(0.25)
+    assert cell["engine_ttft_p50_s"] == pytest.approx(0.1) and cell["engine_ttft_mean_s"] == 0.25
+    assert cell["prompt_tokens_mean"] == 100 and cell["prompt_tokens_per_s"] == pytest.approx(80)
+    assert cell["generation_tokens_per_s"] == pytest.approx(40)
+    assert cell["client_generation_tokens_per_s"] == pytest.approx(40)
+    assert cell["capacity_bound"] == 7 and cell["preemptions"] == 1
+    assert cell["first_error"] == "HTTP 503"
