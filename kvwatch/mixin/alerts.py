@@ -1,0 +1,241 @@
+"""The alerts: one AlertSpec per alert and cause, from the config.
+
+Each spec is a query, a comparison and a threshold: the Prometheus rule is
+`(query) > threshold` (or `<`), and the Grafana rule queries the same PromQL
+and applies the same threshold, so the two cannot disagree about when an
+alert holds. A query keeps the symptom's value (KV usage peak, hit ratio, mean
+time to first token) and filters it through its cause's conditions; the
+causes of one symptom partition it (each branch excludes the others with
+`unless`), so at most one cause fires per engine, and exhaustion-driven
+queueing and compute-bound queueing can never be reported together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwatch.mixin.config import ALERT_CAUSES, ALERTS, MixinConfig
+from kvwatch.mixin.promql import Fragments, Scope, chain, num, paren
+
+# Where each alert is shown: (dashboard key, panel key), see dashboards.py.
+ALERT_PANELS = {
+    "VllmKvCacheExhausted": ("exhaustion", "usage_peak"),
+    "VllmPrefixCacheHitRateLow": ("prefix_cache", "hit_ratio_vs_baseline"),
+    "VllmTimeToFirstTokenSlow": ("first_token", "ttft_parts"),
+    "KvwatchDown": ("overview", "scrape_up"),
+    "KvwatchEngineUnreachable": ("overview", "poll_up"),
+}
+
+# Stand-in for the alert's value in description templates: Prometheus calls
+# it $value, Grafana $values.<refId>.Value.
+VALUE = "VALUE"
+PROMETHEUS_VALUE = "$value"
+
+
+@dataclass(frozen=True)
+class AlertSpec:
+    alert: str
+    cause: str
+    symptom: str | None
+    query: str
+    op: str  # ">" or "<"
+    threshold: float
+    for_: str
+    severity: str
+    summary: str
+    description: str  # Go template with VALUE standing for the value
+    dashboard: str
+    panel: str
+
+    @property
+    def expr(self) -> str:
+        return f"{paren(self.query)}\n{self.op} {num(self.threshold)}"
+
+    @property
+    def anchor(self) -> str:
+        return runbook_anchor(self.alert, self.cause)
+
+    @property
+    def uid(self) -> str:
+        """Stable Grafana rule uid (at most 40 characters)."""
+        short = {"VllmKvCacheExhausted": "exhausted", "VllmPrefixCacheHitRateLow": "hit-rate",
+                 "VllmTimeToFirstTokenSlow": "ttft", "KvwatchDown": "down",
+                 "KvwatchEngineUnreachable": "unreachable"}[self.alert]
+        return f"kvwatch-{short}-{self.cause.replace('_', '-')}"[:40]
+
+    def labels(self) -> dict[str, str]:
+        labels = {"severity": self.severity, "cause": self.cause}
+        if self.symptom:
+            labels["symptom"] = self.symptom
+        return labels
+
+    def description_for(self, value_ref: str) -> str:
+        return self.description.replace(VALUE, value_ref)
+
+
+def runbook_anchor(alert: str, cause: str | None = None) -> str:
+    anchor = alert.lower()
+    return f"{anchor}-{cause.replace('_', '-')}" if cause else anchor
+
+
+def _lbl(name: str) -> str:
+    return "{{ $labels." + name + " }}"
+
+
+def engine_scope(config: MixinConfig) -> Scope:
+    return Scope(config.kvwatch_selector, config.rate_window, config.engine_labels)
+
+
+def alert_specs(config: MixinConfig) -> list[AlertSpec]:
+    f = Fragments(engine_scope(config), config)
+    w = config.rate_window
+    where = f"engine {_lbl('engine')} of {_lbl('model_name')} on {_lbl(config.instance_label)}"
+    pct = lambda x: f"{x * 100:g}%"  # noqa: E731
+    specs: list[AlertSpec] = []
+
+    def add(alert, cause, query, op, threshold, summary, description):
+        dashboard, panel = ALERT_PANELS[alert]
+        specs.append(AlertSpec(alert, cause, ALERTS[alert], query, op, threshold, config.for_duration(alert),
+                               config.severity(cause), summary, description, dashboard, panel))
+
+    # --- KV cache exhausted ------------------------------------------------------
+    usage = f.usage_max()
+    exhausted_intro = (f"The KV cache of {where} peaked at {{{{ {VALUE} | humanizePercentage }}}} in the last {w} "
+                       f"while requests were preempted or waited for room")
+    add("VllmKvCacheExhausted", "concurrency_beyond_capacity",
+        chain(usage, ("and", f.pressure()), ("unless", f.long_requests())),
+        ">", config.exhaustion_usage_ratio,
+        "vLLM KV cache full: more concurrent requests than the cache holds.",
+        f"{exhausted_intro}, and each running request held less than {pct(config.long_request_capacity_share)} "
+        "of it: too many requests run at once for the cache (likely cause: concurrency beyond capacity). "
+        "Next: on the exhaustion dashboard compare running plus waiting requests with how many the cache "
+        "holds at current lengths; cap concurrency near that (--max-num-seqs, the gateway), add replicas, or "
+        "give the cache more memory.")
+    add("VllmKvCacheExhausted", "long_requests",
+        chain(usage, ("and", f.pressure()), ("and", f.long_requests())),
+        ">", config.exhaustion_usage_ratio,
+        "vLLM KV cache full: a few long requests fill it.",
+        f"{exhausted_intro}, and each running request held at least "
+        f"{pct(config.long_request_capacity_share)} of it: a few long requests fill the cache (likely cause: "
+        "long requests). Next: check prompt and generation length p95 on the exhaustion dashboard and the "
+        "gateway log; cap max_tokens or --max-model-len, or route long-context requests to engines sized "
+        "for them.")
+
+    # --- prefix-cache hit rate low -------------------------------------------------
+    hit = f.hit_ratio()
+    judged = (("and", f.enough_queries()), ("unless", f.caching_disabled()))
+    low_intro = (f"The prefix-cache hit ratio of {where} was {{{{ {VALUE} | humanizePercentage }}}} over the last "
+                 f"{w} (below {pct(config.hit_ratio_low)})")
+    add("VllmPrefixCacheHitRateLow", "caching_disabled",
+        chain(f"0 * {paren(f.caching_disabled())}", ("and", f.prompt_traffic())),
+        "<", config.hit_ratio_low,
+        "vLLM serves prompts with prefix caching disabled.",
+        f"Prefix caching is off on {where} (kvwatch_engine_info enable_prefix_caching=False) while it serves "
+        "prompts, so no prompt token is reused and no hit ratio is measured (likely cause: caching disabled). "
+        "Next: if prompts share prefixes (system prompt, few-shot examples, documents), start vLLM with "
+        "--enable-prefix-caching.")
+    add("VllmPrefixCacheHitRateLow", "cold_cache",
+        chain(hit, *judged, ("and", f.cold())),
+        "<", config.hit_ratio_low,
+        "vLLM prefix-cache hit ratio low: the cache is cold after a start or a change.",
+        f"{low_intro}, and the engine started, restarted or changed its cache configuration within the last "
+        f"{config.cold_cache_window}: the cache has not warmed up (likely cause: cold cache). Next: expect the "
+        "ratio to recover after a few repeats of each prefix; if the engine restarted, find out why (deploy, "
+        "OOM, crash).")
+    add("VllmPrefixCacheHitRateLow", "eviction_before_reuse",
+        chain(hit, *judged, ("unless", f.cold()), ("and", f.cache_pressure())),
+        "<", config.hit_ratio_low,
+        "vLLM prefix-cache hit ratio low: cached prefixes are evicted before reuse.",
+        f"{low_intro} while KV usage averaged above {pct(config.eviction_usage_ratio)} or requests were "
+        "preempted: running requests crowd idle cached prefixes out before they are reused (likely cause: "
+        "eviction before reuse). Next: run vLLM with --kv-cache-metrics and compare "
+        "kv_block_idle_before_evict with kv_block_reuse_gap; give the cache more room, or route requests that "
+        "share a prefix to the same engine.")
+    add("VllmPrefixCacheHitRateLow", "prefix_changed",
+        chain(hit, *judged, ("unless", f.cold()), ("unless", f.cache_pressure()), ("and", f.healthy_baseline())),
+        "<", config.hit_ratio_low,
+        "vLLM prefix-cache hit ratio dropped: the shared prompt prefix changed.",
+        f"{low_intro}, after at least {pct(config.hit_ratio_low)} in the {config.hit_ratio_baseline_window} "
+        "before, with room to spare in the cache: the requests stopped sharing the prefix they shared (likely "
+        "cause: prefix changed). Next: diff the prompt templates and system prompts deployed around the drop; "
+        "per-request text (timestamps, ids) before the shared text breaks reuse.")
+    add("VllmPrefixCacheHitRateLow", "no_reuse",
+        chain(hit, *judged, ("unless", f.cold()), ("unless", f.cache_pressure()), ("unless", f.healthy_baseline())),
+        "<", config.hit_ratio_low,
+        "vLLM prefix-cache hit ratio low: the prompts share little prefix.",
+        f"{low_intro}, it was low in the {config.hit_ratio_baseline_window} before as well, and the cache has "
+        "room: the workload shares few prefixes (likely cause: no reuse). Next: nothing to repair in the cache; "
+        "if the prompts should share text, put it first and keep it byte-identical.")
+
+    # --- time to first token slow ------------------------------------------------
+    ttft = f.first_token_mean()
+    slow_intro = (f"Mean time to first token of {where} was {{{{ {VALUE} | humanizeDuration }}}} over the last "
+                  f"{w} (objective {num(config.ttft_mean_seconds)}s)")
+    add("VllmTimeToFirstTokenSlow", "queueing_kv_bound",
+        chain(ttft, ("and", f.queue_largest()), ("and", f.kv_bound())),
+        ">", config.ttft_mean_seconds,
+        "vLLM first token slow: requests queue for KV cache.",
+        f"{slow_intro}; most of it is queueing, and the KV cache was full or preempting: requests wait for KV "
+        "blocks (likely cause: KV-bound queueing). Next: the exhaustion dashboard; fewer or shorter concurrent "
+        "requests, or a larger cache, shorten this queue.")
+    add("VllmTimeToFirstTokenSlow", "queueing_compute_bound",
+        chain(ttft, ("and", f.queue_largest()), ("unless", f.kv_bound())),
+        ">", config.ttft_mean_seconds,
+        "vLLM first token slow: requests queue for compute, not KV cache.",
+        f"{slow_intro}; most of it is queueing while the KV cache had room: requests wait for scheduler slots "
+        "or compute (likely cause: compute-bound queueing), and a bigger KV cache does not shorten this queue. "
+        "Next: add replicas or lower the arrival rate; check step time, --max-num-seqs and "
+        "--max-num-batched-tokens.")
+    add("VllmTimeToFirstTokenSlow", "prefill",
+        chain(ttft, ("and", f.prefill_largest())),
+        ">", config.ttft_mean_seconds,
+        "vLLM first token slow: prefill of long uncached prompts.",
+        f"{slow_intro}; most of it is prefill (likely cause: long uncached prompts). Next: check prompt length "
+        "and the cached share of prompt tokens on the first-token dashboard; raise prefix reuse, shorten "
+        "prompts, tune chunked prefill (--max-num-batched-tokens) or separate prefill from decode.")
+    add("VllmTimeToFirstTokenSlow", "front_end",
+        chain(ttft, ("and", f.front_end_largest())),
+        ">", config.ttft_mean_seconds,
+        "vLLM first token slow: time outside queue and prefill.",
+        f"{slow_intro}; most of it is outside queue and prefill (likely cause: front end: tokenization, "
+        "multimodal preprocessing, API-server CPU, scheduling gaps). Next: check the API server's CPU and "
+        "--api-server-count; a bigger KV cache does not help.")
+    if f.upstream:
+        add("VllmTimeToFirstTokenSlow", "upstream",
+            chain(ttft, ("and on (" + ", ".join(config.upstream_join_labels) + ")", f.upstream_mean()),
+                  ("unless", f.queue_largest()), ("unless", f.prefill_largest()), ("unless", f.front_end_largest())),
+            ">", config.ttft_mean_seconds,
+            "Slow first token: time spent before the engine.",
+            f"{slow_intro}, counting {config.upstream_histogram} before the engine; the largest part is that "
+            "upstream stage (likely cause: upstream). Next: look at the upstream service (retrieval, gateway); "
+            "a bigger or smaller KV cache does not repair it.")
+
+    # --- health ------------------------------------------------------------------
+    add("KvwatchDown", "kvwatch_unreachable",
+        f"up{{{config.kvwatch_selector}}}", "<", 1,
+        "Prometheus cannot scrape kvwatch.",
+        f"Prometheus has failed to scrape kvwatch at {_lbl(config.instance_label)} (job {_lbl('job')}) for "
+        f"{config.for_duration('KvwatchDown')}: kvwatch's signals and the vLLM alerts for that pod are blind. "
+        "Next: check the kvwatch container (its log, /healthz), the pod, and the scrape configuration.")
+    add("KvwatchEngineUnreachable", "engine_unreachable",
+        f"kvwatch_up{{{config.kvwatch_selector}}}", "<", 1,
+        "kvwatch cannot read the vLLM engine's /metrics.",
+        f"kvwatch at {_lbl(config.instance_label)} has failed to poll its vLLM engine for "
+        f"{config.for_duration('KvwatchEngineUnreachable')}. kvwatch_poll_errors_total by reason says why: "
+        "refused or timeout (engine down or wedged), no_engine_metrics (vLLM runs with --disable-log-stats), "
+        "http_4xx (wrong path or auth). Next: kvwatch's status page and /readyz, then the engine's log.")
+
+    expected = {(alert, cause) for alert, causes in ALERT_CAUSES.items() for cause in causes}
+    if not f.upstream:
+        expected.discard(("VllmTimeToFirstTokenSlow", "upstream"))
+    assert {(s.alert, s.cause) for s in specs} == expected, "every alert and cause has exactly one spec"
+    return specs
+
+
+def dashboard_url(config: MixinConfig, uid: str, panel_id: int) -> str:
+    return config.dashboard_url_pattern.format(uid=uid, panel_id=panel_id, model_name=_lbl("model_name"),
+                                               engine=_lbl("engine"))
+
+
+def runbook_url(config: MixinConfig, alert: str, cause: str | None = None) -> str:
+    return config.runbook_url_pattern.format(anchor=runbook_anchor(alert, cause))

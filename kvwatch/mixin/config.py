@@ -1,0 +1,480 @@
+"""The mixin's one configuration object: selectors, windows, thresholds,
+`for:` durations, severities, link patterns and Grafana settings. Every query
+in the generated dashboards, recording rules and alerts is built from it.
+
+Defaults that mean the same thing as a diagnosis threshold come from
+`kvwatch.diagnose.DEFAULT_THRESHOLDS`, so the alerts and the in-process
+findings judge with the same numbers unless someone changes one on purpose.
+
+`load_config(path)` reads a YAML mapping of field -> value on top of the
+defaults and reports every problem in the file at once. Each field's help
+text says when to change it; `kvwatch generate --print-config` prints them all.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvwatch.diagnose import CAUSES, DEFAULT_THRESHOLDS
+
+SEVERITIES = ("critical", "warning", "info")
+# Alert names, with the symptom (the diagnosis vocabulary) each one reports.
+ALERTS = {
+    "VllmKvCacheExhausted": "exhaustion",
+    "VllmPrefixCacheHitRateLow": "low_hit_rate",
+    "VllmTimeToFirstTokenSlow": "slow_first_token",
+    "KvwatchDown": None,
+    "KvwatchEngineUnreachable": None,
+}
+# The causes the rules tell apart, per alert. The diagnosis' third exhaustion
+# cause (capacity_below_max_num_seqs) needs --max-num-seqs, which vLLM does
+# not export, so Prometheus cannot decide it; the health alerts have one cause each.
+ALERT_CAUSES = {
+    "VllmKvCacheExhausted": ("concurrency_beyond_capacity", "long_requests"),
+    "VllmPrefixCacheHitRateLow": CAUSES["low_hit_rate"],
+    "VllmTimeToFirstTokenSlow": CAUSES["slow_first_token"],
+    "KvwatchDown": ("kvwatch_unreachable",),
+    "KvwatchEngineUnreachable": ("engine_unreachable",),
+}
+assert set(ALERT_CAUSES["VllmKvCacheExhausted"]) <= set(CAUSES["exhaustion"])
+
+DEFAULT_SEVERITIES = {
+    # Preempted requests are recomputed and queued ones wait: users feel both,
+    # but nothing is down.
+    "concurrency_beyond_capacity": "warning",
+    "long_requests": "warning",
+    # Facts about the workload or the deployment, worth knowing, not paging.
+    "caching_disabled": "info",
+    "cold_cache": "info",
+    "no_reuse": "info",
+    # Something changed or something crowds the cache out: someone should look.
+    "prefix_changed": "warning",
+    "eviction_before_reuse": "warning",
+    "queueing_kv_bound": "warning",
+    "queueing_compute_bound": "warning",
+    "prefill": "warning",
+    "front_end": "warning",
+    "upstream": "warning",
+    # kvwatch itself not scraped: the other alerts are blind, but serving may be fine.
+    "kvwatch_unreachable": "warning",
+    # The engine's own /metrics does not answer on the pod's loopback: the
+    # engine is down or wedged, or stats logging is off.
+    "engine_unreachable": "critical",
+}
+
+DEFAULT_FOR = {
+    # Long enough that a burst which drains by itself does not page; short
+    # enough that a real overload is reported while it still hurts.
+    "VllmKvCacheExhausted": "10m",
+    # Hit ratios move slowly and the causes are not urgent; shorter than the
+    # cold-cache window, or a cold cache could never be reported.
+    "VllmPrefixCacheHitRateLow": "15m",
+    "VllmTimeToFirstTokenSlow": "10m",
+    "KvwatchDown": "5m",
+    "KvwatchEngineUnreachable": "5m",
+}
+
+_DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+# One PromQL label matcher: name, operator, double-quoted value.
+_MATCHER = re.compile(r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*')
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class MixinConfig:
+    # ---------------------------------------------------------------- selection
+    selector: str | None = field(default=None, metadata=_help(
+        "PromQL label matchers (without braces) selecting kvwatch's series, e.g. job=\"kvwatch\". Default: "
+        "job=\"<deploy.job>\". Change it when your scrape config names kvwatch's job differently, or to "
+        "restrict the rules to some namespaces (namespace=~\"llm-.*\")."))
+    group_labels: tuple[str, ...] = field(default=("namespace", "job"), metadata=_help(
+        "Target labels every aggregation keeps, so two deployments never mix. Add cluster (or region) when one "
+        "Prometheus or Thanos sees several; labels a series lacks are simply empty."))
+    instance_label: str = field(default="instance", metadata=_help(
+        "The label that tells one kvwatch (one vLLM pod) from another. instance always exists; use pod on "
+        "Kubernetes if you prefer pod names in alerts and legends."))
+    # ---------------------------------------------------------------- windows
+    rate_window: str = field(default="5m", metadata=_help(
+        "Range of rate() and *_over_time() in rules and alerts. At least 4x the scrape interval; keep it equal "
+        "to kvwatch's own `window` so alerts and findings look at the same span."))
+    rule_interval: str | None = field(default=None, metadata=_help(
+        "Evaluation interval of the generated rule groups; empty uses Prometheus' global evaluation_interval. "
+        "Set it when the global one is longer than the rate window allows."))
+    cold_cache_window: str = field(default="30m", metadata=_help(
+        "How long after an engine (re)starts or changes its cache configuration a low hit ratio is blamed on a "
+        "cold cache. Longer than the hit-rate alert's `for:` (else a cold cache is never reported); raise it "
+        "for workloads whose prefixes repeat only every several minutes."))
+    hit_ratio_baseline_window: str = field(default="1h", metadata=_help(
+        "Span before the rate window whose hit ratio is the baseline: a low ratio after a healthy baseline is a "
+        "changed prefix, after a low one it is no reuse. Shorten it for workloads that change by the minute."))
+    # ---------------------------------------------------------------- thresholds
+    exhaustion_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["exhaustion_usage_ratio"], metadata=_help(
+        "KV usage (0..1) above which the cache counts as full when requests also wait or are preempted. vLLM "
+        "counts evictable prefix blocks as free, and a truly full cache reads 0.97-0.99; lower it only for "
+        "engines whose usage gauge stops short of that."))
+    long_request_capacity_share: float = field(
+        default=DEFAULT_THRESHOLDS["long_request_capacity_share"], metadata=_help(
+            "A full cache is blamed on long requests when each running request holds at least this share of "
+            "it (usage / running), and on concurrency otherwise. 0.2 means five or fewer requests fill the "
+            "cache; raise it for long-context deployments where that is normal."))
+    hit_ratio_low: float = field(default=DEFAULT_THRESHOLDS["hit_ratio_low"], metadata=_help(
+        "Prefix-cache hit ratio (hit tokens / queried tokens) below which the hit rate is low. Raise it for "
+        "workloads built on a long shared system prompt, where 0.5+ is normal."))
+    min_query_tokens: float = field(default=DEFAULT_THRESHOLDS["min_query_tokens"], metadata=_help(
+        "Fewer prompt tokens queried in the rate window than this and the hit ratio is not judged (a handful "
+        "of requests). Scale it with your traffic."))
+    eviction_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["eviction_usage_ratio"], metadata=_help(
+        "Mean KV usage above which idle cached prefixes are blamed for being evicted before reuse (running "
+        "requests crowd them out)."))
+    ttft_mean_seconds: float = field(default=DEFAULT_THRESHOLDS["ttft_mean_seconds"], metadata=_help(
+        "Mean time to first token (engine, plus the upstream stage when configured) above which the first "
+        "token is slow. Means, not quantiles, because the parts (queue, prefill, front end, upstream) add "
+        "up only as means. Set it from your latency objective."))
+    # ---------------------------------------------------------------- upstream
+    upstream_histogram: str | None = field(default=None, metadata=_help(
+        "Name of a Prometheus histogram that measures time spent before the engine (retrieval, gateway), e.g. "
+        "app_retrieval_seconds. Set it to add the `upstream` cause; it must be scraped by the same Prometheus."))
+    upstream_selector: str = field(default="", metadata=_help(
+        "Label matchers (without braces) for the upstream histogram, e.g. job=\"rag-app\"."))
+    upstream_join_labels: tuple[str, ...] = field(default=(), metadata=_help(
+        "Labels the upstream histogram shares with kvwatch's series (a subset of group_labels), used to pair "
+        "each engine with its upstream. Empty pairs every engine with the whole upstream: right when one "
+        "upstream feeds all selected engines."))
+    # ---------------------------------------------------------------- alerting
+    for_durations: dict = field(default_factory=lambda: dict(DEFAULT_FOR), metadata=_help(
+        "`for:` of each alert (alert name -> duration). Shorten to page sooner, lengthen against flapping."))
+    severities: dict = field(default_factory=lambda: dict(DEFAULT_SEVERITIES), metadata=_help(
+        "severity label of each cause (cause -> critical|warning|info). Routing in Alertmanager or Grafana "
+        "keys on it."))
+    runbook_url_pattern: str = field(
+        default="https://github.com/kvwatch/kvwatch/blob/main/alerts/runbooks.md#{anchor}", metadata=_help(
+            "Where alerts/runbooks.md is served; {anchor} becomes the section of the alert and cause. Point it "
+            "at your copy (wiki, repository) so the link in a page works."))
+    dashboard_url_pattern: str = field(
+        default="https://grafana.example.com/d/{uid}?var-model={model_name}&var-engine={engine}&viewPanel={panel_id}",
+        metadata=_help(
+            "Link to the dashboard panel an alert belongs to; {uid} and {panel_id} are filled in, {model_name} "
+            "and {engine} become the alert's labels. Set your Grafana's address."))
+    # ---------------------------------------------------------------- Grafana
+    grafana_datasource_uid: str = field(default="prometheus", metadata=_help(
+        "uid of the Prometheus data source the Grafana alert rules query (dashboards use a variable instead). "
+        "Set it to your data source's uid (Connections > Data sources, in the URL)."))
+    grafana_rule_interval: str = field(default="1m", metadata=_help(
+        "Evaluation interval of the Grafana rule group (a multiple of 10s)."))
+    grafana_org_id: int = field(default=1, metadata=_help("Grafana organisation the rules are provisioned into."))
+    dashboard_uid_prefix: str = field(default="kvwatch", metadata=_help(
+        "Prefix of the dashboards' uids (stable across generations). Change it to install two copies side by side."))
+    dashboard_tags: tuple[str, ...] = field(default=("kvwatch", "vllm"), metadata=_help("Tags on every dashboard."))
+    # ---------------------------------------------------------------- Prometheus Operator
+    prometheus_rule_name: str = field(default="kvwatch", metadata=_help("metadata.name of the PrometheusRule."))
+    prometheus_rule_labels: dict = field(default_factory=dict, metadata=_help(
+        "Labels on the PrometheusRule; your Prometheus' ruleSelector must match them (kube-prometheus-stack: "
+        "release: <helm release>)."))
+    # ---------------------------------------------------------------- deploy
+    deploy: dict = field(default_factory=dict, metadata=_help(
+        "Kubernetes manifest settings, passed to kvwatch/mixin/manifests.py (fields and defaults: "
+        "DEPLOY_FIELDS there, docs/deploy.md)."))
+
+    # ---------------------------------------------------------------- derived
+
+    @property
+    def kvwatch_selector(self) -> str:
+        if self.selector:
+            return self.selector
+        return f'job="{self.deploy_settings.job}"'
+
+    @property
+    def deploy_settings(self):
+        from kvwatch.mixin.manifests import deploy_settings
+
+        return deploy_settings(self)
+
+    @property
+    def engine_labels(self) -> tuple[str, ...]:
+        """Labels of one engine across a fleet: its deployment, its kvwatch, model and engine index."""
+        return _unique(self.group_labels + (self.instance_label, "model_name", "engine"))
+
+    @property
+    def model_labels(self) -> tuple[str, ...]:
+        return _unique(self.group_labels + ("model_name",))
+
+    def severity(self, cause: str) -> str:
+        return self.severities.get(cause, DEFAULT_SEVERITIES[cause])
+
+    def for_duration(self, alert: str) -> str:
+        return self.for_durations.get(alert, DEFAULT_FOR[alert])
+
+
+def _unique(labels) -> tuple[str, ...]:
+    seen: list[str] = []
+    for label in labels:
+        if label not in seen:
+            seen.append(label)
+    return tuple(seen)
+
+
+class MixinConfigError(Exception):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid mixin configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# ------------------------------------------------------------------ checking
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_selector(text: str) -> str | None:
+    """None when `text` is a comma-separated list of PromQL label matchers."""
+    rest = text.strip()
+    if not rest:
+        return "must not be empty"
+    position = 0
+    while True:
+        match = _MATCHER.match(text, position)
+        if not match:
+            return f"{text!r} is not a list of label matchers like job=\"kvwatch\" (problem at {text[position:]!r})"
+        position = match.end()
+        if position == len(text):
+            return None
+        if text[position] != ",":
+            return f"{text!r}: expected ',' at {text[position:]!r}"
+        position += 1
+
+
+def _check_field(name: str, value: Any) -> list[str]:
+    problems: list[str] = []
+
+    def duration(v: Any) -> None:
+        if not isinstance(v, str) or not _DURATION.match(v):
+            problems.append(f"{name}: {v!r} is not a Prometheus duration (examples: 30s, 5m, 1h)")
+
+    def ratio(v: Any) -> None:
+        if not _is_number(v) or not 0 < v <= 1:
+            problems.append(f"{name}: {v!r} must be a number in (0, 1]")
+
+    def positive(v: Any) -> None:
+        if not _is_number(v) or not v > 0:
+            problems.append(f"{name}: {v!r} must be a positive number")
+
+    def labels(v: Any) -> None:
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and _LABEL_NAME.match(x) for x in v):
+            problems.append(f"{name}: {v!r} must be a list of label names")
+
+    def string_map(v: Any) -> None:
+        if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
+            problems.append(f"{name}: must be a mapping of strings to strings")
+
+    if name == "selector":
+        if value is not None:
+            problem = check_selector(value) if isinstance(value, str) else "must be a string"
+            if problem:
+                problems.append(f"selector: {problem}")
+    elif name == "upstream_selector":
+        if not isinstance(value, str):
+            problems.append("upstream_selector: must be a string")
+        elif value.strip():
+            problem = check_selector(value)
+            if problem:
+                problems.append(f"upstream_selector: {problem}")
+    elif name in ("group_labels", "upstream_join_labels", "dashboard_tags"):
+        if name == "dashboard_tags":
+            if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
+                problems.append(f"{name}: must be a list of strings")
+        else:
+            labels(value)
+    elif name == "instance_label":
+        if not isinstance(value, str) or not _LABEL_NAME.match(value):
+            problems.append(f"instance_label: {value!r} is not a label name")
+    elif name in ("rate_window", "cold_cache_window", "hit_ratio_baseline_window", "grafana_rule_interval"):
+        duration(value)
+    elif name == "rule_interval":
+        if value is not None:
+            duration(value)
+    elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio"):
+        ratio(value)
+    elif name in ("min_query_tokens", "ttft_mean_seconds"):
+        positive(value)
+    elif name == "upstream_histogram":
+        if value is not None and (not isinstance(value, str) or not _METRIC_NAME.match(value)):
+            problems.append(f"upstream_histogram: {value!r} is not a metric name")
+    elif name == "for_durations":
+        if not isinstance(value, dict):
+            problems.append("for_durations: must be a mapping of alert name to duration")
+        else:
+            for alert, duration_value in value.items():
+                if alert not in ALERTS:
+                    problems.append(f"for_durations: unknown alert {alert!r} (known: {', '.join(ALERTS)})")
+                elif not isinstance(duration_value, str) or not _DURATION.match(duration_value):
+                    problems.append(f"for_durations: {alert}: {duration_value!r} is not a Prometheus duration")
+    elif name == "severities":
+        if not isinstance(value, dict):
+            problems.append("severities: must be a mapping of cause to severity")
+        else:
+            for cause, severity in value.items():
+                if cause not in DEFAULT_SEVERITIES:
+                    problems.append(f"severities: unknown cause {cause!r} (known: {', '.join(DEFAULT_SEVERITIES)})")
+                elif severity not in SEVERITIES:
+                    problems.append(f"severities: {cause}: {severity!r} is not one of {', '.join(SEVERITIES)}")
+    elif name == "runbook_url_pattern":
+        if not isinstance(value, str) or "{anchor}" not in value:
+            problems.append("runbook_url_pattern: must be a string containing {anchor}")
+    elif name == "dashboard_url_pattern":
+        if not isinstance(value, str) or "{uid}" not in value:
+            problems.append("dashboard_url_pattern: must be a string containing {uid}")
+        else:
+            try:
+                value.format(uid="u", panel_id=1, model_name="m", engine="e")
+            except (KeyError, IndexError, ValueError) as exc:
+                problems.append(f"dashboard_url_pattern: unknown placeholder {exc} "
+                                "(known: {uid}, {panel_id}, {model_name}, {engine})")
+    elif name in ("grafana_datasource_uid", "dashboard_uid_prefix", "prometheus_rule_name"):
+        if not isinstance(value, str) or not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,39}", value):
+            problems.append(f"{name}: {value!r} must be 1-40 letters, digits, '-', '_' or '.'")
+    elif name == "grafana_org_id":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"grafana_org_id: {value!r} must be a positive integer")
+    elif name == "prometheus_rule_labels":
+        string_map(value)
+    elif name == "deploy":
+        if not isinstance(value, dict):
+            problems.append("deploy: must be a mapping")
+        else:
+            from kvwatch.mixin.manifests import DEPLOY_FIELDS, deploy_settings
+
+            unknown = sorted(set(value) - set(DEPLOY_FIELDS))
+            for key in unknown:
+                problems.append(f"deploy: unknown field {key!r} (known: {', '.join(sorted(DEPLOY_FIELDS))})")
+            if not unknown:
+                try:
+                    deploy_settings({"deploy": value})
+                except (ValueError, TypeError) as exc:
+                    problems.append(f"deploy: {exc}")
+    return problems
+
+
+def validate(config: MixinConfig) -> list[str]:
+    """Every problem with a config, including those between fields."""
+    problems: list[str] = []
+    for f in fields(MixinConfig):
+        problems.extend(_check_field(f.name, getattr(config, f.name)))
+    if problems:
+        return problems
+    missing = [label for label in config.upstream_join_labels if label not in config.group_labels]
+    if missing:
+        problems.append(f"upstream_join_labels: {missing} must also be in group_labels (the rules aggregate by them)")
+    if config.upstream_histogram is None and (config.upstream_selector or config.upstream_join_labels):
+        problems.append("upstream_selector/upstream_join_labels given without upstream_histogram")
+    if _seconds(config.cold_cache_window) < _seconds(config.rate_window):
+        problems.append("cold_cache_window must be at least rate_window (the rate covers the cold start for that long)")
+    if _seconds(config.cold_cache_window) <= _seconds(config.for_duration("VllmPrefixCacheHitRateLow")):
+        problems.append("cold_cache_window must be longer than for_durations.VllmPrefixCacheHitRateLow, or the "
+                        "cold_cache cause can never fire")
+    if config.instance_label in ("model_name", "engine"):
+        problems.append("instance_label must not be model_name or engine")
+    return problems
+
+
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+
+
+def _seconds(duration: str) -> float:
+    return sum(float(n) * _UNIT_SECONDS[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration))
+
+
+def seconds(duration: str) -> float:
+    """A Prometheus duration in seconds."""
+    return _seconds(duration)
+
+
+_TUPLE_FIELDS = ("group_labels", "upstream_join_labels", "dashboard_tags")
+
+
+def config_from_mapping(data: Any, source: str = "config") -> MixinConfig:
+    """Defaults overlaid with `data`; raises MixinConfigError listing every problem."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise MixinConfigError([f"{source}: must be a mapping of field: value"])
+    known = {f.name for f in fields(MixinConfig)}
+    problems = []
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            problems.append(f"{source}: unknown field {key!r} (known: {', '.join(sorted(known))})")
+            continue
+        field_problems = _check_field(name, value)
+        if field_problems:
+            problems.extend(f"{source}: {p}" for p in field_problems)
+            continue
+        if name in _TUPLE_FIELDS:
+            value = tuple(value)
+        elif name in ("for_durations", "severities"):
+            value = {**(DEFAULT_FOR if name == "for_durations" else DEFAULT_SEVERITIES), **value}
+        values[name] = value
+    if problems:
+        raise MixinConfigError(problems)
+    config = replace(MixinConfig(), **values)
+    cross = validate(config)
+    if cross:
+        raise MixinConfigError([f"{source}: {p}" for p in cross])
+    return config
+
+
+def load_config(path: str | Path | None) -> MixinConfig:
+    """The defaults, or the defaults overlaid with a YAML file."""
+    if path is None:
+        return MixinConfig()
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise MixinConfigError([f"{path}: {exc.strerror or exc}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise MixinConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    return config_from_mapping(data, str(path))
+
+
+def describe_config(config: MixinConfig | None = None) -> str:
+    """The config as commented YAML: every field, its value, when to change it."""
+    config = config or MixinConfig()
+    lines = ["# kvwatch mixin configuration (kvwatch generate --config FILE).",
+             "# Every field is optional; these are the values in effect.", ""]
+    for f in fields(MixinConfig):
+        help_text = f.metadata.get("help", "")
+        for line in _wrap(help_text, 96):
+            lines.append(f"# {line}")
+        value = getattr(config, f.name)
+        if isinstance(value, tuple):
+            value = list(value)
+        dumped = yaml.safe_dump({f.name: value}, sort_keys=True, default_flow_style=False, width=1 << 16)
+        lines.extend(dumped.rstrip("\n").splitlines())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    out, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            out.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    if line:
+        out.append(line)
+    return out

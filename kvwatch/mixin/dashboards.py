@@ -1,0 +1,496 @@
+"""The Grafana dashboards, built with grafanalib from the signal catalogue.
+
+Four dashboards: an overview (per model and engine: KV usage and headroom,
+hit ratio, preemptions, time to first token and its parts, queue,
+throughput, failures, active findings) and one drill-down per symptom
+(exhaustion, prefix cache, first token). Every query comes from the
+catalogue's PromQL twins or from the alert conditions in promql.py, over
+`$__rate_interval` and the dashboard's variables, so the panel an alert links
+to shows the alert's own numbers. A thin house style on top of grafanalib
+sets what every panel must have: a unit, a description, a runbook link, the
+datasource variable, a stable id and a place in the grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from grafanalib import core as g
+
+from kvwatch.mixin.alerts import runbook_anchor
+from kvwatch.mixin.config import MixinConfig
+from kvwatch.mixin.promql import Fragments, Scope, indent, num
+from kvwatch.signals import QUANTILES, SIGNALS_BY_NAME
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+RATE = "$__rate_interval"
+GRID_WIDTH = 24
+# Grafana 10.4's schema; Grafana migrates older ones on import, newer ones load as they are.
+SCHEMA_VERSION = 39
+
+UNITS = {
+    "ratio": "percentunit",
+    "seconds": "s",
+    "tokens": "short",
+    "requests": "short",
+    "per_second": "ops",
+}
+
+# dashboard key -> (uid suffix, title, description)
+DASHBOARDS = {
+    "overview": ("overview", "kvwatch / Overview",
+                 "vLLM KV cache per model and engine: usage and headroom, prefix-cache hit ratio, preemptions, time "
+                 "to first token and its parts, queue, throughput, failures, and kvwatch's active findings."),
+    "exhaustion": ("exhaustion", "kvwatch / KV cache exhaustion",
+                   "Is the KV cache full, and is it too many requests or too long ones? The panels behind "
+                   "VllmKvCacheExhausted."),
+    "prefix_cache": ("prefix-cache", "kvwatch / Prefix cache",
+                     "Why is the prefix-cache hit ratio low: caching off, a cold cache, a changed prefix, eviction "
+                     "before reuse, or no reuse? The panels behind VllmPrefixCacheHitRateLow."),
+    "first_token": ("first-token", "kvwatch / First token",
+                    "Where does the time to first token go: queue (for KV or for compute), prefill, front end, "
+                    "upstream? The panels behind VllmTimeToFirstTokenSlow."),
+}
+
+
+@dataclass
+class PanelSpec:
+    key: str
+    title: str
+    description: str
+    unit: str
+    targets: list[tuple[str, str]]  # (expr, legend)
+    kind: str = "timeseries"  # timeseries | stat | table
+    width: int = 12
+    height: int = 8
+    runbook: str | None = None  # runbook anchor
+    threshold: float | None = None
+    stacked: bool = False
+    instant: bool = False
+
+
+@dataclass
+class Board:
+    key: str
+    config: MixinConfig
+    panels: list = field(default_factory=list)
+    ids: dict = field(default_factory=dict)
+    specs: dict = field(default_factory=dict)
+    _x: int = 0
+    _y: int = 0
+    _line_height: int = 0
+    _next_id: int = 1
+
+    @property
+    def uid(self) -> str:
+        return f"{self.config.dashboard_uid_prefix}-{DASHBOARDS[self.key][0]}"
+
+    def _new_line(self) -> None:
+        if self._x:
+            self._y += self._line_height
+        self._x, self._line_height = 0, 0
+
+    def _take_id(self) -> int:
+        panel_id = self._next_id
+        self._next_id += 1
+        return panel_id
+
+    def row(self, title: str) -> None:
+        self._new_line()
+        self.panels.append(g.RowPanel(title=title, id=self._take_id(),
+                                      gridPos=g.GridPos(h=1, w=GRID_WIDTH, x=0, y=self._y)))
+        self._y += 1
+
+    def add(self, spec: PanelSpec) -> None:
+        if spec.key in self.ids:
+            raise ValueError(f"duplicate panel key {spec.key} on {self.key}")
+        if self._x + spec.width > GRID_WIDTH:
+            self._new_line()
+        grid = g.GridPos(h=spec.height, w=spec.width, x=self._x, y=self._y)
+        self._x += spec.width
+        self._line_height = max(self._line_height, spec.height)
+        panel_id = self._take_id()
+        self.ids[spec.key] = panel_id
+        self.specs[spec.key] = spec
+        self.panels.append(_panel(spec, panel_id, grid, self.config))
+
+    def build(self) -> g.Dashboard:
+        _, title, description = DASHBOARDS[self.key]
+        return g.Dashboard(
+            title=title,
+            uid=self.uid,
+            description=description,
+            tags=list(self.config.dashboard_tags),
+            panels=self.panels,
+            templating=g.Templating(list=_variables()),
+            time=g.Time("now-1h", "now"),
+            refresh="30s",
+            timezone="browser",
+            graphTooltip=g.GRAPH_TOOLTIP_MODE_SHARED_CROSSHAIR,
+            schemaVersion=SCHEMA_VERSION,
+            editable=True,
+            links=[{
+                "asDropdown": True, "icon": "external link", "includeVars": True, "keepTime": True,
+                "tags": [self.config.dashboard_tags[0]] if self.config.dashboard_tags else [],
+                "targetBlank": False, "title": "kvwatch dashboards", "type": "dashboards",
+            }],
+        )
+
+
+def _panel(spec: PanelSpec, panel_id: int, grid: g.GridPos, config: MixinConfig):
+    targets = [
+        g.Target(expr=expr, legendFormat=legend, refId=chr(ord("A") + i), datasource=DATASOURCE,
+                 instant=spec.instant, format="table" if spec.kind == "table" else "time_series")
+        for i, (expr, legend) in enumerate(spec.targets)
+    ]
+    links = []
+    if spec.runbook:
+        links.append({"title": "Runbook", "url": config.runbook_url_pattern.format(anchor=spec.runbook),
+                      "targetBlank": True})
+    steps = [{"color": "green", "value": None}]
+    if spec.threshold is not None:
+        steps.append({"color": "red", "value": spec.threshold})
+    common = dict(title=spec.title, description=spec.description, id=panel_id, gridPos=grid,
+                  dataSource=DATASOURCE, targets=targets, links=links, maxDataPoints=None)
+    if spec.kind == "stat":
+        return g.Stat(format=spec.unit, reduceCalc="lastNotNull", graphMode="none", thresholds=steps,
+                      noValue="no data", **common)
+    if spec.kind == "table":
+        return g.Table(unit=spec.unit, thresholds=steps, transformations=[
+            {"id": "organize", "options": {"excludeByName": {"Time": True}, "renameByName": {}}}], **common)
+    return g.TimeSeries(unit=spec.unit, thresholds=steps, fillOpacity=10 if spec.stacked else 0,
+                        stacking={"mode": "normal"} if spec.stacked else {"mode": "none"},
+                        thresholdsStyleMode="line" if spec.threshold is not None else "off",
+                        legendDisplayMode="table", legendPlacement="bottom",
+                        legendCalcs=["lastNotNull", "max"], tooltipMode="multi", **common)
+
+
+def _variables() -> list:
+    def query_variable(name: str, label: str, query: str) -> g.Template:
+        variable = g.Template(name=name, label=label, query=query, dataSource=DATASOURCE, includeAll=True,
+                              multi=True, allValue=".*", default="$__all", refresh=g.REFRESH_ON_TIME_RANGE_CHANGE)
+        # Grafana's own shape for "All" selected in a multi-value variable.
+        variable._current = {"selected": True, "text": ["All"], "value": ["$__all"]}
+        return variable
+
+    return [
+        g.Template(name="datasource", label="Data source", query="prometheus", type="datasource",
+                   default="Prometheus"),
+        query_variable("namespace", "Namespace", "label_values(kvwatch_up, namespace)"),
+        query_variable("job", "Job", 'label_values(kvwatch_up{namespace=~"$namespace"}, job)'),
+        query_variable("model", "Model", 'label_values(kvwatch_engine_info{namespace=~"$namespace",job=~"$job"}, '
+                                         "model_name)"),
+        query_variable("engine", "Engine", 'label_values(kvwatch_engine_info{namespace=~"$namespace",job=~"$job",'
+                                           'model_name=~"$model"}, engine)'),
+    ]
+
+
+TARGET_SEL = 'namespace=~"$namespace",job=~"$job"'
+ENGINE_SEL = TARGET_SEL + ',model_name=~"$model",engine=~"$engine"'
+
+
+class Views:
+    """Scopes and fragments of the dashboards: per engine and per model."""
+
+    def __init__(self, config: MixinConfig):
+        self.config = config
+        inst = config.instance_label
+        self.engine = Scope(ENGINE_SEL, RATE, (inst, "model_name", "engine"))
+        self.model = Scope(ENGINE_SEL, RATE, ("model_name",))
+        self.fe = Fragments(self.engine, config)
+        self.fm = Fragments(self.model, config)
+        self.engine_legend = "{{model_name}} engine {{engine}} @ {{" + inst + "}}"
+        self.model_legend = "{{model_name}}"
+
+    def sig(self, name: str, scope: str = "engine", q: float | None = None) -> str:
+        return (self.engine if scope == "engine" else self.model).signal(name, q)
+
+    def help(self, name: str) -> str:
+        return SIGNALS_BY_NAME[name].help
+
+    def unit(self, name: str) -> str:
+        return UNITS[SIGNALS_BY_NAME[name].unit]
+
+    def quantile_targets(self, name: str, scope: str = "engine", legend_prefix: str = "") -> list[tuple[str, str]]:
+        legend = self.engine_legend if scope == "engine" else self.model_legend
+        return [(self.sig(name, scope, q), f"{legend_prefix}p{q * 100:g} {legend}") for q in QUANTILES]
+
+    def findings(self, symptom: str | None = None) -> str:
+        extra = f',symptom="{symptom}"' if symptom else ""
+        inst = self.config.instance_label
+        return (f"max by (symptom, cause, severity, model_name, engine, {inst}) "
+                f"(kvwatch_finding{{{TARGET_SEL},model_name=~\"$model|\\\\*\"{extra}}})")
+
+    def length_quantile(self, histogram: str, q: float) -> str:
+        return (f"histogram_quantile({num(q)}, sum by (model_name, le) "
+                f"(rate(kvwatch_engine_{histogram}_bucket{{{ENGINE_SEL}}}[{RATE}])))")
+
+
+ANCHOR_EXHAUSTED = runbook_anchor("VllmKvCacheExhausted")
+ANCHOR_HIT = runbook_anchor("VllmPrefixCacheHitRateLow")
+ANCHOR_TTFT = runbook_anchor("VllmTimeToFirstTokenSlow")
+ANCHOR_DOWN = runbook_anchor("KvwatchDown")
+ANCHOR_UNREACHABLE = runbook_anchor("KvwatchEngineUnreachable")
+
+
+def _findings_panel(v: Views, key: str, symptom: str | None, anchor: str, width: int = 24) -> PanelSpec:
+    what = f"{symptom} findings" if symptom else "findings"
+    return PanelSpec(
+        key, f"Active {what}",
+        "kvwatch's in-process diagnosis (kvwatch_finding): one row per active finding with its symptom and likely "
+        "cause; /api/v1/diagnosis on the kvwatch instance has the evidence and the next check. Empty when nothing "
+        "is wrong.",
+        "short", [(v.findings(symptom), "")], kind="table", width=width, height=7, runbook=anchor, instant=True)
+
+
+def overview(config: MixinConfig) -> Board:
+    v = Views(config)
+    b = Board("overview", config)
+    e = v.engine_legend
+    b.row("Health and findings")
+    b.add(PanelSpec("scrape_up", "Prometheus scraping kvwatch",
+                    "up of kvwatch's scrape targets: 1 while Prometheus reaches kvwatch. KvwatchDown fires when it "
+                    "stays 0.", "short",
+                    [(f"up{{{TARGET_SEL}}}", "{{" + config.instance_label + "}}")], kind="stat", width=6, height=5,
+                    runbook=ANCHOR_DOWN, threshold=1))
+    b.add(PanelSpec("poll_up", "kvwatch polling vLLM",
+                    "kvwatch_up: 1 while kvwatch's latest poll of the engine's /metrics succeeded. "
+                    "KvwatchEngineUnreachable fires when it stays 0; kvwatch_poll_errors_total says why.", "short",
+                    [(f"kvwatch_up{{{TARGET_SEL}}}", "{{" + config.instance_label + "}}")], kind="stat", width=6,
+                    height=5, runbook=ANCHOR_UNREACHABLE, threshold=1))
+    b.add(PanelSpec("poll_errors", "Failed polls by reason",
+                    "kvwatch_poll_errors_total per second by reason (refused, timeout, http_5xx, no_engine_metrics "
+                    "...): why kvwatch cannot read the engine.", "ops",
+                    [(f"sum by ({config.instance_label}, reason) (rate(kvwatch_poll_errors_total{{{TARGET_SEL}}}[{RATE}]))",
+                      "{{reason}} @ {{" + config.instance_label + "}}")], width=12, height=5,
+                    runbook=ANCHOR_UNREACHABLE))
+    b.add(_findings_panel(v, "findings", None, ANCHOR_EXHAUSTED))
+    b.row("KV cache")
+    b.add(PanelSpec("kv_usage", "KV cache usage",
+                    v.help("kvwatch_kv_cache_usage_ratio") + " The red line is the exhaustion threshold.",
+                    "percentunit", [(v.sig("kvwatch_kv_cache_usage_ratio"), e)], width=8,
+                    runbook=ANCHOR_EXHAUSTED, threshold=config.exhaustion_usage_ratio))
+    b.add(PanelSpec("kv_free_tokens", "KV headroom (free tokens)", v.help("kvwatch_kv_cache_free_tokens"), "short",
+                    [(v.sig("kvwatch_kv_cache_free_tokens"), e)], width=8, runbook=ANCHOR_EXHAUSTED))
+    b.add(PanelSpec("capacity_requests", "Requests the cache holds",
+                    v.help("kvwatch_kv_cache_capacity_requests"), "short",
+                    [(v.sig("kvwatch_kv_cache_capacity_requests"), e)], width=8, runbook=ANCHOR_EXHAUSTED))
+    b.add(PanelSpec("preemptions", "Preemptions", v.help("kvwatch_preemptions_per_second"), "ops",
+                    [(v.sig("kvwatch_preemptions_per_second"), e)], width=12, runbook=ANCHOR_EXHAUSTED))
+    b.add(PanelSpec("running_waiting", "Running and waiting requests",
+                    v.help("kvwatch_requests_running") + " " + v.help("kvwatch_requests_waiting"), "short",
+                    [(v.sig("kvwatch_requests_running"), "running " + e),
+                     (v.sig("kvwatch_requests_waiting"), "waiting " + e)], width=12, runbook=ANCHOR_EXHAUSTED))
+    b.row("Prefix cache")
+    b.add(PanelSpec("hit_ratio", "Prefix-cache hit ratio",
+                    v.help("kvwatch_prefix_cache_hit_ratio") + " Per engine, and per model as a ratio of summed "
+                    "rates. The red line is the low-hit-rate threshold.", "percentunit",
+                    [(v.sig("kvwatch_prefix_cache_hit_ratio"), e),
+                     (v.sig("kvwatch_prefix_cache_hit_ratio", "model"), "all engines of {{model_name}}")],
+                    width=12, runbook=ANCHOR_HIT, threshold=config.hit_ratio_low))
+    b.add(PanelSpec("cached_share", "Prompt tokens served from cache",
+                    v.help("kvwatch_prompt_tokens_cached_ratio"), "percentunit",
+                    [(v.sig("kvwatch_prompt_tokens_cached_ratio"), e)], width=12, runbook=ANCHOR_HIT))
+    b.row("Time to first token")
+    b.add(PanelSpec("ttft_quantiles", "Time to first token",
+                    v.help("kvwatch_time_to_first_token_seconds") + " Per model: buckets of all engines summed "
+                    "before the quantile.", "s", v.quantile_targets("kvwatch_time_to_first_token_seconds", "model"),
+                    width=8, runbook=ANCHOR_TTFT))
+    b.add(PanelSpec("ttft_parts", "Time to first token: mean and its parts",
+                    "Mean time to first token per model, and its parts: queue (vllm:request_queue_time_seconds), "
+                    "prefill (vllm:request_prefill_time_seconds) and the rest (front end, tokenization, scheduling). "
+                    "The largest part is the likely cause of a slow first token.", "s",
+                    [(v.fm.ttft_mean(), "mean TTFT {{model_name}}"), (v.fm.queue_mean(), "queue {{model_name}}"),
+                     (v.fm.prefill_mean(), "prefill {{model_name}}"),
+                     (v.fm.front_end_mean(), "front end {{model_name}}")],
+                    width=8, runbook=ANCHOR_TTFT, threshold=config.ttft_mean_seconds))
+    b.add(PanelSpec("queue_time", "Queue time", v.help("kvwatch_queue_time_seconds"), "s",
+                    v.quantile_targets("kvwatch_queue_time_seconds", "model"), width=8, runbook=ANCHOR_TTFT))
+    b.row("Throughput and failures")
+    b.add(PanelSpec("tokens_per_second", "Tokens per second",
+                    v.help("kvwatch_prompt_tokens_per_second") + " " + v.help("kvwatch_generation_tokens_per_second"),
+                    "suffix:tok/s",
+                    [(v.sig("kvwatch_prompt_tokens_per_second"), "prompt " + e),
+                     (v.sig("kvwatch_generation_tokens_per_second"), "generated " + e)], width=8))
+    b.add(PanelSpec("finished", "Finished requests by reason", v.help("kvwatch_requests_finished_per_second"),
+                    "reqps", [(v.sig("kvwatch_requests_finished_per_second", "model"),
+                               "{{finished_reason}} {{model_name}}")], width=8, stacked=True))
+    b.add(PanelSpec("failed", "Failed requests (abort, error)", v.help("kvwatch_requests_failed_per_second"),
+                    "reqps", [(v.sig("kvwatch_requests_failed_per_second"), e)], width=8))
+    return b
+
+
+def exhaustion(config: MixinConfig) -> Board:
+    v = Views(config)
+    b = Board("exhaustion", config)
+    e = v.engine_legend
+    b.row("Is the cache full?")
+    b.add(PanelSpec("usage_peak", "KV cache usage: now and peak",
+                    "KV usage now and its peak over the rate interval (vllm:kv_cache_usage_perc). "
+                    "VllmKvCacheExhausted fires when the peak stays above the red line while requests are "
+                    "preempted or wait for room. Evictable prefix-cache blocks count as free.", "percentunit",
+                    [(v.sig("kvwatch_kv_cache_usage_max_ratio"), "peak " + e),
+                     (v.sig("kvwatch_kv_cache_usage_ratio"), "now " + e)],
+                    width=12, runbook=ANCHOR_EXHAUSTED, threshold=config.exhaustion_usage_ratio))
+    b.add(PanelSpec("preemptions", "Preemptions",
+                    v.help("kvwatch_preemptions_per_second") + " vLLM preempts only when it cannot allocate a KV "
+                    "block; a preempted request is recomputed later.", "ops",
+                    [(v.sig("kvwatch_preemptions_per_second"), e)], width=12, runbook=ANCHOR_EXHAUSTED))
+    b.add(PanelSpec("waiting_by_reason", "Waiting requests by reason",
+                    v.help("kvwatch_requests_waiting_by_reason") + " Older vLLM versions only report the total.",
+                    "short", [(v.sig("kvwatch_requests_waiting_by_reason"), "{{reason}} " + e),
+                              (v.sig("kvwatch_requests_waiting"), "all " + e)], width=12, runbook=ANCHOR_EXHAUSTED))
+    b.add(PanelSpec("free_tokens", "Free and total KV tokens",
+                    v.help("kvwatch_kv_cache_free_tokens") + " " + v.help("kvwatch_kv_cache_capacity_tokens"),
+                    "short", [(v.sig("kvwatch_kv_cache_free_tokens"), "free " + e),
+                              (v.sig("kvwatch_kv_cache_capacity_tokens"), "capacity " + e)], width=12,
+                    runbook=ANCHOR_EXHAUSTED))
+    b.row("Too many requests or too long ones?")
+    b.add(PanelSpec("demand_vs_capacity", "Requests wanting to run vs requests the cache holds",
+                    "Running plus waiting requests against how many requests of the current mean length the cache "
+                    "holds (kvwatch_kv_cache_capacity_requests). Demand far above the bound: concurrency beyond "
+                    "capacity.", "short",
+                    [(v.sig("kvwatch_requests_running") + "\n+\n" + v.sig("kvwatch_requests_waiting"), "demand " + e),
+                     (v.sig("kvwatch_kv_cache_capacity_requests"), "cache holds " + e),
+                     (v.sig("kvwatch_requests_running_max"), "running peak " + e)],
+                    width=12, runbook=runbook_anchor("VllmKvCacheExhausted", "concurrency_beyond_capacity")))
+    b.add(PanelSpec("share_per_request", "Share of the cache per running request",
+                    "Mean KV usage over mean running requests: the share of the cache one running request holds. "
+                    "Above the red line a few long requests fill the cache (cause long_requests), below it many "
+                    "requests do (cause concurrency_beyond_capacity).", "percentunit",
+                    [(v.fe.capacity_share_per_request(), e)], width=12,
+                    runbook=runbook_anchor("VllmKvCacheExhausted", "long_requests"),
+                    threshold=config.long_request_capacity_share))
+    b.add(PanelSpec("request_lengths", "Request length (p95 and mean)",
+                    "Prompt and generated tokens per finished request: p95 from the length histograms (buckets "
+                    "summed by le), mean from _sum/_count (vllm:request_prompt_tokens, "
+                    "vllm:request_generation_tokens).", "short",
+                    [(v.length_quantile("request_prompt_tokens", 0.95), "prompt p95 {{model_name}}"),
+                     (v.length_quantile("request_generation_tokens", 0.95), "generated p95 {{model_name}}"),
+                     (v.sig("kvwatch_prompt_tokens_per_request_mean", "model"), "prompt mean {{model_name}}"),
+                     (v.sig("kvwatch_generation_tokens_per_request_mean", "model"), "generated mean {{model_name}}")],
+                    width=12, runbook=runbook_anchor("VllmKvCacheExhausted", "long_requests")))
+    b.add(PanelSpec("running", "Running requests: now and peak",
+                    v.help("kvwatch_requests_running") + " " + v.help("kvwatch_requests_running_max"), "short",
+                    [(v.sig("kvwatch_requests_running"), "now " + e),
+                     (v.sig("kvwatch_requests_running_max"), "peak " + e)], width=12, runbook=ANCHOR_EXHAUSTED))
+    b.add(_findings_panel(v, "findings", "exhaustion", ANCHOR_EXHAUSTED))
+    return b
+
+
+def prefix_cache(config: MixinConfig) -> Board:
+    v = Views(config)
+    b = Board("prefix_cache", config)
+    e = v.engine_legend
+    b.row("Is the hit ratio low?")
+    b.add(PanelSpec("hit_ratio_vs_baseline", "Hit ratio: now and baseline",
+                    "Prefix-cache hits over queries (tokens) over the rate interval, and over the "
+                    f"{config.hit_ratio_baseline_window} before it (the baseline). VllmPrefixCacheHitRateLow fires "
+                    "below the red line: a healthy baseline means the prefix changed, a low one means no reuse.",
+                    "percentunit",
+                    [(v.sig("kvwatch_prefix_cache_hit_ratio"), "now " + e),
+                     (v.fe.baseline_hit_ratio(), "baseline " + e)],
+                    width=12, runbook=ANCHOR_HIT, threshold=config.hit_ratio_low))
+    b.add(PanelSpec("queried_tokens", "Prompt tokens queried",
+                    "Prompt tokens looked up in the prefix cache over the rate interval "
+                    "(vllm:prefix_cache_queries_total). Below the red line there is too little traffic to judge "
+                    "the ratio.", "short", [(v.fe.query_tokens(), e)], width=12, runbook=ANCHOR_HIT,
+                    threshold=config.min_query_tokens))
+    b.add(PanelSpec("cached_share", "Prompt tokens served from cache",
+                    v.help("kvwatch_prompt_tokens_cached_ratio"), "percentunit",
+                    [(v.sig("kvwatch_prompt_tokens_cached_ratio"), e)], width=12, runbook=ANCHOR_HIT))
+    b.add(PanelSpec("external_hit_ratio", "External (KV connector) hit ratio",
+                    v.help("kvwatch_external_prefix_cache_hit_ratio") + " Empty or NaN without a KV connector.",
+                    "percentunit", [(v.sig("kvwatch_external_prefix_cache_hit_ratio"), e)], width=12,
+                    runbook=ANCHOR_HIT))
+    b.row("Which cause?")
+    b.add(PanelSpec("engine_config", "Engine cache configuration",
+                    "kvwatch_engine_info (from vllm:cache_config_info): enable_prefix_caching=False means cause "
+                    "caching_disabled; a new row (new engine or changed configuration) means a cold cache.", "short",
+                    [(f"kvwatch_engine_info{{{ENGINE_SEL}}}", "")], kind="table", width=12, height=7,
+                    runbook=runbook_anchor("VllmPrefixCacheHitRateLow", "caching_disabled"), instant=True))
+    b.add(PanelSpec("restarts", "Engine restarts",
+                    f"Counter resets of vllm:prompt_tokens_total over the cold-cache window "
+                    f"({config.cold_cache_window}): each is an engine restart with an empty cache (cause "
+                    "cold_cache).", "short",
+                    [(f"sum by ({v.engine.by_text}) (resets(kvwatch_engine_prompt_tokens_total{{{ENGINE_SEL}}}"
+                      f"[{config.cold_cache_window}]))", e)], width=12, height=7,
+                    runbook=runbook_anchor("VllmPrefixCacheHitRateLow", "cold_cache")))
+    b.add(PanelSpec("usage_mean", "KV usage (mean): room for idle prefixes",
+                    "Mean KV usage over the rate interval. Evictable cached blocks count as free, so above the red "
+                    "line running requests crowd idle prefixes out before reuse (cause eviction_before_reuse).",
+                    "percentunit", [(v.fe.usage_avg(), e)], width=12,
+                    runbook=runbook_anchor("VllmPrefixCacheHitRateLow", "eviction_before_reuse"),
+                    threshold=config.eviction_usage_ratio))
+    b.add(PanelSpec("preemptions", "Preemptions", v.help("kvwatch_preemptions_per_second"), "ops",
+                    [(v.sig("kvwatch_preemptions_per_second"), e)], width=12,
+                    runbook=runbook_anchor("VllmPrefixCacheHitRateLow", "eviction_before_reuse")))
+    b.add(_findings_panel(v, "findings", "low_hit_rate", ANCHOR_HIT))
+    return b
+
+
+def first_token(config: MixinConfig) -> Board:
+    v = Views(config)
+    b = Board("first_token", config)
+    e = v.engine_legend
+    f = v.fe
+    b.row("Where does the time go?")
+    parts = [(f.first_token_mean(), "mean first token " + e), (f.queue_mean(), "queue " + e),
+             (f.prefill_mean(), "prefill " + e), (f.front_end_mean(), "front end " + e)]
+    if f.upstream:
+        parts.append((f.upstream_mean(), f"upstream ({config.upstream_histogram})"))
+    b.add(PanelSpec("ttft_parts", "Mean time to first token and its parts",
+                    "Mean time to first token per engine (plus the upstream stage when configured) and its parts: "
+                    "queue, prefill, front end (the rest of the engine's TTFT)"
+                    + (", upstream" if f.upstream else "") + ". VllmTimeToFirstTokenSlow fires above the red line "
+                    "and names the largest part as the cause.", "s", parts,
+                    width=24, height=9, runbook=ANCHOR_TTFT, threshold=config.ttft_mean_seconds))
+    b.add(PanelSpec("ttft_quantiles", "Time to first token quantiles",
+                    v.help("kvwatch_time_to_first_token_seconds"), "s",
+                    v.quantile_targets("kvwatch_time_to_first_token_seconds"), width=12, runbook=ANCHOR_TTFT))
+    b.add(PanelSpec("queue_share", "Queue share of time to first token",
+                    v.help("kvwatch_time_to_first_token_share_ratio"), "percentunit",
+                    [(v.sig("kvwatch_time_to_first_token_share_ratio"), e)], width=12, runbook=ANCHOR_TTFT))
+    b.row("Queue: for KV cache or for compute?")
+    b.add(PanelSpec("queue_quantiles", "Queue time quantiles", v.help("kvwatch_queue_time_seconds"), "s",
+                    v.quantile_targets("kvwatch_queue_time_seconds"), width=12,
+                    runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "queueing_compute_bound")))
+    b.add(PanelSpec("kv_bound", "KV-bound? Usage peak and preemptions",
+                    "KV usage peak over the rate interval, and preemptions per second. Queueing is KV-bound when "
+                    "the peak passes the red line (the exhaustion threshold) or requests are preempted; otherwise "
+                    "it waits for compute or scheduler slots and a bigger cache does not help.", "percentunit",
+                    [(f.usage_max(), "usage peak " + e), (f.preemption_rate(), "preemptions/s " + e)], width=12,
+                    runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "queueing_kv_bound"),
+                    threshold=config.exhaustion_usage_ratio))
+    b.add(PanelSpec("waiting", "Waiting requests", v.help("kvwatch_requests_waiting"), "short",
+                    [(v.sig("kvwatch_requests_waiting"), e)], width=12,
+                    runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "queueing_compute_bound")))
+    b.add(PanelSpec("running", "Running requests", v.help("kvwatch_requests_running"), "short",
+                    [(v.sig("kvwatch_requests_running"), e)], width=12,
+                    runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "queueing_compute_bound")))
+    b.row("Prefill and prompts")
+    b.add(PanelSpec("prefill_quantiles", "Prefill time quantiles", v.help("kvwatch_prefill_time_seconds"), "s",
+                    v.quantile_targets("kvwatch_prefill_time_seconds"), width=12,
+                    runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "prefill")))
+    b.add(PanelSpec("prompt_length", "Prompt tokens per request and cached share",
+                    v.help("kvwatch_prompt_tokens_per_request_mean") + " " + v.help("kvwatch_prompt_tokens_cached_ratio"),
+                    "short", [(v.sig("kvwatch_prompt_tokens_per_request_mean"), "mean prompt tokens " + e),
+                              (v.sig("kvwatch_prompt_tokens_cached_ratio") + "\n*\n"
+                               + v.sig("kvwatch_prompt_tokens_per_request_mean"), "of which cached " + e)],
+                    width=12, runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "prefill")))
+    b.add(_findings_panel(v, "findings", "slow_first_token", ANCHOR_TTFT))
+    return b
+
+
+BUILDERS = {"overview": overview, "exhaustion": exhaustion, "prefix_cache": prefix_cache, "first_token": first_token}
+
+
+def boards(config: MixinConfig) -> dict[str, Board]:
+    return {key: builder(config) for key, builder in BUILDERS.items()}
+
+
+def file_name(key: str) -> str:
+    return f"kvwatch-{DASHBOARDS[key][0]}.json"
+
+
+__all__ = ["boards", "file_name", "DASHBOARDS", "Board", "PanelSpec", "indent"]

@@ -1,0 +1,141 @@
+"""`kvwatch generate`: write the dashboards, rules, alerts, runbooks, Grafana
+alert provisioning and Kubernetes manifests from the signal catalogue and one
+mixin config. The output is deterministic (sorted JSON keys, stable uids and
+panel ids), so the generated files are committed and a test regenerates them
+to prove they are current.
+
+    kvwatch generate [--config mixin.yaml] [--out DIR] [--check] [--print-config]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from grafanalib._gen import DashboardEncoder
+
+from kvwatch.mixin import dashboards as dash
+from kvwatch.mixin import grafana_alerts, rules, runbooks
+from kvwatch.mixin.config import MixinConfig, MixinConfigError, describe_config, load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Directories whose every file `generate` owns: a file there that it no
+# longer writes is stale. (deploy/ also holds hand-written files.)
+OWNED_DIRS = ("dashboards", "alerts")
+RULES_FILE = "alerts/kvwatch-rules.yaml"
+PROMETHEUS_RULE_FILE = "alerts/kvwatch-prometheusrule.yaml"
+RUNBOOKS_FILE = "alerts/runbooks.md"
+GRAFANA_RULES_FILE = "alerts/grafana/kvwatch-alert-rules.json"
+GRAFANA_NOTIFICATIONS_FILE = "alerts/grafana/kvwatch-notifications.example.yaml"
+
+
+def to_json(data) -> str:
+    return json.dumps(data, cls=DashboardEncoder, sort_keys=True, indent=2) + "\n"
+
+
+def panel_ids(boards: dict[str, dash.Board]) -> dict[tuple[str, str], tuple[str, int]]:
+    return {(key, panel): (board.uid, panel_id) for key, board in boards.items() for panel, panel_id in board.ids.items()}
+
+
+def render_all(config: MixinConfig) -> dict[str, str]:
+    """{path relative to the output root: text} for everything generate writes."""
+    boards = dash.boards(config)
+    ids = panel_ids(boards)
+    files: dict[str, str] = {}
+    dashboards = {}
+    for key, board in boards.items():
+        text = to_json(board.build().to_json_data())
+        dashboards[dash.file_name(key)] = text
+        files[f"dashboards/{dash.file_name(key)}"] = text
+    files[RULES_FILE] = rules.rules_file(config, ids)
+    files[PROMETHEUS_RULE_FILE] = rules.prometheus_rule(config, ids)
+    files[RUNBOOKS_FILE] = runbooks.render(config)
+    files[GRAFANA_RULES_FILE] = to_json(grafana_alerts.provisioning(config, ids))
+    files[GRAFANA_NOTIFICATIONS_FILE] = (
+        "# Example Grafana contact points and notification policy for kvwatch's alerts (docs/alerts.md).\n"
+        "# Replace the webhook URLs; provisioning `policies` replaces the organisation's whole policy tree,\n"
+        "# so merge these routes into yours instead if you already have one.\n"
+        + rules.dump_yaml(grafana_alerts.notification_example(config)))
+    files.update({f"deploy/{path}": text for path, text in _manifests(config, files, dashboards).items()})
+    return files
+
+
+def _manifests(config: MixinConfig, files: dict[str, str], dashboards: dict[str, str]) -> dict[str, str]:
+    try:
+        manifests = importlib.import_module("kvwatch.mixin.manifests")
+    except ModuleNotFoundError:  # the manifests module is optional
+        return {}
+    return manifests.render_manifests(config, prometheus_rule=files[PROMETHEUS_RULE_FILE], dashboards=dashboards)
+
+
+def stale_files(files: dict[str, str], out: Path) -> list[str]:
+    """Paths under `out` that differ from `files`, are missing, or sit in an
+    owned directory without being generated."""
+    problems = []
+    for relative, text in sorted(files.items()):
+        path = out / relative
+        if not path.is_file():
+            problems.append(f"{relative}: missing")
+        elif path.read_text() != text:
+            problems.append(f"{relative}: differs")
+    for directory in OWNED_DIRS:
+        root = out / directory
+        if root.is_dir():
+            for path in sorted(p for p in root.rglob("*") if p.is_file()):
+                relative = path.relative_to(out).as_posix()
+                if relative not in files:
+                    problems.append(f"{relative}: not generated any more")
+    return problems
+
+
+def write(files: dict[str, str], out: Path) -> list[str]:
+    """Write changed files; returns the paths written."""
+    written = []
+    for relative, text in sorted(files.items()):
+        path = out / relative
+        if path.is_file() and path.read_text() == text:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(relative)
+    return written
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="mixin config YAML (fields: kvwatch generate --print-config)")
+    parser.add_argument("--out", default=None, help="output root (default: the repository root)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if any generated file is missing or differs")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective config as commented YAML and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except MixinConfigError as exc:
+        print(f"kvwatch generate: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(describe_config(config))
+        return 0
+    out = Path(args.out) if args.out else REPO_ROOT
+    files = render_all(config)
+    if args.check:
+        problems = stale_files(files, out)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if problems:
+            print(f"kvwatch generate: {len(problems)} generated file(s) out of date; run `kvwatch generate`",
+                  file=sys.stderr)
+            return 1
+        print(f"kvwatch generate: {len(files)} files up to date")
+        return 0
+    written = write(files, out)
+    for relative in written:
+        print(out / relative)
+    print(f"kvwatch generate: {len(files)} files, {len(written)} changed", file=sys.stderr)
+    return 0

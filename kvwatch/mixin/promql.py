@@ -1,0 +1,231 @@
+"""PromQL building blocks: the catalogue's templates filled in for one scope
+(selector, range, aggregation labels), and the per-engine conditions the
+alerts are made of. Rules, alerts and dashboards all build their queries here,
+so a condition the dashboard shows is the condition the alert tests.
+
+Every fragment yields at most one series per aggregation group (the `by`
+labels), so fragments combine with `and`/`unless` and arithmetic without
+`on()` clauses; only the upstream stage, which lives on other targets, joins
+with `on(<join labels>) group_left`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwatch.signals import SIGNALS_BY_NAME
+
+
+def num(value: float) -> str:
+    """A number as PromQL literal: 0.9, 1024, 1e-06."""
+    text = f"{float(value):.6g}"
+    return text
+
+
+def indent(text: str, prefix: str = "  ") -> str:
+    return "\n".join(prefix + line if line else line for line in text.splitlines())
+
+
+def paren(text: str) -> str:
+    """Wrap in parentheses, on separate lines when the text spans several."""
+    if "\n" in text:
+        return "(\n" + indent(text) + "\n)"
+    return f"({text})"
+
+
+def join_sel(*parts: str) -> str:
+    return ",".join(part for part in parts if part)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where a query looks: label matchers (no braces), the range of rate()
+    and *_over_time(), and the labels kept by aggregations."""
+
+    sel: str
+    w: str
+    by: tuple[str, ...]
+
+    @property
+    def by_text(self) -> str:
+        return ", ".join(self.by)
+
+    def signal(self, name: str, q: float | None = None) -> str:
+        """A catalogue signal's PromQL twin in this scope."""
+        template = SIGNALS_BY_NAME[name].promql
+        return template.format(sel=self.sel, w=self.w, by=self.by_text, q=num(q) if q is not None else "{q}")
+
+    def m(self, metric: str, extra: str = "") -> str:
+        return f"{metric}{{{join_sel(self.sel, extra)}}}"
+
+    def agg(self, op: str, inner: str) -> str:
+        return f"{op} by ({self.by_text}) ({inner})"
+
+
+class Fragments:
+    """The per-engine conditions of the alerts, in one scope. Each method
+    returns an expression with one series per group; conditions are filters
+    (their value is irrelevant; `and`/`unless` use only their presence)."""
+
+    def __init__(self, scope: Scope, config):
+        self.s = scope
+        self.c = config
+
+    # --- values ---------------------------------------------------------------
+
+    def usage_max(self) -> str:
+        return self.s.signal("kvwatch_kv_cache_usage_max_ratio")
+
+    def usage_avg(self) -> str:
+        return self.s.agg("max", f"avg_over_time({self.s.m('kvwatch_engine_kv_cache_usage_ratio')}[{self.s.w}])")
+
+    def preemption_rate(self) -> str:
+        return self.s.signal("kvwatch_preemptions_per_second")
+
+    def running_avg(self) -> str:
+        return self.s.agg("sum", f"avg_over_time({self.s.m('kvwatch_engine_requests_running')}[{self.s.w}])")
+
+    def waiting_for_capacity_avg(self) -> str:
+        """Requests waiting for room: vLLM 0.20+ says so by reason (deferred
+        ones wait on LoRA budget or KV transfer); older versions only say waiting."""
+        capacity = self.s.m("kvwatch_engine_requests_waiting_by_reason", 'reason="capacity"')
+        by_reason = self.s.agg("sum", f"avg_over_time({capacity}[{self.s.w}])")
+        total = self.s.agg("sum", f"avg_over_time({self.s.m('kvwatch_engine_requests_waiting')}[{self.s.w}])")
+        return f"{by_reason}\nor\n{total}"
+
+    def capacity_share_per_request(self) -> str:
+        """Share of the cache one running request holds: mean usage / mean running."""
+        return f"{self.usage_avg()}\n/\n{self.running_avg()}"
+
+    def hit_ratio(self) -> str:
+        return self.s.signal("kvwatch_prefix_cache_hit_ratio")
+
+    def query_tokens(self) -> str:
+        return self.s.agg("sum", f"increase({self.s.m('kvwatch_engine_prefix_cache_queries_total')}[{self.s.w}])")
+
+    def baseline_hit_ratio(self) -> str:
+        """The hit ratio over the baseline span just before the rate window."""
+        span, offset = self.c.hit_ratio_baseline_window, self.s.w
+        hits = self.s.agg("sum", f"rate({self.s.m('kvwatch_engine_prefix_cache_hits_total')}[{span}] offset {offset})")
+        queries = self.s.agg("sum", f"rate({self.s.m('kvwatch_engine_prefix_cache_queries_total')}[{span}] offset {offset})")
+        return f"{hits}\n/\n{queries}"
+
+    def ttft_mean(self) -> str:
+        return self.s.signal("kvwatch_time_to_first_token_mean_seconds")
+
+    def queue_mean(self) -> str:
+        return self.s.signal("kvwatch_queue_time_mean_seconds")
+
+    def prefill_mean(self) -> str:
+        return self.s.signal("kvwatch_prefill_time_mean_seconds")
+
+    def front_end_mean(self) -> str:
+        """Mean TTFT outside queue and prefill: front end, tokenization,
+        scheduling gaps. Clamped at zero: queue and prefill are observed when a
+        request finishes, TTFT at its first token, so under changing load the
+        parts can briefly exceed the whole."""
+        return f"clamp_min(\n{indent(paren(self.ttft_mean()))}\n  -\n{indent(paren(self.queue_mean()))}\n  -\n{indent(paren(self.prefill_mean()))},\n  0\n)"
+
+    @property
+    def upstream(self) -> bool:
+        return bool(self.c.upstream_histogram)
+
+    def upstream_mean(self) -> str:
+        """Mean time in the upstream stage, per join group (one series when no join labels)."""
+        histogram = self.c.upstream_histogram
+        sel = self.c.upstream_selector
+        join = ", ".join(self.c.upstream_join_labels)
+        by = f" by ({join})" if join else ""
+        total = f"sum{by} (rate({histogram}_sum{{{sel}}}[{self.s.w}]))"
+        count = f"sum{by} (rate({histogram}_count{{{sel}}}[{self.s.w}]))"
+        return f"{total}\n/\n{count}"
+
+    def _on_join(self) -> str:
+        return f"on ({', '.join(self.c.upstream_join_labels)})"
+
+    def first_token_mean(self) -> str:
+        """The symptom's value: engine TTFT mean, plus the upstream mean when
+        an upstream histogram is configured and has data for this engine."""
+        engine = self.ttft_mean()
+        if not self.upstream:
+            return engine
+        return (f"{paren(engine)}\n+ {self._on_join()} group_left ()\n{paren(self.upstream_mean())}"
+                f"\nor\n{paren(engine)}")
+
+    # --- conditions -------------------------------------------------------------
+
+    def pressure(self) -> str:
+        """Requests suffer from a full cache: preempted, or waiting for room."""
+        return f"{paren(self.preemption_rate())} > 0\nor\n{paren(self.waiting_for_capacity_avg())} > 0"
+
+    def long_requests(self) -> str:
+        """Each running request holds a large share of the cache."""
+        return f"{paren(self.capacity_share_per_request())}\n>= {num(self.c.long_request_capacity_share)}"
+
+    def kv_bound(self) -> str:
+        """The KV cache limits the engine: it filled up in the window, or
+        requests were preempted (vLLM preempts only when it cannot allocate a
+        block). Same threshold as the exhaustion alert, so exhaustion and
+        compute-bound queueing are never reported together."""
+        return (f"{paren(self.usage_max())} > {num(self.c.exhaustion_usage_ratio)}"
+                f"\nor\n{paren(self.preemption_rate())} > 0")
+
+    def caching_disabled(self) -> str:
+        return self.s.agg("max", self.s.m("kvwatch_engine_info", 'enable_prefix_caching=~"(?i)false"'))
+
+    def prompt_traffic(self) -> str:
+        return f"{paren(self.s.signal('kvwatch_prompt_tokens_per_second'))} > 0"
+
+    def enough_queries(self) -> str:
+        return f"{paren(self.query_tokens())} >= {num(self.c.min_query_tokens)}"
+
+    def cold(self) -> str:
+        """The engine is new, restarted, or changed its cache configuration
+        within the cold-cache window: its cache had no time to warm up."""
+        span = self.c.cold_cache_window
+        info = self.s.m("kvwatch_engine_info")
+        new_config = self.s.agg("count", f"{info} unless {info} offset {span}")
+        restarted = self.s.agg("count", f"resets({self.s.m('kvwatch_engine_prompt_tokens_total')}[{span}]) > 0")
+        return f"{new_config}\nor\n{restarted}"
+
+    def cache_pressure(self) -> str:
+        """Running requests crowd idle cached prefixes out of the cache."""
+        return (f"{paren(self.usage_avg())} > {num(self.c.eviction_usage_ratio)}"
+                f"\nor\n{paren(self.preemption_rate())} > 0")
+
+    def healthy_baseline(self) -> str:
+        """The hit ratio was fine before the rate window."""
+        return f"{paren(self.baseline_hit_ratio())}\n>= {num(self.c.hit_ratio_low)}"
+
+    # TTFT parts: the largest part is the cause; ties go to the earlier part in
+    # queue, prefill, front end, upstream order, so exactly one part wins.
+
+    def _beats_upstream(self, part: str, strict: bool = False) -> str:
+        op = ">" if strict else ">="
+        return (f"{paren(part)}\n{op} {self._on_join()} group_left ()\n{paren(self.upstream_mean())}"
+                f"\nor\n{paren(part)}\nunless {self._on_join()}\n{paren(self.upstream_mean())}")
+
+    def _top(self, part: str, wins_against: list[tuple[str, bool]]) -> str:
+        conditions = [f"{paren(part)}\n{'>' if strict else '>='}\n{paren(other)}" for other, strict in wins_against]
+        if self.upstream:
+            conditions.append(self._beats_upstream(part))
+        return "\nand\n".join(paren(c) for c in conditions)
+
+    def queue_largest(self) -> str:
+        return self._top(self.queue_mean(), [(self.prefill_mean(), False), (self.front_end_mean(), False)])
+
+    def prefill_largest(self) -> str:
+        return self._top(self.prefill_mean(), [(self.queue_mean(), True), (self.front_end_mean(), False)])
+
+    def front_end_largest(self) -> str:
+        return self._top(self.front_end_mean(), [(self.queue_mean(), True), (self.prefill_mean(), True)])
+
+
+def chain(value: str, *steps: tuple[str, str]) -> str:
+    """value op condition op condition ...: each step is ("and"|"unless",
+    condition). `and` and `unless` share one precedence and associate to the
+    left, so this reads as a filter pipeline over `value`'s series."""
+    text = paren(value)
+    for op, condition in steps:
+        text += f"\n{op}\n{paren(condition)}"
+    return text

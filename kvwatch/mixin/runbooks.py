@@ -1,0 +1,233 @@
+"""alerts/runbooks.md: one section per alert and one per cause, each saying
+what it means, how to confirm it on the dashboards, what to do and what not
+to do. The anchors are the ones the alerts' runbook_url and the panels'
+runbook links point at."""
+
+from __future__ import annotations
+
+from kvwatch.mixin.alerts import AlertSpec, alert_specs, runbook_anchor
+from kvwatch.mixin.config import MixinConfig
+from kvwatch.mixin.dashboards import DASHBOARDS
+from kvwatch.mixin.promql import num
+
+D_OVERVIEW = DASHBOARDS["overview"][1]
+D_EXHAUSTION = DASHBOARDS["exhaustion"][1]
+D_PREFIX = DASHBOARDS["prefix_cache"][1]
+D_TTFT = DASHBOARDS["first_token"][1]
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:g}%"
+
+
+def _alert_intros(c: MixinConfig) -> dict[str, str]:
+    w = c.rate_window
+    return {
+        "VllmKvCacheExhausted": (
+            f"An engine's KV cache peaked above {_pct(c.exhaustion_usage_ratio)} usage over the last {w} while "
+            "requests were preempted or waited for room, for "
+            f"{c.for_duration('VllmKvCacheExhausted')}. vLLM counts evictable prefix-cache blocks as free, so "
+            "usage this high means blocks held by running requests. Preempted requests are recomputed later "
+            "and waiting ones get no first token: users see latency, the GPU redoes work.\n\n"
+            "The cause is told apart by the share of the cache one running request holds (mean usage / mean "
+            f"running requests): at least {_pct(c.long_request_capacity_share)} means a few long requests fill "
+            "it (`long_requests`), less means many requests do (`concurrency_beyond_capacity`). Exactly one "
+            "cause fires per engine."),
+        "VllmPrefixCacheHitRateLow": (
+            f"Over the last {w}, fewer than {_pct(c.hit_ratio_low)} of the prompt tokens an engine looked up in "
+            f"its prefix cache were found there (at least {num(c.min_query_tokens)} tokens looked up), for "
+            f"{c.for_duration('VllmPrefixCacheHitRateLow')}; or prefix caching is off while the engine serves "
+            "prompts. Every miss is prefill recomputed: more GPU time and a later first token.\n\n"
+            "The causes are checked in this order and exactly one fires: caching disabled; a cold cache (the "
+            f"engine started, restarted or changed its cache configuration within {c.cold_cache_window}); "
+            f"eviction before reuse (mean KV usage above {_pct(c.eviction_usage_ratio)}, or preemptions); a "
+            f"changed prefix (the ratio was at least {_pct(c.hit_ratio_low)} in the "
+            f"{c.hit_ratio_baseline_window} before); otherwise no reuse."),
+        "VllmTimeToFirstTokenSlow": (
+            f"An engine's mean time to first token over the last {w} was above {num(c.ttft_mean_seconds)}s"
+            + (f" (counting the upstream stage {c.upstream_histogram} before the engine)" if c.upstream_histogram
+               else "")
+            + f", for {c.for_duration('VllmTimeToFirstTokenSlow')}.\n\n"
+            "The mean splits exactly into parts: queue (vllm:request_queue_time_seconds), prefill "
+            "(vllm:request_prefill_time_seconds), front end (the rest of the engine's TTFT: HTTP, "
+            "tokenization, scheduling)"
+            + (", and upstream" if c.upstream_histogram else "")
+            + ". The largest part is the cause; a queue is KV-bound when the cache was full or preempting in the "
+            f"window (the exhaustion threshold, {_pct(c.exhaustion_usage_ratio)}), compute-bound otherwise. "
+            "Exactly one cause fires per engine, and KV-bound and compute-bound queueing never fire together. "
+            "Means rather than quantiles, because only means add up (the dashboards show p50/p95/p99 too)."),
+        "KvwatchDown": (
+            f"Prometheus has failed to scrape a kvwatch target ({c.kvwatch_selector}) for "
+            f"{c.for_duration('KvwatchDown')}. While it lasts, the vLLM alerts for that pod cannot fire."),
+        "KvwatchEngineUnreachable": (
+            f"kvwatch is up but its polls of the vLLM engine's /metrics have failed for "
+            f"{c.for_duration('KvwatchEngineUnreachable')} (kvwatch_up == 0). kvwatch exports no engine series "
+            "while it cannot read them, so the vLLM alerts for that pod are blind too."),
+    }
+
+
+# cause -> (meaning, confirm, do, don't)
+def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
+    share = _pct(c.long_request_capacity_share)
+    return {
+        "concurrency_beyond_capacity": (
+            "More requests want to run at once than the KV cache holds at their length. Each request is "
+            f"modest (under {share} of the cache), but together they overflow it, so the scheduler preempts "
+            "running requests and leaves new ones waiting.",
+            f"{D_EXHAUSTION}: *KV cache usage: now and peak* above the red line; *Preemptions* or *Waiting "
+            "requests by reason* (capacity) above zero; *Requests wanting to run vs requests the cache holds* "
+            "shows demand well above what the cache holds; *Share of the cache per running request* below "
+            "its red line.",
+            "Cap concurrency near what the cache holds: `--max-num-seqs`, or a concurrency limit in the "
+            "gateway or router. Add replicas and spread the load. Give the cache more memory "
+            "(`--gpu-memory-utilization`, an fp8 KV cache dtype, more tensor parallelism). `kvwatch capacity` "
+            "computes how many requests a memory budget holds.",
+            "Do not shorten max_model_len for this: the requests are not long. Do not read high usage alone as "
+            "the problem: a busy, healthy cache runs near full without preempting."),
+        "long_requests": (
+            f"A few requests, each holding at least {share} of the KV cache, fill it: the cache is small for the "
+            "lengths being served, whatever the concurrency.",
+            f"{D_EXHAUSTION}: *Share of the cache per running request* above its red line; *Request length (p95 "
+            "and mean)* shows long prompts or generations; *Running requests* low while usage is at the top.",
+            "Find who sends the long requests (gateway log, prompt and generation p95). Cap `max_tokens` or "
+            "`--max-model-len`, route long-context requests to engines sized for them (more KV memory per "
+            "engine: tensor parallelism, an fp8 KV cache), and enable chunked prefill so long prompts do not "
+            "block the batch.",
+            "Do not add more replicas of the same size and expect relief: each one still holds only a few long "
+            "requests. Do not lower `--max-num-seqs`: few requests run already."),
+        "caching_disabled": (
+            "The engine runs without `--enable-prefix-caching` (vllm:cache_config_info enable_prefix_caching="
+            "False) while it serves prompts: no prompt token is ever reused, and vLLM does not even count "
+            "queries.",
+            f"{D_PREFIX}: *Engine cache configuration* shows enable_prefix_caching=False.",
+            "If prompts share prefixes (system prompts, few-shot examples, documents, multi-turn history), "
+            "enable prefix caching. If they do not, silence this alert for the engine (its severity is info).",
+            "Do not tune cache size or routing for hit rate before caching is on."),
+        "cold_cache": (
+            f"The engine started, restarted or changed its cache configuration within {c.cold_cache_window}: its "
+            "cache is empty, and each prefix must be computed once before it can be reused.",
+            f"{D_PREFIX}: *Engine restarts* above zero, or a new row in *Engine cache configuration*; the hit "
+            "ratio climbs as the cache warms up.",
+            "Wait for the cache to warm; the alert clears by itself. If the engine restarted unexpectedly, find "
+            "out why (deploy, OOM, crash in its log). After a configuration change, recheck capacity on the "
+            "exhaustion dashboard.",
+            "Do not compare hit ratios across a restart or a configuration change; do not change the "
+            "configuration again to fix a cold cache."),
+        "eviction_before_reuse": (
+            f"Prefixes repeat, but running requests hold so much of the cache (mean usage above "
+            f"{_pct(c.eviction_usage_ratio)}, or preemptions) that idle cached prefixes are evicted before their "
+            "next use.",
+            f"{D_PREFIX}: *KV usage (mean): room for idle prefixes* above its red line or *Preemptions* above "
+            "zero, while *Hit ratio: now and baseline* is low. With vLLM's `--kv-cache-metrics`, "
+            "kv_block_idle_before_evict shorter than kv_block_reuse_gap proves it.",
+            "Give idle prefixes room: more KV memory, fewer concurrent long requests, or more replicas. Route "
+            "requests that share a prefix to the same engine (prefix-aware routing) so each engine keeps fewer "
+            "distinct prefixes.",
+            "Do not change the prompts: they are fine. Do not scale out with random routing alone: each engine "
+            "then sees every prefix and keeps none."),
+        "prefix_changed": (
+            f"The hit ratio was healthy (at least {_pct(c.hit_ratio_low)}) in the {c.hit_ratio_baseline_window} "
+            "before and dropped, with room in the cache: the requests stopped sharing the prefix they shared. "
+            "Typically a new prompt template or system prompt puts per-request text (a timestamp, a user id, a "
+            "shuffled tool list) before the shared part.",
+            f"{D_PREFIX}: *Hit ratio: now and baseline* with the baseline above the red line and the current "
+            "ratio below; *KV usage (mean)* below its red line; no restart. The drop lines up with a deploy of "
+            "the application or gateway.",
+            "Diff the prompt templates deployed around the drop. Keep shared text first and byte-identical "
+            "across requests; move per-request text after it.",
+            "Do not add KV memory: the cache has room, the prompts no longer match."),
+        "no_reuse": (
+            "The hit ratio is low and was low before too, and the cache has room: the workload shares few "
+            "prefixes (unique documents, no common system prompt).",
+            f"{D_PREFIX}: *Hit ratio: now and baseline*, both low; *KV usage (mean)* below its red line.",
+            "Nothing to repair in the cache. If the prompts should share text, put it first and keep it "
+            "byte-identical. Otherwise lower `hit_ratio_low` for this workload or silence the alert (its "
+            "severity is info).",
+            "Do not buy KV memory or change routing for hit rate: there is nothing to reuse."),
+        "queueing_kv_bound": (
+            "Most of the time to first token is spent waiting in the queue, and the KV cache was full or "
+            "preempting: requests wait for KV blocks.",
+            f"{D_TTFT}: *Mean time to first token and its parts* with queue the largest; *KV-bound? Usage peak "
+            f"and preemptions* above the red line. {D_EXHAUSTION} shows the exhaustion behind it.",
+            "Treat it as exhaustion (see VllmKvCacheExhausted): fewer or shorter concurrent requests, more KV "
+            "memory, more replicas.",
+            "Do not add compute-side tuning (`--max-num-batched-tokens`) first: the queue waits for memory."),
+        "queueing_compute_bound": (
+            "Most of the time to first token is spent waiting in the queue while the KV cache had room: requests "
+            "wait for scheduler slots (`--max-num-seqs`) or for compute.",
+            f"{D_TTFT}: queue the largest part; *KV-bound? Usage peak and preemptions* below the red line with no "
+            "preemptions; *Running requests* flat at the scheduler's limit while *Waiting requests* grows.",
+            "Add replicas or lower the arrival rate. If the GPU has headroom, raise `--max-num-seqs` (the cache "
+            "has room) or `--max-num-batched-tokens`.",
+            "Do not enlarge the KV cache: a bigger cache does not shorten this queue."),
+        "prefill": (
+            "Most of the time to first token is prefill: long prompts whose tokens are not in the prefix cache.",
+            f"{D_TTFT}: prefill the largest part; *Prefill time quantiles* high; *Prompt tokens per request and "
+            "cached share* shows many uncached tokens.",
+            "Raise prefix reuse (shared text first), shorten prompts, tune chunked prefill "
+            "(`--max-num-batched-tokens`), or separate prefill from decode (disaggregated serving).",
+            "Do not add KV memory or replicas for this alone: prefill time per request does not shrink with them."),
+        "front_end": (
+            "Most of the time to first token is outside queue and prefill: the API server (HTTP, tokenization, "
+            "chat templating, multimodal preprocessing) or scheduling gaps.",
+            f"{D_TTFT}: front end the largest part, queue and prefill small.",
+            "Check the API server's CPU (vLLM's process, not the GPU), `--api-server-count`, and image or audio "
+            "preprocessing. Compare with the gateway's own latency.",
+            "Do not touch the KV cache or the scheduler: they are not where the time goes."),
+        "upstream": (
+            "Most of the time before the first token is spent before the engine, in the configured upstream "
+            f"stage ({c.upstream_histogram or 'upstream_histogram'}): retrieval, a gateway, a tool call.",
+            f"{D_TTFT}: the upstream line is the largest part; the engine's own parts are small.",
+            "Look at the upstream service (vector store, gateway) and its dependencies.",
+            "Do not resize the KV cache or the engine: a bigger or smaller cache does not repair retrieval."),
+        "kvwatch_unreachable": (
+            "Prometheus cannot scrape kvwatch: the container is down, not ready, or the scrape configuration "
+            "points elsewhere.",
+            f"{D_OVERVIEW}: *Prometheus scraping kvwatch* at 0; Prometheus' Targets page shows the error.",
+            "Check the kvwatch container (`kubectl logs -c kvwatch`, restarts, OOM), its /healthz, and the "
+            "ServiceMonitor/PodMonitor or scrape job (port name, labels).",
+            "Do not assume vLLM is down: kvwatch is a separate container."),
+        "engine_unreachable": (
+            "kvwatch runs but cannot read vLLM's /metrics: the engine is down, starting, wedged, or serves no "
+            "engine metrics (`--disable-log-stats`), or kvwatch's target is wrong.",
+            f"{D_OVERVIEW}: *kvwatch polling vLLM* at 0; *Failed polls by reason* says why: refused or timeout "
+            "(engine down or wedged), no_engine_metrics (stats logging off), http_4xx (path or auth), too_large.",
+            "Check the vLLM container (health endpoint, log, restarts). For no_engine_metrics remove "
+            "`--disable-log-stats`. For http_4xx fix kvwatch's `target` or token.",
+            "Do not restart kvwatch to fix it: it polls on its own and recovers when the engine answers."),
+    }
+
+
+def render(config: MixinConfig) -> str:
+    specs = alert_specs(config)
+    intros = _alert_intros(config)
+    causes = _cause_texts(config)
+    by_alert: dict[str, list[AlertSpec]] = {}
+    for spec in specs:
+        by_alert.setdefault(spec.alert, []).append(spec)
+    out = [
+        "<!-- Generated by `kvwatch generate` (kvwatch/mixin/runbooks.py); edit the generator, not this file. -->",
+        "# kvwatch runbooks",
+        "",
+        "One section per alert and one per cause. Every alert carries `severity`, `cause` (and `symptom` for the "
+        "vLLM alerts) labels, a `runbook_url` to its cause's section here and a `dashboard_url` to the panel "
+        "that shows it. The same causes are named by kvwatch's in-process diagnosis (`kvwatch_finding`, "
+        "`/api/v1/diagnosis`), which also shows the evidence.",
+        "",
+        "| alert | cause | severity | for |",
+        "|---|---|---|---|",
+    ]
+    for spec in specs:
+        out.append(f"| {spec.alert} | [{spec.cause}](#{spec.anchor}) | {spec.severity} | {spec.for_} |")
+    out.append("")
+    for alert, alert_specs_ in by_alert.items():
+        out += [f'<a id="{runbook_anchor(alert)}"></a>', "", f"## {alert}", "", intros[alert], ""]
+        for spec in alert_specs_:
+            meaning, confirm, do, dont = causes[spec.cause]
+            out += [f'<a id="{spec.anchor}"></a>', "", f"### {alert}: {spec.cause}", "",
+                    f"*{spec.summary}* Severity {spec.severity}.", "",
+                    f"**What it means.** {meaning}", "",
+                    f"**Confirm on the dashboard.** {confirm}", "",
+                    f"**What to do.** {do}", "",
+                    f"**What not to do.** {dont}", ""]
+    return "\n".join(out).rstrip("\n") + "\n"

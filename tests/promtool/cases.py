@@ -1,0 +1,269 @@
+"""Builds the `promtool test rules` files in this directory from readable case
+definitions: one case per alert and cause branch, each with the series that
+should trigger it, and negative cases (the wrong cause, a blip shorter than
+`for:`, deferred waiting, too little traffic) that must not fire. Every case
+checks every alert name, so an alert firing where it should not fails too.
+
+    python tests/promtool/cases.py      # rewrite the .test.yaml files
+
+The test files load `rules.yaml`, which tests/test_rules_promtool.py writes
+beside them from the generated rules with their annotations removed (promtool
+compares rendered annotations verbatim; the expressions are what is tested
+here, and `promtool check rules` checks the annotation templates).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ALERT_NAMES = ("VllmKvCacheExhausted", "VllmPrefixCacheHitRateLow", "VllmTimeToFirstTokenSlow",
+               "KvwatchDown", "KvwatchEngineUnreachable")
+SYMPTOM = {"VllmKvCacheExhausted": "exhaustion", "VllmPrefixCacheHitRateLow": "low_hit_rate",
+           "VllmTimeToFirstTokenSlow": "slow_first_token"}
+SEVERITY = {
+    "concurrency_beyond_capacity": "warning", "long_requests": "warning", "caching_disabled": "info",
+    "cold_cache": "info", "no_reuse": "info", "prefix_changed": "warning", "eviction_before_reuse": "warning",
+    "queueing_kv_bound": "warning", "queueing_compute_bound": "warning", "prefill": "warning",
+    "front_end": "warning", "upstream": "warning", "kvwatch_unreachable": "warning", "engine_unreachable": "critical",
+}
+TARGET = {"namespace": "llm", "job": "kvwatch", "instance": "10.0.0.1:9400"}
+ENGINE = {**TARGET, "model_name": "m", "engine": "0"}
+MINUTES = 120  # samples per series, one a minute
+
+
+def _selector(name: str, labels: dict[str, str]) -> str:
+    return name + "{" + ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+
+def const(value: float, minutes: int = MINUTES) -> str:
+    return f"{value:g}x{minutes}"
+
+
+def rate(per_minute: float, minutes: int = MINUTES) -> str:
+    return f"0+{per_minute:g}x{minutes}"
+
+
+def missing(minutes: int) -> str:
+    return f"_x{minutes}"
+
+
+@dataclass
+class Engine:
+    """One engine's series. Each field is a promtool values string (or None for absent)."""
+
+    labels: dict = field(default_factory=lambda: dict(ENGINE))
+    usage: str | None = const(0.4)
+    running: str | None = const(4)
+    waiting: str | None = const(0)
+    waiting_capacity: str | None = None
+    waiting_deferred: str | None = None
+    preemptions: str | None = rate(0)
+    prompt_tokens: str | None = rate(30000)
+    prefix_queries: str | None = None
+    prefix_hits: str | None = None
+    ttft: tuple[str, str] | None = None  # (sum, count)
+    queue: tuple[str, str] | None = None
+    prefill: tuple[str, str] | None = None
+    caching: str = "True"
+    info: str | None = const(1)
+    up: str | None = const(1)
+    kvwatch_up: str | None = const(1)
+
+    def series(self) -> list[dict]:
+        target = {k: self.labels[k] for k in TARGET}
+        out = []
+
+        def add(name, values, labels=None):
+            if values is not None:
+                out.append({"series": _selector(name, labels or self.labels), "values": values})
+
+        add("up", self.up, target)
+        add("kvwatch_up", self.kvwatch_up, target)
+        add("kvwatch_engine_info", self.info, {**self.labels, "enable_prefix_caching": self.caching,
+                                               "block_size": "16"})
+        add("kvwatch_engine_kv_cache_usage_ratio", self.usage)
+        add("kvwatch_engine_requests_running", self.running)
+        add("kvwatch_engine_requests_waiting", self.waiting)
+        add("kvwatch_engine_requests_waiting_by_reason", self.waiting_capacity, {**self.labels, "reason": "capacity"})
+        add("kvwatch_engine_requests_waiting_by_reason", self.waiting_deferred, {**self.labels, "reason": "deferred"})
+        add("kvwatch_engine_preemptions_total", self.preemptions)
+        add("kvwatch_engine_prompt_tokens_total", self.prompt_tokens)
+        add("kvwatch_engine_prefix_cache_queries_total", self.prefix_queries)
+        add("kvwatch_engine_prefix_cache_hits_total", self.prefix_hits)
+        for name, pair in (("time_to_first_token_seconds", self.ttft), ("request_queue_time_seconds", self.queue),
+                           ("request_prefill_time_seconds", self.prefill)):
+            if pair:
+                add(f"kvwatch_engine_{name}_sum", pair[0])
+                add(f"kvwatch_engine_{name}_count", pair[1])
+        return out
+
+
+def hits(ratio: float, queried_per_minute: float = 20000) -> dict:
+    return {"prefix_queries": rate(queried_per_minute), "prefix_hits": rate(queried_per_minute * ratio)}
+
+
+def latency(ttft: float, queue: float, prefill: float, per_minute: int = 60) -> dict:
+    def hist(mean):
+        return (rate(mean * per_minute), rate(per_minute))
+
+    return {"ttft": hist(ttft), "queue": hist(queue), "prefill": hist(prefill)}
+
+
+@dataclass
+class Case:
+    name: str
+    engines: list[Engine]
+    eval_time: str
+    expect: list[tuple[str, str, dict]]  # (alert, cause, engine or target labels)
+    extra_series: list[dict] = field(default_factory=list)
+
+
+def _labels_of(alert: str, cause: str, labels: dict) -> dict:
+    out = dict(labels)
+    out.update({"severity": SEVERITY[cause], "cause": cause})
+    if alert in SYMPTOM:
+        out["symptom"] = SYMPTOM[alert]
+    return out
+
+
+def render(cases: list[Case], rule_file: str = "rules.yaml") -> str:
+    tests = []
+    for case in cases:
+        series = [s for engine in case.engines for s in engine.series()] + case.extra_series
+        checks = []
+        for alert in ALERT_NAMES:
+            expected = [{"exp_labels": _labels_of(a, cause, labels)} for a, cause, labels in case.expect if a == alert]
+            checks.append({"eval_time": case.eval_time, "alertname": alert, "exp_alerts": expected})
+        tests.append({"name": case.name, "interval": "1m", "input_series": series, "alert_rule_test": checks})
+    header = ("# Generated by tests/promtool/cases.py; edit that file and run it. Loaded by\n"
+              "# tests/test_rules_promtool.py, which writes rules.yaml beside it.\n")
+    return header + yaml.safe_dump({"rule_files": [rule_file], "evaluation_interval": "1m", "tests": tests},
+                                   sort_keys=False, width=1 << 16)
+
+
+def default_cases() -> list[Case]:
+    """Against the default config: rate window 5m, for 10m (exhaustion,
+    TTFT), 15m (hit rate), 5m (health); cold window 30m; baseline 1h. Engines
+    exist from minute 0, so they are cold until minute 30."""
+    busy = dict(usage=const(0.98), preemptions=rate(6), running=const(8), waiting=const(12))
+    def old_engine_hit(ratio: float, queried_per_minute: float = 20000, **kw) -> Engine:
+        return Engine(**hits(ratio, queried_per_minute), **kw)
+
+    return [
+        # --- exhaustion --------------------------------------------------------
+        Case("exhaustion: many requests overflow the cache -> concurrency_beyond_capacity",
+             [Engine(**busy)], "40m", [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE)]),
+        Case("exhaustion: three running requests fill it -> long_requests, not concurrency",
+             [Engine(usage=const(0.97), preemptions=rate(2), running=const(3), waiting=const(1))], "40m",
+             [("VllmKvCacheExhausted", "long_requests", ENGINE)]),
+        Case("exhaustion: waiting for capacity without preemptions still counts",
+             [Engine(usage=const(0.95), running=const(10), waiting=const(4), waiting_capacity=const(4),
+                     waiting_deferred=const(0))], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE)]),
+        Case("no exhaustion: only deferred requests wait (KV transfer, LoRA), none preempted",
+             [Engine(usage=const(0.95), running=const(10), waiting=const(3), waiting_capacity=const(0),
+                     waiting_deferred=const(3))], "40m", []),
+        Case("no exhaustion: a full cache nobody waits for is a busy cache",
+             [Engine(usage=const(0.99), running=const(10))], "40m", []),
+        Case("no exhaustion: an overload shorter than for: (10m)",
+             [Engine(usage="0.4x30 0.98x6 0.4x84", preemptions="0x30 0+6x6 36x84",
+                     running=const(8), waiting="0x30 12x6 0x84")], "40m", []),
+        # --- low prefix-cache hit rate ---------------------------------------------
+        Case("hit rate: prefix caching off -> caching_disabled",
+             [Engine(caching="False")], "40m", [("VllmPrefixCacheHitRateLow", "caching_disabled", ENGINE)]),
+        Case("hit rate: a new engine with a low ratio -> cold_cache, not no_reuse",
+             [old_engine_hit(0.05)], "25m", [("VllmPrefixCacheHitRateLow", "cold_cache", ENGINE)]),
+        Case("hit rate: an engine restart makes the cache cold again",
+             [Engine(prompt_tokens="0+30000x60 0+30000x60", prefix_queries="0+20000x60 0+20000x60",
+                     prefix_hits="0+1000x60 0+1000x60")], "85m",
+             [("VllmPrefixCacheHitRateLow", "cold_cache", ENGINE)]),
+        Case("hit rate: low and stable on a warm engine with room -> no_reuse",
+             [old_engine_hit(0.05)], "50m", [("VllmPrefixCacheHitRateLow", "no_reuse", ENGINE)]),
+        Case("hit rate: low with the cache crowded -> eviction_before_reuse",
+             [old_engine_hit(0.05, usage=const(0.9))], "50m",
+             [("VllmPrefixCacheHitRateLow", "eviction_before_reuse", ENGINE)]),
+        Case("hit rate: healthy for an hour, then dropped -> prefix_changed",
+             [Engine(prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60")], "82m",
+             [("VllmPrefixCacheHitRateLow", "prefix_changed", ENGINE)]),
+        Case("hit rate: healthy -> nothing",
+             [old_engine_hit(0.7)], "50m", []),
+        Case("hit rate: too few queried tokens to judge -> nothing",
+             [old_engine_hit(0.05, queried_per_minute=100)], "50m", []),
+        # --- slow first token ----------------------------------------------------
+        Case("first token: queue on a full, preempting cache -> queueing_kv_bound (and exhaustion)",
+             [Engine(**busy, **latency(3.0, 2.5, 0.3))], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE),
+              ("VllmTimeToFirstTokenSlow", "queueing_kv_bound", ENGINE)]),
+        Case("first token: queue with KV room -> queueing_compute_bound, never kv_bound",
+             [Engine(usage=const(0.5), running=const(12), waiting=const(10), **latency(3.0, 2.5, 0.3))], "40m",
+             [("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)]),
+        Case("first token: mostly prefill -> prefill",
+             [Engine(**latency(3.0, 0.2, 2.5))], "40m", [("VllmTimeToFirstTokenSlow", "prefill", ENGINE)]),
+        Case("first token: mostly outside queue and prefill -> front_end",
+             [Engine(**latency(3.0, 0.2, 0.3))], "40m", [("VllmTimeToFirstTokenSlow", "front_end", ENGINE)]),
+        Case("first token: queue and prefill tie -> exactly one cause (queue)",
+             [Engine(**latency(3.0, 1.2, 1.2))], "40m",
+             [("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)]),
+        Case("first token: fast -> nothing", [Engine(**latency(0.5, 0.3, 0.1))], "40m", []),
+        # --- health --------------------------------------------------------------
+        Case("kvwatch not scraped -> KvwatchDown",
+             [Engine(up=const(0), kvwatch_up=None, info=None, usage=None, running=None, waiting=None,
+                     preemptions=None, prompt_tokens=None)], "10m",
+             [("KvwatchDown", "kvwatch_unreachable", TARGET)]),
+        Case("engine not polled -> KvwatchEngineUnreachable",
+             [Engine(kvwatch_up=const(0), info=None, usage=None, running=None, waiting=None,
+                     preemptions=None, prompt_tokens=None)], "10m",
+             [("KvwatchEngineUnreachable", "engine_unreachable", TARGET)]),
+        Case("a down blip shorter than for: (5m) -> nothing",
+             [Engine(up="1x5 0x3 1x112")], "10m", []),
+    ]
+
+
+UPSTREAM_CONFIG = {
+    "upstream_histogram": "app_retrieval_seconds",
+    "upstream_selector": 'job="rag-app"',
+    "upstream_join_labels": ["namespace"],
+}
+OTHER_NAMESPACE = {**ENGINE, "namespace": "batch", "instance": "10.0.0.2:9400"}
+
+
+def _retrieval(mean: float, namespace: str = "llm", per_minute: int = 60) -> list[dict]:
+    labels = {"job": "rag-app", "namespace": namespace, "instance": "10.0.1.1:8080"}
+    return [{"series": _selector("app_retrieval_seconds_sum", labels), "values": rate(mean * per_minute)},
+            {"series": _selector("app_retrieval_seconds_count", labels), "values": rate(per_minute)}]
+
+
+def upstream_cases() -> list[Case]:
+    """Against a config with an upstream histogram joined on namespace."""
+    return [
+        Case("upstream: retrieval is most of the first token -> upstream",
+             [Engine(**latency(0.3, 0.1, 0.1))], "40m",
+             [("VllmTimeToFirstTokenSlow", "upstream", ENGINE)], _retrieval(2.0)),
+        Case("upstream: fast retrieval, engine queue dominates -> queueing, not upstream",
+             [Engine(usage=const(0.5), running=const(12), waiting=const(10), **latency(3.0, 2.5, 0.3))], "40m",
+             [("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)], _retrieval(0.2)),
+        Case("upstream: an engine without an upstream in its namespace is judged on its own",
+             [Engine(labels=dict(OTHER_NAMESPACE), **latency(3.0, 0.2, 2.5))], "40m",
+             [("VllmTimeToFirstTokenSlow", "prefill", OTHER_NAMESPACE)], _retrieval(2.0)),
+        Case("upstream: fast engine and fast retrieval -> nothing",
+             [Engine(**latency(0.3, 0.1, 0.1))], "40m", [], _retrieval(0.2)),
+    ]
+
+
+FILES = {"alerts.test.yaml": default_cases, "upstream.test.yaml": upstream_cases}
+
+
+def main() -> int:
+    for name, build in FILES.items():
+        (HERE / name).write_text(render(build()))
+        print(HERE / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
