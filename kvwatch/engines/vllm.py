@@ -115,13 +115,16 @@ class VllmAdapter:
         engines = snapshot.engines
         series = self._series
         series.trim()
+        # Count each dropped (model, engine) pair once per poll, not once per
+        # sample: the count must not depend on how many families it has.
+        dropped: set[tuple[str, str]] = set()
 
         def engine_of(labels: dict[str, str]) -> EngineSnapshot | None:
             key = series.engine_key(labels)
             found = engines.get(key)
             if found is None:
                 if len(engines) >= self.max_series:
-                    self.dropped_series += 1
+                    dropped.add(key)
                     return None
                 found = engines[key] = EngineSnapshot(*key)
             return found
@@ -198,6 +201,7 @@ class VllmAdapter:
             latest = max((s for s in lora.samples if s[0] == ""), key=lambda s: s[2], default=None)
             if latest is not None:
                 snapshot.lora = latest[1]
+        self.dropped_series += len(dropped)
         return snapshot
 
 
