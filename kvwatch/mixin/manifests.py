@@ -399,8 +399,8 @@ def dashboard_config_maps(s: DeploySettings, dashboards: dict[str, str]) -> list
     The JSON is embedded byte for byte as `kvwatch generate` wrote it."""
     maps = []
     for file_name in sorted(dashboards):
-        stem = Path(file_name).stem
-        name = "kvwatch-dashboard-" + re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-")
+        stem = re.sub(r"[^a-z0-9-]+", "-", Path(file_name).stem.lower()).strip("-")
+        name = "kvwatch-dashboard-" + (stem.removeprefix("kvwatch-") or stem)
         maps.append({
             "apiVersion": "v1",
             "kind": "ConfigMap",
