@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -540,3 +541,21 @@ def test_docs_describe_every_generator_setting():
     text = (REPO / "docs" / "deploy.md").read_text()
     missing = [name for name in manifests.DEPLOY_FIELDS if f"| `{name}` |" not in text]
     assert not missing, f"docs/deploy.md's settings table lacks {missing}"
+
+
+def test_rules_select_the_job_every_scrape_path_sets():
+    rules = [d for d in base_objects() if d["kind"] == "PrometheusRule"]
+    if not rules:
+        pytest.skip("no generated PrometheusRule in the base yet")
+    exprs = [str(rule["expr"]) for group in rules[0]["spec"]["groups"] for rule in group["rules"]]
+    jobs = {match for expr in exprs for match in re.findall(r'\bjob="([^"]*)"', expr)}
+    assert jobs == {SETTINGS.job}, jobs
+    for overlay, key in (("servicemonitor", "endpoints"), ("podmonitor", "podMetricsEndpoints")):
+        monitor = yaml.safe_load((KUBE / "overlays" / overlay / f"{overlay}.yaml").read_text())
+        replacements = {r["replacement"] for e in monitor["spec"][key] for r in e["relabelings"] if r["targetLabel"] == "job"}
+        assert replacements == jobs
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "scrape-configs.yaml").read_text())["scrape_configs"][0]
+    assert {scrape["job_name"]} == jobs
+    # The rules aggregate by namespace: the operator adds it to every target,
+    # the plain scrape job by relabelling.
+    assert {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"} in scrape["relabel_configs"]
