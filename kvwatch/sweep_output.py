@@ -200,7 +200,8 @@ def write_plots(out_dir: Path, cells: list[dict[str, Any]]) -> list[Path]:
     levels = sorted({cell["concurrency"] for cell in cells})
     written = []
     for name, title, key, engine_key, ylabel in (
-        (TTFT_PLOT, "Time to first token, p95", "client_ttft_p95_s", "engine_ttft_p95_s",
+        (TTFT_PLOT, "Time to first token, p95 (solid: client, dashed: engine)",
+         "client_ttft_p95_s", "engine_ttft_p95_s",
          "seconds"),
         (KV_PLOT, "Peak KV cache usage", "peak_kv_usage", None, "KV usage (0-1)"),
     ):

@@ -394,3 +394,19 @@ def test_cell_summary_puts_client_and_engine_side_by_side():
     assert cell["client_generation_tokens_per_s"] == pytest.approx(40)
     assert cell["capacity_bound"] == 7 and cell["preemptions"] == 1
     assert cell["first_error"] == "HTTP 503"
+
+
+def test_a_server_with_other_traffic_is_measured_after_a_bounded_wait_with_a_note(tmp_path, capsys):
+    # The healthy scenario sends its own requests all the time: the server never goes idle.
+    with start_background("healthy", speed=10) as busy:
+        out = tmp_path / "busy"
+        code = main(["sweep", "--base-url", busy.url, "--model", "tiny-llama",
+                     "--input-tokens", "32", "--output-tokens", "8", "--concurrency", "2",
+                     "--requests", "2", "--timeout", "1s", "--poll-interval", "0.05s",
+                     "--out", str(out), "--no-plots"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "sweep.json").read_text())
+    assert report["cells"][0]["completed"] == 2
+    assert "cell 1: the server was still busy after 1 s; the cell may include other traffic" \
+        in report["notes"]
+    assert "the server was still busy" in (out / "summary.md").read_text()

@@ -1,0 +1,50 @@
+"""`kvwatch sweep` against a real vLLM (tiny-llama on the CPU: 128 KV blocks of
+32 tokens, 8 sequences at most). Prompts come out exact through /tokenize, the
+engine's counters agree with the client, and peak KV usage rises with
+concurrency, as it does on the simulator."""
+
+import csv
+import json
+
+import pytest
+
+from kvwatch.cli import main
+
+pytestmark = pytest.mark.vllm
+
+
+def test_sweep_peak_kv_rises_with_concurrency_on_real_vllm(real_vllm, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--base-url", real_vllm.base_url, "--model", real_vllm.model_name,
+                 "--input-tokens", "256", "--output-tokens", "192", "--concurrency", "1,4,8",
+                 "--duration", "3s", "--poll-interval", "0.1s", "--timeout", "120s",
+                 "--model-config", str(real_vllm.model_dir / "config.json"),
+                 "--out", str(out)])
+    err = capsys.readouterr().err
+    print(err)  # the progress lines: the measured numbers, shown with -s or on failure
+    assert code == 0, err
+    report = json.loads((out / "sweep.json").read_text())
+    cells = report["cells"]
+    assert [c["concurrency"] for c in cells] == [1, 4, 8]
+    peaks = [c["peak_kv_usage"] for c in cells]
+    assert peaks[0] < peaks[1] < peaks[2], peaks
+    # One request of 256 + 192 tokens holds ceil(448 / 32) = 14 of 127 usable blocks.
+    assert 14 / 127 - 1e-6 <= peaks[0] and peaks[2] <= 8 * 14 / 127 + 1e-6
+    assert report["server"]["prompt_method"].startswith("/tokenize")
+    assert report["server"]["prompt_checks"] == {"256": [256, 256, 256]}
+    for cell in cells:
+        assert cell["failed"] == 0 and cell["completed"] >= 1, cell["first_error"]
+        # Exact prompts: the server's own counter says 256 tokens per request.
+        assert cell["prompt_tokens_mean"] == 256
+        assert cell["prompt_tokens_client_mean"] == 256
+        assert cell["engine_finished"] == cell["completed"]
+        assert cell["engine_ttft_count"] == cell["completed"]
+        assert 1 <= cell["peak_running"] <= cell["concurrency"]
+        # From the model config: 1024 B per token, budget 4 MiB (kv_cache_memory_bytes),
+        # (4194304 - 32768) // (14 x 32768) = 9.
+        assert cell["capacity_bound"] == 9 and cell["capacity_source"] == "model config"
+        assert cell["generation_tokens_per_s"] > 0
+    assert cells[2]["peak_running"] > cells[0]["peak_running"]
+    with open(out / "sweep.csv", newline="") as handle:
+        assert len(list(csv.DictReader(handle))) == 3
+    assert (out / "kv_usage_peak.png").stat().st_size > 1000
