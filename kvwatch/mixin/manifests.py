@@ -24,17 +24,12 @@ ConfigMaps are the ones `kvwatch generate` writes: pass them in
 JSON text}), or let render_manifests read alerts/kvwatch-prometheusrule.yaml
 and dashboards/*.json under `source_dir` (default: the current directory).
 Whatever is missing is left out, and the kustomizations list only what exists.
-
-`python -m kvwatch.mixin.manifests [--out deploy] [--source-dir .]` writes the
-files with default settings, for use before `kvwatch generate` calls this.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -501,10 +496,18 @@ Before applying, check in `kvwatch-config.yaml` and `kustomization.yaml`:
   (`{name}`), or replace `name` by a `labelSelector` to patch several.
 - the image `{image}`: set yours with `kustomize edit set image kvwatch=REGISTRY/kvwatch:TAG`.
 
-Scrape it with the ServiceMonitor or PodMonitor in `../overlays/`; both select
-pods labelled {labels} and the container port named `{port_name}`, so give
-your pods (and, for the ServiceMonitor, your Service) those labels and a Service
-port named `{port_name}` targeting `{port_name}`. docs/deploy.md has the details.
+To scrape it, apply the monitor on its own (the overlays would also deploy the
+example vLLM):
+
+```sh
+kubectl apply -n YOUR_NAMESPACE -f ../overlays/podmonitor/podmonitor.yaml
+kubectl apply -n YOUR_NAMESPACE -f ../base/prometheusrule.yaml -f ../base/grafana-dashboards.yaml
+```
+
+The PodMonitor selects pods labelled {labels} and scrapes their container port
+`{port_name}`: give your pod template those labels, or edit its selector. (The
+ServiceMonitor also needs a Service with those labels and a port named
+`{port_name}` targeting `{port_name}`.) docs/deploy.md has the details.
 """
 
 
@@ -621,31 +624,3 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
 
     files["prometheus/scrape-configs.yaml"] = HEADER + to_yaml(prometheus_scrape_configs(s))
     return files
-
-
-def write_manifests(files: dict[str, str], out_dir: str | Path) -> list[Path]:
-    out = Path(out_dir)
-    written = []
-    for relative, text in sorted(files.items()):
-        path = out / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.is_file() or path.read_text() != text:
-            path.write_text(text)
-        written.append(path)
-    return written
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvwatch.mixin.manifests",
-                                     description="write deploy/ from default settings and the generated rules and dashboards")
-    parser.add_argument("--out", default="deploy", help="directory to write into (default deploy)")
-    parser.add_argument("--source-dir", default=".", help="where alerts/ and dashboards/ are (default .)")
-    args = parser.parse_args(argv)
-    files = render_manifests(None, source_dir=args.source_dir)
-    for path in write_manifests(files, args.out):
-        print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
