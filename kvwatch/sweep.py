@@ -459,7 +459,7 @@ class Sweep:
             except SweepInputError as error:
                 self.say(f"kvwatch sweep: error: {error}")
                 return 2
-            except (SweepRunError, PromptError) as error:
+            except (SweepRunError, PromptError, ServerError) as error:
                 self.say(f"kvwatch sweep: error: {error}")
                 return 1
             self._measure()
@@ -468,6 +468,10 @@ class Sweep:
             # A second Ctrl-C: quit now. Every measured cell is already on disk.
             self.client.abandon_all()
             self.interrupted = True
+            try:
+                self._write()  # only to mark the files interrupted; they were complete already
+            except (KeyboardInterrupt, OSError):
+                pass
             self.say(f"kvwatch sweep: stopped at once; {len(self.cells)} cell(s) kept in "
                      f"{self.config.out_dir}")
             return EXIT_INTERRUPTED
@@ -836,7 +840,8 @@ class Sweep:
                          "(pip install 'kvwatch[sweep]')")
         else:
             plots = ""
-        written = f"sweep.csv, sweep.json, requests.csv, summary.md{plots}"
+        written = "sweep.csv, sweep.json, " + ("requests.csv, " if self.cells else "") \
+            + f"summary.md{plots}"
         if self.interrupted:
             self.say(f"kvwatch sweep: interrupted; {len(self.cells)} of {len(self.config.cells)} "
                      f"cell(s) kept in {out_dir} ({written})")

@@ -151,4 +151,4 @@ def test_a_second_ctrl_c_quits_at_once_still_cleanly(sim, sweep_process, tmp_pat
     assert code == 130, text
     assert "Traceback" not in text and "stopped at once; 2 cell(s) kept" in text
     report = json.loads((out / "sweep.json").read_text())
-    assert len(report["cells"]) == 2
+    assert len(report["cells"]) == 2 and report["interrupted"] is True
