@@ -14,6 +14,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import yaml
 
 from kvwatch.settings import PARSERS, Settings, env_name
 from pageserver import Answer, PageServer
-from promstack import free_port, wait_until
+from promstack import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
@@ -263,7 +264,11 @@ def test_the_containers_command_line_serves_and_becomes_ready(layout, dockerfile
                     return None
                 return response if response.status_code == 200 else None
 
-            wait_until(lambda: answered(container["readinessProbe"]["httpGet"]["path"]), 30, "/readyz to answer 200")
+            # Not promstack.wait_until: it would keep waiting after kvwatch exited.
+            deadline = time.monotonic() + 30
+            while not answered(container["readinessProbe"]["httpGet"]["path"]):
+                assert time.monotonic() < deadline, "/readyz did not answer 200 within 30 s"
+                time.sleep(0.2)
             assert answered(container["livenessProbe"]["httpGet"]["path"]).text == "ok\n"
             metrics = answered("/metrics").text
             assert "kvwatch_up 1.0" in metrics
