@@ -218,8 +218,13 @@ def load_settings(
 
     for key in PARSERS:
         name = env_name(key)
-        if key != "diagnosis" and name in environ:
-            raw[key] = (environ[name], name)
+        if key == "diagnosis" or name not in environ:
+            continue
+        if key == "port" and environ[name].startswith("tcp://"):
+            # Kubernetes injects KVWATCH_PORT=tcp://host:port into every pod of
+            # a namespace that has a Service named "kvwatch" (service links).
+            continue
+        raw[key] = (environ[name], name)
 
     for key, value in (overrides or {}).items():
         if value is not None:

@@ -53,3 +53,10 @@ def test_serve_with_bad_config_exits_non_zero_and_names_every_problem(tmp_path, 
     assert main(["serve", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "port" in err and "never" in err
+
+
+def test_kubernetes_service_link_variable_is_not_taken_for_the_port():
+    settings = load_settings(environ={"KVWATCH_PORT": "tcp://10.0.0.7:9400"})
+    assert settings.port == 9400
+    with pytest.raises(SettingsError):
+        load_settings(environ={"KVWATCH_PORT": "http://10.0.0.7:9400"})
