@@ -119,10 +119,11 @@ def provisioning(config: MixinConfig, panel_ids) -> dict:
     return g.AlertFileBasedProvisioning(groups=[group]).to_json_data()
 
 
-# Causes whose fix lies with whoever sizes and scales the engines, and those
-# whose fix lies with whoever owns prompts, the application or the gateway.
-CAPACITY_CAUSES = ("concurrency_beyond_capacity", "long_requests", "queueing_kv_bound", "queueing_compute_bound",
-                   "eviction_before_reuse", "prefill")
+# Causes whose fix lies with whoever runs, sizes and scales the engines (and
+# kvwatch beside them), and those whose fix lies with whoever owns prompts,
+# the application or the gateway.
+PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "queueing_kv_bound", "queueing_compute_bound",
+                   "eviction_before_reuse", "prefill", "kvwatch_unreachable", "engine_unreachable")
 APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled")
 
 
@@ -146,7 +147,7 @@ def notification_example(config: MixinConfig) -> dict:
         "apiVersion": 1,
         "contactPoints": [
             contact("kvwatch-pager", "https://pager.example.com/hooks/kvwatch"),
-            contact("kvwatch-capacity", "https://chat.example.com/hooks/llm-capacity"),
+            contact("kvwatch-platform", "https://chat.example.com/hooks/llm-platform"),
             contact("kvwatch-application", "https://chat.example.com/hooks/llm-application"),
             contact("kvwatch-tickets", "https://tickets.example.com/hooks/kvwatch"),
         ],
@@ -162,7 +163,7 @@ def notification_example(config: MixinConfig) -> dict:
                 route("kvwatch-pager", [["severity", "=", "critical"]], group_wait="0s", repeat_interval="1h"),
                 # Info findings (caching off, cold cache, no reuse) only make tickets.
                 route("kvwatch-tickets", [["severity", "=", "info"]]),
-                route("kvwatch-capacity", [["cause", "=~", regex(CAPACITY_CAUSES)]]),
+                route("kvwatch-platform", [["cause", "=~", regex(PLATFORM_CAUSES)]]),
                 route("kvwatch-application", [["cause", "=~", regex(APPLICATION_CAUSES)]]),
             ],
         }],

@@ -7,9 +7,9 @@ checks every alert name, so an alert firing where it should not fails too.
     python tests/promtool/cases.py      # rewrite the .test.yaml files
 
 The test files load `rules.yaml`, which tests/test_rules_promtool.py writes
-beside them from the generated rules with their annotations removed (promtool
-compares rendered annotations verbatim; the expressions are what is tested
-here, and `promtool check rules` checks the annotation templates).
+beside them from the generated alert rules with their annotations removed
+(promtool compares rendered annotations verbatim; the expressions are what is
+tested here, and `promtool check rules` checks the annotation templates).
 """
 
 from __future__ import annotations

@@ -1,0 +1,155 @@
+"""`kvwatch generate`: the committed files are what it writes now (regenerated
+into a temp dir and compared), its output is deterministic, `--check`
+catches stale files, and the config reports every problem at once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import yaml
+
+from kvwatch import cli
+from kvwatch.mixin import generate
+from kvwatch.mixin.config import (
+    DEFAULT_FOR, MixinConfig, MixinConfigError, config_from_mapping, describe_config, load_config,
+)
+from kvwatch.mixin.generate import RULES_FILE, render_all, stale_files
+from mixin_support import REPO
+
+
+def generate_args(**overrides) -> argparse.Namespace:
+    values = {"config": None, "out": None, "check": False, "print_config": False, **overrides}
+    return argparse.Namespace(**values)
+
+
+def test_committed_generated_files_are_current(tmp_path):
+    assert generate.run(generate_args(out=str(tmp_path))) == 0
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert written == sorted(render_all(MixinConfig()))
+    differing = [name for name in written
+                 if not (REPO / name).is_file() or (REPO / name).read_text() != (tmp_path / name).read_text()]
+    assert not differing, f"committed files differ from `kvwatch generate` (run it and commit): {differing}"
+    assert stale_files(render_all(MixinConfig()), REPO) == []
+
+
+def test_generate_writes_the_expected_files(tmp_path):
+    files = render_all(MixinConfig())
+    for name in ("dashboards/kvwatch-overview.json", "dashboards/kvwatch-exhaustion.json",
+                 "dashboards/kvwatch-prefix-cache.json", "dashboards/kvwatch-first-token.json",
+                 "alerts/kvwatch-rules.yaml", "alerts/kvwatch-prometheusrule.yaml", "alerts/runbooks.md",
+                 "alerts/grafana/kvwatch-alert-rules.json", "alerts/grafana/kvwatch-notifications.example.yaml"):
+        assert name in files
+    # The manifests module is called with the rules and dashboards generated here.
+    assert "deploy/kubernetes/base/prometheusrule.yaml" in files
+    assert "VllmKvCacheExhausted" in files["deploy/kubernetes/base/prometheusrule.yaml"]
+
+
+def test_output_is_deterministic():
+    first, second = render_all(MixinConfig()), render_all(MixinConfig())
+    assert first == second
+    for name, text in first.items():
+        if name.endswith(".json"):
+            assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n", name
+
+
+def test_check_flag_catches_a_stale_and_a_leftover_file(tmp_path, capsys):
+    assert generate.run(generate_args(out=str(tmp_path))) == 0
+    assert generate.run(generate_args(out=str(tmp_path), check=True)) == 0
+    rules = tmp_path / RULES_FILE
+    rules.write_text(rules.read_text().replace("for: 10m", "for: 1m"))
+    (tmp_path / "dashboards" / "old.json").write_text("{}")
+    assert generate.run(generate_args(out=str(tmp_path), check=True)) == 1
+    err = capsys.readouterr().err
+    assert "alerts/kvwatch-rules.yaml: differs" in err and "dashboards/old.json: not generated any more" in err
+    # A second plain run repairs the changed file (the leftover is reported, not deleted).
+    assert generate.run(generate_args(out=str(tmp_path))) == 0
+    assert "for: 10m" in rules.read_text()
+
+
+def test_cli_dispatches_to_generate(tmp_path, capsys):
+    config = tmp_path / "mixin.yaml"
+    config.write_text("selector: 'job=\"llm-sidecars\"'\nrate_window: 2m\n")
+    assert cli.main(["generate", "--config", str(config), "--out", str(tmp_path / "out")]) == 0
+    rules = (tmp_path / "out" / RULES_FILE).read_text()
+    assert 'job="llm-sidecars"' in rules and "[2m]" in rules and "rate2m" in rules
+    assert 'job="kvwatch"' not in rules
+
+
+def test_config_reports_every_problem_at_once(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({
+        "selector": "job=kvwatch",  # unquoted value
+        "rate_window": "5 minutes",
+        "hit_ratio_low": 2,
+        "severities": {"no_reuse": "page"},
+        "for_durations": {"VllmKvCacheFull": "5m"},
+        "grafana_datasource_uid": "",
+        "colour": "blue",
+        "deploy": {"kvwatch_port": 8000, "vllm_port": 8000},
+    }))
+    with pytest.raises(MixinConfigError) as error:
+        load_config(path)
+    problems = error.value.problems
+    assert len(problems) == 8, problems
+    text = "\n".join(problems)
+    for fragment in ("selector", "rate_window", "hit_ratio_low", "no_reuse", "VllmKvCacheFull",
+                     "grafana_datasource_uid", "unknown field 'colour'", "deploy"):
+        assert fragment in text
+
+
+def test_config_cross_field_problems():
+    with pytest.raises(MixinConfigError) as error:
+        config_from_mapping({"cold_cache_window": "10m", "upstream_join_labels": ["cluster"]})
+    text = "\n".join(error.value.problems)
+    assert "cold_cache_window" in text and "upstream" in text
+
+
+def test_generate_exits_2_on_a_bad_config(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rate_window: [5m]\n")
+    assert generate.run(generate_args(config=str(path), out=str(tmp_path))) == 2
+    assert "rate_window" in capsys.readouterr().err
+
+
+def test_print_config_is_a_loadable_commented_config(tmp_path, capsys):
+    assert generate.run(generate_args(print_config=True)) == 0
+    text = capsys.readouterr().out
+    assert text.count("\n# ") > 20  # every field explained
+    path = tmp_path / "printed.yaml"
+    path.write_text(text)
+    assert load_config(path) == MixinConfig()
+    assert text == describe_config() + "\n"
+
+
+def test_config_changes_thresholds_windows_and_for():
+    config = config_from_mapping({"exhaustion_usage_ratio": 0.95, "for_durations": {"VllmKvCacheExhausted": "3m"},
+                                  "severities": {"long_requests": "critical"}, "rate_window": "10m"})
+    rules = yaml.safe_load(render_all(config)[RULES_FILE])
+    exhausted = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "VllmKvCacheExhausted"]
+    assert all(r["expr"].endswith("> 0.95") and r["for"] == "3m" and "[10m]" in r["expr"] for r in exhausted)
+    assert {r["labels"]["cause"]: r["labels"]["severity"] for r in exhausted}["long_requests"] == "critical"
+    # Unchanged entries keep their defaults.
+    ttft = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "VllmTimeToFirstTokenSlow")
+    assert ttft["for"] == DEFAULT_FOR["VllmTimeToFirstTokenSlow"]
+
+
+def test_recording_rules_follow_the_naming_convention_and_cover_the_catalogue():
+    from kvwatch.mixin.rules import RECORDED
+    from kvwatch.signals import SIGNALS
+
+    assert set(RECORDED) == {s.name for s in SIGNALS}
+    rules = yaml.safe_load((REPO / RULES_FILE).read_text())
+    records = [r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r]
+    assert "model_name:kvwatch_prefix_cache_hit:ratio_rate5m" in records
+    assert "instance_model_name_engine:kvwatch_prefix_cache_hit:ratio_rate5m" in records
+    for record in records:
+        level, metric, operations = record.split(":")
+        assert level and metric.startswith("kvwatch_") and operations
+    # Quantiles of a model sum the buckets of all its sidecars by le.
+    quantile = next(r for g in rules["groups"] for r in g["rules"]
+                    if r.get("record") == "model_name_quantile:kvwatch_time_to_first_token_seconds:histogram_quantile_rate5m")
+    assert "sum by (namespace, job, model_name, le) (rate(" in quantile["expr"]
+    assert len(set(zip(records, [str(r.get("labels")) for g in rules["groups"] for r in g["rules"]
+                                 if "record" in r]))) == len(records)

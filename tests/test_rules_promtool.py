@@ -1,0 +1,144 @@
+"""The generated rules pass `promtool check rules`, and `promtool test rules`
+proves each alert and each cause branch: the right cause fires on its
+series, the other causes and alerts do not (tests/promtool/, built by
+tests/promtool/cases.py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvwatch.mixin.alerts import alert_specs
+from kvwatch.mixin.config import MixinConfig, config_from_mapping
+from kvwatch.mixin.generate import RULES_FILE, render_all
+from mixin_support import PROMETHEUS_RULE, REPO, RULES, load_rules
+
+sys.path.insert(0, str(REPO / "tests" / "promtool"))
+import cases  # noqa: E402
+
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (make system-deps)")
+CASES_DIR = REPO / "tests" / "promtool"
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def alerts_without_annotations(rules_text: str) -> str:
+    """The alert rules only (they do not read the recording rules, and
+    evaluating those too makes promtool several times slower), with their
+    annotations removed (promtool compares rendered annotations verbatim)."""
+    data = yaml.safe_load(rules_text)
+    groups = []
+    for group in data["groups"]:
+        alerts = [rule for rule in group["rules"] if "alert" in rule]
+        for rule in alerts:
+            rule.pop("annotations", None)
+        if alerts:
+            groups.append({**group, "rules": alerts})
+    return yaml.safe_dump({"groups": groups}, width=1 << 16)
+
+
+def run_cases(tmp_path: Path, case_file: str, rules_text: str, only: str | None = None) -> subprocess.CompletedProcess:
+    """Run a case file against `rules_text`; `only` keeps the cases whose name starts with it."""
+    if only is None:
+        shutil.copy(CASES_DIR / case_file, tmp_path / case_file)
+    else:
+        data = yaml.safe_load((CASES_DIR / case_file).read_text())
+        data["tests"] = [test for test in data["tests"] if test["name"].startswith(only)]
+        (tmp_path / case_file).write_text(yaml.safe_dump(data, width=1 << 16))
+    (tmp_path / "rules.yaml").write_text(alerts_without_annotations(rules_text))
+    return promtool("test", "rules", case_file, cwd=tmp_path)
+
+
+@needs_promtool
+def test_committed_rules_pass_promtool_check():
+    result = promtool("check", "rules", str(RULES))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+@needs_promtool
+def test_prometheus_rule_spec_passes_promtool_check(tmp_path):
+    document = yaml.safe_load(PROMETHEUS_RULE.read_text())
+    assert document["apiVersion"] == "monitoring.coreos.com/v1" and document["kind"] == "PrometheusRule"
+    assert document["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(document["spec"]))
+    result = promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_upstream_config_rules_pass_promtool_check(tmp_path):
+    path = tmp_path / "rules.yaml"
+    path.write_text(render_all(config_from_mapping(cases.UPSTREAM_CONFIG))[RULES_FILE])
+    result = promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_case_files_are_current():
+    for name, build in cases.FILES.items():
+        assert (CASES_DIR / name).read_text() == cases.render(build()), \
+            f"tests/promtool/{name} is stale: run `python tests/promtool/cases.py`"
+
+
+@needs_promtool
+def test_promtool_unit_tests_of_the_committed_rules(tmp_path):
+    result = run_cases(tmp_path, "alerts.test.yaml", RULES.read_text())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+@needs_promtool
+def test_promtool_unit_tests_with_an_upstream_histogram(tmp_path):
+    rules = render_all(config_from_mapping(cases.UPSTREAM_CONFIG))[RULES_FILE]
+    result = run_cases(tmp_path, "upstream.test.yaml", rules)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cases_cover_every_alert_and_cause_and_check_every_alert():
+    covered = {(alert, cause) for case in cases.default_cases() + cases.upstream_cases()
+               for alert, cause, _ in case.expect}
+    specs = {(s.alert, s.cause) for s in alert_specs(MixinConfig())}
+    specs |= {(s.alert, s.cause) for s in alert_specs(config_from_mapping(cases.UPSTREAM_CONFIG))}
+    assert specs == covered
+    # Each case checks every alert name, so a cause firing where another
+    # should is a failure: the negative half of every branch.
+    rendered = yaml.safe_load((CASES_DIR / "alerts.test.yaml").read_text())
+    for test in rendered["tests"]:
+        assert {check["alertname"] for check in test["alert_rule_test"]} == set(cases.ALERT_NAMES)
+    # And there are cases where nothing may fire.
+    assert sum(1 for case in cases.default_cases() if not case.expect) >= 6
+
+
+def test_case_labels_match_the_config():
+    config = MixinConfig()
+    for spec in alert_specs(config):
+        assert cases.SEVERITY[spec.cause] == spec.severity
+    assert all(rule["labels"]["cause"] for rule in load_rules() if "alert" in rule)
+
+
+@needs_promtool
+def test_the_unit_tests_catch_swapped_causes(tmp_path):
+    # If two causes' conditions were swapped, the cases must fail.
+    data = yaml.safe_load(RULES.read_text())
+    alerts = [r for g in data["groups"] for r in g["rules"] if r.get("alert") == "VllmKvCacheExhausted"]
+    alerts[0]["labels"]["cause"], alerts[1]["labels"]["cause"] = alerts[1]["labels"]["cause"], alerts[0]["labels"]["cause"]
+    result = run_cases(tmp_path, "alerts.test.yaml", yaml.safe_dump(data, width=1 << 16), only="exhaustion")
+    assert result.returncode != 0
+    assert "long_requests" in result.stdout + result.stderr
+
+
+@needs_promtool
+def test_the_unit_tests_catch_a_threshold_that_never_fires(tmp_path):
+    config = config_from_mapping({"ttft_mean_seconds": 60})
+    result = run_cases(tmp_path, "alerts.test.yaml", render_all(config)[RULES_FILE], only="first token")
+    assert result.returncode != 0
+    assert "VllmTimeToFirstTokenSlow" in result.stdout + result.stderr
