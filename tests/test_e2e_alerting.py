@@ -1,0 +1,372 @@
+"""End to end on loopback: simulated vLLM engines run scenarios, `kvwatch serve`
+polls each, a real Prometheus (Debian `prometheus`) scrapes them with the
+generated rules loaded, and a real Alertmanager (Debian
+`prometheus-alertmanager`) delivers the alerts to this test's webhook.
+
+One stack, several scenarios side by side (each sim with its own kvwatch,
+told apart by a `deployment` target label):
+
+    exhaustion      -> VllmKvCacheExhausted{cause=concurrency_beyond_capacity}
+                       and VllmTimeToFirstTokenSlow{cause=queueing_kv_bound}
+    queueing        -> VllmTimeToFirstTokenSlow{cause=queueing_compute_bound}
+    prefix-change   -> VllmPrefixCacheHitRateLow{cause=prefix_changed}
+    upstream-delay  -> VllmTimeToFirstTokenSlow{cause=upstream} (the sim's
+                       /app/metrics retrieval histogram, joined on deployment)
+    no engine       -> KvwatchEngineUnreachable
+    no kvwatch      -> KvwatchDown
+
+and for each the contradicting causes must never be delivered. Then every
+query of the committed dashboards returns data from this stack, and each
+Grafana rule's query is above (below) its threshold exactly when its
+Prometheus twin is pending or firing. Windows and `for:` are shortened by a
+test config of the mixin; the sims run 4x faster than wall time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from kvwatch.mixin.config import config_from_mapping
+from kvwatch.mixin.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
+from kvwatch.mixin.rules import split_alert_expr
+from mixin_support import GRAFANA_VARIABLES, REPO, dashboard_exprs, load_dashboards
+from promstack import free_port, wait_until
+
+PROMETHEUS = shutil.which("prometheus")
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+pytestmark = pytest.mark.skipif(not (PROMETHEUS and ALERTMANAGER),
+                                reason="prometheus and alertmanager not installed (make system-deps)")
+
+SPEED = 4
+RATE_WINDOW = "20s"
+TEST_CONFIG = {
+    "rate_window": RATE_WINDOW,
+    "rule_interval": "1s",
+    "cold_cache_window": "25s",
+    "hit_ratio_baseline_window": "40s",
+    "group_labels": ["namespace", "job", "deployment"],
+    "for_durations": {"VllmKvCacheExhausted": "5s", "VllmPrefixCacheHitRateLow": "5s",
+                      "VllmTimeToFirstTokenSlow": "5s", "KvwatchDown": "3s", "KvwatchEngineUnreachable": "3s"},
+    "upstream_histogram": "app_retrieval_seconds",
+    "upstream_selector": 'job="rag-app"',
+    "upstream_join_labels": ["deployment"],
+}
+SCENARIOS = {
+    "exhaustion": {"expect": {("VllmKvCacheExhausted", "concurrency_beyond_capacity"),
+                              ("VllmTimeToFirstTokenSlow", "queueing_kv_bound")},
+                   "forbid": {"long_requests", "queueing_compute_bound"}},
+    "queueing": {"expect": {("VllmTimeToFirstTokenSlow", "queueing_compute_bound")},
+                 "forbid": {"queueing_kv_bound", "concurrency_beyond_capacity", "long_requests"}},
+    "prefix-change": {"expect": {("VllmPrefixCacheHitRateLow", "prefix_changed")},
+                      "forbid": {"no_reuse", "eviction_before_reuse", "caching_disabled"}},
+    "upstream-delay": {"expect": {("VllmTimeToFirstTokenSlow", "upstream")},
+                       "forbid": {"prefill", "front_end", "queueing_kv_bound", "queueing_compute_bound"}},
+}
+ALERT_DEADLINE = 150.0  # wall seconds from the start for every expected alert
+
+
+class Webhook:
+    """Alertmanager's receiver: keeps every alert it is sent."""
+
+    def __init__(self):
+        self.alerts: list[dict] = []
+        self.lock = threading.Lock()
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with hook.lock:
+                    hook.alerts.extend(json.loads(body).get("alerts", []))
+                self.send_response(200)
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def received(self) -> list[dict]:
+        with self.lock:
+            return list(self.alerts)
+
+
+class Processes:
+    """Child processes with their logs, all stopped at exit."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "w")
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                   start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.children.append((name, process))
+        return process
+
+    def log(self, name: str) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text()[-3000:] if path.exists() else ""
+
+    def stop_all(self) -> None:
+        for _, process in reversed(self.children):
+            if process.poll() is None:
+                process.terminate()
+        for _, process in self.children:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=1).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def prom_query(prometheus: str, expr: str, at: float | None = None) -> list[dict]:
+    params = {"query": expr}
+    if at is not None:
+        params["time"] = f"{at:.3f}"
+    body = requests.get(f"{prometheus}/api/v1/query", params=params, timeout=10).json()
+    assert body["status"] == "success", (expr[:200], body)
+    return body["data"]["result"]
+
+
+def prom_range(prometheus: str, expr: str, start: float, end: float, step: float = 1.0) -> list[dict]:
+    body = requests.post(f"{prometheus}/api/v1/query_range",
+                         data={"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": str(step)},
+                         timeout=30).json()
+    assert body["status"] == "success", (expr[:200], body)
+    return body["data"]["result"]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """Everything running; yields a dict with the URLs, the webhook and the start time."""
+    config = config_from_mapping(TEST_CONFIG)
+    files = render_all(config)
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-e2e-alerting-"))
+    processes = Processes(workdir)
+    python = sys.executable
+    try:
+        with Webhook() as webhook:
+            (workdir / "rules.yaml").write_text(files[RULES_FILE])
+            am_port = free_port()
+            (workdir / "alertmanager.yml").write_text(yaml.safe_dump({
+                "route": {"receiver": "test", "group_by": ["alertname", "cause", "deployment"],
+                          "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
+                "receivers": [{"name": "test", "webhook_configs": [{"url": webhook.url, "send_resolved": False}]}],
+            }))
+            processes.start("alertmanager", [
+                ALERTMANAGER, f"--config.file={workdir / 'alertmanager.yml'}",
+                f"--storage.path={workdir / 'am-data'}", f"--web.listen-address=127.0.0.1:{am_port}",
+                "--cluster.listen-address="])
+
+            kvwatch_targets, app_targets = [], []
+            for scenario in SCENARIOS:
+                sim_port, kv_port = free_port(), free_port()
+                processes.start(f"sim-{scenario}", [
+                    python, "-m", "kvwatch", "sim", "--scenario", scenario, "--port", str(sim_port),
+                    "--speed", str(SPEED), "--duration", "400"])
+                processes.start(f"kvwatch-{scenario}", [
+                    python, "-m", "kvwatch", "serve", "--target", f"http://127.0.0.1:{sim_port}",
+                    "--port", str(kv_port), "--poll-interval", "1s", "--window", "30s"])
+                kvwatch_targets.append({"targets": [f"127.0.0.1:{kv_port}"], "labels": {"deployment": scenario}})
+                if scenario == "upstream-delay":
+                    app_targets.append({"targets": [f"127.0.0.1:{sim_port}"], "labels": {"deployment": scenario}})
+            # A kvwatch whose engine does not answer, and a kvwatch target nobody serves.
+            dead_engine, no_kvwatch, kv_port = free_port(), free_port(), free_port()
+            processes.start("kvwatch-no-engine", [
+                python, "-m", "kvwatch", "serve", "--target", f"http://127.0.0.1:{dead_engine}",
+                "--port", str(kv_port), "--poll-interval", "1s", "--window", "30s"])
+            kvwatch_targets.append({"targets": [f"127.0.0.1:{kv_port}"], "labels": {"deployment": "no-engine"}})
+            kvwatch_targets.append({"targets": [f"127.0.0.1:{no_kvwatch}"], "labels": {"deployment": "no-kvwatch"}})
+
+            prom_port = free_port()
+            (workdir / "prometheus.yml").write_text(yaml.safe_dump({
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
+                "rule_files": [str(workdir / "rules.yaml")],
+                "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
+                "scrape_configs": [
+                    {"job_name": "kvwatch", "static_configs": kvwatch_targets},
+                    {"job_name": "rag-app", "metrics_path": "/app/metrics", "static_configs": app_targets},
+                ],
+            }))
+            processes.start("prometheus", [
+                PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'prom-data'}", f"--web.listen-address=127.0.0.1:{prom_port}",
+                "--storage.tsdb.retention.time=1h"])
+            prometheus = f"http://127.0.0.1:{prom_port}"
+            started = time.time()
+            wait_until(lambda: _ready(f"http://127.0.0.1:{am_port}/-/ready"), 30, "alertmanager ready")
+            wait_until(lambda: _ready(f"{prometheus}/-/ready"), 30, "prometheus ready")
+            wait_until(lambda: len(prom_query(prometheus, 'kvwatch_up{job="kvwatch"} == 1')) == len(SCENARIOS),
+                       60, "every kvwatch polling its sim")
+            yield {"prometheus": prometheus, "webhook": webhook, "started": started, "config": config,
+                   "files": files, "processes": processes}
+    finally:
+        processes.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def delivered(webhook: Webhook) -> set[tuple[str, str, str]]:
+    return {(a["labels"].get("deployment", ""), a["labels"]["alertname"], a["labels"].get("cause", ""))
+            for a in webhook.received()}
+
+
+@pytest.fixture(scope="module")
+def alerts_delivered(stack):
+    """Waits until Alertmanager delivered every expected alert; returns
+    (deliveries, seconds from start to each first delivery)."""
+    webhook = stack["webhook"]
+    expected = {(scenario, alert, cause) for scenario, spec in SCENARIOS.items() for alert, cause in spec["expect"]}
+    expected |= {("no-engine", "KvwatchEngineUnreachable", "engine_unreachable"),
+                 ("no-kvwatch", "KvwatchDown", "kvwatch_unreachable")}
+    first_seen: dict[tuple, float] = {}
+
+    def all_there():
+        got = delivered(webhook)
+        for item in got & expected:
+            first_seen.setdefault(item, time.time() - stack["started"])
+        return expected <= got
+
+    try:
+        wait_until(all_there, ALERT_DEADLINE, "every expected alert at the webhook", interval=1.0)
+    except AssertionError:
+        missing = expected - delivered(webhook)
+        logs = {name: stack["processes"].log(name) for name in ("prometheus", "alertmanager")}
+        raise AssertionError(f"not delivered: {sorted(missing)}; delivered: {sorted(delivered(webhook))}; "
+                             f"logs: {logs}") from None
+    return delivered(webhook), first_seen
+
+
+def test_alertmanager_delivers_the_expected_alerts_with_their_causes(stack, alerts_delivered):
+    deliveries, first_seen = alerts_delivered
+    print("first delivery, seconds after start:",
+          {f"{d}/{a}/{c}": round(t, 1) for (d, a, c), t in sorted(first_seen.items())})
+    for alert in stack["webhook"].received():
+        labels = alert["labels"]
+        if labels["alertname"].startswith("Vllm"):
+            assert {"severity", "cause", "symptom", "model_name", "engine"} <= set(labels), labels
+            assert alert["annotations"]["runbook_url"].split("#")[1].startswith(labels["alertname"].lower())
+            assert "{{" not in alert["annotations"]["description"]  # templates rendered
+            assert alert["annotations"]["dashboard_url"].find("var-model=tiny-llama") > 0
+
+
+def test_contradicting_causes_are_never_delivered(stack, alerts_delivered):
+    deliveries, _ = alerts_delivered
+    for scenario, spec in SCENARIOS.items():
+        causes = {cause for deployment, _, cause in deliveries if deployment == scenario}
+        assert not causes & spec["forbid"], (scenario, causes)
+    # The queueing scenario never saw a full cache: no exhaustion at all.
+    assert not {a for d, a, _ in deliveries if d == "queueing" and a == "VllmKvCacheExhausted"}
+    # No Prometheus series ever held both queueing causes for one engine at once.
+    both = prom_query(stack["prometheus"],
+                      'count by (instance, engine) (max_over_time(ALERTS{cause=~"queueing_(kv|compute)_bound"}[10m])) > 1')
+    assert both == [] or all(_never_simultaneous(stack, r["metric"]) for r in both)
+
+
+def _never_simultaneous(stack, metric: dict) -> bool:
+    now = time.time()
+    series = prom_range(stack["prometheus"],
+                        f'count by (instance, engine) (ALERTS{{instance="{metric["instance"]}",'
+                        f'cause=~"queueing_(kv|compute)_bound"}}) > 1', stack["started"], now)
+    return series == []
+
+
+def test_every_dashboard_query_returns_data(stack, alerts_delivered):
+    prometheus, now = stack["prometheus"], float(int(time.time()))
+    substitutions = dict(GRAFANA_VARIABLES, **{"$__rate_interval": RATE_WINDOW})
+    empty = []
+    dashboards = dict(load_dashboards())
+    # The upstream line exists only with an upstream histogram configured: check the test config's board too.
+    dashboards["first-token (test config)"] = json.loads(stack["files"]["dashboards/kvwatch-first-token.json"])
+    checked = 0
+    for name, dashboard in dashboards.items():
+        for where, expr in dashboard_exprs(dashboard):
+            for variable in sorted(substitutions, key=len, reverse=True):
+                expr = expr.replace(variable, substitutions[variable])
+            if not prom_range(prometheus, expr, stack["started"], now, step=2):
+                empty.append(where)
+            checked += 1
+    assert checked > 90
+    assert not empty, f"dashboard queries without data: {empty}"
+
+
+def test_grafana_rules_cross_their_thresholds_exactly_when_the_twins_fire(stack, alerts_delivered):
+    prometheus = stack["prometheus"]
+    start, end = float(int(stack["started"] + 5)), float(int(time.time()))
+    grafana = json.loads(stack["files"][GRAFANA_RULES_FILE])
+    alerts = {(r["alert"], r["labels"]["cause"]): r for g in yaml.safe_load(stack["files"][RULES_FILE])["groups"]
+              for r in g["rules"] if "alert" in r}
+    fired = 0
+    for rule in grafana["groups"][0]["rules"]:
+        alert, cause = rule["title"].split(" ")[0], rule["labels"]["cause"]
+        query = next(q["model"]["expr"] for q in rule["data"] if q["refId"] == "A")
+        condition = next(q["model"]["expression"] for q in rule["data"] if q["refId"] == rule["condition"])
+        op, threshold = condition.split(" ")[1], condition.split(" ")[2]
+        assert split_alert_expr(alerts[(alert, cause)]["expr"]) == (query, op, float(threshold))
+        crossing = _timeline(prom_range(prometheus, f"({query}) {op} {threshold}", start, end))
+        firing = _timeline(prom_range(prometheus, f'ALERTS{{alertname="{alert}",cause="{cause}"}}', start, end))
+        if firing:
+            fired += 1
+        for key in set(crossing) | set(firing):
+            a, b = crossing.get(key, set()), firing.get(key, set())
+            # Prometheus evaluates at its own instants and the range query
+            # samples at others: allow disagreement only within 3 s of a
+            # change of either; everywhere else the two must agree.
+            edges = _edges(a, start, end) | _edges(b, start, end)
+            mismatches = [t for t in a ^ b if not any(abs(t - e) <= 3 for e in edges)]
+            assert not mismatches, (alert, cause, key, sorted(mismatches)[:5])
+            if not (a and b):  # only a blip shorter than the sampling can be seen by one side alone
+                assert len(a | b) <= 6, (alert, cause, key, "one side never held")
+    assert fired >= 6
+
+
+def _timeline(result: list[dict]) -> dict[tuple, set[float]]:
+    """{(deployment, instance, engine): timestamps where the series exists}."""
+    out: dict[tuple, set[float]] = {}
+    for series in result:
+        metric = series["metric"]
+        key = (metric.get("deployment", ""), metric.get("instance", ""), metric.get("engine", ""))
+        out.setdefault(key, set()).update(round(float(t)) for t, _ in series["values"])
+    return out
+
+
+def _edges(times: set[float], start: float, end: float) -> set[float]:
+    edges = set()
+    for t in times:
+        if t - 1 not in times and t - 1 >= round(start):
+            edges.add(t)
+        if t + 1 not in times and t + 1 <= round(end):
+            edges.add(t + 1)
+    return edges
