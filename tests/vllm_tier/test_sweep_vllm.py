@@ -28,8 +28,10 @@ def test_sweep_peak_kv_rises_with_concurrency_on_real_vllm(real_vllm, tmp_path, 
     assert [c["concurrency"] for c in cells] == [1, 4, 8]
     peaks = [c["peak_kv_usage"] for c in cells]
     assert peaks[0] < peaks[1] < peaks[2], peaks
-    # One request of 256 + 192 tokens holds ceil(448 / 32) = 14 of 127 usable blocks.
-    assert 14 / 127 - 1e-6 <= peaks[0] and peaks[2] <= 8 * 14 / 127 + 1e-6
+    # One request of 256 + 192 tokens holds ceil(448 / 32) = 14 of 127 usable blocks at
+    # its end, at least 13 for its last 64 tokens; eight hold at most 112.
+    assert 13 / 127 - 1e-6 <= peaks[0] <= 14 / 127 + 1e-6
+    assert peaks[2] <= 8 * 14 / 127 + 1e-6
     assert report["server"]["prompt_method"].startswith("/tokenize")
     assert report["server"]["prompt_checks"] == {"256": [256, 256, 256]}
     for cell in cells:
