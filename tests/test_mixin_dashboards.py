@@ -125,8 +125,6 @@ def test_every_panel_has_unit_description_targets_and_runbook_link(dashboards):
             assert panel["targets"] and all(t["expr"] for t in panel["targets"]), where
             ref_ids = [t["refId"] for t in panel["targets"]]
             assert len(ref_ids) == len(set(ref_ids)), where
-            if panel["title"] in ("Tokens per second", "Finished requests by reason", "Failed requests (abort, error)"):
-                continue  # throughput panels belong to no alert
             links = [link["url"] for link in panel["links"] if link["title"] == "Runbook"]
             assert links, where
             for url in links:

@@ -231,6 +231,7 @@ ANCHOR_HIT = runbook_anchor("VllmPrefixCacheHitRateLow")
 ANCHOR_TTFT = runbook_anchor("VllmTimeToFirstTokenSlow")
 ANCHOR_DOWN = runbook_anchor("KvwatchDown")
 ANCHOR_UNREACHABLE = runbook_anchor("KvwatchEngineUnreachable")
+ANCHOR_THROUGHPUT = "throughput-and-failures"  # runbooks.THROUGHPUT_ANCHOR
 
 
 def _findings_panel(v: Views, key: str, symptom: str | None, anchor: str, width: int = 24) -> PanelSpec:
@@ -311,12 +312,15 @@ def overview(config: MixinConfig) -> Board:
                     v.help("kvwatch_prompt_tokens_per_second") + " " + v.help("kvwatch_generation_tokens_per_second"),
                     "suffix:tok/s",
                     [(v.sig("kvwatch_prompt_tokens_per_second"), "prompt " + e),
-                     (v.sig("kvwatch_generation_tokens_per_second"), "generated " + e)], width=8))
+                     (v.sig("kvwatch_generation_tokens_per_second"), "generated " + e)], width=8,
+                    runbook=ANCHOR_THROUGHPUT))
     b.add(PanelSpec("finished", "Finished requests by reason", v.help("kvwatch_requests_finished_per_second"),
                     "reqps", [(v.sig("kvwatch_requests_finished_per_second", "model"),
-                               "{{finished_reason}} {{model_name}}")], width=8, stacked=True))
+                               "{{finished_reason}} {{model_name}}")], width=8, stacked=True,
+                    runbook=ANCHOR_THROUGHPUT))
     b.add(PanelSpec("failed", "Failed requests (abort, error)", v.help("kvwatch_requests_failed_per_second"),
-                    "reqps", [(v.sig("kvwatch_requests_failed_per_second"), e)], width=8))
+                    "reqps", [(v.sig("kvwatch_requests_failed_per_second"), e)], width=8,
+                    runbook=ANCHOR_THROUGHPUT))
     return b
 
 
