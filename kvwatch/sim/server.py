@@ -24,6 +24,13 @@ import time
 import uuid
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class _Server(ThreadingHTTPServer):
+    # The default listen backlog of 5 drops connection attempts when a load
+    # generator opens dozens at once; the kernel's retry then adds about 1 s
+    # to those requests' first token.
+    request_queue_size = 128
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +96,7 @@ class SimServer:
         self._offset = 0.0
         self._base_sim = simulation.now
         self._base_wall = time.monotonic()
-        self.httpd = ThreadingHTTPServer((host, port), _Handler)
+        self.httpd = _Server((host, port), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.sim_server = self  # type: ignore[attr-defined]
         self._threads: list[threading.Thread] = []
