@@ -1,0 +1,229 @@
+"""kvwatch running against the real vLLM of the tier, and what the tests need to judge it.
+
+- `PageRecorder`: a loopback HTTP proxy between kvwatch and vLLM that passes
+  each /metrics page through unchanged and keeps a copy with the time it was
+  asked for, so a test can read the very pages kvwatch polled.
+- `running_kvwatch`: a Monitor polling in the background and kvwatch's HTTP
+  app served by uvicorn in a thread, as `kvwatch serve` runs them.
+- `parse_page`, `read_kvwatch_metrics`: pages parsed by prometheus_client's
+  parser, independently of kvwatch's own exposition parser.
+- `generate_rules`: `kvwatch generate` run with a mixin config YAML, for a test
+  copy of the alert rules.
+- `system_prompt_burst`: the tier's burst (24 requests of 400 + 400 tokens in
+  flight) with a shared system prompt in front of each prompt.
+
+Standard library, prometheus_client, uvicorn and kvwatch only: it runs under
+kvwatch's own virtual environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator
+
+import uvicorn
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwatch.app import create_app
+from kvwatch.monitor import Monitor
+from kvwatch.settings import load_settings
+
+from .harness import LoadRun, Metrics, _open, prompt_suffix, prompt_text, prompt_words
+
+# Pages kept by the recorder: at 0.5 s per poll, two minutes of polls, far
+# more than any window the tests use, and bounded memory (pages are ~30 KB).
+RECORDED_PAGES = 240
+
+
+@dataclass(frozen=True)
+class RecordedPage:
+    requested_at: float  # time.time() when kvwatch's request arrived
+    status: int
+    body: bytes
+
+    def metrics(self) -> Metrics:
+        return parse_page(self.body.decode())
+
+
+class PageRecorder:
+    """Forwards GET requests to `upstream` (a base URL) and records every answer."""
+
+    def __init__(self, upstream: str, keep: int = RECORDED_PAGES, timeout_s: float = 10.0):
+        self.upstream = upstream.rstrip("/")
+        self._pages: deque[RecordedPage] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                requested_at = time.time()
+                try:
+                    with _open(recorder.upstream + self.path, timeout=timeout_s) as answer:
+                        status, body = answer.status, answer.read()
+                        content_type = answer.headers.get("Content-Type", "text/plain")
+                except urllib.error.HTTPError as err:
+                    status, body, content_type = err.code, err.read(), "text/plain"
+                except OSError as err:
+                    status, body, content_type = 502, f"upstream failed: {err}".encode(), "text/plain"
+                with recorder._lock:
+                    recorder._pages.append(RecordedPage(requested_at, status, body))
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # keep the test output clean
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/metrics"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="page-recorder",
+                                        daemon=True)
+
+    def __enter__(self) -> "PageRecorder":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+    @property
+    def pages(self) -> list[RecordedPage]:
+        with self._lock:
+            return list(self._pages)
+
+    def page_of_poll(self, poll_started: float, slack_s: float = 0.4) -> RecordedPage:
+        """The page kvwatch fetched in the poll that began at `poll_started` (its
+        snapshot time): the first request to arrive after that instant.
+
+        kvwatch's polls are sequential and start at least an interval apart, so
+        no other request arrives within slack_s after a poll started.
+        """
+        # poll_started may come from a difference of floats (window start =
+        # last poll - window span): off by far less than a microsecond.
+        later = [page for page in self.pages if page.requested_at >= poll_started - 1e-6]
+        page = min(later, key=lambda p: p.requested_at, default=None)
+        if page is None or page.requested_at > poll_started + slack_s:
+            raise AssertionError(f"no recorded page was requested within {slack_s} s after "
+                                 f"{poll_started:.3f} (recorded: {len(self.pages)} pages)")
+        return page
+
+
+def parse_page(text: str) -> Metrics:
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return Metrics(samples)
+
+
+def read_kvwatch_metrics(kvwatch_url: str, timeout_s: float = 5.0) -> Metrics:
+    with _open(kvwatch_url + "/metrics", timeout=timeout_s) as response:
+        return parse_page(response.read().decode())
+
+
+@dataclass
+class RunningKvwatch:
+    url: str
+    port: int
+    monitor: Monitor
+
+
+@contextlib.contextmanager
+def running_kvwatch(target: str, poll_interval: str = "0.5s", window: str = "20s",
+                    start_timeout_s: float = 10.0) -> Iterator[RunningKvwatch]:
+    """kvwatch polling `target` in the background and serving its HTTP app on loopback."""
+    # Port 0 lets the OS choose; uvicorn reports the port it bound.
+    settings = load_settings(overrides={"target": target, "port": 0, "poll_interval": poll_interval,
+                                        "window": window}, environ={})
+    monitor = Monitor(settings)
+    server = uvicorn.Server(uvicorn.Config(create_app(monitor, settings), host="127.0.0.1", port=0,
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, name="kvwatch-http", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not (server.started and server.servers):
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"kvwatch's HTTP server did not start within {start_timeout_s} s")
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        monitor.start()
+        yield RunningKvwatch(f"http://127.0.0.1:{port}", port, monitor)
+    finally:
+        monitor.stop()
+        server.should_exit = True
+        thread.join(10)
+
+
+def generate_rules(out_dir: Path, config: dict) -> Path:
+    """Runs `kvwatch generate --config <config as YAML> --out <out_dir>`; returns the rules file."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / "mixin-test.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "kvwatch", "generate", "--config", str(config_path),
+                             "--out", str(out_dir)], capture_output=True, text=True, timeout=120)
+    if result.returncode:
+        raise AssertionError(f"kvwatch generate failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    rules = out_dir / "alerts" / "kvwatch-rules.yaml"
+    if not rules.is_file():
+        raise AssertionError(f"kvwatch generate wrote no {rules.relative_to(out_dir)}:\n{result.stderr[-2000:]}")
+    return rules
+
+
+def system_prompt_burst(base_url: str, duration: float, concurrency: int = 24,
+                        system_prompt_tokens: int = 128, prompt_tokens: int = 400,
+                        output_tokens: int = 400, request_timeout_s: float = 120.0,
+                        max_requests: int = 2000) -> LoadRun:
+    """`concurrency` requests of prompt_tokens + output_tokens in flight for `duration` s,
+    each prompt a shared system prompt followed by its own text.
+
+    Sized like harness.burst_load, so it fills the cache and preempts the same
+    way, but its prompts share what real traffic shares: one request runs alone
+    first to cache the system prompt, and every later one hits exactly
+    system_prompt_tokens of its prompt (a whole number of 32-token blocks), so
+    the prefix-cache hit ratio approaches system_prompt_tokens / prompt_tokens.
+    A new system prompt per call: nothing an earlier load cached can hit.
+    """
+    words = prompt_words()
+    rng = random.Random()
+    system_prompt = prompt_text(system_prompt_tokens, rng, words)
+    run_seed = rng.randrange(1 << 62)
+
+    def make_prompt(index: int) -> str:
+        own = random.Random(f"{run_seed}-{index}")
+        return system_prompt + prompt_suffix(prompt_tokens - system_prompt_tokens, own, words)
+
+    return LoadRun("system-prompt-burst", base_url, make_prompt, output_tokens, concurrency,
+                   duration, max_requests, request_timeout_s, prime=True)
+
+
+def tier_reporter(config):
+    """Prints a line past pytest's output capture (measured figures go to the tier's log)."""
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def report(message: str) -> None:
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            if terminal is not None:
+                terminal.write_line(f"[vllm-tier] {message}")
+            else:
+                print(f"[vllm-tier] {message}", flush=True)
+
+    return report
