@@ -29,8 +29,11 @@ from typing import Iterable
 # `..._total` is found as itself, not as a counter of a shorter name).
 SAMPLE_SUFFIXES = ("", "_total", "_bucket", "_sum", "_count", "_created")
 
-_LABEL_PAIR = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,|$)')
-_LABEL_BLOCK = re.compile(r'\{((?:[^"}]|"(?:[^"\\]|\\.)*")*)\}')
+# Possessive quantifiers (`*+`, `++`): the alternatives never overlap, so no
+# match needs backtracking, and without them the regex engine keeps state for
+# every repetition: a 1 MB label block or value cost about 120 MB to match.
+_LABEL_PAIR = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]++|\\.)*+)"\s*(,|$)')
+_LABEL_BLOCK = re.compile(r'\{((?:[^"}]++|"(?:[^"\\]++|\\.)*+")*+)\}')
 _ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 _ESCAPE_RE = re.compile(r'\\[\\"n]')
 # Whitespace up to the end of a label block. Matched in place: slicing the rest
@@ -39,7 +42,7 @@ _ESCAPE_RE = re.compile(r'\\[\\"n]')
 _ONLY_SPACE_LEFT = re.compile(r"\s*\Z")
 # What _LABEL_BLOCK takes between the braces, for validating a block the fast
 # path cut out by its closing `} `.
-_LABEL_BLOCK_INNER = re.compile(r'(?:[^"}]|"(?:[^"\\]|\\.)*")*')
+_LABEL_BLOCK_INNER = re.compile(r'(?:[^"}]++|"(?:[^"\\]++|\\.)*+")*+')
 
 # Label blocks repeat verbatim from one poll to the next; caching their parsed
 # form removes most of the per-poll work. Bounded so that an engine emitting
