@@ -1,0 +1,337 @@
+"""Hostile input, by property: hypothesis generates engine pages and
+sequences of pages, and kvwatch's whole pipeline (parser, adapter, window,
+signals, diagnosis, exporter, JSON, status page) must hold its promises on
+every one of them.
+
+- Any page at all: no exception escapes a poll, and every view stays
+  well-formed (the exposition parses back, the JSON is strict).
+- Any sequence of valid pages, with restarts anywhere: the windowed
+  increases are exactly the counters' increases under Prometheus' reset
+  rule, computed here by a model; no rate is negative, no ratio above one.
+- Any label value (quotes, backslashes, newlines, any unicode): it survives
+  engine page -> kvwatch -> /metrics -> prometheus_client, and the JSON API.
+- Worst-case shapes at megabyte scale finish (under the test's timeout) and
+  hold memory in proportion to the page; one model name per request is
+  capped by max_series, counted, and memory stays flat across polls.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import sys
+import time
+import tracemalloc
+import types
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import kvwatch.monitor
+from fuzz.pages import TTFT_BOUNDS, Engine, escape, page
+from fuzz.pipeline import Pipeline
+from kvwatch.engines.vllm import PREFIXES, VllmAdapter, all_families
+from kvwatch.exposition import SAMPLE_SUFFIXES
+from kvwatch.signals import evaluate_window
+from kvwatch.window import Window
+
+# Enough examples to find what the strategies are built to find, few enough
+# for `make test`; KVWATCH_FUZZ_EXAMPLES=5000 for a long run. No deadline: a
+# slow example on a busy machine is not a failure (the pytest timeout is).
+FUZZ = settings(max_examples=int(os.environ.get("KVWATCH_FUZZ_EXAMPLES", "60")), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+# --- pages of any shape ------------------------------------------------------
+
+names = st.builds(lambda prefix, family, suffix: prefix + family + suffix,
+                  st.sampled_from(PREFIXES + ("", "vllm", "VLLM:")),
+                  st.sampled_from(all_families()),
+                  st.sampled_from(SAMPLE_SUFFIXES + ("_bucket_total", "_", "x")))
+label_names = st.sampled_from(["model_name", "engine", "le", "pid", "finished_reason", "reason", "source",
+                               "block_size", "num_gpu_blocks", "kv_cache_size_tokens", "running_lora_adapters",
+                               "max_lora", "quantile"]) | st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,6}", fullmatch=True)
+label_values = st.sampled_from(["0", "1", "m", "+Inf", "-Inf", "Inf", "NaN", "0.5", "1e9", "", "abc", "1,2"]) | st.text(max_size=12)
+numbers = (st.sampled_from(["0", "1", "-1", "NaN", "nan", "+Inf", "-Inf", "inf", "1e308", "-1e308", "1e-320", "4.9e-324",
+                            "0x1F", "1_000", "", "3.5", "17", "1" * 400, "-0", "1e", ".", "+", "Infinity"])
+           | st.floats().map(repr) | st.integers(-2**70, 2**70).map(str))
+
+
+@st.composite
+def label_blocks(draw):
+    pairs = draw(st.lists(st.tuples(label_names, label_values), max_size=5))
+    rendered = [f'{key}="{escape(value)}"' for key, value in pairs]
+    if draw(st.booleans()) and rendered:  # break the syntax somewhere
+        index = draw(st.integers(0, len(rendered) - 1))
+        rendered[index] = draw(st.sampled_from([
+            rendered[index][:-1], rendered[index].replace('"', "", 1), rendered[index] + '"', "=", '"', "\\",
+            rendered[index].replace("=", " = "), draw(st.text(max_size=10))]))
+    separator = draw(st.sampled_from([",", ", ", " ,", ",,", " "]))
+    trailing = draw(st.sampled_from(["", ",", " "]))
+    closing = draw(st.sampled_from(["}", "}", "}", "", "}}"]))
+    return "{" + separator.join(rendered) + trailing + closing
+
+
+@st.composite
+def sample_lines(draw):
+    line = draw(names)
+    if draw(st.booleans()):
+        line += draw(label_blocks())
+    line += draw(st.sampled_from([" ", " ", "  ", "\t", ""])) + draw(numbers)
+    if draw(st.integers(0, 4)) == 0:
+        line += " " + draw(numbers)  # a timestamp, or garbage where one goes
+    if draw(st.integers(0, 6)) == 0:
+        line += ' # {trace_id="abc"} 1.0'  # an OpenMetrics exemplar
+    return line
+
+
+comment_lines = st.builds(lambda kind, name, rest: f"# {kind} {name} {rest}",
+                          st.sampled_from(["TYPE", "HELP", "UNIT", "type", "EOF"]), names,
+                          st.sampled_from(["counter", "gauge", "histogram", "summary", "untyped", "info", "", "x y z"]))
+lines = st.one_of(sample_lines(), sample_lines(), sample_lines(), comment_lines,
+                  st.text(max_size=60), st.just("# EOF"), st.just(""))
+pages = st.lists(lines, max_size=40).map(lambda found: "\n".join(found) + "\n")
+
+
+@FUZZ
+@given(st.lists(st.one_of(pages, st.text(max_size=300)), min_size=1, max_size=3))
+def test_no_page_breaks_a_poll_or_any_view(texts):
+    pipeline = Pipeline()
+    for text in texts:
+        state = pipeline.poll(text)
+        assert state.up or state.reason == "no_engine_metrics"
+        assert len(state.snapshot.engines if state.snapshot else ()) <= 50
+        views = pipeline.views()
+        assert views["signals"]["up"] == state.up
+        up = [s.value for f in views["families"] if f.name == "kvwatch_up" for s in f.samples]
+        assert up == [1.0 if state.up else 0.0]
+
+
+@FUZZ
+@given(st.lists(sample_lines(), min_size=1, max_size=30), st.data())
+def test_a_malformed_line_costs_only_itself(good_and_bad, data):
+    """Lines kvwatch reads, mixed with garbage lines of the same families:
+    the result is the same as with the garbage left out, and every
+    malformed line is counted with its line number."""
+    valid = "".join(f'vllm:num_requests_running{{model_name="m{i}",engine="0"}} {i}\n' for i in range(3))
+    garbage = [line for line in good_and_bad if line.strip()]
+    mixed_lines = valid.splitlines()
+    for line in garbage:
+        mixed_lines.insert(data.draw(st.integers(0, len(mixed_lines))), line)
+    adapter = VllmAdapter(max_series=100)
+    snapshot = adapter.adapt("\n".join(mixed_lines) + "\n", 0)
+    for i in range(3):
+        # Garbage may add to an engine (it may be valid), never take the valid lines away.
+        assert snapshot.engines[(f"m{i}", "0")].gauges.get("running") is not None
+    for error in snapshot.parse_errors:
+        if hasattr(error, "line_number"):
+            assert mixed_lines[error.line_number - 1] == error.line
+
+
+# --- valid sequences with restarts: a model of Prometheus' increase ------------
+
+
+@st.composite
+def engine_histories(draw):
+    """Per poll: seconds since the last poll, whether the engine restarted
+    just before it, and what it did since (or since the restart)."""
+    with_created = draw(st.booleans())
+    steps = []
+    for _ in range(draw(st.integers(2, 8))):
+        queries = draw(st.integers(0, 5000))
+        hits = draw(st.integers(0, queries))
+        steps.append(dict(
+            seconds=draw(st.floats(0.5, 60)),
+            restart=draw(st.integers(0, 3)) == 0,
+            queries=queries, hits=hits, prompt=queries + draw(st.integers(0, 500)),
+            preemptions=draw(st.integers(0, 20)),
+            ttft=draw(st.lists(st.integers(0, 30), min_size=len(TTFT_BOUNDS) + 1, max_size=len(TTFT_BOUNDS) + 1)),
+            ttft_mean=draw(st.floats(0.01, 10)),
+        ))
+    return with_created, draw(st.integers(0, 10**6)), steps
+
+
+@FUZZ
+@given(engine_histories())
+def test_windowed_increases_follow_the_reset_rule_exactly(history):
+    with_created, history_before, steps = history
+    adapter = VllmAdapter()
+    window = Window(10**6)
+    total = dict(queries=history_before, hits=history_before // 2, prompt=history_before * 2, preemptions=7,
+                 ttft=[0] * (len(TTFT_BOUNDS) + 1), ttft_sum=0.0)
+    created, now = 1000.0, 0.0
+    expected = dict(queries=0, hits=0, prompt=0, preemptions=0, seconds=0.0, count=0, ttft_sum=0.0)
+    for index, step in enumerate(steps):
+        restart = step["restart"] and index > 0
+        if restart and not with_created and step["prompt"] >= total["prompt"]:
+            restart = False  # without _created an engine that climbed past its old values cannot be told apart
+        if restart:
+            created += 1
+            total = dict(queries=0, hits=0, prompt=0, preemptions=0, ttft=[0] * len(step["ttft"]), ttft_sum=0.0)
+        for key in ("queries", "hits", "prompt", "preemptions"):
+            total[key] += step[key]
+        total["ttft"] = [a + b for a, b in zip(total["ttft"], step["ttft"])]
+        total["ttft_sum"] += sum(step["ttft"]) * step["ttft_mean"]
+        now += step["seconds"]
+        if index > 0:
+            for key in ("queries", "hits", "prompt", "preemptions"):
+                expected[key] += step[key]
+            expected["seconds"] += step["seconds"]
+            expected["count"] += sum(step["ttft"])
+            expected["ttft_sum"] += sum(step["ttft"]) * step["ttft_mean"]
+        cumulative = [sum(total["ttft"][: i + 1]) for i in range(len(total["ttft"]))]
+        window.add(adapter.adapt(page(Engine(
+            prompt_tokens=total["prompt"], prefix_queries=total["queries"], prefix_hits=total["hits"],
+            preemptions=total["preemptions"], ttft_cumulative=tuple(cumulative), ttft_sum=total["ttft_sum"],
+            created=created if with_created else None)), at=now))
+
+    per_engine, per_model = evaluate_window(window)
+    values = per_engine[0].values
+    assert values["kvwatch_prompt_tokens_per_second"] == pytest.approx(expected["prompt"] / expected["seconds"])
+    assert values["kvwatch_preemptions_per_second"] == pytest.approx(expected["preemptions"] / expected["seconds"])
+    if expected["queries"]:
+        assert values["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(expected["hits"] / expected["queries"])
+    else:
+        assert values["kvwatch_prefix_cache_hit_ratio"] is None
+    if expected["count"]:
+        assert values["kvwatch_time_to_first_token_mean_seconds"] == pytest.approx(
+            expected["ttft_sum"] / expected["count"], rel=1e-6)
+        p99 = values["kvwatch_time_to_first_token_seconds"]["0.99"]
+        assert 0 <= p99 <= TTFT_BOUNDS[-1]
+    for row in per_engine + per_model:
+        for name, found in row.values.items():
+            for number in (found.values() if isinstance(found, dict) else [found]):
+                if number is not None:
+                    assert math.isfinite(number) and number >= 0, (name, number)
+                    if name.endswith("_ratio"):
+                        assert number <= 1 + 1e-9, (name, number)
+
+
+# --- label values round trip --------------------------------------------------
+
+any_text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=30)
+
+
+@pytest.mark.parametrize("model", [
+    'with "quotes"', "back\\slash", "trailing backslash\\", "new\nline", "\\n (a literal backslash-n)",
+    "模型-🚀-ünïcödé", "tab\there", "carriage\rreturn", "nul\x00byte", "\u2028line separator", '{"json": [1, 2]}',
+    "comma, equals=, hash # brace }", "  spaces  ",
+])
+def test_awkward_label_values_round_trip(model):
+    assert_round_trip(model, "0")
+
+
+@FUZZ
+@given(any_text, any_text)
+def test_any_label_value_round_trips_through_the_export(model, engine):
+    assert_round_trip(model, engine)
+
+
+def assert_round_trip(model: str, engine: str) -> None:
+    pipeline = Pipeline()
+    for prompt in (100, 250):
+        state = pipeline.poll(page(Engine(model=model, engine=engine, prompt_tokens=prompt, running=3)))
+        assert state.up
+    views = pipeline.views()
+    exported = {(s.labels.get("model_name"), s.labels.get("engine")) for f in views["families"]
+                for s in f.samples if s.name == "kvwatch_engine_requests_running"}
+    assert exported == {(model, engine)}
+    rates = [s for f in views["families"] for s in f.samples if s.name == "kvwatch_prompt_tokens_per_second"]
+    assert [(s.labels["model_name"], s.labels["engine"]) for s in rates] == [(model, engine)]
+    assert [(e["model_name"], e["engine"]) for e in views["signals"]["engines"]] == [(model, engine)]
+    assert [m["model_name"] for m in views["signals"]["models"]] == [model]
+
+
+# --- worst cases at scale -------------------------------------------------------
+
+
+def many_labels_in_one_line(size: int) -> str:
+    count = size // 12
+    return "vllm:num_requests_running{" + ",".join(f'l{i}="v"' for i in range(count)) + "} 1\n"
+
+
+def unterminated_quotes(size: int) -> str:
+    return 'vllm:num_requests_running{model_name="' + '\\"' * (size // 2) + "\n"
+
+
+def escapes_everywhere(size: int) -> str:
+    value = "\\\\\\n\\\"" * 8
+    line = f'vllm:num_requests_running{{model_name="{value}",engine="0"}} 1\n'
+    return line * (size // len(line))
+
+
+def one_model_per_line(size: int) -> str:
+    lines = (f'vllm:prompt_tokens_total{{model_name="request-{i:09d}",engine="0"}} {i}\n' for i in range(size // 60))
+    return "".join(lines)
+
+
+def malformed_lines(size: int) -> str:
+    return 'vllm:num_requests_running{model_name="m" 1\n' * (size // 42)
+
+
+def long_garbage_line(size: int) -> str:
+    return "vllm:num_requests_running " + "9" * size + "\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape", [many_labels_in_one_line, unterminated_quotes, escapes_everywhere,
+                                   one_model_per_line, malformed_lines, long_garbage_line])
+def test_worst_case_pages_finish_and_hold_memory_in_proportion(shape):
+    """1 MB of each worst shape found: the poll finishes (the timeout is the
+    bound, not a speed claim: a quadratic parse of the first shape took
+    seconds per megabyte squared before it was fixed) and holds at most a
+    small multiple of the page at its peak (matching a 1 MB label block
+    took about 120 MB of regex state before it was fixed)."""
+    text = shape(1024 * 1024)
+    pipeline = Pipeline(max_series=100)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        pipeline.poll(text)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 * len(text) + 16 * 1024 * 1024, f"{peak / 1e6:.0f} MB for a {len(text) / 1e6:.0f} MB page"
+    pipeline.views()
+
+
+def test_one_model_name_per_request_is_capped_counted_and_memory_stays_flat(monkeypatch):
+    """Each poll brings 5,000 model names never seen before (one per request,
+    as a misconfigured gateway does). kvwatch keeps max_series of them, counts
+    the rest once per poll, exports only what it keeps, and its memory stops
+    growing once the window and the parser's bounded caches are full (they
+    are cleared when full, so memory saws up and down: compare peaks)."""
+    clock = [1_000_000.0]
+    monkeypatch.setattr(kvwatch.monitor, "time", types.SimpleNamespace(
+        time=lambda: clock[0], monotonic=time.monotonic, thread_time=time.thread_time))
+    pipeline = Pipeline(max_series=100, window="30s")
+    per_poll, polls = 5000, 30
+
+    def poll(number: int):
+        names = range(number * per_poll, (number + 1) * per_poll)
+        text = "".join(f'vllm:prompt_tokens_total{{model_name="request-{n}",engine="0"}} {n}\n' for n in names)
+        clock[0] += 5
+        return pipeline.poll(text)
+
+    # Live allocated blocks: tracemalloc's numbers without its slowdown.
+    blocks = []
+    for number in range(polls):
+        state = poll(number)
+        assert state.up and len(state.snapshot.engines) == 100
+        assert state.dropped_series == (number + 1) * (per_poll - 100)
+        gc.collect()
+        blocks.append(sys.getallocatedblocks())
+    views = pipeline.views()
+    kept = {s.labels["model_name"] for f in views["families"] for s in f.samples
+            if s.name == "kvwatch_engine_prompt_tokens_total"}
+    assert len(kept) == 100
+    dropped = [s.value for f in views["families"] for s in f.samples if s.name == "kvwatch_dropped_series_total"]
+    assert dropped == [polls * (per_poll - 100)]
+    assert len(pipeline.monitor.window.entries) <= 8  # 30 s of 5 s polls, plus the one at the horizon
+    # Polls 0-14 and 15-29 each span a whole fill-and-clear cycle of the
+    # parser's and the adapter's caches (20,000 and 50,000 entries, 5,000
+    # new label sets a poll; the cycle is about 11 polls): the same peak,
+    # give or take 20,000 blocks (about 1 MB; one poll adds 45,000).
+    first, second = max(blocks[:15]), max(blocks[15:])
+    assert second - first < 20_000, f"peak grew by {second - first} blocks in 15 polls: {blocks}"
