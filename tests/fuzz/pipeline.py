@@ -31,12 +31,13 @@ class Pipeline:
         self.monitor.fetcher.fetch = lambda: FetchResult(text, size=len(text))
         return self.monitor.poll_once()
 
-    def views(self) -> dict[str, object]:
+    def views(self, parse_back: bool = True) -> dict[str, object]:
         """Every view, each checked to be well-formed: the exposition parses
-        back, the JSON is strict JSON (no NaN or Infinity)."""
+        back (unless told not to: prometheus_client's parser is most of the
+        cost), the JSON is strict JSON (no NaN or Infinity)."""
         state = self.monitor.state
         exposition = generate_latest(self.registry).decode()
-        families = list(text_string_to_metric_families(exposition))
+        families = list(text_string_to_metric_families(exposition)) if parse_back else []
         signals = json.loads(json.dumps(signals_json(state, self.settings), allow_nan=False))
         diagnosis = json.loads(json.dumps(diagnosis_json(state, self.settings), allow_nan=False))
         status_page = render_status_page(state, self.settings)
