@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # urllib3's debug lines quote every request line, the target's query
+    # string included (where an API key may be); kvwatch logs its polls itself.
+    logging.getLogger("urllib3").setLevel(max(logging.INFO, logging.getLogger().level))
 
 
 def run(args: argparse.Namespace) -> int:
