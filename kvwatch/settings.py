@@ -119,7 +119,9 @@ def normalize_target(value: Any) -> str:
     text = str(value).strip()
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"{text!r} is not an http(s) URL")
+        # The message goes to the terminal and CI logs: not the password.
+        shown = text.replace(f":{parts.password}@", ":<redacted>@", 1) if parts.password else text
+        raise ValueError(f"{shown!r} is not an http(s) URL")
     path = parts.path if parts.path not in ("", "/") else "/metrics"
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
@@ -246,6 +248,9 @@ def load_settings(
         problems.append(f"window ({settings.window:g}s) must hold at least two polls ({settings.poll_interval:g}s each)")
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         problems.append("tls_cert_file and tls_key_file must be given together")
+    if settings.bearer_token_file and urlsplit(settings.target).username is not None:
+        # requests would send the URL's basic auth and silently drop the token.
+        problems.append("give the engine's credentials either in the target URL or in bearer_token_file, not both")
     if bool(settings.upstream_target) != bool(settings.upstream_histogram):
         problems.append("upstream_target and upstream_histogram must be given together")
     if settings.diagnosis:
