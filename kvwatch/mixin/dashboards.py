@@ -140,7 +140,8 @@ class Board:
 def _panel(spec: PanelSpec, panel_id: int, grid: g.GridPos, config: MixinConfig):
     targets = [
         g.Target(expr=expr, legendFormat=legend, refId=chr(ord("A") + i), datasource=DATASOURCE,
-                 instant=spec.instant, format="table" if spec.kind == "table" else "time_series")
+                 instant=spec.instant, format="table" if spec.kind == "table" else "time_series",
+                 intervalFactor=1)
         for i, (expr, legend) in enumerate(spec.targets)
     ]
     links = []
