@@ -58,11 +58,17 @@ DEFAULT_THRESHOLDS: dict[str, Any] = {
     # 0.32 captures), and below 0.9 a typical request still finds room.
     "exhaustion_usage_ratio": 0.9,
     # A full cache is "a few very long requests" when each running request
-    # holds at least this share of it (five or fewer requests fill it), and
-    # "too many requests" otherwise. Ordinary chat requests hold a few percent
-    # of a production cache; the real capture's 400+400-token burst held about
-    # 17 % each of a 4,096-token cache, its 900-token prompts about 24 %.
+    # holds at least this share of it (five or fewer requests fill it) and no
+    # more requests wait than run, and "too many requests" otherwise. Ordinary
+    # chat requests hold a few percent of a production cache; in the real
+    # capture the 900-token prompts held about 24 % each with 2 waiting, the
+    # 400+400-token burst 17 % each with 18 waiting.
     "long_request_capacity_share": 0.2,
+    # ... or when each holds at least this many times the window's mean
+    # request (prompt + generation of finished requests): long for this
+    # workload even on a large cache. The real burst held 1.2x its window's
+    # mean, its 900-token prompts 1.35x; 2x is clearly a different population.
+    "long_request_mean_factor": 2.0,
     # The scheduler's --max-num-seqs. vLLM does not export it; when unset the
     # diagnosis uses the most requests seen running at once as a lower bound
     # (the scheduler admitted that many, so its limit is at least that).
@@ -134,6 +140,13 @@ def _seconds(value: Any) -> float:
     return parse_duration(value)
 
 
+def _factor(value: Any) -> float:
+    number = _plain_number(value)
+    if number < 1.0:
+        raise ValueError(f"{value!r} must be a factor of at least 1")
+    return number
+
+
 def _count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
         raise ValueError(f"{value!r} must be a positive integer")
@@ -153,6 +166,7 @@ def _plain_number(value: Any) -> float:
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "exhaustion_usage_ratio": _ratio,
     "long_request_capacity_share": _ratio,
+    "long_request_mean_factor": _factor,
     "max_num_seqs": _optional_count,
     "ttft_p95_seconds": _seconds,
     "ttft_mean_seconds": _seconds,
@@ -446,6 +460,10 @@ def _exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     usage_now = ctx.value("kvwatch_kv_cache_usage_ratio")
     limit = ctx.t["exhaustion_usage_ratio"]
     long_share = ctx.t["long_request_capacity_share"]
+    prompt_mean = ctx.value("kvwatch_prompt_tokens_per_request_mean")
+    generated_mean = ctx.value("kvwatch_generation_tokens_per_request_mean")
+    request_mean = prompt_mean + generated_mean if prompt_mean is not None and generated_mean is not None else None
+    factor = ctx.t["long_request_mean_factor"]
     common = {
         "kv_usage_max": ctx.value("kvwatch_kv_cache_usage_max_ratio"),
         "kv_usage_now": usage_now,
@@ -456,6 +474,7 @@ def _exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         "kv_cache_capacity_requests": capacity_requests,
         **_length_evidence(ctx),
         "long_request_capacity_share": long_share,
+        "request_tokens_mean": request_mean,
         "window_seconds": ctx.increase.seconds,
     }
     ongoing = usage_now is not None and usage_now >= limit
@@ -469,11 +488,23 @@ def _exhaustion_findings(ctx: EngineContext) -> list[Finding]:
             return None
         return poll.usage * ctx.capacity_tokens / running
 
+
+    def is_long(poll: Poll) -> bool:
+        """Few requests fill the cache: each holds a large share of it and the
+        queue is no longer than the batch (few requests in all; a queue of
+        several batches is too many requests, however long each is), or each
+        holds several times the window's mean request."""
+        tokens = footprint(poll)
+        if tokens is None:
+            return False
+        few = (poll.gauge("waiting") or 0.0) <= (poll.gauge("running") or 0.0)
+        return (few and tokens / ctx.capacity_tokens >= long_share) or \
+            (bool(request_mean) and tokens >= factor * request_mean)
+
     polls = state.full_polls or ([state.peak] if state.peak else [])
     long_polls, many_polls = [], []
     for poll in polls:
-        tokens = footprint(poll)
-        (long_polls if tokens is not None and tokens / ctx.capacity_tokens >= long_share else many_polls).append(poll)
+        (long_polls if is_long(poll) else many_polls).append(poll)
     if not polls:  # preemptions without any usage gauge: nothing to split by
         many_polls = []
 
@@ -500,8 +531,9 @@ def _exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         findings.append(ctx.finding(
             "exhaustion", "long_requests", severity, confidence_of(peak),
             f"KV cache full {when(peak)} with only {peak.gauge('running'):g} running requests holding about "
-            f"{tokens:.0f} tokens each ({tokens / ctx.capacity_tokens:.0%} of the cache): a few very long requests "
-            "fill it.",
+            f"{tokens:.0f} tokens each ({tokens / ctx.capacity_tokens:.0%} of the cache"
+            + (f", {tokens / request_mean:.1f}x the window's mean request" if request_mean else "")
+            + "): a few very long requests fill it.",
             {**common, "polls_full_with_few_long_requests": len(long_polls), **at_peak(peak)},
             NEXT_CHECK["long_requests"]))
     if many_polls or not polls:
@@ -644,7 +676,7 @@ def _low_hit_rate_findings(ctx: EngineContext, changes: list["Change"]) -> list[
         interval = covered / max(1, len(ctx.polls) - 1)
         at_drop = [c for c in changes if c.time > split - interval
                    and c.kind in ("cache_config", "models", "lora") and c.engine in (None, ctx.engine)]
-        drop_text = f"Hit ratio fell from {baseline_ratio:.0%} to {recent_ratio:.0%} in the last {recent_span:.0f}s"
+        drop_text = f"Hit ratio fell from {baseline_ratio:.0%} to {recent_ratio:.0%} in the last {recent_span:.3g}s"
         if at_drop:
             evidence["changes_at_drop"] = "; ".join(f"{c.kind}: {c.detail}" for c in at_drop)
             return [ctx.finding("low_hit_rate", "prefix_changed", "warning", "high",
@@ -717,9 +749,14 @@ def _slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | No
     if ttft_mean and queue is not None and prefill is not None:
         other = max(0.0, ttft_mean - queue - prefill)
     parts = {"queue": queue, "prefill": prefill, "other": other}
-    coverage = None
-    if queue_histogram is not None and prefill_histogram is not None:
-        coverage = min(queue_histogram.count, prefill_histogram.count) / ttft.count
+    # Requests with a first token but not finished yet have a TTFT and no
+    # queue or prefill time, so their whole TTFT lands in the rest. Its lower
+    # bound charges each of them the TTFT p99 before the rest is named.
+    other_lower = None
+    if other is not None:
+        unfinished = max(0.0, ttft.count - min(queue_histogram.count, prefill_histogram.count))
+        p99, _ = _quantile_value(ttft, 0.99)
+        other_lower = max(0.0, other - unfinished * (p99 or 0.0) / ttft.count)
     shares = {name: min(1.0, _share(v, ttft_mean)) for name, v in parts.items() if _share(v, ttft_mean) is not None}
     evidence = {
         "ttft_p95_seconds": p95, "ttft_p95_pinned": pinned, "ttft_mean_seconds": ttft_mean,
@@ -728,7 +765,7 @@ def _slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | No
         "queue_mean_seconds": queue_observed, "queue_from_waiting_seconds": queue_little,
         "prefill_mean_seconds": prefill, "other_mean_seconds": other,
         "queue_share": shares.get("queue"), "prefill_share": shares.get("prefill"), "other_share": shares.get("other"),
-        "finished_per_first_token": coverage,
+        "other_lower_bound_seconds": other_lower,
         "window_seconds": ctx.increase.seconds,
     }
     headline = (f"Time to first token p95 {p95:.2f}s{'+' if pinned == 'last' else ''}, mean {ttft_mean:.2f}s "
@@ -754,12 +791,11 @@ def _slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | No
     if not named:
         named = [max(shares, key=shares.get)]
         confidence = "low"
-    # Queue and prefill times are observed when a request finishes, TTFT at its
-    # first token: while many requests are between the two (load rising, long
-    # answers), the parts lag and the rest is inflated. The rest is only named
-    # when the parts cover nearly the same requests as TTFT.
-    if coverage is None or coverage < MIN_PART_COVERAGE:
+    # The rest is a residual: named only when its lower bound is a part too.
+    if "other" in named and (other_lower is None or other_lower / ttft_mean < t["ttft_part_share"]):
         named = [name for name in named if name != "other"]
+        if not named:
+            return findings
     for part in sorted(named, key=lambda name: -shares[name]):
         share_text = f"{shares[part]:.0%} of it"
         if part == "queue":
@@ -907,10 +943,6 @@ def _change_findings(window: Window, changes: list[Change]) -> list[Finding]:
 # --------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------
-
-# Finished requests (which carry queue and prefill times) per first token in
-# the window, below which the TTFT residual is not named as front-end time.
-MIN_PART_COVERAGE = 0.8
 
 _SEVERITY_ORDER = {severity: index for index, severity in enumerate(SEVERITIES)}
 

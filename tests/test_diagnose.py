@@ -199,6 +199,29 @@ def test_long_requests():
     assert "capacity_below_max_num_seqs" not in causes(findings)
 
 
+def test_a_long_queue_of_large_requests_is_too_many_requests():
+    # 400 + 400 tokens: 4 running hold 24 % of the cache each, but 20 more wait.
+    run = Run()
+    run.steps(6, usage=0.98, running=4, waiting=20, requests=2, prompt=400, generated=400, preemptions=1)
+    findings = run.findings()
+    assert only(findings, "concurrency_beyond_capacity").evidence["waiting_at_peak"] == 20
+    assert "long_requests" not in causes(findings)
+
+
+def test_requests_far_longer_than_the_window_mean_are_long_on_a_large_cache():
+    # 64k tokens of cache: 6 requests of ~10k tokens hold 16 % each (below the
+    # share), but five times the 2k-token requests that finished in the window.
+    run = Run()
+    run.engine.config.update(num_gpu_blocks="2048", kv_cache_size_tokens="65536")
+    run.steps(6, usage=0.3, running=6, requests=6, prompt=1500, generated=500, hit_ratio=0.5)
+    run.steps(2, usage=0.95, running=6, waiting=3, requests=1, prompt=1500, generated=500, hit_ratio=0.5)
+    findings = run.findings()
+    finding = only(findings, "long_requests")
+    assert finding.evidence["tokens_per_running_request_at_peak"] == pytest.approx(0.95 * 65536 / 6, rel=1e-3)
+    assert finding.evidence["request_tokens_mean"] == 2000
+    assert "concurrency_beyond_capacity" not in causes(findings)
+
+
 def test_capacity_below_configured_max_num_seqs():
     run = Run(thresholds={"max_num_seqs": 16})
     run.steps(4, usage=0.96, running=9, waiting=4, requests=4, **SHORT, preemptions=2)

@@ -1,0 +1,182 @@
+"""Diagnosis over every simulator scenario: the simulated engine advances in
+simulated time, its rendered /metrics page goes through the adapter with
+synthetic timestamps (no wall-clock waits), and each scenario must produce its
+finding and none of the findings it could be mistaken for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from kvwatch.diagnose import diagnose
+from kvwatch.engines.vllm import VllmAdapter
+from kvwatch.settings import Settings
+from kvwatch.signals import evaluate_window
+from kvwatch.sim.render import render_app_metrics, render_metrics
+from kvwatch.sim.scenario import load_scenario
+from kvwatch.sim.simulation import Simulation
+from kvwatch.upstream import UpstreamSource
+from kvwatch.window import Window
+
+BASE = 1_700_000_000.0
+EVERY = 5.0  # seconds between polls, as `kvwatch serve` polls by default
+SEEDS = (0, 1, 2)
+
+
+@dataclass
+class Poll:
+    time: float
+    phase: str
+    findings: list
+
+    @property
+    def pairs(self) -> set[tuple[str, str]]:
+        return {(f.symptom, f.cause) for f in self.findings}
+
+    @property
+    def causes(self) -> set[str]:
+        return {f.cause for f in self.findings}
+
+
+def play(name: str, seed: int, thresholds: dict | None = None, until: float | None = None) -> list[Poll]:
+    """Poll the scenario every EVERY simulated seconds through its whole run
+    (or until `until`), with a 5-minute window as `kvwatch serve` keeps."""
+    scenario = load_scenario(name)
+    sim = Simulation(scenario, seed=seed, created_unix=BASE)
+    adapter = VllmAdapter()
+    window = Window(300.0)
+    upstream = UpstreamSource(
+        Settings(upstream_target="http://127.0.0.1:9/app/metrics", upstream_histogram="app_retrieval_seconds"), 300.0)
+    end = scenario.cycle_seconds if until is None else until
+    polls = []
+    while sim.now < end - 1e-9:
+        sim.advance_to(min(end, sim.now + EVERY))
+        now = BASE + sim.now
+        window.add(adapter.adapt(render_metrics(sim.engines, sim.model_name, BASE, include_process=False), at=now))
+        report = upstream.ingest(render_app_metrics(sim.app_retrieval, BASE), now)
+        per_engine, per_model = evaluate_window(window)
+        findings = diagnose(window, per_engine, per_model, (), thresholds or {}, report)
+        polls.append(Poll(sim.now, sim.phase.name, findings))
+    return polls
+
+
+def at(polls: list[Poll], seconds: float) -> Poll:
+    return min(polls, key=lambda p: abs(p.time - seconds))
+
+
+def during(polls: list[Poll], start: float, end: float) -> list[Poll]:
+    return [p for p in polls if start <= p.time <= end]
+
+
+def engine_max_num_seqs(name: str) -> dict:
+    # What an operator sets in the diagnosis config: vLLM does not export it.
+    return {"max_num_seqs": load_scenario(name).engine.max_num_seqs}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_healthy_has_no_findings(seed):
+    polls = play("healthy", seed)
+    assert [p for p in polls if p.time >= 30 and p.findings] == []
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_exhaustion(seed):
+    polls = play("exhaustion", seed, engine_max_num_seqs("exhaustion"))
+    # light 0-60 s, overload 60-240 s, recovery after.
+    assert not any(p.causes & {"concurrency_beyond_capacity", "long_requests"} for p in during(polls, 0, 60))
+    end_of_overload = at(polls, 235)
+    assert ("exhaustion", "concurrency_beyond_capacity") in end_of_overload.pairs
+    exhausted = next(f for f in end_of_overload.findings if f.cause == "concurrency_beyond_capacity")
+    assert exhausted.severity == "critical" and exhausted.evidence["preemptions"] > 0
+    # Prompts of 600-1400 and answers of 500-1000 tokens: 8k tokens hold about 5, max_num_seqs is 32.
+    below = next(f for f in end_of_overload.findings if f.cause == "capacity_below_max_num_seqs")
+    assert below.evidence["kv_cache_capacity_requests"] < 32 == below.evidence["max_num_seqs"]
+    assert ("slow_first_token", "queueing_kv_bound") in end_of_overload.pairs
+    # Never read as a queue that a bigger cache would not shorten.
+    assert not any("queueing_compute_bound" in p.causes for p in polls)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_queueing_is_compute_bound(seed):
+    polls = play("queueing", seed, engine_max_num_seqs("queueing"))
+    # under-capacity 0-60 s, over-capacity 60-240 s, drain after.
+    assert not any(p.causes & {"queueing_compute_bound", "queueing_kv_bound"} for p in during(polls, 0, 60))
+    end_of_overload = at(polls, 235)
+    assert ("slow_first_token", "queueing_compute_bound") in end_of_overload.pairs
+    finding = next(f for f in end_of_overload.findings if f.cause == "queueing_compute_bound")
+    assert finding.evidence["kv_usage_max_while_waiting"] < 0.9
+    assert finding.evidence["running_max"] == 12
+    # Ample cache: never exhaustion, never a KV-bound queue, never front-end time.
+    for poll in polls:
+        assert not any(f.symptom == "exhaustion" and f.severity != "info" for f in poll.findings), poll
+        assert not poll.causes & {"queueing_kv_bound", "front_end"}, poll
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_prefix_change(seed):
+    polls = play("prefix-change", seed)
+    # version-1 0-180 s, version-2 (timestamp after 32 tokens) after.
+    assert not any(f.symptom == "low_hit_rate" for p in during(polls, 0, 180) for f in p.findings)
+    poll = at(polls, 240)
+    assert "prefix_changed" in poll.causes
+    finding = next(f for f in poll.findings if f.cause == "prefix_changed")
+    assert finding.evidence["hit_ratio_recent"] < 0.5 * finding.evidence["hit_ratio_baseline"]
+    assert finding.evidence["kv_usage_recent_max"] < 0.8
+    for poll in polls:
+        assert not poll.causes & {"eviction_before_reuse", "cold_cache", "caching_disabled", "no_reuse"}, poll
+        assert not any(f.symptom in ("exhaustion", "slow_first_token") for f in poll.findings), poll
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_eviction_pressure(seed):
+    polls = play("eviction-pressure", seed, engine_max_num_seqs("eviction-pressure"))
+    # few-tenants 0-120 s, many-tenants (60 system prompts) after.
+    assert not any(f.symptom == "low_hit_rate" for p in during(polls, 0, 120) for f in p.findings)
+    poll = at(polls, 240)
+    assert "eviction_before_reuse" in poll.causes
+    finding = next(f for f in poll.findings if f.cause == "eviction_before_reuse")
+    assert finding.evidence["kv_usage_recent_max"] >= 0.8
+    for poll in polls:
+        assert not poll.causes & {"cold_cache", "caching_disabled"}, poll
+    # In the first tens of seconds the 60 new system prompts are first uses (a
+    # prefix change indeed); once each has been seen, misses are evictions.
+    for poll in during(polls, 200, 360):
+        assert not poll.causes & {"prefix_changed", "no_reuse"}, poll
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_slow_prefill(seed):
+    polls = play("slow-prefill", seed)
+    # short-prompts 0-60 s, then 6k-12k token documents.
+    assert not any(f.symptom == "slow_first_token" for p in during(polls, 0, 60) for f in p.findings)
+    poll = at(polls, 240)
+    assert ("slow_first_token", "prefill") in poll.pairs
+    finding = next(f for f in poll.findings if f.cause == "prefill")
+    assert finding.evidence["prefill_share"] > 0.5
+    assert finding.evidence["uncached_prompt_tokens_mean"] > 1000
+    for poll in polls:
+        assert not poll.causes & {"front_end", "upstream"}, poll
+        # Documents of 6k-12k tokens sometimes overlap beyond 64k tokens of
+        # cache (a real exhaustion); a KV-bound queue is only named with it.
+        exhausted = any(f.symptom == "exhaustion" and f.severity != "info" for f in poll.findings)
+        if "queueing_kv_bound" in poll.causes:
+            assert exhausted, poll
+        if "queueing_compute_bound" in poll.causes:
+            assert not exhausted, poll
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_upstream_delay(seed):
+    polls = play("upstream-delay", seed)
+    # fast-retrieval 0-120 s, retrieval takes seconds after.
+    assert not any(f.symptom == "slow_first_token" for p in during(polls, 0, 120) for f in p.findings)
+    poll = at(polls, 300)
+    assert ("slow_first_token", "upstream") in poll.pairs
+    finding = next(f for f in poll.findings if f.cause == "upstream")
+    assert finding.evidence["upstream_histogram"] == "app_retrieval_seconds"
+    assert finding.evidence["upstream_mean_seconds"] > 10 * finding.evidence["ttft_mean_seconds"]
+    # The engine itself stays fast: no engine-side cause, ever.
+    for poll in polls:
+        assert not poll.causes & {"queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end"}, poll
+        assert not any(f.symptom == "exhaustion" for f in poll.findings), poll
