@@ -280,6 +280,20 @@ class EngineContext:
     def value(self, name: str):
         return self.values.get(name)
 
+    def counters_since(self, since: float, keys: tuple[str, ...]) -> dict[str, float]:
+        """The increase of a few counters after `since`, from the window's
+        stored steps (cheaper than a whole Increase with its histograms)."""
+        total = dict.fromkeys(keys, 0.0)
+        # The oldest entry's step reaches back past the window: never counted.
+        for entry in list(self.window.entries)[1:]:
+            if entry.snapshot.time <= since:
+                continue
+            step = entry.steps.get(self.key)
+            if step is not None:
+                for key in keys:
+                    total[key] += step.counters.get(key, 0.0)
+        return total
+
     def histogram(self, key: str) -> Histogram | None:
         histogram = self.increase.histograms.get(key)
         return histogram if histogram is not None and histogram.count > 0 else None
@@ -594,6 +608,9 @@ def _usage_in(ctx: EngineContext, since: float | None = None) -> tuple[float | N
     return max(values), sum(values) / len(values)
 
 
+PREFIX_COUNTERS = ("prefix_queries", "prefix_hits")
+
+
 def _ratio_of(counters: dict[str, float]) -> tuple[float | None, float]:
     queries = counters.get("prefix_queries", 0.0)
     hits = counters.get("prefix_hits", 0.0)
@@ -630,9 +647,9 @@ def _low_hit_rate_findings(ctx: EngineContext, changes: list["Change"]) -> list[
     restarts = [i for i, p in enumerate(ctx.polls) if p.restarted]
     if restarts:
         before_restart = ctx.polls[restarts[-1] - 1].time
-        after = ctx.window.increase(ctx.key, since=before_restart)
-        after_ratio, after_queries = _ratio_of(after.counters)
-        earlier = {k: v - after.counters.get(k, 0.0) for k, v in counters.items()}
+        after = ctx.counters_since(before_restart, PREFIX_COUNTERS)
+        after_ratio, after_queries = _ratio_of(after)
+        earlier = {k: v - after.get(k, 0.0) for k, v in counters.items()}
         earlier_ratio, earlier_queries = _ratio_of(earlier)
         if after_ratio is not None and after_queries >= min_tokens and (
             after_ratio < t["hit_ratio_low"]
@@ -652,9 +669,9 @@ def _low_hit_rate_findings(ctx: EngineContext, changes: list["Change"]) -> list[
     covered = latest_time - earliest_time
     recent_span = min(t["hit_recent_seconds"], covered / 2)
     split = latest_time - recent_span
-    recent = ctx.window.increase(ctx.key, since=split)
-    recent_ratio, recent_queries = _ratio_of(recent.counters)
-    baseline = {k: v - recent.counters.get(k, 0.0) for k, v in counters.items()}
+    recent = ctx.counters_since(split, PREFIX_COUNTERS)
+    recent_ratio, recent_queries = _ratio_of(recent)
+    baseline = {k: v - recent.get(k, 0.0) for k, v in counters.items() if k in PREFIX_COUNTERS}
     baseline_ratio, baseline_queries = _ratio_of(baseline)
     dropped = (
         recent_ratio is not None and baseline_ratio is not None
