@@ -273,6 +273,7 @@ def test_alertmanager_delivers_the_expected_alerts_with_their_causes(stack, aler
     deliveries, first_seen = alerts_delivered
     print("first delivery, seconds after start:",
           {f"{d}/{a}/{c}": round(t, 1) for (d, a, c), t in sorted(first_seen.items())})
+    print("all deliveries (deployment, alert, cause):", sorted(deliveries))
     for alert in stack["webhook"].received():
         labels = alert["labels"]
         if labels["alertname"].startswith("Vllm"):
