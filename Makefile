@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm bench generate system-deps clean
+.PHONY: run test test-vllm bench generate check-generated system-deps clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ bench: $(STAMP)
 
 generate: $(STAMP)
 	$(VENV)/bin/kvwatch generate
+
+# Fail when committed dashboards/, alerts/ or deploy/ are stale (a test checks it too).
+check-generated: $(STAMP)
+	$(VENV)/bin/kvwatch generate --check
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
