@@ -580,3 +580,12 @@ def test_settings_reject_bad_diagnosis_thresholds(tmp_path):
     with pytest.raises(SettingsError) as raised:
         load_settings(str(config), environ={})
     assert len([p for p in raised.value.problems if p.startswith("diagnosis:")]) == 2
+
+
+def test_docs_name_every_threshold_and_cause():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "diagnosis.md").read_text()
+    missing = [key for key in DEFAULT_THRESHOLDS if f"`{key}`" not in text]
+    missing += [cause for group in CAUSES.values() for cause in group if f"`{cause}`" not in text]
+    assert not missing, missing
