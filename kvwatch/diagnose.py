@@ -829,12 +829,16 @@ def _slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | No
                     queue_evidence, NEXT_CHECK["queueing_kv_bound"]))
             else:
                 max_seqs, source = _max_num_seqs(ctx)
+                configured = ctx.t["max_num_seqs"]
+                if configured is not None and (ctx.view.running_max or 0) >= configured:
+                    why = f"the batch was full at max_num_seqs={configured}"
+                else:
+                    why = f"KV usage at most {usage_while_waiting or 0:.0%} while requests waited"
                 findings.append(ctx.finding(
                     "slow_first_token", "queueing_compute_bound", "warning",
                     confidence if usage_while_waiting is not None else "low",
-                    f"{headline}; the queue is {share_text} while the KV cache was not exhausted "
-                    f"(usage at most {usage_while_waiting or 0:.0%} while requests waited): a bigger cache does not "
-                    "shorten this queue.",
+                    f"{headline}; the queue is {share_text} while the KV cache was not exhausted ({why}): a bigger "
+                    "cache does not shorten this queue.",
                     {**queue_evidence, "max_num_seqs": max_seqs, "max_num_seqs_source": source},
                     NEXT_CHECK["queueing_compute_bound"]))
         elif part == "prefill":
