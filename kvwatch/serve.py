@@ -32,6 +32,10 @@ OPTIONS = {
 }
 
 
+# Seconds a shutdown waits for open connections to kvwatch before closing them.
+SHUTDOWN_GRACE_SECONDS = 3
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help=f"YAML config file (env {env_name('config')})")
     for key, help_text in OPTIONS.items():
@@ -75,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
             access_log=False,
             ssl_certfile=settings.tls_cert_file,
             ssl_keyfile=settings.tls_key_file,
+            # A scraper's idle keep-alive connection (Prometheus keeps one)
+            # would otherwise hold a TLS shutdown for asyncio's 30 s close
+            # timeout: as long as Kubernetes' whole grace period.
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
         )
     finally:
         monitor.stop()
