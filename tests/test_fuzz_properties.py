@@ -26,7 +26,7 @@ import tracemalloc
 import types
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvwatch.monitor
