@@ -461,12 +461,13 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
         if engine_capacity is not None:
             capacity = (capacity or 0.0) + engine_capacity
         block_size = block_size or config_number(latest.cache_config.get(key[1], {}), "block_size")
-        usages = [value for _, value in window.gauge_series(key, "kv_usage")]
-        if usages:
-            usage_max = max(usages) if usage_max is None else max(usage_max, max(usages))
-        running = [value for _, value in window.gauge_series(key, "running")]
-        if running:
-            running_max = (running_max or 0.0) + max(running)
+        # The window keeps these maxima as snapshots come and go.
+        usage_peak = window.gauge_max(key, "kv_usage")
+        if usage_peak is not None:
+            usage_max = usage_peak if usage_max is None else max(usage_max, usage_peak)
+        running_peak = window.gauge_max(key, "running")
+        if running_peak is not None:
+            running_max = (running_max or 0.0) + running_peak
     # Engines of one model run side by side over the same span.
     increase.seconds = span
     return View(merged, increase, usage_max, running_max, capacity, block_size)

@@ -1,0 +1,144 @@
+"""The window's running sums answer what summing its steps one by one
+answers: the same keys, bounds, restarts and step counts, and values equal to
+the correctly rounded sum of the steps (so exactly the one-by-one sum when
+that is exact, as it is for whole counts), through restarts, bucket layouts
+that change, engines that come and go, evictions by time and by count, NaN
+and infinite values, and entries changed behind the window's back."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
+from kvwatch.window import Window
+
+ENGINES = [("m", "0"), ("m", "1"), ("n", "0")]
+LAYOUTS = [(0.5, 1.0, math.inf), (1.0, math.inf)]
+
+whole = st.integers(min_value=0, max_value=40).map(float)
+fraction = st.sampled_from([0.1, 0.25, 1.7, 1e-9, 3.3333333333333335])
+odd = st.sampled_from([math.nan, math.inf])
+
+
+@st.composite
+def engine_state(draw, values):
+    """One engine's counters and histograms as increments over its last
+    state; the test accumulates them into cumulative values."""
+    counters = {key: draw(values) for key in draw(st.sets(st.sampled_from(["a", "b", "finished/x"]), min_size=1))}
+    histograms = {}
+    for key in draw(st.sets(st.sampled_from(["h1", "h2"]))):
+        layout = draw(st.sampled_from(LAYOUTS)) if draw(st.integers(0, 3)) == 0 else LAYOUTS[0]
+        histograms[key] = (layout, [draw(whole) for _ in layout], draw(values))
+    gauges = {"kv_usage": draw(st.floats(0, 1)), "running": draw(whole)}
+    return counters, histograms, gauges, draw(st.integers(0, 14)) == 0  # restart
+
+
+@st.composite
+def polls(draw):
+    values = st.one_of(whole, whole, whole, fraction, odd) if draw(st.booleans()) else whole
+    count = draw(st.integers(1, 30))
+    return [
+        (draw(st.floats(0.5, 3.0)),
+         {key: draw(engine_state(values)) for key in draw(st.sets(st.sampled_from(ENGINES), min_size=1))},
+         draw(st.integers(0, 19)) == 0)  # the page spells a key with another family
+        for _ in range(count)
+    ]
+
+
+def same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def expected_values(window, key, attribute):
+    """Each counter's (or histogram field's) steps, to compare with fsum."""
+    found: dict = {}
+    for entry in list(window.entries)[1:]:
+        step = entry.steps.get(key)
+        if step is not None:
+            for name, value in attribute(step).items():
+                found.setdefault(name, []).append(value)
+    return found
+
+
+def check(window: Window):
+    for key in ENGINES:
+        fast = window.increase(key)
+        slow = window._summed_step_by_step(key)
+        assert (fast.restarts, fast.steps) == (slow.restarts, slow.steps)
+        assert list(fast.counters) == list(slow.counters) or set(fast.counters) == set(slow.counters)
+        assert set(fast.histograms) == set(slow.histograms)
+        steps = expected_values(window, key, lambda step: step.counters)
+        for name, value in fast.counters.items():
+            terms = steps[name]
+            if all(math.isfinite(t) for t in terms):
+                # Exactly the correctly rounded sum of the steps...
+                assert value == math.fsum(terms)
+                # ...which is the one-by-one sum whenever that is exact.
+                if all(t.is_integer() for t in terms):
+                    assert value == slow.counters[name]
+            else:
+                assert same(value, slow.counters[name])
+        for name, histogram in fast.histograms.items():
+            other = slow.histograms[name]
+            assert histogram.bounds == other.bounds
+            assert all(same(a, b) for a, b in zip(histogram.cumulative, other.cumulative))
+            assert math.isclose(histogram.sum, other.sum, rel_tol=1e-9, abs_tol=1e-12) or same(histogram.sum, other.sum)
+            assert same(histogram.count, other.count)
+        assert math.isclose(fast.seconds, slow.seconds, rel_tol=1e-12)
+        for gauge in ("kv_usage", "running"):
+            series = window.gauge_series(key, gauge)
+            assert window.gauge_max(key, gauge) == (max(v for _, v in series) if series else None)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(polls(), st.sampled_from([5.0, 12.0, math.inf]), st.sampled_from([3, 7, 10_000]), st.integers(0, 40))
+def test_running_sums_answer_what_step_by_step_sums_answer(sequence, seconds, max_entries, tamper_at):
+    window = Window(seconds, max_entries=max_entries)
+    cumulative: dict = {}
+    now = 1000.0
+    for index, (gap, engines, renamed) in enumerate(sequence):
+        now += gap
+        snapshot = Snapshot(now, {}, sources={"a": "family_b" if renamed and index % 2 else "family_a"})
+        for key, (counters, histograms, gauges, restart) in engines.items():
+            state = cumulative.setdefault(key, {"counters": {}, "histograms": {}})
+            if restart:
+                state["counters"].clear()
+                state["histograms"].clear()
+            engine = EngineSnapshot(*key, gauges=dict(gauges))
+            for name, increment in counters.items():
+                engine.counters[name] = state["counters"][name] = state["counters"].get(name, 0.0) + increment
+            for name, (layout, buckets, total) in histograms.items():
+                before = state["histograms"].get(name)
+                if before is None or before.bounds != layout:
+                    before = Histogram(layout, (0.0,) * len(layout), 0.0, 0.0)
+                running, cumulative_counts = 0.0, []
+                for previous, added in zip(before.cumulative, buckets):
+                    running += added
+                    cumulative_counts.append(previous + running)
+                state["histograms"][name] = engine.histograms[name] = Histogram(
+                    layout, tuple(cumulative_counts), before.sum + total, cumulative_counts[-1])
+            snapshot.engines[key] = engine
+        window.add(snapshot)
+        if index == tamper_at and len(window.entries) > 2:
+            window.entries.popleft()  # behind the window's back
+        check(window)
+    window.clear()
+    assert window.increase(ENGINES[0]).steps == 0 and window.gauge_max(ENGINES[0], "running") is None
+
+
+
+def test_bucket_layout_change_then_old_layout_steps_leave():
+    """Steps of the old layout leave the window after the new layout's run
+    began; the run keeps exactly its own steps."""
+    window = Window(4.5)
+    for second in range(12):
+        layout = LAYOUTS[0] if second < 5 or second == 8 else LAYOUTS[1]
+        counts = tuple(float(second * (i + 1)) for i in range(len(layout)))
+        engine = EngineSnapshot("m", "0", histograms={"h": Histogram(layout, counts, second * 0.1, counts[-1])})
+        window.add(Snapshot(float(second), {("m", "0"): engine}))
+        check(window)
+        if second:
+            assert window.increase(("m", "0")).histograms["h"].bounds == layout
