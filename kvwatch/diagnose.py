@@ -17,9 +17,15 @@ Rules run per (model, engine): the KV cache, its queue and its counters belong
 to one engine core. Every rule reads only the window (so a finding is active
 exactly while its evidence is inside the window, like an alert over
 `rate(...[5m])`) plus the change events the monitor recorded. One detector
-decides whether an engine's KV cache was exhausted, and both the exhaustion
-rules and the queueing split use it, so exhaustion is never called
-compute-bound queueing and compute-bound queueing is never called exhaustion.
+decides whether an engine's KV cache was exhausted, and the exhaustion rules,
+the queueing split and the hit-rate rules all use it: exhaustion is never
+called compute-bound queueing (nor the reverse), and while the cache is
+exhausted a low hit rate is named only on evidence the exhaustion does not
+explain (caching off, a restart, a change at the drop, a drop that showed
+before the exhaustion, residency histograms). The exhaustion causes are
+decided once per window from its means, as the generated alert rule decides
+them over its rate window, so the two agree and exactly one of
+concurrency_beyond_capacity and long_requests is named.
 
 Findings never claim more than their evidence. A prefix-cache hit means KV
 computed for earlier tokens was reused; it proves neither that an answer is
@@ -57,18 +63,17 @@ DEFAULT_THRESHOLDS: dict[str, Any] = {
     # whole blocks keep a truly full cache just under 1 (0.97-0.99 in the real
     # 0.32 captures), and below 0.9 a typical request still finds room.
     "exhaustion_usage_ratio": 0.9,
-    # A full cache is "a few very long requests" when each running request
-    # holds at least this share of it (five or fewer requests fill it) and no
-    # more requests wait than run, and "too many requests" otherwise. Ordinary
-    # chat requests hold a few percent of a production cache; in the real
-    # capture the 900-token prompts held about 24 % each with 2 waiting, the
-    # 400+400-token burst 17 % each with 18 waiting.
+    # A full cache is "a few very long requests" when, over the window, each
+    # running request holds at least this share of it (mean usage / mean
+    # running: five or fewer requests fill it) and no more requests wait than
+    # run (mean waiting <= mean running: few requests in all), and "too many
+    # requests" otherwise. The generated alert rules use the same definition
+    # over their rate window. Ordinary chat requests hold a few percent of a
+    # production cache; in the real capture the 900-token prompts held about
+    # 24 % each with 2 waiting, the 400+400-token burst 17 % each with 18
+    # waiting (at times over 20 %, as preemption thins the batch: the queue
+    # is what tells it apart).
     "long_request_capacity_share": 0.2,
-    # ... or when each holds at least this many times the window's mean
-    # request (prompt + generation of finished requests): long for this
-    # workload even on a large cache. The real burst held 1.2x its window's
-    # mean, its 900-token prompts 1.35x; 2x is clearly a different population.
-    "long_request_mean_factor": 2.0,
     # The scheduler's --max-num-seqs. vLLM does not export it; when unset the
     # diagnosis uses the most requests seen running at once as a lower bound
     # (the scheduler admitted that many, so its limit is at least that).
@@ -102,9 +107,11 @@ DEFAULT_THRESHOLDS: dict[str, Any] = {
     # Fewer queried tokens than this (per part) and the ratio counts a handful
     # of blocks: about two requests of 512 tokens.
     "min_query_tokens": 1024,
-    # Usage at or above this leaves too little free room to keep idle cached
-    # prefixes until they are reused (evictable blocks count as free, so high
-    # usage means running requests crowd them out).
+    # Usage at or above this, while the hit ratio falls from a healthy
+    # baseline and the cache is not exhausted, leaves too little free room to
+    # keep idle cached prefixes until they are reused (evictable blocks count
+    # as free, so high usage means running requests crowd them out). While it
+    # is exhausted, only vLLM's residency histograms name eviction.
     "eviction_usage_ratio": 0.8,
 }
 
@@ -140,13 +147,6 @@ def _seconds(value: Any) -> float:
     return parse_duration(value)
 
 
-def _factor(value: Any) -> float:
-    number = _plain_number(value)
-    if number < 1.0:
-        raise ValueError(f"{value!r} must be a factor of at least 1")
-    return number
-
-
 def _count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
         raise ValueError(f"{value!r} must be a positive integer")
@@ -166,7 +166,6 @@ def _plain_number(value: Any) -> float:
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "exhaustion_usage_ratio": _ratio,
     "long_request_capacity_share": _ratio,
-    "long_request_mean_factor": _factor,
     "max_num_seqs": _optional_count,
     "ttft_p95_seconds": _seconds,
     "ttft_mean_seconds": _seconds,
@@ -223,6 +222,7 @@ class Poll:
     time: float
     engine: EngineSnapshot
     restarted: bool
+    preempted: float = 0.0  # preemptions since the previous poll (0 for the window's oldest)
 
     def gauge(self, key: str) -> float | None:
         return self.engine.gauges.get(key)
@@ -251,13 +251,15 @@ class Exhaustion:
     full_polls: list[Poll]
     peak: Poll | None
     preemptions: float
+    started: float  # time of the first poll that was full or had preempted
 
 
 class EngineContext:
     """One engine's window, read once for all rules."""
 
-    def __init__(self, window: Window, row, thresholds: dict[str, Any]):
+    def __init__(self, window: Window, row, thresholds: dict[str, Any], changes: list["Change"] | None = None):
         self.window = window
+        self.changes = changes or []
         self.row = row
         self.t = thresholds
         self.model = row.model
@@ -267,26 +269,30 @@ class EngineContext:
         self.values = row.values
         self.increase: Increase = row.view.increase
         self.polls: list[Poll] = []
-        for entry in window.entries:
+        for index, entry in enumerate(window.entries):
             snapshot = entry.snapshot.engines.get(self.key)
             if snapshot is not None:
                 step = entry.steps.get(self.key)
-                self.polls.append(Poll(entry.snapshot.time, snapshot, bool(step and step.restarted)))
+                # The oldest entry's step reaches back past the window.
+                preempted = step.counters.get("preemptions", 0.0) if step is not None and index > 0 else 0.0
+                self.polls.append(Poll(entry.snapshot.time, snapshot, bool(step and step.restarted), preempted))
         latest = window.latest
         self.cache_config: dict[str, str] = latest.cache_config.get(row.engine, {}) if latest else {}
         self.capacity_tokens: float | None = row.view.capacity_tokens
         self._exhaustion: Exhaustion | None | bool = False
+        self._hit_rate: HitRateVerdict | None = None
 
     def value(self, name: str):
         return self.values.get(name)
 
-    def counters_since(self, since: float, keys: tuple[str, ...]) -> dict[str, float]:
-        """The increase of a few counters after `since`, from the window's
-        stored steps (cheaper than a whole Increase with its histograms)."""
+    def counters_since(self, since: float, keys: tuple[str, ...], until: float | None = None) -> dict[str, float]:
+        """The increase of a few counters after `since` (up to `until`), from
+        the window's stored steps (cheaper than a whole Increase with its
+        histograms)."""
         total = dict.fromkeys(keys, 0.0)
         # The oldest entry's step reaches back past the window: never counted.
         for entry in list(self.window.entries)[1:]:
-            if entry.snapshot.time <= since:
+            if entry.snapshot.time <= since or (until is not None and entry.snapshot.time > until):
                 continue
             step = entry.steps.get(self.key)
             if step is not None:
@@ -297,6 +303,14 @@ class EngineContext:
     def histogram(self, key: str) -> Histogram | None:
         histogram = self.increase.histograms.get(key)
         return histogram if histogram is not None and histogram.count > 0 else None
+
+    @property
+    def hit_rate(self) -> "HitRateVerdict":
+        """The hit-rate rule's verdict, judged once: the low_hit_rate rule
+        reports its finding, the exhaustion rule its notes."""
+        if self._hit_rate is None:
+            self._hit_rate = _judge_hit_rate(self)
+        return self._hit_rate
 
     def finding(self, symptom: str, cause: str, severity: str, confidence: str, summary: str,
                 evidence: dict[str, Any], next_check: str) -> Finding:
@@ -325,7 +339,10 @@ class EngineContext:
                 else:
                     with_usage = [p for p in self.polls if p.usage is not None]
                     peak = max(with_usage, key=lambda p: p.usage) if with_usage else None
-                self._exhaustion = Exhaustion(full, peak, preemptions)
+                full_ids = {id(p) for p in full}
+                first = [p.time for p in self.polls if id(p) in full_ids or p.preempted > 0]
+                started = min(first) if first else (self.polls[0].time if self.polls else 0.0)
+                self._exhaustion = Exhaustion(full, peak, preemptions, started)
         return self._exhaustion  # type: ignore[return-value]
 
 
@@ -446,6 +463,21 @@ def _length_evidence(ctx: EngineContext) -> dict[str, Any]:
     }
 
 
+def _load_shape(ctx: EngineContext) -> dict[str, float | None]:
+    """Window means of usage, running and waiting (polls that report usage
+    and running), and the share of the cache one running request held: mean
+    usage / mean running. The PromQL of the exhaustion alert computes the
+    same means with avg_over_time over its rate window."""
+    polls = [p for p in ctx.polls if p.usage is not None and p.gauge("running") is not None]
+    if not polls:
+        return {"kv_usage_mean": None, "running_mean": None, "waiting_mean": None, "share": None}
+    usage = sum(p.usage for p in polls) / len(polls)
+    running = sum(p.gauge("running") for p in polls) / len(polls)
+    waiting = sum(p.gauge("waiting") or 0.0 for p in polls) / len(polls)
+    return {"kv_usage_mean": usage, "running_mean": running, "waiting_mean": waiting,
+            "share": usage / running if running > 0 else None}
+
+
 def _exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     state = ctx.exhaustion
     capacity_requests = ctx.value("kvwatch_kv_cache_capacity_requests")
@@ -477,7 +509,13 @@ def _exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     prompt_mean = ctx.value("kvwatch_prompt_tokens_per_request_mean")
     generated_mean = ctx.value("kvwatch_generation_tokens_per_request_mean")
     request_mean = prompt_mean + generated_mean if prompt_mean is not None and generated_mean is not None else None
-    factor = ctx.t["long_request_mean_factor"]
+    shape = _load_shape(ctx)
+    share = shape["share"]
+    try:
+        hit_evidence = ctx.hit_rate.exhaustion_evidence
+    except Exception:  # the hit-rate rule's own failure must not drop this finding
+        log.exception("diagnosis: judging the hit rate failed for %s/%s", ctx.model, ctx.engine)
+        hit_evidence = {}
     common = {
         "kv_usage_max": ctx.value("kvwatch_kv_cache_usage_max_ratio"),
         "kv_usage_now": usage_now,
@@ -487,83 +525,69 @@ def _exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         "kv_cache_capacity_tokens": ctx.capacity_tokens,
         "kv_cache_capacity_requests": capacity_requests,
         **_length_evidence(ctx),
-        "long_request_capacity_share": long_share,
         "request_tokens_mean": request_mean,
+        "kv_usage_mean": shape["kv_usage_mean"],
+        "running_mean": shape["running_mean"],
+        "waiting_mean": shape["waiting_mean"],
+        "capacity_share_per_running_request": share,
+        "long_request_capacity_share": long_share,
+        **hit_evidence,
         "window_seconds": ctx.increase.seconds,
     }
     ongoing = usage_now is not None and usage_now >= limit
 
-    # A full cache is many ordinary requests or a few that each hold a large
-    # share of it. Each full poll is read on its own: one window can hold a
-    # burst of short requests and, later, a handful of long ones.
+    # One cause per window, decided as the alert rule decides it: a few long
+    # requests when each running request held a large share of the cache and
+    # no more requests waited than ran; many requests otherwise (also when no
+    # poll reported usage and running, with only preemptions to go by).
+    long = (share is not None and share >= long_share
+            and (shape["waiting_mean"] or 0.0) <= (shape["running_mean"] or 0.0))
+
     def footprint(poll: Poll) -> float | None:
         running = poll.gauge("running")
         if poll.usage is None or not running or not ctx.capacity_tokens:
             return None
         return poll.usage * ctx.capacity_tokens / running
 
-
-    def is_long(poll: Poll) -> bool:
-        """Few requests fill the cache: each holds a large share of it and the
-        queue is no longer than the batch (few requests in all; a queue of
-        several batches is too many requests, however long each is), or each
-        holds several times the window's mean request."""
-        tokens = footprint(poll)
-        if tokens is None:
-            return False
-        few = (poll.gauge("waiting") or 0.0) <= (poll.gauge("running") or 0.0)
-        return (few and tokens / ctx.capacity_tokens >= long_share) or \
-            (bool(request_mean) and tokens >= factor * request_mean)
-
-    polls = state.full_polls or ([state.peak] if state.peak else [])
-    long_polls, many_polls = [], []
-    for poll in polls:
-        (long_polls if is_long(poll) else many_polls).append(poll)
-    if not polls:  # preemptions without any usage gauge: nothing to split by
-        many_polls = []
-
     def at_peak(poll: Poll | None) -> dict[str, Any]:
         if poll is None:
             return {}
-        tokens = footprint(poll)
         return {"peak_seconds_ago": ctx.polls[-1].time - poll.time, "kv_usage_at_peak": poll.usage,
                 "running_at_peak": poll.gauge("running"), "waiting_at_peak": poll.gauge("waiting"),
                 "waiting_for_capacity_at_peak": poll.waiting_for_capacity,
-                "tokens_per_running_request_at_peak": tokens,
-                "capacity_share_per_running_request": _share(tokens, ctx.capacity_tokens)}
+                "tokens_per_running_request_at_peak": footprint(poll)}
 
-    def when(poll: Poll | None) -> str:
-        return "now" if ongoing and poll is not None and poll is ctx.polls[-1] else "earlier in the window"
+    peak = state.peak
+    when = "now" if ongoing and peak is not None and peak is ctx.polls[-1] else "earlier in the window"
+    proven = state.full_polls and (state.preemptions > 0 or (peak and peak.gauge("waiting_by_reason/capacity")))
+    confidence = "high" if proven else "medium"
 
-    def confidence_of(poll: Poll | None) -> str:
-        proven = state.full_polls and (state.preemptions > 0 or (poll and poll.gauge("waiting_by_reason/capacity")))
-        return "high" if proven else "medium"
-
-    if long_polls:
-        peak = max(long_polls, key=lambda p: (footprint(p) or 0.0))
-        tokens = footprint(peak)
+    if long:
+        tokens = share * ctx.capacity_tokens if ctx.capacity_tokens else None
         findings.append(ctx.finding(
-            "exhaustion", "long_requests", severity, confidence_of(peak),
-            f"KV cache full {when(peak)} with only {peak.gauge('running'):g} running requests holding about "
-            f"{tokens:.0f} tokens each ({tokens / ctx.capacity_tokens:.0%} of the cache"
-            + (f", {tokens / request_mean:.1f}x the window's mean request" if request_mean else "")
-            + "): a few very long requests fill it.",
-            {**common, "polls_full_with_few_long_requests": len(long_polls), **at_peak(peak)},
+            "exhaustion", "long_requests", severity, confidence,
+            f"KV cache full {when} with few requests: {shape['running_mean']:.1f} running on average, each holding "
+            f"{share:.0%} of the cache"
+            + (f" (about {tokens:.0f} tokens)" if tokens is not None else "")
+            + f", and {shape['waiting_mean']:.1f} waiting: a few very long requests fill it.",
+            {**common, **at_peak(peak)},
             NEXT_CHECK["long_requests"]))
-    if many_polls or not polls:
-        peak = max(many_polls, key=lambda p: (p.demand, p.usage or 0.0)) if many_polls else None
+    else:
         demand = peak.demand if peak else None
         beyond = capacity_requests is not None and demand is not None and demand > capacity_requests
-        summary = f"KV cache full {when(peak)}"
+        summary = f"KV cache full {when}"
         if demand is not None and capacity_requests is not None:
             summary += (f": {demand:g} requests running or waiting at the peak, the cache holds about "
                         f"{capacity_requests:g} at current mean lengths")
         elif not state.full_polls:
             summary += f": {state.preemptions:g} preemptions, no poll caught the cache full"
-        confidence = confidence_of(peak) if (beyond or capacity_requests is None) else "low"
+        if share is not None:
+            summary += (f"; each running request held {share:.0%} of it on average, with "
+                        f"{shape['waiting_mean']:.1f} waiting for {shape['running_mean']:.1f} running")
         findings.append(ctx.finding(
-            "exhaustion", "concurrency_beyond_capacity", severity, confidence, summary + ".",
-            {**common, "polls_full_with_many_requests": len(many_polls), "demand_at_peak": demand, **at_peak(peak)},
+            "exhaustion", "concurrency_beyond_capacity", severity,
+            confidence if (beyond or capacity_requests is None) else "low", summary + ".",
+            {**common, "demand_at_peak": demand, **at_peak(peak)},
             NEXT_CHECK["concurrency_beyond_capacity"]))
     if below is not None:
         findings.append(ctx.finding(
@@ -601,8 +625,10 @@ def _residency(ctx: EngineContext) -> tuple[bool | None, dict[str, Any]]:
     return idle_p50 < gap_p50, evidence
 
 
-def _usage_in(ctx: EngineContext, since: float | None = None) -> tuple[float | None, float | None]:
-    values = [p.usage for p in ctx.polls if p.usage is not None and (since is None or p.time > since)]
+def _usage_in(ctx: EngineContext, since: float | None = None,
+              until: float | None = None) -> tuple[float | None, float | None]:
+    values = [p.usage for p in ctx.polls if p.usage is not None and (since is None or p.time > since)
+              and (until is None or p.time <= until)]
     if not values:
         return None, None
     return max(values), sum(values) / len(values)
@@ -617,31 +643,99 @@ def _ratio_of(counters: dict[str, float]) -> tuple[float | None, float]:
     return (hits / queries if queries > 0 else None), queries
 
 
-def _low_hit_rate_findings(ctx: EngineContext, changes: list["Change"]) -> list[Finding]:
+@dataclass
+class StepDrop:
+    """A part of the window split into an earlier baseline and a recent part."""
+
+    baseline_ratio: float | None
+    baseline_queries: float
+    recent_ratio: float | None
+    recent_queries: float
+    span: float  # seconds of the recent part
+    split: float  # time the recent part starts
+
+    def dropped(self, t: dict[str, Any]) -> bool:
+        """The recent ratio fell to (1 - hit_drop_fraction) of a baseline
+        that had real reuse, both parts with enough queried tokens."""
+        return (self.recent_ratio is not None and self.baseline_ratio is not None
+                and self.recent_queries >= t["min_query_tokens"] and self.baseline_queries >= t["min_query_tokens"]
+                and self.baseline_ratio >= t["hit_ratio_low"]
+                and self.recent_ratio <= self.baseline_ratio * (1 - t["hit_drop_fraction"]))
+
+    def low_in_both(self, t: dict[str, Any]) -> bool:
+        """Low in the baseline and in the recent part, both with enough
+        queried tokens: low and stable, not a moment's mix."""
+        return (self.recent_ratio is not None and self.baseline_ratio is not None
+                and self.recent_queries >= t["min_query_tokens"] and self.baseline_queries >= t["min_query_tokens"]
+                and self.recent_ratio < t["hit_ratio_low"] and self.baseline_ratio < t["hit_ratio_low"])
+
+
+def _step_drop(ctx: EngineContext, last_time: float) -> StepDrop:
+    """The polls up to `last_time` split into a baseline and a recent part of
+    at most `hit_recent_seconds` (and at most half, so both have data)."""
+    first_time = ctx.polls[0].time if ctx.polls else last_time
+    span = min(ctx.t["hit_recent_seconds"], (last_time - first_time) / 2)
+    split = last_time - span
+    recent_ratio, recent_queries = _ratio_of(ctx.counters_since(split, PREFIX_COUNTERS, until=last_time))
+    baseline_ratio, baseline_queries = _ratio_of(ctx.counters_since(first_time, PREFIX_COUNTERS, until=split))
+    return StepDrop(baseline_ratio, baseline_queries, recent_ratio, recent_queries, span, split)
+
+
+@dataclass
+class HitRateVerdict:
+    """The hit-rate rule's decision for one engine: its finding, if any, and
+    what the exhaustion finding carries about the hit ratio (the ratio, and
+    why no low-hit-rate cause stands beside the exhaustion)."""
+
+    findings: list[Finding] = field(default_factory=list)
+    exhaustion_evidence: dict[str, Any] = field(default_factory=dict)
+
+
+NO_REUSE_UNDER_EXHAUSTION = ("With the cache exhausted, a low hit rate from a workload without shared prefixes is "
+                             "not a separate problem.")
+
+
+def _low_hit_rate_findings(ctx: EngineContext) -> list[Finding]:
+    return ctx.hit_rate.findings
+
+
+def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
+    """Low hit rate, cause by cause. While the cache is exhausted (the one
+    detector), a low ratio is named only on evidence the exhaustion does not
+    explain: caching off, a restart, a configuration/model/adapter change at
+    a drop, a drop that showed before the cache was exhausted, or vLLM's
+    residency histograms showing blocks evicted before their reuse. A
+    workload without shared prefixes is then no separate problem (the
+    exhaustion finding says so), and a drop that came with the exhaustion is
+    either evicted prefixes or changed ones: kvwatch does not guess which."""
     t = ctx.t
     counters = ctx.increase.counters
     prompt_tokens = counters.get("prompt_tokens", 0.0)
     enabled = ctx.cache_config.get("enable_prefix_caching")
     if enabled is not None and enabled.strip().lower() == "false":
         if prompt_tokens <= 0:
-            return []
-        return [ctx.finding(
+            return HitRateVerdict()
+        return HitRateVerdict([ctx.finding(
             "low_hit_rate", "caching_disabled", "info", "high",
             "Prefix caching is disabled (cache_config enable_prefix_caching=False): no prompt reuses earlier KV.",
             {"enable_prefix_caching": enabled, "prompt_tokens": prompt_tokens,
              "prefix_queries": counters.get("prefix_queries"), "window_seconds": ctx.increase.seconds},
-            NEXT_CHECK["caching_disabled"])]
+            NEXT_CHECK["caching_disabled"])])
 
     ratio, queries = _ratio_of(counters)
     if ratio is None or queries < t["min_query_tokens"]:
-        return []
+        return HitRateVerdict()
     min_tokens = t["min_query_tokens"]
+    exhausted = ctx.exhaustion
     latest_time = ctx.polls[-1].time if ctx.polls else 0.0
-    earliest_time = ctx.polls[0].time if ctx.polls else 0.0
     usage_max, usage_mean = _usage_in(ctx)
     base_evidence = {"hit_ratio": ratio, "prefix_queries": queries, "prefix_hits": counters.get("prefix_hits"),
                      "hit_ratio_low": t["hit_ratio_low"], "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
-                     "window_seconds": ctx.increase.seconds}
+                     "kv_cache_exhausted": exhausted is not None, "window_seconds": ctx.increase.seconds}
+    on_exhaustion = {"prefix_cache_hit_ratio": ratio}
+
+    def verdict(finding: Finding | None = None, note: str | None = None) -> HitRateVerdict:
+        return HitRateVerdict([finding] if finding else [], {**on_exhaustion, "hit_ratio_note": note})
 
     # A restart empties the cache: judge only the part after the last one.
     restarts = [i for i, p in enumerate(ctx.polls) if p.restarted]
@@ -656,75 +750,107 @@ def _low_hit_rate_findings(ctx: EngineContext, changes: list["Change"]) -> list[
             or (earlier_ratio is not None and earlier_queries >= min_tokens
                 and after_ratio <= earlier_ratio * (1 - t["hit_drop_fraction"]))
         ):
-            return [ctx.finding(
+            return verdict(ctx.finding(
                 "low_hit_rate", "cold_cache", "info", "high",
                 f"The engine restarted {latest_time - ctx.polls[restarts[-1]].time:.0f}s ago and its prefix cache "
                 f"is cold: hit ratio {after_ratio:.0%} since the restart.",
                 {**base_evidence, "hit_ratio_since_restart": after_ratio, "hit_ratio_before_restart": earlier_ratio,
                  "prefix_queries_since_restart": after_queries},
-                NEXT_CHECK["cold_cache"])]
-        return []
+                NEXT_CHECK["cold_cache"]))
+        return verdict()
 
     # Step drop: the recent part of the window against the earlier baseline.
-    covered = latest_time - earliest_time
-    recent_span = min(t["hit_recent_seconds"], covered / 2)
-    split = latest_time - recent_span
-    recent = ctx.counters_since(split, PREFIX_COUNTERS)
-    recent_ratio, recent_queries = _ratio_of(recent)
-    baseline = {k: v - recent.get(k, 0.0) for k, v in counters.items() if k in PREFIX_COUNTERS}
-    baseline_ratio, baseline_queries = _ratio_of(baseline)
-    dropped = (
-        recent_ratio is not None and baseline_ratio is not None
-        and recent_queries >= min_tokens and baseline_queries >= min_tokens
-        and baseline_ratio >= t["hit_ratio_low"]
-        and recent_ratio <= baseline_ratio * (1 - t["hit_drop_fraction"])
-    )
+    drop = _step_drop(ctx, latest_time)
+    dropped = drop.dropped(t)
     low = ratio < t["hit_ratio_low"]
     if not dropped and not low:
-        return []
+        return verdict()
 
     evicts, residency_evidence = _residency(ctx)
-    recent_usage_max, recent_usage_mean = _usage_in(ctx, since=split)
+    recent_usage_max, _ = _usage_in(ctx, since=drop.split)
     evidence = {**base_evidence, **residency_evidence, "eviction_usage_ratio": t["eviction_usage_ratio"]}
     if dropped:
-        evidence.update({"hit_ratio_baseline": baseline_ratio, "hit_ratio_recent": recent_ratio,
-                         "recent_seconds": recent_span, "kv_usage_recent_max": recent_usage_max})
+        evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio,
+                         "recent_seconds": drop.span, "kv_usage_recent_max": recent_usage_max})
         # A change of configuration, model or adapters at the drop explains it.
-        interval = covered / max(1, len(ctx.polls) - 1)
-        at_drop = [c for c in changes if c.time > split - interval
+        interval = (latest_time - ctx.polls[0].time) / max(1, len(ctx.polls) - 1)
+        at_drop = [c for c in ctx.changes if c.time > drop.split - interval
                    and c.kind in ("cache_config", "models", "lora") and c.engine in (None, ctx.engine)]
-        drop_text = f"Hit ratio fell from {baseline_ratio:.0%} to {recent_ratio:.0%} in the last {recent_span:.3g}s"
+        drop_text = (f"Hit ratio fell from {drop.baseline_ratio:.0%} to {drop.recent_ratio:.0%} in the last "
+                     f"{drop.span:.3g}s")
         if at_drop:
             evidence["changes_at_drop"] = "; ".join(f"{c.kind}: {c.detail}" for c in at_drop)
-            return [ctx.finding("low_hit_rate", "prefix_changed", "warning", "high",
-                                drop_text + f", when {at_drop[0].kind.replace('_', ' ')} changed.",
-                                evidence, NEXT_CHECK["prefix_changed"])]
-        if evicts or (evicts is None and recent_usage_max is not None
-                      and recent_usage_max >= t["eviction_usage_ratio"]):
-            why = ("blocks are evicted after less idle time than the usual gap between reuses" if evicts
-                   else f"while KV usage reached {recent_usage_max:.0%}")
-            return [ctx.finding("low_hit_rate", "eviction_before_reuse", "warning",
-                                "high" if evicts else "medium", f"{drop_text}, {why}.",
-                                evidence, NEXT_CHECK["eviction_before_reuse"])]
-        return [ctx.finding("low_hit_rate", "prefix_changed", "warning", "medium",
-                            drop_text + f" with KV usage moderate (at most {recent_usage_max or 0:.0%}): the "
-                            "requests stopped sharing the prefix they shared before.",
-                            evidence, NEXT_CHECK["prefix_changed"])]
+            return verdict(ctx.finding("low_hit_rate", "prefix_changed", "warning", "high",
+                                       drop_text + f", when {at_drop[0].kind.replace('_', ' ')} changed.",
+                                       evidence, NEXT_CHECK["prefix_changed"]))
+        if evicts:
+            return verdict(ctx.finding(
+                "low_hit_rate", "eviction_before_reuse", "warning", "high",
+                f"{drop_text}; blocks are evicted after less idle time than the usual gap between reuses.",
+                evidence, NEXT_CHECK["eviction_before_reuse"]))
 
-    # Low and stable.
+        def judged_without_exhaustion(part: StepDrop, until: float, text: str, extra: dict) -> Finding:
+            """A drop while the cache had room: crowded out when usage was high
+            (and no residency histogram says otherwise), else a changed prefix."""
+            usage_max, _ = _usage_in(ctx, since=part.split, until=until)
+            extra = {**evidence, **extra}
+            if evicts is None and usage_max is not None and usage_max >= t["eviction_usage_ratio"]:
+                return ctx.finding(
+                    "low_hit_rate", "eviction_before_reuse", "warning", "medium",
+                    f"{text} while KV usage reached {usage_max:.0%} without exhausting the cache: running "
+                    "requests leave idle prefixes little room.", extra, NEXT_CHECK["eviction_before_reuse"])
+            why = ("blocks stay cached longer than the usual gap between reuses" if evicts is False
+                   else f"KV usage moderate (at most {usage_max or 0:.0%})")
+            return ctx.finding(
+                "low_hit_rate", "prefix_changed", "warning", "medium",
+                f"{text} with {why}: the requests stopped sharing the prefix they shared before.",
+                extra, NEXT_CHECK["prefix_changed"])
+
+        if exhausted is None:
+            return verdict(judged_without_exhaustion(drop, latest_time, drop_text, {}))
+        # Exhausted: the drop says something apart from the exhaustion when
+        # it showed before the cache was exhausted (judged as if the window
+        # ended there), or when residency rules eviction out.
+        before = [p for p in ctx.polls if p.time < exhausted.started]
+        early = _step_drop(ctx, before[-1].time) if before else None
+        if early is not None and early.dropped(t):
+            return verdict(judged_without_exhaustion(
+                early, before[-1].time,
+                f"Hit ratio fell from {early.baseline_ratio:.0%} to {early.recent_ratio:.0%} before the KV cache "
+                f"was exhausted ({latest_time - exhausted.started:.0f}s ago)",
+                {"hit_ratio_baseline_before_exhaustion": early.baseline_ratio,
+                 "hit_ratio_recent_before_exhaustion": early.recent_ratio,
+                 "exhausted_seconds_ago": latest_time - exhausted.started}))
+        if evicts is False:
+            return verdict(ctx.finding(
+                "low_hit_rate", "prefix_changed", "warning", "medium",
+                f"{drop_text}, while the KV cache was exhausted, but blocks stay cached longer than the usual gap "
+                "between reuses: not eviction; the requests stopped sharing the prefix they shared before.",
+                evidence, NEXT_CHECK["prefix_changed"]))
+        return verdict(note=(
+            f"The hit ratio fell from {drop.baseline_ratio:.0%} to {drop.recent_ratio:.0%} as the cache was "
+            "exhausted: idle prefixes evicted by the load, or a changed prefix; vLLM's --kv-cache-metrics "
+            "histograms tell them apart, so no low-hit-rate cause is named."))
+
+    # Low without a drop.
     if evicts:
-        return [ctx.finding("low_hit_rate", "eviction_before_reuse", "warning", "medium",
-                            f"Hit ratio {ratio:.0%}; blocks are evicted after less idle time than the usual gap "
-                            "between reuses.", evidence, NEXT_CHECK["eviction_before_reuse"])]
-    if usage_mean is not None and usage_mean >= t["eviction_usage_ratio"] and evicts is None:
-        return [ctx.finding("low_hit_rate", "eviction_before_reuse", "warning", "low",
-                            f"Hit ratio {ratio:.0%} while KV usage averaged {usage_mean:.0%}: idle prefixes have "
-                            "little room, but a workload without shared prefixes looks the same without "
-                            "--kv-cache-metrics.", evidence, NEXT_CHECK["eviction_before_reuse"])]
-    return [ctx.finding("low_hit_rate", "no_reuse", "info", "medium",
-                        f"Hit ratio {ratio:.0%} and stable, KV usage moderate (mean "
-                        f"{usage_mean if usage_mean is not None else 0:.0%}): the requests share little prefix.",
-                        evidence, NEXT_CHECK["no_reuse"])]
+        return verdict(ctx.finding(
+            "low_hit_rate", "eviction_before_reuse", "warning", "medium",
+            f"Hit ratio {ratio:.0%}; blocks are evicted after less idle time than the usual gap between reuses.",
+            evidence, NEXT_CHECK["eviction_before_reuse"]))
+    if exhausted is not None:
+        return verdict(note=NO_REUSE_UNDER_EXHAUSTION)
+    if not drop.low_in_both(t):
+        return verdict()  # low for a moment only: not yet a workload's character
+    evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio})
+    crowded = evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]
+    return verdict(ctx.finding(
+        "low_hit_rate", "no_reuse", "info", "low" if crowded else "medium",
+        f"Hit ratio {ratio:.0%} and stable, the cache not exhausted: the requests share little prefix"
+        + (f" (KV usage averaged {usage_mean:.0%}, so idle prefixes may also be evicted before reuse; "
+           "vLLM's --kv-cache-metrics histograms tell)." if crowded
+           else f" (KV usage mean {usage_mean if usage_mean is not None else 0:.0%})."),
+        evidence, NEXT_CHECK["no_reuse"]))
 
 
 # --------------------------------------------------------------------------
@@ -982,10 +1108,10 @@ def diagnose(window, per_engine, per_model, events, thresholds: dict[str, Any], 
     for row in per_engine:
         if row.engine is None:
             continue
-        ctx = EngineContext(window, row, resolved)
+        ctx = EngineContext(window, row, resolved, changes)
         for rule in (
             lambda: _exhaustion_findings(ctx),
-            lambda: _low_hit_rate_findings(ctx, changes),
+            lambda: _low_hit_rate_findings(ctx),
             lambda: _slow_first_token_findings(ctx, upstream),
         ):
             try:

@@ -208,18 +208,29 @@ def test_a_long_queue_of_large_requests_is_too_many_requests():
     assert "long_requests" not in causes(findings)
 
 
-def test_requests_far_longer_than_the_window_mean_are_long_on_a_large_cache():
-    # 64k tokens of cache: 6 requests of ~10k tokens hold 16 % each (below the
-    # share), but five times the 2k-token requests that finished in the window.
-    run = Run()
-    run.engine.config.update(num_gpu_blocks="2048", kv_cache_size_tokens="65536")
-    run.steps(6, usage=0.3, running=6, requests=6, prompt=1500, generated=500, hit_ratio=0.5)
-    run.steps(2, usage=0.95, running=6, waiting=3, requests=1, prompt=1500, generated=500, hit_ratio=0.5)
+def test_one_exhaustion_cause_per_window_judged_on_its_means():
+    # A burst of many short requests, then a few long ones: judged on the
+    # window's means (as the alert rule judges its rate window), exactly one
+    # cause at a time, and the cause moves with the window.
+    run = Run(window_seconds=120)
+    run.steps(6, usage=0.97, running=8, waiting=20, requests=8, **SHORT, preemptions=1)
+    run.steps(6, usage=0.96, running=3, waiting=1, requests=1, prompt=1000, generated=200, preemptions=1)
     findings = run.findings()
-    finding = only(findings, "long_requests")
-    assert finding.evidence["tokens_per_running_request_at_peak"] == pytest.approx(0.95 * 65536 / 6, rel=1e-3)
-    assert finding.evidence["request_tokens_mean"] == 2000
-    assert "concurrency_beyond_capacity" not in causes(findings)
+    assert causes(findings, "exhaustion") == {"concurrency_beyond_capacity"}
+    finding = only(findings, "concurrency_beyond_capacity")
+    assert finding.evidence["waiting_mean"] > finding.evidence["running_mean"]
+    run.steps(10, usage=0.96, running=3, waiting=1, requests=1, prompt=1000, generated=200, preemptions=1)
+    findings = run.findings()
+    assert causes(findings, "exhaustion") == {"long_requests"}
+    assert only(findings, "long_requests").evidence["capacity_share_per_running_request"] == pytest.approx(0.32)
+
+
+def test_a_large_share_with_a_long_queue_is_many_requests_even_when_preemption_thins_the_batch():
+    # The real burst's shape: preemption leaves 4 running at 25 % each, 20 wait.
+    run = Run()
+    run.steps(6, usage=0.99, running=4, waiting=20, requests=4, prompt=400, generated=400, preemptions=2)
+    finding = only(run.findings(), "concurrency_beyond_capacity")
+    assert finding.evidence["capacity_share_per_running_request"] >= 0.2
 
 
 def test_capacity_below_configured_max_num_seqs():
@@ -366,6 +377,109 @@ def test_residency_that_keeps_blocks_long_enough_is_no_reuse():
     run = Run()
     run.steps(8, usage=0.85, running=3, requests=4, hit_ratio=0.05, residency=(120.0, 5.0))
     assert causes(run.findings(), "low_hit_rate") == {"no_reuse"}
+
+
+def test_a_low_ratio_for_a_moment_is_not_no_reuse():
+    # The first polls of traffic: low, but nothing earlier says it stays low.
+    run = Run()
+    run.steps(6, usage=0.1, running=0)
+    run.steps(2, usage=0.4, running=3, requests=4, hit_ratio=0.0)
+    assert not causes(run.findings(), "low_hit_rate")
+
+
+def test_no_reuse_on_a_crowded_cache_says_what_it_cannot_tell():
+    # High usage, nobody waits: not exhausted; without residency histograms a
+    # workload without shared prefixes and evicted prefixes look the same.
+    run = Run()
+    run.steps(18, usage=0.88, running=8, requests=4, hit_ratio=0.03)
+    finding = only(run.findings(), "no_reuse")
+    assert finding.confidence == "low" and "--kv-cache-metrics" in finding.summary
+    assert "eviction_before_reuse" not in causes(run.findings())
+
+
+# --------------------------------------------------------------------------
+# low hit rate while the cache is exhausted
+# --------------------------------------------------------------------------
+
+# The documented real burst: 400 distinct prompt tokens + 400 generated each,
+# far more requests than fit, no shared prefix.
+BURST = dict(usage=0.99, running=6, waiting=18, requests=6, prompt=400, generated=400, hit_ratio=0.0, preemptions=2)
+
+
+def test_exhaustion_without_shared_prefixes_is_not_a_low_hit_rate():
+    run = Run(window_seconds=60, interval=2.0)
+    run.steps(5, usage=0.0, running=0)
+    for count in range(1, 30):
+        run.step(**BURST)
+        findings = run.findings()
+        assert not causes(findings, "low_hit_rate"), (count, findings)
+    finding = only(findings, "concurrency_beyond_capacity")
+    assert finding.severity == "critical"
+    assert finding.evidence["prefix_cache_hit_ratio"] == 0
+    assert finding.evidence["hit_ratio_note"] == (
+        "With the cache exhausted, a low hit rate from a workload without shared prefixes is not a separate problem.")
+
+
+def test_a_drop_that_came_with_the_exhaustion_names_no_hit_rate_cause():
+    # Evicted by the load or changed prompts: the counters cannot tell which.
+    run = Run()
+    run.steps(12, usage=0.5, running=3, requests=4, hit_ratio=0.7)
+    run.steps(6, **{**BURST, "hit_ratio": 0.05})
+    findings = run.findings()
+    assert not causes(findings, "low_hit_rate")
+    note = only(findings, "concurrency_beyond_capacity").evidence["hit_ratio_note"]
+    assert "fell from 70% to 5%" in note and "--kv-cache-metrics" in note
+
+
+def test_a_drop_before_the_exhaustion_is_a_changed_prefix():
+    run = Run()
+    run.steps(12, usage=0.5, running=3, requests=4, hit_ratio=0.7)
+    run.steps(7, usage=0.5, running=3, requests=4, hit_ratio=0.05)
+    run.steps(3, **{**BURST, "hit_ratio": 0.05})
+    findings = run.findings()
+    finding = only(findings, "prefix_changed")
+    # The baseline: the polls before the last minute before the exhaustion.
+    assert finding.evidence["hit_ratio_baseline_before_exhaustion"] == pytest.approx((11 * 0.7 + 0.05) / 12, rel=1e-3)
+    assert finding.evidence["hit_ratio_recent_before_exhaustion"] == pytest.approx(0.05, rel=1e-3)
+    assert finding.evidence["kv_cache_exhausted"] is True
+    assert "concurrency_beyond_capacity" in causes(findings)
+    assert "eviction_before_reuse" not in causes(findings)
+
+
+def test_residency_histograms_prove_eviction_under_exhaustion():
+    run = Run()
+    run.steps(12, usage=0.5, running=3, requests=4, hit_ratio=0.7)
+    run.steps(6, **{**BURST, "hit_ratio": 0.05}, residency=(0.5, 30.0))
+    findings = run.findings()
+    finding = only(findings, "eviction_before_reuse")
+    assert finding.confidence == "high" and finding.evidence["kv_cache_exhausted"] is True
+    assert "concurrency_beyond_capacity" in causes(findings)
+
+
+def test_residency_that_keeps_blocks_rules_eviction_out_under_exhaustion():
+    run = Run()
+    run.steps(12, usage=0.5, running=3, requests=4, hit_ratio=0.7)
+    run.steps(6, **{**BURST, "hit_ratio": 0.05}, residency=(120.0, 5.0))
+    assert causes(run.findings(), "low_hit_rate") == {"prefix_changed"}
+
+
+def test_a_restart_under_exhaustion_is_still_a_cold_cache():
+    run = Run()
+    run.steps(6, usage=0.5, running=3, requests=4, hit_ratio=0.7)
+    run.engine.restart()
+    run.steps(6, **BURST)
+    findings = run.findings()
+    assert causes(findings, "low_hit_rate") == {"cold_cache"}
+    assert "concurrency_beyond_capacity" in causes(findings)
+
+
+def test_caching_disabled_under_exhaustion_is_still_reported():
+    run = Run()
+    run.engine.config["enable_prefix_caching"] = "False"
+    run.steps(6, **{**BURST, "hit_ratio": None})
+    findings = run.findings()
+    assert causes(findings, "low_hit_rate") == {"caching_disabled"}
+    assert "concurrency_beyond_capacity" in causes(findings)
 
 
 def test_healthy_hit_ratio_has_no_finding():

@@ -139,10 +139,39 @@ def test_eviction_pressure(seed):
     assert finding.evidence["kv_usage_recent_max"] >= 0.8
     for poll in polls:
         assert not poll.causes & {"cold_cache", "caching_disabled"}, poll
+        # Usage 0.83-0.96 with a queue but no preemption: the batch is full at
+        # max_num_seqs, so requests wait for a slot, not for blocks. Not
+        # exhausted, so a drop at high usage is named eviction.
+        assert not any(f.symptom == "exhaustion" and f.severity != "info" for f in poll.findings), poll
     # In the first tens of seconds the 60 new system prompts are first uses (a
     # prefix change indeed); once each has been seen, misses are evictions.
     for poll in during(polls, 200, 360):
         assert not poll.causes & {"prefix_changed", "no_reuse"}, poll
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_eviction_pressure_without_max_num_seqs_names_no_cause_the_exhaustion_explains(seed):
+    # Without max_num_seqs kvwatch cannot tell a queue for slots from a queue
+    # for blocks: usage >= 0.9 with requests waiting reads as exhaustion. A
+    # drop of the hit ratio that came with it is then either evicted prefixes
+    # or changed ones, and kvwatch names neither; a drop that showed before
+    # the exhaustion keeps the cause it had then.
+    polls = play("eviction-pressure", seed)
+    exhausted_polls = noted = 0
+    for poll in polls:
+        assert not poll.causes & {"cold_cache", "caching_disabled", "no_reuse"}, poll
+        exhaustion = [f for f in poll.findings if f.cause == "concurrency_beyond_capacity"]
+        if not exhaustion:
+            continue
+        exhausted_polls += 1
+        low_hit_rate = [f for f in poll.findings if f.symptom == "low_hit_rate"]
+        for finding in low_hit_rate:
+            assert "hit_ratio_recent_before_exhaustion" in finding.evidence, finding
+        # Otherwise the exhaustion finding says why no low-hit-rate cause stands beside it.
+        noted += bool(low_hit_rate) or "fell from" in exhaustion[0].evidence.get("hit_ratio_note", "")
+    assert exhausted_polls > 20 and noted > 10
+    for poll in during(polls, 200, 360):
+        assert "prefix_changed" not in poll.causes, poll
 
 
 @pytest.mark.parametrize("seed", SEEDS)
