@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests drive for real: Prometheus (and
-# promtool), Alertmanager, Chromium. Skips what is already there.
+# promtool), Alertmanager, Chromium, and openssl for the TLS tests. Skips what is already there.
 set -euo pipefail
 need=()
 command -v prometheus >/dev/null || need+=(prometheus)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null || need+=(prometheus-alertmanager)
 command -v chromium >/dev/null || need+=(chromium)
+command -v openssl >/dev/null || need+=(openssl)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
