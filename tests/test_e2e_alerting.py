@@ -7,7 +7,9 @@ One stack, several scenarios side by side (each sim with its own kvwatch,
 told apart by a `deployment` target label):
 
     exhaustion      -> VllmKvCacheExhausted{cause=concurrency_beyond_capacity}
-                       and VllmTimeToFirstTokenSlow{cause=queueing_kv_bound}
+                       and VllmTimeToFirstTokenSlow{cause=queueing_kv_bound},
+                       never a hit-rate cause (its prompts share nothing,
+                       and a full cache explains a low hit ratio)
     queueing        -> VllmTimeToFirstTokenSlow{cause=queueing_compute_bound}
     prefix-change   -> VllmPrefixCacheHitRateLow{cause=prefix_changed}
     upstream-delay  -> VllmTimeToFirstTokenSlow{cause=upstream} (the sim's
@@ -65,14 +67,15 @@ TEST_CONFIG = {
     "upstream_selector": 'job="rag-app"',
     "upstream_join_labels": ["deployment"],
 }
+HIT_RATE_CAUSES = {"caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"}
 SCENARIOS = {
     "exhaustion": {"expect": {("VllmKvCacheExhausted", "concurrency_beyond_capacity"),
                               ("VllmTimeToFirstTokenSlow", "queueing_kv_bound")},
-                   "forbid": {"long_requests", "queueing_compute_bound"}},
+                   "forbid": {"long_requests", "queueing_compute_bound"} | HIT_RATE_CAUSES},
     "queueing": {"expect": {("VllmTimeToFirstTokenSlow", "queueing_compute_bound")},
                  "forbid": {"queueing_kv_bound", "concurrency_beyond_capacity", "long_requests"}},
     "prefix-change": {"expect": {("VllmPrefixCacheHitRateLow", "prefix_changed")},
-                      "forbid": {"no_reuse", "eviction_before_reuse", "caching_disabled"}},
+                      "forbid": {"no_reuse", "eviction_before_reuse", "caching_disabled", "cold_cache"}},
     "upstream-delay": {"expect": {("VllmTimeToFirstTokenSlow", "upstream")},
                        "forbid": {"prefill", "front_end", "queueing_kv_bound", "queueing_compute_bound"}},
 }

@@ -103,11 +103,26 @@ def test_promtool_unit_tests_with_an_upstream_histogram(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@needs_promtool
+def test_promtool_unit_tests_with_the_no_reuse_alert_on(tmp_path):
+    rules = render_all(config_from_mapping(cases.NO_REUSE_CONFIG))[RULES_FILE]
+    result = run_cases(tmp_path, "no-reuse.test.yaml", rules)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_reuse_alert_is_off_by_default():
+    # A workload without shared prefixes would keep it firing forever.
+    assert ("VllmPrefixCacheHitRateLow", "no_reuse") not in {(s.alert, s.cause) for s in alert_specs(MixinConfig())}
+    on = {(s.alert, s.cause): s for s in alert_specs(config_from_mapping(cases.NO_REUSE_CONFIG))}
+    assert on[("VllmPrefixCacheHitRateLow", "no_reuse")].severity == "info"
+
+
 def test_cases_cover_every_alert_and_cause_and_check_every_alert():
-    covered = {(alert, cause) for case in cases.default_cases() + cases.upstream_cases()
+    covered = {(alert, cause) for case in cases.default_cases() + cases.upstream_cases() + cases.no_reuse_cases()
                for alert, cause, _ in case.expect}
     specs = {(s.alert, s.cause) for s in alert_specs(MixinConfig())}
     specs |= {(s.alert, s.cause) for s in alert_specs(config_from_mapping(cases.UPSTREAM_CONFIG))}
+    specs |= {(s.alert, s.cause) for s in alert_specs(config_from_mapping(cases.NO_REUSE_CONFIG))}
     assert specs == covered
     # Each case checks every alert name, so a cause firing where another
     # should is a failure: the negative half of every branch.

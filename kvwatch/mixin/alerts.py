@@ -8,6 +8,11 @@ time to first token) and filters it through its cause's conditions; the
 causes of one symptom partition it (each branch excludes the others with
 `unless`), so at most one cause fires per engine, and exhaustion-driven
 queueing and compute-bound queueing can never be reported together.
+
+The conditions are kvwatch's diagnosis in PromQL (kvwatch/diagnose.py): one
+exhaustion detector (Fragments.exhausted) decides the exhaustion alert, the
+KV-bound queue and whether a low hit rate may be blamed on anything else; the
+exhaustion causes use the diagnosis' definition over the same means.
 """
 
 from __future__ import annotations
@@ -100,28 +105,31 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
 
     # --- KV cache exhausted ------------------------------------------------------
     usage = f.usage_max()
+    share = pct(config.long_request_capacity_share)
     exhausted_intro = (f"The KV cache of {where} peaked at {{{{ {VALUE} | humanizePercentage }}}} in the last {w} "
                        f"while requests were preempted or waited for room")
     add("VllmKvCacheExhausted", "concurrency_beyond_capacity",
-        chain(usage, ("and", f.pressure()), ("unless", f.long_requests())),
+        chain(usage, ("and", f.exhausted()), ("unless", f.long_requests())),
         ">", config.exhaustion_usage_ratio,
         "vLLM KV cache full: more concurrent requests than the cache holds.",
-        f"{exhausted_intro}, and each running request held less than {pct(config.long_request_capacity_share)} "
-        "of it: too many requests run at once for the cache (likely cause: concurrency beyond capacity). "
-        "Next: on the exhaustion dashboard compare running plus waiting requests with how many the cache "
-        "holds at current lengths; cap concurrency near that (--max-num-seqs, the gateway), add replicas, or "
-        "give the cache more memory.")
+        f"{exhausted_intro}, and on average each running request held less than {share} of it or more "
+        "requests waited than ran: too many requests for the cache (likely cause: concurrency beyond "
+        "capacity). Next: on the exhaustion dashboard compare running plus waiting requests with how many the "
+        "cache holds at current lengths; cap concurrency near that (--max-num-seqs, the gateway), add "
+        "replicas, or give the cache more memory.")
     add("VllmKvCacheExhausted", "long_requests",
-        chain(usage, ("and", f.pressure()), ("and", f.long_requests())),
+        chain(usage, ("and", f.exhausted()), ("and", f.long_requests())),
         ">", config.exhaustion_usage_ratio,
         "vLLM KV cache full: a few long requests fill it.",
-        f"{exhausted_intro}, and each running request held at least "
-        f"{pct(config.long_request_capacity_share)} of it: a few long requests fill the cache (likely cause: "
-        "long requests). Next: check prompt and generation length p95 on the exhaustion dashboard and the "
-        "gateway log; cap max_tokens or --max-model-len, or route long-context requests to engines sized "
-        "for them.")
+        f"{exhausted_intro}, and on average each running request held at least {share} of it with no more "
+        "requests waiting than running: a few long requests fill the cache (likely cause: long requests). "
+        "Next: check prompt and generation length p95 on the exhaustion dashboard and the gateway log; cap "
+        "max_tokens or --max-model-len, or route long-context requests to engines sized for them.")
 
     # --- prefix-cache hit rate low -------------------------------------------------
+    # While the cache is exhausted, a full cache explains a low ratio by
+    # itself: only caching off, a restart (cold_cache) and a drop that showed
+    # while the cache was not exhausted (prefix_changed) are named then.
     hit = f.hit_ratio()
     judged = (("and", f.enough_queries()), ("unless", f.caching_disabled()))
     low_intro = (f"The prefix-cache hit ratio of {where} was {{{{ {VALUE} | humanizePercentage }}}} over the last "
@@ -137,35 +145,42 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     add("VllmPrefixCacheHitRateLow", "cold_cache",
         chain(hit, *judged, ("and", f.cold())),
         "<", config.hit_ratio_low,
-        "vLLM prefix-cache hit ratio low: the cache is cold after a start or a change.",
-        f"{low_intro}, and the engine started, restarted or changed its cache configuration within the last "
-        f"{config.cold_cache_window}: the cache has not warmed up (likely cause: cold cache). Next: expect the "
-        "ratio to recover after a few repeats of each prefix; if the engine restarted, find out why (deploy, "
-        "OOM, crash).")
+        "vLLM prefix-cache hit ratio low: the cache is cold after a restart.",
+        f"{low_intro}, and the engine restarted within the last {config.cold_cache_window} (its counters reset "
+        "or its cache configuration changed): the cache has not warmed up (likely cause: cold cache). Next: "
+        "expect the ratio to recover after a few repeats of each prefix; find out why the engine restarted "
+        "(deploy, OOM, crash).")
     add("VllmPrefixCacheHitRateLow", "eviction_before_reuse",
-        chain(hit, *judged, ("unless", f.cold()), ("and", f.cache_pressure())),
+        chain(hit, *judged, ("unless", f.cold()), ("and", f.healthy_baseline()), ("unless", f.exhausted()),
+              ("and", f.cache_pressure())),
         "<", config.hit_ratio_low,
         "vLLM prefix-cache hit ratio low: cached prefixes are evicted before reuse.",
-        f"{low_intro} while KV usage averaged above {pct(config.eviction_usage_ratio)} or requests were "
-        "preempted: running requests crowd idle cached prefixes out before they are reused (likely cause: "
-        "eviction before reuse). Next: run vLLM with --kv-cache-metrics and compare "
-        "kv_block_idle_before_evict with kv_block_reuse_gap; give the cache more room, or route requests that "
-        "share a prefix to the same engine.")
+        f"{low_intro}, after at least {pct(config.hit_ratio_low)} in the {config.hit_ratio_baseline_window} "
+        f"before, while KV usage averaged above {pct(config.eviction_usage_ratio)} without exhausting the cache: "
+        "running requests crowd idle cached prefixes out before they are reused (likely cause: eviction before "
+        "reuse). Next: run vLLM with --kv-cache-metrics and compare kv_block_idle_before_evict with "
+        "kv_block_reuse_gap; give the cache more room, or route requests that share a prefix to the same "
+        "engine.")
+    not_exhausted_or_dropped_before = (f"{paren(f.query_tokens())}\nunless\n{paren(f.exhausted())}"
+                                       f"\nunless\n{paren(f.cache_pressure())}"
+                                       f"\nor\n{paren(f.low_before_exhaustion())}\nand\n{paren(f.exhausted())}")
     add("VllmPrefixCacheHitRateLow", "prefix_changed",
-        chain(hit, *judged, ("unless", f.cold()), ("unless", f.cache_pressure()), ("and", f.healthy_baseline())),
+        chain(hit, *judged, ("unless", f.cold()), ("and", f.healthy_baseline()),
+              ("and", not_exhausted_or_dropped_before)),
         "<", config.hit_ratio_low,
         "vLLM prefix-cache hit ratio dropped: the shared prompt prefix changed.",
         f"{low_intro}, after at least {pct(config.hit_ratio_low)} in the {config.hit_ratio_baseline_window} "
-        "before, with room to spare in the cache: the requests stopped sharing the prefix they shared (likely "
-        "cause: prefix changed). Next: diff the prompt templates and system prompts deployed around the drop; "
-        "per-request text (timestamps, ids) before the shared text breaks reuse.")
-    add("VllmPrefixCacheHitRateLow", "no_reuse",
-        chain(hit, *judged, ("unless", f.cold()), ("unless", f.cache_pressure()), ("unless", f.healthy_baseline())),
-        "<", config.hit_ratio_low,
-        "vLLM prefix-cache hit ratio low: the prompts share little prefix.",
-        f"{low_intro}, it was low in the {config.hit_ratio_baseline_window} before as well, and the cache has "
-        "room: the workload shares few prefixes (likely cause: no reuse). Next: nothing to repair in the cache; "
-        "if the prompts should share text, put it first and keep it byte-identical.")
+        "before, and the drop showed while the cache had room: the requests stopped sharing the prefix they "
+        "shared (likely cause: prefix changed). Next: diff the prompt templates and system prompts deployed "
+        "around the drop; per-request text (timestamps, ids) before the shared text breaks reuse.")
+    if config.no_reuse_alert:
+        add("VllmPrefixCacheHitRateLow", "no_reuse",
+            chain(hit, *judged, ("unless", f.cold()), ("and", f.low_baseline()), ("unless", f.exhausted())),
+            "<", config.hit_ratio_low,
+            "vLLM prefix-cache hit ratio low: the prompts share little prefix.",
+            f"{low_intro}, it was low in the {config.hit_ratio_baseline_window} before as well, and the cache is "
+            "not exhausted: the workload shares few prefixes (likely cause: no reuse). Next: nothing to repair "
+            "in the cache; if the prompts should share text, put it first and keep it byte-identical.")
 
     # --- time to first token slow ------------------------------------------------
     ttft = f.first_token_mean()
@@ -175,9 +190,9 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         chain(ttft, ("and", f.queue_largest()), ("and", f.kv_bound())),
         ">", config.ttft_mean_seconds,
         "vLLM first token slow: requests queue for KV cache.",
-        f"{slow_intro}; most of it is queueing, and the KV cache was full or preempting: requests wait for KV "
-        "blocks (likely cause: KV-bound queueing). Next: the exhaustion dashboard; fewer or shorter concurrent "
-        "requests, or a larger cache, shorten this queue.")
+        f"{slow_intro}; most of it is queueing, and the KV cache was exhausted (full while requests waited, or "
+        "preempting): requests wait for KV blocks (likely cause: KV-bound queueing). Next: the exhaustion "
+        "dashboard; fewer or shorter concurrent requests, or a larger cache, shorten this queue.")
     add("VllmTimeToFirstTokenSlow", "queueing_compute_bound",
         chain(ttft, ("and", f.queue_largest()), ("unless", f.kv_bound())),
         ">", config.ttft_mean_seconds,
@@ -228,6 +243,8 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     expected = {(alert, cause) for alert, causes in ALERT_CAUSES.items() for cause in causes}
     if not f.upstream:
         expected.discard(("VllmTimeToFirstTokenSlow", "upstream"))
+    if not config.no_reuse_alert:
+        expected.discard(("VllmPrefixCacheHitRateLow", "no_reuse"))
     assert {(s.alert, s.cause) for s in specs} == expected, "every alert and cause has exactly one spec"
     return specs
 

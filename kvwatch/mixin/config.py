@@ -33,7 +33,8 @@ ALERTS = {
 }
 # The causes the rules tell apart, per alert. The diagnosis' third exhaustion
 # cause (capacity_below_max_num_seqs) needs --max-num-seqs, which vLLM does
-# not export, so Prometheus cannot decide it; the health alerts have one cause each.
+# not export, so Prometheus cannot decide it; the health alerts have one cause
+# each. `upstream` and `no_reuse` are generated only when the config asks.
 ALERT_CAUSES = {
     "VllmKvCacheExhausted": ("concurrency_beyond_capacity", "long_requests"),
     "VllmPrefixCacheHitRateLow": CAUSES["low_hit_rate"],
@@ -111,12 +112,16 @@ class MixinConfig:
         "Evaluation interval of the generated rule groups; empty uses Prometheus' global evaluation_interval. "
         "Set it when the global one is longer than the rate window allows."))
     cold_cache_window: str = field(default="30m", metadata=_help(
-        "How long after an engine (re)starts or changes its cache configuration a low hit ratio is blamed on a "
-        "cold cache. Longer than the hit-rate alert's `for:` (else a cold cache is never reported); raise it "
-        "for workloads whose prefixes repeat only every several minutes."))
+        "How long after an engine restart (its counters reset, or its cache configuration changed against the "
+        "one it had a window earlier) a low hit ratio is blamed on a cold cache. Only evidence of a restart "
+        "counts: a Prometheus with less history than this sees none. Longer than the hit-rate alert's `for:` "
+        "(else a cold cache is never reported); raise it for workloads whose prefixes repeat only every "
+        "several minutes."))
     hit_ratio_baseline_window: str = field(default="1h", metadata=_help(
         "Span before the rate window whose hit ratio is the baseline: a low ratio after a healthy baseline is a "
-        "changed prefix, after a low one it is no reuse. Shorten it for workloads that change by the minute."))
+        "changed prefix (or, with usage high and the cache not exhausted, eviction before reuse), after a low "
+        "one it is no reuse. Also the span searched for a drop that showed before an exhaustion. Shorten it for "
+        "workloads that change by the minute."))
     # ---------------------------------------------------------------- thresholds
     exhaustion_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["exhaustion_usage_ratio"], metadata=_help(
         "KV usage (0..1) above which the cache counts as full when requests also wait or are preempted. vLLM "
@@ -125,8 +130,9 @@ class MixinConfig:
     long_request_capacity_share: float = field(
         default=DEFAULT_THRESHOLDS["long_request_capacity_share"], metadata=_help(
             "A full cache is blamed on long requests when each running request holds at least this share of "
-            "it (usage / running), and on concurrency otherwise. 0.2 means five or fewer requests fill the "
-            "cache; raise it for long-context deployments where that is normal."))
+            "it (mean usage / mean running) and no more requests wait than run, and on concurrency otherwise "
+            "(kvwatch's diagnosis uses the same definition). 0.2 means five or fewer requests fill the cache; "
+            "raise it for long-context deployments where that is normal."))
     hit_ratio_low: float = field(default=DEFAULT_THRESHOLDS["hit_ratio_low"], metadata=_help(
         "Prefix-cache hit ratio (hit tokens / queried tokens) below which the hit rate is low. Raise it for "
         "workloads built on a long shared system prompt, where 0.5+ is normal."))
@@ -134,8 +140,9 @@ class MixinConfig:
         "Fewer prompt tokens queried in the rate window than this and the hit ratio is not judged (a handful "
         "of requests). Scale it with your traffic."))
     eviction_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["eviction_usage_ratio"], metadata=_help(
-        "Mean KV usage above which idle cached prefixes are blamed for being evicted before reuse (running "
-        "requests crowd them out)."))
+        "Mean KV usage above which a hit ratio that fell from a healthy baseline is blamed on idle cached "
+        "prefixes evicted before reuse (running requests crowd them out), when the cache is not exhausted. "
+        "While it is exhausted the full cache explains a low ratio by itself and this cause is not named."))
     ttft_mean_seconds: float = field(default=DEFAULT_THRESHOLDS["ttft_mean_seconds"], metadata=_help(
         "Mean time to first token (engine, plus the upstream stage when configured) above which the first "
         "token is slow. Means, not quantiles, because the parts (queue, prefill, front end, upstream) add "
@@ -150,6 +157,11 @@ class MixinConfig:
         "Labels the upstream histogram shares with kvwatch's series (a subset of group_labels), used to pair "
         "each engine with its upstream. Empty pairs every engine with the whole upstream: right when one "
         "upstream feeds all selected engines."))
+    no_reuse_alert: bool = field(default=False, metadata=_help(
+        "Generate the VllmPrefixCacheHitRateLow alert for cause no_reuse (severity info). Off by default: a "
+        "workload without shared prefixes has a low hit ratio forever and nothing to repair, so the alert would "
+        "fire forever; kvwatch_finding{cause=\"no_reuse\"} and the prefix-cache dashboard show it anyway. "
+        "Turn it on to hear when a workload that should share prefixes does not."))
     # ---------------------------------------------------------------- alerting
     for_durations: dict = field(default_factory=lambda: dict(DEFAULT_FOR), metadata=_help(
         "`for:` of each alert (alert name -> duration). Shorten to page sooner, lengthen against flapping."))
@@ -307,6 +319,9 @@ def _check_field(name: str, value: Any) -> list[str]:
         ratio(value)
     elif name in ("min_query_tokens", "ttft_mean_seconds"):
         positive(value)
+    elif name == "no_reuse_alert":
+        if not isinstance(value, bool):
+            problems.append(f"no_reuse_alert: {value!r} must be true or false")
     elif name == "upstream_histogram":
         if value is not None and (not isinstance(value, str) or not _METRIC_NAME.match(value)):
             problems.append(f"upstream_histogram: {value!r} is not a metric name")

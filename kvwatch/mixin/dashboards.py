@@ -361,8 +361,9 @@ def exhaustion(config: MixinConfig) -> Board:
                     width=12, runbook=runbook_anchor("VllmKvCacheExhausted", "concurrency_beyond_capacity")))
     b.add(PanelSpec("share_per_request", "Share of the cache per running request",
                     "Mean KV usage over mean running requests: the share of the cache one running request holds. "
-                    "Above the red line a few long requests fill the cache (cause long_requests), below it many "
-                    "requests do (cause concurrency_beyond_capacity).", "percentunit",
+                    "Above the red line, with no more requests waiting than running (Waiting requests by reason, "
+                    "Running requests), a few long requests fill the cache (cause long_requests); below it, or "
+                    "with a longer queue, many requests do (cause concurrency_beyond_capacity).", "percentunit",
                     [(v.fe.capacity_share_per_request(), e)], width=12,
                     runbook=runbook_anchor("VllmKvCacheExhausted", "long_requests"),
                     threshold=config.long_request_capacity_share))
@@ -391,7 +392,8 @@ def prefix_cache(config: MixinConfig) -> Board:
     b.add(PanelSpec("hit_ratio_vs_baseline", "Hit ratio: now and baseline",
                     "Prefix-cache hits over queries (tokens) over the rate interval, and over the "
                     f"{config.hit_ratio_baseline_window} before it (the baseline). VllmPrefixCacheHitRateLow fires "
-                    "below the red line: a healthy baseline means the prefix changed, a low one means no reuse.",
+                    "below the red line: after a healthy baseline the prefix changed or (usage high, cache not "
+                    "exhausted) prefixes were evicted before reuse; after a low one the workload shares little.",
                     "percentunit",
                     [(v.sig("kvwatch_prefix_cache_hit_ratio"), "now " + e),
                      (v.fe.baseline_hit_ratio(), "baseline " + e)],
@@ -411,7 +413,8 @@ def prefix_cache(config: MixinConfig) -> Board:
     b.row("Which cause?")
     b.add(PanelSpec("engine_config", "Engine cache configuration",
                     "kvwatch_engine_info (from vllm:cache_config_info): enable_prefix_caching=False means cause "
-                    "caching_disabled; a new row (new engine or changed configuration) means a cold cache.", "short",
+                    "caching_disabled; a changed row (the engine restarted with another configuration) means a "
+                    "cold cache.", "short",
                     [(f"kvwatch_engine_info{{{ENGINE_SEL}}}", "")], kind="table", width=12, height=7,
                     runbook=runbook_anchor("VllmPrefixCacheHitRateLow", "caching_disabled"), instant=True))
     b.add(PanelSpec("restarts", "Engine restarts",
@@ -423,13 +426,16 @@ def prefix_cache(config: MixinConfig) -> Board:
                     runbook=runbook_anchor("VllmPrefixCacheHitRateLow", "cold_cache")))
     b.add(PanelSpec("usage_mean", "KV usage (mean): room for idle prefixes",
                     "Mean KV usage over the rate interval. Evictable cached blocks count as free, so above the red "
-                    "line running requests crowd idle prefixes out before reuse (cause eviction_before_reuse).",
+                    "line, after a healthy baseline and with the cache not exhausted, running requests crowd idle "
+                    "prefixes out before reuse (cause eviction_before_reuse).",
                     "percentunit", [(v.fe.usage_avg(), e)], width=12,
                     runbook=runbook_anchor("VllmPrefixCacheHitRateLow", "eviction_before_reuse"),
                     threshold=config.eviction_usage_ratio))
-    b.add(PanelSpec("preemptions", "Preemptions", v.help("kvwatch_preemptions_per_second"), "ops",
-                    [(v.sig("kvwatch_preemptions_per_second"), e)], width=12,
-                    runbook=runbook_anchor("VllmPrefixCacheHitRateLow", "eviction_before_reuse")))
+    b.add(PanelSpec("preemptions", "Preemptions: is the cache exhausted?",
+                    v.help("kvwatch_preemptions_per_second") + " Preemptions mean the cache is exhausted (see "
+                    "VllmKvCacheExhausted): a full cache explains a low hit ratio by itself, so the hit-rate alert "
+                    "then names only caching off, a restart, or a drop that showed before the exhaustion.", "ops",
+                    [(v.sig("kvwatch_preemptions_per_second"), e)], width=12, runbook=ANCHOR_HIT))
     b.add(_findings_panel(v, "findings", "low_hit_rate", ANCHOR_HIT))
     return b
 
@@ -462,8 +468,9 @@ def first_token(config: MixinConfig) -> Board:
                     runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "queueing_compute_bound")))
     b.add(PanelSpec("kv_bound", "KV-bound? Usage peak and preemptions",
                     "KV usage peak over the rate interval, and preemptions per second. Queueing is KV-bound when "
-                    "the peak passes the red line (the exhaustion threshold) or requests are preempted; otherwise "
-                    "it waits for compute or scheduler slots and a bigger cache does not help.", "percentunit",
+                    "the cache is exhausted: the peak passes the red line (the exhaustion threshold) while requests "
+                    "wait for room, or requests are preempted; otherwise it waits for compute or scheduler slots "
+                    "and a bigger cache does not help.", "percentunit",
                     [(f.usage_max(), "usage peak " + e), (f.preemption_rate(), "preemptions/s " + e)], width=12,
                     runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "queueing_kv_bound"),
                     threshold=config.exhaustion_usage_ratio))

@@ -85,6 +85,11 @@ class Fragments:
     def running_avg(self) -> str:
         return self.s.agg("sum", f"avg_over_time({self.s.m('kvwatch_engine_requests_running')}[{self.s.w}])")
 
+    def waiting_avg(self) -> str:
+        """All waiting requests, whatever they wait for: the queue that tells
+        a few long requests from many requests."""
+        return self.s.agg("sum", f"avg_over_time({self.s.m('kvwatch_engine_requests_waiting')}[{self.s.w}])")
+
     def waiting_for_capacity_avg(self) -> str:
         """Requests waiting for room: vLLM 0.20+ says so by reason (deferred
         ones wait on LoRA budget or KV transfer); older versions only say waiting."""
@@ -154,21 +159,29 @@ class Fragments:
 
     # --- conditions -------------------------------------------------------------
 
-    def pressure(self) -> str:
-        """Requests suffer from a full cache: preempted, or waiting for room."""
-        return f"{paren(self.preemption_rate())} > 0\nor\n{paren(self.waiting_for_capacity_avg())} > 0"
+    def exhausted(self) -> str:
+        """The diagnosis' exhaustion detector over the rate window: the cache
+        filled up (usage peak above the threshold) and requests waited for
+        room (the diagnosis asks both of one poll; here the window's peak and
+        mean waiting), or requests were preempted (vLLM preempts only when it
+        cannot allocate a block). The exhaustion alert, the KV-bound queue and
+        the hit-rate causes all use it."""
+        return (f"{paren(self.usage_max())} > {num(self.c.exhaustion_usage_ratio)}"
+                f"\nand\n{paren(self.waiting_for_capacity_avg())} > 0"
+                f"\nor\n{paren(self.preemption_rate())} > 0")
 
     def long_requests(self) -> str:
-        """Each running request holds a large share of the cache."""
-        return f"{paren(self.capacity_share_per_request())}\n>= {num(self.c.long_request_capacity_share)}"
+        """A few requests fill the cache: each running request holds a large
+        share of it and no more requests wait than run (the diagnosis'
+        definition, over the same means)."""
+        return (f"{paren(self.capacity_share_per_request())}\n>= {num(self.c.long_request_capacity_share)}"
+                f"\nand\n{paren(self.waiting_avg())}\n<=\n{paren(self.running_avg())}")
 
     def kv_bound(self) -> str:
-        """The KV cache limits the engine: it filled up in the window, or
-        requests were preempted (vLLM preempts only when it cannot allocate a
-        block). Same threshold as the exhaustion alert, so exhaustion and
-        compute-bound queueing are never reported together."""
-        return (f"{paren(self.usage_max())} > {num(self.c.exhaustion_usage_ratio)}"
-                f"\nor\n{paren(self.preemption_rate())} > 0")
+        """The KV cache limits the engine: the exhaustion detector above, the
+        one the exhaustion alert uses, so KV-bound and compute-bound queueing
+        split exactly where exhaustion starts and are never reported together."""
+        return self.exhausted()
 
     def caching_disabled(self) -> str:
         return self.s.agg("max", self.s.m("kvwatch_engine_info", 'enable_prefix_caching=~"(?i)false"'))
@@ -180,22 +193,39 @@ class Fragments:
         return f"{paren(self.query_tokens())} >= {num(self.c.min_query_tokens)}"
 
     def cold(self) -> str:
-        """The engine is new, restarted, or changed its cache configuration
-        within the cold-cache window: its cache had no time to warm up."""
+        """The engine restarted within the cold-cache window, so its cache
+        is cold: its prompt-token counter reset, or its kvwatch_engine_info
+        labels (cache configuration, which vLLM changes only at a start)
+        differ from those it had one window ago. Evidence of a restart only:
+        a Prometheus with less history than the window sees neither."""
         span = self.c.cold_cache_window
         info = self.s.m("kvwatch_engine_info")
-        new_config = self.s.agg("count", f"{info} unless {info} offset {span}")
         restarted = self.s.agg("count", f"resets({self.s.m('kvwatch_engine_prompt_tokens_total')}[{span}]) > 0")
-        return f"{new_config}\nor\n{restarted}"
+        reconfigured = (f"{self.s.agg('count', f'{info} unless {info} offset {span}')}"
+                        f"\nand\n{self.s.agg('count', f'{info} offset {span}')}")
+        return f"{restarted}\nor\n{paren(reconfigured)}"
 
     def cache_pressure(self) -> str:
-        """Running requests crowd idle cached prefixes out of the cache."""
-        return (f"{paren(self.usage_avg())} > {num(self.c.eviction_usage_ratio)}"
-                f"\nor\n{paren(self.preemption_rate())} > 0")
+        """Running requests leave idle cached prefixes little room (judged
+        only where the cache is not exhausted)."""
+        return f"{paren(self.usage_avg())} > {num(self.c.eviction_usage_ratio)}"
 
     def healthy_baseline(self) -> str:
-        """The hit ratio was fine before the rate window."""
+        """The hit ratio was fine before the rate window: real reuse."""
         return f"{paren(self.baseline_hit_ratio())}\n>= {num(self.c.hit_ratio_low)}"
+
+    def low_baseline(self) -> str:
+        """The hit ratio was low before the rate window as well."""
+        return f"{paren(self.baseline_hit_ratio())}\n< {num(self.c.hit_ratio_low)}"
+
+    def low_before_exhaustion(self) -> str:
+        """Within the baseline span, some rate window (stepped by the rate
+        window, so they tile it) had a low hit ratio over enough queried
+        tokens while the cache was not exhausted: a drop that showed apart
+        from any exhaustion."""
+        low = (f"{paren(self.hit_ratio())}\n< {num(self.c.hit_ratio_low)}"
+               f"\nand\n{paren(self.enough_queries())}\nunless\n{paren(self.exhausted())}")
+        return f"max_over_time(\n{indent(paren(low) + f'[{self.c.hit_ratio_baseline_window}:{self.s.w}]')}\n)"
 
     # TTFT parts: the largest part is the cause; ties go to the earlier part in
     # queue, prefill, front end, upstream order, so exactly one part wins.

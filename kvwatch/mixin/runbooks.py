@@ -31,19 +31,34 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
             "usage this high means blocks held by running requests. Preempted requests are recomputed later "
             "and waiting ones get no first token: users see latency, the GPU redoes work.\n\n"
             "The cause is told apart by the share of the cache one running request holds (mean usage / mean "
-            f"running requests): at least {_pct(c.long_request_capacity_share)} means a few long requests fill "
-            "it (`long_requests`), less means many requests do (`concurrency_beyond_capacity`). Exactly one "
-            "cause fires per engine."),
+            "running requests over the rate window) and by the queue: a share of at least "
+            f"{_pct(c.long_request_capacity_share)} with no more requests waiting than running means a few long "
+            "requests fill it (`long_requests`); a smaller share, or a longer queue, means many requests do "
+            "(`concurrency_beyond_capacity`). The queue matters because preemption thins the batch: the few "
+            "requests left running each hold a large share while many wait. The two rules exclude each other, "
+            "so exactly one cause fires per engine; kvwatch's in-process diagnosis decides with the same "
+            "definition over its window and names the same one (and may add `capacity_below_max_num_seqs`, "
+            "which needs `--max-num-seqs`, not exported by vLLM)."),
         "VllmPrefixCacheHitRateLow": (
             f"Over the last {w}, fewer than {_pct(c.hit_ratio_low)} of the prompt tokens an engine looked up in "
             f"its prefix cache were found there (at least {num(c.min_query_tokens)} tokens looked up), for "
             f"{c.for_duration('VllmPrefixCacheHitRateLow')}; or prefix caching is off while the engine serves "
             "prompts. Every miss is prefill recomputed: more GPU time and a later first token.\n\n"
-            "The causes are checked in this order and exactly one fires: caching disabled; a cold cache (the "
-            f"engine started, restarted or changed its cache configuration within {c.cold_cache_window}); "
-            f"eviction before reuse (mean KV usage above {_pct(c.eviction_usage_ratio)}, or preemptions); a "
-            f"changed prefix (the ratio was at least {_pct(c.hit_ratio_low)} in the "
-            f"{c.hit_ratio_baseline_window} before); otherwise no reuse."),
+            "The causes exclude each other, so at most one fires per engine: caching disabled; a cold cache (the "
+            f"engine restarted within {c.cold_cache_window}: its counters reset or its cache configuration "
+            "changed; a Prometheus with less history than that sees no restart and does not guess one); else, "
+            f"after a healthy baseline (at least {_pct(c.hit_ratio_low)} in the {c.hit_ratio_baseline_window} "
+            "before), eviction before reuse (mean KV usage above "
+            f"{_pct(c.eviction_usage_ratio)} with the cache not exhausted) or a changed prefix; no reuse (low "
+            "before as well) only when the mixin config sets `no_reuse_alert`.\n\n"
+            "**While the KV cache is exhausted** (VllmKvCacheExhausted's condition: the cache full while "
+            "requests wait, or preemptions), a full cache explains a low hit ratio by itself: requests that "
+            "share nothing miss, and idle prefixes are evicted to make room. Then only caching disabled, a cold "
+            "cache, and a changed prefix whose drop already showed in a rate window without exhaustion (within "
+            f"the {c.hit_ratio_baseline_window} before) fire; a drop that came with the exhaustion names no "
+            "cause (eviction and changed prompts look alike in the counters; vLLM's `--kv-cache-metrics` "
+            "histograms tell them apart, and kvwatch's in-process finding uses them when exported). Treat the "
+            "exhaustion first."),
         "VllmTimeToFirstTokenSlow": (
             f"An engine's mean time to first token over the last {w} was above {num(c.ttft_mean_seconds)}s"
             + (f" (counting the upstream stage {c.upstream_histogram} before the engine)" if c.upstream_histogram
@@ -53,8 +68,10 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
             "(vllm:request_prefill_time_seconds), front end (the rest of the engine's TTFT: HTTP, "
             "tokenization, scheduling)"
             + (", and upstream" if c.upstream_histogram else "")
-            + ". The largest part is the cause; a queue is KV-bound when the cache was full or preempting in the "
-            f"window (the exhaustion threshold, {_pct(c.exhaustion_usage_ratio)}), compute-bound otherwise. "
+            + ". The largest part is the cause; a queue is KV-bound when the cache was exhausted in the window "
+            "(VllmKvCacheExhausted's condition: usage above "
+            f"{_pct(c.exhaustion_usage_ratio)} while requests waited for room, or preemptions), compute-bound "
+            "otherwise. "
             "Exactly one cause fires per engine, and KV-bound and compute-bound queueing never fire together. "
             "Means rather than quantiles, because only means add up (the dashboards show p50/p95/p99 too)."),
         "KvwatchDown": (
@@ -73,12 +90,12 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
     return {
         "concurrency_beyond_capacity": (
             "More requests want to run at once than the KV cache holds at their length. Each request is "
-            f"modest (under {share} of the cache), but together they overflow it, so the scheduler preempts "
-            "running requests and leaves new ones waiting.",
+            f"modest (under {share} of the cache), or more wait than run, but together they overflow it, so the "
+            "scheduler preempts running requests and leaves new ones waiting.",
             f"{D_EXHAUSTION}: *KV cache usage: now and peak* above the red line; *Preemptions* or *Waiting "
             "requests by reason* (capacity) above zero; *Requests wanting to run vs requests the cache holds* "
             "shows demand well above what the cache holds; *Share of the cache per running request* below "
-            "its red line.",
+            "its red line, or waiting requests above running ones.",
             "Cap concurrency near what the cache holds: `--max-num-seqs`, or a concurrency limit in the "
             "gateway or router. Add replicas and spread the load. Give the cache more memory "
             "(`--gpu-memory-utilization`, an fp8 KV cache dtype, more tensor parallelism). `kvwatch capacity` "
@@ -86,10 +103,11 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             "Do not shorten max_model_len for this: the requests are not long. Do not read high usage alone as "
             "the problem: a busy, healthy cache runs near full without preempting."),
         "long_requests": (
-            f"A few requests, each holding at least {share} of the KV cache, fill it: the cache is small for the "
-            "lengths being served, whatever the concurrency.",
+            f"A few requests, each holding at least {share} of the KV cache, fill it, and no more wait than run: "
+            "the cache is small for the lengths being served, whatever the concurrency.",
             f"{D_EXHAUSTION}: *Share of the cache per running request* above its red line; *Request length (p95 "
-            "and mean)* shows long prompts or generations; *Running requests* low while usage is at the top.",
+            "and mean)* shows long prompts or generations; *Running requests* low while usage is at the top, "
+            "and *Waiting requests by reason* no higher.",
             "Find who sends the long requests (gateway log, prompt and generation p95). Cap `max_tokens` or "
             "`--max-model-len`, route long-context requests to engines sized for them (more KV memory per "
             "engine: tensor parallelism, an fp8 KV cache), and enable chunked prefill so long prompts do not "
@@ -105,9 +123,10 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             "enable prefix caching. If they do not, silence this alert for the engine (its severity is info).",
             "Do not tune cache size or routing for hit rate before caching is on."),
         "cold_cache": (
-            f"The engine started, restarted or changed its cache configuration within {c.cold_cache_window}: its "
-            "cache is empty, and each prefix must be computed once before it can be reused.",
-            f"{D_PREFIX}: *Engine restarts* above zero, or a new row in *Engine cache configuration*; the hit "
+            f"The engine restarted within {c.cold_cache_window} (its prompt-token counter reset, or it came back "
+            "with another cache configuration): its cache is empty, and each prefix must be computed once "
+            "before it can be reused.",
+            f"{D_PREFIX}: *Engine restarts* above zero, or a changed row in *Engine cache configuration*; the hit "
             "ratio climbs as the cache warms up.",
             "Wait for the cache to warm; the alert clears by itself. If the engine restarted unexpectedly, find "
             "out why (deploy, OOM, crash in its log). After a configuration change, recheck capacity on the "
@@ -115,12 +134,13 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             "Do not compare hit ratios across a restart or a configuration change; do not change the "
             "configuration again to fix a cold cache."),
         "eviction_before_reuse": (
-            f"Prefixes repeat, but running requests hold so much of the cache (mean usage above "
-            f"{_pct(c.eviction_usage_ratio)}, or preemptions) that idle cached prefixes are evicted before their "
-            "next use.",
-            f"{D_PREFIX}: *KV usage (mean): room for idle prefixes* above its red line or *Preemptions* above "
-            "zero, while *Hit ratio: now and baseline* is low. With vLLM's `--kv-cache-metrics`, "
-            "kv_block_idle_before_evict shorter than kv_block_reuse_gap proves it.",
+            f"Prefixes repeated (the hit ratio was healthy in the {c.hit_ratio_baseline_window} before), but now "
+            f"running requests hold so much of the cache (mean usage above {_pct(c.eviction_usage_ratio)}, the "
+            "cache not exhausted) that idle cached prefixes are evicted before their next use.",
+            f"{D_PREFIX}: *KV usage (mean): room for idle prefixes* above its red line, *Preemptions* at zero, "
+            "and *Hit ratio: now and baseline* with the baseline above the red line and the current ratio below. "
+            "With vLLM's `--kv-cache-metrics`, kv_block_idle_before_evict shorter than kv_block_reuse_gap "
+            "proves it (kvwatch's in-process finding reads them).",
             "Give idle prefixes room: more KV memory, fewer concurrent long requests, or more replicas. Route "
             "requests that share a prefix to the same engine (prefix-aware routing) so each engine keeps fewer "
             "distinct prefixes.",
@@ -128,26 +148,30 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             "then sees every prefix and keeps none."),
         "prefix_changed": (
             f"The hit ratio was healthy (at least {_pct(c.hit_ratio_low)}) in the {c.hit_ratio_baseline_window} "
-            "before and dropped, with room in the cache: the requests stopped sharing the prefix they shared. "
-            "Typically a new prompt template or system prompt puts per-request text (a timestamp, a user id, a "
-            "shuffled tool list) before the shared part.",
+            "before and dropped while the cache had room (usage below the eviction line, not exhausted; if the "
+            "cache is exhausted now, the drop showed before it): the requests stopped sharing the prefix they "
+            "shared. Typically a new prompt template or system prompt puts per-request text (a timestamp, a "
+            "user id, a shuffled tool list) before the shared part.",
             f"{D_PREFIX}: *Hit ratio: now and baseline* with the baseline above the red line and the current "
-            "ratio below; *KV usage (mean)* below its red line; no restart. The drop lines up with a deploy of "
-            "the application or gateway.",
+            "ratio below; *KV usage (mean)* below its red line when the drop began; no restart. The drop lines "
+            "up with a deploy of the application or gateway.",
             "Diff the prompt templates deployed around the drop. Keep shared text first and byte-identical "
             "across requests; move per-request text after it.",
             "Do not add KV memory: the cache has room, the prompts no longer match."),
         "no_reuse": (
-            "The hit ratio is low and was low before too, and the cache has room: the workload shares few "
-            "prefixes (unique documents, no common system prompt).",
-            f"{D_PREFIX}: *Hit ratio: now and baseline*, both low; *KV usage (mean)* below its red line.",
+            "The hit ratio is low and was low before too, and the cache is not exhausted: the workload shares "
+            "few prefixes (unique documents, no common system prompt). Generated only with `no_reuse_alert: "
+            "true` in the mixin config: such a workload would keep this alert firing forever. kvwatch's "
+            "in-process finding (`kvwatch_finding{cause=\"no_reuse\"}`, info) shows it either way, and never "
+            "while the cache is exhausted.",
+            f"{D_PREFIX}: *Hit ratio: now and baseline*, both low; *Preemptions* at zero. With *KV usage (mean)* "
+            "above its red line, evicted prefixes look the same: vLLM's `--kv-cache-metrics` tells.",
             "Nothing to repair in the cache. If the prompts should share text, put it first and keep it "
-            "byte-identical. Otherwise lower `hit_ratio_low` for this workload or silence the alert (its "
-            "severity is info).",
+            "byte-identical. Otherwise lower `hit_ratio_low` for this workload or turn `no_reuse_alert` off.",
             "Do not buy KV memory or change routing for hit rate: there is nothing to reuse."),
         "queueing_kv_bound": (
-            "Most of the time to first token is spent waiting in the queue, and the KV cache was full or "
-            "preempting: requests wait for KV blocks.",
+            "Most of the time to first token is spent waiting in the queue, and the KV cache was exhausted "
+            "(full while requests waited for room, or preempting): requests wait for KV blocks.",
             f"{D_TTFT}: *Mean time to first token and its parts* with queue the largest; *KV-bound? Usage peak "
             f"and preemptions* above the red line. {D_EXHAUSTION} shows the exhaustion behind it.",
             "Treat it as exhaustion (see VllmKvCacheExhausted): fewer or shorter concurrent requests, more KV "
@@ -229,6 +253,8 @@ def render(config: MixinConfig) -> str:
             meaning, confirm, do, dont = causes[cause]
             if spec:
                 headline = f"*{spec.summary}* Severity {spec.severity}."
+            elif cause == "no_reuse":
+                headline = "*Only when the mixin config sets `no_reuse_alert: true`* (not in this generation)."
             else:
                 headline = ("*Only when the mixin config names an `upstream_histogram`* (not in this "
                             "generation).")

@@ -161,6 +161,10 @@ def default_cases() -> list[Case]:
         Case("exhaustion: three running requests fill it -> long_requests, not concurrency",
              [Engine(usage=const(0.97), preemptions=rate(2), running=const(3), waiting=const(1))], "40m",
              [("VllmKvCacheExhausted", "long_requests", ENGINE)]),
+        Case("exhaustion: a large share per request but a long queue (preemption thinned the batch) -> "
+             "concurrency_beyond_capacity, not long_requests",
+             [Engine(usage=const(0.99), preemptions=rate(3), running=const(4), waiting=const(18))], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE)]),
         Case("exhaustion: waiting for capacity without preemptions still counts",
              [Engine(usage=const(0.95), running=const(10), waiting=const(4), waiting_capacity=const(4),
                      waiting_deferred=const(0))], "40m",
@@ -176,20 +180,54 @@ def default_cases() -> list[Case]:
         # --- low prefix-cache hit rate ---------------------------------------------
         Case("hit rate: prefix caching off -> caching_disabled",
              [Engine(caching="False")], "40m", [("VllmPrefixCacheHitRateLow", "caching_disabled", ENGINE)]),
-        Case("hit rate: a new engine with a low ratio -> cold_cache, not no_reuse",
-             [old_engine_hit(0.05)], "25m", [("VllmPrefixCacheHitRateLow", "cold_cache", ENGINE)]),
+        Case("hit rate: a new engine (little history, no restart seen) is not a cold cache -> nothing",
+             [old_engine_hit(0.05)], "25m", []),
         Case("hit rate: an engine restart makes the cache cold again",
              [Engine(prompt_tokens="0+30000x60 0+30000x60", prefix_queries="0+20000x60 0+20000x60",
                      prefix_hits="0+1000x60 0+1000x60")], "85m",
              [("VllmPrefixCacheHitRateLow", "cold_cache", ENGINE)]),
-        Case("hit rate: low and stable on a warm engine with room -> no_reuse",
-             [old_engine_hit(0.05)], "50m", [("VllmPrefixCacheHitRateLow", "no_reuse", ENGINE)]),
-        Case("hit rate: low with the cache crowded -> eviction_before_reuse",
-             [old_engine_hit(0.05, usage=const(0.9))], "50m",
+        Case("hit rate: the engine came back with another cache configuration -> cold_cache",
+             [old_engine_hit(0.05, info="1x60 _x60")], "85m",
+             [("VllmPrefixCacheHitRateLow", "cold_cache", ENGINE)],
+             [{"series": _selector("kvwatch_engine_info", {**ENGINE, "enable_prefix_caching": "True",
+                                                           "block_size": "32"}), "values": "_x60 1x60"}]),
+        Case("hit rate: low and stable on a warm engine with room -> nothing (no_reuse_alert is off)",
+             [old_engine_hit(0.05)], "50m", []),
+        Case("hit rate: low all along on a crowded cache is not eviction (no healthy baseline) -> nothing",
+             [old_engine_hit(0.05, usage=const(0.88), running=const(8))], "50m", []),
+        Case("hit rate: healthy for an hour, then dropped on a crowded cache that is not exhausted -> "
+             "eviction_before_reuse",
+             [Engine(usage=const(0.88), running=const(8), prefix_queries=rate(20000),
+                     prefix_hits="0+16000x60 960000+1000x60")], "82m",
              [("VllmPrefixCacheHitRateLow", "eviction_before_reuse", ENGINE)]),
         Case("hit rate: healthy for an hour, then dropped -> prefix_changed",
              [Engine(prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60")], "82m",
              [("VllmPrefixCacheHitRateLow", "prefix_changed", ENGINE)]),
+        # --- low prefix-cache hit rate while the cache is exhausted ---------------------
+        Case("hit rate: the documented burst (exhausted, prompts share nothing) -> exhaustion only",
+             [Engine(**busy, **hits(0.0))], "50m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE)]),
+        Case("hit rate: healthy, then dropped as the cache became exhausted -> exhaustion only, no hit-rate cause",
+             [Engine(usage="0.4x60 0.99x60", running=const(6), waiting="0x60 18x60", preemptions="0x60 0+6x60",
+                     prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60")], "82m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE)]),
+        Case("hit rate: preemptions without a full cache are exhaustion too, not eviction -> nothing",
+             [Engine(usage=const(0.85), running=const(8), preemptions="0x60 0+2x60",
+                     prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60")], "82m", []),
+        Case("hit rate: the prefix changed before the cache became exhausted -> prefix_changed and exhaustion",
+             [Engine(usage="0.4x80 0.99x40", running=const(6), waiting="0x80 18x40", preemptions="0x80 0+6x40",
+                     prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60")], "100m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE),
+              ("VllmPrefixCacheHitRateLow", "prefix_changed", ENGINE)]),
+        Case("hit rate: an engine restart under exhaustion is still a cold cache",
+             [Engine(**busy, prompt_tokens="0+30000x60 0+30000x60", prefix_queries="0+20000x60 0+20000x60",
+                     prefix_hits="0+1000x60 0+1000x60")], "85m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE),
+              ("VllmPrefixCacheHitRateLow", "cold_cache", ENGINE)]),
+        Case("hit rate: prefix caching off under exhaustion is still caching_disabled",
+             [Engine(**busy, caching="False")], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE),
+              ("VllmPrefixCacheHitRateLow", "caching_disabled", ENGINE)]),
         Case("hit rate: healthy -> nothing",
              [old_engine_hit(0.7)], "50m", []),
         Case("hit rate: too few queried tokens to judge -> nothing",
@@ -255,7 +293,30 @@ def upstream_cases() -> list[Case]:
     ]
 
 
-FILES = {"alerts.test.yaml": default_cases, "upstream.test.yaml": upstream_cases}
+NO_REUSE_CONFIG = {"no_reuse_alert": True}
+
+
+def no_reuse_cases() -> list[Case]:
+    """Against a config that turns the no_reuse alert on."""
+    busy = dict(usage=const(0.98), preemptions=rate(6), running=const(8), waiting=const(12))
+    return [
+        Case("no_reuse: low and stable on a warm engine with room -> no_reuse",
+             [Engine(**hits(0.05))], "50m", [("VllmPrefixCacheHitRateLow", "no_reuse", ENGINE)]),
+        Case("no_reuse: low all along on a crowded cache that is not exhausted -> no_reuse",
+             [Engine(**hits(0.05), usage=const(0.88), running=const(8))], "50m",
+             [("VllmPrefixCacheHitRateLow", "no_reuse", ENGINE)]),
+        Case("no_reuse: never while the cache is exhausted (the documented burst) -> exhaustion only",
+             [Engine(**busy, **hits(0.0))], "50m", [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE)]),
+        Case("no_reuse: not after a healthy baseline -> prefix_changed",
+             [Engine(prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60")], "82m",
+             [("VllmPrefixCacheHitRateLow", "prefix_changed", ENGINE)]),
+        Case("no_reuse: too few queried tokens to judge -> nothing",
+             [Engine(**hits(0.05, queried_per_minute=100))], "50m", []),
+    ]
+
+
+FILES = {"alerts.test.yaml": default_cases, "upstream.test.yaml": upstream_cases,
+         "no-reuse.test.yaml": no_reuse_cases}
 
 
 def main() -> int:
