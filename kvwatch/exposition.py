@@ -20,6 +20,7 @@ recorded with its line number and skipped; the rest of the page still counts.
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -95,6 +96,7 @@ class FamilySelector:
                     self.sample_names.setdefault(prefix + base + suffix, (base, suffix))
         self._label_cache: dict[str, dict[str, str]] = {}
         self._scanner = _scanner(self.sample_names)
+        self._layout: _Layout | None = None
 
     def parse(self, text: str) -> Page:
         if self._scanner is not None:
@@ -106,43 +108,67 @@ class FamilySelector:
     def _parse_scanned(self, text: str) -> Page | None:
         """The page in one regex pass that yields only the lines of wanted
         families; None when any of them is not in canonical form (the line
-        parser then handles the page and records errors with line numbers)."""
+        parser then handles the page and records errors with line numbers).
+
+        A page whose wanted lines carry the same names and label blocks, in
+        the same order, as the previous page (every poll of an engine whose
+        series did not change) only has its values read: the families are
+        rebuilt from the previous page's layout."""
+        # The leading newline lets the first line match like any other; the
+        # trailing one ends a last line that has no newline of its own.
+        found = self._scanner.findall("\n" + text + "\n")
+        line_count = text.count("\n") + 1
+        if not found:
+            return Page({}, [], line_count)
+        series, values, type_lines, others = zip(*found)
+        if any(others):
+            return None
+        layout = self._layout
+        if layout is not None and layout.series == series and layout.type_lines == type_lines:
+            try:
+                return layout.page(list(map(float, layout.sample_values(values))), line_count)
+            except ValueError:
+                pass  # a timestamp after a value, or no number: line by line
         families: dict[str, Family] = {}
+        owners: list[str] = []
+        if not self._parse_found(found, families, owners):
+            return None
+        self._layout = _Layout(series, type_lines, families, owners)
+        return Page(families, [], line_count)
+
+    def _parse_found(self, found: list[tuple[str, str, str, str]], families: dict[str, Family],
+                     owners: list[str]) -> bool:
+        """The scanner's matches, line by line, into `families` (and each
+        sample's family into `owners`); False at the first wanted line that
+        is not in canonical form."""
         sample_names = self.sample_names
         label_cache = self._label_cache
         family = None
         family_base = None
-        # The leading newline lets the first line match like any other; the
-        # trailing one ends a last line that has no newline of its own.
-        for name, rest, type_line, other in self._scanner.findall("\n" + text + "\n"):
-            if not name:
-                if other:
-                    return None
+        for series, value, type_line, _other in found:
+            if not series:
                 self._parse_comment(type_line, families)
-                family_base = None  # the comment may have created a family
                 continue
-            if rest[0] == "{":
-                close = rest.find("} ")
-                if close == -1:
-                    return None
-                block = rest[1:close]
+            brace = series.find("{")
+            if brace == -1:
+                name = series
+                labels = {}
+            else:
+                name = series[:brace]
+                block = series[brace + 1:-1]
                 labels = label_cache.get(block)
                 if labels is None:
                     # Only blocks _LABEL_BLOCK would have cut out of this line
                     # enter the cache, so a cached block is a valid one.
                     if _LABEL_BLOCK_INNER.fullmatch(block) is None:
-                        return None
+                        return False
                     try:
                         labels = _parse_labels(block)
                     except ValueError:
-                        return None
+                        return False
                     if len(label_cache) >= _LABEL_CACHE_MAX:
                         label_cache.clear()
                     label_cache[block] = labels
-                value = rest[close + 2:]
-            else:
-                labels = {}
-                value = rest[1:]
             try:
                 number = float(value)
             except ValueError:
@@ -150,12 +176,12 @@ class FamilySelector:
                 # line parser.
                 parts = value.split(" ")
                 if len(parts) != 2:
-                    return None
+                    return False
                 try:
                     number = float(parts[0])
                     float(parts[1])
                 except ValueError:
-                    return None
+                    return False
             base, suffix = sample_names[name]
             if base != family_base:
                 family = families.get(base)
@@ -163,7 +189,8 @@ class FamilySelector:
                     family = families[base] = Family(base, spelling=_prefix_of(name, base))
                 family_base = base
             family.samples.append((suffix, labels, number))
-        return Page(families, [], text.count("\n") + 1)
+            owners.append(base)
+        return True
 
     def _parse_lines(self, text: str) -> Page:
         families: dict[str, Family] = {}
@@ -240,8 +267,10 @@ class FamilySelector:
 def _scanner(sample_names: dict[str, tuple[str, str]]) -> re.Pattern | None:
     """One pattern over the whole page (each line preceded by its newline)
     whose matches are, by group:
-    1, 2: a wanted sample name followed by `{` or a space, and the rest of
-       its line;
+    1, 2: a wanted sample line in canonical form, split after its series
+       (name and label block, braces included) at the first `} ` (or after
+       the name and its space): the series, and the value with anything
+       after it;
     3: a `# TYPE` line (of any family; the comment parser picks);
     4: any other line the line parser would take as a wanted sample, by its
        rule: whitespace other than spaces, the name, such whitespace again,
@@ -252,10 +281,61 @@ def _scanner(sample_names: dict[str, tuple[str, str]]) -> re.Pattern | None:
         return None
     names = _trie_pattern(sample_names)
     return re.compile(
-        rf"\n(?:({names})([{{\x20][^\n]*)"
-        r"|(\#\x20TYPE\x20[^\n]*)"
-        rf"|([^\S\x20\n]*(?:{names})[^\S\x20\n]*(?=[{{\x20\n])[^\n]*))"
+        rf"\n(?:((?:{names})(?:\{{[^}}\n]*+\}})?)\x20([^\n]*+)"
+        r"|(\#\x20TYPE\x20[^\n]*+)"
+        rf"|([^\S\x20\n]*+(?:{names})[^\S\x20\n]*(?=[{{\x20\n])[^\n]*+))"
     )
+
+
+class _Layout:
+    """Where each sample of a parsed page came from, so that a page with the
+    same series in the same order is rebuilt from its values alone."""
+
+    __slots__ = ("series", "type_lines", "rows", "families")
+
+    def __init__(self, series: tuple[str, ...], type_lines: tuple[str, ...], families: dict[str, Family],
+                 owners: list[str]):
+        self.series = series
+        self.type_lines = type_lines
+        # The matches that are samples (the others are TYPE lines), in order.
+        self.rows = tuple(index for index, name in enumerate(series) if name)
+        # owners[k]: the family of the k-th sample in page order. A family's
+        # samples are its numbers in order, consecutive (a slice) unless its
+        # lines were interleaved with another family's.
+        numbers: dict[str, list[int]] = {name: [] for name in families}
+        for number, owner in enumerate(owners):
+            numbers[owner].append(number)
+        self.families = []
+        for name, family in families.items():
+            where: slice | tuple[int, ...] = tuple(numbers[name])
+            if where and where[-1] - where[0] == len(where) - 1:
+                where = slice(where[0], where[-1] + 1)
+            self.families.append((name, family.type, family.spelling, tuple(s[0] for s in family.samples),
+                                  tuple(s[1] for s in family.samples), where))
+
+    def sample_values(self, values: tuple[str, ...]):
+        rows = self.rows
+        if len(rows) == len(values):
+            return values
+        if not rows:
+            return ()
+        if len(rows) == 1:
+            return (values[rows[0]],)
+        return operator.itemgetter(*rows)(values)
+
+    def page(self, numbers: list[float], line_count: int) -> Page:
+        families: dict[str, Family] = {}
+        for name, type_, spelling, suffixes, labels, where in self.families:
+            if type(where) is slice:
+                values = numbers[where]
+            elif len(where) == 1:
+                values = (numbers[where[0]],)
+            elif where:
+                values = operator.itemgetter(*where)(numbers)
+            else:
+                values = ()
+            families[name] = Family(name, type_, spelling, list(zip(suffixes, labels, values)))
+        return Page(families, [], line_count)
 
 
 def _trie_pattern(words: Iterable[str]) -> str:

@@ -11,6 +11,7 @@ malformed lines and their line numbers included)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -146,9 +147,35 @@ FRAGMENTS = st.sampled_from([
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(FRAGMENTS, max_size=40))
-def test_any_page_parses_as_the_line_parser_parses_it(fragments):
-    text = "".join(fragments)
-    fast = FamilySelector(["g", "h"], ("vllm:", "vllm_")).parse(text)
-    slow = FamilySelector(["g", "h"], ("vllm:", "vllm_"))._parse_lines(text)
-    assert as_comparable(fast) == as_comparable(slow)
+@given(st.lists(FRAGMENTS, max_size=40), st.sampled_from(["1", "2.5", "x", "1 2", "NaN"]))
+def test_any_page_parses_as_the_line_parser_parses_it(fragments, other_value):
+    """Twice with one selector: the second page, the first with its `1`s
+    changed, may be read through the first one's layout."""
+    selector = FamilySelector(["g", "h"], ("vllm:", "vllm_"))
+    for text in ("".join(fragments), "".join(other_value if f == "1" else f for f in fragments)):
+        slow = FamilySelector(["g", "h"], ("vllm:", "vllm_"))._parse_lines(text)
+        assert as_comparable(selector.parse(text)) == as_comparable(slow)
+
+
+def test_next_poll_with_the_same_series_reads_its_values_through_the_layout(fixtures_dir):
+    selector = VllmAdapter().selector
+    for path in captures(fixtures_dir):
+        text = path.read_text()
+        selector.parse(text)
+        layout = selector._layout
+        # Every value doubled: same series, same order, new numbers.
+        doubled = re.sub(r"^([^#\n][^\n]* )(\S+)$", lambda m: m[1] + repr(2 * float(m[2])), text, flags=re.M)
+        page = selector.parse(doubled)
+        assert selector._layout is layout, f"{path.name}: layout not reused"
+        assert as_comparable(page) == as_comparable(selector._parse_lines(doubled)), path.name
+        # A page with one series more is read line by line, and its layout kept.
+        extra = text.rstrip("\n") + '\nvllm:num_requests_running{engine="9",model_name="x"} 3.0\n'
+        assert as_comparable(selector.parse(extra)) == as_comparable(selector._parse_lines(extra))
+        assert selector._layout is not layout
+
+
+def test_a_changed_type_line_is_read_even_when_the_series_are_the_same():
+    selector = FamilySelector(["g"], ("vllm:",))
+    assert selector.parse("# TYPE vllm:g gauge\nvllm:g 1\n").families["g"].type == "gauge"
+    assert selector.parse("# TYPE vllm:g counter\nvllm:g 2\n").families["g"].type == "counter"
+    assert selector.parse("vllm:g 3\n").families["g"].type == "untyped"

@@ -237,10 +237,10 @@ class _SeriesCache:
     def __init__(self, limit: int = 50_000):
         self.limit = limit
         self.engine_keys: dict[int, tuple[dict[str, str], tuple[str, str]]] = {}
-        # id(labels) -> (labels, identity token, `le` or None, bound or None)
-        self.buckets: dict[int, tuple[dict[str, str], tuple, str | None, float | None]] = {}
-        # id(labels) -> (labels, identity token) for _sum, _count and the rest
-        self.others: dict[int, tuple[dict[str, str], tuple]] = {}
+        # id(labels) -> (labels, identity token, its id, `le` or None, bound or None)
+        self.buckets: dict[int, tuple[dict[str, str], tuple, int, str | None, float | None]] = {}
+        # id(labels) -> (labels, identity token, its id) for _sum, _count and the rest
+        self.others: dict[int, tuple[dict[str, str], tuple, int]] = {}
         # identity tuple -> the one tuple object standing for it (its token)
         self.tokens: dict[tuple, tuple] = {}
         # token -> (labels as a dict, (model_name, engine))
@@ -268,27 +268,30 @@ class _SeriesCache:
     def token(self, identity: tuple) -> tuple:
         return self.tokens.setdefault(identity, identity)
 
-    def bucket(self, labels: dict[str, str]) -> tuple[dict[str, str], tuple, str | None, float | None]:
+    def bucket(self, labels: dict[str, str]) -> tuple[dict[str, str], tuple, int, str | None, float | None]:
         if not labels:
-            return labels, self.token(()), None, None
+            token = self.token(())
+            return labels, token, id(token), None, None
         entry = self.buckets.get(id(labels))
         if entry is None:
             le = labels.get("le")
-            identity = self.token(tuple(sorted((k, v) for k, v in labels.items() if k != "le")))
+            token = self.token(tuple(sorted((k, v) for k, v in labels.items() if k != "le")))
             try:
                 bound = float(le) if le is not None else None
             except ValueError:
                 bound = None
-            entry = self.buckets[id(labels)] = (labels, identity, le, bound)
+            entry = self.buckets[id(labels)] = (labels, token, id(token), le, bound)
         return entry
 
-    def other(self, labels: dict[str, str]) -> tuple:
+    def other(self, labels: dict[str, str]) -> tuple[dict[str, str], tuple, int]:
         if not labels:
-            return self.token(())
+            token = self.token(())
+            return labels, token, id(token)
         entry = self.others.get(id(labels))
         if entry is None:
-            entry = self.others[id(labels)] = (labels, self.token(tuple(sorted(labels.items()))))
-        return entry[1]
+            token = self.token(tuple(sorted(labels.items())))
+            entry = self.others[id(labels)] = (labels, token, id(token))
+        return entry
 
     def labels_of(self, token: tuple) -> tuple[dict[str, str], tuple[str, str]]:
         entry = self.token_labels.get(token)
@@ -313,16 +316,20 @@ def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None)
     # Groups are keyed by the id of their interned identity tuple (an int
     # hashes faster than a tuple of pairs); the token itself keeps the id live.
     groups: dict[int, list] = {}  # id(token) -> [token, buckets, sum, count]
-    bucket_of = cache.bucket
-    other_of = cache.other
+    # The caches' dicts are read inline: this loop runs once per bucket line.
+    bucket_entries = cache.buckets
+    other_entries = cache.others
     for suffix, labels, value in family.samples:
         if suffix == "_bucket":
-            _labels, token, le, bound = bucket_of(labels)
+            entry = bucket_entries.get(id(labels))
+            if entry is None:
+                entry = cache.bucket(labels)
+            _labels, token, token_id, le, bound = entry
             if le is None:
                 continue
-            group = groups.get(id(token))
+            group = groups.get(token_id)
             if group is None:
-                group = groups[id(token)] = [token, {}, None, None]
+                group = groups[token_id] = [token, {}, None, None]
             if bound is None:  # an `le` that is not a number
                 continue
             buckets = group[1]
@@ -330,10 +337,13 @@ def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None)
         elif suffix == "_created":
             continue
         else:
-            token = other_of(labels)
-            group = groups.get(id(token))
+            entry = other_entries.get(id(labels))
+            if entry is None:
+                entry = cache.other(labels)
+            _labels, token, token_id = entry
+            group = groups.get(token_id)
             if group is None:
-                group = groups[id(token)] = [token, {}, None, None]
+                group = groups[token_id] = [token, {}, None, None]
             if suffix == "_sum":
                 group[2] = value
             elif suffix == "_count":
