@@ -6,11 +6,10 @@
 - `running_kvwatch`: a Monitor polling in the background and kvwatch's HTTP
   app served by uvicorn in a thread, as `kvwatch serve` runs them.
 - `parse_page`, `read_kvwatch_metrics`: pages parsed by prometheus_client's
-  parser, independently of kvwatch's own exposition parser.
+  parser, independently of kvwatch's own exposition parser;
+  `read_kvwatch_diagnosis`: kvwatch's /api/v1/diagnosis.
 - `generate_rules`: `kvwatch generate` run with a mixin config YAML, for a test
   copy of the alert rules.
-- `system_prompt_burst`: the tier's burst (24 requests of 400 + 400 tokens in
-  flight) with a shared system prompt in front of each prompt.
 
 Standard library, prometheus_client, uvicorn and kvwatch only: it runs under
 kvwatch's own virtual environment.
@@ -19,7 +18,7 @@ kvwatch's own virtual environment.
 from __future__ import annotations
 
 import contextlib
-import random
+import json
 import subprocess
 import sys
 import threading
@@ -40,7 +39,7 @@ from kvwatch.app import create_app
 from kvwatch.monitor import Monitor
 from kvwatch.settings import load_settings
 
-from .harness import LoadRun, Metrics, _open, prompt_suffix, prompt_text, prompt_words
+from .harness import Metrics, _open
 
 # Pages kept by the recorder: at 0.5 s per poll, two minutes of polls, far
 # more than any window the tests use, and bounded memory (pages are ~30 KB).
@@ -138,6 +137,11 @@ def read_kvwatch_metrics(kvwatch_url: str, timeout_s: float = 5.0) -> Metrics:
         return parse_page(response.read().decode())
 
 
+def read_kvwatch_diagnosis(kvwatch_url: str, timeout_s: float = 5.0) -> dict:
+    with _open(kvwatch_url + "/api/v1/diagnosis", timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
 @dataclass
 class RunningKvwatch:
     url: str
@@ -185,33 +189,6 @@ def generate_rules(out_dir: Path, config: dict) -> Path:
     if not rules.is_file():
         raise AssertionError(f"kvwatch generate wrote no {rules.relative_to(out_dir)}:\n{result.stderr[-2000:]}")
     return rules
-
-
-def system_prompt_burst(base_url: str, duration: float, concurrency: int = 24,
-                        system_prompt_tokens: int = 128, prompt_tokens: int = 400,
-                        output_tokens: int = 400, request_timeout_s: float = 120.0,
-                        max_requests: int = 2000) -> LoadRun:
-    """`concurrency` requests of prompt_tokens + output_tokens in flight for `duration` s,
-    each prompt a shared system prompt followed by its own text.
-
-    Sized like harness.burst_load, so it fills the cache and preempts the same
-    way, but its prompts share what real traffic shares: one request runs alone
-    first to cache the system prompt, and every later one hits exactly
-    system_prompt_tokens of its prompt (a whole number of 32-token blocks), so
-    the prefix-cache hit ratio approaches system_prompt_tokens / prompt_tokens.
-    A new system prompt per call: nothing an earlier load cached can hit.
-    """
-    words = prompt_words()
-    rng = random.Random()
-    system_prompt = prompt_text(system_prompt_tokens, rng, words)
-    run_seed = rng.randrange(1 << 62)
-
-    def make_prompt(index: int) -> str:
-        own = random.Random(f"{run_seed}-{index}")
-        return system_prompt + prompt_suffix(prompt_tokens - system_prompt_tokens, own, words)
-
-    return LoadRun("system-prompt-burst", base_url, make_prompt, output_tokens, concurrency,
-                   duration, max_requests, request_timeout_s, prime=True)
 
 
 def tier_reporter(config):
