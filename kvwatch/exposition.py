@@ -63,6 +63,11 @@ class Family:
     type: str = "untyped"
     spelling: str = ""
     samples: list[tuple[str, dict[str, str], float]] = field(default_factory=list)
+    # Set when the samples' suffixes and label sets are those of a page layout
+    # the parser keeps: two families with the same `layout` object have the
+    # same suffixes and the same label dicts, in the same order (only values
+    # differ), so a reader may reuse what it derived from the first.
+    layout: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -310,8 +315,10 @@ class _Layout:
             where: slice | tuple[int, ...] = tuple(numbers[name])
             if where and where[-1] - where[0] == len(where) - 1:
                 where = slice(where[0], where[-1] + 1)
-            self.families.append((name, family.type, family.spelling, tuple(s[0] for s in family.samples),
-                                  tuple(s[1] for s in family.samples), where))
+            entry = (name, family.type, family.spelling, tuple(s[0] for s in family.samples),
+                     tuple(s[1] for s in family.samples), where)
+            self.families.append(entry)
+            family.layout = entry
 
     def sample_values(self, values: tuple[str, ...]):
         rows = self.rows
@@ -325,7 +332,8 @@ class _Layout:
 
     def page(self, numbers: list[float], line_count: int) -> Page:
         families: dict[str, Family] = {}
-        for name, type_, spelling, suffixes, labels, where in self.families:
+        for entry in self.families:
+            name, type_, spelling, suffixes, labels, where = entry
             if type(where) is slice:
                 values = numbers[where]
             elif len(where) == 1:
@@ -334,7 +342,7 @@ class _Layout:
                 values = operator.itemgetter(*where)(numbers)
             else:
                 values = ()
-            families[name] = Family(name, type_, spelling, list(zip(suffixes, labels, values)))
+            families[name] = Family(name, type_, spelling, list(zip(suffixes, labels, values)), entry)
         return Page(families, [], line_count)
 
 

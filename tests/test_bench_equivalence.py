@@ -179,3 +179,41 @@ def test_a_changed_type_line_is_read_even_when_the_series_are_the_same():
     assert selector.parse("# TYPE vllm:g gauge\nvllm:g 1\n").families["g"].type == "gauge"
     assert selector.parse("# TYPE vllm:g counter\nvllm:g 2\n").families["g"].type == "counter"
     assert selector.parse("vllm:g 3\n").families["g"].type == "untyped"
+
+
+def histogram_page(shape: str, scale: float) -> str:
+    """A TTFT histogram in one of several shapes, values times `scale`."""
+    def series(labels: str, counts=(1, 3, 4)) -> list[str]:
+        bounds = ("0.5", "1.0", "+Inf")
+        lines = [f'vllm:time_to_first_token_seconds_bucket{{{labels},le="{b}"}} {c * scale}' for b, c in zip(bounds, counts)]
+        return lines + [f"vllm:time_to_first_token_seconds_count{{{labels}}} {4 * scale}",
+                        f"vllm:time_to_first_token_seconds_sum{{{labels}}} {2.5 * scale}"]
+    engine0, engine1 = 'engine="0",model_name="m"', 'engine="1",model_name="m"'
+    lines = {
+        "plain": series(engine0) + series(engine1),
+        "sum first": series(engine0)[3:] + series(engine0)[:3],
+        "pid folded": series(engine0 + ',pid="1"') + series(engine0 + ',pid="2"'),
+        "interleaved": [x for pair in zip(series(engine0), series(engine1)) for x in pair],
+        "unsorted": [series(engine0)[1], series(engine0)[0]] + series(engine0)[2:],
+        "duplicate le": series(engine0)[:1] + series(engine0),
+        "no +Inf": series(engine0)[:2] + series(engine0)[3:],
+        "bad le": series(engine0) + ['vllm:time_to_first_token_seconds_bucket{engine="0",model_name="m",le="x"} 1'],
+        "no le": series(engine0) + ['vllm:time_to_first_token_seconds_bucket{engine="0",model_name="m"} 1'],
+        "bare": series(engine0) + ['vllm:time_to_first_token_seconds{engine="0",model_name="m"} 1'],
+        "created": series(engine0) + ['vllm:time_to_first_token_seconds_created{engine="0",model_name="m"} 1e9'],
+        "negative zero": [line.replace(" 0.0", " -0.0") for line in series(engine0, counts=(0, 0, 0))],
+    }[shape]
+    return "# TYPE vllm:time_to_first_token_seconds histogram\n" + "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("shape", ["plain", "sum first", "pid folded", "interleaved", "unsorted", "duplicate le",
+                                   "no +Inf", "bad le", "no le", "bare", "created", "negative zero"])
+def test_histograms_of_a_known_layout_read_as_a_fresh_adapter_reads_them(shape):
+    adapter = VllmAdapter()
+    for scale in (1.0, 2.0, 3.0):
+        text = histogram_page(shape, scale)
+        warm = adapter.adapt(text, at=1.0)
+        fresh = VllmAdapter().adapt(text, at=1.0)
+        assert warm == fresh
+        assert [repr(h) for e in warm.engines.values() for h in e.histograms.values()] == \
+               [repr(h) for e in fresh.engines.values() for h in e.histograms.values()]

@@ -18,7 +18,9 @@ Label handling:
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import time as _time
 
 from kvwatch.exposition import Family, FamilySelector
@@ -247,11 +249,15 @@ class _SeriesCache:
         self.token_labels: dict[tuple, tuple[dict[str, str], tuple[str, str]]] = {}
         # bounds in page order -> (sorted bounds, whether page order was sorted)
         self.bounds: dict[tuple[float, ...], tuple[tuple[float, ...], bool]] = {}
+        # histogram family -> (the parser's layout of its samples, _HistogramPlan
+        # for that layout or None where the family needs the general path)
+        self.plans: dict[str, tuple[object, _HistogramPlan | None]] = {}
 
     def trim(self) -> None:
         if (len(self.engine_keys) + len(self.buckets) + len(self.others) + len(self.tokens)
                 + len(self.bounds) > self.limit):
-            for table in (self.engine_keys, self.buckets, self.others, self.tokens, self.token_labels, self.bounds):
+            for table in (self.engine_keys, self.buckets, self.others, self.tokens, self.token_labels, self.bounds,
+                          self.plans):
                 table.clear()
 
     # Empty label sets are fresh dicts on every line (nothing to reuse), so
@@ -308,11 +314,89 @@ class _SeriesCache:
         return entry
 
 
+class _HistogramPlan:
+    """Where each histogram of a family sits in its samples, for a family in
+    the plain shape: each series' buckets consecutive, bounds strictly
+    increasing up to +Inf, at most one _sum and one _count per series, no
+    other suffix, and no two series of one (model_name, engine). Then a
+    histogram is its slice of the values; anything else (folded `pid`
+    series, a missing +Inf, odd `le`) takes the general path every time."""
+
+    __slots__ = ("histograms",)
+
+    def __init__(self, histograms: list[tuple[dict[str, str], tuple[float, ...], int, int, int | None, int | None]]):
+        self.histograms = histograms  # (labels, bounds, first bucket, end, _sum index, _count index)
+
+    @staticmethod
+    def of(family: Family, cache: _SeriesCache) -> _HistogramPlan | None:
+        groups: dict[int, list] = {}  # id(token) -> [token, bounds, first, end, sum index, count index]
+        for index, (suffix, labels, _value) in enumerate(family.samples):
+            if suffix == "_bucket":
+                _labels, token, token_id, le, bound = cache.bucket(labels)
+                if le is None or bound is None or bound != bound:
+                    return None
+                group = groups.get(token_id)
+                if group is None:
+                    group = groups[token_id] = [token, [], index, index, None, None]
+                elif group[3] != index or (group[1] and bound <= group[1][-1]):
+                    return None  # not consecutive, or bounds not increasing
+                group[1].append(bound)
+                group[3] = index + 1
+            elif suffix == "_sum" or suffix == "_count":
+                _labels, token, token_id = cache.other(labels)
+                group = groups.get(token_id)
+                if group is None:
+                    group = groups[token_id] = [token, [], None, None, None, None]
+                slot = 4 if suffix == "_sum" else 5
+                if group[slot] is not None:
+                    return None
+                group[slot] = index
+            elif suffix != "_created":
+                return None
+        histograms = []
+        keys = set()
+        for token, bounds, first, end, total, count in groups.values():
+            if not bounds or bounds[-1] != math.inf:
+                return None
+            interned, in_order = cache.sorted_bounds(tuple(bounds))
+            labels, key = cache.labels_of(token)
+            if not in_order or key in keys:
+                return None
+            keys.add(key)
+            histograms.append((labels, interned, first, end, total, count))
+        return _HistogramPlan(histograms)
+
+    def apply(self, family: Family) -> list[tuple[dict[str, str], Histogram]]:
+        values = list(map(_VALUE, family.samples))
+        found = []
+        for labels, bounds, first, end, total, count in self.histograms:
+            # `+ 0.0` as the general path's first addition into an empty bucket.
+            cumulative = tuple(map(operator.add, values[first:end], _ZEROS))
+            histogram = Histogram(bounds, cumulative, (values[total] if total is not None else None) or 0.0,
+                                  values[count] if count is not None else cumulative[-1])
+            found.append((labels, histogram))
+        return found
+
+
+_VALUE = operator.itemgetter(2)
+_ZEROS = itertools.repeat(0.0)
+
+
 def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None) -> list[tuple[dict[str, str], Histogram]]:
     """Group a histogram family's samples into one Histogram per label set
     (minus `le`), summing series that differ only in folded labels."""
     if cache is None:
         cache = _SeriesCache()
+    if family.layout is not None:
+        # Same layout as a page seen before: same suffixes and label sets in
+        # the same order, so the same plan (made on the first such page, which
+        # itself takes the general path below).
+        known = cache.plans.get(family.name)
+        if known is not None and known[0] is family.layout:
+            if known[1] is not None:
+                return known[1].apply(family)
+        else:
+            cache.plans[family.name] = (family.layout, _HistogramPlan.of(family, cache))
     # Groups are keyed by the id of their interned identity tuple (an int
     # hashes faster than a tuple of pairs); the token itself keeps the id live.
     groups: dict[int, list] = {}  # id(token) -> [token, buckets, sum, count]
