@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import kvwatch
 from kvwatch.cli import main
 from kvwatch.sim.server import start_background
 from kvwatch.snapshot import Histogram
@@ -398,8 +399,15 @@ def test_cell_summary_puts_client_and_engine_side_by_side():
 
 
 def test_a_server_with_other_traffic_is_measured_after_a_bounded_wait_with_a_note(tmp_path, capsys):
-    # The healthy scenario sends its own requests all the time: the server never goes idle.
-    with start_background("healthy", speed=10) as busy:
+    # The healthy workload at four times its rate (about 15 requests in flight)
+    # sends its own requests all the time, and a simulated minute first puts it
+    # in its steady state: the server is never idle when the sweep looks.
+    scenario = (Path(kvwatch.__file__).parent / "scenarios" / "healthy.yaml").read_text()
+    busy_yaml = tmp_path / "busy.yaml"
+    busy_yaml.write_text(scenario.replace("rate: 2.5 ", "rate: 10.0"))
+    assert "rate: 10.0" in busy_yaml.read_text()
+    with start_background(str(busy_yaml), speed=10) as busy:
+        busy.advance(60)
         out = tmp_path / "busy"
         code = main(["sweep", "--base-url", busy.url, "--model", "tiny-llama",
                      "--input-tokens", "32", "--output-tokens", "8", "--concurrency", "2",
