@@ -29,8 +29,10 @@ def test_sweep_peak_kv_rises_with_concurrency_on_real_vllm(real_vllm, tmp_path, 
     peaks = [c["peak_kv_usage"] for c in cells]
     assert peaks[0] < peaks[1] < peaks[2], peaks
     # One request of 256 + 192 tokens holds ceil(448 / 32) = 14 of 127 usable blocks at
-    # its end, at least 13 for its last 64 tokens; eight hold at most 112.
-    assert 13 / 127 - 1e-6 <= peaks[0] <= 14 / 127 + 1e-6
+    # its end; eight hold at most 112. The peak is sampled every 0.1 s while the
+    # engine writes about 300 tokens/s (a block per 0.1 s), and a loaded machine
+    # delays polls, so the sampled peak may miss the last two blocks, never more.
+    assert 12 / 127 - 1e-6 <= peaks[0] <= 14 / 127 + 1e-6
     assert peaks[2] <= 8 * 14 / 127 + 1e-6
     assert report["server"]["prompt_method"].startswith("/tokenize")
     assert report["server"]["prompt_checks"] == {"256": [256, 256, 256]}
