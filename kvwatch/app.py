@@ -5,6 +5,7 @@ touches the engine."""
 from __future__ import annotations
 
 import hmac
+import threading
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -39,9 +40,22 @@ def create_app(monitor, settings=None) -> FastAPI:
     def index() -> HTMLResponse:
         return HTMLResponse(render_status_page(monitor.state, settings))
 
+    # The exposition changes once per poll, not per scrape: render it once per
+    # State and serve those bytes to every scraper until the next poll, so 50
+    # scrapers cost one render, not 50 (kvwatch's own process metrics are then
+    # as fresh as the latest poll).
+    rendered = {"state": None, "body": b""}
+    render_lock = threading.Lock()
+
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        state = monitor.state
+        with render_lock:
+            if rendered["state"] is not state:
+                rendered["body"] = generate_latest(registry)
+                rendered["state"] = state
+            body = rendered["body"]
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     def healthz() -> PlainTextResponse:

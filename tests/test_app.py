@@ -131,3 +131,16 @@ def test_content_type_is_a_hint_not_a_gate(capture):
         state = monitor.poll_once()
         assert state.up is False and state.reason == "content_type" and "text/html" in state.detail
         assert monitor.poll_once().up is True
+
+
+def test_metrics_are_rendered_once_per_poll_and_follow_the_next_poll(capture):
+    with PageServer([Answer(capture("idle")), Answer(capture("load"))]) as server:
+        monitor, client = make(server)
+        monitor.poll_once()
+        first = client.get("/metrics").text
+        assert client.get("/metrics").text == first  # same poll, same bytes
+        monitor.poll_once()
+        after = client.get("/metrics").text
+        engine = {"model_name": "tiny-llama", "engine": "0"}
+        assert value(first, "kvwatch_engine_requests_waiting", **engine) == 0
+        assert value(after, "kvwatch_engine_requests_waiting", **engine) == 18
