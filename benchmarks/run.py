@@ -1,0 +1,782 @@
+"""kvwatch's cost, measured against its baselines in one run (`make bench`).
+
+Prints a table of every figure beside its baseline and target, and the
+machine it ran on, and writes the same to benchmarks/RESULTS.md. Each figure
+is a ratio or a median taken in this run; nothing here is a pass/fail test
+(see docs/performance.md for the method).
+
+    .venv/bin/python benchmarks/run.py [--fixtures DIR] [--quick] [--only parse,poll,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+import clock as simulated  # noqa: E402
+import kvwatch.diagnose  # noqa: E402
+import kvwatch.monitor  # noqa: E402
+from kvwatch.engines.vllm import VllmAdapter  # noqa: E402
+from kvwatch.monitor import Monitor  # noqa: E402
+from kvwatch.scrape import FetchResult  # noqa: E402
+from kvwatch.settings import load_settings  # noqa: E402
+from pages import AdvancingPage, capture_text, sample_count, scale  # noqa: E402
+
+SECTIONS = ("parse", "poll", "scrape", "memory", "curve")
+
+
+# --------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------
+
+
+def cpu_seconds(fn, arg, number: int) -> float:
+    """Thread CPU seconds per call of fn(arg), over `number` calls. The
+    garbage collector starts each batch clean, so no batch pays for the
+    garbage another one left (prometheus_client's parser leaves plenty)."""
+    gc.collect()
+    started = time.thread_time()
+    for _ in range(number):
+        fn(arg)
+    return (time.thread_time() - started) / number
+
+
+def calls_for(seconds_per_call: float, budget: float = 0.05) -> int:
+    return max(1, min(200, int(budget / max(seconds_per_call, 1e-6))))
+
+
+def median(values) -> float:
+    return statistics.median(values)
+
+
+def percentile(values, q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def ms(seconds: float | None, digits: int = 2) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.{digits}f} ms"
+
+
+@dataclass
+class Figure:
+    name: str
+    value: str
+    baseline: str
+    target: str
+    met: bool | None  # None: no target, shown for context
+
+
+@dataclass
+class Report:
+    figures: list[Figure] = field(default_factory=list)
+    sections: list[str] = field(default_factory=list)  # markdown detail, one block per section
+
+    def figure(self, *args) -> None:
+        self.figures.append(Figure(*args))
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plain_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    fmt = "  ".join("{:<%d}" % width for width in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
+
+
+# --------------------------------------------------------------------------
+# The machine
+# --------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 0
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvwatch"], cwd=REPO, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "unknown", ""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    try:
+        from importlib.metadata import version
+        client_version = version("prometheus-client")
+    except Exception:  # noqa: BLE001 - only a label
+        client_version = "?"
+    return {
+        "CPU": model,
+        "cores": f"{os.cpu_count()} ({usable} usable)",
+        "Python": f"{platform.python_implementation()} {platform.python_version()}",
+        "OS": f"{platform.system()} {platform.release()}",
+        "prometheus_client": client_version,
+        "kvwatch commit": commit + (" (kvwatch/ modified)" if dirty else ""),
+        "load average at start": " ".join(f"{x:.2f}" for x in load),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+# --------------------------------------------------------------------------
+# Parse + adapt against prometheus_client
+# --------------------------------------------------------------------------
+
+
+def wanted_samples_ours(adapter: VllmAdapter, text: str) -> list[tuple[str, dict, float]]:
+    page = adapter.selector.parse(text)
+    return [(f.spelling + f.name + suffix, labels, value)
+            for f in page.families.values() for suffix, labels, value in f.samples]
+
+
+def wanted_samples_reference(adapter: VllmAdapter, text: str) -> list[tuple[str, dict, float]]:
+    names = adapter.selector.sample_names
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name in names]
+
+
+def identical(ours, theirs) -> bool:
+    if [(n, labels) for n, labels, _ in ours] != [(n, labels) for n, labels, _ in theirs]:
+        return False
+    return all(a == b or (math.isnan(a) and math.isnan(b)) for (_, _, a), (_, _, b) in zip(ours, theirs))
+
+
+def split_floor(text: str) -> None:
+    """Issue 9's floor: split into lines and read each sample's name and
+    value in plain Python, with no label parsing."""
+    for line in text.split("\n"):
+        if line and line[0] != "#":
+            brace = line.find("{")
+            space = line.find(" ")
+            line[:brace if brace != -1 and brace < space else space]
+            float(line[line.rfind(" ") + 1:])
+
+
+def bench_parse(report: Report, capture: str, quick: bool) -> None:
+    rows = []
+    for engines in (1, 8, 32):
+        text = scale(capture, engines)
+        adapter = VllmAdapter()
+        started = time.thread_time()
+        adapter.adapt(text, at=0.0)
+        cold = time.thread_time() - started
+        ours = wanted_samples_ours(adapter, text)
+        same = identical(ours, wanted_samples_reference(adapter, text))
+
+        def reference(t):
+            return list(text_string_to_metric_families(t))
+
+        def kvwatch(t):
+            return adapter.adapt(t, at=0.0)
+
+        def parse_only(t):
+            return adapter.selector.parse(t)
+
+        # Interleaved rounds: both parsers see the same machine conditions.
+        rounds = 5 if quick else 9
+        n_ref = calls_for(cpu_seconds(reference, text, 1), 0.08)
+        n_ours = calls_for(cpu_seconds(kvwatch, text, 1), 0.05)
+        times = {"ref": [], "ours": [], "parse": [], "floor": []}
+        for _ in range(rounds):
+            times["ref"].append(cpu_seconds(reference, text, n_ref))
+            times["ours"].append(cpu_seconds(kvwatch, text, n_ours))
+            times["parse"].append(cpu_seconds(parse_only, text, n_ours))
+            times["floor"].append(cpu_seconds(split_floor, text, n_ours))
+        ref, ours_t = median(times["ref"]), median(times["ours"])
+        ratio = ref / ours_t
+        rows.append([str(engines), f"{len(text) / 1024:.0f} KB", str(sample_count(text)), str(len(ours)),
+                     ms(ref), ms(ours_t, 3), ms(median(times["parse"]), 3), ms(cold, 3), ms(median(times["floor"]), 3),
+                     f"{ratio:.1f}x", "yes" if same else "NO"])
+        report.figure(f"parse+adapt vs prometheus_client, {engines} engine{'s' if engines > 1 else ''}",
+                      f"{ms(ours_t, 3)} ({ratio:.1f}x faster)", f"prometheus_client {ms(ref)}", ">= 10x", ratio >= 10)
+        report.figure(f"values identical to prometheus_client, {engines} engine{'s' if engines > 1 else ''}",
+                      f"{'yes' if same else 'NO'} ({len(ours)} samples)", "prometheus_client", "identical", same)
+    header = ["engines", "page", "samples", "samples read", "prometheus_client", "kvwatch parse+adapt",
+              "of which parse", "first poll (cold caches)", "split floor", "ratio", "identical values"]
+    report.sections.append(
+        "### Parse + adapt against prometheus_client\n\n"
+        "Thread CPU time per page, median of interleaved rounds; kvwatch with the caches a running sidecar has "
+        "(the first poll's cold figure beside it). 'split floor' is issue 9's floor: splitting the page into "
+        "lines and reading each sample's name and value, no labels.\n\n" + table(header, rows))
+    print(plain_table(header, rows), flush=True)
+
+
+# --------------------------------------------------------------------------
+# A page server in its own process
+# --------------------------------------------------------------------------
+
+
+@contextmanager
+def page_server(fixtures: Path, engines: int):
+    process = subprocess.Popen([sys.executable, str(HERE / "pageserver.py"), "--fixtures", str(fixtures),
+                                "--engines", str(engines)], stdout=subprocess.PIPE, text=True)
+    try:
+        url = process.stdout.readline().strip()
+        if not url.startswith("http://"):
+            raise RuntimeError("page server did not start")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+# --------------------------------------------------------------------------
+# Whole poll cycle
+# --------------------------------------------------------------------------
+
+
+class StageTimer:
+    """Wraps the monitor's stages to add up each one's thread CPU time."""
+
+    def __init__(self, monitor: Monitor):
+        self.totals: dict[str, float] = {}
+        self._restore = []
+        self._wrap(monitor.fetcher, "fetch", "fetch")
+        self._wrap(monitor.adapter, "adapt", "parse + adapt")
+        self._wrap(monitor.window, "add", "window")
+        self._wrap(kvwatch.monitor, "evaluate_window", "signals")
+        self._wrap(kvwatch.diagnose, "diagnose", "diagnosis")
+
+    def _wrap(self, owner, attribute: str, stage: str) -> None:
+        original = getattr(owner, attribute)
+        totals = self.totals
+
+        def timed(*args, **kwargs):
+            started = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[stage] = totals.get(stage, 0.0) + time.thread_time() - started
+
+        setattr(owner, attribute, timed)
+        self._restore.append((owner, attribute, original))
+
+    def take(self) -> dict[str, float]:
+        found = dict(self.totals)
+        self.totals.clear()
+        return found
+
+    def reset(self) -> None:
+        self.totals.clear()
+
+    def close(self) -> None:
+        for owner, attribute, original in reversed(self._restore):
+            if owner is kvwatch.monitor or owner is kvwatch.diagnose:
+                setattr(owner, attribute, original)
+            else:
+                delattr(owner, attribute)  # back to the class's method
+
+
+def monitor_for(url: str, window: str = "5m") -> Monitor:
+    settings = load_settings(overrides={"target": url, "poll_interval": "1s", "window": window,
+                                        "log_level": "warning"}, environ={})
+    return Monitor(settings)
+
+
+def reference_parse_once(text: str) -> float:
+    """Thread CPU of one prometheus_client parse of `text`, the garbage
+    collected before and after so the polls around it do not pay for it."""
+    gc.collect()
+    started = time.thread_time()
+    list(text_string_to_metric_families(text))
+    spent = time.thread_time() - started
+    gc.collect()
+    return spent
+
+
+def poll_cycle(url: str, polls: int, window_polls: int, window: str = "5m",
+               yardstick: str | None = None) -> tuple[list[float], list[dict], list[float]]:
+    """Polls with a full window; every 10th poll is followed by one
+    prometheus_client parse of `yardstick` (the machine's speed, measured
+    alongside the polls)."""
+    monitor = monitor_for(url, window)
+    clock = simulated.SimulatedClock()
+    simulated.install(clock)
+    try:
+        for _ in range(window_polls):  # fill the window: the steady state of a running sidecar
+            clock.advance(1.0)
+            monitor.poll_once()
+        timer = StageTimer(monitor)
+        totals, stages, reference = [], [], []
+        try:
+            for index in range(polls):
+                clock.advance(1.0)
+                timer.reset()
+                state = monitor.poll_once()
+                if not state.up:
+                    raise RuntimeError(f"poll failed: {state.reason} {state.detail}")
+                totals.append(state.poll_cpu_seconds)
+                stages.append(timer.take())
+                if yardstick is not None and index % 10 == 9:
+                    reference.append(reference_parse_once(yardstick))
+        finally:
+            timer.close()
+        return totals, stages, reference
+    finally:
+        simulated.uninstall()
+
+
+STAGES = ["fetch", "parse + adapt", "window", "signals", "diagnosis"]
+
+
+# Issue 9's targets for a whole poll, and prometheus_client's parse of the
+# same page on the machine the issue measured them on: the targets scale with
+# the machine by that yardstick (the issue asks for ratios within one run).
+POLL_TARGETS = {1: (5e-3, 6.4e-3), 8: (25e-3, 42e-3)}
+
+
+def bench_poll(report: Report, capture: str, fixtures: Path, quick: bool) -> None:
+    rows = []
+    for engines, (target, issue_yardstick) in POLL_TARGETS.items():
+        with page_server(fixtures, engines) as url:
+            totals, stages, reference = poll_cycle(url, polls=40 if quick else 120, window_polls=301,
+                                                   yardstick=scale(capture, engines))
+        total = median(totals)
+        yardstick = median(reference)
+        ratio, allowed = total / yardstick, target / issue_yardstick
+        share = total / 1.0 * 100
+        stage_medians = {s: median([st.get(s, 0.0) for st in stages]) for s in STAGES}
+        rest = max(0.0, total - sum(stage_medians.values()))
+        rows.append([str(engines), ms(total), ms(percentile(totals, 0.9)), f"{share:.2f} %", ms(yardstick),
+                     f"{ratio:.2f}x"] + [ms(stage_medians[s]) for s in STAGES] + [ms(rest)])
+        report.figure(f"poll cycle CPU, {engines} engine{'s' if engines > 1 else ''} (5 min window full)",
+                      f"{ms(total)} = {share:.2f} % of a core at 1 s; {ratio:.2f}x the yardstick",
+                      f"yardstick: prometheus_client's parse of the page, {ms(yardstick)} here, "
+                      f"{ms(issue_yardstick, 1)} on issue 9's machine",
+                      f"<= {ms(target, 0)} there, so <= {allowed:.2f}x the yardstick", ratio <= allowed)
+    header = ["engines", "median CPU", "p90 CPU", "core share at 1 s", "yardstick", "CPU / yardstick"] + STAGES + ["rest"]
+    report.sections.append(
+        "### Whole poll cycle\n\n"
+        "Monitor.poll_once over loopback against a page server in another process (counters advancing every "
+        "poll), thread CPU time as the monitor records it (state.poll_cpu_seconds), with the default 5 min "
+        "window already full (301 polls at a simulated 1 s), median over the measured polls. Stages are "
+        "medians of each stage's own CPU time; 'rest' is the monitor's own bookkeeping. The yardstick is "
+        "prometheus_client's parse of the same page, measured after every 10th poll: issue 9's targets (5 ms "
+        "and 25 ms where that parse took 6.4 ms and 42 ms) scale with it, so a slower or busier machine "
+        "does not fail them, nor a faster one pass them.\n\n" + table(header, rows))
+    print(plain_table(header, rows), flush=True)
+
+
+# --------------------------------------------------------------------------
+# /metrics under 50 concurrent scrapers
+# --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def scraped_value(body: bytes, name: str) -> float | None:
+    for line in body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+class Scraper(threading.Thread):
+    """One scraper on its own keep-alive connection; each round it sends one
+    GET /metrics when the barrier opens and times it to the last byte."""
+
+    def __init__(self, port: int, barrier: threading.Barrier, rounds: int, path: str = "/metrics"):
+        super().__init__(daemon=True)
+        self.port, self.barrier, self.rounds = port, barrier, rounds
+        self.request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/plain\r\n\r\n".encode()
+        self.latencies: list[float] = []
+        self.errors = 0
+
+    def run(self) -> None:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        body = bytearray(1 << 20)
+        try:
+            for _ in range(self.rounds):
+                try:
+                    self.barrier.wait(timeout=60)
+                except threading.BrokenBarrierError:
+                    return
+                started = time.perf_counter()
+                try:
+                    sock.sendall(self.request)
+                    head = b""
+                    while b"\r\n\r\n" not in head:
+                        chunk = sock.recv(65536)
+                        if not chunk:
+                            raise OSError("connection closed")
+                        head += chunk
+                    head, _, rest = head.partition(b"\r\n\r\n")
+                    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:"))
+                    if len(body) < length:
+                        body = bytearray(length)
+                    view = memoryview(body)
+                    view[:len(rest)] = rest
+                    got = len(rest)
+                    while got < length:  # into one buffer: no copies of a growing body
+                        read = sock.recv_into(view[got:length])
+                        if not read:
+                            raise OSError("connection closed")
+                        got += read
+                    if not head.startswith(b"HTTP/1.1 200"):
+                        self.errors += 1
+                except (OSError, StopIteration, ValueError):
+                    self.errors += 1
+                    return
+                self.latencies.append(time.perf_counter() - started)
+        finally:
+            sock.close()
+
+
+def scrape_burst(port: int, scrapers: int, rounds: int, path: str = "/metrics") -> tuple[list[float], int]:
+    barrier = threading.Barrier(scrapers + 1)
+    threads = [Scraper(port, barrier, rounds, path) for _ in range(scrapers)]
+    for thread in threads:
+        thread.start()
+    pause = [0.05, 0.11, 0.17, 0.23, 0.29]  # vary the phase against the 1 s poll
+    for index in range(rounds):
+        barrier.wait(timeout=60)
+        # The next round starts once this one is answered (or 5 s passed).
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(len(t.latencies) + t.errors <= index for t in threads if t.is_alive()):
+            time.sleep(0.002)
+        time.sleep(pause[index % len(pause)])
+    for thread in threads:
+        thread.join(10)
+    return [x for t in threads for x in t.latencies], sum(t.errors for t in threads)
+
+
+def render_cost(fixtures: Path, engines: int) -> float:
+    """CPU of one /metrics render (generate_latest over kvwatch's registry)
+    after a few polls of an engines-wide page."""
+    from prometheus_client import generate_latest
+
+    from kvwatch.collector import make_registry
+
+    monitor = monitor_for("http://127.0.0.1:1/metrics")
+    monitor.fetcher = PageFetcher(AdvancingPage(scale(capture_text(fixtures), engines)))
+    clock = simulated.SimulatedClock()
+    simulated.install(clock)
+    try:
+        for _ in range(5):
+            clock.advance(1.0)
+            monitor.fetcher.prepare()
+            monitor.poll_once()
+    finally:
+        simulated.uninstall()
+    registry = make_registry(monitor)
+    return median([cpu_seconds(generate_latest, registry, 5) for _ in range(5)])
+
+
+def bench_scrape(report: Report, fixtures: Path, quick: bool) -> None:
+    rows = []
+    scrapers = 50
+    rounds = 30 if quick else 60
+    for engines in (1, 8):
+        with page_server(fixtures, engines) as url:
+            port = free_port()
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kvwatch", "serve", "--target", url, "--port", str(port),
+                 "--poll-interval", "1s", "--log-level", "warning"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            try:
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        if http_get(port, "/readyz")[0] == 200:
+                            break
+                    except OSError:
+                        pass
+                    if time.monotonic() > deadline or process.poll() is not None:
+                        raise RuntimeError("kvwatch serve did not become ready: " + (process.stderr.read() if process.poll() is not None else "timeout"))
+                    time.sleep(0.1)
+                # The same bursts on /healthz: what the HTTP stack costs with no work behind it.
+                floor, floor_errors = scrape_burst(port, scrapers, max(10, rounds // 3), "/healthz")
+                before = http_get(port, "/metrics")[1]
+                started = time.monotonic()
+                latencies, errors = scrape_burst(port, scrapers, rounds)
+                seconds = time.monotonic() - started
+                after = http_get(port, "/metrics")[1]
+            finally:
+                process.terminate()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+        polls = (scraped_value(after, "kvwatch_polls_total") or 0) - (scraped_value(before, "kvwatch_polls_total") or 0)
+        p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
+        floor_p99 = percentile(floor, 0.99)
+        rows.append([str(engines), f"{len(before) / 1024:.0f} KB", ms(render_cost(fixtures, engines)),
+                     str(len(latencies)), str(errors), ms(p50), ms(p99),
+                     ms(max(latencies)), f"{ms(percentile(floor, 0.5))} / {ms(floor_p99)}",
+                     f"{polls:.0f} in {seconds:.0f} s", ms(scraped_value(after, "kvwatch_poll_cpu_seconds"))])
+        report.figure(f"/metrics p99, {scrapers} concurrent scrapers, {engines} engine{'s' if engines > 1 else ''}",
+                      f"{ms(p99)} (p50 {ms(p50)}, {errors} errors)", f"/healthz p99 {ms(floor_p99)}", "< 20 ms",
+                      p99 < 0.020 and errors == 0)
+    header = ["engines", "/metrics size", "render CPU", "requests", "errors", "p50", "p99", "max",
+              "/healthz p50 / p99", "polls during the test", "last poll CPU"]
+    report.sections.append(
+        "### /metrics under 50 concurrent scrapers\n\n"
+        f"`kvwatch serve` (uvicorn) as a subprocess, polling a page server every 1 s; {scrapers} scrapers, each "
+        f"on its own keep-alive connection, send GET /metrics at the same instant, {rounds} times (a burst every "
+        "50-290 ms, so bursts land on every phase of the poll); latency is from sending the request to the last "
+        "byte of the answer. The same bursts on /healthz (no work behind it) show what the HTTP stack alone "
+        "costs; 'render CPU' is one generate_latest over kvwatch's registry, which /metrics runs for every "
+        "request.\n\n" + table(header, rows))
+    print(plain_table(header, rows), flush=True)
+
+
+# --------------------------------------------------------------------------
+# Memory after a simulated hour
+# --------------------------------------------------------------------------
+
+
+def bench_memory(report: Report, fixtures: Path, quick: bool) -> None:
+    minutes = 20 if quick else 60
+    with page_server(fixtures, 1) as url:
+        result = subprocess.run([sys.executable, str(HERE / "memory_probe.py"), "--target", url,
+                                 "--minutes", str(minutes)], capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise RuntimeError("memory probe failed: " + result.stderr[-2000:])
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    samples = {s["minute"]: s for s in found["samples"]}
+    mib = 1 / 1024
+    first = [samples[m]["rss_kib"] for m in range(1, 11)]
+    last = [samples[m]["rss_kib"] for m in range(minutes - 9, minutes + 1)]
+    growth = (max(last) - max(first)) * mib
+    end = samples[minutes]["rss_kib"] * mib
+    objects_growth = samples[minutes]["objects"] - samples[10]["objects"]
+    rows = [[str(m), f"{samples[m]['rss_kib'] * mib:.1f} MiB", str(samples[m]["objects"])]
+            for m in (0, 1, 5, 10, 20, 30, 40, 50, 60) if m in samples]
+    report.figure(f"resident memory after {minutes} simulated min at 1 s", f"{end:.1f} MiB (peak {found['peak_rss_kib'] * mib:.1f})",
+                  f"at start, before any poll: {samples[0]['rss_kib'] * mib:.1f} MiB", "<= 80 MiB",
+                  end <= 80 and found["failed_polls"] == 0)
+    report.figure(f"growth, first vs last 10 of {minutes} min", f"{growth:+.2f} MiB, {objects_growth:+d} objects",
+                  "-", "none (<= 1 MiB)", growth <= 1.0)
+    report.sections.append(
+        "### Memory over a simulated hour\n\n"
+        f"A fresh process built as `kvwatch serve` builds itself (settings, Monitor, the FastAPI app served by "
+        f"uvicorn on loopback) polls the page server {found['polls']} times over loopback with a simulated wall "
+        f"clock advancing 1 s per poll (so the 5 min window, the event ring and the caches see {minutes} minutes "
+        f"of polls; it took {found['wall_seconds']:.0f} s), and scrapes its own /metrics every 15 simulated "
+        f"seconds. RSS from /proc/self/status after each simulated minute; 'objects' counts the objects the "
+        f"garbage collector tracks. Growth compares the highest RSS of minutes 1-10 with that of minutes "
+        f"{minutes - 9}-{minutes}. At the end: {found['window_entries']} window entries, {found['label_cache']} "
+        f"cached label sets, {found['events']} events, {found['failed_polls']} failed polls.\n\n"
+        + table(["simulated minute", "RSS", "objects"], rows))
+    print(plain_table(["simulated minute", "RSS", "objects"], rows), flush=True)
+
+
+# --------------------------------------------------------------------------
+# Cost curve from 1 to 64 engines
+# --------------------------------------------------------------------------
+
+
+class PageFetcher:
+    """Stands in for the HTTP fetch: hands the monitor the next page, which
+    `prepare` renders beforehand (the stand-in engine's work, not kvwatch's)."""
+
+    def __init__(self, page: AdvancingPage):
+        self.page, self.poll, self.text = page, 0, ""
+
+    def prepare(self) -> None:
+        self.text = self.page.render(self.poll)
+        self.poll += 1
+
+    def fetch(self):
+        return FetchResult(self.text, size=len(self.text))
+
+
+def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least squares y = slope * x + intercept, and r squared."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    slope = sxy / sxx
+    intercept = mean_y - slope * mean_x
+    total = sum((y - mean_y) ** 2 for _, y in points)
+    residual = sum((y - slope * x - intercept) ** 2 for x, y in points)
+    return slope, intercept, 1 - residual / total if total else 1.0
+
+
+def bench_curve(report: Report, capture: str, quick: bool) -> None:
+    counts = (1, 2, 4, 8, 16, 32, 64)
+    window_polls = 31 if quick else 61
+    rounds = 5 if quick else 9
+    texts = {engines: scale(capture, engines) for engines in counts}
+    adapters = {engines: VllmAdapter() for engines in counts}
+    for engines in counts:
+        adapters[engines].adapt(texts[engines], at=0.0)
+    # Every engine count in every round, so a busy spell of the machine
+    # weighs on all of them alike.
+    parse = {engines: [] for engines in counts}
+    for _ in range(rounds):
+        for engines in counts:
+            adapter = adapters[engines]
+            parse[engines].append(cpu_seconds(lambda t: adapter.adapt(t, at=0.0), texts[engines], max(1, 64 // engines)))
+    del adapters
+    # The poll with its page handed over in memory (adapt, window, signals,
+    # diagnosis), one engine count at a time with its window already full.
+    cycle = {}
+    for engines in counts:
+        gc.collect()
+        monitor = monitor_for("http://127.0.0.1:1/metrics", window="1m")
+        monitor.fetcher = PageFetcher(AdvancingPage(texts[engines]))
+        clock = simulated.SimulatedClock()
+        simulated.install(clock)
+        try:
+            polls = []
+            for poll in range(window_polls + (7 if engines >= 32 else 15)):
+                clock.advance(1.0)
+                monitor.fetcher.prepare()
+                state = monitor.poll_once()
+                if poll >= window_polls:
+                    polls.append(state.poll_cpu_seconds)
+        finally:
+            simulated.uninstall()
+        cycle[engines] = median(polls)
+        del monitor
+    rows = []
+    per_sample = {}
+    for engines in counts:
+        samples = sample_count(texts[engines])
+        p, c = median(parse[engines]), cycle[engines]
+        per_sample[engines] = p / samples
+        rows.append([str(engines), str(samples), ms(p, 3), f"{p / samples * 1e6:.2f} us",
+                     f"{per_sample[engines] / per_sample[1]:.2f}", ms(c, 2), f"{c / engines * 1e3:.2f} ms"])
+    # Linearity: the cost per sample at 64 engines against 8 (1 engine carries fixed costs).
+    drift = per_sample[64] / per_sample[8]
+    fit = linear_fit([(sample_count(texts[e]), median(parse[e])) for e in counts])
+    report.figure("parse+adapt, 1 to 64 engines", f"{fit[0] * 1e6:.2f} us per sample + {ms(fit[1], 2)}, r2 {fit[2]:.3f}",
+                  "-", "linear", None)
+    report.figure("parse+adapt cost per sample, 64 vs 8 engines", f"{drift:.2f}x", "-", "1x if linear", None)
+    header = ["engines", "samples", "parse+adapt", "per sample", "per sample vs 1 engine", "poll, page in memory",
+              "per engine"]
+    report.sections.append(
+        "### Cost from 1 to 64 engines\n\n"
+        f"Parse + adapt CPU per page (warm caches; medians of {rounds} rounds, each measuring every engine count "
+        f"in turn), and the whole poll with its page handed over in memory (adapt, window, signals, diagnosis; "
+        f"median of the polls after a 1 min window filled at a simulated 1 s). The diagnosis reads every poll "
+        "in the window, so a 5 min window costs more there (see the poll cycle above).\n\n" + table(header, rows))
+    print(plain_table(header, rows), flush=True)
+
+
+# --------------------------------------------------------------------------
+
+
+def default_fixtures() -> Path:
+    return Path(os.environ.get("KVWATCH_FIXTURES", REPO.parent / "shared" / "fixtures"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fixtures", type=Path, default=default_fixtures())
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, shorter simulated hour (20 min)")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
+    args = parser.parse_args()
+    if not (args.fixtures / "vllm-0.32-cpu").is_dir():
+        print(f"real vLLM captures not found under {args.fixtures} (set KVWATCH_FIXTURES)", file=sys.stderr)
+        return 2
+    wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in SECTIONS]
+    if unknown:
+        print(f"unknown sections: {', '.join(unknown)} (known: {', '.join(SECTIONS)})", file=sys.stderr)
+        return 2
+
+    started = time.monotonic()
+    info = machine()
+    print("kvwatch benchmark\n" + "\n".join(f"  {k}: {v}" for k, v in info.items()), flush=True)
+    capture = capture_text(args.fixtures)
+    report = Report()
+    steps = {
+        "parse": lambda: bench_parse(report, capture, args.quick),
+        "poll": lambda: bench_poll(report, capture, args.fixtures, args.quick),
+        "scrape": lambda: bench_scrape(report, args.fixtures, args.quick),
+        "memory": lambda: bench_memory(report, args.fixtures, args.quick),
+        "curve": lambda: bench_curve(report, capture, args.quick),
+    }
+    for name in SECTIONS:
+        if name in wanted:
+            print(f"\n== {name} ==", flush=True)
+            gc.collect()
+            steps[name]()
+    elapsed = time.monotonic() - started
+
+    header = ["figure", "kvwatch", "baseline", "target", "met"]
+    rows = [[f.name, f.value, f.baseline, f.target, "-" if f.met is None else ("yes" if f.met else "NO")]
+            for f in report.figures]
+    print("\n== summary ==\n" + plain_table(header, rows))
+    print(f"\n{len([f for f in report.figures if f.met])} of {len([f for f in report.figures if f.met is not None])} "
+          f"targets met in {elapsed:.0f} s; written to {args.output}")
+
+    document = [
+        "# kvwatch benchmark results",
+        "",
+        "Written by `make bench` (`benchmarks/run.py`); the method is in docs/performance.md. "
+        "Every figure comes from this one run on this machine: compare ratios across machines, not milliseconds.",
+        "",
+        table(["machine", ""], [[k, v] for k, v in info.items()]),
+        "",
+        f"Input: `{args.fixtures.name}/vllm-0.32-cpu/metrics-load.txt` (a real vLLM 0.32 page), scaled to N engines. "
+        f"Run{' (--quick)' if args.quick else ''} took {elapsed:.0f} s.",
+        "",
+        "## Summary",
+        "",
+        table(header, rows),
+        "",
+        "## Details",
+        "",
+        "\n\n".join(report.sections),
+        "",
+    ]
+    args.output.write_text("\n".join(document))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
