@@ -709,7 +709,8 @@ def bench_curve(report: Report, capture: str, quick: bool) -> None:
 
 
 def default_fixtures() -> Path:
-    return Path(os.environ.get("KVWATCH_FIXTURES", REPO.parent / "shared" / "fixtures"))
+    candidates = (REPO.parent / "shared" / "fixtures", Path("/work/shared/fixtures"))
+    return Path(os.environ.get("KVWATCH_FIXTURES") or next((p for p in candidates if p.is_dir()), candidates[0]))
 
 
 def main() -> int:
