@@ -337,14 +337,15 @@ def _job_relabeling(s: DeploySettings) -> list[dict]:
     return [{"action": "replace", "targetLabel": "job", "replacement": s.job}]
 
 
-def service_monitor(s: DeploySettings) -> dict:
+def _monitor(s: DeploySettings, kind: str, endpoints_key: str) -> dict:
+    # ServiceMonitor and PodMonitor differ only in kind and endpoint list name.
     return {
         "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
+        "kind": kind,
         "metadata": {"name": "kvwatch", "labels": _monitor_labels(s)},
         "spec": {
             "selector": {"matchLabels": dict(s.labels)},
-            "endpoints": [{
+            endpoints_key: [{
                 "port": s.port_name,
                 "path": "/metrics",
                 "scheme": "http",
@@ -354,25 +355,14 @@ def service_monitor(s: DeploySettings) -> dict:
             }],
         },
     }
+
+
+def service_monitor(s: DeploySettings) -> dict:
+    return _monitor(s, "ServiceMonitor", "endpoints")
 
 
 def pod_monitor(s: DeploySettings) -> dict:
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "PodMonitor",
-        "metadata": {"name": "kvwatch", "labels": _monitor_labels(s)},
-        "spec": {
-            "selector": {"matchLabels": dict(s.labels)},
-            "podMetricsEndpoints": [{
-                "port": s.port_name,
-                "path": "/metrics",
-                "scheme": "http",
-                "interval": s.scrape_interval,
-                "scrapeTimeout": s.scrape_timeout,
-                "relabelings": _job_relabeling(s),
-            }],
-        },
-    }
+    return _monitor(s, "PodMonitor", "podMetricsEndpoints")
 
 
 def prometheus_rule_object(s: DeploySettings, text: str) -> dict:
