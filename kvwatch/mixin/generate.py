@@ -17,6 +17,7 @@ from pathlib import Path
 
 from grafanalib._gen import DashboardEncoder
 
+from kvwatch import metrics_doc
 from kvwatch.mixin import dashboards as dash
 from kvwatch.mixin import grafana_alerts, rules, runbooks
 from kvwatch.mixin.config import MixinConfig, MixinConfigError, describe_config, load_config
@@ -60,6 +61,7 @@ def render_all(config: MixinConfig) -> dict[str, str]:
         "# so merge these routes into yours instead if you already have one.\n"
         + rules.dump_yaml(grafana_alerts.notification_example(config)))
     files.update({f"deploy/{path}": text for path, text in _manifests(config, files, dashboards).items()})
+    files["docs/metrics.md"] = metrics_doc.render()
     return files
 
 
