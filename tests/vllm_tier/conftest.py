@@ -7,8 +7,6 @@ as it happens. A failure there is not a skip: every test using `real_vllm`
 errors with the message.
 """
 
-import contextlib
-
 import pytest
 
 from .harness import (
@@ -18,31 +16,17 @@ from .harness import (
     ensure_vllm_venv,
     vllm_server,
 )
+from .kvwatch_support import tier_reporter
 
 _prepared = pytest.StashKey[tuple]()
 _failure = pytest.StashKey[str]()
-
-
-def _reporter(config: pytest.Config):
-    terminal = config.pluginmanager.get_plugin("terminalreporter")
-    capture = config.pluginmanager.get_plugin("capturemanager")
-
-    def report(message: str) -> None:
-        # Shown as it happens, not swallowed by the output capture of a test's setup.
-        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-            if terminal is not None:
-                terminal.write_line(f"[vllm-tier] {message}")
-            else:
-                print(f"[vllm-tier] {message}", flush=True)
-
-    return report
 
 
 def _prepare(config: pytest.Config) -> tuple:
     if _failure in config.stash:
         pytest.fail(config.stash[_failure], pytrace=False)
     if _prepared not in config.stash:
-        report = _reporter(config)
+        report = tier_reporter(config)
         try:
             venv = ensure_vllm_venv(report=report)
             model = build_tiny_model(default_model_dir(venv), venv=venv, report=report)
@@ -69,7 +53,7 @@ def real_vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
     try:
         with vllm_server(model_dir=model, venv=venv, log_path=log_path,
-                         report=_reporter(request.config)) as server:
+                         report=tier_reporter(request.config)) as server:
             yield server
     except HarnessError as err:
         pytest.fail(f"real vLLM did not start: {err}", pytrace=False)
