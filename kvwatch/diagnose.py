@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvwatch.snapshot import EngineSnapshot, Histogram, config_number
-from kvwatch.window import Increase, Window
+from kvwatch.window import EngineKey, Entry, Increase, Step, Window
 
 log = logging.getLogger("kvwatch")
 
@@ -217,31 +217,43 @@ def resolve_thresholds(thresholds: dict[str, Any] | None) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 
-@dataclass
 class Poll:
-    time: float
-    engine: EngineSnapshot
-    restarted: bool
-    preempted: float = 0.0  # preemptions since the previous poll (0 for the window's oldest)
+    """One engine at one poll, the gauges the rules read taken out once: a
+    Poll is built when its window entry arrives and read by every diagnosis
+    while the entry stays in the window (300 of them at a 1 s poll)."""
+
+    __slots__ = ("time", "engine", "step", "restarted", "preempted", "usage", "running", "waiting",
+                 "waiting_for_capacity", "demand")
+
+    def __init__(self, time: float, engine: EngineSnapshot, step: Step | None):
+        gauges = engine.gauges
+        self.time = time
+        self.engine = engine
+        self.step = step  # the increase since the previous poll (None for the engine's first)
+        self.restarted = bool(step and step.restarted)
+        self.preempted = step.counters.get("preemptions", 0.0) if step is not None else 0.0
+        usage = gauges.get("kv_usage")
+        self.usage: float | None = None if usage is None else min(1.0, max(0.0, usage))
+        self.running: float | None = gauges.get("running")
+        self.waiting: float | None = gauges.get("waiting")
+        # vLLM 0.20+ splits the queue; "deferred" requests wait on LoRA budget
+        # or KV transfer, not on room. Older versions only say "waiting".
+        by_reason = gauges.get("waiting_by_reason/capacity")
+        self.waiting_for_capacity: float = by_reason if by_reason is not None else (self.waiting or 0.0)
+        self.demand: float = (self.running or 0.0) + (self.waiting or 0.0)
 
     def gauge(self, key: str) -> float | None:
         return self.engine.gauges.get(key)
 
-    @property
-    def usage(self) -> float | None:
-        value = self.gauge("kv_usage")
-        return None if value is None else min(1.0, max(0.0, value))
 
-    @property
-    def waiting_for_capacity(self) -> float:
-        # vLLM 0.20+ splits the queue; "deferred" requests wait on LoRA budget
-        # or KV transfer, not on room. Older versions only say "waiting".
-        by_reason = self.gauge("waiting_by_reason/capacity")
-        return by_reason if by_reason is not None else (self.gauge("waiting") or 0.0)
-
-    @property
-    def demand(self) -> float:
-        return (self.gauge("running") or 0.0) + (self.gauge("waiting") or 0.0)
+def _polls_of(entry: Entry) -> dict[EngineKey, Poll]:
+    """The entry's Polls, one per engine, built on first use."""
+    polls = entry.derived.get("polls")
+    if polls is None:
+        polls = {key: Poll(entry.snapshot.time, engine, entry.steps.get(key))
+                 for key, engine in entry.snapshot.engines.items()}
+        entry.derived["polls"] = polls
+    return polls
 
 
 @dataclass
@@ -268,14 +280,13 @@ class EngineContext:
         self.view = row.view
         self.values = row.values
         self.increase: Increase = row.view.increase
-        self.polls: list[Poll] = []
-        for index, entry in enumerate(window.entries):
-            snapshot = entry.snapshot.engines.get(self.key)
-            if snapshot is not None:
-                step = entry.steps.get(self.key)
-                # The oldest entry's step reaches back past the window.
-                preempted = step.counters.get("preemptions", 0.0) if step is not None and index > 0 else 0.0
-                self.polls.append(Poll(entry.snapshot.time, snapshot, bool(step and step.restarted), preempted))
+        key = self.key
+        entries = window.entries
+        self.polls: list[Poll] = [poll for entry in entries if (poll := _polls_of(entry).get(key)) is not None]
+        # The oldest entry's step reaches back past the window: its counters
+        # (preemptions included) never count.
+        self.counted: list[Poll] = (self.polls[1:] if self.polls and entries[0].snapshot.engines.get(key) is not None
+                                    else self.polls)
         latest = window.latest
         self.cache_config: dict[str, str] = latest.cache_config.get(row.engine, {}) if latest else {}
         self.capacity_tokens: float | None = row.view.capacity_tokens
@@ -290,14 +301,12 @@ class EngineContext:
         the window's stored steps (cheaper than a whole Increase with its
         histograms)."""
         total = dict.fromkeys(keys, 0.0)
-        # The oldest entry's step reaches back past the window: never counted.
-        for entry in list(self.window.entries)[1:]:
-            if entry.snapshot.time <= since or (until is not None and entry.snapshot.time > until):
+        for poll in self.counted:
+            if poll.time <= since or (until is not None and poll.time > until) or poll.step is None:
                 continue
-            step = entry.steps.get(self.key)
-            if step is not None:
-                for key in keys:
-                    total[key] += step.counters.get(key, 0.0)
+            counters = poll.step.counters
+            for key in keys:
+                total[key] += counters.get(key, 0.0)
         return total
 
     def histogram(self, key: str) -> Histogram | None:
@@ -329,7 +338,7 @@ class EngineContext:
             # for blocks, however full the cache is (known only when set).
             slots = self.t["max_num_seqs"]
             full = [p for p in self.polls if p.usage is not None and p.usage >= limit and p.waiting_for_capacity > 0
-                    and not (slots is not None and (p.gauge("running") or 0) >= slots)]
+                    and not (slots is not None and (p.running or 0) >= slots)]
             preemptions = self.increase.counters.get("preemptions", 0.0)
             if not full and preemptions <= 0:
                 self._exhaustion = None
@@ -339,8 +348,7 @@ class EngineContext:
                 else:
                     with_usage = [p for p in self.polls if p.usage is not None]
                     peak = max(with_usage, key=lambda p: p.usage) if with_usage else None
-                full_ids = {id(p) for p in full}
-                first = [p.time for p in self.polls if id(p) in full_ids or p.preempted > 0]
+                first = [p.time for p in full] + [p.time for p in self.counted if p.preempted > 0]
                 started = min(first) if first else (self.polls[0].time if self.polls else 0.0)
                 self._exhaustion = Exhaustion(full, peak, preemptions, started)
         return self._exhaustion  # type: ignore[return-value]
@@ -468,12 +476,12 @@ def _load_shape(ctx: EngineContext) -> dict[str, float | None]:
     and running), and the share of the cache one running request held: mean
     usage / mean running. The PromQL of the exhaustion alert computes the
     same means with avg_over_time over its rate window."""
-    polls = [p for p in ctx.polls if p.usage is not None and p.gauge("running") is not None]
+    polls = [p for p in ctx.polls if p.usage is not None and p.running is not None]
     if not polls:
         return {"kv_usage_mean": None, "running_mean": None, "waiting_mean": None, "share": None}
     usage = sum(p.usage for p in polls) / len(polls)
-    running = sum(p.gauge("running") for p in polls) / len(polls)
-    waiting = sum(p.gauge("waiting") or 0.0 for p in polls) / len(polls)
+    running = sum(p.running for p in polls) / len(polls)
+    waiting = sum(p.waiting or 0.0 for p in polls) / len(polls)
     return {"kv_usage_mean": usage, "running_mean": running, "waiting_mean": waiting,
             "share": usage / running if running > 0 else None}
 
@@ -544,7 +552,7 @@ def _exhaustion_findings(ctx: EngineContext) -> list[Finding]:
             and (shape["waiting_mean"] or 0.0) <= (shape["running_mean"] or 0.0))
 
     def footprint(poll: Poll) -> float | None:
-        running = poll.gauge("running")
+        running = poll.running
         if poll.usage is None or not running or not ctx.capacity_tokens:
             return None
         return poll.usage * ctx.capacity_tokens / running
@@ -553,7 +561,7 @@ def _exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         if poll is None:
             return {}
         return {"peak_seconds_ago": ctx.polls[-1].time - poll.time, "kv_usage_at_peak": poll.usage,
-                "running_at_peak": poll.gauge("running"), "waiting_at_peak": poll.gauge("waiting"),
+                "running_at_peak": poll.running, "waiting_at_peak": poll.waiting,
                 "waiting_for_capacity_at_peak": poll.waiting_for_capacity,
                 "tokens_per_running_request_at_peak": footprint(poll)}
 
@@ -883,7 +891,7 @@ def _slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | No
     # queue length over the arrival rate (first tokens per second). It counts
     # the requests still waiting, which no histogram has seen yet; when the
     # queue is steady the two agree.
-    waiting = [p.gauge("waiting") for p in ctx.polls[1:] if p.gauge("waiting") is not None]
+    waiting = [p.waiting for p in ctx.polls[1:] if p.waiting is not None]
     queue_little = None
     if waiting and ctx.increase.seconds > 0:
         queue_little = (sum(waiting) / len(waiting)) / (ttft.count / ctx.increase.seconds)
@@ -943,7 +951,7 @@ def _slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | No
         share_text = f"{shares[part]:.0%} of it"
         if part == "queue":
             exhaustion = ctx.exhaustion
-            waiting_polls = [p for p in ctx.polls if (p.gauge("waiting") or 0) > 0]
+            waiting_polls = [p for p in ctx.polls if (p.waiting or 0) > 0]
             usage_while_waiting = max((p.usage for p in waiting_polls if p.usage is not None), default=None)
             queue_evidence = {**evidence, "kv_usage_max_while_waiting": usage_while_waiting,
                               "kv_usage_threshold": t["exhaustion_usage_ratio"],
@@ -1011,22 +1019,7 @@ def _changes(window: Window, events) -> list[Change]:
     found: list[Change] = []
     entries = list(window.entries)
     for previous, entry in zip(entries, entries[1:]):
-        now = entry.snapshot
-        for (model, engine), step in sorted(entry.steps.items()):
-            if step.restarted:
-                found.append(Change(now.time, "restart", model, engine, "counters reset or _created moved"))
-        for engine, config in sorted(now.cache_config.items()):
-            before = previous.snapshot.cache_config.get(engine)
-            if before is not None and before != config:
-                keys = tuple(sorted(k for k in set(before) | set(config) if before.get(k) != config.get(k)))
-                detail = ", ".join(f"{k}: {before.get(k)} -> {config.get(k)}" for k in keys[:8])
-                found.append(Change(now.time, "cache_config", None, engine, detail, keys))
-        models_before = tuple(sorted({m for m, _ in previous.snapshot.engines}))
-        models_now = tuple(sorted({m for m, _ in now.engines}))
-        if models_before != models_now:
-            found.append(Change(now.time, "models", None, None,
-                                f"served models changed: {list(models_before)} -> {list(models_now)}",
-                                before=models_before, after=models_now))
+        found.extend(_changes_at(previous, entry))
     seen = {(c.time, c.kind, c.engine) for c in found}
     for event in events or ():
         if (event.time, event.kind, event.engine) in seen:
@@ -1036,6 +1029,33 @@ def _changes(window: Window, events) -> list[Change]:
             keys = tuple(part.split(":", 1)[0].strip() for part in event.detail.split(", ") if ":" in part)
         found.append(Change(event.time, event.kind, event.model, event.engine, event.detail, keys))
     return sorted(found, key=lambda c: c.time)
+
+
+def _changes_at(previous: Entry, entry: Entry) -> list[Change]:
+    """What changed from one entry to the next, read once per entry: an entry
+    keeps its predecessor while both stay in the window."""
+    found = entry.derived.get("changes")
+    if found is not None:
+        return found
+    found = []
+    now = entry.snapshot
+    for (model, engine), step in sorted(entry.steps.items()):
+        if step.restarted:
+            found.append(Change(now.time, "restart", model, engine, "counters reset or _created moved"))
+    for engine, config in sorted(now.cache_config.items()):
+        before = previous.snapshot.cache_config.get(engine)
+        if before is not None and before != config:
+            keys = tuple(sorted(k for k in set(before) | set(config) if before.get(k) != config.get(k)))
+            detail = ", ".join(f"{k}: {before.get(k)} -> {config.get(k)}" for k in keys[:8])
+            found.append(Change(now.time, "cache_config", None, engine, detail, keys))
+    models_before = tuple(sorted({m for m, _ in previous.snapshot.engines}))
+    models_now = tuple(sorted({m for m, _ in now.engines}))
+    if models_before != models_now:
+        found.append(Change(now.time, "models", None, None,
+                            f"served models changed: {list(models_before)} -> {list(models_now)}",
+                            before=models_before, after=models_now))
+    entry.derived["changes"] = found
+    return found
 
 
 # cache_config keys that change what capacity and hit ratios mean.

@@ -50,6 +50,9 @@ class Step:
 class Entry:
     snapshot: Snapshot
     steps: dict[EngineKey, Step] = field(default_factory=dict)
+    # What readers derive from this entry once, for every poll it stays in
+    # the window (diagnosis' per-engine Polls); it leaves with the entry.
+    derived: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
