@@ -61,10 +61,12 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvwatch.app import create_app
-    from kvwatch.monitor import Monitor
+    from kvwatch.monitor import Monitor, tune_garbage_collector
     from kvwatch.report import public_url
 
     monitor = Monitor(settings)
+    app = create_app(monitor, settings)
+    tune_garbage_collector()
     monitor.start()
     scheme = "https" if settings.tls_cert_file else "http"
     logging.getLogger("kvwatch").info(
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         scheme, settings.host, settings.port)
     try:
         uvicorn.run(
-            create_app(monitor, settings),
+            app,
             host=settings.host,
             port=settings.port,
             log_level="warning" if settings.log_level == "info" else settings.log_level,
