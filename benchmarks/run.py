@@ -36,7 +36,7 @@ import clock as simulated  # noqa: E402
 import kvwatch.diagnose  # noqa: E402
 import kvwatch.monitor  # noqa: E402
 from kvwatch.engines.vllm import VllmAdapter  # noqa: E402
-from kvwatch.monitor import Monitor  # noqa: E402
+from kvwatch.monitor import GC_GEN0_THRESHOLD, Monitor, tune_garbage_collector  # noqa: E402
 from kvwatch.scrape import FetchResult  # noqa: E402
 from kvwatch.settings import load_settings  # noqa: E402
 from pages import AdvancingPage, capture_text, sample_count, scale  # noqa: E402
@@ -146,6 +146,7 @@ def machine() -> dict[str, str]:
         "prometheus_client": client_version,
         "kvwatch commit": commit + (" (kvwatch/ modified)" if dirty else ""),
         "load average at start": " ".join(f"{x:.2f}" for x in load),
+        "garbage collector": f"as kvwatch serve runs it: start-up frozen, gen0 threshold {gc.get_threshold()[0]}",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 
@@ -643,6 +644,27 @@ def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float, float]:
     return slope, intercept, 1 - residual / total if total else 1.0
 
 
+def poll_in_memory(text: str, window_polls: int, polls: int) -> float:
+    """Median poll CPU with the page handed over in memory, after
+    `window_polls` polls filled the window."""
+    gc.collect()
+    monitor = monitor_for("http://127.0.0.1:1/metrics", window="1m")
+    monitor.fetcher = PageFetcher(AdvancingPage(text))
+    clock = simulated.SimulatedClock()
+    simulated.install(clock)
+    try:
+        spent = []
+        for poll in range(window_polls + polls):
+            clock.advance(1.0)
+            monitor.fetcher.prepare()
+            state = monitor.poll_once()
+            if poll >= window_polls:
+                spent.append(state.poll_cpu_seconds)
+    finally:
+        simulated.uninstall()
+    return median(spent)
+
+
 def bench_curve(report: Report, capture: str, quick: bool) -> None:
     counts = (1, 2, 4, 8, 16, 32, 64)
     window_polls = 31 if quick else 61
@@ -660,26 +682,16 @@ def bench_curve(report: Report, capture: str, quick: bool) -> None:
             parse[engines].append(cpu_seconds(lambda t: adapter.adapt(t, at=0.0), texts[engines], max(1, 64 // engines)))
     del adapters
     # The poll with its page handed over in memory (adapt, window, signals,
-    # diagnosis), one engine count at a time with its window already full.
-    cycle = {}
-    for engines in counts:
-        gc.collect()
-        monitor = monitor_for("http://127.0.0.1:1/metrics", window="1m")
-        monitor.fetcher = PageFetcher(AdvancingPage(texts[engines]))
-        clock = simulated.SimulatedClock()
-        simulated.install(clock)
-        try:
-            polls = []
-            for poll in range(window_polls + (7 if engines >= 32 else 15)):
-                clock.advance(1.0)
-                monitor.fetcher.prepare()
-                state = monitor.poll_once()
-                if poll >= window_polls:
-                    polls.append(state.poll_cpu_seconds)
-        finally:
-            simulated.uninstall()
-        cycle[engines] = median(polls)
-        del monitor
+    # diagnosis), one engine count at a time with its window already full,
+    # with kvwatch serve's collector setting and with CPython's default.
+    cycle = {engines: poll_in_memory(texts[engines], window_polls, 7 if engines >= 32 else 15) for engines in counts}
+    tuned = gc.get_threshold()
+    gc.set_threshold(700, *tuned[1:])
+    try:
+        default_gc = {engines: poll_in_memory(texts[engines], window_polls, 7 if engines >= 32 else 15)
+                      for engines in counts}
+    finally:
+        gc.set_threshold(*tuned)
     rows = []
     per_sample = {}
     for engines in counts:
@@ -687,7 +699,8 @@ def bench_curve(report: Report, capture: str, quick: bool) -> None:
         p, c = median(parse[engines]), cycle[engines]
         per_sample[engines] = p / samples
         rows.append([str(engines), str(samples), ms(p, 3), f"{p / samples * 1e6:.2f} us",
-                     f"{per_sample[engines] / per_sample[1]:.2f}", ms(c, 2), f"{c / engines * 1e3:.2f} ms"])
+                     f"{per_sample[engines] / per_sample[1]:.2f}", ms(c, 2), f"{c / engines * 1e3:.2f} ms",
+                     ms(default_gc[engines], 2)])
     # Linearity: the cost per sample at 64 engines against 8 (1 engine carries fixed costs).
     drift = per_sample[64] / per_sample[8]
     fit = linear_fit([(sample_count(texts[e]), median(parse[e])) for e in counts])
@@ -695,13 +708,16 @@ def bench_curve(report: Report, capture: str, quick: bool) -> None:
                   "-", "linear", None)
     report.figure("parse+adapt cost per sample, 64 vs 8 engines", f"{drift:.2f}x", "-", "1x if linear", None)
     header = ["engines", "samples", "parse+adapt", "per sample", "per sample vs 1 engine", "poll, page in memory",
-              "per engine"]
+              "per engine", "poll, CPython's default collector"]
     report.sections.append(
         "### Cost from 1 to 64 engines\n\n"
         f"Parse + adapt CPU per page (warm caches; medians of {rounds} rounds, each measuring every engine count "
         f"in turn), and the whole poll with its page handed over in memory (adapt, window, signals, diagnosis; "
         f"median of the polls after a 1 min window filled at a simulated 1 s). The diagnosis reads every poll "
-        "in the window, so a 5 min window costs more there (see the poll cycle above).\n\n" + table(header, rows))
+        "in the window, so a 5 min window costs more there (see the poll cycle above). The last column is the "
+        f"same poll with CPython's default collector threshold (700 allocations) instead of kvwatch serve's "
+        f"({GC_GEN0_THRESHOLD}): the collector then runs dozens of times per poll and re-scans the window's "
+        "objects each time.\n\n" + table(header, rows))
     print(plain_table(header, rows), flush=True)
 
 
@@ -730,6 +746,10 @@ def main() -> int:
         return 2
 
     started = time.monotonic()
+    # kvwatch serve's setting (kvwatch/monitor.py): every figure measured in
+    # this process, prometheus_client's included, runs under it; the curve
+    # also shows the poll under CPython's default.
+    tune_garbage_collector()
     info = machine()
     print("kvwatch benchmark\n" + "\n".join(f"  {k}: {v}" for k, v in info.items()), flush=True)
     capture = capture_text(args.fixtures)
