@@ -52,14 +52,16 @@ def main() -> int:
 
     from clock import SimulatedClock, install
     from kvwatch.app import create_app
-    from kvwatch.monitor import Monitor
+    from kvwatch.monitor import Monitor, tune_garbage_collector
     from kvwatch.settings import load_settings
 
     port = free_port()
     settings = load_settings(overrides={"target": args.target, "poll_interval": "1s", "port": port,
                                         "log_level": "warning"}, environ={})
     monitor = Monitor(settings)
-    server = uvicorn.Server(uvicorn.Config(create_app(monitor, settings), host="127.0.0.1", port=port,
+    app = create_app(monitor, settings)
+    tune_garbage_collector()  # as kvwatch serve does before it starts polling
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
