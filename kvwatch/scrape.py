@@ -206,25 +206,30 @@ class _Watchdog:
 
     A socket timeout bounds only the wait for the next byte, so a server that
     sends one byte per second could hold a poll for as long as it likes;
-    shutting the socket down wakes the blocked read at once."""
+    shutting the socket down wakes the blocked read at once. One thread
+    (_Deadlines) watches every fetch in flight: a timer thread per fetch cost
+    a thread start per poll and left a reference cycle behind each time."""
 
     _current = threading.local()
 
     def __init__(self, seconds: float):
         self.fired = False
+        self.seconds = seconds
+        self.deadline = 0.0
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
 
     def __enter__(self) -> "_Watchdog":
         _Watchdog._current.watchdog = self
-        self._timer.start()
+        self.deadline = time.monotonic() + self.seconds
+        _DEADLINES.watch(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._timer.cancel()
+        _DEADLINES.forget(self)
         _Watchdog._current.watchdog = None
+        with self._lock:
+            self._sockets.clear()
 
     @classmethod
     def watch(cls, sock: socket.socket | None) -> None:
@@ -237,11 +242,46 @@ class _Watchdog:
             else:
                 watchdog._sockets.append(sock)
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
         with self._lock:
             self.fired = True
             for sock in self._sockets:
                 _shutdown(sock)
+
+
+class _Deadlines:
+    """The one thread that fires the watchdogs of fetches in flight, started
+    with the first fetch and asleep while none is in flight."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._armed: set[_Watchdog] = set()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, watchdog: _Watchdog) -> None:
+        with self._changed:
+            self._armed.add(watchdog)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvwatch-fetch-deadlines", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def forget(self, watchdog: _Watchdog) -> None:
+        with self._changed:
+            self._armed.discard(watchdog)
+
+    def _run(self) -> None:
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                for watchdog in [w for w in self._armed if w.deadline <= now]:
+                    self._armed.discard(watchdog)
+                    watchdog.fire()
+                nearest = min((w.deadline for w in self._armed), default=None)
+                self._changed.wait(None if nearest is None else nearest - now)
+
+
+_DEADLINES = _Deadlines()
 
 
 def _shutdown(sock: socket.socket) -> None:
