@@ -291,6 +291,25 @@ def _rate(amount: float | None, seconds: float) -> float | None:
     return amount / seconds
 
 
+def cell_notes(cell: dict[str, Any], metrics: CellMetrics) -> list[str]:
+    """What makes a cell's engine figures doubtful, said next to them."""
+    number, notes = cell["cell"], []
+    if metrics.polls < FEW_POLLS:
+        notes.append(f"cell {number}: only {metrics.polls} /metrics poll(s); its peaks "
+                     "may be missed (lower --poll-interval or lengthen the cell)")
+    elif cell["completed"] and not metrics.peak_running:
+        # Its requests ran, yet no poll landed while one did (a loaded machine
+        # can delay the poller past a short cell): a peak of 0 would read as
+        # an idle engine.
+        notes.append(f"cell {number}: none of its {metrics.polls} /metrics polls saw one of its "
+                     f"{cell['completed']} requests running; its peak KV usage, running and waiting "
+                     "were not measured (lower --poll-interval or lengthen the cell)")
+    if metrics.restarts:
+        notes.append(f"cell {number}: the engine's counters reset during the cell "
+                     "(restart?); its engine figures are partial")
+    return notes
+
+
 def summarize_cell(number: int, inp: int, out: int, conc: int,
                    results: list[RequestResult], metrics: CellMetrics,
                    bound: dict[str, Any] | None) -> dict[str, Any]:
@@ -738,12 +757,7 @@ class Sweep:
         metrics = self.poller.end_cell()
         ordered = [result for _, result in sorted(results, key=lambda item: item[0])]
         cell = summarize_cell(number, inp, out, conc, ordered, metrics, self.bounds.get((inp, out)))
-        if metrics.polls < FEW_POLLS:
-            self.notes.append(f"cell {number}: only {metrics.polls} /metrics poll(s); its peaks "
-                              "may be missed (lower --poll-interval or lengthen the cell)")
-        if metrics.restarts:
-            self.notes.append(f"cell {number}: the engine's counters reset during the cell "
-                              "(restart?); its engine figures are partial")
+        self.notes.extend(cell_notes(cell, metrics))
         append_requests(config.out_dir, self._request_rows(cell, sorted(results, key=lambda x: x[0])),
                         first=not self.cells)
         return cell

@@ -19,7 +19,7 @@ import kvwatch
 from kvwatch.cli import main
 from kvwatch.sim.server import start_background
 from kvwatch.snapshot import Histogram
-from kvwatch.sweep import percentile, summarize_cell
+from kvwatch.sweep import cell_notes, percentile, summarize_cell
 from kvwatch.sweep_client import Client, RequestResult, Worker, split_base_url
 from kvwatch.sweep_metrics import CellMetrics
 from kvwatch.sweep_output import COLUMNS, REQUEST_COLUMNS
@@ -396,6 +396,22 @@ def test_cell_summary_puts_client_and_engine_side_by_side():
     assert cell["client_generation_tokens_per_s"] == pytest.approx(40)
     assert cell["capacity_bound"] == 7 and cell["preemptions"] == 1
     assert cell["first_error"] == "HTTP 503"
+
+
+def test_a_cell_whose_requests_no_poll_saw_running_says_its_peaks_were_not_measured():
+    results = [RequestResult(ok=True, started=10.0, ttft=0.1, latency=0.3, chunks=2) for _ in range(3)]
+    unseen = CellMetrics(polls=6, peak_kv_usage=0.0, peak_running=0.0, peak_waiting=0.0)
+    notes = cell_notes(summarize_cell(4, 100, 8, 3, results, unseen, None), unseen)
+    assert notes == ["cell 4: none of its 6 /metrics polls saw one of its 3 requests running; its peak KV "
+                     "usage, running and waiting were not measured (lower --poll-interval or lengthen the cell)"]
+    seen = CellMetrics(polls=6, peak_kv_usage=0.2, peak_running=2.0, peak_waiting=0.0)
+    assert cell_notes(summarize_cell(4, 100, 8, 3, results, seen, None), seen) == []
+    # With too few polls the note about those says it already; nothing completed, nothing to see.
+    few = CellMetrics(polls=1, peak_running=0.0)
+    assert [n.split(";")[0] for n in cell_notes(summarize_cell(4, 100, 8, 3, results, few, None), few)] == [
+        "cell 4: only 1 /metrics poll(s)"]
+    failed = [RequestResult(ok=False, started=10.0, latency=0.1, error="HTTP 500")]
+    assert cell_notes(summarize_cell(4, 100, 8, 1, failed, unseen, None), unseen) == []
 
 
 def test_a_server_with_other_traffic_is_measured_after_a_bounded_wait_with_a_note(tmp_path, capsys):
