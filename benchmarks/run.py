@@ -401,9 +401,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def http_get(port: int, path: str, timeout: float = 5.0, headers: str = "") -> tuple[int, bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}Connection: close\r\n\r\n".encode())
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
@@ -418,75 +418,31 @@ def scraped_value(body: bytes, name: str) -> float | None:
     return None
 
 
-class Scraper(threading.Thread):
-    """One scraper on its own keep-alive connection; each round it sends one
-    GET /metrics when the barrier opens and times it to the last byte."""
-
-    def __init__(self, port: int, barrier: threading.Barrier, rounds: int, path: str = "/metrics"):
-        super().__init__(daemon=True)
-        self.port, self.barrier, self.rounds = port, barrier, rounds
-        self.request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/plain\r\n\r\n".encode()
-        self.latencies: list[float] = []
-        self.errors = 0
-
-    def run(self) -> None:
-        sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        body = bytearray(1 << 20)
-        try:
-            for _ in range(self.rounds):
-                try:
-                    self.barrier.wait(timeout=60)
-                except threading.BrokenBarrierError:
-                    return
-                started = time.perf_counter()
-                try:
-                    sock.sendall(self.request)
-                    head = b""
-                    while b"\r\n\r\n" not in head:
-                        chunk = sock.recv(65536)
-                        if not chunk:
-                            raise OSError("connection closed")
-                        head += chunk
-                    head, _, rest = head.partition(b"\r\n\r\n")
-                    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                                  if line.lower().startswith(b"content-length:"))
-                    if len(body) < length:
-                        body = bytearray(length)
-                    view = memoryview(body)
-                    view[:len(rest)] = rest
-                    got = len(rest)
-                    while got < length:  # into one buffer: no copies of a growing body
-                        read = sock.recv_into(view[got:length])
-                        if not read:
-                            raise OSError("connection closed")
-                        got += read
-                    if not head.startswith(b"HTTP/1.1 200"):
-                        self.errors += 1
-                except (OSError, StopIteration, ValueError):
-                    self.errors += 1
-                    return
-                self.latencies.append(time.perf_counter() - started)
-        finally:
-            sock.close()
+def scrape_bursts(port: int, scrapers: int, rounds: int, path: str = "/metrics",
+                  gzip: bool = False) -> tuple[list[float], int]:
+    """The bursts, sent by benchmarks/burst.py in its own process (one thread,
+    one selector over the keep-alive connections), so the client's work stays
+    off the CPU time and the GIL of this process and of kvwatch."""
+    command = [sys.executable, str(HERE / "burst.py"), "--port", str(port), "--path", path,
+               "--scrapers", str(scrapers), "--rounds", str(rounds)] + (["--gzip"] if gzip else [])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60 + rounds * 15)
+    if done.returncode != 0:
+        raise RuntimeError("burst client failed: " + done.stderr)
+    result = json.loads(done.stdout)
+    return result["latencies"], result["errors"]
 
 
-def scrape_burst(port: int, scrapers: int, rounds: int, path: str = "/metrics") -> tuple[list[float], int]:
-    barrier = threading.Barrier(scrapers + 1)
-    threads = [Scraper(port, barrier, rounds, path) for _ in range(scrapers)]
-    for thread in threads:
-        thread.start()
-    pause = [0.05, 0.11, 0.17, 0.23, 0.29]  # vary the phase against the 1 s poll
-    for index in range(rounds):
-        barrier.wait(timeout=60)
-        # The next round starts once this one is answered (or 5 s passed).
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(len(t.latencies) + t.errors <= index for t in threads if t.is_alive()):
-            time.sleep(0.002)
-        time.sleep(pause[index % len(pause)])
-    for thread in threads:
-        thread.join(10)
-    return [x for t in threads for x in t.latencies], sum(t.errors for t in threads)
+@contextmanager
+def bytes_server(size: int):
+    """burst.py --serve-bytes: answers every request with size bytes made in
+    advance, for the client's own floor."""
+    process = subprocess.Popen([sys.executable, str(HERE / "burst.py"), "--serve-bytes", str(size)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(process.stdout.readline())
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
 def render_cost(fixtures: Path, engines: int) -> float:
@@ -515,6 +471,10 @@ def bench_scrape(report: Report, fixtures: Path, quick: bool) -> None:
     rows = []
     scrapers = 50
     rounds = 30 if quick else 60
+
+    def p50_p99(latencies: list[float]) -> str:
+        return f"{ms(percentile(latencies, 0.5))} / {ms(percentile(latencies, 0.99))}"
+
     for engines in (1, 8):
         with page_server(fixtures, engines) as url:
             port = free_port()
@@ -533,11 +493,20 @@ def bench_scrape(report: Report, fixtures: Path, quick: bool) -> None:
                     if time.monotonic() > deadline or process.poll() is not None:
                         raise RuntimeError("kvwatch serve did not become ready: " + (process.stderr.read() if process.poll() is not None else "timeout"))
                     time.sleep(0.1)
+                size = len(http_get(port, "/metrics")[1])
+                gzip_size = len(http_get(port, "/metrics", headers="Accept-Encoding: gzip\r\n")[1])
+                # The client's own floor: the same bursts against a server that
+                # answers bytes made in advance, of /metrics' size, while
+                # kvwatch and the page server go on polling beside it.
+                with bytes_server(size) as floor_port:
+                    client_floor, floor_errors = scrape_bursts(floor_port, scrapers, max(10, rounds // 3))
                 # The same bursts on /healthz: what the HTTP stack costs with no work behind it.
-                floor, floor_errors = scrape_burst(port, scrapers, max(10, rounds // 3), "/healthz")
+                health, health_errors = scrape_bursts(port, scrapers, max(10, rounds // 3), "/healthz")
                 before = http_get(port, "/metrics")[1]
                 started = time.monotonic()
-                latencies, errors = scrape_burst(port, scrapers, rounds)
+                latencies, errors = scrape_bursts(port, scrapers, rounds)
+                # As Prometheus asks: Accept-Encoding: gzip.
+                gzipped, gzip_errors = scrape_bursts(port, scrapers, rounds, gzip=True)
                 seconds = time.monotonic() - started
                 after = http_get(port, "/metrics")[1]
             finally:
@@ -548,24 +517,33 @@ def bench_scrape(report: Report, fixtures: Path, quick: bool) -> None:
                     process.kill()
         polls = (scraped_value(after, "kvwatch_polls_total") or 0) - (scraped_value(before, "kvwatch_polls_total") or 0)
         p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
-        floor_p99 = percentile(floor, 0.99)
-        rows.append([str(engines), f"{len(before) / 1024:.0f} KB", ms(render_cost(fixtures, engines)),
-                     str(len(latencies)), str(errors), ms(p50), ms(p99),
-                     ms(max(latencies)), f"{ms(percentile(floor, 0.5))} / {ms(floor_p99)}",
-                     f"{polls:.0f} in {seconds:.0f} s", ms(scraped_value(after, "kvwatch_poll_cpu_seconds"))])
+        baseline = f"/healthz p99 {ms(percentile(health, 0.99))}, client floor p99 {ms(percentile(client_floor, 0.99))}"
+        rows.append([str(engines), f"{size / 1024:.0f} KB ({gzip_size / 1024:.0f} KB gzip)",
+                     ms(render_cost(fixtures, engines)), str(len(latencies)), str(errors), ms(p50), ms(p99),
+                     ms(max(latencies)), f"{p50_p99(gzipped)} ({gzip_errors} errors)", p50_p99(health),
+                     p50_p99(client_floor), f"{polls:.0f} in {seconds:.0f} s",
+                     ms(scraped_value(after, "kvwatch_poll_cpu_seconds"))])
         report.figure(f"/metrics p99, {scrapers} concurrent scrapers, {engines} engine{'s' if engines > 1 else ''}",
-                      f"{ms(p99)} (p50 {ms(p50)}, {errors} errors)", f"/healthz p99 {ms(floor_p99)}", "< 20 ms",
-                      p99 < 0.020 and errors == 0)
+                      f"{ms(p99)} (p50 {ms(p50)}, {errors} errors; gzip p99 {ms(percentile(gzipped, 0.99))})",
+                      baseline, "< 20 ms", p99 < 0.020 and errors == 0)
+        if health_errors or floor_errors:
+            print(f"errors: /healthz {health_errors}, client floor {floor_errors}", file=sys.stderr, flush=True)
     header = ["engines", "/metrics size", "render CPU", "requests", "errors", "p50", "p99", "max",
-              "/healthz p50 / p99", "polls during the test", "last poll CPU"]
+              "gzip p50 / p99", "/healthz p50 / p99", "client floor p50 / p99", "polls during the test",
+              "last poll CPU"]
     report.sections.append(
         "### /metrics under 50 concurrent scrapers\n\n"
         f"`kvwatch serve` (uvicorn) as a subprocess, polling a page server every 1 s; {scrapers} scrapers, each "
-        f"on its own keep-alive connection, send GET /metrics at the same instant, {rounds} times (a burst every "
-        "50-290 ms, so bursts land on every phase of the poll); latency is from sending the request to the last "
-        "byte of the answer. The same bursts on /healthz (no work behind it) show what the HTTP stack alone "
-        "costs; 'render CPU' is one generate_latest over kvwatch's registry, which /metrics runs for every "
-        "request.\n\n" + table(header, rows))
+        "on its own keep-alive connection, send GET /metrics at the same instant, "
+        f"{rounds} times (a burst every 50-290 ms after the last answer, so bursts land on every phase of the "
+        "poll); latency is from writing the request to the last byte of the answer. The scrapers are one "
+        "thread with one selector in a process of their own (benchmarks/burst.py), which writes the 50 "
+        "requests in a row and stamps each answer as its last byte is read. 'gzip' is the same bursts with "
+        "Accept-Encoding: gzip, as Prometheus sends. Baselines: the same bursts on /healthz (no work behind "
+        "it: the HTTP stack alone), and the client's floor, the same bursts against a server that answers "
+        "bytes made in advance of /metrics' size (also burst.py), run while kvwatch and the page server go on "
+        "polling. 'render CPU' is one generate_latest over kvwatch's registry, which /metrics runs once per "
+        "poll.\n\n" + table(header, rows))
     print(plain_table(header, rows), flush=True)
 
 

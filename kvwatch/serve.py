@@ -79,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
             port=settings.port,
             log_level="warning" if settings.log_level == "info" else settings.log_level,
             access_log=False,
+            # uvicorn's defaults, said out loud: uvloop and httptools when
+            # installed (kvwatch depends on them: /metrics' latency under
+            # concurrent scrapers, docs/performance.md), asyncio and h11 if not.
+            loop="auto",
+            http="auto",
             ssl_certfile=settings.tls_cert_file,
             ssl_keyfile=settings.tls_key_file,
             # A scraper's idle keep-alive connection (Prometheus keeps one)

@@ -146,3 +146,106 @@ def test_metrics_are_rendered_once_per_poll_and_follow_the_next_poll(capture):
         engine = {"model_name": "tiny-llama", "engine": "0"}
         assert value(first, "kvwatch_engine_requests_waiting", **engine) == 0
         assert value(after, "kvwatch_engine_requests_waiting", **engine) == 18
+
+
+# --- the hot paths (kvwatch.app.HotPaths answers GET /metrics, /healthz, /readyz before FastAPI) ---
+
+
+def without_process_lines(text):
+    # kvwatch's own process CPU and memory move between two renders; the rest is the State's.
+    return [line for line in text.splitlines() if "process_" not in line]
+
+
+def test_metrics_body_is_a_fresh_render_of_each_poll_with_its_content_type(capture):
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    from kvwatch.collector import make_registry
+
+    with PageServer([Answer(capture("idle")), Answer(capture("load"))]) as server:
+        monitor, client = make(server)
+        del client.headers["accept-encoding"]  # httpx asks for gzip unless told not to
+        for _ in range(2):
+            monitor.poll_once()
+            response = client.get("/metrics")
+            assert response.status_code == 200
+            assert response.headers["content-type"] == CONTENT_TYPE_LATEST
+            assert response.headers["content-length"] == str(len(response.content))
+            assert "content-encoding" not in response.headers
+            fresh = generate_latest(make_registry(monitor)).decode()
+            assert without_process_lines(response.text) == without_process_lines(fresh)
+            assert any(line.startswith("process_cpu_seconds_total") for line in response.text.splitlines())
+
+
+@pytest.mark.parametrize("accept, gzipped", [
+    ("gzip", True), ("gzip, deflate, br", True), ("br;q=1.0, gzip;q=0.8", True), ("*", True),
+    ("gzip;q=0", False), ("*;q=1, gzip;q=0", False), ("identity", False), ("deflate", False), (None, False),
+])
+def test_metrics_are_gzipped_once_per_poll_for_scrapers_that_accept_it(capture, accept, gzipped):
+    import gzip
+
+    with PageServer([Answer(capture("idle")), Answer(capture("load"))]) as server:
+        monitor, client = make(server)
+        del client.headers["accept-encoding"]  # httpx asks for gzip unless told not to
+        for _ in range(2):
+            monitor.poll_once()
+            plain = client.get("/metrics", headers={"Accept-Encoding": "identity"})
+            assert "content-encoding" not in plain.headers
+            headers = {"Accept-Encoding": accept} if accept else {}
+            # iter_raw: the bytes as sent (httpx would otherwise decompress them).
+            with client.stream("GET", "/metrics", headers=headers) as response:
+                raw = b"".join(response.iter_raw())
+                assert response.status_code == 200
+                assert response.headers["vary"] == "Accept-Encoding"
+                assert response.headers["content-length"] == str(len(raw))
+                if gzipped:
+                    assert response.headers["content-encoding"] == "gzip"
+                    assert len(raw) < len(plain.content) / 4
+                    assert gzip.decompress(raw) == plain.content  # the same exposition, same poll
+                else:
+                    assert "content-encoding" not in response.headers
+                    assert raw == plain.content
+
+
+def test_hot_paths_keep_fastapis_answers_for_everything_else(capture):
+    with PageServer([Answer(capture("idle"))]) as server:
+        monitor, client = make(server)
+        monitor.poll_once()
+        for path in ("/metrics", "/healthz", "/readyz"):
+            for method in ("HEAD", "POST", "PUT", "DELETE", "OPTIONS"):
+                response = client.request(method, path)
+                assert response.status_code == 405, (method, path)
+                assert response.headers["allow"] == "GET"
+        missing = client.get("/nope")
+        assert missing.status_code == 404 and missing.json() == {"detail": "Not Found"}
+        assert client.get("/metrics?x=1").status_code == 200
+        health = client.get("/healthz")
+        assert (health.status_code, health.text, health.headers["content-type"]) == (200, "ok\n", "text/plain; charset=utf-8")
+        ready = client.get("/readyz")
+        assert (ready.status_code, ready.text, ready.headers["content-type"]) == (200, "ready\n", "text/plain; charset=utf-8")
+
+
+def test_hot_paths_need_the_token_but_the_probes_do_not(capture, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    with PageServer([Answer(capture("idle")), Answer("oops\n", status=500)]) as server:
+        monitor, client = make(server, auth_token_file=str(token_file))
+        monitor.poll_once()
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"},
+                        {"Authorization": "Bearer s3cret-token", "Accept-Encoding": "x"} | {"Authorization": "Basic s3cret-token"}):
+            for path in ("/metrics", "/", "/api/v1/signals", "/nope"):
+                for method in ("GET", "HEAD", "POST"):
+                    response = client.request(method, path, headers=headers)
+                    assert response.status_code == 401, (method, path, headers)
+                    assert response.headers["www-authenticate"] == "Bearer"
+                    assert "kvwatch_up" not in response.text
+        # gzip or not, the token comes first
+        assert client.get("/metrics", headers={"Accept-Encoding": "gzip"}).status_code == 401
+        good = {"Authorization": "Bearer s3cret-token"}
+        response = client.get("/metrics", headers=good)
+        assert response.status_code == 200 and value(response.text, "kvwatch_up") == 1.0
+        assert client.get("/healthz").status_code == 200
+        assert client.get("/readyz").text == "ready\n"
+        monitor.poll_once()  # the 500: not ready, and still open
+        ready = client.get("/readyz")
+        assert ready.status_code == 503 and ready.text.startswith("not ready: last poll failed: http_5xx")
+        assert client.request("HEAD", "/healthz").status_code == 405  # open paths reach FastAPI untouched
