@@ -94,9 +94,10 @@ class HotPaths:
     answered here. Those are what Prometheus and the kubelet call all the
     time; answered here they skip routing, dependency solving and Response
     objects, and /healthz and /readyz skip the thread pool (both are a
-    few attribute reads). Under 50 concurrent scrapers that per-request cost
-    was most of the latency (docs/performance.md). Anything else, other
-    methods on these paths included, goes on to FastAPI as before."""
+    few attribute reads). Under 50 concurrent scrapers that takes /healthz's
+    p99 from 17-22 to 8 ms and /metrics' from 15-18 to 10-12 ms at one engine
+    (docs/performance.md). Anything else, other methods on these paths
+    included, goes on to FastAPI as before."""
 
     def __init__(self, app, monitor, exposition, token: str | None):
         self.app, self.monitor, self.exposition = app, monitor, exposition
