@@ -11,10 +11,10 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvwatch import __version__
-from kvwatch.collector import make_registry
+from kvwatch.collector import Renderer, make_registry
 from kvwatch.report import diagnosis_json, signals_json
 from kvwatch.statuspage import render_status_page
 
@@ -31,7 +31,7 @@ GZIP_LEVEL = 1
 
 def create_app(monitor, settings=None) -> FastAPI:
     settings = settings or monitor.settings
-    registry = make_registry(monitor)
+    renderer = Renderer(make_registry(monitor))
     app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None)
     token = Path(settings.auth_token_file).read_text().strip() if settings.auth_token_file else None
 
@@ -47,7 +47,7 @@ def create_app(monitor, settings=None) -> FastAPI:
         state = monitor.state
         with render_lock:
             if rendered["state"] is not state:
-                rendered["body"] = generate_latest(registry)
+                rendered["body"] = renderer.render()
                 rendered["gzip"] = None
                 rendered["state"] = state
             if not gzipped:
