@@ -40,21 +40,40 @@ def create_app(monitor, settings=None) -> FastAPI:
     # scrapers cost one render, not 50 (kvwatch's own process metrics are then
     # as fresh as the latest poll). The gzip form is made on the first scrape
     # that asks for it, also once per State.
-    rendered = {"state": None, "body": b"", "gzip": None}
+    rendered = {"state": None, "body": b"", "gzip": None, "served": False, "served_gzip": False}
     render_lock = threading.Lock()
 
-    def exposition(gzipped: bool = False) -> bytes:
-        state = monitor.state
+    def exposition(gzipped: bool = False, state=None) -> bytes:
+        state = state or monitor.state
         with render_lock:
             if rendered["state"] is not state:
                 rendered["body"] = renderer.render()
                 rendered["gzip"] = None
                 rendered["state"] = state
+                rendered["served"] = rendered["served_gzip"] = False
             if not gzipped:
                 return rendered["body"]
             if rendered["gzip"] is None:
                 rendered["gzip"] = gzip.compress(rendered["body"], compresslevel=GZIP_LEVEL, mtime=0)
             return rendered["gzip"]
+
+    def serve_exposition(gzipped: bool) -> bytes:
+        body = exposition(gzipped)
+        rendered["served"] = True
+        rendered["served_gzip"] |= gzipped
+        return body
+
+    # Render ahead, in the poll thread right after a poll, when the previous
+    # poll's exposition was scraped: then this one most likely will be too,
+    # and the scrapers that come first after a poll need not wait for the
+    # render (at 8 engines 5 ms, for every one of 50 simultaneous scrapers).
+    # A Prometheus scraping every 15 s of a 1 s poll leaves most polls
+    # unscraped, and they are never rendered.
+    def render_ahead(state) -> None:
+        if rendered["served"]:
+            exposition(rendered["served_gzip"], state)
+
+    monitor.after_poll.append(render_ahead)
 
     # The routes below stay FastAPI's (the route list, 405 for other methods,
     # and any path form the front layer does not take); HotPaths answers GET on
@@ -65,7 +84,7 @@ def create_app(monitor, settings=None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(exposition(), media_type=CONTENT_TYPE_LATEST)
+        return Response(serve_exposition(False), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     def healthz() -> PlainTextResponse:
@@ -84,7 +103,7 @@ def create_app(monitor, settings=None) -> FastAPI:
     def diagnosis() -> JSONResponse:
         return JSONResponse(diagnosis_json(monitor.state, settings))
 
-    app.add_middleware(HotPaths, monitor=monitor, exposition=exposition, token=token)
+    app.add_middleware(HotPaths, monitor=monitor, exposition=serve_exposition, token=token)
     return app
 
 

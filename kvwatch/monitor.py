@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.engines.vllm import VllmAdapter
@@ -107,6 +107,9 @@ class Monitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
+        # Work the poll loop does after each poll, outside the poll's own
+        # CPU figure (the exporter renders ahead there for busy scrapers).
+        self.after_poll: list[Callable[[State], None]] = []
 
     # --- the loop -------------------------------------------------------
 
@@ -128,6 +131,11 @@ class Monitor:
             except Exception:  # the loop must outlive any bug in one poll
                 log.exception("poll failed unexpectedly; kvwatch keeps polling")
                 self._record_failure("internal", "unexpected error, see log", time.time(), 0.0, 0.0)
+            for listener in self.after_poll:
+                try:
+                    listener(self.state)
+                except Exception:
+                    log.exception("after-poll work failed; kvwatch keeps polling")
             next_due += interval
             now = time.monotonic()
             if next_due < now:  # a slow poll skips missed slots, never bursts

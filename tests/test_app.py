@@ -148,6 +148,53 @@ def test_metrics_are_rendered_once_per_poll_and_follow_the_next_poll(capture):
         assert value(after, "kvwatch_engine_requests_waiting", **engine) == 18
 
 
+def test_a_scraped_exposition_has_the_next_one_rendered_ahead_by_the_poll_loop(capture, monkeypatch):
+    import threading
+    import time
+
+    from kvwatch.collector import Renderer
+
+    renders = []  # the name of the thread of every render
+    original = Renderer.render
+
+    def recorded(self):
+        renders.append(threading.current_thread().name)
+        return original(self)
+
+    monkeypatch.setattr(Renderer, "render", recorded)
+
+    def wait_for_polls(monitor, count):
+        deadline = time.time() + 20
+        while monitor.state.polls < count and time.time() < deadline:
+            time.sleep(0.02)
+        assert monitor.state.polls >= count
+
+    with PageServer([Answer(capture("idle")), Answer(capture("load"))]) as server:
+        monitor, client = make(server, poll_interval="0.3s", timeout="0.25s")
+        monitor.start()
+        try:
+            # Nobody scrapes: the loop renders nothing.
+            wait_for_polls(monitor, 3)
+            assert renders == []
+            # One scrape renders on the scraper's side; the polls after it are
+            # rendered ahead by the loop, as long as each is scraped in turn.
+            client.get("/metrics", headers={"Accept-Encoding": "gzip"})
+            assert renders and renders[0] != "kvwatch-poll"
+            polls = monitor.state.polls
+            wait_for_polls(monitor, polls + 1)
+            time.sleep(0.05)
+            assert "kvwatch-poll" in renders
+            body = client.get("/metrics").text
+            assert "kvwatch_up 1.0" in body
+            # Scraping stops: after at most one more render ahead, none.
+            wait_for_polls(monitor, monitor.state.polls + 2)
+            settled = len(renders)
+            wait_for_polls(monitor, monitor.state.polls + 3)
+            assert len(renders) == settled
+        finally:
+            monitor.stop()
+
+
 # --- the hot paths (kvwatch.app.HotPaths answers GET /metrics, /healthz, /readyz before FastAPI) ---
 
 
