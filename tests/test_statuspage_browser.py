@@ -42,6 +42,7 @@ class SwitchingMonitor:
     def __init__(self, first, second):
         self.settings = first.settings
         self._states = [first.state, second.state]
+        self.after_poll = []  # the app hooks its render-ahead here; this monitor never polls
 
     @property
     def state(self):
