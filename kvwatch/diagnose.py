@@ -1019,7 +1019,7 @@ def _changes(window: Window, events) -> list[Change]:
     found: list[Change] = []
     entries = list(window.entries)
     for previous, entry in zip(entries, entries[1:]):
-        found.extend(_changes_at(previous, entry))
+        found.extend(changes_between(previous, entry))
     seen = {(c.time, c.kind, c.engine) for c in found}
     for event in events or ():
         if (event.time, event.kind, event.engine) in seen:
@@ -1031,9 +1031,11 @@ def _changes(window: Window, events) -> list[Change]:
     return sorted(found, key=lambda c: c.time)
 
 
-def _changes_at(previous: Entry, entry: Entry) -> list[Change]:
-    """What changed from one entry to the next, read once per entry: an entry
-    keeps its predecessor while both stay in the window."""
+def changes_between(previous: Entry, entry: Entry) -> list[Change]:
+    """What changed from one window entry to the next (restarts, cache
+    config, the set of models), read once per entry: an entry keeps its
+    predecessor while both stay in the window. The monitor records these as
+    events when the entry arrives; the diagnosis reads them for its window."""
     found = entry.derived.get("changes")
     if found is not None:
         return found
@@ -1041,7 +1043,8 @@ def _changes_at(previous: Entry, entry: Entry) -> list[Change]:
     now = entry.snapshot
     for (model, engine), step in sorted(entry.steps.items()):
         if step.restarted:
-            found.append(Change(now.time, "restart", model, engine, "counters reset or _created moved"))
+            found.append(Change(now.time, "restart", model, engine,
+                                "counters reset or _created moved: the engine restarted"))
     for engine, config in sorted(now.cache_config.items()):
         before = previous.snapshot.cache_config.get(engine)
         if before is not None and before != config:

@@ -229,23 +229,10 @@ class Monitor:
         return self.state
 
     def _note_changes(self, previous: Snapshot | None, current: Snapshot) -> None:
-        if previous is None:
+        if previous is None or len(self.window.entries) < 2:
             return
-        entry = self.window.entries[-1]
-        for (model, engine), step in entry.steps.items():
-            if step.restarted:
-                self._event(current.time, "restart", model, engine, "counters reset or _created moved: the engine restarted")
-        for engine, config in current.cache_config.items():
-            before = previous.cache_config.get(engine)
-            if before is not None and before != config:
-                changed = sorted(k for k in set(before) | set(config) if before.get(k) != config.get(k))
-                detail = ", ".join(f"{k}: {before.get(k)} -> {config.get(k)}" for k in changed[:8])
-                self._event(current.time, "cache_config", None, engine, detail)
-        models_before = {m for m, _ in previous.engines}
-        models_now = {m for m, _ in current.engines}
-        if models_before != models_now:
-            self._event(current.time, "models", None, None,
-                        f"served models changed: {sorted(models_before)} -> {sorted(models_now)}")
+        for change in diagnosis.changes_between(self.window.entries[-2], self.window.entries[-1]):
+            self._event(change.time, change.kind, change.model, change.engine, change.detail)
         # Running and waiting adapter lists change with every request; what
         # invalidates comparisons is an adapter never seen before, or max_lora.
         adapters = _lora_adapters(current.lora)
