@@ -184,7 +184,11 @@ class Fragments:
         return self.exhausted()
 
     def caching_disabled(self) -> str:
-        return self.s.agg("max", self.s.m("kvwatch_engine_info", 'enable_prefix_caching=~"(?i)false"'))
+        # Over the rate window, not at this instant: kvwatch drops an engine's
+        # series while a poll fails, and one such gap at a scrape must not
+        # reset the caching-disabled alert's pending time.
+        info = self.s.m("kvwatch_engine_info", 'enable_prefix_caching=~"(?i)false"')
+        return self.s.agg("max", f"max_over_time({info}[{self.s.w}])")
 
     def prompt_traffic(self) -> str:
         return f"{paren(self.s.signal('kvwatch_prompt_tokens_per_second'))} > 0"

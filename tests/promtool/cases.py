@@ -180,6 +180,9 @@ def default_cases() -> list[Case]:
         # --- low prefix-cache hit rate ---------------------------------------------
         Case("hit rate: prefix caching off -> caching_disabled",
              [Engine(caching="False")], "40m", [("VllmPrefixCacheHitRateLow", "caching_disabled", ENGINE)]),
+        Case("hit rate: prefix caching off, and kvwatch misses a poll every 7 minutes -> still caching_disabled",
+             [Engine(caching="False", info="1x5 stale " * 17 + "1x0")], "100m",
+             [("VllmPrefixCacheHitRateLow", "caching_disabled", ENGINE)]),
         Case("hit rate: a new engine (little history, no restart seen) is not a cold cache -> nothing",
              [old_engine_hit(0.05)], "25m", []),
         Case("hit rate: an engine restart makes the cache cold again",
