@@ -203,10 +203,13 @@ class Fragments:
         differ from those it had one window ago. Evidence of a restart only:
         a Prometheus with less history than the window sees neither."""
         span = self.c.cold_cache_window
-        info = self.s.m("kvwatch_engine_info")
+        # Both sides over the rate window, so a failed poll at either moment
+        # (kvwatch then drops the series) neither hides nor fakes a change.
+        info = f"last_over_time({self.s.m('kvwatch_engine_info')}[{self.s.w}])"
+        before = f"last_over_time({self.s.m('kvwatch_engine_info')}[{self.s.w}] offset {span})"
         restarted = self.s.agg("count", f"resets({self.s.m('kvwatch_engine_prompt_tokens_total')}[{span}]) > 0")
-        reconfigured = (f"{self.s.agg('count', f'{info} unless {info} offset {span}')}"
-                        f"\nand\n{self.s.agg('count', f'{info} offset {span}')}")
+        reconfigured = (f"{self.s.agg('count', f'{info} unless {before}')}"
+                        f"\nand\n{self.s.agg('count', before)}")
         return f"{restarted}\nor\n{paren(reconfigured)}"
 
     def cache_pressure(self) -> str:
