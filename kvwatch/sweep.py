@@ -61,6 +61,8 @@ JOIN_AFTER_CUT_S = 2.0
 IDLE_WAIT_S = 60.0
 # Polls fewer than this in a cell make its peaks a guess.
 FEW_POLLS = 3
+# So do polls at under this share of the rate --poll-interval asks for.
+SLOW_POLL_SHARE = 0.25
 MAX_GRID_CELLS = 10_000
 
 
@@ -291,13 +293,20 @@ def _rate(amount: float | None, seconds: float) -> float | None:
     return amount / seconds
 
 
-def cell_notes(cell: dict[str, Any], metrics: CellMetrics) -> list[str]:
+def cell_notes(cell: dict[str, Any], metrics: CellMetrics, poll_interval: float) -> list[str]:
     """What makes a cell's engine figures doubtful, said next to them."""
     number, notes = cell["cell"], []
     if metrics.polls < FEW_POLLS:
         notes.append(f"cell {number}: only {metrics.polls} /metrics poll(s); its peaks "
                      "may be missed (lower --poll-interval or lengthen the cell)")
-    elif cell["completed"] and not metrics.peak_running:
+    elif metrics.polls * poll_interval < cell["seconds"] * SLOW_POLL_SHARE:
+        # Each poll waits for the last: a server whose /metrics answers late
+        # under the cell's load (its front end is busy streaming) is polled
+        # far less often than asked, and short peaks fall between polls.
+        notes.append(f"cell {number}: {metrics.polls} /metrics polls in {cell['seconds']:.1f} s, not the "
+                     f"{cell['seconds'] / poll_interval:.0f} asked for: the server's /metrics answered slowly "
+                     "under the load; its peaks may be missed")
+    if metrics.polls >= FEW_POLLS and cell["completed"] and not metrics.peak_running:
         # Its requests ran, yet no poll landed while one did (a loaded machine
         # can delay the poller past a short cell): a peak of 0 would read as
         # an idle engine.
@@ -757,7 +766,7 @@ class Sweep:
         metrics = self.poller.end_cell()
         ordered = [result for _, result in sorted(results, key=lambda item: item[0])]
         cell = summarize_cell(number, inp, out, conc, ordered, metrics, self.bounds.get((inp, out)))
-        self.notes.extend(cell_notes(cell, metrics))
+        self.notes.extend(cell_notes(cell, metrics, config.poll_interval))
         append_requests(config.out_dir, self._request_rows(cell, sorted(results, key=lambda x: x[0])),
                         first=not self.cells)
         return cell

@@ -401,17 +401,31 @@ def test_cell_summary_puts_client_and_engine_side_by_side():
 def test_a_cell_whose_requests_no_poll_saw_running_says_its_peaks_were_not_measured():
     results = [RequestResult(ok=True, started=10.0, ttft=0.1, latency=0.3, chunks=2) for _ in range(3)]
     unseen = CellMetrics(polls=6, peak_kv_usage=0.0, peak_running=0.0, peak_waiting=0.0)
-    notes = cell_notes(summarize_cell(4, 100, 8, 3, results, unseen, None), unseen)
+    notes = cell_notes(summarize_cell(4, 100, 8, 3, results, unseen, None), unseen, 0.1)
     assert notes == ["cell 4: none of its 6 /metrics polls saw one of its 3 requests running; its peak KV "
                      "usage, running and waiting were not measured (lower --poll-interval or lengthen the cell)"]
     seen = CellMetrics(polls=6, peak_kv_usage=0.2, peak_running=2.0, peak_waiting=0.0)
-    assert cell_notes(summarize_cell(4, 100, 8, 3, results, seen, None), seen) == []
+    assert cell_notes(summarize_cell(4, 100, 8, 3, results, seen, None), seen, 0.1) == []
     # With too few polls the note about those says it already; nothing completed, nothing to see.
     few = CellMetrics(polls=1, peak_running=0.0)
-    assert [n.split(";")[0] for n in cell_notes(summarize_cell(4, 100, 8, 3, results, few, None), few)] == [
+    assert [n.split(";")[0] for n in cell_notes(summarize_cell(4, 100, 8, 3, results, few, None), few, 0.1)] == [
         "cell 4: only 1 /metrics poll(s)"]
     failed = [RequestResult(ok=False, started=10.0, latency=0.1, error="HTTP 500")]
-    assert cell_notes(summarize_cell(4, 100, 8, 1, failed, unseen, None), unseen) == []
+    assert cell_notes(summarize_cell(4, 100, 8, 1, failed, unseen, None), unseen, 0.1) == []
+
+
+def test_a_cell_polled_far_less_often_than_asked_says_its_peaks_may_be_missed():
+    # Requests from 10 s to 14.4 s: 4.4 s at --poll-interval 0.1 s asks for 44 polls.
+    results = [RequestResult(ok=True, started=10.0 + i, ttft=0.1, latency=1.4, chunks=2) for i in range(4)]
+    slow = CellMetrics(polls=6, peak_kv_usage=0.07, peak_running=1.0, peak_waiting=0.0)
+    cell = summarize_cell(3, 256, 192, 8, results, slow, None)
+    assert cell_notes(cell, slow, 0.1) == [
+        "cell 3: 6 /metrics polls in 4.4 s, not the 44 asked for: the server's /metrics answered slowly "
+        "under the load; its peaks may be missed"]
+    # A quarter of the asked rate or more is a poller keeping up with a loaded server.
+    assert cell_notes(cell, CellMetrics(polls=11, peak_running=1.0), 0.1) == []
+    # At 1 s polls the same 6 polls are more than asked for.
+    assert cell_notes(cell, slow, 1.0) == []
 
 
 def test_a_server_with_other_traffic_is_measured_after_a_bounded_wait_with_a_note(tmp_path, capsys):
