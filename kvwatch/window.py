@@ -441,12 +441,7 @@ class _WindowSums:
         if self.engines is None:
             return
         for (key, gauge), peaks in self.peaks.items():
-            engine = entry.snapshot.engines.get(key)
-            if engine is not None and gauge in engine.gauges:
-                value = engine.gauges[gauge]
-                while peaks and peaks[-1][1] < value:
-                    peaks.pop()
-                peaks.append((entry, value))
+            _push_peak(peaks, entry, key, gauge)
 
     def left(self, gone: Entry, first: Entry | None) -> None:
         """`gone` left the window; `first` became its first entry, so its
@@ -479,13 +474,20 @@ class _WindowSums:
         if peaks is None:
             peaks = deque()
             for entry in entries:
-                engine = entry.snapshot.engines.get(key)
-                if engine is not None and gauge in engine.gauges:
-                    value = engine.gauges[gauge]
-                    while peaks and peaks[-1][1] < value:
-                        peaks.pop()
-                    peaks.append((entry, value))
+                _push_peak(peaks, entry, key, gauge)
             if not peaks:
                 return None
             self.peaks[(key, gauge)] = peaks
         return peaks[0][1]
+
+
+def _push_peak(peaks: deque, entry: Entry, key: EngineKey, gauge: str) -> None:
+    """Add the entry's value of the gauge to a monotonic queue of maxima:
+    values that a newer, higher one outlasts are dropped, so the front is
+    always the window's maximum."""
+    engine = entry.snapshot.engines.get(key)
+    if engine is not None and gauge in engine.gauges:
+        value = engine.gauges[gauge]
+        while peaks and peaks[-1][1] < value:
+            peaks.pop()
+        peaks.append((entry, value))
