@@ -270,9 +270,7 @@ class EngineContext:
     """One engine's window, read once for all rules."""
 
     def __init__(self, window: Window, row, thresholds: dict[str, Any], changes: list["Change"] | None = None):
-        self.window = window
         self.changes = changes or []
-        self.row = row
         self.t = thresholds
         self.model = row.model
         self.engine = row.engine
