@@ -20,7 +20,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -199,7 +198,7 @@ def bench_parse(report: Report, capture: str, quick: bool) -> None:
         def reference(t):
             return list(text_string_to_metric_families(t))
 
-        def kvwatch(t):
+        def parse_and_adapt(t):
             return adapter.adapt(t, at=0.0)
 
         def parse_only(t):
@@ -208,11 +207,11 @@ def bench_parse(report: Report, capture: str, quick: bool) -> None:
         # Interleaved rounds: both parsers see the same machine conditions.
         rounds = 5 if quick else 9
         n_ref = calls_for(cpu_seconds(reference, text, 1), 0.08)
-        n_ours = calls_for(cpu_seconds(kvwatch, text, 1), 0.05)
+        n_ours = calls_for(cpu_seconds(parse_and_adapt, text, 1), 0.05)
         times = {"ref": [], "ours": [], "parse": [], "floor": []}
         for _ in range(rounds):
             times["ref"].append(cpu_seconds(reference, text, n_ref))
-            times["ours"].append(cpu_seconds(kvwatch, text, n_ours))
+            times["ours"].append(cpu_seconds(parse_and_adapt, text, n_ours))
             times["parse"].append(cpu_seconds(parse_only, text, n_ours))
             times["floor"].append(cpu_seconds(split_floor, text, n_ours))
         ref, ours_t = median(times["ref"]), median(times["ours"])

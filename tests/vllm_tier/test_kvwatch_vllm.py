@@ -21,7 +21,7 @@ import requests
 
 from promstack import prometheus, query, wait_until
 
-from .harness import LoadStats, burst_load, read_metrics, shared_prefix_load, wait_until_idle
+from .harness import LoadStats, burst_load, shared_prefix_load, wait_until_idle
 from .kvwatch_support import (
     PageRecorder,
     generate_rules,
