@@ -128,7 +128,7 @@ def test_config_changes_thresholds_windows_and_for():
                                   "severities": {"long_requests": "critical"}, "rate_window": "10m"})
     rules = yaml.safe_load(render_all(config)[RULES_FILE])
     exhausted = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "VllmKvCacheExhausted"]
-    assert all(r["expr"].endswith("> 0.95") and r["for"] == "3m" and "[10m]" in r["expr"] for r in exhausted)
+    assert all(") > 0.95\n" in r["expr"] and r["for"] == "3m" and "[10m]" in r["expr"] for r in exhausted)
     assert {r["labels"]["cause"]: r["labels"]["severity"] for r in exhausted}["long_requests"] == "critical"
     # Unchanged entries keep their defaults.
     ttft = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "VllmTimeToFirstTokenSlow")

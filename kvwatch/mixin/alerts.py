@@ -106,11 +106,16 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     # --- KV cache exhausted ------------------------------------------------------
     usage = f.usage_max()
     share = pct(config.long_request_capacity_share)
-    exhausted_intro = (f"The KV cache of {where} peaked at {{{{ {VALUE} | humanizePercentage }}}} in the last {w} "
-                       f"while requests were preempted or waited for room")
+    # The alert fires on the exhaustion detector alone, as the diagnosis does:
+    # a preemption means vLLM could not allocate a block, even when no scrape
+    # caught the usage peak (usage drops the moment a preempted request's
+    # blocks are freed). The value is the usage peak the scrapes did catch.
+    exhausted_intro = (f"The KV cache of {where} ran out of room in the last {w}: requests were preempted, or "
+                       f"waited for room while usage peaked above {pct(config.exhaustion_usage_ratio)} (highest "
+                       f"usage scraped: {{{{ {VALUE} | humanizePercentage }}}})")
     add("VllmKvCacheExhausted", "concurrency_beyond_capacity",
         chain(usage, ("and", f.exhausted()), ("unless", f.long_requests())),
-        ">", config.exhaustion_usage_ratio,
+        ">", 0,
         "vLLM KV cache full: more concurrent requests than the cache holds.",
         f"{exhausted_intro}, and on average each running request held less than {share} of it or more "
         "requests waited than ran: too many requests for the cache (likely cause: concurrency beyond "
@@ -119,7 +124,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "replicas, or give the cache more memory.")
     add("VllmKvCacheExhausted", "long_requests",
         chain(usage, ("and", f.exhausted()), ("and", f.long_requests())),
-        ">", config.exhaustion_usage_ratio,
+        ">", 0,
         "vLLM KV cache full: a few long requests fill it.",
         f"{exhausted_intro}, and on average each running request held at least {share} of it with no more "
         "requests waiting than running: a few long requests fill the cache (likely cause: long requests). "

@@ -25,8 +25,9 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
     w = c.rate_window
     return {
         "VllmKvCacheExhausted": (
-            f"An engine's KV cache peaked above {_pct(c.exhaustion_usage_ratio)} usage over the last {w} while "
-            "requests were preempted or waited for room, for "
+            f"An engine's KV cache ran out of room over the last {w}: requests were preempted (vLLM preempts "
+            "only when it cannot allocate a block, so this counts even when no scrape caught the usage peak), "
+            f"or waited for room while usage peaked above {_pct(c.exhaustion_usage_ratio)}, for "
             f"{c.for_duration('VllmKvCacheExhausted')}. vLLM counts evictable prefix-cache blocks as free, so "
             "usage this high means blocks held by running requests. Preempted requests are recomputed later "
             "and waiting ones get no first token: users see latency, the GPU redoes work.\n\n"

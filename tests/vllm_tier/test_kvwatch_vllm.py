@@ -243,7 +243,7 @@ def observe_burst(base_url: str, rules_dir: Path) -> BurstObservation:
         before = _sample(kvwatch.url, prom.url, time.monotonic(), False, alert_labels)
 
         samples: list[Sample] = []
-        started = time.monotonic()
+        started, started_unix = time.monotonic(), time.time()
         with burst_load(base_url, duration=BURST_SECONDS) as run:
             while run.running:
                 samples.append(_sample(kvwatch.url, prom.url, started, True, alert_labels))
@@ -263,8 +263,37 @@ def observe_burst(base_url: str, rules_dir: Path) -> BurstObservation:
         notes = "\n".join(f"rule {r['name']}/{r.get('labels', {}).get('cause')}: {r.get('health')} "
                           f"{r.get('lastError', '')}" for g in _rule_groups(prom.url) for r in g["rules"]
                           if r.get("type") == "alerting")
+        notes += "\n" + _prometheus_view(prom.url, started_unix)
         notes += "\nPrometheus log:\n" + prom.log()[-1500:]
     return BurstObservation(before, samples, stats, load_seconds, cleared, alert_labels, notes)
+
+
+# The parts of the exhaustion alert as Prometheus saw them through its scrapes
+# of kvwatch (a failure message shows where they and kvwatch's finding part).
+ALERT_PARTS = {
+    "usage peak": "max_over_time(kvwatch_engine_kv_cache_usage_ratio{{job=\"kvwatch\"}}[{w}])",
+    "waiting mean": "avg_over_time(kvwatch_engine_requests_waiting{{job=\"kvwatch\"}}[{w}])",
+    "preemptions/s": "rate(kvwatch_engine_preemptions_total{{job=\"kvwatch\"}}[{w}])",
+    "scrapes": "count_over_time(kvwatch_engine_kv_cache_usage_ratio{{job=\"kvwatch\"}}[{w}])",
+}
+
+
+def _prometheus_view(prometheus_url: str, started_unix: float) -> str:
+    """The alert's parts every 2 s since the burst started, one line per instant."""
+    columns: dict[str, dict[float, str]] = {}
+    for name, template in ALERT_PARTS.items():
+        expr = template.format(w=f"{BURST_WINDOW_SECONDS:.0f}s")
+        try:
+            body = requests.get(f"{prometheus_url}/api/v1/query_range", timeout=10, params={
+                "query": expr, "start": started_unix, "end": time.time(), "step": "2s"}).json()
+            series = body["data"]["result"]
+        except Exception as error:  # a note for a failure message must not fail the test
+            return f"Prometheus's view unavailable: {error!r}"
+        columns[name] = {float(t): v for t, v in series[0]["values"]} if series else {}
+    instants = sorted({t for column in columns.values() for t in column})
+    lines = [f"{t - started_unix:5.1f} s: " + ", ".join(f"{name} {columns[name].get(t, '-')}" for name in columns)
+             for t in instants]
+    return "Prometheus's view of the alert's parts:\n" + ("\n".join(lines) or "no data")
 
 
 def _rule_groups(prometheus_url: str) -> list[dict]:
@@ -285,10 +314,16 @@ def _report_burst(o: BurstObservation, report) -> None:
            f"the exhaustion finding's note on the hit ratio in {len(noted)} of the "
            f"{sum(1 for s in o.during if s.exhaustion_evidence)} samples under load with the finding "
            f"({len(o.during)} in all); "
+           f"kvwatch's usage peak in the window {_peaks(o)}; "
            f"alert {EXHAUSTED_ALERT} pending at {at(o.first(lambda s: s.alert(EXHAUSTED_ALERT, 'pending')))}, "
            f"firing at {at(o.first(lambda s: s.alert(EXHAUSTED_ALERT)))}; findings cleared at {at(o.cleared)}"
            + (f" ({o.cleared.at - o.load_seconds:.1f} s after the load)" if o.cleared else "") + "; "
            f"causes seen: {sorted({f[:2] for s in o.samples for f in s.findings})}")
+
+
+def _peaks(o: BurstObservation) -> str:
+    peaks = [s.exhaustion_evidence["kv_usage_max"] for s in o.samples if "kv_usage_max" in s.exhaustion_evidence]
+    return f"{min(peaks):.3f}-{max(peaks):.3f}" if peaks else "unknown"
 
 
 def test_burst_reports_exhaustion_and_preemptions_and_no_low_hit_rate(burst):
