@@ -107,12 +107,14 @@ class PageRecorder:
         with self._lock:
             return list(self._pages)
 
-    def page_of_poll(self, poll_started: float, slack_s: float = 0.4) -> RecordedPage:
+    def page_of_poll(self, poll_started: float, slack_s: float = 0.8) -> RecordedPage:
         """The page kvwatch fetched in the poll that began at `poll_started` (its
         snapshot time): the first request to arrive after that instant.
 
-        kvwatch's polls are sequential and start at least an interval apart, so
-        no other request arrives within slack_s after a poll started.
+        kvwatch's polls are sequential and start at least an interval apart (1 s
+        in the tier), so no other request arrives within slack_s after a poll
+        started; the slack covers a busy machine's delay between the poll's
+        start and its request reaching this recorder.
         """
         # poll_started may come from a difference of floats (window start =
         # last poll - window span): off by far less than a microsecond.
