@@ -112,7 +112,7 @@ class PageRecorder:
         snapshot time): the first request to arrive after that instant.
 
         kvwatch's polls are sequential and start at least an interval apart (1 s
-        in the tier), so no other request arrives within slack_s after a poll
+        or more in the tier), so no other request arrives within slack_s after a poll
         started; the slack covers a busy machine's delay between the poll's
         start and its request reaching this recorder.
         """

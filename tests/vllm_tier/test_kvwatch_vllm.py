@@ -86,6 +86,7 @@ class WindowComparison:
     first_queries: float  # vllm:prefix_cache_queries_total on the window's first page
     hits_delta: float
     queries_delta: float
+    last_poll: float  # when the poll behind this ratio began (one comparison per poll)
 
 
 def compare_with_raw_pages(kvwatch_url: str, recorder: PageRecorder) -> WindowComparison | None:
@@ -109,7 +110,7 @@ def compare_with_raw_pages(kvwatch_url: str, recorder: PageRecorder) -> WindowCo
     assert exported.value("kvwatch_engine_prefix_cache_queries_total", **ENGINE) == last.value(QUERIES)
     hits = last.value(HITS) - first.value(HITS)
     queries = last.value(QUERIES) - first.value(QUERIES)
-    return WindowComparison(ratio, hits / queries, span, first.value(QUERIES), hits, queries)
+    return WindowComparison(ratio, hits / queries, span, first.value(QUERIES), hits, queries, last_poll)
 
 
 def test_prefix_hit_ratio_equals_vllm_counter_deltas_over_the_polled_pages(real_vllm, report):
@@ -120,19 +121,29 @@ def test_prefix_hit_ratio_equals_vllm_counter_deltas_over_the_polled_pages(real_
         comparisons: list[WindowComparison] = []
         with shared_prefix_load(real_vllm.base_url, duration=PREFIX_LOAD_SECONDS,
                                 prefix_tokens=PREFIX_TOKENS, suffix_tokens=SUFFIX_TOKENS) as run:
+            # Read often and keep one comparison per poll: on a busy machine
+            # many of kvwatch's polls time out against vLLM's slow /metrics,
+            # and a sparse reader then saw only two or three good ones.
+            polls_before, reads, unanswered = kvwatch.monitor.state.polls, 0, 0
             while run.running:
-                time.sleep(1.5)
-                if (found := compare_with_raw_pages(kvwatch.url, recorder)) is not None:
+                time.sleep(0.5)
+                found = compare_with_raw_pages(kvwatch.url, recorder)
+                reads += 1
+                unanswered += found is None
+                if found is not None and (not comparisons or found.last_poll != comparisons[-1].last_poll):
                     comparisons.append(found)
             stats = run.wait()
+            polls = kvwatch.monitor.state.polls - polls_before
+            errors = dict(kvwatch.monitor.state.errors_by_reason)
 
     assert stats.failed == 0, stats.errors
     assert stats.completed > 16
     report(f"shared prefix: {stats.completed} requests in {stats.seconds:.1f} s; kvwatch's hit ratio "
            f"equal to vLLM's counter deltas in {len(comparisons)} windows: "
            + ", ".join(f"{c.kvwatch_ratio:.4f} ({c.hits_delta:.0f}/{c.queries_delta:.0f} over "
-                       f"{c.window_seconds:.1f} s)" for c in comparisons))
-    assert len(comparisons) >= 5
+                       f"{c.window_seconds:.1f} s)" for c in comparisons)
+           + f"; {reads} reads ({unanswered} without a ratio), {polls} polls, poll errors {errors}")
+    assert len(comparisons) >= 4
     for comparison in comparisons:
         assert comparison.kvwatch_ratio == pytest.approx(comparison.raw_ratio, rel=1e-12, abs=0)
         # Every request in the window queried its 576 tokens and hit the
