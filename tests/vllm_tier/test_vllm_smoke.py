@@ -57,8 +57,12 @@ def test_burst_fills_the_cache_and_preempts_then_clears(real_vllm):
 
     assert stats.failed == 0, stats.errors
     assert stats.completed > 24
-    assert peak_usage > 0.9
+    # Preemptions prove the cache ran full (vLLM preempts only when it cannot
+    # allocate a block). The sampled usage shows it filling but can miss the
+    # peak: a preempted request's blocks are freed at once, and on a busy
+    # machine samples every 0.25 s saw at most 0.88.
     assert after.value(PREEMPTIONS) > before.value(PREEMPTIONS)
+    assert peak_usage > 0.75
     # Every burst prompt is its own: nothing for the prefix cache to hit.
     assert after.value(HITS) == before.value(HITS)
     assert after.value(USAGE) == 0.0
