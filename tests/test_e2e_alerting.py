@@ -26,7 +26,6 @@ test config of the mixin; the sims run 4x faster than wall time.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -45,7 +44,7 @@ import yaml
 from kvwatch.mixin.config import config_from_mapping
 from kvwatch.mixin.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.rules import split_alert_expr
-from mixin_support import GRAFANA_VARIABLES, REPO, dashboard_exprs, load_dashboards
+from mixin_support import GRAFANA_VARIABLES, dashboard_exprs, load_dashboards
 from promstack import free_port, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
