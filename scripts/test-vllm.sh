@@ -13,8 +13,8 @@ fi
 start=$(date +%s)
 status=0
 # A failed test gets two more tries on the same server; each try must pass
-# whole (see pyproject.toml on why the tier, and only the tier, reruns); -rR
-# prints why each rerun was needed.
-.venv/bin/pytest -m vllm tests/vllm_tier -v -rR --reruns 2 --reruns-delay 5 "$@" || status=$?
+# whole (see pyproject.toml on why the tier, and only the tier, reruns); the
+# summary names each rerun with the traceback that caused it.
+.venv/bin/pytest -m vllm tests/vllm_tier -v -rR --rerun-show-tracebacks --reruns 2 --reruns-delay 5 "$@" || status=$?
 echo "test-vllm: finished in $(( $(date +%s) - start )) s (exit $status)"
 exit "$status"

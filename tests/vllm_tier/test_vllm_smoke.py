@@ -50,7 +50,10 @@ def test_prompts_encode_to_the_token_count_asked_for(real_vllm):
 def test_burst_fills_the_cache_and_preempts_then_clears(real_vllm):
     before = wait_until_idle(real_vllm.metrics_url)
 
-    run = burst_load(real_vllm.base_url, duration=6.0)
+    # 10 s: the first of the 24 requests (400 generated tokens each, preempted
+    # in turn) can take over 6 s to finish on a busy machine, and only a
+    # finished request is replaced (completed > 24 below).
+    run = burst_load(real_vllm.base_url, duration=10.0)
     peak_usage = max((m.value(USAGE) for m in watch(run, real_vllm.metrics_url)), default=0.0)
     stats = run.wait()
     after = wait_until_idle(real_vllm.metrics_url)
