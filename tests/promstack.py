@@ -140,3 +140,11 @@ def query(prometheus_url: str, expr: str) -> list[dict]:
     if body.get("status") != "success":
         raise AssertionError(f"query {expr!r} failed: {json.dumps(body)[:500]}")
     return body["data"]["result"]
+
+
+def query_range(prometheus_url: str, expr: str, start: float, end: float, step: float = 1.0) -> list[dict]:
+    body = requests.post(f"{prometheus_url}/api/v1/query_range",
+                         data={"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": str(step)},
+                         timeout=30).json()
+    assert body["status"] == "success", (expr[:200], body)
+    return body["data"]["result"]

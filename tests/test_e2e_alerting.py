@@ -45,7 +45,7 @@ from kvwatch.mixin.config import config_from_mapping
 from kvwatch.mixin.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.rules import split_alert_expr
 from mixin_support import GRAFANA_VARIABLES, dashboard_exprs, load_dashboards
-from promstack import free_port, wait_until
+from promstack import free_port, query_range, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
@@ -159,14 +159,6 @@ def prom_query(prometheus: str, expr: str, at: float | None = None) -> list[dict
     if at is not None:
         params["time"] = f"{at:.3f}"
     body = requests.get(f"{prometheus}/api/v1/query", params=params, timeout=10).json()
-    assert body["status"] == "success", (expr[:200], body)
-    return body["data"]["result"]
-
-
-def prom_range(prometheus: str, expr: str, start: float, end: float, step: float = 1.0) -> list[dict]:
-    body = requests.post(f"{prometheus}/api/v1/query_range",
-                         data={"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": str(step)},
-                         timeout=30).json()
     assert body["status"] == "success", (expr[:200], body)
     return body["data"]["result"]
 
@@ -300,7 +292,7 @@ def test_contradicting_causes_are_never_delivered(stack, alerts_delivered):
 
 def _never_simultaneous(stack, metric: dict) -> bool:
     now = time.time()
-    series = prom_range(stack["prometheus"],
+    series = query_range(stack["prometheus"],
                         f'count by (instance, engine) (ALERTS{{instance="{metric["instance"]}",'
                         f'cause=~"queueing_(kv|compute)_bound"}}) > 1', stack["started"], now)
     return series == []
@@ -318,7 +310,7 @@ def test_every_dashboard_query_returns_data(stack, alerts_delivered):
         for where, expr in dashboard_exprs(dashboard):
             for variable in sorted(substitutions, key=len, reverse=True):
                 expr = expr.replace(variable, substitutions[variable])
-            if not prom_range(prometheus, expr, stack["started"], now, step=2):
+            if not query_range(prometheus, expr, stack["started"], now, step=2):
                 empty.append(where)
             checked += 1
     assert checked > 90
@@ -338,8 +330,8 @@ def test_grafana_rules_cross_their_thresholds_exactly_when_the_twins_fire(stack,
         condition = next(q["model"]["expression"] for q in rule["data"] if q["refId"] == rule["condition"])
         op, threshold = condition.split(" ")[1], condition.split(" ")[2]
         assert split_alert_expr(alerts[(alert, cause)]["expr"]) == (query, op, float(threshold))
-        crossing = _timeline(prom_range(prometheus, f"({query}) {op} {threshold}", start, end))
-        firing = _timeline(prom_range(prometheus, f'ALERTS{{alertname="{alert}",cause="{cause}"}}', start, end))
+        crossing = _timeline(query_range(prometheus, f"({query}) {op} {threshold}", start, end))
+        firing = _timeline(query_range(prometheus, f'ALERTS{{alertname="{alert}",cause="{cause}"}}', start, end))
         if firing:
             fired += 1
         for key in set(crossing) | set(firing):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from promstack import prometheus, query, wait_until
+from promstack import prometheus, query, query_range, wait_until
 
 from .harness import LoadStats, burst_load, shared_prefix_load, wait_until_idle
 from .kvwatch_support import (
@@ -305,9 +305,7 @@ def _prometheus_view(prometheus_url: str, started_unix: float) -> str:
     for name, template in ALERT_PARTS.items():
         expr = template.format(w=f"{BURST_WINDOW_SECONDS:.0f}s")
         try:
-            body = requests.get(f"{prometheus_url}/api/v1/query_range", timeout=10, params={
-                "query": expr, "start": started_unix, "end": time.time(), "step": "2s"}).json()
-            series = body["data"]["result"]
+            series = query_range(prometheus_url, expr, started_unix, time.time(), step=2)
         except Exception as error:  # a note for a failure message must not fail the test
             return f"Prometheus's view unavailable: {error!r}"
         columns[name] = {float(t): v for t, v in series[0]["values"]} if series else {}
