@@ -92,8 +92,8 @@ def create_app(monitor, settings=None) -> FastAPI:
 
     @app.get("/readyz")
     def readyz() -> PlainTextResponse:
-        ready, why = monitor.ready()
-        return PlainTextResponse(("ready" if ready else f"not ready: {why}") + "\n", status_code=200 if ready else 503)
+        status, text = readiness(monitor)
+        return PlainTextResponse(text, status_code=status)
 
     @app.get("/api/v1/signals")
     def signals() -> JSONResponse:
@@ -142,8 +142,8 @@ class HotPaths:
                 await answer(send, 200, b"ok\n", TEXT)
                 return
             if path == "/readyz":
-                ready, why = self.monitor.ready()
-                await answer(send, 200 if ready else 503, (("ready" if ready else f"not ready: {why}") + "\n").encode(), TEXT)
+                status, text = readiness(self.monitor)
+                await answer(send, status, text.encode(), TEXT)
                 return
         await self.app(scope, receive, send)
 
@@ -152,6 +152,12 @@ class HotPaths:
         # read as latin-1; then encoded as UTF-8 and compared in constant time.
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         return hmac.compare_digest(given.decode("latin-1").encode(), self.expected)
+
+
+def readiness(monitor) -> tuple[int, str]:
+    """/readyz's status and text, for both ways it is answered."""
+    ready, why = monitor.ready()
+    return (200, "ready\n") if ready else (503, f"not ready: {why}\n")
 
 
 async def answer(send, status: int, body: bytes, content_type: bytes, headers=()) -> None:
