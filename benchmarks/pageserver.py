@@ -3,7 +3,7 @@ path, advanced by one poll per request (so kvwatch sees real increases), over
 HTTP/1.1 keep-alive. Run as a separate process so its CPU and GIL stay out of
 the measured process; prints its URL on stdout once it listens.
 
-    python benchmarks/pageserver.py --fixtures ../shared/fixtures --engines 8
+    python benchmarks/pageserver.py --fixtures tests/fixtures --engines 8
 """
 
 from __future__ import annotations

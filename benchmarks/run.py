@@ -710,20 +710,15 @@ def bench_curve(report: Report, capture: str, quick: bool) -> None:
 # --------------------------------------------------------------------------
 
 
-def default_fixtures() -> Path:
-    candidates = (REPO.parent / "shared" / "fixtures", Path("/work/shared/fixtures"))
-    return Path(os.environ.get("KVWATCH_FIXTURES") or next((p for p in candidates if p.is_dir()), candidates[0]))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fixtures", type=Path, default=default_fixtures())
+    parser.add_argument("--fixtures", type=Path, default=REPO / "tests" / "fixtures")
     parser.add_argument("--quick", action="store_true", help="fewer rounds, shorter simulated hour (20 min)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     args = parser.parse_args()
     if not (args.fixtures / "vllm-0.32-cpu").is_dir():
-        print(f"real vLLM captures not found under {args.fixtures} (set KVWATCH_FIXTURES)", file=sys.stderr)
+        print(f"real vLLM captures not found under {args.fixtures}", file=sys.stderr)
         return 2
     wanted = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in wanted if s not in SECTIONS]

@@ -52,7 +52,7 @@ JAMBA = {"model_type": "jamba", "hidden_size": 4096, "num_hidden_layers": 32,
          "num_attention_heads": 32, "num_key_value_heads": 8, "attn_layer_period": 8,
          "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
          "torch_dtype": "bfloat16"}
-# The tiny Llama of the real captures (shared/fixtures/vllm-0.32-cpu).
+# The tiny Llama of the real captures (tests/fixtures/vllm-0.32-cpu).
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 256, "vocab_size": 2048, "max_position_embeddings": 2048,

@@ -1,6 +1,6 @@
 """The simulator's /metrics page has the format of a real vLLM 0.32 page: same
 families and types, label names, bucket bounds, HELP/TYPE lines and line order
-as the capture in shared/fixtures/vllm-0.32-cpu/."""
+as the capture in tests/fixtures/vllm-0.32-cpu/."""
 
 from __future__ import annotations
 
