@@ -107,6 +107,13 @@ class Monitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
+        # The window's time axis: wall time at start-up plus monotonic time
+        # since, so an NTP step or a resumed VM never moves it backwards (a
+        # step back an hour made every rate vanish for an hour). Wall time
+        # proper (time.time()) is only shown: last_poll_time and
+        # last_success_time.
+        self._clock_offset = time.time() - time.monotonic()
+        self._last_success_monotonic: float | None = None
         # Work the poll loop does after each poll, outside the poll's own
         # CPU figure (the exporter renders ahead there for busy scrapers).
         self.after_poll: list[Callable[[State], None]] = []
@@ -148,14 +155,15 @@ class Monitor:
         with self._lock:
             started_cpu = time.thread_time()
             started = time.time()
+            started_monotonic = time.monotonic()
             result = self.fetcher.fetch()
             if not result.ok:
                 return self._record_failure(result.reason, result.detail, started, result.seconds,
                                             time.thread_time() - started_cpu)
-            return self._ingest(result, started, started_cpu)
+            return self._ingest(result, started, started_monotonic, started_cpu)
 
-    def _ingest(self, result: FetchResult, started: float, started_cpu: float) -> State:
-        snapshot = self.adapter.adapt(result.text, at=started)
+    def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
+        snapshot = self.adapter.adapt(result.text, at=self._clock_offset + started_monotonic)
         self._parse_errors += len(snapshot.parse_errors)
         if snapshot.parse_errors:
             log.debug("%d malformed lines, first: %s", len(snapshot.parse_errors), snapshot.parse_errors[0])
@@ -189,7 +197,7 @@ class Monitor:
             dropped_series=self.adapter.dropped_series,
             last_poll_time=started,
             last_success_time=started,
-            poll_seconds=time.time() - started,
+            poll_seconds=time.monotonic() - started_monotonic,
             poll_cpu_seconds=time.thread_time() - started_cpu,
             snapshot=snapshot,
             window_seconds=snapshot.time - earliest.time if earliest else 0.0,
@@ -199,6 +207,7 @@ class Monitor:
             events=events,
             upstream=upstream,
         )
+        self._last_success_monotonic = started_monotonic
         if not was_up:
             log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))
         return self.state
@@ -254,7 +263,10 @@ class Monitor:
         state = self.state
         if not state.up:
             return False, f"last poll failed: {state.reason} {state.detail}".strip()
-        age = time.time() - (state.last_success_time or 0)
+        if self._last_success_monotonic is not None:
+            age = time.monotonic() - self._last_success_monotonic
+        else:  # a State set from outside the poll loop (tests, tools)
+            age = time.time() - (state.last_success_time or 0)
         limit = max(3 * self.settings.poll_interval, self.settings.fetch_timeout + self.settings.poll_interval)
         if age > limit:
             return False, f"no successful poll for {age:.0f}s"

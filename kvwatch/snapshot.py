@@ -96,8 +96,8 @@ class EngineSnapshot:
     gauges: dict[str, float] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, Histogram] = field(default_factory=dict)
-    # Creation time of the engine's counters (`_created`): a change means the
-    # engine restarted even if its counters already climbed past the old values.
+    # Creation time of the engine's counters (`_created`): a change, together
+    # with a series that went down, means the engine restarted.
     created: float | None = None
 
 
@@ -113,6 +113,9 @@ class Snapshot:
     # canonical key -> the vLLM family that supplied it (tells versions apart).
     sources: dict[str, str] = field(default_factory=dict)
     parse_errors: list = field(default_factory=list)
+    # process_start_time_seconds of the page: a new value means the engine's
+    # process restarted, so every counter started again from zero.
+    process_start: float | None = None
 
     def capacity_tokens(self, engine: str) -> float | None:
         return capacity_tokens(self.cache_config.get(engine, {}))

@@ -158,32 +158,47 @@ def engine_histories(draw):
 @FUZZ
 @given(engine_histories())
 def test_windowed_increases_follow_the_reset_rule_exactly(history):
+    """The model: a series that went down restarted from zero (its increase is
+    its new value), each series on its own; the engine restarted (every
+    series counts its new value) only on evidence: `_created` moved and a
+    series went down, or every counter that had counted something went down."""
     with_created, history_before, steps = history
     adapter = VllmAdapter()
     window = Window(10**6)
+    counter_keys = ("queries", "hits", "prompt", "preemptions")
     total = dict(queries=history_before, hits=history_before // 2, prompt=history_before * 2, preemptions=7,
                  ttft=[0] * (len(TTFT_BOUNDS) + 1), ttft_sum=0.0)
     created, now = 1000.0, 0.0
     expected = dict(queries=0, hits=0, prompt=0, preemptions=0, seconds=0.0, count=0, ttft_sum=0.0)
+    before = None
     for index, step in enumerate(steps):
         restart = step["restart"] and index > 0
-        if restart and not with_created and step["prompt"] >= total["prompt"]:
-            restart = False  # without _created an engine that climbed past its old values cannot be told apart
         if restart:
             created += 1
             total = dict(queries=0, hits=0, prompt=0, preemptions=0, ttft=[0] * len(step["ttft"]), ttft_sum=0.0)
-        for key in ("queries", "hits", "prompt", "preemptions"):
+        for key in counter_keys:
             total[key] += step[key]
         total["ttft"] = [a + b for a, b in zip(total["ttft"], step["ttft"])]
         total["ttft_sum"] += sum(step["ttft"]) * step["ttft_mean"]
         now += step["seconds"]
-        if index > 0:
-            for key in ("queries", "hits", "prompt", "preemptions"):
-                expected[key] += step[key]
-            expected["seconds"] += step["seconds"]
-            expected["count"] += sum(step["ttft"])
-            expected["ttft_sum"] += sum(step["ttft"]) * step["ttft_mean"]
         cumulative = [sum(total["ttft"][: i + 1]) for i in range(len(total["ttft"]))]
+        if before is not None:
+            fell = {key: total[key] < before[key] for key in counter_keys}
+            histogram_fell = any(a < b for a, b in zip(cumulative, before["cumulative"]))
+            counted = [fell[key] for key in counter_keys if before[key] > 0]
+            engine_restarted = ((with_created and restart and (any(fell.values()) or histogram_fell))
+                                or (len(counted) >= 2 and all(counted)))
+            for key in counter_keys:
+                new_value = engine_restarted or fell[key]
+                expected[key] += total[key] if new_value else total[key] - before[key]
+            if engine_restarted or histogram_fell:
+                expected["count"] += cumulative[-1]
+                expected["ttft_sum"] += total["ttft_sum"]
+            else:
+                expected["count"] += cumulative[-1] - before["cumulative"][-1]
+                expected["ttft_sum"] += total["ttft_sum"] - before["ttft_sum"]
+            expected["seconds"] += step["seconds"]
+        before = dict(total, cumulative=cumulative)
         window.add(adapter.adapt(page(Engine(
             prompt_tokens=total["prompt"], prefix_queries=total["queries"], prefix_hits=total["hits"],
             preemptions=total["preemptions"], ttft_cumulative=tuple(cumulative), ttft_sum=total["ttft_sum"],
@@ -307,7 +322,7 @@ def test_one_model_name_per_request_is_capped_counted_and_memory_stays_flat(monk
     are cleared when full, so memory saws up and down: compare peaks)."""
     clock = [1_000_000.0]
     monkeypatch.setattr(kvwatch.monitor, "time", types.SimpleNamespace(
-        time=lambda: clock[0], monotonic=time.monotonic, thread_time=time.thread_time))
+        time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
     pipeline = Pipeline(max_series=100, window="30s")
     per_poll, polls = 5000, 30
 
