@@ -259,10 +259,13 @@ class Monitor:
         self._events.append(Event(at, kind, model, engine, detail))
 
     def ready(self) -> tuple[bool, str]:
-        """Ready when the latest poll succeeded and is recent."""
+        """Ready when the latest poll succeeded and is recent. The answer is
+        served unauthenticated (/readyz): it names the reason, never the
+        detail, which quotes what the engine sent (a redirect's Location with
+        its query string, a content type, a malformed line)."""
         state = self.state
         if not state.up:
-            return False, f"last poll failed: {state.reason} {state.detail}".strip()
+            return False, f"last poll failed: {state.reason}"
         if self._last_success_monotonic is not None:
             age = time.monotonic() - self._last_success_monotonic
         else:  # a State set from outside the poll loop (tests, tools)

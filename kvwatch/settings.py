@@ -4,8 +4,10 @@ and reported at once, so a bad config is fixed in one round trip."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import ssl
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,7 @@ class Settings:
         return self.timeout if self.timeout is not None else max(0.2, 0.8 * self.poll_interval)
 
 
+MAX_DURATION = 86_400.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -76,8 +79,12 @@ def parse_duration(value: Any) -> float:
         if not match:
             raise ValueError(f"{value!r} is not a duration (examples: 5, 5s, 500ms, 2m)")
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    if seconds <= 0:
-        raise ValueError(f"{value!r} must be positive")
+    # NaN passes `<= 0` (.nan polled the engine about 240 times a second) and
+    # infinity killed the poll thread: a duration is finite, and at most a day.
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{value!r} must be a positive, finite duration")
+    if seconds > MAX_DURATION:
+        raise ValueError(f"{value!r} is longer than a day")
     return seconds
 
 
@@ -122,6 +129,13 @@ def normalize_target(value: Any) -> str:
         # The message goes to the terminal and CI logs: not the password.
         shown = text.replace(f":{parts.password}@", ":<redacted>@", 1) if parts.password else text
         raise ValueError(f"{shown!r} is not an http(s) URL")
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not a number or out of range
+    except ValueError:
+        shown = parts.netloc.rsplit("@", 1)[-1]
+        raise ValueError(f"{shown!r} has no valid port (1-65535)") from None
+    if parts.port == 0 or not parts.hostname:
+        raise ValueError(f"{parts.netloc.rsplit('@', 1)[-1]!r} is not a host and port kvwatch can fetch from")
     path = parts.path if parts.path not in ("", "/") else "/metrics"
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
@@ -136,6 +150,33 @@ def _existing_file(value: Any) -> str | None:
     if not Path(str(value)).is_file():
         raise ValueError(f"file {value!r} does not exist")
     return str(value)
+
+
+def read_auth_token(path: str) -> str:
+    """The bearer token kvwatch's own endpoints require, from its file: one
+    token in UTF-8, surrounding whitespace (a trailing newline) removed.
+    An empty file would turn authentication off without a word, so it is an
+    error, as is a token with whitespace or control characters inside, which
+    no Authorization header could carry."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"file {path!r} is not UTF-8 (byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"file {path!r}: {exc.strerror or exc}") from None
+    token = text.strip()
+    if not token:
+        raise ValueError(f"file {path!r} holds no token (it is empty or only whitespace)")
+    if any(char.isspace() or not char.isprintable() for char in token):
+        raise ValueError(f"file {path!r} must hold one token on one line, without whitespace or control characters")
+    return token
+
+
+def _auth_token_file(value: Any) -> str | None:
+    path = _existing_file(value)
+    if path is not None:
+        read_auth_token(path)
+    return path
 
 
 def _log_level(value: Any) -> str:
@@ -173,7 +214,7 @@ PARSERS = {
     "log_level": _log_level,
     "upstream_target": lambda v: None if v in (None, "") else normalize_target(v),
     "upstream_histogram": _optional_str,
-    "auth_token_file": _existing_file,
+    "auth_token_file": _auth_token_file,
     "tls_cert_file": _existing_file,
     "tls_key_file": _existing_file,
     "diagnosis": _mapping,
@@ -248,6 +289,10 @@ def load_settings(
         problems.append(f"window ({settings.window:g}s) must hold at least two polls ({settings.poll_interval:g}s each)")
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         problems.append("tls_cert_file and tls_key_file must be given together")
+    elif settings.tls_cert_file and "tls_cert_file" in values and "tls_key_file" in values:
+        problem = _tls_pair_problem(settings.tls_cert_file, settings.tls_key_file)
+        if problem:
+            problems.append(problem)
     if settings.bearer_token_file and urlsplit(settings.target).username is not None:
         # requests would send the URL's basic auth and silently drop the token.
         problems.append("give the engine's credentials either in the target URL or in bearer_token_file, not both")
@@ -260,3 +305,16 @@ def load_settings(
     if problems:
         raise SettingsError(problems)
     return settings
+
+
+def _tls_pair_problem(cert_file: str, key_file: str) -> str | None:
+    """Load the pair as uvicorn will, so a key that is not a key (or does not
+    match the certificate) is a configuration error now, not a traceback
+    when the server starts."""
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as exc:
+        return f"tls_cert_file and tls_key_file: not a certificate and its private key ({exc.reason or exc})"
+    except OSError as exc:
+        return f"tls_cert_file and tls_key_file: {exc.strerror or exc}"
+    return None
