@@ -14,9 +14,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvwatch import __version__
-from kvwatch.collector import Renderer, make_registry
-from kvwatch.report import diagnosis_json, signals_json
-from kvwatch.statuspage import render_status_page
+from kvwatch.sidecar.collector import Renderer, make_registry
+from kvwatch.sidecar.report import diagnosis_json, signals_json
+from kvwatch.sidecar.statuspage import render_status_page
 
 OPEN_PATHS = ("/healthz", "/readyz")
 
