@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time as real_time
 
-import kvwatch.monitor
+import kvwatch.sidecar.monitor
 
 
 class SimulatedClock:
@@ -25,9 +25,9 @@ class SimulatedClock:
 
 
 def install(clock: SimulatedClock) -> None:
-    """Make kvwatch.monitor read its wall clock from `clock`."""
-    kvwatch.monitor.time = clock
+    """Make kvwatch.sidecar.monitor read its wall clock from `clock`."""
+    kvwatch.sidecar.monitor.time = clock
 
 
 def uninstall() -> None:
-    kvwatch.monitor.time = real_time
+    kvwatch.sidecar.monitor.time = real_time

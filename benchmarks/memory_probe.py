@@ -51,9 +51,9 @@ def main() -> int:
     import uvicorn
 
     from clock import SimulatedClock, install
-    from kvwatch.app import create_app
-    from kvwatch.monitor import Monitor, tune_garbage_collector
-    from kvwatch.settings import load_settings
+    from kvwatch.sidecar.app import create_app
+    from kvwatch.sidecar.monitor import Monitor, tune_garbage_collector
+    from kvwatch.sidecar.settings import load_settings
 
     port = free_port()
     settings = load_settings(overrides={"target": args.target, "poll_interval": "1s", "port": port,

@@ -33,11 +33,11 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import clock as simulated  # noqa: E402
 import kvwatch.diagnose  # noqa: E402
-import kvwatch.monitor  # noqa: E402
+import kvwatch.sidecar.monitor  # noqa: E402
 from kvwatch.engines.vllm import VllmAdapter  # noqa: E402
-from kvwatch.monitor import GC_GEN0_THRESHOLD, Monitor, tune_garbage_collector  # noqa: E402
+from kvwatch.sidecar.monitor import GC_GEN0_THRESHOLD, Monitor, tune_garbage_collector  # noqa: E402
 from kvwatch.scrape import FetchResult  # noqa: E402
-from kvwatch.settings import load_settings  # noqa: E402
+from kvwatch.sidecar.settings import load_settings  # noqa: E402
 from pages import AdvancingPage, capture_text, sample_count, scale  # noqa: E402
 
 SECTIONS = ("parse", "poll", "scrape", "memory", "curve")
@@ -266,7 +266,7 @@ class StageTimer:
         self._wrap(monitor.fetcher, "fetch", "fetch")
         self._wrap(monitor.adapter, "adapt", "parse + adapt")
         self._wrap(monitor.window, "add", "window")
-        self._wrap(kvwatch.monitor, "evaluate_window", "signals")
+        self._wrap(kvwatch.sidecar.monitor, "evaluate_window", "signals")
         self._wrap(kvwatch.diagnose, "diagnose", "diagnosis")
 
     def _wrap(self, owner, attribute: str, stage: str) -> None:
@@ -293,7 +293,7 @@ class StageTimer:
 
     def close(self) -> None:
         for owner, attribute, original in reversed(self._restore):
-            if owner is kvwatch.monitor or owner is kvwatch.diagnose:
+            if owner is kvwatch.sidecar.monitor or owner is kvwatch.diagnose:
                 setattr(owner, attribute, original)
             else:
                 delattr(owner, attribute)  # back to the class's method
@@ -450,7 +450,7 @@ def render_cost(fixtures: Path, engines: int) -> tuple[float, float]:
     registry (the same bytes), interleaved."""
     from prometheus_client import generate_latest
 
-    from kvwatch.collector import Renderer, make_registry
+    from kvwatch.sidecar.collector import Renderer, make_registry
 
     monitor = monitor_for("http://127.0.0.1:1/metrics")
     monitor.fetcher = PageFetcher(AdvancingPage(scale(capture_text(fixtures), engines)))
@@ -727,7 +727,7 @@ def main() -> int:
         return 2
 
     started = time.monotonic()
-    # kvwatch serve's setting (kvwatch/monitor.py): every figure measured in
+    # kvwatch serve's setting (kvwatch/sidecar/monitor.py): every figure measured in
     # this process, prometheus_client's included, runs under it; the curve
     # also shows the poll under CPython's default.
     tune_garbage_collector()

@@ -11,12 +11,12 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
-    "serve": ("kvwatch.serve", "poll a vLLM /metrics and serve kvwatch's signals"),
-    "sim": ("kvwatch.sim.cli", "run a simulated vLLM engine (for demos and tests)"),
-    "diagnose": ("kvwatch.diagnose_cli", "poll a target for a while and print signals and findings"),
-    "generate": ("kvwatch.mixin.generate", "write dashboards, rules, runbooks and manifests"),
-    "capacity": ("kvwatch.capacity_cli", "KV bytes per token and the concurrency a KV budget holds"),
-    "sweep": ("kvwatch.sweep", "measure a server across lengths and concurrency levels"),
+    "serve": ("kvwatch.commands.serve", "poll a vLLM /metrics and serve kvwatch's signals"),
+    "sim": ("kvwatch.commands.sim", "run a simulated vLLM engine (for demos and tests)"),
+    "diagnose": ("kvwatch.commands.diagnose", "poll a target for a while and print signals and findings"),
+    "generate": ("kvwatch.commands.generate", "write dashboards, rules, runbooks and manifests"),
+    "capacity": ("kvwatch.commands.capacity", "KV bytes per token and the concurrency a KV budget holds"),
+    "sweep": ("kvwatch.sweep.run", "measure a server across lengths and concurrency levels"),
 }
 
 

@@ -94,9 +94,9 @@ def exported_names(fixtures_dir: Path) -> set[str]:
     """Every sample name kvwatch's /metrics carries after polling the real
     vLLM 0.32 captures (the burst brings findings), plus the names implied
     by each family's type (so families empty here still count)."""
-    from kvwatch.collector import make_registry
-    from kvwatch.monitor import Monitor
-    from kvwatch.settings import load_settings
+    from kvwatch.sidecar.collector import make_registry
+    from kvwatch.sidecar.monitor import Monitor
+    from kvwatch.sidecar.settings import load_settings
     from pageserver import Answer, PageServer
 
     pages = [(fixtures_dir / "vllm-0.32-cpu" / f"metrics-{name}.txt").read_text()

@@ -6,9 +6,9 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwatch.app import create_app
-from kvwatch.monitor import Monitor
-from kvwatch.settings import load_settings
+from kvwatch.sidecar.app import create_app
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.settings import load_settings
 from pageserver import Answer, PageServer
 
 
@@ -152,7 +152,7 @@ def test_a_scraped_exposition_has_the_next_one_rendered_ahead_by_the_poll_loop(c
     import threading
     import time
 
-    from kvwatch.collector import Renderer
+    from kvwatch.sidecar.collector import Renderer
 
     renders = []  # the name of the thread of every render
     original = Renderer.render
@@ -195,7 +195,7 @@ def test_a_scraped_exposition_has_the_next_one_rendered_ahead_by_the_poll_loop(c
             monitor.stop()
 
 
-# --- the hot paths (kvwatch.app.HotPaths answers GET /metrics, /healthz, /readyz before FastAPI) ---
+# --- the hot paths (kvwatch.sidecar.app.HotPaths answers GET /metrics, /healthz, /readyz before FastAPI) ---
 
 
 def without_process_lines(text):
@@ -206,7 +206,7 @@ def without_process_lines(text):
 def test_metrics_body_is_a_fresh_render_of_each_poll_with_its_content_type(capture):
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    from kvwatch.collector import make_registry
+    from kvwatch.sidecar.collector import make_registry
 
     with PageServer([Answer(capture("idle")), Answer(capture("load"))]) as server:
         monitor, client = make(server)

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwatch import capacity as cap
-from kvwatch.capacity import CapacityInputError
-from kvwatch.capacity_cli import read_live_capacity
+from kvwatch.capacity import arithmetic as cap
+from kvwatch.capacity.arithmetic import CapacityInputError
+from kvwatch.commands.capacity import read_live_capacity
 from kvwatch.cli import main
 
 GiB, MiB = 2**30, 2**20

@@ -22,7 +22,7 @@ import pytest
 import requests
 import yaml
 
-from kvwatch.settings import PARSERS, Settings, env_name
+from kvwatch.sidecar.settings import PARSERS, Settings, env_name
 from pageserver import Answer, PageServer
 from promstack import free_port
 

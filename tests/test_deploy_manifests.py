@@ -24,7 +24,7 @@ import yaml
 from kvwatch.mixin import manifests
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.manifests import DeploySettings, deploy_settings, render_manifests
-from kvwatch.settings import PARSERS, env_name, load_settings
+from kvwatch.sidecar.settings import PARSERS, env_name, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"

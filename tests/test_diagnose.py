@@ -17,8 +17,8 @@ from kvwatch.diagnose import (
     resolve_thresholds,
     validate_thresholds,
 )
-from kvwatch.monitor import Event
-from kvwatch.settings import SettingsError, load_settings
+from kvwatch.sidecar.monitor import Event
+from kvwatch.sidecar.settings import SettingsError, load_settings
 from kvwatch.signals import evaluate_window
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
 from kvwatch.window import Window
@@ -138,7 +138,7 @@ class Run:
 
     def findings(self, upstream=None):
         per_engine, per_model = evaluate_window(self.window)
-        return diagnose(self.window, per_engine, per_model, tuple(self.events), self.thresholds, upstream)
+        return diagnose(self.window, per_engine, tuple(self.events), self.thresholds, upstream)
 
 
 def causes(findings, symptom: str | None = None) -> set[str]:
@@ -664,7 +664,7 @@ def test_a_failing_rule_drops_only_its_findings(monkeypatch):
     def broken(ctx):
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(module, "_exhaustion_findings", broken)
+    monkeypatch.setattr(module, "exhaustion_findings", broken)
     findings = run.findings()
     assert not causes(findings, "exhaustion")
     assert "queueing_kv_bound" in causes(findings)

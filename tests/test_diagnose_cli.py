@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from kvwatch.cli import main
-from kvwatch.settings import Settings
-from kvwatch.upstream import UpstreamSource, histogram_base_name
+from kvwatch.sidecar.settings import Settings
+from kvwatch.sidecar.upstream import UpstreamSource, histogram_base_name
 from pageserver import Answer, PageServer
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from kvwatch.app import create_app
-from kvwatch.collector import make_registry
+from kvwatch.sidecar.app import create_app
+from kvwatch.sidecar.collector import make_registry
 from kvwatch.diagnose import diagnose
 from kvwatch.engines.vllm import VllmAdapter
-from kvwatch.monitor import Monitor
-from kvwatch.settings import load_settings
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.settings import load_settings
 from kvwatch.signals import evaluate_window
 from kvwatch.window import Window
 from pageserver import Answer, PageServer
@@ -32,7 +32,7 @@ def replay(fixtures_dir, thresholds=None, interval=10.0):
     for index, name in enumerate(ORDER):
         window.add(adapter.adapt(page(fixtures_dir, name), at=1000.0 + interval * index))
         per_engine, per_model = evaluate_window(window)
-        results[name] = diagnose(window, per_engine, per_model, (), thresholds or {})
+        results[name] = diagnose(window, per_engine, (), thresholds or {})
     return results
 
 
@@ -71,7 +71,7 @@ def after_idle(fixtures_dir, name: str, thresholds=None):
     window.add(adapter.adapt(page(fixtures_dir, "idle"), at=1000.0))
     window.add(adapter.adapt(page(fixtures_dir, name), at=1010.0))
     per_engine, per_model = evaluate_window(window)
-    return diagnose(window, per_engine, per_model, (), thresholds or {})
+    return diagnose(window, per_engine, (), thresholds or {})
 
 
 def test_long_prompts_read_as_long_requests(fixtures_dir):

@@ -27,7 +27,7 @@ def fresh_findings(window: Window, thresholds: dict) -> list:
         for entry in window.entries:
             entry.derived = {}
         per_engine, per_model = evaluate_window(window)
-        return diagnose(window, per_engine, per_model, (), thresholds)
+        return diagnose(window, per_engine, (), thresholds)
     finally:
         for entry, derived in zip(window.entries, kept):
             entry.derived = derived
@@ -40,7 +40,7 @@ def diagnose_each_poll(pages, window_seconds: float, every: float, thresholds: d
     for index, text in enumerate(pages):
         window.add(adapter.adapt(text, at=BASE + index * every))
         per_engine, per_model = evaluate_window(window)
-        kept = diagnose(window, per_engine, per_model, (), thresholds or {})
+        kept = diagnose(window, per_engine, (), thresholds or {})
         assert kept == fresh_findings(window, thresholds or {}), f"poll {index}"
         seen.extend(kept)
     return seen

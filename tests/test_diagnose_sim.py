@@ -11,12 +11,12 @@ import pytest
 
 from kvwatch.diagnose import diagnose
 from kvwatch.engines.vllm import VllmAdapter
-from kvwatch.settings import Settings
+from kvwatch.sidecar.settings import Settings
 from kvwatch.signals import evaluate_window
 from kvwatch.sim.render import render_app_metrics, render_metrics
 from kvwatch.sim.scenario import load_scenario
 from kvwatch.sim.simulation import Simulation
-from kvwatch.upstream import UpstreamSource
+from kvwatch.sidecar.upstream import UpstreamSource
 from kvwatch.window import Window
 
 BASE = 1_700_000_000.0
@@ -56,7 +56,7 @@ def play(name: str, seed: int, thresholds: dict | None = None, until: float | No
         window.add(adapter.adapt(render_metrics(sim.engines, sim.model_name, BASE, include_process=False), at=now))
         report = upstream.ingest(render_app_metrics(sim.app_retrieval, BASE), now)
         per_engine, per_model = evaluate_window(window)
-        findings = diagnose(window, per_engine, per_model, (), thresholds or {}, report)
+        findings = diagnose(window, per_engine, (), thresholds or {}, report)
         polls.append(Poll(sim.now, sim.phase.name, findings))
     return polls
 

@@ -42,7 +42,7 @@ import requests
 import yaml
 
 from kvwatch.mixin.config import config_from_mapping
-from kvwatch.mixin.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
+from kvwatch.commands.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.rules import split_alert_expr
 from mixin_support import GRAFANA_VARIABLES, dashboard_exprs, load_dashboards
 from promstack import free_port, query_range, wait_until

@@ -6,9 +6,9 @@ import threading
 import pytest
 import uvicorn
 
-from kvwatch.app import create_app
-from kvwatch.monitor import Monitor
-from kvwatch.settings import load_settings
+from kvwatch.sidecar.app import create_app
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.settings import load_settings
 from pageserver import Answer, PageServer
 from promstack import free_port, prometheus, query, wait_until
 

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvwatch.monitor
+import kvwatch.sidecar.monitor
 from fuzz.pages import TTFT_BOUNDS, Engine, escape, page
 from fuzz.pipeline import Pipeline
 from kvwatch.engines.vllm import PREFIXES, VllmAdapter, all_families
@@ -321,7 +321,7 @@ def test_one_model_name_per_request_is_capped_counted_and_memory_stays_flat(monk
     growing once the window and the parser's bounded caches are full (they
     are cleared when full, so memory saws up and down: compare peaks)."""
     clock = [1_000_000.0]
-    monkeypatch.setattr(kvwatch.monitor, "time", types.SimpleNamespace(
+    monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
         time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
     pipeline = Pipeline(max_series=100, window="30s")
     per_poll, polls = 5000, 30

@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from kvwatch.metrics_doc import render
+from kvwatch.mixin.metrics_doc import render
 from kvwatch.signals import ENGINE_SERIES, SIGNALS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"

@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from kvwatch import cli
-from kvwatch.mixin import generate
+from kvwatch.commands import generate
 from kvwatch.mixin.config import (
     DEFAULT_FOR, MixinConfig, MixinConfigError, config_from_mapping, describe_config, load_config,
 )
-from kvwatch.mixin.generate import RULES_FILE, render_all, stale_files
+from kvwatch.commands.generate import RULES_FILE, render_all, stale_files
 from mixin_support import REPO
 
 

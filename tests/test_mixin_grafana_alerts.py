@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from kvwatch.mixin.config import MixinConfig, config_from_mapping
-from kvwatch.mixin.generate import GRAFANA_NOTIFICATIONS_FILE, GRAFANA_RULES_FILE, RULES_FILE, render_all
+from kvwatch.commands.generate import GRAFANA_NOTIFICATIONS_FILE, GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.grafana_alerts import GRAFANA_VALUE
 from kvwatch.mixin.rules import split_alert_expr
 from mixin_support import GRAFANA_RULES, REPO, RULES, iter_panels, load_dashboards

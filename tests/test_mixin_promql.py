@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvwatch.mixin.config import MixinConfig, config_from_mapping
-from kvwatch.mixin.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
+from kvwatch.commands.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
 from mixin_support import (
     capture_names, dashboard_exprs, exported_names, load_dashboards, load_rules, metric_names, substitute,
     variable_selectors, GRAFANA_RULES,

@@ -1,6 +1,6 @@
 """A poll leaves no reference cycles behind.
 
-kvwatch serve runs the cyclic garbage collector rarely (kvwatch/monitor.py:
+kvwatch serve runs the cyclic garbage collector rarely (kvwatch/sidecar/monitor.py:
 tune_garbage_collector), because a poll's objects are freed by reference
 counting. Anything a poll leaves in a cycle therefore lingers until a rare
 collection, and resident memory creeps up meanwhile (a timer thread per fetch
@@ -17,8 +17,8 @@ from collections import Counter
 
 import pytest
 
-from kvwatch.monitor import Monitor
-from kvwatch.settings import load_settings
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.settings import load_settings
 
 
 @pytest.fixture

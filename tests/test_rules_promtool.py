@@ -15,7 +15,7 @@ import yaml
 
 from kvwatch.mixin.alerts import alert_specs
 from kvwatch.mixin.config import MixinConfig, config_from_mapping
-from kvwatch.mixin.generate import RULES_FILE, render_all
+from kvwatch.commands.generate import RULES_FILE, render_all
 from mixin_support import PROMETHEUS_RULE, REPO, RULES, load_rules
 
 sys.path.insert(0, str(REPO / "tests" / "promtool"))

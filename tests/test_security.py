@@ -30,9 +30,9 @@ import requests
 from fastapi.testclient import TestClient
 
 from fuzz.pages import Engine, page
-from kvwatch.app import OPEN_PATHS, create_app
-from kvwatch.monitor import Monitor
-from kvwatch.settings import Settings, load_settings
+from kvwatch.sidecar.app import OPEN_PATHS, create_app
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.settings import Settings, load_settings
 from pageserver import Answer, PageServer
 from test_reliability_faults import Blackhole, RawServer, free_port, never_answer, page_server_on, value
 
@@ -515,8 +515,8 @@ def bounded_server(monkeypatch):
 
     import uvicorn
 
-    from kvwatch import app as app_module
-    from kvwatch.serve import server_options
+    from kvwatch.sidecar import app as app_module
+    from kvwatch.commands.serve import server_options
 
     monkeypatch.setattr(app_module, "HEADER_TIMEOUT_SECONDS", 1.0)
     monkeypatch.setattr(app_module, "MAX_CONNECTIONS", 40)

@@ -1,7 +1,7 @@
 import pytest
 
 from kvwatch.cli import main
-from kvwatch.settings import SettingsError, load_settings
+from kvwatch.sidecar.settings import SettingsError, load_settings
 
 
 def test_defaults_env_file_and_flags_layer_in_that_order(tmp_path):

@@ -9,10 +9,10 @@ import re
 
 from fastapi.testclient import TestClient
 
-from kvwatch.app import create_app
-from kvwatch.monitor import Monitor
-from kvwatch.settings import load_settings
-from kvwatch.statuspage import CONTENT_SECURITY_POLICY, SCRIPT, STYLE, format_value, render_status_page
+from kvwatch.sidecar.app import create_app
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.settings import load_settings
+from kvwatch.sidecar.statuspage import CONTENT_SECURITY_POLICY, SCRIPT, STYLE, format_value, render_status_page
 from pageserver import Answer, PageServer
 
 
@@ -104,6 +104,6 @@ def test_format_value():
 
 
 def _down_state():
-    from kvwatch.monitor import State
+    from kvwatch.sidecar.monitor import State
 
     return State(up=False, reason="refused", detail="connection refused", polls=3)

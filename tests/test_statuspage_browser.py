@@ -14,9 +14,9 @@ import time
 import pytest
 import uvicorn
 
-from kvwatch.app import create_app
-from kvwatch.monitor import Monitor
-from kvwatch.settings import load_settings
+from kvwatch.sidecar.app import create_app
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.settings import load_settings
 from pageserver import Answer, PageServer
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

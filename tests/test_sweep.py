@@ -19,11 +19,11 @@ import kvwatch
 from kvwatch.cli import main
 from kvwatch.sim.server import start_background
 from kvwatch.snapshot import Histogram
-from kvwatch.sweep import cell_notes, percentile, summarize_cell
-from kvwatch.sweep_client import Client, RequestResult, Worker, split_base_url
-from kvwatch.sweep_metrics import CellMetrics
-from kvwatch.sweep_output import COLUMNS, REQUEST_COLUMNS
-from kvwatch.sweep_prompts import (
+from kvwatch.sweep.run import cell_notes, percentile, summarize_cell
+from kvwatch.sweep.client import Client, RequestResult, Worker, split_base_url
+from kvwatch.sweep.metrics import CellMetrics
+from kvwatch.sweep.output import COLUMNS, REQUEST_COLUMNS
+from kvwatch.sweep.prompts import (
     PromptError,
     calibrate_with_probes,
     calibrate_with_tokenize,

@@ -9,7 +9,7 @@ causes of one symptom partition it (each branch excludes the others with
 `unless`), so at most one cause fires per engine, and exhaustion-driven
 queueing and compute-bound queueing can never be reported together.
 
-The conditions are kvwatch's diagnosis in PromQL (kvwatch/diagnose.py): one
+The conditions are kvwatch's diagnosis in PromQL (kvwatch/diagnose/): one
 exhaustion detector (Fragments.exhausted) decides the exhaustion alert, the
 KV-bound queue and whether a low hit rate may be blamed on anything else; the
 exhaustion causes use the diagnosis' definition over the same means.

@@ -172,7 +172,7 @@ def _check(s: DeploySettings) -> None:
     if not s.labels:
         problems.append("labels must not be empty: the Service and monitors select pods by them")
     # These land in kvwatch.yaml: check them the way `kvwatch serve` will.
-    from kvwatch.settings import PARSERS
+    from kvwatch.sidecar.settings import PARSERS
 
     for key in ("poll_interval", "window", "log_level"):
         try:

@@ -9,8 +9,6 @@ reports every problem in the file at once, each with its location.
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -18,13 +16,13 @@ from typing import Any
 
 import yaml
 
+from kvwatch import units
+
 from kvwatch.sim.engine import EngineConfig
 from kvwatch.sim.workload import WorkloadSpec, parse_workload
 
 TOP_KEYS = ("name", "description", "engines", "engine", "workload", "phases", "loop")
 PHASE_KEYS = ("name", "duration", "workload", "engine", "note")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 class ScenarioError(ValueError):
@@ -60,15 +58,10 @@ class Scenario:
 
 
 def parse_duration(raw: Any) -> float | None:
-    if isinstance(raw, bool):
+    try:
+        return units.parse_duration(raw)
+    except ValueError:
         return None
-    if isinstance(raw, (int, float)):
-        return float(raw) if math.isfinite(raw) else None
-    if isinstance(raw, str):
-        match = _DURATION.match(raw)
-        if match:
-            return float(match.group(1)) * _UNITS[match.group(2)]
-    return None
 
 
 def _merge(base: dict, change: dict) -> dict:

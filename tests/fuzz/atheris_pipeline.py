@@ -23,14 +23,14 @@ import atheris
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for fuzz.pipeline
 
 with atheris.instrument_imports(include=["kvwatch"]):
-    import kvwatch.collector  # noqa: F401
+    import kvwatch.sidecar.collector  # noqa: F401
     import kvwatch.diagnose  # noqa: F401
     import kvwatch.engines.vllm
     import kvwatch.exposition  # noqa: F401
-    import kvwatch.monitor
-    import kvwatch.report  # noqa: F401
+    import kvwatch.sidecar.monitor
+    import kvwatch.sidecar.report  # noqa: F401
     import kvwatch.signals  # noqa: F401
-    import kvwatch.statuspage  # noqa: F401
+    import kvwatch.sidecar.statuspage  # noqa: F401
     import kvwatch.window  # noqa: F401
 
 from fuzz.pipeline import Pipeline  # noqa: E402
@@ -43,7 +43,7 @@ ADAPTER = kvwatch.engines.vllm.VllmAdapter(max_series=MAX_SERIES)
 
 
 def fresh_pipeline() -> Pipeline:
-    with mock.patch.object(kvwatch.monitor, "VllmAdapter", lambda max_series: ADAPTER):
+    with mock.patch.object(kvwatch.sidecar.monitor, "VllmAdapter", lambda max_series: ADAPTER):
         return Pipeline(max_series=MAX_SERIES)
 
 

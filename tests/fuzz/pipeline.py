@@ -10,12 +10,12 @@ import json
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwatch.collector import make_registry
-from kvwatch.monitor import Monitor
-from kvwatch.report import diagnosis_json, signals_json
+from kvwatch.sidecar.collector import make_registry
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.report import diagnosis_json, signals_json
 from kvwatch.scrape import FetchResult
-from kvwatch.settings import load_settings
-from kvwatch.statuspage import render_status_page
+from kvwatch.sidecar.settings import load_settings
+from kvwatch.sidecar.statuspage import render_status_page
 
 
 class Pipeline:

@@ -35,9 +35,9 @@ import uvicorn
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwatch.app import create_app
-from kvwatch.monitor import Monitor
-from kvwatch.settings import load_settings
+from kvwatch.sidecar.app import create_app
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.settings import load_settings
 
 from .harness import Metrics, _open
 

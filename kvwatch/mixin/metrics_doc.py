@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvwatch.collector import IDENTITY
+from kvwatch.sidecar.collector import IDENTITY
 from kvwatch.signals import ENGINE_SERIES, SIGNALS
 
 HEALTH = (

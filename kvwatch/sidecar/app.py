@@ -16,10 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvwatch import __version__
-from kvwatch.collector import Renderer, make_registry
-from kvwatch.report import diagnosis_json, signals_json
-from kvwatch.settings import read_auth_token
-from kvwatch.statuspage import render_status_page
+from kvwatch.sidecar.collector import Renderer, make_registry
+from kvwatch.sidecar.report import diagnosis_json, signals_json
+from kvwatch.sidecar.settings import read_auth_token
+from kvwatch.sidecar.statuspage import render_status_page
 
 OPEN_PATHS = ("/healthz", "/readyz")
 

@@ -4,7 +4,7 @@ requests a KV budget holds, before and after block rounding. Every step is kept
 as a number and as a written line, so an operator can check it by hand.
 
 Pure arithmetic on values already parsed: no files, no network. The
-`kvwatch capacity` command (kvwatch/capacity_cli.py) does the reading.
+`kvwatch capacity` command (kvwatch/commands/capacity.py) does the reading.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
+
+from kvwatch import units
 
 KV_DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp32")
 
@@ -25,11 +27,6 @@ DTYPE_BYTES = {
     "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
 }
 
-_SIZE_UNITS = {
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
 
 # What the bound leaves out. Printed with every answer: the number is a bound
 # from arithmetic, never a promise about a running server.
@@ -67,30 +64,11 @@ class CapacityInputError(ValueError):
 
 
 def parse_size(text: str) -> int:
-    """Bytes from '3GiB', '3 GB', '1.5GiB', '4194304'. Decimal (KB, MB, GB, TB =
-    powers of 1000) and binary (KiB, MiB, GiB, TiB = powers of 1024) are kept apart;
-    a bare 'G' or 'M' is refused because it could mean either."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not match:
-        raise CapacityInputError(
-            f"cannot read {text!r} as a size: write a number and a unit, for example "
-            "3GiB (3 x 2^30 bytes), 3GB (3 x 10^9 bytes) or 4194304 (bytes)")
-    number, unit = match.group(1), match.group(2).lower()
-    if unit not in ("",) + tuple(_SIZE_UNITS):
-        raise CapacityInputError(
-            f"unknown size unit {match.group(2)!r} in {text!r}: use B, KB, MB, GB, TB "
-            "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
-    multiplier = _SIZE_UNITS.get(unit, 1)
-    whole, _, fraction = number.partition(".")
-    # Exact integer arithmetic, so '1.5GiB' is 1610612736 and not a float near it.
-    numerator = int(whole + fraction) * multiplier
-    denominator = 10 ** len(fraction)
-    if numerator % denominator:
-        raise CapacityInputError(f"{text!r} is not a whole number of bytes")
-    value = numerator // denominator
-    if value <= 0:
-        raise CapacityInputError(f"size {text!r} must be more than zero bytes")
-    return value
+    """Bytes, in the one size grammar of kvwatch.units."""
+    try:
+        return units.parse_size(text)
+    except ValueError as error:
+        raise CapacityInputError(str(error)) from None
 
 
 def parse_token_lengths(text: str) -> int | dict[str, int]:

@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from kvwatch.settings import SettingsError, env_name, load_settings
+from kvwatch.sidecar.settings import SettingsError, env_name, load_settings
 
 # flag -> settings key; the help names the environment variable too.
 OPTIONS = {
@@ -60,9 +60,9 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvwatch.app import create_app
-    from kvwatch.monitor import Monitor, tune_garbage_collector
-    from kvwatch.report import public_url
+    from kvwatch.sidecar.app import create_app
+    from kvwatch.sidecar.monitor import Monitor, tune_garbage_collector
+    from kvwatch.sidecar.report import public_url
 
     monitor = Monitor(settings)
     app = create_app(monitor, settings)
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
 def server_options(settings) -> dict:
     """uvicorn's options for kvwatch (the tests serve with these too)."""
-    from kvwatch.app import BoundedHttpProtocol
+    from kvwatch.sidecar.app import BoundedHttpProtocol
 
     return dict(
         host=settings.host,

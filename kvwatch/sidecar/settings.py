@@ -4,9 +4,7 @@ and reported at once, so a bad config is fixed in one round trip."""
 
 from __future__ import annotations
 
-import math
 import os
-import re
 import ssl
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -14,6 +12,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
+
+from kvwatch.units import parse_duration, parse_size
 
 
 class SettingsError(Exception):
@@ -55,53 +55,12 @@ class Settings:
     auth_token_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
-    # Diagnosis thresholds (see kvwatch/diagnose.py for every key and default).
+    # Diagnosis thresholds (see kvwatch/diagnose/ for every key and default).
     diagnosis: dict[str, Any] = field(default_factory=dict)
 
     @property
     def fetch_timeout(self) -> float:
         return self.timeout if self.timeout is not None else max(0.2, 0.8 * self.poll_interval)
-
-
-MAX_DURATION = 86_400.0
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-def parse_duration(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a duration")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        match = _DURATION.match(str(value))
-        if not match:
-            raise ValueError(f"{value!r} is not a duration (examples: 5, 5s, 500ms, 2m)")
-        seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    # NaN passes `<= 0` (.nan polled the engine about 240 times a second) and
-    # infinity killed the poll thread: a duration is finite, and at most a day.
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{value!r} must be a positive, finite duration")
-    if seconds > MAX_DURATION:
-        raise ValueError(f"{value!r} is longer than a day")
-    return seconds
-
-
-def parse_size(value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        match = _SIZE.match(str(value))
-        if not match:
-            raise ValueError(f"{value!r} is not a size (examples: 1048576, 16MiB, 10MB)")
-        unit = (match.group(2) or "B").upper().rstrip("B") or "B"
-        binary = "I" in unit
-        power = "BKMGT".index(unit[0]) if unit != "B" else 0
-        size = int(float(match.group(1)) * ((1024 if binary else 1000) ** power))
-    if size <= 0:
-        raise ValueError(f"{value!r} must be positive")
-    return size
 
 
 def _parse_bool(value: Any) -> bool:

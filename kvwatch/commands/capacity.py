@@ -1,6 +1,6 @@
 """`kvwatch capacity`: how many requests a KV budget holds, with the arithmetic
 shown. Reads a local config.json or a live vLLM's /metrics, calls the
-arithmetic in kvwatch/capacity.py, prints a table or JSON.
+arithmetic in kvwatch/capacity/arithmetic.py, prints a table or JSON.
 
 `read_live_capacity` is a deliberately small reader of the few series this
 command needs; it can be replaced by the core adapter's Snapshot without
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvwatch import capacity as cap
-from kvwatch.capacity import CapacityInputError
+from kvwatch.capacity import arithmetic as cap
+from kvwatch.capacity.arithmetic import CapacityInputError
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
 FETCH_TIMEOUT_S = 10.0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from grafanalib._gen import DashboardEncoder
 
-from kvwatch import metrics_doc
+from kvwatch.mixin import metrics_doc
 from kvwatch.mixin import dashboards as dash
 from kvwatch.mixin import grafana_alerts, rules, runbooks
 from kvwatch.mixin.config import MixinConfig, MixinConfigError, describe_config, load_config

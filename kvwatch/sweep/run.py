@@ -10,8 +10,8 @@ capacity bound of `kvwatch capacity` for that length.
 
 This module owns the command line, the order of a run (checks, prompt
 calibration, warm-up, cells) and stopping on Ctrl-C. The HTTP client is in
-kvwatch/sweep_client.py, prompts in kvwatch/sweep_prompts.py, /metrics
-polling in kvwatch/sweep_metrics.py and the files in kvwatch/sweep_output.py.
+kvwatch/sweep/client.py, prompts in kvwatch/sweep/prompts.py, /metrics
+polling in kvwatch/sweep/metrics.py and the files in kvwatch/sweep/output.py.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvwatch import __version__
-from kvwatch import capacity as cap
-from kvwatch.settings import parse_duration
+from kvwatch.capacity import arithmetic as cap
+from kvwatch.sidecar.settings import parse_duration
 from kvwatch.snapshot import Snapshot, capacity_tokens, config_number
-from kvwatch.sweep_client import Client, RequestResult, ServerError, Worker, split_base_url
-from kvwatch.sweep_metrics import CellMetrics, MetricsPoller, select_engines
-from kvwatch.sweep_output import (
+from kvwatch.sweep.client import Client, RequestResult, ServerError, Worker, split_base_url
+from kvwatch.sweep.metrics import CellMetrics, MetricsPoller, select_engines
+from kvwatch.sweep.output import (
     COLUMNS,
     KV_PLOT,
     TTFT_PLOT,
@@ -44,7 +44,7 @@ from kvwatch.sweep_output import (
     write_plots,
     write_results,
 )
-from kvwatch.sweep_prompts import (
+from kvwatch.sweep.prompts import (
     PromptError,
     PromptMaker,
     calibrate_with_probes,

@@ -22,7 +22,7 @@ import math
 import time
 from typing import Any
 
-from kvwatch.report import diagnosis_json, public_url, signals_json
+from kvwatch.sidecar.report import diagnosis_json, public_url, signals_json
 from kvwatch.signals import SIGNALS
 
 REFRESH_SECONDS = 5

@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvwatch.sweep_client import Client, ServerError
+from kvwatch.sweep.client import Client, ServerError
 
 # Short words that are one token in common tokenizers (after a space) and in
 # small BPE vocabularies trained on syllables. Only those the server's own

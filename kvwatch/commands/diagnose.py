@@ -16,10 +16,10 @@ import time
 from typing import Any, TextIO
 
 from kvwatch.diagnose import is_actionable
-from kvwatch.report import diagnosis_json, signals_json
-from kvwatch.settings import SettingsError, load_settings, parse_duration
+from kvwatch.sidecar.report import diagnosis_json, signals_json
+from kvwatch.sidecar.settings import SettingsError, load_settings, parse_duration
 from kvwatch.signals import SIGNALS
-from kvwatch.statuspage import format_evidence, format_value, signal_columns
+from kvwatch.sidecar.statuspage import format_evidence, format_value, signal_columns
 
 EXIT_OK, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwatch.monitor import Monitor
+    from kvwatch.sidecar.monitor import Monitor
 
     problems = []
     duration = interval = None

@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any
 
 from kvwatch.exposition import FamilySelector
-from kvwatch.report import public_url
+from kvwatch.sidecar.report import public_url
 from kvwatch.scrape import Fetcher
 from kvwatch.snapshot import Histogram
 

@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.engines.vllm import VllmAdapter
-from kvwatch.report import public_url
+from kvwatch.sidecar.report import public_url
 from kvwatch.scrape import Fetcher, FetchResult
-from kvwatch.settings import Settings
+from kvwatch.sidecar.settings import Settings
 from kvwatch.signals import Evaluated, evaluate_window
 from kvwatch.snapshot import Snapshot
 from kvwatch.window import Window
@@ -95,7 +95,7 @@ class Monitor:
         self.window = Window(settings.window)
         self.upstream = None
         if settings.upstream_target and settings.upstream_histogram:
-            from kvwatch.upstream import UpstreamSource
+            from kvwatch.sidecar.upstream import UpstreamSource
 
             self.upstream = UpstreamSource(settings, self.window.seconds)
         self.state = State()
@@ -182,7 +182,7 @@ class Monitor:
         per_engine, per_model = evaluate_window(self.window)
         upstream = self.upstream.poll() if self.upstream is not None else None
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
-        findings = diagnosis.diagnose(self.window, per_engine, per_model, events,
+        findings = diagnosis.diagnose(self.window, per_engine, events,
                                       self.settings.diagnosis, upstream)
         self._polls += 1
         was_up = self.state.up

@@ -1,0 +1,87 @@
+"""Diagnosis: symptom -> likely cause, with the evidence that decided it and
+the next thing to check.
+
+Symptoms and the causes told apart (these `symptom`/`cause` values are also the
+labels of `kvwatch_finding` and of the generated alert rules; do not rename):
+
+exhaustion        concurrency_beyond_capacity, long_requests,
+                  capacity_below_max_num_seqs
+low_hit_rate      caching_disabled, cold_cache, prefix_changed,
+                  eviction_before_reuse, no_reuse
+slow_first_token  queueing_kv_bound, queueing_compute_bound, prefill,
+                  front_end, upstream
+change            model_changed, lora_changed, cache_dtype_changed,
+                  cache_config_changed, engine_restarted
+
+Rules run per (model, engine): the KV cache, its queue and its counters belong
+to one engine core. Every rule reads only the window (so a finding is active
+exactly while its evidence is inside the window, like an alert over
+`rate(...[5m])`) plus the change events the monitor recorded. One detector
+decides whether an engine's KV cache was exhausted, and the exhaustion rules,
+the queueing split and the hit-rate rules all use it: exhaustion is never
+called compute-bound queueing (nor the reverse), and while the cache is
+exhausted a low hit rate is named only on evidence the exhaustion does not
+explain (caching off, a restart, a change at the drop, a drop that showed
+before the exhaustion, residency histograms). The exhaustion causes are
+decided once per window from its means, as the generated alert rule decides
+them over its rate window, so the two agree and exactly one of
+concurrency_beyond_capacity and long_requests is named.
+
+Findings never claim more than their evidence. A prefix-cache hit means KV
+computed for earlier tokens was reused; it proves neither that an answer is
+current nor that the caller may see it, and no finding says otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvwatch.diagnose.changes import Change, changes_between, change_findings, window_changes
+from kvwatch.diagnose.context import EngineContext
+from kvwatch.diagnose.exhaustion import exhaustion_findings
+from kvwatch.diagnose.first_token import slow_first_token_findings
+from kvwatch.diagnose.hit_rate import low_hit_rate_findings
+from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS, resolve_thresholds, validate_thresholds
+from kvwatch.diagnose.vocabulary import CAUSES, CONFIDENCES, NEXT_CHECK, SEVERITIES, Finding, is_actionable
+
+log = logging.getLogger("kvwatch")
+
+__all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "NEXT_CHECK", "SEVERITIES", "Change", "Finding",
+           "changes_between", "diagnose", "is_actionable", "resolve_thresholds", "validate_thresholds"]
+
+
+_SEVERITY_ORDER = {severity: index for index, severity in enumerate(SEVERITIES)}
+
+
+def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=None) -> list[Finding]:
+    """Findings for the window, most severe first. The rules judge each
+    engine, whose cache and queue are its own. A rule that fails drops only
+    its own findings."""
+    resolved = resolve_thresholds(thresholds)
+    changes: list[Change] = []
+    try:
+        changes = window_changes(window, events)
+    except Exception:  # pragma: no cover - defensive: one rule must not hide the rest
+        log.exception("diagnosis: reading changes failed")
+    findings: list[Finding] = []
+    for row in per_engine:
+        if row.engine is None:
+            continue
+        ctx = EngineContext(window, row, resolved, changes)
+        for rule in (
+            lambda: exhaustion_findings(ctx),
+            lambda: low_hit_rate_findings(ctx),
+            lambda: slow_first_token_findings(ctx, upstream),
+        ):
+            try:
+                findings.extend(rule())
+            except Exception:
+                log.exception("diagnosis rule failed for %s/%s", row.model, row.engine)
+    try:
+        findings.extend(change_findings(window, changes))
+    except Exception:
+        log.exception("diagnosis: change rule failed")
+    findings.sort(key=lambda f: (_SEVERITY_ORDER.get(f.severity, 9), f.symptom, f.model, f.engine or "", f.cause))
+    return findings
+

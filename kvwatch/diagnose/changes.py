@@ -1,0 +1,122 @@
+"""Changes that invalidate comparisons: restarts, cache-config, model and
+adapter changes, as info findings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvwatch.diagnose.context import tidy
+from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
+from kvwatch.window import Entry, Window
+
+
+@dataclass(frozen=True)
+class Change:
+    time: float
+    kind: str  # restart | cache_config | models | lora
+    model: str | None
+    engine: str | None
+    detail: str
+    keys: tuple[str, ...] = ()  # cache_config keys that changed
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+
+
+def window_changes(window: Window, events) -> list[Change]:
+    """Changes inside the window: restarts, cache-config and model-set
+    changes read from consecutive snapshots (exact keys), plus the monitor's
+    events for what a window cannot see (new LoRA adapters, and anything
+    recorded without a matching snapshot)."""
+    found: list[Change] = []
+    entries = list(window.entries)
+    for previous, entry in zip(entries, entries[1:]):
+        found.extend(changes_between(previous, entry))
+    seen = {(c.time, c.kind, c.engine) for c in found}
+    for event in events or ():
+        if (event.time, event.kind, event.engine) in seen:
+            continue
+        keys: tuple[str, ...] = ()
+        if event.kind == "cache_config":
+            keys = tuple(part.split(":", 1)[0].strip() for part in event.detail.split(", ") if ":" in part)
+        found.append(Change(event.time, event.kind, event.model, event.engine, event.detail, keys))
+    return sorted(found, key=lambda c: c.time)
+
+
+def changes_between(previous: Entry, entry: Entry) -> list[Change]:
+    """What changed from one window entry to the next (restarts, cache
+    config, the set of models), read once per entry: an entry keeps its
+    predecessor while both stay in the window. The monitor records these as
+    events when the entry arrives; the diagnosis reads them for its window."""
+    found = entry.derived.get("changes")
+    if found is not None:
+        return found
+    found = []
+    now = entry.snapshot
+    for (model, engine), step in sorted(entry.steps.items()):
+        if step.restarted:
+            found.append(Change(now.time, "restart", model, engine,
+                                "counters reset or _created moved: the engine restarted"))
+    for engine, config in sorted(now.cache_config.items()):
+        before = previous.snapshot.cache_config.get(engine)
+        if before is not None and before != config:
+            keys = tuple(sorted(k for k in set(before) | set(config) if before.get(k) != config.get(k)))
+            detail = ", ".join(f"{k}: {before.get(k)} -> {config.get(k)}" for k in keys[:8])
+            found.append(Change(now.time, "cache_config", None, engine, detail, keys))
+    models_before = tuple(sorted({m for m, _ in previous.snapshot.engines}))
+    models_now = tuple(sorted({m for m, _ in now.engines}))
+    if models_before != models_now:
+        found.append(Change(now.time, "models", None, None,
+                            f"served models changed: {list(models_before)} -> {list(models_now)}",
+                            before=models_before, after=models_now))
+    entry.derived["changes"] = found
+    return found
+
+
+# cache_config keys that change what capacity and hit ratios mean.
+DTYPE_KEYS = ("cache_dtype",)
+
+
+def change_findings(window: Window, changes: list[Change]) -> list[Finding]:
+    latest = window.latest
+    now = latest.time if latest else 0.0
+    served = sorted({m for m, _ in latest.engines}) if latest else []
+    models_of: dict[str, list[str]] = {}
+    for model, engine in (latest.engines if latest else {}):
+        models_of.setdefault(engine, []).append(model)
+    findings = []
+
+    def model_for(change: Change) -> str:
+        if change.model:
+            return change.model
+        candidates = models_of.get(change.engine, served) if change.engine is not None else served
+        return candidates[0] if len(candidates) == 1 else "*"
+
+    def add(cause: str, change: Change, summary: str, evidence: dict[str, Any], model: str | None = None) -> None:
+        findings.append(Finding("change", cause, "info", "high", model or model_for(change), change.engine, summary,
+                                tidy({"seconds_ago": now - change.time, "detail": change.detail, **evidence}),
+                                NEXT_CHECK[cause]))
+
+    for change in changes:
+        ago = now - change.time
+        if change.kind == "restart":
+            add("engine_restarted", change, f"Engine restarted {ago:.0f}s ago: counters restarted, prefix cache cold.", {})
+        elif change.kind == "cache_config":
+            dtype = [k for k in change.keys if k in DTYPE_KEYS]
+            rest = [k for k in change.keys if k not in DTYPE_KEYS]
+            if dtype:
+                add("cache_dtype_changed", change,
+                    f"KV-cache dtype changed {ago:.0f}s ago ({change.detail}): re-evaluate task accuracy; "
+                    "comparisons across the change do not hold.", {"changed_keys": ",".join(dtype)})
+            if rest or not change.keys:
+                add("cache_config_changed", change,
+                    f"KV-cache configuration changed {ago:.0f}s ago ({change.detail}): capacity and block "
+                    "baselines before it do not compare.", {"changed_keys": ",".join(rest)})
+        elif change.kind == "models":
+            added = [m for m in change.after if m not in change.before]
+            for model in added or ["*"]:
+                add("model_changed", change, f"Served models changed {ago:.0f}s ago: {change.detail}.",
+                    {"models_before": ",".join(change.before), "models_after": ",".join(change.after)}, model)
+        elif change.kind == "lora":
+            add("lora_changed", change, f"LoRA adapters changed {ago:.0f}s ago: {change.detail}.", {})
+    return findings

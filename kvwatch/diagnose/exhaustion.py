@@ -1,0 +1,169 @@
+"""Exhaustion: the KV cache was full, and why (too many requests, a few long
+ones, or a scheduler that admits more than fit). Decided once per window from
+its means, as the generated alert rule decides it over its rate window, so the
+two agree and exactly one of concurrency_beyond_capacity and long_requests is
+named."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvwatch.diagnose.context import EngineContext, Poll, max_num_seqs, quantile_value
+from kvwatch.diagnose.hit_rate import verdict as hit_rate_verdict
+from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
+from kvwatch.snapshot import config_number
+
+log = logging.getLogger("kvwatch")
+
+
+def _length_evidence(ctx: EngineContext) -> dict[str, Any]:
+    prompt_p95, _ = quantile_value(ctx.histogram("prompt_len"), 0.95)
+    generated_p95, _ = quantile_value(ctx.histogram("generation_len"), 0.95)
+    return {
+        "prompt_tokens_mean": ctx.value("kvwatch_prompt_tokens_per_request_mean"),
+        "generation_tokens_mean": ctx.value("kvwatch_generation_tokens_per_request_mean"),
+        "prompt_tokens_p95": prompt_p95,
+        "generation_tokens_p95": generated_p95,
+    }
+
+
+def _load_shape(ctx: EngineContext) -> dict[str, float | None]:
+    """Window means of usage, running and waiting (polls that report usage
+    and running), and the share of the cache one running request held: mean
+    usage / mean running. The PromQL of the exhaustion alert computes the
+    same means with avg_over_time over its rate window."""
+    polls = [p for p in ctx.polls if p.usage is not None and p.running is not None]
+    if not polls:
+        return {"kv_usage_mean": None, "running_mean": None, "waiting_mean": None, "share": None}
+    usage = sum(p.usage for p in polls) / len(polls)
+    running = sum(p.running for p in polls) / len(polls)
+    waiting = sum(p.waiting or 0.0 for p in polls) / len(polls)
+    return {"kv_usage_mean": usage, "running_mean": running, "waiting_mean": waiting,
+            "share": usage / running if running > 0 else None}
+
+
+def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
+    state = ctx.exhaustion
+    capacity_requests = ctx.value("kvwatch_kv_cache_capacity_requests")
+    max_seqs, max_seqs_source = max_num_seqs(ctx)
+    stated_concurrency = config_number(ctx.cache_config, "kv_cache_max_concurrency")
+    findings = []
+
+    below = None
+    if capacity_requests is not None and max_seqs is not None and capacity_requests < max_seqs:
+        # An inferred bound only counts when strictly more requests ran than fit.
+        below = max_seqs
+
+    if state is None:
+        if below is not None and ctx.t["max_num_seqs"] is not None:
+            findings.append(ctx.finding(
+                "exhaustion", "capacity_below_max_num_seqs", "info", "medium",
+                f"Not exhausted in the window, but at current lengths the cache holds {capacity_requests:g} requests "
+                f"and the scheduler admits up to {max_seqs:g}: more concurrency will preempt.",
+                {"kv_cache_capacity_requests": capacity_requests, "max_num_seqs": max_seqs,
+                 "max_num_seqs_source": max_seqs_source, "kv_cache_max_concurrency_at_max_model_len": stated_concurrency,
+                 **_length_evidence(ctx)},
+                NEXT_CHECK["capacity_below_max_num_seqs"]))
+        return findings
+
+    severity = "critical" if state.preemptions > 0 else "warning"
+    usage_now = ctx.value("kvwatch_kv_cache_usage_ratio")
+    limit = ctx.t["exhaustion_usage_ratio"]
+    long_share = ctx.t["long_request_capacity_share"]
+    prompt_mean = ctx.value("kvwatch_prompt_tokens_per_request_mean")
+    generated_mean = ctx.value("kvwatch_generation_tokens_per_request_mean")
+    request_mean = prompt_mean + generated_mean if prompt_mean is not None and generated_mean is not None else None
+    shape = _load_shape(ctx)
+    share = shape["share"]
+    try:
+        hit_evidence = hit_rate_verdict(ctx).exhaustion_evidence
+    except Exception:  # the hit-rate rule's own failure must not drop this finding
+        log.exception("diagnosis: judging the hit rate failed for %s/%s", ctx.model, ctx.engine)
+        hit_evidence = {}
+    common = {
+        "kv_usage_max": ctx.value("kvwatch_kv_cache_usage_max_ratio"),
+        "kv_usage_now": usage_now,
+        "kv_usage_threshold": limit,
+        "preemptions": state.preemptions,
+        "preemptions_per_second": ctx.value("kvwatch_preemptions_per_second"),
+        "kv_cache_capacity_tokens": ctx.capacity_tokens,
+        "kv_cache_capacity_requests": capacity_requests,
+        **_length_evidence(ctx),
+        "request_tokens_mean": request_mean,
+        "kv_usage_mean": shape["kv_usage_mean"],
+        "running_mean": shape["running_mean"],
+        "waiting_mean": shape["waiting_mean"],
+        "capacity_share_per_running_request": share,
+        "long_request_capacity_share": long_share,
+        **hit_evidence,
+        "window_seconds": ctx.increase.seconds,
+    }
+    ongoing = usage_now is not None and usage_now >= limit
+
+    # One cause per window, decided as the alert rule decides it: a few long
+    # requests when each running request held a large share of the cache and
+    # no more requests waited than ran; many requests otherwise (also when no
+    # poll reported usage and running, with only preemptions to go by).
+    long = (share is not None and share >= long_share
+            and (shape["waiting_mean"] or 0.0) <= (shape["running_mean"] or 0.0))
+
+    def footprint(poll: Poll) -> float | None:
+        running = poll.running
+        if poll.usage is None or not running or not ctx.capacity_tokens:
+            return None
+        return poll.usage * ctx.capacity_tokens / running
+
+    def at_peak(poll: Poll | None) -> dict[str, Any]:
+        if poll is None:
+            return {}
+        return {"peak_seconds_ago": ctx.polls[-1].time - poll.time, "kv_usage_at_peak": poll.usage,
+                "running_at_peak": poll.running, "waiting_at_peak": poll.waiting,
+                "waiting_for_capacity_at_peak": poll.waiting_for_capacity,
+                "tokens_per_running_request_at_peak": footprint(poll)}
+
+    peak = state.peak
+    when = "now" if ongoing and peak is not None and peak is ctx.polls[-1] else "earlier in the window"
+    proven = state.full_polls and (state.preemptions > 0 or (peak and peak.gauge("waiting_by_reason/capacity")))
+    confidence = "high" if proven else "medium"
+
+    if long:
+        tokens = share * ctx.capacity_tokens if ctx.capacity_tokens else None
+        findings.append(ctx.finding(
+            "exhaustion", "long_requests", severity, confidence,
+            f"KV cache full {when} with few requests: {shape['running_mean']:.1f} running on average, each holding "
+            f"{share:.0%} of the cache"
+            + (f" (about {tokens:.0f} tokens)" if tokens is not None else "")
+            + f", and {shape['waiting_mean']:.1f} waiting: a few very long requests fill it.",
+            {**common, **at_peak(peak)},
+            NEXT_CHECK["long_requests"]))
+    else:
+        demand = peak.demand if peak else None
+        beyond = capacity_requests is not None and demand is not None and demand > capacity_requests
+        summary = f"KV cache full {when}"
+        if demand is not None and capacity_requests is not None:
+            summary += (f": {demand:g} requests running or waiting at the peak, the cache holds about "
+                        f"{capacity_requests:g} at current mean lengths")
+        elif not state.full_polls:
+            summary += f": {state.preemptions:g} preemptions, no poll caught the cache full"
+        if share is not None:
+            summary += (f"; each running request held {share:.0%} of it on average, with "
+                        f"{shape['waiting_mean']:.1f} waiting for {shape['running_mean']:.1f} running")
+        findings.append(ctx.finding(
+            "exhaustion", "concurrency_beyond_capacity", severity,
+            confidence if (beyond or capacity_requests is None) else "low", summary + ".",
+            {**common, "demand_at_peak": demand, **at_peak(peak)},
+            NEXT_CHECK["concurrency_beyond_capacity"]))
+    if below is not None:
+        findings.append(ctx.finding(
+            "exhaustion", "capacity_below_max_num_seqs", "warning",
+            "high" if ctx.t["max_num_seqs"] is not None else "medium",
+            f"At current mean lengths the cache holds {capacity_requests:g} requests but the scheduler admits "
+            f"{'up to' if ctx.t['max_num_seqs'] is not None else 'at least'} {max_seqs:g}, so it starts requests it "
+            "cannot keep and preempts them.",
+            {"kv_cache_capacity_requests": capacity_requests, "max_num_seqs": max_seqs,
+             "max_num_seqs_source": max_seqs_source, "running_max": ctx.view.running_max,
+             "kv_cache_max_concurrency_at_max_model_len": stated_concurrency, "preemptions": state.preemptions,
+             **_length_evidence(ctx)},
+            NEXT_CHECK["capacity_below_max_num_seqs"]))
+    return findings

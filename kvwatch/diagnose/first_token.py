@@ -1,0 +1,137 @@
+"""Slow first token: the queue (bound by KV or by compute), prefill, the front
+end, or time spent upstream of the engine (retrieval, a gateway)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvwatch.diagnose.context import EngineContext, max_num_seqs, quantile_value, share
+from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
+
+
+def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | None) -> list[Finding]:
+    t = ctx.t
+    ttft = ctx.histogram("ttft")
+    if ttft is None or ttft.count < t["ttft_min_requests"]:
+        return []
+    ttft_mean = ttft.mean()
+    p95, pinned = quantile_value(ttft, 0.95)
+    upstream_mean = None
+    if upstream and upstream.get("up") and (upstream.get("count") or 0) >= t["ttft_min_requests"]:
+        upstream_mean = upstream.get("mean_seconds")
+    engine_slow = (p95 is not None and p95 > t["ttft_p95_seconds"] and pinned != "first") or \
+        (ttft_mean is not None and ttft_mean > t["ttft_mean_seconds"])
+    total_mean = (ttft_mean or 0.0) + (upstream_mean or 0.0)
+    total_slow = upstream_mean is not None and total_mean > t["ttft_mean_seconds"]
+    if not engine_slow and not total_slow:
+        return []
+
+    queue_histogram = ctx.histogram("queue_time")
+    prefill_histogram = ctx.histogram("prefill_time")
+    queue_observed = queue_histogram.mean() if queue_histogram else None
+    prefill = prefill_histogram.mean() if prefill_histogram else None
+    # The same lag from the gauges: by Little's law the mean wait is the mean
+    # queue length over the arrival rate (first tokens per second). It counts
+    # the requests still waiting, which no histogram has seen yet; when the
+    # queue is steady the two agree.
+    waiting = [p.waiting for p in ctx.polls[1:] if p.waiting is not None]
+    queue_little = None
+    if waiting and ctx.increase.seconds > 0:
+        queue_little = (sum(waiting) / len(waiting)) / (ttft.count / ctx.increase.seconds)
+    queue = max((q for q in (queue_observed, queue_little) if q is not None), default=None)
+    other = None
+    if ttft_mean and queue is not None and prefill is not None:
+        other = max(0.0, ttft_mean - queue - prefill)
+    parts = {"queue": queue, "prefill": prefill, "other": other}
+    # Requests with a first token but not finished yet have a TTFT and no
+    # queue or prefill time, so their whole TTFT lands in the rest. Its lower
+    # bound charges each of them the TTFT p99 before the rest is named.
+    other_lower = None
+    if other is not None:
+        unfinished = max(0.0, ttft.count - min(queue_histogram.count, prefill_histogram.count))
+        p99, _ = quantile_value(ttft, 0.99)
+        other_lower = max(0.0, other - unfinished * (p99 or 0.0) / ttft.count)
+    shares = {name: min(1.0, share(v, ttft_mean)) for name, v in parts.items() if share(v, ttft_mean) is not None}
+    evidence = {
+        "ttft_p95_seconds": p95, "ttft_p95_pinned": pinned, "ttft_mean_seconds": ttft_mean,
+        "ttft_requests": ttft.count, "objective_p95_seconds": t["ttft_p95_seconds"],
+        "objective_mean_seconds": t["ttft_mean_seconds"],
+        "queue_mean_seconds": queue_observed, "queue_from_waiting_seconds": queue_little,
+        "prefill_mean_seconds": prefill, "other_mean_seconds": other,
+        "queue_share": shares.get("queue"), "prefill_share": shares.get("prefill"), "other_share": shares.get("other"),
+        "other_lower_bound_seconds": other_lower,
+        "window_seconds": ctx.increase.seconds,
+    }
+    headline = (f"Time to first token p95 {p95:.2f}s{'+' if pinned == 'last' else ''}, mean {ttft_mean:.2f}s "
+                f"(objective p95 {t['ttft_p95_seconds']:g}s, mean {t['ttft_mean_seconds']:g}s)")
+    findings = []
+
+    if upstream_mean is not None:
+        upstream_share = upstream_mean / total_mean if total_mean else 0.0
+        if upstream_share >= t["upstream_share"]:
+            findings.append(ctx.finding(
+                "slow_first_token", "upstream", "warning", "medium",
+                f"{upstream_mean:.2f}s of {total_mean:.2f}s mean time to first token ({upstream_share:.0%}) is spent "
+                f"before the engine, in {upstream.get('histogram')}.",
+                {**evidence, "upstream_histogram": upstream.get("histogram"), "upstream_mean_seconds": upstream_mean,
+                 "upstream_p95_seconds": upstream.get("p95_seconds"), "upstream_share": upstream_share,
+                 "upstream_requests": upstream.get("count")},
+                NEXT_CHECK["upstream"]))
+    if not engine_slow or not shares:
+        return findings
+
+    named = [name for name, share in shares.items() if share >= t["ttft_part_share"]]
+    confidence = "medium"
+    if not named:
+        named = [max(shares, key=shares.get)]
+        confidence = "low"
+    # The rest is a residual: named only when its lower bound is a part too.
+    if "other" in named and (other_lower is None or other_lower / ttft_mean < t["ttft_part_share"]):
+        named = [name for name in named if name != "other"]
+        if not named:
+            return findings
+    for part in sorted(named, key=lambda name: -shares[name]):
+        share_text = f"{shares[part]:.0%} of it"
+        if part == "queue":
+            exhaustion = ctx.exhaustion
+            waiting_polls = [p for p in ctx.polls if (p.waiting or 0) > 0]
+            usage_while_waiting = max((p.usage for p in waiting_polls if p.usage is not None), default=None)
+            queue_evidence = {**evidence, "kv_usage_max_while_waiting": usage_while_waiting,
+                              "kv_usage_threshold": t["exhaustion_usage_ratio"],
+                              "running_max": ctx.view.running_max, "preemptions": ctx.increase.counters.get("preemptions")}
+            if exhaustion is not None:
+                findings.append(ctx.finding(
+                    "slow_first_token", "queueing_kv_bound", "warning", confidence,
+                    f"{headline}; the queue is {share_text}, and the KV cache was exhausted while requests waited.",
+                    queue_evidence, NEXT_CHECK["queueing_kv_bound"]))
+            else:
+                max_seqs, source = max_num_seqs(ctx)
+                configured = ctx.t["max_num_seqs"]
+                if configured is not None and (ctx.view.running_max or 0) >= configured:
+                    why = f"the batch was full at max_num_seqs={configured}"
+                else:
+                    why = f"KV usage at most {usage_while_waiting or 0:.0%} while requests waited"
+                findings.append(ctx.finding(
+                    "slow_first_token", "queueing_compute_bound", "warning",
+                    confidence if usage_while_waiting is not None else "low",
+                    f"{headline}; the queue is {share_text} while the KV cache was not exhausted ({why}): a bigger "
+                    "cache does not shorten this queue.",
+                    {**queue_evidence, "max_num_seqs": max_seqs, "max_num_seqs_source": source},
+                    NEXT_CHECK["queueing_compute_bound"]))
+        elif part == "prefill":
+            cached = ctx.value("kvwatch_prompt_tokens_cached_ratio")
+            prompt_mean = ctx.value("kvwatch_prompt_tokens_per_request_mean")
+            uncached = prompt_mean * (1 - cached) if prompt_mean is not None and cached is not None else None
+            findings.append(ctx.finding(
+                "slow_first_token", "prefill", "warning", confidence,
+                f"{headline}; prefill is {share_text}"
+                + (f", about {uncached:.0f} uncached prompt tokens per request." if uncached is not None else "."),
+                {**evidence, "prompt_tokens_mean": prompt_mean, "prompt_tokens_cached_ratio": cached,
+                 "uncached_prompt_tokens_mean": uncached},
+                NEXT_CHECK["prefill"]))
+        else:
+            findings.append(ctx.finding(
+                "slow_first_token", "front_end", "warning", confidence,
+                f"{headline}; {share_text} is outside queue and prefill (front end, tokenization, scheduling).",
+                evidence, NEXT_CHECK["front_end"]))
+    return findings

@@ -1,0 +1,262 @@
+"""Low prefix-cache hit rate, cause by cause: caching off, a cold cache after
+a restart, a changed prefix, eviction before reuse, or no reuse at all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwatch.diagnose.context import EngineContext, quantile_value
+from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
+
+
+def _residency(ctx: EngineContext) -> tuple[bool | None, dict[str, Any]]:
+    """vLLM's --kv-cache-metrics histograms, when exported: blocks evicted
+    after sitting idle for less than the usual gap between reuses were evicted
+    before their reuse could come."""
+    idle = ctx.histogram("kv_block_idle_before_evict")
+    gap = ctx.histogram("kv_block_reuse_gap")
+    idle_p50, _ = quantile_value(idle, 0.5)
+    gap_p50, _ = quantile_value(gap, 0.5)
+    lifetime_p50, _ = quantile_value(ctx.histogram("kv_block_lifetime"), 0.5)
+    evidence = {"kv_block_idle_before_evict_p50_seconds": idle_p50, "kv_block_reuse_gap_p50_seconds": gap_p50,
+                "kv_block_lifetime_p50_seconds": lifetime_p50}
+    if idle_p50 is None or gap_p50 is None:
+        return None, evidence
+    return idle_p50 < gap_p50, evidence
+
+
+def _usage_in(ctx: EngineContext, since: float | None = None,
+              until: float | None = None) -> tuple[float | None, float | None]:
+    values = [p.usage for p in ctx.polls if p.usage is not None and (since is None or p.time > since)
+              and (until is None or p.time <= until)]
+    if not values:
+        return None, None
+    return max(values), sum(values) / len(values)
+
+
+PREFIX_COUNTERS = ("prefix_queries", "prefix_hits")
+
+
+def _ratio_of(counters: dict[str, float]) -> tuple[float | None, float]:
+    queries = counters.get("prefix_queries", 0.0)
+    hits = counters.get("prefix_hits", 0.0)
+    return (hits / queries if queries > 0 else None), queries
+
+
+@dataclass
+class StepDrop:
+    """A part of the window split into an earlier baseline and a recent part."""
+
+    baseline_ratio: float | None
+    baseline_queries: float
+    recent_ratio: float | None
+    recent_queries: float
+    span: float  # seconds of the recent part
+    split: float  # time the recent part starts
+
+    def dropped(self, t: dict[str, Any]) -> bool:
+        """The recent ratio fell to (1 - hit_drop_fraction) of a baseline
+        that had real reuse, both parts with enough queried tokens."""
+        return (self.recent_ratio is not None and self.baseline_ratio is not None
+                and self.recent_queries >= t["min_query_tokens"] and self.baseline_queries >= t["min_query_tokens"]
+                and self.baseline_ratio >= t["hit_ratio_low"]
+                and self.recent_ratio <= self.baseline_ratio * (1 - t["hit_drop_fraction"]))
+
+    def low_in_both(self, t: dict[str, Any]) -> bool:
+        """Low in the baseline and in the recent part, both with enough
+        queried tokens: low and stable, not a moment's mix."""
+        return (self.recent_ratio is not None and self.baseline_ratio is not None
+                and self.recent_queries >= t["min_query_tokens"] and self.baseline_queries >= t["min_query_tokens"]
+                and self.recent_ratio < t["hit_ratio_low"] and self.baseline_ratio < t["hit_ratio_low"])
+
+
+def _step_drop(ctx: EngineContext, last_time: float) -> StepDrop:
+    """The polls up to `last_time` split into a baseline and a recent part of
+    at most `hit_recent_seconds` (and at most half, so both have data)."""
+    first_time = ctx.polls[0].time if ctx.polls else last_time
+    span = min(ctx.t["hit_recent_seconds"], (last_time - first_time) / 2)
+    split = last_time - span
+    recent_ratio, recent_queries = _ratio_of(ctx.counters_since(split, PREFIX_COUNTERS, until=last_time))
+    baseline_ratio, baseline_queries = _ratio_of(ctx.counters_since(first_time, PREFIX_COUNTERS, until=split))
+    return StepDrop(baseline_ratio, baseline_queries, recent_ratio, recent_queries, span, split)
+
+
+@dataclass
+class HitRateVerdict:
+    """The hit-rate rule's decision for one engine: its finding, if any, and
+    what the exhaustion finding carries about the hit ratio (the ratio, and
+    why no low-hit-rate cause stands beside the exhaustion)."""
+
+    findings: list[Finding] = field(default_factory=list)
+    exhaustion_evidence: dict[str, Any] = field(default_factory=dict)
+
+
+NO_REUSE_UNDER_EXHAUSTION = ("With the cache exhausted, a low hit rate from a workload without shared prefixes is "
+                             "not a separate problem.")
+
+
+def verdict(ctx: EngineContext) -> HitRateVerdict:
+    """The hit-rate rule's verdict, judged once per engine context: the
+    low_hit_rate rule reports its finding, the exhaustion rule its notes."""
+    if ctx.hit_rate is None:
+        ctx.hit_rate = _judge_hit_rate(ctx)
+    return ctx.hit_rate
+
+
+def low_hit_rate_findings(ctx: EngineContext) -> list[Finding]:
+    return verdict(ctx).findings
+
+
+def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
+    """Low hit rate, cause by cause. While the cache is exhausted (the one
+    detector), a low ratio is named only on evidence the exhaustion does not
+    explain: caching off, a restart, a configuration/model/adapter change at
+    a drop, a drop that showed before the cache was exhausted, or vLLM's
+    residency histograms showing blocks evicted before their reuse. A
+    workload without shared prefixes is then no separate problem (the
+    exhaustion finding says so), and a drop that came with the exhaustion is
+    either evicted prefixes or changed ones: kvwatch does not guess which."""
+    t = ctx.t
+    counters = ctx.increase.counters
+    prompt_tokens = counters.get("prompt_tokens", 0.0)
+    enabled = ctx.cache_config.get("enable_prefix_caching")
+    if enabled is not None and enabled.strip().lower() == "false":
+        if prompt_tokens <= 0:
+            return HitRateVerdict()
+        return HitRateVerdict([ctx.finding(
+            "low_hit_rate", "caching_disabled", "info", "high",
+            "Prefix caching is disabled (cache_config enable_prefix_caching=False): no prompt reuses earlier KV.",
+            {"enable_prefix_caching": enabled, "prompt_tokens": prompt_tokens,
+             "prefix_queries": counters.get("prefix_queries"), "window_seconds": ctx.increase.seconds},
+            NEXT_CHECK["caching_disabled"])])
+
+    ratio, queries = _ratio_of(counters)
+    if ratio is None or queries < t["min_query_tokens"]:
+        return HitRateVerdict()
+    min_tokens = t["min_query_tokens"]
+    exhausted = ctx.exhaustion
+    latest_time = ctx.polls[-1].time if ctx.polls else 0.0
+    usage_max, usage_mean = _usage_in(ctx)
+    base_evidence = {"hit_ratio": ratio, "prefix_queries": queries, "prefix_hits": counters.get("prefix_hits"),
+                     "hit_ratio_low": t["hit_ratio_low"], "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
+                     "kv_cache_exhausted": exhausted is not None, "window_seconds": ctx.increase.seconds}
+    on_exhaustion = {"prefix_cache_hit_ratio": ratio}
+
+    def verdict(finding: Finding | None = None, note: str | None = None) -> HitRateVerdict:
+        return HitRateVerdict([finding] if finding else [], {**on_exhaustion, "hit_ratio_note": note})
+
+    # A restart empties the cache: judge only the part after the last one.
+    restarts = [i for i, p in enumerate(ctx.polls) if p.restarted]
+    if restarts:
+        before_restart = ctx.polls[restarts[-1] - 1].time
+        after = ctx.counters_since(before_restart, PREFIX_COUNTERS)
+        after_ratio, after_queries = _ratio_of(after)
+        earlier = {k: v - after.get(k, 0.0) for k, v in counters.items()}
+        earlier_ratio, earlier_queries = _ratio_of(earlier)
+        if after_ratio is not None and after_queries >= min_tokens and (
+            after_ratio < t["hit_ratio_low"]
+            or (earlier_ratio is not None and earlier_queries >= min_tokens
+                and after_ratio <= earlier_ratio * (1 - t["hit_drop_fraction"]))
+        ):
+            return verdict(ctx.finding(
+                "low_hit_rate", "cold_cache", "info", "high",
+                f"The engine restarted {latest_time - ctx.polls[restarts[-1]].time:.0f}s ago and its prefix cache "
+                f"is cold: hit ratio {after_ratio:.0%} since the restart.",
+                {**base_evidence, "hit_ratio_since_restart": after_ratio, "hit_ratio_before_restart": earlier_ratio,
+                 "prefix_queries_since_restart": after_queries},
+                NEXT_CHECK["cold_cache"]))
+        return verdict()
+
+    # Step drop: the recent part of the window against the earlier baseline.
+    drop = _step_drop(ctx, latest_time)
+    dropped = drop.dropped(t)
+    low = ratio < t["hit_ratio_low"]
+    if not dropped and not low:
+        return verdict()
+
+    evicts, residency_evidence = _residency(ctx)
+    recent_usage_max, _ = _usage_in(ctx, since=drop.split)
+    evidence = {**base_evidence, **residency_evidence, "eviction_usage_ratio": t["eviction_usage_ratio"]}
+    if dropped:
+        evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio,
+                         "recent_seconds": drop.span, "kv_usage_recent_max": recent_usage_max})
+        # A change of configuration, model or adapters at the drop explains it.
+        interval = (latest_time - ctx.polls[0].time) / max(1, len(ctx.polls) - 1)
+        at_drop = [c for c in ctx.changes if c.time > drop.split - interval
+                   and c.kind in ("cache_config", "models", "lora") and c.engine in (None, ctx.engine)]
+        drop_text = (f"Hit ratio fell from {drop.baseline_ratio:.0%} to {drop.recent_ratio:.0%} in the last "
+                     f"{drop.span:.3g}s")
+        if at_drop:
+            evidence["changes_at_drop"] = "; ".join(f"{c.kind}: {c.detail}" for c in at_drop)
+            return verdict(ctx.finding("low_hit_rate", "prefix_changed", "warning", "high",
+                                       drop_text + f", when {at_drop[0].kind.replace('_', ' ')} changed.",
+                                       evidence, NEXT_CHECK["prefix_changed"]))
+        if evicts:
+            return verdict(ctx.finding(
+                "low_hit_rate", "eviction_before_reuse", "warning", "high",
+                f"{drop_text}; blocks are evicted after less idle time than the usual gap between reuses.",
+                evidence, NEXT_CHECK["eviction_before_reuse"]))
+
+        def judged_without_exhaustion(part: StepDrop, until: float, text: str, extra: dict) -> Finding:
+            """A drop while the cache had room: crowded out when usage was high
+            (and no residency histogram says otherwise), else a changed prefix."""
+            usage_max, _ = _usage_in(ctx, since=part.split, until=until)
+            extra = {**evidence, **extra}
+            if evicts is None and usage_max is not None and usage_max >= t["eviction_usage_ratio"]:
+                return ctx.finding(
+                    "low_hit_rate", "eviction_before_reuse", "warning", "medium",
+                    f"{text} while KV usage reached {usage_max:.0%} without exhausting the cache: running "
+                    "requests leave idle prefixes little room.", extra, NEXT_CHECK["eviction_before_reuse"])
+            why = ("blocks stay cached longer than the usual gap between reuses" if evicts is False
+                   else f"KV usage moderate (at most {usage_max or 0:.0%})")
+            return ctx.finding(
+                "low_hit_rate", "prefix_changed", "warning", "medium",
+                f"{text} with {why}: the requests stopped sharing the prefix they shared before.",
+                extra, NEXT_CHECK["prefix_changed"])
+
+        if exhausted is None:
+            return verdict(judged_without_exhaustion(drop, latest_time, drop_text, {}))
+        # Exhausted: the drop says something apart from the exhaustion when
+        # it showed before the cache was exhausted (judged as if the window
+        # ended there), or when residency rules eviction out.
+        before = [p for p in ctx.polls if p.time < exhausted.started]
+        early = _step_drop(ctx, before[-1].time) if before else None
+        if early is not None and early.dropped(t):
+            return verdict(judged_without_exhaustion(
+                early, before[-1].time,
+                f"Hit ratio fell from {early.baseline_ratio:.0%} to {early.recent_ratio:.0%} before the KV cache "
+                f"was exhausted ({latest_time - exhausted.started:.0f}s ago)",
+                {"hit_ratio_baseline_before_exhaustion": early.baseline_ratio,
+                 "hit_ratio_recent_before_exhaustion": early.recent_ratio,
+                 "exhausted_seconds_ago": latest_time - exhausted.started}))
+        if evicts is False:
+            return verdict(ctx.finding(
+                "low_hit_rate", "prefix_changed", "warning", "medium",
+                f"{drop_text}, while the KV cache was exhausted, but blocks stay cached longer than the usual gap "
+                "between reuses: not eviction; the requests stopped sharing the prefix they shared before.",
+                evidence, NEXT_CHECK["prefix_changed"]))
+        return verdict(note=(
+            f"The hit ratio fell from {drop.baseline_ratio:.0%} to {drop.recent_ratio:.0%} as the cache was "
+            "exhausted: idle prefixes evicted by the load, or a changed prefix; vLLM's --kv-cache-metrics "
+            "histograms tell them apart, so no low-hit-rate cause is named."))
+
+    # Low without a drop.
+    if evicts:
+        return verdict(ctx.finding(
+            "low_hit_rate", "eviction_before_reuse", "warning", "medium",
+            f"Hit ratio {ratio:.0%}; blocks are evicted after less idle time than the usual gap between reuses.",
+            evidence, NEXT_CHECK["eviction_before_reuse"]))
+    if exhausted is not None:
+        return verdict(note=NO_REUSE_UNDER_EXHAUSTION)
+    if not drop.low_in_both(t):
+        return verdict()  # low for a moment only: not yet a workload's character
+    evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio})
+    crowded = evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]
+    return verdict(ctx.finding(
+        "low_hit_rate", "no_reuse", "info", "low" if crowded else "medium",
+        f"Hit ratio {ratio:.0%} and stable, the cache not exhausted: the requests share little prefix"
+        + (f" (KV usage averaged {usage_mean:.0%}, so idle prefixes may also be evicted before reuse; "
+           "vLLM's --kv-cache-metrics histograms tell)." if crowded
+           else f" (KV usage mean {usage_mean if usage_mean is not None else 0:.0%})."),
+        evidence, NEXT_CHECK["no_reuse"]))

@@ -1,0 +1,100 @@
+"""The diagnosis' vocabulary: symptoms, their causes, severities, the next
+check for each cause, and the Finding record every rule returns. The
+`symptom`/`cause` values are also the labels of `kvwatch_finding` and of the
+generated alert rules; do not rename them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SEVERITIES = ("critical", "warning", "info")
+CONFIDENCES = ("high", "medium", "low")
+
+# symptom -> causes, in the order the rules consider them.
+CAUSES: dict[str, tuple[str, ...]] = {
+    "exhaustion": ("concurrency_beyond_capacity", "long_requests", "capacity_below_max_num_seqs"),
+    "low_hit_rate": ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"),
+    "slow_first_token": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream"),
+    "change": ("model_changed", "lora_changed", "cache_dtype_changed", "cache_config_changed", "engine_restarted"),
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    symptom: str  # exhaustion | low_hit_rate | slow_first_token | change
+    cause: str
+    severity: str  # critical | warning | info
+    confidence: str  # high | medium | low
+    model: str
+    engine: str | None
+    summary: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    next_check: str = ""
+
+
+
+NEXT_CHECK = {
+    "concurrency_beyond_capacity":
+        "Compare kvwatch_requests_running_max and waiting with kvwatch_kv_cache_capacity_requests: cap concurrency in "
+        "front of the engine near that bound, add replicas, or give the cache more memory (gpu_memory_utilization, a "
+        "smaller kv cache dtype, more tensor parallelism).",
+    "long_requests":
+        "Find the long requests (vllm:request_prompt_tokens and request_generation_tokens p95, the gateway log): cap "
+        "max_tokens or max_model_len, or route long-context requests to engines sized for them; more replicas of the "
+        "same size help less than sizing for length.",
+    "capacity_below_max_num_seqs":
+        "Lower --max-num-seqs to about kvwatch_kv_cache_capacity_requests or enlarge the cache, so the scheduler stops "
+        "admitting requests it must later preempt; `kvwatch capacity` computes the bound for a model and memory budget.",
+    "caching_disabled":
+        "If prompts share prefixes (system prompt, few-shot examples, documents), start vLLM with "
+        "--enable-prefix-caching; until then hit ratios are not measured.",
+    "cold_cache":
+        "Expected after a restart: compare hit ratios only after the cache warmed up (a few repeats of each prefix), "
+        "and find why the engine restarted (deploy, OOM, crash).",
+    "prefix_changed":
+        "Diff the prompt templates and system prompts deployed at that time: per-request text (timestamps, ids) placed "
+        "before the shared text breaks reuse; keep shared text first and byte-identical.",
+    "eviction_before_reuse":
+        "Run vLLM with --kv-cache-metrics and compare kv_block_idle_before_evict with kv_block_reuse_gap; give idle "
+        "prefixes room (more KV memory, fewer concurrent long requests) or route requests that share a prefix to the "
+        "same engine.",
+    "no_reuse":
+        "Nothing to repair in the cache: these prompts share no prefix. If they should, put the shared text first and "
+        "keep it byte-identical across requests.",
+    "queueing_kv_bound":
+        "The queue waits for KV blocks (see the exhaustion finding): fewer or shorter concurrent requests, or a larger "
+        "cache, shorten it.",
+    "queueing_compute_bound":
+        "The queue waits for compute or scheduler slots, not KV blocks, so a bigger KV cache does not shorten it: add "
+        "replicas or lower the arrival rate; check step time, --max-num-seqs and --max-num-batched-tokens.",
+    "prefill":
+        "Long uncached prompts: raise prefix reuse (shared text first), shorten prompts, tune chunked prefill "
+        "(--max-num-batched-tokens) or separate prefill from decode.",
+    "front_end":
+        "Time outside queue and prefill: tokenization, multimodal preprocessing, API-server CPU, scheduling gaps; "
+        "check the API server's CPU and --api-server-count.",
+    "upstream":
+        "Most of the time to first token is spent before the engine: look at the upstream stage (retrieval, gateway) "
+        "named by the histogram; a bigger or smaller KV cache does not repair it.",
+    "model_changed":
+        "Compare signals only within one model; recheck capacity and thresholds for the new model.",
+    "lora_changed":
+        "Adapters share the engine's KV cache and batch: compare hit ratios and latency per adapter set, not across "
+        "the change.",
+    "cache_dtype_changed":
+        "Re-evaluate task accuracy on the new KV-cache dtype (a quantised cache can change outputs); capacity and "
+        "latency baselines changed too.",
+    "cache_config_changed":
+        "Baselines from before the change are not comparable: recheck kvwatch_kv_cache_capacity_requests and the "
+        "exhaustion evidence against the new block size and capacity.",
+    "engine_restarted":
+        "Find why it restarted (deploy, OOM, crash in the engine log); its counters restarted from zero and its "
+        "prefix cache is cold.",
+}
+
+
+
+def is_actionable(finding: Finding) -> bool:
+    """Warning and critical findings: what makes `kvwatch diagnose` exit 1."""
+    return finding.severity in ("critical", "warning")

@@ -1,0 +1,72 @@
+"""One grammar for the sizes and durations every command and config accepts.
+
+Durations: a number of seconds (`5`, `0.5`) or a number with a unit (`500ms`,
+`5s`, `2m`, `1h`); finite and above zero. Sizes: a whole number of bytes
+(`4194304`) or a number with a unit, decimal (`KB`, `MB`, `GB`, `TB`: powers of
+1000) or binary (`KiB`, `MiB`, `GiB`, `TiB`: powers of 1024). A bare `M` or `G`
+is refused because it could mean either, and a size is exact: `1.5GiB` is
+1610612736 bytes, not a float near it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
+_BYTES = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a text such as `500ms`, `5s`, `2m`, `1h`."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        match = _DURATION.fullmatch(str(value))
+        if not match:
+            raise ValueError(f"{value!r} is not a duration (examples: 5, 5s, 500ms, 2m, 1h)")
+        seconds = float(match.group(1)) * _SECONDS[match.group(2)]
+    if not math.isfinite(seconds):
+        raise ValueError(f"{value!r} is not a finite duration")
+    if seconds <= 0:
+        raise ValueError(f"{value!r} must be more than zero")
+    return seconds
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from a whole number or a text such as `3GiB`, `16MiB`, `10MB`."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, int):
+        size = value
+    else:
+        if isinstance(value, float):
+            value = repr(value) if math.isfinite(value) else str(value)
+        match = _SIZE.fullmatch(str(value))
+        if not match:
+            raise ValueError(f"cannot read {value!r} as a size: write a number and a unit, for example "
+                             "3GiB (3 x 2^30 bytes), 3GB (3 x 10^9 bytes) or 4194304 (bytes)")
+        number, unit = match.group(1), match.group(2)
+        multiplier = _BYTES.get(unit.lower())
+        if multiplier is None:
+            raise ValueError(f"unknown size unit {unit!r} in {value!r}: use B, KB, MB, GB, TB "
+                             "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
+        whole, _, fraction = number.partition(".")
+        numerator = int(whole + fraction) * multiplier
+        denominator = 10 ** len(fraction)
+        if numerator % denominator:
+            raise ValueError(f"{value!r} is not a whole number of bytes")
+        size = numerator // denominator
+    if size <= 0:
+        raise ValueError(f"size {value!r} must be more than zero bytes")
+    return size
