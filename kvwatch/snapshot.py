@@ -37,8 +37,10 @@ class Histogram:
 
     def minus(self, earlier: "Histogram") -> "Histogram | None":
         """This histogram's increase since `earlier`, or None when the two are
-        not comparable (bounds changed) or a reset happened (anything fell)."""
-        if earlier.bounds != self.bounds or self.count < earlier.count:
+        not comparable (bounds changed) or a reset happened (anything fell,
+        the sum included: the observations are durations and sizes, never
+        negative, so a smaller sum means the engine counted again from zero)."""
+        if earlier.bounds != self.bounds or self.count < earlier.count or self.sum < earlier.sum:
             return None
         cumulative = tuple(a - b for a, b in zip(self.cumulative, earlier.cumulative))
         if any(c < 0 for c in cumulative):

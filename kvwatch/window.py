@@ -98,6 +98,11 @@ class Increase:
         above = self.counters.get(numerator)
         if not below or above is None:
             return None
+        if above > below:
+            # A part larger than its whole: the two counters disagree over the
+            # window (a restart that left no evidence, with one reset seen and
+            # the other not). No answer is better than one above 1.
+            return None
         return above / below
 
 

@@ -184,7 +184,8 @@ def test_windowed_increases_follow_the_reset_rule_exactly(history):
         cumulative = [sum(total["ttft"][: i + 1]) for i in range(len(total["ttft"]))]
         if before is not None:
             fell = {key: total[key] < before[key] for key in counter_keys}
-            histogram_fell = any(a < b for a, b in zip(cumulative, before["cumulative"]))
+            histogram_fell = (any(a < b for a, b in zip(cumulative, before["cumulative"]))
+                              or total["ttft_sum"] < before["ttft_sum"])
             counted = [fell[key] for key in counter_keys if before[key] > 0]
             engine_restarted = ((with_created and restart and (any(fell.values()) or histogram_fell))
                                 or (len(counted) >= 2 and all(counted)))
@@ -208,9 +209,9 @@ def test_windowed_increases_follow_the_reset_rule_exactly(history):
     values = per_engine[0].values
     assert values["kvwatch_prompt_tokens_per_second"] == pytest.approx(expected["prompt"] / expected["seconds"])
     assert values["kvwatch_preemptions_per_second"] == pytest.approx(expected["preemptions"] / expected["seconds"])
-    if expected["queries"]:
+    if expected["queries"] and expected["hits"] <= expected["queries"]:
         assert values["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(expected["hits"] / expected["queries"])
-    else:
+    else:  # no queries, or a restart without evidence left more hits than queries
         assert values["kvwatch_prefix_cache_hit_ratio"] is None
     if expected["count"]:
         assert values["kvwatch_time_to_first_token_mean_seconds"] == pytest.approx(
