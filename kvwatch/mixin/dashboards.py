@@ -13,6 +13,7 @@ datasource variable, a stable id and a place in the grid.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 from grafanalib import core as g
@@ -79,7 +80,7 @@ class Board:
     _x: int = 0
     _y: int = 0
     _line_height: int = 0
-    _next_id: int = 1
+    _taken: dict = field(default_factory=dict)
 
     @property
     def uid(self) -> str:
@@ -90,14 +91,19 @@ class Board:
             self._y += self._line_height
         self._x, self._line_height = 0, 0
 
-    def _take_id(self) -> int:
-        panel_id = self._next_id
-        self._next_id += 1
+    def _take_id(self, key: str) -> int:
+        """A panel's id comes from its key, not its position, so adding a
+        panel changes that panel alone in the generated JSON (and links to
+        the others' viewPanel stay valid)."""
+        panel_id = zlib.crc32(key.encode()) % 1_000_000_000 + 1
+        if panel_id in self._taken:
+            raise ValueError(f"panel keys {key!r} and {self._taken[panel_id]!r} share id {panel_id} on {self.key}")
+        self._taken[panel_id] = key
         return panel_id
 
     def row(self, title: str) -> None:
         self._new_line()
-        self.panels.append(g.RowPanel(title=title, id=self._take_id(),
+        self.panels.append(g.RowPanel(title=title, id=self._take_id(f"row:{title}"),
                                       gridPos=g.GridPos(h=1, w=GRID_WIDTH, x=0, y=self._y)))
         self._y += 1
 
@@ -109,7 +115,7 @@ class Board:
         grid = g.GridPos(h=spec.height, w=spec.width, x=self._x, y=self._y)
         self._x += spec.width
         self._line_height = max(self._line_height, spec.height)
-        panel_id = self._take_id()
+        panel_id = self._take_id(spec.key)
         self.ids[spec.key] = panel_id
         self.specs[spec.key] = spec
         self.panels.append(_panel(spec, panel_id, grid, self.config))
