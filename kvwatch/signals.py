@@ -37,6 +37,53 @@ QUANTILES = (0.5, 0.95, 0.99)
 # --------------------------------------------------------------------------
 
 
+# The identity labels of every per-engine family kvwatch exports.
+IDENTITY = ("model_name", "engine")
+# cache_config_info keys re-exported on kvwatch_engine_info (a bounded set, not
+# the whole open map, so the label set does not change with every vLLM release).
+INFO_KEYS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "kv_cache_size_tokens")
+
+
+@dataclass(frozen=True)
+class HealthFamily:
+    """One of kvwatch's own families: the poll's health, its identity, the
+    engine's configuration and the active findings."""
+
+    name: str  # as the client library names it (a counter without _total)
+    kind: str  # gauge | counter
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def sample_name(self) -> str:
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+HEALTH: tuple[HealthFamily, ...] = (
+    HealthFamily("kvwatch_up", "gauge", (), "1 if the latest poll of the engine's /metrics succeeded, else 0."),
+    HealthFamily("kvwatch_build_info", "gauge", ("version",), "kvwatch's version; always 1."),
+    HealthFamily("kvwatch_polls", "counter", (), "Polls of the engine's /metrics."),
+    HealthFamily("kvwatch_poll_errors", "counter", ("reason",),
+                 "Failed polls by reason (refused, dns, timeout, tls, http_3xx/4xx/5xx, content_type, too_large, "
+                 "truncated, decode, no_engine_metrics, ...)."),
+    HealthFamily("kvwatch_parse_errors", "counter", (),
+                 "Malformed lines in the engine's pages (skipped; the rest of the page counts)."),
+    HealthFamily("kvwatch_dropped_series", "counter", (), "(model, engine) pairs dropped by the max_series cap."),
+    HealthFamily("kvwatch_poll_duration_seconds", "gauge", (), "Wall time of the latest poll."),
+    HealthFamily("kvwatch_poll_cpu_seconds", "gauge", (),
+                 "CPU time of the latest poll (fetch, parse, signals, diagnosis)."),
+    HealthFamily("kvwatch_last_success_timestamp_seconds", "gauge", (), "Unix time of the latest successful poll."),
+    HealthFamily("kvwatch_window_seconds", "gauge", (), "Span the windowed signals cover now."),
+    HealthFamily("kvwatch_engine_info", "gauge", IDENTITY + INFO_KEYS,
+                 "The engine's KV-cache configuration (from vllm:cache_config_info); changes() on it marks a "
+                 "configuration change."),
+    HealthFamily("kvwatch_finding", "gauge", ("symptom", "cause", "severity") + IDENTITY,
+                 "1 for each active diagnosis finding (absent when not active); see /api/v1/diagnosis for its "
+                 "evidence."),
+)
+HEALTH_BY_NAME = {family.name: family for family in HEALTH}
+
+
 @dataclass(frozen=True)
 class EngineSeries:
     name: str  # exported family name (counters without their `_total`)
