@@ -133,3 +133,19 @@ def test_adding_a_panel_changes_only_that_panel():
     assert set(after) - set(before) == {"New panel"}
     assert {title: after[title] for title in before} == before
     assert len(set(after.values())) == len(after)
+
+
+def test_an_engine_is_recognised_from_its_page_through_the_adapter_registry(fixtures_dir):
+    from kvwatch.engines import ENGINES, make_adapter, recognize
+
+    assert recognize((fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()) == "vllm"
+    assert recognize((fixtures_dir / "public" / "vllm-v0-0.5.txt").read_text()) == "vllm"
+    assert recognize((fixtures_dir / "public" / "sglang-0.5.10-trimmed.txt").read_text()) is None
+    assert set(ENGINES) == {"vllm"}
+    assert make_adapter("vllm", max_series=3).max_series == 3
+    try:
+        make_adapter("tgi")
+    except ValueError as error:
+        assert "unknown engine 'tgi' (known: vllm)" in str(error)
+    else:
+        raise AssertionError("an unknown engine must be refused")

@@ -23,6 +23,7 @@ import math
 import operator
 import time as _time
 
+from kvwatch.engines.base import EngineAdapter
 from kvwatch.exposition import Family, FamilySelector
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
 
@@ -95,17 +96,16 @@ def all_families() -> list[str]:
     return names
 
 
-class VllmAdapter:
+class VllmAdapter(EngineAdapter):
     """Turns the text of a vLLM /metrics page into a Snapshot. Keep one
     instance per target: it caches the parsed spellings and label sets."""
 
+    name = "vllm"
+    prefixes = PREFIXES
+
     def __init__(self, max_series: int = 10_000):
+        super().__init__(max_series)
         self.selector = FamilySelector(all_families(), PREFIXES)
-        # A page with more (model, engine) pairs than this is capped: the rest
-        # are dropped and counted, so one label value per request cannot grow
-        # kvwatch's memory without bound.
-        self.max_series = max_series
-        self.dropped_series = 0
         # Derived forms of the parser's cached label sets, which come back as
         # the same objects poll after poll (see _SeriesCache).
         self._series = _SeriesCache()

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose import Change
-from kvwatch.engines.vllm import VllmAdapter
+from kvwatch.engines import make_adapter
 from kvwatch.sidecar.report import public_url
 from kvwatch.scrape import Fetcher, FetchResult
 from kvwatch.sidecar.settings import Settings
@@ -81,7 +81,7 @@ class Monitor:
             settings.ca_bundle,
             settings.tls_verify,
         )
-        self.adapter = VllmAdapter(max_series=settings.max_series)
+        self.adapter = make_adapter("vllm", max_series=settings.max_series)
         self.window = Window(settings.window)
         self.upstream = None
         if settings.upstream_target and settings.upstream_histogram:
