@@ -21,7 +21,7 @@ from grafanalib import core as g
 from kvwatch.mixin.alerts import runbook_anchor
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.promql import Fragments, Scope, indent, num
-from kvwatch.signals import QUANTILES, SIGNALS_BY_NAME
+from kvwatch.signals import QUANTILES, SIGNALS, SIGNALS_BY_NAME, UNITS
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
@@ -29,13 +29,6 @@ GRID_WIDTH = 24
 # Grafana 10.4's schema; Grafana migrates older ones on import, newer ones load as they are.
 SCHEMA_VERSION = 39
 
-UNITS = {
-    "ratio": "percentunit",
-    "seconds": "s",
-    "tokens": "short",
-    "requests": "short",
-    "per_second": "ops",
-}
 
 # dashboard key -> (uid suffix, title, description)
 DASHBOARDS = {
@@ -503,8 +496,21 @@ def first_token(config: MixinConfig) -> Board:
 BUILDERS = {"overview": overview, "exhaustion": exhaustion, "prefix_cache": prefix_cache, "first_token": first_token}
 
 
+def catalogue_panels(board: Board, config: MixinConfig) -> Board:
+    """A panel for each catalogue signal that names this board, after the
+    board's hand-laid panels: a new signal needs no code here."""
+    v = Views(config)
+    runbooks = {"exhaustion": ANCHOR_EXHAUSTED, "prefix": ANCHOR_HIT, "first_token": ANCHOR_TTFT,
+                "throughput": ANCHOR_THROUGHPUT}
+    for signal in SIGNALS:
+        if signal.panel == board.key:
+            board.add(PanelSpec(signal.name, signal.title or signal.name, signal.help, UNITS[signal.unit],
+                                [(v.sig(signal.name), v.engine_legend)], width=8, runbook=runbooks[signal.group]))
+    return board
+
+
 def boards(config: MixinConfig) -> dict[str, Board]:
-    return {key: builder(config) for key, builder in BUILDERS.items()}
+    return {key: catalogue_panels(builder(config), config) for key, builder in BUILDERS.items()}
 
 
 def file_name(key: str) -> str:
