@@ -351,7 +351,7 @@ class _HistogramPlan:
                 if group[slot] is not None:
                     return None
                 group[slot] = index
-            elif suffix != "_created":
+            elif suffix not in _NOT_HISTOGRAM_SERIES:
                 return None
         histograms = []
         keys = set()
@@ -379,6 +379,11 @@ class _HistogramPlan:
 
 
 _VALUE = operator.itemgetter(2)
+# Series a histogram family may carry that are not its buckets, sum or count:
+# `_created`, and the OpenMetrics suffixes the parser files under the family
+# (a gauge histogram's `_gcount`/`_gsum`, an info series) that kvwatch does
+# not read as a histogram.
+_NOT_HISTOGRAM_SERIES = frozenset(("_created", "_info", "_gcount", "_gsum"))
 _ZEROS = itertools.repeat(0.0)
 
 
@@ -418,7 +423,7 @@ def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None)
                 continue
             buckets = group[1]
             buckets[bound] = buckets.get(bound, 0.0) + value
-        elif suffix == "_created":
+        elif suffix in _NOT_HISTOGRAM_SERIES:
             continue
         else:
             entry = other_entries.get(id(labels))
