@@ -234,7 +234,6 @@ class FamilySelector:
         families: dict[str, Family] = {}
         errors: list[ParseError] = []
         sample_names = self.sample_names
-        label_cache = self._label_cache
         after_eof = False
         lines = text.split("\n")
         for index, line in enumerate(lines):
