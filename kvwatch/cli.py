@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "diagnose": ("kvwatch.commands.diagnose", "poll a target for a while and print signals and findings"),
     "generate": ("kvwatch.commands.generate", "write dashboards, rules, runbooks and manifests"),
     "capacity": ("kvwatch.commands.capacity", "KV bytes per token and the concurrency a KV budget holds"),
-    "sweep": ("kvwatch.sweep.run", "measure a server across lengths and concurrency levels"),
+    "sweep": ("kvwatch.commands.sweep", "measure a server across lengths and concurrency levels"),
 }
 
 

@@ -8,14 +8,20 @@ into one regular expression (a trie of the spellings) that finds the lines of
 wanted families in C. A line of an unwanted family never reaches Python code,
 and a wanted line in the canonical form (`name{labels} value [timestamp]`) is
 split by the same expression. Any wanted line in another form (tabs, stray
-spaces, exemplars, garbage) sends the page to the line-by-line parser, which
-defines the behaviour; the fast path only ever returns what it would.
+spaces, exemplars, quoted names, a number outside the grammar, garbage) sends
+the page to the line-by-line parser, which defines the behaviour; the fast
+path only ever returns what it would.
 
 What it handles: escaped label values (`\\\\`, `\\"`, `\\n`), NaN and +/-Inf,
-optional timestamps, OpenMetrics exemplars and `# EOF`, HELP/TYPE lines with no
-samples, `_created` series, histograms whose base name ends in `_total`
-(`vllm:iteration_tokens_total`). A malformed line of a wanted family is
-recorded with its line number and skipped; the rest of the page still counts.
+optional timestamps, blanks and tabs between tokens, OpenMetrics exemplars and
+`# EOF`, quoted (UTF-8) metric and label names, HELP/TYPE lines with no
+samples, `_created` series, OpenMetrics `_info`/`_gcount`/`_gsum` series,
+histograms whose base name ends in `_total` (`vllm:iteration_tokens_total`).
+
+Every line of a wanted family is either a sample or a ParseError with its
+line number: a malformed line is recorded and skipped (the rest of the page
+still counts), and so is a line after `# EOF`. Where kvwatch is more lenient
+than the format, docs/reliability.md says so and why.
 """
 
 from __future__ import annotations
@@ -25,15 +31,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
-# Suffixes a sample name may carry on top of its family's base name. The empty
-# suffix comes first so that an exact family name always wins (a histogram named
-# `..._total` is found as itself, not as a counter of a shorter name).
-SAMPLE_SUFFIXES = ("", "_total", "_bucket", "_sum", "_count", "_created")
+# Suffixes a sample name may carry on top of its family's base name: those of
+# 0.0.4 and OpenMetrics (`_info` of an info metric, `_gcount` and `_gsum` of a
+# gauge histogram). The empty suffix comes first so that an exact family name
+# always wins (a histogram named `..._total` is found as itself, not as a
+# counter of a shorter name).
+SAMPLE_SUFFIXES = ("", "_total", "_bucket", "_sum", "_count", "_created", "_info", "_gcount", "_gsum")
 
 # Possessive quantifiers (`*+`, `++`): the alternatives never overlap, so no
 # match needs backtracking, and without them the regex engine keeps state for
 # every repetition: a 1 MB label block or value cost about 120 MB to match.
-_LABEL_PAIR = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]++|\\.)*+)"\s*(,|$)')
+# A label name is plain or, since Prometheus 3, quoted (any UTF-8).
+_LABEL_PAIR = re.compile(
+    r'\s*(?:([a-zA-Z_][a-zA-Z0-9_]*)|"((?:[^"\\]++|\\.)*+)")\s*=\s*"((?:[^"\\]++|\\.)*+)"\s*(,|$)')
 _LABEL_BLOCK = re.compile(r'\{((?:[^"}]++|"(?:[^"\\]++|\\.)*+")*+)\}')
 _ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 _ESCAPE_RE = re.compile(r'\\[\\"n]')
@@ -53,6 +63,34 @@ _LABEL_CACHE_MAX = 20_000
 # Characters a sample name may hold for the scanner to be built (names outside
 # this alphabet would need escaping beyond what the line parser assumes).
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_:]+\Z")
+
+# The numbers of the text format: Go's strconv.ParseFloat as Prometheus calls
+# it, which rejects hex floats and digit underscores ("pP_"). So: decimals,
+# and Inf, Infinity (signed or not) and NaN in any case. Python's float()
+# alone would also take `1_2`, `+nan`, non-ASCII digits and whitespace around
+# the number. [0-9], not \d: \d matches every Unicode digit.
+_DECIMAL = r"[+-]?+(?:[0-9]++(?:\.[0-9]*+)?+|\.[0-9]++)(?:[eE][+-]?+[0-9]++)?+"
+_NUMBER_SOURCE = rf"{_DECIMAL}|[+-]?+(?i:inf(?:inity)?+)|(?i:nan)"
+_NUMBER = re.compile(_NUMBER_SOURCE)
+# Timestamps are integers (0.0.4) or decimals (OpenMetrics); never NaN or Inf.
+_TIMESTAMP = re.compile(_DECIMAL)
+# The fast path's cheaper form of _NUMBER, for the scanner: on this alphabet
+# (ASCII letters, digits, sign, dot: no `_`, no whitespace, nothing
+# non-ASCII) float() accepts exactly the strings _NUMBER accepts, once a
+# signed NaN (which float() takes and Go does not) is kept out; what else the
+# class lets through (`1.2.3`, `abc`) float() rejects, and the page goes to
+# the line parser. A character class is one step of the regex engine; the
+# grammar itself, inside the scanner, cost a fifth more time per page.
+_NUMBER_CHARS = r"(?![+-][nN])[-+.0-9A-Za-z]++"
+# Tokens are separated by blanks and tabs; other whitespace is not a separator.
+_BLANKS = re.compile(r"[ \t]+")
+# A line's name: after leading whitespace, up to `{` or whitespace; or the
+# quoted name that opens the label block (`{"a.b", x="y"} 1`).
+_LINE_NAME = re.compile(r'\s*+(?:([^\s{]++)|\{\s*+"((?:[^"\\]++|\\.)*+)")')
+# The quoted name at the start of a label block, and the comma after it.
+_QUOTED_NAME_FIRST = re.compile(r'\s*+"(?:[^"\\]++|\\.)*+"\s*+(?:,|\Z)')
+_QUOTED = re.compile(r'"((?:[^"\\]++|\\.)*+)"')
+_EOF = "# EOF"
 
 
 @dataclass(slots=True)
@@ -94,10 +132,12 @@ class FamilySelector:
         self.base_names = tuple(base_names)
         self.prefixes = tuple(prefixes)
         self.sample_names: dict[str, tuple[str, str]] = {}
-        for base in self.base_names:
-            for prefix in self.prefixes:
-                for suffix in SAMPLE_SUFFIXES:
-                    # setdefault keeps the first (most exact) interpretation.
+        # Suffix by suffix, so that every exact name is in before any name
+        # with a suffix, whatever the order of the base names; setdefault
+        # keeps the first (most exact) interpretation.
+        for suffix in SAMPLE_SUFFIXES:
+            for base in self.base_names:
+                for prefix in self.prefixes:
                     self.sample_names.setdefault(prefix + base + suffix, (base, suffix))
         self._label_cache: dict[str, dict[str, str]] = {}
         self._scanner = _scanner(self.sample_names)
@@ -128,12 +168,14 @@ class FamilySelector:
         series, values, type_lines, others = zip(*found)
         if any(others):
             return None
+        if _EOF in type_lines and type_lines.index(_EOF) != len(type_lines) - 1:
+            return None  # lines after `# EOF`: the line parser counts them
         layout = self._layout
         if layout is not None and layout.series == series and layout.type_lines == type_lines:
             try:
                 return layout.page(list(map(float, layout.sample_values(values))), line_count)
             except ValueError:
-                pass  # a timestamp after a value, or no number: line by line
+                pass  # not a number (see _NUMBER_CHARS): line by line
         families: dict[str, Family] = {}
         owners: list[str] = []
         if not self._parse_found(found, families, owners):
@@ -177,16 +219,7 @@ class FamilySelector:
             try:
                 number = float(value)
             except ValueError:
-                # A timestamp after the value; anything else is left to the
-                # line parser.
-                parts = value.split(" ")
-                if len(parts) != 2:
-                    return False
-                try:
-                    number = float(parts[0])
-                    float(parts[1])
-                except ValueError:
-                    return False
+                return False  # not a number (see _NUMBER_CHARS): line by line
             base, suffix = sample_names[name]
             if base != family_base:
                 family = families.get(base)
@@ -201,45 +234,47 @@ class FamilySelector:
         families: dict[str, Family] = {}
         errors: list[ParseError] = []
         sample_names = self.sample_names
-        label_cache = self._label_cache
+        after_eof = False
         lines = text.split("\n")
         for index, line in enumerate(lines):
             if not line:
                 continue
+            # CRLF pages: the CR is not read (docs/reliability.md).
+            bare = line[:-1] if line[-1] == "\r" else line
             if line[0] == "#":
-                self._parse_comment(line, families)
+                if bare == _EOF:
+                    after_eof = True
+                elif not after_eof:
+                    self._parse_comment(bare, families)
                 continue
-            brace = line.find("{")
-            space = line.find(" ")
-            if brace != -1 and (space == -1 or brace < space):
-                name = line[:brace]
-            elif space != -1:
-                name = line[:space]
+            found = _LINE_NAME.match(bare)
+            if found is None:
+                continue
+            quoted = found.group(2)
+            if quoted is None:
+                name = found.group(1)
+                if name is None:
+                    continue
             else:
-                name = line
+                name = _unescape(quoted)
             hit = sample_names.get(name)
             if hit is None:
-                name = name.strip()
-                hit = sample_names.get(name)
-                if hit is None:
-                    continue
+                continue
             base, suffix = hit
             try:
-                if brace != -1 and (space == -1 or brace < space):
-                    match = _LABEL_BLOCK.match(line, brace)
-                    if match is None:
-                        raise ValueError("unterminated label set")
-                    block = match.group(1)
-                    labels = label_cache.get(block)
-                    if labels is None:
-                        labels = _parse_labels(block)
-                        if len(label_cache) >= _LABEL_CACHE_MAX:
-                            label_cache.clear()
-                        label_cache[block] = labels
-                    rest = line[match.end():]
+                if after_eof:
+                    raise ValueError("after # EOF")
+                if bare[:found.start(1) if quoted is None else bare.index("{")].strip(" \t"):
+                    raise ValueError("whitespace other than blanks and tabs before the name")
+                if quoted is None:
+                    rest = bare[found.end():]
+                    brace = len(rest) - len(rest.lstrip(" \t"))
+                    if rest[brace:brace + 1] == "{":
+                        labels, rest = self._labels_at(rest, brace, False)
+                    else:
+                        labels = {}
                 else:
-                    labels = {}
-                    rest = line[len(name):]
+                    labels, rest = self._labels_at(bare, bare.index("{"), True)
                 value = _parse_value(rest)
             except ValueError as exc:
                 errors.append(ParseError(index + 1, str(exc), line))
@@ -250,14 +285,43 @@ class FamilySelector:
             family.samples.append((suffix, labels, value))
         return Page(families, errors, len(lines))
 
+    def _labels_at(self, line: str, brace: int, quoted_name: bool) -> tuple[dict[str, str], str]:
+        """The labels of the block that opens at `brace`, and the rest of
+        the line after it; past the quoted metric name that opens the block
+        when `quoted_name`."""
+        match = _LABEL_BLOCK.match(line, brace)
+        if match is None:
+            raise ValueError("unterminated label set")
+        block = match.group(1)
+        if quoted_name:
+            first = _QUOTED_NAME_FIRST.match(block)
+            if first is None:
+                raise ValueError("no comma after the quoted metric name")
+            block = block[first.end():]
+        label_cache = self._label_cache
+        labels = label_cache.get(block)
+        if labels is None:
+            labels = _parse_labels(block)
+            if len(label_cache) >= _LABEL_CACHE_MAX:
+                label_cache.clear()
+            label_cache[block] = labels
+        return labels, line[match.end():]
+
     def _parse_comment(self, line: str, families: dict[str, Family]) -> None:
         # "# TYPE name type"; HELP lines and other comments carry nothing we use.
         if not line.startswith("# TYPE "):
             return
-        parts = line.split()
-        if len(parts) < 4:
+        rest = line[7:].lstrip()
+        quoted = _QUOTED.match(rest)
+        if quoted is not None:  # a quoted (UTF-8) name
+            name = _unescape(quoted.group(1))
+            words = rest[quoted.end():].split()
+        else:
+            words = rest.split()
+            name = words.pop(0) if words else ""
+        if not words:
             return
-        hit = self.sample_names.get(parts[2])
+        hit = self.sample_names.get(name)
         if hit is None:
             return
         base, suffix = hit
@@ -265,8 +329,8 @@ class FamilySelector:
             return  # the `_created` gauge's TYPE line must not retype its counter
         family = families.get(base)
         if family is None:
-            family = families[base] = Family(base, spelling=_prefix_of(parts[2], base))
-        family.type = parts[3]
+            family = families[base] = Family(base, spelling=_prefix_of(name, base))
+        family.type = words[0]
 
 
 def _scanner(sample_names: dict[str, tuple[str, str]]) -> re.Pattern | None:
@@ -274,21 +338,22 @@ def _scanner(sample_names: dict[str, tuple[str, str]]) -> re.Pattern | None:
     whose matches are, by group:
     1, 2: a wanted sample line in canonical form, split after its series
        (name and label block, braces included) at the first `} ` (or after
-       the name and its space): the series, and the value with anything
-       after it;
-    3: a `# TYPE` line (of any family; the comment parser picks);
+       the name and its space): the series, and the value (_NUMBER_CHARS;
+       an optional timestamp after it is checked, not kept; a CR before the
+       newline is allowed, as the line parser allows it);
+    3: a `# TYPE` line (of any family; the comment parser picks), or `# EOF`;
     4: any other line the line parser would take as a wanted sample, by its
-       rule: whitespace other than spaces, the name, such whitespace again,
-       then `{`, a space or the end of the line.
+       rule: whitespace, the name, then `{` or whitespace; or whitespace and
+       a label block that opens with the quoted name.
     Lines of other families match nothing; the regex engine skips them
     without entering Python."""
     if not sample_names or not all(_NAME_CHARS.match(name) for name in sample_names):
         return None
     names = _trie_pattern(sample_names)
     return re.compile(
-        rf"\n(?:((?:{names})(?:\{{[^}}\n]*+\}})?)\x20([^\n]*+)"
-        r"|(\#\x20TYPE\x20[^\n]*+)"
-        rf"|([^\S\x20\n]*+(?:{names})[^\S\x20\n]*(?=[{{\x20\n])[^\n]*+))"
+        rf"\n(?:((?:{names})(?:\{{[^}}\n]*+\}})?)\x20({_NUMBER_CHARS})(?:\x20{_DECIMAL})?+(?=\r?\n)"
+        r"|(\#\x20(?:TYPE\x20[^\n]*+|EOF(?=\r?\n)))"
+        rf"|([^\S\n]*+(?:(?:{names})(?=[\s{{])|\{{[^\S\n]*+\"(?:{names})\")[^\n]*+))"
     )
 
 
@@ -383,33 +448,36 @@ def _parse_labels(block: str) -> dict[str, str]:
         match = _LABEL_PAIR.match(block, position)
         if match is None:
             raise ValueError(f"bad label syntax at {block[position:position + 40]!r}")
-        value = match.group(2)
-        if "\\" in value:
-            value = _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group(0)], value)
-        labels[match.group(1)] = value
+        name = match.group(1)
+        if name is None:
+            name = _unescape(match.group(2))
+        labels[name] = _unescape(match.group(3))
         position = match.end()
-        if match.group(3) == "" and position < length and not _ONLY_SPACE_LEFT.match(block, position):
+        if match.group(4) == "" and position < length and not _ONLY_SPACE_LEFT.match(block, position):
             raise ValueError("missing comma between labels")
     return labels
 
 
+def _unescape(text: str) -> str:
+    if "\\" not in text:
+        return text
+    return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group(0)], text)
+
+
 def _parse_value(rest: str) -> float:
-    # OpenMetrics exemplars follow " # "; timestamps follow the value.
+    # OpenMetrics exemplars follow " # " and are not read; timestamps follow
+    # the value and are checked, not kept.
     hash_at = rest.find(" # ")
     if hash_at != -1:
         rest = rest[:hash_at]
-    parts = rest.split()
-    if not parts:
+    rest = rest.strip(" \t")
+    if not rest:
         raise ValueError("missing value")
+    parts = _BLANKS.split(rest)
     if len(parts) > 2:
         raise ValueError("trailing garbage after value")
-    try:
-        value = float(parts[0])
-    except ValueError:
-        raise ValueError(f"value {parts[0][:40]!r} is not a number") from None
-    if len(parts) == 2:
-        try:
-            float(parts[1])
-        except ValueError:
-            raise ValueError(f"timestamp {parts[1][:40]!r} is not a number") from None
-    return value
+    if _NUMBER.fullmatch(parts[0]) is None:
+        raise ValueError(f"value {parts[0][:40]!r} is not a number")
+    if len(parts) == 2 and _TIMESTAMP.fullmatch(parts[1]) is None:
+        raise ValueError(f"timestamp {parts[1][:40]!r} is not a number")
+    return float(parts[0])

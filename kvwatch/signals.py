@@ -31,10 +31,67 @@ from kvwatch.window import Increase, Window
 
 QUANTILES = (0.5, 0.95, 0.99)
 
+# A catalogue unit -> Grafana's unit for it.
+UNITS = {
+    "ratio": "percentunit",
+    "seconds": "s",
+    "tokens": "short",
+    "requests": "short",
+    "per_second": "ops",
+    "bytes": "bytes",
+}
+
 
 # --------------------------------------------------------------------------
 # vLLM series re-exported under stable names
 # --------------------------------------------------------------------------
+
+
+# The identity labels of every per-engine family kvwatch exports.
+IDENTITY = ("model_name", "engine")
+# cache_config_info keys re-exported on kvwatch_engine_info (a bounded set, not
+# the whole open map, so the label set does not change with every vLLM release).
+INFO_KEYS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "kv_cache_size_tokens")
+
+
+@dataclass(frozen=True)
+class HealthFamily:
+    """One of kvwatch's own families: the poll's health, its identity, the
+    engine's configuration and the active findings."""
+
+    name: str  # as the client library names it (a counter without _total)
+    kind: str  # gauge | counter
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def sample_name(self) -> str:
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+HEALTH: tuple[HealthFamily, ...] = (
+    HealthFamily("kvwatch_up", "gauge", (), "1 if the latest poll of the engine's /metrics succeeded, else 0."),
+    HealthFamily("kvwatch_build_info", "gauge", ("version",), "kvwatch's version; always 1."),
+    HealthFamily("kvwatch_polls", "counter", (), "Polls of the engine's /metrics."),
+    HealthFamily("kvwatch_poll_errors", "counter", ("reason",),
+                 "Failed polls by reason (refused, dns, timeout, tls, http_3xx/4xx/5xx, content_type, too_large, "
+                 "truncated, decode, no_engine_metrics, ...)."),
+    HealthFamily("kvwatch_parse_errors", "counter", (),
+                 "Malformed lines in the engine's pages (skipped; the rest of the page counts)."),
+    HealthFamily("kvwatch_dropped_series", "counter", (), "(model, engine) pairs dropped by the max_series cap."),
+    HealthFamily("kvwatch_poll_duration_seconds", "gauge", (), "Wall time of the latest poll."),
+    HealthFamily("kvwatch_poll_cpu_seconds", "gauge", (),
+                 "CPU time of the latest poll (fetch, parse, signals, diagnosis)."),
+    HealthFamily("kvwatch_last_success_timestamp_seconds", "gauge", (), "Unix time of the latest successful poll."),
+    HealthFamily("kvwatch_window_seconds", "gauge", (), "Span the windowed signals cover now."),
+    HealthFamily("kvwatch_engine_info", "gauge", IDENTITY + INFO_KEYS,
+                 "The engine's KV-cache configuration (from vllm:cache_config_info); changes() on it marks a "
+                 "configuration change."),
+    HealthFamily("kvwatch_finding", "gauge", ("symptom", "cause", "severity") + IDENTITY,
+                 "1 for each active diagnosis finding (absent when not active); see /api/v1/diagnosis for its "
+                 "evidence."),
+)
+HEALTH_BY_NAME = {family.name: family for family in HEALTH}
 
 
 @dataclass(frozen=True)
@@ -56,6 +113,8 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
                  "KV-cache usage 0..1 (vllm:kv_cache_usage_perc, formerly vllm:gpu_cache_usage_perc); evictable prefix-cache blocks count as free."),
     EngineSeries("kvwatch_engine_kv_cache_capacity_tokens", "gauge", "capacity_tokens", "tokens",
                  "KV-cache capacity in tokens (vllm:cache_config_info kv_cache_size_tokens, else num_gpu_blocks x block_size)."),
+    EngineSeries("kvwatch_engine_kv_cache_memory_bytes", "gauge", "config/kv_cache_memory_bytes", "bytes",
+                 "Bytes of the KV cache (vllm:cache_config_info kv_cache_memory_bytes, vLLM 0.24+); absent before."),
     EngineSeries("kvwatch_engine_requests_running", "gauge", "running", "requests",
                  "Requests in model execution batches (vllm:num_requests_running)."),
     EngineSeries("kvwatch_engine_requests_waiting", "gauge", "waiting", "requests",
@@ -115,6 +174,9 @@ class View:
     running_max: float | None
     capacity_tokens: float | None
     block_size: float | None
+    # KV bytes held, summed over the view's engines (usage x kv_cache_memory_bytes
+    # each); None unless every engine states its cache's bytes.
+    kv_used_bytes: float | None = None
     notes: list[str] = field(default_factory=list)
 
     def gauge(self, key: str) -> float | None:
@@ -130,6 +192,13 @@ class Signal:
     group: str  # exhaustion | prefix | first_token | throughput
     promql: str  # fleet twin over kvwatch_engine_* series
     label: str | None = None  # the dimension a dict-valued derivation returns
+    # A dashboard key ("overview", "exhaustion", ...): the signal gets a panel
+    # of its own there, titled `title`, after the board's hand-laid panels.
+    panel: str | None = None
+    title: str = ""
+    # Its recording rule's name parts, `level:metric:operations`: the metric
+    # part and the operations ({w} is the rate window).
+    record: tuple[str, str] = ("", "")
 
 
 def _clamp01(value: float | None) -> float | None:
@@ -146,6 +215,10 @@ def _free_tokens(view: View) -> float | None:
     if usage is None or view.capacity_tokens is None:
         return None
     return view.capacity_tokens * (1.0 - usage)
+
+
+def _used_bytes(view: View) -> float | None:
+    return None if view.kv_used_bytes is None else float(round(view.kv_used_bytes))
 
 
 def _prefix_hit_ratio(view: View) -> float | None:
@@ -304,115 +377,148 @@ SIGNALS: tuple[Signal, ...] = (
     # --- cache exhaustion ---
     Signal("kvwatch_kv_cache_usage_ratio", "ratio",
            "KV-cache usage now, 0..1, clamped (vllm:kv_cache_usage_perc / vllm:gpu_cache_usage_perc).",
-           _usage, "exhaustion", "max by ({by}) (kvwatch_engine_kv_cache_usage_ratio{{{sel}}})"),
+           _usage, "exhaustion", "max by ({by}) (kvwatch_engine_kv_cache_usage_ratio{{{sel}}})",
+           record=("kvwatch_kv_cache_usage_ratio", "max")),
     Signal("kvwatch_kv_cache_usage_max_ratio", "ratio",
            "Highest KV-cache usage seen in the window (vllm:kv_cache_usage_perc).",
            lambda v: _clamp01(v.usage_max), "exhaustion",
-           "max by ({by}) (max_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[{w}]))"),
+           "max by ({by}) (max_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[{w}]))",
+           record=("kvwatch_kv_cache_usage_ratio", "max_over_time{w}")),
     Signal("kvwatch_kv_cache_capacity_tokens", "tokens",
            "KV-cache capacity in tokens (vllm:cache_config_info).",
            lambda v: v.capacity_tokens, "exhaustion",
-           "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})"),
+           "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})",
+           record=("kvwatch_kv_cache_capacity_tokens", "sum")),
     Signal("kvwatch_kv_cache_free_tokens", "tokens",
            "KV-cache headroom in tokens: capacity x (1 - usage) (vllm:cache_config_info, vllm:kv_cache_usage_perc).",
            _free_tokens, "exhaustion",
-           "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}} * (1 - kvwatch_engine_kv_cache_usage_ratio{{{sel}}}))"),
+           "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}} * (1 - kvwatch_engine_kv_cache_usage_ratio{{{sel}}}))",
+           record=("kvwatch_kv_cache_free_tokens", "sum")),
+    Signal("kvwatch_kv_cache_used_bytes", "bytes",
+           "KV-cache bytes held now: usage x the cache's bytes, rounded to a whole byte "
+           "(vllm:kv_cache_usage_perc, vllm:cache_config_info kv_cache_memory_bytes; absent before vLLM 0.24).",
+           _used_bytes, "exhaustion",
+           "sum by ({by}) (clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * kvwatch_engine_kv_cache_memory_bytes{{{sel}}})",
+           panel="overview", title="KV bytes in use",
+           record=("kvwatch_kv_cache_used_bytes", "sum")),
     Signal("kvwatch_kv_cache_capacity_requests", "requests",
            "Concurrent requests the KV capacity holds at the window's mean prompt+generation length, block-rounded; a bound, not a promise "
            "(vllm:cache_config_info, vllm:request_prompt_tokens, vllm:request_generation_tokens).",
            _capacity_requests, "exhaustion",
            "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})\n/ on ({by}) (\n"
            + _mean_promql("kvwatch_engine_request_prompt_tokens") + "\n+ on ({by})\n"
-           + _mean_promql("kvwatch_engine_request_generation_tokens") + "\n)"),
+           + _mean_promql("kvwatch_engine_request_generation_tokens") + "\n)",
+           record=("kvwatch_kv_cache_capacity_requests", "ratio_rate{w}")),
     Signal("kvwatch_preemptions_per_second", "per_second",
            "Preemptions per second over the window (vllm:num_preemptions_total).",
            _rate("preemptions"), "exhaustion",
-           "sum by ({by}) (rate(kvwatch_engine_preemptions_total{{{sel}}}[{w}]))"),
+           "sum by ({by}) (rate(kvwatch_engine_preemptions_total{{{sel}}}[{w}]))",
+           record=("kvwatch_preemptions", "rate{w}")),
     Signal("kvwatch_requests_running", "requests",
            "Requests running now (vllm:num_requests_running).",
            lambda v: v.gauge("running"), "exhaustion",
-           "sum by ({by}) (kvwatch_engine_requests_running{{{sel}}})"),
+           "sum by ({by}) (kvwatch_engine_requests_running{{{sel}}})",
+           record=("kvwatch_requests_running", "sum")),
     Signal("kvwatch_requests_running_max", "requests",
            "Most requests running at once in the window: the concurrency actually reached (vllm:num_requests_running).",
            lambda v: v.running_max, "exhaustion",
-           "sum by ({by}) (max_over_time(kvwatch_engine_requests_running{{{sel}}}[{w}]))"),
+           "sum by ({by}) (max_over_time(kvwatch_engine_requests_running{{{sel}}}[{w}]))",
+           record=("kvwatch_requests_running", "max_over_time{w}")),
     Signal("kvwatch_requests_waiting", "requests",
            "Requests waiting now (vllm:num_requests_waiting).",
            lambda v: v.gauge("waiting"), "exhaustion",
-           "sum by ({by}) (kvwatch_engine_requests_waiting{{{sel}}})"),
+           "sum by ({by}) (kvwatch_engine_requests_waiting{{{sel}}})",
+           record=("kvwatch_requests_waiting", "sum")),
     Signal("kvwatch_requests_waiting_by_reason", "requests",
            "Requests waiting now by reason: capacity (no KV blocks) or deferred (vllm:num_requests_waiting_by_reason, vLLM 0.20+).",
            _waiting_by_reason, "exhaustion",
-           "sum by ({by}, reason) (kvwatch_engine_requests_waiting_by_reason{{{sel}}})", label="reason"),
+           "sum by ({by}, reason) (kvwatch_engine_requests_waiting_by_reason{{{sel}}})", label="reason",
+           record=("kvwatch_requests_waiting", "sum")),
     # --- prefix cache ---
     Signal("kvwatch_prefix_cache_hit_ratio", "ratio",
            "Prefix-cache hits over queries in the window, from token counters, not lifetime totals "
            "(vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, formerly gpu_prefix_cache_*; V0: vllm:gpu_prefix_cache_hit_rate).",
            _prefix_hit_ratio, "prefix",
-           _ratio_of_rates("kvwatch_engine_prefix_cache_hits_total", "kvwatch_engine_prefix_cache_queries_total")),
+           _ratio_of_rates("kvwatch_engine_prefix_cache_hits_total", "kvwatch_engine_prefix_cache_queries_total"),
+           record=("kvwatch_prefix_cache_hit", "ratio_rate{w}")),
     Signal("kvwatch_external_prefix_cache_hit_ratio", "ratio",
            "External (KV connector) prefix-cache hits over queries in the window (vllm:external_prefix_cache_{hits,queries}_total).",
            lambda v: v.increase.ratio("external_prefix_hits", "external_prefix_queries"), "prefix",
-           _ratio_of_rates("kvwatch_engine_external_prefix_cache_hits_total", "kvwatch_engine_external_prefix_cache_queries_total")),
+           _ratio_of_rates("kvwatch_engine_external_prefix_cache_hits_total", "kvwatch_engine_external_prefix_cache_queries_total"),
+           record=("kvwatch_external_prefix_cache_hit", "ratio_rate{w}")),
     Signal("kvwatch_prompt_tokens_cached_ratio", "ratio",
            "Share of prompt tokens served from a cache in the window (vllm:prompt_tokens_cached_total / vllm:prompt_tokens_total; "
            "before 0.16 prefix hits / prompt tokens).",
            _cached_share, "prefix",
-           _ratio_of_rates("kvwatch_engine_prompt_tokens_cached_total", "kvwatch_engine_prompt_tokens_total")),
+           _ratio_of_rates("kvwatch_engine_prompt_tokens_cached_total", "kvwatch_engine_prompt_tokens_total"),
+           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}")),
     # --- first token ---
     Signal("kvwatch_time_to_first_token_seconds", "seconds",
            "Time to first token quantiles over the window, from bucket increases with the scraped bounds (vllm:time_to_first_token_seconds).",
            _quantiles("ttft", "TTFT"), "first_token",
-           _quantile_promql("kvwatch_engine_time_to_first_token_seconds"), label="quantile"),
+           _quantile_promql("kvwatch_engine_time_to_first_token_seconds"), label="quantile",
+           record=("kvwatch_time_to_first_token_seconds", "histogram_quantile_rate{w}")),
     Signal("kvwatch_time_to_first_token_mean_seconds", "seconds",
            "Mean time to first token over the window (vllm:time_to_first_token_seconds _sum/_count).",
-           _mean("ttft"), "first_token", _mean_promql("kvwatch_engine_time_to_first_token_seconds")),
+           _mean("ttft"), "first_token", _mean_promql("kvwatch_engine_time_to_first_token_seconds"),
+           record=("kvwatch_time_to_first_token_seconds", "mean_rate{w}")),
     Signal("kvwatch_queue_time_seconds", "seconds",
            "Queue (WAITING) time quantiles over the window (vllm:request_queue_time_seconds).",
            _quantiles("queue_time", "queue time"), "first_token",
-           _quantile_promql("kvwatch_engine_request_queue_time_seconds"), label="quantile"),
+           _quantile_promql("kvwatch_engine_request_queue_time_seconds"), label="quantile",
+           record=("kvwatch_queue_time_seconds", "histogram_quantile_rate{w}")),
     Signal("kvwatch_queue_time_mean_seconds", "seconds",
            "Mean queue time over the window (vllm:request_queue_time_seconds _sum/_count).",
-           _mean("queue_time"), "first_token", _mean_promql("kvwatch_engine_request_queue_time_seconds")),
+           _mean("queue_time"), "first_token", _mean_promql("kvwatch_engine_request_queue_time_seconds"),
+           record=("kvwatch_queue_time_seconds", "mean_rate{w}")),
     Signal("kvwatch_prefill_time_seconds", "seconds",
            "Prefill time quantiles over the window (vllm:request_prefill_time_seconds).",
            _quantiles("prefill_time", "prefill time"), "first_token",
-           _quantile_promql("kvwatch_engine_request_prefill_time_seconds"), label="quantile"),
+           _quantile_promql("kvwatch_engine_request_prefill_time_seconds"), label="quantile",
+           record=("kvwatch_prefill_time_seconds", "histogram_quantile_rate{w}")),
     Signal("kvwatch_prefill_time_mean_seconds", "seconds",
            "Mean prefill time over the window (vllm:request_prefill_time_seconds _sum/_count).",
-           _mean("prefill_time"), "first_token", _mean_promql("kvwatch_engine_request_prefill_time_seconds")),
+           _mean("prefill_time"), "first_token", _mean_promql("kvwatch_engine_request_prefill_time_seconds"),
+           record=("kvwatch_prefill_time_seconds", "mean_rate{w}")),
     Signal("kvwatch_time_to_first_token_share_ratio", "ratio",
            "Share of mean TTFT spent in queue, in prefill, and elsewhere (front end, tokenization, scheduling); the PromQL twin is the queue part "
            "(vllm:time_to_first_token_seconds, vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds).",
            ttft_parts, "first_token",
            _mean_promql("kvwatch_engine_request_queue_time_seconds") + "\n/ on ({by})\n"
-           + _mean_promql("kvwatch_engine_time_to_first_token_seconds"), label="part"),
+           + _mean_promql("kvwatch_engine_time_to_first_token_seconds"), label="part",
+           record=("kvwatch_time_to_first_token_share", "ratio_rate{w}")),
     # --- throughput and failures ---
     Signal("kvwatch_requests_finished_per_second", "per_second",
            "Finished requests per second by reason (vllm:request_success_total).",
            _labelled_rates("finished"), "throughput",
            "sum by ({by}, finished_reason) (rate(kvwatch_engine_requests_finished_total{{{sel}}}[{w}]))",
-           label="finished_reason"),
+           label="finished_reason",
+           record=("kvwatch_requests_finished", "rate{w}")),
     Signal("kvwatch_requests_failed_per_second", "per_second",
            "Requests ending in abort or error per second (vllm:request_success_total{finished_reason=~\"abort|error\"}).",
            _failed_rate, "throughput",
-           "sum by ({by}) (rate(kvwatch_engine_requests_finished_total{{{sel},finished_reason=~\"abort|error\"}}[{w}]))"),
+           "sum by ({by}) (rate(kvwatch_engine_requests_finished_total{{{sel},finished_reason=~\"abort|error\"}}[{w}]))",
+           record=("kvwatch_requests_failed", "rate{w}")),
     Signal("kvwatch_prompt_tokens_per_second", "per_second",
            "Prompt tokens per second, cached included (vllm:prompt_tokens_total).",
            _rate("prompt_tokens"), "throughput",
-           "sum by ({by}) (rate(kvwatch_engine_prompt_tokens_total{{{sel}}}[{w}]))"),
+           "sum by ({by}) (rate(kvwatch_engine_prompt_tokens_total{{{sel}}}[{w}]))",
+           record=("kvwatch_prompt_tokens", "rate{w}")),
     Signal("kvwatch_generation_tokens_per_second", "per_second",
            "Generated tokens per second (vllm:generation_tokens_total).",
            _rate("generation_tokens"), "throughput",
-           "sum by ({by}) (rate(kvwatch_engine_generation_tokens_total{{{sel}}}[{w}]))"),
+           "sum by ({by}) (rate(kvwatch_engine_generation_tokens_total{{{sel}}}[{w}]))",
+           record=("kvwatch_generation_tokens", "rate{w}")),
     Signal("kvwatch_prompt_tokens_per_request_mean", "tokens",
            "Mean prompt tokens per finished request in the window (vllm:request_prompt_tokens).",
            lambda v: mean_tokens(v, "prompt_len", "prompt_tokens"), "throughput",
-           _mean_promql("kvwatch_engine_request_prompt_tokens")),
+           _mean_promql("kvwatch_engine_request_prompt_tokens"),
+           record=("kvwatch_prompt_tokens_per_request", "mean_rate{w}")),
     Signal("kvwatch_generation_tokens_per_request_mean", "tokens",
            "Mean generated tokens per finished request in the window (vllm:request_generation_tokens).",
            lambda v: mean_tokens(v, "generation_len", "generation_tokens"), "throughput",
-           _mean_promql("kvwatch_engine_request_generation_tokens")),
+           _mean_promql("kvwatch_engine_request_generation_tokens"),
+           record=("kvwatch_generation_tokens_per_request", "mean_rate{w}")),
 )
 
 SIGNALS_BY_NAME = {signal.name: signal for signal in SIGNALS}
@@ -448,8 +554,15 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
     block_size = None
     usage_max = None
     running_max = None
+    used_bytes: float | None = 0.0
     for key in present:
         engine = latest.engines[key]
+        engine_bytes = config_number(latest.cache_config.get(key[1], {}), "kv_cache_memory_bytes")
+        engine_usage = engine.gauges.get("kv_usage")
+        if used_bytes is not None and engine_bytes is not None and engine_usage is not None:
+            used_bytes += min(1.0, max(0.0, engine_usage)) * engine_bytes
+        else:
+            used_bytes = None
         for gauge, value in engine.gauges.items():
             if gauge == "kv_usage" or gauge == "v0_prefix_hit_rate":
                 previous = merged.gauges.get(gauge)
@@ -472,7 +585,7 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
             running_max = (running_max or 0.0) + running_peak
     # Engines of one model run side by side over the same span.
     increase.seconds = span
-    return View(merged, increase, usage_max, running_max, capacity, block_size)
+    return View(merged, increase, usage_max, running_max, capacity, block_size, used_bytes)
 
 
 def evaluate(view: View, model: str, engine: str | None) -> Evaluated:
@@ -511,6 +624,8 @@ def engine_series_value(series: EngineSeries, engine: EngineSnapshot, cache_conf
     {label: float} dict, a Histogram, or None."""
     if series.key == "capacity_tokens":
         return capacity_tokens(cache_config)
+    if series.key.startswith("config/"):
+        return config_number(cache_config, series.key[len("config/"):])
     source = engine.histograms if series.kind == "histogram" else (
         engine.counters if series.kind == "counter" else engine.gauges)
     if series.key.endswith("/*"):

@@ -39,7 +39,7 @@ def parse_duration(value: Any) -> float:
     if not math.isfinite(seconds):
         raise ValueError(f"{value!r} is not a finite duration")
     if seconds <= 0:
-        raise ValueError(f"{value!r} must be more than zero")
+        raise ValueError(f"{value!r} must be positive")
     return seconds
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvwatch.capacity import arithmetic as cap
 from kvwatch.capacity.arithmetic import CapacityInputError
-from kvwatch.commands.capacity import read_live_capacity
+from kvwatch.capacity.live import read_live_capacity
 from kvwatch.cli import main
 
 GiB, MiB = 2**30, 2**20
@@ -648,26 +648,3 @@ def test_cli_target_errors(capsys, fixtures_dir):
     assert main(["capacity", "--target", "ftp://x", "--input-tokens", "1",
                  "--output-tokens", "1"]) == 2
     assert "not an http(s) URL" in capsys.readouterr().err
-
-
-def test_live_reader_agrees_with_the_core_adapter(fixtures_dir: Path):
-    # read_live_capacity is a stand-in for the core adapter; on every real capture
-    # both must see the same capacity, running requests and KV usage, so that
-    # switching to the adapter changes no number.
-    from kvwatch.engines.vllm import VllmAdapter
-    from kvwatch.snapshot import capacity_tokens
-
-    captures = sorted(fixtures_dir.glob("*/*.txt"))
-    assert captures
-    for capture in captures:
-        text = capture.read_text()
-        mine = {e["engine"]: e for e in read_live_capacity(text)["engines"]}
-        snapshot = VllmAdapter().adapt(text, at=0.0)
-        assert set(mine) == set(snapshot.cache_config), capture.name
-        for engine, labels in snapshot.cache_config.items():
-            assert mine[engine]["capacity_tokens"] == capacity_tokens(labels), capture.name
-        for adapted in snapshot.engines.values():
-            if adapted.engine in mine:
-                ours = mine[adapted.engine]
-                assert ours["num_requests_running"] == adapted.gauges.get("running"), capture.name
-                assert ours["kv_cache_usage"] == adapted.gauges.get("kv_usage"), capture.name

@@ -23,7 +23,8 @@ import yaml
 
 from kvwatch.mixin import manifests
 from kvwatch.mixin.config import MixinConfig
-from kvwatch.mixin.manifests import DeploySettings, deploy_settings, render_manifests
+from kvwatch.mixin.config import DEPLOY_FIELDS, DeploySettings, deploy_settings
+from kvwatch.mixin.manifests import render_manifests
 from kvwatch.sidecar.settings import PARSERS, env_name, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -539,7 +540,7 @@ def test_render_manifests_refuses_settings_kubernetes_would_reject(field, value)
 
 def test_docs_describe_every_generator_setting():
     text = (REPO / "docs" / "deploy.md").read_text()
-    missing = [name for name in manifests.DEPLOY_FIELDS if f"| `{name}` |" not in text]
+    missing = [name for name in DEPLOY_FIELDS if f"| `{name}` |" not in text]
     assert not missing, f"docs/deploy.md's settings table lacks {missing}"
 
 

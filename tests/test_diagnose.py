@@ -17,7 +17,7 @@ from kvwatch.diagnose import (
     resolve_thresholds,
     validate_thresholds,
 )
-from kvwatch.sidecar.monitor import Event
+from kvwatch.diagnose import Change
 from kvwatch.sidecar.settings import SettingsError, load_settings
 from kvwatch.signals import evaluate_window
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
@@ -81,7 +81,7 @@ class Run:
         self.thresholds = thresholds or {}
         self.interval = interval
         self.now = 10_000.0
-        self.events: list[Event] = []
+        self.events: list[Change] = []
         self.engines = [Engine()]
 
     @property
@@ -331,7 +331,7 @@ def test_prefix_changed_step_drop_with_moderate_usage():
 def test_prefix_changed_at_a_recorded_change():
     run = Run()
     run.steps(12, usage=0.4, running=3, requests=4, hit_ratio=0.8)
-    run.events.append(Event(run.now + 10, "lora", None, None, "new LoRA adapters: sql-v2"))
+    run.events.append(Change(run.now + 10, "lora", None, None, "new LoRA adapters: sql-v2"))
     # The change at the drop explains it even with a busy cache.
     run.steps(6, usage=0.9, running=3, requests=4, hit_ratio=0.05)
     findings = run.findings()
@@ -585,7 +585,7 @@ def test_model_changed():
 def test_lora_changed():
     run = Run()
     run.steps(3, requests=2, hit_ratio=0.5)
-    run.events.append(Event(run.now, "lora", None, None, "new LoRA adapters: sql"))
+    run.events.append(Change(run.now, "lora", None, None, "new LoRA adapters: sql"))
     finding = only(run.findings(), "lora_changed")
     assert finding.model == "tiny-llama"  # the only served model
 

@@ -19,7 +19,7 @@ import kvwatch
 from kvwatch.cli import main
 from kvwatch.sim.server import start_background
 from kvwatch.snapshot import Histogram
-from kvwatch.sweep.run import cell_notes, percentile, summarize_cell
+from kvwatch.sweep.summary import cell_notes, percentile, summarize_cell
 from kvwatch.sweep.client import Client, RequestResult, Worker, split_base_url
 from kvwatch.sweep.metrics import CellMetrics
 from kvwatch.sweep.output import COLUMNS, REQUEST_COLUMNS

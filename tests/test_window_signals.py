@@ -207,3 +207,14 @@ def test_duplicate_series_are_parse_errors_and_never_added():
     assert engine.gauges["kv_usage"] == 0.5
     assert len(snapshot.parse_errors) == 3
     assert all("duplicate" in str(error) for error in snapshot.parse_errors)
+
+
+def test_kv_bytes_in_use_is_usage_times_the_cache_s_bytes_and_absent_without_them(fixtures_dir):
+    # metrics-long-load: usage 123/127 blocks = 0.9685039370078741 of kv_cache_memory_bytes 4194304
+    v = values(window_of(fixtures_dir, ["load", "long-load"]))
+    assert v["kvwatch_kv_cache_used_bytes"] == round(0.9685039370078741 * 4194304) == 4062200
+    assert values(window_of(fixtures_dir, ["load", "long-load"]), engine=False)["kvwatch_kv_cache_used_bytes"] == 4062200
+    # vLLM 0.11 states no kv_cache_memory_bytes: unknown, not zero.
+    window = Window(3600)
+    window.add(VllmAdapter().adapt((fixtures_dir / "public" / "vllm-0.11.0.txt").read_text(), at=1000))
+    assert evaluate_window(window)[0][0].values.get("kvwatch_kv_cache_used_bytes") is None

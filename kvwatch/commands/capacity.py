@@ -2,27 +2,23 @@
 shown. Reads a local config.json or a live vLLM's /metrics, calls the
 arithmetic in kvwatch/capacity/arithmetic.py, prints a table or JSON.
 
-`read_live_capacity` is a deliberately small reader of the few series this
-command needs; it can be replaced by the core adapter's Snapshot without
-changing anything else here.
+A live target is read through kvwatch.capacity.live: the sidecar's fetcher
+and adapter, so every vLLM spelling the sidecar knows works here too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvwatch.capacity import arithmetic as cap
+from kvwatch.capacity import live
 from kvwatch.capacity.arithmetic import CapacityInputError
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
-FETCH_TIMEOUT_S = 10.0
-FETCH_MAX_BYTES = 32 * 2**20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,144 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a live vLLM (http://host:8000 or its /metrics URL): read the "
                         "capacity it reports instead of, or to compare with, a budget")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-# ---------------------------------------------------------------------------
-# Reading a live target.
-
-_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-
-
-def _labels(text: str | None) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    position = 0
-    text = text or ""
-    while position < len(text):
-        match = _LABEL.match(text, position)
-        if not match:
-            break
-        labels[match.group(1)] = re.sub(r"\\[\\\"n]", lambda m: _UNESCAPE[m.group(0)],
-                                         match.group(2))
-        position = match.end()
-    return labels
-
-
-def _int_label(labels: dict[str, str], key: str) -> int | None:
-    value = labels.get(key)
-    try:
-        number = float(value) if value not in (None, "None", "") else None
-    except ValueError:
-        return None
-    return int(number) if number is not None else None
-
-
-def _float_label(labels: dict[str, str], key: str) -> float | None:
-    value = labels.get(key)
-    try:
-        return float(value) if value not in (None, "None", "") else None
-    except ValueError:
-        return None
-
-
-def read_live_capacity(metrics_text: str) -> dict[str, Any]:
-    """The KV pool each engine reports in `vllm:cache_config_info`, and the running
-    requests and KV usage at this scrape. Accepts `vllm:` and `vllm_` spellings; a
-    missing engine label means "0" (V0, early V1).
-
-    Returns {"engines": [{engine, block_size, num_gpu_blocks, kv_cache_size_tokens,
-    capacity_tokens, capacity_source, kv_cache_memory_bytes, cache_dtype,
-    kv_cache_max_concurrency, sliding_window, num_requests_running,
-    num_requests_waiting, kv_cache_usage, usage_metric, model_name}, ...]}
-    sorted by engine; an empty list when the text has no cache_config_info."""
-    engines: dict[str, dict[str, Any]] = {}
-    gauges: dict[str, dict[str, tuple[str, float]]] = {}
-    for line in metrics_text.splitlines():
-        if not line.startswith("vllm"):
-            continue
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        name = match.group("name").replace("vllm_", "vllm:", 1)
-        if name not in ("vllm:cache_config_info", "vllm:num_requests_running",
-                        "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                        "vllm:gpu_cache_usage_perc"):
-            continue
-        labels = _labels(match.group("labels"))
-        engine = labels.get("engine", "0")
-        if name == "vllm:cache_config_info":
-            engines[engine] = {
-                "engine": engine,
-                "block_size": _int_label(labels, "block_size"),
-                "num_gpu_blocks": _int_label(labels, "num_gpu_blocks"),
-                "kv_cache_size_tokens": _int_label(labels, "kv_cache_size_tokens"),
-                "kv_cache_memory_bytes": _int_label(labels, "kv_cache_memory_bytes"),
-                "cache_dtype": labels.get("cache_dtype"),
-                "kv_cache_max_concurrency": _float_label(labels, "kv_cache_max_concurrency"),
-                "sliding_window": _int_label(labels, "sliding_window"),
-            }
-            continue
-        try:
-            value = float(match.group("value"))
-        except ValueError:
-            continue
-        per_engine = gauges.setdefault(engine, {})
-        per_engine[name] = (labels.get("model_name", ""), value)
-
-    result = []
-    for engine in sorted(engines, key=lambda e: (len(e), e)):
-        info = engines[engine]
-        blocks, block_size = info["num_gpu_blocks"], info["block_size"]
-        if info["kv_cache_size_tokens"] is not None:
-            info["capacity_tokens"] = info["kv_cache_size_tokens"]
-            info["capacity_source"] = "kv_cache_size_tokens"
-        elif blocks is not None and block_size is not None:
-            info["capacity_tokens"] = blocks * block_size
-            info["capacity_source"] = "num_gpu_blocks x block_size"
-        else:
-            info["capacity_tokens"] = None
-            info["capacity_source"] = None
-        seen = gauges.get(engine, {})
-        usage_metric = next((m for m in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-                             if m in seen), None)
-        info["num_requests_running"] = seen.get("vllm:num_requests_running", (None, None))[1]
-        info["num_requests_waiting"] = seen.get("vllm:num_requests_waiting", (None, None))[1]
-        info["kv_cache_usage"] = seen[usage_metric][1] if usage_metric else None
-        info["usage_metric"] = usage_metric
-        info["model_name"] = next((model for model, _ in seen.values() if model), None)
-        result.append(info)
-    return {"engines": result}
-
-
-def _metrics_url(target: str) -> str:
-    parts = urlsplit(target if "://" in target else f"http://{target}")
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise CapacityInputError(f"--target {target!r} is not an http(s) URL")
-    path = parts.path if parts.path not in ("", "/") else "/metrics"
-    return f"{parts.scheme}://{parts.netloc}{path}" + (f"?{parts.query}" if parts.query else "")
-
-
-def fetch_metrics(url: str) -> str:
-    import requests  # only the --target path needs it
-
-    try:
-        with requests.get(url, timeout=FETCH_TIMEOUT_S, stream=True,
-                          headers={"Accept": "text/plain; version=0.0.4"}) as response:
-            if response.status_code != 200:
-                raise CapacityInputError(f"{url} answered HTTP {response.status_code}")
-            body = bytearray()
-            for chunk in response.iter_content(65536):
-                body.extend(chunk)
-                if len(body) > FETCH_MAX_BYTES:
-                    raise CapacityInputError(f"{url} sent more than {FETCH_MAX_BYTES} bytes")
-            return body.decode("utf-8", errors="replace")
-    except requests.RequestException as error:
-        raise CapacityInputError(f"cannot fetch {url}: {error}") from None
-
-
-# ---------------------------------------------------------------------------
-# The command.
 
 
 def _load_config(path_text: str) -> dict[str, Any]:
@@ -266,9 +124,9 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _live_report(args, config, kv_dtype, budget, inputs, outputs) -> dict[str, Any]:
-    url = _metrics_url(args.target)
-    live = read_live_capacity(fetch_metrics(url))
-    if not live["engines"]:
+    url = live.metrics_url(args.target)
+    reported = live.live_capacity(live.fetch_snapshot(url))
+    if not reported["engines"]:
         raise CapacityInputError(
             f"{url} has no vllm:cache_config_info; is it a vLLM with stats logging on?")
     engines = []
@@ -277,7 +135,7 @@ def _live_report(args, config, kv_dtype, budget, inputs, outputs) -> dict[str, A
     if budget is not None and config is None:
         notes.append("--kv-budget is not used without --model-config: the bytes per token "
                      "needed to turn it into blocks come from the config")
-    for info in live["engines"]:
+    for info in reported["engines"]:
         entry: dict[str, Any] = {"reported": info}
         if info["capacity_tokens"] is None or not info["block_size"]:
             entry["error"] = "cache_config_info lacks num_gpu_blocks or block_size"

@@ -13,6 +13,10 @@ from kvwatch.window import Entry, Window
 
 @dataclass(frozen=True)
 class Change:
+    """One change that invalidates comparisons across it: found between two
+    window entries, kept by the monitor beyond the window, read by the
+    diagnosis and shown on every surface as the same record."""
+
     time: float
     kind: str  # restart | cache_config | models | lora
     model: str | None
@@ -23,7 +27,7 @@ class Change:
     after: tuple[str, ...] = ()
 
 
-def window_changes(window: Window, events) -> list[Change]:
+def window_changes(window: Window, events: tuple[Change, ...] | None) -> list[Change]:
     """Changes inside the window: restarts, cache-config and model-set
     changes read from consecutive snapshots (exact keys), plus the monitor's
     events for what a window cannot see (new LoRA adapters, and anything
@@ -33,13 +37,7 @@ def window_changes(window: Window, events) -> list[Change]:
     for previous, entry in zip(entries, entries[1:]):
         found.extend(changes_between(previous, entry))
     seen = {(c.time, c.kind, c.engine) for c in found}
-    for event in events or ():
-        if (event.time, event.kind, event.engine) in seen:
-            continue
-        keys: tuple[str, ...] = ()
-        if event.kind == "cache_config":
-            keys = tuple(part.split(":", 1)[0].strip() for part in event.detail.split(", ") if ":" in part)
-        found.append(Change(event.time, event.kind, event.model, event.engine, event.detail, keys))
+    found.extend(event for event in events or () if (event.time, event.kind, event.engine) not in seen)
     return sorted(found, key=lambda c: c.time)
 
 

@@ -29,6 +29,7 @@ import math
 import operator
 import time as _time
 
+from kvwatch.engines.base import EngineAdapter
 from kvwatch.exposition import Family, FamilySelector
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
 
@@ -101,17 +102,16 @@ def all_families() -> list[str]:
     return names
 
 
-class VllmAdapter:
+class VllmAdapter(EngineAdapter):
     """Turns the text of a vLLM /metrics page into a Snapshot. Keep one
     instance per target: it caches the parsed spellings and label sets."""
 
+    name = "vllm"
+    prefixes = PREFIXES
+
     def __init__(self, max_series: int = 10_000):
+        super().__init__(max_series)
         self.selector = FamilySelector(all_families(), PREFIXES)
-        # A page with more (model, engine) pairs than this is capped: the rest
-        # are dropped and counted, so one label value per request cannot grow
-        # kvwatch's memory without bound.
-        self.max_series = max_series
-        self.dropped_series = 0
         # Derived forms of the parser's cached label sets, which come back as
         # the same objects poll after poll (see _SeriesCache).
         self._series = _SeriesCache()
@@ -465,7 +465,7 @@ class _HistogramPlan:
                 if group[slot] is not None:
                     return None
                 group[slot] = index
-            elif suffix != "_created":
+            elif suffix not in _NOT_HISTOGRAM_SERIES:
                 return None
         histograms = []
         keys = set()
@@ -493,6 +493,11 @@ class _HistogramPlan:
 
 
 _VALUE = operator.itemgetter(2)
+# Series a histogram family may carry that are not its buckets, sum or count:
+# `_created`, and the OpenMetrics suffixes the parser files under the family
+# (a gauge histogram's `_gcount`/`_gsum`, an info series) that kvwatch does
+# not read as a histogram.
+_NOT_HISTOGRAM_SERIES = frozenset(("_created", "_info", "_gcount", "_gsum"))
 _ZEROS = itertools.repeat(0.0)
 
 
@@ -537,7 +542,7 @@ def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None)
                               f"kept the first, {buckets[bound]!r})")
                 continue
             buckets[bound] = value + 0.0
-        elif suffix == "_created":
+        elif suffix in _NOT_HISTOGRAM_SERIES:
             continue
         else:
             entry = other_entries.get(id(labels))

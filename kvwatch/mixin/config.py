@@ -13,6 +13,7 @@ text says when to change it; `kvwatch generate --print-config` prints them all.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -20,7 +21,10 @@ from typing import Any
 
 import yaml
 
-from kvwatch.diagnose import CAUSES, DEFAULT_THRESHOLDS
+from kvwatch import __version__
+
+from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
+from kvwatch.diagnose.vocabulary import CAUSES
 
 SEVERITIES = ("critical", "warning", "info")
 # Alert names, with the symptom (the diagnosis vocabulary) each one reports.
@@ -89,6 +93,148 @@ _MATCHER = re.compile(r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(=~|!~|!=|=)\s*"(?:[^"\\]|\\
 
 def _help(text: str) -> dict:
     return {"help": text}
+
+
+# ---------------------------------------------------------------- deploy
+# The manifests' settings: the `deploy:` mapping of this one config.
+
+# The kvwatch container's resources. Measured (benchmarks/, issue 9): a poll
+# costs about 5 ms of CPU, so at the 5 s default interval kvwatch averages
+# about 1 m of CPU; resident memory is 60-80 MiB once the window is full.
+# 20m leaves room for scrapes and the status page. No CPU limit: CFS
+# throttling would stretch polls for no gain, and the request already keeps
+# kvwatch from starving vLLM. The memory limit is twice the measured peak.
+KVWATCH_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"}, "limits": {"memory": "160Mi"}}
+@dataclass(frozen=True)
+class DeploySettings:
+    """What the manifests are built from; see DEPLOY_FIELDS for each field's meaning."""
+
+    namespace: str = "vllm"
+    name: str = "vllm"
+    replicas: int = 1
+    image: str = f"kvwatch:{__version__}"
+    image_pull_policy: str = "IfNotPresent"
+    vllm_image: str = "vllm/vllm-openai:v0.32.0"
+    vllm_model: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    vllm_args: tuple[str, ...] = ()
+    vllm_port: int = 8000
+    vllm_resources: dict = field(default_factory=lambda: {
+        "requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
+        "limits": {"memory": "16Gi", "nvidia.com/gpu": "1"},
+    })
+    kvwatch_port: int = 9400
+    port_name: str = "kvwatch-metrics"
+    poll_interval: str = "5s"
+    window: str = "5m"
+    log_level: str = "info"
+    scrape_interval: str = "15s"
+    scrape_timeout: str = "10s"
+    job: str = "kvwatch"
+    resources: dict = field(default_factory=lambda: json.loads(json.dumps(KVWATCH_RESOURCES)))
+    labels: dict = field(default_factory=lambda: {"app.kubernetes.io/name": "vllm", "app.kubernetes.io/instance": "vllm"})
+    monitor_labels: dict = field(default_factory=lambda: {"release": "kube-prometheus-stack"})
+    grafana_folder: str = "kvwatch"
+    run_as_user: int = 10001
+
+    @property
+    def config_map_name(self) -> str:
+        return "kvwatch-config"
+
+    @property
+    def all_vllm_args(self) -> list[str]:
+        # vLLM's image runs `vllm serve`; the model is its positional argument.
+        return list(self.vllm_args) or [self.vllm_model, "--host", "0.0.0.0", "--port", str(self.vllm_port)]
+
+
+# field -> when to change it (also the documentation of the config contract).
+DEPLOY_FIELDS = {
+    "namespace": "namespace the base's kustomization puts everything in",
+    "name": "name of the example vLLM Deployment and its Service; the sidecar patch targets a Deployment of this name",
+    "replicas": "vLLM pods in the example Deployment; each carries its own kvwatch",
+    "image": "kvwatch image as pushed to your registry (kustomize `images:` can override it)",
+    "image_pull_policy": "pull policy of the kvwatch container",
+    "vllm_image": "vLLM image of the example Deployment",
+    "vllm_model": "model the example Deployment serves",
+    "vllm_args": "full argument list for `vllm serve` (replaces model/host/port when given)",
+    "vllm_port": "port vLLM serves on inside the pod; kvwatch polls http://127.0.0.1:<vllm_port>/metrics",
+    "vllm_resources": "resources of the vLLM container",
+    "kvwatch_port": "port kvwatch listens on (container port, Service port)",
+    "port_name": "name of kvwatch's container and Service port (at most 15 characters); monitors select it",
+    "poll_interval": "kvwatch's poll interval (config file key poll_interval)",
+    "window": "kvwatch's signal window (config file key window); keep it equal to the rules' rate() range",
+    "log_level": "kvwatch's log level",
+    "scrape_interval": "how often Prometheus scrapes kvwatch (ServiceMonitor/PodMonitor interval)",
+    "scrape_timeout": "scrape deadline; below scrape_interval",
+    "job": "the job label Prometheus gives kvwatch's series (the rules and dashboards select it)",
+    "resources": "kvwatch container resources (default sized from the benchmark)",
+    "labels": "labels on the vLLM pods and Service; the Service, ServiceMonitor and PodMonitor select by them",
+    "monitor_labels": "labels your Prometheus selects ServiceMonitors, PodMonitors and PrometheusRules by "
+                      "(kube-prometheus-stack: release=<helm release>)",
+    "grafana_folder": "Grafana folder for the dashboards (grafana_folder annotation of the Grafana sidecar)",
+    "run_as_user": "numeric uid kvwatch runs as; matches the image's USER",
+}
+assert set(DEPLOY_FIELDS) == {f.name for f in fields(DeploySettings)}
+
+
+def _get(source: Any, name: str) -> Any:
+    return source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+
+
+def deploy_settings(config: Any = None) -> DeploySettings:
+    """Read DeploySettings fields from `config.deploy`, or `config`, or a dict; absent fields keep defaults.
+    kvwatch's window follows the mixin's `rate_window` unless `window` is given, so the
+    sidecar's findings and the alerts look at the same span."""
+    source = config
+    values = {}
+    if source is not None:
+        nested = _get(source, "deploy")
+        if nested is not None:
+            rate_window = _get(source, "rate_window")
+            if isinstance(rate_window, str):
+                values["window"] = rate_window
+            source = nested
+    for f in fields(DeploySettings):
+        if source is None:
+            break
+        value = _get(source, f.name)
+        if value is None:
+            continue
+        if f.name == "vllm_args":
+            value = tuple(str(v) for v in value)
+        elif isinstance(value, dict):
+            value = json.loads(json.dumps(value))
+        values[f.name] = value
+    settings = DeploySettings(**values)
+    _check(settings)
+    return settings
+
+
+def _check(s: DeploySettings) -> None:
+    problems = []
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", s.port_name) or len(s.port_name) > 15 \
+            or not re.search("[a-z]", s.port_name):
+        problems.append(f"port_name {s.port_name!r} is not a valid port name (lowercase, digits, '-', at most 15)")
+    for key in ("kvwatch_port", "vllm_port"):
+        if not 1 <= int(getattr(s, key)) <= 65535:
+            problems.append(f"{key} {getattr(s, key)!r} is not a port")
+    if s.kvwatch_port == s.vllm_port:
+        problems.append("kvwatch_port and vllm_port share the pod's network namespace and must differ")
+    if not s.labels:
+        problems.append("labels must not be empty: the Service and monitors select pods by them")
+    # These land in kvwatch.yaml: check them the way `kvwatch serve` will.
+    from kvwatch.sidecar.settings import PARSERS
+
+    for key in ("poll_interval", "window", "log_level"):
+        try:
+            PARSERS[key](getattr(s, key))
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{key}: {exc}")
+    for key in ("scrape_interval", "scrape_timeout"):
+        if not re.fullmatch(r"(\d+(ms|s|m|h))+", str(getattr(s, key))):
+            problems.append(f"{key}: {getattr(s, key)!r} is not a Prometheus duration (e.g. 15s)")
+    if problems:
+        raise ValueError("deploy settings: " + "; ".join(problems))
+
 
 
 @dataclass(frozen=True)
@@ -207,8 +353,6 @@ class MixinConfig:
 
     @property
     def deploy_settings(self):
-        from kvwatch.mixin.manifests import deploy_settings
-
         return deploy_settings(self)
 
     @property
@@ -367,7 +511,6 @@ def _check_field(name: str, value: Any) -> list[str]:
         if not isinstance(value, dict):
             problems.append("deploy: must be a mapping")
         else:
-            from kvwatch.mixin.manifests import DEPLOY_FIELDS, deploy_settings
 
             unknown = sorted(set(value) - set(DEPLOY_FIELDS))
             for key in unknown:

@@ -13,6 +13,7 @@ datasource variable, a stable id and a place in the grid.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 from grafanalib import core as g
@@ -20,7 +21,7 @@ from grafanalib import core as g
 from kvwatch.mixin.alerts import runbook_anchor
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.promql import Fragments, Scope, indent, num
-from kvwatch.signals import QUANTILES, SIGNALS_BY_NAME
+from kvwatch.signals import QUANTILES, SIGNALS, SIGNALS_BY_NAME, UNITS
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
@@ -28,13 +29,6 @@ GRID_WIDTH = 24
 # Grafana 10.4's schema; Grafana migrates older ones on import, newer ones load as they are.
 SCHEMA_VERSION = 39
 
-UNITS = {
-    "ratio": "percentunit",
-    "seconds": "s",
-    "tokens": "short",
-    "requests": "short",
-    "per_second": "ops",
-}
 
 # dashboard key -> (uid suffix, title, description)
 DASHBOARDS = {
@@ -79,7 +73,7 @@ class Board:
     _x: int = 0
     _y: int = 0
     _line_height: int = 0
-    _next_id: int = 1
+    _taken: dict = field(default_factory=dict)
 
     @property
     def uid(self) -> str:
@@ -90,14 +84,19 @@ class Board:
             self._y += self._line_height
         self._x, self._line_height = 0, 0
 
-    def _take_id(self) -> int:
-        panel_id = self._next_id
-        self._next_id += 1
+    def _take_id(self, key: str) -> int:
+        """A panel's id comes from its key, not its position, so adding a
+        panel changes that panel alone in the generated JSON (and links to
+        the others' viewPanel stay valid)."""
+        panel_id = zlib.crc32(key.encode()) % 1_000_000_000 + 1
+        if panel_id in self._taken:
+            raise ValueError(f"panel keys {key!r} and {self._taken[panel_id]!r} share id {panel_id} on {self.key}")
+        self._taken[panel_id] = key
         return panel_id
 
     def row(self, title: str) -> None:
         self._new_line()
-        self.panels.append(g.RowPanel(title=title, id=self._take_id(),
+        self.panels.append(g.RowPanel(title=title, id=self._take_id(f"row:{title}"),
                                       gridPos=g.GridPos(h=1, w=GRID_WIDTH, x=0, y=self._y)))
         self._y += 1
 
@@ -109,7 +108,7 @@ class Board:
         grid = g.GridPos(h=spec.height, w=spec.width, x=self._x, y=self._y)
         self._x += spec.width
         self._line_height = max(self._line_height, spec.height)
-        panel_id = self._take_id()
+        panel_id = self._take_id(spec.key)
         self.ids[spec.key] = panel_id
         self.specs[spec.key] = spec
         self.panels.append(_panel(spec, panel_id, grid, self.config))
@@ -497,8 +496,21 @@ def first_token(config: MixinConfig) -> Board:
 BUILDERS = {"overview": overview, "exhaustion": exhaustion, "prefix_cache": prefix_cache, "first_token": first_token}
 
 
+def catalogue_panels(board: Board, config: MixinConfig) -> Board:
+    """A panel for each catalogue signal that names this board, after the
+    board's hand-laid panels: a new signal needs no code here."""
+    v = Views(config)
+    runbooks = {"exhaustion": ANCHOR_EXHAUSTED, "prefix": ANCHOR_HIT, "first_token": ANCHOR_TTFT,
+                "throughput": ANCHOR_THROUGHPUT}
+    for signal in SIGNALS:
+        if signal.panel == board.key:
+            board.add(PanelSpec(signal.name, signal.title or signal.name, signal.help, UNITS[signal.unit],
+                                [(v.sig(signal.name), v.engine_legend)], width=8, runbook=runbooks[signal.group]))
+    return board
+
+
 def boards(config: MixinConfig) -> dict[str, Board]:
-    return {key: builder(config) for key, builder in BUILDERS.items()}
+    return {key: catalogue_panels(builder(config), config) for key, builder in BUILDERS.items()}
 
 
 def file_name(key: str) -> str:

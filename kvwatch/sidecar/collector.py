@@ -22,13 +22,11 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from kvwatch import __version__
-from kvwatch.signals import ENGINE_SERIES, SIGNALS, engine_series_value
+from kvwatch.signals import ENGINE_SERIES, HEALTH_BY_NAME, INFO_KEYS, SIGNALS, engine_series_value
+from kvwatch.signals import IDENTITY as IDENTITY_LABELS
 from kvwatch.snapshot import Histogram
 
-IDENTITY = ["model_name", "engine"]
-# cache_config_info keys re-exported on kvwatch_engine_info (a bounded set, not
-# the whole open map, so the label set does not change with every vLLM release).
-INFO_KEYS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "kv_cache_size_tokens")
+IDENTITY = list(IDENTITY_LABELS)
 POLL_ERROR_REASONS = (
     "refused", "dns", "timeout", "tls", "connection", "disconnected", "http_3xx", "http_4xx", "http_5xx",
     "content_type", "too_large", "truncated", "decode", "no_engine_metrics", "error", "internal",
@@ -49,37 +47,37 @@ class KvwatchCollector(Collector):
         yield from self._findings(state)
 
     def _health(self, state):
-        up = GaugeMetricFamily("kvwatch_up", "1 if the latest poll of the engine's /metrics succeeded, else 0.")
+        up = _health_family("kvwatch_up")
         up.add_metric([], 1.0 if state.up else 0.0)
         yield up
-        info = GaugeMetricFamily("kvwatch_build_info", "kvwatch's version.", labels=["version"])
+        info = _health_family("kvwatch_build_info")
         info.add_metric([__version__], 1.0)
         yield info
-        polls = CounterMetricFamily("kvwatch_polls", "Polls of the engine's /metrics.")
+        polls = _health_family("kvwatch_polls")
         polls.add_metric([], state.polls)
         yield polls
-        errors = CounterMetricFamily("kvwatch_poll_errors", "Failed polls by reason.", labels=["reason"])
+        errors = _health_family("kvwatch_poll_errors")
         # Every known reason is present from the start so rate() works at once.
         for reason in sorted(set(POLL_ERROR_REASONS) | set(state.errors_by_reason)):
             errors.add_metric([reason], state.errors_by_reason.get(reason, 0))
         yield errors
-        parse = CounterMetricFamily("kvwatch_parse_errors", "Malformed lines in the engine's pages (skipped; the rest counts).")
+        parse = _health_family("kvwatch_parse_errors")
         parse.add_metric([], state.parse_errors)
         yield parse
-        dropped = CounterMetricFamily("kvwatch_dropped_series", "Engine series dropped by the max_series cap.")
+        dropped = _health_family("kvwatch_dropped_series")
         dropped.add_metric([], state.dropped_series)
         yield dropped
-        duration = GaugeMetricFamily("kvwatch_poll_duration_seconds", "Wall time of the latest poll.")
+        duration = _health_family("kvwatch_poll_duration_seconds")
         duration.add_metric([], state.poll_seconds)
         yield duration
-        cpu = GaugeMetricFamily("kvwatch_poll_cpu_seconds", "CPU time of the latest poll (fetch, parse, signals, diagnosis).")
+        cpu = _health_family("kvwatch_poll_cpu_seconds")
         cpu.add_metric([], state.poll_cpu_seconds)
         yield cpu
         if state.last_success_time is not None:
-            last = GaugeMetricFamily("kvwatch_last_success_timestamp_seconds", "Unix time of the latest successful poll.")
+            last = _health_family("kvwatch_last_success_timestamp_seconds")
             last.add_metric([], state.last_success_time)
             yield last
-        window = GaugeMetricFamily("kvwatch_window_seconds", "Span the windowed signals cover now.")
+        window = _health_family("kvwatch_window_seconds")
         window.add_metric([], state.window_seconds)
         yield window
 
@@ -93,8 +91,7 @@ class KvwatchCollector(Collector):
                 families[series.name] = CounterMetricFamily(series.name, series.help, labels=labels)
             else:
                 families[series.name] = HistogramMetricFamily(series.name, series.help, labels=labels)
-        info = GaugeMetricFamily("kvwatch_engine_info", "The engine's KV-cache configuration (from vllm:cache_config_info); "
-                                 "changes() on it marks a configuration change.", labels=IDENTITY + list(INFO_KEYS))
+        info = _health_family("kvwatch_engine_info")
         for (model, engine_id), engine in sorted(snapshot.engines.items()):
             cache_config = snapshot.cache_config.get(engine_id, {})
             for series in ENGINE_SERIES:
@@ -137,14 +134,16 @@ class KvwatchCollector(Collector):
                 yield family
 
     def _findings(self, state):
-        family = GaugeMetricFamily(
-            "kvwatch_finding",
-            "1 for each active diagnosis finding (absent when not active); see /api/v1/diagnosis for its evidence.",
-            labels=["symptom", "cause", "severity", "model_name", "engine"],
-        )
+        family = _health_family("kvwatch_finding")
         for finding in state.findings:
             family.add_metric([finding.symptom, finding.cause, finding.severity, finding.model, finding.engine or ""], 1.0)
         yield family
+
+
+def _health_family(name: str):
+    family = HEALTH_BY_NAME[name]
+    make = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
+    return make(family.name, family.help, labels=list(family.labels))
 
 
 def _le(bound: float) -> str:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
-from kvwatch.engines.vllm import VllmAdapter
+from kvwatch.diagnose import Change
+from kvwatch.engines import make_adapter
 from kvwatch.sidecar.report import public_url
 from kvwatch.scrape import Fetcher, FetchResult
 from kvwatch.sidecar.settings import Settings
@@ -47,17 +48,6 @@ def tune_garbage_collector() -> None:
 
 
 @dataclass(frozen=True)
-class Event:
-    """A change that invalidates comparisons across it."""
-
-    time: float
-    kind: str  # restart | cache_config | models | lora
-    model: str | None
-    engine: str | None
-    detail: str
-
-
-@dataclass(frozen=True)
 class State:
     up: bool = False
     reason: str | None = "not_polled_yet"
@@ -76,7 +66,7 @@ class State:
     per_engine: tuple[Evaluated, ...] = ()
     per_model: tuple[Evaluated, ...] = ()
     findings: tuple[diagnosis.Finding, ...] = ()
-    events: tuple[Event, ...] = ()
+    events: tuple[Change, ...] = ()
     upstream: dict[str, Any] | None = None
 
 
@@ -91,7 +81,7 @@ class Monitor:
             settings.ca_bundle,
             settings.tls_verify,
         )
-        self.adapter = VllmAdapter(max_series=settings.max_series)
+        self.adapter = make_adapter("vllm", max_series=settings.max_series)
         self.window = Window(settings.window)
         self.upstream = None
         if settings.upstream_target and settings.upstream_histogram:
@@ -102,7 +92,7 @@ class Monitor:
         self._errors: dict[str, int] = {}
         self._parse_errors = 0
         self._polls = 0
-        self._events: deque[Event] = deque(maxlen=MAX_EVENTS)
+        self._events: deque[Change] = deque(maxlen=MAX_EVENTS)
         self._lora_seen: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -241,22 +231,22 @@ class Monitor:
         if previous is None or len(self.window.entries) < 2:
             return
         for change in diagnosis.changes_between(self.window.entries[-2], self.window.entries[-1]):
-            self._event(change.time, change.kind, change.model, change.engine, change.detail)
+            self._event(change)
         # Running and waiting adapter lists change with every request; what
         # invalidates comparisons is an adapter never seen before, or max_lora.
         adapters = _lora_adapters(current.lora)
         new = adapters - self._lora_seen
         if self._lora_seen and new:
-            self._event(current.time, "lora", None, None, f"new LoRA adapters: {', '.join(sorted(new))}")
+            self._event(Change(current.time, "lora", None, None, f"new LoRA adapters: {', '.join(sorted(new))}"))
         self._lora_seen |= adapters
         before_max = (previous.lora or {}).get("max_lora")
         now_max = (current.lora or {}).get("max_lora")
         if before_max and now_max and before_max != now_max:
-            self._event(current.time, "lora", None, None, f"max_lora {before_max} -> {now_max}")
+            self._event(Change(current.time, "lora", None, None, f"max_lora {before_max} -> {now_max}"))
 
-    def _event(self, at: float, kind: str, model: str | None, engine: str | None, detail: str) -> None:
-        log.info("change: %s %s/%s: %s", kind, model or "*", engine or "*", detail)
-        self._events.append(Event(at, kind, model, engine, detail))
+    def _event(self, change: Change) -> None:
+        log.info("change: %s %s/%s: %s", change.kind, change.model or "*", change.engine or "*", change.detail)
+        self._events.append(change)
 
     def ready(self) -> tuple[bool, str]:
         """Ready when the latest poll succeeded and is recent. The answer is

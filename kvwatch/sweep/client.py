@@ -285,10 +285,6 @@ class Client:
         with self._inflight_lock:
             self._inflight.pop(id(worker), None)
 
-    def in_flight(self) -> int:
-        with self._inflight_lock:
-            return len(self._inflight)
-
     def abandon_all(self) -> int:
         """Shut down the socket of every request in flight (the server sees the
         client go away and aborts them); requests sent after this are abandoned
@@ -299,9 +295,6 @@ class Client:
         for sock in sockets:
             _shutdown(sock)
         return len(sockets)
-
-    def reset_abandon(self) -> None:
-        self._closing.clear()
 
 
 class Worker:
