@@ -18,6 +18,7 @@ every one of them.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import sys
@@ -34,6 +35,7 @@ from fuzz.pages import TTFT_BOUNDS, Engine, escape, page
 from fuzz.pipeline import Pipeline
 from kvwatch.engines.vllm import PREFIXES, VllmAdapter, all_families
 from kvwatch.exposition import SAMPLE_SUFFIXES
+from kvwatch.sidecar.report import diagnosis_json
 from kvwatch.signals import evaluate_window
 from kvwatch.window import Window
 
@@ -354,3 +356,67 @@ def test_one_model_name_per_request_is_capped_counted_and_memory_stays_flat(monk
     # give or take 20,000 blocks (about 1 MB; one poll adds 45,000).
     first, second = max(blocks[:15]), max(blocks[15:])
     assert second - first < 20_000, f"peak grew by {second - first} blocks in 15 polls: {blocks}"
+
+
+def test_model_names_changing_every_poll_keep_findings_events_and_details_bounded(monkeypatch):
+    """200 new served names each poll (a gateway that sets one name per
+    request), under max_series: each poll is a models change. Each change
+    and its findings keep at most MAX_NAMES names and say how many there
+    were, so the diagnosis stays the same size poll after poll (whole name
+    lists in every change and finding grew memory with the square of the
+    names: 1.38 GB, and a 323 MB /api/v1/diagnosis)."""
+    from kvwatch.diagnose.changes import MAX_NAMES
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
+        time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
+    pipeline = Pipeline(max_series=1000, window="60s")
+    sizes = []
+    for number in range(30):
+        clock[0] += 5
+        text = "".join(f'vllm:prompt_tokens_total{{model_name="gw-{number}-{n}",engine="0"}} {n}\n' for n in range(200))
+        state = pipeline.poll(text)
+        assert state.up
+        diagnosis = json.dumps(diagnosis_json(state, pipeline.settings))
+        sizes.append(len(diagnosis))
+    state = pipeline.monitor.state
+    models = [c for c in state.events if c.kind == "models"]
+    assert models and all(len(c.before) <= MAX_NAMES and len(c.after) <= MAX_NAMES for c in models)
+    assert all(len(c.detail) < 1000 and "(200 in all)" in c.detail for c in models)
+    assert all(len(str(f.evidence)) < 2000 for f in state.findings)
+    changed = [f for f in state.findings if f.cause == "model_changed"]
+    assert 0 < len(changed) <= MAX_NAMES * (len(pipeline.monitor.window.entries) + len(models))
+    # The window (60 s of 5 s polls) is full after 13 polls: from then on the
+    # diagnosis no longer grows.
+    assert max(sizes[15:]) <= 1.1 * sizes[14], sizes
+
+
+def test_a_new_lora_adapter_set_each_poll_is_forgotten_after_the_window(monkeypatch):
+    """running_lora_adapters names 50 new adapters each poll: kvwatch keeps
+    the adapters seen within the window only (the set used to grow for ever:
+    1.5 M names after 300 polls, still held after good pages returned), and
+    each event's detail names at most MAX_NAMES of them."""
+    from kvwatch.diagnose.changes import MAX_NAMES
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
+        time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
+    pipeline = Pipeline(window="30s")
+
+    def lora_page(names: list[str], prompt: int) -> str:
+        return page(Engine(prompt_tokens=prompt)) + (
+            f'vllm:lora_requests_info{{max_lora="4",running_lora_adapters="{",".join(names)}",'
+            f'waiting_lora_adapters=""}} {clock[0]}\n')
+
+    for number in range(100):
+        clock[0] += 5
+        assert pipeline.poll(lora_page([f"adapter-{number}-{n}" for n in range(50)], 100 * number)).up
+    seen = pipeline.monitor._lora_seen
+    assert len(seen) <= 50 * 8  # 30 s of 5 s polls, and the one at the horizon
+    lora = [c for c in pipeline.monitor.state.events if c.kind == "lora"]
+    assert lora and all("(50 in all)" in c.detail and len(c.detail) < 500 for c in lora)
+    assert MAX_NAMES < 50
+    for number in range(100, 110):  # good pages again: one adapter
+        clock[0] += 5
+        assert pipeline.poll(lora_page(["steady"], 100 * number)).up
+    assert set(seen) == {"steady"}

@@ -29,6 +29,7 @@ from kvwatch.window import Window
 log = logging.getLogger("kvwatch")
 
 MAX_EVENTS = 100
+MAX_LORA_NAMES = 10_000
 
 # A poll allocates a few hundred thousand short-lived objects at 64 engines
 # (samples, label tuples, snapshots), almost none in reference cycles, so
@@ -93,7 +94,10 @@ class Monitor:
         self._parse_errors = 0
         self._polls = 0
         self._events: deque[Change] = deque(maxlen=MAX_EVENTS)
-        self._lora_seen: set[str] = set()
+        # LoRA adapter name -> when last seen: only those seen within the
+        # window are kept (a page with a new adapter set each poll grew a set
+        # that never shrank to 1.5 M names), and at most MAX_LORA_NAMES.
+        self._lora_seen: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
@@ -235,10 +239,19 @@ class Monitor:
         # Running and waiting adapter lists change with every request; what
         # invalidates comparisons is an adapter never seen before, or max_lora.
         adapters = _lora_adapters(current.lora)
-        new = adapters - self._lora_seen
-        if self._lora_seen and new:
-            self._event(Change(current.time, "lora", None, None, f"new LoRA adapters: {', '.join(sorted(new))}"))
-        self._lora_seen |= adapters
+        seen = self._lora_seen
+        new = sorted(name for name in adapters if name not in seen)
+        if seen and new:
+            self._event(Change(current.time, "lora", None, None, f"new LoRA adapters: {diagnosis.names_text(new)}"))
+        for name in adapters:
+            seen.pop(name, None)  # re-inserted last: the dict stays in order of last sight
+            seen[name] = current.time
+        horizon = current.time - self.window.seconds
+        while seen:
+            oldest, at = next(iter(seen.items()))
+            if at >= horizon and len(seen) <= MAX_LORA_NAMES:
+                break
+            del seen[oldest]
         before_max = (previous.lora or {}).get("max_lora")
         now_max = (current.lora or {}).get("max_lora")
         if before_max and now_max and before_max != now_max:
