@@ -18,7 +18,7 @@ OPTIONS = {
     "poll_interval": "seconds between polls, e.g. 5 or 5s (default 5s)",
     "timeout": "fetch deadline (default 80%% of the poll interval)",
     "window": "span of the windowed signals, e.g. 5m (default 5m)",
-    "max_body_bytes": "cap on the engine's page size, e.g. 16MiB",
+    "max_body_bytes": "cap on the engine's page size (default 8MiB)",
     "max_series": "most (model, engine) pairs kept per poll",
     "bearer_token_file": "file holding a bearer token for the engine",
     "ca_bundle": "CA bundle to verify the engine's TLS certificate",

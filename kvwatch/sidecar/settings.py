@@ -37,9 +37,12 @@ class Settings:
     timeout: float | None = None
     # Signals are computed over this span; 5 m matches rate(...[5m]) in the rules.
     window: float = 300.0
-    # A real vLLM page is 50-300 KB; 16 MiB is far above any sane page and
-    # bounds memory against a runaway or hostile target.
-    max_body_bytes: int = 16 * 1024 * 1024
+    # A real vLLM page is 50-300 KB (64 engines write 2.2 MB); 8 MiB is far
+    # above any sane page and bounds memory against a runaway or hostile
+    # target. The pod's memory limit is derived from the peak the worst page
+    # under this cap costs (kvwatch/mixin/config.py, measured by `make bench`):
+    # change one, measure and change the other.
+    max_body_bytes: int = 8 * 1024 * 1024
     # Most (model, engine) pairs kept per poll; the rest are dropped and counted.
     max_series: int = 1000
     bearer_token_file: str | None = None
