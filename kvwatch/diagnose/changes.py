@@ -72,7 +72,7 @@ def changes_between(previous: Entry, entry: Entry) -> list[Change]:
     for (model, engine), step in sorted(entry.steps.items()):
         if step.restarted:
             found.append(Change(now.time, "restart", model, engine,
-                                "counters reset or _created moved: the engine restarted"))
+                                "the engine restarted: a new process start time, or counters that went down"))
     for engine, config in sorted(now.cache_config.items()):
         before = previous.snapshot.cache_config.get(engine)
         if before is not None and before != config:
