@@ -48,9 +48,11 @@ def record(
     clock: Callable[[], float] = time.time,
     monotonic: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    count: int | None = None,
 ) -> int:
-    """Fetch at 0, interval, 2*interval, ... up to `duration` (a slow fetch
-    skips the slots it missed, never bursts); returns the fetches made. A
+    """Fetch at 0, interval, 2*interval, ... up to `duration` or `count`
+    fetches (a slow fetch skips the slots it missed, never bursts); returns
+    the fetches made. A
     KeyboardInterrupt propagates: the caller closes the writer, which keeps
     what was recorded."""
     started = monotonic()
@@ -72,7 +74,7 @@ def record(
         now = monotonic()
         slot = max(slot + 1, int((now - started) / interval) + 1) if interval > 0 else slot + 1
         next_due = started + slot * interval
-        if next_due > deadline + 1e-9:
+        if next_due > deadline + 1e-9 or (count is not None and fetches >= count):
             return fetches
         sleep(max(0.0, next_due - monotonic()))
 

@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="the engine's /metrics URL (default: from --config or KVWATCH_TARGET)")
     parser.add_argument("--interval", default="5s", help="time between fetches (default 5s)")
     parser.add_argument("--duration", default="10m", help="how long to record (default 10m); Ctrl-C stops early")
+    parser.add_argument("--count", type=int, default=None, help="stop after this many fetches (default: none)")
     parser.add_argument("--out", required=True,
                         help="a new folder, or a file ending in .tar.gz for one bundle; never overwritten")
     parser.add_argument("--config", help="YAML config file of kvwatch serve (target, TLS, bearer token, size cap)")
@@ -54,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     interval, duration = values["--interval"], values["--duration"]
     if interval <= 0:
         return _fail(["--interval must be above 0"])
+    if args.count is not None and args.count < 1:
+        return _fail(["--count must be at least 1"])
     overrides = {"target": args.target, "poll_interval": interval, "window": max(300.0, 2 * interval),
                  "bearer_token_file": args.bearer_token_file, "ca_bundle": args.ca_bundle,
                  "tls_verify": args.tls_verify, "timeout": args.timeout, "max_body_bytes": args.max_body_bytes}
@@ -76,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     previous_term = _set_signal(signal.SIGTERM, _interrupt)
     try:
-        record(fetcher, writer, interval, duration, progress=lambda e, w: _progress(out, tty, e, w, started))
+        record(fetcher, writer, interval, duration, progress=lambda e, w: _progress(out, tty, e, w, started),
+               count=args.count)
     except KeyboardInterrupt:
         interrupted = True
     finally:
