@@ -54,7 +54,7 @@ class Settings:
     auth_token_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
-    # Diagnosis thresholds (see kvwatch/diagnose/ for every key and default).
+    # Diagnosis thresholds (see kvwatch/diagnose/thresholds.py for every key and default).
     diagnosis: dict[str, Any] = field(default_factory=dict)
 
     @property
