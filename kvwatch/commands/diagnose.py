@@ -4,6 +4,12 @@ model and engine and the active findings with their evidence and next check.
 Exit status: 0 when no warning or critical finding is active at the end, 1
 when one is, 2 when the configuration is bad or the target never answered
 with engine metrics. `--json` prints one object for scripts.
+
+`--replay CAPTURE` reads a capture (`kvwatch capture`) instead of a target:
+every recorded page goes through the sidecar's monitor at its recorded time,
+without waiting, and the report is the timeline of findings (when each
+started and ended, its evidence at the worst point). Exit status 1 when a
+warning or critical finding occurred anywhere in the capture.
 """
 
 from __future__ import annotations
@@ -30,11 +36,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", default="2s", help="time between polls (default 2s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--config", help="YAML config file (diagnosis thresholds, TLS, upstream, ...)")
+    parser.add_argument("--replay", metavar="CAPTURE",
+                        help="replay a capture folder or .tar.gz bundle at its recorded times instead of polling")
+    parser.add_argument("--window", default=None,
+                        help="with --replay: span of the windowed signals (default: kvwatch serve's, 5m)")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvwatch.sidecar.monitor import Monitor
 
+    if args.replay:
+        return run_replay(args)
     problems = []
     duration = interval = None
     for flag, raw in (("--duration", args.duration), ("--interval", args.interval)):
@@ -167,3 +179,104 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
         print(f"\nUPSTREAM {upstream['histogram']}: {'up' if upstream['up'] else 'down ' + str(upstream['reason'])}, "
               f"mean {format_value(upstream['mean_seconds'], 'seconds')}, p95 "
               f"{format_value(upstream['p95_seconds'], 'seconds')}", file=out)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from kvwatch.capture.bundle import Capture, CaptureError
+    from kvwatch.capture.replay import replay
+    from kvwatch.sidecar.monitor import Monitor
+
+    try:
+        capture = Capture(args.replay)
+    except CaptureError as exc:
+        return _fail([str(exc)])
+    try:
+        settings = replay_settings(capture, args.config, args.window)
+    except SettingsError as exc:
+        return _fail(exc.problems)
+    try:
+        timeline = replay(capture, lambda source: Monitor(settings, fetcher=source, clock=source.now))
+    except CaptureError as exc:
+        return _fail([str(exc)])
+    report = timeline.to_json()
+    actionable = any(e.worst["severity"] in ("critical", "warning") for e in timeline.episodes)
+    manifest = capture.manifest
+    if args.json:
+        print(json.dumps(_clean_json({
+            "capture": str(args.replay),
+            "target": manifest.get("target"),
+            "kvwatch_version_recorded": manifest.get("kvwatch_version"),
+            "engine": manifest.get("engine"),
+            "interrupted": manifest.get("interrupted", False),
+            "window_seconds": settings.window,
+            **report,
+            "exit_code": EXIT_FINDINGS if actionable else EXIT_OK,
+        }), indent=2))
+    else:
+        print_timeline(sys.stdout, capture, settings, timeline)
+    if timeline.polls == timeline.failed:
+        return EXIT_UNUSABLE
+    return EXIT_FINDINGS if actionable else EXIT_OK
+
+
+def replay_settings(capture, config: str | None, window: str | None):
+    """The sidecar's settings for a replay: the config's thresholds and
+    window, the recorded target and interval."""
+    interval = float(capture.manifest.get("interval_seconds") or 5.0)
+    overrides = {"target": capture.manifest.get("target") or None, "poll_interval": interval, "window": window,
+                 "upstream_target": "", "upstream_histogram": ""}
+    settings = load_settings(config, overrides, environ={})
+    if settings.window < 2 * interval:
+        raise SettingsError([f"window ({settings.window:g}s) must hold at least two recorded pages "
+                             f"({interval:g}s apart)"])
+    return settings
+
+
+def _clean_json(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: _clean_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean_json(v) for v in value]
+    return value
+
+
+def _clock(at: float | None, origin: float | None) -> str:
+    if at is None:
+        return "-"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at))
+    if origin is None:
+        return stamp + "Z"
+    offset = int(round(at - origin))
+    return f"{stamp}Z (+{offset // 3600}:{offset // 60 % 60:02d}:{offset % 60:02d})"
+
+
+def print_timeline(out: TextIO, capture, settings, timeline) -> None:
+    manifest = capture.manifest
+    print(f"kvwatch diagnose --replay {capture.path}: {manifest.get('target')}, engine "
+          f"{manifest.get('engine') or 'not recognised'}, recorded by kvwatch {manifest.get('kvwatch_version')}"
+          + (" (interrupted)" if manifest.get("interrupted") else ""), file=out)
+    print(f"  {timeline.polls} polls ({timeline.failed} failed) every {settings.poll_interval:g}s from "
+          f"{_clock(timeline.first, None)} to {_clock(timeline.last, timeline.first)}, window "
+          f"{settings.window:g}s", file=out)
+    origin = timeline.first
+    print(f"\nFINDINGS ({len(timeline.episodes)} episodes)", file=out)
+    if not timeline.episodes:
+        print("  none", file=out)
+    for episode in timeline.episodes:
+        worst = episode.worst
+        where = episode.model + (f"/{episode.engine}" if episode.engine is not None else "")
+        until = "end of capture (still active)" if episode.active_at_end else _clock(episode.end, origin)
+        print(f"\n  {worst['severity'].upper():8}  {episode.symptom} / {episode.cause}  [{where}]  "
+              f"confidence {worst['confidence']}", file=out)
+        print(f"    from {_clock(episode.start, origin)} to {until}, {episode.polls} polls", file=out)
+        for label, text in (("worst at " + _clock(worst["time"], origin) + ": ", worst["summary"]),
+                            ("evidence: ", format_evidence(worst["evidence"])), ("next: ", worst["next_check"])):
+            print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "),
+                  file=out)
+    if timeline.outages:
+        print("\nFAILED FETCHES", file=out)
+        for outage in timeline.outages:
+            print(f"  {_clock(outage['start'], origin)} to {_clock(outage['end'], origin)}: {outage['reason']} "
+                  f"x{outage['polls']} {outage['detail']}".rstrip(), file=out)
