@@ -333,6 +333,8 @@ def test_a_sweep_with_a_baseline_repeats_its_prompts_and_compares_an_fp8_cache(t
     assert first["server"]["prompt_recipe"]["method"] == "calibrated-words"
     assert first["quality_probe"]["status"] == "measured"
     assert first["cells"][0]["other_traffic"] is False
+    assert "- quality probe: measured, 8 of 8 greedy prompts answered" in \
+        (before / "summary.md").read_text()
     # The baseline's prompts again: its seed and recipe.
     assert second["config"]["seed"] == first["config"]["seed"]
     assert second["server"]["prompt_recipe"] == first["server"]["prompt_recipe"]
