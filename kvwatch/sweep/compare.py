@@ -187,7 +187,7 @@ def what_changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     precision = None
     bpt_b, bpt_a = b["kv_bytes_per_token"], a["kv_bytes_per_token"]
     dtype_b, dtype_a = b["cache"].get("cache_dtype"), a["cache"].get("cache_dtype")
-    if dtype_b != dtype_a and (dtype_b or dtype_a):
+    if dtype_b != dtype_a and dtype_b is not None and dtype_a is not None:
         precision = f"the KV cache dtype changed: {_show(dtype_b)} -> {_show(dtype_a)}"
     if bpt_b and bpt_a and abs(bpt_b - bpt_a) > 0.01 * max(bpt_b, bpt_a):
         settings.append({"what": "KV bytes per token", "before": round(bpt_b, 2),
@@ -199,7 +199,9 @@ def what_changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
             precision = (f"the KV cache holds a token in {bpt_a:g} B instead of {bpt_b:g} B under "
                          f"cache_dtype {_show(dtype_a)}, which follows the model's dtype: the "
                          "model's dtype, and with it the cache's precision, changed")
-    for key in CACHE_KEYS + tuple(sorted((set(b["cache"]) | set(a["cache"])) - set(CACHE_KEYS)
+    # Beyond the main settings, labels one sweep did not record (an older kvwatch
+    # kept six) or one vLLM version does not have are not changes of the server.
+    for key in CACHE_KEYS + tuple(sorted((set(b["cache"]) & set(a["cache"])) - set(CACHE_KEYS)
                                          - {"engine"})):
         differ(settings, f"cache_config_info {key}", b["cache"].get(key), a["cache"].get(key))
     differ(settings, "vLLM version", b["vllm_version"], a["vllm_version"])
