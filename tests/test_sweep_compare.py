@@ -218,6 +218,11 @@ def test_compare_command_writes_files_and_exits_1_on_refused_cells(tmp_path, cap
                  "--no-plots"]) == 0
     assert main(["sweep", "--compare", str(before), str(tmp_path / "nowhere")]) == 2
     assert "--compare: " in capsys.readouterr().err and "no sweep.json" in load_error(tmp_path)
+    # Without --compare, measuring still needs its flags.
+    with pytest.raises(SystemExit) as exited:
+        main(["sweep", "--model", "m", "--requests", "1"])
+    assert exited.value.code == 2
+    assert "the following arguments are required: --base-url, --input-tokens" in capsys.readouterr().err
 
 
 def load_error(tmp_path: Path) -> str:
@@ -226,13 +231,6 @@ def load_error(tmp_path: Path) -> str:
     except ValueError as error:
         return str(error)
     return ""
-
-
-def test_measuring_still_needs_its_flags_without_compare(capsys):
-    with pytest.raises(SystemExit) as exited:
-        main(["sweep", "--model", "m", "--requests", "1"])
-    assert exited.value.code == 2
-    assert "the following arguments are required: --base-url, --input-tokens" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------
