@@ -32,7 +32,8 @@ def test_every_vllm_family_read_is_listed_with_its_releases_and_what_happens_whe
     section = text[text.index("## vLLM families kvwatch reads"):]
     for family in vllm.all_families():
         assert family in vllm.VERSIONS, family
-        rows = [line for line in section.splitlines() if line.startswith(f"| `vllm:{family}")]
+        rows = [line for line in section.splitlines()
+                if line.startswith((f"| `vllm:{family}`", f"| `vllm:{family}{{"))]
         assert rows, family
         assert all(vllm.VERSIONS[family] in row for row in rows), family
     gated = [line for line in section.splitlines() if line.startswith("| `vllm:kv_block_reuse_gap_seconds`")]
