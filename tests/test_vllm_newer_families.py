@@ -265,3 +265,42 @@ def test_reuse_shortfall_from_residency_histograms(fixtures_dir):
     third = capture(fixtures_dir, "long-load") + residency({1: 10, 60: 30}, {10: 10, 1: 40})
     v = values(window_of([second, third])).values
     assert v["kvwatch_kv_cache_reuse_shortfall_blocks"] == 0.0
+
+
+# --- answers in the diagnosis ----------------------------------------------------
+
+
+def test_exhaustion_finding_says_broad_pressure_from_preemptions_per_request(fixtures_dir):
+    from kvwatch.diagnose import diagnose
+
+    window = window_of([capture(fixtures_dir, n) for n in ("idle", "prefix-load", "load", "long-load")])
+    per_engine, _ = evaluate_window(window)
+    findings = [f for f in diagnose(window, per_engine, (), {}) if f.symptom == "exhaustion"]
+    assert findings
+    evidence = findings[0].evidence
+    # 32 finished, 30 with at most one preemption, 12 preemptions: >= 4/12 on repeats
+    assert evidence["preemptions_on_repeat_requests_ratio_at_least"] == pytest.approx(4 / 12, abs=1e-4)
+    assert evidence["preemption_shape"] == "broad_pressure"
+
+
+class _Ctx:
+    def __init__(self, histogram, block_size):
+        self.cache_config = {"block_size": str(block_size)}
+        self._histogram = histogram
+
+    def histogram(self, key):
+        return self._histogram if key == "prompt_len" else None
+
+
+def test_block_floor_tells_a_prefix_shorter_than_a_block_from_no_shared_prefix(fixtures_dir):
+    from kvwatch.diagnose.hit_rate import block_floor
+
+    window = window_of([capture(fixtures_dir, n) for n in ("prefix-load", "load")])
+    prompts = window.increase(KEY).histograms["prompt_len"]  # 5 prompts in (500, 1000]
+    assert prompts.count == 5
+    # block 32: no prompt within one block, so a 0 % ratio means no shared prefix
+    assert block_floor(_Ctx(prompts, 32))["no_reuse_kind"] == "no_shared_prefix"
+    # a 1024-token block: every prompt fits in one block, so no prefix can hit
+    floor = block_floor(_Ctx(prompts, 1024))
+    assert floor["prompts_within_one_block_ratio"] == 1.0
+    assert floor["no_reuse_kind"] == "prefix_shorter_than_block"
