@@ -61,7 +61,9 @@ NEXT_CHECK = {
         "same engine.",
     "no_reuse":
         "Nothing to repair in the cache: these prompts share no prefix. If they should, put the shared text first and "
-        "keep it byte-identical across requests.",
+        "keep it byte-identical across requests. When the evidence says prefix_shorter_than_block, the shared text is "
+        "shorter than one KV block and can never hit: lengthen the shared part past block_size or use a smaller "
+        "--block-size.",
     "queueing_kv_bound":
         "The queue waits for KV blocks (see the exhaustion finding): fewer or shorter concurrent requests, or a larger "
         "cache, shorten it.",
