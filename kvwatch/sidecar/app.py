@@ -1,5 +1,5 @@
 """The HTTP surface: /, /metrics, /healthz, /readyz, /api/v1/signals,
-/api/v1/diagnosis. Every handler reads the monitor's current State; none
+/api/v1/diagnosis, /api/v1/series. Every handler reads the monitor's current State; none
 touches the engine."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvwatch import __version__
 from kvwatch.sidecar.collector import Renderer, make_registry
 from kvwatch.sidecar.report import diagnosis_json, signals_json
+from kvwatch.sidecar.series import series_json
 from kvwatch.sidecar.statuspage import render_status_page
 
 OPEN_PATHS = ("/healthz", "/readyz")
@@ -102,6 +103,10 @@ def create_app(monitor, settings=None) -> FastAPI:
     @app.get("/api/v1/diagnosis")
     def diagnosis() -> JSONResponse:
         return JSONResponse(diagnosis_json(monitor.state, settings))
+
+    @app.get("/api/v1/series")
+    def series() -> JSONResponse:
+        return JSONResponse(series_json(monitor.state, settings))
 
     app.add_middleware(HotPaths, monitor=monitor, exposition=serve_exposition, token=token)
     return app

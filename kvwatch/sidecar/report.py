@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from kvwatch.diagnose.thresholds import resolve_thresholds
 from kvwatch.signals import SIGNALS
 
 
@@ -69,6 +70,9 @@ def signals_json(state, settings) -> dict[str, Any]:
         "cache_config": snapshot.cache_config if snapshot else {},
         "sources": snapshot.sources if snapshot else {},
         "events": [asdict(e) for e in state.events],
+        # The diagnosis' thresholds in force (defaults overlaid with the
+        # settings' `diagnosis:`): the page colours values by these.
+        "thresholds": resolve_thresholds(settings.diagnosis),
     }
 
 
