@@ -7,6 +7,7 @@ with nothing but the `chromium` package and the standard library."""
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import queue
@@ -39,8 +40,14 @@ class Browser:
             raise BrowserError("chromium is not installed (make test installs it)")
         self.timeout = timeout
         self.profile = tempfile.mkdtemp(prefix="kvwatch-chromium-")
-        to_child_read, self._write = os.pipe()
-        self._read, from_child_write = os.pipe()
+        child_in, self._write = os.pipe()
+        self._read, child_out = os.pipe()
+        # Moved above 9 first, so that dup2 onto 3 and 4 in the child never
+        # meets one of them already sitting there.
+        to_child_read = fcntl.fcntl(child_in, fcntl.F_DUPFD_CLOEXEC, 10)
+        from_child_write = fcntl.fcntl(child_out, fcntl.F_DUPFD_CLOEXEC, 10)
+        os.close(child_in)
+        os.close(child_out)
 
         def wire_pipes():  # in the child: the protocol expects fds 3 (in) and 4 (out)
             os.dup2(to_child_read, 3)

@@ -74,6 +74,22 @@ CAUSE_TITLES = {
     "cache_config_changed": "the cache configuration changed",
     "engine_restarted": "the engine restarted",
 }
+# Why a poll failed, as the end of the sentence "kvwatch cannot read the
+# engine's metrics at <target>: ..." (the poll's own detail is folded below it).
+FAILURE_TEXTS = {
+    "not_polled_yet": "it has not been polled yet",
+    "refused": "the connection was refused (is the engine running and listening on that port?)",
+    "dns": "its host name does not resolve",
+    "timeout": "it did not answer within the fetch timeout",
+    "tls": "the TLS handshake failed",
+    "content_type": "it answered with something other than Prometheus text",
+    "too_large": "its page is larger than the size cap",
+    "truncated": "its page was cut off",
+    "decode": "its page could not be decoded",
+    "no_engine_metrics": "its page holds no vLLM engine metrics",
+    "internal": "kvwatch itself failed while polling (see its log)",
+}
+
 # The two or three evidence values that decided each cause: highlighted on
 # its card (the rest of the evidence is folded away). The first present win.
 DECIDING = {
@@ -412,10 +428,11 @@ SCRIPT = r"""
   }
 
   function downSentence(signals) {
-    var why = (signals.reason || "no answer").replace(/_/g, " ") + (signals.detail ? ": " + signals.detail : "");
+    var reason = signals.reason || "";
+    var why = meta.failures[reason] || (/^http_/.test(reason) ? "it answered HTTP " + reason.slice(5) : "the poll failed (" + reason + ")");
     var last = signals.last_success_time ? "The last good poll was at " + clock(signals.last_success_time) + "." :
       "No poll has succeeded yet.";
-    return "kvwatch cannot read the engine's metrics at " + (signals.target || "its target") + " (" + why + "). " + last;
+    return "kvwatch cannot read the engine's metrics at " + (signals.target || "its target") + ": " + why + ". " + last;
   }
 
   function renderBanner(signals, diagnosis) {
@@ -426,6 +443,7 @@ SCRIPT = r"""
       div.setAttribute("data-state", "down");
       add(div, add(el("div", "head"), el("span", "pill critical", "down"), document.createTextNode("Engine not read")),
         el("p", null, downSentence(signals)));
+      if (signals.detail) add(div, add(el("details"), el("summary", null, "The poll's error"), el("code", null, signals.detail)));
     } else if (!findings.length) {
       div.className += " sev-ok";
       div.setAttribute("data-state", "ok");
@@ -772,6 +790,7 @@ def page_meta() -> dict[str, Any]:
         "causes": CAUSE_TITLES,
         "deciding": {cause: list(keys) for cause, keys in DECIDING.items()},
         "severities": list(SEVERITIES),
+        "failures": FAILURE_TEXTS,
     }
 
 
