@@ -240,7 +240,8 @@ header{display:flex;flex-wrap:wrap;gap:4px 16px;align-items:baseline}
 .pill{display:inline-block;font-size:11px;font-weight:700;text-transform:uppercase;letter-spacing:.04em;
 padding:1px 7px;border-radius:10px;color:#fff;background:var(--muted);vertical-align:2px;margin-right:6px}
 .pill.critical{background:var(--bad)}.pill.warning{background:var(--warn)}.pill.info{background:var(--info)}
-.pill.ok{background:var(--ok)}
+.pill.ok{background:var(--ok)}.pill,td{overflow-wrap:normal}.pill{white-space:nowrap}
+#engines td:first-child{white-space:nowrap}
 .figures{display:grid;grid-template-columns:repeat(auto-fill,minmax(170px,1fr));gap:8px}
 .fig{background:var(--panel);border:1px solid var(--line);border-top:4px solid var(--line);border-radius:8px;
 padding:8px 12px}
@@ -281,6 +282,8 @@ details{margin-top:6px}summary{cursor:pointer;color:var(--muted);font-size:12px}
 details table{font-size:12px;margin-top:4px}
 ul.changes{padding-left:18px;margin:0}
 @media (max-width:720px){main{padding:8px}.fig .value{font-size:24px}.wide{display:none}
+#engines .pill{font-size:0;width:10px;height:10px;padding:0;vertical-align:0;margin-right:4px}
+#engines th,#engines td{padding:5px 3px;font-size:13px}
 .figures{grid-template-columns:repeat(2,minmax(0,1fr))}}
 """.strip()
 
