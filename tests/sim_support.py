@@ -117,6 +117,11 @@ class _SimClock:
     def time(self) -> float:
         return SIM_BASE + self.sim.now
 
+    def monotonic(self) -> float:
+        # The monitor stamps snapshots with its wall-clock offset plus the
+        # monotonic clock: both follow the simulation.
+        return self.sim.now
+
     def __getattr__(self, name):
         return getattr(self._real, name)
 
@@ -150,13 +155,13 @@ def sim_monitor(scenario: str | list[tuple[str, float]], until: float, engines: 
     settings = load_settings(overrides=overrides, environ={})
     first = load_scenario(fleet[0][0])
     settings.diagnosis = thresholds if thresholds is not None else {"max_num_seqs": first.engine.max_num_seqs}
-    monitor = Monitor(settings)
-    monitor.fetcher = _SimFetcher(sims)
     clock_sim = sims[0]
     start = clock_sim.now
     real = monitor_module.time
     monitor_module.time = _SimClock(clock_sim)
     try:
+        monitor = Monitor(settings)
+        monitor.fetcher = _SimFetcher(sims)
         elapsed = 0.0
         while elapsed < until - 1e-9:
             step = min(until - elapsed, every)
@@ -167,4 +172,7 @@ def sim_monitor(scenario: str | list[tuple[str, float]], until: float, engines: 
     finally:
         monitor_module.time = real
     assert clock_sim.now == start + until
+    # Stamped on the simulated clock (a monitor reading another clock would
+    # put the whole run inside a few real milliseconds).
+    assert monitor.state.snapshot.time == SIM_BASE + clock_sim.now, "the monitor no longer reads the patched clock"
     return monitor
