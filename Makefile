@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm capture-vllm bench generate check-generated system-deps clean
+.PHONY: run test test-vllm capture-vllm bench generate check-generated screenshots system-deps clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ capture-vllm: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# The status page in its tested states, as PNGs under docs/screenshots/ (needs Chromium).
+screenshots: $(STAMP) system-deps
+	$(PY) scripts/screenshots.py
 
 generate: $(STAMP)
 	$(VENV)/bin/kvwatch generate

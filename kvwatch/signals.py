@@ -36,16 +36,28 @@ QUANTILES = (0.5, 0.95, 0.99)
 TREND_SECONDS = 300.0
 TREND_RANGE = "5m"
 
-# A catalogue unit -> Grafana's unit for it.
-UNITS = {
-    "ratio": "percentunit",
-    "seconds": "s",
-    "tokens": "short",
-    "requests": "short",
-    "per_second": "ops",
-    "bytes": "bytes",
-    "blocks": "short",
-    "state": "short",
+# A catalogue unit -> how each surface shows it: Grafana's unit, and the word
+# a person reads beside a bare number on the status page and in the CLI ("" where
+# the formatted value already says it: 12.5%, 340 ms, 3.1/s).
+@dataclass(frozen=True)
+class Unit:
+    grafana: str
+    label: str
+
+
+UNITS: dict[str, Unit] = {
+    "ratio": Unit("percentunit", ""),
+    "seconds": Unit("s", ""),
+    "tokens": Unit("short", "tokens"),
+    "requests": Unit("short", "requests"),
+    "per_second": Unit("ops", ""),
+    "bytes": Unit("bytes", "bytes"),
+    "blocks": Unit("short", "blocks"),
+    "state": Unit("short", ""),
+    "preemptions": Unit("short", "preemptions"),
+    "failures": Unit("short", "failures"),
+    "notifications": Unit("short", "notifications"),
+    "transfers": Unit("short", "transfers"),
 }
 
 
@@ -296,6 +308,9 @@ class Signal:
     # on the page the signal is absent, and /api/v1/signals says so (and
     # names the flag, for a config-gated family).
     needs: tuple[str, ...] = ()
+    # What a person reads: the status page and `kvwatch diagnose` label the
+    # signal with this (the unit is shown beside it, from `unit`).
+    display: str = ""
 
 
 def _clamp01(value: float | None) -> float | None:
@@ -579,29 +594,29 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvwatch_kv_cache_usage_ratio", "ratio",
            "KV-cache usage now, 0..1, clamped (vllm:kv_cache_usage_perc / vllm:gpu_cache_usage_perc).",
            _usage, "exhaustion", "max by ({by}) (kvwatch_engine_kv_cache_usage_ratio{{{sel}}})",
-           record=("kvwatch_kv_cache_usage_ratio", "max")),
+           display="KV cache usage", record=("kvwatch_kv_cache_usage_ratio", "max")),
     Signal("kvwatch_kv_cache_usage_max_ratio", "ratio",
            "Highest KV-cache usage seen in the window (vllm:kv_cache_usage_perc).",
            lambda v: _clamp01(v.usage_max), "exhaustion",
            "max by ({by}) (max_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[{w}]))",
-           record=("kvwatch_kv_cache_usage_ratio", "max_over_time{w}")),
+           display="KV cache usage, window peak", record=("kvwatch_kv_cache_usage_ratio", "max_over_time{w}")),
     Signal("kvwatch_kv_cache_capacity_tokens", "tokens",
            "KV-cache capacity in tokens (vllm:cache_config_info).",
            lambda v: v.capacity_tokens, "exhaustion",
            "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})",
-           record=("kvwatch_kv_cache_capacity_tokens", "sum")),
+           display="KV cache capacity", record=("kvwatch_kv_cache_capacity_tokens", "sum")),
     Signal("kvwatch_kv_cache_free_tokens", "tokens",
            "KV-cache headroom in tokens: capacity x (1 - usage) (vllm:cache_config_info, vllm:kv_cache_usage_perc).",
            _free_tokens, "exhaustion",
            "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}} * (1 - kvwatch_engine_kv_cache_usage_ratio{{{sel}}}))",
-           record=("kvwatch_kv_cache_free_tokens", "sum")),
+           display="KV cache headroom", record=("kvwatch_kv_cache_free_tokens", "sum")),
     Signal("kvwatch_kv_cache_used_bytes", "bytes",
            "KV-cache bytes held now: usage x the cache's bytes, rounded to a whole byte "
            "(vllm:kv_cache_usage_perc, vllm:cache_config_info kv_cache_memory_bytes; absent before vLLM 0.24).",
            _used_bytes, "exhaustion",
            "sum by ({by}) (clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * kvwatch_engine_kv_cache_memory_bytes{{{sel}}})",
            panel="overview", title="KV bytes in use",
-           record=("kvwatch_kv_cache_used_bytes", "sum")),
+           display="KV cache in use", record=("kvwatch_kv_cache_used_bytes", "sum")),
     Signal("kvwatch_kv_cache_capacity_requests", "requests",
            "Concurrent requests the KV capacity holds at the window's mean prompt+generation length, block-rounded; a bound, not a promise "
            "(vllm:cache_config_info, vllm:request_prompt_tokens, vllm:request_generation_tokens).",
@@ -609,46 +624,46 @@ SIGNALS: tuple[Signal, ...] = (
            "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})\n/ on ({by}) (\n"
            + _mean_promql("kvwatch_engine_request_prompt_tokens") + "\n+ on ({by})\n"
            + _mean_promql("kvwatch_engine_request_generation_tokens") + "\n)",
-           record=("kvwatch_kv_cache_capacity_requests", "ratio_rate{w}")),
+           display="Requests the cache holds", record=("kvwatch_kv_cache_capacity_requests", "ratio_rate{w}")),
     Signal("kvwatch_preemptions_per_second", "per_second",
            "Preemptions per second over the window (vllm:num_preemptions_total).",
            _rate("preemptions"), "exhaustion",
            "sum by ({by}) (rate(kvwatch_engine_preemptions_total{{{sel}}}[{w}]))",
-           record=("kvwatch_preemptions", "rate{w}")),
+           display="Preemptions", record=("kvwatch_preemptions", "rate{w}")),
     Signal("kvwatch_requests_running", "requests",
            "Requests running now (vllm:num_requests_running).",
            lambda v: v.gauge("running"), "exhaustion",
            "sum by ({by}) (kvwatch_engine_requests_running{{{sel}}})",
-           record=("kvwatch_requests_running", "sum")),
+           display="Running", record=("kvwatch_requests_running", "sum")),
     Signal("kvwatch_requests_running_max", "requests",
            "Most requests running at once in the window: the concurrency actually reached (vllm:num_requests_running).",
            lambda v: v.running_max, "exhaustion",
            "sum by ({by}) (max_over_time(kvwatch_engine_requests_running{{{sel}}}[{w}]))",
-           record=("kvwatch_requests_running", "max_over_time{w}")),
+           display="Running, window peak", record=("kvwatch_requests_running", "max_over_time{w}")),
     Signal("kvwatch_requests_waiting", "requests",
            "Requests waiting now (vllm:num_requests_waiting).",
            lambda v: v.gauge("waiting"), "exhaustion",
            "sum by ({by}) (kvwatch_engine_requests_waiting{{{sel}}})",
-           record=("kvwatch_requests_waiting", "sum")),
+           display="Waiting", record=("kvwatch_requests_waiting", "sum")),
     Signal("kvwatch_requests_waiting_by_reason", "requests",
            "Requests waiting now by reason: capacity (no KV blocks) or deferred (vllm:num_requests_waiting_by_reason, vLLM 0.20+).",
            _waiting_by_reason, "exhaustion",
            "sum by ({by}, reason) (kvwatch_engine_requests_waiting_by_reason{{{sel}}})", label="reason",
-           record=("kvwatch_requests_waiting", "sum")),
+           record=("kvwatch_requests_waiting", "sum"), display="Waiting by reason"),
     # --- KV blocks, occupancy and trend ---
     Signal("kvwatch_kv_cache_used_blocks", "blocks",
            "KV blocks held now, whole: usage x (num_gpu_blocks - 1), since vLLM keeps one null block aside "
            "(vllm:kv_cache_usage_perc, vllm:cache_config_info; absent on hybrid models, whose blocks differ by group).",
            _used_blocks, "exhaustion",
            "sum by ({by}) (round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)))",
-           record=("kvwatch_kv_cache_used_blocks", "sum")),
+           record=("kvwatch_kv_cache_used_blocks", "sum"), display="KV blocks in use"),
     Signal("kvwatch_kv_cache_free_blocks", "blocks",
            "KV blocks free now, whole (evictable prefix-cache blocks count as free): the capacity ceiling left, "
            "(num_gpu_blocks - 1) - used (vllm:kv_cache_usage_perc, vllm:cache_config_info).",
            _free_blocks, "exhaustion",
            "sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) - round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)))",
            panel="exhaustion", title="Free KV blocks (the ceiling left)",
-           record=("kvwatch_kv_cache_free_blocks", "sum")),
+           record=("kvwatch_kv_cache_free_blocks", "sum"), display="KV blocks free"),
     Signal("kvwatch_kv_cache_token_usage_estimate_ratio", "ratio",
            "Estimated share of the cache's token slots holding tokens: usage counts whole blocks and each running "
            "request's last block is on average half filled, so this is (used blocks x block_size - running x "
@@ -657,7 +672,7 @@ SIGNALS: tuple[Signal, ...] = (
            token_usage_estimate, "exhaustion",
            "sum by ({by}) (clamp_min(round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)) * kvwatch_engine_kv_cache_block_size_tokens{{{sel}}} - kvwatch_engine_requests_running{{{sel}}} * (kvwatch_engine_kv_cache_block_size_tokens{{{sel}}} - 1) / 2, 0))\n/\n"
            "sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) * kvwatch_engine_kv_cache_block_size_tokens{{{sel}}})",
-           record=("kvwatch_kv_cache_token_usage_estimate", "ratio")),
+           record=("kvwatch_kv_cache_token_usage_estimate", "ratio"), display="KV token slots filled (estimate)"),
     Signal("kvwatch_kv_cache_exhaustion_eta_seconds", "seconds",
            "Seconds until KV usage reaches 1 at its least-squares trend over the last 5 minutes (PromQL deriv()), the "
            "soonest engine; absent unless usage rises and is now at least its 5-minute mean (vllm:kv_cache_usage_perc).",
@@ -665,7 +680,7 @@ SIGNALS: tuple[Signal, ...] = (
            "min by ({by}) (\n  (1 - clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1))\n  / (deriv(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[" + TREND_RANGE + "]) > 0)\n"
            "  and kvwatch_engine_kv_cache_usage_ratio{{{sel}}} >= avg_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[" + TREND_RANGE + "])\n)",
            panel="exhaustion", title="Time until the KV cache is full at this trend",
-           record=("kvwatch_kv_cache_exhaustion_eta_seconds", "deriv" + TREND_RANGE)),
+           record=("kvwatch_kv_cache_exhaustion_eta_seconds", "deriv" + TREND_RANGE), display="Time until KV cache full"),
     Signal("kvwatch_preemptions_on_repeat_requests_ratio", "ratio",
            "At least this share of the preemptions of requests finished in the window fell on requests preempted "
            "two or more times: near 1 a few requests thrash, near 0 many were each preempted once (broad pressure) "
@@ -674,19 +689,19 @@ SIGNALS: tuple[Signal, ...] = (
            "clamp_max(2 * clamp_min(sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_count{{{sel}}}[{w}])) "
            "- sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_bucket{{{sel},le=\"1.0\"}}[{w}])), 0)\n/\n"
            "(sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_sum{{{sel}}}[{w}])) > 0), 1)",
-           record=("kvwatch_preemptions_on_repeat_requests", "ratio_rate{w}"), needs=("preemptions_per_request",)),
+           record=("kvwatch_preemptions_on_repeat_requests", "ratio_rate{w}"), needs=("preemptions_per_request",), display="Preemptions on repeat requests"),
     Signal("kvwatch_admission_rejections_per_second", "per_second",
            "Requests rejected at a queue limit per second, by reason: a cause apart from the KV cache, the queue "
            "was full (vllm:admission_rejections_total, vLLM 0.32+).",
            _labelled_rates("admission_rejections"), "exhaustion",
            "sum by ({by}, reason) (rate(kvwatch_engine_admission_rejections_total{{{sel}}}[{w}]))", label="reason",
-           record=("kvwatch_admission_rejections", "rate{w}"), needs=("admission_rejections",)),
+           record=("kvwatch_admission_rejections", "rate{w}"), needs=("admission_rejections",), display="Admission rejections"),
     Signal("kvwatch_engine_sleeping", "state",
            "1 while the engine sleeps (sleep level 1 or 2), 0 while awake: a sleeping engine is not a down one "
            "(vllm:engine_sleep_state, vLLM 0.11.1+).",
            _sleeping, "exhaustion",
            "max by ({by}) (1 - kvwatch_engine_sleep_state{{{sel},sleep_state=\"awake\"}})",
-           record=("kvwatch_engine_sleeping", "max"), needs=("sleep_state",)),
+           record=("kvwatch_engine_sleeping", "max"), needs=("sleep_state",), display="Engine sleeping"),
     # --- prefix cache ---
     Signal("kvwatch_prefix_cache_hit_ratio", "ratio",
            "Lookup hit ratio: prefix-cache hits over queries in the window, from token counters, not lifetime totals; "
@@ -695,18 +710,18 @@ SIGNALS: tuple[Signal, ...] = (
            "(vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, formerly gpu_prefix_cache_*; V0: vllm:gpu_prefix_cache_hit_rate).",
            _prefix_hit_ratio, "prefix",
            _ratio_of_rates("kvwatch_engine_prefix_cache_hits_total", "kvwatch_engine_prefix_cache_queries_total"),
-           record=("kvwatch_prefix_cache_hit", "ratio_rate{w}")),
+           display="Prefix cache hit ratio", record=("kvwatch_prefix_cache_hit", "ratio_rate{w}")),
     Signal("kvwatch_external_prefix_cache_hit_ratio", "ratio",
            "External (KV connector) prefix-cache hits over queries in the window (vllm:external_prefix_cache_{hits,queries}_total).",
            lambda v: v.increase.ratio("external_prefix_hits", "external_prefix_queries"), "prefix",
            _ratio_of_rates("kvwatch_engine_external_prefix_cache_hits_total", "kvwatch_engine_external_prefix_cache_queries_total"),
-           record=("kvwatch_external_prefix_cache_hit", "ratio_rate{w}")),
+           display="External prefix cache hit ratio", record=("kvwatch_external_prefix_cache_hit", "ratio_rate{w}")),
     Signal("kvwatch_prompt_tokens_cached_ratio", "ratio",
            "Share of prompt tokens served from a cache in the window (vllm:prompt_tokens_cached_total / vllm:prompt_tokens_total; "
            "before 0.16 prefix hits / prompt tokens).",
            _cached_share, "prefix",
            _ratio_of_rates("kvwatch_engine_prompt_tokens_cached_total", "kvwatch_engine_prompt_tokens_total"),
-           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}")),
+           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}"), display="Prompt tokens from cache"),
     Signal("kvwatch_prompt_tokens_from_cache_ratio", "ratio",
            "Share of prompt tokens served from a cache, by tier: local (this engine's prefix cache) and external "
            "(a KV connector); the rest was computed. Not the lookup hit ratio, which re-lookups inflate "
@@ -716,7 +731,7 @@ SIGNALS: tuple[Signal, ...] = (
            "  or\n  label_replace(sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"external_kv_transfer\"}}[{w}])), \"tier\", \"external\", \"\", \"\")\n)\n"
            "/ ignoring (tier) group_left\nsum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel}}}[{w}]))",
            label="tier", panel="prefix_cache", title="Prompt tokens served from a cache, by tier",
-           record=("kvwatch_prompt_tokens_from_cache", "ratio_rate{w}"), needs=("prompt_tokens_by_source",)),
+           record=("kvwatch_prompt_tokens_from_cache", "ratio_rate{w}"), needs=("prompt_tokens_by_source",), display="Prompt tokens served from a cache"),
     Signal("kvwatch_kv_cache_reuse_shortfall_blocks", "blocks",
            "KV blocks the cache lacks to keep idle prefixes until their typical reuse: free pool x (median reuse "
            "gap / median idle time before eviction - 1), 0 when blocks outlive the reuse gap "
@@ -726,7 +741,7 @@ SIGNALS: tuple[Signal, ...] = (
            "  histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_reuse_gap_seconds_bucket{{{sel}}}[{w}])))\n"
            "  / clamp_min(histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_idle_before_evict_seconds_bucket{{{sel}}}[{w}]))), 0.001)\n  - 1, 0))",
            record=("kvwatch_kv_cache_reuse_shortfall_blocks", "ratio_rate{w}"),
-           needs=("kv_block_reuse_gap", "kv_block_idle_before_evict")),
+           needs=("kv_block_reuse_gap", "kv_block_idle_before_evict"), display="KV blocks short of keeping reuse"),
     Signal("kvwatch_kv_cache_reuse_shortfall_bytes", "bytes",
            "The reuse shortfall in bytes: blocks x kv_cache_memory_bytes / num_gpu_blocks (--kv-cache-metrics, "
            "vLLM 0.24+ for the bytes).",
@@ -735,7 +750,7 @@ SIGNALS: tuple[Signal, ...] = (
            "  histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_reuse_gap_seconds_bucket{{{sel}}}[{w}])))\n"
            "  / clamp_min(histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_idle_before_evict_seconds_bucket{{{sel}}}[{w}]))), 0.001)\n  - 1, 0))",
            record=("kvwatch_kv_cache_reuse_shortfall_bytes", "ratio_rate{w}"),
-           needs=("kv_block_reuse_gap", "kv_block_idle_before_evict")),
+           needs=("kv_block_reuse_gap", "kv_block_idle_before_evict"), display="KV bytes short of keeping reuse"),
     Signal("kvwatch_kv_offload_bytes_per_second", "per_second",
            "Bytes per second moved to (store) and from (load) the KV offload tier (vllm:kv_offload_{load,store}_bytes_total, "
            "else the deprecated vllm:kv_offload_total_bytes_total{transfer_type}, never both; OffloadingConnector only).",
@@ -743,74 +758,74 @@ SIGNALS: tuple[Signal, ...] = (
            "(\n  label_replace(sum by ({by}) (rate(kvwatch_engine_kv_offload_load_bytes_total{{{sel}}}[{w}])), \"direction\", \"load\", \"\", \"\")\n"
            "  or\n  label_replace(sum by ({by}) (rate(kvwatch_engine_kv_offload_store_bytes_total{{{sel}}}[{w}])), \"direction\", \"store\", \"\", \"\")\n)",
            label="direction", record=("kvwatch_kv_offload_bytes", "rate{w}"),
-           needs=("offload_load_bytes", "offload_store_bytes")),
+           needs=("offload_load_bytes", "offload_store_bytes"), display="KV offload transfer rate"),
     # --- first token ---
     Signal("kvwatch_time_to_first_token_seconds", "seconds",
            "Time to first token quantiles over the window, from bucket increases with the scraped bounds (vllm:time_to_first_token_seconds).",
            _quantiles("ttft", "TTFT"), "first_token",
            _quantile_promql("kvwatch_engine_time_to_first_token_seconds"), label="quantile",
-           record=("kvwatch_time_to_first_token_seconds", "histogram_quantile_rate{w}")),
+           display="Time to first token", record=("kvwatch_time_to_first_token_seconds", "histogram_quantile_rate{w}")),
     Signal("kvwatch_time_to_first_token_mean_seconds", "seconds",
            "Mean time to first token over the window (vllm:time_to_first_token_seconds _sum/_count).",
            _mean("ttft"), "first_token", _mean_promql("kvwatch_engine_time_to_first_token_seconds"),
-           record=("kvwatch_time_to_first_token_seconds", "mean_rate{w}")),
+           display="Time to first token, mean", record=("kvwatch_time_to_first_token_seconds", "mean_rate{w}")),
     Signal("kvwatch_queue_time_seconds", "seconds",
            "Queue (WAITING) time quantiles over the window (vllm:request_queue_time_seconds).",
            _quantiles("queue_time", "queue time"), "first_token",
            _quantile_promql("kvwatch_engine_request_queue_time_seconds"), label="quantile",
-           record=("kvwatch_queue_time_seconds", "histogram_quantile_rate{w}")),
+           display="Queue time", record=("kvwatch_queue_time_seconds", "histogram_quantile_rate{w}")),
     Signal("kvwatch_queue_time_mean_seconds", "seconds",
            "Mean queue time over the window (vllm:request_queue_time_seconds _sum/_count).",
            _mean("queue_time"), "first_token", _mean_promql("kvwatch_engine_request_queue_time_seconds"),
-           record=("kvwatch_queue_time_seconds", "mean_rate{w}")),
+           display="Queue time, mean", record=("kvwatch_queue_time_seconds", "mean_rate{w}")),
     Signal("kvwatch_prefill_time_seconds", "seconds",
            "Prefill time quantiles over the window (vllm:request_prefill_time_seconds).",
            _quantiles("prefill_time", "prefill time"), "first_token",
            _quantile_promql("kvwatch_engine_request_prefill_time_seconds"), label="quantile",
-           record=("kvwatch_prefill_time_seconds", "histogram_quantile_rate{w}")),
+           display="Prefill time", record=("kvwatch_prefill_time_seconds", "histogram_quantile_rate{w}")),
     Signal("kvwatch_prefill_time_mean_seconds", "seconds",
            "Mean prefill time over the window (vllm:request_prefill_time_seconds _sum/_count).",
            _mean("prefill_time"), "first_token", _mean_promql("kvwatch_engine_request_prefill_time_seconds"),
-           record=("kvwatch_prefill_time_seconds", "mean_rate{w}")),
+           display="Prefill time, mean", record=("kvwatch_prefill_time_seconds", "mean_rate{w}")),
     Signal("kvwatch_time_to_first_token_share_ratio", "ratio",
            "Share of mean TTFT spent in queue, in prefill, and elsewhere (front end, tokenization, scheduling); the PromQL twin is the queue part "
            "(vllm:time_to_first_token_seconds, vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds).",
            ttft_parts, "first_token",
            _mean_promql("kvwatch_engine_request_queue_time_seconds") + "\n/ on ({by})\n"
            + _mean_promql("kvwatch_engine_time_to_first_token_seconds"), label="part",
-           record=("kvwatch_time_to_first_token_share", "ratio_rate{w}")),
+           display="Time to first token split", record=("kvwatch_time_to_first_token_share", "ratio_rate{w}")),
     # --- throughput and failures ---
     Signal("kvwatch_requests_finished_per_second", "per_second",
            "Finished requests per second by reason (vllm:request_success_total).",
            _labelled_rates("finished"), "throughput",
            "sum by ({by}, finished_reason) (rate(kvwatch_engine_requests_finished_total{{{sel}}}[{w}]))",
            label="finished_reason",
-           record=("kvwatch_requests_finished", "rate{w}")),
+           display="Finished requests", record=("kvwatch_requests_finished", "rate{w}")),
     Signal("kvwatch_requests_failed_per_second", "per_second",
            "Requests ending in abort or error per second (vllm:request_success_total{finished_reason=~\"abort|error\"}).",
            _failed_rate, "throughput",
            "sum by ({by}) (rate(kvwatch_engine_requests_finished_total{{{sel},finished_reason=~\"abort|error\"}}[{w}]))",
-           record=("kvwatch_requests_failed", "rate{w}")),
+           display="Failed requests", record=("kvwatch_requests_failed", "rate{w}")),
     Signal("kvwatch_prompt_tokens_per_second", "per_second",
            "Prompt tokens per second, cached included (vllm:prompt_tokens_total).",
            _rate("prompt_tokens"), "throughput",
            "sum by ({by}) (rate(kvwatch_engine_prompt_tokens_total{{{sel}}}[{w}]))",
-           record=("kvwatch_prompt_tokens", "rate{w}")),
+           display="Prompt tokens", record=("kvwatch_prompt_tokens", "rate{w}")),
     Signal("kvwatch_generation_tokens_per_second", "per_second",
            "Generated tokens per second (vllm:generation_tokens_total).",
            _rate("generation_tokens"), "throughput",
            "sum by ({by}) (rate(kvwatch_engine_generation_tokens_total{{{sel}}}[{w}]))",
-           record=("kvwatch_generation_tokens", "rate{w}")),
+           display="Generated tokens", record=("kvwatch_generation_tokens", "rate{w}")),
     Signal("kvwatch_prompt_tokens_per_request_mean", "tokens",
            "Mean prompt tokens per finished request in the window (vllm:request_prompt_tokens).",
            lambda v: mean_tokens(v, "prompt_len", "prompt_tokens"), "throughput",
            _mean_promql("kvwatch_engine_request_prompt_tokens"),
-           record=("kvwatch_prompt_tokens_per_request", "mean_rate{w}")),
+           display="Prompt length, mean", record=("kvwatch_prompt_tokens_per_request", "mean_rate{w}")),
     Signal("kvwatch_generation_tokens_per_request_mean", "tokens",
            "Mean generated tokens per finished request in the window (vllm:request_generation_tokens).",
            lambda v: mean_tokens(v, "generation_len", "generation_tokens"), "throughput",
            _mean_promql("kvwatch_engine_request_generation_tokens"),
-           record=("kvwatch_generation_tokens_per_request", "mean_rate{w}")),
+           display="Generated length, mean", record=("kvwatch_generation_tokens_per_request", "mean_rate{w}")),
 )
 
 SIGNALS_BY_NAME = {signal.name: signal for signal in SIGNALS}

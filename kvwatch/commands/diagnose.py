@@ -25,7 +25,7 @@ from kvwatch.diagnose import is_actionable
 from kvwatch.sidecar.report import diagnosis_json, signals_json
 from kvwatch.sidecar.settings import SettingsError, load_settings, parse_duration
 from kvwatch.signals import SIGNALS
-from kvwatch.sidecar.statuspage import format_evidence, format_value, signal_columns
+from kvwatch.sidecar.statuspage import format_evidence, format_value, signal_columns, signal_label
 
 EXIT_OK, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
@@ -155,7 +155,7 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
         cells = [format_value(values.get(signal.name), signal.unit) for _, values in columns]
         if all(cell == "–" for cell in cells):
             continue
-        rows.append([signal.name[len("kvwatch_"):]] + cells)
+        rows.append([signal_label(signal.name)] + cells)
     _table(rows, out, "  ")
 
     findings = diagnosis["findings"]

@@ -69,6 +69,9 @@ class State:
     findings: tuple[diagnosis.Finding, ...] = ()
     events: tuple[Change, ...] = ()
     upstream: dict[str, Any] | None = None
+    # The window's entries as of this poll (the trends on the status page);
+    # a tuple, so readers never see the poll thread's deque change.
+    entries: tuple = ()
 
 
 class Monitor:
@@ -207,6 +210,7 @@ class Monitor:
             findings=tuple(findings),
             events=events,
             upstream=upstream,
+            entries=tuple(self.window.entries),
         )
         if not was_up:
             log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))

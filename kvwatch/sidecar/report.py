@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from kvwatch.diagnose.thresholds import resolve_thresholds
 from kvwatch.signals import SIGNALS
 
 
@@ -92,6 +93,9 @@ def signals_json(state, settings) -> dict[str, Any]:
         "source_present": snapshot.present() if snapshot else {},
         "dark_signals": dark_signals(snapshot) if snapshot else [],
         "events": [asdict(e) for e in state.events],
+        # The diagnosis' thresholds in force (defaults overlaid with the
+        # settings' `diagnosis:`): the page colours values by these.
+        "thresholds": resolve_thresholds(settings.diagnosis),
     }
 
 
