@@ -41,7 +41,7 @@ from kvwatch.scrape import FetchResult  # noqa: E402
 from kvwatch.sidecar.settings import load_settings  # noqa: E402
 from pages import AdvancingPage, capture_text, sample_count, scale  # noqa: E402
 
-SECTIONS = ("parse", "poll", "scrape", "memory", "curve", "replay", "page")
+SECTIONS = ("parse", "poll", "scrape", "memory", "curve", "replay", "page", "history")
 
 
 # --------------------------------------------------------------------------
@@ -873,6 +873,97 @@ def bench_page(report: Report, fixtures: Path, quick: bool) -> None:
         + table(["engines", "poll", "window entries", "page", "refresh JSON", "state JSON build", "cold build"], rows))
 
 
+def history_openmetrics(replicas: int, start: float, points: int, step: float) -> str:
+    """A fleet's history as OpenMetrics for promtool: per replica, the vLLM
+    0.32 series the diagnosis reads (usage, running, waiting, prefix and token
+    counters, preemptions, the TTFT, queue, prefill and length histograms with
+    vLLM's buckets, cache_config_info), advancing every step; replica 0 runs
+    full from the middle of the range, so the diagnosis has findings to fold."""
+    ttft_bounds = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+    len_bounds = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+    out: list[str] = []
+    for r in range(replicas):
+        base = f'instance="10.1.{r // 250}.{r % 250}:8000",job="vllm",model_name="m",engine="0"'
+        out.append(f'vllm:cache_config_info{{{base},block_size="16",num_gpu_blocks="2048",'
+                   f'enable_prefix_caching="True"}} 1 {start:.0f}')
+        rows: dict[str, list[str]] = {}
+        for i in range(points):
+            at = f"{start + i * step:.0f}"
+            hot = r == 0 and i >= points // 2
+            n = i + 1
+            def put(name, labels, value):
+                rows.setdefault(name + labels, []).append(f"{name}{{{base}{labels}}} {value:g} {at}")
+            put("vllm:kv_cache_usage_perc", "", 0.99 if hot else 0.3)
+            put("vllm:num_requests_running", "", 32 if hot else 4)
+            put("vllm:num_requests_waiting", "", 10 if hot else 0)
+            put("vllm:num_preemptions_total", "", (n - points // 2) * 3 if hot else 0)
+            put("vllm:prefix_cache_queries_total", "", n * 4000)
+            put("vllm:prefix_cache_hits_total", "", n * 2400)
+            put("vllm:prompt_tokens_total", "", n * 4000)
+            put("vllm:generation_tokens_total", "", n * 1000)
+            for family, bounds, per in (("time_to_first_token_seconds", ttft_bounds, 0.1),
+                                        ("request_queue_time_seconds", ttft_bounds, 0.01),
+                                        ("request_prefill_time_seconds", ttft_bounds, 0.05),
+                                        ("request_prompt_tokens", len_bounds, 400),
+                                        ("request_generation_tokens", len_bounds, 100)):
+                for bound in bounds:
+                    put(f"vllm:{family}_bucket", f',le="{bound:g}"', n * 10 if bound >= per else 0)
+                put(f"vllm:{family}_bucket", ',le="+Inf"', n * 10)
+                put(f"vllm:{family}_sum", "", n * 10 * per)
+                put(f"vllm:{family}_count", "", n * 10)
+        for lines in rows.values():
+            out.extend(lines)
+    out.append("# EOF")
+    return "\n".join(out) + "\n"
+
+
+def bench_history(report: Report, quick: bool) -> None:
+    """kvwatch diagnose --prometheus over a fleet backfilled into a real
+    Prometheus with promtool: read, rebuild and diagnose every replica at
+    every step, the fleet rules included."""
+    import shutil
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from promstack import backfilled_prometheus
+    from kvwatch.history.query import PrometheusClient
+    from kvwatch.history.run import diagnose_history
+
+    if shutil.which("promtool") is None or shutil.which("prometheus") is None:
+        print("  skipped: promtool and prometheus are not installed")
+        return
+    replicas, hours, step = (16, 1, 30.0) if quick else (64, 2, 30.0)
+    points = int(hours * 3600 / step)
+    start = float((int(time.time()) // 3600 - hours - 2) * 3600)
+    began = time.monotonic()
+    text = history_openmetrics(replicas, start, points, step)
+    with backfilled_prometheus(text) as prom:
+        setup = time.monotonic() - began
+        client = PrometheusClient(prom.url)
+        history = diagnose_history(client, start, start + (points - 1) * step, step, window=300.0)
+    cost = history.cost
+    replica_steps = replicas * points
+    per_step = cost["total_seconds"] / replica_steps
+    full = 64 * 2880 * per_step
+    print(f"  {replicas} replicas x {hours} h at {step:g}s ({replica_steps:,} replica-steps; backfill {setup:.0f}s): "
+          f"{cost['queries']} queries, {cost['samples']:,} samples, read {cost['seconds']:.1f}s, total "
+          f"{cost['total_seconds']:.1f}s ({per_step * 1e3:.2f} ms per replica-step; 64 x 24 h extrapolated "
+          f"{full:.0f}s); {len(history.timeline.episodes)} findings")
+    report.figure(f"history: {replicas} replicas x {hours} h at 30 s, total", f"{cost['total_seconds']:.1f} s",
+                  "-", "-", None)
+    report.figure("history: 64 replicas x 24 h at 30 s, extrapolated", f"{full:.0f} s", "-", "< 60 s", full < 60)
+    report.sections.append("\n".join([
+        "### history: `kvwatch diagnose --prometheus`",
+        "",
+        f"{replicas} replicas x {hours} h at a {step:g} s step, backfilled into a real Prometheus with "
+        f"`promtool tsdb create-blocks-from openmetrics` ({setup:.0f} s to set up): {cost['queries']} queries, "
+        f"{cost['samples']:,} samples, {cost['bytes'] / 1e6:.0f} MB read in {cost['seconds']:.1f} s; rebuilding "
+        f"and diagnosing {cost['diagnose_seconds']:.1f} s; total {cost['total_seconds']:.1f} s, "
+        f"{per_step * 1e3:.2f} ms per replica-step. 64 x 24 h (184,320 replica-steps) at that rate: {full:.0f} s. "
+        "Scaled down because backfilling 64 x 24 h here takes longer than the run it measures.",
+    ]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fixtures", type=Path, default=REPO / "tests" / "fixtures")
@@ -906,6 +997,7 @@ def main() -> int:
         "curve": lambda: bench_curve(report, capture, args.quick),
         "replay": lambda: bench_replay(report, capture, args.quick),
         "page": lambda: bench_page(report, args.fixtures, args.quick),
+        "history": lambda: bench_history(report, args.quick),
     }
     for name in SECTIONS:
         if name in wanted:

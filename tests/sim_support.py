@@ -176,3 +176,61 @@ def sim_monitor(scenario: str | list[tuple[str, float]], until: float, engines: 
     # put the whole run inside a few real milliseconds).
     assert monitor.state.snapshot.time == SIM_BASE + clock_sim.now, "the monitor no longer reads the patched clock"
     return monitor
+# A fleet of simulated replicas, as history for a Prometheus backfill
+# --------------------------------------------------------------------------
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)$")
+
+
+@dataclass
+class Replica:
+    """One simulated vLLM server: its target labels, and the simulations it
+    runs one after another (a restart at each given simulated time)."""
+
+    instance: str
+    model: str
+    scenario: object  # kvwatch.sim.scenario.Scenario
+    seed: int = 0
+    restarts: tuple[float, ...] = ()
+
+
+def fleet_openmetrics(replicas: list[Replica], start: float, duration: float, interval: float,
+                      job: str = "vllm") -> str:
+    """The fleet's pages scraped every `interval` seconds from Unix time
+    `start`, as OpenMetrics text with timestamps for `promtool tsdb
+    create-blocks-from openmetrics`; each series' samples together, in time
+    order."""
+    series: dict[tuple[str, str], list[str]] = {}
+    for replica in replicas:
+        target = f'instance="{replica.instance}",job="{job}"'
+        restarts = list(replica.restarts)
+        created = start
+        sim = Simulation(replica.scenario, seed=replica.seed, model_name=replica.model, created_unix=created)
+        offset = 0.0  # simulated time of this process' start
+        t = 0.0
+        while t <= duration + 1e-9:
+            if restarts and t >= restarts[0]:
+                restarts.pop(0)
+                offset = t
+                sim = Simulation(replica.scenario, seed=replica.seed + 1000, model_name=replica.model,
+                                 created_unix=start + t)
+            sim.advance_to(t - offset)
+            page = render_metrics(sim.engines, sim.model_name, sim.created_unix, include_process=False)
+            stamp = f"{start + t:.3f}"
+            for line in page.splitlines():
+                if not line or line.startswith("#"):
+                    continue
+                match = _LINE.match(line)
+                if not match:
+                    continue
+                name, labels, value = match.groups()
+                if not name.startswith("vllm:"):
+                    continue
+                block = target + ("," + labels if labels else "")
+                series.setdefault((name, block), []).append(f"{name}{{{block}}} {value} {stamp}")
+            t += interval
+    out = []
+    for key in sorted(series):
+        out.extend(series[key])
+    out.append("# EOF")
+    return "\n".join(out) + "\n"

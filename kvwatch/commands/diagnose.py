@@ -10,6 +10,14 @@ every recorded page goes through the sidecar's monitor at its recorded time,
 without waiting, and the report is the timeline of findings (when each
 started and ended, its evidence at the worst point). Exit status 1 when a
 warning or critical finding occurred anywhere in the capture.
+
+`--prometheus URL` reads history from a Prometheus-compatible store instead
+of polling a target (`--since 6h`, or `--from`/`--to`; `--selector`): every
+replica the store scraped, diagnosed step by step with the sidecar's
+pipeline, plus the fleet findings across replicas of a model; the report is
+a timeline per model and replica (`--json`, `--html FILE`). Exit status 1
+when a warning or critical finding occurred anywhere in the range, 2 when the
+store could not be read or holds no vLLM series there.
 """
 
 from __future__ import annotations
@@ -38,8 +46,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (diagnosis thresholds, TLS, upstream, ...)")
     parser.add_argument("--replay", metavar="CAPTURE",
                         help="replay a capture folder or .tar.gz bundle at its recorded times instead of polling")
-    parser.add_argument("--window", default=None,
-                        help="with --replay: span of the windowed signals (default: kvwatch serve's, 5m)")
+    history = parser.add_argument_group("history (--prometheus)")
+    history.add_argument("--prometheus", metavar="URL",
+                         help="read history from this Prometheus-compatible query API instead of polling a target")
+    history.add_argument("--since", default="6h", help="range ending now (default 6h)")
+    history.add_argument("--from", dest="from_", metavar="TIME", help="range start: Unix seconds or RFC 3339")
+    history.add_argument("--to", metavar="TIME", help="range end: Unix seconds or RFC 3339 (default now)")
+    history.add_argument("--step", help="time between rebuilt polls (default: from the range, at least 15s)")
+    history.add_argument("--selector", default="", help="label selector of the series, e.g. '{namespace=\"llm\"}'")
+    history.add_argument("--source", choices=("auto", "vllm", "kvwatch"), default="auto",
+                         help="vLLM's own series or the sidecars' kvwatch_engine_* (default: vLLM's if present)")
+    history.add_argument("--window", default=None,
+                         help="with --replay or --prometheus: span of the windowed signals (default: the config's, 5m)")
+    history.add_argument("--replica-labels", default="job,instance,namespace,pod",
+                         help="labels that tell replicas apart (default job,instance,namespace,pod)")
+    history.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
+    history.add_argument("--concurrency", type=int, default=4, help="queries at once (default 4)")
+    history.add_argument("--max-samples", type=int, default=5_000_000,
+                         help="samples per query at most (default 5,000,000; Prometheus refuses above 50M)")
+    history.add_argument("--query-timeout", default="60s", help="timeout of each query (default 60s)")
+    history.add_argument("--bearer-token-file", help="token for the store (default: the config's bearer_token_file)")
+    history.add_argument("--ca-bundle", help="CA bundle for the store's TLS (default: the config's ca_bundle)")
+    history.add_argument("--insecure-skip-verify", action="store_true", help="do not verify the store's certificate")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replay:
         return run_replay(args)
+    if getattr(args, "prometheus", None):
+        return run_history(args)
     problems = []
     duration = interval = None
     for flag, raw in (("--duration", args.duration), ("--interval", args.interval)):
@@ -280,3 +310,83 @@ def print_timeline(out: TextIO, capture, settings, timeline) -> None:
         for outage in timeline.outages:
             print(f"  {_clock(outage['start'], origin)} to {_clock(outage['end'], origin)}: {outage['reason']} "
                   f"x{outage['polls']} {outage['detail']}".rstrip(), file=out)
+
+
+def _time(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    from datetime import datetime, timezone
+
+    parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=timezone.utc)
+    return parsed.timestamp()
+
+
+def run_history(args: argparse.Namespace) -> int:
+    from kvwatch.history.query import PrometheusClient, QueryError, check_selector, choose_step
+    from kvwatch.history.report import print_text, to_json, write_html
+    from kvwatch.history.run import diagnose_history
+    from kvwatch.sidecar.report import public_url
+
+    problems = []
+    now = time.time()
+    start = end = step = timeout = None
+    try:
+        end = _time(args.to) if args.to else now
+        start = _time(args.from_) if args.from_ else end - parse_duration(args.since)
+    except ValueError as exc:
+        problems.append(f"--from/--to/--since: {exc}")
+    if start is not None and end is not None and start >= end:
+        problems.append("the range is empty: --from must be before --to")
+    try:
+        timeout = parse_duration(args.query_timeout)
+        if args.step:
+            step = parse_duration(args.step)
+    except ValueError as exc:
+        problems.append(str(exc))
+    selector_problem = check_selector(args.selector)
+    if selector_problem:
+        problems.append(f"--selector: {selector_problem}")
+    overrides = {"window": args.window} if args.window else {}
+    try:
+        settings = load_settings(args.config, overrides, environ={})
+    except SettingsError as exc:
+        problems.extend(exc.problems)
+        settings = None
+    if problems:
+        return _fail(problems)
+    step = step or choose_step(start, end)
+    if settings.window < 2 * step:
+        return _fail([f"window ({settings.window:g}s) must hold at least two steps ({step:g}s each): "
+                      f"raise --window or lower --step"])
+    client = PrometheusClient(
+        args.prometheus, timeout=timeout,
+        bearer_token_file=args.bearer_token_file or settings.bearer_token_file,
+        ca_bundle=args.ca_bundle or settings.ca_bundle,
+        tls_verify=settings.tls_verify and not args.insecure_skip_verify,
+        concurrency=args.concurrency, max_samples=args.max_samples)
+    progress = sys.stderr if sys.stderr.isatty() and not args.json else None
+    try:
+        history = diagnose_history(
+            client, start, end, step, args.selector, args.source, settings.window, settings.diagnosis,
+            tuple(label.strip() for label in args.replica_labels.split(",") if label.strip()),
+            (lambda line: print("\r" + line, end="", file=progress, flush=True)) if progress else None)
+    except QueryError as exc:
+        print(f"kvwatch diagnose: reading {public_url(args.prometheus)} failed: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if progress:
+        print(file=progress)
+    url = public_url(args.prometheus)
+    report = to_json(history, url)
+    if args.html:
+        write_html(args.html, history, url)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_text(sys.stdout, history, url)
+    if not history.replicas:
+        return EXIT_UNUSABLE
+    return report["exit_code"]

@@ -17,6 +17,9 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "low_hit_rate": ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"),
     "slow_first_token": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream"),
     "change": ("model_changed", "lora_changed", "cache_dtype_changed", "cache_config_changed", "engine_restarted"),
+    # Judged across the replicas of one model (diagnose/fleet.py); a replica
+    # alone cannot show them.
+    "fleet": ("imbalance", "lost_prefix_affinity", "cold_replica"),
 }
 
 
@@ -93,6 +96,17 @@ NEXT_CHECK = {
     "engine_restarted":
         "Find why it restarted (deploy, OOM, crash in the engine log); its counters restarted from zero and its "
         "prefix cache is cold.",
+    "imbalance":
+        "A routing problem, not a capacity one: other replicas of the model have room, so more KV memory is not the "
+        "fix. Check the load balancer (sticky sessions, connection reuse, a least-request policy that counts "
+        "connections and not queued work, a replica missing from the endpoints).",
+    "lost_prefix_affinity":
+        "Requests that share a prefix no longer reach the replica that holds it: check the gateway's or router's "
+        "prefix-aware (consistent hash, session affinity) routing for this replica; its peers show the reuse the "
+        "traffic has.",
+    "cold_replica":
+        "Expected after a restart while it refills; if it does not warm up within minutes, check that the router "
+        "sends it its share of prefix-sharing traffic, and why it restarted (deploy, OOM, crash).",
 }
 
 
