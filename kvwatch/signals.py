@@ -99,6 +99,9 @@ HEALTH: tuple[HealthFamily, ...] = (
                  "Malformed lines in the engine's pages (skipped; the rest of the page counts)."),
     HealthFamily("kvwatch_dropped_series", "counter", (), "(model, engine) pairs dropped by the max_series cap."),
     HealthFamily("kvwatch_poll_duration_seconds", "gauge", (), "Wall time of the latest poll."),
+    HealthFamily("kvwatch_page_late_seconds", "gauge", (),
+                 "How long the engine took to answer the latest page kvwatch read (a busy vLLM answers /metrics "
+                 "seconds late under load; the page is kept and stamped at the time it was answered)."),
     HealthFamily("kvwatch_poll_cpu_seconds", "gauge", (),
                  "CPU time of the latest poll (fetch, parse, signals, diagnosis)."),
     HealthFamily("kvwatch_last_success_timestamp_seconds", "gauge", (), "Unix time of the latest successful poll."),

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bearer-token-file", help="file holding a bearer token for the engine (never recorded)")
     parser.add_argument("--ca-bundle", help="CA bundle to verify the engine's TLS certificate")
     parser.add_argument("--tls-verify", help="verify the engine's TLS certificate: true/false (default true)")
-    parser.add_argument("--timeout", help="fetch deadline (default 80%% of the interval)")
+    parser.add_argument("--timeout", help="fetch deadline (default 15s, or 80%% of a longer interval): a late page is kept with its lateness")
     parser.add_argument("--max-body-bytes", help="cap on the engine's page size, e.g. 16MiB")
 
 

@@ -23,7 +23,7 @@ OPTIONS = {
     "host": "address to listen on (default 127.0.0.1)",
     "port": "port to listen on (default 9400)",
     "poll_interval": "seconds between polls, e.g. 5 or 5s (default 5s)",
-    "timeout": "fetch deadline (default 80%% of the poll interval)",
+    "timeout": "fetch deadline (default 15s, or 80%% of a longer interval); a late page is kept",
     "window": "span of the windowed signals, e.g. 5m (default 5m)",
     "max_body_bytes": "cap on the engine's page size (default 8MiB)",
     "max_series": "most (model, engine) pairs kept per poll",

@@ -71,6 +71,10 @@ class KvwatchCollector(Collector):
         duration = _health_family("kvwatch_poll_duration_seconds")
         duration.add_metric([], state.poll_seconds)
         yield duration
+        if state.page_late_seconds is not None:
+            late = _health_family("kvwatch_page_late_seconds")
+            late.add_metric([], state.page_late_seconds)
+            yield late
         cpu = _health_family("kvwatch_poll_cpu_seconds")
         cpu.add_metric([], state.poll_cpu_seconds)
         yield cpu

@@ -29,6 +29,9 @@ from kvwatch.window import Window
 log = logging.getLogger("kvwatch")
 
 MAX_EVENTS = 100
+# A page answered later than this share of the poll interval is stamped at
+# the time it was answered (see Monitor._ingest).
+LATE_FRACTION = 0.1
 MAX_LORA_NAMES = 10_000
 
 # A poll allocates a few hundred thousand short-lived objects at 64 engines
@@ -62,6 +65,8 @@ class State:
     last_success_time: float | None = None
     poll_seconds: float = 0.0
     poll_cpu_seconds: float = 0.0
+    # How long the engine took to answer the latest page (None before one).
+    page_late_seconds: float | None = None
     snapshot: Snapshot | None = None
     window_seconds: float = 0.0
     per_engine: tuple[Evaluated, ...] = ()
@@ -167,7 +172,19 @@ class Monitor:
             return self._ingest(result, started, started_monotonic, started_cpu)
 
     def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
-        snapshot = self.adapter.adapt(result.text, at=started)
+        # A page describes the engine when it was answered, not when it was
+        # asked for: a busy vLLM answers seconds late (1.5-12 s under load on
+        # the tier's CPU), and a page stamped at the request would put the
+        # load's peak that much too early and stretch the rates around it.
+        # A page answered within a tenth of the interval keeps the time it
+        # was asked for: the window does not resolve the difference, and a
+        # replay then stamps exactly what the live sidecar stamped.
+        late = max(0.0, result.seconds or 0.0)
+        answered = started + late if late > LATE_FRACTION * self.settings.poll_interval else started
+        previous = self.window.latest
+        if previous is not None and answered <= previous.time:
+            answered = previous.time + 1e-3  # the window's time axis only moves forward
+        snapshot = self.adapter.adapt(result.text, at=answered)
         self._parse_errors += len(snapshot.parse_errors)
         if snapshot.parse_errors:
             log.debug("%d malformed lines, first: %s", len(snapshot.parse_errors), snapshot.parse_errors[0])
@@ -180,7 +197,6 @@ class Monitor:
             reason = "content_type" if result.unexpected_content_type else "no_engine_metrics"
             return self._record_failure(reason, detail, started, result.seconds,
                                         time.thread_time() - started_cpu)
-        previous = self.window.latest
         self.window.add(snapshot)
         self._note_changes(previous, snapshot)
         per_engine, per_model = evaluate_window(self.window)
@@ -199,10 +215,11 @@ class Monitor:
             parse_errors=self._parse_errors,
             last_parse_errors=tuple(str(e) for e in snapshot.parse_errors[:5]),
             dropped_series=self.adapter.dropped_series,
-            last_poll_time=started,
-            last_success_time=started,
+            last_poll_time=answered,
+            last_success_time=answered,
             poll_seconds=time.monotonic() - started_monotonic,
             poll_cpu_seconds=time.thread_time() - started_cpu,
+            page_late_seconds=result.seconds,
             snapshot=snapshot,
             window_seconds=snapshot.time - earliest.time if earliest else 0.0,
             per_engine=tuple(per_engine),
@@ -237,6 +254,7 @@ class Monitor:
             last_success_time=previous.last_success_time,
             poll_seconds=seconds,
             poll_cpu_seconds=cpu,
+            page_late_seconds=previous.page_late_seconds,
             events=previous.events,
         )
         return self.state
