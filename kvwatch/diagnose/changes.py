@@ -96,6 +96,26 @@ def changes_between(previous: Entry, entry: Entry) -> list[Change]:
 DTYPE_KEYS = ("cache_dtype",)
 
 
+# A restarted engine's cache counts as warm again once this many prompt
+# tokens were looked up since the restart and at least this share hit
+# (the hit-rate rule's own floor and its low mark).
+WARM_QUERY_TOKENS = 1024
+WARM_HIT_RATIO = 0.2
+
+
+def _prefix_since(window: Window, change: Change) -> tuple[float, float]:
+    """Prefix-cache hits and queried tokens of the restarted engine since the restart."""
+    hits = queries = 0.0
+    for entry in window.entries:
+        if entry.snapshot.time < change.time:
+            continue
+        for (model, engine), step in entry.steps.items():
+            if (change.engine is None or engine == change.engine) and (change.model is None or model == change.model):
+                hits += step.counters.get("prefix_hits", 0.0)
+                queries += step.counters.get("prefix_queries", 0.0)
+    return hits, queries
+
+
 def change_findings(window: Window, changes: list[Change]) -> list[Finding]:
     latest = window.latest
     now = latest.time if latest else 0.0
@@ -119,7 +139,19 @@ def change_findings(window: Window, changes: list[Change]) -> list[Finding]:
     for change in changes:
         ago = now - change.time
         if change.kind == "restart":
-            add("engine_restarted", change, f"Engine restarted {ago:.0f}s ago: counters restarted, prefix cache cold.", {})
+            hits, queries = _prefix_since(window, change)
+            if queries >= WARM_QUERY_TOKENS and hits / queries >= WARM_HIT_RATIO:
+                # The cache warmed again: saying "cold" for the rest of the
+                # window contradicts the hit ratio on the same page (0.97
+                # within seconds of the restart in the real capture).
+                state = f"prefix cache warm again (hit ratio {hits / queries:.0%} since the restart)"
+            elif queries > 0:
+                state = f"prefix cache cold (hit ratio {hits / queries:.0%} since the restart)"
+            else:
+                state = "prefix cache cold (no prompt since the restart)"
+            add("engine_restarted", change, f"Engine restarted {ago:.0f}s ago: counters restarted, {state}.",
+                {"hit_ratio_since_restart": hits / queries if queries else None,
+                 "prefix_queries_since_restart": queries})
         elif change.kind == "cache_config":
             dtype = [k for k in change.keys if k in DTYPE_KEYS]
             rest = [k for k in change.keys if k not in DTYPE_KEYS]

@@ -76,6 +76,7 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     request_mean = prompt_mean + generated_mean if prompt_mean is not None and generated_mean is not None else None
     shape = _load_shape(ctx)
     share = shape["share"]
+    final_share = 1.0 / capacity_requests if capacity_requests else None
     try:
         hit_evidence = hit_rate_verdict(ctx).exhaustion_evidence
     except Exception:  # the hit-rate rule's own failure must not drop this finding
@@ -96,6 +97,7 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         "running_mean": shape["running_mean"],
         "waiting_mean": shape["waiting_mean"],
         "capacity_share_per_running_request": share,
+        "capacity_share_per_finished_request": final_share,
         "long_request_capacity_share": long_share,
         **hit_evidence,
         "window_seconds": ctx.increase.seconds,
@@ -103,10 +105,18 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     ongoing = usage_now is not None and usage_now >= limit
 
     # One cause per window, decided as the alert rule decides it: a few long
-    # requests when each running request held a large share of the cache and
-    # no more requests waited than ran; many requests otherwise (also when no
-    # poll reported usage and running, with only preemptions to go by).
-    long = (share is not None and share >= long_share
+    # requests when each request's footprint is a large share of the cache
+    # and no more requests waited than ran; many requests otherwise (also when
+    # no poll reported usage and running, with only preemptions to go by).
+    # The footprint is the larger of the share a running request held on
+    # average (mean usage / mean running) and the share a finished request
+    # ends at (its mean prompt + generated tokens over the capacity, i.e.
+    # 1 / capacity_requests): a request that generates grows, and it is its
+    # final size that fills the cache. In the real capture 4 requests of 200
+    # + 800 tokens preempted with nobody waiting while each held only 15 % of
+    # the cache on average over its life, and ended at 24 %.
+    footprint_share = max((x for x in (share, final_share) if x is not None), default=None)
+    long = (footprint_share is not None and footprint_share >= long_share
             and (shape["waiting_mean"] or 0.0) <= (shape["running_mean"] or 0.0))
 
     def footprint(poll: Poll) -> float | None:
@@ -129,13 +139,14 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     confidence = "high" if proven else "medium"
 
     if long:
-        tokens = share * ctx.capacity_tokens if ctx.capacity_tokens else None
+        tokens = footprint_share * ctx.capacity_tokens if ctx.capacity_tokens else None
+        grows = final_share is not None and (share is None or final_share > share)
         findings.append(ctx.finding(
             "exhaustion", "long_requests", severity, confidence,
-            f"KV cache full {when} with few requests: {shape['running_mean']:.1f} running on average, each holding "
-            f"{share:.0%} of the cache"
+            f"KV cache full {when} with few requests: {shape['running_mean'] or 0:.1f} running on average, each "
+            + (f"ending at {final_share:.0%} of the cache" if grows else f"holding {share:.0%} of the cache")
             + (f" (about {tokens:.0f} tokens)" if tokens is not None else "")
-            + f", and {shape['waiting_mean']:.1f} waiting: a few very long requests fill it.",
+            + f", and {shape['waiting_mean'] or 0:.1f} waiting: a few very long requests fill it.",
             {**common, **at_peak(peak)},
             NEXT_CHECK["long_requests"]))
     else:

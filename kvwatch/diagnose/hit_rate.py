@@ -7,29 +7,94 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwatch.diagnose.context import EngineContext, quantile_value
+from kvwatch.snapshot import Histogram
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 from kvwatch.signals import reuse_shortfall_blocks
 from kvwatch.snapshot import config_number
 
 
-def _residency(ctx: EngineContext) -> tuple[bool | None, dict[str, Any]]:
+# Fewer reuse gaps (or evictions) than this in the judged part and their
+# medians are a handful of blocks: too few to say which is longer.
+MIN_RESIDENCY_SAMPLES = 10
+# At least this many of each and the comparison is as good as the buckets.
+SURE_RESIDENCY_SAMPLES = 100
+
+
+def _histogram_since(ctx: EngineContext, key: str, since: float | None) -> Histogram | None:
+    """A histogram's increase over the polls after `since` (the whole window
+    when None), from the window's stored steps."""
+    if since is None:
+        return ctx.histogram(key)
+    total = None
+    for poll in ctx.counted:
+        if poll.time <= since or poll.step is None:
+            continue
+        part = poll.step.histograms.get(key)
+        if part is None:
+            continue
+        if total is None:
+            total = part
+        elif total.bounds == part.bounds:
+            total = Histogram(total.bounds, tuple(a + b for a, b in zip(total.cumulative, part.cumulative)),
+                              total.sum + part.sum, total.count + part.count)
+    return total if total is not None and total.count > 0 else None
+
+
+def _bucket(histogram: Histogram, value: float) -> tuple[float, float]:
+    lower = 0.0
+    for bound in histogram.bounds:
+        if value <= bound:
+            return lower, bound
+        lower = bound
+    return lower, float("inf")
+
+
+def _residency(ctx: EngineContext, since: float | None = None) -> tuple[bool | None, dict[str, Any], str]:
     """vLLM's --kv-cache-metrics histograms, when exported: blocks evicted
-    after sitting idle for less than the usual gap between reuses were evicted
-    before their reuse could come."""
-    idle = ctx.histogram("kv_block_idle_before_evict")
-    gap = ctx.histogram("kv_block_reuse_gap")
+    after sitting idle for less than the usual gap between reuses were
+    evicted before their reuse could come. Judged over the polls after
+    `since` (the part of the window whose hit ratio is judged: the samples of
+    an earlier phase describe that phase's working set, not this one), and
+    only as far as the evidence goes: enough samples of both, medians in
+    different buckets. Returns (evicts: True/False/None for cannot tell, the
+    evidence, the confidence the comparison supports)."""
+    present = (ctx.increase.histograms.get("kv_block_idle_before_evict") is not None
+               or ctx.increase.histograms.get("kv_block_reuse_gap") is not None)
+    idle = _histogram_since(ctx, "kv_block_idle_before_evict", since)
+    gap = _histogram_since(ctx, "kv_block_reuse_gap", since)
     idle_p50, _ = quantile_value(idle, 0.5)
     gap_p50, _ = quantile_value(gap, 0.5)
-    lifetime_p50, _ = quantile_value(ctx.histogram("kv_block_lifetime"), 0.5)
-    evidence = {"kv_block_idle_before_evict_p50_seconds": idle_p50, "kv_block_reuse_gap_p50_seconds": gap_p50,
-                "kv_block_lifetime_p50_seconds": lifetime_p50}
-    if idle_p50 is None or gap_p50 is None:
+    lifetime_p50, _ = quantile_value(_histogram_since(ctx, "kv_block_lifetime", since), 0.5)
+    evidence: dict[str, Any] = {"kv_block_idle_before_evict_p50_seconds": idle_p50,
+                                "kv_block_reuse_gap_p50_seconds": gap_p50,
+                                "kv_block_lifetime_p50_seconds": lifetime_p50}
+    if not present:
         evidence["residency"] = ("vLLM's --kv-cache-metrics histograms are not on the page: with them kvwatch "
                                  "compares how long blocks sit idle before eviction with the gap between reuses "
                                  "and says how many more blocks (and bytes) would keep the reuse")
-        return None, evidence
+        return None, evidence, "low"
+    idle_count = idle.count if idle is not None else 0
+    gap_count = gap.count if gap is not None else 0
+    part = "the whole window" if since is None else f"the last {ctx.polls[-1].time - since:.3g}s"
+    evidence.update({"kv_block_evictions_sampled": idle_count, "kv_block_reuse_gaps_sampled": gap_count,
+                     "residency_judged_over": part})
+    if idle_p50 is None or gap_p50 is None or min(idle_count, gap_count) < MIN_RESIDENCY_SAMPLES:
+        evidence["residency"] = (
+            f"vLLM's residency histograms (--kv-cache-metrics) are on the page, but over {part} they hold {idle_count:g} evicted blocks "
+            f"and {gap_count:g} reuse gaps (a block records its gaps only when it is evicted after two uses): too "
+            "few to compare, so they cannot tell eviction from a prefix no longer shared yet"
+            + ("; with no block reused, a working set evicted before its reuse and prompts that share nothing "
+               "read the same even here" if gap_count == 0 and idle_count > 0 else ""))
+        return None, evidence, "low"
+    idle_bucket, gap_bucket = _bucket(idle, idle_p50), _bucket(gap, gap_p50)
+    if idle_bucket == gap_bucket:
+        evidence["residency"] = (
+            f"the medians of idle time before eviction and of the gap between reuses lie in the same bucket "
+            f"({idle_bucket[0]:g}s, {idle_bucket[1]:g}s]: the histograms cannot order them")
+        return None, evidence, "low"
     evidence.update(_shortfall(ctx, idle_p50))
-    return idle_p50 < gap_p50, evidence
+    sure = min(idle_count, gap_count) >= SURE_RESIDENCY_SAMPLES
+    return idle_p50 < gap_p50, evidence, "high" if sure else "medium"
 
 
 def _shortfall(ctx: EngineContext, idle_p50: float) -> dict[str, Any]:
@@ -145,6 +210,39 @@ class HitRateVerdict:
     exhaustion_evidence: dict[str, Any] = field(default_factory=dict)
 
 
+# vLLM counts cached blocks no running request holds as free in
+# kv_cache_usage_perc, so a working set of prefixes larger than the cache is
+# evicted while usage stays low (about 0.27 in the real 0.32 capture: 2
+# requests in flight over 12 prefixes that need 192 of 128 blocks). Without
+# the residency histograms the prefix counters of an evicted working set read
+# exactly like prompts that stopped sharing a prefix (a drop) or share none
+# (low and stable): kvwatch then names the cause the counters show, at low
+# confidence, and says which other cause reads the same and what tells them
+# apart.
+TELLS_EVICTION_APART = (
+    "vLLM's --kv-cache-metrics (kv_block_idle_before_evict_seconds against kv_block_reuse_gap_seconds: blocks "
+    "evicted after less idle time than the gap between reuses are evicted before their reuse) tells them apart; "
+    "KV usage does not, since idle cached blocks count as free")
+
+
+def _undecided(evidence: dict[str, Any], named: str) -> dict[str, Any]:
+    on_page = "kv_block_evictions_sampled" in evidence
+    return {**evidence, "cannot_tell_apart": f"{named}, eviction_before_reuse",
+            "tells_them_apart": ("--kv-cache-metrics: reuse gaps of blocks evicted after the change (none yet)"
+                                 if on_page else "--kv-cache-metrics")}
+
+
+def _what_tells(evidence: dict[str, Any]) -> str:
+    if "kv_block_evictions_sampled" in evidence:  # the histograms are on the page but could not tell
+        return evidence["residency"]
+    return TELLS_EVICTION_APART
+
+
+def _next_check_both(named: str) -> str:
+    return (f"Either cause reads the same on this page. If {named.replace('_', ' ')}: {NEXT_CHECK[named]} "
+            f"If eviction before reuse: {NEXT_CHECK['eviction_before_reuse']}")
+
+
 NO_REUSE_UNDER_EXHAUSTION = ("With the cache exhausted, a low hit rate from a workload without shared prefixes is "
                              "not a separate problem.")
 
@@ -228,7 +326,13 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     if not dropped and not low:
         return verdict()
 
-    evicts, residency_evidence = _residency(ctx)
+    # After a drop, residency is judged over the later half of the recent
+    # part: a block records its reuse gaps when it is evicted, so the blocks
+    # evicted just after the drop report the gaps of the working set before
+    # it (in the real capture, 4 prefixes reused every 0.2-0.5 s, evicted
+    # in a burst when 12 replaced them), not the gaps the new one needs.
+    evicts, residency_evidence, residency_confidence = _residency(
+        ctx, since=drop.split + drop.span / 2 if dropped else None)
     recent_usage_max, _ = _usage_in(ctx, since=drop.split)
     evidence = {**base_evidence, **residency_evidence, "eviction_usage_ratio": t["eviction_usage_ratio"]}
     if dropped:
@@ -247,7 +351,7 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
                                        evidence, NEXT_CHECK["prefix_changed"]))
         if evicts:
             return verdict(ctx.finding(
-                "low_hit_rate", "eviction_before_reuse", "warning", "high",
+                "low_hit_rate", "eviction_before_reuse", "warning", residency_confidence,
                 f"{drop_text}; blocks are evicted after less idle time than the usual gap between reuses.",
                 evidence, NEXT_CHECK["eviction_before_reuse"]))
 
@@ -261,12 +365,18 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
                     "low_hit_rate", "eviction_before_reuse", "warning", "medium",
                     f"{text} while KV usage reached {usage_max:.0%} without exhausting the cache: running "
                     "requests leave idle prefixes little room.", extra, NEXT_CHECK["eviction_before_reuse"])
-            why = ("blocks stay cached longer than the usual gap between reuses" if evicts is False
-                   else f"KV usage moderate (at most {usage_max or 0:.0%})")
+            if evicts is False:
+                return ctx.finding(
+                    "low_hit_rate", "prefix_changed", "warning", residency_confidence,
+                    f"{text} with blocks cached longer than the usual gap between reuses: the requests stopped "
+                    "sharing the prefix they shared before.", extra, NEXT_CHECK["prefix_changed"])
             return ctx.finding(
-                "low_hit_rate", "prefix_changed", "warning", "medium",
-                f"{text} with {why}: the requests stopped sharing the prefix they shared before.",
-                extra, NEXT_CHECK["prefix_changed"])
+                "low_hit_rate", "prefix_changed", "warning", "low",
+                f"{text} with KV usage at most {usage_max or 0:.0%}: the requests stopped sharing the prefix they "
+                "shared before, or their prefixes outgrew the cache and are evicted before reuse (idle cached "
+                f"blocks count as free, so eviction shows at any usage). The page cannot tell them apart: "
+                f"{_what_tells(extra)}.",
+                _undecided(extra, "prefix_changed"), _next_check_both("prefix_changed"))
 
         if exhausted is None:
             return verdict(judged_without_exhaustion(drop, latest_time, drop_text, {}))
@@ -305,7 +415,6 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     if not drop.low_in_both(t):
         return verdict()  # low for a moment only: not yet a workload's character
     evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio})
-    crowded = evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]
     floor = block_floor(ctx)
     evidence.update(floor)
     if floor.get("no_reuse_kind") == "prefix_shorter_than_block":
@@ -315,10 +424,15 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
             f"longer than one KV block ({floor['block_size']:g} tokens), so any prefix they share is shorter than a "
             "block, and vLLM caches only whole blocks: such a prefix never hits, whatever the workload shares.",
             evidence, NEXT_CHECK["no_reuse"]))
+    if evicts is False:
+        return verdict(ctx.finding(
+            "low_hit_rate", "no_reuse", "info", residency_confidence,
+            f"Hit ratio {ratio:.0%} and stable, the cache not exhausted, and blocks stay cached longer than the usual "
+            "gap between reuses: the requests share little prefix.", evidence, NEXT_CHECK["no_reuse"]))
     return verdict(ctx.finding(
-        "low_hit_rate", "no_reuse", "info", "low" if crowded else "medium",
-        f"Hit ratio {ratio:.0%} and stable, the cache not exhausted: the requests share little prefix"
-        + (f" (KV usage averaged {usage_mean:.0%}, so idle prefixes may also be evicted before reuse; "
-           "vLLM's --kv-cache-metrics histograms tell)." if crowded
-           else f" (KV usage mean {usage_mean if usage_mean is not None else 0:.0%})."),
-        evidence, NEXT_CHECK["no_reuse"]))
+        "low_hit_rate", "no_reuse", "info", "low",
+        f"Hit ratio {ratio:.0%} and stable, the cache not exhausted (KV usage mean "
+        f"{usage_mean if usage_mean is not None else 0:.0%}): the requests share little prefix, or they share "
+        "prefixes that outgrow the cache and are evicted before their reuse comes (a round robin over more prefixes "
+        f"than fit). The page cannot tell them apart: {_what_tells(evidence)}.",
+        _undecided(evidence, "no_reuse"), _next_check_both("no_reuse")))

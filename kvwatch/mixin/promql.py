@@ -171,10 +171,14 @@ class Fragments:
                 f"\nor\n{paren(self.preemption_rate())} > 0")
 
     def long_requests(self) -> str:
-        """A few requests fill the cache: each running request holds a large
-        share of it and no more requests wait than run (the diagnosis'
-        definition, over the same means)."""
-        return (f"{paren(self.capacity_share_per_request())}\n>= {num(self.c.long_request_capacity_share)}"
+        """A few requests fill the cache: each request's footprint is a large
+        share of it (the share a running request held on average, or the
+        share a finished request ended at: 1 / the requests the cache holds
+        at mean prompt + generated length) and no more requests wait than run
+        (the diagnosis' definition, over the same means)."""
+        limit = num(self.c.long_request_capacity_share)
+        return (f"(\n{paren(self.capacity_share_per_request())}\n>= {limit}"
+                f"\nor\n1 / {paren(self.s.signal('kvwatch_kv_cache_capacity_requests'))}\n>= {limit}\n)"
                 f"\nand\n{paren(self.waiting_avg())}\n<=\n{paren(self.running_avg())}")
 
     def kv_bound(self) -> str:
