@@ -77,6 +77,12 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     shape = _load_shape(ctx)
     share = shape["share"]
     final_share = 1.0 / capacity_requests if capacity_requests else None
+    # Before any request finished (its final size unknown), the share one
+    # held while the cache was full tells the same: a full cache and four
+    # running requests is 25 % each.
+    full_shares = [p.usage / p.running for p in ctx.polls
+                   if p.usage is not None and p.usage >= limit and p.running]
+    full_share = max(full_shares, default=None)
     try:
         hit_evidence = hit_rate_verdict(ctx).exhaustion_evidence
     except Exception:  # the hit-rate rule's own failure must not drop this finding
@@ -98,6 +104,7 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         "waiting_mean": shape["waiting_mean"],
         "capacity_share_per_running_request": share,
         "capacity_share_per_finished_request": final_share,
+        "capacity_share_per_running_request_when_full_max": full_share,
         "long_request_capacity_share": long_share,
         **hit_evidence,
         "window_seconds": ctx.increase.seconds,
@@ -115,7 +122,7 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     # final size that fills the cache. In the real capture 4 requests of 200
     # + 800 tokens preempted with nobody waiting while each held only 15 % of
     # the cache on average over its life, and ended at 24 %.
-    footprint_share = max((x for x in (share, final_share) if x is not None), default=None)
+    footprint_share = max((x for x in (share, final_share, full_share) if x is not None), default=None)
     long = (footprint_share is not None and footprint_share >= long_share
             and (shape["waiting_mean"] or 0.0) <= (shape["running_mean"] or 0.0))
 

@@ -82,6 +82,14 @@ class Fragments:
     def preemption_rate(self) -> str:
         return self.s.signal("kvwatch_preemptions_per_second")
 
+    def full_share_max(self) -> str:
+        """The largest share of the cache one running request held at a moment
+        the cache was full (usage at the exhaustion threshold): usage over
+        running, sampled by a subquery over the rate window."""
+        usage, running = self.s.m("kvwatch_engine_kv_cache_usage_ratio"), self.s.m("kvwatch_engine_requests_running")
+        return self.s.agg("max", f"max_over_time((({usage} >= {num(self.c.exhaustion_usage_ratio)}) / {running})"
+                                 f"[{self.s.w}:])")
+
     def running_avg(self) -> str:
         return self.s.agg("sum", f"avg_over_time({self.s.m('kvwatch_engine_requests_running')}[{self.s.w}])")
 
@@ -172,13 +180,15 @@ class Fragments:
 
     def long_requests(self) -> str:
         """A few requests fill the cache: each request's footprint is a large
-        share of it (the share a running request held on average, or the
-        share a finished request ended at: 1 / the requests the cache holds
-        at mean prompt + generated length) and no more requests wait than run
+        share of it (the share a running request held on average, the share
+        one held while the cache was full, or the share a finished request
+        ended at: 1 / the requests the cache holds at mean prompt + generated
+        length) and no more requests wait than run
         (the diagnosis' definition, over the same means)."""
         limit = num(self.c.long_request_capacity_share)
         return (f"(\n{paren(self.capacity_share_per_request())}\n>= {limit}"
-                f"\nor\n1 / {paren(self.s.signal('kvwatch_kv_cache_capacity_requests'))}\n>= {limit}\n)"
+                f"\nor\n1 / {paren(self.s.signal('kvwatch_kv_cache_capacity_requests'))}\n>= {limit}"
+                f"\nor\n{paren(self.full_share_max())}\n>= {limit}\n)"
                 f"\nand\n{paren(self.waiting_avg())}\n<=\n{paren(self.running_avg())}")
 
     def kv_bound(self) -> str:

@@ -51,6 +51,7 @@ class RecordedPage:
     requested_at: float  # time.time() when kvwatch's request arrived
     status: int
     body: bytes
+    answered_at: float = 0.0  # time.time() when the answer had been sent
 
     def metrics(self) -> Metrics:
         return parse_page(self.body.decode())
@@ -76,13 +77,14 @@ class PageRecorder:
                     status, body, content_type = err.code, err.read(), "text/plain"
                 except OSError as err:
                     status, body, content_type = 502, f"upstream failed: {err}".encode(), "text/plain"
-                with recorder._lock:
-                    recorder._pages.append(RecordedPage(requested_at, status, body))
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+                self.wfile.flush()
+                with recorder._lock:
+                    recorder._pages.append(RecordedPage(requested_at, status, body, time.time()))
 
             def log_message(self, *args):  # keep the test output clean
                 pass
@@ -107,23 +109,29 @@ class PageRecorder:
         with self._lock:
             return list(self._pages)
 
-    def page_of_poll(self, poll_started: float, slack_s: float = 0.8) -> RecordedPage:
-        """The page kvwatch fetched in the poll that began at `poll_started` (its
-        snapshot time): the first request to arrive after that instant.
+    def page_of_poll(self, poll_stamp: float, slack_s: float = 0.8) -> RecordedPage:
+        """The page kvwatch read in the poll stamped `poll_stamp` (its snapshot
+        time).
 
-        kvwatch's polls are sequential and start at least an interval apart (1 s
-        or more in the tier), so no other request arrives within slack_s after a poll
-        started; the slack covers a busy machine's delay between the poll's
-        start and its request reaching this recorder.
+        kvwatch stamps a page at the time it asked for it (just before its
+        request arrived here), or, when the page came later than a tenth of
+        the interval, at the time it was answered (between the request's
+        arrival and kvwatch reading the answer's end). The page is the one
+        whose span from request to answer lies nearest the stamp; kvwatch's
+        polls are sequential and start at least an interval apart (1 s or
+        more in the tier), so a neighbour's span lies farther.
         """
-        # poll_started may come from a difference of floats (window start =
-        # last poll - window span): off by far less than a microsecond.
-        later = [page for page in self.pages if page.requested_at >= poll_started - 1e-6]
-        page = min(later, key=lambda p: p.requested_at, default=None)
-        if page is None or page.requested_at > poll_started + slack_s:
-            raise AssertionError(f"no recorded page was requested within {slack_s} s after "
-                                 f"{poll_started:.3f} (recorded: {len(self.pages)} pages)")
-        return page
+
+        def distance(page: RecordedPage) -> float:
+            if page.requested_at <= poll_stamp <= page.answered_at + 0.05:
+                return 0.0
+            return page.requested_at - poll_stamp if poll_stamp < page.requested_at else poll_stamp - page.answered_at
+
+        near = [page for page in self.pages if distance(page) <= slack_s]
+        if not near:
+            raise AssertionError(f"no recorded page was requested or answered within {slack_s} s of "
+                                 f"{poll_stamp:.3f} (recorded: {len(self.pages)} pages)")
+        return min(near, key=distance)
 
 
 def parse_page(text: str) -> Metrics:

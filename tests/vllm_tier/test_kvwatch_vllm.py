@@ -36,7 +36,7 @@ pytestmark = pytest.mark.vllm
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 ENGINE = {"model_name": "tiny-llama", "engine": "0"}
-POLL_INTERVAL = "1s"  # its fetch deadline (0.8 s) outlasts vLLM's /metrics under the burst
+POLL_INTERVAL = "1s"  # a page vLLM answers late under the burst is kept (fetch deadline 15 s)
 
 # The shared-prefix load outlasts kvwatch's window, so later comparisons use a
 # window that starts inside the load and has moved with it.
