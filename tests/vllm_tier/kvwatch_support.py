@@ -161,11 +161,14 @@ class RunningKvwatch:
 
 @contextlib.contextmanager
 def running_kvwatch(target: str, poll_interval: str = "0.5s", window: str = "20s",
-                    start_timeout_s: float = 10.0) -> Iterator[RunningKvwatch]:
-    """kvwatch polling `target` in the background and serving its HTTP app on loopback."""
+                    start_timeout_s: float = 10.0, diagnosis: dict | None = None) -> Iterator[RunningKvwatch]:
+    """kvwatch polling `target` in the background and serving its HTTP app on
+    loopback; `diagnosis` sets thresholds as the config's `diagnosis:` does."""
     # Port 0 lets the OS choose; uvicorn reports the port it bound.
-    settings = load_settings(overrides={"target": target, "port": 0, "poll_interval": poll_interval,
-                                        "window": window}, environ={})
+    overrides = {"target": target, "port": 0, "poll_interval": poll_interval, "window": window}
+    if diagnosis:
+        overrides["diagnosis"] = diagnosis
+    settings = load_settings(overrides=overrides, environ={})
     monitor = Monitor(settings)
     server = uvicorn.Server(uvicorn.Config(create_app(monitor, settings), host="127.0.0.1", port=0,
                                            log_level="warning", lifespan="off"))
