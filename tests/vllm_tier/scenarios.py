@@ -44,7 +44,7 @@ def long_requests_load(base_url: str, duration: float = 20.0, concurrency: int =
 
 def prefix_rotation_load(base_url: str, duration: float = 25.0, phases: tuple[tuple[float, int], ...] = ((0.0, 12),),
                          concurrency: int = 2, prefix_tokens: int = 512, suffix_tokens: int = 32,
-                         output_tokens: int = 16, seed: int | None = None) -> LoadRun:
+                         output_tokens: int = 16, seed: int | None = None, max_requests: int = 5000) -> LoadRun:
     """Round robin over a working set of prefixes; `phases` is ((start_s, size), ...):
     from start_s on, the rotation runs over the first `size` prefixes."""
     words = prompt_words()
@@ -62,7 +62,8 @@ def prefix_rotation_load(base_url: str, duration: float = 25.0, phases: tuple[tu
         with lock:
             return prefixes[next(turn) % size] + prompt_suffix(suffix_tokens, suffixes, words)
 
-    return LoadRun("prefix-rotation", base_url, make_prompt, output_tokens, concurrency, duration, 5000, 60.0)
+    return LoadRun("prefix-rotation", base_url, make_prompt, output_tokens, concurrency, duration, max_requests,
+                   60.0)
 
 
 def changed_prefix_load(base_url: str, duration: float = 35.0, switch_after: float = 15.0, concurrency: int = 2,

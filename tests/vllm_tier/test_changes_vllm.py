@@ -1,0 +1,112 @@
+"""The changes kvwatch names, provoked on a real vLLM of this test's own
+(stopped and started again on one port while one kvwatch keeps polling it):
+a restart whose cache is cold at first and warm again soon after, and a
+restart with another cache configuration (prefix caching turned off), which
+is then `caching_disabled`.
+
+A model change (another --served-model-name) is not provoked: the harness
+waits for the tier's one model name; docs/diagnosis.md lists it as open.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from promstack import wait_until
+
+from .harness import vllm_server
+from .kvwatch_support import read_kvwatch_diagnosis, running_kvwatch, tier_reporter
+from .scenarios import distinct_load, prefix_rotation_load
+
+pytestmark = pytest.mark.vllm
+
+SEED = 19
+PREFIXES = 6  # 6 x 17 blocks fit the 128: warm after one pass
+
+
+def rotation(base_url: str, **kwargs):
+    return prefix_rotation_load(base_url, phases=((0.0, PREFIXES),), concurrency=1, seed=SEED, **kwargs)
+
+
+def findings(kvwatch) -> list[dict]:
+    try:
+        return read_kvwatch_diagnosis(kvwatch.url).get("findings", [])
+    except OSError:
+        return []
+
+
+def watch(kvwatch, seconds: float, seen: list) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        seen.append(findings(kvwatch))
+        time.sleep(0.5)
+
+
+def causes(samples: list, symptom: str) -> set[str]:
+    return {f["cause"] for found in samples for f in found if f["symptom"] == symptom}
+
+
+def test_restart_cold_then_warm_and_a_cache_config_change_to_caching_disabled(vllm_build, tmp_path, request):
+    report = tier_reporter(request.config)
+    venv, model = vllm_build
+    log = tmp_path / "server.log"
+    with vllm_server(model_dir=model, venv=venv, log_path=log, report=report) as first:
+        port = first.port
+        kvwatch_context = running_kvwatch(first.metrics_url, poll_interval="1s", window="40s")
+        kvwatch = kvwatch_context.__enter__()
+        try:
+            wait_until(lambda: kvwatch.monitor.state.up, 10, "kvwatch's first poll")
+            warm = rotation(first.base_url, duration=10.0)
+            assert warm.wait().failed == 0
+        except BaseException:
+            kvwatch_context.__exit__(None, None, None)
+            raise
+    try:
+        # 1. The same server again: counters restart and the cache is empty.
+        with vllm_server(port=port, model_dir=model, venv=venv, log_path=log, report=report) as second:
+            wait_until(lambda: kvwatch.monitor.state.up, 30, "kvwatch to poll the restarted engine")
+            cold: list = []
+            first_pass = rotation(second.base_url, duration=30.0, max_requests=PREFIXES)  # each prefix once: all miss
+            while first_pass.running:
+                cold.append(findings(kvwatch))
+                time.sleep(0.5)
+            assert first_pass.wait().failed == 0
+            watch(kvwatch, 4.0, cold)
+            warm_again: list = []
+            again = rotation(second.base_url, duration=12.0)
+            while again.running:
+                warm_again.append(findings(kvwatch))
+                time.sleep(0.5)
+            assert again.wait().failed == 0
+            watch(kvwatch, 2.0, warm_again)
+        restarted = [f for found in cold + warm_again for f in found if f["cause"] == "engine_restarted"]
+        report(f"restart: cold pass said {sorted(causes(cold, 'low_hit_rate'))}, then "
+               f"{sorted(causes(warm_again[-3:], 'low_hit_rate'))}; last restart summary: "
+               f"{restarted[-1]['summary'] if restarted else None}")
+        assert restarted
+        assert causes(cold, "low_hit_rate") == {"cold_cache"}, cold[-3:]
+        assert not causes(warm_again[-3:], "low_hit_rate"), warm_again[-3:]
+        last = [f for f in warm_again[-1] if f["cause"] == "engine_restarted"]
+        assert last and "warm again" in last[0]["summary"] and "cold" not in last[0]["summary"], warm_again[-1]
+
+        # 2. Started again with prefix caching off: a configuration change,
+        # then every prompt is computed in full.
+        with vllm_server(port=port, model_dir=model, venv=venv, log_path=log, report=report,
+                         extra_args=("--no-enable-prefix-caching",)) as third:
+            wait_until(lambda: kvwatch.monitor.state.up, 30, "kvwatch to poll the reconfigured engine")
+            off: list = []
+            load = distinct_load(third.base_url, duration=10.0)
+            while load.running:
+                off.append(findings(kvwatch))
+                time.sleep(0.5)
+            assert load.wait().failed == 0
+            watch(kvwatch, 2.0, off)
+        changed = [f for found in off for f in found if f["cause"] == "cache_config_changed"]
+        report(f"caching off: kvwatch said {sorted(causes(off, 'low_hit_rate'))} and changes "
+               f"{sorted(causes(off, 'change'))}; {changed[-1]['summary'] if changed else None}")
+        assert changed and "enable_prefix_caching" in changed[-1]["evidence"]["changed_keys"], off[-1]
+        assert causes(off, "low_hit_rate") == {"caching_disabled"}, off[-3:]
+    finally:
+        kvwatch_context.__exit__(None, None, None)
