@@ -57,6 +57,8 @@ def status_json(state, settings) -> dict[str, Any]:
         "poll_interval_seconds": settings.poll_interval,
         "window_seconds": settings.window,
         "window_covered_seconds": state.window_seconds,
+        "engine": state.engine,
+        "dark_signals": list(state.dark_signals),
     }
 
 
