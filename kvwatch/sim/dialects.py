@@ -8,9 +8,10 @@ adapters, signals, dashboards and alerts can be run end to end on each:
   the last interval; `num_retracted_requests_total` appears only after the
   first preemption; tokenizer-side series (histograms, token counters) carry
   no rank.
-- llama.cpp: no labels, no histograms; `prompt_tokens_total` excludes cached
-  tokens, counted apart in `prompt_tokens_cached_total`; `n_tokens_max` and
-  `n_busy_slots_per_decode` are typed counters but are not counters.
+- llama.cpp (as tools/server/server-task.cpp writes it): no labels, no
+  histograms; `prompt_tokens_total` excludes cached tokens, counted apart in
+  `prompt_tokens_cached_total`; `n_tokens_max` is typed a counter but is a
+  maximum.
 - TensorRT-LLM: the iteration gauges (usage, running, waiting) change only
   when a request completes; block counters for prefix reuse.
 """
@@ -122,26 +123,32 @@ def render_llamacpp(engines: Sequence[Engine]) -> list[str]:
     generated = sum(s.generation_tokens for s in stats)
     steps = sum(engine.steps for engine in engines)
     busy = sum(engine.num_running for engine in engines)
+    longest = max((engine.config.max_model_len for engine in engines if engine.stats.request_prompt_tokens.count),
+                  default=0)
     for name, help_text, value in (
-        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens.", computed),
-        ("prompt_tokens_cached_total", "Number of prompt tokens served from the cache.", cached),
-        ("prompt_seconds_total", "Prompt process time", prompt_seconds),
-        ("tokens_predicted_total", "Number of generation tokens processed.", generated),
-        ("tokens_predicted_seconds_total", "Predict process time", decode_seconds),
-        ("n_decode_total", "Total number of llama_decode() calls", steps),
-        # Typed counters that are not counters: a maximum and a lifetime average.
-        ("n_tokens_max", "Largest observed n_tokens.", max((s.request_prompt_tokens.sum for s in stats), default=0)),
-        ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
-         busy / steps if steps else 0.0),
+        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", computed),
+        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", cached),
+        ("prompt_seconds_total", "Total time spent processing prompts", prompt_seconds),
+        ("tokens_predicted_total", "Number of generation tokens processed", generated),
+        ("tokens_predicted_seconds_total", "Total time spent generating tokens", decode_seconds),
+        ("n_decode_total", "Total number of llama_decode() calls, excluding speculative decoding and multimodal "
+                           "decoding", steps),
+        # Typed a counter, but the largest sequence seen: not a counter.
+        ("n_tokens_max", "Largest observed sequence length (prompt + generation)", longest),
+        ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
+        ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", 0),
+        ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0),
     ):
         _gauge(out, f"llamacpp:{name}", help_text, [({}, value)], kind="counter")
     for name, help_text, value in (
-        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s",
          computed / prompt_seconds if prompt_seconds else 0.0),
-        ("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+        ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
          generated / decode_seconds if decode_seconds else 0.0),
-        ("requests_processing", "Number of requests processing.", busy),
-        ("requests_deferred", "Number of requests deferred.", sum(engine.num_waiting for engine in engines)),
+        ("requests_processing", "Number of requests processing", busy),
+        ("requests_deferred", "Number of requests deferred", sum(engine.num_waiting for engine in engines)),
+        ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+         busy / steps if steps else 0.0),
     ):
         _gauge(out, f"llamacpp:{name}", help_text, [({}, value)])
     return out
