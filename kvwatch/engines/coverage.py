@@ -21,12 +21,14 @@ KIND_BY_PREFIX = {"kv_usage": "gauge", "running": "gauge", "waiting": "gauge", "
                   "v0_prefix_hit_rate": "gauge"}
 
 
-def provided(adapter: type[EngineAdapter]) -> dict[str, str]:
-    """canonical key -> kind (gauge, counter, histogram, config) the adapter can fill."""
+def provided(adapter: type[EngineAdapter], older_builds: bool = True) -> dict[str, str]:
+    """canonical key -> kind (gauge, counter, histogram, config) the adapter can
+    fill; without `older_builds`, only what the engine's current builds carry."""
     if issubclass(adapter, TableAdapter):
         found = {}
         for row in adapter.ROWS + adapter.TABLE_NOTES:
-            found[row.key] = "config" if row.key == "capacity_tokens" else row.kind
+            if older_builds or row.key not in adapter.OLDER_BUILDS_ONLY:
+                found[row.key] = "config" if row.key == "capacity_tokens" else row.kind
         return found
     from kvwatch.engines import vllm
 
@@ -42,11 +44,12 @@ def provided(adapter: type[EngineAdapter]) -> dict[str, str]:
 
 
 @lru_cache(maxsize=None)
-def dark_signals(adapter: type[EngineAdapter]) -> tuple[str, ...]:
-    """Names of the catalogue's signals this engine cannot provide."""
+def dark_signals(adapter: type[EngineAdapter], older_builds: bool = False) -> tuple[str, ...]:
+    """Names of the catalogue's signals this engine's current builds cannot
+    provide (with `older_builds`: that no build of it provides)."""
     from kvwatch.signals import SIGNALS, View
 
-    keys = provided(adapter)
+    keys = provided(adapter, older_builds)
     latest = EngineSnapshot("model", "0")
     increase = Increase(seconds=60.0, steps=2)
     for key, kind in keys.items():

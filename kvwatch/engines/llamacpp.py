@@ -71,6 +71,7 @@ class LlamacppAdapter(TableAdapter):
     MISSING = MISSING
     TABLE_NOTES = TABLE_NOTES
     model_label = "model"
+    OLDER_BUILDS_ONLY = frozenset({"kv_usage"})
     EXTRA_FAMILIES = (PROMPT, CACHED)
 
     def finish(self, snapshot: Snapshot, families: dict[str, Family]) -> None:

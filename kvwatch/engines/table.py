@@ -63,6 +63,8 @@ class TableAdapter(EngineAdapter):
     EXTRA_FAMILIES: tuple[str, ...] = ()
     # Rows `finish` provides, for the table only.
     TABLE_NOTES: tuple[Row, ...] = ()
+    # Keys only some builds of the engine provide (its current builds do not).
+    OLDER_BUILDS_ONLY: frozenset[str] = frozenset()
 
     def __init__(self, max_series: int = 10_000):
         super().__init__(max_series)
