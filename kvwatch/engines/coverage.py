@@ -81,3 +81,32 @@ def dark_signals(adapter: type[EngineAdapter], older_builds: bool = False) -> tu
         if value is None or value == {}:
             dark.append(signal.name)
     return tuple(dark)
+
+
+def engines_markdown() -> str:
+    """docs/engines.md's generated part: signals x engines, then each
+    adapter's table (tests/test_engines.py keeps the doc equal to it)."""
+    from kvwatch.engines import ENGINES
+    from kvwatch.signals import SIGNALS
+
+    engines = list(ENGINES)
+    lines = ["| signal | " + " | ".join(engines) + " |", "|---|" + "---|" * len(engines)]
+    for signal in SIGNALS:
+        cells = []
+        for name in engines:
+            if signal.name in dark_signals(ENGINES[name], older_builds=True):
+                cells.append("–")
+            elif signal.name in dark_signals(ENGINES[name]):
+                cells.append("older builds")
+            else:
+                cells.append("yes")
+        lines.append(f"| `{signal.name}` | " + " | ".join(cells) + " |")
+    for name in engines:
+        adapter = ENGINES[name]
+        if not issubclass(adapter, TableAdapter):
+            continue
+        lines += ["", f"### {name}", "", "| canonical key | family | type | unit | note |", "|---|---|---|---|---|"]
+        for row in adapter.table():
+            family = f"`{row['family']}`" if row["family"] else ""
+            lines.append(f"| `{row['key']}` | {family} | {row['type']} | {row['unit']} | {row['note']} |")
+    return "\n".join(lines) + "\n"
