@@ -125,10 +125,14 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
 
 def _live_report(args, config, kv_dtype, budget, inputs, outputs) -> dict[str, Any]:
     url = live.metrics_url(args.target)
-    reported = live.live_capacity(live.fetch_snapshot(url))
+    reported = live.read_live_capacity(live.fetch_page(url))
     if not reported["engines"]:
+        if reported["engine"] == "vllm":
+            raise CapacityInputError(
+                f"{url} has no vllm:cache_config_info; is it a vLLM with stats logging on?")
         raise CapacityInputError(
-            f"{url} has no vllm:cache_config_info; is it a vLLM with stats logging on?")
+            f"{url} is {reported['engine']}'s page and states no KV capacity; it cannot provide "
+            + ", ".join(name[len("kvwatch_"):] for name in reported["dark_signals"]))
     engines = []
     result_dict = None
     notes = []
@@ -189,7 +193,8 @@ def _live_report(args, config, kv_dtype, budget, inputs, outputs) -> dict[str, A
                     result.pool_blocks, result.pool_tokens, info["num_gpu_blocks"],
                     info["capacity_tokens"])
         engines.append(entry)
-    return {"mode": "target", "target": url, "engines": engines, "notes": notes,
+    return {"mode": "target", "target": url, "engine": reported["engine"],
+            "dark_signals": reported["dark_signals"], "engines": engines, "notes": notes,
             "result": result_dict, "ignores": list(cap.IGNORED)}
 
 
@@ -265,7 +270,10 @@ def render_table(report: dict[str, Any]) -> str:
         notes, ignores = result["notes"], result["ignores"]
     else:
         notes, ignores = list(report["notes"]), report["ignores"]
-        out.append(f"Target: {report['target']}")
+        out.append(f"Target: {report['target']} ({report['engine']})")
+        if report["dark_signals"]:
+            out.append("  the engine does not provide: "
+                       + ", ".join(name[len("kvwatch_"):] for name in report["dark_signals"]))
         for entry in report["engines"]:
             info = entry["reported"]
             out.append("")

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", default="2s", help="time between polls (default 2s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--config", help="YAML config file (diagnosis thresholds, TLS, upstream, ...)")
+    parser.add_argument("--engine", help="the engine serving the target: auto (default, from its page), vllm, "
+                                         "sglang, llamacpp, trtllm")
     parser.add_argument("--replay", metavar="CAPTURE",
                         help="replay a capture folder or .tar.gz bundle at its recorded times instead of polling")
     history = parser.add_argument_group("history (--prometheus)")
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         return _fail(problems)
     # The window spans the whole run, so every poll counts.
-    overrides = {"target": args.target, "poll_interval": interval, "window": max(duration, 2 * interval) + interval}
+    overrides = {"target": args.target, "engine": args.engine, "poll_interval": interval, "window": max(duration, 2 * interval) + interval}
     try:
         settings = load_settings(args.config, overrides)
     except SettingsError as exc:
@@ -142,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "target": signals["target"],
+            "engine": signals["engine"],
+            "dark_signals": signals["dark_signals"],
             "polls": polls,
             "failed_polls": sum(final.errors_by_reason.values()),
             "last_poll_up": final.up,
@@ -173,8 +177,12 @@ def _table(rows: list[list[str]], out: TextIO, indent: str = "") -> None:
 
 def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any], polls: int, final) -> None:
     failed = sum(final.errors_by_reason.values())
-    print(f"kvwatch diagnose: {signals['target']}, {polls} polls ({failed} failed), window "
+    print(f"kvwatch diagnose: {signals['target']} ({signals['engine']}), {polls} polls ({failed} failed), window "
           f"{signals['window_covered_seconds']:.0f}s", file=out)
+    if signals["dark_signals"]:
+        dark = ", ".join(item["signal"][len("kvwatch_"):] for item in signals["dark_signals"])
+        print(textwrap.fill(f"{signals['engine']} does not provide: {dark}", width=110, initial_indent="  ",
+                            subsequent_indent="    "), file=out)
     if not final.up:
         print(f"  last poll failed: {final.reason} {final.detail}".rstrip() + "; showing the last good poll", file=out)
 

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose import Change
-from kvwatch.engines import make_adapter
+from kvwatch.engines import AUTO, ENGINES, make_adapter, recognize
+from kvwatch.engines.coverage import dark_signals
 from kvwatch.sidecar.report import public_url
 from kvwatch.scrape import Fetcher, FetchResult
 from kvwatch.sidecar.settings import Settings
@@ -72,6 +73,10 @@ class State:
     # The window's entries as of this poll (the trends on the status page);
     # a tuple, so readers never see the poll thread's deque change.
     entries: tuple = ()
+    # The engine whose adapter reads the page (None while `auto` has not seen
+    # a page with engine metrics), and the catalogue's signals it cannot provide.
+    engine: str | None = None
+    dark_signals: tuple[str, ...] = ()
 
 
 class Monitor:
@@ -90,11 +95,12 @@ class Monitor:
             settings.ca_bundle,
             settings.tls_verify,
         )
-        # The time a poll is stamped with: the window's time axis.
         # The time each poll is read at: the window's time axis and the
         # times in the state (a replay passes the recorded times).
         self.clock = clock or self._steady_clock
-        self.adapter = make_adapter("vllm", max_series=settings.max_series)
+        # With `auto`, the adapter is chosen from the first page some adapter
+        # recognizes, and kept: a target serves one engine.
+        self.adapter = None if settings.engine == AUTO else make_adapter(settings.engine, settings.max_series)
         self.window = Window(settings.window)
         self.upstream = None
         if settings.upstream_target and settings.upstream_histogram:
@@ -167,12 +173,24 @@ class Monitor:
             return self._ingest(result, started, started_monotonic, started_cpu)
 
     def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
+        if self.adapter is None:
+            engine = recognize(result.text)
+            if engine is None:
+                detail = (f"no engine metrics in a page of {result.size} bytes "
+                          f"(looked for the families of {', '.join(ENGINES)})")
+                if result.unexpected_content_type:
+                    detail += f" of content type {result.content_type!r}"
+                reason = "content_type" if result.unexpected_content_type else "no_engine_metrics"
+                return self._record_failure(reason, detail, started, result.seconds,
+                                            time.thread_time() - started_cpu)
+            self.adapter = make_adapter(engine, self.settings.max_series)
+            log.info("polling %s: the page is %s's", public_url(self.settings.target), engine)
         snapshot = self.adapter.adapt(result.text, at=started)
         self._parse_errors += len(snapshot.parse_errors)
         if snapshot.parse_errors:
             log.debug("%d malformed lines, first: %s", len(snapshot.parse_errors), snapshot.parse_errors[0])
         if not snapshot.engines:
-            detail = f"no vLLM engine metrics in a page of {result.size} bytes"
+            detail = f"no {self.adapter.name} engine metrics in a page of {result.size} bytes"
             if result.unexpected_content_type:
                 detail += f" of content type {result.content_type!r}"
             if snapshot.parse_errors:
@@ -211,6 +229,8 @@ class Monitor:
             events=events,
             upstream=upstream,
             entries=tuple(self.window.entries),
+            engine=self.adapter.name,
+            dark_signals=dark_signals(type(self.adapter)),
         )
         if not was_up:
             log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))
@@ -232,12 +252,14 @@ class Monitor:
             polls=self._polls,
             errors_by_reason=dict(self._errors),
             parse_errors=self._parse_errors,
-            dropped_series=self.adapter.dropped_series,
+            dropped_series=self.adapter.dropped_series if self.adapter is not None else 0,
             last_poll_time=started,
             last_success_time=previous.last_success_time,
             poll_seconds=seconds,
             poll_cpu_seconds=cpu,
             events=previous.events,
+            engine=previous.engine,
+            dark_signals=previous.dark_signals,
         )
         return self.state
 

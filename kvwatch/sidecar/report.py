@@ -58,16 +58,25 @@ def status_json(state, settings) -> dict[str, Any]:
         "poll_interval_seconds": settings.poll_interval,
         "window_seconds": settings.window,
         "window_covered_seconds": state.window_seconds,
+        "engine": state.engine,
+        "dark_signals": dark_signals(state.snapshot if state.up else None, state.engine, state.dark_signals),
     }
 
 
-def dark_signals(snapshot) -> list[dict[str, Any]]:
-    """The signals the engine's page leaves dark: each with the families it
-    needs that were not on the page and, for a config-gated one, the flag
-    that lights it (else the family is missing from this engine's version).
-    Unknown is not zero: these signals are absent, never 0."""
+def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The signals left dark, in catalogue order, one list for two reasons:
+    the engine does not export their inputs at all (`engine_dark`, from the
+    adapter), or this page lacks a family they need, with the flag that
+    lights a config-gated one (else the family is missing from this engine's
+    version). Unknown is not zero: these signals are absent, never 0."""
     dark = []
     for signal in SIGNALS:
+        if signal.name in engine_dark:
+            dark.append({"signal": signal.name, "missing_families": [], "lit_by": None,
+                         "why": f"{engine or 'this engine'} does not export what it is computed from"})
+            continue
+        if snapshot is None:
+            continue
         missing = [key for key in signal.needs if key not in snapshot.sources]
         if not missing:
             continue
@@ -91,7 +100,6 @@ def signals_json(state, settings) -> dict[str, Any]:
         "cache_config": snapshot.cache_config if snapshot else {},
         "sources": snapshot.sources if snapshot else {},
         "source_present": snapshot.present() if snapshot else {},
-        "dark_signals": dark_signals(snapshot) if snapshot else [],
         "events": [asdict(e) for e in state.events],
         # The diagnosis' thresholds in force (defaults overlaid with the
         # settings' `diagnosis:`): the page colours values by these.
