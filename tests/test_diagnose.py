@@ -17,7 +17,7 @@ from kvwatch.diagnose import (
     resolve_thresholds,
     validate_thresholds,
 )
-from kvwatch.diagnose import Change
+from kvwatch.diagnose import Change, HitRateMemory
 from kvwatch.sidecar.settings import SettingsError, load_settings
 from kvwatch.signals import evaluate_window
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
@@ -703,3 +703,33 @@ def test_docs_name_every_threshold_and_cause():
     missing = [key for key in DEFAULT_THRESHOLDS if f"`{key}`" not in text]
     missing += [cause for group in CAUSES.values() for cause in group if f"`{cause}`" not in text]
     assert not missing, missing
+
+
+def test_a_prefix_regression_stays_one_after_the_low_ratio_fills_the_window():
+    # The monitor diagnoses every poll and keeps the last healthy ratio
+    # beyond the window: once the drop has left the window, the finding is
+    # still a changed prefix (warning), not no_reuse (info, "nothing to repair").
+    memory = HitRateMemory()
+    run = Run(window_seconds=60.0)
+    for _ in range(8):
+        run.step(usage=0.4, running=3, requests=4, hit_ratio=0.8)
+        diagnose_with(run, memory)
+    for _ in range(20):  # 200 s of a low ratio: the window holds nothing else
+        run.step(usage=0.4, running=3, requests=4, hit_ratio=0.03)
+        findings = diagnose_with(run, memory)
+    finding = only(findings, "prefix_changed")
+    assert finding.severity == "warning"
+    assert 0.6 < finding.evidence["hit_ratio_last_healthy"] <= 0.8 + 1e-9  # the last healthy window
+    assert finding.evidence["hit_ratio_last_healthy_seconds_ago"] >= 190
+    # Without the memory (one-shot `kvwatch diagnose`) the window alone decides.
+    assert causes(run.findings(), "low_hit_rate") == {"no_reuse"}
+    # Reuse that comes back ends it.
+    for _ in range(8):
+        run.step(usage=0.4, running=3, requests=4, hit_ratio=0.8)
+        findings = diagnose_with(run, memory)
+    assert not causes(findings, "low_hit_rate")
+
+
+def diagnose_with(run, memory):
+    per_engine, _ = evaluate_window(run.window)
+    return diagnose(run.window, per_engine, tuple(run.events), run.thresholds, None, memory)

@@ -70,7 +70,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
         upstream_share = upstream_mean / total_mean if total_mean else 0.0
         if upstream_share >= t["upstream_share"]:
             findings.append(ctx.finding(
-                "slow_first_token", "upstream", "warning", "medium",
+                "slow_first_token", "upstream", "medium",
                 f"{upstream_mean:.2f}s of {total_mean:.2f}s mean time to first token ({upstream_share:.0%}) is spent "
                 f"before the engine, in {upstream.get('histogram')}.",
                 {**evidence, "upstream_histogram": upstream.get("histogram"), "upstream_mean_seconds": upstream_mean,
@@ -101,7 +101,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
                               "running_max": ctx.view.running_max, "preemptions": ctx.increase.counters.get("preemptions")}
             if exhaustion is not None:
                 findings.append(ctx.finding(
-                    "slow_first_token", "queueing_kv_bound", "warning", confidence,
+                    "slow_first_token", "queueing_kv_bound", confidence,
                     f"{headline}; the queue is {share_text}, and the KV cache was exhausted while requests waited.",
                     queue_evidence, NEXT_CHECK["queueing_kv_bound"]))
             else:
@@ -112,7 +112,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
                 else:
                     why = f"KV usage at most {usage_while_waiting or 0:.0%} while requests waited"
                 findings.append(ctx.finding(
-                    "slow_first_token", "queueing_compute_bound", "warning",
+                    "slow_first_token", "queueing_compute_bound",
                     confidence if usage_while_waiting is not None else "low",
                     f"{headline}; the queue is {share_text} while the KV cache was not exhausted ({why}): a bigger "
                     "cache does not shorten this queue.",
@@ -123,7 +123,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
             prompt_mean = ctx.value("kvwatch_prompt_tokens_per_request_mean")
             uncached = prompt_mean * (1 - cached) if prompt_mean is not None and cached is not None else None
             findings.append(ctx.finding(
-                "slow_first_token", "prefill", "warning", confidence,
+                "slow_first_token", "prefill", confidence,
                 f"{headline}; prefill is {share_text}"
                 + (f", about {uncached:.0f} uncached prompt tokens per request." if uncached is not None else "."),
                 {**evidence, "prompt_tokens_mean": prompt_mean, "prompt_tokens_cached_ratio": cached,
@@ -131,7 +131,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
                 NEXT_CHECK["prefill"]))
         else:
             findings.append(ctx.finding(
-                "slow_first_token", "front_end", "warning", confidence,
+                "slow_first_token", "front_end", confidence,
                 f"{headline}; {share_text} is outside queue and prefill (front end, tokenization, scheduling).",
                 evidence, NEXT_CHECK["front_end"]))
     return findings

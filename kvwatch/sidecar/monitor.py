@@ -94,6 +94,7 @@ class Monitor:
         self._polls = 0
         self._events: deque[Change] = deque(maxlen=MAX_EVENTS)
         self._lora_seen: set[str] = set()
+        self.hit_memory = diagnosis.HitRateMemory()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
@@ -165,7 +166,7 @@ class Monitor:
         upstream = self.upstream.poll() if self.upstream is not None else None
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
-                                      self.settings.diagnosis, upstream)
+                                      self.settings.diagnosis, upstream, self.hit_memory)
         self._polls += 1
         was_up = self.state.up
         earliest = self.window.earliest
