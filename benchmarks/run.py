@@ -594,6 +594,34 @@ def bench_memory(report: Report, fixtures: Path, quick: bool) -> None:
         f"cached label sets, {found['events']} events, {found['failed_polls']} failed polls.\n\n"
         + table(["simulated minute", "RSS", "objects"], rows))
     print(plain_table(["simulated minute", "RSS", "objects"], rows), flush=True)
+    bench_worst_page(report, quick)
+
+
+def bench_worst_page(report: Report, quick: bool) -> None:
+    """The worst page the default body cap admits, against the manifests'
+    memory limit, which is derived from this figure (kvwatch/mixin/config.py)."""
+    from kvwatch.mixin.config import KVWATCH_MEMORY_LIMIT_MIB
+
+    polls = 8 if quick else 24
+    result = subprocess.run([sys.executable, str(HERE / "worst_page_probe.py"), "--polls", str(polls)],
+                            capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise RuntimeError("worst-page probe failed: " + result.stderr[-2000:])
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    mib = 1 / 1024
+    peak = found["peak_rss_kib"] * mib
+    report.figure(f"peak RSS, worst page under the default cap ({found['cap_bytes'] * mib * mib:.0f} MiB)",
+                  f"{peak:.0f} MiB (last poll {found['rss_kib'][-1] * mib:.0f} MiB)",
+                  f"at start: {found['rss_before_kib'] * mib:.0f} MiB",
+                  f"< the manifests' limit, {KVWATCH_MEMORY_LIMIT_MIB} MiB", peak < KVWATCH_MEMORY_LIMIT_MIB)
+    report.sections.append(
+        "### The worst page the body cap admits\n\n"
+        f"A fresh process with kvwatch's default settings polls {polls} pages of {found['page_bytes']} bytes, "
+        "each one served model name per line with new names every poll (a gateway that sets one per request), "
+        "and reads /metrics and /api/v1/diagnosis after each poll (benchmarks/worst_page_probe.py). Peak RSS "
+        f"(VmHWM): {peak:.0f} MiB; the manifests' memory limit ({KVWATCH_MEMORY_LIMIT_MIB} MiB) is derived from "
+        "this figure in kvwatch/mixin/config.py.\n")
+    print(f"worst page: peak {peak:.0f} MiB, limit {KVWATCH_MEMORY_LIMIT_MIB} MiB", flush=True)
 
 
 # --------------------------------------------------------------------------

@@ -50,6 +50,20 @@ class FetchResult:
         return self.reason is None
 
 
+def _gunzip(decompressor, data: bytes, limit: int):
+    """Up to `limit` bytes of `data` decompressed, and the decompressor for
+    what follows. A gzip file may hold several members one after another
+    (RFC 1952, section 2.2; what `cat a.gz b.gz` or a streaming proxy writes):
+    the page is all of them, so a new member starts where one ends."""
+    out = b""
+    while data and len(out) < limit:
+        if decompressor.eof:
+            decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        out += decompressor.decompress(data, limit - len(out))
+        data = decompressor.unused_data if decompressor.eof else b""
+    return out, decompressor
+
+
 class Fetcher:
     def __init__(
         self,
@@ -161,7 +175,7 @@ class Fetcher:
             # what we hold in memory (a gzip bomb stops at the cap).
             for chunk in response.raw.stream(CHUNK, decode_content=False):
                 if decompressor is not None:
-                    chunk = decompressor.decompress(chunk, self.max_body_bytes + 1 - size)
+                    chunk, decompressor = _gunzip(decompressor, chunk, self.max_body_bytes + 1 - size)
                 size += len(chunk)
                 if size > self.max_body_bytes:
                     return b"", ("too_large", f"body exceeds the {self.max_body_bytes} byte cap")

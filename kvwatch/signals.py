@@ -242,7 +242,9 @@ def _cached_share(view: View) -> float | None:
     prompt = view.increase.counters.get("prompt_tokens")
     hits = view.increase.counters.get("prefix_hits")
     if prompt and hits is not None:
-        return (hits + view.increase.counters.get("external_prefix_hits", 0.0)) / prompt
+        cached = hits + view.increase.counters.get("external_prefix_hits", 0.0)
+        # More cached tokens than prompt tokens: the counters disagree (see Increase.ratio).
+        return cached / prompt if cached <= prompt else None
     return None
 
 

@@ -37,8 +37,10 @@ class Histogram:
 
     def minus(self, earlier: "Histogram") -> "Histogram | None":
         """This histogram's increase since `earlier`, or None when the two are
-        not comparable (bounds changed) or a reset happened (anything fell)."""
-        if earlier.bounds != self.bounds or self.count < earlier.count:
+        not comparable (bounds changed) or a reset happened (anything fell,
+        the sum included: the observations are durations and sizes, never
+        negative, so a smaller sum means the engine counted again from zero)."""
+        if earlier.bounds != self.bounds or self.count < earlier.count or self.sum < earlier.sum:
             return None
         cumulative = tuple(a - b for a, b in zip(self.cumulative, earlier.cumulative))
         if any(c < 0 for c in cumulative):
@@ -96,8 +98,8 @@ class EngineSnapshot:
     gauges: dict[str, float] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, Histogram] = field(default_factory=dict)
-    # Creation time of the engine's counters (`_created`): a change means the
-    # engine restarted even if its counters already climbed past the old values.
+    # Creation time of the engine's counters (`_created`): a change, together
+    # with a series that went down, means the engine restarted.
     created: float | None = None
 
 
@@ -113,6 +115,9 @@ class Snapshot:
     # canonical key -> the vLLM family that supplied it (tells versions apart).
     sources: dict[str, str] = field(default_factory=dict)
     parse_errors: list = field(default_factory=list)
+    # process_start_time_seconds of the page: a new value means the engine's
+    # process restarted, so every counter started again from zero.
+    process_start: float | None = None
 
     def capacity_tokens(self, engine: str) -> float | None:
         return capacity_tokens(self.cache_config.get(engine, {}))

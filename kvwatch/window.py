@@ -3,11 +3,16 @@
 Each snapshot is stored with its increase over the previous one, per engine,
 computed once when it arrives, so a window's increase is a sum of stored steps
 (Prometheus' `increase()` semantics, without its extrapolation):
-- a counter that went down restarted from zero, so the step is its new value;
-- a histogram whose count or any bucket went down, or whose bounds changed,
-  restarted too;
-- a changed `_created` time means a restart even when the new counters already
-  climbed past the old ones;
+- a reset is per series (Prometheus' rule): a counter that went down restarted
+  from zero, so its step is its new value; a histogram whose count or any
+  bucket went down, or whose bounds changed, restarted too. One series going
+  down says nothing about the others: they keep their differences;
+- a restart of the whole engine is a separate fact, read only from evidence
+  of one: a new process start time (`process_start_time_seconds`), or a
+  changed `_created` time together with a series that went down, or every
+  counter that had counted something going down at once. Then every series
+  counts its new value, even one that already climbed past its old value. `_created` alone is no evidence: a page may move it on every poll
+  while its counters climb;
 - a canonical key read from another vLLM family than in the previous poll
   (`gpu_prefix_cache_queries` -> `prefix_cache_queries`) means the engine was
   upgraded, so restarted, but the two values may not even share a unit
@@ -93,13 +98,20 @@ class Increase:
         above = self.counters.get(numerator)
         if not below or above is None:
             return None
+        if above > below:
+            # A part larger than its whole: the two counters disagree over the
+            # window (a restart that left no evidence, with one reset seen and
+            # the other not). No answer is better than one above 1.
+            return None
         return above / below
 
 
-def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float, renamed: bool = False) -> Step:
+def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float, renamed: bool = False,
+                 new_process: bool = False) -> Step:
     """Only series present in both polls count: one that just appeared has no
     increase yet. `renamed`: the page spells a key with another vLLM family
-    than the previous one did (a version change)."""
+    than the previous one did (a version change). `new_process`: the page's
+    process start time changed."""
     if renamed:
         # Counting the new values (the reset rule) could add lifetime totals
         # in another unit as one step's increase: a spike. Skip the step, its
@@ -110,20 +122,22 @@ def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float,
         for key, histogram in later.histograms.items()
         if key in earlier.histograms
     }
-    restarted = (
-        (earlier.created is not None and later.created is not None and later.created != earlier.created)
-        or any(value < earlier.counters[key] for key, value in later.counters.items() if key in earlier.counters)
-        or any(delta is None for delta in histogram_deltas.values())
-    )
-    if restarted:
-        # Everything restarted from zero: the increase is the new value.
-        counters = {key: value for key, value in later.counters.items() if key in earlier.counters}
-        histograms = {key: later.histograms[key] for key in histogram_deltas}
-    else:
-        counters = {
-            key: value - earlier.counters[key] for key, value in later.counters.items() if key in earlier.counters
-        }
-        histograms = histogram_deltas
+    # Counters that had counted something: did they go down, and all of them?
+    fell = [later.counters[key] < before for key, before in earlier.counters.items()
+            if before > 0 and key in later.counters]
+    went_down = any(fell) or any(delta is None for delta in histogram_deltas.values())
+    created_moved = earlier.created is not None and later.created is not None and later.created != earlier.created
+    # Every counter going down at once (two at least) is a restart too: the
+    # evidence pages without `_created` and a process start time have.
+    restarted = new_process or (created_moved and went_down) or (len(fell) >= 2 and all(fell))
+    counters = {}
+    for key, value in later.counters.items():
+        before = earlier.counters.get(key)
+        if before is not None:
+            # A series that went down restarted from zero: its increase is its new value.
+            counters[key] = value if restarted or value < before else value - before
+    histograms = {key: later.histograms[key] if restarted or delta is None else delta
+                  for key, delta in histogram_deltas.items()}
     return Step(seconds, counters, histograms, restarted)
 
 
@@ -142,10 +156,12 @@ class Window:
             previous = self.entries[-1].snapshot
             seconds = snapshot.time - previous.time
             renamed = any(previous.sources.get(key, family) != family for key, family in snapshot.sources.items())
+            new_process = (previous.process_start is not None and snapshot.process_start is not None
+                           and previous.process_start != snapshot.process_start)
             for key, engine in snapshot.engines.items():
                 before = previous.engines.get(key)
                 if before is not None:
-                    entry.steps[key] = step_between(before, engine, seconds, renamed)
+                    entry.steps[key] = step_between(before, engine, seconds, renamed, new_process)
         sums = self._sums.current(self.entries)
         if self.entries.maxlen is not None and len(self.entries) == self.entries.maxlen:
             self._drop_oldest(sums)  # what append would drop, with the sums kept

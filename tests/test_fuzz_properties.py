@@ -18,6 +18,7 @@ every one of them.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import sys
@@ -34,6 +35,7 @@ from fuzz.pages import TTFT_BOUNDS, Engine, escape, page
 from fuzz.pipeline import Pipeline
 from kvwatch.engines.vllm import PREFIXES, VllmAdapter, all_families
 from kvwatch.exposition import SAMPLE_SUFFIXES
+from kvwatch.sidecar.report import diagnosis_json
 from kvwatch.signals import evaluate_window
 from kvwatch.window import Window
 
@@ -158,32 +160,48 @@ def engine_histories(draw):
 @FUZZ
 @given(engine_histories())
 def test_windowed_increases_follow_the_reset_rule_exactly(history):
+    """The model: a series that went down restarted from zero (its increase is
+    its new value), each series on its own; the engine restarted (every
+    series counts its new value) only on evidence: `_created` moved and a
+    series went down, or every counter that had counted something went down."""
     with_created, history_before, steps = history
     adapter = VllmAdapter()
     window = Window(10**6)
+    counter_keys = ("queries", "hits", "prompt", "preemptions")
     total = dict(queries=history_before, hits=history_before // 2, prompt=history_before * 2, preemptions=7,
                  ttft=[0] * (len(TTFT_BOUNDS) + 1), ttft_sum=0.0)
     created, now = 1000.0, 0.0
     expected = dict(queries=0, hits=0, prompt=0, preemptions=0, seconds=0.0, count=0, ttft_sum=0.0)
+    before = None
     for index, step in enumerate(steps):
         restart = step["restart"] and index > 0
-        if restart and not with_created and step["prompt"] >= total["prompt"]:
-            restart = False  # without _created an engine that climbed past its old values cannot be told apart
         if restart:
             created += 1
             total = dict(queries=0, hits=0, prompt=0, preemptions=0, ttft=[0] * len(step["ttft"]), ttft_sum=0.0)
-        for key in ("queries", "hits", "prompt", "preemptions"):
+        for key in counter_keys:
             total[key] += step[key]
         total["ttft"] = [a + b for a, b in zip(total["ttft"], step["ttft"])]
         total["ttft_sum"] += sum(step["ttft"]) * step["ttft_mean"]
         now += step["seconds"]
-        if index > 0:
-            for key in ("queries", "hits", "prompt", "preemptions"):
-                expected[key] += step[key]
-            expected["seconds"] += step["seconds"]
-            expected["count"] += sum(step["ttft"])
-            expected["ttft_sum"] += sum(step["ttft"]) * step["ttft_mean"]
         cumulative = [sum(total["ttft"][: i + 1]) for i in range(len(total["ttft"]))]
+        if before is not None:
+            fell = {key: total[key] < before[key] for key in counter_keys}
+            histogram_fell = (any(a < b for a, b in zip(cumulative, before["cumulative"]))
+                              or total["ttft_sum"] < before["ttft_sum"])
+            counted = [fell[key] for key in counter_keys if before[key] > 0]
+            engine_restarted = ((with_created and restart and (any(fell.values()) or histogram_fell))
+                                or (len(counted) >= 2 and all(counted)))
+            for key in counter_keys:
+                new_value = engine_restarted or fell[key]
+                expected[key] += total[key] if new_value else total[key] - before[key]
+            if engine_restarted or histogram_fell:
+                expected["count"] += cumulative[-1]
+                expected["ttft_sum"] += total["ttft_sum"]
+            else:
+                expected["count"] += cumulative[-1] - before["cumulative"][-1]
+                expected["ttft_sum"] += total["ttft_sum"] - before["ttft_sum"]
+            expected["seconds"] += step["seconds"]
+        before = dict(total, cumulative=cumulative)
         window.add(adapter.adapt(page(Engine(
             prompt_tokens=total["prompt"], prefix_queries=total["queries"], prefix_hits=total["hits"],
             preemptions=total["preemptions"], ttft_cumulative=tuple(cumulative), ttft_sum=total["ttft_sum"],
@@ -193,9 +211,9 @@ def test_windowed_increases_follow_the_reset_rule_exactly(history):
     values = per_engine[0].values
     assert values["kvwatch_prompt_tokens_per_second"] == pytest.approx(expected["prompt"] / expected["seconds"])
     assert values["kvwatch_preemptions_per_second"] == pytest.approx(expected["preemptions"] / expected["seconds"])
-    if expected["queries"]:
+    if expected["queries"] and expected["hits"] <= expected["queries"]:
         assert values["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(expected["hits"] / expected["queries"])
-    else:
+    else:  # no queries, or a restart without evidence left more hits than queries
         assert values["kvwatch_prefix_cache_hit_ratio"] is None
     if expected["count"]:
         assert values["kvwatch_time_to_first_token_mean_seconds"] == pytest.approx(
@@ -307,7 +325,7 @@ def test_one_model_name_per_request_is_capped_counted_and_memory_stays_flat(monk
     are cleared when full, so memory saws up and down: compare peaks)."""
     clock = [1_000_000.0]
     monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
-        time=lambda: clock[0], monotonic=time.monotonic, thread_time=time.thread_time))
+        time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
     pipeline = Pipeline(max_series=100, window="30s")
     per_poll, polls = 5000, 30
 
@@ -338,3 +356,67 @@ def test_one_model_name_per_request_is_capped_counted_and_memory_stays_flat(monk
     # give or take 20,000 blocks (about 1 MB; one poll adds 45,000).
     first, second = max(blocks[:15]), max(blocks[15:])
     assert second - first < 20_000, f"peak grew by {second - first} blocks in 15 polls: {blocks}"
+
+
+def test_model_names_changing_every_poll_keep_findings_events_and_details_bounded(monkeypatch):
+    """200 new served names each poll (a gateway that sets one name per
+    request), under max_series: each poll is a models change. Each change
+    and its findings keep at most MAX_NAMES names and say how many there
+    were, so the diagnosis stays the same size poll after poll (whole name
+    lists in every change and finding grew memory with the square of the
+    names: 1.38 GB, and a 323 MB /api/v1/diagnosis)."""
+    from kvwatch.diagnose.changes import MAX_NAMES
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
+        time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
+    pipeline = Pipeline(max_series=1000, window="60s")
+    sizes = []
+    for number in range(30):
+        clock[0] += 5
+        text = "".join(f'vllm:prompt_tokens_total{{model_name="gw-{number}-{n}",engine="0"}} {n}\n' for n in range(200))
+        state = pipeline.poll(text)
+        assert state.up
+        diagnosis = json.dumps(diagnosis_json(state, pipeline.settings))
+        sizes.append(len(diagnosis))
+    state = pipeline.monitor.state
+    models = [c for c in state.events if c.kind == "models"]
+    assert models and all(len(c.before) <= MAX_NAMES and len(c.after) <= MAX_NAMES for c in models)
+    assert all(len(c.detail) < 1000 and "(200 in all)" in c.detail for c in models)
+    assert all(len(str(f.evidence)) < 2000 for f in state.findings)
+    changed = [f for f in state.findings if f.cause == "model_changed"]
+    assert 0 < len(changed) <= MAX_NAMES * (len(pipeline.monitor.window.entries) + len(models))
+    # The window (60 s of 5 s polls) is full after 13 polls: from then on the
+    # diagnosis no longer grows.
+    assert max(sizes[15:]) <= 1.1 * sizes[14], sizes
+
+
+def test_a_new_lora_adapter_set_each_poll_is_forgotten_after_the_window(monkeypatch):
+    """running_lora_adapters names 50 new adapters each poll: kvwatch keeps
+    the adapters seen within the window only (the set used to grow for ever:
+    1.5 M names after 300 polls, still held after good pages returned), and
+    each event's detail names at most MAX_NAMES of them."""
+    from kvwatch.diagnose.changes import MAX_NAMES
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
+        time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
+    pipeline = Pipeline(window="30s")
+
+    def lora_page(names: list[str], prompt: int) -> str:
+        return page(Engine(prompt_tokens=prompt)) + (
+            f'vllm:lora_requests_info{{max_lora="4",running_lora_adapters="{",".join(names)}",'
+            f'waiting_lora_adapters=""}} {clock[0]}\n')
+
+    for number in range(100):
+        clock[0] += 5
+        assert pipeline.poll(lora_page([f"adapter-{number}-{n}" for n in range(50)], 100 * number)).up
+    seen = pipeline.monitor._lora_seen
+    assert len(seen) <= 50 * 8  # 30 s of 5 s polls, and the one at the horizon
+    lora = [c for c in pipeline.monitor.state.events if c.kind == "lora"]
+    assert lora and all("(50 in all)" in c.detail and len(c.detail) < 500 for c in lora)
+    assert MAX_NAMES < 50
+    for number in range(100, 110):  # good pages again: one adapter
+        clock[0] += 5
+        assert pipeline.poll(lora_page(["steady"], 100 * number)).up
+    assert set(seen) == {"steady"}

@@ -86,10 +86,10 @@ def test_restart_resets_counters_and_moves_created():
     assert value(body, "kvwatch_prompt_tokens_per_second", model_name="m", engine="0") == pytest.approx(230 / span)
 
 
-def test_restart_seen_only_by_created_when_counters_already_climbed_past():
+def test_restart_seen_by_the_process_start_when_counters_already_climbed_past():
     monitor, _, t = run([
-        page(traffic(100, 40, 100, 1, 5, (1, 2, 3, 4, 5), 3.0, created=100.0)),
-        page(traffic(500, 200, 500, 4, 20, (4, 8, 12, 16, 20), 12.0, created=300.0)),
+        page(traffic(100, 40, 100, 1, 5, (1, 2, 3, 4, 5), 3.0, created=100.0), process_start=90.0),
+        page(traffic(500, 200, 500, 4, 20, (4, 8, 12, 16, 20), 12.0, created=300.0), process_start=290.0),
     ])
     assert [e.kind for e in monitor.state.events] == ["restart"]
     assert_sane(monitor.state)
@@ -208,3 +208,58 @@ def test_histogram_bounds_change_on_restart():
     body = client.get("/metrics").text
     assert value(body, "kvwatch_engine_time_to_first_token_seconds_bucket", model_name="m", engine="0", le="2.5") == 8
     assert value(body, "kvwatch_engine_time_to_first_token_seconds_bucket", model_name="m", engine="0", le="0.5") is None
+
+
+def test_wall_clock_stepping_back_an_hour_changes_no_rate(monkeypatch):
+    """An NTP step or a resumed VM: the wall clock goes back an hour between
+    polls. The window runs on a monotonic clock, so rates and the window's
+    span carry on; only the displayed times step back."""
+    import time as time_module
+
+    pages = [page(traffic(1000 + 2640 * i, 400 + 1000 * i, 1000 + 2640 * i, 10, 50, (5, 10, 20, 30, 40), 30.0,
+                          created=100.0)) for i in range(4)]
+    real_time = time_module.time
+    with PageServer([Answer(p) for p in pages]) as server:
+        settings = load_settings(overrides={"target": server.url, "poll_interval": "5s", "window": "10m"}, environ={})
+        monitor = Monitor(settings)
+        client = TestClient(create_app(monitor, settings))
+        assert monitor.poll_once().up and monitor.poll_once().up
+        monkeypatch.setattr(time_module, "time", lambda: real_time() - 3600)
+        assert monitor.poll_once().up and monitor.poll_once().up
+    state = monitor.state
+    entries = list(monitor.window.entries)
+    assert len(entries) == 4
+    span = entries[-1].snapshot.time - entries[0].snapshot.time
+    assert 0 < state.window_seconds == pytest.approx(span)
+    assert signals(state)["kvwatch_prompt_tokens_per_second"] == pytest.approx(3 * 2640 / span)
+    body = client.get("/metrics").text
+    assert value(body, "kvwatch_window_seconds") > 0
+    assert value(body, "kvwatch_prompt_tokens_per_second", model_name="m", engine="0") == pytest.approx(3 * 2640 / span)
+    assert client.get("/readyz").status_code == 200
+
+
+def test_a_folded_replica_going_away_is_not_a_reset_of_the_sum():
+    """Two Ray replicas of one engine (a WorkerId label, folded by summing):
+    replica b disappears, then a restarts (its own counters fall). The sum's
+    increase is the replicas' own increases, never a lifetime total, and the
+    re-exported summed counter never drops (Prometheus' rate() would spike)."""
+    def replicas(*counts):
+        return page(*(traffic(prompt, prompt // 4, prompt, 0, prompt // 100, (0, 0, 0, 0, prompt // 100),
+                              prompt / 1000, extra_labels={"WorkerId": worker})
+                      for worker, prompt in counts))
+    monitor, client, t = run([
+        replicas(("a", 50_000), ("b", 30_000)),
+        replicas(("a", 50_100), ("b", 30_100)),  # +200
+        replicas(("a", 50_200)),                  # +100 (b gone)
+        replicas(("a", 300)),                     # a restarted: +300
+        replicas(("a", 400)),                     # +100
+    ])
+    state = monitor.state
+    assert_sane(state)
+    assert not [e for e in state.events if e.kind == "restart"]
+    v = signals(state)
+    assert v["kvwatch_prompt_tokens_per_second"] == pytest.approx(700 / (t[-1] - t[0]))
+    body = client.get("/metrics").text
+    # 80,000 + 700: the sum carried on from what every replica had counted.
+    assert value(body, "kvwatch_engine_prompt_tokens_total", model_name="m", engine="0") == 80_700
+    assert not [f for f in state.findings if f.severity == "critical"]

@@ -432,6 +432,25 @@ def test_gzip_encoded_page_is_accepted(capture, headers):
     assert_recovered(monitor, client)
 
 
+def test_gzip_body_of_two_members_is_read_whole(capture):
+    """RFC 1952 allows several gzip members one after another (what `cat a.gz
+    b.gz` or a proxy that compresses as it streams writes): the page is all of
+    them. The cut here falls inside the token counters' families."""
+    port = free_port()
+    monitor, client = make_kvwatch(f"http://127.0.0.1:{port}/metrics")
+    headers = {"Content-Type": "text/plain", "Content-Encoding": "gzip"}
+
+    def two_members(text: str) -> bytes:
+        cut = text.index("vllm:prompt_tokens_total")
+        return gzip.compress(text[:cut].encode()) + gzip.compress(text[cut:].encode())
+
+    answers = [Answer(two_members(capture(name)), headers=headers) for name in ("idle", "prefix-load")]
+    with engine_serving(port, answers):
+        assert monitor.poll_once().up
+        assert monitor.poll_once().up
+    assert_recovered(monitor, client)
+
+
 @pytest.mark.parametrize("content_type", ["application/octet-stream", "application/openmetrics-text; version=1.0.0", ""])
 def test_a_real_page_under_another_content_type_is_accepted(capture, content_type):
     port = free_port()

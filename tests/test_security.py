@@ -421,3 +421,168 @@ def test_bad_config_names_every_problem_at_once_and_exits_non_zero(tmp_path):
     assert len(re.findall(r"^\s+- ", output, flags=re.MULTILINE)) == 8
     assert "Traceback" not in output
     assert_no_secret(output, "the configuration errors")
+
+
+# --- round two: kvwatch's own HTTP surface, the token, configuration -------------------
+
+
+def serve_command(tmp_path, *arguments: str) -> subprocess.CompletedProcess:
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("KVWATCH_")}
+    environment["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-m", "kvwatch", "serve", *arguments], cwd=tmp_path,
+                          env=environment, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("content", [b"", b"   \n\t\n"], ids=["empty", "whitespace"])
+def test_an_empty_auth_token_file_refuses_to_start(tmp_path, content):
+    """It used to turn authentication off without a word."""
+    token = tmp_path / "scrape-token"
+    token.write_bytes(content)
+    finished = serve_command(tmp_path, "--auth-token-file", str(token), "--port", "1")
+    assert finished.returncode == 2
+    assert "holds no token" in finished.stderr and "Traceback" not in finished.stderr
+
+
+def test_every_configuration_error_of_round_two_is_reported_at_once(tmp_path, certificate):
+    """A bad port in the target, NaN and infinite durations, a token file
+    that is not UTF-8, a TLS key that is not a key: each used to pass
+    validation and end in a traceback, or poll ~240 times a second (NaN)."""
+    cert, _key = certificate
+    not_a_key = tmp_path / "key.pem"
+    not_a_key.write_text("-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n")
+    token = tmp_path / "scrape-token"
+    token.write_bytes(b"token-\xff\xfe\n")
+    config = tmp_path / "bad.yaml"
+    config.write_text("poll_interval: .nan\nwindow: .inf\n")
+    finished = serve_command(tmp_path, "--config", str(config), "--target", "http://127.0.0.1:99999/metrics",
+                             "--auth-token-file", str(token), "--tls-cert-file", str(cert),
+                             "--tls-key-file", str(not_a_key), "--port", "1")
+    output = finished.stdout + finished.stderr
+    assert finished.returncode == 2, output
+    for fragment in ("99999", "poll_interval: nan", "window: inf", "is not UTF-8", "not a certificate and its private key"):
+        assert fragment in output, fragment
+    assert len(re.findall(r"^\s+- ", output, flags=re.MULTILINE)) == 5
+    assert "Traceback" not in output
+
+
+def test_the_auth_token_is_reread_when_it_rotates_and_a_utf8_token_matches(tmp_path):
+    token = tmp_path / "scrape-token"
+    token.write_text("first-token\n")
+    with PageServer([Answer(GOOD)]) as engine:
+        settings = load_settings(overrides={"target": engine.url, "auth_token_file": str(token)}, environ={})
+        monitor = Monitor(settings)
+        monitor.poll_once()
+        client = TestClient(create_app(monitor, settings))
+
+        def status(value: bytes) -> int:
+            return client.get("/metrics", headers=[(b"authorization", b"Bearer " + value)]).status_code
+
+        assert status(b"first-token") == 200
+        # Rotation as Kubernetes does it: a new file swapped in under the same path.
+        rotated = tmp_path / "scrape-token.new"
+        rotated.write_text("jeton-\u00e9t\u00e9-\u4ee4\u724c\n", encoding="utf-8")
+        os.replace(rotated, token)
+        assert status("jeton-\u00e9t\u00e9-\u4ee4\u724c".encode()) == 200
+        assert status(b"first-token") == 401
+        # The same text sent as latin-1 bytes is another token.
+        assert status("jeton-\u00e9t\u00e9".encode("latin-1")) == 401
+        # Emptied by mistake: nobody gets in, the probes stay open.
+        token.write_text("")
+        assert status(b"") == 401 and status("jeton-\u00e9t\u00e9-\u4ee4\u724c".encode()) == 401
+        assert client.get("/healthz").status_code == 200
+
+
+def test_readyz_never_echoes_what_the_engine_sent():
+    """/readyz answers without a token: a redirect's Location (with its
+    query string) or any other detail the engine controls stays behind the
+    authenticated views; the reason is named."""
+    location = "http://elsewhere.invalid/login?next=%2Fmetrics&session=engine-controlled-4b1d"
+    with PageServer([Answer(status=302, headers={"Location": location})]) as engine:
+        settings = load_settings(overrides={"target": engine.url}, environ={})
+        monitor = Monitor(settings)
+        state = monitor.poll_once()
+        assert state.reason == "http_3xx"
+        ready = TestClient(create_app(monitor, settings)).get("/readyz")
+    assert ready.status_code == 503 and "http_3xx" in ready.text
+    assert "elsewhere" not in ready.text and "session" not in ready.text and "login" not in ready.text
+
+
+@pytest.fixture
+def bounded_server(monkeypatch):
+    """kvwatch's uvicorn server with the options `kvwatch serve` uses, on a
+    loopback port, with the bounds made small so a test stays small."""
+    import threading
+
+    import uvicorn
+
+    from kvwatch.sidecar import app as app_module
+    from kvwatch.commands.serve import server_options
+
+    monkeypatch.setattr(app_module, "HEADER_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(app_module, "MAX_CONNECTIONS", 40)
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "port": 0}, environ={})
+    monitor = Monitor(settings)
+    server = uvicorn.Server(uvicorn.Config(create_app(monitor, settings), **server_options(settings)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, "uvicorn to start")
+    yield server.servers[0].sockets[0].getsockname()[1]
+    server.should_exit = True
+    thread.join(10)
+
+
+def probe(port: int) -> int:
+    return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=3).status_code
+
+
+def test_a_flood_of_half_sent_requests_leaves_the_probes_answerable(bounded_server):
+    """100 connections that send half a request line and wait (40 allowed):
+    the oldest waiting ones are closed to make room, the rest at the header
+    deadline; /healthz answers all along."""
+    import socket
+
+    port = bounded_server
+    flood = []
+    try:
+        for _ in range(100):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(b"GET /metr")
+            flood.append(sock)
+        for _ in range(5):
+            assert probe(port) == 200
+        # The header deadline (1 s here, 10 s as shipped) closes every one still waiting.
+        time.sleep(1.5)
+        for sock in flood:
+            sock.settimeout(3)
+            try:
+                assert sock.recv(1024) in (b"", b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            except ConnectionResetError:
+                pass  # closed to make room
+    finally:
+        for sock in flood:
+            sock.close()
+
+
+def test_huge_headers_are_refused_without_holding_the_probes(bounded_server):
+    """A 4 MB header (and a 1 MB Accept-Encoding) are refused at 16 KiB with
+    431, before any parsing of their content; /healthz answers meanwhile."""
+    import socket
+
+    port = bounded_server
+    for name in (b"X-Filler", b"Accept-Encoding"):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + name + b": ")
+            try:
+                for _ in range(64):
+                    sock.sendall(b"gzip," * 13_000)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # kvwatch closed the connection while the header was still coming
+            try:
+                answer = sock.recv(1024)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:100]
+        finally:
+            sock.close()
+        assert probe(port) == 200

@@ -65,8 +65,10 @@ def test_window_drops_old_snapshots_and_keeps_one_at_the_horizon(fixtures_dir):
     assert v["kvwatch_preemptions_per_second"] == pytest.approx(13 / 20)
 
 
-def page(prompt_tokens, hits, queries, preemptions, created=1.0, ttft_counts=(0, 0), ttft_sum=0.0):
+def page(prompt_tokens, hits, queries, preemptions, created=1.0, ttft_counts=(0, 0), ttft_sum=0.0,
+         process_start=None):
     return (
+        (f"process_start_time_seconds {process_start}\n" if process_start is not None else "") +
         f'vllm:prompt_tokens_total{{engine="0",model_name="m"}} {prompt_tokens}\n'
         f'vllm:prompt_tokens_created{{engine="0",model_name="m"}} {created}\n'
         f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {hits}\n'
@@ -106,11 +108,42 @@ def test_counter_reset_counts_the_new_value_from_zero_never_negative():
     assert [e.steps.get(("m", "0")).restarted for e in list(window.entries)[1:]] == [False, True, False]
 
 
-def test_restart_detected_from_created_even_when_counters_climbed_past():
-    window, v = run([page(100, 0, 100, 0, created=1.0), page(500, 0, 500, 0, created=2.0)])
+def test_restart_detected_from_a_new_process_start_even_when_counters_climbed_past():
+    window, v = run([page(100, 0, 100, 0, created=1.0, process_start=1.0),
+                     page(500, 0, 500, 0, created=2.0, process_start=2.0)])
     # Prometheus semantics after a restart: the increase is the new value.
     assert v["kvwatch_prompt_tokens_per_second"] == pytest.approx(500 / 5)
     assert window.entries[-1].steps[("m", "0")].restarted
+
+
+def test_created_moving_while_counters_climb_is_not_a_restart():
+    """A page that moves `_created` on every poll (hostile, or a broken
+    exporter) while every counter climbs: `_created` alone is no evidence."""
+    window, v = run([page(1000 + 100 * i, 10 * i, 100 * i, i, created=1000.0 + i) for i in range(4)])
+    assert v["kvwatch_prompt_tokens_per_second"] == pytest.approx(300 / 15)
+    assert not any(step.restarted for entry in window.entries for step in entry.steps.values())
+
+
+def test_one_counter_going_down_resets_that_series_only():
+    """Preemptions fall by 0.001 each poll while the rest climb: that series
+    restarted (its increase is its new value), the engine did not, and no
+    other series counts its lifetime total."""
+    window, v = run([
+        page(100_000 + 2640 * i, 1000 * i, 2640 * i, 50 - 0.001 * i, created=1.0,
+             ttft_counts=(100 + i, 200 + 2 * i), ttft_sum=50.0 + i)
+        for i in range(5)])
+    assert v["kvwatch_prompt_tokens_per_second"] == pytest.approx(2640 / 5)
+    assert v["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(1000 / 2640)
+    assert v["kvwatch_time_to_first_token_mean_seconds"] == pytest.approx(4 / 8)
+    # Each step counts the fallen series' new value, as Prometheus' increase() does.
+    assert v["kvwatch_preemptions_per_second"] == pytest.approx(sum(50 - 0.001 * i for i in range(1, 5)) / 20)
+    assert not any(step.restarted for entry in window.entries for step in entry.steps.values())
+
+
+def test_created_with_a_counter_that_fell_is_a_restart():
+    window, v = run([page(1000, 400, 1000, 10, created=1.0), page(1500, 20, 40, 0, created=2.0)])
+    assert window.entries[-1].steps[("m", "0")].restarted
+    assert v["kvwatch_prompt_tokens_per_second"] == pytest.approx(1500 / 5)
 
 
 def test_no_traffic_gives_no_ratio_rather_than_zero():
@@ -155,6 +188,25 @@ def test_histogram_quantile_matches_prometheus_interpolation():
     assert h.quantile(0.5).value == pytest.approx(0.4)
     assert h.quantile(0.1).pinned == "first"
     assert h.quantile(0.99).pinned is None
+
+
+def test_duplicate_series_are_parse_errors_and_never_added():
+    """The same series twice on one page, with conflicting values (two
+    exporters writing one name, a proxy that concatenated pages): the first
+    value counts and each duplicate is a parse error, where the values used
+    to be added as if they were two replicas."""
+    text = page(1000, 400, 800, 10, ttft_counts=(5, 10), ttft_sum=20) + (
+        'vllm:prompt_tokens_total{model_name="m",engine="0"} 999999\n'  # same labels, another order
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 77\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.9\n'
+    )
+    snapshot = VllmAdapter().adapt(text, at=0.0)
+    engine = snapshot.engines[("m", "0")]
+    assert engine.counters["prompt_tokens"] == 1000
+    assert engine.histograms["ttft"].cumulative == (5.0, 10.0)
+    assert engine.gauges["kv_usage"] == 0.5
+    assert len(snapshot.parse_errors) == 3
+    assert all("duplicate" in str(error) for error in snapshot.parse_errors)
 
 
 def test_kv_bytes_in_use_is_usage_times_the_cache_s_bytes_and_absent_without_them(fixtures_dir):

@@ -18,7 +18,7 @@ OPTIONS = {
     "poll_interval": "seconds between polls, e.g. 5 or 5s (default 5s)",
     "timeout": "fetch deadline (default 80%% of the poll interval)",
     "window": "span of the windowed signals, e.g. 5m (default 5m)",
-    "max_body_bytes": "cap on the engine's page size, e.g. 16MiB",
+    "max_body_bytes": "cap on the engine's page size (default 8MiB)",
     "max_series": "most (model, engine) pairs kept per poll",
     "bearer_token_file": "file holding a bearer token for the engine",
     "ca_bundle": "CA bundle to verify the engine's TLS certificate",
@@ -72,25 +72,47 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("kvwatch").info(
         "kvwatch polling %s every %gs; serving %s://%s:%d/", public_url(settings.target), settings.poll_interval,
         scheme, settings.host, settings.port)
+    raise_file_limit()
     try:
-        uvicorn.run(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level="warning" if settings.log_level == "info" else settings.log_level,
-            access_log=False,
-            # uvicorn's defaults, said out loud: uvloop and httptools when
-            # installed (kvwatch depends on them: /metrics' latency under
-            # concurrent scrapers, docs/performance.md), asyncio and h11 if not.
-            loop="auto",
-            http="auto",
-            ssl_certfile=settings.tls_cert_file,
-            ssl_keyfile=settings.tls_key_file,
-            # A scraper's idle keep-alive connection (Prometheus keeps one)
-            # would otherwise hold a TLS shutdown for asyncio's 30 s close
-            # timeout: as long as Kubernetes' whole grace period.
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
-        )
+        uvicorn.run(app, **server_options(settings))
     finally:
         monitor.stop()
     return 0
+
+
+def server_options(settings) -> dict:
+    """uvicorn's options for kvwatch (the tests serve with these too)."""
+    from kvwatch.sidecar.app import BoundedHttpProtocol
+
+    return dict(
+        host=settings.host,
+        port=settings.port,
+        log_level="warning" if settings.log_level == "info" else settings.log_level,
+        access_log=False,
+        # uvloop when installed, and httptools (kvwatch depends on both:
+        # /metrics' latency under concurrent scrapers, docs/performance.md),
+        # behind kvwatch's bounds on header size, header time and connections.
+        loop="auto",
+        http=BoundedHttpProtocol,
+        ssl_certfile=settings.tls_cert_file,
+        ssl_keyfile=settings.tls_key_file,
+        # A scraper's idle keep-alive connection (Prometheus keeps one)
+        # would otherwise hold a TLS shutdown for asyncio's 30 s close
+        # timeout: as long as Kubernetes' whole grace period.
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+    )
+
+
+def raise_file_limit() -> None:
+    """Open files up to the hard limit: the connection cap (MAX_CONNECTIONS)
+    and the polls then never compete for descriptors under the usual soft
+    limit of 1024."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = hard if hard != resource.RLIM_INFINITY else 65536
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ImportError, ValueError, OSError):
+        pass

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvwatch.diagnose.changes import Change, changes_between, change_findings, window_changes
+from kvwatch.diagnose.changes import Change, change_findings, changes_between, names_text, window_changes
 from kvwatch.diagnose.context import EngineContext
 from kvwatch.diagnose.exhaustion import exhaustion_findings
 from kvwatch.diagnose.first_token import slow_first_token_findings
@@ -49,7 +49,7 @@ log = logging.getLogger("kvwatch")
 
 __all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "NEXT_CHECK", "SEVERITIES", "Change", "Finding",
            "HitRateMemory",
-           "changes_between", "diagnose", "is_actionable", "resolve_thresholds", "validate_thresholds"]
+           "changes_between", "diagnose", "is_actionable", "names_text", "resolve_thresholds", "validate_thresholds"]
 
 
 _SEVERITY_ORDER = {severity: index for index, severity in enumerate(SEVERITIES)}

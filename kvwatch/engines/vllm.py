@@ -13,7 +13,13 @@ Label handling:
   multiprocess mode, Ray's `WorkerId`/`NodeAddress`/...) is folded by type:
   counters and histograms are summed (each request is recorded by exactly one
   process), gauges take the maximum (each pid keeps the last value it wrote,
-  and for usage the maximum is the one that matters).
+  and for usage the maximum is the one that matters). A summed counter must
+  not fall when one replica goes away or restarts (the window would read the
+  fall as a reset of the sum, and count the whole sum as one step's
+  increase): _Folds keeps what each replica had counted, so the sum only
+  ever grows by the replicas' own increases;
+- the same series twice on one page (same name and labels) is a parse error:
+  the first value counts, the others are reported, never added.
 """
 
 from __future__ import annotations
@@ -109,14 +115,38 @@ class VllmAdapter(EngineAdapter):
         # Derived forms of the parser's cached label sets, which come back as
         # the same objects poll after poll (see _SeriesCache).
         self._series = _SeriesCache()
+        self._folds = _Folds()
+        self._process_start: float | None = None
 
     def adapt(self, text: str, at: float | None = None) -> Snapshot:
         page = self.selector.parse(text)
         families = page.families
         snapshot = Snapshot(time=_time.time() if at is None else at, engines={}, parse_errors=page.errors)
+        snapshot.process_start = _process_start(text)
+        if snapshot.process_start is not None and snapshot.process_start != self._process_start:
+            if self._process_start is not None:
+                self._folds.clear()  # a new process: every replica's count started again
+            self._process_start = snapshot.process_start
         engines = snapshot.engines
         series = self._series
         series.trim()
+        errors = snapshot.parse_errors
+        # (model, engine, canonical key) -> (the engine, {series token: value}),
+        # folded once the page is read.
+        counter_parts: dict[tuple[str, str, str], tuple[EngineSnapshot, dict[tuple, float]]] = {}
+        histogram_parts: dict[tuple[str, str, str], tuple[EngineSnapshot, dict[tuple, Histogram]]] = {}
+
+        def add_part(parts: dict, engine: EngineSnapshot, key: str, token: tuple, value, family: str) -> None:
+            entry = parts.get((engine.model, engine.engine, key))
+            if entry is None:
+                parts[(engine.model, engine.engine, key)] = (engine, {token: value})
+                return
+            found = entry[1]
+            if token in found:
+                errors.append(f"{family}: duplicate series {dict(token)} (value {value!r}; kept the first, "
+                              f"{found[token]!r})")
+            else:
+                found[token] = value
         # Count each dropped (model, engine) pair once per poll, not once per
         # sample: the count must not depend on how many families it has.
         dropped: set[tuple[str, str]] = set()
@@ -136,10 +166,16 @@ class VllmAdapter(EngineAdapter):
             family = _first_present(families, aliases, snapshot.sources, key)
             if family is None:
                 continue
+            seen: set[tuple] = set()
             for suffix, labels, value in family.samples:
                 if suffix == "" and value == value:
                     engine = engine_of(labels)
                     if engine is not None:
+                        token = series.other(labels)[1]
+                        if token in seen:
+                            errors.append(f"{family.name}: duplicate series {dict(token)} (value {value!r}; kept the first)")
+                            continue
+                        seen.add(token)
                         _fold_max(engine.gauges, key, value)
 
         for key, (name, dimension) in LABELLED_GAUGES.items():
@@ -162,8 +198,7 @@ class VllmAdapter(EngineAdapter):
                 if (suffix == "_total" or suffix == "") and value == value:
                     engine = engine_of(labels)
                     if engine is not None:
-                        counters = engine.counters
-                        counters[key] = counters.get(key, 0.0) + value
+                        add_part(counter_parts, engine, key, series.other(labels)[1], value, family.name)
                 elif suffix == "_created" and marks_restart:
                     engine = engine_of(labels)
                     if engine is not None:
@@ -178,19 +213,24 @@ class VllmAdapter(EngineAdapter):
                 if (suffix == "_total" or suffix == "") and value == value:
                     engine = engine_of(labels)
                     if engine is not None:
-                        flat = f"{key}/{labels.get(dimension, '')}"
-                        engine.counters[flat] = engine.counters.get(flat, 0.0) + value
+                        add_part(counter_parts, engine, f"{key}/{labels.get(dimension, '')}",
+                                 series.other(labels)[1], value, family.name)
 
         for key, aliases in HISTOGRAMS.items():
             family = _first_present(families, aliases, snapshot.sources, key)
             if family is not None:
-                for labels, histogram in _histograms(family, snapshot.parse_errors, series):
+                for token, labels, histogram in _histograms(family, errors, series):
                     engine = engine_of(labels)
                     if engine is not None:
-                        existing = engine.histograms.get(key)
-                        merged = histogram if existing is None else existing.plus(histogram)
-                        if merged is not None:
-                            engine.histograms[key] = merged
+                        add_part(histogram_parts, engine, key, token, histogram, family.name)
+
+        folds = self._folds
+        for fold_key, (engine, parts) in counter_parts.items():
+            engine.counters[fold_key[2]] = folds.fold(fold_key, parts, _fell, operator.add)
+        for fold_key, (engine, parts) in histogram_parts.items():
+            engine.histograms[fold_key[2]] = folds.fold(fold_key + ("histogram",), parts,
+                                                        _histogram_fell, _histogram_plus)
+        folds.forget_unseen()
 
         cache_config = families.get(CACHE_CONFIG)
         if cache_config is not None:
@@ -205,6 +245,80 @@ class VllmAdapter(EngineAdapter):
                 snapshot.lora = latest[1]
         self.dropped_series += len(dropped)
         return snapshot
+
+
+def _process_start(text: str) -> float | None:
+    """The page's process_start_time_seconds (prometheus_client's process
+    collector; absent in multiprocess mode), or None."""
+    name = "process_start_time_seconds "
+    if text.startswith(name):
+        at = 0
+    else:
+        at = text.find("\n" + name)
+        if at < 0:
+            return None
+        at += 1
+    end = text.find("\n", at)
+    try:
+        value = float(text[at + len(name):end if end >= 0 else None].split()[0])
+    except (ValueError, IndexError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _fell(now: float, before: float) -> bool:
+    return now < before
+
+
+def _histogram_fell(now: Histogram, before: Histogram) -> bool:
+    return now.minus(before) is None
+
+
+def _histogram_plus(total: Histogram, more: Histogram) -> Histogram:
+    # Bounds that differ: the newer (the later added) win, as in the window.
+    return total.plus(more) or more
+
+
+class _Folds:
+    """Counters and histograms summed over the series of several replicas
+    (pid, Ray's WorkerId), kept monotonic: what a replica had counted when it
+    went away, or before its own count went down (it restarted), is carried
+    in the sum. A sum of one series is that series as it is, so its resets
+    pass through to the window's per-series rule. Holds only the keys of the
+    latest page."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple, dict[tuple, object]] = {}  # key -> {series token: value}
+        self.carry: dict[tuple, object] = {}
+        self.seen: set[tuple] = set()
+
+    def fold(self, key: tuple, parts: dict, fell, plus):
+        self.seen.add(key)
+        last = self.last.get(key)
+        if last is None and len(parts) == 1:
+            return next(iter(parts.values()))
+        carry = self.carry.get(key)
+        for token, before in (last or {}).items():
+            now = parts.get(token)
+            if now is None or fell(now, before):
+                carry = before if carry is None else plus(carry, before)
+        self.last[key] = parts
+        if carry is not None:
+            self.carry[key] = carry
+        total = carry
+        for value in parts.values():
+            total = value if total is None else plus(total, value)
+        return total
+
+    def forget_unseen(self) -> None:
+        for key in [key for key in self.last if key not in self.seen]:
+            del self.last[key]
+            self.carry.pop(key, None)
+        self.seen = set()
+
+    def clear(self) -> None:
+        self.last.clear()
+        self.carry.clear()
 
 
 def _first_present(families: dict[str, Family], aliases: tuple[str, ...], sources: dict[str, str], key: str) -> Family | None:
@@ -325,7 +439,7 @@ class _HistogramPlan:
     __slots__ = ("histograms",)
 
     def __init__(self, histograms: list[tuple[dict[str, str], tuple[float, ...], int, int, int | None, int | None]]):
-        self.histograms = histograms  # (labels, bounds, first bucket, end, _sum index, _count index)
+        self.histograms = histograms  # (token, labels, bounds, first bucket, end, _sum index, _count index)
 
     @staticmethod
     def of(family: Family, cache: _SeriesCache) -> _HistogramPlan | None:
@@ -363,18 +477,18 @@ class _HistogramPlan:
             if not in_order or key in keys:
                 return None
             keys.add(key)
-            histograms.append((labels, interned, first, end, total, count))
+            histograms.append((token, labels, interned, first, end, total, count))
         return _HistogramPlan(histograms)
 
-    def apply(self, family: Family) -> list[tuple[dict[str, str], Histogram]]:
+    def apply(self, family: Family) -> list[tuple[tuple, dict[str, str], Histogram]]:
         values = list(map(_VALUE, family.samples))
         found = []
-        for labels, bounds, first, end, total, count in self.histograms:
+        for token, labels, bounds, first, end, total, count in self.histograms:
             # `+ 0.0` as the general path's first addition into an empty bucket.
             cumulative = tuple(map(operator.add, values[first:end], _ZEROS))
             histogram = Histogram(bounds, cumulative, (values[total] if total is not None else None) or 0.0,
                                   values[count] if count is not None else cumulative[-1])
-            found.append((labels, histogram))
+            found.append((token, labels, histogram))
         return found
 
 
@@ -387,9 +501,10 @@ _NOT_HISTOGRAM_SERIES = frozenset(("_created", "_info", "_gcount", "_gsum"))
 _ZEROS = itertools.repeat(0.0)
 
 
-def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None) -> list[tuple[dict[str, str], Histogram]]:
+def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None) -> list[tuple[tuple, dict[str, str], Histogram]]:
     """Group a histogram family's samples into one Histogram per label set
-    (minus `le`), summing series that differ only in folded labels."""
+    (minus `le`): (its token, its labels, the histogram). Series that differ
+    only in folded labels stay apart here; the adapter folds them."""
     if cache is None:
         cache = _SeriesCache()
     if family.layout is not None:
@@ -422,7 +537,11 @@ def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None)
             if bound is None:  # an `le` that is not a number
                 continue
             buckets = group[1]
-            buckets[bound] = buckets.get(bound, 0.0) + value
+            if bound in buckets:
+                errors.append(f"{family.name}: duplicate bucket le={le!r} of {dict(token)} (value {value!r}; "
+                              f"kept the first, {buckets[bound]!r})")
+                continue
+            buckets[bound] = value + 0.0
         elif suffix in _NOT_HISTOGRAM_SERIES:
             continue
         else:
@@ -433,13 +552,15 @@ def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None)
             group = groups.get(token_id)
             if group is None:
                 group = groups[token_id] = [token, {}, None, None]
-            if suffix == "_sum":
-                group[2] = value
-            elif suffix == "_count":
-                group[3] = value
+            slot = 2 if suffix == "_sum" else 3 if suffix == "_count" else None
+            if slot is not None:
+                if group[slot] is not None:
+                    errors.append(f"{family.name}: duplicate {suffix} of {dict(token)} (value {value!r}; kept the "
+                                  f"first, {group[slot]!r})")
+                else:
+                    group[slot] = value
 
-    # Fold label sets that share (model_name, engine).
-    folded: dict[tuple[str, str], tuple[dict[str, str], Histogram]] = {}
+    found = []
     for token, buckets, total, count in groups.values():
         if not buckets or math.inf not in buckets:
             errors.append(f"{family.name}: histogram without a +Inf bucket, ignored")
@@ -447,11 +568,6 @@ def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None)
         bounds, in_order = cache.sorted_bounds(tuple(buckets))
         cumulative = tuple(buckets.values()) if in_order else tuple(buckets[b] for b in bounds)
         histogram = Histogram(bounds, cumulative, total or 0.0, count if count is not None else cumulative[-1])
-        labels, key = cache.labels_of(token)
-        if key in folded:
-            merged = folded[key][1].plus(histogram)
-            if merged is not None:
-                folded[key] = (folded[key][0], merged)
-        else:
-            folded[key] = (labels, histogram)
-    return list(folded.values())
+        labels, _key = cache.labels_of(token)
+        found.append((token, labels, histogram))
+    return found

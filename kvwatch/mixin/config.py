@@ -98,8 +98,20 @@ def _help(text: str) -> dict:
 # about 1 m of CPU; resident memory is 60-80 MiB once the window is full.
 # 20m leaves room for scrapes and the status page. No CPU limit: CFS
 # throttling would stretch polls for no gain, and the request already keeps
-# kvwatch from starving vLLM. The memory limit is twice the measured peak.
-KVWATCH_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"}, "limits": {"memory": "160Mi"}}
+# kvwatch from starving vLLM.
+#
+# The memory limit must hold the worst page the default body cap admits (the
+# settings' max_body_bytes, 8 MiB: one model name per line, a new name on
+# every poll), or a hostile or runaway engine gets kvwatch OOM-killed.
+# `make bench` measures that peak (benchmarks/worst_page_probe.py: 284 MiB
+# at 8 MiB, issue 18; 451 MiB at the former 16 MiB against a limit of 160Mi)
+# and checks it stays under the limit. The limit is that peak plus a quarter,
+# or twice the everyday peak if more, rounded up to 32 MiB.
+WORST_PAGE_PEAK_MIB = 284
+EVERYDAY_PEAK_MIB = 80
+KVWATCH_MEMORY_LIMIT_MIB = -(-max(WORST_PAGE_PEAK_MIB * 5 // 4, 2 * EVERYDAY_PEAK_MIB) // 32) * 32
+KVWATCH_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"},
+                     "limits": {"memory": f"{KVWATCH_MEMORY_LIMIT_MIB}Mi"}}
 @dataclass(frozen=True)
 class DeploySettings:
     """What the manifests are built from; see DEPLOY_FIELDS for each field's meaning."""

@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import gzip
 import hmac
+import logging
+import os
 import threading
-from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvwatch import __version__
 from kvwatch.sidecar.collector import Renderer, make_registry
 from kvwatch.sidecar.report import diagnosis_json, signals_json
+from kvwatch.sidecar.settings import read_auth_token
 from kvwatch.sidecar.statuspage import render_status_page
 
 OPEN_PATHS = ("/healthz", "/readyz")
+
+log = logging.getLogger("kvwatch")
 
 
 TEXT = b"text/plain; charset=utf-8"
@@ -33,7 +38,7 @@ def create_app(monitor, settings=None) -> FastAPI:
     settings = settings or monitor.settings
     renderer = Renderer(make_registry(monitor))
     app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None)
-    token = Path(settings.auth_token_file).read_text().strip() if settings.auth_token_file else None
+    token = TokenFile(settings.auth_token_file) if settings.auth_token_file else None
 
     # The exposition changes once per poll, not per scrape: render it once per
     # State and serve those bytes to every scraper until the next poll, so 50
@@ -118,16 +123,16 @@ class HotPaths:
     (docs/performance.md). Anything else, other methods on these paths
     included, goes on to FastAPI as before."""
 
-    def __init__(self, app, monitor, exposition, token: str | None):
+    def __init__(self, app, monitor, exposition, token: "TokenFile | None"):
         self.app, self.monitor, self.exposition = app, monitor, exposition
-        self.expected = f"Bearer {token}".encode() if token else None
+        self.token = token
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        if self.expected is not None and path not in OPEN_PATHS and not self.authorized(scope):
+        if self.token is not None and path not in OPEN_PATHS and not self.authorized(scope):
             await answer(send, 401, b"unauthorized\n", TEXT, [(b"www-authenticate", b"Bearer")])
             return
         if scope["method"] == "GET":
@@ -148,10 +153,41 @@ class HotPaths:
         await self.app(scope, receive, send)
 
     def authorized(self, scope) -> bool:
-        # As Starlette's request.headers.get: the first Authorization header,
-        # read as latin-1; then encoded as UTF-8 and compared in constant time.
+        # The first Authorization header, as the bytes that came, against the
+        # token's UTF-8 bytes, in constant time (decoding the header as
+        # latin-1 first made a UTF-8 token never match).
+        expected = self.token.expected()
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        return hmac.compare_digest(given.decode("latin-1").encode(), self.expected)
+        return expected is not None and hmac.compare_digest(given, expected)
+
+
+class TokenFile:
+    """The scrape token's file, read again when it changes (a rotated
+    Kubernetes secret is swapped in under the same path), as the engine's
+    token is read on every poll. A file that no longer holds a valid token
+    lets nobody in until it does, and says so once in the log."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.stamp: tuple | None = None
+        self.value: bytes | None = None
+        self.expected()
+
+    def expected(self) -> bytes | None:
+        try:
+            info = os.stat(self.path)
+            stamp = (info.st_ino, info.st_mtime_ns, info.st_size)
+        except OSError:
+            stamp = None
+        if stamp != self.stamp or stamp is None:
+            self.stamp = stamp
+            try:
+                self.value = f"Bearer {read_auth_token(self.path)}".encode()
+            except ValueError as exc:
+                if self.value is not None or stamp is not None:
+                    log.warning("auth_token_file: %s; every request but /healthz and /readyz is refused", exc)
+                self.value = None
+        return self.value
 
 
 def readiness(monitor) -> tuple[int, str]:
@@ -180,3 +216,91 @@ def accepts_gzip(scope) -> bool:
                 except ValueError:
                     weights[coding] = 0.0
     return weights.get("gzip", weights.get("*", 0.0)) > 0
+
+
+# Bounds on kvwatch's own HTTP connections, below the auth check: the image
+# listens on 0.0.0.0. Without them 1,100 half-sent requests made /healthz
+# unreachable (and the polls ran out of file descriptors), and a 96 MB header
+# held the event loop for seconds, past the liveness probe's timeout.
+# A request line and headers within 16 KiB: Prometheus and the kubelet send
+# a few hundred bytes (nginx's default limit is 8 KiB per line, 32 KiB total).
+MAX_HEADER_BYTES = 16 * 1024
+# From the connection's (or the request's) first byte to the end of its headers.
+HEADER_TIMEOUT_SECONDS = 10.0
+# Open connections at most; beyond it the oldest connection still sending
+# its headers is closed to make room, so a flood of half-sent requests
+# cannot lock the probes out (a fresh probe is never the oldest).
+MAX_CONNECTIONS = 256
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a header size cap, a header
+    deadline and a connection cap (uvicorn bounds neither the first two for
+    httptools, and its limit_concurrency answers 503, the probes included)."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.header_bytes = 0
+        self.in_headers = True
+        self.header_timer = None
+        self.opened_at = self.loop.time()
+        self._start_header_timer()
+        if len(self.connections) > MAX_CONNECTIONS:
+            self._make_room()
+
+    def connection_lost(self, exc) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.in_headers:
+            self.header_bytes += len(data)
+            if self.header_bytes > MAX_HEADER_BYTES:
+                self._refuse(b"431 Request Header Fields Too Large")
+                return
+            self._start_header_timer()
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self.in_headers = False
+        self._stop_header_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # What comes next on this connection is the next request's headers;
+        # until it comes, uvicorn's keep-alive timeout bounds the idle time.
+        self.in_headers = True
+        self.header_bytes = 0
+
+    def _start_header_timer(self) -> None:
+        if self.header_timer is None:
+            self.header_timer = self.loop.call_later(HEADER_TIMEOUT_SECONDS, self._headers_too_slow)
+
+    def _stop_header_timer(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self.header_timer = None
+        if self.in_headers and not self.transport.is_closing():
+            self._refuse(b"408 Request Timeout")
+
+    def _refuse(self, status: bytes) -> None:
+        self._stop_header_timer()
+        self.in_headers = False
+        if not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            self.transport.close()
+
+    def _make_room(self) -> None:
+        waiting = [c for c in self.connections if c is not self and isinstance(c, BoundedHttpProtocol)
+                   and c.in_headers and (c.cycle is None or c.cycle.response_complete)
+                   and not c.transport.is_closing()]
+        if waiting:
+            oldest = min(waiting, key=lambda c: c.opened_at)
+            oldest._stop_header_timer()
+            oldest.transport.abort()
+        else:  # every other connection is busy with a request: this one waits its turn elsewhere
+            self._refuse(b"503 Service Unavailable")

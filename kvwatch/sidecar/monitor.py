@@ -29,6 +29,7 @@ from kvwatch.window import Window
 log = logging.getLogger("kvwatch")
 
 MAX_EVENTS = 100
+MAX_LORA_NAMES = 10_000
 
 # A poll allocates a few hundred thousand short-lived objects at 64 engines
 # (samples, label tuples, snapshots), almost none in reference cycles, so
@@ -93,11 +94,21 @@ class Monitor:
         self._parse_errors = 0
         self._polls = 0
         self._events: deque[Change] = deque(maxlen=MAX_EVENTS)
-        self._lora_seen: set[str] = set()
+        # LoRA adapter name -> when last seen: only those seen within the
+        # window are kept (a page with a new adapter set each poll grew a set
+        # that never shrank to 1.5 M names), and at most MAX_LORA_NAMES.
+        self._lora_seen: dict[str, float] = {}
         self.hit_memory = diagnosis.HitRateMemory()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
+        # The window's time axis: wall time at start-up plus monotonic time
+        # since, so an NTP step or a resumed VM never moves it backwards (a
+        # step back an hour made every rate vanish for an hour). Wall time
+        # proper (time.time()) is only shown: last_poll_time and
+        # last_success_time.
+        self._clock_offset = time.time() - time.monotonic()
+        self._last_success_monotonic: float | None = None
         # Work the poll loop does after each poll, outside the poll's own
         # CPU figure (the exporter renders ahead there for busy scrapers).
         self.after_poll: list[Callable[[State], None]] = []
@@ -139,14 +150,15 @@ class Monitor:
         with self._lock:
             started_cpu = time.thread_time()
             started = time.time()
+            started_monotonic = time.monotonic()
             result = self.fetcher.fetch()
             if not result.ok:
                 return self._record_failure(result.reason, result.detail, started, result.seconds,
                                             time.thread_time() - started_cpu)
-            return self._ingest(result, started, started_cpu)
+            return self._ingest(result, started, started_monotonic, started_cpu)
 
-    def _ingest(self, result: FetchResult, started: float, started_cpu: float) -> State:
-        snapshot = self.adapter.adapt(result.text, at=started)
+    def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
+        snapshot = self.adapter.adapt(result.text, at=self._clock_offset + started_monotonic)
         self._parse_errors += len(snapshot.parse_errors)
         if snapshot.parse_errors:
             log.debug("%d malformed lines, first: %s", len(snapshot.parse_errors), snapshot.parse_errors[0])
@@ -180,7 +192,7 @@ class Monitor:
             dropped_series=self.adapter.dropped_series,
             last_poll_time=started,
             last_success_time=started,
-            poll_seconds=time.time() - started,
+            poll_seconds=time.monotonic() - started_monotonic,
             poll_cpu_seconds=time.thread_time() - started_cpu,
             snapshot=snapshot,
             window_seconds=snapshot.time - earliest.time if earliest else 0.0,
@@ -190,6 +202,7 @@ class Monitor:
             events=events,
             upstream=upstream,
         )
+        self._last_success_monotonic = started_monotonic
         if not was_up:
             log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))
         return self.state
@@ -227,10 +240,19 @@ class Monitor:
         # Running and waiting adapter lists change with every request; what
         # invalidates comparisons is an adapter never seen before, or max_lora.
         adapters = _lora_adapters(current.lora)
-        new = adapters - self._lora_seen
-        if self._lora_seen and new:
-            self._event(Change(current.time, "lora", None, None, f"new LoRA adapters: {', '.join(sorted(new))}"))
-        self._lora_seen |= adapters
+        seen = self._lora_seen
+        new = sorted(name for name in adapters if name not in seen)
+        if seen and new:
+            self._event(Change(current.time, "lora", None, None, f"new LoRA adapters: {diagnosis.names_text(new)}"))
+        for name in adapters:
+            seen.pop(name, None)  # re-inserted last: the dict stays in order of last sight
+            seen[name] = current.time
+        horizon = current.time - self.window.seconds
+        while seen:
+            oldest, at = next(iter(seen.items()))
+            if at >= horizon and len(seen) <= MAX_LORA_NAMES:
+                break
+            del seen[oldest]
         before_max = (previous.lora or {}).get("max_lora")
         now_max = (current.lora or {}).get("max_lora")
         if before_max and now_max and before_max != now_max:
@@ -241,11 +263,17 @@ class Monitor:
         self._events.append(change)
 
     def ready(self) -> tuple[bool, str]:
-        """Ready when the latest poll succeeded and is recent."""
+        """Ready when the latest poll succeeded and is recent. The answer is
+        served unauthenticated (/readyz): it names the reason, never the
+        detail, which quotes what the engine sent (a redirect's Location with
+        its query string, a content type, a malformed line)."""
         state = self.state
         if not state.up:
-            return False, f"last poll failed: {state.reason} {state.detail}".strip()
-        age = time.time() - (state.last_success_time or 0)
+            return False, f"last poll failed: {state.reason}"
+        if self._last_success_monotonic is not None:
+            age = time.monotonic() - self._last_success_monotonic
+        else:  # a State set from outside the poll loop (tests, tools)
+            age = time.time() - (state.last_success_time or 0)
         limit = max(3 * self.settings.poll_interval, self.settings.fetch_timeout + self.settings.poll_interval)
         if age > limit:
             return False, f"no successful poll for {age:.0f}s"

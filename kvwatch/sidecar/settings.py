@@ -5,6 +5,7 @@ and reported at once, so a bad config is fixed in one round trip."""
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,12 @@ class Settings:
     timeout: float | None = None
     # Signals are computed over this span; 5 m matches rate(...[5m]) in the rules.
     window: float = 300.0
-    # A real vLLM page is 50-300 KB; 16 MiB is far above any sane page and
-    # bounds memory against a runaway or hostile target.
-    max_body_bytes: int = 16 * 1024 * 1024
+    # A real vLLM page is 50-300 KB (64 engines write 2.2 MB); 8 MiB is far
+    # above any sane page and bounds memory against a runaway or hostile
+    # target. The pod's memory limit is derived from the peak the worst page
+    # under this cap costs (kvwatch/mixin/config.py, measured by `make bench`):
+    # change one, measure and change the other.
+    max_body_bytes: int = 8 * 1024 * 1024
     # Most (model, engine) pairs kept per poll; the rest are dropped and counted.
     max_series: int = 1000
     bearer_token_file: str | None = None
@@ -54,7 +58,7 @@ class Settings:
     auth_token_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
-    # Diagnosis thresholds (see kvwatch/diagnose/ for every key and default).
+    # Diagnosis thresholds (see kvwatch/diagnose/thresholds.py for every key and default).
     diagnosis: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -87,6 +91,13 @@ def normalize_target(value: Any) -> str:
         # The message goes to the terminal and CI logs: not the password.
         shown = text.replace(f":{parts.password}@", ":<redacted>@", 1) if parts.password else text
         raise ValueError(f"{shown!r} is not an http(s) URL")
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not a number or out of range
+    except ValueError:
+        shown = parts.netloc.rsplit("@", 1)[-1]
+        raise ValueError(f"{shown!r} has no valid port (1-65535)") from None
+    if parts.port == 0 or not parts.hostname:
+        raise ValueError(f"{parts.netloc.rsplit('@', 1)[-1]!r} is not a host and port kvwatch can fetch from")
     path = parts.path if parts.path not in ("", "/") else "/metrics"
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
@@ -101,6 +112,33 @@ def _existing_file(value: Any) -> str | None:
     if not Path(str(value)).is_file():
         raise ValueError(f"file {value!r} does not exist")
     return str(value)
+
+
+def read_auth_token(path: str) -> str:
+    """The bearer token kvwatch's own endpoints require, from its file: one
+    token in UTF-8, surrounding whitespace (a trailing newline) removed.
+    An empty file would turn authentication off without a word, so it is an
+    error, as is a token with whitespace or control characters inside, which
+    no Authorization header could carry."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"file {path!r} is not UTF-8 (byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"file {path!r}: {exc.strerror or exc}") from None
+    token = text.strip()
+    if not token:
+        raise ValueError(f"file {path!r} holds no token (it is empty or only whitespace)")
+    if any(char.isspace() or not char.isprintable() for char in token):
+        raise ValueError(f"file {path!r} must hold one token on one line, without whitespace or control characters")
+    return token
+
+
+def _auth_token_file(value: Any) -> str | None:
+    path = _existing_file(value)
+    if path is not None:
+        read_auth_token(path)
+    return path
 
 
 def _log_level(value: Any) -> str:
@@ -138,7 +176,7 @@ PARSERS = {
     "log_level": _log_level,
     "upstream_target": lambda v: None if v in (None, "") else normalize_target(v),
     "upstream_histogram": _optional_str,
-    "auth_token_file": _existing_file,
+    "auth_token_file": _auth_token_file,
     "tls_cert_file": _existing_file,
     "tls_key_file": _existing_file,
     "diagnosis": _mapping,
@@ -213,6 +251,10 @@ def load_settings(
         problems.append(f"window ({settings.window:g}s) must hold at least two polls ({settings.poll_interval:g}s each)")
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         problems.append("tls_cert_file and tls_key_file must be given together")
+    elif settings.tls_cert_file and "tls_cert_file" in values and "tls_key_file" in values:
+        problem = _tls_pair_problem(settings.tls_cert_file, settings.tls_key_file)
+        if problem:
+            problems.append(problem)
     if settings.bearer_token_file and urlsplit(settings.target).username is not None:
         # requests would send the URL's basic auth and silently drop the token.
         problems.append("give the engine's credentials either in the target URL or in bearer_token_file, not both")
@@ -225,3 +267,16 @@ def load_settings(
     if problems:
         raise SettingsError(problems)
     return settings
+
+
+def _tls_pair_problem(cert_file: str, key_file: str) -> str | None:
+    """Load the pair as uvicorn will, so a key that is not a key (or does not
+    match the certificate) is a configuration error now, not a traceback
+    when the server starts."""
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as exc:
+        return f"tls_cert_file and tls_key_file: not a certificate and its private key ({exc.reason or exc})"
+    except OSError as exc:
+        return f"tls_cert_file and tls_key_file: {exc.strerror or exc}"
+    return None

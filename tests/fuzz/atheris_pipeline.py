@@ -43,7 +43,7 @@ ADAPTER = kvwatch.engines.vllm.VllmAdapter(max_series=MAX_SERIES)
 
 
 def fresh_pipeline() -> Pipeline:
-    with mock.patch.object(kvwatch.sidecar.monitor, "VllmAdapter", lambda max_series: ADAPTER):
+    with mock.patch.object(kvwatch.sidecar.monitor, "make_adapter", lambda engine, max_series: ADAPTER):
         return Pipeline(max_series=MAX_SERIES)
 
 

@@ -48,11 +48,15 @@ def _bound(value: float) -> str:
     return "+Inf" if value == float("inf") else repr(float(value))
 
 
-def page(*engines: Engine, names: str = "new", num_gpu_blocks: int = 128, block_size: int = 32) -> str:
+def page(*engines: Engine, names: str = "new", num_gpu_blocks: int = 128, block_size: int = 32,
+         process_start: float | None = None) -> str:
     """A page with one block of each family for all engines, as vLLM writes it."""
     prefix_family = "prefix_cache" if names == "new" else "gpu_prefix_cache"
     usage_family = "kv_cache_usage_perc" if names == "new" else "gpu_cache_usage_perc"
     out: list[str] = []
+    if process_start is not None:
+        out += ["# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+                "# TYPE process_start_time_seconds gauge", f"process_start_time_seconds {process_start!r}"]
 
     def family(name: str, kind: str, rows) -> None:
         out.append(f"# HELP vllm:{name} synthetic")

@@ -120,14 +120,14 @@ def test_prefix_hit_ratio_equals_vllm_counter_deltas_over_the_polled_pages(real_
     before = wait_until_idle(real_vllm.metrics_url)
     with PageRecorder(real_vllm.base_url) as recorder, \
             running_kvwatch(recorder.url, poll_interval=POLL_INTERVAL, window=PREFIX_WINDOW) as kvwatch:
-        wait_until(lambda: kvwatch.sidecar.monitor.state.up, 10, "kvwatch's first poll")
+        wait_until(lambda: kvwatch.monitor.state.up, 10, "kvwatch's first poll")
         comparisons: list[WindowComparison] = []
         with shared_prefix_load(real_vllm.base_url, duration=PREFIX_LOAD_SECONDS,
                                 prefix_tokens=PREFIX_TOKENS, suffix_tokens=SUFFIX_TOKENS) as run:
             # Read often and keep one comparison per poll: on a busy machine
             # many of kvwatch's polls time out against vLLM's slow /metrics,
             # and a sparse reader then saw only two or three good ones.
-            polls_before, reads, unanswered = kvwatch.sidecar.monitor.state.polls, 0, 0
+            polls_before, reads, unanswered = kvwatch.monitor.state.polls, 0, 0
             while run.running:
                 time.sleep(0.5)
                 found = compare_with_raw_pages(kvwatch.url, recorder)
@@ -136,8 +136,8 @@ def test_prefix_hit_ratio_equals_vllm_counter_deltas_over_the_polled_pages(real_
                 if found is not None and (not comparisons or found.last_poll != comparisons[-1].last_poll):
                     comparisons.append(found)
             stats = run.wait()
-            polls = kvwatch.sidecar.monitor.state.polls - polls_before
-            errors = dict(kvwatch.sidecar.monitor.state.errors_by_reason)
+            polls = kvwatch.monitor.state.polls - polls_before
+            errors = dict(kvwatch.monitor.state.errors_by_reason)
 
     assert stats.failed == 0, stats.errors
     assert stats.completed > 16
