@@ -733,3 +733,40 @@ def test_a_prefix_regression_stays_one_after_the_low_ratio_fills_the_window():
 def diagnose_with(run, memory):
     per_engine, _ = evaluate_window(run.window)
     return diagnose(run.window, per_engine, tuple(run.events), run.thresholds, None, memory)
+
+
+def test_finding_json_uses_metric_label_names_keeps_notes_apart_and_links_its_runbook():
+    from kvwatch.sidecar.report import RULE_CAUSES, finding_json
+    from kvwatch.mixin.config import ALERT_CAUSES
+
+    run = Run()
+    run.steps(12, usage=0.4, running=3, requests=4, hit_ratio=0.8)
+    run.events.append(Change(run.now + 10, "lora", None, None, "new LoRA adapters: sql-v2"))
+    run.steps(6, usage=0.9, running=3, requests=4, hit_ratio=0.05)
+    finding = only(run.findings(), "prefix_changed")
+    data = finding_json(finding, since=1234.0)
+    assert data["model_name"] == "tiny-llama" and data["since"] == 1234.0
+    assert all(not isinstance(v, str) for v in data["evidence"].values())
+    assert "sql-v2" in data["notes"]["changes_at_drop"]
+    assert data["runbook"] == "alerts/runbooks.md#vllmprefixcachehitratelow-prefix-changed"
+    assert RULE_CAUSES == {k: v for k, v in ALERT_CAUSES.items() if k.startswith("Vllm")}
+
+
+def test_ttft_shares_sum_to_at_most_one_and_the_finding_uses_the_signals_shares():
+    # Queue and prefill observed at finish exceed the TTFT observed at first
+    # token (changing load): the finding's shares were min(1, each) and
+    # summed past 1 (queue 100 %, prefill 16 %) beside a signal of 63 %.
+    from kvwatch.signals import ttft_decomposition
+
+    run = Run()
+    run.steps(12, usage=0.5, running=8, waiting=10, requests=6, queue=2.5, prefill=0.6, ttft=2.0)
+    finding = next(f for f in run.findings() if f.symptom == "slow_first_token")
+    per_engine, _ = evaluate_window(run.window)
+    shares = per_engine[0].values["kvwatch_time_to_first_token_share_ratio"]
+    evidence = finding.evidence
+    total = sum(evidence[k] for k in ("queue_share", "prefill_share", "other_share") if k in evidence)
+    assert total <= 1.0 + 1e-6
+    assert evidence["queue_share"] == pytest.approx(shares["queue"], abs=1e-3)
+    assert "disagree" in evidence["histograms_disagree"]
+    assert ttft_decomposition(per_engine[0].view).parts_over_ttft > 1
+    assert any("disagree" in note for note in per_engine[0].notes)

@@ -151,11 +151,15 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
     if not findings:
         print("  none", file=out)
     for finding in findings:
-        where = finding["model"] + (f"/{finding['engine']}" if finding["engine"] is not None else "")
+        where = finding["model_name"] + (f"/{finding['engine']}" if finding["engine"] is not None else "")
         print(f"\n  {finding['severity'].upper():8}  {finding['symptom']} / {finding['cause']}  [{where}]  "
               f"confidence {finding['confidence']}", file=out)
-        for label, text in (("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"])),
-                            ("next: ", finding["next_check"])):
+        lines = [("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"]))]
+        lines += [(f"{key.replace('_', ' ')}: ", note) for key, note in finding.get("notes", {}).items()]
+        lines += [("next: ", finding["next_check"])]
+        if finding.get("runbook"):
+            lines.append(("runbook: ", finding["runbook"]))
+        for label, text in lines:
             print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "), file=out)
     events = diagnosis["events"]
     if events:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwatch.diagnose.context import EngineContext, max_num_seqs, quantile_value, share
+from kvwatch.diagnose.context import EngineContext, max_num_seqs, quantile_value
+from kvwatch.signals import ttft_decomposition
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 
 
@@ -28,30 +29,28 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
 
     queue_histogram = ctx.histogram("queue_time")
     prefill_histogram = ctx.histogram("prefill_time")
-    queue_observed = queue_histogram.mean() if queue_histogram else None
-    prefill = prefill_histogram.mean() if prefill_histogram else None
+    # One decomposition for the finding, the signal, the page and the rules.
+    parts = ttft_decomposition(ctx.view)
+    queue_observed = parts.queue_mean if parts else None
+    prefill = parts.prefill_mean if parts else None
     # The same lag from the gauges: by Little's law the mean wait is the mean
     # queue length over the arrival rate (first tokens per second). It counts
-    # the requests still waiting, which no histogram has seen yet; when the
-    # queue is steady the two agree.
+    # the requests still waiting, which no histogram has seen yet: evidence
+    # beside the decomposition, never a second set of shares.
     waiting = [p.waiting for p in ctx.polls[1:] if p.waiting is not None]
     queue_little = None
     if waiting and ctx.increase.seconds > 0:
         queue_little = (sum(waiting) / len(waiting)) / (ttft.count / ctx.increase.seconds)
-    queue = max((q for q in (queue_observed, queue_little) if q is not None), default=None)
-    other = None
-    if ttft_mean and queue is not None and prefill is not None:
-        other = max(0.0, ttft_mean - queue - prefill)
-    parts = {"queue": queue, "prefill": prefill, "other": other}
+    other = parts.other_mean if parts else None
     # Requests with a first token but not finished yet have a TTFT and no
     # queue or prefill time, so their whole TTFT lands in the rest. Its lower
     # bound charges each of them the TTFT p99 before the rest is named.
     other_lower = None
-    if other is not None:
+    if other is not None and queue_histogram is not None and prefill_histogram is not None:
         unfinished = max(0.0, ttft.count - min(queue_histogram.count, prefill_histogram.count))
         p99, _ = quantile_value(ttft, 0.99)
         other_lower = max(0.0, other - unfinished * (p99 or 0.0) / ttft.count)
-    shares = {name: min(1.0, share(v, ttft_mean)) for name, v in parts.items() if share(v, ttft_mean) is not None}
+    shares = dict(parts.shares) if parts and queue_observed is not None and prefill is not None else {}
     evidence = {
         "ttft_p95_seconds": p95, "ttft_p95_pinned": pinned, "ttft_mean_seconds": ttft_mean,
         "ttft_requests": ttft.count, "objective_p95_seconds": t["ttft_p95_seconds"],
@@ -62,6 +61,8 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
         "other_lower_bound_seconds": other_lower,
         "window_seconds": ctx.increase.seconds,
     }
+    if parts is not None and parts.note:
+        evidence["histograms_disagree"] = parts.note
     headline = (f"Time to first token p95 {p95:.2f}s{'+' if pinned == 'last' else ''}, mean {ttft_mean:.2f}s "
                 f"(objective p95 {t['ttft_p95_seconds']:g}s, mean {t['ttft_mean_seconds']:g}s)")
     findings = []

@@ -60,6 +60,26 @@ assert set(SEVERITY) == {cause for causes in CAUSES.values() for cause in causes
 assert set(PREEMPTING_SEVERITY) <= set(CAUSES["exhaustion"])
 
 
+# The alert that reports each symptom (kvwatch/mixin/config.py ALERTS agrees,
+# tests/test_rules_promtool.py checks), for the runbook link a finding carries.
+SYMPTOM_ALERTS = {"exhaustion": "VllmKvCacheExhausted", "low_hit_rate": "VllmPrefixCacheHitRateLow",
+                  "slow_first_token": "VllmTimeToFirstTokenSlow"}
+RUNBOOK_PATH = "alerts/runbooks.md"
+
+
+def runbook_link(symptom: str, cause: str, alert_causes: dict[str, tuple[str, ...]] | None = None) -> str | None:
+    """The runbook section of a finding: its alert and cause's section (the
+    anchors of mixin/alerts.py runbook_anchor), or the alert's when no rule
+    names the cause; None for changes, which have no alert."""
+    alert = SYMPTOM_ALERTS.get(symptom)
+    if alert is None:
+        return None
+    anchor = alert.lower()
+    if alert_causes is None or cause in alert_causes.get(alert, ()):
+        anchor += "-" + cause.replace("_", "-")
+    return f"{RUNBOOK_PATH}#{anchor}"
+
+
 def severity_of(cause: str, preempting: bool = False) -> str:
     """The severity of a cause, from the one table."""
     if preempting and cause in PREEMPTING_SEVERITY:

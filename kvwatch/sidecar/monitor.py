@@ -19,7 +19,7 @@ from typing import Any, Callable
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose import Change
 from kvwatch.engines import make_adapter
-from kvwatch.sidecar.report import public_url
+from kvwatch.sidecar.report import finding_key, public_url
 from kvwatch.scrape import Fetcher, FetchResult
 from kvwatch.sidecar.settings import Settings
 from kvwatch.signals import Evaluated, evaluate_window
@@ -69,6 +69,8 @@ class State:
     findings: tuple[diagnosis.Finding, ...] = ()
     events: tuple[Change, ...] = ()
     upstream: dict[str, Any] | None = None
+    # finding key (report.finding_key) -> when it was first seen, while it stays active
+    findings_since: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
 
 
 class Monitor:
@@ -181,6 +183,9 @@ class Monitor:
                                       self.settings.diagnosis, upstream, self.hit_memory)
         self._polls += 1
         was_up = self.state.up
+        previous_since = self.state.findings_since
+        findings_since = {key: previous_since.get(key, started)
+                          for key in (finding_key(f) for f in findings)}
         earliest = self.window.earliest
         self.state = State(
             up=True,

@@ -7,7 +7,22 @@ from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from kvwatch.diagnose.vocabulary import runbook_link
 from kvwatch.signals import SIGNALS
+
+# The causes the generated alert rules name (a runbook section each); the
+# others link to their alert's section. Mirrors mixin/config.py ALERT_CAUSES,
+# which tests/test_diagnose_cli.py compares.
+RULE_CAUSES = {
+    "VllmKvCacheExhausted": ("concurrency_beyond_capacity", "long_requests"),
+    "VllmPrefixCacheHitRateLow": ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse",
+                                  "no_reuse"),
+    "VllmTimeToFirstTokenSlow": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream"),
+}
+
+
+def finding_key(finding) -> tuple[str, str, str, str]:
+    return (finding.symptom, finding.cause, finding.model, finding.engine or "")
 
 
 def public_url(url: str | None) -> str | None:
@@ -72,10 +87,23 @@ def signals_json(state, settings) -> dict[str, Any]:
     }
 
 
+def finding_json(finding, since: float | None = None) -> dict[str, Any]:
+    """A finding as JSON: the metrics' label names (`model_name`), numbers in
+    `evidence` and prose in `notes`, when it was first seen (`since`, epoch
+    seconds, while continuously active) and its runbook section. `model` is
+    kept beside `model_name` for readers of the earlier shape."""
+    data = asdict(finding)
+    evidence = {k: v for k, v in data.pop("evidence").items() if not isinstance(v, str)}
+    notes = {k: v for k, v in finding.evidence.items() if isinstance(v, str)}
+    return _clean({"model_name": finding.model, **data, "evidence": evidence, "notes": notes, "since": since,
+                   "runbook": runbook_link(finding.symptom, finding.cause, RULE_CAUSES)})
+
+
 def diagnosis_json(state, settings) -> dict[str, Any]:
+    since = getattr(state, "findings_since", {}) or {}
     return {
         **status_json(state, settings),
-        "findings": [_clean(asdict(f)) for f in state.findings] if state.up else [],
+        "findings": [finding_json(f, since.get(finding_key(f))) for f in state.findings] if state.up else [],
         "events": [asdict(e) for e in state.events],
         "upstream": _clean(state.upstream),
     }
