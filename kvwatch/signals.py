@@ -214,7 +214,9 @@ def _free_tokens(view: View) -> float | None:
     usage = _usage(view)
     if usage is None or view.capacity_tokens is None:
         return None
-    return view.capacity_tokens * (1.0 - usage)
+    # Rounded down to a whole token: headroom never promises a token the
+    # cache does not have (usage is block-granular, tokens are whole).
+    return float(math.floor(view.capacity_tokens * (1.0 - usage)))
 
 
 def _used_bytes(view: View) -> float | None:
@@ -429,9 +431,10 @@ SIGNALS: tuple[Signal, ...] = (
            "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})",
            record=("kvwatch_kv_cache_capacity_tokens", "sum")),
     Signal("kvwatch_kv_cache_free_tokens", "tokens",
-           "KV-cache headroom in tokens: capacity x (1 - usage) (vllm:cache_config_info, vllm:kv_cache_usage_perc).",
+           "KV-cache headroom in tokens: capacity x (1 - usage), rounded down to a whole token "
+           "(vllm:cache_config_info, vllm:kv_cache_usage_perc).",
            _free_tokens, "exhaustion",
-           "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}} * (1 - kvwatch_engine_kv_cache_usage_ratio{{{sel}}}))",
+           "sum by ({by}) (floor(kvwatch_engine_kv_cache_capacity_tokens{{{sel}}} * (1 - kvwatch_engine_kv_cache_usage_ratio{{{sel}}})))",
            record=("kvwatch_kv_cache_free_tokens", "sum")),
     Signal("kvwatch_kv_cache_used_bytes", "bytes",
            "KV-cache bytes held now: usage x the cache's bytes, rounded to a whole byte "
@@ -441,12 +444,12 @@ SIGNALS: tuple[Signal, ...] = (
            panel="overview", title="KV bytes in use",
            record=("kvwatch_kv_cache_used_bytes", "sum")),
     Signal("kvwatch_kv_cache_capacity_requests", "requests",
-           "Concurrent requests the KV capacity holds at the window's mean prompt+generation length, block-rounded; a bound, not a promise "
+           "Concurrent requests the KV capacity holds at the window's mean prompt+generation length, block-rounded and rounded down to a whole request; a bound, not a promise "
            "(vllm:cache_config_info, vllm:request_prompt_tokens, vllm:request_generation_tokens).",
            _capacity_requests, "exhaustion",
-           "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})\n/ on ({by}) (\n"
+           "floor(\nsum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})\n/ on ({by}) (\n"
            + _mean_promql("kvwatch_engine_request_prompt_tokens") + "\n+ on ({by})\n"
-           + _mean_promql("kvwatch_engine_request_generation_tokens") + "\n)",
+           + _mean_promql("kvwatch_engine_request_generation_tokens") + "\n)\n)",
            record=("kvwatch_kv_cache_capacity_requests", "ratio_rate{w}")),
     Signal("kvwatch_preemptions_per_second", "per_second",
            "Preemptions per second over the window (vllm:num_preemptions_total).",

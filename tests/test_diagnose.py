@@ -770,3 +770,16 @@ def test_ttft_shares_sum_to_at_most_one_and_the_finding_uses_the_signals_shares(
     assert "disagree" in evidence["histograms_disagree"]
     assert ttft_decomposition(per_engine[0].view).parts_over_ttft > 1
     assert any("disagree" in note for note in per_engine[0].notes)
+
+
+def test_exhaustion_wording_follows_the_current_usage():
+    # Peak earlier, but the cache is still above the threshold now: "full now",
+    # never "full earlier in the window" beside a current 99.2 %.
+    run = Run()
+    run.steps(3, usage=0.999, running=8, waiting=6, requests=4, preemptions=2, **SHORT)
+    run.steps(2, usage=0.992, running=8, waiting=6, requests=4, preemptions=2, **SHORT)
+    finding = only(run.findings(), "concurrency_beyond_capacity")
+    assert "full now (99.2%)" in finding.summary and "earlier" not in finding.summary
+    run.steps(2, usage=0.5, running=2, waiting=0, requests=4, **SHORT)
+    finding = only(run.findings(), "concurrency_beyond_capacity")
+    assert "earlier in the window (now 50.0%)" in finding.summary

@@ -123,7 +123,14 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
                 "tokens_per_running_request_at_peak": footprint(poll)}
 
     peak = state.peak
-    when = "now" if ongoing and peak is not None and peak is ctx.polls[-1] else "earlier in the window"
+    # Wording follows the numbers on the same page: a cache at or above the
+    # threshold now is full now, wherever in the window its peak fell.
+    if ongoing:
+        when = f"now ({usage_now:.1%})"
+    elif usage_now is not None:
+        when = f"earlier in the window (now {usage_now:.1%})"
+    else:
+        when = "earlier in the window"
     proven = state.full_polls and (state.preemptions > 0 or (peak and peak.gauge("waiting_by_reason/capacity")))
     confidence = "high" if proven else "medium"
 
