@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import textwrap
 import time
@@ -25,7 +26,8 @@ EXIT_OK, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="the engine's /metrics URL (default: from --config or KVWATCH_TARGET)")
+    parser.add_argument("--target", help="the engine's /metrics URL (default: `target` in --config, else "
+                                         "KVWATCH_TARGET, else http://127.0.0.1:8000/metrics)")
     parser.add_argument("--duration", default="30s", help="how long to poll (default 30s); the window covers it")
     parser.add_argument("--interval", default="2s", help="time between polls (default 2s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -58,6 +60,24 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         return _fail(exc.problems)
 
+    # Say where the target came from: a silent default polled the wrong engine.
+    import os
+
+    from kvwatch.sidecar.report import public_url
+    from kvwatch.sidecar.settings import Settings
+
+    if args.target:
+        source = "--target"
+    elif os.environ.get("KVWATCH_TARGET"):
+        source = "KVWATCH_TARGET"
+    elif args.config and settings.target != Settings.target:
+        source = f"`target` in {args.config}"
+    else:
+        source = "the default; give --target, `target` in --config, or KVWATCH_TARGET"
+    print(f"kvwatch diagnose: polling {public_url(settings.target)} ({source})", file=sys.stderr)
+    # One account of a failing target, at the end (the sentence), not a log
+    # line per transition beside it.
+    logging.getLogger("kvwatch").setLevel(logging.ERROR)
     monitor = Monitor(settings)
     last_good = None
     polls = 0
@@ -85,13 +105,12 @@ def run(args: argparse.Namespace) -> int:
 
     final = monitor.state
     if last_good is None:
-        reason = f"{final.reason}: {final.detail}".strip(": ")
         if args.json:
             print(json.dumps({"up": False, "target": signals_json(final, settings)["target"], "reason": final.reason,
                               "detail": final.detail, "polls": polls}, indent=2))
         else:
             print(f"kvwatch diagnose: no engine metrics from {signals_json(final, settings)['target']} in {polls} "
-                  f"polls ({reason})", file=sys.stderr)
+                  f"polls: {final.detail}", file=sys.stderr)
         return EXIT_UNUSABLE
 
     signals = signals_json(last_good, settings)
@@ -134,7 +153,7 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
     print(f"kvwatch diagnose: {signals['target']}, {polls} polls ({failed} failed), window "
           f"{signals['window_covered_seconds']:.0f}s", file=out)
     if not final.up:
-        print(f"  last poll failed: {final.reason} {final.detail}".rstrip() + "; showing the last good poll", file=out)
+        print(f"  last poll failed: {final.detail}; showing the last good poll", file=out)
 
     columns = signal_columns(signals)
     print("\nSIGNALS", file=out)

@@ -20,7 +20,7 @@ from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose import Change
 from kvwatch.engines import make_adapter
 from kvwatch.sidecar.report import finding_key, public_url
-from kvwatch.scrape import Fetcher, FetchResult
+from kvwatch.scrape import Fetcher, FetchResult, failure_sentence, public_host
 from kvwatch.sidecar.settings import Settings
 from kvwatch.signals import Evaluated, evaluate_window
 from kvwatch.snapshot import Snapshot
@@ -52,7 +52,9 @@ def tune_garbage_collector() -> None:
 class State:
     up: bool = False
     reason: str | None = "not_polled_yet"
-    detail: str = ""
+    # One human sentence for the failure, for people (page, JSON, /readyz, CLI);
+    # never an exception's text or what the engine sent (that is only logged).
+    detail: str = "kvwatch has not polled the engine yet"
     polls: int = 0
     errors_by_reason: dict[str, int] = field(default_factory=dict)
     parse_errors: int = 0
@@ -156,7 +158,7 @@ class Monitor:
             result = self.fetcher.fetch()
             if not result.ok:
                 return self._record_failure(result.reason, result.detail, started, result.seconds,
-                                            time.thread_time() - started_cpu)
+                                            time.thread_time() - started_cpu, result.sentence)
             return self._ingest(result, started, started_monotonic, started_cpu)
 
     def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
@@ -171,8 +173,15 @@ class Monitor:
             if snapshot.parse_errors:
                 detail += f" ({len(snapshot.parse_errors)} malformed lines, first: {snapshot.parse_errors[0]})"
             reason = "content_type" if result.unexpected_content_type else "no_engine_metrics"
+            host = public_host(self.settings.target)
+            sentence = failure_sentence(reason, host)
+            if result.unexpected_content_type:
+                sentence = (f"{host} answers with a page of content type {result.content_type[:60]!r}, "
+                            "not Prometheus metrics")
+            elif snapshot.parse_errors:
+                sentence += f" ({len(snapshot.parse_errors)} malformed lines in {result.size} bytes)"
             return self._record_failure(reason, detail, started, result.seconds,
-                                        time.thread_time() - started_cpu)
+                                        time.thread_time() - started_cpu, sentence)
         previous = self.window.latest
         self.window.add(snapshot)
         self._note_changes(previous, snapshot)
@@ -212,7 +221,8 @@ class Monitor:
             log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))
         return self.state
 
-    def _record_failure(self, reason: str, detail: str, started: float, seconds: float, cpu: float) -> State:
+    def _record_failure(self, reason: str, detail: str, started: float, seconds: float, cpu: float,
+                        sentence: str = "") -> State:
         self._polls += 1
         self._errors[reason] = self._errors.get(reason, 0) + 1
         previous = self.state
@@ -220,11 +230,16 @@ class Monitor:
             # Log transitions, not every failed poll: a down engine must not
             # flood the log at one line per interval.
             # public_url: the log must not carry credentials from the target URL.
-            log.warning("polling %s failed: %s (%s)", public_url(self.settings.target), reason, detail)
+            # The sentence for people; the technical detail (exception text) at debug.
+            log.warning("polling %s failed: %s", public_url(self.settings.target),
+                        sentence or failure_sentence(reason, public_host(self.settings.target),
+                                                     self.settings.fetch_timeout))
+            log.debug("polling %s failed: %s (%s)", public_url(self.settings.target), reason, detail)
         self.state = State(
             up=False,
             reason=reason,
-            detail=detail,
+            detail=sentence or failure_sentence(reason, public_host(self.settings.target),
+                                                self.settings.fetch_timeout),
             polls=self._polls,
             errors_by_reason=dict(self._errors),
             parse_errors=self._parse_errors,
@@ -274,7 +289,7 @@ class Monitor:
         its query string, a content type, a malformed line)."""
         state = self.state
         if not state.up:
-            return False, f"last poll failed: {state.reason}"
+            return False, f"last poll failed: {state.reason}: {state.detail}"
         if self._last_success_monotonic is not None:
             age = time.monotonic() - self._last_success_monotonic
         else:  # a State set from outside the poll loop (tests, tools)

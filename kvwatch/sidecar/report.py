@@ -63,7 +63,8 @@ def status_json(state, settings) -> dict[str, Any]:
         "target": public_url(settings.target),
         "up": state.up,
         "reason": state.reason,
-        "detail": state.detail,
+        # One human sentence, never an exception's text (that stays in the log).
+        "detail": state.detail if not state.up else "",
         "polls": state.polls,
         "errors_by_reason": state.errors_by_reason,
         "parse_errors": state.parse_errors,
