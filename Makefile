@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm bench generate check-generated system-deps clean
+.PHONY: run test test-vllm capture-vllm bench generate check-generated screenshots system-deps clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,8 +24,18 @@ test: $(STAMP) system-deps
 test-vllm: $(STAMP) system-deps
 	scripts/test-vllm.sh
 
+# Fresh captures from the real vLLM of the tier, one per scenario it runs, to
+# renew tests/fixtures/ (check their ground truth by hand before replacing one).
+CAPTURE_OUT ?= tests/fixtures/vllm-cpu-$(shell date +%Y%m%d)
+capture-vllm: $(STAMP)
+	$(PY) -m tests.vllm_tier.record_captures --out $(CAPTURE_OUT)
+
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# The status page in its tested states, as PNGs under docs/screenshots/ (needs Chromium).
+screenshots: $(STAMP) system-deps
+	$(PY) scripts/screenshots.py
 
 generate: $(STAMP)
 	$(VENV)/bin/kvwatch generate

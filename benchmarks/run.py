@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import math
 import os
@@ -40,7 +41,7 @@ from kvwatch.scrape import FetchResult  # noqa: E402
 from kvwatch.sidecar.settings import load_settings  # noqa: E402
 from pages import AdvancingPage, capture_text, sample_count, scale  # noqa: E402
 
-SECTIONS = ("parse", "poll", "scrape", "memory", "curve")
+SECTIONS = ("parse", "poll", "scrape", "memory", "curve", "replay", "page", "history")
 
 
 # --------------------------------------------------------------------------
@@ -736,6 +737,231 @@ def bench_curve(report: Report, capture: str, quick: bool) -> None:
 
 
 # --------------------------------------------------------------------------
+# Replay of a day's capture
+# --------------------------------------------------------------------------
+
+
+def bench_replay(report: Report, capture: str, quick: bool) -> None:
+    """`kvwatch diagnose --replay` of 24 hours of 5 s pages: the capture's
+    page with advancing counters, written as `kvwatch capture` writes a bundle,
+    then replayed through the Monitor (5 min window) at recorded time."""
+    import shutil
+    import tempfile
+
+    from kvwatch.capture.bundle import Capture, CaptureWriter
+    from kvwatch.capture.record import manifest_for
+    from kvwatch.capture.replay import replay
+
+    interval = 5.0
+    hours = 2 if quick else 24
+    pages = int(hours * 3600 / interval)
+    folder = Path(tempfile.mkdtemp(prefix="kvwatch-bench-replay-"))
+    try:
+        advancing = AdvancingPage(capture)
+        started = time.monotonic()
+        bundle = folder / "day.tar.gz"
+        writer = CaptureWriter(bundle, manifest_for("http://127.0.0.1:8000/metrics", interval, hours * 3600))
+        for poll in range(pages):
+            writer.add(1.8e9 + poll * interval, 0.004, advancing.render(poll))
+        writer.close(ended_at=1.8e9 + pages * interval, interrupted=False)
+        written = time.monotonic() - started
+        size = bundle.stat().st_size
+        settings = load_settings(overrides={"target": "http://127.0.0.1:8000/metrics", "poll_interval": "5s"},
+                                 environ={})
+        started = time.monotonic()
+        timeline = replay(Capture(bundle), lambda source: Monitor(settings, fetcher=source, clock=source.now))
+        seconds = time.monotonic() - started
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert timeline.polls == pages and timeline.failed == 0, (timeline.polls, timeline.failed)
+    recorded = hours * 3600
+    target_pages = 17_280
+    report.figure(f"replay of {hours} h of 5 s pages ({pages} pages of {len(capture) / 1000:.0f} KB), bundle",
+                  f"{seconds:.1f} s = {recorded / seconds:,.0f}x recorded time",
+                  f"recorded time: {recorded / 3600:g} h", "< 60 s for 17,280 pages",
+                  seconds * target_pages / pages < 60)
+    detail = [[str(pages), f"{size / 1e6:.1f} MB", f"{written:.1f} s", f"{seconds:.1f} s",
+               f"{seconds / pages * 1e3:.2f} ms", f"{recorded / seconds:,.0f}x", str(len(timeline.episodes))]]
+    header = ["pages", "bundle (.tar.gz)", "writing it", "replay", "per page", "vs recorded time", "episodes"]
+    report.sections.append(
+        "### Replay of a day\n\n"
+        f"`kvwatch diagnose --replay` over {hours} h of pages 5 s apart: the capture's page with its counters "
+        "advancing every poll, written as `kvwatch capture` writes a .tar.gz bundle, then streamed from it "
+        "through the sidecar's Monitor (5 min window, signals, diagnosis) at the recorded times, and folded "
+        "into the findings timeline. The baseline is the recorded time itself: how much faster than live "
+        "the replay runs.\n\n" + table(header, detail))
+    print(plain_table(header, detail), flush=True)
+
+
+# --------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------
+# The status page
+# --------------------------------------------------------------------------
+
+
+def page_monitor(fixtures: Path, engines: int, interval: float) -> Monitor:
+    """A monitor whose 5-minute window is full of an engines-wide page polled
+    every `interval` simulated seconds."""
+    monitor = monitor_for("http://127.0.0.1:1/metrics")
+    monitor.settings.poll_interval = interval
+    monitor.fetcher = PageFetcher(AdvancingPage(scale(capture_text(fixtures), engines)))
+    clock = simulated.SimulatedClock()
+    simulated.install(clock)
+    try:
+        for _ in range(int(monitor.settings.window / interval) + 2):
+            clock.advance(interval)
+            monitor.fetcher.prepare()
+            monitor.poll_once()
+    finally:
+        simulated.uninstall()
+    return monitor
+
+
+def bench_page(report: Report, fixtures: Path, quick: bool) -> None:
+    """What the page at / costs: its bytes (the page carries the state it
+    draws first; each refresh then fetches the three JSON routes), and the
+    CPU to build that state JSON, once per refresh after a poll (the trend
+    points of the newest poll computed, the rest kept on their entries) and
+    cold (every point computed, as after a start)."""
+    from kvwatch.sidecar import series as series_module
+    from kvwatch.sidecar.report import diagnosis_json, signals_json
+    from kvwatch.sidecar.statuspage import page_state, render_status_page
+
+    rows = []
+    for engines, interval in ((1, 5.0), (8, 5.0), (8, 1.0)):
+        monitor = page_monitor(fixtures, engines, interval)
+        state, settings = monitor.state, monitor.settings
+        html = render_status_page(state, settings).encode()
+        html_bytes = len(html)
+        gzip_bytes = len(gzip.compress(html, compresslevel=1))
+        refresh_bytes = sum(len(json.dumps(body).encode()) for body in (
+            signals_json(state, settings), diagnosis_json(state, settings), series_module.series_json(state, settings)))
+
+        def build(_):
+            return json.dumps(page_state(state, settings))
+
+        def build_cold(_):
+            for entry in state.entries:
+                entry.derived.pop(series_module._CACHE_KEY, None)
+            return json.dumps(page_state(state, settings))
+
+        rounds = 3 if quick else 7
+        warm = median([cpu_seconds(build, None, 3) for _ in range(rounds)])
+        cold = median([cpu_seconds(build_cold, None, 1) for _ in range(rounds)])
+        rows.append([str(engines), f"{interval:g} s", str(len(state.entries)),
+                     f"{html_bytes / 1024:.1f} KB ({gzip_bytes / 1024:.1f} KB gzipped)",
+                     f"{refresh_bytes / 1024:.1f} KB", ms(warm), ms(cold)])
+        print(f"  {engines} engines, poll {interval:g} s, {len(state.entries)} window entries: page "
+              f"{html_bytes / 1024:.1f} KB ({gzip_bytes / 1024:.1f} KB gzipped), refresh JSON {refresh_bytes / 1024:.1f} KB, state JSON build "
+              f"{ms(warm)} (cold {ms(cold)})", flush=True)
+        if engines == 8 and interval == 5.0:
+            report.figure("status page size, 8 engines", f"{html_bytes / 1024:.1f} KB", "-", "< 200 KB",
+                          html_bytes < 200 * 1024)
+            report.figure("status page transferred (gzip), 8 engines", f"{gzip_bytes / 1024:.1f} KB", "-",
+                          "< 200 KB", gzip_bytes < 200 * 1024)
+            report.figure("page state JSON build, 8 engines", ms(warm), "-", "< 100 ms", warm < 0.1)
+            report.figure("page state JSON build, 8 engines, cold", ms(cold), "-", "< 100 ms", cold < 0.1)
+    report.sections.append(
+        "### Status page\n\n"
+        "The page at `/` carries the state it draws first (signals, findings, the trend series); each refresh "
+        "fetches `/api/v1/signals`, `/api/v1/diagnosis` and `/api/v1/series` (all served gzipped to clients "
+        "that accept it). Build: CPU of `page_state` plus "
+        "`json.dumps` after a poll (trend points of the new entry computed, the others kept on their entries), "
+        "and cold (every point computed). A 5-minute window of the scaled real capture.\n\n"
+        + table(["engines", "poll", "window entries", "page", "refresh JSON", "state JSON build", "cold build"], rows))
+
+
+def history_openmetrics(replicas: int, start: float, points: int, step: float) -> str:
+    """A fleet's history as OpenMetrics for promtool: per replica, the vLLM
+    0.32 series the diagnosis reads (usage, running, waiting, prefix and token
+    counters, preemptions, the TTFT, queue, prefill and length histograms with
+    vLLM's buckets, cache_config_info), advancing every step; replica 0 runs
+    full from the middle of the range, so the diagnosis has findings to fold."""
+    ttft_bounds = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+    len_bounds = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+    out: list[str] = []
+    for r in range(replicas):
+        base = f'instance="10.1.{r // 250}.{r % 250}:8000",job="vllm",model_name="m",engine="0"'
+        out.append(f'vllm:cache_config_info{{{base},block_size="16",num_gpu_blocks="2048",'
+                   f'enable_prefix_caching="True"}} 1 {start:.0f}')
+        rows: dict[str, list[str]] = {}
+        for i in range(points):
+            at = f"{start + i * step:.0f}"
+            hot = r == 0 and i >= points // 2
+            n = i + 1
+            def put(name, labels, value):
+                rows.setdefault(name + labels, []).append(f"{name}{{{base}{labels}}} {value:g} {at}")
+            put("vllm:kv_cache_usage_perc", "", 0.99 if hot else 0.3)
+            put("vllm:num_requests_running", "", 32 if hot else 4)
+            put("vllm:num_requests_waiting", "", 10 if hot else 0)
+            put("vllm:num_preemptions_total", "", (n - points // 2) * 3 if hot else 0)
+            put("vllm:prefix_cache_queries_total", "", n * 4000)
+            put("vllm:prefix_cache_hits_total", "", n * 2400)
+            put("vllm:prompt_tokens_total", "", n * 4000)
+            put("vllm:generation_tokens_total", "", n * 1000)
+            for family, bounds, per in (("time_to_first_token_seconds", ttft_bounds, 0.1),
+                                        ("request_queue_time_seconds", ttft_bounds, 0.01),
+                                        ("request_prefill_time_seconds", ttft_bounds, 0.05),
+                                        ("request_prompt_tokens", len_bounds, 400),
+                                        ("request_generation_tokens", len_bounds, 100)):
+                for bound in bounds:
+                    put(f"vllm:{family}_bucket", f',le="{bound:g}"', n * 10 if bound >= per else 0)
+                put(f"vllm:{family}_bucket", ',le="+Inf"', n * 10)
+                put(f"vllm:{family}_sum", "", n * 10 * per)
+                put(f"vllm:{family}_count", "", n * 10)
+        for lines in rows.values():
+            out.extend(lines)
+    out.append("# EOF")
+    return "\n".join(out) + "\n"
+
+
+def bench_history(report: Report, quick: bool) -> None:
+    """kvwatch diagnose --prometheus over a fleet backfilled into a real
+    Prometheus with promtool: read, rebuild and diagnose every replica at
+    every step, the fleet rules included."""
+    import shutil
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from promstack import backfilled_prometheus
+    from kvwatch.history.query import PrometheusClient
+    from kvwatch.history.run import diagnose_history
+
+    if shutil.which("promtool") is None or shutil.which("prometheus") is None:
+        print("  skipped: promtool and prometheus are not installed")
+        return
+    replicas, hours, step = (16, 1, 30.0) if quick else (64, 2, 30.0)
+    points = int(hours * 3600 / step)
+    start = float((int(time.time()) // 3600 - hours - 2) * 3600)
+    began = time.monotonic()
+    text = history_openmetrics(replicas, start, points, step)
+    with backfilled_prometheus(text) as prom:
+        setup = time.monotonic() - began
+        client = PrometheusClient(prom.url)
+        history = diagnose_history(client, start, start + (points - 1) * step, step, window=300.0)
+    cost = history.cost
+    replica_steps = replicas * points
+    per_step = cost["total_seconds"] / replica_steps
+    full = 64 * 2880 * per_step
+    print(f"  {replicas} replicas x {hours} h at {step:g}s ({replica_steps:,} replica-steps; backfill {setup:.0f}s): "
+          f"{cost['queries']} queries, {cost['samples']:,} samples, read {cost['seconds']:.1f}s, total "
+          f"{cost['total_seconds']:.1f}s ({per_step * 1e3:.2f} ms per replica-step; 64 x 24 h extrapolated "
+          f"{full:.0f}s); {len(history.timeline.episodes)} findings")
+    report.figure(f"history: {replicas} replicas x {hours} h at 30 s, total", f"{cost['total_seconds']:.1f} s",
+                  "-", "-", None)
+    report.figure("history: 64 replicas x 24 h at 30 s, extrapolated", f"{full:.0f} s", "-", "< 60 s", full < 60)
+    report.sections.append("\n".join([
+        "### history: `kvwatch diagnose --prometheus`",
+        "",
+        f"{replicas} replicas x {hours} h at a {step:g} s step, backfilled into a real Prometheus with "
+        f"`promtool tsdb create-blocks-from openmetrics` ({setup:.0f} s to set up): {cost['queries']} queries, "
+        f"{cost['samples']:,} samples, {cost['bytes'] / 1e6:.0f} MB read in {cost['seconds']:.1f} s; rebuilding "
+        f"and diagnosing {cost['diagnose_seconds']:.1f} s; total {cost['total_seconds']:.1f} s, "
+        f"{per_step * 1e3:.2f} ms per replica-step. 64 x 24 h (184,320 replica-steps) at that rate: {full:.0f} s. "
+        "Scaled down because backfilling 64 x 24 h here takes longer than the run it measures.",
+    ]))
 
 
 def main() -> int:
@@ -769,6 +995,9 @@ def main() -> int:
         "scrape": lambda: bench_scrape(report, args.fixtures, args.quick),
         "memory": lambda: bench_memory(report, args.fixtures, args.quick),
         "curve": lambda: bench_curve(report, capture, args.quick),
+        "replay": lambda: bench_replay(report, capture, args.quick),
+        "page": lambda: bench_page(report, args.fixtures, args.quick),
+        "history": lambda: bench_history(report, args.quick),
     }
     for name in SECTIONS:
         if name in wanted:

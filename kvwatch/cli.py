@@ -13,7 +13,9 @@ import sys
 SUBCOMMANDS = {
     "serve": ("kvwatch.commands.serve", "poll a vLLM /metrics and serve kvwatch's signals"),
     "sim": ("kvwatch.commands.sim", "run a simulated vLLM engine (for demos and tests)"),
-    "diagnose": ("kvwatch.commands.diagnose", "poll a target for a while and print signals and findings"),
+    "diagnose": ("kvwatch.commands.diagnose",
+                 "poll a target for a while (or replay a capture) and print signals and findings"),
+    "capture": ("kvwatch.commands.capture", "record a target's /metrics pages with their times, to hand over or replay"),
     "generate": ("kvwatch.commands.generate", "write dashboards, rules, runbooks and manifests"),
     "capacity": ("kvwatch.commands.capacity", "KV bytes per token and the concurrency a KV budget holds"),
     "sweep": ("kvwatch.commands.sweep", "measure a server across lengths and concurrency levels"),

@@ -125,6 +125,9 @@ class Page:
     line_count: int
 
 
+_SCANNERS: dict[tuple, "re.Pattern | None"] = {}
+
+
 class FamilySelector:
     """Maps every wire spelling of the wanted families to (family, suffix)."""
 
@@ -140,7 +143,13 @@ class FamilySelector:
                 for prefix in self.prefixes:
                     self.sample_names.setdefault(prefix + base + suffix, (base, suffix))
         self._label_cache: dict[str, dict[str, str]] = {}
-        self._scanner = _scanner(self.sample_names)
+        # Built once per set of names and shared (a compiled pattern is
+        # immutable): building it takes about half a second, and a history
+        # diagnosis makes one adapter per replica.
+        key = (self.base_names, self.prefixes)
+        if key not in _SCANNERS:
+            _SCANNERS[key] = _scanner(self.sample_names)
+        self._scanner = _SCANNERS[key]
         self._layout: _Layout | None = None
 
     def parse(self, text: str) -> Page:

@@ -31,14 +31,33 @@ from kvwatch.window import Increase, Window
 
 QUANTILES = (0.5, 0.95, 0.99)
 
-# A catalogue unit -> Grafana's unit for it.
-UNITS = {
-    "ratio": "percentunit",
-    "seconds": "s",
-    "tokens": "short",
-    "requests": "short",
-    "per_second": "ops",
-    "bytes": "bytes",
+# The span the exhaustion trend is fitted over: long enough to smooth single
+# requests, short enough to follow a ramp (the PromQL twin's deriv range).
+TREND_SECONDS = 300.0
+TREND_RANGE = "5m"
+
+# A catalogue unit -> how each surface shows it: Grafana's unit, and the word
+# a person reads beside a bare number on the status page and in the CLI ("" where
+# the formatted value already says it: 12.5%, 340 ms, 3.1/s).
+@dataclass(frozen=True)
+class Unit:
+    grafana: str
+    label: str
+
+
+UNITS: dict[str, Unit] = {
+    "ratio": Unit("percentunit", ""),
+    "seconds": Unit("s", ""),
+    "tokens": Unit("short", "tokens"),
+    "requests": Unit("short", "requests"),
+    "per_second": Unit("ops", ""),
+    "bytes": Unit("bytes", "bytes"),
+    "blocks": Unit("short", "blocks"),
+    "state": Unit("short", ""),
+    "preemptions": Unit("short", "preemptions"),
+    "failures": Unit("short", "failures"),
+    "notifications": Unit("short", "notifications"),
+    "transfers": Unit("short", "transfers"),
 }
 
 
@@ -87,6 +106,10 @@ HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_engine_info", "gauge", IDENTITY + INFO_KEYS,
                  "The engine's KV-cache configuration (from vllm:cache_config_info); changes() on it marks a "
                  "configuration change."),
+    HealthFamily("kvwatch_source_present", "gauge", ("family",),
+                 "1 if the engine's latest page carried this family (vLLM's newest name for it), 0 if not: unknown "
+                 "is not zero, so a signal whose families are 0 here is absent, never 0 (/api/v1/signals "
+                 "dark_signals names the flag that lights a config-gated one)."),
     HealthFamily("kvwatch_finding", "gauge", ("symptom", "cause", "severity") + IDENTITY,
                  "1 for each active diagnosis finding (absent when not active); see /api/v1/diagnosis for its "
                  "evidence."),
@@ -155,6 +178,76 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
                  "Prompt length per finished request (vllm:request_prompt_tokens)."),
     EngineSeries("kvwatch_engine_request_generation_tokens", "histogram", "generation_len", "tokens",
                  "Generated length per finished request (vllm:request_generation_tokens)."),
+    EngineSeries("kvwatch_engine_kv_cache_blocks", "gauge", "config/num_gpu_blocks", "blocks",
+                 "KV blocks of the engine's pool (vllm:cache_config_info num_gpu_blocks); one of them is vLLM's "
+                 "null block, never allocated, so usage = used / (blocks - 1)."),
+    EngineSeries("kvwatch_engine_kv_cache_block_size_tokens", "gauge", "config/block_size", "tokens",
+                 "Tokens per KV block (vllm:cache_config_info block_size; on hybrid models the minimum over the "
+                 "KV groups)."),
+    EngineSeries("kvwatch_engine_kv_cache_max_concurrency", "gauge", "config/kv_cache_max_concurrency", "requests",
+                 "Requests of max_model_len tokens the cache holds at once (vllm:cache_config_info "
+                 "kv_cache_max_concurrency, vLLM 0.24+): capacity / max_model_len, not --max-num-seqs."),
+    EngineSeries("kvwatch_engine_prompt_tokens_by_source", "counter", "prompt_tokens_by_source/*", "tokens",
+                 "Prompt tokens by where they came from: local_compute, local_cache_hit, external_kv_transfer; "
+                 "the sources sum to the prompt tokens (vllm:prompt_tokens_by_source_total, vLLM 0.16+).",
+                 label="source"),
+    EngineSeries("kvwatch_engine_prompt_tokens_cached_by_source", "counter", "prompt_tokens_cached_by_source/*",
+                 "tokens",
+                 "Cached prompt tokens by the tier that supplied them: device, host, p2p, disk, "
+                 "external_unspecified (vllm:prompt_tokens_cached_by_source_total, vLLM 0.32+).", label="source"),
+    EngineSeries("kvwatch_engine_prompt_tokens_recomputed", "counter", "prompt_tokens_recomputed", "tokens",
+                 "Cached prompt tokens computed again because the whole prompt was cached and the model needs one "
+                 "token to produce logits: one per fully cached prompt, not preemption recompute "
+                 "(vllm:prompt_tokens_recomputed_total, vLLM 0.16 to 0.19 only)."),
+    EngineSeries("kvwatch_engine_request_num_preemptions", "histogram", "preemptions_per_request", "preemptions",
+                 "Preemptions per finished request, 0 included (0 and 1 share the first bucket) "
+                 "(vllm:request_num_preemptions, vLLM 0.30+)."),
+    EngineSeries("kvwatch_engine_admission_rejections", "counter", "admission_rejections/*", "requests",
+                 "Requests the front end rejected at a queue limit, by reason: max_num_queued_reqs, "
+                 "max_num_queued_tokens (vllm:admission_rejections_total, vLLM 0.32+; vLLM labels it per model, "
+                 "kvwatch books it on the model's lowest engine).", label="reason"),
+    EngineSeries("kvwatch_engine_sleep_state", "gauge", "sleep_state/*", "state",
+                 "Engine sleep state: awake=1 when serving, weights_offloaded=1 or discard_all=1 in sleep levels 1 "
+                 "and 2; a sleeping engine is not a down engine (vllm:engine_sleep_state, vLLM 0.11.1+).",
+                 label="sleep_state"),
+    EngineSeries("kvwatch_engine_healthy", "gauge", "engine_healthy", "state",
+                 "1 while the engine reports healthy under fault tolerance, else 0 (vllm:engine_healthy; only with "
+                 "--enable-fault-tolerance)."),
+    EngineSeries("kvwatch_engine_kv_block_lifetime_seconds", "histogram", "kv_block_lifetime", "seconds",
+                 "Sampled KV block lifetimes, allocation to eviction (vllm:kv_block_lifetime_seconds; only with "
+                 "--kv-cache-metrics)."),
+    EngineSeries("kvwatch_engine_kv_block_idle_before_evict_seconds", "histogram", "kv_block_idle_before_evict",
+                 "seconds",
+                 "Sampled idle time of KV blocks before eviction (vllm:kv_block_idle_before_evict_seconds; only with "
+                 "--kv-cache-metrics)."),
+    EngineSeries("kvwatch_engine_kv_block_reuse_gap_seconds", "histogram", "kv_block_reuse_gap", "seconds",
+                 "Sampled gaps between consecutive accesses of a KV block (vllm:kv_block_reuse_gap_seconds; only "
+                 "with --kv-cache-metrics)."),
+    EngineSeries("kvwatch_engine_kv_offload_load_bytes", "counter", "offload_load_bytes", "bytes",
+                 "Bytes loaded from the offload tier into GPU KV blocks (vllm:kv_offload_load_bytes_total, else the "
+                 "deprecated vllm:kv_offload_total_bytes_total{transfer_type=\"CPU_to_GPU\"}, never both; "
+                 "OffloadingConnector only)."),
+    EngineSeries("kvwatch_engine_kv_offload_store_bytes", "counter", "offload_store_bytes", "bytes",
+                 "Bytes stored from GPU KV blocks to the offload tier (vllm:kv_offload_store_bytes_total, else "
+                 "vllm:kv_offload_total_bytes_total{transfer_type=\"GPU_to_CPU\"}; OffloadingConnector only)."),
+    EngineSeries("kvwatch_engine_kv_offload_load_seconds", "counter", "offload_load_seconds", "seconds",
+                 "Time spent loading from the offload tier (vllm:kv_offload_load_time_total, else "
+                 "vllm:kv_offload_total_time_total{transfer_type=\"CPU_to_GPU\"})."),
+    EngineSeries("kvwatch_engine_kv_offload_store_seconds", "counter", "offload_store_seconds", "seconds",
+                 "Time spent storing to the offload tier (vllm:kv_offload_store_time_total, else "
+                 "vllm:kv_offload_total_time_total{transfer_type=\"GPU_to_CPU\"})."),
+    EngineSeries("kvwatch_engine_kv_offload_allocation_failures", "counter", "offload_allocation_failures",
+                 "failures", "Offload-tier allocations that failed (vllm:kv_offload_allocation_failure_total)."),
+    EngineSeries("kvwatch_engine_kv_offload_cpu_pinned_ratio", "gauge", "offload_cpu_pinned", "ratio",
+                 "Share of the CPU offload tier pinned by in-flight transfers (vllm:kv_offload_cpu_cache_usage_perc): "
+                 "evictable blocks do not count, so it reads 0 on a full tier at rest; not the tier's usage."),
+    EngineSeries("kvwatch_engine_nixl_failed_transfers", "counter", "nixl_failed_transfers", "transfers",
+                 "Failed NIXL KV transfers (vllm:nixl_num_failed_transfers_total; NixlConnector only)."),
+    EngineSeries("kvwatch_engine_nixl_failed_notifications", "counter", "nixl_failed_notifications", "notifications",
+                 "Failed NIXL notifications (vllm:nixl_num_failed_notifications_total; NixlConnector only)."),
+    EngineSeries("kvwatch_engine_nixl_expired_requests", "counter", "nixl_expired_requests", "requests",
+                 "Requests whose KV expired before the peer fetched it (vllm:nixl_num_kv_expired_reqs_total; "
+                 "NixlConnector only)."),
 )
 
 
@@ -177,6 +270,18 @@ class View:
     # KV bytes held, summed over the view's engines (usage x kv_cache_memory_bytes
     # each); None unless every engine states its cache's bytes.
     kv_used_bytes: float | None = None
+    # Whole-block arithmetic, summed over the view's engines; None unless
+    # every engine states num_gpu_blocks and block_size and its blocks hold
+    # capacity_tokens (not so on hybrid models, where block_size is the
+    # minimum over KV groups).
+    usable_blocks: float | None = None  # num_gpu_blocks - 1 (vLLM's null block is never allocated)
+    used_blocks: float | None = None  # usage x usable blocks, whole
+    block_tokens: float | None = None  # used blocks x block_size
+    bytes_per_block: float | None = None
+    usage_mean: float | None = None
+    # Seconds until usage reaches 1 at the window's least-squares trend, the
+    # soonest engine of the view; None when usage is not rising.
+    exhaustion_eta: float | None = None
     notes: list[str] = field(default_factory=list)
 
     def gauge(self, key: str) -> float | None:
@@ -199,6 +304,13 @@ class Signal:
     # Its recording rule's name parts, `level:metric:operations`: the metric
     # part and the operations ({w} is the rate window).
     record: tuple[str, str] = ("", "")
+    # Canonical snapshot keys the signal cannot do without: where one was not
+    # on the page the signal is absent, and /api/v1/signals says so (and
+    # names the flag, for a config-gated family).
+    needs: tuple[str, ...] = ()
+    # What a person reads: the status page and `kvwatch diagnose` label the
+    # signal with this (the unit is shown beside it, from `unit`).
+    display: str = ""
 
 
 def _clamp01(value: float | None) -> float | None:
@@ -393,6 +505,110 @@ def _capacity_requests(view: View) -> float | None:
     return float(view.capacity_tokens // per_request)
 
 
+def _used_blocks(view: View) -> float | None:
+    return view.used_blocks
+
+
+def _free_blocks(view: View) -> float | None:
+    if view.usable_blocks is None or view.used_blocks is None:
+        return None
+    return view.usable_blocks - view.used_blocks
+
+
+def token_usage_estimate(view: View) -> float | None:
+    """Tokens held over the tokens the usable blocks hold. Usage counts whole
+    blocks; each running request's last block is partly filled, on average
+    by half, so the tokens held are about used blocks x block_size less
+    (block_size - 1) / 2 per running request. Prefix sharing does not change
+    it (shared blocks are full)."""
+    running = view.gauge("running")
+    if view.block_tokens is None or view.usable_blocks is None or not view.block_size or running is None:
+        return None
+    held = max(0.0, view.block_tokens - running * (view.block_size - 1) / 2)
+    return held / (view.usable_blocks * view.block_size)
+
+
+def _exhaustion_eta(view: View) -> float | None:
+    return view.exhaustion_eta
+
+
+def _from_cache(view: View) -> dict[str, float] | None:
+    counters = view.increase.counters
+    total = sum(v for k, v in counters.items() if k.startswith("prompt_tokens_by_source/"))
+    if total <= 0:
+        return None
+    return {tier: counters.get(f"prompt_tokens_by_source/{source}", 0.0) / total
+            for tier, source in (("local", "local_cache_hit"), ("external", "external_kv_transfer"))}
+
+
+def _first_bucket_at_one(histogram: Histogram) -> float | None:
+    for bound, cumulative in zip(histogram.bounds, histogram.cumulative):
+        if bound == 1.0:
+            return cumulative
+    return None
+
+
+def preemption_repeat_share(view: View) -> float | None:
+    """At least this share of the window's preemptions (of requests that
+    finished in it) fell on requests preempted two or more times: each such
+    request counts at least 2. Near 1: a few requests thrash; near 0: many
+    requests were each preempted once (broad pressure)."""
+    histogram = view.increase.histograms.get("preemptions_per_request")
+    if histogram is None or histogram.sum <= 0:
+        return None
+    at_most_once = _first_bucket_at_one(histogram)
+    if at_most_once is None:
+        view.notes.append("vllm:request_num_preemptions has no le=1 bucket: the repeat share is not computed")
+        return None
+    return min(1.0, 2 * max(0.0, histogram.count - at_most_once) / histogram.sum)
+
+
+def _quantile_of(view: View, key: str, q: float) -> float | None:
+    histogram = view.increase.histograms.get(key)
+    if histogram is None or histogram.count <= 0:
+        return None
+    quantile = histogram.quantile(q)
+    return None if quantile is None else quantile.value
+
+
+def reuse_shortfall_blocks(view: View) -> float | None:
+    """Blocks the cache lacks to keep idle prefixes until their typical reuse.
+    Evictable blocks count as free, so the free pool is where idle prefixes
+    wait; by Little's law, at the same eviction rate a pool holds a block
+    about (pool / eviction rate) seconds. Blocks now leave after the median
+    idle time I while the median reuse gap is G: keeping them G seconds takes
+    a pool G / I times larger, i.e. pool x (G / I - 1) more blocks. 0 when
+    blocks outlive the reuse gap; absent without --kv-cache-metrics."""
+    idle = _quantile_of(view, "kv_block_idle_before_evict", 0.5)
+    gap = _quantile_of(view, "kv_block_reuse_gap", 0.5)
+    if idle is None or gap is None or view.usable_blocks is None or view.usage_mean is None:
+        return None
+    if gap <= idle:
+        return 0.0
+    pool = view.usable_blocks * (1.0 - view.usage_mean)
+    return float(math.ceil(pool * (gap / max(idle, 1e-3) - 1.0)))
+
+
+def _reuse_shortfall_bytes(view: View) -> float | None:
+    blocks = reuse_shortfall_blocks(view)
+    if blocks is None or view.bytes_per_block is None:
+        return None
+    return float(round(blocks * view.bytes_per_block))
+
+
+def _sleeping(view: View) -> float | None:
+    awake = view.gauge("sleep_state/awake")
+    return None if awake is None else (0.0 if awake >= 1 else 1.0)
+
+
+def _offload_rates(view: View) -> dict[str, float] | None:
+    if view.increase.seconds <= 0:
+        return None
+    found = {direction: view.increase.counters[f"offload_{direction}_bytes"] / view.increase.seconds
+             for direction in ("load", "store") if f"offload_{direction}_bytes" in view.increase.counters}
+    return found or None
+
+
 def _sel(metric: str) -> str:
     # The result is spliced into a template that is .format()ted later, so the
     # selector's braces must stay escaped: `metric{{{sel}}}` -> `metric{<sel>}`.
@@ -419,30 +635,30 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvwatch_kv_cache_usage_ratio", "ratio",
            "KV-cache usage now, 0..1, clamped (vllm:kv_cache_usage_perc / vllm:gpu_cache_usage_perc).",
            _usage, "exhaustion", "max by ({by}) (kvwatch_engine_kv_cache_usage_ratio{{{sel}}})",
-           record=("kvwatch_kv_cache_usage_ratio", "max")),
+           display="KV cache usage", record=("kvwatch_kv_cache_usage_ratio", "max")),
     Signal("kvwatch_kv_cache_usage_max_ratio", "ratio",
            "Highest KV-cache usage seen in the window (vllm:kv_cache_usage_perc).",
            lambda v: _clamp01(v.usage_max), "exhaustion",
            "max by ({by}) (max_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[{w}]))",
-           record=("kvwatch_kv_cache_usage_ratio", "max_over_time{w}")),
+           display="KV cache usage, window peak", record=("kvwatch_kv_cache_usage_ratio", "max_over_time{w}")),
     Signal("kvwatch_kv_cache_capacity_tokens", "tokens",
            "KV-cache capacity in tokens (vllm:cache_config_info).",
            lambda v: v.capacity_tokens, "exhaustion",
            "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})",
-           record=("kvwatch_kv_cache_capacity_tokens", "sum")),
+           display="KV cache capacity", record=("kvwatch_kv_cache_capacity_tokens", "sum")),
     Signal("kvwatch_kv_cache_free_tokens", "tokens",
            "KV-cache headroom in tokens: capacity x (1 - usage), rounded down to a whole token "
            "(vllm:cache_config_info, vllm:kv_cache_usage_perc).",
            _free_tokens, "exhaustion",
            "sum by ({by}) (floor(kvwatch_engine_kv_cache_capacity_tokens{{{sel}}} * (1 - kvwatch_engine_kv_cache_usage_ratio{{{sel}}})))",
-           record=("kvwatch_kv_cache_free_tokens", "sum")),
+           display="KV cache headroom", record=("kvwatch_kv_cache_free_tokens", "sum")),
     Signal("kvwatch_kv_cache_used_bytes", "bytes",
            "KV-cache bytes held now: usage x the cache's bytes, rounded to a whole byte "
            "(vllm:kv_cache_usage_perc, vllm:cache_config_info kv_cache_memory_bytes; absent before vLLM 0.24).",
            _used_bytes, "exhaustion",
            "sum by ({by}) (clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * kvwatch_engine_kv_cache_memory_bytes{{{sel}}})",
            panel="overview", title="KV bytes in use",
-           record=("kvwatch_kv_cache_used_bytes", "sum")),
+           display="KV cache in use", record=("kvwatch_kv_cache_used_bytes", "sum")),
     Signal("kvwatch_kv_cache_capacity_requests", "requests",
            "Concurrent requests the KV capacity holds at the window's mean prompt+generation length, block-rounded and rounded down to a whole request; a bound, not a promise "
            "(vllm:cache_config_info, vllm:request_prompt_tokens, vllm:request_generation_tokens).",
@@ -450,117 +666,208 @@ SIGNALS: tuple[Signal, ...] = (
            "floor(\nsum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})\n/ on ({by}) (\n"
            + _mean_promql("kvwatch_engine_request_prompt_tokens") + "\n+ on ({by})\n"
            + _mean_promql("kvwatch_engine_request_generation_tokens") + "\n)\n)",
-           record=("kvwatch_kv_cache_capacity_requests", "ratio_rate{w}")),
+           display="Requests the cache holds", record=("kvwatch_kv_cache_capacity_requests", "ratio_rate{w}")),
     Signal("kvwatch_preemptions_per_second", "per_second",
            "Preemptions per second over the window (vllm:num_preemptions_total).",
            _rate("preemptions"), "exhaustion",
            "sum by ({by}) (rate(kvwatch_engine_preemptions_total{{{sel}}}[{w}]))",
-           record=("kvwatch_preemptions", "rate{w}")),
+           display="Preemptions", record=("kvwatch_preemptions", "rate{w}")),
     Signal("kvwatch_requests_running", "requests",
            "Requests running now (vllm:num_requests_running).",
            lambda v: v.gauge("running"), "exhaustion",
            "sum by ({by}) (kvwatch_engine_requests_running{{{sel}}})",
-           record=("kvwatch_requests_running", "sum")),
+           display="Running", record=("kvwatch_requests_running", "sum")),
     Signal("kvwatch_requests_running_max", "requests",
            "Most requests running at once in the window: the concurrency actually reached (vllm:num_requests_running).",
            lambda v: v.running_max, "exhaustion",
            "sum by ({by}) (max_over_time(kvwatch_engine_requests_running{{{sel}}}[{w}]))",
-           record=("kvwatch_requests_running", "max_over_time{w}")),
+           display="Running, window peak", record=("kvwatch_requests_running", "max_over_time{w}")),
     Signal("kvwatch_requests_waiting", "requests",
            "Requests waiting now (vllm:num_requests_waiting).",
            lambda v: v.gauge("waiting"), "exhaustion",
            "sum by ({by}) (kvwatch_engine_requests_waiting{{{sel}}})",
-           record=("kvwatch_requests_waiting", "sum")),
+           display="Waiting", record=("kvwatch_requests_waiting", "sum")),
     Signal("kvwatch_requests_waiting_by_reason", "requests",
            "Requests waiting now by reason: capacity (no KV blocks) or deferred (vllm:num_requests_waiting_by_reason, vLLM 0.20+).",
            _waiting_by_reason, "exhaustion",
            "sum by ({by}, reason) (kvwatch_engine_requests_waiting_by_reason{{{sel}}})", label="reason",
-           record=("kvwatch_requests_waiting", "sum")),
+           record=("kvwatch_requests_waiting", "sum"), display="Waiting by reason"),
+    # --- KV blocks, occupancy and trend ---
+    Signal("kvwatch_kv_cache_used_blocks", "blocks",
+           "KV blocks held now, whole: usage x (num_gpu_blocks - 1), since vLLM keeps one null block aside "
+           "(vllm:kv_cache_usage_perc, vllm:cache_config_info; absent on hybrid models, whose blocks differ by group).",
+           _used_blocks, "exhaustion",
+           "sum by ({by}) (round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)))",
+           record=("kvwatch_kv_cache_used_blocks", "sum"), display="KV blocks in use"),
+    Signal("kvwatch_kv_cache_free_blocks", "blocks",
+           "KV blocks free now, whole (evictable prefix-cache blocks count as free): the capacity ceiling left, "
+           "(num_gpu_blocks - 1) - used (vllm:kv_cache_usage_perc, vllm:cache_config_info).",
+           _free_blocks, "exhaustion",
+           "sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) - round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)))",
+           panel="exhaustion", title="Free KV blocks (the ceiling left)",
+           record=("kvwatch_kv_cache_free_blocks", "sum"), display="KV blocks free"),
+    Signal("kvwatch_kv_cache_token_usage_estimate_ratio", "ratio",
+           "Estimated share of the cache's token slots holding tokens: usage counts whole blocks and each running "
+           "request's last block is on average half filled, so this is (used blocks x block_size - running x "
+           "(block_size - 1) / 2) / (usable blocks x block_size); '95 % full' in blocks is fewer tokens "
+           "(vllm:kv_cache_usage_perc, vllm:num_requests_running, vllm:cache_config_info).",
+           token_usage_estimate, "exhaustion",
+           "sum by ({by}) (clamp_min(round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)) * kvwatch_engine_kv_cache_block_size_tokens{{{sel}}} - kvwatch_engine_requests_running{{{sel}}} * (kvwatch_engine_kv_cache_block_size_tokens{{{sel}}} - 1) / 2, 0))\n/\n"
+           "sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) * kvwatch_engine_kv_cache_block_size_tokens{{{sel}}})",
+           record=("kvwatch_kv_cache_token_usage_estimate", "ratio"), display="KV token slots filled (estimate)"),
+    Signal("kvwatch_kv_cache_exhaustion_eta_seconds", "seconds",
+           "Seconds until KV usage reaches 1 at its least-squares trend over the last 5 minutes (PromQL deriv()), the "
+           "soonest engine; absent unless usage rises and is now at least its 5-minute mean (vllm:kv_cache_usage_perc).",
+           _exhaustion_eta, "exhaustion",
+           "min by ({by}) (\n  (1 - clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1))\n  / (deriv(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[" + TREND_RANGE + "]) > 0)\n"
+           "  and kvwatch_engine_kv_cache_usage_ratio{{{sel}}} >= avg_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[" + TREND_RANGE + "])\n)",
+           panel="exhaustion", title="Time until the KV cache is full at this trend",
+           record=("kvwatch_kv_cache_exhaustion_eta_seconds", "deriv" + TREND_RANGE), display="Time until KV cache full"),
+    Signal("kvwatch_preemptions_on_repeat_requests_ratio", "ratio",
+           "At least this share of the preemptions of requests finished in the window fell on requests preempted "
+           "two or more times: near 1 a few requests thrash, near 0 many were each preempted once (broad pressure) "
+           "(vllm:request_num_preemptions, vLLM 0.30+).",
+           preemption_repeat_share, "exhaustion",
+           "clamp_max(2 * clamp_min(sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_count{{{sel}}}[{w}])) "
+           "- sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_bucket{{{sel},le=\"1.0\"}}[{w}])), 0)\n/\n"
+           "(sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_sum{{{sel}}}[{w}])) > 0), 1)",
+           record=("kvwatch_preemptions_on_repeat_requests", "ratio_rate{w}"), needs=("preemptions_per_request",), display="Preemptions on repeat requests"),
+    Signal("kvwatch_admission_rejections_per_second", "per_second",
+           "Requests rejected at a queue limit per second, by reason: a cause apart from the KV cache, the queue "
+           "was full (vllm:admission_rejections_total, vLLM 0.32+).",
+           _labelled_rates("admission_rejections"), "exhaustion",
+           "sum by ({by}, reason) (rate(kvwatch_engine_admission_rejections_total{{{sel}}}[{w}]))", label="reason",
+           record=("kvwatch_admission_rejections", "rate{w}"), needs=("admission_rejections",), display="Admission rejections"),
+    Signal("kvwatch_engine_sleeping", "state",
+           "1 while the engine sleeps (sleep level 1 or 2), 0 while awake: a sleeping engine is not a down one "
+           "(vllm:engine_sleep_state, vLLM 0.11.1+).",
+           _sleeping, "exhaustion",
+           "max by ({by}) (1 - kvwatch_engine_sleep_state{{{sel},sleep_state=\"awake\"}})",
+           record=("kvwatch_engine_sleeping", "max"), needs=("sleep_state",), display="Engine sleeping"),
     # --- prefix cache ---
     Signal("kvwatch_prefix_cache_hit_ratio", "ratio",
-           "Prefix-cache hits over queries in the window, from token counters, not lifetime totals "
+           "Lookup hit ratio: prefix-cache hits over queries in the window, from token counters, not lifetime totals; "
+           "re-lookups after preemption and scheduling retries count again, so it is not the share of prompt tokens "
+           "served from a cache (kvwatch_prompt_tokens_from_cache_ratio) "
            "(vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, formerly gpu_prefix_cache_*; V0: vllm:gpu_prefix_cache_hit_rate).",
            _prefix_hit_ratio, "prefix",
            _ratio_of_rates("kvwatch_engine_prefix_cache_hits_total", "kvwatch_engine_prefix_cache_queries_total"),
-           record=("kvwatch_prefix_cache_hit", "ratio_rate{w}")),
+           display="Prefix cache hit ratio", record=("kvwatch_prefix_cache_hit", "ratio_rate{w}")),
     Signal("kvwatch_external_prefix_cache_hit_ratio", "ratio",
            "External (KV connector) prefix-cache hits over queries in the window (vllm:external_prefix_cache_{hits,queries}_total).",
            lambda v: v.increase.ratio("external_prefix_hits", "external_prefix_queries"), "prefix",
            _ratio_of_rates("kvwatch_engine_external_prefix_cache_hits_total", "kvwatch_engine_external_prefix_cache_queries_total"),
-           record=("kvwatch_external_prefix_cache_hit", "ratio_rate{w}")),
+           display="External prefix cache hit ratio", record=("kvwatch_external_prefix_cache_hit", "ratio_rate{w}")),
     Signal("kvwatch_prompt_tokens_cached_ratio", "ratio",
            "Share of prompt tokens served from a cache in the window (vllm:prompt_tokens_cached_total / vllm:prompt_tokens_total; "
            "before 0.16 prefix hits / prompt tokens).",
            _cached_share, "prefix",
            _ratio_of_rates("kvwatch_engine_prompt_tokens_cached_total", "kvwatch_engine_prompt_tokens_total"),
-           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}")),
+           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}"), display="Prompt tokens from cache"),
+    Signal("kvwatch_prompt_tokens_from_cache_ratio", "ratio",
+           "Share of prompt tokens served from a cache, by tier: local (this engine's prefix cache) and external "
+           "(a KV connector); the rest was computed. Not the lookup hit ratio, which re-lookups inflate "
+           "(vllm:prompt_tokens_by_source_total, vLLM 0.16+).",
+           _from_cache, "prefix",
+           "(\n  label_replace(sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"local_cache_hit\"}}[{w}])), \"tier\", \"local\", \"\", \"\")\n"
+           "  or\n  label_replace(sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"external_kv_transfer\"}}[{w}])), \"tier\", \"external\", \"\", \"\")\n)\n"
+           "/ ignoring (tier) group_left\nsum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel}}}[{w}]))",
+           label="tier", panel="prefix_cache", title="Prompt tokens served from a cache, by tier",
+           record=("kvwatch_prompt_tokens_from_cache", "ratio_rate{w}"), needs=("prompt_tokens_by_source",), display="Prompt tokens served from a cache"),
+    Signal("kvwatch_kv_cache_reuse_shortfall_blocks", "blocks",
+           "KV blocks the cache lacks to keep idle prefixes until their typical reuse: free pool x (median reuse "
+           "gap / median idle time before eviction - 1), 0 when blocks outlive the reuse gap "
+           "(vllm:kv_block_reuse_gap_seconds, vllm:kv_block_idle_before_evict_seconds: --kv-cache-metrics).",
+           reuse_shortfall_blocks, "prefix",
+           "ceil(sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) * (1 - avg_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[{w}])))\n* clamp_min(\n"
+           "  histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_reuse_gap_seconds_bucket{{{sel}}}[{w}])))\n"
+           "  / clamp_min(histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_idle_before_evict_seconds_bucket{{{sel}}}[{w}]))), 0.001)\n  - 1, 0))",
+           record=("kvwatch_kv_cache_reuse_shortfall_blocks", "ratio_rate{w}"),
+           needs=("kv_block_reuse_gap", "kv_block_idle_before_evict"), display="KV blocks short of keeping reuse"),
+    Signal("kvwatch_kv_cache_reuse_shortfall_bytes", "bytes",
+           "The reuse shortfall in bytes: blocks x kv_cache_memory_bytes / num_gpu_blocks (--kv-cache-metrics, "
+           "vLLM 0.24+ for the bytes).",
+           _reuse_shortfall_bytes, "prefix",
+           "ceil(sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) * (1 - avg_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[{w}])) * kvwatch_engine_kv_cache_memory_bytes{{{sel}}} / kvwatch_engine_kv_cache_blocks{{{sel}}})\n* clamp_min(\n"
+           "  histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_reuse_gap_seconds_bucket{{{sel}}}[{w}])))\n"
+           "  / clamp_min(histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_idle_before_evict_seconds_bucket{{{sel}}}[{w}]))), 0.001)\n  - 1, 0))",
+           record=("kvwatch_kv_cache_reuse_shortfall_bytes", "ratio_rate{w}"),
+           needs=("kv_block_reuse_gap", "kv_block_idle_before_evict"), display="KV bytes short of keeping reuse"),
+    Signal("kvwatch_kv_offload_bytes_per_second", "per_second",
+           "Bytes per second moved to (store) and from (load) the KV offload tier (vllm:kv_offload_{load,store}_bytes_total, "
+           "else the deprecated vllm:kv_offload_total_bytes_total{transfer_type}, never both; OffloadingConnector only).",
+           _offload_rates, "prefix",
+           "(\n  label_replace(sum by ({by}) (rate(kvwatch_engine_kv_offload_load_bytes_total{{{sel}}}[{w}])), \"direction\", \"load\", \"\", \"\")\n"
+           "  or\n  label_replace(sum by ({by}) (rate(kvwatch_engine_kv_offload_store_bytes_total{{{sel}}}[{w}])), \"direction\", \"store\", \"\", \"\")\n)",
+           label="direction", record=("kvwatch_kv_offload_bytes", "rate{w}"),
+           needs=("offload_load_bytes", "offload_store_bytes"), display="KV offload transfer rate"),
     # --- first token ---
     Signal("kvwatch_time_to_first_token_seconds", "seconds",
            "Time to first token quantiles over the window, from bucket increases with the scraped bounds (vllm:time_to_first_token_seconds).",
            _quantiles("ttft", "TTFT"), "first_token",
            _quantile_promql("kvwatch_engine_time_to_first_token_seconds"), label="quantile",
-           record=("kvwatch_time_to_first_token_seconds", "histogram_quantile_rate{w}")),
+           display="Time to first token", record=("kvwatch_time_to_first_token_seconds", "histogram_quantile_rate{w}")),
     Signal("kvwatch_time_to_first_token_mean_seconds", "seconds",
            "Mean time to first token over the window (vllm:time_to_first_token_seconds _sum/_count).",
            _mean("ttft"), "first_token", _mean_promql("kvwatch_engine_time_to_first_token_seconds"),
-           record=("kvwatch_time_to_first_token_seconds", "mean_rate{w}")),
+           display="Time to first token, mean", record=("kvwatch_time_to_first_token_seconds", "mean_rate{w}")),
     Signal("kvwatch_queue_time_seconds", "seconds",
            "Queue (WAITING) time quantiles over the window (vllm:request_queue_time_seconds).",
            _quantiles("queue_time", "queue time"), "first_token",
            _quantile_promql("kvwatch_engine_request_queue_time_seconds"), label="quantile",
-           record=("kvwatch_queue_time_seconds", "histogram_quantile_rate{w}")),
+           display="Queue time", record=("kvwatch_queue_time_seconds", "histogram_quantile_rate{w}")),
     Signal("kvwatch_queue_time_mean_seconds", "seconds",
            "Mean queue time over the window (vllm:request_queue_time_seconds _sum/_count).",
            _mean("queue_time"), "first_token", _mean_promql("kvwatch_engine_request_queue_time_seconds"),
-           record=("kvwatch_queue_time_seconds", "mean_rate{w}")),
+           display="Queue time, mean", record=("kvwatch_queue_time_seconds", "mean_rate{w}")),
     Signal("kvwatch_prefill_time_seconds", "seconds",
            "Prefill time quantiles over the window (vllm:request_prefill_time_seconds).",
            _quantiles("prefill_time", "prefill time"), "first_token",
            _quantile_promql("kvwatch_engine_request_prefill_time_seconds"), label="quantile",
-           record=("kvwatch_prefill_time_seconds", "histogram_quantile_rate{w}")),
+           display="Prefill time", record=("kvwatch_prefill_time_seconds", "histogram_quantile_rate{w}")),
     Signal("kvwatch_prefill_time_mean_seconds", "seconds",
            "Mean prefill time over the window (vllm:request_prefill_time_seconds _sum/_count).",
            _mean("prefill_time"), "first_token", _mean_promql("kvwatch_engine_request_prefill_time_seconds"),
-           record=("kvwatch_prefill_time_seconds", "mean_rate{w}")),
+           display="Prefill time, mean", record=("kvwatch_prefill_time_seconds", "mean_rate{w}")),
     Signal("kvwatch_time_to_first_token_share_ratio", "ratio",
            "Share of mean TTFT spent in queue, in prefill, and elsewhere (front end, tokenization, scheduling); the PromQL twin is the queue part "
            "(vllm:time_to_first_token_seconds, vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds).",
            ttft_parts, "first_token",
            _mean_promql("kvwatch_engine_request_queue_time_seconds") + "\n/ on ({by})\n"
            + _mean_promql("kvwatch_engine_time_to_first_token_seconds"), label="part",
-           record=("kvwatch_time_to_first_token_share", "ratio_rate{w}")),
+           display="Time to first token split", record=("kvwatch_time_to_first_token_share", "ratio_rate{w}")),
     # --- throughput and failures ---
     Signal("kvwatch_requests_finished_per_second", "per_second",
            "Finished requests per second by reason (vllm:request_success_total).",
            _labelled_rates("finished"), "throughput",
            "sum by ({by}, finished_reason) (rate(kvwatch_engine_requests_finished_total{{{sel}}}[{w}]))",
            label="finished_reason",
-           record=("kvwatch_requests_finished", "rate{w}")),
+           display="Finished requests", record=("kvwatch_requests_finished", "rate{w}")),
     Signal("kvwatch_requests_failed_per_second", "per_second",
            "Requests ending in abort or error per second (vllm:request_success_total{finished_reason=~\"abort|error\"}).",
            _failed_rate, "throughput",
            "sum by ({by}) (rate(kvwatch_engine_requests_finished_total{{{sel},finished_reason=~\"abort|error\"}}[{w}]))",
-           record=("kvwatch_requests_failed", "rate{w}")),
+           display="Failed requests", record=("kvwatch_requests_failed", "rate{w}")),
     Signal("kvwatch_prompt_tokens_per_second", "per_second",
            "Prompt tokens per second, cached included (vllm:prompt_tokens_total).",
            _rate("prompt_tokens"), "throughput",
            "sum by ({by}) (rate(kvwatch_engine_prompt_tokens_total{{{sel}}}[{w}]))",
-           record=("kvwatch_prompt_tokens", "rate{w}")),
+           display="Prompt tokens", record=("kvwatch_prompt_tokens", "rate{w}")),
     Signal("kvwatch_generation_tokens_per_second", "per_second",
            "Generated tokens per second (vllm:generation_tokens_total).",
            _rate("generation_tokens"), "throughput",
            "sum by ({by}) (rate(kvwatch_engine_generation_tokens_total{{{sel}}}[{w}]))",
-           record=("kvwatch_generation_tokens", "rate{w}")),
+           display="Generated tokens", record=("kvwatch_generation_tokens", "rate{w}")),
     Signal("kvwatch_prompt_tokens_per_request_mean", "tokens",
            "Mean prompt tokens per finished request in the window (vllm:request_prompt_tokens).",
            lambda v: mean_tokens(v, "prompt_len", "prompt_tokens"), "throughput",
            _mean_promql("kvwatch_engine_request_prompt_tokens"),
-           record=("kvwatch_prompt_tokens_per_request", "mean_rate{w}")),
+           display="Prompt length, mean", record=("kvwatch_prompt_tokens_per_request", "mean_rate{w}")),
     Signal("kvwatch_generation_tokens_per_request_mean", "tokens",
            "Mean generated tokens per finished request in the window (vllm:request_generation_tokens).",
            lambda v: mean_tokens(v, "generation_len", "generation_tokens"), "throughput",
            _mean_promql("kvwatch_engine_request_generation_tokens"),
-           record=("kvwatch_generation_tokens_per_request", "mean_rate{w}")),
+           display="Generated length, mean", record=("kvwatch_generation_tokens_per_request", "mean_rate{w}")),
 )
 
 SIGNALS_BY_NAME = {signal.name: signal for signal in SIGNALS}
@@ -597,8 +904,16 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
     usage_max = None
     running_max = None
     used_bytes: float | None = 0.0
+    blocks: BlockSums | None = BlockSums()
+    eta = None
     for key in present:
         engine = latest.engines[key]
+        series = window.gauge_series(key, "kv_usage")
+        engine_eta = _eta(series)
+        if engine_eta is not None:
+            eta = engine_eta if eta is None else min(eta, engine_eta)
+        if blocks is not None:
+            blocks = blocks.add(latest.cache_config.get(key[1], {}), engine.gauges.get("kv_usage"), series)
         engine_bytes = config_number(latest.cache_config.get(key[1], {}), "kv_cache_memory_bytes")
         engine_usage = engine.gauges.get("kv_usage")
         if used_bytes is not None and engine_bytes is not None and engine_usage is not None:
@@ -627,7 +942,66 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
             running_max = (running_max or 0.0) + running_peak
     # Engines of one model run side by side over the same span.
     increase.seconds = span
-    return View(merged, increase, usage_max, running_max, capacity, block_size, used_bytes)
+    view = View(merged, increase, usage_max, running_max, capacity, block_size, used_bytes)
+    if blocks is not None:
+        view.usable_blocks, view.used_blocks, view.block_tokens = blocks.usable, blocks.used, blocks.tokens
+        view.bytes_per_block = blocks.bytes_per_block
+        view.usage_mean = blocks.usage_weighted / blocks.usable if blocks.usable else None
+    view.exhaustion_eta = eta
+    return view
+
+
+@dataclass
+class BlockSums:
+    """Whole-block arithmetic over the engines of a view."""
+
+    usable: float = 0.0
+    used: float = 0.0
+    tokens: float = 0.0
+    usage_weighted: float = 0.0
+    bytes_per_block: float | None = None
+
+    def add(self, cache_config: dict[str, str], usage: float | None, series) -> "BlockSums | None":
+        count = config_number(cache_config, "num_gpu_blocks")
+        size = config_number(cache_config, "block_size")
+        stated = config_number(cache_config, "kv_cache_size_tokens")
+        if not count or count < 2 or not size or usage is None or not series:
+            return None
+        if stated and stated != count * size:
+            return None  # hybrid: block_size is the minimum over groups, blocks x size is not the capacity
+        usable = count - 1
+        used = float(round(min(1.0, max(0.0, usage)) * usable))
+        self.usable += usable
+        self.used += used
+        self.tokens += used * size
+        self.usage_weighted += usable * sum(min(1.0, max(0.0, v)) for _t, v in series) / len(series)
+        memory = config_number(cache_config, "kv_cache_memory_bytes")
+        per_block = memory / count if memory else None
+        if self.bytes_per_block is None or per_block is None:
+            self.bytes_per_block = per_block if self.usable == usable else None
+        return self
+
+
+def _eta(series: list[tuple[float, float]]) -> float | None:
+    """Seconds until usage reaches 1 at the least-squares slope of the last
+    TREND_SECONDS (PromQL deriv()); None unless usage rises and is now at
+    least its mean over that span (a cache that just emptied is not filling)."""
+    if len(series) < 2:
+        return None
+    series = [(t, v) for t, v in series if t >= series[-1][0] - TREND_SECONDS]
+    if len(series) < 2 or series[-1][1] < sum(v for _t, v in series) / len(series):
+        return None
+    n = len(series)
+    t0 = series[0][0]
+    mean_t = sum(t - t0 for t, _v in series) / n
+    mean_v = sum(v for _t, v in series) / n
+    var = sum((t - t0 - mean_t) ** 2 for t, _v in series)
+    if var <= 0:
+        return None
+    slope = sum((t - t0 - mean_t) * (v - mean_v) for t, v in series) / var
+    if slope <= 0:
+        return None
+    return max(0.0, 1.0 - min(1.0, max(0.0, series[-1][1]))) / slope
 
 
 def evaluate(view: View, model: str, engine: str | None) -> Evaluated:

@@ -4,15 +4,20 @@ kvwatch's own vocabulary, whatever the engine's version spelled.
 Canonical keys (the adapter's alias table maps every vLLM spelling to these):
 
 gauges      kv_usage, running, waiting, waiting_by_reason/<reason>,
-            v0_prefix_hit_rate
+            v0_prefix_hit_rate, sleep_state/<state>, engine_healthy,
+            offload_cpu_pinned
 counters    prefix_queries, prefix_hits, external_prefix_queries,
             external_prefix_hits, preemptions, prompt_tokens,
-            generation_tokens, prompt_tokens_cached,
-            prompt_tokens_by_source/<source>, finished/<finished_reason>
+            generation_tokens, prompt_tokens_cached, prompt_tokens_recomputed,
+            prompt_tokens_by_source/<source>,
+            prompt_tokens_cached_by_source/<tier>, finished/<finished_reason>,
+            admission_rejections/<reason>, offload_{load,store}_{bytes,seconds},
+            offload_allocation_failures, nixl_failed_transfers,
+            nixl_failed_notifications, nixl_expired_requests
 histograms  ttft, queue_time, prefill_time, decode_time, inference_time,
             e2e_latency, inter_token_latency, tpot, prompt_len,
             generation_len, kv_block_lifetime, kv_block_idle_before_evict,
-            kv_block_reuse_gap
+            kv_block_reuse_gap, preemptions_per_request
 
 A labelled family is flattened into `<key>/<label value>` so that deltas and
 windows work on flat dicts.
@@ -118,6 +123,15 @@ class Snapshot:
     # process_start_time_seconds of the page: a new value means the engine's
     # process restarted, so every counter started again from zero.
     process_start: float | None = None
+    # The adapter's tables (shared, never mutated): canonical key -> the
+    # engine's family name, and -> the flag that lights a config-gated one.
+    # A key absent from `sources` was not on the page.
+    families: dict[str, str] = field(default_factory=dict)
+    gates: dict[str, str] = field(default_factory=dict)
+
+    def present(self) -> dict[str, bool]:
+        """Engine family -> whether the page carried it (with samples)."""
+        return {family: key in self.sources for key, family in sorted(self.families.items())}
 
     def capacity_tokens(self, engine: str) -> float | None:
         return capacity_tokens(self.cache_config.get(engine, {}))

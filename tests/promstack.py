@@ -111,6 +111,41 @@ def prometheus(targets: list[str], rule_files: list[Path] = (), interval: str = 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def backfill(openmetrics: str, data_dir: Path, block_hours: int = 2) -> None:
+    """Write OpenMetrics text with timestamps into TSDB blocks under
+    `data_dir` (`promtool tsdb create-blocks-from openmetrics`)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    source = data_dir.parent / "backfill.om"
+    source.write_text(openmetrics)
+    result = subprocess.run([_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics",
+                             f"--max-block-duration={block_hours}h", str(source), str(data_dir)],
+                            capture_output=True, text=True, timeout=300)
+    source.unlink()
+    if result.returncode != 0:
+        raise RuntimeError(f"promtool backfill failed: {result.stdout[-2000:]} {result.stderr[-2000:]}")
+
+
+@contextlib.contextmanager
+def backfilled_prometheus(openmetrics: str) -> Iterator[Running]:
+    """A Prometheus with no targets over the blocks backfilled from
+    `openmetrics`, kept however old they are (retention 100 years)."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-prom-"))
+    try:
+        backfill(openmetrics, workdir / "data")
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump({"global": {"scrape_interval": "1m"}}))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = [
+            _binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+            "--storage.tsdb.retention.time=100y",
+        ]
+        with _process(args, workdir, f"{url}/-/ready", "prometheus") as process:
+            yield Running(url, process, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def alertmanager(webhook_url: str) -> Iterator[Running]:
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-am-"))

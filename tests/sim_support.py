@@ -82,3 +82,155 @@ def observe(sim: Simulation, until: float, every: float = 2.0) -> Window:
         capacity.append(total(end, "vllm:num_requests_waiting_by_reason", reason="capacity"))
         running.append(total(end, "vllm:num_requests_running"))
     return Window(start, end, usage, waiting, capacity, running)
+
+
+# --------------------------------------------------------------------------
+# A sidecar Monitor fed by the simulator on simulated time
+# --------------------------------------------------------------------------
+
+SIM_BASE = 1_700_000_000.0
+
+
+class _SimFetcher:
+    """Stands in for the HTTP fetch: the simulated engines' page now."""
+
+    def __init__(self, sims: list[Simulation]):
+        self.sims = sims
+
+    def fetch(self):
+        from kvwatch.scrape import FetchResult
+
+        engines = [engine for sim in self.sims for engine in sim.engines]
+        text = render_metrics(engines, self.sims[0].model_name, SIM_BASE, include_process=False)
+        return FetchResult(text, size=len(text))
+
+
+class _SimClock:
+    """The monitor's wall clock, read from the simulation (thread CPU time
+    and everything else stay real)."""
+
+    def __init__(self, sim: Simulation):
+        import time
+
+        self.sim, self._real = sim, time
+
+    def time(self) -> float:
+        return SIM_BASE + self.sim.now
+
+    def monotonic(self) -> float:
+        # The monitor stamps snapshots with its wall-clock offset plus the
+        # monotonic clock: both follow the simulation.
+        return self.sim.now
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def sim_monitor(scenario: str | list[tuple[str, float]], until: float, engines: int | None = None, seed: int = 0,
+                every: float = 5.0, thresholds: dict | None = None, window: str = "5m"):
+    """A Monitor that polled the simulated scenario every `every` simulated
+    seconds up to `until`, as `kvwatch serve` would have (no wall-time waits).
+    A list of (scenario, lead seconds) plays a fleet: one engine per scenario
+    behind one page (engine labels 0, 1, ...), each `lead` seconds ahead in
+    its own scenario."""
+    import kvwatch.sidecar.monitor as monitor_module
+    from kvwatch.sidecar.monitor import Monitor
+    from kvwatch.sidecar.settings import load_settings
+    from kvwatch.sim.scenario import load_scenario
+
+    fleet = [(scenario, 0.0)] if isinstance(scenario, str) else scenario
+    sims = []
+    for name, lead in fleet:
+        sim = Simulation(load_scenario(name), seed=seed, created_unix=SIM_BASE,
+                         engines=engines if isinstance(scenario, str) else 1)
+        if lead:
+            sim.advance_to(lead)
+        sims.append(sim)
+    index = 0
+    for sim in sims:
+        for engine in sim.engines:
+            engine.index = index
+            index += 1
+    overrides = {"target": "http://127.0.0.1:9/metrics", "poll_interval": f"{every:g}s", "window": window}
+    settings = load_settings(overrides=overrides, environ={})
+    first = load_scenario(fleet[0][0])
+    settings.diagnosis = thresholds if thresholds is not None else {"max_num_seqs": first.engine.max_num_seqs}
+    clock_sim = sims[0]
+    start = clock_sim.now
+    real = monitor_module.time
+    monitor_module.time = _SimClock(clock_sim)
+    try:
+        monitor = Monitor(settings)
+        monitor.fetcher = _SimFetcher(sims)
+        elapsed = 0.0
+        while elapsed < until - 1e-9:
+            step = min(until - elapsed, every)
+            elapsed += step
+            for sim, (_, lead) in zip(sims, fleet):
+                sim.advance_to(lead + elapsed)
+            monitor.poll_once()
+    finally:
+        monitor_module.time = real
+    assert clock_sim.now == start + until
+    # Stamped on the simulated clock (a monitor reading another clock would
+    # put the whole run inside a few real milliseconds).
+    assert monitor.state.snapshot.time == SIM_BASE + clock_sim.now, "the monitor no longer reads the patched clock"
+    return monitor
+# A fleet of simulated replicas, as history for a Prometheus backfill
+# --------------------------------------------------------------------------
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)$")
+
+
+@dataclass
+class Replica:
+    """One simulated vLLM server: its target labels, and the simulations it
+    runs one after another (a restart at each given simulated time)."""
+
+    instance: str
+    model: str
+    scenario: object  # kvwatch.sim.scenario.Scenario
+    seed: int = 0
+    restarts: tuple[float, ...] = ()
+
+
+def fleet_openmetrics(replicas: list[Replica], start: float, duration: float, interval: float,
+                      job: str = "vllm") -> str:
+    """The fleet's pages scraped every `interval` seconds from Unix time
+    `start`, as OpenMetrics text with timestamps for `promtool tsdb
+    create-blocks-from openmetrics`; each series' samples together, in time
+    order."""
+    series: dict[tuple[str, str], list[str]] = {}
+    for replica in replicas:
+        target = f'instance="{replica.instance}",job="{job}"'
+        restarts = list(replica.restarts)
+        created = start
+        sim = Simulation(replica.scenario, seed=replica.seed, model_name=replica.model, created_unix=created)
+        offset = 0.0  # simulated time of this process' start
+        t = 0.0
+        while t <= duration + 1e-9:
+            if restarts and t >= restarts[0]:
+                restarts.pop(0)
+                offset = t
+                sim = Simulation(replica.scenario, seed=replica.seed + 1000, model_name=replica.model,
+                                 created_unix=start + t)
+            sim.advance_to(t - offset)
+            page = render_metrics(sim.engines, sim.model_name, sim.created_unix, include_process=False)
+            stamp = f"{start + t:.3f}"
+            for line in page.splitlines():
+                if not line or line.startswith("#"):
+                    continue
+                match = _LINE.match(line)
+                if not match:
+                    continue
+                name, labels, value = match.groups()
+                if not name.startswith("vllm:"):
+                    continue
+                block = target + ("," + labels if labels else "")
+                series.setdefault((name, block), []).append(f"{name}{{{block}}} {value} {stamp}")
+            t += interval
+    out = []
+    for key in sorted(series):
+        out.extend(series[key])
+    out.append("# EOF")
+    return "\n".join(out) + "\n"

@@ -28,7 +28,9 @@ def test_exit_1_and_table_when_exhausted(fixtures_dir, capsys):
         assert diagnose_cli(server.url) == 1
     out = capsys.readouterr().out
     assert "SIGNALS" in out and "tiny-llama / 0" in out
-    assert "kv_cache_usage_ratio" in out and "99.2%" in out
+    # Signals by their catalogue labels, with units where the value does not carry them.
+    assert "KV cache usage  " in out and "KV cache capacity (tokens)" in out and "99.2%" in out
+    assert "kv_cache_usage_ratio" not in out
     assert "exhaustion / concurrency_beyond_capacity" in out
     assert "evidence: " in out and "waiting_at_peak=18" in out
     assert "next: " in out

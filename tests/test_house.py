@@ -149,3 +149,10 @@ def test_an_engine_is_recognised_from_its_page_through_the_adapter_registry(fixt
         assert "unknown engine 'tgi' (known: vllm)" in str(error)
     else:
         raise AssertionError("an unknown engine must be refused")
+
+
+def test_every_unit_of_the_catalogue_has_one_entry_for_every_surface():
+    from kvwatch.signals import UNITS
+
+    used = {s.unit for s in SIGNALS} | {s.unit for s in ENGINE_SERIES}
+    assert used <= set(UNITS), f"units without an entry: {sorted(used - set(UNITS))}"

@@ -23,3 +23,18 @@ def test_catalogue_names_follow_prometheus_conventions():
         assert not signal.name.endswith("_total")
     for series in ENGINE_SERIES:
         assert series.kind != "counter" or not series.name.endswith("_total")
+
+
+def test_every_vllm_family_read_is_listed_with_its_releases_and_what_happens_when_missing():
+    from kvwatch.engines import vllm
+
+    text = render()
+    section = text[text.index("## vLLM families kvwatch reads"):]
+    for family in vllm.all_families():
+        assert family in vllm.VERSIONS, family
+        rows = [line for line in section.splitlines()
+                if line.startswith((f"| `vllm:{family}`", f"| `vllm:{family}{{"))]
+        assert rows, family
+        assert all(vllm.VERSIONS[family] in row for row in rows), family
+    gated = [line for line in section.splitlines() if line.startswith("| `vllm:kv_block_reuse_gap_seconds`")]
+    assert "--kv-cache-metrics" in gated[0] and "dark_signals" in gated[0]

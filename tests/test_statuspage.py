@@ -107,3 +107,40 @@ def _down_state():
     from kvwatch.sidecar.monitor import State
 
     return State(up=False, reason="refused", detail="connection refused", polls=3)
+
+
+def test_series_hold_one_point_per_window_entry_and_thresholds_come_with_the_state():
+    from sim_support import sim_monitor
+
+    from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
+    from kvwatch.sidecar.statuspage import FIGURES, TRENDS
+
+    monitor = sim_monitor("exhaustion", 120.0, thresholds={"max_num_seqs": 32, "ttft_p95_seconds": 3.0})
+    client = TestClient(create_app(monitor, monitor.settings))
+    series = client.get("/api/v1/series").json()
+    entries = len(monitor.state.entries)
+    assert entries > 20 and len(series["times"]) == entries
+    row = series["engines"][0]
+    for name in ("kv_usage", "waiting", "hit_ratio", "ttft_p95", "queue_share", "prefill_share", "other_share",
+                 "preemptions_per_second"):
+        assert len(row[name]) == entries, name
+    assert row["kv_usage"][-1] == round(monitor.state.per_engine[0].values["kvwatch_kv_cache_usage_ratio"], 4)
+    assert max(row["preemptions_per_second"][1:]) > 0
+    assert any(m["kind"] == "finding" and m["cause"] == "concurrency_beyond_capacity" for m in series["markers"])
+    # The page colours by the thresholds in force, sent with the state, by name.
+    thresholds = client.get("/api/v1/signals").json()["thresholds"]
+    assert thresholds["ttft_p95_seconds"] == 3.0 and thresholds["exhaustion_usage_ratio"] == 0.9
+    named = [rule["threshold"] for f in FIGURES for rule in f["rules"] if "threshold" in rule]
+    named += [t["threshold"] for t in TRENDS if "threshold" in t]
+    assert named and set(named) <= set(DEFAULT_THRESHOLDS)
+    assert client.get("/", headers={"Accept-Encoding": "gzip"}).headers["content-encoding"] == "gzip"
+
+
+def test_every_signal_has_a_human_label():
+    from kvwatch.signals import SIGNALS
+    from kvwatch.sidecar.statuspage import signal_label
+
+    labels = [signal.display for signal in SIGNALS]
+    assert all(labels) and len(set(labels)) == len(labels)
+    assert signal_label("kvwatch_kv_cache_capacity_tokens") == "KV cache capacity (tokens)"
+    assert signal_label("kvwatch_kv_cache_usage_ratio") == "KV cache usage"

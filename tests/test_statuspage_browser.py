@@ -1,6 +1,10 @@
 """The status page in headless Chromium: it renders, its script refreshes the
 findings from /api/v1/* by itself, and the console stays silent (no errors, no
-CSP violations, no failed loads)."""
+CSP violations, no failed loads). Against the simulator in the exhaustion,
+prefix-change and slow-first-token phases and with four engines, at 1400 px
+and 400 px: the banner names the expected cause, the highlighted figures are
+the offending ones, nothing overflows sideways, and every trend chart holds
+one point per window entry."""
 
 from __future__ import annotations
 
@@ -108,13 +112,15 @@ def test_page_refreshes_findings_live_without_console_errors(fixtures_dir, tmp_p
     assert updates >= 1, "the page's script never refreshed from the API"
     assert "Live: refreshed" in dom
     # Rendered with no findings (idle), the page now shows the burst's finding.
-    assert re.search(r"Findings \(\d+ active\)", dom) and "Findings (0 active)" not in dom
-    row = re.search(r'<tr class="finding" data-symptom="exhaustion" data-cause="concurrency_beyond_capacity">(.*?)</tr>',
-                    dom, re.S)
-    assert row is not None
-    assert 'class="sev warning"' in row.group(1) and "waiting_at_peak=18" in row.group(1)
-    assert "<th>tiny-llama / 0</th>" in dom and "99.2%" in dom and "4,096" in dom
-    assert re.search(r'<span class="up">up</span>', dom)
+    assert re.search(r'<section id="findings"><h2>Findings \([1-9]\d* active\)</h2>', dom)
+    assert re.search(r'<div class="banner sev-warning" data-state="warning" data-symptom="exhaustion" '
+                     r'data-cause="concurrency_beyond_capacity"', dom)
+    card = re.search(r'<article class="card warning" data-symptom="exhaustion" '
+                     r'data-cause="concurrency_beyond_capacity">(.*?)</article>', dom, re.S)
+    assert card is not None
+    assert re.search(r'data-evidence="waiting_at_peak">Waiting at peak<b>18</b>', card.group(1))
+    assert "Now on tiny-llama / 0" in dom and "99.2%" in dom
+    assert re.search(r'data-figure="kv_usage" data-state="bad"', dom)
 
 
 def test_page_with_engine_down_renders_cleanly(tmp_path):
@@ -128,6 +134,142 @@ def test_page_with_engine_down_renders_cleanly(tmp_path):
         server.should_exit = True
         thread.join(10)
     assert console_lines(stderr) == []
-    assert "down: refused" in dom
+    assert 'data-state="down"' in dom
+    assert ("kvwatch cannot read the engine's metrics at http://127.0.0.1:9/metrics: the connection was refused "
+            "(is the engine running and listening on that port?). No poll has succeeded yet.") in dom
     assert "No findings while the engine is not polled." in dom
     assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 1
+
+
+# --------------------------------------------------------------------------
+# Against the simulator, over the DevTools protocol
+# --------------------------------------------------------------------------
+
+FLEET = [("exhaustion", 0.0), ("prefix-change", 100.0), ("slow-prefill", 40.0), ("healthy", 0.0)]
+FIGURES = ("kv_usage", "headroom", "hit_ratio", "ttft_p95", "waiting", "preemptions")
+
+# (scenario, simulated seconds polled, banner cause, figures that must be
+# highlighted, figures that must not be).
+CASES = {
+    "exhaustion": ("exhaustion", 230.0, "concurrency_beyond_capacity",
+                   {"kv_usage", "headroom", "waiting", "preemptions", "ttft_p95"}, set()),
+    "prefix-change": ("prefix-change", 330.0, "prefix_changed",
+                      {"hit_ratio"}, {"kv_usage", "headroom", "waiting", "preemptions", "ttft_p95"}),
+    "slow-first-token": ("slow-prefill", 270.0, "prefill",
+                         {"ttft_p95"}, {"kv_usage", "headroom", "waiting", "preemptions"}),
+    "four-engines": (FLEET, 230.0, "concurrency_beyond_capacity",
+                     {"kv_usage", "headroom", "waiting", "preemptions", "ttft_p95"}, set()),
+}
+
+PAGE_FACTS = """(() => ({
+  overflow: document.documentElement.scrollWidth - window.innerWidth,
+  banner: document.getElementById("banner").dataset.cause || document.getElementById("banner").dataset.state,
+  bannerText: document.getElementById("banner").textContent,
+  figures: Object.fromEntries(Array.from(document.querySelectorAll("#figures .fig"))
+    .map(e => [e.dataset.figure, e.dataset.state])),
+  charts: Array.from(document.querySelectorAll("#trends svg")).map(e => Number(e.dataset.points)),
+  vertices: Math.max(0, ...Array.from(document.querySelectorAll("#trends polyline"))
+    .map(e => e.getAttribute("points").split(" ").length)),
+  marks: document.querySelectorAll("#trends line.mark").length,
+  rows: Array.from(document.querySelectorAll("#engines tbody tr")).map(e => e.dataset.engine),
+  selected: (document.querySelector("#figures h2") || {}).textContent,
+  cards: document.querySelectorAll("#findings article.card").length,
+}))()"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from browser import Browser, chromium_path
+
+    if chromium_path() is None:
+        pytest.skip("chromium is not installed (make test installs it)")
+    with Browser() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def served():
+    """Each case's monitor, polled once and served for the module."""
+    from sim_support import sim_monitor
+
+    running = {}
+
+    def get(case: str):
+        if case not in running:
+            scenario, until = CASES[case][:2]
+            monitor = sim_monitor(scenario, until)
+            running[case] = (monitor, serve(create_app(monitor, monitor.settings)))
+        monitor, (_, _, port) = running[case]
+        return monitor, f"http://127.0.0.1:{port}/"
+
+    yield get
+    for _, (server, thread, _) in running.values():
+        server.should_exit = True
+        thread.join(10)
+
+
+def load(browser, url: str, width: int, dark: bool = False):
+    page = browser.page(width, 900, dark)
+    page.goto(url)
+    page.wait_for("document.body.dataset.rendered === '1'")
+    return page
+
+
+@pytest.mark.parametrize("width", (1400, 400))
+@pytest.mark.parametrize("case", list(CASES))
+def test_console_reads_the_state_at_a_glance(browser, served, case, width):
+    monitor, url = served(case)
+    _, _, cause, offending, calm = CASES[case]
+    page = load(browser, url, width, dark=width < 1000)
+    facts = page.evaluate(PAGE_FACTS)
+
+    assert page.messages() == []
+    assert facts["banner"] == cause, facts["bannerText"]
+    assert monitor.state.findings[0].cause == cause
+    highlighted = {key for key, state in facts["figures"].items() if state in ("warn", "bad")}
+    assert set(facts["figures"]) == set(FIGURES)
+    assert offending <= highlighted, facts["figures"]
+    assert not calm & highlighted, facts["figures"]
+    assert facts["overflow"] <= 0, f"{facts['overflow']} px of horizontal overflow at {width} px"
+    # Six charts, each with one point per entry the window holds.
+    assert facts["charts"] == [len(monitor.state.entries)] * 6
+    assert 2 < facts["vertices"] <= len(monitor.state.entries)
+    assert facts["marks"] >= 1  # the active findings on the time axis
+    assert facts["cards"] == len(monitor.state.findings)
+
+
+def test_four_engines_as_rows_worst_first_with_detail_on_click(browser, served):
+    monitor, url = served("four-engines")
+    page = load(browser, url, 1400)
+    facts = page.evaluate(PAGE_FACTS)
+    assert len(facts["rows"]) == 4
+    # Critical (exhaustion) first, the healthy engine (info only) last.
+    assert facts["rows"][0] == "tiny-llama / 0" and facts["rows"][-1] == "tiny-llama / 3"
+    assert facts["selected"] == "Now on tiny-llama / 0"
+
+    page.evaluate("""document.querySelector('#engines tr[data-engine="tiny-llama / 1"]').click()""")
+    facts = page.evaluate(PAGE_FACTS)
+    assert facts["selected"] == "Now on tiny-llama / 1"
+    assert facts["figures"]["hit_ratio"] == "warn" and facts["figures"]["kv_usage"] == "ok"
+    assert facts["charts"] == [len(monitor.state.entries)] * 6
+
+    # Sorting by a column: highest hit ratio first, then the reverse.
+    page.evaluate("""document.querySelector('#engines th[data-sort="hit_ratio"]').click()""")
+    rows = page.evaluate(PAGE_FACTS)["rows"]
+    ratios = {row.engine: row.values["kvwatch_prefix_cache_hit_ratio"] for row in monitor.state.per_engine}
+    assert rows == [f"tiny-llama / {e}" for e in sorted(ratios, key=lambda e: -ratios[e])]
+    page.evaluate("""document.querySelector('#engines th[data-sort="hit_ratio"]').click()""")
+    assert page.evaluate(PAGE_FACTS)["rows"] == rows[::-1]
+    assert page.messages() == []
+
+
+def test_pinned_quantile_reads_as_a_bound(browser, served):
+    monitor, url = served("exhaustion")
+    page = load(browser, url, 1400)
+    notes = monitor.state.per_engine[0].notes
+    pinned = [n for n in notes if n.startswith("TTFT p95 is at least")]
+    text = page.evaluate("document.querySelector('#figures .fig[data-figure=ttft_p95] .value').textContent")
+    if pinned:
+        assert text.startswith("> ")
+    else:
+        assert not text.startswith(("> ", "< "))

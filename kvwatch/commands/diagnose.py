@@ -4,6 +4,20 @@ model and engine and the active findings with their evidence and next check.
 Exit status: 0 when no warning or critical finding is active at the end, 1
 when one is, 2 when the configuration is bad or the target never answered
 with engine metrics. `--json` prints one object for scripts.
+
+`--replay CAPTURE` reads a capture (`kvwatch capture`) instead of a target:
+every recorded page goes through the sidecar's monitor at its recorded time,
+without waiting, and the report is the timeline of findings (when each
+started and ended, its evidence at the worst point). Exit status 1 when a
+warning or critical finding occurred anywhere in the capture.
+
+`--prometheus URL` reads history from a Prometheus-compatible store instead
+of polling a target (`--since 6h`, or `--from`/`--to`; `--selector`): every
+replica the store scraped, diagnosed step by step with the sidecar's
+pipeline, plus the fleet findings across replicas of a model; the report is
+a timeline per model and replica (`--json`, `--html FILE`). Exit status 1
+when a warning or critical finding occurred anywhere in the range, 2 when the
+store could not be read or holds no vLLM series there.
 """
 
 from __future__ import annotations
@@ -20,7 +34,7 @@ from kvwatch.diagnose import is_actionable
 from kvwatch.sidecar.report import diagnosis_json, signals_json
 from kvwatch.sidecar.settings import SettingsError, load_settings, parse_duration
 from kvwatch.signals import SIGNALS
-from kvwatch.sidecar.statuspage import format_evidence, format_value, signal_columns
+from kvwatch.sidecar.statuspage import format_evidence, format_value, signal_columns, signal_label
 
 EXIT_OK, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
@@ -32,11 +46,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", default="2s", help="time between polls (default 2s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--config", help="YAML config file (diagnosis thresholds, TLS, upstream, ...)")
+    parser.add_argument("--replay", metavar="CAPTURE",
+                        help="replay a capture folder or .tar.gz bundle at its recorded times instead of polling")
+    history = parser.add_argument_group("history (--prometheus)")
+    history.add_argument("--prometheus", metavar="URL",
+                         help="read history from this Prometheus-compatible query API instead of polling a target")
+    history.add_argument("--since", default="6h", help="range ending now (default 6h)")
+    history.add_argument("--from", dest="from_", metavar="TIME", help="range start: Unix seconds or RFC 3339")
+    history.add_argument("--to", metavar="TIME", help="range end: Unix seconds or RFC 3339 (default now)")
+    history.add_argument("--step", help="time between rebuilt polls (default: from the range, at least 15s)")
+    history.add_argument("--selector", default="", help="label selector of the series, e.g. '{namespace=\"llm\"}'")
+    history.add_argument("--source", choices=("auto", "vllm", "kvwatch"), default="auto",
+                         help="vLLM's own series or the sidecars' kvwatch_engine_* (default: vLLM's if present)")
+    history.add_argument("--window", default=None,
+                         help="with --replay or --prometheus: span of the windowed signals (default: the config's, 5m)")
+    history.add_argument("--replica-labels", default="job,instance,namespace,pod",
+                         help="labels that tell replicas apart (default job,instance,namespace,pod)")
+    history.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
+    history.add_argument("--concurrency", type=int, default=4, help="queries at once (default 4)")
+    history.add_argument("--max-samples", type=int, default=5_000_000,
+                         help="samples per query at most (default 5,000,000; Prometheus refuses above 50M)")
+    history.add_argument("--query-timeout", default="60s", help="timeout of each query (default 60s)")
+    history.add_argument("--bearer-token-file", help="token for the store (default: the config's bearer_token_file)")
+    history.add_argument("--ca-bundle", help="CA bundle for the store's TLS (default: the config's ca_bundle)")
+    history.add_argument("--insecure-skip-verify", action="store_true", help="do not verify the store's certificate")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvwatch.sidecar.monitor import Monitor
 
+    if args.replay:
+        return run_replay(args)
+    if getattr(args, "prometheus", None):
+        return run_history(args)
     problems = []
     duration = interval = None
     for flag, raw in (("--duration", args.duration), ("--interval", args.interval)):
@@ -162,7 +204,7 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
         cells = [format_value(values.get(signal.name), signal.unit) for _, values in columns]
         if all(cell == "–" for cell in cells):
             continue
-        rows.append([signal.name[len("kvwatch_"):]] + cells)
+        rows.append([signal_label(signal.name)] + cells)
     _table(rows, out, "  ")
 
     findings = diagnosis["findings"]
@@ -190,3 +232,184 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
         print(f"\nUPSTREAM {upstream['histogram']}: {'up' if upstream['up'] else 'down ' + str(upstream['reason'])}, "
               f"mean {format_value(upstream['mean_seconds'], 'seconds')}, p95 "
               f"{format_value(upstream['p95_seconds'], 'seconds')}", file=out)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from kvwatch.capture.bundle import Capture, CaptureError
+    from kvwatch.capture.replay import replay
+    from kvwatch.sidecar.monitor import Monitor
+
+    try:
+        capture = Capture(args.replay)
+    except CaptureError as exc:
+        return _fail([str(exc)])
+    try:
+        settings = replay_settings(capture, args.config, args.window)
+    except SettingsError as exc:
+        return _fail(exc.problems)
+    try:
+        timeline = replay(capture, lambda source: Monitor(settings, fetcher=source, clock=source.now))
+    except CaptureError as exc:
+        return _fail([str(exc)])
+    report = timeline.to_json()
+    actionable = any(e.worst["severity"] in ("critical", "warning") for e in timeline.episodes)
+    manifest = capture.manifest
+    if args.json:
+        print(json.dumps(_clean_json({
+            "capture": str(args.replay),
+            "target": manifest.get("target"),
+            "kvwatch_version_recorded": manifest.get("kvwatch_version"),
+            "engine": manifest.get("engine"),
+            "interrupted": manifest.get("interrupted", False),
+            "window_seconds": settings.window,
+            **report,
+            "exit_code": EXIT_FINDINGS if actionable else EXIT_OK,
+        }), indent=2))
+    else:
+        print_timeline(sys.stdout, capture, settings, timeline)
+    if timeline.polls == timeline.failed:
+        return EXIT_UNUSABLE
+    return EXIT_FINDINGS if actionable else EXIT_OK
+
+
+def replay_settings(capture, config: str | None, window: str | None):
+    """The sidecar's settings for a replay: the config's thresholds and
+    window, the recorded target and interval."""
+    interval = float(capture.manifest.get("interval_seconds") or 5.0)
+    overrides = {"target": capture.manifest.get("target") or None, "poll_interval": interval, "window": window,
+                 "upstream_target": "", "upstream_histogram": ""}
+    settings = load_settings(config, overrides, environ={})
+    if settings.window < 2 * interval:
+        raise SettingsError([f"window ({settings.window:g}s) must hold at least two recorded pages "
+                             f"({interval:g}s apart)"])
+    return settings
+
+
+def _clean_json(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: _clean_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean_json(v) for v in value]
+    return value
+
+
+def _clock(at: float | None, origin: float | None) -> str:
+    if at is None:
+        return "-"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at))
+    if origin is None:
+        return stamp + "Z"
+    offset = int(round(at - origin))
+    return f"{stamp}Z (+{offset // 3600}:{offset // 60 % 60:02d}:{offset % 60:02d})"
+
+
+def print_timeline(out: TextIO, capture, settings, timeline) -> None:
+    manifest = capture.manifest
+    print(f"kvwatch diagnose --replay {capture.path}: {manifest.get('target')}, engine "
+          f"{manifest.get('engine') or 'not recognised'}, recorded by kvwatch {manifest.get('kvwatch_version')}"
+          + (" (interrupted)" if manifest.get("interrupted") else ""), file=out)
+    print(f"  {timeline.polls} polls ({timeline.failed} failed) every {settings.poll_interval:g}s from "
+          f"{_clock(timeline.first, None)} to {_clock(timeline.last, timeline.first)}, window "
+          f"{settings.window:g}s", file=out)
+    origin = timeline.first
+    print(f"\nFINDINGS ({len(timeline.episodes)} episodes)", file=out)
+    if not timeline.episodes:
+        print("  none", file=out)
+    for episode in timeline.episodes:
+        worst = episode.worst
+        where = episode.model + (f"/{episode.engine}" if episode.engine is not None else "")
+        until = "end of capture (still active)" if episode.active_at_end else _clock(episode.end, origin)
+        print(f"\n  {worst['severity'].upper():8}  {episode.symptom} / {episode.cause}  [{where}]  "
+              f"confidence {worst['confidence']}", file=out)
+        print(f"    from {_clock(episode.start, origin)} to {until}, {episode.polls} polls", file=out)
+        for label, text in (("worst at " + _clock(worst["time"], origin) + ": ", worst["summary"]),
+                            ("evidence: ", format_evidence(worst["evidence"])), ("next: ", worst["next_check"])):
+            print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "),
+                  file=out)
+    if timeline.outages:
+        print("\nFAILED FETCHES", file=out)
+        for outage in timeline.outages:
+            print(f"  {_clock(outage['start'], origin)} to {_clock(outage['end'], origin)}: {outage['reason']} "
+                  f"x{outage['polls']} {outage['detail']}".rstrip(), file=out)
+
+
+def _time(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    from datetime import datetime, timezone
+
+    parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=timezone.utc)
+    return parsed.timestamp()
+
+
+def run_history(args: argparse.Namespace) -> int:
+    from kvwatch.history.query import PrometheusClient, QueryError, check_selector, choose_step
+    from kvwatch.history.report import print_text, to_json, write_html
+    from kvwatch.history.run import diagnose_history
+    from kvwatch.sidecar.report import public_url
+
+    problems = []
+    now = time.time()
+    start = end = step = timeout = None
+    try:
+        end = _time(args.to) if args.to else now
+        start = _time(args.from_) if args.from_ else end - parse_duration(args.since)
+    except ValueError as exc:
+        problems.append(f"--from/--to/--since: {exc}")
+    if start is not None and end is not None and start >= end:
+        problems.append("the range is empty: --from must be before --to")
+    try:
+        timeout = parse_duration(args.query_timeout)
+        if args.step:
+            step = parse_duration(args.step)
+    except ValueError as exc:
+        problems.append(str(exc))
+    selector_problem = check_selector(args.selector)
+    if selector_problem:
+        problems.append(f"--selector: {selector_problem}")
+    overrides = {"window": args.window} if args.window else {}
+    try:
+        settings = load_settings(args.config, overrides, environ={})
+    except SettingsError as exc:
+        problems.extend(exc.problems)
+        settings = None
+    if problems:
+        return _fail(problems)
+    step = step or choose_step(start, end)
+    if settings.window < 2 * step:
+        return _fail([f"window ({settings.window:g}s) must hold at least two steps ({step:g}s each): "
+                      f"raise --window or lower --step"])
+    client = PrometheusClient(
+        args.prometheus, timeout=timeout,
+        bearer_token_file=args.bearer_token_file or settings.bearer_token_file,
+        ca_bundle=args.ca_bundle or settings.ca_bundle,
+        tls_verify=settings.tls_verify and not args.insecure_skip_verify,
+        concurrency=args.concurrency, max_samples=args.max_samples)
+    progress = sys.stderr if sys.stderr.isatty() and not args.json else None
+    try:
+        history = diagnose_history(
+            client, start, end, step, args.selector, args.source, settings.window, settings.diagnosis,
+            tuple(label.strip() for label in args.replica_labels.split(",") if label.strip()),
+            (lambda line: print("\r" + line, end="", file=progress, flush=True)) if progress else None)
+    except QueryError as exc:
+        print(f"kvwatch diagnose: reading {public_url(args.prometheus)} failed: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if progress:
+        print(file=progress)
+    url = public_url(args.prometheus)
+    report = to_json(history, url)
+    if args.html:
+        write_html(args.html, history, url)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_text(sys.stdout, history, url)
+    if not history.replicas:
+        return EXIT_UNUSABLE
+    return report["exit_code"]

@@ -1,6 +1,13 @@
 """`kvwatch serve`: poll the target in the background and serve kvwatch's
 endpoints. Every option is also a `KVWATCH_*` environment variable and a key
-of the YAML config file."""
+of the YAML config file.
+
+`--replay CAPTURE [--speed N]` serves a recording instead of polling an
+engine (demos, tests, looking at an incident the way it looked live): the
+sidecar's monitor reads the recorded pages one by one, each at its recorded
+time (the window, the rates and the status page run on recorded time), with
+the recorded gaps divided by N in wall time. When the capture ends kvwatch
+keeps serving its last state."""
 
 from __future__ import annotations
 
@@ -41,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for key, help_text in OPTIONS.items():
         parser.add_argument("--" + key.replace("_", "-"), dest=key, default=None,
                             help=f"{help_text} (env {env_name(key)})")
+    parser.add_argument("--replay", metavar="CAPTURE",
+                        help="serve a capture (folder or .tar.gz of kvwatch capture) instead of polling a target")
+    parser.add_argument("--speed", type=float, default=1.0,
+                        help="with --replay: recorded seconds per wall second (default 1; 0 = no waiting)")
 
 
 def configure_logging(level: str) -> None:
@@ -51,8 +62,25 @@ def configure_logging(level: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    capture = None
+    overrides = {key: getattr(args, key) for key in OPTIONS}
+    if getattr(args, "replay", None):
+        from kvwatch.capture.bundle import Capture, CaptureError
+
+        if args.speed < 0:
+            print("kvwatch: --speed must be >= 0", file=sys.stderr)
+            return 2
+        try:
+            capture = Capture(args.replay)
+        except CaptureError as exc:
+            print(f"kvwatch: {exc}", file=sys.stderr)
+            return 2
+        # The recorded target and interval; nothing is fetched.
+        overrides.update(target=capture.manifest.get("target") or None,
+                         poll_interval=capture.manifest.get("interval_seconds") or None,
+                         upstream_target="", upstream_histogram="")
     try:
-        settings = load_settings(args.config, {key: getattr(args, key) for key in OPTIONS})
+        settings = load_settings(args.config, overrides)
     except SettingsError as exc:
         print(f"kvwatch: {exc}", file=sys.stderr)
         return 2
@@ -64,14 +92,18 @@ def run(args: argparse.Namespace) -> int:
     from kvwatch.sidecar.monitor import Monitor, tune_garbage_collector
     from kvwatch.sidecar.report import public_url
 
-    monitor = Monitor(settings)
+    if capture is not None:
+        monitor, start = replaying(capture, settings, args.speed)
+    else:
+        monitor = Monitor(settings)
+        start = monitor.start
     app = create_app(monitor, settings)
     tune_garbage_collector()
-    monitor.start()
+    start()
     scheme = "https" if settings.tls_cert_file else "http"
-    logging.getLogger("kvwatch").info(
-        "kvwatch polling %s every %gs; serving %s://%s:%d/", public_url(settings.target), settings.poll_interval,
-        scheme, settings.host, settings.port)
+    doing = (f"replaying the capture of {public_url(settings.target)}" if capture is not None
+             else f"polling {public_url(settings.target)} every {settings.poll_interval:g}s")
+    logging.getLogger("kvwatch").info("kvwatch %s; serving %s://%s:%d/", doing, scheme, settings.host, settings.port)
     raise_file_limit()
     try:
         uvicorn.run(app, **server_options(settings))
@@ -116,3 +148,35 @@ def raise_file_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
     except (ImportError, ValueError, OSError):
         pass
+
+
+def replaying(capture, settings, speed: float):
+    """A Monitor over the capture's pages and its start: a thread polling one
+    recorded page per recorded gap / speed. monitor.stop() ends it."""
+    import threading
+
+    from kvwatch.capture.replay import ReplaySource, paced
+    from kvwatch.sidecar.monitor import Monitor
+
+    source = ReplaySource(capture.pages())
+    monitor = Monitor(settings, fetcher=source, clock=source.now)
+    log = logging.getLogger("kvwatch")
+
+    def poll() -> None:
+        state = monitor.poll_once()
+        for listener in monitor.after_poll:  # as the live poll loop does
+            try:
+                listener(state)
+            except Exception:
+                log.exception("after-poll work failed; the replay goes on")
+
+    def run_replay() -> None:
+        polls = paced(source, poll, speed, wait=monitor._stop.wait)
+        log.info("replay of %s finished after %d polls; serving its last state", capture.path, polls)
+
+    def start() -> None:
+        log.info("replaying %s (%d recorded fetches) at %gx", capture.path, len(capture.entries), speed)
+        monitor._thread = threading.Thread(target=run_replay, name="kvwatch-replay", daemon=True)
+        monitor._thread.start()
+
+    return monitor, start

@@ -1,31 +1,36 @@
 """`kvwatch sweep`: measure a running OpenAI-compatible server across a grid
-of prompt lengths x output lengths x concurrency levels (kvwatch/sweep/)."""
+of prompt lengths x output lengths x concurrency levels (kvwatch/sweep/), or
+compare two sweeps' results (`--compare BEFORE AFTER`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from datetime import datetime
+from pathlib import Path
 
 from kvwatch.capacity import arithmetic as cap
 from kvwatch.sweep.config import SweepInputError, build_config
-from kvwatch.sweep.run import Sweep
+
+# Needed to measure, not to compare: checked in run() so --compare can go without them.
+REQUIRED = ("--base-url", "--model", "--input-tokens", "--output-tokens", "--concurrency")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", required=True, metavar="URL",
+    parser.add_argument("--base-url", metavar="URL",
                         help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     parser.add_argument("--metrics-url", metavar="URL",
                         help="its Prometheus metrics (default: BASE-URL/metrics)")
-    parser.add_argument("--model", required=True, metavar="NAME",
+    parser.add_argument("--model", metavar="NAME",
                         help="the served model name sent with every request")
-    parser.add_argument("--input-tokens", required=True, metavar="N,N,...",
+    parser.add_argument("--input-tokens", metavar="N,N,...",
                         help="prompt lengths in tokens, e.g. 128,512")
-    parser.add_argument("--output-tokens", required=True, metavar="N,N,...",
+    parser.add_argument("--output-tokens", metavar="N,N,...",
                         help="generated tokens per request (max_tokens, sent with ignore_eos), "
                         "e.g. 64,256")
-    parser.add_argument("--concurrency", required=True, metavar="N,N,...",
+    parser.add_argument("--concurrency", metavar="N,N,...",
                         help="requests kept in flight, e.g. 1,4,16")
-    amount = parser.add_mutually_exclusive_group(required=True)
+    amount = parser.add_mutually_exclusive_group()
     amount.add_argument("--requests", type=int, metavar="N", help="requests per cell")
     amount.add_argument("--duration", metavar="TIME",
                         help="time per cell (30s, 2m): new requests start until it has passed, "
@@ -53,12 +58,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", metavar="PATH",
                         help="file holding a bearer token for the server's /v1 endpoints")
     parser.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="compare two sweep result folders instead of measuring: what changed "
+                        "between them, the quality probe, then cell by cell")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="an earlier sweep to compare this one with when it ends (its prompts "
+                        "are repeated: same seed and recipe, unless --seed)")
+    parser.add_argument("--force", action="store_true",
+                        help="compare cells whose conditions differ (another model, load per cell, "
+                        "prompt length, other traffic) instead of refusing them")
+    parser.set_defaults(sweep_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    parser = getattr(args, "sweep_parser", None)
+    if args.compare:
+        if args.baseline:
+            return _usage(parser, "--compare and --baseline cannot go together: --compare reads "
+                          "two finished sweeps, --baseline runs a new one")
+        return _compare(args)
+    missing = [flag for flag in REQUIRED if getattr(args, flag[2:].replace("-", "_")) is None]
+    if missing:
+        return _usage(parser, "the following arguments are required: " + ", ".join(missing))
+    if args.requests is None and args.duration is None:
+        return _usage(parser, "one of the arguments --requests --duration is required")
+    from kvwatch.sweep.run import Sweep
+
     try:
         config = build_config(args)
     except SweepInputError as error:
         print(f"kvwatch sweep: error: {error}", file=sys.stderr)
         return 2
     return Sweep(config).run()
+
+
+def _usage(parser: argparse.ArgumentParser | None, message: str) -> int:
+    if parser is not None:
+        parser.error(message)  # exits with status 2, as argparse does
+    print(f"kvwatch sweep: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from kvwatch.sweep.compare import (CompareInputError, compare, load_sweep, render_markdown,
+                                       write_comparison)
+
+    before_dir, after_dir = args.compare
+    try:
+        before, after = load_sweep(before_dir), load_sweep(after_dir)
+    except CompareInputError as error:
+        print(f"kvwatch sweep: error: --compare: {error}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out) if args.out else Path(
+        f"kvwatch-compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    result = compare(before, after, force=args.force, names=(str(before_dir), str(after_dir)))
+    try:
+        written = write_comparison(out_dir, result, plots=not args.no_plots)
+    except OSError as error:
+        print(f"kvwatch sweep: error: --out: {error}", file=sys.stderr)
+        return 2
+    print(render_markdown(result), end="")
+    print(f"kvwatch sweep: wrote {', '.join(written)} in {out_dir}", file=sys.stderr)
+    refused = len(result["cells"]["refused"])
+    if refused:
+        print(f"kvwatch sweep: {refused} cell(s) refused: their conditions differ (--force "
+              "compares them anyway)", file=sys.stderr)
+        return 1
+    return 0

@@ -87,6 +87,7 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         "kv_usage_threshold": limit,
         "preemptions": state.preemptions,
         "preemptions_per_second": ctx.value("kvwatch_preemptions_per_second"),
+        **_preemption_shape(ctx),
         "kv_cache_capacity_tokens": ctx.capacity_tokens,
         "kv_cache_capacity_requests": capacity_requests,
         **_length_evidence(ctx),
@@ -174,3 +175,20 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
              **_length_evidence(ctx)},
             NEXT_CHECK["capacity_below_max_num_seqs"]))
     return findings
+
+
+def _preemption_shape(ctx) -> dict:
+    """Why requests were preempted, from vllm:request_num_preemptions: many
+    requests each preempted once (broad pressure: the cache is short for the
+    load) or a few preempted again and again (thrash: the same requests are
+    readmitted and evicted); and admission rejections, a separate cause (the
+    queue limit, not the KV cache)."""
+    found = {}
+    share = ctx.value("kvwatch_preemptions_on_repeat_requests_ratio")
+    if share is not None:
+        found["preemptions_on_repeat_requests_ratio_at_least"] = share
+        found["preemption_shape"] = "thrash" if share >= 0.5 else "broad_pressure"
+    rejections = ctx.value("kvwatch_admission_rejections_per_second")
+    if rejections:
+        found["admission_rejections_per_second"] = rejections
+    return found

@@ -8,6 +8,8 @@ from typing import Any
 
 from kvwatch.diagnose.context import EngineContext, quantile_value
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
+from kvwatch.signals import reuse_shortfall_blocks
+from kvwatch.snapshot import config_number
 
 
 def _residency(ctx: EngineContext) -> tuple[bool | None, dict[str, Any]]:
@@ -22,8 +24,59 @@ def _residency(ctx: EngineContext) -> tuple[bool | None, dict[str, Any]]:
     evidence = {"kv_block_idle_before_evict_p50_seconds": idle_p50, "kv_block_reuse_gap_p50_seconds": gap_p50,
                 "kv_block_lifetime_p50_seconds": lifetime_p50}
     if idle_p50 is None or gap_p50 is None:
+        evidence["residency"] = ("vLLM's --kv-cache-metrics histograms are not on the page: with them kvwatch "
+                                 "compares how long blocks sit idle before eviction with the gap between reuses "
+                                 "and says how many more blocks (and bytes) would keep the reuse")
         return None, evidence
+    evidence.update(_shortfall(ctx, idle_p50))
     return idle_p50 < gap_p50, evidence
+
+
+def _shortfall(ctx: EngineContext, idle_p50: float) -> dict[str, Any]:
+    """How much more cache would keep the reuse (kvwatch_kv_cache_reuse_
+    shortfall_blocks), and what the configured offload tier adds: by the
+    same Little's-law reading, a pool larger by the tier's blocks keeps an
+    idle block that much longer."""
+    view = ctx.view
+    blocks = reuse_shortfall_blocks(view)
+    found: dict[str, Any] = {"kv_cache_reuse_shortfall_blocks": blocks}
+    if blocks is None or view.bytes_per_block is None:
+        return found
+    found["kv_cache_reuse_shortfall_bytes"] = blocks * view.bytes_per_block
+    offload_gib = config_number(ctx.cache_config, "kv_offloading_size")
+    pool = (view.usable_blocks or 0.0) * (1.0 - (view.usage_mean or 0.0))
+    if offload_gib and pool > 0:
+        tier_blocks = offload_gib * 2**30 / view.bytes_per_block
+        found["offload_tier_blocks"] = tier_blocks
+        found["idle_before_evict_with_offload_tier_seconds"] = idle_p50 * (pool + tier_blocks) / pool
+    return found
+
+
+def block_floor(ctx: EngineContext) -> dict[str, Any]:
+    """A shared prefix shorter than one KV block never hits: vLLM caches whole
+    blocks, and a prompt of at most one block is never served from cache (the
+    last prompt token is always computed). The share of the window's prompts
+    no longer than block_size, from the prompt-length histogram, tells
+    "prefix shorter than a block" (most prompts that short, so any prefix
+    they share is shorter still) from "no shared prefix"."""
+    block_size = config_number(ctx.cache_config, "block_size")
+    prompts = ctx.histogram("prompt_len")
+    if not block_size or prompts is None:
+        return {}
+    below = 0.0
+    previous_bound, previous = 0.0, 0.0
+    for bound, cumulative in zip(prompts.bounds, prompts.cumulative):
+        if bound >= block_size:
+            inside = cumulative - previous
+            width = bound - previous_bound if bound != float("inf") else 0.0
+            below = previous + (inside * (block_size - previous_bound) / width if width > 0 else 0.0)
+            break
+        previous_bound, previous = bound, cumulative
+    share = below / prompts.count
+    prompt_p50, _ = quantile_value(prompts, 0.5)
+    kind = "prefix_shorter_than_block" if share >= 0.5 else "no_shared_prefix"
+    return {"block_size": block_size, "prompts_within_one_block_ratio": share, "prompt_tokens_p50": prompt_p50,
+            "no_reuse_kind": kind}
 
 
 def _usage_in(ctx: EngineContext, since: float | None = None,
@@ -295,6 +348,15 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
         return verdict()  # low for a moment only: not yet a workload's character
     evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio})
     crowded = evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]
+    floor = block_floor(ctx)
+    evidence.update(floor)
+    if floor.get("no_reuse_kind") == "prefix_shorter_than_block":
+        return verdict(ctx.finding(
+            "low_hit_rate", "no_reuse", "medium",
+            f"Hit ratio {ratio:.0%} and stable: {floor['prompts_within_one_block_ratio']:.0%} of the prompts are no "
+            f"longer than one KV block ({floor['block_size']:g} tokens), so any prefix they share is shorter than a "
+            "block, and vLLM caches only whole blocks: such a prefix never hits, whatever the workload shares.",
+            evidence, NEXT_CHECK["no_reuse"]))
     return verdict(ctx.finding(
         "low_hit_rate", "no_reuse", "low" if crowded else "medium",
         f"Hit ratio {ratio:.0%} and stable, the cache not exhausted: the requests share little prefix"

@@ -66,6 +66,16 @@ DEFAULT_THRESHOLDS: dict[str, Any] = {
     # as free, so high usage means running requests crowd them out). While it
     # is exhausted, only vLLM's residency histograms name eviction.
     "eviction_usage_ratio": 0.8,
+    # --- fleet (across the replicas of one model) ---
+    # A replica "has room" when its KV usage stayed at or below this over the
+    # window and nothing waits: an exhausted or queueing peer beside it is
+    # a routing problem, not a capacity one.
+    "fleet_room_usage_ratio": 0.5,
+    # A replica whose window hit ratio is below this fraction of its peers'
+    # pooled ratio (their summed hits over their summed queries), while the
+    # peers reuse at least hit_ratio_low, lost the prefix affinity its peers
+    # have: half, so ordinary spread between replicas does not count.
+    "fleet_affinity_fraction": 0.5,
 }
 
 
@@ -111,6 +121,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "hit_recent_seconds": _seconds,
     "min_query_tokens": _count,
     "eviction_usage_ratio": _ratio,
+    "fleet_room_usage_ratio": _ratio,
+    "fleet_affinity_fraction": _ratio,
 }
 assert set(_PARSERS) == set(DEFAULT_THRESHOLDS)
 

@@ -17,6 +17,9 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "low_hit_rate": ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"),
     "slow_first_token": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream"),
     "change": ("model_changed", "lora_changed", "cache_dtype_changed", "cache_config_changed", "engine_restarted"),
+    # Judged across the replicas of one model (diagnose/fleet.py); a replica
+    # alone cannot show them.
+    "fleet": ("imbalance", "lost_prefix_affinity", "cold_replica"),
 }
 
 
@@ -48,6 +51,10 @@ SEVERITY: dict[str, str] = {
     "cache_dtype_changed": "info",
     "cache_config_changed": "info",
     "engine_restarted": "info",
+    # Across the replicas of one model.
+    "imbalance": "warning",
+    "lost_prefix_affinity": "warning",
+    "cold_replica": "info",
 }
 # Exhaustion with preemptions: vLLM throws away running requests' KV and
 # recomputes it, so throughput collapses while the load stays; users lose
@@ -128,7 +135,9 @@ NEXT_CHECK = {
         "same engine.",
     "no_reuse":
         "Nothing to repair in the cache: these prompts share no prefix. If they should, put the shared text first and "
-        "keep it byte-identical across requests.",
+        "keep it byte-identical across requests. When the evidence says prefix_shorter_than_block, the shared text is "
+        "shorter than one KV block and can never hit: lengthen the shared part past block_size or use a smaller "
+        "--block-size.",
     "queueing_kv_bound":
         "The queue waits for KV blocks (see the exhaustion finding): fewer or shorter concurrent requests, or a larger "
         "cache, shorten it.",
@@ -158,6 +167,17 @@ NEXT_CHECK = {
     "engine_restarted":
         "Find why it restarted (deploy, OOM, crash in the engine log); its counters restarted from zero and its "
         "prefix cache is cold.",
+    "imbalance":
+        "A routing problem, not a capacity one: other replicas of the model have room, so more KV memory is not the "
+        "fix. Check the load balancer (sticky sessions, connection reuse, a least-request policy that counts "
+        "connections and not queued work, a replica missing from the endpoints).",
+    "lost_prefix_affinity":
+        "Requests that share a prefix no longer reach the replica that holds it: check the gateway's or router's "
+        "prefix-aware (consistent hash, session affinity) routing for this replica; its peers show the reuse the "
+        "traffic has.",
+    "cold_replica":
+        "Expected after a restart while it refills; if it does not warm up within minutes, check that the router "
+        "sends it its share of prefix-sharing traffic, and why it restarted (deploy, OOM, crash).",
 }
 
 

@@ -25,6 +25,12 @@ class EngineAdapter(ABC):
     # Prefixes of the families the engine writes; a page carrying any of them
     # is the engine's (checked in the order of ENGINES).
     prefixes: tuple[str, ...] = ()
+    # canonical key -> the engine's (newest) family name for it, and, for the
+    # families the engine exports only when a flag asks, the flag. Snapshots
+    # carry both so that every surface can say which families were on the
+    # page and which flag would light a dark signal.
+    families: dict[str, str] = {}
+    gates: dict[str, str] = {}
 
     def __init__(self, max_series: int = 10_000):
         # A page with more (model, engine) pairs than this is capped: the rest

@@ -44,6 +44,10 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "waiting": ("num_requests_waiting",),
     # V0 only; -1 means "no data yet".
     "v0_prefix_hit_rate": ("gpu_prefix_cache_hit_rate",),
+    # OffloadingConnector's CPU tier: the share of its blocks pinned by
+    # in-flight transfers (evictable blocks subtracted), so it reads 0 on a
+    # full tier at rest. Never call it usage.
+    "offload_cpu_pinned": ("kv_offload_cpu_cache_usage_perc",),
 }
 COUNTERS: dict[str, tuple[str, ...]] = {
     # Tokens since 0.9.0; blocks in V1 0.7.3-0.8.x. Ratios are unaffected.
@@ -56,14 +60,56 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "prompt_tokens": ("prompt_tokens",),
     "generation_tokens": ("generation_tokens",),
     "prompt_tokens_cached": ("prompt_tokens_cached",),
+    # vLLM 0.16-0.19 only: the one token recomputed when a whole prompt was
+    # cached (the model needs one token to compute logits from); not
+    # preemption recompute.
+    "prompt_tokens_recomputed": ("prompt_tokens_recomputed",),
+    # OffloadingConnector (--kv-transfer-config); the deprecated
+    # kv_offload_total_* forms are read only where these are absent
+    # (COUNTER_FALLBACKS): both count the same bytes.
+    "offload_load_bytes": ("kv_offload_load_bytes",),
+    "offload_store_bytes": ("kv_offload_store_bytes",),
+    "offload_load_seconds": ("kv_offload_load_time",),
+    "offload_store_seconds": ("kv_offload_store_time",),
+    "offload_allocation_failures": ("kv_offload_allocation_failure",),
+    # NixlConnector (--kv-transfer-config).
+    "nixl_failed_transfers": ("nixl_num_failed_transfers",),
+    "nixl_failed_notifications": ("nixl_num_failed_notifications",),
+    "nixl_expired_requests": ("nixl_num_kv_expired_reqs",),
+}
+# canonical key -> (deprecated family, its label, the value that means the
+# key): read only when no family of COUNTERS[key] is on the page, so the
+# deprecated and the current forms are never added together.
+COUNTER_FALLBACKS: dict[str, tuple[str, str, str]] = {
+    "offload_load_bytes": ("kv_offload_total_bytes", "transfer_type", "CPU_to_GPU"),
+    "offload_store_bytes": ("kv_offload_total_bytes", "transfer_type", "GPU_to_CPU"),
+    "offload_load_seconds": ("kv_offload_total_time", "transfer_type", "CPU_to_GPU"),
+    "offload_store_seconds": ("kv_offload_total_time", "transfer_type", "GPU_to_CPU"),
 }
 # Labelled families flattened as "<key>/<label value>".
 LABELLED_GAUGES: dict[str, tuple[str, str]] = {
     "waiting_by_reason": ("num_requests_waiting_by_reason", "reason"),
+    # awake=1, or weights_offloaded=1 / discard_all=1 for sleep levels 1 and 2.
+    "sleep_state": ("engine_sleep_state", "sleep_state"),
 }
 LABELLED_COUNTERS: dict[str, tuple[str, str]] = {
     "finished": ("request_success", "finished_reason"),
+    # local_compute, local_cache_hit, external_kv_transfer: sums to prompt_tokens.
     "prompt_tokens_by_source": ("prompt_tokens_by_source", "source"),
+    # device, host, p2p, disk, external_unspecified: sums to local + external hits.
+    "prompt_tokens_cached_by_source": ("prompt_tokens_cached_by_source", "source"),
+}
+# Families that carry only part of an engine's identity. engine_healthy
+# (--enable-fault-tolerance) has `engine` and no `model_name`: it applies to
+# every model's engine of that index. admission_rejections has `model_name`
+# and no `engine` (the front end rejects before any engine sees the request):
+# it is booked on the model's lowest engine, so a model's sum is right and no
+# engine "0" is invented where the page has none.
+ENGINE_ONLY_GAUGES: dict[str, str] = {
+    "engine_healthy": "engine_healthy",
+}
+MODEL_ONLY_COUNTERS: dict[str, tuple[str, str]] = {
+    "admission_rejections": ("admission_rejections", "reason"),
 }
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "ttft": ("time_to_first_token_seconds",),
@@ -81,7 +127,102 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "kv_block_lifetime": ("kv_block_lifetime_seconds",),
     "kv_block_idle_before_evict": ("kv_block_idle_before_evict_seconds",),
     "kv_block_reuse_gap": ("kv_block_reuse_gap_seconds",),
+    # Observed for every finished request, 0 included (0 and 1 share the
+    # first bucket, le=1).
+    "preemptions_per_request": ("request_num_preemptions",),
 }
+# vLLM family -> the releases that export it ("0.9.2+", "V0 to 0.10"), as
+# compared across the release wheels (see docs/metrics.md, generated from
+# this table and the ones above).
+VERSIONS: dict[str, str] = {
+    "kv_cache_usage_perc": "0.9.2+",
+    "gpu_cache_usage_perc": "V0; V1 to 0.10 (hidden in 0.11, removed in 0.12)",
+    "num_requests_running": "all",
+    "num_requests_waiting": "all",
+    "gpu_prefix_cache_hit_rate": "V0 only (removed in 0.9.1)",
+    "kv_offload_cpu_cache_usage_perc": "0.27+ (OffloadingConnector's CPU tier)",
+    "prefix_cache_queries": "0.9.2+",
+    "gpu_prefix_cache_queries": "V1 0.7.3 to 0.11 (blocks before 0.9, tokens after)",
+    "prefix_cache_hits": "0.9.2+",
+    "gpu_prefix_cache_hits": "V1 0.7.3 to 0.11 (blocks before 0.9, tokens after)",
+    "external_prefix_cache_queries": "0.11.1+ (always registered; 0 without a KV connector)",
+    "external_prefix_cache_hits": "0.11.1+ (always registered; 0 without a KV connector)",
+    "num_preemptions": "V1 0.8+",
+    "prompt_tokens": "all",
+    "generation_tokens": "all",
+    "prompt_tokens_cached": "0.16+",
+    "prompt_tokens_recomputed": "0.16 to 0.19 only",
+    "kv_offload_load_bytes": "0.27+",
+    "kv_offload_store_bytes": "0.27+",
+    "kv_offload_load_time": "0.27+",
+    "kv_offload_store_time": "0.27+",
+    "kv_offload_allocation_failure": "0.27+",
+    "kv_offload_total_bytes": "deprecated CPU-offload form, still emitted beside the load/store split",
+    "kv_offload_total_time": "deprecated CPU-offload form, still emitted beside the load/store split",
+    "nixl_num_failed_transfers": "with NixlConnector",
+    "nixl_num_failed_notifications": "with NixlConnector",
+    "nixl_num_kv_expired_reqs": "with NixlConnector",
+    "num_requests_waiting_by_reason": "0.20+",
+    "engine_sleep_state": "0.11.1+",
+    "request_success": "all",
+    "prompt_tokens_by_source": "0.16+",
+    "prompt_tokens_cached_by_source": "0.32+",
+    "engine_healthy": "with fault tolerance (recent releases)",
+    "admission_rejections": "0.32+",
+    "time_to_first_token_seconds": "all",
+    "request_queue_time_seconds": "0.6+",
+    "time_in_queue_requests": "V0 0.6 to 0.9.0",
+    "request_prefill_time_seconds": "0.6+",
+    "request_decode_time_seconds": "0.6+",
+    "request_inference_time_seconds": "0.6+",
+    "e2e_request_latency_seconds": "all",
+    "inter_token_latency_seconds": "0.10.2+",
+    "time_per_output_token_seconds": "V0; V1 to 0.11 (hidden 0.12 to 0.14, removed in 0.15)",
+    "request_time_per_output_token_seconds": "0.11+",
+    "request_prompt_tokens": "all",
+    "request_generation_tokens": "all",
+    "kv_block_lifetime_seconds": "0.12+",
+    "kv_block_idle_before_evict_seconds": "0.12+",
+    "kv_block_reuse_gap_seconds": "0.12+",
+    "request_num_preemptions": "0.30+",
+    "cache_config_info": "all (its labels change with every release; kv_cache_size_tokens and "
+                         "kv_cache_max_concurrency 0.24+, kv_cache_memory_bytes 0.11+)",
+    "lora_requests_info": "with LoRA",
+}
+# canonical key -> what lights it: the families vLLM registers only when a
+# flag asks for them. Where such a family is absent, its signals are absent
+# (never 0) and /api/v1/signals names the flag.
+GATES: dict[str, str] = {
+    "kv_block_lifetime": "--kv-cache-metrics",
+    "kv_block_idle_before_evict": "--kv-cache-metrics",
+    "kv_block_reuse_gap": "--kv-cache-metrics",
+    "offload_cpu_pinned": "--kv-transfer-config with the OffloadingConnector (CPU tier)",
+    "offload_load_bytes": "--kv-transfer-config with the OffloadingConnector",
+    "offload_store_bytes": "--kv-transfer-config with the OffloadingConnector",
+    "offload_load_seconds": "--kv-transfer-config with the OffloadingConnector",
+    "offload_store_seconds": "--kv-transfer-config with the OffloadingConnector",
+    "offload_allocation_failures": "--kv-transfer-config with the OffloadingConnector",
+    "nixl_failed_transfers": "--kv-transfer-config with the NixlConnector",
+    "nixl_failed_notifications": "--kv-transfer-config with the NixlConnector",
+    "nixl_expired_requests": "--kv-transfer-config with the NixlConnector",
+    "engine_healthy": "--enable-fault-tolerance",
+}
+
+
+def key_families() -> dict[str, str]:
+    """canonical key -> the newest vLLM family that carries it."""
+    keys: dict[str, str] = {}
+    for table in (GAUGES, COUNTERS, HISTOGRAMS):
+        keys.update({key: aliases[0] for key, aliases in table.items()})
+    for table in (LABELLED_GAUGES, LABELLED_COUNTERS, MODEL_ONLY_COUNTERS):
+        keys.update({key: family for key, (family, _label) in table.items()})
+    keys.update(ENGINE_ONLY_GAUGES)
+    return keys
+
+
+KEY_FAMILIES = key_families()
+
+
 CACHE_CONFIG = "cache_config_info"
 LORA = "lora_requests_info"
 # The counter whose `_created` series marks the engine's start.
@@ -98,6 +239,9 @@ def all_families() -> list[str]:
             names.extend(aliases)
     names.extend(family for family, _ in LABELLED_GAUGES.values())
     names.extend(family for family, _ in LABELLED_COUNTERS.values())
+    names.extend(family for family, _, _ in COUNTER_FALLBACKS.values())
+    names.extend(ENGINE_ONLY_GAUGES.values())
+    names.extend(family for family, _ in MODEL_ONLY_COUNTERS.values())
     names.extend((CACHE_CONFIG, LORA))
     return names
 
@@ -108,6 +252,8 @@ class VllmAdapter(EngineAdapter):
 
     name = "vllm"
     prefixes = PREFIXES
+    families = KEY_FAMILIES
+    gates = GATES
 
     def __init__(self, max_series: int = 10_000):
         super().__init__(max_series)
@@ -121,7 +267,8 @@ class VllmAdapter(EngineAdapter):
     def adapt(self, text: str, at: float | None = None) -> Snapshot:
         page = self.selector.parse(text)
         families = page.families
-        snapshot = Snapshot(time=_time.time() if at is None else at, engines={}, parse_errors=page.errors)
+        snapshot = Snapshot(time=_time.time() if at is None else at, engines={}, parse_errors=page.errors,
+                            families=KEY_FAMILIES, gates=GATES)
         snapshot.process_start = _process_start(text)
         if snapshot.process_start is not None and snapshot.process_start != self._process_start:
             if self._process_start is not None:
@@ -216,6 +363,19 @@ class VllmAdapter(EngineAdapter):
                         add_part(counter_parts, engine, f"{key}/{labels.get(dimension, '')}",
                                  series.other(labels)[1], value, family.name)
 
+        for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
+            if key in snapshot.sources:
+                continue
+            family = families.get(name)
+            if family is None or not family.samples:
+                continue
+            snapshot.sources[key] = name
+            for suffix, labels, value in family.samples:
+                if (suffix == "_total" or suffix == "") and value == value and labels.get(dimension) == wanted:
+                    engine = engine_of(labels)
+                    if engine is not None:
+                        add_part(counter_parts, engine, key, series.other(labels)[1], value, family.name)
+
         for key, aliases in HISTOGRAMS.items():
             family = _first_present(families, aliases, snapshot.sources, key)
             if family is not None:
@@ -231,6 +391,34 @@ class VllmAdapter(EngineAdapter):
             engine.histograms[fold_key[2]] = folds.fold(fold_key + ("histogram",), parts,
                                                         _histogram_fell, _histogram_plus)
         folds.forget_unseen()
+
+        for key, name in ENGINE_ONLY_GAUGES.items():
+            family = families.get(name)
+            if family is None or not family.samples:
+                continue
+            snapshot.sources[key] = name
+            for suffix, labels, value in family.samples:
+                if suffix == "" and value == value:
+                    for engine in engines.values():
+                        if engine.engine == labels.get("engine", "0"):
+                            _fold_max(engine.gauges, key, value)
+
+        for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():
+            family = families.get(name)
+            if family is None or not family.samples:
+                continue
+            snapshot.sources[key] = name
+            first_engine: dict[str, EngineSnapshot] = {}
+            for engine in engines.values():
+                held = first_engine.get(engine.model)
+                if held is None or _engine_order(engine.engine) < _engine_order(held.engine):
+                    first_engine[engine.model] = engine
+            for suffix, labels, value in family.samples:
+                if (suffix == "_total" or suffix == "") and value == value:
+                    engine = first_engine.get(labels.get("model_name", "unknown"))
+                    if engine is not None:
+                        flat = f"{key}/{labels.get(dimension, '')}"
+                        engine.counters[flat] = engine.counters.get(flat, 0.0) + value
 
         cache_config = families.get(CACHE_CONFIG)
         if cache_config is not None:
@@ -328,6 +516,10 @@ def _first_present(families: dict[str, Family], aliases: tuple[str, ...], source
             sources[key] = alias
             return family
     return None
+
+
+def _engine_order(engine: str) -> tuple[int, str]:
+    return (int(engine), "") if engine.isdigit() else (1 << 30, engine)
 
 
 def _fold_max(target: dict[str, float], key: str, value: float) -> None:

@@ -209,7 +209,7 @@ class Views:
         return SIGNALS_BY_NAME[name].help
 
     def unit(self, name: str) -> str:
-        return UNITS[SIGNALS_BY_NAME[name].unit]
+        return UNITS[SIGNALS_BY_NAME[name].unit].grafana
 
     def quantile_targets(self, name: str, scope: str = "engine", legend_prefix: str = "") -> list[tuple[str, str]]:
         legend = self.engine_legend if scope == "engine" else self.model_legend
@@ -504,7 +504,7 @@ def catalogue_panels(board: Board, config: MixinConfig) -> Board:
                 "throughput": ANCHOR_THROUGHPUT}
     for signal in SIGNALS:
         if signal.panel == board.key:
-            board.add(PanelSpec(signal.name, signal.title or signal.name, signal.help, UNITS[signal.unit],
+            board.add(PanelSpec(signal.name, signal.title or signal.name, signal.help, UNITS[signal.unit].grafana,
                                 [(v.sig(signal.name), v.engine_legend)], width=8, runbook=runbooks[signal.group]))
     return board
 

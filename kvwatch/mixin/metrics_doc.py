@@ -1,7 +1,10 @@
-"""docs/metrics.md, generated from the catalogue: every metric kvwatch exports."""
+"""docs/metrics.md, generated from the catalogue and the vLLM alias tables:
+every metric kvwatch exports, and every vLLM family it reads with the
+releases that export it and what kvwatch does when it is missing."""
 
 from __future__ import annotations
 
+from kvwatch.engines import vllm
 from kvwatch.signals import ENGINE_SERIES, HEALTH, IDENTITY, SIGNALS
 
 def _row(name: str, kind: str, labels: str, help_text: str) -> str:
@@ -47,4 +50,63 @@ def render() -> str:
     ]
     for signal in SIGNALS:
         lines.append(_row(signal.name, signal.unit, signal.label or "", signal.help))
+    lines += _families()
     return "\n".join(lines) + "\n"
+
+
+def _families() -> list[str]:
+    """One row per vLLM family the adapter reads (kvwatch/engines/vllm.py)."""
+    exported: dict[str, list[str]] = {}
+    for series in ENGINE_SERIES:
+        exported.setdefault(series.key.removesuffix("/*"), []).append(f"`{series.sample_name}`")
+    for signal in SIGNALS:
+        for key in signal.needs:
+            exported.setdefault(key, []).append(f"`{signal.name}`")
+    rows: list[tuple[str, str, str, str]] = []  # family, type, key, when missing
+
+    def missing(key: str) -> str:
+        gate = vllm.GATES.get(key)
+        where = ("absent unless vLLM runs with " + gate + "; then `kvwatch_source_present` reads 0, the signals "
+                 "that need it are absent (never 0) and `/api/v1/signals` lists them under `dark_signals` with "
+                 "that flag") if gate else ("absent on releases without it: `kvwatch_source_present` reads 0 and "
+                                           "what reads it is absent (never 0)")
+        uses = exported.get(key)
+        return where + (f"; read into {', '.join(uses)}" if uses else "")
+
+    for kind, table in (("gauge", vllm.GAUGES), ("counter", vllm.COUNTERS), ("histogram", vllm.HISTOGRAMS)):
+        for key, aliases in table.items():
+            for index, family in enumerate(aliases):
+                if index == 0:
+                    text = missing(key)
+                else:
+                    text = f"older name: read only where {', '.join(f'`vllm:{a}`' for a in aliases[:index])} is absent"
+                rows.append((family, kind, key, text))
+            if key in vllm.COUNTER_FALLBACKS:
+                family, label, value = vllm.COUNTER_FALLBACKS[key]
+                rows.append((f"{family}{{{label}=\"{value}\"}}", "counter (deprecated)", key,
+                             f"read only where `vllm:{aliases[0]}` is absent: both count the same bytes, never added"))
+    for kind, table in (("gauge", vllm.LABELLED_GAUGES), ("counter", vllm.LABELLED_COUNTERS),
+                        ("counter", vllm.MODEL_ONLY_COUNTERS)):
+        for key, (family, label) in table.items():
+            rows.append((family, f"{kind} by `{label}`", key, missing(key)))
+    for key, family in vllm.ENGINE_ONLY_GAUGES.items():
+        rows.append((family, "gauge (label `engine` only)", key, missing(key)))
+    rows.append((vllm.CACHE_CONFIG, "gauge (info)", "cache_config",
+                 "capacity, block and byte signals are absent; the labels are read as an open map, so a label a "
+                 "release lacks leaves only what reads it absent"))
+    rows.append((vllm.LORA, "gauge (info)", "lora", "no LoRA change events"))
+    lines = [
+        "",
+        "## vLLM families kvwatch reads",
+        "",
+        "Generated from the alias tables in `kvwatch/engines/vllm.py`. Each is read under any of the spellings "
+        "`vllm:`, `vllm_` (OpenMetrics underscore escaping), `ray_vllm:`; a counter with or without `_total`. "
+        "Versions are the vLLM releases whose `/metrics` carries the family.",
+        "",
+        "| vLLM family | type | kvwatch key | vLLM releases | when it is missing |",
+        "|---|---|---|---|---|",
+    ]
+    for family, kind, key, text in rows:
+        base = family.split("{")[0]
+        lines.append(f"| `vllm:{family}` | {kind} | `{key}` | {vllm.VERSIONS.get(base, '?')} | {text.replace('|', '/')} |")
+    return lines

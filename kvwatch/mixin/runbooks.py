@@ -147,7 +147,11 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             "Cap concurrency near what the cache holds: `--max-num-seqs`, or a concurrency limit in the "
             "gateway or router. Add replicas and spread the load. Give the cache more memory "
             "(`--gpu-memory-utilization`, an fp8 KV cache dtype, more tensor parallelism). `kvwatch capacity` "
-            "computes how many requests a memory budget holds.",
+            "computes how many requests a memory budget holds. Read `kvwatch_preemptions_on_repeat_requests_ratio` "
+            "(vLLM 0.30+): near 0, many requests were each preempted once (broad pressure: the cache is short for "
+            "the load); near 1, a few are preempted again and again (thrash: lower `--max-num-seqs`). "
+            "`kvwatch_admission_rejections_per_second` is a separate cause: the queue limit, not the cache. "
+            "`kvwatch_kv_cache_exhaustion_eta_seconds` says how long the trend leaves before the cache is full.",
             "Do not shorten max_model_len for this: the requests are not long. Do not read high usage alone as "
             "the problem: a busy, healthy cache runs near full without preempting."),
         "long_requests": (
@@ -189,6 +193,9 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             "and *Hit ratio: now and baseline* with the baseline above the red line and the current ratio below. "
             "With vLLM's `--kv-cache-metrics`, kv_block_idle_before_evict shorter than kv_block_reuse_gap "
             "proves it (kvwatch's in-process finding reads them).",
+            "`kvwatch_kv_cache_reuse_shortfall_blocks` and `_bytes` (with `--kv-cache-metrics`) say how much more "
+            "cache keeps the typical reuse; kvwatch's finding adds what the configured offload tier "
+            "(`kv_offloading_size`) buys in idle time. "
             "Give idle prefixes room: more KV memory, fewer concurrent long requests, or more replicas. Route "
             "requests that share a prefix to the same engine (prefix-aware routing) so each engine keeps fewer "
             "distinct prefixes.",
@@ -215,7 +222,9 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             f"{D_PREFIX}: *Hit ratio: now and baseline*, both low; *Preemptions* at zero. With *KV usage (mean)* "
             "above its red line, evicted prefixes look the same: vLLM's `--kv-cache-metrics` tells.",
             "Nothing to repair in the cache. If the prompts should share text, put it first and keep it "
-            "byte-identical. Otherwise lower `hit_ratio_low` for this workload or turn `no_reuse_alert` off.",
+            "byte-identical. A 0 % ratio on prompts no longer than one KV block (kvwatch's finding says "
+            "`no_reuse_kind: prefix_shorter_than_block`) is the block floor: vLLM caches whole blocks, so a shared "
+            "prefix shorter than `block_size` never hits; lengthen the shared part or lower `--block-size`. Otherwise lower `hit_ratio_low` for this workload or turn `no_reuse_alert` off.",
             "Do not buy KV memory or change routing for hit rate: there is nothing to reuse."),
         "queueing_kv_bound": (
             "Most of the time to first token is spent waiting in the queue, and the KV cache was exhausted "

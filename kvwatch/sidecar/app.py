@@ -1,5 +1,5 @@
 """The HTTP surface: /, /metrics, /healthz, /readyz, /api/v1/signals,
-/api/v1/diagnosis. Every handler reads the monitor's current State; none
+/api/v1/diagnosis, /api/v1/series. Every handler reads the monitor's current State; none
 touches the engine."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import threading
 
 from fastapi import FastAPI
+from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -18,6 +19,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from kvwatch import __version__
 from kvwatch.sidecar.collector import Renderer, make_registry
 from kvwatch.sidecar.report import diagnosis_json, signals_json
+from kvwatch.sidecar.series import series_json
 from kvwatch.sidecar.settings import read_auth_token
 from kvwatch.sidecar.statuspage import render_status_page
 
@@ -108,6 +110,14 @@ def create_app(monitor, settings=None) -> FastAPI:
     def diagnosis() -> JSONResponse:
         return JSONResponse(diagnosis_json(monitor.state, settings))
 
+    @app.get("/api/v1/series")
+    def series() -> JSONResponse:
+        return JSONResponse(series_json(monitor.state, settings))
+
+    # The page and the JSON routes, gzipped for clients that accept it: the
+    # page carries its state (at 8 engines about 150 KB, 20 KB gzipped). The
+    # hot paths below answer before this layer and compress /metrics themselves.
+    app.add_middleware(GZipMiddleware, minimum_size=2048, compresslevel=GZIP_LEVEL)
     app.add_middleware(HotPaths, monitor=monitor, exposition=serve_exposition, token=token)
     return app
 

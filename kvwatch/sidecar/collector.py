@@ -43,6 +43,7 @@ class KvwatchCollector(Collector):
         if not state.up or state.snapshot is None:
             return
         yield from self._engine_series(state.snapshot)
+        yield from self._sources(state.snapshot)
         yield from self._signals(state)
         yield from self._findings(state)
 
@@ -110,6 +111,12 @@ class KvwatchCollector(Collector):
             info.add_metric([model, engine_id] + [cache_config.get(k, "") for k in INFO_KEYS], 1.0)
         yield from families.values()
         yield info
+
+    def _sources(self, snapshot):
+        present = _health_family("kvwatch_source_present")
+        for family, on_page in snapshot.present().items():
+            present.add_metric([family], 1.0 if on_page else 0.0)
+        yield present
 
     def _signals(self, state):
         for prefix, rows, labels in (

@@ -73,12 +73,20 @@ class State:
     upstream: dict[str, Any] | None = None
     # finding key (report.finding_key) -> when it was first seen, while it stays active
     findings_since: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
+    # The window's entries as of this poll (the trends on the status page);
+    # a tuple, so readers never see the poll thread's deque change.
+    entries: tuple = ()
 
 
 class Monitor:
-    def __init__(self, settings: Settings):
+    """`fetcher` and `clock` are the engine and the time it is read at; a
+    replay (kvwatch.capture.replay) passes recorded pages and their recorded
+    times, and everything after the fetch is the same code as live."""
+
+    def __init__(self, settings: Settings, fetcher: Fetcher | None = None,
+                 clock: Callable[[], float] | None = None):
         self.settings = settings
-        self.fetcher = Fetcher(
+        self.fetcher = fetcher or Fetcher(
             settings.target,
             settings.fetch_timeout,
             settings.max_body_bytes,
@@ -86,6 +94,10 @@ class Monitor:
             settings.ca_bundle,
             settings.tls_verify,
         )
+        # The time a poll is stamped with: the window's time axis.
+        # The time each poll is read at: the window's time axis and the
+        # times in the state (a replay passes the recorded times).
+        self.clock = clock or self._steady_clock
         self.adapter = make_adapter("vllm", max_series=settings.max_series)
         self.window = Window(settings.window)
         self.upstream = None
@@ -106,13 +118,11 @@ class Monitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
-        # The window's time axis: wall time at start-up plus monotonic time
-        # since, so an NTP step or a resumed VM never moves it backwards (a
-        # step back an hour made every rate vanish for an hour). Wall time
-        # proper (time.time()) is only shown: last_poll_time and
-        # last_success_time.
+        # The live clock: wall time at start-up plus monotonic time since, so
+        # an NTP step or a resumed VM never moves the window backwards (a
+        # step back an hour made every rate vanish for an hour). The times it
+        # shows drift from the wall clock only by such steps.
         self._clock_offset = time.time() - time.monotonic()
-        self._last_success_monotonic: float | None = None
         # Work the poll loop does after each poll, outside the poll's own
         # CPU figure (the exporter renders ahead there for busy scrapers).
         self.after_poll: list[Callable[[State], None]] = []
@@ -153,7 +163,7 @@ class Monitor:
     def poll_once(self) -> State:
         with self._lock:
             started_cpu = time.thread_time()
-            started = time.time()
+            started = self.clock()
             started_monotonic = time.monotonic()
             result = self.fetcher.fetch()
             if not result.ok:
@@ -162,7 +172,7 @@ class Monitor:
             return self._ingest(result, started, started_monotonic, started_cpu)
 
     def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
-        snapshot = self.adapter.adapt(result.text, at=self._clock_offset + started_monotonic)
+        snapshot = self.adapter.adapt(result.text, at=started)
         self._parse_errors += len(snapshot.parse_errors)
         if snapshot.parse_errors:
             log.debug("%d malformed lines, first: %s", len(snapshot.parse_errors), snapshot.parse_errors[0])
@@ -215,8 +225,8 @@ class Monitor:
             findings=tuple(findings),
             events=events,
             upstream=upstream,
+            entries=tuple(self.window.entries),
         )
-        self._last_success_monotonic = started_monotonic
         if not was_up:
             log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))
         return self.state
@@ -282,6 +292,9 @@ class Monitor:
         log.info("change: %s %s/%s: %s", change.kind, change.model or "*", change.engine or "*", change.detail)
         self._events.append(change)
 
+    def _steady_clock(self) -> float:
+        return self._clock_offset + time.monotonic()  # `time` looked up per call: a benchmark's clock applies
+
     def ready(self) -> tuple[bool, str]:
         """Ready when the latest poll succeeded and is recent. The answer is
         served unauthenticated (/readyz): it names the reason, never the
@@ -290,10 +303,7 @@ class Monitor:
         state = self.state
         if not state.up:
             return False, f"last poll failed: {state.reason}: {state.detail}"
-        if self._last_success_monotonic is not None:
-            age = time.monotonic() - self._last_success_monotonic
-        else:  # a State set from outside the poll loop (tests, tools)
-            age = time.time() - (state.last_success_time or 0)
+        age = self.clock() - (state.last_success_time or 0)
         limit = max(3 * self.settings.poll_interval, self.settings.fetch_timeout + self.settings.poll_interval)
         if age > limit:
             return False, f"no successful poll for {age:.0f}s"

@@ -8,6 +8,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvwatch.diagnose.vocabulary import runbook_link
+from kvwatch.diagnose.thresholds import resolve_thresholds
 from kvwatch.signals import SIGNALS
 
 # The causes the generated alert rules name (a runbook section each); the
@@ -76,6 +77,27 @@ def status_json(state, settings) -> dict[str, Any]:
     }
 
 
+def dark_signals(snapshot) -> list[dict[str, Any]]:
+    """The signals the engine's page leaves dark: each with the families it
+    needs that were not on the page and, for a config-gated one, the flag
+    that lights it (else the family is missing from this engine's version).
+    Unknown is not zero: these signals are absent, never 0."""
+    dark = []
+    for signal in SIGNALS:
+        missing = [key for key in signal.needs if key not in snapshot.sources]
+        if not missing:
+            continue
+        flags = sorted({snapshot.gates[key] for key in missing if key in snapshot.gates})
+        dark.append({
+            "signal": signal.name,
+            "missing_families": [snapshot.families.get(key, key) for key in missing],
+            "lit_by": flags or None,
+            "why": ("config-gated: start the engine with " + " and ".join(flags)) if flags
+            else "not exported by this engine's version",
+        })
+    return dark
+
+
 def signals_json(state, settings) -> dict[str, Any]:
     snapshot = state.snapshot if state.up else None
     return {
@@ -84,7 +106,12 @@ def signals_json(state, settings) -> dict[str, Any]:
         "models": _rows(state.per_model) if snapshot else [],
         "cache_config": snapshot.cache_config if snapshot else {},
         "sources": snapshot.sources if snapshot else {},
+        "source_present": snapshot.present() if snapshot else {},
+        "dark_signals": dark_signals(snapshot) if snapshot else [],
         "events": [asdict(e) for e in state.events],
+        # The diagnosis' thresholds in force (defaults overlaid with the
+        # settings' `diagnosis:`): the page colours values by these.
+        "thresholds": resolve_thresholds(settings.diagnosis),
     }
 
 

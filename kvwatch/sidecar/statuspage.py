@@ -1,15 +1,25 @@
-"""The page at `/`: a live status page of kvwatch's signals and findings,
-readable without Grafana.
+"""The page at `/`: a status console an on-call engineer reads in five
+seconds, with or without Grafana.
 
-The server renders the whole page, so it reads fine without JavaScript (a
-<noscript> meta refresh reloads it); a small inline script then fetches
-`api/v1/signals` and `api/v1/diagnosis` every few seconds and rebuilds the same
-sections from the JSON. No external assets: a Content-Security-Policy with the
-hashes of the inline style and script allows nothing else, and the script only
-builds DOM nodes with textContent, so model names or config values from the
-engine can never become markup. The target is shown without credentials.
+From the top: a banner with the worst active finding (or one sentence on why
+the engine is not read); the selected engine's key numbers as large figures,
+coloured by the diagnosis' own thresholds (sent in the JSON, never copied
+here); one row per engine, sortable, worst first, a click selects one; trend
+charts over the window the sidecar holds, with findings and changes marked on
+the time axis; the findings as cards; the changes.
 
-Also home of the value formatting that `kvwatch diagnose` prints with.
+The page carries the monitor's last state as JSON and draws itself from it at
+once (it never waits on the engine), then a small inline script refreshes it
+from `api/v1/signals`, `api/v1/diagnosis` and `api/v1/series` every few
+seconds. Charts are inline SVG drawn by that script. No external assets: a
+Content-Security-Policy with the hashes of the inline style and script allows
+nothing else, and the script builds DOM nodes with textContent only, so model
+names or config values from the engine can never become markup. Without
+JavaScript a <noscript> summary (status, findings, signals) and a meta refresh
+stand in. The target is shown without credentials.
+
+Also home of the value formatting and the signal labels that `kvwatch
+diagnose` prints with (labels and units come from the catalogue).
 """
 
 from __future__ import annotations
@@ -22,8 +32,10 @@ import math
 import time
 from typing import Any
 
+from kvwatch.diagnose.vocabulary import SEVERITIES
 from kvwatch.sidecar.report import diagnosis_json, public_url, signals_json
-from kvwatch.signals import SIGNALS
+from kvwatch.sidecar.series import series_json
+from kvwatch.signals import SIGNALS, SIGNALS_BY_NAME, UNITS
 
 REFRESH_SECONDS = 5
 GROUP_TITLES = {
@@ -32,6 +44,113 @@ GROUP_TITLES = {
     "first_token": "Time to first token",
     "throughput": "Throughput",
 }
+# The unit a reader sees beside a label when the formatted value does not say it.
+
+# What the banner and the cards call each symptom and cause.
+SYMPTOM_TITLES = {
+    "exhaustion": "KV cache exhausted",
+    "low_hit_rate": "Low prefix-cache hit rate",
+    "slow_first_token": "Slow first token",
+    "change": "Engine changed",
+}
+CAUSE_TITLES = {
+    "concurrency_beyond_capacity": "more concurrent requests than the cache holds",
+    "long_requests": "a few very long requests fill the cache",
+    "capacity_below_max_num_seqs": "the scheduler admits more requests than the cache holds",
+    "caching_disabled": "prefix caching is off",
+    "cold_cache": "the cache is cold after a restart",
+    "prefix_changed": "the prompt prefix changed",
+    "eviction_before_reuse": "prefixes are evicted before they are reused",
+    "no_reuse": "the requests share little prefix",
+    "queueing_kv_bound": "requests queue for KV blocks",
+    "queueing_compute_bound": "requests queue for compute, not KV",
+    "prefill": "long uncached prompts (prefill)",
+    "front_end": "time outside queue and prefill (front end)",
+    "upstream": "time spent before the engine (upstream)",
+    "model_changed": "the model changed",
+    "lora_changed": "the LoRA adapters changed",
+    "cache_dtype_changed": "the KV-cache dtype changed",
+    "cache_config_changed": "the cache configuration changed",
+    "engine_restarted": "the engine restarted",
+}
+# Why a poll failed, as the end of the sentence "kvwatch cannot read the
+# engine's metrics at <target>: ..." (the poll's own detail is folded below it).
+FAILURE_TEXTS = {
+    "not_polled_yet": "it has not been polled yet",
+    "refused": "the connection was refused (is the engine running and listening on that port?)",
+    "dns": "its host name does not resolve",
+    "timeout": "it did not answer within the fetch timeout",
+    "tls": "the TLS handshake failed",
+    "content_type": "it answered with something other than Prometheus text",
+    "too_large": "its page is larger than the size cap",
+    "truncated": "its page was cut off",
+    "decode": "its page could not be decoded",
+    "no_engine_metrics": "its page holds no vLLM engine metrics",
+    "internal": "kvwatch itself failed while polling (see its log)",
+}
+
+# The two or three evidence values that decided each cause: highlighted on
+# its card (the rest of the evidence is folded away). The first present win.
+DECIDING = {
+    "concurrency_beyond_capacity": ("kv_usage_max", "waiting_at_peak", "preemptions", "demand_at_peak"),
+    "long_requests": ("kv_usage_max", "capacity_share_per_running_request", "running_mean"),
+    "capacity_below_max_num_seqs": ("kv_cache_capacity_requests", "max_num_seqs", "preemptions"),
+    "caching_disabled": ("enable_prefix_caching", "prompt_tokens"),
+    "cold_cache": ("hit_ratio_since_restart", "hit_ratio_before_restart"),
+    "prefix_changed": ("hit_ratio_baseline", "hit_ratio_recent", "kv_usage_recent_max", "kv_usage_max"),
+    "eviction_before_reuse": ("hit_ratio_baseline", "hit_ratio_recent", "kv_usage_recent_max", "kv_usage_max"),
+    "no_reuse": ("hit_ratio", "kv_usage_mean"),
+    "queueing_kv_bound": ("ttft_p95_seconds", "queue_share", "kv_usage_max_while_waiting"),
+    "queueing_compute_bound": ("ttft_p95_seconds", "queue_share", "kv_usage_max_while_waiting"),
+    "prefill": ("ttft_p95_seconds", "prefill_share", "uncached_prompt_tokens_mean"),
+    "front_end": ("ttft_p95_seconds", "other_share", "other_lower_bound_seconds"),
+    "upstream": ("upstream_mean_seconds", "upstream_share", "ttft_mean_seconds"),
+    "model_changed": ("detail", "seconds_ago"),
+    "lora_changed": ("detail", "seconds_ago"),
+    "cache_dtype_changed": ("detail", "seconds_ago"),
+    "cache_config_changed": ("detail", "seconds_ago"),
+    "engine_restarted": ("detail", "seconds_ago"),
+}
+
+# The key figures, and how each is coloured: `rules` compare the value with a
+# threshold of the diagnosis (by name: the page reads its value from the
+# JSON's `thresholds`) or with a stated value, first match wins; a figure
+# whose symptom has an active finding on that engine takes at least the
+# finding's colour. `series` names its trend in /api/v1/series.
+FIGURES = (
+    {"key": "kv_usage", "signal": "kvwatch_kv_cache_usage_ratio", "series": "kv_usage", "symptoms": ["exhaustion"],
+     "rules": [{"state": "bad", "threshold": "exhaustion_usage_ratio", "op": ">="},
+               {"state": "warn", "threshold": "eviction_usage_ratio", "op": ">="}]},
+    {"key": "headroom", "signal": "kvwatch_kv_cache_free_tokens", "same_as": "kv_usage", "symptoms": ["exhaustion"],
+     "rules": []},
+    {"key": "hit_ratio", "signal": "kvwatch_prefix_cache_hit_ratio", "series": "hit_ratio",
+     "symptoms": ["low_hit_rate"], "rules": [{"state": "warn", "threshold": "hit_ratio_low", "op": "<"}]},
+    {"key": "ttft_p95", "signal": "kvwatch_time_to_first_token_seconds", "quantile": "0.95", "series": "ttft_p95",
+     "symptoms": ["slow_first_token"], "rules": [{"state": "bad", "threshold": "ttft_p95_seconds", "op": ">"}]},
+    {"key": "waiting", "signal": "kvwatch_requests_waiting", "series": "waiting", "symptoms": ["exhaustion"],
+     "rules": [{"state": "warn", "value": 0, "op": ">"}]},
+    {"key": "preemptions", "signal": "kvwatch_preemptions_per_second", "series": "preemptions_per_second",
+     "symptoms": ["exhaustion"], "rules": [{"state": "bad", "value": 0, "op": ">"}]},
+)
+# The trend charts: (series, title, unit, threshold drawn as a line).
+TRENDS = (
+    {"series": "kv_usage", "title": "KV cache usage", "unit": "ratio", "threshold": "exhaustion_usage_ratio",
+     "max": 1},
+    {"series": "hit_ratio", "title": "Prefix cache hit ratio", "unit": "ratio", "threshold": "hit_ratio_low",
+     "max": 1},
+    {"series": "ttft_p95", "title": "Time to first token p95", "unit": "seconds", "threshold": "ttft_p95_seconds"},
+    {"series": "ttft_split", "title": "Time to first token: queue / prefill / other", "unit": "ratio",
+     "stack": ["queue_share", "prefill_share", "other_share"], "max": 1},
+    {"series": "waiting", "title": "Requests waiting", "unit": "requests"},
+    {"series": "preemptions_per_second", "title": "Preemptions", "unit": "per_second"},
+)
+
+
+def signal_label(name: str) -> str:
+    """A signal's human label with its unit where the value does not carry it."""
+    signal = SIGNALS_BY_NAME[name]
+    unit = UNITS[signal.unit].label
+    return f"{signal.display} ({unit})" if unit else signal.display
 
 
 # --------------------------------------------------------------------------
@@ -99,23 +218,85 @@ def signal_columns(signals: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 # --------------------------------------------------------------------------
 
 STYLE = """
-body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#1b1f24;background:#fff}
-h1{font-size:1.5em;margin:0 0 .2em}h2{font-size:1.15em;margin:1.4em 0 .4em}
-table{border-collapse:collapse;margin:.3em 0}th,td{border-bottom:1px solid #d0d7de;padding:.25em .6em;
-text-align:left;vertical-align:top}th{background:#f6f8fa}td.num{text-align:right;white-space:nowrap}
-.sev{font-weight:600;text-transform:uppercase;font-size:.85em}.critical{color:#b42318}.warning{color:#9a6700}
-.info{color:#0969da}.up{color:#1a7f37;font-weight:600}.down{color:#b42318;font-weight:600}
-.muted{color:#57606a;font-size:.9em}.evidence{font-family:ui-monospace,monospace;font-size:.8em;color:#57606a;
-word-break:break-word}.group th{background:#eef1f4}code{background:#f6f8fa;padding:0 .2em}
+:root{--bg:#f6f8fa;--panel:#fff;--fg:#1b1f24;--muted:#59636e;--line:#d1d9e0;--ok:#1a7f37;--warn:#9a6700;
+--bad:#cf222e;--info:#0969da;--okbg:#dafbe1;--warnbg:#fff8c5;--badbg:#ffebe9;--infobg:#ddf4ff;--chart:#0969da;
+--c1:#bf8700;--c2:#8250df;--c3:#59636e}
+@media (prefers-color-scheme:dark){:root{--bg:#0d1117;--panel:#161b22;--fg:#e6edf3;--muted:#9198a1;--line:#30363d;
+--ok:#3fb950;--warn:#d29922;--bad:#f85149;--info:#58a6ff;--okbg:#12261e;--warnbg:#272115;--badbg:#2d1214;
+--infobg:#121d2f;--chart:#58a6ff;--c1:#d29922;--c2:#a371f7;--c3:#9198a1}}
+*{box-sizing:border-box}html{color-scheme:light dark}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:var(--fg);background:var(--bg);
+overflow-wrap:anywhere}
+main{max-width:1600px;margin:0 auto;padding:12px 16px 24px}
+h1{font-size:18px;margin:0}h2{font-size:15px;margin:20px 0 8px}a{color:var(--info)}
+header{display:flex;flex-wrap:wrap;gap:4px 16px;align-items:baseline}
+.muted{color:var(--muted)}code{font-family:ui-monospace,monospace;font-size:.92em}
+.banner{margin:12px 0;padding:12px 16px;border-radius:8px;border-left:6px solid var(--muted);background:var(--panel)}
+.banner .head{font-size:18px;font-weight:650}.banner p{margin:4px 0 0}
+.sev-critical{border-color:var(--bad);background:var(--badbg)}.sev-warning{border-color:var(--warn);background:var(--warnbg)}
+.sev-info{border-color:var(--info);background:var(--infobg)}.sev-ok{border-color:var(--ok);background:var(--okbg)}
+.sev-down{border-color:var(--bad);background:var(--badbg)}
+.pill{display:inline-block;font-size:11px;font-weight:700;text-transform:uppercase;letter-spacing:.04em;
+padding:1px 7px;border-radius:10px;color:#fff;background:var(--muted);vertical-align:2px;margin-right:6px}
+.pill.critical{background:var(--bad)}.pill.warning{background:var(--warn)}.pill.info{background:var(--info)}
+.pill.ok{background:var(--ok)}.pill,td{overflow-wrap:normal}.pill{white-space:nowrap}
+#engines td:first-child{white-space:nowrap}
+.figures{display:grid;grid-template-columns:repeat(auto-fill,minmax(170px,1fr));gap:8px}
+.fig{background:var(--panel);border:1px solid var(--line);border-top:4px solid var(--line);border-radius:8px;
+padding:8px 12px}
+.fig .label{color:var(--muted);font-size:12px}.fig .value{font-size:30px;font-weight:650;line-height:1.2;
+font-variant-numeric:tabular-nums}.fig .sub{color:var(--muted);font-size:12px}
+.state-ok{border-top-color:var(--ok)}.state-warn{border-top-color:var(--warn)}.state-bad{border-top-color:var(--bad)}
+.state-warn .value,td.state-warn{color:var(--warn)}.state-bad .value,td.state-bad{color:var(--bad)}
+td.state-warn,td.state-bad{font-weight:650}
+.scroll{overflow-x:auto}
+table{border-collapse:collapse;width:100%;background:var(--panel)}
+th,td{border-bottom:1px solid var(--line);padding:5px 8px;text-align:left;vertical-align:top}
+th{font-size:12px;color:var(--muted);font-weight:600;white-space:nowrap}td.num,th.num{text-align:right;
+font-variant-numeric:tabular-nums}
+#engines th{cursor:pointer;user-select:none}#engines tbody tr{cursor:pointer}
+#engines tr.selected td{background:var(--infobg)}
+.charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,320px),1fr));gap:8px}
+.chart{background:var(--panel);border:1px solid var(--line);border-radius:8px;padding:6px 10px}
+.chart .title{display:flex;justify-content:space-between;gap:8px;font-size:12px;color:var(--muted)}
+.chart .now{color:var(--fg);font-weight:600}
+.chart svg{display:block;width:100%;height:72px}
+.chart .axis{display:flex;justify-content:space-between;font-size:11px;color:var(--muted)}
+.line{fill:none;stroke:var(--chart);stroke-width:1.5;vector-effect:non-scaling-stroke}
+.thr{stroke:var(--bad);stroke-dasharray:4 3;stroke-width:1;vector-effect:non-scaling-stroke;opacity:.7}
+.band0{fill:var(--c1)}.band1{fill:var(--c2)}.band2{fill:var(--c3);opacity:.5}
+.mark{stroke-width:1.5;vector-effect:non-scaling-stroke}.mark.change{stroke:var(--muted);stroke-dasharray:2 2}
+.mark.critical{stroke:var(--bad)}.mark.warning{stroke:var(--warn)}.mark.info{stroke:var(--info)}
+.legend span{margin-right:8px}.legend .k0{color:var(--c1)}.legend .k1{color:var(--c2)}.legend .k2{color:var(--c3)}
+.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,420px),1fr));gap:8px}
+.card{background:var(--panel);border:1px solid var(--line);border-left:6px solid var(--muted);border-radius:8px;
+padding:10px 14px}
+.card h3{font-size:15px;margin:0 0 4px}.card p{margin:6px 0}.card .where{color:var(--muted);font-size:12px}
+.card.critical{border-left-color:var(--bad)}.card.warning{border-left-color:var(--warn)}
+.card.info{border-left-color:var(--info)}
+.deciding{display:flex;flex-wrap:wrap;gap:6px;margin:6px 0}
+.num-chip{border:1px solid var(--line);border-radius:6px;padding:2px 8px;font-size:12px;color:var(--muted)}
+.num-chip b{font-size:15px;color:var(--fg);margin-left:4px;font-variant-numeric:tabular-nums}
+details{margin-top:6px}summary{cursor:pointer;color:var(--muted);font-size:12px}
+details table{font-size:12px;margin-top:4px}
+ul.changes{padding-left:18px;margin:0}
+@media (max-width:720px){main{padding:8px}.fig .value{font-size:24px}.wide{display:none}
+#engines .pill{font-size:0;width:10px;height:10px;padding:0;vertical-align:0;margin-right:4px}
+#engines th,#engines td{padding:5px 3px;font-size:13px}
+.figures{grid-template-columns:repeat(2,minmax(0,1fr))}}
 """.strip()
 
 SCRIPT = r"""
 (function () {
   "use strict";
-  var meta = JSON.parse(document.getElementById("kvwatch-signals-meta").textContent);
+  var meta = JSON.parse(document.getElementById("kvwatch-meta").textContent);
+  var data = JSON.parse(document.getElementById("kvwatch-state").textContent);
   var body = document.body;
   var every = Number(body.getAttribute("data-refresh-seconds")) * 1000;
-  var updates = 0;
+  var updates = 0, selected = null, sortKey = "worst", sortDir = 1;
+  var SVGNS = "http://www.w3.org/2000/svg";
+  var SEV = {critical: 0, warning: 1, info: 2};
+  var STATE_RANK = {bad: 3, warn: 2, ok: 1, none: 0};
 
   function el(tag, cls, text) {
     var node = document.createElement(tag);
@@ -123,6 +304,16 @@ SCRIPT = r"""
     if (text !== undefined && text !== null) node.textContent = String(text);
     return node;
   }
+  function svg(tag, attrs) {
+    var node = document.createElementNS(SVGNS, tag);
+    Object.keys(attrs || {}).forEach(function (k) { node.setAttribute(k, attrs[k]); });
+    return node;
+  }
+  function add(parent) {
+    for (var i = 1; i < arguments.length; i++) if (arguments[i]) parent.appendChild(arguments[i]);
+    return parent;
+  }
+  function swap(id, node) { node.id = id; document.getElementById(id).replaceWith(node); }
   function labelKey(key) {
     var q = Number(key);
     return (key !== "" && q > 0 && q < 1) ? "p" + Number((q * 100).toFixed(6)) : key;
@@ -146,121 +337,367 @@ SCRIPT = r"""
     if (Number.isInteger(value)) return String(value);
     return String(Number(value.toPrecision(3)));
   }
-  function evidenceText(evidence) {
-    return Object.keys(evidence).map(function (k) {
-      var v = evidence[k];
-      if (typeof v === "number" && !Number.isInteger(v)) v = Number(v.toPrecision(4));
-      return k + "=" + v;
-    }).join(", ");
+  function clock(seconds) { return seconds ? new Date(seconds * 1000).toTimeString().slice(0, 8) : "never"; }
+  function span(seconds) {
+    seconds = Math.max(0, Math.round(seconds));
+    if (seconds < 90) return seconds + " s";
+    if (seconds < 5400) return Math.round(seconds / 60) + " min";
+    return (seconds / 3600).toFixed(1) + " h";
   }
-  function timeText(seconds) {
-    return seconds ? new Date(seconds * 1000).toLocaleTimeString() : "never";
+  function keyOf(row) { return row.model_name + " / " + row.engine; }
+  function title(f) {
+    return (meta.symptoms[f.symptom] || f.symptom) + ": " + (meta.causes[f.cause] || f.cause);
+  }
+  function firstSentence(text) {
+    var m = /^(.*?[.;:])(\s|$)/.exec(text || "");
+    return m ? m[1].replace(/[;:]$/, ".") : (text || "");
+  }
+  // A quantile pinned at a bucket edge is a bound: "< 300 ms", "> 80 s".
+  function pinnedBound(row, quantile) {
+    var label = "p" + Number((Number(quantile) * 100).toFixed(6)) + " is at ";
+    var found = null;
+    (row.notes || []).forEach(function (n) {
+      if (n.indexOf("TTFT " + label) === 0) found = n.indexOf(label + "most") >= 0 ? "<" : ">";
+    });
+    return found;
+  }
+  function figureValue(fig, row) {
+    var v = row.signals[fig.signal];
+    if (fig.quantile) v = v ? v[fig.quantile] : null;
+    return (v === undefined) ? null : v;
+  }
+  function compare(value, rule, thresholds) {
+    var limit = rule.threshold ? thresholds[rule.threshold] : rule.value;
+    if (value === null || limit === null || limit === undefined) return false;
+    if (rule.op === ">=") return value >= limit;
+    if (rule.op === ">") return value > limit;
+    if (rule.op === "<") return value < limit;
+    return value <= limit;
+  }
+  function findingsFor(row, findings) {
+    return findings.filter(function (f) { return f.model === row.model_name && (f.engine === row.engine || f.engine === null); });
+  }
+  // The state of every figure of one engine: its threshold, raised by an active finding of its symptom.
+  function figureStates(row, findings, thresholds) {
+    var states = {};
+    meta.figures.forEach(function (fig) {
+      if (fig.same_as) return;
+      var value = figureValue(fig, row);
+      var state = value === null ? "none" : "ok";
+      for (var i = 0; i < fig.rules.length; i++) {
+        if (compare(value, fig.rules[i], thresholds)) { state = fig.rules[i].state; break; }
+      }
+      findings.forEach(function (f) {
+        if (fig.symptoms.indexOf(f.symptom) < 0 || f.severity === "info") return;
+        var raised = f.severity === "critical" ? "bad" : "warn";
+        if (STATE_RANK[raised] > STATE_RANK[state] && value !== null) state = raised;
+      });
+      states[fig.key] = state;
+    });
+    meta.figures.forEach(function (fig) { if (fig.same_as) states[fig.key] = states[fig.same_as]; });
+    return states;
+  }
+  function figureText(fig, row) {
+    var value = figureValue(fig, row);
+    var text = fmt(value, meta.units[fig.signal]);
+    if (fig.quantile && value !== null) {
+      var bound = pinnedBound(row, fig.quantile);
+      if (bound) text = bound + " " + text;
+    }
+    return text;
+  }
+  function worstRank(row, findings) {
+    var mine = findingsFor(row, findings);
+    return mine.length ? Math.min.apply(null, mine.map(function (f) { return SEV[f.severity]; })) : 3;
+  }
+  function enginesWorstFirst(signals, diagnosis) {
+    var findings = diagnosis.findings || [];
+    return (signals.engines || []).slice().sort(function (a, b) {
+      var d = worstRank(a, findings) - worstRank(b, findings);
+      if (d) return d;
+      var ua = a.signals.kvwatch_kv_cache_usage_ratio || 0, ub = b.signals.kvwatch_kv_cache_usage_ratio || 0;
+      return ub - ua || keyOf(a).localeCompare(keyOf(b));
+    });
   }
 
-  function renderStatus(signals, diagnosis) {
-    var p = el("p");
-    p.id = "status";
-    p.appendChild(document.createTextNode("Target "));
-    p.appendChild(el("code", null, signals.target || ""));
-    p.appendChild(document.createTextNode(": "));
-    p.appendChild(el("span", signals.up ? "up" : "down",
-      signals.up ? "up" : ("down: " + (signals.reason || "") + " " + (signals.detail || "")).trim()));
-    p.appendChild(document.createTextNode(" \u00b7 " + signals.polls + " polls, last success " +
-      timeText(signals.last_success_time) + " \u00b7 window " +
-      Math.round(signals.window_covered_seconds || 0) + " of " + Math.round(signals.window_seconds) + " s"));
-    document.getElementById("status").replaceWith(p);
+  function renderStatus(signals) {
+    var p = el("p", "muted");
+    add(p, document.createTextNode("Target "), el("code", null, signals.target || ""),
+      document.createTextNode(" \u00b7 " + (signals.up ? "up" : "down") + " \u00b7 " + signals.polls +
+        " polls \u00b7 window " + Math.round(signals.window_covered_seconds || 0) + " of " +
+        Math.round(signals.window_seconds) + " s \u00b7 last poll " + clock(signals.last_success_time)));
+    swap("status", p);
   }
 
-  function renderFindings(diagnosis) {
+  function downSentence(signals) {
+    var reason = signals.reason || "";
+    var why = meta.failures[reason] || (/^http_/.test(reason) ? "it answered HTTP " + reason.slice(5) : "the poll failed (" + reason + ")");
+    var last = signals.last_success_time ? "The last good poll was at " + clock(signals.last_success_time) + "." :
+      "No poll has succeeded yet.";
+    return "kvwatch cannot read the engine's metrics at " + (signals.target || "its target") + ": " + why + ". " + last;
+  }
+
+  function renderBanner(signals, diagnosis) {
+    var div = el("div", "banner");
+    var findings = diagnosis.findings || [];
+    if (!signals.up) {
+      div.className += " sev-down";
+      div.setAttribute("data-state", "down");
+      add(div, add(el("div", "head"), el("span", "pill critical", "down"), document.createTextNode("Engine not read")),
+        el("p", null, downSentence(signals)));
+      if (signals.detail) add(div, add(el("details"), el("summary", null, "The poll's error"), el("code", null, signals.detail)));
+    } else if (!findings.length) {
+      div.className += " sev-ok";
+      div.setAttribute("data-state", "ok");
+      var n = (signals.engines || []).length;
+      add(div, add(el("div", "head"), el("span", "pill ok", "ok"), document.createTextNode("No active findings")),
+        el("p", null, "Nothing in the last " + span(signals.window_covered_seconds || 0) + " on " + n +
+          (n === 1 ? " engine" : " engines") + " crossed a threshold of the diagnosis."));
+    } else {
+      var f = findings[0];
+      div.className += " sev-" + f.severity;
+      div.setAttribute("data-state", f.severity);
+      div.setAttribute("data-symptom", f.symptom);
+      div.setAttribute("data-cause", f.cause);
+      var where = f.model + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : "");
+      var since = f.since ? "since " + clock(f.since) + " (" + span((signals.last_success_time || f.since) - f.since) + ")" :
+        "active now";
+      add(div, add(el("div", "head"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
+        el("p", null, where + " \u00b7 " + since + " \u00b7 " + f.confidence + " confidence" +
+          (findings.length > 1 ? " \u00b7 " + (findings.length - 1) + " more finding" + (findings.length > 2 ? "s" : "") + " below" : "")),
+        el("p", null, f.summary), add(el("p"), el("b", null, "Next: "), document.createTextNode(firstSentence(f.next_check))));
+    }
+    swap("banner", div);
+  }
+
+  function renderFigures(row, signals, diagnosis) {
     var section = el("section");
-    section.id = "findings";
+    if (!row) {
+      section.appendChild(el("p", "muted", signals.up ? "No engine data yet." : ""));
+      swap("figures", section);
+      return;
+    }
+    var findings = findingsFor(row, diagnosis.findings || []);
+    var states = figureStates(row, findings, signals.thresholds || {});
+    section.appendChild(el("h2", null, "Now on " + keyOf(row)));
+    var grid = el("div", "figures");
+    meta.figures.forEach(function (fig) {
+      var box = el("div", "fig state-" + states[fig.key]);
+      box.setAttribute("data-figure", fig.key);
+      box.setAttribute("data-state", states[fig.key]);
+      add(box, el("div", "label", fig.label), el("div", "value", figureText(fig, row)));
+      if (fig.sub) {
+        var subValue = row.signals[fig.sub];
+        if (subValue !== null && subValue !== undefined) box.appendChild(el("div", "sub", fig.sub_label + " " + fmt(subValue, meta.units[fig.sub])));
+      }
+      grid.appendChild(box);
+    });
+    section.appendChild(grid);
+    swap("figures", section);
+  }
+
+  function renderEngines(signals, diagnosis, rows) {
+    var section = el("section");
+    if (rows.length < 2) { swap("engines", section); return; }
+    var findings = diagnosis.findings || [];
+    section.appendChild(el("h2", null, "Engines (" + rows.length + "), worst first; click a row for its detail"));
+    var columns = [{key: "worst", label: "Engine"}, {key: "finding", label: "Worst finding", cls: "wide"}]
+      .concat(meta.figures.map(function (fig) { return {key: fig.key, label: fig.short, fig: fig, cls: fig.wide ? "num wide" : "num"}; }));
+    var ordered = rows.slice();
+    if (sortKey !== "worst") {
+      var fig = meta.figures.filter(function (f) { return f.key === sortKey; })[0];
+      ordered.sort(function (a, b) {
+        var va = fig ? figureValue(fig, a) : null, vb = fig ? figureValue(fig, b) : null;
+        if (sortKey === "finding") { va = worstRank(a, findings); vb = worstRank(b, findings); }
+        va = va === null ? -Infinity : va; vb = vb === null ? -Infinity : vb;
+        return (va < vb ? 1 : va > vb ? -1 : 0) * sortDir;
+      });
+    } else if (sortDir < 0) ordered.reverse();
+    var table = el("table"), thead = el("thead"), head = el("tr");
+    columns.forEach(function (c) {
+      var th = el("th", c.cls || null, c.label + (sortKey === c.key ? (sortDir > 0 ? " \u25be" : " \u25b4") : ""));
+      th.setAttribute("data-sort", c.key);
+      th.addEventListener("click", function () {
+        sortDir = sortKey === c.key ? -sortDir : 1;
+        sortKey = c.key;
+        render();
+      });
+      head.appendChild(th);
+    });
+    add(table, add(thead, head));
+    var tbody = el("tbody");
+    ordered.forEach(function (row) {
+      var mine = findingsFor(row, findings);
+      var states = figureStates(row, mine, signals.thresholds || {});
+      var tr = el("tr", keyOf(row) === selected ? "selected" : null);
+      tr.setAttribute("data-engine", keyOf(row));
+      var worst = mine[0];
+      var name = el("td");
+      add(name, el("span", "pill " + (worst ? worst.severity : "ok"), worst ? worst.severity : "ok"), document.createTextNode(keyOf(row)));
+      add(tr, name, el("td", "wide", worst ? title(worst) : "\u2013"));
+      meta.figures.forEach(function (fig) {
+        var td = el("td", (fig.wide ? "num wide" : "num") + " state-" + states[fig.key], figureText(fig, row));
+        td.setAttribute("data-figure", fig.key);
+        tr.appendChild(td);
+      });
+      tr.addEventListener("click", function () { selected = keyOf(row); render(); });
+      tbody.appendChild(tr);
+    });
+    add(section, add(el("div", "scroll"), add(table, tbody)));
+    swap("engines", section);
+  }
+
+  function chart(spec, series, times, markers, thresholds) {
+    var box = el("div", "chart");
+    box.setAttribute("data-series", spec.series);
+    var W = 300, H = 72, n = times.length;
+    var t0 = n ? times[0] : 0, t1 = n ? times[n - 1] : 1;
+    var x = function (t) { return t1 > t0 ? (t - t0) / (t1 - t0) * W : W; };
+    var values = spec.stack ? null : (series[spec.series] || []);
+    var top = spec.max || 0;
+    if (!spec.stack) values.forEach(function (v) { if (v !== null && v > top) top = v; });
+    var limit = spec.threshold ? thresholds[spec.threshold] : null;
+    if (!spec.max && limit && limit > top) top = limit;
+    if (!top) top = 1;
+    var y = function (v) { return H - 2 - (v / top) * (H - 4); };
+    var g = svg("svg", {viewBox: "0 0 " + W + " " + H, preserveAspectRatio: "none", role: "img",
+      "aria-label": spec.title, "data-points": String(n)});
+    var latest = null;
+    if (spec.stack) {
+      var lower = times.map(function () { return 0; });
+      spec.stack.forEach(function (name, k) {
+        var vals = series[name] || [];
+        var upper = lower.map(function (l, i) { return vals[i] === null || vals[i] === undefined ? null : l + vals[i]; });
+        var top_ = [], bottom = [];
+        for (var i = 0; i < n; i++) if (upper[i] !== null) { top_.push(x(times[i]) + "," + y(upper[i])); bottom.unshift(x(times[i]) + "," + y(lower[i])); }
+        if (top_.length) g.appendChild(svg("polygon", {"class": "band" + k, points: top_.concat(bottom).join(" ")}));
+        lower = upper.map(function (u, i) { return u === null ? lower[i] : u; });
+      });
+      var lastShares = spec.stack.map(function (name) { var s = series[name] || []; return s.length ? s[s.length - 1] : null; });
+      latest = lastShares[0] === null || lastShares[0] === undefined ? "\u2013" : lastShares.map(function (v) { return fmt(v, "ratio"); }).join(" / ");
+    } else {
+      var seg = [];
+      var flush = function () { if (seg.length) g.appendChild(svg("polyline", {"class": "line", points: seg.join(" ")})); seg = []; };
+      for (var i = 0; i < n; i++) {
+        var v = values[i];
+        if (v === null || v === undefined) { flush(); continue; }
+        seg.push(x(times[i]).toFixed(1) + "," + y(v).toFixed(1));
+      }
+      flush();
+      var lastIndex = values.length - 1;
+      while (lastIndex >= 0 && (values[lastIndex] === null || values[lastIndex] === undefined)) lastIndex--;
+      latest = lastIndex >= 0 ? fmt(values[lastIndex], spec.unit) : "\u2013";
+      if (lastIndex >= 0 && spec.series === "ttft_p95" && series.ttft_p95_pinned && series.ttft_p95_pinned[lastIndex])
+        latest = (series.ttft_p95_pinned[lastIndex] === "first" ? "< " : "> ") + latest;
+      if (limit !== null && limit !== undefined && limit <= top)
+        g.appendChild(svg("line", {"class": "thr", x1: 0, x2: W, y1: y(limit), y2: y(limit)}));
+    }
+    markers.forEach(function (m) {
+      if (!n || m.time < t0 || m.time > t1) return;
+      var line = svg("line", {"class": "mark " + (m.kind === "change" ? "change" : m.severity), x1: x(m.time), x2: x(m.time), y1: 0, y2: H});
+      var tip = svg("title");
+      tip.textContent = clock(m.time) + " " + (m.kind === "change" ? m.change + ": " : (meta.causes[m.cause] || m.cause) + ": ") + m.text;
+      line.appendChild(tip);
+      g.appendChild(line);
+    });
+    add(box, add(el("div", "title"), el("span", null, spec.title), el("span", "now", latest)), g);
+    if (spec.stack) {
+      var legend = el("div", "legend axis");
+      add(legend, add(el("span"), el("span", "k0", "\u25a0 queue"), el("span", "k1", " \u25a0 prefill"), el("span", "k2", " \u25a0 other")));
+      box.appendChild(legend);
+    }
+    add(box, add(el("div", "axis"), el("span", null, n ? "\u2212" + span(t1 - t0) : ""),
+      el("span", null, limit !== null && limit !== undefined ? "threshold " + fmt(limit, spec.unit) : ""), el("span", null, "now")));
+    return box;
+  }
+
+  function renderTrends(row, series) {
+    var section = el("section");
+    var line = row ? (series.engines || []).filter(function (e) { return e.model_name === row.model_name && e.engine === row.engine; })[0] : null;
+    if (!line) { swap("trends", section); return; }
+    var markers = (series.markers || []).filter(function (m) {
+      return (m.model_name === null || m.model_name === row.model_name) && (m.engine === null || m.engine === row.engine);
+    });
+    section.appendChild(el("h2", null, "Trends over the window on " + keyOf(row) + " (each point over the " +
+      series.trend_seconds + " s before it; marks: findings and changes)"));
+    var grid = el("div", "charts");
+    meta.trends.forEach(function (spec) { grid.appendChild(chart(spec, line, series.times || [], markers, data.signals.thresholds || {})); });
+    section.appendChild(grid);
+    swap("trends", section);
+  }
+
+  function evidenceUnit(key) {
+    if (/seconds/.test(key)) return "seconds";
+    if (/(ratio|share|usage)/.test(key) && !/tokens/.test(key)) return "ratio";
+    if (/tokens/.test(key)) return "tokens";
+    return "";
+  }
+  function evidenceLabel(key) {
+    return key.replace(/_seconds$/, "").replace(/_/g, " ").replace(/\bkv\b/g, "KV").replace(/\bttft\b/g, "TTFT")
+      .replace(/^./, function (c) { return c.toUpperCase(); });
+  }
+  function evidenceText(key, value) {
+    if (key === "ttft_p95_pinned" || typeof value !== "number") return fmt(value, "");
+    return fmt(value, evidenceUnit(key));
+  }
+
+  function renderFindings(signals, diagnosis) {
+    var section = el("section");
     var findings = diagnosis.findings || [];
     section.appendChild(el("h2", null, "Findings (" + findings.length + " active)"));
     if (!findings.length) {
-      section.appendChild(el("p", "muted", diagnosis.up ? "No active findings." : "No findings while the engine is not polled."));
-    } else {
-      var table = el("table");
-      var head = el("tr");
-      ["Severity", "Symptom", "Cause", "Model / engine", "Confidence", "What and why"].forEach(function (h) {
-        head.appendChild(el("th", null, h));
-      });
-      table.appendChild(head);
-      findings.forEach(function (f) {
-        var tr = el("tr", "finding");
-        tr.setAttribute("data-symptom", f.symptom);
-        tr.setAttribute("data-cause", f.cause);
-        tr.appendChild(el("td", "sev " + f.severity, f.severity));
-        tr.appendChild(el("td", null, f.symptom));
-        tr.appendChild(el("td", null, f.cause));
-        tr.appendChild(el("td", null, f.model + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : "")));
-        tr.appendChild(el("td", null, f.confidence));
-        var what = el("td");
-        what.appendChild(el("div", null, f.summary));
-        what.appendChild(el("div", "evidence", evidenceText(f.evidence || {})));
-        what.appendChild(el("div", "muted", "Next: " + f.next_check));
-        tr.appendChild(what);
-        table.appendChild(tr);
-      });
-      section.appendChild(table);
+      section.appendChild(el("p", "muted", signals.up ? "No active findings." : "No findings while the engine is not polled."));
+      swap("findings", section);
+      return;
     }
-    document.getElementById("findings").replaceWith(section);
-  }
-
-  function renderSignals(signals) {
-    var section = el("section");
-    section.id = "signals";
-    section.appendChild(el("h2", null, "Signals over the window"));
-    var columns = [];
-    var perModel = {};
-    (signals.engines || []).forEach(function (row) {
-      columns.push([row.model_name + " / " + row.engine, row.signals]);
-      perModel[row.model_name] = (perModel[row.model_name] || 0) + 1;
-    });
-    (signals.models || []).forEach(function (row) {
-      if (perModel[row.model_name] > 1) columns.push([row.model_name + " (all engines)", row.signals]);
-    });
-    if (!columns.length) {
-      section.appendChild(el("p", "muted", "No engine data yet."));
-    } else {
-      var table = el("table");
-      var head = el("tr");
-      head.appendChild(el("th", null, "Signal"));
-      columns.forEach(function (c) { head.appendChild(el("th", null, c[0])); });
-      table.appendChild(head);
-      var group = null;
-      meta.forEach(function (s) {
-        if (s.group !== group) {
-          group = s.group;
-          var g = el("tr", "group");
-          var th = el("th", null, s.group_title);
-          th.colSpan = columns.length + 1;
-          g.appendChild(th);
-          table.appendChild(g);
-        }
-        var tr = el("tr");
-        var name = el("td", null, s.short);
-        name.title = s.name + ": " + s.help;
-        tr.appendChild(name);
-        columns.forEach(function (c) { tr.appendChild(el("td", "num", fmt(c[1][s.name], s.unit))); });
-        table.appendChild(tr);
+    var grid = el("div", "cards");
+    findings.forEach(function (f) {
+      var card = el("article", "card " + f.severity);
+      card.setAttribute("data-symptom", f.symptom);
+      card.setAttribute("data-cause", f.cause);
+      var where = f.model + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : "");
+      add(card, add(el("h3"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
+        el("div", "where", where + " \u00b7 " + f.confidence + " confidence" + (f.since ? " \u00b7 since " + clock(f.since) : "")),
+        el("p", null, f.summary));
+      var deciding = el("div", "deciding"), shown = 0;
+      (meta.deciding[f.cause] || []).forEach(function (key) {
+        var v = (f.evidence || {})[key];
+        if (shown >= 3 || v === null || v === undefined) return;
+        shown += 1;
+        var chip = add(el("span", "num-chip"), document.createTextNode(evidenceLabel(key)), el("b", null, evidenceText(key, v)));
+        chip.setAttribute("data-evidence", key);
+        deciding.appendChild(chip);
       });
-      section.appendChild(table);
-    }
-    document.getElementById("signals").replaceWith(section);
+      if (shown) card.appendChild(deciding);
+      add(card, add(el("p"), el("b", null, "Next check: "), document.createTextNode(f.next_check)));
+      if (f.runbook_url) {
+        var a = el("a", null, "Runbook");
+        a.href = f.runbook_url;
+        a.rel = "noopener";
+        add(card, add(el("p"), a));
+      }
+      var details = el("details"), table = el("table");
+      details.appendChild(el("summary", null, "All evidence (" + Object.keys(f.evidence || {}).length + " values)"));
+      Object.keys(f.evidence || {}).forEach(function (key) {
+        add(table, add(el("tr"), el("td", null, evidenceLabel(key)), el("td", "num", evidenceText(key, f.evidence[key]))));
+      });
+      add(card, add(details, table));
+      grid.appendChild(card);
+    });
+    section.appendChild(grid);
+    swap("findings", section);
   }
 
   function renderChanges(diagnosis) {
     var section = el("section");
-    section.id = "changes";
-    section.appendChild(el("h2", null, "Changes in the window"));
     var events = diagnosis.events || [];
-    if (!events.length) {
-      section.appendChild(el("p", "muted", "None."));
-    } else {
-      var ul = el("ul");
+    section.appendChild(el("h2", null, "Changes in the window"));
+    if (!events.length) section.appendChild(el("p", "muted", "None."));
+    else {
+      var ul = el("ul", "changes");
       events.forEach(function (e) {
-        ul.appendChild(el("li", null, timeText(e.time) + " " + e.kind + " " +
-          (e.model || "*") + " / " + (e.engine || "*") + ": " + e.detail));
+        ul.appendChild(el("li", null, clock(e.time) + " \u00b7 " + e.kind.replace(/_/g, " ") + " \u00b7 " +
+          (e.model || "all models") + " / " + (e.engine || "all engines") + ": " + e.detail));
       });
       section.appendChild(ul);
     }
@@ -271,7 +708,21 @@ SCRIPT = r"""
         (u.up ? "up" : "down (" + (u.reason || "") + ")") + ", mean " + fmt(u.mean_seconds, "seconds") +
         ", p95 " + fmt(u.p95_seconds, "seconds") + " over " + fmt(u.count, "requests") + " requests"));
     }
-    document.getElementById("changes").replaceWith(section);
+    swap("changes", section);
+  }
+
+  function render() {
+    var signals = data.signals, diagnosis = data.diagnosis;
+    var rows = enginesWorstFirst(signals, diagnosis);
+    var row = rows.filter(function (r) { return keyOf(r) === selected; })[0] || rows[0] || null;
+    selected = row ? keyOf(row) : null;
+    renderStatus(signals);
+    renderBanner(signals, diagnosis);
+    renderFigures(row, signals, diagnosis);
+    renderEngines(signals, diagnosis, rows);
+    renderTrends(row, data.series);
+    renderFindings(signals, diagnosis);
+    renderChanges(diagnosis);
   }
 
   function get(path) {
@@ -283,22 +734,22 @@ SCRIPT = r"""
   }
 
   function refresh() {
-    Promise.all([get("api/v1/signals"), get("api/v1/diagnosis")]).then(function (both) {
-      renderStatus(both[0], both[1]);
-      renderFindings(both[1]);
-      renderSignals(both[0]);
-      renderChanges(both[1]);
+    Promise.all([get("api/v1/signals"), get("api/v1/diagnosis"), get("api/v1/series")]).then(function (all) {
+      data = {signals: all[0], diagnosis: all[1], series: all[2]};
+      render();
       updates += 1;
       body.setAttribute("data-updates", String(updates));
-      document.getElementById("live").textContent = "Live: refreshed " + new Date().toLocaleTimeString() +
+      document.getElementById("live").textContent = "Live: refreshed " + clock(Date.now() / 1000) +
         ", every " + (every / 1000) + " s.";
     }).catch(function (error) {
       document.getElementById("live").textContent = "Live refresh paused (" + error.message +
-        "); showing the last data. Reload the page to retry.";
+        "); showing the last data, retrying every " + (every / 1000) + " s.";
     }).then(function () {
       window.setTimeout(refresh, every);
     });
   }
+  render();
+  body.setAttribute("data-rendered", "1");
   window.setTimeout(refresh, every);
 })();
 """.strip()
@@ -313,20 +764,41 @@ CONTENT_SECURITY_POLICY = (
     "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"
 )
 
+_FIGURE_EXTRAS = {
+    "kv_usage": {"short": "KV usage", "sub": "kvwatch_kv_cache_usage_max_ratio", "sub_label": "window peak"},
+    "headroom": {"short": "Headroom", "sub": "kvwatch_kv_cache_capacity_tokens", "sub_label": "of", "wide": True},
+    "hit_ratio": {"short": "Hit ratio", "sub": "kvwatch_prompt_tokens_cached_ratio", "sub_label": "prompt tokens cached"},
+    "ttft_p95": {"short": "TTFT p95", "label": "Time to first token p95", "sub": "kvwatch_time_to_first_token_mean_seconds",
+                 "sub_label": "mean"},
+    "waiting": {"short": "Waiting", "sub": "kvwatch_requests_running", "sub_label": "running"},
+    "preemptions": {"short": "Preempt/s", "label": "Preemptions per second", "wide": True},
+}
 
-def _signals_meta() -> list[dict[str, str]]:
-    order = list(GROUP_TITLES)
-    ordered = sorted(SIGNALS, key=lambda s: order.index(s.group) if s.group in order else len(order))
-    return [
-        {"name": s.name, "short": s.name[len("kvwatch_"):], "unit": s.unit, "help": s.help, "group": s.group,
-         "group_title": GROUP_TITLES.get(s.group, s.group)}
-        for s in ordered
-    ]
+
+def page_meta() -> dict[str, Any]:
+    """What the script needs besides the state: labels and units from the
+    catalogue, the figures and charts and how they are coloured (threshold
+    names; the values come with the state), the titles of the vocabulary."""
+    figures = []
+    for figure in FIGURES:
+        extras = _FIGURE_EXTRAS.get(figure["key"], {})
+        figures.append({**figure, "label": extras.get("label") or signal_label(figure["signal"]), **extras})
+    return {
+        "figures": figures,
+        "trends": list(TRENDS),
+        "units": {s.name: s.unit for s in SIGNALS},
+        "labels": {s.name: signal_label(s.name) for s in SIGNALS},
+        "symptoms": SYMPTOM_TITLES,
+        "causes": CAUSE_TITLES,
+        "deciding": {cause: list(keys) for cause, keys in DECIDING.items()},
+        "severities": list(SEVERITIES),
+        "failures": FAILURE_TEXTS,
+    }
 
 
 def _json_for_script(value: Any) -> str:
     # Inside <script type="application/json"> only "</" could end the element.
-    return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return json.dumps(value, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def _e(value: Any) -> str:
@@ -337,13 +809,16 @@ def _time_text(seconds: float | None) -> str:
     return time.strftime("%H:%M:%S", time.localtime(seconds)) if seconds else "never"
 
 
+# The <noscript> stand-in: the same state as text, for curl and browsers without JavaScript.
+
+
 def _status_html(signals: dict[str, Any]) -> str:
     if signals["up"]:
         state = '<span class="up">up</span>'
     else:
         state = f'<span class="down">{_e(("down: " + (signals["reason"] or "") + " " + (signals["detail"] or "")).strip())}</span>'
     return (
-        f'<p id="status">Target <code>{_e(signals["target"] or "")}</code>: {state} · {signals["polls"]} polls, '
+        f'<p>Target <code>{_e(signals["target"] or "")}</code>: {state} · {signals["polls"]} polls, '
         f'last success {_time_text(signals["last_success_time"])} · window '
         f'{round(signals["window_covered_seconds"] or 0)} of {round(signals["window_seconds"])} s</p>'
     )
@@ -351,70 +826,52 @@ def _status_html(signals: dict[str, Any]) -> str:
 
 def _findings_html(diagnosis: dict[str, Any]) -> str:
     findings = diagnosis["findings"]
-    out = [f'<section id="findings"><h2>Findings ({len(findings)} active)</h2>']
+    out = [f"<h2>Findings ({len(findings)} active)</h2>"]
     if not findings:
-        out.append('<p class="muted">' + ("No active findings." if diagnosis["up"]
-                                          else "No findings while the engine is not polled.") + "</p>")
-    else:
-        out.append("<table><tr><th>Severity</th><th>Symptom</th><th>Cause</th><th>Model / engine</th>"
-                   "<th>Confidence</th><th>What and why</th></tr>")
-        for f in findings:
-            where = f["model"] + (f" / {f['engine']}" if f["engine"] is not None else "")
-            out.append(
-                f'<tr class="finding" data-symptom="{_e(f["symptom"])}" data-cause="{_e(f["cause"])}">'
-                f'<td class="sev {_e(f["severity"])}">{_e(f["severity"])}</td><td>{_e(f["symptom"])}</td>'
-                f'<td>{_e(f["cause"])}</td><td>{_e(where)}</td><td>{_e(f["confidence"])}</td>'
-                f'<td><div>{_e(f["summary"])}</div><div class="evidence">{_e(format_evidence(f["evidence"]))}</div>'
-                f'<div class="muted">Next: {_e(f["next_check"])}</div></td></tr>'
-            )
-        out.append("</table>")
-    out.append("</section>")
+        out.append("<p>" + ("No active findings." if diagnosis["up"]
+                            else "No findings while the engine is not polled.") + "</p>")
+    for f in findings:
+        where = f["model"] + (f" / {f['engine']}" if f["engine"] is not None else "")
+        out.append(
+            f'<div class="finding" data-symptom="{_e(f["symptom"])}" data-cause="{_e(f["cause"])}">'
+            f'<p><b>{_e(f["severity"].upper())}</b> {_e(SYMPTOM_TITLES.get(f["symptom"], f["symptom"]))}: '
+            f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))} ({_e(where)}, {_e(f["confidence"])} confidence)</p>'
+            f'<p>{_e(f["summary"])}</p><p>Next: {_e(f["next_check"])}</p>'
+            f'<p><small>{_e(format_evidence(f["evidence"]))}</small></p></div>'
+        )
     return "".join(out)
 
 
 def _signals_html(signals: dict[str, Any]) -> str:
     columns = signal_columns(signals)
-    out = ['<section id="signals"><h2>Signals over the window</h2>']
     if not columns:
-        out.append('<p class="muted">No engine data yet.</p></section>')
-        return "".join(out)
-    out.append("<table><tr><th>Signal</th>" + "".join(f"<th>{_e(h)}</th>" for h, _ in columns) + "</tr>")
-    group = None
-    for s in _signals_meta():
-        if s["group"] != group:
-            group = s["group"]
-            out.append(f'<tr class="group"><th colspan="{len(columns) + 1}">{_e(s["group_title"])}</th></tr>')
-        out.append(f'<tr><td title="{_e(s["name"] + ": " + s["help"])}">{_e(s["short"])}</td>'
-                   + "".join(f'<td class="num">{_e(format_value(values.get(s["name"]), s["unit"]))}</td>'
+        return "<p>No engine data yet.</p>"
+    out = ["<h2>Signals over the window</h2><table><tr><th>Signal</th>"
+           + "".join(f"<th>{_e(h)}</th>" for h, _ in columns) + "</tr>"]
+    order = list(GROUP_TITLES)
+    for s in sorted(SIGNALS, key=lambda s: order.index(s.group) if s.group in order else len(order)):
+        out.append(f'<tr><td title="{_e(s.name)}">{_e(signal_label(s.name))}</td>'
+                   + "".join(f'<td class="num">{_e(format_value(values.get(s.name), s.unit))}</td>'
                              for _, values in columns) + "</tr>")
-    out.append("</table></section>")
+    out.append("</table>")
     return "".join(out)
 
 
-def _changes_html(diagnosis: dict[str, Any]) -> str:
-    out = ['<section id="changes"><h2>Changes in the window</h2>']
-    events = diagnosis["events"]
-    if not events:
-        out.append('<p class="muted">None.</p>')
-    else:
-        out.append("<ul>" + "".join(
-            f"<li>{_time_text(e['time'])} {_e(e['kind'])} {_e(e['model'] or '*')} / {_e(e['engine'] or '*')}: "
-            f"{_e(e['detail'])}</li>" for e in events) + "</ul>")
-    upstream = diagnosis.get("upstream")
-    if upstream:
-        state = "up" if upstream.get("up") else f"down ({upstream.get('reason') or ''})"
-        out.append(
-            f"<h2>Upstream</h2><p>{_e(upstream.get('histogram'))} at {_e(upstream.get('target') or '')}: {_e(state)}, "
-            f"mean {_e(format_value(upstream.get('mean_seconds'), 'seconds'))}, p95 "
-            f"{_e(format_value(upstream.get('p95_seconds'), 'seconds'))} over "
-            f"{_e(format_value(upstream.get('count'), 'requests'))} requests</p>")
-    out.append("</section>")
-    return "".join(out)
+def page_state(state, settings) -> dict[str, Any]:
+    """The JSON the page draws from: what the three API routes serve."""
+    return {"signals": signals_json(state, settings), "diagnosis": diagnosis_json(state, settings),
+            "series": series_json(state, settings)}
+
+
+_META_JSON = None
 
 
 def render_status_page(state, settings) -> str:
-    signals = signals_json(state, settings)
-    diagnosis = diagnosis_json(state, settings)
+    global _META_JSON
+    if _META_JSON is None:
+        _META_JSON = _json_for_script(page_meta())
+    data = page_state(state, settings)
+    signals, diagnosis = data["signals"], data["diagnosis"]
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -425,22 +882,32 @@ def render_status_page(state, settings) -> str:
 <style>{STYLE}</style>
 </head>
 <body data-refresh-seconds="{REFRESH_SECONDS}" data-updates="0">
-<header><h1>kvwatch</h1>
+<main>
+<header><h1>kvwatch</h1><p id="status" class="muted"></p>
+<p id="live" class="muted">Rendered {_time_text(time.time())}; refreshes every {REFRESH_SECONDS} s.</p></header>
+<div id="banner"></div>
+<section id="figures"></section>
+<section id="engines"></section>
+<section id="trends"></section>
+<section id="findings"></section>
+<section id="changes"></section>
+<noscript>
 {_status_html(signals)}
-<p id="live" class="muted">Rendered {_time_text(time.time())}; refreshes every {REFRESH_SECONDS} s.</p>
-</header>
 {_findings_html(diagnosis)}
 {_signals_html(signals)}
-{_changes_html(diagnosis)}
+</noscript>
 <footer><h2>More</h2><ul>
 <li><a href="metrics">/metrics</a>: Prometheus metrics (kvwatch_* signals, kvwatch_finding, kvwatch_engine_*)</li>
 <li><a href="api/v1/signals">/api/v1/signals</a>: windowed signals (JSON)</li>
 <li><a href="api/v1/diagnosis">/api/v1/diagnosis</a>: findings with evidence (JSON)</li>
+<li><a href="api/v1/series">/api/v1/series</a>: trends over the window (JSON)</li>
 <li><a href="healthz">/healthz</a>, <a href="readyz">/readyz</a></li>
 </ul>
 <p class="muted">A prefix-cache hit means KV computed earlier was reused; it proves neither that an answer is current nor that the caller may see it.</p>
 </footer>
-<script type="application/json" id="kvwatch-signals-meta">{_json_for_script(_signals_meta())}</script>
+</main>
+<script type="application/json" id="kvwatch-meta">{_META_JSON}</script>
+<script type="application/json" id="kvwatch-state">{_json_for_script(data)}</script>
 <script>{SCRIPT}</script>
 </body></html>
 """

@@ -1,7 +1,9 @@
 """The simulator as a server: a clock thread advances the simulation at wall time
 times `speed`, and a stdlib HTTP server on loopback answers `/metrics`,
-`/health`, `/v1/models`, `/v1/completions`, `/v1/chat/completions` (OpenAI
-style, streaming or not) and `/app/metrics` (the RAG application's histogram).
+`/health`, `/version`, `/v1/models`, `/v1/completions`, `/v1/chat/completions`
+(OpenAI style, streaming or not) and `/app/metrics` (the RAG application's
+histogram). With `temperature: 0` a completion's text depends on its prompt
+alone, and `logprobs` brings a logprob per token, also fixed by the prompt.
 
 A request sent over HTTP becomes a request in the engine model; its tokens are
 sent as the simulated engine produces them, so with speed 10 a completion that
@@ -34,6 +36,7 @@ class _Server(ThreadingHTTPServer):
 from pathlib import Path
 from typing import Any
 
+from kvwatch import __version__
 from kvwatch.sim.engine import FINISHED, Request, RequestRejected
 from kvwatch.sim.render import CONTENT_TYPE, HttpStats, render_app_metrics, render_metrics
 from kvwatch.sim.scenario import Scenario, load_scenario
@@ -264,9 +267,18 @@ def _int_field(body: dict, name: str, default: int | None) -> int | None:
     return value
 
 
+def _greedy_token(key: int, index: int) -> tuple[str, float]:
+    """The simulated model's greedy choice at position `index` of the answer to
+    the prompt hashed to `key`, with its logprob: fixed by the two alone."""
+    draw = zlib.crc32(f"{key}-{index}".encode())
+    return _WORDS[draw % len(_WORDS)], -round((draw >> 8) % 2000 / 1000.0, 3)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "kvwatch-sim"
+    _greedy_key: int | None = None
+    _want_logprobs = False
 
     @property
     def sim_server(self) -> SimServer:
@@ -345,6 +357,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, server.app_metrics_text().encode(), CONTENT_TYPE)
             elif path in ("/health", "/ping"):
                 self._send(200, b"", "application/json")
+            elif path == "/version":
+                self._send_json(200, {"version": f"kvwatch-sim {__version__}"})
             elif path == "/v1/models":
                 sim = server.sim
                 model = sim.model_name
@@ -390,6 +404,15 @@ class _Handler(BaseHTTPRequestHandler):
         if body.get("n", 1) != 1:
             raise _BadRequest("the simulator serves n=1 only")
         tokens = _words_of_messages(body.get("messages")) if chat else _prompt_tokens(body)
+        # Greedy decoding answers a prompt the same way every time (the sweep's
+        # quality probe relies on it); sampling answers each request its own way.
+        temperature = body.get("temperature")
+        greedy = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
+            and temperature == 0
+        self._greedy_key = zlib.crc32(repr(tokens).encode()) if greedy else None
+        logprobs = body.get("logprobs")
+        self._want_logprobs = greedy and not chat and isinstance(logprobs, int) \
+            and not isinstance(logprobs, bool) and logprobs >= 0
         explicit_len = _int_field(body, "kvwatch_prompt_tokens", None)
         if explicit_len is not None:
             # Pad with tokens private to this request: they never match a cache entry.
@@ -444,7 +467,21 @@ class _Handler(BaseHTTPRequestHandler):
             self.sim_server.sim.abort(request)
 
     def _text(self, request: Request, start: int, stop: int) -> str:
+        if self._greedy_key is not None:
+            return "".join(f" {_greedy_token(self._greedy_key, i)[0]}" for i in range(start, stop))
         return "".join(f" {_WORDS[(request.uid * 7 + i) % len(_WORDS)]}" for i in range(start, stop))
+
+    def _logprobs(self, request: Request) -> dict:
+        """The OpenAI completions logprobs block of a greedy answer."""
+        tokens, logprobs, offsets, offset = [], [], [], 0
+        for index in range(request.num_output):
+            word, logprob = _greedy_token(self._greedy_key, index)
+            tokens.append(f" {word}")
+            logprobs.append(logprob)
+            offsets.append(offset)
+            offset += len(word) + 1
+        return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": tokens,
+                "top_logprobs": [{token: logprob} for token, logprob in zip(tokens, logprobs)]}
 
     def _usage(self, request: Request) -> dict:
         return {"prompt_tokens": request.prompt_len, "completion_tokens": request.num_output,
@@ -465,7 +502,9 @@ class _Handler(BaseHTTPRequestHandler):
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": reason, "stop_reason": None}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
+            choice = {"index": 0, "text": text,
+                      "logprobs": self._logprobs(request) if self._want_logprobs else None,
+                      "finish_reason": reason, "stop_reason": None}
         self._send_json(200, {"id": ident, "object": "chat.completion" if chat else "text_completion",
                               "created": created, "model": model, "choices": [choice], "usage": self._usage(request)})
 

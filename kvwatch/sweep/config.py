@@ -14,6 +14,7 @@ from typing import Any
 from kvwatch.capacity import arithmetic as cap
 from kvwatch.units import parse_duration
 from kvwatch.sweep.client import split_base_url
+from kvwatch.sweep.compare import CompareInputError, load_sweep
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's GPU default, when the server does not say
 MAX_GRID_CELLS = 10_000
@@ -77,6 +78,10 @@ class SweepConfig:
     kv_budget: int | None
     api_key: str | None
     plots: bool
+    # --baseline: the earlier sweep this one is compared with, whose prompts it repeats.
+    baseline_dir: Path | None = None
+    baseline: dict[str, Any] | None = None
+    force: bool = False
 
     @property
     def cells(self) -> list[tuple[int, int, int]]:
@@ -92,7 +97,16 @@ class SweepConfig:
             "timeout_s": self.timeout, "warmup": self.warmup, "seed": self.seed,
             "model_config": self.model_config_path, "kv_dtype": self.kv_dtype,
             "kv_budget_bytes": self.kv_budget, "out_dir": str(self.out_dir),
+            "baseline": str(self.baseline_dir) if self.baseline_dir else None,
         }
+
+    @property
+    def prompt_recipe(self) -> dict[str, Any] | None:
+        """The baseline's prompt recipe, when this sweep repeats its prompts."""
+        if self.baseline is None or self.seed != self.baseline["config"].get("seed"):
+            return None
+        recipe = self.baseline["server"].get("prompt_recipe")
+        return recipe if isinstance(recipe, dict) else None
 
 
 def _load_model_config(path_text: str) -> dict[str, Any]:
@@ -157,6 +171,15 @@ def build_config(args: argparse.Namespace) -> SweepConfig:
             api_key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
         except OSError as error:
             raise SweepInputError(f"--api-key-file: {error}") from None
+    baseline_dir = baseline = None
+    if getattr(args, "baseline", None):
+        baseline_dir = Path(args.baseline)
+        try:
+            baseline = load_sweep(baseline_dir)
+        except CompareInputError as error:
+            raise SweepInputError(f"--baseline: {error}") from None
+    seed = args.seed or (str(baseline["config"].get("seed") or "") if baseline else "") \
+        or os.urandom(6).hex()
     out_dir = Path(args.out) if args.out else Path(
         f"kvwatch-sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     if out_dir.exists() and not out_dir.is_dir():
@@ -165,6 +188,7 @@ def build_config(args: argparse.Namespace) -> SweepConfig:
         base_url=base_url, metrics_url=metrics_url, model=args.model.strip(),
         input_tokens=inputs, output_tokens=outputs, concurrency=levels, requests=args.requests,
         duration=duration, out_dir=out_dir, poll_interval=poll_interval, timeout=timeout,
-        warmup=args.warmup, seed=args.seed or os.urandom(6).hex(), model_config=model_config,
+        warmup=args.warmup, seed=seed, model_config=model_config,
         model_config_path=args.model_config, kv_dtype=kv_dtype, kv_budget=kv_budget,
-        api_key=api_key, plots=not args.no_plots)
+        api_key=api_key, plots=not args.no_plots, baseline_dir=baseline_dir, baseline=baseline,
+        force=bool(getattr(args, "force", False)))

@@ -147,6 +147,14 @@ def render_summary(report: dict[str, Any]) -> str:
     lines.append(f"- prompts: {server.get('prompt_method', '-')}")
     if server.get("capacity_note"):
         lines.append(f"- capacity bound: {server['capacity_note']}")
+    probe = report.get("quality_probe")
+    if isinstance(probe, dict):
+        answered = sum(1 for entry in probe.get("results", []) if entry.get("error") is None)
+        lines.append(f"- quality probe: {probe.get('status')}, {answered} of "
+                     f"{len(probe.get('results', []))} greedy prompts answered (in sweep.json; "
+                     "`kvwatch sweep --compare` sets two sweeps' answers side by side)")
+    if config.get("baseline"):
+        lines.append(f"- baseline: {config['baseline']} (see compare.md)")
     if report.get("interrupted"):
         lines.append("- **interrupted**: the sweep was stopped; the cells below are complete, the "
                      "one running at the stop was dropped")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from kvwatch.sweep.client import Client, ServerError
 
@@ -74,6 +74,31 @@ class PromptMaker:
                     f"server's tokenizer{fitted}")
         return (f"calibrated words: {self.slope:.3f} tokens per word + {self.overhead:.1f} "
                 "(no /tokenize on the server)")
+
+    def recipe(self) -> dict[str, Any]:
+        """What a later sweep needs, with the same seed, to make the same prompts
+        (`from_recipe`)."""
+        return {"method": self.method, "words": list(self.words),
+                "first_cost": dict(self.first_cost), "slope": self.slope,
+                "overhead": self.overhead}
+
+    @classmethod
+    def from_recipe(cls, recipe: dict[str, Any],
+                    tokenize: Callable[[str], int] | None) -> "PromptMaker":
+        """The prompt maker of an earlier sweep. Under /tokenize, lengths are
+        still checked (and fitted) with this server's tokenizer when it has one."""
+        try:
+            method = str(recipe["method"])
+            words = tuple(str(word) for word in recipe["words"])
+            first_cost = {str(k): int(v) for k, v in (recipe.get("first_cost") or {}).items()}
+            slope, overhead = float(recipe.get("slope", 1.0)), float(recipe.get("overhead", 0.0))
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise PromptError(f"the recorded prompt recipe is unreadable: {error!r}") from None
+        if method not in ("tokenize", "calibrated-words") or not words or slope <= 0 \
+                or (method == "tokenize" and set(first_cost) != set(words)):
+            raise PromptError("the recorded prompt recipe is incomplete")
+        return cls(method, words, first_cost=first_cost, slope=slope, overhead=overhead,
+                   tokenize=tokenize if method == "tokenize" else None)
 
     def min_tokens(self) -> int:
         if self.method == "tokenize":

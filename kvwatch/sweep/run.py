@@ -26,11 +26,13 @@ from datetime import datetime, timezone
 from typing import Any, TextIO
 
 from kvwatch import __version__
+from kvwatch.sweep.compare import compare, kv_bytes_per_token, write_comparison
 from kvwatch.sweep.config import SweepConfig, SweepInputError, SweepRunError
 from kvwatch.sweep.summary import capacity_bounds, cell_notes, summarize_cell
 from kvwatch.sweep.client import Client, RequestResult, ServerError, Worker
 from kvwatch.sweep.metrics import MetricsPoller, select_engines
 from kvwatch.sweep.output import COLUMNS, KV_PLOT, TTFT_PLOT, append_requests, write_plots, write_results
+from kvwatch.sweep.probe import not_run, run_probe
 from kvwatch.sweep.prompts import PromptError, PromptMaker, calibrate_with_probes, calibrate_with_tokenize, tokenize_counter
 
 EXIT_INTERRUPTED = 130  # the shell's code for a run ended by SIGINT
@@ -66,6 +68,7 @@ class Sweep:
         self.finished_at: str | None = None
         self.interrupted = False
         self.prompts: PromptMaker | None = None
+        self.probe: dict[str, Any] | None = None
         self._previous_handlers: dict[int, Any] = {}
 
     def say(self, message: str) -> None:
@@ -131,6 +134,7 @@ class Sweep:
             raise SweepInputError(f"--out: cannot create {config.out_dir}: {error}") from None
         max_model_len = self._check_model()
         self.server["max_model_len"] = max_model_len
+        self.server["vllm_version"] = self._server_version()
         if max_model_len:
             too_long = [(i, o) for i in config.input_tokens for o in config.output_tokens
                         if i + o > max_model_len]
@@ -147,11 +151,11 @@ class Sweep:
                                 "point --metrics-url at the engine's /metrics")
         engines = select_engines(snapshot, config.model)
         self.server["engines"] = [{"model_name": m, "engine": e} for m, e in engines]
-        self.server["cache_config"] = {
-            engine: {key: info.get(key) for key in (
-                "block_size", "num_gpu_blocks", "kv_cache_size_tokens", "kv_cache_memory_bytes",
-                "cache_dtype", "enable_prefix_caching")}
-            for engine, info in snapshot.cache_config.items()}
+        # Every label: a comparison of two sweeps names whichever setting changed.
+        self.server["cache_config"] = {engine: dict(info)
+                                       for engine, info in snapshot.cache_config.items()}
+        self.server["kv_bytes_per_token"] = {
+            engine: kv_bytes_per_token(info) for engine, info in snapshot.cache_config.items()}
         if not any(m == config.model for m, _ in engines):
             self.notes.append(f"no engine series is labelled model_name={config.model!r}; "
                               "all engines on the page are counted")
@@ -160,6 +164,7 @@ class Sweep:
         self.server["capacity_note"] = capacity_note
         self.prompts = self._calibrate(max_model_len)
         self.server["prompt_method"] = self.prompts.describe()
+        self.server["prompt_recipe"] = self.prompts.recipe()
         self.server["prompt_checks"] = {str(k): v for k, v in self.prompts.checks.items()}
         too_short = [i for i in config.input_tokens if i < self.prompts.min_tokens()]
         if too_short:
@@ -167,6 +172,35 @@ class Sweep:
                 f"--input-tokens {', '.join(map(str, too_short))}: the shortest prompt this "
                 f"server's tokenizer makes is {self.prompts.min_tokens()} tokens")
         self._warm_up()
+
+    def _server_version(self) -> str | None:
+        """vLLM's /version, None when the server has no such endpoint."""
+        try:
+            status, body = self.client.get_json("/version", timeout=min(10.0, self.config.timeout))
+        except ServerError:
+            return None
+        if status == 200 and isinstance(body, dict) and isinstance(body.get("version"), str):
+            return body["version"]
+        return None
+
+    def _run_probe(self) -> None:
+        """Greedy answers to the fixed probe prompts, one at a time on the idle
+        server, after the cells so that it cannot touch their figures
+        (kvwatch/sweep/probe.py)."""
+        if self.stop.is_set():
+            self.probe = not_run("the sweep was stopped before the quality probe")
+            return
+        busy = self._wait_idle("the quality probe")
+        self.probe = run_probe(self.client, self.config.model, self.config.timeout)
+        if busy:
+            self.probe["note"] = ((self.probe["note"] + "; ") if self.probe["note"] else "") + \
+                "the server had other traffic, whose batches can change what greedy decoding picks"
+        answered = sum(1 for entry in self.probe["results"] if entry["error"] is None)
+        self.say(f"kvwatch sweep: quality probe: {self.probe['status']}, {answered} of "
+                 f"{len(self.probe['results'])} prompts answered"
+                 + (f" ({self.probe['note']})" if self.probe["note"] else ""))
+        if self.probe["note"]:
+            self.notes.append(f"quality probe: {self.probe['note']}")
 
     def _check_model(self) -> int | None:
         """The served models must include --model; returns its max_model_len if listed."""
@@ -187,11 +221,22 @@ class Sweep:
             names = ", ".join(sorted(str(name) for name in served)) or "none"
             raise SweepInputError(f"--model {self.config.model!r} is not served by "
                                   f"{self.config.base_url} (it serves: {names})")
+        root = served[self.config.model].get("root")
+        self.server["model_root"] = root if isinstance(root, str) else None
         length = served[self.config.model].get("max_model_len")
         return int(length) if isinstance(length, int) and length > 0 else None
 
     def _calibrate(self, max_model_len: int | None) -> PromptMaker:
         count = tokenize_counter(self.client, self.config.model)
+        recipe = self.config.prompt_recipe
+        if recipe is not None:
+            # The baseline's words with its seed: the same prompt texts, letter for letter.
+            maker = PromptMaker.from_recipe(recipe, count)
+            for length in self.config.input_tokens:
+                maker.check_length(length, self.config.seed)
+            self.notes.append(f"prompts repeat those of the baseline {self.config.baseline_dir} "
+                              f"(seed {self.config.seed}, its prompt recipe)")
+            return maker
         maker = calibrate_with_tokenize(count) if count is not None else None
         if maker is not None:
             for length in self.config.input_tokens:
@@ -286,7 +331,7 @@ class Sweep:
             self._write()
             self.say(self._progress_line(number, len(grid), cell))
 
-    def _wait_idle(self, number: int) -> None:
+    def _wait_idle(self, what: str) -> bool:
         """Let the previous cell's requests leave the engine, so cells do not overlap.
         A server with other traffic never goes idle: after IDLE_WAIT_S the cell
         starts anyway, with a note."""
@@ -299,16 +344,17 @@ class Sweep:
                 busy = sum(e.gauges.get("running", 0.0) + e.gauges.get("waiting", 0.0)
                            for e in engines)
                 if busy == 0:
-                    return
+                    return False
             if time.monotonic() > deadline:
-                self.notes.append(f"cell {number}: the server was still busy after {limit:g} s; "
-                                  "the cell may include other traffic")
-                return
+                self.notes.append(f"{what}: the server was still busy after {limit:g} s; "
+                                  + ("the cell may include other traffic" if what.startswith("cell")
+                                     else "it ran anyway"))
+                return True
             self.stop.wait(min(0.1, self.config.poll_interval))
 
     def _run_cell(self, number: int, inp: int, out: int, conc: int) -> dict[str, Any] | None:
         config = self.config
-        self._wait_idle(number)
+        busy = self._wait_idle(f"cell {number}")
         if self.stop.is_set():
             return None
         workers = [Worker(self.client) for _ in range(conc)]
@@ -335,7 +381,10 @@ class Sweep:
         def work(worker: Worker) -> None:
             try:
                 while (index := claim()) is not None:
-                    prompt = self.prompts.make(inp, random.Random(f"{config.seed}-{number}-{index}"))
+                    # Keyed by the cell's coordinates, not its position: a sweep with the
+                    # same seed sends the same prompts to the same cell whatever its grid.
+                    prompt = self.prompts.make(
+                        inp, random.Random(f"{config.seed}-{inp}-{out}-{conc}-{index}"))
                     result = self.client.stream_completion(worker, self._request_body(prompt.text, out))
                     with lock:
                         results.append((index, result))
@@ -360,6 +409,7 @@ class Sweep:
         metrics = self.poller.end_cell()
         ordered = [result for _, result in sorted(results, key=lambda item: item[0])]
         cell = summarize_cell(number, inp, out, conc, ordered, metrics, self.bounds.get((inp, out)))
+        cell["other_traffic"] = busy
         self.notes.extend(cell_notes(cell, metrics, config.poll_interval))
         append_requests(config.out_dir, self._request_rows(cell, sorted(results, key=lambda x: x[0])),
                         first=not self.cells)
@@ -436,13 +486,32 @@ class Sweep:
                          for (inp, out), bound in self.bounds.items()],
             "columns": COLUMNS,
             "cells": self.cells,
+            "quality_probe": self.probe,
             "notes": self.notes,
         }
 
     def _write(self) -> None:
         write_results(self.config.out_dir, self.report())
 
+    def _compare_with_baseline(self) -> None:
+        """--baseline: compare.json, compare.md and plots beside this sweep's files."""
+        baseline = self.config.baseline
+        if baseline is None or not self.cells:
+            return
+        result = compare(baseline, self.report(), force=self.config.force,
+                         names=(str(self.config.baseline_dir), str(self.config.out_dir)))
+        written = write_comparison(self.config.out_dir, result, plots=self.config.plots)
+        for line in result["headline"]:
+            self.say(f"kvwatch sweep: {line}")
+        changed = [item["what"] for item in result["changes"]["conditions"]
+                   + result["changes"]["settings"]]
+        self.say(f"kvwatch sweep: compared with {self.config.baseline_dir}: "
+                 + (f"changed: {', '.join(changed)}" if changed else "nothing recorded changed")
+                 + f"; {len(result['cells']['compared'])} cell(s) compared, "
+                 f"{len(result['cells']['refused'])} refused; wrote {', '.join(written)}")
+
     def _finish(self) -> int:
+        self._run_probe()
         self.interrupted = self.stop.is_set()
         self.finished_at = _now_text()
         self._write()
@@ -459,6 +528,7 @@ class Sweep:
             plots = ""
         written = "sweep.csv, sweep.json, " + ("requests.csv, " if self.cells else "") \
             + f"summary.md{plots}"
+        self._compare_with_baseline()
         if self.interrupted:
             self.say(f"kvwatch sweep: interrupted; {len(self.cells)} of {len(self.config.cells)} "
                      f"cell(s) kept in {out_dir} ({written})")

@@ -46,6 +46,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
+def vllm_build(request: pytest.FixtureRequest) -> tuple:
+    """(vLLM's virtual environment, the tiny model's folder), for a test that
+    starts a server of its own with other flags (harness.vllm_server)."""
+    return _prepare(request.config)
+
+
+@pytest.fixture(scope="session")
 def real_vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """A running vLLM serving tiny-llama: 128 KV blocks of 32 tokens, 8 sequences at most."""
     venv, model = _prepare(request.config)

@@ -1,0 +1,134 @@
+"""`kvwatch capture`: record a target's /metrics pages, byte-exact, with the
+time each was fetched, into a folder or one `.tar.gz` bundle that someone
+else can replay (`kvwatch diagnose --replay`). The format is in docs/capture.md.
+
+Exit status: 0 when at least one page was recorded, 1 when every fetch
+failed (the capture still holds the failures and their reasons), 2 when the
+configuration is bad or the output cannot be written. Ctrl-C (or SIGTERM)
+stops the recording and keeps what was recorded: the bundle is finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from typing import TextIO
+
+from kvwatch.capture.bundle import CaptureError, CaptureWriter, Entry
+from kvwatch.capture.record import manifest_for, record
+from kvwatch.scrape import Fetcher
+from kvwatch.sidecar.settings import SettingsError, load_settings
+from kvwatch.units import parse_duration
+
+EXIT_OK, EXIT_NO_PAGES, EXIT_UNUSABLE = 0, 1, 2
+# Without a terminal (a log, CI), one progress line per this many fetches.
+PROGRESS_EVERY = 60
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="the engine's /metrics URL (default: from --config or KVWATCH_TARGET)")
+    parser.add_argument("--interval", default="5s", help="time between fetches (default 5s)")
+    parser.add_argument("--duration", default="10m", help="how long to record (default 10m); Ctrl-C stops early")
+    parser.add_argument("--count", type=int, default=None, help="stop after this many fetches (default: none)")
+    parser.add_argument("--out", required=True,
+                        help="a new folder, or a file ending in .tar.gz for one bundle; never overwritten")
+    parser.add_argument("--config", help="YAML config file of kvwatch serve (target, TLS, bearer token, size cap)")
+    parser.add_argument("--bearer-token-file", help="file holding a bearer token for the engine (never recorded)")
+    parser.add_argument("--ca-bundle", help="CA bundle to verify the engine's TLS certificate")
+    parser.add_argument("--tls-verify", help="verify the engine's TLS certificate: true/false (default true)")
+    parser.add_argument("--timeout", help="fetch deadline (default 80%% of the interval)")
+    parser.add_argument("--max-body-bytes", help="cap on the engine's page size, e.g. 16MiB")
+
+
+def run(args: argparse.Namespace) -> int:
+    problems = []
+    values = {}
+    for flag, raw in (("--interval", args.interval), ("--duration", args.duration)):
+        try:
+            values[flag] = parse_duration(raw)
+        except ValueError as exc:
+            problems.append(f"{flag}: {exc}")
+    if problems:
+        return _fail(problems)
+    interval, duration = values["--interval"], values["--duration"]
+    if interval <= 0:
+        return _fail(["--interval must be above 0"])
+    if args.count is not None and args.count < 1:
+        return _fail(["--count must be at least 1"])
+    overrides = {"target": args.target, "poll_interval": interval, "window": max(300.0, 2 * interval),
+                 "bearer_token_file": args.bearer_token_file, "ca_bundle": args.ca_bundle,
+                 "tls_verify": args.tls_verify, "timeout": args.timeout, "max_body_bytes": args.max_body_bytes}
+    try:
+        settings = load_settings(args.config, overrides)
+    except SettingsError as exc:
+        return _fail(exc.problems)
+    fetcher = Fetcher(settings.target, settings.fetch_timeout, settings.max_body_bytes,
+                      settings.bearer_token_file, settings.ca_bundle, settings.tls_verify)
+    try:
+        writer = CaptureWriter(args.out, manifest_for(settings.target, interval, duration))
+    except CaptureError as exc:
+        return _fail([str(exc)])
+
+    out = sys.stderr
+    tty = out.isatty()
+    print(f"kvwatch capture: {writer.manifest['target']} every {interval:g}s for {duration:g}s into {args.out}"
+          + ("; Ctrl-C stops and keeps what was recorded" if tty else ""), file=out, flush=True)
+    started = time.monotonic()
+    interrupted = False
+    previous_term = _set_signal(signal.SIGTERM, _interrupt)
+    try:
+        record(fetcher, writer, interval, duration, progress=lambda e, w: _progress(out, tty, e, w, started),
+               count=args.count)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        previous_int = _set_signal(signal.SIGINT, signal.SIG_IGN)  # packing the bundle must finish
+        try:
+            path = writer.close(ended_at=time.time(), interrupted=interrupted)
+        finally:
+            _set_signal(signal.SIGINT, previous_int)
+            _set_signal(signal.SIGTERM, previous_term)
+    manifest = writer.manifest
+    if tty:
+        print(file=out)
+    failed = ", ".join(f"{reason} {count}" for reason, count in sorted(manifest["failed_by_reason"].items()))
+    failures = f", {manifest['failed']} failed ({failed})" if failed else ""
+    print(f"kvwatch capture: {'interrupted; ' if interrupted else ''}{manifest['pages']} pages{failures}"
+          f" in {time.monotonic() - started:.0f}s; engine {manifest.get('engine') or 'not recognised'}; "
+          f"written to {path}", file=out)
+    return EXIT_OK if manifest["pages"] else EXIT_NO_PAGES
+
+
+def _progress(out: TextIO, tty: bool, entry: Entry, writer: CaptureWriter, started: float) -> None:
+    manifest = writer.manifest
+    line = (f"{entry.seq} fetches: {manifest['pages']} pages, {manifest['failed']} failed, "
+            f"{time.monotonic() - started:.0f}s"
+            + ("" if entry.ok else f"; last: {entry.reason}"))
+    if tty:
+        print(f"\r{line}   ", end="", file=out, flush=True)
+    elif entry.seq == 1 or entry.seq % PROGRESS_EVERY == 0:
+        print(line, file=out, flush=True)
+
+
+def _interrupt(signum, frame):
+    # SIGTERM (a container stopping, `kill`) ends the recording like Ctrl-C.
+    raise KeyboardInterrupt
+
+
+def _set_signal(signum, handler):
+    """The previous handler; None (and nothing set) outside the main thread."""
+    if handler is None:
+        return None
+    try:
+        return signal.signal(signum, handler)
+    except ValueError:  # not the main thread (a test calling run())
+        return None
+
+
+def _fail(problems: list[str]) -> int:
+    print("kvwatch capture: cannot record:", file=sys.stderr)
+    for problem in problems:
+        print(f"  - {problem}", file=sys.stderr)
+    return EXIT_UNUSABLE

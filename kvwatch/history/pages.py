@@ -1,0 +1,277 @@
+"""From query results back to metrics pages: each replica's values at one
+step, written as the text of the /metrics page a poll at that time would
+have read, for the engine adapter (kvwatch.engines).
+
+Why pages and not Snapshots built here: the adapter owns every alias of
+every vLLM version, the folding of `pid` and Ray labels, the cache
+configuration, `_created` and the process start time. Writing its input
+keeps one reader of vLLM's vocabulary; the cost is a parse per replica and
+step, which the adapter's layout cache keeps small (the lines of one
+replica's page keep their order from step to step).
+
+Two sources, whichever the store has (`auto` prefers vLLM's own series):
+- `vllm`: vLLM's series as Prometheus stored them, in any version's
+  spelling (`vllm:` or `vllm_`), written back under their own names;
+- `kvwatch`: the sidecar's re-exported `kvwatch_engine_*` series, written
+  under the newest vLLM name of their canonical key (kvwatch.signals.
+  ENGINE_SERIES says which key each one carries), `kvwatch_engine_info` as
+  `vllm:cache_config_info`. The sidecar's own process start time is not the
+  engine's, so restarts come from counters that fell.
+
+A replica is one value of the replica labels (default job, instance,
+namespace, pod: the scrape target); those labels are dropped from the page,
+every other label is kept for the adapter.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from kvwatch.engines import vllm
+from kvwatch.signals import ENGINE_SERIES, INFO_KEYS
+
+DEFAULT_REPLICA_LABELS = ("job", "instance", "namespace", "pod")
+PROCESS_START = "process_start_time_seconds"
+_SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created", "")
+
+
+def _families() -> dict[str, str]:
+    """vLLM family (no prefix) -> its kind: gauge, counter or histogram."""
+    kinds: dict[str, str] = {}
+    for table, kind in ((vllm.GAUGES, "gauge"), (vllm.COUNTERS, "counter"), (vllm.HISTOGRAMS, "histogram")):
+        for aliases in table.values():
+            for alias in aliases:
+                kinds.setdefault(alias, kind)
+    for family, _ in vllm.LABELLED_GAUGES.values():
+        kinds[family] = "gauge"
+    for family, _ in vllm.LABELLED_COUNTERS.values():
+        kinds[family] = "counter"
+    kinds[vllm.CACHE_CONFIG] = "gauge"
+    kinds[vllm.LORA] = "gauge"
+    return kinds
+
+
+VLLM_FAMILIES = _families()
+# The series of each kind the adapter reads (a counter's `_created` only for
+# the family that marks a restart).
+_WANTED_SUFFIXES = {"gauge": ("",), "counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def vllm_sample_name(name: str) -> tuple[str, str, str] | None:
+    """(prefix, family, suffix) of a stored series name the adapter reads, or None."""
+    for prefix in vllm.PREFIXES:
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix):]
+        for suffix in _SUFFIXES:
+            if suffix and not rest.endswith(suffix):
+                continue
+            family = rest[: len(rest) - len(suffix)] if suffix else rest
+            kind = VLLM_FAMILIES.get(family)
+            if kind is None:
+                continue
+            if suffix in _WANTED_SUFFIXES[kind] or (suffix == "_created" and family == vllm.RESTART_MARKER):
+                return prefix, family, suffix
+    return None
+
+
+def _newest(key: str) -> str | None:
+    for table in (vllm.GAUGES, vllm.COUNTERS, vllm.HISTOGRAMS):
+        if key in table:
+            return table[key][0]
+    base = key[:-2] if key.endswith("/*") else key
+    for table in (vllm.LABELLED_GAUGES, vllm.LABELLED_COUNTERS):
+        if base in table:
+            return table[base][0]
+    return None
+
+
+def _kvwatch_names() -> dict[str, tuple[str, str]]:
+    """kvwatch_engine_* sample name -> (vLLM sample name, role); role is
+    "sample", or "config/<key>" for a value that becomes a cache_config label."""
+    names: dict[str, tuple[str, str]] = {"kvwatch_engine_info": ("vllm:" + vllm.CACHE_CONFIG, "sample")}
+    for series in ENGINE_SERIES:
+        if series.key.startswith("config/"):
+            names[series.name] = ("", series.key)
+            continue
+        family = _newest(series.key)
+        if family is None:
+            continue  # capacity_tokens: kvwatch_engine_info carries what it derives from
+        if series.kind == "histogram":
+            for suffix in ("_bucket", "_sum", "_count"):
+                names[series.name + suffix] = (f"vllm:{family}{suffix}", "sample")
+        elif series.kind == "counter":
+            names[series.sample_name] = (f"vllm:{family}_total", "sample")
+        else:
+            names[series.name] = (f"vllm:{family}", "sample")
+    return names
+
+
+KVWATCH_NAMES = _kvwatch_names()
+
+
+def name_matcher(source: str) -> str:
+    """The __name__ matcher of the series a source's diagnosis reads."""
+    if source == "kvwatch":
+        return '__name__=~"kvwatch_engine_.+"'
+    return '__name__=~"(ray_)?vllm[:_].+"'
+
+
+def wanted(name: str, source: str) -> bool:
+    if source == "kvwatch":
+        return name in KVWATCH_NAMES
+    return vllm_sample_name(name) is not None
+
+
+def family_of(name: str, source: str) -> str:
+    """What series are queried together: one vLLM family (its buckets, sum
+    and count in one query)."""
+    if source == "kvwatch":
+        for suffix in ("_bucket", "_sum", "_count", "_total"):
+            if name.endswith(suffix) and name[: -len(suffix)] + "_bucket" in KVWATCH_NAMES:
+                return name[: -len(suffix)]
+        return name
+    prefix, family, _suffix = vllm_sample_name(name)
+    return prefix + family
+
+
+def family_query(family: str, names: list[str], selector_inner: str) -> str:
+    matcher = (f'__name__="{names[0]}"' if len(names) == 1
+               else '__name__=~"' + "|".join(re.escape(n) for n in sorted(names)) + '"')
+    return "{" + ",".join(p for p in (matcher, selector_inner) if p) + "}"
+
+
+def escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _le_order(labels: dict[str, str]) -> float:
+    try:
+        return float(labels.get("le", "nan"))
+    except ValueError:
+        return float("inf")
+
+
+@dataclass
+class Replica:
+    """One scrape target's series over the range, as page lines."""
+
+    key: tuple[str, ...]
+    labels: dict[str, str]
+    # [(sample line prefix, sort key, values by step index)]
+    rows: list[tuple[str, tuple, list[str | None]]] = field(default_factory=list)
+    # config/<key> values that join the cache_config line: (engine labels, key, values)
+    config_rows: list[tuple[tuple, str, list[str | None]]] = field(default_factory=list)
+    process_start: list[str | None] | None = None
+    _ordered: bool = False
+
+    def page(self, index: int) -> str | None:
+        """The page at step `index`, or None when the replica had no value then."""
+        if not self._ordered:
+            self.rows.sort(key=lambda row: row[1])
+            self._ordered = True
+        lines = [prefix + values[index] for prefix, _order, values in self.rows if values[index] is not None]
+        if not lines:
+            return None
+        if self.config_rows:
+            lines = self._with_config(lines, index)
+        if self.process_start is not None and self.process_start[index] is not None:
+            lines.append(f"{PROCESS_START} {self.process_start[index]}")
+        lines.append("")
+        return "\n".join(lines)
+
+    def _with_config(self, lines: list[str], index: int) -> list[str]:
+        """kvwatch's kv_cache_memory_bytes back as a cache_config_info label."""
+        extra: dict[tuple, dict[str, str]] = {}
+        for engine_labels, key, values in self.config_rows:
+            if values[index] is not None:
+                extra.setdefault(engine_labels, {})[key] = values[index]
+        if not extra:
+            return lines
+        out = []
+        info = f"vllm:{vllm.CACHE_CONFIG}{{"
+        for line in lines:
+            if line.startswith(info):
+                for engine_labels, labels in extra.items():
+                    if all(f'{k}="{escape(v)}"' in line for k, v in engine_labels):
+                        added = ",".join(f'{k}="{escape(str(_as_int(v)))}"' for k, v in labels.items())
+                        line = line.replace("{", "{" + added + ",", 1)
+            out.append(line)
+        return out
+
+
+def _as_int(text: str) -> str:
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return str(int(value)) if value.is_integer() else text
+
+
+class Pages:
+    """Every replica's series over the steps of one range."""
+
+    def __init__(self, start: float, step: float, points: int, source: str,
+                 replica_labels: tuple[str, ...] = DEFAULT_REPLICA_LABELS):
+        self.start = start
+        self.step = step
+        self.points = points
+        self.source = source
+        self.replica_labels = tuple(replica_labels)
+        self.replicas: dict[tuple[str, ...], Replica] = {}
+
+    def replica_key(self, labels: dict[str, str]) -> tuple[str, ...]:
+        return tuple(labels.get(label, "") for label in self.replica_labels)
+
+    def _replica(self, labels: dict[str, str]) -> Replica:
+        key = self.replica_key(labels)
+        replica = self.replicas.get(key)
+        if replica is None:
+            replica = self.replicas[key] = Replica(
+                key, {label: value for label, value in zip(self.replica_labels, key) if value})
+        return replica
+
+    def _values(self, pairs: list) -> list[str | None]:
+        values: list[str | None] = [None] * self.points
+        start, step, points = self.start, self.step, self.points
+        for at, value in pairs:
+            index = int(round((float(at) - start) / step))
+            if 0 <= index < points:
+                values[index] = value
+        return values
+
+    def add(self, result: list[dict]) -> None:
+        """One query's series (Prometheus' matrix result)."""
+        for series in result:
+            metric = dict(series["metric"])
+            name = metric.pop("__name__", "")
+            replica = self._replica(metric)
+            for label in self.replica_labels:
+                metric.pop(label, None)
+            values = self._values(series["values"])
+            if name == PROCESS_START:
+                replica.process_start = values
+                continue
+            if self.source == "kvwatch":
+                target, role = KVWATCH_NAMES.get(name, ("", ""))
+                if role.startswith("config/"):
+                    engine_labels = tuple(sorted((k, v) for k, v in metric.items() if k in ("engine",)))
+                    replica.config_rows.append((engine_labels, role[len("config/"):], values))
+                    continue
+                if not target:
+                    continue
+                if name == "kvwatch_engine_info":
+                    metric = {k: v for k, v in metric.items() if k in INFO_KEYS or k == "engine"}
+                name = target
+            block = ",".join(f'{k}="{escape(v)}"' for k, v in sorted(metric.items()))
+            prefix = f"{name}{{{block}}} " if block else f"{name} "
+            # Buckets of one series consecutive, in increasing `le`, then _sum and _count.
+            base = name
+            for suffix in ("_bucket", "_sum", "_count"):
+                if name.endswith(suffix):
+                    base = name[: -len(suffix)]
+            identity = tuple(sorted((k, v) for k, v in metric.items() if k != "le"))
+            order = (base, identity, name.endswith("_count"), name.endswith("_sum"), _le_order(metric))
+            replica.rows.append((prefix, order, values))
+            replica._ordered = False

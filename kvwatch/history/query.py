@@ -1,0 +1,193 @@
+"""Reading a range of history through the Prometheus HTTP query API (also
+Thanos, Mimir, Cortex, VictoriaMetrics).
+
+Every read is bounded: the step is chosen from the range (at least
+`min_step`, and at most MAX_POINTS points per series and query, Prometheus'
+own limit of 11,000 being above it), each family's range query is split into
+time chunks so that series x points never exceeds `max_samples` (below
+Prometheus' default --query.max-samples of 50,000,000), at most `concurrency`
+queries run at once, each with a timeout. What was read is counted in `Cost`
+(queries, samples, bytes, seconds) and reported with the diagnosis.
+
+The HTTP session takes the sidecar's options: a bearer token file (re-read
+on each query, as projected tokens rotate), a CA bundle or no verification,
+no proxies from the environment, no redirects followed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+import urllib3
+
+from kvwatch import __version__
+
+MAX_POINTS = 10_000  # per series and query; Prometheus refuses more than 11,000
+DEFAULT_MAX_SAMPLES = 5_000_000  # per query
+DEFAULT_CONCURRENCY = 4
+DEFAULT_TIMEOUT = 60.0
+# Steps the planner picks from, so that steps line up across runs.
+NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
+
+
+class QueryError(Exception):
+    """The store refused or failed a query (the message says which and why)."""
+
+
+@dataclass
+class Cost:
+    queries: int = 0
+    samples: int = 0
+    series: int = 0
+    bytes: int = 0
+    seconds: float = 0.0  # wall time of the reads, from the first to the last
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, samples: int, series: int, size: int) -> None:
+        with self._lock:
+            self.queries += 1
+            self.samples += samples
+            self.series += series
+            self.bytes += size
+
+    def to_json(self) -> dict:
+        return {"queries": self.queries, "samples": self.samples, "series_read": self.series,
+                "bytes": self.bytes, "seconds": round(self.seconds, 3)}
+
+
+def choose_step(start: float, end: float, min_step: float = 15.0, max_points: int = 2_880) -> float:
+    """The smallest nice step >= min_step giving at most max_points steps over
+    the range (24 h at 30 s is 2,880 points)."""
+    span = max(0.0, end - start)
+    for step in NICE_STEPS:
+        if step >= min_step and span / step <= max_points:
+            return float(step)
+    return float(max(min_step, math.ceil(span / max_points)))
+
+
+def merge_selector(selector: str | None, name_matcher: str) -> str:
+    """`{a="b"}` and `__name__=~"..."` -> `{__name__=~"...",a="b"}`."""
+    inner = (selector or "").strip()
+    if inner.startswith("{") and inner.endswith("}"):
+        inner = inner[1:-1].strip()
+    return "{" + ",".join(part for part in (name_matcher, inner) if part) + "}"
+
+
+_SELECTOR = re.compile(r'^\{\s*(?:[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*,?\s*)*\}$')
+
+
+def check_selector(selector: str | None) -> str | None:
+    """A problem with a `--selector`, or None."""
+    if not selector:
+        return None
+    if not _SELECTOR.match(selector.strip()):
+        return f"not a label selector: {selector!r} (expected e.g. '{{namespace=\"llm\"}}')"
+    return None
+
+
+class PrometheusClient:
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, bearer_token_file: str | None = None,
+                 ca_bundle: str | None = None, tls_verify: bool = True, concurrency: int = DEFAULT_CONCURRENCY,
+                 max_samples: int = DEFAULT_MAX_SAMPLES):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.bearer_token_file = bearer_token_file
+        self.concurrency = max(1, concurrency)
+        self.max_samples = max(1, max_samples)
+        self.cost = Cost()
+        self.session = requests.Session()
+        self.session.trust_env = False
+        self.session.verify = ca_bundle if ca_bundle else tls_verify
+        self.session.headers.update({"User-Agent": f"kvwatch/{__version__}", "Accept-Encoding": "gzip"})
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=self.concurrency)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        if not tls_verify:
+            urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+        self._token: str | None = None
+
+    def _headers(self) -> dict[str, str]:
+        if not self.bearer_token_file:
+            return {}
+        try:
+            self._token = Path(self.bearer_token_file).read_text().strip()
+        except OSError:
+            pass
+        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
+
+    def _get(self, path: str, params) -> object:
+        try:
+            response = self.session.post(f"{self.url}{path}", data=params, headers=self._headers(),
+                                         timeout=self.timeout, allow_redirects=False)
+        except requests.Timeout:
+            raise QueryError(f"{path}: no answer within {self.timeout:g}s") from None
+        except requests.RequestException as exc:
+            raise QueryError(f"{path}: {type(exc).__name__}: {exc}") from None
+        size = len(response.content)
+        try:
+            body = response.json()
+        except ValueError:
+            raise QueryError(f"{path}: HTTP {response.status_code}, not JSON ({response.headers.get('content-type')})") from None
+        if response.status_code != 200 or body.get("status") != "success":
+            raise QueryError(f"{path}: HTTP {response.status_code}: {body.get('errorType', '')} {body.get('error', '')}".strip())
+        data = body["data"]
+        if isinstance(data, dict) and "result" in data:
+            result = data["result"]
+            samples = sum(len(s.get("values", ())) or 1 for s in result)
+            self.cost.count(samples, len(result), size)
+        else:
+            self.cost.count(len(data), 0, size)
+        return data
+
+    def series(self, match: str, start: float, end: float) -> list[dict[str, str]]:
+        """The label sets of every series matching over the range."""
+        return self._get("/api/v1/series", {"match[]": match, "start": f"{start:.3f}", "end": f"{end:.3f}"})
+
+    def query_range(self, query: str, start: float, end: float, step: float) -> list[dict]:
+        data = self._get("/api/v1/query_range", {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}",
+                                                 "step": f"{step:g}"})
+        return data["result"]
+
+    def plan(self, start: float, end: float, step: float, series: int) -> list[tuple[float, float]]:
+        """Time chunks of [start, end] on the step grid, each within
+        MAX_POINTS points and max_samples samples for `series` series."""
+        points = int(round((end - start) / step)) + 1
+        per_chunk = max(1, min(MAX_POINTS, self.max_samples // max(1, series)))
+        chunks = []
+        first = 0
+        while first < points:
+            last = min(points - 1, first + per_chunk - 1)
+            chunks.append((start + first * step, start + last * step))
+            first = last + 1
+        return chunks
+
+    def read_ranges(self, queries: list[tuple[str, int]], start: float, end: float, step: float) -> list[list[dict]]:
+        """Each (query, expected series) over [start, end] at `step`, chunked,
+        at most `concurrency` at a time; per query, its series with the
+        chunks' values joined in time order."""
+        jobs = []
+        for index, (query, series) in enumerate(queries):
+            for chunk_start, chunk_end in self.plan(start, end, step, series):
+                jobs.append((index, query, chunk_start, chunk_end))
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            answers = list(pool.map(lambda job: (job[0], self.query_range(job[1], job[2], job[3], step)), jobs))
+        self.cost.seconds += time.monotonic() - started
+        joined: list[dict[tuple, dict]] = [dict() for _ in queries]
+        for index, result in answers:
+            target = joined[index]
+            for series in result:
+                key = tuple(sorted(series["metric"].items()))
+                found = target.get(key)
+                if found is None:
+                    target[key] = {"metric": series["metric"], "values": list(series["values"])}
+                else:
+                    found["values"].extend(series["values"])
+        return [list(found.values()) for found in joined]

@@ -1,0 +1,172 @@
+"""The history diagnosis: read the range in time chunks, rebuild each
+replica's page at each step, and run the sidecar's own pipeline over it
+(adapter -> Window -> evaluate_window -> diagnose, one adapter and one window
+per replica, as one sidecar per replica would have), then the fleet rules
+across the replicas of each model at the same step.
+
+Memory is bounded by the chunk, not the range: a chunk reads every family
+for at most `max_samples` samples in all, its steps are diagnosed, and only
+the replicas' windows (one window span each) and the timeline are kept.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvwatch import diagnose as diagnosis
+from kvwatch.diagnose.fleet import ReplicaRow, fleet_findings
+from kvwatch.engines import make_adapter
+from kvwatch.history.pages import (DEFAULT_REPLICA_LABELS, PROCESS_START, Pages, family_of, family_query,
+                                   name_matcher, wanted)
+from kvwatch.history.query import MAX_POINTS, PrometheusClient, merge_selector
+from kvwatch.history.timeline import Timeline
+from kvwatch.signals import evaluate_window
+from kvwatch.window import Window
+
+MAX_EVENTS = 100  # per replica, as the sidecar keeps
+MAX_TREND_POINTS = 600  # per replica, for the report's charts
+
+
+@dataclass
+class ReplicaState:
+    name: str
+    labels: dict[str, str]
+    adapter: Any
+    window: Window
+    events: deque = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
+    restarted_at: float | None = None
+    models: set = field(default_factory=set)
+    steps: int = 0
+    # (time, KV usage, waiting, prefix hit ratio over the window) per step
+    trend: list = field(default_factory=list)
+
+
+@dataclass
+class History:
+    start: float
+    end: float
+    step: float
+    window: float
+    source: str
+    selector: str
+    replicas: dict[str, ReplicaState]
+    timeline: Timeline
+    cost: dict[str, Any]
+    diagnose_seconds: float
+    steps: int
+
+
+def replica_name(labels: dict[str, str], key: tuple[str, ...]) -> str:
+    values = [value for value in key if value]
+    return "/".join(values) if values else "(no target labels)"
+
+
+def _discover(client: PrometheusClient, selector: str, start: float, end: float, source: str):
+    """(source, {family: [series names]}, {family: series count})."""
+    inner = merge_selector(selector, "")[1:-1]
+    candidates = ("vllm", "kvwatch") if source == "auto" else (source,)
+    for candidate in candidates:
+        found = client.series(merge_selector(selector, name_matcher(candidate)), start, end)
+        names: dict[str, set] = {}
+        counts: dict[str, int] = {}
+        for labels in found:
+            name = labels.get("__name__", "")
+            if not wanted(name, candidate):
+                continue
+            family = family_of(name, candidate)
+            names.setdefault(family, set()).add(name)
+            counts[family] = counts.get(family, 0) + 1
+        if names:
+            if candidate == "vllm":
+                process = client.series(merge_selector(selector, f'__name__="{PROCESS_START}"'), start, end)
+                if process:
+                    names[PROCESS_START] = {PROCESS_START}
+                    counts[PROCESS_START] = len(process)
+            return candidate, {family: sorted(n) for family, n in names.items()}, counts, inner
+    return None, {}, {}, inner
+
+
+def diagnose_history(client: PrometheusClient, start: float, end: float, step: float, selector: str = "",
+                     source: str = "auto", window: float = 300.0, thresholds: dict[str, Any] | None = None,
+                     replica_labels: tuple[str, ...] = DEFAULT_REPLICA_LABELS,
+                     progress: Callable[[str], None] | None = None) -> History:
+    started = time.monotonic()
+    source, families, counts, inner = _discover(client, selector, start, end, source)
+    timeline = Timeline()
+    replicas: dict[tuple, ReplicaState] = {}
+    points = int((end - start) // step) + 1
+    if source is None:
+        return History(start, end, step, window, "none", selector, {}, timeline.finish(), client.cost.to_json(),
+                       0.0, 0)
+    queries = [(family_query(family, names, inner), counts[family]) for family, names in sorted(families.items())]
+    total_series = max(1, sum(counts.values()))
+    per_round = max(1, min(MAX_POINTS, client.max_samples // total_series))
+    diagnose_seconds = 0.0
+    first = 0
+    while first < points:
+        last = min(points - 1, first + per_round - 1)
+        chunk_start = start + first * step
+        pages = Pages(chunk_start, step, last - first + 1, source, replica_labels)
+        for result in client.read_ranges(queries, chunk_start, start + last * step, step):
+            pages.add(result)
+        began = time.monotonic()
+        ordered = sorted(pages.replicas.items())
+        for index in range(last - first + 1):
+            at = chunk_start + index * step
+            _diagnose_step(at, index, ordered, replicas, timeline, window, thresholds, step)
+        diagnose_seconds += time.monotonic() - began
+        if progress:
+            progress(f"{last + 1}/{points} steps, {len(replicas)} replicas, {client.cost.queries} queries")
+        first = last + 1
+    timeline.finish()
+    cost = client.cost.to_json()
+    cost["total_seconds"] = round(time.monotonic() - started, 3)
+    cost["diagnose_seconds"] = round(diagnose_seconds, 3)
+    named = {state.name: state for state in replicas.values()}
+    return History(start, end, step, window, source, selector, named, timeline, cost, diagnose_seconds, points)
+
+
+def _diagnose_step(at: float, index: int, ordered, replicas: dict, timeline: Timeline, window_seconds: float,
+                   thresholds, step: float) -> None:
+    by_model: dict[str, list[ReplicaRow]] = {}
+    for key, replica in ordered:
+        state = replicas.get(key)
+        if state is None:
+            state = replicas[key] = ReplicaState(replica_name(replica.labels, key), replica.labels,
+                                                 make_adapter("vllm"), Window(window_seconds))
+        text = replica.page(index)
+        snapshot = state.adapter.adapt(text, at=at) if text is not None else None
+        if snapshot is None or not snapshot.engines:
+            timeline.gap(state.name, at, step)
+            continue
+        window = state.window
+        entry = window.add(snapshot)
+        state.steps += 1
+        if len(window.entries) >= 2:
+            for change in diagnosis.changes_between(window.entries[-2], entry):
+                state.events.append(change)
+        if any(s.restarted for s in entry.steps.values()):
+            state.restarted_at = at
+        per_engine, per_model = evaluate_window(window)
+        events = tuple(e for e in state.events if e.time >= at - window.seconds)
+        findings = diagnosis.diagnose(window, per_engine, events, thresholds or {})
+        timeline.add(state.name, at, findings, replica=state.name)
+        restarted = state.restarted_at if state.restarted_at is not None and at - state.restarted_at <= window.seconds else None
+        usage = waiting = hit = None
+        for row in per_engine:
+            state.models.add(row.model)
+            values = row.values
+            mine = [f for f in findings if f.model == row.model and f.engine == row.engine]
+            by_model.setdefault(row.model, []).append(ReplicaRow(
+                state.name, row.engine, values, row.view.increase.counters, mine, restarted))
+            u = values.get("kvwatch_kv_cache_usage_ratio")
+            usage = u if usage is None or (u is not None and u > usage) else usage
+            waiting = (waiting or 0.0) + (values.get("kvwatch_requests_waiting") or 0.0)
+        for row in per_model:
+            hit = row.values.get("kvwatch_prefix_cache_hit_ratio")
+        state.trend.append((at, usage, waiting, hit))
+    for model, rows in sorted(by_model.items()):
+        timeline.add(f"fleet:{model}", at, fleet_findings(model, rows, thresholds))

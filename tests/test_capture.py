@@ -1,0 +1,244 @@
+"""`kvwatch capture` and the replays of what it records: pages byte-exact with
+their fetch times, no secret in a capture, Ctrl-C keeps a finished bundle,
+and a replay reports the findings timeline the live sidecar reported."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import tarfile
+from dataclasses import asdict
+
+import pytest
+
+import kvwatch.commands.capture as capture_command
+from kvwatch.capture.bundle import Capture, CaptureError, CaptureWriter
+from kvwatch.capture.record import manifest_for, record
+from kvwatch.capture.replay import ReplaySource, Timeline, paced, replay
+from kvwatch.cli import main
+from kvwatch.scrape import Fetcher, FetchResult
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.report import _clean
+from kvwatch.sidecar.settings import load_settings
+from kvwatch.sim.server import start_background
+from pageserver import Answer, PageServer
+
+ORDER = ("idle", "prefix-load", "load", "long-load", "after")
+BASE = 1_700_000_000.0
+
+
+def page(fixtures_dir, name: str) -> str:
+    return (fixtures_dir / "vllm-0.32-cpu" / f"metrics-{name}.txt").read_text()
+
+
+def every_byte(path) -> bytes:
+    """All the bytes a capture holds, a bundle's decompressed members included."""
+    if path.is_dir():
+        return b"".join(p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file())
+    raw = path.read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as tar:
+        members = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())
+    return raw + gzip.decompress(raw) + members
+
+
+def capture_cli(url: str, out, *extra: str, count: int = 5) -> int:
+    return main(["capture", "--target", url, "--interval", "0.02s", "--duration", "10m", "--count", str(count),
+                 "--out", str(out), *extra])
+
+
+def test_pages_are_kept_byte_exact_with_their_fetch_times(fixtures_dir, tmp_path, capsys):
+    texts = [page(fixtures_dir, name) for name in ORDER]
+    gzipped = Answer(gzip.compress(texts[2].encode()),
+                     headers={"Content-Type": "text/plain; version=0.0.4", "Content-Encoding": "gzip"})
+    answers = [Answer(texts[0]), Answer(texts[1]), gzipped, Answer("oops\n", status=503), Answer(texts[4])]
+    out = tmp_path / "capture"
+    with PageServer(answers) as server:
+        assert capture_cli(server.url, out) == 0
+    captured = Capture(out)
+    entries = captured.entries
+    assert [e.ok for e in entries] == [True, True, True, False, True]
+    assert entries[3].reason == "http_5xx" and entries[3].detail == "HTTP 503"
+    stored = [(out / e.page).read_bytes() for e in entries if e.ok]
+    assert stored == [texts[i].encode() for i in (0, 1, 2, 4)]  # gzip transfer encoding undone, nothing else
+    times = [e.time for e in entries]
+    assert times == sorted(times) and times[-1] - times[0] >= 0.08
+    assert all(0 < e.seconds < 5 for e in entries)
+    manifest = captured.manifest
+    assert manifest["complete"] and not manifest["interrupted"]
+    assert manifest["engine"] == "vllm" and manifest["pages"] == 4 and manifest["failed_by_reason"] == {"http_5xx": 1}
+    assert manifest["cache_config_info"]["0"]["num_gpu_blocks"] == "128"
+    assert manifest["kvwatch_version"] and manifest["interval_seconds"] == 0.02
+    assert "4 pages, 1 failed (http_5xx 1)" in capsys.readouterr().err
+
+
+def test_no_secret_enters_a_bundle(fixtures_dir, tmp_path):
+    token, query_secret, password = "tok-Zq81-never-stored", "qs-Kp22-never-stored", "pw-Lm53-never-stored"
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    good = page(fixtures_dir, "idle")
+    echo = Answer(good + f"# debug: Authorization: Bearer {token}\n")  # a page quoting the credential
+    redirect = Answer(status=302, headers={"Location": f"http://elsewhere/metrics?api_key={query_secret}"})
+    with PageServer([Answer(good), echo, redirect, Answer(good)]) as server:
+        bundle = tmp_path / "with-token.tar.gz"
+        assert capture_cli(server.url + f"?api_key={query_secret}", bundle, "--bearer-token-file",
+                           str(token_file), count=4) == 0
+        assert server.requests[0]["headers"]["Authorization"] == f"Bearer {token}"
+        folder = tmp_path / "with-password"
+        assert capture_cli(server.url.replace("http://", f"http://admin:{password}@"), folder, count=2) == 0
+    for path in (bundle, folder):
+        held = every_byte(path)
+        for secret in (token, query_secret, password):
+            assert secret.encode() not in held, (path, secret)
+    entries = Capture(bundle).entries
+    assert [e.reason for e in entries if not e.ok] == ["secret_in_page", "http_3xx"]
+    assert Capture(bundle).manifest["target"] == server.url  # no query string, no user info
+    assert Capture(folder).manifest["target"] == server.url
+
+
+def test_ctrl_c_keeps_what_was_recorded_in_a_finished_bundle(fixtures_dir, tmp_path, monkeypatch):
+    pages = [page(fixtures_dir, name) for name in ORDER]
+
+    class Interrupted(Fetcher):
+        calls = 0
+
+        def fetch(self):
+            Interrupted.calls += 1
+            if Interrupted.calls == 3:
+                raise KeyboardInterrupt
+            return FetchResult(pages[Interrupted.calls], size=len(pages[Interrupted.calls]))
+
+    monkeypatch.setattr(capture_command, "Fetcher", Interrupted)
+    out = tmp_path / "stopped.tar.gz"
+    assert main(["capture", "--target", "http://127.0.0.1:9/metrics", "--interval", "0.01s", "--duration", "1m",
+                 "--out", str(out)]) == 0
+    assert not (tmp_path / "stopped.tar.gz.partial").exists()
+    captured = Capture(out)
+    assert captured.manifest["interrupted"] is True and captured.manifest["complete"] is True
+    assert [text for _, text in captured.pages()] == pages[1:3]
+
+
+def test_a_capture_never_overwrites(tmp_path):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(CaptureError, match="exists"):
+        CaptureWriter(tmp_path / "taken", {})
+    assert main(["capture", "--target", "http://127.0.0.1:9/metrics", "--out", str(tmp_path / "taken")]) == 2
+
+
+def recorded(fixtures_dir, out, gap: float = 10.0, quiet: int = 0):
+    """The real captures as one recording, `gap` seconds apart (a failed fetch
+    in the middle), then `quiet` more polls of the page after the load."""
+    writer = CaptureWriter(out, manifest_for("http://127.0.0.1:8000/metrics", gap, gap * 6))
+    for index, name in enumerate(ORDER[:3]):
+        writer.add(BASE + gap * index, 0.01, page(fixtures_dir, name))
+    writer.add(BASE + gap * 3, 0.5, None, "timeout", "no response within 0.5s")
+    for index, name in enumerate(ORDER[3:] + ("after",) * quiet, start=4):
+        writer.add(BASE + gap * index, 0.01, page(fixtures_dir, name))
+    return writer.close(ended_at=BASE + gap * 6, interrupted=False)
+
+
+@pytest.mark.parametrize("suffix", ["", ".tar.gz"])
+def test_diagnose_replay_prints_the_timeline_at_recorded_times(fixtures_dir, tmp_path, capsys, suffix):
+    path = recorded(fixtures_dir, tmp_path / f"real{suffix}")
+    assert main(["diagnose", "--replay", str(path), "--json"]) == 1
+    body = json.loads(capsys.readouterr().out)
+    assert body["polls"] == 6 and body["failed_polls"] == 1 and body["start"] == BASE and body["end"] == BASE + 50
+    assert body["outages"] == [{"reason": "timeout", "detail": "no response within 0.5s", "start": BASE + 30,
+                                "end": BASE + 30, "polls": 1}]
+    burst = next(f for f in body["findings"] if f["cause"] == "concurrency_beyond_capacity")
+    # It starts at the burst's page (20 s in) and lasts while the burst is in the 5 min window.
+    assert burst["start"] == BASE + 20 and burst["end"] == BASE + 50 and burst["active_at_end"] is True
+    assert burst["worst"]["evidence"]["waiting_at_peak"] == 18
+    # The window in recorded seconds (the replay took milliseconds).
+    assert burst["worst"]["evidence"]["window_seconds"] == burst["worst"]["time"] - BASE >= 20
+    assert main(["diagnose", "--replay", str(path)]) == 1
+    text = capsys.readouterr().out
+    assert "exhaustion / concurrency_beyond_capacity" in text and "(+0:00:20)" in text
+    assert "waiting_at_peak=18" in text and "FAILED FETCHES" in text and "timeout x1" in text
+
+
+def test_a_short_window_ends_the_episode_when_the_burst_leaves_it(fixtures_dir, tmp_path, capsys):
+    path = recorded(fixtures_dir, tmp_path / "real", gap=60.0, quiet=3)
+    assert main(["diagnose", "--replay", str(path), "--json", "--window", "150s"]) == 1
+    burst = next(f for f in json.loads(capsys.readouterr().out)["findings"]
+                 if f["cause"] == "concurrency_beyond_capacity")
+    assert burst["start"] == BASE + 120 and BASE + 240 <= burst["end"] < BASE + 480
+    assert not burst["active_at_end"]
+
+
+def test_paced_replay_waits_the_recorded_gaps_divided_by_the_speed(fixtures_dir, tmp_path):
+    source = ReplaySource(Capture(recorded(fixtures_dir, tmp_path / "real")).pages())
+    now = [0.0]
+    waits = []
+
+    def wait(seconds):
+        waits.append(seconds)
+        now[0] += seconds
+        return False
+
+    assert paced(source, source.fetch, speed=4, wait=wait, monotonic=lambda: now[0]) == 6
+    assert waits == [0, 2.5, 2.5, 2.5, 2.5, 2.5]
+
+
+def test_serve_replay_is_the_sidecar_over_recorded_time(fixtures_dir, tmp_path):
+    from kvwatch.commands.serve import replaying
+
+    path = recorded(fixtures_dir, tmp_path / "real.tar.gz")
+    capture = Capture(path)
+    settings = load_settings(overrides={"target": capture.manifest["target"], "poll_interval": "10s"}, environ={})
+    monitor, start = replaying(capture, settings, speed=0)
+    start()
+    monitor._thread.join(10)
+    state = monitor.state
+    assert state.polls == 6 and state.up and state.last_poll_time == BASE + 50
+    assert any(f.cause == "concurrency_beyond_capacity" for f in state.findings)
+    assert monitor.ready() == (True, "ok")
+
+
+def findings_of(state) -> list:
+    return [_clean(asdict(f)) for f in state.findings] if state.up else None
+
+
+def test_a_simulator_recording_replays_to_the_live_sidecars_timeline(tmp_path):
+    # The simulator's clock stands still (speed 0) and moves 5 s per fetch,
+    # and one clock stamps the live sidecar's polls and the capture's
+    # fetches: both read the same page at the same time.
+    with start_background("exhaustion", speed=0) as sim:
+        now = [BASE]
+        settings = load_settings(overrides={"target": sim.metrics_url, "poll_interval": "5s", "window": "2m"},
+                                 environ={})
+        live = Monitor(settings, clock=lambda: now[0])
+        live_timeline, live_polls = Timeline(), []
+        fetcher = Fetcher(sim.metrics_url, 5.0, 16 << 20)
+
+        class Alongside:
+            """The capture's fetcher; the live sidecar polls just before each fetch."""
+
+            def fetch(self):
+                state = live.poll_once()
+                live_timeline.add(state)
+                live_polls.append(findings_of(state))
+                return fetcher.fetch()
+
+            def _secrets(self):
+                return fetcher._secrets()
+
+        def sleep(seconds):
+            sim.advance(seconds)
+            now[0] += seconds
+
+        bundle = tmp_path / "sim.tar.gz"
+        writer = CaptureWriter(bundle, manifest_for(sim.metrics_url, 5.0, 420.0))
+        assert record(Alongside(), writer, 5.0, 420.0, clock=lambda: now[0], monotonic=lambda: now[0] - BASE,
+                      sleep=sleep) == 85
+        writer.close(ended_at=now[0], interrupted=False)
+
+    replayed_polls = []
+    timeline = replay(Capture(bundle), lambda source: Monitor(settings, fetcher=source, clock=source.now),
+                      on_state=lambda state: replayed_polls.append(findings_of(state)))
+    live_timeline.finish()
+    assert replayed_polls == live_polls
+    assert timeline.signature() == live_timeline.signature()
+    # and the timeline says something: exhaustion, named during the overload (60 s to 240 s).
+    burst = [e for e in timeline.episodes if e.symptom == "exhaustion"]
+    assert burst and 60 <= burst[0].start - BASE <= 240 and timeline.polls == 85
