@@ -65,6 +65,8 @@ TEST_CONFIG = {
     "upstream_histogram": "app_retrieval_seconds",
     "upstream_selector": 'job="rag-app"',
     "upstream_join_labels": ["deployment"],
+    "runbook_url_pattern": "https://git.example.org/ops/kvwatch/blob/main/alerts/runbooks.md#{anchor}",
+    "dashboard_url_pattern": "https://grafana.example.org/d/{uid}?var-model={model_name}&viewPanel={panel_id}",
 }
 HIT_RATE_CAUSES = {"caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"}
 SCENARIOS = {
