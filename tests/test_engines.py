@@ -234,7 +234,7 @@ def test_monitor_picks_the_engine_from_the_first_page_and_says_so(fixtures_dir):
     body = signals_json(state, settings)
     assert body["engine"] == "llamacpp"
     dark = {item["signal"]: item for item in body["dark_signals"]}
-    assert "llamacpp does not export" in dark["kvwatch_time_to_first_token_mean_seconds"]["why"]
+    assert "llama.cpp does not export" in dark["kvwatch_time_to_first_token_mean_seconds"]["why"]
     assert "kvwatch_prefix_cache_hit_ratio" not in dark
 
 
@@ -243,7 +243,7 @@ def test_a_pinned_engine_reads_only_its_own_families(fixtures_dir):
     with PageServer([Answer(page)]) as server:
         monitor = Monitor(load_settings(overrides={"target": server.url, "engine": "vllm"}, environ={}))
         state = monitor.poll_once()
-    assert not state.up and state.reason == "no_engine_metrics" and "no vllm engine metrics" in state.detail
+    assert not state.up and state.reason == "no_engine_metrics" and "no vLLM engine metrics" in state.detail
 
 
 def test_dark_signals_follow_each_adapters_table():

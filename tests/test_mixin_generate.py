@@ -152,3 +152,29 @@ def test_recording_rules_follow_the_naming_convention_and_cover_the_catalogue():
     assert "sum by (namespace, job, model_name, le) (rate(" in quantile["expr"]
     assert len(set(zip(records, [str(r.get("labels")) for g in rules["groups"] for r in g["rules"]
                                  if "record" in r]))) == len(records)
+
+
+def test_version_flag(capsys):
+    from kvwatch import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"kvwatch {__version__}"
+
+
+def test_print_config_into_a_closed_pipe_ends_quietly(monkeypatch):
+    # `kvwatch generate --print-config | head` ended in a BrokenPipeError traceback.
+    import io
+    import os
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader (head) has gone
+
+    class Closed(io.TextIOWrapper):
+        pass
+
+    stream = Closed(os.fdopen(write_end, "wb", buffering=0), write_through=True)
+    monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(os, "dup2", lambda *args: None)  # keep the test runner's real stdout
+    assert cli.main(["generate", "--print-config"]) == 0

@@ -51,7 +51,9 @@ class ReplaySource:
         self._last_time = entry.time
         self._next = next(self._pages, None)
         if text is None:
-            return FetchResult(None, entry.reason or "error", entry.detail, entry.seconds)
+            # What was recorded (redacted at recording), not a sentence made up
+            # now from this replay's settings.
+            return FetchResult(None, entry.reason or "error", entry.detail, entry.seconds, sentence=entry.detail)
         return FetchResult(text, seconds=entry.seconds, size=entry.size, content_type="text/plain")
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import textwrap
 import time
@@ -39,7 +40,8 @@ EXIT_OK, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="the engine's /metrics URL (default: from --config or KVWATCH_TARGET)")
+    parser.add_argument("--target", help="the engine's /metrics URL (default: `target` in --config, else "
+                                         "KVWATCH_TARGET, else http://127.0.0.1:8000/metrics)")
     parser.add_argument("--duration", default="30s", help="how long to poll (default 30s); the window covers it")
     parser.add_argument("--interval", default="2s", help="time between polls (default 2s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -102,6 +104,24 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         return _fail(exc.problems)
 
+    # Say where the target came from: a silent default polled the wrong engine.
+    import os
+
+    from kvwatch.sidecar.report import public_url
+    from kvwatch.sidecar.settings import Settings
+
+    if args.target:
+        source = "--target"
+    elif os.environ.get("KVWATCH_TARGET"):
+        source = "KVWATCH_TARGET"
+    elif args.config and settings.target != Settings.target:
+        source = f"`target` in {args.config}"
+    else:
+        source = "the default; give --target, `target` in --config, or KVWATCH_TARGET"
+    print(f"kvwatch diagnose: polling {public_url(settings.target)} ({source})", file=sys.stderr)
+    # One account of a failing target, at the end (the sentence), not a log
+    # line per transition beside it.
+    logging.getLogger("kvwatch").setLevel(logging.ERROR)
     monitor = Monitor(settings)
     last_good = None
     polls = 0
@@ -129,13 +149,12 @@ def run(args: argparse.Namespace) -> int:
 
     final = monitor.state
     if last_good is None:
-        reason = f"{final.reason}: {final.detail}".strip(": ")
         if args.json:
             print(json.dumps({"up": False, "target": signals_json(final, settings)["target"], "reason": final.reason,
                               "detail": final.detail, "polls": polls}, indent=2))
         else:
             print(f"kvwatch diagnose: no engine metrics from {signals_json(final, settings)['target']} in {polls} "
-                  f"polls ({reason})", file=sys.stderr)
+                  f"polls: {final.detail}", file=sys.stderr)
         return EXIT_UNUSABLE
 
     signals = signals_json(last_good, settings)
@@ -184,7 +203,7 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
         print(textwrap.fill(f"{signals['engine']} does not provide: {dark}", width=110, initial_indent="  ",
                             subsequent_indent="    "), file=out)
     if not final.up:
-        print(f"  last poll failed: {final.reason} {final.detail}".rstrip() + "; showing the last good poll", file=out)
+        print(f"  last poll failed: {final.detail}; showing the last good poll", file=out)
 
     columns = signal_columns(signals)
     print("\nSIGNALS", file=out)
@@ -201,11 +220,15 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
     if not findings:
         print("  none", file=out)
     for finding in findings:
-        where = finding["model"] + (f"/{finding['engine']}" if finding["engine"] is not None else "")
+        where = finding["model_name"] + (f"/{finding['engine']}" if finding["engine"] is not None else "")
         print(f"\n  {finding['severity'].upper():8}  {finding['symptom']} / {finding['cause']}  [{where}]  "
               f"confidence {finding['confidence']}", file=out)
-        for label, text in (("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"])),
-                            ("next: ", finding["next_check"])):
+        lines = [("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"]))]
+        lines += [(f"{key.replace('_', ' ')}: ", note) for key, note in finding.get("notes", {}).items()]
+        lines += [("next: ", finding["next_check"])]
+        if finding.get("runbook"):
+            lines.append(("runbook: ", finding["runbook"]))
+        for label, text in lines:
             print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "), file=out)
     events = diagnosis["events"]
     if events:

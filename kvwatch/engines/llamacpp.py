@@ -66,6 +66,7 @@ NOT_READ = ("n_tokens_max", "n_busy_slots_per_decode", "prompt_tokens_seconds", 
 
 class LlamacppAdapter(TableAdapter):
     name = "llamacpp"
+    title = "llama.cpp"
     prefixes = PREFIXES
     ROWS = ROWS
     MISSING = MISSING

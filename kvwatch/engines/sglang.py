@@ -82,6 +82,7 @@ MISSING: dict[str, str] = {
 
 class SglangAdapter(TableAdapter):
     name = "sglang"
+    title = "SGLang"
     prefixes = PREFIXES
     ROWS = ROWS
     MISSING = MISSING

@@ -64,6 +64,7 @@ MISSING: dict[str, str] = {
 
 class TrtllmAdapter(TableAdapter):
     name = "trtllm"
+    title = "TensorRT-LLM"
     prefixes = PREFIXES
     ROWS = ROWS
     MISSING = MISSING

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwatch.mixin.config import ALERT_CAUSES, ALERTS, MixinConfig
+from kvwatch.mixin.config import ALERT_CAUSES, ALERTS, PREEMPTING_SUFFIX, MixinConfig
 from kvwatch.mixin.promql import Fragments, Scope, chain, num, paren
 
 # Where each alert is shown: (dashboard key, panel key), see dashboards.py.
@@ -51,6 +51,7 @@ class AlertSpec:
     description: str  # Go template with VALUE standing for the value
     dashboard: str
     panel: str
+    variant: str = ""  # "preempting" for an exhaustion cause's critical rule
 
     @property
     def expr(self) -> str:
@@ -66,7 +67,10 @@ class AlertSpec:
         short = {"VllmKvCacheExhausted": "exhausted", "VllmPrefixCacheHitRateLow": "hit-rate",
                  "VllmTimeToFirstTokenSlow": "ttft", "KvwatchDown": "down",
                  "KvwatchEngineUnreachable": "unreachable"}[self.alert]
-        return f"kvwatch-{short}-{self.cause.replace('_', '-')}"[:40]
+        uid = f"kvwatch-{short}-{self.cause.replace('_', '-')}"
+        if self.variant:
+            return uid[:39 - len(self.variant)] + "-" + self.variant
+        return uid[:40]
 
     def labels(self) -> dict[str, str]:
         labels = {"severity": self.severity, "cause": self.cause}
@@ -98,10 +102,11 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     pct = lambda x: f"{x * 100:g}%"  # noqa: E731
     specs: list[AlertSpec] = []
 
-    def add(alert, cause, query, op, threshold, summary, description):
+    def add(alert, cause, query, op, threshold, summary, description, variant=""):
         dashboard, panel = ALERT_PANELS[alert]
+        severity = config.severity(cause + PREEMPTING_SUFFIX if variant == "preempting" else cause)
         specs.append(AlertSpec(alert, cause, ALERTS[alert], query, op, threshold, config.for_duration(alert),
-                               config.severity(cause), summary, description, dashboard, panel))
+                               severity, summary, description, dashboard, panel, variant))
 
     # --- KV cache exhausted ------------------------------------------------------
     usage = f.usage_max()
@@ -113,23 +118,37 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     exhausted_intro = (f"The KV cache of {where} ran out of room in the last {w}: requests were preempted, or "
                        f"waited for room while usage peaked above {pct(config.exhaustion_usage_ratio)} (highest "
                        f"usage scraped: {{{{ {VALUE} | humanizePercentage }}}})")
-    add("VllmKvCacheExhausted", "concurrency_beyond_capacity",
-        chain(usage, ("and", f.exhausted()), ("unless", f.long_requests())),
-        ">", 0,
-        "vLLM KV cache full: more concurrent requests than the cache holds.",
-        f"{exhausted_intro}, and on average each running request held less than {share} of it or more "
-        "requests waited than ran: too many requests for the cache (likely cause: concurrency beyond "
-        "capacity). Next: on the exhaustion dashboard compare running plus waiting requests with how many the "
-        "cache holds at current lengths; cap concurrency near that (--max-num-seqs, the gateway), add "
-        "replicas, or give the cache more memory.")
-    add("VllmKvCacheExhausted", "long_requests",
-        chain(usage, ("and", f.exhausted()), ("and", f.long_requests())),
-        ">", 0,
-        "vLLM KV cache full: a few long requests fill it.",
-        f"{exhausted_intro}, and on average each running request held at least {share} of it with no more "
-        "requests waiting than running: a few long requests fill the cache (likely cause: long requests). "
-        "Next: check prompt and generation length p95 on the exhaustion dashboard and the gateway log; cap "
-        "max_tokens or --max-model-len, or route long-context requests to engines sized for them.")
+    exhaustion_causes = {
+        "concurrency_beyond_capacity": (
+            ("unless", f.long_requests()),
+            "more concurrent requests than the cache holds.",
+            f"on average each running request held less than {share} of it or more requests waited than ran: "
+            "too many requests for the cache (likely cause: concurrency beyond capacity). Next: on the exhaustion "
+            "dashboard compare running plus waiting requests with how many the cache holds at current lengths; "
+            "cap concurrency near that (--max-num-seqs, the gateway), add replicas, or give the cache more memory."),
+        "long_requests": (
+            ("and", f.long_requests()),
+            "a few long requests fill it.",
+            f"on average each running request held at least {share} of it with no more requests waiting than "
+            "running: a few long requests fill the cache (likely cause: long requests). Next: check prompt and "
+            "generation length p95 on the exhaustion dashboard and the gateway log; cap max_tokens or "
+            "--max-model-len, or route long-context requests to engines sized for them."),
+    }
+    # Each cause twice, split on preemptions (the diagnosis' severity rule):
+    # preempting engines recompute running requests (critical); a full cache
+    # that only makes requests wait is a warning.
+    for variant in ("preempting", ""):
+        for cause, (split, headline, reason) in exhaustion_causes.items():
+            if variant:
+                steps = (("and", f.exhausted()), split, ("and", f.preempting()))
+                summary = f"vLLM KV cache full and preempting: {headline}"
+                state = ", requests are being preempted (their KV recomputed)"
+            else:
+                steps = (("and", f.exhausted()), split, ("unless", f.preempting()))
+                summary = f"vLLM KV cache full: {headline}"
+                state = ", requests wait (none preempted)"
+            add("VllmKvCacheExhausted", cause, chain(usage, *steps), ">", 0, summary,
+                f"{exhausted_intro}{state}, and {reason}", variant)
 
     # --- prefix-cache hit rate low -------------------------------------------------
     # While the cache is exhausted, a full cache explains a low ratio by
@@ -237,6 +256,25 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         f"Prometheus has failed to scrape kvwatch at {_lbl(config.instance_label)} (job {_lbl('job')}) for "
         f"{config.for_duration('KvwatchDown')}: kvwatch's signals and the vLLM alerts for that pod are blind. "
         "Next: check the kvwatch container (its log, /healthz), the pod, and the scrape configuration.")
+    # up{} < 1 sees only targets Prometheus still has: a monitor that selects
+    # nothing, or kvwatch gone with its pods, leaves no `up` to be below 1.
+    # Nothing at all under the selector is absent(); a group (namespace, job)
+    # that had targets within kvwatch_absent_window and has none now is the
+    # fleet-level vanish. One pod replaced by another is not (its group keeps
+    # targets); a fleet scaled to zero on purpose is, until the window passes
+    # (absent() until a target returns): silence it for planned scale-downs.
+    up = f"up{{{config.kvwatch_selector}}}"
+    groups = ", ".join(config.group_labels)
+    add("KvwatchDown", "kvwatch_absent",
+        f"absent({up})\nor\n(\n  group by ({groups}) (max_over_time({up}[{config.kvwatch_absent_window}]))\n"
+        f"  unless\n  group by ({groups}) ({up})\n  and on ()\n  count({up})\n)",
+        ">", 0,
+        "Prometheus has no kvwatch target to scrape.",
+        f"No target matches {config.kvwatch_selector} (or none is left in this group, which had some within "
+        f"the last {config.kvwatch_absent_window}): the ServiceMonitor/PodMonitor selects nothing, or the pods "
+        "carrying kvwatch are gone. Every vLLM alert is blind. Next: `kubectl get pods,servicemonitors,"
+        "podmonitors -n <namespace>`, Prometheus' Targets page for the job, and whether the fleet was scaled to "
+        "zero on purpose (then silence this alert).")
     add("KvwatchEngineUnreachable", "engine_unreachable",
         f"kvwatch_up{{{config.kvwatch_selector}}}", "<", 1,
         "kvwatch cannot read the vLLM engine's /metrics.",

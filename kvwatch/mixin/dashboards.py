@@ -144,7 +144,7 @@ def _panel(spec: PanelSpec, panel_id: int, grid: g.GridPos, config: MixinConfig)
         for i, (expr, legend) in enumerate(spec.targets)
     ]
     links = []
-    if spec.runbook:
+    if spec.runbook and config.runbook_url_pattern:
         links.append({"title": "Runbook", "url": config.runbook_url_pattern.format(anchor=spec.runbook),
                       "targetBlank": True})
     steps = [{"color": "green", "value": None}]

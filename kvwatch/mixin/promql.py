@@ -170,6 +170,11 @@ class Fragments:
                 f"\nand\n{paren(self.waiting_for_capacity_avg())} > 0"
                 f"\nor\n{paren(self.preemption_rate())} > 0")
 
+    def preempting(self) -> str:
+        """vLLM preempted requests in the rate window: running requests lost
+        their KV and are recomputed (the diagnosis' critical exhaustion)."""
+        return f"{paren(self.preemption_rate())} > 0"
+
     def long_requests(self) -> str:
         """A few requests fill the cache: each running request holds a large
         share of it and no more requests wait than run (the diagnosis'
@@ -217,13 +222,50 @@ class Fragments:
         only where the cache is not exhausted)."""
         return f"{paren(self.usage_avg())} > {num(self.c.eviction_usage_ratio)}"
 
+    def healthy_now(self) -> str:
+        """The hit ratio over the rate window is healthy and judged."""
+        return (f"{paren(self.hit_ratio())}\n>= {num(self.c.hit_ratio_low)}"
+                f"\nand\n{paren(self.enough_queries())}")
+
+    def remembered_healthy(self) -> str:
+        """The engine's last healthy hit ratio, remembered by the recording
+        rules (memory_rules) beyond any window: absent where those rules are
+        not installed (Grafana alerting alone), then only the baseline span counts."""
+        return self.s.agg("max", f"{self.memory_level}:{MEMORY_LAST_NAME}")
+
+    @property
+    def memory_level(self) -> str:
+        """The level part of the memory rules' names: the engine labels beyond the group labels."""
+        return "_".join(label for label in self.c.engine_labels if label not in self.c.group_labels)
+
     def healthy_baseline(self) -> str:
-        """The hit ratio was fine before the rate window: real reuse."""
-        return f"{paren(self.baseline_hit_ratio())}\n>= {num(self.c.hit_ratio_low)}"
+        """The hit ratio was fine before the rate window (the baseline span), or
+        at any time the recording rules remember: real reuse, so a low ratio now
+        is a regression however long it has lasted."""
+        return (f"{paren(self.baseline_hit_ratio())}\n>= {num(self.c.hit_ratio_low)}"
+                f"\nor\n{paren(self.remembered_healthy())}")
 
     def low_baseline(self) -> str:
-        """The hit ratio was low before the rate window as well."""
-        return f"{paren(self.baseline_hit_ratio())}\n< {num(self.c.hit_ratio_low)}"
+        """The hit ratio was low before the rate window as well, and was never
+        healthy in the remembered span."""
+        return (f"{paren(self.baseline_hit_ratio())}\n< {num(self.c.hit_ratio_low)}"
+                f"\nunless\n{paren(self.remembered_healthy())}")
+
+    def memory_rules(self) -> list[dict]:
+        """Two recording rules that carry an engine's last healthy hit ratio and
+        when it was seen forward from evaluation to evaluation: refreshed while
+        the ratio is healthy, kept while the engine's series exist (gaps up to
+        MEMORY_BRIDGE) and for at most hit_ratio_memory since last healthy."""
+        last, seen = (f"{self.memory_level}:{name}" for name in (MEMORY_LAST_NAME, MEMORY_SEEN_NAME))
+        present = self.s.agg("group", f"last_over_time({self.s.m('kvwatch_engine_info')}"
+                                      f"[{MEMORY_BRIDGE}])")
+        memory = seconds_of(self.c.hit_ratio_memory)
+        seen_expr = (f"{paren(self.healthy_now())} * 0 + time()"
+                     f"\nor\n(\n  last_over_time({seen}[{MEMORY_BRIDGE}]) > time() - {num(memory)}\n  and\n"
+                     f"{indent(paren(present))}\n)")
+        last_expr = (f"{paren(self.healthy_now())}"
+                     f"\nor\n(\n  last_over_time({last}[{MEMORY_BRIDGE}])\n  and\n  {seen}\n)")
+        return [{"record": seen, "expr": seen_expr}, {"record": last, "expr": last_expr}]
 
     def low_before_exhaustion(self) -> str:
         """Within the baseline span, some rate window (stepped by the rate
@@ -256,6 +298,20 @@ class Fragments:
 
     def front_end_largest(self) -> str:
         return self._top(self.front_end_mean(), [(self.queue_mean(), True), (self.prefill_mean(), True)])
+
+
+# The hit-ratio memory's recording rules, named level:metric:operations.
+MEMORY_LAST_NAME = "kvwatch_prefix_cache_hit_ratio:last_healthy"
+MEMORY_SEEN_NAME = "kvwatch_prefix_cache_hit_ratio:last_healthy_timestamp_seconds"
+# Gaps in rule evaluation or in an engine's series shorter than this keep the memory.
+MEMORY_BRIDGE = "1h"
+
+
+def seconds_of(duration: str) -> float:
+    import re
+
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration))
 
 
 def chain(value: str, *steps: tuple[str, str]) -> str:

@@ -77,12 +77,59 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
             "Means rather than quantiles, because only means add up (the dashboards show p50/p95/p99 too)."),
         "KvwatchDown": (
             f"Prometheus has failed to scrape a kvwatch target ({c.kvwatch_selector}) for "
-            f"{c.for_duration('KvwatchDown')}. While it lasts, the vLLM alerts for that pod cannot fire."),
+            f"{c.for_duration('KvwatchDown')} (`kvwatch_unreachable`), or there is no kvwatch target to scrape "
+            "at all (`kvwatch_absent`). While it lasts, the vLLM alerts for those pods cannot fire."),
         "KvwatchEngineUnreachable": (
             f"kvwatch is up but its polls of the vLLM engine's /metrics have failed for "
             f"{c.for_duration('KvwatchEngineUnreachable')} (kvwatch_up == 0). kvwatch exports no engine series "
             "while it cannot read them, so the vLLM alerts for that pod are blind too."),
     }
+
+
+# cause -> what to do in the first five minutes (before the medium-term fix).
+FIRST_FIVE = {
+    "concurrency_beyond_capacity":
+        "Shed or spread load now: lower the gateway's concurrency limit for this model, or scale out "
+        "(`kubectl scale deployment/<name> -n <namespace> --replicas=<n+1>`). With preemptions every minute "
+        "recomputes running requests; a replica that starts takes minutes to load the model.",
+    "long_requests":
+        "Find the long requests in the gateway log and cap `max_tokens` for their callers, or route them to a "
+        "larger engine. Scaling out helps less: each replica still holds only a few of them.",
+    "caching_disabled":
+        "Nothing urgent. Confirm in the pod's arguments that `--enable-prefix-caching` is absent (or "
+        "`--no-enable-prefix-caching` present).",
+    "cold_cache":
+        "Nothing urgent: confirm the restart (`kubectl get pod -n <namespace> <pod>` restarts and age, "
+        "`kubectl logs --previous -c vllm`) and whether it was planned.",
+    "eviction_before_reuse":
+        "Check whether load rose (running requests, prompt tokens per second); shed or scale out if latency "
+        "suffers. Nothing is lost yet: prefixes are recomputed.",
+    "prefix_changed":
+        "Ask what was deployed when the ratio fell (application, gateway, prompt templates); roll it back if "
+        "the extra prefill costs latency. Silence the alert once the change is known to be intended.",
+    "no_reuse":
+        "Nothing urgent: compare with the workload you expect (should its prompts share text?).",
+    "queueing_kv_bound":
+        "Treat the exhaustion first (VllmKvCacheExhausted): shed load or scale out.",
+    "queueing_compute_bound":
+        "Shed load or scale out; check the pod's `--max-num-seqs` against running requests.",
+    "prefill":
+        "Check prompt lengths (gateway log, prompt tokens per request); rate-limit the callers sending the longest "
+        "prompts if latency objectives are breached.",
+    "front_end":
+        "Check the vLLM container's CPU (`kubectl top pod -n <namespace> <pod> --containers`) and throttling.",
+    "upstream":
+        "Check the upstream stage's own dashboard and error rate; the engine is not the bottleneck.",
+    "kvwatch_unreachable":
+        "`kubectl get pod -n <namespace> <pod>` (is the kvwatch container running and ready?), then "
+        "`kubectl logs -n <namespace> <pod> -c kvwatch --tail=50`. Serving is unaffected.",
+    "kvwatch_absent":
+        "`kubectl get pods,servicemonitors,podmonitors -n <namespace>`; Prometheus' Targets page for the job. If "
+        "the fleet was scaled to zero on purpose, silence the alert.",
+    "engine_unreachable":
+        "`kubectl get pod -n <namespace> <pod>` and `kubectl logs -n <namespace> <pod> -c vllm --tail=100`: is "
+        "the engine running, restarting, out of memory? kvwatch's `/readyz` and status page say why polls fail.",
+}
 
 
 # cause -> (meaning, confirm, do, don't)
@@ -215,6 +262,16 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             f"{D_TTFT}: the upstream line is the largest part; the engine's own parts are small.",
             "Look at the upstream service (vector store, gateway) and its dependencies.",
             "Do not resize the KV cache or the engine: a bigger or smaller cache does not repair retrieval."),
+        "kvwatch_absent": (
+            "No kvwatch target exists where there were some (within "
+            f"{c.kvwatch_absent_window}), or none at all under the selector: the ServiceMonitor/PodMonitor selects "
+            "nothing (labels, namespace selector, port name), or the pods carrying kvwatch are gone. `up < 1` "
+            "cannot see this: a target that no longer exists has no `up` series.",
+            f"Prometheus' Targets page has no target for the job; {D_OVERVIEW}: every panel empty.",
+            "Fix the monitor's selectors (`deploy.labels`, `deploy.monitor_labels`, `deploy.port_name`), or bring "
+            "the pods back. A fleet scaled to zero on purpose alerts until the window passes: silence it for "
+            "planned scale-downs.",
+            "Do not read silence from the other alerts as health: they see nothing either."),
         "kvwatch_unreachable": (
             "Prometheus cannot scrape kvwatch: the container is down, not ready, or the scrape configuration "
             "points elsewhere.",
@@ -233,45 +290,73 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
     }
 
 
+def _first_five(config: MixinConfig, alert: str, cause: str, spec_list) -> list[str]:
+    """The first-five-minutes block: the alert's PromQL to paste, how to
+    read the pod's vLLM arguments, and the cause's immediate step."""
+    deploy = config.deploy_settings
+    out = [f"**First five minutes.** {FIRST_FIVE[cause]}", ""]
+    if spec_list:
+        out += ["Paste into Prometheus (the alert's own query; one series per affected engine):", "", "```promql",
+                spec_list[0].query, "```", ""]
+    if alert.startswith("Vllm"):
+        out += ["Read the pod's vLLM arguments (cache size, `--max-num-seqs`, `--max-model-len`, prefix caching):",
+                "", "```sh",
+                f"kubectl get pod -n {deploy.namespace} <pod> -o jsonpath='{{.spec.containers[?(@.name==\"vllm\")].args}}'",
+                "```", ""]
+    return out
+
+
+def _severity_text(spec_list) -> str:
+    by_variant = {spec.variant: spec.severity for spec in spec_list}
+    if set(by_variant) == {"preempting", ""}:
+        return f"{by_variant['preempting']} with preemptions, {by_variant['']} without"
+    return ", ".join(sorted(set(by_variant.values())))
+
+
 def render(config: MixinConfig) -> str:
-    specs = {(spec.alert, spec.cause): spec for spec in alert_specs(config)}
+    specs: dict[tuple[str, str], list] = {}
+    for spec in alert_specs(config):
+        specs.setdefault((spec.alert, spec.cause), []).append(spec)
     intros = _alert_intros(config)
     causes = _cause_texts(config)
     out = [
         "<!-- Generated by `kvwatch generate` (kvwatch/mixin/runbooks.py); edit the generator, not this file. -->",
         "# kvwatch runbooks",
         "",
-        "One section per alert and one per cause. Every alert carries `severity`, `cause` (and `symptom` for the "
-        "vLLM alerts) labels, a `runbook_url` to its cause's section here and a `dashboard_url` to the panel "
-        "that shows it. The same causes are named by kvwatch's in-process diagnosis (`kvwatch_finding`, "
-        "`/api/v1/diagnosis`), which also shows the evidence.",
+        "One section per alert and one per cause, each leading with what to do in the first five minutes, then "
+        "what it means, how to confirm it and the medium-term fix. Every alert carries `severity`, `cause` (and "
+        "`symptom` for the vLLM alerts) labels, and, where the mixin config sets the patterns, a `runbook_url` "
+        "to its cause's section here and a `dashboard_url` to the panel that shows it. The same causes are named "
+        "by kvwatch's in-process diagnosis (`kvwatch_finding`, `/api/v1/diagnosis`), which also shows the "
+        "evidence. Why each severity and `for:`: docs/alerts.md.",
         "",
         "| alert | cause | severity | for |",
         "|---|---|---|---|",
     ]
     for alert, alert_causes in ALERT_CAUSES.items():
         for cause in alert_causes:
-            spec = specs.get((alert, cause))
-            severity = spec.severity if spec else f"{config.severity(cause)} (when configured)"
+            spec_list = specs.get((alert, cause))
+            severity = _severity_text(spec_list) if spec_list else f"{config.severity(cause)} (when configured)"
             out.append(f"| {alert} | [{cause}](#{runbook_anchor(alert, cause)}) | {severity} | "
                        f"{config.for_duration(alert)} |")
     out.append("")
     for alert, alert_causes in ALERT_CAUSES.items():
         out += [f'<a id="{runbook_anchor(alert)}"></a>', "", f"## {alert}", "", intros[alert], ""]
         for cause in alert_causes:
-            spec = specs.get((alert, cause))
+            spec_list = specs.get((alert, cause), [])
             meaning, confirm, do, dont = causes[cause]
-            if spec:
-                headline = f"*{spec.summary}* Severity {spec.severity}."
+            if spec_list:
+                headline = f"*{spec_list[-1].summary}* Severity {_severity_text(spec_list)}."
             elif cause == "no_reuse":
                 headline = "*Only when the mixin config sets `no_reuse_alert: true`* (not in this generation)."
             else:
                 headline = ("*Only when the mixin config names an `upstream_histogram`* (not in this "
                             "generation).")
-            out += [f'<a id="{runbook_anchor(alert, cause)}"></a>', "", f"### {alert}: {cause}", "", headline, "",
-                    f"**What it means.** {meaning}", "",
+            out += [f'<a id="{runbook_anchor(alert, cause)}"></a>', "", f"### {alert}: {cause}", "", headline, ""]
+            out += _first_five(config, alert, cause, spec_list)
+            out += [f"**What it means.** {meaning}", "",
                     f"**Confirm on the dashboard.** {confirm}", "",
-                    f"**What to do.** {do}", "",
+                    f"**Medium term.** {do}", "",
                     f"**What not to do.** {dont}", ""]
     out += [f'<a id="{THROUGHPUT_ANCHOR}"></a>', "", "## Throughput and failures (no alert)", "",
             "The overview's last row, for context when an alert fires.", "",

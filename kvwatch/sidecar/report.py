@@ -7,8 +7,23 @@ from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from kvwatch.diagnose.vocabulary import runbook_link
 from kvwatch.diagnose.thresholds import resolve_thresholds
 from kvwatch.signals import SIGNALS
+
+# The causes the generated alert rules name (a runbook section each); the
+# others link to their alert's section. Mirrors mixin/config.py ALERT_CAUSES,
+# which tests/test_diagnose_cli.py compares.
+RULE_CAUSES = {
+    "VllmKvCacheExhausted": ("concurrency_beyond_capacity", "long_requests"),
+    "VllmPrefixCacheHitRateLow": ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse",
+                                  "no_reuse"),
+    "VllmTimeToFirstTokenSlow": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream"),
+}
+
+
+def finding_key(finding) -> tuple[str, str, str, str]:
+    return (finding.symptom, finding.cause, finding.model, finding.engine or "")
 
 
 def public_url(url: str | None) -> str | None:
@@ -49,7 +64,8 @@ def status_json(state, settings) -> dict[str, Any]:
         "target": public_url(settings.target),
         "up": state.up,
         "reason": state.reason,
-        "detail": state.detail,
+        # One human sentence, never an exception's text (that stays in the log).
+        "detail": state.detail if not state.up else "",
         "polls": state.polls,
         "errors_by_reason": state.errors_by_reason,
         "parse_errors": state.parse_errors,
@@ -63,6 +79,13 @@ def status_json(state, settings) -> dict[str, Any]:
     }
 
 
+def _engine_title(engine: str | None) -> str:
+    from kvwatch.engines import ENGINES
+
+    adapter = ENGINES.get(engine or "")
+    return adapter.title if adapter is not None else "this engine"
+
+
 def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """The signals left dark, in catalogue order, one list for two reasons:
     the engine does not export their inputs at all (`engine_dark`, from the
@@ -73,7 +96,7 @@ def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ..
     for signal in SIGNALS:
         if signal.name in engine_dark:
             dark.append({"signal": signal.name, "missing_families": [], "lit_by": None,
-                         "why": f"{engine or 'this engine'} does not export what it is computed from"})
+                         "why": f"{_engine_title(engine)} does not export what it is computed from"})
             continue
         if snapshot is None:
             continue
@@ -107,10 +130,23 @@ def signals_json(state, settings) -> dict[str, Any]:
     }
 
 
+def finding_json(finding, since: float | None = None) -> dict[str, Any]:
+    """A finding as JSON: the metrics' label names (`model_name`), numbers in
+    `evidence` and prose in `notes`, when it was first seen (`since`, epoch
+    seconds, while continuously active) and its runbook section. `model` is
+    kept beside `model_name` for readers of the earlier shape."""
+    data = asdict(finding)
+    evidence = {k: v for k, v in data.pop("evidence").items() if not isinstance(v, str)}
+    notes = {k: v for k, v in finding.evidence.items() if isinstance(v, str)}
+    return _clean({"model_name": finding.model, **data, "evidence": evidence, "notes": notes, "since": since,
+                   "runbook": runbook_link(finding.symptom, finding.cause, RULE_CAUSES)})
+
+
 def diagnosis_json(state, settings) -> dict[str, Any]:
+    since = getattr(state, "findings_since", {}) or {}
     return {
         **status_json(state, settings),
-        "findings": [_clean(asdict(f)) for f in state.findings] if state.up else [],
+        "findings": [finding_json(f, since.get(finding_key(f))) for f in state.findings] if state.up else [],
         "events": [asdict(e) for e in state.events],
         "upstream": _clean(state.upstream),
     }
