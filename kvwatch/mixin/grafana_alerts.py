@@ -122,8 +122,8 @@ def provisioning(config: MixinConfig, panel_ids) -> dict:
 # Causes whose fix lies with whoever runs, sizes and scales the engines (and
 # kvwatch beside them), and those whose fix lies with whoever owns prompts,
 # the application or the gateway.
-PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "queueing_kv_bound", "queueing_compute_bound",
-                   "eviction_before_reuse", "prefill", "kvwatch_unreachable", "engine_unreachable")
+PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "usage_rising", "queueing_kv_bound",
+                   "queueing_compute_bound", "eviction_before_reuse", "prefill", "kvwatch_unreachable", "engine_unreachable")
 APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled")
 
 
