@@ -25,6 +25,7 @@ from kvwatch.mixin.promql import Fragments, Scope, chain, num, paren
 # Where each alert is shown: (dashboard key, panel key), see dashboards.py.
 ALERT_PANELS = {
     "VllmKvCacheExhausted": ("exhaustion", "usage_peak"),
+    "VllmKvCacheExhaustionSoon": ("exhaustion", "kvwatch_kv_cache_exhaustion_eta_seconds"),
     "VllmPrefixCacheHitRateLow": ("prefix_cache", "hit_ratio_vs_baseline"),
     "VllmTimeToFirstTokenSlow": ("first_token", "ttft_parts"),
     "KvwatchDown": ("overview", "scrape_up"),
@@ -64,7 +65,8 @@ class AlertSpec:
     @property
     def uid(self) -> str:
         """Stable Grafana rule uid (at most 40 characters)."""
-        short = {"VllmKvCacheExhausted": "exhausted", "VllmPrefixCacheHitRateLow": "hit-rate",
+        short = {"VllmKvCacheExhausted": "exhausted", "VllmKvCacheExhaustionSoon": "exhaustion-soon",
+                 "VllmPrefixCacheHitRateLow": "hit-rate",
                  "VllmTimeToFirstTokenSlow": "ttft", "KvwatchDown": "down",
                  "KvwatchEngineUnreachable": "unreachable"}[self.alert]
         uid = f"kvwatch-{short}-{self.cause.replace('_', '-')}"
@@ -149,6 +151,21 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
                 state = ", requests wait (none preempted)"
             add("VllmKvCacheExhausted", cause, chain(usage, *steps), ">", 0, summary,
                 f"{exhausted_intro}{state}, and {reason}", variant)
+
+    # --- KV cache full soon --------------------------------------------------------
+    # The ETA signal's own PromQL (the one its recording rule records): absent
+    # unless usage rises and is at least its mean over the trend range, so flat
+    # or falling usage never fires. Silent once the cache is exhausted: from
+    # then on VllmKvCacheExhausted speaks, and this one warns only before.
+    minutes = config.exhaustion_eta_minutes
+    add("VllmKvCacheExhaustionSoon", "usage_rising",
+        chain(f.s.signal("kvwatch_kv_cache_exhaustion_eta_seconds"), ("unless", f.exhausted())),
+        "<", minutes * 60,
+        "vLLM KV cache on course to fill up: preemption is minutes away.",
+        f"KV usage of {where} is rising: at its trend over the last 5m the cache is full in "
+        f"{{{{ {VALUE} | humanizeDuration }}}} (under {num(minutes)}m), and nothing is preempted yet (likely "
+        "cause: usage rising). Next: on the exhaustion dashboard, see what rises (running requests or their "
+        "length); shed or route load to other replicas, or add one now, before vLLM starts preempting.")
 
     # --- prefix-cache hit rate low -------------------------------------------------
     # While the cache is exhausted, a full cache explains a low ratio by

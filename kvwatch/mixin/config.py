@@ -30,6 +30,7 @@ SEVERITIES = ("critical", "warning", "info")
 # Alert names, with the symptom (the diagnosis vocabulary) each one reports.
 ALERTS = {
     "VllmKvCacheExhausted": "exhaustion",
+    "VllmKvCacheExhaustionSoon": "exhaustion",
     "VllmPrefixCacheHitRateLow": "low_hit_rate",
     "VllmTimeToFirstTokenSlow": "slow_first_token",
     "KvwatchDown": None,
@@ -41,6 +42,8 @@ ALERTS = {
 # each. `upstream` and `no_reuse` are generated only when the config asks.
 ALERT_CAUSES = {
     "VllmKvCacheExhausted": ("concurrency_beyond_capacity", "long_requests"),
+    # A forecast, not a diagnosis: the one cause is the trend itself.
+    "VllmKvCacheExhaustionSoon": ("usage_rising",),
     "VllmPrefixCacheHitRateLow": CAUSES["low_hit_rate"],
     "VllmTimeToFirstTokenSlow": CAUSES["slow_first_token"],
     "KvwatchDown": ("kvwatch_unreachable", "kvwatch_absent"),
@@ -57,6 +60,10 @@ DEFAULT_SEVERITIES = {
     **{cause: SEVERITY[cause] for causes in ALERT_CAUSES.values() for cause in causes if cause in SEVERITY},
     **{cause + PREEMPTING_SUFFIX: severity for cause, severity in PREEMPTING_SEVERITY.items()
        if cause in ALERT_CAUSES["VllmKvCacheExhausted"]},
+    # Nothing hurts yet; it warns while there is time to act (shed or route
+    # load, add a replica) before preemption starts. Not a diagnosis cause: a
+    # forecast from the usage trend.
+    "usage_rising": "warning",
     # kvwatch itself not scraped: the other alerts are blind, but serving may be fine.
     "kvwatch_unreachable": "warning",
     # No kvwatch target at all where there were some: the monitor selects
@@ -71,6 +78,9 @@ DEFAULT_FOR = {
     # Long enough that a burst which drains by itself does not page; short
     # enough that a real overload is reported while it still hurts.
     "VllmKvCacheExhausted": "10m",
+    # Short against the ETA threshold (15m), so it still warns with about ten
+    # minutes left; long enough that one steep ramp that levels off does not.
+    "VllmKvCacheExhaustionSoon": "5m",
     # Hit ratios move slowly and the causes are not urgent; shorter than the
     # cold-cache window, or a cold cache could never be reported.
     "VllmPrefixCacheHitRateLow": "15m",
@@ -295,6 +305,11 @@ class MixinConfig:
             "it (mean usage / mean running) and no more requests wait than run, and on concurrency otherwise "
             "(kvwatch's diagnosis uses the same definition). 0.2 means five or fewer requests fill the cache; "
             "raise it for long-context deployments where that is normal."))
+    exhaustion_eta_minutes: float = field(default=15, metadata=_help(
+        "VllmKvCacheExhaustionSoon fires when KV usage, at its 5-minute trend (the "
+        "kvwatch_kv_cache_exhaustion_eta_seconds signal), reaches 1 within this many minutes, before any "
+        "request is preempted. Longer than the alert's `for:`, or it could only fire after the forecast "
+        "time; raise it when adding capacity takes longer (a replica that loads for ten minutes)."))
     hit_ratio_low: float = field(default=DEFAULT_THRESHOLDS["hit_ratio_low"], metadata=_help(
         "Prefix-cache hit ratio (hit tokens / queried tokens) below which the hit rate is low. Raise it for "
         "workloads built on a long shared system prompt, where 0.5+ is normal."))
@@ -479,7 +494,7 @@ def _check_field(name: str, value: Any) -> list[str]:
             duration(value)
     elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio"):
         ratio(value)
-    elif name in ("min_query_tokens", "ttft_mean_seconds"):
+    elif name in ("min_query_tokens", "ttft_mean_seconds", "exhaustion_eta_minutes"):
         positive(value)
     elif name == "no_reuse_alert":
         if not isinstance(value, bool):
@@ -560,6 +575,9 @@ def validate(config: MixinConfig) -> list[str]:
     if _seconds(config.cold_cache_window) <= _seconds(config.for_duration("VllmPrefixCacheHitRateLow")):
         problems.append("cold_cache_window must be longer than for_durations.VllmPrefixCacheHitRateLow, or the "
                         "cold_cache cause can never fire")
+    if config.exhaustion_eta_minutes * 60 <= _seconds(config.for_duration("VllmKvCacheExhaustionSoon")):
+        problems.append("exhaustion_eta_minutes must be longer than for_durations.VllmKvCacheExhaustionSoon, or "
+                        "the warning could only come after the forecast time")
     if config.instance_label in ("model_name", "engine"):
         problems.append("instance_label must not be model_name or engine")
     return problems

@@ -34,6 +34,7 @@ _FILTER = ("OK", "The query is a filter: it returns a series only for an engine 
                  "KvwatchEngineUnreachable, not by every vLLM rule at once.")
 NO_DATA: dict[tuple[str, str], tuple[str, str]] = {
     **{("VllmKvCacheExhausted", cause): _FILTER for cause in ("concurrency_beyond_capacity", "long_requests")},
+    ("VllmKvCacheExhaustionSoon", "usage_rising"): _FILTER,
     **{("VllmPrefixCacheHitRateLow", cause): _FILTER for cause in (
         "caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse")},
     **{("VllmTimeToFirstTokenSlow", cause): _FILTER for cause in (
@@ -140,8 +141,9 @@ def provisioning(config: MixinConfig, panel_ids) -> dict:
 # Causes whose fix lies with whoever runs, sizes and scales the engines (and
 # kvwatch beside them), and those whose fix lies with whoever owns prompts,
 # the application or the gateway.
-PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "queueing_kv_bound", "queueing_compute_bound",
-                   "eviction_before_reuse", "prefill", "kvwatch_unreachable", "kvwatch_absent", "engine_unreachable")
+PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "usage_rising", "queueing_kv_bound",
+                   "queueing_compute_bound", "eviction_before_reuse", "prefill", "kvwatch_unreachable", "kvwatch_absent",
+                   "engine_unreachable")
 APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled")
 
 

@@ -40,6 +40,13 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
             "so exactly one cause fires per engine; kvwatch's in-process diagnosis decides with the same "
             "definition over its window and names the same one (and may add `capacity_below_max_num_seqs`, "
             "which needs `--max-num-seqs`, not exported by vLLM)."),
+        "VllmKvCacheExhaustionSoon": (
+            "An engine's KV usage is rising, and at its least-squares trend over the last 5m "
+            "(`kvwatch_kv_cache_exhaustion_eta_seconds`, PromQL `deriv()`) it reaches 100% in under "
+            f"{num(c.exhaustion_eta_minutes)} minutes, for {c.for_duration('VllmKvCacheExhaustionSoon')}, while "
+            "nothing is preempted or waits for room yet. It is a forecast: it fires before preemption starts, "
+            "and falls silent once the cache is exhausted, when VllmKvCacheExhausted takes over. Flat or falling "
+            "usage, and usage below its own 5-minute mean (a cache that just emptied), never fire it."),
         "VllmPrefixCacheHitRateLow": (
             f"Over the last {w}, fewer than {_pct(c.hit_ratio_low)} of the prompt tokens an engine looked up in "
             f"its prefix cache were found there (at least {num(c.min_query_tokens)} tokens looked up), for "
@@ -129,6 +136,13 @@ FIRST_FIVE = {
     "engine_unreachable":
         "`kubectl get pod -n <namespace> <pod>` and `kubectl logs -n <namespace> <pod> -c vllm --tail=100`: is "
         "the engine running, restarting, out of memory? kvwatch's `/readyz` and status page say why polls fail.",
+    "usage_rising": (
+        "Open the exhaustion dashboard for the engine in the alert. (1) *Time until the KV cache is full* "
+        "still falling and *Free KV blocks* still dropping: the trend holds. (2) *Running requests: now and peak* rising: "
+        "more requests, so move or shed load now (the router's weights, the gateway's concurrency limit) or "
+        "start a replica; running steady while usage climbs: the same requests are growing, so find the "
+        "long generations. (3) If the ETA jumps back up or the alert resolves, the ramp levelled off: note it "
+        "and watch the next peak."),
 }
 
 
@@ -136,6 +150,19 @@ FIRST_FIVE = {
 def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
     share = _pct(c.long_request_capacity_share)
     return {
+        "usage_rising": (
+            "Blocks are being taken faster than finished requests give them back: more requests are admitted, "
+            "or the running ones grow as they decode (vLLM allocates a block every block_size tokens). At this "
+            "rate the free blocks run out, and then vLLM preempts running requests and queues new ones.",
+            f"{D_EXHAUSTION}: *Time until the KV cache is full at this trend* falling; *Free KV blocks (the "
+            "ceiling left)* falling; *Requests wanting to run vs requests the cache holds* says whether demand "
+            "(more requests) or length (the same requests, growing) drives it.",
+            "If demand drives it, shed or route new load to other replicas, or start one (it needs the time "
+            "this alert leaves); if length does, cap `max_tokens` for the heaviest clients. `kvwatch capacity "
+            "--gpu-memory ...` says how many requests a larger card or more tensor parallelism holds.",
+            "Do not restart the engine: it drops every running request and empties the prefix cache, and the "
+            "load comes straight back. Do not raise `--max-num-seqs` now: it admits more requests into a cache "
+            "that is already filling."),
         "concurrency_beyond_capacity": (
             "More requests want to run at once than the KV cache holds at their length. Each request is "
             f"modest (under {share} of the cache), or more wait than run, but together they overflow it, so the "

@@ -21,12 +21,14 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
-ALERT_NAMES = ("VllmKvCacheExhausted", "VllmPrefixCacheHitRateLow", "VllmTimeToFirstTokenSlow",
+ALERT_NAMES = ("VllmKvCacheExhausted", "VllmKvCacheExhaustionSoon", "VllmPrefixCacheHitRateLow", "VllmTimeToFirstTokenSlow",
                "KvwatchDown", "KvwatchEngineUnreachable")
-SYMPTOM = {"VllmKvCacheExhausted": "exhaustion", "VllmPrefixCacheHitRateLow": "low_hit_rate",
+SYMPTOM = {"VllmKvCacheExhausted": "exhaustion", "VllmKvCacheExhaustionSoon": "exhaustion",
+           "VllmPrefixCacheHitRateLow": "low_hit_rate",
            "VllmTimeToFirstTokenSlow": "slow_first_token"}
 SEVERITY = {
-    "concurrency_beyond_capacity": "warning", "long_requests": "warning", "caching_disabled": "info",
+    "concurrency_beyond_capacity": "warning", "long_requests": "warning", "usage_rising": "warning",
+    "caching_disabled": "info",
     "cold_cache": "info", "no_reuse": "info", "prefix_changed": "warning", "eviction_before_reuse": "warning",
     "queueing_kv_bound": "warning", "queueing_compute_bound": "warning", "prefill": "warning",
     "front_end": "warning", "upstream": "warning", "kvwatch_unreachable": "warning", "kvwatch_absent": "warning",
@@ -199,6 +201,23 @@ def default_cases() -> list[Case]:
         Case("no exhaustion: an overload shorter than for: (10m)",
              [Engine(usage="0.4x30 0.98x6 0.4x84", preemptions="0x30 0+6x6 36x84",
                      running=const(8), waiting="0x30 12x6 0x84")], "40m", []),
+        # --- KV cache full soon (ETA under 15m for 5m, nothing preempted yet) --------
+        # +1.5 %/min from 10 %: at 52m usage is 0.88 and rising 0.00025/s, so the cache
+        # is full in 0.12 / 0.00025 = 480 s; the ETA fell under 900 s at 46m (0.79)
+        Case("exhaustion soon: usage climbing to full within minutes, nothing preempted -> usage_rising",
+             [Engine(usage="0.1+0.015x60 1x59", running="2+0.2x60 14x59")], "52m",
+             [("VllmKvCacheExhaustionSoon", "usage_rising", ENGINE)]),
+        Case("exhaustion soon: the ETA has been under 15m only since 46m, under for: (5m) -> not yet",
+             [Engine(usage="0.1+0.015x60 1x59")], "49m", []),
+        Case("exhaustion soon: high and flat usage has no trend -> nothing",
+             [Engine(usage=const(0.88))], "52m", []),
+        Case("exhaustion soon: high and falling usage -> nothing",
+             [Engine(usage="0.98-0.005x119")], "52m", []),
+        Case("exhaustion soon: rising, but full in about two hours -> nothing",
+             [Engine(usage="0.1+0.005x119")], "52m", []),
+        Case("exhaustion soon: still climbing once requests are preempted -> exhaustion only, the forecast is over",
+             [Engine(usage="0.1+0.015x60 1x59", running=const(8), waiting=const(12), preemptions=rate(6))], "52m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE, PREEMPTING)]),
         # --- low prefix-cache hit rate ---------------------------------------------
         Case("hit rate: prefix caching off -> caching_disabled",
              [Engine(caching="False")], "40m", [("VllmPrefixCacheHitRateLow", "caching_disabled", ENGINE)]),
