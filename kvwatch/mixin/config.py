@@ -34,6 +34,7 @@ ALERTS = {
     "VllmTimeToFirstTokenSlow": "slow_first_token",
     "KvwatchDown": None,
     "KvwatchEngineUnreachable": None,
+    "VllmFleetReplicaOutlier": "fleet",
 }
 # The causes the rules tell apart, per alert. The diagnosis' third exhaustion
 # cause (capacity_below_max_num_seqs) needs --max-num-seqs, which vLLM does
@@ -45,6 +46,7 @@ ALERT_CAUSES = {
     "VllmTimeToFirstTokenSlow": CAUSES["slow_first_token"],
     "KvwatchDown": ("kvwatch_unreachable",),
     "KvwatchEngineUnreachable": ("engine_unreachable",),
+    "VllmFleetReplicaOutlier": CAUSES["fleet"],
 }
 assert set(ALERT_CAUSES["VllmKvCacheExhausted"]) <= set(CAUSES["exhaustion"])
 
@@ -65,6 +67,11 @@ DEFAULT_SEVERITIES = {
     "prefill": "warning",
     "front_end": "warning",
     "upstream": "warning",
+    # One replica unlike its peers of the same model (diagnose/fleet.py's
+    # levels): routing problems someone should fix; a restart is a fact.
+    "imbalance": "warning",
+    "lost_prefix_affinity": "warning",
+    "cold_replica": "info",
     # kvwatch itself not scraped: the other alerts are blind, but serving may be fine.
     "kvwatch_unreachable": "warning",
     # The engine's own /metrics does not answer on the pod's loopback: the
@@ -82,6 +89,9 @@ DEFAULT_FOR = {
     "VllmTimeToFirstTokenSlow": "10m",
     "KvwatchDown": "5m",
     "KvwatchEngineUnreachable": "5m",
+    # As the exhaustion it compares: a routing fault that lasts, not a burst
+    # that landed on one replica.
+    "VllmFleetReplicaOutlier": "10m",
 }
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
@@ -305,6 +315,14 @@ class MixinConfig:
         "Mean time to first token (engine, plus the upstream stage when configured) above which the first "
         "token is slow. Means, not quantiles, because the parts (queue, prefill, front end, upstream) add "
         "up only as means. Set it from your latency objective."))
+    fleet_room_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["fleet_room_usage_ratio"], metadata=_help(
+        "A replica whose KV usage peak over the rate window is at most this, with nothing waiting, has room: "
+        "another replica of the same model exhausted or queueing beside it is a routing problem "
+        "(VllmFleetReplicaOutlier, cause imbalance)."))
+    fleet_affinity_fraction: float = field(default=DEFAULT_THRESHOLDS["fleet_affinity_fraction"], metadata=_help(
+        "A warm replica whose hit ratio is below this share of its warm peers' pooled ratio (peers at least "
+        "hit_ratio_low) lost prefix affinity: requests sharing a prefix no longer reach it "
+        "(VllmFleetReplicaOutlier, cause lost_prefix_affinity)."))
     # ---------------------------------------------------------------- upstream
     upstream_histogram: str | None = field(default=None, metadata=_help(
         "Name of a Prometheus histogram that measures time spent before the engine (retrieval, gateway), e.g. "
@@ -471,7 +489,8 @@ def _check_field(name: str, value: Any) -> list[str]:
     elif name == "rule_interval":
         if value is not None:
             duration(value)
-    elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio"):
+    elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio",
+                  "fleet_room_usage_ratio", "fleet_affinity_fraction"):
         ratio(value)
     elif name in ("min_query_tokens", "ttft_mean_seconds"):
         positive(value)
@@ -552,6 +571,9 @@ def validate(config: MixinConfig) -> list[str]:
     if _seconds(config.cold_cache_window) <= _seconds(config.for_duration("VllmPrefixCacheHitRateLow")):
         problems.append("cold_cache_window must be longer than for_durations.VllmPrefixCacheHitRateLow, or the "
                         "cold_cache cause can never fire")
+    if _seconds(config.cold_cache_window) <= _seconds(config.for_duration("VllmFleetReplicaOutlier")):
+        problems.append("cold_cache_window must be longer than for_durations.VllmFleetReplicaOutlier, or the "
+                        "cold_replica cause can never fire")
     if config.instance_label in ("model_name", "engine"):
         problems.append("instance_label must not be model_name or engine")
     return problems

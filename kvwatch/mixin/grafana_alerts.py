@@ -123,8 +123,10 @@ def provisioning(config: MixinConfig, panel_ids) -> dict:
 # kvwatch beside them), and those whose fix lies with whoever owns prompts,
 # the application or the gateway.
 PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "queueing_kv_bound", "queueing_compute_bound",
-                   "eviction_before_reuse", "prefill", "kvwatch_unreachable", "engine_unreachable")
-APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled")
+                   "eviction_before_reuse", "prefill", "kvwatch_unreachable", "engine_unreachable", "cold_replica")
+# The fleet's routing causes belong to whoever runs the gateway or router.
+APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled", "imbalance",
+                      "lost_prefix_affinity")
 
 
 def notification_example(config: MixinConfig) -> dict:
