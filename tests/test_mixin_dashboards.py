@@ -16,7 +16,8 @@ from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.dashboards import DASHBOARDS, boards
 from mixin_support import REPO, iter_panels, load_dashboards
 
-EXPECTED_UIDS = {"kvwatch-overview", "kvwatch-exhaustion", "kvwatch-prefix-cache", "kvwatch-first-token"}
+EXPECTED_UIDS = {"kvwatch-overview", "kvwatch-exhaustion", "kvwatch-prefix-cache", "kvwatch-first-token",
+                 "kvwatch-fleet"}
 DATASOURCE_REFS = ("${datasource}", "$datasource")
 
 

@@ -114,6 +114,16 @@ def test_promtool_unit_tests_with_the_no_reuse_alert_on(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@needs_promtool
+def test_promtool_unit_tests_of_the_fleet_alert(tmp_path):
+    """Fires on an unbalanced fleet (one replica exhausted beside replicas
+    with room, one that lost prefix affinity, one restarted) and not on a
+    balanced one, nor on a fleet all exhausted or all restarted."""
+    result = run_cases(tmp_path, "fleet.test.yaml", RULES.read_text())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
 def test_no_reuse_alert_is_off_by_default():
     # A workload without shared prefixes would keep it firing forever.
     assert ("VllmPrefixCacheHitRateLow", "no_reuse") not in {(s.alert, s.cause) for s in alert_specs(MixinConfig())}
@@ -124,7 +134,8 @@ def test_no_reuse_alert_is_off_by_default():
 def test_cases_cover_every_alert_and_cause_and_check_every_alert():
     # Every rule, preempting and waiting-only exhaustion apart (their severities differ).
     covered = {(e[0], e[1], e[3] if len(e) > 3 else cases.SEVERITY[e[1]])
-               for case in cases.default_cases() + cases.upstream_cases() + cases.no_reuse_cases() for e in case.expect}
+               for case in cases.default_cases() + cases.upstream_cases() + cases.no_reuse_cases()
+               + cases.fleet_cases() for e in case.expect}
     specs = {(s.alert, s.cause, s.severity) for s in alert_specs(MixinConfig())}
     specs |= {(s.alert, s.cause, s.severity) for s in alert_specs(config_from_mapping(cases.UPSTREAM_CONFIG))}
     specs |= {(s.alert, s.cause, s.severity) for s in alert_specs(config_from_mapping(cases.NO_REUSE_CONFIG))}

@@ -260,7 +260,7 @@ def run_replay(args: argparse.Namespace) -> int:
     except CaptureError as exc:
         return _fail([str(exc)])
     report = timeline.to_json()
-    actionable = any(e.worst["severity"] in ("critical", "warning") for e in timeline.episodes)
+    actionable = timeline.actionable
     manifest = capture.manifest
     if args.json:
         print(json.dumps(_clean_json({

@@ -70,7 +70,7 @@ assert set(PREEMPTING_SEVERITY) <= set(CAUSES["exhaustion"])
 # The alert that reports each symptom (kvwatch/mixin/config.py ALERTS agrees,
 # tests/test_rules_promtool.py checks), for the runbook link a finding carries.
 SYMPTOM_ALERTS = {"exhaustion": "VllmKvCacheExhausted", "low_hit_rate": "VllmPrefixCacheHitRateLow",
-                  "slow_first_token": "VllmTimeToFirstTokenSlow"}
+                  "slow_first_token": "VllmTimeToFirstTokenSlow", "fleet": "VllmFleetReplicaOutlier"}
 RUNBOOK_PATH = "alerts/runbooks.md"
 
 
@@ -92,6 +92,22 @@ def severity_of(cause: str, preempting: bool = False) -> str:
     if preempting and cause in PREEMPTING_SEVERITY:
         return PREEMPTING_SEVERITY[cause]
     return SEVERITY[cause]
+
+
+# alert -> the causes its generated rules name (a `cause` label and a runbook
+# section each): the mixin builds the rules from it, the sidecar links each
+# finding to its runbook section by it.
+ALERT_CAUSES = {
+    "VllmKvCacheExhausted": ("concurrency_beyond_capacity", "long_requests"),
+    # A forecast, not a diagnosis: the one cause is the trend itself.
+    "VllmKvCacheExhaustionSoon": ("usage_rising",),
+    "VllmPrefixCacheHitRateLow": CAUSES["low_hit_rate"],
+    "VllmTimeToFirstTokenSlow": CAUSES["slow_first_token"],
+    "KvwatchDown": ("kvwatch_unreachable", "kvwatch_absent"),
+    "KvwatchEngineUnreachable": ("engine_unreachable",),
+    "VllmFleetReplicaOutlier": CAUSES["fleet"],
+}
+assert set(ALERT_CAUSES["VllmKvCacheExhausted"]) <= set(CAUSES["exhaustion"])
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ ALERT_PANELS = {
     "VllmTimeToFirstTokenSlow": ("first_token", "ttft_parts"),
     "KvwatchDown": ("overview", "scrape_up"),
     "KvwatchEngineUnreachable": ("overview", "poll_up"),
+    "VllmFleetReplicaOutlier": ("fleet", "replicas"),
 }
 
 # Stand-in for the alert's value in description templates: Prometheus calls
@@ -68,7 +69,7 @@ class AlertSpec:
         short = {"VllmKvCacheExhausted": "exhausted", "VllmKvCacheExhaustionSoon": "exhaustion-soon",
                  "VllmPrefixCacheHitRateLow": "hit-rate",
                  "VllmTimeToFirstTokenSlow": "ttft", "KvwatchDown": "down",
-                 "KvwatchEngineUnreachable": "unreachable"}[self.alert]
+                 "KvwatchEngineUnreachable": "unreachable", "VllmFleetReplicaOutlier": "fleet"}[self.alert]
         uid = f"kvwatch-{short}-{self.cause.replace('_', '-')}"
         if self.variant:
             return uid[:39 - len(self.variant)] + "-" + self.variant
@@ -265,6 +266,36 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
             f"{slow_intro}, counting {config.upstream_histogram} before the engine; the largest part is that "
             "upstream stage (likely cause: upstream). Next: look at the upstream service (retrieval, gateway); "
             "a bigger or smaller KV cache does not repair it.")
+
+    # --- fleet: one replica unlike its peers of the same model -------------------
+    # kvwatch/diagnose/fleet.py's definitions across the replicas
+    # (instance_label) of a model; see Fragments.imbalance and after.
+    peer_where = f"{_lbl('model_name')} on {_lbl(config.instance_label)} (engine {_lbl('engine')})"
+    add("VllmFleetReplicaOutlier", "imbalance",
+        f.imbalance(), ">", 0,
+        "One vLLM replica is exhausted or queueing while its peers have room.",
+        f"The replica of {peer_where} was exhausted or queueing over the last {w} (KV usage peak "
+        f"{{{{ {VALUE} | humanizePercentage }}}}) while another replica of the same model peaked at most "
+        f"{pct(config.fleet_room_usage_ratio)} with nothing waiting: the load is unevenly routed, not too large "
+        "(likely cause: imbalance). Next: the fleet dashboard's replica table; check the load balancer or gateway "
+        "policy (sticky sessions, a prefix-aware router pinning one hot prefix, a replica missing from the "
+        "endpoints); more KV memory does not fix it.")
+    add("VllmFleetReplicaOutlier", "lost_prefix_affinity",
+        f.lost_prefix_affinity(), "<", config.fleet_affinity_fraction,
+        "One vLLM replica reuses far fewer prefixes than its peers: prefix routing lost.",
+        f"The prefix-cache hit ratio of {peer_where} over the last {w} was {{{{ {VALUE} | humanizePercentage }}}} "
+        f"of its warm peers' pooled ratio (below {pct(config.fleet_affinity_fraction)}, peers at least "
+        f"{pct(config.hit_ratio_low)}): requests sharing a prefix no longer reach the replica that holds it "
+        "(likely cause: lost prefix affinity). Next: check the router's prefix or session affinity setting and "
+        "whether this replica receives traffic by another path (a Service bypassing the router).")
+    add("VllmFleetReplicaOutlier", "cold_replica",
+        f.cold_replica(), ">", 0,
+        "One vLLM replica restarted and refills its cache while its peers are warm.",
+        f"The replica of {peer_where} restarted in the last {config.cold_cache_window} (its counters reset) while "
+        "other replicas of the "
+        "model did not: it is refilling its prefix cache, so a lower hit ratio and slower first tokens there are "
+        "expected for a while (likely cause: cold replica). Next: find out why it restarted (deploy, OOM, "
+        "crash); if it restarts again, look at its events and logs.")
 
     # --- health ------------------------------------------------------------------
     add("KvwatchDown", "kvwatch_unreachable",

@@ -24,7 +24,7 @@ import yaml
 from kvwatch import __version__
 
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
-from kvwatch.diagnose.vocabulary import CAUSES, PREEMPTING_SEVERITY, SEVERITY
+from kvwatch.diagnose.vocabulary import ALERT_CAUSES, PREEMPTING_SEVERITY, SEVERITY
 
 SEVERITIES = ("critical", "warning", "info")
 # Alert names, with the symptom (the diagnosis vocabulary) each one reports.
@@ -35,21 +35,12 @@ ALERTS = {
     "VllmTimeToFirstTokenSlow": "slow_first_token",
     "KvwatchDown": None,
     "KvwatchEngineUnreachable": None,
+    "VllmFleetReplicaOutlier": "fleet",
 }
 # The causes the rules tell apart, per alert. The diagnosis' third exhaustion
 # cause (capacity_below_max_num_seqs) needs --max-num-seqs, which vLLM does
 # not export, so Prometheus cannot decide it; the health alerts have one cause
 # each. `upstream` and `no_reuse` are generated only when the config asks.
-ALERT_CAUSES = {
-    "VllmKvCacheExhausted": ("concurrency_beyond_capacity", "long_requests"),
-    # A forecast, not a diagnosis: the one cause is the trend itself.
-    "VllmKvCacheExhaustionSoon": ("usage_rising",),
-    "VllmPrefixCacheHitRateLow": CAUSES["low_hit_rate"],
-    "VllmTimeToFirstTokenSlow": CAUSES["slow_first_token"],
-    "KvwatchDown": ("kvwatch_unreachable", "kvwatch_absent"),
-    "KvwatchEngineUnreachable": ("engine_unreachable",),
-}
-assert set(ALERT_CAUSES["VllmKvCacheExhausted"]) <= set(CAUSES["exhaustion"])
 
 # One table: the diagnosis' severities (kvwatch/diagnose/vocabulary.py) for
 # the causes the alerts share with it, plus the alerts' own health causes.
@@ -87,6 +78,9 @@ DEFAULT_FOR = {
     "VllmTimeToFirstTokenSlow": "10m",
     "KvwatchDown": "5m",
     "KvwatchEngineUnreachable": "5m",
+    # As the exhaustion it compares: a routing fault that lasts, not a burst
+    # that landed on one replica.
+    "VllmFleetReplicaOutlier": "10m",
 }
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
@@ -324,6 +318,14 @@ class MixinConfig:
         "Mean time to first token (engine, plus the upstream stage when configured) above which the first "
         "token is slow. Means, not quantiles, because the parts (queue, prefill, front end, upstream) add "
         "up only as means. Set it from your latency objective."))
+    fleet_room_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["fleet_room_usage_ratio"], metadata=_help(
+        "A replica whose KV usage peak over the rate window is at most this, with nothing waiting, has room: "
+        "another replica of the same model exhausted or queueing beside it is a routing problem "
+        "(VllmFleetReplicaOutlier, cause imbalance)."))
+    fleet_affinity_fraction: float = field(default=DEFAULT_THRESHOLDS["fleet_affinity_fraction"], metadata=_help(
+        "A warm replica whose hit ratio is below this share of its warm peers' pooled ratio (peers at least "
+        "hit_ratio_low) lost prefix affinity: requests sharing a prefix no longer reach it "
+        "(VllmFleetReplicaOutlier, cause lost_prefix_affinity)."))
     # ---------------------------------------------------------------- upstream
     upstream_histogram: str | None = field(default=None, metadata=_help(
         "Name of a Prometheus histogram that measures time spent before the engine (retrieval, gateway), e.g. "
@@ -492,7 +494,8 @@ def _check_field(name: str, value: Any) -> list[str]:
     elif name == "rule_interval":
         if value is not None:
             duration(value)
-    elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio"):
+    elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio",
+                  "fleet_room_usage_ratio", "fleet_affinity_fraction"):
         ratio(value)
     elif name in ("min_query_tokens", "ttft_mean_seconds", "exhaustion_eta_minutes"):
         positive(value)
@@ -578,6 +581,9 @@ def validate(config: MixinConfig) -> list[str]:
     if config.exhaustion_eta_minutes * 60 <= _seconds(config.for_duration("VllmKvCacheExhaustionSoon")):
         problems.append("exhaustion_eta_minutes must be longer than for_durations.VllmKvCacheExhaustionSoon, or "
                         "the warning could only come after the forecast time")
+    if _seconds(config.cold_cache_window) <= _seconds(config.for_duration("VllmFleetReplicaOutlier")):
+        problems.append("cold_cache_window must be longer than for_durations.VllmFleetReplicaOutlier, or the "
+                        "cold_replica cause can never fire")
     if config.instance_label in ("model_name", "engine"):
         problems.append("instance_label must not be model_name or engine")
     return problems

@@ -35,6 +35,7 @@ _FILTER = ("OK", "The query is a filter: it returns a series only for an engine 
 NO_DATA: dict[tuple[str, str], tuple[str, str]] = {
     **{("VllmKvCacheExhausted", cause): _FILTER for cause in ("concurrency_beyond_capacity", "long_requests")},
     ("VllmKvCacheExhaustionSoon", "usage_rising"): _FILTER,
+    **{("VllmFleetReplicaOutlier", cause): _FILTER for cause in ("imbalance", "lost_prefix_affinity", "cold_replica")},
     **{("VllmPrefixCacheHitRateLow", cause): _FILTER for cause in (
         "caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse")},
     **{("VllmTimeToFirstTokenSlow", cause): _FILTER for cause in (
@@ -143,8 +144,10 @@ def provisioning(config: MixinConfig, panel_ids) -> dict:
 # the application or the gateway.
 PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "usage_rising", "queueing_kv_bound",
                    "queueing_compute_bound", "eviction_before_reuse", "prefill", "kvwatch_unreachable", "kvwatch_absent",
-                   "engine_unreachable")
-APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled")
+                   "engine_unreachable", "cold_replica")
+# The fleet's routing causes belong to whoever runs the gateway or router.
+APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled", "imbalance",
+                      "lost_prefix_affinity")
 
 
 def notification_example(config: MixinConfig) -> dict:

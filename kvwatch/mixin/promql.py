@@ -276,6 +276,86 @@ class Fragments:
                f"\nand\n{paren(self.enough_queries())}\nunless\n{paren(self.exhausted())}")
         return f"max_over_time(\n{indent(paren(low) + f'[{self.c.hit_ratio_baseline_window}:{self.s.w}]')}\n)"
 
+    # --- fleet: one replica against the other replicas of its model ------------
+    # The definitions of kvwatch/diagnose/fleet.py. The scope's `by` holds the
+    # replica (instance label) and engine; the model's group drops both.
+
+    @property
+    def fleet_by(self) -> str:
+        return ", ".join(label for label in self.s.by if label not in (self.c.instance_label, "engine"))
+
+    def _per_model(self, op: str, inner: str) -> str:
+        return f"{op} by ({self.fleet_by}) ({inner})"
+
+    def pressed(self) -> str:
+        """The replica is exhausted (the exhaustion detector) or its first
+        token is slow mostly from queueing (either queueing cause)."""
+        slow_queue = (f"{paren(self.first_token_mean())} > {num(self.c.ttft_mean_seconds)}"
+                      f"\nand\n{paren(self.queue_largest())}")
+        return f"{paren(self.exhausted())}\nor\n{paren(slow_queue)}"
+
+    def room(self) -> str:
+        """The replica has room: its usage peak over the window at most
+        fleet_room_usage_ratio, nothing waiting, and not pressed."""
+        waiting = self.s.signal("kvwatch_requests_waiting")
+        return (f"{paren(self.usage_max())} <= {num(self.c.fleet_room_usage_ratio)}"
+                f"\nand\n{paren(waiting)} <= 0\nunless\n{paren(self.pressed())}")
+
+    def restarted(self) -> str:
+        """The replica restarted within the cold-cache window (its
+        prompt-token counter reset); its value is the number of resets.
+        fleet.py looks one diagnosis window back; an alert must hold for its
+        `for:`, longer than the rate window, so the rules keep a replica cold
+        for cold_cache_window, as the cold_cache cause does."""
+        span = self.c.cold_cache_window
+        return self.s.agg("sum", f"resets({self.s.m('kvwatch_engine_prompt_tokens_total')}[{span}]) > 0")
+
+    def warm(self) -> str:
+        """Replicas that did not restart within the cold-cache window."""
+        # Present in the window (an increase is never negative; it exists
+        # wherever the counter has two samples).
+        present = f"increase({self.s.m('kvwatch_engine_prompt_tokens_total')}[{self.s.w}]) >= 0"
+        return f"{self.s.agg('count', present)}\nunless\n{paren(self.restarted())}"
+
+    def imbalance(self) -> str:
+        """A pressed replica (value: its usage peak) while a replica of the
+        same model has room."""
+        roomy = f"{self._per_model('count', self.room())} > 0"
+        return chain(self.usage_max(), ("and", self.pressed()), (f"and on ({self.fleet_by})", roomy))
+
+    def cold_replica(self) -> str:
+        """A replica that restarted inside the window while a replica of the
+        same model did not."""
+        warm = f"{self._per_model('count', self.warm())} > 0"
+        return chain(self.restarted(), (f"and on ({self.fleet_by})", warm))
+
+    def _warm_increase(self, counter: str) -> str:
+        total = self.s.agg("sum", f"increase({self.s.m(counter)}[{self.s.w}])")
+        return f"{total}\nunless\n{paren(self.restarted())}"
+
+    def peers_hit_ratio(self) -> str:
+        """The other warm replicas' pooled hit ratio (their summed hits over
+        their summed queries), per replica."""
+        def peers(counter: str) -> str:
+            mine = self._warm_increase(counter)
+            return f"{self._per_model('sum', mine)}\n- on ({self.fleet_by}) group_right ()\n{paren(mine)}"
+        return (f"{paren(peers('kvwatch_engine_prefix_cache_hits_total'))}\n/\n"
+                f"{paren(peers('kvwatch_engine_prefix_cache_queries_total'))}")
+
+    def hit_ratio_vs_peers(self) -> str:
+        """A warm replica's hit ratio as a share of its peers' pooled ratio."""
+        mine = (f"{paren(self._warm_increase('kvwatch_engine_prefix_cache_hits_total'))}\n/\n"
+                f"{paren(self._warm_increase('kvwatch_engine_prefix_cache_queries_total'))}")
+        return f"{paren(mine)}\n/\n{paren(self.peers_hit_ratio())}"
+
+    def lost_prefix_affinity(self) -> str:
+        """hit_ratio_vs_peers where it can be judged: enough queried tokens,
+        peers that reuse at least hit_ratio_low, and the replica not
+        exhausted (compared with fleet_affinity_fraction by the alert)."""
+        return chain(self.hit_ratio_vs_peers(), ("and", self.enough_queries()),
+                     ("and", f"{paren(self.peers_hit_ratio())} >= {num(self.c.hit_ratio_low)}"),
+                     ("unless", self.exhausted()))
+
     # TTFT parts: the largest part is the cause; ties go to the earlier part in
     # queue, prefill, front end, upstream order, so exactly one part wins.
 

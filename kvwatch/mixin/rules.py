@@ -25,7 +25,7 @@ import yaml
 
 from kvwatch.mixin.alerts import AlertSpec, PROMETHEUS_VALUE, alert_specs, dashboard_url, engine_scope, runbook_url
 from kvwatch.mixin.config import MixinConfig
-from kvwatch.mixin.promql import Fragments, Scope
+from kvwatch.mixin.promql import Fragments, Scope, indent
 from kvwatch.signals import QUANTILES, SIGNALS
 
 # The hit-ratio memory the prefix-regression alerts read (Fragments.memory_rules).
@@ -72,6 +72,25 @@ def recording_rules(config: MixinConfig, level: str) -> list[dict]:
     return rules
 
 
+def fleet_rules(config: MixinConfig) -> list[dict]:
+    """The fleet findings' parts (kvwatch/diagnose/fleet.py), for the fleet
+    dashboard and ad-hoc queries: per model, how many replicas are pressed
+    (exhausted or queueing), have room, or restarted in the window; per
+    replica engine, its hit ratio as a share of its warm peers' pooled one."""
+    f = Fragments(engine_scope(config), config)
+    model = level_name(label for label in config.model_labels if label not in config.group_labels)
+    engine = level_name(label for label in config.engine_labels if label not in config.group_labels)
+    w = config.rate_window
+    count = lambda inner: f"count by ({f.fleet_by}) (\n{indent(inner)}\n)"  # noqa: E731
+    return [
+        {"record": f"{model}:kvwatch_fleet_replicas_pressed:count{w}", "expr": count(f.pressed())},
+        {"record": f"{model}:kvwatch_fleet_replicas_with_room:count{w}", "expr": count(f.room())},
+        {"record": f"{model}:kvwatch_fleet_replicas_restarted:count{w}", "expr": count(f.restarted())},
+        {"record": f"{engine}:kvwatch_prefix_cache_hit_ratio_vs_peers:ratio_increase{w}",
+         "expr": f.hit_ratio_vs_peers()},
+    ]
+
+
 def alert_rule(spec: AlertSpec, config: MixinConfig, panel_ids: dict[tuple[str, str], tuple[str, int]]) -> dict:
     uid, panel_id = panel_ids[(spec.dashboard, spec.panel)]
     return {
@@ -107,6 +126,7 @@ def rule_groups(config: MixinConfig, panel_ids) -> list[dict]:
         _group("kvwatch-engine.rules", recording_rules(config, "engine"), config),
         _group("kvwatch-model.rules", recording_rules(config, "model"), config),
         _group(MEMORY_GROUP, Fragments(engine_scope(config), config).memory_rules(), config),
+        _group("kvwatch-fleet.rules", fleet_rules(config), config),
         _group("kvwatch.alerts", [alert_rule(spec, config, panel_ids) for spec in alert_specs(config)], config),
     ]
 

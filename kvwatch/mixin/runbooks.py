@@ -14,6 +14,7 @@ D_OVERVIEW = DASHBOARDS["overview"][1]
 D_EXHAUSTION = DASHBOARDS["exhaustion"][1]
 D_PREFIX = DASHBOARDS["prefix_cache"][1]
 D_TTFT = DASHBOARDS["first_token"][1]
+D_FLEET = DASHBOARDS["fleet"][1]
 THROUGHPUT_ANCHOR = "throughput-and-failures"
 
 
@@ -90,6 +91,15 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
             f"kvwatch is up but its polls of the vLLM engine's /metrics have failed for "
             f"{c.for_duration('KvwatchEngineUnreachable')} (kvwatch_up == 0). kvwatch exports no engine series "
             "while it cannot read them, so the vLLM alerts for that pod are blind too."),
+        "VllmFleetReplicaOutlier": (
+            f"One replica of a model behaves unlike the other replicas of the same model over the last {w} "
+            f"(replicas told apart by `{c.instance_label}`, models by `model_name` within "
+            f"{', '.join(c.group_labels)}), for {c.for_duration('VllmFleetReplicaOutlier')}. These are problems no "
+            "single replica shows: each needs its peers for comparison, and kvwatch's sidecar sees one replica, "
+            "so they come from these rules and from `kvwatch diagnose --prometheus` (the same definitions, "
+            "kvwatch/diagnose/fleet.py). The causes: one replica exhausted or queueing while peers have room "
+            "(`imbalance`), a warm replica reusing far fewer prefixes than its warm peers "
+            "(`lost_prefix_affinity`), a replica that restarted while its peers did not (`cold_replica`)."),
     }
 
 
@@ -143,6 +153,18 @@ FIRST_FIVE = {
         "start a replica; running steady while usage climbs: the same requests are growing, so find the "
         "long generations. (3) If the ETA jumps back up or the alert resolves, the ramp levelled off: note it "
         "and watch the next peak."),
+    "imbalance":
+        f"Open {D_FLEET}'s *Replicas of each model* table: which replica is full or queueing, which have room. "
+        "Check the load balancer's view of the endpoints (`kubectl get endpointslices -n <namespace> -l "
+        "kubernetes.io/service-name=<service>`): a replica missing there, or a sticky/prefix-aware router pinning "
+        "one hot key to one replica. Draining the hot replica's sessions spreads the load now.",
+    "lost_prefix_affinity":
+        "Compare the replica's request path with its peers': does its traffic come through the prefix-aware "
+        "router, or straight through a Service (round robin)? Check the router's recent config change or "
+        "restart (affinity tables lost). Nothing is down: prefixes are recomputed.",
+    "cold_replica":
+        "Nothing urgent: confirm the restart (`kubectl get pod -n <namespace> <pod>` restarts and age, "
+        "`kubectl logs --previous -n <namespace> <pod> -c vllm`) and whether it was planned (a rollout).",
 }
 
 
@@ -299,6 +321,40 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             "the pods back. A fleet scaled to zero on purpose alerts until the window passes: silence it for "
             "planned scale-downs.",
             "Do not read silence from the other alerts as health: they see nothing either."),
+        "imbalance": (
+            "One replica of a model is exhausted or queueing while another replica of the same model has room "
+            f"(KV usage peak at most {_pct(c.fleet_room_usage_ratio)} over the last {c.rate_window}, nothing "
+            "waiting). The fleet as a whole could serve the load; the router sends too much of it to one "
+            "replica.",
+            f"{D_FLEET}: in *Replicas of each model* one replica's usage peak or waiting is high while its peers' "
+            "are low; *Replicas pressed and with room* shows both above zero for the model; *KV usage peak per "
+            "replica* shows the one line far above the others.",
+            "Fix the routing: the load balancer's algorithm (least requests or KV-aware rather than round robin "
+            "for uneven request sizes), session stickiness, a prefix-aware router whose hot prefix lands on one "
+            "replica (spread hot prefixes), or a replica missing from the endpoints.",
+            "Do not add KV memory or replicas: the peers already have room, and more of them stays idle."),
+        "lost_prefix_affinity": (
+            "A warm replica's prefix-cache hit ratio is below "
+            f"{_pct(c.fleet_affinity_fraction)} of its warm peers' pooled ratio (peers at least "
+            f"{_pct(c.hit_ratio_low)}): the traffic does share prefixes, but the requests that share them no "
+            "longer reach the replica holding them.",
+            f"{D_FLEET}: *Hit ratio as a share of the peers'* below its line for the replica; *Replicas of each "
+            f"model* shows its hit ratio far below the others'. On {D_PREFIX}, the replica's ratio fell while "
+            "the model's pooled ratio did not.",
+            "Restore prefix or session affinity in the router or gateway (consistent hashing on the prefix or "
+            "session key), and make sure all traffic goes through it.",
+            "Do not enlarge the cache or tune eviction on that replica: the prefixes never reach it."),
+        "cold_replica": (
+            f"A replica restarted in the last {c.cold_cache_window} (its counters reset) while other replicas of "
+            "the model did not: its prefix cache is refilling, so a lower hit ratio and slower first tokens there "
+            "are expected for a while, and lost prefix affinity is not named for it meanwhile (nor counted among "
+            "the warm peers of the others). `kvwatch diagnose --prometheus` holds it cold for one diagnosis "
+            "window; the alert, which must hold for its `for:`, for cold_cache_window.",
+            f"{D_FLEET}: *Restarts per replica* above zero for the one replica; its hit ratio climbs back over "
+            "the next minutes.",
+            "Find out why it restarted (deploy, OOM kill, crash, node drain); if restarts repeat, look at the "
+            "pod's events and the engine's log. Warm-up traffic or a readiness delay can hide the cold start.",
+            "Do not treat the low hit ratio as a routing or prompt problem while the replica is cold."),
         "kvwatch_unreachable": (
             "Prometheus cannot scrape kvwatch: the container is down, not ready, or the scrape configuration "
             "points elsewhere.",

@@ -7,19 +7,10 @@ from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kvwatch.diagnose.vocabulary import runbook_link
+from kvwatch.diagnose.vocabulary import ALERT_CAUSES, runbook_link
 from kvwatch.diagnose.thresholds import resolve_thresholds
 from kvwatch.signals import SIGNALS
 
-# The causes the generated alert rules name (a runbook section each); the
-# others link to their alert's section. Mirrors mixin/config.py ALERT_CAUSES,
-# which tests/test_diagnose_cli.py compares.
-RULE_CAUSES = {
-    "VllmKvCacheExhausted": ("concurrency_beyond_capacity", "long_requests"),
-    "VllmPrefixCacheHitRateLow": ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse",
-                                  "no_reuse"),
-    "VllmTimeToFirstTokenSlow": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream"),
-}
 
 
 def finding_key(finding) -> tuple[str, str, str, str]:
@@ -139,7 +130,7 @@ def finding_json(finding, since: float | None = None) -> dict[str, Any]:
     evidence = {k: v for k, v in data.pop("evidence").items() if not isinstance(v, str)}
     notes = {k: v for k, v in finding.evidence.items() if isinstance(v, str)}
     return _clean({"model_name": finding.model, **data, "evidence": evidence, "notes": notes, "since": since,
-                   "runbook": runbook_link(finding.symptom, finding.cause, RULE_CAUSES)})
+                   "runbook": runbook_link(finding.symptom, finding.cause, ALERT_CAUSES)})
 
 
 def diagnosis_json(state, settings) -> dict[str, Any]:

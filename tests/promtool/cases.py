@@ -22,10 +22,10 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ALERT_NAMES = ("VllmKvCacheExhausted", "VllmKvCacheExhaustionSoon", "VllmPrefixCacheHitRateLow", "VllmTimeToFirstTokenSlow",
-               "KvwatchDown", "KvwatchEngineUnreachable")
+               "KvwatchDown", "KvwatchEngineUnreachable", "VllmFleetReplicaOutlier")
 SYMPTOM = {"VllmKvCacheExhausted": "exhaustion", "VllmKvCacheExhaustionSoon": "exhaustion",
            "VllmPrefixCacheHitRateLow": "low_hit_rate",
-           "VllmTimeToFirstTokenSlow": "slow_first_token"}
+           "VllmTimeToFirstTokenSlow": "slow_first_token", "VllmFleetReplicaOutlier": "fleet"}
 SEVERITY = {
     "concurrency_beyond_capacity": "warning", "long_requests": "warning", "usage_rising": "warning",
     "caching_disabled": "info",
@@ -33,6 +33,7 @@ SEVERITY = {
     "queueing_kv_bound": "warning", "queueing_compute_bound": "warning", "prefill": "warning",
     "front_end": "warning", "upstream": "warning", "kvwatch_unreachable": "warning", "kvwatch_absent": "warning",
     "engine_unreachable": "critical",
+    "imbalance": "warning", "lost_prefix_affinity": "warning", "cold_replica": "info",
 }
 # Exhaustion while vLLM preempts (the diagnosis' critical finding).
 PREEMPTING = "critical"
@@ -378,8 +379,51 @@ def no_reuse_cases() -> list[Case]:
     ]
 
 
+def replica(number: int, **fields) -> Engine:
+    """Replica `number` of model m (its own kvwatch instance, engine 0)."""
+    return Engine(labels={**ENGINE, "instance": f"10.0.0.{number}:9400"}, **fields)
+
+
+def fleet_cases() -> list[Case]:
+    """Four replicas of one model, against the default config (fleet alert
+    for: 10m, rate window 5m, cold window 30m)."""
+    busy = dict(usage=const(0.98), preemptions=rate(6), running=const(8), waiting=const(12))
+    idle = dict(usage=const(0.2), running=const(1), waiting=const(0))
+    one, four = replica(1).labels, replica(4).labels
+    return [
+        Case("fleet: one replica exhausted while three have room -> imbalance (and its exhaustion)",
+             [replica(1, **busy)] + [replica(n, **idle) for n in (2, 3, 4)], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", one, PREEMPTING),
+              ("VllmFleetReplicaOutlier", "imbalance", one)]),
+        Case("fleet: every replica exhausted -> exhaustion on each, no imbalance (a capacity problem)",
+             [replica(n, **busy) for n in (1, 2, 3, 4)], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", replica(n).labels, PREEMPTING)
+              for n in (1, 2, 3, 4)]),
+        Case("fleet: one replica exhausted beside peers that are busy too (over the room ratio) -> no imbalance",
+             [replica(1, **busy)] + [replica(n, usage=const(0.7), running=const(6)) for n in (2, 3, 4)], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", one, PREEMPTING)]),
+        Case("fleet: one replica's hit ratio far below its peers' -> lost_prefix_affinity",
+             [replica(n, **hits(0.6)) for n in (1, 2, 3)] + [replica(4, **hits(0.1))], "40m",
+             [("VllmFleetReplicaOutlier", "lost_prefix_affinity", four)]),
+        Case("fleet: hit ratios spread but within the fraction -> nothing",
+             [replica(n, **hits(0.6)) for n in (1, 2)] + [replica(n, **hits(0.4)) for n in (3, 4)], "40m", []),
+        Case("fleet: every replica reuses little (no pool to compare with) -> nothing",
+             [replica(n, **hits(0.05)) for n in (1, 2, 3, 4)], "40m", []),
+        Case("fleet: one replica restarted while its peers are warm (its ratio a quarter, under half the peers') -> "
+             "cold_replica, not lost affinity",
+             [replica(n, **hits(0.6)) for n in (1, 2, 3)]
+             + [replica(4, prompt_tokens="0+30000x60 0+30000x60", prefix_queries="0+20000x60 0+20000x60",
+                        prefix_hits="0+5000x60 0+5000x60")], "75m",
+             [("VllmFleetReplicaOutlier", "cold_replica", four)]),
+        Case("fleet: the whole model restarted (a rollout) -> no cold replica",
+             [replica(n, prompt_tokens="0+30000x60 0+30000x60", **hits(0.6)) for n in (1, 2, 3, 4)], "75m", []),
+        Case("fleet: balanced and healthy -> nothing",
+             [replica(n, **hits(0.6)) for n in (1, 2, 3, 4)], "40m", []),
+    ]
+
+
 FILES = {"alerts.test.yaml": default_cases, "upstream.test.yaml": upstream_cases,
-         "no-reuse.test.yaml": no_reuse_cases}
+         "no-reuse.test.yaml": no_reuse_cases, "fleet.test.yaml": fleet_cases}
 
 
 def main() -> int:
