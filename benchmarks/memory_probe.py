@@ -56,7 +56,7 @@ def main() -> int:
     from kvwatch.sidecar.settings import load_settings
 
     port = free_port()
-    settings = load_settings(overrides={"target": args.target, "poll_interval": "1s", "port": port,
+    settings = load_settings(overrides={"target": args.target, "engine": "vllm", "poll_interval": "1s", "port": port,
                                         "log_level": "warning"}, environ={})
     monitor = Monitor(settings)
     app = create_app(monitor, settings)

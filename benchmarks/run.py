@@ -301,7 +301,7 @@ class StageTimer:
 
 
 def monitor_for(url: str, window: str = "5m") -> Monitor:
-    settings = load_settings(overrides={"target": url, "poll_interval": "1s", "window": window,
+    settings = load_settings(overrides={"target": url, "engine": "vllm", "poll_interval": "1s", "window": window,
                                         "log_level": "warning"}, environ={})
     return Monitor(settings)
 

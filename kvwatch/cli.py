@@ -24,7 +24,10 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from kvwatch import __version__
+
     parser = argparse.ArgumentParser(prog="kvwatch", description="KV-cache observability for vLLM.")
+    parser.add_argument("--version", action="version", version=f"kvwatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
@@ -32,4 +35,14 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(module_name).add_arguments(sub_parser)
     args = parser.parse_args(argv)
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except BrokenPipeError:
+        # `kvwatch generate --print-config | head`: the reader left; that is
+        # not an error worth a traceback. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again.
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0

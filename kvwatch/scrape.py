@@ -40,6 +40,7 @@ class FetchResult:
     seconds: float = 0.0
     size: int = 0
     content_type: str = ""
+    sentence: str = ""  # one human sentence for the failure, no exception text (failure_sentence)
 
     @property
     def unexpected_content_type(self) -> bool:
@@ -137,7 +138,8 @@ class Fetcher:
             return self._fail(_connection_reason(exc), _safe(exc), started)
         except requests.exceptions.InvalidHeader:
             # Its message quotes the header value, that is the token itself.
-            return self._fail("error", "the bearer token file does not hold a valid HTTP header value", started)
+            message = "the bearer token file does not hold a valid HTTP header value"
+            return self._fail("error", message, started, sentence=message)
         except requests.exceptions.RequestException as exc:
             return self._fail("error", _safe(exc), started)
 
@@ -192,8 +194,9 @@ class Fetcher:
             return b"", ("truncated", "gzip stream ends before its end marker")
         return b"".join(parts), None
 
-    def _fail(self, reason: str, detail: str, started: float) -> FetchResult:
-        return FetchResult(None, reason, self._redact(detail), time.monotonic() - started)
+    def _fail(self, reason: str, detail: str, started: float, sentence: str | None = None) -> FetchResult:
+        sentence = sentence or failure_sentence(reason, public_host(self.url), self.timeout)
+        return FetchResult(None, reason, self._redact(detail), time.monotonic() - started, sentence=sentence)
 
     def _redact(self, text: str) -> str:
         # Exception texts quote the request's URL (its query string included)
@@ -338,6 +341,43 @@ class _WatchedAdapter(requests.adapters.HTTPAdapter):
     def init_poolmanager(self, *args, **kwargs) -> None:
         super().init_poolmanager(*args, **kwargs)
         self.poolmanager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
+
+
+def public_host(url: str) -> str:
+    """host:port of a URL, without credentials."""
+    parts = urlsplit(url)
+    host = parts.hostname or "?"
+    return f"{host}:{parts.port}" if parts.port else host
+
+
+# reason -> one human sentence ({host}, {timeout}, {engine}); the page, /readyz and the
+# CLI show it, the log keeps the detail.
+SENTENCES = {
+    "refused": "connection refused by {host}: nothing listens there (engine down or starting?)",
+    "timeout": "no answer from {host} within {timeout:g} s",
+    "dns": "cannot resolve the host name of {host}",
+    "disconnected": "{host} closed the connection before answering",
+    "connection": "cannot connect to {host}",
+    "tls": "TLS handshake with {host} failed (certificate or protocol)",
+    "too_large": "the page from {host} is larger than the size cap",
+    "decode": "the page from {host} is not UTF-8 text",
+    "truncated": "the page from {host} was cut off mid-line",
+    "http_3xx": "{host} answered with a redirect, not the metrics page",
+    "http_4xx": "{host} refused the request (wrong path, or a token is missing or wrong)",
+    "http_5xx": "{host} answered with a server error",
+    "no_engine_metrics": "{host} answers, but its page has no {engine} engine metrics (stats logging off, or not "
+                         "{engine}?)",
+    "content_type": "{host} answers with a page that is not Prometheus metrics",
+    "error": "polling {host} failed",
+    "internal": "kvwatch failed to process a poll (see its log)",
+    "not_polled_yet": "kvwatch has not polled {host} yet",
+}
+
+
+def failure_sentence(reason: str | None, host: str, timeout: float = 0.0, engine: str = "vLLM") -> str:
+    """One human sentence for a failure reason: never an exception's text."""
+    template = SENTENCES.get(reason or "", "polling {host} failed ({reason})")
+    return template.format(host=host, timeout=timeout, reason=reason, engine=engine)
 
 
 def _connection_reason(exc: Exception) -> str:

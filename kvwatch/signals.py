@@ -329,7 +329,9 @@ def _free_tokens(view: View) -> float | None:
     usage = _usage(view)
     if usage is None or view.capacity_tokens is None:
         return None
-    return view.capacity_tokens * (1.0 - usage)
+    # Rounded down to a whole token: headroom never promises a token the
+    # cache does not have (usage is block-granular, tokens are whole).
+    return float(math.floor(view.capacity_tokens * (1.0 - usage)))
 
 
 def _used_bytes(view: View) -> float | None:
@@ -391,19 +393,58 @@ def _mean(key: str) -> Callable[[View], float | None]:
     return derive
 
 
-def ttft_parts(view: View) -> dict[str, float] | None:
-    """Mean TTFT split into queue, prefill and the rest (tokenization, front
-    end, scheduling gaps). Queue and prefill are observed when a request
-    finishes and TTFT at its first token, so over a short window of rising
-    load the parts lag; the rest is clamped at zero."""
+@dataclass(frozen=True)
+class TtftDecomposition:
+    """Mean time to first token split into queue, prefill and the rest: the
+    one decomposition the signal, the finding, the status page and the rules
+    (Fragments.queue_mean/prefill_mean/front_end_mean) read. Shares sum to at
+    most 1: queue first, prefill within what is left, the rest clamped at 0."""
+
+    ttft_mean: float
+    queue_mean: float | None
+    prefill_mean: float | None
+    shares: dict[str, float]
+    # (queue + prefill) / TTFT when above 1: the engine's histograms disagree
+    # (queue and prefill are observed when a request finishes, TTFT at its
+    # first token, so over a window of changing load the parts lag).
+    parts_over_ttft: float | None = None
+
+    @property
+    def other_mean(self) -> float | None:
+        if self.queue_mean is None or self.prefill_mean is None:
+            return None
+        return max(0.0, self.ttft_mean - self.queue_mean - self.prefill_mean)
+
+    @property
+    def note(self) -> str | None:
+        if self.parts_over_ttft is None:
+            return None
+        return (f"queue + prefill means are {self.parts_over_ttft:.0%} of the TTFT mean: vLLM observes them when a "
+                "request finishes and TTFT at its first token, so under changing load the histograms disagree; "
+                "shares are clamped to sum to 100 %")
+
+
+def ttft_decomposition(view: View) -> TtftDecomposition | None:
     ttft = _mean("ttft")(view)
     if not ttft:
         return None
-    queue = _mean("queue_time")(view) or 0.0
-    prefill = _mean("prefill_time")(view) or 0.0
-    queue_share = min(1.0, queue / ttft)
-    prefill_share = min(1.0 - queue_share, prefill / ttft)
-    return {"queue": queue_share, "prefill": prefill_share, "other": max(0.0, 1.0 - queue_share - prefill_share)}
+    queue = _mean("queue_time")(view)
+    prefill = _mean("prefill_time")(view)
+    queue_share = min(1.0, (queue or 0.0) / ttft)
+    prefill_share = min(1.0 - queue_share, (prefill or 0.0) / ttft)
+    shares = {"queue": queue_share, "prefill": prefill_share, "other": max(0.0, 1.0 - queue_share - prefill_share)}
+    over = ((queue or 0.0) + (prefill or 0.0)) / ttft
+    return TtftDecomposition(ttft, queue, prefill, shares, over if over > 1.0 + 1e-9 else None)
+
+
+def ttft_parts(view: View) -> dict[str, float] | None:
+    """The shares of the one decomposition (see TtftDecomposition)."""
+    parts = ttft_decomposition(view)
+    if parts is None:
+        return None
+    if parts.note:
+        view.notes.append(parts.note)
+    return parts.shares
 
 
 def _rate(key: str) -> Callable[[View], float | None]:
@@ -609,9 +650,10 @@ SIGNALS: tuple[Signal, ...] = (
            "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})",
            display="KV cache capacity", record=("kvwatch_kv_cache_capacity_tokens", "sum")),
     Signal("kvwatch_kv_cache_free_tokens", "tokens",
-           "KV-cache headroom in tokens: capacity x (1 - usage) (vllm:cache_config_info, vllm:kv_cache_usage_perc).",
+           "KV-cache headroom in tokens: capacity x (1 - usage), rounded down to a whole token "
+           "(vllm:cache_config_info, vllm:kv_cache_usage_perc).",
            _free_tokens, "exhaustion",
-           "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}} * (1 - kvwatch_engine_kv_cache_usage_ratio{{{sel}}}))",
+           "sum by ({by}) (floor(kvwatch_engine_kv_cache_capacity_tokens{{{sel}}} * (1 - kvwatch_engine_kv_cache_usage_ratio{{{sel}}})))",
            display="KV cache headroom", record=("kvwatch_kv_cache_free_tokens", "sum")),
     Signal("kvwatch_kv_cache_used_bytes", "bytes",
            "KV-cache bytes held now: usage x the cache's bytes, rounded to a whole byte "
@@ -621,12 +663,12 @@ SIGNALS: tuple[Signal, ...] = (
            panel="overview", title="KV bytes in use",
            display="KV cache in use", record=("kvwatch_kv_cache_used_bytes", "sum")),
     Signal("kvwatch_kv_cache_capacity_requests", "requests",
-           "Concurrent requests the KV capacity holds at the window's mean prompt+generation length, block-rounded; a bound, not a promise "
+           "Concurrent requests the KV capacity holds at the window's mean prompt+generation length, block-rounded and rounded down to a whole request; a bound, not a promise "
            "(vllm:cache_config_info, vllm:request_prompt_tokens, vllm:request_generation_tokens).",
            _capacity_requests, "exhaustion",
-           "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})\n/ on ({by}) (\n"
+           "floor(\nsum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})\n/ on ({by}) (\n"
            + _mean_promql("kvwatch_engine_request_prompt_tokens") + "\n+ on ({by})\n"
-           + _mean_promql("kvwatch_engine_request_generation_tokens") + "\n)",
+           + _mean_promql("kvwatch_engine_request_generation_tokens") + "\n)\n)",
            display="Requests the cache holds", record=("kvwatch_kv_cache_capacity_requests", "ratio_rate{w}")),
     Signal("kvwatch_preemptions_per_second", "per_second",
            "Preemptions per second over the window (vllm:num_preemptions_total).",

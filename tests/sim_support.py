@@ -216,19 +216,40 @@ def fleet_openmetrics(replicas: list[Replica], start: float, duration: float, in
                                  created_unix=start + t)
             sim.advance_to(t - offset)
             page = render_metrics(sim.engines, sim.model_name, sim.created_unix, include_process=False)
-            stamp = f"{start + t:.3f}"
-            for line in page.splitlines():
-                if not line or line.startswith("#"):
-                    continue
-                match = _LINE.match(line)
-                if not match:
-                    continue
-                name, labels, value = match.groups()
-                if not name.startswith("vllm:"):
-                    continue
-                block = target + ("," + labels if labels else "")
-                series.setdefault((name, block), []).append(f"{name}{{{block}}} {value} {stamp}")
+            _add_page(series, page, start + t, target, lambda name: name.startswith("vllm:"))
             t += interval
+    return _openmetrics(series)
+
+
+def pages_openmetrics(pages, instance: str, job: str = "vllm") -> str:
+    """Pages as a scraper stored them: (time, text) pairs (None for a failed
+    fetch, which stores nothing), every sample under the target labels
+    `instance` and `job`, as OpenMetrics text for a promtool backfill."""
+    series: dict[tuple[str, str], list[str]] = {}
+    target = f'instance="{instance}",job="{job}"'
+    for at, text in pages:
+        if text is not None:
+            _add_page(series, text, at, target, lambda name: True)
+    return _openmetrics(series)
+
+
+def _add_page(series: dict, page: str, at: float, target: str, keep) -> None:
+    stamp = f"{at:.3f}"
+    for line in page.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _LINE.match(line)
+        if not match:
+            continue
+        name, labels, value = match.groups()
+        if not keep(name):
+            continue
+        block = target + ("," + labels if labels else "")
+        series.setdefault((name, block), []).append(f"{name}{{{block}}} {value} {stamp}")
+
+
+def _openmetrics(series: dict) -> str:
+    # Each series' samples together, in time order; one family per name.
     out = []
     for key in sorted(series):
         out.extend(series[key])

@@ -435,8 +435,10 @@ def test_read_live_capacity_across_versions(fixtures_dir: Path):
     assert deepseek["capacity_tokens"] == 1428520
     assert deepseek["capacity_source"] == "kv_cache_size_tokens"
     assert deepseek["kv_cache_max_concurrency"] == pytest.approx(1.3623435238014137)
-    assert read_live_capacity((public / "sglang-0.5.10-trimmed.txt").read_text()) == {
-        "engines": []}
+    # SGLang states its pool in tokens (max_total_num_tokens), with no block size on this build.
+    (sglang,) = read_live_capacity((public / "sglang-0.5.10-trimmed.txt").read_text())["engines"]
+    assert (sglang["capacity_tokens"], sglang["block_size"], sglang["usage_metric"], sglang["kv_cache_usage"]) == (
+        430839, None, "sglang:token_usage", 0.25)
 
 
 def test_read_live_capacity_underscore_spelling_and_engines(fixtures_dir: Path):
@@ -637,11 +639,19 @@ def test_cli_target_errors(capsys, fixtures_dir):
     assert main(["capacity", "--target", f"http://127.0.0.1:{closed_port}",
                  "--input-tokens", "1", "--output-tokens", "1"]) == 2
     assert "cannot fetch" in capsys.readouterr().err
-    body = (fixtures_dir / "public" / "sglang-0.5.10-trimmed.txt").read_text()
+    body = (fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()
+    body = "\n".join(line for line in body.splitlines() if "cache_config_info" not in line) + "\n"
     with _MetricsServer(body) as server:
         assert main(["capacity", "--target", server.url, "--input-tokens", "1",
                      "--output-tokens", "1"]) == 2
         assert "no vllm:cache_config_info" in capsys.readouterr().err
+    # Another engine's page without a capacity: the error names the engine and what it cannot provide.
+    with _MetricsServer("# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 1\n") as server:
+        assert main(["capacity", "--target", server.url, "--input-tokens", "1",
+                     "--output-tokens", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "llamacpp's page and states no KV capacity" in err and "time_to_first_token_seconds" in err
+    with _MetricsServer(body) as server:
         assert main(["capacity", "--target", server.url + "/other", "--input-tokens", "1",
                      "--output-tokens", "1"]) == 2
         assert "HTTP 404" in capsys.readouterr().err

@@ -15,8 +15,9 @@ import pytest
 import kvwatch.commands.capture as capture_command
 from kvwatch.capture.bundle import Capture, CaptureError, CaptureWriter
 from kvwatch.capture.record import manifest_for, record
-from kvwatch.capture.replay import ReplaySource, Timeline, paced, replay
+from kvwatch.capture.replay import ReplaySource, paced, replay
 from kvwatch.cli import main
+from kvwatch.diagnose.timeline import Timeline
 from kvwatch.scrape import Fetcher, FetchResult
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.report import _clean
@@ -146,6 +147,10 @@ def test_diagnose_replay_prints_the_timeline_at_recorded_times(fixtures_dir, tmp
     assert body["outages"] == [{"reason": "timeout", "detail": "no response within 0.5s", "start": BASE + 30,
                                 "end": BASE + 30, "polls": 1}]
     burst = next(f for f in body["findings"] if f["cause"] == "concurrency_beyond_capacity")
+    # One timeline format with `kvwatch diagnose --prometheus` (where `replica` names the replica).
+    assert set(burst) == {"symptom", "cause", "model", "engine", "start", "end", "polls", "worst",
+                          "active_at_end", "replica"} and burst["replica"] == ""
+    assert body["findings_dropped"] == 0
     # It starts at the burst's page (20 s in) and lasts while the burst is in the 5 min window.
     assert burst["start"] == BASE + 20 and burst["end"] == BASE + 50 and burst["active_at_end"] is True
     assert burst["worst"]["evidence"]["waiting_at_peak"] == 18
@@ -216,7 +221,7 @@ def test_a_simulator_recording_replays_to_the_live_sidecars_timeline(tmp_path):
 
             def fetch(self):
                 state = live.poll_once()
-                live_timeline.add(state)
+                live_timeline.add_state(state)
                 live_polls.append(findings_of(state))
                 return fetcher.fetch()
 

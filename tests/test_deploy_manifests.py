@@ -274,7 +274,10 @@ def check_wiring(objects: list[dict], monitor_kind: str) -> None:
     port = named_port(container, s.port_name)
     assert port["containerPort"] == s.kvwatch_port
     assert len(port["name"]) <= 15  # IANA service name limit for named ports
-    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+    # Readiness reflects kvwatch alone: a sidecar whose readiness followed the
+    # engine's polls (/readyz) took the whole vLLM pod out of its Service when
+    # polls timed out under load.
+    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/healthz")):
         assert container[probe]["httpGet"] == {"path": path, "port": s.port_name}
 
     service_ports = {p["name"]: p for p in service["spec"]["ports"]}

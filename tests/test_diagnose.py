@@ -17,7 +17,7 @@ from kvwatch.diagnose import (
     resolve_thresholds,
     validate_thresholds,
 )
-from kvwatch.diagnose import Change
+from kvwatch.diagnose import Change, HitRateMemory
 from kvwatch.sidecar.settings import SettingsError, load_settings
 from kvwatch.signals import evaluate_window
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
@@ -708,3 +708,81 @@ def test_docs_name_every_threshold_and_cause():
     missing = [key for key in DEFAULT_THRESHOLDS if f"`{key}`" not in text]
     missing += [cause for group in CAUSES.values() for cause in group if f"`{cause}`" not in text]
     assert not missing, missing
+
+
+def test_a_prefix_regression_stays_one_after_the_low_ratio_fills_the_window():
+    # The monitor diagnoses every poll and keeps the last healthy ratio
+    # beyond the window: once the drop has left the window, the finding is
+    # still a changed prefix (warning), not no_reuse (info, "nothing to repair").
+    memory = HitRateMemory()
+    run = Run(window_seconds=60.0)
+    for _ in range(8):
+        run.step(usage=0.4, running=3, requests=4, hit_ratio=0.8)
+        diagnose_with(run, memory)
+    for _ in range(20):  # 200 s of a low ratio: the window holds nothing else
+        run.step(usage=0.4, running=3, requests=4, hit_ratio=0.03)
+        findings = diagnose_with(run, memory)
+    finding = only(findings, "prefix_changed")
+    assert finding.severity == "warning"
+    assert 0.6 < finding.evidence["hit_ratio_last_healthy"] <= 0.8 + 1e-9  # the last healthy window
+    assert finding.evidence["hit_ratio_last_healthy_seconds_ago"] >= 190
+    # Without the memory (one-shot `kvwatch diagnose`) the window alone decides.
+    assert causes(run.findings(), "low_hit_rate") == {"no_reuse"}
+    # Reuse that comes back ends it.
+    for _ in range(8):
+        run.step(usage=0.4, running=3, requests=4, hit_ratio=0.8)
+        findings = diagnose_with(run, memory)
+    assert not causes(findings, "low_hit_rate")
+
+
+def diagnose_with(run, memory):
+    per_engine, _ = evaluate_window(run.window)
+    return diagnose(run.window, per_engine, tuple(run.events), run.thresholds, None, memory)
+
+
+def test_finding_json_uses_metric_label_names_keeps_notes_apart_and_links_its_runbook():
+    from kvwatch.sidecar.report import finding_json
+
+    run = Run()
+    run.steps(12, usage=0.4, running=3, requests=4, hit_ratio=0.8)
+    run.events.append(Change(run.now + 10, "lora", None, None, "new LoRA adapters: sql-v2"))
+    run.steps(6, usage=0.9, running=3, requests=4, hit_ratio=0.05)
+    finding = only(run.findings(), "prefix_changed")
+    data = finding_json(finding, since=1234.0)
+    assert data["model_name"] == "tiny-llama" and data["since"] == 1234.0
+    assert all(not isinstance(v, str) for v in data["evidence"].values())
+    assert "sql-v2" in data["notes"]["changes_at_drop"]
+    assert data["runbook"] == "alerts/runbooks.md#vllmprefixcachehitratelow-prefix-changed"
+
+
+def test_ttft_shares_sum_to_at_most_one_and_the_finding_uses_the_signals_shares():
+    # Queue and prefill observed at finish exceed the TTFT observed at first
+    # token (changing load): the finding's shares were min(1, each) and
+    # summed past 1 (queue 100 %, prefill 16 %) beside a signal of 63 %.
+    from kvwatch.signals import ttft_decomposition
+
+    run = Run()
+    run.steps(12, usage=0.5, running=8, waiting=10, requests=6, queue=2.5, prefill=0.6, ttft=2.0)
+    finding = next(f for f in run.findings() if f.symptom == "slow_first_token")
+    per_engine, _ = evaluate_window(run.window)
+    shares = per_engine[0].values["kvwatch_time_to_first_token_share_ratio"]
+    evidence = finding.evidence
+    total = sum(evidence[k] for k in ("queue_share", "prefill_share", "other_share") if k in evidence)
+    assert total <= 1.0 + 1e-6
+    assert evidence["queue_share"] == pytest.approx(shares["queue"], abs=1e-3)
+    assert "disagree" in evidence["histograms_disagree"]
+    assert ttft_decomposition(per_engine[0].view).parts_over_ttft > 1
+    assert any("disagree" in note for note in per_engine[0].notes)
+
+
+def test_exhaustion_wording_follows_the_current_usage():
+    # Peak earlier, but the cache is still above the threshold now: "full now",
+    # never "full earlier in the window" beside a current 99.2 %.
+    run = Run()
+    run.steps(3, usage=0.999, running=8, waiting=6, requests=4, preemptions=2, **SHORT)
+    run.steps(2, usage=0.992, running=8, waiting=6, requests=4, preemptions=2, **SHORT)
+    finding = only(run.findings(), "concurrency_beyond_capacity")
+    assert "full now (99.2%)" in finding.summary and "earlier" not in finding.summary
+    run.steps(2, usage=0.5, running=2, waiting=0, requests=4, **SHORT)
+    finding = only(run.findings(), "concurrency_beyond_capacity")
+    assert "earlier in the window (now 50.0%)" in finding.summary

@@ -161,3 +161,43 @@ def test_upstream_poll_over_http_without_the_engine_token(tmp_path):
         assert server.requests and all("engine-secret" not in str(r["headers"]) for r in server.requests)
     down = UpstreamSource(upstream_settings("http://127.0.0.1:9/metrics"), window_seconds=60).poll()
     assert not down["up"] and down["reason"]
+
+
+def test_a_refused_target_is_one_human_sentence_printed_once(capsys, caplog):
+    # It printed `_WatchedHTTPPool(host=...) Max retries exceeded...` twice.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert diagnose_cli(f"http://127.0.0.1:{port}/metrics") == 2
+    err = capsys.readouterr().err + caplog.text
+    assert err.count(f"connection refused by 127.0.0.1:{port}") == 1, err
+    for raw in ("Max retries", "HTTPPool", "Error(", "NewConnectionError", "Errno"):
+        assert raw not in err, err
+
+
+def test_without_a_target_diagnose_says_where_it_comes_from(capsys, monkeypatch):
+    monkeypatch.delenv("KVWATCH_TARGET", raising=False)
+    main(["diagnose", "--duration", "0.1s", "--interval", "0.1s"])
+    err = capsys.readouterr().err
+    assert "polling http://127.0.0.1:8000/metrics (the default" in err and "KVWATCH_TARGET" in err
+
+
+def test_readyz_and_the_json_api_carry_the_sentence_not_the_exception():
+    from fastapi.testclient import TestClient
+
+    from kvwatch.sidecar.app import create_app
+    from kvwatch.sidecar.monitor import Monitor
+    from kvwatch.sidecar.settings import load_settings
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    settings = load_settings(overrides={"target": f"http://127.0.0.1:{port}/metrics", "poll_interval": "1s"},
+                             environ={})
+    monitor = Monitor(settings)
+    client = TestClient(create_app(monitor, settings))
+    assert monitor.poll_once().reason == "refused"
+    sentence = f"connection refused by 127.0.0.1:{port}"
+    for text in (client.get("/readyz").text, client.get("/api/v1/diagnosis").text, client.get("/api/v1/signals").text):
+        assert sentence in text
+        assert "Max retries" not in text and "HTTPPool" not in text

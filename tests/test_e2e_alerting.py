@@ -65,6 +65,8 @@ TEST_CONFIG = {
     "upstream_histogram": "app_retrieval_seconds",
     "upstream_selector": 'job="rag-app"',
     "upstream_join_labels": ["deployment"],
+    "runbook_url_pattern": "https://git.example.org/ops/kvwatch/blob/main/alerts/runbooks.md#{anchor}",
+    "dashboard_url_pattern": "https://grafana.example.org/d/{uid}?var-model={model_name}&viewPanel={panel_id}",
 }
 HIT_RATE_CAUSES = {"caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"}
 SCENARIOS = {
@@ -321,17 +323,18 @@ def test_grafana_rules_cross_their_thresholds_exactly_when_the_twins_fire(stack,
     prometheus = stack["prometheus"]
     start, end = float(int(stack["started"] + 5)), float(int(time.time()))
     grafana = json.loads(stack["files"][GRAFANA_RULES_FILE])
-    alerts = {(r["alert"], r["labels"]["cause"]): r for g in yaml.safe_load(stack["files"][RULES_FILE])["groups"]
-              for r in g["rules"] if "alert" in r}
+    alerts = {(r["alert"], r["labels"]["cause"], r["labels"]["severity"]): r
+              for g in yaml.safe_load(stack["files"][RULES_FILE])["groups"] for r in g["rules"] if "alert" in r}
     fired = 0
     for rule in grafana["groups"][0]["rules"]:
-        alert, cause = rule["title"].split(" ")[0], rule["labels"]["cause"]
+        alert, cause, severity = rule["title"].split(" ")[0], rule["labels"]["cause"], rule["labels"]["severity"]
         query = next(q["model"]["expr"] for q in rule["data"] if q["refId"] == "A")
         condition = next(q["model"]["expression"] for q in rule["data"] if q["refId"] == rule["condition"])
         op, threshold = condition.split(" ")[1], condition.split(" ")[2]
-        assert split_alert_expr(alerts[(alert, cause)]["expr"]) == (query, op, float(threshold))
+        assert split_alert_expr(alerts[(alert, cause, severity)]["expr"]) == (query, op, float(threshold))
         crossing = _timeline(query_range(prometheus, f"({query}) {op} {threshold}", start, end))
-        firing = _timeline(query_range(prometheus, f'ALERTS{{alertname="{alert}",cause="{cause}"}}', start, end))
+        firing = _timeline(query_range(
+            prometheus, f'ALERTS{{alertname="{alert}",cause="{cause}",severity="{severity}"}}', start, end))
         if firing:
             fired += 1
         for key in set(crossing) | set(firing):

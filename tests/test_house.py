@@ -140,13 +140,14 @@ def test_an_engine_is_recognised_from_its_page_through_the_adapter_registry(fixt
 
     assert recognize((fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()) == "vllm"
     assert recognize((fixtures_dir / "public" / "vllm-v0-0.5.txt").read_text()) == "vllm"
-    assert recognize((fixtures_dir / "public" / "sglang-0.5.10-trimmed.txt").read_text()) is None
-    assert set(ENGINES) == {"vllm"}
+    assert recognize((fixtures_dir / "public" / "sglang-0.5.10-trimmed.txt").read_text()) == "sglang"
+    assert recognize("# TYPE tgi_queue_size gauge\ntgi_queue_size 0\n") is None
+    assert set(ENGINES) == {"vllm", "sglang", "llamacpp", "trtllm"}
     assert make_adapter("vllm", max_series=3).max_series == 3
     try:
         make_adapter("tgi")
     except ValueError as error:
-        assert "unknown engine 'tgi' (known: vllm)" in str(error)
+        assert "unknown engine 'tgi' (known: vllm, sglang, llamacpp, trtllm)" in str(error)
     else:
         raise AssertionError("an unknown engine must be refused")
 

@@ -135,6 +135,34 @@ def test_config_changes_thresholds_windows_and_for():
     assert ttft["for"] == DEFAULT_FOR["VllmTimeToFirstTokenSlow"]
 
 
+def test_exhaustion_soon_reads_the_eta_signal_and_its_threshold_in_minutes():
+    from kvwatch.mixin.alerts import alert_specs, engine_scope
+
+    config = config_from_mapping({"exhaustion_eta_minutes": 30,
+                                  "for_durations": {"VllmKvCacheExhaustionSoon": "10m"},
+                                  "runbook_url_pattern": "https://runbooks.example.org/kvwatch.md#{anchor}"})
+    rules = yaml.safe_load(render_all(config)[RULES_FILE])
+    (soon,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "VllmKvCacheExhaustionSoon"]
+    assert soon["expr"].endswith(")\n< 1800")
+    assert soon["for"] == "10m"
+    assert soon["labels"] == {"severity": "warning", "cause": "usage_rising", "symptom": "exhaustion"}
+    # the ETA signal's own PromQL, the expression its recording rule records: one definition
+    eta = engine_scope(config).signal("kvwatch_kv_cache_exhaustion_eta_seconds")
+    (spec,) = [s for s in alert_specs(config) if s.alert == "VllmKvCacheExhaustionSoon"]
+    assert spec.query.lstrip("(\n ").startswith(eta.split("\n")[0])
+    assert "anchor" not in soon["annotations"]["runbook_url"]
+    assert soon["annotations"]["runbook_url"].endswith("#vllmkvcacheexhaustionsoon-usage-rising")
+
+
+def test_exhaustion_soon_threshold_must_outlast_its_for():
+    with pytest.raises(MixinConfigError) as error:
+        config_from_mapping({"exhaustion_eta_minutes": 5})
+    assert "exhaustion_eta_minutes" in "\n".join(error.value.problems)
+    runbook = (REPO / "alerts" / "runbooks.md").read_text()
+    section = runbook.split('<a id="vllmkvcacheexhaustionsoon-usage-rising"></a>')[1]
+    assert section.split("\n\n")[3].startswith("**First five minutes.**")
+
+
 def test_recording_rules_follow_the_naming_convention_and_cover_the_catalogue():
     from kvwatch.signals import SIGNALS
 
@@ -152,3 +180,29 @@ def test_recording_rules_follow_the_naming_convention_and_cover_the_catalogue():
     assert "sum by (namespace, job, model_name, le) (rate(" in quantile["expr"]
     assert len(set(zip(records, [str(r.get("labels")) for g in rules["groups"] for r in g["rules"]
                                  if "record" in r]))) == len(records)
+
+
+def test_version_flag(capsys):
+    from kvwatch import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"kvwatch {__version__}"
+
+
+def test_print_config_into_a_closed_pipe_ends_quietly(monkeypatch):
+    # `kvwatch generate --print-config | head` ended in a BrokenPipeError traceback.
+    import io
+    import os
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader (head) has gone
+
+    class Closed(io.TextIOWrapper):
+        pass
+
+    stream = Closed(os.fdopen(write_end, "wb", buffering=0), write_through=True)
+    monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(os, "dup2", lambda *args: None)  # keep the test runner's real stdout
+    assert cli.main(["generate", "--print-config"]) == 0

@@ -13,7 +13,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import yaml
 
-from kvwatch.mixin.config import MixinConfig, config_from_mapping
+from kvwatch.mixin.alerts import alert_specs
+from kvwatch.mixin.config import ALERT_CAUSES, MixinConfig, config_from_mapping
 from kvwatch.commands.generate import GRAFANA_NOTIFICATIONS_FILE, GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.grafana_alerts import GRAFANA_VALUE
 from kvwatch.mixin.rules import split_alert_expr
@@ -37,12 +38,13 @@ def twin_problems(rules_text: str, provisioning: dict) -> list[str]:
     problems = []
     by_key = {}
     for rule in grafana_rules(provisioning):
-        by_key.setdefault((rule["title"].split(" ")[0], rule["labels"].get("cause")), []).append(rule)
+        by_key.setdefault((rule["title"].split(" ")[0], rule["labels"].get("cause"), rule["labels"].get("severity")),
+                          []).append(rule)
     alerts = prometheus_alerts(rules_text)
     if len(alerts) != len(grafana_rules(provisioning)):
         problems.append(f"{len(alerts)} Prometheus rules, {len(grafana_rules(provisioning))} Grafana rules")
     for alert in alerts:
-        key = (alert["alert"], alert["labels"]["cause"])
+        key = (alert["alert"], alert["labels"]["cause"], alert["labels"]["severity"])
         twins = by_key.get(key, [])
         if len(twins) != 1:
             problems.append(f"{key}: {len(twins)} Grafana twins")
@@ -85,7 +87,7 @@ def test_the_twin_check_catches_drift():
     condition = next(q for q in rules[1]["data"] if q["refId"] == rules[1]["condition"])
     condition["model"]["expression"] = condition["model"]["expression"].replace(">", "<")
     rules[2]["data"][0]["model"]["expr"] += " * 2"
-    rules[3]["labels"]["severity"] = "critical" if rules[3]["labels"]["severity"] != "critical" else "info"
+    rules[3]["labels"]["summary_of_drift"] = "x"
     problems = twin_problems(RULES.read_text(), provisioning)
     assert len(problems) == 4, problems
 
@@ -117,7 +119,7 @@ def test_provisioning_has_what_grafana_requires():
                     assert query["model"]["type"] in ("reduce", "math", "threshold", "classic_conditions")
             # Multi-dimensional: one alert instance per engine, not classic conditions.
             assert all(q["model"].get("type") != "classic_conditions" for q in rule["data"])
-            assert {"summary", "description", "runbook_url", "dashboard_url"} <= set(rule["annotations"])
+            assert {"summary", "description"} <= set(rule["annotations"])
 
 
 def test_uids_are_unique_stable_and_valid():
@@ -134,9 +136,35 @@ def test_uids_are_unique_stable_and_valid():
     assert "kvwatch-ttft-queueing-kv-bound" in uids
 
 
+LINKS = {"runbook_url_pattern": "https://git.example.org/ops/kvwatch/blob/main/alerts/runbooks.md#{anchor}",
+         "dashboard_url_pattern": "https://grafana.example.org/d/{uid}?var-model={model_name}&viewPanel={panel_id}"}
+
+
+def test_the_default_config_links_to_no_host_it_does_not_know():
+    # A page at 3am must not carry a link to a host that does not exist.
+    files = render_all(MixinConfig())
+    for rule in grafana_rules(json.loads(files[GRAFANA_RULES_FILE])) + prometheus_alerts(files[RULES_FILE]):
+        assert not {"runbook_url", "dashboard_url"} & set(rule["annotations"]), rule.get("uid", rule.get("alert"))
+    assert "example.com" not in files[RULES_FILE] + files[GRAFANA_RULES_FILE]
+    for name, text in files.items():
+        if name.startswith("dashboards/"):
+            assert '"title": "Runbook"' not in text, name
+
+
+def test_every_rule_has_a_no_data_decision_with_a_reason():
+    from kvwatch.mixin.grafana_alerts import NO_DATA
+
+    for config in (MixinConfig(), config_from_mapping({**UPSTREAM, "no_reuse_alert": True})):
+        for spec in alert_specs(config):
+            state, reason = NO_DATA[(spec.alert, spec.cause)]
+            assert state in NO_DATA_STATES and len(reason) > 40
+    assert set(NO_DATA) <= {(a, c) for a, causes in ALERT_CAUSES.items() for c in causes}
+
+
 def test_panel_references_point_at_existing_panels():
     panels = {(d["uid"], p["id"]) for d in load_dashboards().values() for p in iter_panels(d)}
-    for rule in grafana_rules(json.loads(GRAFANA_RULES.read_text())):
+    files = render_all(config_from_mapping(LINKS))
+    for rule in grafana_rules(json.loads(files[GRAFANA_RULES_FILE])):
         assert (rule["dashboardUid"], rule["panelId"]) in panels, rule["uid"]
         url = urlsplit(rule["annotations"]["dashboard_url"])
         assert url.path.endswith("/d/" + rule["dashboardUid"])
@@ -145,7 +173,8 @@ def test_panel_references_point_at_existing_panels():
 
 def test_runbook_links_resolve_to_sections():
     anchors = set(re.findall(r'<a id="([^"]+)"></a>', (REPO / "alerts" / "runbooks.md").read_text()))
-    for rule in grafana_rules(json.loads(GRAFANA_RULES.read_text())):
+    files = render_all(config_from_mapping(LINKS))
+    for rule in grafana_rules(json.loads(files[GRAFANA_RULES_FILE])):
         assert rule["annotations"]["runbook_url"].split("#", 1)[1] in anchors
 
 

@@ -16,6 +16,7 @@ import yaml
 from kvwatch.mixin.alerts import alert_specs
 from kvwatch.mixin.config import MixinConfig, config_from_mapping
 from kvwatch.commands.generate import RULES_FILE, render_all
+from kvwatch.mixin.rules import MEMORY_GROUP
 from mixin_support import PROMETHEUS_RULE, REPO, RULES, load_rules
 
 sys.path.insert(0, str(REPO / "tests" / "promtool"))
@@ -37,6 +38,9 @@ def alerts_without_annotations(rules_text: str) -> str:
     data = yaml.safe_load(rules_text)
     groups = []
     for group in data["groups"]:
+        if group["name"] == MEMORY_GROUP:  # the alerts read the hit-ratio memory
+            groups.append(group)
+            continue
         alerts = [rule for rule in group["rules"] if "alert" in rule]
         for rule in alerts:
             rule.pop("annotations", None)
@@ -110,6 +114,16 @@ def test_promtool_unit_tests_with_the_no_reuse_alert_on(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@needs_promtool
+def test_promtool_unit_tests_of_the_fleet_alert(tmp_path):
+    """Fires on an unbalanced fleet (one replica exhausted beside replicas
+    with room, one that lost prefix affinity, one restarted) and not on a
+    balanced one, nor on a fleet all exhausted or all restarted."""
+    result = run_cases(tmp_path, "fleet.test.yaml", RULES.read_text())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
 def test_no_reuse_alert_is_off_by_default():
     # A workload without shared prefixes would keep it firing forever.
     assert ("VllmPrefixCacheHitRateLow", "no_reuse") not in {(s.alert, s.cause) for s in alert_specs(MixinConfig())}
@@ -118,11 +132,13 @@ def test_no_reuse_alert_is_off_by_default():
 
 
 def test_cases_cover_every_alert_and_cause_and_check_every_alert():
-    covered = {(alert, cause) for case in cases.default_cases() + cases.upstream_cases() + cases.no_reuse_cases()
-               for alert, cause, _ in case.expect}
-    specs = {(s.alert, s.cause) for s in alert_specs(MixinConfig())}
-    specs |= {(s.alert, s.cause) for s in alert_specs(config_from_mapping(cases.UPSTREAM_CONFIG))}
-    specs |= {(s.alert, s.cause) for s in alert_specs(config_from_mapping(cases.NO_REUSE_CONFIG))}
+    # Every rule, preempting and waiting-only exhaustion apart (their severities differ).
+    covered = {(e[0], e[1], e[3] if len(e) > 3 else cases.SEVERITY[e[1]])
+               for case in cases.default_cases() + cases.upstream_cases() + cases.no_reuse_cases()
+               + cases.fleet_cases() for e in case.expect}
+    specs = {(s.alert, s.cause, s.severity) for s in alert_specs(MixinConfig())}
+    specs |= {(s.alert, s.cause, s.severity) for s in alert_specs(config_from_mapping(cases.UPSTREAM_CONFIG))}
+    specs |= {(s.alert, s.cause, s.severity) for s in alert_specs(config_from_mapping(cases.NO_REUSE_CONFIG))}
     assert specs == covered
     # Each case checks every alert name, so a cause firing where another
     # should is a failure: the negative half of every branch.
@@ -136,7 +152,7 @@ def test_cases_cover_every_alert_and_cause_and_check_every_alert():
 def test_case_labels_match_the_config():
     config = MixinConfig()
     for spec in alert_specs(config):
-        assert cases.SEVERITY[spec.cause] == spec.severity
+        assert (cases.PREEMPTING if spec.variant == "preempting" else cases.SEVERITY[spec.cause]) == spec.severity
     assert all(rule["labels"]["cause"] for rule in load_rules() if "alert" in rule)
 
 
@@ -157,3 +173,32 @@ def test_the_unit_tests_catch_a_threshold_that_never_fires(tmp_path):
     result = run_cases(tmp_path, "alerts.test.yaml", render_all(config)[RULES_FILE], only="first token")
     assert result.returncode != 0
     assert "VllmTimeToFirstTokenSlow" in result.stdout + result.stderr
+
+
+def test_alert_severities_are_the_diagnosis_severities():
+    # One table: exhaustion with preemptions is critical in the diagnosis, so
+    # it is critical in the alert too (it used to be warning, waking no one).
+    from kvwatch.diagnose.vocabulary import SEVERITY, severity_of
+
+    specs = alert_specs(MixinConfig())
+    for spec in specs:
+        if spec.symptom and spec.cause in SEVERITY:
+            assert spec.severity == severity_of(spec.cause, preempting=spec.variant == "preempting"), spec.uid
+    # The alerts the diagnosis has no finding for: a forecast, and kvwatch's own health.
+    assert {s.cause for s in specs if s.cause not in SEVERITY} <= {
+        "usage_rising", "kvwatch_unreachable", "kvwatch_absent", "engine_unreachable"}
+    exhausted = {(s.cause, s.severity) for s in specs if s.alert == "VllmKvCacheExhausted"}
+    assert ("concurrency_beyond_capacity", "critical") in exhausted
+    assert ("concurrency_beyond_capacity", "warning") in exhausted
+    rules = {(r["labels"]["cause"], r["labels"]["severity"]): r for r in load_rules()
+             if r.get("alert") == "VllmKvCacheExhausted"}
+    assert "preemptions" in rules[("concurrency_beyond_capacity", "critical")]["expr"]
+
+
+def test_docs_alerts_table_gives_every_alert_its_severity_and_for():
+    text = (REPO / "docs" / "alerts.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| `") and "pages whom" not in line]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table if line.count("|") == 7]
+    for spec in alert_specs(MixinConfig()):
+        assert any(row[0] == f"`{spec.alert}`" and f"`{spec.cause}`" in row[1] and row[2] == spec.severity
+                   and row[3] == spec.for_ and row[4] and row[5] for row in rows), (spec.alert, spec.cause)

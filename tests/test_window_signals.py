@@ -39,7 +39,7 @@ def test_burst_to_long_load_pair_matches_hand_computed_deltas(fixtures_dir):
     assert v["kvwatch_time_to_first_token_seconds"]["0.95"] == pytest.approx(4.375)
     assert v["kvwatch_kv_cache_usage_ratio"] == pytest.approx(0.9685039370078741)
     assert v["kvwatch_kv_cache_usage_max_ratio"] == pytest.approx(0.9921259842519685)
-    assert v["kvwatch_kv_cache_free_tokens"] == pytest.approx(4096 * (1 - 0.9685039370078741))
+    assert v["kvwatch_kv_cache_free_tokens"] == 129  # 4096 x (1 - 0.9685) = 129.0, rounded down
     # prompt tokens 7424 -> 17424, generation 1856 -> 9976 over 10 s
     assert v["kvwatch_prompt_tokens_per_second"] == pytest.approx(1000.0)
     assert v["kvwatch_generation_tokens_per_second"] == pytest.approx(812.0)
@@ -218,3 +218,21 @@ def test_kv_bytes_in_use_is_usage_times_the_cache_s_bytes_and_absent_without_the
     window = Window(3600)
     window.add(VllmAdapter().adapt((fixtures_dir / "public" / "vllm-0.11.0.txt").read_text(), at=1000))
     assert evaluate_window(window)[0][0].values.get("kvwatch_kv_cache_used_bytes") is None
+
+
+def test_counts_of_tokens_blocks_and_requests_are_whole_numbers_with_the_rounding_stated(fixtures_dir):
+    # kvwatch_kv_cache_free_tokens read 12027.74; a count is whole. Means and
+    # rates of counts may be fractional; counts may not.
+    from kvwatch.signals import SIGNALS
+
+    names = ["load", "long-load"]
+    v = values(window_of(fixtures_dir, names, spacing=10.0))
+    counts = [s for s in SIGNALS if s.unit in ("tokens", "requests", "bytes") and "mean" not in s.name]
+    assert {"kvwatch_kv_cache_free_tokens", "kvwatch_kv_cache_capacity_requests"} <= {s.name for s in counts}
+    for signal in counts:
+        value = v.get(signal.name)
+        for item in (value.values() if isinstance(value, dict) else [value]):
+            assert item is None or float(item).is_integer(), (signal.name, item)
+    for name in ("kvwatch_kv_cache_free_tokens", "kvwatch_kv_cache_capacity_requests"):
+        signal = next(s for s in SIGNALS if s.name == name)
+        assert "round" in signal.help and "floor(" in signal.promql, name

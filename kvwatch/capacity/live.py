@@ -1,13 +1,15 @@
-"""What a live vLLM reports about its KV pool, read through the sidecar's own
-fetcher and adapter (every vLLM spelling, the Ray prefix, `pid` folding): one
-reader of an engine's page in the whole project."""
+"""What a live engine reports about its KV pool, read through the sidecar's own
+fetcher and adapters (the engine recognized from its page; for vLLM every
+spelling, the Ray prefix, `pid` folding): one reader of an engine's page in
+the whole project."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvwatch.capacity.arithmetic import CapacityInputError
-from kvwatch.engines.vllm import VllmAdapter
+from kvwatch.engines import ENGINES, make_adapter, recognize
+from kvwatch.engines.coverage import dark_signals
 from kvwatch.scrape import Fetcher
 from kvwatch.snapshot import Snapshot, config_number
 
@@ -25,11 +27,17 @@ def metrics_url(target: str) -> str:
         raise CapacityInputError(f"--target {error}") from None
 
 
-def fetch_snapshot(url: str) -> Snapshot:
+def fetch_page(url: str) -> str:
     result = Fetcher(url, FETCH_TIMEOUT_S, FETCH_MAX_BYTES).fetch()
     if not result.ok:
         raise CapacityInputError(f"cannot fetch {url}: {result.detail or result.reason}")
-    return VllmAdapter().adapt(result.text or "", at=0.0)
+    return result.text or ""
+
+
+def adapt_page(text: str, engine: str | None = None) -> tuple[str, Snapshot]:
+    """The engine's name (given, else recognized; vLLM when nothing is) and the page's Snapshot."""
+    name = engine or recognize(text) or "vllm"
+    return name, make_adapter(name).adapt(text, at=0.0)
 
 
 def _whole(cache_config: dict[str, str], key: str) -> int | None:
@@ -37,7 +45,7 @@ def _whole(cache_config: dict[str, str], key: str) -> int | None:
     return int(number) if number is not None else None
 
 
-def live_capacity(snapshot: Snapshot) -> dict[str, Any]:
+def live_capacity(snapshot: Snapshot, engine_name: str = "vllm") -> dict[str, Any]:
     """The KV pool each engine reports in `cache_config_info`, and the running
     requests and KV usage at this poll, sorted by engine; an empty list when
     the page has no cache_config_info."""
@@ -65,12 +73,15 @@ def live_capacity(snapshot: Snapshot) -> dict[str, Any]:
         info["num_requests_running"] = first.gauges.get("running") if first else None
         info["num_requests_waiting"] = first.gauges.get("waiting") if first else None
         info["kv_cache_usage"] = usage
-        info["usage_metric"] = f"vllm:{usage_source}" if usage is not None and usage_source else None
+        # vLLM's sources are bare family names; the other adapters' are spelled whole.
+        spelled = f"vllm:{usage_source}" if engine_name == "vllm" else usage_source
+        info["usage_metric"] = spelled if usage is not None and usage_source else None
         info["model_name"] = first.model if first else None
         result.append(info)
-    return {"engines": result}
+    return {"engines": result, "engine": engine_name, "dark_signals": list(dark_signals(ENGINES[engine_name]))}
 
 
-def read_live_capacity(metrics_text: str) -> dict[str, Any]:
+def read_live_capacity(metrics_text: str, engine: str | None = None) -> dict[str, Any]:
     """live_capacity of a page's text (the command reads a URL; tests a capture)."""
-    return live_capacity(VllmAdapter().adapt(metrics_text, at=0.0))
+    name, snapshot = adapt_page(metrics_text, engine)
+    return live_capacity(snapshot, name)

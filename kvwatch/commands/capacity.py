@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.capacity import arithmetic as cap
-from kvwatch.capacity import live
+from kvwatch.capacity import hardware, live
 from kvwatch.capacity.arithmetic import CapacityInputError
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
@@ -43,6 +43,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", metavar="URL",
                         help="a live vLLM (http://host:8000 or its /metrics URL): read the "
                         "capacity it reports instead of, or to compare with, a budget")
+    hw = parser.add_argument_group(
+        "KV budget from the hardware (instead of --kv-budget; needs --model-config)")
+    hw.add_argument("--gpu-memory", metavar="SIZE",
+                    help="memory of one GPU as the card reports it, e.g. 80GiB")
+    hw.add_argument("--gpu-memory-utilization", metavar="SHARE", default=None,
+                    help="vLLM's --gpu-memory-utilization (default "
+                    f"{hardware.DEFAULT_GPU_MEMORY_UTILIZATION}, vLLM's default)")
+    hw.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                    help="vLLM's --tensor-parallel-size: GPUs per replica (default 1)")
+    hw.add_argument("--runtime-reserve", metavar="SIZE", default=None,
+                    help="memory per GPU vLLM keeps for activations, CUDA graphs and the "
+                    f"runtime (default {hardware.DEFAULT_RUNTIME_RESERVE}, a round figure: vLLM "
+                    "measures it at start-up)")
+    hw.add_argument("--weights-bytes", metavar="SIZE", default=None,
+                    help="weights per GPU given directly (quantized checkpoints, unusual "
+                    "layers) instead of counted from the config")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -82,12 +98,57 @@ def _check_dtype(kv_dtype: str) -> str:
     return kv_dtype
 
 
+_HARDWARE_FLAGS = (("--gpu-memory-utilization", "gpu_memory_utilization"),
+                   ("--tensor-parallel-size", "tensor_parallel_size"),
+                   ("--runtime-reserve", "runtime_reserve"), ("--weights-bytes", "weights_bytes"))
+
+
+def _check_hardware_flags(args: argparse.Namespace) -> None:
+    given = [flag for flag, attr in _HARDWARE_FLAGS if getattr(args, attr, None) is not None]
+    if given and getattr(args, "gpu_memory", None) is None:
+        raise CapacityInputError(f"{', '.join(given)} needs --gpu-memory (the memory of "
+                                 "one GPU) to size the KV budget from the hardware")
+
+
+def _hardware_budget(args: argparse.Namespace,
+                     config: dict[str, Any] | None) -> hardware.HardwareBudget | None:
+    """The KV budget from --gpu-memory and its companions, or None without it."""
+    _check_hardware_flags(args)
+    if getattr(args, "gpu_memory", None) is None:
+        return None
+    if args.kv_budget is not None:
+        raise CapacityInputError("give --kv-budget (the KV pool itself) or --gpu-memory (to "
+                                 "derive it from the hardware), not both")
+    if config is None:
+        raise CapacityInputError("--gpu-memory needs --model-config: the weights and the KV "
+                                 "layout come from it")
+    size = lambda text: cap.parse_size(text) if text is not None else None  # noqa: E731
+    return hardware.hardware_budget(
+        config, cap.parse_size(args.gpu_memory),
+        args.gpu_memory_utilization or hardware.DEFAULT_GPU_MEMORY_UTILIZATION,
+        args.tensor_parallel_size if args.tensor_parallel_size is not None else 1,
+        size(args.runtime_reserve), size(args.weights_bytes))
+
+
+def _ignores(hw: hardware.HardwareBudget | None) -> list[str]:
+    if hw is None:
+        return list(cap.IGNORED)
+    # The budget's reserves are its own terms now; what they leave out replaces
+    # the warning that a budget must already exclude them.
+    return [item for item in cap.IGNORED if not item.startswith("Reserves:")] \
+        + list(hardware.IGNORED)
+
+
 def build_report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything the command prints, as one JSON-ready dict."""
     kv_dtype = _check_dtype(args.kv_dtype)
     if args.block_size is not None and args.block_size <= 0:
         raise CapacityInputError(f"--block-size must be a positive integer, got {args.block_size}")
     budget = cap.parse_size(args.kv_budget) if args.kv_budget is not None else None
+    _check_hardware_flags(args)
+    if getattr(args, "gpu_memory", None) is not None and args.per_request_bytes is not None:
+        raise CapacityInputError("--gpu-memory sizes the budget from a model config; "
+                                 "--per-request-bytes has none: drop one of them")
 
     if args.per_request_bytes is not None:
         clashes = [flag for flag, value in (("--model-config", args.model_config),
@@ -109,26 +170,40 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         raise CapacityInputError(
             "give --model-config with --kv-budget, or --target URL, or --kv-budget with "
             "--per-request-bytes")
-    if args.target is None and budget is None:
+    if args.target is None and budget is None and getattr(args, "gpu_memory", None) is None:
         raise CapacityInputError(
-            "--model-config needs --kv-budget (the bytes left for the KV cache), or --target "
-            "to read the capacity from a live vLLM")
+            "--model-config needs --kv-budget (the bytes left for the KV cache), --gpu-memory "
+            "(to derive it from the hardware), or --target to read the capacity from a live vLLM")
     inputs, outputs = _lengths(args)
     config = _load_config(args.model_config) if args.model_config is not None else None
+    hw = _hardware_budget(args, config)
+    budget_source = "--kv-budget"
+    if hw is not None:
+        budget, budget_source = hw.kv_budget_bytes, "--gpu-memory, from the hardware"
 
     if args.target is None:
         block_size = args.block_size or DEFAULT_BLOCK_SIZE
         result = cap.compute_capacity(config, kv_dtype, block_size, budget, inputs, outputs)
-        return {"mode": "config", "result": result.to_dict(), "live": None}
-    return _live_report(args, config, kv_dtype, budget, inputs, outputs)
+        result.ignores = _ignores(hw)
+        return {"mode": "config", "result": result.to_dict(), "live": None,
+                "hardware": hw.to_dict() if hw else None}
+    report = _live_report(args, config, kv_dtype, budget, inputs, outputs, budget_source)
+    report["hardware"] = hw.to_dict() if hw else None
+    report["ignores"] = _ignores(hw)
+    return report
 
 
-def _live_report(args, config, kv_dtype, budget, inputs, outputs) -> dict[str, Any]:
+def _live_report(args, config, kv_dtype, budget, inputs, outputs,
+                 budget_source_given="--kv-budget") -> dict[str, Any]:
     url = live.metrics_url(args.target)
-    reported = live.live_capacity(live.fetch_snapshot(url))
+    reported = live.read_live_capacity(live.fetch_page(url))
     if not reported["engines"]:
+        if reported["engine"] == "vllm":
+            raise CapacityInputError(
+                f"{url} has no vllm:cache_config_info; is it a vLLM with stats logging on?")
         raise CapacityInputError(
-            f"{url} has no vllm:cache_config_info; is it a vLLM with stats logging on?")
+            f"{url} is {reported['engine']}'s page and states no KV capacity; it cannot provide "
+            + ", ".join(name[len("kvwatch_"):] for name in reported["dark_signals"]))
     engines = []
     result_dict = None
     notes = []
@@ -168,7 +243,7 @@ def _live_report(args, config, kv_dtype, budget, inputs, outputs) -> dict[str, A
                                  "which kvwatch does not size; computed with the model's "
                                  "torch_dtype instead (pass --kv-dtype to choose)")
             if budget is not None:
-                engine_budget, budget_source = budget, "--kv-budget"
+                engine_budget, budget_source = budget, budget_source_given
             elif info["kv_cache_memory_bytes"]:
                 engine_budget, budget_source = info["kv_cache_memory_bytes"], \
                     "kv_cache_memory_bytes reported by the target"
@@ -189,7 +264,8 @@ def _live_report(args, config, kv_dtype, budget, inputs, outputs) -> dict[str, A
                     result.pool_blocks, result.pool_tokens, info["num_gpu_blocks"],
                     info["capacity_tokens"])
         engines.append(entry)
-    return {"mode": "target", "target": url, "engines": engines, "notes": notes,
+    return {"mode": "target", "target": url, "engine": reported["engine"],
+            "dark_signals": reported["dark_signals"], "engines": engines, "notes": notes,
             "result": result_dict, "ignores": list(cap.IGNORED)}
 
 
@@ -257,15 +333,62 @@ def _result_lines(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def _hardware_lines(hw: dict[str, Any]) -> list[str]:
+    """The KV budget's terms, one row each, then the weights by group."""
+    tp = hw["tensor_parallel_size"]
+    out = [f"KV budget from the hardware (per GPU, tensor parallel size {tp}):"]
+    rows = [
+        ["gpu memory", _n(hw["gpu_memory_bytes"]), cap.human_bytes(hw["gpu_memory_bytes"]),
+         "--gpu-memory"],
+        ["x utilization", _n(hw["usable_bytes_per_gpu"]),
+         cap.human_bytes(hw["usable_bytes_per_gpu"]),
+         f"x {hw['gpu_memory_utilization']} (--gpu-memory-utilization)"],
+        ["- weights", _n(hw["weights_bytes_per_gpu"]),
+         cap.human_bytes(hw["weights_bytes_per_gpu"]), hw["weights_source"]],
+        ["- runtime reserve", _n(hw["runtime_reserve_bytes"]),
+         cap.human_bytes(hw["runtime_reserve_bytes"]), hw["runtime_reserve_source"]],
+        ["= KV per GPU", _n(hw["kv_budget_per_gpu"]),
+         cap.human_bytes(hw["kv_budget_per_gpu"]), ""],
+        ["KV budget of the replica", _n(hw["kv_budget_bytes"]),
+         cap.human_bytes(hw["kv_budget_bytes"]),
+         f"x {hw['kv_shards']} rank(s) holding different KV"],
+    ]
+    # The source column is text: left-aligned after the numbers.
+    table = _table(["term", "bytes", ""], [row[:3] for row in rows])
+    sources = ["from", "----"] + [row[3] for row in rows]
+    out += [f"  {line}  {source}".rstrip() for line, source in zip(table, sources)]
+    weights = hw["weights"]
+    if weights:
+        out.append("")
+        out.append(f"Weights from the config's shapes ({weights['dtype']}, "
+                   f"{weights['dtype_bytes']} B per parameter):")
+        rows = [[t["name"], _n(t["parameters"]), _n(t["per_gpu_parameters"]), t["split"]]
+                for t in weights["terms"]]
+        rows.append(["total", _n(weights["parameters"]), _n(weights["per_gpu_parameters"]),
+                     f"{weights['parameters'] / 1e9:.2f} B parameters"])
+        out += ["  " + line for line in _table(["group", "parameters", "on one GPU", "split"],
+                                                rows)]
+    out.append("  how:")
+    out += [f"    {step}" for step in hw["steps"]]
+    out += [f"  note: {note}" for note in hw["notes"]]
+    out.append("")
+    return out
+
+
 def render_table(report: dict[str, Any]) -> str:
     out = [f"kvwatch capacity ({report['mode']})", ""]
+    if report.get("hardware"):
+        out += _hardware_lines(report["hardware"])
     if report["mode"] != "target":
         result = report["result"]
         out += _result_lines(result)
         notes, ignores = result["notes"], result["ignores"]
     else:
         notes, ignores = list(report["notes"]), report["ignores"]
-        out.append(f"Target: {report['target']}")
+        out.append(f"Target: {report['target']} ({report['engine']})")
+        if report["dark_signals"]:
+            out.append("  the engine does not provide: "
+                       + ", ".join(name[len("kvwatch_"):] for name in report["dark_signals"]))
         for entry in report["engines"]:
             info = entry["reported"]
             out.append("")

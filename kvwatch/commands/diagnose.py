@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import textwrap
 import time
@@ -39,11 +40,14 @@ EXIT_OK, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="the engine's /metrics URL (default: from --config or KVWATCH_TARGET)")
+    parser.add_argument("--target", help="the engine's /metrics URL (default: `target` in --config, else "
+                                         "KVWATCH_TARGET, else http://127.0.0.1:8000/metrics)")
     parser.add_argument("--duration", default="30s", help="how long to poll (default 30s); the window covers it")
     parser.add_argument("--interval", default="2s", help="time between polls (default 2s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--config", help="YAML config file (diagnosis thresholds, TLS, upstream, ...)")
+    parser.add_argument("--engine", help="the engine serving the target: auto (default, from its page), vllm, "
+                                         "sglang, llamacpp, trtllm")
     parser.add_argument("--replay", metavar="CAPTURE",
                         help="replay a capture folder or .tar.gz bundle at its recorded times instead of polling")
     history = parser.add_argument_group("history (--prometheus)")
@@ -94,12 +98,30 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         return _fail(problems)
     # The window spans the whole run, so every poll counts.
-    overrides = {"target": args.target, "poll_interval": interval, "window": max(duration, 2 * interval) + interval}
+    overrides = {"target": args.target, "engine": args.engine, "poll_interval": interval, "window": max(duration, 2 * interval) + interval}
     try:
         settings = load_settings(args.config, overrides)
     except SettingsError as exc:
         return _fail(exc.problems)
 
+    # Say where the target came from: a silent default polled the wrong engine.
+    import os
+
+    from kvwatch.sidecar.report import public_url
+    from kvwatch.sidecar.settings import Settings
+
+    if args.target:
+        source = "--target"
+    elif os.environ.get("KVWATCH_TARGET"):
+        source = "KVWATCH_TARGET"
+    elif args.config and settings.target != Settings.target:
+        source = f"`target` in {args.config}"
+    else:
+        source = "the default; give --target, `target` in --config, or KVWATCH_TARGET"
+    print(f"kvwatch diagnose: polling {public_url(settings.target)} ({source})", file=sys.stderr)
+    # One account of a failing target, at the end (the sentence), not a log
+    # line per transition beside it.
+    logging.getLogger("kvwatch").setLevel(logging.ERROR)
     monitor = Monitor(settings)
     last_good = None
     polls = 0
@@ -127,13 +149,12 @@ def run(args: argparse.Namespace) -> int:
 
     final = monitor.state
     if last_good is None:
-        reason = f"{final.reason}: {final.detail}".strip(": ")
         if args.json:
             print(json.dumps({"up": False, "target": signals_json(final, settings)["target"], "reason": final.reason,
                               "detail": final.detail, "polls": polls}, indent=2))
         else:
             print(f"kvwatch diagnose: no engine metrics from {signals_json(final, settings)['target']} in {polls} "
-                  f"polls ({reason})", file=sys.stderr)
+                  f"polls: {final.detail}", file=sys.stderr)
         return EXIT_UNUSABLE
 
     signals = signals_json(last_good, settings)
@@ -142,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "target": signals["target"],
+            "engine": signals["engine"],
+            "dark_signals": signals["dark_signals"],
             "polls": polls,
             "failed_polls": sum(final.errors_by_reason.values()),
             "last_poll_up": final.up,
@@ -173,10 +196,14 @@ def _table(rows: list[list[str]], out: TextIO, indent: str = "") -> None:
 
 def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any], polls: int, final) -> None:
     failed = sum(final.errors_by_reason.values())
-    print(f"kvwatch diagnose: {signals['target']}, {polls} polls ({failed} failed), window "
+    print(f"kvwatch diagnose: {signals['target']} ({signals['engine']}), {polls} polls ({failed} failed), window "
           f"{signals['window_covered_seconds']:.0f}s", file=out)
+    if signals["dark_signals"]:
+        dark = ", ".join(item["signal"][len("kvwatch_"):] for item in signals["dark_signals"])
+        print(textwrap.fill(f"{signals['engine']} does not provide: {dark}", width=110, initial_indent="  ",
+                            subsequent_indent="    "), file=out)
     if not final.up:
-        print(f"  last poll failed: {final.reason} {final.detail}".rstrip() + "; showing the last good poll", file=out)
+        print(f"  last poll failed: {final.detail}; showing the last good poll", file=out)
 
     columns = signal_columns(signals)
     print("\nSIGNALS", file=out)
@@ -193,11 +220,15 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
     if not findings:
         print("  none", file=out)
     for finding in findings:
-        where = finding["model"] + (f"/{finding['engine']}" if finding["engine"] is not None else "")
+        where = finding["model_name"] + (f"/{finding['engine']}" if finding["engine"] is not None else "")
         print(f"\n  {finding['severity'].upper():8}  {finding['symptom']} / {finding['cause']}  [{where}]  "
               f"confidence {finding['confidence']}", file=out)
-        for label, text in (("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"])),
-                            ("next: ", finding["next_check"])):
+        lines = [("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"]))]
+        lines += [(f"{key.replace('_', ' ')}: ", note) for key, note in finding.get("notes", {}).items()]
+        lines += [("next: ", finding["next_check"])]
+        if finding.get("runbook"):
+            lines.append(("runbook: ", finding["runbook"]))
+        for label, text in lines:
             print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "), file=out)
     events = diagnosis["events"]
     if events:
@@ -229,7 +260,7 @@ def run_replay(args: argparse.Namespace) -> int:
     except CaptureError as exc:
         return _fail([str(exc)])
     report = timeline.to_json()
-    actionable = any(e.worst["severity"] in ("critical", "warning") for e in timeline.episodes)
+    actionable = timeline.actionable
     manifest = capture.manifest
     if args.json:
         print(json.dumps(_clean_json({

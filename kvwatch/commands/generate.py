@@ -17,6 +17,7 @@ from pathlib import Path
 
 from grafanalib._gen import DashboardEncoder
 
+from kvwatch.engines.coverage import engines_markdown
 from kvwatch.mixin import metrics_doc
 from kvwatch.mixin import dashboards as dash
 from kvwatch.mixin import grafana_alerts, rules, runbooks
@@ -62,6 +63,9 @@ def render_all(config: MixinConfig) -> dict[str, str]:
         + rules.dump_yaml(grafana_alerts.notification_example(config)))
     files.update({f"deploy/{path}": text for path, text in _manifests(config, files, dashboards).items()})
     files["docs/metrics.md"] = metrics_doc.render()
+    files["docs/engines-signals.md"] = ("# Signals by engine\n\nGenerated from the engine adapters' tables by `kvwatch generate`; "
+                                        "do not edit by hand. What the marks mean: [engines.md](engines.md).\n\n"
+                                        + engines_markdown())
     return files
 
 

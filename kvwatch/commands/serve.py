@@ -36,6 +36,8 @@ OPTIONS = {
     "auth_token_file": "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
     "tls_cert_file": "serve kvwatch over TLS with this certificate",
     "tls_key_file": "and this key",
+    "engine": "the engine serving the target: auto (from its first page), vllm, sglang, llamacpp, trtllm "
+              "(default auto)",
 }
 
 

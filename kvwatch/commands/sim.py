@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from kvwatch.sim.dialects import DIALECTS
 from kvwatch.sim.scenario import ScenarioError, list_scenarios, load_scenario
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
 
@@ -31,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop after this many wall seconds (default: run until Ctrl-C)")
     parser.add_argument("--report", type=float, default=None, metavar="SECONDS",
                         help="do not serve: simulate SECONDS offline and print the signals every --interval")
+    parser.add_argument("--dialect", default="vllm", choices=DIALECTS,
+                        help="whose /metrics page to serve: vllm (default), sglang, llamacpp or trtllm; the same "
+                             "simulated engines, spelled as that engine spells them")
     parser.add_argument("--interval", type=float, default=15.0, help="report interval, simulated seconds (default: 15)")
 
 
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from kvwatch.sim.server import SimServer
 
     try:
-        server = SimServer(sim, speed=args.speed, host=args.host, port=args.port)
+        server = SimServer(sim, speed=args.speed, host=args.host, port=args.port, dialect=args.dialect)
     except OSError as exc:
         print(f"kvwatch sim: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server.start()
     print(f"kvwatch sim: scenario {scenario.name!r}, {len(sim.engines)} engine(s), model {sim.model_name!r}, "
-          f"speed {args.speed:g}", flush=True)
+          f"speed {args.speed:g}, dialect {args.dialect}", flush=True)
     print(f"kvwatch sim: serving {server.url}  (metrics {server.metrics_url}, app metrics {server.app_metrics_url})",
           flush=True)
     deadline = None if args.duration is None else time.monotonic() + args.duration

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how often /metrics is polled during a cell (default 0.5s)")
     parser.add_argument("--timeout", default="300s", metavar="TIME",
                         help="limit for one request (default 300s)")
+    parser.add_argument("--idle-wait", default="60s", metavar="TIME",
+                        help="how long a cell waits for other traffic to leave the server before it starts "
+                             "anyway, with a note (default 60s)")
     parser.add_argument("--warmup", type=int, default=1, metavar="N",
                         help="unmeasured requests sent before the first cell (default 1)")
     parser.add_argument("--seed", metavar="TEXT",

@@ -41,23 +41,26 @@ from kvwatch.diagnose.changes import Change, change_findings, changes_between, n
 from kvwatch.diagnose.context import EngineContext
 from kvwatch.diagnose.exhaustion import exhaustion_findings
 from kvwatch.diagnose.first_token import slow_first_token_findings
-from kvwatch.diagnose.hit_rate import low_hit_rate_findings
+from kvwatch.diagnose.hit_rate import HitRateMemory, low_hit_rate_findings
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS, resolve_thresholds, validate_thresholds
 from kvwatch.diagnose.vocabulary import CAUSES, CONFIDENCES, NEXT_CHECK, SEVERITIES, Finding, is_actionable
 
 log = logging.getLogger("kvwatch")
 
 __all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "NEXT_CHECK", "SEVERITIES", "Change", "Finding",
+           "HitRateMemory",
            "changes_between", "diagnose", "is_actionable", "names_text", "resolve_thresholds", "validate_thresholds"]
 
 
 _SEVERITY_ORDER = {severity: index for index, severity in enumerate(SEVERITIES)}
 
 
-def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=None) -> list[Finding]:
+def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=None,
+             hit_memory: HitRateMemory | None = None) -> list[Finding]:
     """Findings for the window, most severe first. The rules judge each
     engine, whose cache and queue are its own. A rule that fails drops only
-    its own findings."""
+    its own findings. `hit_memory` (kept by the caller across polls) carries
+    each engine's last healthy hit ratio beyond the window."""
     resolved = resolve_thresholds(thresholds)
     changes: list[Change] = []
     try:
@@ -68,7 +71,7 @@ def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=No
     for row in per_engine:
         if row.engine is None:
             continue
-        ctx = EngineContext(window, row, resolved, changes)
+        ctx = EngineContext(window, row, resolved, changes, hit_memory)
         for rule in (
             lambda: exhaustion_findings(ctx),
             lambda: low_hit_rate_findings(ctx),

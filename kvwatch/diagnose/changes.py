@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.diagnose.context import tidy
-from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
+from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 from kvwatch.window import Entry, Window
 
 
@@ -132,7 +132,7 @@ def change_findings(window: Window, changes: list[Change]) -> list[Finding]:
         return candidates[0] if len(candidates) == 1 else "*"
 
     def add(cause: str, change: Change, summary: str, evidence: dict[str, Any], model: str | None = None) -> None:
-        findings.append(Finding("change", cause, "info", "high", model or model_for(change), change.engine, summary,
+        findings.append(Finding("change", cause, severity_of(cause), "high", model or model_for(change), change.engine, summary,
                                 tidy({"seconds_ago": now - change.time, "detail": change.detail, **evidence}),
                                 NEXT_CHECK[cause]))
 

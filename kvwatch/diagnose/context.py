@@ -7,13 +7,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvwatch.diagnose.vocabulary import Finding
+from kvwatch.diagnose.vocabulary import Finding, severity_of
 from kvwatch.snapshot import EngineSnapshot, Histogram
 from kvwatch.window import EngineKey, Entry, Increase, Step, Window
 
 if TYPE_CHECKING:
     from kvwatch.diagnose.changes import Change
-    from kvwatch.diagnose.hit_rate import HitRateVerdict
+    from kvwatch.diagnose.hit_rate import HitRateMemory, HitRateVerdict
 
 
 class Poll:
@@ -68,8 +68,10 @@ class Exhaustion:
 class EngineContext:
     """One engine's window, read once for all rules."""
 
-    def __init__(self, window: Window, row, thresholds: dict[str, Any], changes: list["Change"] | None = None):
+    def __init__(self, window: Window, row, thresholds: dict[str, Any], changes: list["Change"] | None = None,
+                 hit_memory: "HitRateMemory | None" = None):
         self.changes = changes or []
+        self.hit_memory = hit_memory  # the last healthy hit ratio per engine, beyond the window
         self.t = thresholds
         self.model = row.model
         self.engine = row.engine
@@ -110,8 +112,12 @@ class EngineContext:
         histogram = self.increase.histograms.get(key)
         return histogram if histogram is not None and histogram.count > 0 else None
 
-    def finding(self, symptom: str, cause: str, severity: str, confidence: str, summary: str,
-                evidence: dict[str, Any], next_check: str) -> Finding:
+    def finding(self, symptom: str, cause: str, confidence: str, summary: str, evidence: dict[str, Any],
+                next_check: str, *, preempting: bool = False, advisory: bool = False) -> Finding:
+        """A finding whose severity comes from the one table (vocabulary.SEVERITY):
+        `preempting` raises an exhaustion cause to its preempting severity;
+        `advisory` marks a warning sign seen before any harm (info)."""
+        severity = "info" if advisory else severity_of(cause, preempting)
         return Finding(symptom, cause, severity, confidence, self.model, self.engine, summary,
                        tidy(evidence), next_check)
 

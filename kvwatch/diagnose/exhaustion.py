@@ -58,16 +58,16 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     if state is None:
         if below is not None and ctx.t["max_num_seqs"] is not None:
             findings.append(ctx.finding(
-                "exhaustion", "capacity_below_max_num_seqs", "info", "medium",
+                "exhaustion", "capacity_below_max_num_seqs", "medium",
                 f"Not exhausted in the window, but at current lengths the cache holds {capacity_requests:g} requests "
                 f"and the scheduler admits up to {max_seqs:g}: more concurrency will preempt.",
                 {"kv_cache_capacity_requests": capacity_requests, "max_num_seqs": max_seqs,
                  "max_num_seqs_source": max_seqs_source, "kv_cache_max_concurrency_at_max_model_len": stated_concurrency,
                  **_length_evidence(ctx)},
-                NEXT_CHECK["capacity_below_max_num_seqs"]))
+                NEXT_CHECK["capacity_below_max_num_seqs"], advisory=True))
         return findings
 
-    severity = "critical" if state.preemptions > 0 else "warning"
+    preempting = state.preemptions > 0
     usage_now = ctx.value("kvwatch_kv_cache_usage_ratio")
     limit = ctx.t["exhaustion_usage_ratio"]
     long_share = ctx.t["long_request_capacity_share"]
@@ -141,7 +141,14 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
                 "tokens_per_running_request_at_peak": footprint(poll)}
 
     peak = state.peak
-    when = "now" if ongoing and peak is not None and peak is ctx.polls[-1] else "earlier in the window"
+    # Wording follows the numbers on the same page: a cache at or above the
+    # threshold now is full now, wherever in the window its peak fell.
+    if ongoing:
+        when = f"now ({usage_now:.1%})"
+    elif usage_now is not None:
+        when = f"earlier in the window (now {usage_now:.1%})"
+    else:
+        when = "earlier in the window"
     proven = state.full_polls and (state.preemptions > 0 or (peak and peak.gauge("waiting_by_reason/capacity")))
     confidence = "high" if proven else "medium"
 
@@ -149,13 +156,13 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         tokens = footprint_share * ctx.capacity_tokens if ctx.capacity_tokens else None
         grows = final_share is not None and (share is None or final_share > share)
         findings.append(ctx.finding(
-            "exhaustion", "long_requests", severity, confidence,
+            "exhaustion", "long_requests", confidence,
             f"KV cache full {when} with few requests: {shape['running_mean'] or 0:.1f} running on average, each "
             + (f"ending at {final_share:.0%} of the cache" if grows else f"holding {share:.0%} of the cache")
             + (f" (about {tokens:.0f} tokens)" if tokens is not None else "")
             + f", and {shape['waiting_mean'] or 0:.1f} waiting: a few very long requests fill it.",
             {**common, **at_peak(peak)},
-            NEXT_CHECK["long_requests"]))
+            NEXT_CHECK["long_requests"], preempting=preempting))
     else:
         demand = peak.demand if peak else None
         beyond = capacity_requests is not None and demand is not None and demand > capacity_requests
@@ -169,13 +176,13 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
             summary += (f"; each running request held {share:.0%} of it on average, with "
                         f"{shape['waiting_mean']:.1f} waiting for {shape['running_mean']:.1f} running")
         findings.append(ctx.finding(
-            "exhaustion", "concurrency_beyond_capacity", severity,
+            "exhaustion", "concurrency_beyond_capacity",
             confidence if (beyond or capacity_requests is None) else "low", summary + ".",
             {**common, "demand_at_peak": demand, **at_peak(peak)},
-            NEXT_CHECK["concurrency_beyond_capacity"]))
+            NEXT_CHECK["concurrency_beyond_capacity"], preempting=preempting))
     if below is not None:
         findings.append(ctx.finding(
-            "exhaustion", "capacity_below_max_num_seqs", "warning",
+            "exhaustion", "capacity_below_max_num_seqs",
             "high" if ctx.t["max_num_seqs"] is not None else "medium",
             f"At current mean lengths the cache holds {capacity_requests:g} requests but the scheduler admits "
             f"{'up to' if ctx.t['max_num_seqs'] is not None else 'at least'} {max_seqs:g}, so it starts requests it "

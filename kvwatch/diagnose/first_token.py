@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwatch.diagnose.context import EngineContext, max_num_seqs, quantile_value, share
+from kvwatch.diagnose.context import EngineContext, max_num_seqs, quantile_value
+from kvwatch.signals import ttft_decomposition
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 
 
@@ -28,30 +29,28 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
 
     queue_histogram = ctx.histogram("queue_time")
     prefill_histogram = ctx.histogram("prefill_time")
-    queue_observed = queue_histogram.mean() if queue_histogram else None
-    prefill = prefill_histogram.mean() if prefill_histogram else None
+    # One decomposition for the finding, the signal, the page and the rules.
+    parts = ttft_decomposition(ctx.view)
+    queue_observed = parts.queue_mean if parts else None
+    prefill = parts.prefill_mean if parts else None
     # The same lag from the gauges: by Little's law the mean wait is the mean
     # queue length over the arrival rate (first tokens per second). It counts
-    # the requests still waiting, which no histogram has seen yet; when the
-    # queue is steady the two agree.
+    # the requests still waiting, which no histogram has seen yet: evidence
+    # beside the decomposition, never a second set of shares.
     waiting = [p.waiting for p in ctx.polls[1:] if p.waiting is not None]
     queue_little = None
     if waiting and ctx.increase.seconds > 0:
         queue_little = (sum(waiting) / len(waiting)) / (ttft.count / ctx.increase.seconds)
-    queue = max((q for q in (queue_observed, queue_little) if q is not None), default=None)
-    other = None
-    if ttft_mean and queue is not None and prefill is not None:
-        other = max(0.0, ttft_mean - queue - prefill)
-    parts = {"queue": queue, "prefill": prefill, "other": other}
+    other = parts.other_mean if parts else None
     # Requests with a first token but not finished yet have a TTFT and no
     # queue or prefill time, so their whole TTFT lands in the rest. Its lower
     # bound charges each of them the TTFT p99 before the rest is named.
     other_lower = None
-    if other is not None:
+    if other is not None and queue_histogram is not None and prefill_histogram is not None:
         unfinished = max(0.0, ttft.count - min(queue_histogram.count, prefill_histogram.count))
         p99, _ = quantile_value(ttft, 0.99)
         other_lower = max(0.0, other - unfinished * (p99 or 0.0) / ttft.count)
-    shares = {name: min(1.0, share(v, ttft_mean)) for name, v in parts.items() if share(v, ttft_mean) is not None}
+    shares = dict(parts.shares) if parts and queue_observed is not None and prefill is not None else {}
     evidence = {
         "ttft_p95_seconds": p95, "ttft_p95_pinned": pinned, "ttft_mean_seconds": ttft_mean,
         "ttft_requests": ttft.count, "objective_p95_seconds": t["ttft_p95_seconds"],
@@ -62,6 +61,8 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
         "other_lower_bound_seconds": other_lower,
         "window_seconds": ctx.increase.seconds,
     }
+    if parts is not None and parts.note:
+        evidence["histograms_disagree"] = parts.note
     headline = (f"Time to first token p95 {p95:.2f}s{'+' if pinned == 'last' else ''}, mean {ttft_mean:.2f}s "
                 f"(objective p95 {t['ttft_p95_seconds']:g}s, mean {t['ttft_mean_seconds']:g}s)")
     findings = []
@@ -70,7 +71,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
         upstream_share = upstream_mean / total_mean if total_mean else 0.0
         if upstream_share >= t["upstream_share"]:
             findings.append(ctx.finding(
-                "slow_first_token", "upstream", "warning", "medium",
+                "slow_first_token", "upstream", "medium",
                 f"{upstream_mean:.2f}s of {total_mean:.2f}s mean time to first token ({upstream_share:.0%}) is spent "
                 f"before the engine, in {upstream.get('histogram')}.",
                 {**evidence, "upstream_histogram": upstream.get("histogram"), "upstream_mean_seconds": upstream_mean,
@@ -101,7 +102,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
                               "running_max": ctx.view.running_max, "preemptions": ctx.increase.counters.get("preemptions")}
             if exhaustion is not None:
                 findings.append(ctx.finding(
-                    "slow_first_token", "queueing_kv_bound", "warning", confidence,
+                    "slow_first_token", "queueing_kv_bound", confidence,
                     f"{headline}; the queue is {share_text}, and the KV cache was exhausted while requests waited.",
                     queue_evidence, NEXT_CHECK["queueing_kv_bound"]))
             else:
@@ -112,7 +113,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
                 else:
                     why = f"KV usage at most {usage_while_waiting or 0:.0%} while requests waited"
                 findings.append(ctx.finding(
-                    "slow_first_token", "queueing_compute_bound", "warning",
+                    "slow_first_token", "queueing_compute_bound",
                     confidence if usage_while_waiting is not None else "low",
                     f"{headline}; the queue is {share_text} while the KV cache was not exhausted ({why}): a bigger "
                     "cache does not shorten this queue.",
@@ -123,7 +124,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
             prompt_mean = ctx.value("kvwatch_prompt_tokens_per_request_mean")
             uncached = prompt_mean * (1 - cached) if prompt_mean is not None and cached is not None else None
             findings.append(ctx.finding(
-                "slow_first_token", "prefill", "warning", confidence,
+                "slow_first_token", "prefill", confidence,
                 f"{headline}; prefill is {share_text}"
                 + (f", about {uncached:.0f} uncached prompt tokens per request." if uncached is not None else "."),
                 {**evidence, "prompt_tokens_mean": prompt_mean, "prompt_tokens_cached_ratio": cached,
@@ -131,7 +132,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
                 NEXT_CHECK["prefill"]))
         else:
             findings.append(ctx.finding(
-                "slow_first_token", "front_end", "warning", confidence,
+                "slow_first_token", "front_end", confidence,
                 f"{headline}; {share_text} is outside queue and prefill (front end, tokenization, scheduling).",
                 evidence, NEXT_CHECK["front_end"]))
     return findings

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwatch.diagnose.thresholds import resolve_thresholds
-from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
+from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 
 QUEUEING = ("queueing_kv_bound", "queueing_compute_bound")
 
@@ -89,7 +89,7 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
         if not peers:
             continue
         findings.append(Finding(
-            "fleet", "imbalance", "warning", "high", model, row.engine,
+            "fleet", "imbalance", severity_of("imbalance"), "high", model, row.engine,
             f"Replica {row.replica} is {state} while {len(peers)} of its {len(rows) - 1} peers of {model} have "
             f"room (usage peak at most {room:.0%}, nothing waiting): the load is unevenly routed, not too large.",
             {"replica": row.replica, "state": state, "usage_peak": row.usage_peak, "waiting": row.waiting,
@@ -104,7 +104,7 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
             break
         pooled = _pooled(warm)
         findings.append(Finding(
-            "fleet", "cold_replica", "info", "high", model, row.engine,
+            "fleet", "cold_replica", severity_of("cold_replica"), "high", model, row.engine,
             f"Replica {row.replica} restarted inside the window and is refilling its cache while its "
             f"{len(warm)} peers of {model} are warm.",
             {"replica": row.replica, "restarted_at": row.restarted_at, "hit_ratio": row.hit_ratio(),
@@ -121,7 +121,7 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
         if pooled is None or pooled < floor or ratio >= fraction * pooled:
             continue
         findings.append(Finding(
-            "fleet", "lost_prefix_affinity", "warning", "medium", model, row.engine,
+            "fleet", "lost_prefix_affinity", severity_of("lost_prefix_affinity"), "medium", model, row.engine,
             f"Replica {row.replica} hits its prefix cache for {ratio:.0%} of queried tokens while its peers of "
             f"{model} together hit {pooled:.0%}: requests sharing a prefix no longer reach it.",
             {"replica": row.replica, "hit_ratio": ratio, "peers_hit_ratio": pooled,

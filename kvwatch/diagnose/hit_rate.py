@@ -156,6 +156,28 @@ def _usage_in(ctx: EngineContext, since: float | None = None,
 PREFIX_COUNTERS = ("prefix_queries", "prefix_hits")
 
 
+class HitRateMemory:
+    """Each engine's last healthy hit ratio and when it was seen, kept beyond
+    the window (the monitor holds one for the life of the process): a ratio
+    that fell stays a regression after the low part fills the window, until
+    reuse comes back. The rules keep the same memory in recording rules
+    (kvwatch/mixin/promql.py Fragments.memory_rules). Bounded: the engines
+    seen longest ago are forgotten first."""
+
+    def __init__(self, max_engines: int = 1024):
+        self.max_engines = max_engines
+        self._healthy: dict[tuple[str, str], tuple[float, float]] = {}
+
+    def remember(self, key: tuple[str, str], ratio: float, time: float) -> None:
+        self._healthy.pop(key, None)
+        self._healthy[key] = (ratio, time)
+        while len(self._healthy) > self.max_engines:
+            self._healthy.pop(next(iter(self._healthy)))
+
+    def recall(self, key: tuple[str, str]) -> tuple[float, float] | None:
+        return self._healthy.get(key)
+
+
 def _ratio_of(counters: dict[str, float]) -> tuple[float | None, float]:
     queries = counters.get("prefix_queries", 0.0)
     hits = counters.get("prefix_hits", 0.0)
@@ -276,7 +298,7 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
         if prompt_tokens <= 0:
             return HitRateVerdict()
         return HitRateVerdict([ctx.finding(
-            "low_hit_rate", "caching_disabled", "info", "high",
+            "low_hit_rate", "caching_disabled", "high",
             "Prefix caching is disabled (cache_config enable_prefix_caching=False): no prompt reuses earlier KV.",
             {"enable_prefix_caching": enabled, "prompt_tokens": prompt_tokens,
              "prefix_queries": counters.get("prefix_queries"), "window_seconds": ctx.increase.seconds},
@@ -285,9 +307,10 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     ratio, queries = _ratio_of(counters)
     if ratio is None or queries < t["min_query_tokens"]:
         return HitRateVerdict()
+    latest_time = ctx.polls[-1].time if ctx.polls else 0.0
+    memory = ctx.hit_memory
     min_tokens = t["min_query_tokens"]
     exhausted = ctx.exhaustion
-    latest_time = ctx.polls[-1].time if ctx.polls else 0.0
     usage_max, usage_mean = _usage_in(ctx)
     base_evidence = {"hit_ratio": ratio, "prefix_queries": queries, "prefix_hits": counters.get("prefix_hits"),
                      "hit_ratio_low": t["hit_ratio_low"], "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
@@ -311,7 +334,7 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
                 and after_ratio <= earlier_ratio * (1 - t["hit_drop_fraction"]))
         ):
             return verdict(ctx.finding(
-                "low_hit_rate", "cold_cache", "info", "high",
+                "low_hit_rate", "cold_cache", "high",
                 f"The engine restarted {latest_time - ctx.polls[restarts[-1]].time:.0f}s ago and its prefix cache "
                 f"is cold: hit ratio {after_ratio:.0%} since the restart.",
                 {**base_evidence, "hit_ratio_since_restart": after_ratio, "hit_ratio_before_restart": earlier_ratio,
@@ -323,6 +346,9 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     drop = _step_drop(ctx, latest_time)
     dropped = drop.dropped(t)
     low = ratio < t["hit_ratio_low"]
+    if memory is not None and not low and not dropped:
+        memory.remember(ctx.key, ratio, latest_time)  # a healthy level, not one falling
+    remembered = memory.recall(ctx.key) if memory is not None else None
     if not dropped and not low:
         return verdict()
 
@@ -346,12 +372,12 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
                      f"{drop.span:.3g}s")
         if at_drop:
             evidence["changes_at_drop"] = "; ".join(f"{c.kind}: {c.detail}" for c in at_drop)
-            return verdict(ctx.finding("low_hit_rate", "prefix_changed", "warning", "high",
+            return verdict(ctx.finding("low_hit_rate", "prefix_changed", "high",
                                        drop_text + f", when {at_drop[0].kind.replace('_', ' ')} changed.",
                                        evidence, NEXT_CHECK["prefix_changed"]))
         if evicts:
             return verdict(ctx.finding(
-                "low_hit_rate", "eviction_before_reuse", "warning", residency_confidence,
+                "low_hit_rate", "eviction_before_reuse", residency_confidence,
                 f"{drop_text}; blocks are evicted after less idle time than the usual gap between reuses.",
                 evidence, NEXT_CHECK["eviction_before_reuse"]))
 
@@ -362,16 +388,16 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
             extra = {**evidence, **extra}
             if evicts is None and usage_max is not None and usage_max >= t["eviction_usage_ratio"]:
                 return ctx.finding(
-                    "low_hit_rate", "eviction_before_reuse", "warning", "medium",
+                    "low_hit_rate", "eviction_before_reuse", "medium",
                     f"{text} while KV usage reached {usage_max:.0%} without exhausting the cache: running "
                     "requests leave idle prefixes little room.", extra, NEXT_CHECK["eviction_before_reuse"])
             if evicts is False:
                 return ctx.finding(
-                    "low_hit_rate", "prefix_changed", "warning", residency_confidence,
+                    "low_hit_rate", "prefix_changed", residency_confidence,
                     f"{text} with blocks cached longer than the usual gap between reuses: the requests stopped "
                     "sharing the prefix they shared before.", extra, NEXT_CHECK["prefix_changed"])
             return ctx.finding(
-                "low_hit_rate", "prefix_changed", "warning", "low",
+                "low_hit_rate", "prefix_changed", "low",
                 f"{text} with KV usage at most {usage_max or 0:.0%}: the requests stopped sharing the prefix they "
                 "shared before, or their prefixes outgrew the cache and are evicted before reuse (idle cached "
                 f"blocks count as free, so eviction shows at any usage). The page cannot tell them apart: "
@@ -395,7 +421,7 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
                  "exhausted_seconds_ago": latest_time - exhausted.started}))
         if evicts is False:
             return verdict(ctx.finding(
-                "low_hit_rate", "prefix_changed", "warning", "medium",
+                "low_hit_rate", "prefix_changed", "medium",
                 f"{drop_text}, while the KV cache was exhausted, but blocks stay cached longer than the usual gap "
                 "between reuses: not eviction; the requests stopped sharing the prefix they shared before.",
                 evidence, NEXT_CHECK["prefix_changed"]))
@@ -407,11 +433,34 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     # Low without a drop.
     if evicts:
         return verdict(ctx.finding(
-            "low_hit_rate", "eviction_before_reuse", "warning", "medium",
+            "low_hit_rate", "eviction_before_reuse", "medium",
             f"Hit ratio {ratio:.0%}; blocks are evicted after less idle time than the usual gap between reuses.",
             evidence, NEXT_CHECK["eviction_before_reuse"]))
     if exhausted is not None:
         return verdict(note=NO_REUSE_UNDER_EXHAUSTION)
+    if remembered is not None:
+        # Healthy before this window: the drop left the window, the regression did not.
+        healthy_ratio, seen = remembered
+        evidence.update({"hit_ratio_last_healthy": healthy_ratio,
+                         "hit_ratio_last_healthy_seconds_ago": latest_time - seen})
+        text = (f"Hit ratio {ratio:.0%} over the window, down from {healthy_ratio:.0%} when last healthy "
+                f"{latest_time - seen:.0f}s ago (before the window)")
+        if evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]:
+            return verdict(ctx.finding(
+                "low_hit_rate", "eviction_before_reuse", "medium",
+                f"{text}, with KV usage averaging {usage_mean:.0%} without exhausting the cache: running requests "
+                "leave idle prefixes little room.", evidence, NEXT_CHECK["eviction_before_reuse"]))
+        if evicts is False:
+            return verdict(ctx.finding(
+                "low_hit_rate", "prefix_changed", residency_confidence,
+                f"{text}: the requests stopped sharing the prefix they shared before, and reuse has not come back.",
+                evidence, NEXT_CHECK["prefix_changed"]))
+        return verdict(ctx.finding(
+            "low_hit_rate", "prefix_changed", "low",
+            f"{text}: the requests stopped sharing the prefix they shared before, or their prefixes outgrew the "
+            "cache and are evicted before reuse (idle cached blocks count as free, so eviction shows at any "
+            f"usage), and reuse has not come back. The page cannot tell them apart: {_what_tells(evidence)}.",
+            _undecided(evidence, "prefix_changed"), _next_check_both("prefix_changed")))
     if not drop.low_in_both(t):
         return verdict()  # low for a moment only: not yet a workload's character
     evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio})
@@ -419,18 +468,18 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     evidence.update(floor)
     if floor.get("no_reuse_kind") == "prefix_shorter_than_block":
         return verdict(ctx.finding(
-            "low_hit_rate", "no_reuse", "info", "medium",
+            "low_hit_rate", "no_reuse", "medium",
             f"Hit ratio {ratio:.0%} and stable: {floor['prompts_within_one_block_ratio']:.0%} of the prompts are no "
             f"longer than one KV block ({floor['block_size']:g} tokens), so any prefix they share is shorter than a "
             "block, and vLLM caches only whole blocks: such a prefix never hits, whatever the workload shares.",
             evidence, NEXT_CHECK["no_reuse"]))
     if evicts is False:
         return verdict(ctx.finding(
-            "low_hit_rate", "no_reuse", "info", residency_confidence,
+            "low_hit_rate", "no_reuse", residency_confidence,
             f"Hit ratio {ratio:.0%} and stable, the cache not exhausted, and blocks stay cached longer than the usual "
             "gap between reuses: the requests share little prefix.", evidence, NEXT_CHECK["no_reuse"]))
     return verdict(ctx.finding(
-        "low_hit_rate", "no_reuse", "info", "low",
+        "low_hit_rate", "no_reuse", "low",
         f"Hit ratio {ratio:.0%} and stable, the cache not exhausted (KV usage mean "
         f"{usage_mean if usage_mean is not None else 0:.0%}): the requests share little prefix, or they share "
         "prefixes that outgrow the cache and are evicted before their reuse comes (a round robin over more prefixes "

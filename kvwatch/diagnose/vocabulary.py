@@ -23,6 +23,93 @@ CAUSES: dict[str, tuple[str, ...]] = {
 }
 
 
+# The one severity table: cause -> severity. The diagnosis' findings and the
+# generated alerts (kvwatch/mixin/config.py) both read it. Severity says who
+# must act and how soon: critical wakes someone (users lose work now),
+# warning goes to the owning team's queue the same day, info is a fact.
+SEVERITY: dict[str, str] = {
+    # A full cache that makes requests wait: users feel it, nothing is lost yet.
+    "concurrency_beyond_capacity": "warning",
+    "long_requests": "warning",
+    # Sizing advice: the scheduler admits more than the cache holds.
+    "capacity_below_max_num_seqs": "warning",
+    # Facts about the workload or the deployment, worth knowing, not paging.
+    "caching_disabled": "info",
+    "cold_cache": "info",
+    "no_reuse": "info",
+    # Something changed or something crowds the cache out: someone should look.
+    "prefix_changed": "warning",
+    "eviction_before_reuse": "warning",
+    "queueing_kv_bound": "warning",
+    "queueing_compute_bound": "warning",
+    "prefill": "warning",
+    "front_end": "warning",
+    "upstream": "warning",
+    # Changes are context for the other findings.
+    "model_changed": "info",
+    "lora_changed": "info",
+    "cache_dtype_changed": "info",
+    "cache_config_changed": "info",
+    "engine_restarted": "info",
+    # Across the replicas of one model.
+    "imbalance": "warning",
+    "lost_prefix_affinity": "warning",
+    "cold_replica": "info",
+}
+# Exhaustion with preemptions: vLLM throws away running requests' KV and
+# recomputes it, so throughput collapses while the load stays; users lose
+# work now. The same causes without preemptions keep SEVERITY's level.
+PREEMPTING_SEVERITY: dict[str, str] = {
+    "concurrency_beyond_capacity": "critical",
+    "long_requests": "critical",
+}
+assert set(SEVERITY) == {cause for causes in CAUSES.values() for cause in causes}
+assert set(PREEMPTING_SEVERITY) <= set(CAUSES["exhaustion"])
+
+
+# The alert that reports each symptom (kvwatch/mixin/config.py ALERTS agrees,
+# tests/test_rules_promtool.py checks), for the runbook link a finding carries.
+SYMPTOM_ALERTS = {"exhaustion": "VllmKvCacheExhausted", "low_hit_rate": "VllmPrefixCacheHitRateLow",
+                  "slow_first_token": "VllmTimeToFirstTokenSlow", "fleet": "VllmFleetReplicaOutlier"}
+RUNBOOK_PATH = "alerts/runbooks.md"
+
+
+def runbook_link(symptom: str, cause: str, alert_causes: dict[str, tuple[str, ...]] | None = None) -> str | None:
+    """The runbook section of a finding: its alert and cause's section (the
+    anchors of mixin/alerts.py runbook_anchor), or the alert's when no rule
+    names the cause; None for changes, which have no alert."""
+    alert = SYMPTOM_ALERTS.get(symptom)
+    if alert is None:
+        return None
+    anchor = alert.lower()
+    if alert_causes is None or cause in alert_causes.get(alert, ()):
+        anchor += "-" + cause.replace("_", "-")
+    return f"{RUNBOOK_PATH}#{anchor}"
+
+
+def severity_of(cause: str, preempting: bool = False) -> str:
+    """The severity of a cause, from the one table."""
+    if preempting and cause in PREEMPTING_SEVERITY:
+        return PREEMPTING_SEVERITY[cause]
+    return SEVERITY[cause]
+
+
+# alert -> the causes its generated rules name (a `cause` label and a runbook
+# section each): the mixin builds the rules from it, the sidecar links each
+# finding to its runbook section by it.
+ALERT_CAUSES = {
+    "VllmKvCacheExhausted": ("concurrency_beyond_capacity", "long_requests"),
+    # A forecast, not a diagnosis: the one cause is the trend itself.
+    "VllmKvCacheExhaustionSoon": ("usage_rising",),
+    "VllmPrefixCacheHitRateLow": CAUSES["low_hit_rate"],
+    "VllmTimeToFirstTokenSlow": CAUSES["slow_first_token"],
+    "KvwatchDown": ("kvwatch_unreachable", "kvwatch_absent"),
+    "KvwatchEngineUnreachable": ("engine_unreachable",),
+    "VllmFleetReplicaOutlier": CAUSES["fleet"],
+}
+assert set(ALERT_CAUSES["VllmKvCacheExhausted"]) <= set(CAUSES["exhaustion"])
+
+
 @dataclass(frozen=True)
 class Finding:
     symptom: str  # exhaustion | low_hit_rate | slow_first_token | change

@@ -22,6 +22,8 @@ class EngineAdapter(ABC):
 
     # The engine's name, as `--engine` and the status page say it.
     name: str = ""
+    # How people write the engine's name, in sentences.
+    title: str = ""
     # Prefixes of the families the engine writes; a page carrying any of them
     # is the engine's (checked in the order of ENGINES).
     prefixes: tuple[str, ...] = ()

@@ -251,6 +251,7 @@ class VllmAdapter(EngineAdapter):
     instance per target: it caches the parsed spellings and label sets."""
 
     name = "vllm"
+    title = "vLLM"
     prefixes = PREFIXES
     families = KEY_FAMILIES
     gates = GATES

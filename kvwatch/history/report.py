@@ -19,10 +19,6 @@ def clock(at: float | None) -> str:
     return "-" if at is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(at))
 
 
-def is_actionable_episode(episode) -> bool:
-    return episode.worst.get("severity") in ("critical", "warning")
-
-
 def to_json(history: History, public_url: str) -> dict[str, Any]:
     replicas = [{"replica": name, "labels": state.labels, "models": sorted(state.models), "steps": state.steps,
                  "gaps": [{"start": a, "end": b} for a, b in history.timeline.gaps.get(name, [])]}
@@ -45,9 +41,9 @@ def to_json(history: History, public_url: str) -> dict[str, Any]:
         "models": {model: {"replicas": names,
                            "findings": [i for i, e in enumerate(history.timeline.episodes) if e.model == model]}
                    for model, names in sorted(models.items())},
-        "findings": history.timeline.to_json(),
+        "findings": history.timeline.findings_json(),
         "findings_dropped": history.timeline.dropped,
-        "exit_code": 1 if any(is_actionable_episode(e) for e in history.timeline.episodes) else 0,
+        "exit_code": 1 if history.timeline.actionable else 0,
     })
 
 

@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose.fleet import ReplicaRow, fleet_findings
+from kvwatch.diagnose.timeline import Timeline
 from kvwatch.engines import make_adapter
 from kvwatch.history.pages import (DEFAULT_REPLICA_LABELS, PROCESS_START, Pages, family_of, family_query,
                                    name_matcher, wanted)
 from kvwatch.history.query import MAX_POINTS, PrometheusClient, merge_selector
-from kvwatch.history.timeline import Timeline
 from kvwatch.signals import evaluate_window
 from kvwatch.window import Window
 

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwatch.mixin.config import ALERT_CAUSES, ALERTS, MixinConfig
+from kvwatch.mixin.config import ALERT_CAUSES, ALERTS, PREEMPTING_SUFFIX, MixinConfig
 from kvwatch.mixin.promql import Fragments, Scope, chain, num, paren
 
 # Where each alert is shown: (dashboard key, panel key), see dashboards.py.
 ALERT_PANELS = {
     "VllmKvCacheExhausted": ("exhaustion", "usage_peak"),
+    "VllmKvCacheExhaustionSoon": ("exhaustion", "kvwatch_kv_cache_exhaustion_eta_seconds"),
     "VllmPrefixCacheHitRateLow": ("prefix_cache", "hit_ratio_vs_baseline"),
     "VllmTimeToFirstTokenSlow": ("first_token", "ttft_parts"),
     "KvwatchDown": ("overview", "scrape_up"),
     "KvwatchEngineUnreachable": ("overview", "poll_up"),
+    "VllmFleetReplicaOutlier": ("fleet", "replicas"),
 }
 
 # Stand-in for the alert's value in description templates: Prometheus calls
@@ -51,6 +53,7 @@ class AlertSpec:
     description: str  # Go template with VALUE standing for the value
     dashboard: str
     panel: str
+    variant: str = ""  # "preempting" for an exhaustion cause's critical rule
 
     @property
     def expr(self) -> str:
@@ -63,10 +66,14 @@ class AlertSpec:
     @property
     def uid(self) -> str:
         """Stable Grafana rule uid (at most 40 characters)."""
-        short = {"VllmKvCacheExhausted": "exhausted", "VllmPrefixCacheHitRateLow": "hit-rate",
+        short = {"VllmKvCacheExhausted": "exhausted", "VllmKvCacheExhaustionSoon": "exhaustion-soon",
+                 "VllmPrefixCacheHitRateLow": "hit-rate",
                  "VllmTimeToFirstTokenSlow": "ttft", "KvwatchDown": "down",
-                 "KvwatchEngineUnreachable": "unreachable"}[self.alert]
-        return f"kvwatch-{short}-{self.cause.replace('_', '-')}"[:40]
+                 "KvwatchEngineUnreachable": "unreachable", "VllmFleetReplicaOutlier": "fleet"}[self.alert]
+        uid = f"kvwatch-{short}-{self.cause.replace('_', '-')}"
+        if self.variant:
+            return uid[:39 - len(self.variant)] + "-" + self.variant
+        return uid[:40]
 
     def labels(self) -> dict[str, str]:
         labels = {"severity": self.severity, "cause": self.cause}
@@ -98,10 +105,11 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     pct = lambda x: f"{x * 100:g}%"  # noqa: E731
     specs: list[AlertSpec] = []
 
-    def add(alert, cause, query, op, threshold, summary, description):
+    def add(alert, cause, query, op, threshold, summary, description, variant=""):
         dashboard, panel = ALERT_PANELS[alert]
+        severity = config.severity(cause + PREEMPTING_SUFFIX if variant == "preempting" else cause)
         specs.append(AlertSpec(alert, cause, ALERTS[alert], query, op, threshold, config.for_duration(alert),
-                               config.severity(cause), summary, description, dashboard, panel))
+                               severity, summary, description, dashboard, panel, variant))
 
     # --- KV cache exhausted ------------------------------------------------------
     usage = f.usage_max()
@@ -113,23 +121,52 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     exhausted_intro = (f"The KV cache of {where} ran out of room in the last {w}: requests were preempted, or "
                        f"waited for room while usage peaked above {pct(config.exhaustion_usage_ratio)} (highest "
                        f"usage scraped: {{{{ {VALUE} | humanizePercentage }}}})")
-    add("VllmKvCacheExhausted", "concurrency_beyond_capacity",
-        chain(usage, ("and", f.exhausted()), ("unless", f.long_requests())),
-        ">", 0,
-        "vLLM KV cache full: more concurrent requests than the cache holds.",
-        f"{exhausted_intro}, and on average each running request held less than {share} of it or more "
-        "requests waited than ran: too many requests for the cache (likely cause: concurrency beyond "
-        "capacity). Next: on the exhaustion dashboard compare running plus waiting requests with how many the "
-        "cache holds at current lengths; cap concurrency near that (--max-num-seqs, the gateway), add "
-        "replicas, or give the cache more memory.")
-    add("VllmKvCacheExhausted", "long_requests",
-        chain(usage, ("and", f.exhausted()), ("and", f.long_requests())),
-        ">", 0,
-        "vLLM KV cache full: a few long requests fill it.",
-        f"{exhausted_intro}, and on average each running request held at least {share} of it with no more "
-        "requests waiting than running: a few long requests fill the cache (likely cause: long requests). "
-        "Next: check prompt and generation length p95 on the exhaustion dashboard and the gateway log; cap "
-        "max_tokens or --max-model-len, or route long-context requests to engines sized for them.")
+    exhaustion_causes = {
+        "concurrency_beyond_capacity": (
+            ("unless", f.long_requests()),
+            "more concurrent requests than the cache holds.",
+            f"on average each running request held less than {share} of it or more requests waited than ran: "
+            "too many requests for the cache (likely cause: concurrency beyond capacity). Next: on the exhaustion "
+            "dashboard compare running plus waiting requests with how many the cache holds at current lengths; "
+            "cap concurrency near that (--max-num-seqs, the gateway), add replicas, or give the cache more memory."),
+        "long_requests": (
+            ("and", f.long_requests()),
+            "a few long requests fill it.",
+            f"on average each running request held at least {share} of it with no more requests waiting than "
+            "running: a few long requests fill the cache (likely cause: long requests). Next: check prompt and "
+            "generation length p95 on the exhaustion dashboard and the gateway log; cap max_tokens or "
+            "--max-model-len, or route long-context requests to engines sized for them."),
+    }
+    # Each cause twice, split on preemptions (the diagnosis' severity rule):
+    # preempting engines recompute running requests (critical); a full cache
+    # that only makes requests wait is a warning.
+    for variant in ("preempting", ""):
+        for cause, (split, headline, reason) in exhaustion_causes.items():
+            if variant:
+                steps = (("and", f.exhausted()), split, ("and", f.preempting()))
+                summary = f"vLLM KV cache full and preempting: {headline}"
+                state = ", requests are being preempted (their KV recomputed)"
+            else:
+                steps = (("and", f.exhausted()), split, ("unless", f.preempting()))
+                summary = f"vLLM KV cache full: {headline}"
+                state = ", requests wait (none preempted)"
+            add("VllmKvCacheExhausted", cause, chain(usage, *steps), ">", 0, summary,
+                f"{exhausted_intro}{state}, and {reason}", variant)
+
+    # --- KV cache full soon --------------------------------------------------------
+    # The ETA signal's own PromQL (the one its recording rule records): absent
+    # unless usage rises and is at least its mean over the trend range, so flat
+    # or falling usage never fires. Silent once the cache is exhausted: from
+    # then on VllmKvCacheExhausted speaks, and this one warns only before.
+    minutes = config.exhaustion_eta_minutes
+    add("VllmKvCacheExhaustionSoon", "usage_rising",
+        chain(f.s.signal("kvwatch_kv_cache_exhaustion_eta_seconds"), ("unless", f.exhausted())),
+        "<", minutes * 60,
+        "vLLM KV cache on course to fill up: preemption is minutes away.",
+        f"KV usage of {where} is rising: at its trend over the last 5m the cache is full in "
+        f"{{{{ {VALUE} | humanizeDuration }}}} (under {num(minutes)}m), and nothing is preempted yet (likely "
+        "cause: usage rising). Next: on the exhaustion dashboard, see what rises (running requests or their "
+        "length); shed or route load to other replicas, or add one now, before vLLM starts preempting.")
 
     # --- prefix-cache hit rate low -------------------------------------------------
     # While the cache is exhausted, a full cache explains a low ratio by
@@ -230,6 +267,36 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
             "upstream stage (likely cause: upstream). Next: look at the upstream service (retrieval, gateway); "
             "a bigger or smaller KV cache does not repair it.")
 
+    # --- fleet: one replica unlike its peers of the same model -------------------
+    # kvwatch/diagnose/fleet.py's definitions across the replicas
+    # (instance_label) of a model; see Fragments.imbalance and after.
+    peer_where = f"{_lbl('model_name')} on {_lbl(config.instance_label)} (engine {_lbl('engine')})"
+    add("VllmFleetReplicaOutlier", "imbalance",
+        f.imbalance(), ">", 0,
+        "One vLLM replica is exhausted or queueing while its peers have room.",
+        f"The replica of {peer_where} was exhausted or queueing over the last {w} (KV usage peak "
+        f"{{{{ {VALUE} | humanizePercentage }}}}) while another replica of the same model peaked at most "
+        f"{pct(config.fleet_room_usage_ratio)} with nothing waiting: the load is unevenly routed, not too large "
+        "(likely cause: imbalance). Next: the fleet dashboard's replica table; check the load balancer or gateway "
+        "policy (sticky sessions, a prefix-aware router pinning one hot prefix, a replica missing from the "
+        "endpoints); more KV memory does not fix it.")
+    add("VllmFleetReplicaOutlier", "lost_prefix_affinity",
+        f.lost_prefix_affinity(), "<", config.fleet_affinity_fraction,
+        "One vLLM replica reuses far fewer prefixes than its peers: prefix routing lost.",
+        f"The prefix-cache hit ratio of {peer_where} over the last {w} was {{{{ {VALUE} | humanizePercentage }}}} "
+        f"of its warm peers' pooled ratio (below {pct(config.fleet_affinity_fraction)}, peers at least "
+        f"{pct(config.hit_ratio_low)}): requests sharing a prefix no longer reach the replica that holds it "
+        "(likely cause: lost prefix affinity). Next: check the router's prefix or session affinity setting and "
+        "whether this replica receives traffic by another path (a Service bypassing the router).")
+    add("VllmFleetReplicaOutlier", "cold_replica",
+        f.cold_replica(), ">", 0,
+        "One vLLM replica restarted and refills its cache while its peers are warm.",
+        f"The replica of {peer_where} restarted in the last {config.cold_cache_window} (its counters reset) while "
+        "other replicas of the "
+        "model did not: it is refilling its prefix cache, so a lower hit ratio and slower first tokens there are "
+        "expected for a while (likely cause: cold replica). Next: find out why it restarted (deploy, OOM, "
+        "crash); if it restarts again, look at its events and logs.")
+
     # --- health ------------------------------------------------------------------
     add("KvwatchDown", "kvwatch_unreachable",
         f"up{{{config.kvwatch_selector}}}", "<", 1,
@@ -237,6 +304,25 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         f"Prometheus has failed to scrape kvwatch at {_lbl(config.instance_label)} (job {_lbl('job')}) for "
         f"{config.for_duration('KvwatchDown')}: kvwatch's signals and the vLLM alerts for that pod are blind. "
         "Next: check the kvwatch container (its log, /healthz), the pod, and the scrape configuration.")
+    # up{} < 1 sees only targets Prometheus still has: a monitor that selects
+    # nothing, or kvwatch gone with its pods, leaves no `up` to be below 1.
+    # Nothing at all under the selector is absent(); a group (namespace, job)
+    # that had targets within kvwatch_absent_window and has none now is the
+    # fleet-level vanish. One pod replaced by another is not (its group keeps
+    # targets); a fleet scaled to zero on purpose is, until the window passes
+    # (absent() until a target returns): silence it for planned scale-downs.
+    up = f"up{{{config.kvwatch_selector}}}"
+    groups = ", ".join(config.group_labels)
+    add("KvwatchDown", "kvwatch_absent",
+        f"absent({up})\nor\n(\n  group by ({groups}) (max_over_time({up}[{config.kvwatch_absent_window}]))\n"
+        f"  unless\n  group by ({groups}) ({up})\n  and on ()\n  count({up})\n)",
+        ">", 0,
+        "Prometheus has no kvwatch target to scrape.",
+        f"No target matches {config.kvwatch_selector} (or none is left in this group, which had some within "
+        f"the last {config.kvwatch_absent_window}): the ServiceMonitor/PodMonitor selects nothing, or the pods "
+        "carrying kvwatch are gone. Every vLLM alert is blind. Next: `kubectl get pods,servicemonitors,"
+        "podmonitors -n <namespace>`, Prometheus' Targets page for the job, and whether the fleet was scaled to "
+        "zero on purpose (then silence this alert).")
     add("KvwatchEngineUnreachable", "engine_unreachable",
         f"kvwatch_up{{{config.kvwatch_selector}}}", "<", 1,
         "kvwatch cannot read the vLLM engine's /metrics.",

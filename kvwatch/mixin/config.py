@@ -24,49 +24,42 @@ import yaml
 from kvwatch import __version__
 
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
-from kvwatch.diagnose.vocabulary import CAUSES
+from kvwatch.diagnose.vocabulary import ALERT_CAUSES, PREEMPTING_SEVERITY, SEVERITY
 
 SEVERITIES = ("critical", "warning", "info")
 # Alert names, with the symptom (the diagnosis vocabulary) each one reports.
 ALERTS = {
     "VllmKvCacheExhausted": "exhaustion",
+    "VllmKvCacheExhaustionSoon": "exhaustion",
     "VllmPrefixCacheHitRateLow": "low_hit_rate",
     "VllmTimeToFirstTokenSlow": "slow_first_token",
     "KvwatchDown": None,
     "KvwatchEngineUnreachable": None,
+    "VllmFleetReplicaOutlier": "fleet",
 }
 # The causes the rules tell apart, per alert. The diagnosis' third exhaustion
 # cause (capacity_below_max_num_seqs) needs --max-num-seqs, which vLLM does
 # not export, so Prometheus cannot decide it; the health alerts have one cause
 # each. `upstream` and `no_reuse` are generated only when the config asks.
-ALERT_CAUSES = {
-    "VllmKvCacheExhausted": ("concurrency_beyond_capacity", "long_requests"),
-    "VllmPrefixCacheHitRateLow": CAUSES["low_hit_rate"],
-    "VllmTimeToFirstTokenSlow": CAUSES["slow_first_token"],
-    "KvwatchDown": ("kvwatch_unreachable",),
-    "KvwatchEngineUnreachable": ("engine_unreachable",),
-}
-assert set(ALERT_CAUSES["VllmKvCacheExhausted"]) <= set(CAUSES["exhaustion"])
 
+# One table: the diagnosis' severities (kvwatch/diagnose/vocabulary.py) for
+# the causes the alerts share with it, plus the alerts' own health causes.
+# An exhaustion cause has two rules: with preemptions (`<cause>_preempting`,
+# PREEMPTING_SEVERITY: critical) and without (SEVERITY: warning).
+PREEMPTING_SUFFIX = "_preempting"
 DEFAULT_SEVERITIES = {
-    # Preempted requests are recomputed and queued ones wait: users feel both,
-    # but nothing is down.
-    "concurrency_beyond_capacity": "warning",
-    "long_requests": "warning",
-    # Facts about the workload or the deployment, worth knowing, not paging.
-    "caching_disabled": "info",
-    "cold_cache": "info",
-    "no_reuse": "info",
-    # Something changed or something crowds the cache out: someone should look.
-    "prefix_changed": "warning",
-    "eviction_before_reuse": "warning",
-    "queueing_kv_bound": "warning",
-    "queueing_compute_bound": "warning",
-    "prefill": "warning",
-    "front_end": "warning",
-    "upstream": "warning",
+    **{cause: SEVERITY[cause] for causes in ALERT_CAUSES.values() for cause in causes if cause in SEVERITY},
+    **{cause + PREEMPTING_SUFFIX: severity for cause, severity in PREEMPTING_SEVERITY.items()
+       if cause in ALERT_CAUSES["VllmKvCacheExhausted"]},
+    # Nothing hurts yet; it warns while there is time to act (shed or route
+    # load, add a replica) before preemption starts. Not a diagnosis cause: a
+    # forecast from the usage trend.
+    "usage_rising": "warning",
     # kvwatch itself not scraped: the other alerts are blind, but serving may be fine.
     "kvwatch_unreachable": "warning",
+    # No kvwatch target at all where there were some: the monitor selects
+    # nothing, or the pods went away; blind, serving may be fine.
+    "kvwatch_absent": "warning",
     # The engine's own /metrics does not answer on the pod's loopback: the
     # engine is down or wedged, or stats logging is off.
     "engine_unreachable": "critical",
@@ -76,12 +69,18 @@ DEFAULT_FOR = {
     # Long enough that a burst which drains by itself does not page; short
     # enough that a real overload is reported while it still hurts.
     "VllmKvCacheExhausted": "10m",
+    # Short against the ETA threshold (15m), so it still warns with about ten
+    # minutes left; long enough that one steep ramp that levels off does not.
+    "VllmKvCacheExhaustionSoon": "5m",
     # Hit ratios move slowly and the causes are not urgent; shorter than the
     # cold-cache window, or a cold cache could never be reported.
     "VllmPrefixCacheHitRateLow": "15m",
     "VllmTimeToFirstTokenSlow": "10m",
     "KvwatchDown": "5m",
     "KvwatchEngineUnreachable": "5m",
+    # As the exhaustion it compares: a routing fault that lasts, not a burst
+    # that landed on one replica.
+    "VllmFleetReplicaOutlier": "10m",
 }
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
@@ -280,6 +279,15 @@ class MixinConfig:
         "changed prefix (or, with usage high and the cache not exhausted, eviction before reuse), after a low "
         "one it is no reuse. Also the span searched for a drop that showed before an exhaustion. Shorten it for "
         "workloads that change by the minute."))
+    kvwatch_absent_window: str = field(default="1h", metadata=_help(
+        "KvwatchDown (cause kvwatch_absent) fires for a group (group_labels) that had kvwatch targets within "
+        "this span and has none now; absent() covers a selector that matches nothing at all. Lengthen it to "
+        "remember a vanished fleet longer; a fleet scaled to zero on purpose alerts until it passes."))
+    hit_ratio_memory: str = field(default="7d", metadata=_help(
+        "How long the rules remember an engine's last healthy hit ratio (recording rules "
+        "*:kvwatch_prefix_cache_hit_ratio:last_healthy*): a ratio that fell from it stays a changed prefix "
+        "(not no reuse) until reuse comes back, someone silences the alert, or this span passes since the "
+        "ratio was last healthy. Beyond hit_ratio_baseline_window, which only looks one span back."))
     # ---------------------------------------------------------------- thresholds
     exhaustion_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["exhaustion_usage_ratio"], metadata=_help(
         "KV usage (0..1) above which the cache counts as full when requests also wait or are preempted. vLLM "
@@ -291,6 +299,11 @@ class MixinConfig:
             "it (mean usage / mean running) and no more requests wait than run, and on concurrency otherwise "
             "(kvwatch's diagnosis uses the same definition). 0.2 means five or fewer requests fill the cache; "
             "raise it for long-context deployments where that is normal."))
+    exhaustion_eta_minutes: float = field(default=15, metadata=_help(
+        "VllmKvCacheExhaustionSoon fires when KV usage, at its 5-minute trend (the "
+        "kvwatch_kv_cache_exhaustion_eta_seconds signal), reaches 1 within this many minutes, before any "
+        "request is preempted. Longer than the alert's `for:`, or it could only fire after the forecast "
+        "time; raise it when adding capacity takes longer (a replica that loads for ten minutes)."))
     hit_ratio_low: float = field(default=DEFAULT_THRESHOLDS["hit_ratio_low"], metadata=_help(
         "Prefix-cache hit ratio (hit tokens / queried tokens) below which the hit rate is low. Raise it for "
         "workloads built on a long shared system prompt, where 0.5+ is normal."))
@@ -305,6 +318,14 @@ class MixinConfig:
         "Mean time to first token (engine, plus the upstream stage when configured) above which the first "
         "token is slow. Means, not quantiles, because the parts (queue, prefill, front end, upstream) add "
         "up only as means. Set it from your latency objective."))
+    fleet_room_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["fleet_room_usage_ratio"], metadata=_help(
+        "A replica whose KV usage peak over the rate window is at most this, with nothing waiting, has room: "
+        "another replica of the same model exhausted or queueing beside it is a routing problem "
+        "(VllmFleetReplicaOutlier, cause imbalance)."))
+    fleet_affinity_fraction: float = field(default=DEFAULT_THRESHOLDS["fleet_affinity_fraction"], metadata=_help(
+        "A warm replica whose hit ratio is below this share of its warm peers' pooled ratio (peers at least "
+        "hit_ratio_low) lost prefix affinity: requests sharing a prefix no longer reach it "
+        "(VllmFleetReplicaOutlier, cause lost_prefix_affinity)."))
     # ---------------------------------------------------------------- upstream
     upstream_histogram: str | None = field(default=None, metadata=_help(
         "Name of a Prometheus histogram that measures time spent before the engine (retrieval, gateway), e.g. "
@@ -325,16 +346,17 @@ class MixinConfig:
         "`for:` of each alert (alert name -> duration). Shorten to page sooner, lengthen against flapping."))
     severities: dict = field(default_factory=lambda: dict(DEFAULT_SEVERITIES), metadata=_help(
         "severity label of each cause (cause -> critical|warning|info). Routing in Alertmanager or Grafana "
-        "keys on it."))
-    runbook_url_pattern: str = field(
-        default="https://github.com/kvwatch/kvwatch/blob/main/alerts/runbooks.md#{anchor}", metadata=_help(
-            "Where alerts/runbooks.md is served; {anchor} becomes the section of the alert and cause. Point it "
-            "at your copy (wiki, repository) so the link in a page works."))
-    dashboard_url_pattern: str = field(
-        default="https://grafana.example.com/d/{uid}?var-model={model_name}&var-engine={engine}&viewPanel={panel_id}",
-        metadata=_help(
-            "Link to the dashboard panel an alert belongs to; {uid} and {panel_id} are filled in, {model_name} "
-            "and {engine} become the alert's labels. Set your Grafana's address."))
+        "keys on it. The defaults are the diagnosis' own (kvwatch/diagnose/vocabulary.py SEVERITY); an "
+        "exhaustion cause with preemptions is keyed <cause>_preempting (default critical)."))
+    runbook_url_pattern: str | None = field(default=None, metadata=_help(
+        "Where alerts/runbooks.md is served, e.g. https://git.example.org/ops/kvwatch/blob/main/alerts/"
+        "runbooks.md#{anchor}; {anchor} becomes the section of the alert and cause. Empty (the default): the "
+        "alerts and panels carry no runbook_url, rather than a link to a host that is not yours."))
+    dashboard_url_pattern: str | None = field(default=None, metadata=_help(
+        "Link to the dashboard panel an alert belongs to, e.g. https://grafana.example.org/d/{uid}?var-model="
+        "{model_name}&var-engine={engine}&viewPanel={panel_id}; {uid} and {panel_id} are filled in, "
+        "{model_name} and {engine} become the alert's labels. Empty (the default): the Prometheus alerts carry "
+        "no dashboard_url (Grafana's own rules link their panel by uid either way)."))
     # ---------------------------------------------------------------- Grafana
     grafana_datasource_uid: str = field(default="prometheus", metadata=_help(
         "uid of the Prometheus data source the Grafana alert rules query (dashboards use a variable instead). "
@@ -466,14 +488,16 @@ def _check_field(name: str, value: Any) -> list[str]:
     elif name == "instance_label":
         if not isinstance(value, str) or not _LABEL_NAME.match(value):
             problems.append(f"instance_label: {value!r} is not a label name")
-    elif name in ("rate_window", "cold_cache_window", "hit_ratio_baseline_window", "grafana_rule_interval"):
+    elif name in ("rate_window", "cold_cache_window", "hit_ratio_baseline_window", "grafana_rule_interval",
+                  "kvwatch_absent_window", "hit_ratio_memory"):
         duration(value)
     elif name == "rule_interval":
         if value is not None:
             duration(value)
-    elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio"):
+    elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio",
+                  "fleet_room_usage_ratio", "fleet_affinity_fraction"):
         ratio(value)
-    elif name in ("min_query_tokens", "ttft_mean_seconds"):
+    elif name in ("min_query_tokens", "ttft_mean_seconds", "exhaustion_eta_minutes"):
         positive(value)
     elif name == "no_reuse_alert":
         if not isinstance(value, bool):
@@ -499,6 +523,8 @@ def _check_field(name: str, value: Any) -> list[str]:
                     problems.append(f"severities: unknown cause {cause!r} (known: {', '.join(DEFAULT_SEVERITIES)})")
                 elif severity not in SEVERITIES:
                     problems.append(f"severities: {cause}: {severity!r} is not one of {', '.join(SEVERITIES)}")
+    elif name in ("runbook_url_pattern", "dashboard_url_pattern") and value is None:
+        pass
     elif name == "runbook_url_pattern":
         if not isinstance(value, str) or "{anchor}" not in value:
             problems.append("runbook_url_pattern: must be a string containing {anchor}")
@@ -552,6 +578,12 @@ def validate(config: MixinConfig) -> list[str]:
     if _seconds(config.cold_cache_window) <= _seconds(config.for_duration("VllmPrefixCacheHitRateLow")):
         problems.append("cold_cache_window must be longer than for_durations.VllmPrefixCacheHitRateLow, or the "
                         "cold_cache cause can never fire")
+    if config.exhaustion_eta_minutes * 60 <= _seconds(config.for_duration("VllmKvCacheExhaustionSoon")):
+        problems.append("exhaustion_eta_minutes must be longer than for_durations.VllmKvCacheExhaustionSoon, or "
+                        "the warning could only come after the forecast time")
+    if _seconds(config.cold_cache_window) <= _seconds(config.for_duration("VllmFleetReplicaOutlier")):
+        problems.append("cold_cache_window must be longer than for_durations.VllmFleetReplicaOutlier, or the "
+                        "cold_replica cause can never fire")
     if config.instance_label in ("model_name", "engine"):
         problems.append("instance_label must not be model_name or engine")
     return problems

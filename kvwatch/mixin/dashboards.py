@@ -20,7 +20,7 @@ from grafanalib import core as g
 
 from kvwatch.mixin.alerts import runbook_anchor
 from kvwatch.mixin.config import MixinConfig
-from kvwatch.mixin.promql import Fragments, Scope, indent, num
+from kvwatch.mixin.promql import Fragments, Scope, indent, num, paren
 from kvwatch.signals import QUANTILES, SIGNALS, SIGNALS_BY_NAME, UNITS
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -44,6 +44,10 @@ DASHBOARDS = {
     "first_token": ("first-token", "kvwatch / First token",
                     "Where does the time to first token go: queue (for KV or for compute), prefill, front end, "
                     "upstream? The panels behind VllmTimeToFirstTokenSlow."),
+    "fleet": ("fleet", "kvwatch / Fleet",
+              "One replica against the other replicas of its model, a row per replica: imbalance (one exhausted "
+              "or queueing while peers have room), lost prefix affinity, a cold replica. The panels behind "
+              "VllmFleetReplicaOutlier."),
 }
 
 
@@ -144,7 +148,7 @@ def _panel(spec: PanelSpec, panel_id: int, grid: g.GridPos, config: MixinConfig)
         for i, (expr, legend) in enumerate(spec.targets)
     ]
     links = []
-    if spec.runbook:
+    if spec.runbook and config.runbook_url_pattern:
         links.append({"title": "Runbook", "url": config.runbook_url_pattern.format(anchor=spec.runbook),
                       "targetBlank": True})
     steps = [{"color": "green", "value": None}]
@@ -156,7 +160,10 @@ def _panel(spec: PanelSpec, panel_id: int, grid: g.GridPos, config: MixinConfig)
         return g.Stat(format=spec.unit, reduceCalc="lastNotNull", graphMode="none", thresholds=steps,
                       noValue="no data", **common)
     if spec.kind == "table":
-        return g.Table(unit=spec.unit, thresholds=steps, transformations=[
+        # Several instant queries become one row per series (per replica)
+        # with a column per query.
+        merge = [{"id": "merge", "options": {}}] if len(spec.targets) > 1 else []
+        return g.Table(unit=spec.unit, thresholds=steps, transformations=merge + [
             {"id": "organize", "options": {"excludeByName": {"Time": True}, "renameByName": {}}}], **common)
     return g.TimeSeries(unit=spec.unit, thresholds=steps, fillOpacity=10 if spec.stacked else 0,
                         stacking={"mode": "normal"} if spec.stacked else {"mode": "none"},
@@ -493,7 +500,60 @@ def first_token(config: MixinConfig) -> Board:
     return b
 
 
-BUILDERS = {"overview": overview, "exhaustion": exhaustion, "prefix_cache": prefix_cache, "first_token": first_token}
+ANCHOR_FLEET = runbook_anchor("VllmFleetReplicaOutlier")
+
+
+def fleet(config: MixinConfig) -> Board:
+    v = Views(config)
+    b = Board("fleet", config)
+    e = v.engine_legend
+    f = v.fe
+    inst = config.instance_label
+    b.row("Replicas")
+    b.add(PanelSpec("replicas", "Replicas of each model",
+                    "A row per replica engine, now, over the rate window: KV usage peak, requests waiting, "
+                    "prefix-cache hit ratio, that ratio as a share of its warm peers' pooled one, and restarts "
+                    "inside the window. A replica full or queueing beside peers with room is imbalance; a share "
+                    f"below {config.fleet_affinity_fraction:g} is lost prefix affinity; a restart while its peers "
+                    "did not is a cold replica.", "short",
+                    [(f.usage_max(), "usage peak"), (v.sig("kvwatch_requests_waiting"), "waiting"),
+                     (f.hit_ratio(), "hit ratio"), (f.hit_ratio_vs_peers(), "hit ratio / peers"),
+                     (f.restarted(), "restarts")],
+                    kind="table", width=24, height=10, runbook=ANCHOR_FLEET, instant=True))
+    b.add(PanelSpec("fleet_findings", "Fleet findings",
+                    "The fleet alert's causes per replica, now: imbalance (value: usage peak), lost prefix affinity "
+                    "(value: hit ratio / peers, below the line), cold replica (value: restarts).", "short",
+                    [(f.imbalance(), "imbalance {{" + inst + "}} {{model_name}}"),
+                     (f"{paren(f.lost_prefix_affinity())} < {num(config.fleet_affinity_fraction)}",
+                      "lost affinity {{" + inst + "}} {{model_name}}"),
+                     (f.cold_replica(), "cold {{" + inst + "}} {{model_name}}")],
+                    kind="table", width=24, height=6, runbook=ANCHOR_FLEET, instant=True))
+    b.row("Over time")
+    b.add(PanelSpec("usage_peak_by_replica", "KV usage peak per replica",
+                    "The window's KV usage peak of each replica: one high while the others stay low is the load "
+                    f"routed unevenly. The line is fleet_room_usage_ratio ({config.fleet_room_usage_ratio:g}).",
+                    "percentunit", [(f.usage_max(), e)], width=12, runbook=ANCHOR_FLEET,
+                    threshold=config.fleet_room_usage_ratio))
+    b.add(PanelSpec("hit_ratio_vs_peers", "Hit ratio as a share of the peers'",
+                    "Each warm replica's prefix-cache hit ratio divided by its warm peers' pooled ratio: near 1 "
+                    "when prefixes reach the replica that holds them. The line is fleet_affinity_fraction.",
+                    "percentunit", [(f.hit_ratio_vs_peers(), e)], width=12, runbook=ANCHOR_FLEET,
+                    threshold=config.fleet_affinity_fraction))
+    b.add(PanelSpec("replicas_pressed", "Replicas pressed and with room",
+                    "Per model: replicas exhausted or queueing, and replicas with room (usage peak at most "
+                    "fleet_room_usage_ratio, nothing waiting). Both above zero at once is imbalance.", "short",
+                    [(f"count by ({f.fleet_by}) (\n{indent(f.pressed())}\n)", "pressed {{model_name}}"),
+                     (f"count by ({f.fleet_by}) (\n{indent(f.room())}\n)", "with room {{model_name}}")],
+                    width=12, runbook=ANCHOR_FLEET))
+    b.add(PanelSpec("restarts_by_replica", "Restarts per replica",
+                    "Counter resets inside the window per replica (kvwatch_engine_prompt_tokens_total): a replica "
+                    "that restarted refills its cache while its peers are warm.", "short",
+                    [(f.restarted(), e)], width=12, runbook=ANCHOR_FLEET))
+    return b
+
+
+BUILDERS = {"overview": overview, "exhaustion": exhaustion, "prefix_cache": prefix_cache, "first_token": first_token,
+            "fleet": fleet}
 
 
 def catalogue_panels(board: Board, config: MixinConfig) -> Board:

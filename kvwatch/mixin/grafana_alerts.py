@@ -26,9 +26,29 @@ from kvwatch.mixin.promql import num
 from kvwatch.mixin.rules import annotations
 
 GRAFANA_VALUE = "$values.B.Value"
-# A missing series means the condition does not hold (the queries are filters
-# that return nothing when healthy), so no data is OK, not NoData.
-NO_DATA_STATE = "OK"
+# What Grafana does when a rule's query returns no series, decided per alert
+# and cause (every rule must have a decision: tests/test_mixin_grafana_alerts.py),
+# with the reason docs/alerts.md shows.
+_FILTER = ("OK", "The query is a filter: it returns a series only for an engine where the condition holds, so no "
+                 "data is the healthy answer. A blind kvwatch (no scrape, no poll) is reported by KvwatchDown and "
+                 "KvwatchEngineUnreachable, not by every vLLM rule at once.")
+NO_DATA: dict[tuple[str, str], tuple[str, str]] = {
+    **{("VllmKvCacheExhausted", cause): _FILTER for cause in ("concurrency_beyond_capacity", "long_requests")},
+    ("VllmKvCacheExhaustionSoon", "usage_rising"): _FILTER,
+    **{("VllmFleetReplicaOutlier", cause): _FILTER for cause in ("imbalance", "lost_prefix_affinity", "cold_replica")},
+    **{("VllmPrefixCacheHitRateLow", cause): _FILTER for cause in (
+        "caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse")},
+    **{("VllmTimeToFirstTokenSlow", cause): _FILTER for cause in (
+        "queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream")},
+    ("KvwatchDown", "kvwatch_unreachable"): (
+        "OK", "No `up` series means no target at all: the kvwatch_absent rule reports that with its own labels; "
+              "NoData here would page twice for one fault."),
+    ("KvwatchDown", "kvwatch_absent"): (
+        "OK", "The query is absent(): it returns a series exactly when targets are missing, so no data means "
+              "targets exist. A Prometheus that cannot be queried is an error (execErrState), not no data."),
+    ("KvwatchEngineUnreachable", "engine_unreachable"): (
+        "OK", "No kvwatch_up series means Prometheus does not scrape kvwatch, which KvwatchDown reports."),
+}
 EXEC_ERR_STATE = "Error"
 RULE_GROUP = "kvwatch"
 
@@ -91,14 +111,14 @@ def grafana_rule(spec: AlertSpec, config: MixinConfig, panel_ids) -> Provisioned
     threshold = g.AlertExpression(refId="C", expression=f"$B {spec.op} {num(spec.threshold)}",
                                   expressionType=g.EXP_TYPE_MATH)
     return ProvisionedAlertRule(
-        title=f"{spec.alert} ({spec.cause})",
+        title=f"{spec.alert} ({spec.cause}{', ' + spec.variant if spec.variant else ''})",
         uid=spec.uid,
         triggers=[query, reduce, threshold],
         condition="C",
         annotations=annotations(spec, config, uid, panel_id, GRAFANA_VALUE),
         labels=spec.labels(),
         evaluateFor=spec.for_,
-        noDataAlertState=NO_DATA_STATE,
+        noDataAlertState=NO_DATA[(spec.alert, spec.cause)][0],
         errorAlertState=EXEC_ERR_STATE,
         # The range the query may look back; the query's own [range] does the windowing.
         timeRangeFrom=600,
@@ -122,9 +142,12 @@ def provisioning(config: MixinConfig, panel_ids) -> dict:
 # Causes whose fix lies with whoever runs, sizes and scales the engines (and
 # kvwatch beside them), and those whose fix lies with whoever owns prompts,
 # the application or the gateway.
-PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "queueing_kv_bound", "queueing_compute_bound",
-                   "eviction_before_reuse", "prefill", "kvwatch_unreachable", "engine_unreachable")
-APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled")
+PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "usage_rising", "queueing_kv_bound",
+                   "queueing_compute_bound", "eviction_before_reuse", "prefill", "kvwatch_unreachable", "kvwatch_absent",
+                   "engine_unreachable", "cold_replica")
+# The fleet's routing causes belong to whoever runs the gateway or router.
+APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled", "imbalance",
+                      "lost_prefix_affinity")
 
 
 def notification_example(config: MixinConfig) -> dict:

@@ -75,10 +75,13 @@ def kvwatch_container(s: DeploySettings) -> dict:
     # request; liveness applies only once the startup probe passed (up to 60 s).
     startup = probe("/healthz", periodSeconds=2, failureThreshold=30)
     liveness = probe("/healthz", failureThreshold=3)
-    # /readyz is 503 until a recent poll of vLLM succeeded. A pod is Ready only
-    # when every container is, so this also holds inference traffic back until
-    # vLLM answers on /metrics; a generous threshold rides out a slow poll.
-    readiness = probe("/readyz", failureThreshold=6)
+    # A pod is Ready only when every container is, so a sidecar's readiness
+    # decides whether the vLLM pod stays in its Service. It must reflect
+    # kvwatch alone (/healthz: kvwatch serves): /readyz follows the engine's
+    # polls, which time out under heavy load, and would take a serving pod out
+    # of rotation exactly when it is busiest. The engine's state is a metric
+    # (kvwatch_up) and an alert (KvwatchEngineUnreachable), never a probe.
+    readiness = probe("/healthz", failureThreshold=3)
     return {
         "name": "kvwatch",
         "image": s.image,
@@ -425,7 +428,9 @@ def _load_generated(source_dir: Path) -> tuple[str | None, dict[str, str]]:
 
 CONTAINER_NOTES = [
     ("- name: kvwatch", "kvwatch sidecar: polls vLLM's /metrics over the pod's loopback and serves signals on {port_name}."),
-    ("readinessProbe:", "Ready once a recent poll of vLLM succeeded (the whole pod waits on it)."),
+    ("readinessProbe:", "Ready when kvwatch serves (/healthz), never on the engine's polls: a monitoring sidecar "
+                        "must not take the vLLM pod out of its Service; kvwatch_up and KvwatchEngineUnreachable "
+                        "report the engine."),
     ("resources:", RESOURCES_COMMENT),
     ("securityContext:", "Runs as the image's non-root uid with nothing writable but /tmp."),
 ]

@@ -178,6 +178,11 @@ class Fragments:
                 f"\nand\n{paren(self.waiting_for_capacity_avg())} > 0"
                 f"\nor\n{paren(self.preemption_rate())} > 0")
 
+    def preempting(self) -> str:
+        """vLLM preempted requests in the rate window: running requests lost
+        their KV and are recomputed (the diagnosis' critical exhaustion)."""
+        return f"{paren(self.preemption_rate())} > 0"
+
     def long_requests(self) -> str:
         """A few requests fill the cache: each request's footprint is a large
         share of it (the share a running request held on average, the share
@@ -231,13 +236,50 @@ class Fragments:
         only where the cache is not exhausted)."""
         return f"{paren(self.usage_avg())} > {num(self.c.eviction_usage_ratio)}"
 
+    def healthy_now(self) -> str:
+        """The hit ratio over the rate window is healthy and judged."""
+        return (f"{paren(self.hit_ratio())}\n>= {num(self.c.hit_ratio_low)}"
+                f"\nand\n{paren(self.enough_queries())}")
+
+    def remembered_healthy(self) -> str:
+        """The engine's last healthy hit ratio, remembered by the recording
+        rules (memory_rules) beyond any window: absent where those rules are
+        not installed (Grafana alerting alone), then only the baseline span counts."""
+        return self.s.agg("max", f"{self.memory_level}:{MEMORY_LAST_NAME}")
+
+    @property
+    def memory_level(self) -> str:
+        """The level part of the memory rules' names: the engine labels beyond the group labels."""
+        return "_".join(label for label in self.c.engine_labels if label not in self.c.group_labels)
+
     def healthy_baseline(self) -> str:
-        """The hit ratio was fine before the rate window: real reuse."""
-        return f"{paren(self.baseline_hit_ratio())}\n>= {num(self.c.hit_ratio_low)}"
+        """The hit ratio was fine before the rate window (the baseline span), or
+        at any time the recording rules remember: real reuse, so a low ratio now
+        is a regression however long it has lasted."""
+        return (f"{paren(self.baseline_hit_ratio())}\n>= {num(self.c.hit_ratio_low)}"
+                f"\nor\n{paren(self.remembered_healthy())}")
 
     def low_baseline(self) -> str:
-        """The hit ratio was low before the rate window as well."""
-        return f"{paren(self.baseline_hit_ratio())}\n< {num(self.c.hit_ratio_low)}"
+        """The hit ratio was low before the rate window as well, and was never
+        healthy in the remembered span."""
+        return (f"{paren(self.baseline_hit_ratio())}\n< {num(self.c.hit_ratio_low)}"
+                f"\nunless\n{paren(self.remembered_healthy())}")
+
+    def memory_rules(self) -> list[dict]:
+        """Two recording rules that carry an engine's last healthy hit ratio and
+        when it was seen forward from evaluation to evaluation: refreshed while
+        the ratio is healthy, kept while the engine's series exist (gaps up to
+        MEMORY_BRIDGE) and for at most hit_ratio_memory since last healthy."""
+        last, seen = (f"{self.memory_level}:{name}" for name in (MEMORY_LAST_NAME, MEMORY_SEEN_NAME))
+        present = self.s.agg("group", f"last_over_time({self.s.m('kvwatch_engine_info')}"
+                                      f"[{MEMORY_BRIDGE}])")
+        memory = seconds_of(self.c.hit_ratio_memory)
+        seen_expr = (f"{paren(self.healthy_now())} * 0 + time()"
+                     f"\nor\n(\n  last_over_time({seen}[{MEMORY_BRIDGE}]) > time() - {num(memory)}\n  and\n"
+                     f"{indent(paren(present))}\n)")
+        last_expr = (f"{paren(self.healthy_now())}"
+                     f"\nor\n(\n  last_over_time({last}[{MEMORY_BRIDGE}])\n  and\n  {seen}\n)")
+        return [{"record": seen, "expr": seen_expr}, {"record": last, "expr": last_expr}]
 
     def low_before_exhaustion(self) -> str:
         """Within the baseline span, some rate window (stepped by the rate
@@ -247,6 +289,86 @@ class Fragments:
         low = (f"{paren(self.hit_ratio())}\n< {num(self.c.hit_ratio_low)}"
                f"\nand\n{paren(self.enough_queries())}\nunless\n{paren(self.exhausted())}")
         return f"max_over_time(\n{indent(paren(low) + f'[{self.c.hit_ratio_baseline_window}:{self.s.w}]')}\n)"
+
+    # --- fleet: one replica against the other replicas of its model ------------
+    # The definitions of kvwatch/diagnose/fleet.py. The scope's `by` holds the
+    # replica (instance label) and engine; the model's group drops both.
+
+    @property
+    def fleet_by(self) -> str:
+        return ", ".join(label for label in self.s.by if label not in (self.c.instance_label, "engine"))
+
+    def _per_model(self, op: str, inner: str) -> str:
+        return f"{op} by ({self.fleet_by}) ({inner})"
+
+    def pressed(self) -> str:
+        """The replica is exhausted (the exhaustion detector) or its first
+        token is slow mostly from queueing (either queueing cause)."""
+        slow_queue = (f"{paren(self.first_token_mean())} > {num(self.c.ttft_mean_seconds)}"
+                      f"\nand\n{paren(self.queue_largest())}")
+        return f"{paren(self.exhausted())}\nor\n{paren(slow_queue)}"
+
+    def room(self) -> str:
+        """The replica has room: its usage peak over the window at most
+        fleet_room_usage_ratio, nothing waiting, and not pressed."""
+        waiting = self.s.signal("kvwatch_requests_waiting")
+        return (f"{paren(self.usage_max())} <= {num(self.c.fleet_room_usage_ratio)}"
+                f"\nand\n{paren(waiting)} <= 0\nunless\n{paren(self.pressed())}")
+
+    def restarted(self) -> str:
+        """The replica restarted within the cold-cache window (its
+        prompt-token counter reset); its value is the number of resets.
+        fleet.py looks one diagnosis window back; an alert must hold for its
+        `for:`, longer than the rate window, so the rules keep a replica cold
+        for cold_cache_window, as the cold_cache cause does."""
+        span = self.c.cold_cache_window
+        return self.s.agg("sum", f"resets({self.s.m('kvwatch_engine_prompt_tokens_total')}[{span}]) > 0")
+
+    def warm(self) -> str:
+        """Replicas that did not restart within the cold-cache window."""
+        # Present in the window (an increase is never negative; it exists
+        # wherever the counter has two samples).
+        present = f"increase({self.s.m('kvwatch_engine_prompt_tokens_total')}[{self.s.w}]) >= 0"
+        return f"{self.s.agg('count', present)}\nunless\n{paren(self.restarted())}"
+
+    def imbalance(self) -> str:
+        """A pressed replica (value: its usage peak) while a replica of the
+        same model has room."""
+        roomy = f"{self._per_model('count', self.room())} > 0"
+        return chain(self.usage_max(), ("and", self.pressed()), (f"and on ({self.fleet_by})", roomy))
+
+    def cold_replica(self) -> str:
+        """A replica that restarted inside the window while a replica of the
+        same model did not."""
+        warm = f"{self._per_model('count', self.warm())} > 0"
+        return chain(self.restarted(), (f"and on ({self.fleet_by})", warm))
+
+    def _warm_increase(self, counter: str) -> str:
+        total = self.s.agg("sum", f"increase({self.s.m(counter)}[{self.s.w}])")
+        return f"{total}\nunless\n{paren(self.restarted())}"
+
+    def peers_hit_ratio(self) -> str:
+        """The other warm replicas' pooled hit ratio (their summed hits over
+        their summed queries), per replica."""
+        def peers(counter: str) -> str:
+            mine = self._warm_increase(counter)
+            return f"{self._per_model('sum', mine)}\n- on ({self.fleet_by}) group_right ()\n{paren(mine)}"
+        return (f"{paren(peers('kvwatch_engine_prefix_cache_hits_total'))}\n/\n"
+                f"{paren(peers('kvwatch_engine_prefix_cache_queries_total'))}")
+
+    def hit_ratio_vs_peers(self) -> str:
+        """A warm replica's hit ratio as a share of its peers' pooled ratio."""
+        mine = (f"{paren(self._warm_increase('kvwatch_engine_prefix_cache_hits_total'))}\n/\n"
+                f"{paren(self._warm_increase('kvwatch_engine_prefix_cache_queries_total'))}")
+        return f"{paren(mine)}\n/\n{paren(self.peers_hit_ratio())}"
+
+    def lost_prefix_affinity(self) -> str:
+        """hit_ratio_vs_peers where it can be judged: enough queried tokens,
+        peers that reuse at least hit_ratio_low, and the replica not
+        exhausted (compared with fleet_affinity_fraction by the alert)."""
+        return chain(self.hit_ratio_vs_peers(), ("and", self.enough_queries()),
+                     ("and", f"{paren(self.peers_hit_ratio())} >= {num(self.c.hit_ratio_low)}"),
+                     ("unless", self.exhausted()))
 
     # TTFT parts: the largest part is the cause; ties go to the earlier part in
     # queue, prefill, front end, upstream order, so exactly one part wins.
@@ -270,6 +392,20 @@ class Fragments:
 
     def front_end_largest(self) -> str:
         return self._top(self.front_end_mean(), [(self.queue_mean(), True), (self.prefill_mean(), True)])
+
+
+# The hit-ratio memory's recording rules, named level:metric:operations.
+MEMORY_LAST_NAME = "kvwatch_prefix_cache_hit_ratio:last_healthy"
+MEMORY_SEEN_NAME = "kvwatch_prefix_cache_hit_ratio:last_healthy_timestamp_seconds"
+# Gaps in rule evaluation or in an engine's series shorter than this keep the memory.
+MEMORY_BRIDGE = "1h"
+
+
+def seconds_of(duration: str) -> float:
+    import re
+
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration))
 
 
 def chain(value: str, *steps: tuple[str, str]) -> str:

@@ -14,6 +14,7 @@ D_OVERVIEW = DASHBOARDS["overview"][1]
 D_EXHAUSTION = DASHBOARDS["exhaustion"][1]
 D_PREFIX = DASHBOARDS["prefix_cache"][1]
 D_TTFT = DASHBOARDS["first_token"][1]
+D_FLEET = DASHBOARDS["fleet"][1]
 THROUGHPUT_ANCHOR = "throughput-and-failures"
 
 
@@ -40,6 +41,13 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
             "so exactly one cause fires per engine; kvwatch's in-process diagnosis decides with the same "
             "definition over its window and names the same one (and may add `capacity_below_max_num_seqs`, "
             "which needs `--max-num-seqs`, not exported by vLLM)."),
+        "VllmKvCacheExhaustionSoon": (
+            "An engine's KV usage is rising, and at its least-squares trend over the last 5m "
+            "(`kvwatch_kv_cache_exhaustion_eta_seconds`, PromQL `deriv()`) it reaches 100% in under "
+            f"{num(c.exhaustion_eta_minutes)} minutes, for {c.for_duration('VllmKvCacheExhaustionSoon')}, while "
+            "nothing is preempted or waits for room yet. It is a forecast: it fires before preemption starts, "
+            "and falls silent once the cache is exhausted, when VllmKvCacheExhausted takes over. Flat or falling "
+            "usage, and usage below its own 5-minute mean (a cache that just emptied), never fire it."),
         "VllmPrefixCacheHitRateLow": (
             f"Over the last {w}, fewer than {_pct(c.hit_ratio_low)} of the prompt tokens an engine looked up in "
             f"its prefix cache were found there (at least {num(c.min_query_tokens)} tokens looked up), for "
@@ -77,18 +85,106 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
             "Means rather than quantiles, because only means add up (the dashboards show p50/p95/p99 too)."),
         "KvwatchDown": (
             f"Prometheus has failed to scrape a kvwatch target ({c.kvwatch_selector}) for "
-            f"{c.for_duration('KvwatchDown')}. While it lasts, the vLLM alerts for that pod cannot fire."),
+            f"{c.for_duration('KvwatchDown')} (`kvwatch_unreachable`), or there is no kvwatch target to scrape "
+            "at all (`kvwatch_absent`). While it lasts, the vLLM alerts for those pods cannot fire."),
         "KvwatchEngineUnreachable": (
             f"kvwatch is up but its polls of the vLLM engine's /metrics have failed for "
             f"{c.for_duration('KvwatchEngineUnreachable')} (kvwatch_up == 0). kvwatch exports no engine series "
             "while it cannot read them, so the vLLM alerts for that pod are blind too."),
+        "VllmFleetReplicaOutlier": (
+            f"One replica of a model behaves unlike the other replicas of the same model over the last {w} "
+            f"(replicas told apart by `{c.instance_label}`, models by `model_name` within "
+            f"{', '.join(c.group_labels)}), for {c.for_duration('VllmFleetReplicaOutlier')}. These are problems no "
+            "single replica shows: each needs its peers for comparison, and kvwatch's sidecar sees one replica, "
+            "so they come from these rules and from `kvwatch diagnose --prometheus` (the same definitions, "
+            "kvwatch/diagnose/fleet.py). The causes: one replica exhausted or queueing while peers have room "
+            "(`imbalance`), a warm replica reusing far fewer prefixes than its warm peers "
+            "(`lost_prefix_affinity`), a replica that restarted while its peers did not (`cold_replica`)."),
     }
+
+
+# cause -> what to do in the first five minutes (before the medium-term fix).
+FIRST_FIVE = {
+    "concurrency_beyond_capacity":
+        "Shed or spread load now: lower the gateway's concurrency limit for this model, or scale out "
+        "(`kubectl scale deployment/<name> -n <namespace> --replicas=<n+1>`). With preemptions every minute "
+        "recomputes running requests; a replica that starts takes minutes to load the model.",
+    "long_requests":
+        "Find the long requests in the gateway log and cap `max_tokens` for their callers, or route them to a "
+        "larger engine. Scaling out helps less: each replica still holds only a few of them.",
+    "caching_disabled":
+        "Nothing urgent. Confirm in the pod's arguments that `--enable-prefix-caching` is absent (or "
+        "`--no-enable-prefix-caching` present).",
+    "cold_cache":
+        "Nothing urgent: confirm the restart (`kubectl get pod -n <namespace> <pod>` restarts and age, "
+        "`kubectl logs --previous -c vllm`) and whether it was planned.",
+    "eviction_before_reuse":
+        "Check whether load rose (running requests, prompt tokens per second); shed or scale out if latency "
+        "suffers. Nothing is lost yet: prefixes are recomputed.",
+    "prefix_changed":
+        "Ask what was deployed when the ratio fell (application, gateway, prompt templates); roll it back if "
+        "the extra prefill costs latency. Silence the alert once the change is known to be intended.",
+    "no_reuse":
+        "Nothing urgent: compare with the workload you expect (should its prompts share text?).",
+    "queueing_kv_bound":
+        "Treat the exhaustion first (VllmKvCacheExhausted): shed load or scale out.",
+    "queueing_compute_bound":
+        "Shed load or scale out; check the pod's `--max-num-seqs` against running requests.",
+    "prefill":
+        "Check prompt lengths (gateway log, prompt tokens per request); rate-limit the callers sending the longest "
+        "prompts if latency objectives are breached.",
+    "front_end":
+        "Check the vLLM container's CPU (`kubectl top pod -n <namespace> <pod> --containers`) and throttling.",
+    "upstream":
+        "Check the upstream stage's own dashboard and error rate; the engine is not the bottleneck.",
+    "kvwatch_unreachable":
+        "`kubectl get pod -n <namespace> <pod>` (is the kvwatch container running and ready?), then "
+        "`kubectl logs -n <namespace> <pod> -c kvwatch --tail=50`. Serving is unaffected.",
+    "kvwatch_absent":
+        "`kubectl get pods,servicemonitors,podmonitors -n <namespace>`; Prometheus' Targets page for the job. If "
+        "the fleet was scaled to zero on purpose, silence the alert.",
+    "engine_unreachable":
+        "`kubectl get pod -n <namespace> <pod>` and `kubectl logs -n <namespace> <pod> -c vllm --tail=100`: is "
+        "the engine running, restarting, out of memory? kvwatch's `/readyz` and status page say why polls fail.",
+    "usage_rising": (
+        "Open the exhaustion dashboard for the engine in the alert. (1) *Time until the KV cache is full* "
+        "still falling and *Free KV blocks* still dropping: the trend holds. (2) *Running requests: now and peak* rising: "
+        "more requests, so move or shed load now (the router's weights, the gateway's concurrency limit) or "
+        "start a replica; running steady while usage climbs: the same requests are growing, so find the "
+        "long generations. (3) If the ETA jumps back up or the alert resolves, the ramp levelled off: note it "
+        "and watch the next peak."),
+    "imbalance":
+        f"Open {D_FLEET}'s *Replicas of each model* table: which replica is full or queueing, which have room. "
+        "Check the load balancer's view of the endpoints (`kubectl get endpointslices -n <namespace> -l "
+        "kubernetes.io/service-name=<service>`): a replica missing there, or a sticky/prefix-aware router pinning "
+        "one hot key to one replica. Draining the hot replica's sessions spreads the load now.",
+    "lost_prefix_affinity":
+        "Compare the replica's request path with its peers': does its traffic come through the prefix-aware "
+        "router, or straight through a Service (round robin)? Check the router's recent config change or "
+        "restart (affinity tables lost). Nothing is down: prefixes are recomputed.",
+    "cold_replica":
+        "Nothing urgent: confirm the restart (`kubectl get pod -n <namespace> <pod>` restarts and age, "
+        "`kubectl logs --previous -n <namespace> <pod> -c vllm`) and whether it was planned (a rollout).",
+}
 
 
 # cause -> (meaning, confirm, do, don't)
 def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
     share = _pct(c.long_request_capacity_share)
     return {
+        "usage_rising": (
+            "Blocks are being taken faster than finished requests give them back: more requests are admitted, "
+            "or the running ones grow as they decode (vLLM allocates a block every block_size tokens). At this "
+            "rate the free blocks run out, and then vLLM preempts running requests and queues new ones.",
+            f"{D_EXHAUSTION}: *Time until the KV cache is full at this trend* falling; *Free KV blocks (the "
+            "ceiling left)* falling; *Requests wanting to run vs requests the cache holds* says whether demand "
+            "(more requests) or length (the same requests, growing) drives it.",
+            "If demand drives it, shed or route new load to other replicas, or start one (it needs the time "
+            "this alert leaves); if length does, cap `max_tokens` for the heaviest clients. `kvwatch capacity "
+            "--gpu-memory ...` says how many requests a larger card or more tensor parallelism holds.",
+            "Do not restart the engine: it drops every running request and empties the prefix cache, and the "
+            "load comes straight back. Do not raise `--max-num-seqs` now: it admits more requests into a cache "
+            "that is already filling."),
         "concurrency_beyond_capacity": (
             "More requests want to run at once than the KV cache holds at their length. Each request is "
             f"modest (under {share} of the cache), or more wait than run, but together they overflow it, so the "
@@ -215,6 +311,50 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             f"{D_TTFT}: the upstream line is the largest part; the engine's own parts are small.",
             "Look at the upstream service (vector store, gateway) and its dependencies.",
             "Do not resize the KV cache or the engine: a bigger or smaller cache does not repair retrieval."),
+        "kvwatch_absent": (
+            "No kvwatch target exists where there were some (within "
+            f"{c.kvwatch_absent_window}), or none at all under the selector: the ServiceMonitor/PodMonitor selects "
+            "nothing (labels, namespace selector, port name), or the pods carrying kvwatch are gone. `up < 1` "
+            "cannot see this: a target that no longer exists has no `up` series.",
+            f"Prometheus' Targets page has no target for the job; {D_OVERVIEW}: every panel empty.",
+            "Fix the monitor's selectors (`deploy.labels`, `deploy.monitor_labels`, `deploy.port_name`), or bring "
+            "the pods back. A fleet scaled to zero on purpose alerts until the window passes: silence it for "
+            "planned scale-downs.",
+            "Do not read silence from the other alerts as health: they see nothing either."),
+        "imbalance": (
+            "One replica of a model is exhausted or queueing while another replica of the same model has room "
+            f"(KV usage peak at most {_pct(c.fleet_room_usage_ratio)} over the last {c.rate_window}, nothing "
+            "waiting). The fleet as a whole could serve the load; the router sends too much of it to one "
+            "replica.",
+            f"{D_FLEET}: in *Replicas of each model* one replica's usage peak or waiting is high while its peers' "
+            "are low; *Replicas pressed and with room* shows both above zero for the model; *KV usage peak per "
+            "replica* shows the one line far above the others.",
+            "Fix the routing: the load balancer's algorithm (least requests or KV-aware rather than round robin "
+            "for uneven request sizes), session stickiness, a prefix-aware router whose hot prefix lands on one "
+            "replica (spread hot prefixes), or a replica missing from the endpoints.",
+            "Do not add KV memory or replicas: the peers already have room, and more of them stays idle."),
+        "lost_prefix_affinity": (
+            "A warm replica's prefix-cache hit ratio is below "
+            f"{_pct(c.fleet_affinity_fraction)} of its warm peers' pooled ratio (peers at least "
+            f"{_pct(c.hit_ratio_low)}): the traffic does share prefixes, but the requests that share them no "
+            "longer reach the replica holding them.",
+            f"{D_FLEET}: *Hit ratio as a share of the peers'* below its line for the replica; *Replicas of each "
+            f"model* shows its hit ratio far below the others'. On {D_PREFIX}, the replica's ratio fell while "
+            "the model's pooled ratio did not.",
+            "Restore prefix or session affinity in the router or gateway (consistent hashing on the prefix or "
+            "session key), and make sure all traffic goes through it.",
+            "Do not enlarge the cache or tune eviction on that replica: the prefixes never reach it."),
+        "cold_replica": (
+            f"A replica restarted in the last {c.cold_cache_window} (its counters reset) while other replicas of "
+            "the model did not: its prefix cache is refilling, so a lower hit ratio and slower first tokens there "
+            "are expected for a while, and lost prefix affinity is not named for it meanwhile (nor counted among "
+            "the warm peers of the others). `kvwatch diagnose --prometheus` holds it cold for one diagnosis "
+            "window; the alert, which must hold for its `for:`, for cold_cache_window.",
+            f"{D_FLEET}: *Restarts per replica* above zero for the one replica; its hit ratio climbs back over "
+            "the next minutes.",
+            "Find out why it restarted (deploy, OOM kill, crash, node drain); if restarts repeat, look at the "
+            "pod's events and the engine's log. Warm-up traffic or a readiness delay can hide the cold start.",
+            "Do not treat the low hit ratio as a routing or prompt problem while the replica is cold."),
         "kvwatch_unreachable": (
             "Prometheus cannot scrape kvwatch: the container is down, not ready, or the scrape configuration "
             "points elsewhere.",
@@ -233,45 +373,73 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
     }
 
 
+def _first_five(config: MixinConfig, alert: str, cause: str, spec_list) -> list[str]:
+    """The first-five-minutes block: the alert's PromQL to paste, how to
+    read the pod's vLLM arguments, and the cause's immediate step."""
+    deploy = config.deploy_settings
+    out = [f"**First five minutes.** {FIRST_FIVE[cause]}", ""]
+    if spec_list:
+        out += ["Paste into Prometheus (the alert's own query; one series per affected engine):", "", "```promql",
+                spec_list[0].query, "```", ""]
+    if alert.startswith("Vllm"):
+        out += ["Read the pod's vLLM arguments (cache size, `--max-num-seqs`, `--max-model-len`, prefix caching):",
+                "", "```sh",
+                f"kubectl get pod -n {deploy.namespace} <pod> -o jsonpath='{{.spec.containers[?(@.name==\"vllm\")].args}}'",
+                "```", ""]
+    return out
+
+
+def _severity_text(spec_list) -> str:
+    by_variant = {spec.variant: spec.severity for spec in spec_list}
+    if set(by_variant) == {"preempting", ""}:
+        return f"{by_variant['preempting']} with preemptions, {by_variant['']} without"
+    return ", ".join(sorted(set(by_variant.values())))
+
+
 def render(config: MixinConfig) -> str:
-    specs = {(spec.alert, spec.cause): spec for spec in alert_specs(config)}
+    specs: dict[tuple[str, str], list] = {}
+    for spec in alert_specs(config):
+        specs.setdefault((spec.alert, spec.cause), []).append(spec)
     intros = _alert_intros(config)
     causes = _cause_texts(config)
     out = [
         "<!-- Generated by `kvwatch generate` (kvwatch/mixin/runbooks.py); edit the generator, not this file. -->",
         "# kvwatch runbooks",
         "",
-        "One section per alert and one per cause. Every alert carries `severity`, `cause` (and `symptom` for the "
-        "vLLM alerts) labels, a `runbook_url` to its cause's section here and a `dashboard_url` to the panel "
-        "that shows it. The same causes are named by kvwatch's in-process diagnosis (`kvwatch_finding`, "
-        "`/api/v1/diagnosis`), which also shows the evidence.",
+        "One section per alert and one per cause, each leading with what to do in the first five minutes, then "
+        "what it means, how to confirm it and the medium-term fix. Every alert carries `severity`, `cause` (and "
+        "`symptom` for the vLLM alerts) labels, and, where the mixin config sets the patterns, a `runbook_url` "
+        "to its cause's section here and a `dashboard_url` to the panel that shows it. The same causes are named "
+        "by kvwatch's in-process diagnosis (`kvwatch_finding`, `/api/v1/diagnosis`), which also shows the "
+        "evidence. Why each severity and `for:`: docs/alerts.md.",
         "",
         "| alert | cause | severity | for |",
         "|---|---|---|---|",
     ]
     for alert, alert_causes in ALERT_CAUSES.items():
         for cause in alert_causes:
-            spec = specs.get((alert, cause))
-            severity = spec.severity if spec else f"{config.severity(cause)} (when configured)"
+            spec_list = specs.get((alert, cause))
+            severity = _severity_text(spec_list) if spec_list else f"{config.severity(cause)} (when configured)"
             out.append(f"| {alert} | [{cause}](#{runbook_anchor(alert, cause)}) | {severity} | "
                        f"{config.for_duration(alert)} |")
     out.append("")
     for alert, alert_causes in ALERT_CAUSES.items():
         out += [f'<a id="{runbook_anchor(alert)}"></a>', "", f"## {alert}", "", intros[alert], ""]
         for cause in alert_causes:
-            spec = specs.get((alert, cause))
+            spec_list = specs.get((alert, cause), [])
             meaning, confirm, do, dont = causes[cause]
-            if spec:
-                headline = f"*{spec.summary}* Severity {spec.severity}."
+            if spec_list:
+                headline = f"*{spec_list[-1].summary}* Severity {_severity_text(spec_list)}."
             elif cause == "no_reuse":
                 headline = "*Only when the mixin config sets `no_reuse_alert: true`* (not in this generation)."
             else:
                 headline = ("*Only when the mixin config names an `upstream_histogram`* (not in this "
                             "generation).")
-            out += [f'<a id="{runbook_anchor(alert, cause)}"></a>', "", f"### {alert}: {cause}", "", headline, "",
-                    f"**What it means.** {meaning}", "",
+            out += [f'<a id="{runbook_anchor(alert, cause)}"></a>', "", f"### {alert}: {cause}", "", headline, ""]
+            out += _first_five(config, alert, cause, spec_list)
+            out += [f"**What it means.** {meaning}", "",
                     f"**Confirm on the dashboard.** {confirm}", "",
-                    f"**What to do.** {do}", "",
+                    f"**Medium term.** {do}", "",
                     f"**What not to do.** {dont}", ""]
     out += [f'<a id="{THROUGHPUT_ANCHOR}"></a>', "", "## Throughput and failures (no alert)", "",
             "The overview's last row, for context when an alert fires.", "",

@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose import Change
-from kvwatch.engines import make_adapter
-from kvwatch.sidecar.report import public_url
-from kvwatch.scrape import Fetcher, FetchResult
+from kvwatch.engines import AUTO, ENGINES, make_adapter, recognize
+from kvwatch.engines.coverage import dark_signals
+from kvwatch.scrape import Fetcher, FetchResult, failure_sentence, public_host
+from kvwatch.sidecar.report import finding_key, public_url
 from kvwatch.sidecar.settings import Settings
 from kvwatch.signals import Evaluated, evaluate_window
 from kvwatch.snapshot import Snapshot
@@ -55,7 +56,9 @@ def tune_garbage_collector() -> None:
 class State:
     up: bool = False
     reason: str | None = "not_polled_yet"
-    detail: str = ""
+    # One human sentence for the failure, for people (page, JSON, /readyz, CLI);
+    # never an exception's text or what the engine sent (that is only logged).
+    detail: str = "kvwatch has not polled the engine yet"
     polls: int = 0
     errors_by_reason: dict[str, int] = field(default_factory=dict)
     parse_errors: int = 0
@@ -74,9 +77,15 @@ class State:
     findings: tuple[diagnosis.Finding, ...] = ()
     events: tuple[Change, ...] = ()
     upstream: dict[str, Any] | None = None
+    # finding key (report.finding_key) -> when it was first seen, while it stays active
+    findings_since: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
     # The window's entries as of this poll (the trends on the status page);
     # a tuple, so readers never see the poll thread's deque change.
     entries: tuple = ()
+    # The engine whose adapter reads the page (None while `auto` has not seen
+    # a page with engine metrics), and the catalogue's signals it cannot provide.
+    engine: str | None = None
+    dark_signals: tuple[str, ...] = ()
 
 
 class Monitor:
@@ -95,11 +104,12 @@ class Monitor:
             settings.ca_bundle,
             settings.tls_verify,
         )
-        # The time a poll is stamped with: the window's time axis.
         # The time each poll is read at: the window's time axis and the
         # times in the state (a replay passes the recorded times).
         self.clock = clock or self._steady_clock
-        self.adapter = make_adapter("vllm", max_series=settings.max_series)
+        # With `auto`, the adapter is chosen from the first page some adapter
+        # recognizes, and kept: a target serves one engine.
+        self.adapter = None if settings.engine == AUTO else make_adapter(settings.engine, settings.max_series)
         self.window = Window(settings.window)
         self.upstream = None
         if settings.upstream_target and settings.upstream_histogram:
@@ -115,6 +125,7 @@ class Monitor:
         # window are kept (a page with a new adapter set each poll grew a set
         # that never shrank to 1.5 M names), and at most MAX_LORA_NAMES.
         self._lora_seen: dict[str, float] = {}
+        self.hit_memory = diagnosis.HitRateMemory()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
@@ -168,10 +179,18 @@ class Monitor:
             result = self.fetcher.fetch()
             if not result.ok:
                 return self._record_failure(result.reason, result.detail, started, result.seconds,
-                                            time.thread_time() - started_cpu)
+                                            time.thread_time() - started_cpu, result.sentence)
             return self._ingest(result, started, started_monotonic, started_cpu)
 
     def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
+        if self.adapter is None:
+            engine = recognize(result.text)
+            if engine is None:
+                return self._no_engine_metrics(
+                    result, f"no engine metrics in a page of {result.size} bytes (looked for the families of "
+                    f"{', '.join(ENGINES)})", (), started, started_cpu)
+            self.adapter = make_adapter(engine, self.settings.max_series)
+            log.info("polling %s: the page is %s's", public_url(self.settings.target), engine)
         # A page describes the engine when it was answered, not when it was
         # asked for: a busy vLLM answers seconds late (1.5-12 s under load on
         # the tier's CPU), and a page stamped at the request would put the
@@ -189,23 +208,21 @@ class Monitor:
         if snapshot.parse_errors:
             log.debug("%d malformed lines, first: %s", len(snapshot.parse_errors), snapshot.parse_errors[0])
         if not snapshot.engines:
-            detail = f"no vLLM engine metrics in a page of {result.size} bytes"
-            if result.unexpected_content_type:
-                detail += f" of content type {result.content_type!r}"
-            if snapshot.parse_errors:
-                detail += f" ({len(snapshot.parse_errors)} malformed lines, first: {snapshot.parse_errors[0]})"
-            reason = "content_type" if result.unexpected_content_type else "no_engine_metrics"
-            return self._record_failure(reason, detail, started, result.seconds,
-                                        time.thread_time() - started_cpu)
+            return self._no_engine_metrics(
+                result, f"no {self.adapter.name} engine metrics in a page of {result.size} bytes",
+                snapshot.parse_errors, started, started_cpu)
         self.window.add(snapshot)
         self._note_changes(previous, snapshot)
         per_engine, per_model = evaluate_window(self.window)
         upstream = self.upstream.poll() if self.upstream is not None else None
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
-                                      self.settings.diagnosis, upstream)
+                                      self.settings.diagnosis, upstream, self.hit_memory)
         self._polls += 1
         was_up = self.state.up
+        previous_since = self.state.findings_since
+        findings_since = {key: previous_since.get(key, started)
+                          for key in (finding_key(f) for f in findings)}
         earliest = self.window.earliest
         self.state = State(
             up=True,
@@ -227,13 +244,37 @@ class Monitor:
             findings=tuple(findings),
             events=events,
             upstream=upstream,
+            findings_since=findings_since,
             entries=tuple(self.window.entries),
+            engine=self.adapter.name,
+            dark_signals=dark_signals(type(self.adapter)),
         )
         if not was_up:
             log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))
         return self.state
 
-    def _record_failure(self, reason: str, detail: str, started: float, seconds: float, cpu: float) -> State:
+    def _no_engine_metrics(self, result: FetchResult, detail: str, parse_errors, started: float,
+                           started_cpu: float) -> State:
+        """A page was read but holds no engine the adapter knows: why, for
+        the log (detail) and for people (one sentence)."""
+        if result.unexpected_content_type:
+            detail += f" of content type {result.content_type!r}"
+        if parse_errors:
+            detail += f" ({len(parse_errors)} malformed lines, first: {parse_errors[0]})"
+        reason = "content_type" if result.unexpected_content_type else "no_engine_metrics"
+        host = public_host(self.settings.target)
+        engine = self.adapter.title if self.adapter is not None else "LLM"
+        sentence = failure_sentence(reason, host, engine=engine)
+        if result.unexpected_content_type:
+            sentence = (f"{host} answers with a page of content type {result.content_type[:60]!r}, "
+                        "not Prometheus metrics")
+        elif parse_errors:
+            sentence += f" ({len(parse_errors)} malformed lines in {result.size} bytes)"
+        return self._record_failure(reason, detail, started, result.seconds, time.thread_time() - started_cpu,
+                                    sentence)
+
+    def _record_failure(self, reason: str, detail: str, started: float, seconds: float, cpu: float,
+                        sentence: str = "") -> State:
         self._polls += 1
         self._errors[reason] = self._errors.get(reason, 0) + 1
         previous = self.state
@@ -241,21 +282,28 @@ class Monitor:
             # Log transitions, not every failed poll: a down engine must not
             # flood the log at one line per interval.
             # public_url: the log must not carry credentials from the target URL.
-            log.warning("polling %s failed: %s (%s)", public_url(self.settings.target), reason, detail)
+            # The sentence for people; the technical detail (exception text) at debug.
+            log.warning("polling %s failed: %s", public_url(self.settings.target),
+                        sentence or failure_sentence(reason, public_host(self.settings.target),
+                                                     self.settings.fetch_timeout))
+            log.debug("polling %s failed: %s (%s)", public_url(self.settings.target), reason, detail)
         self.state = State(
             up=False,
             reason=reason,
-            detail=detail,
+            detail=sentence or failure_sentence(reason, public_host(self.settings.target),
+                                                self.settings.fetch_timeout),
             polls=self._polls,
             errors_by_reason=dict(self._errors),
             parse_errors=self._parse_errors,
-            dropped_series=self.adapter.dropped_series,
+            dropped_series=self.adapter.dropped_series if self.adapter is not None else 0,
             last_poll_time=started,
             last_success_time=previous.last_success_time,
             poll_seconds=seconds,
             poll_cpu_seconds=cpu,
             page_late_seconds=previous.page_late_seconds,
             events=previous.events,
+            engine=previous.engine,
+            dark_signals=previous.dark_signals,
         )
         return self.state
 
@@ -299,7 +347,7 @@ class Monitor:
         its query string, a content type, a malformed line)."""
         state = self.state
         if not state.up:
-            return False, f"last poll failed: {state.reason}"
+            return False, f"last poll failed: {state.reason}: {state.detail}"
         age = self.clock() - (state.last_success_time or 0)
         limit = max(3 * self.settings.poll_interval, self.settings.fetch_timeout + self.settings.poll_interval)
         if age > limit:

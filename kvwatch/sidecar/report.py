@@ -7,8 +7,14 @@ from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from kvwatch.diagnose.vocabulary import ALERT_CAUSES, runbook_link
 from kvwatch.diagnose.thresholds import resolve_thresholds
 from kvwatch.signals import SIGNALS
+
+
+
+def finding_key(finding) -> tuple[str, str, str, str]:
+    return (finding.symptom, finding.cause, finding.model, finding.engine or "")
 
 
 def public_url(url: str | None) -> str | None:
@@ -49,7 +55,8 @@ def status_json(state, settings) -> dict[str, Any]:
         "target": public_url(settings.target),
         "up": state.up,
         "reason": state.reason,
-        "detail": state.detail,
+        # One human sentence, never an exception's text (that stays in the log).
+        "detail": state.detail if not state.up else "",
         "polls": state.polls,
         "errors_by_reason": state.errors_by_reason,
         "parse_errors": state.parse_errors,
@@ -58,16 +65,32 @@ def status_json(state, settings) -> dict[str, Any]:
         "poll_interval_seconds": settings.poll_interval,
         "window_seconds": settings.window,
         "window_covered_seconds": state.window_seconds,
+        "engine": state.engine,
+        "dark_signals": dark_signals(state.snapshot if state.up else None, state.engine, state.dark_signals),
     }
 
 
-def dark_signals(snapshot) -> list[dict[str, Any]]:
-    """The signals the engine's page leaves dark: each with the families it
-    needs that were not on the page and, for a config-gated one, the flag
-    that lights it (else the family is missing from this engine's version).
-    Unknown is not zero: these signals are absent, never 0."""
+def _engine_title(engine: str | None) -> str:
+    from kvwatch.engines import ENGINES
+
+    adapter = ENGINES.get(engine or "")
+    return adapter.title if adapter is not None else "this engine"
+
+
+def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The signals left dark, in catalogue order, one list for two reasons:
+    the engine does not export their inputs at all (`engine_dark`, from the
+    adapter), or this page lacks a family they need, with the flag that
+    lights a config-gated one (else the family is missing from this engine's
+    version). Unknown is not zero: these signals are absent, never 0."""
     dark = []
     for signal in SIGNALS:
+        if signal.name in engine_dark:
+            dark.append({"signal": signal.name, "missing_families": [], "lit_by": None,
+                         "why": f"{_engine_title(engine)} does not export what it is computed from"})
+            continue
+        if snapshot is None:
+            continue
         missing = [key for key in signal.needs if key not in snapshot.sources]
         if not missing:
             continue
@@ -91,7 +114,6 @@ def signals_json(state, settings) -> dict[str, Any]:
         "cache_config": snapshot.cache_config if snapshot else {},
         "sources": snapshot.sources if snapshot else {},
         "source_present": snapshot.present() if snapshot else {},
-        "dark_signals": dark_signals(snapshot) if snapshot else [],
         "events": [asdict(e) for e in state.events],
         # The diagnosis' thresholds in force (defaults overlaid with the
         # settings' `diagnosis:`): the page colours values by these.
@@ -99,10 +121,23 @@ def signals_json(state, settings) -> dict[str, Any]:
     }
 
 
+def finding_json(finding, since: float | None = None) -> dict[str, Any]:
+    """A finding as JSON: the metrics' label names (`model_name`), numbers in
+    `evidence` and prose in `notes`, when it was first seen (`since`, epoch
+    seconds, while continuously active) and its runbook section. `model` is
+    kept beside `model_name` for readers of the earlier shape."""
+    data = asdict(finding)
+    evidence = {k: v for k, v in data.pop("evidence").items() if not isinstance(v, str)}
+    notes = {k: v for k, v in finding.evidence.items() if isinstance(v, str)}
+    return _clean({"model_name": finding.model, **data, "evidence": evidence, "notes": notes, "since": since,
+                   "runbook": runbook_link(finding.symptom, finding.cause, ALERT_CAUSES)})
+
+
 def diagnosis_json(state, settings) -> dict[str, Any]:
+    since = getattr(state, "findings_since", {}) or {}
     return {
         **status_json(state, settings),
-        "findings": [_clean(asdict(f)) for f in state.findings] if state.up else [],
+        "findings": [finding_json(f, since.get(finding_key(f))) for f in state.findings] if state.up else [],
         "events": [asdict(e) for e in state.events],
         "upstream": _clean(state.upstream),
     }

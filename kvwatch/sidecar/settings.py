@@ -71,6 +71,9 @@ class Settings:
     tls_key_file: str | None = None
     # Diagnosis thresholds (see kvwatch/diagnose/thresholds.py for every key and default).
     diagnosis: dict[str, Any] = field(default_factory=dict)
+    # The engine whose page the target serves (kvwatch/engines): `auto` picks
+    # it from the first page with engine metrics; a name pins it.
+    engine: str = "auto"
 
     @property
     def fetch_timeout(self) -> float:
@@ -167,6 +170,15 @@ def _mapping(value: Any) -> dict:
     return dict(value)
 
 
+def _engine(value: Any) -> str:
+    from kvwatch.engines import AUTO, ENGINES
+
+    text = str(value).strip().lower()
+    if text != AUTO and text not in ENGINES:
+        raise ValueError(f"{value!r} is not an engine ({', '.join((AUTO, *ENGINES))})")
+    return text
+
+
 def _positive_int(value: Any) -> int:
     number = int(value)
     if number <= 0:
@@ -193,6 +205,7 @@ PARSERS = {
     "tls_cert_file": _existing_file,
     "tls_key_file": _existing_file,
     "diagnosis": _mapping,
+    "engine": _engine,
 }
 assert set(PARSERS) == {f.name for f in fields(Settings)}
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from kvwatch import __version__
 from kvwatch.sim.engine import FINISHED, Request, RequestRejected
+from kvwatch.sim.dialects import DIALECTS, TrtllmGauges, render_dialect
 from kvwatch.sim.render import CONTENT_TYPE, HttpStats, render_app_metrics, render_metrics
 from kvwatch.sim.scenario import Scenario, load_scenario
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
@@ -85,9 +86,14 @@ class SimServer:
         host: str = "127.0.0.1",
         port: int = 0,
         request_timeout: float = 600.0,
+        dialect: str = "vllm",
     ) -> None:
         if speed < 0:
             raise ValueError("speed must be >= 0")
+        if dialect not in DIALECTS:
+            raise ValueError(f"unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
+        self.dialect = dialect
+        self.trtllm_gauges = TrtllmGauges()
         self.sim = simulation
         self.speed = float(speed)
         self.request_timeout = request_timeout
@@ -196,6 +202,8 @@ class SimServer:
 
     def metrics_text(self) -> str:
         with self.cond:
+            if self.dialect != "vllm":
+                return render_dialect(self.dialect, self.sim.engines, self.sim.model_name, self.trtllm_gauges)
             return render_metrics(self.sim.engines, self.sim.model_name, self.sim.created_unix, self.http_stats)
 
     def app_metrics_text(self) -> str:
@@ -211,6 +219,7 @@ def start_background(
     seed: int = 0,
     engines: int | None = None,
     model_name: str = DEFAULT_MODEL_NAME,
+    dialect: str = "vllm",
 ) -> SimServer:
     """Start a simulator in this process (threads); port 0 picks a free port.
     The handle has .url, .metrics_url, .app_metrics_url, .sim, .advance(s), .stop()
@@ -218,7 +227,7 @@ def start_background(
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     simulation = Simulation(scenario, seed=seed, engines=engines, model_name=model_name)
-    return SimServer(simulation, speed=speed, host=host, port=port).start()
+    return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect).start()
 
 
 # -- HTTP ----------------------------------------------------------------------
@@ -351,7 +360,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         server = self.sim_server
         try:
-            if path == "/metrics":
+            # TensorRT-LLM serves its page at /prometheus/metrics.
+            if path == "/metrics" or (path == "/prometheus/metrics" and server.dialect == "trtllm"):
                 self._send(200, server.metrics_text().encode(), CONTENT_TYPE)
             elif path == "/app/metrics":
                 self._send(200, server.app_metrics_text().encode(), CONTENT_TYPE)

@@ -78,6 +78,9 @@ class SweepConfig:
     kv_budget: int | None
     api_key: str | None
     plots: bool
+    # How long a cell waits for the server to go idle before it starts anyway
+    # (with a note); apart from the per-request timeout.
+    idle_wait: float = 60.0
     # --baseline: the earlier sweep this one is compared with, whose prompts it repeats.
     baseline_dir: Path | None = None
     baseline: dict[str, Any] | None = None
@@ -147,6 +150,7 @@ def build_config(args: argparse.Namespace) -> SweepConfig:
     duration = _duration("--duration", args.duration) if args.duration is not None else None
     poll_interval = _duration("--poll-interval", args.poll_interval)
     timeout = _duration("--timeout", args.timeout)
+    idle_wait = _duration("--idle-wait", getattr(args, "idle_wait", None) or "60s")
     if args.warmup < 0:
         raise SweepInputError(f"--warmup cannot be negative, got {args.warmup}")
     if len(inputs) * len(outputs) * len(levels) > MAX_GRID_CELLS:
@@ -191,4 +195,4 @@ def build_config(args: argparse.Namespace) -> SweepConfig:
         warmup=args.warmup, seed=seed, model_config=model_config,
         model_config_path=args.model_config, kv_dtype=kv_dtype, kv_budget=kv_budget,
         api_key=api_key, plots=not args.no_plots, baseline_dir=baseline_dir, baseline=baseline,
-        force=bool(getattr(args, "force", False)))
+        force=bool(getattr(args, "force", False)), idle_wait=idle_wait)

@@ -40,7 +40,6 @@ EXIT_INTERRUPTED = 130  # the shell's code for a run ended by SIGINT
 # connections are cut; then the workers get JOIN_AFTER_CUT_S to notice.
 ABANDON_GRACE_S = 3.0
 JOIN_AFTER_CUT_S = 2.0
-IDLE_WAIT_S = 60.0
 
 
 # ---------------------------------------------------------------------------
@@ -333,9 +332,10 @@ class Sweep:
 
     def _wait_idle(self, what: str) -> bool:
         """Let the previous cell's requests leave the engine, so cells do not overlap.
-        A server with other traffic never goes idle: after IDLE_WAIT_S the cell
-        starts anyway, with a note."""
-        limit = min(self.config.timeout, IDLE_WAIT_S)
+        A server with other traffic never goes idle: after --idle-wait the cell
+        starts anyway, with a note. Apart from the request timeout, so a short
+        wait does not also cut the requests short on a busy machine."""
+        limit = self.config.idle_wait
         deadline = time.monotonic() + limit
         while not self.stop.is_set():
             snapshot, _ = self.poller.poll()

@@ -1,13 +1,16 @@
-"""Findings over time, folded into episodes: one finding (symptom, cause,
-model, engine) on one replica, active over consecutive steps, with its start,
-end and the evidence at its worst point.
+"""Findings over time, folded into episodes: the one timeline format of
+`kvwatch diagnose --replay` (one recorded target, fed the Monitor's states)
+and `kvwatch diagnose --prometheus` (many replicas, fed each replica's
+findings and each model's fleet findings at each step).
 
-The episode's fields and JSON are those of the findings timeline over a
-recorded capture (`kvwatch diagnose --replay`: symptom, cause, model, engine,
+An episode is one finding (symptom, cause, model, engine) on one replica,
+active over consecutive polls or steps: symptom, cause, model, engine,
 start, end, polls, worst {time, severity, confidence, summary, evidence,
-next_check}, active_at_end), plus `replica`, so the two can become one
-timeline format. A step where the replica had no data neither starts nor
-ends an episode; it is recorded as a gap.
+next_check}, active_at_end, replica ("" for a replay: its one target is
+named by the capture). The worst point is the first poll at the episode's
+highest severity, then confidence. A poll that failed, or a step where a
+replica had no data, neither starts nor ends an episode (the window did not
+move): it is kept as an outage (replay, with its reason) or a gap (history).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from kvwatch.sidecar.report import _clean
 _SEVERITY_RANK = {severity: len(SEVERITIES) - index for index, severity in enumerate(SEVERITIES)}
 _CONFIDENCE_RANK = {confidence: len(CONFIDENCES) - index for index, confidence in enumerate(CONFIDENCES)}
 MAX_EPISODES = 10_000
+ACTIONABLE = ("critical", "warning")
 
 
 @dataclass
@@ -40,6 +44,10 @@ class Episode:
         return (_SEVERITY_RANK.get(self.worst.get("severity"), 0),
                 _CONFIDENCE_RANK.get(self.worst.get("confidence"), 0))
 
+    @property
+    def actionable(self) -> bool:
+        return self.worst.get("severity") in ACTIONABLE
+
 
 def _worst_of(finding, at: float) -> dict[str, Any]:
     return {"time": at, "severity": finding.severity, "confidence": finding.confidence,
@@ -47,12 +55,19 @@ def _worst_of(finding, at: float) -> dict[str, Any]:
 
 
 class Timeline:
-    """Feed it each replica's findings at each step, in time order."""
+    """Feed it in time order: `add_state()` with each State a Monitor
+    publishes (a replay), or `add()` with each scope's findings at each step
+    and `gap()` where a replica had no data (history); then `finish()`."""
 
     def __init__(self) -> None:
         self.episodes: list[Episode] = []
         self.dropped = 0
         self.gaps: dict[str, list[list[float]]] = {}
+        self.outages: list[dict[str, Any]] = []
+        self.polls = 0
+        self.failed = 0
+        self.first: float | None = None
+        self.last: float | None = None
         self._open: dict[tuple, Episode] = {}
 
     def add(self, scope: str, at: float, findings: Iterable, replica: str | None = None) -> None:
@@ -83,6 +98,27 @@ class Timeline:
         for key in [key for key in self._open if key[0] == scope and key not in seen]:
             del self._open[key]
 
+    def add_state(self, state, replica: str = "") -> None:
+        """One poll of a Monitor: a failed one is an outage (consecutive
+        failures for one reason are one), a successful one's findings go to
+        `add()`."""
+        at = state.last_poll_time
+        self.polls += 1
+        self.first = at if self.first is None else self.first
+        self.last = at
+        if not state.up:
+            self.failed += 1
+            outage = self.outages[-1] if self.outages else None
+            if outage and outage["reason"] == state.reason and outage["open"]:
+                outage.update(end=at, polls=outage["polls"] + 1)
+            else:
+                self.outages.append({"reason": state.reason, "detail": state.detail, "start": at, "end": at,
+                                     "polls": 1, "open": True})
+            return
+        if self.outages:
+            self.outages[-1]["open"] = False
+        self.add(replica, at, state.findings, replica=replica)
+
     def gap(self, replica: str, at: float, step: float) -> None:
         spans = self.gaps.setdefault(replica, [])
         if spans and abs(spans[-1][1] + step - at) < step / 2:
@@ -93,8 +129,14 @@ class Timeline:
     def finish(self) -> "Timeline":
         for episode in self._open.values():
             episode.active_at_end = True
+        for outage in self.outages:
+            outage.pop("open", None)
         self.episodes.sort(key=lambda e: (e.start, -e.rank()[0], e.model, e.replica, e.symptom, e.cause))
         return self
+
+    @property
+    def actionable(self) -> bool:
+        return any(episode.actionable for episode in self.episodes)
 
     def by_model(self) -> dict[str, list[Episode]]:
         models: dict[str, list[Episode]] = {}
@@ -102,10 +144,27 @@ class Timeline:
             models.setdefault(episode.model, []).append(episode)
         return models
 
-    def to_json(self) -> list[dict[str, Any]]:
+    def findings_json(self) -> list[dict[str, Any]]:
         return [asdict(e) for e in self.episodes]
 
-    def signature(self, step: float = 1.0) -> list[tuple]:
-        """Comparable values: cause, place, and start/end in steps."""
-        return sorted((e.symptom, e.cause, e.model, e.engine, round(e.start / step), round(e.end / step))
+    def to_json(self) -> dict[str, Any]:
+        """A replay's report: the polls, the findings, the failed fetches."""
+        return {
+            "polls": self.polls,
+            "failed_polls": self.failed,
+            "start": self.first,
+            "end": self.last,
+            "findings": self.findings_json(),
+            "findings_dropped": self.dropped,
+            "outages": [dict(o) for o in self.outages],
+        }
+
+    def signature(self) -> list[tuple]:
+        """Every value of every episode, comparable (a replay against live)."""
+        return [(e.symptom, e.cause, e.model, e.engine, e.replica, e.start, e.end, e.polls, e.worst["time"],
+                 e.worst["severity"], tuple(sorted(e.worst["evidence"].items()))) for e in self.episodes]
+
+    def outline(self, step: float = 1.0) -> list[tuple]:
+        """Cause, place, and start/end in steps (two readings of one history)."""
+        return sorted((e.symptom, e.cause, e.model, e.engine, e.replica, round(e.start / step), round(e.end / step))
                       for e in self.episodes)

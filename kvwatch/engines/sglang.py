@@ -1,0 +1,147 @@
+"""The SGLang adapter (`--enable-metrics`; families `sglang:*`, checked against
+python/sglang/srt/metrics/collector.py).
+
+Traps this adapter handles:
+- `sglang:token_usage` is the most-used of the pools (full, sliding-window,
+  mamba): it is read as KV usage because the fullest pool is the one that runs
+  out first.
+- `sglang:cache_hit_rate` is a gauge averaged over one log interval: it cannot
+  be re-windowed nor averaged across replicas, so it is never read. The hit
+  ratio comes from the counters `realtime_tokens_total{mode="prefill_cache"}`
+  over `prefill_cache + prefill_compute`; builds without that family use
+  `cached_tokens_total` over `prompt_tokens_total` (prompt tokens include the
+  cached ones).
+- `cached_tokens_total` carries `cache_source` (device, host, storage_...) in
+  recent builds: the sources are disjoint and summed; a `total` series, which
+  SGLang writes only where it has no breakdown, is read alone.
+- `num_retracted_requests_total` appears only after the first retraction:
+  absent means 0 only once the family has been seen on this target (before,
+  the build may simply not have it, so preemptions stay absent).
+- Tensor/pipeline/expert-parallel ranks (`tp_rank`, `pp_rank`, `moe_ep_rank`,
+  `attn_tp_rank`, `attn_cp_rank`) repeat the scheduler's series: one rank is
+  read, never the sum. `dp_rank` is the engine (vLLM's `engine`).
+"""
+
+from __future__ import annotations
+
+from kvwatch.engines.table import Row, TableAdapter
+from kvwatch.exposition import Family
+from kvwatch.snapshot import Snapshot
+
+PREFIXES = ("sglang:", "sglang_")
+
+ROWS: tuple[Row, ...] = (
+    Row("kv_usage", "token_usage", "gauge", "ratio",
+        "most-used of the full, sliding-window and mamba pools"),
+    Row("running", "num_running_reqs", "gauge", "requests"),
+    Row("waiting", "num_queue_reqs", "gauge", "requests",
+        "the scheduler's waiting queue (grammar and disaggregation queues are apart)"),
+    Row("prefix_hits", "realtime_tokens", "counter", "tokens",
+        "prefill tokens served from the radix cache; updated each log interval",
+        where=(("mode", "prefill_cache"),)),
+    Row("prefix_queries", "realtime_tokens", "counter", "tokens",
+        "prefill_cache + prefill_compute", where=(("mode", "prefill_cache"),), adds=True),
+    Row("prefix_queries", "realtime_tokens", "counter", "tokens",
+        "prefill_cache + prefill_compute", where=(("mode", "prefill_compute"),), adds=True),
+    Row("prompt_tokens", "prompt_tokens", "counter", "tokens", "cached tokens included"),
+    Row("generation_tokens", "generation_tokens", "counter", "tokens"),
+    Row("preemptions", "num_retracted_requests", "counter", "requests",
+        "retractions; the family appears after the first one"),
+    Row("ttft", "time_to_first_token_seconds", "histogram", "seconds"),
+    Row("queue_time", "queue_time_seconds", "histogram", "seconds"),
+    Row("e2e_latency", "e2e_request_latency_seconds", "histogram", "seconds"),
+    Row("inter_token_latency", "inter_token_latency_seconds", "histogram", "seconds"),
+    Row("tpot", "request_time_per_output_token_seconds", "histogram", "seconds"),
+    Row("prompt_len", "prompt_tokens_histogram", "histogram", "tokens"),
+    Row("generation_len", "generation_tokens_histogram", "histogram", "tokens"),
+)
+# Read in `finish` (the table lists them with their notes in TABLE_NOTES).
+CACHED_TOKENS = "cached_tokens"
+CAPACITY = "max_total_num_tokens"
+PAGE_SIZE = "page_size"
+RETRACTIONS = "num_retracted_requests"
+
+TABLE_NOTES: tuple[Row, ...] = (
+    Row("prompt_tokens_cached", "cached_tokens", "counter", "tokens",
+        "summed over cache_source (device, host, storage_*); a `total` series is read alone"),
+    Row("capacity_tokens", "max_total_num_tokens", "gauge", "tokens",
+        "KV pool size in tokens; page_size is the block size"),
+)
+
+MISSING: dict[str, str] = {
+    "prefill_time": "no per-request prefill histogram (per_stage_req_latency_seconds times scheduler stages, "
+                    "not vLLM's PREFILL phase)",
+    "finished/*": "no finished-reason counter (num_requests_total and num_aborted_requests_total are not split "
+                  "by reason)",
+    "waiting_by_reason/*": "no waiting-reason gauge",
+    "external_prefix_queries": "HiCache tiers are counted in cached_tokens_total{cache_source}, not as "
+                               "queries and hits",
+    "external_prefix_hits": "as external_prefix_queries",
+}
+
+
+class SglangAdapter(TableAdapter):
+    name = "sglang"
+    title = "SGLang"
+    prefixes = PREFIXES
+    ROWS = ROWS
+    MISSING = MISSING
+    engine_label = "dp_rank"
+    rank_labels = ("tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "attn_cp_rank")
+    EXTRA_FAMILIES = (CACHED_TOKENS, CAPACITY, PAGE_SIZE)
+    TABLE_NOTES = TABLE_NOTES
+
+    def __init__(self, max_series: int = 10_000):
+        super().__init__(max_series)
+        # Whether num_retracted_requests_total has been on this target's page.
+        self.retractions_seen = False
+
+    def finish(self, snapshot: Snapshot, families: dict[str, Family]) -> None:
+        cached = self._cached_tokens(families.get(CACHED_TOKENS))
+        if cached:
+            snapshot.sources["prompt_tokens_cached"] = "sglang:cached_tokens_total"
+        for (model, engine_name), value in cached.items():
+            engine = snapshot.engines.get((model, engine_name))
+            if engine is not None:
+                engine.counters["prompt_tokens_cached"] = value
+
+        # Without realtime_tokens_total: cached over prompt tokens.
+        if "prefix_queries" not in snapshot.sources and cached:
+            snapshot.sources["prefix_hits"] = "sglang:cached_tokens_total"
+            snapshot.sources["prefix_queries"] = "sglang:prompt_tokens_total"
+            for engine in snapshot.engines.values():
+                if "prompt_tokens_cached" in engine.counters and "prompt_tokens" in engine.counters:
+                    engine.counters["prefix_hits"] = engine.counters["prompt_tokens_cached"]
+                    engine.counters["prefix_queries"] = engine.counters["prompt_tokens"]
+
+        if RETRACTIONS in families and families[RETRACTIONS].samples:
+            self.retractions_seen = True
+        elif self.retractions_seen:
+            # Seen before on this target: no series now means none since a restart.
+            snapshot.sources["preemptions"] = "sglang:num_retracted_requests_total"
+            for engine in snapshot.engines.values():
+                engine.counters.setdefault("preemptions", 0.0)
+
+        capacity = self.fold(families.get(CAPACITY), "gauge")
+        page_size = self.fold(families.get(PAGE_SIZE), "gauge")
+        for (model, engine_name, _), tokens in capacity.items():
+            config = snapshot.cache_config.setdefault(engine_name, {"engine": engine_name})
+            config["kv_cache_size_tokens"] = _integer_text(tokens)
+            size = page_size.get((model, engine_name, None))
+            if size:
+                config["block_size"] = _integer_text(size)
+
+    def _cached_tokens(self, family: Family | None) -> dict[tuple[str, str], float]:
+        if family is None:
+            return {}
+        folded = self.fold(family, "counter", label="cache_source")
+        totals = {(m, e): v for (m, e, source), v in folded.items() if source == "total"}
+        summed: dict[tuple[str, str], float] = {}
+        for (model, engine_name, source), value in folded.items():
+            if (model, engine_name) not in totals:
+                summed[(model, engine_name)] = summed.get((model, engine_name), 0.0) + value
+        return {**summed, **totals}
+
+
+def _integer_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)

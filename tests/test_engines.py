@@ -1,0 +1,307 @@
+"""Engines beyond vLLM: each page through parser, adapter, window, signals and
+diagnosis, with values worked out by hand from the fixture's numbers; each
+engine's traps; the engine chosen from the page; the simulator's dialects
+read back to the same canonical values as its vLLM page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvwatch import diagnose
+from kvwatch.engines import ENGINES, make_adapter, recognize
+from kvwatch.engines.coverage import dark_signals
+from kvwatch.engines.sglang import SglangAdapter
+from kvwatch.engines.trtllm import STALE_AFTER
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.report import signals_json
+from kvwatch.sidecar.settings import SettingsError, load_settings
+from kvwatch.signals import evaluate_window
+from kvwatch.sim.dialects import render_dialect
+from kvwatch.sim.render import render_metrics
+from kvwatch.sim.scenario import load_scenario
+from kvwatch.sim.simulation import Simulation
+from kvwatch.window import Window
+from pageserver import Answer, PageServer
+
+
+def _window(adapter, pages: list[tuple[float, str]]) -> Window:
+    window = Window(600.0)
+    for at, text in pages:
+        window.add(adapter.adapt(text, at=at))
+    return window
+
+
+def _values(window: Window) -> dict:
+    per_engine, _ = evaluate_window(window)
+    (row,) = per_engine
+    return row.values
+
+
+# --- SGLang: the public capture ---------------------------------------------
+
+
+def _sglang_later(text: str) -> str:
+    """The capture 10 s later, edited by hand: 4 more requests of 50 prompt
+    tokens (200, of which 150 cached), 60 generated tokens, TTFT +4 (sum +0.2)."""
+    edits = {
+        'sglang:prompt_tokens_total{model_name="facebook/opt-125m",tp_rank="0"} 5':
+            'sglang:prompt_tokens_total{model_name="facebook/opt-125m",tp_rank="0"} 205',
+        'sglang:generation_tokens_total{model_name="facebook/opt-125m",tp_rank="0"} 32':
+            'sglang:generation_tokens_total{model_name="facebook/opt-125m",tp_rank="0"} 92',
+        'sglang:cached_tokens_total{model_name="facebook/opt-125m",tp_rank="0"} 1':
+            'sglang:cached_tokens_total{model_name="facebook/opt-125m",tp_rank="0"} 151',
+        'sglang:time_to_first_token_seconds_bucket{le="0.1",model_name="facebook/opt-125m"} 1':
+            'sglang:time_to_first_token_seconds_bucket{le="0.1",model_name="facebook/opt-125m"} 5',
+        'sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="facebook/opt-125m"} 1':
+            'sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="facebook/opt-125m"} 5',
+        'sglang:time_to_first_token_seconds_count{model_name="facebook/opt-125m"} 1':
+            'sglang:time_to_first_token_seconds_count{model_name="facebook/opt-125m"} 5',
+        'sglang:time_to_first_token_seconds_sum{model_name="facebook/opt-125m"} 0.02':
+            'sglang:time_to_first_token_seconds_sum{model_name="facebook/opt-125m"} 0.22',
+    }
+    for old, new in edits.items():
+        assert old in text
+        text = text.replace(old, new)
+    return text
+
+
+def test_sglang_capture_through_adapter_window_and_diagnosis(fixtures_dir):
+    text = (fixtures_dir / "public" / "sglang-0.5.10-trimmed.txt").read_text()
+    assert recognize(text) == "sglang"
+    adapter = make_adapter("sglang")
+    snapshot = adapter.adapt(text, at=0.0)
+    (engine,) = snapshot.engines.values()
+    assert (engine.model, engine.engine) == ("facebook/opt-125m", "0")
+    # token_usage 0.25 on the page; cache_hit_rate (0.2) is never read.
+    assert engine.gauges == {"kv_usage": 0.25, "running": 0.0, "waiting": 0.0}
+    assert snapshot.cache_config["0"]["kv_cache_size_tokens"] == "430839"
+    # This build has no realtime_tokens_total: hits and queries are cached and prompt tokens.
+    assert snapshot.sources["prefix_hits"] == "sglang:cached_tokens_total"
+    window = _window(adapter, [(0.0, text), (10.0, _sglang_later(text))])
+    values = _values(window)
+    assert values["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(150 / 200)
+    assert values["kvwatch_prompt_tokens_per_second"] == pytest.approx(20.0)
+    assert values["kvwatch_generation_tokens_per_second"] == pytest.approx(6.0)
+    assert values["kvwatch_time_to_first_token_mean_seconds"] == pytest.approx(0.2 / 4)
+    # 430839 x (1 - 0.25)
+    assert values["kvwatch_kv_cache_free_tokens"] == pytest.approx(323129.25)
+    assert values["kvwatch_preemptions_per_second"] is None  # no retraction family seen: unknown, not 0
+    per_engine, _ = evaluate_window(window)
+    findings = diagnose.diagnose(window, per_engine, [], {})
+    assert not [f for f in findings if f.symptom == "exhaustion"]  # 25 % used, nothing waiting
+
+
+def _sglang_page(usage_by_rank: dict[str, float], cache: float, compute: float, retracted: float | None,
+                 cached_by_source: dict[str, float]) -> str:
+    lines = ["# TYPE sglang:token_usage gauge"]
+    for rank, usage in usage_by_rank.items():
+        lines.append(f'sglang:token_usage{{dp_rank="0",model_name="m",tp_rank="{rank}"}} {usage}')
+    lines.append("# TYPE sglang:cache_hit_rate gauge")
+    lines.append('sglang:cache_hit_rate{dp_rank="0",model_name="m",tp_rank="0"} 0.99')
+    lines.append("# TYPE sglang:realtime_tokens_total counter")
+    for rank in usage_by_rank:
+        for mode, value in (("prefill_cache", cache), ("prefill_compute", compute)):
+            lines.append(f'sglang:realtime_tokens_total{{dp_rank="0",mode="{mode}",model_name="m",tp_rank="{rank}"}} '
+                         f"{value}")
+    if retracted is not None:
+        lines.append("# TYPE sglang:num_retracted_requests_total counter")
+        for rank in usage_by_rank:
+            lines.append(f'sglang:num_retracted_requests_total{{dp_rank="0",model_name="m",tp_rank="{rank}"}} '
+                         f"{retracted}")
+    lines.append("# TYPE sglang:cached_tokens_total counter")
+    for source, value in cached_by_source.items():
+        lines.append(f'sglang:cached_tokens_total{{cache_source="{source}",model_name="m"}} {value}')
+    return "\n".join(lines) + "\n"
+
+
+def test_sglang_ranks_are_read_once_and_the_hit_ratio_comes_from_counters():
+    adapter = SglangAdapter()
+    # Two TP ranks repeat the scheduler's series: one is read, never the sum.
+    first = adapter.adapt(_sglang_page({"0": 0.4, "1": 0.4}, 100, 300, None, {"device": 80, "host": 20}), at=0)
+    engine = first.engines[("m", "0")]
+    assert engine.gauges["kv_usage"] == 0.4
+    assert engine.counters["prefix_hits"] == 100 and engine.counters["prefix_queries"] == 400
+    # HiCache tiers are disjoint and summed; a `total` series alone is read alone.
+    assert engine.counters["prompt_tokens_cached"] == 100
+    assert "preemptions" not in engine.counters
+    window = Window(600.0)
+    window.add(first)
+    window.add(adapter.adapt(_sglang_page({"0": 0.4, "1": 0.4}, 190, 310, 2, {"total": 190}), at=10))
+    values = _values(window)
+    # (190-100) / ((190+310) - (100+300)): the counters' window, not the 0.99 gauge.
+    assert values["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(0.9)
+    assert window.latest.engines[("m", "0")].counters["prompt_tokens_cached"] == 190
+    # The retraction family appeared: its first value has no increase yet.
+    assert values["kvwatch_preemptions_per_second"] is None
+    window.add(adapter.adapt(_sglang_page({"0": 0.4, "1": 0.4}, 190, 310, 5, {"total": 190}), at=20))
+    assert _values(window)["kvwatch_preemptions_per_second"] == pytest.approx(3 / 20)
+    # Seen once on this target, the family's absence (a restart) reads 0.
+    restarted = adapter.adapt(_sglang_page({"0": 0.1}, 0, 0, None, {"total": 0}), at=30)
+    assert restarted.engines[("m", "0")].counters["preemptions"] == 0.0
+
+
+# --- llama.cpp: pages written from the source ---------------------------------
+
+
+def test_llamacpp_recent_build_counts_cached_tokens_apart(fixtures_dir):
+    pages = [(fixtures_dir / "handwritten" / f"llamacpp-2026-{p}.txt").read_text() for p in "ab"]
+    assert recognize(pages[0]) == "llamacpp"
+    adapter = make_adapter("llamacpp")
+    window = _window(adapter, [(0.0, pages[0]), (10.0, pages[1])])
+    engine = window.latest.engines[("unknown", "0")]
+    # prompt_tokens_total excludes cached tokens: 1500 + 4500.
+    assert engine.counters["prompt_tokens"] == 6000 and engine.counters["prompt_tokens_cached"] == 4500
+    # n_tokens_max and n_busy_slots_per_decode are typed counters but not counters: never read.
+    assert set(engine.counters) == {"prompt_tokens", "prompt_tokens_cached", "prefix_hits", "prefix_queries",
+                                    "generation_tokens"}
+    assert engine.gauges == {"running": 4.0, "waiting": 3.0}
+    values = _values(window)
+    # +900 cached of +300 processed + 900 cached.
+    assert values["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(0.75)
+    assert values["kvwatch_prompt_tokens_per_second"] == pytest.approx(120.0)
+    assert values["kvwatch_generation_tokens_per_second"] == pytest.approx(20.0)
+    # No usage gauge in 2026 builds and no histograms: absent, never 0.
+    for dark in ("kvwatch_kv_cache_usage_ratio", "kvwatch_time_to_first_token_mean_seconds",
+                 "kvwatch_preemptions_per_second", "kvwatch_kv_cache_capacity_tokens"):
+        assert values[dark] is None
+    per_engine, _ = evaluate_window(window)
+    findings = diagnose.diagnose(window, per_engine, [], {})
+    assert not [f for f in findings if f.symptom in ("exhaustion", "low_hit_rate")]
+
+
+def test_llamacpp_older_build_without_the_cached_counter(fixtures_dir):
+    pages = [(fixtures_dir / "handwritten" / f"llamacpp-2024-{p}.txt").read_text() for p in "ab"]
+    window = _window(make_adapter("llamacpp"), [(0.0, pages[0]), (10.0, pages[1])])
+    values = _values(window)
+    # Cached tokens are counted nowhere: the processed tokens alone would read a 0 % hit ratio.
+    assert values["kvwatch_prefix_cache_hit_ratio"] is None
+    assert values["kvwatch_prompt_tokens_per_second"] is None
+    assert values["kvwatch_kv_cache_usage_ratio"] == 0.97
+    assert values["kvwatch_requests_waiting"] == 3.0
+
+
+# --- TensorRT-LLM: pages written from the source ------------------------------
+
+
+def test_trtllm_blocks_and_gauges_held_since_the_last_completion(fixtures_dir):
+    a, b = [(fixtures_dir / "handwritten" / f"trtllm-{p}.txt").read_text() for p in "ab"]
+    assert recognize(a) == "trtllm"
+    adapter = make_adapter("trtllm")
+    first = adapter.adapt(a, at=0.0)
+    # First poll: nothing says how old the iteration gauges are.
+    assert "kv_usage" not in first.engines[("llama-3.1-8b", "0")].gauges
+    assert first.capacity_tokens("0") == 2048 * 32
+    window = Window(600.0)
+    window.add(first)
+    window.add(adapter.adapt(b, at=10.0))
+    values = _values(window)
+    # Reused +250 of (250 + 500) blocks; the 0.99 hit-rate gauge is not read.
+    assert values["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(250 / 750)
+    assert values["kvwatch_prompt_tokens_cached_ratio"] == pytest.approx(8000 / 24000)
+    assert values["kvwatch_kv_cache_usage_ratio"] == 0.71  # 18 requests completed since: current
+    assert values["kvwatch_requests_finished_per_second"] == {"stop": 1.8, "length": 0.0}
+    assert values["kvwatch_time_to_first_token_mean_seconds"] == pytest.approx(3.6 / 18)
+    assert values["kvwatch_preemptions_per_second"] is None
+    # The same page STALE_AFTER seconds later: nothing completed, so the gauges are stale.
+    window.add(adapter.adapt(b, at=10.0 + STALE_AFTER + 1))
+    values = _values(window)
+    assert values["kvwatch_kv_cache_usage_ratio"] is None and values["kvwatch_requests_running"] is None
+    per_engine, _ = evaluate_window(window)
+    assert not [f for f in diagnose.diagnose(window, per_engine, [], {}) if f.symptom == "exhaustion"]
+
+
+# --- choosing the engine ------------------------------------------------------
+
+
+def test_engine_setting_is_validated():
+    assert load_settings(environ={}).engine == "auto"
+    assert load_settings(environ={"KVWATCH_ENGINE": "SGLang"}).engine == "sglang"
+    with pytest.raises(SettingsError) as error:
+        load_settings(overrides={"engine": "tgi"}, environ={})
+    assert "'tgi' is not an engine (auto, vllm, sglang, llamacpp, trtllm)" in str(error.value)
+
+
+def test_monitor_picks_the_engine_from_the_first_page_and_says_so(fixtures_dir):
+    page = (fixtures_dir / "handwritten" / "llamacpp-2026-a.txt").read_text()
+    with PageServer([Answer("not metrics\n"), Answer(page)]) as server:
+        settings = load_settings(overrides={"target": server.url, "poll_interval": "1s"}, environ={})
+        monitor = Monitor(settings)
+        assert monitor.poll_once().reason == "no_engine_metrics"
+        state = monitor.poll_once()
+    assert state.up and state.engine == "llamacpp"
+    body = signals_json(state, settings)
+    assert body["engine"] == "llamacpp"
+    dark = {item["signal"]: item for item in body["dark_signals"]}
+    assert "llama.cpp does not export" in dark["kvwatch_time_to_first_token_mean_seconds"]["why"]
+    assert "kvwatch_prefix_cache_hit_ratio" not in dark
+
+
+def test_a_pinned_engine_reads_only_its_own_families(fixtures_dir):
+    page = (fixtures_dir / "handwritten" / "llamacpp-2026-a.txt").read_text()
+    with PageServer([Answer(page)]) as server:
+        monitor = Monitor(load_settings(overrides={"target": server.url, "engine": "vllm"}, environ={}))
+        state = monitor.poll_once()
+    assert not state.up and state.reason == "no_engine_metrics" and "no vLLM engine metrics" in state.detail
+
+
+def test_dark_signals_follow_each_adapters_table():
+    assert dark_signals(ENGINES["vllm"]) == ()
+    assert "kvwatch_requests_finished_per_second" in dark_signals(ENGINES["sglang"])
+    assert "kvwatch_prefix_cache_hit_ratio" not in dark_signals(ENGINES["sglang"])
+    assert "kvwatch_preemptions_per_second" in dark_signals(ENGINES["trtllm"])
+    assert "kvwatch_kv_cache_capacity_tokens" in dark_signals(ENGINES["llamacpp"])
+
+
+# --- the simulator's dialects -------------------------------------------------
+
+
+@pytest.mark.parametrize("dialect", ["sglang", "llamacpp", "trtllm"])
+def test_each_dialect_reads_back_to_the_vllm_pages_values(dialect):
+    """The same simulated engine rendered as vLLM and as `dialect`: wherever
+    the dialect provides a signal, it equals vLLM's (blocks round TensorRT-LLM's
+    block counters)."""
+    sim = Simulation(load_scenario("eviction-pressure"), seed=1)
+    vllm_adapter, other = make_adapter("vllm"), make_adapter(dialect)
+    vllm_window, other_window = Window(600.0), Window(600.0)
+    from kvwatch.sim.dialects import TrtllmGauges
+
+    held = TrtllmGauges()
+    for step in range(12):
+        sim.advance_to(sim.now + 10.0)
+        vllm_window.add(vllm_adapter.adapt(render_metrics(sim.engines, sim.model_name, sim.created_unix,
+                                                          include_process=False), at=step * 10.0))
+        text = render_dialect(dialect, sim.engines, sim.model_name, held)
+        assert recognize(text) == dialect
+        other_window.add(other.adapt(text, at=step * 10.0))
+    expected, got = _values(vllm_window), _values(other_window)
+    dark = set(dark_signals(ENGINES[dialect]))
+    compared = 0
+    for name in ("kvwatch_prefix_cache_hit_ratio", "kvwatch_prompt_tokens_cached_ratio",
+                 "kvwatch_generation_tokens_per_second", "kvwatch_prompt_tokens_per_second",
+                 "kvwatch_requests_waiting", "kvwatch_kv_cache_capacity_tokens",
+                 "kvwatch_time_to_first_token_mean_seconds", "kvwatch_preemptions_per_second"):
+        if name in dark or (dialect == "trtllm" and name == "kvwatch_requests_waiting"):
+            continue
+        if dialect == "sglang" and name == "kvwatch_preemptions_per_second" and not expected[name]:
+            assert got[name] is None  # no retraction yet: the family is not on the page, so unknown
+            continue
+        tolerance = 0.02 if dialect == "trtllm" and name == "kvwatch_prefix_cache_hit_ratio" else 1e-9
+        assert got[name] == pytest.approx(expected[name], rel=tolerance, abs=1e-9), name
+        compared += 1
+    assert compared >= 4
+    if dialect == "sglang":  # llama.cpp 2026 has no usage gauge; TensorRT-LLM holds it until a completion
+        assert got["kvwatch_kv_cache_usage_ratio"] == pytest.approx(expected["kvwatch_kv_cache_usage_ratio"])
+
+
+def test_the_engines_doc_is_the_adapters_tables():
+    from kvwatch.commands.generate import render_all
+    from kvwatch.engines.coverage import engines_markdown
+    from kvwatch.mixin.config import MixinConfig
+
+    table = render_all(MixinConfig())["docs/engines-signals.md"]
+    assert table.endswith(engines_markdown())
+    assert "| `kvwatch_prefix_cache_hit_ratio` | yes |" in table
+    committed = (Path(__file__).resolve().parent.parent / "docs" / "engines-signals.md").read_text()
+    assert committed == table
