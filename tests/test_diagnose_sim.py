@@ -75,6 +75,20 @@ def engine_max_num_seqs(name: str) -> dict:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_long_requests_that_grow_are_long_requests(seed):
+    # Two or three requests of about 300 prompt tokens that generate 6,000-7,000
+    # each: the cache fills as they decode, with nobody waiting but the
+    # preempted. Averaged over its life a request holds half the share it
+    # ends at; the real vLLM 0.32 capture of this shape was once called
+    # concurrency beyond capacity.
+    polls = play("long-requests", seed)
+    exhaustion = {f.cause for p in polls for f in p.findings if f.symptom == "exhaustion"}
+    assert "long_requests" in exhaustion
+    assert "concurrency_beyond_capacity" not in exhaustion
+    assert not any(p.causes & {"long_requests"} for p in during(polls, 0, 60))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_healthy_has_no_findings(seed):
     polls = play("healthy", seed)
     assert [p for p in polls if p.time >= 30 and p.findings] == []

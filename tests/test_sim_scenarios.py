@@ -9,7 +9,7 @@ from kvwatch.sim.scenario import ScenarioError, list_scenarios, load_scenario, p
 from kvwatch.sim.simulation import Simulation
 from sim_support import observe, scrape, total
 
-SHIPPED = {"healthy", "exhaustion", "prefix-change", "eviction-pressure", "queueing", "slow-prefill",
+SHIPPED = {"healthy", "exhaustion", "long-requests", "prefix-change", "eviction-pressure", "queueing", "slow-prefill",
            "upstream-delay", "demo", "idle"}
 
 

@@ -161,13 +161,17 @@ class RunningKvwatch:
 
 @contextlib.contextmanager
 def running_kvwatch(target: str, poll_interval: str = "0.5s", window: str = "20s",
-                    start_timeout_s: float = 10.0, diagnosis: dict | None = None) -> Iterator[RunningKvwatch]:
+                    start_timeout_s: float = 10.0, diagnosis: dict | None = None,
+                    upstream: tuple[str, str] | None = None) -> Iterator[RunningKvwatch]:
     """kvwatch polling `target` in the background and serving its HTTP app on
-    loopback; `diagnosis` sets thresholds as the config's `diagnosis:` does."""
+    loopback; `diagnosis` sets thresholds as the config's `diagnosis:` does,
+    `upstream` the second source of the slow-first-token diagnosis."""
     # Port 0 lets the OS choose; uvicorn reports the port it bound.
     overrides = {"target": target, "port": 0, "poll_interval": poll_interval, "window": window}
     if diagnosis:
         overrides["diagnosis"] = diagnosis
+    if upstream:  # (its /metrics URL, the histogram measuring time before the engine)
+        overrides["upstream_target"], overrides["upstream_histogram"] = upstream
     settings = load_settings(overrides=overrides, environ={})
     monitor = Monitor(settings)
     server = uvicorn.Server(uvicorn.Config(create_app(monitor, settings), host="127.0.0.1", port=0,
