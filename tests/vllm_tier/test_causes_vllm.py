@@ -137,8 +137,9 @@ def _cannot_tell(seen: Seen, named: str) -> None:
     assert seen.causes("low_hit_rate") == {named}, seen.summary()
     for finding in seen.findings(named):
         assert finding["confidence"] == "low", finding
-        assert finding["evidence"]["cannot_tell_apart"] == f"{named}, eviction_before_reuse", finding
-        assert finding["evidence"]["tells_them_apart"] == "--kv-cache-metrics", finding
+        # The API keeps numbers under `evidence` and words under `notes`.
+        assert finding["notes"]["cannot_tell_apart"] == f"{named}, eviction_before_reuse", finding
+        assert finding["notes"]["tells_them_apart"] == "--kv-cache-metrics", finding
     # Two requests of about 560 tokens in flight: the cache is far from full.
     assert not seen.causes("exhaustion"), seen.summary()
 

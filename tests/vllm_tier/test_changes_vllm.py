@@ -106,7 +106,7 @@ def test_restart_cold_then_warm_and_a_cache_config_change_to_caching_disabled(vl
         changed = [f for found in off for f in found if f["cause"] == "cache_config_changed"]
         report(f"caching off: kvwatch said {sorted(causes(off, 'low_hit_rate'))} and changes "
                f"{sorted(causes(off, 'change'))}; {changed[-1]['summary'] if changed else None}")
-        assert changed and "enable_prefix_caching" in changed[-1]["evidence"]["changed_keys"], off[-1]
+        assert changed and "enable_prefix_caching" in changed[-1]["notes"]["changed_keys"], off[-1]
         assert causes(off, "low_hit_rate") == {"caching_disabled"}, off[-3:]
     finally:
         kvwatch_context.__exit__(None, None, None)

@@ -231,7 +231,9 @@ def _sample(kvwatch_url: str, prometheus_url: str, started: float, loaded: bool,
     evidence = {}
     if any(symptom == "exhaustion" for symptom, _, _ in findings):
         diagnosis = read_kvwatch_diagnosis(kvwatch_url)
-        evidence = next((f["evidence"] for f in diagnosis["findings"] if f["symptom"] == "exhaustion"
+        # The API keeps numbers under `evidence` and words (the note) under `notes`.
+        evidence = next(({**f["evidence"], **f.get("notes", {})} for f in diagnosis["findings"]
+                         if f["symptom"] == "exhaustion"
                          and f["cause"] != "capacity_below_max_num_seqs"), {})
     return Sample(time.monotonic() - started, loaded, findings, signal("kvwatch_preemptions_per_second"),
                   signal("kvwatch_prefix_cache_hit_ratio"), alerts, scraped, evidence)
