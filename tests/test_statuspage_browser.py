@@ -266,10 +266,9 @@ def test_four_engines_as_rows_worst_first_with_detail_on_click(browser, served):
 def test_pinned_quantile_reads_as_a_bound(browser, served):
     monitor, url = served("exhaustion")
     page = load(browser, url, 1400)
-    notes = monitor.state.per_engine[0].notes
-    pinned = [n for n in notes if n.startswith("TTFT p95 is at least")]
+    pinned = monitor.state.per_engine[0].pinned.get("kvwatch_time_to_first_token_seconds", {}).get("0.95")
     text = page.evaluate("document.querySelector('#figures .fig[data-figure=ttft_p95] .value').textContent")
     if pinned:
-        assert text.startswith("> ")
+        assert text.startswith(pinned + " ")
     else:
         assert not text.startswith(("> ", "< "))

@@ -82,11 +82,11 @@ def _point(entries: list, index: int, start: int, key) -> dict[str, Any] | None:
     point["preemptions_per_second"] = _round(increase.rate("preemptions"))
     ttft = increase.histograms.get("ttft")
     if ttft is not None and ttft.count > 0:
-        p95 = ttft.quantile(0.95)
+        p95 = ttft.reported_quantile(0.95)
         if p95 is not None:
             point["ttft_p95"] = _round(p95.value)
-            if p95.pinned:
-                point["ttft_p95_pinned"] = p95.pinned
+            if p95.bound:
+                point["ttft_p95_pinned"] = p95.bound  # "<" or ">", as in /api/v1/signals' `pinned`
         mean = ttft.mean()
         if mean:
             queue = min(1.0, (_mean(increase.histograms.get("queue_time")) or 0.0) / mean)

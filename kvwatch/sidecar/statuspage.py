@@ -166,15 +166,24 @@ def _label_key(key: str) -> str:
     return f"p{quantile * 100:g}" if 0 < quantile < 1 else key
 
 
-def format_value(value: Any, unit: str) -> str:
+def format_value(value: Any, unit: str, pinned: dict[str, str] | str | None = None) -> str:
+    """A value as a person reads it. `pinned` says which values are bounds
+    (the JSON's `pinned`): {quantile: "<" | ">"} for a dict of quantiles, or
+    "<" / ">" for a single value, written before it ("< 300 ms", "> 80 s")."""
     if value is None:
         return "–"
     if isinstance(value, dict):
-        return ", ".join(f"{_label_key(k)} {format_value(v, unit)}" for k, v in value.items()) or "–"
+        bounds = pinned if isinstance(pinned, dict) else {}
+        return ", ".join(f"{_label_key(k)} {format_value(v, unit, bounds.get(k))}" for k, v in value.items()) or "–"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
     if not math.isfinite(value):
         return "–"
+    text = _format_number(value, unit)
+    return f"{pinned} {text}" if isinstance(pinned, str) and pinned in ("<", ">") else text
+
+
+def _format_number(value: float, unit: str) -> str:
     if unit == "ratio":
         return f"{value * 100:.1f}%"
     if unit == "seconds":
@@ -190,26 +199,28 @@ def format_value(value: Any, unit: str) -> str:
     return f"{value:.3g}"
 
 
-def format_evidence(evidence: dict[str, Any]) -> str:
+def format_evidence(evidence: dict[str, Any], pinned: dict[str, str] | None = None) -> str:
     parts = []
     for key, value in evidence.items():
         if isinstance(value, float):
             value = f"{value:.4g}"
-        parts.append(f"{key}={value}")
+        bound = (pinned or {}).get(key)
+        parts.append(f"{key}{bound if bound else '='}{value}")
     return ", ".join(parts)
 
 
-def signal_columns(signals: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(heading, signal values) per engine, plus a merged column per model
-    that runs on more than one engine, from /api/v1/signals' JSON."""
+def signal_columns(signals: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, dict[str, str]]]]:
+    """(heading, signal values, pinned quantiles) per engine, plus a merged
+    column per model that runs on more than one engine, from /api/v1/signals' JSON."""
     engines = signals.get("engines", [])
-    columns = [(f"{row['model_name']} / {row.get('engine', '?')}", row["signals"]) for row in engines]
+    columns = [(f"{row['model_name']} / {row.get('engine', '?')}", row["signals"], row.get("pinned") or {})
+               for row in engines]
     per_model_count: dict[str, int] = {}
     for row in engines:
         per_model_count[row["model_name"]] = per_model_count.get(row["model_name"], 0) + 1
     for row in signals.get("models", []):
         if per_model_count.get(row["model_name"], 0) > 1:
-            columns.append((f"{row['model_name']} (all engines)", row["signals"]))
+            columns.append((f"{row['model_name']} (all engines)", row["signals"], row.get("pinned") or {}))
     return columns
 
 
@@ -352,15 +363,13 @@ SCRIPT = r"""
     var m = /^(.*?[.;:])(\s|$)/.exec(text || "");
     return m ? m[1].replace(/[;:]$/, ".") : (text || "");
   }
-  // A quantile pinned at a bucket edge is a bound: "< 300 ms", "> 80 s".
-  function pinnedBound(row, quantile) {
-    var label = "p" + Number((Number(quantile) * 100).toFixed(6)) + " is at ";
-    var found = null;
-    (row.notes || []).forEach(function (n) {
-      if (n.indexOf("TTFT " + label) === 0) found = n.indexOf(label + "most") >= 0 ? "<" : ">";
-    });
-    return found;
+  // A quantile pinned at a bucket edge is a bound: "< 300 ms", "> 80 s"
+  // (the row's `pinned`: {signal: {quantile: "<" | ">"}}).
+  function pinnedBound(row, signal, quantile) {
+    var bounds = (row.pinned || {})[signal] || {};
+    return bounds[quantile] === "<" || bounds[quantile] === ">" ? bounds[quantile] : null;
   }
+  function bounded(text, bound) { return bound ? bound + " " + text : text; }
   function figureValue(fig, row) {
     var v = row.signals[fig.signal];
     if (fig.quantile) v = v ? v[fig.quantile] : null;
@@ -400,10 +409,7 @@ SCRIPT = r"""
   function figureText(fig, row) {
     var value = figureValue(fig, row);
     var text = fmt(value, meta.units[fig.signal]);
-    if (fig.quantile && value !== null) {
-      var bound = pinnedBound(row, fig.quantile);
-      if (bound) text = bound + " " + text;
-    }
+    if (fig.quantile && value !== null) text = bounded(text, pinnedBound(row, fig.signal, fig.quantile));
     return text;
   }
   function worstRank(row, findings) {
@@ -588,7 +594,7 @@ SCRIPT = r"""
       while (lastIndex >= 0 && (values[lastIndex] === null || values[lastIndex] === undefined)) lastIndex--;
       latest = lastIndex >= 0 ? fmt(values[lastIndex], spec.unit) : "\u2013";
       if (lastIndex >= 0 && spec.series === "ttft_p95" && series.ttft_p95_pinned && series.ttft_p95_pinned[lastIndex])
-        latest = (series.ttft_p95_pinned[lastIndex] === "first" ? "< " : "> ") + latest;
+        latest = bounded(latest, series.ttft_p95_pinned[lastIndex]);
       if (limit !== null && limit !== undefined && limit <= top)
         g.appendChild(svg("line", {"class": "thr", x1: 0, x2: W, y1: y(limit), y2: y(limit)}));
     }
@@ -636,9 +642,10 @@ SCRIPT = r"""
     return key.replace(/_seconds$/, "").replace(/_/g, " ").replace(/\bkv\b/g, "KV").replace(/\bttft\b/g, "TTFT")
       .replace(/^./, function (c) { return c.toUpperCase(); });
   }
-  function evidenceText(key, value) {
-    if (key === "ttft_p95_pinned" || typeof value !== "number") return fmt(value, "");
-    return fmt(value, evidenceUnit(key));
+  function evidenceText(f, key) {
+    var value = (f.evidence || {})[key];
+    if (typeof value !== "number") return fmt(value, "");
+    return bounded(fmt(value, evidenceUnit(key)), (f.pinned || {})[key]);
   }
 
   function renderFindings(signals, diagnosis) {
@@ -664,7 +671,7 @@ SCRIPT = r"""
         var v = (f.evidence || {})[key];
         if (shown >= 3 || v === null || v === undefined) return;
         shown += 1;
-        var chip = add(el("span", "num-chip"), document.createTextNode(evidenceLabel(key)), el("b", null, evidenceText(key, v)));
+        var chip = add(el("span", "num-chip"), document.createTextNode(evidenceLabel(key)), el("b", null, evidenceText(f, key)));
         chip.setAttribute("data-evidence", key);
         deciding.appendChild(chip);
       });
@@ -679,7 +686,7 @@ SCRIPT = r"""
       var details = el("details"), table = el("table");
       details.appendChild(el("summary", null, "All evidence (" + Object.keys(f.evidence || {}).length + " values)"));
       Object.keys(f.evidence || {}).forEach(function (key) {
-        add(table, add(el("tr"), el("td", null, evidenceLabel(key)), el("td", "num", evidenceText(key, f.evidence[key]))));
+        add(table, add(el("tr"), el("td", null, evidenceLabel(key)), el("td", "num", evidenceText(f, key))));
       });
       add(card, add(details, table));
       grid.appendChild(card);
@@ -706,7 +713,7 @@ SCRIPT = r"""
       section.appendChild(el("h2", null, "Upstream"));
       section.appendChild(el("p", null, u.histogram + " at " + (u.target || "") + ": " +
         (u.up ? "up" : "down (" + (u.reason || "") + ")") + ", mean " + fmt(u.mean_seconds, "seconds") +
-        ", p95 " + fmt(u.p95_seconds, "seconds") + " over " + fmt(u.count, "requests") + " requests"));
+        ", p95 " + bounded(fmt(u.p95_seconds, "seconds"), u.p95_pinned) + " over " + fmt(u.count, "requests") + " requests"));
     }
     swap("changes", section);
   }
@@ -837,7 +844,7 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
             f'<p><b>{_e(f["severity"].upper())}</b> {_e(SYMPTOM_TITLES.get(f["symptom"], f["symptom"]))}: '
             f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))} ({_e(where)}, {_e(f["confidence"])} confidence)</p>'
             f'<p>{_e(f["summary"])}</p><p>Next: {_e(f["next_check"])}</p>'
-            f'<p><small>{_e(format_evidence(f["evidence"]))}</small></p></div>'
+            f'<p><small>{_e(format_evidence(f["evidence"], f.get("pinned")))}</small></p></div>'
         )
     return "".join(out)
 
@@ -847,12 +854,12 @@ def _signals_html(signals: dict[str, Any]) -> str:
     if not columns:
         return "<p>No engine data yet.</p>"
     out = ["<h2>Signals over the window</h2><table><tr><th>Signal</th>"
-           + "".join(f"<th>{_e(h)}</th>" for h, _ in columns) + "</tr>"]
+           + "".join(f"<th>{_e(h)}</th>" for h, _, _ in columns) + "</tr>"]
     order = list(GROUP_TITLES)
     for s in sorted(SIGNALS, key=lambda s: order.index(s.group) if s.group in order else len(order)):
         out.append(f'<tr><td title="{_e(s.name)}">{_e(signal_label(s.name))}</td>'
-                   + "".join(f'<td class="num">{_e(format_value(values.get(s.name), s.unit))}</td>'
-                             for _, values in columns) + "</tr>")
+                   + "".join(f'<td class="num">{_e(format_value(values.get(s.name), s.unit, pinned.get(s.name)))}</td>'
+                             for _, values, pinned in columns) + "</tr>")
     out.append("</table>")
     return "".join(out)
 
