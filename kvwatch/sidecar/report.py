@@ -131,6 +131,7 @@ def finding_json(finding, since: float | None = None) -> dict[str, Any]:
     continuously active) and its runbook section."""
     data = asdict(finding)
     raw = data.pop("evidence")
+    data.pop("model")  # `model_name`, as the metrics label it
     pinned = {key[: -len("_pinned")] + "_seconds": value for key, value in raw.items()
               if key.endswith("_pinned") and value in ("<", ">")}
     evidence = {k: v for k, v in raw.items() if not isinstance(v, str) and not k.endswith("_pinned")}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvwatch.sidecar.report import finding_key
 from kvwatch.snapshot import Histogram
 from kvwatch.window import Increase
 
@@ -123,9 +124,11 @@ def _markers(state) -> list[dict[str, Any]]:
         for event in state.events
     ]
     now = state.snapshot.time if state.snapshot is not None else None
+    since = getattr(state, "findings_since", {}) or {}
     for finding in state.findings:
+        # Marked where it was first seen (the `since` of /api/v1/diagnosis).
         markers.append({
-            "time": getattr(finding, "since", None) or now, "kind": "finding", "severity": finding.severity,
+            "time": since.get(finding_key(finding)) or now, "kind": "finding", "severity": finding.severity,
             "symptom": finding.symptom, "cause": finding.cause, "model_name": finding.model,
             "engine": finding.engine, "text": finding.summary,
         })

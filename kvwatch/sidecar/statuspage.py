@@ -349,6 +349,27 @@ SCRIPT = r"""
     return String(Number(value.toPrecision(3)));
   }
   function clock(seconds) { return seconds ? new Date(seconds * 1000).toTimeString().slice(0, 8) : "never"; }
+  function minutes(seconds) { return new Date(seconds * 1000).toTimeString().slice(0, 5); }
+  // "since 14:02, 6 min ago": when a finding was first seen, against the latest poll.
+  function sinceText(f, now) {
+    if (!f.since) return "active now";
+    return "since " + minutes(f.since) + ", " + span(Math.max(0, (now || f.since) - f.since)) + " ago";
+  }
+  function where(f) { return f.model_name + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : ""); }
+  // The runbook section: a link where it is a URL, else the section's place in the repository.
+  function runbookNode(f) {
+    if (!f.runbook) return null;
+    var p = el("p", "runbook");
+    p.setAttribute("data-runbook", f.runbook);
+    p.appendChild(el("b", null, "Runbook: "));
+    if (/^https?:\/\//.test(f.runbook)) {
+      var a = el("a", null, f.runbook);
+      a.href = f.runbook;
+      a.rel = "noopener";
+      p.appendChild(a);
+    } else p.appendChild(el("code", null, f.runbook));
+    return p;
+  }
   function span(seconds) {
     seconds = Math.max(0, Math.round(seconds));
     if (seconds < 90) return seconds + " s";
@@ -384,7 +405,7 @@ SCRIPT = r"""
     return value <= limit;
   }
   function findingsFor(row, findings) {
-    return findings.filter(function (f) { return f.model === row.model_name && (f.engine === row.engine || f.engine === null); });
+    return findings.filter(function (f) { return f.model_name === row.model_name && (f.engine === row.engine || f.engine === null); });
   }
   // The state of every figure of one engine: its threshold, raised by an active finding of its symptom.
   function figureStates(row, findings, thresholds) {
@@ -465,12 +486,10 @@ SCRIPT = r"""
       div.setAttribute("data-state", f.severity);
       div.setAttribute("data-symptom", f.symptom);
       div.setAttribute("data-cause", f.cause);
-      var where = f.model + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : "");
-      var since = f.since ? "since " + clock(f.since) + " (" + span((signals.last_success_time || f.since) - f.since) + ")" :
-        "active now";
+      var since = el("span", "since", sinceText(f, signals.last_success_time));
       add(div, add(el("div", "head"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
-        el("p", null, where + " \u00b7 " + since + " \u00b7 " + f.confidence + " confidence" +
-          (findings.length > 1 ? " \u00b7 " + (findings.length - 1) + " more finding" + (findings.length > 2 ? "s" : "") + " below" : "")),
+        add(el("p"), document.createTextNode(where(f) + " \u00b7 "), since, document.createTextNode(" \u00b7 " + f.confidence + " confidence" +
+          (findings.length > 1 ? " \u00b7 " + (findings.length - 1) + " more finding" + (findings.length > 2 ? "s" : "") + " below" : ""))),
         el("p", null, f.summary), add(el("p"), el("b", null, "Next: "), document.createTextNode(firstSentence(f.next_check))));
     }
     swap("banner", div);
@@ -599,8 +618,12 @@ SCRIPT = r"""
         g.appendChild(svg("line", {"class": "thr", x1: 0, x2: W, y1: y(limit), y2: y(limit)}));
     }
     markers.forEach(function (m) {
-      if (!n || m.time < t0 || m.time > t1) return;
-      var line = svg("line", {"class": "mark " + (m.kind === "change" ? "change" : m.severity), x1: x(m.time), x2: x(m.time), y1: 0, y2: H});
+      // A finding first seen before the charted span has been active all along: marked at its start.
+      var at = m.kind === "finding" ? Math.max(m.time, t0) : m.time;
+      if (!n || at < t0 || at > t1) return;
+      var line = svg("line", {"class": "mark " + (m.kind === "change" ? "change" : m.severity), x1: x(at), x2: x(at), y1: 0, y2: H});
+      line.setAttribute("data-kind", m.kind);
+      line.setAttribute("data-time", String(m.time));
       var tip = svg("title");
       tip.textContent = clock(m.time) + " " + (m.kind === "change" ? m.change + ": " : (meta.causes[m.cause] || m.cause) + ": ") + m.text;
       line.appendChild(tip);
@@ -662,9 +685,9 @@ SCRIPT = r"""
       var card = el("article", "card " + f.severity);
       card.setAttribute("data-symptom", f.symptom);
       card.setAttribute("data-cause", f.cause);
-      var where = f.model + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : "");
       add(card, add(el("h3"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
-        el("div", "where", where + " \u00b7 " + f.confidence + " confidence" + (f.since ? " \u00b7 since " + clock(f.since) : "")),
+        add(el("div", "where"), document.createTextNode(where(f) + " \u00b7 " + f.confidence + " confidence \u00b7 "),
+          el("span", "since", sinceText(f, signals.last_success_time))),
         el("p", null, f.summary));
       var deciding = el("div", "deciding"), shown = 0;
       (meta.deciding[f.cause] || []).forEach(function (key) {
@@ -676,13 +699,13 @@ SCRIPT = r"""
         deciding.appendChild(chip);
       });
       if (shown) card.appendChild(deciding);
-      add(card, add(el("p"), el("b", null, "Next check: "), document.createTextNode(f.next_check)));
-      if (f.runbook_url) {
-        var a = el("a", null, "Runbook");
-        a.href = f.runbook_url;
-        a.rel = "noopener";
-        add(card, add(el("p"), a));
-      }
+      // Prose the diagnosis wrote beside the numbers (`notes`, apart from `evidence`).
+      Object.keys(f.notes || {}).forEach(function (key) {
+        var note = add(el("p", "note"), el("b", null, evidenceLabel(key) + ": "), document.createTextNode(f.notes[key]));
+        note.setAttribute("data-note", key);
+        card.appendChild(note);
+      });
+      add(card, add(el("p"), el("b", null, "Next check: "), document.createTextNode(f.next_check)), runbookNode(f));
       var details = el("details"), table = el("table");
       details.appendChild(el("summary", null, "All evidence (" + Object.keys(f.evidence || {}).length + " values)"));
       Object.keys(f.evidence || {}).forEach(function (key) {
@@ -838,12 +861,15 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
         out.append("<p>" + ("No active findings." if diagnosis["up"]
                             else "No findings while the engine is not polled.") + "</p>")
     for f in findings:
-        where = f["model"] + (f" / {f['engine']}" if f["engine"] is not None else "")
+        where = f["model_name"] + (f" / {f['engine']}" if f["engine"] is not None else "")
+        since = f", since {_time_text(f['since'])}" if f.get("since") else ""
+        notes = "".join(f"<p>{_e(key.replace('_', ' '))}: {_e(note)}</p>" for key, note in (f.get("notes") or {}).items())
+        runbook = f"<p>Runbook: <code>{_e(f['runbook'])}</code></p>" if f.get("runbook") else ""
         out.append(
             f'<div class="finding" data-symptom="{_e(f["symptom"])}" data-cause="{_e(f["cause"])}">'
             f'<p><b>{_e(f["severity"].upper())}</b> {_e(SYMPTOM_TITLES.get(f["symptom"], f["symptom"]))}: '
-            f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))} ({_e(where)}, {_e(f["confidence"])} confidence)</p>'
-            f'<p>{_e(f["summary"])}</p><p>Next: {_e(f["next_check"])}</p>'
+            f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))} ({_e(where)}, {_e(f["confidence"])} confidence{since})</p>'
+            f'<p>{_e(f["summary"])}</p>{notes}<p>Next: {_e(f["next_check"])}</p>{runbook}'
             f'<p><small>{_e(format_evidence(f["evidence"], f.get("pinned")))}</small></p></div>'
         )
     return "".join(out)
