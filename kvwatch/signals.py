@@ -113,6 +113,12 @@ HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_finding", "gauge", ("symptom", "cause", "severity") + IDENTITY,
                  "1 for each active diagnosis finding (absent when not active); see /api/v1/diagnosis for its "
                  "evidence."),
+    HealthFamily("kvwatch_quantile_pinned", "gauge", ("signal", "quantile", "bound") + IDENTITY,
+                 "1 for each windowed quantile pinned at a bucket edge, where its value is a bound and not an "
+                 "estimate: bound=\"upper\" (pinned in the first bucket; the value is that bucket's bound and the "
+                 "quantile is at most it), bound=\"lower\" (pinned at the last finite bucket; the quantile is at "
+                 "least it). `signal` is the exported family (kvwatch_model_* with engine=\"\" per model); absent "
+                 "when no quantile is pinned."),
 )
 HEALTH_BY_NAME = {family.name: family for family in HEALTH}
 
@@ -283,6 +289,9 @@ class View:
     # soonest engine of the view; None when usage is not rising.
     exhaustion_eta: float | None = None
     notes: list[str] = field(default_factory=list)
+    # The quantiles the derivation running now found pinned at a bucket edge,
+    # {quantile: "<" | ">"}; evaluate() files them under the signal's name.
+    pinned: dict[str, str] = field(default_factory=dict)
 
     def gauge(self, key: str) -> float | None:
         return self.latest.gauges.get(key)
@@ -369,14 +378,16 @@ def _quantiles(key: str, label: str) -> Callable[[View], dict[str, float] | None
             return None
         values = {}
         for q in QUANTILES:
-            quantile = histogram.quantile(q)
+            quantile = histogram.reported_quantile(q)
             if quantile is None:
                 continue
             values[str(q)] = quantile.value
-            if quantile.pinned == "first":
-                view.notes.append(f"{label} p{q * 100:g} is at most {histogram.bounds[0]:g}: pinned in the first bucket")
-            elif quantile.pinned == "last":
-                view.notes.append(f"{label} p{q * 100:g} is at least {quantile.value:g}: pinned at the last finite bucket")
+            if quantile.bound is not None:
+                # Structured for every surface (evaluate() files it under the signal's name).
+                view.pinned[str(q)] = quantile.bound
+                side = "at most" if quantile.bound == "<" else "at least"
+                where = "in the first bucket" if quantile.bound == "<" else "at the last finite bucket"
+                view.notes.append(f"{label} p{q * 100:g} is {side} {quantile.value:g}: pinned {where}")
         return values or None
 
     return derive
@@ -887,6 +898,10 @@ class Evaluated:
     values: dict[str, float | dict[str, float] | None]
     notes: list[str]
     view: View
+    # Signal name -> {quantile: "<" | ">"}: a quantile pinned in the first
+    # bucket is an upper bound (its value is that bucket's bound), one pinned
+    # at the last finite bucket a lower bound.
+    pinned: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
@@ -1006,13 +1021,18 @@ def _eta(series: list[tuple[float, float]]) -> float | None:
 
 def evaluate(view: View, model: str, engine: str | None) -> Evaluated:
     values = {}
+    pinned = {}
     for signal in SIGNALS:
+        view.pinned = {}
         try:
             values[signal.name] = signal.derive(view)
         except (ArithmeticError, ValueError) as exc:  # one bad signal must not hide the rest
             values[signal.name] = None
             view.notes.append(f"{signal.name}: {exc}")
-    return Evaluated(model, engine, values, view.notes, view)
+        if view.pinned and values[signal.name] is not None:
+            pinned[signal.name] = view.pinned
+    view.pinned = {}
+    return Evaluated(model, engine, values, view.notes, view, pinned)
 
 
 def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
