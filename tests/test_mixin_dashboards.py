@@ -13,8 +13,9 @@ import pytest
 
 from kvwatch.mixin.alerts import ALERT_PANELS
 from kvwatch.mixin.config import MixinConfig
-from kvwatch.mixin.dashboards import DASHBOARDS, boards
-from mixin_support import REPO, iter_panels, load_dashboards
+from kvwatch.mixin.dashboards import DASHBOARDS, Board, PanelSpec, boards
+from kvwatch.signals import ENGINE_SERIES, GOOD_DIRECTIONS, HEALTH, SCRAPE, SIGNALS, SIGNALS_BY_NAME, good_direction
+from mixin_support import REPO, iter_panels, load_dashboards, metric_names
 
 EXPECTED_UIDS = {"kvwatch-overview", "kvwatch-exhaustion", "kvwatch-prefix-cache", "kvwatch-first-token",
                  "kvwatch-fleet"}
@@ -163,3 +164,114 @@ def test_generated_json_is_sorted_and_indented():
         text = path.read_text()
         assert text.startswith("{\n  \"__inputs\"")  # sort_keys puts __inputs first, indent=2
         assert text.endswith("}\n")
+
+
+# ---------------------------------------------------------------- thresholds and value mappings
+
+
+def rendered_color(steps: list[dict], value: float) -> str:
+    """The colour Grafana shows a value in: the last threshold step at or below it."""
+    color = steps[0]["color"]
+    for step in steps[1:]:
+        if value >= step["value"]:
+            color = step["color"]
+    return color
+
+
+def catalogue_metrics(name: str) -> set[str]:
+    """The series a catalogue entry is read from."""
+    if name in SIGNALS_BY_NAME:
+        return metric_names(SIGNALS_BY_NAME[name].promql.format(sel="", w="5m", by="x", q="0.5"))
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE:
+        if name in (entry.name, entry.sample_name):
+            return {entry.sample_name} | {entry.name + suffix for suffix in ("_bucket", "_sum", "_count")}
+    raise KeyError(name)
+
+
+def colour_problems(dashboard: dict, specs: dict) -> list[str]:
+    """Every threshold and value mapping, rendered as Grafana would, against
+    the good side its panel's signal declares in the catalogue: green on the
+    good side, never green on the other; a panel without a threshold claims
+    neither good nor bad."""
+    problems = []
+    for panel in iter_panels(dashboard):
+        if panel["type"] == "row":
+            continue
+        where = f"{dashboard['uid']} {panel['title']!r}"
+        defaults = panel["fieldConfig"]["defaults"]
+        steps = defaults["thresholds"]["steps"]
+        mappings = [(float(value), option) for mapping in defaults.get("mappings", [])
+                    for value, option in mapping["options"].items()]
+        if len(steps) == 1:
+            if steps[0]["color"] in ("green", "red", "orange") or mappings:
+                problems.append(f"{where}: colours values without a threshold")
+            continue
+        spec = specs[(dashboard["uid"], panel["id"])]
+        good = good_direction(spec.signal) if spec.signal else None
+        if good not in ("high", "low"):
+            problems.append(f"{where}: thresholds without a declared good side ({spec.signal})")
+            continue
+        shown = set().union(*(metric_names(t["expr"]) for t in panel["targets"]))
+        if not catalogue_metrics(spec.signal) & shown:
+            problems.append(f"{where}: coloured by {spec.signal}, which it does not show")
+        limits = [step["value"] for step in steps[1:]]
+        for limit in limits:
+            below, at = rendered_color(steps, limit - 1e-9), rendered_color(steps, limit)
+            good_color, bad_color = (at, below) if good == "high" else (below, at)
+            if good_color != "green" or bad_color == "green":
+                problems.append(f"{where}: {good_color} on the good ({good}) side of {limit:g}, {bad_color} on the "
+                                f"other")
+        for value, option in mappings:
+            on_good_side = value >= max(limits) if good == "high" else value < min(limits)
+            if option.get("color") != rendered_color(steps, value) or (option.get("color") == "green") != on_good_side:
+                problems.append(f"{where}: {value:g} shown as {option.get('text')!r} in {option.get('color')}, "
+                                f"but good is {good}")
+    return problems
+
+
+def board_specs() -> dict:
+    return {(board.uid, panel_id): board.specs[key]
+            for board in boards(MixinConfig()).values() for key, panel_id in board.ids.items()}
+
+
+def test_every_threshold_and_value_mapping_is_green_on_the_declared_good_side(dashboards):
+    specs = board_specs()
+    coloured = 0
+    for dashboard in dashboards.values():
+        assert colour_problems(dashboard, specs) == [], dashboard["uid"]
+        coloured += sum(len(p.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", [])) > 1
+                        for p in iter_panels(dashboard))
+    assert coloured >= 14
+
+
+def test_the_colour_check_catches_an_inverted_threshold_and_mapping(dashboards):
+    dashboard = copy.deepcopy(dashboards["kvwatch-overview.json"])
+    up = next(p for p in iter_panels(dashboard) if p["title"] == "Prometheus scraping kvwatch")
+    # What the overview shipped: red at 1, green below, and an unmapped 0.
+    up["fieldConfig"]["defaults"]["thresholds"]["steps"] = [{"color": "green", "value": None},
+                                                           {"color": "red", "value": 1}]
+    problems = colour_problems(dashboard, board_specs())
+    assert any("Prometheus scraping kvwatch" in p and "good (high)" in p for p in problems)
+    assert any("'up' in green" in p or "'down' in red" in p for p in problems)
+
+
+def test_good_sides_are_declared_in_the_catalogue():
+    for entry in SIGNALS + ENGINE_SERIES + HEALTH + SCRAPE:
+        assert entry.good in GOOD_DIRECTIONS, entry.name
+    assert good_direction("up") == "high" and good_direction("kvwatch_up") == "high"
+    assert good_direction("kvwatch_kv_cache_usage_ratio") == "low"
+    assert good_direction("kvwatch_prefix_cache_hit_ratio") == "high"
+    assert good_direction("kvwatch_poll_errors_total") == "low"
+    assert good_direction("kvwatch_requests_running") is None
+
+
+def test_a_threshold_needs_a_signal_with_a_good_side():
+    def add(**kwargs):
+        Board("overview", MixinConfig()).add(PanelSpec("p", "P", "a panel for the test", "short", [("up", "")],
+                                                       threshold=1, **kwargs))
+
+    with pytest.raises(ValueError, match="needs the signal"):
+        add()
+    with pytest.raises(ValueError, match="no good side"):
+        add(signal="kvwatch_requests_running")
+    add(signal="kvwatch_up")
