@@ -275,3 +275,28 @@ def test_a_threshold_needs_a_signal_with_a_good_side():
     with pytest.raises(ValueError, match="no good side"):
         add(signal="kvwatch_requests_running")
     add(signal="kvwatch_up")
+
+
+KVWATCH_HEALTH = {"up", "kvwatch_up", "kvwatch_poll_errors_total"}
+
+
+def test_the_overview_leads_with_the_engine_and_keeps_kvwatch_health_below(dashboards):
+    dashboard = dashboards["kvwatch-overview.json"]
+    specs = board_specs()
+    panels = [p for p in iter_panels(dashboard) if p["type"] != "row"]
+    top_y = min(p["gridPos"]["y"] for p in panels)
+    top = [p for p in panels if p["gridPos"]["y"] == top_y]
+    assert [p["type"] for p in top] == ["stat"] * 5
+    assert [specs[(dashboard["uid"], p["id"])].signal for p in top] == [
+        "kvwatch_kv_cache_usage_ratio", "kvwatch_prefix_cache_hit_ratio", "kvwatch_time_to_first_token_seconds",
+        "kvwatch_requests_waiting", "kvwatch_finding"]
+    assert "histogram_quantile(0.95," in top[2]["targets"][0]["expr"]
+
+    def reads_health(panel):
+        return bool(set().union(*(metric_names(t["expr"]) for t in panel["targets"])) & KVWATCH_HEALTH)
+
+    health = [p for p in panels if reads_health(p)]
+    engine = [p for p in panels if not reads_health(p)]
+    assert {p["title"] for p in health} == {"Prometheus scraping kvwatch", "kvwatch polling vLLM",
+                                            "Failed polls by reason"}
+    assert min(p["gridPos"]["y"] for p in health) >= max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in engine)

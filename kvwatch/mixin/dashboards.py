@@ -88,6 +88,8 @@ class Board:
     _y: int = 0
     _line_height: int = 0
     _taken: dict = field(default_factory=dict)
+    # Laid out after the catalogue's panels (a board's closing rows).
+    closing: list = field(default_factory=list)
 
     @property
     def uid(self) -> str:
@@ -336,24 +338,42 @@ def overview(config: MixinConfig) -> Board:
     v = Views(config)
     b = Board("overview", config)
     e = v.engine_legend
-    b.row("Health and findings")
-    b.add(PanelSpec("scrape_up", "Prometheus scraping kvwatch",
-                    "up of kvwatch's scrape targets: 1 while Prometheus reaches kvwatch. KvwatchDown fires when it "
-                    "stays 0.", "short",
-                    [(f"up{{{TARGET_SEL}}}", "{{" + config.instance_label + "}}")], kind="stat", width=6, height=5,
-                    runbook=ANCHOR_DOWN, threshold=1, signal="up", mappings=((1, "up"), (0, "down"))))
-    b.add(PanelSpec("poll_up", "kvwatch polling vLLM",
-                    "kvwatch_up: 1 while kvwatch's latest poll of the engine's /metrics succeeded. "
-                    "KvwatchEngineUnreachable fires when it stays 0; kvwatch_poll_errors_total says why.", "short",
-                    [(f"kvwatch_up{{{TARGET_SEL}}}", "{{" + config.instance_label + "}}")], kind="stat", width=6,
-                    height=5, runbook=ANCHOR_UNREACHABLE, threshold=1, signal="kvwatch_up",
-                    mappings=((1, "polling"), (0, "failing"))))
-    b.add(PanelSpec("poll_errors", "Failed polls by reason",
-                    "kvwatch_poll_errors_total per second by reason (refused, timeout, http_5xx, no_engine_metrics "
-                    "...): why kvwatch cannot read the engine.", "ops",
-                    [(f"sum by ({config.instance_label}, reason) (rate(kvwatch_poll_errors_total{{{TARGET_SEL}}}[{RATE}]))",
-                      "{{reason}} @ {{" + config.instance_label + "}}")], width=12, height=5,
-                    runbook=ANCHOR_UNREACHABLE))
+    m = v.model_legend
+    # The engine first: where each model stands now, then what kvwatch found.
+    b.row("Engines now")
+    b.add(PanelSpec("now_kv_usage", "KV cache usage, fullest engine",
+                    "KV-cache usage now of each model's fullest engine (vllm:kv_cache_usage_perc). Red from the "
+                    "exhaustion threshold: with requests waiting or preempted there, the cache is full "
+                    "(VllmKvCacheExhausted).", "percentunit",
+                    [(v.sig("kvwatch_kv_cache_usage_ratio", "model"), m)], kind="stat", width=5, height=4,
+                    runbook=ANCHOR_EXHAUSTED, threshold=config.exhaustion_usage_ratio,
+                    signal="kvwatch_kv_cache_usage_ratio"))
+    b.add(PanelSpec("now_hit_ratio", "Prefix-cache hit ratio per model",
+                    "Prefix-cache hits over queries (tokens) of each model's engines together, over the rate "
+                    "interval. Red below the low-hit-rate threshold (VllmPrefixCacheHitRateLow; the Prefix cache "
+                    "board says why).", "percentunit",
+                    [(v.sig("kvwatch_prefix_cache_hit_ratio", "model"), m)], kind="stat", width=5, height=4,
+                    runbook=ANCHOR_HIT, threshold=config.hit_ratio_low, signal="kvwatch_prefix_cache_hit_ratio"))
+    b.add(PanelSpec("now_ttft_p95", "Time to first token p95",
+                    "p95 time to first token per model over the rate interval, buckets of all engines summed "
+                    f"(vllm:time_to_first_token_seconds). Red above the objective ttft_p95_seconds "
+                    f"({num(config.ttft_p95_seconds)}s); the First token board says where the time goes.", "s",
+                    [(v.sig("kvwatch_time_to_first_token_seconds", "model", 0.95), m)], kind="stat", width=5,
+                    height=4, runbook=ANCHOR_TTFT, threshold=config.ttft_p95_seconds,
+                    signal="kvwatch_time_to_first_token_seconds"))
+    b.add(PanelSpec("now_waiting", "Requests waiting",
+                    "Requests waiting to be scheduled now, per model (vllm:num_requests_waiting). Orange while any "
+                    "wait: sustained, it is queueing for KV cache or for compute (Running and waiting requests, "
+                    "the First token board).", "short",
+                    [(v.sig("kvwatch_requests_waiting", "model"), m)], kind="stat", width=4, height=4,
+                    runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "queueing_compute_bound"), threshold=1,
+                    signal="kvwatch_requests_waiting", bad_color="orange"))
+    b.add(PanelSpec("now_findings", "Active findings (warning, critical)",
+                    "How many of kvwatch's diagnosis findings of severity warning or critical are active now "
+                    "(kvwatch_finding); the table below names them, their causes and replicas.", "short",
+                    [(f'count(kvwatch_finding{{{FINDING_SEL},severity=~"warning|critical"}}) or vector(0)',
+                      "findings")], kind="stat", width=5, height=4, runbook=ANCHOR_EXHAUSTED, threshold=1,
+                    signal="kvwatch_finding"))
     b.add(_findings_panel(v, "findings", None, ANCHOR_EXHAUSTED))
     b.row("KV cache")
     b.add(PanelSpec("kv_usage", "KV cache usage",
@@ -413,7 +433,31 @@ def overview(config: MixinConfig) -> Board:
     b.add(PanelSpec("failed", "Failed requests (abort, error)", v.help("kvwatch_requests_failed_per_second"),
                     "reqps", [(v.sig("kvwatch_requests_failed_per_second"), e)], width=8,
                     runbook=ANCHOR_THROUGHPUT))
+    b.closing.append(_kvwatch_health)
     return b
+
+
+def _kvwatch_health(b: Board) -> None:
+    """kvwatch's own health, below the engine's: is the monitor seeing?"""
+    config = b.config
+    b.row("kvwatch's own health")
+    b.add(PanelSpec("scrape_up", "Prometheus scraping kvwatch",
+                    "up of kvwatch's scrape targets: 1 while Prometheus reaches kvwatch. KvwatchDown fires when it "
+                    "stays 0.", "short",
+                    [(f"up{{{TARGET_SEL}}}", "{{" + config.instance_label + "}}")], kind="stat", width=6, height=5,
+                    runbook=ANCHOR_DOWN, threshold=1, signal="up", mappings=((1, "up"), (0, "down"))))
+    b.add(PanelSpec("poll_up", "kvwatch polling vLLM",
+                    "kvwatch_up: 1 while kvwatch's latest poll of the engine's /metrics succeeded. "
+                    "KvwatchEngineUnreachable fires when it stays 0; kvwatch_poll_errors_total says why.", "short",
+                    [(f"kvwatch_up{{{TARGET_SEL}}}", "{{" + config.instance_label + "}}")], kind="stat", width=6,
+                    height=5, runbook=ANCHOR_UNREACHABLE, threshold=1, signal="kvwatch_up",
+                    mappings=((1, "polling"), (0, "failing"))))
+    b.add(PanelSpec("poll_errors", "Failed polls by reason",
+                    "kvwatch_poll_errors_total per second by reason (refused, timeout, http_5xx, no_engine_metrics "
+                    "...): why kvwatch cannot read the engine.", "ops",
+                    [(f"sum by ({config.instance_label}, reason) (rate(kvwatch_poll_errors_total{{{TARGET_SEL}}}[{RATE}]))",
+                      "{{reason}} @ {{" + config.instance_label + "}}")], width=12, height=5,
+                    runbook=ANCHOR_UNREACHABLE))
 
 
 def exhaustion(config: MixinConfig) -> Board:
@@ -665,7 +709,13 @@ def catalogue_panels(board: Board, config: MixinConfig) -> Board:
 
 
 def boards(config: MixinConfig) -> dict[str, Board]:
-    return {key: catalogue_panels(builder(config), config) for key, builder in BUILDERS.items()}
+    built = {}
+    for key, builder in BUILDERS.items():
+        board = catalogue_panels(builder(config), config)
+        for closing in board.closing:
+            closing(board)
+        built[key] = board
+    return built
 
 
 def file_name(key: str) -> str:
