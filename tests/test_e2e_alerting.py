@@ -44,7 +44,7 @@ import yaml
 from kvwatch.mixin.config import config_from_mapping
 from kvwatch.commands.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.rules import split_alert_expr
-from mixin_support import GRAFANA_VARIABLES, dashboard_exprs, load_dashboards
+from mixin_support import GRAFANA_VARIABLES, annotation_exprs, dashboard_exprs, load_dashboards
 from promstack import free_port, query_range, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
@@ -315,6 +315,15 @@ def test_every_dashboard_query_returns_data(stack, alerts_delivered):
             if not query_range(prometheus, expr, stack["started"], now, step=2):
                 empty.append(where)
             checked += 1
+    # The firing-alerts annotation of every board marks the alerts this stack fired.
+    for dashboard in load_dashboards().values():
+        for where, expr in annotation_exprs(dashboard):
+            if "ALERTS{" in expr:
+                for variable in sorted(substitutions, key=len, reverse=True):
+                    expr = expr.replace(variable, substitutions[variable])
+                if not query_range(prometheus, expr, stack["started"], now, step=2):
+                    empty.append(where)
+                checked += 1
     assert checked > 90
     assert not empty, f"dashboard queries without data: {empty}"
 

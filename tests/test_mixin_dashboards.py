@@ -300,3 +300,29 @@ def test_the_overview_leads_with_the_engine_and_keeps_kvwatch_health_below(dashb
     assert {p["title"] for p in health} == {"Prometheus scraping kvwatch", "kvwatch polling vLLM",
                                             "Failed polls by reason"}
     assert min(p["gridPos"]["y"] for p in health) >= max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in engine)
+
+
+def test_every_board_marks_restarts_changes_and_firing_alerts(dashboards):
+    from kvwatch.mixin.config import ALERTS
+
+    for dashboard in dashboards.values():
+        found = {a["name"]: a for a in dashboard["annotations"]["list"]}
+        assert set(found) == {"Engine restarts", "Config and model changes", "Firing alerts"}, dashboard["uid"]
+        for annotation in found.values():
+            assert annotation["datasource"]["uid"] in DATASOURCE_REFS and annotation["enable"]
+            assert annotation["titleFormat"] and annotation["step"]
+            # Every label a title or text names is one the query keeps.
+            kept = set(re.findall(r"by \(([^)]*)\)", annotation["expr"])[0].split(", ")) if "by (" in \
+                annotation["expr"] else None
+            for label in re.findall(r"\{\{(\w+)\}\}", annotation["titleFormat"] + annotation["textFormat"]):
+                assert kept is None or label in kept, (dashboard["uid"], annotation["name"], label)
+        # Restarts from Prometheus' own history of the engine's counters, over
+        # $__rate_interval so consecutive steps overlap and no reset falls between.
+        assert "resets(kvwatch_engine_prompt_tokens_total{" in found["Engine restarts"]["expr"]
+        assert "[$__rate_interval]" in found["Engine restarts"]["expr"]
+        changes = found["Config and model changes"]["expr"]
+        assert 'symptom="change"' in changes and "unless" in changes
+        alerts = found["Firing alerts"]["expr"]
+        assert alerts.startswith('ALERTS{alertstate="firing"')
+        named = re.search(r'alertname=~"([^"]+)"', alerts).group(1).split("|")
+        assert sorted(named) == sorted(ALERTS)

@@ -138,6 +138,7 @@ class Board:
             tags=list(self.config.dashboard_tags),
             panels=self.panels,
             templating=g.Templating(list=_variables()),
+            annotations=g.Annotations(list=annotations(self.config)),
             time=g.Time("now-1h", "now"),
             refresh="30s",
             timezone="browser",
