@@ -326,3 +326,54 @@ def test_every_board_marks_restarts_changes_and_firing_alerts(dashboards):
         assert alerts.startswith('ALERTS{alertstate="firing"')
         named = re.search(r'alertname=~"([^"]+)"', alerts).group(1).split("|")
         assert sorted(named) == sorted(ALERTS)
+
+
+def legend_problems(dashboard: dict, instance_label: str) -> list[str]:
+    """Legends name replicas by the config's instance_label, before the model, never as
+    `@ address`; every label a legend names is one its query keeps (a label
+    of an aggregation's by/on list, or any label of a bare selector); a query
+    kept per replica names the replica."""
+    problems = []
+    for panel in iter_panels(dashboard):
+        for target in panel.get("targets", []):
+            legend, expr = target.get("legendFormat") or "", target["expr"]
+            where = f"{dashboard['uid']} {panel['title']!r} {target['refId']} {legend!r}"
+            if target.get("format") == "table":
+                continue  # tables show labels as columns, not legends
+            if "@" in legend:
+                problems.append(f"{where}: an address, not a replica name")
+            named = re.findall(r"\{\{\s*(\w+)\s*\}\}", legend)
+            groups = [set(re.split(r",\s*", g.strip())) - {"le"}
+                      for g in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr)]
+            kept = set().union(*groups) if groups else None
+            for label in named:
+                if kept is not None and label not in kept:
+                    problems.append(f"{where}: {{{{{label}}}}} is not a label the query keeps")
+            if groups and all(instance_label in g for g in groups):
+                if instance_label not in named:
+                    problems.append(f"{where}: a per-replica query whose legend does not name {instance_label}")
+                elif "model_name" in named and named.index("model_name") < named.index(instance_label):
+                    problems.append(f"{where}: the replica is not named before its model")
+    return problems
+
+
+def test_legends_name_replicas_by_the_instance_label(dashboards):
+    for dashboard in dashboards.values():
+        assert legend_problems(dashboard, "instance") == [], dashboard["uid"]
+
+
+def test_legends_follow_a_customised_instance_label():
+    import json
+
+    from kvwatch.commands.generate import render_all
+    from kvwatch.mixin.config import config_from_mapping
+
+    files = render_all(config_from_mapping({"instance_label": "pod", "upstream_histogram": "app_retrieval_seconds",
+                                            "upstream_join_labels": ["namespace"]}))
+    for name, text in files.items():
+        if name.startswith("dashboards/"):
+            dashboard = json.loads(text)
+            assert legend_problems(dashboard, "pod") == [], name
+            legends = [t.get("legendFormat") or "" for p in iter_panels(dashboard) for t in p.get("targets", [])]
+            assert not any("{{instance}}" in legend for legend in legends), name
+            assert any(legend.startswith("{{pod}} {{model_name}} engine {{engine}}") for legend in legends), name

@@ -259,8 +259,9 @@ class MixinConfig:
         "Target labels every aggregation keeps, so two deployments never mix. Add cluster (or region) when one "
         "Prometheus or Thanos sees several; labels a series lacks are simply empty."))
     instance_label: str = field(default="instance", metadata=_help(
-        "The label that tells one kvwatch (one vLLM pod) from another. instance always exists; use pod on "
-        "Kubernetes if you prefer pod names in alerts and legends."))
+        "The label that tells one kvwatch (one vLLM pod) from another; alerts and dashboard legends name "
+        "replicas by it. instance (an address) always exists; on Kubernetes use pod, which the generated scrape "
+        "config, PodMonitor and ServiceMonitor all attach, for pod names."))
     # ---------------------------------------------------------------- windows
     rate_window: str = field(default="5m", metadata=_help(
         "Range of rate() and *_over_time() in rules and alerts. At least 4x the scrape interval; keep it equal "

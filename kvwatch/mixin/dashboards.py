@@ -288,9 +288,9 @@ class Views:
         self.model = Scope(ENGINE_SEL, RATE, ("model_name",))
         self.fe = Fragments(self.engine, config)
         self.fm = Fragments(self.model, config)
-        # Replicas by the config's instance_label (pod on Kubernetes), first.
+        # A replica first, by the config's instance_label (pod on Kubernetes).
         self.instance_legend = "{{" + inst + "}}"
-        self.engine_legend = "{{model_name}} engine {{engine}} @ {{" + inst + "}}"
+        self.engine_legend = self.instance_legend + " {{model_name}} engine {{engine}}"
         self.model_legend = "{{model_name}}"
 
     def sig(self, name: str, scope: str = "engine", q: float | None = None) -> str:
@@ -457,7 +457,7 @@ def _kvwatch_health(b: Board) -> None:
                     "kvwatch_poll_errors_total per second by reason (refused, timeout, http_5xx, no_engine_metrics "
                     "...): why kvwatch cannot read the engine.", "ops",
                     [(f"sum by ({config.instance_label}, reason) (rate(kvwatch_poll_errors_total{{{TARGET_SEL}}}[{RATE}]))",
-                      "{{reason}} @ {{" + config.instance_label + "}}")], width=12, height=5,
+                      "{{" + config.instance_label + "}} {{reason}}")], width=12, height=5,
                     runbook=ANCHOR_UNREACHABLE))
 
 
@@ -590,7 +590,8 @@ def first_token(config: MixinConfig) -> Board:
     parts = [(f.first_token_mean(), "mean first token " + e), (f.queue_mean(), "queue " + e),
              (f.prefill_mean(), "prefill " + e), (f.front_end_mean(), "front end " + e)]
     if f.upstream:
-        parts.append((f.upstream_mean(), f"upstream ({config.upstream_histogram})"))
+        groups = "".join(" {{" + label + "}}" for label in config.upstream_join_labels)
+        parts.append((f.upstream_mean(), f"upstream ({config.upstream_histogram}){groups}"))
     b.add(PanelSpec("ttft_parts", "Mean time to first token and its parts",
                     "Mean time to first token per engine (plus the upstream stage when configured) and its parts: "
                     "queue, prefill, front end (the rest of the engine's TTFT)"
