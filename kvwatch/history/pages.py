@@ -196,10 +196,10 @@ class Replica:
         if not any_row[index]:
             return None
         families: dict[str, Family] = {}
-        for name, spelling, samples, complete in plan:
+        for name, spelling, samples, complete, suffixes, label_sets, columns in plan:
             if complete[index]:
                 present = None  # every series of the family (the usual case)
-                found = [(suffix, labels, values[index]) for suffix, labels, values in samples]
+                found = list(zip(suffixes, label_sets, columns[index]))
             else:
                 present = tuple(i for i, (_suffix, _labels, values) in enumerate(samples)
                                 if values[index] is not None)
@@ -239,11 +239,16 @@ class Replica:
                 plan.append((name, spelling, samples))
             samples.append((suffix, labels, [None if v is None else _number(v) for v in values]))
         # Per step: whether every series of a family has a value, and
-        # whether any row of the page has one (a page at all).
-        plan = [(name, spelling, samples, [None not in column for column in zip(*(s[2] for s in samples))])
-                for name, spelling, samples in plan]
+        # whether any row of the page has one (a page at all); and the
+        # values by step (columns), so that a complete family's samples
+        # at a step are one zip.
+        complete_plan = []
+        for name, spelling, samples in plan:
+            columns = list(zip(*(s[2] for s in samples)))
+            complete_plan.append((name, spelling, samples, [None not in column for column in columns],
+                                  tuple(s[0] for s in samples), tuple(s[1] for s in samples), columns))
         any_row = [any(column) for column in zip(*(row[2] for row in self.rows))] if self.rows else []
-        return plan, any_row, {}
+        return complete_plan, any_row, {}
 
     def _config_labels(self, labels: dict[str, str], index: int) -> dict[str, str]:
         """As _with_config writes them: each matching engine's block added in
