@@ -1,13 +1,16 @@
-"""From query results back to metrics pages: each replica's values at one
-step, written as the text of the /metrics page a poll at that time would
-have read, for the engine adapter (kvwatch.engines).
+"""From query results back to what a poll would have read: each replica's
+values at one step, as the parser's families (`Replica.families`, handed to
+VllmAdapter.adapt_families) or as the text of the /metrics page
+(`Replica.page`, for the adapter's parser; the reference the families are
+tested against).
 
-Why pages and not Snapshots built here: the adapter owns every alias of
-every vLLM version, the folding of `pid` and Ray labels, the cache
-configuration, `_created` and the process start time. Writing its input
-keeps one reader of vLLM's vocabulary; the cost is a parse per replica and
-step, which the adapter's layout cache keeps small (the lines of one
-replica's page keep their order from step to step).
+Why not Snapshots built here: the adapter owns every alias of every vLLM
+version, the folding of `pid` and Ray labels, the cache configuration,
+`_created` and the process start time. Handing it what its parser would
+have produced keeps one reader of vLLM's vocabulary, without writing and
+parsing text at every step: the label dicts and the layout of a replica's
+families are the same objects from step to step, so the adapter's caches
+work as they do on a sidecar's polls.
 
 Two sources, whichever the store has (`auto` prefers vLLM's own series):
 - `vllm`: vLLM's series as Prometheus stored them, in any version's
