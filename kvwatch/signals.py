@@ -1073,14 +1073,21 @@ def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
     if latest is None:
         return [], []
     per_engine = []
+    by_key: dict[tuple[str, str], Evaluated] = {}
     by_model: dict[str, list[tuple[str, str]]] = {}
     for key in sorted(latest.engines):
         view = _view(window, [key])
         if view is not None:
-            per_engine.append(evaluate(view, key[0], key[1]))
+            per_engine.append(by_key.setdefault(key, evaluate(view, key[0], key[1])))
         by_model.setdefault(key[0], []).append(key)
     per_model = []
     for model, keys in sorted(by_model.items()):
+        if len(keys) == 1 and keys[0] in by_key:
+            # A model of one engine: its view is that engine's (the same
+            # inputs, so the same values and notes), evaluated once.
+            alone = by_key[keys[0]]
+            per_model.append(Evaluated(model, None, dict(alone.values), list(alone.notes), alone.view))
+            continue
         view = _view(window, keys)
         if view is not None:
             per_model.append(evaluate(view, model, None))
