@@ -965,7 +965,7 @@ def bench_history(report: Report, quick: bool) -> None:
           f"{full:.0f}s); {len(history.timeline.episodes)} findings")
     report.figure(f"history: {replicas} replicas x {hours} h at 30 s, total", f"{cost['total_seconds']:.1f} s",
                   f"{cpu['pages as text'][1]:.1f} s", "-", None)
-    report.figure(f"history: CPU per replica-step", f"{cpu['from query results'][0] / replica_steps * 1e3:.2f} ms",
+    report.figure("history: CPU per replica-step", f"{cpu['from query results'][0] / replica_steps * 1e3:.2f} ms",
                   f"{cpu['pages as text'][0] / replica_steps * 1e3:.2f} ms", "-", None)
     report.figure("history: 64 replicas x 24 h at 30 s, extrapolated", f"{full:.0f} s", "-", "< 60 s", full < 60)
     report.sections.append("\n".join([
