@@ -1086,7 +1086,8 @@ def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
             # A model of one engine: its view is that engine's (the same
             # inputs, so the same values and notes), evaluated once.
             alone = by_key[keys[0]]
-            per_model.append(Evaluated(model, None, dict(alone.values), list(alone.notes), alone.view))
+            per_model.append(Evaluated(model, None, dict(alone.values), list(alone.notes), alone.view,
+                                       {name: dict(q) for name, q in alone.pinned.items()}))
             continue
         view = _view(window, keys)
         if view is not None:
