@@ -937,20 +937,36 @@ def bench_history(report: Report, quick: bool) -> None:
     start = float((int(time.time()) // 3600 - hours - 2) * 3600)
     began = time.monotonic()
     text = history_openmetrics(replicas, start, points, step)
+    replica_steps = replicas * points
+    cpu = {}
     with backfilled_prometheus(text) as prom:
         setup = time.monotonic() - began
-        client = PrometheusClient(prom.url)
-        history = diagnose_history(client, start, start + (points - 1) * step, step, window=300.0)
+        # The same range both ways: Snapshots built from the query results
+        # (what `kvwatch diagnose --prometheus` does), and each page written
+        # as text and parsed (the baseline). CPU time is this process' (the
+        # store's own is not counted), steadier than wall time on a shared
+        # machine.
+        for way, as_text in (("pages as text", True), ("from query results", False)):
+            cpu_before = time.process_time()
+            found = diagnose_history(PrometheusClient(prom.url), start, start + (points - 1) * step, step,
+                                     window=300.0, pages_as_text=as_text)
+            cpu[way] = (time.process_time() - cpu_before, found.cost["total_seconds"])
+            if not as_text:
+                history = found
     cost = history.cost
-    replica_steps = replicas * points
     per_step = cost["total_seconds"] / replica_steps
     full = 64 * 2880 * per_step
+    for way, (cpu_seconds, wall) in cpu.items():
+        print(f"  {way}: {wall:.1f}s wall, {cpu_seconds:.1f}s CPU ({cpu_seconds / replica_steps * 1e3:.2f} ms CPU "
+              f"per replica-step; 64 x 24 h at that rate {64 * 2880 * cpu_seconds / replica_steps:.0f}s)")
     print(f"  {replicas} replicas x {hours} h at {step:g}s ({replica_steps:,} replica-steps; backfill {setup:.0f}s): "
           f"{cost['queries']} queries, {cost['samples']:,} samples, read {cost['seconds']:.1f}s, total "
           f"{cost['total_seconds']:.1f}s ({per_step * 1e3:.2f} ms per replica-step; 64 x 24 h extrapolated "
           f"{full:.0f}s); {len(history.timeline.episodes)} findings")
     report.figure(f"history: {replicas} replicas x {hours} h at 30 s, total", f"{cost['total_seconds']:.1f} s",
-                  "-", "-", None)
+                  f"{cpu['pages as text'][1]:.1f} s", "-", None)
+    report.figure("history: CPU per replica-step", f"{cpu['from query results'][0] / replica_steps * 1e3:.2f} ms",
+                  f"{cpu['pages as text'][0] / replica_steps * 1e3:.2f} ms", "-", None)
     report.figure("history: 64 replicas x 24 h at 30 s, extrapolated", f"{full:.0f} s", "-", "< 60 s", full < 60)
     report.sections.append("\n".join([
         "### history: `kvwatch diagnose --prometheus`",
@@ -960,6 +976,8 @@ def bench_history(report: Report, quick: bool) -> None:
         f"{cost['samples']:,} samples, {cost['bytes'] / 1e6:.0f} MB read in {cost['seconds']:.1f} s; rebuilding "
         f"and diagnosing {cost['diagnose_seconds']:.1f} s; total {cost['total_seconds']:.1f} s, "
         f"{per_step * 1e3:.2f} ms per replica-step. 64 x 24 h (184,320 replica-steps) at that rate: {full:.0f} s. "
+        f"CPU of this process: {cpu['from query results'][0]:.1f} s building Snapshots from the query results, "
+        f"{cpu['pages as text'][0]:.1f} s writing and parsing each page (the baseline column). "
         "Scaled down because backfilling 64 x 24 h here takes longer than the run it measures.",
     ]))
 

@@ -128,20 +128,27 @@ class Page:
 _SCANNERS: dict[tuple, "re.Pattern | None"] = {}
 
 
+def sample_names(base_names: Iterable[str], prefixes: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """Every wire spelling of the families' samples -> (family, suffix)."""
+    names: dict[str, tuple[str, str]] = {}
+    base_names, prefixes = tuple(base_names), tuple(prefixes)
+    # Suffix by suffix, so that every exact name is in before any name with a
+    # suffix, whatever the order of the base names; setdefault keeps the
+    # first (most exact) interpretation.
+    for suffix in SAMPLE_SUFFIXES:
+        for base in base_names:
+            for prefix in prefixes:
+                names.setdefault(prefix + base + suffix, (base, suffix))
+    return names
+
+
 class FamilySelector:
     """Maps every wire spelling of the wanted families to (family, suffix)."""
 
     def __init__(self, base_names: Iterable[str], prefixes: Iterable[str]):
         self.base_names = tuple(base_names)
         self.prefixes = tuple(prefixes)
-        self.sample_names: dict[str, tuple[str, str]] = {}
-        # Suffix by suffix, so that every exact name is in before any name
-        # with a suffix, whatever the order of the base names; setdefault
-        # keeps the first (most exact) interpretation.
-        for suffix in SAMPLE_SUFFIXES:
-            for base in self.base_names:
-                for prefix in self.prefixes:
-                    self.sample_names.setdefault(prefix + base + suffix, (base, suffix))
+        self.sample_names = sample_names(self.base_names, self.prefixes)
         self._label_cache: dict[str, dict[str, str]] = {}
         # Built once per set of names and shared (a compiled pattern is
         # immutable): building it takes about half a second, and a history

@@ -61,6 +61,14 @@ UNITS: dict[str, Unit] = {
 }
 
 
+# Which side of a threshold a person wants a value on: "high" (hit ratio,
+# headroom, up), "low" (usage, latency, errors, findings) or None (neither:
+# throughput, running requests). Declared once per entry below; the
+# dashboards colour every threshold and value mapping from it, so a panel
+# cannot turn red on the good side.
+GOOD_DIRECTIONS = ("high", "low", None)
+
+
 # --------------------------------------------------------------------------
 # vLLM series re-exported under stable names
 # --------------------------------------------------------------------------
@@ -82,6 +90,7 @@ class HealthFamily:
     kind: str  # gauge | counter
     labels: tuple[str, ...]
     help: str
+    good: str | None = None  # GOOD_DIRECTIONS
 
     @property
     def sample_name(self) -> str:
@@ -89,21 +98,21 @@ class HealthFamily:
 
 
 HEALTH: tuple[HealthFamily, ...] = (
-    HealthFamily("kvwatch_up", "gauge", (), "1 if the latest poll of the engine's /metrics succeeded, else 0."),
+    HealthFamily("kvwatch_up", "gauge", (), "1 if the latest poll of the engine's /metrics succeeded, else 0.", good="high"),
     HealthFamily("kvwatch_build_info", "gauge", ("version",), "kvwatch's version; always 1."),
     HealthFamily("kvwatch_polls", "counter", (), "Polls of the engine's /metrics."),
     HealthFamily("kvwatch_poll_errors", "counter", ("reason",),
                  "Failed polls by reason (refused, dns, timeout, tls, http_3xx/4xx/5xx, content_type, too_large, "
-                 "truncated, decode, no_engine_metrics, ...)."),
+                 "truncated, decode, no_engine_metrics, ...).", good="low"),
     HealthFamily("kvwatch_parse_errors", "counter", (),
-                 "Malformed lines in the engine's pages (skipped; the rest of the page counts)."),
-    HealthFamily("kvwatch_dropped_series", "counter", (), "(model, engine) pairs dropped by the max_series cap."),
-    HealthFamily("kvwatch_poll_duration_seconds", "gauge", (), "Wall time of the latest poll."),
+                 "Malformed lines in the engine's pages (skipped; the rest of the page counts).", good="low"),
+    HealthFamily("kvwatch_dropped_series", "counter", (), "(model, engine) pairs dropped by the max_series cap.", good="low"),
+    HealthFamily("kvwatch_poll_duration_seconds", "gauge", (), "Wall time of the latest poll.", good="low"),
     HealthFamily("kvwatch_page_late_seconds", "gauge", (),
                  "How long the engine took to answer the latest page kvwatch read (a busy vLLM answers /metrics "
-                 "seconds late under load; the page is kept and stamped at the time it was answered)."),
+                 "seconds late under load; the page is kept and stamped at the time it was answered).", good="low"),
     HealthFamily("kvwatch_poll_cpu_seconds", "gauge", (),
-                 "CPU time of the latest poll (fetch, parse, signals, diagnosis)."),
+                 "CPU time of the latest poll (fetch, parse, signals, diagnosis).", good="low"),
     HealthFamily("kvwatch_last_success_timestamp_seconds", "gauge", (), "Unix time of the latest successful poll."),
     HealthFamily("kvwatch_window_seconds", "gauge", (), "Span the windowed signals cover now."),
     HealthFamily("kvwatch_engine_info", "gauge", IDENTITY + INFO_KEYS,
@@ -115,9 +124,22 @@ HEALTH: tuple[HealthFamily, ...] = (
                  "dark_signals names the flag that lights a config-gated one)."),
     HealthFamily("kvwatch_finding", "gauge", ("symptom", "cause", "severity") + IDENTITY,
                  "1 for each active diagnosis finding (absent when not active); see /api/v1/diagnosis for its "
-                 "evidence."),
+                 "evidence.", good="low"),
+    HealthFamily("kvwatch_quantile_pinned", "gauge", ("signal", "quantile", "bound") + IDENTITY,
+                 "1 for each windowed quantile pinned at a bucket edge, where its value is a bound and not an "
+                 "estimate: bound=\"upper\" (pinned in the first bucket; the value is that bucket's bound and the "
+                 "quantile is at most it), bound=\"lower\" (pinned at the last finite bucket; the quantile is at "
+                 "least it). `signal` is the exported family (kvwatch_model_* with engine=\"\" per model); absent "
+                 "when no quantile is pinned.", good=None),
 )
 HEALTH_BY_NAME = {family.name: family for family in HEALTH}
+
+# Prometheus' own series about kvwatch's targets, which the dashboards and
+# alerts read beside kvwatch's (not exported by kvwatch).
+SCRAPE: tuple[HealthFamily, ...] = (
+    HealthFamily("up", "gauge", (), "1 while Prometheus scraped the target (kvwatch) successfully, else 0.",
+                 good="high"),
+)
 
 
 @dataclass(frozen=True)
@@ -128,6 +150,7 @@ class EngineSeries:
     unit: str
     help: str
     label: str | None = None  # the dimension of a labelled family
+    good: str | None = None  # GOOD_DIRECTIONS
 
     @property
     def sample_name(self) -> str:
@@ -136,60 +159,61 @@ class EngineSeries:
 
 ENGINE_SERIES: tuple[EngineSeries, ...] = (
     EngineSeries("kvwatch_engine_kv_cache_usage_ratio", "gauge", "kv_usage", "ratio",
-                 "KV-cache usage 0..1 (vllm:kv_cache_usage_perc, formerly vllm:gpu_cache_usage_perc); evictable prefix-cache blocks count as free."),
+                 "KV-cache usage 0..1 (vllm:kv_cache_usage_perc, formerly vllm:gpu_cache_usage_perc); evictable prefix-cache blocks count as free.", good="low"),
     EngineSeries("kvwatch_engine_kv_cache_capacity_tokens", "gauge", "capacity_tokens", "tokens",
-                 "KV-cache capacity in tokens (vllm:cache_config_info kv_cache_size_tokens, else num_gpu_blocks x block_size)."),
+                 "KV-cache capacity in tokens (vllm:cache_config_info kv_cache_size_tokens, else num_gpu_blocks x block_size).", good="high"),
     EngineSeries("kvwatch_engine_kv_cache_memory_bytes", "gauge", "config/kv_cache_memory_bytes", "bytes",
                  "Bytes of the KV cache (vllm:cache_config_info kv_cache_memory_bytes, vLLM 0.24+); absent before."),
     EngineSeries("kvwatch_engine_requests_running", "gauge", "running", "requests",
                  "Requests in model execution batches (vllm:num_requests_running)."),
     EngineSeries("kvwatch_engine_requests_waiting", "gauge", "waiting", "requests",
-                 "Requests waiting to be scheduled (vllm:num_requests_waiting)."),
+                 "Requests waiting to be scheduled (vllm:num_requests_waiting).", good="low"),
     EngineSeries("kvwatch_engine_requests_waiting_by_reason", "gauge", "waiting_by_reason/*", "requests",
                  "Waiting requests by reason: capacity (KV blocks) or deferred (vllm:num_requests_waiting_by_reason, vLLM 0.20+).",
-                 label="reason"),
+                 label="reason", good="low"),
+    # good="high": enough lookups to judge the hit ratio (below min_query_tokens it is not judged).
     EngineSeries("kvwatch_engine_prefix_cache_queries", "counter", "prefix_queries", "tokens",
-                 "Prefix-cache queries in tokens (vllm:prefix_cache_queries_total, formerly vllm:gpu_prefix_cache_queries_total; blocks before vLLM 0.9)."),
+                 "Prefix-cache queries in tokens (vllm:prefix_cache_queries_total, formerly vllm:gpu_prefix_cache_queries_total; blocks before vLLM 0.9).", good="high"),
     EngineSeries("kvwatch_engine_prefix_cache_hits", "counter", "prefix_hits", "tokens",
-                 "Prefix-cache hits in tokens (vllm:prefix_cache_hits_total, formerly vllm:gpu_prefix_cache_hits_total; blocks before vLLM 0.9)."),
+                 "Prefix-cache hits in tokens (vllm:prefix_cache_hits_total, formerly vllm:gpu_prefix_cache_hits_total; blocks before vLLM 0.9).", good="high"),
     EngineSeries("kvwatch_engine_external_prefix_cache_queries", "counter", "external_prefix_queries", "tokens",
                  "External (KV connector) prefix-cache queries in tokens (vllm:external_prefix_cache_queries_total)."),
     EngineSeries("kvwatch_engine_external_prefix_cache_hits", "counter", "external_prefix_hits", "tokens",
-                 "External (KV connector) prefix-cache hits in tokens (vllm:external_prefix_cache_hits_total)."),
+                 "External (KV connector) prefix-cache hits in tokens (vllm:external_prefix_cache_hits_total).", good="high"),
     EngineSeries("kvwatch_engine_preemptions", "counter", "preemptions", "preemptions",
-                 "Preemptions by the scheduler (vllm:num_preemptions_total)."),
+                 "Preemptions by the scheduler (vllm:num_preemptions_total).", good="low"),
     EngineSeries("kvwatch_engine_prompt_tokens", "counter", "prompt_tokens", "tokens",
                  "Prompt tokens processed, cached ones included (vllm:prompt_tokens_total)."),
     EngineSeries("kvwatch_engine_prompt_tokens_cached", "counter", "prompt_tokens_cached", "tokens",
-                 "Prompt tokens served from a cache, local or external (vllm:prompt_tokens_cached_total, vLLM 0.16+)."),
+                 "Prompt tokens served from a cache, local or external (vllm:prompt_tokens_cached_total, vLLM 0.16+).", good="high"),
     EngineSeries("kvwatch_engine_generation_tokens", "counter", "generation_tokens", "tokens",
                  "Generated tokens (vllm:generation_tokens_total)."),
     EngineSeries("kvwatch_engine_requests_finished", "counter", "finished/*", "requests",
                  "Finished requests by reason: stop, length, abort, error, repetition (vllm:request_success_total).",
                  label="finished_reason"),
     EngineSeries("kvwatch_engine_time_to_first_token_seconds", "histogram", "ttft", "seconds",
-                 "Time to first token, from front-end arrival, so queue and prefill included (vllm:time_to_first_token_seconds)."),
+                 "Time to first token, from front-end arrival, so queue and prefill included (vllm:time_to_first_token_seconds).", good="low"),
     EngineSeries("kvwatch_engine_request_queue_time_seconds", "histogram", "queue_time", "seconds",
-                 "Time in the WAITING phase, observed when a request finishes (vllm:request_queue_time_seconds, V0 vllm:time_in_queue_requests)."),
+                 "Time in the WAITING phase, observed when a request finishes (vllm:request_queue_time_seconds, V0 vllm:time_in_queue_requests).", good="low"),
     EngineSeries("kvwatch_engine_request_prefill_time_seconds", "histogram", "prefill_time", "seconds",
-                 "Time in the PREFILL phase, observed when a request finishes (vllm:request_prefill_time_seconds)."),
+                 "Time in the PREFILL phase, observed when a request finishes (vllm:request_prefill_time_seconds).", good="low"),
     EngineSeries("kvwatch_engine_e2e_request_latency_seconds", "histogram", "e2e_latency", "seconds",
-                 "End-to-end request latency (vllm:e2e_request_latency_seconds)."),
+                 "End-to-end request latency (vllm:e2e_request_latency_seconds).", good="low"),
     EngineSeries("kvwatch_engine_inter_token_latency_seconds", "histogram", "inter_token_latency", "seconds",
-                 "Gap between output events (vllm:inter_token_latency_seconds, formerly vllm:time_per_output_token_seconds)."),
+                 "Gap between output events (vllm:inter_token_latency_seconds, formerly vllm:time_per_output_token_seconds).", good="low"),
     EngineSeries("kvwatch_engine_request_prompt_tokens", "histogram", "prompt_len", "tokens",
                  "Prompt length per finished request (vllm:request_prompt_tokens)."),
     EngineSeries("kvwatch_engine_request_generation_tokens", "histogram", "generation_len", "tokens",
                  "Generated length per finished request (vllm:request_generation_tokens)."),
     EngineSeries("kvwatch_engine_kv_cache_blocks", "gauge", "config/num_gpu_blocks", "blocks",
                  "KV blocks of the engine's pool (vllm:cache_config_info num_gpu_blocks); one of them is vLLM's "
-                 "null block, never allocated, so usage = used / (blocks - 1)."),
+                 "null block, never allocated, so usage = used / (blocks - 1).", good="high"),
     EngineSeries("kvwatch_engine_kv_cache_block_size_tokens", "gauge", "config/block_size", "tokens",
                  "Tokens per KV block (vllm:cache_config_info block_size; on hybrid models the minimum over the "
                  "KV groups)."),
     EngineSeries("kvwatch_engine_kv_cache_max_concurrency", "gauge", "config/kv_cache_max_concurrency", "requests",
                  "Requests of max_model_len tokens the cache holds at once (vllm:cache_config_info "
-                 "kv_cache_max_concurrency, vLLM 0.24+): capacity / max_model_len, not --max-num-seqs."),
+                 "kv_cache_max_concurrency, vLLM 0.24+): capacity / max_model_len, not --max-num-seqs.", good="high"),
     EngineSeries("kvwatch_engine_prompt_tokens_by_source", "counter", "prompt_tokens_by_source/*", "tokens",
                  "Prompt tokens by where they came from: local_compute, local_cache_hit, external_kv_transfer; "
                  "the sources sum to the prompt tokens (vllm:prompt_tokens_by_source_total, vLLM 0.16+).",
@@ -204,18 +228,18 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
                  "(vllm:prompt_tokens_recomputed_total, vLLM 0.16 to 0.19 only)."),
     EngineSeries("kvwatch_engine_request_num_preemptions", "histogram", "preemptions_per_request", "preemptions",
                  "Preemptions per finished request, 0 included (0 and 1 share the first bucket) "
-                 "(vllm:request_num_preemptions, vLLM 0.30+)."),
+                 "(vllm:request_num_preemptions, vLLM 0.30+).", good="low"),
     EngineSeries("kvwatch_engine_admission_rejections", "counter", "admission_rejections/*", "requests",
                  "Requests the front end rejected at a queue limit, by reason: max_num_queued_reqs, "
                  "max_num_queued_tokens (vllm:admission_rejections_total, vLLM 0.32+; vLLM labels it per model, "
-                 "kvwatch books it on the model's lowest engine).", label="reason"),
+                 "kvwatch books it on the model's lowest engine).", label="reason", good="low"),
     EngineSeries("kvwatch_engine_sleep_state", "gauge", "sleep_state/*", "state",
                  "Engine sleep state: awake=1 when serving, weights_offloaded=1 or discard_all=1 in sleep levels 1 "
                  "and 2; a sleeping engine is not a down engine (vllm:engine_sleep_state, vLLM 0.11.1+).",
                  label="sleep_state"),
     EngineSeries("kvwatch_engine_healthy", "gauge", "engine_healthy", "state",
                  "1 while the engine reports healthy under fault tolerance, else 0 (vllm:engine_healthy; only with "
-                 "--enable-fault-tolerance)."),
+                 "--enable-fault-tolerance).", good="high"),
     EngineSeries("kvwatch_engine_kv_block_lifetime_seconds", "histogram", "kv_block_lifetime", "seconds",
                  "Sampled KV block lifetimes, allocation to eviction (vllm:kv_block_lifetime_seconds; only with "
                  "--kv-cache-metrics)."),
@@ -240,17 +264,17 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
                  "Time spent storing to the offload tier (vllm:kv_offload_store_time_total, else "
                  "vllm:kv_offload_total_time_total{transfer_type=\"GPU_to_CPU\"})."),
     EngineSeries("kvwatch_engine_kv_offload_allocation_failures", "counter", "offload_allocation_failures",
-                 "failures", "Offload-tier allocations that failed (vllm:kv_offload_allocation_failure_total)."),
+                 "failures", "Offload-tier allocations that failed (vllm:kv_offload_allocation_failure_total).", good="low"),
     EngineSeries("kvwatch_engine_kv_offload_cpu_pinned_ratio", "gauge", "offload_cpu_pinned", "ratio",
                  "Share of the CPU offload tier pinned by in-flight transfers (vllm:kv_offload_cpu_cache_usage_perc): "
                  "evictable blocks do not count, so it reads 0 on a full tier at rest; not the tier's usage."),
     EngineSeries("kvwatch_engine_nixl_failed_transfers", "counter", "nixl_failed_transfers", "transfers",
-                 "Failed NIXL KV transfers (vllm:nixl_num_failed_transfers_total; NixlConnector only)."),
+                 "Failed NIXL KV transfers (vllm:nixl_num_failed_transfers_total; NixlConnector only).", good="low"),
     EngineSeries("kvwatch_engine_nixl_failed_notifications", "counter", "nixl_failed_notifications", "notifications",
-                 "Failed NIXL notifications (vllm:nixl_num_failed_notifications_total; NixlConnector only)."),
+                 "Failed NIXL notifications (vllm:nixl_num_failed_notifications_total; NixlConnector only).", good="low"),
     EngineSeries("kvwatch_engine_nixl_expired_requests", "counter", "nixl_expired_requests", "requests",
                  "Requests whose KV expired before the peer fetched it (vllm:nixl_num_kv_expired_reqs_total; "
-                 "NixlConnector only)."),
+                 "NixlConnector only).", good="low"),
 )
 
 
@@ -286,6 +310,9 @@ class View:
     # soonest engine of the view; None when usage is not rising.
     exhaustion_eta: float | None = None
     notes: list[str] = field(default_factory=list)
+    # The quantiles the derivation running now found pinned at a bucket edge,
+    # {quantile: "<" | ">"}; evaluate() files them under the signal's name.
+    pinned: dict[str, str] = field(default_factory=dict)
 
     def gauge(self, key: str) -> float | None:
         return self.latest.gauges.get(key)
@@ -314,6 +341,8 @@ class Signal:
     # What a person reads: the status page and `kvwatch diagnose` label the
     # signal with this (the unit is shown beside it, from `unit`).
     display: str = ""
+    # GOOD_DIRECTIONS: the side of a threshold a person wants it on.
+    good: str | None = None
 
 
 def _clamp01(value: float | None) -> float | None:
@@ -372,14 +401,16 @@ def _quantiles(key: str, label: str) -> Callable[[View], dict[str, float] | None
             return None
         values = {}
         for q in QUANTILES:
-            quantile = histogram.quantile(q)
+            quantile = histogram.reported_quantile(q)
             if quantile is None:
                 continue
             values[str(q)] = quantile.value
-            if quantile.pinned == "first":
-                view.notes.append(f"{label} p{q * 100:g} is at most {histogram.bounds[0]:g}: pinned in the first bucket")
-            elif quantile.pinned == "last":
-                view.notes.append(f"{label} p{q * 100:g} is at least {quantile.value:g}: pinned at the last finite bucket")
+            if quantile.bound is not None:
+                # Structured for every surface (evaluate() files it under the signal's name).
+                view.pinned[str(q)] = quantile.bound
+                side = "at most" if quantile.bound == "<" else "at least"
+                where = "in the first bucket" if quantile.bound == "<" else "at the last finite bucket"
+                view.notes.append(f"{label} p{q * 100:g} is {side} {quantile.value:g}: pinned {where}")
         return values or None
 
     return derive
@@ -638,30 +669,30 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvwatch_kv_cache_usage_ratio", "ratio",
            "KV-cache usage now, 0..1, clamped (vllm:kv_cache_usage_perc / vllm:gpu_cache_usage_perc).",
            _usage, "exhaustion", "max by ({by}) (kvwatch_engine_kv_cache_usage_ratio{{{sel}}})",
-           display="KV cache usage", record=("kvwatch_kv_cache_usage_ratio", "max")),
+           display="KV cache usage", record=("kvwatch_kv_cache_usage_ratio", "max"), good="low"),
     Signal("kvwatch_kv_cache_usage_max_ratio", "ratio",
            "Highest KV-cache usage seen in the window (vllm:kv_cache_usage_perc).",
            lambda v: _clamp01(v.usage_max), "exhaustion",
            "max by ({by}) (max_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[{w}]))",
-           display="KV cache usage, window peak", record=("kvwatch_kv_cache_usage_ratio", "max_over_time{w}")),
+           display="KV cache usage, window peak", record=("kvwatch_kv_cache_usage_ratio", "max_over_time{w}"), good="low"),
     Signal("kvwatch_kv_cache_capacity_tokens", "tokens",
            "KV-cache capacity in tokens (vllm:cache_config_info).",
            lambda v: v.capacity_tokens, "exhaustion",
            "sum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})",
-           display="KV cache capacity", record=("kvwatch_kv_cache_capacity_tokens", "sum")),
+           display="KV cache capacity", record=("kvwatch_kv_cache_capacity_tokens", "sum"), good="high"),
     Signal("kvwatch_kv_cache_free_tokens", "tokens",
            "KV-cache headroom in tokens: capacity x (1 - usage), rounded down to a whole token "
            "(vllm:cache_config_info, vllm:kv_cache_usage_perc).",
            _free_tokens, "exhaustion",
            "sum by ({by}) (floor(kvwatch_engine_kv_cache_capacity_tokens{{{sel}}} * (1 - kvwatch_engine_kv_cache_usage_ratio{{{sel}}})))",
-           display="KV cache headroom", record=("kvwatch_kv_cache_free_tokens", "sum")),
+           display="KV cache headroom", record=("kvwatch_kv_cache_free_tokens", "sum"), good="high"),
     Signal("kvwatch_kv_cache_used_bytes", "bytes",
            "KV-cache bytes held now: usage x the cache's bytes, rounded to a whole byte "
            "(vllm:kv_cache_usage_perc, vllm:cache_config_info kv_cache_memory_bytes; absent before vLLM 0.24).",
            _used_bytes, "exhaustion",
            "sum by ({by}) (clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * kvwatch_engine_kv_cache_memory_bytes{{{sel}}})",
            panel="overview", title="KV bytes in use",
-           display="KV cache in use", record=("kvwatch_kv_cache_used_bytes", "sum")),
+           display="KV cache in use", record=("kvwatch_kv_cache_used_bytes", "sum"), good="low"),
     Signal("kvwatch_kv_cache_capacity_requests", "requests",
            "Concurrent requests the KV capacity holds at the window's mean prompt+generation length, block-rounded and rounded down to a whole request; a bound, not a promise "
            "(vllm:cache_config_info, vllm:request_prompt_tokens, vllm:request_generation_tokens).",
@@ -669,12 +700,12 @@ SIGNALS: tuple[Signal, ...] = (
            "floor(\nsum by ({by}) (kvwatch_engine_kv_cache_capacity_tokens{{{sel}}})\n/ on ({by}) (\n"
            + _mean_promql("kvwatch_engine_request_prompt_tokens") + "\n+ on ({by})\n"
            + _mean_promql("kvwatch_engine_request_generation_tokens") + "\n)\n)",
-           display="Requests the cache holds", record=("kvwatch_kv_cache_capacity_requests", "ratio_rate{w}")),
+           display="Requests the cache holds", record=("kvwatch_kv_cache_capacity_requests", "ratio_rate{w}"), good="high"),
     Signal("kvwatch_preemptions_per_second", "per_second",
            "Preemptions per second over the window (vllm:num_preemptions_total).",
            _rate("preemptions"), "exhaustion",
            "sum by ({by}) (rate(kvwatch_engine_preemptions_total{{{sel}}}[{w}]))",
-           display="Preemptions", record=("kvwatch_preemptions", "rate{w}")),
+           display="Preemptions", record=("kvwatch_preemptions", "rate{w}"), good="low"),
     Signal("kvwatch_requests_running", "requests",
            "Requests running now (vllm:num_requests_running).",
            lambda v: v.gauge("running"), "exhaustion",
@@ -689,26 +720,26 @@ SIGNALS: tuple[Signal, ...] = (
            "Requests waiting now (vllm:num_requests_waiting).",
            lambda v: v.gauge("waiting"), "exhaustion",
            "sum by ({by}) (kvwatch_engine_requests_waiting{{{sel}}})",
-           display="Waiting", record=("kvwatch_requests_waiting", "sum")),
+           display="Waiting", record=("kvwatch_requests_waiting", "sum"), good="low"),
     Signal("kvwatch_requests_waiting_by_reason", "requests",
            "Requests waiting now by reason: capacity (no KV blocks) or deferred (vllm:num_requests_waiting_by_reason, vLLM 0.20+).",
            _waiting_by_reason, "exhaustion",
            "sum by ({by}, reason) (kvwatch_engine_requests_waiting_by_reason{{{sel}}})", label="reason",
-           record=("kvwatch_requests_waiting", "sum"), display="Waiting by reason"),
+           record=("kvwatch_requests_waiting", "sum"), display="Waiting by reason", good="low"),
     # --- KV blocks, occupancy and trend ---
     Signal("kvwatch_kv_cache_used_blocks", "blocks",
            "KV blocks held now, whole: usage x (num_gpu_blocks - 1), since vLLM keeps one null block aside "
            "(vllm:kv_cache_usage_perc, vllm:cache_config_info; absent on hybrid models, whose blocks differ by group).",
            _used_blocks, "exhaustion",
            "sum by ({by}) (round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)))",
-           record=("kvwatch_kv_cache_used_blocks", "sum"), display="KV blocks in use"),
+           record=("kvwatch_kv_cache_used_blocks", "sum"), display="KV blocks in use", good="low"),
     Signal("kvwatch_kv_cache_free_blocks", "blocks",
            "KV blocks free now, whole (evictable prefix-cache blocks count as free): the capacity ceiling left, "
            "(num_gpu_blocks - 1) - used (vllm:kv_cache_usage_perc, vllm:cache_config_info).",
            _free_blocks, "exhaustion",
            "sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) - round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)))",
            panel="exhaustion", title="Free KV blocks (the ceiling left)",
-           record=("kvwatch_kv_cache_free_blocks", "sum"), display="KV blocks free"),
+           record=("kvwatch_kv_cache_free_blocks", "sum"), display="KV blocks free", good="high"),
     Signal("kvwatch_kv_cache_token_usage_estimate_ratio", "ratio",
            "Estimated share of the cache's token slots holding tokens: usage counts whole blocks and each running "
            "request's last block is on average half filled, so this is (used blocks x block_size - running x "
@@ -717,7 +748,7 @@ SIGNALS: tuple[Signal, ...] = (
            token_usage_estimate, "exhaustion",
            "sum by ({by}) (clamp_min(round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)) * kvwatch_engine_kv_cache_block_size_tokens{{{sel}}} - kvwatch_engine_requests_running{{{sel}}} * (kvwatch_engine_kv_cache_block_size_tokens{{{sel}}} - 1) / 2, 0))\n/\n"
            "sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) * kvwatch_engine_kv_cache_block_size_tokens{{{sel}}})",
-           record=("kvwatch_kv_cache_token_usage_estimate", "ratio"), display="KV token slots filled (estimate)"),
+           record=("kvwatch_kv_cache_token_usage_estimate", "ratio"), display="KV token slots filled (estimate)", good="low"),
     Signal("kvwatch_kv_cache_exhaustion_eta_seconds", "seconds",
            "Seconds until KV usage reaches 1 at its least-squares trend over the last 5 minutes (PromQL deriv()), the "
            "soonest engine; absent unless usage rises and is now at least its 5-minute mean (vllm:kv_cache_usage_perc).",
@@ -725,7 +756,7 @@ SIGNALS: tuple[Signal, ...] = (
            "min by ({by}) (\n  (1 - clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1))\n  / (deriv(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[" + TREND_RANGE + "]) > 0)\n"
            "  and kvwatch_engine_kv_cache_usage_ratio{{{sel}}} >= avg_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[" + TREND_RANGE + "])\n)",
            panel="exhaustion", title="Time until the KV cache is full at this trend",
-           record=("kvwatch_kv_cache_exhaustion_eta_seconds", "deriv" + TREND_RANGE), display="Time until KV cache full"),
+           record=("kvwatch_kv_cache_exhaustion_eta_seconds", "deriv" + TREND_RANGE), display="Time until KV cache full", good="high"),
     Signal("kvwatch_preemptions_on_repeat_requests_ratio", "ratio",
            "At least this share of the preemptions of requests finished in the window fell on requests preempted "
            "two or more times: near 1 a few requests thrash, near 0 many were each preempted once (broad pressure) "
@@ -734,13 +765,13 @@ SIGNALS: tuple[Signal, ...] = (
            "clamp_max(2 * clamp_min(sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_count{{{sel}}}[{w}])) "
            "- sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_bucket{{{sel},le=\"1.0\"}}[{w}])), 0)\n/\n"
            "(sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_sum{{{sel}}}[{w}])) > 0), 1)",
-           record=("kvwatch_preemptions_on_repeat_requests", "ratio_rate{w}"), needs=("preemptions_per_request",), display="Preemptions on repeat requests"),
+           record=("kvwatch_preemptions_on_repeat_requests", "ratio_rate{w}"), needs=("preemptions_per_request",), display="Preemptions on repeat requests", good="low"),
     Signal("kvwatch_admission_rejections_per_second", "per_second",
            "Requests rejected at a queue limit per second, by reason: a cause apart from the KV cache, the queue "
            "was full (vllm:admission_rejections_total, vLLM 0.32+).",
            _labelled_rates("admission_rejections"), "exhaustion",
            "sum by ({by}, reason) (rate(kvwatch_engine_admission_rejections_total{{{sel}}}[{w}]))", label="reason",
-           record=("kvwatch_admission_rejections", "rate{w}"), needs=("admission_rejections",), display="Admission rejections"),
+           record=("kvwatch_admission_rejections", "rate{w}"), needs=("admission_rejections",), display="Admission rejections", good="low"),
     Signal("kvwatch_engine_sleeping", "state",
            "1 while the engine sleeps (sleep level 1 or 2), 0 while awake: a sleeping engine is not a down one "
            "(vllm:engine_sleep_state, vLLM 0.11.1+).",
@@ -755,18 +786,18 @@ SIGNALS: tuple[Signal, ...] = (
            "(vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, formerly gpu_prefix_cache_*; V0: vllm:gpu_prefix_cache_hit_rate).",
            _prefix_hit_ratio, "prefix",
            _ratio_of_rates("kvwatch_engine_prefix_cache_hits_total", "kvwatch_engine_prefix_cache_queries_total"),
-           display="Prefix cache hit ratio", record=("kvwatch_prefix_cache_hit", "ratio_rate{w}")),
+           display="Prefix cache hit ratio", record=("kvwatch_prefix_cache_hit", "ratio_rate{w}"), good="high"),
     Signal("kvwatch_external_prefix_cache_hit_ratio", "ratio",
            "External (KV connector) prefix-cache hits over queries in the window (vllm:external_prefix_cache_{hits,queries}_total).",
            lambda v: v.increase.ratio("external_prefix_hits", "external_prefix_queries"), "prefix",
            _ratio_of_rates("kvwatch_engine_external_prefix_cache_hits_total", "kvwatch_engine_external_prefix_cache_queries_total"),
-           display="External prefix cache hit ratio", record=("kvwatch_external_prefix_cache_hit", "ratio_rate{w}")),
+           display="External prefix cache hit ratio", record=("kvwatch_external_prefix_cache_hit", "ratio_rate{w}"), good="high"),
     Signal("kvwatch_prompt_tokens_cached_ratio", "ratio",
            "Share of prompt tokens served from a cache in the window (vllm:prompt_tokens_cached_total / vllm:prompt_tokens_total; "
            "before 0.16 prefix hits / prompt tokens).",
            _cached_share, "prefix",
            _ratio_of_rates("kvwatch_engine_prompt_tokens_cached_total", "kvwatch_engine_prompt_tokens_total"),
-           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}"), display="Prompt tokens from cache"),
+           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}"), display="Prompt tokens from cache", good="high"),
     Signal("kvwatch_prompt_tokens_from_cache_ratio", "ratio",
            "Share of prompt tokens served from a cache, by tier: local (this engine's prefix cache) and external "
            "(a KV connector); the rest was computed. Not the lookup hit ratio, which re-lookups inflate "
@@ -776,7 +807,7 @@ SIGNALS: tuple[Signal, ...] = (
            "  or\n  label_replace(sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"external_kv_transfer\"}}[{w}])), \"tier\", \"external\", \"\", \"\")\n)\n"
            "/ ignoring (tier) group_left\nsum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel}}}[{w}]))",
            label="tier", panel="prefix_cache", title="Prompt tokens served from a cache, by tier",
-           record=("kvwatch_prompt_tokens_from_cache", "ratio_rate{w}"), needs=("prompt_tokens_by_source",), display="Prompt tokens served from a cache"),
+           record=("kvwatch_prompt_tokens_from_cache", "ratio_rate{w}"), needs=("prompt_tokens_by_source",), display="Prompt tokens served from a cache", good="high"),
     Signal("kvwatch_kv_cache_reuse_shortfall_blocks", "blocks",
            "KV blocks the cache lacks to keep idle prefixes until their typical reuse: free pool x (median reuse "
            "gap / median idle time before eviction - 1), 0 when blocks outlive the reuse gap "
@@ -786,7 +817,7 @@ SIGNALS: tuple[Signal, ...] = (
            "  histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_reuse_gap_seconds_bucket{{{sel}}}[{w}])))\n"
            "  / clamp_min(histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_idle_before_evict_seconds_bucket{{{sel}}}[{w}]))), 0.001)\n  - 1, 0))",
            record=("kvwatch_kv_cache_reuse_shortfall_blocks", "ratio_rate{w}"),
-           needs=("kv_block_reuse_gap", "kv_block_idle_before_evict"), display="KV blocks short of keeping reuse"),
+           needs=("kv_block_reuse_gap", "kv_block_idle_before_evict"), display="KV blocks short of keeping reuse", good="low"),
     Signal("kvwatch_kv_cache_reuse_shortfall_bytes", "bytes",
            "The reuse shortfall in bytes: blocks x kv_cache_memory_bytes / num_gpu_blocks (--kv-cache-metrics, "
            "vLLM 0.24+ for the bytes).",
@@ -795,7 +826,7 @@ SIGNALS: tuple[Signal, ...] = (
            "  histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_reuse_gap_seconds_bucket{{{sel}}}[{w}])))\n"
            "  / clamp_min(histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_idle_before_evict_seconds_bucket{{{sel}}}[{w}]))), 0.001)\n  - 1, 0))",
            record=("kvwatch_kv_cache_reuse_shortfall_bytes", "ratio_rate{w}"),
-           needs=("kv_block_reuse_gap", "kv_block_idle_before_evict"), display="KV bytes short of keeping reuse"),
+           needs=("kv_block_reuse_gap", "kv_block_idle_before_evict"), display="KV bytes short of keeping reuse", good="low"),
     Signal("kvwatch_kv_offload_bytes_per_second", "per_second",
            "Bytes per second moved to (store) and from (load) the KV offload tier (vllm:kv_offload_{load,store}_bytes_total, "
            "else the deprecated vllm:kv_offload_total_bytes_total{transfer_type}, never both; OffloadingConnector only).",
@@ -809,36 +840,36 @@ SIGNALS: tuple[Signal, ...] = (
            "Time to first token quantiles over the window, from bucket increases with the scraped bounds (vllm:time_to_first_token_seconds).",
            _quantiles("ttft", "TTFT"), "first_token",
            _quantile_promql("kvwatch_engine_time_to_first_token_seconds"), label="quantile",
-           display="Time to first token", record=("kvwatch_time_to_first_token_seconds", "histogram_quantile_rate{w}")),
+           display="Time to first token", record=("kvwatch_time_to_first_token_seconds", "histogram_quantile_rate{w}"), good="low"),
     Signal("kvwatch_time_to_first_token_mean_seconds", "seconds",
            "Mean time to first token over the window (vllm:time_to_first_token_seconds _sum/_count).",
            _mean("ttft"), "first_token", _mean_promql("kvwatch_engine_time_to_first_token_seconds"),
-           display="Time to first token, mean", record=("kvwatch_time_to_first_token_seconds", "mean_rate{w}")),
+           display="Time to first token, mean", record=("kvwatch_time_to_first_token_seconds", "mean_rate{w}"), good="low"),
     Signal("kvwatch_queue_time_seconds", "seconds",
            "Queue (WAITING) time quantiles over the window (vllm:request_queue_time_seconds).",
            _quantiles("queue_time", "queue time"), "first_token",
            _quantile_promql("kvwatch_engine_request_queue_time_seconds"), label="quantile",
-           display="Queue time", record=("kvwatch_queue_time_seconds", "histogram_quantile_rate{w}")),
+           display="Queue time", record=("kvwatch_queue_time_seconds", "histogram_quantile_rate{w}"), good="low"),
     Signal("kvwatch_queue_time_mean_seconds", "seconds",
            "Mean queue time over the window (vllm:request_queue_time_seconds _sum/_count).",
            _mean("queue_time"), "first_token", _mean_promql("kvwatch_engine_request_queue_time_seconds"),
-           display="Queue time, mean", record=("kvwatch_queue_time_seconds", "mean_rate{w}")),
+           display="Queue time, mean", record=("kvwatch_queue_time_seconds", "mean_rate{w}"), good="low"),
     Signal("kvwatch_prefill_time_seconds", "seconds",
            "Prefill time quantiles over the window (vllm:request_prefill_time_seconds).",
            _quantiles("prefill_time", "prefill time"), "first_token",
            _quantile_promql("kvwatch_engine_request_prefill_time_seconds"), label="quantile",
-           display="Prefill time", record=("kvwatch_prefill_time_seconds", "histogram_quantile_rate{w}")),
+           display="Prefill time", record=("kvwatch_prefill_time_seconds", "histogram_quantile_rate{w}"), good="low"),
     Signal("kvwatch_prefill_time_mean_seconds", "seconds",
            "Mean prefill time over the window (vllm:request_prefill_time_seconds _sum/_count).",
            _mean("prefill_time"), "first_token", _mean_promql("kvwatch_engine_request_prefill_time_seconds"),
-           display="Prefill time, mean", record=("kvwatch_prefill_time_seconds", "mean_rate{w}")),
+           display="Prefill time, mean", record=("kvwatch_prefill_time_seconds", "mean_rate{w}"), good="low"),
     Signal("kvwatch_time_to_first_token_share_ratio", "ratio",
            "Share of mean TTFT spent in queue, in prefill, and elsewhere (front end, tokenization, scheduling); the PromQL twin is the queue part "
            "(vllm:time_to_first_token_seconds, vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds).",
            ttft_parts, "first_token",
            _mean_promql("kvwatch_engine_request_queue_time_seconds") + "\n/ on ({by})\n"
            + _mean_promql("kvwatch_engine_time_to_first_token_seconds"), label="part",
-           display="Time to first token split", record=("kvwatch_time_to_first_token_share", "ratio_rate{w}")),
+           display="Time to first token split", record=("kvwatch_time_to_first_token_share", "ratio_rate{w}"), good="low"),
     # --- throughput and failures ---
     Signal("kvwatch_requests_finished_per_second", "per_second",
            "Finished requests per second by reason (vllm:request_success_total).",
@@ -850,7 +881,7 @@ SIGNALS: tuple[Signal, ...] = (
            "Requests ending in abort or error per second (vllm:request_success_total{finished_reason=~\"abort|error\"}).",
            _failed_rate, "throughput",
            "sum by ({by}) (rate(kvwatch_engine_requests_finished_total{{{sel},finished_reason=~\"abort|error\"}}[{w}]))",
-           display="Failed requests", record=("kvwatch_requests_failed", "rate{w}")),
+           display="Failed requests", record=("kvwatch_requests_failed", "rate{w}"), good="low"),
     Signal("kvwatch_prompt_tokens_per_second", "per_second",
            "Prompt tokens per second, cached included (vllm:prompt_tokens_total).",
            _rate("prompt_tokens"), "throughput",
@@ -876,6 +907,18 @@ SIGNALS: tuple[Signal, ...] = (
 SIGNALS_BY_NAME = {signal.name: signal for signal in SIGNALS}
 
 
+def good_direction(name: str) -> str | None:
+    """The declared good side ("high", "low" or None) of a catalogue entry:
+    a signal, a re-exported engine series or a health family, by its
+    exported name (a counter with or without `_total`)."""
+    if name in SIGNALS_BY_NAME:
+        return SIGNALS_BY_NAME[name].good
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE:
+        if name in (entry.name, entry.sample_name):
+            return entry.good
+    raise KeyError(f"{name} is not in the catalogue")
+
+
 # --------------------------------------------------------------------------
 # Evaluation over a window
 # --------------------------------------------------------------------------
@@ -890,6 +933,10 @@ class Evaluated:
     values: dict[str, float | dict[str, float] | None]
     notes: list[str]
     view: View
+    # Signal name -> {quantile: "<" | ">"}: a quantile pinned in the first
+    # bucket is an upper bound (its value is that bucket's bound), one pinned
+    # at the last finite bucket a lower bound.
+    pinned: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
@@ -1009,13 +1056,18 @@ def _eta(series: list[tuple[float, float]]) -> float | None:
 
 def evaluate(view: View, model: str, engine: str | None) -> Evaluated:
     values = {}
+    pinned = {}
     for signal in SIGNALS:
+        view.pinned = {}
         try:
             values[signal.name] = signal.derive(view)
         except (ArithmeticError, ValueError) as exc:  # one bad signal must not hide the rest
             values[signal.name] = None
             view.notes.append(f"{signal.name}: {exc}")
-    return Evaluated(model, engine, values, view.notes, view)
+        if view.pinned and values[signal.name] is not None:
+            pinned[signal.name] = view.pinned
+    view.pinned = {}
+    return Evaluated(model, engine, values, view.notes, view, pinned)
 
 
 def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
@@ -1024,14 +1076,22 @@ def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
     if latest is None:
         return [], []
     per_engine = []
+    by_key: dict[tuple[str, str], Evaluated] = {}
     by_model: dict[str, list[tuple[str, str]]] = {}
     for key in sorted(latest.engines):
         view = _view(window, [key])
         if view is not None:
-            per_engine.append(evaluate(view, key[0], key[1]))
+            per_engine.append(by_key.setdefault(key, evaluate(view, key[0], key[1])))
         by_model.setdefault(key[0], []).append(key)
     per_model = []
     for model, keys in sorted(by_model.items()):
+        if len(keys) == 1 and keys[0] in by_key:
+            # A model of one engine: its view is that engine's (the same
+            # inputs, so the same values and notes), evaluated once.
+            alone = by_key[keys[0]]
+            per_model.append(Evaluated(model, None, dict(alone.values), list(alone.notes), alone.view,
+                                       {name: dict(q) for name, q in alone.pinned.items()}))
+            continue
         view = _view(window, keys)
         if view is not None:
             per_model.append(evaluate(view, model, None))
@@ -1055,6 +1115,7 @@ def engine_series_value(series: EngineSeries, engine: EngineSnapshot, cache_conf
 
 
 __all__ = [
-    "ENGINE_SERIES", "SIGNALS", "SIGNALS_BY_NAME", "QUANTILES", "EngineSeries", "Signal", "View",
+    "ENGINE_SERIES", "SIGNALS", "SIGNALS_BY_NAME", "QUANTILES", "EngineSeries", "Signal", "View", "SCRAPE",
+    "GOOD_DIRECTIONS", "good_direction",
     "Evaluated", "evaluate_window", "engine_series_value", "Histogram",
 ]

@@ -87,11 +87,33 @@ class Histogram:
         value = bound if in_bucket <= 0 else lower + (bound - lower) * (rank - below) / in_bucket
         return Quantile(value, "first" if index == 0 else None)
 
+    def reported_quantile(self, q: float) -> "Quantile | None":
+        """The quantile as kvwatch reports it. Pinned in the first bucket, all
+        that is known is that it lies below the first bound, so the value is
+        that bound (an upper bound, "<"): the interpolation inside the bucket
+        assumes observations spread evenly from 0, which says nothing. Pinned
+        at the last finite bound, it is that bound already (a lower bound, ">")."""
+        quantile = self.quantile(q)
+        if quantile is not None and quantile.pinned == "first":
+            return Quantile(self.bounds[0], "first")
+        return quantile
+
 
 @dataclass(frozen=True, slots=True)
 class Quantile:
     value: float
     pinned: str | None  # "first" (answer is an upper bound) / "last" (a lower bound) / None
+
+    @property
+    def bound(self) -> str | None:
+        """How a pinned quantile reads: "<" (at most the value), ">" (at least it), None when not pinned."""
+        return PINNED_BOUNDS.get(self.pinned) if self.pinned else None
+
+
+# The one way a pinned quantile is written on every surface: the JSON's
+# `pinned` maps, the page, the CLI, and the exported `bound` label.
+PINNED_BOUNDS = {"first": "<", "last": ">"}
+PINNED_LABELS = {"<": "upper", ">": "lower"}
 
 
 @dataclass(slots=True)

@@ -51,6 +51,12 @@ def dashboard_exprs(dashboard: dict) -> list[tuple[str, str]]:
     return found
 
 
+def annotation_exprs(dashboard: dict) -> list[tuple[str, str]]:
+    """(where, expr) of every Prometheus annotation query."""
+    return [(f"{dashboard['uid']} annotation {a['name']!r}", a["expr"])
+            for a in dashboard.get("annotations", {}).get("list", []) if "expr" in a]
+
+
 def variable_selectors(dashboard: dict) -> list[tuple[str, str]]:
     """The series selector inside each label_values(...) variable query."""
     found = []

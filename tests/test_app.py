@@ -2,6 +2,9 @@
 captures, and the failure modes of the core issue: each leaves kvwatch
 serving with kvwatch_up 0 and the reason counted; the next good poll recovers."""
 
+import html
+import re
+
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -9,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvwatch.sidecar.app import create_app
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import load_settings
+from kvwatch.sidecar import statuspage
+from kvwatch.sidecar.statuspage import format_value
 from pageserver import Answer, PageServer
 
 
@@ -60,6 +65,35 @@ def test_replayed_captures_are_exported_with_signals(capture):
         assert signals["models"][0]["model_name"] == "tiny-llama"
         assert "kvwatch" in client.get("/").text
         assert client.get("/api/v1/diagnosis").json()["up"] is True
+
+
+def test_a_pinned_quantile_is_a_bound_in_the_api_the_metrics_and_the_page(capture):
+    """The load capture with every first token in the first bucket (le=0.001
+    holds them all): the quantiles are upper bounds, and each surface says so
+    from the structured `pinned`, never from prose."""
+    count = re.search(r'^vllm:time_to_first_token_seconds_count\{[^}]*\} (\S+)$', capture("load"), re.M).group(1)
+    load = re.sub(r'^(vllm:time_to_first_token_seconds_bucket\{engine="0",le="0.001",model_name="tiny-llama"\}) \S+$',
+                  lambda m: f"{m.group(1)} {count}", capture("load"), flags=re.M)
+    with PageServer([Answer(capture("idle")), Answer(load)]) as server:
+        monitor, client = make(server)
+        monitor.poll_once()
+        monitor.poll_once()
+        row = client.get("/api/v1/signals").json()["engines"][0]
+        quantiles = row["signals"]["kvwatch_time_to_first_token_seconds"]
+        pinned = row["pinned"].get("kvwatch_time_to_first_token_seconds", {})
+        assert pinned == {"0.5": "<", "0.95": "<", "0.99": "<"}
+        assert quantiles == {"0.5": 0.001, "0.95": 0.001, "0.99": 0.001}
+        body = client.get("/metrics").text
+        for quantile, bound in pinned.items():
+            label = {"<": "upper", ">": "lower"}[bound]
+            assert value(body, "kvwatch_quantile_pinned", signal="kvwatch_time_to_first_token_seconds",
+                         quantile=quantile, bound=label, model_name="tiny-llama", engine="0") == 1.0
+            assert value(body, "kvwatch_quantile_pinned", signal="kvwatch_model_time_to_first_token_seconds",
+                         quantile=quantile, bound=label, model_name="tiny-llama", engine="") == 1.0
+        page = client.get("/").text
+        shown = format_value(quantiles, "seconds", pinned)
+        assert shown == "p50 < 1 ms, p95 < 1 ms, p99 < 1 ms" and html.escape(shown) in page  # the <noscript> table
+        assert "is at most" not in statuspage.SCRIPT and "is at least" not in statuspage.SCRIPT
 
 
 @pytest.mark.parametrize(

@@ -407,6 +407,8 @@ def test_auto_dtype_needs_torch_dtype():
 def test_bounds_are_ordered(layers, kv_heads, head_dim, dtype, block, budget, inp, out):
     config = {"num_hidden_layers": layers, "num_attention_heads": kv_heads,
               "num_key_value_heads": kv_heads, "head_dim": head_dim}
+    # Below two blocks (the null block and one to use) the budget is refused: `budget` is beyond them.
+    budget += 2 * block * 2 * kv_heads * head_dim * cap.DTYPE_BYTES[dtype] * layers
     result = cap.compute_capacity(config, dtype, block, budget, inp, out)
     request = only(result)
     assert result.bytes_per_token == 2 * kv_heads * head_dim * cap.DTYPE_BYTES[dtype] * layers
@@ -489,6 +491,42 @@ def test_cli_gqa_json(capsys, write_config):
         384 * MiB, 8, 8)
     assert len(result["ignores"]) >= 6
     assert any("Prefix sharing" in item for item in result["ignores"])
+
+
+def test_a_budget_below_two_blocks_is_refused_saying_a_bare_size_is_bytes(capsys, write_config):
+    """`--kv-budget 20` is 20 bytes: it holds no block, and used to answer 0
+    requests without a word."""
+    code = main(["capacity", "--model-config", write_config(LLAMA3_8B), "--kv-dtype", "fp16",
+                 "--kv-budget", "20", "--input-tokens", "512", "--output-tokens", "128"])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "20 B" in err and "holds 0 blocks" in err and "a size without a unit is bytes" in err and "20GiB" in err
+    # Two blocks of 16 tokens x 131072 B: the smallest budget that holds a token.
+    assert cap.compute_capacity(LLAMA3_8B, "fp16", 16, 2 * 16 * 131072, 1, 1).usable_blocks == 1
+    with pytest.raises(CapacityInputError, match="holds 1 block of"):
+        cap.compute_capacity(LLAMA3_8B, "fp16", 16, 2 * 16 * 131072 - 1, 1, 1)
+
+
+def test_a_request_longer_than_the_models_positions_is_refused(capsys, write_config):
+    config = {**LLAMA3_8B, "max_position_embeddings": 8192}
+    code = main(["capacity", "--model-config", write_config(config), "--kv-dtype", "fp16",
+                 "--kv-budget", "3GiB", "--input-tokens", "p50=512,p95=8000", "--output-tokens", "1024"])
+    err = capsys.readouterr().err
+    assert code != 0 and "9024 tokens (p95)" in err and "max_position_embeddings 8192" in err
+    assert "(p50)" not in err
+    # Exactly at the limit is fine; yarn rope scaling stretches it as vLLM does.
+    assert only(cap.compute_capacity(config, "fp16", 16, 3 * GiB, 8000, 192)).tokens == 8192
+    yarn = {**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    assert only(cap.compute_capacity(yarn, "fp16", 16, 3 * GiB, 30000, 2000)).tokens == 32000
+
+
+def test_mla_at_the_default_block_size_says_flashmla_uses_64(capsys, write_config):
+    code = main(["capacity", "--model-config", write_config(DEEPSEEK_V3), "--kv-budget", "40GiB",
+                 "--input-tokens", "1024", "--output-tokens", "256"])
+    out = capsys.readouterr().out
+    assert code == 0 and "FlashMLA" in out and "--block-size 64" in out
+    assert not any("FlashMLA" in note for note in cap.compute_capacity(DEEPSEEK_V3, "auto", 64, 40 * GiB, 1024, 256).notes)
+    assert not any("FlashMLA" in note for note in cap.compute_capacity(LLAMA3_8B, "fp16", 16, 3 * GiB, 1024, 256).notes)
 
 
 def test_cli_table_shows_the_arithmetic(capsys, write_config):

@@ -265,10 +265,13 @@ def test_the_containers_command_line_serves_and_becomes_ready(layout, dockerfile
                 return response if response.status_code == 200 else None
 
             # Not promstack.wait_until: it would keep waiting after kvwatch exited.
+            # The probes reflect kvwatch alone (readiness is /healthz), so wait
+            # on /readyz, which turns 200 once the engine was polled.
             deadline = time.monotonic() + 30
-            while not answered(container["readinessProbe"]["httpGet"]["path"]):
+            while not answered("/readyz"):
                 assert time.monotonic() < deadline, "/readyz did not answer 200 within 30 s"
                 time.sleep(0.2)
+            assert answered(container["readinessProbe"]["httpGet"]["path"]) is not None
             assert answered(container["livenessProbe"]["httpGet"]["path"]).text == "ok\n"
             metrics = answered("/metrics").text
             assert "kvwatch_up 1.0" in metrics

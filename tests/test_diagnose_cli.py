@@ -36,6 +36,22 @@ def test_exit_1_and_table_when_exhausted(fixtures_dir, capsys):
     assert "next: " in out
 
 
+def test_a_pinned_quantile_prints_as_a_bound(fixtures_dir, capsys):
+    """Every first token of the load capture moved into the first bucket
+    (le=0.001): the table says "< 1 ms", as the page and /api/v1/signals do."""
+    import re
+
+    load = page(fixtures_dir, "load")
+    count = re.search(r"^vllm:time_to_first_token_seconds_count\{[^}]*\} (\S+)$", load, re.M).group(1)
+    load = re.sub(r'^(vllm:time_to_first_token_seconds_bucket\{engine="0",le="0.001",model_name="tiny-llama"\}) \S+$',
+                  lambda m: f"{m.group(1)} {count}", load, flags=re.M)
+    with PageServer([Answer(page(fixtures_dir, "idle")), Answer(load)]) as server:
+        diagnose_cli(server.url)
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.strip().startswith("Time to first token  "))
+    assert "p50 < 1 ms, p95 < 1 ms, p99 < 1 ms" in line
+
+
 def test_exit_0_when_idle(fixtures_dir, capsys):
     with PageServer([Answer(page(fixtures_dir, "idle"))]) as server:
         assert diagnose_cli(server.url) == 0

@@ -191,7 +191,7 @@ def test_eviction_pressure_without_max_num_seqs_names_no_cause_the_exhaustion_ex
 @pytest.mark.parametrize("seed", SEEDS)
 def test_slow_prefill(seed):
     polls = play("slow-prefill", seed)
-    # short-prompts 0-60 s, then 6k-12k token documents.
+    # short-prompts 0-60 s, then 5k-9k token documents.
     assert not any(f.symptom == "slow_first_token" for p in during(polls, 0, 60) for f in p.findings)
     poll = at(polls, 240)
     assert ("slow_first_token", "prefill") in poll.pairs
@@ -200,7 +200,7 @@ def test_slow_prefill(seed):
     assert finding.evidence["uncached_prompt_tokens_mean"] > 1000
     for poll in polls:
         assert not poll.causes & {"front_end", "upstream"}, poll
-        # Documents of 6k-12k tokens sometimes overlap beyond 64k tokens of
+        # Documents of 5k-9k tokens may overlap beyond 64k tokens of
         # cache (a real exhaustion); a KV-bound queue is only named with it.
         exhausted = any(f.symptom == "exhaustion" and f.severity != "info" for f in poll.findings)
         if "queueing_kv_bound" in poll.causes:

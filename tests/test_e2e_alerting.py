@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,7 @@ import yaml
 from kvwatch.mixin.config import config_from_mapping
 from kvwatch.commands.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.rules import split_alert_expr
-from mixin_support import GRAFANA_VARIABLES, dashboard_exprs, load_dashboards
+from mixin_support import GRAFANA_VARIABLES, annotation_exprs, iter_panels, load_dashboards
 from promstack import free_port, query_range, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
@@ -61,7 +62,8 @@ TEST_CONFIG = {
     "hit_ratio_baseline_window": "40s",
     "group_labels": ["namespace", "job", "deployment"],
     "for_durations": {"VllmKvCacheExhausted": "5s", "VllmPrefixCacheHitRateLow": "5s",
-                      "VllmTimeToFirstTokenSlow": "5s", "KvwatchDown": "3s", "KvwatchEngineUnreachable": "3s"},
+                      "VllmTimeToFirstTokenSlow": "5s", "KvwatchDown": "3s", "KvwatchEngineUnreachable": "3s",
+                      "VllmFleetReplicaOutlier": "5s"},
     "upstream_histogram": "app_retrieval_seconds",
     "upstream_selector": 'job="rag-app"',
     "upstream_join_labels": ["deployment"],
@@ -307,15 +309,35 @@ def test_every_dashboard_query_returns_data(stack, alerts_delivered):
     dashboards = dict(load_dashboards())
     # The upstream line exists only with an upstream histogram configured: check the test config's board too.
     dashboards["first-token (test config)"] = json.loads(stack["files"]["dashboards/kvwatch-first-token.json"])
+    unlabelled = []
     checked = 0
     for name, dashboard in dashboards.items():
-        for where, expr in dashboard_exprs(dashboard):
-            for variable in sorted(substitutions, key=len, reverse=True):
-                expr = expr.replace(variable, substitutions[variable])
-            if not query_range(prometheus, expr, stack["started"], now, step=2):
-                empty.append(where)
-            checked += 1
+        for panel in iter_panels(dashboard):
+            for target in panel.get("targets", []):
+                where = f"{dashboard['uid']} panel {panel['id']} {panel['title']!r} {target['refId']}"
+                expr = target["expr"]
+                for variable in sorted(substitutions, key=len, reverse=True):
+                    expr = expr.replace(variable, substitutions[variable])
+                series = query_range(prometheus, expr, stack["started"], now, step=2)
+                # Restart counts (resets() > 0) have data only after a restart, and nothing here restarts.
+                if not series and "resets(" not in expr:
+                    empty.append(where)
+                # A legend names only labels its series carry (else Grafana shows the name blank).
+                for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat") or ""):
+                    if any(label not in one["metric"] for one in series):
+                        unlabelled.append(f"{where}: {label}")
+                checked += 1
+    # The firing-alerts annotation of every board marks the alerts this stack fired.
+    for dashboard in load_dashboards().values():
+        for where, expr in annotation_exprs(dashboard):
+            if "ALERTS{" in expr:
+                for variable in sorted(substitutions, key=len, reverse=True):
+                    expr = expr.replace(variable, substitutions[variable])
+                if not query_range(prometheus, expr, stack["started"], now, step=2):
+                    empty.append(where)
+                checked += 1
     assert checked > 90
+    assert not unlabelled, f"legends naming labels their series lack: {unlabelled}"
     assert not empty, f"dashboard queries without data: {empty}"
 
 

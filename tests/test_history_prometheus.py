@@ -98,6 +98,20 @@ def test_chunked_reads_give_the_same_timeline(store):
     assert chunked.timeline.outline(INTERVAL) == whole.timeline.outline(INTERVAL)
 
 
+def test_snapshots_from_query_results_give_the_timeline_of_written_pages(store):
+    """Building each step's Snapshot from the query results (the default)
+    and writing each page's text for the adapter to parse give the same
+    findings, episode for episode, and the same trends."""
+    prom, start = store
+    fast = diagnose_history(PrometheusClient(prom.url), start, start + DURATION, INTERVAL, window=WINDOW)
+    text = diagnose_history(PrometheusClient(prom.url), start, start + DURATION, INTERVAL, window=WINDOW,
+                            pages_as_text=True)
+    assert fast.timeline.outline(INTERVAL) == text.timeline.outline(INTERVAL)
+    assert fast.timeline.episodes == text.timeline.episodes
+    assert {n: r.trend for n, r in fast.replicas.items()} == {n: r.trend for n, r in text.replicas.items()}
+    assert len(fast.timeline.episodes) >= 3
+
+
 def test_the_command_prints_json_and_writes_an_html_report(store, tmp_path, capsys):
     prom, start = store
     report = tmp_path / "report.html"

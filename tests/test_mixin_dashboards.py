@@ -13,8 +13,9 @@ import pytest
 
 from kvwatch.mixin.alerts import ALERT_PANELS
 from kvwatch.mixin.config import MixinConfig
-from kvwatch.mixin.dashboards import DASHBOARDS, boards
-from mixin_support import REPO, iter_panels, load_dashboards
+from kvwatch.mixin.dashboards import DASHBOARDS, Board, PanelSpec, boards
+from kvwatch.signals import ENGINE_SERIES, GOOD_DIRECTIONS, HEALTH, SCRAPE, SIGNALS, SIGNALS_BY_NAME, good_direction
+from mixin_support import REPO, iter_panels, load_dashboards, metric_names
 
 EXPECTED_UIDS = {"kvwatch-overview", "kvwatch-exhaustion", "kvwatch-prefix-cache", "kvwatch-first-token",
                  "kvwatch-fleet"}
@@ -163,3 +164,216 @@ def test_generated_json_is_sorted_and_indented():
         text = path.read_text()
         assert text.startswith("{\n  \"__inputs\"")  # sort_keys puts __inputs first, indent=2
         assert text.endswith("}\n")
+
+
+# ---------------------------------------------------------------- thresholds and value mappings
+
+
+def rendered_color(steps: list[dict], value: float) -> str:
+    """The colour Grafana shows a value in: the last threshold step at or below it."""
+    color = steps[0]["color"]
+    for step in steps[1:]:
+        if value >= step["value"]:
+            color = step["color"]
+    return color
+
+
+def catalogue_metrics(name: str) -> set[str]:
+    """The series a catalogue entry is read from."""
+    if name in SIGNALS_BY_NAME:
+        return metric_names(SIGNALS_BY_NAME[name].promql.format(sel="", w="5m", by="x", q="0.5"))
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE:
+        if name in (entry.name, entry.sample_name):
+            return {entry.sample_name} | {entry.name + suffix for suffix in ("_bucket", "_sum", "_count")}
+    raise KeyError(name)
+
+
+def colour_problems(dashboard: dict, specs: dict) -> list[str]:
+    """Every threshold and value mapping, rendered as Grafana would, against
+    the good side its panel's signal declares in the catalogue: green on the
+    good side, never green on the other; a panel without a threshold claims
+    neither good nor bad."""
+    problems = []
+    for panel in iter_panels(dashboard):
+        if panel["type"] == "row":
+            continue
+        where = f"{dashboard['uid']} {panel['title']!r}"
+        defaults = panel["fieldConfig"]["defaults"]
+        steps = defaults["thresholds"]["steps"]
+        mappings = [(float(value), option) for mapping in defaults.get("mappings", [])
+                    for value, option in mapping["options"].items()]
+        if len(steps) == 1:
+            if steps[0]["color"] in ("green", "red", "orange") or mappings:
+                problems.append(f"{where}: colours values without a threshold")
+            continue
+        spec = specs[(dashboard["uid"], panel["id"])]
+        good = good_direction(spec.signal) if spec.signal else None
+        if good not in ("high", "low"):
+            problems.append(f"{where}: thresholds without a declared good side ({spec.signal})")
+            continue
+        shown = set().union(*(metric_names(t["expr"]) for t in panel["targets"]))
+        if not catalogue_metrics(spec.signal) & shown:
+            problems.append(f"{where}: coloured by {spec.signal}, which it does not show")
+        limits = [step["value"] for step in steps[1:]]
+        for limit in limits:
+            below, at = rendered_color(steps, limit - 1e-9), rendered_color(steps, limit)
+            good_color, bad_color = (at, below) if good == "high" else (below, at)
+            if good_color != "green" or bad_color == "green":
+                problems.append(f"{where}: {good_color} on the good ({good}) side of {limit:g}, {bad_color} on the "
+                                f"other")
+        for value, option in mappings:
+            on_good_side = value >= max(limits) if good == "high" else value < min(limits)
+            if option.get("color") != rendered_color(steps, value) or (option.get("color") == "green") != on_good_side:
+                problems.append(f"{where}: {value:g} shown as {option.get('text')!r} in {option.get('color')}, "
+                                f"but good is {good}")
+    return problems
+
+
+def board_specs() -> dict:
+    return {(board.uid, panel_id): board.specs[key]
+            for board in boards(MixinConfig()).values() for key, panel_id in board.ids.items()}
+
+
+def test_every_threshold_and_value_mapping_is_green_on_the_declared_good_side(dashboards):
+    specs = board_specs()
+    coloured = 0
+    for dashboard in dashboards.values():
+        assert colour_problems(dashboard, specs) == [], dashboard["uid"]
+        coloured += sum(len(p.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", [])) > 1
+                        for p in iter_panels(dashboard))
+    assert coloured >= 14
+
+
+def test_the_colour_check_catches_an_inverted_threshold_and_mapping(dashboards):
+    dashboard = copy.deepcopy(dashboards["kvwatch-overview.json"])
+    up = next(p for p in iter_panels(dashboard) if p["title"] == "Prometheus scraping kvwatch")
+    # What the overview shipped: red at 1, green below, and an unmapped 0.
+    up["fieldConfig"]["defaults"]["thresholds"]["steps"] = [{"color": "green", "value": None},
+                                                           {"color": "red", "value": 1}]
+    problems = colour_problems(dashboard, board_specs())
+    assert any("Prometheus scraping kvwatch" in p and "good (high)" in p for p in problems)
+    assert any("'up' in green" in p or "'down' in red" in p for p in problems)
+
+
+def test_good_sides_are_declared_in_the_catalogue():
+    for entry in SIGNALS + ENGINE_SERIES + HEALTH + SCRAPE:
+        assert entry.good in GOOD_DIRECTIONS, entry.name
+    assert good_direction("up") == "high" and good_direction("kvwatch_up") == "high"
+    assert good_direction("kvwatch_kv_cache_usage_ratio") == "low"
+    assert good_direction("kvwatch_prefix_cache_hit_ratio") == "high"
+    assert good_direction("kvwatch_poll_errors_total") == "low"
+    assert good_direction("kvwatch_requests_running") is None
+
+
+def test_a_threshold_needs_a_signal_with_a_good_side():
+    def add(**kwargs):
+        Board("overview", MixinConfig()).add(PanelSpec("p", "P", "a panel for the test", "short", [("up", "")],
+                                                       threshold=1, **kwargs))
+
+    with pytest.raises(ValueError, match="needs the signal"):
+        add()
+    with pytest.raises(ValueError, match="no good side"):
+        add(signal="kvwatch_requests_running")
+    add(signal="kvwatch_up")
+
+
+KVWATCH_HEALTH = {"up", "kvwatch_up", "kvwatch_poll_errors_total"}
+
+
+def test_the_overview_leads_with_the_engine_and_keeps_kvwatch_health_below(dashboards):
+    dashboard = dashboards["kvwatch-overview.json"]
+    specs = board_specs()
+    panels = [p for p in iter_panels(dashboard) if p["type"] != "row"]
+    top_y = min(p["gridPos"]["y"] for p in panels)
+    top = [p for p in panels if p["gridPos"]["y"] == top_y]
+    assert [p["type"] for p in top] == ["stat"] * 5
+    assert [specs[(dashboard["uid"], p["id"])].signal for p in top] == [
+        "kvwatch_kv_cache_usage_ratio", "kvwatch_prefix_cache_hit_ratio", "kvwatch_time_to_first_token_seconds",
+        "kvwatch_requests_waiting", "kvwatch_finding"]
+    assert "histogram_quantile(0.95," in top[2]["targets"][0]["expr"]
+
+    def reads_health(panel):
+        return bool(set().union(*(metric_names(t["expr"]) for t in panel["targets"])) & KVWATCH_HEALTH)
+
+    health = [p for p in panels if reads_health(p)]
+    engine = [p for p in panels if not reads_health(p)]
+    assert {p["title"] for p in health} == {"Prometheus scraping kvwatch", "kvwatch polling vLLM",
+                                            "Failed polls by reason"}
+    assert min(p["gridPos"]["y"] for p in health) >= max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in engine)
+
+
+def test_every_board_marks_restarts_changes_and_firing_alerts(dashboards):
+    from kvwatch.mixin.config import ALERTS
+
+    for dashboard in dashboards.values():
+        found = {a["name"]: a for a in dashboard["annotations"]["list"]}
+        assert set(found) == {"Engine restarts", "Config and model changes", "Firing alerts"}, dashboard["uid"]
+        for annotation in found.values():
+            assert annotation["datasource"]["uid"] in DATASOURCE_REFS and annotation["enable"]
+            assert annotation["titleFormat"] and annotation["step"]
+            # Every label a title or text names is one the query keeps.
+            kept = set(re.findall(r"by \(([^)]*)\)", annotation["expr"])[0].split(", ")) if "by (" in \
+                annotation["expr"] else None
+            for label in re.findall(r"\{\{(\w+)\}\}", annotation["titleFormat"] + annotation["textFormat"]):
+                assert kept is None or label in kept, (dashboard["uid"], annotation["name"], label)
+        # Restarts from Prometheus' own history of the engine's counters, over
+        # $__rate_interval so consecutive steps overlap and no reset falls between.
+        assert "resets(kvwatch_engine_prompt_tokens_total{" in found["Engine restarts"]["expr"]
+        assert "[$__rate_interval]" in found["Engine restarts"]["expr"]
+        changes = found["Config and model changes"]["expr"]
+        assert 'symptom="change"' in changes and "unless" in changes
+        alerts = found["Firing alerts"]["expr"]
+        assert alerts.startswith('ALERTS{alertstate="firing"')
+        named = re.search(r'alertname=~"([^"]+)"', alerts).group(1).split("|")
+        assert sorted(named) == sorted(ALERTS)
+
+
+def legend_problems(dashboard: dict, instance_label: str) -> list[str]:
+    """Legends name replicas by the config's instance_label, before the model, never as
+    `@ address`; every label a legend names is one its query keeps (a label
+    of an aggregation's by/on list, or any label of a bare selector); a query
+    kept per replica names the replica."""
+    problems = []
+    for panel in iter_panels(dashboard):
+        for target in panel.get("targets", []):
+            legend, expr = target.get("legendFormat") or "", target["expr"]
+            where = f"{dashboard['uid']} {panel['title']!r} {target['refId']} {legend!r}"
+            if target.get("format") == "table":
+                continue  # tables show labels as columns, not legends
+            if "@" in legend:
+                problems.append(f"{where}: an address, not a replica name")
+            named = re.findall(r"\{\{\s*(\w+)\s*\}\}", legend)
+            groups = [set(re.split(r",\s*", g.strip())) - {"le"}
+                      for g in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr)]
+            kept = set().union(*groups) if groups else None
+            for label in named:
+                if kept is not None and label not in kept:
+                    problems.append(f"{where}: {{{{{label}}}}} is not a label the query keeps")
+            if groups and all(instance_label in g for g in groups):
+                if instance_label not in named:
+                    problems.append(f"{where}: a per-replica query whose legend does not name {instance_label}")
+                elif "model_name" in named and named.index("model_name") < named.index(instance_label):
+                    problems.append(f"{where}: the replica is not named before its model")
+    return problems
+
+
+def test_legends_name_replicas_by_the_instance_label(dashboards):
+    for dashboard in dashboards.values():
+        assert legend_problems(dashboard, "instance") == [], dashboard["uid"]
+
+
+def test_legends_follow_a_customised_instance_label():
+    import json
+
+    from kvwatch.commands.generate import render_all
+    from kvwatch.mixin.config import config_from_mapping
+
+    files = render_all(config_from_mapping({"instance_label": "pod", "upstream_histogram": "app_retrieval_seconds",
+                                            "upstream_join_labels": ["namespace"]}))
+    for name, text in files.items():
+        if name.startswith("dashboards/"):
+            dashboard = json.loads(text)
+            assert legend_problems(dashboard, "pod") == [], name
+            legends = [t.get("legendFormat") or "" for p in iter_panels(dashboard) for t in p.get("targets", [])]
+            assert not any("{{instance}}" in legend for legend in legends), name
+            assert any(legend.startswith("{{pod}} {{model_name}} engine {{engine}}") for legend in legends), name

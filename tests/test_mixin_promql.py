@@ -18,7 +18,7 @@ import yaml
 from kvwatch.mixin.config import MixinConfig, config_from_mapping
 from kvwatch.commands.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
 from mixin_support import (
-    capture_names, dashboard_exprs, exported_names, load_dashboards, load_rules, metric_names, substitute,
+    annotation_exprs, capture_names, dashboard_exprs, exported_names, load_dashboards, load_rules, metric_names, substitute,
     variable_selectors, GRAFANA_RULES,
 )
 
@@ -31,6 +31,7 @@ def committed_exprs() -> list[tuple[str, str]]:
     for name, dashboard in load_dashboards().items():
         exprs += [(where, substitute(expr)) for where, expr in dashboard_exprs(dashboard)]
         exprs += [(where, substitute(expr)) for where, expr in variable_selectors(dashboard)]
+        exprs += [(where, substitute(expr)) for where, expr in annotation_exprs(dashboard)]
     for rule in load_rules():
         exprs.append((rule.get("record") or rule.get("alert"), rule["expr"]))
     for group in json.loads(GRAFANA_RULES.read_text())["groups"]:
@@ -75,7 +76,7 @@ def test_expressions_of_a_customised_config_parse(tmp_path):
     for name, text in files.items():
         if name.startswith("dashboards/"):
             dashboard = json.loads(text)
-            exprs += [(w, substitute(e)) for w, e in dashboard_exprs(dashboard)]
+            exprs += [(w, substitute(e)) for w, e in dashboard_exprs(dashboard) + annotation_exprs(dashboard)]
     grafana = json.loads(files[GRAFANA_RULES_FILE])
     exprs += [(r["uid"], q["model"]["expr"]) for r in grafana["groups"][0]["rules"] for q in r["data"]
               if "expr" in q["model"]]
@@ -92,7 +93,8 @@ def test_metric_name_extraction():
 
 
 def test_every_name_is_exported_recorded_or_in_the_captures(fixtures_dir):
-    allowed = exported_names(fixtures_dir) | capture_names(fixtures_dir) | {"up"}
+    # up and ALERTS are Prometheus' own (the annotations mark kvwatch's firing alerts).
+    allowed = exported_names(fixtures_dir) | capture_names(fixtures_dir) | {"up", "ALERTS"}
     allowed |= {rule["record"] for rule in load_rules() if "record" in rule}
     # Sanity: the exporter really ran (engine series, findings, health).
     assert {"kvwatch_up", "kvwatch_engine_preemptions_total", "kvwatch_finding",

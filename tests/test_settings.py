@@ -60,3 +60,31 @@ def test_kubernetes_service_link_variable_is_not_taken_for_the_port():
     assert settings.port == 9400
     with pytest.raises(SettingsError):
         load_settings(environ={"KVWATCH_PORT": "http://10.0.0.7:9400"})
+
+
+def test_serve_help_states_every_default_one_way_and_each_parses_back_to_the_setting(capsys):
+    """Every option of `kvwatch serve --help` ends in "(default: X; env
+    KVWATCH_Y)", X read from Settings, and X given back as the flag's value
+    yields that default (no "5s" here and "5 seconds" there)."""
+    import re
+    from dataclasses import fields
+
+    from kvwatch.sidecar.settings import PARSERS, Settings, default_text
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    from kvwatch.commands.serve import OPTIONS
+
+    options = [o for o in re.findall(r"--([a-z-]+) [A-Z_]+ ", text) if o.replace("-", "_") in OPTIONS]
+    assert sorted(options) == sorted(key.replace("_", "-") for key in OPTIONS)
+    for option in options:
+        key = option.replace("-", "_")
+        found = re.search(rf"--{option} {key.upper()} .*?\(default: ([^;]*); env KVWATCH_{key.upper()}\)", text)
+        assert found, option
+        assert found.group(1) == default_text(key)
+    assert text.count("(default") == text.count("(default: ")  # one way
+    defaults = {f.name: f.default for f in fields(Settings)}
+    for key in ("poll_interval", "window", "max_body_bytes", "port", "max_series", "host", "tls_verify",
+                "log_level", "engine", "target"):
+        assert PARSERS[key](default_text(key)) == defaults[key], key

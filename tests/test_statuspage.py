@@ -101,6 +101,9 @@ def test_format_value():
     assert format_value(4096.0, "tokens") == "4,096"
     assert format_value({"0.5": 0.03, "0.95": 0.064}, "seconds") == "p50 30 ms, p95 64 ms"
     assert format_value(None, "ratio") == "–"
+    # Pinned quantiles read as bounds, from the JSON's `pinned`.
+    assert format_value({"0.5": 0.3, "0.95": 80.0}, "seconds", {"0.5": "<", "0.95": ">"}) == "p50 < 300 ms, p95 > 80.00 s"
+    assert format_value(0.3, "seconds", "<") == "< 300 ms"
 
 
 def _down_state():

@@ -160,6 +160,23 @@ def test_quantile_pinned_in_last_bucket_is_flagged():
     assert any("at least 1" in note for note in per_engine[0].notes)
 
 
+def test_pinned_quantiles_are_bounds_with_their_side_in_pinned():
+    """Every observation in the first bucket (le=1): each quantile is only
+    known to be at most 1 s, so its value is that bound (histogram_quantile's
+    interpolation, 0.5/0.95/0.99 s, would claim what the buckets cannot say)
+    and `pinned` says "<"; every observation past the last finite bound: ">"."""
+    first = evaluate_window(run([page(0, 0, 0, 0), page(0, 0, 0, 0, ttft_counts=(4, 4), ttft_sum=0.04)])[0])[0][0]
+    assert first.values["kvwatch_time_to_first_token_seconds"] == {"0.5": 1.0, "0.95": 1.0, "0.99": 1.0}
+    assert first.pinned == {"kvwatch_time_to_first_token_seconds": {"0.5": "<", "0.95": "<", "0.99": "<"}}
+    last = evaluate_window(run([page(0, 0, 0, 0), page(0, 0, 0, 0, ttft_counts=(0, 4), ttft_sum=40)])[0])[0][0]
+    assert last.pinned == {"kvwatch_time_to_first_token_seconds": {"0.5": ">", "0.95": ">", "0.99": ">"}}
+    # Half in the first bucket: the median is pinned, p95 and p99 are past the last bound.
+    mixed = evaluate_window(run([page(0, 0, 0, 0), page(0, 0, 0, 0, ttft_counts=(2, 4), ttft_sum=4)])[0])[0][0]
+    assert mixed.pinned["kvwatch_time_to_first_token_seconds"] == {"0.5": "<", "0.95": ">", "0.99": ">"}
+    none = evaluate_window(run([page(0, 0, 0, 0), page(0, 0, 0, 0)])[0])[0][0]
+    assert none.pinned == {}
+
+
 def test_per_model_aggregates_sum_counters_and_take_max_usage():
     def two(prompt0, prompt1, usage0, usage1):
         return (

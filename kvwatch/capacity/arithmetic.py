@@ -576,9 +576,17 @@ def compute_capacity(config: Mapping[str, Any], kv_dtype: str, block_size: int,
         raise CapacityInputError(f"the block size must be a positive integer, got {block_size!r}")
     structure = kv_structure(config, kv_dtype)
     rows = combine_lengths(input_tokens, output_tokens)
+    _check_positions(config, rows)
     bpt = structure.bytes_per_token
     block_bytes = block_size * bpt
     pool_blocks = budget // block_bytes
+    if pool_blocks < 2:
+        # vLLM keeps one null block, so a pool needs two blocks to hold a token.
+        raise CapacityInputError(
+            f"a KV budget of {budget} B ({human_bytes(budget)}) holds {pool_blocks} block"
+            f"{'' if pool_blocks == 1 else 's'} of {block_bytes} B ({block_size} tokens x {bpt} B), and vLLM "
+            f"needs two (one null block and one to use), {2 * block_bytes} B at least; a size without a "
+            f"unit is bytes (for {budget} GiB write {budget}GiB)")
     usable_blocks = max(pool_blocks - 1, 0)
     pool_tokens = pool_blocks * block_size
     steps = list(structure.steps)
@@ -655,7 +663,45 @@ def compute_capacity(config: Mapping[str, Any], kv_dtype: str, block_size: int,
         kv_budget_bytes=budget, block_size=block_size, structure=structure,
         bytes_per_token=bpt, block_bytes=block_bytes, pool_blocks=pool_blocks,
         pool_tokens=pool_tokens, usable_blocks=usable_blocks, requests=requests, steps=steps,
-        notes=list(structure.notes), ignores=list(IGNORED))
+        notes=list(structure.notes) + _block_size_notes(structure, block_size), ignores=list(IGNORED))
+
+
+# vLLM's MLA attention backends that fix the block size whatever --block-size
+# says (vllm/platforms/cuda.py: "Forcing kv cache block size to ...").
+MLA_BACKEND_BLOCK_SIZES = {"FlashMLA": 64, "CUTLASS MLA": 128}
+VLLM_DEFAULT_BLOCK_SIZE = 16
+
+
+def _block_size_notes(structure: KVStructure, block_size: int) -> list[str]:
+    if structure.attention != "MLA" or block_size != VLLM_DEFAULT_BLOCK_SIZE:
+        return []
+    return [f"MLA with block size {block_size}: vLLM's FlashMLA backend (the default for MLA on Hopper GPUs) "
+            f"uses blocks of {MLA_BACKEND_BLOCK_SIZES['FlashMLA']} tokens whatever --block-size says, and CUTLASS MLA "
+            f"(Blackwell) {MLA_BACKEND_BLOCK_SIZES['CUTLASS MLA']}; give --block-size "
+            f"{MLA_BACKEND_BLOCK_SIZES['FlashMLA']} to count the blocks that engine allocates."]
+
+
+def _check_positions(config: Mapping[str, Any], rows) -> None:
+    """A request longer than the model's positions is refused by vLLM
+    (max_model_len defaults to max_position_embeddings and may not exceed it
+    without rope scaling): it has no capacity to count."""
+    section, _ = _language_section(config)
+    limit = section.get("max_position_embeddings", config.get("max_position_embeddings"))
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        return
+    scaling = section.get("rope_scaling") or config.get("rope_scaling")
+    if isinstance(scaling, Mapping):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        factor = scaling.get("factor")
+        # As vLLM derives max_model_len: these rope types scale the positions.
+        if kind not in ("llama3", "longrope", "su", "mrope", "default", None) and isinstance(factor, (int, float)):
+            limit = int(limit * max(1.0, float(factor)))
+    too_long = [(label, inp + out) for label, inp, out in rows if inp + out > limit]
+    if too_long:
+        shown = ", ".join(f"{tokens} tokens ({label})" for label, tokens in too_long)
+        raise CapacityInputError(
+            f"a request of {shown} is longer than the model's max_position_embeddings {limit}: vLLM refuses it "
+            "(its max_model_len defaults to that and cannot exceed it without rope scaling)")
 
 
 def capacity_from_request_bytes(kv_budget_bytes: int, per_request_bytes: int) -> CapacityResult:

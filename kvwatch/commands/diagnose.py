@@ -207,9 +207,10 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
 
     columns = signal_columns(signals)
     print("\nSIGNALS", file=out)
-    rows = [["signal"] + [heading for heading, _ in columns]]
+    rows = [["signal"] + [heading for heading, _, _ in columns]]
     for signal in SIGNALS:
-        cells = [format_value(values.get(signal.name), signal.unit) for _, values in columns]
+        cells = [format_value(values.get(signal.name), signal.unit, pinned.get(signal.name))
+                 for _, values, pinned in columns]
         if all(cell == "–" for cell in cells):
             continue
         rows.append([signal_label(signal.name)] + cells)
@@ -223,7 +224,7 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
         where = finding["model_name"] + (f"/{finding['engine']}" if finding["engine"] is not None else "")
         print(f"\n  {finding['severity'].upper():8}  {finding['symptom']} / {finding['cause']}  [{where}]  "
               f"confidence {finding['confidence']}", file=out)
-        lines = [("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"]))]
+        lines = [("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"], finding.get("pinned")))]
         lines += [(f"{key.replace('_', ' ')}: ", note) for key, note in finding.get("notes", {}).items()]
         lines += [("next: ", finding["next_check"])]
         if finding.get("runbook"):
@@ -239,7 +240,7 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
     if upstream:
         print(f"\nUPSTREAM {upstream['histogram']}: {'up' if upstream['up'] else 'down ' + str(upstream['reason'])}, "
               f"mean {format_value(upstream['mean_seconds'], 'seconds')}, p95 "
-              f"{format_value(upstream['p95_seconds'], 'seconds')}", file=out)
+              f"{format_value(upstream['p95_seconds'], 'seconds', upstream.get('p95_pinned'))}", file=out)
 
 
 def run_replay(args: argparse.Namespace) -> int:

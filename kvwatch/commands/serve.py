@@ -15,30 +15,35 @@ import argparse
 import logging
 import sys
 
-from kvwatch.sidecar.settings import SettingsError, env_name, load_settings
+from kvwatch.sidecar.settings import SettingsError, default_text, env_name, load_settings
 
-# flag -> settings key; the help names the environment variable too.
+# flag -> settings key; the help adds the default (from Settings, written
+# back as the flag takes it) and the environment variable, one way for all.
 OPTIONS = {
     "target": "the engine's /metrics URL (a bare http://host:port gets /metrics)",
-    "host": "address to listen on (default 127.0.0.1)",
-    "port": "port to listen on (default 9400)",
-    "poll_interval": "seconds between polls, e.g. 5 or 5s (default 5s)",
-    "timeout": "fetch deadline (default 15s, or 80%% of a longer interval); a late page is kept",
-    "window": "span of the windowed signals, e.g. 5m (default 5m)",
-    "max_body_bytes": "cap on the engine's page size (default 8MiB)",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "poll_interval": "time between polls, e.g. 5s or 1m",
+    "timeout": "fetch deadline, e.g. 4s",
+    "window": "span of the windowed signals, e.g. 5m",
+    "max_body_bytes": "cap on the engine's page size, e.g. 8MiB",
     "max_series": "most (model, engine) pairs kept per poll",
     "bearer_token_file": "file holding a bearer token for the engine",
     "ca_bundle": "CA bundle to verify the engine's TLS certificate",
-    "tls_verify": "verify the engine's TLS certificate: true/false (default true)",
-    "log_level": "debug, info, warning, error",
+    "tls_verify": "verify the engine's TLS certificate: true or false",
+    "log_level": "debug, info, warning or error",
     "upstream_target": "a gateway's or application's /metrics (second source for TTFT diagnosis)",
     "upstream_histogram": "the histogram there that measures time before the engine, e.g. app_retrieval_seconds",
     "auth_token_file": "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
     "tls_cert_file": "serve kvwatch over TLS with this certificate",
     "tls_key_file": "and this key",
-    "engine": "the engine serving the target: auto (from its first page), vllm, sglang, llamacpp, trtllm "
-              "(default auto)",
+    "engine": "the engine serving the target: auto (from its first page), vllm, sglang, llamacpp or trtllm",
 }
+
+
+def option_help(key: str) -> str:
+    # argparse formats help with %: a literal % is written %%.
+    return f"{OPTIONS[key]} (default: {default_text(key)}; env {env_name(key)})".replace("%", "%%")
 
 
 # Seconds a shutdown waits for open connections to kvwatch before closing them.
@@ -46,14 +51,14 @@ SHUTDOWN_GRACE_SECONDS = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help=f"YAML config file (env {env_name('config')})")
-    for key, help_text in OPTIONS.items():
-        parser.add_argument("--" + key.replace("_", "-"), dest=key, default=None,
-                            help=f"{help_text} (env {env_name(key)})")
+    parser.add_argument("--config", help=f"YAML config file (default: none; env {env_name('config')})")
+    for key in OPTIONS:
+        parser.add_argument("--" + key.replace("_", "-"), dest=key, default=None, help=option_help(key))
     parser.add_argument("--replay", metavar="CAPTURE",
-                        help="serve a capture (folder or .tar.gz of kvwatch capture) instead of polling a target")
+                        help="serve a capture (folder or .tar.gz of kvwatch capture) instead of polling a target "
+                             "(default: none)")
     parser.add_argument("--speed", type=float, default=1.0,
-                        help="with --replay: recorded seconds per wall second (default 1; 0 = no waiting)")
+                        help="with --replay: recorded seconds per wall second, 0 for no waiting (default: 1)")
 
 
 def configure_logging(level: str) -> None:

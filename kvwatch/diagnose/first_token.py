@@ -16,11 +16,13 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
     if ttft is None or ttft.count < t["ttft_min_requests"]:
         return []
     ttft_mean = ttft.mean()
-    p95, pinned = quantile_value(ttft, 0.95)
+    # As every surface reports it: pinned at a bucket edge, the edge and its side ("<" / ">").
+    reported = ttft.reported_quantile(0.95)
+    p95, pinned = (reported.value, reported.bound) if reported is not None else (None, None)
     upstream_mean = None
     if upstream and upstream.get("up") and (upstream.get("count") or 0) >= t["ttft_min_requests"]:
         upstream_mean = upstream.get("mean_seconds")
-    engine_slow = (p95 is not None and p95 > t["ttft_p95_seconds"] and pinned != "first") or \
+    engine_slow = (p95 is not None and p95 > t["ttft_p95_seconds"] and pinned != "<") or \
         (ttft_mean is not None and ttft_mean > t["ttft_mean_seconds"])
     total_mean = (ttft_mean or 0.0) + (upstream_mean or 0.0)
     total_slow = upstream_mean is not None and total_mean > t["ttft_mean_seconds"]
@@ -63,7 +65,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
     }
     if parts is not None and parts.note:
         evidence["histograms_disagree"] = parts.note
-    headline = (f"Time to first token p95 {p95:.2f}s{'+' if pinned == 'last' else ''}, mean {ttft_mean:.2f}s "
+    headline = (f"Time to first token p95 {(pinned + ' ') if pinned else ''}{p95:.2f}s, mean {ttft_mean:.2f}s "
                 f"(objective p95 {t['ttft_p95_seconds']:g}s, mean {t['ttft_mean_seconds']:g}s)")
     findings = []
 

@@ -258,19 +258,36 @@ class VllmAdapter(EngineAdapter):
 
     def __init__(self, max_series: int = 10_000):
         super().__init__(max_series)
-        self.selector = FamilySelector(all_families(), PREFIXES)
+        self._selector: FamilySelector | None = None
         # Derived forms of the parser's cached label sets, which come back as
         # the same objects poll after poll (see _SeriesCache).
         self._series = _SeriesCache()
         self._folds = _Folds()
         self._process_start: float | None = None
 
+    @property
+    def selector(self) -> FamilySelector:
+        # Built on the first page: a reader that hands over families
+        # (adapt_families) never needs it.
+        if self._selector is None:
+            self._selector = FamilySelector(all_families(), PREFIXES)
+        return self._selector
+
     def adapt(self, text: str, at: float | None = None) -> Snapshot:
         page = self.selector.parse(text)
-        families = page.families
-        snapshot = Snapshot(time=_time.time() if at is None else at, engines={}, parse_errors=page.errors,
+        return self.adapt_families(page.families, page.errors, _process_start(text), at)
+
+    def adapt_families(self, families: dict[str, Family], errors: list, process_start: float | None,
+                       at: float | None = None) -> Snapshot:
+        """The Snapshot of a page already read into families (keyed by the
+        family name without prefix, samples as (suffix, labels, value) in
+        page order), as the parser would give them: the history reader
+        builds these straight from query results. A reader that hands the
+        same label dicts, and the same `layout` object for the same layout,
+        from one call to the next gets the caches' speed."""
+        snapshot = Snapshot(time=_time.time() if at is None else at, engines={}, parse_errors=errors,
                             families=KEY_FAMILIES, gates=GATES)
-        snapshot.process_start = _process_start(text)
+        snapshot.process_start = process_start
         if snapshot.process_start is not None and snapshot.process_start != self._process_start:
             if self._process_start is not None:
                 self._folds.clear()  # a new process: every replica's count started again

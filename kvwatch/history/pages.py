@@ -1,13 +1,16 @@
-"""From query results back to metrics pages: each replica's values at one
-step, written as the text of the /metrics page a poll at that time would
-have read, for the engine adapter (kvwatch.engines).
+"""From query results back to what a poll would have read: each replica's
+values at one step, as the parser's families (`Replica.families`, handed to
+VllmAdapter.adapt_families) or as the text of the /metrics page
+(`Replica.page`, for the adapter's parser; the reference the families are
+tested against).
 
-Why pages and not Snapshots built here: the adapter owns every alias of
-every vLLM version, the folding of `pid` and Ray labels, the cache
-configuration, `_created` and the process start time. Writing its input
-keeps one reader of vLLM's vocabulary; the cost is a parse per replica and
-step, which the adapter's layout cache keeps small (the lines of one
-replica's page keep their order from step to step).
+Why not Snapshots built here: the adapter owns every alias of every vLLM
+version, the folding of `pid` and Ray labels, the cache configuration,
+`_created` and the process start time. Handing it what its parser would
+have produced keeps one reader of vLLM's vocabulary, without writing and
+parsing text at every step: the label dicts and the layout of a replica's
+families are the same objects from step to step, so the adapter's caches
+work as they do on a sidecar's polls.
 
 Two sources, whichever the store has (`auto` prefers vLLM's own series):
 - `vllm`: vLLM's series as Prometheus stored them, in any version's
@@ -25,10 +28,12 @@ every other label is kept for the adapter.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
 from kvwatch.engines import vllm
+from kvwatch.exposition import Family, sample_names
 from kvwatch.signals import ENGINE_SERIES, INFO_KEYS
 
 DEFAULT_REPLICA_LABELS = ("job", "instance", "namespace", "pod")
@@ -153,25 +158,123 @@ def _le_order(labels: dict[str, str]) -> float:
         return float("inf")
 
 
+# The parser's reading of a sample name: (family without prefix, suffix).
+_SAMPLE_NAMES = sample_names(vllm.all_families(), vllm.PREFIXES)
+
+
 @dataclass
 class Replica:
-    """One scrape target's series over the range, as page lines."""
+    """One scrape target's series over the range: as page lines (`page`, for
+    the adapter's parser) or as the parser's families (`families`, the fast
+    path: the same Snapshot without writing and parsing the text)."""
 
     key: tuple[str, ...]
     labels: dict[str, str]
-    # [(sample line prefix, sort key, values by step index)]
-    rows: list[tuple[str, tuple, list[str | None]]] = field(default_factory=list)
+    # [(sample line prefix, sort key, values by step index, (family, suffix,
+    # labels, spelling) as the parser reads the line, or None where it skips it)]
+    rows: list[tuple[str, tuple, list[str | None], tuple | None]] = field(default_factory=list)
     # config/<key> values that join the cache_config line: (engine labels, key, values)
     config_rows: list[tuple[tuple, str, list[str | None]]] = field(default_factory=list)
     process_start: list[str | None] | None = None
     _ordered: bool = False
+    # The fast path's plan, made once the rows are complete: per family,
+    # (name, spelling, [(suffix, labels, float values)]); and the layout
+    # object of each set of present rows, kept from step to step so the
+    # adapter reuses what it derived.
+    _plan: tuple | None = None
 
-    def page(self, index: int) -> str | None:
-        """The page at step `index`, or None when the replica had no value then."""
+    def _order(self) -> None:
         if not self._ordered:
             self.rows.sort(key=lambda row: row[1])
             self._ordered = True
-        lines = [prefix + values[index] for prefix, _order, values in self.rows if values[index] is not None]
+            self._plan = None
+
+    def families(self, index: int) -> tuple[dict[str, Family], float | None] | None:
+        """What the parser would read from `page(index)`: (families, process
+        start time), or None when the replica had no value then."""
+        self._order()
+        if self._plan is None:
+            self._plan = self._make_plan()
+        plan, any_row, layouts = self._plan
+        if not any_row[index]:
+            return None
+        families: dict[str, Family] = {}
+        for name, spelling, samples, complete, suffixes, label_sets, columns in plan:
+            if complete[index]:
+                present = None  # every series of the family (the usual case)
+                found = list(zip(suffixes, label_sets, columns[index]))
+            else:
+                present = tuple(i for i, (_suffix, _labels, values) in enumerate(samples)
+                                if values[index] is not None)
+                if not present:
+                    continue
+                found = [(samples[i][0], samples[i][1], samples[i][2][index]) for i in present]
+            family = Family(name, spelling=spelling, samples=found)
+            if name == vllm.CACHE_CONFIG and self.config_rows:
+                family.samples = [(suffix, self._config_labels(labels, index), value)
+                                  for suffix, labels, value in family.samples]
+            else:
+                layout = layouts.get((name, present))
+                if layout is None:  # None: the family complete
+                    layout = layouts[(name, present)] = object()
+                family.layout = layout
+            families[name] = family
+        start = None
+        if self.process_start is not None and self.process_start[index] is not None:
+            try:
+                start = float(self.process_start[index])
+            except ValueError:
+                start = None
+            if start is not None and not math.isfinite(start):
+                start = None
+        return families, start
+
+    def _make_plan(self) -> tuple[list, list[bool], dict]:
+        plan: list = []
+        by_name: dict[str, list] = {}
+        for _prefix, _order, values, read in self.rows:
+            if read is None:
+                continue
+            name, suffix, labels, spelling = read
+            samples = by_name.get(name)
+            if samples is None:
+                samples = by_name[name] = []
+                plan.append((name, spelling, samples))
+            samples.append((suffix, labels, [None if v is None else _number(v) for v in values]))
+        # Per step: whether every series of a family has a value, and
+        # whether any row of the page has one (a page at all); and the
+        # values by step (columns), so that a complete family's samples
+        # at a step are one zip.
+        complete_plan = []
+        for name, spelling, samples in plan:
+            columns = list(zip(*(s[2] for s in samples)))
+            complete_plan.append((name, spelling, samples, [None not in column for column in columns],
+                                  tuple(s[0] for s in samples), tuple(s[1] for s in samples), columns))
+        any_row = [any(column) for column in zip(*(row[2] for row in self.rows))] if self.rows else []
+        return complete_plan, any_row, {}
+
+    def _config_labels(self, labels: dict[str, str], index: int) -> dict[str, str]:
+        """As _with_config writes them: each matching engine's block added in
+        front of the info line's labels (the last added first), and a label
+        written twice keeps its first place and its last value."""
+        extra: dict[tuple, dict[str, str]] = {}
+        for engine_labels, key, values in self.config_rows:
+            if values[index] is not None:
+                extra.setdefault(engine_labels, {})[key] = values[index]
+        blocks = [{k: str(_as_int(v)) for k, v in added.items()} for engine_labels, added in extra.items()
+                  if all(labels.get(k) == v for k, v in engine_labels)]
+        if not blocks:
+            return labels
+        merged: dict[str, str] = {}
+        for block in reversed(blocks):
+            merged.update(block)
+        merged.update(labels)
+        return merged
+
+    def page(self, index: int) -> str | None:
+        """The page at step `index`, or None when the replica had no value then."""
+        self._order()
+        lines = [prefix + values[index] for prefix, _order, values, _read in self.rows if values[index] is not None]
         if not lines:
             return None
         if self.config_rows:
@@ -199,6 +302,15 @@ class Replica:
                         line = line.replace("{", "{" + added + ",", 1)
             out.append(line)
         return out
+
+
+def _number(text: str) -> float:
+    """A value of the query API ("0.25", "NaN", "+Inf") as the parser reads
+    it; None for anything else, a line the parser would skip."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _as_int(text: str) -> str:
@@ -273,5 +385,9 @@ class Pages:
                     base = name[: -len(suffix)]
             identity = tuple(sorted((k, v) for k, v in metric.items() if k != "le"))
             order = (base, identity, name.endswith("_count"), name.endswith("_sum"), _le_order(metric))
-            replica.rows.append((prefix, order, values))
+            read = _SAMPLE_NAMES.get(name)
+            if read is not None:
+                family, suffix = read
+                read = (family, suffix, dict(sorted(metric.items())), name[: name.find(family)])
+            replica.rows.append((prefix, order, values, read))
             replica._ordered = False

@@ -5,14 +5,22 @@ per replica, as one sidecar per replica would have), then the fleet rules
 across the replicas of each model at the same step.
 
 Memory is bounded by the chunk, not the range: a chunk reads every family
-for at most `max_samples` samples in all, its steps are diagnosed, and only
-the replicas' windows (one window span each) and the timeline are kept.
+for at most `max_samples` samples in all, its steps are diagnosed while the
+next chunk is read, and only the replicas' windows (one window span each)
+and the timeline are kept.
+
+Each step's Snapshot is built from the query results as the parser's
+families (Replica.families -> VllmAdapter.adapt_families): the adapter's
+own reading of every alias, fold and configuration, without writing the
+page's text and parsing it back (Replica.page, `pages_as_text`, gives the
+same Snapshots and stays as the reference).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -92,7 +100,10 @@ def _discover(client: PrometheusClient, selector: str, start: float, end: float,
 def diagnose_history(client: PrometheusClient, start: float, end: float, step: float, selector: str = "",
                      source: str = "auto", window: float = 300.0, thresholds: dict[str, Any] | None = None,
                      replica_labels: tuple[str, ...] = DEFAULT_REPLICA_LABELS,
-                     progress: Callable[[str], None] | None = None) -> History:
+                     progress: Callable[[str], None] | None = None, pages_as_text: bool = False) -> History:
+    """`pages_as_text`: write each step's page and parse it, as a sidecar
+    would have read it, instead of handing the adapter the families read
+    from the query results (same Snapshots, slower; kept to prove it)."""
     started = time.monotonic()
     source, families, counts, inner = _discover(client, selector, start, end, source)
     timeline = Timeline()
@@ -105,22 +116,33 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
     total_series = max(1, sum(counts.values()))
     per_round = max(1, min(MAX_POINTS, client.max_samples // total_series))
     diagnose_seconds = 0.0
-    first = 0
-    while first < points:
-        last = min(points - 1, first + per_round - 1)
+    rounds = [(first, min(points - 1, first + per_round - 1)) for first in range(0, points, per_round)]
+
+    def read(first: int, last: int) -> Pages:
         chunk_start = start + first * step
         pages = Pages(chunk_start, step, last - first + 1, source, replica_labels)
         for result in client.read_ranges(queries, chunk_start, start + last * step, step):
             pages.add(result)
-        began = time.monotonic()
-        ordered = sorted(pages.replicas.items())
-        for index in range(last - first + 1):
-            at = chunk_start + index * step
-            _diagnose_step(at, index, ordered, replicas, timeline, window, thresholds, step)
-        diagnose_seconds += time.monotonic() - began
-        if progress:
-            progress(f"{last + 1}/{points} steps, {len(replicas)} replicas, {client.cost.queries} queries")
-        first = last + 1
+        return pages
+
+    # The next chunk is read while this one is diagnosed (the store answers
+    # on its own cores): two chunks in memory at most.
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        coming = reader.submit(read, *rounds[0])
+        for number, (first, last) in enumerate(rounds):
+            pages = coming.result()
+            if number + 1 < len(rounds):
+                coming = reader.submit(read, *rounds[number + 1])
+            began = time.monotonic()
+            ordered = sorted(pages.replicas.items())
+            for index in range(last - first + 1):
+                at = pages.start + index * step
+                _diagnose_step(at, index, ordered, replicas, timeline, window, thresholds, step,
+                               fast=not pages_as_text)
+            del pages, ordered
+            diagnose_seconds += time.monotonic() - began
+            if progress:
+                progress(f"{last + 1}/{points} steps, {len(replicas)} replicas, {client.cost.queries} queries")
     timeline.finish()
     cost = client.cost.to_json()
     cost["total_seconds"] = round(time.monotonic() - started, 3)
@@ -130,15 +152,19 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
 
 
 def _diagnose_step(at: float, index: int, ordered, replicas: dict, timeline: Timeline, window_seconds: float,
-                   thresholds, step: float) -> None:
+                   thresholds, step: float, fast: bool = True) -> None:
     by_model: dict[str, list[ReplicaRow]] = {}
     for key, replica in ordered:
         state = replicas.get(key)
         if state is None:
             state = replicas[key] = ReplicaState(replica_name(replica.labels, key), replica.labels,
                                                  make_adapter("vllm"), Window(window_seconds))
-        text = replica.page(index)
-        snapshot = state.adapter.adapt(text, at=at) if text is not None else None
+        if fast:
+            read = replica.families(index)
+            snapshot = state.adapter.adapt_families(read[0], [], read[1], at=at) if read is not None else None
+        else:
+            text = replica.page(index)
+            snapshot = state.adapter.adapt(text, at=at) if text is not None else None
         if snapshot is None or not snapshot.engines:
             timeline.gap(state.name, at, step)
             continue

@@ -259,8 +259,9 @@ class MixinConfig:
         "Target labels every aggregation keeps, so two deployments never mix. Add cluster (or region) when one "
         "Prometheus or Thanos sees several; labels a series lacks are simply empty."))
     instance_label: str = field(default="instance", metadata=_help(
-        "The label that tells one kvwatch (one vLLM pod) from another. instance always exists; use pod on "
-        "Kubernetes if you prefer pod names in alerts and legends."))
+        "The label that tells one kvwatch (one vLLM pod) from another; alerts and dashboard legends name "
+        "replicas by it. instance (an address) always exists; on Kubernetes use pod, which the generated scrape "
+        "config, PodMonitor and ServiceMonitor all attach, for pod names."))
     # ---------------------------------------------------------------- windows
     rate_window: str = field(default="5m", metadata=_help(
         "Range of rate() and *_over_time() in rules and alerts. At least 4x the scrape interval; keep it equal "
@@ -318,6 +319,10 @@ class MixinConfig:
         "Mean time to first token (engine, plus the upstream stage when configured) above which the first "
         "token is slow. Means, not quantiles, because the parts (queue, prefill, front end, upstream) add "
         "up only as means. Set it from your latency objective."))
+    ttft_p95_seconds: float = field(default=DEFAULT_THRESHOLDS["ttft_p95_seconds"], metadata=_help(
+        "p95 time to first token above which the overview's TTFT stat turns red: the diagnosis' objective of the "
+        "same name (diagnosis: ttft_p95_seconds), so keep the two equal. No alert reads it; the alert compares "
+        "means (ttft_mean_seconds)."))
     fleet_room_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["fleet_room_usage_ratio"], metadata=_help(
         "A replica whose KV usage peak over the rate window is at most this, with nothing waiting, has room: "
         "another replica of the same model exhausted or queueing beside it is a routing problem "
@@ -497,7 +502,7 @@ def _check_field(name: str, value: Any) -> list[str]:
     elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio",
                   "fleet_room_usage_ratio", "fleet_affinity_fraction"):
         ratio(value)
-    elif name in ("min_query_tokens", "ttft_mean_seconds", "exhaustion_eta_minutes"):
+    elif name in ("min_query_tokens", "ttft_mean_seconds", "ttft_p95_seconds", "exhaustion_eta_minutes"):
         positive(value)
     elif name == "no_reuse_alert":
         if not isinstance(value, bool):

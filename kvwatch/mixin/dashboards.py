@@ -21,13 +21,18 @@ from grafanalib import core as g
 from kvwatch.mixin.alerts import runbook_anchor
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.promql import Fragments, Scope, indent, num, paren
-from kvwatch.signals import QUANTILES, SIGNALS, SIGNALS_BY_NAME, UNITS
+from kvwatch.mixin.config import ALERTS
+from kvwatch.signals import QUANTILES, SIGNALS, SIGNALS_BY_NAME, UNITS, good_direction
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
 GRID_WIDTH = 24
 # Grafana 10.4's schema; Grafana migrates older ones on import, newer ones load as they are.
 SCHEMA_VERSION = 39
+# Colours of a threshold's two sides: the good side is GOOD, the other the
+# panel's bad_color; a panel without a threshold claims neither.
+GOOD = "green"
+NEUTRAL = "text"
 
 
 # dashboard key -> (uid suffix, title, description)
@@ -65,6 +70,11 @@ class PanelSpec:
     threshold: float | None = None
     stacked: bool = False
     instant: bool = False
+    # The catalogue entry (signals.py) the threshold and value mappings are
+    # about: its declared good side ("high" or "low") colours them.
+    signal: str | None = None
+    mappings: tuple[tuple[float, str], ...] = ()  # (value, text) of a stat
+    bad_color: str = "red"  # "orange" where the bad side is not harm (too little traffic to judge)
 
 
 @dataclass
@@ -78,6 +88,8 @@ class Board:
     _y: int = 0
     _line_height: int = 0
     _taken: dict = field(default_factory=dict)
+    # Laid out after the catalogue's panels (a board's closing rows).
+    closing: list = field(default_factory=list)
 
     @property
     def uid(self) -> str:
@@ -126,6 +138,7 @@ class Board:
             tags=list(self.config.dashboard_tags),
             panels=self.panels,
             templating=g.Templating(list=_variables()),
+            annotations=g.Annotations(list=annotations(self.config)),
             time=g.Time("now-1h", "now"),
             refresh="30s",
             timezone="browser",
@@ -151,14 +164,12 @@ def _panel(spec: PanelSpec, panel_id: int, grid: g.GridPos, config: MixinConfig)
     if spec.runbook and config.runbook_url_pattern:
         links.append({"title": "Runbook", "url": config.runbook_url_pattern.format(anchor=spec.runbook),
                       "targetBlank": True})
-    steps = [{"color": "green", "value": None}]
-    if spec.threshold is not None:
-        steps.append({"color": "red", "value": spec.threshold})
+    steps = threshold_steps(spec)
     common = dict(title=spec.title, description=spec.description, id=panel_id, gridPos=grid,
                   dataSource=DATASOURCE, targets=targets, links=links, maxDataPoints=None)
     if spec.kind == "stat":
         return g.Stat(format=spec.unit, reduceCalc="lastNotNull", graphMode="none", thresholds=steps,
-                      noValue="no data", **common)
+                      mappings=value_mappings(spec, steps), noValue="no data", **common)
     if spec.kind == "table":
         # Several instant queries become one row per series (per replica)
         # with a column per query.
@@ -170,6 +181,42 @@ def _panel(spec: PanelSpec, panel_id: int, grid: g.GridPos, config: MixinConfig)
                         thresholdsStyleMode="line" if spec.threshold is not None else "off",
                         legendDisplayMode="table", legendPlacement="bottom",
                         legendCalcs=["lastNotNull", "max"], tooltipMode="multi", **common)
+
+
+def threshold_steps(spec: PanelSpec) -> list[dict]:
+    """Grafana's threshold steps (a step colours values at or above it) from
+    the good side the catalogue declares for the panel's signal: green on the
+    good side, bad_color on the other."""
+    if spec.threshold is None:
+        if spec.mappings:
+            raise ValueError(f"panel {spec.key}: value mappings need a threshold to colour them")
+        return [{"color": NEUTRAL, "value": None}]
+    if spec.signal is None:
+        raise ValueError(f"panel {spec.key}: a threshold needs the signal whose good side it marks")
+    good = good_direction(spec.signal)
+    if good not in ("high", "low"):
+        raise ValueError(f"panel {spec.key}: {spec.signal} declares no good side (good=), so no threshold")
+    below, above = (spec.bad_color, GOOD) if good == "high" else (GOOD, spec.bad_color)
+    return [{"color": below, "value": None}, {"color": above, "value": spec.threshold}]
+
+
+def color_at(steps: list[dict], value: float) -> str:
+    """The colour Grafana gives a value: that of the last step at or below it."""
+    color = steps[0]["color"]
+    for step in steps[1:]:
+        if value >= step["value"]:
+            color = step["color"]
+    return color
+
+
+def value_mappings(spec: PanelSpec, steps: list[dict]) -> list[dict]:
+    """A stat's value -> text mappings, each in the colour its value has
+    under the thresholds (so a mapping cannot contradict them)."""
+    if not spec.mappings:
+        return []
+    return [{"type": "value", "options": {
+        f"{value:g}": {"text": text, "color": color_at(steps, value), "index": i}
+        for i, (value, text) in enumerate(spec.mappings)}}]
 
 
 def _variables() -> list:
@@ -194,6 +241,41 @@ def _variables() -> list:
 
 TARGET_SEL = 'namespace=~"$namespace",job=~"$job"'
 ENGINE_SEL = TARGET_SEL + ',model_name=~"$model",engine=~"$engine"'
+# kvwatch_finding carries model_name="*" for findings about the whole target.
+FINDING_SEL = TARGET_SEL + ',model_name=~"$model|\\\\*"'
+
+
+def annotations(config: MixinConfig) -> list[dict]:
+    """Marks on every board's time axis: engine restarts (the engine's
+    prompt-token counter reset, from Prometheus' own history), cache-config,
+    model and adapter changes (kvwatch's change findings, as they appear),
+    and kvwatch's alerts while they fire. Over $__rate_interval, which
+    overlaps consecutive steps by a scrape, so no reset falls between two."""
+    inst = config.instance_label
+    by = ", ".join((*config.group_labels, inst, "model_name", "engine"))
+    change = f'kvwatch_finding{{{FINDING_SEL},symptom="change",cause!="engine_restarted"}}'
+    alert_names = "|".join(sorted(ALERTS))
+
+    def query(name: str, color: str, expr: str, title: str, text: str, tags: str) -> dict:
+        return {"datasource": DATASOURCE, "enable": True, "hide": False, "iconColor": color, "name": name,
+                "expr": expr, "step": "30s", "titleFormat": title, "textFormat": text, "tagKeys": tags,
+                "useValueForTime": False}
+
+    return [
+        query("Engine restarts", "orange",
+              f"sum by ({by}) (resets(kvwatch_engine_prompt_tokens_total{{{ENGINE_SEL}}}[{RATE}])) > 0",
+              "engine restarted", "{{model_name}} engine {{engine}} on {{" + inst + "}}: counters reset, "
+              "the prefix cache starts cold", "model_name,engine"),
+        query("Config and model changes", "purple",
+              f"max by (cause, {by}) (\n  {change}\n  unless\n  {change} offset {RATE}\n)",
+              "{{cause}}", "{{model_name}} engine {{engine}} on {{" + inst + "}}: comparisons across this "
+              "change do not hold (kvwatch_finding symptom=change; /api/v1/diagnosis has the detail)",
+              "cause,model_name"),
+        query("Firing alerts", "red",
+              f'ALERTS{{alertstate="firing",alertname=~"{alert_names}",{TARGET_SEL},model_name=~"$model|"}}',
+              "{{alertname}} ({{severity}})", "{{cause}} {{model_name}} on {{" + inst + "}}",
+              "alertname,severity,cause"),
+    ]
 
 
 class Views:
@@ -206,7 +288,9 @@ class Views:
         self.model = Scope(ENGINE_SEL, RATE, ("model_name",))
         self.fe = Fragments(self.engine, config)
         self.fm = Fragments(self.model, config)
-        self.engine_legend = "{{model_name}} engine {{engine}} @ {{" + inst + "}}"
+        # A replica first, by the config's instance_label (pod on Kubernetes).
+        self.instance_legend = "{{" + inst + "}}"
+        self.engine_legend = self.instance_legend + " {{model_name}} engine {{engine}}"
         self.model_legend = "{{model_name}}"
 
     def sig(self, name: str, scope: str = "engine", q: float | None = None) -> str:
@@ -226,7 +310,7 @@ class Views:
         extra = f',symptom="{symptom}"' if symptom else ""
         inst = self.config.instance_label
         return (f"max by (symptom, cause, severity, model_name, engine, {inst}) "
-                f"(kvwatch_finding{{{TARGET_SEL},model_name=~\"$model|\\\\*\"{extra}}})")
+                f"(kvwatch_finding{{{FINDING_SEL}{extra}}})")
 
     def length_quantile(self, histogram: str, q: float) -> str:
         return (f"histogram_quantile({num(q)}, sum by (model_name, le) "
@@ -255,29 +339,49 @@ def overview(config: MixinConfig) -> Board:
     v = Views(config)
     b = Board("overview", config)
     e = v.engine_legend
-    b.row("Health and findings")
-    b.add(PanelSpec("scrape_up", "Prometheus scraping kvwatch",
-                    "up of kvwatch's scrape targets: 1 while Prometheus reaches kvwatch. KvwatchDown fires when it "
-                    "stays 0.", "short",
-                    [(f"up{{{TARGET_SEL}}}", "{{" + config.instance_label + "}}")], kind="stat", width=6, height=5,
-                    runbook=ANCHOR_DOWN, threshold=1))
-    b.add(PanelSpec("poll_up", "kvwatch polling vLLM",
-                    "kvwatch_up: 1 while kvwatch's latest poll of the engine's /metrics succeeded. "
-                    "KvwatchEngineUnreachable fires when it stays 0; kvwatch_poll_errors_total says why.", "short",
-                    [(f"kvwatch_up{{{TARGET_SEL}}}", "{{" + config.instance_label + "}}")], kind="stat", width=6,
-                    height=5, runbook=ANCHOR_UNREACHABLE, threshold=1))
-    b.add(PanelSpec("poll_errors", "Failed polls by reason",
-                    "kvwatch_poll_errors_total per second by reason (refused, timeout, http_5xx, no_engine_metrics "
-                    "...): why kvwatch cannot read the engine.", "ops",
-                    [(f"sum by ({config.instance_label}, reason) (rate(kvwatch_poll_errors_total{{{TARGET_SEL}}}[{RATE}]))",
-                      "{{reason}} @ {{" + config.instance_label + "}}")], width=12, height=5,
-                    runbook=ANCHOR_UNREACHABLE))
+    m = v.model_legend
+    # The engine first: where each model stands now, then what kvwatch found.
+    b.row("Engines now")
+    b.add(PanelSpec("now_kv_usage", "KV cache usage, fullest engine",
+                    "KV-cache usage now of each model's fullest engine (vllm:kv_cache_usage_perc). Red from the "
+                    "exhaustion threshold: with requests waiting or preempted there, the cache is full "
+                    "(VllmKvCacheExhausted).", "percentunit",
+                    [(v.sig("kvwatch_kv_cache_usage_ratio", "model"), m)], kind="stat", width=5, height=4,
+                    runbook=ANCHOR_EXHAUSTED, threshold=config.exhaustion_usage_ratio,
+                    signal="kvwatch_kv_cache_usage_ratio"))
+    b.add(PanelSpec("now_hit_ratio", "Prefix-cache hit ratio per model",
+                    "Prefix-cache hits over queries (tokens) of each model's engines together, over the rate "
+                    "interval. Red below the low-hit-rate threshold (VllmPrefixCacheHitRateLow; the Prefix cache "
+                    "board says why).", "percentunit",
+                    [(v.sig("kvwatch_prefix_cache_hit_ratio", "model"), m)], kind="stat", width=5, height=4,
+                    runbook=ANCHOR_HIT, threshold=config.hit_ratio_low, signal="kvwatch_prefix_cache_hit_ratio"))
+    b.add(PanelSpec("now_ttft_p95", "Time to first token p95",
+                    "p95 time to first token per model over the rate interval, buckets of all engines summed "
+                    f"(vllm:time_to_first_token_seconds). Red above the objective ttft_p95_seconds "
+                    f"({num(config.ttft_p95_seconds)}s); the First token board says where the time goes.", "s",
+                    [(v.sig("kvwatch_time_to_first_token_seconds", "model", 0.95), m)], kind="stat", width=5,
+                    height=4, runbook=ANCHOR_TTFT, threshold=config.ttft_p95_seconds,
+                    signal="kvwatch_time_to_first_token_seconds"))
+    b.add(PanelSpec("now_waiting", "Requests waiting",
+                    "Requests waiting to be scheduled now, per model (vllm:num_requests_waiting). Orange while any "
+                    "wait: sustained, it is queueing for KV cache or for compute (Running and waiting requests, "
+                    "the First token board).", "short",
+                    [(v.sig("kvwatch_requests_waiting", "model"), m)], kind="stat", width=4, height=4,
+                    runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "queueing_compute_bound"), threshold=1,
+                    signal="kvwatch_requests_waiting", bad_color="orange"))
+    b.add(PanelSpec("now_findings", "Active findings (warning, critical)",
+                    "How many of kvwatch's diagnosis findings of severity warning or critical are active now "
+                    "(kvwatch_finding); the table below names them, their causes and replicas.", "short",
+                    [(f'count(kvwatch_finding{{{FINDING_SEL},severity=~"warning|critical"}}) or vector(0)',
+                      "findings")], kind="stat", width=5, height=4, runbook=ANCHOR_EXHAUSTED, threshold=1,
+                    signal="kvwatch_finding"))
     b.add(_findings_panel(v, "findings", None, ANCHOR_EXHAUSTED))
     b.row("KV cache")
     b.add(PanelSpec("kv_usage", "KV cache usage",
                     v.help("kvwatch_kv_cache_usage_ratio") + " The red line is the exhaustion threshold.",
                     "percentunit", [(v.sig("kvwatch_kv_cache_usage_ratio"), e)], width=8,
-                    runbook=ANCHOR_EXHAUSTED, threshold=config.exhaustion_usage_ratio))
+                    runbook=ANCHOR_EXHAUSTED, threshold=config.exhaustion_usage_ratio,
+                    signal="kvwatch_kv_cache_usage_ratio"))
     b.add(PanelSpec("kv_free_tokens", "KV headroom (free tokens)", v.help("kvwatch_kv_cache_free_tokens"), "short",
                     [(v.sig("kvwatch_kv_cache_free_tokens"), e)], width=8, runbook=ANCHOR_EXHAUSTED))
     b.add(PanelSpec("capacity_requests", "Requests the cache holds",
@@ -295,7 +399,8 @@ def overview(config: MixinConfig) -> Board:
                     "rates. The red line is the low-hit-rate threshold.", "percentunit",
                     [(v.sig("kvwatch_prefix_cache_hit_ratio"), e),
                      (v.sig("kvwatch_prefix_cache_hit_ratio", "model"), "all engines of {{model_name}}")],
-                    width=12, runbook=ANCHOR_HIT, threshold=config.hit_ratio_low))
+                    width=12, runbook=ANCHOR_HIT, threshold=config.hit_ratio_low,
+                    signal="kvwatch_prefix_cache_hit_ratio"))
     b.add(PanelSpec("cached_share", "Prompt tokens served from cache",
                     v.help("kvwatch_prompt_tokens_cached_ratio"), "percentunit",
                     [(v.sig("kvwatch_prompt_tokens_cached_ratio"), e)], width=12, runbook=ANCHOR_HIT))
@@ -311,7 +416,8 @@ def overview(config: MixinConfig) -> Board:
                     [(v.fm.ttft_mean(), "mean TTFT {{model_name}}"), (v.fm.queue_mean(), "queue {{model_name}}"),
                      (v.fm.prefill_mean(), "prefill {{model_name}}"),
                      (v.fm.front_end_mean(), "front end {{model_name}}")],
-                    width=8, runbook=ANCHOR_TTFT, threshold=config.ttft_mean_seconds))
+                    width=8, runbook=ANCHOR_TTFT, threshold=config.ttft_mean_seconds,
+                    signal="kvwatch_time_to_first_token_mean_seconds"))
     b.add(PanelSpec("queue_time", "Queue time", v.help("kvwatch_queue_time_seconds"), "s",
                     v.quantile_targets("kvwatch_queue_time_seconds", "model"), width=8, runbook=ANCHOR_TTFT))
     b.row("Throughput and failures")
@@ -328,7 +434,31 @@ def overview(config: MixinConfig) -> Board:
     b.add(PanelSpec("failed", "Failed requests (abort, error)", v.help("kvwatch_requests_failed_per_second"),
                     "reqps", [(v.sig("kvwatch_requests_failed_per_second"), e)], width=8,
                     runbook=ANCHOR_THROUGHPUT))
+    b.closing.append(_kvwatch_health)
     return b
+
+
+def _kvwatch_health(b: Board) -> None:
+    """kvwatch's own health, below the engine's: is the monitor seeing?"""
+    config = b.config
+    b.row("kvwatch's own health")
+    b.add(PanelSpec("scrape_up", "Prometheus scraping kvwatch",
+                    "up of kvwatch's scrape targets: 1 while Prometheus reaches kvwatch. KvwatchDown fires when it "
+                    "stays 0.", "short",
+                    [(f"up{{{TARGET_SEL}}}", "{{" + config.instance_label + "}}")], kind="stat", width=6, height=5,
+                    runbook=ANCHOR_DOWN, threshold=1, signal="up", mappings=((1, "up"), (0, "down"))))
+    b.add(PanelSpec("poll_up", "kvwatch polling vLLM",
+                    "kvwatch_up: 1 while kvwatch's latest poll of the engine's /metrics succeeded. "
+                    "KvwatchEngineUnreachable fires when it stays 0; kvwatch_poll_errors_total says why.", "short",
+                    [(f"kvwatch_up{{{TARGET_SEL}}}", "{{" + config.instance_label + "}}")], kind="stat", width=6,
+                    height=5, runbook=ANCHOR_UNREACHABLE, threshold=1, signal="kvwatch_up",
+                    mappings=((1, "polling"), (0, "failing"))))
+    b.add(PanelSpec("poll_errors", "Failed polls by reason",
+                    "kvwatch_poll_errors_total per second by reason (refused, timeout, http_5xx, no_engine_metrics "
+                    "...): why kvwatch cannot read the engine.", "ops",
+                    [(f"sum by ({config.instance_label}, reason) (rate(kvwatch_poll_errors_total{{{TARGET_SEL}}}[{RATE}]))",
+                      "{{" + config.instance_label + "}} {{reason}}")], width=12, height=5,
+                    runbook=ANCHOR_UNREACHABLE))
 
 
 def exhaustion(config: MixinConfig) -> Board:
@@ -342,7 +472,8 @@ def exhaustion(config: MixinConfig) -> Board:
                     "preempted or wait for room. Evictable prefix-cache blocks count as free.", "percentunit",
                     [(v.sig("kvwatch_kv_cache_usage_max_ratio"), "peak " + e),
                      (v.sig("kvwatch_kv_cache_usage_ratio"), "now " + e)],
-                    width=12, runbook=ANCHOR_EXHAUSTED, threshold=config.exhaustion_usage_ratio))
+                    width=12, runbook=ANCHOR_EXHAUSTED, threshold=config.exhaustion_usage_ratio,
+                    signal="kvwatch_kv_cache_usage_max_ratio"))
     b.add(PanelSpec("preemptions", "Preemptions",
                     v.help("kvwatch_preemptions_per_second") + " vLLM preempts only when it cannot allocate a KV "
                     "block; a preempted request is recomputed later.", "ops",
@@ -372,7 +503,8 @@ def exhaustion(config: MixinConfig) -> Board:
                     "with a longer queue, many requests do (cause concurrency_beyond_capacity).", "percentunit",
                     [(v.fe.capacity_share_per_request(), e)], width=12,
                     runbook=runbook_anchor("VllmKvCacheExhausted", "long_requests"),
-                    threshold=config.long_request_capacity_share))
+                    threshold=config.long_request_capacity_share,
+                    signal="kvwatch_engine_kv_cache_usage_ratio"))
     b.add(PanelSpec("request_lengths", "Request length (p95 and mean)",
                     "Prompt and generated tokens per finished request: p95 from the length histograms (buckets "
                     "summed by le), mean from _sum/_count (vllm:request_prompt_tokens, "
@@ -403,12 +535,14 @@ def prefix_cache(config: MixinConfig) -> Board:
                     "percentunit",
                     [(v.sig("kvwatch_prefix_cache_hit_ratio"), "now " + e),
                      (v.fe.baseline_hit_ratio(), "baseline " + e)],
-                    width=12, runbook=ANCHOR_HIT, threshold=config.hit_ratio_low))
+                    width=12, runbook=ANCHOR_HIT, threshold=config.hit_ratio_low,
+                    signal="kvwatch_prefix_cache_hit_ratio"))
     b.add(PanelSpec("queried_tokens", "Prompt tokens queried",
                     "Prompt tokens looked up in the prefix cache over the rate interval "
                     "(vllm:prefix_cache_queries_total). Below the red line there is too little traffic to judge "
                     "the ratio.", "short", [(v.fe.query_tokens(), e)], width=12, runbook=ANCHOR_HIT,
-                    threshold=config.min_query_tokens))
+                    threshold=config.min_query_tokens,
+                    signal="kvwatch_engine_prefix_cache_queries", bad_color="orange"))
     b.add(PanelSpec("cached_share", "Prompt tokens served from cache",
                     v.help("kvwatch_prompt_tokens_cached_ratio"), "percentunit",
                     [(v.sig("kvwatch_prompt_tokens_cached_ratio"), e)], width=12, runbook=ANCHOR_HIT))
@@ -436,7 +570,8 @@ def prefix_cache(config: MixinConfig) -> Board:
                     "prefixes out before reuse (cause eviction_before_reuse).",
                     "percentunit", [(v.fe.usage_avg(), e)], width=12,
                     runbook=runbook_anchor("VllmPrefixCacheHitRateLow", "eviction_before_reuse"),
-                    threshold=config.eviction_usage_ratio))
+                    threshold=config.eviction_usage_ratio,
+                    signal="kvwatch_engine_kv_cache_usage_ratio"))
     b.add(PanelSpec("preemptions", "Preemptions: is the cache exhausted?",
                     v.help("kvwatch_preemptions_per_second") + " Preemptions mean the cache is exhausted (see "
                     "VllmKvCacheExhausted): a full cache explains a low hit ratio by itself, so the hit-rate alert "
@@ -455,13 +590,15 @@ def first_token(config: MixinConfig) -> Board:
     parts = [(f.first_token_mean(), "mean first token " + e), (f.queue_mean(), "queue " + e),
              (f.prefill_mean(), "prefill " + e), (f.front_end_mean(), "front end " + e)]
     if f.upstream:
-        parts.append((f.upstream_mean(), f"upstream ({config.upstream_histogram})"))
+        groups = "".join(" {{" + label + "}}" for label in config.upstream_join_labels)
+        parts.append((f.upstream_mean(), f"upstream ({config.upstream_histogram}){groups}"))
     b.add(PanelSpec("ttft_parts", "Mean time to first token and its parts",
                     "Mean time to first token per engine (plus the upstream stage when configured) and its parts: "
                     "queue, prefill, front end (the rest of the engine's TTFT)"
                     + (", upstream" if f.upstream else "") + ". VllmTimeToFirstTokenSlow fires above the red line "
                     "and names the largest part as the cause.", "s", parts,
-                    width=24, height=9, runbook=ANCHOR_TTFT, threshold=config.ttft_mean_seconds))
+                    width=24, height=9, runbook=ANCHOR_TTFT, threshold=config.ttft_mean_seconds,
+                    signal="kvwatch_time_to_first_token_mean_seconds"))
     b.add(PanelSpec("ttft_quantiles", "Time to first token quantiles",
                     v.help("kvwatch_time_to_first_token_seconds"), "s",
                     v.quantile_targets("kvwatch_time_to_first_token_seconds"), width=12, runbook=ANCHOR_TTFT))
@@ -479,7 +616,8 @@ def first_token(config: MixinConfig) -> Board:
                     "and a bigger cache does not help.", "percentunit",
                     [(f.usage_max(), "usage peak " + e), (f.preemption_rate(), "preemptions/s " + e)], width=12,
                     runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "queueing_kv_bound"),
-                    threshold=config.exhaustion_usage_ratio))
+                    threshold=config.exhaustion_usage_ratio,
+                    signal="kvwatch_kv_cache_usage_max_ratio"))
     b.add(PanelSpec("waiting", "Waiting requests", v.help("kvwatch_requests_waiting"), "short",
                     [(v.sig("kvwatch_requests_waiting"), e)], width=12,
                     runbook=runbook_anchor("VllmTimeToFirstTokenSlow", "queueing_compute_bound")))
@@ -533,12 +671,14 @@ def fleet(config: MixinConfig) -> Board:
                     "The window's KV usage peak of each replica: one high while the others stay low is the load "
                     f"routed unevenly. The line is fleet_room_usage_ratio ({config.fleet_room_usage_ratio:g}).",
                     "percentunit", [(f.usage_max(), e)], width=12, runbook=ANCHOR_FLEET,
-                    threshold=config.fleet_room_usage_ratio))
+                    threshold=config.fleet_room_usage_ratio,
+                    signal="kvwatch_kv_cache_usage_max_ratio"))
     b.add(PanelSpec("hit_ratio_vs_peers", "Hit ratio as a share of the peers'",
                     "Each warm replica's prefix-cache hit ratio divided by its warm peers' pooled ratio: near 1 "
                     "when prefixes reach the replica that holds them. The line is fleet_affinity_fraction.",
                     "percentunit", [(f.hit_ratio_vs_peers(), e)], width=12, runbook=ANCHOR_FLEET,
-                    threshold=config.fleet_affinity_fraction))
+                    threshold=config.fleet_affinity_fraction,
+                    signal="kvwatch_prefix_cache_hit_ratio"))
     b.add(PanelSpec("replicas_pressed", "Replicas pressed and with room",
                     "Per model: replicas exhausted or queueing, and replicas with room (usage peak at most "
                     "fleet_room_usage_ratio, nothing waiting). Both above zero at once is imbalance.", "short",
@@ -565,12 +705,19 @@ def catalogue_panels(board: Board, config: MixinConfig) -> Board:
     for signal in SIGNALS:
         if signal.panel == board.key:
             board.add(PanelSpec(signal.name, signal.title or signal.name, signal.help, UNITS[signal.unit].grafana,
-                                [(v.sig(signal.name), v.engine_legend)], width=8, runbook=runbooks[signal.group]))
+                                [(v.sig(signal.name), v.engine_legend)], width=8, runbook=runbooks[signal.group],
+                                signal=signal.name))
     return board
 
 
 def boards(config: MixinConfig) -> dict[str, Board]:
-    return {key: catalogue_panels(builder(config), config) for key, builder in BUILDERS.items()}
+    built = {}
+    for key, builder in BUILDERS.items():
+        board = catalogue_panels(builder(config), config)
+        for closing in board.closing:
+            closing(board)
+        built[key] = board
+    return built
 
 
 def file_name(key: str) -> str:

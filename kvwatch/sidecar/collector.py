@@ -24,7 +24,7 @@ from prometheus_client.utils import floatToGoString
 from kvwatch import __version__
 from kvwatch.signals import ENGINE_SERIES, HEALTH_BY_NAME, INFO_KEYS, SIGNALS, engine_series_value
 from kvwatch.signals import IDENTITY as IDENTITY_LABELS
-from kvwatch.snapshot import Histogram
+from kvwatch.snapshot import PINNED_LABELS, Histogram
 
 IDENTITY = list(IDENTITY_LABELS)
 POLL_ERROR_REASONS = (
@@ -45,6 +45,7 @@ class KvwatchCollector(Collector):
         yield from self._engine_series(state.snapshot)
         yield from self._sources(state.snapshot)
         yield from self._signals(state)
+        yield from self._pinned(state)
         yield from self._findings(state)
 
     def _health(self, state):
@@ -143,6 +144,16 @@ class KvwatchCollector(Collector):
                     elif _finite(value):
                         family.add_metric(identity, value)
                 yield family
+
+    def _pinned(self, state):
+        family = _health_family("kvwatch_quantile_pinned")
+        for prefix, rows in (("kvwatch_", state.per_engine), ("kvwatch_model_", state.per_model)):
+            for row in rows:
+                for name, quantiles in sorted(getattr(row, "pinned", {}).items()):
+                    exported = prefix + name[len("kvwatch_"):]
+                    for quantile, bound in sorted(quantiles.items()):
+                        family.add_metric([exported, quantile, PINNED_LABELS[bound], row.model, row.engine or ""], 1.0)
+        yield family
 
     def _findings(self, state):
         family = _health_family("kvwatch_finding")

@@ -45,6 +45,8 @@ def _rows(rows) -> list[dict[str, Any]]:
             **({"engine": row.engine} if row.engine is not None else {}),
             "signals": {signal.name: _clean(row.values.get(signal.name)) for signal in SIGNALS},
             "notes": list(dict.fromkeys(row.notes)),
+            # Signal -> {quantile: "<" | ">"}: the quantiles that are bounds, not estimates.
+            "pinned": dict(getattr(row, "pinned", {}) or {}),
         }
         for row in rows
     ]
@@ -123,14 +125,19 @@ def signals_json(state, settings) -> dict[str, Any]:
 
 def finding_json(finding, since: float | None = None) -> dict[str, Any]:
     """A finding as JSON: the metrics' label names (`model_name`), numbers in
-    `evidence` and prose in `notes`, when it was first seen (`since`, epoch
-    seconds, while continuously active) and its runbook section. `model` is
-    kept beside `model_name` for readers of the earlier shape."""
+    `evidence` and prose in `notes`, which evidence values are bounds
+    (`pinned`: {"ttft_p95_seconds": "<" | ">"}, from the `<key>_pinned`
+    evidence), when it was first seen (`since`, epoch seconds, while
+    continuously active) and its runbook section."""
     data = asdict(finding)
-    evidence = {k: v for k, v in data.pop("evidence").items() if not isinstance(v, str)}
-    notes = {k: v for k, v in finding.evidence.items() if isinstance(v, str)}
-    return _clean({"model_name": finding.model, **data, "evidence": evidence, "notes": notes, "since": since,
-                   "runbook": runbook_link(finding.symptom, finding.cause, ALERT_CAUSES)})
+    raw = data.pop("evidence")
+    data.pop("model")  # `model_name`, as the metrics label it
+    pinned = {key[: -len("_pinned")] + "_seconds": value for key, value in raw.items()
+              if key.endswith("_pinned") and value in ("<", ">")}
+    evidence = {k: v for k, v in raw.items() if not isinstance(v, str) and not k.endswith("_pinned")}
+    notes = {k: v for k, v in raw.items() if isinstance(v, str) and not k.endswith("_pinned")}
+    return _clean({"model_name": finding.model, **data, "evidence": evidence, "notes": notes, "pinned": pinned,
+                   "since": since, "runbook": runbook_link(finding.symptom, finding.cause, ALERT_CAUSES)})
 
 
 def diagnosis_json(state, settings) -> dict[str, Any]:

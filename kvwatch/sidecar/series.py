@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvwatch.sidecar.report import finding_key
 from kvwatch.snapshot import Histogram
 from kvwatch.window import Increase
 
@@ -82,11 +83,11 @@ def _point(entries: list, index: int, start: int, key) -> dict[str, Any] | None:
     point["preemptions_per_second"] = _round(increase.rate("preemptions"))
     ttft = increase.histograms.get("ttft")
     if ttft is not None and ttft.count > 0:
-        p95 = ttft.quantile(0.95)
+        p95 = ttft.reported_quantile(0.95)
         if p95 is not None:
             point["ttft_p95"] = _round(p95.value)
-            if p95.pinned:
-                point["ttft_p95_pinned"] = p95.pinned
+            if p95.bound:
+                point["ttft_p95_pinned"] = p95.bound  # "<" or ">", as in /api/v1/signals' `pinned`
         mean = ttft.mean()
         if mean:
             queue = min(1.0, (_mean(increase.histograms.get("queue_time")) or 0.0) / mean)
@@ -123,9 +124,11 @@ def _markers(state) -> list[dict[str, Any]]:
         for event in state.events
     ]
     now = state.snapshot.time if state.snapshot is not None else None
+    since = getattr(state, "findings_since", {}) or {}
     for finding in state.findings:
+        # Marked where it was first seen (the `since` of /api/v1/diagnosis).
         markers.append({
-            "time": getattr(finding, "since", None) or now, "kind": "finding", "severity": finding.severity,
+            "time": since.get(finding_key(finding)) or now, "kind": "finding", "severity": finding.severity,
             "symptom": finding.symptom, "cause": finding.cause, "model_name": finding.model,
             "engine": finding.engine, "text": finding.summary,
         })

@@ -209,6 +209,31 @@ PARSERS = {
 }
 assert set(PARSERS) == {f.name for f in fields(Settings)}
 
+# Defaults that are not a value but a rule, as `--help` states them.
+DEFAULT_RULES = {"timeout": "15s, or 80% of a longer poll interval (a late page is kept)"}
+
+
+def default_text(key: str) -> str:
+    """A setting's default as a person writes it back (each parser reads its
+    own output): durations as 5s or 5m, sizes in binary units, booleans as
+    true/false, an unset one as `none`."""
+    if key in DEFAULT_RULES:
+        return DEFAULT_RULES[key]
+    value = next(f for f in fields(Settings) if f.name == key).default
+    parser = PARSERS[key]
+    if value is None:
+        return "none"
+    if parser is parse_duration:
+        return f"{value / 60:g}m" if value >= 60 and value % 60 == 0 else f"{value:g}s"
+    if parser is parse_size:
+        for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value >= size and value % size == 0:
+                return f"{value // size}{unit}"
+        return f"{value}B"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
 ENV_PREFIX = "KVWATCH_"
 
 

@@ -166,15 +166,24 @@ def _label_key(key: str) -> str:
     return f"p{quantile * 100:g}" if 0 < quantile < 1 else key
 
 
-def format_value(value: Any, unit: str) -> str:
+def format_value(value: Any, unit: str, pinned: dict[str, str] | str | None = None) -> str:
+    """A value as a person reads it. `pinned` says which values are bounds
+    (the JSON's `pinned`): {quantile: "<" | ">"} for a dict of quantiles, or
+    "<" / ">" for a single value, written before it ("< 300 ms", "> 80 s")."""
     if value is None:
         return "–"
     if isinstance(value, dict):
-        return ", ".join(f"{_label_key(k)} {format_value(v, unit)}" for k, v in value.items()) or "–"
+        bounds = pinned if isinstance(pinned, dict) else {}
+        return ", ".join(f"{_label_key(k)} {format_value(v, unit, bounds.get(k))}" for k, v in value.items()) or "–"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
     if not math.isfinite(value):
         return "–"
+    text = _format_number(value, unit)
+    return f"{pinned} {text}" if isinstance(pinned, str) and pinned in ("<", ">") else text
+
+
+def _format_number(value: float, unit: str) -> str:
     if unit == "ratio":
         return f"{value * 100:.1f}%"
     if unit == "seconds":
@@ -190,26 +199,28 @@ def format_value(value: Any, unit: str) -> str:
     return f"{value:.3g}"
 
 
-def format_evidence(evidence: dict[str, Any]) -> str:
+def format_evidence(evidence: dict[str, Any], pinned: dict[str, str] | None = None) -> str:
     parts = []
     for key, value in evidence.items():
         if isinstance(value, float):
             value = f"{value:.4g}"
-        parts.append(f"{key}={value}")
+        bound = (pinned or {}).get(key)
+        parts.append(f"{key}{bound if bound else '='}{value}")
     return ", ".join(parts)
 
 
-def signal_columns(signals: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(heading, signal values) per engine, plus a merged column per model
-    that runs on more than one engine, from /api/v1/signals' JSON."""
+def signal_columns(signals: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, dict[str, str]]]]:
+    """(heading, signal values, pinned quantiles) per engine, plus a merged
+    column per model that runs on more than one engine, from /api/v1/signals' JSON."""
     engines = signals.get("engines", [])
-    columns = [(f"{row['model_name']} / {row.get('engine', '?')}", row["signals"]) for row in engines]
+    columns = [(f"{row['model_name']} / {row.get('engine', '?')}", row["signals"], row.get("pinned") or {})
+               for row in engines]
     per_model_count: dict[str, int] = {}
     for row in engines:
         per_model_count[row["model_name"]] = per_model_count.get(row["model_name"], 0) + 1
     for row in signals.get("models", []):
         if per_model_count.get(row["model_name"], 0) > 1:
-            columns.append((f"{row['model_name']} (all engines)", row["signals"]))
+            columns.append((f"{row['model_name']} (all engines)", row["signals"], row.get("pinned") or {}))
     return columns
 
 
@@ -338,6 +349,27 @@ SCRIPT = r"""
     return String(Number(value.toPrecision(3)));
   }
   function clock(seconds) { return seconds ? new Date(seconds * 1000).toTimeString().slice(0, 8) : "never"; }
+  function minutes(seconds) { return new Date(seconds * 1000).toTimeString().slice(0, 5); }
+  // "since 14:02, 6 min ago": when a finding was first seen, against the latest poll.
+  function sinceText(f, now) {
+    if (!f.since) return "active now";
+    return "since " + minutes(f.since) + ", " + span(Math.max(0, (now || f.since) - f.since)) + " ago";
+  }
+  function where(f) { return f.model_name + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : ""); }
+  // The runbook section: a link where it is a URL, else the section's place in the repository.
+  function runbookNode(f) {
+    if (!f.runbook) return null;
+    var p = el("p", "runbook");
+    p.setAttribute("data-runbook", f.runbook);
+    p.appendChild(el("b", null, "Runbook: "));
+    if (/^https?:\/\//.test(f.runbook)) {
+      var a = el("a", null, f.runbook);
+      a.href = f.runbook;
+      a.rel = "noopener";
+      p.appendChild(a);
+    } else p.appendChild(el("code", null, f.runbook));
+    return p;
+  }
   function span(seconds) {
     seconds = Math.max(0, Math.round(seconds));
     if (seconds < 90) return seconds + " s";
@@ -352,15 +384,13 @@ SCRIPT = r"""
     var m = /^(.*?[.;:])(\s|$)/.exec(text || "");
     return m ? m[1].replace(/[;:]$/, ".") : (text || "");
   }
-  // A quantile pinned at a bucket edge is a bound: "< 300 ms", "> 80 s".
-  function pinnedBound(row, quantile) {
-    var label = "p" + Number((Number(quantile) * 100).toFixed(6)) + " is at ";
-    var found = null;
-    (row.notes || []).forEach(function (n) {
-      if (n.indexOf("TTFT " + label) === 0) found = n.indexOf(label + "most") >= 0 ? "<" : ">";
-    });
-    return found;
+  // A quantile pinned at a bucket edge is a bound: "< 300 ms", "> 80 s"
+  // (the row's `pinned`: {signal: {quantile: "<" | ">"}}).
+  function pinnedBound(row, signal, quantile) {
+    var bounds = (row.pinned || {})[signal] || {};
+    return bounds[quantile] === "<" || bounds[quantile] === ">" ? bounds[quantile] : null;
   }
+  function bounded(text, bound) { return bound ? bound + " " + text : text; }
   function figureValue(fig, row) {
     var v = row.signals[fig.signal];
     if (fig.quantile) v = v ? v[fig.quantile] : null;
@@ -375,7 +405,7 @@ SCRIPT = r"""
     return value <= limit;
   }
   function findingsFor(row, findings) {
-    return findings.filter(function (f) { return f.model === row.model_name && (f.engine === row.engine || f.engine === null); });
+    return findings.filter(function (f) { return f.model_name === row.model_name && (f.engine === row.engine || f.engine === null); });
   }
   // The state of every figure of one engine: its threshold, raised by an active finding of its symptom.
   function figureStates(row, findings, thresholds) {
@@ -400,10 +430,7 @@ SCRIPT = r"""
   function figureText(fig, row) {
     var value = figureValue(fig, row);
     var text = fmt(value, meta.units[fig.signal]);
-    if (fig.quantile && value !== null) {
-      var bound = pinnedBound(row, fig.quantile);
-      if (bound) text = bound + " " + text;
-    }
+    if (fig.quantile && value !== null) text = bounded(text, pinnedBound(row, fig.signal, fig.quantile));
     return text;
   }
   function worstRank(row, findings) {
@@ -459,12 +486,10 @@ SCRIPT = r"""
       div.setAttribute("data-state", f.severity);
       div.setAttribute("data-symptom", f.symptom);
       div.setAttribute("data-cause", f.cause);
-      var where = f.model + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : "");
-      var since = f.since ? "since " + clock(f.since) + " (" + span((signals.last_success_time || f.since) - f.since) + ")" :
-        "active now";
+      var since = el("span", "since", sinceText(f, signals.last_success_time));
       add(div, add(el("div", "head"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
-        el("p", null, where + " \u00b7 " + since + " \u00b7 " + f.confidence + " confidence" +
-          (findings.length > 1 ? " \u00b7 " + (findings.length - 1) + " more finding" + (findings.length > 2 ? "s" : "") + " below" : "")),
+        add(el("p"), document.createTextNode(where(f) + " \u00b7 "), since, document.createTextNode(" \u00b7 " + f.confidence + " confidence" +
+          (findings.length > 1 ? " \u00b7 " + (findings.length - 1) + " more finding" + (findings.length > 2 ? "s" : "") + " below" : ""))),
         el("p", null, f.summary), add(el("p"), el("b", null, "Next: "), document.createTextNode(firstSentence(f.next_check))));
     }
     swap("banner", div);
@@ -588,13 +613,17 @@ SCRIPT = r"""
       while (lastIndex >= 0 && (values[lastIndex] === null || values[lastIndex] === undefined)) lastIndex--;
       latest = lastIndex >= 0 ? fmt(values[lastIndex], spec.unit) : "\u2013";
       if (lastIndex >= 0 && spec.series === "ttft_p95" && series.ttft_p95_pinned && series.ttft_p95_pinned[lastIndex])
-        latest = (series.ttft_p95_pinned[lastIndex] === "first" ? "< " : "> ") + latest;
+        latest = bounded(latest, series.ttft_p95_pinned[lastIndex]);
       if (limit !== null && limit !== undefined && limit <= top)
         g.appendChild(svg("line", {"class": "thr", x1: 0, x2: W, y1: y(limit), y2: y(limit)}));
     }
     markers.forEach(function (m) {
-      if (!n || m.time < t0 || m.time > t1) return;
-      var line = svg("line", {"class": "mark " + (m.kind === "change" ? "change" : m.severity), x1: x(m.time), x2: x(m.time), y1: 0, y2: H});
+      // A finding first seen before the charted span has been active all along: marked at its start.
+      var at = m.kind === "finding" ? Math.max(m.time, t0) : m.time;
+      if (!n || at < t0 || at > t1) return;
+      var line = svg("line", {"class": "mark " + (m.kind === "change" ? "change" : m.severity), x1: x(at), x2: x(at), y1: 0, y2: H});
+      line.setAttribute("data-kind", m.kind);
+      line.setAttribute("data-time", String(m.time));
       var tip = svg("title");
       tip.textContent = clock(m.time) + " " + (m.kind === "change" ? m.change + ": " : (meta.causes[m.cause] || m.cause) + ": ") + m.text;
       line.appendChild(tip);
@@ -636,9 +665,10 @@ SCRIPT = r"""
     return key.replace(/_seconds$/, "").replace(/_/g, " ").replace(/\bkv\b/g, "KV").replace(/\bttft\b/g, "TTFT")
       .replace(/^./, function (c) { return c.toUpperCase(); });
   }
-  function evidenceText(key, value) {
-    if (key === "ttft_p95_pinned" || typeof value !== "number") return fmt(value, "");
-    return fmt(value, evidenceUnit(key));
+  function evidenceText(f, key) {
+    var value = (f.evidence || {})[key];
+    if (typeof value !== "number") return fmt(value, "");
+    return bounded(fmt(value, evidenceUnit(key)), (f.pinned || {})[key]);
   }
 
   function renderFindings(signals, diagnosis) {
@@ -655,31 +685,31 @@ SCRIPT = r"""
       var card = el("article", "card " + f.severity);
       card.setAttribute("data-symptom", f.symptom);
       card.setAttribute("data-cause", f.cause);
-      var where = f.model + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : "");
       add(card, add(el("h3"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
-        el("div", "where", where + " \u00b7 " + f.confidence + " confidence" + (f.since ? " \u00b7 since " + clock(f.since) : "")),
+        add(el("div", "where"), document.createTextNode(where(f) + " \u00b7 " + f.confidence + " confidence \u00b7 "),
+          el("span", "since", sinceText(f, signals.last_success_time))),
         el("p", null, f.summary));
       var deciding = el("div", "deciding"), shown = 0;
       (meta.deciding[f.cause] || []).forEach(function (key) {
         var v = (f.evidence || {})[key];
         if (shown >= 3 || v === null || v === undefined) return;
         shown += 1;
-        var chip = add(el("span", "num-chip"), document.createTextNode(evidenceLabel(key)), el("b", null, evidenceText(key, v)));
+        var chip = add(el("span", "num-chip"), document.createTextNode(evidenceLabel(key)), el("b", null, evidenceText(f, key)));
         chip.setAttribute("data-evidence", key);
         deciding.appendChild(chip);
       });
       if (shown) card.appendChild(deciding);
-      add(card, add(el("p"), el("b", null, "Next check: "), document.createTextNode(f.next_check)));
-      if (f.runbook_url) {
-        var a = el("a", null, "Runbook");
-        a.href = f.runbook_url;
-        a.rel = "noopener";
-        add(card, add(el("p"), a));
-      }
+      // Prose the diagnosis wrote beside the numbers (`notes`, apart from `evidence`).
+      Object.keys(f.notes || {}).forEach(function (key) {
+        var note = add(el("p", "note"), el("b", null, evidenceLabel(key) + ": "), document.createTextNode(f.notes[key]));
+        note.setAttribute("data-note", key);
+        card.appendChild(note);
+      });
+      add(card, add(el("p"), el("b", null, "Next check: "), document.createTextNode(f.next_check)), runbookNode(f));
       var details = el("details"), table = el("table");
       details.appendChild(el("summary", null, "All evidence (" + Object.keys(f.evidence || {}).length + " values)"));
       Object.keys(f.evidence || {}).forEach(function (key) {
-        add(table, add(el("tr"), el("td", null, evidenceLabel(key)), el("td", "num", evidenceText(key, f.evidence[key]))));
+        add(table, add(el("tr"), el("td", null, evidenceLabel(key)), el("td", "num", evidenceText(f, key))));
       });
       add(card, add(details, table));
       grid.appendChild(card);
@@ -706,7 +736,7 @@ SCRIPT = r"""
       section.appendChild(el("h2", null, "Upstream"));
       section.appendChild(el("p", null, u.histogram + " at " + (u.target || "") + ": " +
         (u.up ? "up" : "down (" + (u.reason || "") + ")") + ", mean " + fmt(u.mean_seconds, "seconds") +
-        ", p95 " + fmt(u.p95_seconds, "seconds") + " over " + fmt(u.count, "requests") + " requests"));
+        ", p95 " + bounded(fmt(u.p95_seconds, "seconds"), u.p95_pinned) + " over " + fmt(u.count, "requests") + " requests"));
     }
     swap("changes", section);
   }
@@ -831,13 +861,16 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
         out.append("<p>" + ("No active findings." if diagnosis["up"]
                             else "No findings while the engine is not polled.") + "</p>")
     for f in findings:
-        where = f["model"] + (f" / {f['engine']}" if f["engine"] is not None else "")
+        where = f["model_name"] + (f" / {f['engine']}" if f["engine"] is not None else "")
+        since = f", since {_time_text(f['since'])}" if f.get("since") else ""
+        notes = "".join(f"<p>{_e(key.replace('_', ' '))}: {_e(note)}</p>" for key, note in (f.get("notes") or {}).items())
+        runbook = f"<p>Runbook: <code>{_e(f['runbook'])}</code></p>" if f.get("runbook") else ""
         out.append(
             f'<div class="finding" data-symptom="{_e(f["symptom"])}" data-cause="{_e(f["cause"])}">'
             f'<p><b>{_e(f["severity"].upper())}</b> {_e(SYMPTOM_TITLES.get(f["symptom"], f["symptom"]))}: '
-            f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))} ({_e(where)}, {_e(f["confidence"])} confidence)</p>'
-            f'<p>{_e(f["summary"])}</p><p>Next: {_e(f["next_check"])}</p>'
-            f'<p><small>{_e(format_evidence(f["evidence"]))}</small></p></div>'
+            f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))} ({_e(where)}, {_e(f["confidence"])} confidence{since})</p>'
+            f'<p>{_e(f["summary"])}</p>{notes}<p>Next: {_e(f["next_check"])}</p>{runbook}'
+            f'<p><small>{_e(format_evidence(f["evidence"], f.get("pinned")))}</small></p></div>'
         )
     return "".join(out)
 
@@ -847,12 +880,12 @@ def _signals_html(signals: dict[str, Any]) -> str:
     if not columns:
         return "<p>No engine data yet.</p>"
     out = ["<h2>Signals over the window</h2><table><tr><th>Signal</th>"
-           + "".join(f"<th>{_e(h)}</th>" for h, _ in columns) + "</tr>"]
+           + "".join(f"<th>{_e(h)}</th>" for h, _, _ in columns) + "</tr>"]
     order = list(GROUP_TITLES)
     for s in sorted(SIGNALS, key=lambda s: order.index(s.group) if s.group in order else len(order)):
         out.append(f'<tr><td title="{_e(s.name)}">{_e(signal_label(s.name))}</td>'
-                   + "".join(f'<td class="num">{_e(format_value(values.get(s.name), s.unit))}</td>'
-                             for _, values in columns) + "</tr>")
+                   + "".join(f'<td class="num">{_e(format_value(values.get(s.name), s.unit, pinned.get(s.name)))}</td>'
+                             for _, values, pinned in columns) + "</tr>")
     out.append("</table>")
     return "".join(out)
 

@@ -112,7 +112,7 @@ class UpstreamSource:
 
     def _report(self, now: float, up: bool, reason: str | None, detail: str) -> dict[str, Any]:
         increase = self.increase()
-        p95 = increase.quantile(0.95) if increase is not None else None
+        p95 = increase.reported_quantile(0.95) if increase is not None else None
         covered = self._entries[-1][0] - self._entries[0][0] if len(self._entries) > 1 else 0.0
         return {
             "histogram": self.name,
@@ -123,7 +123,7 @@ class UpstreamSource:
             "count": increase.count if increase is not None else 0.0,
             "mean_seconds": increase.mean() if increase is not None else None,
             "p95_seconds": p95.value if p95 is not None else None,
-            "p95_pinned": p95.pinned if p95 is not None else None,
+            "p95_pinned": p95.bound if p95 is not None else None,  # "<" or ">" where p95 is a bound
             "window_seconds": covered,
             "time": now,
         }
