@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import requests
 
 from promstack import prometheus, query, wait_until
 
@@ -45,6 +46,7 @@ class Seen:
 
     samples: list[list[dict]] = field(default_factory=list)  # findings of /api/v1/diagnosis
     alerts: list[set[tuple[str, str, str]]] = field(default_factory=list)  # (alertname, cause, state)
+    scraped: list[str] = field(default_factory=list)  # Prometheus' `up` of kvwatch at each sample
     requests: int = 0
     failed: int = 0
     errors: list[str] = field(default_factory=list)
@@ -81,6 +83,7 @@ def watch_load(base_url: str, start_load, seconds_after: float = 0.0, window: st
             try:
                 seen.alerts.append({(a["metric"]["alertname"], a["metric"].get("cause", ""), a["metric"]["alertstate"])
                                     for a in query(prometheus_url, "ALERTS")})
+                seen.scraped.append(",".join(u["value"][1] for u in query(prometheus_url, 'up{job="kvwatch"}')))
             except Exception:
                 pass
         if not run.running:
@@ -111,10 +114,16 @@ def test_long_requests_are_named_and_alerted_as_long_requests(real_vllm, tmp_pat
     # once called this concurrency beyond capacity.
     rules = generate_rules(tmp_path_factory.mktemp("long-rules"), MIXIN_TEST_CONFIG)
     wait_until_idle(real_vllm.metrics_url)
+    # Scrapes every 2 s, so a scrape of kvwatch may take 2 s on a machine the
+    # load saturates (at 1 s some timed out and the alert's inputs had gaps
+    # in a first run on a freshly started server).
     with running_kvwatch(real_vllm.metrics_url, poll_interval="1s", window=f"{LONG_WINDOW_SECONDS:g}s") as kvwatch, \
-            prometheus([f"127.0.0.1:{kvwatch.port}"], rule_files=[rules], interval="1s") as prom:
+            prometheus([f"127.0.0.1:{kvwatch.port}"], rule_files=[rules], interval="2s") as prom:
         wait_until(lambda: query(prom.url, 'kvwatch_engine_kv_cache_usage_ratio{job="kvwatch"}'), 30,
                    "Prometheus to scrape kvwatch")
+        wait_until(lambda: any(r.get("name") == EXHAUSTED_ALERT for g in requests.get(
+            f"{prom.url}/api/v1/rules", timeout=5).json()["data"]["groups"] for r in g["rules"]), 10,
+            "the generated rules to load")
         # After the load the window still holds it for 20 s: Prometheus, which
         # sees it through its scrapes of a kvwatch on a busy machine, may need
         # most of that for `for:` to run out (it fired after the load in one run).
@@ -126,7 +135,7 @@ def test_long_requests_are_named_and_alerted_as_long_requests(real_vllm, tmp_pat
     assert seen.failed == 0, seen.errors
     assert "long_requests" in seen.causes("exhaustion"), seen.summary()
     assert "concurrency_beyond_capacity" not in seen.causes("exhaustion"), seen.summary()
-    assert seen.fired(EXHAUSTED_ALERT) == {"long_requests"}, seen.alerts[-5:]
+    assert seen.fired(EXHAUSTED_ALERT) == {"long_requests"}, list(zip(seen.scraped, seen.alerts))
     finding = seen.findings("long_requests")[-1]
     assert finding["evidence"]["waiting_mean"] <= finding["evidence"]["running_mean"]
 
