@@ -28,12 +28,12 @@ on one axis.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+from kvwatch.sweep.output import finish_plot
 from kvwatch.sweep.probe import ANSWERED
 
 COMPARE_JSON = "compare.json"
@@ -559,26 +559,7 @@ def write_plots(out_dir: Path, result: dict[str, Any]) -> list[Path]:
                 if points:
                     axes.plot(*zip(*points), marker=marker, linestyle=style, color=color,
                               label=f"in {inp} / out {out} ({side})")
-        if levels:
-            if levels[-1] >= 8 * levels[0]:
-                axes.set_xscale("log", base=2)
-            axes.set_xticks(levels)
-            axes.set_xticklabels([str(level) for level in levels])
-        axes.set_xlabel("concurrency (requests in flight)")
-        axes.set_ylabel(ylabel)
-        if metric == "peak_kv_usage":
-            axes.set_ylim(0, 1.05)
-        else:
-            axes.set_ylim(bottom=0)
-        axes.set_title(title)
-        axes.grid(True, alpha=0.3)
-        if lengths:
-            axes.legend(fontsize="small")
-        figure.tight_layout()
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png")
-        plt.close(figure)
-        (out_dir / name).write_bytes(buffer.getvalue())
+        (out_dir / name).write_bytes(finish_plot(plt, figure, axes, levels, metric, title, ylabel, bool(lengths)))
         written.append(out_dir / name)
     return written
 

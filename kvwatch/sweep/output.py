@@ -226,25 +226,32 @@ def write_plots(out_dir: Path, cells: list[dict[str, Any]]) -> list[Path]:
                 if engine:
                     axes.plot(*zip(*engine), marker="x", linestyle="--", color=color,
                               label=f"in {inp} / out {out} (engine)")
-        if levels and levels[-1] >= 8 * levels[0]:
+        _atomic_write(out_dir / name, finish_plot(plt, figure, axes, levels, key, title, ylabel, bool(lengths)))
+        written.append(out_dir / name)
+    return written
+
+
+def finish_plot(plt, figure, axes, levels: list[int], key: str, title: str, ylabel: str, legend: bool) -> bytes:
+    """The sweep's plots' common axes (concurrency on x, log2 when the levels
+    span 8x or more; usage capped just above 1), then the PNG bytes."""
+    if levels:
+        if levels[-1] >= 8 * levels[0]:
             axes.set_xscale("log", base=2)
         axes.set_xticks(levels)
         axes.set_xticklabels([str(level) for level in levels])
-        axes.set_xlabel("concurrency (requests in flight)")
-        axes.set_ylabel(ylabel)
-        if key == "peak_kv_usage":
-            axes.set_ylim(0, 1.05)
-            axes.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-        else:
-            axes.set_ylim(bottom=0)
-        axes.set_title(title)
-        axes.grid(True, alpha=0.3)
-        if lengths:
-            axes.legend(fontsize="small")
-        figure.tight_layout()
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png")
-        plt.close(figure)
-        _atomic_write(out_dir / name, buffer.getvalue())
-        written.append(out_dir / name)
-    return written
+    axes.set_xlabel("concurrency (requests in flight)")
+    axes.set_ylabel(ylabel)
+    if key == "peak_kv_usage":
+        axes.set_ylim(0, 1.05)
+        axes.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    else:
+        axes.set_ylim(bottom=0)
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    if legend:
+        axes.legend(fontsize="small")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    return buffer.getvalue()
