@@ -35,7 +35,9 @@ def capture(fixtures_dir):
 
 
 def make(server, **overrides):
-    settings = load_settings(overrides={"target": server.url, "poll_interval": "1s", "timeout": "0.5s", **overrides}, environ={})
+    # 1 s: a loopback page of 54 KB once took over 0.5 s on a machine under a
+    # load of 15; the timeout case below answers after 1.5 s.
+    settings = load_settings(overrides={"target": server.url, "poll_interval": "1s", "timeout": "1s", **overrides}, environ={})
     monitor = Monitor(settings)
     return monitor, TestClient(create_app(monitor, settings))
 

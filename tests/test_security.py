@@ -408,7 +408,7 @@ def test_bad_config_names_every_problem_at_once_and_exits_non_zero(tmp_path):
         "tls_cert_file: /no/such/cert.pem\n"
         "log_level: loud\n"
         "colour: blue\n"
-        "timeout: 30s\n"  # above the (default) poll interval: a problem across settings
+        "timeout: 200s\n"  # above half the (default) 5m window: a problem across settings
     )
     environment = {key: value for key, value in os.environ.items() if not key.startswith("KVWATCH_")}
     environment["PYTHONPATH"] = str(REPO)
@@ -417,7 +417,7 @@ def test_bad_config_names_every_problem_at_once_and_exits_non_zero(tmp_path):
     assert finished.returncode != 0
     output = finished.stdout + finished.stderr
     for fragment in ("ftp://admin:<redacted>@engine:8000", "70000", "often", "12XB", "/no/such/cert.pem",
-                     "loud", "colour", "must be below poll_interval"):
+                     "loud", "colour", "must be at most half the window"):
         assert fragment in output, fragment
     assert len(re.findall(r"^\s+- ", output, flags=re.MULTILINE)) == 8
     assert "Traceback" not in output
