@@ -6,8 +6,7 @@ repository), the tiny random Llama it serves, the `vllm serve` process (started
 in its own process group, always stopped), load drivers that provoke the
 documented KV-cache symptoms, and a minimal reader of the server's /metrics.
 
-Facts it relies on are in ../shared/reference/real-vllm-cpu.md; what it measured
-is in docs/vllm-tier.md. It imports only the standard library and
+What it relies on and what it measured are in docs/vllm-tier.md. It imports only the standard library and
 prometheus_client, so it runs under kvwatch's own virtual environment; the parts
 that need torch or transformers run as subprocesses under the vLLM venv.
 """
