@@ -190,7 +190,7 @@ class Monitor:
                     result, f"no engine metrics in a page of {result.size} bytes (looked for the families of "
                     f"{', '.join(ENGINES)})", (), started, started_cpu)
             self.adapter = make_adapter(engine, self.settings.max_series)
-            log.info("polling %s: the page is %s's", public_url(self.settings.target), engine)
+            log.info("polling %s: the page is %s's", public_url(self.settings.target), self.adapter.title)
         # A page describes the engine when it was answered, not when it was
         # asked for: a busy vLLM answers seconds late (1.5-12 s under load on
         # the tier's CPU), and a page stamped at the request would put the
