@@ -49,43 +49,28 @@ class KvwatchCollector(Collector):
         yield from self._findings(state)
 
     def _health(self, state):
-        up = _health_family("kvwatch_up")
-        up.add_metric([], 1.0 if state.up else 0.0)
-        yield up
         info = _health_family("kvwatch_build_info")
         info.add_metric([__version__], 1.0)
-        yield info
-        polls = _health_family("kvwatch_polls")
-        polls.add_metric([], state.polls)
-        yield polls
         errors = _health_family("kvwatch_poll_errors")
         # Every known reason is present from the start so rate() works at once.
         for reason in sorted(set(POLL_ERROR_REASONS) | set(state.errors_by_reason)):
             errors.add_metric([reason], state.errors_by_reason.get(reason, 0))
+        yield info
         yield errors
-        parse = _health_family("kvwatch_parse_errors")
-        parse.add_metric([], state.parse_errors)
-        yield parse
-        dropped = _health_family("kvwatch_dropped_series")
-        dropped.add_metric([], state.dropped_series)
-        yield dropped
-        duration = _health_family("kvwatch_poll_duration_seconds")
-        duration.add_metric([], state.poll_seconds)
-        yield duration
-        if state.page_late_seconds is not None:
-            late = _health_family("kvwatch_page_late_seconds")
-            late.add_metric([], state.page_late_seconds)
-            yield late
-        cpu = _health_family("kvwatch_poll_cpu_seconds")
-        cpu.add_metric([], state.poll_cpu_seconds)
-        yield cpu
-        if state.last_success_time is not None:
-            last = _health_family("kvwatch_last_success_timestamp_seconds")
-            last.add_metric([], state.last_success_time)
-            yield last
-        window = _health_family("kvwatch_window_seconds")
-        window.add_metric([], state.window_seconds)
-        yield window
+        # The unlabelled ones; None means absent (nothing known yet).
+        for name, value in (
+            ("kvwatch_up", 1.0 if state.up else 0.0), ("kvwatch_polls", state.polls),
+            ("kvwatch_parse_errors", state.parse_errors), ("kvwatch_dropped_series", state.dropped_series),
+            ("kvwatch_poll_duration_seconds", state.poll_seconds),
+            ("kvwatch_page_late_seconds", state.page_late_seconds),
+            ("kvwatch_poll_cpu_seconds", state.poll_cpu_seconds),
+            ("kvwatch_last_success_timestamp_seconds", state.last_success_time),
+            ("kvwatch_window_seconds", state.window_seconds),
+        ):
+            if value is not None:
+                family = _health_family(name)
+                family.add_metric([], value)
+                yield family
 
     def _engine_series(self, snapshot):
         families = {}
