@@ -36,6 +36,7 @@ from kvwatch.diagnose.vocabulary import SEVERITIES
 from kvwatch.sidecar.report import diagnosis_json, public_url, signals_json
 from kvwatch.sidecar.series import series_json
 from kvwatch.signals import SIGNALS, SIGNALS_BY_NAME, UNITS
+from kvwatch.snapshot import bounded_text
 
 REFRESH_SECONDS = 5
 GROUP_TITLES = {
@@ -180,7 +181,7 @@ def format_value(value: Any, unit: str, pinned: dict[str, str] | str | None = No
     if not math.isfinite(value):
         return "–"
     text = _format_number(value, unit)
-    return f"{pinned} {text}" if isinstance(pinned, str) and pinned in ("<", ">") else text
+    return bounded_text(text, pinned if isinstance(pinned, str) else None)
 
 
 def _format_number(value: float, unit: str) -> str:
