@@ -139,7 +139,7 @@ def test_sweep_by_request_count_with_the_bound_from_a_model_config(sim, tmp_path
     (["--timeout", "0s"], "--timeout: '0s' must be positive"),
     (["--base-url", "ftp://127.0.0.1:1"], "--base-url: 'ftp://127.0.0.1:1' is not an http(s) URL"),
     (["--kv-budget", "3GiB"], "give --model-config too"),
-    (["--model-config", "/nonexistent/config.json"], "--model-config: /nonexistent/config.json not found"),
+    (["--model-config", "/nonexistent/config.json"], "--model-config: model config not found: /nonexistent/config.json"),
     (["--kv-dtype", "int4", "--model-config", "x"], "--kv-dtype 'int4' is not one of"),
     (["--warmup", "-1"], "--warmup cannot be negative"),
 ])
