@@ -46,7 +46,7 @@ from kvwatch.commands.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.rules import split_alert_expr
 from mixin_support import GRAFANA_VARIABLES, annotation_exprs, iter_panels, load_dashboards
 from pageserver import Answer, LoopbackServer, Request
-from promstack import free_port, query_range, wait_until
+from promstack import free_port, query, query_range, stop_process, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
@@ -129,11 +129,7 @@ class Processes:
             if process.poll() is None:
                 process.terminate()
         for _, process in self.children:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
+            stop_process(process)
 
 
 def _ready(url: str) -> bool:
@@ -144,12 +140,7 @@ def _ready(url: str) -> bool:
 
 
 def prom_query(prometheus: str, expr: str, at: float | None = None) -> list[dict]:
-    params = {"query": expr}
-    if at is not None:
-        params["time"] = f"{at:.3f}"
-    body = requests.get(f"{prometheus}/api/v1/query", params=params, timeout=10).json()
-    assert body["status"] == "success", (expr[:200], body)
-    return body["data"]["result"]
+    return query(prometheus, expr, at, timeout=10)
 
 
 @pytest.fixture(scope="module")
