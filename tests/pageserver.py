@@ -5,6 +5,8 @@
   with its own metrics.
 - `PageServer`: answers a test scripts in order: body, status, headers,
   delays, trickling, cut-off bodies. Used to play an engine.
+- `serving(app)`: kvwatch's own app (any ASGI app) served by uvicorn in a
+  thread, as `kvwatch serve` runs it.
 
 Every server listens on 127.0.0.1 (port 0 unless a test fixes one), gives a
 stalled client at most `request_timeout_s` per socket operation, and stops
@@ -13,10 +15,12 @@ within seconds when its `with` block ends.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterator
 
 # A client that stops sending or reading holds a handler thread no longer than this.
 REQUEST_TIMEOUT_S = 30.0
@@ -153,3 +157,35 @@ class PageServer(LoopbackServer):
 
     def __enter__(self) -> "PageServer":
         return super().__enter__()
+
+
+@dataclass
+class Served:
+    url: str  # http://127.0.0.1:<port>
+    port: int
+    server: Any  # the uvicorn.Server
+
+
+@contextlib.contextmanager
+def serving(app, port: int = 0, start_timeout_s: float = 30.0, **options) -> Iterator[Served]:
+    """`app` served by uvicorn in a thread on 127.0.0.1 (port 0: the OS
+    chooses); `options` are uvicorn.Config's (kvwatch's own:
+    kvwatch.commands.serve.server_options). Yields once it listens; stopped
+    within seconds after."""
+    import uvicorn  # kvwatch's dependency; the HTTP servers above need only the standard library
+
+    config = {"log_level": "warning", **options, "host": "127.0.0.1", "port": port}
+    server = uvicorn.Server(uvicorn.Config(app, **config))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not (server.started and server.servers):
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start within {start_timeout_s:g} s")
+            time.sleep(0.02)
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        yield Served(f"http://127.0.0.1:{bound}", bound, server)
+    finally:
+        server.should_exit = True
+        thread.join(2 * STOP_TIMEOUT_S)

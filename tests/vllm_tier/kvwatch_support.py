@@ -30,14 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import uvicorn
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.sidecar.app import create_app
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import load_settings
-from pageserver import Answer, LoopbackServer, Request
+from pageserver import Answer, LoopbackServer, Request, serving
 
 from .harness import Metrics, _open
 
@@ -153,23 +152,12 @@ def running_kvwatch(target: str, poll_interval: str = "0.5s", window: str = "20s
         overrides["upstream_target"], overrides["upstream_histogram"] = upstream
     settings = load_settings(overrides=overrides, environ={})
     monitor = Monitor(settings)
-    server = uvicorn.Server(uvicorn.Config(create_app(monitor, settings), host="127.0.0.1", port=0,
-                                           log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, name="kvwatch-http", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while not (server.started and server.servers):
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"kvwatch's HTTP server did not start within {start_timeout_s} s")
-            time.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
+    with serving(create_app(monitor, settings), lifespan="off", start_timeout_s=start_timeout_s) as kvwatch:
         monitor.start()
-        yield RunningKvwatch(f"http://127.0.0.1:{port}", port, monitor)
-    finally:
-        monitor.stop()
-        server.should_exit = True
-        thread.join(10)
+        try:
+            yield RunningKvwatch(kvwatch.url, kvwatch.port, monitor)
+        finally:
+            monitor.stop()
 
 
 def generate_rules(out_dir: Path, config: dict) -> Path:
