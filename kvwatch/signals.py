@@ -1121,7 +1121,8 @@ TIER_HEALTH: tuple[HealthFamily, ...] = (
 @dataclass(frozen=True)
 class TierSeries:
     name: str  # exported family name, a counter without `_total`
-    key: str  # kvwatch/sidecar/lmcache.py COUNTERS key
+    key: str  # canonical key in the tier's window
+    family: str  # LMCache's counter, without `lmcache:` and `_total`
     unit: str
     help: str
     kind: str = "counter"
@@ -1133,14 +1134,14 @@ class TierSeries:
 
 
 TIER_SERIES: tuple[TierSeries, ...] = (
-    TierSeries("kvwatch_lmcache_retrieve_requests", "retrieve_requests", "requests",
+    TierSeries("kvwatch_lmcache_retrieve_requests", "retrieve_requests", "num_retrieve_requests", "requests",
                "Retrievals the engine asked of LMCache (lmcache:num_retrieve_requests, first worker)."),
-    TierSeries("kvwatch_lmcache_requested_tokens", "requested_tokens", "tokens",
+    TierSeries("kvwatch_lmcache_requested_tokens", "requested_tokens", "num_requested_tokens", "tokens",
                "Tokens the engine asked LMCache to load: what its lookup found, less what vLLM had "
                "(lmcache:num_requested_tokens, first worker)."),
-    TierSeries("kvwatch_lmcache_hit_tokens", "hit_tokens", "tokens",
+    TierSeries("kvwatch_lmcache_hit_tokens", "hit_tokens", "num_hit_tokens", "tokens",
                "Tokens LMCache delivered to the engine (lmcache:num_hit_tokens, first worker).", good="high"),
-    TierSeries("kvwatch_lmcache_stored_tokens", "stored_tokens", "tokens",
+    TierSeries("kvwatch_lmcache_stored_tokens", "stored_tokens", "num_stored_tokens", "tokens",
                "Tokens stored into LMCache, evicted ones included (lmcache:num_stored_tokens, first worker)."),
 )
 

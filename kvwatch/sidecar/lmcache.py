@@ -30,18 +30,13 @@ from typing import Any
 from kvwatch.exposition import FamilySelector
 from kvwatch.scrape import Fetcher
 from kvwatch.sidecar.report import public_url
-from kvwatch.signals import TIER_SIGNALS, View, evaluate_tier
+from kvwatch.signals import TIER_SERIES, TIER_SIGNALS, View, evaluate_tier
 from kvwatch.snapshot import EngineSnapshot, Snapshot
 from kvwatch.window import Window
 
 PREFIXES = ("lmcache:", "lmcache_")
-# canonical key -> LMCache family (its name without `lmcache:` and `_total`)
-COUNTERS = {
-    "retrieve_requests": "num_retrieve_requests",
-    "requested_tokens": "num_requested_tokens",
-    "hit_tokens": "num_hit_tokens",
-    "stored_tokens": "num_stored_tokens",
-}
+# canonical key -> LMCache family (its name without `lmcache:` and `_total`), from the catalogue
+COUNTERS = {series.key: series.family for series in TIER_SERIES}
 # The engine slot of the tier's rows in its window and report.
 TIER = "lmcache"
 

@@ -738,6 +738,19 @@ SCRIPT = r"""
         (u.up ? "up" : "down (" + (u.reason || "") + ")") + ", mean " + fmt(u.mean_seconds, "seconds") +
         ", p95 " + bounded(fmt(u.p95_seconds, "seconds"), u.p95_pinned) + " over " + fmt(u.count, "requests") + " requests"));
     }
+    var tier = diagnosis.lmcache;
+    if (tier) {
+      section.appendChild(el("h2", null, "LMCache tier"));
+      if (!tier.up) section.appendChild(el("p", "muted", "LMCache at " + (tier.target || "") + ": down (" +
+        (tier.reason || "") + (tier.detail ? ": " + tier.detail : "") + "); the engine's signals do not depend on it."));
+      (tier.up ? tier.models || [] : []).forEach(function (m) {
+        var v = m.signals || {};
+        section.appendChild(el("p", null, m.model_name + " at " + (tier.target || "") + ": hit ratio " +
+          fmt(v.kvwatch_lmcache_hit_ratio, "ratio") + " (tokens delivered / asked for), tokens retrieved " +
+          fmt(v.kvwatch_lmcache_retrieved_tokens_per_second, "per_second") + ", tokens stored " +
+          fmt(v.kvwatch_lmcache_stored_tokens_per_second, "per_second")));
+      });
+    }
     swap("changes", section);
   }
 
