@@ -1141,6 +1141,9 @@ TIER_SERIES: tuple[TierSeries, ...] = (
                "(lmcache:num_requested_tokens, first worker)."),
     TierSeries("kvwatch_lmcache_hit_tokens", "hit_tokens", "num_hit_tokens", "tokens",
                "Tokens LMCache delivered to the engine (lmcache:num_hit_tokens, first worker).", good="high"),
+    TierSeries("kvwatch_lmcache_prompt_tokens", "prompt_tokens", "num_prompt_tokens", "tokens",
+               "Prompt tokens of the requests LMCache's connector scheduled, counted by the worker as they are "
+               "loaded (lmcache:num_prompt_tokens, first worker; absent in builds before it)."),
     TierSeries("kvwatch_lmcache_stored_tokens", "stored_tokens", "num_stored_tokens", "tokens",
                "Tokens stored into LMCache, evicted ones included (lmcache:num_stored_tokens, first worker)."),
 )
@@ -1153,6 +1156,13 @@ TIER_SIGNALS: tuple[Signal, ...] = (
            lambda v: v.increase.ratio("hit_tokens", "requested_tokens"), "prefix",
            _ratio_of_rates("kvwatch_lmcache_hit_tokens_total", "kvwatch_lmcache_requested_tokens_total"),
            needs=("hit_tokens", "requested_tokens"), display="LMCache hit ratio", good="high"),
+    Signal("kvwatch_lmcache_prompt_tokens_served_ratio", "ratio",
+           "Share of the prompt tokens LMCache's connector saw that LMCache delivered, over the window: how much "
+           "prefill the tier saved (lmcache:num_hit_tokens / lmcache:num_prompt_tokens); absent with no prompt "
+           "tokens in the window or in builds without num_prompt_tokens.",
+           lambda v: v.increase.ratio("hit_tokens", "prompt_tokens"), "prefix",
+           _ratio_of_rates("kvwatch_lmcache_hit_tokens_total", "kvwatch_lmcache_prompt_tokens_total"),
+           needs=("hit_tokens", "prompt_tokens"), display="Prompt tokens from LMCache", good="high"),
     Signal("kvwatch_lmcache_retrieved_tokens_per_second", "per_second",
            "Tokens LMCache delivered to the engine per second over the window (lmcache:num_hit_tokens).",
            _rate("hit_tokens"), "prefix",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvwatch.diagnose import diagnose
+from kvwatch.mixin.metrics_doc import render
 from kvwatch.sidecar.collector import make_registry
 from kvwatch.sidecar.lmcache import LMCacheSource
 from kvwatch.sidecar.monitor import Monitor
@@ -52,11 +53,14 @@ def test_handwritten_pages_read_by_hand(pages):
     # read 1843.2 and 3072 tokens/s.
     assert values["kvwatch_lmcache_retrieved_tokens_per_second"] == pytest.approx(921.6)
     assert values["kvwatch_lmcache_stored_tokens_per_second"] == pytest.approx(1536.0)
+    # Prompt tokens 289280 - 266240 = 23040, of which LMCache delivered 9216.
+    assert values["kvwatch_lmcache_prompt_tokens_served_ratio"] == pytest.approx(9216 / 23040)  # 0.4
     # Page b's retrieve_hit_rate gauge says 1.0 and its lookup_hit_rate 0.0: neither is read.
     assert 'lmcache:retrieve_hit_rate{model_name="Qwen/Qwen3-8B",worker_id="0",role="worker"' in pages["b"]
     assert "} 1.0\n" in pages["b"].split("lmcache:retrieve_hit_rate{")[2]
-    assert report["families"] == {"lmcache:num_hit_tokens": True, "lmcache:num_requested_tokens": True,
-                                  "lmcache:num_retrieve_requests": True, "lmcache:num_stored_tokens": True}
+    assert report["families"] == {"lmcache:num_hit_tokens": True, "lmcache:num_prompt_tokens": True,
+                                  "lmcache:num_requested_tokens": True, "lmcache:num_retrieve_requests": True,
+                                  "lmcache:num_stored_tokens": True}
     assert report["models"][0]["latest"]["hit_tokens"] == 48128.0
 
 
@@ -71,12 +75,25 @@ def test_the_scheduler_series_is_never_the_one_read(pages):
     assert signals_of(older.ingest(no_role, 10.0))["kvwatch_lmcache_retrieved_tokens_per_second"] is not None
 
 
+def test_a_build_without_num_prompt_tokens_leaves_only_that_ratio_absent(pages):
+    older = {name: "\n".join(line for line in text.splitlines() if "num_prompt_tokens" not in line) + "\n"
+             for name, text in pages.items()}
+    tier = source()
+    tier.ingest(older["a"], 0.0)
+    report = tier.ingest(older["b"], 10.0)
+    assert report["families"]["lmcache:num_prompt_tokens"] is False
+    values = signals_of(report)
+    assert values["kvwatch_lmcache_prompt_tokens_served_ratio"] is None  # unknown, not 0
+    assert values["kvwatch_lmcache_hit_ratio"] == pytest.approx(0.9)
+
+
 def test_no_retrievals_in_the_window_give_no_ratio(pages):
     tier = source()
     tier.ingest(pages["b"], 0.0)
     report = tier.ingest(pages["b"], 10.0)  # nothing retrieved; the page's retrieve_hit_rate gauge reads 1.0
     values = signals_of(report)
     assert values["kvwatch_lmcache_hit_ratio"] is None  # absent: not 1.0, not 0
+    assert values["kvwatch_lmcache_prompt_tokens_served_ratio"] is None
     assert values["kvwatch_lmcache_retrieved_tokens_per_second"] == 0.0
 
 
@@ -127,6 +144,9 @@ def test_the_monitor_exports_the_tier_beside_the_engine(fixtures_dir, pages):
     assert found[("kvwatch_lmcache_hit_ratio", (("model_name", MODEL),))] == pytest.approx(0.9)
     assert found[("kvwatch_lmcache_hit_tokens_total", (("model_name", MODEL),))] == 48128.0
     assert found[("kvwatch_source_present", (("family", "lmcache:num_hit_tokens"),))] == 1.0
+    # Every kvwatch_lmcache_* family exported is in docs/metrics.md.
+    documented = render()
+    assert all(f"`{name}`" in documented for name, _ in found if name.startswith("kvwatch_lmcache_"))
     # The engine's own external-cache series are the engine's alone: nothing of LMCache's is added.
     external = [v for (name, _), v in found.items() if name == "kvwatch_engine_external_prefix_cache_hits_total"]
     assert all(v != 48128.0 for v in external)
