@@ -17,6 +17,7 @@ from kvwatch.sidecar.lmcache import LMCacheSource
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.report import diagnosis_json, status_json
 from kvwatch.sidecar.settings import Settings, load_settings
+from kvwatch.sidecar.statuspage import render_status_page
 from kvwatch.signals import evaluate_window
 from pageserver import Answer, PageServer
 from test_diagnose import Run, causes, only
@@ -153,6 +154,10 @@ def test_the_monitor_exports_the_tier_beside_the_engine(fixtures_dir, pages):
     status = status_json(monitor.state, monitor.settings)
     assert status["lmcache"]["up"] and status["lmcache"]["reason"] is None
     assert diagnosis_json(monitor.state, monitor.settings)["lmcache"]["models"][0]["model_name"] == MODEL
+    html = render_status_page(monitor.state, monitor.settings)
+    assert "<h2>LMCache tier</h2>" in html and "qwen3-8b: hit ratio 90.0%" in html
+    tier_text = html.split("<h2>LMCache tier</h2>")[1].split("</noscript>")[0]
+    assert "prompt tokens from LMCache 40.0%" in tier_text and "tokens retrieved " in tier_text, tier_text
 
 
 def test_lmcache_down_is_its_own_status_and_leaves_the_engine_alone(fixtures_dir):
@@ -173,6 +178,9 @@ def test_lmcache_down_is_its_own_status_and_leaves_the_engine_alone(fixtures_dir
     engine_keys = {k for k in baseline if k[0].startswith(("kvwatch_engine_", "kvwatch_prefix", "kvwatch_kv_cache"))}
     assert engine_keys and {k: found[k] for k in engine_keys} == {k: baseline[k] for k in engine_keys}
     assert "lmcache" not in status_json(plain.state, plain.settings)
+    html = render_status_page(with_tier.state, with_tier.settings)
+    assert "<h2>LMCache tier</h2>" in html and "down: refused" in html
+    assert "LMCache tier" not in render_status_page(plain.state, plain.settings).split("<noscript>")[1]
 
 
 def test_the_setting_is_a_flag_an_environment_variable_and_a_config_key(tmp_path):
