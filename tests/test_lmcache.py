@@ -8,8 +8,11 @@ tests/fixtures/README.md). Expected figures are worked out by hand below.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from kvwatch.cli import main
 from kvwatch.diagnose import diagnose
 from kvwatch.mixin.metrics_doc import render
 from kvwatch.sidecar.collector import make_registry
@@ -222,3 +225,17 @@ def test_a_low_engine_ratio_while_lmcache_serves_the_prefixes_is_not_no_reuse():
     # LMCache down: the diagnosis is the engine's alone.
     down = dict(tier_report(0.5 * prompt), up=False)
     assert causes(diagnose(run.window, per_engine, (), run.thresholds, None, None, down), "low_hit_rate") == {"no_reuse"}
+
+
+def test_kvwatch_diagnose_prints_the_tier_from_the_config(fixtures_dir, pages, tmp_path, capsys):
+    engine_page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    with PageServer([Answer(engine_page)]) as engine, PageServer([Answer(pages["a"]), Answer(pages["b"])]) as tier:
+        config = tmp_path / "kvwatch.yaml"
+        config.write_text(f"lmcache_target: {tier.url}\n")
+        main(["diagnose", "--target", engine.url, "--duration", "0.3s", "--interval", "0.1s", "--config", str(config)])
+        out = capsys.readouterr().out
+        assert f"LMCACHE {MODEL}: hit ratio 90.0%" in out
+        main(["diagnose", "--target", engine.url, "--duration", "0.3s", "--interval", "0.1s", "--config", str(config),
+              "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["lmcache"]["up"] and report["lmcache"]["models"][0]["model_name"] == MODEL
