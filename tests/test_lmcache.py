@@ -239,3 +239,16 @@ def test_kvwatch_diagnose_prints_the_tier_from_the_config(fixtures_dir, pages, t
               "--json"])
     report = json.loads(capsys.readouterr().out)
     assert report["lmcache"]["up"] and report["lmcache"]["models"][0]["model_name"] == MODEL
+
+
+def test_lmcache_on_the_engines_own_page_is_fetched_once(fixtures_dir, pages):
+    engine_page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    # vLLM's page with LMCache's families in it (LMCache sharing vLLM's multiprocess registry).
+    with PageServer([Answer(engine_page + pages["a"]), Answer(engine_page + pages["b"])]) as engine:
+        monitor = monitor_for(engine.url, engine.url)
+        monitor.poll_once()
+        monitor.poll_once()
+        assert len(engine.requests) == 2
+    assert monitor.state.up and monitor.state.per_engine
+    [row] = monitor.state.lmcache["models"]
+    assert row["increase"]["hit_tokens"] == 9216 and row["signals"]["kvwatch_lmcache_hit_ratio"] == pytest.approx(0.9)

@@ -102,7 +102,11 @@ class LMCacheSource:
         self.clock = clock
         self._families = {key: family_name(key) for key in COUNTERS}
 
-    def poll(self) -> dict[str, Any]:
+    def poll(self, page_text: str | None = None, at: float | None = None) -> dict[str, Any]:
+        """One poll; `page_text` (and its time `at`) is the engine's page when
+        LMCache is read from it: fetched once, read twice."""
+        if page_text is not None:
+            return self.ingest(page_text, self.clock() if at is None else at)
         now = self.clock()
         result = self.fetcher.fetch()
         if not result.ok:

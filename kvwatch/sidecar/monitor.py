@@ -123,6 +123,8 @@ class Monitor:
             from kvwatch.sidecar.lmcache import LMCacheSource
 
             self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
+        # LMCache sharing vLLM's registry is on the engine's own page: read that page, never fetch it twice.
+        self._lmcache_on_engine_page = bool(settings.lmcache_target) and settings.lmcache_target == settings.target
         self.state = State()
         self._errors: dict[str, int] = {}
         self._parse_errors = 0
@@ -222,7 +224,7 @@ class Monitor:
         self._note_changes(previous, snapshot)
         per_engine, per_model = evaluate_window(self.window)
         upstream = self.upstream.poll() if self.upstream is not None else None
-        lmcache = self._poll_lmcache()
+        lmcache = self._poll_lmcache(result.text if self._lmcache_on_engine_page else None, answered)
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
                                       self.settings.diagnosis, upstream, self.hit_memory, lmcache)
@@ -262,13 +264,13 @@ class Monitor:
             log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))
         return self.state
 
-    def _poll_lmcache(self) -> dict[str, Any] | None:
+    def _poll_lmcache(self, page_text: str | None, at: float) -> dict[str, Any] | None:
         """The tier's poll; its failure is its own (reported in its status),
         never the engine's."""
         if self.lmcache is None:
             return None
         try:
-            return self.lmcache.poll()
+            return self.lmcache.poll(page_text, at if page_text is not None else None)
         except Exception:  # pragma: no cover - defensive: the tier must not take the engine's poll down
             log.exception("polling LMCache failed")
             return {"target": public_url(self.settings.lmcache_target), "up": False, "reason": "internal",
