@@ -252,3 +252,22 @@ def test_lmcache_on_the_engines_own_page_is_fetched_once(fixtures_dir, pages):
     assert monitor.state.up and monitor.state.per_engine
     [row] = monitor.state.lmcache["models"]
     assert row["increase"]["hit_tokens"] == 9216 and row["signals"]["kvwatch_lmcache_hit_ratio"] == pytest.approx(0.9)
+
+
+def test_the_engines_token_goes_only_to_the_engines_origin(fixtures_dir, pages, tmp_path):
+    engine_page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    with PageServer([Answer(engine_page)]) as engine, PageServer([Answer(pages["a"])]) as elsewhere:
+        settings = load_settings(overrides={"target": engine.url, "lmcache_target": elsewhere.url,
+                                            "bearer_token_file": str(token)}, environ={})
+        Monitor(settings).poll_once()
+        assert "s3cret" in engine.requests[0]["headers"].get("Authorization", "")
+        assert "Authorization" not in elsewhere.requests[0]["headers"]
+        # LMCache's API server on the engine's host and port (another path): the same origin, the same token.
+        same_origin = engine.url.replace("/metrics", "/lmcache/metrics")
+        settings = load_settings(overrides={"target": engine.url, "lmcache_target": same_origin,
+                                            "bearer_token_file": str(token)}, environ={})
+        Monitor(settings).poll_once()
+        assert engine.requests[-1]["path"] == "/lmcache/metrics"
+        assert "s3cret" in engine.requests[-1]["headers"].get("Authorization", "")
