@@ -271,3 +271,11 @@ def test_the_engines_token_goes_only_to_the_engines_origin(fixtures_dir, pages, 
         Monitor(settings).poll_once()
         assert engine.requests[-1]["path"] == "/lmcache/metrics"
         assert "s3cret" in engine.requests[-1]["headers"].get("Authorization", "")
+
+
+def test_the_models_read_are_bounded():
+    page = "".join(lmcache_page(10, 10, f"model-{n:03d}") for n in range(30))
+    tier = LMCacheSource(Settings(target="http://127.0.0.1:9/metrics", lmcache_target="http://127.0.0.1:9/metrics",
+                                  max_series=4), 300.0)
+    report = tier.ingest(page, 0.0)
+    assert [row["model_name"] for row in report["models"]] == [f"model-{n:03d}" for n in range(4)]

@@ -53,9 +53,10 @@ def _rank(labels: dict[str, str]) -> tuple:
     return (0 if role in ("", "worker") else 1, int(worker) if worker.isdigit() else 1 << 30, worker, role)
 
 
-def read_page(page) -> tuple[dict[str, EngineSnapshot], dict[str, str]]:
-    """The counters of each model's first worker, and key -> family for the
-    families the page carried with samples."""
+def read_page(page, max_models: int = 1000) -> tuple[dict[str, EngineSnapshot], dict[str, str]]:
+    """The counters of each model's first worker (at most `max_models`
+    models, the first in name order), and key -> family for the families the
+    page carried with samples."""
     chosen: dict[str, tuple] = {}
     for base in COUNTERS.values():
         family = page.families.get(base)
@@ -68,6 +69,8 @@ def read_page(page) -> tuple[dict[str, EngineSnapshot], dict[str, str]]:
             rank = _rank(labels)
             if model not in chosen or rank < chosen[model]:
                 chosen[model] = rank
+    if len(chosen) > max_models:
+        chosen = {model: chosen[model] for model in sorted(chosen)[:max_models]}
     engines: dict[str, EngineSnapshot] = {}
     sources: dict[str, str] = {}
     for key, base in COUNTERS.items():
@@ -78,7 +81,7 @@ def read_page(page) -> tuple[dict[str, EngineSnapshot], dict[str, str]]:
             if suffix not in ("", "_total") or value != value:  # NaN
                 continue
             model = labels.get("served_model_name") or labels.get("model_name", "")
-            if _rank(labels) != chosen.get(model):
+            if model not in chosen or _rank(labels) != chosen[model]:
                 continue
             engines.setdefault(model, EngineSnapshot(model, TIER)).counters[key] = value
             sources[key] = family_name(key)
@@ -100,6 +103,7 @@ class LMCacheSource:
         self.selector = FamilySelector(list(COUNTERS.values()), PREFIXES)
         self.window = Window(window_seconds)
         self.clock = clock
+        self.max_models = settings.max_series
         self._families = {key: family_name(key) for key in COUNTERS}
 
     def poll(self, page_text: str | None = None, at: float | None = None) -> dict[str, Any]:
@@ -115,7 +119,7 @@ class LMCacheSource:
 
     def ingest(self, text: str, now: float) -> dict[str, Any]:
         page = self.selector.parse(text)
-        engines, sources = read_page(page)
+        engines, sources = read_page(page, self.max_models)
         if not engines:
             return self._report(now, False, "no_lmcache_metrics",
                                 "no lmcache:num_hit_tokens / num_requested_tokens on the page", sources)
