@@ -232,10 +232,11 @@ def test_kvwatch_diagnose_prints_the_tier_from_the_config(fixtures_dir, pages, t
     with PageServer([Answer(engine_page)]) as engine, PageServer([Answer(pages["a"]), Answer(pages["b"])]) as tier:
         config = tmp_path / "kvwatch.yaml"
         config.write_text(f"lmcache_target: {tier.url}\n")
-        main(["diagnose", "--target", engine.url, "--duration", "0.3s", "--interval", "0.1s", "--config", str(config)])
+        # Intervals of 1 s: LMCache gets half of one (0.5 s) per fetch, enough on a loaded machine.
+        main(["diagnose", "--target", engine.url, "--duration", "2s", "--interval", "1s", "--config", str(config)])
         out = capsys.readouterr().out
         assert f"LMCACHE {MODEL}: hit ratio 90.0%" in out
-        main(["diagnose", "--target", engine.url, "--duration", "0.3s", "--interval", "0.1s", "--config", str(config),
+        main(["diagnose", "--target", engine.url, "--duration", "2s", "--interval", "1s", "--config", str(config),
               "--json"])
     report = json.loads(capsys.readouterr().out)
     assert report["lmcache"]["up"] and report["lmcache"]["models"][0]["model_name"] == MODEL
