@@ -81,6 +81,7 @@ def test_no_route_fetches_anything_but_the_configured_target():
         assert len(engine.requests) == 1
         host = elsewhere.url.split("/")[2]
         params = {key: elsewhere.url for key in ("target", "url", "uri", "endpoint", "upstream", "upstream_target",
+                                                 "lmcache", "lmcache_target",
                                                  "redirect", "next", "host", "metrics")}
         headers = {"X-Forwarded-Host": host, "X-Forwarded-For": "127.0.0.1", "Forwarded": f"host={host}",
                    "Referer": elsewhere.url, "X-Original-URL": elsewhere.url, "X-Rewrite-URL": elsewhere.url}
