@@ -47,6 +47,23 @@ def test_unreadable_yaml_is_an_error_not_a_crash(tmp_path):
         load_settings(str(config), environ={})
 
 
+def test_unreadable_yaml_is_told_in_one_line_with_where(tmp_path):
+    config = tmp_path / "broken.yaml"
+    config.write_text("target: [unclosed\n")
+    with pytest.raises(SettingsError) as raised:
+        load_settings(str(config), environ={})
+    (problem,) = raised.value.problems
+    assert "\n" not in problem and "<unicode string>" not in problem
+    assert "line 2, column 1: expected ',' or ']'" in problem and "line 1, column 9" in problem
+
+
+def test_a_port_or_count_that_is_not_a_number_is_told_without_python_words():
+    with pytest.raises(SettingsError) as raised:
+        load_settings(overrides={"port": "abc", "max_series": "many"}, environ={})
+    assert raised.value.problems == ["--port: 'abc' is not a whole number",
+                                     "--max-series: 'many' is not a whole number"]
+
+
 def test_serve_with_bad_config_exits_non_zero_and_names_every_problem(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("port: -1\nwindow: never\n")
