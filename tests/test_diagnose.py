@@ -786,3 +786,13 @@ def test_exhaustion_wording_follows_the_current_usage():
     run.steps(2, usage=0.5, running=2, waiting=0, requests=4, **SHORT)
     finding = only(run.findings(), "concurrency_beyond_capacity")
     assert "earlier in the window (now 50.0%)" in finding.summary
+
+
+def test_evidence_keeps_every_digit_of_counts_and_capacities():
+    # The CLI printed kv_cache_capacity_tokens=16380 under a signal table that said 16,384,
+    # and /api/v1/diagnosis sent prefix_queries 111800 for 111812.
+    from kvwatch.diagnose.context import tidy
+
+    assert tidy({"capacity": 16384.0, "queries": 111812.0, "tokens": 1269.4, "share": 0.30000000000000004,
+                 "small": 0.071849, "unknown": None, "nan": math.nan}) == {
+        "capacity": 16384, "queries": 111812, "tokens": 1269, "share": 0.3, "small": 0.07185}
