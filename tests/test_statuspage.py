@@ -106,6 +106,15 @@ def test_format_value():
     assert format_value(0.3, "seconds", "<") == "< 300 ms"
 
 
+def test_format_value_never_writes_an_exponent():
+    # `kvwatch diagnose` printed "Prompt tokens 3.04e+03/s" where the page's script writes 3040/s.
+    assert format_value(3040.2, "per_second") == "3040/s"
+    assert format_value(355.4, "per_second") == "355/s"
+    assert format_value(0.0123, "per_second") == "0.0123/s"
+    assert format_value(0.9996, "seconds") == "1000 ms"
+    assert format_value(123456.7, "") == "123000"
+
+
 def _down_state():
     from kvwatch.sidecar.monitor import State
 

@@ -184,20 +184,32 @@ def format_value(value: Any, unit: str, pinned: dict[str, str] | str | None = No
     return bounded_text(text, pinned if isinstance(pinned, str) else None)
 
 
+def _three(value: float) -> str:
+    """Three significant digits, never in exponent notation: 3040, 0.0123,
+    as the page's script writes Number(x.toPrecision(3)) (`:.3g` wrote
+    3.04e+03 and, for 0.9996 s, "1e+03 ms")."""
+    rounded = float(f"{value:.3g}")
+    if rounded == 0:
+        return "0"
+    decimals = max(0, 2 - math.floor(math.log10(abs(rounded))))
+    text = f"{rounded:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def _format_number(value: float, unit: str) -> str:
     if unit == "ratio":
         return f"{value * 100:.1f}%"
     if unit == "seconds":
         if abs(value) >= 1:
             return f"{value:.2f} s"
-        return f"{value * 1000:.3g} ms" if abs(value) >= 0.001 or value == 0 else f"{value * 1e6:.3g} µs"
+        return f"{_three(value * 1000)} ms" if abs(value) >= 0.001 or value == 0 else f"{_three(value * 1e6)} µs"
     if unit == "tokens":
         return f"{value:,.0f}"
     if unit == "per_second":
-        return f"{value:.3g}/s"
+        return f"{_three(value)}/s"
     if float(value).is_integer():
         return f"{value:.0f}"
-    return f"{value:.3g}"
+    return _three(value)
 
 
 def format_evidence(evidence: dict[str, Any], pinned: dict[str, str] | None = None) -> str:
