@@ -1,3 +1,5 @@
+import socket
+
 import pytest
 
 from kvwatch.cli import main
@@ -70,6 +72,19 @@ def test_serve_with_bad_config_exits_non_zero_and_names_every_problem(tmp_path, 
     assert main(["serve", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "port" in err and "never" in err
+
+
+def test_serve_on_a_port_already_taken_says_so_in_one_sentence_before_serving(capsys):
+    # uvicorn logged `[Errno 98] error while attempting to bind on address ...` after
+    # kvwatch had announced "serving", and exited 3.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--target", "http://127.0.0.1:9/metrics"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"kvwatch: cannot listen on 127.0.0.1:{port}: another process already listens on that port " \
+                  "(choose another --port)\n"
 
 
 def test_kubernetes_service_link_variable_is_not_taken_for_the_port():

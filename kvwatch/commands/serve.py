@@ -12,7 +12,9 @@ keeps serving its last state."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 
 from kvwatch.sidecar.settings import SettingsError, default_text, env_name, load_settings
@@ -93,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwatch: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    problem = listen_problem(settings.host, settings.port)
+    if problem:
+        print(f"kvwatch: {problem}", file=sys.stderr)
+        return 1
 
     import uvicorn
 
@@ -118,6 +124,30 @@ def run(args: argparse.Namespace) -> int:
     finally:
         monitor.stop()
     return 0
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """One sentence when kvwatch cannot listen there, before it says it
+    serves (uvicorn logged `[Errno 98] error while attempting to bind...`
+    after kvwatch had announced the address, and exited 3)."""
+    where = f"{host}:{port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError):
+        return f"cannot listen on {where}: the host does not resolve to an address of this machine (check --host)"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            reason = {
+                errno.EADDRINUSE: "another process already listens on that port (choose another --port)",
+                errno.EADDRNOTAVAIL: "no interface of this machine has that address (check --host)",
+                errno.EACCES: "permission denied (a port below 1024 needs privileges; choose another --port)",
+            }.get(exc.errno, exc.strerror or "the address cannot be bound")
+            return f"cannot listen on {where}: {reason}"
+    return None
 
 
 def server_options(settings) -> dict:
