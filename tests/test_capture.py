@@ -186,6 +186,23 @@ def test_a_short_window_ends_the_episode_when_the_burst_leaves_it(fixtures_dir, 
     assert not burst["active_at_end"]
 
 
+def test_a_cut_off_or_foreign_capture_is_one_sentence_not_a_traceback(fixtures_dir, tmp_path, capsys):
+    # A bundle copied halfway raised tarfile.ReadError out of `kvwatch diagnose --replay`.
+    whole = (fixtures_dir / "vllm-0.32-cpu-scenarios" / "concurrency" / "capture.tar.gz").read_bytes()
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(whole[:len(whole) // 2])
+    assert main(["diagnose", "--replay", str(cut)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwatch diagnose: cannot replay:\n") and "Traceback" not in err
+    assert "cut.tar.gz: the bundle is cut off or damaged after " in err and " of 31 pages" in err
+    (tmp_path / "page.html").write_text("<html></html>")
+    (tmp_path / "empty").mkdir()
+    assert main(["diagnose", "--replay", str(tmp_path / "page.html")]) == 2
+    assert "not a kvwatch capture (a capture is a folder or a .tar.gz bundle" in capsys.readouterr().err
+    assert main(["diagnose", "--replay", str(tmp_path / "empty")]) == 2
+    assert "not a kvwatch capture (no manifest.json in it)" in capsys.readouterr().err
+
+
 def test_paced_replay_waits_the_recorded_gaps_divided_by_the_speed(fixtures_dir, tmp_path):
     source = ReplaySource(Capture(recorded(fixtures_dir, tmp_path / "real")).pages())
     now = [0.0]

@@ -193,6 +193,7 @@ def replaying(capture, settings, speed: float):
     recorded page per recorded gap / speed. monitor.stop() ends it."""
     import threading
 
+    from kvwatch.capture.bundle import CaptureError
     from kvwatch.capture.replay import ReplaySource, paced
     from kvwatch.sidecar.monitor import Monitor
 
@@ -209,7 +210,11 @@ def replaying(capture, settings, speed: float):
                 log.exception("after-poll work failed; the replay goes on")
 
     def run_replay() -> None:
-        polls = paced(source, poll, speed, wait=monitor._stop.wait)
+        try:
+            polls = paced(source, poll, speed, wait=monitor._stop.wait)
+        except CaptureError as exc:
+            log.error("replay stopped: %s; serving the last state read", exc)
+            return
         log.info("replay of %s finished after %d polls; serving its last state", capture.path, polls)
 
     def start() -> None:
