@@ -328,6 +328,9 @@ def test_prefix_changed_step_drop_with_moderate_usage():
     assert finding.severity == "warning" and finding.confidence == "low"
     assert finding.evidence["cannot_tell_apart"] == "prefix_changed, eviction_before_reuse"
     assert finding.evidence["tells_them_apart"].startswith("--kv-cache-metrics")
+    # The first sentence (the status page's banner "Next:") is a thing to do.
+    assert finding.next_check.startswith("Look first for a prompt template or system prompt deployed at that time, "
+                                         "then for idle prefixes evicted before reuse")
     assert finding.evidence["hit_ratio_baseline"] == pytest.approx(0.8, rel=1e-3)
     assert finding.evidence["hit_ratio_recent"] == pytest.approx(0.05, rel=1e-3)
     assert causes(findings, "low_hit_rate") == {"prefix_changed"}
