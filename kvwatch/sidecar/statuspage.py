@@ -120,17 +120,22 @@ DECIDING = {
 # finding's colour. `series` names its trend in /api/v1/series.
 FIGURES = (
     {"key": "kv_usage", "signal": "kvwatch_kv_cache_usage_ratio", "series": "kv_usage", "symptoms": ["exhaustion"],
+     "over": "poll",
      "rules": [{"state": "bad", "threshold": "exhaustion_usage_ratio", "op": ">="},
                {"state": "warn", "threshold": "eviction_usage_ratio", "op": ">="}]},
     {"key": "headroom", "signal": "kvwatch_kv_cache_free_tokens", "same_as": "kv_usage", "symptoms": ["exhaustion"],
+     "over": "poll",
      "rules": []},
-    {"key": "hit_ratio", "signal": "kvwatch_prefix_cache_hit_ratio", "series": "hit_ratio",
+    {"key": "hit_ratio", "signal": "kvwatch_prefix_cache_hit_ratio", "series": "hit_ratio", "over": "window",
      "symptoms": ["low_hit_rate"], "rules": [{"state": "warn", "threshold": "hit_ratio_low", "op": "<"}]},
     {"key": "ttft_p95", "signal": "kvwatch_time_to_first_token_seconds", "quantile": "0.95", "series": "ttft_p95",
+     "over": "window",
      "symptoms": ["slow_first_token"], "rules": [{"state": "bad", "threshold": "ttft_p95_seconds", "op": ">"}]},
     {"key": "waiting", "signal": "kvwatch_requests_waiting", "series": "waiting", "symptoms": ["exhaustion"],
+     "over": "poll",
      "rules": [{"state": "warn", "value": 0, "op": ">"}]},
     {"key": "preemptions", "signal": "kvwatch_preemptions_per_second", "series": "preemptions_per_second",
+     "over": "window",
      "symptoms": ["exhaustion"], "rules": [{"state": "bad", "value": 0, "op": ">"}]},
 )
 # The trend charts: (series, title, unit, threshold drawn as a line).
@@ -531,6 +536,13 @@ SCRIPT = r"""
       grid.appendChild(box);
     });
     section.appendChild(grid);
+    // Which figures are the last poll's and which span the window: the trends below end
+    // on shorter spans, so a p95 or a ratio differs there and must not look like an error.
+    var over = function (kind) {
+      return meta.figures.filter(function (f) { return f.over === kind; }).map(function (f) { return f.short; }).join(", ");
+    };
+    section.appendChild(el("p", "muted span-note", over("poll") + ": the last poll; " + over("window") +
+      ": over the last " + span(signals.window_covered_seconds || 0) + "."));
     swap("figures", section);
   }
 
