@@ -115,6 +115,17 @@ def test_format_value_never_writes_an_exponent():
     assert format_value(123456.7, "") == "123000"
 
 
+def test_a_full_window_reads_as_the_span_it_covers_not_more_than_set():
+    # The header read "window 62 of 60 s" once the window was full.
+    from kvwatch.sidecar.statuspage import window_text
+
+    assert window_text({"window_covered_seconds": 62.0, "window_seconds": 60.0}) == "62 s"
+    assert window_text({"window_covered_seconds": 60.2, "window_seconds": 60.0}) == "60 s"
+    assert window_text({"window_covered_seconds": 22.4, "window_seconds": 60.0}) == "22 of 60 s"
+    assert window_text({"window_covered_seconds": None, "window_seconds": 300.0}) == "0 of 300 s"
+    assert "function windowText(signals)" in SCRIPT and 'covered + " of " + set + " s" : covered + " s"' in SCRIPT
+
+
 def _down_state():
     from kvwatch.sidecar.monitor import State
 

@@ -465,12 +465,17 @@ SCRIPT = r"""
     });
   }
 
+  // "22 of 60 s" while the window fills; once full, the span the figures cover (it holds
+  // one poll at or before its start, so it spans a little more than set: not "62 of 60 s").
+  function windowText(signals) {
+    var covered = Math.round(signals.window_covered_seconds || 0), set = Math.round(signals.window_seconds);
+    return covered < set ? covered + " of " + set + " s" : covered + " s";
+  }
   function renderStatus(signals) {
     var p = el("p", "muted");
     add(p, document.createTextNode("Target "), el("code", null, signals.target || ""),
       document.createTextNode(" \u00b7 " + (signals.up ? "up" : "down") + " \u00b7 " + signals.polls +
-        " polls \u00b7 window " + Math.round(signals.window_covered_seconds || 0) + " of " +
-        Math.round(signals.window_seconds) + " s \u00b7 last poll " + clock(signals.last_success_time)));
+        " polls \u00b7 window " + windowText(signals) + " \u00b7 last poll " + clock(signals.last_success_time)));
     swap("status", p);
   }
 
@@ -881,6 +886,14 @@ def _time_text(seconds: float | None) -> str:
 # The <noscript> stand-in: the same state as text, for curl and browsers without JavaScript.
 
 
+def window_text(signals: dict[str, Any]) -> str:
+    """"22 of 60 s" while the window fills; once full, the span the figures
+    cover (one poll at or before its start makes it a little more than set:
+    "62 of 60 s" read as an error). The page's script writes the same."""
+    covered, configured = round(signals["window_covered_seconds"] or 0), round(signals["window_seconds"])
+    return f"{covered} of {configured} s" if covered < configured else f"{covered} s"
+
+
 def _status_html(signals: dict[str, Any]) -> str:
     if signals["up"]:
         state = '<span class="up">up</span>'
@@ -888,8 +901,7 @@ def _status_html(signals: dict[str, Any]) -> str:
         state = f'<span class="down">{_e(("down: " + (signals["reason"] or "") + " " + (signals["detail"] or "")).strip())}</span>'
     return (
         f'<p>Target <code>{_e(signals["target"] or "")}</code>: {state} · {signals["polls"]} polls, '
-        f'last success {_time_text(signals["last_success_time"])} · window '
-        f'{round(signals["window_covered_seconds"] or 0)} of {round(signals["window_seconds"])} s</p>'
+        f'last success {_time_text(signals["last_success_time"])} · window {window_text(signals)}</p>'
     )
 
 
