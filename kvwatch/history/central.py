@@ -113,6 +113,7 @@ class Central:
         self._fleet: list = []
         self._last_step: float | None = None
         self._source: str | None = None
+        self._discovered: tuple | None = None  # _discover's answer and the step it was asked at
         self._dropped: set[tuple] = set()
         self._refreshes = 0
         self._failures = 0
@@ -174,11 +175,18 @@ class Central:
 
     def _read_and_step(self, start: float, end: float) -> None:
         step = self.step
-        # Which series exist is asked over the whole window, not the new
-        # steps alone: the series API answers for samples inside the range,
-        # and a few seconds between two steps may hold none of a replica's.
-        source, families, counts, inner = _discover(self.client, self.selector, min(start, end - self.window),
-                                                    end, self._source or self.wanted_source)
+        # Which families exist is asked once per window span, not every
+        # refresh (the series API answers with every series' labels, the
+        # bulk of a refresh's cost): the range queries select by family, so a
+        # new replica appears in them at once, a new family at the next
+        # discovery. Asked over the whole window, not the new steps alone:
+        # the series API answers for samples inside the range, and a few
+        # seconds between two steps may hold none of a replica's.
+        found = self._discovered
+        if found is None or found[0] is None or end - found[4] >= self.window:
+            found = self._discovered = (*_discover(self.client, self.selector, min(start, end - self.window),
+                                                   end, self._source or self.wanted_source), end)
+        source, families, counts, inner, _at = found
         if source is None:
             self._step_nothing(end)
             return
