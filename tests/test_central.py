@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from kvwatch.cli import main
 from kvwatch.history.central import Central
+from kvwatch.history.query import PrometheusClient
 from kvwatch.history.run import diagnose_history
 from kvwatch.sidecar.central import create_central_app
 from kvwatch.sidecar.settings import load_settings
@@ -92,7 +93,8 @@ def test_a_store_that_fails_is_one_sentence_and_the_next_refresh_catches_up(hist
         now[0] += 2 * STEP
         state = central.refresh_once()
         assert not state.up and state.reason == "store"
-        assert state.detail.startswith("kvwatch cannot read the store at http://store.invalid:9090: ")
+        assert state.detail == ("kvwatch cannot read the store at http://store.invalid:9090: it did not answer "
+                                "within 60s.")
         ready = http.get("/readyz")
         assert ready.status_code == 503 and "cannot read the store" in ready.text
         body = http.get("/api/v1/diagnosis").json()
@@ -110,6 +112,17 @@ def test_a_store_that_fails_is_one_sentence_and_the_next_refresh_catches_up(hist
         # From the step after the last good one: the missed steps are read too.
         assert {r for r in client.ranges} == {(START + 240 + STEP, START + 240 + 3 * STEP)}
         assert ("imbalance", "vllm/10.0.1.1:8000") in current(state)
+
+
+def test_a_store_that_refuses_connections_is_said_in_one_sentence():
+    from promstack import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    central = Central(PrometheusClient(url, timeout=2), settings(), clock=lambda: START)
+    state = central.refresh_once()
+    assert not state.up and state.detail == (f"kvwatch cannot read the store at {url}: the connection failed "
+                                             "(is it running, and is the URL right?).")
+    assert central.ready() == (False, f"last refresh failed: store: {state.detail}")
 
 
 def test_a_replica_that_vanished_is_down_then_dropped_after_a_window(history_text):

@@ -168,7 +168,7 @@ class Central:
                 self._read_and_step(start, end)
             except QueryError as exc:
                 log.warning("reading %s failed: %s", self.url, exc)
-                return self._failed("store", f"kvwatch cannot read the store at {self.url}: {exc}")
+                return self._failed("store", store_sentence(self.url, exc))
             self._last_step = end
             self._last_success = self.clock()
             return self._publish(end)
@@ -319,6 +319,23 @@ class Central:
         if not state.replicas:
             return False, f"the store at {self.url} holds no vLLM series for the selector {self.selector or '{}'}"
         return True, "ok"
+
+
+def store_sentence(url: str | None, error: QueryError) -> str:
+    """One sentence for people on why the store could not be read (the
+    exception's full text goes to the log)."""
+    text = str(error)
+    if "no answer within" in text:
+        why = "it did not answer " + text[text.index("within"):]
+    elif "SSLError" in text:
+        why = "the TLS handshake failed"
+    elif "ConnectionError" in text or "ConnectTimeout" in text:
+        why = "the connection failed (is it running, and is the URL right?)"
+    elif ": HTTP " in text:
+        why = "it answered " + text[text.index("HTTP "):][:200]
+    else:
+        why = text[:200]
+    return f"kvwatch cannot read the store at {url}: {why}."
 
 
 def _fleet_key(finding) -> tuple:
