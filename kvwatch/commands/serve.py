@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     central = parser.add_argument_group("central mode (--prometheus)")
     central.add_argument("--prometheus", metavar="URL",
                          help="serve every replica a Prometheus-compatible store scrapes, read through its query "
-                              "API, instead of polling a target (default: none)")
+                              "API, instead of polling a target; refreshed every 30s unless --poll-interval is "
+                              "set (default: none)")
     central.add_argument("--selector", default="",
                          help="with --prometheus: label selector of the replicas' series, e.g. "
                               "'{namespace=\"llm\"}' (default: all)")
