@@ -116,12 +116,8 @@ def test_central_modes_page_of_one_replica_refreshes_that_replica(tmp_path):
     central = Central(StubClient(fleet_openmetrics(fleet()[:2], start, 240, step)), settings,
                       clock=lambda: start + 240)
     central.refresh_once()
-    server, thread, port = serve(create_central_app(central, settings))
-    try:
-        dom, stderr = dump_dom(f"http://127.0.0.1:{port}/?replica=vllm%2F10.0.1.1%3A8000", tmp_path)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serving(create_central_app(central, settings), lifespan="off", start_timeout_s=10) as kvwatch:
+        dom, stderr = dump_dom(f"{kvwatch.url}/?replica=vllm%2F10.0.1.1%3A8000", tmp_path)
     assert console_lines(stderr) == []
     assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 1, "the page never refreshed from the API"
     assert "Live: refreshed" in dom and "vllm/10.0.1.1:8000" in dom
