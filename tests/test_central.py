@@ -146,6 +146,12 @@ def test_at_most_max_replicas_are_kept(history_text):
     assert state.dropped_replicas == 5
     now[0] += STEP
     assert len(central.refresh_once().replicas) == 3
+    # A kept replica that vanished makes room for the next one once it is forgotten.
+    client.drop(instance="10.0.1.1:8000")
+    now[0] += WINDOW + STEP
+    state = central.refresh_once()
+    assert sorted(state.replicas) == ["vllm/10.0.1.2:8000", "vllm/10.0.1.3:8000", "vllm/10.0.1.4:8000"]
+    assert state.dropped_replicas == 4
 
 
 def test_the_http_surface_serves_every_replica(history_text):

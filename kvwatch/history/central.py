@@ -114,7 +114,7 @@ class Central:
         self._last_step: float | None = None
         self._source: str | None = None
         self._discovered: tuple | None = None  # _discover's answer and the step it was asked at
-        self._dropped: set[tuple] = set()
+        self._dropped = 0  # replicas the store has beyond max_replicas, at the latest refresh
         self._refreshes = 0
         self._failures = 0
         self._last_success: float | None = None
@@ -196,6 +196,7 @@ class Central:
         pages = Pages(start, step, points, source, self.replica_labels)
         for result in self.client.read_ranges(queries, start, end, step):
             pages.add(result)
+        self._forget(end)  # first, so that a replica gone for a window makes room for a new one now
         ordered = self._admit(sorted(pages.replicas.items()))
         latest = _Latest()
         for index in range(points):
@@ -230,7 +231,7 @@ class Central:
 
     def _admit(self, found: list) -> list:
         """The replicas read this refresh that are kept: those known, then new
-        ones in order up to max_replicas."""
+        ones in order up to max_replicas; how many were left out is counted."""
         kept = []
         room = self.max_replicas - len(self._replicas)
         for key, replica in found:
@@ -239,10 +240,7 @@ class Central:
             elif room > 0:
                 kept.append((key, replica))
                 room -= 1
-            else:
-                self._dropped.add(key)
-        if len(self._dropped) > 10 * self.max_replicas:
-            self._dropped = set(list(self._dropped)[: 10 * self.max_replicas])
+        self._dropped = len(found) - len(kept)
         return kept
 
     def _forget(self, end: float) -> None:
@@ -281,7 +279,7 @@ class Central:
             last_refresh_time=self.clock(), last_success_time=self._last_success, last_step=end,
             source=self._source, replicas=views,
             fleet=tuple((f, self._fleet_since.get(_fleet_key(f))) for f in self._fleet),
-            dropped_replicas=len(self._dropped), cost=self.client.cost.to_json())
+            dropped_replicas=self._dropped, cost=self.client.cost.to_json())
         return self.state
 
     def _replica_state(self, key: tuple, state, end: float) -> State:
