@@ -48,7 +48,13 @@ _STORE_SENTENCES = {
 
 
 class QueryError(Exception):
-    """The store refused or failed a query (the message says which and why)."""
+    """The store refused or failed a query (the message says which and why;
+    `reason` names a connection failure: refused, dns, disconnected,
+    connection, tls)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -130,9 +136,11 @@ class PrometheusClient:
         except requests.Timeout:
             raise QueryError(f"{path}: no answer within {self.timeout:g}s") from None
         except requests.exceptions.SSLError:
-            raise QueryError(f"{path}: TLS handshake with {public_host(self.url)} failed (certificate or protocol)") from None
+            raise QueryError(f"{path}: TLS handshake with {public_host(self.url)} failed (certificate or protocol)",
+                             "tls") from None
         except requests.ConnectionError as exc:
-            raise QueryError(f"{path}: {_STORE_SENTENCES[_connection_reason(exc)].format(host=public_host(self.url))}") from None
+            reason = _connection_reason(exc)
+            raise QueryError(f"{path}: {_STORE_SENTENCES[reason].format(host=public_host(self.url))}", reason) from None
         except requests.RequestException as exc:
             raise QueryError(f"{path}: {type(exc).__name__}: {exc}") from None
         size = len(response.content)
