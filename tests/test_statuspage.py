@@ -113,6 +113,8 @@ def test_format_value_never_writes_an_exponent():
     assert format_value(0.0123, "per_second") == "0.0123/s"
     assert format_value(0.9996, "seconds") == "1000 ms"
     assert format_value(123456.7, "") == "123000"
+    # Bytes in thousands, as tokens are ("KV cache in use (bytes) 13940013" beside "16,384" tokens).
+    assert format_value(13940013.0, "bytes") == "13,940,013"
 
 
 def test_a_full_window_reads_as_the_span_it_covers_not_more_than_set():

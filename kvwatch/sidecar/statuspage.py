@@ -211,7 +211,7 @@ def _format_number(value: float, unit: str) -> str:
         if abs(value) >= 1:
             return f"{value:.2f} s"
         return f"{_three(value * 1000)} ms" if abs(value) >= 0.001 or value == 0 else f"{_three(value * 1e6)} µs"
-    if unit == "tokens":
+    if unit in ("tokens", "bytes"):
         return f"{value:,.0f}"
     if unit == "per_second":
         return f"{_three(value)}/s"
@@ -364,7 +364,7 @@ SCRIPT = r"""
       if (Math.abs(value) >= 0.001 || value === 0) return Number((value * 1000).toPrecision(3)) + " ms";
       return Number((value * 1e6).toPrecision(3)) + " \u00b5s";
     }
-    if (unit === "tokens") return Math.round(value).toLocaleString("en-US");
+    if (unit === "tokens" || unit === "bytes") return Math.round(value).toLocaleString("en-US");
     if (unit === "per_second") return Number(value.toPrecision(3)) + "/s";
     if (Number.isInteger(value)) return String(value);
     return String(Number(value.toPrecision(3)));
