@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import socket
 import tarfile
 from dataclasses import asdict
 
@@ -118,6 +119,19 @@ def test_ctrl_c_keeps_what_was_recorded_in_a_finished_bundle(fixtures_dir, tmp_p
     captured = Capture(out)
     assert captured.manifest["interrupted"] is True and captured.manifest["complete"] is True
     assert [text for _, text in captured.pages()] == pages[1:3]
+
+
+def test_a_capture_that_records_nothing_says_why_in_a_sentence(tmp_path, capsys):
+    # It ended on "0 pages, 2 failed (refused 2)", and its first line promised "for 600s" under --count 2.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert main(["capture", "--target", f"http://127.0.0.1:{port}", "--interval", "0.01s", "--count", "2",
+                 "--out", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert "every 0.01s for 600s or 2 fetches, whichever comes first into" in err
+    assert err.rstrip().endswith(f"kvwatch capture: no page recorded: connection refused by 127.0.0.1:{port}: "
+                                 "nothing listens there (engine down or starting?)")
 
 
 def test_a_capture_never_overwrites(tmp_path):
