@@ -88,6 +88,9 @@ FAILURE_TEXTS = {
     "decode": "its page could not be decoded",
     "no_engine_metrics": "its page holds no vLLM engine metrics",
     "internal": "kvwatch itself failed while polling (see its log)",
+    # Central mode (kvwatch serve --prometheus): the replica is read from a store.
+    "store": "the Prometheus store it is read from did not answer",
+    "no_data": "the store holds no recent samples of it",
 }
 
 # The two or three evidence values that decided each cause: highlighted on
@@ -779,7 +782,9 @@ SCRIPT = r"""
   }
 
   function refresh() {
-    Promise.all([get("api/v1/signals"), get("api/v1/diagnosis"), get("api/v1/series")]).then(function (all) {
+    // The page's own query (central mode's ?replica=) selects what the API serves.
+    var query = window.location.search;
+    Promise.all([get("api/v1/signals" + query), get("api/v1/diagnosis" + query), get("api/v1/series" + query)]).then(function (all) {
       data = {signals: all[0], diagnosis: all[1], series: all[2]};
       render();
       updates += 1;
@@ -936,7 +941,9 @@ def page_state(state, settings) -> dict[str, Any]:
 _META_JSON = None
 
 
-def render_status_page(state, settings) -> str:
+def render_status_page(state, settings, nav: str = "") -> str:
+    """`nav`: markup put under the heading (central mode's link back to
+    every replica); made by kvwatch, never from the engine's text."""
     global _META_JSON
     if _META_JSON is None:
         _META_JSON = _json_for_script(page_meta())
@@ -953,7 +960,7 @@ def render_status_page(state, settings) -> str:
 </head>
 <body data-refresh-seconds="{REFRESH_SECONDS}" data-updates="0">
 <main>
-<header><h1>kvwatch</h1><p id="status" class="muted"></p>
+<header><h1>kvwatch</h1>{nav}<p id="status" class="muted"></p>
 <p id="live" class="muted">Rendered {_time_text(time.time())}; refreshes every {REFRESH_SECONDS} s.</p></header>
 <div id="banner"></div>
 <section id="figures"></section>
