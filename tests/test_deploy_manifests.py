@@ -664,6 +664,10 @@ def test_central_is_hardened_like_the_sidecar_and_sized_from_the_measured_figure
     assert "~390 MiB resident" in text and "~1.3 s CPU per refresh" in text  # where the figures come from
     # The note on the mixin's selector (the rules select job="kvwatch" by default).
     assert "selector: job=" in text
+    docs = " ".join((REPO / "docs" / "deploy.md").read_text().split())
+    requests = resources["requests"]
+    assert f"`cpu: {requests['cpu']}, memory: {requests['memory']}` for {SETTINGS.central_max_replicas} replicas" in docs
+    assert f"(`{resources['limits']['memory']}`)" in docs
 
 
 def serve_parser():
