@@ -108,13 +108,27 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "kvwatch" / f"llama-cpp-{SDIST_VERSION}"
 
 
+def cpu_signature() -> str:
+    """A digest of the CPU's feature flags: GGML_NATIVE=ON builds for this CPU
+    (-march=native), so a cache restored on a machine with other features is
+    rebuilt rather than dying of an illegal instruction."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    return hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
 def read_build_record(root: Path) -> dict | None:
-    """The marker of a complete, verified build, or None if there is none."""
+    """The marker of a complete, verified build for this CPU, or None if there is none."""
     try:
         record = json.loads((root / BUILD_MARKER).read_text())
     except (OSError, ValueError):
         return None
     if (record.get("sdist_version") != SDIST_VERSION or record.get("recipe") != BUILD_RECIPE
+            or record.get("cpu") != cpu_signature()
             or not (root / "bin" / "llama-server").exists()):
         return None
     return record
@@ -216,6 +230,7 @@ def ensure_llama_server(root: Path | None = None, jobs: int = 2,
             "sdist_version": SDIST_VERSION,
             "sdist_sha256": SDIST_SHA256,
             "recipe": BUILD_RECIPE,
+            "cpu": cpu_signature(),
             "cmake_args": list(CMAKE_ARGS),
             "version_output": (version.stdout + version.stderr).strip(),
             "build_seconds": round(seconds, 1),
