@@ -180,6 +180,13 @@ def _unpack(tarball: Path, dest: Path) -> Path:
     return src
 
 
+def prune_source(src: Path) -> None:
+    """Removes all of the unpacked source but gguf-py (a rebuild fetches it again)."""
+    for entry in src.iterdir():
+        if entry.name != "gguf-py":
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
 def ensure_llama_server(root: Path | None = None, jobs: int = 2,
                         report: Reporter = _print_report) -> Path:
     """Returns the cache folder holding a verified bin/llama-server, building it if needed.
@@ -187,7 +194,8 @@ def ensure_llama_server(root: Path | None = None, jobs: int = 2,
     The build is done once the marker exists (written last, after
     `llama-server --version` ran); a folder without one is resumed: the
     source and the CMake build folder are kept until the build succeeds, so an
-    interrupted build goes on where it stopped. The compiler runs under
+    interrupted build goes on where it stopped. Then only the binary and
+    gguf-py stay. The compiler runs under
     `nice -n 19` (the machine is shared). The marker records how long it took.
     """
     root = (root or cache_dir()).resolve()
@@ -237,8 +245,10 @@ def ensure_llama_server(root: Path | None = None, jobs: int = 2,
             "jobs": jobs,
             "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        # The build folder is large and no longer needed; the source stays for the converter.
+        # The build folder and the source (178 MB) are no longer needed, but
+        # for gguf-py, which writes the model: the cache keeps about 15 MB.
         shutil.rmtree(build, ignore_errors=True)
+        prune_source(src)
         (root / BUILD_MARKER).write_text(json.dumps(record, indent=2) + "\n")
         report(f"llama-server {root}: built and verified in {seconds:.0f} s")
         return root
