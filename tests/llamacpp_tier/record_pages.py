@@ -51,7 +51,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     record: dict = {"pages": {}}
     with llama_server(slots=SLOTS, log_path=out / "server.log.tmp") as server:
-        record["command"] = [Path(server.command[0]).name, *server.command[1:]]
+        home = str(Path.home())
+        record["command"] = [Path(server.command[0]).name,
+                             *(arg.replace(home, "~") for arg in server.command[1:])]
         props = server_props(server.base_url)
         record["props"] = {k: props.get(k) for k in ("build_info", "total_slots", "model_alias")}
         record["props"]["n_ctx_per_slot"] = props.get("default_generation_settings", {}).get("n_ctx")
