@@ -37,7 +37,7 @@ capture-vllm: $(STAMP)
 # Fresh /metrics pages from the tier's llama-server (see tests/fixtures/README.md).
 LLAMACPP_CAPTURE_OUT ?= tests/fixtures/llamacpp-b11434-cpu
 capture-llamacpp: $(STAMP)
-	PYTHONPATH=tests $(PY) -m llamacpp_tier.record_pages --out $(LLAMACPP_CAPTURE_OUT)
+	$(PY) -m tests.llamacpp_tier.record_pages --out $(LLAMACPP_CAPTURE_OUT)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

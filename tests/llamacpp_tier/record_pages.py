@@ -1,6 +1,6 @@
 """Records /metrics pages of the tier's real llama-server into a fixtures folder.
 
-    PYTHONPATH=tests .venv/bin/python -m llamacpp_tier.record_pages --out DIR
+    .venv/bin/python -m tests.llamacpp_tier.record_pages --out DIR
 
 (`make capture-llamacpp`). Starts the tier's server (4 slots, 4096-token
 context, prompt caching on), then writes, each with the moment it shows:
