@@ -341,7 +341,8 @@ def llama_server(slots: int = 4, ctx_size: int = 4096, *, root: Path | None = No
     context of ctx_size tokens is shared by the slots. On exit the process group
     gets SIGTERM (SIGKILL after stop_grace_s).
     """
-    root = ensure_llama_server(root, report=report)
+    # A root given is one ensure_llama_server already returned (the tier's conftest).
+    root = root.resolve() if root is not None else ensure_llama_server(report=report)
     model = build_tiny_gguf(root, report=report)
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-llamacpp-"))
     log_path = Path(log_path) if log_path else workdir / "server.log"
