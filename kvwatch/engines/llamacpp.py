@@ -14,8 +14,9 @@ traps:
   (every read resets them; a second scraper halves what each one sees), in
   decode steps per second: not read; throughput comes from the token
   counters' increase over the window.
-- Values are printed with 6 significant digits (C++ stream default, checked
-  on a real b11434 page): past 999,999 a counter reads e.g. `1.40292e+06` and
+- Values are printed with 6 significant digits (a default std::stringstream
+  in to_metrics(); a real b11434 page reads `prompt_seconds_total 5.44084`):
+  past 999,999 a counter reads e.g. `1.40292e+06` and
   moves in steps of 10 (100 past 10^7), so a short window's increase is
   coarse there. Nothing to correct on kvwatch's side.
 - The KV usage gauges (`kv_cache_usage_ratio`, `kv_cache_tokens`) exist only
