@@ -352,6 +352,8 @@ def _stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, sig)
+            # A process a test stopped (SIGSTOP) acts on SIGTERM only once continued.
+            os.killpg(pgid, signal.SIGCONT)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             proc.poll()  # reap the leader, or the group never looks empty
@@ -390,13 +392,15 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
                 venv: Path | None = None, max_model_len: int = 1024, block_size: int = 32,
                 extra_args: tuple[str, ...] = (), startup_timeout_s: float = 180.0,
                 stop_grace_s: float = 15.0, log_path: Path | None = None,
-                report: Reporter = _print_report) -> Iterator[VllmServer]:
+                report: Reporter = _print_report,
+                served_model_name: str = MODEL_NAME) -> Iterator[VllmServer]:
     """Runs `vllm serve` on 127.0.0.1 for the duration of the block.
 
     The server runs in a new session, with TMPDIR, VLLM_CACHE_ROOT and the other
     places vLLM writes to inside a temporary folder of the harness; on exit its
     process group gets SIGTERM (SIGKILL after stop_grace_s) and the folder is
     removed. log_path keeps the server's log somewhere that outlives the block.
+    served_model_name is the name the model is served (and labelled) under.
     """
     venv = venv or ensure_vllm_venv(report=report)
     model_dir = model_dir or build_tiny_model(default_model_dir(venv), venv=venv, report=report)
@@ -415,7 +419,7 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
         for attempt in range(3):
             chosen = port or _free_port()
             cmd = [str(venv / "bin" / "vllm"), "serve", str(model_dir),
-                   "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
+                   "--served-model-name", served_model_name, "--host", "127.0.0.1",
                    "--port", str(chosen), "--dtype", "float32",
                    "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                    "--block-size", str(block_size), "--enable-prefix-caching",
@@ -430,7 +434,7 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
                                         stdin=subprocess.DEVNULL, env=env, cwd=workdir,
                                         start_new_session=True)
             try:
-                _wait_ready(proc, base_url, MODEL_NAME, log_path, startup_timeout_s)
+                _wait_ready(proc, base_url, served_model_name, log_path, startup_timeout_s)
                 break
             except VllmStartError:
                 port_taken = "address already in use" in _tail(log_path).lower()
@@ -440,7 +444,7 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
                 report(f"port {chosen} was taken; starting vllm serve on another")
         server = VllmServer(base_url=base_url, metrics_url=base_url + "/metrics", port=chosen,
                             pid=proc.pid, model_dir=model_dir, log_path=log_path,
-                            startup_seconds=time.monotonic() - started)
+                            startup_seconds=time.monotonic() - started, model_name=served_model_name)
         report(f"vllm serve ready at {base_url} after {server.startup_seconds:.1f} s "
                f"(pid {proc.pid}, log {log_path})")
         yield server
@@ -554,8 +558,9 @@ class LoadRun:
 
     def __init__(self, name: str, base_url: str, make_prompt: Callable[[int], str],
                  output_tokens: int, concurrency: int, duration_s: float, max_requests: int,
-                 request_timeout_s: float, prime: bool = False):
+                 request_timeout_s: float, prime: bool = False, model: str = MODEL_NAME):
         self.name = name
+        self.model = model
         self.stats = LoadStats()
         self._url = base_url + "/v1/completions"
         self._make_prompt = make_prompt
@@ -607,7 +612,7 @@ class LoadRun:
             return self.stats.sent - 1
 
     def _send(self, index: int) -> None:
-        body = {"model": MODEL_NAME, "prompt": self._make_prompt(index),
+        body = {"model": self.model, "prompt": self._make_prompt(index),
                 "max_tokens": self._output_tokens, "ignore_eos": True}
         try:
             usage = _post_json(self._url, body, self._request_timeout_s)["usage"]
