@@ -51,7 +51,7 @@ def causes(samples: list, symptom: str) -> set[str]:
     return {f["cause"] for found in samples for f in found if f["symptom"] == symptom}
 
 
-def test_restart_cold_then_warm_and_a_cache_config_change_to_caching_disabled(vllm_build, tmp_path, request):
+def test_restart_cold_then_warm_and_a_restart_that_changes_cache_config_dtype_and_model(vllm_build, tmp_path, request):
     report = tier_reporter(request.config)
     venv, model = vllm_build
     log = tmp_path / "server.log"
