@@ -298,6 +298,40 @@ def build_tiny_model(dest: Path, venv: Path | None = None,
         return dest
 
 
+def write_tiny_lora(dest: Path, rank: int = 8, seed: int = 0) -> Path:
+    """Writes a LoRA adapter for the tiny Llama (q_proj and v_proj of its 2
+    layers, small random weights) in PEFT's layout: adapter_config.json and
+    adapter_model.safetensors. Standard library only: safetensors is a JSON
+    header and raw little-endian float32 arrays."""
+    import array
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    hidden, out = 128, {"q_proj": 128, "v_proj": 64}  # make_tiny_model.py: 4 heads, 2 KV heads of 32
+    rng = random.Random(seed)
+    tensors = {}
+    for layer in range(2):
+        for module, width in out.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = ([rank, hidden], [rng.gauss(0, 0.01) for _ in range(rank * hidden)])
+            tensors[f"{name}.lora_B.weight"] = ([width, rank], [rng.gauss(0, 0.01) for _ in range(width * rank)])
+    header, blobs, offset = {}, [], 0
+    for name, (shape, values) in tensors.items():
+        blob = array.array("f", values)
+        if sys.byteorder != "little":
+            blob.byteswap()
+        data = blob.tobytes()
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    (dest / "adapter_model.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+    (dest / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": sorted(out), "bias": "none", "base_model_name_or_path": MODEL_NAME}))
+    return dest
+
+
 # ---------------------------------------------------------------- server
 
 
