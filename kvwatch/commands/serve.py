@@ -34,6 +34,7 @@ OPTIONS = {
     "log_level": "debug, info, warning or error",
     "upstream_target": "a gateway's or application's /metrics (second source for TTFT diagnosis)",
     "upstream_histogram": "the histogram there that measures time before the engine, e.g. app_retrieval_seconds",
+    "lmcache_target": "LMCache's /metrics (the engine's own when LMCache shares its registry): a KV tier read beside the engine",
     "auth_token_file": "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
     "tls_cert_file": "serve kvwatch over TLS with this certificate",
     "tls_key_file": "and this key",
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         # The recorded target and interval; nothing is fetched.
         overrides.update(target=capture.manifest.get("target") or None,
                          poll_interval=capture.manifest.get("interval_seconds") or None,
-                         upstream_target="", upstream_histogram="")
+                         upstream_target="", upstream_histogram="", lmcache_target="")
     try:
         settings = load_settings(args.config, overrides)
     except SettingsError as exc:
