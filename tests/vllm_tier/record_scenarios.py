@@ -6,7 +6,7 @@ Fetcher records /metrics every second, with a deadline of 20 s: a page vLLM
 answers late is recorded with its lateness (`seconds`), never dropped. The
 restart scenario records across `vllm serve` stopped and started again on the
 same port, the changes scenario across a restart with another served model
-name, an fp8 KV cache and prefix caching off. The residency scenarios run on
+name, an fp8 KV cache, prefix caching off and two LoRA adapters. The residency scenarios run on
 a second server started with --kv-cache-metrics --kv-cache-metrics-sample 1.0.
 
     .venv/bin/python -m tests.vllm_tier.record_scenarios --out /tmp/scenarios [--only name ...]
@@ -29,7 +29,7 @@ from kvwatch.capture.bundle import Capture, CaptureWriter
 from kvwatch.capture.record import describe_page, manifest_for
 from kvwatch.scrape import Fetcher
 
-from .harness import VLLM_VERSION, burst_load, shared_prefix_load, vllm_server, wait_until_idle
+from .harness import VLLM_VERSION, burst_load, shared_prefix_load, vllm_server, wait_until_idle, write_tiny_lora
 from .scenarios import (
     changed_prefix_load,
     distinct_load,
@@ -73,9 +73,11 @@ SCENARIOS = {
     "no-reuse": ("plain", lambda server: distinct_load(server.base_url, duration=30.0), 32.0,
                  "no_reuse: 2 in flight, distinct 544-token prompts"),
     "changes": ("changes", None, 0.0,
-                "model_changed, cache_dtype_changed, cache_config_changed, then caching_disabled: distinct "
-                "prompts for 10 s, vllm serve stopped and started on the same port with --served-model-name "
-                "tiny-llama-b --kv-cache-dtype fp8 --no-enable-prefix-caching, distinct prompts for 10 s"),
+                "model_changed, cache_dtype_changed, cache_config_changed, caching_disabled, lora_changed: "
+                "distinct prompts for 10 s, vllm serve stopped and started on the same port with "
+                "--served-model-name tiny-llama-b --kv-cache-dtype fp8 --no-enable-prefix-caching and two LoRA "
+                "adapters of the tiny model (lora-a, lora-b), distinct prompts for 10 s, then 4 s for lora-a "
+                "and 4 s for lora-b"),
     "restart": ("restart", None, 0.0,
                 "cold_cache then recovered: 8 requests sharing a 512-token prefix for 15 s, vllm serve stopped "
                 "and started on the same port, the same load with the same prefix for 30 s"),
@@ -161,12 +163,16 @@ def record_restart(folder: Path, build, log: Path) -> dict:
             "stopped_at": restarted_at, "fetch_seconds_max": max(recorder.late)}
 
 
-CHANGED_FLAGS = ("--no-enable-prefix-caching", "--kv-cache-dtype", "fp8")
+CHANGED_FLAGS = ("--no-enable-prefix-caching", "--kv-cache-dtype", "fp8", "--enable-lora", "--max-loras", "1",
+                 "--max-lora-rank", "8")
 CHANGED_MODEL = "tiny-llama-b"
+ADAPTERS = ("lora-a", "lora-b")
 
 
 def record_changes(folder: Path, build, log: Path) -> dict:
     venv, model = build
+    adapter = write_tiny_lora(folder.parent / "tiny-lora")
+    modules = ("--lora-modules", *(f"{name}={adapter}" for name in ADAPTERS))
     with vllm_server(model_dir=model, venv=venv, log_path=log) as server:
         port = server.port
         recorder = Recorder(server.metrics_url, folder / "capture.tar.gz", 120.0).__enter__()
@@ -175,12 +181,13 @@ def record_changes(folder: Path, build, log: Path) -> dict:
         time.sleep(2)
     restarted_at = time.time()
     with vllm_server(port=port, model_dir=model, venv=venv, log_path=log, served_model_name=CHANGED_MODEL,
-                     extra_args=CHANGED_FLAGS) as server:
-        second = distinct_load(server.base_url, duration=10.0, model=CHANGED_MODEL).wait()
+                     extra_args=(*CHANGED_FLAGS, *modules)) as server:
+        after = [distinct_load(server.base_url, duration=10.0, model=CHANGED_MODEL).wait()]
+        after += [distinct_load(server.base_url, duration=4.0, model=name).wait() for name in ADAPTERS]
         time.sleep(3)
         recorder.__exit__(None, None, None)
-    return {"requests_before": first.completed, "requests_after": second.completed,
-            "failed": first.failed + second.failed, "stopped_at": restarted_at,
+    return {"requests_before": first.completed, "requests_after": [stats.completed for stats in after],
+            "failed": first.failed + sum(stats.failed for stats in after), "stopped_at": restarted_at,
             "fetch_seconds_max": max(recorder.late)}
 
 
@@ -221,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         server, _, _, truth = SCENARIOS[name]
         flags = SERVER_FLAGS + (" " + " ".join(RESIDENCY_FLAGS) if server == "residency" else "")
         if server == "changes":
-            flags += f"; then --served-model-name {CHANGED_MODEL} " + " ".join(CHANGED_FLAGS)
+            flags += (f"; then --served-model-name {CHANGED_MODEL} " + " ".join(CHANGED_FLAGS)
+                      + " --lora-modules " + " ".join(f"{name}=<tiny LoRA>" for name in ADAPTERS))
         manifest = Capture(args.out / name / "capture.tar.gz").manifest
         (args.out / name / "README.md").write_text("\n".join([
             f"# {name}: vLLM {VLLM_VERSION} (CPU), recorded {day}",
