@@ -123,13 +123,16 @@ def test_a_restart_stops_saying_cold_once_the_hit_ratio_is_back(fixtures_dir):
     assert "cold" in restarted[0][1].summary  # before a prompt came in, nothing says warm
 
 
-def test_a_restart_with_another_model_dtype_and_caching_off_names_each_change(fixtures_dir):
+def test_a_restart_with_another_model_dtype_caching_off_and_lora_names_each_change(fixtures_dir):
     # Distinct prompts on tiny-llama, then vllm serve started again on the
-    # same port as tiny-llama-b with --kv-cache-dtype fp8 and
-    # --no-enable-prefix-caching: three changes, each its own finding, and
-    # the new model's misses are caching_disabled.
+    # same port as tiny-llama-b with --kv-cache-dtype fp8,
+    # --no-enable-prefix-caching and two LoRA adapters, used one after the
+    # other: four changes, each its own finding, and the new model's misses
+    # are caching_disabled.
     polls = replayed(fixtures_dir, "changes", window="300s")
-    assert {"model_changed", "cache_dtype_changed", "cache_config_changed"} <= named(polls, "change")
+    assert {"model_changed", "cache_dtype_changed", "cache_config_changed", "lora_changed"} <= named(polls, "change")
+    # The first adapter is the first kvwatch sees; the second is new.
+    assert {f.summary.split(": ", 1)[1] for f in of(polls, "lora_changed")} == {"new LoRA adapters: ['lora-b']."}
     model = of(polls, "model_changed")[-1]
     assert model.model == "tiny-llama-b"
     assert model.evidence["models_before"] == "tiny-llama" and model.evidence["models_after"] == "tiny-llama-b"
