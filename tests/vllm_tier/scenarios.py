@@ -6,7 +6,8 @@ Each returns a started `LoadRun` (harness.py). The tier tests and
 scenarios/) use the same ones, so a capture replays what a tier test saw.
 
 - `long_requests_load`: 5 requests of 200 prompt + 800 generated tokens, all
-  admitted at once (5 x 7 blocks of prompt), nobody waiting. Each ends at
+  admitted at once (5 x 7 blocks of prompt): nobody waits but a request
+  vLLM preempted. Each ends at
   1,000 tokens (32 blocks), 5 x 32 = 160 > 127 usable blocks: the cache fills
   and vLLM preempts in every run, while a request's *average* footprint over
   its life is half its final one. (With 4, 4 x 32 = 128 against 127 usable
