@@ -59,7 +59,7 @@ def test_a_stalled_front_end_is_front_end(fixtures_dir):
     # first token waits for the front end, queue and prefill (stamped by the
     # engine core) do not. Objectives as in the tier's test: the tiny model
     # answers these prompts within 10 ms.
-    polls = replayed(fixtures_dir, "front-end", diagnosis={"ttft_p95_seconds": 0.1, "ttft_mean_seconds": 0.05})
+    polls = replayed(fixtures_dir, "front-end", diagnosis={"ttft_p95_seconds": 0.1, "ttft_mean_seconds": 0.02})
     assert named(polls, "slow_first_token") == {"front_end"}
     finding = of(polls, "front_end")[-1]
     assert finding.evidence["other_share"] >= 0.4
