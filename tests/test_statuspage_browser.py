@@ -99,6 +99,34 @@ def test_page_refreshes_findings_live_without_console_errors(fixtures_dir, tmp_p
     assert re.search(r'data-evidence="waiting_at_peak">Waiting at peak<b>18</b>', card.group(1))
     assert "Now on tiny-llama / 0" in dom and "99.2%" in dom
     assert re.search(r'data-figure="kv_usage" data-state="bad"', dom)
+    # The figures say which are the last poll's and which span the window (a window's p95
+    # beside the trend's last 30 s point read as two answers to one question).
+    assert re.search(r'<p class="muted span-note">KV usage, Headroom, Waiting: the last poll; Hit ratio, TTFT p95, '
+                     r'Preempt/s: over the last \d+ s\.</p>', dom)
+
+
+def test_central_modes_page_of_one_replica_refreshes_that_replica(tmp_path):
+    """Central mode (kvwatch serve --prometheus) serves one replica's page at
+    /?replica=NAME; its script must ask the API for the same replica (the
+    API without it lists every replica, and /api/v1/series refuses)."""
+    from kvwatch.history.central import Central
+    from kvwatch.sidecar.central import create_central_app
+    from promstub import StubClient
+    from sim_support import fleet_openmetrics
+    from test_history_prometheus import fleet
+
+    start, step = 1_700_002_800.0, 15
+    settings = load_settings(overrides={"poll_interval": f"{step}s", "window": "2m"}, environ={})
+    central = Central(StubClient(fleet_openmetrics(fleet()[:2], start, 240, step)), settings,
+                      clock=lambda: start + 240)
+    central.refresh_once()
+    with serving(create_central_app(central, settings), lifespan="off", start_timeout_s=10) as kvwatch:
+        dom, stderr = dump_dom(f"{kvwatch.url}/?replica=vllm%2F10.0.1.1%3A8000", tmp_path)
+    assert console_lines(stderr) == []
+    assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 1, "the page never refreshed from the API"
+    assert "Live: refreshed" in dom and "vllm/10.0.1.1:8000" in dom
+    assert 'data-cause="concurrency_beyond_capacity"' in dom
+    assert "every replica" in dom
 
 
 def test_page_with_engine_down_renders_cleanly(tmp_path):
