@@ -101,8 +101,10 @@ def _prometheus_in(workdir: Path, config: dict, retention: str) -> Iterator[Runn
 
 @contextlib.contextmanager
 def prometheus(targets: list[str], rule_files: list[Path] = (), interval: str = "1s",
-               alertmanager_url: str | None = None, metrics_path: str = "/metrics") -> Iterator[Running]:
-    """targets: host:port strings scraped every `interval`."""
+               alertmanager_url: str | None = None, metrics_path: str = "/metrics",
+               scrape_timeout: str | None = None) -> Iterator[Running]:
+    """targets: host:port strings scraped every `interval`; a scrape times out
+    after `scrape_timeout` (at most the interval, Prometheus' default then)."""
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-prom-"))
     try:
         rules = []
@@ -111,7 +113,8 @@ def prometheus(targets: list[str], rule_files: list[Path] = (), interval: str = 
             shutil.copy(path, copy)
             rules.append(str(copy))
         config = {
-            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "global": {"scrape_interval": interval, "evaluation_interval": interval,
+                       **({"scrape_timeout": scrape_timeout} if scrape_timeout else {})},
             "rule_files": rules,
             "scrape_configs": [{"job_name": "kvwatch", "metrics_path": metrics_path,
                                 "static_configs": [{"targets": targets}]}],
