@@ -256,9 +256,12 @@ def test_load_stops_at_its_request_count(completions_server):
 
 def test_load_stops_at_its_duration_and_counts_failures(completions_server):
     base_url, handler = completions_server
-    handler.fail_every = 3
+    # Every second request fails. The load's clock starts before its threads
+    # do: with 0.5 s, a loaded 2-core machine once sent fewer than three
+    # requests (none failed) before the duration ran out; 2 s leaves room.
+    handler.fail_every = 2
 
-    run = burst_load(base_url, concurrency=4, duration=0.5, max_requests=100_000)
+    run = burst_load(base_url, concurrency=4, duration=2.0, max_requests=100_000)
     stats = run.wait(timeout_s=30)
 
     assert not run.running
