@@ -25,8 +25,13 @@ windows work on flat dicts.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from dataclasses import dataclass, field
+
+
+_ZEROS = itertools.repeat(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +52,9 @@ class Histogram:
         negative, so a smaller sum means the engine counted again from zero)."""
         if earlier.bounds != self.bounds or self.count < earlier.count or self.sum < earlier.sum:
             return None
-        cumulative = tuple(a - b for a, b in zip(self.cumulative, earlier.cumulative))
-        if any(c < 0 for c in cumulative):
+        cumulative = tuple(map(operator.sub, self.cumulative, earlier.cumulative))
+        # `c < 0` for each bucket, in C (this runs once per histogram per poll).
+        if any(map(operator.lt, cumulative, _ZEROS)):
             return None
         return Histogram(self.bounds, cumulative, self.sum - earlier.sum, self.count - earlier.count)
 
@@ -57,7 +63,7 @@ class Histogram:
             return None
         return Histogram(
             self.bounds,
-            tuple(a + b for a, b in zip(self.cumulative, other.cumulative)),
+            tuple(map(operator.add, self.cumulative, other.cumulative)),
             self.sum + other.sum,
             self.count + other.count,
         )
