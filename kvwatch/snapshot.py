@@ -25,6 +25,7 @@ windows work on flat dicts.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import operator
@@ -80,9 +81,17 @@ class Histogram:
         if total <= 0 or not self.bounds:
             return None
         rank = q * total
-        for index, (bound, cumulative) in enumerate(zip(self.bounds, self.cumulative)):
-            if cumulative >= rank:
-                break
+        counts = self.cumulative
+        index = bisect.bisect_left(counts, rank)
+        if index < len(self.bounds) and index < len(counts) and all(map(operator.le, counts, counts[1:])):
+            # Non-decreasing counts (always, unless a bucket fell): the first
+            # bucket at or above the rank, found by bisection, is the one
+            # the scan below stops at.
+            bound, cumulative = self.bounds[index], counts[index]
+        else:
+            for index, (bound, cumulative) in enumerate(zip(self.bounds, counts)):
+                if cumulative >= rank:
+                    break
         if math.isinf(bound):
             # In the +Inf bucket: Prometheus answers the last finite bound.
             finite = self.bounds[-2] if len(self.bounds) > 1 else 0.0

@@ -153,46 +153,74 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
 
 def _diagnose_step(at: float, index: int, ordered, replicas: dict, timeline: Timeline, window_seconds: float,
                    thresholds, step: float, fast: bool = True) -> None:
-    by_model: dict[str, list[ReplicaRow]] = {}
+    """Every replica of `ordered` at one step, then the fleet rules."""
+    results = []
     for key, replica in ordered:
-        state = replicas.get(key)
-        if state is None:
-            state = replicas[key] = ReplicaState(replica_name(replica.labels, key), replica.labels,
-                                                 make_adapter("vllm"), Window(window_seconds))
-        if fast:
-            read = replica.families(index)
-            snapshot = state.adapter.adapt_families(read[0], [], read[1], at=at) if read is not None else None
-        else:
-            text = replica.page(index)
-            snapshot = state.adapter.adapt(text, at=at) if text is not None else None
-        if snapshot is None or not snapshot.engines:
-            timeline.gap(state.name, at, step)
+        state = _state(replicas, key, replica, window_seconds)
+        results.append((state.name, _replica_step(state, replica, index, at, thresholds, fast)))
+    _fleet_step(at, results, timeline, thresholds, step)
+
+
+def _state(replicas: dict, key: tuple, replica, window_seconds: float) -> ReplicaState:
+    state = replicas.get(key)
+    if state is None:
+        state = replicas[key] = ReplicaState(replica_name(replica.labels, key), replica.labels,
+                                             make_adapter("vllm"), Window(window_seconds))
+    return state
+
+
+def _replica_step(state: ReplicaState, replica, index: int, at: float, thresholds, fast: bool = True):
+    """One replica's sidecar pipeline at one step: None where it had no page
+    then (a gap), else (its findings, [(model, ReplicaRow)] for the fleet
+    rules). Reads and changes only the replica's own state."""
+    if fast:
+        read = replica.families(index)
+        snapshot = state.adapter.adapt_families(read[0], [], read[1], at=at) if read is not None else None
+    else:
+        text = replica.page(index)
+        snapshot = state.adapter.adapt(text, at=at) if text is not None else None
+    if snapshot is None or not snapshot.engines:
+        return None
+    window = state.window
+    entry = window.add(snapshot)
+    state.steps += 1
+    if len(window.entries) >= 2:
+        for change in diagnosis.changes_between(window.entries[-2], entry):
+            state.events.append(change)
+    if any(s.restarted for s in entry.steps.values()):
+        state.restarted_at = at
+    per_engine, per_model = evaluate_window(window)
+    events = tuple(e for e in state.events if e.time >= at - window.seconds)
+    findings = diagnosis.diagnose(window, per_engine, events, thresholds or {})
+    restarted = state.restarted_at if state.restarted_at is not None and at - state.restarted_at <= window.seconds else None
+    usage = waiting = hit = None
+    rows = []
+    for row in per_engine:
+        state.models.add(row.model)
+        values = row.values
+        mine = [f for f in findings if f.model == row.model and f.engine == row.engine]
+        rows.append((row.model, ReplicaRow(state.name, row.engine, values, row.view.increase.counters, mine,
+                                           restarted)))
+        u = values.get("kvwatch_kv_cache_usage_ratio")
+        usage = u if usage is None or (u is not None and u > usage) else usage
+        waiting = (waiting or 0.0) + (values.get("kvwatch_requests_waiting") or 0.0)
+    for row in per_model:
+        hit = row.values.get("kvwatch_prefix_cache_hit_ratio")
+    state.trend.append((at, usage, waiting, hit))
+    return findings, rows
+
+
+def _fleet_step(at: float, results: list, timeline: Timeline, thresholds, step: float) -> None:
+    """The replicas' results at one step (name, _replica_step's answer), in
+    replica order, into the timeline; then the fleet rules per model."""
+    by_model: dict[str, list[ReplicaRow]] = {}
+    for name, result in results:
+        if result is None:
+            timeline.gap(name, at, step)
             continue
-        window = state.window
-        entry = window.add(snapshot)
-        state.steps += 1
-        if len(window.entries) >= 2:
-            for change in diagnosis.changes_between(window.entries[-2], entry):
-                state.events.append(change)
-        if any(s.restarted for s in entry.steps.values()):
-            state.restarted_at = at
-        per_engine, per_model = evaluate_window(window)
-        events = tuple(e for e in state.events if e.time >= at - window.seconds)
-        findings = diagnosis.diagnose(window, per_engine, events, thresholds or {})
-        timeline.add(state.name, at, findings, replica=state.name)
-        restarted = state.restarted_at if state.restarted_at is not None and at - state.restarted_at <= window.seconds else None
-        usage = waiting = hit = None
-        for row in per_engine:
-            state.models.add(row.model)
-            values = row.values
-            mine = [f for f in findings if f.model == row.model and f.engine == row.engine]
-            by_model.setdefault(row.model, []).append(ReplicaRow(
-                state.name, row.engine, values, row.view.increase.counters, mine, restarted))
-            u = values.get("kvwatch_kv_cache_usage_ratio")
-            usage = u if usage is None or (u is not None and u > usage) else usage
-            waiting = (waiting or 0.0) + (values.get("kvwatch_requests_waiting") or 0.0)
-        for row in per_model:
-            hit = row.values.get("kvwatch_prefix_cache_hit_ratio")
-        state.trend.append((at, usage, waiting, hit))
+        findings, rows = result
+        timeline.add(name, at, findings, replica=name)
+        for model, row in rows:
+            by_model.setdefault(model, []).append(row)
     for model, rows in sorted(by_model.items()):
         timeline.add(f"fleet:{model}", at, fleet_findings(model, rows, thresholds))
