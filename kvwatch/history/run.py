@@ -67,6 +67,14 @@ class History:
     steps: int
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as a container's
+    cpuset sets it), for `workers`."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def replica_name(labels: dict[str, str], key: tuple[str, ...]) -> str:
     values = [value for value in key if value]
     return "/".join(values) if values else "(no target labels)"
@@ -100,10 +108,16 @@ def _discover(client: PrometheusClient, selector: str, start: float, end: float,
 def diagnose_history(client: PrometheusClient, start: float, end: float, step: float, selector: str = "",
                      source: str = "auto", window: float = 300.0, thresholds: dict[str, Any] | None = None,
                      replica_labels: tuple[str, ...] = DEFAULT_REPLICA_LABELS,
-                     progress: Callable[[str], None] | None = None, pages_as_text: bool = False) -> History:
+                     progress: Callable[[str], None] | None = None, pages_as_text: bool = False,
+                     workers: int = 1) -> History:
     """`pages_as_text`: write each step's page and parse it, as a sidecar
     would have read it, instead of handing the adapter the families read
-    from the query results (same Snapshots, slower; kept to prove it)."""
+    from the query results (same Snapshots, slower; kept to prove it).
+
+    `workers`: processes that diagnose the replicas (each replica always in
+    the same one, its state kept there), 1 for none (in this process). The
+    timeline is the same either way; with workers, each ReplicaState comes
+    back at the end with its window but a fresh adapter."""
     started = time.monotonic()
     source, families, counts, inner = _discover(client, selector, start, end, source)
     timeline = Timeline()
@@ -126,23 +140,44 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
         return pages
 
     # The next chunk is read while this one is diagnosed (the store answers
-    # on its own cores): two chunks in memory at most.
-    with ThreadPoolExecutor(max_workers=1) as reader:
-        coming = reader.submit(read, *rounds[0])
-        for number, (first, last) in enumerate(rounds):
-            pages = coming.result()
-            if number + 1 < len(rounds):
-                coming = reader.submit(read, *rounds[number + 1])
+    # on its own cores): two chunks in memory at most (three with workers:
+    # one being read, one being diagnosed there, the answers of the one
+    # before being put into the timeline here).
+    pool = _Workers(workers, window, thresholds, not pages_as_text) if workers > 1 else None
+    try:
+        with ThreadPoolExecutor(max_workers=1) as reader:
+            coming = reader.submit(read, *rounds[0])
+            pending = None
+            for number, (first, last) in enumerate(rounds):
+                pages = coming.result()
+                if number + 1 < len(rounds):
+                    coming = reader.submit(read, *rounds[number + 1])
+                began = time.monotonic()
+                ordered = sorted(pages.replicas.items())
+                if pool is None:
+                    for index in range(last - first + 1):
+                        at = pages.start + index * step
+                        _diagnose_step(at, index, ordered, replicas, timeline, window, thresholds, step,
+                                       fast=not pages_as_text)
+                else:
+                    sent = pool.send(pages.start, step, last - first + 1, ordered)
+                    if pending is not None:
+                        pool.merge(*pending, timeline, step)
+                    pending = (sent, pool.receive())
+                del pages, ordered
+                diagnose_seconds += time.monotonic() - began
+                if progress:
+                    progress(f"{last + 1}/{points} steps, {len(replicas) if pool is None else len(pool.owner)} "
+                             f"replicas, {client.cost.queries} queries")
+        if pool is not None:
             began = time.monotonic()
-            ordered = sorted(pages.replicas.items())
-            for index in range(last - first + 1):
-                at = pages.start + index * step
-                _diagnose_step(at, index, ordered, replicas, timeline, window, thresholds, step,
-                               fast=not pages_as_text)
-            del pages, ordered
+            if pending is not None:
+                pool.merge(*pending, timeline, step)
+            replicas = pool.finish()
             diagnose_seconds += time.monotonic() - began
-            if progress:
-                progress(f"{last + 1}/{points} steps, {len(replicas)} replicas, {client.cost.queries} queries")
+    finally:
+        if pool is not None:
+            pool.close()
     timeline.finish()
     cost = client.cost.to_json()
     cost["total_seconds"] = round(time.monotonic() - started, 3)
@@ -224,3 +259,107 @@ def _fleet_step(at: float, results: list, timeline: Timeline, thresholds, step: 
             by_model.setdefault(model, []).append(row)
     for model, rows in sorted(by_model.items()):
         timeline.add(f"fleet:{model}", at, fleet_findings(model, rows, thresholds))
+
+
+# --------------------------------------------------------------------------
+# Replicas diagnosed in worker processes
+# --------------------------------------------------------------------------
+
+
+def _serve(connection, window_seconds: float, thresholds, fast: bool) -> None:
+    """A worker: the replicas it is sent, chunk after chunk, each with its
+    own state kept here from one chunk to the next; answers per step, in
+    the order sent, [(name, _replica_step's answer)]."""
+    states: dict[tuple, ReplicaState] = {}
+    while True:
+        try:
+            message = connection.recv()
+        except EOFError:  # the diagnosis stopped (an error there)
+            return
+        if message[0] == "chunk":
+            _kind, start, step, points, ordered = message
+            answers = []
+            for index in range(points):
+                at = start + index * step
+                found = []
+                for key, replica in ordered:
+                    state = _state(states, key, replica, window_seconds)
+                    found.append((state.name, _replica_step(state, replica, index, at, thresholds, fast)))
+                answers.append(found)
+            del ordered
+            connection.send(answers)
+        else:  # "finish": the states, without the adapters (their caches are keyed by object ids)
+            for state in states.values():
+                state.adapter = None
+            connection.send(states)
+            return
+
+
+class _Workers:
+    """Worker processes, each owning a fixed share of the replicas (given
+    out in turn as they first appear), fed one chunk at a time."""
+
+    def __init__(self, count: int, window_seconds: float, thresholds, fast: bool):
+        import multiprocessing
+        import threading
+
+        # Fork is fastest (nothing to import again) but only safe while this
+        # process runs no other thread; otherwise start fresh interpreters.
+        method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
+            else "spawn"
+        context = multiprocessing.get_context(method)
+        self.thresholds = thresholds
+        self.owner: dict[tuple, int] = {}
+        self.connections = []
+        self.processes = []
+        for _ in range(count):
+            mine, theirs = context.Pipe()
+            process = context.Process(target=_serve, args=(theirs, window_seconds, thresholds, fast), daemon=True)
+            process.start()
+            theirs.close()
+            self.connections.append(mine)
+            self.processes.append(process)
+
+    def send(self, start: float, step: float, points: int, ordered: list) -> tuple:
+        """One chunk's replicas (key order) out to their workers; returns what
+        merge needs: the steps' times and each key's worker."""
+        shares: list[list] = [[] for _ in self.connections]
+        for key, replica in ordered:
+            owner = self.owner.get(key)
+            if owner is None:
+                owner = self.owner[key] = len(self.owner) % len(self.connections)
+            shares[owner].append((key, replica))
+        for connection, share in zip(self.connections, shares):
+            connection.send(("chunk", start, step, points, share))
+        return start, points, [self.owner[key] for key, _replica in ordered]
+
+    def receive(self) -> list:
+        return [connection.recv() for connection in self.connections]
+
+    def merge(self, sent: tuple, answers: list, timeline: Timeline, step: float) -> None:
+        """Each step's answers back in replica order, into the timeline and
+        the fleet rules, as _diagnose_step does in one process."""
+        start, points, owners = sent
+        for index in range(points):
+            taken = [iter(answer[index]) for answer in answers]
+            _fleet_step(start + index * step, [next(taken[owner]) for owner in owners], timeline,
+                        self.thresholds, step)
+
+    def finish(self) -> dict[tuple, ReplicaState]:
+        states: dict[tuple, ReplicaState] = {}
+        for connection in self.connections:
+            connection.send(("finish",))
+        for connection in self.connections:
+            states.update(connection.recv())
+        for state in states.values():
+            state.adapter = make_adapter("vllm")
+        return {key: states[key] for key in self.owner}  # in the order first seen, as in one process
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
+        for process in self.processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
