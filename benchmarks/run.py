@@ -884,43 +884,57 @@ def write_history_openmetrics(out, replicas: int, start: float, points: int, ste
     (usage, running, waiting, prefix and token counters, preemptions, the
     TTFT, queue, prefill and length histograms with vLLM's buckets,
     cache_config_info), advancing every step; replica 0 runs full from the
-    middle of the range, so the diagnosis has findings to fold."""
+    middle of the range, so the diagnosis has findings to fold. Replicas
+    other than 0 differ only in their `instance`: their text is written once
+    and copied with it replaced."""
+    template = None
+    for r in range(replicas):
+        instance = f"10.1.{r // 250}.{r % 250}:8000"
+        if r == 0:
+            out.write(_replica_openmetrics(instance, start, points, step, hot=True))
+            continue
+        if template is None:
+            template = _replica_openmetrics("@INSTANCE@", start, points, step, hot=False)
+        out.write(template.replace("@INSTANCE@", instance))
+    out.write("# EOF\n")
+
+
+def _replica_openmetrics(instance: str, start: float, points: int, step: float, hot: bool) -> str:
     ttft_bounds = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
     len_bounds = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-    for r in range(replicas):
-        base = f'instance="10.1.{r // 250}.{r % 250}:8000",job="vllm",model_name="m",engine="0"'
-        out.write(f'vllm:cache_config_info{{{base},block_size="16",num_gpu_blocks="2048",'
-                  f'enable_prefix_caching="True"}} 1 {start:.0f}\n')
-        rows: dict[str, list[str]] = {}
-        for i in range(points):
-            at = f"{start + i * step:.0f}"
-            hot = r == 0 and i >= points // 2
-            n = i + 1
-            def put(name, labels, value):
-                rows.setdefault(name + labels, []).append(f"{name}{{{base}{labels}}} {value:g} {at}")
-            put("vllm:kv_cache_usage_perc", "", 0.99 if hot else 0.3)
-            put("vllm:num_requests_running", "", 32 if hot else 4)
-            put("vllm:num_requests_waiting", "", 10 if hot else 0)
-            put("vllm:num_preemptions_total", "", (n - points // 2) * 3 if hot else 0)
-            put("vllm:prefix_cache_queries_total", "", n * 4000)
-            put("vllm:prefix_cache_hits_total", "", n * 2400)
-            put("vllm:prompt_tokens_total", "", n * 4000)
-            put("vllm:generation_tokens_total", "", n * 1000)
-            for family, bounds, per in (("time_to_first_token_seconds", ttft_bounds, 0.1),
-                                        ("request_queue_time_seconds", ttft_bounds, 0.01),
-                                        ("request_prefill_time_seconds", ttft_bounds, 0.05),
-                                        ("request_prompt_tokens", len_bounds, 400),
-                                        ("request_generation_tokens", len_bounds, 100)):
-                for bound in bounds:
-                    put(f"vllm:{family}_bucket", f',le="{bound:g}"', n * 10 if bound >= per else 0)
-                put(f"vllm:{family}_bucket", ',le="+Inf"', n * 10)
-                put(f"vllm:{family}_sum", "", n * 10 * per)
-                put(f"vllm:{family}_count", "", n * 10)
-        for lines in rows.values():
-            out.write("\n".join(lines))
-            out.write("\n")
-    out.write("# EOF\n")
+    base = f'instance="{instance}",job="vllm",model_name="m",engine="0"'
+    out = [f'vllm:cache_config_info{{{base},block_size="16",num_gpu_blocks="2048",'
+           f'enable_prefix_caching="True"}} 1 {start:.0f}']
+    rows: dict[str, list[str]] = {}
+    for i in range(points):
+        at = f"{start + i * step:.0f}"
+        full = hot and i >= points // 2
+        n = i + 1
+        def put(name, labels, value):
+            rows.setdefault(name + labels, []).append(f"{name}{{{base}{labels}}} {value:g} {at}")
+        put("vllm:kv_cache_usage_perc", "", 0.99 if full else 0.3)
+        put("vllm:num_requests_running", "", 32 if full else 4)
+        put("vllm:num_requests_waiting", "", 10 if full else 0)
+        put("vllm:num_preemptions_total", "", (n - points // 2) * 3 if full else 0)
+        put("vllm:prefix_cache_queries_total", "", n * 4000)
+        put("vllm:prefix_cache_hits_total", "", n * 2400)
+        put("vllm:prompt_tokens_total", "", n * 4000)
+        put("vllm:generation_tokens_total", "", n * 1000)
+        for family, bounds, per in (("time_to_first_token_seconds", ttft_bounds, 0.1),
+                                    ("request_queue_time_seconds", ttft_bounds, 0.01),
+                                    ("request_prefill_time_seconds", ttft_bounds, 0.05),
+                                    ("request_prompt_tokens", len_bounds, 400),
+                                    ("request_generation_tokens", len_bounds, 100)):
+            for bound in bounds:
+                put(f"vllm:{family}_bucket", f',le="{bound:g}"', n * 10 if bound >= per else 0)
+            put(f"vllm:{family}_bucket", ',le="+Inf"', n * 10)
+            put(f"vllm:{family}_sum", "", n * 10 * per)
+            put(f"vllm:{family}_count", "", n * 10)
+    for lines in rows.values():
+        out.extend(lines)
+    out.append("")
+    return "\n".join(out)
 
 
 def cpu_with_children() -> float:
