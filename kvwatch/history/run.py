@@ -278,14 +278,20 @@ def _serve(connection, window_seconds: float, thresholds, fast: bool) -> None:
             return
         if message[0] == "chunk":
             _kind, start, step, points, ordered = message
-            answers = []
-            for index in range(points):
-                at = start + index * step
-                found = []
-                for key, replica in ordered:
-                    state = _state(states, key, replica, window_seconds)
-                    found.append((state.name, _replica_step(state, replica, index, at, thresholds, fast)))
-                answers.append(found)
+            try:
+                answers = []
+                for index in range(points):
+                    at = start + index * step
+                    found = []
+                    for key, replica in ordered:
+                        state = _state(states, key, replica, window_seconds)
+                        found.append((state.name, _replica_step(state, replica, index, at, thresholds, fast)))
+                    answers.append(found)
+            except Exception:  # handed to the diagnosis, which raises it
+                import traceback
+
+                connection.send(("error", traceback.format_exc()))
+                return
             del ordered
             connection.send(answers)
         else:  # "finish": the states, without the adapters (their caches are keyed by object ids)
@@ -334,7 +340,11 @@ class _Workers:
         return start, points, [self.owner[key] for key, _replica in ordered]
 
     def receive(self) -> list:
-        return [connection.recv() for connection in self.connections]
+        answers = [connection.recv() for connection in self.connections]
+        for answer in answers:
+            if isinstance(answer, tuple):  # ("error", the worker's traceback)
+                raise RuntimeError(f"a diagnosis worker failed:\n{answer[1]}")
+        return answers
 
     def merge(self, sent: tuple, answers: list, timeline: Timeline, step: float) -> None:
         """Each step's answers back in replica order, into the timeline and
