@@ -980,7 +980,8 @@ def bench_history(report: Report, quick: bool) -> None:
     written = time.monotonic() - began
     runs = {}
     try:
-        with backfilled_prometheus(source, timeout=3600) as prom:
+        # Blocks as long as the range: promtool reads its input once per block.
+        with backfilled_prometheus(source, timeout=3600, block_hours=hours) as prom:
             source.unlink()
             setup = time.monotonic() - began
 
