@@ -9,6 +9,13 @@ for at most `max_samples` samples in all, its steps are diagnosed while the
 next chunk is read, and only the replicas' windows (one window span each)
 and the timeline are kept.
 
+With `workers` (the command's default: one per usable core), the
+replicas' pipelines run in worker processes, each replica always in the same
+one with its adapter and window, one chunk at a time; their answers (each
+replica's findings and fleet rows per step) come back and are put into the
+timeline, and through the fleet rules, in replica order here, so the result
+is the one a single process gives. A worker holds its share of one chunk.
+
 Each step's Snapshot is built from the query results as the parser's
 families (Replica.families -> VllmAdapter.adapt_families): the adapter's
 own reading of every alias, fold and configuration, without writing the
