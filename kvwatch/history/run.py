@@ -166,12 +166,13 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
                         at = pages.start + index * step
                         _diagnose_step(at, index, ordered, replicas, timeline, window, thresholds, step,
                                        fast=not pages_as_text)
+                    del pages, ordered
                 else:
                     sent = pool.send(pages.start, step, last - first + 1, ordered)
+                    del pages, ordered  # the workers have their copies: not kept here while they work
                     if pending is not None:
                         pool.merge(*pending, timeline, step)
                     pending = (sent, pool.receive())
-                del pages, ordered
                 diagnose_seconds += time.monotonic() - began
                 if progress:
                     progress(f"{last + 1}/{points} steps, {len(replicas) if pool is None else len(pool.owner)} "
