@@ -52,3 +52,30 @@ def test_lost_affinity_evidence_carries_the_peers_summed_ratio():
     assert [f.evidence["replica"] for f in found] == ["lost"]
     assert found[0].evidence["peers_hit_ratio"] == _pooled(rows[:5])
     assert found[0].evidence["peers"] == 5
+
+
+def test_a_row_slimmed_to_what_the_rules_read_gives_the_same_findings():
+    """History workers send each replica's rows slimmed (ReplicaRow.slim):
+    every fleet rule must read nothing else."""
+    from kvwatch.diagnose.vocabulary import Finding
+
+    rng = random.Random(11)
+    full = Finding("exhaustion", "concurrency_beyond_capacity", "critical", "high", "m", "0", "full", {}, "")
+    queue = Finding("slow_first_token", "queueing_kv_bound", "warning", "high", "m", "0", "queue", {}, "")
+    seen = set()
+    for _ in range(300):
+        rows = []
+        for i in range(rng.randint(2, 8)):
+            queries = float(rng.randint(0, 10**6))
+            values = {"kvwatch_kv_cache_usage_max_ratio": rng.choice((0.2, 0.5, 0.95, 1.0, None)),
+                      "kvwatch_requests_waiting": rng.choice((0.0, 0.0, 3.0, None)),
+                      "kvwatch_kv_cache_usage_ratio": rng.random(), "kvwatch_ttft_seconds": {"0.5": 0.1}}
+            counters = {"prefix_queries": queries, "prefix_hits": float(rng.randint(0, int(queries))),
+                        "prompt_tokens": queries, "preemptions": 2.0}
+            findings = rng.choice(([], [], [full], [queue]))
+            rows.append(ReplicaRow(f"r{i}", "0", values, counters, findings,
+                                   rng.choice((None, None, None, 1000.0))))
+        expected = fleet_findings("m", rows)
+        assert fleet_findings("m", [row.slim() for row in rows]) == expected
+        seen.update(f.cause for f in expected)
+    assert seen == {"imbalance", "cold_replica", "lost_prefix_affinity"}

@@ -31,6 +31,14 @@ from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 QUEUEING = ("queueing_kv_bound", "queueing_compute_bound")
 
 
+# The signal values and counters of a replica that the fleet rules read: a
+# row holding only these (ReplicaRow.slim) gives the same findings.
+USAGE_PEAK = "kvwatch_kv_cache_usage_max_ratio"
+WAITING = "kvwatch_requests_waiting"
+ROW_VALUES = (USAGE_PEAK, WAITING)
+ROW_COUNTERS = ("prefix_queries", "prefix_hits")
+
+
 @dataclass
 class ReplicaRow:
     """One replica's engine of a model at one step."""
@@ -44,11 +52,19 @@ class ReplicaRow:
 
     @property
     def usage_peak(self) -> float | None:
-        return self.values.get("kvwatch_kv_cache_usage_max_ratio")
+        return self.values.get(USAGE_PEAK)
 
     @property
     def waiting(self) -> float:
-        return self.values.get("kvwatch_requests_waiting") or 0.0
+        return self.values.get(WAITING) or 0.0
+
+    def slim(self) -> "ReplicaRow":
+        """The row with only what the fleet rules read (ROW_VALUES,
+        ROW_COUNTERS): what a history worker process sends back."""
+        values, counters = self.values, self.counters
+        return ReplicaRow(self.replica, self.engine, {k: values[k] for k in ROW_VALUES if k in values},
+                          {k: counters[k] for k in ROW_COUNTERS if k in counters}, self.findings,
+                          self.restarted_at)
 
     def hit_ratio(self) -> float | None:
         queries = self.counters.get("prefix_queries")
