@@ -1049,13 +1049,15 @@ def bench_history(report: Report, quick: bool) -> None:
         f"{HISTORY_FAMILIES} families once per chunk of steps, and two listing the series), "
         f"{cost['samples']:,} samples (bound: {max_samples:,}, each sample once), {cost['bytes'] / 1e6:.0f} MB "
         f"read in {cost['seconds']:.1f} s; rebuilding and diagnosing {cost['diagnose_seconds']:.1f} s; total "
-        f"{total:.1f} s wall, {cpu:.1f} s CPU of this process and its workers (the store's own not counted).",
+        f"{total:.1f} s wall, {cpu:.1f} s CPU of this process and its workers (the store's own not counted): "
+        f"on {workers} cores the wall time cannot fall below {cpu / workers:.0f} s, before the store's own work "
+        "and whatever else the machine runs.",
         "",
         f"The first {slice_hours} h of the same store, three ways (CPU per replica-step): "
         f"{per_step['slice, workers'] * 1e3:.3f} ms with workers, {per_step['slice, one process'] * 1e3:.3f} ms "
         f"in one process, {per_step['slice, pages as text'] * 1e3:.3f} ms writing and parsing each page (the "
         f"baseline). Workers and one process give the same timeline and trends: {'yes' if same else 'NO'}. "
-        "Wall time depends on what else the machine runs: see the load average above.",
+        "Wall time depends on what else the machine runs: see the load average at start.",
     ]))
 
 
