@@ -5,7 +5,10 @@ machine it ran on, and writes the same to benchmarks/RESULTS.md. Each figure
 is a ratio or a median taken in this run; nothing here is a pass/fail test
 (see docs/performance.md for the method).
 
-    .venv/bin/python benchmarks/run.py [--fixtures DIR] [--quick] [--only parse,poll,...]
+    .venv/bin/python benchmarks/run.py [--fixtures DIR] [--quick] [--only parse,poll,...] [--merge]
+
+`--only history --merge` runs one section and updates only its figures and
+details in RESULTS.md.
 """
 
 from __future__ import annotations
@@ -1067,6 +1070,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, shorter simulated hour (20 min)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--merge", action="store_true",
+                        help="update only the figures and sections run (with --only) in an existing --output")
     args = parser.parse_args()
     if not (args.fixtures / "vllm-0.32-cpu").is_dir():
         print(f"real vLLM captures not found under {args.fixtures}", file=sys.stderr)
@@ -1130,8 +1135,40 @@ def main() -> int:
         "\n\n".join(report.sections),
         "",
     ]
-    args.output.write_text("\n".join(document))
+    if args.merge and args.output.exists():
+        args.output.write_text(merged(args.output.read_text(), rows, report.sections, info))
+    else:
+        args.output.write_text("\n".join(document))
     return 0
+
+
+def merged(existing: str, rows: list[list[str]], sections: list[str], info: dict[str, str]) -> str:
+    """`existing` results with this run's summary rows and detail sections
+    put in place of those of the same name (or added), the rest kept; each
+    section says when and at which commit it was run."""
+    lines = existing.rstrip("\n").split("\n")
+    names = {row[0] for row in rows}
+    start = lines.index("## Summary")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    table_rows = [line for line in lines[start:end] if line.startswith("| ") and not line.startswith("| figure ")]
+    kept = [line for line in table_rows if line.split(" | ")[0][2:] not in names]
+    new_rows = ["| " + " | ".join(row) + " |" for row in rows]
+    header = [line for line in lines[start:end] if line.startswith("| figure ") or line.startswith("|---")]
+    lines[start:end] = ["## Summary", "", *header, *kept, *new_rows, ""]
+    text = "\n".join(lines) + "\n"
+    stamp = (f"\n\nThis section was run on its own (`benchmarks/run.py --only ... --merge`) on {info['date']} at "
+             f"commit {info['kvwatch commit']}, load average at start {info['load average at start']}; the "
+             "machine table above is the full run's.")
+    for section in sections:
+        heading = section.split("\n", 1)[0]
+        body = section + stamp
+        at = text.find("\n" + heading + "\n")
+        if at < 0:
+            text = text.rstrip("\n") + "\n\n" + body + "\n"
+            continue
+        after = text.find("\n### ", at + 1)
+        text = text[:at + 1] + body + ("\n" + text[after:] if after >= 0 else "\n")
+    return text
 
 
 if __name__ == "__main__":
