@@ -25,6 +25,7 @@ from kvwatch import __version__
 
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
 from kvwatch.diagnose.vocabulary import ALERT_CAUSES, PREEMPTING_SEVERITY, SEVERITY
+from kvwatch.units import yaml_problem
 
 SEVERITIES = ("critical", "warning", "info")
 # Alert names, with the symptom (the diagnosis vocabulary) each one reports.
@@ -718,7 +719,7 @@ def load_config(path: str | Path | None) -> MixinConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise MixinConfigError([f"{path}: not valid YAML: {exc}"]) from None
+        raise MixinConfigError([f"{path}: not valid YAML: {yaml_problem(exc)}"]) from None
     return config_from_mapping(data, str(path))
 
 
