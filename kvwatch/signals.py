@@ -58,6 +58,7 @@ UNITS: dict[str, Unit] = {
     "failures": Unit("short", "failures"),
     "notifications": Unit("short", "notifications"),
     "transfers": Unit("short", "transfers"),
+    "descriptors": Unit("short", "descriptors"),
 }
 
 
@@ -268,13 +269,37 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
     EngineSeries("kvwatch_engine_kv_offload_cpu_pinned_ratio", "gauge", "offload_cpu_pinned", "ratio",
                  "Share of the CPU offload tier pinned by in-flight transfers (vllm:kv_offload_cpu_cache_usage_perc): "
                  "evictable blocks do not count, so it reads 0 on a full tier at rest; not the tier's usage."),
+    EngineSeries("kvwatch_engine_kv_offload_load_size_bytes", "histogram", "offload_load_size", "bytes",
+                 "Bytes per load from the offload tier into GPU KV blocks, one observation per operation "
+                 "(vllm:kv_offload_load_size, else the deprecated vllm:kv_offload_size{transfer_type=\"CPU_to_GPU\"}, "
+                 "never both; OffloadingConnector only)."),
+    EngineSeries("kvwatch_engine_kv_offload_store_size_bytes", "histogram", "offload_store_size", "bytes",
+                 "Bytes per store from GPU KV blocks to the offload tier, one observation per operation "
+                 "(vllm:kv_offload_store_size, else vllm:kv_offload_size{transfer_type=\"GPU_to_CPU\"}; "
+                 "OffloadingConnector only)."),
     EngineSeries("kvwatch_engine_nixl_failed_transfers", "counter", "nixl_failed_transfers", "transfers",
-                 "Failed NIXL KV transfers (vllm:nixl_num_failed_transfers_total; NixlConnector only).", good="low"),
-    EngineSeries("kvwatch_engine_nixl_failed_notifications", "counter", "nixl_failed_notifications", "notifications",
-                 "Failed NIXL notifications (vllm:nixl_num_failed_notifications_total; NixlConnector only).", good="low"),
-    EngineSeries("kvwatch_engine_nixl_expired_requests", "counter", "nixl_expired_requests", "requests",
-                 "Requests whose KV expired before the peer fetched it (vllm:nixl_num_kv_expired_reqs_total; "
+                 "Failed NIXL KV transfers, handshake and notification failures included, so never add "
+                 "kvwatch_engine_nixl_failed_notifications to it (vllm:nixl_num_failed_transfers_total; "
                  "NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_failed_notifications", "counter", "nixl_failed_notifications", "notifications",
+                 "Failed NIXL notifications, already counted in kvwatch_engine_nixl_failed_transfers "
+                 "(vllm:nixl_num_failed_notifications_total; NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_expired_requests", "counter", "nixl_expired_requests", "requests",
+                 "Requests whose KV expired before the peer fetched it, counted on the prefill instance; not a "
+                 "transport failure (vllm:nixl_num_kv_expired_reqs_total; NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_notifications_after_expiry", "counter", "nixl_notifications_after_expiry",
+                 "notifications",
+                 "Completion notifications for requests no longer tracked, usually because their KV lease expired "
+                 "(the blocks may have been reused before the transfer finished), one per remote rank "
+                 "(vllm:nixl_num_notifications_after_expiry_total; NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_transfer_seconds", "histogram", "nixl_transfer_time", "seconds",
+                 "Duration of each NIXL KV transfer (vllm:nixl_xfer_time_seconds; NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_post_seconds", "histogram", "nixl_post_time", "seconds",
+                 "Time to post each NIXL KV transfer (vllm:nixl_post_time_seconds; NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_transfer_bytes", "histogram", "nixl_transfer_bytes", "bytes",
+                 "Bytes per NIXL KV transfer (vllm:nixl_bytes_transferred; NixlConnector only)."),
+    EngineSeries("kvwatch_engine_nixl_descriptors", "histogram", "nixl_descriptors", "descriptors",
+                 "Descriptors per NIXL KV transfer (vllm:nixl_num_descriptors; NixlConnector only)."),
 )
 
 

@@ -304,3 +304,134 @@ def test_block_floor_tells_a_prefix_shorter_than_a_block_from_no_shared_prefix(f
     floor = block_floor(_Ctx(prompts, 1024))
     assert floor["prompts_within_one_block_ratio"] == 1.0
     assert floor["no_reuse_kind"] == "prefix_shorter_than_block"
+
+
+# --- offload size histograms and NIXL transfers ----------------------------------
+
+
+def _histogram_lines(name, labels, bounds, observations, help_text):
+    """A histogram as prometheus_client writes it, `observations` being the
+    values observed. WRITTEN FROM vLLM'S SOURCE (names, bucket bounds and
+    labels as the connectors register them), not captured."""
+    lines = [f"# HELP vllm:{name} {help_text}", f"# TYPE vllm:{name} histogram"]
+    for bound in tuple(bounds) + (float("inf"),):
+        le = "+Inf" if bound == float("inf") else repr(float(bound))
+        lines.append(f'vllm:{name}_bucket{{{labels},le="{le}"}} {float(sum(1 for o in observations if o <= bound))}')
+    lines.append(f"vllm:{name}_count{{{labels}}} {float(len(observations))}")
+    lines.append(f"vllm:{name}_sum{{{labels}}} {float(sum(observations))}")
+    return "\n".join(lines) + "\n"
+
+
+# offloading/metrics.py TRANSFER_SIZE_BUCKETS
+OFFLOAD_SIZE_BOUNDS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
+LABELS = 'engine="0",model_name="tiny-llama"'
+OFFLOAD_SIZES_NEW = (
+    _histogram_lines("kv_offload_load_size", LABELS, OFFLOAD_SIZE_BOUNDS, [3e6, 3e6],
+                     "Histogram of KV offload load operation size, in bytes.")
+    + _histogram_lines("kv_offload_store_size", LABELS, OFFLOAD_SIZE_BOUNDS, [30e6, 50e6, 70e6],
+                       "Histogram of KV offload store operation size, in bytes."))
+OFFLOAD_SIZES_DEPRECATED = (
+    "# HELP vllm:kv_offload_size Histogram of KV offload transfer size, in bytes.\n"
+    "# TYPE vllm:kv_offload_size histogram\n"
+    + "".join(line + "\n" for line in _histogram_lines(
+        "kv_offload_size", LABELS + ',transfer_type="CPU_to_GPU"', OFFLOAD_SIZE_BOUNDS, [3e6, 3e6], "").splitlines()[2:])
+    + "".join(line + "\n" for line in _histogram_lines(
+        "kv_offload_size", LABELS + ',transfer_type="GPU_to_CPU"', OFFLOAD_SIZE_BOUNDS, [30e6, 50e6, 70e6],
+        "").splitlines()[2:]))
+# nixl/stats.py NixlPromMetrics: xfer time buckets from 0.005, post time from
+# 0.001, bytes 2^(10+i) for i = 1, 3, ..., 23, descriptors 10 ... 50000; the
+# failure counters.
+_NIXL_TIMES = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+NIXL_TRANSFERS = (
+    _histogram_lines("nixl_xfer_time_seconds", LABELS, _NIXL_TIMES[1:], [0.02, 0.04, 0.6],
+                     "Histogram of transfer duration for NIXL KV Cache transfers.")
+    + _histogram_lines("nixl_post_time_seconds", LABELS, _NIXL_TIMES, [0.002, 0.002, 0.003],
+                       "Histogram of transfer post time for NIXL KV Cache transfers.")
+    + _histogram_lines("nixl_bytes_transferred", LABELS, [2 ** (10 + i) for i in range(1, 25, 2)],
+                       [2 ** 20, 2 ** 20, 2 ** 24], "Histogram of bytes transferred per NIXL KV Cache transfers.")
+    + _histogram_lines("nixl_num_descriptors", LABELS,
+                       (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000), [64, 64, 128],
+                       "Histogram of number of descriptors per NIXL  KV Cache transfers.")
+    + """# HELP vllm:nixl_num_failed_transfers_total Number of failed NIXL KV Cache transfers, including handshake and notification failures.
+# TYPE vllm:nixl_num_failed_transfers_total counter
+vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny-llama"} 3.0
+# HELP vllm:nixl_num_failed_notifications_total Number of failed NIXL KV Cache notifications.
+# TYPE vllm:nixl_num_failed_notifications_total counter
+vllm:nixl_num_failed_notifications_total{engine="0",model_name="tiny-llama"} 1.0
+# HELP vllm:nixl_num_kv_expired_reqs_total Number of requests that had their KV expire.
+# TYPE vllm:nixl_num_kv_expired_reqs_total counter
+vllm:nixl_num_kv_expired_reqs_total{engine="0",model_name="tiny-llama"} 4.0
+# HELP vllm:nixl_num_notifications_after_expiry_total Number of completion notifications for requests that were no longer tracked.
+# TYPE vllm:nixl_num_notifications_after_expiry_total counter
+vllm:nixl_num_notifications_after_expiry_total{engine="0",model_name="tiny-llama"} 2.0
+""")
+
+
+def test_offload_size_histograms_read_the_current_form_and_never_add_the_deprecated_one(fixtures_dir):
+    base = capture(fixtures_dir, "after")
+    both = VllmAdapter().adapt(base + OFFLOAD_SIZES_NEW + OFFLOAD_SIZES_DEPRECATED)
+    assert both.parse_errors == []
+    engine = both.engines[KEY]
+    load, store = engine.histograms["offload_load_size"], engine.histograms["offload_store_size"]
+    assert (load.count, load.sum) == (2, 6e6)  # not 4 and 12e6
+    assert (store.count, store.sum) == (3, 150e6)
+    assert load.bounds[:10] == OFFLOAD_SIZE_BOUNDS
+    assert both.sources["offload_load_size"] == "kv_offload_load_size"
+    # the deprecated form alone: split by transfer_type, never summed across it
+    old = VllmAdapter().adapt(base + OFFLOAD_SIZES_DEPRECATED)
+    engine = old.engines[KEY]
+    assert (engine.histograms["offload_load_size"].count, engine.histograms["offload_load_size"].sum) == (2, 6e6)
+    assert (engine.histograms["offload_store_size"].count, engine.histograms["offload_store_size"].sum) == (3, 150e6)
+    assert old.sources["offload_store_size"] == "kv_offload_size"
+
+
+def test_nixl_transfer_histograms_and_failure_counters_are_read(fixtures_dir):
+    snapshot = VllmAdapter().adapt(capture(fixtures_dir, "after") + NIXL_TRANSFERS)
+    assert snapshot.parse_errors == []
+    engine = snapshot.engines[KEY]
+    assert engine.histograms["nixl_transfer_time"].count == 3
+    assert engine.histograms["nixl_transfer_time"].bounds[0] == 0.005
+    assert engine.histograms["nixl_post_time"].bounds[0] == 0.001
+    assert engine.histograms["nixl_transfer_bytes"].sum == 2 * 2 ** 20 + 2 ** 24
+    assert engine.histograms["nixl_descriptors"].count == 3
+    assert engine.counters["nixl_failed_transfers"] == 3
+    assert engine.counters["nixl_failed_notifications"] == 1
+    assert engine.counters["nixl_expired_requests"] == 4
+    assert engine.counters["nixl_notifications_after_expiry"] == 2
+    present = snapshot.present()
+    assert present["nixl_xfer_time_seconds"] and present["nixl_num_notifications_after_expiry"]
+
+
+def test_offload_and_nixl_histograms_are_re_exported_with_the_flag_that_lights_them(fixtures_dir):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvwatch.sidecar.collector import KvwatchCollector
+    from kvwatch.sidecar.monitor import State
+
+    page = capture(fixtures_dir, "after") + OFFLOAD_SIZES_DEPRECATED + NIXL_TRANSFERS
+    window = window_of([page, page])
+    row = values(window)
+
+    class Monitor:
+        state = State(up=True, snapshot=window.latest, per_engine=(row,))
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    registry = CollectorRegistry()
+    registry.register(KvwatchCollector(Monitor()))
+    exported = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(generate_latest(registry).decode())
+                for s in family.samples}
+    ident = (("engine", "0"), ("model_name", "tiny-llama"))
+    assert exported[("kvwatch_engine_kv_offload_load_size_bytes_count", ident)] == 2
+    assert exported[("kvwatch_engine_kv_offload_store_size_bytes_sum", ident)] == 150e6
+    assert exported[("kvwatch_engine_kv_offload_store_size_bytes_bucket", (("engine", "0"), ("le", "60000000.0"), ("model_name", "tiny-llama")))] == 2
+    assert exported[("kvwatch_engine_nixl_transfer_seconds_count", ident)] == 3
+    assert exported[("kvwatch_engine_nixl_transfer_bytes_sum", ident)] == 2 * 2 ** 20 + 2 ** 24
+    assert exported[("kvwatch_engine_nixl_descriptors_count", ident)] == 3
+    assert exported[("kvwatch_engine_nixl_post_seconds_count", ident)] == 3
+    assert exported[("kvwatch_engine_nixl_notifications_after_expiry_total", ident)] == 2
+    assert exported[("kvwatch_source_present", (("family", "nixl_bytes_transferred"),))] == 1
+    assert exported[("kvwatch_source_present", (("family", "nixl_xfer_time_seconds"),))] == 1
+    # on a page without a connector, the families are absent and say which flag lights them
+    from kvwatch.engines.vllm import GATES
+    assert "NixlConnector" in GATES["nixl_transfer_time"] and "OffloadingConnector" in GATES["offload_store_size"]
