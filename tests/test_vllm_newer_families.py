@@ -302,8 +302,33 @@ def test_block_floor_tells_a_prefix_shorter_than_a_block_from_no_shared_prefix(f
     assert block_floor(_Ctx(prompts, 32))["no_reuse_kind"] == "no_shared_prefix"
     # a 1024-token block: every prompt fits in one block, so no prefix can hit
     floor = block_floor(_Ctx(prompts, 1024))
-    assert floor["prompts_within_one_block_ratio"] == 1.0
+    assert floor["prompts_within_one_block_ratio_at_least"] == 1.0
     assert floor["no_reuse_kind"] == "prefix_shorter_than_block"
+
+
+def test_block_floor_inside_a_prompt_bucket_is_decided_by_the_mean_prompt():
+    """vLLM's prompt-length buckets are 1, 2, 5, 10, 20, 50, 100, ... (the
+    real 0.32 capture's bounds): block_size 32 lies inside (20, 50]. Prompts
+    of 28 tokens all fit one block; spread uniformly over the bucket they
+    would read as 27 % within it."""
+    from kvwatch.diagnose.hit_rate import block_floor
+    from kvwatch.snapshot import Histogram
+
+    bounds = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, float("inf"))
+
+    def prompts(lengths):
+        return Histogram(bounds, tuple(float(sum(1 for n in lengths if n <= b)) for b in bounds),
+                         float(sum(lengths)), float(len(lengths)))
+
+    floor = block_floor(_Ctx(prompts([28] * 40), 32))
+    assert floor["no_reuse_kind"] == "prefix_shorter_than_block"
+    assert (floor["prompts_within_one_block_ratio_at_least"], floor["prompts_within_one_block_ratio_at_most"]) == (0, 1)
+    assert floor["prompt_tokens_mean"] == 28
+    assert "(20, 50]" in floor["prompt_buckets_around_block_size"]
+    # prompts of 45 tokens share the bucket but not the block
+    assert block_floor(_Ctx(prompts([45] * 40), 32))["no_reuse_kind"] == "no_shared_prefix"
+    # a bound on the block size decides alone
+    assert block_floor(_Ctx(prompts([18] * 30 + [600] * 10), 20))["no_reuse_kind"] == "prefix_shorter_than_block"
 
 
 # --- offload size histograms and NIXL transfers ----------------------------------
