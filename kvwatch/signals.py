@@ -1026,6 +1026,23 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
     return view
 
 
+# Signals of whole-block arithmetic (BlockSums): absent on hybrid models,
+# whose KV groups' blocks differ (/api/v1/signals lists them dark there).
+WHOLE_BLOCK_SIGNALS = ("kvwatch_kv_cache_used_blocks", "kvwatch_kv_cache_free_blocks",
+                       "kvwatch_kv_cache_token_usage_estimate_ratio", "kvwatch_kv_cache_reuse_shortfall_blocks",
+                       "kvwatch_kv_cache_reuse_shortfall_bytes")
+
+
+def blocks_hold_capacity(cache_config: dict[str, str]) -> bool:
+    """num_gpu_blocks x block_size is the stated capacity (or none is
+    stated): not so on hybrid models, where block_size is the minimum over
+    the KV groups."""
+    count = config_number(cache_config, "num_gpu_blocks")
+    size = config_number(cache_config, "block_size")
+    stated = config_number(cache_config, "kv_cache_size_tokens")
+    return not (stated and count and size and stated != count * size)
+
+
 @dataclass
 class BlockSums:
     """Whole-block arithmetic over the engines of a view."""
@@ -1039,10 +1056,9 @@ class BlockSums:
     def add(self, cache_config: dict[str, str], usage: float | None, series) -> "BlockSums | None":
         count = config_number(cache_config, "num_gpu_blocks")
         size = config_number(cache_config, "block_size")
-        stated = config_number(cache_config, "kv_cache_size_tokens")
         if not count or count < 2 or not size or usage is None or not series:
             return None
-        if stated and stated != count * size:
+        if not blocks_hold_capacity(cache_config):
             return None  # hybrid: block_size is the minimum over groups, blocks x size is not the capacity
         usable = count - 1
         used = float(round(min(1.0, max(0.0, usage)) * usable))

@@ -460,3 +460,64 @@ def test_offload_and_nixl_histograms_are_re_exported_with_the_flag_that_lights_t
     # on a page without a connector, the families are absent and say which flag lights them
     from kvwatch.engines.vllm import GATES
     assert "NixlConnector" in GATES["nixl_transfer_time"] and "OffloadingConnector" in GATES["offload_store_size"]
+
+
+# --- hybrid models: cache_config_info's mamba_* labels -----------------------------
+
+
+def _hybrid(page):
+    """The real capture's cache_config_info as vLLM 0.32 writes it for a
+    hybrid (attention + Mamba) model with prefix caching: MambaModelConfig
+    sets mamba_cache_mode "align" and mamba_block_size; block_size is the
+    smallest over the KV groups, so blocks x block_size is not the stated
+    capacity. WRITTEN FROM vLLM'S SOURCE (vllm/model_executor/models/config.py),
+    not captured: the tier's tiny model has no Mamba layers."""
+    return (page.replace('mamba_block_size="None"', 'mamba_block_size="64"')
+            .replace('mamba_cache_mode="none"', 'mamba_cache_mode="align"')
+            .replace('mamba_page_size_padded="None"', 'mamba_page_size_padded="65536"')
+            .replace('kv_cache_size_tokens="4096"', 'kv_cache_size_tokens="8192"'))
+
+
+def test_hybrid_model_mamba_labels_in_capacity_and_dark_whole_block_signals(fixtures_dir):
+    from kvwatch.capacity.live import read_live_capacity
+    from kvwatch.snapshot import hybrid_cache
+
+    page = capture(fixtures_dir, "load")
+    assert hybrid_cache(VllmAdapter().adapt(page).cache_config["0"]) is None  # defaults on an attention-only model
+    assert read_live_capacity(page)["engines"][0]["hybrid"] is None
+    hybrid = _hybrid(page)
+    engine = read_live_capacity(hybrid)["engines"][0]
+    assert engine["hybrid"] == {"mamba_block_size": 64.0, "mamba_cache_mode": "align", "mamba_cache_dtype": "auto",
+                                "mamba_ssm_cache_dtype": "float32", "mamba_page_size_padded": 65536.0}
+    window = window_of([_hybrid(capture(fixtures_dir, "prefix-load")), hybrid])
+    assert values(window).values["kvwatch_kv_cache_used_blocks"] is None
+    dark = {d["signal"]: d for d in dark_signals(window.latest)}
+    assert "mamba_block_size=64" in dark["kvwatch_kv_cache_free_blocks"]["why"]
+    assert "mamba_cache_mode=align" in dark["kvwatch_kv_cache_token_usage_estimate_ratio"]["why"]
+    assert "kvwatch_kv_cache_free_blocks" not in {d["signal"] for d in dark_signals(VllmAdapter().adapt(page))}
+
+
+def test_hybrid_model_exhaustion_evidence_and_block_floor_in_mamba_blocks(fixtures_dir):
+    from kvwatch.diagnose import diagnose
+    from kvwatch.diagnose.hit_rate import block_floor
+    from kvwatch.snapshot import Histogram
+
+    window = window_of([_hybrid(capture(fixtures_dir, n)) for n in ("idle", "prefix-load", "load", "long-load")])
+    per_engine, _ = evaluate_window(window)
+    findings = [f for f in diagnose(window, per_engine, (), {}) if f.symptom == "exhaustion"]
+    assert findings and findings[0].evidence["mamba_cache_mode"] == "align"
+    assert findings[0].evidence["mamba_block_size"] == 64
+    assert "fixed-size Mamba state" in findings[0].evidence["hybrid_model"]
+    # prompts of 50 tokens: past one attention block of 32, within one Mamba block of 64
+    bounds = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, float("inf"))
+    prompts = Histogram(bounds, (0, 0, 0, 0, 0, 40, 40, 40), 2000.0, 40.0)
+
+    class Ctx(_Ctx):
+        def __init__(self, mode):
+            super().__init__(prompts, 32)
+            self.cache_config.update(mamba_block_size="64", mamba_cache_mode=mode)
+
+    floor = block_floor(Ctx("align"))
+    assert floor["no_reuse_kind"] == "prefix_shorter_than_block" and floor["block_floor_tokens"] == 64
+    assert "mamba_cache_mode align" in floor["block_floor_unit"]
+    assert block_floor(Ctx("none"))["no_reuse_kind"] == "no_shared_prefix"

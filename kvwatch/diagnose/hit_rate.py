@@ -10,7 +10,7 @@ from kvwatch.diagnose.context import EngineContext, quantile_value
 from kvwatch.snapshot import Histogram
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 from kvwatch.signals import reuse_shortfall_blocks
-from kvwatch.snapshot import config_number
+from kvwatch.snapshot import config_number, hybrid_cache
 
 
 # Fewer reuse gaps (or evictions) than this in the judged part and their
@@ -136,15 +136,20 @@ def block_floor(ctx: EngineContext) -> dict[str, Any]:
     prompts = ctx.histogram("prompt_len")
     if not block_size or prompts is None or prompts.count <= 0:
         return {}
+    # A hybrid model in mamba_cache_mode "align" keeps Mamba states only at
+    # multiples of mamba_block_size: a hit needs that much shared prefix.
+    mamba = hybrid_cache(ctx.cache_config) or {}
+    mamba_block = mamba.get("mamba_block_size") if mamba.get("mamba_cache_mode") == "align" else None
+    unit = max(block_size, mamba_block or 0.0)
     at_least, at_most = 0.0, float(prompts.count)
     straddled = None
     lower = 0.0
     for bound, cumulative in zip(prompts.bounds, prompts.cumulative):
-        if bound <= block_size:
+        if bound <= unit:
             at_least = cumulative
-        if bound >= block_size:
+        if bound >= unit:
             at_most = cumulative
-            if bound > block_size and lower < block_size:
+            if bound > unit and lower < unit:
                 straddled = (lower, bound)
             break
         lower = bound
@@ -158,11 +163,15 @@ def block_floor(ctx: EngineContext) -> dict[str, Any]:
     elif most < 0.5:
         kind = "no_shared_prefix"
     else:
-        kind = "prefix_shorter_than_block" if mean <= block_size else "no_shared_prefix"
+        kind = "prefix_shorter_than_block" if mean <= unit else "no_shared_prefix"
     found: dict[str, Any] = {
-        "block_size": block_size, "prompts_within_one_block_ratio_at_least": least,
+        "block_size": block_size, "block_floor_tokens": unit, "prompts_within_one_block_ratio_at_least": least,
         "prompts_within_one_block_ratio_at_most": most, "prompt_tokens_mean": mean, "prompt_tokens_p50": prompt_p50,
         "no_reuse_kind": kind}
+    if mamba_block and mamba_block > block_size:
+        found["mamba_block_size"] = mamba_block
+        found["block_floor_unit"] = (f"mamba_block_size {mamba_block:g} (mamba_cache_mode align: Mamba states are "
+                                     f"kept only at its multiples), above the attention block_size {block_size:g}")
     if straddled is not None and least < 0.5 <= most:
         found["prompt_buckets_around_block_size"] = (
             f"vLLM's prompt-length bucket ({straddled[0]:g}, {straddled[1]:g}] holds the block size, so between "
@@ -173,7 +182,7 @@ def block_floor(ctx: EngineContext) -> dict[str, Any]:
 def _within_one_block(floor: dict[str, Any]) -> str:
     """The words of the block floor: how many prompts fit one block."""
     least, most = floor["prompts_within_one_block_ratio_at_least"], floor["prompts_within_one_block_ratio_at_most"]
-    block = f"one KV block ({floor['block_size']:g} tokens)"
+    block = f"one KV block ({floor['block_floor_tokens']:g} tokens)"
     if least >= 0.5:
         return f"{least:.0%} of the prompts are no longer than {block}" if least == most else (
             f"at least {least:.0%} of the prompts are no longer than {block}")

@@ -212,7 +212,9 @@ VERSIONS: dict[str, str] = {
     "kv_block_reuse_gap_seconds": "0.12+",
     "request_num_preemptions": "0.30+",
     "cache_config_info": "all (its labels change with every release; kv_cache_size_tokens and "
-                         "kv_cache_max_concurrency 0.24+, kv_cache_memory_bytes 0.11+)",
+                         "kv_cache_max_concurrency 0.24+, kv_cache_memory_bytes 0.11+; mamba_block_size is a number "
+                         "only on hybrid models, whose mamba_* labels kvwatch shows in capacity and the exhaustion "
+                         "evidence)",
     "lora_requests_info": "with LoRA",
 }
 # canonical key -> what lights it: the families vLLM registers only when a
