@@ -574,6 +574,18 @@ def _free_blocks(view: View) -> float | None:
     return view.usable_blocks - view.used_blocks
 
 
+def requests_fit_now(view: View) -> float | None:
+    """Requests of the running ones' current mean footprint (used blocks /
+    running) the usable blocks hold, rounded down: the capacity ceiling at
+    current lengths. It falls as running requests decode and grow, before
+    the cache is full; kvwatch_kv_cache_capacity_requests reads finished
+    requests' lengths and does not move until they finish."""
+    running = view.gauge("running")
+    if view.usable_blocks is None or not view.used_blocks or not running:
+        return None
+    return float(math.floor(view.usable_blocks * running / view.used_blocks))
+
+
 def token_usage_estimate(view: View) -> float | None:
     """Tokens held over the tokens the usable blocks hold. Usage counts whole
     blocks; each running request's last block is partly filled, on average
@@ -765,6 +777,17 @@ SIGNALS: tuple[Signal, ...] = (
            "sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) - round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)))",
            panel="exhaustion", title="Free KV blocks (the ceiling left)",
            record=("kvwatch_kv_cache_free_blocks", "sum"), display="KV blocks free", good="high"),
+    Signal("kvwatch_kv_cache_requests_fit_now", "requests",
+           "Requests of the running ones' current mean footprint the cache holds, rounded down: usable blocks x "
+           "running / used blocks. It falls as decodes grow, before the cache is full; "
+           "kvwatch_kv_cache_capacity_requests reads finished requests' lengths instead "
+           "(vllm:kv_cache_usage_perc, vllm:num_requests_running, vllm:cache_config_info; absent with nothing "
+           "running and on hybrid models).",
+           requests_fit_now, "exhaustion",
+           "floor(\nsum by ({by}) (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)\n* sum by ({by}) (kvwatch_engine_requests_running{{{sel}}})\n"
+           "/ (sum by ({by}) (round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1))) > 0)\n)",
+           record=("kvwatch_kv_cache_requests_fit_now", "ratio"), display="Requests that fit at current lengths",
+           good="high"),
     Signal("kvwatch_kv_cache_token_usage_estimate_ratio", "ratio",
            "Estimated share of the cache's token slots holding tokens: usage counts whole blocks and each running "
            "request's last block is on average half filled, so this is (used blocks x block_size - running x "
@@ -1028,7 +1051,7 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
 
 # Signals of whole-block arithmetic (BlockSums): absent on hybrid models,
 # whose KV groups' blocks differ (/api/v1/signals lists them dark there).
-WHOLE_BLOCK_SIGNALS = ("kvwatch_kv_cache_used_blocks", "kvwatch_kv_cache_free_blocks",
+WHOLE_BLOCK_SIGNALS = ("kvwatch_kv_cache_used_blocks", "kvwatch_kv_cache_free_blocks", "kvwatch_kv_cache_requests_fit_now",
                        "kvwatch_kv_cache_token_usage_estimate_ratio", "kvwatch_kv_cache_reuse_shortfall_blocks",
                        "kvwatch_kv_cache_reuse_shortfall_bytes")
 

@@ -219,6 +219,8 @@ def test_whole_blocks_token_estimate_and_trend_on_the_burst(fixtures_dir):
     assert v["kvwatch_kv_cache_free_blocks"] == 1
     # 6 running, block 32: (126 x 32 - 6 x 31 / 2) / (127 x 32)
     assert v["kvwatch_kv_cache_token_usage_estimate_ratio"] == pytest.approx((126 * 32 - 6 * 15.5) / (127 * 32))
+    # 6 running in 126 blocks: 21 blocks each, so 127 blocks hold 6 such requests
+    assert v["kvwatch_kv_cache_requests_fit_now"] == 6
     # usage 0.14173 -> 0.99213 in 10 s: full in (1 - 0.99213) / 0.085039 s
     slope = (0.9921259842519685 - 0.1417322834645669) / 10
     assert v["kvwatch_kv_cache_exhaustion_eta_seconds"] == pytest.approx((1 - 0.9921259842519685) / slope)
@@ -228,6 +230,7 @@ def test_no_trend_once_the_cache_empties(fixtures_dir):
     v = values(window_of([capture(fixtures_dir, n) for n in ("load", "long-load", "after")])).values
     assert v["kvwatch_kv_cache_exhaustion_eta_seconds"] is None
     assert v["kvwatch_kv_cache_free_blocks"] == 127
+    assert v["kvwatch_kv_cache_requests_fit_now"] is None  # nothing running: no footprint to divide
 
 
 def test_lookup_hit_ratio_and_share_served_from_cache_are_two_numbers(fixtures_dir):

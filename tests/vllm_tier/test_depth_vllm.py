@@ -173,7 +173,8 @@ def test_a_prefix_shorter_than_a_block_is_told_from_no_shared_prefix(residency_v
 def test_the_ceiling_falls_during_long_decodes_and_the_trend_warns_before_preemption(residency_vllm, report):
     """5 requests of 200 prompt + 800 generated tokens: 5 x 32 blocks do not
     fit the 127 usable, so vLLM must preempt once they have grown enough.
-    While they decode, kvwatch's free blocks fall and its
+    While they decode, kvwatch's free blocks and the requests that fit at
+    current lengths (kvwatch_kv_cache_requests_fit_now) fall, and its
     time-until-full trend (kvwatch_kv_cache_exhaustion_eta_seconds, what
     VllmKvCacheExhaustionSoon fires on) is under the alert's
     exhaustion_eta_minutes before vLLM's preemption counter first moves, in
@@ -190,19 +191,24 @@ def test_the_ceiling_falls_during_long_decodes_and_the_trend_warns_before_preemp
         m = s.metrics
         rows.append((s.at, _value(m, "kvwatch_kv_cache_free_blocks", engine="0"),
                      _value(m, "kvwatch_kv_cache_exhaustion_eta_seconds", engine="0"),
-                     _value(m, "kvwatch_engine_preemptions_total", engine="0")))
+                     _value(m, "kvwatch_engine_preemptions_total", engine="0"),
+                     _value(m, "kvwatch_kv_cache_requests_fit_now", engine="0")))
     base = next(r[3] for r in rows if r[3] is not None)
     first_preempted = next((r for r in rows if r[3] is not None and r[3] > base), None)
     warned = next((r for r in rows if r[2] is not None and r[2] <= limit_s), None)
     report(f"long decodes (5 x 200+800): {run.stats.completed} requests; first warning (time, free blocks, eta s, "
            f"preemptions) {warned}, first preemption seen {first_preempted}; free blocks "
-           f"{[r[1] for r in rows][:80]}")
+           f"{[r[1] for r in rows][:80]}; requests that fit {[r[4] for r in rows][:80]}")
     assert run.stats.failed == 0, run.stats.errors
     assert first_preempted is not None, "vLLM did not preempt: the load did not outgrow the cache"
     assert warned is not None and warned[0] < first_preempted[0], rows
     assert warned[3] == base  # in the same poll, no preemption yet
     free_before = [r[1] for r in rows if r[0] <= first_preempted[0] and r[1] is not None]
     assert max(free_before) - min(free_before) >= 64, free_before  # the ceiling fell by half the cache at least
+    # 5 prompts of 200 tokens hold 35 blocks (18 such requests fit); grown to
+    # about 25 blocks each, 5 do: the ceiling at current lengths falls with them
+    fits = [r[4] for r in rows if r[0] <= first_preempted[0] and r[4] is not None]
+    assert fits and max(fits) >= 10 and min(fits) <= 6, fits
 
 
 # --------------------------------------------------------------- residency
