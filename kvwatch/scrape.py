@@ -65,6 +65,25 @@ def _gunzip(decompressor, data: bytes, limit: int):
     return out, decompressor
 
 
+class BearerToken:
+    """A bearer token kept in a file (`bearer_token_file`), read again for
+    each request: projected service-account tokens rotate. A failed read
+    keeps the last good token; the request reports auth errors itself."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.value: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        if not self.path:
+            return {}
+        try:
+            self.value = Path(self.path).read_text().strip()
+        except OSError:
+            pass
+        return {"Authorization": f"Bearer {self.value}"} if self.value else {}
+
+
 class Fetcher:
     def __init__(
         self,
@@ -90,19 +109,9 @@ class Fetcher:
             "Accept-Encoding": "gzip",
             "User-Agent": f"kvwatch/{__version__}",
         })
-        self._token: str | None = None
+        self._token = BearerToken(bearer_token_file)
         if not tls_verify:
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
-
-    def _headers(self) -> dict[str, str]:
-        if not self.bearer_token_file:
-            return {}
-        # Re-read each poll: projected service-account tokens rotate.
-        try:
-            self._token = Path(self.bearer_token_file).read_text().strip()
-        except OSError:
-            pass  # keep the last good token; the poll reports auth errors itself
-        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
 
     def fetch(self) -> FetchResult:
         started = time.monotonic()
@@ -123,7 +132,7 @@ class Fetcher:
         try:
             response = self.session.get(
                 self.url,
-                headers=self._headers(),
+                headers=self._token.headers(),
                 timeout=(self.timeout, self.timeout),
                 allow_redirects=False,
                 stream=True,
@@ -211,9 +220,9 @@ class Fetcher:
         found += [unquote(p) for p in (parts.query, parts.username, parts.password) if p]
         if parts.username is not None:
             found.append(parts.netloc.rpartition("@")[0])
-        if self._token:
-            found.append(self._token)
-            found.extend(self._token.splitlines())
+        if self._token.value:
+            found.append(self._token.value)
+            found.extend(self._token.value.splitlines())
         # Longest first, so a secret containing another is replaced whole.
         return sorted({s for s in found if s and len(s) >= 3}, key=len, reverse=True)
 

@@ -961,7 +961,9 @@ def good_direction(name: str) -> str | None:
     exported name (a counter with or without `_total`)."""
     if name in SIGNALS_BY_NAME:
         return SIGNALS_BY_NAME[name].good
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE:
+    if name in TIER_SIGNALS_BY_NAME:
+        return TIER_SIGNALS_BY_NAME[name].good
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES:
         if name in (entry.name, entry.sample_name):
             return entry.good
     raise KeyError(f"{name} is not in the catalogue")
@@ -1162,6 +1164,94 @@ def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
     return per_engine, per_model
 
 
+# --------------------------------------------------------------------------
+# LMCache: a KV tier beside the engine, read from its own page
+# --------------------------------------------------------------------------
+
+# Its counters describe the same requests as the engine's external-cache
+# counters, so they are exported apart (`kvwatch_lmcache_*`, per model, no
+# `engine` label: LMCache's ranks repeat one count and kvwatch reads the first
+# worker's) and never added to the engine's. kvwatch/sidecar/lmcache.py reads
+# them; present only while `lmcache_target` is set and its latest poll succeeded.
+TIER_IDENTITY = ("model_name",)
+
+TIER_HEALTH: tuple[HealthFamily, ...] = (
+    HealthFamily("kvwatch_lmcache_up", "gauge", (),
+                 "1 if the latest poll of LMCache's page (lmcache_target) succeeded and carried its counters, else 0; "
+                 "absent unless lmcache_target is set. The engine's signals do not depend on it.", good="high"),
+)
+
+
+@dataclass(frozen=True)
+class TierSeries:
+    name: str  # exported family name, a counter without `_total`
+    key: str  # canonical key in the tier's window
+    family: str  # LMCache's counter, without `lmcache:` and `_total`
+    unit: str
+    help: str
+    kind: str = "counter"
+    good: str | None = None
+
+    @property
+    def sample_name(self) -> str:
+        return self.name + "_total"
+
+
+TIER_SERIES: tuple[TierSeries, ...] = (
+    TierSeries("kvwatch_lmcache_retrieve_requests", "retrieve_requests", "num_retrieve_requests", "requests",
+               "Retrievals the engine asked of LMCache (lmcache:num_retrieve_requests, first worker)."),
+    TierSeries("kvwatch_lmcache_requested_tokens", "requested_tokens", "num_requested_tokens", "tokens",
+               "Tokens the engine asked LMCache to load: what its lookup found, less what vLLM had "
+               "(lmcache:num_requested_tokens, first worker)."),
+    TierSeries("kvwatch_lmcache_hit_tokens", "hit_tokens", "num_hit_tokens", "tokens",
+               "Tokens LMCache delivered to the engine (lmcache:num_hit_tokens, first worker).", good="high"),
+    TierSeries("kvwatch_lmcache_prompt_tokens", "prompt_tokens", "num_prompt_tokens", "tokens",
+               "Prompt tokens of the requests LMCache's connector scheduled, counted by the worker as they are "
+               "loaded (lmcache:num_prompt_tokens, first worker; absent in builds before it)."),
+    TierSeries("kvwatch_lmcache_stored_tokens", "stored_tokens", "num_stored_tokens", "tokens",
+               "Tokens stored into LMCache, evicted ones included (lmcache:num_stored_tokens, first worker)."),
+)
+
+TIER_SIGNALS: tuple[Signal, ...] = (
+    Signal("kvwatch_lmcache_hit_ratio", "ratio",
+           "LMCache's hit ratio over the window: tokens delivered over tokens asked for, from counter deltas "
+           "(lmcache:num_hit_tokens / lmcache:num_requested_tokens); absent with no retrievals in the window. "
+           "LMCache's retrieve_hit_rate gauge is never read: it covers one log interval and reads 1 with none.",
+           lambda v: v.increase.ratio("hit_tokens", "requested_tokens"), "prefix",
+           _ratio_of_rates("kvwatch_lmcache_hit_tokens_total", "kvwatch_lmcache_requested_tokens_total"),
+           needs=("hit_tokens", "requested_tokens"), display="LMCache hit ratio", good="high"),
+    Signal("kvwatch_lmcache_prompt_tokens_served_ratio", "ratio",
+           "Share of the prompt tokens LMCache's connector saw that LMCache delivered, over the window: how much "
+           "prefill the tier saved (lmcache:num_hit_tokens / lmcache:num_prompt_tokens); absent with no prompt "
+           "tokens in the window or in builds without num_prompt_tokens.",
+           lambda v: v.increase.ratio("hit_tokens", "prompt_tokens"), "prefix",
+           _ratio_of_rates("kvwatch_lmcache_hit_tokens_total", "kvwatch_lmcache_prompt_tokens_total"),
+           needs=("hit_tokens", "prompt_tokens"), display="Prompt tokens from LMCache", good="high"),
+    Signal("kvwatch_lmcache_retrieved_tokens_per_second", "per_second",
+           "Tokens LMCache delivered to the engine per second over the window (lmcache:num_hit_tokens).",
+           _rate("hit_tokens"), "prefix",
+           "sum by ({by}) (rate(kvwatch_lmcache_hit_tokens_total{{{sel}}}[{w}]))",
+           needs=("hit_tokens",), display="LMCache tokens retrieved", good="high"),
+    Signal("kvwatch_lmcache_stored_tokens_per_second", "per_second",
+           "Tokens stored into LMCache per second over the window (lmcache:num_stored_tokens).",
+           _rate("stored_tokens"), "prefix",
+           "sum by ({by}) (rate(kvwatch_lmcache_stored_tokens_total{{{sel}}}[{w}]))",
+           needs=("stored_tokens",), display="LMCache tokens stored"),
+)
+TIER_SIGNALS_BY_NAME = {signal.name: signal for signal in TIER_SIGNALS}
+
+
+def evaluate_tier(view: View) -> dict[str, float | None]:
+    """The tier's signals for one model's view of LMCache's window."""
+    values: dict[str, float | None] = {}
+    for signal in TIER_SIGNALS:
+        try:
+            values[signal.name] = signal.derive(view)
+        except (ArithmeticError, ValueError):
+            values[signal.name] = None
+    return values
+
+
 def engine_series_value(series: EngineSeries, engine: EngineSnapshot, cache_config: dict[str, str]):
     """The current value of a re-exported series for one engine: a float, a
     {label: float} dict, a Histogram, or None."""
@@ -1182,4 +1272,5 @@ __all__ = [
     "ENGINE_SERIES", "SIGNALS", "SIGNALS_BY_NAME", "QUANTILES", "EngineSeries", "Signal", "View", "SCRAPE",
     "GOOD_DIRECTIONS", "good_direction",
     "Evaluated", "evaluate_window", "engine_series_value", "Histogram",
+    "TIER_HEALTH", "TIER_IDENTITY", "TIER_SERIES", "TIER_SIGNALS", "TIER_SIGNALS_BY_NAME", "TierSeries", "evaluate_tier",
 ]

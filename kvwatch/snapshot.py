@@ -116,6 +116,12 @@ PINNED_BOUNDS = {"first": "<", "last": ">"}
 PINNED_LABELS = {"<": "upper", ">": "lower"}
 
 
+def bounded_text(text: str, bound: str | None) -> str:
+    """A written value, with a pinned quantile's bound ("<" / ">", `Quantile.bound`)
+    before it: "< 300 ms", "> 80 s"."""
+    return f"{bound} {text}" if bound in ("<", ">") else text
+
+
 @dataclass(slots=True)
 class EngineSnapshot:
     """One (model_name, engine) of one poll."""

@@ -69,13 +69,34 @@ def _process(args: list[str], workdir: Path, ready_url: str, name: str) -> Itera
         wait_until(ready, 30, f"{name} at {ready_url}")
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        stop_process(process)
         log.close()
+
+
+def stop_process(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, and SIGKILL after `grace_s`: no child outlives its test."""
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(5)
+
+
+@contextlib.contextmanager
+def _prometheus_in(workdir: Path, config: dict, retention: str) -> Iterator[Running]:
+    """Prometheus with `config` on a free loopback port, its data under `workdir`."""
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [
+        _binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+        f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+        f"--storage.tsdb.retention.time={retention}",
+    ]
+    with _process(args, workdir, f"{url}/-/ready", "prometheus") as process:
+        yield Running(url, process, workdir)
 
 
 @contextlib.contextmanager
@@ -97,16 +118,8 @@ def prometheus(targets: list[str], rule_files: list[Path] = (), interval: str = 
         }
         if alertmanager_url:
             config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager_url.split("//")[1]]}]}]}
-        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        args = [
-            _binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
-            f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-            "--storage.tsdb.retention.time=1h",
-        ]
-        with _process(args, workdir, f"{url}/-/ready", "prometheus") as process:
-            yield Running(url, process, workdir)
+        with _prometheus_in(workdir, config, "1h") as running:
+            yield running
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -132,16 +145,8 @@ def backfilled_prometheus(openmetrics: str) -> Iterator[Running]:
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-prom-"))
     try:
         backfill(openmetrics, workdir / "data")
-        (workdir / "prometheus.yml").write_text(yaml.safe_dump({"global": {"scrape_interval": "1m"}}))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        args = [
-            _binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
-            f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-            "--storage.tsdb.retention.time=100y",
-        ]
-        with _process(args, workdir, f"{url}/-/ready", "prometheus") as process:
-            yield Running(url, process, workdir)
+        with _prometheus_in(workdir, {"global": {"scrape_interval": "1m"}}, "100y") as running:
+            yield running
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -169,9 +174,10 @@ def alertmanager(webhook_url: str) -> Iterator[Running]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def query(prometheus_url: str, expr: str) -> list[dict]:
-    response = requests.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=5)
-    body = response.json()
+def query(prometheus_url: str, expr: str, at: float | None = None, timeout: float = 5.0) -> list[dict]:
+    """An instant query, at `at` (epoch seconds) or now."""
+    params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+    body = requests.get(f"{prometheus_url}/api/v1/query", params=params, timeout=timeout).json()
     if body.get("status") != "success":
         raise AssertionError(f"query {expr!r} failed: {json.dumps(body)[:500]}")
     return body["data"]["result"]

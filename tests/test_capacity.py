@@ -4,10 +4,8 @@ end to end through kvwatch.cli.main."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import socket
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from kvwatch.capacity import arithmetic as cap
 from kvwatch.capacity.arithmetic import CapacityInputError
 from kvwatch.capacity.live import read_live_capacity
 from kvwatch.cli import main
+from pageserver import Answer, PageServer
 
 GiB, MiB = 2**30, 2**20
 
@@ -594,46 +593,18 @@ def test_cli_bad_inputs_fail_clearly(capsys, write_config, tmp_path, argv, fragm
     assert fragment in captured.err
 
 
-class _MetricsServer:
-    """Serves one text body on 127.0.0.1 at /metrics."""
-
-    def __init__(self, body: str):
-        payload = body.encode()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                status = 200 if self.path == "/metrics" else 404
-                self.send_response(status)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(payload) if status == 200 else 0))
-                self.end_headers()
-                if status == 200:
-                    self.wfile.write(payload)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+def _metrics_server(body: str) -> PageServer:
+    """Serves one text body on 127.0.0.1 at /metrics (404 elsewhere)."""
+    return PageServer([Answer(body)], path="/metrics")
 
 
 def test_cli_target_compares_computed_with_reported(capsys, write_config, fixtures_dir):
     body = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
-    with _MetricsServer(body) as server:
-        report = run_json(capsys, "--target", server.url, "--model-config",
+    with _metrics_server(body) as server:
+        report = run_json(capsys, "--target", server.base_url, "--model-config",
                           write_config(TINY_LLAMA), "--input-tokens", "400",
                           "--output-tokens", "400")
-        code = main(["capacity", "--target", server.url + "/metrics", "--model-config",
+        code = main(["capacity", "--target", server.url, "--model-config",
                      write_config(TINY_LLAMA), "--input-tokens", "400", "--output-tokens", "400"])
         table = capsys.readouterr().out
     (engine,) = report["engines"]
@@ -655,11 +626,11 @@ def test_cli_target_compares_computed_with_reported(capsys, write_config, fixtur
 
 def test_cli_target_alone_and_a_budget_that_disagrees(capsys, write_config, fixtures_dir):
     body = (fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()
-    with _MetricsServer(body) as server:
-        alone = run_json(capsys, "--target", server.url, "--input-tokens", "p50=100,p95=900",
+    with _metrics_server(body) as server:
+        alone = run_json(capsys, "--target", server.base_url, "--input-tokens", "p50=100,p95=900",
                          "--output-tokens", "100")
         # a budget of 8 MiB computes 256 blocks where the target holds 128
-        wrong = run_json(capsys, "--target", server.url, "--model-config",
+        wrong = run_json(capsys, "--target", server.base_url, "--model-config",
                          write_config(TINY_LLAMA), "--kv-budget", "8MiB",
                          "--input-tokens", "100", "--output-tokens", "100")
     # p50: 200 tokens = ceil(200/32) = 7 blocks -> 127 // 7 = 18
@@ -695,18 +666,18 @@ def test_cli_target_errors(capsys, fixtures_dir):
     assert "cannot fetch" in capsys.readouterr().err
     body = (fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()
     body = "\n".join(line for line in body.splitlines() if "cache_config_info" not in line) + "\n"
-    with _MetricsServer(body) as server:
-        assert main(["capacity", "--target", server.url, "--input-tokens", "1",
+    with _metrics_server(body) as server:
+        assert main(["capacity", "--target", server.base_url, "--input-tokens", "1",
                      "--output-tokens", "1"]) == 2
         assert "no vllm:cache_config_info" in capsys.readouterr().err
     # Another engine's page without a capacity: the error names the engine and what it cannot provide.
-    with _MetricsServer("# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 1\n") as server:
-        assert main(["capacity", "--target", server.url, "--input-tokens", "1",
+    with _metrics_server("# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 1\n") as server:
+        assert main(["capacity", "--target", server.base_url, "--input-tokens", "1",
                      "--output-tokens", "1"]) == 2
         err = capsys.readouterr().err
         assert "llamacpp's page and states no KV capacity" in err and "time_to_first_token_seconds" in err
-    with _MetricsServer(body) as server:
-        assert main(["capacity", "--target", server.url + "/other", "--input-tokens", "1",
+    with _metrics_server(body) as server:
+        assert main(["capacity", "--target", server.base_url + "/other", "--input-tokens", "1",
                      "--output-tokens", "1"]) == 2
         assert "HTTP 404" in capsys.readouterr().err
     assert main(["capacity", "--target", "ftp://x", "--input-tokens", "1",

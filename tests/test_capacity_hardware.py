@@ -18,7 +18,8 @@ from kvwatch.capacity import hardware as hw
 from kvwatch.capacity.arithmetic import CapacityInputError
 from kvwatch.cli import main
 
-from test_capacity import TINY_LLAMA, _MetricsServer
+from pageserver import Answer, PageServer
+from test_capacity import TINY_LLAMA
 
 GiB = 2**30
 
@@ -202,7 +203,7 @@ def test_cli_gpu_memory_against_a_live_target(capsys, config_path, fixtures_dir)
     # the tiny Llama's weights are 819,840 x 4 B = 3,279,360 B; with a 1 MiB reserve,
     # 8,522,240 B of GPU leave 4,194,304 B: the pool of 128 blocks the capture reports
     body = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
-    with _MetricsServer(body) as server:
+    with PageServer([Answer(body)]) as server:
         assert main(["capacity", "--target", server.url, "--model-config",
                      config_path(TINY_LLAMA), "--gpu-memory", "8522240",
                      "--gpu-memory-utilization", "1", "--runtime-reserve", "1MiB",

@@ -18,9 +18,10 @@ from kvwatch.capture.record import manifest_for, record
 from kvwatch.capture.replay import ReplaySource, paced, replay
 from kvwatch.cli import main
 from kvwatch.diagnose.timeline import Timeline
+from kvwatch.diagnose.vocabulary import Finding
 from kvwatch.scrape import Fetcher, FetchResult
 from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.report import _clean
+from kvwatch.sidecar.report import _clean, finding_json
 from kvwatch.sidecar.settings import load_settings
 from kvwatch.sim.server import start_background
 from pageserver import Answer, PageServer
@@ -148,7 +149,7 @@ def test_diagnose_replay_prints_the_timeline_at_recorded_times(fixtures_dir, tmp
                                 "end": BASE + 30, "polls": 1}]
     burst = next(f for f in body["findings"] if f["cause"] == "concurrency_beyond_capacity")
     # One timeline format with `kvwatch diagnose --prometheus` (where `replica` names the replica).
-    assert set(burst) == {"symptom", "cause", "model", "engine", "start", "end", "polls", "worst",
+    assert set(burst) == {"symptom", "cause", "model_name", "engine", "start", "end", "polls", "worst",
                           "active_at_end", "replica"} and burst["replica"] == ""
     assert body["findings_dropped"] == 0
     # It starts at the burst's page (20 s in) and lasts while the burst is in the 5 min window.
@@ -160,6 +161,20 @@ def test_diagnose_replay_prints_the_timeline_at_recorded_times(fixtures_dir, tmp
     text = capsys.readouterr().out
     assert "exhaustion / concurrency_beyond_capacity" in text and "(+0:00:20)" in text
     assert "waiting_at_peak=18" in text and "FAILED FETCHES" in text and "timeout x1" in text
+
+
+def test_a_timeline_episode_names_its_finding_as_the_api_does():
+    # One name per field across the surfaces: the episode's model is the
+    # API's `model_name` (the metrics' label), never a `model` of its own.
+    finding = Finding("exhaustion", "concurrency_beyond_capacity", "warning", "high", "tiny-llama", "0",
+                      "the burst is beyond the cache", {"waiting_at_peak": 18})
+    timeline = Timeline()
+    timeline.add("", BASE, [finding], replica="")
+    (episode,) = timeline.finish().findings_json()
+    api = finding_json(finding)
+    assert {key: episode[key] for key in ("symptom", "cause", "model_name", "engine")} == \
+        {key: api[key] for key in ("symptom", "cause", "model_name", "engine")}
+    assert "model" not in episode and "model" not in api
 
 
 def test_a_short_window_ends_the_episode_when_the_burst_leaves_it(fixtures_dir, tmp_path, capsys):

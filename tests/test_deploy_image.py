@@ -11,7 +11,6 @@ import fnmatch
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import yaml
 
 from kvwatch.sidecar.settings import PARSERS, Settings, env_name
 from pageserver import Answer, PageServer
-from promstack import free_port
+from promstack import free_port, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
@@ -278,12 +277,7 @@ def test_the_containers_command_line_serves_and_becomes_ready(layout, dockerfile
             assert "kvwatch_engine_kv_cache_capacity_tokens" in metrics
             assert engine.requests and engine.requests[0]["path"] == "/metrics"
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
+            stop_process(process)
             log.close()
 
 

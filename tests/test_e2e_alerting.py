@@ -35,7 +35,6 @@ import sys
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,8 @@ from kvwatch.mixin.config import config_from_mapping
 from kvwatch.commands.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.rules import split_alert_expr
 from mixin_support import GRAFANA_VARIABLES, annotation_exprs, iter_panels, load_dashboards
-from promstack import free_port, query_range, wait_until
+from pageserver import Answer, LoopbackServer, Request
+from promstack import free_port, query, query_range, stop_process, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
@@ -85,36 +85,21 @@ SCENARIOS = {
 ALERT_DEADLINE = 150.0  # wall seconds from the start for every expected alert
 
 
-class Webhook:
+class Webhook(LoopbackServer):
     """Alertmanager's receiver: keeps every alert it is sent."""
 
     def __init__(self):
         self.alerts: list[dict] = []
         self.lock = threading.Lock()
-        hook = self
+        super().__init__(name="alert-webhook")
+        self.url = self.base_url + "/alerts"
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                with hook.lock:
-                    hook.alerts.extend(json.loads(body).get("alerts", []))
-                self.send_response(200)
-                self.end_headers()
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+    def respond(self, request: Request) -> Answer:
+        if request.method != "POST":
+            return Answer(status=405)
+        with self.lock:
+            self.alerts.extend(json.loads(request.body).get("alerts", []))
+        return Answer()
 
     def received(self) -> list[dict]:
         with self.lock:
@@ -144,11 +129,7 @@ class Processes:
             if process.poll() is None:
                 process.terminate()
         for _, process in self.children:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
+            stop_process(process)
 
 
 def _ready(url: str) -> bool:
@@ -159,12 +140,7 @@ def _ready(url: str) -> bool:
 
 
 def prom_query(prometheus: str, expr: str, at: float | None = None) -> list[dict]:
-    params = {"query": expr}
-    if at is not None:
-        params["time"] = f"{at:.3f}"
-    body = requests.get(f"{prometheus}/api/v1/query", params=params, timeout=10).json()
-    assert body["status"] == "success", (expr[:200], body)
-    return body["data"]["result"]
+    return query(prometheus, expr, at, timeout=10)
 
 
 @pytest.fixture(scope="module")

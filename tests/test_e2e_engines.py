@@ -7,11 +7,10 @@ signal or series the engine's adapter cannot provide (its dark signals)."""
 
 from __future__ import annotations
 
-import threading
+import contextlib
 import time
 
 import pytest
-import uvicorn
 
 from kvwatch.engines import ENGINES
 from kvwatch.engines.coverage import dark_signals, provided
@@ -21,7 +20,8 @@ from kvwatch.sidecar.settings import load_settings
 from kvwatch.signals import ENGINE_SERIES, SIGNALS
 from kvwatch.sim.server import start_background
 from mixin_support import GRAFANA_VARIABLES, RULES, dashboard_exprs, load_dashboards, load_rules, metric_names
-from promstack import free_port, prometheus, query, query_range, wait_until
+from pageserver import serving
+from promstack import prometheus, query, query_range
 
 # dialect -> the model_name its page gives kvwatch (llama.cpp's page names no model).
 DIALECTS = {"sglang": "m-sglang", "llamacpp": "unknown", "trtllm": "m-trtllm"}
@@ -52,39 +52,24 @@ def _reads(expr: str, names: set[str]) -> bool:
 
 @pytest.fixture
 def stack():
-    started: list = []
-    try:
-        targets = []
+    with contextlib.ExitStack() as running:
+        targets, monitors = [], []
         for dialect, model in DIALECTS.items():
             sim = start_background("exhaustion", speed=20, dialect=dialect, model_name=model)
-            started.append(sim)
-            port = free_port()
-            settings = load_settings(overrides={"target": sim.metrics_url, "port": port, "poll_interval": "0.5s",
+            running.callback(sim.stop)
+            settings = load_settings(overrides={"target": sim.metrics_url, "port": 0, "poll_interval": "0.5s",
                                                 "window": "5m"}, environ={})
             monitor = Monitor(settings)
-            server = uvicorn.Server(uvicorn.Config(create_app(monitor, settings), host="127.0.0.1", port=port,
-                                                   log_level="warning"))
-            thread = threading.Thread(target=server.run, daemon=True)
-            thread.start()
-            wait_until(lambda: server.started, 10, "kvwatch to listen")
+            kvwatch = running.enter_context(serving(create_app(monitor, settings), start_timeout_s=10))
             monitor.start()
-            started.append((server, thread, monitor))
-            targets.append(f"127.0.0.1:{port}")
+            running.callback(monitor.stop)
+            monitors.append(monitor)
+            targets.append(f"127.0.0.1:{kvwatch.port}")
             # The simulator sends itself requests (its scenario's workload), so nothing else drives it.
-        with prometheus(targets, rule_files=[RULES], interval="1s") as prom:
-            begin = float(int(time.time()))
-            time.sleep(RUN_SECONDS)
-            yield {"prometheus": prom.url, "started": begin,
-                   "monitors": [entry[2] for entry in started if isinstance(entry, tuple)]}
-    finally:
-        for entry in started:
-            if isinstance(entry, tuple):
-                server, thread, monitor = entry
-                monitor.stop()
-                server.should_exit = True
-                thread.join(5)
-            else:
-                entry.stop()
+        prom = running.enter_context(prometheus(targets, rule_files=[RULES], interval="1s"))
+        begin = float(int(time.time()))
+        time.sleep(RUN_SECONDS)
+        yield {"prometheus": prom.url, "started": begin, "monitors": monitors}
 
 
 def _depends_on_the_workload(expr: str) -> bool:

@@ -2,36 +2,27 @@
 real Prometheus scraping kvwatch returns the expected values through its
 query API."""
 
-import threading
+import contextlib
+
 import pytest
-import uvicorn
 
 from kvwatch.sidecar.app import create_app
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import load_settings
-from pageserver import Answer, PageServer
+from pageserver import Answer, PageServer, serving
 from promstack import free_port, prometheus, query, wait_until
 
 
 @pytest.fixture
 def kvwatch_server():
-    servers = []
+    with contextlib.ExitStack() as running:
+        def start(settings):
+            monitor = Monitor(settings)
+            running.enter_context(serving(create_app(monitor, settings), port=settings.port, start_timeout_s=10))
+            running.callback(monitor.stop)
+            return monitor
 
-    def start(settings):
-        monitor = Monitor(settings)
-        config = uvicorn.Config(create_app(monitor, settings), host="127.0.0.1", port=settings.port, log_level="warning")
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        wait_until(lambda: server.started, 10, "kvwatch to listen")
-        servers.append((server, thread, monitor))
-        return monitor
-
-    yield start
-    for server, thread, monitor in servers:
-        monitor.stop()
-        server.should_exit = True
-        thread.join(5)
+        yield start
 
 
 def test_prometheus_scraping_kvwatch_sees_the_replayed_engine(fixtures_dir, kvwatch_server):

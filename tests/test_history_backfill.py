@@ -49,7 +49,7 @@ def bundle(tmp_path_factory):
 def _episodes(findings: list[dict]) -> dict[tuple, list[dict]]:
     keyed: dict[tuple, list[dict]] = {}
     for finding in findings:
-        keyed.setdefault((finding["symptom"], finding["cause"], finding["model"], finding["engine"]),
+        keyed.setdefault((finding["symptom"], finding["cause"], finding["model_name"], finding["engine"]),
                          []).append(finding)
     return {key: sorted(found, key=lambda f: f["start"]) for key, found in keyed.items()}
 

@@ -120,7 +120,7 @@ def test_the_command_prints_json_and_writes_an_html_report(store, tmp_path, caps
     out = json.loads(capsys.readouterr().out)
     assert code == 1  # imbalance and lost affinity are warnings
     assert out["source"] == "vllm" and out["step_seconds"] == 15
-    causes = {(f["cause"], f["model"]) for f in out["findings"] if f["symptom"] == "fleet"}
+    causes = {(f["cause"], f["model_name"]) for f in out["findings"] if f["symptom"] == "fleet"}
     assert causes == {("imbalance", "imbalanced"), ("lost_prefix_affinity", "affinity"),
                       ("cold_replica", "restart")}
     assert set(out["cost"]) >= {"queries", "samples", "seconds"}

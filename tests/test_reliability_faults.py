@@ -18,7 +18,6 @@ import threading
 import time
 import zlib
 from contextlib import contextmanager
-from http.server import ThreadingHTTPServer
 
 import pytest
 from fastapi.testclient import TestClient
@@ -46,14 +45,7 @@ def free_port() -> int:
 def page_server_on(port: int, answers: list[Answer]) -> PageServer:
     """A PageServer on a fixed port, so that kvwatch's one target can be
     served by a good engine, a faulty one, and a good one again."""
-    server = PageServer(answers)
-    handler = server.httpd.RequestHandlerClass
-    server.httpd.server_close()
-    server.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
-    server.httpd.daemon_threads = True
-    # A short poll interval: shutdown() waits for one, three servers a test.
-    server.thread = threading.Thread(target=server.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    return server
+    return PageServer(answers, port=port)
 
 
 class RawServer:

@@ -18,13 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import requests
-import uvicorn
 
 from fuzz.pages import Engine, page
 from kvwatch.sidecar.app import create_app
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import load_settings
-from pageserver import Answer, PageServer
+from pageserver import Answer, PageServer, serving
 from test_reliability_faults import metric_values
 
 DEADLINE = 60.0
@@ -40,16 +39,8 @@ def wait_until(condition, what: str, deadline: float = DEADLINE) -> None:
 
 @contextmanager
 def uvicorn_serving(app):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: server.started, "uvicorn to start", 30)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serving(app, access_log=False) as served:
+        yield served.url
 
 
 def changing_engine() -> PageServer:

@@ -33,7 +33,7 @@ from fuzz.pages import Engine, page
 from kvwatch.sidecar.app import OPEN_PATHS, create_app
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import Settings, load_settings
-from pageserver import Answer, PageServer
+from pageserver import Answer, PageServer, serving
 from test_reliability_faults import Blackhole, RawServer, free_port, never_answer, page_server_on, value
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,6 +81,7 @@ def test_no_route_fetches_anything_but_the_configured_target():
         assert len(engine.requests) == 1
         host = elsewhere.url.split("/")[2]
         params = {key: elsewhere.url for key in ("target", "url", "uri", "endpoint", "upstream", "upstream_target",
+                                                 "lmcache", "lmcache_target",
                                                  "redirect", "next", "host", "metrics")}
         headers = {"X-Forwarded-Host": host, "X-Forwarded-For": "127.0.0.1", "Forwarded": f"host={host}",
                    "Referer": elsewhere.url, "X-Original-URL": elsewhere.url, "X-Rewrite-URL": elsewhere.url}
@@ -512,10 +513,6 @@ def test_readyz_never_echoes_what_the_engine_sent():
 def bounded_server(monkeypatch):
     """kvwatch's uvicorn server with the options `kvwatch serve` uses, on a
     loopback port, with the bounds made small so a test stays small."""
-    import threading
-
-    import uvicorn
-
     from kvwatch.sidecar import app as app_module
     from kvwatch.commands.serve import server_options
 
@@ -523,13 +520,8 @@ def bounded_server(monkeypatch):
     monkeypatch.setattr(app_module, "MAX_CONNECTIONS", 40)
     settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "port": 0}, environ={})
     monitor = Monitor(settings)
-    server = uvicorn.Server(uvicorn.Config(create_app(monitor, settings), **server_options(settings)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, "uvicorn to start")
-    yield server.servers[0].sockets[0].getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
+    with serving(create_app(monitor, settings), **server_options(settings)) as kvwatch:
+        yield kvwatch.port
 
 
 def probe(port: int) -> int:

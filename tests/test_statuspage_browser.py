@@ -8,20 +8,17 @@ one point per window entry."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
-import socket
 import subprocess
-import threading
-import time
 
 import pytest
-import uvicorn
 
 from kvwatch.sidecar.app import create_app
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import load_settings
-from pageserver import Answer, PageServer
+from pageserver import Answer, PageServer, serving
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -65,21 +62,6 @@ def polled(fixtures_dir, names, settings):
     return monitor
 
 
-def serve(app):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    return server, thread, port
-
-
 def dump_dom(url: str, tmp_path) -> tuple[str, str]:
     result = subprocess.run(
         [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
@@ -100,12 +82,8 @@ def test_page_refreshes_findings_live_without_console_errors(fixtures_dir, tmp_p
     idle = polled(fixtures_dir, ["idle"], settings)
     burst = polled(fixtures_dir, ["idle", "prefix-load", "load"], settings)
     app = create_app(SwitchingMonitor(idle, burst), settings)
-    server, thread, port = serve(app)
-    try:
-        dom, stderr = dump_dom(f"http://127.0.0.1:{port}/", tmp_path)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serving(app, lifespan="off", start_timeout_s=10) as kvwatch:
+        dom, stderr = dump_dom(kvwatch.url + "/", tmp_path)
 
     assert console_lines(stderr) == []
     updates = int(re.search(r'data-updates="(\d+)"', dom).group(1))
@@ -123,16 +101,36 @@ def test_page_refreshes_findings_live_without_console_errors(fixtures_dir, tmp_p
     assert re.search(r'data-figure="kv_usage" data-state="bad"', dom)
 
 
+def test_central_modes_page_of_one_replica_refreshes_that_replica(tmp_path):
+    """Central mode (kvwatch serve --prometheus) serves one replica's page at
+    /?replica=NAME; its script must ask the API for the same replica (the
+    API without it lists every replica, and /api/v1/series refuses)."""
+    from kvwatch.history.central import Central
+    from kvwatch.sidecar.central import create_central_app
+    from promstub import StubClient
+    from sim_support import fleet_openmetrics
+    from test_history_prometheus import fleet
+
+    start, step = 1_700_002_800.0, 15
+    settings = load_settings(overrides={"poll_interval": f"{step}s", "window": "2m"}, environ={})
+    central = Central(StubClient(fleet_openmetrics(fleet()[:2], start, 240, step)), settings,
+                      clock=lambda: start + 240)
+    central.refresh_once()
+    with serving(create_central_app(central, settings), lifespan="off", start_timeout_s=10) as kvwatch:
+        dom, stderr = dump_dom(f"{kvwatch.url}/?replica=vllm%2F10.0.1.1%3A8000", tmp_path)
+    assert console_lines(stderr) == []
+    assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 1, "the page never refreshed from the API"
+    assert "Live: refreshed" in dom and "vllm/10.0.1.1:8000" in dom
+    assert 'data-cause="concurrency_beyond_capacity"' in dom
+    assert "every replica" in dom
+
+
 def test_page_with_engine_down_renders_cleanly(tmp_path):
     settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "timeout": 0.5}, environ={})
     monitor = Monitor(settings)
     monitor.poll_once()  # refused
-    server, thread, port = serve(create_app(monitor, settings))
-    try:
-        dom, stderr = dump_dom(f"http://127.0.0.1:{port}/", tmp_path)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serving(create_app(monitor, settings), lifespan="off", start_timeout_s=10) as kvwatch:
+        dom, stderr = dump_dom(kvwatch.url + "/", tmp_path)
     assert console_lines(stderr) == []
     assert 'data-state="down"' in dom
     assert ("kvwatch cannot read the engine's metrics at http://127.0.0.1:9/metrics: the connection was refused "
@@ -193,19 +191,17 @@ def served():
     from sim_support import sim_monitor
 
     running = {}
+    with contextlib.ExitStack() as stack:
+        def get(case: str):
+            if case not in running:
+                scenario, until = CASES[case][:2]
+                monitor = sim_monitor(scenario, until)
+                kvwatch = stack.enter_context(serving(create_app(monitor, monitor.settings), lifespan="off",
+                                                      start_timeout_s=10))
+                running[case] = (monitor, kvwatch.url + "/")
+            return running[case]
 
-    def get(case: str):
-        if case not in running:
-            scenario, until = CASES[case][:2]
-            monitor = sim_monitor(scenario, until)
-            running[case] = (monitor, serve(create_app(monitor, monitor.settings)))
-        monitor, (_, _, port) = running[case]
-        return monitor, f"http://127.0.0.1:{port}/"
-
-    yield get
-    for _, (server, thread, _) in running.values():
-        server.should_exit = True
-        thread.join(10)
+        yield get
 
 
 def load(browser, url: str, width: int, dark: bool = False):

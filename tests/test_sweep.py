@@ -22,7 +22,7 @@ from kvwatch.snapshot import Histogram
 from kvwatch.sweep.summary import cell_notes, percentile, summarize_cell
 from kvwatch.sweep.client import Client, RequestResult, Worker, split_base_url
 from kvwatch.sweep.metrics import CellMetrics
-from kvwatch.sweep.output import COLUMNS, REQUEST_COLUMNS
+from kvwatch.sweep.output import COLUMNS, REQUEST_COLUMNS, _quantile_text
 from kvwatch.sweep.prompts import (
     PromptError,
     calibrate_with_probes,
@@ -139,7 +139,7 @@ def test_sweep_by_request_count_with_the_bound_from_a_model_config(sim, tmp_path
     (["--timeout", "0s"], "--timeout: '0s' must be positive"),
     (["--base-url", "ftp://127.0.0.1:1"], "--base-url: 'ftp://127.0.0.1:1' is not an http(s) URL"),
     (["--kv-budget", "3GiB"], "give --model-config too"),
-    (["--model-config", "/nonexistent/config.json"], "--model-config: /nonexistent/config.json not found"),
+    (["--model-config", "/nonexistent/config.json"], "--model-config: model config not found: /nonexistent/config.json"),
     (["--kv-dtype", "int4", "--model-config", "x"], "--kv-dtype 'int4' is not one of"),
     (["--warmup", "-1"], "--warmup cannot be negative"),
 ])
@@ -396,6 +396,25 @@ def test_cell_summary_puts_client_and_engine_side_by_side():
     assert cell["client_generation_tokens_per_s"] == pytest.approx(40)
     assert cell["capacity_bound"] == 7 and cell["preemptions"] == 1
     assert cell["first_error"] == "HTTP 503"
+
+
+@pytest.mark.parametrize("cumulative, quantiles, bounds, text", [
+    # All in the first bucket: the sidecar's p50 is that bucket's bound, at most (not 0.05 interpolated from 0).
+    ((4.0, 4.0, 4.0), (0.1, 0.1), ("<", "<"), "< 0.1"),
+    # All past the last finite bound: at least that bound.
+    ((0.0, 0.0, 4.0), (0.5, 0.5), (">", ">"), "> 0.5"),
+    ((0.0, 4.0, 4.0), (0.3, 0.48), (None, None), "0.48"),
+])
+def test_engine_quantiles_are_the_sidecars_and_say_their_bounds_as_it_does(cumulative, quantiles, bounds, text):
+    ttft = Histogram((0.1, 0.5, float("inf")), cumulative, 1.0, 4.0)
+    metrics = CellMetrics(polls=9, peak_kv_usage=0.5, peak_running=4.0, peak_waiting=0.0, counters={},
+                          histograms={"ttft": ttft})
+    cell = summarize_cell(1, 100, 50, 4, [], metrics, None)
+    assert (cell["engine_ttft_p50_s"], cell["engine_ttft_p95_s"]) == pytest.approx(quantiles)
+    assert (cell["engine_ttft_p50_s_pinned"], cell["engine_ttft_p95_s_pinned"]) == bounds
+    assert [ttft.reported_quantile(q).bound for q in (0.5, 0.95)] == list(bounds)
+    # Written as the status page and `kvwatch diagnose` write a bound.
+    assert _quantile_text(cell, "engine_ttft_p95_s") == text
 
 
 def test_a_cell_whose_requests_no_poll_saw_running_says_its_peaks_were_not_measured():

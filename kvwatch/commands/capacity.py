@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvwatch.capacity import arithmetic as cap
 from kvwatch.capacity import hardware, live
 from kvwatch.capacity.arithmetic import CapacityInputError
+from kvwatch.capacity.model_config import load_model_config
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
 
@@ -60,23 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="weights per GPU given directly (quantized checkpoints, unusual "
                     "layers) instead of counted from the config")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _load_config(path_text: str) -> dict[str, Any]:
-    path = Path(path_text)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise CapacityInputError(f"model config not found: {path}")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as error:
-        raise CapacityInputError(f"cannot read {path}: {error}") from None
-    except json.JSONDecodeError as error:
-        raise CapacityInputError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise CapacityInputError(f"{path} holds JSON but not an object of model fields")
-    return config
 
 
 def _lengths(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -175,7 +158,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
             "--model-config needs --kv-budget (the bytes left for the KV cache), --gpu-memory "
             "(to derive it from the hardware), or --target to read the capacity from a live vLLM")
     inputs, outputs = _lengths(args)
-    config = _load_config(args.model_config) if args.model_config is not None else None
+    config = load_model_config(args.model_config) if args.model_config is not None else None
     hw = _hardware_budget(args, config)
     budget_source = "--kv-budget"
     if hw is not None:

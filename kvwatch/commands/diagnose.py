@@ -174,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
             "findings": diagnosis["findings"],
             "events": diagnosis["events"],
             "upstream": diagnosis["upstream"],
+            "lmcache": diagnosis["lmcache"],
             "exit_code": EXIT_FINDINGS if actionable else EXIT_OK,
         }, indent=2))
     else:
@@ -241,6 +242,17 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
         print(f"\nUPSTREAM {upstream['histogram']}: {'up' if upstream['up'] else 'down ' + str(upstream['reason'])}, "
               f"mean {format_value(upstream['mean_seconds'], 'seconds')}, p95 "
               f"{format_value(upstream['p95_seconds'], 'seconds', upstream.get('p95_pinned'))}", file=out)
+    tier = diagnosis.get("lmcache")
+    if tier:
+        if not tier["up"]:
+            print(f"\nLMCACHE {tier['target']}: down {tier['reason']}: {tier['detail']}", file=out)
+        for row in tier.get("models") or []:
+            values = row.get("signals") or {}
+            print(f"\nLMCACHE {row['model_name']}: hit ratio "
+                  f"{format_value(values.get('kvwatch_lmcache_hit_ratio'), 'ratio')}, tokens retrieved "
+                  f"{format_value(values.get('kvwatch_lmcache_retrieved_tokens_per_second'), 'per_second')}, "
+                  f"tokens stored {format_value(values.get('kvwatch_lmcache_stored_tokens_per_second'), 'per_second')}",
+                  file=out)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -286,7 +298,7 @@ def replay_settings(capture, config: str | None, window: str | None):
     window, the recorded target and interval."""
     interval = float(capture.manifest.get("interval_seconds") or 5.0)
     overrides = {"target": capture.manifest.get("target") or None, "poll_interval": interval, "window": window,
-                 "upstream_target": "", "upstream_histogram": ""}
+                 "upstream_target": "", "upstream_histogram": "", "lmcache_target": ""}
     settings = load_settings(config, overrides, environ={})
     if settings.window < 2 * interval:
         raise SettingsError([f"window ({settings.window:g}s) must hold at least two recorded pages "

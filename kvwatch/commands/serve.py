@@ -7,7 +7,14 @@ engine (demos, tests, looking at an incident the way it looked live): the
 sidecar's monitor reads the recorded pages one by one, each at its recorded
 time (the window, the rates and the status page run on recorded time), with
 the recorded gaps divided by N in wall time. When the capture ends kvwatch
-keeps serving its last state."""
+keeps serving its last state.
+
+`--prometheus URL [--selector '{namespace="llm"}']` is central mode, for
+clusters without sidecars: kvwatch reads every replica the store scrapes
+through its query API (as `kvwatch diagnose --prometheus` does, a refresh per
+poll interval, 30 s unless set), and serves the same endpoints for all of them
+(kvwatch.sidecar.central). `target` is not polled; bearer_token_file,
+ca_bundle, tls_verify and timeout apply to the store."""
 
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ OPTIONS = {
     "log_level": "debug, info, warning or error",
     "upstream_target": "a gateway's or application's /metrics (second source for TTFT diagnosis)",
     "upstream_histogram": "the histogram there that measures time before the engine, e.g. app_retrieval_seconds",
+    "lmcache_target": "LMCache's /metrics (the engine's own when LMCache shares its registry): a KV tier read beside the engine",
     "auth_token_file": "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
     "tls_cert_file": "serve kvwatch over TLS with this certificate",
     "tls_key_file": "and this key",
@@ -59,6 +67,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: none)")
     parser.add_argument("--speed", type=float, default=1.0,
                         help="with --replay: recorded seconds per wall second, 0 for no waiting (default: 1)")
+    central = parser.add_argument_group("central mode (--prometheus)")
+    central.add_argument("--prometheus", metavar="URL",
+                         help="serve every replica a Prometheus-compatible store scrapes, read through its query "
+                              "API, instead of polling a target; refreshed every 30s unless --poll-interval is "
+                              "set (default: none)")
+    central.add_argument("--selector", default="",
+                         help="with --prometheus: label selector of the replicas' series, e.g. "
+                              "'{namespace=\"llm\"}' (default: all)")
+    central.add_argument("--source", choices=("auto", "vllm", "kvwatch"), default="auto",
+                         help="with --prometheus: vLLM's own series or sidecars' kvwatch_engine_* (default: auto)")
+    central.add_argument("--replica-labels", default="job,instance,namespace,pod",
+                         help="with --prometheus: labels that tell replicas apart (default: job,instance,namespace,pod)")
+    central.add_argument("--max-replicas", type=int, default=256,
+                         help="with --prometheus: most replicas kept; the rest are counted as dropped (default: 256)")
 
 
 def configure_logging(level: str) -> None:
@@ -85,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
         # The recorded target and interval; nothing is fetched.
         overrides.update(target=capture.manifest.get("target") or None,
                          poll_interval=capture.manifest.get("interval_seconds") or None,
-                         upstream_target="", upstream_histogram="")
+                         upstream_target="", upstream_histogram="", lmcache_target="")
+    if getattr(args, "prometheus", None):
+        return run_central(args, overrides)
     try:
         settings = load_settings(args.config, overrides)
     except SettingsError as exc:
@@ -116,6 +140,75 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.run(app, **server_options(settings))
     finally:
         monitor.stop()
+    return 0
+
+
+def run_central(args: argparse.Namespace, overrides: dict) -> int:
+    import os
+
+    from kvwatch.history.central import DEFAULT_INTERVAL, Central
+    from kvwatch.history.query import PrometheusClient, check_selector
+    from kvwatch.sidecar.settings import Settings, normalize_target
+
+    problems = []
+    try:
+        normalize_target(args.prometheus)
+    except ValueError as exc:
+        problems.append(f"--prometheus: {exc}")
+    if args.replay:
+        problems.append("--prometheus and --replay exclude each other")
+    selector_problem = check_selector(args.selector)
+    if selector_problem:
+        problems.append(f"--selector: {selector_problem}")
+    if args.max_replicas < 1:
+        problems.append("--max-replicas must be at least 1")
+    try:
+        settings = load_settings(args.config, overrides)
+    except SettingsError as exc:
+        problems.extend(exc.problems)
+        settings = None
+    if settings is not None:
+        # Central mode reads a store scraped every 15-60 s: 30 s unless the
+        # interval was chosen (flag, environment or config file).
+        if (args.poll_interval is None and not os.environ.get(env_name("poll_interval"))
+                and settings.poll_interval == Settings.poll_interval):
+            settings.poll_interval = DEFAULT_INTERVAL
+        if settings.window < 2 * settings.poll_interval:
+            problems.append(f"window ({settings.window:g}s) must hold at least two refreshes "
+                            f"({settings.poll_interval:g}s apart)")
+    if problems:
+        for problem in problems:
+            print(f"kvwatch: {problem}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+
+    import uvicorn
+
+    from kvwatch.sidecar.central import create_central_app
+    from kvwatch.sidecar.monitor import tune_garbage_collector
+    from kvwatch.sidecar.report import public_url
+
+    # The store's URL is the target the page and the JSON name.
+    settings.target = args.prometheus
+    client = PrometheusClient(args.prometheus, timeout=settings.fetch_timeout,
+                              bearer_token_file=settings.bearer_token_file, ca_bundle=settings.ca_bundle,
+                              tls_verify=settings.tls_verify)
+    central = Central(client, settings, args.selector, args.source,
+                      tuple(label.strip() for label in args.replica_labels.split(",") if label.strip()),
+                      max_replicas=args.max_replicas)
+    app = create_central_app(central, settings)
+    tune_garbage_collector()
+    central.start()
+    scheme = "https" if settings.tls_cert_file else "http"
+    logging.getLogger("kvwatch").info(
+        "kvwatch central mode: reading %s%s every %gs; serving %s://%s:%d/",
+        public_url(settings.target), f" for {args.selector}" if args.selector else "", settings.poll_interval,
+        scheme, settings.host, settings.port)
+    raise_file_limit()
+    try:
+        uvicorn.run(app, **server_options(settings))
+    finally:
+        central.stop()
     return 0
 
 

@@ -27,6 +27,11 @@ decided once per window from its means, as the generated alert rule decides
 them over its rate window, so the two agree and exactly one of
 concurrency_beyond_capacity and long_requests is named.
 
+With an LMCache tier beside the engine (`lmcache_target`), a low engine hit
+ratio is not `no_reuse` while the tier supplies at least `hit_ratio_low` of the
+model's prompt tokens, and the other low-hit-rate findings name the tier in
+their evidence (hit_rate.with_external_tier).
+
 Findings never claim more than their evidence. A prefix-cache hit means KV
 computed for earlier tokens was reused; it proves neither that an answer is
 current nor that the caller may see it, and no finding says otherwise.
@@ -41,7 +46,7 @@ from kvwatch.diagnose.changes import Change, change_findings, changes_between, n
 from kvwatch.diagnose.context import EngineContext
 from kvwatch.diagnose.exhaustion import exhaustion_findings
 from kvwatch.diagnose.first_token import slow_first_token_findings
-from kvwatch.diagnose.hit_rate import HitRateMemory, low_hit_rate_findings
+from kvwatch.diagnose.hit_rate import HitRateMemory, low_hit_rate_findings, with_external_tier
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS, resolve_thresholds, validate_thresholds
 from kvwatch.diagnose.vocabulary import CAUSES, CONFIDENCES, NEXT_CHECK, SEVERITIES, Finding, is_actionable
 
@@ -56,7 +61,7 @@ _SEVERITY_ORDER = {severity: index for index, severity in enumerate(SEVERITIES)}
 
 
 def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=None,
-             hit_memory: HitRateMemory | None = None) -> list[Finding]:
+             hit_memory: HitRateMemory | None = None, lmcache=None) -> list[Finding]:
     """Findings for the window, most severe first. The rules judge each
     engine, whose cache and queue are its own. A rule that fails drops only
     its own findings. `hit_memory` (kept by the caller across polls) carries
@@ -81,6 +86,16 @@ def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=No
                 findings.extend(rule())
             except Exception:
                 log.exception("diagnosis rule failed for %s/%s", row.model, row.engine)
+    if lmcache:
+        prompt_tokens: dict[str, float] = {}
+        for row in per_engine:
+            if row.engine is not None:
+                prompt_tokens[row.model] = (prompt_tokens.get(row.model, 0.0)
+                                            + row.view.increase.counters.get("prompt_tokens", 0.0))
+        try:
+            findings = with_external_tier(findings, lmcache, prompt_tokens, resolved)
+        except Exception:  # pragma: no cover - defensive
+            log.exception("diagnosis: reading the LMCache tier failed")
     try:
         findings.extend(change_findings(window, changes))
     except Exception:

@@ -3,7 +3,7 @@ a restart, a changed prefix, eviction before reuse, or no reuse at all."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvwatch.diagnose.context import EngineContext, quantile_value
@@ -531,3 +531,46 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
         "prefixes that outgrow the cache and are evicted before their reuse comes (a round robin over more prefixes "
         f"than fit). The page cannot tell them apart: {_what_tells(evidence)}.",
         _undecided(evidence, "no_reuse"), _next_check_both("no_reuse")))
+
+
+def tier_row(lmcache: dict[str, Any] | None, model: str, engine_models: set[str]) -> dict[str, Any] | None:
+    """The LMCache report's row for an engine's model: by name (LMCache labels
+    the served model name where its build has the label), else the only row
+    when the engine serves one model."""
+    if not lmcache or not lmcache.get("up"):
+        return None
+    rows = lmcache.get("models") or []
+    for row in rows:
+        if row.get("model_name") == model:
+            return row
+    return rows[0] if len(rows) == 1 and len(engine_models) == 1 else None
+
+
+def with_external_tier(findings: list[Finding], lmcache: dict[str, Any] | None, prompt_tokens: dict[str, float],
+                       t: dict[str, Any]) -> list[Finding]:
+    """A low engine hit ratio while LMCache delivers prefixes: the requests do
+    share prefixes (the engine's own cache misses them, the tier serves them),
+    so `no_reuse` is not the cause once the tier supplied at least
+    `hit_ratio_low` of the model's prompt tokens in the window; every other
+    low-hit-rate finding names the tier in its evidence. LMCache's tokens are
+    never added to the engine's hit ratio (vLLM's external counters already
+    count them)."""
+    if not lmcache or not lmcache.get("up"):
+        return findings
+    engine_models = set(prompt_tokens)
+    kept = []
+    for finding in findings:
+        row = tier_row(lmcache, finding.model, engine_models) if finding.symptom == "low_hit_rate" else None
+        delivered = (row or {}).get("increase", {}).get("hit_tokens")
+        prompt = prompt_tokens.get(finding.model)
+        if row is None or delivered is None or not prompt:
+            kept.append(finding)
+            continue
+        share = delivered / prompt
+        if finding.cause == "no_reuse" and share >= t["hit_ratio_low"]:
+            continue
+        kept.append(replace(finding, evidence={
+            **finding.evidence, "external_tier": "lmcache", "lmcache_hit_tokens": delivered,
+            "lmcache_share_of_prompt_tokens": share,
+            "lmcache_hit_ratio": row.get("signals", {}).get("kvwatch_lmcache_hit_ratio")}))
+    return kept

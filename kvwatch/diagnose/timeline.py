@@ -4,10 +4,11 @@ and `kvwatch diagnose --prometheus` (many replicas, fed each replica's
 findings and each model's fleet findings at each step).
 
 An episode is one finding (symptom, cause, model, engine) on one replica,
-active over consecutive polls or steps: symptom, cause, model, engine,
-start, end, polls, worst {time, severity, confidence, summary, evidence,
-next_check}, active_at_end, replica ("" for a replay: its one target is
-named by the capture). The worst point is the first poll at the episode's
+active over consecutive polls or steps; as JSON: symptom, cause,
+model_name (the API's and the metrics' name), engine, start, end, polls,
+worst {time, severity, confidence, summary, evidence, next_check},
+active_at_end, replica ("" for a replay: its one target is named by the
+capture). The worst point is the first poll at the episode's
 highest severity, then confidence. A poll that failed, or a step where a
 replica had no data, neither starts nor ends an episode (the window did not
 move): it is kept as an outage (replay, with its reason) or a gap (history).
@@ -47,6 +48,12 @@ class Episode:
     @property
     def actionable(self) -> bool:
         return self.worst.get("severity") in ACTIONABLE
+
+
+def episode_json(episode: Episode) -> dict[str, Any]:
+    """An episode as JSON, its model under `model_name` as the API's findings
+    and the metrics' label name it."""
+    return {("model_name" if key == "model" else key): value for key, value in asdict(episode).items()}
 
 
 def _worst_of(finding, at: float) -> dict[str, Any]:
@@ -145,7 +152,7 @@ class Timeline:
         return models
 
     def findings_json(self) -> list[dict[str, Any]]:
-        return [asdict(e) for e in self.episodes]
+        return [episode_json(e) for e in self.episodes]
 
     def to_json(self) -> dict[str, Any]:
         """A replay's report: the polls, the findings, the failed fetches."""

@@ -22,12 +22,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import requests
 import urllib3
 
 from kvwatch import __version__
+from kvwatch.scrape import BearerToken
 
 MAX_POINTS = 10_000  # per series and query; Prometheus refuses more than 11,000
 DEFAULT_MAX_SAMPLES = 5_000_000  # per query
@@ -111,20 +111,11 @@ class PrometheusClient:
         self.session.mount("https://", adapter)
         if not tls_verify:
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
-        self._token: str | None = None
-
-    def _headers(self) -> dict[str, str]:
-        if not self.bearer_token_file:
-            return {}
-        try:
-            self._token = Path(self.bearer_token_file).read_text().strip()
-        except OSError:
-            pass
-        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        self._token = BearerToken(bearer_token_file)
 
     def _get(self, path: str, params) -> object:
         try:
-            response = self.session.post(f"{self.url}{path}", data=params, headers=self._headers(),
+            response = self.session.post(f"{self.url}{path}", data=params, headers=self._token.headers(),
                                          timeout=self.timeout, allow_redirects=False)
         except requests.Timeout:
             raise QueryError(f"{path}: no answer within {self.timeout:g}s") from None

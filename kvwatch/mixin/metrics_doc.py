@@ -5,7 +5,7 @@ releases that export it and what kvwatch does when it is missing."""
 from __future__ import annotations
 
 from kvwatch.engines import vllm
-from kvwatch.signals import ENGINE_SERIES, HEALTH, IDENTITY, SIGNALS
+from kvwatch.signals import ENGINE_SERIES, HEALTH, IDENTITY, SIGNALS, TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS
 
 def _row(name: str, kind: str, labels: str, help_text: str) -> str:
     return f"| `{name}` | {kind} | {labels} | {help_text.replace('|', '/')} |"
@@ -60,8 +60,34 @@ def render() -> str:
     ]
     for signal in SIGNALS:
         lines.append(_row(signal.name, signal.unit, signal.label or "", signal.help))
+    lines += _tier()
     lines += _families()
     return "\n".join(lines) + "\n"
+
+
+def _tier() -> list[str]:
+    """The LMCache tier (kvwatch/sidecar/lmcache.py), present only with `lmcache_target`."""
+    lines = [
+        "",
+        "## LMCache tier",
+        "",
+        "Only with `--lmcache-target` (`KVWATCH_LMCACHE_TARGET`, YAML `lmcache_target:`): LMCache's page, read beside",
+        "the engine's and never added to it. Labels `" + ", ".join(TIER_IDENTITY) + "` (LMCache's `served_model_name`,",
+        "else its `model_name`); no `engine`: each worker (TP/PP rank) counts the same tokens, so the first worker's",
+        "series (lowest `worker_id`, role `worker`) is read, never the sum. Series and signals are present only while",
+        "the latest LMCache poll succeeded; `kvwatch_source_present{family=\"lmcache:...\"}` says which families it read.",
+        "LMCache's `retrieve_hit_rate` and `lookup_hit_rate` gauges are never read (one log interval each; the first",
+        "reads 1 with no retrievals).",
+        "",
+        "| metric | type | labels | meaning and LMCache sources |",
+        "|---|---|---|---|",
+    ]
+    lines += [_row(f.sample_name, f.kind, ", ".join(f.labels), f.help) for f in TIER_HEALTH]
+    lines += [_row(s.sample_name, s.kind, ", ".join(TIER_IDENTITY), s.help) for s in TIER_SERIES]
+    lines += [_row(s.name, "gauge", ", ".join(TIER_IDENTITY), s.help) for s in TIER_SIGNALS]
+    lines += ["", "LMCache families read: " + ", ".join(f"`lmcache:{base}` (counter)" for base in (s.family for s in TIER_SERIES))
+              + "; any of the spellings `lmcache:`, `lmcache_`, with or without `_total`."]
+    return lines
 
 
 def _families() -> list[str]:

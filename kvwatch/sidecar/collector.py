@@ -22,7 +22,10 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from kvwatch import __version__
-from kvwatch.signals import ENGINE_SERIES, HEALTH_BY_NAME, INFO_KEYS, SIGNALS, engine_series_value
+from kvwatch.signals import (
+    ENGINE_SERIES, HEALTH_BY_NAME, INFO_KEYS, SIGNALS, TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS,
+    engine_series_value,
+)
 from kvwatch.signals import IDENTITY as IDENTITY_LABELS
 from kvwatch.snapshot import PINNED_LABELS, Histogram
 
@@ -43,7 +46,8 @@ class KvwatchCollector(Collector):
         if not state.up or state.snapshot is None:
             return
         yield from self._engine_series(state.snapshot)
-        yield from self._sources(state.snapshot)
+        yield from self._sources(state.snapshot, state.lmcache)
+        yield from self._tier(state.lmcache)
         yield from self._signals(state)
         yield from self._pinned(state)
         yield from self._findings(state)
@@ -102,11 +106,42 @@ class KvwatchCollector(Collector):
         yield from families.values()
         yield info
 
-    def _sources(self, snapshot):
+    def _sources(self, snapshot, lmcache):
         present = _health_family("kvwatch_source_present")
         for family, on_page in snapshot.present().items():
             present.add_metric([family], 1.0 if on_page else 0.0)
+        # LMCache's families, from its own page, while its latest poll read one.
+        for family, on_page in sorted(((lmcache or {}).get("families") or {}).items()):
+            present.add_metric([family], 1.0 if on_page else 0.0)
         yield present
+
+    def _tier(self, lmcache):
+        """The LMCache tier (kvwatch/sidecar/lmcache.py): its health whenever
+        it is configured, its series and signals only while its latest poll
+        succeeded (values from a failed poll's past would look current)."""
+        if lmcache is None:
+            return
+        up = GaugeMetricFamily(TIER_HEALTH[0].name, TIER_HEALTH[0].help, labels=[])
+        up.add_metric([], 1.0 if lmcache.get("up") else 0.0)
+        yield up
+        if not lmcache.get("up"):
+            return
+        labels = list(TIER_IDENTITY)
+        rows = lmcache.get("models") or []
+        for series in TIER_SERIES:
+            family = CounterMetricFamily(series.name, series.help, labels=labels)
+            for row in rows:
+                value = row.get("latest", {}).get(series.key)
+                if _finite(value):
+                    family.add_metric([row["model_name"]], value)
+            yield family
+        for signal in TIER_SIGNALS:
+            family = GaugeMetricFamily(signal.name, signal.help, labels=labels)
+            for row in rows:
+                value = row.get("signals", {}).get(signal.name)
+                if _finite(value):
+                    family.add_metric([row["model_name"]], value)
+            yield family
 
     def _signals(self, state):
         for prefix, rows, labels in (

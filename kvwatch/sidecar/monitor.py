@@ -77,6 +77,8 @@ class State:
     findings: tuple[diagnosis.Finding, ...] = ()
     events: tuple[Change, ...] = ()
     upstream: dict[str, Any] | None = None
+    # The LMCache tier's latest poll (kvwatch/sidecar/lmcache.py), None unless lmcache_target is set.
+    lmcache: dict[str, Any] | None = None
     # finding key (report.finding_key) -> when it was first seen, while it stays active
     findings_since: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
     # The window's entries as of this poll (the trends on the status page);
@@ -116,6 +118,13 @@ class Monitor:
             from kvwatch.sidecar.upstream import UpstreamSource
 
             self.upstream = UpstreamSource(settings, self.window.seconds)
+        self.lmcache = None
+        if settings.lmcache_target:
+            from kvwatch.sidecar.lmcache import LMCacheSource
+
+            self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
+        # LMCache sharing vLLM's registry is on the engine's own page: read that page, never fetch it twice.
+        self._lmcache_on_engine_page = bool(settings.lmcache_target) and settings.lmcache_target == settings.target
         self.state = State()
         self._errors: dict[str, int] = {}
         self._parse_errors = 0
@@ -215,9 +224,10 @@ class Monitor:
         self._note_changes(previous, snapshot)
         per_engine, per_model = evaluate_window(self.window)
         upstream = self.upstream.poll() if self.upstream is not None else None
+        lmcache = self._poll_lmcache(result.text if self._lmcache_on_engine_page else None, answered)
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
-                                      self.settings.diagnosis, upstream, self.hit_memory)
+                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache)
         self._polls += 1
         was_up = self.state.up
         previous_since = self.state.findings_since
@@ -244,6 +254,7 @@ class Monitor:
             findings=tuple(findings),
             events=events,
             upstream=upstream,
+            lmcache=lmcache,
             findings_since=findings_since,
             entries=tuple(self.window.entries),
             engine=self.adapter.name,
@@ -252,6 +263,19 @@ class Monitor:
         if not was_up:
             log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))
         return self.state
+
+    def _poll_lmcache(self, page_text: str | None, at: float) -> dict[str, Any] | None:
+        """The tier's poll; its failure is its own (reported in its status),
+        never the engine's."""
+        if self.lmcache is None:
+            return None
+        try:
+            return self.lmcache.poll(page_text, at if page_text is not None else None)
+        except Exception:  # pragma: no cover - defensive: the tier must not take the engine's poll down
+            log.exception("polling LMCache failed")
+            return {"target": public_url(self.settings.lmcache_target), "up": False, "reason": "internal",
+                    "detail": "kvwatch failed reading LMCache's page", "families": None, "models": [],
+                    "time": self.clock()}
 
     def _no_engine_metrics(self, result: FetchResult, detail: str, parse_errors, started: float,
                            started_cpu: float) -> State:

@@ -70,6 +70,9 @@ def status_json(state, settings) -> dict[str, Any]:
         "window_covered_seconds": state.window_seconds,
         "engine": state.engine,
         "dark_signals": dark_signals(state.snapshot if state.up else None, state.engine, state.dark_signals),
+        # The LMCache tier's poll (absent unless lmcache_target is set): its own up and reason.
+        **({"lmcache": {key: tier.get(key) for key in ("target", "up", "reason", "detail", "families")}}
+           if (tier := getattr(state, "lmcache", None)) else {}),
     }
 
 
@@ -170,4 +173,5 @@ def diagnosis_json(state, settings) -> dict[str, Any]:
         "findings": [finding_json(f, since.get(finding_key(f))) for f in state.findings] if state.up else [],
         "events": [asdict(e) for e in state.events],
         "upstream": _clean(state.upstream),
+        "lmcache": _clean(getattr(state, "lmcache", None)),
     }

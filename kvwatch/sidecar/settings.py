@@ -65,6 +65,9 @@ class Settings:
     # before the engine (e.g. retrieval).
     upstream_target: str | None = None
     upstream_histogram: str | None = None
+    # Optional LMCache page (kvwatch/sidecar/lmcache.py): the engine's own
+    # /metrics when LMCache shares vLLM's registry, or LMCache's API server.
+    lmcache_target: str | None = None
     # Protect kvwatch's own endpoints (/healthz and /readyz stay open for probes).
     auth_token_file: str | None = None
     tls_cert_file: str | None = None
@@ -201,6 +204,7 @@ PARSERS = {
     "log_level": _log_level,
     "upstream_target": lambda v: None if v in (None, "") else normalize_target(v),
     "upstream_histogram": _optional_str,
+    "lmcache_target": lambda v: None if v in (None, "") else normalize_target(v),
     "auth_token_file": _auth_token_file,
     "tls_cert_file": _existing_file,
     "tls_key_file": _existing_file,

@@ -36,6 +36,7 @@ from kvwatch.diagnose.vocabulary import SEVERITIES
 from kvwatch.sidecar.report import diagnosis_json, public_url, signals_json
 from kvwatch.sidecar.series import series_json
 from kvwatch.signals import SIGNALS, SIGNALS_BY_NAME, UNITS
+from kvwatch.snapshot import bounded_text
 
 REFRESH_SECONDS = 5
 GROUP_TITLES = {
@@ -87,6 +88,9 @@ FAILURE_TEXTS = {
     "decode": "its page could not be decoded",
     "no_engine_metrics": "its page holds no vLLM engine metrics",
     "internal": "kvwatch itself failed while polling (see its log)",
+    # Central mode (kvwatch serve --prometheus): the replica is read from a store.
+    "store": "the Prometheus store it is read from did not answer",
+    "no_data": "the store holds no recent samples of it",
 }
 
 # The two or three evidence values that decided each cause: highlighted on
@@ -180,7 +184,7 @@ def format_value(value: Any, unit: str, pinned: dict[str, str] | str | None = No
     if not math.isfinite(value):
         return "–"
     text = _format_number(value, unit)
-    return f"{pinned} {text}" if isinstance(pinned, str) and pinned in ("<", ">") else text
+    return bounded_text(text, pinned if isinstance(pinned, str) else None)
 
 
 def _format_number(value: float, unit: str) -> str:
@@ -738,6 +742,20 @@ SCRIPT = r"""
         (u.up ? "up" : "down (" + (u.reason || "") + ")") + ", mean " + fmt(u.mean_seconds, "seconds") +
         ", p95 " + bounded(fmt(u.p95_seconds, "seconds"), u.p95_pinned) + " over " + fmt(u.count, "requests") + " requests"));
     }
+    var tier = diagnosis.lmcache;
+    if (tier) {
+      section.appendChild(el("h2", null, "LMCache tier"));
+      if (!tier.up) section.appendChild(el("p", "muted", "LMCache at " + (tier.target || "") + ": down (" +
+        (tier.reason || "") + (tier.detail ? ": " + tier.detail : "") + "); the engine's signals do not depend on it."));
+      (tier.up ? tier.models || [] : []).forEach(function (m) {
+        var v = m.signals || {};
+        section.appendChild(el("p", null, m.model_name + " at " + (tier.target || "") + ": hit ratio " +
+          fmt(v.kvwatch_lmcache_hit_ratio, "ratio") + " (tokens delivered / asked for), prompt tokens from LMCache " +
+          fmt(v.kvwatch_lmcache_prompt_tokens_served_ratio, "ratio") + ", tokens retrieved " +
+          fmt(v.kvwatch_lmcache_retrieved_tokens_per_second, "per_second") + ", tokens stored " +
+          fmt(v.kvwatch_lmcache_stored_tokens_per_second, "per_second")));
+      });
+    }
     swap("changes", section);
   }
 
@@ -764,7 +782,9 @@ SCRIPT = r"""
   }
 
   function refresh() {
-    Promise.all([get("api/v1/signals"), get("api/v1/diagnosis"), get("api/v1/series")]).then(function (all) {
+    // The page's own query (central mode's ?replica=) selects what the API serves.
+    var query = window.location.search;
+    Promise.all([get("api/v1/signals" + query), get("api/v1/diagnosis" + query), get("api/v1/series" + query)]).then(function (all) {
       data = {signals: all[0], diagnosis: all[1], series: all[2]};
       render();
       updates += 1;
@@ -875,6 +895,28 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _tier_html(diagnosis: dict[str, Any]) -> str:
+    """The LMCache tier beside the engine (absent unless lmcache_target is set)."""
+    tier = diagnosis.get("lmcache")
+    if not tier:
+        return ""
+    where = f'LMCache at <code>{_e(tier.get("target") or "")}</code>'
+    if not tier.get("up"):
+        why = _e(("down: " + (tier.get("reason") or "") + " " + (tier.get("detail") or "")).strip())
+        return (f'<h2>LMCache tier</h2><p>{where}: <span class="down">{why}</span>; '
+                "the engine's signals do not depend on it.</p>")
+    out = ["<h2>LMCache tier</h2>"]
+    for row in tier.get("models") or []:
+        v = row.get("signals") or {}
+        out.append(
+            f'<p>{where}, {_e(row["model_name"])}: hit ratio {_e(format_value(v.get("kvwatch_lmcache_hit_ratio"), "ratio"))}'
+            " (tokens delivered / asked for), prompt tokens from LMCache "
+            f'{_e(format_value(v.get("kvwatch_lmcache_prompt_tokens_served_ratio"), "ratio"))}, tokens retrieved '
+            f'{_e(format_value(v.get("kvwatch_lmcache_retrieved_tokens_per_second"), "per_second"))}, tokens stored '
+            f'{_e(format_value(v.get("kvwatch_lmcache_stored_tokens_per_second"), "per_second"))}</p>')
+    return "".join(out)
+
+
 def _signals_html(signals: dict[str, Any]) -> str:
     columns = signal_columns(signals)
     if not columns:
@@ -899,7 +941,9 @@ def page_state(state, settings) -> dict[str, Any]:
 _META_JSON = None
 
 
-def render_status_page(state, settings) -> str:
+def render_status_page(state, settings, nav: str = "") -> str:
+    """`nav`: markup put under the heading (central mode's link back to
+    every replica); made by kvwatch, never from the engine's text."""
     global _META_JSON
     if _META_JSON is None:
         _META_JSON = _json_for_script(page_meta())
@@ -916,7 +960,7 @@ def render_status_page(state, settings) -> str:
 </head>
 <body data-refresh-seconds="{REFRESH_SECONDS}" data-updates="0">
 <main>
-<header><h1>kvwatch</h1><p id="status" class="muted"></p>
+<header><h1>kvwatch</h1>{nav}<p id="status" class="muted"></p>
 <p id="live" class="muted">Rendered {_time_text(time.time())}; refreshes every {REFRESH_SECONDS} s.</p></header>
 <div id="banner"></div>
 <section id="figures"></section>
@@ -928,6 +972,7 @@ def render_status_page(state, settings) -> str:
 {_status_html(signals)}
 {_findings_html(diagnosis)}
 {_signals_html(signals)}
+{_tier_html(diagnosis)}
 </noscript>
 <footer><h2>More</h2><ul>
 <li><a href="metrics">/metrics</a>: Prometheus metrics (kvwatch_* signals, kvwatch_finding, kvwatch_engine_*)</li>

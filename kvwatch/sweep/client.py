@@ -21,6 +21,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvwatch import __version__
@@ -353,10 +354,17 @@ def _error_detail(raw: bytes) -> str:
         body = json.loads(raw)
     except ValueError:
         return raw.decode("utf-8", "replace").strip()[:300]
+    return error_message(body) or json.dumps(body)[:300]
+
+
+def error_message(body: Any) -> str | None:
+    """The message of an OpenAI-style error body (vLLM's `message`, FastAPI's
+    `detail`, or `error`, itself maybe an object with a `message`), cut to 300
+    characters; None when the body holds none."""
     if isinstance(body, dict):
         message = body.get("message") or body.get("detail") or body.get("error")
         if isinstance(message, dict):
             message = message.get("message")
         if message:
             return str(message)[:300]
-    return json.dumps(body)[:300]
+    return None

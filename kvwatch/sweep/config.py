@@ -4,7 +4,6 @@ before anything is sent (every problem is a SweepInputError, exit status 2)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from datetime import datetime
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.capacity import arithmetic as cap
+from kvwatch.capacity.model_config import load_model_config
 from kvwatch.units import parse_duration
 from kvwatch.sweep.client import split_base_url
 from kvwatch.sweep.compare import CompareInputError, load_sweep
@@ -113,18 +113,10 @@ class SweepConfig:
 
 
 def _load_model_config(path_text: str) -> dict[str, Any]:
-    path = Path(path_text)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise SweepInputError(f"--model-config: {path} not found")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SweepInputError(f"--model-config: cannot read {path}: {error}") from None
-    if not isinstance(config, dict):
-        raise SweepInputError(f"--model-config: {path} is not a JSON object of model fields")
-    return config
+        return load_model_config(path_text)
+    except cap.CapacityInputError as error:
+        raise SweepInputError(f"--model-config: {error}") from None
 
 
 def build_config(args: argparse.Namespace) -> SweepConfig:

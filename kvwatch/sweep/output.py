@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from kvwatch.snapshot import bounded_text
+
 JSON_FILE = "sweep.json"
 CSV_FILE = "sweep.csv"
 REQUESTS_FILE = "requests.csv"
@@ -120,14 +122,10 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 def _quantile_text(cell: dict[str, Any], key: str) -> str:
-    """Engine quantiles pinned at a bucket edge only say 'at most' or 'at least'."""
+    """An engine quantile pinned at a bucket edge only says 'at most' or 'at
+    least': written as kvwatch writes a bound everywhere ("< 0.1", "> 5")."""
     text = _fmt(cell.get(key))
-    pinned = cell.get(f"{key}_pinned")
-    if text != "-" and pinned == "first":
-        return f"<={text}"
-    if text != "-" and pinned == "last":
-        return f">={text}"
-    return text
+    return text if text == "-" else bounded_text(text, cell.get(f"{key}_pinned"))
 
 
 def render_summary(report: dict[str, Any]) -> str:
@@ -182,7 +180,8 @@ def render_summary(report: dict[str, Any]) -> str:
         lines.append("")
     lines.append("Times are seconds. Client TTFT includes the network and the server's HTTP "
                  "layer; engine TTFT comes from vLLM's histogram buckets, so its quantiles are "
-                 "interpolated (<= and >= mark values pinned at a bucket edge). Peaks are what "
+                 "interpolated; \"<\" and \">\" mark a quantile pinned at a bucket edge, at most "
+                 "the first bound or at least the last finite one. Peaks are what "
                  "the /metrics polls saw, every "
                  f"{config['poll_interval_s']:g} s; a shorter peak between polls is missed. "
                  "The bound is arithmetic on the KV pool at the requested lengths, not a "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwatch.sweep.client import Client, ServerError
+from kvwatch.sweep.client import Client, ServerError, error_message
 
 PROBE_VERSION = 1
 PROBE_MAX_TOKENS = 32
@@ -89,12 +89,13 @@ def run_probe(client: Client, model: str, timeout: float) -> dict[str, Any]:
             if status == 400 and ask_logprobs:
                 # A server that refuses logprobs (vLLM with --max-logprobs 0) still
                 # answers without them: its outputs can be compared, its logprobs not.
-                refused = _detail(answer) or "HTTP 400"
+                refused = error_message(answer) or "HTTP 400"
                 ask_logprobs = False
                 status, answer = client.post_json("/v1/completions",
                                                   _request(model, prompt, False), timeout=timeout)
             if status != 200:
-                entry["error"] = f"HTTP {status}" + (f": {_detail(answer)}" if _detail(answer) else "")
+                detail = error_message(answer)
+                entry["error"] = f"HTTP {status}" + (f": {detail}" if detail else "")
             else:
                 entry.update(_parse(answer))
         except ServerError as error:
@@ -127,13 +128,3 @@ def not_run(why: str) -> dict[str, Any]:
     return {"version": PROBE_VERSION, "status": NOT_RUN, "note": why,
             "max_tokens": PROBE_MAX_TOKENS, "temperature": 0, "logprobs_requested": False,
             "results": []}
-
-
-def _detail(answer: Any) -> str | None:
-    if isinstance(answer, dict):
-        message = answer.get("message") or answer.get("detail") or answer.get("error")
-        if isinstance(message, dict):
-            message = message.get("message")
-        if message:
-            return str(message)[:300]
-    return None

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from typing import Any, TextIO
 
 from kvwatch import __version__
+from kvwatch.snapshot import bounded_text
 from kvwatch.sweep.compare import compare, kv_bytes_per_token, write_comparison
 from kvwatch.sweep.config import SweepConfig, SweepInputError, SweepRunError
 from kvwatch.sweep.summary import capacity_bounds, cell_notes, summarize_cell
@@ -464,7 +465,7 @@ class Sweep:
                 f"c {cell['concurrency']}: {cell['completed']} ok, {cell['failed']} failed in "
                 f"{cell['seconds']:.1f} s | TTFT p50 {f(cell['client_ttft_p50_s'])} "
                 f"p95 {f(cell['client_ttft_p95_s'])} s (engine p95 "
-                f"{f(cell['engine_ttft_p95_s'])}) | peak KV {f(cell['peak_kv_usage'])}, "
+                f"{bounded_text(f(cell['engine_ttft_p95_s']), cell.get('engine_ttft_p95_s_pinned'))}) | peak KV {f(cell['peak_kv_usage'])}, "
                 f"running {f(cell['peak_running'])}"
                 + (f" (bound {bound})" if bound is not None else "")
                 + f" | preempted {f(cell['preemptions'])} | "

@@ -86,9 +86,11 @@ def summarize_cell(number: int, inp: int, out: int, conc: int,
     }
     histogram = metrics.histograms.get("ttft")
     for key, q in (("engine_ttft_p50_s", 0.50), ("engine_ttft_p95_s", 0.95)):
-        quantile = histogram.quantile(q) if histogram is not None else None
+        # As the sidecar reports it: pinned in the first bucket, the value is
+        # that bucket's bound; `_pinned` is the bound's side, "<" or ">".
+        quantile = histogram.reported_quantile(q) if histogram is not None else None
         cell[key] = quantile.value if quantile else None
-        cell[f"{key}_pinned"] = quantile.pinned if quantile else None
+        cell[f"{key}_pinned"] = quantile.bound if quantile else None
     cell["engine_ttft_mean_s"] = histogram.mean() if histogram is not None else None
     cell["engine_ttft_count"] = histogram.count if histogram is not None else None
     cell["peak_kv_usage"] = metrics.peak_kv_usage

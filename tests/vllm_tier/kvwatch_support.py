@@ -11,8 +11,8 @@
 - `generate_rules`: `kvwatch generate` run with a mixin config YAML, for a test
   copy of the alert rules.
 
-Standard library, prometheus_client, uvicorn and kvwatch only: it runs under
-kvwatch's own virtual environment.
+Standard library, prometheus_client, uvicorn, kvwatch and tests/pageserver.py
+only: it runs under kvwatch's own virtual environment.
 """
 
 from __future__ import annotations
@@ -27,17 +27,16 @@ import urllib.error
 import urllib.request
 from collections import deque
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
 
-import uvicorn
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.sidecar.app import create_app
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import load_settings
+from pageserver import Answer, LoopbackServer, Request, serving
 
 from .harness import Metrics, _open
 
@@ -57,52 +56,31 @@ class RecordedPage:
         return parse_page(self.body.decode())
 
 
-class PageRecorder:
+class PageRecorder(LoopbackServer):
     """Forwards GET requests to `upstream` (a base URL) and records every answer."""
 
     def __init__(self, upstream: str, keep: int = RECORDED_PAGES, timeout_s: float = 10.0):
         self.upstream = upstream.rstrip("/")
+        self.timeout_s = timeout_s
         self._pages: deque[RecordedPage] = deque(maxlen=keep)
         self._lock = threading.Lock()
-        recorder = self
+        super().__init__(name="page-recorder")
+        self.url = self.base_url + "/metrics"
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                requested_at = time.time()
-                try:
-                    with _open(recorder.upstream + self.path, timeout=timeout_s) as answer:
-                        status, body = answer.status, answer.read()
-                        content_type = answer.headers.get("Content-Type", "text/plain")
-                except urllib.error.HTTPError as err:
-                    status, body, content_type = err.code, err.read(), "text/plain"
-                except OSError as err:
-                    status, body, content_type = 502, f"upstream failed: {err}".encode(), "text/plain"
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-                self.wfile.flush()
-                with recorder._lock:
-                    recorder._pages.append(RecordedPage(requested_at, status, body, time.time()))
+    def respond(self, request: Request) -> Answer:
+        try:
+            with _open(self.upstream + request.path, timeout=self.timeout_s) as answer:
+                status, body = answer.status, answer.read()
+                content_type = answer.headers.get("Content-Type", "text/plain")
+        except urllib.error.HTTPError as err:
+            status, body, content_type = err.code, err.read(), "text/plain"
+        except OSError as err:
+            status, body, content_type = 502, f"upstream failed: {err}".encode(), "text/plain"
+        return Answer(body, status, headers={"Content-Type": content_type})
 
-            def log_message(self, *args):  # keep the test output clean
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/metrics"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="page-recorder",
-                                        daemon=True)
-
-    def __enter__(self) -> "PageRecorder":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
+    def answered(self, request: Request, answer: Answer) -> None:
+        with self._lock:
+            self._pages.append(RecordedPage(request.received_at, answer.status, answer.body, time.time()))
 
     @property
     def pages(self) -> list[RecordedPage]:
@@ -174,23 +152,12 @@ def running_kvwatch(target: str, poll_interval: str = "0.5s", window: str = "20s
         overrides["upstream_target"], overrides["upstream_histogram"] = upstream
     settings = load_settings(overrides=overrides, environ={})
     monitor = Monitor(settings)
-    server = uvicorn.Server(uvicorn.Config(create_app(monitor, settings), host="127.0.0.1", port=0,
-                                           log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, name="kvwatch-http", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while not (server.started and server.servers):
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"kvwatch's HTTP server did not start within {start_timeout_s} s")
-            time.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
+    with serving(create_app(monitor, settings), lifespan="off", start_timeout_s=start_timeout_s) as kvwatch:
         monitor.start()
-        yield RunningKvwatch(f"http://127.0.0.1:{port}", port, monitor)
-    finally:
-        monitor.stop()
-        server.should_exit = True
-        thread.join(10)
+        try:
+            yield RunningKvwatch(kvwatch.url, kvwatch.port, monitor)
+        finally:
+            monitor.stop()
 
 
 def generate_rules(out_dir: Path, config: dict) -> Path:

@@ -14,13 +14,13 @@ config): the decomposition, not the objective, is what is checked.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from pageserver import Answer, LoopbackServer, Request
 
 from .harness import LoadRun, burst_load, prompt_text, prompt_words, wait_until_idle
 from .kvwatch_support import read_kvwatch_diagnosis, running_kvwatch, tier_reporter
@@ -124,61 +124,35 @@ def test_long_prompts_one_at_a_time_are_prefill(real_vllm, report):
 # --------------------------------------------------------------- upstream
 
 
-class RetrievalService:
+class RetrievalService(LoopbackServer):
     """A retrieval step in front of the engine, as a RAG application runs one:
     each completion request first spends `seconds` "retrieving", observed in
     its histogram `app_retrieval_seconds` (served on /metrics), then goes on
     to vLLM."""
 
     def __init__(self, engine_url: str, seconds: float):
+        self.engine_url, self.seconds = engine_url, seconds
         self.registry = CollectorRegistry()
         self.histogram = Histogram("app_retrieval_seconds", "Time spent retrieving context.",
                                    registry=self.registry,
                                    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0))
-        service = self
+        super().__init__(name="retrieval")
+        self.url = self.base_url
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):  # noqa: N802
-                body = generate_latest(service.registry)
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_POST(self):  # noqa: N802
-                request = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                started = time.monotonic()
-                time.sleep(seconds)
-                service.histogram.observe(time.monotonic() - started)
-                forward = urllib.request.Request(engine_url + self.path, data=request,
-                                                 headers={"Content-Type": "application/json"})
-                try:
-                    with urllib.request.urlopen(forward, timeout=120) as answer:
-                        status, body = answer.status, answer.read()
-                except Exception as error:  # reported to the load as a failed request
-                    status, body = 502, json.dumps({"error": repr(error)}).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+    def respond(self, request: Request) -> Answer:
+        if request.method == "GET":
+            return Answer(generate_latest(self.registry), headers={"Content-Type": "text/plain; version=0.0.4"})
+        started = time.monotonic()
+        time.sleep(self.seconds)
+        self.histogram.observe(time.monotonic() - started)
+        forward = urllib.request.Request(self.engine_url + request.path, data=request.body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(forward, timeout=120) as answer:
+                status, body = answer.status, answer.read()
+        except Exception as error:  # reported to the load as a failed request
+            status, body = 502, json.dumps({"error": repr(error)}).encode()
+        return Answer(body, status, headers={"Content-Type": "application/json"})
 
 
 def test_time_spent_in_retrieval_before_the_engine_is_upstream(real_vllm, report):
