@@ -648,12 +648,12 @@ def test_cli_target_names_a_hybrid_models_mamba_cache(capsys, fixtures_dir):
     body = (fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()
     hybrid = body.replace('mamba_block_size="None"', 'mamba_block_size="32"').replace(
         'mamba_cache_mode="none"', 'mamba_cache_mode="align"')
-    with _MetricsServer(hybrid) as server:
-        assert main(["capacity", "--target", server.url, "--input-tokens", "100", "--output-tokens", "100"]) == 0
+    with _metrics_server(hybrid) as server:
+        assert main(["capacity", "--target", server.base_url, "--input-tokens", "100", "--output-tokens", "100"]) == 0
         table = capsys.readouterr().out
     assert "hybrid model (Mamba layers): mamba_block_size 32, mamba_cache_mode align" in table
-    with _MetricsServer(body) as server:
-        assert main(["capacity", "--target", server.url, "--input-tokens", "100", "--output-tokens", "100"]) == 0
+    with _metrics_server(body) as server:
+        assert main(["capacity", "--target", server.base_url, "--input-tokens", "100", "--output-tokens", "100"]) == 0
         assert "hybrid" not in capsys.readouterr().out
 
 
