@@ -102,11 +102,13 @@ def _hybrid_without_whole_blocks(snapshot) -> str | None:
 
 
 def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """The signals left dark, in catalogue order, one list for two reasons:
+    """The signals left dark, in catalogue order, one list for three reasons:
     the engine does not export their inputs at all (`engine_dark`, from the
-    adapter), or this page lacks a family they need, with the flag that
-    lights a config-gated one (else the family is missing from this engine's
-    version). Unknown is not zero: these signals are absent, never 0."""
+    adapter), this page lacks a family they need, with the flag that lights
+    a config-gated one (else the family is missing from this engine's
+    version), or the model is a hybrid one whose blocks are not whole-block
+    arithmetic's (its mamba_* labels named). Unknown is not zero: these
+    signals are absent, never 0."""
     dark = []
     hybrid = _hybrid_without_whole_blocks(snapshot)
     for signal in SIGNALS:
