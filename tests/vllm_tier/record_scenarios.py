@@ -29,7 +29,8 @@ from kvwatch.capture.record import describe_page, manifest_for
 from kvwatch.scrape import Fetcher
 
 from .harness import VLLM_VERSION, burst_load, shared_prefix_load, vllm_server, wait_until_idle
-from .scenarios import changed_prefix_load, distinct_load, long_requests_load, prefix_rotation_load
+from .scenarios import (changed_prefix_load, distinct_load, long_requests_load, prefix_rotation_load,
+                        reuse_then_flood_load)
 
 INTERVAL_S = 1.0
 DEADLINE_S = 20.0
@@ -70,6 +71,10 @@ SCENARIOS = {
                                  "prefix_changed with --kv-cache-metrics: as prefix-changed"),
     "residency-no-reuse": ("residency", lambda url: distinct_load(url, duration=30.0), 32.0,
                            "no_reuse with --kv-cache-metrics: as no-reuse"),
+    "residency-shortfall": ("residency", lambda url: reuse_then_flood_load(url), 26.0,
+                            "eviction_before_reuse with --kv-cache-metrics: 4 prefixes of 256 tokens reused every "
+                            "~2 s for 14 s (their blocks record reuse gaps), then distinct 480-token prompts, 2 in "
+                            "flight, for 8 s: blocks evicted after less idle time than the reuse gap"),
 }
 
 

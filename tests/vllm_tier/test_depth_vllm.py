@@ -23,10 +23,10 @@ import pytest
 
 from kvwatch.mixin.config import MixinConfig
 
-from .harness import (LoadRun, burst_load, prompt_suffix, prompt_text, prompt_words, read_metrics, vllm_server,
+from .harness import (burst_load, prompt_suffix, prompt_text, prompt_words, read_metrics, vllm_server,
                       wait_until_idle)
 from .kvwatch_support import read_kvwatch_diagnosis, read_kvwatch_metrics, running_kvwatch, tier_reporter
-from .scenarios import long_requests_load
+from .scenarios import flood_load, hot_prefixes_load, long_requests_load, paced_load
 
 pytestmark = pytest.mark.vllm
 
@@ -90,24 +90,6 @@ def _watch(kvwatch, runs, seconds_after: float = 0.0, every: float = 0.5, findin
     return samples
 
 
-def _paced_load(name, base_url, prompts, output_tokens, duration, pace_s, concurrency=1) -> LoadRun:
-    """A load whose workers send `prompts(i)` one after another, each at
-    most every `pace_s` s (LoadRun's workers call make_prompt before each
-    request; the pause is taken there)."""
-    lock = threading.Lock()
-    last = [0.0]
-
-    def make_prompt(index: int) -> str:
-        with lock:
-            wait = last[0] + pace_s - time.monotonic()
-            last[0] = max(time.monotonic(), last[0] + pace_s)
-        if wait > 0:
-            time.sleep(wait)
-        return prompts(index)
-
-    return LoadRun(name, base_url, make_prompt, output_tokens, concurrency, duration, 10_000, 60.0)
-
-
 # --------------------------------------------------------------- the block floor
 
 
@@ -122,7 +104,7 @@ def _prefix_load(base_url, prefix_tokens, suffix_tokens, duration, seed):
         with lock:
             return prefix + prompt_suffix(suffix_tokens, suffixes, words)
 
-    return _paced_load(f"prefix-{prefix_tokens}", base_url, prompts, 2, duration, 0.05, concurrency=4)
+    return paced_load(f"prefix-{prefix_tokens}", base_url, prompts, 2, duration, 0.05, concurrency=4)
 
 
 def test_a_prefix_shorter_than_a_block_is_told_from_no_shared_prefix(residency_vllm, report):
@@ -226,16 +208,11 @@ def test_residency_histograms_re_exported_and_how_much_more_cache_would_keep_the
     (and bytes) more would keep the reuse; it re-exports the histograms
     exactly."""
     base_url, metrics_url = residency_vllm.base_url, residency_vllm.metrics_url
-    words = prompt_words()
-    rng = random.Random(23)
-    hot = [prompt_text(8 * BLOCK, rng, words) for _ in range(4)]
-    suffixes = random.Random(24)
     wait_until_idle(metrics_url)
     with running_kvwatch(metrics_url, poll_interval="0.5s", window="20s") as kvwatch:
-        calm = _paced_load("hot-prefixes", base_url, lambda i: hot[i % 4] + prompt_suffix(8, suffixes, words), 2,
-                           14.0, 0.5)
+        calm = hot_prefixes_load(base_url, 14.0)
         calm_samples = _watch(kvwatch, [calm])
-        flood = burst_load(base_url, concurrency=2, prompt_tokens=480, output_tokens=2, duration=8.0)
+        flood = flood_load(base_url, 8.0)
         samples = _watch(kvwatch, [flood], seconds_after=3.0)
         wait_until_idle(metrics_url)
         time.sleep(1.5)  # kvwatch's next polls read the settled page
