@@ -26,15 +26,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvwatch import units
 from kvwatch.snapshot import EngineSnapshot, Histogram, capacity_tokens, config_number
 from kvwatch.window import Increase, Window
 
 QUANTILES = (0.5, 0.95, 0.99)
 
 # The span the exhaustion trend is fitted over: long enough to smooth single
-# requests, short enough to follow a ramp (the PromQL twin's deriv range).
-TREND_SECONDS = 300.0
+# requests, short enough to follow a ramp. One declaration: the PromQL twin's
+# deriv() and avg_over_time() range, and the sidecar's fit in seconds.
 TREND_RANGE = "5m"
+TREND_SECONDS = units.parse_duration(TREND_RANGE)
 
 # A catalogue unit -> how each surface shows it: Grafana's unit, and the word
 # a person reads beside a bare number on the status page and in the CLI ("" where

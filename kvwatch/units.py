@@ -6,6 +6,8 @@ Durations: a number of seconds (`5`, `0.5`) or a number with a unit (`500ms`,
 1000) or binary (`KiB`, `MiB`, `GiB`, `TiB`: powers of 1024). A bare `M` or `G`
 is refused because it could mean either, and a size is exact: `1.5GiB` is
 1610612736 bytes, not a float near it.
+
+A YAML file that does not parse is told in one line: where, and what.
 """
 
 from __future__ import annotations
@@ -70,3 +72,17 @@ def parse_size(value: Any) -> int:
     if size <= 0:
         raise ValueError(f"size {value!r} must be more than zero bytes")
     return size
+
+
+def yaml_problem(exc: Exception) -> str:
+    """Where and what, in one line: PyYAML's own text spans several lines,
+    quotes the file and names a "<unicode string>" the reader never wrote."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(exc).split())
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        text += f" ({context} from line {context_mark.line + 1}, column {context_mark.column + 1})"
+    return text

@@ -190,6 +190,9 @@ def test_cli_gpu_memory_shows_each_term(capsys, config_path):
     assert report["result"]["requests"][0]["pool_bound"] == 333
     assert any(item.startswith("Runtime reserve") for item in report["result"]["ignores"])
     assert not any(item.startswith("Reserves:") for item in report["result"]["ignores"])
+    # Each caveat once under its own heading: two bullets both began "Parallelism:".
+    headings = [item.split(":")[0] for item in report["result"]["ignores"]]
+    assert len(headings) == len(set(headings)), headings
 
     assert main(argv) == 0
     table = capsys.readouterr().out

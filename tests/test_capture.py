@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import socket
 import tarfile
 from dataclasses import asdict
 
@@ -120,6 +121,19 @@ def test_ctrl_c_keeps_what_was_recorded_in_a_finished_bundle(fixtures_dir, tmp_p
     assert [text for _, text in captured.pages()] == pages[1:3]
 
 
+def test_a_capture_that_records_nothing_says_why_in_a_sentence(tmp_path, capsys):
+    # It ended on "0 pages, 2 failed (refused 2)", and its first line promised "for 600s" under --count 2.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert main(["capture", "--target", f"http://127.0.0.1:{port}", "--interval", "0.01s", "--count", "2",
+                 "--out", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert "every 0.01s for 600s or 2 fetches, whichever comes first into" in err
+    assert err.rstrip().endswith(f"kvwatch capture: no page recorded: connection refused by 127.0.0.1:{port}: "
+                                 "nothing listens there (engine down or starting?)")
+
+
 def test_a_capture_never_overwrites(tmp_path):
     (tmp_path / "taken").mkdir()
     with pytest.raises(CaptureError, match="exists"):
@@ -184,6 +198,23 @@ def test_a_short_window_ends_the_episode_when_the_burst_leaves_it(fixtures_dir, 
                  if f["cause"] == "concurrency_beyond_capacity")
     assert burst["start"] == BASE + 120 and BASE + 240 <= burst["end"] < BASE + 480
     assert not burst["active_at_end"]
+
+
+def test_a_cut_off_or_foreign_capture_is_one_sentence_not_a_traceback(fixtures_dir, tmp_path, capsys):
+    # A bundle copied halfway raised tarfile.ReadError out of `kvwatch diagnose --replay`.
+    whole = (fixtures_dir / "vllm-0.32-cpu-scenarios" / "concurrency" / "capture.tar.gz").read_bytes()
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(whole[:len(whole) // 2])
+    assert main(["diagnose", "--replay", str(cut)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwatch diagnose: cannot replay:\n") and "Traceback" not in err
+    assert "cut.tar.gz: the bundle is cut off or damaged after " in err and " of 31 pages" in err
+    (tmp_path / "page.html").write_text("<html></html>")
+    (tmp_path / "empty").mkdir()
+    assert main(["diagnose", "--replay", str(tmp_path / "page.html")]) == 2
+    assert "not a kvwatch capture (a capture is a folder or a .tar.gz bundle" in capsys.readouterr().err
+    assert main(["diagnose", "--replay", str(tmp_path / "empty")]) == 2
+    assert "not a kvwatch capture (no manifest.json in it)" in capsys.readouterr().err
 
 
 def test_paced_replay_waits_the_recorded_gaps_divided_by_the_speed(fixtures_dir, tmp_path):

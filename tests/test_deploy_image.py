@@ -3,7 +3,8 @@ stages on python:3.11-slim, wheels only in the runtime, numeric non-root
 user, `kvwatch serve` as entry point), and the command line it and the
 Kubernetes sidecar produce, run locally: ENTRYPOINT/CMD, the container's
 command/args and env, the mounted kvwatch.yaml, against a loopback engine
-until /readyz answers 200."""
+until /readyz answers 200; and the central Deployment's command line the
+same way, against a loopback stand-in of Prometheus' query API."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import fnmatch
 import json
 import os
 import shlex
+import re
 import subprocess
 import sys
 import time
+from urllib.parse import parse_qs, urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +25,11 @@ import requests
 import yaml
 
 from kvwatch.sidecar.settings import PARSERS, Settings, env_name
-from pageserver import Answer, PageServer
+from pageserver import Answer, LoopbackServer, PageServer
 from promstack import free_port, stop_process
+from promstub import StubClient
+from sim_support import fleet_openmetrics
+from test_history_prometheus import fleet
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
@@ -276,6 +282,89 @@ def test_the_containers_command_line_serves_and_becomes_ready(layout, dockerfile
             assert "kvwatch_up 1.0" in metrics
             assert "kvwatch_engine_kv_cache_capacity_tokens" in metrics
             assert engine.requests and engine.requests[0]["path"] == "/metrics"
+        finally:
+            stop_process(process)
+            log.close()
+
+
+class StoreServer(LoopbackServer):
+    """Prometheus' query API (series and query_range, as PrometheusClient
+    posts them) over HTTP on loopback, answered from a promstub.StubClient."""
+
+    def __init__(self, openmetrics: str):
+        super().__init__(name="store")
+        self.stub = StubClient(openmetrics)
+
+    def respond(self, request):
+        path = urlsplit(request.path).path
+        params = {key: values[-1] for key, values in parse_qs(request.body.decode()).items()}
+        if request.method != "POST" or path not in ("/api/v1/series", "/api/v1/query_range"):
+            return Answer(json.dumps({"status": "error", "errorType": "bad_data", "error": path}), status=400,
+                          headers={"Content-Type": "application/json"})
+        data = self.stub._get(path, params)
+        return Answer(json.dumps({"status": "success", "data": data}), headers={"Content-Type": "application/json"})
+
+    @property
+    def url(self) -> str:
+        return self.base_url
+
+
+def test_the_central_deployments_command_line_reads_the_store_and_becomes_ready(dockerfile, tmp_path):
+    _, stages = dockerfile
+    runtime = stages[-1]
+    deployment = yaml.safe_load((KUBE / "central" / "deployment.yaml").read_text())
+    namespace = yaml.safe_load((KUBE / "central" / "kustomization.yaml").read_text())["namespace"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    argv = container_argv(exec_form(runtime, "ENTRYPOINT"), exec_form(runtime, "CMD") or [], container)
+    assert argv[:2] == ["kvwatch", "serve"]
+    argv[0] = str(Path(sys.executable).with_name("kvwatch"))
+
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVWATCH_")}
+    env.update(env_pairs(runtime))
+    container_env = {e["name"]: e["value"] for e in container.get("env", [])}
+    assert set(container_env) <= KNOWN_ENV, set(container_env) - KNOWN_ENV
+    env.update(container_env)
+    assert env["KVWATCH_HOST"] == "0.0.0.0"
+    probe_port = [p for p in container["ports"] if p["name"] == container["readinessProbe"]["httpGet"]["port"]][0]
+    assert int(env["KVWATCH_PORT"]) == probe_port["containerPort"]
+    port = free_port()
+    env["KVWATCH_PORT"], env["KVWATCH_HOST"] = str(port), "127.0.0.1"
+
+    # One replica scraped by the store for the last 6 minutes, in the
+    # namespace the default selector names (the operator adds namespace).
+    now = float(int(time.time()) // 15 * 15)
+    history = fleet_openmetrics(fleet()[4:5], now - 360, 360, 15)
+    history = re.sub(r'\{instance="', '{namespace="%s",instance="' % namespace, history)
+    with StoreServer(history) as store:
+        store_url = argv[argv.index("--prometheus") + 1]
+        assert store_url.startswith("http://") and ".svc" in store_url  # the cluster's store
+        argv[argv.index("--prometheus") + 1] = store.url
+        log = open(tmp_path / "kvwatch.log", "w")
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+
+            def answered(path: str) -> requests.Response | None:
+                if process.poll() is not None:
+                    raise AssertionError(f"kvwatch exited {process.returncode}: {(tmp_path / 'kvwatch.log').read_text()[-2000:]}")
+                try:
+                    response = requests.get(base_url + path, timeout=5)
+                except requests.ConnectionError:
+                    return None
+                return response if response.status_code == 200 else None
+
+            # Central mode's readiness is the probe: 200 once the store answered with replicas.
+            assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+            deadline = time.monotonic() + 30
+            while not answered("/readyz"):
+                assert time.monotonic() < deadline, "/readyz did not answer 200 within 30 s"
+                time.sleep(0.2)
+            assert answered(container["livenessProbe"]["httpGet"]["path"]).text == "ok\n"
+            metrics = answered("/metrics").text
+            # The replica's series under the store's own labels (what honorLabels keeps).
+            usage = [line for line in metrics.splitlines() if line.startswith("kvwatch_engine_kv_cache_usage_ratio{")]
+            assert usage and all(f'namespace="{namespace}"' in line and 'job="vllm"' in line for line in usage)
+            assert {"/api/v1/series", "/api/v1/query_range"} <= set(store.stub.paths)
         finally:
             stop_process(process)
             log.close()

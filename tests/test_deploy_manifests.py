@@ -23,7 +23,8 @@ import yaml
 
 from kvwatch.mixin import manifests
 from kvwatch.mixin.config import MixinConfig
-from kvwatch.mixin.config import DEPLOY_FIELDS, DeploySettings, deploy_settings
+from kvwatch.mixin.config import (CENTRAL_MEASURED_REPLICAS, CENTRAL_MEASURED_RESIDENT_MIB, DEPLOY_FIELDS,
+                                  DeploySettings, central_resources, deploy_settings)
 from kvwatch.mixin.manifests import render_manifests
 from kvwatch.sidecar.settings import PARSERS, env_name, load_settings
 
@@ -337,7 +338,7 @@ def test_wiring_check_catches_a_mismatch():
 
 def test_kustomizations_reference_existing_files():
     kustomizations = sorted(KUBE.rglob("kustomization.yaml"))
-    assert len(kustomizations) == 4
+    assert len(kustomizations) == 5  # base, two overlays, sidecar-patch, central
     for path in kustomizations:
         doc = yaml.safe_load(path.read_text())
         assert doc["apiVersion"].startswith("kustomize.config.k8s.io/")
@@ -535,6 +536,9 @@ def test_kvwatch_window_follows_the_mixins_rate_window_unless_set():
     ("poll_interval", "often"),
     ("log_level", "loud"),
     ("scrape_interval", "15 seconds"),
+    ("central_selector", 'namespace="llm"'),  # no braces: `kvwatch serve` would refuse it
+    ("prometheus_url", "prometheus:9090"),
+    ("central_max_replicas", 0),
 ])
 def test_render_manifests_refuses_settings_kubernetes_would_reject(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):  # the message names the field
@@ -563,3 +567,218 @@ def test_rules_select_the_job_every_scrape_path_sets():
     # The rules aggregate by namespace: the operator adds it to every target,
     # the plain scrape job by relabelling.
     assert {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"} in scrape["relabel_configs"]
+
+
+# ---------------------------------------------------------------- central mode
+
+
+CENTRAL = KUBE / "central"
+
+
+def central_objects() -> list[dict]:
+    kustomization = yaml.safe_load((CENTRAL / "kustomization.yaml").read_text())
+    assert kustomization["namespace"] == SETTINGS.namespace
+    objects = [doc for name in kustomization["resources"] for doc in load_docs(CENTRAL / name)]
+    for doc in objects:
+        doc["metadata"]["namespace"] = kustomization["namespace"]  # what the kustomization sets
+    return objects
+
+
+def check_central_wiring(objects: list[dict]) -> None:
+    deployment = one(objects, "Deployment")
+    service = one(objects, "Service")
+    monitor = one(objects, "ServiceMonitor")
+    assert deployment["spec"]["replicas"] == 1  # two readers would export every series twice
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert matches(deployment["spec"]["selector"], pod_labels)
+    assert service["spec"]["selector"] and all(pod_labels.get(k) == v for k, v in service["spec"]["selector"].items())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    port = named_port(container, manifests.CENTRAL_PORT_NAME)
+    assert len(port["name"]) <= 15
+    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert container[probe]["httpGet"] == {"path": path, "port": port["name"]}
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert service_ports[port["name"]]["targetPort"] == port["name"]
+    assert matches(monitor["spec"]["selector"], service["metadata"]["labels"])
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
+    # The replicas' series carry the store's job/instance/namespace/pod: kept,
+    # not renamed exported_*, and no job relabelling over them.
+    assert endpoint["honorLabels"] is True
+    assert not [r for r in endpoint.get("relabelings", []) if r.get("targetLabel") == "job"]
+    assert all(monitor["metadata"]["labels"].get(k) == v for k, v in SETTINGS.monitor_labels.items())
+    assert len({doc["metadata"].get("namespace") for doc in objects}) == 1
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_central_manifests_validate_and_select_each_other(version):
+    objects = central_objects()
+    assert sorted(doc["kind"] for doc in objects) == ["Deployment", "Service", "ServiceMonitor"]
+    for doc in objects:
+        validate_object(doc, version)
+    check_central_wiring(objects)
+
+
+def test_central_wiring_check_catches_a_mismatch():
+    for mutate in (
+        lambda objs: one(objs, "ServiceMonitor")["spec"]["endpoints"][0].pop("honorLabels"),
+        lambda objs: one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+        ["httpGet"].__setitem__("path", "/healthz"),
+        lambda objs: one(objs, "Service")["spec"]["ports"][0].__setitem__("targetPort", SETTINGS.port_name),
+    ):
+        broken = central_objects()
+        mutate(broken)
+        with pytest.raises((AssertionError, KeyError)):
+            check_central_wiring(broken)
+
+
+def test_kustomize_builds_the_central_layout():
+    objects = kustomize_build(CENTRAL)
+    for doc in objects:
+        assert doc["metadata"]["namespace"] == SETTINGS.namespace
+        validate_object(doc, KUBERNETES_VERSIONS[-1])
+    check_central_wiring(objects)
+
+
+def central_container() -> dict:
+    (container,) = one(central_objects(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_central_is_hardened_like_the_sidecar_and_sized_from_the_measured_figure():
+    container = central_container()
+    sidecar = kvwatch_container(one(base_objects(), "Deployment"))
+    assert container["securityContext"] == sidecar["securityContext"]
+    assert container["image"] == sidecar["image"]
+    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/tmp"]
+    resources = container["resources"]
+    assert resources == central_resources(SETTINGS.central_max_replicas)
+    mib = {key: int(resources[key]["memory"].removesuffix("Mi")) for key in ("requests", "limits")}
+    # 64 replicas took ~390 MiB: the request holds that many with room, the limit more.
+    assert mib["requests"] >= CENTRAL_MEASURED_RESIDENT_MIB * SETTINGS.central_max_replicas / CENTRAL_MEASURED_REPLICAS
+    assert mib["limits"] > mib["requests"]
+    assert int(resources["requests"]["cpu"].removesuffix("m")) >= 1000 * 1.3 / 30
+    assert "cpu" not in resources["limits"]
+    assert central_resources(256)["limits"]["memory"] != resources["limits"]["memory"]  # follows the cap
+    text = (CENTRAL / "deployment.yaml").read_text()
+    assert "~390 MiB resident" in text and "~1.3 s CPU per refresh" in text  # where the figures come from
+    # The note on the mixin's selector (the rules select job="kvwatch" by default).
+    assert "selector: job=" in text
+    docs = " ".join((REPO / "docs" / "deploy.md").read_text().split())
+    requests = resources["requests"]
+    assert f"`cpu: {requests['cpu']}, memory: {requests['memory']}` for {SETTINGS.central_max_replicas} replicas" in docs
+    assert f"(`{resources['limits']['memory']}`)" in docs
+
+
+def serve_parser():
+    import argparse
+
+    from kvwatch.commands import serve
+
+    parser = argparse.ArgumentParser(prog="kvwatch serve", exit_on_error=False)
+    serve.add_arguments(parser)
+    return parser
+
+
+def test_central_flags_are_flags_kvwatch_serve_accepts():
+    container = central_container()
+    assert "command" not in container  # the image's ENTRYPOINT, `kvwatch serve`, with these args
+    args = serve_parser().parse_args(container["args"])
+    assert args.prometheus == SETTINGS.prometheus_url
+    assert args.selector == '{namespace="%s"}' % SETTINGS.namespace
+    assert args.max_replicas == SETTINGS.central_max_replicas
+    assert PARSERS["window"](args.window) == 300
+    known = {env_name(key) for key in PARSERS if key != "diagnosis"}
+    assert {e["name"] for e in container["env"]} <= known
+    # The parser used here refuses what `kvwatch serve` would.
+    with pytest.raises((argparse_error(), SystemExit)):
+        serve_parser().parse_args(["--prometheus", "http://p:9090", "--selectr", "{}"])
+
+
+def argparse_error():
+    import argparse
+
+    return argparse.ArgumentError
+
+
+def test_kvwatch_serve_runs_central_mode_with_the_deployments_arguments(monkeypatch):
+    # `kvwatch serve` itself, up to the point where it would listen: it checks
+    # the store URL, the selector, the replica cap and the window against the
+    # refresh, and builds the reader from them.
+    import uvicorn
+
+    from kvwatch.cli import main
+    from kvwatch.history.central import Central
+
+    container = central_container()
+    for key in [k for k in os.environ if k.startswith("KVWATCH_")]:
+        monkeypatch.delenv(key)
+    for pair in container["env"]:
+        monkeypatch.setenv(pair["name"], pair["value"])
+    started, served = [], []
+    monkeypatch.setattr(Central, "start", lambda self: started.append(self))
+    monkeypatch.setattr(Central, "stop", lambda self, timeout=5.0: None)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append(options))
+    monkeypatch.setattr("kvwatch.commands.serve.raise_file_limit", lambda: None)
+    assert main(["serve"] + container["args"]) == 0
+    (central,) = started
+    assert central.client.url == SETTINGS.prometheus_url
+    assert central.selector == SETTINGS.store_selector
+    assert central.max_replicas == SETTINGS.central_max_replicas
+    assert central.window == 300 and central.step == 30  # the refresh the resources are measured at
+    assert served[0]["host"] == "0.0.0.0"
+    assert served[0]["port"] == named_port(container, manifests.CENTRAL_PORT_NAME)["containerPort"]
+
+
+def test_central_settings_come_from_the_deploy_config():
+    files = render_manifests({"prometheus_url": "https://thanos.example:10902", "central_selector": "",
+                              "central_max_replicas": 32, "namespace": "llm"}, prometheus_rule="", dashboards={})
+    deployment = yaml.safe_load(files["kubernetes/central/deployment.yaml"])
+    args = serve_parser().parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args.prometheus == "https://thanos.example:10902"
+    assert args.selector == ""  # every vLLM series the store holds
+    assert args.max_replicas == 32
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["resources"] == central_resources(32)
+    assert yaml.safe_load(files["kubernetes/central/kustomization.yaml"])["namespace"] == "llm"
+    # The default selector follows the namespace.
+    assert deploy_settings({"namespace": "llm"}).store_selector == '{namespace="llm"}'
+
+
+def test_sidecar_scrape_job_leaves_the_central_pod_to_its_own_job():
+    # The sidecars' job keeps every pod port named port_name, without
+    # honor_labels: were central mode's port so named, every replica would be
+    # counted again under job="kvwatch".
+    sidecar_job = yaml.safe_load((DEPLOY / "prometheus" / "scrape-configs.yaml").read_text())["scrape_configs"][0]
+    keep = [r["regex"] for r in sidecar_job["relabel_configs"]
+            if r["source_labels"] == ["__meta_kubernetes_pod_container_port_name"] and r["action"] == "keep"]
+    assert keep and not any(re.fullmatch(regex, manifests.CENTRAL_PORT_NAME) for regex in keep)
+    central_job = yaml.safe_load((DEPLOY / "prometheus" / "central-scrape-configs.yaml").read_text())["scrape_configs"][0]
+    assert central_job["honor_labels"] is True
+    assert central_job["job_name"] != SETTINGS.job
+    ports = [r["regex"] for r in central_job["relabel_configs"]
+             if r["source_labels"] == ["__meta_kubernetes_pod_container_port_name"]]
+    assert ports == [manifests.CENTRAL_PORT_NAME]
+    pod_labels = one(central_objects(), "Deployment")["spec"]["template"]["metadata"]["labels"]
+    # Its pod-label keep rule matches the central pod (Prometheus writes a
+    # label's name with every character outside [a-zA-Z0-9_] as "_").
+    sanitized = {re.sub(r"[^a-zA-Z0-9_]", "_", k): v for k, v in pod_labels.items()}
+    label_rules = [r for r in central_job["relabel_configs"]
+                   if r["source_labels"][0].startswith("__meta_kubernetes_pod_label_")]
+    assert label_rules
+    for rule in label_rules:
+        label = rule["source_labels"][0].removeprefix("__meta_kubernetes_pod_label_")
+        assert rule["action"] == "keep" and re.fullmatch(rule["regex"], sanitized[label])
+
+
+def test_central_scrape_config_is_valid(tmp_path):
+    promtool = shutil.which("promtool")
+    if not promtool:
+        pytest.skip("promtool is not installed (make test installs it)")
+    snippet = yaml.safe_load((DEPLOY / "prometheus" / "central-scrape-configs.yaml").read_text())
+    job = snippet["scrape_configs"][0]
+    assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]  # see the sidecar job's check
+    job["static_configs"] = [{"targets": ["127.0.0.1:9400"]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({"global": {"scrape_interval": "15s"}, **snippet}))
+    result = subprocess.run([promtool, "check", "config", "--syntax-only", str(tmp_path / "prometheus.yml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

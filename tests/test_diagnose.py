@@ -328,6 +328,9 @@ def test_prefix_changed_step_drop_with_moderate_usage():
     assert finding.severity == "warning" and finding.confidence == "low"
     assert finding.evidence["cannot_tell_apart"] == "prefix_changed, eviction_before_reuse"
     assert finding.evidence["tells_them_apart"].startswith("--kv-cache-metrics")
+    # The first sentence (the status page's banner "Next:") is a thing to do.
+    assert finding.next_check.startswith("Look first for a prompt template or system prompt deployed at that time, "
+                                         "then for idle prefixes evicted before reuse")
     assert finding.evidence["hit_ratio_baseline"] == pytest.approx(0.8, rel=1e-3)
     assert finding.evidence["hit_ratio_recent"] == pytest.approx(0.05, rel=1e-3)
     assert causes(findings, "low_hit_rate") == {"prefix_changed"}
@@ -786,3 +789,13 @@ def test_exhaustion_wording_follows_the_current_usage():
     run.steps(2, usage=0.5, running=2, waiting=0, requests=4, **SHORT)
     finding = only(run.findings(), "concurrency_beyond_capacity")
     assert "earlier in the window (now 50.0%)" in finding.summary
+
+
+def test_evidence_keeps_every_digit_of_counts_and_capacities():
+    # The CLI printed kv_cache_capacity_tokens=16380 under a signal table that said 16,384,
+    # and /api/v1/diagnosis sent prefix_queries 111800 for 111812.
+    from kvwatch.diagnose.context import tidy
+
+    assert tidy({"capacity": 16384.0, "queries": 111812.0, "tokens": 1269.4, "share": 0.30000000000000004,
+                 "small": 0.071849, "unknown": None, "nan": math.nan}) == {
+        "capacity": 16384, "queries": 111812, "tokens": 1269, "share": 0.3, "small": 0.07185}

@@ -191,6 +191,18 @@ def test_a_refused_target_is_one_human_sentence_printed_once(capsys, caplog):
         assert raw not in err, err
 
 
+def test_an_unreachable_prometheus_is_one_human_sentence(capsys):
+    # It printed requests' `ConnectionError: HTTPConnectionPool(...) Max retries exceeded...`.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert main(["diagnose", "--prometheus", f"http://127.0.0.1:{port}", "--since", "1h"]) == 2
+    err = capsys.readouterr().err
+    assert f"connection refused by 127.0.0.1:{port}: nothing listens there" in err, err
+    for raw in ("Max retries", "ConnectionPool", "Error(", "NewConnectionError", "Errno"):
+        assert raw not in err, err
+
+
 def test_without_a_target_diagnose_says_where_it_comes_from(capsys, monkeypatch):
     monkeypatch.delenv("KVWATCH_TARGET", raising=False)
     main(["diagnose", "--duration", "0.1s", "--interval", "0.1s"])

@@ -3,7 +3,19 @@ engine: three simulators (SGLang, llama.cpp and TensorRT-LLM dialects), each
 polled by a kvwatch that picks the engine from the page, one real Prometheus
 with kvwatch's recording rules scraping all three. Every dashboard query and
 every recorded series returns data for each engine, except where it reads a
-signal or series the engine's adapter cannot provide (its dark signals)."""
+signal or series the engine's adapter cannot provide (its dark signals).
+
+Some queries hold data only in one phase of the workload: the exhaustion ETA
+(its dashboard panel, its recorded series and the sidecar's own signal) exists
+only while usage rises, over the last 5 minutes, and is at least its mean then.
+So the test fixes the phase rather than hoping for it: the simulators' clocks
+stand still until Prometheus scrapes every kvwatch, then the test steps them
+through the light phase until Prometheus holds every engine's low usage, and
+only then through the climb, the overload and the recovery. Every ETA query
+then has Prometheus samples from before the climb and from the full plateau
+after it, and must return data. Their absence on flat, falling or just-emptied
+usage is proven in tests/promtool/eta.test.yaml (the recorded series) and
+tests/test_vllm_newer_families.py (the sidecar's signal)."""
 
 from __future__ import annotations
 
@@ -18,14 +30,32 @@ from kvwatch.sidecar.app import create_app
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import load_settings
 from kvwatch.signals import ENGINE_SERIES, SIGNALS
+from kvwatch.sim.scenario import load_scenario
 from kvwatch.sim.server import start_background
 from mixin_support import GRAFANA_VARIABLES, RULES, dashboard_exprs, load_dashboards, load_rules, metric_names
 from pageserver import serving
-from promstack import prometheus, query, query_range
+from promstack import prometheus, query, query_range, wait_until
 
 # dialect -> the model_name its page gives kvwatch (llama.cpp's page names no model).
 DIALECTS = {"sglang": "m-sglang", "llamacpp": "unknown", "trtllm": "m-trtllm"}
-RUN_SECONDS = 25
+# The exhaustion scenario's light phase (1 min), overload (3 min) and most of
+# its recovery, stepped LIGHT_STEP, then SIM_STEP simulated seconds every
+# STEP_PAUSE s: at most 5x, then 20x wall time. A loaded machine slows the
+# simulators with the test, so Prometheus's 1 s scrapes see each phase at
+# least as often as on an idle one.
+SIMULATED_SECONDS = 500
+SIM_STEP = 2.0
+STEP_PAUSE = 0.1
+LIGHT_STEP = 0.5
+USAGE = "kvwatch_engine_kv_cache_usage_ratio"
+
+
+def advance(sims, seconds: float) -> float:
+    """Step every simulator's clock, pause, and say where the clocks stand."""
+    for sim in sims:
+        sim.advance(seconds)
+    time.sleep(STEP_PAUSE)
+    return sims[0].sim.now
 
 
 def unavailable_names(engine: str) -> set[str]:
@@ -53,10 +83,12 @@ def _reads(expr: str, names: set[str]) -> bool:
 @pytest.fixture
 def stack():
     with contextlib.ExitStack() as running:
-        targets, monitors = [], []
+        targets, monitors, sims = [], [], []
         for dialect, model in DIALECTS.items():
-            sim = start_background("exhaustion", speed=20, dialect=dialect, model_name=model)
+            # Speed 0: the clock stands still until the test steps it.
+            sim = start_background("exhaustion", speed=0, dialect=dialect, model_name=model)
             running.callback(sim.stop)
+            sims.append(sim)
             settings = load_settings(overrides={"target": sim.metrics_url, "port": 0, "poll_interval": "0.5s",
                                                 "window": "5m"}, environ={})
             monitor = Monitor(settings)
@@ -65,11 +97,23 @@ def stack():
             running.callback(monitor.stop)
             monitors.append(monitor)
             targets.append(f"127.0.0.1:{kvwatch.port}")
-            # The simulator sends itself requests (its scenario's workload), so nothing else drives it.
         prom = running.enter_context(prometheus(targets, rule_files=[RULES], interval="1s"))
         begin = float(int(time.time()))
-        time.sleep(RUN_SECONDS)
-        yield {"prometheus": prom.url, "started": begin, "monitors": monitors}
+        reporting = {model for dialect, model in DIALECTS.items() if USAGE not in unavailable_names(dialect)}
+        wait_until(lambda: len(query(prom.url, "up == 1")) == len(targets), 60, "Prometheus to scrape every kvwatch")
+        # The light phase, slowly (TensorRT-LLM's usage exists only while
+        # requests complete), until Prometheus holds every engine's usage from
+        # before the climb.
+        light = load_scenario("exhaustion").phases[0].duration
+        stepped = 0.0
+        while not {series["metric"]["model_name"] for series in query(prom.url, USAGE)} >= reporting:
+            assert stepped + LIGHT_STEP < light, f"Prometheus scraped no usage of {sorted(reporting)} in the light phase"
+            stepped = advance(sims, LIGHT_STEP)
+        # Then the climb, the overload and the recovery. The simulators send
+        # themselves requests (the scenario's workload); nothing else drives them.
+        while stepped < SIMULATED_SECONDS:
+            stepped = advance(sims, SIM_STEP)
+        yield {"prometheus": prom.url, "started": begin, "monitors": monitors, "reporting": reporting}
 
 
 def _depends_on_the_workload(expr: str) -> bool:
@@ -82,12 +126,19 @@ def _depends_on_the_workload(expr: str) -> bool:
             or any("last_healthy" in name or "fleet" in name for name in names) or "last_healthy" in expr)
 
 
+def _needs_rising_usage(expr: str) -> bool:
+    """The exhaustion ETA: data only while the usage trend is rising
+    (deriv(...) > 0). The fixture runs the climb inside the query range."""
+    return "deriv(" in expr and "> 0" in expr
+
+
 def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(stack):
     prom, start, now = stack["prometheus"], stack["started"], float(int(time.time()))
     assert sorted(m.state.engine for m in stack["monitors"]) == ["llamacpp", "sglang", "trtllm"]
     rules = [rule for rule in load_rules() if "record" in rule]
     empty: list[str] = []
     skipped = checked = 0
+    rising: set[str] = set()
     for dialect, model in DIALECTS.items():
         names = unavailable_names(dialect)
         variables = dict(GRAFANA_VARIABLES, **{"$model": model, "$__rate_interval": "10s", "$__range": "20s"})
@@ -101,6 +152,8 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
                 if not query_range(prom, expr, start, now, step=2):
                     empty.append(f"{dialect}: {where}")
                 checked += 1
+                if _needs_rising_usage(expr):
+                    rising.add(f"{dialect}: {where}")
         for rule in rules:
             if _reads(rule["expr"], names) or _depends_on_the_workload(rule["record"] + " " + rule["expr"]):
                 skipped += 1
@@ -108,8 +161,17 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
             if not query_range(prom, f'{rule["record"]}{{model_name="{model}"}}', start, now, step=2):
                 empty.append(f"{dialect}: recorded {rule['record']}")
             checked += 1
+            if _needs_rising_usage(rule["expr"]):
+                rising.add(f"{dialect}: recorded {rule['record']}")
     assert not empty, f"queries without data: {empty}"
     assert checked > 200 and skipped > 0
+    # The ETA queries were among those checked (panel, engine and model series)
+    # for every engine that reports usage, and the sidecar's own ETA signal
+    # (absent too unless usage rises) had data in the same run.
+    assert len(rising) == 3 * len(stack["reporting"]), sorted(rising)
+    for model in sorted(stack["reporting"]):
+        assert query_range(prom, f'kvwatch_kv_cache_exhaustion_eta_seconds{{model_name="{model}"}}', start, now,
+                           step=2), model
     # Each engine's canonical series reach Prometheus under kvwatch's names.
     for dialect, model in DIALECTS.items():
         assert query(prom, f'kvwatch_engine_generation_tokens_total{{model_name="{model}"}}'), dialect

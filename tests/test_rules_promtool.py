@@ -1,7 +1,9 @@
 """The generated rules pass `promtool check rules`, and `promtool test rules`
 proves each alert and each cause branch: the right cause fires on its
 series, the other causes and alerts do not (tests/promtool/, built by
-tests/promtool/cases.py)."""
+tests/promtool/cases.py). The exhaustion ETA's recorded series are tested the
+same way (hand-computed values, no series on flat, falling or just-emptied
+usage), and each expected value is the sidecar's own signal on those samples."""
 
 from __future__ import annotations
 
@@ -91,6 +93,72 @@ def test_case_files_are_current():
     for name, build in cases.FILES.items():
         assert (CASES_DIR / name).read_text() == cases.render(build()), \
             f"tests/promtool/{name} is stale: run `python tests/promtool/cases.py`"
+    for name, (build, render) in cases.RENDER_FILES.items():
+        assert (CASES_DIR / name).read_text() == render(build()), \
+            f"tests/promtool/{name} is stale: run `python tests/promtool/cases.py`"
+
+
+def eta_rules(rules_text: str) -> str:
+    """The exhaustion ETA's recording rules alone, per engine and per model."""
+    data = yaml.safe_load(rules_text)
+    groups = []
+    for group in data["groups"]:
+        rules = [rule for rule in group["rules"] if rule.get("record") in cases.ETA_RECORDS.values()]
+        if rules:
+            groups.append({**group, "rules": rules})
+    assert sum(len(group["rules"]) for group in groups) == len(cases.ETA_RECORDS)
+    return yaml.safe_dump({"groups": groups}, width=1 << 16)
+
+
+def run_eta_cases(tmp_path: Path, rules_text: str, only: str | None = None) -> subprocess.CompletedProcess:
+    """Run eta.test.yaml against `rules_text`; `only` keeps the case of that name."""
+    data = yaml.safe_load((CASES_DIR / "eta.test.yaml").read_text())
+    if only is not None:
+        data["tests"] = [test for test in data["tests"] if test["name"] == only]
+        assert data["tests"], only
+    (tmp_path / "eta.test.yaml").write_text(yaml.safe_dump(data, width=1 << 16))
+    (tmp_path / "rules.yaml").write_text(eta_rules(rules_text))
+    return promtool("test", "rules", "eta.test.yaml", cwd=tmp_path)
+
+
+@needs_promtool
+def test_promtool_unit_tests_of_the_eta_recording_rules(tmp_path):
+    result = run_eta_cases(tmp_path, RULES.read_text())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_eta_cases_are_the_sidecars_signal_on_the_same_samples():
+    # One number, one definition: the sidecar's ETA (kvwatch/signals.py),
+    # fed each case's samples up to its evaluation time (one a minute, as
+    # promtool's), gives the value the recorded series must hold, or none.
+    from kvwatch.signals import _eta
+
+    cases_seen = 0
+    for case in cases.eta_cases():
+        for usage, expected in zip(case.usage, case.expect):
+            values = cases.expand(usage)[:case.minute + 1]
+            got = _eta([(60.0 * minute, value) for minute, value in enumerate(values)])
+            assert (got is None) == (expected is None), (case.name, got, expected)
+            if expected is not None:
+                assert got == pytest.approx(expected, abs=1e-3), case.name
+        cases_seen += 1
+    assert cases_seen >= 6 and any(e is None for c in cases.eta_cases() for e in c.expect)
+
+
+@needs_promtool
+@pytest.mark.parametrize("old, new, case", [
+    ("> 0)", ">= 0)", "flat usage: no series"),
+    (" >= avg_over_time(", " >= 0 * avg_over_time(", "rising trend but usage now under its 5m mean: no series"),
+], ids=["no rising slope", "no mean condition"])
+def test_the_eta_cases_catch_a_rule_without_its_rising_conditions(tmp_path, old, new, case):
+    # Each condition has the case that fails without it (and passes with it:
+    # test_promtool_unit_tests_of_the_eta_recording_rules).
+    text = RULES.read_text()
+    assert old in text
+    result = run_eta_cases(tmp_path, text.replace(old, new), only=case)
+    assert result.returncode != 0
+    assert "exp: nil" in result.stdout + result.stderr
 
 
 @needs_promtool

@@ -1,3 +1,5 @@
+import socket
+
 import pytest
 
 from kvwatch.cli import main
@@ -47,12 +49,42 @@ def test_unreadable_yaml_is_an_error_not_a_crash(tmp_path):
         load_settings(str(config), environ={})
 
 
+def test_unreadable_yaml_is_told_in_one_line_with_where(tmp_path):
+    config = tmp_path / "broken.yaml"
+    config.write_text("target: [unclosed\n")
+    with pytest.raises(SettingsError) as raised:
+        load_settings(str(config), environ={})
+    (problem,) = raised.value.problems
+    assert "\n" not in problem and "<unicode string>" not in problem
+    assert "line 2, column 1: expected ',' or ']'" in problem and "line 1, column 9" in problem
+
+
+def test_a_port_or_count_that_is_not_a_number_is_told_without_python_words():
+    with pytest.raises(SettingsError) as raised:
+        load_settings(overrides={"port": "abc", "max_series": "many"}, environ={})
+    assert raised.value.problems == ["--port: 'abc' is not a whole number",
+                                     "--max-series: 'many' is not a whole number"]
+
+
 def test_serve_with_bad_config_exits_non_zero_and_names_every_problem(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("port: -1\nwindow: never\n")
     assert main(["serve", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "port" in err and "never" in err
+
+
+def test_serve_on_a_port_already_taken_says_so_in_one_sentence_before_serving(capsys):
+    # uvicorn logged `[Errno 98] error while attempting to bind on address ...` after
+    # kvwatch had announced "serving", and exited 3.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--target", "http://127.0.0.1:9/metrics"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"kvwatch: cannot listen on 127.0.0.1:{port}: another process already listens on that port " \
+                  "(choose another --port)\n"
 
 
 def test_kubernetes_service_link_variable_is_not_taken_for_the_port():

@@ -247,6 +247,15 @@ def test_cli_report_runs_offline(capsys):
     assert lines[1].split()[1] == "light" and lines[2].split()[1] == "overload"
 
 
+def test_cli_times_read_the_duration_grammar_of_every_other_command(capsys):
+    # `--report 2m --interval 1m` was refused: "invalid float value: '2m'".
+    assert kvwatch_main(["sim", "--scenario", "exhaustion", "--report", "2m", "--interval", "1m"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:2] == ["60", "light"] and lines[2].split()[:2] == ["120", "overload"]
+    assert kvwatch_main(["sim", "--duration", "10x", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "kvwatch sim: --duration: '10x' is not a duration (examples: 5, 5s, 500ms, 2m, 1h)"
+
+
 def test_cli_serves_prints_its_url_and_stops_on_sigterm():
     process = subprocess.Popen(
         [sys.executable, "-m", "kvwatch", "sim", "--scenario", "healthy", "--port", "0", "--speed", "10"],

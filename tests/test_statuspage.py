@@ -106,6 +106,28 @@ def test_format_value():
     assert format_value(0.3, "seconds", "<") == "< 300 ms"
 
 
+def test_format_value_never_writes_an_exponent():
+    # `kvwatch diagnose` printed "Prompt tokens 3.04e+03/s" where the page's script writes 3040/s.
+    assert format_value(3040.2, "per_second") == "3040/s"
+    assert format_value(355.4, "per_second") == "355/s"
+    assert format_value(0.0123, "per_second") == "0.0123/s"
+    assert format_value(0.9996, "seconds") == "1000 ms"
+    assert format_value(123456.7, "") == "123000"
+    # Bytes in thousands, as tokens are ("KV cache in use (bytes) 13940013" beside "16,384" tokens).
+    assert format_value(13940013.0, "bytes") == "13,940,013"
+
+
+def test_a_full_window_reads_as_the_span_it_covers_not_more_than_set():
+    # The header read "window 62 of 60 s" once the window was full.
+    from kvwatch.sidecar.statuspage import window_text
+
+    assert window_text({"window_covered_seconds": 62.0, "window_seconds": 60.0}) == "62 s"
+    assert window_text({"window_covered_seconds": 60.2, "window_seconds": 60.0}) == "60 s"
+    assert window_text({"window_covered_seconds": 22.4, "window_seconds": 60.0}) == "22 of 60 s"
+    assert window_text({"window_covered_seconds": None, "window_seconds": 300.0}) == "0 of 300 s"
+    assert "function windowText(signals)" in SCRIPT and 'covered + " of " + set + " s" : covered + " s"' in SCRIPT
+
+
 def _down_state():
     from kvwatch.sidecar.monitor import State
 

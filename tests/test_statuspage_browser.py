@@ -99,6 +99,10 @@ def test_page_refreshes_findings_live_without_console_errors(fixtures_dir, tmp_p
     assert re.search(r'data-evidence="waiting_at_peak">Waiting at peak<b>18</b>', card.group(1))
     assert "Now on tiny-llama / 0" in dom and "99.2%" in dom
     assert re.search(r'data-figure="kv_usage" data-state="bad"', dom)
+    # The figures say which are the last poll's and which span the window (a window's p95
+    # beside the trend's last 30 s point read as two answers to one question).
+    assert re.search(r'<p class="muted span-note">KV usage, Headroom, Waiting: the last poll; Hit ratio, TTFT p95, '
+                     r'Preempt/s: over the last \d+ s\.</p>', dom)
 
 
 def test_central_modes_page_of_one_replica_refreshes_that_replica(tmp_path):

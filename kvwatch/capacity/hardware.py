@@ -421,6 +421,7 @@ IGNORED = (
     "checkpoints, vision and audio encoders, learned position embeddings, LoRA adapters, "
     "MTP layers, LayerNorm biases and extra per-layer norms are not counted; vLLM pads the "
     "vocabulary to a multiple of 64 on each rank (counted on one GPU, not in the total).",
-    "Parallelism: tensor parallelism only. Pipeline and expert parallelism split the "
-    "weights differently, and data parallel replicas each have their own pool.",
+    "Pipeline, expert and data parallelism: the weights are split by tensor parallelism "
+    "only. Pipeline and expert parallelism split them differently, and data parallel "
+    "replicas each have their own pool.",
 )

@@ -27,6 +27,7 @@ import io
 import json
 import shutil
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -149,6 +150,10 @@ def pack(folder: Path, out: Path) -> None:
     temporary.replace(out)
 
 
+# What a cut-off or damaged .tar.gz raises while it is read.
+DAMAGED = (tarfile.TarError, EOFError, zlib.error, OSError)
+
+
 class Capture:
     """A recorded capture, folder or bundle: its manifest, its index, and its
     entries with their pages, read in order (a bundle is streamed once per
@@ -160,12 +165,20 @@ class Capture:
             raise CaptureError(f"{self.path}: no such capture")
         if is_bundle(self.path):
             with self._tar() as tar:
-                self.manifest = self._json(tar, MANIFEST)
-                self.entries = self._index(self._member(tar, INDEX).decode("utf-8"))
+                try:
+                    self.manifest = self._json(tar, MANIFEST)
+                    self.entries = self._index(self._member(tar, INDEX).decode("utf-8"))
+                except DAMAGED as exc:
+                    raise CaptureError(f"{self.path}: the bundle is cut off or damaged before its index ({exc})") from None
+        elif self.path.is_file():
+            raise CaptureError(f"{self.path}: not a kvwatch capture (a capture is a folder or a .tar.gz bundle "
+                               "written by kvwatch capture)")
         else:
             try:
                 self.manifest = json.loads((self.path / MANIFEST).read_text())
                 self.entries = self._index((self.path / INDEX).read_text())
+            except FileNotFoundError as exc:
+                raise CaptureError(f"{self.path}: not a kvwatch capture (no {Path(exc.filename).name} in it)") from None
             except (OSError, ValueError) as exc:
                 raise CaptureError(f"{self.path}: not a kvwatch capture ({exc})") from None
         if self.manifest.get("format") != FORMAT:
@@ -183,9 +196,21 @@ class Capture:
             return
         by_page = {entry.page: entry for entry in self.entries if entry.ok}
         pending = iter(self.entries)
+        read = 0
         with self._tar() as tar:
-            for member in tar:
-                entry = by_page.get(member.name)
+            members = iter(tar)
+            while True:
+                # A bundle cut off in transit (a partial copy of an incident) ends in one
+                # sentence after the pages it holds, not in tarfile's traceback.
+                try:
+                    member = next(members, None)
+                    entry = by_page.get(member.name) if member is not None else None
+                    data = tar.extractfile(member).read() if entry is not None else b""
+                except DAMAGED as exc:
+                    raise CaptureError(f"{self.path}: the bundle is cut off or damaged after {read} of "
+                                       f"{len(by_page)} pages ({exc})") from None
+                if member is None:
+                    break
                 if entry is None:
                     continue
                 # Failed fetches before this page come first, as recorded.
@@ -194,7 +219,7 @@ class Capture:
                         break
                     if not earlier.ok:
                         yield earlier, None
-                data = tar.extractfile(member).read()
+                read += 1
                 yield entry, data.decode("utf-8")
             for later in pending:
                 if not later.ok:

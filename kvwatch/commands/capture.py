@@ -18,7 +18,7 @@ from typing import TextIO
 
 from kvwatch.capture.bundle import CaptureError, CaptureWriter, Entry
 from kvwatch.capture.record import manifest_for, record
-from kvwatch.scrape import Fetcher
+from kvwatch.scrape import Fetcher, failure_sentence, public_host
 from kvwatch.sidecar.settings import SettingsError, load_settings
 from kvwatch.units import parse_duration
 
@@ -73,14 +73,21 @@ def run(args: argparse.Namespace) -> int:
 
     out = sys.stderr
     tty = out.isatty()
-    print(f"kvwatch capture: {writer.manifest['target']} every {interval:g}s for {duration:g}s into {args.out}"
+    limit = f"for {duration:g}s" + (f" or {args.count} fetches, whichever comes first" if args.count else "")
+    print(f"kvwatch capture: {writer.manifest['target']} every {interval:g}s {limit} into {args.out}"
           + ("; Ctrl-C stops and keeps what was recorded" if tty else ""), file=out, flush=True)
     started = time.monotonic()
     interrupted = False
+    last_failure: list[str] = []
+
+    def progress(entry: Entry, writer: CaptureWriter) -> None:
+        if not entry.ok:
+            last_failure[:] = [entry.reason or "error"]
+        _progress(out, tty, entry, writer, started)
+
     previous_term = _set_signal(signal.SIGTERM, _interrupt)
     try:
-        record(fetcher, writer, interval, duration, progress=lambda e, w: _progress(out, tty, e, w, started),
-               count=args.count)
+        record(fetcher, writer, interval, duration, progress=progress, count=args.count)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -98,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvwatch capture: {'interrupted; ' if interrupted else ''}{manifest['pages']} pages{failures}"
           f" in {time.monotonic() - started:.0f}s; engine {manifest.get('engine') or 'not recognised'}; "
           f"written to {path}", file=out)
+    if not manifest["pages"] and last_failure:
+        # Why nothing was recorded, as the sidecar says it (not only a reason's code).
+        print(f"kvwatch capture: no page recorded: "
+              f"{failure_sentence(last_failure[0], public_host(settings.target), settings.fetch_timeout)}", file=out)
     return EXIT_OK if manifest["pages"] else EXIT_NO_PAGES
 
 

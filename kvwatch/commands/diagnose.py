@@ -182,8 +182,8 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_FINDINGS if actionable else EXIT_OK
 
 
-def _fail(problems: list[str]) -> int:
-    print("kvwatch diagnose: invalid configuration:", file=sys.stderr)
+def _fail(problems: list[str], heading: str = "invalid configuration") -> int:
+    print(f"kvwatch diagnose: {heading}:", file=sys.stderr)
     for problem in problems:
         print(f"  - {problem}", file=sys.stderr)
     return EXIT_UNUSABLE
@@ -263,7 +263,7 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         capture = Capture(args.replay)
     except CaptureError as exc:
-        return _fail([str(exc)])
+        return _fail([str(exc)], "cannot replay")
     try:
         settings = replay_settings(capture, args.config, args.window)
     except SettingsError as exc:
@@ -271,7 +271,7 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         timeline = replay(capture, lambda source: Monitor(settings, fetcher=source, clock=source.now))
     except CaptureError as exc:
-        return _fail([str(exc)])
+        return _fail([str(exc)], "cannot replay")
     report = timeline.to_json()
     actionable = timeline.actionable
     manifest = capture.manifest

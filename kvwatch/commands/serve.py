@@ -19,7 +19,9 @@ ca_bundle, tls_verify and timeout apply to the store."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 
 from kvwatch.sidecar.settings import SettingsError, default_text, env_name, load_settings
@@ -116,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwatch: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    problem = listen_problem(settings.host, settings.port)
+    if problem:
+        print(f"kvwatch: {problem}", file=sys.stderr)
+        return 1
 
     import uvicorn
 
@@ -141,6 +147,30 @@ def run(args: argparse.Namespace) -> int:
     finally:
         monitor.stop()
     return 0
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """One sentence when kvwatch cannot listen there, before it says it
+    serves (uvicorn logged `[Errno 98] error while attempting to bind...`
+    after kvwatch had announced the address, and exited 3)."""
+    where = f"{host}:{port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError):
+        return f"cannot listen on {where}: the host does not resolve to an address of this machine (check --host)"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            reason = {
+                errno.EADDRINUSE: "another process already listens on that port (choose another --port)",
+                errno.EADDRNOTAVAIL: "no interface of this machine has that address (check --host)",
+                errno.EACCES: "permission denied (a port below 1024 needs privileges; choose another --port)",
+            }.get(exc.errno, exc.strerror or "the address cannot be bound")
+            return f"cannot listen on {where}: {reason}"
+    return None
 
 
 def run_central(args: argparse.Namespace, overrides: dict) -> int:
@@ -181,6 +211,10 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
             print(f"kvwatch: {problem}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    problem = listen_problem(settings.host, settings.port)
+    if problem:
+        print(f"kvwatch: {problem}", file=sys.stderr)
+        return 1
 
     import uvicorn
 
@@ -255,6 +289,7 @@ def replaying(capture, settings, speed: float):
     recorded page per recorded gap / speed. monitor.stop() ends it."""
     import threading
 
+    from kvwatch.capture.bundle import CaptureError
     from kvwatch.capture.replay import ReplaySource, paced
     from kvwatch.sidecar.monitor import Monitor
 
@@ -271,7 +306,11 @@ def replaying(capture, settings, speed: float):
                 log.exception("after-poll work failed; the replay goes on")
 
     def run_replay() -> None:
-        polls = paced(source, poll, speed, wait=monitor._stop.wait)
+        try:
+            polls = paced(source, poll, speed, wait=monitor._stop.wait)
+        except CaptureError as exc:
+            log.error("replay stopped: %s; serving the last state read", exc)
+            return
         log.info("replay of %s finished after %d polls; serving its last state", capture.path, polls)
 
     def start() -> None:

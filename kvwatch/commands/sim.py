@@ -13,6 +13,7 @@ import time
 from kvwatch.sim.dialects import DIALECTS
 from kvwatch.sim.scenario import ScenarioError, list_scenarios, load_scenario
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
+from kvwatch.units import parse_duration
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,14 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="number of engines (data-parallel ranks, label engine=\"0\"..); default from the scenario")
     parser.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
                         help=f"served model name (default: {DEFAULT_MODEL_NAME})")
-    parser.add_argument("--duration", type=float, default=None,
-                        help="stop after this many wall seconds (default: run until Ctrl-C)")
-    parser.add_argument("--report", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--duration", default=None,
+                        help="stop after this much wall time, e.g. 90s or 10m (default: run until Ctrl-C)")
+    parser.add_argument("--report", default=None, metavar="SECONDS",
                         help="do not serve: simulate SECONDS offline and print the signals every --interval")
     parser.add_argument("--dialect", default="vllm", choices=DIALECTS,
                         help="whose /metrics page to serve: vllm (default), sglang, llamacpp or trtllm; the same "
                              "simulated engines, spelled as that engine spells them")
-    parser.add_argument("--interval", type=float, default=15.0, help="report interval, simulated seconds (default: 15)")
+    parser.add_argument("--interval", default="15s", help="report interval, simulated time (default: 15s)")
 
 
 def _report(sim: Simulation, seconds: float, interval: float) -> None:
@@ -83,6 +84,15 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"kvwatch sim: {exc}", file=sys.stderr)
         return 2
+    for flag in ("duration", "report", "interval"):
+        raw = getattr(args, flag)
+        if raw is None:
+            continue
+        try:
+            setattr(args, flag, parse_duration(raw))
+        except ValueError as exc:
+            print(f"kvwatch sim: --{flag}: {exc}", file=sys.stderr)
+            return 2
     if args.speed < 0:
         print("kvwatch sim: --speed must be >= 0", file=sys.stderr)
         return 2

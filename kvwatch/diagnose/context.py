@@ -151,7 +151,9 @@ class EngineContext:
 
 def tidy(evidence: dict[str, Any]) -> dict[str, Any]:
     """Drop unknowns and round to 4 significant digits: evidence is read by
-    people, and 0.30000000000000004 helps nobody."""
+    people, and 0.30000000000000004 helps nobody. A figure of 1,000 or more
+    keeps every digit of its whole part (a capacity of 16,384 tokens must not
+    read 16,380 beside the signal that says 16,384)."""
     tidy = {}
     for key, value in evidence.items():
         if value is None:
@@ -159,7 +161,10 @@ def tidy(evidence: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, float):
             if not math.isfinite(value):
                 continue
-            value = float(f"{value:.4g}")
+            if abs(value) >= 1000:
+                value = float(round(value))
+            else:
+                value = float(f"{value:.4g}")
             if value.is_integer() and abs(value) < 1e15:
                 value = int(value)
         tidy[key] = value

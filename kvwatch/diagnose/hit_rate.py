@@ -306,8 +306,17 @@ def _what_tells(evidence: dict[str, Any]) -> str:
     return TELLS_EVICTION_APART
 
 
+# The first step of an undecided finding: its first sentence is the status page's "Next:"
+# (it read "Either cause reads the same on this page.", which tells nobody what to do).
+_FIRST_LOOK = {
+    "prefix_changed": "Look first for a prompt template or system prompt deployed at that time",
+    "no_reuse": "Look first at whether these prompts share a prefix at all",
+}
+
+
 def _next_check_both(named: str) -> str:
-    return (f"Either cause reads the same on this page. If {named.replace('_', ' ')}: {NEXT_CHECK[named]} "
+    return (f"{_FIRST_LOOK[named]}, then for idle prefixes evicted before reuse (the page cannot tell the two "
+            f"apart). If {named.replace('_', ' ')}: {NEXT_CHECK[named]} "
             f"If eviction before reuse: {NEXT_CHECK['eviction_before_reuse']}")
 
 

@@ -325,9 +325,9 @@ def store_sentence(url: str | None, error: QueryError) -> str:
     text = str(error)
     if "no answer within" in text:
         why = "it did not answer " + text[text.index("within"):]
-    elif "SSLError" in text:
+    elif error.reason == "tls" or "SSLError" in text:
         why = "the TLS handshake failed"
-    elif "ConnectionError" in text or "ConnectTimeout" in text:
+    elif error.reason in ("refused", "dns", "disconnected", "connection") or "ConnectTimeout" in text:
         why = "the connection failed (is it running, and is the URL right?)"
     elif ": HTTP " in text:
         why = "it answered " + text[text.index("HTTP "):][:200]

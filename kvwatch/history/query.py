@@ -27,7 +27,7 @@ import requests
 import urllib3
 
 from kvwatch import __version__
-from kvwatch.scrape import BearerToken
+from kvwatch.scrape import BearerToken, _connection_reason, public_host
 
 MAX_POINTS = 10_000  # per series and query; Prometheus refuses more than 11,000
 DEFAULT_MAX_SAMPLES = 5_000_000  # per query
@@ -37,8 +37,24 @@ DEFAULT_TIMEOUT = 60.0
 NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 
 
+# A store that cannot be reached, in one sentence (the engine's own are in scrape.SENTENCES).
+_STORE_SENTENCES = {
+    "refused": "connection refused by {host}: nothing listens there (is it the query API's address and port?)",
+    "timeout": "no answer from {host}",
+    "dns": "cannot resolve the host name of {host}",
+    "disconnected": "{host} closed the connection before answering",
+    "connection": "cannot connect to {host}",
+}
+
+
 class QueryError(Exception):
-    """The store refused or failed a query (the message says which and why)."""
+    """The store refused or failed a query (the message says which and why;
+    `reason` names a connection failure: refused, dns, disconnected,
+    connection, tls)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -119,6 +135,12 @@ class PrometheusClient:
                                          timeout=self.timeout, allow_redirects=False)
         except requests.Timeout:
             raise QueryError(f"{path}: no answer within {self.timeout:g}s") from None
+        except requests.exceptions.SSLError:
+            raise QueryError(f"{path}: TLS handshake with {public_host(self.url)} failed (certificate or protocol)",
+                             "tls") from None
+        except requests.ConnectionError as exc:
+            reason = _connection_reason(exc)
+            raise QueryError(f"{path}: {_STORE_SENTENCES[reason].format(host=public_host(self.url))}", reason) from None
         except requests.RequestException as exc:
             raise QueryError(f"{path}: {type(exc).__name__}: {exc}") from None
         size = len(response.content)

@@ -25,6 +25,7 @@ from kvwatch import __version__
 
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
 from kvwatch.diagnose.vocabulary import ALERT_CAUSES, PREEMPTING_SEVERITY, SEVERITY
+from kvwatch.units import yaml_problem
 
 SEVERITIES = ("critical", "warning", "info")
 # Alert names, with the symptom (the diagnosis vocabulary) each one reports.
@@ -116,6 +117,38 @@ EVERYDAY_PEAK_MIB = 80
 KVWATCH_MEMORY_LIMIT_MIB = -(-max(WORST_PAGE_PEAK_MIB * 5 // 4, 2 * EVERYDAY_PEAK_MIB) // 32) * 32
 KVWATCH_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"},
                      "limits": {"memory": f"{KVWATCH_MEMORY_LIMIT_MIB}Mi"}}
+
+# Central mode's Deployment (`kvwatch serve --prometheus`): its memory grows
+# with the replicas it keeps (one window each), its CPU with the replicas it
+# reads per refresh. Measured with 64 replicas at the default 30 s refresh:
+# ~390 MiB resident and ~1.3 s of CPU per refresh (~43 millicores on average).
+# The request scales that linearly to the replicas the Deployment keeps
+# (--max-replicas), which overstates large fleets a little (the fixed part of
+# the process is counted per replica too); the memory limit is the request
+# plus a quarter, rounded up to 32 MiB, and --max-replicas keeps kvwatch
+# under it whatever the fleet's size (the replicas beyond are counted as
+# dropped, never loaded). No CPU limit, as for the sidecar: a throttled
+# refresh only arrives later.
+CENTRAL_MEASURED_REPLICAS = 64
+CENTRAL_MEASURED_RESIDENT_MIB = 390
+CENTRAL_MEASURED_CPU_SECONDS_PER_REFRESH = 1.3
+CENTRAL_REFRESH_SECONDS = 30
+CENTRAL_MAX_REPLICAS = 128
+
+
+def _round_up(value: float, step: int) -> int:
+    return int(-(-value // step) * step)
+
+
+def central_resources(max_replicas: int = CENTRAL_MAX_REPLICAS) -> dict:
+    scale = max_replicas / CENTRAL_MEASURED_REPLICAS
+    memory_request = _round_up(CENTRAL_MEASURED_RESIDENT_MIB * scale, 32)
+    memory_limit = _round_up(memory_request * 5 / 4, 32)
+    cpu = _round_up(1000 * CENTRAL_MEASURED_CPU_SECONDS_PER_REFRESH * scale / CENTRAL_REFRESH_SECONDS * 5 / 4, 10)
+    return {"requests": {"cpu": f"{cpu}m", "memory": f"{memory_request}Mi"},
+            "limits": {"memory": f"{memory_limit}Mi"}}
+
+
 @dataclass(frozen=True)
 class DeploySettings:
     """What the manifests are built from; see DEPLOY_FIELDS for each field's meaning."""
@@ -146,10 +179,28 @@ class DeploySettings:
     monitor_labels: dict = field(default_factory=lambda: {"release": "kube-prometheus-stack"})
     grafana_folder: str = "kvwatch"
     run_as_user: int = 10001
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+    central_selector: str | None = None
+    central_max_replicas: int = CENTRAL_MAX_REPLICAS
+    central_resources: dict | None = None
 
     @property
     def config_map_name(self) -> str:
         return "kvwatch-config"
+
+    @property
+    def central_name(self) -> str:
+        return "kvwatch-central"
+
+    @property
+    def store_selector(self) -> str:
+        """Central mode's --selector: the configured one, else the vLLM namespace's series."""
+        return self.central_selector if self.central_selector is not None else f'{{namespace="{self.namespace}"}}'
+
+    @property
+    def central_container_resources(self) -> dict:
+        return self.central_resources if self.central_resources is not None \
+            else central_resources(self.central_max_replicas)
 
     @property
     def all_vllm_args(self) -> list[str]:
@@ -183,6 +234,13 @@ DEPLOY_FIELDS = {
                       "(kube-prometheus-stack: release=<helm release>)",
     "grafana_folder": "Grafana folder for the dashboards (grafana_folder annotation of the Grafana sidecar)",
     "run_as_user": "numeric uid kvwatch runs as; matches the image's USER",
+    "prometheus_url": "central mode: the Prometheus-compatible store (its query API) the central Deployment reads",
+    "central_selector": "central mode: --selector of the replicas' series in the store "
+                        "(default: {namespace=\"<namespace>\"}; empty: every vLLM series the store holds)",
+    "central_max_replicas": "central mode: --max-replicas, the most replicas kept (the rest are counted as dropped); "
+                            "the default resources are sized for it",
+    "central_resources": "central Deployment's resources (default: scaled from the measured figure to "
+                         "central_max_replicas)",
 }
 assert set(DEPLOY_FIELDS) == {f.name for f in fields(DeploySettings)}
 
@@ -243,6 +301,15 @@ def _check(s: DeploySettings) -> None:
     for key in ("scrape_interval", "scrape_timeout"):
         if not re.fullmatch(r"(\d+(ms|s|m|h))+", str(getattr(s, key))):
             problems.append(f"{key}: {getattr(s, key)!r} is not a Prometheus duration (e.g. 15s)")
+    from kvwatch.history.query import check_selector
+
+    selector_problem = check_selector(s.store_selector)
+    if selector_problem:
+        problems.append(f"central_selector: {selector_problem}")
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", str(s.prometheus_url)):
+        problems.append(f"prometheus_url: {s.prometheus_url!r} is not an http(s) URL")
+    if not isinstance(s.central_max_replicas, int) or s.central_max_replicas < 1:
+        problems.append(f"central_max_replicas: {s.central_max_replicas!r} is not a positive whole number")
     if problems:
         raise ValueError("deploy settings: " + "; ".join(problems))
 
@@ -652,7 +719,7 @@ def load_config(path: str | Path | None) -> MixinConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise MixinConfigError([f"{path}: not valid YAML: {exc}"]) from None
+        raise MixinConfigError([f"{path}: not valid YAML: {yaml_problem(exc)}"]) from None
     return config_from_mapping(data, str(path))
 
 

@@ -10,7 +10,11 @@ kustomize layout:
     kubernetes/overlays/podmonitor/       base + a PodMonitor
     kubernetes/sidecar-patch/         a kustomize Component that adds the
                                       sidecar to an existing vLLM Deployment
+    kubernetes/central/               central mode instead of sidecars: one kvwatch
+                                      Deployment reading every replica from
+                                      Prometheus, its Service and ServiceMonitor
     prometheus/scrape-configs.yaml    a scrape job for Prometheus without the operator
+    prometheus/central-scrape-configs.yaml   the same for the central Deployment
 
 `kvwatch generate` calls it with its config object. Every field is read with
 getattr and a default (from `config.deploy` when the config has such an
@@ -284,6 +288,148 @@ def prometheus_scrape_configs(s: DeploySettings) -> dict:
     }
 
 
+# ---------------------------------------------------------------- central mode
+
+
+# Not the sidecar's port name: the sidecars' scrape job keeps every pod port
+# named port_name, and scraping central mode there (without honor_labels, as
+# job="kvwatch") would count every replica twice in the rules.
+CENTRAL_PORT_NAME = "central-metrics"
+
+
+def _central_labels() -> dict:
+    return {"app.kubernetes.io/name": "kvwatch", "app.kubernetes.io/component": "central"}
+
+
+def central_args(s: DeploySettings) -> list[str]:
+    """Flags after the image's `kvwatch serve`. The refresh stays at central
+    mode's own default (30 s), which the resources are measured at."""
+    return ["--prometheus", s.prometheus_url,
+            "--selector", s.store_selector,
+            "--max-replicas", str(s.central_max_replicas),
+            "--window", s.window,
+            "--log-level", s.log_level]
+
+
+def central_container(s: DeploySettings) -> dict:
+    def probe(path: str, **timing) -> dict:
+        return {"httpGet": {"path": path, "port": CENTRAL_PORT_NAME}, "periodSeconds": 10, "timeoutSeconds": 2, **timing}
+
+    sidecar = kvwatch_container(s)
+    return {
+        "name": "kvwatch",
+        "image": s.image,
+        "imagePullPolicy": s.image_pull_policy,
+        "args": central_args(s),
+        "env": [
+            # Explicit for the same reason as the sidecar's (service links).
+            {"name": "KVWATCH_HOST", "value": "0.0.0.0"},
+            {"name": "KVWATCH_PORT", "value": str(s.kvwatch_port)},
+        ],
+        "ports": [{"name": CENTRAL_PORT_NAME, "containerPort": s.kvwatch_port, "protocol": "TCP"}],
+        "startupProbe": probe("/healthz", periodSeconds=2, failureThreshold=30),
+        "livenessProbe": probe("/healthz", failureThreshold=3),
+        # Here /readyz is the probe: this pod serves no engine, and its
+        # Service should hold it only while it reads the store.
+        "readinessProbe": probe("/readyz", failureThreshold=3),
+        "resources": s.central_container_resources,
+        "securityContext": sidecar["securityContext"],
+        "volumeMounts": [{"name": "kvwatch-tmp", "mountPath": "/tmp"}],
+    }
+
+
+def central_deployment(s: DeploySettings) -> dict:
+    labels = _central_labels()
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": s.central_name, "labels": dict(labels)},
+        "spec": {
+            # One reader: two would each query the store and export every series twice.
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": dict(labels)},
+            "template": {
+                "metadata": {"labels": dict(labels)},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "containers": [central_container(s)],
+                    "volumes": [v for v in kvwatch_volumes(s) if v["name"] == "kvwatch-tmp"],
+                },
+            },
+        },
+    }
+
+
+def central_service(s: DeploySettings) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": s.central_name, "labels": _central_labels()},
+        "spec": {
+            "selector": _central_labels(),
+            "ports": [{"name": CENTRAL_PORT_NAME, "port": s.kvwatch_port, "targetPort": CENTRAL_PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def central_service_monitor(s: DeploySettings) -> dict:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {"name": s.central_name, "labels": {**_central_labels(), **s.monitor_labels}},
+        "spec": {
+            "selector": {"matchLabels": _central_labels()},
+            "endpoints": [{
+                "port": CENTRAL_PORT_NAME,
+                "path": "/metrics",
+                "scheme": "http",
+                "interval": s.scrape_interval,
+                "scrapeTimeout": s.scrape_timeout,
+                # Each replica's series carry the store's own job, instance,
+                # namespace and pod: keep them (no job relabelling here).
+                "honorLabels": True,
+            }],
+        },
+    }
+
+
+def central_scrape_configs(s: DeploySettings) -> dict:
+    return {
+        "scrape_configs": [{
+            "job_name": s.central_name,
+            "honor_labels": True,
+            "scrape_interval": s.scrape_interval,
+            "scrape_timeout": s.scrape_timeout,
+            "metrics_path": "/metrics",
+            "kubernetes_sd_configs": [{"role": "pod"}],
+            "relabel_configs": [
+                {"source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+                 "regex": "central", "action": "keep"},
+                {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": CENTRAL_PORT_NAME, "action": "keep"},
+                {"source_labels": ["__meta_kubernetes_pod_phase"], "regex": "Pending|Succeeded|Failed", "action": "drop"},
+            ],
+        }],
+    }
+
+
+CENTRAL_NOTES = [
+    ("- name: kvwatch", "kvwatch central mode: reads every vLLM replica the store scrapes (--selector) through its\n"
+                        "query API and serves their signals on {port_name}, each series under the replica's own\n"
+                        "job/instance/namespace/pod. The rules and dashboards select job=\"{job}\" unless the mixin's\n"
+                        "`selector` says otherwise: generate them with the engines' job (e.g. selector: job=\"vllm\").\n"
+                        "A store that wants a token or TLS: mount a Secret and set KVWATCH_BEARER_TOKEN_FILE\n"
+                        "(and KVWATCH_CA_BUNDLE); docs/deploy.md."),
+    ("readinessProbe:", "Ready while the store answers and holds replicas for the selector (/readyz); no engine\n"
+                        "depends on this pod."),
+    ("resources:", "Measured with 64 replicas at the 30 s refresh: ~390 MiB resident, ~1.3 s CPU per refresh\n"
+                   "(CENTRAL_MEASURED_* in kvwatch/mixin/config.py). Requests scale that to --max-replicas ({max}),\n"
+                   "the memory limit adds a quarter; --max-replicas keeps kvwatch under it. No CPU limit."),
+    ("securityContext:", "Runs as the image's non-root uid with nothing writable but /tmp."),
+]
+
+
 # ---------------------------------------------------------------- sidecar patch
 
 
@@ -479,4 +625,14 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
         labels=", ".join(f"`{k}={v}`" for k, v in s.labels.items()))
 
     files["prometheus/scrape-configs.yaml"] = HEADER + to_yaml(prometheus_scrape_configs(s))
+
+    central = "kubernetes/central/"
+    central_notes = [(prefix, note.format(port_name=CENTRAL_PORT_NAME, job=s.job, max=s.central_max_replicas))
+                     for prefix, note in CENTRAL_NOTES]
+    files[central + "deployment.yaml"] = HEADER + _with_comments(to_yaml(central_deployment(s)), central_notes)
+    files[central + "service.yaml"] = HEADER + to_yaml(central_service(s))
+    files[central + "servicemonitor.yaml"] = HEADER + to_yaml(central_service_monitor(s))
+    files[central + "kustomization.yaml"] = _kustomization(
+        ["deployment.yaml", "service.yaml", "servicemonitor.yaml"], s.namespace)
+    files["prometheus/central-scrape-configs.yaml"] = HEADER + to_yaml(central_scrape_configs(s))
     return files

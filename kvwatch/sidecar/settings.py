@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from kvwatch.units import parse_duration, parse_size
+from kvwatch.units import parse_duration, parse_size, yaml_problem
 
 
 class SettingsError(Exception):
@@ -96,8 +96,17 @@ def _parse_bool(value: Any) -> bool:
     raise ValueError(f"{value!r} is not a boolean (true/false)")
 
 
+def _whole_number(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a whole number")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a whole number") from None
+
+
 def _parse_port(value: Any) -> int:
-    port = int(value)
+    port = _whole_number(value)
     if not 0 <= port <= 65535:
         raise ValueError(f"{value!r} is not a port (0-65535)")
     return port
@@ -183,7 +192,7 @@ def _engine(value: Any) -> str:
 
 
 def _positive_int(value: Any) -> int:
-    number = int(value)
+    number = _whole_number(value)
     if number <= 0:
         raise ValueError(f"{value!r} must be a positive integer")
     return number
@@ -264,7 +273,7 @@ def load_settings(
             problems.append(f"config file {config_file}: {exc.strerror or exc}")
             loaded = {}
         except yaml.YAMLError as exc:
-            problems.append(f"config file {config_file}: not valid YAML: {exc}")
+            problems.append(f"config file {config_file}: not valid YAML: {yaml_problem(exc)}")
             loaded = {}
         if not isinstance(loaded, dict):
             problems.append(f"config file {config_file}: must be a mapping of settings")

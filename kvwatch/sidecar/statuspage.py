@@ -123,17 +123,22 @@ DECIDING = {
 # finding's colour. `series` names its trend in /api/v1/series.
 FIGURES = (
     {"key": "kv_usage", "signal": "kvwatch_kv_cache_usage_ratio", "series": "kv_usage", "symptoms": ["exhaustion"],
+     "over": "poll",
      "rules": [{"state": "bad", "threshold": "exhaustion_usage_ratio", "op": ">="},
                {"state": "warn", "threshold": "eviction_usage_ratio", "op": ">="}]},
     {"key": "headroom", "signal": "kvwatch_kv_cache_free_tokens", "same_as": "kv_usage", "symptoms": ["exhaustion"],
+     "over": "poll",
      "rules": []},
-    {"key": "hit_ratio", "signal": "kvwatch_prefix_cache_hit_ratio", "series": "hit_ratio",
+    {"key": "hit_ratio", "signal": "kvwatch_prefix_cache_hit_ratio", "series": "hit_ratio", "over": "window",
      "symptoms": ["low_hit_rate"], "rules": [{"state": "warn", "threshold": "hit_ratio_low", "op": "<"}]},
     {"key": "ttft_p95", "signal": "kvwatch_time_to_first_token_seconds", "quantile": "0.95", "series": "ttft_p95",
+     "over": "window",
      "symptoms": ["slow_first_token"], "rules": [{"state": "bad", "threshold": "ttft_p95_seconds", "op": ">"}]},
     {"key": "waiting", "signal": "kvwatch_requests_waiting", "series": "waiting", "symptoms": ["exhaustion"],
+     "over": "poll",
      "rules": [{"state": "warn", "value": 0, "op": ">"}]},
     {"key": "preemptions", "signal": "kvwatch_preemptions_per_second", "series": "preemptions_per_second",
+     "over": "window",
      "symptoms": ["exhaustion"], "rules": [{"state": "bad", "value": 0, "op": ">"}]},
 )
 # The trend charts: (series, title, unit, threshold drawn as a line).
@@ -187,20 +192,32 @@ def format_value(value: Any, unit: str, pinned: dict[str, str] | str | None = No
     return bounded_text(text, pinned if isinstance(pinned, str) else None)
 
 
+def _three(value: float) -> str:
+    """Three significant digits, never in exponent notation: 3040, 0.0123,
+    as the page's script writes Number(x.toPrecision(3)) (`:.3g` wrote
+    3.04e+03 and, for 0.9996 s, "1e+03 ms")."""
+    rounded = float(f"{value:.3g}")
+    if rounded == 0:
+        return "0"
+    decimals = max(0, 2 - math.floor(math.log10(abs(rounded))))
+    text = f"{rounded:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def _format_number(value: float, unit: str) -> str:
     if unit == "ratio":
         return f"{value * 100:.1f}%"
     if unit == "seconds":
         if abs(value) >= 1:
             return f"{value:.2f} s"
-        return f"{value * 1000:.3g} ms" if abs(value) >= 0.001 or value == 0 else f"{value * 1e6:.3g} µs"
-    if unit == "tokens":
+        return f"{_three(value * 1000)} ms" if abs(value) >= 0.001 or value == 0 else f"{_three(value * 1e6)} µs"
+    if unit in ("tokens", "bytes"):
         return f"{value:,.0f}"
     if unit == "per_second":
-        return f"{value:.3g}/s"
+        return f"{_three(value)}/s"
     if float(value).is_integer():
         return f"{value:.0f}"
-    return f"{value:.3g}"
+    return _three(value)
 
 
 def format_evidence(evidence: dict[str, Any], pinned: dict[str, str] | None = None) -> str:
@@ -347,7 +364,7 @@ SCRIPT = r"""
       if (Math.abs(value) >= 0.001 || value === 0) return Number((value * 1000).toPrecision(3)) + " ms";
       return Number((value * 1e6).toPrecision(3)) + " \u00b5s";
     }
-    if (unit === "tokens") return Math.round(value).toLocaleString("en-US");
+    if (unit === "tokens" || unit === "bytes") return Math.round(value).toLocaleString("en-US");
     if (unit === "per_second") return Number(value.toPrecision(3)) + "/s";
     if (Number.isInteger(value)) return String(value);
     return String(Number(value.toPrecision(3)));
@@ -451,12 +468,17 @@ SCRIPT = r"""
     });
   }
 
+  // "22 of 60 s" while the window fills; once full, the span the figures cover (it holds
+  // one poll at or before its start, so it spans a little more than set: not "62 of 60 s").
+  function windowText(signals) {
+    var covered = Math.round(signals.window_covered_seconds || 0), set = Math.round(signals.window_seconds);
+    return covered < set ? covered + " of " + set + " s" : covered + " s";
+  }
   function renderStatus(signals) {
     var p = el("p", "muted");
     add(p, document.createTextNode("Target "), el("code", null, signals.target || ""),
       document.createTextNode(" \u00b7 " + (signals.up ? "up" : "down") + " \u00b7 " + signals.polls +
-        " polls \u00b7 window " + Math.round(signals.window_covered_seconds || 0) + " of " +
-        Math.round(signals.window_seconds) + " s \u00b7 last poll " + clock(signals.last_success_time)));
+        " polls \u00b7 window " + windowText(signals) + " \u00b7 last poll " + clock(signals.last_success_time)));
     swap("status", p);
   }
 
@@ -522,6 +544,13 @@ SCRIPT = r"""
       grid.appendChild(box);
     });
     section.appendChild(grid);
+    // Which figures are the last poll's and which span the window: the trends below end
+    // on shorter spans, so a p95 or a ratio differs there and must not look like an error.
+    var over = function (kind) {
+      return meta.figures.filter(function (f) { return f.over === kind; }).map(function (f) { return f.short; }).join(", ");
+    };
+    section.appendChild(el("p", "muted span-note", over("poll") + ": the last poll; " + over("window") +
+      ": over the last " + span(signals.window_covered_seconds || 0) + "."));
     swap("figures", section);
   }
 
@@ -862,6 +891,14 @@ def _time_text(seconds: float | None) -> str:
 # The <noscript> stand-in: the same state as text, for curl and browsers without JavaScript.
 
 
+def window_text(signals: dict[str, Any]) -> str:
+    """"22 of 60 s" while the window fills; once full, the span the figures
+    cover (one poll at or before its start makes it a little more than set:
+    "62 of 60 s" read as an error). The page's script writes the same."""
+    covered, configured = round(signals["window_covered_seconds"] or 0), round(signals["window_seconds"])
+    return f"{covered} of {configured} s" if covered < configured else f"{covered} s"
+
+
 def _status_html(signals: dict[str, Any]) -> str:
     if signals["up"]:
         state = '<span class="up">up</span>'
@@ -869,8 +906,7 @@ def _status_html(signals: dict[str, Any]) -> str:
         state = f'<span class="down">{_e(("down: " + (signals["reason"] or "") + " " + (signals["detail"] or "")).strip())}</span>'
     return (
         f'<p>Target <code>{_e(signals["target"] or "")}</code>: {state} · {signals["polls"]} polls, '
-        f'last success {_time_text(signals["last_success_time"])} · window '
-        f'{round(signals["window_covered_seconds"] or 0)} of {round(signals["window_seconds"])} s</p>'
+        f'last success {_time_text(signals["last_success_time"])} · window {window_text(signals)}</p>'
     )
 
 

@@ -206,5 +206,5 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ScenarioError(source, [f"not valid YAML: {exc}"]) from None
+        raise ScenarioError(source, [f"not valid YAML: {units.yaml_problem(exc)}"]) from None
     return parse_scenario(data, source)
