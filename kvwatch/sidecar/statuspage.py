@@ -788,6 +788,44 @@ SCRIPT = r"""
     swap("changes", section);
   }
 
+  // The signals left dark, grouped by the flag that lights them (dark_groups on the server).
+  function darkGroups(dark) {
+    var groups = [], index = {};
+    dark.forEach(function (item) {
+      var flags = (item.lit_by || []).join(" and ") || null;
+      var key = JSON.stringify([flags, flags ? "" : item.why]);
+      if (!(key in index)) { index[key] = groups.length; groups.push({flags: flags, why: flags ? "" : item.why, items: []}); }
+      groups[index[key]].items.push(item);
+    });
+    return groups;
+  }
+  function renderDark(signals) {
+    var dark = signals.dark_signals || [], section = el("section");
+    var before = document.querySelector("#dark details");
+    if (dark.length) {
+      section.appendChild(el("h2", null, "Signals this engine leaves dark (" + dark.length + ")"));
+      var details = el("details"), ul = el("ul");
+      details.open = !!(before && before.open);
+      details.appendChild(el("summary", null, "Which, why, and the flag that lights them"));
+      darkGroups(dark).forEach(function (g) {
+        var li = el("li");
+        li.setAttribute("data-flag", g.flags || "");
+        if (g.flags) add(li, el("code", null, g.flags), document.createTextNode(" lights: "));
+        else li.appendChild(document.createTextNode("No flag lights these (" + g.why + "): "));
+        g.items.forEach(function (item, i) {
+          var s = el("span", null, meta.labels[item.signal] || item.signal);
+          s.setAttribute("data-signal", item.signal);
+          s.title = item.signal + ": " + item.why;
+          if (i) li.appendChild(document.createTextNode(", "));
+          li.appendChild(s);
+        });
+        ul.appendChild(li);
+      });
+      section.appendChild(add(details, ul));
+    }
+    swap("dark", section);
+  }
+
   function render() {
     var signals = data.signals, diagnosis = data.diagnosis;
     var rows = enginesWorstFirst(signals, diagnosis);
@@ -800,6 +838,7 @@ SCRIPT = r"""
     renderTrends(row, data.series);
     renderFindings(signals, diagnosis);
     renderChanges(diagnosis);
+    renderDark(signals);
   }
 
   function get(path) {
@@ -968,6 +1007,40 @@ def _signals_html(signals: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def dark_groups(dark: list[dict[str, Any]]) -> list[tuple[str | None, str, list[dict[str, Any]]]]:
+    """/api/v1/signals' `dark_signals` grouped by what would light them:
+    (flags, why, items) in catalogue order of each group's first signal, one
+    group per flag (None where no flag does: not exported, or a hybrid
+    model). The page's script groups the same way (darkGroups)."""
+    groups: dict[tuple[str | None, str], list[dict[str, Any]]] = {}
+    for item in dark:
+        flags = " and ".join(item.get("lit_by") or []) or None
+        groups.setdefault((flags, "" if flags else item["why"]), []).append(item)
+    return [(flags, why, items) for (flags, why), items in groups.items()]
+
+
+def _dark_title(item: dict[str, Any]) -> str:
+    name = item["signal"]
+    return signal_label(name) if name in SIGNALS_BY_NAME else name
+
+
+def _dark_html(signals: dict[str, Any]) -> str:
+    """The signals this engine leaves dark and the flag that lights each
+    (empty section when none is): collapsed, under the engine's figures."""
+    dark = signals.get("dark_signals") or []
+    if not dark:
+        return '<section id="dark"></section>'
+    out = [f'<section id="dark"><h2>Signals this engine leaves dark ({len(dark)})</h2><details>'
+           "<summary>Which, why, and the flag that lights them</summary><ul>"]
+    for flags, why, items in dark_groups(dark):
+        titles = ", ".join(f'<span data-signal="{_e(i["signal"])}" title="{_e(i["signal"])}: {_e(i["why"])}">'
+                           f"{_e(_dark_title(i))}</span>" for i in items)
+        lead = f"<code>{_e(flags)}</code> lights: " if flags else f"No flag lights these ({_e(why)}): "
+        out.append(f'<li data-flag="{_e(flags or "")}">{lead}{titles}</li>')
+    out.append("</ul></details></section>")
+    return "".join(out)
+
+
 def page_state(state, settings) -> dict[str, Any]:
     """The JSON the page draws from: what the three API routes serve."""
     return {"signals": signals_json(state, settings), "diagnosis": diagnosis_json(state, settings),
@@ -1004,6 +1077,7 @@ def render_status_page(state, settings, nav: str = "") -> str:
 <section id="trends"></section>
 <section id="findings"></section>
 <section id="changes"></section>
+{_dark_html(signals)}
 <noscript>
 {_status_html(signals)}
 {_findings_html(diagnosis)}
