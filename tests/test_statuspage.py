@@ -169,3 +169,60 @@ def test_every_signal_has_a_human_label():
     assert all(labels) and len(set(labels)) == len(labels)
     assert signal_label("kvwatch_kv_cache_capacity_tokens") == "KV cache capacity (tokens)"
     assert signal_label("kvwatch_kv_cache_usage_ratio") == "KV cache usage"
+
+
+# --- the signals the engine's flags leave dark ------------------------------------
+
+
+def _dark_section(html: str) -> str:
+    found = re.search(r'<section id="dark">(.*?)</section>', html, re.S)
+    assert found is not None
+    return found.group(1)
+
+
+def test_vllm_without_kv_cache_metrics_names_the_flag_that_lights_residency(fixtures_dir):
+    # A real vLLM 0.32 capture, served without --kv-cache-metrics: the residency
+    # signals are dark, grouped on one line under the flag that lights them.
+    monitor, settings = polled([page(fixtures_dir, n) for n in ("idle", "load")])
+    section = _dark_section(render_status_page(monitor.state, settings))
+    assert "Signals this engine leaves dark" in section and "<details>" in section
+    line = re.search(r'<li data-flag="--kv-cache-metrics"><code>--kv-cache-metrics</code> lights: (.*?)</li>', section)
+    assert line is not None, section
+    assert "KV blocks short of keeping reuse (blocks)" in line.group(1)  # the catalogue's title, not the name
+    assert "KV bytes short of keeping reuse (bytes)" in line.group(1)
+    assert ">kvwatch_kv_cache_reuse_shortfall_blocks<" not in section
+    assert "OffloadingConnector</code> lights: " in section
+    # Lit signals are not listed.
+    assert "KV cache usage" not in section and "Prompt tokens served from a cache" not in section
+
+
+def test_an_engine_that_does_not_export_the_inputs_says_so(fixtures_dir):
+    llamacpp = (fixtures_dir / "handwritten" / "llamacpp-2026-a.txt").read_text()
+    monitor, settings = polled([llamacpp])
+    assert monitor.state.engine == "llamacpp"
+    section = _dark_section(render_status_page(monitor.state, settings))
+    line = re.search(r'<li data-flag="">No flag lights these \(llama.cpp does not export what it is computed '
+                     r'from\): (.*?)</li>', section)
+    assert line is not None, section
+    assert "Time to first token, mean" in line.group(1) and "KV cache capacity (tokens)" in line.group(1)
+    assert "--kv-cache-metrics" not in section  # the engine's own reason, not vLLM's flag
+
+
+def test_a_page_with_everything_has_no_dark_section(fixtures_dir):
+    from test_vllm_newer_families import OFFLOAD_NEW, residency
+
+    everything = page(fixtures_dir, "after") + residency({1: 5}, {10: 5}) + OFFLOAD_NEW
+    monitor, settings = polled([everything, everything])
+    html = render_status_page(monitor.state, settings)
+    assert _dark_section(html) == "" and "leaves dark" not in html.split("<script")[0]
+
+
+def test_the_script_groups_dark_signals_as_the_server_does():
+    from kvwatch.sidecar.statuspage import dark_groups
+
+    dark = [{"signal": "a", "lit_by": ["--x"], "why": "config-gated"},
+            {"signal": "b", "lit_by": None, "why": "not exported"},
+            {"signal": "c", "lit_by": ["--x"], "why": "config-gated"}]
+    assert [(flags, [i["signal"] for i in items]) for flags, _, items in dark_groups(dark)] == [
+        ("--x", ["a", "c"]), (None, ["b"])]
+    assert "function renderDark(signals)" in SCRIPT and "renderDark(signals);" in SCRIPT
