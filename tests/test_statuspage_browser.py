@@ -305,3 +305,30 @@ def test_findings_show_since_when_on_the_time_axis_and_their_runbook(browser, se
     assert first["since"] < monitor.state.snapshot.time  # first seen before the latest poll
     assert facts["notes"] == [key for f in findings for key in f["notes"]]
     assert page.messages() == []
+
+
+def test_dark_signals_section_follows_the_api(fixtures_dir, tmp_path):
+    """Rendered from a page with every family (no dark section), the page's
+    script then draws the section from /api/v1/signals: a vLLM 0.32 capture
+    without --kv-cache-metrics, its residency signals under that flag."""
+    from test_vllm_newer_families import OFFLOAD_NEW, residency
+
+    settings = load_settings(environ={})
+    everything = page(fixtures_dir, "after") + residency({1: 5}, {10: 5}) + OFFLOAD_NEW
+    with PageServer([Answer(everything)]) as server:
+        settings.target = server.url
+        lit = Monitor(settings)
+        lit.poll_once()
+    assert lit.state.dark_signals == () and lit.state.up
+    plain = polled(fixtures_dir, ["idle", "load"], settings)
+    app = create_app(SwitchingMonitor(lit, plain), settings)
+    with serving(app, lifespan="off", start_timeout_s=10) as kvwatch:
+        dom, stderr = dump_dom(kvwatch.url + "/", tmp_path)
+    assert console_lines(stderr) == []
+    assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 1
+    section = re.search(r'<section id="dark">(.*?)</section>', dom, re.S)
+    assert section is not None and "Signals this engine leaves dark (3)" in section.group(1)
+    line = re.search(r'<li data-flag="--kv-cache-metrics"><code>--kv-cache-metrics</code> lights: (.*?)</li>',
+                     section.group(1))
+    assert line is not None, section.group(1)
+    assert "KV blocks short of keeping reuse (blocks)</span>, <span" in line.group(1)
