@@ -169,3 +169,87 @@ def test_every_signal_has_a_human_label():
     assert all(labels) and len(set(labels)) == len(labels)
     assert signal_label("kvwatch_kv_cache_capacity_tokens") == "KV cache capacity (tokens)"
     assert signal_label("kvwatch_kv_cache_usage_ratio") == "KV cache usage"
+
+
+# --------------------------------------------------------------------------
+# The page's script, run in node: its functions taken out of SCRIPT by name.
+# --------------------------------------------------------------------------
+
+
+def script_function(name: str) -> str:
+    """The source of `function name(...) {...}` in the page's script."""
+    start = SCRIPT.index(f"function {name}(")
+    depth, i = 0, SCRIPT.index("{", start)
+    while True:
+        depth += {"{": 1, "}": -1}.get(SCRIPT[i], 0)
+        i += 1
+        if depth == 0:
+            return SCRIPT[start:i]
+
+
+def run_script(functions: list[str], expression: str, prelude: str = "") -> object:
+    """`expression`'s value (JSON) with the named functions of the script and
+    its meta in scope; skips without node."""
+    import json
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from kvwatch.sidecar.statuspage import page_meta
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    constants = "\n".join(re.search(rf"var {name} = [^;]+;", SCRIPT).group(0) for name in ("STATE_RANK",))
+    source = (f"var meta = {json.dumps(page_meta())};\n{constants}\n{prelude}\n"
+              + "\n".join(script_function(name) for name in functions)
+              + f"\nprocess.stdout.write(JSON.stringify({expression}));\n")
+    result = subprocess.run([node, "-e", source], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_a_finding_colours_only_figures_whose_own_value_is_bad():
+    """An exhaustion finding left over in the window (the replayed
+    concurrency capture after its burst) must not turn "KV usage 0.0%",
+    its headroom or "Waiting 0" red: only figures past their own threshold
+    take the finding's colour."""
+    import json
+
+    from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
+
+    row = {"model_name": "m", "engine": "0", "pinned": {}, "signals": {
+        "kvwatch_kv_cache_usage_ratio": 0.0, "kvwatch_kv_cache_free_tokens": 4096,
+        "kvwatch_prefix_cache_hit_ratio": 0.5, "kvwatch_time_to_first_token_seconds": {"0.95": 0.1},
+        "kvwatch_requests_waiting": 0, "kvwatch_preemptions_per_second": 0.2}}
+    finding = {"symptom": "exhaustion", "severity": "critical", "model_name": "m", "engine": "0"}
+    functions = ["figureValue", "compare", "figureStates"]
+    calm = run_script(functions, f"figureStates({json.dumps(row)}, [{json.dumps(finding)}], "
+                                 f"{json.dumps(DEFAULT_THRESHOLDS)})")
+    assert calm == {"kv_usage": "ok", "headroom": "ok", "hit_ratio": "ok", "ttft_p95": "ok",
+                    "waiting": "ok", "preemptions": "bad"}
+    row["signals"].update(kvwatch_kv_cache_usage_ratio=0.95, kvwatch_requests_waiting=3)
+    full = run_script(functions, f"figureStates({json.dumps(row)}, [{json.dumps(finding)}], "
+                                 f"{json.dumps(DEFAULT_THRESHOLDS)})")
+    # Waiting's own rule says warn; the critical finding deepens it to bad.
+    assert full["kv_usage"] == full["headroom"] == full["waiting"] == "bad"
+
+
+def test_every_cause_has_a_short_action_for_the_banner():
+    """The banner's "Next:" cut NEXT_CHECK at its first '.', ';' or ':' and
+    read "Expected after a restart." for cold_cache: each cause now declares
+    its action once, an instruction that starts with a verb."""
+    from kvwatch.diagnose.vocabulary import CAUSES, NEXT_ACTION, NEXT_CHECK
+    from kvwatch.sidecar.statuspage import page_meta
+
+    causes = {cause for listed in CAUSES.values() for cause in listed}
+    assert set(NEXT_ACTION) == causes and page_meta()["actions"] == NEXT_ACTION
+    for cause, action in NEXT_ACTION.items():
+        first = action.split()[0].rstrip(",:")
+        cut = re.match(r"^(.*?[.;:])(\s|$)", NEXT_CHECK[cause])
+        assert action.endswith(".") and len(action) <= 110, cause
+        assert cut is None or action != cut.group(1).rstrip(";:") + ".", cause
+        # An instruction: a capitalised bare verb, not a statement ("Expected ...", "The queue ...").
+        assert first[0].isupper() and not first.endswith(("ed", "s")) and first not in ("The", "A", "An", "If", "Nothing", "Time", "Most"), (cause, first)
+    assert "meta.actions[f.cause]" in SCRIPT

@@ -4,7 +4,7 @@ seconds, with or without Grafana.
 From the top: a banner with the worst active finding (or one sentence on why
 the engine is not read); the selected engine's key numbers as large figures,
 coloured by the diagnosis' own thresholds (sent in the JSON, never copied
-here); one row per engine, sortable, worst first, a click selects one; trend
+here) and by a finding only where their own value is bad; one row per engine, sortable, worst first, a click selects one; trend
 charts over the window the sidecar holds, with findings and changes marked on
 the time axis; the findings as cards; the changes.
 
@@ -32,7 +32,7 @@ import math
 import time
 from typing import Any
 
-from kvwatch.diagnose.vocabulary import SEVERITIES
+from kvwatch.diagnose.vocabulary import NEXT_ACTION, SEVERITIES
 from kvwatch.sidecar.report import diagnosis_json, public_url, signals_json
 from kvwatch.sidecar.series import series_json
 from kvwatch.signals import SIGNALS, SIGNALS_BY_NAME, UNITS
@@ -119,8 +119,9 @@ DECIDING = {
 # The key figures, and how each is coloured: `rules` compare the value with a
 # threshold of the diagnosis (by name: the page reads its value from the
 # JSON's `thresholds`) or with a stated value, first match wins; a figure
-# whose symptom has an active finding on that engine takes at least the
-# finding's colour. `series` names its trend in /api/v1/series.
+# that a rule marks (its own value is bad) and whose symptom has an active
+# finding on that engine takes at least the finding's colour; a calm value
+# stays calm whatever the finding. `series` names its trend in /api/v1/series.
 FIGURES = (
     {"key": "kv_usage", "signal": "kvwatch_kv_cache_usage_ratio", "series": "kv_usage", "symptoms": ["exhaustion"],
      "over": "poll",
@@ -401,10 +402,6 @@ SCRIPT = r"""
   function title(f) {
     return (meta.symptoms[f.symptom] || f.symptom) + ": " + (meta.causes[f.cause] || f.cause);
   }
-  function firstSentence(text) {
-    var m = /^(.*?[.;:])(\s|$)/.exec(text || "");
-    return m ? m[1].replace(/[;:]$/, ".") : (text || "");
-  }
   // A quantile pinned at a bucket edge is a bound: "< 300 ms", "> 80 s"
   // (the row's `pinned`: {signal: {quantile: "<" | ">"}}).
   function pinnedBound(row, signal, quantile) {
@@ -438,10 +435,14 @@ SCRIPT = r"""
       for (var i = 0; i < fig.rules.length; i++) {
         if (compare(value, fig.rules[i], thresholds)) { state = fig.rules[i].state; break; }
       }
+      // A finding deepens the colour of a figure its own threshold already marks, never of a
+      // calm one: "Waiting 0" or "KV usage 0.0%" is not red because exhaustion was diagnosed.
+      var own = state;
       findings.forEach(function (f) {
         if (fig.symptoms.indexOf(f.symptom) < 0 || f.severity === "info") return;
+        if (own !== "warn" && own !== "bad") return;
         var raised = f.severity === "critical" ? "bad" : "warn";
-        if (STATE_RANK[raised] > STATE_RANK[state] && value !== null) state = raised;
+        if (STATE_RANK[raised] > STATE_RANK[state]) state = raised;
       });
       states[fig.key] = state;
     });
@@ -516,7 +517,7 @@ SCRIPT = r"""
       add(div, add(el("div", "head"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
         add(el("p"), document.createTextNode(where(f) + " \u00b7 "), since, document.createTextNode(" \u00b7 " + f.confidence + " confidence" +
           (findings.length > 1 ? " \u00b7 " + (findings.length - 1) + " more finding" + (findings.length > 2 ? "s" : "") + " below" : ""))),
-        el("p", null, f.summary), add(el("p"), el("b", null, "Next: "), document.createTextNode(firstSentence(f.next_check))));
+        el("p", null, f.summary), add(el("p"), el("b", null, "Next: "), document.createTextNode(meta.actions[f.cause] || f.next_check)));
     }
     swap("banner", div);
   }
@@ -869,6 +870,8 @@ def page_meta() -> dict[str, Any]:
         "labels": {s.name: signal_label(s.name) for s in SIGNALS},
         "symptoms": SYMPTOM_TITLES,
         "causes": CAUSE_TITLES,
+        # The banner's "Next:" (the card has the full next_check).
+        "actions": NEXT_ACTION,
         "deciding": {cause: list(keys) for cause, keys in DECIDING.items()},
         "severities": list(SEVERITIES),
         "failures": FAILURE_TEXTS,
