@@ -293,8 +293,16 @@ def replaying(capture, settings, speed: float):
     from kvwatch.capture.replay import ReplaySource, paced
     from kvwatch.sidecar.monitor import Monitor
 
+    import dataclasses
+    from pathlib import Path
+
     source = ReplaySource(capture.pages())
     monitor = Monitor(settings, fetcher=source, clock=source.now)
+    # What the page, the JSON and /readyz say of the replay (report.replay_text):
+    # updated in place, so the last state says when it finished.
+    monitor.replay = {"capture": Path(str(capture.path)).name, "speed": speed, "recorded_polls": len(capture.entries),
+                      "finished": False, "stopped": None}
+    monitor.state = dataclasses.replace(monitor.state, replay=monitor.replay)
     log = logging.getLogger("kvwatch")
 
     def poll() -> None:
@@ -309,8 +317,10 @@ def replaying(capture, settings, speed: float):
         try:
             polls = paced(source, poll, speed, wait=monitor._stop.wait)
         except CaptureError as exc:
+            monitor.replay.update(finished=True, stopped=str(exc))
             log.error("replay stopped: %s; serving the last state read", exc)
             return
+        monitor.replay["finished"] = not monitor._stop.is_set()
         log.info("replay of %s finished after %d polls; serving its last state", capture.path, polls)
 
     def start() -> None:

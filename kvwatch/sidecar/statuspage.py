@@ -475,12 +475,25 @@ SCRIPT = r"""
     var covered = Math.round(signals.window_covered_seconds || 0), set = Math.round(signals.window_seconds);
     return covered < set ? covered + " of " + set + " s" : covered + " s";
   }
+  // A replay (kvwatch serve --replay) is marked, with recorded times: it must never read as live.
   function renderStatus(signals) {
-    var p = el("p", "muted");
+    var p = el("p", "muted"), replay = signals.replay;
+    if (replay) {
+      var mark = el("span", "pill " + (replay.finished ? "info" : "warning"), replay.finished ? "replay ended" : "replay");
+      mark.setAttribute("data-replay", replay.finished ? "finished" : "running");
+      add(p, mark, document.createTextNode(replay.text + " \u00b7 "));
+    }
     add(p, document.createTextNode("Target "), el("code", null, signals.target || ""),
       document.createTextNode(" \u00b7 " + (signals.up ? "up" : "down") + " \u00b7 " + signals.polls +
-        " polls \u00b7 window " + windowText(signals) + " \u00b7 last poll " + clock(signals.last_success_time)));
+        " polls \u00b7 window " + windowText(signals) + " \u00b7 " + (replay ? "recorded time " : "last poll ") +
+        clock(signals.last_success_time)));
     swap("status", p);
+  }
+  function liveText(signals) {
+    var replay = signals.replay;
+    if (replay && replay.finished) return "Replay ended: the page shows the recording's last state (recorded " +
+      clock(signals.last_success_time) + "); nothing new will come.";
+    return (replay ? "Replay: refreshed " : "Live: refreshed ") + clock(Date.now() / 1000) + ", every " + (every / 1000) + " s.";
   }
 
   function downSentence(signals) {
@@ -819,8 +832,7 @@ SCRIPT = r"""
       render();
       updates += 1;
       body.setAttribute("data-updates", String(updates));
-      document.getElementById("live").textContent = "Live: refreshed " + clock(Date.now() / 1000) +
-        ", every " + (every / 1000) + " s.";
+      document.getElementById("live").textContent = liveText(data.signals);
     }).catch(function (error) {
       document.getElementById("live").textContent = "Live refresh paused (" + error.message +
         "); showing the last data, retrying every " + (every / 1000) + " s.";
@@ -829,6 +841,7 @@ SCRIPT = r"""
     });
   }
   render();
+  if (data.signals.replay) document.getElementById("live").textContent = liveText(data.signals);
   body.setAttribute("data-rendered", "1");
   window.setTimeout(refresh, every);
 })();
@@ -907,8 +920,11 @@ def _status_html(signals: dict[str, Any]) -> str:
         state = '<span class="up">up</span>'
     else:
         state = f'<span class="down">{_e(("down: " + (signals["reason"] or "") + " " + (signals["detail"] or "")).strip())}</span>'
+    replay = signals.get("replay")
     return (
-        f'<p>Target <code>{_e(signals["target"] or "")}</code>: {state} · {signals["polls"]} polls, '
+        (f'<p class="replay"><b>{_e(replay["text"][0].upper() + replay["text"][1:])}.</b> Times are the recording\'s.</p>'
+         if replay else "")
+        + f'<p>Target <code>{_e(signals["target"] or "")}</code>: {state} · {signals["polls"]} polls, '
         f'last success {_time_text(signals["last_success_time"])} · window {window_text(signals)}</p>'
     )
 
@@ -971,6 +987,14 @@ def _signals_html(signals: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _live_html(signals: dict[str, Any]) -> str:
+    replay = signals.get("replay")
+    if replay:
+        return _e(f"{replay['text'][0].upper()}{replay['text'][1:]} (recorded time "
+                  f"{_time_text(signals['last_success_time'])}).")
+    return f"Rendered {_time_text(time.time())}; refreshes every {REFRESH_SECONDS} s."
+
+
 def page_state(state, settings) -> dict[str, Any]:
     """The JSON the page draws from: what the three API routes serve."""
     return {"signals": signals_json(state, settings), "diagnosis": diagnosis_json(state, settings),
@@ -1000,7 +1024,7 @@ def render_status_page(state, settings, nav: str = "") -> str:
 <body data-refresh-seconds="{REFRESH_SECONDS}" data-updates="0">
 <main>
 <header><h1>kvwatch</h1>{nav}<p id="status" class="muted"></p>
-<p id="live" class="muted">Rendered {_time_text(time.time())}; refreshes every {REFRESH_SECONDS} s.</p></header>
+<p id="live" class="muted">{_live_html(signals)}</p></header>
 <div id="banner"></div>
 <section id="figures"></section>
 <section id="engines"></section>
