@@ -253,3 +253,39 @@ def test_every_cause_has_a_short_action_for_the_banner():
         # An instruction: a capitalised bare verb, not a statement ("Expected ...", "The queue ...").
         assert first[0].isupper() and not first.endswith(("ed", "s")) and first not in ("The", "A", "An", "If", "Nothing", "Time", "Most"), (cause, first)
     assert "meta.actions[f.cause]" in SCRIPT
+
+
+def test_the_page_says_why_in_the_sidecars_one_failure_sentence():
+    """The banner said "the connection was refused (is the engine running…)"
+    while /readyz and the CLI said "connection refused by …: nothing listens
+    there": the page now prints the state's `detail`, the one sentence."""
+    import json
+
+    from kvwatch.scrape import failure_sentence
+
+    signals = {"up": False, "reason": "refused", "detail": failure_sentence("refused", "h:1"),
+               "target": "http://h:1/metrics", "last_success_time": None}
+    text = run_script(["clock", "downSentence"], f"downSentence({json.dumps(signals)})")
+    assert text == ("kvwatch cannot read the engine's metrics at http://h:1/metrics: connection refused by h:1: "
+                    "nothing listens there (engine down or starting?). No poll has succeeded yet.")
+
+
+FORMAT_CASES = [
+    (value, unit)
+    for unit in ("ratio", "seconds", "tokens", "bytes", "per_second", "requests", "")
+    for value in (0, 0.0, 1, 0.5, 0.9996, 0.99949, 1.005, 1.234, 12.5, 3040.4, 0.0123, 0.00049999, 1e-5, 2.5e-7,
+                  -0.002, 123456.7, 4096, 1e9 + 0.5, None, "text")
+] + [({"0.5": 0.1, "0.95": 2.5, "0.99": None}, "seconds"), ({}, "seconds"), ({"0.9": 0.25}, "ratio")]
+
+
+def test_the_script_formats_numbers_as_python_does():
+    """Numbers are formatted twice, here for the CLI and the <noscript>
+    summary and in the page's script: both must write every value alike."""
+    import json
+
+    from kvwatch.sidecar.statuspage import format_value
+
+    expected = [format_value(value, unit) for value, unit in FORMAT_CASES]
+    written = run_script(["labelKey", "three", "fmt"], f"{json.dumps(FORMAT_CASES)}.map(function (c) {{ return fmt(c[0], c[1]); }})")
+    differ = [(case, py, js) for case, py, js in zip(FORMAT_CASES, expected, written) if py != js]
+    assert not differ, "\n".join(map(repr, differ))

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from kvwatch.sidecar.app import create_app
+from kvwatch.sidecar.app import create_app, readiness
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import load_settings
 from pageserver import Answer, PageServer, serving
@@ -137,8 +137,10 @@ def test_page_with_engine_down_renders_cleanly(tmp_path):
         dom, stderr = dump_dom(kvwatch.url + "/", tmp_path)
     assert console_lines(stderr) == []
     assert 'data-state="down"' in dom
-    assert ("kvwatch cannot read the engine's metrics at http://127.0.0.1:9/metrics: the connection was refused "
-            "(is the engine running and listening on that port?). No poll has succeeded yet.") in dom
+    # The sidecar's one sentence for the failure, as /readyz and the CLI print it.
+    assert ("kvwatch cannot read the engine's metrics at http://127.0.0.1:9/metrics: connection refused by "
+            "127.0.0.1:9: nothing listens there (engine down or starting?). No poll has succeeded yet.") in dom
+    assert monitor.state.detail in dom and monitor.state.detail in readiness(monitor)[1]
     assert "No findings while the engine is not polled." in dom
     assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 1
 

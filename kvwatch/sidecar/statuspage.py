@@ -74,25 +74,6 @@ CAUSE_TITLES = {
     "cache_config_changed": "the cache configuration changed",
     "engine_restarted": "the engine restarted",
 }
-# Why a poll failed, as the end of the sentence "kvwatch cannot read the
-# engine's metrics at <target>: ..." (the poll's own detail is folded below it).
-FAILURE_TEXTS = {
-    "not_polled_yet": "it has not been polled yet",
-    "refused": "the connection was refused (is the engine running and listening on that port?)",
-    "dns": "its host name does not resolve",
-    "timeout": "it did not answer within the fetch timeout",
-    "tls": "the TLS handshake failed",
-    "content_type": "it answered with something other than Prometheus text",
-    "too_large": "its page is larger than the size cap",
-    "truncated": "its page was cut off",
-    "decode": "its page could not be decoded",
-    "no_engine_metrics": "its page holds no vLLM engine metrics",
-    "internal": "kvwatch itself failed while polling (see its log)",
-    # Central mode (kvwatch serve --prometheus): the replica is read from a store.
-    "store": "the Prometheus store it is read from did not answer",
-    "no_data": "the store holds no recent samples of it",
-}
-
 # The two or three evidence values that decided each cause: highlighted on
 # its card (the rest of the evidence is folded away). The first present win.
 DECIDING = {
@@ -213,7 +194,8 @@ def _format_number(value: float, unit: str) -> str:
             return f"{value:.2f} s"
         return f"{_three(value * 1000)} ms" if abs(value) >= 0.001 or value == 0 else f"{_three(value * 1e6)} µs"
     if unit in ("tokens", "bytes"):
-        return f"{value:,.0f}"
+        # Halves up, as the script's Math.round (format's own rounding goes to even: 12.5 -> 12).
+        return f"{math.floor(value + 0.5):,}"
     if unit == "per_second":
         return f"{_three(value)}/s"
     if float(value).is_integer():
@@ -362,13 +344,20 @@ SCRIPT = r"""
     if (unit === "ratio") return (value * 100).toFixed(1) + "%";
     if (unit === "seconds") {
       if (Math.abs(value) >= 1) return value.toFixed(2) + " s";
-      if (Math.abs(value) >= 0.001 || value === 0) return Number((value * 1000).toPrecision(3)) + " ms";
-      return Number((value * 1e6).toPrecision(3)) + " \u00b5s";
+      if (Math.abs(value) >= 0.001 || value === 0) return three(value * 1000) + " ms";
+      return three(value * 1e6) + " \u00b5s";
     }
-    if (unit === "tokens" || unit === "bytes") return Math.round(value).toLocaleString("en-US");
-    if (unit === "per_second") return Number(value.toPrecision(3)) + "/s";
+    if (unit === "tokens" || unit === "bytes") return (Math.round(value) || 0).toLocaleString("en-US");
+    if (unit === "per_second") return three(value) + "/s";
     if (Number.isInteger(value)) return String(value);
-    return String(Number(value.toPrecision(3)));
+    return three(value);
+  }
+  // Three significant digits, never in exponent notation (statuspage._three).
+  function three(value) {
+    var rounded = Number(value.toPrecision(3));
+    if (rounded === 0) return "0";
+    var text = rounded.toFixed(Math.max(0, 2 - Math.floor(Math.log10(Math.abs(rounded)))));
+    return text.indexOf(".") >= 0 ? text.replace(/0+$/, "").replace(/\.$/, "") : text;
   }
   function clock(seconds) { return seconds ? new Date(seconds * 1000).toTimeString().slice(0, 8) : "never"; }
   function minutes(seconds) { return new Date(seconds * 1000).toTimeString().slice(0, 5); }
@@ -496,9 +485,10 @@ SCRIPT = r"""
     return (replay ? "Replay: refreshed " : "Live: refreshed ") + clock(Date.now() / 1000) + ", every " + (every / 1000) + " s.";
   }
 
+  // Why, in the sidecar's one sentence per failure (kvwatch.scrape.SENTENCES: the JSON's
+  // `detail`, which /readyz and the CLI print too).
   function downSentence(signals) {
-    var reason = signals.reason || "";
-    var why = meta.failures[reason] || (/^http_/.test(reason) ? "it answered HTTP " + reason.slice(5) : "the poll failed (" + reason + ")");
+    var why = signals.detail || "the poll failed (" + (signals.reason || "") + ")";
     var last = signals.last_success_time ? "The last good poll was at " + clock(signals.last_success_time) + "." :
       "No poll has succeeded yet.";
     return "kvwatch cannot read the engine's metrics at " + (signals.target || "its target") + ": " + why + ". " + last;
@@ -512,7 +502,6 @@ SCRIPT = r"""
       div.setAttribute("data-state", "down");
       add(div, add(el("div", "head"), el("span", "pill critical", "down"), document.createTextNode("Engine not read")),
         el("p", null, downSentence(signals)));
-      if (signals.detail) add(div, add(el("details"), el("summary", null, "The poll's error"), el("code", null, signals.detail)));
     } else if (!findings.length) {
       div.className += " sev-ok";
       div.setAttribute("data-state", "ok");
@@ -887,7 +876,6 @@ def page_meta() -> dict[str, Any]:
         "actions": NEXT_ACTION,
         "deciding": {cause: list(keys) for cause, keys in DECIDING.items()},
         "severities": list(SEVERITIES),
-        "failures": FAILURE_TEXTS,
     }
 
 
