@@ -289,3 +289,26 @@ def test_the_script_formats_numbers_as_python_does():
     written = run_script(["labelKey", "three", "fmt"], f"{json.dumps(FORMAT_CASES)}.map(function (c) {{ return fmt(c[0], c[1]); }})")
     differ = [(case, py, js) for case, py, js in zip(FORMAT_CASES, expected, written) if py != js]
     assert not differ, "\n".join(map(repr, differ))
+
+
+def test_no_two_signals_read_alike():
+    """"Prompt tokens from cache" and "Prompt tokens served from a cache"
+    sat side by side in the CLI: the share of all prompt tokens and the same
+    share by tier. Labels that differ only in small words must say how."""
+    from kvwatch.signals import SIGNALS
+
+    def gist(label: str) -> str:
+        words = re.findall(r"[a-z0-9]+", label.lower())
+        return " ".join(w for w in words if w not in ("a", "an", "the", "served", "of", "in"))
+
+    seen: dict[str, str] = {}
+    for signal in SIGNALS:
+        label = signal_label_of(signal.name)
+        assert gist(label) not in seen, (label, seen.get(gist(label)))
+        seen[gist(label)] = label
+
+
+def signal_label_of(name: str) -> str:
+    from kvwatch.sidecar.statuspage import signal_label
+
+    return signal_label(name)
