@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay", metavar="CAPTURE",
                         help="serve a capture (folder or .tar.gz of kvwatch capture) instead of polling a target "
                              "(default: none)")
-    parser.add_argument("--speed", type=float, default=1.0,
+    parser.add_argument("--speed", default="1",
                         help="with --replay: recorded seconds per wall second, 0 for no waiting (default: 1)")
     central = parser.add_argument_group("central mode (--prometheus)")
     central.add_argument("--prometheus", metavar="URL",
@@ -98,8 +98,12 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "replay", None):
         from kvwatch.capture.bundle import Capture, CaptureError
 
-        if args.speed < 0:
-            print("kvwatch: --speed must be >= 0", file=sys.stderr)
+        from kvwatch.units import parse_number
+
+        try:
+            args.speed = parse_number(args.speed, minimum=0)
+        except ValueError as exc:
+            print(f"kvwatch: --speed: {exc}", file=sys.stderr)
             return 2
         try:
             capture = Capture(args.replay)
