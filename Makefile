@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm capture-vllm bench generate check-generated screenshots system-deps clean
+.PHONY: run test test-vllm test-llamacpp capture-vllm capture-llamacpp bench generate check-generated screenshots system-deps clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,11 +24,20 @@ test: $(STAMP) system-deps
 test-vllm: $(STAMP) system-deps
 	scripts/test-vllm.sh
 
+# The same against a real llama.cpp llama-server, built from source once and cached.
+test-llamacpp: $(STAMP)
+	scripts/test-llamacpp.sh
+
 # Fresh captures from the real vLLM of the tier, one per scenario it runs, to
 # renew tests/fixtures/ (check their ground truth by hand before replacing one).
 CAPTURE_OUT ?= tests/fixtures/vllm-cpu-$(shell date +%Y%m%d)
 capture-vllm: $(STAMP)
 	$(PY) -m tests.vllm_tier.record_captures --out $(CAPTURE_OUT)
+
+# Fresh /metrics pages from the tier's llama-server (see tests/fixtures/README.md).
+LLAMACPP_CAPTURE_OUT ?= tests/fixtures/llamacpp-b11434-cpu
+capture-llamacpp: $(STAMP)
+	$(PY) -m tests.llamacpp_tier.record_pages --out $(LLAMACPP_CAPTURE_OUT)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

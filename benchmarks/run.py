@@ -5,7 +5,10 @@ machine it ran on, and writes the same to benchmarks/RESULTS.md. Each figure
 is a ratio or a median taken in this run; nothing here is a pass/fail test
 (see docs/performance.md for the method).
 
-    .venv/bin/python benchmarks/run.py [--fixtures DIR] [--quick] [--only parse,poll,...]
+    .venv/bin/python benchmarks/run.py [--fixtures DIR] [--quick] [--only parse,poll,...] [--merge]
+
+`--only history --merge` runs one section and updates only its figures and
+details in RESULTS.md.
 """
 
 from __future__ import annotations
@@ -873,112 +876,191 @@ def bench_page(report: Report, fixtures: Path, quick: bool) -> None:
         + table(["engines", "poll", "window entries", "page", "refresh JSON", "state JSON build", "cold build"], rows))
 
 
-def history_openmetrics(replicas: int, start: float, points: int, step: float) -> str:
-    """A fleet's history as OpenMetrics for promtool: per replica, the vLLM
-    0.32 series the diagnosis reads (usage, running, waiting, prefix and token
-    counters, preemptions, the TTFT, queue, prefill and length histograms with
-    vLLM's buckets, cache_config_info), advancing every step; replica 0 runs
-    full from the middle of the range, so the diagnosis has findings to fold."""
+# The bench fleet's shape: 14 families (9 plain, 5 histograms), 116 series a replica.
+HISTORY_FAMILIES = 14
+HISTORY_SERIES_PER_REPLICA = 116
+
+
+def write_history_openmetrics(out, replicas: int, start: float, points: int, step: float) -> None:
+    """A fleet's history as OpenMetrics for promtool, written to `out` one
+    replica at a time: per replica, the vLLM 0.32 series the diagnosis reads
+    (usage, running, waiting, prefix and token counters, preemptions, the
+    TTFT, queue, prefill and length histograms with vLLM's buckets,
+    cache_config_info), advancing every step; replica 0 runs full from the
+    middle of the range, so the diagnosis has findings to fold. Replicas
+    other than 0 differ only in their `instance`: their text is written once
+    and copied with it replaced."""
+    template = None
+    for r in range(replicas):
+        instance = f"10.1.{r // 250}.{r % 250}:8000"
+        if r == 0:
+            out.write(_replica_openmetrics(instance, start, points, step, hot=True))
+            continue
+        if template is None:
+            template = _replica_openmetrics("@INSTANCE@", start, points, step, hot=False)
+        out.write(template.replace("@INSTANCE@", instance))
+    out.write("# EOF\n")
+
+
+def _replica_openmetrics(instance: str, start: float, points: int, step: float, hot: bool) -> str:
     ttft_bounds = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
     len_bounds = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-    out: list[str] = []
-    for r in range(replicas):
-        base = f'instance="10.1.{r // 250}.{r % 250}:8000",job="vllm",model_name="m",engine="0"'
-        out.append(f'vllm:cache_config_info{{{base},block_size="16",num_gpu_blocks="2048",'
-                   f'enable_prefix_caching="True"}} 1 {start:.0f}')
-        rows: dict[str, list[str]] = {}
-        for i in range(points):
-            at = f"{start + i * step:.0f}"
-            hot = r == 0 and i >= points // 2
-            n = i + 1
-            def put(name, labels, value):
-                rows.setdefault(name + labels, []).append(f"{name}{{{base}{labels}}} {value:g} {at}")
-            put("vllm:kv_cache_usage_perc", "", 0.99 if hot else 0.3)
-            put("vllm:num_requests_running", "", 32 if hot else 4)
-            put("vllm:num_requests_waiting", "", 10 if hot else 0)
-            put("vllm:num_preemptions_total", "", (n - points // 2) * 3 if hot else 0)
-            put("vllm:prefix_cache_queries_total", "", n * 4000)
-            put("vllm:prefix_cache_hits_total", "", n * 2400)
-            put("vllm:prompt_tokens_total", "", n * 4000)
-            put("vllm:generation_tokens_total", "", n * 1000)
-            for family, bounds, per in (("time_to_first_token_seconds", ttft_bounds, 0.1),
-                                        ("request_queue_time_seconds", ttft_bounds, 0.01),
-                                        ("request_prefill_time_seconds", ttft_bounds, 0.05),
-                                        ("request_prompt_tokens", len_bounds, 400),
-                                        ("request_generation_tokens", len_bounds, 100)):
-                for bound in bounds:
-                    put(f"vllm:{family}_bucket", f',le="{bound:g}"', n * 10 if bound >= per else 0)
-                put(f"vllm:{family}_bucket", ',le="+Inf"', n * 10)
-                put(f"vllm:{family}_sum", "", n * 10 * per)
-                put(f"vllm:{family}_count", "", n * 10)
-        for lines in rows.values():
-            out.extend(lines)
-    out.append("# EOF")
-    return "\n".join(out) + "\n"
+    base = f'instance="{instance}",job="vllm",model_name="m",engine="0"'
+    out = [f'vllm:cache_config_info{{{base},block_size="16",num_gpu_blocks="2048",'
+           f'enable_prefix_caching="True"}} 1 {start:.0f}']
+    rows: dict[str, list[str]] = {}
+    for i in range(points):
+        at = f"{start + i * step:.0f}"
+        full = hot and i >= points // 2
+        n = i + 1
+        def put(name, labels, value):
+            rows.setdefault(name + labels, []).append(f"{name}{{{base}{labels}}} {value:g} {at}")
+        put("vllm:kv_cache_usage_perc", "", 0.99 if full else 0.3)
+        put("vllm:num_requests_running", "", 32 if full else 4)
+        put("vllm:num_requests_waiting", "", 10 if full else 0)
+        put("vllm:num_preemptions_total", "", (n - points // 2) * 3 if full else 0)
+        put("vllm:prefix_cache_queries_total", "", n * 4000)
+        put("vllm:prefix_cache_hits_total", "", n * 2400)
+        put("vllm:prompt_tokens_total", "", n * 4000)
+        put("vllm:generation_tokens_total", "", n * 1000)
+        for family, bounds, per in (("time_to_first_token_seconds", ttft_bounds, 0.1),
+                                    ("request_queue_time_seconds", ttft_bounds, 0.01),
+                                    ("request_prefill_time_seconds", ttft_bounds, 0.05),
+                                    ("request_prompt_tokens", len_bounds, 400),
+                                    ("request_generation_tokens", len_bounds, 100)):
+            for bound in bounds:
+                put(f"vllm:{family}_bucket", f',le="{bound:g}"', n * 10 if bound >= per else 0)
+            put(f"vllm:{family}_bucket", ',le="+Inf"', n * 10)
+            put(f"vllm:{family}_sum", "", n * 10 * per)
+            put(f"vllm:{family}_count", "", n * 10)
+    for lines in rows.values():
+        out.extend(lines)
+    out.append("")
+    return "\n".join(out)
+
+
+def cpu_with_children() -> float:
+    """CPU seconds of this process and of its children that have ended
+    (the diagnosis' worker processes, joined when it returns)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def bench_history(report: Report, quick: bool) -> None:
     """kvwatch diagnose --prometheus over a fleet backfilled into a real
     Prometheus with promtool: read, rebuild and diagnose every replica at
-    every step, the fleet rules included."""
+    every step, the fleet rules included. The whole range is diagnosed as
+    the command does (worker processes, one per usable core); a slice of it
+    also in one process, and with each page written as text and parsed
+    (the baseline), for the ratios and to check that workers give the same
+    timeline."""
+    import math
     import shutil
+    import tempfile
 
     sys.path.insert(0, str(REPO / "tests"))
     from promstack import backfilled_prometheus
-    from kvwatch.history.query import PrometheusClient
-    from kvwatch.history.run import diagnose_history
+    from kvwatch.history.query import DEFAULT_MAX_SAMPLES, MAX_POINTS, PrometheusClient
+    from kvwatch.history.run import diagnose_history, usable_cores
 
     if shutil.which("promtool") is None or shutil.which("prometheus") is None:
         print("  skipped: promtool and prometheus are not installed")
         return
-    replicas, hours, step = (16, 1, 30.0) if quick else (64, 2, 30.0)
+    replicas, hours, slice_hours, step = (16, 1, 1, 30.0) if quick else (64, 24, 2, 30.0)
     points = int(hours * 3600 / step)
+    slice_points = int(slice_hours * 3600 / step)
     start = float((int(time.time()) // 3600 - hours - 2) * 3600)
+    workers = usable_cores()
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-bench-history-"))
     began = time.monotonic()
-    text = history_openmetrics(replicas, start, points, step)
-    replica_steps = replicas * points
-    cpu = {}
-    with backfilled_prometheus(text) as prom:
-        setup = time.monotonic() - began
-        # The same range both ways: Snapshots built from the query results
-        # (what `kvwatch diagnose --prometheus` does), and each page written
-        # as text and parsed (the baseline). CPU time is this process' (the
-        # store's own is not counted), steadier than wall time on a shared
-        # machine.
-        for way, as_text in (("pages as text", True), ("from query results", False)):
-            cpu_before = time.process_time()
-            found = diagnose_history(PrometheusClient(prom.url), start, start + (points - 1) * step, step,
-                                     window=300.0, pages_as_text=as_text)
-            cpu[way] = (time.process_time() - cpu_before, found.cost["total_seconds"])
-            if not as_text:
-                history = found
+    source = workdir / "fleet.om"
+    with open(source, "w") as out:
+        write_history_openmetrics(out, replicas, start, points, step)
+    size = source.stat().st_size
+    written = time.monotonic() - began
+    runs = {}
+    try:
+        # Blocks as long as the range: promtool reads its input once per block.
+        with backfilled_prometheus(source, timeout=3600, block_hours=hours) as prom:
+            source.unlink()
+            setup = time.monotonic() - began
+
+            def measure(label: str, count: int, **options) -> None:
+                cpu = cpu_with_children()
+                found = diagnose_history(PrometheusClient(prom.url), start, start + (count - 1) * step, step,
+                                         window=300.0, **options)
+                runs[label] = (cpu_with_children() - cpu, found, replicas * count)
+                print(f"  {label}: {found.cost['total_seconds']:.1f}s wall, {runs[label][0]:.1f}s CPU, "
+                      f"{found.cost['queries']} queries, {found.cost['samples']:,} samples", flush=True)
+
+            # CPU counts this process and its workers, not the store's own.
+            measure("whole range, workers", points, workers=workers)
+            measure("slice, pages as text", slice_points, pages_as_text=True)
+            measure("slice, one process", slice_points)
+            measure("slice, workers", slice_points, workers=workers)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    cpu, history, replica_steps = runs["whole range, workers"]
     cost = history.cost
-    per_step = cost["total_seconds"] / replica_steps
-    full = 64 * 2880 * per_step
-    for way, (cpu_seconds, wall) in cpu.items():
-        print(f"  {way}: {wall:.1f}s wall, {cpu_seconds:.1f}s CPU ({cpu_seconds / replica_steps * 1e3:.2f} ms CPU "
-              f"per replica-step; 64 x 24 h at that rate {64 * 2880 * cpu_seconds / replica_steps:.0f}s)")
-    print(f"  {replicas} replicas x {hours} h at {step:g}s ({replica_steps:,} replica-steps; backfill {setup:.0f}s): "
-          f"{cost['queries']} queries, {cost['samples']:,} samples, read {cost['seconds']:.1f}s, total "
-          f"{cost['total_seconds']:.1f}s ({per_step * 1e3:.2f} ms per replica-step; 64 x 24 h extrapolated "
-          f"{full:.0f}s); {len(history.timeline.episodes)} findings")
-    report.figure(f"history: {replicas} replicas x {hours} h at 30 s, total", f"{cost['total_seconds']:.1f} s",
-                  f"{cpu['pages as text'][1]:.1f} s", "-", None)
-    report.figure("history: CPU per replica-step", f"{cpu['from query results'][0] / replica_steps * 1e3:.2f} ms",
-                  f"{cpu['pages as text'][0] / replica_steps * 1e3:.2f} ms", "-", None)
-    report.figure("history: 64 replicas x 24 h at 30 s, extrapolated", f"{full:.0f} s", "-", "< 60 s", full < 60)
+    total = cost["total_seconds"]
+    per_step = {label: run[0] / run[2] for label, run in runs.items()}
+    one, many = runs["slice, one process"][1], runs["slice, workers"][1]
+    same = (one.timeline.episodes == many.timeline.episodes
+            and {n: r.trend for n, r in one.replicas.items()} == {n: r.trend for n, r in many.replicas.items()})
+    # The read's bounds: each family read once per chunk of steps (two more
+    # queries list the series), each sample once.
+    series = replicas * HISTORY_SERIES_PER_REPLICA
+    rounds = math.ceil(points / max(1, min(MAX_POINTS, DEFAULT_MAX_SAMPLES // series)))
+    max_queries = HISTORY_FAMILIES * rounds + 2
+    max_samples = series * (points + 1)
+    within = cost["queries"] <= max_queries and cost["samples"] <= max_samples
+    full = 64 * 2880
+    scale = f"{replicas} replicas x {hours} h at {step:g} s"
+    print(f"  {scale} ({replica_steps:,} replica-steps; OpenMetrics {size / 1e6:.0f} MB written in {written:.0f}s, "
+          f"backfilled in {setup - written:.0f}s): {cost['queries']} queries, {cost['samples']:,} samples, "
+          f"read {cost['seconds']:.1f}s, total {total:.1f}s wall, {cpu:.1f}s CPU with {workers} workers; "
+          f"{len(history.timeline.episodes)} findings; CPU per replica-step: "
+          + ", ".join(f"{label} {value * 1e3:.3f} ms" for label, value in per_step.items()))
+    if replica_steps == full:
+        report.figure("history: 64 replicas x 24 h at 30 s, measured",
+                      f"{total:.0f} s wall, {cpu:.0f} s CPU ({workers} workers)",
+                      f"one process: {per_step['slice, one process'] * full:.0f} s CPU (from a {slice_hours} h slice)",
+                      "< 60 s", total < 60)
+    else:
+        extrapolated = total / replica_steps * full
+        report.figure("history: 64 replicas x 24 h at 30 s, extrapolated",
+                      f"{extrapolated:.0f} s wall ({scale}: {total:.1f} s, {workers} workers)",
+                      f"one process: {per_step['slice, one process'] * full:.0f} s CPU", "< 60 s", extrapolated < 60)
+    report.figure(f"history: queries and samples, {scale}", f"{cost['queries']} queries, {cost['samples']:,} samples",
+                  "-", f"<= {max_queries} queries, <= {max_samples:,} samples", within)
+    report.figure("history: CPU per replica-step",
+                  f"{per_step['slice, workers'] * 1e3:.3f} ms ({workers} workers), "
+                  f"{per_step['slice, one process'] * 1e3:.3f} ms (one process)",
+                  f"pages as text {per_step['slice, pages as text'] * 1e3:.3f} ms", "-", None)
+    report.figure("history: workers give the one-process timeline", "yes" if same else "NO", "one process",
+                  "identical", same)
     report.sections.append("\n".join([
         "### history: `kvwatch diagnose --prometheus`",
         "",
-        f"{replicas} replicas x {hours} h at a {step:g} s step, backfilled into a real Prometheus with "
-        f"`promtool tsdb create-blocks-from openmetrics` ({setup:.0f} s to set up): {cost['queries']} queries, "
-        f"{cost['samples']:,} samples, {cost['bytes'] / 1e6:.0f} MB read in {cost['seconds']:.1f} s; rebuilding "
-        f"and diagnosing {cost['diagnose_seconds']:.1f} s; total {cost['total_seconds']:.1f} s, "
-        f"{per_step * 1e3:.2f} ms per replica-step. 64 x 24 h (184,320 replica-steps) at that rate: {full:.0f} s. "
-        f"CPU of this process: {cpu['from query results'][0]:.1f} s building Snapshots from the query results, "
-        f"{cpu['pages as text'][0]:.1f} s writing and parsing each page (the baseline column). "
-        "Scaled down because backfilling 64 x 24 h here takes longer than the run it measures.",
+        f"{scale} ({replica_steps:,} replica-steps), backfilled into a real Prometheus with "
+        f"`promtool tsdb create-blocks-from openmetrics` ({size / 1e6:.0f} MB of OpenMetrics, {setup:.0f} s to "
+        f"write and backfill), diagnosed as `kvwatch diagnose --prometheus` does, with {workers} worker processes "
+        f"(one per usable core): {cost['queries']} queries (bound: {max_queries}, each of the "
+        f"{HISTORY_FAMILIES} families once per chunk of steps, and two listing the series), "
+        f"{cost['samples']:,} samples (bound: {max_samples:,}, each sample once), {cost['bytes'] / 1e6:.0f} MB "
+        f"read in {cost['seconds']:.1f} s; rebuilding and diagnosing {cost['diagnose_seconds']:.1f} s; total "
+        f"{total:.1f} s wall, {cpu:.1f} s CPU of this process and its workers (the store's own not counted): "
+        f"on {workers} cores the wall time cannot fall below {cpu / workers:.0f} s, before the store's own work "
+        "and whatever else the machine runs.",
+        "",
+        f"The first {slice_hours} h of the same store, three ways (CPU per replica-step): "
+        f"{per_step['slice, workers'] * 1e3:.3f} ms with workers, {per_step['slice, one process'] * 1e3:.3f} ms "
+        f"in one process, {per_step['slice, pages as text'] * 1e3:.3f} ms writing and parsing each page (the "
+        f"baseline). Workers and one process give the same timeline and trends: {'yes' if same else 'NO'}. "
+        "Wall time depends on what else the machine runs: see the load average at start.",
     ]))
 
 
@@ -988,6 +1070,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, shorter simulated hour (20 min)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--merge", action="store_true",
+                        help="update only the figures and sections run (with --only) in an existing --output")
     args = parser.parse_args()
     if not (args.fixtures / "vllm-0.32-cpu").is_dir():
         print(f"real vLLM captures not found under {args.fixtures}", file=sys.stderr)
@@ -1051,8 +1135,40 @@ def main() -> int:
         "\n\n".join(report.sections),
         "",
     ]
-    args.output.write_text("\n".join(document))
+    if args.merge and args.output.exists():
+        args.output.write_text(merged(args.output.read_text(), rows, report.sections, info))
+    else:
+        args.output.write_text("\n".join(document))
     return 0
+
+
+def merged(existing: str, rows: list[list[str]], sections: list[str], info: dict[str, str]) -> str:
+    """`existing` results with this run's summary rows and detail sections
+    put in place of those of the same name (or added), the rest kept; each
+    section says when and at which commit it was run."""
+    lines = existing.rstrip("\n").split("\n")
+    names = {row[0] for row in rows}
+    start = lines.index("## Summary")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    table_rows = [line for line in lines[start:end] if line.startswith("| ") and not line.startswith("| figure ")]
+    kept = [line for line in table_rows if line.split(" | ")[0][2:] not in names]
+    new_rows = ["| " + " | ".join(row) + " |" for row in rows]
+    header = [line for line in lines[start:end] if line.startswith("| figure ") or line.startswith("|---")]
+    lines[start:end] = ["## Summary", "", *header, *kept, *new_rows, ""]
+    text = "\n".join(lines) + "\n"
+    stamp = (f"\n\nThis section was run on its own (`benchmarks/run.py --only ... --merge`) on {info['date']} at "
+             f"commit {info['kvwatch commit']}, load average at start {info['load average at start']}; the "
+             "machine table above is the full run's.")
+    for section in sections:
+        heading = section.split("\n", 1)[0]
+        body = section + stamp
+        at = text.find("\n" + heading + "\n")
+        if at < 0:
+            text = text.rstrip("\n") + "\n\n" + body + "\n"
+            continue
+        after = text.find("\n### ", at + 1)
+        text = text[:at + 1] + body + ("\n" + text[after:] if after >= 0 else "\n")
+    return text
 
 
 if __name__ == "__main__":

@@ -25,8 +25,14 @@ windows work on flat dicts.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+import operator
 from dataclasses import dataclass, field
+
+
+_ZEROS = itertools.repeat(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +53,9 @@ class Histogram:
         negative, so a smaller sum means the engine counted again from zero)."""
         if earlier.bounds != self.bounds or self.count < earlier.count or self.sum < earlier.sum:
             return None
-        cumulative = tuple(a - b for a, b in zip(self.cumulative, earlier.cumulative))
-        if any(c < 0 for c in cumulative):
+        cumulative = tuple(map(operator.sub, self.cumulative, earlier.cumulative))
+        # `c < 0` for each bucket, in C (this runs once per histogram per poll).
+        if any(map(operator.lt, cumulative, _ZEROS)):
             return None
         return Histogram(self.bounds, cumulative, self.sum - earlier.sum, self.count - earlier.count)
 
@@ -57,7 +64,7 @@ class Histogram:
             return None
         return Histogram(
             self.bounds,
-            tuple(a + b for a, b in zip(self.cumulative, other.cumulative)),
+            tuple(map(operator.add, self.cumulative, other.cumulative)),
             self.sum + other.sum,
             self.count + other.count,
         )
@@ -74,9 +81,17 @@ class Histogram:
         if total <= 0 or not self.bounds:
             return None
         rank = q * total
-        for index, (bound, cumulative) in enumerate(zip(self.bounds, self.cumulative)):
-            if cumulative >= rank:
-                break
+        counts = self.cumulative
+        index = bisect.bisect_left(counts, rank)
+        if index < len(self.bounds) and index < len(counts) and all(map(operator.le, counts, counts[1:])):
+            # Non-decreasing counts (always, unless a bucket fell): the first
+            # bucket at or above the rank, found by bisection, is the one
+            # the scan below stops at.
+            bound, cumulative = self.bounds[index], counts[index]
+        else:
+            for index, (bound, cumulative) in enumerate(zip(self.bounds, counts)):
+                if cumulative >= rank:
+                    break
         if math.isinf(bound):
             # In the +Inf bucket: Prometheus answers the last finite bound.
             finite = self.bounds[-2] if len(self.bounds) > 1 else 0.0
@@ -190,3 +205,28 @@ def _number(text: str | None) -> float | None:
 
 def config_number(cache_config: dict[str, str], key: str) -> float | None:
     return _number(cache_config.get(key))
+
+
+# cache_config_info labels of a hybrid (attention + Mamba) model's state cache.
+MAMBA_KEYS = ("mamba_cache_mode", "mamba_block_size", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
+              "mamba_page_size_padded")
+
+
+def hybrid_cache(cache_config: dict[str, str]) -> dict[str, str | float] | None:
+    """The Mamba state cache of a hybrid model, from cache_config_info's
+    `mamba_*` labels; None on an attention-only model. vLLM sets
+    mamba_block_size on every model with Mamba layers (to block_size with
+    prefix caching, mamba_cache_mode "align"; to max_model_len without, mode
+    "none") and leaves it "None" otherwise, while mamba_cache_dtype and
+    mamba_ssm_cache_dtype carry their defaults on every model: so only a
+    numeric mamba_block_size marks a hybrid one."""
+    block = config_number(cache_config, "mamba_block_size")
+    if not block:
+        return None
+    found: dict[str, str | float] = {"mamba_block_size": block}
+    for key in MAMBA_KEYS:
+        if key == "mamba_block_size" or cache_config.get(key) in (None, "None"):
+            continue
+        number = config_number(cache_config, key)
+        found[key] = number if number is not None else cache_config[key]
+    return found

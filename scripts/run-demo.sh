@@ -20,7 +20,7 @@ trap stop INT TERM EXIT
 
 "$KVWATCH" sim --scenario "$SCENARIO" --speed "$SPEED" --port "$SIM_PORT" --host 127.0.0.1 &
 pids+=($!)
-"$KVWATCH" serve --target "http://127.0.0.1:$SIM_PORT/metrics" --port "$KVWATCH_PORT" \
+"$KVWATCH" serve --config scripts/demo-kvwatch.yaml --target "http://127.0.0.1:$SIM_PORT/metrics" --port "$KVWATCH_PORT" \
   --poll-interval 2s --window 1m --upstream-target "http://127.0.0.1:$SIM_PORT/app/metrics" \
   --upstream-histogram app_retrieval_seconds &
 pids+=($!)

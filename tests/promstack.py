@@ -101,8 +101,10 @@ def _prometheus_in(workdir: Path, config: dict, retention: str) -> Iterator[Runn
 
 @contextlib.contextmanager
 def prometheus(targets: list[str], rule_files: list[Path] = (), interval: str = "1s",
-               alertmanager_url: str | None = None, metrics_path: str = "/metrics") -> Iterator[Running]:
-    """targets: host:port strings scraped every `interval`."""
+               alertmanager_url: str | None = None, metrics_path: str = "/metrics",
+               scrape_timeout: str | None = None) -> Iterator[Running]:
+    """targets: host:port strings scraped every `interval`; a scrape times out
+    after `scrape_timeout` (at most the interval, Prometheus' default then)."""
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-prom-"))
     try:
         rules = []
@@ -111,7 +113,8 @@ def prometheus(targets: list[str], rule_files: list[Path] = (), interval: str = 
             shutil.copy(path, copy)
             rules.append(str(copy))
         config = {
-            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "global": {"scrape_interval": interval, "evaluation_interval": interval,
+                       **({"scrape_timeout": scrape_timeout} if scrape_timeout else {})},
             "rule_files": rules,
             "scrape_configs": [{"job_name": "kvwatch", "metrics_path": metrics_path,
                                 "static_configs": [{"targets": targets}]}],
@@ -124,27 +127,34 @@ def prometheus(targets: list[str], rule_files: list[Path] = (), interval: str = 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def backfill(openmetrics: str, data_dir: Path, block_hours: int = 2) -> None:
-    """Write OpenMetrics text with timestamps into TSDB blocks under
-    `data_dir` (`promtool tsdb create-blocks-from openmetrics`)."""
+def backfill(openmetrics: str | Path, data_dir: Path, block_hours: int = 2, timeout: float = 300) -> None:
+    """Write OpenMetrics text with timestamps (or a file of it, left in
+    place) into TSDB blocks under `data_dir` (`promtool tsdb
+    create-blocks-from openmetrics`)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    source = data_dir.parent / "backfill.om"
-    source.write_text(openmetrics)
+    if isinstance(openmetrics, Path):
+        source = openmetrics
+    else:
+        source = data_dir.parent / "backfill.om"
+        source.write_text(openmetrics)
     result = subprocess.run([_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics",
                              f"--max-block-duration={block_hours}h", str(source), str(data_dir)],
-                            capture_output=True, text=True, timeout=300)
-    source.unlink()
+                            capture_output=True, text=True, timeout=timeout)
+    if source is not openmetrics:
+        source.unlink()
     if result.returncode != 0:
         raise RuntimeError(f"promtool backfill failed: {result.stdout[-2000:]} {result.stderr[-2000:]}")
 
 
 @contextlib.contextmanager
-def backfilled_prometheus(openmetrics: str) -> Iterator[Running]:
+def backfilled_prometheus(openmetrics: str | Path, timeout: float = 300, block_hours: int = 2) -> Iterator[Running]:
     """A Prometheus with no targets over the blocks backfilled from
-    `openmetrics`, kept however old they are (retention 100 years)."""
+    `openmetrics` (text, or a file of it), kept however old they are
+    (retention 100 years). promtool reads the whole input once per block
+    span: a long range backfills faster in longer blocks (`block_hours`)."""
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-prom-"))
     try:
-        backfill(openmetrics, workdir / "data")
+        backfill(openmetrics, workdir / "data", block_hours=block_hours, timeout=timeout)
         with _prometheus_in(workdir, {"global": {"scrape_interval": "1m"}}, "100y") as running:
             yield running
     finally:

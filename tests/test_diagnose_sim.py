@@ -6,8 +6,10 @@ finding and none of the findings it could be mistaken for."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import yaml
 
 from kvwatch.diagnose import diagnose
 from kvwatch.engines.vllm import VllmAdapter
@@ -39,19 +41,21 @@ class Poll:
         return {f.cause for f in self.findings}
 
 
-def play(name: str, seed: int, thresholds: dict | None = None, until: float | None = None) -> list[Poll]:
-    """Poll the scenario every EVERY simulated seconds through its whole run
-    (or until `until`), with a 5-minute window as `kvwatch serve` keeps."""
+def play(name: str, seed: int, thresholds: dict | None = None, until: float | None = None,
+         every: float = EVERY, window_seconds: float = 300.0) -> list[Poll]:
+    """Poll the scenario every `every` simulated seconds through its whole run
+    (or until `until`), with a 5-minute window as `kvwatch serve` keeps by default."""
     scenario = load_scenario(name)
     sim = Simulation(scenario, seed=seed, created_unix=BASE)
     adapter = VllmAdapter()
-    window = Window(300.0)
+    window = Window(window_seconds)
     upstream = UpstreamSource(
-        Settings(upstream_target="http://127.0.0.1:9/app/metrics", upstream_histogram="app_retrieval_seconds"), 300.0)
+        Settings(upstream_target="http://127.0.0.1:9/app/metrics", upstream_histogram="app_retrieval_seconds"),
+        window_seconds)
     end = scenario.cycle_seconds if until is None else until
     polls = []
     while sim.now < end - 1e-9:
-        sim.advance_to(min(end, sim.now + EVERY))
+        sim.advance_to(min(end, sim.now + every))
         now = BASE + sim.now
         window.add(adapter.adapt(render_metrics(sim.engines, sim.model_name, BASE, include_process=False), at=now))
         report = upstream.ingest(render_app_metrics(sim.app_retrieval, BASE), now)
@@ -223,3 +227,39 @@ def test_upstream_delay(seed):
     for poll in polls:
         assert not poll.causes & {"queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end"}, poll
         assert not any(f.symptom == "exhaustion" for f in poll.findings), poll
+
+
+def phase_span(name: str, phase: str) -> tuple[float, float]:
+    start = 0.0
+    for each in load_scenario(name).phases:
+        if each.name == phase:
+            return start, start + each.duration
+        start += each.duration
+    raise AssertionError(f"{name} has no phase {phase}")
+
+
+def demo_polls(seed: int, until: float) -> list[Poll]:
+    """The demo as `make run` watches it (scripts/run-demo.sh): 2 s polls, a
+    1-minute window, and the settings file it passes (max_num_seqs 12)."""
+    config = yaml.safe_load((Path(__file__).parent.parent / "scripts" / "demo-kvwatch.yaml").read_text())
+    return play("demo", seed, config["diagnosis"], until=until, every=2.0, window_seconds=60.0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_demo_shows_eviction_before_reuse_and_long_requests(seed):
+    start, end = phase_span("demo", "eviction-pressure")
+    long_start, long_end = phase_span("demo", "long-requests")
+    polls = demo_polls(seed, until=long_end)
+    # 60 tenants' system prompts right after two shared ones: the hit ratio
+    # drops while running requests hold most of the cache (the batch full
+    # at max_num_seqs, so the queue is for slots, not blocks).
+    evicted = [f for p in during(polls, start, end) for f in p.findings if f.cause == "eviction_before_reuse"]
+    assert evicted, [p.causes for p in during(polls, start, end)]
+    assert evicted[0].evidence["kv_usage_recent_max"] >= 0.8
+    # In its first seconds the new prompts are first uses (a prefix change
+    # indeed, and said at low confidence); once each was seen, misses are evictions.
+    assert not any("prefix_changed" in p.causes for p in during(polls, start + 30, end))
+    # Two or three requests that grow to about 6,800 tokens each.
+    assert any("long_requests" in p.causes for p in during(polls, long_start, long_end))
+    assert not any("concurrency_beyond_capacity" in p.causes
+                   for p in during(polls, (long_start + long_end) / 2, long_end))

@@ -21,10 +21,11 @@ from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import load_settings
 
 
-def replayed(fixtures_dir, scenario: str, window: str = "60s") -> list:
+def replayed(fixtures_dir, scenario: str, window: str = "60s", diagnosis: dict | None = None) -> list:
     """The findings of every successful poll, in order: [(time, [Finding])]."""
     path = fixtures_dir / "vllm-0.32-cpu-scenarios" / scenario / "capture.tar.gz"
-    settings = load_settings(overrides={"poll_interval": "1s", "window": window}, environ={})
+    overrides = {"poll_interval": "1s", "window": window, **({"diagnosis": diagnosis} if diagnosis else {})}
+    settings = load_settings(overrides=overrides, environ={})
     polls = []
     replay(Capture(path), lambda source: Monitor(settings, fetcher=source, clock=source.now),
            on_state=lambda state: polls.append((state.last_poll_time, list(state.findings))) if state.up else None)
@@ -41,8 +42,9 @@ def of(polls, cause: str) -> list:
 
 
 def test_long_requests_that_grow_are_long_requests_not_concurrency(fixtures_dir):
-    # 4 requests of 200 prompt + 800 generated tokens, nobody waiting: each
-    # held 15 % of the cache on average over its life and ends at 24 %.
+    # 5 requests of 200 prompt + 800 generated tokens, all admitted at once
+    # (nobody waiting at the peak): each held 15 % of the cache on average
+    # over its life and ends at 25 %.
     polls = replayed(fixtures_dir, "long-requests")
     assert "long_requests" in named(polls, "exhaustion")
     assert "concurrency_beyond_capacity" not in named(polls, "exhaustion")
@@ -50,6 +52,19 @@ def test_long_requests_that_grow_are_long_requests_not_concurrency(fixtures_dir)
     assert finding.evidence["capacity_share_per_finished_request"] >= 0.2
     assert finding.evidence["capacity_share_per_running_request"] < 0.2  # the average alone would not tell
     assert finding.evidence["waiting_at_peak"] == 0
+
+
+def test_a_stalled_front_end_is_front_end(fixtures_dir):
+    # vLLM's API server process alone stopped 0.3 s of every 0.4 s: the
+    # first token waits for the front end, queue and prefill (stamped by the
+    # engine core) do not. Objectives as in the tier's test: the tiny model
+    # answers these prompts within 10 ms.
+    polls = replayed(fixtures_dir, "front-end", diagnosis={"ttft_p95_seconds": 0.1, "ttft_mean_seconds": 0.02})
+    assert named(polls, "slow_first_token") == {"front_end"}
+    finding = of(polls, "front_end")[-1]
+    assert finding.evidence["other_share"] >= 0.4
+    assert finding.evidence["queue_share"] < 0.05
+    assert not named(polls, "exhaustion")
 
 
 def test_a_burst_stays_concurrency_beyond_capacity(fixtures_dir):
@@ -94,6 +109,26 @@ def test_residency_histograms_claim_only_what_their_samples_show(fixtures_dir, s
         assert "cannot_tell_apart" in finding.evidence
 
 
+@pytest.mark.parametrize("window", ["20s", "60s"])
+def test_blocks_evicted_before_their_reuse_gap_say_how_much_more_cache_keeps_it(fixtures_dir, window):
+    # 4 prefixes of 256 tokens reused every ~2 s for 14 s, then distinct
+    # 480-token prompts turn the free pool over in about half a second: the
+    # residency histograms show blocks evicted after less idle time than
+    # their reuse gap, and kvwatch says how many blocks (and bytes) more
+    # would keep the reuse: the free pool x (gap / idle - 1).
+    polls = replayed(fixtures_dir, "residency-shortfall", window=window)
+    start = polls[0][0]
+    assert not [f for t, fs in polls if t < start + 14 for f in fs if f.symptom == "low_hit_rate"]
+    shortfall = [f for f in of(polls, "eviction_before_reuse") if f.evidence.get("kv_cache_reuse_shortfall_blocks")]
+    assert shortfall, sorted({(f.cause, f.confidence) for _, fs in polls for f in fs})
+    evidence = shortfall[0].evidence
+    assert evidence["kv_block_idle_before_evict_p50_seconds"] < evidence["kv_block_reuse_gap_p50_seconds"]
+    assert evidence["kv_block_reuse_gaps_sampled"] >= 10
+    assert evidence["kv_cache_reuse_shortfall_bytes"] == pytest.approx(
+        evidence["kv_cache_reuse_shortfall_blocks"] * 4194304 / 128, rel=1e-3)
+    assert shortfall[0].confidence in ("medium", "high")
+
+
 def test_a_restart_stops_saying_cold_once_the_hit_ratio_is_back(fixtures_dir):
     # 8 requests sharing a 512-token prefix, vllm serve stopped and started
     # on the same port (about a minute down), the same load again: after
@@ -106,3 +141,27 @@ def test_a_restart_stops_saying_cold_once_the_hit_ratio_is_back(fixtures_dir):
     assert last.evidence["hit_ratio_since_restart"] >= 0.8
     assert "cold" not in last.summary and "warm again" in last.summary
     assert "cold" in restarted[0][1].summary  # before a prompt came in, nothing says warm
+
+
+def test_a_restart_with_another_model_dtype_caching_off_and_lora_names_each_change(fixtures_dir):
+    # Distinct prompts on tiny-llama, then vllm serve started again on the
+    # same port as tiny-llama-b with --kv-cache-dtype fp8,
+    # --no-enable-prefix-caching and two LoRA adapters, used one after the
+    # other: four changes, each its own finding, and the new model's misses
+    # are caching_disabled.
+    polls = replayed(fixtures_dir, "changes", window="300s")
+    assert {"model_changed", "cache_dtype_changed", "cache_config_changed", "lora_changed"} <= named(polls, "change")
+    # The first adapter is the first kvwatch sees; the second is new.
+    assert {f.summary.split(": ", 1)[1] for f in of(polls, "lora_changed")} == {"new LoRA adapters: ['lora-b']."}
+    model = of(polls, "model_changed")[-1]
+    assert model.model == "tiny-llama-b"
+    assert model.evidence["models_before"] == "tiny-llama" and model.evidence["models_after"] == "tiny-llama-b"
+    dtype = of(polls, "cache_dtype_changed")[-1]
+    assert dtype.evidence["changed_keys"] == "cache_dtype" and "auto -> fp8" in dtype.summary
+    config = of(polls, "cache_config_changed")[-1]
+    assert "enable_prefix_caching" in config.evidence["changed_keys"].split(",")
+    assert "cache_dtype" not in config.evidence["changed_keys"].split(",")
+    assert {f.model for f in of(polls, "caching_disabled")} == {"tiny-llama-b"}
+    # The old model's distinct prompts are no_reuse; never a prefix change
+    # at the change (the new model has no baseline to drop from).
+    assert "prefix_changed" not in named(polls, "low_hit_rate")

@@ -182,6 +182,52 @@ def test_llamacpp_older_build_without_the_cached_counter(fixtures_dir):
     assert values["kvwatch_requests_waiting"] == 3.0
 
 
+# --- llama.cpp: pages from the real server of the tier -------------------------
+
+REAL_LLAMACPP = "llamacpp-b11434-cpu"
+
+
+def test_llamacpp_real_pages_hit_ratio_from_both_counters(fixtures_dir):
+    """The shared-prefix load between two idle pages of a real llama-server b11434
+    (README of the fixture): 551 requests of 288 prompt tokens, 16 generated."""
+    a, b = [(fixtures_dir / REAL_LLAMACPP / f"metrics-prefix-{p}.txt").read_text() for p in "ab"]
+    assert recognize(b) == "llamacpp"
+    adapter = make_adapter("llamacpp")
+    window = _window(adapter, [(0.0, a), (10.0, b)])
+    engine = window.latest.engines[("unknown", "0")]
+    # 18,396 processed + 140,292 cached = 551 x 288, what the responses' usage summed.
+    assert engine.counters == {"prompt_tokens": 158688.0, "prefix_queries": 158688.0,
+                               "prompt_tokens_cached": 140292.0, "prefix_hits": 140292.0,
+                               "generation_tokens": 8816.0}
+    assert engine.gauges == {"running": 0.0, "waiting": 0.0}
+    values = _values(window)
+    assert values["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(140292 / 158688)
+    assert values["kvwatch_prompt_tokens_per_second"] == pytest.approx(15868.8)
+    assert values["kvwatch_generation_tokens_per_second"] == pytest.approx(881.6)
+    for dark in ("kvwatch_kv_cache_usage_ratio", "kvwatch_time_to_first_token_mean_seconds",
+                 "kvwatch_preemptions_per_second", "kvwatch_kv_cache_capacity_tokens"):
+        assert values[dark] is None
+    per_engine, _ = evaluate_window(window)
+    assert not diagnose.diagnose(window, per_engine, [], {})
+
+
+def test_llamacpp_real_page_with_every_slot_busy(fixtures_dir):
+    """1 s after the idle page, 8 distinct 200-token requests on the 4 slots: 4
+    processing, 4 deferred, each reusing only its <s> from the slot's cache."""
+    b, full = [(fixtures_dir / REAL_LLAMACPP / f"metrics-{p}.txt").read_text() for p in ("prefix-b", "full")]
+    window = _window(make_adapter("llamacpp"), [(0.0, b), (1.0, full)])
+    values = _values(window)
+    assert values["kvwatch_requests_running"] == 4.0 and values["kvwatch_requests_waiting"] == 4.0
+    # +8 cached of +1,592 processed + 8 cached = 8 x 200.
+    assert values["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(8 / 1600)
+    # prompt_tokens_seconds reads 32,067 on this page (decode steps since the previous
+    # read); kvwatch's rate comes from the counters: 1,600 tokens in 1 s.
+    assert values["kvwatch_prompt_tokens_per_second"] == pytest.approx(1600.0)
+    # No usage gauge: a full slot pool is a queue, not an exhausted cache.
+    per_engine, _ = evaluate_window(window)
+    assert not [f for f in diagnose.diagnose(window, per_engine, [], {}) if f.symptom == "exhaustion"]
+
+
 # --- TensorRT-LLM: pages written from the source ------------------------------
 
 

@@ -112,6 +112,28 @@ def test_snapshots_from_query_results_give_the_timeline_of_written_pages(store):
     assert len(fast.timeline.episodes) >= 3
 
 
+def test_worker_processes_give_the_diagnosis_of_one_process(store):
+    """Replicas diagnosed in worker processes, each keeping its replicas'
+    adapter and window from one chunk of steps to the next, give the
+    timeline, gaps, trends and replica states of one process."""
+    prom, start = store
+    one = diagnose_history(PrometheusClient(prom.url, max_samples=20_000), start, start + DURATION, INTERVAL,
+                           window=WINDOW)
+    many = diagnose_history(PrometheusClient(prom.url, max_samples=20_000), start, start + DURATION, INTERVAL,
+                            window=WINDOW, workers=3)
+    assert many.cost["queries"] == one.cost["queries"] > 30  # several chunks of steps
+    assert len(one.timeline.episodes) >= 3
+    assert many.timeline.episodes == one.timeline.episodes
+    assert many.timeline.gaps == one.timeline.gaps
+    assert list(many.replicas) == list(one.replicas)
+    for name, state in one.replicas.items():
+        other = many.replicas[name]
+        assert (other.labels, other.models, other.steps, other.trend, other.restarted_at) == \
+            (state.labels, state.models, state.steps, state.trend, state.restarted_at)
+        assert list(other.events) == list(state.events)
+        assert [entry.snapshot for entry in other.window.entries] == [entry.snapshot for entry in state.window.entries]
+
+
 def test_the_command_prints_json_and_writes_an_html_report(store, tmp_path, capsys):
     prom, start = store
     report = tmp_path / "report.html"

@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="labels that tell replicas apart (default job,instance,namespace,pod)")
     history.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
     history.add_argument("--concurrency", type=int, default=4, help="queries at once (default 4)")
+    history.add_argument("--workers", type=int, default=None,
+                         help="processes that diagnose the replicas (default: one per usable core; 1: none)")
     history.add_argument("--max-samples", type=int, default=5_000_000,
                          help="samples per query at most (default 5,000,000; Prometheus refuses above 50M)")
     history.add_argument("--query-timeout", default="60s", help="timeout of each query (default 60s)")
@@ -372,7 +374,7 @@ def _time(text: str) -> float:
 def run_history(args: argparse.Namespace) -> int:
     from kvwatch.history.query import PrometheusClient, QueryError, check_selector, choose_step
     from kvwatch.history.report import print_text, to_json, write_html
-    from kvwatch.history.run import diagnose_history
+    from kvwatch.history.run import diagnose_history, usable_cores
     from kvwatch.sidecar.report import public_url
 
     problems = []
@@ -394,6 +396,8 @@ def run_history(args: argparse.Namespace) -> int:
     selector_problem = check_selector(args.selector)
     if selector_problem:
         problems.append(f"--selector: {selector_problem}")
+    if args.workers is not None and args.workers < 1:
+        problems.append(f"--workers must be at least 1 (1: diagnose in this process), not {args.workers}")
     overrides = {"window": args.window} if args.window else {}
     try:
         settings = load_settings(args.config, overrides, environ={})
@@ -417,7 +421,8 @@ def run_history(args: argparse.Namespace) -> int:
         history = diagnose_history(
             client, start, end, step, args.selector, args.source, settings.window, settings.diagnosis,
             tuple(label.strip() for label in args.replica_labels.split(",") if label.strip()),
-            (lambda line: print("\r" + line, end="", file=progress, flush=True)) if progress else None)
+            (lambda line: print("\r" + line, end="", file=progress, flush=True)) if progress else None,
+            workers=args.workers if args.workers is not None else usable_cores())
     except QueryError as exc:
         print(f"kvwatch diagnose: reading {public_url(args.prometheus)} failed: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE

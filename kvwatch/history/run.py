@@ -9,6 +9,13 @@ for at most `max_samples` samples in all, its steps are diagnosed while the
 next chunk is read, and only the replicas' windows (one window span each)
 and the timeline are kept.
 
+With `workers` (the command's default: one per usable core), the
+replicas' pipelines run in worker processes, each replica always in the same
+one with its adapter and window, one chunk at a time; their answers (each
+replica's findings and fleet rows per step) come back and are put into the
+timeline, and through the fleet rules, in replica order here, so the result
+is the one a single process gives. A worker holds its share of one chunk.
+
 Each step's Snapshot is built from the query results as the parser's
 families (Replica.families -> VllmAdapter.adapt_families): the adapter's
 own reading of every alias, fold and configuration, without writing the
@@ -67,6 +74,14 @@ class History:
     steps: int
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as a container's
+    cpuset sets it), for `workers`."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def replica_name(labels: dict[str, str], key: tuple[str, ...]) -> str:
     values = [value for value in key if value]
     return "/".join(values) if values else "(no target labels)"
@@ -100,10 +115,16 @@ def _discover(client: PrometheusClient, selector: str, start: float, end: float,
 def diagnose_history(client: PrometheusClient, start: float, end: float, step: float, selector: str = "",
                      source: str = "auto", window: float = 300.0, thresholds: dict[str, Any] | None = None,
                      replica_labels: tuple[str, ...] = DEFAULT_REPLICA_LABELS,
-                     progress: Callable[[str], None] | None = None, pages_as_text: bool = False) -> History:
+                     progress: Callable[[str], None] | None = None, pages_as_text: bool = False,
+                     workers: int = 1) -> History:
     """`pages_as_text`: write each step's page and parse it, as a sidecar
     would have read it, instead of handing the adapter the families read
-    from the query results (same Snapshots, slower; kept to prove it)."""
+    from the query results (same Snapshots, slower; kept to prove it).
+
+    `workers`: processes that diagnose the replicas (each replica always in
+    the same one, its state kept there), 1 for none (in this process). The
+    timeline is the same either way; with workers, each ReplicaState comes
+    back at the end with its window but a fresh adapter."""
     started = time.monotonic()
     source, families, counts, inner = _discover(client, selector, start, end, source)
     timeline = Timeline()
@@ -126,23 +147,45 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
         return pages
 
     # The next chunk is read while this one is diagnosed (the store answers
-    # on its own cores): two chunks in memory at most.
-    with ThreadPoolExecutor(max_workers=1) as reader:
-        coming = reader.submit(read, *rounds[0])
-        for number, (first, last) in enumerate(rounds):
-            pages = coming.result()
-            if number + 1 < len(rounds):
-                coming = reader.submit(read, *rounds[number + 1])
+    # on its own cores): two chunks in memory at most (three with workers:
+    # one being read, one being diagnosed there, the answers of the one
+    # before being put into the timeline here).
+    pool = _Workers(workers, window, thresholds, not pages_as_text) if workers > 1 else None
+    try:
+        with ThreadPoolExecutor(max_workers=1) as reader:
+            coming = reader.submit(read, *rounds[0])
+            pending = None
+            for number, (first, last) in enumerate(rounds):
+                pages = coming.result()
+                if number + 1 < len(rounds):
+                    coming = reader.submit(read, *rounds[number + 1])
+                began = time.monotonic()
+                ordered = sorted(pages.replicas.items())
+                if pool is None:
+                    for index in range(last - first + 1):
+                        at = pages.start + index * step
+                        _diagnose_step(at, index, ordered, replicas, timeline, window, thresholds, step,
+                                       fast=not pages_as_text)
+                    del pages, ordered
+                else:
+                    sent = pool.send(pages.start, step, last - first + 1, ordered)
+                    del pages, ordered  # the workers have their copies: not kept here while they work
+                    if pending is not None:
+                        pool.merge(*pending, timeline, step)
+                    pending = (sent, pool.receive())
+                diagnose_seconds += time.monotonic() - began
+                if progress:
+                    progress(f"{last + 1}/{points} steps, {len(replicas) if pool is None else len(pool.owner)} "
+                             f"replicas, {client.cost.queries} queries")
+        if pool is not None:
             began = time.monotonic()
-            ordered = sorted(pages.replicas.items())
-            for index in range(last - first + 1):
-                at = pages.start + index * step
-                _diagnose_step(at, index, ordered, replicas, timeline, window, thresholds, step,
-                               fast=not pages_as_text)
-            del pages, ordered
+            if pending is not None:
+                pool.merge(*pending, timeline, step)
+            replicas = pool.finish()
             diagnose_seconds += time.monotonic() - began
-            if progress:
-                progress(f"{last + 1}/{points} steps, {len(replicas)} replicas, {client.cost.queries} queries")
+    finally:
+        if pool is not None:
+            pool.close()
     timeline.finish()
     cost = client.cost.to_json()
     cost["total_seconds"] = round(time.monotonic() - started, 3)
@@ -153,46 +196,191 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
 
 def _diagnose_step(at: float, index: int, ordered, replicas: dict, timeline: Timeline, window_seconds: float,
                    thresholds, step: float, fast: bool = True) -> None:
-    by_model: dict[str, list[ReplicaRow]] = {}
+    """Every replica of `ordered` at one step, then the fleet rules."""
+    results = []
     for key, replica in ordered:
-        state = replicas.get(key)
-        if state is None:
-            state = replicas[key] = ReplicaState(replica_name(replica.labels, key), replica.labels,
-                                                 make_adapter("vllm"), Window(window_seconds))
-        if fast:
-            read = replica.families(index)
-            snapshot = state.adapter.adapt_families(read[0], [], read[1], at=at) if read is not None else None
-        else:
-            text = replica.page(index)
-            snapshot = state.adapter.adapt(text, at=at) if text is not None else None
-        if snapshot is None or not snapshot.engines:
-            timeline.gap(state.name, at, step)
+        state = _state(replicas, key, replica, window_seconds)
+        results.append((state.name, _replica_step(state, replica, index, at, thresholds, fast)))
+    _fleet_step(at, results, timeline, thresholds, step)
+
+
+def _state(replicas: dict, key: tuple, replica, window_seconds: float) -> ReplicaState:
+    state = replicas.get(key)
+    if state is None:
+        state = replicas[key] = ReplicaState(replica_name(replica.labels, key), replica.labels,
+                                             make_adapter("vllm"), Window(window_seconds))
+    return state
+
+
+def _replica_step(state: ReplicaState, replica, index: int, at: float, thresholds, fast: bool = True):
+    """One replica's sidecar pipeline at one step: None where it had no page
+    then (a gap), else (its findings, [(model, ReplicaRow)] for the fleet
+    rules). Reads and changes only the replica's own state."""
+    if fast:
+        read = replica.families(index)
+        snapshot = state.adapter.adapt_families(read[0], [], read[1], at=at) if read is not None else None
+    else:
+        text = replica.page(index)
+        snapshot = state.adapter.adapt(text, at=at) if text is not None else None
+    if snapshot is None or not snapshot.engines:
+        return None
+    window = state.window
+    entry = window.add(snapshot)
+    state.steps += 1
+    if len(window.entries) >= 2:
+        for change in diagnosis.changes_between(window.entries[-2], entry):
+            state.events.append(change)
+    if any(s.restarted for s in entry.steps.values()):
+        state.restarted_at = at
+    per_engine, per_model = evaluate_window(window)
+    events = tuple(e for e in state.events if e.time >= at - window.seconds)
+    findings = diagnosis.diagnose(window, per_engine, events, thresholds or {})
+    restarted = state.restarted_at if state.restarted_at is not None and at - state.restarted_at <= window.seconds else None
+    usage = waiting = hit = None
+    rows = []
+    for row in per_engine:
+        state.models.add(row.model)
+        values = row.values
+        mine = [f for f in findings if f.model == row.model and f.engine == row.engine]
+        rows.append((row.model, ReplicaRow(state.name, row.engine, values, row.view.increase.counters, mine,
+                                           restarted)))
+        u = values.get("kvwatch_kv_cache_usage_ratio")
+        usage = u if usage is None or (u is not None and u > usage) else usage
+        waiting = (waiting or 0.0) + (values.get("kvwatch_requests_waiting") or 0.0)
+    for row in per_model:
+        hit = row.values.get("kvwatch_prefix_cache_hit_ratio")
+    state.trend.append((at, usage, waiting, hit))
+    return findings, rows
+
+
+def _fleet_step(at: float, results: list, timeline: Timeline, thresholds, step: float) -> None:
+    """The replicas' results at one step (name, _replica_step's answer), in
+    replica order, into the timeline; then the fleet rules per model."""
+    by_model: dict[str, list[ReplicaRow]] = {}
+    for name, result in results:
+        if result is None:
+            timeline.gap(name, at, step)
             continue
-        window = state.window
-        entry = window.add(snapshot)
-        state.steps += 1
-        if len(window.entries) >= 2:
-            for change in diagnosis.changes_between(window.entries[-2], entry):
-                state.events.append(change)
-        if any(s.restarted for s in entry.steps.values()):
-            state.restarted_at = at
-        per_engine, per_model = evaluate_window(window)
-        events = tuple(e for e in state.events if e.time >= at - window.seconds)
-        findings = diagnosis.diagnose(window, per_engine, events, thresholds or {})
-        timeline.add(state.name, at, findings, replica=state.name)
-        restarted = state.restarted_at if state.restarted_at is not None and at - state.restarted_at <= window.seconds else None
-        usage = waiting = hit = None
-        for row in per_engine:
-            state.models.add(row.model)
-            values = row.values
-            mine = [f for f in findings if f.model == row.model and f.engine == row.engine]
-            by_model.setdefault(row.model, []).append(ReplicaRow(
-                state.name, row.engine, values, row.view.increase.counters, mine, restarted))
-            u = values.get("kvwatch_kv_cache_usage_ratio")
-            usage = u if usage is None or (u is not None and u > usage) else usage
-            waiting = (waiting or 0.0) + (values.get("kvwatch_requests_waiting") or 0.0)
-        for row in per_model:
-            hit = row.values.get("kvwatch_prefix_cache_hit_ratio")
-        state.trend.append((at, usage, waiting, hit))
+        findings, rows = result
+        timeline.add(name, at, findings, replica=name)
+        for model, row in rows:
+            by_model.setdefault(model, []).append(row)
     for model, rows in sorted(by_model.items()):
         timeline.add(f"fleet:{model}", at, fleet_findings(model, rows, thresholds))
+
+
+# --------------------------------------------------------------------------
+# Replicas diagnosed in worker processes
+# --------------------------------------------------------------------------
+
+
+def _serve(connection, window_seconds: float, thresholds, fast: bool) -> None:
+    """A worker: the replicas it is sent, chunk after chunk, each with its
+    own state kept here from one chunk to the next; answers per step, in
+    the order sent, [(name, _replica_step's answer)]."""
+    states: dict[tuple, ReplicaState] = {}
+    while True:
+        try:
+            message = connection.recv()
+        except EOFError:  # the diagnosis stopped (an error there)
+            return
+        if message[0] == "chunk":
+            _kind, start, step, points, ordered = message
+            try:
+                answers = []
+                for index in range(points):
+                    at = start + index * step
+                    found = []
+                    for key, replica in ordered:
+                        state = _state(states, key, replica, window_seconds)
+                        answer = _replica_step(state, replica, index, at, thresholds, fast)
+                        if answer is not None:  # the rows as the fleet rules read them: less to send
+                            answer = answer[0], [(model, row.slim()) for model, row in answer[1]]
+                        found.append((state.name, answer))
+                    answers.append(found)
+            except Exception:  # handed to the diagnosis, which raises it
+                import traceback
+
+                connection.send(("error", traceback.format_exc()))
+                return
+            del ordered
+            connection.send(answers)
+        else:  # "finish": the states, without the adapters (their caches are keyed by object ids)
+            for state in states.values():
+                state.adapter = None
+            connection.send(states)
+            return
+
+
+class _Workers:
+    """Worker processes, each owning a fixed share of the replicas (given
+    out in turn as they first appear), fed one chunk at a time."""
+
+    def __init__(self, count: int, window_seconds: float, thresholds, fast: bool):
+        import multiprocessing
+        import threading
+
+        # Fork is fastest (nothing to import again) but only safe while this
+        # process runs no other thread; otherwise start fresh interpreters.
+        method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
+            else "spawn"
+        context = multiprocessing.get_context(method)
+        self.thresholds = thresholds
+        self.owner: dict[tuple, int] = {}
+        self.connections = []
+        self.processes = []
+        for _ in range(count):
+            mine, theirs = context.Pipe()
+            process = context.Process(target=_serve, args=(theirs, window_seconds, thresholds, fast), daemon=True)
+            process.start()
+            theirs.close()
+            self.connections.append(mine)
+            self.processes.append(process)
+
+    def send(self, start: float, step: float, points: int, ordered: list) -> tuple:
+        """One chunk's replicas (key order) out to their workers; returns what
+        merge needs: the steps' times and each key's worker."""
+        shares: list[list] = [[] for _ in self.connections]
+        for key, replica in ordered:
+            owner = self.owner.get(key)
+            if owner is None:
+                owner = self.owner[key] = len(self.owner) % len(self.connections)
+            shares[owner].append((key, replica))
+        for connection, share in zip(self.connections, shares):
+            connection.send(("chunk", start, step, points, share))
+        return start, points, [self.owner[key] for key, _replica in ordered]
+
+    def receive(self) -> list:
+        answers = [connection.recv() for connection in self.connections]
+        for answer in answers:
+            if isinstance(answer, tuple):  # ("error", the worker's traceback)
+                raise RuntimeError(f"a diagnosis worker failed:\n{answer[1]}")
+        return answers
+
+    def merge(self, sent: tuple, answers: list, timeline: Timeline, step: float) -> None:
+        """Each step's answers back in replica order, into the timeline and
+        the fleet rules, as _diagnose_step does in one process."""
+        start, points, owners = sent
+        for index in range(points):
+            taken = [iter(answer[index]) for answer in answers]
+            _fleet_step(start + index * step, [next(taken[owner]) for owner in owners], timeline,
+                        self.thresholds, step)
+
+    def finish(self) -> dict[tuple, ReplicaState]:
+        states: dict[tuple, ReplicaState] = {}
+        for connection in self.connections:
+            connection.send(("finish",))
+        for connection in self.connections:
+            states.update(connection.recv())
+        for state in states.values():
+            state.adapter = make_adapter("vllm")
+        return {key: states[key] for key in self.owner}  # in the order first seen, as in one process
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
+        for process in self.processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()

@@ -298,6 +298,40 @@ def build_tiny_model(dest: Path, venv: Path | None = None,
         return dest
 
 
+def write_tiny_lora(dest: Path, rank: int = 8, seed: int = 0) -> Path:
+    """Writes a LoRA adapter for the tiny Llama (q_proj and v_proj of its 2
+    layers, small random weights) in PEFT's layout: adapter_config.json and
+    adapter_model.safetensors. Standard library only: safetensors is a JSON
+    header and raw little-endian float32 arrays."""
+    import array
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    hidden, out = 128, {"q_proj": 128, "v_proj": 64}  # make_tiny_model.py: 4 heads, 2 KV heads of 32
+    rng = random.Random(seed)
+    tensors = {}
+    for layer in range(2):
+        for module, width in out.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = ([rank, hidden], [rng.gauss(0, 0.01) for _ in range(rank * hidden)])
+            tensors[f"{name}.lora_B.weight"] = ([width, rank], [rng.gauss(0, 0.01) for _ in range(width * rank)])
+    header, blobs, offset = {}, [], 0
+    for name, (shape, values) in tensors.items():
+        blob = array.array("f", values)
+        if sys.byteorder != "little":
+            blob.byteswap()
+        data = blob.tobytes()
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    (dest / "adapter_model.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+    (dest / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": sorted(out), "bias": "none", "base_model_name_or_path": MODEL_NAME}))
+    return dest
+
+
 # ---------------------------------------------------------------- server
 
 
@@ -352,6 +386,8 @@ def _stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, sig)
+            # A process a test stopped (SIGSTOP) acts on SIGTERM only once continued.
+            os.killpg(pgid, signal.SIGCONT)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             proc.poll()  # reap the leader, or the group never looks empty
@@ -390,13 +426,15 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
                 venv: Path | None = None, max_model_len: int = 1024, block_size: int = 32,
                 extra_args: tuple[str, ...] = (), startup_timeout_s: float = 180.0,
                 stop_grace_s: float = 15.0, log_path: Path | None = None,
-                report: Reporter = _print_report) -> Iterator[VllmServer]:
+                report: Reporter = _print_report,
+                served_model_name: str = MODEL_NAME) -> Iterator[VllmServer]:
     """Runs `vllm serve` on 127.0.0.1 for the duration of the block.
 
     The server runs in a new session, with TMPDIR, VLLM_CACHE_ROOT and the other
     places vLLM writes to inside a temporary folder of the harness; on exit its
     process group gets SIGTERM (SIGKILL after stop_grace_s) and the folder is
     removed. log_path keeps the server's log somewhere that outlives the block.
+    served_model_name is the name the model is served (and labelled) under.
     """
     venv = venv or ensure_vllm_venv(report=report)
     model_dir = model_dir or build_tiny_model(default_model_dir(venv), venv=venv, report=report)
@@ -415,7 +453,7 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
         for attempt in range(3):
             chosen = port or _free_port()
             cmd = [str(venv / "bin" / "vllm"), "serve", str(model_dir),
-                   "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
+                   "--served-model-name", served_model_name, "--host", "127.0.0.1",
                    "--port", str(chosen), "--dtype", "float32",
                    "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                    "--block-size", str(block_size), "--enable-prefix-caching",
@@ -430,7 +468,7 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
                                         stdin=subprocess.DEVNULL, env=env, cwd=workdir,
                                         start_new_session=True)
             try:
-                _wait_ready(proc, base_url, MODEL_NAME, log_path, startup_timeout_s)
+                _wait_ready(proc, base_url, served_model_name, log_path, startup_timeout_s)
                 break
             except VllmStartError:
                 port_taken = "address already in use" in _tail(log_path).lower()
@@ -440,7 +478,7 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
                 report(f"port {chosen} was taken; starting vllm serve on another")
         server = VllmServer(base_url=base_url, metrics_url=base_url + "/metrics", port=chosen,
                             pid=proc.pid, model_dir=model_dir, log_path=log_path,
-                            startup_seconds=time.monotonic() - started)
+                            startup_seconds=time.monotonic() - started, model_name=served_model_name)
         report(f"vllm serve ready at {base_url} after {server.startup_seconds:.1f} s "
                f"(pid {proc.pid}, log {log_path})")
         yield server
@@ -554,8 +592,9 @@ class LoadRun:
 
     def __init__(self, name: str, base_url: str, make_prompt: Callable[[int], str],
                  output_tokens: int, concurrency: int, duration_s: float, max_requests: int,
-                 request_timeout_s: float, prime: bool = False):
+                 request_timeout_s: float, prime: bool = False, model: str = MODEL_NAME):
         self.name = name
+        self.model = model
         self.stats = LoadStats()
         self._url = base_url + "/v1/completions"
         self._make_prompt = make_prompt
@@ -607,7 +646,7 @@ class LoadRun:
             return self.stats.sent - 1
 
     def _send(self, index: int) -> None:
-        body = {"model": MODEL_NAME, "prompt": self._make_prompt(index),
+        body = {"model": self.model, "prompt": self._make_prompt(index),
                 "max_tokens": self._output_tokens, "ignore_eos": True}
         try:
             usage = _post_json(self._url, body, self._request_timeout_s)["usage"]

@@ -175,7 +175,7 @@ def generate_rules(out_dir: Path, config: dict) -> Path:
     return rules
 
 
-def tier_reporter(config):
+def tier_reporter(config, prefix: str = "vllm-tier"):
     """Prints a line past pytest's output capture (measured figures go to the tier's log)."""
     terminal = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
@@ -183,8 +183,8 @@ def tier_reporter(config):
     def report(message: str) -> None:
         with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
             if terminal is not None:
-                terminal.write_line(f"[vllm-tier] {message}")
+                terminal.write_line(f"[{prefix}] {message}")
             else:
-                print(f"[vllm-tier] {message}", flush=True)
+                print(f"[{prefix}] {message}", flush=True)
 
     return report

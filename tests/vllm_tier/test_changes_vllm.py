@@ -1,11 +1,16 @@
 """The changes kvwatch names, provoked on a real vLLM of this test's own
 (stopped and started again on one port while one kvwatch keeps polling it):
 a restart whose cache is cold at first and warm again soon after, and a
-restart with another cache configuration (prefix caching turned off), which
-is then `caching_disabled`.
-
-A model change (another --served-model-name) is not provoked: the harness
-waits for the tier's one model name; docs/diagnosis.md lists it as open.
+restart that changes three things at once, each a finding of its own: the
+cache configuration (prefix caching turned off, which is then
+`caching_disabled`), the KV-cache dtype (`--kv-cache-dtype fp8`: vLLM's CPU
+attention takes fp8 KV on x86 with AVX-512 or AMX) and the served model
+(another `--served-model-name`, which is what kvwatch's model change reads:
+the set of `model_name` labels). The same start serves two LoRA adapters of
+the tiny model (`--enable-lora`, harness.write_tiny_lora); requests for one,
+then the other, are a LoRA change (a new name in `vllm:lora_requests_info`).
+One start for all of them keeps the test at three server starts (about a
+minute each, up to two on a busy machine).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import pytest
 
 from promstack import wait_until
 
-from .harness import vllm_server
+from .harness import MODEL_NAME, vllm_server, write_tiny_lora
 from .kvwatch_support import read_kvwatch_diagnosis, running_kvwatch, tier_reporter
 from .scenarios import distinct_load, prefix_rotation_load
 
@@ -24,6 +29,8 @@ pytestmark = pytest.mark.vllm
 
 SEED = 19
 PREFIXES = 6  # 6 x 17 blocks fit the 128: warm after one pass
+OTHER_MODEL = MODEL_NAME + "-b"
+ADAPTERS = ("lora-a", "lora-b")
 
 
 def rotation(base_url: str, **kwargs):
@@ -48,7 +55,12 @@ def causes(samples: list, symptom: str) -> set[str]:
     return {f["cause"] for found in samples for f in found if f["symptom"] == symptom}
 
 
-def test_restart_cold_then_warm_and_a_cache_config_change_to_caching_disabled(vllm_build, tmp_path, request):
+# Three server starts of 56-123 s each on the shared 2 cores (the slowest
+# while other tests ran beside the tier) and about 80 s of loads: past the
+# default 300 s once, so this test has its own limit.
+@pytest.mark.timeout(720)
+def test_restart_cold_then_warm_and_a_restart_that_changes_config_dtype_model_and_lora(vllm_build, tmp_path,
+                                                                                          request):
     report = tier_reporter(request.config)
     venv, model = vllm_build
     log = tmp_path / "server.log"
@@ -91,22 +103,41 @@ def test_restart_cold_then_warm_and_a_cache_config_change_to_caching_disabled(vl
         last = [f for f in warm_again[-1] if f["cause"] == "engine_restarted"]
         assert last and "warm again" in last[0]["summary"] and "cold" not in last[0]["summary"], warm_again[-1]
 
-        # 2. Started again with prefix caching off: a configuration change,
-        # then every prompt is computed in full.
+        # 2. Started again with prefix caching off, an fp8 KV cache and
+        # another served model name: a configuration change, a dtype change
+        # and a model change; then every prompt is computed in full.
+        adapter = write_tiny_lora(tmp_path / "lora")
+        lora_flags = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
+                      "--lora-modules", *(f"{name}={adapter}" for name in ADAPTERS))
         with vllm_server(port=port, model_dir=model, venv=venv, log_path=log, report=report,
-                         extra_args=("--no-enable-prefix-caching",)) as third:
+                         served_model_name=OTHER_MODEL,
+                         extra_args=("--no-enable-prefix-caching", "--kv-cache-dtype", "fp8", *lora_flags)) as third:
             wait_until(lambda: kvwatch.monitor.state.up, 30, "kvwatch to poll the reconfigured engine")
             off: list = []
-            load = distinct_load(third.base_url, duration=10.0)
-            while load.running:
-                off.append(findings(kvwatch))
-                time.sleep(0.5)
-            assert load.wait().failed == 0
+            for model_name, seconds in ((OTHER_MODEL, 10.0), *((name, 4.0) for name in ADAPTERS)):
+                load = distinct_load(third.base_url, duration=seconds, model=model_name)
+                while load.running:
+                    off.append(findings(kvwatch))
+                    time.sleep(0.5)
+                assert load.wait().failed == 0, model_name
             watch(kvwatch, 2.0, off)
         changed = [f for found in off for f in found if f["cause"] == "cache_config_changed"]
-        report(f"caching off: kvwatch said {sorted(causes(off, 'low_hit_rate'))} and changes "
-               f"{sorted(causes(off, 'change'))}; {changed[-1]['summary'] if changed else None}")
+        dtype = [f for found in off for f in found if f["cause"] == "cache_dtype_changed"]
+        models = [f for found in off for f in found if f["cause"] == "model_changed"]
+        report(f"caching off, fp8, {OTHER_MODEL}: kvwatch said {sorted(causes(off, 'low_hit_rate'))} and changes "
+               f"{sorted(causes(off, 'change'))}; {changed[-1]['summary'] if changed else None}; "
+               f"{dtype[-1]['summary'] if dtype else None}; {models[-1]['summary'] if models else None}")
         assert changed and "enable_prefix_caching" in changed[-1]["notes"]["changed_keys"], off[-1]
+        assert "cache_dtype" not in changed[-1]["notes"]["changed_keys"], changed[-1]
+        assert dtype and dtype[-1]["notes"]["changed_keys"] == "cache_dtype", off[-1]
+        assert "fp8" in dtype[-1]["summary"], dtype[-1]
+        assert models and {f["model_name"] for f in models} == {OTHER_MODEL}, models[-1:]
+        assert OTHER_MODEL in models[-1]["notes"]["models_after"], models[-1]
+        lora = [f for found in off for f in found if f["cause"] == "lora_changed"]
+        report(f"LoRA: {lora[-1]['summary'] if lora else 'no lora_changed'}")
+        assert lora and "lora-b" in lora[-1]["summary"] and "lora-a" not in lora[-1]["summary"], off[-1]
         assert causes(off, "low_hit_rate") == {"caching_disabled"}, off[-3:]
+        assert all(f["model_name"] == OTHER_MODEL for found in off for f in found
+                   if f["symptom"] == "low_hit_rate"), off[-3:]
     finally:
         kvwatch_context.__exit__(None, None, None)

@@ -256,9 +256,12 @@ def test_load_stops_at_its_request_count(completions_server):
 
 def test_load_stops_at_its_duration_and_counts_failures(completions_server):
     base_url, handler = completions_server
-    handler.fail_every = 3
+    # Every second request fails. The load's clock starts before its threads
+    # do: with 0.5 s, a loaded 2-core machine once sent fewer than three
+    # requests (none failed) before the duration ran out; 2 s leaves room.
+    handler.fail_every = 2
 
-    run = burst_load(base_url, concurrency=4, duration=0.5, max_requests=100_000)
+    run = burst_load(base_url, concurrency=4, duration=2.0, max_requests=100_000)
     stats = run.wait(timeout_s=30)
 
     assert not run.running
@@ -266,3 +269,24 @@ def test_load_stops_at_its_duration_and_counts_failures(completions_server):
     assert stats.completed + stats.failed == stats.sent
     assert stats.failed > 0
     assert "engine dead" in stats.errors[0]
+
+
+def test_tiny_lora_is_a_peft_adapter_that_safetensors_can_read(tmp_path):
+    # vLLM reads adapter_config.json and adapter_model.safetensors (an 8-byte
+    # little-endian header length, a JSON header, then the raw tensors).
+    folder = harness.write_tiny_lora(tmp_path / "lora", rank=8)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8
+    assert config["target_modules"] == ["q_proj", "v_proj"]
+    blob = (folder / "adapter_model.safetensors").read_bytes()
+    size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + size])
+    assert size % 8 == 0
+    ends = sorted(entry["data_offsets"] for entry in header.values())
+    assert ends[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
+    assert ends[-1][1] == len(blob) - 8 - size
+    for name, entry in header.items():
+        rows, columns = entry["shape"]
+        assert entry["dtype"] == "F32" and entry["data_offsets"][1] - entry["data_offsets"][0] == 4 * rows * columns
+        assert (columns if name.endswith("lora_A.weight") else rows) in (128, 64)
+    assert len(header) == 2 * 2 * 2  # 2 layers x (q_proj, v_proj) x (A, B)
