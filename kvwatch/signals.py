@@ -847,7 +847,7 @@ SIGNALS: tuple[Signal, ...] = (
            "before 0.16 prefix hits / prompt tokens).",
            _cached_share, "prefix",
            _ratio_of_rates("kvwatch_engine_prompt_tokens_cached_total", "kvwatch_engine_prompt_tokens_total"),
-           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}"), display="Prompt tokens from cache", good="high"),
+           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}"), display="Prompt tokens served from a cache, all tiers", good="high"),
     Signal("kvwatch_prompt_tokens_from_cache_ratio", "ratio",
            "Share of prompt tokens served from a cache, by tier: local (this engine's prefix cache) and external "
            "(a KV connector); the rest was computed. Not the lookup hit ratio, which re-lookups inflate "
@@ -857,7 +857,7 @@ SIGNALS: tuple[Signal, ...] = (
            "  or\n  label_replace(sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"external_kv_transfer\"}}[{w}])), \"tier\", \"external\", \"\", \"\")\n)\n"
            "/ ignoring (tier) group_left\nsum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel}}}[{w}]))",
            label="tier", panel="prefix_cache", title="Prompt tokens served from a cache, by tier",
-           record=("kvwatch_prompt_tokens_from_cache", "ratio_rate{w}"), needs=("prompt_tokens_by_source",), display="Prompt tokens served from a cache", good="high"),
+           record=("kvwatch_prompt_tokens_from_cache", "ratio_rate{w}"), needs=("prompt_tokens_by_source",), display="Prompt tokens served from a cache, by tier", good="high"),
     Signal("kvwatch_kv_cache_reuse_shortfall_blocks", "blocks",
            "KV blocks the cache lacks to keep idle prefixes until their typical reuse: free pool x (median reuse "
            "gap / median idle time before eviction - 1), 0 when blocks outlive the reuse gap "

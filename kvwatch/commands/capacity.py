@@ -337,7 +337,7 @@ def _hardware_lines(hw: dict[str, Any]) -> list[str]:
          f"x {hw['kv_shards']} rank(s) holding different KV"],
     ]
     # The source column is text: left-aligned after the numbers.
-    table = _table(["term", "bytes", ""], [row[:3] for row in rows])
+    table = _table(["term", "bytes", "binary units"], [row[:3] for row in rows])
     sources = ["from", "----"] + [row[3] for row in rows]
     out += [f"  {line}  {source}".rstrip() for line, source in zip(table, sources)]
     weights = hw["weights"]

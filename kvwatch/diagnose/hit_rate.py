@@ -498,8 +498,14 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
         healthy_ratio, seen = remembered
         evidence.update({"hit_ratio_last_healthy": healthy_ratio,
                          "hit_ratio_last_healthy_seconds_ago": latest_time - seen})
+        # Remembered at a poll before the window's first, or inside the window
+        # (then too early in it for the two parts of the step-drop test to show it).
+        window_start = ctx.polls[0].time if ctx.polls else latest_time
+        where = "before the window" if seen < window_start else (
+            f"within the {latest_time - window_start:.0f}s window, too early in it for the window's own "
+            "comparison of its halves to show the drop")
         text = (f"Hit ratio {ratio:.0%} over the window, down from {healthy_ratio:.0%} when last healthy "
-                f"{latest_time - seen:.0f}s ago (before the window)")
+                f"{latest_time - seen:.0f}s ago ({where})")
         if evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]:
             return verdict(ctx.finding(
                 "low_hit_rate", "eviction_before_reuse", "medium",

@@ -69,11 +69,27 @@ def status_json(state, settings) -> dict[str, Any]:
         "window_seconds": settings.window,
         "window_covered_seconds": state.window_seconds,
         "engine": state.engine,
+        # kvwatch serve --replay: what is replayed, how fast, whether it ended
+        # (absent when live); `text` is the sentence every surface shows.
+        **({"replay": {**replay, "text": replay_text(replay)}} if (replay := getattr(state, "replay", None)) else {}),
         "dark_signals": dark_signals(state.snapshot if state.up else None, state.engine, state.dark_signals),
         # The LMCache tier's poll (absent unless lmcache_target is set): its own up and reason.
         **({"lmcache": {key: tier.get(key) for key in ("target", "up", "reason", "detail", "families")}}
            if (tier := getattr(state, "lmcache", None)) else {}),
     }
+
+
+def replay_text(replay: dict[str, Any]) -> str:
+    """One sentence on a replay, for the page, /api/v1/status and /readyz:
+    "replay of capture.tar.gz (recorded, as fast as it reads): finished; serving its last recorded state"."""
+    speed = replay.get("speed") or 0
+    pace = "as fast as it reads" if speed == 0 else f"at {speed:g}x recorded speed"
+    text = f"replay of {replay.get('capture')} (recorded times, {pace}, {replay.get('recorded_polls')} recorded polls)"
+    if replay.get("stopped"):
+        return f"{text}: stopped early ({replay['stopped']}); serving the last recorded state"
+    if replay.get("finished"):
+        return f"{text}: finished; serving its last recorded state"
+    return f"{text}: running"
 
 
 def _engine_title(engine: str | None) -> str:
