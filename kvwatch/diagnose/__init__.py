@@ -48,16 +48,13 @@ from kvwatch.diagnose.exhaustion import exhaustion_findings
 from kvwatch.diagnose.first_token import slow_first_token_findings
 from kvwatch.diagnose.hit_rate import HitRateMemory, low_hit_rate_findings, with_external_tier
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS, resolve_thresholds, validate_thresholds
-from kvwatch.diagnose.vocabulary import CAUSES, CONFIDENCES, NEXT_CHECK, SEVERITIES, Finding, is_actionable
+from kvwatch.diagnose.vocabulary import CAUSES, CONFIDENCES, NEXT_CHECK, SEVERITIES, Finding, finding_order, is_actionable
 
 log = logging.getLogger("kvwatch")
 
 __all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "NEXT_CHECK", "SEVERITIES", "Change", "Finding",
            "HitRateMemory",
            "changes_between", "diagnose", "is_actionable", "names_text", "resolve_thresholds", "validate_thresholds"]
-
-
-_SEVERITY_ORDER = {severity: index for index, severity in enumerate(SEVERITIES)}
 
 
 def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=None,
@@ -100,6 +97,6 @@ def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=No
         findings.extend(change_findings(window, changes))
     except Exception:
         log.exception("diagnosis: change rule failed")
-    findings.sort(key=lambda f: (_SEVERITY_ORDER.get(f.severity, 9), f.symptom, f.model, f.engine or "", f.cause))
+    findings.sort(key=finding_order)
     return findings
 

@@ -76,6 +76,19 @@ DEFAULT_THRESHOLDS: dict[str, Any] = {
     # peers reuse at least hit_ratio_low, lost the prefix affinity its peers
     # have: half, so ordinary spread between replicas does not count.
     "fleet_affinity_fraction": 0.5,
+    # --- every finding ---
+    # A finding stays active until its condition has been clear for this long
+    # (from the first poll that found it clear), reported as clearing
+    # meanwhile; it returns to plain active if the condition holds again.
+    # Rules judge a window, and a window's quantiles, shares and counts cross
+    # their thresholds by noise: a full cache lets so few requests reach a
+    # first token that a 1m window held 4 of them for one poll (below
+    # ttft_min_requests) and the KV-bound queue vanished mid-exhaustion. The
+    # generated alert rules carry the same value as keep_firing_for, which
+    # Prometheus measures the same way, so a finding and its alert resolve
+    # together. 1m bridges a lapse of one rule evaluation at the usual 1m
+    # interval; a real clearing is resolved at most a hold plus one poll later.
+    "finding_hold_seconds": 60.0,
 }
 
 
@@ -88,6 +101,13 @@ def _ratio(value: Any) -> float:
 
 
 def _seconds(value: Any) -> float:
+    return parse_duration(value)
+
+
+def _hold(value: Any) -> float:
+    # 0 turns the hold off (a finding ends at the first poll that finds it clear).
+    if not isinstance(value, bool) and value in (0, "0", "0s"):
+        return 0.0
     return parse_duration(value)
 
 
@@ -123,6 +143,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "eviction_usage_ratio": _ratio,
     "fleet_room_usage_ratio": _ratio,
     "fleet_affinity_fraction": _ratio,
+    "finding_hold_seconds": _hold,
 }
 assert set(_PARSERS) == set(DEFAULT_THRESHOLDS)
 

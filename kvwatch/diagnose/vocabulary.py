@@ -121,7 +121,16 @@ class Finding:
     summary: str
     evidence: dict[str, Any] = field(default_factory=dict)
     next_check: str = ""
+    # Set while the finding is held (diagnose/hold.py): its condition has been
+    # clear since this time (epoch seconds), for less than the hold; the
+    # finding is still active and reported as it was last seen.
+    clearing_since: float | None = None
 
+
+def finding_order(finding: Finding) -> tuple:
+    """The order findings are listed in: most severe first."""
+    return (SEVERITIES.index(finding.severity) if finding.severity in SEVERITIES else 9, finding.symptom,
+            finding.model, finding.engine or "", finding.cause)
 
 
 NEXT_CHECK = {

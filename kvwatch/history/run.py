@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose.fleet import ReplicaRow, fleet_findings
+from kvwatch.diagnose.hold import FindingHold
 from kvwatch.diagnose.timeline import Timeline
 from kvwatch.engines import make_adapter
 from kvwatch.history.pages import (DEFAULT_REPLICA_LABELS, PROCESS_START, Pages, family_of, family_query,
@@ -57,6 +58,8 @@ class ReplicaState:
     steps: int = 0
     # (time, KV usage, waiting, prefix hit ratio over the window) per step
     trend: list = field(default_factory=list)
+    # The finding hold (diagnose/hold.py), as the replica's sidecar applies it.
+    hold: FindingHold | None = None
 
 
 @dataclass
@@ -235,6 +238,9 @@ def _replica_step(state: ReplicaState, replica, index: int, at: float, threshold
     per_engine, per_model = evaluate_window(window)
     events = tuple(e for e in state.events if e.time >= at - window.seconds)
     findings = diagnosis.diagnose(window, per_engine, events, thresholds or {})
+    if state.hold is None:
+        state.hold = FindingHold(diagnosis.resolve_thresholds(thresholds)["finding_hold_seconds"])
+    findings = state.hold.apply(at, findings)
     restarted = state.restarted_at if state.restarted_at is not None and at - state.restarted_at <= window.seconds else None
     usage = waiting = hit = None
     rows = []

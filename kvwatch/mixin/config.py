@@ -91,6 +91,12 @@ _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _MATCHER = re.compile(r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*')
 
 
+def _prometheus_duration(seconds: float) -> str:
+    """Seconds as a Prometheus duration: whole minutes as `Nm`, else `Ns`."""
+    whole = int(round(seconds))
+    return f"{whole // 60}m" if whole and whole % 60 == 0 else f"{whole}s"
+
+
 def _help(text: str) -> dict:
     return {"help": text}
 
@@ -336,6 +342,12 @@ class MixinConfig:
     rule_interval: str | None = field(default=None, metadata=_help(
         "Evaluation interval of the generated rule groups; empty uses Prometheus' global evaluation_interval. "
         "Set it when the global one is longer than the rate window allows."))
+    finding_hold: str = field(default=_prometheus_duration(DEFAULT_THRESHOLDS["finding_hold_seconds"]), metadata=_help(
+        "`keep_firing_for` of the alerts that report a diagnosis symptom (exhaustion, hit rate, first token, "
+        "fleet): a firing alert resolves only after its condition has been clear this long, so one evaluation "
+        "that misses it neither resolves and re-fires it nor drops it. kvwatch's own findings (kvwatch_finding, "
+        "the page, the API) hold the same span (diagnosis: finding_hold_seconds): keep the two equal. 0s: no "
+        "hold. Needs Prometheus 2.42 or later."))
     cold_cache_window: str = field(default="30m", metadata=_help(
         "How long after an engine restart (its counters reset, or its cache configuration changed against the "
         "one it had a window earlier) a low hit ratio is blamed on a cold cache. Only evidence of a restart "
@@ -561,7 +573,7 @@ def _check_field(name: str, value: Any) -> list[str]:
         if not isinstance(value, str) or not _LABEL_NAME.match(value):
             problems.append(f"instance_label: {value!r} is not a label name")
     elif name in ("rate_window", "cold_cache_window", "hit_ratio_baseline_window", "grafana_rule_interval",
-                  "kvwatch_absent_window", "hit_ratio_memory"):
+                  "kvwatch_absent_window", "hit_ratio_memory", "finding_hold"):
         duration(value)
     elif name == "rule_interval":
         if value is not None:

@@ -25,7 +25,8 @@ import yaml
 
 from kvwatch.mixin.alerts import AlertSpec, PROMETHEUS_VALUE, alert_specs, dashboard_url, engine_scope, runbook_url
 from kvwatch.mixin.config import MixinConfig
-from kvwatch.mixin.promql import Fragments, Scope, indent
+from kvwatch.diagnose.vocabulary import SYMPTOM_ALERTS
+from kvwatch.mixin.promql import Fragments, Scope, indent, seconds_of
 from kvwatch.signals import QUANTILES, SIGNALS
 
 # The hit-ratio memory the prefix-regression alerts read (Fragments.memory_rules).
@@ -93,13 +94,20 @@ def fleet_rules(config: MixinConfig) -> list[dict]:
 
 def alert_rule(spec: AlertSpec, config: MixinConfig, panel_ids: dict[tuple[str, str], tuple[str, int]]) -> dict:
     uid, panel_id = panel_ids[(spec.dashboard, spec.panel)]
-    return {
+    rule = {
         "alert": spec.alert,
         "expr": spec.expr,
         "for": spec.for_,
-        "labels": spec.labels(),
-        "annotations": annotations(spec, config, uid, panel_id, PROMETHEUS_VALUE),
     }
+    # The finding hold (diagnose/hold.py): Prometheus measures keep_firing_for
+    # from the first evaluation that found the condition clear, as kvwatch
+    # measures its hold from the first poll, so an alert and its finding
+    # resolve together and a one-evaluation lapse never re-fires a page.
+    if spec.symptom in SYMPTOM_ALERTS and SYMPTOM_ALERTS[spec.symptom] == spec.alert and seconds_of(config.finding_hold) > 0:
+        rule["keep_firing_for"] = config.finding_hold
+    rule["labels"] = spec.labels()
+    rule["annotations"] = annotations(spec, config, uid, panel_id, PROMETHEUS_VALUE)
+    return rule
 
 
 def annotations(spec: AlertSpec, config: MixinConfig, uid: str, panel_id: int, value_ref: str) -> dict[str, str]:

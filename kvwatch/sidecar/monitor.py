@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose import Change
+from kvwatch.diagnose.hold import FindingHold
 from kvwatch.engines import AUTO, ENGINES, make_adapter, recognize
 from kvwatch.engines.coverage import dark_signals
 from kvwatch.scrape import Fetcher, FetchResult, failure_sentence, public_host
@@ -139,6 +140,8 @@ class Monitor:
         # that never shrank to 1.5 M names), and at most MAX_LORA_NAMES.
         self._lora_seen: dict[str, float] = {}
         self.hit_memory = diagnosis.HitRateMemory()
+        # A finding stays active until its condition has been clear for the hold.
+        self.hold = FindingHold(diagnosis.resolve_thresholds(settings.diagnosis)["finding_hold_seconds"])
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
@@ -232,6 +235,7 @@ class Monitor:
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
                                       self.settings.diagnosis, upstream, self.hit_memory, lmcache)
+        findings = self.hold.apply(answered, findings)
         self._polls += 1
         was_up = self.state.up
         previous_since = self.state.findings_since

@@ -362,9 +362,13 @@ SCRIPT = r"""
   function clock(seconds) { return seconds ? new Date(seconds * 1000).toTimeString().slice(0, 8) : "never"; }
   function minutes(seconds) { return new Date(seconds * 1000).toTimeString().slice(0, 5); }
   // "since 14:02, 6 min ago": when a finding was first seen, against the latest poll.
-  function sinceText(f, now) {
-    if (!f.since) return "active now";
-    return "since " + minutes(f.since) + ", " + span(Math.max(0, (now || f.since) - f.since)) + " ago";
+  // A held finding (diagnosis: finding_hold_seconds) says it is clearing, and when it ends unless it returns.
+  function sinceText(f, now, hold) {
+    var text = f.since ? "since " + minutes(f.since) + ", " + span(Math.max(0, (now || f.since) - f.since)) + " ago"
+      : "active now";
+    if (!f.clearing_since) return text;
+    return text + " \u00b7 clearing: condition clear since " + clock(f.clearing_since) +
+      (hold ? ", ends at " + clock(f.clearing_since + hold) + " unless it returns" : "");
   }
   function where(f) { return f.model_name + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : ""); }
   // The runbook section: a link where it is a URL, else the section's place in the repository.
@@ -515,7 +519,7 @@ SCRIPT = r"""
       div.setAttribute("data-state", f.severity);
       div.setAttribute("data-symptom", f.symptom);
       div.setAttribute("data-cause", f.cause);
-      var since = el("span", "since", sinceText(f, signals.last_success_time));
+      var since = el("span", "since", sinceText(f, signals.last_success_time, (signals.thresholds || {}).finding_hold_seconds));
       add(div, add(el("div", "head"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
         add(el("p"), document.createTextNode(where(f) + " \u00b7 "), since, document.createTextNode(" \u00b7 " + f.confidence + " confidence" +
           (findings.length > 1 ? " \u00b7 " + (findings.length - 1) + " more finding" + (findings.length > 2 ? "s" : "") + " below" : ""))),
@@ -723,7 +727,7 @@ SCRIPT = r"""
       card.setAttribute("data-cause", f.cause);
       add(card, add(el("h3"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
         add(el("div", "where"), document.createTextNode(where(f) + " \u00b7 " + f.confidence + " confidence \u00b7 "),
-          el("span", "since", sinceText(f, signals.last_success_time))),
+          el("span", "since", sinceText(f, signals.last_success_time, (signals.thresholds || {}).finding_hold_seconds))),
         el("p", null, f.summary));
       var deciding = el("div", "deciding"), shown = 0;
       (meta.deciding[f.cause] || []).forEach(function (key) {
@@ -965,6 +969,8 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
     for f in findings:
         where = f["model_name"] + (f" / {f['engine']}" if f["engine"] is not None else "")
         since = f", since {_time_text(f['since'])}" if f.get("since") else ""
+        if f.get("clearing_since"):
+            since += f", clearing: condition clear since {_time_text(f['clearing_since'])}"
         notes = "".join(f"<p>{_e(key.replace('_', ' '))}: {_e(note)}</p>" for key, note in (f.get("notes") or {}).items())
         runbook = f"<p>Runbook: <code>{_e(f['runbook'])}</code></p>" if f.get("runbook") else ""
         out.append(
