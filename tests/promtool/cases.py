@@ -60,6 +60,15 @@ def missing(minutes: int) -> str:
     return f"_x{minutes}"
 
 
+def lapse(per_minute: float, at: int = 30, flat: int = 5, minutes: int = MINUTES) -> str:
+    """A counter rising `per_minute` that stands still for `flat` samples after
+    minute `at`: the 5m window (6 samples, both ends included in Prometheus
+    2.x) that holds only those sees no increase at one evaluation, at + flat."""
+    level = per_minute * at
+    return (f"0+{per_minute:g}x{at} {level:g}+0x{flat - 1} "
+            f"{level + per_minute:g}+{per_minute:g}x{minutes - at - flat - 1}")
+
+
 @dataclass
 class Engine:
     """One engine's series. Each field is a promtool values string (or None for absent)."""
@@ -118,6 +127,25 @@ def hits(ratio: float, queried_per_minute: float = 20000) -> dict:
 def latency(ttft: float, queue: float, prefill: float, per_minute: int = 60) -> dict:
     def hist(mean):
         return (rate(mean * per_minute), rate(per_minute))
+
+    return {"ttft": hist(ttft), "queue": hist(queue), "prefill": hist(prefill)}
+
+
+def latency_lapse(ttft: float, queue: float, prefill: float, per_minute: int = 60, flat: int = 5) -> dict:
+    """latency(), with no request observed in one rate window (see lapse): vLLM
+    observes TTFT at the first token and queue and prefill at the end of a
+    request, so a stalled engine leaves a window without any."""
+    def hist(mean):
+        return (lapse(mean * per_minute, flat=flat), lapse(per_minute, flat=flat))
+
+    return {"ttft": hist(ttft), "queue": hist(queue), "prefill": hist(prefill)}
+
+
+def latency_stop(ttft: float, queue: float, prefill: float, per_minute: int = 60, at: int = 30) -> dict:
+    """latency() until minute `at`, then no request observed again."""
+    def hist(mean):
+        return (f"0+{mean * per_minute:g}x{at} {mean * per_minute * at:g}x{MINUTES - at - 1}",
+                f"0+{per_minute}x{at} {per_minute * at}x{MINUTES - at - 1}")
 
     return {"ttft": hist(ttft), "queue": hist(queue), "prefill": hist(prefill)}
 
@@ -305,6 +333,27 @@ def default_cases() -> list[Case]:
              [Engine(**latency(3.0, 1.2, 1.2))], "40m",
              [("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)]),
         Case("first token: fast -> nothing", [Engine(**latency(0.5, 0.3, 0.1))], "40m", []),
+        # The finding hold (keep_firing_for, diagnosis: finding_hold_seconds, 1m): the rate window at 35m
+        # holds no first token (the engine stalled, exhaustion goes on); one evaluation without the
+        # condition neither resolves the firing alert nor sends it back to pending.
+        Case("first token: one evaluation without a first token in the window, mid-exhaustion -> still firing at "
+             "the lapse (kept firing)",
+             [Engine(**busy, **latency_lapse(3.0, 2.5, 0.3))], "35m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE, PREEMPTING),
+              ("VllmTimeToFirstTokenSlow", "queueing_kv_bound", ENGINE)]),
+        Case("first token: one evaluation without a first token in the window, mid-exhaustion -> still firing "
+             "after it, not pending again",
+             [Engine(**busy, **latency_lapse(3.0, 2.5, 0.3))], "37m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE, PREEMPTING),
+              ("VllmTimeToFirstTokenSlow", "queueing_kv_bound", ENGINE)]),
+        Case("first token: no first token for longer than the hold -> resolved one hold after the first clear "
+             "evaluation",
+             [Engine(**busy, **latency_stop(3.0, 2.5, 0.3))], "36m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE, PREEMPTING)]),
+        Case("first token: no first token since 30m -> still firing within the hold (35m, first clear evaluation)",
+             [Engine(**busy, **latency_stop(3.0, 2.5, 0.3))], "35m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE, PREEMPTING),
+              ("VllmTimeToFirstTokenSlow", "queueing_kv_bound", ENGINE)]),
         # --- health --------------------------------------------------------------
         Case("kvwatch not scraped -> KvwatchDown",
              [Engine(up=const(0), kvwatch_up=None, info=None, usage=None, running=None, waiting=None,
