@@ -127,12 +127,12 @@ class _SimClock:
 
 
 def sim_monitor(scenario: str | list[tuple[str, float]], until: float, engines: int | None = None, seed: int = 0,
-                every: float = 5.0, thresholds: dict | None = None, window: str = "5m"):
+                every: float = 5.0, thresholds: dict | None = None, window: str = "5m", on_state=None):
     """A Monitor that polled the simulated scenario every `every` simulated
     seconds up to `until`, as `kvwatch serve` would have (no wall-time waits).
     A list of (scenario, lead seconds) plays a fleet: one engine per scenario
     behind one page (engine labels 0, 1, ...), each `lead` seconds ahead in
-    its own scenario."""
+    its own scenario. `on_state` is called with the State of every poll."""
     import kvwatch.sidecar.monitor as monitor_module
     from kvwatch.sidecar.monitor import Monitor
     from kvwatch.sidecar.settings import load_settings
@@ -168,7 +168,9 @@ def sim_monitor(scenario: str | list[tuple[str, float]], until: float, engines: 
             elapsed += step
             for sim, (_, lead) in zip(sims, fleet):
                 sim.advance_to(lead + elapsed)
-            monitor.poll_once()
+            state = monitor.poll_once()
+            if on_state is not None:
+                on_state(state)
     finally:
         monitor_module.time = real
     assert clock_sim.now == start + until
