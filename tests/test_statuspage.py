@@ -382,3 +382,26 @@ def signal_label_of(name: str) -> str:
     from kvwatch.sidecar.statuspage import signal_label
 
     return signal_label(name)
+
+
+def test_a_held_finding_reads_clearing_with_when_it_ends():
+    """A finding inside its hold (diagnosis: finding_hold_seconds) says it is
+    clearing and when it ends unless its condition returns; an active one
+    does not."""
+    functions = ["clock", "minutes", "span", "sinceText"]
+    now = 1_700_000_000.0
+    held = {"since": now - 600, "clearing_since": now - 20}
+    text = run_script(functions, f"sinceText({held}, {now}, 60)".replace("'", '"'), prelude="process.env.TZ='UTC';")
+    assert "clearing: condition clear since" in text and "ends at" in text and "unless it returns" in text
+    active = run_script(functions, f'sinceText({{"since": {now - 600}}}, {now}, 60)')
+    assert "clearing" not in active
+
+
+def test_the_noscript_page_says_a_finding_is_clearing():
+    from kvwatch.sidecar.statuspage import _findings_html
+
+    finding = {"model_name": "m", "engine": "0", "symptom": "slow_first_token", "cause": "queueing_kv_bound",
+               "severity": "warning", "confidence": "medium", "summary": "s", "next_check": "n", "evidence": {},
+               "since": 1_700_000_000.0, "clearing_since": 1_700_000_100.0}
+    assert "clearing" in _findings_html({"findings": [finding], "up": True})
+    assert "clearing" not in _findings_html({"findings": [{**finding, "clearing_since": None}], "up": True})

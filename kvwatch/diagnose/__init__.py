@@ -14,9 +14,11 @@ change            model_changed, lora_changed, cache_dtype_changed,
                   cache_config_changed, engine_restarted
 
 Rules run per (model, engine): the KV cache, its queue and its counters belong
-to one engine core. Every rule reads only the window (so a finding is active
-exactly while its evidence is inside the window, like an alert over
-`rate(...[5m])`) plus the change events the monitor recorded. One detector
+to one engine core. Every rule reads only the window (so a finding starts when
+its evidence is inside the window, like an alert over `rate(...[5m])`) plus the
+change events the monitor recorded; the callers hold each finding until its
+condition has been clear for `finding_hold_seconds` (hold.py), as the alerts'
+keep_firing_for does. One detector
 decides whether an engine's KV cache was exhausted, and the exhaustion rules,
 the queueing split and the hit-rate rules all use it: exhaustion is never
 called compute-bound queueing (nor the reverse), and while the cache is
