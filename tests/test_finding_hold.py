@@ -137,3 +137,16 @@ def test_over_the_demo_no_finding_restarts_within_the_hold_and_every_one_clears_
                         for a, b in zip(sorted(ends), sorted(e.start for e in raw.episodes
                                                              if (e.symptom, e.cause) == key)[1:]) if b - a <= 4.0)
     assert blinks_before > 0  # the demo did flap before the hold
+
+
+def test_the_symptom_alerts_keep_firing_for_the_hold_and_the_health_alerts_do_not():
+    from kvwatch.diagnose.vocabulary import SYMPTOM_ALERTS
+    from mixin_support import load_rules
+
+    alerts = [rule for rule in load_rules() if "alert" in rule]
+    for rule in alerts:
+        if rule["alert"] in SYMPTOM_ALERTS.values():
+            assert seconds_of(rule["keep_firing_for"]) == HOLD, rule["alert"]
+        else:
+            assert "keep_firing_for" not in rule, rule["alert"]
+    assert {r["alert"] for r in alerts if "keep_firing_for" in r} == set(SYMPTOM_ALERTS.values())
