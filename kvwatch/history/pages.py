@@ -354,8 +354,15 @@ class Pages:
         return replica
 
     def _values(self, pairs: list) -> list[str | None]:
-        values: list[str | None] = [None] * self.points
         start, step, points = self.start, self.step, self.points
+        # The usual case, a value at every step: the query API answers on
+        # the step grid, in time order, one pair per step, so the first at
+        # index 0, the last at the last index and one pair per step mean
+        # the values are the steps' in order (no index worked out per pair).
+        if (pairs and len(pairs) == points and int(round((float(pairs[0][0]) - start) / step)) == 0
+                and int(round((float(pairs[-1][0]) - start) / step)) == points - 1):
+            return [value for _at, value in pairs]
+        values: list[str | None] = [None] * points
         for at, value in pairs:
             index = int(round((float(at) - start) / step))
             if 0 <= index < points:
