@@ -189,6 +189,27 @@ class Replica:
             self._ordered = True
             self._plan = None
 
+    # Sent to a worker process (pickled) with each series' values at every
+    # step as one string (pickling a string per value costs several times
+    # more than joining and splitting them); a series with a gap, or a
+    # value holding the separator, goes as it is.
+    def __getstate__(self) -> dict:
+        self._order()
+        state = dict(self.__dict__)
+        state["rows"] = [(prefix, order, _packed(values), read) for prefix, order, values, read in self.rows]
+        state["config_rows"] = [(labels, key, _packed(values)) for labels, key, values in self.config_rows]
+        if self.process_start is not None:
+            state["process_start"] = _packed(self.process_start)
+        state["_plan"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["rows"] = [(prefix, order, _unpacked(values), read) for prefix, order, values, read in state["rows"]]
+        state["config_rows"] = [(labels, key, _unpacked(values)) for labels, key, values in state["config_rows"]]
+        if state["process_start"] is not None:
+            state["process_start"] = _unpacked(state["process_start"])
+        self.__dict__.update(state)
+
     def families(self, index: int) -> tuple[dict[str, Family], float | None] | None:
         """What the parser would read from `page(index)`: (families, process
         start time), or None when the replica had no value then."""
@@ -302,6 +323,25 @@ class Replica:
                         line = line.replace("{", "{" + added + ",", 1)
             out.append(line)
         return out
+
+
+_SEPARATOR = "\x1f"
+
+
+def _packed(values: list[str | None]) -> str | list[str | None]:
+    """A series' values as one string where they all are strings (no gap)
+    without the separator; else the list itself (_unpacked undoes both)."""
+    if not values or None in values:
+        return values
+    try:
+        packed = _SEPARATOR.join(values)
+    except TypeError:  # not strings
+        return values
+    return packed if packed.count(_SEPARATOR) == len(values) - 1 else values
+
+
+def _unpacked(values: str | list[str | None]) -> list[str | None]:
+    return values.split(_SEPARATOR) if isinstance(values, str) else values
 
 
 def _number(text: str) -> float:
