@@ -220,9 +220,9 @@ class Replica:
         if not any_row[index]:
             return None
         families: dict[str, Family] = {}
-        for name, spelling, samples, complete, suffixes, label_sets, columns in plan:
-            if complete[index]:
-                present = None  # every series of the family (the usual case)
+        for name, spelling, samples, complete, suffixes, label_sets, columns, config, whole in plan:
+            if complete[index]:  # every series of the family (the usual case)
+                present = None
                 found = list(zip(suffixes, label_sets, columns[index]))
             else:
                 present = tuple(i for i, (_suffix, _labels, values) in enumerate(samples)
@@ -230,16 +230,16 @@ class Replica:
                 if not present:
                     continue
                 found = [(samples[i][0], samples[i][1], samples[i][2][index]) for i in present]
-            family = Family(name, spelling=spelling, samples=found)
-            if name == vllm.CACHE_CONFIG and self.config_rows:
-                family.samples = [(suffix, self._config_labels(labels, index), value)
-                                  for suffix, labels, value in family.samples]
+            if config:
+                found = [(suffix, self._config_labels(labels, index), value) for suffix, labels, value in found]
+                layout = None
+            elif present is None:
+                layout = whole
             else:
                 layout = layouts.get((name, present))
-                if layout is None:  # None: the family complete
+                if layout is None:
                     layout = layouts[(name, present)] = object()
-                family.layout = layout
-            families[name] = family
+            families[name] = Family(name, "untyped", spelling, found, layout)
         start = None
         if self.process_start is not None and self.process_start[index] is not None:
             try:
@@ -270,7 +270,8 @@ class Replica:
         for name, spelling, samples in plan:
             columns = list(zip(*(s[2] for s in samples)))
             complete_plan.append((name, spelling, samples, [None not in column for column in columns],
-                                  tuple(s[0] for s in samples), tuple(s[1] for s in samples), columns))
+                                  tuple(s[0] for s in samples), tuple(s[1] for s in samples), columns,
+                                  name == vllm.CACHE_CONFIG and bool(self.config_rows), object()))
         any_row = [any(column) for column in zip(*(row[2] for row in self.rows))] if self.rows else []
         return complete_plan, any_row, {}
 
