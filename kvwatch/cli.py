@@ -22,6 +22,24 @@ SUBCOMMANDS = {
 }
 
 
+def _negative_values(argv: list[str]) -> list[str]:
+    """`--duration -1s` as `--duration=-1s`: argparse takes a value that
+    starts with '-' for an option and answers "expected one argument" with
+    its usage; joined, the flag's own parser says what is wrong with it."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if (token.startswith("--") and "=" not in token and i + 1 < len(argv)
+                and len(argv[i + 1]) > 1 and argv[i + 1][0] == "-" and (argv[i + 1][1].isdigit() or argv[i + 1][1] == ".")):
+            out.append(f"{token}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from kvwatch import __version__
@@ -33,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if argv and argv[0] == name:
             importlib.import_module(module_name).add_arguments(sub_parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_negative_values(argv))
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)

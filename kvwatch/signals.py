@@ -60,6 +60,7 @@ UNITS: dict[str, Unit] = {
     "failures": Unit("short", "failures"),
     "notifications": Unit("short", "notifications"),
     "transfers": Unit("short", "transfers"),
+    "descriptors": Unit("short", "descriptors"),
 }
 
 
@@ -270,13 +271,37 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
     EngineSeries("kvwatch_engine_kv_offload_cpu_pinned_ratio", "gauge", "offload_cpu_pinned", "ratio",
                  "Share of the CPU offload tier pinned by in-flight transfers (vllm:kv_offload_cpu_cache_usage_perc): "
                  "evictable blocks do not count, so it reads 0 on a full tier at rest; not the tier's usage."),
+    EngineSeries("kvwatch_engine_kv_offload_load_size_bytes", "histogram", "offload_load_size", "bytes",
+                 "Bytes per load from the offload tier into GPU KV blocks, one observation per operation "
+                 "(vllm:kv_offload_load_size, else the deprecated vllm:kv_offload_size{transfer_type=\"CPU_to_GPU\"}, "
+                 "never both; OffloadingConnector only)."),
+    EngineSeries("kvwatch_engine_kv_offload_store_size_bytes", "histogram", "offload_store_size", "bytes",
+                 "Bytes per store from GPU KV blocks to the offload tier, one observation per operation "
+                 "(vllm:kv_offload_store_size, else vllm:kv_offload_size{transfer_type=\"GPU_to_CPU\"}; "
+                 "OffloadingConnector only)."),
     EngineSeries("kvwatch_engine_nixl_failed_transfers", "counter", "nixl_failed_transfers", "transfers",
-                 "Failed NIXL KV transfers (vllm:nixl_num_failed_transfers_total; NixlConnector only).", good="low"),
-    EngineSeries("kvwatch_engine_nixl_failed_notifications", "counter", "nixl_failed_notifications", "notifications",
-                 "Failed NIXL notifications (vllm:nixl_num_failed_notifications_total; NixlConnector only).", good="low"),
-    EngineSeries("kvwatch_engine_nixl_expired_requests", "counter", "nixl_expired_requests", "requests",
-                 "Requests whose KV expired before the peer fetched it (vllm:nixl_num_kv_expired_reqs_total; "
+                 "Failed NIXL KV transfers, handshake and notification failures included, so never add "
+                 "kvwatch_engine_nixl_failed_notifications to it (vllm:nixl_num_failed_transfers_total; "
                  "NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_failed_notifications", "counter", "nixl_failed_notifications", "notifications",
+                 "Failed NIXL notifications, already counted in kvwatch_engine_nixl_failed_transfers "
+                 "(vllm:nixl_num_failed_notifications_total; NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_expired_requests", "counter", "nixl_expired_requests", "requests",
+                 "Requests whose KV expired before the peer fetched it, counted on the prefill instance; not a "
+                 "transport failure (vllm:nixl_num_kv_expired_reqs_total; NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_notifications_after_expiry", "counter", "nixl_notifications_after_expiry",
+                 "notifications",
+                 "Completion notifications for requests no longer tracked, usually because their KV lease expired "
+                 "(the blocks may have been reused before the transfer finished), one per remote rank "
+                 "(vllm:nixl_num_notifications_after_expiry_total; NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_transfer_seconds", "histogram", "nixl_transfer_time", "seconds",
+                 "Duration of each NIXL KV transfer (vllm:nixl_xfer_time_seconds; NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_post_seconds", "histogram", "nixl_post_time", "seconds",
+                 "Time to post each NIXL KV transfer (vllm:nixl_post_time_seconds; NixlConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_nixl_transfer_bytes", "histogram", "nixl_transfer_bytes", "bytes",
+                 "Bytes per NIXL KV transfer (vllm:nixl_bytes_transferred; NixlConnector only)."),
+    EngineSeries("kvwatch_engine_nixl_descriptors", "histogram", "nixl_descriptors", "descriptors",
+                 "Descriptors per NIXL KV transfer (vllm:nixl_num_descriptors; NixlConnector only)."),
 )
 
 
@@ -551,6 +576,18 @@ def _free_blocks(view: View) -> float | None:
     return view.usable_blocks - view.used_blocks
 
 
+def requests_fit_now(view: View) -> float | None:
+    """Requests of the running ones' current mean footprint (used blocks /
+    running) the usable blocks hold, rounded down: the capacity ceiling at
+    current lengths. It falls as running requests decode and grow, before
+    the cache is full; kvwatch_kv_cache_capacity_requests reads finished
+    requests' lengths and does not move until they finish."""
+    running = view.gauge("running")
+    if view.usable_blocks is None or not view.used_blocks or not running:
+        return None
+    return float(math.floor(view.usable_blocks * running / view.used_blocks))
+
+
 def token_usage_estimate(view: View) -> float | None:
     """Tokens held over the tokens the usable blocks hold. Usage counts whole
     blocks; each running request's last block is partly filled, on average
@@ -742,6 +779,17 @@ SIGNALS: tuple[Signal, ...] = (
            "sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) - round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)))",
            panel="exhaustion", title="Free KV blocks (the ceiling left)",
            record=("kvwatch_kv_cache_free_blocks", "sum"), display="KV blocks free", good="high"),
+    Signal("kvwatch_kv_cache_requests_fit_now", "requests",
+           "Requests of the running ones' current mean footprint the cache holds, rounded down: usable blocks x "
+           "running / used blocks. It falls as decodes grow, before the cache is full; "
+           "kvwatch_kv_cache_capacity_requests reads finished requests' lengths instead "
+           "(vllm:kv_cache_usage_perc, vllm:num_requests_running, vllm:cache_config_info; absent with nothing "
+           "running and on hybrid models).",
+           requests_fit_now, "exhaustion",
+           "floor(\nsum by ({by}) (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1)\n* sum by ({by}) (kvwatch_engine_requests_running{{{sel}}})\n"
+           "/ (sum by ({by}) (round(clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * (kvwatch_engine_kv_cache_blocks{{{sel}}} - 1))) > 0)\n)",
+           record=("kvwatch_kv_cache_requests_fit_now", "ratio"), display="Requests that fit at current lengths",
+           good="high"),
     Signal("kvwatch_kv_cache_token_usage_estimate_ratio", "ratio",
            "Estimated share of the cache's token slots holding tokens: usage counts whole blocks and each running "
            "request's last block is on average half filled, so this is (used blocks x block_size - running x "
@@ -799,7 +847,7 @@ SIGNALS: tuple[Signal, ...] = (
            "before 0.16 prefix hits / prompt tokens).",
            _cached_share, "prefix",
            _ratio_of_rates("kvwatch_engine_prompt_tokens_cached_total", "kvwatch_engine_prompt_tokens_total"),
-           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}"), display="Prompt tokens from cache", good="high"),
+           record=("kvwatch_prompt_tokens_cached", "ratio_rate{w}"), display="Prompt tokens served from a cache, all tiers", good="high"),
     Signal("kvwatch_prompt_tokens_from_cache_ratio", "ratio",
            "Share of prompt tokens served from a cache, by tier: local (this engine's prefix cache) and external "
            "(a KV connector); the rest was computed. Not the lookup hit ratio, which re-lookups inflate "
@@ -809,7 +857,7 @@ SIGNALS: tuple[Signal, ...] = (
            "  or\n  label_replace(sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"external_kv_transfer\"}}[{w}])), \"tier\", \"external\", \"\", \"\")\n)\n"
            "/ ignoring (tier) group_left\nsum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel}}}[{w}]))",
            label="tier", panel="prefix_cache", title="Prompt tokens served from a cache, by tier",
-           record=("kvwatch_prompt_tokens_from_cache", "ratio_rate{w}"), needs=("prompt_tokens_by_source",), display="Prompt tokens served from a cache", good="high"),
+           record=("kvwatch_prompt_tokens_from_cache", "ratio_rate{w}"), needs=("prompt_tokens_by_source",), display="Prompt tokens served from a cache, by tier", good="high"),
     Signal("kvwatch_kv_cache_reuse_shortfall_blocks", "blocks",
            "KV blocks the cache lacks to keep idle prefixes until their typical reuse: free pool x (median reuse "
            "gap / median idle time before eviction - 1), 0 when blocks outlive the reuse gap "
@@ -1005,6 +1053,23 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
     return view
 
 
+# Signals of whole-block arithmetic (BlockSums): absent on hybrid models,
+# whose KV groups' blocks differ (/api/v1/signals lists them dark there).
+WHOLE_BLOCK_SIGNALS = ("kvwatch_kv_cache_used_blocks", "kvwatch_kv_cache_free_blocks", "kvwatch_kv_cache_requests_fit_now",
+                       "kvwatch_kv_cache_token_usage_estimate_ratio", "kvwatch_kv_cache_reuse_shortfall_blocks",
+                       "kvwatch_kv_cache_reuse_shortfall_bytes")
+
+
+def blocks_hold_capacity(cache_config: dict[str, str]) -> bool:
+    """num_gpu_blocks x block_size is the stated capacity (or none is
+    stated): not so on hybrid models, where block_size is the minimum over
+    the KV groups."""
+    count = config_number(cache_config, "num_gpu_blocks")
+    size = config_number(cache_config, "block_size")
+    stated = config_number(cache_config, "kv_cache_size_tokens")
+    return not (stated and count and size and stated != count * size)
+
+
 @dataclass
 class BlockSums:
     """Whole-block arithmetic over the engines of a view."""
@@ -1018,10 +1083,9 @@ class BlockSums:
     def add(self, cache_config: dict[str, str], usage: float | None, series) -> "BlockSums | None":
         count = config_number(cache_config, "num_gpu_blocks")
         size = config_number(cache_config, "block_size")
-        stated = config_number(cache_config, "kv_cache_size_tokens")
         if not count or count < 2 or not size or usage is None or not series:
             return None
-        if stated and stated != count * size:
+        if not blocks_hold_capacity(cache_config):
             return None  # hybrid: block_size is the minimum over groups, blocks x size is not the capacity
         usable = count - 1
         used = float(round(min(1.0, max(0.0, usage)) * usable))

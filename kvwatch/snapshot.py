@@ -205,3 +205,28 @@ def _number(text: str | None) -> float | None:
 
 def config_number(cache_config: dict[str, str], key: str) -> float | None:
     return _number(cache_config.get(key))
+
+
+# cache_config_info labels of a hybrid (attention + Mamba) model's state cache.
+MAMBA_KEYS = ("mamba_cache_mode", "mamba_block_size", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
+              "mamba_page_size_padded")
+
+
+def hybrid_cache(cache_config: dict[str, str]) -> dict[str, str | float] | None:
+    """The Mamba state cache of a hybrid model, from cache_config_info's
+    `mamba_*` labels; None on an attention-only model. vLLM sets
+    mamba_block_size on every model with Mamba layers (to block_size with
+    prefix caching, mamba_cache_mode "align"; to max_model_len without, mode
+    "none") and leaves it "None" otherwise, while mamba_cache_dtype and
+    mamba_ssm_cache_dtype carry their defaults on every model: so only a
+    numeric mamba_block_size marks a hybrid one."""
+    block = config_number(cache_config, "mamba_block_size")
+    if not block:
+        return None
+    found: dict[str, str | float] = {"mamba_block_size": block}
+    for key in MAMBA_KEYS:
+        if key == "mamba_block_size" or cache_config.get(key) in (None, "None"):
+            continue
+        number = config_number(cache_config, key)
+        found[key] = number if number is not None else cache_config[key]
+    return found

@@ -16,7 +16,7 @@ import math
 import re
 from typing import Any
 
-_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*")
+_DURATION = re.compile(r"\s*([-+]?[0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
@@ -43,6 +43,38 @@ def parse_duration(value: Any) -> float:
     if seconds <= 0:
         raise ValueError(f"{value!r} must be positive")
     return seconds
+
+
+def parse_whole_number(value: Any) -> int:
+    """An integer from an int or a text of digits: "'abc' is not a whole number"."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a whole number")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a whole number") from None
+
+
+def parse_port(value: Any) -> int:
+    port = parse_whole_number(value)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{value!r} is not a port (0-65535)")
+    return port
+
+
+def parse_number(value: Any, minimum: float | None = None) -> float:
+    """A finite number (`2`, `0.5`), at least `minimum` when given."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite number")
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{value!r} must be at least {minimum:g}")
+    return number
 
 
 def parse_size(value: Any) -> int:

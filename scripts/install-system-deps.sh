@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests drive for real: Prometheus (and
-# promtool), Alertmanager, Chromium, and openssl for the TLS tests. Skips what is already there.
+# promtool), Alertmanager, Chromium, openssl for the TLS tests, and node to run
+# the status page's formatter beside Python's. Skips what is already there.
 set -euo pipefail
 need=()
 command -v prometheus >/dev/null || need+=(prometheus)
@@ -8,6 +9,7 @@ command -v promtool >/dev/null || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null || need+=(prometheus-alertmanager)
 command -v chromium >/dev/null || need+=(chromium)
 command -v openssl >/dev/null || need+=(openssl)
+command -v node >/dev/null || need+=(nodejs)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -23,7 +23,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from browser import Browser  # noqa: E402
 from sim_support import sim_monitor  # noqa: E402
-from test_statuspage_browser import CASES, serve  # noqa: E402
+from pageserver import serving  # noqa: E402
+from test_statuspage_browser import CASES  # noqa: E402
 
 from kvwatch.sidecar.app import create_app  # noqa: E402
 from kvwatch.sidecar.monitor import Monitor  # noqa: E402
@@ -56,11 +57,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with Browser() as browser:
         for case, monitor in monitors():
-            server, thread, port = serve(create_app(monitor, monitor.settings))
-            try:
+            with serving(create_app(monitor, monitor.settings), lifespan="off", start_timeout_s=10) as kvwatch:
                 for width, dark in ((1400, False), (400, True)):
                     page = browser.page(width, 900, dark)
-                    page.goto(f"http://127.0.0.1:{port}/")
+                    page.goto(kvwatch.url + "/")
                     page.wait_for("document.body.dataset.rendered === '1'")
                     problems = page.messages()
                     if problems:
@@ -70,9 +70,6 @@ def main() -> int:
                     page.screenshot(path)
                     shrink(path)
                     print(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
-            finally:
-                server.should_exit = True
-                thread.join(10)
     return 0
 
 

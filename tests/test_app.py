@@ -332,3 +332,16 @@ def test_hot_paths_need_the_token_but_the_probes_do_not(capture, tmp_path):
         ready = client.get("/readyz")
         assert ready.status_code == 503 and ready.text.startswith("not ready: last poll failed: http_5xx")
         assert client.request("HEAD", "/healthz").status_code == 405  # open paths reach FastAPI untouched
+
+
+def test_up_log_line_counts_engines_in_words(fixtures_dir, caplog):
+    """The log said "up (1 engines)"."""
+    import logging
+
+    text = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    with PageServer([Answer(text)]) as server:
+        monitor = Monitor(load_settings(overrides={"target": server.url}, environ={}))
+        with caplog.at_level(logging.INFO, logger="kvwatch"):
+            monitor.poll_once()
+    lines = [r.getMessage() for r in caplog.records if ": up (" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(": up (1 engine)"), lines

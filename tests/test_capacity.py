@@ -641,6 +641,22 @@ def test_cli_target_alone_and_a_budget_that_disagrees(capsys, write_config, fixt
     assert comparison["difference_tokens"] == 4096
 
 
+def test_cli_target_names_a_hybrid_models_mamba_cache(capsys, fixtures_dir):
+    """cache_config_info of a hybrid model as vLLM 0.32 writes it (mamba_*
+    labels set by MambaModelConfig): WRITTEN FROM vLLM'S SOURCE on the real
+    capture, whose tiny model has no Mamba layers."""
+    body = (fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()
+    hybrid = body.replace('mamba_block_size="None"', 'mamba_block_size="32"').replace(
+        'mamba_cache_mode="none"', 'mamba_cache_mode="align"')
+    with _metrics_server(hybrid) as server:
+        assert main(["capacity", "--target", server.base_url, "--input-tokens", "100", "--output-tokens", "100"]) == 0
+        table = capsys.readouterr().out
+    assert "hybrid model (Mamba layers): mamba_block_size 32, mamba_cache_mode align" in table
+    with _metrics_server(body) as server:
+        assert main(["capacity", "--target", server.base_url, "--input-tokens", "100", "--output-tokens", "100"]) == 0
+        assert "hybrid" not in capsys.readouterr().out
+
+
 def test_cli_target_errors(capsys, fixtures_dir):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -200,6 +200,10 @@ def test_cli_gpu_memory_shows_each_term(capsys, config_path):
                  "- runtime reserve", "= KV per GPU               67,131,400,192",
                  "8.03 B parameters", "KV budget: 134,262,800,384 B"):
         assert line in table
+    # Every column of the terms table is labelled (the GiB column had no heading).
+    heading, rule = table.splitlines()[3:5]
+    assert heading.split() == ["term", "bytes", "binary", "units", "from"], heading
+    assert len(rule.split()) == 4
 
 
 def test_cli_gpu_memory_against_a_live_target(capsys, config_path, fixtures_dir):

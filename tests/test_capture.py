@@ -293,3 +293,37 @@ def test_a_simulator_recording_replays_to_the_live_sidecars_timeline(tmp_path):
     # and the timeline says something: exhaustion, named during the overload (60 s to 240 s).
     burst = [e for e in timeline.episodes if e.symptom == "exhaustion"]
     assert burst and 60 <= burst[0].start - BASE <= 240 and timeline.polls == 85
+
+
+def test_serve_replay_is_marked_as_a_replay_on_every_surface(fixtures_dir, tmp_path):
+    """`serve --replay` looked live ("up · last poll 06:21:25 · refreshes
+    every 5 s" after the replay ended): the JSON, /readyz and the page say it
+    is a replay, at what speed, and that it finished."""
+    from fastapi.testclient import TestClient
+
+    from kvwatch.commands.serve import replaying
+    from kvwatch.sidecar.app import create_app
+
+    path = recorded(fixtures_dir, tmp_path / "real.tar.gz")
+    capture = Capture(path)
+    settings = load_settings(overrides={"target": capture.manifest["target"], "poll_interval": "10s"}, environ={})
+    monitor, start = replaying(capture, settings, speed=0)
+    assert monitor.state.replay == {"capture": "real.tar.gz", "speed": 0, "recorded_polls": 6, "finished": False,
+                                    "stopped": None}
+    start()
+    monitor._thread.join(10)
+    client = TestClient(create_app(monitor, settings))
+    replay = client.get("/api/v1/signals").json()["replay"]
+    assert replay["finished"] and replay["capture"] == "real.tar.gz" and replay["speed"] == 0
+    assert "finished" in replay["text"] and "as fast as it reads" in replay["text"]
+    assert client.get("/api/v1/diagnosis").json()["replay"]["finished"]
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.text == f"ready: {replay['text']}\n"
+    page = client.get("/").text
+    assert "refreshes every" not in page and "Replay of real.tar.gz" in page and "recorded time" in page
+
+    # Live: no replay key, /readyz unchanged.
+    live = load_settings(overrides={"target": "http://127.0.0.1:9/metrics"}, environ={})
+    from kvwatch.sidecar.monitor import Monitor
+
+    assert "replay" not in TestClient(create_app(Monitor(live), live)).get("/api/v1/signals").json()

@@ -799,3 +799,27 @@ def test_evidence_keeps_every_digit_of_counts_and_capacities():
     assert tidy({"capacity": 16384.0, "queries": 111812.0, "tokens": 1269.4, "share": 0.30000000000000004,
                  "small": 0.071849, "unknown": None, "nan": math.nan}) == {
         "capacity": 16384, "queries": 111812, "tokens": 1269, "share": 0.3, "small": 0.07185}
+
+
+def test_last_healthy_wording_follows_the_timing():
+    """"last healthy 56s ago (before the window)" was printed in a 62 s
+    window: "before the window" only when it was."""
+    memory = HitRateMemory()
+    run = Run(window_seconds=60.0)
+    for _ in range(8):
+        run.step(usage=0.4, running=3, requests=4, hit_ratio=0.8)
+        diagnose_with(run, memory)
+    seen = {"before": 0, "within": 0}
+    for _ in range(10):
+        run.step(usage=0.4, running=3, requests=4, hit_ratio=0.03)
+        for finding in diagnose_with(run, memory):
+            ago = finding.evidence.get("hit_ratio_last_healthy_seconds_ago")
+            if ago is None:
+                continue
+            covered = run.window.latest.time - run.window.entries[0].snapshot.time
+            before = "(before the window)" in finding.summary
+            assert before == (ago > covered), (ago, covered, finding.summary)
+            seen["before" if before else "within"] += 1
+            if not before:
+                assert f"within the {covered:.0f}s window" in finding.summary
+    assert seen["before"] and seen["within"]

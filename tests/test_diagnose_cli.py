@@ -229,3 +229,20 @@ def test_readyz_and_the_json_api_carry_the_sentence_not_the_exception():
     for text in (client.get("/readyz").text, client.get("/api/v1/diagnosis").text, client.get("/api/v1/signals").text):
         assert sentence in text
         assert "Max retries" not in text and "HTTPPool" not in text
+
+
+def test_counts_in_summaries_are_whole_numbers(fixtures_dir, capsys):
+    """`diagnose --replay` of the concurrency capture said "with 9.0 waiting
+    for 3.0 running": counts print as integers; only a mean that is not near
+    a whole number keeps a decimal, and says it is an average."""
+    import re
+
+    from kvwatch.diagnose.exhaustion import count_text
+
+    capture = fixtures_dir / "vllm-0.32-cpu-scenarios" / "concurrency" / "capture.tar.gz"
+    assert main(["diagnose", "--replay", str(capture), "--json"]) == 1
+    summaries = [episode["worst"]["summary"] for episode in json.loads(capsys.readouterr().out)["findings"]]
+    text = " ".join(summaries)
+    assert "with 9 waiting for 3 running." in text, text
+    assert not re.search(r"\b\d+\.0 (requests|waiting|running|preemptions)\b", text), text
+    assert [count_text(v) for v in (9.0, 3.02, 0, 2.44, 12.96)] == ["9", "3", "0", "2.4", "13"]

@@ -109,6 +109,26 @@ def test_residency_histograms_claim_only_what_their_samples_show(fixtures_dir, s
         assert "cannot_tell_apart" in finding.evidence
 
 
+@pytest.mark.parametrize("window", ["20s", "60s"])
+def test_blocks_evicted_before_their_reuse_gap_say_how_much_more_cache_keeps_it(fixtures_dir, window):
+    # 4 prefixes of 256 tokens reused every ~2 s for 14 s, then distinct
+    # 480-token prompts turn the free pool over in about half a second: the
+    # residency histograms show blocks evicted after less idle time than
+    # their reuse gap, and kvwatch says how many blocks (and bytes) more
+    # would keep the reuse: the free pool x (gap / idle - 1).
+    polls = replayed(fixtures_dir, "residency-shortfall", window=window)
+    start = polls[0][0]
+    assert not [f for t, fs in polls if t < start + 14 for f in fs if f.symptom == "low_hit_rate"]
+    shortfall = [f for f in of(polls, "eviction_before_reuse") if f.evidence.get("kv_cache_reuse_shortfall_blocks")]
+    assert shortfall, sorted({(f.cause, f.confidence) for _, fs in polls for f in fs})
+    evidence = shortfall[0].evidence
+    assert evidence["kv_block_idle_before_evict_p50_seconds"] < evidence["kv_block_reuse_gap_p50_seconds"]
+    assert evidence["kv_block_reuse_gaps_sampled"] >= 10
+    assert evidence["kv_cache_reuse_shortfall_bytes"] == pytest.approx(
+        evidence["kv_cache_reuse_shortfall_blocks"] * 4194304 / 128, rel=1e-3)
+    assert shortfall[0].confidence in ("medium", "high")
+
+
 def test_a_restart_stops_saying_cold_once_the_hit_ratio_is_back(fixtures_dir):
     # 8 requests sharing a 512-token prefix, vllm serve stopped and started
     # on the same port (about a minute down), the same load again: after

@@ -281,3 +281,22 @@ def test_cli_serves_prints_its_url_and_stops_on_sigterm():
         if process.poll() is None:
             process.kill()
             process.wait(timeout=5)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["sim", "--port", "abc"], "kvwatch sim: --port: 'abc' is not a whole number"),
+    (["sim", "--seed", "x"], "kvwatch sim: --seed: 'x' is not a whole number"),
+    (["sim", "--speed", "fast"], "kvwatch sim: --speed: 'fast' is not a number"),
+    (["sim", "--engines", "two"], "kvwatch sim: --engines: 'two' is not a whole number"),
+    (["serve", "--replay", "capture.tar.gz", "--speed", "fast"],
+     "kvwatch: --speed: 'fast' is not a number"),
+    (["serve", "--replay", "capture.tar.gz", "--speed", "-1"],
+     "kvwatch: --speed: '-1' must be at least 0"),
+    (["diagnose", "--target", "http://127.0.0.1:9/metrics", "--duration", "-1s"], "--duration: '-1s' must be positive"),
+])
+def test_flags_say_what_is_wrong_in_one_sentence(argv, error, capsys):
+    """argparse answered these with its usage and "invalid float value" or,
+    for a value starting with '-', "expected one argument"."""
+    assert kvwatch_main(argv) == 2
+    err = capsys.readouterr().err
+    assert error in err and "usage:" not in err and "expected one argument" not in err, err

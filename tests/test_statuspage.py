@@ -4,6 +4,7 @@ nothing from outside, nothing secret, nothing from the engine as markup."""
 from __future__ import annotations
 
 import base64
+import json
 import hashlib
 import re
 
@@ -169,3 +170,215 @@ def test_every_signal_has_a_human_label():
     assert all(labels) and len(set(labels)) == len(labels)
     assert signal_label("kvwatch_kv_cache_capacity_tokens") == "KV cache capacity (tokens)"
     assert signal_label("kvwatch_kv_cache_usage_ratio") == "KV cache usage"
+
+
+# --- the signals the engine's flags leave dark ------------------------------------
+
+
+def _dark_section(html: str) -> str:
+    found = re.search(r'<section id="dark">(.*?)</section>', html, re.S)
+    assert found is not None
+    return found.group(1)
+
+
+def test_vllm_without_kv_cache_metrics_names_the_flag_that_lights_residency(fixtures_dir):
+    # A real vLLM 0.32 capture, served without --kv-cache-metrics: the residency
+    # signals are dark, grouped on one line under the flag that lights them.
+    monitor, settings = polled([page(fixtures_dir, n) for n in ("idle", "load")])
+    section = _dark_section(render_status_page(monitor.state, settings))
+    assert "Signals this engine leaves dark" in section and "<details>" in section
+    line = re.search(r'<li data-flag="--kv-cache-metrics"><code>--kv-cache-metrics</code> lights: (.*?)</li>', section)
+    assert line is not None, section
+    assert "KV blocks short of keeping reuse (blocks)" in line.group(1)  # the catalogue's title, not the name
+    assert "KV bytes short of keeping reuse (bytes)" in line.group(1)
+    assert ">kvwatch_kv_cache_reuse_shortfall_blocks<" not in section
+    assert "OffloadingConnector</code> lights: " in section
+    # Lit signals are not listed.
+    assert "KV cache usage" not in section and "Prompt tokens served from a cache" not in section
+
+
+def test_an_engine_that_does_not_export_the_inputs_says_so(fixtures_dir):
+    llamacpp = (fixtures_dir / "handwritten" / "llamacpp-2026-a.txt").read_text()
+    monitor, settings = polled([llamacpp])
+    assert monitor.state.engine == "llamacpp"
+    section = _dark_section(render_status_page(monitor.state, settings))
+    line = re.search(r'<li data-flag="">No flag lights these \(llama.cpp does not export what it is computed '
+                     r'from\): (.*?)</li>', section)
+    assert line is not None, section
+    assert "Time to first token, mean" in line.group(1) and "KV cache capacity (tokens)" in line.group(1)
+    assert "--kv-cache-metrics" not in section  # the engine's own reason, not vLLM's flag
+
+
+def test_a_page_with_everything_has_no_dark_section(fixtures_dir):
+    from test_vllm_newer_families import OFFLOAD_NEW, residency
+
+    everything = page(fixtures_dir, "after") + residency({1: 5}, {10: 5}) + OFFLOAD_NEW
+    monitor, settings = polled([everything, everything])
+    html = render_status_page(monitor.state, settings)
+    assert _dark_section(html) == "" and "leaves dark" not in html.split("<script")[0]
+
+
+def test_the_script_groups_dark_signals_as_the_server_does(fixtures_dir):
+    """The section is drawn twice (server-side, then by the script on each
+    refresh): both group the API's dark_signals the same way, one group per
+    flag and one per reason where no flag lights them."""
+    from kvwatch.sidecar.report import signals_json
+    from kvwatch.sidecar.statuspage import dark_groups
+
+    monitor, settings = polled([page(fixtures_dir, "load")])
+
+    dark = signals_json(monitor.state, settings)["dark_signals"] + [
+        {"signal": "kvwatch_engine_sleeping", "missing_families": [], "lit_by": None, "why": "not exported"},
+        {"signal": "kvwatch_kv_cache_used_blocks", "missing_families": [], "lit_by": ["--a", "--b"], "why": "gated"},
+        {"signal": "kvwatch_kv_cache_free_blocks", "missing_families": [], "lit_by": ["--kv-cache-metrics"],
+         "why": "config-gated: start the engine with --kv-cache-metrics"}]
+    server = [[flags, why, [i["signal"] for i in items]] for flags, why, items in dark_groups(dark)]
+    assert server[0] == ["--kv-cache-metrics", "", ["kvwatch_kv_cache_reuse_shortfall_blocks",
+                                                    "kvwatch_kv_cache_reuse_shortfall_bytes",
+                                                    "kvwatch_kv_cache_free_blocks"]]
+    assert ["--a and --b", "", ["kvwatch_kv_cache_used_blocks"]] in server
+    assert [None, "not exported", ["kvwatch_engine_sleeping"]] in server
+    script = run_script(["darkGroups"], f"darkGroups({json.dumps(dark)}).map(function (g) {{ return "
+                                        "[g.flags, g.why, g.items.map(function (i) { return i.signal; })]; })")
+    assert script == server
+    assert "renderDark(signals);" in script_function("render")
+
+
+# --------------------------------------------------------------------------
+# The page's script, run in node: its functions taken out of SCRIPT by name.
+# --------------------------------------------------------------------------
+
+
+def script_function(name: str) -> str:
+    """The source of `function name(...) {...}` in the page's script."""
+    start = SCRIPT.index(f"function {name}(")
+    depth, i = 0, SCRIPT.index("{", start)
+    while True:
+        depth += {"{": 1, "}": -1}.get(SCRIPT[i], 0)
+        i += 1
+        if depth == 0:
+            return SCRIPT[start:i]
+
+
+def run_script(functions: list[str], expression: str, prelude: str = "") -> object:
+    """`expression`'s value (JSON) with the named functions of the script and
+    its meta in scope (node comes with `make system-deps`)."""
+    import json
+    import shutil
+    import subprocess
+
+    from kvwatch.sidecar.statuspage import page_meta
+
+    node = shutil.which("node")
+    assert node, "node is not installed: `make system-deps` installs the Debian package nodejs"
+    constants = "\n".join(re.search(rf"var {name} = [^;]+;", SCRIPT).group(0) for name in ("STATE_RANK",))
+    source = (f"var meta = {json.dumps(page_meta())};\n{constants}\n{prelude}\n"
+              + "\n".join(script_function(name) for name in functions)
+              + f"\nprocess.stdout.write(JSON.stringify({expression}));\n")
+    result = subprocess.run([node, "-e", source], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_a_finding_colours_only_figures_whose_own_value_is_bad():
+    """An exhaustion finding left over in the window (the replayed
+    concurrency capture after its burst) must not turn "KV usage 0.0%",
+    its headroom or "Waiting 0" red: only figures past their own threshold
+    take the finding's colour."""
+    import json
+
+    from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
+
+    row = {"model_name": "m", "engine": "0", "pinned": {}, "signals": {
+        "kvwatch_kv_cache_usage_ratio": 0.0, "kvwatch_kv_cache_free_tokens": 4096,
+        "kvwatch_prefix_cache_hit_ratio": 0.5, "kvwatch_time_to_first_token_seconds": {"0.95": 0.1},
+        "kvwatch_requests_waiting": 0, "kvwatch_preemptions_per_second": 0.2}}
+    finding = {"symptom": "exhaustion", "severity": "critical", "model_name": "m", "engine": "0"}
+    functions = ["figureValue", "compare", "figureStates"]
+    calm = run_script(functions, f"figureStates({json.dumps(row)}, [{json.dumps(finding)}], "
+                                 f"{json.dumps(DEFAULT_THRESHOLDS)})")
+    assert calm == {"kv_usage": "ok", "headroom": "ok", "hit_ratio": "ok", "ttft_p95": "ok",
+                    "waiting": "ok", "preemptions": "bad"}
+    row["signals"].update(kvwatch_kv_cache_usage_ratio=0.95, kvwatch_requests_waiting=3)
+    full = run_script(functions, f"figureStates({json.dumps(row)}, [{json.dumps(finding)}], "
+                                 f"{json.dumps(DEFAULT_THRESHOLDS)})")
+    # Waiting's own rule says warn; the critical finding deepens it to bad.
+    assert full["kv_usage"] == full["headroom"] == full["waiting"] == "bad"
+
+
+def test_every_cause_has_a_short_action_for_the_banner():
+    """The banner's "Next:" cut NEXT_CHECK at its first '.', ';' or ':' and
+    read "Expected after a restart." for cold_cache: each cause now declares
+    its action once, an instruction that starts with a verb."""
+    from kvwatch.diagnose.vocabulary import CAUSES, NEXT_ACTION, NEXT_CHECK
+    from kvwatch.sidecar.statuspage import page_meta
+
+    causes = {cause for listed in CAUSES.values() for cause in listed}
+    assert set(NEXT_ACTION) == causes and page_meta()["actions"] == NEXT_ACTION
+    for cause, action in NEXT_ACTION.items():
+        first = action.split()[0].rstrip(",:")
+        cut = re.match(r"^(.*?[.;:])(\s|$)", NEXT_CHECK[cause])
+        assert action.endswith(".") and len(action) <= 110, cause
+        assert cut is None or action != cut.group(1).rstrip(";:") + ".", cause
+        # An instruction: a capitalised bare verb, not a statement ("Expected ...", "The queue ...").
+        assert first[0].isupper() and not first.endswith(("ed", "s")) and first not in ("The", "A", "An", "If", "Nothing", "Time", "Most"), (cause, first)
+    assert "meta.actions[f.cause]" in SCRIPT
+
+
+def test_the_page_says_why_in_the_sidecars_one_failure_sentence():
+    """The banner said "the connection was refused (is the engine running…)"
+    while /readyz and the CLI said "connection refused by …: nothing listens
+    there": the page now prints the state's `detail`, the one sentence."""
+    import json
+
+    from kvwatch.scrape import failure_sentence
+
+    signals = {"up": False, "reason": "refused", "detail": failure_sentence("refused", "h:1"),
+               "target": "http://h:1/metrics", "last_success_time": None}
+    text = run_script(["clock", "downSentence"], f"downSentence({json.dumps(signals)})")
+    assert text == ("kvwatch cannot read the engine's metrics at http://h:1/metrics: connection refused by h:1: "
+                    "nothing listens there (engine down or starting?). No poll has succeeded yet.")
+
+
+FORMAT_CASES = [
+    (value, unit)
+    for unit in ("ratio", "seconds", "tokens", "bytes", "per_second", "requests", "")
+    for value in (0, 0.0, 1, 0.5, 0.9996, 0.99949, 1.005, 1.234, 12.5, 3040.4, 0.0123, 0.00049999, 1e-5, 2.5e-7,
+                  -0.002, 123456.7, 4096, 1e9 + 0.5, None, "text")
+] + [({"0.5": 0.1, "0.95": 2.5, "0.99": None}, "seconds"), ({}, "seconds"), ({"0.9": 0.25}, "ratio")]
+
+
+def test_the_script_formats_numbers_as_python_does():
+    """Numbers are formatted twice, here for the CLI and the <noscript>
+    summary and in the page's script: both must write every value alike."""
+    import json
+
+    from kvwatch.sidecar.statuspage import format_value
+
+    expected = [format_value(value, unit) for value, unit in FORMAT_CASES]
+    written = run_script(["labelKey", "three", "fmt"], f"{json.dumps(FORMAT_CASES)}.map(function (c) {{ return fmt(c[0], c[1]); }})")
+    differ = [(case, py, js) for case, py, js in zip(FORMAT_CASES, expected, written) if py != js]
+    assert not differ, "\n".join(map(repr, differ))
+
+
+def test_no_two_signals_read_alike():
+    """"Prompt tokens from cache" and "Prompt tokens served from a cache"
+    sat side by side in the CLI: the share of all prompt tokens and the same
+    share by tier. Labels that differ only in small words must say how."""
+    from kvwatch.signals import SIGNALS
+
+    def gist(label: str) -> str:
+        words = re.findall(r"[a-z0-9]+", label.lower())
+        return " ".join(w for w in words if w not in ("a", "an", "the", "served", "of", "in"))
+
+    seen: dict[str, str] = {}
+    for signal in SIGNALS:
+        label = signal_label_of(signal.name)
+        assert gist(label) not in seen, (label, seen.get(gist(label)))
+        seen[gist(label)] = label
+
+
+def signal_label_of(name: str) -> str:
+    from kvwatch.sidecar.statuspage import signal_label
+
+    return signal_label(name)

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from kvwatch.sidecar.app import create_app
+from kvwatch.sidecar.app import create_app, readiness
 from kvwatch.sidecar.monitor import Monitor
 from kvwatch.sidecar.settings import load_settings
 from pageserver import Answer, PageServer, serving
@@ -137,8 +137,10 @@ def test_page_with_engine_down_renders_cleanly(tmp_path):
         dom, stderr = dump_dom(kvwatch.url + "/", tmp_path)
     assert console_lines(stderr) == []
     assert 'data-state="down"' in dom
-    assert ("kvwatch cannot read the engine's metrics at http://127.0.0.1:9/metrics: the connection was refused "
-            "(is the engine running and listening on that port?). No poll has succeeded yet.") in dom
+    # The sidecar's one sentence for the failure, as /readyz and the CLI print it.
+    assert ("kvwatch cannot read the engine's metrics at http://127.0.0.1:9/metrics: connection refused by "
+            "127.0.0.1:9: nothing listens there (engine down or starting?). No poll has succeeded yet.") in dom
+    assert monitor.state.detail in dom and monitor.state.detail in readiness(monitor)[1]
     assert "No findings while the engine is not polled." in dom
     assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 1
 
@@ -155,8 +157,10 @@ FIGURES = ("kv_usage", "headroom", "hit_ratio", "ttft_p95", "waiting", "preempti
 CASES = {
     "exhaustion": ("exhaustion", 230.0, "concurrency_beyond_capacity",
                    {"kv_usage", "headroom", "waiting", "preemptions", "ttft_p95"}, set()),
+    # The window's hit ratio (43 %) is above hit_ratio_low: the finding (the recent part fell
+    # to 3 %) does not colour a value that is not bad by itself; the banner names it.
     "prefix-change": ("prefix-change", 330.0, "prefix_changed",
-                      {"hit_ratio"}, {"kv_usage", "headroom", "waiting", "preemptions", "ttft_p95"}),
+                      set(), {"kv_usage", "headroom", "waiting", "preemptions", "ttft_p95", "hit_ratio"}),
     "slow-first-token": ("slow-prefill", 270.0, "prefill",
                          {"ttft_p95"}, {"kv_usage", "headroom", "waiting", "preemptions"}),
     "four-engines": (FLEET, 230.0, "concurrency_beyond_capacity",
@@ -250,7 +254,12 @@ def test_four_engines_as_rows_worst_first_with_detail_on_click(browser, served):
     page.evaluate("""document.querySelector('#engines tr[data-engine="tiny-llama / 1"]').click()""")
     facts = page.evaluate(PAGE_FACTS)
     assert facts["selected"] == "Now on tiny-llama / 1"
-    assert facts["figures"]["hit_ratio"] == "warn" and facts["figures"]["kv_usage"] == "ok"
+    # Coloured by its own value against the diagnosis' threshold, whatever the finding.
+    row = next(r for r in monitor.state.per_engine if r.engine == "1")
+    from kvwatch.diagnose.thresholds import resolve_thresholds
+
+    low = row.values["kvwatch_prefix_cache_hit_ratio"] < resolve_thresholds(monitor.settings.diagnosis)["hit_ratio_low"]
+    assert facts["figures"]["hit_ratio"] == ("warn" if low else "ok") and facts["figures"]["kv_usage"] == "ok"
     assert facts["charts"] == [len(monitor.state.entries)] * 6
 
     # Sorting by a column: highest hit ratio first, then the reverse.
@@ -305,3 +314,71 @@ def test_findings_show_since_when_on_the_time_axis_and_their_runbook(browser, se
     assert first["since"] < monitor.state.snapshot.time  # first seen before the latest poll
     assert facts["notes"] == [key for f in findings for key in f["notes"]]
     assert page.messages() == []
+
+
+def test_dark_signals_section_follows_the_api(fixtures_dir, tmp_path):
+    """Rendered from a page with every family (no dark section), the page's
+    script then draws the section from /api/v1/signals: a vLLM 0.32 capture
+    without --kv-cache-metrics, its residency signals under that flag."""
+    from test_vllm_newer_families import OFFLOAD_NEW, residency
+
+    settings = load_settings(environ={})
+    everything = page(fixtures_dir, "after") + residency({1: 5}, {10: 5}) + OFFLOAD_NEW
+    with PageServer([Answer(everything)]) as server:
+        settings.target = server.url
+        lit = Monitor(settings)
+        lit.poll_once()
+    assert lit.state.dark_signals == () and lit.state.up
+    plain = polled(fixtures_dir, ["idle", "load"], settings)
+    app = create_app(SwitchingMonitor(lit, plain), settings)
+    with serving(app, lifespan="off", start_timeout_s=10) as kvwatch:
+        dom, stderr = dump_dom(kvwatch.url + "/", tmp_path)
+    assert console_lines(stderr) == []
+    assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 1
+    section = re.search(r'<section id="dark">(.*?)</section>', dom, re.S)
+    assert section is not None and "Signals this engine leaves dark (3)" in section.group(1)
+    line = re.search(r'<li data-flag="--kv-cache-metrics"><code>--kv-cache-metrics</code> lights: (.*?)</li>',
+                     section.group(1))
+    assert line is not None, section.group(1)
+    assert "KV blocks short of keeping reuse (blocks)</span>, <span" in line.group(1)
+
+
+def test_a_finished_replay_reads_as_one_and_calm_figures_stay_calm(browser, fixtures_dir):
+    """`serve --replay` of the concurrency capture looked live ("up · last
+    poll 06:21:25 · refreshes every 5 s") and showed KV usage 0.0 %, its
+    headroom and "Waiting 0" red under the exhaustion finding left in the
+    window: the page marks the finished replay with its recorded time, and
+    only figures whose own value is bad take the finding's colour."""
+    from kvwatch.capture.bundle import Capture
+    from kvwatch.commands.serve import replaying
+
+    capture = Capture(fixtures_dir / "vllm-0.32-cpu-scenarios" / "concurrency" / "capture.tar.gz")
+    settings = load_settings(overrides={"target": capture.manifest["target"],
+                                        "poll_interval": capture.manifest["interval_seconds"]}, environ={})
+    monitor, start = replaying(capture, settings, speed=0)
+    start()
+    monitor._thread.join(30)
+    assert monitor.state.replay["finished"]
+    with serving(create_app(monitor, settings), lifespan="off", start_timeout_s=10) as kvwatch:
+        page = load(browser, kvwatch.url + "/", 1400)
+        facts = page.evaluate("""(() => ({
+          replay: (document.querySelector("#status [data-replay]") || {dataset: {}}).dataset.replay,
+          status: document.getElementById("status").textContent,
+          live: document.getElementById("live").textContent,
+          figures: Object.fromEntries(Array.from(document.querySelectorAll("#figures .fig"))
+            .map(e => [e.dataset.figure, [e.dataset.state, e.querySelector(".value").textContent]])),
+          next: (document.querySelector("#banner p:last-child") || {}).textContent,
+        }))()""")
+        assert page.messages() == []
+    assert facts["replay"] == "finished" and "recorded time" in facts["status"] and "last poll" not in facts["status"]
+    assert facts["live"].startswith("Replay ended") and "refreshes every" not in facts["live"]
+    values = {key: value for key, (_, value) in facts["figures"].items()}
+    states = {key: state for key, (state, _) in facts["figures"].items()}
+    assert any(f.symptom == "exhaustion" for f in monitor.state.findings)
+    if values["kv_usage"] == "0.0%":
+        assert states["kv_usage"] == states["headroom"] == "ok", facts["figures"]
+    if values["waiting"] == "0":
+        assert states["waiting"] == "ok", facts["figures"]
+    from kvwatch.diagnose.vocabulary import NEXT_ACTION
+
+    assert facts["next"] == "Next: " + NEXT_ACTION[monitor.state.findings[0].cause]

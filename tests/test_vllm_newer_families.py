@@ -219,6 +219,8 @@ def test_whole_blocks_token_estimate_and_trend_on_the_burst(fixtures_dir):
     assert v["kvwatch_kv_cache_free_blocks"] == 1
     # 6 running, block 32: (126 x 32 - 6 x 31 / 2) / (127 x 32)
     assert v["kvwatch_kv_cache_token_usage_estimate_ratio"] == pytest.approx((126 * 32 - 6 * 15.5) / (127 * 32))
+    # 6 running in 126 blocks: 21 blocks each, so 127 blocks hold 6 such requests
+    assert v["kvwatch_kv_cache_requests_fit_now"] == 6
     # usage 0.14173 -> 0.99213 in 10 s: full in (1 - 0.99213) / 0.085039 s
     slope = (0.9921259842519685 - 0.1417322834645669) / 10
     assert v["kvwatch_kv_cache_exhaustion_eta_seconds"] == pytest.approx((1 - 0.9921259842519685) / slope)
@@ -228,6 +230,7 @@ def test_no_trend_once_the_cache_empties(fixtures_dir):
     v = values(window_of([capture(fixtures_dir, n) for n in ("load", "long-load", "after")])).values
     assert v["kvwatch_kv_cache_exhaustion_eta_seconds"] is None
     assert v["kvwatch_kv_cache_free_blocks"] == 127
+    assert v["kvwatch_kv_cache_requests_fit_now"] is None  # nothing running: no footprint to divide
 
 
 def test_lookup_hit_ratio_and_share_served_from_cache_are_two_numbers(fixtures_dir):
@@ -302,5 +305,222 @@ def test_block_floor_tells_a_prefix_shorter_than_a_block_from_no_shared_prefix(f
     assert block_floor(_Ctx(prompts, 32))["no_reuse_kind"] == "no_shared_prefix"
     # a 1024-token block: every prompt fits in one block, so no prefix can hit
     floor = block_floor(_Ctx(prompts, 1024))
-    assert floor["prompts_within_one_block_ratio"] == 1.0
+    assert floor["prompts_within_one_block_ratio_at_least"] == 1.0
     assert floor["no_reuse_kind"] == "prefix_shorter_than_block"
+
+
+def test_block_floor_inside_a_prompt_bucket_is_decided_by_the_mean_prompt():
+    """vLLM's prompt-length buckets are 1, 2, 5, 10, 20, 50, 100, ... (the
+    real 0.32 capture's bounds): block_size 32 lies inside (20, 50]. Prompts
+    of 28 tokens all fit one block; spread uniformly over the bucket they
+    would read as 27 % within it."""
+    from kvwatch.diagnose.hit_rate import block_floor
+    from kvwatch.snapshot import Histogram
+
+    bounds = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, float("inf"))
+
+    def prompts(lengths):
+        return Histogram(bounds, tuple(float(sum(1 for n in lengths if n <= b)) for b in bounds),
+                         float(sum(lengths)), float(len(lengths)))
+
+    floor = block_floor(_Ctx(prompts([28] * 40), 32))
+    assert floor["no_reuse_kind"] == "prefix_shorter_than_block"
+    assert (floor["prompts_within_one_block_ratio_at_least"], floor["prompts_within_one_block_ratio_at_most"]) == (0, 1)
+    assert floor["prompt_tokens_mean"] == 28
+    assert "(20, 50]" in floor["prompt_buckets_around_block_size"]
+    # prompts of 45 tokens share the bucket but not the block
+    assert block_floor(_Ctx(prompts([45] * 40), 32))["no_reuse_kind"] == "no_shared_prefix"
+    # a bound on the block size decides alone
+    assert block_floor(_Ctx(prompts([18] * 30 + [600] * 10), 20))["no_reuse_kind"] == "prefix_shorter_than_block"
+
+
+# --- offload size histograms and NIXL transfers ----------------------------------
+
+
+def _histogram_lines(name, labels, bounds, observations, help_text):
+    """A histogram as prometheus_client writes it, `observations` being the
+    values observed. WRITTEN FROM vLLM'S SOURCE (names, bucket bounds and
+    labels as the connectors register them), not captured."""
+    lines = [f"# HELP vllm:{name} {help_text}", f"# TYPE vllm:{name} histogram"]
+    for bound in tuple(bounds) + (float("inf"),):
+        le = "+Inf" if bound == float("inf") else repr(float(bound))
+        lines.append(f'vllm:{name}_bucket{{{labels},le="{le}"}} {float(sum(1 for o in observations if o <= bound))}')
+    lines.append(f"vllm:{name}_count{{{labels}}} {float(len(observations))}")
+    lines.append(f"vllm:{name}_sum{{{labels}}} {float(sum(observations))}")
+    return "\n".join(lines) + "\n"
+
+
+# offloading/metrics.py TRANSFER_SIZE_BUCKETS
+OFFLOAD_SIZE_BOUNDS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
+LABELS = 'engine="0",model_name="tiny-llama"'
+OFFLOAD_SIZES_NEW = (
+    _histogram_lines("kv_offload_load_size", LABELS, OFFLOAD_SIZE_BOUNDS, [3e6, 3e6],
+                     "Histogram of KV offload load operation size, in bytes.")
+    + _histogram_lines("kv_offload_store_size", LABELS, OFFLOAD_SIZE_BOUNDS, [30e6, 50e6, 70e6],
+                       "Histogram of KV offload store operation size, in bytes."))
+OFFLOAD_SIZES_DEPRECATED = (
+    "# HELP vllm:kv_offload_size Histogram of KV offload transfer size, in bytes.\n"
+    "# TYPE vllm:kv_offload_size histogram\n"
+    + "".join(line + "\n" for line in _histogram_lines(
+        "kv_offload_size", LABELS + ',transfer_type="CPU_to_GPU"', OFFLOAD_SIZE_BOUNDS, [3e6, 3e6], "").splitlines()[2:])
+    + "".join(line + "\n" for line in _histogram_lines(
+        "kv_offload_size", LABELS + ',transfer_type="GPU_to_CPU"', OFFLOAD_SIZE_BOUNDS, [30e6, 50e6, 70e6],
+        "").splitlines()[2:]))
+# nixl/stats.py NixlPromMetrics: xfer time buckets from 0.005, post time from
+# 0.001, bytes 2^(10+i) for i = 1, 3, ..., 23, descriptors 10 ... 50000; the
+# failure counters.
+_NIXL_TIMES = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+NIXL_TRANSFERS = (
+    _histogram_lines("nixl_xfer_time_seconds", LABELS, _NIXL_TIMES[1:], [0.02, 0.04, 0.6],
+                     "Histogram of transfer duration for NIXL KV Cache transfers.")
+    + _histogram_lines("nixl_post_time_seconds", LABELS, _NIXL_TIMES, [0.002, 0.002, 0.003],
+                       "Histogram of transfer post time for NIXL KV Cache transfers.")
+    + _histogram_lines("nixl_bytes_transferred", LABELS, [2 ** (10 + i) for i in range(1, 25, 2)],
+                       [2 ** 20, 2 ** 20, 2 ** 24], "Histogram of bytes transferred per NIXL KV Cache transfers.")
+    + _histogram_lines("nixl_num_descriptors", LABELS,
+                       (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000), [64, 64, 128],
+                       "Histogram of number of descriptors per NIXL  KV Cache transfers.")
+    + """# HELP vllm:nixl_num_failed_transfers_total Number of failed NIXL KV Cache transfers, including handshake and notification failures.
+# TYPE vllm:nixl_num_failed_transfers_total counter
+vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny-llama"} 3.0
+# HELP vllm:nixl_num_failed_notifications_total Number of failed NIXL KV Cache notifications.
+# TYPE vllm:nixl_num_failed_notifications_total counter
+vllm:nixl_num_failed_notifications_total{engine="0",model_name="tiny-llama"} 1.0
+# HELP vllm:nixl_num_kv_expired_reqs_total Number of requests that had their KV expire.
+# TYPE vllm:nixl_num_kv_expired_reqs_total counter
+vllm:nixl_num_kv_expired_reqs_total{engine="0",model_name="tiny-llama"} 4.0
+# HELP vllm:nixl_num_notifications_after_expiry_total Number of completion notifications for requests that were no longer tracked.
+# TYPE vllm:nixl_num_notifications_after_expiry_total counter
+vllm:nixl_num_notifications_after_expiry_total{engine="0",model_name="tiny-llama"} 2.0
+""")
+
+
+def test_offload_size_histograms_read_the_current_form_and_never_add_the_deprecated_one(fixtures_dir):
+    base = capture(fixtures_dir, "after")
+    both = VllmAdapter().adapt(base + OFFLOAD_SIZES_NEW + OFFLOAD_SIZES_DEPRECATED)
+    assert both.parse_errors == []
+    engine = both.engines[KEY]
+    load, store = engine.histograms["offload_load_size"], engine.histograms["offload_store_size"]
+    assert (load.count, load.sum) == (2, 6e6)  # not 4 and 12e6
+    assert (store.count, store.sum) == (3, 150e6)
+    assert load.bounds[:10] == OFFLOAD_SIZE_BOUNDS
+    assert both.sources["offload_load_size"] == "kv_offload_load_size"
+    # the deprecated form alone: split by transfer_type, never summed across it
+    old = VllmAdapter().adapt(base + OFFLOAD_SIZES_DEPRECATED)
+    engine = old.engines[KEY]
+    assert (engine.histograms["offload_load_size"].count, engine.histograms["offload_load_size"].sum) == (2, 6e6)
+    assert (engine.histograms["offload_store_size"].count, engine.histograms["offload_store_size"].sum) == (3, 150e6)
+    assert old.sources["offload_store_size"] == "kv_offload_size"
+
+
+def test_nixl_transfer_histograms_and_failure_counters_are_read(fixtures_dir):
+    snapshot = VllmAdapter().adapt(capture(fixtures_dir, "after") + NIXL_TRANSFERS)
+    assert snapshot.parse_errors == []
+    engine = snapshot.engines[KEY]
+    assert engine.histograms["nixl_transfer_time"].count == 3
+    assert engine.histograms["nixl_transfer_time"].bounds[0] == 0.005
+    assert engine.histograms["nixl_post_time"].bounds[0] == 0.001
+    assert engine.histograms["nixl_transfer_bytes"].sum == 2 * 2 ** 20 + 2 ** 24
+    assert engine.histograms["nixl_descriptors"].count == 3
+    assert engine.counters["nixl_failed_transfers"] == 3
+    assert engine.counters["nixl_failed_notifications"] == 1
+    assert engine.counters["nixl_expired_requests"] == 4
+    assert engine.counters["nixl_notifications_after_expiry"] == 2
+    present = snapshot.present()
+    assert present["nixl_xfer_time_seconds"] and present["nixl_num_notifications_after_expiry"]
+
+
+def test_offload_and_nixl_histograms_are_re_exported_with_the_flag_that_lights_them(fixtures_dir):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvwatch.sidecar.collector import KvwatchCollector
+    from kvwatch.sidecar.monitor import State
+
+    page = capture(fixtures_dir, "after") + OFFLOAD_SIZES_DEPRECATED + NIXL_TRANSFERS
+    window = window_of([page, page])
+    row = values(window)
+
+    class Monitor:
+        state = State(up=True, snapshot=window.latest, per_engine=(row,))
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    registry = CollectorRegistry()
+    registry.register(KvwatchCollector(Monitor()))
+    exported = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(generate_latest(registry).decode())
+                for s in family.samples}
+    ident = (("engine", "0"), ("model_name", "tiny-llama"))
+    assert exported[("kvwatch_engine_kv_offload_load_size_bytes_count", ident)] == 2
+    assert exported[("kvwatch_engine_kv_offload_store_size_bytes_sum", ident)] == 150e6
+    assert exported[("kvwatch_engine_kv_offload_store_size_bytes_bucket", (("engine", "0"), ("le", "60000000.0"), ("model_name", "tiny-llama")))] == 2
+    assert exported[("kvwatch_engine_nixl_transfer_seconds_count", ident)] == 3
+    assert exported[("kvwatch_engine_nixl_transfer_bytes_sum", ident)] == 2 * 2 ** 20 + 2 ** 24
+    assert exported[("kvwatch_engine_nixl_descriptors_count", ident)] == 3
+    assert exported[("kvwatch_engine_nixl_post_seconds_count", ident)] == 3
+    assert exported[("kvwatch_engine_nixl_notifications_after_expiry_total", ident)] == 2
+    assert exported[("kvwatch_source_present", (("family", "nixl_bytes_transferred"),))] == 1
+    assert exported[("kvwatch_source_present", (("family", "nixl_xfer_time_seconds"),))] == 1
+    # on a page without a connector, the families are absent and say which flag lights them
+    from kvwatch.engines.vllm import GATES
+    assert "NixlConnector" in GATES["nixl_transfer_time"] and "OffloadingConnector" in GATES["offload_store_size"]
+
+
+# --- hybrid models: cache_config_info's mamba_* labels -----------------------------
+
+
+def _hybrid(page):
+    """The real capture's cache_config_info as vLLM 0.32 writes it for a
+    hybrid (attention + Mamba) model with prefix caching: MambaModelConfig
+    sets mamba_cache_mode "align" and mamba_block_size; block_size is the
+    smallest over the KV groups, so blocks x block_size is not the stated
+    capacity. WRITTEN FROM vLLM'S SOURCE (vllm/model_executor/models/config.py),
+    not captured: the tier's tiny model has no Mamba layers."""
+    return (page.replace('mamba_block_size="None"', 'mamba_block_size="64"')
+            .replace('mamba_cache_mode="none"', 'mamba_cache_mode="align"')
+            .replace('mamba_page_size_padded="None"', 'mamba_page_size_padded="65536"')
+            .replace('kv_cache_size_tokens="4096"', 'kv_cache_size_tokens="8192"'))
+
+
+def test_hybrid_model_mamba_labels_in_capacity_and_dark_whole_block_signals(fixtures_dir):
+    from kvwatch.capacity.live import read_live_capacity
+    from kvwatch.snapshot import hybrid_cache
+
+    page = capture(fixtures_dir, "load")
+    assert hybrid_cache(VllmAdapter().adapt(page).cache_config["0"]) is None  # defaults on an attention-only model
+    assert read_live_capacity(page)["engines"][0]["hybrid"] is None
+    hybrid = _hybrid(page)
+    engine = read_live_capacity(hybrid)["engines"][0]
+    assert engine["hybrid"] == {"mamba_block_size": 64.0, "mamba_cache_mode": "align", "mamba_cache_dtype": "auto",
+                                "mamba_ssm_cache_dtype": "float32", "mamba_page_size_padded": 65536.0}
+    window = window_of([_hybrid(capture(fixtures_dir, "prefix-load")), hybrid])
+    assert values(window).values["kvwatch_kv_cache_used_blocks"] is None
+    dark = {d["signal"]: d for d in dark_signals(window.latest)}
+    assert "mamba_block_size=64" in dark["kvwatch_kv_cache_free_blocks"]["why"]
+    assert "mamba_cache_mode=align" in dark["kvwatch_kv_cache_token_usage_estimate_ratio"]["why"]
+    assert "kvwatch_kv_cache_free_blocks" not in {d["signal"] for d in dark_signals(VllmAdapter().adapt(page))}
+
+
+def test_hybrid_model_exhaustion_evidence_and_block_floor_in_mamba_blocks(fixtures_dir):
+    from kvwatch.diagnose import diagnose
+    from kvwatch.diagnose.hit_rate import block_floor
+    from kvwatch.snapshot import Histogram
+
+    window = window_of([_hybrid(capture(fixtures_dir, n)) for n in ("idle", "prefix-load", "load", "long-load")])
+    per_engine, _ = evaluate_window(window)
+    findings = [f for f in diagnose(window, per_engine, (), {}) if f.symptom == "exhaustion"]
+    assert findings and findings[0].evidence["mamba_cache_mode"] == "align"
+    assert findings[0].evidence["mamba_block_size"] == 64
+    assert "fixed-size Mamba state" in findings[0].evidence["hybrid_model"]
+    # prompts of 50 tokens: past one attention block of 32, within one Mamba block of 64
+    bounds = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, float("inf"))
+    prompts = Histogram(bounds, (0, 0, 0, 0, 0, 40, 40, 40), 2000.0, 40.0)
+
+    class Ctx(_Ctx):
+        def __init__(self, mode):
+            super().__init__(prompts, 32)
+            self.cache_config.update(mamba_block_size="64", mamba_cache_mode=mode)
+
+    floor = block_floor(Ctx("align"))
+    assert floor["no_reuse_kind"] == "prefix_shorter_than_block" and floor["block_floor_tokens"] == 64
+    assert "mamba_cache_mode align" in floor["block_floor_unit"]
+    assert block_floor(Ctx("none"))["no_reuse_kind"] == "no_shared_prefix"

@@ -11,7 +11,7 @@ from kvwatch.capacity.arithmetic import CapacityInputError
 from kvwatch.engines import ENGINES, make_adapter, recognize
 from kvwatch.engines.coverage import dark_signals
 from kvwatch.scrape import Fetcher
-from kvwatch.snapshot import Snapshot, config_number
+from kvwatch.snapshot import Snapshot, config_number, hybrid_cache
 
 FETCH_TIMEOUT_S = 10.0
 FETCH_MAX_BYTES = 32 * 2**20
@@ -62,6 +62,10 @@ def live_capacity(snapshot: Snapshot, engine_name: str = "vllm") -> dict[str, An
             "cache_dtype": labels.get("cache_dtype"),
             "kv_cache_max_concurrency": config_number(labels, "kv_cache_max_concurrency"),
             "sliding_window": _whole(labels, "sliding_window"),
+            # A hybrid (attention + Mamba) model's state cache: its blocks share
+            # the pool with the attention blocks, block_size is the minimum over
+            # the KV groups, and prefix hits come in mamba_block_size steps.
+            "hybrid": hybrid_cache(labels),
         }
         capacity = snapshot.capacity_tokens(engine)
         info["capacity_tokens"] = int(capacity) if capacity is not None else None

@@ -337,7 +337,7 @@ def _hardware_lines(hw: dict[str, Any]) -> list[str]:
          f"x {hw['kv_shards']} rank(s) holding different KV"],
     ]
     # The source column is text: left-aligned after the numbers.
-    table = _table(["term", "bytes", ""], [row[:3] for row in rows])
+    table = _table(["term", "bytes", "binary units"], [row[:3] for row in rows])
     sources = ["from", "----"] + [row[3] for row in rows]
     out += [f"  {line}  {source}".rstrip() for line, source in zip(table, sources)]
     weights = hw["weights"]
@@ -387,6 +387,12 @@ def render_table(report: dict[str, Any]) -> str:
                 out.append(f"  vLLM's own kv_cache_max_concurrency: "
                            f"{info['kv_cache_max_concurrency']:g} (vLLM computes it at "
                            "max_model_len, not at these lengths)")
+            if info.get("hybrid"):
+                mamba = info["hybrid"]
+                out.append("  hybrid model (Mamba layers): "
+                           + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in mamba.items())
+                           + "; each request also holds a fixed-size Mamba state in the pool, and block_size is the "
+                           "smallest over the KV groups")
             out.append("  bound from the reported capacity (every layer keeps every token):")
             out += [f"    {row['step']}" for row in entry["bounds_from_reported"]]
             if "computed" in entry:

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay", metavar="CAPTURE",
                         help="serve a capture (folder or .tar.gz of kvwatch capture) instead of polling a target "
                              "(default: none)")
-    parser.add_argument("--speed", type=float, default=1.0,
+    parser.add_argument("--speed", default="1",
                         help="with --replay: recorded seconds per wall second, 0 for no waiting (default: 1)")
     central = parser.add_argument_group("central mode (--prometheus)")
     central.add_argument("--prometheus", metavar="URL",
@@ -98,8 +98,12 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "replay", None):
         from kvwatch.capture.bundle import Capture, CaptureError
 
-        if args.speed < 0:
-            print("kvwatch: --speed must be >= 0", file=sys.stderr)
+        from kvwatch.units import parse_number
+
+        try:
+            args.speed = parse_number(args.speed, minimum=0)
+        except ValueError as exc:
+            print(f"kvwatch: --speed: {exc}", file=sys.stderr)
             return 2
         try:
             capture = Capture(args.replay)
@@ -293,8 +297,16 @@ def replaying(capture, settings, speed: float):
     from kvwatch.capture.replay import ReplaySource, paced
     from kvwatch.sidecar.monitor import Monitor
 
+    import dataclasses
+    from pathlib import Path
+
     source = ReplaySource(capture.pages())
     monitor = Monitor(settings, fetcher=source, clock=source.now)
+    # What the page, the JSON and /readyz say of the replay (report.replay_text):
+    # updated in place, so the last state says when it finished.
+    monitor.replay = {"capture": Path(str(capture.path)).name, "speed": speed, "recorded_polls": len(capture.entries),
+                      "finished": False, "stopped": None}
+    monitor.state = dataclasses.replace(monitor.state, replay=monitor.replay)
     log = logging.getLogger("kvwatch")
 
     def poll() -> None:
@@ -309,8 +321,10 @@ def replaying(capture, settings, speed: float):
         try:
             polls = paced(source, poll, speed, wait=monitor._stop.wait)
         except CaptureError as exc:
+            monitor.replay.update(finished=True, stopped=str(exc))
             log.error("replay stopped: %s; serving the last state read", exc)
             return
+        monitor.replay["finished"] = not monitor._stop.is_set()
         log.info("replay of %s finished after %d polls; serving its last state", capture.path, polls)
 
     def start() -> None:

@@ -13,7 +13,7 @@ import time
 from kvwatch.sim.dialects import DIALECTS
 from kvwatch.sim.scenario import ScenarioError, list_scenarios, load_scenario
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
-from kvwatch.units import parse_duration
+from kvwatch.units import parse_duration, parse_number, parse_port, parse_whole_number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,11 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shipped scenario name or path to a YAML file (default: demo)")
     parser.add_argument("--list-scenarios", action="store_true", help="list the shipped scenarios and exit")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to serve on; 0 picks a free one (default: 8000)")
-    parser.add_argument("--speed", type=float, default=1.0,
+    parser.add_argument("--port", default="8000", help="port to serve on; 0 picks a free one (default: 8000)")
+    parser.add_argument("--speed", default="1",
                         help="simulated seconds per wall second (default: 1.0)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the workload's random draws (default: 0)")
-    parser.add_argument("--engines", type=int, default=None,
+    parser.add_argument("--seed", default="0", help="seed of the workload's random draws (default: 0)")
+    parser.add_argument("--engines", default=None,
                         help="number of engines (data-parallel ranks, label engine=\"0\"..); default from the scenario")
     parser.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
                         help=f"served model name (default: {DEFAULT_MODEL_NAME})")
@@ -93,9 +93,18 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kvwatch sim: --{flag}: {exc}", file=sys.stderr)
             return 2
-    if args.speed < 0:
-        print("kvwatch sim: --speed must be >= 0", file=sys.stderr)
-        return 2
+    # The shared parsers (kvwatch/units.py): one sentence, not argparse's usage.
+    parsers = {"port": parse_port, "seed": parse_whole_number, "speed": lambda v: parse_number(v, minimum=0),
+               "engines": parse_whole_number}
+    for flag, parse in parsers.items():
+        raw = getattr(args, flag)
+        if raw is None:
+            continue
+        try:
+            setattr(args, flag, parse(raw))
+        except ValueError as exc:
+            print(f"kvwatch sim: --{flag}: {exc}", file=sys.stderr)
+            return 2
     if args.engines is not None and args.engines < 1:
         print("kvwatch sim: --engines must be >= 1", file=sys.stderr)
         return 2

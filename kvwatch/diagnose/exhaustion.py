@@ -12,9 +12,19 @@ from typing import Any
 from kvwatch.diagnose.context import EngineContext, Poll, max_num_seqs, quantile_value
 from kvwatch.diagnose.hit_rate import verdict as hit_rate_verdict
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
-from kvwatch.snapshot import config_number
+from kvwatch.snapshot import config_number, hybrid_cache
 
 log = logging.getLogger("kvwatch")
+
+
+def _whole(value: float) -> bool:
+    return abs(value - round(value)) < 0.05
+
+
+def count_text(value: float) -> str:
+    """A count in a summary: a whole number ("9 waiting", never "9.0"); a
+    mean that is not near one keeps one decimal ("2.4 running on average")."""
+    return f"{round(value):d}" if _whole(value) else f"{value:.1f}"
 
 
 def _length_evidence(ctx: EngineContext) -> dict[str, Any]:
@@ -59,8 +69,8 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         if below is not None and ctx.t["max_num_seqs"] is not None:
             findings.append(ctx.finding(
                 "exhaustion", "capacity_below_max_num_seqs", "medium",
-                f"Not exhausted in the window, but at current lengths the cache holds {capacity_requests:g} requests "
-                f"and the scheduler admits up to {max_seqs:g}: more concurrency will preempt.",
+                f"Not exhausted in the window, but at current lengths the cache holds {count_text(capacity_requests)} requests "
+                f"and the scheduler admits up to {count_text(max_seqs)}: more concurrency will preempt.",
                 {"kv_cache_capacity_requests": capacity_requests, "max_num_seqs": max_seqs,
                  "max_num_seqs_source": max_seqs_source, "kv_cache_max_concurrency_at_max_model_len": stated_concurrency,
                  **_length_evidence(ctx)},
@@ -97,6 +107,7 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         **_preemption_shape(ctx),
         "kv_cache_capacity_tokens": ctx.capacity_tokens,
         "kv_cache_capacity_requests": capacity_requests,
+        **_hybrid_evidence(ctx),
         **_length_evidence(ctx),
         "request_tokens_mean": request_mean,
         "kv_usage_mean": shape["kv_usage_mean"],
@@ -157,10 +168,10 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         grows = final_share is not None and (share is None or final_share > share)
         findings.append(ctx.finding(
             "exhaustion", "long_requests", confidence,
-            f"KV cache full {when} with few requests: {shape['running_mean'] or 0:.1f} running on average, each "
+            f"KV cache full {when} with few requests: {count_text(shape['running_mean'] or 0)} running on average, each "
             + (f"ending at {final_share:.0%} of the cache" if grows else f"holding {share:.0%} of the cache")
             + (f" (about {tokens:.0f} tokens)" if tokens is not None else "")
-            + f", and {shape['waiting_mean'] or 0:.1f} waiting: a few very long requests fill it.",
+            + f", and {count_text(shape['waiting_mean'] or 0)} waiting: a few very long requests fill it.",
             {**common, **at_peak(peak)},
             NEXT_CHECK["long_requests"], preempting=preempting))
     else:
@@ -168,13 +179,14 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         beyond = capacity_requests is not None and demand is not None and demand > capacity_requests
         summary = f"KV cache full {when}"
         if demand is not None and capacity_requests is not None:
-            summary += (f": {demand:g} requests running or waiting at the peak, the cache holds about "
-                        f"{capacity_requests:g} at current mean lengths")
+            summary += (f": {count_text(demand)} requests running or waiting at the peak, the cache holds about "
+                        f"{count_text(capacity_requests)} at current mean lengths")
         elif not state.full_polls:
-            summary += f": {state.preemptions:g} preemptions, no poll caught the cache full"
+            summary += f": {count_text(state.preemptions)} preemptions, no poll caught the cache full"
         if share is not None:
             summary += (f"; each running request held {share:.0%} of it on average, with "
-                        f"{shape['waiting_mean']:.1f} waiting for {shape['running_mean']:.1f} running")
+                        f"{count_text(shape['waiting_mean'])} waiting for {count_text(shape['running_mean'])} running"
+                        + ("" if _whole(shape['waiting_mean']) and _whole(shape['running_mean']) else " on average"))
         findings.append(ctx.finding(
             "exhaustion", "concurrency_beyond_capacity",
             confidence if (beyond or capacity_requests is None) else "low", summary + ".",
@@ -184,8 +196,8 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         findings.append(ctx.finding(
             "exhaustion", "capacity_below_max_num_seqs",
             "high" if ctx.t["max_num_seqs"] is not None else "medium",
-            f"At current mean lengths the cache holds {capacity_requests:g} requests but the scheduler admits "
-            f"{'up to' if ctx.t['max_num_seqs'] is not None else 'at least'} {max_seqs:g}, so it starts requests it "
+            f"At current mean lengths the cache holds {count_text(capacity_requests)} requests but the scheduler admits "
+            f"{'up to' if ctx.t['max_num_seqs'] is not None else 'at least'} {count_text(max_seqs)}, so it starts requests it "
             "cannot keep and preempts them.",
             {"kv_cache_capacity_requests": capacity_requests, "max_num_seqs": max_seqs,
              "max_num_seqs_source": max_seqs_source, "running_max": ctx.view.running_max,
@@ -193,6 +205,20 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
              **_length_evidence(ctx)},
             NEXT_CHECK["capacity_below_max_num_seqs"]))
     return findings
+
+
+def _hybrid_evidence(ctx: EngineContext) -> dict[str, Any]:
+    """A hybrid (attention + Mamba) model's state cache, from cache_config_info's
+    mamba_* labels: each running request also holds a Mamba state of fixed
+    size in the same pool, so the tokens the cache holds depend on how many
+    requests run, not only on their lengths."""
+    mamba = hybrid_cache(ctx.cache_config)
+    if mamba is None:
+        return {}
+    return {**mamba, "hybrid_model": (
+        "Mamba layers: each running request also holds a fixed-size Mamba state in the same pool (mamba_* of "
+        "cache_config_info), so more requests at the same lengths fit fewer tokens; block_size is the smallest "
+        "over the KV groups")}
 
 
 def _preemption_shape(ctx) -> dict:

@@ -197,6 +197,34 @@ NEXT_CHECK = {
 }
 
 
+# One short instruction per cause, for places with room for a sentence (the
+# status page's banner); NEXT_CHECK above is the full advice on the card.
+NEXT_ACTION = {
+    "concurrency_beyond_capacity": "Cap concurrency near the cache's capacity, add replicas or give the cache more memory.",
+    "long_requests": "Find the long requests and cap max_tokens or route them to engines sized for them.",
+    "capacity_below_max_num_seqs": "Lower --max-num-seqs to about the cache's capacity in requests, or enlarge the cache.",
+    "caching_disabled": "Start vLLM with --enable-prefix-caching if prompts share prefixes.",
+    "cold_cache": "Wait for the cache to warm up before comparing hit ratios, and find why the engine restarted.",
+    "prefix_changed": "Diff the prompt templates deployed at that time and keep the shared text first and identical.",
+    "eviction_before_reuse": "Give idle prefixes room (more KV memory, fewer long requests) or route shared prefixes to one engine.",
+    "no_reuse": "Put shared text first in the prompts if they should share a prefix; else nothing to repair.",
+    "queueing_kv_bound": "Shorten the queue with fewer or shorter concurrent requests, or a larger cache.",
+    "queueing_compute_bound": "Add replicas or lower the arrival rate: a bigger KV cache does not help.",
+    "prefill": "Raise prefix reuse, shorten prompts or tune chunked prefill.",
+    "front_end": "Check the API server's CPU, tokenization and preprocessing.",
+    "upstream": "Look at the stage before the engine (retrieval, gateway) named by the histogram.",
+    "model_changed": "Recheck capacity and thresholds for the new model; compare signals only within one model.",
+    "lora_changed": "Compare hit ratios and latency per adapter set, not across the change.",
+    "cache_dtype_changed": "Re-evaluate task accuracy on the new KV-cache dtype.",
+    "cache_config_changed": "Recheck the cache's capacity against the new block size and memory.",
+    "engine_restarted": "Find why the engine restarted (deploy, OOM, crash) in its log.",
+    "imbalance": "Check the load balancer: other replicas of the model have room.",
+    "lost_prefix_affinity": "Check the router's prefix-aware routing for this replica.",
+    "cold_replica": "Wait for it to warm up; if it does not, check that the router sends it its share.",
+}
+assert set(NEXT_ACTION) == set(SEVERITY) and set(NEXT_CHECK) == set(SEVERITY)
+
+
 
 def is_actionable(finding: Finding) -> bool:
     """Warning and critical findings: what makes `kvwatch diagnose` exit 1."""

@@ -76,6 +76,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "nixl_failed_transfers": ("nixl_num_failed_transfers",),
     "nixl_failed_notifications": ("nixl_num_failed_notifications",),
     "nixl_expired_requests": ("nixl_num_kv_expired_reqs",),
+    "nixl_notifications_after_expiry": ("nixl_num_notifications_after_expiry",),
 }
 # canonical key -> (deprecated family, its label, the value that means the
 # key): read only when no family of COUNTERS[key] is on the page, so the
@@ -130,6 +131,23 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     # Observed for every finished request, 0 included (0 and 1 share the
     # first bucket, le=1).
     "preemptions_per_request": ("request_num_preemptions",),
+    # OffloadingConnector: bytes per load / store operation (the deprecated
+    # kv_offload_size{transfer_type} is read only where these are absent,
+    # HISTOGRAM_FALLBACKS).
+    "offload_load_size": ("kv_offload_load_size",),
+    "offload_store_size": ("kv_offload_store_size",),
+    # NixlConnector: per transfer, its duration, the time to post it, its
+    # bytes and its descriptors.
+    "nixl_transfer_time": ("nixl_xfer_time_seconds",),
+    "nixl_post_time": ("nixl_post_time_seconds",),
+    "nixl_transfer_bytes": ("nixl_bytes_transferred",),
+    "nixl_descriptors": ("nixl_num_descriptors",),
+}
+# canonical key -> (deprecated histogram, its label, the value that means the
+# key), read as COUNTER_FALLBACKS are: only where HISTOGRAMS[key] is absent.
+HISTOGRAM_FALLBACKS: dict[str, tuple[str, str, str]] = {
+    "offload_load_size": ("kv_offload_size", "transfer_type", "CPU_to_GPU"),
+    "offload_store_size": ("kv_offload_size", "transfer_type", "GPU_to_CPU"),
 }
 # vLLM family -> the releases that export it ("0.9.2+", "V0 to 0.10"), as
 # compared across the release wheels (see docs/metrics.md, generated from
@@ -162,6 +180,14 @@ VERSIONS: dict[str, str] = {
     "nixl_num_failed_transfers": "with NixlConnector",
     "nixl_num_failed_notifications": "with NixlConnector",
     "nixl_num_kv_expired_reqs": "with NixlConnector",
+    "nixl_num_notifications_after_expiry": "with NixlConnector (recent releases; 0.32 has it)",
+    "kv_offload_load_size": "0.27+",
+    "kv_offload_store_size": "0.27+",
+    "kv_offload_size": "deprecated CPU-offload form ({transfer_type}), still emitted beside the load/store split",
+    "nixl_xfer_time_seconds": "with NixlConnector",
+    "nixl_post_time_seconds": "with NixlConnector",
+    "nixl_bytes_transferred": "with NixlConnector",
+    "nixl_num_descriptors": "with NixlConnector",
     "num_requests_waiting_by_reason": "0.20+",
     "engine_sleep_state": "0.11.1+",
     "request_success": "all",
@@ -186,7 +212,9 @@ VERSIONS: dict[str, str] = {
     "kv_block_reuse_gap_seconds": "0.12+",
     "request_num_preemptions": "0.30+",
     "cache_config_info": "all (its labels change with every release; kv_cache_size_tokens and "
-                         "kv_cache_max_concurrency 0.24+, kv_cache_memory_bytes 0.11+)",
+                         "kv_cache_max_concurrency 0.24+, kv_cache_memory_bytes 0.11+; mamba_block_size is a number "
+                         "only on hybrid models, whose mamba_* labels kvwatch shows in capacity and the exhaustion "
+                         "evidence)",
     "lora_requests_info": "with LoRA",
 }
 # canonical key -> what lights it: the families vLLM registers only when a
@@ -205,6 +233,13 @@ GATES: dict[str, str] = {
     "nixl_failed_transfers": "--kv-transfer-config with the NixlConnector",
     "nixl_failed_notifications": "--kv-transfer-config with the NixlConnector",
     "nixl_expired_requests": "--kv-transfer-config with the NixlConnector",
+    "nixl_notifications_after_expiry": "--kv-transfer-config with the NixlConnector",
+    "offload_load_size": "--kv-transfer-config with the OffloadingConnector",
+    "offload_store_size": "--kv-transfer-config with the OffloadingConnector",
+    "nixl_transfer_time": "--kv-transfer-config with the NixlConnector",
+    "nixl_post_time": "--kv-transfer-config with the NixlConnector",
+    "nixl_transfer_bytes": "--kv-transfer-config with the NixlConnector",
+    "nixl_descriptors": "--kv-transfer-config with the NixlConnector",
     "engine_healthy": "--enable-fault-tolerance",
 }
 
@@ -240,6 +275,7 @@ def all_families() -> list[str]:
     names.extend(family for family, _ in LABELLED_GAUGES.values())
     names.extend(family for family, _ in LABELLED_COUNTERS.values())
     names.extend(family for family, _, _ in COUNTER_FALLBACKS.values())
+    names.extend(family for family, _, _ in HISTOGRAM_FALLBACKS.values())
     names.extend(ENGINE_ONLY_GAUGES.values())
     names.extend(family for family, _ in MODEL_ONLY_COUNTERS.values())
     names.extend((CACHE_CONFIG, LORA))
@@ -398,6 +434,19 @@ class VllmAdapter(EngineAdapter):
             family = _first_present(families, aliases, snapshot.sources, key)
             if family is not None:
                 for token, labels, histogram in _histograms(family, errors, series):
+                    engine = engine_of(labels)
+                    if engine is not None:
+                        add_part(histogram_parts, engine, key, token, histogram, family.name)
+
+        for key, (name, dimension, wanted) in HISTOGRAM_FALLBACKS.items():
+            if key in snapshot.sources:
+                continue
+            family = families.get(name)
+            if family is None or not family.samples:
+                continue
+            snapshot.sources[key] = name
+            for token, labels, histogram in _histograms(family, errors, series):
+                if labels.get(dimension) == wanted:
                     engine = engine_of(labels)
                     if engine is not None:
                         add_part(histogram_parts, engine, key, token, histogram, family.name)

@@ -121,6 +121,11 @@ def _families() -> list[str]:
                 family, label, value = vllm.COUNTER_FALLBACKS[key]
                 rows.append((f"{family}{{{label}=\"{value}\"}}", "counter (deprecated)", key,
                              f"read only where `vllm:{aliases[0]}` is absent: both count the same bytes, never added"))
+            if key in vllm.HISTOGRAM_FALLBACKS:
+                family, label, value = vllm.HISTOGRAM_FALLBACKS[key]
+                rows.append((f"{family}{{{label}=\"{value}\"}}", "histogram (deprecated)", key,
+                             f"read only where `vllm:{aliases[0]}` is absent: both observe the same transfers, "
+                             "never added"))
     for kind, table in (("gauge", vllm.LABELLED_GAUGES), ("counter", vllm.LABELLED_COUNTERS),
                         ("counter", vllm.MODEL_ONLY_COUNTERS)):
         for key, (family, label) in table.items():

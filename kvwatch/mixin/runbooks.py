@@ -47,7 +47,9 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
             f"{num(c.exhaustion_eta_minutes)} minutes, for {c.for_duration('VllmKvCacheExhaustionSoon')}, while "
             "nothing is preempted or waits for room yet. It is a forecast: it fires before preemption starts, "
             "and falls silent once the cache is exhausted, when VllmKvCacheExhausted takes over. Flat or falling "
-            "usage, and usage below its own 5-minute mean (a cache that just emptied), never fire it."),
+            "usage, and usage below its own 5-minute mean (a cache that just emptied), never fire it. "
+            "`kvwatch_kv_cache_requests_fit_now` falls beside it as running requests decode and grow (usable "
+            "blocks x running / used blocks): when it nears the running count, the next admissions will preempt."),
         "VllmPrefixCacheHitRateLow": (
             f"Over the last {w}, fewer than {_pct(c.hit_ratio_low)} of the prompt tokens an engine looked up in "
             f"its prefix cache were found there (at least {num(c.min_query_tokens)} tokens looked up), for "

@@ -18,7 +18,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvwatch import __version__
 from kvwatch.sidecar.collector import Renderer, make_registry
-from kvwatch.sidecar.report import diagnosis_json, signals_json
+from kvwatch.sidecar.report import diagnosis_json, replay_text, signals_json
 from kvwatch.sidecar.series import series_json
 from kvwatch.sidecar.settings import read_auth_token
 from kvwatch.sidecar.statuspage import render_status_page
@@ -203,6 +203,9 @@ class TokenFile:
 def readiness(monitor) -> tuple[int, str]:
     """/readyz's status and text, for both ways it is answered."""
     ready, why = monitor.ready()
+    replay = getattr(getattr(monitor, "state", None), "replay", None)
+    if replay:  # a replay never is the engine's live state: say so
+        return (200, f"ready: {replay_text(replay)}\n") if ready else (503, f"not ready: {why} ({replay_text(replay)})\n")
     return (200, "ready\n") if ready else (503, f"not ready: {why}\n")
 
 

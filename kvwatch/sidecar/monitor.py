@@ -88,6 +88,9 @@ class State:
     # a page with engine metrics), and the catalogue's signals it cannot provide.
     engine: str | None = None
     dark_signals: tuple[str, ...] = ()
+    # A replay's progress (kvwatch serve --replay; None when live): the
+    # monitor's one dict, so its `finished` shows on the last state too.
+    replay: dict[str, Any] | None = None
 
 
 class Monitor:
@@ -125,6 +128,7 @@ class Monitor:
             self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
         # LMCache sharing vLLM's registry is on the engine's own page: read that page, never fetch it twice.
         self._lmcache_on_engine_page = bool(settings.lmcache_target) and settings.lmcache_target == settings.target
+        self.replay: dict[str, Any] | None = None
         self.state = State()
         self._errors: dict[str, int] = {}
         self._parse_errors = 0
@@ -259,9 +263,12 @@ class Monitor:
             entries=tuple(self.window.entries),
             engine=self.adapter.name,
             dark_signals=dark_signals(type(self.adapter)),
+            replay=self.replay,
         )
         if not was_up:
-            log.info("polling %s: up (%d engines)", public_url(self.settings.target), len(snapshot.engines))
+            count = len(snapshot.engines)
+            log.info("polling %s: up (%d %s)", public_url(self.settings.target), count,
+                     "engine" if count == 1 else "engines")
         return self.state
 
     def _poll_lmcache(self, page_text: str | None, at: float) -> dict[str, Any] | None:
@@ -328,6 +335,7 @@ class Monitor:
             events=previous.events,
             engine=previous.engine,
             dark_signals=previous.dark_signals,
+            replay=self.replay,
         )
         return self.state
 

@@ -9,7 +9,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from kvwatch.diagnose.vocabulary import ALERT_CAUSES, runbook_link
 from kvwatch.diagnose.thresholds import resolve_thresholds
-from kvwatch.signals import SIGNALS
+from kvwatch.signals import SIGNALS, WHOLE_BLOCK_SIGNALS, blocks_hold_capacity
+from kvwatch.snapshot import hybrid_cache
 
 
 
@@ -68,11 +69,27 @@ def status_json(state, settings) -> dict[str, Any]:
         "window_seconds": settings.window,
         "window_covered_seconds": state.window_seconds,
         "engine": state.engine,
+        # kvwatch serve --replay: what is replayed, how fast, whether it ended
+        # (absent when live); `text` is the sentence every surface shows.
+        **({"replay": {**replay, "text": replay_text(replay)}} if (replay := getattr(state, "replay", None)) else {}),
         "dark_signals": dark_signals(state.snapshot if state.up else None, state.engine, state.dark_signals),
         # The LMCache tier's poll (absent unless lmcache_target is set): its own up and reason.
         **({"lmcache": {key: tier.get(key) for key in ("target", "up", "reason", "detail", "families")}}
            if (tier := getattr(state, "lmcache", None)) else {}),
     }
+
+
+def replay_text(replay: dict[str, Any]) -> str:
+    """One sentence on a replay, for the page, /api/v1/status and /readyz:
+    "replay of capture.tar.gz (recorded, as fast as it reads): finished; serving its last recorded state"."""
+    speed = replay.get("speed") or 0
+    pace = "as fast as it reads" if speed == 0 else f"at {speed:g}x recorded speed"
+    text = f"replay of {replay.get('capture')} (recorded times, {pace}, {replay.get('recorded_polls')} recorded polls)"
+    if replay.get("stopped"):
+        return f"{text}: stopped early ({replay['stopped']}); serving the last recorded state"
+    if replay.get("finished"):
+        return f"{text}: finished; serving its last recorded state"
+    return f"{text}: running"
 
 
 def _engine_title(engine: str | None) -> str:
@@ -82,14 +99,38 @@ def _engine_title(engine: str | None) -> str:
     return adapter.title if adapter is not None else "this engine"
 
 
+def _hybrid_without_whole_blocks(snapshot) -> str | None:
+    """Why whole-block signals are absent on a hybrid (attention + Mamba)
+    model, in words with its cache_config_info `mamba_*` labels; None when
+    no engine of the page is one whose blocks do not hold its capacity."""
+    if snapshot is None:
+        return None
+    for engine in sorted(snapshot.cache_config):
+        labels = snapshot.cache_config[engine]
+        mamba = hybrid_cache(labels)
+        if mamba is not None and not blocks_hold_capacity(labels):
+            stated = ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+                               for key, value in mamba.items())
+            return (f"a hybrid model (Mamba layers; engine {engine}: {stated}): its KV groups' blocks differ and "
+                    "block_size is the smallest, so num_gpu_blocks x block_size is not its capacity and whole-block "
+                    "arithmetic is not computed")
+    return None
+
+
 def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """The signals left dark, in catalogue order, one list for two reasons:
+    """The signals left dark, in catalogue order, one list for three reasons:
     the engine does not export their inputs at all (`engine_dark`, from the
-    adapter), or this page lacks a family they need, with the flag that
-    lights a config-gated one (else the family is missing from this engine's
-    version). Unknown is not zero: these signals are absent, never 0."""
+    adapter), this page lacks a family they need, with the flag that lights
+    a config-gated one (else the family is missing from this engine's
+    version), or the model is a hybrid one whose blocks are not whole-block
+    arithmetic's (its mamba_* labels named). Unknown is not zero: these
+    signals are absent, never 0."""
     dark = []
+    hybrid = _hybrid_without_whole_blocks(snapshot)
     for signal in SIGNALS:
+        if hybrid and signal.name in WHOLE_BLOCK_SIGNALS:
+            dark.append({"signal": signal.name, "missing_families": [], "lit_by": None, "why": hybrid})
+            continue
         if signal.name in engine_dark:
             dark.append({"signal": signal.name, "missing_families": [], "lit_by": None,
                          "why": f"{_engine_title(engine)} does not export what it is computed from"})

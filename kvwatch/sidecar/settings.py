@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from kvwatch.units import parse_duration, parse_size, yaml_problem
+from kvwatch.units import parse_duration, parse_port, parse_size, parse_whole_number, yaml_problem
 
 
 class SettingsError(Exception):
@@ -96,20 +96,8 @@ def _parse_bool(value: Any) -> bool:
     raise ValueError(f"{value!r} is not a boolean (true/false)")
 
 
-def _whole_number(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a whole number")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{value!r} is not a whole number") from None
-
-
-def _parse_port(value: Any) -> int:
-    port = _whole_number(value)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{value!r} is not a port (0-65535)")
-    return port
+_whole_number = parse_whole_number  # one definition: kvwatch/units.py
+_parse_port = parse_port
 
 
 def normalize_target(value: Any) -> str:

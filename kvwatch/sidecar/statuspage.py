@@ -4,7 +4,7 @@ seconds, with or without Grafana.
 From the top: a banner with the worst active finding (or one sentence on why
 the engine is not read); the selected engine's key numbers as large figures,
 coloured by the diagnosis' own thresholds (sent in the JSON, never copied
-here); one row per engine, sortable, worst first, a click selects one; trend
+here) and by a finding only where their own value is bad; one row per engine, sortable, worst first, a click selects one; trend
 charts over the window the sidecar holds, with findings and changes marked on
 the time axis; the findings as cards; the changes.
 
@@ -32,7 +32,7 @@ import math
 import time
 from typing import Any
 
-from kvwatch.diagnose.vocabulary import SEVERITIES
+from kvwatch.diagnose.vocabulary import NEXT_ACTION, SEVERITIES
 from kvwatch.sidecar.report import diagnosis_json, public_url, signals_json
 from kvwatch.sidecar.series import series_json
 from kvwatch.signals import SIGNALS, SIGNALS_BY_NAME, UNITS
@@ -74,25 +74,6 @@ CAUSE_TITLES = {
     "cache_config_changed": "the cache configuration changed",
     "engine_restarted": "the engine restarted",
 }
-# Why a poll failed, as the end of the sentence "kvwatch cannot read the
-# engine's metrics at <target>: ..." (the poll's own detail is folded below it).
-FAILURE_TEXTS = {
-    "not_polled_yet": "it has not been polled yet",
-    "refused": "the connection was refused (is the engine running and listening on that port?)",
-    "dns": "its host name does not resolve",
-    "timeout": "it did not answer within the fetch timeout",
-    "tls": "the TLS handshake failed",
-    "content_type": "it answered with something other than Prometheus text",
-    "too_large": "its page is larger than the size cap",
-    "truncated": "its page was cut off",
-    "decode": "its page could not be decoded",
-    "no_engine_metrics": "its page holds no vLLM engine metrics",
-    "internal": "kvwatch itself failed while polling (see its log)",
-    # Central mode (kvwatch serve --prometheus): the replica is read from a store.
-    "store": "the Prometheus store it is read from did not answer",
-    "no_data": "the store holds no recent samples of it",
-}
-
 # The two or three evidence values that decided each cause: highlighted on
 # its card (the rest of the evidence is folded away). The first present win.
 DECIDING = {
@@ -119,8 +100,9 @@ DECIDING = {
 # The key figures, and how each is coloured: `rules` compare the value with a
 # threshold of the diagnosis (by name: the page reads its value from the
 # JSON's `thresholds`) or with a stated value, first match wins; a figure
-# whose symptom has an active finding on that engine takes at least the
-# finding's colour. `series` names its trend in /api/v1/series.
+# that a rule marks (its own value is bad) and whose symptom has an active
+# finding on that engine takes at least the finding's colour; a calm value
+# stays calm whatever the finding. `series` names its trend in /api/v1/series.
 FIGURES = (
     {"key": "kv_usage", "signal": "kvwatch_kv_cache_usage_ratio", "series": "kv_usage", "symptoms": ["exhaustion"],
      "over": "poll",
@@ -212,7 +194,8 @@ def _format_number(value: float, unit: str) -> str:
             return f"{value:.2f} s"
         return f"{_three(value * 1000)} ms" if abs(value) >= 0.001 or value == 0 else f"{_three(value * 1e6)} µs"
     if unit in ("tokens", "bytes"):
-        return f"{value:,.0f}"
+        # Halves up, as the script's Math.round (format's own rounding goes to even: 12.5 -> 12).
+        return f"{math.floor(value + 0.5):,}"
     if unit == "per_second":
         return f"{_three(value)}/s"
     if float(value).is_integer():
@@ -361,13 +344,20 @@ SCRIPT = r"""
     if (unit === "ratio") return (value * 100).toFixed(1) + "%";
     if (unit === "seconds") {
       if (Math.abs(value) >= 1) return value.toFixed(2) + " s";
-      if (Math.abs(value) >= 0.001 || value === 0) return Number((value * 1000).toPrecision(3)) + " ms";
-      return Number((value * 1e6).toPrecision(3)) + " \u00b5s";
+      if (Math.abs(value) >= 0.001 || value === 0) return three(value * 1000) + " ms";
+      return three(value * 1e6) + " \u00b5s";
     }
-    if (unit === "tokens" || unit === "bytes") return Math.round(value).toLocaleString("en-US");
-    if (unit === "per_second") return Number(value.toPrecision(3)) + "/s";
+    if (unit === "tokens" || unit === "bytes") return (Math.round(value) || 0).toLocaleString("en-US");
+    if (unit === "per_second") return three(value) + "/s";
     if (Number.isInteger(value)) return String(value);
-    return String(Number(value.toPrecision(3)));
+    return three(value);
+  }
+  // Three significant digits, never in exponent notation (statuspage._three).
+  function three(value) {
+    var rounded = Number(value.toPrecision(3));
+    if (rounded === 0) return "0";
+    var text = rounded.toFixed(Math.max(0, 2 - Math.floor(Math.log10(Math.abs(rounded)))));
+    return text.indexOf(".") >= 0 ? text.replace(/0+$/, "").replace(/\.$/, "") : text;
   }
   function clock(seconds) { return seconds ? new Date(seconds * 1000).toTimeString().slice(0, 8) : "never"; }
   function minutes(seconds) { return new Date(seconds * 1000).toTimeString().slice(0, 5); }
@@ -400,10 +390,6 @@ SCRIPT = r"""
   function keyOf(row) { return row.model_name + " / " + row.engine; }
   function title(f) {
     return (meta.symptoms[f.symptom] || f.symptom) + ": " + (meta.causes[f.cause] || f.cause);
-  }
-  function firstSentence(text) {
-    var m = /^(.*?[.;:])(\s|$)/.exec(text || "");
-    return m ? m[1].replace(/[;:]$/, ".") : (text || "");
   }
   // A quantile pinned at a bucket edge is a bound: "< 300 ms", "> 80 s"
   // (the row's `pinned`: {signal: {quantile: "<" | ">"}}).
@@ -438,10 +424,14 @@ SCRIPT = r"""
       for (var i = 0; i < fig.rules.length; i++) {
         if (compare(value, fig.rules[i], thresholds)) { state = fig.rules[i].state; break; }
       }
+      // A finding deepens the colour of a figure its own threshold already marks, never of a
+      // calm one: "Waiting 0" or "KV usage 0.0%" is not red because exhaustion was diagnosed.
+      var own = state;
       findings.forEach(function (f) {
         if (fig.symptoms.indexOf(f.symptom) < 0 || f.severity === "info") return;
+        if (own !== "warn" && own !== "bad") return;
         var raised = f.severity === "critical" ? "bad" : "warn";
-        if (STATE_RANK[raised] > STATE_RANK[state] && value !== null) state = raised;
+        if (STATE_RANK[raised] > STATE_RANK[state]) state = raised;
       });
       states[fig.key] = state;
     });
@@ -474,17 +464,31 @@ SCRIPT = r"""
     var covered = Math.round(signals.window_covered_seconds || 0), set = Math.round(signals.window_seconds);
     return covered < set ? covered + " of " + set + " s" : covered + " s";
   }
+  // A replay (kvwatch serve --replay) is marked, with recorded times: it must never read as live.
   function renderStatus(signals) {
-    var p = el("p", "muted");
+    var p = el("p", "muted"), replay = signals.replay;
+    if (replay) {
+      var mark = el("span", "pill " + (replay.finished ? "info" : "warning"), replay.finished ? "replay ended" : "replay");
+      mark.setAttribute("data-replay", replay.finished ? "finished" : "running");
+      add(p, mark, document.createTextNode(replay.text + " \u00b7 "));
+    }
     add(p, document.createTextNode("Target "), el("code", null, signals.target || ""),
       document.createTextNode(" \u00b7 " + (signals.up ? "up" : "down") + " \u00b7 " + signals.polls +
-        " polls \u00b7 window " + windowText(signals) + " \u00b7 last poll " + clock(signals.last_success_time)));
+        " polls \u00b7 window " + windowText(signals) + " \u00b7 " + (replay ? "recorded time " : "last poll ") +
+        clock(signals.last_success_time)));
     swap("status", p);
   }
+  function liveText(signals) {
+    var replay = signals.replay;
+    if (replay && replay.finished) return "Replay ended: the page shows the recording's last state (recorded " +
+      clock(signals.last_success_time) + "); nothing new will come.";
+    return (replay ? "Replay: refreshed " : "Live: refreshed ") + clock(Date.now() / 1000) + ", every " + (every / 1000) + " s.";
+  }
 
+  // Why, in the sidecar's one sentence per failure (kvwatch.scrape.SENTENCES: the JSON's
+  // `detail`, which /readyz and the CLI print too).
   function downSentence(signals) {
-    var reason = signals.reason || "";
-    var why = meta.failures[reason] || (/^http_/.test(reason) ? "it answered HTTP " + reason.slice(5) : "the poll failed (" + reason + ")");
+    var why = signals.detail || "the poll failed (" + (signals.reason || "") + ")";
     var last = signals.last_success_time ? "The last good poll was at " + clock(signals.last_success_time) + "." :
       "No poll has succeeded yet.";
     return "kvwatch cannot read the engine's metrics at " + (signals.target || "its target") + ": " + why + ". " + last;
@@ -498,7 +502,6 @@ SCRIPT = r"""
       div.setAttribute("data-state", "down");
       add(div, add(el("div", "head"), el("span", "pill critical", "down"), document.createTextNode("Engine not read")),
         el("p", null, downSentence(signals)));
-      if (signals.detail) add(div, add(el("details"), el("summary", null, "The poll's error"), el("code", null, signals.detail)));
     } else if (!findings.length) {
       div.className += " sev-ok";
       div.setAttribute("data-state", "ok");
@@ -516,7 +519,7 @@ SCRIPT = r"""
       add(div, add(el("div", "head"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
         add(el("p"), document.createTextNode(where(f) + " \u00b7 "), since, document.createTextNode(" \u00b7 " + f.confidence + " confidence" +
           (findings.length > 1 ? " \u00b7 " + (findings.length - 1) + " more finding" + (findings.length > 2 ? "s" : "") + " below" : ""))),
-        el("p", null, f.summary), add(el("p"), el("b", null, "Next: "), document.createTextNode(firstSentence(f.next_check))));
+        el("p", null, f.summary), add(el("p"), el("b", null, "Next: "), document.createTextNode(meta.actions[f.cause] || f.next_check)));
     }
     swap("banner", div);
   }
@@ -788,6 +791,44 @@ SCRIPT = r"""
     swap("changes", section);
   }
 
+  // The signals left dark, grouped by the flag that lights them (dark_groups on the server).
+  function darkGroups(dark) {
+    var groups = [], index = {};
+    dark.forEach(function (item) {
+      var flags = (item.lit_by || []).join(" and ") || null;
+      var key = JSON.stringify([flags, flags ? "" : item.why]);
+      if (!(key in index)) { index[key] = groups.length; groups.push({flags: flags, why: flags ? "" : item.why, items: []}); }
+      groups[index[key]].items.push(item);
+    });
+    return groups;
+  }
+  function renderDark(signals) {
+    var dark = signals.dark_signals || [], section = el("section");
+    var before = document.querySelector("#dark details");
+    if (dark.length) {
+      section.appendChild(el("h2", null, "Signals this engine leaves dark (" + dark.length + ")"));
+      var details = el("details"), ul = el("ul");
+      details.open = !!(before && before.open);
+      details.appendChild(el("summary", null, "Which, why, and the flag that lights them"));
+      darkGroups(dark).forEach(function (g) {
+        var li = el("li");
+        li.setAttribute("data-flag", g.flags || "");
+        if (g.flags) add(li, el("code", null, g.flags), document.createTextNode(" lights: "));
+        else li.appendChild(document.createTextNode("No flag lights these (" + g.why + "): "));
+        g.items.forEach(function (item, i) {
+          var s = el("span", null, meta.labels[item.signal] || item.signal);
+          s.setAttribute("data-signal", item.signal);
+          s.title = item.signal + ": " + item.why;
+          if (i) li.appendChild(document.createTextNode(", "));
+          li.appendChild(s);
+        });
+        ul.appendChild(li);
+      });
+      section.appendChild(add(details, ul));
+    }
+    swap("dark", section);
+  }
+
   function render() {
     var signals = data.signals, diagnosis = data.diagnosis;
     var rows = enginesWorstFirst(signals, diagnosis);
@@ -800,6 +841,7 @@ SCRIPT = r"""
     renderTrends(row, data.series);
     renderFindings(signals, diagnosis);
     renderChanges(diagnosis);
+    renderDark(signals);
   }
 
   function get(path) {
@@ -818,8 +860,7 @@ SCRIPT = r"""
       render();
       updates += 1;
       body.setAttribute("data-updates", String(updates));
-      document.getElementById("live").textContent = "Live: refreshed " + clock(Date.now() / 1000) +
-        ", every " + (every / 1000) + " s.";
+      document.getElementById("live").textContent = liveText(data.signals);
     }).catch(function (error) {
       document.getElementById("live").textContent = "Live refresh paused (" + error.message +
         "); showing the last data, retrying every " + (every / 1000) + " s.";
@@ -828,6 +869,7 @@ SCRIPT = r"""
     });
   }
   render();
+  if (data.signals.replay) document.getElementById("live").textContent = liveText(data.signals);
   body.setAttribute("data-rendered", "1");
   window.setTimeout(refresh, every);
 })();
@@ -869,9 +911,10 @@ def page_meta() -> dict[str, Any]:
         "labels": {s.name: signal_label(s.name) for s in SIGNALS},
         "symptoms": SYMPTOM_TITLES,
         "causes": CAUSE_TITLES,
+        # The banner's "Next:" (the card has the full next_check).
+        "actions": NEXT_ACTION,
         "deciding": {cause: list(keys) for cause, keys in DECIDING.items()},
         "severities": list(SEVERITIES),
-        "failures": FAILURE_TEXTS,
     }
 
 
@@ -904,8 +947,11 @@ def _status_html(signals: dict[str, Any]) -> str:
         state = '<span class="up">up</span>'
     else:
         state = f'<span class="down">{_e(("down: " + (signals["reason"] or "") + " " + (signals["detail"] or "")).strip())}</span>'
+    replay = signals.get("replay")
     return (
-        f'<p>Target <code>{_e(signals["target"] or "")}</code>: {state} · {signals["polls"]} polls, '
+        (f'<p class="replay"><b>{_e(replay["text"][0].upper() + replay["text"][1:])}.</b> Times are the recording\'s.</p>'
+         if replay else "")
+        + f'<p>Target <code>{_e(signals["target"] or "")}</code>: {state} · {signals["polls"]} polls, '
         f'last success {_time_text(signals["last_success_time"])} · window {window_text(signals)}</p>'
     )
 
@@ -968,6 +1014,48 @@ def _signals_html(signals: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def dark_groups(dark: list[dict[str, Any]]) -> list[tuple[str | None, str, list[dict[str, Any]]]]:
+    """/api/v1/signals' `dark_signals` grouped by what would light them:
+    (flags, why, items) in catalogue order of each group's first signal, one
+    group per flag (None where no flag does: not exported, or a hybrid
+    model). The page's script groups the same way (darkGroups)."""
+    groups: dict[tuple[str | None, str], list[dict[str, Any]]] = {}
+    for item in dark:
+        flags = " and ".join(item.get("lit_by") or []) or None
+        groups.setdefault((flags, "" if flags else item["why"]), []).append(item)
+    return [(flags, why, items) for (flags, why), items in groups.items()]
+
+
+def _dark_title(item: dict[str, Any]) -> str:
+    name = item["signal"]
+    return signal_label(name) if name in SIGNALS_BY_NAME else name
+
+
+def _dark_html(signals: dict[str, Any]) -> str:
+    """The signals this engine leaves dark and the flag that lights each
+    (empty section when none is): collapsed, under the engine's figures."""
+    dark = signals.get("dark_signals") or []
+    if not dark:
+        return '<section id="dark"></section>'
+    out = [f'<section id="dark"><h2>Signals this engine leaves dark ({len(dark)})</h2><details>'
+           "<summary>Which, why, and the flag that lights them</summary><ul>"]
+    for flags, why, items in dark_groups(dark):
+        titles = ", ".join(f'<span data-signal="{_e(i["signal"])}" title="{_e(i["signal"])}: {_e(i["why"])}">'
+                           f"{_e(_dark_title(i))}</span>" for i in items)
+        lead = f"<code>{_e(flags)}</code> lights: " if flags else f"No flag lights these ({_e(why)}): "
+        out.append(f'<li data-flag="{_e(flags or "")}">{lead}{titles}</li>')
+    out.append("</ul></details></section>")
+    return "".join(out)
+
+
+def _live_html(signals: dict[str, Any]) -> str:
+    replay = signals.get("replay")
+    if replay:
+        return _e(f"{replay['text'][0].upper()}{replay['text'][1:]} (recorded time "
+                  f"{_time_text(signals['last_success_time'])}).")
+    return f"Rendered {_time_text(time.time())}; refreshes every {REFRESH_SECONDS} s."
+
+
 def page_state(state, settings) -> dict[str, Any]:
     """The JSON the page draws from: what the three API routes serve."""
     return {"signals": signals_json(state, settings), "diagnosis": diagnosis_json(state, settings),
@@ -997,13 +1085,14 @@ def render_status_page(state, settings, nav: str = "") -> str:
 <body data-refresh-seconds="{REFRESH_SECONDS}" data-updates="0">
 <main>
 <header><h1>kvwatch</h1>{nav}<p id="status" class="muted"></p>
-<p id="live" class="muted">Rendered {_time_text(time.time())}; refreshes every {REFRESH_SECONDS} s.</p></header>
+<p id="live" class="muted">{_live_html(signals)}</p></header>
 <div id="banner"></div>
 <section id="figures"></section>
 <section id="engines"></section>
 <section id="trends"></section>
 <section id="findings"></section>
 <section id="changes"></section>
+{_dark_html(signals)}
 <noscript>
 {_status_html(signals)}
 {_findings_html(diagnosis)}

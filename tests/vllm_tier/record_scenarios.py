@@ -35,6 +35,7 @@ from .scenarios import (
     distinct_load,
     long_requests_load,
     prefix_rotation_load,
+    reuse_then_flood_load,
     stalled_front_end_load,
 )
 
@@ -93,6 +94,10 @@ SCENARIOS = {
                                  "prefix_changed with --kv-cache-metrics: as prefix-changed"),
     "residency-no-reuse": ("residency", lambda server: distinct_load(server.base_url, duration=30.0), 32.0,
                            "no_reuse with --kv-cache-metrics: as no-reuse"),
+    "residency-shortfall": ("residency", lambda server: reuse_then_flood_load(server.base_url), 26.0,
+                            "eviction_before_reuse with --kv-cache-metrics: 4 prefixes of 256 tokens reused every "
+                            "~2 s for 14 s (their blocks record reuse gaps), then distinct 480-token prompts, 2 in "
+                            "flight, for 8 s: blocks evicted after less idle time than the reuse gap"),
 }
 
 

@@ -31,6 +31,11 @@ scenarios/) use the same ones, so a capture replays what a tier test saw.
   core's own timestamps (`EngineCoreEvent` QUEUED/SCHEDULED,
   `EngineCoreOutputs.timestamp`): an output that waits for the stopped front
   end lengthens TTFT and neither part, as a busy or slow front end does.
+- `reuse_then_flood_load`: 4 prefixes of 256 tokens reused every ~2 s while
+  the cache has room (their blocks record reuse gaps of ~2 s), then distinct
+  480-token prompts turn the free pool over in well under 2 s: with
+  --kv-cache-metrics, blocks are evicted after less idle time than their
+  reuse gap, and kvwatch says how many more blocks would keep the reuse.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import signal
 import threading
 import time
 
-from .harness import MODEL_NAME, LoadRun, prompt_suffix, prompt_text, prompt_words
+from .harness import MODEL_NAME, LoadRun, LoadStats, burst_load, prompt_suffix, prompt_text, prompt_words
 
 
 def long_requests_load(base_url: str, duration: float = 20.0, concurrency: int = 5, prompt_tokens: int = 200,
@@ -183,3 +188,80 @@ def stalled_front_end_load(base_url: str, server_pid: int, duration: float = 15.
 
     return StalledFrontEndRun(api_server_pid(server_pid), pause_s, run_s, "stalled-front-end", base_url, make_prompt,
                               output_tokens, concurrency, duration, 5000, 60.0)
+
+
+def paced_load(name: str, base_url: str, prompts, output_tokens: int, duration: float, pace_s: float,
+               concurrency: int = 1) -> LoadRun:
+    """A load whose workers send `prompts(i)` one after another, starting one
+    at most every `pace_s` s (LoadRun's workers call make_prompt before each
+    request; the pause is taken there)."""
+    lock = threading.Lock()
+    last = [0.0]
+
+    def make_prompt(index: int) -> str:
+        with lock:
+            wait = last[0] + pace_s - time.monotonic()
+            last[0] = max(time.monotonic(), last[0] + pace_s)
+        if wait > 0:
+            time.sleep(wait)
+        return prompts(index)
+
+    return LoadRun(name, base_url, make_prompt, output_tokens, concurrency, duration, 10_000, 60.0)
+
+
+def hot_prefixes_load(base_url: str, duration: float = 14.0, seed: int = 23) -> LoadRun:
+    """4 prefixes of 256 tokens (8 blocks) + 8 tokens of each request's own,
+    one request every 0.5 s in rotation: each prefix is reused every ~2 s."""
+    words = prompt_words()
+    rng = random.Random(seed)
+    hot = [prompt_text(256, rng, words) for _ in range(4)]
+    suffixes = random.Random(rng.random())
+    return paced_load("hot-prefixes", base_url, lambda i: hot[i % 4] + prompt_suffix(8, suffixes, words), 2,
+                      duration, 0.5)
+
+
+def flood_load(base_url: str, duration: float = 8.0) -> LoadRun:
+    """Distinct 480-token prompts, 2 in flight, 2 tokens each: the free pool
+    turns over in well under the hot prefixes' 2 s reuse gap."""
+    return burst_load(base_url, concurrency=2, prompt_tokens=480, output_tokens=2, duration=duration)
+
+
+def reuse_then_flood_load(base_url: str, calm: float = 14.0, flood: float = 8.0) -> "RunsInTurn":
+    return RunsInTurn(base_url, calm, flood)
+
+
+class RunsInTurn:
+    """hot_prefixes_load, then flood_load, as one run (the recorder's shape:
+    running, stop(), wait() -> the two runs' stats summed)."""
+
+    def __init__(self, base_url: str, calm: float, flood: float):
+        self._stop = threading.Event()
+        self._runs: list[LoadRun] = []
+        self._thread = threading.Thread(target=self._run, args=(base_url, calm, flood), daemon=True)
+        self._thread.start()
+
+    def _run(self, base_url: str, calm: float, flood: float) -> None:
+        for start in (lambda: hot_prefixes_load(base_url, calm), lambda: flood_load(base_url, flood)):
+            if self._stop.is_set():
+                return
+            run = start()
+            self._runs.append(run)
+            run.wait()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for run in list(self._runs):
+            run.stop()
+
+    def wait(self) -> LoadStats:
+        self._thread.join(120.0)
+        stats = LoadStats()
+        for run in self._runs:
+            stats.completed += run.stats.completed
+            stats.failed += run.stats.failed
+            stats.errors += run.stats.errors
+        return stats
