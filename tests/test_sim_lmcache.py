@@ -104,3 +104,10 @@ def test_without_the_tier_the_page_is_not_served():
             assert exc.code == 404
         else:
             raise AssertionError("served an LMCache page without a tier")
+
+
+def test_the_tier_size_is_checked_on_the_command_line(capsys):
+    from kvwatch.cli import main
+
+    assert main(["sim", "--lmcache-tokens", "0", "--port", "0"]) == 2
+    assert "--lmcache-tokens must be >= 1" in capsys.readouterr().err
