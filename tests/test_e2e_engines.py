@@ -25,6 +25,7 @@ reading the tier's page, a real Prometheus) checks that each returns data."""
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 
 import pytest
@@ -37,7 +38,8 @@ from kvwatch.sidecar.settings import load_settings
 from kvwatch.signals import ENGINE_SERIES, SIGNALS
 from kvwatch.sim.scenario import load_scenario
 from kvwatch.sim.server import start_background
-from mixin_support import GRAFANA_VARIABLES, RULES, dashboard_exprs, load_dashboards, load_rules, metric_names
+from mixin_support import (GRAFANA_VARIABLES, RULES, dashboard_exprs, iter_panels, load_dashboards, load_rules,
+                           metric_names)
 from pageserver import serving
 from promstack import prometheus, query, query_range, wait_until
 
@@ -239,10 +241,25 @@ def test_the_lmcache_panels_return_data_when_kvwatch_reads_an_lmcache_tier(lmcac
     # The row's panels: up, hit ratio, prompt tokens served, retrieved and stored.
     assert len(exprs) >= 5, sorted(exprs)
     variables = dict(GRAFANA_VARIABLES, **{"$model": LMCACHE_MODEL, "$__rate_interval": "10s", "$__range": "20s"})
-    empty = []
+    empty, unlabelled = [], []
+    legends = {where: target.get("legendFormat") or "" for dashboard in load_dashboards().values()
+               for where, target in dashboard_targets(dashboard)}
     for where, expr in exprs.items():
         for variable in sorted(variables, key=len, reverse=True):
             expr = expr.replace(variable, variables[variable])
-        if not query_range(prom, expr, start, now, step=2):
+        series = query_range(prom, expr, start, now, step=2)
+        if not series:
             empty.append(where)
+        # A legend names only labels its series carry.
+        for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", legends[where]):
+            if any(label not in one["metric"] for one in series):
+                unlabelled.append(f"{where}: {label}")
     assert not empty, f"LMCache queries without data: {empty}"
+    assert not unlabelled, f"legends naming labels their series lack: {unlabelled}"
+
+
+def dashboard_targets(dashboard: dict):
+    """(where, target) of every panel target, named as dashboard_exprs names them."""
+    for panel in iter_panels(dashboard):
+        for target in panel.get("targets", []):
+            yield f"{dashboard['uid']} panel {panel['id']} {panel['title']!r} {target['refId']}", target
