@@ -45,7 +45,8 @@ DASHBOARDS = {
                    "VllmKvCacheExhausted."),
     "prefix_cache": ("prefix-cache", "kvwatch / Prefix cache",
                      "Why is the prefix-cache hit ratio low: caching off, a cold cache, a changed prefix, eviction "
-                     "before reuse, or no reuse? The panels behind VllmPrefixCacheHitRateLow."),
+                     "before reuse, or no reuse? The panels behind VllmPrefixCacheHitRateLow, and the LMCache tier's "
+                     "row where kvwatch reads one (--lmcache-target)."),
     "first_token": ("first-token", "kvwatch / First token",
                     "Where does the time to first token go: queue (for KV or for compute), prefill, front end, "
                     "upstream? The panels behind VllmTimeToFirstTokenSlow."),
