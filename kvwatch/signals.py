@@ -23,7 +23,7 @@ for the range and `{by}` for the aggregation labels.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from kvwatch import units
@@ -1122,7 +1122,54 @@ def _eta(series: list[tuple[float, float]]) -> float | None:
     return max(0.0, 1.0 - min(1.0, max(0.0, series[-1][1]))) / slope
 
 
-def evaluate(view: View, model: str, engine: str | None) -> Evaluated:
+# The View fields a derivation reads besides `latest`, `increase`, `notes`
+# and `pinned` (_inputs handles those): every other field, so a field added
+# to View joins the comparison by itself.
+_PLAIN_VIEW_FIELDS = tuple(f.name for f in fields(View) if f.name not in ("latest", "increase", "notes", "pinned"))
+
+
+def _inputs(view: View) -> tuple:
+    """Everything the derivations read from a view, copied (callers may
+    change the view's dicts afterwards): of `latest` only its gauges (the
+    derivations read no counter or histogram of it, only the increase;
+    keep it so, or add them here), the whole increase, every other field,
+    and the notes it came with."""
+    increase = view.increase
+    return ((dict(view.latest.gauges), increase.seconds, dict(increase.counters), dict(increase.histograms),
+             increase.restarts, increase.steps, tuple(view.notes))
+            + tuple(getattr(view, name) for name in _PLAIN_VIEW_FIELDS))
+
+
+def _copied(values: dict) -> dict:
+    return {name: dict(value) if type(value) is dict else value for name, value in values.items()}
+
+
+def evaluate(view: View, model: str, engine: str | None, remembered: dict | None = None,
+             kept: dict | None = None) -> Evaluated:
+    """The signals of one view. With `remembered` (what the window's last
+    evaluation kept, by (model, engine)): where the view's inputs equal the
+    ones the values were derived from then (an idle engine, a steady load),
+    those values again, not derived anew (the derivations are functions of
+    the view alone); `kept` receives what this evaluation leaves for the next."""
+    inputs = None
+    if kept is not None:
+        inputs = _inputs(view)
+        found = remembered.get((model, engine)) if remembered else None
+        if found is not None and found[0] == inputs:
+            kept[(model, engine)] = found
+            _inputs_then, values, notes, pinned = found
+            view.notes = list(notes)
+            view.pinned = {}
+            return Evaluated(model, engine, _copied(values), view.notes, view,
+                             {name: dict(q) for name, q in pinned.items()})
+    evaluated = _evaluate(view, model, engine)
+    if kept is not None:
+        kept[(model, engine)] = (inputs, _copied(evaluated.values), list(evaluated.notes),
+                                 {name: dict(q) for name, q in evaluated.pinned.items()})
+    return evaluated
+
+
+def _evaluate(view: View, model: str, engine: str | None) -> Evaluated:
     values = {}
     pinned = {}
     for signal in SIGNALS:
@@ -1143,13 +1190,18 @@ def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
     latest = window.latest
     if latest is None:
         return [], []
+    # Values derived at the window's last evaluation, for views whose inputs
+    # did not change since (kept for the engines and models evaluated now).
+    remembered = window.evaluated
+    kept: dict = {}
+    window.evaluated = kept
     per_engine = []
     by_key: dict[tuple[str, str], Evaluated] = {}
     by_model: dict[str, list[tuple[str, str]]] = {}
     for key in sorted(latest.engines):
         view = _view(window, [key])
         if view is not None:
-            per_engine.append(by_key.setdefault(key, evaluate(view, key[0], key[1])))
+            per_engine.append(by_key.setdefault(key, evaluate(view, key[0], key[1], remembered, kept)))
         by_model.setdefault(key[0], []).append(key)
     per_model = []
     for model, keys in sorted(by_model.items()):
@@ -1162,7 +1214,7 @@ def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
             continue
         view = _view(window, keys)
         if view is not None:
-            per_model.append(evaluate(view, model, None))
+            per_model.append(evaluate(view, model, None, remembered, kept))
     return per_engine, per_model
 
 

@@ -149,6 +149,9 @@ class Window:
         # Bounded even if polls come faster than expected.
         self.entries: deque[Entry] = deque(maxlen=max_entries)
         self._sums = _WindowSums()
+        # What kvwatch.signals.evaluate_window kept from its last evaluation
+        # of this window (derived values and the inputs they came from).
+        self.evaluated: dict = {}
 
     def add(self, snapshot: Snapshot) -> Entry:
         entry = Entry(snapshot)
@@ -230,6 +233,7 @@ class Window:
     def clear(self) -> None:
         self.entries.clear()
         self._sums = _WindowSums()
+        self.evaluated = {}
 
 
 # --------------------------------------------------------------------------

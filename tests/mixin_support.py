@@ -98,8 +98,9 @@ def metric_names(expr: str) -> set[str]:
 
 def exported_names(fixtures_dir: Path) -> set[str]:
     """Every sample name kvwatch's /metrics carries after polling the real
-    vLLM 0.32 captures (the burst brings findings), plus the names implied
-    by each family's type (so families empty here still count)."""
+    vLLM 0.32 captures (the burst brings findings) beside the handwritten
+    LMCache page (the tier's series), plus the names implied by each family's
+    type (so families empty here still count)."""
     from kvwatch.sidecar.collector import make_registry
     from kvwatch.sidecar.monitor import Monitor
     from kvwatch.sidecar.settings import load_settings
@@ -107,8 +108,9 @@ def exported_names(fixtures_dir: Path) -> set[str]:
 
     pages = [(fixtures_dir / "vllm-0.32-cpu" / f"metrics-{name}.txt").read_text()
              for name in ("idle", "prefix-load", "load", "long-load")]
-    with PageServer([Answer(page) for page in pages]) as server:
-        monitor = Monitor(load_settings(overrides={"target": server.url}, environ={}))
+    lmcache = (fixtures_dir / "handwritten" / "lmcache-a.txt").read_text()
+    with PageServer([Answer(page) for page in pages]) as server, PageServer([Answer(lmcache)]) as tier:
+        monitor = Monitor(load_settings(overrides={"target": server.url, "lmcache_target": tier.url}, environ={}))
         for _ in pages:
             monitor.poll_once()
         text = generate_latest(make_registry(monitor)).decode()

@@ -15,11 +15,17 @@ only then through the climb, the overload and the recovery. Every ETA query
 then has Prometheus samples from before the climb and from the full plateau
 after it, and must return data. Their absence on flat, falling or just-emptied
 usage is proven in tests/promtool/eta.test.yaml (the recorded series) and
-tests/test_vllm_newer_families.py (the sidecar's signal)."""
+tests/test_vllm_newer_families.py (the sidecar's signal).
+
+The LMCache tier's panels read series kvwatch exports only with
+--lmcache-target: without one they are classed as needing that source, not
+as failures, and a second stack (a simulator with its LMCache tier, a kvwatch
+reading the tier's page, a real Prometheus) checks that each returns data."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 
 import pytest
@@ -32,7 +38,8 @@ from kvwatch.sidecar.settings import load_settings
 from kvwatch.signals import ENGINE_SERIES, SIGNALS
 from kvwatch.sim.scenario import load_scenario
 from kvwatch.sim.server import start_background
-from mixin_support import GRAFANA_VARIABLES, RULES, dashboard_exprs, load_dashboards, load_rules, metric_names
+from mixin_support import (GRAFANA_VARIABLES, RULES, dashboard_exprs, iter_panels, load_dashboards, load_rules,
+                           metric_names)
 from pageserver import serving
 from promstack import prometheus, query, query_range, wait_until
 
@@ -126,6 +133,12 @@ def _depends_on_the_workload(expr: str) -> bool:
             or any("last_healthy" in name or "fleet" in name for name in names) or "last_healthy" in expr)
 
 
+def _needs_lmcache(expr: str) -> bool:
+    """The LMCache tier's queries: series kvwatch exports only while it reads
+    an LMCache page (--lmcache-target), checked by the LMCache stack below."""
+    return any(name.startswith("kvwatch_lmcache_") for name in metric_names(expr))
+
+
 def _needs_rising_usage(expr: str) -> bool:
     """The exhaustion ETA: data only while the usage trend is rising
     (deriv(...) > 0). The fixture runs the climb inside the query range."""
@@ -139,11 +152,15 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
     empty: list[str] = []
     skipped = checked = 0
     rising: set[str] = set()
+    lmcache: set[str] = set()
     for dialect, model in DIALECTS.items():
         names = unavailable_names(dialect)
         variables = dict(GRAFANA_VARIABLES, **{"$model": model, "$__rate_interval": "10s", "$__range": "20s"})
         for dashboard in load_dashboards().values():
             for where, expr in dashboard_exprs(dashboard):
+                if _needs_lmcache(expr):
+                    lmcache.add(where)
+                    continue
                 if _reads(expr, names) or _depends_on_the_workload(expr):
                     skipped += 1
                     continue
@@ -155,6 +172,7 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
                 if _needs_rising_usage(expr):
                     rising.add(f"{dialect}: {where}")
         for rule in rules:
+            assert not _needs_lmcache(rule["expr"]), rule["record"]
             if _reads(rule["expr"], names) or _depends_on_the_workload(rule["record"] + " " + rule["expr"]):
                 skipped += 1
                 continue
@@ -165,6 +183,8 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
                 rising.add(f"{dialect}: recorded {rule['record']}")
     assert not empty, f"queries without data: {empty}"
     assert checked > 200 and skipped > 0
+    # Without an LMCache target the tier's panels need that source: classed so, not failed.
+    assert lmcache == set(lmcache_exprs()), sorted(lmcache)
     # The ETA queries were among those checked (panel, engine and model series)
     # for every engine that reports usage, and the sidecar's own ETA signal
     # (absent too unless usage rises) had data in the same run.
@@ -176,3 +196,70 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
     for dialect, model in DIALECTS.items():
         assert query(prom, f'kvwatch_engine_generation_tokens_total{{model_name="{model}"}}'), dialect
         assert query(prom, f'kvwatch_prefix_cache_hit_ratio{{model_name="{model}"}}'), dialect
+
+
+# -- the LMCache tier ----------------------------------------------------------
+
+# The exhaustion scenario's overload evicts prefixes that later requests bring
+# back: the simulated tier serves them from about 100 simulated seconds on.
+LMCACHE_BEFORE = 90.0
+LMCACHE_UNTIL = 300.0
+LMCACHE_MODEL = "m-lmcache"
+
+
+def lmcache_exprs() -> dict[str, str]:
+    """Every dashboard query that reads the LMCache tier's series."""
+    return {where: expr for dashboard in load_dashboards().values() for where, expr in dashboard_exprs(dashboard)
+            if _needs_lmcache(expr)}
+
+
+@pytest.fixture
+def lmcache_stack():
+    with contextlib.ExitStack() as running:
+        sim = start_background("exhaustion", speed=0, model_name=LMCACHE_MODEL, lmcache_tokens=16384)
+        running.callback(sim.stop)
+        sim.advance(LMCACHE_BEFORE)
+        settings = load_settings(overrides={"target": sim.metrics_url, "lmcache_target": sim.lmcache_metrics_url,
+                                            "port": 0, "poll_interval": "0.5s", "window": "5m"}, environ={})
+        monitor = Monitor(settings)
+        kvwatch = running.enter_context(serving(create_app(monitor, settings), start_timeout_s=10))
+        monitor.start()
+        running.callback(monitor.stop)
+        prom = running.enter_context(prometheus([f"127.0.0.1:{kvwatch.port}"], rule_files=[RULES], interval="1s"))
+        begin = float(int(time.time()))
+        wait_until(lambda: query(prom.url, "kvwatch_lmcache_up == 1"), 60, "Prometheus to scrape kvwatch's LMCache up")
+        stepped = sim.sim.now
+        while stepped < LMCACHE_UNTIL:
+            stepped = advance([sim], SIM_STEP)
+        yield {"prometheus": prom.url, "started": begin, "sim": sim}
+
+
+def test_the_lmcache_panels_return_data_when_kvwatch_reads_an_lmcache_tier(lmcache_stack):
+    prom, start, now = lmcache_stack["prometheus"], lmcache_stack["started"], float(int(time.time()))
+    assert lmcache_stack["sim"].sim.lmcache.hit_tokens > 0
+    exprs = lmcache_exprs()
+    # The row's panels: up, hit ratio, prompt tokens served, retrieved and stored.
+    assert len(exprs) >= 5, sorted(exprs)
+    variables = dict(GRAFANA_VARIABLES, **{"$model": LMCACHE_MODEL, "$__rate_interval": "10s", "$__range": "20s"})
+    empty, unlabelled = [], []
+    legends = {where: target.get("legendFormat") or "" for dashboard in load_dashboards().values()
+               for where, target in dashboard_targets(dashboard)}
+    for where, expr in exprs.items():
+        for variable in sorted(variables, key=len, reverse=True):
+            expr = expr.replace(variable, variables[variable])
+        series = query_range(prom, expr, start, now, step=2)
+        if not series:
+            empty.append(where)
+        # A legend names only labels its series carry.
+        for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", legends[where]):
+            if any(label not in one["metric"] for one in series):
+                unlabelled.append(f"{where}: {label}")
+    assert not empty, f"LMCache queries without data: {empty}"
+    assert not unlabelled, f"legends naming labels their series lack: {unlabelled}"
+
+
+def dashboard_targets(dashboard: dict):
+    """(where, target) of every panel target, named as dashboard_exprs names them."""
+    for panel in iter_panels(dashboard):
+        for target in panel.get("targets", []):
+            yield f"{dashboard['uid']} panel {panel['id']} {panel['title']!r} {target['refId']}", target

@@ -14,7 +14,8 @@ import pytest
 from kvwatch.mixin.alerts import ALERT_PANELS
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.dashboards import DASHBOARDS, Board, PanelSpec, boards
-from kvwatch.signals import ENGINE_SERIES, GOOD_DIRECTIONS, HEALTH, SCRAPE, SIGNALS, SIGNALS_BY_NAME, good_direction
+from kvwatch.signals import (ENGINE_SERIES, GOOD_DIRECTIONS, HEALTH, SCRAPE, SIGNALS, SIGNALS_BY_NAME, TIER_HEALTH,
+                             TIER_SERIES, TIER_SIGNALS_BY_NAME, good_direction)
 from mixin_support import REPO, iter_panels, load_dashboards, metric_names
 
 EXPECTED_UIDS = {"kvwatch-overview", "kvwatch-exhaustion", "kvwatch-prefix-cache", "kvwatch-first-token",
@@ -182,7 +183,9 @@ def catalogue_metrics(name: str) -> set[str]:
     """The series a catalogue entry is read from."""
     if name in SIGNALS_BY_NAME:
         return metric_names(SIGNALS_BY_NAME[name].promql.format(sel="", w="5m", by="x", q="0.5"))
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE:
+    if name in TIER_SIGNALS_BY_NAME:
+        return metric_names(TIER_SIGNALS_BY_NAME[name].promql.format(sel="", w="5m", by="x"))
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES:
         if name in (entry.name, entry.sample_name):
             return {entry.sample_name} | {entry.name + suffix for suffix in ("_bucket", "_sum", "_count")}
     raise KeyError(name)

@@ -253,3 +253,32 @@ def test_counts_of_tokens_blocks_and_requests_are_whole_numbers_with_the_roundin
     for name in ("kvwatch_kv_cache_free_tokens", "kvwatch_kv_cache_capacity_requests"):
         signal = next(s for s in SIGNALS if s.name == name)
         assert "round" in signal.help and "floor(" in signal.promql, name
+
+
+def test_unchanged_inputs_give_the_values_again_without_deriving_them(fixtures_dir, monkeypatch):
+    """An idle engine polled again: the same view inputs (counters that did
+    not move, the same gauges), so the window's next evaluation returns the
+    values derived last time, equal to a fresh derivation and independent
+    of what a caller did to the earlier answer; a changed input derives anew."""
+    import kvwatch.signals as signals
+
+    text = (fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()
+    adapter = VllmAdapter()
+    window = Window(15)
+    for i in range(4):  # the window full: each step drops one and adds one
+        window.add(adapter.adapt(text, at=1000 + i * 10))
+    first = evaluate_window(window)[0][0]
+    fresh = signals.evaluate(signals._view(window, [KEY]), *KEY)
+    assert first.values == fresh.values and first.notes == fresh.notes and first.pinned == fresh.pinned
+    first.values.clear()  # a caller's change does not reach what was kept
+    derived = []
+    original = signals._evaluate
+    monkeypatch.setattr(signals, "_evaluate", lambda *a: derived.append(a) or original(*a))
+    window.add(adapter.adapt(text, at=1040))
+    again = evaluate_window(window)[0][0]
+    assert derived == [] and again.values == fresh.values and again.notes == fresh.notes
+    moved = adapter.adapt(text, at=1050)
+    moved.engines[KEY].gauges["kv_usage"] = 0.5
+    window.add(moved)
+    assert evaluate_window(window)[0][0].values["kvwatch_kv_cache_usage_ratio"] == 0.5
+    assert len(derived) == 1

@@ -11,6 +11,7 @@ import threading
 import time
 
 from kvwatch.sim.dialects import DIALECTS
+from kvwatch.sim.lmcache import DEFAULT_SIZE_FACTOR
 from kvwatch.sim.scenario import ScenarioError, list_scenarios, load_scenario
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
 from kvwatch.units import parse_duration, parse_number, parse_port, parse_whole_number
@@ -36,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dialect", default="vllm", choices=DIALECTS,
                         help="whose /metrics page to serve: vllm (default), sglang, llamacpp or trtllm; the same "
                              "simulated engines, spelled as that engine spells them")
+    parser.add_argument("--lmcache", action="store_true",
+                        help="give the engines a simulated LMCache tier that keeps the prefixes their GPU cache "
+                             "evicts and serves them back; its page (LMCache's names) at /lmcache/metrics")
+    parser.add_argument("--lmcache-tokens", default=None, metavar="TOKENS",
+                        help="size of the simulated LMCache tier in tokens (default: 4x one engine's GPU cache); "
+                             "implies --lmcache")
     parser.add_argument("--interval", default="15s", help="report interval, simulated time (default: 15s)")
 
 
@@ -95,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     # The shared parsers (kvwatch/units.py): one sentence, not argparse's usage.
     parsers = {"port": parse_port, "seed": parse_whole_number, "speed": lambda v: parse_number(v, minimum=0),
-               "engines": parse_whole_number}
+               "engines": parse_whole_number, "lmcache_tokens": parse_whole_number}
     for flag, parse in parsers.items():
         raw = getattr(args, flag)
         if raw is None:
@@ -103,12 +110,19 @@ def run(args: argparse.Namespace) -> int:
         try:
             setattr(args, flag, parse(raw))
         except ValueError as exc:
-            print(f"kvwatch sim: --{flag}: {exc}", file=sys.stderr)
+            print(f"kvwatch sim: --{flag.replace('_', '-')}: {exc}", file=sys.stderr)
             return 2
+    if args.lmcache_tokens is not None and args.lmcache_tokens < 1:
+        print("kvwatch sim: --lmcache-tokens must be >= 1", file=sys.stderr)
+        return 2
+    lmcache_tokens = args.lmcache_tokens
+    if lmcache_tokens is None and args.lmcache:
+        lmcache_tokens = DEFAULT_SIZE_FACTOR * scenario.phases[0].engine.kv_cache_size_tokens
     if args.engines is not None and args.engines < 1:
         print("kvwatch sim: --engines must be >= 1", file=sys.stderr)
         return 2
-    sim = Simulation(scenario, seed=args.seed, engines=args.engines, model_name=args.model_name)
+    sim = Simulation(scenario, seed=args.seed, engines=args.engines, model_name=args.model_name,
+                     lmcache_tokens=lmcache_tokens)
     if args.report is not None:
         _report(sim, args.report, args.interval)
         return 0
@@ -129,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
           f"speed {args.speed:g}, dialect {args.dialect}", flush=True)
     print(f"kvwatch sim: serving {server.url}  (metrics {server.metrics_url}, app metrics {server.app_metrics_url})",
           flush=True)
+    if sim.lmcache is not None:
+        print(f"kvwatch sim: simulated LMCache tier of {sim.lmcache.capacity_chunks * sim.lmcache.chunk_tokens} "
+              f"tokens, its page at {server.lmcache_metrics_url}", flush=True)
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
         while not stop.wait(0.2):

@@ -189,6 +189,27 @@ class Replica:
             self._ordered = True
             self._plan = None
 
+    # Sent to a worker process (pickled) with each series' values at every
+    # step as one string (pickling a string per value costs several times
+    # more than joining and splitting them); a series with a gap, or a
+    # value holding the separator, goes as it is.
+    def __getstate__(self) -> dict:
+        self._order()
+        state = dict(self.__dict__)
+        state["rows"] = [(prefix, order, _packed(values), read) for prefix, order, values, read in self.rows]
+        state["config_rows"] = [(labels, key, _packed(values)) for labels, key, values in self.config_rows]
+        if self.process_start is not None:
+            state["process_start"] = _packed(self.process_start)
+        state["_plan"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["rows"] = [(prefix, order, _unpacked(values), read) for prefix, order, values, read in state["rows"]]
+        state["config_rows"] = [(labels, key, _unpacked(values)) for labels, key, values in state["config_rows"]]
+        if state["process_start"] is not None:
+            state["process_start"] = _unpacked(state["process_start"])
+        self.__dict__.update(state)
+
     def families(self, index: int) -> tuple[dict[str, Family], float | None] | None:
         """What the parser would read from `page(index)`: (families, process
         start time), or None when the replica had no value then."""
@@ -199,9 +220,9 @@ class Replica:
         if not any_row[index]:
             return None
         families: dict[str, Family] = {}
-        for name, spelling, samples, complete, suffixes, label_sets, columns in plan:
-            if complete[index]:
-                present = None  # every series of the family (the usual case)
+        for name, spelling, samples, complete, suffixes, label_sets, columns, config, whole in plan:
+            if complete[index]:  # every series of the family (the usual case)
+                present = None
                 found = list(zip(suffixes, label_sets, columns[index]))
             else:
                 present = tuple(i for i, (_suffix, _labels, values) in enumerate(samples)
@@ -209,16 +230,16 @@ class Replica:
                 if not present:
                     continue
                 found = [(samples[i][0], samples[i][1], samples[i][2][index]) for i in present]
-            family = Family(name, spelling=spelling, samples=found)
-            if name == vllm.CACHE_CONFIG and self.config_rows:
-                family.samples = [(suffix, self._config_labels(labels, index), value)
-                                  for suffix, labels, value in family.samples]
+            if config:
+                found = [(suffix, self._config_labels(labels, index), value) for suffix, labels, value in found]
+                layout = None
+            elif present is None:
+                layout = whole
             else:
                 layout = layouts.get((name, present))
-                if layout is None:  # None: the family complete
+                if layout is None:
                     layout = layouts[(name, present)] = object()
-                family.layout = layout
-            families[name] = family
+            families[name] = Family(name, "untyped", spelling, found, layout)
         start = None
         if self.process_start is not None and self.process_start[index] is not None:
             try:
@@ -249,7 +270,8 @@ class Replica:
         for name, spelling, samples in plan:
             columns = list(zip(*(s[2] for s in samples)))
             complete_plan.append((name, spelling, samples, [None not in column for column in columns],
-                                  tuple(s[0] for s in samples), tuple(s[1] for s in samples), columns))
+                                  tuple(s[0] for s in samples), tuple(s[1] for s in samples), columns,
+                                  name == vllm.CACHE_CONFIG and bool(self.config_rows), object()))
         any_row = [any(column) for column in zip(*(row[2] for row in self.rows))] if self.rows else []
         return complete_plan, any_row, {}
 
@@ -304,6 +326,25 @@ class Replica:
         return out
 
 
+_SEPARATOR = "\x1f"
+
+
+def _packed(values: list[str | None]) -> str | list[str | None]:
+    """A series' values as one string where they all are strings (no gap)
+    without the separator; else the list itself (_unpacked undoes both)."""
+    if not values or None in values:
+        return values
+    try:
+        packed = _SEPARATOR.join(values)
+    except TypeError:  # not strings
+        return values
+    return packed if packed.count(_SEPARATOR) == len(values) - 1 else values
+
+
+def _unpacked(values: str | list[str | None]) -> list[str | None]:
+    return values.split(_SEPARATOR) if isinstance(values, str) else values
+
+
 def _number(text: str) -> float:
     """A value of the query API ("0.25", "NaN", "+Inf") as the parser reads
     it; None for anything else, a line the parser would skip."""
@@ -354,8 +395,15 @@ class Pages:
         return replica
 
     def _values(self, pairs: list) -> list[str | None]:
-        values: list[str | None] = [None] * self.points
         start, step, points = self.start, self.step, self.points
+        # The usual case, a value at every step: the query API answers on
+        # the step grid, in time order, one pair per step, so the first at
+        # index 0, the last at the last index and one pair per step mean
+        # the values are the steps' in order (no index worked out per pair).
+        if (pairs and len(pairs) == points and int(round((float(pairs[0][0]) - start) / step)) == 0
+                and int(round((float(pairs[-1][0]) - start) / step)) == points - 1):
+            return [value for _at, value in pairs]
+        values: list[str | None] = [None] * points
         for at, value in pairs:
             index = int(round((float(at) - start) / step))
             if 0 <= index < points:

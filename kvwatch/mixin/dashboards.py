@@ -22,7 +22,7 @@ from kvwatch.mixin.alerts import runbook_anchor
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.promql import Fragments, Scope, indent, num, paren
 from kvwatch.mixin.config import ALERTS
-from kvwatch.signals import QUANTILES, SIGNALS, SIGNALS_BY_NAME, UNITS, good_direction
+from kvwatch.signals import QUANTILES, SIGNALS, SIGNALS_BY_NAME, TIER_SIGNALS_BY_NAME, UNITS, good_direction
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
@@ -45,7 +45,8 @@ DASHBOARDS = {
                    "VllmKvCacheExhausted."),
     "prefix_cache": ("prefix-cache", "kvwatch / Prefix cache",
                      "Why is the prefix-cache hit ratio low: caching off, a cold cache, a changed prefix, eviction "
-                     "before reuse, or no reuse? The panels behind VllmPrefixCacheHitRateLow."),
+                     "before reuse, or no reuse? The panels behind VllmPrefixCacheHitRateLow, and the LMCache tier's "
+                     "row where kvwatch reads one (--lmcache-target)."),
     "first_token": ("first-token", "kvwatch / First token",
                     "Where does the time to first token go: queue (for KV or for compute), prefill, front end, "
                     "upstream? The panels behind VllmTimeToFirstTokenSlow."),
@@ -241,6 +242,8 @@ def _variables() -> list:
 
 TARGET_SEL = 'namespace=~"$namespace",job=~"$job"'
 ENGINE_SEL = TARGET_SEL + ',model_name=~"$model",engine=~"$engine"'
+# The LMCache tier's series (kvwatch_lmcache_*) are per model, without `engine`.
+TIER_SEL = TARGET_SEL + ',model_name=~"$model"'
 # kvwatch_finding carries model_name="*" for findings about the whole target.
 FINDING_SEL = TARGET_SEL + ',model_name=~"$model|\\\\*"'
 
@@ -578,7 +581,47 @@ def prefix_cache(config: MixinConfig) -> Board:
                     "then names only caching off, a restart, or a drop that showed before the exhaustion.", "ops",
                     [(v.sig("kvwatch_preemptions_per_second"), e)], width=12, runbook=ANCHOR_HIT))
     b.add(_findings_panel(v, "findings", "low_hit_rate", ANCHOR_HIT))
+    _lmcache_row(b, v)
     return b
+
+
+def _lmcache_row(b: Board, v: Views) -> None:
+    """The LMCache tier beside the engine (kvwatch/sidecar/lmcache.py): its
+    series exist only where kvwatch runs with --lmcache-target, so without
+    one these panels are empty, not failing."""
+    inst = b.config.instance_label
+    tier = Scope(TIER_SEL, RATE, (inst, "model_name"))
+    legend = v.instance_legend + " {{model_name}}"
+    empty = " Empty unless kvwatch reads an LMCache page (--lmcache-target)."
+
+    def sig(name: str) -> str:
+        return TIER_SIGNALS_BY_NAME[name].promql.format(sel=tier.sel, w=tier.w, by=tier.by_text)
+
+    def doc(name: str) -> str:
+        return TIER_SIGNALS_BY_NAME[name].help + empty
+
+    b.row("LMCache tier")
+    b.add(PanelSpec("lmcache_up", "kvwatch reading LMCache",
+                    "kvwatch_lmcache_up: 1 while kvwatch's latest poll of LMCache's page succeeded and carried its "
+                    "counters, 0 while it fails (the status page's lmcache.reason says why); the engine's signals "
+                    "do not depend on it." + empty, "short",
+                    [(f"kvwatch_lmcache_up{{{TARGET_SEL}}}", v.instance_legend)], kind="stat", width=6, height=8,
+                    runbook=ANCHOR_HIT, threshold=1, signal="kvwatch_lmcache_up",
+                    mappings=((1, "reading"), (0, "failing"))))
+    b.add(PanelSpec("lmcache_hit_ratio", "LMCache hit ratio", doc("kvwatch_lmcache_hit_ratio"), "percentunit",
+                    [(sig("kvwatch_lmcache_hit_ratio"), legend)], width=9, runbook=ANCHOR_HIT,
+                    signal="kvwatch_lmcache_hit_ratio"))
+    b.add(PanelSpec("lmcache_prompt_tokens_served", "Prompt tokens from LMCache",
+                    doc("kvwatch_lmcache_prompt_tokens_served_ratio"), "percentunit",
+                    [(sig("kvwatch_lmcache_prompt_tokens_served_ratio"), legend)], width=9, runbook=ANCHOR_HIT,
+                    signal="kvwatch_lmcache_prompt_tokens_served_ratio"))
+    b.add(PanelSpec("lmcache_token_rates", "LMCache tokens retrieved and stored",
+                    "Tokens LMCache delivered to the engine and tokens stored into it, per second over the rate "
+                    "interval (lmcache:num_hit_tokens, lmcache:num_stored_tokens; the first worker's, never the sum "
+                    "of the ranks)." + empty, UNITS["per_second"].grafana,
+                    [(sig("kvwatch_lmcache_retrieved_tokens_per_second"), "retrieved " + legend),
+                     (sig("kvwatch_lmcache_stored_tokens_per_second"), "stored " + legend)],
+                    width=24, runbook=ANCHOR_HIT))
 
 
 def first_token(config: MixinConfig) -> Board:

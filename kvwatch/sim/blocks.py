@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 
 
 class BlockPool:
-    __slots__ = ("num_blocks", "ref_count", "block_hash", "free_queue", "cached", "evictions")
+    __slots__ = ("num_blocks", "ref_count", "block_hash", "free_queue", "cached", "evictions", "on_evict")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -30,6 +30,8 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[Hashable, int] = {}
         self.evictions = 0
+        # Called with the content hashes one allocation evicted (the LMCache tier keeps them).
+        self.on_evict = None
 
     @property
     def usable_blocks(self) -> int:
@@ -75,6 +77,7 @@ class BlockPool:
         ref_count = self.ref_count
         block_hash = self.block_hash
         taken: list[int] = []
+        evicted: list[Hashable] = []
         for _ in range(count):
             block, _ = free_queue.popitem(last=False)
             old_hash = block_hash[block]
@@ -82,8 +85,11 @@ class BlockPool:
                 del self.cached[old_hash]
                 block_hash[block] = None
                 self.evictions += 1
+                evicted.append(old_hash)
             ref_count[block] = 1
             taken.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return taken
 
     def free(self, blocks: Sequence[int]) -> None:

@@ -117,6 +117,7 @@ class Request:
     num_output: int = 0
     num_published: int = 0
     num_cached_tokens: int = -1
+    num_external_tokens: int = 0  # loaded from the LMCache tier at first admission
     num_preemptions: int = 0
     blocks: list[int] = field(default_factory=list)
     scheduled_ts: float = -1.0
@@ -160,8 +161,14 @@ class Engine:
         self.running: list[Request] = []
         self.clock = 0.0
         self.steps = 0
+        self.tier = None  # an LMCacheTier (kvwatch/sim/lmcache.py) after attach_tier
         # (end_time, [(request, tokens)], prefill_tokens) of the step in flight.
         self._pending: tuple[float, list[tuple[Request, int]], int] | None = None
+
+    def attach_tier(self, tier) -> None:
+        """Keep what the GPU cache evicts in `tier` and load from it at admission."""
+        self.tier = tier
+        self.pool.on_evict = tier.store
 
     # -- requests in and out ------------------------------------------------
 
@@ -283,16 +290,21 @@ class Engine:
         if not preempted:
             waiting = self.waiting
             caching = config.enable_prefix_caching
+            tier = self.tier if caching else None
             max_seqs = config.max_num_seqs
             while waiting and budget > 0 and len(running) < max_seqs:
                 request = waiting[0]
                 num_tokens = request.num_tokens
+                loaded = 0
                 if caching:
                     max_hit_blocks = (num_tokens - 1) // block_size
-                    hit = pool.longest_cached_prefix(request.block_hashes(max_hit_blocks), max_hit_blocks)
+                    reusable = request.block_hashes(max_hit_blocks)
+                    hit = pool.longest_cached_prefix(reusable, max_hit_blocks)
+                    if tier is not None:
+                        loaded = tier.find(reusable, len(hit))
                 else:
                     hit = []
-                num_cached = len(hit) * block_size
+                num_cached = (len(hit) + loaded) * block_size
                 num_new = num_tokens - num_cached
                 if num_new > budget:
                     num_new = budget
@@ -300,6 +312,9 @@ class Engine:
                 if needed + pool.count_evictable(hit) > pool.num_free:
                     break
                 pool.touch(hit)
+                if tier is not None:
+                    # Counted before the allocation, whose evictions the tier stores.
+                    tier.retrieve(reusable, len(hit), loaded, num_tokens)
                 request.blocks = hit + pool.allocate(needed)
                 request.num_computed = num_cached
                 request.num_published = len(hit)
@@ -311,10 +326,15 @@ class Engine:
                     # first admission only; recomputation after a preemption is
                     # kept out of these counters.
                     request.scheduled_ts = now
-                    request.num_cached_tokens = num_cached
+                    request.num_cached_tokens = len(hit) * block_size
+                    request.num_external_tokens = loaded * block_size
                     if caching:
                         stats.prefix_cache_queries += num_tokens
-                        stats.prefix_cache_hits += num_cached
+                        stats.prefix_cache_hits += len(hit) * block_size
+                    if tier is not None:
+                        # vLLM counts a KV connector's lookups as external queries and hits.
+                        stats.external_prefix_cache_queries += num_tokens - len(hit) * block_size
+                        stats.external_prefix_cache_hits += loaded * block_size
                 scheduled.append((request, num_new))
                 budget -= num_new
                 if num_new == 1 and request.num_output:
@@ -374,7 +394,9 @@ class Engine:
                 stats.time_to_first_token.observe(end - request.arrival)
                 stats.prompt_tokens += request.prompt_len
                 stats.prompt_tokens_local_cache_hit += request.num_cached_tokens
-                stats.prompt_tokens_local_compute += request.prompt_len - request.num_cached_tokens
+                stats.prompt_tokens_external += request.num_external_tokens
+                stats.prompt_tokens_local_compute += (request.prompt_len - request.num_cached_tokens
+                                                      - request.num_external_tokens)
             else:
                 gap = end - request.last_token_ts
                 gaps[gap] = gaps.get(gap, 0) + 1
@@ -414,6 +436,7 @@ class Engine:
             decode_time / (request.num_output - 1) if request.num_output > 1 else 0.0
         )
         stats.request_num_preemptions.observe(request.num_preemptions)
-        stats.request_prefill_kv_computed_tokens.observe(request.prompt_len - max(request.num_cached_tokens, 0))
+        stats.request_prefill_kv_computed_tokens.observe(
+            request.prompt_len - max(request.num_cached_tokens, 0) - request.num_external_tokens)
         if request.sink is not None:
             request.sink(request, now)

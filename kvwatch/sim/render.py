@@ -233,9 +233,9 @@ def render_vllm(engines: Sequence[Engine], model_name: str, created: float) -> l
              [(base, s.prefix_cache_hits) for base, _, s in pairs], created)
     external = "External prefix cache {} from KV connector cross-instance cache sharing, in terms of number of {} tokens."
     _counter(out, "vllm:external_prefix_cache_queries", external.format("queries", "queried"),
-             [(base, 0.0) for base in bases], created)
+             [(base, s.external_prefix_cache_queries) for base, _, s in pairs], created)
     _counter(out, "vllm:external_prefix_cache_hits", external.format("hits", "cached"),
-             [(base, 0.0) for base in bases], created)
+             [(base, s.external_prefix_cache_hits) for base, _, s in pairs], created)
     _counter(out, "vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.",
              [(base, 0.0) for base in bases], created)
     _counter(out, "vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.",
@@ -247,15 +247,16 @@ def render_vllm(engines: Sequence[Engine], model_name: str, created: float) -> l
     by_source = {
         "local_compute": lambda s: s.prompt_tokens_local_compute,
         "local_cache_hit": lambda s: s.prompt_tokens_local_cache_hit,
-        "external_kv_transfer": lambda s: 0,
+        "external_kv_transfer": lambda s: s.prompt_tokens_external,
     }
     _counter(out, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
              [({**base, "source": source}, value(s)) for source, value in by_source.items() for base, _, s in pairs],
              created)
     _counter(out, "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
-             [(base, s.prompt_tokens_local_cache_hit) for base, _, s in pairs], created)
+             [(base, s.prompt_tokens_local_cache_hit + s.prompt_tokens_external) for base, _, s in pairs], created)
     _counter(out, "vllm:prompt_tokens_cached_by_source", CACHED_BY_SOURCE_HELP,
-             [({**base, "source": source}, s.prompt_tokens_local_cache_hit if source == "device" else 0)
+             [({**base, "source": source}, s.prompt_tokens_local_cache_hit if source == "device"
+               else s.prompt_tokens_external if source == "external_unspecified" else 0)
               for source in ("device", "host", "p2p", "disk", "external_unspecified") for base, _, s in pairs],
              created)
     _counter(out, "vllm:generation_tokens", "Number of generation tokens processed.",

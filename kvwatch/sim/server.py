@@ -1,8 +1,9 @@
 """The simulator as a server: a clock thread advances the simulation at wall time
 times `speed`, and a stdlib HTTP server on loopback answers `/metrics`,
 `/health`, `/version`, `/v1/models`, `/v1/completions`, `/v1/chat/completions`
-(OpenAI style, streaming or not) and `/app/metrics` (the RAG application's
-histogram). With `temperature: 0` a completion's text depends on its prompt
+(OpenAI style, streaming or not), `/app/metrics` (the RAG application's
+histogram) and, with a simulated LMCache tier, `/lmcache/metrics` (its page).
+With `temperature: 0` a completion's text depends on its prompt
 alone, and `logprobs` brings a logprob per token, also fixed by the prompt.
 
 A request sent over HTTP becomes a request in the engine model; its tokens are
@@ -45,6 +46,8 @@ from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
 from kvwatch.sim.workload import token_block_hashes
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# The simulated LMCache tier's own page (`kvwatch sim --lmcache`).
+LMCACHE_PATH = "/lmcache/metrics"
 # The clock thread sleeps until the next simulated event (a step ending, an
 # arrival), at most this long, so streamed tokens leave when the simulated
 # engine produces them rather than on a coarse tick.
@@ -133,6 +136,11 @@ class SimServer:
     def app_metrics_url(self) -> str:
         return self.url + "/app/metrics"
 
+    @property
+    def lmcache_metrics_url(self) -> str:
+        """The simulated LMCache tier's page (served only with one)."""
+        return self.url + LMCACHE_PATH
+
     def start(self) -> SimServer:
         serve = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
                                  name="kvwatch-sim-http", daemon=True)
@@ -206,6 +214,12 @@ class SimServer:
                 return render_dialect(self.dialect, self.sim.engines, self.sim.model_name, self.trtllm_gauges)
             return render_metrics(self.sim.engines, self.sim.model_name, self.sim.created_unix, self.http_stats)
 
+    def lmcache_metrics_text(self) -> str | None:
+        with self.cond:
+            if self.sim.lmcache is None:
+                return None
+            return self.sim.lmcache.render(self.sim.model_name)
+
     def app_metrics_text(self) -> str:
         with self.cond:
             return render_app_metrics(self.sim.app_retrieval, self.sim.created_unix)
@@ -220,13 +234,17 @@ def start_background(
     engines: int | None = None,
     model_name: str = DEFAULT_MODEL_NAME,
     dialect: str = "vllm",
+    lmcache_tokens: int | None = None,
 ) -> SimServer:
     """Start a simulator in this process (threads); port 0 picks a free port.
-    The handle has .url, .metrics_url, .app_metrics_url, .sim, .advance(s), .stop()
-    and works as a context manager."""
+    The handle has .url, .metrics_url, .app_metrics_url, .lmcache_metrics_url,
+    .sim, .advance(s), .stop() and works as a context manager.
+    `lmcache_tokens`: a simulated LMCache tier of that size (its page at
+    .lmcache_metrics_url)."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
-    simulation = Simulation(scenario, seed=seed, engines=engines, model_name=model_name)
+    simulation = Simulation(scenario, seed=seed, engines=engines, model_name=model_name,
+                            lmcache_tokens=lmcache_tokens)
     return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect).start()
 
 
@@ -365,6 +383,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, server.metrics_text().encode(), CONTENT_TYPE)
             elif path == "/app/metrics":
                 self._send(200, server.app_metrics_text().encode(), CONTENT_TYPE)
+            elif path == LMCACHE_PATH and server.sim.lmcache is not None:
+                self._send(200, server.lmcache_metrics_text().encode(), CONTENT_TYPE)
             elif path in ("/health", "/ping"):
                 self._send(200, b"", "application/json")
             elif path == "/version":

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kvwatch.sim.engine import Engine, Request, RequestRejected
+from kvwatch.sim.lmcache import LMCacheTier
 from kvwatch.sim.scenario import Scenario
 from kvwatch.sim.stats import APP_DEFAULT_BUCKETS, Histogram
 from kvwatch.sim.workload import DrawnRequest, draw_request, symbolic_block_hashes
@@ -30,7 +31,10 @@ class Simulation:
         engines: int | None = None,
         model_name: str = DEFAULT_MODEL_NAME,
         created_unix: float | None = None,
+        lmcache_tokens: int | None = None,
     ) -> None:
+        """`lmcache_tokens`: give the engines a simulated LMCache tier of that
+        many tokens (kvwatch/sim/lmcache.py); None: none."""
         self.scenario = scenario
         self.model_name = model_name
         self.seed = seed
@@ -40,6 +44,13 @@ class Simulation:
             raise ValueError("need at least one engine")
         first = scenario.phases[0]
         self.engines = [Engine(replace(first.engine), index) for index in range(count)]
+        self.lmcache: LMCacheTier | None = None
+        if lmcache_tokens is not None:
+            block_size = first.engine.block_size
+            self.lmcache = LMCacheTier(max(1, lmcache_tokens // block_size), block_size,
+                                       first.engine.kv_bytes_per_token)
+            for engine in self.engines:
+                engine.attach_tier(self.lmcache)
         self.created_unix = time.time() if created_unix is None else created_unix
         self.now = 0.0
         self.app_retrieval = Histogram(APP_DEFAULT_BUCKETS)

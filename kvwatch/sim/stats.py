@@ -79,6 +79,10 @@ class EngineStats:
         self.prompt_tokens = 0
         self.prompt_tokens_local_compute = 0
         self.prompt_tokens_local_cache_hit = 0
+        # Loaded from the LMCache tier (kvwatch sim --lmcache), as vLLM counts a KV connector's tokens.
+        self.prompt_tokens_external = 0
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
         self.generation_tokens = 0
         self.request_success = dict.fromkeys(FINISH_REASONS, 0)
         self.admission_rejections = {"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}
