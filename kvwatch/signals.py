@@ -126,8 +126,9 @@ HEALTH: tuple[HealthFamily, ...] = (
                  "is not zero, so a signal whose families are 0 here is absent, never 0 (/api/v1/signals "
                  "dark_signals names the flag that lights a config-gated one)."),
     HealthFamily("kvwatch_finding", "gauge", ("symptom", "cause", "severity") + IDENTITY,
-                 "1 for each active diagnosis finding (absent when not active); see /api/v1/diagnosis for its "
-                 "evidence.", good="low"),
+                 "1 for each active diagnosis finding (absent when not active); a finding stays active until its "
+                 "condition has been clear for the hold (diagnosis: finding_hold_seconds); see "
+                 "/api/v1/diagnosis for its evidence and clearing_since.", good="low"),
     HealthFamily("kvwatch_quantile_pinned", "gauge", ("signal", "quantile", "bound") + IDENTITY,
                  "1 for each windowed quantile pinned at a bucket edge, where its value is a bound and not an "
                  "estimate: bound=\"upper\" (pinned in the first bucket; the value is that bucket's bound and the "
