@@ -20,7 +20,9 @@ from kvwatch.sim.server import start_background
 from promstack import backfilled_prometheus
 from sim_support import pages_openmetrics
 
-INTERVAL, DURATION, WINDOW = 5.0, 420.0, "2m"
+# 9 minutes: the exhaustion ends inside the capture, one window plus the
+# finding hold (1m) after the overload.
+INTERVAL, DURATION, WINDOW = 5.0, 540.0, "2m"
 INSTANCE = "10.0.9.1:8000"
 
 
