@@ -15,7 +15,7 @@ context, prompt caching on), then writes, each with the moment it shows:
 - record.json: the server's command, its /props, what each load sent and got,
   and when each page was read.
 
-Run it under `flock /work/vllm.lock` on a shared machine (it loads the CPU).
+It loads the CPU: run it alone, not beside the tiers or other servers.
 """
 
 from __future__ import annotations
