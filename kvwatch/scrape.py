@@ -144,7 +144,7 @@ class Fetcher:
         except requests.exceptions.ReadTimeout:
             return self._fail("timeout", f"no response within {self.timeout:g}s", started)
         except requests.exceptions.ConnectionError as exc:
-            return self._fail(_connection_reason(exc), _safe(exc), started)
+            return self._fail(connection_reason(exc), _safe(exc), started)
         except requests.exceptions.InvalidHeader:
             # Its message quotes the header value, that is the token itself.
             message = "the bearer token file does not hold a valid HTTP header value"
@@ -389,7 +389,7 @@ def failure_sentence(reason: str | None, host: str, timeout: float = 0.0, engine
     return template.format(host=host, timeout=timeout, reason=reason, engine=engine)
 
 
-def _connection_reason(exc: Exception) -> str:
+def connection_reason(exc: Exception) -> str:
     text = str(exc)
     if isinstance(exc.__context__, socket.gaierror) or "Name or service not known" in text or "NameResolutionError" in text \
             or "nodename nor servname" in text or "Temporary failure in name resolution" in text:

@@ -34,7 +34,7 @@ from kvwatch.engines.coverage import dark_signals
 from kvwatch.history.pages import DEFAULT_REPLICA_LABELS, Pages, family_query
 from kvwatch.history.query import PrometheusClient, QueryError
 from kvwatch.history.run import _diagnose_step, _discover
-from kvwatch.sidecar.monitor import State
+from kvwatch.sidecar.monitor import State, run_at_fixed_rate
 from kvwatch.sidecar.report import finding_key, public_url
 from kvwatch.signals import evaluate_window
 
@@ -134,23 +134,10 @@ class Central:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        next_due = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                self.refresh_once()
-            except Exception:  # the loop must outlive any bug in one refresh
-                log.exception("refresh failed unexpectedly; kvwatch keeps refreshing")
-                self._failed("internal", "kvwatch itself failed while reading the store (see its log)")
-            for listener in self.after_poll:
-                try:
-                    listener(self.state)
-                except Exception:
-                    log.exception("after-refresh work failed; kvwatch keeps refreshing")
-            next_due += self.step
-            now = time.monotonic()
-            if next_due < now:
-                next_due = now + self.step
-            self._stop.wait(next_due - now)
+        run_at_fixed_rate(self._stop, self.step, self.refresh_once,
+                          lambda: self._failed("internal",
+                                               "kvwatch itself failed while reading the store (see its log)"),
+                          self.after_poll, lambda: self.state, "refresh")
 
     # --- one refresh ----------------------------------------------------
 

@@ -27,7 +27,7 @@ import requests
 import urllib3
 
 from kvwatch import __version__
-from kvwatch.scrape import BearerToken, _connection_reason, public_host
+from kvwatch.scrape import BearerToken, connection_reason, public_host
 
 MAX_POINTS = 10_000  # per series and query; Prometheus refuses more than 11,000
 DEFAULT_MAX_SAMPLES = 5_000_000  # per query
@@ -139,7 +139,7 @@ class PrometheusClient:
             raise QueryError(f"{path}: TLS handshake with {public_host(self.url)} failed (certificate or protocol)",
                              "tls") from None
         except requests.ConnectionError as exc:
-            reason = _connection_reason(exc)
+            reason = connection_reason(exc)
             raise QueryError(f"{path}: {_STORE_SENTENCES[reason].format(host=public_host(self.url))}", reason) from None
         except requests.RequestException as exc:
             raise QueryError(f"{path}: {type(exc).__name__}: {exc}") from None

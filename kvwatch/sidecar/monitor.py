@@ -94,6 +94,31 @@ class State:
     replay: dict[str, Any] | None = None
 
 
+
+def run_at_fixed_rate(stop: threading.Event, interval: float, once: Callable[[], Any], failed: Callable[[], Any],
+                      after: list[Callable[[Any], None]], state: Callable[[], Any], what: str) -> None:
+    """Calls `once` every `interval` s until `stop` is set, then each of
+    `after` with `state()`: the sidecar's poll loop and central mode's
+    refresh loop. The loop outlives any bug in one call (`failed` records
+    it); a slow call skips the slots it missed, never bursts."""
+    next_due = time.monotonic()
+    while not stop.is_set():
+        try:
+            once()
+        except Exception:
+            log.exception("%s failed unexpectedly; kvwatch keeps going", what)
+            failed()
+        for listener in after:
+            try:
+                listener(state())
+            except Exception:
+                log.exception("after-%s work failed; kvwatch keeps going", what)
+        next_due += interval
+        now = time.monotonic()
+        if next_due < now:
+            next_due = now + interval
+        stop.wait(next_due - now)
+
 class Monitor:
     """`fetcher` and `clock` are the engine and the time it is read at; a
     replay (kvwatch.capture.replay) passes recorded pages and their recorded
@@ -166,24 +191,9 @@ class Monitor:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        interval = self.settings.poll_interval
-        next_due = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except Exception:  # the loop must outlive any bug in one poll
-                log.exception("poll failed unexpectedly; kvwatch keeps polling")
-                self._record_failure("internal", "unexpected error, see log", time.time(), 0.0, 0.0)
-            for listener in self.after_poll:
-                try:
-                    listener(self.state)
-                except Exception:
-                    log.exception("after-poll work failed; kvwatch keeps polling")
-            next_due += interval
-            now = time.monotonic()
-            if next_due < now:  # a slow poll skips missed slots, never bursts
-                next_due = now + interval
-            self._stop.wait(next_due - now)
+        run_at_fixed_rate(self._stop, self.settings.poll_interval, self.poll_once,
+                          lambda: self._record_failure("internal", "unexpected error, see log", time.time(), 0.0, 0.0),
+                          self.after_poll, lambda: self.state, "poll")
 
     # --- one poll -------------------------------------------------------
 
