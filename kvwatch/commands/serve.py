@@ -121,10 +121,7 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"kvwatch: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level)
-    problem = listen_problem(settings.host, settings.port)
-    if problem:
-        print(f"kvwatch: {problem}", file=sys.stderr)
+    if not _can_listen(settings):
         return 1
 
     import uvicorn
@@ -214,10 +211,7 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
         for problem in problems:
             print(f"kvwatch: {problem}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level)
-    problem = listen_problem(settings.host, settings.port)
-    if problem:
-        print(f"kvwatch: {problem}", file=sys.stderr)
+    if not _can_listen(settings):
         return 1
 
     import uvicorn
@@ -333,3 +327,13 @@ def replaying(capture, settings, speed: float):
         monitor._thread.start()
 
     return monitor, start
+
+
+def _can_listen(settings) -> bool:
+    """Logging set up, and the address free to listen on (said in one
+    sentence before anything starts when it is not): both serve modes."""
+    configure_logging(settings.log_level)
+    problem = listen_problem(settings.host, settings.port)
+    if problem:
+        print(f"kvwatch: {problem}", file=sys.stderr)
+    return not problem
