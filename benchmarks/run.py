@@ -903,6 +903,13 @@ def write_history_openmetrics(out, replicas: int, start: float, points: int, ste
 
 
 def _replica_openmetrics(instance: str, start: float, points: int, step: float, hot: bool) -> str:
+    """One replica's series. Traffic varies from step to step (requests per
+    step drawn at random, fixed seed), as a real engine's does: with the same
+    increase at every step, a window's inputs would repeat and the signals'
+    evaluation cache would answer for nearly every step, which no real fleet
+    gives."""
+    import random
+
     ttft_bounds = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
     len_bounds = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
@@ -910,30 +917,36 @@ def _replica_openmetrics(instance: str, start: float, points: int, step: float, 
     out = [f'vllm:cache_config_info{{{base},block_size="16",num_gpu_blocks="2048",'
            f'enable_prefix_caching="True"}} 1 {start:.0f}']
     rows: dict[str, list[str]] = {}
+    draw = random.Random(1 if hot else 2)
+    requests = hits = queried = 0
     for i in range(points):
         at = f"{start + i * step:.0f}"
         full = hot and i >= points // 2
-        n = i + 1
+        arrived = draw.randint(5, 15)
+        requests += arrived
+        queried += arrived * 400
+        hits += arrived * draw.randint(200, 280)
+
         def put(name, labels, value):
-            rows.setdefault(name + labels, []).append(f"{name}{{{base}{labels}}} {value:g} {at}")
-        put("vllm:kv_cache_usage_perc", "", 0.99 if full else 0.3)
-        put("vllm:num_requests_running", "", 32 if full else 4)
+            rows.setdefault(name + labels, []).append(f"{name}{{{base}{labels}}} {value!r} {at}")
+        put("vllm:kv_cache_usage_perc", "", 0.99 if full else round(0.2 + draw.random() * 0.2, 3))
+        put("vllm:num_requests_running", "", 32 if full else draw.randint(2, 6))
         put("vllm:num_requests_waiting", "", 10 if full else 0)
-        put("vllm:num_preemptions_total", "", (n - points // 2) * 3 if full else 0)
-        put("vllm:prefix_cache_queries_total", "", n * 4000)
-        put("vllm:prefix_cache_hits_total", "", n * 2400)
-        put("vllm:prompt_tokens_total", "", n * 4000)
-        put("vllm:generation_tokens_total", "", n * 1000)
+        put("vllm:num_preemptions_total", "", (i + 1 - points // 2) * 3 if full else 0)
+        put("vllm:prefix_cache_queries_total", "", queried)
+        put("vllm:prefix_cache_hits_total", "", hits)
+        put("vllm:prompt_tokens_total", "", queried)
+        put("vllm:generation_tokens_total", "", requests * 100)
         for family, bounds, per in (("time_to_first_token_seconds", ttft_bounds, 0.1),
                                     ("request_queue_time_seconds", ttft_bounds, 0.01),
                                     ("request_prefill_time_seconds", ttft_bounds, 0.05),
                                     ("request_prompt_tokens", len_bounds, 400),
                                     ("request_generation_tokens", len_bounds, 100)):
             for bound in bounds:
-                put(f"vllm:{family}_bucket", f',le="{bound:g}"', n * 10 if bound >= per else 0)
-            put(f"vllm:{family}_bucket", ',le="+Inf"', n * 10)
-            put(f"vllm:{family}_sum", "", n * 10 * per)
-            put(f"vllm:{family}_count", "", n * 10)
+                put(f"vllm:{family}_bucket", f',le="{bound:g}"', requests if bound >= per else 0)
+            put(f"vllm:{family}_bucket", ',le="+Inf"', requests)
+            put(f"vllm:{family}_sum", "", round(requests * per, 3))
+            put(f"vllm:{family}_count", "", requests)
     for lines in rows.values():
         out.extend(lines)
     out.append("")

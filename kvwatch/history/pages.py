@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from kvwatch.engines import vllm
 from kvwatch.exposition import Family, sample_names
+from kvwatch.history.matrix import RawPairs, pairs_of
 from kvwatch.signals import ENGINE_SERIES, INFO_KEYS
 
 DEFAULT_REPLICA_LABELS = ("job", "instance", "namespace", "pod")
@@ -177,6 +178,8 @@ class Replica:
     config_rows: list[tuple[tuple, str, list[str | None]]] = field(default_factory=list)
     process_start: list[str | None] | None = None
     _ordered: bool = False
+    # Whether every series' values are split out (RawPairs -> strings).
+    _decoded: bool = False
     # The fast path's plan, made once the rows are complete: per family,
     # (name, spelling, [(suffix, labels, float values)]); and the layout
     # object of each set of present rows, kept from step to step so the
@@ -210,10 +213,22 @@ class Replica:
             state["process_start"] = _unpacked(state["process_start"])
         self.__dict__.update(state)
 
+    def _decode(self) -> None:
+        """The values still as the store wrote them, split out (here, in the
+        process that diagnoses the replica, rather than where it was read)."""
+        if self._decoded:
+            return
+        self.rows = [(prefix, order, _strings(values), read) for prefix, order, values, read in self.rows]
+        self.config_rows = [(labels, key, _strings(values)) for labels, key, values in self.config_rows]
+        if self.process_start is not None:
+            self.process_start = _strings(self.process_start)
+        self._decoded = True
+
     def families(self, index: int) -> tuple[dict[str, Family], float | None] | None:
         """What the parser would read from `page(index)`: (families, process
         start time), or None when the replica had no value then."""
         self._order()
+        self._decode()
         if self._plan is None:
             self._plan = self._make_plan()
         plan, any_row, layouts = self._plan
@@ -296,6 +311,7 @@ class Replica:
     def page(self, index: int) -> str | None:
         """The page at step `index`, or None when the replica had no value then."""
         self._order()
+        self._decode()
         lines = [prefix + values[index] for prefix, _order, values, _read in self.rows if values[index] is not None]
         if not lines:
             return None
@@ -329,10 +345,15 @@ class Replica:
 _SEPARATOR = "\x1f"
 
 
-def _packed(values: list[str | None]) -> str | list[str | None]:
+def _strings(values) -> list[str | None]:
+    return values.strings() if isinstance(values, RawPairs) else values
+
+
+def _packed(values):
     """A series' values as one string where they all are strings (no gap)
-    without the separator; else the list itself (_unpacked undoes both)."""
-    if not values or None in values:
+    without the separator; else the list itself (_unpacked undoes both).
+    Values still as the store wrote them go as they are."""
+    if isinstance(values, RawPairs) or not values or None in values:
         return values
     try:
         packed = _SEPARATOR.join(values)
@@ -394,19 +415,31 @@ class Pages:
                 key, {label: value for label, value in zip(self.replica_labels, key) if value})
         return replica
 
-    def _values(self, pairs: list) -> list[str | None]:
+    def _values(self, pairs) -> "list[str | None] | RawPairs":
         start, step, points = self.start, self.step, self.points
         # The usual case, a value at every step: the query API answers on
         # the step grid, in time order, one pair per step, so the first at
         # index 0, the last at the last index and one pair per step mean
         # the values are the steps' in order (no index worked out per pair).
-        if (pairs and len(pairs) == points and int(round((float(pairs[0][0]) - start) / step)) == 0
-                and int(round((float(pairs[-1][0]) - start) / step)) == points - 1):
-            return [value for _at, value in pairs]
+        # Values still as the store wrote them (RawPairs) stay so: split
+        # where the replica is diagnosed (Replica._decode).
+        if pairs and len(pairs) == points:
+            try:
+                first, last = ((pairs.first_time(), pairs.last_time()) if isinstance(pairs, RawPairs)
+                               else (float(pairs[0][0]), float(pairs[-1][0])))
+            except (ValueError, TypeError, IndexError):
+                first = last = None
+            if (first is not None and int(round((first - start) / step)) == 0
+                    and int(round((last - start) / step)) == points - 1):
+                return pairs if isinstance(pairs, RawPairs) else [value for _at, value in pairs]
         values: list[str | None] = [None] * points
-        for at, value in pairs:
-            index = int(round((float(at) - start) / step))
-            if 0 <= index < points:
+        for pair in pairs_of(pairs):
+            try:
+                at, value = pair
+                index = int(round((float(at) - start) / step))
+            except (ValueError, TypeError, OverflowError):  # not [time, "value"]: a broken answer
+                continue
+            if 0 <= index < points and isinstance(value, str):
                 values[index] = value
         return values
 
@@ -421,12 +454,14 @@ class Pages:
             values = self._values(series["values"])
             if name == PROCESS_START:
                 replica.process_start = values
+                replica._decoded = False
                 continue
             if self.source == "kvwatch":
                 target, role = KVWATCH_NAMES.get(name, ("", ""))
                 if role.startswith("config/"):
                     engine_labels = tuple(sorted((k, v) for k, v in metric.items() if k in ("engine",)))
                     replica.config_rows.append((engine_labels, role[len("config/"):], values))
+                    replica._decoded = False
                     continue
                 if not target:
                     continue
@@ -447,4 +482,4 @@ class Pages:
                 family, suffix = read
                 read = (family, suffix, dict(sorted(metric.items())), name[: name.find(family)])
             replica.rows.append((prefix, order, values, read))
-            replica._ordered = False
+            replica._ordered = replica._decoded = False

@@ -27,6 +27,7 @@ import requests
 import urllib3
 
 from kvwatch import __version__
+from kvwatch.history.matrix import decode, joined
 from kvwatch.scrape import BearerToken, connection_reason, public_host
 
 MAX_POINTS = 10_000  # per series and query; Prometheus refuses more than 11,000
@@ -145,9 +146,11 @@ class PrometheusClient:
             raise QueryError(f"{path}: {type(exc).__name__}: {exc}") from None
         size = len(response.content)
         try:
-            body = response.json()
-        except ValueError:
+            body = decode(response.content.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError included
             raise QueryError(f"{path}: HTTP {response.status_code}, not JSON ({response.headers.get('content-type')})") from None
+        if not isinstance(body, dict):
+            raise QueryError(f"{path}: HTTP {response.status_code}, JSON but not an object")
         if response.status_code != 200 or body.get("status") != "success":
             raise QueryError(f"{path}: HTTP {response.status_code}: {body.get('errorType', '')} {body.get('error', '')}".strip())
         data = body["data"]
@@ -200,7 +203,7 @@ class PrometheusClient:
                 key = tuple(sorted(series["metric"].items()))
                 found = target.get(key)
                 if found is None:
-                    target[key] = {"metric": series["metric"], "values": list(series["values"])}
+                    target[key] = {"metric": series["metric"], "values": series["values"]}
                 else:
-                    found["values"].extend(series["values"])
+                    found["values"] = joined(found["values"], series["values"])
         return [list(found.values()) for found in joined]

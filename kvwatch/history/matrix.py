@@ -1,0 +1,126 @@
+"""A range query's answer (a Prometheus matrix) decoded without turning
+every sample into Python objects where the reader holds them.
+
+A day of a fleet at 30 s is tens of millions of samples, each written
+`[1733184000,"0.25"]`: decoded as JSON, each is a list, an int and a string,
+built in the process that reads the store (most of its CPU in the history
+benchmark, and it holds the GIL the other reads wait on). Here each series'
+labels are decoded as JSON and its values are kept as the text the store
+wrote (`RawPairs`), checked for shape; the values are split out where
+they are read (Pages, in the worker that diagnoses the replica), and the
+whole answer falls back to `json.loads` wherever the text is not the usual
+compact layout (spaces, native histograms, another key order, anything odd),
+so the result is always what JSON decoding gives (tests/test_history_matrix.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+_DECODER = json.JSONDecoder()
+_RESULT = '"result":['
+_METRIC = '{"metric":'
+_VALUES = ',"values":'
+
+
+class RawPairs:
+    """One series' `[[time,"value"],...]` as the store wrote it: every pair
+    a number and a quoted string, checked by count (as many `],[` as pairs
+    less one, two quotes per pair; no bracket or quote inside a value)."""
+
+    __slots__ = ("text", "count")
+
+    def __init__(self, text: str, count: int):
+        self.text = text
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getstate__(self):
+        return self.text, self.count
+
+    def __setstate__(self, state) -> None:
+        self.text, self.count = state
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RawPairs) and self.text == other.text
+
+    def first_time(self) -> float:
+        return float(self.text[2:self.text.index(",", 2)])
+
+    def last_time(self) -> float:
+        return float(self.text[self.text.rindex("[") + 1:self.text.rindex(",")])
+
+    def strings(self) -> list[str]:
+        """The values in time order, as the store wrote them."""
+        return self.text.split('"')[1::2]
+
+    def pairs(self) -> list[list]:
+        """As JSON decoding gives them."""
+        return json.loads(self.text)
+
+
+def pairs_of(values) -> list:
+    """A series' values as JSON decoding gives them, however they were read."""
+    return values.pairs() if isinstance(values, RawPairs) else values
+
+
+def joined(earlier, later):
+    """Two chunks' values of one series, in time order (either may be raw)."""
+    if isinstance(earlier, RawPairs) and isinstance(later, RawPairs):
+        if not earlier.count:
+            return later
+        if not later.count:
+            return earlier
+        return RawPairs(earlier.text[:-1] + "," + later.text[1:], earlier.count + later.count)
+    return list(pairs_of(earlier)) + list(pairs_of(later))
+
+
+def decode(body: str) -> dict:
+    """The answer of /api/v1/query_range as json.loads gives it, except that
+    each series' `values` may be a RawPairs."""
+    found = _scan(body)
+    return found if found is not None else json.loads(body)
+
+
+def _scan(body: str) -> dict | None:
+    """The fast path, or None where the text is not its layout."""
+    begin = body.find(_RESULT)
+    if begin < 0:
+        return None
+    at = begin + len(_RESULT)
+    series = []
+    try:
+        if body[at] != "]":
+            while True:
+                if not body.startswith(_METRIC, at):
+                    return None
+                metric, at = _DECODER.raw_decode(body, at + len(_METRIC))
+                if not isinstance(metric, dict) or not body.startswith(_VALUES, at):
+                    return None
+                at += len(_VALUES)
+                end = body.index("]]", at) + 2
+                text = body[at:end]
+                count = text.count("],[") + 1
+                if (not text.startswith("[[") or text.count('"') != 2 * count or "\\" in text
+                        or "[" in text[2:].replace("],[", "")):
+                    return None
+                if body[end] != "}":
+                    return None
+                series.append({"metric": metric, "values": RawPairs(text, count)})
+                at = end + 1
+                if body[at] == "]":
+                    break
+                if body[at] != ",":
+                    return None
+                at += 1
+        # The envelope (status, data, warnings...) around the result, as JSON.
+        envelope = json.loads(body[:begin] + '"result":[]' + body[at + 1:])
+    except (ValueError, IndexError):
+        return None
+    data = envelope.get("data") if isinstance(envelope, dict) else None
+    if not isinstance(data, dict) or data.get("result") != [] or data.get("resultType") != "matrix":
+        return None
+    data["result"] = series
+    return envelope
