@@ -16,6 +16,7 @@ import time
 import pytest
 
 from kvwatch.cli import main
+from kvwatch.history.matrix import pairs_of
 from kvwatch.history.query import PrometheusClient
 from kvwatch.history.run import diagnose_history
 from kvwatch.sim.scenario import parse_scenario
@@ -151,3 +152,17 @@ def test_the_command_prints_json_and_writes_an_html_report(store, tmp_path, caps
     assert "<svg" in html and "lost_prefix_affinity" in html and "10.0.2.4:8000" in html
     # Self-contained: no script, no stylesheet or image fetched from elsewhere.
     assert "<script" not in html and "src=" not in html and "<link" not in html
+
+
+def test_a_query_split_into_time_chunks_reads_each_series_whole(store):
+    """read_ranges joins one query's time chunks back per series, in time
+    order: the values of a read split into many chunks are those of one read."""
+    prom, start = store
+    query = [('{__name__="vllm:num_requests_running"}', 16)]
+    (whole,) = PrometheusClient(prom.url).read_ranges(query, start, start + DURATION, INTERVAL)
+    split = PrometheusClient(prom.url, max_samples=16 * 7, concurrency=2)
+    (pieces,) = split.read_ranges(query, start, start + DURATION, INTERVAL)
+    assert split.cost.queries >= DURATION // INTERVAL // 7
+    by_labels = {tuple(sorted(s["metric"].items())): pairs_of(s["values"]) for s in whole}
+    assert len(by_labels) >= 2 and all(len(v) > 7 for v in by_labels.values())
+    assert {tuple(sorted(s["metric"].items())): pairs_of(s["values"]) for s in pieces} == by_labels

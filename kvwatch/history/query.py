@@ -196,9 +196,9 @@ class PrometheusClient:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             answers = list(pool.map(lambda job: (job[0], self.query_range(job[1], job[2], job[3], step)), jobs))
         self.cost.seconds += time.monotonic() - started
-        joined: list[dict[tuple, dict]] = [dict() for _ in queries]
+        by_query: list[dict[tuple, dict]] = [dict() for _ in queries]
         for index, result in answers:
-            target = joined[index]
+            target = by_query[index]
             for series in result:
                 key = tuple(sorted(series["metric"].items()))
                 found = target.get(key)
@@ -206,4 +206,4 @@ class PrometheusClient:
                     target[key] = {"metric": series["metric"], "values": series["values"]}
                 else:
                     found["values"] = joined(found["values"], series["values"])
-        return [list(found.values()) for found in joined]
+        return [list(found.values()) for found in by_query]
