@@ -158,7 +158,9 @@ class Window:
         if self.entries:
             previous = self.entries[-1].snapshot
             seconds = snapshot.time - previous.time
-            renamed = any(previous.sources.get(key, family) != family for key, family in snapshot.sources.items())
+            # Equal maps (the rule, compared in C) rename nothing.
+            renamed = snapshot.sources != previous.sources and any(
+                previous.sources.get(key, family) != family for key, family in snapshot.sources.items())
             new_process = (previous.process_start is not None and snapshot.process_start is not None
                            and previous.process_start != snapshot.process_start)
             for key, engine in snapshot.engines.items():
@@ -240,19 +242,23 @@ class Window:
 # Running sums of the window's steps
 # --------------------------------------------------------------------------
 
-_SCALE = 1074  # every finite double is a whole multiple of 2**-1074
-_ONE = 1 << _SCALE
+# Bucket counts below this are whole floats that add and subtract exactly.
+_EXACT_FLOATS = float(2 ** 53)
 
 
 class _ExactSum:
     """A sum of floats that can take values away again without drifting:
-    whole values as one int, the rest in fixed point at 2**-1074."""
+    whole values as one int, the rest in fixed point (`fraction` / 2**`scale`,
+    the scale the finest value seen so far needs: every finite double is a
+    whole multiple of 2**-1074, but the sums stay small ints, cheap to add,
+    while the values are coarser)."""
 
-    __slots__ = ("whole", "fraction")
+    __slots__ = ("whole", "fraction", "scale")
 
     def __init__(self) -> None:
         self.whole = 0
         self.fraction = 0
+        self.scale = 0
 
     def add(self, value: float) -> None:
         if type(value) is int:  # a time given as an int
@@ -263,7 +269,13 @@ class _ExactSum:
             # ValueError (NaN) and OverflowError (inf) reach the window, which
             # then sums step by step.
             numerator, denominator = value.as_integer_ratio()
-            self.fraction += numerator << (_SCALE + 1 - denominator.bit_length())
+            # denominator is 2**(bit_length - 1)
+            shift = self.scale + 1 - denominator.bit_length()
+            if shift < 0:
+                self.fraction <<= -shift
+                self.scale -= shift
+                shift = 0
+            self.fraction += numerator << shift
 
     def take(self, value: float) -> None:
         if type(value) is int:
@@ -272,16 +284,21 @@ class _ExactSum:
             self.whole -= int(value)
         else:
             numerator, denominator = value.as_integer_ratio()
-            self.fraction -= numerator << (_SCALE + 1 - denominator.bit_length())
+            shift = self.scale + 1 - denominator.bit_length()
+            if shift < 0:
+                self.fraction <<= -shift
+                self.scale -= shift
+                shift = 0
+            self.fraction -= numerator << shift
 
     def value(self) -> float:
         # Both divisions and int-to-float conversions round correctly.
         try:
             if not self.fraction:
                 return float(self.whole)
-            return ((self.whole << _SCALE) + self.fraction) / _ONE
+            return ((self.whole << self.scale) + self.fraction) / (1 << self.scale)
         except OverflowError:
-            return float("inf") if (self.whole << _SCALE) + self.fraction > 0 else float("-inf")
+            return float("inf") if (self.whole << self.scale) + self.fraction > 0 else float("-inf")
 
 
 class _HistogramRun:
@@ -289,46 +306,65 @@ class _HistogramRun:
     bounds (summing step by step, a change of bounds starts over: the newer
     bounds win), and the entry whose step began the run (None once it left)."""
 
-    __slots__ = ("bounds", "start", "steps", "whole", "exact", "sum", "count")
+    __slots__ = ("bounds", "start", "steps", "counts", "exact", "sum", "count")
 
     def __init__(self, histogram: Histogram, start: Entry):
         self.bounds = histogram.bounds
         self.start: Entry | None = start
         self.steps = 0
-        # Bucket counts are whole numbers in practice: kept as one list of
-        # ints, added in C. `exact` replaces it for the first fractional one.
-        self.whole: list[int] | None = [0] * len(histogram.bounds)
+        # Bucket counts are whole and far below 2**53 in practice: summed as
+        # a tuple of floats, in C, while every bucket of every step added is
+        # a whole number >= 0 and every sum stays below 2**53. Then each sum
+        # is exact, and so is taking a step away again (what is left is a
+        # sum of whole numbers >= 0 no larger than before). `exact` replaces
+        # it for the first step that breaks that.
+        self.counts: tuple[float, ...] | None = (0.0,) * len(histogram.bounds)
         self.exact: list[_ExactSum] | None = None
         self.sum = _ExactSum()
         self.count = _ExactSum()
         self.add(histogram)
 
     def add(self, histogram: Histogram) -> None:
-        self._apply(histogram, 1)
+        cumulative = histogram.cumulative
+        counts = self.counts
+        if counts is not None:
+            # min() after is_integer (no NaN left), max() of the sums: a sum
+            # that rounded is at least 2**53.
+            if all(map(float.is_integer, cumulative)) and (not cumulative or min(cumulative) >= 0):
+                summed = tuple(map(operator.add, counts, cumulative))
+                if not summed or max(summed) < _EXACT_FLOATS:
+                    self.counts = summed
+                    cumulative = None
+            if cumulative is not None:
+                self._to_exact()
+        if cumulative is not None:
+            for total, value in zip(self.exact, cumulative):
+                total.add(value)
+        self.sum.add(histogram.sum)
+        self.count.add(histogram.count)
+        self.steps += 1
 
     def take(self, histogram: Histogram) -> None:
-        self._apply(histogram, -1)
-
-    def _apply(self, histogram: Histogram, sign: int) -> None:
-        cumulative = histogram.cumulative
-        if self.whole is not None and all(map(float.is_integer, cumulative)):
-            op = operator.add if sign > 0 else operator.sub
-            self.whole = list(map(op, self.whole, map(int, cumulative)))
+        if self.counts is not None:
+            self.counts = tuple(map(operator.sub, self.counts, histogram.cumulative))
         else:
-            if self.exact is None:
-                self.exact = [_ExactSum() for _ in self.whole]
-                for total, whole in zip(self.exact, self.whole):
-                    total.whole = whole
-                self.whole = None
-            for total, value in zip(self.exact, cumulative):
-                (total.add if sign > 0 else total.take)(value)
-        (self.sum.add if sign > 0 else self.sum.take)(histogram.sum)
-        (self.count.add if sign > 0 else self.count.take)(histogram.count)
-        self.steps += sign
+            for total, value in zip(self.exact, histogram.cumulative):
+                total.take(value)
+        self.sum.take(histogram.sum)
+        self.count.take(histogram.count)
+        self.steps -= 1
+
+    def _to_exact(self) -> None:
+        self.exact = []
+        for value in self.counts:
+            total = _ExactSum()
+            total.whole = int(value)
+            self.exact.append(total)
+        self.counts = None
 
     def histogram(self) -> Histogram:
-        if self.whole is not None:
-            cumulative = tuple(map(float, self.whole))
+        if self.counts is not None:
+            cumulative = self.counts
         else:
             cumulative = tuple(total.value() for total in self.exact)
         return Histogram(self.bounds, cumulative, self.sum.value(), self.count.value())
