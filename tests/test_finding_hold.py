@@ -182,3 +182,20 @@ def test_fleet_findings_are_held_as_a_replicas_are():
     # Clear from t=4 steps on; held for the hold (60 s) after: gone from t=6 steps.
     assert fleet[0].start == SIM_BASE and fleet[0].end <= SIM_BASE + 4 * step + HOLD
     assert holds == {}  # the model gone and nothing held: forgotten
+
+
+def test_a_findings_severity_does_not_fall_while_it_lasts():
+    """kvwatch_finding carries the severity as a label: a fall from critical
+    to warning inside one episode would end the critical series (an alert on
+    it resolves) and start a warning one. The episode keeps its highest
+    severity; a rise shows at once; a new episode starts from its own."""
+    hold = FindingHold(10.0)
+    severities = ["warning", "critical", "warning", None, "warning", None, None, None, None, None, None, None,
+                  "warning"]
+    out = [hold.apply(SIM_BASE + 2.0 * i, [_finding("concurrency_beyond_capacity", s)] if s else [])
+           for i, s in enumerate(severities)]
+    seen = [[f.severity for f in found] for found in out]
+    assert seen[:6] == [["warning"], ["critical"], ["critical"], ["critical"], ["critical"], ["critical"]]
+    assert seen[10] == [] and seen[12] == ["warning"]  # ended after the hold; a new episode
+    # The held record is the episode's: it says critical while clearing too.
+    assert out[3][0].clearing_since == SIM_BASE + 6.0
