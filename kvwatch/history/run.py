@@ -90,8 +90,10 @@ def replica_name(labels: dict[str, str], key: tuple[str, ...]) -> str:
     return "/".join(values) if values else "(no target labels)"
 
 
-def _discover(client: PrometheusClient, selector: str, start: float, end: float, source: str):
-    """(source, {family: [series names]}, {family: series count})."""
+def _discover(client: PrometheusClient, selector: str, start: float, end: float, source: str,
+              diagnosed_only: bool = False):
+    """(source, {family: [series names]}, {family: series count}); with
+    `diagnosed_only`, without the families no rule reads."""
     inner = merge_selector(selector, "")[1:-1]
     candidates = ("vllm", "kvwatch") if source == "auto" else (source,)
     for candidate in candidates:
@@ -100,7 +102,7 @@ def _discover(client: PrometheusClient, selector: str, start: float, end: float,
         counts: dict[str, int] = {}
         for labels in found:
             name = labels.get("__name__", "")
-            if not wanted(name, candidate):
+            if not wanted(name, candidate, diagnosed_only):
                 continue
             family = family_of(name, candidate)
             names.setdefault(family, set()).add(name)
@@ -129,7 +131,9 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
     timeline is the same either way; with workers, each ReplicaState comes
     back at the end with its window but a fresh adapter."""
     started = time.monotonic()
-    source, families, counts, inner = _discover(client, selector, start, end, source)
+    # Only what the diagnosis reads: the timeline and the trends are all
+    # that history reports (central mode, serving status pages, reads all).
+    source, families, counts, inner = _discover(client, selector, start, end, source, diagnosed_only=True)
     timeline = Timeline()
     replicas: dict[tuple, ReplicaState] = {}
     points = int((end - start) // step) + 1
