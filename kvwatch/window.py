@@ -216,6 +216,13 @@ class Window:
         return total
 
     def gauge_series(self, key: EngineKey, gauge: str) -> list[tuple[float, float]]:
+        """(time, value) of an engine's gauge in every snapshot of the window that has it."""
+        sums = self._sums.current(self.entries)
+        if sums is not None:
+            return sums.gauge_series(self.entries, key, gauge)
+        return self._gauge_series_scanned(key, gauge)
+
+    def _gauge_series_scanned(self, key: EngineKey, gauge: str) -> list[tuple[float, float]]:
         series = []
         for entry in self.entries:
             engine = entry.snapshot.engines.get(key)
@@ -228,7 +235,7 @@ class Window:
         window (max of gauge_series), or None if none has it."""
         sums = self._sums.current(self.entries)
         if sums is None:
-            series = self.gauge_series(key, gauge)
+            series = self._gauge_series_scanned(key, gauge)
             return max(value for _, value in series) if series else None
         return sums.gauge_max(self.entries, key, gauge)
 
@@ -445,6 +452,8 @@ class _WindowSums:
         self.cached: dict[EngineKey, Increase] = {}
         # (key, gauge) -> deque of (entry, value), values non-increasing
         self.peaks: dict[tuple[EngineKey, str], deque] = {}
+        # (key, gauge) -> (entries holding it, deque of their (time, value))
+        self.series: dict[tuple[EngineKey, str], tuple[deque, deque]] = {}
         self.failed_at: Entry | None = None  # the entry whose step could not be summed
 
     @staticmethod
@@ -465,6 +474,7 @@ class _WindowSums:
         self.engines = {}
         self.cached = {}
         self.peaks = {}
+        self.series = {}
         for entry in list(entries)[1:]:
             if not self._add_steps(entry):
                 return None
@@ -498,6 +508,8 @@ class _WindowSums:
             return
         for (key, gauge), peaks in self.peaks.items():
             _push_peak(peaks, entry, key, gauge)
+        for (key, gauge), (holders, points) in self.series.items():
+            _push_point(holders, points, entry, key, gauge)
 
     def left(self, gone: Entry, first: Entry | None) -> None:
         """`gone` left the window; `first` became its first entry, so its
@@ -516,6 +528,12 @@ class _WindowSums:
                 peaks.popleft()
             if not peaks:
                 del self.peaks[index]
+        for index, (holders, points) in list(self.series.items()):
+            if holders and holders[0] is gone:
+                holders.popleft()
+                points.popleft()
+            if not holders:
+                del self.series[index]
 
     def increase(self, key: EngineKey) -> Increase:
         found = self.cached.get(key)
@@ -535,6 +553,26 @@ class _WindowSums:
                 return None
             self.peaks[(key, gauge)] = peaks
         return peaks[0][1]
+
+
+    def gauge_series(self, entries: deque, key: EngineKey, gauge: str) -> list[tuple[float, float]]:
+        found = self.series.get((key, gauge))
+        if found is None:
+            found = (deque(), deque())
+            for entry in entries:
+                _push_point(*found, entry, key, gauge)
+            if not found[0]:
+                return []
+            self.series[(key, gauge)] = found
+        return list(found[1])
+
+
+def _push_point(holders: deque, points: deque, entry: Entry, key: EngineKey, gauge: str) -> None:
+    """Add the entry's value of the gauge, if it has one, to a gauge's series."""
+    engine = entry.snapshot.engines.get(key)
+    if engine is not None and gauge in engine.gauges:
+        holders.append(entry)
+        points.append((entry.snapshot.time, engine.gauges[gauge]))
 
 
 def _push_peak(peaks: deque, entry: Entry, key: EngineKey, gauge: str) -> None:

@@ -104,6 +104,7 @@ def check(window: Window):
         assert math.isclose(fast.seconds, slow.seconds, rel_tol=1e-12)
         for gauge in ("kv_usage", "running"):
             series = window.gauge_series(key, gauge)
+            assert series == window._gauge_series_scanned(key, gauge)
             assert window.gauge_max(key, gauge) == (max(v for _, v in series) if series else None)
 
 
