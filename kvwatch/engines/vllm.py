@@ -600,14 +600,6 @@ class _Folds:
             total = value if total is None else plus(total, value)
         return total
 
-    def fold_one(self, key: tuple, token: tuple, value, fell, plus):
-        """fold(key, {token: value}, ...), without the dict where fold would
-        hand the value back as it is (a key it holds nothing for: marking it
-        seen only matters to keys in `last`)."""
-        if key not in self.last:
-            return value
-        return self.fold(key, {token: value}, fell, plus)
-
     def forget_unseen(self) -> None:
         for key in [key for key in self.last if key not in self.seen]:
             del self.last[key]
@@ -1091,19 +1083,20 @@ class _PagePlan:
         for engine, position in self.created:
             engine = engines[engine]
             engine.created = values[position] if engine.created is None else min(engine.created, values[position])
+        # One series of a key the folds hold nothing for: fold would hand its
+        # value back as it is (marking the key seen only matters to keys in
+        # `last`), so the value is taken without building fold's dict.
+        held = folds.last
         for engine, key, fold_key, parts in self.counters:
-            if len(parts) == 1:
-                ((token, position),) = parts
-                value = folds.fold_one(fold_key, token, values[position], _fell, operator.add)
+            if len(parts) == 1 and fold_key not in held:
+                value = values[parts[0][1]]
             else:
                 value = folds.fold(fold_key, {token: values[position] for token, position in parts},
                                    _fell, operator.add)
             engines[engine].counters[key] = value
         for engine, key, fold_key, parts in self.histograms:
-            if len(parts) == 1:
-                ((token, where),) = parts
-                value = folds.fold_one(fold_key, token, _histogram_at(values, *where), _histogram_fell,
-                                       _histogram_plus)
+            if len(parts) == 1 and fold_key not in held:
+                value = _histogram_at(values, *parts[0][1])
             else:
                 value = folds.fold(fold_key, {token: _histogram_at(values, *where) for token, where in parts},
                                    _histogram_fell, _histogram_plus)
