@@ -966,7 +966,7 @@ def good_direction(name: str) -> str | None:
         return SIGNALS_BY_NAME[name].good
     if name in TIER_SIGNALS_BY_NAME:
         return TIER_SIGNALS_BY_NAME[name].good
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES:
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + CENTRAL_HEALTH:
         if name in (entry.name, entry.sample_name):
             return entry.good
     raise KeyError(f"{name} is not in the catalogue")
@@ -1236,6 +1236,20 @@ TIER_HEALTH: tuple[HealthFamily, ...] = (
                  "absent unless lmcache_target is set. The engine's signals do not depend on it.", good="high"),
 )
 
+# Central mode (`kvwatch serve --prometheus`): its own health beside every
+# replica's series, without replica labels (kvwatch/sidecar/central.py).
+CENTRAL_HEALTH: tuple[HealthFamily, ...] = (
+    HealthFamily("kvwatch_central_store_up", "gauge", (),
+                 "Central mode: 1 if the latest refresh read the store's query API, else 0 (the replicas' series "
+                 "then stay as last read, their findings marked down on the page).", good="high"),
+    HealthFamily("kvwatch_central_replicas", "gauge", (), "Central mode: replicas diagnosed at the latest refresh."),
+    HealthFamily("kvwatch_central_replicas_dropped", "gauge", (),
+                 "Central mode: replicas the store has beyond --max-replicas at the latest refresh, not diagnosed; "
+                 "above 0, raise --max-replicas (and the memory request) or narrow --selector.", good="low"),
+    HealthFamily("kvwatch_central_last_success_timestamp_seconds", "gauge", (),
+                 "Central mode: Unix time of the latest refresh that read the store."),
+)
+
 
 @dataclass(frozen=True)
 class TierSeries:
@@ -1327,5 +1341,5 @@ __all__ = [
     "ENGINE_SERIES", "SIGNALS", "SIGNALS_BY_NAME", "QUANTILES", "EngineSeries", "Signal", "View", "SCRAPE",
     "GOOD_DIRECTIONS", "good_direction",
     "Evaluated", "evaluate_window", "engine_series_value", "Histogram",
-    "TIER_HEALTH", "TIER_IDENTITY", "TIER_SERIES", "TIER_SIGNALS", "TIER_SIGNALS_BY_NAME", "TierSeries", "evaluate_tier",
+    "CENTRAL_HEALTH", "TIER_HEALTH", "TIER_IDENTITY", "TIER_SERIES", "TIER_SIGNALS", "TIER_SIGNALS_BY_NAME", "TierSeries", "evaluate_tier",
 ]

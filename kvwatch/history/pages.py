@@ -32,6 +32,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from kvwatch.diagnose import NOT_DIAGNOSED_KEYS
 from kvwatch.engines import vllm
 from kvwatch.exposition import Family, sample_names
 from kvwatch.history.matrix import RawPairs, pairs_of
@@ -124,10 +125,36 @@ def name_matcher(source: str) -> str:
     return '__name__=~"(ray_)?vllm[:_].+"'
 
 
-def wanted(name: str, source: str) -> bool:
+def _keys_of_families() -> dict[str, str]:
+    """vLLM family (no prefix) -> the canonical key it carries."""
+    keys = {}
+    for table in (vllm.GAUGES, vllm.COUNTERS, vllm.HISTOGRAMS):
+        for key, aliases in table.items():
+            for alias in aliases:
+                keys.setdefault(alias, key)
+    for table in (vllm.LABELLED_GAUGES, vllm.LABELLED_COUNTERS):
+        for key, (family, _label) in table.items():
+            keys.setdefault(family, key)
+    return keys
+
+
+_KEY_OF_FAMILY = _keys_of_families()
+
+
+def wanted(name: str, source: str, diagnosed_only: bool = False) -> bool:
+    """Whether a stored series is read: one the adapter reads, and with
+    `diagnosed_only` (`kvwatch diagnose --prometheus`) not one of the
+    families no rule reads (diagnose.NOT_DIAGNOSED_KEYS)."""
     if source == "kvwatch":
-        return name in KVWATCH_NAMES
-    return vllm_sample_name(name) is not None
+        if name not in KVWATCH_NAMES:
+            return False
+        name = KVWATCH_NAMES[name][0]
+        if not name:  # a config/<key> value: part of cache_config
+            return True
+    read = vllm_sample_name(name)
+    if read is None:
+        return source == "kvwatch"
+    return not (diagnosed_only and _KEY_OF_FAMILY.get(read[1]) in NOT_DIAGNOSED_KEYS)
 
 
 def family_of(name: str, source: str) -> str:
