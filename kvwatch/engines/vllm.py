@@ -940,13 +940,11 @@ class _PagePlan:
         # (engine, key) -> [fold key, {series token: position or histogram}]
         counter_parts: dict[tuple[int, str], list] = {}
         histogram_parts: dict[tuple[int, str], list] = {}
-        engine_keys: list[tuple[str, str]] = []
 
         def add_part(parts: dict, engine: int, key: str, token: tuple, value) -> None:
             entry = parts.get((engine, key))
             if entry is None:
-                model, number = list(engines)[engine]
-                entry = parts[(engine, key)] = [(model, number, key), {}]
+                entry = parts[(engine, key)] = [(*list(engines)[engine], key), {}]  # the fold's key, as _read_page's
             if token in entry[1]:
                 raise _NoPlan  # a duplicate series: a parse error
             entry[1][token] = value
