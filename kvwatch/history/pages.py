@@ -495,14 +495,14 @@ class Pages:
             values = self._values(series["values"])
             if name == PROCESS_START:
                 replica.process_start = values
-                replica._decoded = False
+                replica._decoded, replica._plan = False, None
                 continue
             if self.source == "kvwatch":
                 target, role = KVWATCH_NAMES.get(name, ("", ""))
                 if role.startswith("config/"):
                     engine_labels = tuple(sorted((k, v) for k, v in metric.items() if k in ("engine",)))
                     replica.config_rows.append((engine_labels, role[len("config/"):], values))
-                    replica._decoded = False
+                    replica._decoded, replica._plan = False, None
                     continue
                 if not target:
                     continue
