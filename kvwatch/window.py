@@ -249,29 +249,36 @@ class Window:
 # Running sums of the window's steps
 # --------------------------------------------------------------------------
 
-# Bucket counts below this are whole floats that add and subtract exactly.
+# Whole floats below this in size add and subtract exactly.
 _EXACT_FLOATS = float(2 ** 53)
 
 
 class _ExactSum:
     """A sum of floats that can take values away again without drifting:
-    whole values as one int, the rest in fixed point (`fraction` / 2**`scale`,
-    the scale the finest value seen so far needs: every finite double is a
-    whole multiple of 2**-1074, but the sums stay small ints, cheap to add,
-    while the values are coarser)."""
+    whole values as a float while their sum stays strictly between -2**53
+    and 2**53 (each such sum of whole numbers is exact), else as one int;
+    the rest in fixed point (`fraction` / 2**`scale`, the scale the finest
+    value seen so far needs: every finite double is a whole multiple of
+    2**-1074, but the sums stay small ints, cheap to add, while the values
+    are coarser)."""
 
-    __slots__ = ("whole", "fraction", "scale")
+    __slots__ = ("quick", "whole", "fraction", "scale")
 
     def __init__(self) -> None:
+        self.quick = 0.0
         self.whole = 0
         self.fraction = 0
         self.scale = 0
 
     def add(self, value: float) -> None:
-        if type(value) is int:  # a time given as an int
+        if type(value) is float and value.is_integer():
+            quick = self.quick + value
+            if -_EXACT_FLOATS < quick < _EXACT_FLOATS:
+                self.quick = quick
+            else:
+                self.whole += int(value)
+        elif type(value) is int:  # a time given as an int
             self.whole += value
-        elif value.is_integer():
-            self.whole += int(value)
         else:
             # ValueError (NaN) and OverflowError (inf) reach the window, which
             # then sums step by step.
@@ -285,10 +292,14 @@ class _ExactSum:
             self.fraction += numerator << shift
 
     def take(self, value: float) -> None:
-        if type(value) is int:
+        if type(value) is float and value.is_integer():
+            quick = self.quick - value
+            if -_EXACT_FLOATS < quick < _EXACT_FLOATS:
+                self.quick = quick
+            else:
+                self.whole -= int(value)
+        elif type(value) is int:
             self.whole -= value
-        elif value.is_integer():
-            self.whole -= int(value)
         else:
             numerator, denominator = value.as_integer_ratio()
             shift = self.scale + 1 - denominator.bit_length()
@@ -299,13 +310,16 @@ class _ExactSum:
             self.fraction -= numerator << shift
 
     def value(self) -> float:
+        if not self.whole and not self.fraction:
+            return self.quick
+        whole = self.whole + int(self.quick)
         # Both divisions and int-to-float conversions round correctly.
         try:
             if not self.fraction:
-                return float(self.whole)
-            return ((self.whole << self.scale) + self.fraction) / (1 << self.scale)
+                return float(whole)
+            return ((whole << self.scale) + self.fraction) / (1 << self.scale)
         except OverflowError:
-            return float("inf") if (self.whole << self.scale) + self.fraction > 0 else float("-inf")
+            return float("inf") if (whole << self.scale) + self.fraction > 0 else float("-inf")
 
 
 class _HistogramRun:
@@ -394,7 +408,12 @@ class _EngineSums:
             total = self.counters.get(key)
             if total is None:
                 total = self.counters[key] = [_ExactSum(), 0]
-            total[0].add(value)
+            # _ExactSum.add's first case, inline: counters are whole floats.
+            if (type(value) is float and value.is_integer()
+                    and -_EXACT_FLOATS < (quick := total[0].quick + value) < _EXACT_FLOATS):
+                total[0].quick = quick
+            else:
+                total[0].add(value)
             total[1] += 1
         for key, histogram in step.histograms.items():
             run = self.histograms.get(key)
@@ -409,7 +428,11 @@ class _EngineSums:
     def take(self, step: Step, entry: Entry) -> None:
         for key, value in step.counters.items():
             total = self.counters[key]
-            total[0].take(value)
+            if (type(value) is float and value.is_integer()
+                    and -_EXACT_FLOATS < (quick := total[0].quick - value) < _EXACT_FLOATS):
+                total[0].quick = quick  # _ExactSum.take's first case, inline
+            else:
+                total[0].take(value)
             total[1] -= 1
             if not total[1]:
                 del self.counters[key]

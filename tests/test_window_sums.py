@@ -190,8 +190,9 @@ increments = st.one_of(whole, whole, whole, st.sampled_from([2.0 ** 52, 2.0 ** 5
                 min_size=1, max_size=25),
        st.sampled_from([3.5, 8.5, math.inf]))
 def test_histogram_sums_are_the_correctly_rounded_sums_of_the_steps(polls, seconds):
-    """Whether the window sums a run's buckets as floats or exactly, each
-    bucket, the sum and the count equal math.fsum of the steps'."""
+    """Whether the window sums a run's buckets (and counters, and a
+    histogram's count) as floats or exactly, each bucket, the sum, the count
+    and a counter equal math.fsum of the steps'."""
     key = ("m", "0")
     window = Window(seconds)
     buckets, total = [0.0] * 3, 0.0
@@ -200,9 +201,12 @@ def test_histogram_sums_are_the_correctly_rounded_sums_of_the_steps(polls, secon
             buckets, total = [0.0] * 3, 0.0
         buckets = [b + a for b, a in zip(buckets, added)]
         total += added_sum
-        engine = EngineSnapshot(*key, histograms={"h": Histogram(LAYOUTS[0], tuple(buckets), total, buckets[-1])})
+        engine = EngineSnapshot(*key, counters={"c": total},
+                                histograms={"h": Histogram(LAYOUTS[0], tuple(buckets), total, buckets[-1])})
         window.add(Snapshot(float(second), {key: engine}))
         steps = [entry.steps[key].histograms["h"] for entry in list(window.entries)[1:]]
+        counter = [entry.steps[key].counters["c"] for entry in list(window.entries)[1:]]
+        assert window.increase(key).counters.get("c") == (math.fsum(counter) if counter else None)
         summed = window.increase(key).histograms.get("h")
         if not steps:
             assert summed is None
