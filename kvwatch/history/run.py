@@ -240,7 +240,9 @@ def _replica_step(state: ReplicaState, replica, index: int, at: float, threshold
             state.events.append(change)
     if any(s.restarted for s in entry.steps.values()):
         state.restarted_at = at
-    per_engine, per_model = evaluate_window(window)
+    # Only the signals the rules, the trend and the fleet rows read are
+    # derived (LazyValues): history reports nothing else of a step.
+    per_engine, per_model = evaluate_window(window, lazy=True)
     events = tuple(e for e in state.events if e.time >= at - window.seconds)
     findings = diagnosis.diagnose(window, per_engine, events, thresholds or {})
     if state.hold is None:
