@@ -877,47 +877,84 @@ def bench_page(report: Report, fixtures: Path, quick: bool) -> None:
 
 
 # The bench fleet's shape: 14 families (9 plain, 5 histograms), 116 series a replica.
-HISTORY_FAMILIES = 14
-HISTORY_SERIES_PER_REPLICA = 116
+# The real vLLM 0.32 page each simulated replica of the history benchmark
+# copies: its series, labels, bucket shares and sizes per request.
+HISTORY_TEMPLATE = REPO / "tests" / "fixtures" / "vllm-0.32-cpu" / "metrics-load.txt"
+
+
+def history_template() -> list[tuple[str, str, str, dict[str, str], float]]:
+    """(kind, family, sample name, labels, value) of every series of the
+    template page that kvwatch's adapter reads (and the `_created` of the
+    counter that marks a restart, which history reads too)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvwatch.history.pages import vllm_sample_name
+
+    rows = []
+    for family in text_string_to_metric_families(HISTORY_TEMPLATE.read_text()):
+        for sample in family.samples:
+            if vllm_sample_name(sample.name) is not None:
+                rows.append((family.type, family.name, sample.name, dict(sample.labels), sample.value))
+    return rows
+
+
+def history_series(diagnosed_only: bool) -> tuple[int, int]:
+    """(series, families) per replica that history reads from the template."""
+    from kvwatch.history.pages import family_of, wanted
+
+    names = [name for _kind, _family, name, _labels, _value in history_template()
+             if wanted(name, "vllm", diagnosed_only)]
+    return len(names), len({family_of(name, "vllm") for name in names})
 
 
 def write_history_openmetrics(out, replicas: int, start: float, points: int, step: float) -> None:
     """A fleet's history as OpenMetrics for promtool, written to `out` one
-    replica at a time: per replica, the vLLM 0.32 series the diagnosis reads
-    (usage, running, waiting, prefix and token counters, preemptions, the
-    TTFT, queue, prefill and length histograms with vLLM's buckets,
-    cache_config_info), advancing every step; replica 0 runs full from the
-    middle of the range, so the diagnosis has findings to fold. Replicas
-    other than 0 differ only in their `instance`: their text is written once
-    and copied with it replaced."""
+    replica at a time: per replica, every series of a real vLLM 0.32 page
+    that kvwatch reads (HISTORY_TEMPLATE: 256 series in 28 families, its 38
+    cache_config_info labels, vLLM's buckets) advancing every step; replica 0
+    runs full from the middle of the range, so the diagnosis has findings to
+    fold. Replicas other than 0 differ only in their `instance`: their text
+    is written once and copied with it replaced."""
+    template_rows = history_template()
     template = None
     for r in range(replicas):
         instance = f"10.1.{r // 250}.{r % 250}:8000"
         if r == 0:
-            out.write(_replica_openmetrics(instance, start, points, step, hot=True))
+            out.write(_replica_openmetrics(template_rows, instance, start, points, step, hot=True))
             continue
         if template is None:
-            template = _replica_openmetrics("@INSTANCE@", start, points, step, hot=False)
+            template = _replica_openmetrics(template_rows, "@INSTANCE@", start, points, step, hot=False)
         out.write(template.replace("@INSTANCE@", instance))
     out.write("# EOF\n")
 
 
-def _replica_openmetrics(instance: str, start: float, points: int, step: float, hot: bool) -> str:
+def _replica_openmetrics(rows, instance: str, start: float, points: int, step: float, hot: bool) -> str:
     """One replica's series. Traffic varies from step to step (requests per
     step drawn at random, fixed seed), as a real engine's does: with the same
     increase at every step, a window's inputs would repeat and the signals'
     evaluation cache would answer for nearly every step, which no real fleet
-    gives."""
+    gives. Every counter and histogram grows with the requests at the
+    template's size per request and its bucket shares."""
     import random
 
-    ttft_bounds = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-    len_bounds = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-    base = f'instance="{instance}",job="vllm",model_name="m",engine="0"'
-    out = [f'vllm:cache_config_info{{{base},block_size="16",num_gpu_blocks="2048",'
-           f'enable_prefix_caching="True"}} 1 {start:.0f}']
-    rows: dict[str, list[str]] = {}
     draw = random.Random(1 if hot else 2)
+    reference = next(value for kind, family, name, _labels, value in rows
+                     if name == "vllm:time_to_first_token_seconds_count") or 1.0
+    # Per histogram (family, labels without le): the template's count, sum and bucket counts.
+    counts: dict[tuple, float] = {}
+    sums: dict[tuple, float] = {}
+    for kind, family, name, labels, value in rows:
+        identity = (family, tuple(sorted((k, v) for k, v in labels.items() if k != "le")))
+        if kind == "histogram" and name.endswith("_count"):
+            counts[identity] = value
+        elif kind == "histogram" and name.endswith("_sum"):
+            sums[identity] = value
+    lines: dict[int, list[str]] = {index: [] for index in range(len(rows))}
+    blocks = [(index, kind, family, name, labels, value,
+               (family, tuple(sorted((k, v) for k, v in labels.items() if k != "le"))),
+               ",".join([f'instance="{instance}"', 'job="vllm"']
+                        + [f'{k}="{v}"' for k, v in sorted(labels.items())]))
+              for index, (kind, family, name, labels, value) in enumerate(rows)]
     requests = hits = queried = 0
     for i in range(points):
         at = f"{start + i * step:.0f}"
@@ -926,31 +963,33 @@ def _replica_openmetrics(instance: str, start: float, points: int, step: float, 
         requests += arrived
         queried += arrived * 400
         hits += arrived * draw.randint(200, 280)
-
-        def put(name, labels, value):
-            rows.setdefault(name + labels, []).append(f"{name}{{{base}{labels}}} {value!r} {at}")
-        put("vllm:kv_cache_usage_perc", "", 0.99 if full else round(0.2 + draw.random() * 0.2, 3))
-        put("vllm:num_requests_running", "", 32 if full else draw.randint(2, 6))
-        put("vllm:num_requests_waiting", "", 10 if full else 0)
-        put("vllm:num_preemptions_total", "", (i + 1 - points // 2) * 3 if full else 0)
-        put("vllm:prefix_cache_queries_total", "", queried)
-        put("vllm:prefix_cache_hits_total", "", hits)
-        put("vllm:prompt_tokens_total", "", queried)
-        put("vllm:generation_tokens_total", "", requests * 100)
-        for family, bounds, per in (("time_to_first_token_seconds", ttft_bounds, 0.1),
-                                    ("request_queue_time_seconds", ttft_bounds, 0.01),
-                                    ("request_prefill_time_seconds", ttft_bounds, 0.05),
-                                    ("request_prompt_tokens", len_bounds, 400),
-                                    ("request_generation_tokens", len_bounds, 100)):
-            for bound in bounds:
-                put(f"vllm:{family}_bucket", f',le="{bound:g}"', requests if bound >= per else 0)
-            put(f"vllm:{family}_bucket", ',le="+Inf"', requests)
-            put(f"vllm:{family}_sum", "", round(requests * per, 3))
-            put(f"vllm:{family}_count", "", requests)
-    for lines in rows.values():
-        out.extend(lines)
-    out.append("")
-    return "\n".join(out)
+        waiting = 10 if full else 0
+        gauges = {"vllm:kv_cache_usage_perc": 0.99 if full else round(0.2 + draw.random() * 0.2, 3),
+                  "vllm:num_requests_running": 32 if full else draw.randint(2, 6),
+                  "vllm:num_requests_waiting": waiting,
+                  "vllm:num_preemptions_total": (i + 1 - points // 2) * 3 if full else 0,
+                  "vllm:prefix_cache_queries_total": queried, "vllm:prefix_cache_hits_total": hits}
+        for index, kind, family, name, labels, value, identity, block in blocks:
+            if name in gauges:
+                current = gauges[name]
+            elif name == "vllm:num_requests_waiting_by_reason":
+                current = waiting if labels.get("reason") == "capacity" else 0
+            elif name.endswith("_created"):
+                current = start - 3600.0
+            elif kind == "histogram":
+                total = round(counts[identity] / reference * requests)
+                if name.endswith("_count"):
+                    current = total
+                elif name.endswith("_sum"):
+                    current = round(sums[identity] / counts[identity] * total, 6) if counts[identity] else 0.0
+                else:
+                    current = round(value / counts[identity] * total) if counts[identity] else 0
+            elif kind == "counter":
+                current = round(value / reference * requests, 3 if value != int(value) else None)
+            else:
+                current = value
+            lines[index].append(f"{name}{{{block}}} {current!r} {at}")
+    return "\n".join(line for index in range(len(rows)) for line in lines[index]) + "\n"
 
 
 def cpu_with_children() -> float:
@@ -1024,11 +1063,13 @@ def bench_history(report: Report, quick: bool) -> None:
     same = (one.timeline.episodes == many.timeline.episodes
             and {n: r.trend for n, r in one.replicas.items()} == {n: r.trend for n, r in many.replicas.items()})
     # The read's bounds: each family read once per chunk of steps (two more
-    # queries list the series), each sample once.
-    series = replicas * HISTORY_SERIES_PER_REPLICA
+    # queries list the series), each sample once, and each series listed
+    # once (the listing counts one per series, all of vLLM's included).
+    per_replica, families = history_series(diagnosed_only=True)
+    series = replicas * per_replica
     rounds = math.ceil(points / max(1, min(MAX_POINTS, DEFAULT_MAX_SAMPLES // series)))
-    max_queries = HISTORY_FAMILIES * rounds + 2
-    max_samples = series * (points + 1)
+    max_queries = families * rounds + 2
+    max_samples = series * points + replicas * history_series(diagnosed_only=False)[0]
     within = cost["queries"] <= max_queries and cost["samples"] <= max_samples
     full = 64 * 2880
     scale = f"{replicas} replicas x {hours} h at {step:g} s"
@@ -1062,8 +1103,10 @@ def bench_history(report: Report, quick: bool) -> None:
         f"`promtool tsdb create-blocks-from openmetrics` ({size / 1e6:.0f} MB of OpenMetrics, {setup:.0f} s to "
         f"write and backfill), diagnosed as `kvwatch diagnose --prometheus` does, with {workers} worker processes "
         f"(one per usable core): {cost['queries']} queries (bound: {max_queries}, each of the "
-        f"{HISTORY_FAMILIES} families once per chunk of steps, and two listing the series), "
-        f"{cost['samples']:,} samples (bound: {max_samples:,}, each sample once), {cost['bytes'] / 1e6:.0f} MB "
+        f"{families} families once per chunk of steps, and two listing the series; {per_replica} of the "
+        f"{history_series(diagnosed_only=False)[0]} series of a real vLLM 0.32 replica that kvwatch reads, "
+        "the rest being latency histograms no rule reads), "
+        f"{cost['samples']:,} samples (bound: {max_samples:,}, each sample once and each series listed once), {cost['bytes'] / 1e6:.0f} MB "
         f"read in {cost['seconds']:.1f} s; rebuilding and diagnosing {cost['diagnose_seconds']:.1f} s; total "
         f"{total:.1f} s wall, {cpu:.1f} s CPU of this process and its workers (the store's own not counted): "
         f"on {workers} cores the wall time cannot fall below {cpu / workers:.0f} s, before the store's own work "

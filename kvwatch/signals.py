@@ -26,6 +26,7 @@ import functools
 import itertools
 import math
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
@@ -988,7 +989,7 @@ def good_direction(name: str) -> str | None:
         return SIGNALS_BY_NAME[name].good
     if name in TIER_SIGNALS_BY_NAME:
         return TIER_SIGNALS_BY_NAME[name].good
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES:
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + CENTRAL_HEALTH:
         if name in (entry.name, entry.sample_name):
             return entry.good
     raise KeyError(f"{name} is not in the catalogue")
@@ -1266,24 +1267,59 @@ def evaluate(view: View, model: str, engine: str | None, remembered: dict | None
 def _evaluate(view: View, model: str, engine: str | None) -> Evaluated:
     values = {}
     pinned = {}
-    view.pinned = {}
     for signal in SIGNALS:
-        name = signal.name
-        try:
-            value = values[name] = signal.derive(view)
-        except (ArithmeticError, ValueError) as exc:  # one bad signal must not hide the rest
-            value = values[name] = None
-            view.notes.append(f"{name}: {exc}")
-        if view.pinned:
-            if value is not None:
-                pinned[name] = view.pinned
-            view.pinned = {}  # each derivation starts with an empty one (none is filled mostly)
-    view.pinned = {}
+        values[signal.name] = _derive(signal, view, pinned)
     return Evaluated(model, engine, values, view.notes, view, pinned)
 
 
-def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
-    """Per (model, engine), and per model with its engines merged."""
+def _derive(signal: Signal, view: View, pinned: dict):
+    """One signal's value; its pinned quantiles filed in `pinned`."""
+    view.pinned = {}
+    try:
+        value = signal.derive(view)
+    except (ArithmeticError, ValueError) as exc:  # one bad signal must not hide the rest
+        value = None
+        view.notes.append(f"{signal.name}: {exc}")
+    if view.pinned and value is not None:
+        pinned[signal.name] = view.pinned
+    view.pinned = {}
+    return value
+
+
+class LazyValues(Mapping):
+    """A view's signal values, each derived when first read (the same
+    derivation, so the same value, as evaluate() gives, in any order of
+    reading: a derivation reads the view alone). For the history diagnosis,
+    whose rules read a few signals of each replica at each step and report
+    no other: the rest are never derived. Iterating derives them all, in the
+    catalogue's order. Notes and pinned quantiles gather as signals are read."""
+
+    __slots__ = ("_view", "_values", "_pinned")
+
+    def __init__(self, view: View, pinned: dict):
+        self._view = view
+        self._values: dict = {}
+        self._pinned = pinned
+
+    def __getitem__(self, name: str):
+        try:
+            return self._values[name]
+        except KeyError:
+            signal = SIGNALS_BY_NAME[name]  # KeyError for a name that is no signal, as a dict's
+        value = self._values[name] = _derive(signal, self._view, self._pinned)
+        return value
+
+    def __iter__(self):
+        return iter(SIGNALS_BY_NAME)
+
+    def __len__(self) -> int:
+        return len(SIGNALS_BY_NAME)
+
+
+def evaluate_window(window: Window, lazy: bool = False) -> tuple[list[Evaluated], list[Evaluated]]:
+    """Per (model, engine), and per model with its engines merged. `lazy`:
+    values as LazyValues, derived where read (the history diagnosis); the
+    window's evaluation cache is then neither read nor kept."""
     latest = window.latest
     if latest is None:
         return [], []
@@ -1292,13 +1328,20 @@ def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
     remembered = window.evaluated
     kept: dict = {}
     window.evaluated = kept
+    if lazy:
+        def evaluate_view(view, model, engine):
+            pinned: dict = {}
+            return Evaluated(model, engine, LazyValues(view, pinned), view.notes, view, pinned)
+    else:
+        def evaluate_view(view, model, engine):
+            return evaluate(view, model, engine, remembered, kept)
     per_engine = []
     by_key: dict[tuple[str, str], Evaluated] = {}
     by_model: dict[str, list[tuple[str, str]]] = {}
     for key in sorted(latest.engines):
         view = _view(window, [key])
         if view is not None:
-            per_engine.append(by_key.setdefault(key, evaluate(view, key[0], key[1], remembered, kept)))
+            per_engine.append(by_key.setdefault(key, evaluate_view(view, key[0], key[1])))
         by_model.setdefault(key[0], []).append(key)
     per_model = []
     for model, keys in sorted(by_model.items()):
@@ -1306,12 +1349,15 @@ def evaluate_window(window: Window) -> tuple[list[Evaluated], list[Evaluated]]:
             # A model of one engine: its view is that engine's (the same
             # inputs, so the same values and notes), evaluated once.
             alone = by_key[keys[0]]
+            if lazy:  # the same values, derived once wherever first read
+                per_model.append(Evaluated(model, None, alone.values, alone.notes, alone.view, alone.pinned))
+                continue
             per_model.append(Evaluated(model, None, dict(alone.values), list(alone.notes), alone.view,
                                        {name: dict(q) for name, q in alone.pinned.items()}))
             continue
         view = _view(window, keys)
         if view is not None:
-            per_model.append(evaluate(view, model, None, remembered, kept))
+            per_model.append(evaluate_view(view, model, None))
     return per_engine, per_model
 
 
@@ -1330,6 +1376,20 @@ TIER_HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_lmcache_up", "gauge", (),
                  "1 if the latest poll of LMCache's page (lmcache_target) succeeded and carried its counters, else 0; "
                  "absent unless lmcache_target is set. The engine's signals do not depend on it.", good="high"),
+)
+
+# Central mode (`kvwatch serve --prometheus`): its own health beside every
+# replica's series, without replica labels (kvwatch/sidecar/central.py).
+CENTRAL_HEALTH: tuple[HealthFamily, ...] = (
+    HealthFamily("kvwatch_central_store_up", "gauge", (),
+                 "Central mode: 1 if the latest refresh read the store's query API, else 0 (the replicas' series "
+                 "then stay as last read, their findings marked down on the page).", good="high"),
+    HealthFamily("kvwatch_central_replicas", "gauge", (), "Central mode: replicas diagnosed at the latest refresh."),
+    HealthFamily("kvwatch_central_replicas_dropped", "gauge", (),
+                 "Central mode: replicas the store has beyond --max-replicas at the latest refresh, not diagnosed; "
+                 "above 0, raise --max-replicas (and the memory request) or narrow --selector.", good="low"),
+    HealthFamily("kvwatch_central_last_success_timestamp_seconds", "gauge", (),
+                 "Central mode: Unix time of the latest refresh that read the store."),
 )
 
 
@@ -1423,5 +1483,5 @@ __all__ = [
     "ENGINE_SERIES", "SIGNALS", "SIGNALS_BY_NAME", "QUANTILES", "EngineSeries", "Signal", "View", "SCRAPE",
     "GOOD_DIRECTIONS", "good_direction",
     "Evaluated", "evaluate_window", "engine_series_value", "Histogram",
-    "TIER_HEALTH", "TIER_IDENTITY", "TIER_SERIES", "TIER_SIGNALS", "TIER_SIGNALS_BY_NAME", "TierSeries", "evaluate_tier",
+    "CENTRAL_HEALTH", "TIER_HEALTH", "TIER_IDENTITY", "TIER_SERIES", "TIER_SIGNALS", "TIER_SIGNALS_BY_NAME", "TierSeries", "evaluate_tier",
 ]

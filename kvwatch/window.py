@@ -158,7 +158,9 @@ class Window:
         if self.entries:
             previous = self.entries[-1].snapshot
             seconds = snapshot.time - previous.time
-            renamed = any(previous.sources.get(key, family) != family for key, family in snapshot.sources.items())
+            # Equal maps (the rule, compared in C) rename nothing.
+            renamed = snapshot.sources != previous.sources and any(
+                previous.sources.get(key, family) != family for key, family in snapshot.sources.items())
             new_process = (previous.process_start is not None and snapshot.process_start is not None
                            and previous.process_start != snapshot.process_start)
             for key, engine in snapshot.engines.items():
@@ -214,6 +216,13 @@ class Window:
         return total
 
     def gauge_series(self, key: EngineKey, gauge: str) -> list[tuple[float, float]]:
+        """(time, value) of an engine's gauge in every snapshot of the window that has it."""
+        sums = self._sums.current(self.entries)
+        if sums is not None:
+            return sums.gauge_series(self.entries, key, gauge)
+        return self._gauge_series_scanned(key, gauge)
+
+    def _gauge_series_scanned(self, key: EngineKey, gauge: str) -> list[tuple[float, float]]:
         series = []
         for entry in self.entries:
             engine = entry.snapshot.engines.get(key)
@@ -226,7 +235,7 @@ class Window:
         window (max of gauge_series), or None if none has it."""
         sums = self._sums.current(self.entries)
         if sums is None:
-            series = self.gauge_series(key, gauge)
+            series = self._gauge_series_scanned(key, gauge)
             return max(value for _, value in series) if series else None
         return sums.gauge_max(self.entries, key, gauge)
 
@@ -240,48 +249,77 @@ class Window:
 # Running sums of the window's steps
 # --------------------------------------------------------------------------
 
-_SCALE = 1074  # every finite double is a whole multiple of 2**-1074
-_ONE = 1 << _SCALE
+# Whole floats below this in size add and subtract exactly.
+_EXACT_FLOATS = float(2 ** 53)
 
 
 class _ExactSum:
     """A sum of floats that can take values away again without drifting:
-    whole values as one int, the rest in fixed point at 2**-1074."""
+    whole values as a float while their sum stays strictly between -2**53
+    and 2**53 (each such sum of whole numbers is exact), else as one int;
+    the rest in fixed point (`fraction` / 2**`scale`, the scale the finest
+    value seen so far needs: every finite double is a whole multiple of
+    2**-1074, but the sums stay small ints, cheap to add, while the values
+    are coarser)."""
 
-    __slots__ = ("whole", "fraction")
+    __slots__ = ("quick", "whole", "fraction", "scale")
 
     def __init__(self) -> None:
+        self.quick = 0.0
         self.whole = 0
         self.fraction = 0
+        self.scale = 0
 
     def add(self, value: float) -> None:
-        if type(value) is int:  # a time given as an int
+        if type(value) is float and value.is_integer():
+            quick = self.quick + value
+            if -_EXACT_FLOATS < quick < _EXACT_FLOATS:
+                self.quick = quick
+            else:
+                self.whole += int(value)
+        elif type(value) is int:  # a time given as an int
             self.whole += value
-        elif value.is_integer():
-            self.whole += int(value)
         else:
             # ValueError (NaN) and OverflowError (inf) reach the window, which
             # then sums step by step.
             numerator, denominator = value.as_integer_ratio()
-            self.fraction += numerator << (_SCALE + 1 - denominator.bit_length())
+            # denominator is 2**(bit_length - 1)
+            shift = self.scale + 1 - denominator.bit_length()
+            if shift < 0:
+                self.fraction <<= -shift
+                self.scale -= shift
+                shift = 0
+            self.fraction += numerator << shift
 
     def take(self, value: float) -> None:
-        if type(value) is int:
+        if type(value) is float and value.is_integer():
+            quick = self.quick - value
+            if -_EXACT_FLOATS < quick < _EXACT_FLOATS:
+                self.quick = quick
+            else:
+                self.whole -= int(value)
+        elif type(value) is int:
             self.whole -= value
-        elif value.is_integer():
-            self.whole -= int(value)
         else:
             numerator, denominator = value.as_integer_ratio()
-            self.fraction -= numerator << (_SCALE + 1 - denominator.bit_length())
+            shift = self.scale + 1 - denominator.bit_length()
+            if shift < 0:
+                self.fraction <<= -shift
+                self.scale -= shift
+                shift = 0
+            self.fraction -= numerator << shift
 
     def value(self) -> float:
+        if not self.whole and not self.fraction:
+            return self.quick
+        whole = self.whole + int(self.quick)
         # Both divisions and int-to-float conversions round correctly.
         try:
             if not self.fraction:
-                return float(self.whole)
-            return ((self.whole << _SCALE) + self.fraction) / _ONE
+                return float(whole)
+            return ((whole << self.scale) + self.fraction) / (1 << self.scale)
         except OverflowError:
-            return float("inf") if (self.whole << _SCALE) + self.fraction > 0 else float("-inf")
+            return float("inf") if (whole << self.scale) + self.fraction > 0 else float("-inf")
 
 
 class _HistogramRun:
@@ -289,46 +327,65 @@ class _HistogramRun:
     bounds (summing step by step, a change of bounds starts over: the newer
     bounds win), and the entry whose step began the run (None once it left)."""
 
-    __slots__ = ("bounds", "start", "steps", "whole", "exact", "sum", "count")
+    __slots__ = ("bounds", "start", "steps", "counts", "exact", "sum", "count")
 
     def __init__(self, histogram: Histogram, start: Entry):
         self.bounds = histogram.bounds
         self.start: Entry | None = start
         self.steps = 0
-        # Bucket counts are whole numbers in practice: kept as one list of
-        # ints, added in C. `exact` replaces it for the first fractional one.
-        self.whole: list[int] | None = [0] * len(histogram.bounds)
+        # Bucket counts are whole and far below 2**53 in practice: summed as
+        # a tuple of floats, in C, while every bucket of every step added is
+        # a whole number >= 0 and every sum stays below 2**53. Then each sum
+        # is exact, and so is taking a step away again (what is left is a
+        # sum of whole numbers >= 0 no larger than before). `exact` replaces
+        # it for the first step that breaks that.
+        self.counts: tuple[float, ...] | None = (0.0,) * len(histogram.bounds)
         self.exact: list[_ExactSum] | None = None
         self.sum = _ExactSum()
         self.count = _ExactSum()
         self.add(histogram)
 
     def add(self, histogram: Histogram) -> None:
-        self._apply(histogram, 1)
+        cumulative = histogram.cumulative
+        counts = self.counts
+        if counts is not None:
+            # min() after is_integer (no NaN left), max() of the sums: a sum
+            # that rounded is at least 2**53.
+            if all(map(float.is_integer, cumulative)) and (not cumulative or min(cumulative) >= 0):
+                summed = tuple(map(operator.add, counts, cumulative))
+                if not summed or max(summed) < _EXACT_FLOATS:
+                    self.counts = summed
+                    cumulative = None
+            if cumulative is not None:
+                self._to_exact()
+        if cumulative is not None:
+            for total, value in zip(self.exact, cumulative):
+                total.add(value)
+        self.sum.add(histogram.sum)
+        self.count.add(histogram.count)
+        self.steps += 1
 
     def take(self, histogram: Histogram) -> None:
-        self._apply(histogram, -1)
-
-    def _apply(self, histogram: Histogram, sign: int) -> None:
-        cumulative = histogram.cumulative
-        if self.whole is not None and all(map(float.is_integer, cumulative)):
-            op = operator.add if sign > 0 else operator.sub
-            self.whole = list(map(op, self.whole, map(int, cumulative)))
+        if self.counts is not None:
+            self.counts = tuple(map(operator.sub, self.counts, histogram.cumulative))
         else:
-            if self.exact is None:
-                self.exact = [_ExactSum() for _ in self.whole]
-                for total, whole in zip(self.exact, self.whole):
-                    total.whole = whole
-                self.whole = None
-            for total, value in zip(self.exact, cumulative):
-                (total.add if sign > 0 else total.take)(value)
-        (self.sum.add if sign > 0 else self.sum.take)(histogram.sum)
-        (self.count.add if sign > 0 else self.count.take)(histogram.count)
-        self.steps += sign
+            for total, value in zip(self.exact, histogram.cumulative):
+                total.take(value)
+        self.sum.take(histogram.sum)
+        self.count.take(histogram.count)
+        self.steps -= 1
+
+    def _to_exact(self) -> None:
+        self.exact = []
+        for value in self.counts:
+            total = _ExactSum()
+            total.whole = int(value)
+            self.exact.append(total)
+        self.counts = None
 
     def histogram(self) -> Histogram:
-        if self.whole is not None:
-            cumulative = tuple(map(float, self.whole))
+        if self.counts is not None:
+            cumulative = self.counts
         else:
             cumulative = tuple(total.value() for total in self.exact)
         return Histogram(self.bounds, cumulative, self.sum.value(), self.count.value())
@@ -351,7 +408,12 @@ class _EngineSums:
             total = self.counters.get(key)
             if total is None:
                 total = self.counters[key] = [_ExactSum(), 0]
-            total[0].add(value)
+            # _ExactSum.add's first case, inline: counters are whole floats.
+            if (type(value) is float and value.is_integer()
+                    and -_EXACT_FLOATS < (quick := total[0].quick + value) < _EXACT_FLOATS):
+                total[0].quick = quick
+            else:
+                total[0].add(value)
             total[1] += 1
         for key, histogram in step.histograms.items():
             run = self.histograms.get(key)
@@ -366,7 +428,11 @@ class _EngineSums:
     def take(self, step: Step, entry: Entry) -> None:
         for key, value in step.counters.items():
             total = self.counters[key]
-            total[0].take(value)
+            if (type(value) is float and value.is_integer()
+                    and -_EXACT_FLOATS < (quick := total[0].quick - value) < _EXACT_FLOATS):
+                total[0].quick = quick  # _ExactSum.take's first case, inline
+            else:
+                total[0].take(value)
             total[1] -= 1
             if not total[1]:
                 del self.counters[key]
@@ -409,6 +475,8 @@ class _WindowSums:
         self.cached: dict[EngineKey, Increase] = {}
         # (key, gauge) -> deque of (entry, value), values non-increasing
         self.peaks: dict[tuple[EngineKey, str], deque] = {}
+        # (key, gauge) -> (entries holding it, deque of their (time, value))
+        self.series: dict[tuple[EngineKey, str], tuple[deque, deque]] = {}
         self.failed_at: Entry | None = None  # the entry whose step could not be summed
 
     @staticmethod
@@ -429,6 +497,7 @@ class _WindowSums:
         self.engines = {}
         self.cached = {}
         self.peaks = {}
+        self.series = {}
         for entry in list(entries)[1:]:
             if not self._add_steps(entry):
                 return None
@@ -462,6 +531,8 @@ class _WindowSums:
             return
         for (key, gauge), peaks in self.peaks.items():
             _push_peak(peaks, entry, key, gauge)
+        for (key, gauge), (holders, points) in self.series.items():
+            _push_point(holders, points, entry, key, gauge)
 
     def left(self, gone: Entry, first: Entry | None) -> None:
         """`gone` left the window; `first` became its first entry, so its
@@ -480,6 +551,12 @@ class _WindowSums:
                 peaks.popleft()
             if not peaks:
                 del self.peaks[index]
+        for index, (holders, points) in list(self.series.items()):
+            if holders and holders[0] is gone:
+                holders.popleft()
+                points.popleft()
+            if not holders:
+                del self.series[index]
 
     def increase(self, key: EngineKey) -> Increase:
         found = self.cached.get(key)
@@ -499,6 +576,26 @@ class _WindowSums:
                 return None
             self.peaks[(key, gauge)] = peaks
         return peaks[0][1]
+
+
+    def gauge_series(self, entries: deque, key: EngineKey, gauge: str) -> list[tuple[float, float]]:
+        found = self.series.get((key, gauge))
+        if found is None:
+            found = (deque(), deque())
+            for entry in entries:
+                _push_point(*found, entry, key, gauge)
+            if not found[0]:
+                return []
+            self.series[(key, gauge)] = found
+        return list(found[1])
+
+
+def _push_point(holders: deque, points: deque, entry: Entry, key: EngineKey, gauge: str) -> None:
+    """Add the entry's value of the gauge, if it has one, to a gauge's series."""
+    engine = entry.snapshot.engines.get(key)
+    if engine is not None and gauge in engine.gauges:
+        holders.append(entry)
+        points.append((entry.snapshot.time, engine.gauges[gauge]))
 
 
 def _push_peak(peaks: deque, entry: Entry, key: EngineKey, gauge: str) -> None:

@@ -103,7 +103,9 @@ def test_a_store_that_fails_is_one_sentence_and_the_next_refresh_catches_up(hist
         assert body["replicas"] and all(not r["up"] and r["findings"] == [] for r in body["replicas"])
         assert body["fleet"] == []
         assert "cannot read the store" in http.get("/").text
-        assert "kvwatch_engine_" not in http.get("/metrics").text
+        down = http.get("/metrics").text
+        assert "kvwatch_engine_" not in down
+        assert "\nkvwatch_central_store_up 0.0\n" in down
         client.down = False
         client.ranges.clear()
         now[0] += STEP
@@ -152,6 +154,11 @@ def test_at_most_max_replicas_are_kept(history_text):
     state = central.refresh_once()
     assert sorted(state.replicas) == ["vllm/10.0.1.2:8000", "vllm/10.0.1.3:8000", "vllm/10.0.1.4:8000"]
     assert state.dropped_replicas == 4
+    # Exported, for an alert: replicas left out are not diagnosed.
+    with TestClient(create_central_app(central, settings())) as http:
+        exposition = http.get("/metrics").text
+    assert "\nkvwatch_central_replicas_dropped 4.0\n" in exposition
+    assert "\nkvwatch_central_replicas 3.0\n" in exposition and "\nkvwatch_central_store_up 1.0\n" in exposition
 
 
 def test_the_http_surface_serves_every_replica(history_text):

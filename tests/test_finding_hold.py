@@ -150,3 +150,52 @@ def test_the_symptom_alerts_keep_firing_for_the_hold_and_the_health_alerts_do_no
         else:
             assert "keep_firing_for" not in rule, rule["alert"]
     assert {r["alert"] for r in alerts if "keep_firing_for" in r} == set(SYMPTOM_ALERTS.values())
+
+
+def test_fleet_findings_are_held_as_a_replicas_are():
+    """History and central mode hold each model's fleet findings (the fleet
+    alerts carry the same keep_firing_for): an imbalance that lapses for one
+    step stays one episode; one whose cause is gone ends within the hold,
+    also when the model's replicas vanish."""
+    from kvwatch.diagnose.fleet import ReplicaRow
+    from kvwatch.history.run import _fleet_step
+
+    exhausted = Finding("exhaustion", "concurrency_beyond_capacity", "critical", "high", "m", "0", "full", {})
+
+    def rows(pressed: bool):
+        return [("hot", ([exhausted] if pressed else [], [("m", ReplicaRow(
+            "hot", "0", {"kvwatch_kv_cache_usage_max_ratio": 1.0 if pressed else 0.3,
+                         "kvwatch_requests_waiting": 4.0 if pressed else 0.0}, {},
+            [exhausted] if pressed else []))]))] + [
+            (f"idle{i}", ([], [("m", ReplicaRow(f"idle{i}", "0", {"kvwatch_kv_cache_usage_max_ratio": 0.2,
+                                                                  "kvwatch_requests_waiting": 0.0}, {}))]))
+            for i in range(3)]
+
+    step = 30.0
+    timeline, holds = Timeline(), {}
+    pattern = [True, True, False, True, False, False, False, None, None, None, None]  # None: no replica at all
+    for i, pressed in enumerate(pattern):
+        _fleet_step(SIM_BASE + i * step, rows(pressed) if pressed is not None else [], timeline, None, step, holds)
+    timeline.finish()
+    fleet = [e for e in timeline.episodes if e.cause == "imbalance"]
+    assert len(fleet) == 1, timeline.outline(step)
+    # Clear from t=4 steps on; held for the hold (60 s) after: gone from t=6 steps.
+    assert fleet[0].start == SIM_BASE and fleet[0].end <= SIM_BASE + 4 * step + HOLD
+    assert holds == {}  # the model gone and nothing held: forgotten
+
+
+def test_a_findings_severity_does_not_fall_while_it_lasts():
+    """kvwatch_finding carries the severity as a label: a fall from critical
+    to warning inside one episode would end the critical series (an alert on
+    it resolves) and start a warning one. The episode keeps its highest
+    severity; a rise shows at once; a new episode starts from its own."""
+    hold = FindingHold(10.0)
+    severities = ["warning", "critical", "warning", None, "warning", None, None, None, None, None, None, None,
+                  "warning"]
+    out = [hold.apply(SIM_BASE + 2.0 * i, [_finding("concurrency_beyond_capacity", s)] if s else [])
+           for i, s in enumerate(severities)]
+    seen = [[f.severity for f in found] for found in out]
+    assert seen[:6] == [["warning"], ["critical"], ["critical"], ["critical"], ["critical"], ["critical"]]
+    assert seen[10] == [] and seen[12] == ["warning"]  # ended after the hold; a new episode
+    # The held record is the episode's: it says critical while clearing too.
+    assert out[3][0].clearing_since == SIM_BASE + 6.0

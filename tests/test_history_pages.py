@@ -129,3 +129,55 @@ def test_kvwatch_series_with_configuration_give_the_same_snapshots_both_ways():
         got = by_families.adapt_families(families, [], process_start, at=at)
         assert got == expected
     assert got.cache_config["0"]["kv_cache_memory_bytes"] == str(2 << 30)
+
+
+def _without_undiagnosed(text: str) -> str:
+    """A vLLM page without the families no rule reads (every line of them,
+    HELP and TYPE included)."""
+    import re
+
+    from kvwatch.diagnose import NOT_DIAGNOSED_KEYS
+    from kvwatch.history.pages import _KEY_OF_FAMILY, vllm_sample_name
+
+    kept = []
+    for line in text.splitlines():
+        match = re.match(r"(?:# (?:HELP|TYPE) )?([a-zA-Z_:][a-zA-Z0-9_:]*)", line)
+        name = match.group(1) if match else ""
+        read = vllm_sample_name(name) or vllm_sample_name(name + "_bucket") or vllm_sample_name(name + "_total")
+        if read is None or _KEY_OF_FAMILY.get(read[1]) not in NOT_DIAGNOSED_KEYS:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
+def test_the_families_history_does_not_read_change_no_finding(fixtures_dir):
+    """`kvwatch diagnose --prometheus` leaves out the families of
+    diagnose.NOT_DIAGNOSED_KEYS (half of a vLLM 0.32 replica's series): every
+    real recording, replayed with and without them, gives the same findings,
+    evidence included, at every poll."""
+    from kvwatch.capture.bundle import Capture
+    from kvwatch.capture.replay import ReplaySource
+    from kvwatch.sidecar.monitor import Monitor
+    from kvwatch.sidecar.settings import load_settings
+
+    settings = load_settings(overrides={"poll_interval": "1s", "window": "60s"}, environ={})
+    recordings = sorted((fixtures_dir / "vllm-0.32-cpu-scenarios").glob("*/capture.tar.gz"))
+    assert len(recordings) >= 10
+    stripped_series = 0
+    for path in recordings:
+        runs = []
+        for strip in (False, True):
+            pages = [(entry, _without_undiagnosed(text) if strip and text is not None else text)
+                     for entry, text in Capture(path).pages()]
+            if strip:
+                stripped_series += sum(a.count("\n") - b.count("\n") for (_e, a), (_f, b)
+                                       in zip(Capture(path).pages(), pages) if a is not None)
+            source = ReplaySource(pages)
+            monitor = Monitor(settings, fetcher=source, clock=source.now)
+            polls = []
+            while not source.exhausted:
+                state = monitor.poll_once()
+                polls.append((state.last_poll_time, state.findings))
+            runs.append(polls)
+        assert runs[0] == runs[1], path.parent.name
+        assert any(findings for _at, findings in runs[0]) or path.parent.name in ("front-end",), path.parent.name
+    assert stripped_series > 1000  # the families were there to leave out

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from kvwatch.cli import main
+from kvwatch.diagnose import DEFAULT_THRESHOLDS
 from kvwatch.history.matrix import pairs_of
 from kvwatch.history.query import PrometheusClient
 from kvwatch.history.run import diagnose_history
@@ -79,9 +80,11 @@ def test_the_three_fleet_findings_and_none_on_a_balanced_fleet(store):
     assert _fleet(history, "restart") == {("cold_replica", "vllm/10.0.3.4:8000")}
     assert _fleet(history, "balanced") == set()
     cold = next(e for e in history.timeline.episodes if e.cause == "cold_replica")
-    # Found from the step of the restart for one window, within one step.
+    # Found from the step of the restart for one window, then held for the
+    # finding hold as every finding is (within one step).
+    hold = DEFAULT_THRESHOLDS["finding_hold_seconds"]
     assert abs(cold.start - (start + 300)) <= INTERVAL
-    assert abs(cold.end - (start + 300 + WINDOW)) <= INTERVAL
+    assert abs(cold.end - (start + 300 + WINDOW + hold)) <= INTERVAL
     lost = next(e for e in history.timeline.episodes if e.cause == "lost_prefix_affinity")
     assert lost.worst["evidence"]["hit_ratio"] < 0.5 * lost.worst["evidence"]["peers_hit_ratio"]
     # The cost is counted: every query, and every sample read back.

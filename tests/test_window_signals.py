@@ -408,3 +408,43 @@ def test_kept_values_are_copied_down_to_their_dicts():
     copy = signals._copied(values)
     assert copy == values and copy is not values
     assert copy["c"] is not values["c"] and copy["d"] is not values["d"]
+
+
+def test_lazy_values_are_the_evaluated_ones_read_in_any_order(fixtures_dir):
+    """evaluate_window(lazy=True) (the history diagnosis) derives a signal
+    where it is read: over every real recording, at every poll, each value,
+    read in a shuffled order, is the one the full evaluation gives, and so
+    are the notes and pinned quantiles once all are read, and the findings."""
+    import random
+
+    from kvwatch import diagnose
+    from kvwatch.capture.bundle import Capture
+    from kvwatch.signals import LazyValues
+
+    draw = random.Random(5)
+    recordings = sorted((fixtures_dir / "vllm-0.32-cpu-scenarios").glob("*/capture.tar.gz"))
+    assert len(recordings) >= 10
+    compared = pinned_seen = 0
+    for path in recordings:
+        adapter, eager_window, lazy_window = VllmAdapter(), Window(60.0), Window(60.0)
+        for entry, text in Capture(path).pages():
+            if text is None:
+                continue
+            snapshot = adapter.adapt(text, at=entry.time)
+            if not snapshot.engines:
+                continue
+            eager_window.add(snapshot)
+            lazy_window.add(snapshot)
+            eager, eager_models = evaluate_window(eager_window)
+            lazy, lazy_models = evaluate_window(lazy_window, lazy=True)
+            assert diagnose.diagnose(lazy_window, lazy, (), {}) == diagnose.diagnose(eager_window, eager, (), {})
+            for full, read in zip(eager + eager_models, lazy + lazy_models):
+                assert isinstance(read.values, LazyValues)
+                names = list(full.values)
+                draw.shuffle(names)
+                for name in names:
+                    assert repr(read.values[name]) == repr(full.values[name]), (path.parent.name, name)
+                assert sorted(read.notes) == sorted(full.notes) and read.pinned == full.pinned
+                compared += 1
+                pinned_seen += bool(full.pinned)
+    assert compared > 500 and pinned_seen > 50

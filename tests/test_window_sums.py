@@ -104,6 +104,7 @@ def check(window: Window):
         assert math.isclose(fast.seconds, slow.seconds, rel_tol=1e-12)
         for gauge in ("kv_usage", "running"):
             series = window.gauge_series(key, gauge)
+            assert series == window._gauge_series_scanned(key, gauge)
             assert window.gauge_max(key, gauge) == (max(v for _, v in series) if series else None)
 
 
@@ -175,3 +176,61 @@ def test_a_nan_step_sums_step_by_step_until_it_leaves_then_exact_again():
             assert not math.isnan(window.increase(("m", "0")).counters["a"])
         elif 3 <= second <= 8:
             assert math.isnan(window.increase(("m", "0")).counters["a"])
+
+
+# Bucket counts summed as floats while that is exact, else exactly as ints
+# and fixed point: increments that keep them whole and small, and ones that
+# break that (fractions, negatives, sums at and past 2**53).
+increments = st.one_of(whole, whole, whole, st.sampled_from([2.0 ** 52, 2.0 ** 53 - 1, 2.0 ** 53, 3.0 ** 34]),
+                       fraction, st.sampled_from([-3.0, -0.0, -(2.0 ** 53)]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.lists(increments, min_size=3, max_size=3), increments, st.integers(0, 9)),
+                min_size=1, max_size=25),
+       st.sampled_from([3.5, 8.5, math.inf]))
+def test_histogram_sums_are_the_correctly_rounded_sums_of_the_steps(polls, seconds):
+    """Whether the window sums a run's buckets (and counters, and a
+    histogram's count) as floats or exactly, each bucket, the sum, the count
+    and a counter equal math.fsum of the steps'."""
+    key = ("m", "0")
+    window = Window(seconds)
+    buckets, total = [0.0] * 3, 0.0
+    for second, (added, added_sum, restart) in enumerate(polls):
+        if restart == 0:
+            buckets, total = [0.0] * 3, 0.0
+        buckets = [b + a for b, a in zip(buckets, added)]
+        total += added_sum
+        engine = EngineSnapshot(*key, counters={"c": total},
+                                histograms={"h": Histogram(LAYOUTS[0], tuple(buckets), total, buckets[-1])})
+        window.add(Snapshot(float(second), {key: engine}))
+        steps = [entry.steps[key].histograms["h"] for entry in list(window.entries)[1:]]
+        counter = [entry.steps[key].counters["c"] for entry in list(window.entries)[1:]]
+        assert window.increase(key).counters.get("c") == (math.fsum(counter) if counter else None)
+        summed = window.increase(key).histograms.get("h")
+        if not steps:
+            assert summed is None
+            continue
+        assert summed.cumulative == tuple(math.fsum(s.cumulative[i] for s in steps) for i in range(3))
+        assert summed.sum == math.fsum(s.sum for s in steps)
+        assert summed.count == math.fsum(s.count for s in steps)
+        if all(v.is_integer() and abs(v) < 2 ** 40 for s in steps for v in s.cumulative):
+            assert summed.cumulative == window._summed_step_by_step(key).histograms["h"].cumulative
+
+
+def test_a_negative_bucket_step_keeps_the_bucket_sums_exact_when_it_leaves():
+    """Steps -2**52 (a reset to a negative count), 2**53 - 1, 2**52, 0, 0: the
+    sums while -2**52 counted stay below 2**53, but once it leaves, what is
+    left (3 * 2**52 - 1) is no double: summed as floats it would round, and
+    the next step leaving would leave that error behind."""
+    key = ("m", "0")
+    window = Window(2.5)
+    for second, count in enumerate([0.0, -(2.0 ** 52), 2.0 ** 52 - 1, 2.0 ** 53 - 1, 2.0 ** 53 - 1, 2.0 ** 53 - 1]):
+        engine = EngineSnapshot(*key, histograms={"h": Histogram((math.inf,), (count,), 0.0, count)})
+        window.add(Snapshot(float(second), {key: engine}))
+        steps = [entry.steps[key].histograms["h"] for entry in list(window.entries)[1:]]
+        if steps:
+            summed = window.increase(key).histograms["h"]
+            assert summed.cumulative == (math.fsum(s.cumulative[0] for s in steps),)
+            assert summed.count == math.fsum(s.count for s in steps)
+    assert [s.cumulative for s in steps] == [(2.0 ** 52,), (0.0,), (0.0,)]

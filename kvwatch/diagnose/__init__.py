@@ -54,7 +54,16 @@ from kvwatch.diagnose.vocabulary import CAUSES, CONFIDENCES, NEXT_CHECK, SEVERIT
 
 log = logging.getLogger("kvwatch")
 
-__all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "NEXT_CHECK", "SEVERITIES", "Change", "Finding",
+# Canonical snapshot keys no rule reads, directly or through the signals it
+# reads: the latency histograms past the first token. `kvwatch diagnose
+# --prometheus` does not ask the store for them (in vLLM 0.32 they are 116 of
+# a replica's 256 series); central mode does, as it serves each replica's
+# status page. tests/test_history_pages.py replays every real recording with
+# and without them and requires the same findings, poll for poll.
+NOT_DIAGNOSED_KEYS = frozenset({"decode_time", "inference_time", "e2e_latency", "inter_token_latency", "tpot"})
+
+__all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "NEXT_CHECK", "NOT_DIAGNOSED_KEYS", "SEVERITIES", "Change",
+           "Finding",
            "HitRateMemory",
            "changes_between", "diagnose", "is_actionable", "names_text", "resolve_thresholds", "validate_thresholds"]
 

@@ -8,7 +8,15 @@ poll leaves the page, the API and `kvwatch_finding` for that poll and comes
 back, which sends an alert's `for:` back to pending or resolves and re-fires
 it. While held, a finding is reported as it was last seen, with
 `clearing_since` set; if its condition holds again it is plain active again,
-and after the hold it ends. The sidecar (Monitor), a replay (which runs the
+and after the hold it ends.
+
+Its severity never falls while it lasts: a rule may judge one episode
+critical at one poll and warning at the next (an exhaustion is critical
+while preemptions are in the window, warning once they have left it but the
+cache is still full), and `kvwatch_finding` carries the severity as a label,
+so a fall would end one series and start another: an alert on the first
+resolves and one on the second starts its `for:` over. The finding keeps the
+highest severity seen since it began; a rise shows at once. The sidecar (Monitor), a replay (which runs the
 Monitor) and the history (one hold per replica) apply the same hold.
 """
 
@@ -17,7 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
-from kvwatch.diagnose.vocabulary import Finding, finding_order
+from kvwatch.diagnose.vocabulary import SEVERITIES, Finding, finding_order
 
 
 def hold_key(finding: Finding) -> tuple:
@@ -38,7 +46,7 @@ class FindingHold:
         self._held: dict[tuple, tuple[Finding, float | None]] = {}
 
     def apply(self, at: float, findings: Iterable[Finding]) -> list[Finding]:
-        current = list(findings)
+        current = [self._no_lower(f) for f in findings]
         seen = {hold_key(f) for f in current}
         held: dict[tuple, tuple[Finding, float | None]] = {hold_key(f): (f, None) for f in current}
         out = list(current)
@@ -52,3 +60,18 @@ class FindingHold:
         self._held = held
         out.sort(key=finding_order)
         return out
+
+    def _no_lower(self, finding: Finding) -> Finding:
+        """The finding at the highest severity seen since it began (its
+        record here, active or held, is the episode's)."""
+        before = self._held.get(hold_key(finding))
+        if before is None:
+            return finding
+        severity = before[0].severity
+        if _rank(severity) < _rank(finding.severity):
+            return replace(finding, severity=severity)
+        return finding
+
+
+def _rank(severity: str) -> int:
+    return SEVERITIES.index(severity) if severity in SEVERITIES else len(SEVERITIES)

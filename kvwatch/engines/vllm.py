@@ -328,9 +328,42 @@ class VllmAdapter(EngineAdapter):
             if self._process_start is not None:
                 self._folds.clear()  # a new process: every replica's count started again
             self._process_start = snapshot.process_start
-        engines = snapshot.engines
         series = self._series
         series.trim()
+        plan = self._page_plan(families) if self.page_plans else None
+        if plan is None or len(plan.engine_keys) > self.max_series or not plan.apply(snapshot, families, self._folds):
+            self._read_page(snapshot, families)
+        self._read_info(snapshot, families)
+        return snapshot
+
+    # Whether a page whose layout was seen on the poll before is read by its
+    # _PagePlan. Off only in the tests that compare the plan with the reading
+    # below, which stays the definition.
+    page_plans = True
+
+    def _page_plan(self, families: dict[str, Family]) -> _PagePlan | None:
+        """The plan of a page with the same families, in the same layouts, as
+        the poll before (made then on this second sight, so a layout seen once
+        costs nothing more); None for any other page, or one that the plan
+        cannot read (_PagePlan.of)."""
+        series = self._series
+        names = tuple(families)
+        layouts = tuple(map(_LAYOUT, families.values()))
+        seen = series.page
+        if seen is not None and seen[0] == names and all(map(operator.is_, seen[1], layouts)):
+            plan = seen[2]
+            if plan is _UNPLANNED:
+                plan = _PagePlan.of(families, series)
+                series.page = (names, layouts, plan)
+            return plan
+        series.page = (names, layouts, _UNPLANNED)  # holds the layouts, so their ids are not reused
+        return None
+
+    def _read_page(self, snapshot: Snapshot, families: dict[str, Family]) -> None:
+        """Every family but the cache configuration and LoRA, into the
+        snapshot's engines and sources (and parse errors)."""
+        engines = snapshot.engines
+        series = self._series
         errors = snapshot.parse_errors
         # (model, engine, canonical key) -> (the engine, {series token: value}),
         # folded once the page is read.
@@ -486,7 +519,11 @@ class VllmAdapter(EngineAdapter):
                     if engine is not None:
                         flat = f"{key}/{labels.get(dimension, '')}"
                         engine.counters[flat] = engine.counters.get(flat, 0.0) + value
+        self.dropped_series += len(dropped)
 
+    @staticmethod
+    def _read_info(snapshot: Snapshot, families: dict[str, Family]) -> None:
+        """The cache configuration and LoRA (their labels are their values)."""
         cache_config = families.get(CACHE_CONFIG)
         if cache_config is not None:
             for suffix, labels, _value in cache_config.samples:
@@ -498,8 +535,6 @@ class VllmAdapter(EngineAdapter):
             latest = max((s for s in lora.samples if s[0] == ""), key=lambda s: s[2], default=None)
             if latest is not None:
                 snapshot.lora = latest[1]
-        self.dropped_series += len(dropped)
-        return snapshot
 
 
 def _process_start(text: str) -> float | None:
@@ -625,6 +660,9 @@ class _SeriesCache:
         # histogram family -> (the parser's layout of its samples, _HistogramPlan
         # for that layout or None where the family needs the general path)
         self.plans: dict[str, tuple[object, _HistogramPlan | None]] = {}
+        # The last page's (family names, their layouts, its _PagePlan, None
+        # where it has none, or _UNPLANNED before its second sight).
+        self.page: tuple[tuple[str, ...], tuple[object, ...], object] | None = None
 
     def trim(self) -> None:
         if (len(self.engine_keys) + len(self.buckets) + len(self.others) + len(self.tokens)
@@ -632,6 +670,7 @@ class _SeriesCache:
             for table in (self.engine_keys, self.buckets, self.others, self.tokens, self.token_labels, self.bounds,
                           self.plans):
                 table.clear()
+            self.page = None
 
     # Empty label sets are fresh dicts on every line (nothing to reuse), so
     # they are answered without an entry.
@@ -741,14 +780,18 @@ class _HistogramPlan:
 
     def apply(self, family: Family) -> list[tuple[tuple, dict[str, str], Histogram]]:
         values = list(map(_VALUE, family.samples))
-        found = []
-        for token, labels, bounds, first, end, total, count in self.histograms:
-            # `+ 0.0` as the general path's first addition into an empty bucket.
-            cumulative = tuple(map(operator.add, values[first:end], _ZEROS))
-            histogram = Histogram(bounds, cumulative, (values[total] if total is not None else None) or 0.0,
-                                  values[count] if count is not None else cumulative[-1])
-            found.append((token, labels, histogram))
-        return found
+        return [(token, labels, _histogram_at(values, bounds, first, end, total, count))
+                for token, labels, bounds, first, end, total, count in self.histograms]
+
+
+def _histogram_at(values: list[float], bounds: tuple[float, ...], first: int, end: int, total: int | None,
+                  count: int | None) -> Histogram:
+    """The histogram whose buckets are values[first:end] (bounds increasing),
+    its _sum and _count at those indexes where it has them."""
+    # `+ 0.0` as the general path's first addition into an empty bucket.
+    cumulative = tuple(map(operator.add, values[first:end], _ZEROS))
+    return Histogram(bounds, cumulative, (values[total] if total is not None else None) or 0.0,
+                     values[count] if count is not None else cumulative[-1])
 
 
 _VALUE = operator.itemgetter(2)
@@ -830,3 +873,234 @@ def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None)
         labels, _key = cache.labels_of(token)
         found.append((token, labels, histogram))
     return found
+
+
+_LAYOUT = operator.attrgetter("layout")
+_SAMPLES = operator.attrgetter("samples")
+_UNPLANNED = object()  # a page seen once: its plan is made if the next page has its layout
+
+
+class _NoPlan(Exception):
+    """A page the plan does not read (it takes VllmAdapter._read_page)."""
+
+
+class _PagePlan:
+    """What VllmAdapter._read_page does with a page, worked out once for its
+    layout: where each value it reads goes (which engine, which key, which
+    fold). A page with the same families in the same layouts differs only in
+    its values, so reading it is applying the plan to them; the steps below
+    mirror _read_page's, in its order, so dicts fill in the same order.
+
+    Made only for a page whose families all have a layout (the cache
+    configuration and LoRA aside: _read_info reads them every time), whose
+    histograms all have a _HistogramPlan, and whose reading adds no parse
+    error (no duplicate series); applied only to values without NaN (the
+    reading skips those, so engines and folds could differ) and where the
+    adapter keeps every engine. Any other page takes _read_page."""
+
+    __slots__ = ("read", "sources", "engine_keys", "gauges", "created", "counters", "histograms", "model_counters")
+
+    @staticmethod
+    def of(families: dict[str, Family], series: _SeriesCache) -> _PagePlan | None:
+        try:
+            return _PagePlan(families, series)
+        except _NoPlan:
+            return None
+
+    def __init__(self, families: dict[str, Family], series: _SeriesCache):
+        for name, family in families.items():
+            if family.layout is None and name != CACHE_CONFIG and name != LORA:
+                raise _NoPlan
+        # The families whose values are read, concatenated in this order;
+        # a sample's position is its index in that list.
+        self.read: list[str] = []
+        offsets: dict[str, int] = {}
+
+        def samples(name: str):
+            """(position, suffix, labels) of each sample of a family read."""
+            if name not in offsets:
+                offsets[name] = sum(len(families[read].samples) for read in self.read)
+                self.read.append(name)
+            base = offsets[name]
+            return [(base + index, suffix, labels) for index, (suffix, labels, _value) in enumerate(families[name].samples)]
+
+        sources: dict[str, str] = {}
+        engines: dict[tuple[str, str], int] = {}  # engine key -> its index, in the order of creation
+
+        def engine_of(labels: dict[str, str]) -> int:
+            return engines.setdefault(series.engine_key(labels), len(engines))
+
+        gauges: list[tuple[int, str, int, bool]] = []  # (engine, key, position, whether the key is new)
+        touched: set[tuple[int, str]] = set()
+
+        def gauge(engine: int, key: str, position: int) -> None:
+            gauges.append((engine, key, position, (engine, key) not in touched))
+            touched.add((engine, key))
+
+        # (engine, key) -> [fold key, {series token: position or histogram}]
+        counter_parts: dict[tuple[int, str], list] = {}
+        histogram_parts: dict[tuple[int, str], list] = {}
+
+        def add_part(parts: dict, engine: int, key: str, token: tuple, value) -> None:
+            entry = parts.get((engine, key))
+            if entry is None:
+                entry = parts[(engine, key)] = [(*list(engines)[engine], key), {}]  # the fold's key, as _read_page's
+            if token in entry[1]:
+                raise _NoPlan  # a duplicate series: a parse error
+            entry[1][token] = value
+
+        created: list[tuple[int, int]] = []
+
+        for key, aliases in GAUGES.items():
+            if _first_present(families, aliases, sources, key) is None:
+                continue
+            seen: set[tuple] = set()
+            for position, suffix, labels in samples(sources[key]):
+                if suffix == "":
+                    engine = engine_of(labels)
+                    token = series.other(labels)[1]
+                    if token in seen:
+                        raise _NoPlan
+                    seen.add(token)
+                    gauge(engine, key, position)
+
+        for key, (name, dimension) in LABELLED_GAUGES.items():
+            if name not in families:
+                continue
+            sources[key] = name
+            for position, suffix, labels in samples(name):
+                if suffix == "":
+                    gauge(engine_of(labels), f"{key}/{labels.get(dimension, '')}", position)
+
+        for key, aliases in COUNTERS.items():
+            if _first_present(families, aliases, sources, key) is None:
+                continue
+            marks_restart = aliases[0] == RESTART_MARKER
+            for position, suffix, labels in samples(sources[key]):
+                if suffix == "_total" or suffix == "":
+                    add_part(counter_parts, engine_of(labels), key, series.other(labels)[1], position)
+                elif suffix == "_created" and marks_restart:
+                    created.append((engine_of(labels), position))
+
+        for key, (name, dimension) in LABELLED_COUNTERS.items():
+            if name not in families:
+                continue
+            sources[key] = name
+            for position, suffix, labels in samples(name):
+                if suffix == "_total" or suffix == "":
+                    add_part(counter_parts, engine_of(labels), f"{key}/{labels.get(dimension, '')}",
+                             series.other(labels)[1], position)
+
+        for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
+            if key in sources or name not in families or not families[name].samples:
+                continue
+            sources[key] = name
+            for position, suffix, labels in samples(name):
+                if (suffix == "_total" or suffix == "") and labels.get(dimension) == wanted:
+                    add_part(counter_parts, engine_of(labels), key, series.other(labels)[1], position)
+
+        def histograms(key: str, name: str, wanted: tuple[str, str] | None) -> None:
+            family = families[name]
+            known = series.plans.get(family.name)  # as _histograms keeps it
+            if known is None or known[0] is not family.layout:
+                known = series.plans[family.name] = (family.layout, _HistogramPlan.of(family, series))
+            if known[1] is None:
+                raise _NoPlan  # a family _histograms reads apart (and may find errors in)
+            samples(name)
+            base = offsets[name]
+            for token, labels, bounds, first, end, total, count in known[1].histograms:
+                if wanted is None or labels.get(wanted[0]) == wanted[1]:
+                    add_part(histogram_parts, engine_of(labels), key, token,
+                             (bounds, base + first, base + end, None if total is None else base + total,
+                              None if count is None else base + count))
+
+        for key, aliases in HISTOGRAMS.items():
+            if _first_present(families, aliases, sources, key) is not None:
+                histograms(key, sources[key], None)
+
+        for key, (name, dimension, wanted) in HISTOGRAM_FALLBACKS.items():
+            if key in sources or name not in families or not families[name].samples:
+                continue
+            sources[key] = name
+            histograms(key, name, (dimension, wanted))
+
+        for key, name in ENGINE_ONLY_GAUGES.items():
+            if name not in families or not families[name].samples:
+                continue
+            sources[key] = name
+            for position, suffix, labels in samples(name):
+                if suffix == "":
+                    for engine, (_model, number) in enumerate(engines):
+                        if number == labels.get("engine", "0"):
+                            gauge(engine, key, position)
+
+        model_counters: list[tuple[int, str, int]] = []
+        for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():
+            if name not in families or not families[name].samples:
+                continue
+            sources[key] = name
+            first_engine: dict[str, int] = {}
+            for engine, (model, number) in enumerate(engines):
+                held = first_engine.get(model)
+                if held is None or _engine_order(number) < _engine_order(list(engines)[held][1]):
+                    first_engine[model] = engine
+            for position, suffix, labels in samples(name):
+                if suffix == "_total" or suffix == "":
+                    engine = first_engine.get(labels.get("model_name", "unknown"))
+                    if engine is not None:
+                        model_counters.append((engine, f"{key}/{labels.get(dimension, '')}", position))
+
+        self.read = tuple(self.read)
+        self.sources = sources
+        self.engine_keys = tuple(engines)
+        self.gauges = tuple(gauges)
+        self.created = tuple(created)
+        self.counters = tuple((engine, key, fold_key, tuple(parts.items()))
+                              for (engine, key), (fold_key, parts) in counter_parts.items())
+        self.histograms = tuple((engine, key, fold_key + ("histogram",), tuple(parts.items()))
+                                for (engine, key), (fold_key, parts) in histogram_parts.items())
+        self.model_counters = tuple(model_counters)
+
+    def apply(self, snapshot: Snapshot, families: dict[str, Family], folds: _Folds) -> bool:
+        """Reads the page into the snapshot as _read_page would; False,
+        having changed nothing, where a value read is NaN (or not a number)."""
+        values = list(map(_VALUE, itertools.chain.from_iterable(map(_SAMPLES, map(families.__getitem__, self.read)))))
+        try:
+            total = sum(values)  # NaN if any value is (or +Inf and -Inf are both there): one test in C
+        except TypeError:
+            return False
+        if total != total:
+            return False
+        snapshot.sources.update(self.sources)
+        engines = [EngineSnapshot(model, number) for model, number in self.engine_keys]
+        snapshot.engines.update(zip(self.engine_keys, engines))
+        for engine, key, position, new in self.gauges:
+            gauges = engines[engine].gauges
+            # As _fold_max.
+            gauges[key] = values[position] if new else max(gauges[key], values[position])
+        for engine, position in self.created:
+            engine = engines[engine]
+            engine.created = values[position] if engine.created is None else min(engine.created, values[position])
+        # One series of a key the folds hold nothing for: fold would hand its
+        # value back as it is (marking the key seen only matters to keys in
+        # `last`), so the value is taken without building fold's dict.
+        held = folds.last
+        for engine, key, fold_key, parts in self.counters:
+            if len(parts) == 1 and fold_key not in held:
+                value = values[parts[0][1]]
+            else:
+                value = folds.fold(fold_key, {token: values[position] for token, position in parts},
+                                   _fell, operator.add)
+            engines[engine].counters[key] = value
+        for engine, key, fold_key, parts in self.histograms:
+            if len(parts) == 1 and fold_key not in held:
+                value = _histogram_at(values, *parts[0][1])
+            else:
+                value = folds.fold(fold_key, {token: _histogram_at(values, *where) for token, where in parts},
+                                   _histogram_fell, _histogram_plus)
+            engines[engine].histograms[key] = value
+        folds.forget_unseen()
+        for engine, key, position in self.model_counters:
+            counters = engines[engine].counters
+            counters[key] = counters.get(key, 0.0) + values[position]
+        return True

@@ -111,6 +111,7 @@ class Central:
         self._fleet_since: dict[tuple, float] = {}
         self._findings: dict[tuple, list] = {}
         self._fleet: list = []
+        self._fleet_holds: dict = {}  # model -> FindingHold of its fleet findings
         self._last_step: float | None = None
         self._source: str | None = None
         self._discovered: tuple | None = None  # _discover's answer and the step it was asked at
@@ -189,7 +190,8 @@ class Central:
         for index in range(points):
             at = start + index * step
             latest.findings.clear()
-            _diagnose_step(at, index, ordered, self._replicas, latest, self.window, self.settings.diagnosis, step)
+            _diagnose_step(at, index, ordered, self._replicas, latest, self.window, self.settings.diagnosis, step,
+                           self._fleet_holds)
             for key, _replica in ordered:
                 state = self._replicas.get(key)
                 if state is None:

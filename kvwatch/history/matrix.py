@@ -103,8 +103,10 @@ def _scan(body: str) -> dict | None:
                 end = body.index("]]", at) + 2
                 text = body[at:end]
                 count = text.count("],[") + 1
-                if (not text.startswith("[[") or text.count('"') != 2 * count or "\\" in text
-                        or "[" in text[2:].replace("],[", "")):
+                # No bracket, quote or escape but the layout's: then the pairs
+                # are exactly `count`, and each value is the text between quotes.
+                if (not text.startswith("[[") or text.count('"') != 2 * count or text.count("[") != count + 1
+                        or "\\" in text):
                     return None
                 if body[end] != "}":
                     return None

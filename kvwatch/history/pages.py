@@ -32,6 +32,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from kvwatch.diagnose import NOT_DIAGNOSED_KEYS
 from kvwatch.engines import vllm
 from kvwatch.exposition import Family, sample_names
 from kvwatch.history.matrix import RawPairs, pairs_of
@@ -124,10 +125,36 @@ def name_matcher(source: str) -> str:
     return '__name__=~"(ray_)?vllm[:_].+"'
 
 
-def wanted(name: str, source: str) -> bool:
+def _keys_of_families() -> dict[str, str]:
+    """vLLM family (no prefix) -> the canonical key it carries."""
+    keys = {}
+    for table in (vllm.GAUGES, vllm.COUNTERS, vllm.HISTOGRAMS):
+        for key, aliases in table.items():
+            for alias in aliases:
+                keys.setdefault(alias, key)
+    for table in (vllm.LABELLED_GAUGES, vllm.LABELLED_COUNTERS):
+        for key, (family, _label) in table.items():
+            keys.setdefault(family, key)
+    return keys
+
+
+_KEY_OF_FAMILY = _keys_of_families()
+
+
+def wanted(name: str, source: str, diagnosed_only: bool = False) -> bool:
+    """Whether a stored series is read: one the adapter reads, and with
+    `diagnosed_only` (`kvwatch diagnose --prometheus`) not one of the
+    families no rule reads (diagnose.NOT_DIAGNOSED_KEYS)."""
     if source == "kvwatch":
-        return name in KVWATCH_NAMES
-    return vllm_sample_name(name) is not None
+        if name not in KVWATCH_NAMES:
+            return False
+        name = KVWATCH_NAMES[name][0]
+        if not name:  # a config/<key> value: part of cache_config
+            return True
+    read = vllm_sample_name(name)
+    if read is None:
+        return source == "kvwatch"
+    return not (diagnosed_only and _KEY_OF_FAMILY.get(read[1]) in NOT_DIAGNOSED_KEYS)
 
 
 def family_of(name: str, source: str) -> str:
@@ -231,20 +258,29 @@ class Replica:
         self._decode()
         if self._plan is None:
             self._plan = self._make_plan()
-        plan, any_row, layouts = self._plan
+        plan, steps, complete, any_row, layouts = self._plan
         if not any_row[index]:
             return None
+        start = _start(self.process_start[index]) if self.process_start is not None else None
         families: dict[str, Family] = {}
-        for name, spelling, samples, complete, suffixes, label_sets, columns, config, whole in plan:
-            if complete[index]:  # every series of the family (the usual case)
+        step = steps[index]
+        if complete[index]:  # every series has a value (the usual case)
+            for name, spelling, first, end, suffixes, label_sets, config, whole in plan:
+                found = list(zip(suffixes, label_sets, step[first:end]))
+                if config:
+                    found = [(suffix, self._config_labels(labels, index), value) for suffix, labels, value in found]
+                families[name] = Family(name, "untyped", spelling, found, None if config else whole)
+            return families, start
+        for name, spelling, first, end, suffixes, label_sets, config, whole in plan:
+            values = step[first:end]
+            if None not in values:
                 present = None
-                found = list(zip(suffixes, label_sets, columns[index]))
+                found = list(zip(suffixes, label_sets, values))
             else:
-                present = tuple(i for i, (_suffix, _labels, values) in enumerate(samples)
-                                if values[index] is not None)
+                present = tuple(i for i, value in enumerate(values) if value is not None)
                 if not present:
                     continue
-                found = [(samples[i][0], samples[i][1], samples[i][2][index]) for i in present]
+                found = [(suffixes[i], label_sets[i], values[i]) for i in present]
             if config:
                 found = [(suffix, self._config_labels(labels, index), value) for suffix, labels, value in found]
                 layout = None
@@ -255,40 +291,34 @@ class Replica:
                 if layout is None:
                     layout = layouts[(name, present)] = object()
             families[name] = Family(name, "untyped", spelling, found, layout)
-        start = None
-        if self.process_start is not None and self.process_start[index] is not None:
-            try:
-                start = float(self.process_start[index])
-            except ValueError:
-                start = None
-            if start is not None and not math.isfinite(start):
-                start = None
         return families, start
 
-    def _make_plan(self) -> tuple[list, list[bool], dict]:
-        plan: list = []
+    def _make_plan(self) -> tuple[list, list[list], list[bool], list[bool], dict]:
+        """Per family (name, spelling, where its values sit in a step's, their
+        suffixes and labels, whether it is the configuration the config rows
+        join, the layout of all its series); the values of every family's
+        series at each step, in that order; whether every one of them has a
+        value at each step; whether the page has any row at each step; and
+        the layouts made for sets of present series."""
         by_name: dict[str, list] = {}
         for _prefix, _order, values, read in self.rows:
             if read is None:
                 continue
             name, suffix, labels, spelling = read
-            samples = by_name.get(name)
-            if samples is None:
-                samples = by_name[name] = []
-                plan.append((name, spelling, samples))
-            samples.append((suffix, labels, _numbers(values)))
-        # Per step: whether every series of a family has a value, and
-        # whether any row of the page has one (a page at all); and the
-        # values by step (columns), so that a complete family's samples
-        # at a step are one zip.
-        complete_plan = []
-        for name, spelling, samples in plan:
-            columns = list(zip(*(s[2] for s in samples)))
-            complete_plan.append((name, spelling, samples, [None not in column for column in columns],
-                                  tuple(s[0] for s in samples), tuple(s[1] for s in samples), columns,
-                                  name == vllm.CACHE_CONFIG and bool(self.config_rows), object()))
+            by_name.setdefault(name, [spelling, []])[1].append((suffix, labels, values))
+        plan = []
+        series = []
+        for name, (spelling, samples) in by_name.items():
+            plan.append((name, spelling, len(series), len(series) + len(samples), tuple(s[0] for s in samples),
+                         tuple(s[1] for s in samples), name == vllm.CACHE_CONFIG and bool(self.config_rows), object()))
+            series.extend(s[2] for s in samples)
+        # Step by step (a step's values made together lie together in memory,
+        # where a step reads them); each family's are a slice of its step's.
+        steps = [_numbers(step) for step in zip(*series)] if series else []
+        if not steps:
+            steps = [[] for _ in range(len(self.rows[0][2]) if self.rows else 0)]
         any_row = [any(column) for column in zip(*(row[2] for row in self.rows))] if self.rows else []
-        return complete_plan, any_row, {}
+        return plan, steps, [None not in step for step in steps], any_row, {}
 
     def _config_labels(self, labels: dict[str, str], index: int) -> dict[str, str]:
         """As _with_config writes them: each matching engine's block added in
@@ -384,6 +414,17 @@ def _numbers(values: list[str | None]) -> list[float | None]:
         return [None if v is None else _number(v) for v in values]
 
 
+def _start(text: str | None) -> float | None:
+    """A process start time as the adapter takes it: a finite number, or None."""
+    if text is None:
+        return None
+    try:
+        start = float(text)
+    except ValueError:
+        return None
+    return start if math.isfinite(start) else None
+
+
 def _as_int(text: str) -> str:
     try:
         value = float(text)
@@ -454,14 +495,14 @@ class Pages:
             values = self._values(series["values"])
             if name == PROCESS_START:
                 replica.process_start = values
-                replica._decoded = False
+                replica._decoded, replica._plan = False, None
                 continue
             if self.source == "kvwatch":
                 target, role = KVWATCH_NAMES.get(name, ("", ""))
                 if role.startswith("config/"):
                     engine_labels = tuple(sorted((k, v) for k, v in metric.items() if k in ("engine",)))
                     replica.config_rows.append((engine_labels, role[len("config/"):], values))
-                    replica._decoded = False
+                    replica._decoded, replica._plan = False, None
                     continue
                 if not target:
                     continue

@@ -90,8 +90,10 @@ def replica_name(labels: dict[str, str], key: tuple[str, ...]) -> str:
     return "/".join(values) if values else "(no target labels)"
 
 
-def _discover(client: PrometheusClient, selector: str, start: float, end: float, source: str):
-    """(source, {family: [series names]}, {family: series count})."""
+def _discover(client: PrometheusClient, selector: str, start: float, end: float, source: str,
+              diagnosed_only: bool = False):
+    """(source, {family: [series names]}, {family: series count}); with
+    `diagnosed_only`, without the families no rule reads."""
     inner = merge_selector(selector, "")[1:-1]
     candidates = ("vllm", "kvwatch") if source == "auto" else (source,)
     for candidate in candidates:
@@ -100,7 +102,7 @@ def _discover(client: PrometheusClient, selector: str, start: float, end: float,
         counts: dict[str, int] = {}
         for labels in found:
             name = labels.get("__name__", "")
-            if not wanted(name, candidate):
+            if not wanted(name, candidate, diagnosed_only):
                 continue
             family = family_of(name, candidate)
             names.setdefault(family, set()).add(name)
@@ -129,7 +131,9 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
     timeline is the same either way; with workers, each ReplicaState comes
     back at the end with its window but a fresh adapter."""
     started = time.monotonic()
-    source, families, counts, inner = _discover(client, selector, start, end, source)
+    # Only what the diagnosis reads: the timeline and the trends are all
+    # that history reports (central mode, serving status pages, reads all).
+    source, families, counts, inner = _discover(client, selector, start, end, source, diagnosed_only=True)
     timeline = Timeline()
     replicas: dict[tuple, ReplicaState] = {}
     points = int((end - start) // step) + 1
@@ -140,6 +144,7 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
     total_series = max(1, sum(counts.values()))
     per_round = max(1, min(MAX_POINTS, client.max_samples // total_series))
     diagnose_seconds = 0.0
+    fleet_holds: dict = {}  # model -> FindingHold of its fleet findings
     rounds = [(first, min(points - 1, first + per_round - 1)) for first in range(0, points, per_round)]
 
     def read(first: int, last: int) -> Pages:
@@ -168,13 +173,13 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
                     for index in range(last - first + 1):
                         at = pages.start + index * step
                         _diagnose_step(at, index, ordered, replicas, timeline, window, thresholds, step,
-                                       fast=not pages_as_text)
+                                       fleet_holds, fast=not pages_as_text)
                     del pages, ordered
                 else:
                     sent = pool.send(pages.start, step, last - first + 1, ordered)
                     del pages, ordered  # the workers have their copies: not kept here while they work
                     if pending is not None:
-                        pool.merge(*pending, timeline, step)
+                        pool.merge(*pending, timeline, step, fleet_holds)
                     pending = (sent, pool.receive())
                 diagnose_seconds += time.monotonic() - began
                 if progress:
@@ -183,7 +188,7 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
         if pool is not None:
             began = time.monotonic()
             if pending is not None:
-                pool.merge(*pending, timeline, step)
+                pool.merge(*pending, timeline, step, fleet_holds)
             replicas = pool.finish()
             diagnose_seconds += time.monotonic() - began
     finally:
@@ -198,13 +203,13 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
 
 
 def _diagnose_step(at: float, index: int, ordered, replicas: dict, timeline: Timeline, window_seconds: float,
-                   thresholds, step: float, fast: bool = True) -> None:
+                   thresholds, step: float, fleet_holds: dict, fast: bool = True) -> None:
     """Every replica of `ordered` at one step, then the fleet rules."""
     results = []
     for key, replica in ordered:
         state = _state(replicas, key, replica, window_seconds)
         results.append((state.name, _replica_step(state, replica, index, at, thresholds, fast)))
-    _fleet_step(at, results, timeline, thresholds, step)
+    _fleet_step(at, results, timeline, thresholds, step, fleet_holds)
 
 
 def _state(replicas: dict, key: tuple, replica, window_seconds: float) -> ReplicaState:
@@ -235,7 +240,9 @@ def _replica_step(state: ReplicaState, replica, index: int, at: float, threshold
             state.events.append(change)
     if any(s.restarted for s in entry.steps.values()):
         state.restarted_at = at
-    per_engine, per_model = evaluate_window(window)
+    # Only the signals the rules, the trend and the fleet rows read are
+    # derived (LazyValues): history reports nothing else of a step.
+    per_engine, per_model = evaluate_window(window, lazy=True)
     events = tuple(e for e in state.events if e.time >= at - window.seconds)
     findings = diagnosis.diagnose(window, per_engine, events, thresholds or {})
     if state.hold is None:
@@ -259,9 +266,12 @@ def _replica_step(state: ReplicaState, replica, index: int, at: float, threshold
     return findings, rows
 
 
-def _fleet_step(at: float, results: list, timeline: Timeline, thresholds, step: float) -> None:
+def _fleet_step(at: float, results: list, timeline: Timeline, thresholds, step: float, fleet_holds: dict) -> None:
     """The replicas' results at one step (name, _replica_step's answer), in
-    replica order, into the timeline; then the fleet rules per model."""
+    replica order, into the timeline; then the fleet rules per model, each
+    model's findings held as a replica's are (`fleet_holds`, model ->
+    FindingHold, kept by the caller from step to step): the fleet alerts
+    carry the same `keep_firing_for`."""
     by_model: dict[str, list[ReplicaRow]] = {}
     for name, result in results:
         if result is None:
@@ -271,8 +281,20 @@ def _fleet_step(at: float, results: list, timeline: Timeline, thresholds, step: 
         timeline.add(name, at, findings, replica=name)
         for model, row in rows:
             by_model.setdefault(model, []).append(row)
-    for model, rows in sorted(by_model.items()):
-        timeline.add(f"fleet:{model}", at, fleet_findings(model, rows, thresholds))
+    for model in sorted(by_model.keys() | fleet_holds.keys()):
+        hold = fleet_holds.get(model)
+        if hold is None:
+            hold = fleet_holds[model] = FindingHold(diagnosis.resolve_thresholds(thresholds)["finding_hold_seconds"])
+        rows = by_model.get(model)
+        held = hold.apply(at, fleet_findings(model, rows, thresholds) if rows else [])
+        # A held finding about a replica with no data at this step is not
+        # shown: the replica is down or gone, as its own page says.
+        present = {row.replica for row in rows or ()}
+        held = [f for f in held if f.clearing_since is None or f.evidence.get("replica") in present]
+        if held or rows:
+            timeline.add(f"fleet:{model}", at, held)
+        else:  # the model is gone and nothing of it is held: forgotten
+            del fleet_holds[model]
 
 
 # --------------------------------------------------------------------------
@@ -363,14 +385,14 @@ class _Workers:
                 raise RuntimeError(f"a diagnosis worker failed:\n{answer[1]}")
         return answers
 
-    def merge(self, sent: tuple, answers: list, timeline: Timeline, step: float) -> None:
+    def merge(self, sent: tuple, answers: list, timeline: Timeline, step: float, fleet_holds: dict) -> None:
         """Each step's answers back in replica order, into the timeline and
         the fleet rules, as _diagnose_step does in one process."""
         start, points, owners = sent
         for index in range(points):
             taken = [iter(answer[index]) for answer in answers]
             _fleet_step(start + index * step, [next(taken[owner]) for owner in owners], timeline,
-                        self.thresholds, step)
+                        self.thresholds, step, fleet_holds)
 
     def finish(self) -> dict[tuple, ReplicaState]:
         states: dict[tuple, ReplicaState] = {}

@@ -5,7 +5,7 @@ releases that export it and what kvwatch does when it is missing."""
 from __future__ import annotations
 
 from kvwatch.engines import vllm
-from kvwatch.signals import ENGINE_SERIES, HEALTH, IDENTITY, SIGNALS, TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS
+from kvwatch.signals import CENTRAL_HEALTH, ENGINE_SERIES, HEALTH, IDENTITY, SIGNALS, TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS
 
 def _row(name: str, kind: str, labels: str, help_text: str) -> str:
     return f"| `{name}` | {kind} | {labels} | {help_text.replace('|', '/')} |"
@@ -61,6 +61,17 @@ def render() -> str:
     for signal in SIGNALS:
         lines.append(_row(signal.name, signal.unit, signal.label or "", signal.help))
     lines += _tier()
+    lines += [
+        "",
+        "## Central mode's own health",
+        "",
+        "`kvwatch serve --prometheus URL` serves every replica's series above, each with the replica's labels from",
+        "the store, and these of its own, without replica labels.",
+        "",
+        "| metric | type | labels | meaning |",
+        "|---|---|---|---|",
+    ]
+    lines += [_row(f.sample_name, f.kind, ", ".join(f.labels), f.help) for f in CENTRAL_HEALTH]
     lines += _families()
     return "\n".join(lines) + "\n"
 

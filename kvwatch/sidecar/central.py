@@ -30,11 +30,13 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
 
 from kvwatch import __version__
 from kvwatch.diagnose.vocabulary import SEVERITIES
+from kvwatch.signals import CENTRAL_HEALTH
 from kvwatch.sidecar.app import GZIP_LEVEL, HotPaths, TokenFile, readiness
 from kvwatch.sidecar.collector import KvwatchCollector, Renderer
 from kvwatch.sidecar.report import _clean, diagnosis_json, finding_json, signals_json
@@ -70,6 +72,14 @@ class CentralCollector(Collector):
                 into.samples.extend(Sample(s.name, {**s.labels, **extra}, s.value, s.timestamp, s.exemplar)
                                     for s in family.samples)
         yield from merged.values()
+        state = self.central.state
+        values = {"kvwatch_central_store_up": 1.0 if state.up else 0.0,
+                  "kvwatch_central_replicas": float(len(state.replicas)),
+                  "kvwatch_central_replicas_dropped": float(state.dropped_replicas),
+                  "kvwatch_central_last_success_timestamp_seconds": state.last_success_time}
+        for health in CENTRAL_HEALTH:
+            if values[health.name] is not None:
+                yield GaugeMetricFamily(health.name, health.help, value=values[health.name])
 
 
 def replica_settings(settings, name: str):
