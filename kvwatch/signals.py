@@ -22,7 +22,10 @@ for the range and `{by}` for the aggregation labels.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Callable
@@ -376,7 +379,11 @@ class Signal:
 
 def _clamp01(value: float | None) -> float | None:
     # vllm-ascend reported negative usage on hybrid models; usage is 0..1.
-    return None if value is None else min(1.0, max(0.0, value))
+    if value is None:
+        return None
+    # min(1.0, max(0.0, value)) spelled out, without two builtin calls (NaN
+    # and -0.0 give 0.0 as there; tests compare the two).
+    return (value if value < 1.0 else 1.0) if value > 0.0 else 0.0
 
 
 def _usage(view: View) -> float | None:
@@ -423,32 +430,41 @@ def _cached_share(view: View) -> float | None:
     return None
 
 
+# Each quantile with its name in the values (str(q), written once).
+_QUANTILE_NAMES = tuple((q, str(q)) for q in QUANTILES)
+
+
 def _quantiles(key: str, label: str) -> Callable[[View], dict[str, float] | None]:
     def derive(view: View) -> dict[str, float] | None:
         histogram = view.increase.histograms.get(key)
         if histogram is None or histogram.count <= 0:
             return None
         values = {}
-        for q in QUANTILES:
+        for q, name in _QUANTILE_NAMES:
             quantile = histogram.reported_quantile(q)
             if quantile is None:
                 continue
-            values[str(q)] = quantile.value
-            if quantile.bound is not None:
+            values[name] = quantile.value
+            bound = quantile.bound
+            if bound is not None:
                 # Structured for every surface (evaluate() files it under the signal's name).
-                view.pinned[str(q)] = quantile.bound
-                side = "at most" if quantile.bound == "<" else "at least"
-                where = "in the first bucket" if quantile.bound == "<" else "at the last finite bucket"
+                view.pinned[name] = bound
+                side = "at most" if bound == "<" else "at least"
+                where = "in the first bucket" if bound == "<" else "at the last finite bucket"
                 view.notes.append(f"{label} p{q * 100:g} is {side} {quantile.value:g}: pinned {where}")
         return values or None
 
     return derive
 
 
+def _histogram_mean(view: View, key: str) -> float | None:
+    histogram = view.increase.histograms.get(key)
+    return histogram.mean() if histogram is not None else None
+
+
 def _mean(key: str) -> Callable[[View], float | None]:
     def derive(view: View) -> float | None:
-        histogram = view.increase.histograms.get(key)
-        return histogram.mean() if histogram is not None else None
+        return _histogram_mean(view, key)
 
     return derive
 
@@ -485,11 +501,11 @@ class TtftDecomposition:
 
 
 def ttft_decomposition(view: View) -> TtftDecomposition | None:
-    ttft = _mean("ttft")(view)
+    ttft = _histogram_mean(view, "ttft")
     if not ttft:
         return None
-    queue = _mean("queue_time")(view)
-    prefill = _mean("prefill_time")(view)
+    queue = _histogram_mean(view, "queue_time")
+    prefill = _histogram_mean(view, "prefill_time")
     queue_share = min(1.0, (queue or 0.0) / ttft)
     prefill_share = min(1.0 - queue_share, (prefill or 0.0) / ttft)
     shares = {"queue": queue_share, "prefill": prefill_share, "other": max(0.0, 1.0 - queue_share - prefill_share)}
@@ -512,13 +528,16 @@ def _rate(key: str) -> Callable[[View], float | None]:
 
 
 def _labelled_rates(prefix: str) -> Callable[[View], dict[str, float] | None]:
+    head = prefix + "/"
+
     def derive(view: View) -> dict[str, float] | None:
-        if view.increase.seconds <= 0:
+        seconds = view.increase.seconds
+        if seconds <= 0:
             return None
         found = {
-            key.split("/", 1)[1]: value / view.increase.seconds
+            key.split("/", 1)[1]: value / seconds
             for key, value in view.increase.counters.items()
-            if key.startswith(prefix + "/")
+            if key.startswith(head)
         }
         return found or None
 
@@ -679,9 +698,12 @@ def _sleeping(view: View) -> float | None:
 def _offload_rates(view: View) -> dict[str, float] | None:
     if view.increase.seconds <= 0:
         return None
-    found = {direction: view.increase.counters[f"offload_{direction}_bytes"] / view.increase.seconds
-             for direction in ("load", "store") if f"offload_{direction}_bytes" in view.increase.counters}
+    counters = view.increase.counters
+    found = {direction: counters[key] / view.increase.seconds for direction, key in _OFFLOAD_BYTES if key in counters}
     return found or None
+
+
+_OFFLOAD_BYTES = tuple((direction, f"offload_{direction}_bytes") for direction in ("load", "store"))
 
 
 def _sel(metric: str) -> str:
@@ -1001,7 +1023,7 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
     if not present:
         return None
     merged = EngineSnapshot(present[0][0], present[0][1] if len(present) == 1 else "*")
-    increase = Increase()
+    increase = None
     span = 0.0
     capacity = None
     block_size = None
@@ -1012,31 +1034,31 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
     eta = None
     for key in present:
         engine = latest.engines[key]
+        config = _engine_config(latest.cache_config.get(key[1], {}))
         series = window.gauge_series(key, "kv_usage")
         engine_eta = _eta(series)
         if engine_eta is not None:
             eta = engine_eta if eta is None else min(eta, engine_eta)
-        if blocks is not None:
-            blocks = blocks.add(latest.cache_config.get(key[1], {}), engine.gauges.get("kv_usage"), series)
-        engine_bytes = config_number(latest.cache_config.get(key[1], {}), "kv_cache_memory_bytes")
         engine_usage = engine.gauges.get("kv_usage")
+        if blocks is not None:
+            blocks = blocks.add(config, engine_usage, series)
+        engine_bytes = config.memory
         if used_bytes is not None and engine_bytes is not None and engine_usage is not None:
-            used_bytes += min(1.0, max(0.0, engine_usage)) * engine_bytes
+            used_bytes += _clamp01(engine_usage) * engine_bytes
         else:
             used_bytes = None
-        for gauge, value in engine.gauges.items():
-            if gauge == "kv_usage" or gauge == "v0_prefix_hit_rate":
-                previous = merged.gauges.get(gauge)
-                merged.gauges[gauge] = value if previous is None else max(previous, value)
-            else:
-                merged.gauges[gauge] = merged.gauges.get(gauge, 0.0) + value
         engine_increase = window.increase(key)
-        increase.add(engine_increase)
+        if increase is None:
+            merged.gauges = _first_gauges(engine.gauges)
+            increase = _first_increase(engine_increase)
+        else:
+            _merge_gauges(merged.gauges, engine.gauges)
+            increase.add(engine_increase)
         span = max(span, engine_increase.seconds)
-        engine_capacity = latest.capacity_tokens(key[1])
+        engine_capacity = config.capacity
         if engine_capacity is not None:
             capacity = (capacity or 0.0) + engine_capacity
-        block_size = block_size or config_number(latest.cache_config.get(key[1], {}), "block_size")
+        block_size = block_size or config.block_size
         # The window keeps these maxima as snapshots come and go.
         usage_peak = window.gauge_max(key, "kv_usage")
         if usage_peak is not None:
@@ -1053,6 +1075,62 @@ def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
         view.usage_mean = blocks.usage_weighted / blocks.usable if blocks.usable else None
     view.exhaustion_eta = eta
     return view
+
+
+# Gauges merged over engines by their maximum (a ratio); the others are summed.
+_MAX_GAUGES = ("kv_usage", "v0_prefix_hit_rate")
+_ZEROS = itertools.repeat(0.0)
+
+
+def _merge_gauges(merged: dict[str, float], gauges: dict[str, float]) -> None:
+    for gauge, value in gauges.items():
+        if gauge in _MAX_GAUGES:
+            previous = merged.get(gauge)
+            merged[gauge] = value if previous is None else max(previous, value)
+        else:
+            merged[gauge] = merged.get(gauge, 0.0) + value
+
+
+def _first_gauges(gauges: dict[str, float]) -> dict[str, float]:
+    """What _merge_gauges({}, gauges) makes (0.0 + each value, the maxima as
+    they are), with the additions in C: most views are of one engine."""
+    merged = dict(zip(gauges, map(operator.add, _ZEROS, gauges.values())))
+    for gauge in _MAX_GAUGES:
+        if gauge in gauges:
+            merged[gauge] = gauges[gauge]
+    return merged
+
+
+def _first_increase(increase: Increase) -> Increase:
+    """What Increase().add(increase) makes (0.0 + each counter), with the
+    additions in C; `increase` is left as it is (it is the window's answer)."""
+    counters = increase.counters
+    return Increase(0.0, dict(zip(counters, map(operator.add, _ZEROS, counters.values()))), dict(increase.histograms),
+                    0 + increase.restarts, 0 + increase.steps)
+
+
+@dataclass(frozen=True, slots=True)
+class _EngineConfig:
+    """What _view reads from one engine's cache_config_info, parsed once."""
+
+    count: float | None  # num_gpu_blocks
+    block_size: float | None
+    memory: float | None  # kv_cache_memory_bytes
+    capacity: float | None  # capacity_tokens()
+    blocks_hold: bool  # blocks_hold_capacity()
+
+
+def _engine_config(cache_config: dict[str, str]) -> _EngineConfig:
+    # Labels change only when an engine is reconfigured: parsed once per set.
+    return _parsed_config(tuple(cache_config.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_config(labels: tuple[tuple[str, str], ...]) -> _EngineConfig:
+    cache_config = dict(labels)
+    return _EngineConfig(config_number(cache_config, "num_gpu_blocks"), config_number(cache_config, "block_size"),
+                         config_number(cache_config, "kv_cache_memory_bytes"), capacity_tokens(cache_config),
+                         blocks_hold_capacity(cache_config))
 
 
 # Signals of whole-block arithmetic (BlockSums): absent on hybrid models,
@@ -1082,20 +1160,20 @@ class BlockSums:
     usage_weighted: float = 0.0
     bytes_per_block: float | None = None
 
-    def add(self, cache_config: dict[str, str], usage: float | None, series) -> "BlockSums | None":
-        count = config_number(cache_config, "num_gpu_blocks")
-        size = config_number(cache_config, "block_size")
+    def add(self, config: _EngineConfig, usage: float | None, series) -> "BlockSums | None":
+        count, size = config.count, config.block_size
         if not count or count < 2 or not size or usage is None or not series:
             return None
-        if not blocks_hold_capacity(cache_config):
+        if not config.blocks_hold:
             return None  # hybrid: block_size is the minimum over groups, blocks x size is not the capacity
         usable = count - 1
-        used = float(round(min(1.0, max(0.0, usage)) * usable))
+        used = float(round(_clamp01(usage) * usable))
         self.usable += usable
         self.used += used
         self.tokens += used * size
-        self.usage_weighted += usable * sum(min(1.0, max(0.0, v)) for _t, v in series) / len(series)
-        memory = config_number(cache_config, "kv_cache_memory_bytes")
+        clamped = [(v if v < 1.0 else 1.0) if v > 0.0 else 0.0 for _t, v in series]  # _clamp01, inline
+        self.usage_weighted += usable * sum(clamped) / len(series)
+        memory = config.memory
         per_block = memory / count if memory else None
         if self.bytes_per_block is None or per_block is None:
             self.bytes_per_block = per_block if self.usable == usable else None
@@ -1108,26 +1186,36 @@ def _eta(series: list[tuple[float, float]]) -> float | None:
     least its mean over that span (a cache that just emptied is not filling)."""
     if len(series) < 2:
         return None
-    series = [(t, v) for t, v in series if t >= series[-1][0] - TREND_SECONDS]
-    if len(series) < 2 or series[-1][1] < sum(v for _t, v in series) / len(series):
-        return None
+    horizon = series[-1][0] - TREND_SECONDS
+    series = [point for point in series if point[0] >= horizon]
     n = len(series)
+    if n < 2:
+        return None
+    # The definition's sums (sum(v) / n, sum(t - t0) / n, sum((t - t0 - mean_t) ** 2), ...)
+    # term by term and in the same order, with each term computed once.
+    values = [v for _t, v in series]
+    total = sum(values)
+    if values[-1] < total / n:
+        return None
     t0 = series[0][0]
-    mean_t = sum(t - t0 for t, _v in series) / n
-    mean_v = sum(v for _t, v in series) / n
-    var = sum((t - t0 - mean_t) ** 2 for t, _v in series)
+    offsets = [t - t0 for t, _v in series]
+    mean_t = sum(offsets) / n
+    mean_v = total / n
+    centred = [offset - mean_t for offset in offsets]
+    var = sum([d ** 2 for d in centred])
     if var <= 0:
         return None
-    slope = sum((t - t0 - mean_t) * (v - mean_v) for t, v in series) / var
+    slope = sum([d * (v - mean_v) for d, v in zip(centred, values)]) / var
     if slope <= 0:
         return None
-    return max(0.0, 1.0 - min(1.0, max(0.0, series[-1][1]))) / slope
+    return max(0.0, 1.0 - _clamp01(series[-1][1])) / slope
 
 
 # The View fields a derivation reads besides `latest`, `increase`, `notes`
 # and `pinned` (_inputs handles those): every other field, so a field added
 # to View joins the comparison by itself.
 _PLAIN_VIEW_FIELDS = tuple(f.name for f in fields(View) if f.name not in ("latest", "increase", "notes", "pinned"))
+_plain_view_fields = operator.attrgetter(*_PLAIN_VIEW_FIELDS)  # a tuple of them, read in C
 
 
 def _inputs(view: View) -> tuple:
@@ -1139,11 +1227,16 @@ def _inputs(view: View) -> tuple:
     increase = view.increase
     return ((dict(view.latest.gauges), increase.seconds, dict(increase.counters), dict(increase.histograms),
              increase.restarts, increase.steps, tuple(view.notes))
-            + tuple(getattr(view, name) for name in _PLAIN_VIEW_FIELDS))
+            + _plain_view_fields(view))
 
 
 def _copied(values: dict) -> dict:
-    return {name: dict(value) if type(value) is dict else value for name, value in values.items()}
+    """The values, each dict among them copied too."""
+    copy = dict(values)
+    # The names of the dict values, picked in C (most values are floats or None).
+    for name in itertools.compress(values, map(operator.is_, map(type, values.values()), itertools.repeat(dict))):
+        copy[name] = dict(copy[name])
+    return copy
 
 
 def evaluate(view: View, model: str, engine: str | None, remembered: dict | None = None,

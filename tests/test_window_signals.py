@@ -284,6 +284,132 @@ def test_unchanged_inputs_give_the_values_again_without_deriving_them(fixtures_d
     assert len(derived) == 1
 
 
+# The fast forms in kvwatch.signals against the forms they stand for, on the
+# inputs where the two could part: NaN, signed zeros, ints, values past 0..1.
+EDGES = [float("nan"), -0.0, 0.0, 1.0, 1, 0, -1, 2, 0.5, 1e-300, -1e-300, float("inf"), float("-inf"),
+         0.9999999999999999, 1.0000000000000002, True, False]
+
+
+def same(a, b) -> bool:
+    """Equal to the bit: NaN, the sign of zero and int against float included."""
+    return repr(a) == repr(b) and type(a) is type(b)
+
+
+def test_the_clamp_spelled_out_is_min_of_max_on_every_edge():
+    from kvwatch import signals
+    from kvwatch.snapshot import config_number
+
+    for value in EDGES:
+        assert same(signals._clamp01(value), min(1.0, max(0.0, value))), value
+    assert signals._clamp01(None) is None
+    # BlockSums clamps the window's usages inline: its mean is the definition's.
+    labels = {"num_gpu_blocks": "101", "block_size": "16"}
+    series = [(1000.0 + i, value) for i, value in enumerate(EDGES)]
+    sums = signals.BlockSums().add(signals._engine_config(labels), 0.5, series)
+    usable = config_number(labels, "num_gpu_blocks") - 1
+    expected = usable * sum(min(1.0, max(0.0, v)) for _t, v in series) / len(series)
+    assert same(sums.usage_weighted, expected)
+
+
+def _eta_as_defined(series):
+    """kvwatch.signals._eta as the definition reads, one generator per sum."""
+    from kvwatch.signals import TREND_SECONDS
+
+    if len(series) < 2:
+        return None
+    series = [(t, v) for t, v in series if t >= series[-1][0] - TREND_SECONDS]
+    if len(series) < 2 or series[-1][1] < sum(v for _t, v in series) / len(series):
+        return None
+    n = len(series)
+    t0 = series[0][0]
+    mean_t = sum(t - t0 for t, _v in series) / n
+    mean_v = sum(v for _t, v in series) / n
+    var = sum((t - t0 - mean_t) ** 2 for t, _v in series)
+    if var <= 0:
+        return None
+    slope = sum((t - t0 - mean_t) * (v - mean_v) for t, v in series) / var
+    if slope <= 0:
+        return None
+    return max(0.0, 1.0 - min(1.0, max(0.0, series[-1][1]))) / slope
+
+
+def test_the_exhaustion_trend_equals_its_definition_to_the_bit():
+    import random
+
+    from kvwatch.signals import _eta
+
+    rng = random.Random(7)
+    cases = [
+        [], [(1000.0, 0.5)], [(1000.0, 0.5), (1000.0, 0.6)],  # one point; no time between two
+        [(1000, 0.1), (1010, 0.2), (1020, 0.4)],  # int times
+        [(1000.0, 0.1), (1400.0, 0.2), (1410.0, 0.3)],  # the first point older than the trend's span
+        [(1400.0, 0.3), (1000.0, 0.1), (1410.0, 0.5)],  # out of order
+        [(1000.0, 0.2), (1010.0, float("nan")), (1020.0, 0.4)],
+        [(1000.0, 0.9), (1010.0, 1.3), (1020.0, 1.7)],  # past full
+        [(1000.0, -0.0), (1010.0, 0.0), (1020.0, 1)],
+    ]
+    for _ in range(300):
+        start = rng.choice([0.0, 1.7e9, 1_700_000_000])
+        step = rng.choice([1, 10.0, 15.0, 30.0, 0.37])
+        usage = rng.random()
+        series = []
+        for i in range(rng.randint(2, 40)):
+            usage = min(1.2, max(-0.1, usage + rng.uniform(-0.05, 0.08)))
+            series.append((start + i * step, round(usage, rng.choice([2, 6, 17]))))
+        cases.append(series)
+    for series in cases:
+        assert same(_eta(list(series)), _eta_as_defined(list(series))), series
+
+
+def test_a_view_of_one_engine_merges_as_the_general_loop_does():
+    from kvwatch import signals
+    from kvwatch.window import Increase
+
+    gauges = {"running": -0.0, "kv_usage": -0.0, "waiting": 3, "v0_prefix_hit_rate": 1,
+              "waiting_by_reason/capacity": float("nan"), "sleep_state/awake": 1.0}
+    general: dict = {}
+    signals._merge_gauges(general, gauges)
+    fast = signals._first_gauges(gauges)
+    assert list(fast) == list(general) and all(same(fast[k], general[k]) for k in general)
+
+    histogram = Histogram((1.0, float("inf")), (1.0, 2.0), 3.0, 2.0)
+    window_answer = Increase(12.5, {"prompt_tokens": -0.0, "preemptions": 3, "prefix_hits": float("nan"),
+                                    "finished/stop": 4.0}, {"ttft": histogram}, True, 2)
+    general_increase = Increase()
+    general_increase.add(window_answer)
+    fast_increase = signals._first_increase(window_answer)
+    assert repr(fast_increase) == repr(general_increase)
+    assert [type(v) for v in fast_increase.counters.values()] == [type(v) for v in general_increase.counters.values()]
+    assert fast_increase.counters is not window_answer.counters
+    assert fast_increase.histograms is not window_answer.histograms
+    assert same(window_answer.counters["prompt_tokens"], -0.0)  # the window's answer is left as it was
+
+
+def test_parsed_engine_configuration_is_the_labels_parsed_each_time():
+    from kvwatch import signals
+    from kvwatch.snapshot import capacity_tokens, config_number
+
+    configs = [{}, {"num_gpu_blocks": "2048", "block_size": "16"},
+               {"num_gpu_blocks": "2048", "block_size": "16", "kv_cache_size_tokens": "40000"},  # hybrid
+               {"num_gpu_blocks": "None", "block_size": "auto", "kv_cache_memory_bytes": "4194304"},
+               {"num_gpu_blocks": "4096", "block_size": "16", "kv_cache_memory_bytes": "8388608"}]
+    for labels in configs + configs:  # parsed, then found again
+        parsed = signals._engine_config(dict(labels))
+        assert parsed == signals._EngineConfig(
+            config_number(labels, "num_gpu_blocks"), config_number(labels, "block_size"),
+            config_number(labels, "kv_cache_memory_bytes"), capacity_tokens(labels),
+            signals.blocks_hold_capacity(labels)), labels
+
+
+def test_kept_values_are_copied_down_to_their_dicts():
+    from kvwatch import signals
+
+    values = {"a": 1.0, "b": None, "c": {"0.5": 1.0}, "d": {"load": 2.0}, "e": 3}
+    copy = signals._copied(values)
+    assert copy == values and copy is not values
+    assert copy["c"] is not values["c"] and copy["d"] is not values["d"]
+
+
 def test_lazy_values_are_the_evaluated_ones_read_in_any_order(fixtures_dir):
     """evaluate_window(lazy=True) (the history diagnosis) derives a signal
     where it is read: over every real recording, at every poll, each value,
