@@ -25,8 +25,6 @@ same Snapshots and stays as the reference).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -77,24 +75,6 @@ class History:
     cost: dict[str, Any]
     diagnose_seconds: float
     steps: int
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cyclic garbage collector paused while a chunk of steps is
-    diagnosed. Each step allocates many small objects, and every so many
-    allocations the collector walks every object alive, here the replicas'
-    windows and the chunk's values: a fifth of the CPU of a 64-replica
-    history (measured; benchmarks/RESULTS.md). Reference counting still
-    frees what a step leaves behind; the collector, back on afterwards, takes
-    what is left in cycles, bounded by one chunk."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def usable_cores() -> int:
@@ -242,14 +222,13 @@ def _diagnose_chunk(start: float, step: float, points: int, ordered, replicas: d
     replica at one step, then the next step); the replicas' states are
     their own, so the answers are the same."""
     answers: list[list] = [[] for _ in range(points)]
-    with collector_paused():
-        for key, replica in ordered:
-            state = _state(replicas, key, replica, window_seconds)
-            for index in range(points):
-                answer = _replica_step(state, replica, index, start + index * step, thresholds, fast)
-                if answer is not None:  # the rows as the fleet rules read them: less to keep or send
-                    answer = answer[0], [(model, row.slim()) for model, row in answer[1]]
-                answers[index].append((state.name, answer))
+    for key, replica in ordered:
+        state = _state(replicas, key, replica, window_seconds)
+        for index in range(points):
+            answer = _replica_step(state, replica, index, start + index * step, thresholds, fast)
+            if answer is not None:  # the rows as the fleet rules read them: less to keep or send
+                answer = answer[0], [(model, row.slim()) for model, row in answer[1]]
+            answers[index].append((state.name, answer))
     return answers
 
 
