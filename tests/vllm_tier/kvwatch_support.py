@@ -105,7 +105,15 @@ class PageRecorder(LoopbackServer):
                 return 0.0
             return page.requested_at - poll_stamp if poll_stamp < page.requested_at else poll_stamp - page.answered_at
 
-        near = [page for page in self.pages if distance(page) <= slack_s]
+        # A page is recorded once its answer has been sent (its answered_at),
+        # so kvwatch may have read it, polled and published before it is
+        # here: wait a little for it rather than call it missing.
+        deadline = time.monotonic() + 2.0
+        while True:
+            near = [page for page in self.pages if distance(page) <= slack_s]
+            if near or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         if not near:
             raise AssertionError(f"no recorded page was requested or answered within {slack_s} s of "
                                  f"{poll_stamp:.3f} (recorded: {len(self.pages)} pages)")
