@@ -8,7 +8,9 @@ poll leaves the page, the API and `kvwatch_finding` for that poll and comes
 back, which sends an alert's `for:` back to pending or resolves and re-fires
 it. While held, a finding is reported as it was last seen, with
 `clearing_since` set; if its condition holds again it is plain active again,
-and after the hold it ends.
+and after the hold it ends. The sidecar (Monitor), a replay (which runs the
+Monitor), the history and central mode (one hold per replica, and one per
+model for its fleet findings) apply the same hold.
 
 Its severity never falls while it lasts: a rule may judge one episode
 critical at one poll and warning at the next (an exhaustion is critical
@@ -16,8 +18,7 @@ while preemptions are in the window, warning once they have left it but the
 cache is still full), and `kvwatch_finding` carries the severity as a label,
 so a fall would end one series and start another: an alert on the first
 resolves and one on the second starts its `for:` over. The finding keeps the
-highest severity seen since it began; a rise shows at once. The sidecar (Monitor), a replay (which runs the
-Monitor) and the history (one hold per replica) apply the same hold.
+highest severity seen since it began; a rise shows at once.
 """
 
 from __future__ import annotations
