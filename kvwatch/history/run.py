@@ -397,7 +397,8 @@ class _Workers:
 
     def merge(self, sent: tuple, answers: list, timeline: Timeline, step: float, fleet_holds: dict) -> None:
         """Each step's answers back in replica order, into the timeline and
-        the fleet rules, as _diagnose_step does in one process."""
+        the fleet rules, as diagnose_history does after _diagnose_chunk in one
+        process."""
         start, points, owners = sent
         for index in range(points):
             taken = [iter(answer[index]) for answer in answers]
