@@ -204,9 +204,10 @@ def test_cases_cover_every_alert_and_cause_and_check_every_alert():
     covered = {(e[0], e[1], e[3] if len(e) > 3 else cases.SEVERITY[e[1]])
                for case in cases.default_cases() + cases.upstream_cases() + cases.no_reuse_cases()
                + cases.fleet_cases() for e in case.expect}
-    specs = {(s.alert, s.cause, s.severity) for s in alert_specs(MixinConfig())}
-    specs |= {(s.alert, s.cause, s.severity) for s in alert_specs(config_from_mapping(cases.UPSTREAM_CONFIG))}
-    specs |= {(s.alert, s.cause, s.severity) for s in alert_specs(config_from_mapping(cases.NO_REUSE_CONFIG))}
+    # (The objectives' burn-rate alerts have their own cases: tests/test_objectives_promtool.py.)
+    specs = {(s.alert, s.cause, s.severity) for config in (MixinConfig(), config_from_mapping(cases.UPSTREAM_CONFIG),
+                                                           config_from_mapping(cases.NO_REUSE_CONFIG))
+             for s in alert_specs(config) if s.kind == "cause"}
     assert specs == covered
     # Each case checks every alert name, so a cause firing where another
     # should is a failure: the negative half of every branch.
@@ -220,8 +221,10 @@ def test_cases_cover_every_alert_and_cause_and_check_every_alert():
 def test_case_labels_match_the_config():
     config = MixinConfig()
     for spec in alert_specs(config):
-        assert (cases.PREEMPTING if spec.variant == "preempting" else cases.SEVERITY[spec.cause]) == spec.severity
-    assert all(rule["labels"]["cause"] for rule in load_rules() if "alert" in rule)
+        if spec.kind == "cause":
+            assert (cases.PREEMPTING if spec.variant == "preempting" else cases.SEVERITY[spec.cause]) == spec.severity
+    # Every alert names its cause, or (a page) its objective.
+    assert all(rule["labels"].get("cause") or rule["labels"].get("objective") for rule in load_rules() if "alert" in rule)
 
 
 @needs_promtool
@@ -243,24 +246,31 @@ def test_the_unit_tests_catch_a_threshold_that_never_fires(tmp_path):
     assert "VllmTimeToFirstTokenSlow" in result.stdout + result.stderr
 
 
-def test_alert_severities_are_the_diagnosis_severities():
-    # One table: exhaustion with preemptions is critical in the diagnosis, so
-    # it is critical in the alert too (it used to be warning, waking no one).
+def test_alert_severities_are_the_diagnosis_severities_and_only_objectives_page():
+    # One table for the causes, with one exception: exhaustion with
+    # preemptions is the diagnosis' critical finding, but the alert is a
+    # warning that explains the page: what pages is an objective (users feel
+    # late first tokens and failed requests, not preemptions).
     from kvwatch.diagnose.vocabulary import SEVERITY, severity_of
 
     specs = alert_specs(MixinConfig())
     for spec in specs:
         if spec.symptom and spec.cause in SEVERITY:
-            assert spec.severity == severity_of(spec.cause, preempting=spec.variant == "preempting"), spec.uid
+            assert spec.severity == severity_of(spec.cause), spec.uid
     # The alerts the diagnosis has no finding for: a forecast, and kvwatch's own health.
-    assert {s.cause for s in specs if s.cause not in SEVERITY} <= {
-        "usage_rising", "kvwatch_unreachable", "kvwatch_absent", "engine_unreachable"}
-    exhausted = {(s.cause, s.severity) for s in specs if s.alert == "VllmKvCacheExhausted"}
-    assert ("concurrency_beyond_capacity", "critical") in exhausted
-    assert ("concurrency_beyond_capacity", "warning") in exhausted
-    rules = {(r["labels"]["cause"], r["labels"]["severity"]): r for r in load_rules()
-             if r.get("alert") == "VllmKvCacheExhausted"}
-    assert "preemptions" in rules[("concurrency_beyond_capacity", "critical")]["expr"]
+    assert {s.cause for s in specs if s.cause not in SEVERITY and s.kind == "cause"} <= {
+        "usage_rising", "kvwatch_unreachable", "kvwatch_absent", "engine_unreachable", "stats_disabled"}
+    critical = {(s.alert, s.kind) for s in specs if s.severity == "critical"}
+    assert critical == {("VllmTimeToFirstTokenBudgetBurn", "objective"), ("VllmRequestErrorBudgetBurn", "objective"),
+                        ("KvwatchEngineUnreachable", "cause")}
+    # Without a severity apart for preemptions, each exhaustion cause is one rule...
+    exhausted = [s for s in specs if s.alert == "VllmKvCacheExhausted"]
+    assert sorted(s.cause for s in exhausted) == ["concurrency_beyond_capacity", "long_requests"]
+    assert all(s.severity == "warning" and "preemptions" in s.query for s in exhausted)
+    # ...and a config that pages on preemptions gets the split back.
+    paging = alert_specs(config_from_mapping({"severities": {"concurrency_beyond_capacity_preempting": "critical"}}))
+    split = {(s.variant, s.severity) for s in paging if s.cause == "concurrency_beyond_capacity"}
+    assert split == {("preempting", "critical"), ("", "warning")}
 
 
 def test_docs_alerts_table_gives_every_alert_its_severity_and_for():
@@ -269,4 +279,6 @@ def test_docs_alerts_table_gives_every_alert_its_severity_and_for():
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table if line.count("|") == 7]
     for spec in alert_specs(MixinConfig()):
         assert any(row[0] == f"`{spec.alert}`" and f"`{spec.cause}`" in row[1] and row[2] == spec.severity
-                   and row[3] == spec.for_ and row[4] and row[5] for row in rows), (spec.alert, spec.cause)
+                   and row[3] == spec.for_ and row[4] and row[5]
+                   and (spec.kind == "cause" or spec.variant in row[1] or "every pair" in row[1])
+                   for row in rows), (spec.alert, spec.cause, spec.variant)
