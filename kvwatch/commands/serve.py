@@ -44,6 +44,7 @@ OPTIONS = {
     "upstream_target": "a gateway's or application's /metrics (second source for TTFT diagnosis)",
     "upstream_histogram": "the histogram there that measures time before the engine, e.g. app_retrieval_seconds",
     "lmcache_target": "LMCache's /metrics (the engine's own when LMCache shares its registry): a KV tier read beside the engine",
+    "demo_target": "a kvwatch sim's /sim/phase (make run sets it): the status page names the simulated phase now and the next",
     "auth_token_file": "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
     "tls_cert_file": "serve kvwatch over TLS with this certificate",
     "tls_key_file": "and this key",
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         # The recorded target and interval; nothing is fetched.
         overrides.update(target=capture.manifest.get("target") or None,
                          poll_interval=capture.manifest.get("interval_seconds") or None,
-                         upstream_target="", upstream_histogram="", lmcache_target="")
+                         upstream_target="", upstream_histogram="", lmcache_target="", demo_target="")
     if getattr(args, "prometheus", None):
         return run_central(args, overrides)
     try:
