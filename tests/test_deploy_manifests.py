@@ -294,14 +294,15 @@ def check_wiring(objects: list[dict], monitor_kind: str) -> None:
     check_sidecar_probes(container)
 
     service_ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert service_ports[s.port_name]["targetPort"] == s.port_name
+    # By number: Kubernetes resolves a native sidecar's named port for a Service only from 1.32.
+    assert service_ports[s.port_name]["targetPort"] == port["containerPort"]
     assert service_ports[s.port_name]["port"] == s.kvwatch_port
 
     if monitor_kind == "ServiceMonitor":
         assert matches(monitor["spec"]["selector"], service["metadata"]["labels"])
         endpoints = monitor["spec"]["endpoints"]
         assert [e["port"] for e in endpoints] == [s.port_name]
-        assert service_ports[endpoints[0]["port"]]["targetPort"] == port["name"]
+        assert service_ports[endpoints[0]["port"]]["targetPort"] == port["containerPort"]
     else:
         assert matches(monitor["spec"]["selector"], pod_labels)
         endpoints = monitor["spec"]["podMetricsEndpoints"]

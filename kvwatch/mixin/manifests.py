@@ -179,7 +179,9 @@ def service(s: DeploySettings) -> dict:
             "selector": dict(s.labels),
             "ports": [
                 {"name": "http", "port": s.vllm_port, "targetPort": "http", "protocol": "TCP"},
-                {"name": s.port_name, "port": s.kvwatch_port, "targetPort": s.port_name, "protocol": "TCP"},
+                # By number: a Service resolves a named port of a native sidecar
+                # (an init container) only from Kubernetes 1.32 on.
+                {"name": s.port_name, "port": s.kvwatch_port, "targetPort": s.kvwatch_port, "protocol": "TCP"},
             ],
         },
     }
@@ -521,7 +523,8 @@ kubectl apply -n YOUR_NAMESPACE -f ../base/prometheusrule.yaml -f ../base/grafan
 The PodMonitor selects pods labelled {labels} and scrapes their container port
 `{port_name}`: give your pod template those labels, or edit its selector. (The
 ServiceMonitor also needs a Service with those labels and a port named
-`{port_name}` targeting `{port_name}`.) docs/deploy.md has the details.
+`{port_name}` targeting container port {kvwatch_port}: by number, since a Service
+resolves a native sidecar's named port only from Kubernetes 1.32.) docs/deploy.md has the details.
 """
 
 
@@ -636,6 +639,7 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
         files[patch + "kustomization.yaml"] = HEADER + to_yaml(sidecar_component())
         files[patch + "README.md"] = SIDECAR_README.format(
             vllm_port=s.vllm_port, name=s.name, image=s.image, port_name=s.port_name, patch=SIDECAR_PATCH_FILE,
+            kvwatch_port=s.kvwatch_port,
             directory=f"deploy/kubernetes/{directory}",
             labels=", ".join(f"`{k}={v}`" for k, v in s.labels.items()))
 
