@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
@@ -94,6 +94,8 @@ class State:
     # A replay's progress (kvwatch serve --replay; None when live): the
     # monitor's one dict, so its `finished` shows on the last state too.
     replay: dict[str, Any] | None = None
+    # The simulator's phase now and the next (kvwatch/sidecar/demo.py), only with demo_target.
+    demo: dict[str, Any] | None = None
 
 
 
@@ -154,6 +156,11 @@ class Monitor:
             from kvwatch.sidecar.lmcache import LMCacheSource
 
             self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
+        self.demo = None
+        if settings.demo_target:
+            from kvwatch.sidecar.demo import DemoSource
+
+            self.demo = DemoSource(settings.demo_target, settings.fetch_timeout)
         self.kv_events = None
         if settings.kv_events:
             from kvwatch.kvevents.source import KVEventSource
@@ -217,9 +224,13 @@ class Monitor:
             started_monotonic = time.monotonic()
             result = self.fetcher.fetch()
             if not result.ok:
-                return self._record_failure(result.reason, result.detail, started, result.seconds,
-                                            time.thread_time() - started_cpu, result.sentence)
-            return self._ingest(result, started, started_monotonic, started_cpu)
+                state = self._record_failure(result.reason, result.detail, started, result.seconds,
+                                             time.thread_time() - started_cpu, result.sentence)
+            else:
+                state = self._ingest(result, started, started_monotonic, started_cpu)
+            if self.demo is not None:
+                state = self.state = replace(state, demo=self.demo.poll())
+            return state
 
     def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
         if self.adapter is None:
