@@ -126,10 +126,11 @@ def stack():
 def _depends_on_the_workload(expr: str) -> bool:
     """Queries that hold data only after something happened, whatever the
     engine: an active finding, a restart (resets()), a healthy hit ratio
-    remembered, or a fleet of several replicas (one simulator per engine here).
+    remembered, a fleet of several replicas (one simulator per engine here),
+    or a cause's condition (kvwatch-causes.rules: present only while it holds).
     tests/test_e2e_alerting.py and the promtool cases check those."""
     names = metric_names(expr)
-    return ("kvwatch_finding" in names or "resets(" in expr
+    return ("kvwatch_finding" in names or "resets(" in expr or ":condition" in expr
             or any("last_healthy" in name or "fleet" in name for name in names) or "last_healthy" in expr)
 
 
