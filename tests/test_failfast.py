@@ -91,3 +91,14 @@ def test_capture_keep_trying_records_for_the_whole_count(tmp_path, capsys):
     assert Capture(str(tmp_path / "none")).manifest["failed"] == 5
     # Each reason is said once as it happens (not once a fetch), and in the closing line.
     assert capsys.readouterr().err.count("connection refused") == 2
+
+
+def test_capture_out_with_a_file_suffix_it_cannot_write_is_refused(tmp_path, capsys):
+    # `--out x.zip` silently made a folder named x.zip.
+    for name in ("x.zip", "x.json", "x.tar"):
+        out = tmp_path / name
+        assert main(["capture", "--target", "http://127.0.0.1:9", "--count", "1", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"kvwatch writes a folder or a .tar.gz bundle, not a {out.suffix} file" in err
+        assert f"{tmp_path / 'x'}.tar.gz" in err
+        assert not out.exists()

@@ -14,9 +14,10 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
-from kvwatch.capture.bundle import CaptureError, CaptureWriter, Entry
+from kvwatch.capture.bundle import CaptureError, CaptureWriter, Entry, is_bundle
 from kvwatch.capture.record import manifest_for, record
 from kvwatch.commands import failfast
 from kvwatch.scrape import Fetcher, failure_sentence, public_host
@@ -26,6 +27,18 @@ from kvwatch.units import parse_duration
 EXIT_OK, EXIT_NO_PAGES, EXIT_UNUSABLE = 0, 1, 2
 # Without a terminal (a log, CI), one progress line per this many fetches.
 PROGRESS_EVERY = 60
+# Names of files kvwatch does not write: `--out x.zip` made a folder named x.zip.
+FILE_SUFFIXES = (".zip", ".tar", ".gz", ".bz2", ".xz", ".zst", ".7z", ".rar", ".tbz", ".tbz2", ".txz", ".json",
+                 ".txt", ".yaml", ".yml", ".log", ".csv", ".html", ".prom")
+
+
+def out_problem(out: str) -> str | None:
+    """Why `--out` names something kvwatch cannot write, or None."""
+    path = Path(out)
+    if is_bundle(path) or path.suffix.lower() not in FILE_SUFFIXES:
+        return None
+    return (f"--out {out}: kvwatch writes a folder or a .tar.gz bundle, not a {path.suffix} file; "
+            f"name a folder (e.g. {path.with_suffix('')}) or a bundle ({path.with_suffix('')}.tar.gz)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if args.count is not None and args.count < 1:
         return _fail(["--count must be at least 1"])
     max_failures, problem = failfast.limit_of(args)
+    if problem:
+        return _fail([problem])
+    problem = out_problem(args.out)
     if problem:
         return _fail([problem])
     overrides = {"target": args.target, "poll_interval": interval, "window": max(300.0, 2 * interval),
