@@ -408,3 +408,14 @@ def test_the_api_serves_the_sizing_curve_and_kvwatch_capacity_prints_it(fixtures
     with PageServer([Answer(json.dumps({"findings": []}), headers={"Content-Type": "application/json"})]) as served:
         with pytest.raises(capacity.CapacityInputError, match="does not read KV-cache events"):
             capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))
+
+
+def test_sglangs_batches_read_as_vllms():
+    # SGLang's publisher (python/sglang/srt/disaggregation/kv_events.py) sends
+    # the array layout without data_parallel_rank, medium or lora_name.
+    payload = msgspec.msgpack.encode([3.5, [["BlockStored", [11, 12], None, list(range(32)), 16, None],
+                                            ["BlockRemoved", [11]], ["AllBlocksCleared"]]])
+    batch = wire.Decoder().decode(payload)
+    assert batch.rank is None and batch.skipped == 0
+    assert [(e.kind, list(e.hashes), e.block_size, e.medium) for e in batch.events] == [
+        ("BlockStored", [11, 12], 16, None), ("BlockRemoved", [11], None, None), ("AllBlocksCleared", [], None, None)]
