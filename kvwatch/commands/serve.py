@@ -184,7 +184,7 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
     import os
 
     from kvwatch.history.central import DEFAULT_INTERVAL, Central
-    from kvwatch.history.query import PrometheusClient, check_selector
+    from kvwatch.history.query import CENTRAL_MAX_BYTES, PrometheusClient, check_selector
     from kvwatch.sidecar.settings import Settings, normalize_target
 
     problems = []
@@ -230,7 +230,7 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
     settings.target = args.prometheus
     client = PrometheusClient(args.prometheus, timeout=settings.fetch_timeout,
                               bearer_token_file=settings.bearer_token_file, ca_bundle=settings.ca_bundle,
-                              tls_verify=settings.tls_verify)
+                              tls_verify=settings.tls_verify, max_bytes=CENTRAL_MAX_BYTES)
     central = Central(client, settings, args.selector, args.source,
                       tuple(label.strip() for label in args.replica_labels.split(",") if label.strip()),
                       max_replicas=args.max_replicas)
