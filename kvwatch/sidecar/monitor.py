@@ -244,7 +244,8 @@ class Monitor:
         lmcache = self._poll_lmcache(result.text if self._lmcache_on_engine_page else None, answered)
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
-                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache)
+                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache,
+                                      incumbents=self.hold.incumbents())
         findings = self.hold.apply(answered, findings)
         self._polls += 1
         was_up = self.state.up
