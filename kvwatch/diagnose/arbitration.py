@@ -13,6 +13,8 @@ symptom partition its value with `unless`, and the first-token residual is
 `preemption` wherever the exhaustion detector holds, `front_end` elsewhere).
 
 The rule, in order:
+0. a cause that is only the reason another could happen (SUBORDINATE: the
+   scheduler's setting behind an exhausted cache) is primary only alone;
 1. higher confidence wins (what the numbers prove beats what they suggest);
 2. then the larger share of the symptom the cause explains (WEIGHT: the
    evidence value that measures it, e.g. the queue's share of the time to
@@ -53,6 +55,13 @@ RANK: dict[str, tuple[str, ...]] = {
     "fleet": ("imbalance", "lost_prefix_affinity", "cold_replica"),
 }
 assert all(set(RANK[s]) == set(CAUSES[s]) for s in RANK), "RANK orders every cause of its symptom"
+
+# Causes that are a reason another cause could happen, not a reading of the
+# symptom: primary only when no other cause of the symptom was found. The
+# scheduler admitting more than fit is why too many or too long requests
+# exhaust the cache; the alert names the load shape (it has no rule of its
+# own), and so does kvwatch_finding.
+SUBORDINATE = frozenset({"capacity_below_max_num_seqs"})
 
 # cause -> the evidence value (0..1) that says how much of the symptom it
 # explains, where causes of one symptom are told apart by size.
@@ -105,7 +114,7 @@ def strength(finding: Finding, incumbents: frozenset | set = frozenset()) -> tup
     causes = RANK.get(finding.symptom, ())
     place = causes.index(finding.cause) if finding.cause in causes else len(causes)
     incumbent = (group_key(finding), finding.cause) in incumbents
-    return (_confidence(finding), incumbent, weight if isinstance(weight, (int, float)) else -1.0, -place)
+    return (finding.cause not in SUBORDINATE, _confidence(finding), incumbent, weight if isinstance(weight, (int, float)) else -1.0, -place)
 
 
 def contributor(finding: Finding) -> dict[str, Any]:
@@ -148,7 +157,7 @@ def arbitrate(findings: Iterable[Finding], incumbents: frozenset | set = frozens
         # stays while it clears, unless a rival at least as sure takes over.
         held = next((f for f in members if f.clearing_since is not None and (group_key(f), f.cause) in incumbents),
                     None)
-        if active and held is not None and _confidence(held) > _confidence(primary):
+        if active and held is not None and strength(held)[:2] > strength(primary)[:2]:
             primary = held
         rivals = [f for f in active if f is not primary]
         if rivals:
