@@ -3,6 +3,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
+# KVWATCH_CACHE_DIR points every cache the tests reuse at one folder (.ci/run
+# explains): pip's goes there too, so an empty folder means a cold install.
+ifdef KVWATCH_CACHE_DIR
+export PIP_CACHE_DIR := $(KVWATCH_CACHE_DIR)/pip
+endif
+
 .PHONY: run test test-vllm test-llamacpp capture-vllm capture-llamacpp bench generate check-generated screenshots system-deps clean
 
 $(STAMP): pyproject.toml

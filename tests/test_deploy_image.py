@@ -170,8 +170,7 @@ def test_runs_as_a_numeric_non_root_user_with_kvwatch_serve_as_entry_point(docke
     assert exec_form(runtime, "CMD") == []
     assert runtime.all("EXPOSE") == [str(Settings().port)]
     # The Kubernetes sidecar runs as the same uid.
-    deployment = yaml.safe_load((KUBE / "base" / "vllm-deployment.yaml").read_text())
-    container = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "kvwatch"][0]
+    container = kvwatch_in(yaml.safe_load((KUBE / "base" / "vllm-deployment.yaml").read_text()))
     assert container["securityContext"]["runAsUser"] == int(uid)
 
 
@@ -209,12 +208,18 @@ def container_argv(image_entrypoint: list[str], image_cmd: list[str], container:
 def sidecar_deployments() -> list[tuple[str, dict, dict]]:
     """(layout, kvwatch container, kvwatch.yaml ConfigMap) for the base and the sidecar patch."""
     base = yaml.safe_load((KUBE / "base" / "vllm-deployment.yaml").read_text())
-    base_container = [c for c in base["spec"]["template"]["spec"]["containers"] if c["name"] == "kvwatch"][0]
-    patch_ops = yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-container.yaml").read_text())
+    base_container = kvwatch_in(base)
+    patch = yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-sidecar.yaml").read_text())
     return [
         ("base", base_container, yaml.safe_load((KUBE / "base" / "kvwatch-config.yaml").read_text())),
-        ("sidecar-patch", patch_ops[0]["value"], yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-config.yaml").read_text())),
+        ("sidecar-patch", kvwatch_in(patch), yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-config.yaml").read_text())),
     ]
+
+
+def kvwatch_in(deployment: dict) -> dict:
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = [c for c in spec.get("initContainers", []) + spec.get("containers", []) if c["name"] == "kvwatch"]
+    return container
 
 
 @pytest.mark.parametrize("layout", ["base", "sidecar-patch"])
@@ -244,7 +249,7 @@ def test_the_containers_command_line_serves_and_becomes_ready(layout, dockerfile
     config = yaml.safe_load(config_map["data"][mounted_config.name])
 
     port = free_port()
-    assert int(env["KVWATCH_PORT"]) == [p for p in container["ports"] if p["name"] == container["readinessProbe"]["httpGet"]["port"]][0]["containerPort"]
+    assert int(env["KVWATCH_PORT"]) == [p for p in container["ports"] if p["name"] == container["livenessProbe"]["httpGet"]["port"]][0]["containerPort"]
     assert env["KVWATCH_HOST"] == "0.0.0.0"
     env["KVWATCH_PORT"] = str(port)
     env["KVWATCH_HOST"] = "127.0.0.1"  # tests stay on loopback; the image's 0.0.0.0 is asserted above
@@ -276,7 +281,7 @@ def test_the_containers_command_line_serves_and_becomes_ready(layout, dockerfile
             while not answered("/readyz"):
                 assert time.monotonic() < deadline, "/readyz did not answer 200 within 30 s"
                 time.sleep(0.2)
-            assert answered(container["readinessProbe"]["httpGet"]["path"]) is not None
+            assert "readinessProbe" not in container  # a sidecar never takes its pod out of rotation
             assert answered(container["livenessProbe"]["httpGet"]["path"]).text == "ok\n"
             metrics = answered("/metrics").text
             assert "kvwatch_up 1.0" in metrics

@@ -300,7 +300,7 @@ def replay_settings(capture, config: str | None, window: str | None):
     window, the recorded target and interval."""
     interval = float(capture.manifest.get("interval_seconds") or 5.0)
     overrides = {"target": capture.manifest.get("target") or None, "poll_interval": interval, "window": window,
-                 "upstream_target": "", "upstream_histogram": "", "lmcache_target": ""}
+                 "upstream_target": "", "upstream_histogram": "", "lmcache_target": "", "demo_target": ""}
     settings = load_settings(config, overrides, environ={})
     if settings.window < 2 * interval:
         raise SettingsError([f"window ({settings.window:g}s) must hold at least two recorded pages "

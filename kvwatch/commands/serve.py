@@ -44,6 +44,12 @@ OPTIONS = {
     "upstream_target": "a gateway's or application's /metrics (second source for TTFT diagnosis)",
     "upstream_histogram": "the histogram there that measures time before the engine, e.g. app_retrieval_seconds",
     "lmcache_target": "LMCache's /metrics (the engine's own when LMCache shares its registry): a KV tier read beside the engine",
+    "demo_target": "a kvwatch sim's /sim/phase (make run sets it): the status page names the simulated phase now and the next",
+    "kv_events": "the engine's KV-cache events: a ZMQ endpoint kvwatch binds for vLLM's --kv-events-config "
+                 "publisher to connect to, e.g. tcp://127.0.0.1:5557",
+    "kv_events_connect": "connect to kv_events instead of binding it (a publisher that binds tcp://*:N): true or false",
+    "kv_events_topic": "the events' topic prefix kvwatch subscribes to (empty: every topic)",
+    "kv_events_table_bytes": "memory for tracked blocks (about 110 B each); past it the hash space is sampled",
     "auth_token_file": "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
     "tls_cert_file": "serve kvwatch over TLS with this certificate",
     "tls_key_file": "and this key",
@@ -113,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         # The recorded target and interval; nothing is fetched.
         overrides.update(target=capture.manifest.get("target") or None,
                          poll_interval=capture.manifest.get("interval_seconds") or None,
-                         upstream_target="", upstream_histogram="", lmcache_target="")
+                         upstream_target="", upstream_histogram="", lmcache_target="", kv_events="", demo_target="")
     if getattr(args, "prometheus", None):
         return run_central(args, overrides)
     try:
@@ -178,7 +184,7 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
     import os
 
     from kvwatch.history.central import DEFAULT_INTERVAL, Central
-    from kvwatch.history.query import PrometheusClient, check_selector
+    from kvwatch.history.query import CENTRAL_MAX_BYTES, PrometheusClient, check_selector
     from kvwatch.sidecar.settings import Settings, normalize_target
 
     problems = []
@@ -224,7 +230,7 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
     settings.target = args.prometheus
     client = PrometheusClient(args.prometheus, timeout=settings.fetch_timeout,
                               bearer_token_file=settings.bearer_token_file, ca_bundle=settings.ca_bundle,
-                              tls_verify=settings.tls_verify)
+                              tls_verify=settings.tls_verify, max_bytes=CENTRAL_MAX_BYTES)
     central = Central(client, settings, args.selector, args.source,
                       tuple(label.strip() for label in args.replica_labels.split(",") if label.strip()),
                       max_replicas=args.max_replicas)

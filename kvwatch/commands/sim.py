@@ -12,7 +12,7 @@ import time
 
 from kvwatch.sim.dialects import DIALECTS
 from kvwatch.sim.lmcache import DEFAULT_SIZE_FACTOR
-from kvwatch.sim.scenario import ScenarioError, list_scenarios, load_scenario
+from kvwatch.sim.scenario import ScenarioError, clock_text, list_scenarios, load_scenario, phase_line
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
 from kvwatch.units import parse_duration, parse_number, parse_port, parse_whole_number
 
@@ -146,11 +146,26 @@ def run(args: argparse.Namespace) -> int:
     if sim.lmcache is not None:
         print(f"kvwatch sim: simulated LMCache tier of {sim.lmcache.capacity_chunks * sim.lmcache.chunk_tokens} "
               f"tokens, its page at {server.lmcache_metrics_url}", flush=True)
+    status = server.phase_status()
+    if status["phases"] > 1:
+        loop = "then loops" if scenario.loop else "then stays in the last phase"
+        length = (f"{clock_text(status['cycle_seconds'])} at speed {args.speed:g}" if args.speed > 0
+                  else f"{clock_text(status['cycle_seconds'])} of simulated time (speed 0: the clock moves by hand)")
+        print(f"kvwatch sim: {status['phases']} phases, {length}, {loop}; the phase now and the next at "
+              f"{server.url}/sim/phase", flush=True)
+    shown = None
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
-        while not stop.wait(0.2):
+        while True:
+            if status["phases"] > 1 and (status["phase"], status["index"], status["cycle"]) != shown:
+                shown = (status["phase"], status["index"], status["cycle"])
+                note = f" ({status['note']})" if status["note"] else ""
+                print(f"kvwatch sim: {phase_line(status)}{note}", flush=True)
+            if stop.wait(0.2):
+                break
             if deadline is not None and time.monotonic() >= deadline:
                 break
+            status = server.phase_status()
     except KeyboardInterrupt:
         pass
     finally:

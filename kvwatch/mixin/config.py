@@ -124,6 +124,15 @@ KVWATCH_MEMORY_LIMIT_MIB = -(-max(WORST_PAGE_PEAK_MIB * 5 // 4, 2 * EVERYDAY_PEA
 KVWATCH_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"},
                      "limits": {"memory": f"{KVWATCH_MEMORY_LIMIT_MIB}Mi"}}
 
+# The sidecar's only probe. A pod is Ready only when all its containers are,
+# so kvwatch has no readiness probe: a hung or starved kvwatch must never take
+# the vLLM pod out of its Service. Liveness restarts kvwatch alone, and only
+# after /healthz went unanswered for failures x period (5 minutes): long enough
+# for a starved node (20m of CPU) to import Python and for a GC pause or a
+# worst-case page (8 MiB) to pass; no startup probe, because a native
+# sidecar's startup probe holds back the containers after it (vLLM).
+SIDECAR_LIVENESS = {"periodSeconds": 30, "timeoutSeconds": 5, "failureThreshold": 10}
+
 # Central mode's Deployment (`kvwatch serve --prometheus`): its memory grows
 # with the replicas it keeps (one window each), its CPU with the replicas it
 # reads per refresh. Measured with 64 replicas at the default 30 s refresh:
@@ -189,6 +198,7 @@ class DeploySettings:
     central_selector: str | None = None
     central_max_replicas: int = CENTRAL_MAX_REPLICAS
     central_resources: dict | None = None
+    sidecar_native: bool = True
 
     @property
     def config_map_name(self) -> str:
@@ -217,7 +227,8 @@ class DeploySettings:
 # field -> when to change it (also the documentation of the config contract).
 DEPLOY_FIELDS = {
     "namespace": "namespace the base's kustomization puts everything in",
-    "name": "name of the example vLLM Deployment and its Service; the sidecar patch targets a Deployment of this name",
+    "name": "name of the example vLLM Deployment and its Service; the sidecar Components patch the Deployment "
+            "of this name (the one place it is set), and the build fails when there is none",
     "replicas": "vLLM pods in the example Deployment; each carries its own kvwatch",
     "image": "kvwatch image as pushed to your registry (kustomize `images:` can override it)",
     "image_pull_policy": "pull policy of the kvwatch container",
@@ -247,6 +258,8 @@ DEPLOY_FIELDS = {
                             "the default resources are sized for it",
     "central_resources": "central Deployment's resources (default: scaled from the measured figure to "
                          "central_max_replicas)",
+    "sidecar_native": "the example Deployment runs kvwatch as a native sidecar (an init container with "
+                      "restartPolicy: Always, Kubernetes 1.29+); false: a plain second container",
 }
 assert set(DEPLOY_FIELDS) == {f.name for f in fields(DeploySettings)}
 
@@ -314,6 +327,8 @@ def _check(s: DeploySettings) -> None:
         problems.append(f"central_selector: {selector_problem}")
     if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", str(s.prometheus_url)):
         problems.append(f"prometheus_url: {s.prometheus_url!r} is not an http(s) URL")
+    if not isinstance(s.sidecar_native, bool):
+        problems.append(f"sidecar_native: {s.sidecar_native!r} must be true or false")
     if not isinstance(s.central_max_replicas, int) or s.central_max_replicas < 1:
         problems.append(f"central_max_replicas: {s.central_max_replicas!r} is not a positive whole number")
     if problems:

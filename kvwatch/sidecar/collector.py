@@ -23,7 +23,8 @@ from prometheus_client.utils import floatToGoString
 
 from kvwatch import __version__
 from kvwatch.signals import (
-    ENGINE_SERIES, HEALTH_BY_NAME, INFO_KEYS, SIGNALS, TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS,
+    ENGINE_SERIES, HEALTH_BY_NAME, INFO_KEYS, SIGNALS, STREAM_HEALTH, STREAM_SERIES, STREAM_SIGNALS, STREAM_SIZING,
+    TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS,
     engine_series_value,
 )
 from kvwatch.signals import IDENTITY as IDENTITY_LABELS
@@ -48,6 +49,7 @@ class KvwatchCollector(Collector):
         yield from self._engine_series(state.snapshot)
         yield from self._sources(state.snapshot, state.lmcache)
         yield from self._tier(state.lmcache)
+        yield from self._stream(getattr(state, "kv_events", None))
         yield from self._signals(state)
         yield from self._pinned(state)
         yield from self._findings(state)
@@ -141,6 +143,70 @@ class KvwatchCollector(Collector):
                 value = row.get("signals", {}).get(signal.name)
                 if _finite(value):
                     family.add_metric([row["model_name"]], value)
+            yield family
+
+    def _stream(self, report):
+        """The engine's KV-cache event stream (kvwatch/kvevents): its
+        health whenever it is configured, its counts and signals once an
+        event arrived."""
+        if report is None:
+            return
+        health = {family.name: family for family in STREAM_HEALTH}
+        intake = report.get("intake") or {}
+        table = report.get("table") or {}
+        up = GaugeMetricFamily("kvwatch_kv_events_up", health["kvwatch_kv_events_up"].help, labels=[])
+        up.add_metric([], 1.0 if report.get("up") else 0.0)
+        yield up
+        for name, value in (("kvwatch_kv_events_messages", intake.get("messages")),
+                            ("kvwatch_kv_events_dropped_messages", intake.get("dropped")),
+                            ("kvwatch_kv_events_missed_messages", intake.get("missed")),
+                            ("kvwatch_kv_events_malformed_messages", intake.get("malformed")),
+                            ("kvwatch_kv_events_publisher_restarts", intake.get("restarts"))):
+            family = CounterMetricFamily(name, health[name].help, labels=[])
+            family.add_metric([], float(value or 0))
+            yield family
+        for name, value in (("kvwatch_kv_events_tracked_blocks", table.get("entries")),
+                            ("kvwatch_kv_events_sampling_ratio", table.get("sampling_rate")),
+                            ("kvwatch_kv_events_last_message_age_seconds", report.get("last_message_age_seconds"))):
+            if _finite(value):
+                family = GaugeMetricFamily(name, health[name].help, labels=[])
+                family.add_metric([], float(value))
+                yield family
+        if not report.get("up"):
+            return
+        totals = report.get("totals") or {}
+        for series in STREAM_SERIES:
+            if series.kind == "histogram":
+                buckets = totals.get("return_buckets") or []
+                family = HistogramMetricFamily(series.name, series.help, labels=[])
+                family.add_metric([], [(_le(bound), count) for bound, count in buckets],
+                                  totals.get("return_seconds_sum") or 0.0)
+                yield family
+                continue
+            family = CounterMetricFamily(series.name, series.help, labels=list(series.labels))
+            if series.key in ("stored", "stored_again"):
+                for row in totals.get("by_label") or []:
+                    family.add_metric([row["medium"], row["lora_name"]], float(row[series.key]))
+            elif series.key == "evicted":
+                for medium, count in (totals.get("evicted_by_medium") or {}).items():
+                    family.add_metric([medium], float(count))
+            else:
+                family.add_metric([], float(totals.get(series.key) or 0))
+            yield family
+        window = report.get("window") or {}
+        for signal in STREAM_SIGNALS:
+            value = window.get(signal.key)
+            if _finite(value):
+                family = GaugeMetricFamily(signal.name, signal.help, labels=[])
+                family.add_metric([], float(value))
+                yield family
+        points = (report.get("sizing") or {}).get("points") or []
+        for signal in STREAM_SIZING:
+            family = GaugeMetricFamily(signal.name, signal.help, labels=["extra_cache"])
+            for point in points:
+                value = point.get(signal.key)
+                if _finite(value):
+                    family.add_metric([f"{point['extra_cache']:g}"], float(value))
             yield family
 
     def _signals(self, state):

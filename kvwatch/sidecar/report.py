@@ -164,6 +164,8 @@ def signals_json(state, settings) -> dict[str, Any]:
         # The diagnosis' thresholds in force (defaults overlaid with the
         # settings' `diagnosis:`): the page colours values by these.
         "thresholds": resolve_thresholds(settings.diagnosis),
+        # The simulator's phase now and the next: only where demo_target is set (make run).
+        **({"demo": getattr(state, "demo", None)} if getattr(settings, "demo_target", None) else {}),
     }
 
 

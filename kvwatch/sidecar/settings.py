@@ -68,10 +68,23 @@ class Settings:
     # Optional LMCache page (kvwatch/sidecar/lmcache.py): the engine's own
     # /metrics when LMCache shares vLLM's registry, or LMCache's API server.
     lmcache_target: str | None = None
+    # Optional KV-cache event stream (kvwatch/kvevents): the ZMQ endpoint
+    # kvwatch binds (the engine, pointed at it with --kv-events-config,
+    # connects), or connects to with kv_events_connect (a publisher that binds
+    # a wildcard, tcp://*:N). The topic filters by prefix ("" takes every topic).
+    kv_events: str | None = None
+    kv_events_connect: bool = False
+    kv_events_topic: str = ""
+    # The block ledger's memory (about 110 bytes a tracked block): past it
+    # the ledger samples the hash space (kvwatch/kvevents/ledger.py).
+    kv_events_table_bytes: int = 32 * 1024 * 1024
     # Protect kvwatch's own endpoints (/healthz and /readyz stay open for probes).
     auth_token_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # A `kvwatch sim`'s /sim/phase (make run sets it): the status page then
+    # names the simulated phase now and the next. Nothing else reads it.
+    demo_target: str | None = None
     # Diagnosis thresholds (see kvwatch/diagnose/thresholds.py for every key and default).
     diagnosis: dict[str, Any] = field(default_factory=dict)
     # The engine whose page the target serves (kvwatch/engines): `auto` picks
@@ -116,6 +129,29 @@ def normalize_target(value: Any) -> str:
         raise ValueError(f"{parts.netloc.rsplit('@', 1)[-1]!r} is not a host and port kvwatch can fetch from")
     path = parts.path if parts.path not in ("", "/") else "/metrics"
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def _demo_url(value: Any) -> str:
+    """A simulator's base URL or its /sim/phase: a bare http://host:port gets /sim/phase."""
+    text = str(value).strip()
+    parts = urlsplit(text)
+    if parts.scheme in ("http", "https") and parts.path in ("", "/"):
+        text = urlunsplit((parts.scheme, parts.netloc, "/sim/phase", parts.query, ""))
+    return normalize_target(text)
+
+
+def zmq_endpoint(value: Any) -> str:
+    """A ZMQ endpoint kvwatch can bind or connect: tcp://host:port or
+    ipc://path."""
+    text = str(value).strip()
+    if text.startswith("ipc://") and len(text) > len("ipc://"):
+        return text
+    if text.startswith("tcp://"):
+        host, _, port = text[len("tcp://"):].rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return text
+        raise ValueError(f"{text!r} has no host and port (tcp://127.0.0.1:5557)")
+    raise ValueError(f"{text!r} is not a ZMQ endpoint (tcp://host:port or ipc://path)")
 
 
 def _optional_str(value: Any) -> str | None:
@@ -202,6 +238,11 @@ PARSERS = {
     "upstream_target": lambda v: None if v in (None, "") else normalize_target(v),
     "upstream_histogram": _optional_str,
     "lmcache_target": lambda v: None if v in (None, "") else normalize_target(v),
+    "demo_target": lambda v: None if v in (None, "") else _demo_url(v),
+    "kv_events": lambda v: None if v in (None, "") else zmq_endpoint(v),
+    "kv_events_connect": _parse_bool,
+    "kv_events_topic": lambda v: "" if v is None else str(v),
+    "kv_events_table_bytes": parse_size,
     "auth_token_file": _auth_token_file,
     "tls_cert_file": _existing_file,
     "tls_key_file": _existing_file,

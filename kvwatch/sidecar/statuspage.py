@@ -296,6 +296,8 @@ padding:10px 14px}
 .deciding{display:flex;flex-wrap:wrap;gap:6px;margin:6px 0}
 .num-chip{border:1px solid var(--line);border-radius:6px;padding:2px 8px;font-size:12px;color:var(--muted)}
 .num-chip b{font-size:15px;color:var(--fg);margin-left:4px;font-variant-numeric:tabular-nums}
+.phase-strip{margin:10px 0 0;padding:6px 12px;border:1px dashed var(--line);border-radius:8px;background:var(--panel)}
+.phase-strip b{margin-right:6px}.phase-strip .now,.phase-strip .next{font-weight:650}
 details{margin-top:6px}summary{cursor:pointer;color:var(--muted);font-size:12px}
 details table{font-size:12px;margin-top:4px}
 ul.changes{padding-left:18px;margin:0}
@@ -500,6 +502,35 @@ SCRIPT = r"""
     var last = signals.last_success_time ? "The last good poll was at " + clock(signals.last_success_time) + "." :
       "No poll has succeeded yet.";
     return "kvwatch cannot read the engine's metrics at " + (signals.target || "its target") + ": " + why + ". " + last;
+  }
+
+  // The demo's phase strip (demo_target, set by make run): the simulated phase now, the next and when.
+  function clockText(seconds) {
+    var whole = Math.max(0, Math.round(seconds)), h = Math.floor(whole / 3600), m = Math.floor(whole % 3600 / 60),
+      s = whole % 60, two = function (n) { return (n < 10 ? "0" : "") + n; };
+    return h ? h + ":" + two(m) + ":" + two(s) : m + ":" + two(s);
+  }
+  function renderPhase(signals) {
+    var node = el("div"), d = signals.demo;
+    if (d !== undefined) {
+      node.className = "phase-strip";
+      node.appendChild(el("b", null, "Demo:"));
+      if (!d) node.appendChild(document.createTextNode(" the simulator's phase is unknown (its /sim/phase did not answer)."));
+      else {
+        node.setAttribute("data-phase", d.phase);
+        node.setAttribute("data-next", d.next || "");
+        add(node, document.createTextNode(" now: "), el("span", "now", d.phase),
+          d.note ? document.createTextNode(" (" + d.note + ")") : null);
+        if (d.next && d.next_in_seconds !== null) {
+          add(node, document.createTextNode(" \u00b7 next: "), el("span", "next", d.next),
+            document.createTextNode(" in " + clockText(d.next_in_seconds) + (d.clock === "simulated" ? " (simulated)" : "")));
+        }
+        if (d.cycle_seconds) node.appendChild(document.createTextNode(" \u00b7 a loop of " + (d.phases || "its") +
+          " phases takes " + clockText(d.cycle_seconds) + (d.speed ? " at speed " + d.speed : "") +
+          " (SPEED=N make run runs it N times faster)"));
+      }
+    }
+    swap("phase", node);
   }
 
   function renderBanner(signals, diagnosis) {
@@ -864,6 +895,7 @@ SCRIPT = r"""
     var row = rows.filter(function (r) { return keyOf(r) === selected; })[0] || rows[0] || null;
     selected = row ? keyOf(row) : null;
     renderStatus(signals);
+    renderPhase(signals);
     renderBanner(signals, diagnosis);
     renderFigures(row, signals, diagnosis);
     renderEngines(signals, diagnosis, rows);
@@ -1123,6 +1155,7 @@ def render_status_page(state, settings, nav: str = "") -> str:
 <main>
 <header><h1>kvwatch</h1>{nav}<p id="status" class="muted"></p>
 <p id="live" class="muted">{_live_html(signals)}</p></header>
+<div id="phase"></div>
 <div id="banner"></div>
 <section id="figures"></section>
 <section id="engines"></section>

@@ -2,7 +2,8 @@
 times `speed`, and a stdlib HTTP server on loopback answers `/metrics`,
 `/health`, `/version`, `/v1/models`, `/v1/completions`, `/v1/chat/completions`
 (OpenAI style, streaming or not), `/app/metrics` (the RAG application's
-histogram) and, with a simulated LMCache tier, `/lmcache/metrics` (its page).
+histogram), `/sim/phase` (the scenario's phase now and the next, JSON) and,
+with a simulated LMCache tier, `/lmcache/metrics` (its page).
 With `temperature: 0` a completion's text depends on its prompt
 alone, and `logprobs` brings a logprob per token, also fixed by the prompt.
 
@@ -48,6 +49,9 @@ from kvwatch.sim.workload import token_block_hashes
 MAX_BODY_BYTES = 16 * 1024 * 1024
 # The simulated LMCache tier's own page (`kvwatch sim --lmcache`).
 LMCACHE_PATH = "/lmcache/metrics"
+# The scenario's phase now and the next, as JSON (`make run` prints it, and
+# kvwatch's status page shows it when `demo_target` points here).
+PHASE_PATH = "/sim/phase"
 # The clock thread sleeps until the next simulated event (a step ending, an
 # arrival), at most this long, so streamed tokens leave when the simulated
 # engine produces them rather than on a coarse tick.
@@ -213,6 +217,20 @@ class SimServer:
             if self.dialect != "vllm":
                 return render_dialect(self.dialect, self.sim.engines, self.sim.model_name, self.trtllm_gauges)
             return render_metrics(self.sim.engines, self.sim.model_name, self.sim.created_unix, self.http_stats)
+
+    def phase_status(self) -> dict:
+        """The scenario's phase now and the next (Simulation.phase_status), its
+        times in wall seconds at this speed (simulated seconds when the clock
+        only moves by hand, speed 0: `clock` says which)."""
+        with self.cond:
+            self.catch_up()
+            status = self.sim.phase_status()
+        per = self.speed if self.speed > 0 else 1.0
+        for key in ("next_in_seconds", "cycle_seconds"):
+            if status[key] is not None:
+                status[key] = status[key] / per
+        status.update(speed=self.speed, clock="wall" if self.speed > 0 else "simulated")
+        return status
 
     def lmcache_metrics_text(self) -> str | None:
         with self.cond:
@@ -385,6 +403,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, server.app_metrics_text().encode(), CONTENT_TYPE)
             elif path == LMCACHE_PATH and server.sim.lmcache is not None:
                 self._send(200, server.lmcache_metrics_text().encode(), CONTENT_TYPE)
+            elif path == PHASE_PATH:
+                # One line ending in a newline: kvwatch reads it with its page fetcher.
+                self._send(200, (json.dumps(server.phase_status()) + "\n").encode(), "application/json")
             elif path in ("/health", "/ping"):
                 self._send(200, b"", "application/json")
             elif path == "/version":

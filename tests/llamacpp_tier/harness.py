@@ -26,7 +26,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -40,6 +39,7 @@ from vllm_tier.harness import (
     Reporter,
     _file_lock,
     _free_port,
+    cache_root,
     _http_status,
     _open,
     _run_logged,
@@ -105,7 +105,7 @@ def cache_dir() -> Path:
     override = os.environ.get("KVWATCH_LLAMACPP_DIR")
     if override:
         return Path(override).expanduser().resolve()
-    return Path.home() / ".cache" / "kvwatch" / f"llama-cpp-{SDIST_VERSION}"
+    return cache_root() / f"llama-cpp-{SDIST_VERSION}"
 
 
 def cpu_signature() -> str:
@@ -134,29 +134,34 @@ def read_build_record(root: Path) -> dict | None:
     return record
 
 
-def _sdist_url() -> str:
-    """The sdist's address, from the package index pip uses (PyPI's JSON API)."""
-    index = os.environ.get("KVWATCH_PYPI_JSON", "https://pypi.org/pypi")
-    api = f"{index}/{SDIST_NAME}/{SDIST_VERSION}/json"
-    with _open(api, timeout=60) as response:
-        release = json.loads(response.read())
-    for entry in release.get("urls", ()):
-        if entry.get("packagetype") == "sdist" and entry.get("filename") == SDIST_FILE:
-            return urllib.parse.urljoin(api, entry["url"])
-    raise LlamacppBuildError(f"{api} lists no sdist {SDIST_FILE}")
-
-
 def _download_sdist(dest: Path, log: Path) -> Path:
+    """Fetches the sdist with pip, as the machine's pip is configured (its index,
+    mirrors, proxy and certificates), and checks its sha256.
+
+    No address is built here: an index's JSON API or a file host may not be
+    reachable where pip's configured index is. KVWATCH_LLAMACPP_SDIST names a
+    copy on disk instead (checked the same way).
+    """
     tarball = dest / SDIST_FILE
     local = os.environ.get("KVWATCH_LLAMACPP_SDIST")
     if local:
         shutil.copyfile(local, tarball)
     else:
-        url = _sdist_url()
-        with open(log, "a") as handle:
-            handle.write(f"\n### download\n{url}\n")
-        with _open(url, timeout=DOWNLOAD_TIMEOUT_S) as response, open(tarball, "wb") as out:
-            shutil.copyfileobj(response, out)
+        staging = Path(tempfile.mkdtemp(prefix="kvwatch-sdist-", dir=dest))
+        try:
+            _run_logged(f"pip download {SDIST_NAME}=={SDIST_VERSION}",
+                        [sys.executable, "-m", "pip", "download", "--no-deps",
+                         "--no-binary", SDIST_NAME, f"{SDIST_NAME}=={SDIST_VERSION}",
+                         "--dest", str(staging)],
+                        log, LlamacppBuildError, timeout_s=DOWNLOAD_TIMEOUT_S)
+            fetched = staging / SDIST_FILE
+            if not fetched.exists():
+                names = ", ".join(sorted(p.name for p in staging.iterdir())) or "nothing"
+                raise LlamacppBuildError(f"pip download left {names} in {staging}, "
+                                         f"not {SDIST_FILE}")
+            fetched.replace(tarball)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
         raise LlamacppBuildError(f"{tarball}: sha256 {digest}, expected {SDIST_SHA256}")

@@ -77,11 +77,26 @@ class VllmStartError(HarnessError):
 # ---------------------------------------------------------------- install
 
 
+# One variable points every cache the tiers reuse (the vLLM venv with its tiny
+# model, the llama.cpp build and its GGUF) at another folder: an empty one runs
+# them as a machine that never ran the project would (.ci/run also points pip's
+# cache there). KVWATCH_VLLM_VENV and KVWATCH_LLAMACPP_DIR still name one cache each.
+CACHE_DIR_VARIABLE = "KVWATCH_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """The folder holding the tiers' caches: $KVWATCH_CACHE_DIR, or ~/.cache/kvwatch."""
+    override = os.environ.get(CACHE_DIR_VARIABLE)
+    if override:
+        return Path(override).expanduser().resolve()
+    return Path.home() / ".cache" / "kvwatch"
+
+
 def vllm_venv_dir() -> Path:
     override = os.environ.get("KVWATCH_VLLM_VENV")
     if override:
         return Path(override).expanduser().resolve()
-    return Path.home() / ".cache" / "kvwatch" / f"{VLLM_DIST}-{VLLM_VERSION}"
+    return cache_root() / f"{VLLM_DIST}-{VLLM_VERSION}"
 
 
 def default_model_dir(venv: Path | None = None) -> Path:
