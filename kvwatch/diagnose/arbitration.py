@@ -25,7 +25,9 @@ its place: the story changes when the evidence is stronger, not on noise.
 
 Change findings are not arbitrated: each is an event with its own time (a
 model change and a restart at one poll are both true), not a rival reading
-of one symptom. Fleet findings are arbitrated per replica they name.
+of one symptom; nor are `kv_events` findings, facts about kvwatch's own
+event source (a silent stream and lost messages are both true). Fleet
+findings are arbitrated per replica they name.
 
 Alternatives are another matter: a primary that the data cannot tell from
 another cause lists it in `Finding.alternatives` (data: the cause, and what

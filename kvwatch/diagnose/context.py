@@ -91,6 +91,8 @@ class EngineContext:
         self.capacity_tokens: float | None = row.view.capacity_tokens
         self._exhaustion: Exhaustion | None | bool = False
         self.hit_rate: HitRateVerdict | None = None  # judged once, by hit_rate.verdict
+        # The engine's KV-cache event stream report (kvwatch/kvevents) where it is this engine's.
+        self.stream: dict[str, Any] | None = None
 
     def value(self, name: str):
         return self.values.get(name)

@@ -58,7 +58,16 @@ def _residency(ctx: EngineContext, since: float | None = None) -> tuple[bool | N
     an earlier phase describe that phase's working set, not this one), and
     only as far as the evidence goes: enough samples of both, medians in
     different buckets. Returns (evicts: True/False/None for cannot tell, the
-    evidence, the confidence the comparison supports)."""
+    evidence, the confidence the comparison supports).
+
+    The engine's KV-cache event stream, where kvwatch reads it, decides
+    first and with high confidence (diagnose/stream.py): it sees each block
+    come back after its eviction, or not."""
+    from kvwatch.diagnose.stream import stream_residency
+
+    decided = stream_residency(ctx)
+    if decided is not None:
+        return decided
     present = (ctx.increase.histograms.get("kv_block_idle_before_evict") is not None
                or ctx.increase.histograms.get("kv_block_reuse_gap") is not None)
     idle = _histogram_since(ctx, "kv_block_idle_before_evict", since)

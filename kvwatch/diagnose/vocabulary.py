@@ -21,6 +21,8 @@ CAUSES: dict[str, tuple[str, ...]] = {
     # Judged across the replicas of one model (diagnose/fleet.py); a replica
     # alone cannot show them.
     "fleet": ("imbalance", "lost_prefix_affinity", "cold_replica"),
+    # The engine's KV-cache event stream itself (diagnose/stream.py), where kv_events is set.
+    "kv_events": ("events_stopped", "events_missed"),
 }
 
 
@@ -55,6 +57,10 @@ SEVERITY: dict[str, str] = {
     "cache_dtype_changed": "info",
     "cache_config_changed": "info",
     "engine_restarted": "info",
+    # The stream kvwatch decides hit-rate causes by went quiet or lost messages:
+    # its decisions are off or low; the page's signals stand.
+    "events_stopped": "warning",
+    "events_missed": "info",
     # Across the replicas of one model.
     "imbalance": "warning",
     "lost_prefix_affinity": "warning",
@@ -148,6 +154,14 @@ def finding_order(finding: Finding) -> tuple:
 
 
 NEXT_CHECK = {
+    "events_stopped":
+        "The engine's KV-cache events stopped while it serves: check that it runs with --kv-events-config pointing "
+        "at kvwatch's --kv-events endpoint (publisher zmq; kvwatch binds unless --kv-events-connect), that nothing "
+        "else holds the port, and kvwatch_kv_events_publisher_restarts; the hit-rate causes fall back to the page.",
+    "events_missed":
+        "Sequence gaps (kvwatch_kv_events_missed_messages) are messages the engine's publisher dropped past its hwm "
+        "or the connection lost; drops (kvwatch_kv_events_dropped_messages) are kvwatch's intake full under a flood: "
+        "raise the publisher's hwm, give kvwatch CPU, and read the stream's counts as lower bounds meanwhile.",
     "concurrency_beyond_capacity":
         "Compare kvwatch_requests_running_max and waiting with kvwatch_kv_cache_capacity_requests: cap concurrency in "
         "front of the engine near that bound, add replicas, or give the cache more memory (gpu_memory_utilization, a "
@@ -228,6 +242,8 @@ NEXT_CHECK = {
 # One short instruction per cause, for places with room for a sentence (the
 # status page's banner); NEXT_CHECK above is the full advice on the card.
 NEXT_ACTION = {
+    "events_stopped": "Check the engine's --kv-events-config endpoint and that kvwatch listens there.",
+    "events_missed": "Raise the publisher's hwm or give kvwatch more CPU; counts are low meanwhile.",
     "concurrency_beyond_capacity": "Cap concurrency near the cache's capacity, add replicas or give the cache more memory.",
     "long_requests": "Find the long requests and cap max_tokens or route them to engines sized for them.",
     "capacity_below_max_num_seqs": "Lower --max-num-seqs to about the cache's capacity in requests, or enlarge the cache.",

@@ -269,7 +269,7 @@ class Monitor:
         kv_events = self._report_kv_events(answered, per_engine)
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
-                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache,
+                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
                                       incumbents=self.hold.incumbents())
         findings = self.hold.apply(answered, findings)
         self._polls += 1
@@ -336,7 +336,9 @@ class Monitor:
             new_changes = self.kv_events.take_changes()
             for when, detail in new_changes:
                 self._event(Change(when, "kv_events", None, None, detail))
-            return with_page(self.kv_events.report(at), per_engine)
+            recent = min(diagnosis.resolve_thresholds(self.settings.diagnosis)["hit_recent_seconds"],
+                         self.window.seconds / 2)
+            return with_page(self.kv_events.report(at, recent_seconds=recent), per_engine)
         except Exception:  # pragma: no cover - defensive: the stream must not take the engine's poll down
             log.exception("reading the KV-cache event stream failed")
             return None

@@ -94,6 +94,7 @@ class SimServer:
         port: int = 0,
         request_timeout: float = 600.0,
         dialect: str = "vllm",
+        kv_events: str | None = None,
     ) -> None:
         if speed < 0:
             raise ValueError("speed must be >= 0")
@@ -116,6 +117,14 @@ class SimServer:
         self.httpd.daemon_threads = True
         self.httpd.sim_server = self  # type: ignore[attr-defined]
         self._threads: list[threading.Thread] = []
+        # The engines' KV-cache events in vLLM's wire format (kvwatch/sim/kvevents.py), where asked for.
+        self.kv_events = kv_events
+        self.kv_publisher = None
+        if kv_events:
+            from kvwatch.sim.kvevents import EventPublisher, attach
+
+            attach(simulation.engines)
+            self.kv_publisher = EventPublisher(simulation.engines, kv_events, self.cond)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -154,6 +163,8 @@ class SimServer:
             clock = threading.Thread(target=self._clock_loop, name="kvwatch-sim-clock", daemon=True)
             clock.start()
             self._threads.append(clock)
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()
         return self
 
     def stop(self) -> None:
@@ -167,6 +178,8 @@ class SimServer:
         self.httpd.server_close()
         for thread in self._threads:
             thread.join(timeout=5)
+        if self.kv_publisher is not None:
+            self.kv_publisher.stop()
 
     def __enter__(self) -> SimServer:
         return self
@@ -253,17 +266,19 @@ def start_background(
     model_name: str = DEFAULT_MODEL_NAME,
     dialect: str = "vllm",
     lmcache_tokens: int | None = None,
+    kv_events: str | None = None,
 ) -> SimServer:
     """Start a simulator in this process (threads); port 0 picks a free port.
     The handle has .url, .metrics_url, .app_metrics_url, .lmcache_metrics_url,
     .sim, .advance(s), .stop() and works as a context manager.
     `lmcache_tokens`: a simulated LMCache tier of that size (its page at
-    .lmcache_metrics_url)."""
+    .lmcache_metrics_url). `kv_events`: publish the engines' KV-cache events
+    to that ZMQ endpoint (kvwatch/sim/kvevents.py)."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     simulation = Simulation(scenario, seed=seed, engines=engines, model_name=model_name,
                             lmcache_tokens=lmcache_tokens)
-    return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect).start()
+    return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect, kv_events=kv_events).start()
 
 
 # -- HTTP ----------------------------------------------------------------------
