@@ -364,5 +364,58 @@ def test_the_sidecar_exports_the_stream_beside_the_page_and_the_page_is_unaffect
             assert value(body, "kvwatch_kv_events_sampling_ratio") == 1
             # The page's engine states its cache (num_gpu_blocks): the curve reads in its multiples.
             assert value(body, "kvwatch_kv_events_sizing_recomputation_avoided_ratio", extra_cache="8") == 1
+            page = client.get("/").text  # the page without scripts says it too
+            assert "<h2>KV-cache events</h2>" in page and "stored again after their eviction 75" in page
+            assert client.get("/api/v1/signals").json()["kv_events"]["up"] is True
         finally:
             monitor.stop()
+
+
+def test_the_api_serves_the_sizing_curve_and_kvwatch_capacity_prints_it(fixtures_dir, capsys):
+    import argparse
+    import json
+
+    from kvwatch.commands import capacity
+
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    with PageServer([Answer(page), Answer(page)]) as server:
+        settings = load_settings(overrides={"target": server.url, "poll_interval": "1s", "timeout": "1s",
+                                            "kv_events": f"tcp://127.0.0.1:{free_port()}"}, environ={})
+        monitor = Monitor(settings)
+        client = TestClient(create_app(monitor, settings))
+        try:
+            monitor.poll_once()
+            now = monitor.clock()
+            for seq, events in enumerate(rotation(prefixes=12, blocks=15, cache=100, rounds=4)):
+                monitor.kv_events.feed(seq, wire.encode_batch(now, events), now=now)
+            monitor.poll_once()
+            diagnosis = client.get("/api/v1/diagnosis").json()
+        finally:
+            monitor.stop()
+    stream = diagnosis["kv_events"]
+    assert stream["up"] and stream["window"]["stored_again"] == 540 and "distance" not in stream["window"]
+    points = stream["sizing"]["points"]
+    # The page's engine: 128 blocks of 32 tokens (num_gpu_blocks - 1 usable), its bytes per block.
+    assert [p["extra_cache"] for p in points] == [0.125, 0.25, 0.5, 1, 2, 4, 8]
+    assert all(p["extra_bytes"] > 0 for p in points)
+    assert points[-1]["recomputation_avoided_ratio"] == 1
+    with PageServer([Answer(json.dumps(diagnosis), headers={"Content-Type": "application/json"})]) as served:
+        args = argparse.Namespace(kvwatch=served.base_url, json=False)
+        report = capacity.build_report(args)
+    assert report["mode"] == "kv-events" and report["sizing"]["points"] == points
+    text = capacity.render_table(report)
+    assert "extra cache" in text and "recomputation avoided" in text and "x8" in text and "an estimate" in text
+    with PageServer([Answer(json.dumps({"findings": []}), headers={"Content-Type": "application/json"})]) as served:
+        with pytest.raises(capacity.CapacityInputError, match="does not read KV-cache events"):
+            capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))
+
+
+def test_sglangs_batches_read_as_vllms():
+    # SGLang's publisher (python/sglang/srt/disaggregation/kv_events.py) sends
+    # the array layout without data_parallel_rank, medium or lora_name.
+    payload = msgspec.msgpack.encode([3.5, [["BlockStored", [11, 12], None, list(range(32)), 16, None],
+                                            ["BlockRemoved", [11]], ["AllBlocksCleared"]]])
+    batch = wire.Decoder().decode(payload)
+    assert batch.rank is None and batch.skipped == 0
+    assert [(e.kind, list(e.hashes), e.block_size, e.medium) for e in batch.events] == [
+        ("BlockStored", [11, 12], 16, None), ("BlockRemoved", [11], None, None), ("AllBlocksCleared", [], None, None)]

@@ -476,3 +476,15 @@ def sizing_curve(window: dict[str, Any], cached_peak: float, block_size: int | N
                  "by more than its distance (blocks stored between its eviction and its return); first order, "
                  "it ignores what the kept blocks change afterwards"),
     }
+
+
+def public_report(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The report as the API serves it: the distance histograms (256 buckets
+    each) left out; the sizing curve is what they say."""
+    if report is None:
+        return None
+    out = dict(report)
+    out["window"] = {k: v for k, v in report.get("window", {}).items() if k != "distance"}
+    totals = dict(report.get("totals") or {})
+    out["totals"] = totals
+    return out

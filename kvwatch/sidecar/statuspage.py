@@ -848,6 +848,26 @@ SCRIPT = r"""
           fmt(v.kvwatch_lmcache_stored_tokens_per_second, "per_second")));
       });
     }
+    var stream = diagnosis.kv_events;
+    if (stream) {
+      section.appendChild(el("h2", null, "KV-cache events"));
+      if (!stream.up) section.appendChild(el("p", "muted", "Events at " + (stream.endpoint || "") + ": down (" +
+        (stream.reason || "") + (stream.detail ? ": " + stream.detail : "") + "); the page's signals do not depend on them."));
+      else {
+        var w = stream.window || {}, intake = stream.intake || {};
+        section.appendChild(el("p", null, "At " + stream.endpoint + " over " + fmt(w.seconds, "seconds") + ": blocks stored " +
+          fmt(w.stored_per_second, "per_second") + ", evicted " + fmt(w.evicted_per_second, "per_second") +
+          ", stored again after their eviction " + fmt(w.stored_again_ratio, "ratio") + " of those stored (median " +
+          fmt(w.return_seconds_median, "seconds") + " after the eviction); " + (w.missed || 0) + " messages missed, " +
+          (w.dropped || 0) + " dropped"));
+        var points = (stream.sizing || {}).points || [];
+        if (points.length) section.appendChild(el("p", null, "With more cache (an estimate from the returns' distances): " +
+          points.map(function (p) {
+            return "x" + p.extra_cache + " " + (p.hit_ratio == null ? fmt(p.recomputation_avoided_ratio, "ratio") + " of the recomputation avoided"
+              : "hit ratio " + fmt(p.hit_ratio, "ratio"));
+          }).join(", ")));
+      }
+    }
     swap("changes", section);
   }
 
@@ -1068,6 +1088,34 @@ def _tier_html(diagnosis: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _stream_html(diagnosis: dict[str, Any]) -> str:
+    """The engine's KV-cache event stream (absent unless kv_events is set)."""
+    stream = diagnosis.get("kv_events")
+    if not stream:
+        return ""
+    where = f'Events at <code>{_e(stream.get("endpoint") or "")}</code>'
+    if not stream.get("up"):
+        why = _e(("down: " + (stream.get("reason") or "") + " " + (stream.get("detail") or "")).strip())
+        return (f'<h2>KV-cache events</h2><p>{where}: <span class="down">{why}</span>; '
+                "the page's signals do not depend on them.</p>")
+    w = stream.get("window") or {}
+    out = ["<h2>KV-cache events</h2>",
+           f'<p>{where} over {_e(format_value(w.get("seconds"), "seconds"))}: blocks stored '
+           f'{_e(format_value(w.get("stored_per_second"), "per_second"))}, evicted '
+           f'{_e(format_value(w.get("evicted_per_second"), "per_second"))}, stored again after their eviction '
+           f'{_e(format_value(w.get("stored_again_ratio"), "ratio"))} of those stored (median '
+           f'{_e(format_value(w.get("return_seconds_median"), "seconds"))} after the eviction); '
+           f'{w.get("missed") or 0} messages missed, {w.get("dropped") or 0} dropped</p>']
+    points = (stream.get("sizing") or {}).get("points") or []
+    if points:
+        out.append("<p>With more cache (an estimate from the returns' distances): " + ", ".join(
+            f'x{p["extra_cache"]:g} ' + (f'hit ratio {_e(format_value(p["hit_ratio"], "ratio"))}'
+                                         if p.get("hit_ratio") is not None else
+                                         f'{_e(format_value(p.get("recomputation_avoided_ratio"), "ratio"))} of the '
+                                         "recomputation avoided") for p in points) + "</p>")
+    return "".join(out)
+
+
 def _signals_html(signals: dict[str, Any]) -> str:
     columns = signal_columns(signals)
     if not columns:
@@ -1168,6 +1216,7 @@ def render_status_page(state, settings, nav: str = "") -> str:
 {_findings_html(diagnosis)}
 {_signals_html(signals)}
 {_tier_html(diagnosis)}
+{_stream_html(diagnosis)}
 </noscript>
 <footer><h2>More</h2><ul>
 <li><a href="metrics">/metrics</a>: Prometheus metrics (kvwatch_* signals, kvwatch_finding, kvwatch_engine_*)</li>
