@@ -94,7 +94,7 @@ class HealthFamily:
     engine's configuration and the active findings."""
 
     name: str  # as the client library names it (a counter without _total)
-    kind: str  # gauge | counter
+    kind: str  # gauge | counter | untyped
     labels: tuple[str, ...]
     help: str
     good: str | None = None  # GOOD_DIRECTIONS
@@ -133,7 +133,9 @@ HEALTH: tuple[HealthFamily, ...] = (
                  "1 for each active diagnosis finding (absent when not active); a finding stays active until its "
                  "condition has been clear for the hold (diagnosis: finding_hold_seconds); see "
                  "/api/v1/diagnosis for its evidence and clearing_since.", good="low"),
-    HealthFamily("kvwatch_quantile_pinned", "gauge", ("signal", "quantile", "bound") + IDENTITY,
+    # Untyped: Prometheus' lint refuses a `quantile` label on a gauge, and the
+    # label names the quantile it marks (Prometheus stores it as a gauge).
+    HealthFamily("kvwatch_quantile_pinned", "untyped", ("signal", "quantile", "bound") + IDENTITY,
                  "1 for each windowed quantile pinned at a bucket edge, where its value is a bound and not an "
                  "estimate: bound=\"upper\" (pinned in the first bucket; the value is that bucket's bound and the "
                  "quantile is at most it), bound=\"lower\" (pinned at the last finite bucket; the quantile is at "

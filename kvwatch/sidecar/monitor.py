@@ -150,7 +150,9 @@ class Monitor:
         if settings.upstream_target and settings.upstream_histogram:
             from kvwatch.sidecar.upstream import UpstreamSource
 
-            self.upstream = UpstreamSource(settings, self.window.seconds)
+            # The monitor's clock (steady; recorded time in a replay), not the
+            # wall clock: an NTP step back kept stale steps in its window.
+            self.upstream = UpstreamSource(settings, self.window.seconds, clock=self.clock)
         self.lmcache = None
         if settings.lmcache_target:
             from kvwatch.sidecar.lmcache import LMCacheSource
