@@ -132,7 +132,16 @@ HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_finding", "gauge", ("symptom", "cause", "severity") + IDENTITY,
                  "1 for each active diagnosis finding (absent when not active); a finding stays active until its "
                  "condition has been clear for the hold (diagnosis: finding_hold_seconds); see "
-                 "/api/v1/diagnosis for its evidence and clearing_since.", good="low"),
+                 "/api/v1/diagnosis for its evidence and clearing_since. One cause per symptom per engine: the "
+                 "primary (other causes found at once are kvwatch_finding_contributor).", good="low"),
+    HealthFamily("kvwatch_finding_contributor", "gauge", ("symptom", "cause", "contributor") + IDENTITY,
+                 "1 for each contributing factor of an active finding: another cause of the same symptom on the "
+                 "same engine that the diagnosis also found, weaker than the primary `cause` (absent when none).",
+                 good="low"),
+    HealthFamily("kvwatch_finding_alternative", "gauge", ("symptom", "cause", "alternative", "decided_by") + IDENTITY,
+                 "1 for each cause an active finding cannot be told apart from, once per source that would decide "
+                 "(`decided_by`: kv_cache_metrics, kv_events, request_lengths); absent when the finding is decided.",
+                 good=None),
     # Untyped: Prometheus' lint refuses a `quantile` label on a gauge, and the
     # label names the quantile it marks (Prometheus stores it as a gauge).
     HealthFamily("kvwatch_quantile_pinned", "untyped", ("signal", "quantile", "bound") + IDENTITY,
