@@ -164,7 +164,7 @@ def test_committed_deploy_files_are_what_render_manifests_writes():
         if not path.is_file() or path.read_text() != text:
             stale.append(relative)
     assert not stale, f"deploy/ is out of date (run `kvwatch generate`): {stale}"
-    generated_dirs = [DEPLOY / "kubernetes", DEPLOY / "prometheus"]
+    generated_dirs = [DEPLOY / "kubernetes", DEPLOY / "prometheus", DEPLOY / "helm"]
     extra = sorted(str(p.relative_to(DEPLOY)) for d in generated_dirs for p in d.rglob("*") if p.is_file()
                    and str(p.relative_to(DEPLOY)) not in files)
     assert not extra, f"files under deploy/ that render_manifests no longer writes: {extra}"

@@ -17,6 +17,8 @@ kustomize layout:
                                       Prometheus, its Service and ServiceMonitor
     prometheus/scrape-configs.yaml    a scrape job for Prometheus without the operator
     prometheus/central-scrape-configs.yaml   the same for the central Deployment
+    helm/kvwatch/                     the Helm chart (kvwatch/mixin/helm.py): the same
+                                      containers, rules and dashboards from the same settings
 
 `kvwatch generate` calls it with its config object. Every field is read with
 getattr and a default (from `config.deploy` when the config has such an
@@ -66,6 +68,9 @@ def kvwatch_config(s: DeploySettings) -> dict:
         "poll_interval": s.poll_interval,
         "window": s.window,
         "log_level": s.log_level,
+        # kvwatch binds on the pod's loopback; vLLM, started with --kv-events-config
+        # endpoint tcp://127.0.0.1:<port>, connects to it.
+        **({"kv_events": f"tcp://127.0.0.1:{s.kv_events_port}"} if s.kv_events_port is not None else {}),
     }
 
 
@@ -94,7 +99,7 @@ def kvwatch_container(s: DeploySettings, native: bool | None = None) -> dict:
         # The only probe (SIDECAR_LIVENESS in kvwatch/mixin/config.py says why):
         # no readiness, so kvwatch never takes the vLLM pod out of its Service.
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": s.port_name}, **SIDECAR_LIVENESS},
-        "resources": s.resources,
+        "resources": s.sidecar_resources,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": s.run_as_user,
@@ -654,4 +659,8 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
     files[central + "kustomization.yaml"] = _kustomization(
         ["deployment.yaml", "service.yaml", "servicemonitor.yaml"], s.namespace)
     files["prometheus/central-scrape-configs.yaml"] = HEADER + to_yaml(central_scrape_configs(s))
+
+    from kvwatch.mixin import helm  # it builds on this module's containers
+
+    files.update(helm.render_chart(s, prometheus_rule, dashboards))
     return files
