@@ -11,6 +11,9 @@ from __future__ import annotations
 import copy
 import json
 import platform
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -287,12 +290,15 @@ def test_monitors_select_the_sidecars_and_set_the_rules_job():
         assert endpoint["port"] == SETTINGS.port_name and endpoint["path"] == "/metrics"
         assert {"action": "replace", "targetLabel": "job", "replacement": SETTINGS.job} in endpoint["relabelings"]
         assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        # The pods the patch labelled, whatever their own labels.
+        patch_labels = patch_of(docs)["spec"]["template"]["metadata"]["labels"]
+        assert patch_labels == manifests.SIDECAR_POD_LABELS
         if kind == "PodMonitor":
-            assert monitor["spec"]["selector"]["matchLabels"] == SETTINGS.labels
+            assert monitor["spec"]["selector"]["matchLabels"] == patch_labels
         else:
             service = one(docs, "Service")
             assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-            assert service["spec"]["selector"] == SETTINGS.labels
+            assert service["spec"]["selector"] == patch_labels
             (port,) = service["spec"]["ports"]
             assert port["name"] == SETTINGS.port_name and port["targetPort"] == SETTINGS.kvwatch_port
 
@@ -307,6 +313,45 @@ def test_notes_give_the_one_patch_command_naming_the_deployment():
     # The ConfigMap the patched pods mount outlives `helm uninstall`.
     config = one(objects(), "ConfigMap", "-config")
     assert config["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_notes_command_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_path, native):
+    # NOTES.txt's two kubectl steps, run by kubectl itself on local files
+    # (--local: the same strategic merge code as the API server, no cluster):
+    # read the patch out of the rendered ConfigMap with the jsonpath the notes
+    # give, then patch a Deployment named llama with it.
+    if not shutil.which("kubectl"):
+        pytest.skip("kubectl is not installed")
+    values = {"sidecar": {"deployment": "llama", "native": native}}
+    text = notes(values)
+    (jsonpath,) = re.findall(r"-o jsonpath='([^']+)'", text)
+    patch_type = re.search(r"patch deployment llama --type (\w+)", text).group(1)  # the first: adding
+    (tmp_path / "patch-configmap.yaml").write_text(yaml.safe_dump(one(objects(values), "ConfigMap", "-sidecar-patch")))
+    (tmp_path / "llama.yaml").write_text(yaml.safe_dump(EXISTING))
+
+    def kubectl(*args: str) -> str:
+        result = subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    patch = kubectl("patch", "--local", "-f", str(tmp_path / "patch-configmap.yaml"), "--type", "merge", "-p", "{}",
+                    "-o", f"jsonpath={jsonpath}")
+    patched = json.loads(kubectl("patch", "--local", "-f", str(tmp_path / "llama.yaml"), "--type", patch_type,
+                                 "--patch", patch, "-o", "json"))
+    spec = patched["spec"]["template"]["spec"]
+    key = "initContainers" if native else "containers"
+    (kvwatch,) = [c for c in spec[key] if c["name"] == "kvwatch"]
+    assert kvwatch == kustomize_container("sidecar-patch" if native else "sidecar-patch-plain")
+    vllm = [c for c in spec["containers"] if c["name"] == "vllm"]
+    assert vllm == EXISTING["spec"]["template"]["spec"]["containers"]
+    assert {v["name"] for v in spec["volumes"]} == {"kvwatch-config", "kvwatch-tmp"}
+    assert spec["volumes"][0]["configMap"]["name"] == f"{RELEASE}-config"
+    labels = patched["spec"]["template"]["metadata"]["labels"]
+    assert labels == {**EXISTING["spec"]["template"]["metadata"]["labels"], **manifests.SIDECAR_POD_LABELS}
+    assert one(objects(values), "PodMonitor")["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(patched, version, strict=True)
 
 
 # ---------------------------------------------------------------- rules and dashboards

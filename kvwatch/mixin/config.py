@@ -278,7 +278,9 @@ DEPLOY_FIELDS = {
     "scrape_timeout": "scrape deadline; below scrape_interval",
     "job": "the job label Prometheus gives kvwatch's series (the rules and dashboards select it)",
     "resources": "kvwatch container resources (default sized from the benchmark)",
-    "labels": "labels on the vLLM pods and Service; the Service, ServiceMonitor and PodMonitor select by them",
+    "labels": "labels on the example vLLM pods and Service; the Deployment and Service select pods by them, the "
+              "ServiceMonitor the Service (the PodMonitor selects the label kvwatch/sidecar=true every sidecar's "
+              "pod gets)",
     "monitor_labels": "labels your Prometheus selects ServiceMonitors, PodMonitors and PrometheusRules by "
                       "(kube-prometheus-stack: release=<helm release>)",
     "grafana_folder": "Grafana folder for the dashboards (grafana_folder annotation of the Grafana sidecar)",

@@ -83,7 +83,7 @@ def values(s: DeploySettings) -> dict:
                          "port": s.kv_events_port or DEFAULT_KV_EVENTS_PORT,
                          "resources": kv_events_resources(s.resources)},
         },
-        "pods": {"labels": dict(s.labels)},
+        "pods": {"labels": dict(manifests.SIDECAR_POD_LABELS)},
         "central": {
             "prometheusUrl": s.prometheus_url,
             "selector": s.central_selector or "",
@@ -129,7 +129,8 @@ VALUES_COMMENTS = [
                   "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\",\n"
                   "\"endpoint\": \"tcp://127.0.0.1:<port>\"}'. Its resources replace sidecar.resources: the ledger's\n"
                   "table and the intake queue at their byte bounds (kvwatch/mixin/config.py)."),
-    ("pods:", "Labels of the vLLM pods; the monitor (and, for a ServiceMonitor, the chart's Service) selects them."),
+    ("pods:", "Labels of the pods carrying kvwatch; the monitor (and, for a ServiceMonitor, the chart's Service)\n"
+              "selects them. The sidecar patch (and the kustomize Components) give every such pod this label."),
     ("central:", "Central mode: the Prometheus-compatible store to read, the replicas' selector (empty:\n"
                  "{namespace=\"<release namespace>\"}), the most replicas kept; empty resources are scaled from\n"
                  "the measured figure (64 replicas: ~390 MiB, ~1.3 s CPU per 30 s refresh) to maxReplicas."),
@@ -401,6 +402,9 @@ metadata:
   name: {{ .Values.sidecar.deployment }}
 spec:
   template:
+    metadata:
+      labels:
+        @@POD_LABELS@@
     spec:
       {{ ternary "initContainers" "containers" (eq (include "kvwatch.native" .) "true") }}:
         - {{- include "kvwatch.sidecarContainer" . | nindent 10 }}
@@ -790,6 +794,8 @@ def _fill(template: str, s: DeploySettings) -> str:
         "@@CENTRAL_CPU_MILLI@@": str(round(1000 * CENTRAL_MEASURED_CPU_SECONDS_PER_REFRESH)),
         "@@CENTRAL_REFRESH@@": str(CENTRAL_REFRESH_SECONDS),
         "@@JOB@@": json.dumps(s.job),
+        "@@POD_LABELS@@": "\n        ".join(f"{json.dumps(k)}: {json.dumps(v)}"
+                                             for k, v in manifests.SIDECAR_POD_LABELS.items()),
         **{f"@@MOUNT_{key}@@": path for key, path in MOUNTS.items()},
     }
     for key, value in replacements.items():

@@ -178,6 +178,9 @@ metadata:
   name: {{ .Values.sidecar.deployment }}
 spec:
   template:
+    metadata:
+      labels:
+        "kvwatch/sidecar": "true"
     spec:
       {{ ternary "initContainers" "containers" (eq (include "kvwatch.native" .) "true") }}:
         - {{- include "kvwatch.sidecarContainer" . | nindent 10 }}
