@@ -53,8 +53,12 @@ class KVEventSource:
     def __init__(self, endpoint: str, *, connect: bool = False, topic: str = "",
                  window_seconds: float = 300.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, table_bytes: int = DEFAULT_TABLE_BYTES,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 tap: Callable[[float, int, bytes], Any] | None = None):
         self.endpoint = endpoint
+        # Called with (time, sequence, payload) of each well-formed message as
+        # it is received (kvwatch capture --kv-events records them).
+        self.tap = tap
         self.connect = connect
         self.topic = topic
         self.window_seconds = window_seconds
@@ -90,7 +94,9 @@ class KVEventSource:
         self.block_size: int | None = None
         self.ranks: set[int] = set()
         self._expected: int | None = None
-        self._checkpoints: deque[tuple[float, Totals]] = deque(maxlen=100_000)
+        # (time, the ledger's totals, (missed, dropped, messages)) at each poll.
+        self._checkpoints: deque[tuple[float, Totals, tuple[int, int, int]]] = deque(maxlen=100_000)
+        self.created: float | None = None  # the first report's time
         self._changes: deque[tuple[float, str]] = deque(maxlen=MAX_CHANGES)
         self._pending: list[tuple[float, str]] = []
 
@@ -172,8 +178,14 @@ class KVEventSource:
             if size > self.max_message_bytes:
                 self._malformed(f"a message of {size} bytes, over the cap of {self.max_message_bytes}")
                 return
-            self._sequence(int.from_bytes(frames[1], "big", signed=True), now)
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            self._sequence(seq, now)
         payload = frames[2]
+        if self.tap is not None:
+            try:
+                self.tap(now, seq, payload)
+            except Exception:  # pragma: no cover - a recorder's failure must not stop the stream
+                log.exception("recording a KV-cache event message failed")
         with self._wake:
             if len(self._queue) >= QUEUE_MESSAGES or self._queued_bytes + len(payload) > self.queue_bytes:
                 with self._lock:
@@ -280,9 +292,14 @@ class KVEventSource:
     # --- the window ------------------------------------------------------
 
     def report(self, now: float | None = None, bytes_per_block: float | None = None,
-               checkpoint: bool = True) -> dict[str, Any]:
-        """The stream's state for one poll (it records the poll's checkpoint)."""
+               checkpoint: bool = True, recent_seconds: float | None = None) -> dict[str, Any]:
+        """The stream's state for one poll (it records the poll's checkpoint).
+        `recent_seconds`: the recent part of the window the diagnosis judges
+        (hit_recent_seconds; a third of the window by default), also counted
+        apart from the part before it."""
         now = self.clock() if now is None else now
+        if self.created is None:
+            self.created = now
         with self._lock:
             totals = self.ledger.totals.copy()
             ledger = self.ledger
@@ -300,18 +317,29 @@ class KVEventSource:
             last_malformed = self.last_malformed
             changes = [{"time": t, "detail": d} for t, d in self._changes if t >= now - self.window_seconds]
             ranks = sorted(self.ranks)
+            flow = (self.missed, self.dropped, self.messages)
         checkpoints = self._checkpoints
         if not checkpoints:
             # The stream's start: nothing counted before it.
-            checkpoints.append((min(now, first) if first is not None else now, Totals()))
+            checkpoints.append((min(now, first) if first is not None else now, Totals(), (0, 0, 0)))
         if checkpoint:
-            checkpoints.append((now, totals))
+            checkpoints.append((now, totals, flow))
             horizon = now - self.window_seconds
             while len(checkpoints) > 2 and checkpoints[1][0] <= horizon:
                 checkpoints.popleft()
-        start_time, start = checkpoints[0] if checkpoints else (now, totals)
+        start_time, start, start_flow = checkpoints[0]
         seconds = now - start_time
         window = _window(start, totals, seconds)
+        window.update(missed=flow[0] - start_flow[0], dropped=flow[1] - start_flow[1],
+                      messages=flow[2] - start_flow[2])
+        recent_seconds = self.window_seconds / 3 if recent_seconds is None else recent_seconds
+        split_time, split = start_time, start
+        for at, part, _ in checkpoints:
+            if at > now - recent_seconds:
+                break
+            split_time, split = at, part
+        recent = _part(split, totals, now - split_time)
+        earlier = _part(start, split, split_time - start_time)
         if self.listen_error:
             up, reason, detail = False, "listen", self.listen_error
         elif last is None:
@@ -334,6 +362,9 @@ class KVEventSource:
             "table": table,
             "totals": _totals_dict(totals),
             "window": window,
+            "recent": recent,
+            "earlier": earlier,
+            "configured_seconds": max(0.0, now - self.created),
             "block_size": block_size,
             "cached_blocks_peak": cached_peak,
             "ranks": ranks,
@@ -388,6 +419,26 @@ def _window(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
     }
 
 
+def _part(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
+    stored = end.stored - start.stored
+    again = max(0.0, end.again - start.again)
+    return {"seconds": seconds, "stored": stored, "evicted": end.evicted - start.evicted, "stored_again": again,
+            "stored_again_ratio": min(1.0, again / stored) if stored > 0 else None}
+
+
+def extra_for_share(distance: list[float], again: float, share: float) -> int | None:
+    """The fewest extra blocks that keep `share` of the returns (whole
+    buckets), None without returns."""
+    if again <= 0:
+        return None
+    kept = 0.0
+    for index, count in enumerate(distance):
+        kept += count
+        if kept >= share * again - 1e-9:
+            return bucket_upper(index) + 1
+    return None
+
+
 def _median(buckets: list[float]) -> float | None:
     total = sum(buckets)
     if total <= 0:
@@ -435,3 +486,15 @@ def sizing_curve(window: dict[str, Any], cached_peak: float, block_size: int | N
                  "by more than its distance (blocks stored between its eviction and its return); first order, "
                  "it ignores what the kept blocks change afterwards"),
     }
+
+
+def public_report(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The report as the API serves it: the distance histograms (256 buckets
+    each) left out; the sizing curve is what they say."""
+    if report is None:
+        return None
+    out = dict(report)
+    out["window"] = {k: v for k, v in report.get("window", {}).items() if k != "distance"}
+    totals = dict(report.get("totals") or {})
+    out["totals"] = totals
+    return out

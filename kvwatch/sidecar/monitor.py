@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
@@ -94,6 +94,8 @@ class State:
     # A replay's progress (kvwatch serve --replay; None when live): the
     # monitor's one dict, so its `finished` shows on the last state too.
     replay: dict[str, Any] | None = None
+    # The simulator's phase now and the next (kvwatch/sidecar/demo.py), only with demo_target.
+    demo: dict[str, Any] | None = None
 
 
 
@@ -148,12 +150,19 @@ class Monitor:
         if settings.upstream_target and settings.upstream_histogram:
             from kvwatch.sidecar.upstream import UpstreamSource
 
-            self.upstream = UpstreamSource(settings, self.window.seconds)
+            # The monitor's clock (steady; recorded time in a replay), not the
+            # wall clock: an NTP step back kept stale steps in its window.
+            self.upstream = UpstreamSource(settings, self.window.seconds, clock=self.clock)
         self.lmcache = None
         if settings.lmcache_target:
             from kvwatch.sidecar.lmcache import LMCacheSource
 
             self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
+        self.demo = None
+        if settings.demo_target:
+            from kvwatch.sidecar.demo import DemoSource
+
+            self.demo = DemoSource(settings.demo_target, settings.fetch_timeout)
         self.kv_events = None
         if settings.kv_events:
             from kvwatch.kvevents.source import KVEventSource
@@ -217,9 +226,13 @@ class Monitor:
             started_monotonic = time.monotonic()
             result = self.fetcher.fetch()
             if not result.ok:
-                return self._record_failure(result.reason, result.detail, started, result.seconds,
-                                            time.thread_time() - started_cpu, result.sentence)
-            return self._ingest(result, started, started_monotonic, started_cpu)
+                state = self._record_failure(result.reason, result.detail, started, result.seconds,
+                                             time.thread_time() - started_cpu, result.sentence)
+            else:
+                state = self._ingest(result, started, started_monotonic, started_cpu)
+            if self.demo is not None:
+                state = self.state = replace(state, demo=self.demo.poll())
+            return state
 
     def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
         if self.adapter is None:
@@ -258,7 +271,8 @@ class Monitor:
         kv_events = self._report_kv_events(answered, per_engine)
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
-                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache)
+                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
+                                      incumbents=self.hold.incumbents())
         findings = self.hold.apply(answered, findings)
         self._polls += 1
         was_up = self.state.up
@@ -324,7 +338,9 @@ class Monitor:
             new_changes = self.kv_events.take_changes()
             for when, detail in new_changes:
                 self._event(Change(when, "kv_events", None, None, detail))
-            return with_page(self.kv_events.report(at), per_engine)
+            recent = min(diagnosis.resolve_thresholds(self.settings.diagnosis)["hit_recent_seconds"],
+                         self.window.seconds / 2)
+            return with_page(self.kv_events.report(at, recent_seconds=recent), per_engine)
         except Exception:  # pragma: no cover - defensive: the stream must not take the engine's poll down
             log.exception("reading the KV-cache event stream failed")
             return None

@@ -82,6 +82,9 @@ class Settings:
     auth_token_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # A `kvwatch sim`'s /sim/phase (make run sets it): the status page then
+    # names the simulated phase now and the next. Nothing else reads it.
+    demo_target: str | None = None
     # Diagnosis thresholds (see kvwatch/diagnose/thresholds.py for every key and default).
     diagnosis: dict[str, Any] = field(default_factory=dict)
     # The engine whose page the target serves (kvwatch/engines): `auto` picks
@@ -126,6 +129,15 @@ def normalize_target(value: Any) -> str:
         raise ValueError(f"{parts.netloc.rsplit('@', 1)[-1]!r} is not a host and port kvwatch can fetch from")
     path = parts.path if parts.path not in ("", "/") else "/metrics"
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def _demo_url(value: Any) -> str:
+    """A simulator's base URL or its /sim/phase: a bare http://host:port gets /sim/phase."""
+    text = str(value).strip()
+    parts = urlsplit(text)
+    if parts.scheme in ("http", "https") and parts.path in ("", "/"):
+        text = urlunsplit((parts.scheme, parts.netloc, "/sim/phase", parts.query, ""))
+    return normalize_target(text)
 
 
 def zmq_endpoint(value: Any) -> str:
@@ -226,6 +238,7 @@ PARSERS = {
     "upstream_target": lambda v: None if v in (None, "") else normalize_target(v),
     "upstream_histogram": _optional_str,
     "lmcache_target": lambda v: None if v in (None, "") else normalize_target(v),
+    "demo_target": lambda v: None if v in (None, "") else _demo_url(v),
     "kv_events": lambda v: None if v in (None, "") else zmq_endpoint(v),
     "kv_events_connect": _parse_bool,
     "kv_events_topic": lambda v: "" if v is None else str(v),

@@ -57,6 +57,27 @@ class Scenario:
         return sum(phase.duration for phase in self.phases)
 
 
+def clock_text(seconds: float) -> str:
+    """1:40, 27:00, 1:02:03: a countdown or a length as a clock reads."""
+    whole = max(0, int(round(seconds)))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def phase_line(status: dict) -> str:
+    """`now: healthy, next: eviction-pressure in 0:30` from a phase status
+    (Simulation.phase_status, SimServer.phase_status); the page says the same."""
+    text = f"now: {status['phase']}"
+    if status.get("next") is not None and status.get("next_in_seconds") is not None:
+        text += f", next: {status['next']} in {clock_text(status['next_in_seconds'])}"
+        if status.get("clock") == "simulated":
+            text += " (simulated time)"
+    else:
+        text += " (the last phase; it lasts until the simulator stops)"
+    return text
+
+
 def parse_duration(raw: Any) -> float | None:
     try:
         return units.parse_duration(raw)
