@@ -25,7 +25,7 @@ from kvwatch import __version__
 
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
 from kvwatch.diagnose.vocabulary import ALERT_CAUSES, PREEMPTING_SEVERITY, SEVERITY
-from kvwatch.units import yaml_problem
+from kvwatch.units import did_you_mean, yaml_problem
 
 SEVERITIES = ("critical", "warning", "info")
 # Alert names, with the symptom (the diagnosis vocabulary) each one reports.
@@ -690,7 +690,8 @@ def _check_field(name: str, value: Any) -> list[str]:
 
             unknown = sorted(set(value) - set(DEPLOY_FIELDS))
             for key in unknown:
-                problems.append(f"deploy: unknown field {key!r} (known: {', '.join(sorted(DEPLOY_FIELDS))})")
+                problems.append(f"deploy: unknown field {key!r}{did_you_mean(key, DEPLOY_FIELDS)} "
+                                    f"(known: {', '.join(sorted(DEPLOY_FIELDS))})")
             if not unknown:
                 try:
                     deploy_settings({"deploy": value})
@@ -754,7 +755,7 @@ def config_from_mapping(data: Any, source: str = "config") -> MixinConfig:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in known:
-            problems.append(f"{source}: unknown field {key!r} (known: {', '.join(sorted(known))})")
+            problems.append(f"{source}: unknown field {key!r}{did_you_mean(name, known)} (known: {', '.join(sorted(known))})")
             continue
         field_problems = _check_field(name, value)
         if field_problems:
