@@ -78,7 +78,13 @@ def _manifests(config: MixinConfig, files: dict[str, str], dashboards: dict[str,
         manifests = importlib.import_module("kvwatch.mixin.manifests")
     except ModuleNotFoundError:  # the manifests module is optional
         return {}
-    return manifests.render_manifests(config, prometheus_rule=files[PROMETHEUS_RULE_FILE], dashboards=dashboards)
+    out = manifests.render_manifests(config, prometheus_rule=files[PROMETHEUS_RULE_FILE], dashboards=dashboards)
+    # The Helm chart, from the same settings, containers, rules and dashboards.
+    from kvwatch.mixin import helm
+    from kvwatch.mixin.config import deploy_settings
+
+    out.update(helm.render_chart(deploy_settings(config), files[PROMETHEUS_RULE_FILE], dashboards))
+    return out
 
 
 def stale_files(files: dict[str, str], out: Path) -> list[str]:
