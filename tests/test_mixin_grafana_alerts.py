@@ -34,7 +34,7 @@ def grafana_rules(provisioning: dict) -> list[dict]:
     return [rule for group in provisioning["groups"] for rule in group["rules"]]
 
 
-def twin_problems(rules_text: str, provisioning: dict) -> list[str]:
+def twin_problems(rules_text: str, provisioning: dict, config: MixinConfig | None = None) -> list[str]:
     """Differences between each Prometheus alert rule and its Grafana twin."""
     problems = []
     by_key = {}
@@ -43,7 +43,7 @@ def twin_problems(rules_text: str, provisioning: dict) -> list[str]:
 
     for rule in grafana_rules(provisioning):
         by_key.setdefault(key_of(rule["title"].split(" ")[0], rule["labels"]), []).append(rule)
-    recorded = recorded_exprs(config_for(rules_text))
+    recorded = recorded_exprs(config or MixinConfig())
     alerts = prometheus_alerts(rules_text)
     if len(alerts) != len(grafana_rules(provisioning)):
         problems.append(f"{len(alerts)} Prometheus rules, {len(grafana_rules(provisioning))} Grafana rules")
@@ -78,13 +78,6 @@ def twin_problems(rules_text: str, provisioning: dict) -> list[str]:
     return problems
 
 
-def config_for(rules_text: str):
-    """The config a rules text was generated from, as far as the twins read
-    it: the recording rules' windows and objectives are the default's unless
-    the text says otherwise (the tests here use the default's)."""
-    return MixinConfig()
-
-
 def test_every_grafana_rule_matches_its_prometheus_twin():
     assert twin_problems(RULES.read_text(), json.loads(GRAFANA_RULES.read_text())) == []
 
@@ -93,7 +86,7 @@ def test_twins_also_match_with_an_upstream_histogram():
     files = render_all(config_from_mapping(UPSTREAM))
     provisioning = json.loads(files[GRAFANA_RULES_FILE])
     assert any(r["labels"].get("cause") == "upstream" for r in grafana_rules(provisioning))
-    assert twin_problems(files[RULES_FILE], provisioning) == []
+    assert twin_problems(files[RULES_FILE], provisioning, config_from_mapping(UPSTREAM)) == []
 
 
 def test_the_twin_check_catches_drift():

@@ -7,6 +7,7 @@ usage), and each expected value is the sidecar's own signal on those samples."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,9 @@ import yaml
 
 from kvwatch.mixin.alerts import alert_specs
 from kvwatch.mixin.config import MixinConfig, config_from_mapping
+from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
 from kvwatch.commands.generate import RULES_FILE, render_all
-from kvwatch.mixin.rules import MEMORY_GROUP
+from kvwatch.mixin.rules import ALERTS_GROUP, MEMORY_GROUP
 from mixin_support import PROMETHEUS_RULE, REPO, RULES, load_rules
 
 sys.path.insert(0, str(REPO / "tests" / "promtool"))
@@ -30,24 +32,30 @@ CASES_DIR = REPO / "tests" / "promtool"
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+RECORDED = re.compile(r"[a-zA-Z_]*:[a-zA-Z0-9_]+:[a-zA-Z0-9_]+")
 
 
 def alerts_without_annotations(rules_text: str) -> str:
-    """The alert rules only (they do not read the recording rules, and
-    evaluating those too makes promtool several times slower), with their
-    annotations removed (promtool compares rendered annotations verbatim)."""
+    """The alerts' group (the records they read, then the alerts) and the
+    hit-ratio memory, in the file's order, the alerts' annotations removed
+    (promtool compares rendered annotations verbatim). The objectives' burn
+    alerts and their records have their own cases
+    (tests/test_objectives_promtool.py); the other recording rules are left
+    out (evaluating every one makes promtool several times slower)."""
     data = yaml.safe_load(rules_text)
+    burns = {alert for alert, _, _ in OBJECTIVE_ALERTS.values()}
     groups = []
     for group in data["groups"]:
-        if group["name"] == MEMORY_GROUP:  # the alerts read the hit-ratio memory
+        if group["name"] == MEMORY_GROUP:
             groups.append(group)
-            continue
-        alerts = [rule for rule in group["rules"] if "alert" in rule]
-        for rule in alerts:
-            rule.pop("annotations", None)
-        if alerts:
-            groups.append({**group, "rules": alerts})
+        elif group["name"] == ALERTS_GROUP:
+            rules = [rule for rule in group["rules"] if rule.get("alert") not in burns]
+            for rule in rules:
+                rule.pop("annotations", None)
+            groups.append({**group, "rules": rules})
     return yaml.safe_dump({"groups": groups}, width=1 << 16)
 
 
@@ -266,7 +274,10 @@ def test_alert_severities_are_the_diagnosis_severities_and_only_objectives_page(
     # Without a severity apart for preemptions, each exhaustion cause is one rule...
     exhausted = [s for s in specs if s.alert == "VllmKvCacheExhausted"]
     assert sorted(s.cause for s in exhausted) == ["concurrency_beyond_capacity", "long_requests"]
-    assert all(s.severity == "warning" and "preemptions" in s.query for s in exhausted)
+    # (the exhaustion detector they read counts preemptions as exhaustion)
+    detector = "instance_model_name_engine:kvwatch_kv_cache_exhausted:condition5m"
+    assert all(s.severity == "warning" and detector in s.query for s in exhausted)
+    assert "preemptions" in {r["record"]: r["expr"] for r in load_rules() if "record" in r}[detector]
     # ...and a config that pages on preemptions gets the split back.
     paging = alert_specs(config_from_mapping({"severities": {"concurrency_beyond_capacity_preempting": "critical"}}))
     split = {(s.variant, s.severity) for s in paging if s.cause == "concurrency_beyond_capacity"}
@@ -282,3 +293,56 @@ def test_docs_alerts_table_gives_every_alert_its_severity_and_for():
                    and row[3] == spec.for_ and row[4] and row[5]
                    and (spec.kind == "cause" or spec.variant in row[1] or "every pair" in row[1])
                    for row in rows), (spec.alert, spec.cause, spec.variant)
+
+
+# An alert someone must check by reading it at 3am: its expression fits on a screen.
+MAX_ALERT_LINES = 12
+
+
+def unreadable(rules: list[dict]) -> list[str]:
+    """Alerts whose expression runs over MAX_ALERT_LINES lines or that carry no runbook_url."""
+    problems = []
+    for rule in rules:
+        if "alert" not in rule:
+            continue
+        name = f"{rule['alert']} ({rule['labels'].get('cause') or rule['labels'].get('objective')})"
+        lines = rule["expr"].rstrip("\n").count("\n") + 1
+        if lines > MAX_ALERT_LINES:
+            problems.append(f"{name}: {lines} lines")
+        if not rule.get("annotations", {}).get("runbook_url"):
+            problems.append(f"{name}: no runbook_url")
+    return problems
+
+
+def all_configs():
+    return (MixinConfig(), config_from_mapping(cases.UPSTREAM_CONFIG), config_from_mapping(cases.NO_REUSE_CONFIG))
+
+
+def test_every_alert_reads_in_twelve_lines_and_links_its_runbook():
+    assert unreadable(load_rules()) == []
+    for config in all_configs():
+        text = render_all(config)[RULES_FILE]
+        assert unreadable([r for g in yaml.safe_load(text)["groups"] for r in g["rules"]]) == []
+
+
+def test_the_readability_check_fails_a_long_alert_and_a_missing_link():
+    alert = next(rule for rule in load_rules() if "alert" in rule)
+    long = {**alert, "expr": "\n".join(["up"] * (MAX_ALERT_LINES + 1))}
+    unlinked = {**alert, "annotations": {"summary": "x"}}
+    assert len(unreadable([long, unlinked])) == 2
+    assert unreadable([{**alert, "expr": "\n".join(["up"] * MAX_ALERT_LINES)}]) == []
+
+
+def test_every_recorded_series_an_alert_reads_is_recorded_before_it():
+    # In file order: promtool and a Prometheus evaluation interval run the
+    # groups one after another, so a record read later in the file is current.
+    for config in all_configs():
+        defined: set[str] = set()
+        for group in yaml.safe_load(render_all(config)[RULES_FILE])["groups"]:
+            for rule in group["rules"]:
+                missing = set(RECORDED.findall(rule["expr"])) - defined
+                if group["name"] == MEMORY_GROUP:  # the memory reads its own previous values
+                    missing -= {r["record"] for r in group["rules"]}
+                assert not missing, (rule.get("record") or rule.get("alert"), sorted(missing))
+                if "record" in rule:
+                    defined.add(rule["record"])

@@ -53,8 +53,12 @@ class KVEventSource:
     def __init__(self, endpoint: str, *, connect: bool = False, topic: str = "",
                  window_seconds: float = 300.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, table_bytes: int = DEFAULT_TABLE_BYTES,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 tap: Callable[[float, int, bytes], Any] | None = None):
         self.endpoint = endpoint
+        # Called with (time, sequence, payload) of each well-formed message as
+        # it is received (kvwatch capture --kv-events records them).
+        self.tap = tap
         self.connect = connect
         self.topic = topic
         self.window_seconds = window_seconds
@@ -174,8 +178,14 @@ class KVEventSource:
             if size > self.max_message_bytes:
                 self._malformed(f"a message of {size} bytes, over the cap of {self.max_message_bytes}")
                 return
-            self._sequence(int.from_bytes(frames[1], "big", signed=True), now)
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            self._sequence(seq, now)
         payload = frames[2]
+        if self.tap is not None:
+            try:
+                self.tap(now, seq, payload)
+            except Exception:  # pragma: no cover - a recorder's failure must not stop the stream
+                log.exception("recording a KV-cache event message failed")
         with self._wake:
             if len(self._queue) >= QUEUE_MESSAGES or self._queued_bytes + len(payload) > self.queue_bytes:
                 with self._lock:
@@ -476,3 +486,15 @@ def sizing_curve(window: dict[str, Any], cached_peak: float, block_size: int | N
                  "by more than its distance (blocks stored between its eviction and its return); first order, "
                  "it ignores what the kept blocks change afterwards"),
     }
+
+
+def public_report(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The report as the API serves it: the distance histograms (256 buckets
+    each) left out; the sizing curve is what they say."""
+    if report is None:
+        return None
+    out = dict(report)
+    out["window"] = {k: v for k, v in report.get("window", {}).items() if k != "distance"}
+    totals = dict(report.get("totals") or {})
+    out["totals"] = totals
+    return out

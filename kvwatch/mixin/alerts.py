@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvwatch.mixin import objectives
 from kvwatch.mixin.config import ALERT_CAUSES, ALERTS, PREEMPTING_SUFFIX, MixinConfig
+from kvwatch.mixin.conditions import Recorded
 from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
 from kvwatch.mixin.promql import Fragments, Scope, chain, num, paren
 
@@ -116,7 +117,8 @@ def engine_scope(config: MixinConfig) -> Scope:
 
 
 def alert_specs(config: MixinConfig) -> list[AlertSpec]:
-    f = Fragments(engine_scope(config), config)
+    # The alerts read recorded values and conditions (kvwatch/mixin/conditions.py).
+    f = Recorded(engine_scope(config), config)
     w = config.rate_window
     where = f"engine {_lbl('engine')} of {_lbl('model_name')} on {_lbl(config.instance_label)}"
     pct = lambda x: f"{x * 100:g}%"  # noqa: E731
@@ -209,7 +211,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     # then on VllmKvCacheExhausted speaks, and this one warns only before.
     minutes = config.exhaustion_eta_minutes
     add("VllmKvCacheExhaustionSoon", "usage_rising",
-        chain(f.s.signal("kvwatch_kv_cache_exhaustion_eta_seconds"), ("unless", f.exhausted())),
+        chain(f.signal("kvwatch_kv_cache_exhaustion_eta_seconds"), ("unless", f.exhausted())),
         "<", minutes * 60,
         "vLLM KV cache on course to fill up: preemption is minutes away.",
         f"KV usage of {where} is rising: at its trend over the last 5m the cache is full in "
@@ -252,12 +254,9 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "reuse). Next: run vLLM with --kv-cache-metrics and compare kv_block_idle_before_evict with "
         "kv_block_reuse_gap; give the cache more room, or route requests that share a prefix to the same "
         "engine.")
-    not_exhausted_or_dropped_before = (f"{paren(f.query_tokens())}\nunless\n{paren(f.exhausted())}"
-                                       f"\nunless\n{paren(f.cache_pressure())}"
-                                       f"\nor\n{paren(f.low_before_exhaustion())}\nand\n{paren(f.exhausted())}")
     add("VllmPrefixCacheHitRateLow", "prefix_changed",
         chain(hit, *judged, ("unless", f.cold()), ("and", f.healthy_baseline()),
-              ("and", not_exhausted_or_dropped_before)),
+              ("and", f.dropped_with_room())),
         "<", config.hit_ratio_low,
         "vLLM prefix-cache hit ratio dropped: the shared prompt prefix changed.",
         f"{low_intro}, after at least {pct(config.hit_ratio_low)} in the {config.hit_ratio_baseline_window} "
@@ -299,13 +298,26 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         f"{slow_intro}; most of it is prefill (likely cause: long uncached prompts). Next: check prompt length "
         "and the cached share of prompt tokens on the first-token dashboard; raise prefix reuse, shorten "
         "prompts, tune chunked prefill (--max-num-batched-tokens) or separate prefill from decode.")
+    # One story (issue 32, kvwatch/diagnose/arbitration.py): the residual
+    # outside queue and prefill is preemption wherever the exhaustion detector
+    # holds (a preempted request's re-queueing and recomputation is in neither
+    # histogram), front_end only where it does not.
     add("VllmTimeToFirstTokenSlow", "front_end",
-        chain(ttft, ("and", f.front_end_largest())),
+        chain(ttft, ("and", f.front_end_largest()), ("unless", f.exhausted())),
         ">", config.ttft_mean_seconds,
         "vLLM first token slow: time outside queue and prefill.",
-        f"{slow_intro}; most of it is outside queue and prefill (likely cause: front end: tokenization, "
-        "multimodal preprocessing, API-server CPU, scheduling gaps). Next: check the API server's CPU and "
-        "--api-server-count; a bigger KV cache does not help.")
+        f"{slow_intro}; most of it is outside queue and prefill while the KV cache had room (likely cause: front "
+        "end: tokenization, multimodal preprocessing, API-server CPU, scheduling gaps). Next: check the API "
+        "server's CPU and --api-server-count; a bigger KV cache does not help.")
+    add("VllmTimeToFirstTokenSlow", "preemption",
+        chain(ttft, ("and", f.front_end_largest()), ("and", f.exhausted())),
+        ">", config.ttft_mean_seconds,
+        "vLLM first token slow: requests preempted and recomputed in a full KV cache.",
+        f"{slow_intro}; most of it is outside queue and prefill while the KV cache was exhausted (preempting, or "
+        "full while requests waited): preempted requests go back to the queue and recompute their KV, time "
+        "neither histogram counts (likely cause: preemption; the front end is not the cause while this lasts). "
+        "Next: VllmKvCacheExhausted for the same engine names why the cache is full; fewer or shorter concurrent "
+        "requests, or more KV memory, end it.")
     if f.upstream:
         add("VllmTimeToFirstTokenSlow", "upstream",
             chain(ttft, ("and on (" + ", ".join(config.upstream_join_labels) + ")", f.upstream_mean()),

@@ -9,8 +9,8 @@ value it returns is a recorded series, named `level:metric:operations`:
   instance_model_name_engine:kvwatch_prefix_cache_hit:ratio_rate5m);
 - each condition that tells causes apart (the cache exhausted, a few long
   requests, the queue the largest part of the first token, a healthy baseline
-  before ...) is recorded per engine in kvwatch-causes.rules, its expression
-  the Fragments method of the same name over kvwatch's series (e.g.
+  before ...) is recorded per engine, its expression the Fragments method of
+  the same name over kvwatch's series (e.g.
   instance_model_name_engine:kvwatch_kv_cache_exhausted:condition5m).
 
 An alert is then its value filtered by a few of them with `and`/`unless`:
@@ -20,12 +20,14 @@ An alert is then its value filtered by a few of them with `and`/`unless`:
     unless instance_model_name_engine:kvwatch_kv_cache_long_requests:condition5m
 
 A condition's value is irrelevant (the alerts use presence only); a record's
-expression is self-contained (kvwatch's series, and the hit-ratio memory),
-so the rules group reads no other group's records but the memory's.
-Grafana-managed rules read none: rules.expand() puts each expression back in
-place of its name. Rule groups run in file order in promtool and one after
-another within a Prometheus evaluation interval, so a record may lag its
-inputs by one evaluation in Prometheus; every alert holds for minutes.
+expression is self-contained (kvwatch's series, and the hit-ratio memory).
+These records, and the twins the alerts read, sit in the alerts' own group,
+before the alerts: a rule reads what an earlier rule of its group wrote in
+the same evaluation, but another group's records only as of that group's
+previous evaluation (promtool and Prometheus alike), and a lag of one
+evaluation would shift every `for:` and `keep_firing_for`. Grafana-managed
+rules read no record: rules.expand() puts each expression back in place of
+its name.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from __future__ import annotations
 from kvwatch.mixin.promql import Fragments, Scope
 from kvwatch.signals import SIGNALS_BY_NAME
 
-CAUSES_GROUP = "kvwatch-causes.rules"
 
 # Fragments method -> the metric part of its record's name (engine level).
 CONDITIONS = {
@@ -111,7 +112,7 @@ class Recorded(Fragments):
         return f"{level}:{self.c.upstream_histogram}:mean_rate{self.s.w}"
 
     def hit_ratio_vs_peers(self) -> str:
-        # kvwatch-fleet.rules records it (rules.fleet_rules).
+        # The name rules.fleet_rules gives it; recorded in the alerts' group.
         return f"{self.level}:kvwatch_prefix_cache_hit_ratio_vs_peers:ratio_increase{self.s.w}"
 
     def kv_bound(self) -> str:
@@ -130,13 +131,20 @@ for _method in CONDITIONS:
     setattr(Recorded, _method, _recorded_method(_method))
 
 
+# The catalogue twins the alerts read (besides VALUES): the exhaustion forecast.
+ALERT_SIGNALS = (*VALUES.values(), "kvwatch_kv_cache_exhaustion_eta_seconds")
+
+
 def recording_rules(config, scope: Scope) -> list[dict]:
-    """The causes group: each condition once, its expression the base
-    Fragments' (self-contained), plus the values that are not a catalogue
-    twin (the first token with the upstream stage, the upstream stage)."""
+    """What the alerts read, in the alerts' group: the catalogue twins of
+    their values (recorded there, not in kvwatch-engine.rules), the values
+    that are not a twin (the first token with the upstream stage, the
+    upstream stage, the replica's hit ratio against its peers), and each
+    condition once, its expression the base Fragments' (self-contained)."""
     recorded = Recorded(scope, config)
     base = recorded.base
-    rules = []
+    rules = [{"record": twin_record(config, signal), "expr": scope.signal(signal)} for signal in ALERT_SIGNALS]
+    rules.append({"record": recorded.hit_ratio_vs_peers(), "expr": base.hit_ratio_vs_peers()})
     if base.upstream:
         rules.append({"record": recorded.upstream_mean(), "expr": base.upstream_mean()})
         rules.append({"record": recorded.first_token_mean(), "expr": base.first_token_mean()})

@@ -16,8 +16,11 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    Metric,
+    UntypedMetricFamily,
 )
 from prometheus_client import ProcessCollector
+from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
@@ -219,7 +222,8 @@ class KvwatchCollector(Collector):
             for signal in SIGNALS:
                 name = prefix + signal.name[len("kvwatch_"):]
                 family_labels = labels + ([signal.label] if signal.label else [])
-                family = GaugeMetricFamily(name, signal.help, labels=family_labels)
+                make = QuantileMetricFamily if signal.label == "quantile" else GaugeMetricFamily
+                family = make(name, signal.help, labels=family_labels)
                 for row in rows:
                     identity = [row.model] if row.engine is None else [row.model, row.engine]
                     value = row.values.get(signal.name)
@@ -244,16 +248,43 @@ class KvwatchCollector(Collector):
         yield family
 
     def _findings(self, state):
+        # One series per symptom per engine (the primary, diagnose/arbitration.py);
+        # its contributing factors and alternatives in companion series.
         family = _health_family("kvwatch_finding")
+        contributors = _health_family("kvwatch_finding_contributor")
+        alternatives = _health_family("kvwatch_finding_alternative")
         for finding in state.findings:
-            family.add_metric([finding.symptom, finding.cause, finding.severity, finding.model, finding.engine or ""], 1.0)
+            identity = [finding.model, finding.engine or ""]
+            family.add_metric([finding.symptom, finding.cause, finding.severity, *identity], 1.0)
+            for factor in sorted({c["cause"] for c in finding.contributing}):
+                contributors.add_metric([finding.symptom, finding.cause, factor, *identity], 1.0)
+            for other in finding.alternatives:
+                for source in other["decided_by"]:
+                    alternatives.add_metric([finding.symptom, finding.cause, other["cause"], source, *identity], 1.0)
         yield family
+        yield contributors
+        yield alternatives
 
 
 def _health_family(name: str):
     family = HEALTH_BY_NAME[name]
-    make = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
+    make = {"counter": CounterMetricFamily, "untyped": UntypedMetricFamily}.get(family.kind, GaugeMetricFamily)
     return make(family.name, family.help, labels=list(family.labels))
+
+
+class QuantileMetricFamily(Metric):
+    """Windowed quantiles, typed `summary`: that is what they are (phi-
+    quantiles over a sliding window, as a client library's summary reports
+    them; no _sum or _count, which the window's mean signals carry), and
+    Prometheus' lint refuses a `quantile` label on any other type
+    (`promtool check metrics` exited 3 on kvwatch's /metrics)."""
+
+    def __init__(self, name: str, documentation: str, labels=None):
+        super().__init__(name, documentation, "summary")
+        self._labelnames = tuple(labels or ())
+
+    def add_metric(self, labels, value: float) -> None:
+        self.samples.append(Sample(self.name, dict(zip(self._labelnames, labels)), value, None))
 
 
 def _le(bound: float) -> str:
