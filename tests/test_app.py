@@ -403,3 +403,17 @@ def test_probes_answer_head_as_get_without_a_body(capture, tmp_path):
             assert head.status_code == get.status_code == 200, path
             assert head.content == b"" and int(head.headers["content-length"]) == len(get.content) > 0
             assert head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_the_cli_prints_the_runbook_section_a_finding_names(capsys):
+    # `kvwatch diagnose` prints `runbook: kvwatch runbook <section>`; that command prints it.
+    from kvwatch import cli
+
+    assert cli.main(["runbook", "runbooks#vllmkvcacheexhausted-long-requests"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("### VllmKvCacheExhausted: long_requests") and "First five minutes" in out
+    assert "### VllmKvCacheExhausted: concurrency_beyond_capacity" not in out
+    assert cli.main(["runbook", "VllmTimeToFirstTokenBudgetBurn"]) == 0
+    assert "VllmTimeToFirstTokenBudgetBurn" in capsys.readouterr().out
+    assert cli.main(["runbook", "no-such-section"]) == 2
+    assert "no section" in capsys.readouterr().err

@@ -79,6 +79,12 @@ def unavailable_names(engine: str) -> set[str]:
     for signal in SIGNALS:
         if signal.name in names and signal.record[0]:
             names.add(signal.record[0])
+    # The objectives' recorded error ratios (kvwatch/mixin/objectives.py) need
+    # the TTFT histogram, and finished requests split by reason.
+    from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
+
+    needs = {"first_token": "ttft", "availability": "finished/*", "aborts": "finished/*"}
+    names |= {metric for objective, (_, _, metric) in OBJECTIVE_ALERTS.items() if needs[objective] not in keys}
     return names
 
 
