@@ -132,7 +132,16 @@ HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_finding", "gauge", ("symptom", "cause", "severity") + IDENTITY,
                  "1 for each active diagnosis finding (absent when not active); a finding stays active until its "
                  "condition has been clear for the hold (diagnosis: finding_hold_seconds); see "
-                 "/api/v1/diagnosis for its evidence and clearing_since.", good="low"),
+                 "/api/v1/diagnosis for its evidence and clearing_since. One cause per symptom per engine: the "
+                 "primary (other causes found at once are kvwatch_finding_contributor).", good="low"),
+    HealthFamily("kvwatch_finding_contributor", "gauge", ("symptom", "cause", "contributor") + IDENTITY,
+                 "1 for each contributing factor of an active finding: another cause of the same symptom on the "
+                 "same engine that the diagnosis also found, weaker than the primary `cause` (absent when none).",
+                 good="low"),
+    HealthFamily("kvwatch_finding_alternative", "gauge", ("symptom", "cause", "alternative", "decided_by") + IDENTITY,
+                 "1 for each cause an active finding cannot be told apart from, once per source that would decide "
+                 "(`decided_by`: kv_cache_metrics, kv_events, request_lengths); absent when the finding is decided.",
+                 good=None),
     # Untyped: Prometheus' lint refuses a `quantile` label on a gauge, and the
     # label names the quantile it marks (Prometheus stores it as a gauge).
     HealthFamily("kvwatch_quantile_pinned", "untyped", ("signal", "quantile", "bound") + IDENTITY,
@@ -991,7 +1000,10 @@ def good_direction(name: str) -> str | None:
         return SIGNALS_BY_NAME[name].good
     if name in TIER_SIGNALS_BY_NAME:
         return TIER_SIGNALS_BY_NAME[name].good
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + CENTRAL_HEALTH:
+    for stream in STREAM_SIGNALS + STREAM_SIZING:
+        if name == stream.name:
+            return stream.good
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + CENTRAL_HEALTH + STREAM_HEALTH:
         if name in (entry.name, entry.sample_name):
             return entry.good
     raise KeyError(f"{name} is not in the catalogue")
@@ -1575,10 +1587,13 @@ STREAM_SIZING: tuple[StreamSignal, ...] = (
                  "Estimated prefix-cache hit ratio over the window with a cache larger by `extra_cache` times the "
                  "engine's (its returns whose distance is below the extra blocks counted as hits with the page's "
                  "hits; vllm:prefix_cache_hits / prefix_cache_queries for the rest). An estimate: first order.",
-                 "", "Hit ratio with more cache", good="high"),
+                 "max by ({by}, extra_cache) (kvwatch_kv_events_sizing_hit_ratio{{{sel}}})", "Hit ratio with more cache",
+                 good="high"),
     StreamSignal("kvwatch_kv_events_sizing_recomputation_avoided_ratio", "ratio", "recomputation_avoided_ratio",
                  "Estimated share of the window's blocks stored again after eviction that a cache larger by "
-                 "`extra_cache` times the engine's would have kept.", "", "Recomputation avoided", good="high"),
+                 "`extra_cache` times the engine's would have kept.",
+                 "max by ({by}, extra_cache) (kvwatch_kv_events_sizing_recomputation_avoided_ratio{{{sel}}})",
+                 "Recomputation avoided", good="high"),
 )
 
 

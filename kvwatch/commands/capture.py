@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-verify", help="verify the engine's TLS certificate: true/false (default true)")
     parser.add_argument("--timeout", help="fetch deadline (default 15s, or 80%% of a longer interval): a late page is kept with its lateness")
     parser.add_argument("--max-body-bytes", help="cap on the engine's page size, e.g. 16MiB")
+    parser.add_argument("--kv-events", metavar="ENDPOINT",
+                        help="also record the engine's KV-cache events from this ZMQ endpoint (kvwatch binds it "
+                             "for vLLM's --kv-events-config publisher to connect), e.g. tcp://127.0.0.1:5557")
+    parser.add_argument("--kv-events-connect", action="store_true",
+                        help="connect to --kv-events instead of binding it (a publisher that binds tcp://*:N)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(["--count must be at least 1"])
     overrides = {"target": args.target, "poll_interval": interval, "window": max(300.0, 2 * interval),
                  "bearer_token_file": args.bearer_token_file, "ca_bundle": args.ca_bundle,
-                 "tls_verify": args.tls_verify, "timeout": args.timeout, "max_body_bytes": args.max_body_bytes}
+                 "tls_verify": args.tls_verify, "timeout": args.timeout, "max_body_bytes": args.max_body_bytes,
+                 "kv_events": getattr(args, "kv_events", None)}
     try:
         settings = load_settings(args.config, overrides)
     except SettingsError as exc:
@@ -70,6 +76,19 @@ def run(args: argparse.Namespace) -> int:
         writer = CaptureWriter(args.out, manifest_for(settings.target, interval, duration))
     except CaptureError as exc:
         return _fail([str(exc)])
+    stream = None
+    if settings.kv_events:
+        from kvwatch.kvevents.source import KVEventSource
+
+        # The same receiver as the sidecar's (byte cap, bounded queues), each
+        # well-formed message recorded as it arrives.
+        stream = KVEventSource(settings.kv_events, connect=bool(getattr(args, "kv_events_connect", False)),
+                               topic=settings.kv_events_topic, tap=writer.add_event)
+        stream.start()
+        if stream.listen_error:
+            writer.close(ended_at=time.time(), interrupted=False)
+            return _fail([stream.listen_error])
+        writer.update(kv_events=settings.kv_events)
 
     out = sys.stderr
     tty = out.isatty()
@@ -91,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        if stream is not None:
+            stream.stop()
         previous_int = _set_signal(signal.SIGINT, signal.SIG_IGN)  # packing the bundle must finish
         try:
             path = writer.close(ended_at=time.time(), interrupted=interrupted)
@@ -102,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
         print(file=out)
     failed = ", ".join(f"{reason} {count}" for reason, count in sorted(manifest["failed_by_reason"].items()))
     failures = f", {manifest['failed']} failed ({failed})" if failed else ""
+    if stream is not None:
+        failures += (f", {manifest.get('kv_events_messages', 0)} KV-cache event messages"
+                     + (" (cut short at the capture's cap)" if manifest.get("kv_events_truncated") else ""))
     print(f"kvwatch capture: {'interrupted; ' if interrupted else ''}{manifest['pages']} pages{failures}"
           f" in {time.monotonic() - started:.0f}s; engine {manifest.get('engine') or 'not recognised'}; "
           f"written to {path}", file=out)

@@ -316,12 +316,17 @@ def run_replay(args: argparse.Namespace) -> int:
     return EXIT_FINDINGS if actionable else EXIT_OK
 
 
+# A replay's KV-cache events come from the capture: an endpoint that is never bound.
+REPLAYED_EVENTS = "ipc://kvwatch-replayed-events"
+
+
 def replay_settings(capture, config: str | None, window: str | None):
     """The sidecar's settings for a replay: the config's thresholds and
     window, the recorded target and interval."""
     interval = float(capture.manifest.get("interval_seconds") or 5.0)
     overrides = {"target": capture.manifest.get("target") or None, "poll_interval": interval, "window": window,
-                 "upstream_target": "", "upstream_histogram": "", "lmcache_target": "", "demo_target": ""}
+                 "upstream_target": "", "upstream_histogram": "", "lmcache_target": "", "demo_target": "",
+                 "kv_events": REPLAYED_EVENTS if capture.events else ""}
     settings = load_settings(config, overrides, environ={})
     if settings.window < 2 * interval:
         raise SettingsError([f"window ({settings.window:g}s) must hold at least two recorded pages "

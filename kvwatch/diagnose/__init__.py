@@ -9,7 +9,7 @@ exhaustion        concurrency_beyond_capacity, long_requests,
 low_hit_rate      caching_disabled, cold_cache, prefix_changed,
                   eviction_before_reuse, no_reuse
 slow_first_token  queueing_kv_bound, queueing_compute_bound, prefill,
-                  front_end, upstream
+                  front_end, upstream, preemption
 change            model_changed, lora_changed, cache_dtype_changed,
                   cache_config_changed, engine_restarted
 kv_events         events_stopped, events_missed
@@ -41,6 +41,12 @@ ratio is not `no_reuse` while the tier supplies at least `hit_ratio_low` of the
 model's prompt tokens, and the other low-hit-rate findings name the tier in
 their evidence (hit_rate.with_external_tier).
 
+Per engine and symptom one cause is primary (diagnose/arbitration.py: the
+rule, written once); the other causes the rules found ride on it as
+contributing factors, and causes the data cannot tell from it as
+alternatives, both data. While the cache is exhausted, the first-token time
+the queue and prefill histograms miss is `preemption`, never `front_end`.
+
 Findings never claim more than their evidence. A prefix-cache hit means KV
 computed for earlier tokens was reused; it proves neither that an answer is
 current nor that the caller may see it, and no finding says otherwise.
@@ -51,6 +57,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvwatch.diagnose.arbitration import arbitrate
 from kvwatch.diagnose.changes import Change, change_findings, changes_between, names_text, window_changes
 from kvwatch.diagnose.context import EngineContext
 from kvwatch.diagnose.exhaustion import exhaustion_findings
@@ -77,11 +84,13 @@ __all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "NEXT_CHECK", "NOT_DIA
 
 
 def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=None,
-             hit_memory: HitRateMemory | None = None, lmcache=None, kv_events=None) -> list[Finding]:
+             hit_memory: HitRateMemory | None = None, lmcache=None, kv_events=None,
+             incumbents: frozenset | set = frozenset()) -> list[Finding]:
     """Findings for the window, most severe first. The rules judge each
     engine, whose cache and queue are its own. A rule that fails drops only
     its own findings. `hit_memory` (kept by the caller across polls) carries
-    each engine's last healthy hit ratio beyond the window."""
+    each engine's last healthy hit ratio beyond the window; `incumbents`
+    (FindingHold.incumbents()) the previous poll's primary causes."""
     resolved = resolve_thresholds(thresholds)
     changes: list[Change] = []
     try:
@@ -123,6 +132,7 @@ def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=No
         findings.extend(change_findings(window, changes))
     except Exception:
         log.exception("diagnosis: change rule failed")
-    findings.sort(key=finding_order)
-    return findings
+    # One story per engine and symptom: one primary cause, the rest carried
+    # as its contributing factors (arbitration.py).
+    return arbitrate(findings, incumbents)
 

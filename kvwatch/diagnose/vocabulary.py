@@ -15,7 +15,8 @@ CONFIDENCES = ("high", "medium", "low")
 CAUSES: dict[str, tuple[str, ...]] = {
     "exhaustion": ("concurrency_beyond_capacity", "long_requests", "capacity_below_max_num_seqs"),
     "low_hit_rate": ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"),
-    "slow_first_token": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream"),
+    "slow_first_token": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream",
+                         "preemption"),
     "change": ("model_changed", "lora_changed", "cache_dtype_changed", "cache_config_changed", "engine_restarted"),
     # Judged across the replicas of one model (diagnose/fleet.py); a replica
     # alone cannot show them.
@@ -47,6 +48,9 @@ SEVERITY: dict[str, str] = {
     "prefill": "warning",
     "front_end": "warning",
     "upstream": "warning",
+    # The first-token time the queue and prefill histograms miss while the
+    # cache is exhausted: requests preempted and re-queued, their KV recomputed.
+    "preemption": "warning",
     # Changes are context for the other findings.
     "model_changed": "info",
     "lora_changed": "info",
@@ -131,11 +135,21 @@ class Finding:
     # clear since this time (epoch seconds), for less than the hold; the
     # finding is still active and reported as it was last seen.
     clearing_since: float | None = None
+    # Other causes of the same symptom on the same engine that the rules also
+    # found, weaker than this one (diagnose/arbitration.py): each
+    # {"cause", "severity", "confidence", "summary"}.
+    contributing: tuple[dict[str, Any], ...] = ()
+    # Causes the data cannot tell from this one, each {"cause", "decided_by":
+    # [sources that would decide, arbitration.DECIDERS], "how"}.
+    alternatives: tuple[dict[str, Any], ...] = ()
 
 
 def finding_order(finding: Finding) -> tuple:
-    """The order findings are listed in: most severe first."""
-    return (SEVERITIES.index(finding.severity) if finding.severity in SEVERITIES else 9, finding.symptom,
+    """The order findings are listed in: active ones before those held while
+    clearing, most severe first within each (the page's banner shows the
+    first, and draws clearing ones muted below the active)."""
+    return (finding.clearing_since is not None,
+            SEVERITIES.index(finding.severity) if finding.severity in SEVERITIES else 9, finding.symptom,
             finding.model, finding.engine or "", finding.cause)
 
 
@@ -186,6 +200,11 @@ NEXT_CHECK = {
     "prefill":
         "Long uncached prompts: raise prefix reuse (shared text first), shorten prompts, tune chunked prefill "
         "(--max-num-batched-tokens) or separate prefill from decode.",
+    "preemption":
+        "The cache is exhausted (see the exhaustion finding): preempted requests go back to the queue and their KV is "
+        "recomputed, time that neither vLLM's queue nor its prefill histogram counts. Relieve the cache as the "
+        "exhaustion finding says (fewer or shorter concurrent requests, more KV memory); the front end is not the "
+        "cause while this lasts.",
     "front_end":
         "Time outside queue and prefill: tokenization, multimodal preprocessing, API-server CPU, scheduling gaps; "
         "check the API server's CPU and --api-server-count.",
@@ -237,6 +256,7 @@ NEXT_ACTION = {
     "queueing_compute_bound": "Add replicas or lower the arrival rate: a bigger KV cache does not help.",
     "prefill": "Raise prefix reuse, shorten prompts or tune chunked prefill.",
     "front_end": "Check the API server's CPU, tokenization and preprocessing.",
+    "preemption": "Relieve the exhausted cache: preempted requests are re-queued and recomputed.",
     "upstream": "Look at the stage before the engine (retrieval, gateway) named by the histogram.",
     "model_changed": "Recheck capacity and thresholds for the new model; compare signals only within one model.",
     "lora_changed": "Compare hit ratios and latency per adapter set, not across the change.",

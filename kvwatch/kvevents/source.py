@@ -53,8 +53,12 @@ class KVEventSource:
     def __init__(self, endpoint: str, *, connect: bool = False, topic: str = "",
                  window_seconds: float = 300.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, table_bytes: int = DEFAULT_TABLE_BYTES,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 tap: Callable[[float, int, bytes], Any] | None = None):
         self.endpoint = endpoint
+        # Called with (time, sequence, payload) of each well-formed message as
+        # it is received (kvwatch capture --kv-events records them).
+        self.tap = tap
         self.connect = connect
         self.topic = topic
         self.window_seconds = window_seconds
@@ -174,8 +178,14 @@ class KVEventSource:
             if size > self.max_message_bytes:
                 self._malformed(f"a message of {size} bytes, over the cap of {self.max_message_bytes}")
                 return
-            self._sequence(int.from_bytes(frames[1], "big", signed=True), now)
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            self._sequence(seq, now)
         payload = frames[2]
+        if self.tap is not None:
+            try:
+                self.tap(now, seq, payload)
+            except Exception:  # pragma: no cover - a recorder's failure must not stop the stream
+                log.exception("recording a KV-cache event message failed")
         with self._wake:
             if len(self._queue) >= QUEUE_MESSAGES or self._queued_bytes + len(payload) > self.queue_bytes:
                 with self._lock:

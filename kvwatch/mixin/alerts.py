@@ -250,13 +250,26 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         f"{slow_intro}; most of it is prefill (likely cause: long uncached prompts). Next: check prompt length "
         "and the cached share of prompt tokens on the first-token dashboard; raise prefix reuse, shorten "
         "prompts, tune chunked prefill (--max-num-batched-tokens) or separate prefill from decode.")
+    # One story (issue 32, kvwatch/diagnose/arbitration.py): the residual
+    # outside queue and prefill is preemption wherever the exhaustion detector
+    # holds (a preempted request's re-queueing and recomputation is in neither
+    # histogram), front_end only where it does not.
     add("VllmTimeToFirstTokenSlow", "front_end",
-        chain(ttft, ("and", f.front_end_largest())),
+        chain(ttft, ("and", f.front_end_largest()), ("unless", f.exhausted())),
         ">", config.ttft_mean_seconds,
         "vLLM first token slow: time outside queue and prefill.",
-        f"{slow_intro}; most of it is outside queue and prefill (likely cause: front end: tokenization, "
-        "multimodal preprocessing, API-server CPU, scheduling gaps). Next: check the API server's CPU and "
-        "--api-server-count; a bigger KV cache does not help.")
+        f"{slow_intro}; most of it is outside queue and prefill while the KV cache had room (likely cause: front "
+        "end: tokenization, multimodal preprocessing, API-server CPU, scheduling gaps). Next: check the API "
+        "server's CPU and --api-server-count; a bigger KV cache does not help.")
+    add("VllmTimeToFirstTokenSlow", "preemption",
+        chain(ttft, ("and", f.front_end_largest()), ("and", f.exhausted())),
+        ">", config.ttft_mean_seconds,
+        "vLLM first token slow: requests preempted and recomputed in a full KV cache.",
+        f"{slow_intro}; most of it is outside queue and prefill while the KV cache was exhausted (preempting, or "
+        "full while requests waited): preempted requests go back to the queue and recompute their KV, time "
+        "neither histogram counts (likely cause: preemption; the front end is not the cause while this lasts). "
+        "Next: VllmKvCacheExhausted for the same engine names why the cache is full; fewer or shorter concurrent "
+        "requests, or more KV memory, end it.")
     if f.upstream:
         add("VllmTimeToFirstTokenSlow", "upstream",
             chain(ttft, ("and on (" + ", ".join(config.upstream_join_labels) + ")", f.upstream_mean()),

@@ -39,7 +39,7 @@ NO_DATA: dict[tuple[str, str], tuple[str, str]] = {
     **{("VllmPrefixCacheHitRateLow", cause): _FILTER for cause in (
         "caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse")},
     **{("VllmTimeToFirstTokenSlow", cause): _FILTER for cause in (
-        "queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream")},
+        "queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream", "preemption")},
     ("KvwatchDown", "kvwatch_unreachable"): (
         "OK", "No `up` series means no target at all: the kvwatch_absent rule reports that with its own labels; "
               "NoData here would page twice for one fault."),
@@ -142,7 +142,7 @@ def provisioning(config: MixinConfig, panel_ids) -> dict:
 # Causes whose fix lies with whoever runs, sizes and scales the engines (and
 # kvwatch beside them), and those whose fix lies with whoever owns prompts,
 # the application or the gateway.
-PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "usage_rising", "queueing_kv_bound",
+PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "usage_rising", "queueing_kv_bound", "preemption",
                    "queueing_compute_bound", "eviction_before_reuse", "prefill", "kvwatch_unreachable", "kvwatch_absent",
                    "engine_unreachable", "cold_replica")
 # The fleet's routing causes belong to whoever runs the gateway or router.

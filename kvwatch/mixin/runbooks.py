@@ -135,6 +135,8 @@ FIRST_FIVE = {
     "prefill":
         "Check prompt lengths (gateway log, prompt tokens per request); rate-limit the callers sending the longest "
         "prompts if latency objectives are breached.",
+    "preemption":
+        "Treat the exhaustion first (VllmKvCacheExhausted for the same engine): shed load or scale out.",
     "front_end":
         "Check the vLLM container's CPU (`kubectl top pod -n <namespace> <pod> --containers`) and throttling.",
     "upstream":
@@ -300,6 +302,16 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             "Raise prefix reuse (shared text first), shorten prompts, tune chunked prefill "
             "(`--max-num-batched-tokens`), or separate prefill from decode (disaggregated serving).",
             "Do not add KV memory or replicas for this alone: prefill time per request does not shrink with them."),
+        "preemption": (
+            "Most of the time to first token is outside queue and prefill while the KV cache is exhausted: "
+            "preempted requests go back to the queue and recompute their KV, and neither vLLM's queue nor its "
+            "prefill histogram counts that time.",
+            f"{D_TTFT}: front end the largest part while *KV-bound? Usage peak and preemptions* shows preemptions "
+            "or usage at the red line; VllmKvCacheExhausted fires for the same engine.",
+            "Follow VllmKvCacheExhausted's runbook for its cause: fewer or shorter concurrent requests, more KV "
+            "memory, or more replicas.",
+            "Do not chase the API server: while the cache preempts, the residual is recomputation, not the front "
+            "end."),
         "front_end": (
             "Most of the time to first token is outside queue and prefill: the API server (HTTP, tokenization, "
             "chat templating, multimodal preprocessing) or scheduling gaps.",

@@ -246,10 +246,22 @@ class KvwatchCollector(Collector):
         yield family
 
     def _findings(self, state):
+        # One series per symptom per engine (the primary, diagnose/arbitration.py);
+        # its contributing factors and alternatives in companion series.
         family = _health_family("kvwatch_finding")
+        contributors = _health_family("kvwatch_finding_contributor")
+        alternatives = _health_family("kvwatch_finding_alternative")
         for finding in state.findings:
-            family.add_metric([finding.symptom, finding.cause, finding.severity, finding.model, finding.engine or ""], 1.0)
+            identity = [finding.model, finding.engine or ""]
+            family.add_metric([finding.symptom, finding.cause, finding.severity, *identity], 1.0)
+            for factor in sorted({c["cause"] for c in finding.contributing}):
+                contributors.add_metric([finding.symptom, finding.cause, factor, *identity], 1.0)
+            for other in finding.alternatives:
+                for source in other["decided_by"]:
+                    alternatives.add_metric([finding.symptom, finding.cause, other["cause"], source, *identity], 1.0)
         yield family
+        yield contributors
+        yield alternatives
 
 
 def _health_family(name: str):

@@ -271,7 +271,8 @@ class Monitor:
         kv_events = self._report_kv_events(answered, per_engine)
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
-                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events)
+                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
+                                      incumbents=self.hold.incumbents())
         findings = self.hold.apply(answered, findings)
         self._polls += 1
         was_up = self.state.up

@@ -32,6 +32,7 @@ import math
 import time
 from typing import Any
 
+from kvwatch.diagnose.arbitration import DECIDERS
 from kvwatch.diagnose.vocabulary import NEXT_ACTION, SEVERITIES
 from kvwatch.sidecar.report import diagnosis_json, public_url, signals_json
 from kvwatch.sidecar.series import series_json
@@ -67,6 +68,7 @@ CAUSE_TITLES = {
     "queueing_compute_bound": "requests queue for compute, not KV",
     "prefill": "long uncached prompts (prefill)",
     "front_end": "time outside queue and prefill (front end)",
+    "preemption": "requests preempted and recomputed in a full cache",
     "upstream": "time spent before the engine (upstream)",
     "model_changed": "the model changed",
     "lora_changed": "the LoRA adapters changed",
@@ -89,6 +91,7 @@ DECIDING = {
     "queueing_compute_bound": ("ttft_p95_seconds", "queue_share", "kv_usage_max_while_waiting"),
     "prefill": ("ttft_p95_seconds", "prefill_share", "uncached_prompt_tokens_mean"),
     "front_end": ("ttft_p95_seconds", "other_share", "other_lower_bound_seconds"),
+    "preemption": ("ttft_p95_seconds", "other_share", "preemptions"),
     "upstream": ("upstream_mean_seconds", "upstream_share", "ttft_mean_seconds"),
     "model_changed": ("detail", "seconds_ago"),
     "lora_changed": ("detail", "seconds_ago"),
@@ -289,6 +292,7 @@ padding:10px 14px}
 .card h3{font-size:15px;margin:0 0 4px}.card p{margin:6px 0}.card .where{color:var(--muted);font-size:12px}
 .card.critical{border-left-color:var(--bad)}.card.warning{border-left-color:var(--warn)}
 .card.info{border-left-color:var(--info)}
+.card.clearing,.banner.clearing{opacity:.6;border-left-color:var(--muted)}.card .factor{font-size:13px}
 .deciding{display:flex;flex-wrap:wrap;gap:6px;margin:6px 0}
 .num-chip{border:1px solid var(--line);border-radius:6px;padding:2px 8px;font-size:12px;color:var(--muted)}
 .num-chip b{font-size:15px;color:var(--fg);margin-left:4px;font-variant-numeric:tabular-nums}
@@ -545,9 +549,13 @@ SCRIPT = r"""
         el("p", null, "Nothing in the last " + span(signals.window_covered_seconds || 0) + " on " + n +
           (n === 1 ? " engine" : " engines") + " crossed a threshold of the diagnosis."));
     } else {
-      var f = findings[0];
-      div.className += " sev-" + f.severity;
+      // The worst active finding; one held while clearing only when nothing else is active
+      // (findings come active first, most severe first: diagnose.vocabulary.finding_order).
+      var active = findings.filter(function (x) { return !x.clearing_since; });
+      var f = active.length ? active[0] : findings[0];
+      div.className += " sev-" + f.severity + (f.clearing_since ? " clearing" : "");
       div.setAttribute("data-state", f.severity);
+      if (f.clearing_since) div.setAttribute("data-clearing", "true");
       div.setAttribute("data-symptom", f.symptom);
       div.setAttribute("data-cause", f.cause);
       var since = el("span", "since", sinceText(f, signals.last_success_time, (signals.thresholds || {}).finding_hold_seconds));
@@ -753,9 +761,11 @@ SCRIPT = r"""
     }
     var grid = el("div", "cards");
     findings.forEach(function (f) {
-      var card = el("article", "card " + f.severity);
+      // Held while clearing: drawn muted, below the active ones (the list's order).
+      var card = el("article", "card " + f.severity + (f.clearing_since ? " clearing" : ""));
       card.setAttribute("data-symptom", f.symptom);
       card.setAttribute("data-cause", f.cause);
+      if (f.clearing_since) card.setAttribute("data-clearing", "true");
       add(card, add(el("h3"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
         add(el("div", "where"), document.createTextNode(where(f) + " \u00b7 " + f.confidence + " confidence \u00b7 "),
           el("span", "since", sinceText(f, signals.last_success_time, (signals.thresholds || {}).finding_hold_seconds))),
@@ -775,6 +785,21 @@ SCRIPT = r"""
         var note = add(el("p", "note"), el("b", null, evidenceLabel(key) + ": "), document.createTextNode(f.notes[key]));
         note.setAttribute("data-note", key);
         card.appendChild(note);
+      });
+      // One story: the other causes found for this symptom ride here, not as rival cards;
+      // the causes the data cannot tell apart say what would decide.
+      (f.contributing || []).forEach(function (c) {
+        var p = add(el("p", "factor"), el("b", null, "Contributing: "),
+          document.createTextNode((meta.causes[c.cause] || c.cause) + " (" + c.confidence + " confidence). " + c.summary));
+        p.setAttribute("data-contributor", c.cause);
+        card.appendChild(p);
+      });
+      (f.alternatives || []).forEach(function (a) {
+        var p = add(el("p", "factor"), el("b", null, "Cannot tell apart from: "),
+          document.createTextNode((meta.causes[a.cause] || a.cause) + ". Decided by " +
+            (a.decided_by || []).map(function (d) { return meta.deciders[d] || d; }).join(" or ") + "."));
+        p.setAttribute("data-alternative", a.cause);
+        card.appendChild(p);
       });
       add(card, add(el("p"), el("b", null, "Next check: "), document.createTextNode(f.next_check)), runbookNode(f));
       var details = el("details"), table = el("table");
@@ -970,6 +995,7 @@ def page_meta() -> dict[str, Any]:
         # The banner's "Next:" (the card has the full next_check).
         "actions": NEXT_ACTION,
         "deciding": {cause: list(keys) for cause, keys in DECIDING.items()},
+        "deciders": DECIDERS,
         "severities": list(SEVERITIES),
     }
 
@@ -1025,8 +1051,13 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
             since += f", clearing: condition clear since {_time_text(f['clearing_since'])}"
         notes = "".join(f"<p>{_e(key.replace('_', ' '))}: {_e(note)}</p>" for key, note in (f.get("notes") or {}).items())
         runbook = f"<p>Runbook: <code>{_e(f['runbook'])}</code></p>" if f.get("runbook") else ""
+        notes += "".join(f"<p>Contributing: {_e(CAUSE_TITLES.get(c['cause'], c['cause']))} ({_e(c['confidence'])} "
+                         f"confidence). {_e(c['summary'])}</p>" for c in f.get("contributing") or ())
+        notes += "".join(f"<p>Cannot tell apart from: {_e(CAUSE_TITLES.get(a['cause'], a['cause']))}. Decided by "
+                         f"{_e(' or '.join(DECIDERS.get(d, d) for d in a['decided_by']))}.</p>"
+                         for a in f.get("alternatives") or ())
         out.append(
-            f'<div class="finding" data-symptom="{_e(f["symptom"])}" data-cause="{_e(f["cause"])}">'
+            f'<div class="finding{" clearing" if f.get("clearing_since") else ""}" data-symptom="{_e(f["symptom"])}" data-cause="{_e(f["cause"])}">'
             f'<p><b>{_e(f["severity"].upper())}</b> {_e(SYMPTOM_TITLES.get(f["symptom"], f["symptom"]))}: '
             f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))} ({_e(where)}, {_e(f["confidence"])} confidence{since})</p>'
             f'<p>{_e(f["summary"])}</p>{notes}<p>Next: {_e(f["next_check"])}</p>{runbook}'

@@ -32,7 +32,7 @@ SEVERITY = {
     "caching_disabled": "info",
     "cold_cache": "info", "no_reuse": "info", "prefix_changed": "warning", "eviction_before_reuse": "warning",
     "queueing_kv_bound": "warning", "queueing_compute_bound": "warning", "prefill": "warning",
-    "front_end": "warning", "upstream": "warning", "kvwatch_unreachable": "warning", "kvwatch_absent": "warning",
+    "front_end": "warning", "upstream": "warning", "preemption": "warning", "kvwatch_unreachable": "warning", "kvwatch_absent": "warning",
     "engine_unreachable": "critical",
     "imbalance": "warning", "lost_prefix_affinity": "warning", "cold_replica": "info",
 }
@@ -329,6 +329,16 @@ def default_cases() -> list[Case]:
              [Engine(**latency(3.0, 0.2, 2.5))], "40m", [("VllmTimeToFirstTokenSlow", "prefill", ENGINE)]),
         Case("first token: mostly outside queue and prefill -> front_end",
              [Engine(**latency(3.0, 0.2, 0.3))], "40m", [("VllmTimeToFirstTokenSlow", "front_end", ENGINE)]),
+        # One story (issue 32): a preempted request's re-queueing and recomputation are in neither
+        # histogram, so the residual grows exactly when the cache is the cause: preemption, never front_end.
+        Case("first token: mostly outside queue and prefill while preempting -> preemption, not front_end",
+             [Engine(**busy, **latency(3.0, 0.2, 0.3))], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE, PREEMPTING),
+              ("VllmTimeToFirstTokenSlow", "preemption", ENGINE)]),
+        Case("first token: mostly outside queue and prefill while full and waiting, no preemption -> preemption",
+             [Engine(usage=const(0.98), running=const(8), waiting=const(12), **latency(3.0, 0.2, 0.3))], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE),
+              ("VllmTimeToFirstTokenSlow", "preemption", ENGINE)]),
         Case("first token: queue and prefill tie -> exactly one cause (queue)",
              [Engine(**latency(3.0, 1.2, 1.2))], "40m",
              [("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)]),
