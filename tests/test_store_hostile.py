@@ -194,6 +194,9 @@ def test_central_mode_recovers_when_a_trickling_store_does(history_text, store):
     state = central.refresh_once()
     assert not state.up and state.detail.endswith("it did not answer within 0.5s.")
     store.mode = "good"
+    # A deadline a loaded machine meets: the stand-in store builds its
+    # answers in Python (this test is about the recovery, not the speed).
+    central.client.timeout = 60
     now[0] += STEP
     state = central.refresh_once()
     assert state.up and len(state.replicas) == 8
