@@ -33,6 +33,7 @@ from typing import Any, TextIO
 from kvwatch.diagnose import is_actionable
 from kvwatch.sidecar.report import diagnosis_json, signals_json
 from kvwatch.sidecar.settings import SettingsError, load_settings, parse_duration
+from kvwatch.commands import failfast
 from kvwatch.signals import SIGNALS
 from kvwatch.sidecar.statuspage import format_evidence, format_value, signal_columns, signal_label
 
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", default="30s", help="how long to poll (default 30s); the window covers it")
     parser.add_argument("--interval", default="2s", help="time between polls (default 2s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    failfast.add_arguments(parser, "polling")
     parser.add_argument("--config", help="YAML config file (diagnosis thresholds, TLS, upstream, ...)")
     parser.add_argument("--engine", help="the engine serving the target: auto (default, from its page), vllm, "
                                          "sglang, llamacpp, trtllm")
@@ -97,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
             interval = value
     if duration is not None and interval is not None and interval > duration:
         problems.append(f"--interval ({interval:g}s) must not exceed --duration ({duration:g}s)")
+    max_failures, problem = failfast.limit_of(args)
+    if problem:
+        problems.append(problem)
     if problems:
         return _fail(problems)
     # The window spans the whole run, so every poll counts.
@@ -130,15 +135,25 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     deadline = started + duration
     progress = sys.stderr if sys.stderr.isatty() and not args.json else None
+    failures = failfast.FailureReport(sys.stderr, "kvwatch diagnose", max_failures)
     try:
         while True:
             state = monitor.poll_once()
             polls += 1
             if state.up:
                 last_good = state
+            # A failure is said at once, on a line of its own, before the progress line.
+            if state.up:
+                failures.succeeded(polls)
+            else:
+                if progress and polls > 1:
+                    print(file=progress)  # end the progress line the terminal shows
+                failures.failed(polls, state.reason or "error", state.detail)
             if progress:
                 print(f"\rpoll {polls}: {'up' if state.up else 'down: ' + (state.reason or '')}"
                       f" ({len(state.findings)} findings)   ", end="", file=progress, flush=True)
+            if failures.gave_up:
+                break
             next_due = started + polls * interval
             if next_due > deadline + 1e-9:
                 break
@@ -150,14 +165,18 @@ def run(args: argparse.Namespace) -> int:
         print(file=progress)
 
     final = monitor.state
+    stopped = failures.gave_up_text() if failures.gave_up else None
     if last_good is None:
         if args.json:
             print(json.dumps({"up": False, "target": signals_json(final, settings)["target"], "reason": final.reason,
-                              "detail": final.detail, "polls": polls}, indent=2))
+                              "detail": final.detail, "polls": polls, "stopped": stopped}, indent=2))
         else:
+            # The failure's sentence was said as it happened; this line says how it ended.
             print(f"kvwatch diagnose: no engine metrics from {signals_json(final, settings)['target']} in {polls} "
-                  f"polls: {final.detail}", file=sys.stderr)
+                  f"polls" + (f"; {stopped}" if stopped else ""), file=sys.stderr)
         return EXIT_UNUSABLE
+    if stopped and not args.json:
+        print(f"kvwatch diagnose: {stopped}; the report below is of the last good poll", file=sys.stderr)
 
     signals = signals_json(last_good, settings)
     diagnosis = diagnosis_json(last_good, settings)
@@ -170,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
             "polls": polls,
             "failed_polls": sum(final.errors_by_reason.values()),
             "last_poll_up": final.up,
+            "stopped": stopped,
             "window_covered_seconds": last_good.window_seconds,
             "engines": signals["engines"],
             "models": signals["models"],
