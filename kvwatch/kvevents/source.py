@@ -47,6 +47,9 @@ QUEUE_MESSAGES = 4096
 # bounded queue as fast as it reads; past it the engine's PUB socket drops,
 # which kvwatch sees as sequence gaps).
 RCVHWM = 8
+# Everything the intake may hold at once at its default bounds: kvwatch's
+# queue, ZMQ's queue and the message being read (the ledger's table apart).
+INTAKE_HELD_BYTES = DEFAULT_QUEUE_BYTES + (RCVHWM + 1) * DEFAULT_MAX_MESSAGE_BYTES
 # A stored event says how many blocks it carries; more than this in one event
 # is no engine's step (a 1 M-token prompt at 16 tokens a block is 62,500).
 MAX_EVENT_BLOCKS = 1 << 20
