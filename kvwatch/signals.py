@@ -1000,7 +1000,10 @@ def good_direction(name: str) -> str | None:
         return SIGNALS_BY_NAME[name].good
     if name in TIER_SIGNALS_BY_NAME:
         return TIER_SIGNALS_BY_NAME[name].good
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + CENTRAL_HEALTH:
+    for stream in STREAM_SIGNALS + STREAM_SIZING:
+        if name == stream.name:
+            return stream.good
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + CENTRAL_HEALTH + STREAM_HEALTH:
         if name in (entry.name, entry.sample_name):
             return entry.good
     raise KeyError(f"{name} is not in the catalogue")
@@ -1584,10 +1587,13 @@ STREAM_SIZING: tuple[StreamSignal, ...] = (
                  "Estimated prefix-cache hit ratio over the window with a cache larger by `extra_cache` times the "
                  "engine's (its returns whose distance is below the extra blocks counted as hits with the page's "
                  "hits; vllm:prefix_cache_hits / prefix_cache_queries for the rest). An estimate: first order.",
-                 "", "Hit ratio with more cache", good="high"),
+                 "max by ({by}, extra_cache) (kvwatch_kv_events_sizing_hit_ratio{{{sel}}})", "Hit ratio with more cache",
+                 good="high"),
     StreamSignal("kvwatch_kv_events_sizing_recomputation_avoided_ratio", "ratio", "recomputation_avoided_ratio",
                  "Estimated share of the window's blocks stored again after eviction that a cache larger by "
-                 "`extra_cache` times the engine's would have kept.", "", "Recomputation avoided", good="high"),
+                 "`extra_cache` times the engine's would have kept.",
+                 "max by ({by}, extra_cache) (kvwatch_kv_events_sizing_recomputation_avoided_ratio{{{sel}}})",
+                 "Recomputation avoided", good="high"),
 )
 
 

@@ -118,3 +118,12 @@ def yaml_problem(exc: Exception) -> str:
     if context and context_mark is not None:
         text += f" ({context} from line {context_mark.line + 1}, column {context_mark.column + 1})"
     return text
+
+
+def did_you_mean(name: Any, known) -> str:
+    """`: did you mean 'window'?` for a misspelt key or flag, or "" when no
+    known name is close (difflib's ratio of at least 0.6)."""
+    import difflib
+
+    near = difflib.get_close_matches(str(name).replace("-", "_"), [str(k) for k in known], n=1, cutoff=0.6)
+    return f": did you mean {near[0]!r}?" if near else ""

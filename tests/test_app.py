@@ -295,9 +295,12 @@ def test_hot_paths_keep_fastapis_answers_for_everything_else(capture):
         monitor.poll_once()
         for path in ("/metrics", "/healthz", "/readyz"):
             for method in ("HEAD", "POST", "PUT", "DELETE", "OPTIONS"):
+                if method == "HEAD" and path != "/metrics":
+                    continue  # the probes answer HEAD (test_probes_answer_head)
                 response = client.request(method, path)
                 assert response.status_code == 405, (method, path)
-                assert response.headers["allow"] == "GET"
+                allowed = {"GET"} if path == "/metrics" else {"GET", "HEAD"}
+                assert set(response.headers["allow"].split(", ")) == allowed
         missing = client.get("/nope")
         assert missing.status_code == 404 and missing.json() == {"detail": "Not Found"}
         assert client.get("/metrics?x=1").status_code == 200
@@ -331,7 +334,8 @@ def test_hot_paths_need_the_token_but_the_probes_do_not(capture, tmp_path):
         monitor.poll_once()  # the 500: not ready, and still open
         ready = client.get("/readyz")
         assert ready.status_code == 503 and ready.text.startswith("not ready: last poll failed: http_5xx")
-        assert client.request("HEAD", "/healthz").status_code == 405  # open paths reach FastAPI untouched
+        assert client.request("HEAD", "/healthz").status_code == 200  # open without the token, HEAD too
+        assert client.request("POST", "/healthz").status_code == 405  # other methods reach FastAPI untouched
 
 
 def test_up_log_line_counts_engines_in_words(fixtures_dir, caplog):
@@ -345,3 +349,20 @@ def test_up_log_line_counts_engines_in_words(fixtures_dir, caplog):
             monitor.poll_once()
     lines = [r.getMessage() for r in caplog.records if ": up (" in r.getMessage()]
     assert len(lines) == 1 and lines[0].endswith(": up (1 engine)"), lines
+
+
+def test_probes_answer_head_as_get_without_a_body(capture, tmp_path):
+    # HEAD /healthz answered 405: uptime checkers that ask with HEAD saw kvwatch down.
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    with PageServer([Answer(capture("idle"))]) as server:
+        monitor = Monitor(load_settings(overrides={"target": server.url, "auth_token_file": str(token)}, environ={}))
+        client = TestClient(create_app(monitor, monitor.settings))
+        not_ready = client.head("/readyz")
+        assert (not_ready.status_code, not_ready.content) == (503, b"")
+        monitor.poll_once()
+        for path in ("/healthz", "/readyz"):
+            get, head = client.get(path), client.head(path)
+            assert head.status_code == get.status_code == 200, path
+            assert head.content == b"" and int(head.headers["content-length"]) == len(get.content) > 0
+            assert head.headers["content-type"] == get.headers["content-type"]

@@ -6,8 +6,10 @@ The browser test plays the first minute in lockstep instead of waiting for it:
 the simulator's clock is frozen (speed 0) and moved 2 s before each of
 kvwatch's polls, and kvwatch's clock reads the simulator's. Every other part
 is what `make run` runs: the shipped `demo` scenario at seed 0, kvwatch's
-Monitor with the settings file and the targets run-demo.sh passes, real HTTP
-between them, the status page in headless Chromium. So "within 60 s" is 60
+Monitor with the settings file, the targets and the KV-cache event stream
+run-demo.sh passes, real HTTP and ZMQ between them (each poll waits until the
+stream has delivered what the simulation published), the status page in
+headless Chromium. So "within 60 s" is 60
 simulated seconds, which are 60 wall seconds at SPEED=1 when the machine keeps
 up; polls are counted, nothing waits on the wall clock."""
 
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -106,16 +110,40 @@ def test_a_silent_simulator_leaves_the_engine_s_poll_alone():
     assert signals_json(state, settings)["demo"] is None
 
 
-def demo_settings(server):
-    """The settings run-demo.sh gives `kvwatch serve`: its config file and the three targets."""
+def free_endpoint() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def demo_settings(server, kv_events: str):
+    """The settings run-demo.sh gives `kvwatch serve`: its config file, the
+    three targets and the KV-cache event stream."""
     script = RUN_DEMO.read_text()
     serve = script[script.index('"$KVWATCH" serve'):]
     serve = serve[:serve.index("&\n")]
     flags = set(re.findall(r"--([a-z-]+)", serve))
-    assert flags == {"config", "target", "port", "upstream-target", "demo-target"}, flags
+    assert flags == {"config", "target", "port", "upstream-target", "demo-target", "kv-events"}, flags
     assert "--config scripts/demo-kvwatch.yaml" in serve
+    sim = script[script.index('"$KVWATCH" sim'):]
+    assert set(re.findall(r"--([a-z-]+)", sim[:sim.index("&\n")])) == {"scenario", "speed", "port", "host", "kv-events"}
     return load_settings(str(DEMO_CONFIG), {"target": server.metrics_url, "upstream_target": server.app_metrics_url,
-                                            "demo_target": server.url + "/sim/phase"}, environ={})
+                                            "demo_target": server.url + "/sim/phase", "kv_events": kv_events},
+                         environ={})
+
+
+def settle(server, source):
+    """Wait until the events the simulation recorded reached kvwatch's ledger
+    (tests/test_kv_events_diagnose.py: a poll then reads the stream as of the page)."""
+    publisher = server.kv_publisher
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        pending = any(e.pool.events.events for e in server.sim.engines)
+        if not pending and (source._expected or 0) >= publisher.sequences[0] and not source._queue:
+            time.sleep(0.02)  # the accountant finishes the batch it popped
+            return
+        time.sleep(0.02)
+    raise AssertionError("the KV-cache event stream did not settle")
 
 
 def lockstep(server, monitor, until: float, stop=lambda state: False):
@@ -124,6 +152,7 @@ def lockstep(server, monitor, until: float, stop=lambda state: False):
     state = monitor.state
     while server.sim.now < until - 1e-9:
         server.advance(interval)
+        settle(server, monitor.kv_events)
         state = monitor.poll_once()
         if stop(state):
             break
@@ -146,28 +175,44 @@ def test_within_the_first_minute_the_page_shows_a_finding_and_the_next_phase(tmp
 
     if chromium_path() is None:
         pytest.skip("chromium is not installed (make test installs it)")
-    with start_background("demo", speed=0, seed=0) as server:
-        settings = demo_settings(server)
+    endpoint = free_endpoint()
+    with start_background("demo", speed=0, seed=0, kv_events=endpoint) as server:
+        settings = demo_settings(server, endpoint)
         # kvwatch reads the simulated time, counted from when the simulated engine started.
         monitor = Monitor(settings, clock=lambda: server.sim.created_unix + server.sim.now)
-        with serving(create_app(monitor, settings), lifespan="off", start_timeout_s=10) as kvwatch, Browser() as browser:
-            # Ten seconds in: healthy, and the strip says what comes and when.
-            lockstep(server, monitor, 10)
-            page = browser.page(1400, 900)
-            page.goto(kvwatch.url + "/")
-            page.wait_for("document.body.dataset.rendered === '1'")
-            facts = page.evaluate(PAGE_FACTS)
-            assert (facts["phase"], facts["next"]) == ("healthy", "eviction-pressure"), facts
-            assert "next: eviction-pressure in 0:20" in facts["strip"], facts["strip"]
-            # Then poll until the demo's first symptom shows, at most a minute in.
-            state = lockstep(server, monitor, 60, stop=lambda s: any(f.cause == "eviction_before_reuse" for f in s.findings))
-            assert state.findings, f"no finding within 60 s; the phase is {state.demo}"
-            shown_at = server.sim.now
-            page.goto(kvwatch.url + "/")
-            page.wait_for("document.body.dataset.rendered === '1'")
-            facts = page.evaluate(PAGE_FACTS)
-            assert page.messages() == []
-            page.screenshot(tmp_path / "demo-first-finding.png")
+        monitor.kv_events.start()
+        # PUB/SUB keeps nothing for a subscriber not yet connected (make run
+        # loses the same first events): move the simulation by tenths of a
+        # second until a first event arrives.
+        deadline = time.monotonic() + 20
+        while monitor.kv_events.messages == 0:
+            assert time.monotonic() < deadline, "no KV-cache event reached kvwatch"
+            server.advance(0.1)
+            time.sleep(0.05)
+        try:
+            with serving(create_app(monitor, settings), lifespan="off", start_timeout_s=10) as kvwatch, \
+                    Browser() as browser:
+                # Ten seconds in: healthy, and the strip says what comes and when.
+                lockstep(server, monitor, 10)
+                left = 30 - server.sim.now
+                page = browser.page(1400, 900)
+                page.goto(kvwatch.url + "/")
+                page.wait_for("document.body.dataset.rendered === '1'")
+                facts = page.evaluate(PAGE_FACTS)
+                assert (facts["phase"], facts["next"]) == ("healthy", "eviction-pressure"), facts
+                assert f"next: eviction-pressure in 0:{round(left):02d}" in facts["strip"], facts["strip"]
+                # Then poll until the demo's first symptom shows, at most a minute in.
+                state = lockstep(server, monitor, 60,
+                                 stop=lambda s: any(f.cause == "eviction_before_reuse" for f in s.findings))
+                assert state.findings, f"no finding within 60 s; the phase is {state.demo}"
+                shown_at = server.sim.now
+                page.goto(kvwatch.url + "/")
+                page.wait_for("document.body.dataset.rendered === '1'")
+                facts = page.evaluate(PAGE_FACTS)
+                assert page.messages() == []
+                page.screenshot(tmp_path / "demo-first-finding.png")
+        finally:
+            monitor.kv_events.stop()
     assert shown_at <= 60
     assert "eviction_before_reuse" in facts["cards"], facts
     assert facts["banner"] in facts["cards"], facts

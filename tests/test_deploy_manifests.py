@@ -25,6 +25,7 @@ from kvwatch.mixin import manifests
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.config import (CENTRAL_MEASURED_REPLICAS, CENTRAL_MEASURED_RESIDENT_MIB, DEPLOY_FIELDS,
                                   DeploySettings, central_resources, deploy_settings)
+from kvwatch.mixin.helm import render_chart
 from kvwatch.mixin.manifests import render_manifests
 from kvwatch.sidecar.settings import PARSERS, env_name, load_settings
 
@@ -158,13 +159,14 @@ def test_committed_deploy_files_are_what_render_manifests_writes():
     # What `kvwatch generate` passes: its default config, the rule and dashboards it wrote.
     rule_text, dashboards = generated_inputs()
     files = render_manifests(MixinConfig(), prometheus_rule=rule_text, dashboards=dashboards)
+    files.update(render_chart(deploy_settings(MixinConfig()), rule_text, dashboards))  # the Helm chart beside them
     stale = []
     for relative, text in files.items():
         path = DEPLOY / relative
         if not path.is_file() or path.read_text() != text:
             stale.append(relative)
     assert not stale, f"deploy/ is out of date (run `kvwatch generate`): {stale}"
-    generated_dirs = [DEPLOY / "kubernetes", DEPLOY / "prometheus"]
+    generated_dirs = [DEPLOY / "kubernetes", DEPLOY / "prometheus", DEPLOY / "helm"]
     extra = sorted(str(p.relative_to(DEPLOY)) for d in generated_dirs for p in d.rglob("*") if p.is_file()
                    and str(p.relative_to(DEPLOY)) not in files)
     assert not extra, f"files under deploy/ that render_manifests no longer writes: {extra}"
@@ -440,6 +442,7 @@ def test_sidecar_components_carry_the_same_container_as_the_base(directory, key)
     assert component["kind"] == "Component"
     assert component["patches"] == [{"path": manifests.SIDECAR_PATCH_FILE}]
     assert (patch["apiVersion"], patch["kind"], patch["metadata"]) == ("apps/v1", "Deployment", {"name": SETTINGS.name})
+    assert patch["spec"]["template"]["metadata"] == {"labels": manifests.SIDECAR_POD_LABELS}
     spec = patch["spec"]["template"]["spec"]
     assert set(spec) == {key, "volumes"}
     (container,) = spec[key]
@@ -528,6 +531,12 @@ def test_sidecar_component_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_pa
         assert spec["containers"][1] == original["spec"]["template"]["spec"]["containers"][0]
     assert {v["name"] for v in spec["volumes"]} == {"cache", "kvwatch-config", "kvwatch-tmp"}
     assert deployment["spec"]["replicas"] == 3
+    # The pods keep their labels and selector, and gain the one the PodMonitor selects.
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels == {**original["spec"]["template"]["metadata"]["labels"], **manifests.SIDECAR_POD_LABELS}
+    assert deployment["spec"]["selector"] == original["spec"]["selector"]
+    podmonitor = yaml.safe_load((KUBE / "overlays/podmonitor/podmonitor.yaml").read_text())
+    assert matches(podmonitor["spec"]["selector"], pod_labels)
     for doc in objects:
         for version in KUBERNETES_VERSIONS:  # native sidecars need 1.29, the oldest checked
             validate_object(doc, version)
@@ -599,11 +608,14 @@ def test_render_manifests_reads_the_fields_it_needs_from_any_config_object():
     assert container["image"] == "registry.example/kvwatch:1"
     assert named_port(container, "kvw")["containerPort"] == 9500
     assert {"name": "KVWATCH_PORT", "value": "9500"} in container["env"]
-    assert deployment["spec"]["template"]["metadata"]["labels"] == {"app": "llm"}
+    assert deployment["spec"]["template"]["metadata"]["labels"] == {"app": "llm", **manifests.SIDECAR_POD_LABELS}
+    assert deployment["spec"]["selector"] == {"matchLabels": {"app": "llm"}}
     config_map = yaml.safe_load(files["kubernetes/base/kvwatch-config.yaml"])
     assert yaml.safe_load(config_map["data"]["kvwatch.yaml"])["target"] == "http://127.0.0.1:8080/metrics"
     monitor = yaml.safe_load(files["kubernetes/overlays/podmonitor/podmonitor.yaml"])
-    assert monitor["spec"]["selector"] == {"matchLabels": {"app": "llm"}}
+    assert monitor["spec"]["selector"] == {"matchLabels": manifests.SIDECAR_POD_LABELS}  # whatever the pods' own labels
+    service_monitor = yaml.safe_load(files["kubernetes/overlays/servicemonitor/servicemonitor.yaml"])
+    assert service_monitor["spec"]["selector"] == {"matchLabels": {"app": "llm"}}
     assert monitor["metadata"]["labels"]["prometheus"] == "main"
     assert monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["replacement"] == "kvwatch-sidecars"
     # No rules or dashboards given: the base lists only what exists.

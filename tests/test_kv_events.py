@@ -419,3 +419,86 @@ def test_sglangs_batches_read_as_vllms():
     assert batch.rank is None and batch.skipped == 0
     assert [(e.kind, list(e.hashes), e.block_size, e.medium) for e in batch.events] == [
         ("BlockStored", [11, 12], 16, None), ("BlockRemoved", [11], None, None), ("AllBlocksCleared", [], None, None)]
+
+
+# --- captures and replays ------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", ["", ".tar.gz"])
+def test_a_capture_keeps_the_stream_and_a_replay_feeds_it_at_recorded_times(fixtures_dir, tmp_path, suffix):
+    from kvwatch.capture.bundle import Capture, CaptureWriter
+    from kvwatch.capture.record import manifest_for
+    from kvwatch.capture.replay import replay
+    from kvwatch.commands.diagnose import replay_settings
+
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    out = tmp_path / f"capture{suffix}"
+    writer = CaptureWriter(out, {**manifest_for("http://127.0.0.1:8000/metrics", 5.0, 60.0), "kv_events": "tcp://x:1"})
+    batches = rotation(prefixes=12, blocks=15, cache=100, rounds=4)
+    t = 1_700_000_000.0
+    for poll in range(6):
+        for seq in range(poll * 8, poll * 8 + 8):  # 8 batches before each page
+            assert writer.add_event(t + seq * 0.5, seq, wire.encode_batch(t, batches[seq]))
+        writer.add(t + poll * 5.0 + 4.0, 0.01, page)
+    writer.close(ended_at=t + 30, interrupted=False)
+    captured = Capture(out)
+    assert len(captured.events) == 48 and captured.manifest["kv_events_messages"] == 48
+    states = []
+    replay(captured, lambda source: Monitor(replay_settings(captured, None, "5m"), fetcher=source,
+                                            clock=source.now), on_state=states.append)
+    assert [s.kv_events["totals"]["stored"] for s in states] == sorted(s.kv_events["totals"]["stored"] for s in states)
+    last = states[-1].kv_events
+    assert last["up"] and last["totals"]["stored"] == 720 and last["totals"]["stored_again"] == 540
+    assert last["intake"]["missed"] == 0
+
+
+def test_a_damaged_event_record_in_a_capture_is_one_sentence(tmp_path):
+    from kvwatch.capture.bundle import EVENTS, Capture, CaptureError, CaptureWriter
+    from kvwatch.capture.record import manifest_for
+
+    out = tmp_path / "capture"
+    writer = CaptureWriter(out, manifest_for("http://127.0.0.1:8000/metrics", 5.0, 60.0))
+    writer.add_event(1.0, 0, b"\x90")
+    writer.close(ended_at=2.0, interrupted=False)
+    data = (out / EVENTS).read_bytes()
+    (out / EVENTS).write_bytes(data[:-1] + data[:8])  # a record cut short, then part of a header
+    with pytest.raises(CaptureError, match="events.bin"):
+        Capture(out)
+
+
+def test_kvwatch_capture_records_the_stream_beside_the_pages(fixtures_dir, tmp_path, capsys):
+    import threading
+
+    from kvwatch.capture.bundle import Capture
+    from kvwatch.cli import main
+
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    out = tmp_path / "capture.tar.gz"
+    stop = threading.Event()
+
+    def publish():
+        ctx = zmq.Context()
+        pub = _publisher(ctx, endpoint)
+        seq = 0
+        while not stop.is_set():
+            pub.send_multipart([b"kv", seq.to_bytes(8, "big"), wire.encode_batch(1.0, [wire.stored([seq], 16)])])
+            seq += 1
+            time.sleep(0.01)
+        pub.close(0)
+        ctx.term()
+
+    with PageServer([Answer(page)] * 60) as server:
+        thread = threading.Thread(target=publish, daemon=True)
+        thread.start()
+        try:
+            assert main(["capture", "--target", server.url, "--interval", "0.05s", "--duration", "10m",
+                         "--count", "40", "--out", str(out), "--kv-events", endpoint]) == 0
+        finally:
+            stop.set()
+            thread.join(5)
+    captured = Capture(out)
+    assert captured.manifest["kv_events"] == endpoint
+    assert len(captured.events) == captured.manifest["kv_events_messages"] > 0
+    seqs = [seq for _, seq, _ in captured.events]
+    assert seqs == sorted(seqs)
+    assert "KV-cache event messages" in capsys.readouterr().err

@@ -185,7 +185,12 @@ def catalogue_metrics(name: str) -> set[str]:
         return metric_names(SIGNALS_BY_NAME[name].promql.format(sel="", w="5m", by="x", q="0.5"))
     if name in TIER_SIGNALS_BY_NAME:
         return metric_names(TIER_SIGNALS_BY_NAME[name].promql.format(sel="", w="5m", by="x"))
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES:
+    from kvwatch.signals import STREAM_HEALTH, STREAM_SIGNALS, STREAM_SIZING
+
+    for stream in STREAM_SIGNALS + STREAM_SIZING:
+        if name == stream.name:
+            return metric_names(stream.promql.format(sel="", w="5m", by="x"))
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + STREAM_HEALTH:
         if name in (entry.name, entry.sample_name):
             return {entry.sample_name} | {entry.name + suffix for suffix in ("_bucket", "_sum", "_count")}
     raise KeyError(name)

@@ -206,3 +206,14 @@ def test_print_config_into_a_closed_pipe_ends_quietly(monkeypatch):
     monkeypatch.setattr(sys, "stdout", stream)
     monkeypatch.setattr(os, "dup2", lambda *args: None)  # keep the test runner's real stdout
     assert cli.main(["generate", "--print-config"]) == 0
+
+
+def test_generate_writes_into_the_current_directory_and_says_where(tmp_path, monkeypatch, capsys):
+    # From an installed (non-editable) kvwatch it wrote into site-packages.
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["generate"]) == 0
+    assert (tmp_path / RULES_FILE).is_file() and (tmp_path / "dashboards").is_dir()
+    err = capsys.readouterr().err
+    assert f"files in {tmp_path.resolve()} (the current directory; --out DIR for another)" in err
+    assert cli.main(["generate", "--check"]) == 0
+    assert f"up to date in {tmp_path.resolve()}" in capsys.readouterr().out

@@ -13,6 +13,12 @@ A capture is a folder, or the same folder as one `.tar.gz` bundle:
                        "reason" + "detail" when it failed}
     pages/000001.txt   each page byte-exact (as the engine sent it, after
                        any gzip transfer encoding), named by its seq
+    events.bin         with `kvwatch capture --kv-events`: the engine's
+                       KV-cache event messages as received, each a record of
+                       its receive time (8-byte big-endian float), sequence
+                       number (8-byte signed) and payload (4-byte length, then
+                       the msgpack bytes); at most MAX_EVENTS_BYTES, the
+                       manifest says how many and whether it was cut short
 
 The writer appends to index.jsonl and flushes after each fetch, so a folder
 is readable even after a hard kill; a bundle is written once, at the end
@@ -39,6 +45,11 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 INDEX = "index.jsonl"
 PAGES = "pages"
+EVENTS = "events.bin"
+# The stream's records in one capture (read whole, before the pages): past
+# it the recorder stops keeping events and says so in the manifest.
+MAX_EVENTS_BYTES = 64 * 1024 * 1024
+_EVENT_HEADER = 20  # time (8), sequence (8), payload length (4)
 BUNDLE_SUFFIXES = (".tar.gz", ".tgz")
 
 # What a reader takes of each part of a capture, counted as it is read (in a
@@ -140,6 +151,29 @@ class CaptureWriter:
         self._write_manifest()
         self._index = open(self.folder / INDEX, "a", encoding="utf-8")
         self.seq = 0
+        self._events = None
+        self._events_bytes = 0
+        import threading
+
+        self._events_lock = threading.Lock()
+
+    def add_event(self, time: float, seq: int, payload: bytes) -> bool:
+        """One KV-cache event message as received (the receiver's thread
+        calls it); False once the capture holds MAX_EVENTS_BYTES of them."""
+        import struct
+
+        record = struct.pack(">dqI", time, seq, len(payload)) + payload
+        with self._events_lock:
+            if self._events_bytes + len(record) > MAX_EVENTS_BYTES:
+                self.manifest["kv_events_truncated"] = True
+                return False
+            if self._events is None:
+                self._events = open(self.folder / EVENTS, "ab")
+            self._events.write(record)
+            self._events.flush()
+            self._events_bytes += len(record)
+            self.manifest["kv_events_messages"] = self.manifest.get("kv_events_messages", 0) + 1
+            return True
 
     def add(self, time: float, seconds: float, text: str | None, reason: str | None = None,
             detail: str = "") -> Entry:
@@ -166,6 +200,11 @@ class CaptureWriter:
     def close(self, **fields: Any) -> Path:
         """Finish the manifest (and pack the bundle); returns the capture's path."""
         self._index.close()
+        with self._events_lock:
+            if self._events is not None:
+                self._events.close()
+                self._events = None
+            self._events_bytes = MAX_EVENTS_BYTES + 1  # nothing more after close
         self.manifest.update(fields, complete=True)
         self._write_manifest()
         if self.bundle:
@@ -183,8 +222,9 @@ def pack(folder: Path, out: Path) -> None:
     """A bundle of a capture folder: manifest, index, then pages in order."""
     temporary = out.with_name(out.name + ".tmp")
     with tarfile.open(temporary, "w:gz", compresslevel=6) as tar:
-        for name in (MANIFEST, INDEX):
-            tar.add(folder / name, arcname=name, recursive=False)
+        for name in (MANIFEST, INDEX, EVENTS):
+            if name != EVENTS or (folder / EVENTS).is_file():
+                tar.add(folder / name, arcname=name, recursive=False)
         for page in sorted((folder / PAGES).iterdir()):
             tar.add(page, arcname=f"{PAGES}/{page.name}", recursive=False)
     temporary.replace(out)
@@ -208,6 +248,13 @@ class Capture:
                 try:
                     manifest = self._member(tar, MANIFEST, MAX_MANIFEST_BYTES)
                     index = self._member(tar, INDEX, MAX_INDEX_BYTES)
+                    events = b""
+                    following = tar.next()  # the stream's records come before the pages
+                    if following is not None and following.name == EVENTS and following.isfile():
+                        if following.size > MAX_EVENTS_BYTES:
+                            raise CaptureError(f"{self.path}: {EVENTS} declares {following.size:,} bytes, over the "
+                                               f"{MAX_EVENTS_BYTES:,} a capture's events may hold")
+                        events = self._read(tar, following, MAX_EVENTS_BYTES)
                 except DAMAGED as exc:
                     raise CaptureError(f"{self.path}: the bundle is cut off or damaged before its index ({exc})") from None
         elif self.path.is_file():
@@ -217,12 +264,32 @@ class Capture:
             try:
                 manifest = self._file(MANIFEST, MAX_MANIFEST_BYTES)
                 index = self._file(INDEX, MAX_INDEX_BYTES)
+                events = self._file(EVENTS, MAX_EVENTS_BYTES) if (self.path / EVENTS).exists() else b""
             except FileNotFoundError as exc:
                 raise CaptureError(f"{self.path}: not a kvwatch capture (no {Path(exc.filename).name} in it)") from None
             except OSError as exc:
                 raise CaptureError(f"{self.path}: not a kvwatch capture ({exc.strerror or exc})") from None
         self.manifest = self._manifest(manifest)
         self.entries = self._index(index)
+        # The engine's KV-cache event messages (time, sequence, payload), in receive order.
+        self.events = self._event_records(events)
+
+    def _event_records(self, data: bytes) -> list[tuple[float, int, bytes]]:
+        import struct
+
+        out = []
+        offset = 0
+        while offset < len(data):
+            if offset + _EVENT_HEADER > len(data):
+                raise CaptureError(f"{self.path}: {EVENTS} ends inside a record's header (byte {offset:,})")
+            at, seq, size = struct.unpack_from(">dqI", data, offset)
+            offset += _EVENT_HEADER
+            if not (math.isfinite(at) and 0 <= at <= MAX_TIME) or offset + size > len(data):
+                raise CaptureError(f"{self.path}: {EVENTS} holds a record that is not one kvwatch writes "
+                                   f"(byte {offset - _EVENT_HEADER:,})")
+            out.append((at, seq, data[offset:offset + size]))
+            offset += size
+        return out
 
     def _manifest(self, data: bytes) -> dict[str, Any]:
         try:

@@ -418,10 +418,47 @@ def _hardware_lines(hw: dict[str, Any]) -> list[str]:
     return out
 
 
+def _bound_of(row: dict[str, Any]) -> int | None:
+    """A row's answer: the tightest bound it has (with a hybrid model's state,
+    else the pool's with block rounding and the null block, else the simple one)."""
+    for key in ("bound_with_state", "pool_bound", "rounded_bound", "simple_bound", "bound"):
+        if row.get(key) is not None:
+            return row[key]
+    return None
+
+
+def answer_line(report: dict[str, Any]) -> str:
+    """The answer in one line, before the working: how many requests of each
+    length fit."""
+    if report["mode"] != "target":
+        result = report["result"]
+        rows = result["requests"]
+        budget = f" in a KV budget of {cap.human_bytes(result['kv_budget_bytes'])}"
+        where = ""
+    else:
+        entries = [e for e in report["engines"] if "error" not in e]
+        if not entries:
+            return "Answer: none (no engine's capacity could be read; see below)"
+        rows = entries[0]["bounds_from_reported"]
+        budget = f" in the {_n(entries[0]['reported']['capacity_tokens'])}-token KV cache the engine reports"
+        where = (f" (engine {entries[0]['reported']['engine']}"
+                 + (f"; {len(entries) - 1} more engine(s) below)" if len(entries) > 1 else ")"))
+    parts = []
+    for row in rows:
+        bound = _bound_of(row)
+        if row.get("tokens") is None:  # --per-request-bytes: a size, no length
+            parts.append(f"{_n(bound)} requests of {cap.human_bytes(row['bytes_per_request'])}")
+            continue
+        label = "" if row["label"] == "request" else f"{row['label']}: "
+        parts.append(f"{label}{_n(bound)} requests of {_n(row['tokens'])} tokens")
+    return "Answer: " + "; ".join(parts) + f" fit at once{budget}{where}; the working follows."
+
+
 def render_table(report: dict[str, Any]) -> str:
     out = [f"kvwatch capacity ({report['mode']})", ""]
     if report["mode"] == "kv-events":
         return "\n".join(out + _stream_lines(report))
+    out = [answer_line(report), "", *out]
     if report.get("hardware"):
         out += _hardware_lines(report["hardware"])
     if report["mode"] != "target":

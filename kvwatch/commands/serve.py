@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {key: getattr(args, key) for key in OPTIONS}
     if getattr(args, "replay", None):
         from kvwatch.capture.bundle import Capture, CaptureError
+        from kvwatch.commands.diagnose import REPLAYED_EVENTS
 
         from kvwatch.units import parse_number
 
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         # The recorded target and interval; nothing is fetched.
         overrides.update(target=capture.manifest.get("target") or None,
                          poll_interval=capture.manifest.get("interval_seconds") or None,
-                         upstream_target="", upstream_histogram="", lmcache_target="", kv_events="", demo_target="")
+                         upstream_target="", upstream_histogram="", lmcache_target="", demo_target="",
+                         kv_events=REPLAYED_EVENTS if capture.events else "")
     if getattr(args, "prometheus", None):
         return run_central(args, overrides)
     try:
@@ -294,14 +296,14 @@ def replaying(capture, settings, speed: float):
     import threading
 
     from kvwatch.capture.bundle import CaptureError
-    from kvwatch.capture.replay import ReplaySource, paced
+    from kvwatch.capture.replay import ReplaySource, paced, with_events
     from kvwatch.sidecar.monitor import Monitor
 
     import dataclasses
     from pathlib import Path
 
-    source = ReplaySource(capture.pages())
-    monitor = Monitor(settings, fetcher=source, clock=source.now)
+    source = ReplaySource(capture.pages(), capture.events)
+    monitor = with_events(source, Monitor(settings, fetcher=source, clock=source.now))
     # What the page, the JSON and /readyz say of the replay (report.replay_text):
     # updated in place, so the last state says when it finished.
     monitor.replay = {"capture": Path(str(capture.path)).name, "speed": speed, "recorded_polls": len(capture.entries),

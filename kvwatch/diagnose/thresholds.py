@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from kvwatch.units import parse_duration
+from kvwatch.units import did_you_mean, parse_duration
 
 DEFAULT_THRESHOLDS: dict[str, Any] = {
     # --- exhaustion ---
@@ -174,7 +174,7 @@ def validate_thresholds(thresholds: dict[str, Any]) -> list[str]:
     for key, value in thresholds.items():
         parser = _PARSERS.get(key)
         if parser is None:
-            problems.append(f"unknown threshold {key!r} (known: {', '.join(sorted(_PARSERS))})")
+            problems.append(f"unknown threshold {key!r}{did_you_mean(key, _PARSERS)} (known: {', '.join(sorted(_PARSERS))})")
             continue
         try:
             parser(value)

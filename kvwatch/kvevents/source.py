@@ -36,10 +36,20 @@ from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
 
 log = logging.getLogger("kvwatch")
 
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-DEFAULT_QUEUE_BYTES = 64 * 1024 * 1024
+# One engine step's batch: a step computes at most max_num_batched_tokens
+# tokens (8k by default, 64k at the most), each at most 5 bytes of token id
+# plus its block's hash: well under 1 MiB; 4 MiB leaves room.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+DEFAULT_QUEUE_BYTES = 16 * 1024 * 1024
 QUEUE_MESSAGES = 4096
-RCVHWM = 1000
+# ZMQ's own receive queue, in messages whatever their size: with the byte
+# cap, at most 8 x 4 MiB waits there (the receiver drains it into the
+# bounded queue as fast as it reads; past it the engine's PUB socket drops,
+# which kvwatch sees as sequence gaps).
+RCVHWM = 8
+# Everything the intake may hold at once at its default bounds: kvwatch's
+# queue, ZMQ's queue and the message being read (the ledger's table apart).
+INTAKE_HELD_BYTES = DEFAULT_QUEUE_BYTES + (RCVHWM + 1) * DEFAULT_MAX_MESSAGE_BYTES
 # A stored event says how many blocks it carries; more than this in one event
 # is no engine's step (a 1 M-token prompt at 16 tokens a block is 62,500).
 MAX_EVENT_BLOCKS = 1 << 20
@@ -53,8 +63,12 @@ class KVEventSource:
     def __init__(self, endpoint: str, *, connect: bool = False, topic: str = "",
                  window_seconds: float = 300.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, table_bytes: int = DEFAULT_TABLE_BYTES,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 tap: Callable[[float, int, bytes], Any] | None = None):
         self.endpoint = endpoint
+        # Called with (time, sequence, payload) of each well-formed message as
+        # it is received (kvwatch capture --kv-events records them).
+        self.tap = tap
         self.connect = connect
         self.topic = topic
         self.window_seconds = window_seconds
@@ -174,8 +188,14 @@ class KVEventSource:
             if size > self.max_message_bytes:
                 self._malformed(f"a message of {size} bytes, over the cap of {self.max_message_bytes}")
                 return
-            self._sequence(int.from_bytes(frames[1], "big", signed=True), now)
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            self._sequence(seq, now)
         payload = frames[2]
+        if self.tap is not None:
+            try:
+                self.tap(now, seq, payload)
+            except Exception:  # pragma: no cover - a recorder's failure must not stop the stream
+                log.exception("recording a KV-cache event message failed")
         with self._wake:
             if len(self._queue) >= QUEUE_MESSAGES or self._queued_bytes + len(payload) > self.queue_bytes:
                 with self._lock:

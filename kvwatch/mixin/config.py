@@ -25,7 +25,7 @@ from kvwatch import __version__
 
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
 from kvwatch.diagnose.vocabulary import ALERT_CAUSES, PREEMPTING_SEVERITY, SEVERITY
-from kvwatch.units import yaml_problem
+from kvwatch.units import did_you_mean, yaml_problem
 
 SEVERITIES = ("critical", "warning", "info")
 # Alert names, with the symptom (the diagnosis vocabulary) each one reports.
@@ -133,6 +133,32 @@ KVWATCH_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"},
 # sidecar's startup probe holds back the containers after it (vLLM).
 SIDECAR_LIVENESS = {"periodSeconds": 30, "timeoutSeconds": 5, "failureThreshold": 10}
 
+
+def kv_events_resources(resources: dict) -> dict:
+    """The sidecar's resources with the KV-event stream on (kv_events): the
+    request grows by the block ledger's table (kv_events_table_bytes, which it
+    fills on a busy engine), the limit by everything the stream may hold at
+    once (the table, kvwatch's intake queue, ZMQ's receive queue and the
+    message being read at their byte bounds, in kvwatch/kvevents) plus a
+    quarter, rounded up to 32 MiB. Derived from the bounds, not measured."""
+    from kvwatch.kvevents.ledger import DEFAULT_TABLE_BYTES
+    from kvwatch.kvevents.source import INTAKE_HELD_BYTES
+
+    mib = 1024 * 1024
+    table = DEFAULT_TABLE_BYTES // mib
+    held = (DEFAULT_TABLE_BYTES + INTAKE_HELD_BYTES) / mib
+    out = json.loads(json.dumps(resources))
+
+    def add(section: str, extra: int) -> None:
+        value = str(out[section]["memory"])
+        if not value.endswith("Mi"):
+            raise ValueError(f"resources: memory {value!r} is not in Mi; give kv_events resources yourself")
+        out[section]["memory"] = f"{int(value[:-2]) + extra}Mi"
+
+    add("requests", table)
+    add("limits", _round_up(held * 5 / 4, 32))
+    return out
+
 # Central mode's Deployment (`kvwatch serve --prometheus`): its memory grows
 # with the replicas it keeps (one window each), its CPU with the replicas it
 # reads per refresh. Measured with 64 replicas at the default 30 s refresh:
@@ -199,6 +225,7 @@ class DeploySettings:
     central_max_replicas: int = CENTRAL_MAX_REPLICAS
     central_resources: dict | None = None
     sidecar_native: bool = True
+    kv_events_port: int | None = None
 
     @property
     def config_map_name(self) -> str:
@@ -217,6 +244,11 @@ class DeploySettings:
     def central_container_resources(self) -> dict:
         return self.central_resources if self.central_resources is not None \
             else central_resources(self.central_max_replicas)
+
+    @property
+    def sidecar_resources(self) -> dict:
+        """The kvwatch container's resources: `resources`, grown for the KV-event stream when it is on."""
+        return kv_events_resources(self.resources) if self.kv_events_port is not None else self.resources
 
     @property
     def all_vllm_args(self) -> list[str]:
@@ -246,7 +278,9 @@ DEPLOY_FIELDS = {
     "scrape_timeout": "scrape deadline; below scrape_interval",
     "job": "the job label Prometheus gives kvwatch's series (the rules and dashboards select it)",
     "resources": "kvwatch container resources (default sized from the benchmark)",
-    "labels": "labels on the vLLM pods and Service; the Service, ServiceMonitor and PodMonitor select by them",
+    "labels": "labels on the example vLLM pods and Service; the Deployment and Service select pods by them, the "
+              "ServiceMonitor the Service (the PodMonitor selects the label kvwatch/sidecar=true every sidecar's "
+              "pod gets)",
     "monitor_labels": "labels your Prometheus selects ServiceMonitors, PodMonitors and PrometheusRules by "
                       "(kube-prometheus-stack: release=<helm release>)",
     "grafana_folder": "Grafana folder for the dashboards (grafana_folder annotation of the Grafana sidecar)",
@@ -260,6 +294,8 @@ DEPLOY_FIELDS = {
                          "central_max_replicas)",
     "sidecar_native": "the example Deployment runs kvwatch as a native sidecar (an init container with "
                       "restartPolicy: Always, Kubernetes 1.29+); false: a plain second container",
+    "kv_events_port": "port on the pod's loopback where kvwatch binds for vLLM's KV-cache events (kv_events); "
+                      "vLLM's --kv-events-config endpoint tcp://127.0.0.1:<port> connects to it. Empty: off",
 }
 assert set(DEPLOY_FIELDS) == {f.name for f in fields(DeploySettings)}
 
@@ -327,6 +363,9 @@ def _check(s: DeploySettings) -> None:
         problems.append(f"central_selector: {selector_problem}")
     if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", str(s.prometheus_url)):
         problems.append(f"prometheus_url: {s.prometheus_url!r} is not an http(s) URL")
+    if s.kv_events_port is not None and (not isinstance(s.kv_events_port, int) or not 1 <= s.kv_events_port <= 65535
+                                         or s.kv_events_port in (s.kvwatch_port, s.vllm_port)):
+        problems.append(f"kv_events_port: {s.kv_events_port!r} is not a port apart from kvwatch's and vLLM's")
     if not isinstance(s.sidecar_native, bool):
         problems.append(f"sidecar_native: {s.sidecar_native!r} must be true or false")
     if not isinstance(s.central_max_replicas, int) or s.central_max_replicas < 1:
@@ -651,7 +690,8 @@ def _check_field(name: str, value: Any) -> list[str]:
 
             unknown = sorted(set(value) - set(DEPLOY_FIELDS))
             for key in unknown:
-                problems.append(f"deploy: unknown field {key!r} (known: {', '.join(sorted(DEPLOY_FIELDS))})")
+                problems.append(f"deploy: unknown field {key!r}{did_you_mean(key, DEPLOY_FIELDS)} "
+                                    f"(known: {', '.join(sorted(DEPLOY_FIELDS))})")
             if not unknown:
                 try:
                     deploy_settings({"deploy": value})
@@ -715,7 +755,7 @@ def config_from_mapping(data: Any, source: str = "config") -> MixinConfig:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in known:
-            problems.append(f"{source}: unknown field {key!r} (known: {', '.join(sorted(known))})")
+            problems.append(f"{source}: unknown field {key!r}{did_you_mean(name, known)} (known: {', '.join(sorted(known))})")
             continue
         field_problems = _check_field(name, value)
         if field_problems:

@@ -22,7 +22,8 @@ from kvwatch.mixin.alerts import runbook_anchor
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.promql import Fragments, Scope, indent, num, paren
 from kvwatch.mixin.config import ALERTS
-from kvwatch.signals import QUANTILES, SIGNALS, SIGNALS_BY_NAME, TIER_SIGNALS_BY_NAME, UNITS, good_direction
+from kvwatch.signals import (QUANTILES, SIGNALS, SIGNALS_BY_NAME, STREAM_SIGNALS_BY_NAME, STREAM_SIZING,
+                             TIER_SIGNALS_BY_NAME, UNITS, good_direction)
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
@@ -582,7 +583,53 @@ def prefix_cache(config: MixinConfig) -> Board:
                     [(v.sig("kvwatch_preemptions_per_second"), e)], width=12, runbook=ANCHOR_HIT))
     b.add(_findings_panel(v, "findings", "low_hit_rate", ANCHOR_HIT))
     _lmcache_row(b, v)
+    _stream_row(b, v)
     return b
+
+
+def _stream_row(b: Board, v: Views) -> None:
+    """The engine's KV-cache event stream (kvwatch/kvevents): its series
+    exist only where kvwatch runs with --kv-events, so without it these
+    panels are empty, not failing."""
+    inst = b.config.instance_label
+    scope = Scope(TARGET_SEL, RATE, (inst,))
+    empty = " Empty unless kvwatch reads the engine's KV-cache events (--kv-events)."
+
+    def sig(name: str) -> str:
+        return STREAM_SIGNALS_BY_NAME[name].promql.format(sel=scope.sel, w=scope.w, by=scope.by_text)
+
+    def doc(name: str) -> str:
+        return STREAM_SIGNALS_BY_NAME[name].help + empty
+
+    b.row("KV-cache events: evicted before reuse, or never reused?")
+    b.add(PanelSpec("kv_events_up", "kvwatch reading KV-cache events",
+                    "kvwatch_kv_events_up: 1 while kvwatch listens for the engine's KV-cache events and one has "
+                    "arrived, 0 otherwise (the status page's kv_events.reason says why); the page's signals do not "
+                    "depend on it." + empty, "short",
+                    [(f"kvwatch_kv_events_up{{{TARGET_SEL}}}", v.instance_legend)], kind="stat", width=6, height=8,
+                    runbook=ANCHOR_HIT, threshold=1, signal="kvwatch_kv_events_up",
+                    mappings=((1, "reading"), (0, "no events"))))
+    b.add(PanelSpec("kv_events_stored_again_ratio", "Blocks stored again after their eviction",
+                    doc("kvwatch_kv_events_stored_again_ratio"), "percentunit",
+                    [(sig("kvwatch_kv_events_stored_again_ratio"), v.instance_legend)], width=9, runbook=ANCHOR_HIT,
+                    signal="kvwatch_kv_events_stored_again_ratio"))
+    b.add(PanelSpec("kv_events_return_seconds", "Eviction to return (median)",
+                    doc("kvwatch_kv_events_return_after_eviction_seconds"), UNITS["seconds"].grafana,
+                    [(sig("kvwatch_kv_events_return_after_eviction_seconds"), v.instance_legend)], width=9,
+                    runbook=ANCHOR_HIT, signal="kvwatch_kv_events_return_after_eviction_seconds"))
+    b.add(PanelSpec("kv_events_block_rates", "Blocks stored, evicted and stored again",
+                    "Blocks the engine stored, evicted and stored again after their eviction, per second over the "
+                    "rate interval (BlockStored, BlockRemoved)." + empty, UNITS["per_second"].grafana,
+                    [(sig("kvwatch_kv_events_blocks_stored_per_second"), "stored " + v.instance_legend),
+                     (sig("kvwatch_kv_events_blocks_evicted_per_second"), "evicted " + v.instance_legend),
+                     (sig("kvwatch_kv_events_blocks_stored_again_per_second"), "stored again " + v.instance_legend)],
+                    width=12, runbook=ANCHOR_HIT))
+    b.add(PanelSpec("kv_events_sizing", "Hit ratio with more cache (estimate)",
+                    STREAM_SIZING[0].help + " Each line one size: `extra_cache` times the engine's cache added."
+                    + empty, "percentunit",
+                    [(f"kvwatch_kv_events_sizing_hit_ratio{{{TARGET_SEL}}}",
+                      "x{{extra_cache}} more " + v.instance_legend)], width=12, runbook=ANCHOR_HIT,
+                    signal="kvwatch_kv_events_sizing_hit_ratio"))
 
 
 def _lmcache_row(b: Board, v: Views) -> None:

@@ -66,8 +66,16 @@ def kvwatch_config(s: DeploySettings) -> dict:
         "poll_interval": s.poll_interval,
         "window": s.window,
         "log_level": s.log_level,
+        # kvwatch binds on the pod's loopback; vLLM, started with --kv-events-config
+        # endpoint tcp://127.0.0.1:<port>, connects to it.
+        **({"kv_events": f"tcp://127.0.0.1:{s.kv_events_port}"} if s.kv_events_port is not None else {}),
     }
 
+
+# The label every pod carrying kvwatch gets (the example Deployment's pods, and
+# what the sidecar patches add to a pod template): the PodMonitor selects it,
+# so it finds the sidecars whatever labels the user's vLLM pods have.
+SIDECAR_POD_LABELS = {"kvwatch/sidecar": "true"}
 
 CONFIG_MOUNT_DIR = "/etc/kvwatch"
 CONFIG_FILE_NAME = "kvwatch.yaml"
@@ -94,7 +102,7 @@ def kvwatch_container(s: DeploySettings, native: bool | None = None) -> dict:
         # The only probe (SIDECAR_LIVENESS in kvwatch/mixin/config.py says why):
         # no readiness, so kvwatch never takes the vLLM pod out of its Service.
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": s.port_name}, **SIDECAR_LIVENESS},
-        "resources": s.resources,
+        "resources": s.sidecar_resources,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": s.run_as_user,
@@ -152,7 +160,7 @@ def vllm_deployment(s: DeploySettings) -> dict:
             "selector": {"matchLabels": dict(s.labels)},
             "template": {
                 "metadata": {
-                    "labels": dict(s.labels),
+                    "labels": {**s.labels, **SIDECAR_POD_LABELS},
                     "annotations": {"kubectl.kubernetes.io/default-container": "vllm"},
                 },
                 "spec": {
@@ -202,13 +210,15 @@ def _job_relabeling(s: DeploySettings) -> list[dict]:
 
 
 def _monitor(s: DeploySettings, kind: str, endpoints_key: str) -> dict:
-    # ServiceMonitor and PodMonitor differ only in kind and endpoint list name.
+    # ServiceMonitor and PodMonitor differ in kind, endpoint list name and
+    # selector: the Service by its labels, the pods by the sidecar's label.
+    selector = dict(s.labels) if kind == "ServiceMonitor" else dict(SIDECAR_POD_LABELS)
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": kind,
         "metadata": {"name": "kvwatch", "labels": _monitor_labels(s)},
         "spec": {
-            "selector": {"matchLabels": dict(s.labels)},
+            "selector": {"matchLabels": selector},
             endpoints_key: [{
                 "port": s.port_name,
                 "path": "/metrics",
@@ -449,7 +459,11 @@ def sidecar_patch(s: DeploySettings, native: bool) -> dict:
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": s.name},
-        "spec": {"template": {"spec": {key: [kvwatch_container(s, native=native)], "volumes": kvwatch_volumes(s)}}},
+        "spec": {"template": {
+            # The PodMonitor selects this label: your pods are scraped whatever their own labels.
+            "metadata": {"labels": dict(SIDECAR_POD_LABELS)},
+            "spec": {key: [kvwatch_container(s, native=native)], "volumes": kvwatch_volumes(s)},
+        }},
     }
 
 
@@ -520,9 +534,9 @@ kubectl apply -n YOUR_NAMESPACE -f ../overlays/podmonitor/podmonitor.yaml
 kubectl apply -n YOUR_NAMESPACE -f ../base/prometheusrule.yaml -f ../base/grafana-dashboards.yaml
 ```
 
-The PodMonitor selects pods labelled {labels} and scrapes their container port
-`{port_name}`: give your pod template those labels, or edit its selector. (The
-ServiceMonitor also needs a Service with those labels and a port named
+The patch labels your pod template {pod_label}; the PodMonitor selects
+pods by that label and scrapes their container port `{port_name}`. (The
+ServiceMonitor needs a Service labelled {labels} with a port named
 `{port_name}` targeting container port {kvwatch_port}: by number, since a Service
 resolves a native sidecar's named port only from Kubernetes 1.32.) docs/deploy.md has the details.
 """
@@ -640,6 +654,7 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
         files[patch + "README.md"] = SIDECAR_README.format(
             vllm_port=s.vllm_port, name=s.name, image=s.image, port_name=s.port_name, patch=SIDECAR_PATCH_FILE,
             kvwatch_port=s.kvwatch_port,
+            pod_label=", ".join(f"`{k}={v}`" for k, v in SIDECAR_POD_LABELS.items()),
             directory=f"deploy/kubernetes/{directory}",
             labels=", ".join(f"`{k}={v}`" for k, v in s.labels.items()))
 

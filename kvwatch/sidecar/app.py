@@ -93,6 +93,7 @@ def create_app(monitor, settings=None) -> FastAPI:
     async def metrics() -> Response:
         return Response(serve_exposition(False), media_type=CONTENT_TYPE_LATEST)
 
+    # The probes take HEAD too: HotPaths answers it (and a 405 for other methods).
     @app.get("/healthz")
     def healthz() -> PlainTextResponse:
         return PlainTextResponse("ok\n")
@@ -144,6 +145,17 @@ class HotPaths:
         path = scope["path"]
         if self.token is not None and path not in OPEN_PATHS and not self.authorized(scope):
             await answer(send, 401, b"unauthorized\n", TEXT, [(b"www-authenticate", b"Bearer")])
+            return
+        if path in OPEN_PATHS and scope["method"] != "GET":
+            # Probes and uptime checkers that ask with HEAD (they got 405).
+            if scope["method"] != "HEAD":
+                await answer(send, 405, b'{"detail":"Method Not Allowed"}', b"application/json",
+                             [(b"allow", b"GET, HEAD")])
+            elif path == "/healthz":
+                await answer(send, 200, b"ok\n", TEXT, head=True)
+            else:
+                status, text = readiness(self.monitor)
+                await answer(send, status, text.encode(), TEXT, head=True)
             return
         if scope["method"] == "GET":
             if path == "/metrics":
@@ -209,10 +221,11 @@ def readiness(monitor) -> tuple[int, str]:
     return (200, "ready\n") if ready else (503, f"not ready: {why}\n")
 
 
-async def answer(send, status: int, body: bytes, content_type: bytes, headers=()) -> None:
+async def answer(send, status: int, body: bytes, content_type: bytes, headers=(), head: bool = False) -> None:
+    """`head`: HEAD's answer, the GET's status and headers without the body."""
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", content_type), *headers]})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": b"" if head else body})
 
 
 def accepts_gzip(scope) -> bool:

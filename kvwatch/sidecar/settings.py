@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from kvwatch.units import parse_duration, parse_port, parse_size, parse_whole_number, yaml_problem
+from kvwatch.units import did_you_mean, parse_duration, parse_port, parse_size, parse_whole_number, yaml_problem
 
 
 class SettingsError(Exception):
@@ -310,7 +310,8 @@ def load_settings(
         for key, value in loaded.items():
             normalized = str(key).replace("-", "_")
             if normalized not in PARSERS:
-                problems.append(f"config file {config_file}: unknown setting {key!r} (known: {', '.join(sorted(PARSERS))})")
+                problems.append(f"config file {config_file}: unknown setting {key!r}{did_you_mean(normalized, PARSERS)} "
+                                f"(known: {', '.join(sorted(PARSERS))})")
                 continue
             raw[normalized] = (value, f"{config_file}: {key}")
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from kvwatch import units
+from kvwatch.units import did_you_mean
 
 from kvwatch.sim.engine import EngineConfig
 from kvwatch.sim.workload import WorkloadSpec, parse_workload
@@ -101,7 +102,7 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         raise ScenarioError(source, [f"top level: expected a mapping, got {type(data).__name__}"])
     for key in data:
         if key not in TOP_KEYS:
-            problems.append(f"{key}: unknown top-level key (expected one of {', '.join(TOP_KEYS)})")
+            problems.append(f"{key}: unknown top-level key{did_you_mean(key, TOP_KEYS)} (expected one of {', '.join(TOP_KEYS)})")
     name = data.get("name", Path(source).stem)
     if not isinstance(name, str) or not name:
         problems.append(f"name: expected a non-empty string, got {name!r}")
@@ -127,7 +128,7 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     else:
         unknown = [key for key in raw_engine if key not in known]
         for key in unknown:
-            problems.append(f"engine.{key}: unknown engine setting (expected one of {', '.join(sorted(known))})")
+            problems.append(f"engine.{key}: unknown engine setting{did_you_mean(key, known)} (expected one of {', '.join(sorted(known))})")
         engine = replace(engine, **{k: v for k, v in raw_engine.items() if k in known})
         problems.extend(engine.problems("engine"))
 
@@ -155,7 +156,7 @@ def parse_scenario(data: Any, source: str) -> Scenario:
             phase_name = f"phase-{index + 1}"
         for key in raw_phase:
             if key not in PHASE_KEYS:
-                problems.append(f"{where}.{key}: unknown phase key (expected one of {', '.join(PHASE_KEYS)})")
+                problems.append(f"{where}.{key}: unknown phase key{did_you_mean(key, PHASE_KEYS)} (expected one of {', '.join(PHASE_KEYS)})")
         duration = parse_duration(raw_phase.get("duration"))
         if duration is None or duration <= 0:
             problems.append(
