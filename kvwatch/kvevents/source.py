@@ -36,10 +36,20 @@ from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
 
 log = logging.getLogger("kvwatch")
 
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-DEFAULT_QUEUE_BYTES = 64 * 1024 * 1024
+# One engine step's batch: a step computes at most max_num_batched_tokens
+# tokens (8k by default, 64k at the most), each at most 5 bytes of token id
+# plus its block's hash: well under 1 MiB; 4 MiB leaves room.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+DEFAULT_QUEUE_BYTES = 16 * 1024 * 1024
 QUEUE_MESSAGES = 4096
-RCVHWM = 1000
+# ZMQ's own receive queue, in messages whatever their size: with the byte
+# cap, at most 8 x 4 MiB waits there (the receiver drains it into the
+# bounded queue as fast as it reads; past it the engine's PUB socket drops,
+# which kvwatch sees as sequence gaps).
+RCVHWM = 8
+# Everything the intake may hold at once at its default bounds: kvwatch's
+# queue, ZMQ's queue and the message being read (the ledger's table apart).
+INTAKE_HELD_BYTES = DEFAULT_QUEUE_BYTES + (RCVHWM + 1) * DEFAULT_MAX_MESSAGE_BYTES
 # A stored event says how many blocks it carries; more than this in one event
 # is no engine's step (a 1 M-token prompt at 16 tokens a block is 62,500).
 MAX_EVENT_BLOCKS = 1 << 20

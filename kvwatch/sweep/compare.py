@@ -347,14 +347,22 @@ def _prompt_tokens(cell: dict[str, Any]) -> float | None:
 def cell_conditions(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """What differs in the conditions of two cells at the same coordinates."""
     reasons = []
+    # Other traffic first: it is what makes the server's counts differ (two
+    # identical sweeps against the busy demo counted 844 and 999 tokens per
+    # 128-token prompt, and every cell was refused for its "prompt length").
+    for name, cell in (("before", before), ("after", after)):
+        foreign = cell.get("foreign_requests")
+        if foreign:
+            reasons.append(f"other traffic: the server finished {foreign} requests the {name} sweep did not send "
+                           f"during the cell; its engine figures include them")
+        elif cell.get("other_traffic"):
+            reasons.append(f"other traffic: the server was still busy when the {name} cell started")
     pb, pa = _prompt_tokens(before), _prompt_tokens(after)
     if pb is not None and pa is not None and \
             abs(pb - pa) > max(1.0, PROMPT_TOKENS_TOLERANCE * max(pb, pa)):
-        reasons.append(f"prompt length: the server counted {pb:g} tokens per prompt before, "
-                       f"{pa:g} after")
+        reasons.append(f"prompt length: the server counted {pb:g} tokens per prompt before, {pa:g} after"
+                       + (" (with the other traffic's prompts)" if reasons else ""))
     for name, cell in (("before", before), ("after", after)):
-        if cell.get("other_traffic"):
-            reasons.append(f"other traffic: the server was still busy when the {name} cell started")
         if cell.get("engine_restarts"):
             reasons.append(f"engine restart: the engine's counters reset during the {name} cell")
     return reasons
