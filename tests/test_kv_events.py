@@ -502,3 +502,26 @@ def test_kvwatch_capture_records_the_stream_beside_the_pages(fixtures_dir, tmp_p
     seqs = [seq for _, seq, _ in captured.events]
     assert seqs == sorted(seqs)
     assert "KV-cache event messages" in capsys.readouterr().err
+
+
+def test_kvwatch_diagnose_prints_the_stream(fixtures_dir):
+    import io
+
+    from kvwatch.commands.diagnose import print_report
+    from kvwatch.sidecar.report import diagnosis_json, signals_json
+
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    with PageServer([Answer(page), Answer(page)]) as server:
+        settings = load_settings(overrides={"target": server.url, "kv_events": "tcp://127.0.0.1:1"}, environ={})
+        monitor = Monitor(settings)
+        monitor.poll_once()
+        now = monitor.clock()
+        for seq, events in enumerate(rotation(prefixes=12, blocks=15, cache=100, rounds=4)):
+            monitor.kv_events.feed(seq, wire.encode_batch(now, events), now=now)
+        state = monitor.poll_once()
+    out = io.StringIO()
+    print_report(out, signals_json(state, settings), diagnosis_json(state, settings), 2, state)
+    text = out.getvalue()
+    assert "KV-CACHE EVENTS tcp://127.0.0.1:1: blocks stored" in text
+    assert "stored again after their eviction 75" in text
+    assert "x8 more cache (1016 blocks): 100.0% of the recomputation avoided (estimate)" in text
