@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import logging
 import sys
 import textwrap
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
             "exit_code": EXIT_FINDINGS if actionable else EXIT_OK,
         }, indent=2))
     else:
-        print_report(sys.stdout, signals, diagnosis, polls, final)
+        print_report(TerminalText(sys.stdout), signals, diagnosis, polls, final)
     return EXIT_FINDINGS if actionable else EXIT_OK
 
 
@@ -220,6 +221,26 @@ def _table(rows: list[list[str]], out: TextIO, indent: str = "") -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
+
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+class TerminalText:
+    """A text stream for people's terminals: control characters other than
+    newline and tab (an escape sequence in a store's label, an engine's model
+    name, a capture's target) written as escapes, never sent raw (they could
+    clear the screen, retitle it or hide lines). JSON output is escaped by
+    json.dumps already."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+
+    def write(self, text: str) -> int:
+        return self.out.write(_CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text))
+
+    def flush(self) -> None:
+        self.out.flush()
 
 
 def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any], polls: int, final) -> None:
@@ -336,7 +357,7 @@ def run_replay(args: argparse.Namespace) -> int:
             "exit_code": EXIT_FINDINGS if actionable else EXIT_OK,
         }), indent=2))
     else:
-        print_timeline(sys.stdout, capture, settings, timeline)
+        print_timeline(TerminalText(sys.stdout), capture, settings, timeline)
     if timeline.polls == timeline.failed:
         return EXIT_UNUSABLE
     return EXIT_FINDINGS if actionable else EXIT_OK
@@ -487,7 +508,7 @@ def run_history(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print_text(sys.stdout, history, url)
+        print_text(TerminalText(sys.stdout), history, url)
     if not history.replicas:
         return EXIT_UNUSABLE
     return report["exit_code"]
