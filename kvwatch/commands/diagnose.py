@@ -131,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     # line per transition beside it.
     logging.getLogger("kvwatch").setLevel(logging.ERROR)
     monitor = Monitor(settings)
+    if monitor.kv_events is not None:  # `kv_events` in the config: read the engine's stream while polling
+        monitor.kv_events.start()
     last_good = None
     polls = 0
     started = time.monotonic()
@@ -162,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if progress:
             print(" interrupted", file=progress)
+    finally:
+        if monitor.kv_events is not None:
+            monitor.kv_events.stop()
     if progress:
         print(file=progress)
 
@@ -301,6 +306,28 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
                   f"{format_value(values.get('kvwatch_lmcache_retrieved_tokens_per_second'), 'per_second')}, "
                   f"tokens stored {format_value(values.get('kvwatch_lmcache_stored_tokens_per_second'), 'per_second')}",
                   file=out)
+
+
+    stream = diagnosis.get("kv_events")
+    if stream:
+        if not stream.get("up"):
+            print(f"\nKV-CACHE EVENTS {stream.get('endpoint')}: down {stream.get('reason')}: {stream.get('detail')}",
+                  file=out)
+        else:
+            window = stream.get("window") or {}
+            intake = stream.get("intake") or {}
+            print(f"\nKV-CACHE EVENTS {stream.get('endpoint')}: blocks stored "
+                  f"{format_value(window.get('stored_per_second'), 'per_second')}, evicted "
+                  f"{format_value(window.get('evicted_per_second'), 'per_second')}, stored again after their "
+                  f"eviction {format_value(window.get('stored_again_ratio'), 'ratio')} of those stored (median "
+                  f"{format_value(window.get('return_seconds_median'), 'seconds')} after it); "
+                  f"{intake.get('missed', 0)} messages missed, {intake.get('dropped', 0)} dropped", file=out)
+            for point in (stream.get("sizing") or {}).get("points") or []:
+                said = (f"hit ratio {format_value(point['hit_ratio'], 'ratio')}" if point.get("hit_ratio") is not None
+                        else f"{format_value(point.get('recomputation_avoided_ratio'), 'ratio')} of the recomputation "
+                             "avoided")
+                print(f"  x{point['extra_cache']:g} more cache ({point['extra_blocks']} blocks): {said} (estimate)",
+                      file=out)
 
 
 def run_replay(args: argparse.Namespace) -> int:
