@@ -275,6 +275,11 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
               f"confidence {finding['confidence']}", file=out)
         lines = [("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"], finding.get("pinned")))]
         lines += [(f"{key.replace('_', ' ')}: ", note) for key, note in finding.get("notes", {}).items()]
+        # One story: the other causes found for the symptom, and what the data cannot tell apart.
+        lines += [(f"contributing: {c['cause']} ({c['confidence']} confidence): ", c["summary"])
+                  for c in finding.get("contributing") or ()]
+        lines += [(f"cannot tell apart from: {a['cause']}, decided by {', '.join(a['decided_by'])}: ", a["how"])
+                  for a in finding.get("alternatives") or ()]
         lines += [("next: ", finding["next_check"])]
         if finding.get("runbook"):
             lines.append(("runbook: ", finding["runbook"]))
@@ -420,8 +425,13 @@ def print_timeline(out: TextIO, capture, settings, timeline) -> None:
         print(f"\n  {worst['severity'].upper():8}  {episode.symptom} / {episode.cause}  [{where}]  "
               f"confidence {worst['confidence']}", file=out)
         print(f"    from {_clock(episode.start, origin)} to {until}, {episode.polls} polls", file=out)
-        for label, text in (("worst at " + _clock(worst["time"], origin) + ": ", worst["summary"]),
-                            ("evidence: ", format_evidence(worst["evidence"])), ("next: ", worst["next_check"])):
+        lines = [("worst at " + _clock(worst["time"], origin) + ": ", worst["summary"]),
+                 ("evidence: ", format_evidence(worst["evidence"]))]
+        lines += [(f"contributing: {c['cause']} ({c['confidence']} confidence): ", c["summary"])
+                  for c in worst.get("contributing") or ()]
+        lines += [(f"cannot tell apart from: {a['cause']}, decided by {', '.join(a['decided_by'])}: ", a["how"])
+                  for a in worst.get("alternatives") or ()]
+        for label, text in lines + [("next: ", worst["next_check"])]:
             print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "),
                   file=out)
     if timeline.outages:
