@@ -47,9 +47,17 @@ NAMESPACE = "llm"
 RELEASE = "kvwatch"
 
 
-def render(values: dict | None = None, release: str = RELEASE) -> dict[str, str]:
+def render(values: dict | None = None, release: str = RELEASE, kube_version: str | None = None) -> dict[str, str]:
     with helm.Chart.load(str(CHART)) as chart:
-        return chart.render(values or {}, name=release, namespace=NAMESPACE)
+        if kube_version is None:
+            return chart.render(values or {}, name=release, namespace=NAMESPACE)
+        # The library's render takes the cluster's version (`helm template --kube-version`);
+        # the Python wrapper of 0.2 does not pass it on, so call the library as it does.
+        from helm_python import _native
+
+        options = {"name": release, "namespace": NAMESPACE, "kube_version": kube_version}
+        return json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values or {}),
+                                              json.dumps(options)))
 
 
 def objects(values: dict | None = None, release: str = RELEASE) -> list[dict]:
@@ -189,6 +197,25 @@ def test_chart_and_kustomize_render_the_same_sidecar_container():
     config = one(objects(), "ConfigMap", "-config")["data"][manifests.CONFIG_FILE_NAME]
     kustomize_config = yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-config.yaml").read_text())["data"]
     assert yaml.safe_load(config) == yaml.safe_load(kustomize_config[manifests.CONFIG_FILE_NAME])
+
+
+@pytest.mark.parametrize("kube_version, key", [("v1.28.9", "containers"), ("v1.29.0", "initContainers"),
+                                               ("v1.33.1", "initContainers")])
+def test_native_auto_follows_the_clusters_version(kube_version, key):
+    docs = [doc for path, text in render(kube_version=kube_version).items() if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+    found, container = sidecar_of(patch_of(docs))
+    assert found == key
+    assert container == kustomize_container("sidecar-patch" if key == "initContainers" else "sidecar-patch-plain")
+
+
+def test_native_true_on_an_older_cluster_fails_saying_why():
+    with pytest.raises(helm.HelmError) as caught:
+        render({"sidecar": {"native": True}}, kube_version="v1.28.9")
+    assert "sidecar.native: true needs Kubernetes 1.29 or later" in str(caught.value)
+    assert "v1.28.9" in str(caught.value)
+    # false is always allowed.
+    assert sidecar_of(patch_of(objects({"sidecar": {"native": False}})))[0] == "containers"
 
 
 def test_the_comparison_sees_a_difference():

@@ -121,8 +121,11 @@ def test_the_burst_names_preemption_where_it_named_front_end(fixtures_dir):
         named = set()
         replay(Capture(fixtures_dir / "vllm-0.32-cpu-scenarios" / name / "capture.tar.gz"),
                lambda source: Monitor(settings, fetcher=source, clock=source.now),
-               on_state=lambda state: named.update(f.cause for f in state.findings
+               on_state=lambda state: named.update((f.cause, f.summary) for f in state.findings
                                                    if f.symptom == "slow_first_token") if state.up else None)
+        # Every figure that can be compared says its span.
+        assert all(summary.startswith("Time to first token over the last ") for _cause, summary in named)
+        named = {cause for cause, _summary in named}
         assert other not in named, (name, named)
         assert cause in named, (name, named)
 

@@ -131,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     # line per transition beside it.
     logging.getLogger("kvwatch").setLevel(logging.ERROR)
     monitor = Monitor(settings)
+    if monitor.kv_events is not None:  # `kv_events` in the config: read the engine's stream while polling
+        monitor.kv_events.start()
     last_good = None
     polls = 0
     started = time.monotonic()
@@ -162,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if progress:
             print(" interrupted", file=progress)
+    finally:
+        if monitor.kv_events is not None:
+            monitor.kv_events.stop()
     if progress:
         print(file=progress)
 
@@ -270,6 +275,11 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
               f"confidence {finding['confidence']}", file=out)
         lines = [("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"], finding.get("pinned")))]
         lines += [(f"{key.replace('_', ' ')}: ", note) for key, note in finding.get("notes", {}).items()]
+        # One story: the other causes found for the symptom, and what the data cannot tell apart.
+        lines += [(f"contributing: {c['cause']} ({c['confidence']} confidence): ", c["summary"])
+                  for c in finding.get("contributing") or ()]
+        lines += [(f"cannot tell apart from: {a['cause']}, decided by {', '.join(a['decided_by'])}: ", a["how"])
+                  for a in finding.get("alternatives") or ()]
         lines += [("next: ", finding["next_check"])]
         if finding.get("runbook"):
             lines.append(("runbook: ", finding["runbook"]))
@@ -296,6 +306,28 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
                   f"{format_value(values.get('kvwatch_lmcache_retrieved_tokens_per_second'), 'per_second')}, "
                   f"tokens stored {format_value(values.get('kvwatch_lmcache_stored_tokens_per_second'), 'per_second')}",
                   file=out)
+
+
+    stream = diagnosis.get("kv_events")
+    if stream:
+        if not stream.get("up"):
+            print(f"\nKV-CACHE EVENTS {stream.get('endpoint')}: down {stream.get('reason')}: {stream.get('detail')}",
+                  file=out)
+        else:
+            window = stream.get("window") or {}
+            intake = stream.get("intake") or {}
+            print(f"\nKV-CACHE EVENTS {stream.get('endpoint')}: blocks stored "
+                  f"{format_value(window.get('stored_per_second'), 'per_second')}, evicted "
+                  f"{format_value(window.get('evicted_per_second'), 'per_second')}, stored again after their "
+                  f"eviction {format_value(window.get('stored_again_ratio'), 'ratio')} of those stored (median "
+                  f"{format_value(window.get('return_seconds_median'), 'seconds')} after it); "
+                  f"{intake.get('missed', 0)} messages missed, {intake.get('dropped', 0)} dropped", file=out)
+            for point in (stream.get("sizing") or {}).get("points") or []:
+                said = (f"hit ratio {format_value(point['hit_ratio'], 'ratio')}" if point.get("hit_ratio") is not None
+                        else f"{format_value(point.get('recomputation_avoided_ratio'), 'ratio')} of the recomputation "
+                             "avoided")
+                print(f"  x{point['extra_cache']:g} more cache ({point['extra_blocks']} blocks): {said} (estimate)",
+                      file=out)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -393,8 +425,13 @@ def print_timeline(out: TextIO, capture, settings, timeline) -> None:
         print(f"\n  {worst['severity'].upper():8}  {episode.symptom} / {episode.cause}  [{where}]  "
               f"confidence {worst['confidence']}", file=out)
         print(f"    from {_clock(episode.start, origin)} to {until}, {episode.polls} polls", file=out)
-        for label, text in (("worst at " + _clock(worst["time"], origin) + ": ", worst["summary"]),
-                            ("evidence: ", format_evidence(worst["evidence"])), ("next: ", worst["next_check"])):
+        lines = [("worst at " + _clock(worst["time"], origin) + ": ", worst["summary"]),
+                 ("evidence: ", format_evidence(worst["evidence"]))]
+        lines += [(f"contributing: {c['cause']} ({c['confidence']} confidence): ", c["summary"])
+                  for c in worst.get("contributing") or ()]
+        lines += [(f"cannot tell apart from: {a['cause']}, decided by {', '.join(a['decided_by'])}: ", a["how"])
+                  for a in worst.get("alternatives") or ()]
+        for label, text in lines + [("next: ", worst["next_check"])]:
             print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "),
                   file=out)
     if timeline.outages:

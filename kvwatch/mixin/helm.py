@@ -117,7 +117,8 @@ VALUES_COMMENTS = [
     ("deployment:", "The one place that names your vLLM Deployment: the patch this chart stores and NOTES.txt's\n"
                     "`kubectl patch` command name it, and kubectl fails, naming it, when there is none."),
     ("native:", "auto: a native sidecar (init container, restartPolicy Always) on Kubernetes 1.29+, a plain\n"
-                "container before; true or false to choose."),
+                "container before (`helm template` without --kube-version assumes a current one); true or false\n"
+                "to choose."),
     ("vllmPort:", "Port vLLM serves on inside the pod; kvwatch polls http://127.0.0.1:<vllmPort>/metrics."),
     ("resources:", manifests.RESOURCES_COMMENT),
     ("engine:", "Reading vLLM: a token (a Secret's key) and a CA bundle (a ConfigMap's key) when vLLM wants them."),
@@ -250,8 +251,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | quote }}
 
 {{- define "kvwatch.native" -}}
 {{- $native := .Values.sidecar.native -}}
+{{- $supported := semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version -}}
 {{- if eq (toString $native) "auto" -}}
-{{- semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version -}}
+{{- $supported -}}
+{{- else if and $native (not $supported) -}}
+{{- fail (printf "sidecar.native: true needs Kubernetes 1.29 or later (native sidecars), and the cluster is %s: set sidecar.native to auto or false" .Capabilities.KubeVersion.Version) -}}
 {{- else -}}
 {{- $native -}}
 {{- end -}}

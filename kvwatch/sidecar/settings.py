@@ -76,6 +76,9 @@ class Settings:
     kv_events: str | None = None
     kv_events_connect: bool = False
     kv_events_topic: str = ""
+    # The engine's replay socket (vLLM's replay_endpoint, which it binds):
+    # kvwatch connects and asks for what a sequence gap lost.
+    kv_events_replay: str | None = None
     # The block ledger's memory (about 110 bytes a tracked block): past it
     # the ledger samples the hash space (kvwatch/kvevents/ledger.py).
     kv_events_table_bytes: int = 32 * 1024 * 1024
@@ -252,6 +255,7 @@ PARSERS = {
     "kv_events": lambda v: None if v in (None, "") else zmq_endpoint(v),
     "kv_events_connect": _parse_bool,
     "kv_events_topic": lambda v: "" if v is None else str(v),
+    "kv_events_replay": lambda v: None if v in (None, "") else zmq_endpoint(v),
     "kv_events_table_bytes": parse_size,
     "auth_token_file": _auth_token_file,
     "tls_cert_file": _existing_file,

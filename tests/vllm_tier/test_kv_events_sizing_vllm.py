@@ -39,6 +39,7 @@ def rotation(base_url):
     return prefix_rotation_load(base_url, duration=600.0, seed=ROTATION_SEED, max_requests=ROTATION_REQUESTS)
 
 
+@pytest.mark.timeout(1500)  # two vLLM start-ups (2-3 min each on the shared cores) and two loads
 def test_the_sizing_estimate_against_a_vllm_with_twice_the_cache(vllm_build, tmp_path_factory, report):
     """The same 48 requests on the tier's cache (kvwatch reading the stream,
     its window covering the whole run) and on one twice as large (vLLM's own
@@ -58,6 +59,10 @@ def test_the_sizing_estimate_against_a_vllm_with_twice_the_cache(vllm_build, tmp
             stream = read_kvwatch_diagnosis(kvwatch.url)["kv_events"]
     points = {p["extra_cache"]: p for p in stream["sizing"]["points"]}
     now, doubled = stream["sizing"]["hit_ratio_now"], points[1]
+    report(f"kv events sizing: on 128 blocks, {stream['totals']['stored']} blocks stored, "
+           f"{stream['totals']['stored_again']:.0f} stored again, hit ratio {now}; kvwatch predicts "
+           f"{doubled['hit_ratio']} with {doubled['extra_blocks']} more blocks; curve "
+           + ", ".join(f"x{p['extra_cache']:g}: {p['hit_ratio']}" for p in stream["sizing"]["points"]))
     log = tmp_path_factory.mktemp("vllm-twice") / "server.log"
     with vllm_server(model_dir=model, venv=venv, log_path=log, report=report,
                      kv_cache_memory_bytes=2 * KV_BYTES, startup_timeout_s=STARTUP_S) as bigger:

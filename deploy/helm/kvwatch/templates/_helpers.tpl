@@ -17,8 +17,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | quote }}
 
 {{- define "kvwatch.native" -}}
 {{- $native := .Values.sidecar.native -}}
+{{- $supported := semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version -}}
 {{- if eq (toString $native) "auto" -}}
-{{- semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version -}}
+{{- $supported -}}
+{{- else if and $native (not $supported) -}}
+{{- fail (printf "sidecar.native: true needs Kubernetes 1.29 or later (native sidecars), and the cluster is %s: set sidecar.native to auto or false" .Capabilities.KubeVersion.Version) -}}
 {{- else -}}
 {{- $native -}}
 {{- end -}}
