@@ -342,18 +342,19 @@ def test_notes_give_the_one_patch_command_naming_the_deployment():
     assert config["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_the_notes_command_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_path, native):
+@pytest.mark.parametrize("native, options", [(True, None), (False, None), (False, "sidecar-everything")])
+def test_the_notes_command_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_path, native, options):
     # NOTES.txt's two kubectl steps, run by kubectl itself on local files
     # (--local: the same strategic merge code as the API server, no cluster):
     # read the patch out of the rendered ConfigMap with the jsonpath the notes
     # give, then patch a Deployment named llama with it.
     if not shutil.which("kubectl"):
         pytest.skip("kubectl is not installed")
-    values = {"sidecar": {"deployment": "llama", "native": native}}
+    values = copy.deepcopy(MODES[options]) if options else {}
+    values.setdefault("sidecar", {}).update({"deployment": "llama", "native": native})
     text = notes(values)
-    (jsonpath,) = re.findall(r"-o jsonpath='([^']+)'", text)
-    patch_type = re.search(r"patch deployment llama --type (\w+)", text).group(1)  # the first: adding
+    jsonpath, unpatch_jsonpath = re.findall(r"-o jsonpath='([^']+)'", text)
+    patch_type, unpatch_type = re.findall(r"patch deployment llama --type (\w+)", text)
     (tmp_path / "patch-configmap.yaml").write_text(yaml.safe_dump(one(objects(values), "ConfigMap", "-sidecar-patch")))
     (tmp_path / "llama.yaml").write_text(yaml.safe_dump(EXISTING))
 
@@ -369,16 +370,33 @@ def test_the_notes_command_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_pa
     spec = patched["spec"]["template"]["spec"]
     key = "initContainers" if native else "containers"
     (kvwatch,) = [c for c in spec[key] if c["name"] == "kvwatch"]
-    assert kvwatch == kustomize_container("sidecar-patch" if native else "sidecar-patch-plain")
     vllm = [c for c in spec["containers"] if c["name"] == "vllm"]
     assert vllm == EXISTING["spec"]["template"]["spec"]["containers"]
-    assert {v["name"] for v in spec["volumes"]} == {"kvwatch-config", "kvwatch-tmp"}
     assert spec["volumes"][0]["configMap"]["name"] == f"{RELEASE}-config"
+    if options:  # the secrets' volumes too
+        assert {m["name"] for m in kvwatch["volumeMounts"]} == {v["name"] for v in spec["volumes"]}
+        assert len(spec["volumes"]) == 6
+    else:
+        assert kvwatch == kustomize_container("sidecar-patch" if native else "sidecar-patch-plain")
+        assert {v["name"] for v in spec["volumes"]} == {"kvwatch-config", "kvwatch-tmp"}
     labels = patched["spec"]["template"]["metadata"]["labels"]
     assert labels == {**EXISTING["spec"]["template"]["metadata"]["labels"], **manifests.SIDECAR_POD_LABELS}
-    assert one(objects(values), "PodMonitor")["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    monitor = [m for m in objects(values) if m["kind"] in ("PodMonitor", "Service")][0]  # what selects the pods
+    selector = monitor["spec"]["selector"].get("matchLabels", monitor["spec"]["selector"])
+    assert selector.items() <= labels.items()
     for version in KUBERNETES_VERSIONS:
         kubernetes_validate.validate(patched, version, strict=True)
+
+    # The notes' second command takes it all out again: the Deployment as it was.
+    (tmp_path / "patched.yaml").write_text(yaml.safe_dump(patched))
+    unpatch = kubectl("patch", "--local", "-f", str(tmp_path / "patch-configmap.yaml"), "--type", "merge", "-p", "{}",
+                      "-o", f"jsonpath={unpatch_jsonpath}")
+    restored = json.loads(kubectl("patch", "--local", "-f", str(tmp_path / "patched.yaml"), "--type", unpatch_type,
+                                  "--patch", unpatch, "-o", "json"))
+    spec = restored["spec"]["template"]["spec"]
+    for key in [k for k, v in spec.items() if v == []]:
+        del spec[key]  # an emptied list is no list to the API server
+    assert restored == EXISTING
 
 
 # ---------------------------------------------------------------- rules and dashboards
@@ -439,6 +457,10 @@ def test_schema_refuses_values_the_templates_cannot_use(bad, where):
     # helm lint reports the same, as an error.
     report = helm.lint(str(CHART), bad, namespace=NAMESPACE)
     assert any(where in error for error in report["errors"]), report
+
+
+def test_an_umbrella_charts_global_values_are_accepted():
+    assert of_kind(objects({"global": {"imageRegistry": "registry.example"}}), "PodMonitor")
 
 
 def test_schema_and_values_agree():

@@ -54,6 +54,7 @@ INTAKE_HELD_BYTES = DEFAULT_QUEUE_BYTES + (RCVHWM + 1) * DEFAULT_MAX_MESSAGE_BYT
 # is no engine's step (a 1 M-token prompt at 16 tokens a block is 62,500).
 MAX_EVENT_BLOCKS = 1 << 20
 MAX_CHANGES = 50
+MAX_CHECKPOINTS = 2_000
 # The replay socket (vLLM's replay_endpoint): gaps waiting to be asked for,
 # and what one replay may read and take.
 MAX_PENDING_GAPS = 16
@@ -117,8 +118,10 @@ class KVEventSource:
         self.block_size: int | None = None
         self.ranks: set[int] = set()
         self._expected: int | None = None
-        # (time, the ledger's totals, (missed, dropped, messages)) at each poll.
-        self._checkpoints: deque[tuple[float, Totals, tuple[int, int, int]]] = deque(maxlen=100_000)
+        # (time, the ledger's totals, (missed, dropped, messages)) at each poll,
+        # as long as the window and at most MAX_CHECKPOINTS (a few KB each: past
+        # it the oldest goes and the window's `seconds` says what is covered).
+        self._checkpoints: deque[tuple[float, Totals, tuple[int, int, int]]] = deque(maxlen=MAX_CHECKPOINTS)
         self.created: float | None = None  # the first report's time
         self._changes: deque[tuple[float, str]] = deque(maxlen=MAX_CHANGES)
         self._pending: list[tuple[float, str]] = []

@@ -510,8 +510,14 @@ SCRIPT = r"""
       s = whole % 60, two = function (n) { return (n < 10 ? "0" : "") + n; };
     return h ? h + ":" + two(m) + ":" + two(s) : m + ":" + two(s);
   }
+  var countdownFrom = null;
+  window.setInterval(function () {
+    if (countdownFrom && countdownFrom.node.isConnected) countdownFrom.node.textContent =
+      clockText(Math.max(0, countdownFrom.seconds - (Date.now() - countdownFrom.at) / 1000));
+  }, 1000);
   function renderPhase(signals) {
     var node = el("div"), d = signals.demo;
+    countdownFrom = null;
     if (d !== undefined) {
       node.className = "phase-strip";
       node.appendChild(el("b", null, "Demo:"));
@@ -522,8 +528,11 @@ SCRIPT = r"""
         add(node, document.createTextNode(" now: "), el("span", "now", d.phase),
           d.note ? document.createTextNode(" (" + d.note + ")") : null);
         if (d.next && d.next_in_seconds !== null) {
+          var countdown = el("span", "countdown", clockText(d.next_in_seconds));
           add(node, document.createTextNode(" \u00b7 next: "), el("span", "next", d.next),
-            document.createTextNode(" in " + clockText(d.next_in_seconds) + (d.clock === "simulated" ? " (simulated)" : "")));
+            document.createTextNode(" in "), countdown, document.createTextNode(d.clock === "simulated" ? " (simulated)" : ""));
+          // In wall time the countdown runs between refreshes (from when this data arrived).
+          if (d.clock === "wall") countdownFrom = {node: countdown, seconds: d.next_in_seconds, at: Date.now()};
         }
         if (d.cycle_seconds) node.appendChild(document.createTextNode(" \u00b7 a loop of " + (d.phases || "its") +
           " phases takes " + clockText(d.cycle_seconds) + (d.speed ? " at speed " + d.speed : "") +

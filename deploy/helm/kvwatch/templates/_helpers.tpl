@@ -191,6 +191,23 @@ spec:
         {{- include "kvwatch.sidecarVolumes" . | nindent 8 }}
 {{- end -}}
 
+{{/* Its inverse: strategic merge delete directives for the container (in either
+     list), the volumes and the pod label; what was there before stays. */}}
+{{- define "kvwatch.sidecarUnpatch" -}}
+{{- $volumes := list -}}
+{{- range (include "kvwatch.sidecarVolumes" . | fromYamlArray) -}}
+{{- $volumes = append $volumes (dict "name" .name "$patch" "delete") -}}
+{{- end -}}
+{{- $container := list (dict "name" "kvwatch" "$patch" "delete") -}}
+{{- $labels := dict -}}
+{{- range (list "kvwatch/sidecar") -}}
+{{- $_ := set $labels . nil -}}
+{{- end -}}
+{{- $spec := dict "initContainers" $container "containers" $container "volumes" $volumes -}}
+{{- $template := dict "metadata" (dict "labels" $labels) "spec" $spec -}}
+{{- dict "apiVersion" "apps/v1" "kind" "Deployment" "metadata" (dict "name" .Values.sidecar.deployment) "spec" (dict "template" $template) | toJson -}}
+{{- end -}}
+
 {{- define "kvwatch.centralSelector" -}}
 {{- .Values.central.selector | default (printf "{namespace=%q}" .Release.Namespace) -}}
 {{- end -}}
