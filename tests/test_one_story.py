@@ -256,3 +256,22 @@ def test_the_headline_never_claims_more_requests_than_the_peak_held():
     assert "fewer than the roughly" in finding.summary and "longer than the mean" in finding.summary
     assert [(a["cause"], a["decided_by"]) for a in finding.alternatives] == [
         ("long_requests", ["request_lengths", "kv_events"])]
+
+
+def test_the_default_rules_never_fire_two_causes_of_one_symptom_at_once():
+    """The causes of one symptom partition its value (mixin/alerts.py), and an
+    alert that stops holding is kept firing for the hold (keep_firing_for).
+    When the cause changes, the old one is kept firing for the hold while the
+    new one is pending; with every `for:` longer than the hold, the old one
+    has resolved before the new one fires: one cause firing per symptom per
+    engine at any evaluation (a real Prometheus in tests/test_e2e_alerting.py)."""
+    from kvwatch.mixin.alerts import alert_specs
+    from kvwatch.mixin.config import MixinConfig
+    from kvwatch.mixin.promql import seconds_of
+
+    config = MixinConfig()
+    causes = Counter(spec.alert for spec in alert_specs(config) if spec.symptom in ARBITRATED)
+    assert causes["VllmTimeToFirstTokenSlow"] >= 5
+    for alert, count in causes.items():
+        if count > 1:
+            assert seconds_of(config.for_duration(alert)) > seconds_of(config.finding_hold), alert
