@@ -13,7 +13,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from kvwatch.units import did_you_mean, parse_duration, parse_port, parse_size, parse_whole_number, yaml_problem
+from kvwatch.units import (did_you_mean, parse_duration, parse_port, parse_size, parse_whole_number, read_small_file,
+                           yaml_problem)
 
 
 class SettingsError(Exception):
@@ -169,6 +170,13 @@ def _existing_file(value: Any) -> str | None:
     return str(value)
 
 
+# What kvwatch reads of its own configuration files (bounded like every
+# other input: a config or token path naming a FIFO or a device blocked or
+# never ended).
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_TOKEN_BYTES = 64 * 1024
+
+
 def read_auth_token(path: str) -> str:
     """The bearer token kvwatch's own endpoints require, from its file: one
     token in UTF-8, surrounding whitespace (a trailing newline) removed.
@@ -176,11 +184,13 @@ def read_auth_token(path: str) -> str:
     error, as is a token with whitespace or control characters inside, which
     no Authorization header could carry."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = read_small_file(path, MAX_TOKEN_BYTES).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"file {path!r} is not UTF-8 (byte {exc.start})") from None
     except OSError as exc:
         raise ValueError(f"file {path!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"file {path!r}: {exc}") from None
     token = text.strip()
     if not token:
         raise ValueError(f"file {path!r} holds no token (it is empty or only whitespace)")
@@ -301,9 +311,15 @@ def load_settings(
     config_file = config_file or environ.get(env_name("config"))
     if config_file:
         try:
-            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+            loaded = yaml.safe_load(read_small_file(config_file, MAX_CONFIG_BYTES).decode("utf-8")) or {}
         except OSError as exc:
             problems.append(f"config file {config_file}: {exc.strerror or exc}")
+            loaded = {}
+        except UnicodeDecodeError as exc:
+            problems.append(f"config file {config_file}: not UTF-8 text (byte {exc.start})")
+            loaded = {}
+        except ValueError as exc:
+            problems.append(f"config file {config_file}: {exc}")
             loaded = {}
         except yaml.YAMLError as exc:
             problems.append(f"config file {config_file}: not valid YAML: {yaml_problem(exc)}")
