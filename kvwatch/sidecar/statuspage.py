@@ -6,7 +6,10 @@ the engine is not read); the selected engine's key numbers as large figures,
 coloured by the diagnosis' own thresholds (sent in the JSON, never copied
 here) and by a finding only where their own value is bad; one row per engine, sortable, worst first, a click selects one; trend
 charts over the window the sidecar holds, with findings and changes marked on
-the time axis; the findings as cards; the changes.
+the time axis; the findings as cards (a headline, at most three deciding
+numbers, one next action and its runbook; the prose, the other causes and
+every value folded); the changes. With `demo_target` (make run), a strip
+above the banner names the simulated phase now, the next and when.
 
 The page carries the monitor's last state as JSON and draws itself from it at
 once (it never waits on the engine), then a small inline script refreshes it
