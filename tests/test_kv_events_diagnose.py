@@ -104,6 +104,7 @@ def test_a_rotation_over_more_prefixes_than_the_cache_holds_is_eviction_before_r
     assert [(f.cause, f.confidence) for f in findings] == [("eviction_before_reuse", "high")]
     evidence = findings[0].evidence
     assert evidence["decided_by"] == "kv_events"
+    assert findings[0].alternatives == ()  # the stream told the causes apart: nothing left to decide
     assert evidence["kv_events_stored_again_ratio"] >= 0.1
     assert evidence["kv_events_blocks_stored_again"] > 0
     assert evidence["kv_events_extra_blocks_to_keep_half"] > 0

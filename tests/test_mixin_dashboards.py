@@ -152,6 +152,15 @@ def test_overview_covers_what_an_operator_asks(dashboards):
         assert wanted in titles
     findings = next(p for p in iter_panels(dashboards["kvwatch-overview.json"]) if p["title"] == "Active findings")
     assert "kvwatch_finding" in findings["targets"][0]["expr"]
+    # Past the first token: the gap per output token and the whole request, both exported and
+    # both what users feel (the overview had neither).
+    panels = {p["title"]: p for p in iter_panels(dashboards["kvwatch-overview.json"])}
+    for title, family in (("Inter-token latency (per output token)", "kvwatch_engine_inter_token_latency_seconds"),
+                          ("End-to-end request latency", "kvwatch_engine_e2e_request_latency_seconds")):
+        exprs = [t["expr"] for t in panels[title]["targets"]]
+        assert exprs and all(f"{family}_bucket" in e and "histogram_quantile" in e and "sum by (model_name, le)" in e
+                             for e in exprs), exprs
+        assert panels[title]["fieldConfig"]["defaults"]["unit"] == "s"
 
 
 def test_every_alert_links_to_a_panel_that_exists():

@@ -646,3 +646,29 @@ def test_huge_headers_are_refused_without_holding_the_probes(bounded_server):
         finally:
             sock.close()
         assert probe(port) == 200
+
+
+def test_config_and_token_files_are_read_with_a_byte_cap(tmp_path, capsys):
+    """A config file of 2 MiB, a scrape-token file of 2 MiB, a config path
+    naming a FIFO (it blocked for ever) or a device: each one sentence, exit 2
+    (read whole before: a path to /dev/zero never ended)."""
+    import os
+
+    from kvwatch.cli import main
+
+    big = tmp_path / "big.yaml"
+    # (An invalid port as well, so that no version of kvwatch starts serving here.)
+    big.write_text("# padding\n" * 220_000 + "port: 99999999\n")
+    assert main(["serve", "--config", str(big)]) == 2
+    assert "larger than the 1,048,576 bytes kvwatch reads of it" in capsys.readouterr().err
+    token = tmp_path / "token"
+    token.write_text("a" * (2 * 1024 * 1024))
+    assert main(["serve", "--target", "http://127.0.0.1:9/metrics", "--auth-token-file", str(token),
+                 "--port", "99999999"]) == 2
+    assert "larger than the 65,536 bytes kvwatch reads of it" in capsys.readouterr().err
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    assert main(["serve", "--config", str(fifo), "--port", "99999999"]) == 2
+    assert f"config file {fifo}: not a regular file" in capsys.readouterr().err
+    assert main(["serve", "--config", "/dev/null", "--port", "99999999"]) == 2  # a device: refused, never read
+    assert "/dev/null: not a regular file" in capsys.readouterr().err

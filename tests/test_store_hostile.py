@@ -194,6 +194,25 @@ def test_central_mode_recovers_when_a_trickling_store_does(history_text, store):
     state = central.refresh_once()
     assert not state.up and state.detail.endswith("it did not answer within 0.5s.")
     store.mode = "good"
+    # A deadline a loaded machine meets: the stand-in store builds its
+    # answers in Python (this test is about the recovery, not the speed).
+    central.client.timeout = 60
     now[0] += STEP
     state = central.refresh_once()
     assert state.up and len(state.replicas) == 8
+
+
+def test_terminal_escapes_in_the_stores_labels_never_reach_the_terminal(history_text, store, capsys):  # noqa: F811
+    """A replica's instance label carrying escape sequences (clear the
+    screen, retitle the terminal, bell): the text report writes them as
+    escapes (they reached the terminal raw)."""
+    from kvwatch.cli import main
+
+    hostile = "10.0.1.1:8000\x1b[2J\x1b]0;pwned\x07\u202e"
+    store.stub = StubClient(history_text.replace("10.0.1.1:8000", hostile))
+    code = main(["diagnose", "--prometheus", store.url, "--from", str(START), "--to", str(START + 240),
+                 "--step", "15s", "--window", "2m"])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and "10.0.1.1:8000" in out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert "10.0.1.1:8000\\x1b[2J\\x1b]0;pwned\\x07\\u202e" in out

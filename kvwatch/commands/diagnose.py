@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import logging
 import sys
 import textwrap
@@ -130,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     # line per transition beside it.
     logging.getLogger("kvwatch").setLevel(logging.ERROR)
     monitor = Monitor(settings)
+    if monitor.kv_events is not None:  # `kv_events` in the config: read the engine's stream while polling
+        monitor.kv_events.start()
     last_good = None
     polls = 0
     started = time.monotonic()
@@ -161,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if progress:
             print(" interrupted", file=progress)
+    finally:
+        if monitor.kv_events is not None:
+            monitor.kv_events.stop()
     if progress:
         print(file=progress)
 
@@ -200,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
             "exit_code": EXIT_FINDINGS if actionable else EXIT_OK,
         }, indent=2))
     else:
-        print_report(sys.stdout, signals, diagnosis, polls, final)
+        print_report(TerminalText(sys.stdout), signals, diagnosis, polls, final)
     return EXIT_FINDINGS if actionable else EXIT_OK
 
 
@@ -215,6 +221,26 @@ def _table(rows: list[list[str]], out: TextIO, indent: str = "") -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
+
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+class TerminalText:
+    """A text stream for people's terminals: control characters other than
+    newline and tab (an escape sequence in a store's label, an engine's model
+    name, a capture's target) written as escapes, never sent raw (they could
+    clear the screen, retitle it or hide lines). JSON output is escaped by
+    json.dumps already."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+
+    def write(self, text: str) -> int:
+        return self.out.write(_CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text))
+
+    def flush(self) -> None:
+        self.out.flush()
 
 
 def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any], polls: int, final) -> None:
@@ -249,6 +275,11 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
               f"confidence {finding['confidence']}", file=out)
         lines = [("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"], finding.get("pinned")))]
         lines += [(f"{key.replace('_', ' ')}: ", note) for key, note in finding.get("notes", {}).items()]
+        # One story: the other causes found for the symptom, and what the data cannot tell apart.
+        lines += [(f"contributing: {c['cause']} ({c['confidence']} confidence): ", c["summary"])
+                  for c in finding.get("contributing") or ()]
+        lines += [(f"cannot tell apart from: {a['cause']}, decided by {', '.join(a['decided_by'])}: ", a["how"])
+                  for a in finding.get("alternatives") or ()]
         lines += [("next: ", finding["next_check"])]
         if finding.get("runbook"):
             anchor = finding["runbook"].split("#")[-1]
@@ -276,6 +307,28 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
                   f"{format_value(values.get('kvwatch_lmcache_retrieved_tokens_per_second'), 'per_second')}, "
                   f"tokens stored {format_value(values.get('kvwatch_lmcache_stored_tokens_per_second'), 'per_second')}",
                   file=out)
+
+
+    stream = diagnosis.get("kv_events")
+    if stream:
+        if not stream.get("up"):
+            print(f"\nKV-CACHE EVENTS {stream.get('endpoint')}: down {stream.get('reason')}: {stream.get('detail')}",
+                  file=out)
+        else:
+            window = stream.get("window") or {}
+            intake = stream.get("intake") or {}
+            print(f"\nKV-CACHE EVENTS {stream.get('endpoint')}: blocks stored "
+                  f"{format_value(window.get('stored_per_second'), 'per_second')}, evicted "
+                  f"{format_value(window.get('evicted_per_second'), 'per_second')}, stored again after their "
+                  f"eviction {format_value(window.get('stored_again_ratio'), 'ratio')} of those stored (median "
+                  f"{format_value(window.get('return_seconds_median'), 'seconds')} after it); "
+                  f"{intake.get('missed', 0)} messages missed, {intake.get('dropped', 0)} dropped", file=out)
+            for point in (stream.get("sizing") or {}).get("points") or []:
+                said = (f"hit ratio {format_value(point['hit_ratio'], 'ratio')}" if point.get("hit_ratio") is not None
+                        else f"{format_value(point.get('recomputation_avoided_ratio'), 'ratio')} of the recomputation "
+                             "avoided")
+                print(f"  x{point['extra_cache']:g} more cache ({point['extra_blocks']} blocks): {said} (estimate)",
+                      file=out)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -310,7 +363,7 @@ def run_replay(args: argparse.Namespace) -> int:
             "exit_code": EXIT_FINDINGS if actionable else EXIT_OK,
         }), indent=2))
     else:
-        print_timeline(sys.stdout, capture, settings, timeline)
+        print_timeline(TerminalText(sys.stdout), capture, settings, timeline)
     if timeline.polls == timeline.failed:
         return EXIT_UNUSABLE
     return EXIT_FINDINGS if actionable else EXIT_OK
@@ -373,8 +426,13 @@ def print_timeline(out: TextIO, capture, settings, timeline) -> None:
         print(f"\n  {worst['severity'].upper():8}  {episode.symptom} / {episode.cause}  [{where}]  "
               f"confidence {worst['confidence']}", file=out)
         print(f"    from {_clock(episode.start, origin)} to {until}, {episode.polls} polls", file=out)
-        for label, text in (("worst at " + _clock(worst["time"], origin) + ": ", worst["summary"]),
-                            ("evidence: ", format_evidence(worst["evidence"])), ("next: ", worst["next_check"])):
+        lines = [("worst at " + _clock(worst["time"], origin) + ": ", worst["summary"]),
+                 ("evidence: ", format_evidence(worst["evidence"]))]
+        lines += [(f"contributing: {c['cause']} ({c['confidence']} confidence): ", c["summary"])
+                  for c in worst.get("contributing") or ()]
+        lines += [(f"cannot tell apart from: {a['cause']}, decided by {', '.join(a['decided_by'])}: ", a["how"])
+                  for a in worst.get("alternatives") or ()]
+        for label, text in lines + [("next: ", worst["next_check"])]:
             print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "),
                   file=out)
     if timeline.outages:
@@ -461,7 +519,7 @@ def run_history(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print_text(sys.stdout, history, url)
+        print_text(TerminalText(sys.stdout), history, url)
     if not history.replicas:
         return EXIT_UNUSABLE
     return report["exit_code"]

@@ -49,6 +49,8 @@ OPTIONS = {
                  "publisher to connect to, e.g. tcp://127.0.0.1:5557",
     "kv_events_connect": "connect to kv_events instead of binding it (a publisher that binds tcp://*:N): true or false",
     "kv_events_topic": "the events' topic prefix kvwatch subscribes to (empty: every topic)",
+    "kv_events_replay": "the engine's replay endpoint (vLLM's replay_endpoint, e.g. tcp://127.0.0.1:5558): kvwatch "
+                        "asks it for the messages a sequence gap lost",
     "kv_events_table_bytes": "memory for tracked blocks (about 110 B each); past it the hash space is sampled",
     "auth_token_file": "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
     "tls_cert_file": "serve kvwatch over TLS with this certificate",

@@ -68,7 +68,9 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
     }
     if parts is not None and parts.note:
         evidence["histograms_disagree"] = parts.note
-    headline = (f"Time to first token p95 {(pinned + ' ') if pinned else ''}{p95:.2f}s, mean {ttft_mean:.2f}s "
+    # The span, said where the eye compares: the page's trend ends on shorter spans.
+    headline = (f"Time to first token over the last {ctx.increase.seconds:.0f}s: p95 "
+                f"{(pinned + ' ') if pinned else ''}{p95:.2f}s, mean {ttft_mean:.2f}s "
                 f"(objective p95 {t['ttft_p95_seconds']:g}s, mean {t['ttft_mean_seconds']:g}s)")
     findings = []
 

@@ -31,7 +31,7 @@ import time as _time
 
 from kvwatch.engines.base import EngineAdapter
 from kvwatch.exposition import Family, FamilySelector
-from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
+from kvwatch.snapshot import COUNTER_ROUNDING, EngineSnapshot, Histogram, Snapshot
 
 # Spellings of the namespace on the wire: the native one, the OpenMetrics
 # `escaping=underscores` rewrite, and Ray Serve's.
@@ -562,7 +562,7 @@ def _process_start(text: str) -> float | None:
 
 
 def _fell(now: float, before: float) -> bool:
-    return now < before
+    return now < before - before * COUNTER_ROUNDING  # within rounding is no fall
 
 
 def _histogram_fell(now: Histogram, before: Histogram) -> bool:

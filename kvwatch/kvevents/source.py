@@ -36,14 +36,31 @@ from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
 
 log = logging.getLogger("kvwatch")
 
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-DEFAULT_QUEUE_BYTES = 64 * 1024 * 1024
+# One engine step's batch: a step computes at most max_num_batched_tokens
+# tokens (8k by default, 64k at the most), each at most 5 bytes of token id
+# plus its block's hash: well under 1 MiB; 4 MiB leaves room.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+DEFAULT_QUEUE_BYTES = 16 * 1024 * 1024
 QUEUE_MESSAGES = 4096
-RCVHWM = 1000
+# ZMQ's own receive queue, in messages whatever their size: with the byte
+# cap, at most 8 x 4 MiB waits there (the receiver drains it into the
+# bounded queue as fast as it reads; past it the engine's PUB socket drops,
+# which kvwatch sees as sequence gaps).
+RCVHWM = 8
+# Everything the intake may hold at once at its default bounds: kvwatch's
+# queue, ZMQ's queue and the message being read (the ledger's table apart).
+INTAKE_HELD_BYTES = DEFAULT_QUEUE_BYTES + (RCVHWM + 1) * DEFAULT_MAX_MESSAGE_BYTES
 # A stored event says how many blocks it carries; more than this in one event
 # is no engine's step (a 1 M-token prompt at 16 tokens a block is 62,500).
 MAX_EVENT_BLOCKS = 1 << 20
 MAX_CHANGES = 50
+MAX_CHECKPOINTS = 2_000
+# The replay socket (vLLM's replay_endpoint): gaps waiting to be asked for,
+# and what one replay may read and take.
+MAX_PENDING_GAPS = 16
+REPLAY_MAX_MESSAGES = 10_000
+REPLAY_DEADLINE_SECONDS = 2.0
+REPLAY_PAUSE_SECONDS = 0.5
 # Extra cache the sizing curve is read at, as multiples of the most blocks
 # seen cached at once (the engine's cache, as far as the stream shows it).
 CURVE_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -54,8 +71,15 @@ class KVEventSource:
                  window_seconds: float = 300.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, table_bytes: int = DEFAULT_TABLE_BYTES,
                  clock: Callable[[], float] = time.time,
-                 tap: Callable[[float, int, bytes], Any] | None = None):
+                 tap: Callable[[float, int, bytes], Any] | None = None, replay: str | None = None):
         self.endpoint = endpoint
+        # The engine's replay socket (vLLM's replay_endpoint, a ROUTER it
+        # binds): kvwatch connects and asks for the messages a gap lost.
+        self.replay_endpoint = replay
+        self._gaps: deque[tuple[int, int]] = deque(maxlen=MAX_PENDING_GAPS)
+        self._gap_wake = threading.Event()
+        self.replay_requests = 0
+        self.recovered = 0
         # Called with (time, sequence, payload) of each well-formed message as
         # it is received (kvwatch capture --kv-events records them).
         self.tap = tap
@@ -94,8 +118,10 @@ class KVEventSource:
         self.block_size: int | None = None
         self.ranks: set[int] = set()
         self._expected: int | None = None
-        # (time, the ledger's totals, (missed, dropped, messages)) at each poll.
-        self._checkpoints: deque[tuple[float, Totals, tuple[int, int, int]]] = deque(maxlen=100_000)
+        # (time, the ledger's totals, (missed, dropped, messages)) at each poll,
+        # as long as the window and at most MAX_CHECKPOINTS (a few KB each: past
+        # it the oldest goes and the window's `seconds` says what is covered).
+        self._checkpoints: deque[tuple[float, Totals, tuple[int, int, int]]] = deque(maxlen=MAX_CHECKPOINTS)
         self.created: float | None = None  # the first report's time
         self._changes: deque[tuple[float, str]] = deque(maxlen=MAX_CHANGES)
         self._pending: list[tuple[float, str]] = []
@@ -129,8 +155,10 @@ class KVEventSource:
             sock.close(0)
             return
         self._socket = sock
-        for target, name in ((self._receive, "kvwatch-kv-events-receive"),
-                             (self._account, "kvwatch-kv-events-account")):
+        workers = [(self._receive, "kvwatch-kv-events-receive"), (self._account, "kvwatch-kv-events-account")]
+        if self.replay_endpoint:
+            workers.append((self._replayer, "kvwatch-kv-events-replay"))
+        for target, name in workers:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -138,6 +166,7 @@ class KVEventSource:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        self._gap_wake.set()
         with self._wake:
             self._wake.notify_all()
         for thread in self._threads:
@@ -201,11 +230,80 @@ class KVEventSource:
         if expected is not None:
             if seq > expected:
                 self.missed += seq - expected
+                if self.replay_endpoint:
+                    self._gaps.append((expected, seq - 1))
+                    self._gap_wake.set()
             elif seq < expected:
                 self.restarts += 1
                 self._change(now, f"the engine's event sequence started over (at {seq}, after {expected - 1}): "
                                   "its publisher restarted")
         self._expected = seq + 1
+
+    def _replayer(self) -> None:
+        """Asks the engine's replay socket for each gap's messages, one gap
+        at a time, at most REPLAY_MAX_MESSAGES of them within
+        REPLAY_DEADLINE_SECONDS; what comes back goes through the same
+        bounded queue (accounted after later messages: a return is counted
+        as it is read, a distance may be off by the gap)."""
+        import zmq
+
+        while not self._stop.is_set():
+            self._gap_wake.wait(1.0)
+            self._gap_wake.clear()
+            while self._gaps and not self._stop.is_set():
+                try:
+                    first, last = self._gaps.popleft()
+                except IndexError:
+                    break
+                try:
+                    self._replay_gap(zmq, first, last)
+                except zmq.ZMQError as exc:
+                    log.info("KV-cache events: replay from %s failed (%s)", self.replay_endpoint, exc.strerror)
+                time.sleep(REPLAY_PAUSE_SECONDS)  # a lossy link must not turn into a replay storm
+
+    def _replay_gap(self, zmq, first: int, last: int) -> None:
+        with self._lock:
+            self.replay_requests += 1
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, 64)
+        try:
+            sock.connect(self.replay_endpoint)
+            sock.send_multipart([b"", first.to_bytes(8, "big")])
+            deadline = time.monotonic() + REPLAY_DEADLINE_SECONDS
+            read = 0
+            while read < REPLAY_MAX_MESSAGES and not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                    return
+                frames = sock.recv_multipart()
+                read += 1
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    with self._lock:
+                        self._malformed(f"a replayed message of {len(frames)} frames, not delimiter, sequence and "
+                                        "payload")
+                    return
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq < 0:
+                    return  # the end of the replay
+                if seq < first or seq > last:
+                    continue  # the replay sends everything from `first` on; only the gap is missing
+                payload = frames[2]
+                with self._wake:
+                    if len(self._queue) >= QUEUE_MESSAGES or self._queued_bytes + len(payload) > self.queue_bytes:
+                        with self._lock:
+                            self.dropped += 1
+                            self.dropped_bytes += len(payload)
+                        continue
+                    self._queue.append(payload)
+                    self._queued_bytes += len(payload)
+                    self._wake.notify()
+                with self._lock:
+                    self.recovered += 1
+                    self.missed = max(0, self.missed - 1)
+        finally:
+            sock.close(0)
 
     def _account(self) -> None:
         while not self._stop.is_set():
@@ -310,6 +408,7 @@ class KVEventSource:
             intake = {"messages": self.messages, "bytes": self.bytes, "batches": self.batches,
                       "dropped": self.dropped, "dropped_bytes": self.dropped_bytes, "missed": self.missed,
                       "restarts": self.restarts, "malformed": self.malformed, "absurd_events": self.absurd_events,
+                      "replay_requests": self.replay_requests, "recovered": self.recovered,
                       "skipped_events": self.skipped_events, "queued": len(self._queue),
                       "queued_bytes": self._queued_bytes}
             last = self.last_message_time

@@ -40,6 +40,12 @@ ALERT_PANELS = {
     "VllmRequestAbortBudgetBurn": ("overview", "objective_burn"),
 }
 
+# Alternatives (issue 32): where the page cannot tell a cause from eviction
+# before reuse, the description says so and names what decides;
+# kvwatch_finding_alternative carries the same as data.
+UNDECIDED = ("Without vLLM's --kv-cache-metrics or its KV-cache events this reads the same as prefixes evicted "
+             "before reuse: kvwatch_finding_alternative names the alternative and what would decide it.")
+
 # Stand-in for the alert's value in description templates: Prometheus calls
 # it $value, Grafana $values.<refId>.Value.
 VALUE = "VALUE"
@@ -262,7 +268,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         f"{low_intro}, after at least {pct(config.hit_ratio_low)} in the {config.hit_ratio_baseline_window} "
         "before, and the drop showed while the cache had room: the requests stopped sharing the prefix they "
         "shared (likely cause: prefix changed). Next: diff the prompt templates and system prompts deployed "
-        "around the drop; per-request text (timestamps, ids) before the shared text breaks reuse.")
+        "around the drop; per-request text (timestamps, ids) before the shared text breaks reuse. " + UNDECIDED)
     if config.no_reuse_alert:
         add("VllmPrefixCacheHitRateLow", "no_reuse",
             chain(hit, *judged, ("unless", f.cold()), ("and", f.low_baseline()), ("unless", f.exhausted())),
@@ -270,7 +276,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
             "vLLM prefix-cache hit ratio low: the prompts share little prefix.",
             f"{low_intro}, it was low in the {config.hit_ratio_baseline_window} before as well, and the cache is "
             "not exhausted: the workload shares few prefixes (likely cause: no reuse). Next: nothing to repair "
-            "in the cache; if the prompts should share text, put it first and keep it byte-identical.")
+            "in the cache; if the prompts should share text, put it first and keep it byte-identical. " + UNDECIDED)
 
     # --- time to first token slow ------------------------------------------------
     ttft = f.first_token_mean()

@@ -154,15 +154,15 @@ def kv_events_resources(resources: dict) -> dict:
     """The sidecar's resources with the KV-event stream on (kv_events): the
     request grows by the block ledger's table (kv_events_table_bytes, which it
     fills on a busy engine), the limit by everything the stream may hold at
-    once (the table, the intake queue and one message at their byte bounds, in
-    kvwatch/kvevents) plus a quarter, rounded up to 32 MiB. Derived from the
-    bounds, not measured."""
+    once (the table, kvwatch's intake queue, ZMQ's receive queue and the
+    message being read at their byte bounds, in kvwatch/kvevents) plus a
+    quarter, rounded up to 32 MiB. Derived from the bounds, not measured."""
     from kvwatch.kvevents.ledger import DEFAULT_TABLE_BYTES
-    from kvwatch.kvevents.source import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_QUEUE_BYTES
+    from kvwatch.kvevents.source import INTAKE_HELD_BYTES
 
     mib = 1024 * 1024
     table = DEFAULT_TABLE_BYTES // mib
-    held = (DEFAULT_TABLE_BYTES + DEFAULT_QUEUE_BYTES + DEFAULT_MAX_MESSAGE_BYTES) / mib
+    held = (DEFAULT_TABLE_BYTES + INTAKE_HELD_BYTES) / mib
     out = json.loads(json.dumps(resources))
 
     def add(section: str, extra: int) -> None:

@@ -23,7 +23,7 @@ from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.promql import Fragments, Scope, indent, num, paren
 from kvwatch.mixin import objectives
 from kvwatch.mixin.config import ALERTS, seconds
-from kvwatch.signals import (QUANTILES, SIGNALS, SIGNALS_BY_NAME, STREAM_SIGNALS_BY_NAME, STREAM_SIZING,
+from kvwatch.signals import (ENGINE_SERIES, QUANTILES, SIGNALS, SIGNALS_BY_NAME, STREAM_SIGNALS_BY_NAME, STREAM_SIZING,
                              TIER_SIGNALS_BY_NAME, UNITS, good_direction)
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -317,6 +317,13 @@ class Views:
         return (f"max by (symptom, cause, severity, model_name, engine, {inst}) "
                 f"(kvwatch_finding{{{FINDING_SEL}{extra}}})")
 
+    def engine_quantile_targets(self, histogram: str) -> list[tuple[str, str]]:
+        """Quantiles per model of an engine histogram kvwatch re-exports (kvwatch_engine_<histogram>)."""
+        return [(self.length_quantile(histogram, q), f"p{q * 100:g} {self.model_legend}") for q in QUANTILES]
+
+    def engine_help(self, histogram: str) -> str:
+        return next(e.help for e in ENGINE_SERIES if e.name == f"kvwatch_engine_{histogram}")
+
     def length_quantile(self, histogram: str, q: float) -> str:
         return (f"histogram_quantile({num(q)}, sum by (model_name, le) "
                 f"(rate(kvwatch_engine_{histogram}_bucket{{{ENGINE_SEL}}}[{RATE}])))")
@@ -427,6 +434,16 @@ def overview(config: MixinConfig) -> Board:
                     signal="kvwatch_time_to_first_token_mean_seconds"))
     b.add(PanelSpec("queue_time", "Queue time", v.help("kvwatch_queue_time_seconds"), "s",
                     v.quantile_targets("kvwatch_queue_time_seconds", "model"), width=8, runbook=ANCHOR_TTFT))
+    # What users feel after the first token: the gap between output tokens and the whole request.
+    b.row("Per output token and end to end")
+    b.add(PanelSpec("inter_token_latency", "Inter-token latency (per output token)",
+                    v.engine_help("inter_token_latency_seconds") + " Per model: buckets of all engines summed "
+                    "before the quantile. Rises with batch size and preemptions, not with queueing.", "s",
+                    v.engine_quantile_targets("inter_token_latency_seconds"), width=12, runbook=ANCHOR_THROUGHPUT))
+    b.add(PanelSpec("e2e_latency", "End-to-end request latency",
+                    v.engine_help("e2e_request_latency_seconds") + " Per model: buckets of all engines summed "
+                    "before the quantile. Time to first token plus every output token's gap.", "s",
+                    v.engine_quantile_targets("e2e_request_latency_seconds"), width=12, runbook=ANCHOR_THROUGHPUT))
     b.row("Throughput and failures")
     b.add(PanelSpec("tokens_per_second", "Tokens per second",
                     v.help("kvwatch_prompt_tokens_per_second") + " " + v.help("kvwatch_generation_tokens_per_second"),

@@ -117,7 +117,8 @@ VALUES_COMMENTS = [
     ("deployment:", "The one place that names your vLLM Deployment: the patch this chart stores and NOTES.txt's\n"
                     "`kubectl patch` command name it, and kubectl fails, naming it, when there is none."),
     ("native:", "auto: a native sidecar (init container, restartPolicy Always) on Kubernetes 1.29+, a plain\n"
-                "container before; true or false to choose."),
+                "container before (`helm template` without --kube-version assumes a current one); true or false\n"
+                "to choose."),
     ("vllmPort:", "Port vLLM serves on inside the pod; kvwatch polls http://127.0.0.1:<vllmPort>/metrics."),
     ("resources:", manifests.RESOURCES_COMMENT),
     ("engine:", "Reading vLLM: a token (a Secret's key) and a CA bundle (a ConfigMap's key) when vLLM wants them."),
@@ -167,7 +168,7 @@ def values_schema(s: DeploySettings) -> dict:
         out["required"] = required if required is not None else sorted(properties)
         return out
 
-    return {
+    schema = {
         "$schema": "http://json-schema.org/draft-07/schema#",
         "title": "kvwatch chart values",
         **obj({
@@ -211,6 +212,9 @@ def values_schema(s: DeploySettings) -> dict:
             }),
         }),
     }
+    # An umbrella chart hands its subcharts `global`; nothing here reads it.
+    schema["properties"]["global"] = {"type": "object"}
+    return schema
 
 
 def chart_yaml() -> dict:
@@ -250,8 +254,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | quote }}
 
 {{- define "kvwatch.native" -}}
 {{- $native := .Values.sidecar.native -}}
+{{- $supported := semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version -}}
 {{- if eq (toString $native) "auto" -}}
-{{- semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version -}}
+{{- $supported -}}
+{{- else if and $native (not $supported) -}}
+{{- fail (printf "sidecar.native: true needs Kubernetes 1.29 or later (native sidecars), and the cluster is %s: set sidecar.native to auto or false" .Capabilities.KubeVersion.Version) -}}
 {{- else -}}
 {{- $native -}}
 {{- end -}}
@@ -412,6 +419,23 @@ spec:
         {{- include "kvwatch.sidecarVolumes" . | nindent 8 }}
 {{- end -}}
 
+{{/* Its inverse: strategic merge delete directives for the container (in either
+     list), the volumes and the pod label; what was there before stays. */}}
+{{- define "kvwatch.sidecarUnpatch" -}}
+{{- $volumes := list -}}
+{{- range (include "kvwatch.sidecarVolumes" . | fromYamlArray) -}}
+{{- $volumes = append $volumes (dict "name" .name "$patch" "delete") -}}
+{{- end -}}
+{{- $container := list (dict "name" "kvwatch" "$patch" "delete") -}}
+{{- $labels := dict -}}
+{{- range (list @@POD_LABEL_KEYS@@) -}}
+{{- $_ := set $labels . nil -}}
+{{- end -}}
+{{- $spec := dict "initContainers" $container "containers" $container "volumes" $volumes -}}
+{{- $template := dict "metadata" (dict "labels" $labels) "spec" $spec -}}
+{{- dict "apiVersion" "apps/v1" "kind" "Deployment" "metadata" (dict "name" .Values.sidecar.deployment) "spec" (dict "template" $template) | toJson -}}
+{{- end -}}
+
 {{- define "kvwatch.centralSelector" -}}
 {{- .Values.central.selector | default (printf "{namespace=%q}" .Release.Namespace) -}}
 {{- end -}}
@@ -459,6 +483,8 @@ metadata:
 data:
   # kubectl patch deployment {{ .Values.sidecar.deployment }} --patch "$(kubectl get configmap ... -o jsonpath='{.data.patch\.json}')"
   patch.json: {{ include "kvwatch.sidecarPatch" . | fromYaml | toJson | quote }}
+  # The same command with unpatch.json takes kvwatch out again (container, volumes, label).
+  unpatch.json: {{ include "kvwatch.sidecarUnpatch" . | quote }}
 {{- end }}
 '''
 
@@ -731,11 +757,10 @@ KV-cache events: start vLLM with
   --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{{ .Values.sidecar.kvEvents.port }}"}'
 {{- end }}
 
-To remove it later (before `helm uninstall`, whose ConfigMap the pods mount):
+To take it out again (before `helm uninstall`, which keeps the ConfigMap the pods mount):
 
-  kubectl -n {{ .Release.Namespace }} patch deployment {{ .Values.sidecar.deployment }} --type json \
-    -p '[{"op": "remove", "path": "/spec/template/spec/{{ ternary "initContainers" "containers" (eq (include "kvwatch.native" .) "true") }}/INDEX"}]'
-  (INDEX: kvwatch's position in that list; then remove the kvwatch-* volumes the same way)
+  kubectl -n {{ .Release.Namespace }} patch deployment {{ .Values.sidecar.deployment }} --type strategic \
+    --patch "$(kubectl -n {{ .Release.Namespace }} get configmap {{ include "kvwatch.fullname" . }}-sidecar-patch -o jsonpath='{.data.unpatch\.json}')"
 {{- else if eq .Values.mode "central" }}
 kvwatch central mode reads {{ .Values.central.prometheusUrl }} for {{ include "kvwatch.centralSelector" . }}.
 {{- else }}
@@ -794,6 +819,7 @@ def _fill(template: str, s: DeploySettings) -> str:
         "@@CENTRAL_CPU_MILLI@@": str(round(1000 * CENTRAL_MEASURED_CPU_SECONDS_PER_REFRESH)),
         "@@CENTRAL_REFRESH@@": str(CENTRAL_REFRESH_SECONDS),
         "@@JOB@@": json.dumps(s.job),
+        "@@POD_LABEL_KEYS@@": " ".join(json.dumps(k) for k in manifests.SIDECAR_POD_LABELS),
         "@@POD_LABELS@@": "\n        ".join(f"{json.dumps(k)}: {json.dumps(v)}"
                                              for k, v in manifests.SIDECAR_POD_LABELS.items()),
         **{f"@@MOUNT_{key}@@": path for key, path in MOUNTS.items()},

@@ -168,7 +168,8 @@ class Monitor:
             from kvwatch.kvevents.source import KVEventSource
 
             self.kv_events = KVEventSource(settings.kv_events, connect=settings.kv_events_connect,
-                                           topic=settings.kv_events_topic, window_seconds=self.window.seconds,
+                                           topic=settings.kv_events_topic, replay=settings.kv_events_replay,
+                                           window_seconds=self.window.seconds,
                                            table_bytes=settings.kv_events_table_bytes, clock=self.clock)
         # LMCache sharing vLLM's registry is on the engine's own page: read that page, never fetch it twice.
         self._lmcache_on_engine_page = bool(settings.lmcache_target) and settings.lmcache_target == settings.target

@@ -13,7 +13,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from kvwatch.units import did_you_mean, parse_duration, parse_port, parse_size, parse_whole_number, yaml_problem
+from kvwatch.units import (did_you_mean, parse_duration, parse_port, parse_size, parse_whole_number, read_small_file,
+                           yaml_problem)
 
 
 class SettingsError(Exception):
@@ -75,6 +76,9 @@ class Settings:
     kv_events: str | None = None
     kv_events_connect: bool = False
     kv_events_topic: str = ""
+    # The engine's replay socket (vLLM's replay_endpoint, which it binds):
+    # kvwatch connects and asks for what a sequence gap lost.
+    kv_events_replay: str | None = None
     # The block ledger's memory (about 110 bytes a tracked block): past it
     # the ledger samples the hash space (kvwatch/kvevents/ledger.py).
     kv_events_table_bytes: int = 32 * 1024 * 1024
@@ -166,6 +170,13 @@ def _existing_file(value: Any) -> str | None:
     return str(value)
 
 
+# What kvwatch reads of its own configuration files (bounded like every
+# other input: a config or token path naming a FIFO or a device blocked or
+# never ended).
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_TOKEN_BYTES = 64 * 1024
+
+
 def read_auth_token(path: str) -> str:
     """The bearer token kvwatch's own endpoints require, from its file: one
     token in UTF-8, surrounding whitespace (a trailing newline) removed.
@@ -173,11 +184,13 @@ def read_auth_token(path: str) -> str:
     error, as is a token with whitespace or control characters inside, which
     no Authorization header could carry."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = read_small_file(path, MAX_TOKEN_BYTES).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"file {path!r} is not UTF-8 (byte {exc.start})") from None
     except OSError as exc:
         raise ValueError(f"file {path!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"file {path!r}: {exc}") from None
     token = text.strip()
     if not token:
         raise ValueError(f"file {path!r} holds no token (it is empty or only whitespace)")
@@ -242,6 +255,7 @@ PARSERS = {
     "kv_events": lambda v: None if v in (None, "") else zmq_endpoint(v),
     "kv_events_connect": _parse_bool,
     "kv_events_topic": lambda v: "" if v is None else str(v),
+    "kv_events_replay": lambda v: None if v in (None, "") else zmq_endpoint(v),
     "kv_events_table_bytes": parse_size,
     "auth_token_file": _auth_token_file,
     "tls_cert_file": _existing_file,
@@ -297,9 +311,15 @@ def load_settings(
     config_file = config_file or environ.get(env_name("config"))
     if config_file:
         try:
-            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+            loaded = yaml.safe_load(read_small_file(config_file, MAX_CONFIG_BYTES).decode("utf-8")) or {}
         except OSError as exc:
             problems.append(f"config file {config_file}: {exc.strerror or exc}")
+            loaded = {}
+        except UnicodeDecodeError as exc:
+            problems.append(f"config file {config_file}: not UTF-8 text (byte {exc.start})")
+            loaded = {}
+        except ValueError as exc:
+            problems.append(f"config file {config_file}: {exc}")
             loaded = {}
         except yaml.YAMLError as exc:
             problems.append(f"config file {config_file}: not valid YAML: {yaml_problem(exc)}")

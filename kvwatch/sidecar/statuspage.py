@@ -6,7 +6,10 @@ the engine is not read); the selected engine's key numbers as large figures,
 coloured by the diagnosis' own thresholds (sent in the JSON, never copied
 here) and by a finding only where their own value is bad; one row per engine, sortable, worst first, a click selects one; trend
 charts over the window the sidecar holds, with findings and changes marked on
-the time axis; the findings as cards; the changes.
+the time axis; the findings as cards (a headline, at most three deciding
+numbers, one next action and its runbook; the prose, the other causes and
+every value folded); the changes. With `demo_target` (make run), a strip
+above the banner names the simulated phase now, the next and when.
 
 The page carries the monitor's last state as JSON and draws itself from it at
 once (it never waits on the engine), then a small inline script refreshes it
@@ -510,8 +513,14 @@ SCRIPT = r"""
       s = whole % 60, two = function (n) { return (n < 10 ? "0" : "") + n; };
     return h ? h + ":" + two(m) + ":" + two(s) : m + ":" + two(s);
   }
+  var countdownFrom = null;
+  window.setInterval(function () {
+    if (countdownFrom && countdownFrom.node.isConnected) countdownFrom.node.textContent =
+      clockText(Math.max(0, countdownFrom.seconds - (Date.now() - countdownFrom.at) / 1000));
+  }, 1000);
   function renderPhase(signals) {
     var node = el("div"), d = signals.demo;
+    countdownFrom = null;
     if (d !== undefined) {
       node.className = "phase-strip";
       node.appendChild(el("b", null, "Demo:"));
@@ -522,8 +531,11 @@ SCRIPT = r"""
         add(node, document.createTextNode(" now: "), el("span", "now", d.phase),
           d.note ? document.createTextNode(" (" + d.note + ")") : null);
         if (d.next && d.next_in_seconds !== null) {
+          var countdown = el("span", "countdown", clockText(d.next_in_seconds));
           add(node, document.createTextNode(" \u00b7 next: "), el("span", "next", d.next),
-            document.createTextNode(" in " + clockText(d.next_in_seconds) + (d.clock === "simulated" ? " (simulated)" : "")));
+            document.createTextNode(" in "), countdown, document.createTextNode(d.clock === "simulated" ? " (simulated)" : ""));
+          // In wall time the countdown runs between refreshes (from when this data arrived).
+          if (d.clock === "wall") countdownFrom = {node: countdown, seconds: d.next_in_seconds, at: Date.now()};
         }
         if (d.cycle_seconds) node.appendChild(document.createTextNode(" \u00b7 a loop of " + (d.phases || "its") +
           " phases takes " + clockText(d.cycle_seconds) + (d.speed ? " at speed " + d.speed : "") +
@@ -759,17 +771,22 @@ SCRIPT = r"""
       swap("findings", section);
       return;
     }
-    var grid = el("div", "cards");
+    var grid = el("div", "cards"), opened = {};
+    // A refresh redraws the cards: what the reader unfolded stays unfolded.
+    Array.prototype.forEach.call(document.querySelectorAll("#findings details.more[open]"), function (d) {
+      opened[d.getAttribute("data-key")] = true;
+    });
     findings.forEach(function (f) {
       // Held while clearing: drawn muted, below the active ones (the list's order).
       var card = el("article", "card " + f.severity + (f.clearing_since ? " clearing" : ""));
       card.setAttribute("data-symptom", f.symptom);
       card.setAttribute("data-cause", f.cause);
       if (f.clearing_since) card.setAttribute("data-clearing", "true");
+      // What an on-call engineer reads: the headline, the deciding numbers, one next action.
+      // The rest (why in prose, other causes, the full check, every value) is folded.
       add(card, add(el("h3"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
         add(el("div", "where"), document.createTextNode(where(f) + " \u00b7 " + f.confidence + " confidence \u00b7 "),
-          el("span", "since", sinceText(f, signals.last_success_time, (signals.thresholds || {}).finding_hold_seconds))),
-        el("p", null, f.summary));
+          el("span", "since", sinceText(f, signals.last_success_time, (signals.thresholds || {}).finding_hold_seconds))));
       var deciding = el("div", "deciding"), shown = 0;
       (meta.deciding[f.cause] || []).forEach(function (key) {
         var v = (f.evidence || {})[key];
@@ -780,11 +797,32 @@ SCRIPT = r"""
         deciding.appendChild(chip);
       });
       if (shown) card.appendChild(deciding);
+      // The span of the card's numbers, where the eye compares them with the figures and the
+      // trends (which end on shorter spans): "TTFT p95 28 s" here and 4.56 s at a trend's end.
+      var spanned = (f.evidence || {}).window_seconds;
+      if (shown && spanned) {
+        var spanNote = el("p", "muted span-note", "Numbers over the " + span(spanned) + " the diagnosis judged" +
+          (f.clearing_since ? ", as last seen" : "") + ".");
+        spanNote.setAttribute("data-span", String(spanned));
+        card.appendChild(spanNote);
+      }
+      var next = add(el("p", "next"), el("b", null, "Next: "), document.createTextNode(meta.actions[f.cause] || f.next_check));
+      next.setAttribute("data-next", f.cause);
+      add(card, next, runbookNode(f));
+      var more = el("details", "more"), counted = [], key = [f.symptom, f.cause, f.model_name, f.engine].join("|");
+      more.setAttribute("data-key", key);
+      more.open = !!opened[key];
+      var notes = Object.keys(f.notes || {}), extra = (f.contributing || []).length + (f.alternatives || []).length;
+      if (notes.length) counted.push(notes.length + (notes.length === 1 ? " note" : " notes"));
+      if (extra) counted.push(extra + " other cause" + (extra === 1 ? "" : "s"));
+      counted.push("the full check", Object.keys(f.evidence || {}).length + " values");
+      more.appendChild(el("summary", null, "Why, in words: " + counted.join(", ")));
+      more.appendChild(el("p", null, f.summary));
       // Prose the diagnosis wrote beside the numbers (`notes`, apart from `evidence`).
-      Object.keys(f.notes || {}).forEach(function (key) {
+      notes.forEach(function (key) {
         var note = add(el("p", "note"), el("b", null, evidenceLabel(key) + ": "), document.createTextNode(f.notes[key]));
         note.setAttribute("data-note", key);
-        card.appendChild(note);
+        more.appendChild(note);
       });
       // One story: the other causes found for this symptom ride here, not as rival cards;
       // the causes the data cannot tell apart say what would decide.
@@ -792,22 +830,21 @@ SCRIPT = r"""
         var p = add(el("p", "factor"), el("b", null, "Contributing: "),
           document.createTextNode((meta.causes[c.cause] || c.cause) + " (" + c.confidence + " confidence). " + c.summary));
         p.setAttribute("data-contributor", c.cause);
-        card.appendChild(p);
+        more.appendChild(p);
       });
       (f.alternatives || []).forEach(function (a) {
         var p = add(el("p", "factor"), el("b", null, "Cannot tell apart from: "),
           document.createTextNode((meta.causes[a.cause] || a.cause) + ". Decided by " +
             (a.decided_by || []).map(function (d) { return meta.deciders[d] || d; }).join(" or ") + "."));
         p.setAttribute("data-alternative", a.cause);
-        card.appendChild(p);
+        more.appendChild(p);
       });
-      add(card, add(el("p"), el("b", null, "Next check: "), document.createTextNode(f.next_check)), runbookNode(f));
-      var details = el("details"), table = el("table");
-      details.appendChild(el("summary", null, "All evidence (" + Object.keys(f.evidence || {}).length + " values)"));
+      more.appendChild(add(el("p"), el("b", null, "Full check: "), document.createTextNode(f.next_check)));
+      var table = el("table");
       Object.keys(f.evidence || {}).forEach(function (key) {
         add(table, add(el("tr"), el("td", null, evidenceLabel(key)), el("td", "num", evidenceText(f, key))));
       });
-      add(card, add(details, table));
+      add(card, add(more, table));
       grid.appendChild(card);
     });
     section.appendChild(grid);

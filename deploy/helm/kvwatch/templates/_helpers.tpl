@@ -17,8 +17,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | quote }}
 
 {{- define "kvwatch.native" -}}
 {{- $native := .Values.sidecar.native -}}
+{{- $supported := semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version -}}
 {{- if eq (toString $native) "auto" -}}
-{{- semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version -}}
+{{- $supported -}}
+{{- else if and $native (not $supported) -}}
+{{- fail (printf "sidecar.native: true needs Kubernetes 1.29 or later (native sidecars), and the cluster is %s: set sidecar.native to auto or false" .Capabilities.KubeVersion.Version) -}}
 {{- else -}}
 {{- $native -}}
 {{- end -}}
@@ -186,6 +189,23 @@ spec:
         - {{- include "kvwatch.sidecarContainer" . | nindent 10 }}
       volumes:
         {{- include "kvwatch.sidecarVolumes" . | nindent 8 }}
+{{- end -}}
+
+{{/* Its inverse: strategic merge delete directives for the container (in either
+     list), the volumes and the pod label; what was there before stays. */}}
+{{- define "kvwatch.sidecarUnpatch" -}}
+{{- $volumes := list -}}
+{{- range (include "kvwatch.sidecarVolumes" . | fromYamlArray) -}}
+{{- $volumes = append $volumes (dict "name" .name "$patch" "delete") -}}
+{{- end -}}
+{{- $container := list (dict "name" "kvwatch" "$patch" "delete") -}}
+{{- $labels := dict -}}
+{{- range (list "kvwatch/sidecar") -}}
+{{- $_ := set $labels . nil -}}
+{{- end -}}
+{{- $spec := dict "initContainers" $container "containers" $container "volumes" $volumes -}}
+{{- $template := dict "metadata" (dict "labels" $labels) "spec" $spec -}}
+{{- dict "apiVersion" "apps/v1" "kind" "Deployment" "metadata" (dict "name" .Values.sidecar.deployment) "spec" (dict "template" $template) | toJson -}}
 {{- end -}}
 
 {{- define "kvwatch.centralSelector" -}}
