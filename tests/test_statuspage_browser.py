@@ -404,7 +404,7 @@ def test_the_banner_shows_the_worst_active_finding_and_clearing_ones_are_muted_b
                 {"hit_ratio": 0.1}, "diff the templates",
                 alternatives=(alternative("eviction_before_reuse", ("kv_cache_metrics", "kv_events")),)),
         Finding("slow_first_token", "queueing_kv_bound", "warning", "medium", "tiny-llama", "0", "queue",
-                {"queue_share": 0.6}, "shorten it"),
+                {"ttft_p95_seconds": 28.0, "queue_share": 0.6, "window_seconds": 60}, "shorten it"),
         Finding("slow_first_token", "preemption", "warning", "medium", "tiny-llama", "0", "preempted",
                 {"other_share": 0.3}, "relieve the cache")])
     assert [f.cause for f in found] == ["prefix_changed", "queueing_kv_bound", "long_requests"]
@@ -417,10 +417,13 @@ def test_the_banner_shows_the_worst_active_finding_and_clearing_ones_are_muted_b
             .map(e => [e.dataset.cause, e.classList.contains("clearing")]),
           contributors: Array.from(document.querySelectorAll("#findings [data-contributor]")).map(e => e.dataset.contributor),
           alternatives: Array.from(document.querySelectorAll("#findings [data-alternative]")).map(e => e.textContent),
+          spans: Array.from(document.querySelectorAll("#findings article.card [data-span]")).map(e => e.textContent),
         }))()""")
         messages = page.messages()
     assert facts["banner"] == ["prefix_changed", ""], facts
     assert facts["cards"] == [["prefix_changed", False], ["queueing_kv_bound", False], ["long_requests", True]]
     assert facts["contributors"] == ["preemption"]
     assert len(facts["alternatives"]) == 1 and "KV-cache event stream" in facts["alternatives"][0]
+    # The card's numbers say their span (the trends end on shorter ones).
+    assert facts["spans"] == ["Numbers over the 60 s the diagnosis judged."], facts["spans"]
     assert messages == []

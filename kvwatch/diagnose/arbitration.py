@@ -116,7 +116,8 @@ def strength(finding: Finding, incumbents: frozenset | set = frozenset()) -> tup
     causes = RANK.get(finding.symptom, ())
     place = causes.index(finding.cause) if finding.cause in causes else len(causes)
     incumbent = (group_key(finding), finding.cause) in incumbents
-    return (finding.cause not in SUBORDINATE, _confidence(finding), incumbent, weight if isinstance(weight, (int, float)) else -1.0, -place)
+    return (finding.cause not in SUBORDINATE, _confidence(finding), incumbent,
+            weight if isinstance(weight, (int, float)) else -1.0, -place)
 
 
 def contributor(finding: Finding) -> dict[str, Any]:

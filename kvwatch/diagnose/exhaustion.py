@@ -189,9 +189,9 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
             # the ones in flight then were longer than the mean, and the means
             # (which decide between the two shapes, as the alert rule does)
             # cannot say whether many or a few long ones were to blame.
-            summary += (f" with only {count_text(demand)} requests running or waiting at the peak, fewer than the "
-                        f"about {count_text(capacity_requests)} the cache holds at the window's mean lengths: the "
-                        "requests in flight then were longer than the mean")
+            summary += (f" with only {count_text(demand)} requests running or waiting at the peak, fewer than "
+                        f"the roughly {count_text(capacity_requests)} the cache holds at the window's mean "
+                        "lengths: the requests in flight then were longer than the mean")
             alternatives = (alternative(
                 "long_requests", ("request_lengths", "kv_events"),
                 "the lengths of the requests in flight at the peak (the gateway log), or the blocks each held "

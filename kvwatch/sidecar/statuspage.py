@@ -6,7 +6,10 @@ the engine is not read); the selected engine's key numbers as large figures,
 coloured by the diagnosis' own thresholds (sent in the JSON, never copied
 here) and by a finding only where their own value is bad; one row per engine, sortable, worst first, a click selects one; trend
 charts over the window the sidecar holds, with findings and changes marked on
-the time axis; the findings as cards; the changes.
+the time axis; the findings as cards (a headline, at most three deciding
+numbers, one next action and its runbook; the prose, the other causes and
+every value folded); the changes. With `demo_target` (make run), a strip
+above the banner names the simulated phase now, the next and when.
 
 The page carries the monitor's last state as JSON and draws itself from it at
 once (it never waits on the engine), then a small inline script refreshes it
@@ -510,8 +513,14 @@ SCRIPT = r"""
       s = whole % 60, two = function (n) { return (n < 10 ? "0" : "") + n; };
     return h ? h + ":" + two(m) + ":" + two(s) : m + ":" + two(s);
   }
+  var countdownFrom = null;
+  window.setInterval(function () {
+    if (countdownFrom && countdownFrom.node.isConnected) countdownFrom.node.textContent =
+      clockText(Math.max(0, countdownFrom.seconds - (Date.now() - countdownFrom.at) / 1000));
+  }, 1000);
   function renderPhase(signals) {
     var node = el("div"), d = signals.demo;
+    countdownFrom = null;
     if (d !== undefined) {
       node.className = "phase-strip";
       node.appendChild(el("b", null, "Demo:"));
@@ -522,8 +531,11 @@ SCRIPT = r"""
         add(node, document.createTextNode(" now: "), el("span", "now", d.phase),
           d.note ? document.createTextNode(" (" + d.note + ")") : null);
         if (d.next && d.next_in_seconds !== null) {
+          var countdown = el("span", "countdown", clockText(d.next_in_seconds));
           add(node, document.createTextNode(" \u00b7 next: "), el("span", "next", d.next),
-            document.createTextNode(" in " + clockText(d.next_in_seconds) + (d.clock === "simulated" ? " (simulated)" : "")));
+            document.createTextNode(" in "), countdown, document.createTextNode(d.clock === "simulated" ? " (simulated)" : ""));
+          // In wall time the countdown runs between refreshes (from when this data arrived).
+          if (d.clock === "wall") countdownFrom = {node: countdown, seconds: d.next_in_seconds, at: Date.now()};
         }
         if (d.cycle_seconds) node.appendChild(document.createTextNode(" \u00b7 a loop of " + (d.phases || "its") +
           " phases takes " + clockText(d.cycle_seconds) + (d.speed ? " at speed " + d.speed : "") +
@@ -785,6 +797,15 @@ SCRIPT = r"""
         deciding.appendChild(chip);
       });
       if (shown) card.appendChild(deciding);
+      // The span of the card's numbers, where the eye compares them with the figures and the
+      // trends (which end on shorter spans): "TTFT p95 28 s" here and 4.56 s at a trend's end.
+      var spanned = (f.evidence || {}).window_seconds;
+      if (shown && spanned) {
+        var spanNote = el("p", "muted span-note", "Numbers over the " + span(spanned) + " the diagnosis judged" +
+          (f.clearing_since ? ", as last seen" : "") + ".");
+        spanNote.setAttribute("data-span", String(spanned));
+        card.appendChild(spanNote);
+      }
       var next = add(el("p", "next"), el("b", null, "Next: "), document.createTextNode(meta.actions[f.cause] || f.next_check));
       next.setAttribute("data-next", f.cause);
       add(card, next, runbookNode(f));
