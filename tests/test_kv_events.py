@@ -567,3 +567,37 @@ def test_a_gap_is_asked_of_the_engines_replay_socket_and_what_it_lost_accounted(
         router.close(0)
         source.stop()
         ctx.term()
+
+
+def test_all_blocks_cleared_is_a_change_finding_of_the_streams_engine(fixtures_dir):
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    with PageServer([Answer(page), Answer(page)]) as server:
+        monitor = Monitor(load_settings(overrides={"target": server.url, "kv_events": "tcp://127.0.0.1:1"},
+                                        environ={}))
+        monitor.poll_once()
+        now = monitor.clock()
+        monitor.kv_events.feed(0, wire.encode_batch(now, [wire.stored([1, 2, 3], 16)]), now=now)
+        monitor.kv_events.feed(1, wire.encode_batch(now, [wire.cleared()]), now=now)
+        state = monitor.poll_once()
+    cleared = [f for f in state.findings if f.cause == "prefix_cache_cleared"]
+    assert [(f.symptom, f.model, f.engine, f.severity) for f in cleared] == [("change", "tiny-llama", "0", "info")]
+    assert "AllBlocksCleared" in cleared[0].summary
+    assert [e.kind for e in state.events if e.kind.startswith("kv_")] == ["kv_cache_cleared"]
+
+
+def test_a_low_hit_rate_after_a_reset_of_the_cache_is_a_cold_cache_not_a_workload():
+    from kvwatch.diagnose import resolve_thresholds
+    from kvwatch.diagnose.stream import stream_findings
+    from kvwatch.diagnose.vocabulary import Finding
+
+    source = KVEventSource("tcp://127.0.0.1:1")
+    source.feed(0, wire.encode_batch(1.0, [wire.stored(list(range(200)), 16)]), now=100.0)
+    source.feed(1, wire.encode_batch(1.0, [wire.cleared()]), now=110.0)
+    source.feed(2, wire.encode_batch(1.0, [wire.stored(list(range(200, 400)), 16)]), now=115.0)
+    report = {**source.report(now=120.0), "page_engine": {"model_name": "m", "engine": "0"}}
+    page_says = Finding("low_hit_rate", "no_reuse", "info", "low", "m", "0", "Hit ratio 2% and stable ...",
+                        {"hit_ratio": 0.02})
+    [finding] = [f for f in stream_findings([page_says], report, [], None, resolve_thresholds({}))
+                 if f.symptom == "low_hit_rate"]
+    assert (finding.cause, finding.confidence) == ("cold_cache", "high")
+    assert finding.evidence["kv_cache_cleared_seconds_ago"] == 10.0 and "cleared its prefix cache 10s ago" in finding.summary

@@ -56,8 +56,8 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
         return None
     t = ctx.t
     recent = report["recent"]
-    if recent["stored"] < t["stream_min_blocks"]:
-        return None
+    if recent["stored"] < t["stream_min_blocks"] or report["window"].get("cleared"):
+        return None  # too little, or a reset of the cache in the window (what returns after it is no eviction's)
     ratio = recent["stored_again_ratio"] or 0.0
     evidence = {**_evidence(report), "decided_by": "kv_events"}
     if ratio >= t["stored_again_ratio_high"]:
@@ -124,6 +124,18 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
     evidence = {**finding.evidence, **_evidence(report)}
     seconds = recent["seconds"]
     ratio = recent["stored_again_ratio"] or 0.0
+    cleared = [c for c in report.get("changes") or () if c.get("kind") == "kv_cache_cleared"]
+    if cleared:
+        # A reset, not a workload: the cache refills from nothing, as after a restart.
+        ago = (report.get("time") or cleared[-1]["time"]) - cleared[-1]["time"]
+        evidence.update(decided_by="kv_events", kv_cache_cleared_seconds_ago=ago)
+        changes = dict(cause="cold_cache", severity=severity_of("cold_cache"), confidence="high",
+                       summary=(f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache "
+                                "events): the cache refills from nothing, so the hit ratio is low for now."),
+                       evidence=evidence, next_check=NEXT_CHECK["prefix_cache_cleared"])
+        if _HAS_ALTERNATIVES:
+            changes["alternatives"] = ()
+        return replace(finding, **changes)
     if finding.evidence.get("decided_by") != "kv_events":
         if recent["stored"] < t["stream_min_blocks"]:
             why = (f"the stream saw {recent['stored']:g} blocks stored in the last {seconds:.0f}s, fewer than "

@@ -17,7 +17,8 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "low_hit_rate": ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"),
     "slow_first_token": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream",
                          "preemption"),
-    "change": ("model_changed", "lora_changed", "cache_dtype_changed", "cache_config_changed", "engine_restarted"),
+    "change": ("model_changed", "lora_changed", "cache_dtype_changed", "cache_config_changed", "engine_restarted",
+               "prefix_cache_cleared"),
     # Judged across the replicas of one model (diagnose/fleet.py); a replica
     # alone cannot show them.
     "fleet": ("imbalance", "lost_prefix_affinity", "cold_replica"),
@@ -57,6 +58,7 @@ SEVERITY: dict[str, str] = {
     "cache_dtype_changed": "info",
     "cache_config_changed": "info",
     "engine_restarted": "info",
+    "prefix_cache_cleared": "info",
     # The stream kvwatch decides hit-rate causes by went quiet or lost messages:
     # its decisions are off or low; the page's signals stand.
     "events_stopped": "warning",
@@ -158,6 +160,10 @@ def finding_order(finding: Finding) -> tuple:
 
 
 NEXT_CHECK = {
+    "prefix_cache_cleared":
+        "The engine reset its prefix cache (vLLM's /reset_prefix_cache, or its own reset after a change of "
+        "weights or adapters; the KV-cache events say AllBlocksCleared): every cached block is gone and the hit "
+        "ratio refills from 0. Find who reset it; compare hit ratios only from after it.",
     "events_stopped":
         "The engine's KV-cache events stopped while it serves: check that it runs with --kv-events-config pointing "
         "at kvwatch's --kv-events endpoint (publisher zmq; kvwatch binds unless --kv-events-connect), that nothing "
@@ -246,6 +252,7 @@ NEXT_CHECK = {
 # One short instruction per cause, for places with room for a sentence (the
 # status page's banner); NEXT_CHECK above is the full advice on the card.
 NEXT_ACTION = {
+    "prefix_cache_cleared": "Find who reset the prefix cache, and compare hit ratios only after it.",
     "events_stopped": "Check the engine's --kv-events-config endpoint and that kvwatch listens there.",
     "events_missed": "Raise the publisher's hwm or give kvwatch more CPU; counts are low meanwhile.",
     "concurrency_beyond_capacity": "Cap concurrency near the cache's capacity, add replicas or give the cache more memory.",

@@ -123,8 +123,8 @@ class KVEventSource:
         # it the oldest goes and the window's `seconds` says what is covered).
         self._checkpoints: deque[tuple[float, Totals, tuple[int, int, int]]] = deque(maxlen=MAX_CHECKPOINTS)
         self.created: float | None = None  # the first report's time
-        self._changes: deque[tuple[float, str]] = deque(maxlen=MAX_CHANGES)
-        self._pending: list[tuple[float, str]] = []
+        self._changes: deque[tuple[float, str, str]] = deque(maxlen=MAX_CHANGES)  # (time, kind, detail)
+        self._pending: list[tuple[float, str, str]] = []
 
     # --- sockets and threads -------------------------------------------
 
@@ -235,8 +235,9 @@ class KVEventSource:
                     self._gap_wake.set()
             elif seq < expected:
                 self.restarts += 1
-                self._change(now, f"the engine's event sequence started over (at {seq}, after {expected - 1}): "
-                                  "its publisher restarted")
+                self._change(now, "kv_events_restart",
+                             f"the engine's event sequence started over (at {seq}, after {expected - 1}): "
+                             "its publisher restarted")
         self._expected = seq + 1
 
     def _replayer(self) -> None:
@@ -366,8 +367,9 @@ class KVEventSource:
                     ledger.removed(event.hashes, now, event.medium)
                 elif event.kind == CLEARED:
                     ledger.clear()
-                    self._change(now, "the engine cleared its prefix cache (AllBlocksCleared): every cached "
-                                      "block is gone and reuse starts over")
+                    self._change(now, "kv_cache_cleared",
+                                 "the engine cleared its prefix cache (AllBlocksCleared): every cached block is gone "
+                                 "and reuse starts over")
 
     def _malformed(self, sentence: str) -> None:
         self.malformed += 1
@@ -375,12 +377,12 @@ class KVEventSource:
             log.info("KV-cache events: %s", sentence)
         self.last_malformed = sentence
 
-    def _change(self, now: float, detail: str) -> None:
-        self._changes.append((now, detail))
+    def _change(self, now: float, kind: str, detail: str) -> None:
+        self._changes.append((now, kind, detail))
         if len(self._pending) < MAX_CHANGES:
-            self._pending.append((now, detail))
+            self._pending.append((now, kind, detail))
 
-    def take_changes(self) -> list[tuple[float, str]]:
+    def take_changes(self) -> list[tuple[float, str, str]]:
         """The changes the stream showed since the last call (the poll loop
         files them with the page's changes)."""
         with self._lock:
@@ -414,7 +416,8 @@ class KVEventSource:
             last = self.last_message_time
             first = self.first_message_time
             last_malformed = self.last_malformed
-            changes = [{"time": t, "detail": d} for t, d in self._changes if t >= now - self.window_seconds]
+            changes = [{"time": t, "kind": k, "detail": d} for t, k, d in self._changes
+                       if t >= now - self.window_seconds]
             ranks = sorted(self.ranks)
             flow = (self.missed, self.dropped, self.messages)
         checkpoints = self._checkpoints

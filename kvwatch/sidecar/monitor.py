@@ -337,8 +337,11 @@ class Monitor:
             from kvwatch.kvevents.join import with_page
 
             new_changes = self.kv_events.take_changes()
-            for when, detail in new_changes:
-                self._event(Change(when, "kv_events", None, None, detail))
+            engines = [row for row in per_engine if row.engine is not None]
+            # The stream is one engine's: its changes are that engine's where the page has one.
+            model, engine = (engines[0].model, engines[0].engine) if len(engines) == 1 else (None, None)
+            for when, kind, detail in new_changes:
+                self._event(Change(when, kind, model, engine, detail))
             recent = min(diagnosis.resolve_thresholds(self.settings.diagnosis)["hit_recent_seconds"],
                          self.window.seconds / 2)
             return with_page(self.kv_events.report(at, recent_seconds=recent), per_engine)
