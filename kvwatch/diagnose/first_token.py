@@ -149,9 +149,10 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
             findings.append(ctx.finding(
                 "slow_first_token", "preemption", confidence,
                 f"{headline}; {share_text} is outside queue and prefill while the KV cache was exhausted"
-                + (f" ({count_text(exhaustion.preemptions)} preemptions in the window)" if exhaustion.preemptions
-                   else " (full while requests waited)")
-                + ": preempted requests re-queued and recomputed, not the front end.",
+                + (f" ({count_text(exhaustion.preemptions)} preemptions in the window): preempted requests "
+                   "re-queued and recomputed, not the front end." if exhaustion.preemptions else
+                   " (full while requests waited, none preempted yet): requests held by the full cache, whose queue "
+                   "and prefill time vLLM counts only when they finish, not the front end."),
                 {**evidence, "preemptions": exhaustion.preemptions,
                  "kv_usage_max": ctx.value("kvwatch_kv_cache_usage_max_ratio")},
                 NEXT_CHECK["preemption"]))

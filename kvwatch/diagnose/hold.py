@@ -21,8 +21,9 @@ resolves and one on the second starts its `for:` over. The finding keeps the
 highest severity seen since it began; a rise shows at once.
 
 A finding held while clearing is reported only while no other cause of its
-symptom on its engine is active (diagnose/arbitration.py): when the primary
-changes, the story changes with it.
+symptom on its engine is active (diagnose/arbitration.py), unless it was the
+story's primary and the active rival is less sure (the rival rides on it):
+when the primary changes on stronger evidence, the story changes with it.
 """
 
 from __future__ import annotations
