@@ -17,6 +17,7 @@ SUBCOMMANDS = {
                  "poll a target for a while (or replay a capture) and print signals and findings"),
     "capture": ("kvwatch.commands.capture", "record a target's /metrics pages with their times, to hand over or replay"),
     "generate": ("kvwatch.commands.generate", "write dashboards, rules, runbooks and manifests"),
+    "runbook": ("kvwatch.commands.runbook", "print the runbook section an alert or a finding names"),
     "capacity": ("kvwatch.commands.capacity", "KV bytes per token and the concurrency a KV budget holds"),
     "sweep": ("kvwatch.commands.sweep", "measure a server across lengths and concurrency levels"),
 }

@@ -769,7 +769,7 @@ def test_finding_json_uses_metric_label_names_keeps_notes_apart_and_links_its_ru
     assert data["model_name"] == "tiny-llama" and data["since"] == 1234.0
     assert all(not isinstance(v, str) for v in data["evidence"].values())
     assert "sql-v2" in data["notes"]["changes_at_drop"]
-    assert data["runbook"] == "alerts/runbooks.md#vllmprefixcachehitratelow-prefix-changed"
+    assert data["runbook"] == "runbooks#vllmprefixcachehitratelow-prefix-changed"
 
 
 def test_ttft_shares_sum_to_at_most_one_and_the_finding_uses_the_signals_shares():

@@ -128,7 +128,11 @@ def test_config_changes_thresholds_windows_and_for():
                                   "severities": {"long_requests": "critical"}, "rate_window": "10m"})
     rules = yaml.safe_load(render_all(config)[RULES_FILE])
     exhausted = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "VllmKvCacheExhausted"]
-    assert all(") > 0.95\n" in r["expr"] and r["for"] == "3m" and "[10m]" in r["expr"] for r in exhausted)
+    # The alert reads the exhaustion detector's record (over the 10m window), which holds the threshold.
+    records = {r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    detector = "instance_model_name_engine:kvwatch_kv_cache_exhausted:condition10m"
+    assert ") > 0.95\n" in records[detector] and "[10m]" in records[detector]
+    assert all(detector in r["expr"] and r["for"] == "3m" for r in exhausted)
     assert {r["labels"]["cause"]: r["labels"]["severity"] for r in exhausted}["long_requests"] == "critical"
     # Unchanged entries keep their defaults.
     ttft = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "VllmTimeToFirstTokenSlow")
@@ -149,7 +153,9 @@ def test_exhaustion_soon_reads_the_eta_signal_and_its_threshold_in_minutes():
     # the ETA signal's own PromQL, the expression its recording rule records: one definition
     eta = engine_scope(config).signal("kvwatch_kv_cache_exhaustion_eta_seconds")
     (spec,) = [s for s in alert_specs(config) if s.alert == "VllmKvCacheExhaustionSoon"]
-    assert spec.query.lstrip("(\n ").startswith(eta.split("\n")[0])
+    records = {r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    read = spec.query.split("\n")[0]
+    assert read.endswith(":kvwatch_kv_cache_exhaustion_eta_seconds:deriv5m") and records[read] == eta
     assert "anchor" not in soon["annotations"]["runbook_url"]
     assert soon["annotations"]["runbook_url"].endswith("#vllmkvcacheexhaustionsoon-usage-rising")
 

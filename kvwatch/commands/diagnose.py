@@ -282,7 +282,8 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
                   for a in finding.get("alternatives") or ()]
         lines += [("next: ", finding["next_check"])]
         if finding.get("runbook"):
-            lines.append(("runbook: ", finding["runbook"]))
+            anchor = finding["runbook"].split("#")[-1]
+            lines.append(("runbook: ", f"kvwatch runbook {anchor} (or /runbooks#{anchor} on kvwatch serve)"))
         for label, text in lines:
             print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "), file=out)
     events = diagnosis["events"]

@@ -23,7 +23,7 @@ from grafanalib._gen import DashboardEncoder
 from kvwatch.engines.coverage import engines_markdown
 from kvwatch.mixin import metrics_doc
 from kvwatch.mixin import dashboards as dash
-from kvwatch.mixin import grafana_alerts, rules, runbooks
+from kvwatch.mixin import alertmanager, grafana_alerts, rules, runbooks
 from kvwatch.mixin.config import MixinConfig, MixinConfigError, describe_config, load_config
 
 # The checkout's root, for its tests (`kvwatch generate` itself writes into the current directory).
@@ -36,6 +36,7 @@ PROMETHEUS_RULE_FILE = "alerts/kvwatch-prometheusrule.yaml"
 RUNBOOKS_FILE = "alerts/runbooks.md"
 GRAFANA_RULES_FILE = "alerts/grafana/kvwatch-alert-rules.json"
 GRAFANA_NOTIFICATIONS_FILE = "alerts/grafana/kvwatch-notifications.example.yaml"
+ALERTMANAGER_FILE = "alerts/alertmanager.example.yaml"
 
 
 def to_json(data) -> str:
@@ -65,6 +66,11 @@ def render_all(config: MixinConfig) -> dict[str, str]:
         "# Replace the webhook URLs; provisioning `policies` replaces the organisation's whole policy tree,\n"
         "# so merge these routes into yours instead if you already have one.\n"
         + rules.dump_yaml(grafana_alerts.notification_example(config)))
+    files[ALERTMANAGER_FILE] = (
+        "# Example Alertmanager configuration for kvwatch's Prometheus rules (docs/alerts.md): one notification\n"
+        "# per engine and model, pages for the objectives, cause alerts to the team that can act, inhibitions.\n"
+        "# Replace the webhook URLs with your receivers (or merge the routes into your tree).\n"
+        + rules.dump_yaml(alertmanager.example(config)))
     files.update({f"deploy/{path}": text for path, text in _manifests(config, files, dashboards).items()})
     files["docs/metrics.md"] = metrics_doc.render()
     files["docs/engines-signals.md"] = ("# Signals by engine\n\nGenerated from the engine adapters' tables by `kvwatch generate`; "

@@ -83,7 +83,9 @@ assert set(PREEMPTING_SEVERITY) <= set(CAUSES["exhaustion"])
 # tests/test_rules_promtool.py checks), for the runbook link a finding carries.
 SYMPTOM_ALERTS = {"exhaustion": "VllmKvCacheExhausted", "low_hit_rate": "VllmPrefixCacheHitRateLow",
                   "slow_first_token": "VllmTimeToFirstTokenSlow", "fleet": "VllmFleetReplicaOutlier"}
-RUNBOOK_PATH = "alerts/runbooks.md"
+# kvwatch serves the runbooks (GET /runbooks): a finding's link is relative
+# to the kvwatch that reports it (the status page, the JSON API).
+RUNBOOK_PATH = "runbooks"
 
 
 def runbook_link(symptom: str, cause: str, alert_causes: dict[str, tuple[str, ...]] | None = None) -> str | None:
@@ -117,6 +119,8 @@ ALERT_CAUSES = {
     "VllmTimeToFirstTokenSlow": CAUSES["slow_first_token"],
     "KvwatchDown": ("kvwatch_unreachable", "kvwatch_absent"),
     "KvwatchEngineUnreachable": ("engine_unreachable",),
+    # vLLM answers without its statistics (--disable-log-stats): not unreachable, blind.
+    "VllmEngineStatsDisabled": ("stats_disabled",),
     "VllmFleetReplicaOutlier": CAUSES["fleet"],
 }
 assert set(ALERT_CAUSES["VllmKvCacheExhausted"]) <= set(CAUSES["exhaustion"])

@@ -26,6 +26,7 @@ from kvwatch import __version__
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
 from kvwatch.diagnose.vocabulary import ALERT_CAUSES, PREEMPTING_SEVERITY, SEVERITY
 from kvwatch.units import did_you_mean, yaml_problem
+from kvwatch.mixin.objectives import DEFAULT_BURN_RATE_WINDOWS, OBJECTIVE_ALERTS, check_windows
 
 SEVERITIES = ("critical", "warning", "info")
 # Alert names, with the symptom (the diagnosis vocabulary) each one reports.
@@ -37,6 +38,10 @@ ALERTS = {
     "KvwatchDown": None,
     "KvwatchEngineUnreachable": None,
     "VllmFleetReplicaOutlier": "fleet",
+    # vLLM answers, but without its statistics (--disable-log-stats): kvwatch is blind, serving may be fine.
+    "VllmEngineStatsDisabled": None,
+    # The objectives' burn-rate alerts (kvwatch/mixin/objectives.py): what pages.
+    **{alert: symptom for alert, symptom, _ in OBJECTIVE_ALERTS.values()},
 }
 # The causes the rules tell apart, per alert. The diagnosis' third exhaustion
 # cause (capacity_below_max_num_seqs) needs --max-num-seqs, which vLLM does
@@ -50,7 +55,11 @@ ALERTS = {
 PREEMPTING_SUFFIX = "_preempting"
 DEFAULT_SEVERITIES = {
     **{cause: SEVERITY[cause] for causes in ALERT_CAUSES.values() for cause in causes if cause in SEVERITY},
-    **{cause + PREEMPTING_SUFFIX: severity for cause, severity in PREEMPTING_SEVERITY.items()
+    # Exhaustion with preemptions is the diagnosis' critical finding, but the
+    # alert does not page: users feel it as late first tokens (and failed
+    # requests), which the objectives' burn-rate alerts page on; this one
+    # says where to look. Set it back to critical to page on the cause too.
+    **{cause + PREEMPTING_SUFFIX: "warning" for cause in PREEMPTING_SEVERITY
        if cause in ALERT_CAUSES["VllmKvCacheExhausted"]},
     # Nothing hurts yet; it warns while there is time to act (shed or route
     # load, add a replica) before preemption starts. Not a diagnosis cause: a
@@ -64,6 +73,9 @@ DEFAULT_SEVERITIES = {
     # The engine's own /metrics does not answer on the pod's loopback: the
     # engine is down or wedged, or stats logging is off.
     "engine_unreachable": "critical",
+    # vLLM serves its /metrics without engine series (--disable-log-stats):
+    # requests may be served fine; kvwatch and every vLLM alert are blind.
+    "stats_disabled": "warning",
 }
 
 DEFAULT_FOR = {
@@ -82,6 +94,10 @@ DEFAULT_FOR = {
     # As the exhaustion it compares: a routing fault that lasts, not a burst
     # that landed on one replica.
     "VllmFleetReplicaOutlier": "10m",
+    "VllmEngineStatsDisabled": "5m",
+    # The short window already proves the burn is current; 2m more keeps one
+    # evaluation at a window's edge from paging.
+    **{alert: "2m" for alert, _, _ in OBJECTIVE_ALERTS.values()},
 }
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
@@ -464,6 +480,25 @@ class MixinConfig:
         "A warm replica whose hit ratio is below this share of its warm peers' pooled ratio (peers at least "
         "hit_ratio_low) lost prefix affinity: requests sharing a prefix no longer reach it "
         "(VllmFleetReplicaOutlier, cause lost_prefix_affinity)."))
+    # ---------------------------------------------------------------- objectives (what pages)
+    ttft_objective_seconds: float = field(default=2.5, metadata=_help(
+        "The first-token objective's threshold: a request is on time when its first token came within this "
+        "many seconds. It must be a bound of vLLM's TTFT histogram (0.5, 0.75, 1, 2.5, 5, 7.5, 10 ...), since "
+        "the share on time is read from that bucket; 2.5 is the bound at or above the diagnosis' p95 target "
+        "(ttft_p95_seconds, 2 s)."))
+    ttft_objective: float = field(default=0.99, metadata=_help(
+        "Share of requests whose first token must come within ttft_objective_seconds (0.99: one request in a "
+        "hundred may be late). Its burn-rate alerts (VllmTimeToFirstTokenBudgetBurn) page."))
+    availability_objective: float = field(default=0.999, metadata=_help(
+        "Share of finished requests that must not end in error (vllm:request_success_total "
+        "finished_reason=\"error\"). Its burn-rate alerts (VllmRequestErrorBudgetBurn) page."))
+    abort_objective: float = field(default=0.99, metadata=_help(
+        "Share of finished requests that should not end in abort. Clients abort for their own reasons (a closed "
+        "tab, a gateway timeout), so its burn-rate alerts (VllmRequestAbortBudgetBurn) are warnings at most."))
+    burn_rate_windows: tuple = field(default=DEFAULT_BURN_RATE_WINDOWS, metadata=_help(
+        "The multi-window, multi-burn-rate pairs every objective alerts on (SRE workbook): an alert fires when "
+        "the error ratio over `long` and over `short` both exceed factor x (1 - objective); `severity` is its "
+        "label (critical pages). Defaults: 1h/5m at 14.4x and 6h/30m at 6x page, 1d/2h at 3x is a warning."))
     # ---------------------------------------------------------------- upstream
     upstream_histogram: str | None = field(default=None, metadata=_help(
         "Name of a Prometheus histogram that measures time spent before the engine (retrieval, gateway), e.g. "
@@ -486,10 +521,14 @@ class MixinConfig:
         "severity label of each cause (cause -> critical|warning|info). Routing in Alertmanager or Grafana "
         "keys on it. The defaults are the diagnosis' own (kvwatch/diagnose/vocabulary.py SEVERITY); an "
         "exhaustion cause with preemptions is keyed <cause>_preempting (default critical)."))
+    runbook_base_url: str | None = field(default=None, metadata=_help(
+        "Where the runbooks are published, e.g. https://kvwatch.example.org/runbooks (kvwatch's own "
+        "GET /runbooks behind an ingress) or a rendered alerts/runbooks.md; every alert's runbook_url is this "
+        "plus #<section>. Empty (the default): http://<instance>/runbooks, the kvwatch that raised the alert "
+        "(it serves the runbooks itself), reachable where Prometheus' instance address is."))
     runbook_url_pattern: str | None = field(default=None, metadata=_help(
-        "Where alerts/runbooks.md is served, e.g. https://git.example.org/ops/kvwatch/blob/main/alerts/"
-        "runbooks.md#{anchor}; {anchor} becomes the section of the alert and cause. Empty (the default): the "
-        "alerts and panels carry no runbook_url, rather than a link to a host that is not yours."))
+        "Overrides runbook_base_url with a pattern in which {anchor} becomes the section of the alert and "
+        "cause, e.g. https://git.example.org/ops/kvwatch/blob/main/alerts/runbooks.md#{anchor}."))
     dashboard_url_pattern: str | None = field(default=None, metadata=_help(
         "Link to the dashboard panel an alert belongs to, e.g. https://grafana.example.org/d/{uid}?var-model="
         "{model_name}&var-engine={engine}&viewPanel={panel_id}; {uid} and {panel_id} are filled in, "
@@ -635,8 +674,14 @@ def _check_field(name: str, value: Any) -> list[str]:
     elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio",
                   "fleet_room_usage_ratio", "fleet_affinity_fraction"):
         ratio(value)
-    elif name in ("min_query_tokens", "ttft_mean_seconds", "ttft_p95_seconds", "exhaustion_eta_minutes"):
+    elif name in ("min_query_tokens", "ttft_mean_seconds", "ttft_p95_seconds", "exhaustion_eta_minutes",
+                  "ttft_objective_seconds"):
         positive(value)
+    elif name in ("ttft_objective", "availability_objective", "abort_objective"):
+        if not _is_number(value) or not 0 < value < 1:
+            problems.append(f"{name}: {value!r} must be a number strictly between 0 and 1 (0.99: 99%)")
+    elif name == "burn_rate_windows":
+        problems.extend(check_windows(value))
     elif name == "no_reuse_alert":
         if not isinstance(value, bool):
             problems.append(f"no_reuse_alert: {value!r} must be true or false")
@@ -663,6 +708,9 @@ def _check_field(name: str, value: Any) -> list[str]:
                     problems.append(f"severities: {cause}: {severity!r} is not one of {', '.join(SEVERITIES)}")
     elif name in ("runbook_url_pattern", "dashboard_url_pattern") and value is None:
         pass
+    elif name == "runbook_base_url" and value is not None:
+        if not isinstance(value, str) or not re.fullmatch(r"https?://\S+", value) or "#" in value:
+            problems.append(f"runbook_base_url: {value!r} must be an http(s) URL without a #fragment")
     elif name == "runbook_url_pattern":
         if not isinstance(value, str) or "{anchor}" not in value:
             problems.append("runbook_url_pattern: must be a string containing {anchor}")
@@ -763,6 +811,8 @@ def config_from_mapping(data: Any, source: str = "config") -> MixinConfig:
             continue
         if name in _TUPLE_FIELDS:
             value = tuple(value)
+        elif name == "burn_rate_windows":
+            value = tuple(dict(pair) for pair in value)
         elif name in ("for_durations", "severities"):
             value = {**(DEFAULT_FOR if name == "for_durations" else DEFAULT_SEVERITIES), **value}
         values[name] = value

@@ -21,7 +21,8 @@ from grafanalib import core as g
 from kvwatch.mixin.alerts import runbook_anchor
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.promql import Fragments, Scope, indent, num, paren
-from kvwatch.mixin.config import ALERTS
+from kvwatch.mixin import objectives
+from kvwatch.mixin.config import ALERTS, seconds
 from kvwatch.signals import (ENGINE_SERIES, QUANTILES, SIGNALS, SIGNALS_BY_NAME, STREAM_SIGNALS_BY_NAME, STREAM_SIZING,
                              TIER_SIGNALS_BY_NAME, UNITS, good_direction)
 
@@ -387,6 +388,8 @@ def overview(config: MixinConfig) -> Board:
                       "findings")], kind="stat", width=5, height=4, runbook=ANCHOR_EXHAUSTED, threshold=1,
                     signal="kvwatch_finding"))
     b.add(_findings_panel(v, "findings", None, ANCHOR_EXHAUSTED))
+    # What pages: the objectives' burn rates and budgets.
+    _objectives_row(b, v)
     b.row("KV cache")
     b.add(PanelSpec("kv_usage", "KV cache usage",
                     v.help("kvwatch_kv_cache_usage_ratio") + " The red line is the exhaustion threshold.",
@@ -457,6 +460,36 @@ def overview(config: MixinConfig) -> Board:
                     runbook=ANCHOR_THROUGHPUT))
     b.closing.append(_kvwatch_health)
     return b
+
+
+def _objectives_row(b: Board, v: "Views") -> None:
+    """Each objective's burn rate (error ratio / budget) over the pages' first
+    long window, and the budget left over the longest window the pairs read
+    (the recording rules of kvwatch/mixin/objectives.py)."""
+    config = b.config
+    pairs = objectives.burn_windows(config)
+    first, longest = pairs[0], max(objectives.windows(config), key=seconds)
+    sel = f'{{{TARGET_SEL},model_name=~"$model",engine=~"$engine"}}'
+    e = v.engine_legend
+    burn, left = [], []
+    for objective in objectives.OBJECTIVE_ALERTS:
+        budget = num(objectives.budget(config, objective))
+        burn.append((f"{objectives.record_name(config, objective, first.long)}{sel} / {budget}", f"{objective} {e}"))
+        left.append((f"1 - {objectives.record_name(config, objective, longest)}{sel} / {budget}",
+                     f"{objective} {e}"))
+    goals = (f"first tokens within {num(config.ttft_objective_seconds)}s for {num(config.ttft_objective * 100)}% "
+             f"of requests, {num(config.availability_objective * 100)}% without error, "
+             f"{num(config.abort_objective * 100)}% not aborted")
+    b.row("Objectives: burn rate and error budget")
+    b.add(PanelSpec("objective_burn", f"Burn rate over {first.long}",
+                    f"How fast each objective's error budget burns ({goals}): the share of requests that missed it "
+                    f"over the last {first.long}, divided by the share allowed. 1 spends the budget exactly; "
+                    f"{num(first.factor)} pages when the last {first.short} burns as fast.", "short",
+                    burn, width=12, runbook=runbook_anchor("VllmTimeToFirstTokenBudgetBurn")))
+    b.add(PanelSpec("objective_budget", f"Error budget left over {longest}",
+                    f"The share of each objective's error budget not spent over the last {longest} ({goals}); "
+                    "below 0 the objective was missed over that span.", "percentunit",
+                    left, width=12, runbook=runbook_anchor("VllmTimeToFirstTokenBudgetBurn")))
 
 
 def _kvwatch_health(b: Board) -> None:

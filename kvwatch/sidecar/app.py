@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvwatch import __version__
+from kvwatch.sidecar import runbooks_page
 from kvwatch.sidecar.collector import Renderer, make_registry
 from kvwatch.sidecar.report import diagnosis_json, replay_text, signals_json
 from kvwatch.sidecar.series import series_json
@@ -102,6 +103,15 @@ def create_app(monitor, settings=None) -> FastAPI:
     def readyz() -> PlainTextResponse:
         status, text = readiness(monitor)
         return PlainTextResponse(text, status_code=status)
+
+    # The runbooks every alert and finding links to (kvwatch/sidecar/runbooks_page.py).
+    @app.get("/runbooks", response_class=HTMLResponse)
+    def runbooks() -> HTMLResponse:
+        return HTMLResponse(runbooks_page.page())
+
+    @app.get("/runbooks.md")
+    def runbooks_markdown() -> PlainTextResponse:
+        return PlainTextResponse(runbooks_page.markdown_text(), media_type="text/markdown; charset=utf-8")
 
     @app.get("/api/v1/signals")
     def signals() -> JSONResponse:

@@ -68,7 +68,9 @@ class KvwatchCollector(Collector):
         yield errors
         # The unlabelled ones; None means absent (nothing known yet).
         for name, value in (
-            ("kvwatch_up", 1.0 if state.up else 0.0), ("kvwatch_polls", state.polls),
+            ("kvwatch_up", 1.0 if state.up else 0.0),
+            ("kvwatch_engine_stats_disabled", 1.0 if state.reason == "no_engine_metrics" else 0.0),
+            ("kvwatch_polls", state.polls),
             ("kvwatch_parse_errors", state.parse_errors), ("kvwatch_dropped_series", state.dropped_series),
             ("kvwatch_poll_duration_seconds", state.poll_seconds),
             ("kvwatch_page_late_seconds", state.page_late_seconds),

@@ -380,13 +380,13 @@ SCRIPT = r"""
       (hold ? ", ends at " + clock(f.clearing_since + hold) + " unless it returns" : "");
   }
   function where(f) { return f.model_name + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : ""); }
-  // The runbook section: a link where it is a URL, else the section's place in the repository.
+  // The runbook section: a link (kvwatch serves the runbooks at runbooks#<section>).
   function runbookNode(f) {
     if (!f.runbook) return null;
     var p = el("p", "runbook");
     p.setAttribute("data-runbook", f.runbook);
     p.appendChild(el("b", null, "Runbook: "));
-    if (/^https?:\/\//.test(f.runbook)) {
+    if (/^(https?:\/\/|runbooks#|\/runbooks#)/.test(f.runbook)) {
       var a = el("a", null, f.runbook);
       a.href = f.runbook;
       a.rel = "noopener";
@@ -1087,7 +1087,8 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
         if f.get("clearing_since"):
             since += f", clearing: condition clear since {_time_text(f['clearing_since'])}"
         notes = "".join(f"<p>{_e(key.replace('_', ' '))}: {_e(note)}</p>" for key, note in (f.get("notes") or {}).items())
-        runbook = f"<p>Runbook: <code>{_e(f['runbook'])}</code></p>" if f.get("runbook") else ""
+        runbook = (f'<p>Runbook: <a href="{_e(f["runbook"])}" rel="noopener">{_e(f["runbook"])}</a></p>'
+                   if f.get("runbook") else "")
         notes += "".join(f"<p>Contributing: {_e(CAUSE_TITLES.get(c['cause'], c['cause']))} ({_e(c['confidence'])} "
                          f"confidence). {_e(c['summary'])}</p>" for c in f.get("contributing") or ())
         notes += "".join(f"<p>Cannot tell apart from: {_e(CAUSE_TITLES.get(a['cause'], a['cause']))}. Decided by "

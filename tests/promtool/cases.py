@@ -23,7 +23,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ALERT_NAMES = ("VllmKvCacheExhausted", "VllmKvCacheExhaustionSoon", "VllmPrefixCacheHitRateLow", "VllmTimeToFirstTokenSlow",
-               "KvwatchDown", "KvwatchEngineUnreachable", "VllmFleetReplicaOutlier")
+               "KvwatchDown", "KvwatchEngineUnreachable", "VllmFleetReplicaOutlier", "VllmEngineStatsDisabled")
 SYMPTOM = {"VllmKvCacheExhausted": "exhaustion", "VllmKvCacheExhaustionSoon": "exhaustion",
            "VllmPrefixCacheHitRateLow": "low_hit_rate",
            "VllmTimeToFirstTokenSlow": "slow_first_token", "VllmFleetReplicaOutlier": "fleet"}
@@ -33,11 +33,11 @@ SEVERITY = {
     "cold_cache": "info", "no_reuse": "info", "prefix_changed": "warning", "eviction_before_reuse": "warning",
     "queueing_kv_bound": "warning", "queueing_compute_bound": "warning", "prefill": "warning",
     "front_end": "warning", "upstream": "warning", "preemption": "warning", "kvwatch_unreachable": "warning", "kvwatch_absent": "warning",
-    "engine_unreachable": "critical",
+    "engine_unreachable": "critical", "stats_disabled": "warning",
     "imbalance": "warning", "lost_prefix_affinity": "warning", "cold_replica": "info",
 }
 # Exhaustion while vLLM preempts (the diagnosis' critical finding).
-PREEMPTING = "critical"
+PREEMPTING = "warning"
 TARGET = {"namespace": "llm", "job": "kvwatch", "instance": "10.0.0.1:9400"}
 ENGINE = {**TARGET, "model_name": "m", "engine": "0"}
 MINUTES = 120  # samples per series, one a minute
@@ -90,6 +90,7 @@ class Engine:
     info: str | None = const(1)
     up: str | None = const(1)
     kvwatch_up: str | None = const(1)
+    stats_disabled: str | None = None
 
     def series(self) -> list[dict]:
         target = {k: self.labels[k] for k in TARGET}
@@ -101,6 +102,7 @@ class Engine:
 
         add("up", self.up, target)
         add("kvwatch_up", self.kvwatch_up, target)
+        add("kvwatch_engine_stats_disabled", self.stats_disabled, target)
         add("kvwatch_engine_info", self.info, {**self.labels, "enable_prefix_caching": self.caching,
                                                "block_size": "16"})
         add("kvwatch_engine_kv_cache_usage_ratio", self.usage)
@@ -403,6 +405,10 @@ def default_cases() -> list[Case]:
              [Engine(kvwatch_up=const(0), info=None, usage=None, running=None, waiting=None,
                      preemptions=None, prompt_tokens=None)], "10m",
              [("KvwatchEngineUnreachable", "engine_unreachable", TARGET)]),
+        Case("engine answers without statistics (--disable-log-stats) -> VllmEngineStatsDisabled, not unreachable",
+             [Engine(kvwatch_up=const(0), stats_disabled=const(1), info=None, usage=None, running=None,
+                     waiting=None, preemptions=None, prompt_tokens=None)], "10m",
+             [("VllmEngineStatsDisabled", "stats_disabled", TARGET)]),
         Case("a down blip shorter than for: (5m) -> nothing",
              [Engine(up="1x5 0x3 1x112")], "10m", []),
     ]
