@@ -1,6 +1,9 @@
 # Two commands do all set-up on a fresh machine: `make run` and `make test`.
 VENV := .venv
 PY := $(VENV)/bin/python
+# Two stamps: `make run` installs what running needs; the test extras
+# (pytest, hypothesis, matplotlib, ...) come on top only for the targets that test.
+RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
 # KVWATCH_CACHE_DIR points every cache the tests reuse at one folder (.ci/run
@@ -11,9 +14,13 @@ endif
 
 .PHONY: run test test-vllm test-llamacpp capture-vllm capture-llamacpp bench generate check-generated screenshots system-deps clean
 
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
 	$(VENV)/bin/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
@@ -21,7 +28,7 @@ $(STAMP): pyproject.toml
 system-deps:
 	scripts/install-system-deps.sh
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	scripts/run-demo.sh
 
 test: $(STAMP) system-deps
@@ -52,11 +59,11 @@ bench: $(STAMP)
 screenshots: $(STAMP) system-deps
 	$(PY) scripts/screenshots.py
 
-generate: $(STAMP)
+generate: $(RUN_STAMP)
 	$(VENV)/bin/kvwatch generate
 
 # Fail when committed dashboards/, alerts/ or deploy/ are stale (a test checks it too).
-check-generated: $(STAMP)
+check-generated: $(RUN_STAMP)
 	$(VENV)/bin/kvwatch generate --check
 
 clean:

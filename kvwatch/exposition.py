@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import operator
 import re
+from sys import getsizeof as _getsizeof
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -57,8 +58,13 @@ _LABEL_BLOCK_INNER = re.compile(r'(?:[^"}]++|"(?:[^"\\]++|\\.)*+")*+')
 
 # Label blocks repeat verbatim from one poll to the next; caching their parsed
 # form removes most of the per-poll work. Bounded so that an engine emitting
-# unbounded label values (one per request) cannot grow it without limit.
+# unbounded label values (one per request) cannot grow it without limit: in
+# entries, and in bytes (the block and its parsed dict, as sys.getsizeof
+# counts them). Bounded in entries only, new 80 KB label values on pages under
+# the 8 MiB cap grew it by ~15 MiB a poll, past the pod's limit in 45 polls.
+# A real page of 64 engines holds about 4 MiB of distinct label blocks.
 _LABEL_CACHE_MAX = 20_000
+_LABEL_CACHE_MAX_BYTES = 16 * 1024 * 1024
 
 # Characters a sample name may hold for the scanner to be built (names outside
 # this alphabet would need escaping beyond what the line parser assumes).
@@ -150,6 +156,10 @@ class FamilySelector:
         self.prefixes = tuple(prefixes)
         self.sample_names = sample_names(self.base_names, self.prefixes)
         self._label_cache: dict[str, dict[str, str]] = {}
+        self._label_cache_bytes = 0
+        # How many times the label cache was emptied: a reader that keeps
+        # its own tables keyed by these dicts empties them with it.
+        self.cache_clears = 0
         # Built once per set of names and shared (a compiled pattern is
         # immutable): building it takes about half a second, and a history
         # diagnosis makes one adapter per replica.
@@ -229,9 +239,7 @@ class FamilySelector:
                         labels = _parse_labels(block)
                     except ValueError:
                         return False
-                    if len(label_cache) >= _LABEL_CACHE_MAX:
-                        label_cache.clear()
-                    label_cache[block] = labels
+                    self._cache_labels(block, labels)
             try:
                 number = float(value)
             except ValueError:
@@ -318,10 +326,23 @@ class FamilySelector:
         labels = label_cache.get(block)
         if labels is None:
             labels = _parse_labels(block)
-            if len(label_cache) >= _LABEL_CACHE_MAX:
-                label_cache.clear()
-            label_cache[block] = labels
+            self._cache_labels(block, labels)
         return labels, line[match.end():]
+
+    def _cache_labels(self, block: str, labels: dict[str, str]) -> None:
+        """Keep a parsed block, within the cache's bounds: emptied first when
+        it would go past either (memory saws, never climbs)."""
+        size = _getsizeof(block) + _getsizeof(labels)
+        for name, value in labels.items():
+            size += _getsizeof(name) + _getsizeof(value)
+        label_cache = self._label_cache
+        if len(label_cache) >= _LABEL_CACHE_MAX or self._label_cache_bytes + size > _LABEL_CACHE_MAX_BYTES:
+            label_cache.clear()
+            self._label_cache_bytes = 0
+            self.cache_clears += 1
+        if size <= _LABEL_CACHE_MAX_BYTES:
+            label_cache[block] = labels
+            self._label_cache_bytes += size
 
     def _parse_comment(self, line: str, families: dict[str, Family]) -> None:
         # "# TYPE name type"; HELP lines and other comments carry nothing we use.

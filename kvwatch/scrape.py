@@ -17,7 +17,6 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import requests
@@ -26,6 +25,7 @@ import urllib3
 import urllib3.connection
 
 from kvwatch import __version__
+from kvwatch.units import read_small_file
 
 ACCEPT = "text/plain; version=0.0.4; charset=utf-8, application/openmetrics-text; version=1.0.0; q=0.5"
 ACCEPTED_CONTENT_TYPES = ("text/plain", "application/openmetrics-text")
@@ -78,13 +78,18 @@ class BearerToken:
         if not self.path:
             return {}
         try:
-            self.value = Path(self.path).read_text().strip()
-        except OSError:
+            # Bounded like the scrape token (a token is a few KB at most).
+            self.value = read_small_file(self.path, 64 * 1024).decode("utf-8").strip()
+        except (OSError, ValueError):
             pass
         return {"Authorization": f"Bearer {self.value}"} if self.value else {}
 
 
 class Fetcher:
+    # The text format ends every line with a newline: a page without one was
+    # cut off. A subclass that reads JSON (kvwatch capacity --kvwatch) sets False.
+    whole_lines = True
+
     def __init__(
         self,
         url: str,
@@ -170,38 +175,14 @@ class Fetcher:
             text = body.decode("utf-8")
         except UnicodeDecodeError as exc:
             return self._fail("decode", f"body is not UTF-8 (byte {exc.start})", started)
-        if text and not text.endswith("\n"):
+        if self.whole_lines and text and not text.endswith("\n"):
             # The text format ends every line with a newline; a page without
             # one was cut off, and half a page would skew every delta.
             return self._fail("truncated", f"page of {len(body)} bytes ends mid-line", started)
         return FetchResult(text, seconds=time.monotonic() - started, size=len(body), content_type=content_type)
 
     def _read_body(self, response: requests.Response, deadline: float) -> tuple[bytes, tuple[str, str] | None]:
-        encoding = response.headers.get("Content-Encoding", "").lower()
-        decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS) if encoding == "gzip" else None
-        parts: list[bytes] = []
-        size = 0
-        try:
-            # decode_content=False: decompress ourselves, so the cap applies to
-            # what we hold in memory (a gzip bomb stops at the cap).
-            for chunk in response.raw.stream(CHUNK, decode_content=False):
-                if decompressor is not None:
-                    chunk, decompressor = _gunzip(decompressor, chunk, self.max_body_bytes + 1 - size)
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    return b"", ("too_large", f"body exceeds the {self.max_body_bytes} byte cap")
-                parts.append(chunk)
-                if time.monotonic() > deadline:
-                    return b"", ("timeout", f"body not complete within {self.timeout:g}s (slow server)")
-        except (urllib3.exceptions.ProtocolError, urllib3.exceptions.ReadTimeoutError,
-                requests.exceptions.RequestException, zlib.error, OSError) as exc:
-            reason = "timeout" if "timed out" in str(exc).lower() else "truncated"
-            return b"", (reason, _safe(exc))
-        if decompressor is not None and not decompressor.eof:
-            # A gzip stream cut off at a line boundary would otherwise pass
-            # for a whole page.
-            return b"", ("truncated", "gzip stream ends before its end marker")
-        return b"".join(parts), None
+        return read_body(response, self.max_body_bytes, deadline, self.timeout)
 
     def _fail(self, reason: str, detail: str, started: float, sentence: str | None = None) -> FetchResult:
         sentence = sentence or failure_sentence(reason, public_host(self.url), self.timeout)
@@ -225,6 +206,40 @@ class Fetcher:
             found.extend(self._token.value.splitlines())
         # Longest first, so a secret containing another is replaced whole.
         return sorted({s for s in found if s and len(s) >= 3}, key=len, reverse=True)
+
+
+def read_body(response: requests.Response, cap: int, deadline: float,
+              timeout: float) -> tuple[bytes, tuple[str, str] | None]:
+    """A streamed response's body, gzip decompressed here so that `cap`
+    counts what is held in memory (a gzip bomb stops at the cap), read until
+    `deadline` (time.monotonic()); or b"" and (reason, detail): too_large,
+    timeout, truncated. A watchdog (Watchdog) must also be running: a
+    socket timeout bounds only the wait for the next byte."""
+    encoding = response.headers.get("Content-Encoding", "").lower()
+    decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS) if encoding == "gzip" else None
+    parts: list[bytes] = []
+    size = 0
+    try:
+        # decode_content=False: decompress ourselves, so the cap applies to
+        # what we hold in memory.
+        for chunk in response.raw.stream(CHUNK, decode_content=False):
+            if decompressor is not None:
+                chunk, decompressor = _gunzip(decompressor, chunk, cap + 1 - size)
+            size += len(chunk)
+            if size > cap:
+                return b"", ("too_large", f"body exceeds the {cap} byte cap")
+            parts.append(chunk)
+            if time.monotonic() > deadline:
+                return b"", ("timeout", f"body not complete within {timeout:g}s (slow server)")
+    except (urllib3.exceptions.ProtocolError, urllib3.exceptions.ReadTimeoutError,
+            requests.exceptions.RequestException, zlib.error, OSError) as exc:
+        reason = "timeout" if "timed out" in str(exc).lower() else "truncated"
+        return b"", (reason, _safe(exc))
+    if decompressor is not None and not decompressor.eof:
+        # A gzip stream cut off at a line boundary would otherwise pass
+        # for a whole page.
+        return b"", ("truncated", "gzip stream ends before its end marker")
+    return b"".join(parts), None
 
 
 class _Watchdog:
@@ -407,3 +422,9 @@ def _safe(exc: Exception) -> str:
     # Exception texts name the URL, never headers, so no token can leak; cap
     # the length so a hostile server cannot flood the log.
     return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+# For the other readers of HTTP (the store's query API): the same watchdog
+# over their sessions' sockets.
+Watchdog = _Watchdog
+WatchedAdapter = _WatchedAdapter

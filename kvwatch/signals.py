@@ -94,7 +94,7 @@ class HealthFamily:
     engine's configuration and the active findings."""
 
     name: str  # as the client library names it (a counter without _total)
-    kind: str  # gauge | counter
+    kind: str  # gauge | counter | untyped
     labels: tuple[str, ...]
     help: str
     good: str | None = None  # GOOD_DIRECTIONS
@@ -106,6 +106,9 @@ class HealthFamily:
 
 HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_up", "gauge", (), "1 if the latest poll of the engine's /metrics succeeded, else 0.", good="high"),
+    HealthFamily("kvwatch_engine_stats_disabled", "gauge", (),
+                 "1 while the engine answers its /metrics without engine series (vLLM with --disable-log-stats, "
+                 "or another program at the target): not unreachable, but blind; else 0.", good="low"),
     HealthFamily("kvwatch_build_info", "gauge", ("version",), "kvwatch's version; always 1."),
     HealthFamily("kvwatch_polls", "counter", (), "Polls of the engine's /metrics."),
     HealthFamily("kvwatch_poll_errors", "counter", ("reason",),
@@ -132,8 +135,19 @@ HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_finding", "gauge", ("symptom", "cause", "severity") + IDENTITY,
                  "1 for each active diagnosis finding (absent when not active); a finding stays active until its "
                  "condition has been clear for the hold (diagnosis: finding_hold_seconds); see "
-                 "/api/v1/diagnosis for its evidence and clearing_since.", good="low"),
-    HealthFamily("kvwatch_quantile_pinned", "gauge", ("signal", "quantile", "bound") + IDENTITY,
+                 "/api/v1/diagnosis for its evidence and clearing_since. One cause per symptom per engine: the "
+                 "primary (other causes found at once are kvwatch_finding_contributor).", good="low"),
+    HealthFamily("kvwatch_finding_contributor", "gauge", ("symptom", "cause", "contributor") + IDENTITY,
+                 "1 for each contributing factor of an active finding: another cause of the same symptom on the "
+                 "same engine that the diagnosis also found, weaker than the primary `cause` (absent when none).",
+                 good="low"),
+    HealthFamily("kvwatch_finding_alternative", "gauge", ("symptom", "cause", "alternative", "decided_by") + IDENTITY,
+                 "1 for each cause an active finding cannot be told apart from, once per source that would decide "
+                 "(`decided_by`: kv_cache_metrics, kv_events, request_lengths); absent when the finding is decided.",
+                 good=None),
+    # Untyped: Prometheus' lint refuses a `quantile` label on a gauge, and the
+    # label names the quantile it marks (Prometheus stores it as a gauge).
+    HealthFamily("kvwatch_quantile_pinned", "untyped", ("signal", "quantile", "bound") + IDENTITY,
                  "1 for each windowed quantile pinned at a bucket edge, where its value is a bound and not an "
                  "estimate: bound=\"upper\" (pinned in the first bucket; the value is that bucket's bound and the "
                  "quantile is at most it), bound=\"lower\" (pinned at the last finite bucket; the quantile is at "
@@ -989,7 +1003,10 @@ def good_direction(name: str) -> str | None:
         return SIGNALS_BY_NAME[name].good
     if name in TIER_SIGNALS_BY_NAME:
         return TIER_SIGNALS_BY_NAME[name].good
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + CENTRAL_HEALTH:
+    for stream in STREAM_SIGNALS + STREAM_SIZING:
+        if name == stream.name:
+            return stream.good
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + CENTRAL_HEALTH + STREAM_HEALTH:
         if name in (entry.name, entry.sample_name):
             return entry.good
     raise KeyError(f"{name} is not in the catalogue")
@@ -1463,6 +1480,126 @@ def evaluate_tier(view: View) -> dict[str, float | None]:
     return values
 
 
+
+# --------------------------------------------------------------------------
+# The engine's KV-cache event stream (kvwatch/kvevents), read beside its page
+# --------------------------------------------------------------------------
+
+# One stream per kvwatch (`kv_events`): no model or engine label (vLLM's
+# events do not name them; one endpoint is one engine's publisher). Present
+# only while `kv_events` is set; the series and signals only once an event
+# arrived.
+STREAM_HEALTH: tuple[HealthFamily, ...] = (
+    HealthFamily("kvwatch_kv_events_up", "gauge", (),
+                 "1 while kvwatch listens for the engine's KV-cache events (kv_events) and at least one has arrived, "
+                 "else 0; absent unless kv_events is set. The page's signals do not depend on it.", good="high"),
+    HealthFamily("kvwatch_kv_events_messages", "counter", (), "Event messages (batches) received from the engine."),
+    HealthFamily("kvwatch_kv_events_dropped_messages", "counter", (),
+                 "Messages kvwatch dropped because its intake queue was full (a flood faster than it accounts); "
+                 "what they held is missing from every count.", good="low"),
+    HealthFamily("kvwatch_kv_events_missed_messages", "counter", (),
+                 "Sequence numbers that never arrived (the engine's publisher dropped them past its high-water "
+                 "mark, or the connection lost them); what they held is missing from every count.", good="low"),
+    HealthFamily("kvwatch_kv_events_malformed_messages", "counter", (),
+                 "Messages or events that were not vLLM's KV-cache events (bad frames, bad msgpack, absurd block "
+                 "counts, over the byte cap); skipped.", good="low"),
+    HealthFamily("kvwatch_kv_events_publisher_restarts", "counter", (),
+                 "Times the engine's sequence numbers started over (its publisher restarted)."),
+    HealthFamily("kvwatch_kv_events_last_message_age_seconds", "gauge", (),
+                 "Seconds since the latest event message (an idle engine sends none).", good="low"),
+    HealthFamily("kvwatch_kv_events_tracked_blocks", "gauge", (),
+                 "Block hashes the ledger tracks now (bounded by kv_events_table_bytes)."),
+    HealthFamily("kvwatch_kv_events_sampling_ratio", "gauge", (),
+                 "Share of the hash space the ledger tracks: 1 until the table fills, then halved as needed; "
+                 "stored-again counts and the sizing curve are scaled from the sample.", good="high"),
+)
+
+
+@dataclass(frozen=True)
+class StreamSeries:
+    name: str  # exported family name (a counter without `_total`)
+    key: str  # the report's totals key
+    labels: tuple[str, ...]
+    help: str
+    kind: str = "counter"
+
+    @property
+    def sample_name(self) -> str:
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+STREAM_SERIES: tuple[StreamSeries, ...] = (
+    StreamSeries("kvwatch_kv_events_blocks_stored", "stored", ("medium", "lora_name"),
+                 "Blocks the engine stored in its prefix cache (BlockStored events' block_hashes), by medium (GPU, "
+                 "CPU offload) and LoRA adapter (empty without one)."),
+    StreamSeries("kvwatch_kv_events_blocks_stored_again", "stored_again", ("medium", "lora_name"),
+                 "Blocks stored again after their eviction (a BlockStored of a hash whose BlockRemoved kvwatch "
+                 "saw): recomputation a larger cache would have saved. Scaled from the ledger's sample."),
+    StreamSeries("kvwatch_kv_events_blocks_evicted", "evicted", ("medium",),
+                 "Blocks the engine evicted from its prefix cache (BlockRemoved events' block_hashes), by medium."),
+    StreamSeries("kvwatch_kv_events_cache_cleared", "cleared", (),
+                 "AllBlocksCleared events: the engine reset its prefix cache (each also a change on the timeline)."),
+    StreamSeries("kvwatch_kv_events_eviction_return_seconds", "return_buckets", (),
+                 "Time from a block's eviction to its return (stored again), a histogram; scaled from the sample.",
+                 kind="histogram"),
+)
+
+
+@dataclass(frozen=True)
+class StreamSignal:
+    name: str
+    unit: str
+    key: str  # the report's window key
+    help: str
+    promql: str
+    display: str
+    good: str | None = None
+
+
+STREAM_SIGNALS: tuple[StreamSignal, ...] = (
+    StreamSignal("kvwatch_kv_events_blocks_stored_per_second", "per_second", "stored_per_second",
+                 "Blocks stored per second over the window (BlockStored).",
+                 "sum by ({by}) (rate(kvwatch_kv_events_blocks_stored_total{{{sel}}}[{w}]))", "Blocks stored"),
+    StreamSignal("kvwatch_kv_events_blocks_evicted_per_second", "per_second", "evicted_per_second",
+                 "Blocks evicted per second over the window (BlockRemoved).",
+                 "sum by ({by}) (rate(kvwatch_kv_events_blocks_evicted_total{{{sel}}}[{w}]))", "Blocks evicted",
+                 good="low"),
+    StreamSignal("kvwatch_kv_events_blocks_stored_again_per_second", "per_second", "stored_again_per_second",
+                 "Blocks stored again after their eviction per second over the window: recomputation a larger "
+                 "cache would have saved.",
+                 "sum by ({by}) (rate(kvwatch_kv_events_blocks_stored_again_total{{{sel}}}[{w}]))",
+                 "Blocks stored again after eviction", good="low"),
+    StreamSignal("kvwatch_kv_events_stored_again_ratio", "ratio", "stored_again_ratio",
+                 "Share of the window's stored blocks that were stored again after their eviction; absent with "
+                 "no stores in the window. High: eviction before reuse; 0 while stores go on: no reuse.",
+                 "sum by ({by}) (rate(kvwatch_kv_events_blocks_stored_again_total{{{sel}}}[{w}])) / "
+                 "sum by ({by}) (rate(kvwatch_kv_events_blocks_stored_total{{{sel}}}[{w}]))",
+                 "Stored again after eviction", good="low"),
+    StreamSignal("kvwatch_kv_events_return_after_eviction_seconds", "seconds", "return_seconds_median",
+                 "Median time from a block's eviction to its return over the window (the bucket bound of "
+                 "kvwatch_kv_events_eviction_return_seconds); absent with no returns.",
+                 "histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_kv_events_eviction_return_seconds_bucket"
+                 "{{{sel}}}[{w}])))", "Eviction to return (median)"),
+)
+STREAM_SIGNALS_BY_NAME = {signal.name: signal for signal in STREAM_SIGNALS}
+
+# The sizing curve (kvwatch/kvevents/source.py: sizing_curve), per extra cache
+# as a multiple of the engine's cache (label `extra_cache`).
+STREAM_SIZING: tuple[StreamSignal, ...] = (
+    StreamSignal("kvwatch_kv_events_sizing_hit_ratio", "ratio", "hit_ratio",
+                 "Estimated prefix-cache hit ratio over the window with a cache larger by `extra_cache` times the "
+                 "engine's (its returns whose distance is below the extra blocks counted as hits with the page's "
+                 "hits; vllm:prefix_cache_hits / prefix_cache_queries for the rest). An estimate: first order.",
+                 "max by ({by}, extra_cache) (kvwatch_kv_events_sizing_hit_ratio{{{sel}}})", "Hit ratio with more cache",
+                 good="high"),
+    StreamSignal("kvwatch_kv_events_sizing_recomputation_avoided_ratio", "ratio", "recomputation_avoided_ratio",
+                 "Estimated share of the window's blocks stored again after eviction that a cache larger by "
+                 "`extra_cache` times the engine's would have kept.",
+                 "max by ({by}, extra_cache) (kvwatch_kv_events_sizing_recomputation_avoided_ratio{{{sel}}})",
+                 "Recomputation avoided", good="high"),
+)
+
+
 def engine_series_value(series: EngineSeries, engine: EngineSnapshot, cache_config: dict[str, str]):
     """The current value of a re-exported series for one engine: a float, a
     {label: float} dict, a Histogram, or None."""
@@ -1483,5 +1620,7 @@ __all__ = [
     "ENGINE_SERIES", "SIGNALS", "SIGNALS_BY_NAME", "QUANTILES", "EngineSeries", "Signal", "View", "SCRAPE",
     "GOOD_DIRECTIONS", "good_direction",
     "Evaluated", "evaluate_window", "engine_series_value", "Histogram",
+    "STREAM_HEALTH", "STREAM_SERIES", "STREAM_SIGNALS", "STREAM_SIGNALS_BY_NAME", "STREAM_SIZING", "StreamSeries",
+    "StreamSignal",
     "CENTRAL_HEALTH", "TIER_HEALTH", "TIER_IDENTITY", "TIER_SERIES", "TIER_SIGNALS", "TIER_SIGNALS_BY_NAME", "TierSeries", "evaluate_tier",
 ]

@@ -147,6 +147,14 @@ class Quantile:
 
 # The one way a pinned quantile is written on every surface: the JSON's
 # `pinned` maps, the page, the CLI, and the exported `bound` label.
+# A counter that falls by no more than this share of its value did not
+# restart: that is rounding (a counter accumulated or carried as a 32-bit
+# float holds 24 significant bits, 2**-23 of its value; folding processes'
+# doubles in another order moves the last bits too). Counted as a reset, a
+# counter of 50 falling by 1e-6 each poll added its whole value every poll
+# (10 preemptions/s, a false critical finding).
+COUNTER_ROUNDING = 2.0 ** -23
+
 PINNED_BOUNDS = {"first": "<", "last": ">"}
 PINNED_LABELS = {"<": "upper", ">": "lower"}
 

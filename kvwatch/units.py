@@ -118,3 +118,32 @@ def yaml_problem(exc: Exception) -> str:
     if context and context_mark is not None:
         text += f" ({context} from line {context_mark.line + 1}, column {context_mark.column + 1})"
     return text
+
+
+def did_you_mean(name: Any, known) -> str:
+    """`: did you mean 'window'?` for a misspelt key or flag, or "" when no
+    known name is close (difflib's ratio of at least 0.6)."""
+    import difflib
+
+    near = difflib.get_close_matches(str(name).replace("-", "_"), [str(k) for k in known], n=1, cutoff=0.6)
+    return f": did you mean {near[0]!r}?" if near else ""
+
+
+def read_small_file(path, cap: int) -> bytes:
+    """A configuration-sized file (a config, a token), read up to `cap`
+    bytes: a regular file (a link to one is fine: Kubernetes mounts secrets
+    so), never a FIFO or a device that would block or never end.
+    OSError for what cannot be read, ValueError, one sentence, for a file
+    too large or not regular."""
+    import os
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        data = handle.read(cap + 1)
+    if len(data) > cap:
+        raise ValueError(f"larger than the {cap:,} bytes kvwatch reads of it")
+    return data
+

@@ -36,7 +36,7 @@ import operator
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
+from kvwatch.snapshot import COUNTER_ROUNDING, EngineSnapshot, Histogram, Snapshot
 
 EngineKey = tuple[str, str]
 
@@ -123,7 +123,8 @@ def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float,
         if key in earlier.histograms
     }
     # Counters that had counted something: did they go down, and all of them?
-    fell = [later.counters[key] < before for key, before in earlier.counters.items()
+    # (A fall within COUNTER_ROUNDING of the value is no fall.)
+    fell = [later.counters[key] < before - before * COUNTER_ROUNDING for key, before in earlier.counters.items()
             if before > 0 and key in later.counters]
     went_down = any(fell) or any(delta is None for delta in histogram_deltas.values())
     created_moved = earlier.created is not None and later.created is not None and later.created != earlier.created
@@ -134,8 +135,14 @@ def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float,
     for key, value in later.counters.items():
         before = earlier.counters.get(key)
         if before is not None:
-            # A series that went down restarted from zero: its increase is its new value.
-            counters[key] = value if restarted or value < before else value - before
+            # A series that went down restarted from zero: its increase is its
+            # new value; one that fell within rounding did not move.
+            if restarted:
+                counters[key] = value
+            elif value >= before:
+                counters[key] = value - before
+            else:
+                counters[key] = 0.0 if value >= before - before * COUNTER_ROUNDING else value
     histograms = {key: later.histograms[key] if restarted or delta is None else delta
                   for key, delta in histogram_deltas.items()}
     return Step(seconds, counters, histograms, restarted)

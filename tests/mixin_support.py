@@ -110,7 +110,14 @@ def exported_names(fixtures_dir: Path) -> set[str]:
              for name in ("idle", "prefix-load", "load", "long-load")]
     lmcache = (fixtures_dir / "handwritten" / "lmcache-a.txt").read_text()
     with PageServer([Answer(page) for page in pages]) as server, PageServer([Answer(lmcache)]) as tier:
-        monitor = Monitor(load_settings(overrides={"target": server.url, "lmcache_target": tier.url}, environ={}))
+        monitor = Monitor(load_settings(overrides={"target": server.url, "lmcache_target": tier.url,
+                                                   "kv_events": "tcp://127.0.0.1:1"}, environ={}))
+        # The KV-cache event stream's series (never started: its events are fed here).
+        from kvwatch.kvevents import wire
+
+        batches = [[wire.stored([1, 2], 16)], [wire.removed([1])], [wire.stored([1], 16)]]
+        for seq, events in enumerate(batches):
+            monitor.kv_events.feed(seq, wire.encode_batch(0.0, events), now=monitor.clock())
         for _ in pages:
             monitor.poll_once()
         text = generate_latest(make_registry(monitor)).decode()

@@ -683,3 +683,21 @@ def test_cli_target_errors(capsys, fixtures_dir):
     assert main(["capacity", "--target", "ftp://x", "--input-tokens", "1",
                  "--output-tokens", "1"]) == 2
     assert "not an http(s) URL" in capsys.readouterr().err
+
+
+def test_the_answer_comes_first_in_one_line(capsys, write_config):
+    # It printed 68 lines with the answer near the end.
+    argv = ["capacity", "--model-config", write_config(LLAMA3_8B), "--kv-dtype", "fp16", "--kv-budget", "125GiB",
+            "--input-tokens", "2048", "--output-tokens", "1024"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert main([*argv, "--json"]) == 0
+    pool_bound = json.loads(capsys.readouterr().out)["result"]["requests"][0]["pool_bound"]
+    assert first == (f"Answer: {pool_bound:,} requests of 3,072 tokens fit at once in a KV budget of 125.0 GiB; "
+                     "the working follows.")
+    assert main(["capacity", "--model-config", write_config(LLAMA3_8B), "--kv-dtype", "fp16", "--kv-budget", "3GiB",
+                 "--input-tokens", "p50=512,p95=2048", "--output-tokens", "p50=128,p95=1024"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("Answer: p50: ") and "; p95: " in first
+    assert main(["capacity", "--kv-budget", "3GiB", "--per-request-bytes", "100MiB"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("Answer: 30 requests of 100.0 MiB fit at once")

@@ -201,7 +201,7 @@ def test_cli_gpu_memory_shows_each_term(capsys, config_path):
                  "8.03 B parameters", "KV budget: 134,262,800,384 B"):
         assert line in table
     # Every column of the terms table is labelled (the GiB column had no heading).
-    heading, rule = table.splitlines()[3:5]
+    heading, rule = table.splitlines()[5:7]  # after the answer line, a blank, the title and a blank
     assert heading.split() == ["term", "bytes", "binary", "units", "from"], heading
     assert len(rule.split()) == 4
 

@@ -327,3 +327,167 @@ def test_serve_replay_is_marked_as_a_replay_on_every_surface(fixtures_dir, tmp_p
     from kvwatch.sidecar.monitor import Monitor
 
     assert "replay" not in TestClient(create_app(Monitor(live), live)).get("/api/v1/signals").json()
+
+
+# --- hostile captures (issue 35): every member read with a byte cap, every
+# field checked, every failure one sentence ------------------------------------
+
+
+def replay_error(path, capsys) -> str:
+    assert main(["diagnose", "--replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwatch diagnose: cannot replay:\n") and "Traceback" not in err, err
+    assert len(err.splitlines()) == 2, err
+    return err
+
+
+class Filler(io.RawIOBase):
+    """`size` bytes of one byte value, made as they are read."""
+
+    def __init__(self, size: int, byte: bytes = b"a"):
+        self.left, self.byte = size, byte
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self.left)
+        buffer[:n] = self.byte * n
+        self.left -= n
+        return n
+
+
+def bundle_of(path, members) -> None:
+    """A .tar.gz of (name, bytes or (size, filler byte)) in order."""
+    with tarfile.open(path, "w:gz", compresslevel=1) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if isinstance(data, tuple):
+                info.size = data[0]
+                tar.addfile(info, Filler(*data))
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+MANIFEST_OK = json.dumps({"format": "kvwatch-capture", "format_version": 1, "target": "http://x/metrics",
+                          "interval_seconds": 5}).encode()
+
+
+def index_of(*lines) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def test_a_gzip_bomb_bundle_is_refused_at_the_member_cap(tmp_path, capsys, monkeypatch):
+    """A page member far past the page cap (a 15 MB bundle held a 2 GiB page,
+    read whole: 13.4 GB RSS): refused by its size, in one sentence; a member
+    is never decompressed past the cap. The cap is made 1 MiB here so the
+    bomb stays small (16 MiB of one byte, 16 KB compressed)."""
+    import kvwatch.capture.bundle as bundle
+
+    monkeypatch.setattr(bundle, "MAX_PAGE_BYTES", 1024 * 1024)
+    bomb = tmp_path / "bomb.tar.gz"
+    bundle_of(bomb, [("manifest.json", MANIFEST_OK),
+                     ("index.jsonl", index_of({"seq": 1, "time": BASE, "ok": True, "page": "pages/000001.txt",
+                                               "size": 1})),
+                     ("pages/000001.txt", (16 * 1024 * 1024, b"\n"))])
+    assert bomb.stat().st_size < 100_000
+    err = replay_error(bomb, capsys)
+    assert "over the 1,048,576 a capture's page may hold" in err
+    # Read through the cap itself (the header is honest in a tar, so this is
+    # the second line of defence): at most cap + 1 bytes come out.
+    capture = Capture(bomb)
+    with capture._tar() as tar:
+        tar.next(), tar.next()
+        member = tar.next()
+        with pytest.raises(CaptureError, match="holds more than the 1,048,576 bytes"):
+            capture._read(tar, member, 1024 * 1024)
+
+
+def test_a_huge_manifest_or_index_is_refused_at_its_cap(tmp_path, capsys):
+    """A 2 MiB manifest (a 1 GiB one in a 4.7 MB bundle took 2.1 GB) and an
+    index over its cap: one sentence each, read no further than the cap."""
+    import kvwatch.capture.bundle as bundle
+
+    big = tmp_path / "manifest.tar.gz"
+    bundle_of(big, [("manifest.json", b" " * (2 * 1024 * 1024) + MANIFEST_OK), ("index.jsonl", b"")])
+    assert "manifest.json declares 2,097," in replay_error(big, capsys)
+    folder = tmp_path / "folder"
+    (folder / "pages").mkdir(parents=True)
+    (folder / "manifest.json").write_bytes(b" " * (2 * 1024 * 1024) + MANIFEST_OK)
+    (folder / "index.jsonl").write_bytes(b"")
+    assert f"over the {bundle.MAX_MANIFEST_BYTES:,} a capture's manifest.json may hold" in replay_error(folder, capsys)
+
+
+def test_a_folder_index_names_only_the_captures_own_pages(tmp_path, capsys):
+    """An index naming a file outside the capture (`/dev/zero` ran to 24 GB),
+    and pages/ holding a link out or something other than a file: each
+    refused in one sentence, nothing outside read."""
+    import os
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text('vllm:num_requests_running{model_name="m",engine="0"} 1\n')
+
+    def folder(name, page_name, make_page=None):
+        path = tmp_path / name
+        (path / "pages").mkdir(parents=True)
+        (path / "manifest.json").write_bytes(MANIFEST_OK)
+        (path / "index.jsonl").write_bytes(index_of({"seq": 1, "time": BASE, "ok": True, "page": page_name,
+                                                     "size": 10}))
+        if make_page is not None:
+            make_page(path / "pages" / "000001.txt")
+        return path
+
+    for name, page_name in (("absolute", "/dev/null"), ("climbing", "../secret.txt"),
+                            ("sideways", "pages/../../secret.txt"), ("manifest", "manifest.json")):
+        err = replay_error(folder(name, page_name), capsys)
+        assert "is not a recorded fetch (page does not name a file of the capture's pages/ folder)" in err
+    err = replay_error(folder("link", "pages/000001.txt", lambda p: p.symlink_to(secret)), capsys)
+    assert "pages/000001.txt is a link; a capture holds its own files" in err
+    err = replay_error(folder("fifo", "pages/000001.txt", lambda p: os.mkfifo(p)), capsys)
+    assert "pages/000001.txt is not a regular file" in err
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "manifest.json").symlink_to(tmp_path / "manifest" / "manifest.json")
+    assert "manifest.json is a link" in replay_error(tmp_path / "linked", capsys)
+
+
+@pytest.mark.parametrize("manifest, index, page, says", [
+    (b"[1, 2]", None, None, "manifest.json is a JSON list, not an object"),
+    (b'{"format": "kvwatch-capture", "format_version": "x"}', None, None, "format_version is not a whole number"),
+    (b'{"format": "kvwatch-capture", "format_version": 1, "interval_seconds": "5s"}', None, None,
+     "interval_seconds is not a number of seconds"),
+    (b'{"format": "kvwatch-capture", "format_version": 1, "target": ["a"]}', None, None,
+     "target is not what kvwatch writes there"),
+    (b"\xff\xfe{}", None, None, "manifest.json is not JSON"),
+    (None, b'{"seq": 1, "time": Infinity, "ok": false}\n', None, "line 1 is not a recorded fetch (time is not a finite"),
+    (None, b'{"seq": 1, "time": 1e300, "ok": false}\n', None, "time is past the year 5000"),
+    (None, b'{"seq": "1", "time": 1, "ok": false}\n', None, "seq is not a positive whole number"),
+    (None, b'[1]\n', None, "a JSON list, not an object"),
+    (None, b'{"seq": 1, "time": 1, "ok": "yes"}\n', None, "ok is not true or false"),
+    (None, b"[" * 100_000 + b"\n", None, "line 1 is not a recorded fetch"),
+    (None, b"\xff\n", None, "index.jsonl is not UTF-8 text"),
+    (None, None, b"vllm:x 1\n\xff\xfe\n", "pages/000001.txt is not UTF-8 text"),
+])
+@pytest.mark.parametrize("suffix", ["", ".tar.gz"])
+def test_capture_json_of_the_wrong_types_is_one_sentence(tmp_path, capsys, manifest, index, page, says, suffix):
+    """A manifest that is a list, a format_version of "x", a time of
+    Infinity (it killed the `serve --replay` thread), a non-UTF-8 page:
+    tracebacks on main; one sentence now, from diagnose and serve alike."""
+    manifest = manifest if manifest is not None else MANIFEST_OK
+    index = index if index is not None else index_of({"seq": 1, "time": BASE, "ok": True,
+                                                      "page": "pages/000001.txt", "size": 10})
+    page = page if page is not None else b"vllm:num_requests_running 1\n"
+    path = tmp_path / f"capture{suffix}"
+    members = [("manifest.json", manifest), ("index.jsonl", index), ("pages/000001.txt", page)]
+    if suffix:
+        bundle_of(path, members)
+    else:
+        (path / "pages").mkdir(parents=True)
+        for name, data in members:
+            (path / name).write_bytes(data)
+    assert says in replay_error(path, capsys)
+    if page is not None and b"\xff" in page:
+        return  # read while replaying: serve says it in its log and keeps serving
+    assert main(["serve", "--replay", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

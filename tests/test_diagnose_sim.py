@@ -108,8 +108,8 @@ def test_exhaustion(seed):
     exhausted = next(f for f in end_of_overload.findings if f.cause == "concurrency_beyond_capacity")
     assert exhausted.severity == "critical" and exhausted.evidence["preemptions"] > 0
     # Prompts of 600-1400 and answers of 500-1000 tokens: 8k tokens hold about 5, max_num_seqs is 32.
-    below = next(f for f in end_of_overload.findings if f.cause == "capacity_below_max_num_seqs")
-    assert below.evidence["kv_cache_capacity_requests"] < 32 == below.evidence["max_num_seqs"]
+    below = next(c for c in exhausted.contributing if c["cause"] == "capacity_below_max_num_seqs")
+    assert below["evidence"]["kv_cache_capacity_requests"] < 32 == below["evidence"]["max_num_seqs"]
     assert ("slow_first_token", "queueing_kv_bound") in end_of_overload.pairs
     # Never read as a queue that a bigger cache would not shorten.
     assert not any("queueing_compute_bound" in p.causes for p in polls)

@@ -41,11 +41,12 @@ import pytest
 import requests
 import yaml
 
+from kvwatch.mixin import alertmanager
 from kvwatch.mixin.config import config_from_mapping
 from kvwatch.commands.generate import GRAFANA_RULES_FILE, RULES_FILE, render_all
-from kvwatch.mixin.rules import split_alert_expr
+from kvwatch.mixin.rules import expand, recorded_exprs, split_alert_expr
 from mixin_support import GRAFANA_VARIABLES, annotation_exprs, iter_panels, load_dashboards
-from pageserver import Answer, LoopbackServer, Request
+from pageserver import Answer, LoopbackServer, PageServer, Request
 from promstack import free_port, query, query_range, stop_process, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
@@ -63,33 +64,45 @@ TEST_CONFIG = {
     "group_labels": ["namespace", "job", "deployment"],
     "for_durations": {"VllmKvCacheExhausted": "5s", "VllmPrefixCacheHitRateLow": "5s",
                       "VllmTimeToFirstTokenSlow": "5s", "KvwatchDown": "3s", "KvwatchEngineUnreachable": "3s",
-                      "VllmFleetReplicaOutlier": "5s"},
+                      "VllmFleetReplicaOutlier": "5s", "VllmEngineStatsDisabled": "3s",
+                      "VllmTimeToFirstTokenBudgetBurn": "3s", "VllmRequestErrorBudgetBurn": "3s",
+                      "VllmRequestAbortBudgetBurn": "3s"},
+    # The page's pair, scaled down with the rest (the sims run 4x): 60 s and 15 s at 14.4x.
+    "burn_rate_windows": [{"long": "60s", "short": "15s", "factor": 14.4, "severity": "critical"}],
     "upstream_histogram": "app_retrieval_seconds",
     "upstream_selector": 'job="rag-app"',
     "upstream_join_labels": ["deployment"],
-    "runbook_url_pattern": "https://git.example.org/ops/kvwatch/blob/main/alerts/runbooks.md#{anchor}",
     "dashboard_url_pattern": "https://grafana.example.org/d/{uid}?var-model={model_name}&viewPanel={panel_id}",
 }
 HIT_RATE_CAUSES = {"caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"}
 SCENARIOS = {
     "exhaustion": {"expect": {("VllmKvCacheExhausted", "concurrency_beyond_capacity"),
                               ("VllmTimeToFirstTokenSlow", "queueing_kv_bound")},
-                   "forbid": {"long_requests", "queueing_compute_bound"} | HIT_RATE_CAUSES},
+                   # While the cache preempts, the first token's residual is preemption, never the front end.
+                   "forbid": {"long_requests", "queueing_compute_bound", "front_end"} | HIT_RATE_CAUSES},
     "queueing": {"expect": {("VllmTimeToFirstTokenSlow", "queueing_compute_bound")},
                  "forbid": {"queueing_kv_bound", "concurrency_beyond_capacity", "long_requests"}},
     "prefix-change": {"expect": {("VllmPrefixCacheHitRateLow", "prefix_changed")},
                       "forbid": {"no_reuse", "eviction_before_reuse", "caching_disabled", "cold_cache"}},
     "upstream-delay": {"expect": {("VllmTimeToFirstTokenSlow", "upstream")},
                        "forbid": {"prefill", "front_end", "queueing_kv_bound", "queueing_compute_bound"}},
+    # Nothing at all: no page, no cause.
+    "healthy": {"expect": set(), "forbid": set()},
 }
+# The first-token objective pages these once each, with the cause alert that explains it.
+PAGED = {"exhaustion": "queueing_kv_bound", "queueing": "queueing_compute_bound"}
+RECEIVERS = ("pager", "platform", "application", "tickets")
 ALERT_DEADLINE = 150.0  # wall seconds from the start for every expected alert
+# What vLLM serves on /metrics with --disable-log-stats: the process' own series, no engine's.
+STATS_OFF_PAGE = "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.5\n"
 
 
 class Webhook(LoopbackServer):
-    """Alertmanager's receiver: keeps every alert it is sent."""
+    """Alertmanager's receivers (one path each): keeps every notification and alert it is sent."""
 
     def __init__(self):
         self.alerts: list[dict] = []
+        self.notifications: list[tuple[str, float, dict]] = []  # (receiver path, time, payload)
         self.lock = threading.Lock()
         super().__init__(name="alert-webhook")
         self.url = self.base_url + "/alerts"
@@ -97,9 +110,15 @@ class Webhook(LoopbackServer):
     def respond(self, request: Request) -> Answer:
         if request.method != "POST":
             return Answer(status=405)
+        payload = json.loads(request.body)
         with self.lock:
-            self.alerts.extend(json.loads(request.body).get("alerts", []))
+            self.alerts.extend(payload.get("alerts", []))
+            self.notifications.append((request.path.strip("/"), time.time(), payload))
         return Answer()
+
+    def sent_to(self, receiver: str) -> list[tuple[float, dict]]:
+        with self.lock:
+            return [(at, payload) for path, at, payload in self.notifications if path == receiver]
 
     def received(self) -> list[dict]:
         with self.lock:
@@ -152,14 +171,16 @@ def stack():
     processes = Processes(workdir)
     python = sys.executable
     try:
-        with Webhook() as webhook:
+        with Webhook() as webhook, PageServer([Answer(STATS_OFF_PAGE)]) as stats_off:
             (workdir / "rules.yaml").write_text(files[RULES_FILE])
             am_port = free_port()
-            (workdir / "alertmanager.yml").write_text(yaml.safe_dump({
-                "route": {"receiver": "test", "group_by": ["alertname", "cause", "deployment"],
-                          "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
-                "receivers": [{"name": "test", "webhook_configs": [{"url": webhook.url, "send_resolved": False}]}],
-            }))
+            # The generated example, its receivers pointed at this test's webhook
+            # and its timing scaled down with the rest.
+            example = alertmanager.example(config, {name: f"{webhook.base_url}/{name}" for name in RECEIVERS})
+            example["route"].update({"group_wait": "1s", "group_interval": "1s", "repeat_interval": "5s"})
+            for route in example["route"]["routes"]:
+                route.pop("repeat_interval", None)
+            (workdir / "alertmanager.yml").write_text(yaml.safe_dump(example))
             processes.start("alertmanager", [
                 ALERTMANAGER, f"--config.file={workdir / 'alertmanager.yml'}",
                 f"--storage.path={workdir / 'am-data'}", f"--web.listen-address=127.0.0.1:{am_port}",
@@ -183,6 +204,12 @@ def stack():
                 python, "-m", "kvwatch", "serve", "--target", f"http://127.0.0.1:{dead_engine}",
                 "--port", str(kv_port), "--poll-interval", "1s", "--window", "30s"])
             kvwatch_targets.append({"targets": [f"127.0.0.1:{kv_port}"], "labels": {"deployment": "no-engine"}})
+            # A kvwatch whose engine answers without statistics (vLLM with --disable-log-stats).
+            kv_port = free_port()
+            processes.start("kvwatch-no-stats", [
+                python, "-m", "kvwatch", "serve", "--target", stats_off.url,
+                "--port", str(kv_port), "--poll-interval", "1s", "--window", "30s"])
+            kvwatch_targets.append({"targets": [f"127.0.0.1:{kv_port}"], "labels": {"deployment": "no-stats"}})
             kvwatch_targets.append({"targets": [f"127.0.0.1:{no_kvwatch}"], "labels": {"deployment": "no-kvwatch"}})
 
             prom_port = free_port()
@@ -224,7 +251,9 @@ def alerts_delivered(stack):
     webhook = stack["webhook"]
     expected = {(scenario, alert, cause) for scenario, spec in SCENARIOS.items() for alert, cause in spec["expect"]}
     expected |= {("no-engine", "KvwatchEngineUnreachable", "engine_unreachable"),
+                 ("no-stats", "VllmEngineStatsDisabled", "stats_disabled"),
                  ("no-kvwatch", "KvwatchDown", "kvwatch_unreachable")}
+    expected |= {(scenario, "VllmTimeToFirstTokenBudgetBurn", "") for scenario in PAGED}
     first_seen: dict[tuple, float] = {}
 
     def all_there():
@@ -250,11 +279,48 @@ def test_alertmanager_delivers_the_expected_alerts_with_their_causes(stack, aler
     print("all deliveries (deployment, alert, cause):", sorted(deliveries))
     for alert in stack["webhook"].received():
         labels = alert["labels"]
-        if labels["alertname"].startswith("Vllm"):
-            assert {"severity", "cause", "symptom", "model_name", "engine"} <= set(labels), labels
+        if labels["alertname"].startswith("Vllm") and labels["alertname"] != "VllmEngineStatsDisabled":
+            assert {"severity", "symptom", "model_name", "engine"} <= set(labels), labels
+            assert labels.get("cause") or labels.get("objective"), labels
             assert alert["annotations"]["runbook_url"].split("#")[1].startswith(labels["alertname"].lower())
             assert "{{" not in alert["annotations"]["description"]  # templates rendered
             assert alert["annotations"]["dashboard_url"].find("var-model=tiny-llama") > 0
+        # Every runbook link works as delivered: the kvwatch that raised the alert serves the section.
+        # (Not KvwatchDown's: a kvwatch that is down serves nothing; docs/alerts.md says so.)
+        url = alert["annotations"]["runbook_url"]
+        assert url.startswith(f"http://{labels.get('instance', '')}/runbooks#"), (labels, url)
+        if labels["alertname"] != "KvwatchDown":
+            page = requests.get(url.split("#")[0], timeout=10)
+            assert page.status_code == 200 and f'<a id="{url.split("#")[1]}"></a>' in page.text, url
+
+
+def test_the_objective_pages_once_per_engine_with_its_cause_beside_it(stack, alerts_delivered):
+    webhook, started = stack["webhook"], stack["started"]
+    pages: dict[str, set[str]] = {}
+    first_page: dict[str, float] = {}
+    named: dict[str, set[str]] = {}
+    for at, payload in webhook.sent_to("pager"):
+        deployment = payload["groupLabels"].get("deployment", "")
+        pages.setdefault(deployment, set()).add(payload["groupKey"])
+        for alert in payload["alerts"]:
+            if alert["labels"]["alertname"] == "VllmTimeToFirstTokenBudgetBurn" and alert["status"] == "firing":
+                first_page.setdefault(deployment, at - started)
+                named.setdefault(deployment, set()).add(alert["annotations"].get("cause_alerts", ""))
+    print("time to page (wall s from start, sims at 4x):", {d: round(t, 1) for d, t in sorted(first_page.items())})
+    for scenario, cause in PAGED.items():
+        # One page: one notification group for the engine (grouped by engine and model).
+        assert len(pages.get(scenario, ())) == 1, (scenario, pages)
+        group = next(payload["groupLabels"] for _, payload in webhook.sent_to("pager")
+                     if payload["groupLabels"].get("deployment") == scenario)
+        assert {"model_name", "engine", "instance", "deployment"} <= set(group), group
+        # The cause alert, in the same engine's group at the team that can act.
+        causes = [payload for _, payload in webhook.sent_to("platform")
+                  if payload["groupLabels"] == group
+                  and any(a["labels"].get("cause") == cause for a in payload["alerts"])]
+        assert causes, (scenario, cause)
+    # The healthy engine: nothing delivered anywhere, and no page for it.
+    assert not any(a["labels"].get("deployment") == "healthy" for a in webhook.received())
+    assert "healthy" not in pages
 
 
 def test_contradicting_causes_are_never_delivered(stack, alerts_delivered):
@@ -268,6 +334,13 @@ def test_contradicting_causes_are_never_delivered(stack, alerts_delivered):
     both = prom_query(stack["prometheus"],
                       'count by (instance, engine) (max_over_time(ALERTS{cause=~"queueing_(kv|compute)_bound"}[10m])) > 1')
     assert both == [] or all(_never_simultaneous(stack, r["metric"]) for r in both)
+    # One story (issue 32): at no evaluation did two causes of one symptom fire for one engine
+    # (the objective's burn alerts carry the symptom and no cause: they page, the cause explains).
+    two = query_range(stack["prometheus"],
+                      'count by (deployment, instance, engine, symptom) (count by (deployment, instance, engine, '
+                      'symptom, cause) (ALERTS{alertstate="firing", symptom!="", cause!=""})) > 1',
+                      stack["started"], time.time())
+    assert two == [], [r["metric"] for r in two]
 
 
 def _never_simultaneous(stack, metric: dict) -> bool:
@@ -285,6 +358,9 @@ def test_every_dashboard_query_returns_data(stack, alerts_delivered):
     dashboards = dict(load_dashboards())
     # The upstream line exists only with an upstream histogram configured: check the test config's board too.
     dashboards["first-token (test config)"] = json.loads(stack["files"]["dashboards/kvwatch-first-token.json"])
+    # The objectives' panels read the recorded error ratios, named by window: the
+    # test config's windows (60s, 15s) stand for the default's (1h, 5m ...).
+    dashboards["overview (test config)"] = json.loads(stack["files"]["dashboards/kvwatch-overview.json"])
     unlabelled = []
     checked = lmcache = 0
     for name, dashboard in dashboards.items():
@@ -294,6 +370,8 @@ def test_every_dashboard_query_returns_data(stack, alerts_delivered):
                 expr = target["expr"]
                 for variable in sorted(substitutions, key=len, reverse=True):
                     expr = expr.replace(variable, substitutions[variable])
+                if ":ratio_rate" in expr and "(test config)" not in name:
+                    continue  # the committed board's windows; the test config's board is checked instead
                 if "kvwatch_lmcache_" in expr:
                     # The LMCache tier's panels: no --lmcache-target here (tests/test_e2e_engines.py
                     # checks them against the simulator's tier).
@@ -326,18 +404,23 @@ def test_grafana_rules_cross_their_thresholds_exactly_when_the_twins_fire(stack,
     prometheus = stack["prometheus"]
     start, end = float(int(stack["started"] + 5)), float(int(time.time()))
     grafana = json.loads(stack["files"][GRAFANA_RULES_FILE])
-    alerts = {(r["alert"], r["labels"]["cause"], r["labels"]["severity"]): r
+    alerts = {(r["alert"], r["labels"].get("cause") or r["labels"]["objective"], r["labels"]["severity"]): r
               for g in yaml.safe_load(stack["files"][RULES_FILE])["groups"] for r in g["rules"] if "alert" in r}
+    recorded = recorded_exprs(stack["config"])
     fired = 0
     for rule in grafana["groups"][0]["rules"]:
-        alert, cause, severity = rule["title"].split(" ")[0], rule["labels"]["cause"], rule["labels"]["severity"]
+        labels = rule["labels"]
+        alert, severity = rule["title"].split(" ")[0], labels["severity"]
+        cause = labels.get("cause") or labels["objective"]
+        key = "cause" if "cause" in labels else "objective"
         query = next(q["model"]["expr"] for q in rule["data"] if q["refId"] == "A")
         condition = next(q["model"]["expression"] for q in rule["data"] if q["refId"] == rule["condition"])
         op, threshold = condition.split(" ")[1], condition.split(" ")[2]
-        assert split_alert_expr(alerts[(alert, cause, severity)]["expr"]) == (query, op, float(threshold))
+        twin_query, twin_op, twin_threshold = split_alert_expr(alerts[(alert, cause, severity)]["expr"])
+        assert (expand(twin_query, recorded), twin_op, twin_threshold) == (query, op, float(threshold))
         crossing = _timeline(query_range(prometheus, f"({query}) {op} {threshold}", start, end))
         firing = _timeline(query_range(
-            prometheus, f'ALERTS{{alertname="{alert}",cause="{cause}",severity="{severity}"}}', start, end))
+            prometheus, f'ALERTS{{alertname="{alert}",{key}="{cause}",severity="{severity}"}}', start, end))
         if firing:
             fired += 1
         for key in set(crossing) | set(firing):

@@ -79,6 +79,12 @@ def unavailable_names(engine: str) -> set[str]:
     for signal in SIGNALS:
         if signal.name in names and signal.record[0]:
             names.add(signal.record[0])
+    # The objectives' recorded error ratios (kvwatch/mixin/objectives.py) need
+    # the TTFT histogram, and finished requests split by reason.
+    from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
+
+    needs = {"first_token": "ttft", "availability": "finished/*", "aborts": "finished/*"}
+    names |= {metric for objective, (_, _, metric) in OBJECTIVE_ALERTS.items() if needs[objective] not in keys}
     return names
 
 
@@ -126,10 +132,11 @@ def stack():
 def _depends_on_the_workload(expr: str) -> bool:
     """Queries that hold data only after something happened, whatever the
     engine: an active finding, a restart (resets()), a healthy hit ratio
-    remembered, or a fleet of several replicas (one simulator per engine here).
+    remembered, a fleet of several replicas (one simulator per engine here),
+    or a cause's condition (kvwatch-causes.rules: present only while it holds).
     tests/test_e2e_alerting.py and the promtool cases check those."""
     names = metric_names(expr)
-    return ("kvwatch_finding" in names or "resets(" in expr
+    return ("kvwatch_finding" in names or "resets(" in expr or ":condition" in expr
             or any("last_healthy" in name or "fleet" in name for name in names) or "last_healthy" in expr)
 
 

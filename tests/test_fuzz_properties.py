@@ -358,6 +358,42 @@ def test_one_model_name_per_request_is_capped_counted_and_memory_stays_flat(monk
     assert second - first < 20_000, f"peak grew by {second - first} blocks in 15 polls: {blocks}"
 
 
+def test_new_80_kb_label_values_every_poll_keep_the_parser_cache_bounded_in_bytes(monkeypatch):
+    """Each poll brings 40 new label values of 80 KB (a 3.2 MB page, under
+    the body cap): the parser's label cache is bounded in bytes, not only in
+    entries, and the adapter lets go of the label sets with it, so traced
+    memory after 30 polls is where it was after 10 (bounded in entries only,
+    the cache kept every one: 6.4 MB more each poll, 190 MB here)."""
+    import tracemalloc
+
+    from kvwatch import exposition
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
+        time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
+    pipeline = Pipeline(max_series=100, window="30s")
+
+    def page(number: int) -> str:
+        return "".join(
+            f'vllm:num_requests_running{{model_name="m",engine="0",request="{number:04d}-{n:02d}-{"x" * 80_000}"}} 1\n'
+            for n in range(40))
+
+    tracemalloc.start()
+    try:
+        current = []
+        for number in range(30):
+            clock[0] += 5
+            assert pipeline.poll(page(number)).up
+            gc.collect()
+            current.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    # One fill of the cache (16 MiB) plus a page's worth in flight, wherever
+    # in its saw the last poll falls; never a climb with the polls.
+    assert max(current[10:]) - max(current[:10]) < 8 * 1024 * 1024, [c >> 20 for c in current]
+    assert max(current) < current[0] + exposition._LABEL_CACHE_MAX_BYTES + 24 * 1024 * 1024, [c >> 20 for c in current]
+
+
 def test_model_names_changing_every_poll_keep_findings_events_and_details_bounded(monkeypatch):
     """200 new served names each poll (a gateway that sets one name per
     request), under max_series: each poll is a models change. Each change

@@ -152,6 +152,15 @@ def test_overview_covers_what_an_operator_asks(dashboards):
         assert wanted in titles
     findings = next(p for p in iter_panels(dashboards["kvwatch-overview.json"]) if p["title"] == "Active findings")
     assert "kvwatch_finding" in findings["targets"][0]["expr"]
+    # Past the first token: the gap per output token and the whole request, both exported and
+    # both what users feel (the overview had neither).
+    panels = {p["title"]: p for p in iter_panels(dashboards["kvwatch-overview.json"])}
+    for title, family in (("Inter-token latency (per output token)", "kvwatch_engine_inter_token_latency_seconds"),
+                          ("End-to-end request latency", "kvwatch_engine_e2e_request_latency_seconds")):
+        exprs = [t["expr"] for t in panels[title]["targets"]]
+        assert exprs and all(f"{family}_bucket" in e and "histogram_quantile" in e and "sum by (model_name, le)" in e
+                             for e in exprs), exprs
+        assert panels[title]["fieldConfig"]["defaults"]["unit"] == "s"
 
 
 def test_every_alert_links_to_a_panel_that_exists():
@@ -185,7 +194,12 @@ def catalogue_metrics(name: str) -> set[str]:
         return metric_names(SIGNALS_BY_NAME[name].promql.format(sel="", w="5m", by="x", q="0.5"))
     if name in TIER_SIGNALS_BY_NAME:
         return metric_names(TIER_SIGNALS_BY_NAME[name].promql.format(sel="", w="5m", by="x"))
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES:
+    from kvwatch.signals import STREAM_HEALTH, STREAM_SIGNALS, STREAM_SIZING
+
+    for stream in STREAM_SIGNALS + STREAM_SIZING:
+        if name == stream.name:
+            return metric_names(stream.promql.format(sel="", w="5m", by="x"))
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + STREAM_HEALTH:
         if name in (entry.name, entry.sample_name):
             return {entry.sample_name} | {entry.name + suffix for suffix in ("_bucket", "_sum", "_count")}
     raise KeyError(name)

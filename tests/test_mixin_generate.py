@@ -128,7 +128,11 @@ def test_config_changes_thresholds_windows_and_for():
                                   "severities": {"long_requests": "critical"}, "rate_window": "10m"})
     rules = yaml.safe_load(render_all(config)[RULES_FILE])
     exhausted = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "VllmKvCacheExhausted"]
-    assert all(") > 0.95\n" in r["expr"] and r["for"] == "3m" and "[10m]" in r["expr"] for r in exhausted)
+    # The alert reads the exhaustion detector's record (over the 10m window), which holds the threshold.
+    records = {r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    detector = "instance_model_name_engine:kvwatch_kv_cache_exhausted:condition10m"
+    assert ") > 0.95\n" in records[detector] and "[10m]" in records[detector]
+    assert all(detector in r["expr"] and r["for"] == "3m" for r in exhausted)
     assert {r["labels"]["cause"]: r["labels"]["severity"] for r in exhausted}["long_requests"] == "critical"
     # Unchanged entries keep their defaults.
     ttft = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "VllmTimeToFirstTokenSlow")
@@ -149,7 +153,9 @@ def test_exhaustion_soon_reads_the_eta_signal_and_its_threshold_in_minutes():
     # the ETA signal's own PromQL, the expression its recording rule records: one definition
     eta = engine_scope(config).signal("kvwatch_kv_cache_exhaustion_eta_seconds")
     (spec,) = [s for s in alert_specs(config) if s.alert == "VllmKvCacheExhaustionSoon"]
-    assert spec.query.lstrip("(\n ").startswith(eta.split("\n")[0])
+    records = {r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    read = spec.query.split("\n")[0]
+    assert read.endswith(":kvwatch_kv_cache_exhaustion_eta_seconds:deriv5m") and records[read] == eta
     assert "anchor" not in soon["annotations"]["runbook_url"]
     assert soon["annotations"]["runbook_url"].endswith("#vllmkvcacheexhaustionsoon-usage-rising")
 
@@ -206,3 +212,14 @@ def test_print_config_into_a_closed_pipe_ends_quietly(monkeypatch):
     monkeypatch.setattr(sys, "stdout", stream)
     monkeypatch.setattr(os, "dup2", lambda *args: None)  # keep the test runner's real stdout
     assert cli.main(["generate", "--print-config"]) == 0
+
+
+def test_generate_writes_into_the_current_directory_and_says_where(tmp_path, monkeypatch, capsys):
+    # From an installed (non-editable) kvwatch it wrote into site-packages.
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["generate"]) == 0
+    assert (tmp_path / RULES_FILE).is_file() and (tmp_path / "dashboards").is_dir()
+    err = capsys.readouterr().err
+    assert f"files in {tmp_path.resolve()} (the current directory; --out DIR for another)" in err
+    assert cli.main(["generate", "--check"]) == 0
+    assert f"up to date in {tmp_path.resolve()}" in capsys.readouterr().out

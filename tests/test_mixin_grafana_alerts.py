@@ -17,7 +17,8 @@ from kvwatch.mixin.alerts import alert_specs
 from kvwatch.mixin.config import ALERT_CAUSES, MixinConfig, config_from_mapping
 from kvwatch.commands.generate import GRAFANA_NOTIFICATIONS_FILE, GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.grafana_alerts import GRAFANA_VALUE
-from kvwatch.mixin.rules import split_alert_expr
+from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
+from kvwatch.mixin.rules import expand, recorded_exprs, split_alert_expr
 from mixin_support import GRAFANA_RULES, REPO, RULES, iter_panels, load_dashboards
 
 NO_DATA_STATES = {"NoData", "Alerting", "OK", "KeepLast"}
@@ -33,18 +34,21 @@ def grafana_rules(provisioning: dict) -> list[dict]:
     return [rule for group in provisioning["groups"] for rule in group["rules"]]
 
 
-def twin_problems(rules_text: str, provisioning: dict) -> list[str]:
+def twin_problems(rules_text: str, provisioning: dict, config: MixinConfig | None = None) -> list[str]:
     """Differences between each Prometheus alert rule and its Grafana twin."""
     problems = []
     by_key = {}
+    def key_of(title: str, labels: dict) -> tuple:
+        return (title, labels.get("cause") or labels.get("objective"), labels["severity"], labels.get("long_window"))
+
     for rule in grafana_rules(provisioning):
-        by_key.setdefault((rule["title"].split(" ")[0], rule["labels"].get("cause"), rule["labels"].get("severity")),
-                          []).append(rule)
+        by_key.setdefault(key_of(rule["title"].split(" ")[0], rule["labels"]), []).append(rule)
+    recorded = recorded_exprs(config or MixinConfig())
     alerts = prometheus_alerts(rules_text)
     if len(alerts) != len(grafana_rules(provisioning)):
         problems.append(f"{len(alerts)} Prometheus rules, {len(grafana_rules(provisioning))} Grafana rules")
     for alert in alerts:
-        key = (alert["alert"], alert["labels"]["cause"], alert["labels"]["severity"])
+        key = key_of(alert["alert"], alert["labels"])
         twins = by_key.get(key, [])
         if len(twins) != 1:
             problems.append(f"{key}: {len(twins)} Grafana twins")
@@ -52,7 +56,9 @@ def twin_problems(rules_text: str, provisioning: dict) -> list[str]:
         rule = twins[0]
         query, op, threshold = split_alert_expr(alert["expr"])
         data = {q["refId"]: q for q in rule["data"]}
-        if data["A"]["model"]["expr"] != query:
+        # Grafana reads no recording rule: the query is the alert's with each
+        # recorded series it reads replaced by the rule's expression.
+        if data["A"]["model"]["expr"] != expand(query, recorded):
             problems.append(f"{key}: query differs")
         if data["B"]["model"]["type"] != "reduce" or data["B"]["model"]["expression"] != "A":
             problems.append(f"{key}: B does not reduce A")
@@ -61,10 +67,13 @@ def twin_problems(rules_text: str, provisioning: dict) -> list[str]:
             problems.append(f"{key}: threshold {data[rule['condition']]['model']['expression']!r} != {op} {threshold}")
         if rule["for"] != alert["for"]:
             problems.append(f"{key}: for {rule['for']} != {alert['for']}")
+        if rule.get("keepFiringFor") != alert.get("keep_firing_for"):
+            problems.append(f"{key}: keepFiringFor {rule.get('keepFiringFor')} != {alert.get('keep_firing_for')}")
         if rule["labels"] != alert["labels"]:
             problems.append(f"{key}: labels {rule['labels']} != {alert['labels']}")
         normalised = {k: v.replace(GRAFANA_VALUE, "$value") for k, v in rule["annotations"].items()}
-        if normalised != alert["annotations"]:
+        # cause_alerts queries Prometheus' ALERTS from a Prometheus template: a Prometheus rule's alone.
+        if normalised != {k: v for k, v in alert["annotations"].items() if k != "cause_alerts"}:
             problems.append(f"{key}: annotations differ")
     return problems
 
@@ -76,8 +85,8 @@ def test_every_grafana_rule_matches_its_prometheus_twin():
 def test_twins_also_match_with_an_upstream_histogram():
     files = render_all(config_from_mapping(UPSTREAM))
     provisioning = json.loads(files[GRAFANA_RULES_FILE])
-    assert any(r["labels"]["cause"] == "upstream" for r in grafana_rules(provisioning))
-    assert twin_problems(files[RULES_FILE], provisioning) == []
+    assert any(r["labels"].get("cause") == "upstream" for r in grafana_rules(provisioning))
+    assert twin_problems(files[RULES_FILE], provisioning, config_from_mapping(UPSTREAM)) == []
 
 
 def test_the_twin_check_catches_drift():
@@ -140,15 +149,23 @@ LINKS = {"runbook_url_pattern": "https://git.example.org/ops/kvwatch/blob/main/a
          "dashboard_url_pattern": "https://grafana.example.org/d/{uid}?var-model={model_name}&viewPanel={panel_id}"}
 
 
-def test_the_default_config_links_to_no_host_it_does_not_know():
-    # A page at 3am must not carry a link to a host that does not exist.
+def test_every_alert_links_its_runbook_by_default_on_the_kvwatch_that_raised_it():
+    # A page at 3am carries a link that works: kvwatch serves the runbooks
+    # itself (GET /runbooks), so the default points at the alert's instance.
     files = render_all(MixinConfig())
     for rule in grafana_rules(json.loads(files[GRAFANA_RULES_FILE])) + prometheus_alerts(files[RULES_FILE]):
-        assert not {"runbook_url", "dashboard_url"} & set(rule["annotations"]), rule.get("uid", rule.get("alert"))
+        url = rule["annotations"]["runbook_url"]
+        assert url.startswith("http://{{ $labels.instance }}/runbooks#"), (rule.get("uid", rule.get("alert")), url)
+        assert "dashboard_url" not in rule["annotations"]
     assert "example.com" not in files[RULES_FILE] + files[GRAFANA_RULES_FILE]
     for name, text in files.items():
         if name.startswith("dashboards/"):
             assert '"title": "Runbook"' not in text, name
+    # A published copy replaces the default: a base URL, or a pattern.
+    published = render_all(config_from_mapping({"runbook_base_url": "https://kvwatch.example.org/runbooks/"}))
+    urls = {r["annotations"]["runbook_url"] for r in prometheus_alerts(published[RULES_FILE])}
+    assert "https://kvwatch.example.org/runbooks#vllmtimetofirsttokenbudgetburn" in urls
+    assert all(url.startswith("https://kvwatch.example.org/runbooks#") for url in urls)
 
 
 def test_every_rule_has_a_no_data_decision_with_a_reason():
@@ -158,7 +175,8 @@ def test_every_rule_has_a_no_data_decision_with_a_reason():
         for spec in alert_specs(config):
             state, reason = NO_DATA[(spec.alert, spec.cause)]
             assert state in NO_DATA_STATES and len(reason) > 40
-    assert set(NO_DATA) <= {(a, c) for a, causes in ALERT_CAUSES.items() for c in causes}
+    assert set(NO_DATA) <= {(a, c) for a, causes in ALERT_CAUSES.items() for c in causes} | {
+        (alert, objective) for objective, (alert, _, _) in OBJECTIVE_ALERTS.items()}
 
 
 def test_panel_references_point_at_existing_panels():
@@ -189,7 +207,8 @@ def test_notification_example_routes_every_cause_by_severity_and_cause():
     contact_points = {cp["name"] for cp in example["contactPoints"]}
     policy = example["policies"][0]
     assert policy["receiver"] in contact_points
-    assert {"alertname", "cause"} <= set(policy["group_by"])
+    # One notification per engine and model: a page with the cause alerts beside it.
+    assert {"model_name", "engine"} <= set(policy["group_by"])
     keys = set()
     for route in policy["routes"]:
         assert route["receiver"] in contact_points

@@ -7,6 +7,7 @@ usage), and each expected value is the sidecar's own signal on those samples."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,9 @@ import yaml
 
 from kvwatch.mixin.alerts import alert_specs
 from kvwatch.mixin.config import MixinConfig, config_from_mapping
+from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
 from kvwatch.commands.generate import RULES_FILE, render_all
-from kvwatch.mixin.rules import MEMORY_GROUP
+from kvwatch.mixin.rules import ALERTS_GROUP, MEMORY_GROUP
 from mixin_support import PROMETHEUS_RULE, REPO, RULES, load_rules
 
 sys.path.insert(0, str(REPO / "tests" / "promtool"))
@@ -30,24 +32,30 @@ CASES_DIR = REPO / "tests" / "promtool"
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+RECORDED = re.compile(r"[a-zA-Z_]*:[a-zA-Z0-9_]+:[a-zA-Z0-9_]+")
 
 
 def alerts_without_annotations(rules_text: str) -> str:
-    """The alert rules only (they do not read the recording rules, and
-    evaluating those too makes promtool several times slower), with their
-    annotations removed (promtool compares rendered annotations verbatim)."""
+    """The alerts' group (the records they read, then the alerts) and the
+    hit-ratio memory, in the file's order, the alerts' annotations removed
+    (promtool compares rendered annotations verbatim). The objectives' burn
+    alerts and their records have their own cases
+    (tests/test_objectives_promtool.py); the other recording rules are left
+    out (evaluating every one makes promtool several times slower)."""
     data = yaml.safe_load(rules_text)
+    burns = {alert for alert, _, _ in OBJECTIVE_ALERTS.values()}
     groups = []
     for group in data["groups"]:
-        if group["name"] == MEMORY_GROUP:  # the alerts read the hit-ratio memory
+        if group["name"] == MEMORY_GROUP:
             groups.append(group)
-            continue
-        alerts = [rule for rule in group["rules"] if "alert" in rule]
-        for rule in alerts:
-            rule.pop("annotations", None)
-        if alerts:
-            groups.append({**group, "rules": alerts})
+        elif group["name"] == ALERTS_GROUP:
+            rules = [rule for rule in group["rules"] if rule.get("alert") not in burns]
+            for rule in rules:
+                rule.pop("annotations", None)
+            groups.append({**group, "rules": rules})
     return yaml.safe_dump({"groups": groups}, width=1 << 16)
 
 
@@ -204,9 +212,10 @@ def test_cases_cover_every_alert_and_cause_and_check_every_alert():
     covered = {(e[0], e[1], e[3] if len(e) > 3 else cases.SEVERITY[e[1]])
                for case in cases.default_cases() + cases.upstream_cases() + cases.no_reuse_cases()
                + cases.fleet_cases() for e in case.expect}
-    specs = {(s.alert, s.cause, s.severity) for s in alert_specs(MixinConfig())}
-    specs |= {(s.alert, s.cause, s.severity) for s in alert_specs(config_from_mapping(cases.UPSTREAM_CONFIG))}
-    specs |= {(s.alert, s.cause, s.severity) for s in alert_specs(config_from_mapping(cases.NO_REUSE_CONFIG))}
+    # (The objectives' burn-rate alerts have their own cases: tests/test_objectives_promtool.py.)
+    specs = {(s.alert, s.cause, s.severity) for config in (MixinConfig(), config_from_mapping(cases.UPSTREAM_CONFIG),
+                                                           config_from_mapping(cases.NO_REUSE_CONFIG))
+             for s in alert_specs(config) if s.kind == "cause"}
     assert specs == covered
     # Each case checks every alert name, so a cause firing where another
     # should is a failure: the negative half of every branch.
@@ -220,8 +229,10 @@ def test_cases_cover_every_alert_and_cause_and_check_every_alert():
 def test_case_labels_match_the_config():
     config = MixinConfig()
     for spec in alert_specs(config):
-        assert (cases.PREEMPTING if spec.variant == "preempting" else cases.SEVERITY[spec.cause]) == spec.severity
-    assert all(rule["labels"]["cause"] for rule in load_rules() if "alert" in rule)
+        if spec.kind == "cause":
+            assert (cases.PREEMPTING if spec.variant == "preempting" else cases.SEVERITY[spec.cause]) == spec.severity
+    # Every alert names its cause, or (a page) its objective.
+    assert all(rule["labels"].get("cause") or rule["labels"].get("objective") for rule in load_rules() if "alert" in rule)
 
 
 @needs_promtool
@@ -243,24 +254,34 @@ def test_the_unit_tests_catch_a_threshold_that_never_fires(tmp_path):
     assert "VllmTimeToFirstTokenSlow" in result.stdout + result.stderr
 
 
-def test_alert_severities_are_the_diagnosis_severities():
-    # One table: exhaustion with preemptions is critical in the diagnosis, so
-    # it is critical in the alert too (it used to be warning, waking no one).
+def test_alert_severities_are_the_diagnosis_severities_and_only_objectives_page():
+    # One table for the causes, with one exception: exhaustion with
+    # preemptions is the diagnosis' critical finding, but the alert is a
+    # warning that explains the page: what pages is an objective (users feel
+    # late first tokens and failed requests, not preemptions).
     from kvwatch.diagnose.vocabulary import SEVERITY, severity_of
 
     specs = alert_specs(MixinConfig())
     for spec in specs:
         if spec.symptom and spec.cause in SEVERITY:
-            assert spec.severity == severity_of(spec.cause, preempting=spec.variant == "preempting"), spec.uid
+            assert spec.severity == severity_of(spec.cause), spec.uid
     # The alerts the diagnosis has no finding for: a forecast, and kvwatch's own health.
-    assert {s.cause for s in specs if s.cause not in SEVERITY} <= {
-        "usage_rising", "kvwatch_unreachable", "kvwatch_absent", "engine_unreachable"}
-    exhausted = {(s.cause, s.severity) for s in specs if s.alert == "VllmKvCacheExhausted"}
-    assert ("concurrency_beyond_capacity", "critical") in exhausted
-    assert ("concurrency_beyond_capacity", "warning") in exhausted
-    rules = {(r["labels"]["cause"], r["labels"]["severity"]): r for r in load_rules()
-             if r.get("alert") == "VllmKvCacheExhausted"}
-    assert "preemptions" in rules[("concurrency_beyond_capacity", "critical")]["expr"]
+    assert {s.cause for s in specs if s.cause not in SEVERITY and s.kind == "cause"} <= {
+        "usage_rising", "kvwatch_unreachable", "kvwatch_absent", "engine_unreachable", "stats_disabled"}
+    critical = {(s.alert, s.kind) for s in specs if s.severity == "critical"}
+    assert critical == {("VllmTimeToFirstTokenBudgetBurn", "objective"), ("VllmRequestErrorBudgetBurn", "objective"),
+                        ("KvwatchEngineUnreachable", "cause")}
+    # Without a severity apart for preemptions, each exhaustion cause is one rule...
+    exhausted = [s for s in specs if s.alert == "VllmKvCacheExhausted"]
+    assert sorted(s.cause for s in exhausted) == ["concurrency_beyond_capacity", "long_requests"]
+    # (the exhaustion detector they read counts preemptions as exhaustion)
+    detector = "instance_model_name_engine:kvwatch_kv_cache_exhausted:condition5m"
+    assert all(s.severity == "warning" and detector in s.query for s in exhausted)
+    assert "preemptions" in {r["record"]: r["expr"] for r in load_rules() if "record" in r}[detector]
+    # ...and a config that pages on preemptions gets the split back.
+    paging = alert_specs(config_from_mapping({"severities": {"concurrency_beyond_capacity_preempting": "critical"}}))
+    split = {(s.variant, s.severity) for s in paging if s.cause == "concurrency_beyond_capacity"}
+    assert split == {("preempting", "critical"), ("", "warning")}
 
 
 def test_docs_alerts_table_gives_every_alert_its_severity_and_for():
@@ -269,4 +290,59 @@ def test_docs_alerts_table_gives_every_alert_its_severity_and_for():
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table if line.count("|") == 7]
     for spec in alert_specs(MixinConfig()):
         assert any(row[0] == f"`{spec.alert}`" and f"`{spec.cause}`" in row[1] and row[2] == spec.severity
-                   and row[3] == spec.for_ and row[4] and row[5] for row in rows), (spec.alert, spec.cause)
+                   and row[3] == spec.for_ and row[4] and row[5]
+                   and (spec.kind == "cause" or spec.variant in row[1] or "every pair" in row[1])
+                   for row in rows), (spec.alert, spec.cause, spec.variant)
+
+
+# An alert someone must check by reading it at 3am: its expression fits on a screen.
+MAX_ALERT_LINES = 12
+
+
+def unreadable(rules: list[dict]) -> list[str]:
+    """Alerts whose expression runs over MAX_ALERT_LINES lines or that carry no runbook_url."""
+    problems = []
+    for rule in rules:
+        if "alert" not in rule:
+            continue
+        name = f"{rule['alert']} ({rule['labels'].get('cause') or rule['labels'].get('objective')})"
+        lines = rule["expr"].rstrip("\n").count("\n") + 1
+        if lines > MAX_ALERT_LINES:
+            problems.append(f"{name}: {lines} lines")
+        if not rule.get("annotations", {}).get("runbook_url"):
+            problems.append(f"{name}: no runbook_url")
+    return problems
+
+
+def all_configs():
+    return (MixinConfig(), config_from_mapping(cases.UPSTREAM_CONFIG), config_from_mapping(cases.NO_REUSE_CONFIG))
+
+
+def test_every_alert_reads_in_twelve_lines_and_links_its_runbook():
+    assert unreadable(load_rules()) == []
+    for config in all_configs():
+        text = render_all(config)[RULES_FILE]
+        assert unreadable([r for g in yaml.safe_load(text)["groups"] for r in g["rules"]]) == []
+
+
+def test_the_readability_check_fails_a_long_alert_and_a_missing_link():
+    alert = next(rule for rule in load_rules() if "alert" in rule)
+    long = {**alert, "expr": "\n".join(["up"] * (MAX_ALERT_LINES + 1))}
+    unlinked = {**alert, "annotations": {"summary": "x"}}
+    assert len(unreadable([long, unlinked])) == 2
+    assert unreadable([{**alert, "expr": "\n".join(["up"] * MAX_ALERT_LINES)}]) == []
+
+
+def test_every_recorded_series_an_alert_reads_is_recorded_before_it():
+    # In file order: promtool and a Prometheus evaluation interval run the
+    # groups one after another, so a record read later in the file is current.
+    for config in all_configs():
+        defined: set[str] = set()
+        for group in yaml.safe_load(render_all(config)[RULES_FILE])["groups"]:
+            for rule in group["rules"]:
+                missing = set(RECORDED.findall(rule["expr"])) - defined
+                if group["name"] == MEMORY_GROUP:  # the memory reads its own previous values
+                    missing -= {r["record"] for r in group["rules"]}
+                assert not missing, (rule.get("record") or rule.get("alert"), sorted(missing))
+                if "record" in rule:
+                    defined.add(rule["record"])

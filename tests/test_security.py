@@ -556,6 +556,73 @@ def test_a_flood_of_half_sent_requests_leaves_the_probes_answerable(bounded_serv
             sock.close()
 
 
+def test_a_flood_of_slow_bodies_leaves_both_probes_answerable(bounded_server):
+    """100 connections (40 allowed) send whole headers declaring a 100 MB
+    body, or a body under the cap that never ends, then one byte of it, on
+    the probes' own paths and others: each is refused (413) or closed to
+    make room, and /healthz and /metrics answer 200 all along (on main
+    before issue 35 the body phase was never evicted: every probe got 503)."""
+    import socket
+
+    port = bounded_server
+    targets = (b"GET /healthz", b"POST /metrics", b"GET /", b"POST /api/v1/signals")
+    flood = []
+    try:
+        for n in range(100):
+            length = b"100000000" if n % 2 else b"60000"
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(targets[n % 4] + b" HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + b"\r\n\r\nx")
+            flood.append(sock)
+        for _ in range(5):
+            assert probe(port) == 200
+            assert requests.get(f"http://127.0.0.1:{port}/metrics", timeout=3).status_code == 200
+        for n, sock in enumerate(flood):
+            # Each connection ends (a socket timeout here would fail the test).
+            sock.settimeout(5)
+            answer = b""
+            try:
+                while more := sock.recv(1 << 16):
+                    answer += more
+            except ConnectionResetError:
+                continue  # closed to make room
+            if n % 2:  # declared over the cap: refused before anything is read
+                assert answer in (b"", b"HTTP/1.1 413 Content Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            # else: the body never ends: closed at the request deadline (1 s
+            # here), after the answer where the route answers without the body
+    finally:
+        for sock in flood:
+            sock.close()
+
+
+def test_a_body_over_the_cap_sent_in_chunks_is_refused(bounded_server):
+    """No declared length, a chunked body past 64 KiB: 413, closed; the
+    probe answers."""
+    import socket
+
+    port = bounded_server
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        sock.sendall(b"POST /api/v1/signals HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            for _ in range(40):
+                sock.sendall(b"1000\r\n" + b"x" * 4096 + b"\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = b""
+        try:
+            while True:
+                more = sock.recv(1 << 16)
+                if not more:
+                    break
+                answer += more
+        except ConnectionResetError:
+            pass
+        assert b"HTTP/1.1 413 Content Too Large" in answer or answer == b"", answer[-200:]
+    finally:
+        sock.close()
+    assert probe(port) == 200
+
+
 def test_huge_headers_are_refused_without_holding_the_probes(bounded_server):
     """A 4 MB header (and a 1 MB Accept-Encoding) are refused at 16 KiB with
     431, before any parsing of their content; /healthz answers meanwhile."""
@@ -579,3 +646,29 @@ def test_huge_headers_are_refused_without_holding_the_probes(bounded_server):
         finally:
             sock.close()
         assert probe(port) == 200
+
+
+def test_config_and_token_files_are_read_with_a_byte_cap(tmp_path, capsys):
+    """A config file of 2 MiB, a scrape-token file of 2 MiB, a config path
+    naming a FIFO (it blocked for ever) or a device: each one sentence, exit 2
+    (read whole before: a path to /dev/zero never ended)."""
+    import os
+
+    from kvwatch.cli import main
+
+    big = tmp_path / "big.yaml"
+    # (An invalid port as well, so that no version of kvwatch starts serving here.)
+    big.write_text("# padding\n" * 220_000 + "port: 99999999\n")
+    assert main(["serve", "--config", str(big)]) == 2
+    assert "larger than the 1,048,576 bytes kvwatch reads of it" in capsys.readouterr().err
+    token = tmp_path / "token"
+    token.write_text("a" * (2 * 1024 * 1024))
+    assert main(["serve", "--target", "http://127.0.0.1:9/metrics", "--auth-token-file", str(token),
+                 "--port", "99999999"]) == 2
+    assert "larger than the 65,536 bytes kvwatch reads of it" in capsys.readouterr().err
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    assert main(["serve", "--config", str(fifo), "--port", "99999999"]) == 2
+    assert f"config file {fifo}: not a regular file" in capsys.readouterr().err
+    assert main(["serve", "--config", "/dev/null", "--port", "99999999"]) == 2  # a device: refused, never read
+    assert "/dev/null: not a regular file" in capsys.readouterr().err

@@ -120,3 +120,27 @@ def test_serve_help_states_every_default_one_way_and_each_parses_back_to_the_set
     for key in ("poll_interval", "window", "max_body_bytes", "port", "max_series", "host", "tls_verify",
                 "log_level", "engine", "target"):
         assert PARSERS[key](default_text(key)) == defaults[key], key
+
+
+def test_an_unknown_setting_gets_the_nearest_known_one(tmp_path):
+    path = tmp_path / "kvwatch.yaml"
+    path.write_text("windw: 5m\npoll-intervl: 2s\nzzz: 1\ndiagnosis:\n  hit_ratio_lo: 0.2\n")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(str(path), environ={})
+    problems = caught.value.problems
+    assert any("unknown setting 'windw': did you mean 'window'?" in p for p in problems), problems
+    assert any("unknown setting 'poll-intervl': did you mean 'poll_interval'?" in p for p in problems), problems
+    assert any("unknown setting 'zzz' (known:" in p for p in problems), problems  # nothing near: no guess
+    assert any("unknown threshold 'hit_ratio_lo': did you mean 'hit_ratio_low'?" in p for p in problems), problems
+
+
+def test_a_misspelt_flag_shows_the_subcommand_s_usage_and_the_nearest_flag(capsys):
+    from kvwatch.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["diagnose", "--durration", "30s"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvwatch diagnose ")
+    assert "unrecognized arguments: --durration 30s" in err
+    assert "--durration: did you mean --duration?" in err

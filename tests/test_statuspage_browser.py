@@ -382,3 +382,48 @@ def test_a_finished_replay_reads_as_one_and_calm_figures_stay_calm(browser, fixt
     from kvwatch.diagnose.vocabulary import NEXT_ACTION
 
     assert facts["next"] == "Next: " + NEXT_ACTION[monitor.state.findings[0].cause]
+
+
+def test_the_banner_shows_the_worst_active_finding_and_clearing_ones_are_muted_below(browser):
+    """One story (issue 32): a critical finding held while clearing never
+    leads the banner over an active one; it is drawn muted below the active
+    cards; a finding's contributing factors and alternatives show on its card."""
+    from dataclasses import replace as with_
+
+    from kvwatch.diagnose import Finding
+    from kvwatch.diagnose.arbitration import alternative
+    from kvwatch.diagnose.hold import FindingHold
+    from sim_support import sim_monitor
+
+    monitor = sim_monitor("healthy", 30.0)
+    hold = FindingHold(60.0)
+    now = monitor.state.last_poll_time
+    hold.apply(now - 4, [Finding("exhaustion", "long_requests", "critical", "high", "tiny-llama", "0", "full earlier")])
+    found = hold.apply(now, [
+        Finding("low_hit_rate", "prefix_changed", "warning", "low", "tiny-llama", "0", "prefix or eviction",
+                {"hit_ratio": 0.1}, "diff the templates",
+                alternatives=(alternative("eviction_before_reuse", ("kv_cache_metrics", "kv_events")),)),
+        Finding("slow_first_token", "queueing_kv_bound", "warning", "medium", "tiny-llama", "0", "queue",
+                {"ttft_p95_seconds": 28.0, "queue_share": 0.6, "window_seconds": 60}, "shorten it"),
+        Finding("slow_first_token", "preemption", "warning", "medium", "tiny-llama", "0", "preempted",
+                {"other_share": 0.3}, "relieve the cache")])
+    assert [f.cause for f in found] == ["prefix_changed", "queueing_kv_bound", "long_requests"]
+    monitor.state = with_(monitor.state, findings=found)
+    with serving(create_app(monitor, monitor.settings), lifespan="off", start_timeout_s=10) as kvwatch:
+        page = load(browser, kvwatch.url + "/", 1400)
+        facts = page.evaluate("""(() => ({
+          banner: [document.getElementById("banner").dataset.cause, document.getElementById("banner").dataset.clearing || ""],
+          cards: Array.from(document.querySelectorAll("#findings article.card"))
+            .map(e => [e.dataset.cause, e.classList.contains("clearing")]),
+          contributors: Array.from(document.querySelectorAll("#findings [data-contributor]")).map(e => e.dataset.contributor),
+          alternatives: Array.from(document.querySelectorAll("#findings [data-alternative]")).map(e => e.textContent),
+          spans: Array.from(document.querySelectorAll("#findings article.card [data-span]")).map(e => e.textContent),
+        }))()""")
+        messages = page.messages()
+    assert facts["banner"] == ["prefix_changed", ""], facts
+    assert facts["cards"] == [["prefix_changed", False], ["queueing_kv_bound", False], ["long_requests", True]]
+    assert facts["contributors"] == ["preemption"]
+    assert len(facts["alternatives"]) == 1 and "KV-cache event stream" in facts["alternatives"][0]
+    # The card's numbers say their span (the trends end on shorter ones).
+    assert facts["spans"] == ["Numbers over the 60 s the diagnosis judged."], facts["spans"]
+    assert messages == []

@@ -73,6 +73,7 @@ def test_sweep_against_the_simulator_peak_kv_rises_with_concurrency(sim, tmp_pat
         assert cell["prompt_tokens_mean"] == 256
         assert cell["prompt_tokens_client_mean"] == 256
         assert cell["engine_finished"] == cell["completed"]
+        assert cell["foreign_requests"] == 0  # the idle scenario sends nothing of its own
         assert cell["engine_ttft_count"] == cell["completed"]
         assert cell["client_ttft_p50_s"] <= cell["client_ttft_p95_s"]
         assert cell["engine_ttft_p50_s"] <= cell["engine_ttft_p95_s"]
@@ -465,9 +466,24 @@ def test_a_server_with_other_traffic_is_measured_after_a_bounded_wait_with_a_not
     # The wait is bounded by --idle-wait alone: the requests and the calibration
     # keep a generous timeout, so a busy machine cannot fail them (a 1 s
     # --timeout bounded both and failed the calibration under load).
-    assert code == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 0, err
     report = json.loads((out / "sweep.json").read_text())
-    assert report["cells"][0]["completed"] == 2
+    cell = report["cells"][0]
+    assert cell["completed"] == 2
     assert "cell 1: the server was still busy after 1 s; the cell may include other traffic" \
         in report["notes"]
-    assert "the server was still busy" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "the server was still busy" in summary
+    # The server finished more requests than the sweep sent: said while the
+    # sweep ran (before its closing line), in the summary, and in the CSV.
+    assert cell["foreign_requests"] > 0 and cell["engine_finished"] == cell["foreign_requests"] + 2
+    said = f"kvwatch sweep: cell 1: other traffic: the server finished {cell['engine_finished']:.0f} requests"
+    assert said in err and err.index(said) < err.index("kvwatch sweep: done")
+    assert "kvwatch sweep: other traffic on the server in 1 of 1 cell(s)" in err
+    assert f"other traffic: the server finished {cell['engine_finished']:.0f} requests" in summary
+    # --compare names it as the reason the cell is refused.
+    assert main(["sweep", "--compare", str(out), str(out), "--out", str(tmp_path / "cmp"), "--no-plots"]) == 1
+    refused = json.loads((tmp_path / "cmp" / "compare.json").read_text())["cells"]["refused"]
+    assert refused and refused[0]["reasons"][0].startswith(
+        f"other traffic: the server finished {cell['foreign_requests']} requests the before sweep did not send")

@@ -351,3 +351,61 @@ def test_a_sweep_with_a_baseline_repeats_its_prompts_and_compares_an_fp8_cache(t
     assert peak["after"] < peak["before"]
     text = (after / "compare.md").read_text()
     assert text.index("## Quality probe") < text.index("## Cells")
+
+
+# ---------------------------------------------------------------------------
+# Crafted folders (issue 35): one sentence, never a traceback; no markup out.
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: r.update(cells=[1, 2]), "cell 1 is not an object"),
+    (lambda r: r["cells"][0].update(input_tokens="256"), "cell 1's input_tokens is not a whole number"),
+    (lambda r: r["cells"][0].update(concurrency=10**30), "cell 1's concurrency is not a whole number"),
+    (lambda r: r["cells"][0].update(concurrency=True), "cell 1's concurrency is not a whole number"),
+    (lambda r: r.update(server=[]), "server is not an object"),
+    (lambda r: r["server"].update(cache_config="fp8"), "server.cache_config is not an object"),
+    (lambda r: r.update(quality_probe=[1]), "quality_probe is not an object"),
+    (lambda r: r["config"].update(seed={"x": [1]}, model=["m"]), None),
+    (lambda r: r["cells"][0].update(peak_kv_usage="1e999", completed=[1], client_ttft_p95_s=1e308), None),
+    (lambda r: r["quality_probe"].update(results="x"), None),
+    (lambda r: r["server"]["cache_config"]["0"].update(cache_dtype={"a": 1}, kv_cache_memory_bytes="1e400"), None),
+])
+def test_a_crafted_sweep_folder_is_one_sentence_or_compared(tmp_path, capsys, edit, says):
+    """Wrong types, huge numbers: `sweep --compare` ends in one sentence
+    naming what it cannot read (exit 2), or compares what it can; never a
+    traceback (it raised on wrong types, huge numbers and deep nesting)."""
+    report = _report()
+    edit(report)
+    before = _write(tmp_path / "before", _report())
+    after = _write(tmp_path / "after", report)
+    code = main(["sweep", "--compare", str(before), str(after), "--out", str(tmp_path / "cmp"), "--no-plots"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if says is None:
+        assert code in (0, 1, 2)
+        if code == 2:
+            assert err.startswith("kvwatch sweep: error: --compare: ") and len(err.splitlines()) == 1, err
+    else:
+        assert code == 2 and says in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"cells": [], "config": {}, "x": ' + "9" * 10_000 + "}",
+                                  "\xff", ""])
+def test_a_sweep_json_nested_deeply_or_of_huge_numbers_is_one_sentence(tmp_path, capsys, text):
+    before = _write(tmp_path / "before", _report())
+    after = tmp_path / "after"
+    after.mkdir()
+    (after / "sweep.json").write_bytes(text.encode("latin-1") if text == "\xff" else text.encode())
+    assert main(["sweep", "--compare", str(before), str(after), "--no-plots", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwatch sweep: error: --compare: ") and len(err.splitlines()) == 1, err
+
+
+def test_markup_a_sweep_recorded_is_text_in_compare_md(tmp_path):
+    """A model name and a cache setting carrying `<script>`: compare.md
+    writes them as text (it carried them raw)."""
+    after = _report(model="<script>alert(1)</script>")
+    after["server"]["cache_config"]["0"]["cache_dtype"] = "fp8<img src=x onerror=alert(1)>"
+    text = render_markdown(compare(_report(), after, force=True))
+    assert "<script" not in text and "<img" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text

@@ -140,6 +140,20 @@ def test_one_counter_going_down_resets_that_series_only():
     assert not any(step.restarted for entry in window.entries for step in entry.steps.values())
 
 
+def test_a_counter_falling_within_rounding_is_not_a_reset():
+    """Preemptions (50) fall by 1e-6 each poll, less than a 32-bit float's
+    rounding of the value: no reset, so no increase, while the rest climb
+    (counted as a reset, each poll added the whole 50: 10 preemptions/s and
+    a false critical finding). A fall of 0.001 still is one (the test above)."""
+    window, v = run([
+        page(100_000 + 2640 * i, 1000 * i, 2640 * i, 50 - 1e-6 * i, created=1.0,
+             ttft_counts=(100 + i, 200 + 2 * i), ttft_sum=50.0 + i)
+        for i in range(5)])
+    assert v["kvwatch_preemptions_per_second"] == 0.0
+    assert v["kvwatch_prompt_tokens_per_second"] == pytest.approx(2640 / 5)
+    assert not any(step.restarted for entry in window.entries for step in entry.steps.values())
+
+
 def test_created_with_a_counter_that_fell_is_a_restart():
     window, v = run([page(1000, 400, 1000, 10, created=1.0), page(1500, 20, 40, 0, created=2.0)])
     assert window.entries[-1].steps[("m", "0")].restarted

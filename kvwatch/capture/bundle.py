@@ -13,6 +13,12 @@ A capture is a folder, or the same folder as one `.tar.gz` bundle:
                        "reason" + "detail" when it failed}
     pages/000001.txt   each page byte-exact (as the engine sent it, after
                        any gzip transfer encoding), named by its seq
+    events.bin         with `kvwatch capture --kv-events`: the engine's
+                       KV-cache event messages as received, each a record of
+                       its receive time (8-byte big-endian float), sequence
+                       number (8-byte signed) and payload (4-byte length, then
+                       the msgpack bytes); at most MAX_EVENTS_BYTES, the
+                       manifest says how many and whether it was cut short
 
 The writer appends to index.jsonl and flushes after each fetch, so a folder
 is readable even after a hard kill; a bundle is written once, at the end
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import re
 import shutil
 import tarfile
 import zlib
@@ -37,7 +45,27 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 INDEX = "index.jsonl"
 PAGES = "pages"
+EVENTS = "events.bin"
+# The stream's records in one capture (read whole, before the pages): past
+# it the recorder stops keeping events and says so in the manifest.
+MAX_EVENTS_BYTES = 64 * 1024 * 1024
+_EVENT_HEADER = 20  # time (8), sequence (8), payload length (4)
 BUNDLE_SUFFIXES = (".tar.gz", ".tgz")
+
+# What a reader takes of each part of a capture, counted as it is read (in a
+# bundle: decompressed bytes, as they come out of the stream), so a crafted
+# capture costs at most this much whatever it declares. A page is at most
+# what the recorder's body cap let through (8 MiB by default); an index line
+# is about 150 bytes a fetch (24 h at 1 s: 13 MB).
+MAX_MANIFEST_BYTES = 1024 * 1024
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+MAX_PAGE_BYTES = 64 * 1024 * 1024
+# The only page names an index may hold: a folder capture's index naming any
+# other file (`/dev/zero`, `../../secret`) read it.
+PAGE_NAME = re.compile(r"pages/[0-9]{6,12}\.txt")
+# Unix seconds a recorded time may hold (year 1970 to 5138): Infinity killed
+# the `serve --replay` thread, and a time of 1e300 would wait for ever.
+MAX_TIME = 1e11
 
 
 class CaptureError(Exception):
@@ -75,9 +103,32 @@ class Entry:
         return line
 
     @classmethod
-    def from_json(cls, line: dict[str, Any]) -> "Entry":
-        return cls(int(line["seq"]), float(line["time"]), float(line.get("seconds", 0.0)), bool(line["ok"]),
-                   line.get("page"), int(line.get("size", 0)), line.get("reason"), str(line.get("detail", "")))
+    def from_json(cls, line: Any) -> "Entry":
+        """An index line's entry; ValueError, one sentence, for a line that is
+        not one kvwatch writes (wrong types, a time that is no time, a page
+        outside the capture's pages/)."""
+        if not isinstance(line, dict):
+            raise ValueError(f"a JSON {type(line).__name__}, not an object")
+        seq, ok, page = line.get("seq"), line.get("ok"), line.get("page")
+        if type(seq) is not int or not 0 < seq < 10**12:
+            raise ValueError("seq is not a positive whole number")
+        if type(ok) is not bool:
+            raise ValueError("ok is not true or false")
+        numbers = {}
+        for name, default in (("time", None), ("seconds", 0.0), ("size", 0)):
+            value = line.get(name, default)
+            if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} is not a finite number of at least 0")
+            numbers[name] = value
+        if numbers["time"] > MAX_TIME:
+            raise ValueError("time is past the year 5000")
+        if ok and (type(page) is not str or PAGE_NAME.fullmatch(page) is None):
+            raise ValueError("page does not name a file of the capture's pages/ folder")
+        reason, detail = line.get("reason"), line.get("detail", "")
+        if reason is not None and type(reason) is not str or type(detail) is not str:
+            raise ValueError("reason or detail is not text")
+        return cls(seq, float(numbers["time"]), float(numbers["seconds"]), ok, page if ok else None,
+                   int(numbers["size"]), reason, detail)
 
 
 class CaptureWriter:
@@ -100,6 +151,29 @@ class CaptureWriter:
         self._write_manifest()
         self._index = open(self.folder / INDEX, "a", encoding="utf-8")
         self.seq = 0
+        self._events = None
+        self._events_bytes = 0
+        import threading
+
+        self._events_lock = threading.Lock()
+
+    def add_event(self, time: float, seq: int, payload: bytes) -> bool:
+        """One KV-cache event message as received (the receiver's thread
+        calls it); False once the capture holds MAX_EVENTS_BYTES of them."""
+        import struct
+
+        record = struct.pack(">dqI", time, seq, len(payload)) + payload
+        with self._events_lock:
+            if self._events_bytes + len(record) > MAX_EVENTS_BYTES:
+                self.manifest["kv_events_truncated"] = True
+                return False
+            if self._events is None:
+                self._events = open(self.folder / EVENTS, "ab")
+            self._events.write(record)
+            self._events.flush()
+            self._events_bytes += len(record)
+            self.manifest["kv_events_messages"] = self.manifest.get("kv_events_messages", 0) + 1
+            return True
 
     def add(self, time: float, seconds: float, text: str | None, reason: str | None = None,
             detail: str = "") -> Entry:
@@ -126,6 +200,11 @@ class CaptureWriter:
     def close(self, **fields: Any) -> Path:
         """Finish the manifest (and pack the bundle); returns the capture's path."""
         self._index.close()
+        with self._events_lock:
+            if self._events is not None:
+                self._events.close()
+                self._events = None
+            self._events_bytes = MAX_EVENTS_BYTES + 1  # nothing more after close
         self.manifest.update(fields, complete=True)
         self._write_manifest()
         if self.bundle:
@@ -143,8 +222,9 @@ def pack(folder: Path, out: Path) -> None:
     """A bundle of a capture folder: manifest, index, then pages in order."""
     temporary = out.with_name(out.name + ".tmp")
     with tarfile.open(temporary, "w:gz", compresslevel=6) as tar:
-        for name in (MANIFEST, INDEX):
-            tar.add(folder / name, arcname=name, recursive=False)
+        for name in (MANIFEST, INDEX, EVENTS):
+            if name != EVENTS or (folder / EVENTS).is_file():
+                tar.add(folder / name, arcname=name, recursive=False)
         for page in sorted((folder / PAGES).iterdir()):
             tar.add(page, arcname=f"{PAGES}/{page.name}", recursive=False)
     temporary.replace(out)
@@ -166,8 +246,15 @@ class Capture:
         if is_bundle(self.path):
             with self._tar() as tar:
                 try:
-                    self.manifest = self._json(tar, MANIFEST)
-                    self.entries = self._index(self._member(tar, INDEX).decode("utf-8"))
+                    manifest = self._member(tar, MANIFEST, MAX_MANIFEST_BYTES)
+                    index = self._member(tar, INDEX, MAX_INDEX_BYTES)
+                    events = b""
+                    following = tar.next()  # the stream's records come before the pages
+                    if following is not None and following.name == EVENTS and following.isfile():
+                        if following.size > MAX_EVENTS_BYTES:
+                            raise CaptureError(f"{self.path}: {EVENTS} declares {following.size:,} bytes, over the "
+                                               f"{MAX_EVENTS_BYTES:,} a capture's events may hold")
+                        events = self._read(tar, following, MAX_EVENTS_BYTES)
                 except DAMAGED as exc:
                     raise CaptureError(f"{self.path}: the bundle is cut off or damaged before its index ({exc})") from None
         elif self.path.is_file():
@@ -175,24 +262,107 @@ class Capture:
                                "written by kvwatch capture)")
         else:
             try:
-                self.manifest = json.loads((self.path / MANIFEST).read_text())
-                self.entries = self._index((self.path / INDEX).read_text())
+                manifest = self._file(MANIFEST, MAX_MANIFEST_BYTES)
+                index = self._file(INDEX, MAX_INDEX_BYTES)
+                events = self._file(EVENTS, MAX_EVENTS_BYTES) if (self.path / EVENTS).exists() else b""
             except FileNotFoundError as exc:
                 raise CaptureError(f"{self.path}: not a kvwatch capture (no {Path(exc.filename).name} in it)") from None
-            except (OSError, ValueError) as exc:
-                raise CaptureError(f"{self.path}: not a kvwatch capture ({exc})") from None
-        if self.manifest.get("format") != FORMAT:
-            raise CaptureError(f"{self.path}: not a kvwatch capture (format {self.manifest.get('format')!r})")
-        if int(self.manifest.get("format_version", 0)) > FORMAT_VERSION:
-            raise CaptureError(f"{self.path}: capture format {self.manifest['format_version']} is newer than this "
+            except OSError as exc:
+                raise CaptureError(f"{self.path}: not a kvwatch capture ({exc.strerror or exc})") from None
+        self.manifest = self._manifest(manifest)
+        self.entries = self._index(index)
+        # The engine's KV-cache event messages (time, sequence, payload), in receive order.
+        self.events = self._event_records(events)
+
+    def _event_records(self, data: bytes) -> list[tuple[float, int, bytes]]:
+        import struct
+
+        out = []
+        offset = 0
+        while offset < len(data):
+            if offset + _EVENT_HEADER > len(data):
+                raise CaptureError(f"{self.path}: {EVENTS} ends inside a record's header (byte {offset:,})")
+            at, seq, size = struct.unpack_from(">dqI", data, offset)
+            offset += _EVENT_HEADER
+            if not (math.isfinite(at) and 0 <= at <= MAX_TIME) or offset + size > len(data):
+                raise CaptureError(f"{self.path}: {EVENTS} holds a record that is not one kvwatch writes "
+                                   f"(byte {offset - _EVENT_HEADER:,})")
+            out.append((at, seq, data[offset:offset + size]))
+            offset += size
+        return out
+
+    def _manifest(self, data: bytes) -> dict[str, Any]:
+        try:
+            manifest = json.loads(data.decode("utf-8"))
+        except ValueError as exc:
+            raise CaptureError(f"{self.path}: {MANIFEST} is not JSON ({exc})") from None
+        if not isinstance(manifest, dict):
+            raise CaptureError(f"{self.path}: {MANIFEST} is a JSON {type(manifest).__name__}, not an object: "
+                               "not a kvwatch capture")
+        if manifest.get("format") != FORMAT:
+            raise CaptureError(f"{self.path}: not a kvwatch capture (format {str(manifest.get('format'))[:80]!r})")
+        version = manifest.get("format_version", 0)
+        if type(version) is not int:
+            raise CaptureError(f"{self.path}: {MANIFEST}'s format_version is not a whole number")
+        if version > FORMAT_VERSION:
+            raise CaptureError(f"{self.path}: capture format {version} is newer than this "
                                f"kvwatch reads ({FORMAT_VERSION})")
+        for name, kinds in (("target", (str,)), ("interval_seconds", (int, float)), ("engine", (str, dict)),
+                            ("kvwatch_version", (str,)), ("interrupted", (bool,))):
+            value = manifest.get(name)
+            if value is not None and (type(value) not in kinds or (
+                    kinds == (int, float) and not (math.isfinite(value) and 0 < value <= 86400))):
+                raise CaptureError(f"{self.path}: {MANIFEST}'s {name} is not "
+                                   f"{'a number of seconds above 0 and at most a day' if kinds == (int, float) else 'what kvwatch writes there'}")
+        return manifest
+
+    def _file(self, name: str, cap: int) -> bytes:
+        """A folder capture's file, a regular one inside the folder (not a
+        link, a device or a FIFO), read up to `cap` bytes."""
+        import os
+        import stat
+
+        path = self.path / name
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError as exc:
+            if exc.errno == 40:  # ELOOP: a symbolic link
+                raise CaptureError(f"{self.path}: {name} is a link; a capture holds its own files") from None
+            raise
+        with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise CaptureError(f"{self.path}: {name} is not a regular file")
+            if info.st_size > cap:
+                raise CaptureError(f"{self.path}: {name} is {info.st_size:,} bytes, over the {cap:,} a capture's "
+                                   f"{'page' if name.startswith(PAGES) else name} may hold")
+            data = handle.read(cap + 1)
+        if len(data) > cap:
+            raise CaptureError(f"{self.path}: {name} grew past the {cap:,} bytes a capture's "
+                               f"{'page' if name.startswith(PAGES) else name} may hold while it was read")
+        return data
+
+    def _text(self, entry: Entry, data: bytes) -> str:
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CaptureError(f"{self.path}: {entry.page} is not UTF-8 text (kvwatch records pages as the "
+                               "engine sent them, which it reads only as UTF-8)") from None
 
     def pages(self) -> Iterator[tuple[Entry, str | None]]:
         """(entry, page text or None for a failed fetch), in recorded order."""
         if not is_bundle(self.path):
             for entry in self.entries:
-                text = (self.path / entry.page).read_bytes().decode("utf-8") if entry.ok else None
-                yield entry, text
+                if not entry.ok:
+                    yield entry, None
+                    continue
+                try:
+                    data = self._file(entry.page, MAX_PAGE_BYTES)
+                except FileNotFoundError:
+                    raise CaptureError(f"{self.path}: {entry.page} is missing") from None
+                except OSError as exc:
+                    raise CaptureError(f"{self.path}: {entry.page} cannot be read ({exc.strerror or exc})") from None
+                yield entry, self._text(entry, data)
             return
         by_page = {entry.page: entry for entry in self.entries if entry.ok}
         pending = iter(self.entries)
@@ -204,8 +374,11 @@ class Capture:
                 # sentence after the pages it holds, not in tarfile's traceback.
                 try:
                     member = next(members, None)
-                    entry = by_page.get(member.name) if member is not None else None
-                    data = tar.extractfile(member).read() if entry is not None else b""
+                    if member is not None and member.size > MAX_PAGE_BYTES:
+                        raise CaptureError(f"{self.path}: member {member.name[:200]!r} declares {member.size:,} "
+                                           f"bytes, over the {MAX_PAGE_BYTES:,} a capture's page may hold")
+                    entry = by_page.get(member.name) if member is not None and member.isfile() else None
+                    data = self._read(tar, member, MAX_PAGE_BYTES) if entry is not None else b""
                 except DAMAGED as exc:
                     raise CaptureError(f"{self.path}: the bundle is cut off or damaged after {read} of "
                                        f"{len(by_page)} pages ({exc})") from None
@@ -220,7 +393,7 @@ class Capture:
                     if not earlier.ok:
                         yield earlier, None
                 read += 1
-                yield entry, data.decode("utf-8")
+                yield entry, self._text(entry, data)
             for later in pending:
                 if not later.ok:
                     yield later, None
@@ -231,21 +404,36 @@ class Capture:
         except (OSError, tarfile.TarError) as exc:
             raise CaptureError(f"{self.path}: not a readable .tar.gz ({exc})") from None
 
-    @staticmethod
-    def _member(tar: tarfile.TarFile, name: str) -> bytes:
+    def _member(self, tar: tarfile.TarFile, name: str, cap: int) -> bytes:
         member = tar.next()
-        if member is None or member.name != name:
-            raise CaptureError(f"bundle does not start with {MANIFEST} and {INDEX}")
-        return tar.extractfile(member).read()
+        if member is None or member.name != name or not member.isfile():
+            raise CaptureError(f"{self.path}: the bundle does not start with {MANIFEST} and {INDEX}")
+        if member.size > cap:
+            raise CaptureError(f"{self.path}: {name} declares {member.size:,} bytes, over the {cap:,} a capture's "
+                               f"{name} may hold")
+        return self._read(tar, member, cap)
 
-    def _json(self, tar: tarfile.TarFile, name: str) -> dict[str, Any]:
-        try:
-            return json.load(io.BytesIO(self._member(tar, name)))
-        except ValueError as exc:
-            raise CaptureError(f"{self.path}: {name} is not JSON ({exc})") from None
+    def _read(self, tar: tarfile.TarFile, member: tarfile.TarInfo, cap: int) -> bytes:
+        """A member's bytes, decompressed at most `cap` + 1 of them whatever
+        its header says (a 15 MB bundle held a 2 GiB page: 13.4 GB RSS)."""
+        data = tar.extractfile(member).read(cap + 1)
+        if len(data) > cap:
+            raise CaptureError(f"{self.path}: {member.name[:200]!r} holds more than the {cap:,} bytes a "
+                               "capture's member may hold")
+        return data
 
-    def _index(self, text: str) -> list[Entry]:
+    def _index(self, data: bytes) -> list[Entry]:
         try:
-            return [Entry.from_json(json.loads(line)) for line in text.splitlines() if line.strip()]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CaptureError(f"{self.path}: {INDEX} has a bad line ({exc})") from None
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CaptureError(f"{self.path}: {INDEX} is not UTF-8 text") from None
+        entries = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                entries.append(Entry.from_json(json.loads(line)))
+            except (ValueError, RecursionError) as exc:
+                raise CaptureError(f"{self.path}: {INDEX} line {number} is not a recorded fetch "
+                                   f"({str(exc)[:200]})") from None
+        return entries

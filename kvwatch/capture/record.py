@@ -49,10 +49,11 @@ def record(
     monotonic: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     count: int | None = None,
+    give_up: Callable[[], bool] | None = None,
 ) -> int:
     """Fetch at 0, interval, 2*interval, ... up to `duration` or `count`
-    fetches (a slow fetch skips the slots it missed, never bursts); returns
-    the fetches made. A
+    fetches, or until `give_up()` says so after a fetch (a slow fetch skips
+    the slots it missed, never bursts); returns the fetches made. A
     KeyboardInterrupt propagates: the caller closes the writer, which keeps
     what was recorded."""
     started = monotonic()
@@ -74,7 +75,7 @@ def record(
         now = monotonic()
         slot = max(slot + 1, int((now - started) / interval) + 1) if interval > 0 else slot + 1
         next_due = started + slot * interval
-        if next_due > deadline + 1e-9 or (count is not None and fetches >= count):
+        if next_due > deadline + 1e-9 or (count is not None and fetches >= count) or (give_up and give_up()):
             return fetches
         sleep(max(0.0, next_due - monotonic()))
 

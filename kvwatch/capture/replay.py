@@ -23,10 +23,17 @@ class ReplaySource:
     """Both the Monitor's fetcher and its clock: `now()` is the recorded time
     of the page the next `fetch()` serves."""
 
-    def __init__(self, pages: Iterable[tuple[Entry, str | None]]):
+    def __init__(self, pages: Iterable[tuple[Entry, str | None]],
+                 events: list[tuple[float, int, bytes]] | None = None):
         self._pages: Iterator[tuple[Entry, str | None]] = iter(pages)
         self._next: tuple[Entry, str | None] | None = next(self._pages, None)
         self._last_time = 0.0
+        # The engine's recorded KV-cache event messages, fed to `feed` (the
+        # monitor's KVEventSource.feed) up to each page's answer, as they
+        # arrived live before it.
+        self._events = list(events or ())
+        self._event_index = 0
+        self.feed: Callable[..., Any] | None = None
 
     @property
     def exhausted(self) -> bool:
@@ -45,6 +52,7 @@ class ReplaySource:
         entry, text = self._next
         self._last_time = entry.time
         self._next = next(self._pages, None)
+        self._feed_until(entry.time + entry.seconds)
         if text is None:
             # What was recorded (redacted at recording), not a sentence made up
             # now from this replay's settings.
@@ -52,13 +60,32 @@ class ReplaySource:
         return FetchResult(text, seconds=entry.seconds, size=entry.size, content_type="text/plain")
 
 
+    def _feed_until(self, until: float) -> None:
+        events, index = self._events, self._event_index
+        while index < len(events) and events[index][0] <= until:
+            at, seq, payload = events[index]
+            if self.feed is not None:
+                self.feed(seq, payload, at)
+            index += 1
+        self._event_index = index
+
+
+def with_events(source: ReplaySource, monitor) -> Any:
+    """The monitor, its KV-cache event source fed from the capture's
+    recorded stream (when both exist)."""
+    stream = getattr(monitor, "kv_events", None)
+    if stream is not None:
+        source.feed = lambda seq, payload, at: stream.feed(seq, payload, now=at)
+    return monitor
+
+
 def replay(capture: Capture, monitor_for: Callable[[ReplaySource], Any],
            on_state: Callable[[Any], None] | None = None) -> Timeline:
     """Every recorded fetch through a Monitor built by `monitor_for(source)`
     (which passes the source as fetcher and `source.now` as clock), without
     waiting; returns the findings timeline."""
-    source = ReplaySource(capture.pages())
-    monitor = monitor_for(source)
+    source = ReplaySource(capture.pages(), capture.events)
+    monitor = with_events(source, monitor_for(source))
     timeline = Timeline()
     while not source.exhausted:
         state = monitor.poll_once()

@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--weights-bytes", metavar="SIZE", default=None,
                     help="weights per GPU given directly (quantized checkpoints, unusual "
                     "layers) instead of counted from the config")
+    parser.add_argument("--kvwatch", metavar="URL",
+                        help="a running kvwatch reading the engine's KV-cache events (serve --kv-events), e.g. "
+                        "http://127.0.0.1:9400: print its sizing curve, the extra cache that would have kept the "
+                        "blocks stored again after their eviction, estimated from the stream")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -124,6 +128,8 @@ def _ignores(hw: hardware.HardwareBudget | None) -> list[str]:
 
 def build_report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything the command prints, as one JSON-ready dict."""
+    if getattr(args, "kvwatch", None):
+        return _stream_report(args.kvwatch)
     kv_dtype = _check_dtype(args.kv_dtype)
     if args.block_size is not None and args.block_size <= 0:
         raise CapacityInputError(f"--block-size must be a positive integer, got {args.block_size}")
@@ -174,6 +180,60 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     report["hardware"] = hw.to_dict() if hw else None
     report["ignores"] = _ignores(hw)
     return report
+
+
+def _stream_report(url: str) -> dict[str, Any]:
+    """The sizing curve a running kvwatch estimates from the engine's
+    KV-cache events (kvwatch/kvevents/source.py: sizing_curve)."""
+    from kvwatch.scrape import Fetcher
+
+    base = url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise CapacityInputError(f"--kvwatch {url!r} is not an http(s) URL")
+    api = base if base.endswith("/api/v1/diagnosis") else base + "/api/v1/diagnosis"
+    class JsonFetcher(Fetcher):
+        whole_lines = False  # JSON, not the text format: the byte cap and the deadline are the bounds
+
+    result = JsonFetcher(api, live.FETCH_TIMEOUT_S, live.FETCH_MAX_BYTES).fetch()
+    if not result.ok:
+        raise CapacityInputError(f"cannot fetch {api}: {result.detail or result.reason}")
+    try:
+        diagnosis = json.loads(result.text or "")
+    except ValueError:
+        raise CapacityInputError(f"{api} did not answer with kvwatch's JSON") from None
+    stream = diagnosis.get("kv_events") if isinstance(diagnosis, dict) else None
+    if not isinstance(stream, dict):
+        raise CapacityInputError(f"the kvwatch at {base} does not read KV-cache events (start it with --kv-events)")
+    if not stream.get("up"):
+        raise CapacityInputError(f"the kvwatch at {base} has no KV-cache events yet: {stream.get('detail')}")
+    sizing = stream.get("sizing") or {}
+    window = stream.get("window") or {}
+    return {"mode": "kv-events", "kvwatch": base, "window": window, "sizing": sizing,
+            "block_size": stream.get("block_size"), "sampling_rate": (stream.get("table") or {}).get("sampling_rate"),
+            "page_engine": stream.get("page_engine")}
+
+
+def _stream_lines(report: dict[str, Any]) -> list[str]:
+    window, sizing = report["window"], report["sizing"]
+    out = [f"kvwatch at {report['kvwatch']}, engine {((report.get('page_engine') or {}).get('engine'))}: over the "
+           f"last {window.get('seconds') or 0:.0f}s, {window.get('stored', 0):,} blocks stored, "
+           f"{window.get('stored_again') or 0:,.0f} of them stored again after their eviction "
+           f"({(window.get('stored_again_ratio') or 0):.0%})"
+           + (f", hit ratio {sizing['hit_ratio_now']:.1%} (the page's)" if sizing.get("hit_ratio_now") is not None
+              else ""), ""]
+    rows = [["extra cache", "extra blocks", "extra bytes", "blocks kept", "recomputation avoided", "hit ratio"]]
+    for point in sizing.get("points") or []:
+        rows.append([f"x{point['extra_cache']:g}", _n(point["extra_blocks"]),
+                     f"{point['extra_bytes'] / 2**20:,.0f} MiB" if point.get("extra_bytes") is not None else "-",
+                     _n(round(point["blocks_kept"])),
+                     f"{point['recomputation_avoided_ratio']:.0%}" if point.get("recomputation_avoided_ratio")
+                     is not None else "-",
+                     f"{point['hit_ratio']:.1%}" if point.get("hit_ratio") is not None else "-"])
+    out += _table(rows[0], rows[1:])
+    out += ["", f"Cache now: {_n(round(sizing.get('cache_blocks') or 0))} blocks. " + (sizing.get("note") or "") + "."]
+    if report.get("sampling_rate") not in (None, 1, 1.0):
+        out.append(f"The ledger sampled {report['sampling_rate']:.3g} of the hash space; counts are scaled from it.")
+    return out
 
 
 def _live_report(args, config, kv_dtype, budget, inputs, outputs,
@@ -358,8 +418,47 @@ def _hardware_lines(hw: dict[str, Any]) -> list[str]:
     return out
 
 
+def _bound_of(row: dict[str, Any]) -> int | None:
+    """A row's answer: the tightest bound it has (with a hybrid model's state,
+    else the pool's with block rounding and the null block, else the simple one)."""
+    for key in ("bound_with_state", "pool_bound", "rounded_bound", "simple_bound", "bound"):
+        if row.get(key) is not None:
+            return row[key]
+    return None
+
+
+def answer_line(report: dict[str, Any]) -> str:
+    """The answer in one line, before the working: how many requests of each
+    length fit."""
+    if report["mode"] != "target":
+        result = report["result"]
+        rows = result["requests"]
+        budget = f" in a KV budget of {cap.human_bytes(result['kv_budget_bytes'])}"
+        where = ""
+    else:
+        entries = [e for e in report["engines"] if "error" not in e]
+        if not entries:
+            return "Answer: none (no engine's capacity could be read; see below)"
+        rows = entries[0]["bounds_from_reported"]
+        budget = f" in the {_n(entries[0]['reported']['capacity_tokens'])}-token KV cache the engine reports"
+        where = (f" (engine {entries[0]['reported']['engine']}"
+                 + (f"; {len(entries) - 1} more engine(s) below)" if len(entries) > 1 else ")"))
+    parts = []
+    for row in rows:
+        bound = _bound_of(row)
+        if row.get("tokens") is None:  # --per-request-bytes: a size, no length
+            parts.append(f"{_n(bound)} requests of {cap.human_bytes(row['bytes_per_request'])}")
+            continue
+        label = "" if row["label"] == "request" else f"{row['label']}: "
+        parts.append(f"{label}{_n(bound)} requests of {_n(row['tokens'])} tokens")
+    return "Answer: " + "; ".join(parts) + f" fit at once{budget}{where}; the working follows."
+
+
 def render_table(report: dict[str, Any]) -> str:
     out = [f"kvwatch capacity ({report['mode']})", ""]
+    if report["mode"] == "kv-events":
+        return "\n".join(out + _stream_lines(report))
+    out = [answer_line(report), "", *out]
     if report.get("hardware"):
         out += _hardware_lines(report["hardware"])
     if report["mode"] != "target":

@@ -14,10 +14,12 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
-from kvwatch.capture.bundle import CaptureError, CaptureWriter, Entry
+from kvwatch.capture.bundle import CaptureError, CaptureWriter, Entry, is_bundle
 from kvwatch.capture.record import manifest_for, record
+from kvwatch.commands import failfast
 from kvwatch.scrape import Fetcher, failure_sentence, public_host
 from kvwatch.sidecar.settings import SettingsError, load_settings
 from kvwatch.units import parse_duration
@@ -25,6 +27,18 @@ from kvwatch.units import parse_duration
 EXIT_OK, EXIT_NO_PAGES, EXIT_UNUSABLE = 0, 1, 2
 # Without a terminal (a log, CI), one progress line per this many fetches.
 PROGRESS_EVERY = 60
+# Names of files kvwatch does not write: `--out x.zip` made a folder named x.zip.
+FILE_SUFFIXES = (".zip", ".tar", ".gz", ".bz2", ".xz", ".zst", ".7z", ".rar", ".tbz", ".tbz2", ".txz", ".json",
+                 ".txt", ".yaml", ".yml", ".log", ".csv", ".html", ".prom")
+
+
+def out_problem(out: str) -> str | None:
+    """Why `--out` names something kvwatch cannot write, or None."""
+    path = Path(out)
+    if is_bundle(path) or path.suffix.lower() not in FILE_SUFFIXES:
+        return None
+    return (f"--out {out}: kvwatch writes a folder or a .tar.gz bundle, not a {path.suffix} file; "
+            f"name a folder (e.g. {path.with_suffix('')}) or a bundle ({path.with_suffix('')}.tar.gz)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-verify", help="verify the engine's TLS certificate: true/false (default true)")
     parser.add_argument("--timeout", help="fetch deadline (default 15s, or 80%% of a longer interval): a late page is kept with its lateness")
     parser.add_argument("--max-body-bytes", help="cap on the engine's page size, e.g. 16MiB")
+    parser.add_argument("--kv-events", metavar="ENDPOINT",
+                        help="also record the engine's KV-cache events from this ZMQ endpoint (kvwatch binds it "
+                             "for vLLM's --kv-events-config publisher to connect), e.g. tcp://127.0.0.1:5557")
+    parser.add_argument("--kv-events-connect", action="store_true",
+                        help="connect to --kv-events instead of binding it (a publisher that binds tcp://*:N)")
+    failfast.add_arguments(parser, "recording")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,9 +77,16 @@ def run(args: argparse.Namespace) -> int:
         return _fail(["--interval must be above 0"])
     if args.count is not None and args.count < 1:
         return _fail(["--count must be at least 1"])
+    max_failures, problem = failfast.limit_of(args)
+    if problem:
+        return _fail([problem])
+    problem = out_problem(args.out)
+    if problem:
+        return _fail([problem])
     overrides = {"target": args.target, "poll_interval": interval, "window": max(300.0, 2 * interval),
                  "bearer_token_file": args.bearer_token_file, "ca_bundle": args.ca_bundle,
-                 "tls_verify": args.tls_verify, "timeout": args.timeout, "max_body_bytes": args.max_body_bytes}
+                 "tls_verify": args.tls_verify, "timeout": args.timeout, "max_body_bytes": args.max_body_bytes,
+                 "kv_events": getattr(args, "kv_events", None)}
     try:
         settings = load_settings(args.config, overrides)
     except SettingsError as exc:
@@ -70,6 +97,19 @@ def run(args: argparse.Namespace) -> int:
         writer = CaptureWriter(args.out, manifest_for(settings.target, interval, duration))
     except CaptureError as exc:
         return _fail([str(exc)])
+    stream = None
+    if settings.kv_events:
+        from kvwatch.kvevents.source import KVEventSource
+
+        # The same receiver as the sidecar's (byte cap, bounded queues), each
+        # well-formed message recorded as it arrives.
+        stream = KVEventSource(settings.kv_events, connect=bool(getattr(args, "kv_events_connect", False)),
+                               topic=settings.kv_events_topic, tap=writer.add_event)
+        stream.start()
+        if stream.listen_error:
+            writer.close(ended_at=time.time(), interrupted=False)
+            return _fail([stream.listen_error])
+        writer.update(kv_events=settings.kv_events)
 
     out = sys.stderr
     tty = out.isatty()
@@ -78,19 +118,29 @@ def run(args: argparse.Namespace) -> int:
           + ("; Ctrl-C stops and keeps what was recorded" if tty else ""), file=out, flush=True)
     started = time.monotonic()
     interrupted = False
-    last_failure: list[str] = []
+    failures = failfast.FailureReport(out, "kvwatch capture", max_failures)
 
     def progress(entry: Entry, writer: CaptureWriter) -> None:
-        if not entry.ok:
-            last_failure[:] = [entry.reason or "error"]
+        # A failure is said before the progress line, on a line of its own.
+        if entry.ok:
+            failures.succeeded(entry.seq)
+        else:
+            if tty and entry.seq > 1:
+                print(file=out)  # end the progress line the terminal shows
+            reason = entry.reason or "error"
+            sentence = failure_sentence(reason, public_host(settings.target), settings.fetch_timeout)
+            failures.failed(entry.seq, reason, sentence)
         _progress(out, tty, entry, writer, started)
 
     previous_term = _set_signal(signal.SIGTERM, _interrupt)
     try:
-        record(fetcher, writer, interval, duration, progress=progress, count=args.count)
+        record(fetcher, writer, interval, duration, progress=progress, count=args.count,
+               give_up=lambda: failures.gave_up)
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        if stream is not None:
+            stream.stop()
         previous_int = _set_signal(signal.SIGINT, signal.SIG_IGN)  # packing the bundle must finish
         try:
             path = writer.close(ended_at=time.time(), interrupted=interrupted)
@@ -101,14 +151,17 @@ def run(args: argparse.Namespace) -> int:
     if tty:
         print(file=out)
     failed = ", ".join(f"{reason} {count}" for reason, count in sorted(manifest["failed_by_reason"].items()))
-    failures = f", {manifest['failed']} failed ({failed})" if failed else ""
-    print(f"kvwatch capture: {'interrupted; ' if interrupted else ''}{manifest['pages']} pages{failures}"
+    failed_text = f", {manifest['failed']} failed ({failed})" if failed else ""
+    if stream is not None:
+        failed_text += (f", {manifest.get('kv_events_messages', 0)} KV-cache event messages"
+                        + (" (cut short at the capture's cap)" if manifest.get("kv_events_truncated") else ""))
+    stopped = f"{failures.gave_up_text()}; " if failures.gave_up else ""
+    print(f"kvwatch capture: {'interrupted; ' if interrupted else ''}{stopped}{manifest['pages']} pages{failed_text}"
           f" in {time.monotonic() - started:.0f}s; engine {manifest.get('engine') or 'not recognised'}; "
           f"written to {path}", file=out)
-    if not manifest["pages"] and last_failure:
-        # Why nothing was recorded, as the sidecar says it (not only a reason's code).
-        print(f"kvwatch capture: no page recorded: "
-              f"{failure_sentence(last_failure[0], public_host(settings.target), settings.fetch_timeout)}", file=out)
+    if not manifest["pages"] and failures.last_sentence:
+        # Why nothing was recorded, as the sidecar says it (also said when it first happened).
+        print(f"kvwatch capture: no page recorded: {failures.last_sentence}", file=out)
     return EXIT_OK if manifest["pages"] else EXIT_NO_PAGES
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import logging
 import sys
 import textwrap
@@ -33,6 +34,7 @@ from typing import Any, TextIO
 from kvwatch.diagnose import is_actionable
 from kvwatch.sidecar.report import diagnosis_json, signals_json
 from kvwatch.sidecar.settings import SettingsError, load_settings, parse_duration
+from kvwatch.commands import failfast
 from kvwatch.signals import SIGNALS
 from kvwatch.sidecar.statuspage import format_evidence, format_value, signal_columns, signal_label
 
@@ -45,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", default="30s", help="how long to poll (default 30s); the window covers it")
     parser.add_argument("--interval", default="2s", help="time between polls (default 2s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    failfast.add_arguments(parser, "polling")
     parser.add_argument("--config", help="YAML config file (diagnosis thresholds, TLS, upstream, ...)")
     parser.add_argument("--engine", help="the engine serving the target: auto (default, from its page), vllm, "
                                          "sglang, llamacpp, trtllm")
@@ -97,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
             interval = value
     if duration is not None and interval is not None and interval > duration:
         problems.append(f"--interval ({interval:g}s) must not exceed --duration ({duration:g}s)")
+    max_failures, problem = failfast.limit_of(args)
+    if problem:
+        problems.append(problem)
     if problems:
         return _fail(problems)
     # The window spans the whole run, so every poll counts.
@@ -125,20 +131,32 @@ def run(args: argparse.Namespace) -> int:
     # line per transition beside it.
     logging.getLogger("kvwatch").setLevel(logging.ERROR)
     monitor = Monitor(settings)
+    if monitor.kv_events is not None:  # `kv_events` in the config: read the engine's stream while polling
+        monitor.kv_events.start()
     last_good = None
     polls = 0
     started = time.monotonic()
     deadline = started + duration
     progress = sys.stderr if sys.stderr.isatty() and not args.json else None
+    failures = failfast.FailureReport(sys.stderr, "kvwatch diagnose", max_failures)
     try:
         while True:
             state = monitor.poll_once()
             polls += 1
             if state.up:
                 last_good = state
+            # A failure is said at once, on a line of its own, before the progress line.
+            if state.up:
+                failures.succeeded(polls)
+            else:
+                if progress and polls > 1:
+                    print(file=progress)  # end the progress line the terminal shows
+                failures.failed(polls, state.reason or "error", state.detail)
             if progress:
                 print(f"\rpoll {polls}: {'up' if state.up else 'down: ' + (state.reason or '')}"
                       f" ({len(state.findings)} findings)   ", end="", file=progress, flush=True)
+            if failures.gave_up:
+                break
             next_due = started + polls * interval
             if next_due > deadline + 1e-9:
                 break
@@ -146,18 +164,25 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if progress:
             print(" interrupted", file=progress)
+    finally:
+        if monitor.kv_events is not None:
+            monitor.kv_events.stop()
     if progress:
         print(file=progress)
 
     final = monitor.state
+    stopped = failures.gave_up_text() if failures.gave_up else None
     if last_good is None:
         if args.json:
             print(json.dumps({"up": False, "target": signals_json(final, settings)["target"], "reason": final.reason,
-                              "detail": final.detail, "polls": polls}, indent=2))
+                              "detail": final.detail, "polls": polls, "stopped": stopped}, indent=2))
         else:
+            # The failure's sentence was said as it happened; this line says how it ended.
             print(f"kvwatch diagnose: no engine metrics from {signals_json(final, settings)['target']} in {polls} "
-                  f"polls: {final.detail}", file=sys.stderr)
+                  f"polls" + (f"; {stopped}" if stopped else ""), file=sys.stderr)
         return EXIT_UNUSABLE
+    if stopped and not args.json:
+        print(f"kvwatch diagnose: {stopped}; the report below is of the last good poll", file=sys.stderr)
 
     signals = signals_json(last_good, settings)
     diagnosis = diagnosis_json(last_good, settings)
@@ -170,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
             "polls": polls,
             "failed_polls": sum(final.errors_by_reason.values()),
             "last_poll_up": final.up,
+            "stopped": stopped,
             "window_covered_seconds": last_good.window_seconds,
             "engines": signals["engines"],
             "models": signals["models"],
@@ -180,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
             "exit_code": EXIT_FINDINGS if actionable else EXIT_OK,
         }, indent=2))
     else:
-        print_report(sys.stdout, signals, diagnosis, polls, final)
+        print_report(TerminalText(sys.stdout), signals, diagnosis, polls, final)
     return EXIT_FINDINGS if actionable else EXIT_OK
 
 
@@ -195,6 +221,26 @@ def _table(rows: list[list[str]], out: TextIO, indent: str = "") -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
+
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+class TerminalText:
+    """A text stream for people's terminals: control characters other than
+    newline and tab (an escape sequence in a store's label, an engine's model
+    name, a capture's target) written as escapes, never sent raw (they could
+    clear the screen, retitle it or hide lines). JSON output is escaped by
+    json.dumps already."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+
+    def write(self, text: str) -> int:
+        return self.out.write(_CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text))
+
+    def flush(self) -> None:
+        self.out.flush()
 
 
 def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any], polls: int, final) -> None:
@@ -229,9 +275,15 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
               f"confidence {finding['confidence']}", file=out)
         lines = [("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"], finding.get("pinned")))]
         lines += [(f"{key.replace('_', ' ')}: ", note) for key, note in finding.get("notes", {}).items()]
+        # One story: the other causes found for the symptom, and what the data cannot tell apart.
+        lines += [(f"contributing: {c['cause']} ({c['confidence']} confidence): ", c["summary"])
+                  for c in finding.get("contributing") or ()]
+        lines += [(f"cannot tell apart from: {a['cause']}, decided by {', '.join(a['decided_by'])}: ", a["how"])
+                  for a in finding.get("alternatives") or ()]
         lines += [("next: ", finding["next_check"])]
         if finding.get("runbook"):
-            lines.append(("runbook: ", finding["runbook"]))
+            anchor = finding["runbook"].split("#")[-1]
+            lines.append(("runbook: ", f"kvwatch runbook {anchor} (or /runbooks#{anchor} on kvwatch serve)"))
         for label, text in lines:
             print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "), file=out)
     events = diagnosis["events"]
@@ -255,6 +307,28 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
                   f"{format_value(values.get('kvwatch_lmcache_retrieved_tokens_per_second'), 'per_second')}, "
                   f"tokens stored {format_value(values.get('kvwatch_lmcache_stored_tokens_per_second'), 'per_second')}",
                   file=out)
+
+
+    stream = diagnosis.get("kv_events")
+    if stream:
+        if not stream.get("up"):
+            print(f"\nKV-CACHE EVENTS {stream.get('endpoint')}: down {stream.get('reason')}: {stream.get('detail')}",
+                  file=out)
+        else:
+            window = stream.get("window") or {}
+            intake = stream.get("intake") or {}
+            print(f"\nKV-CACHE EVENTS {stream.get('endpoint')}: blocks stored "
+                  f"{format_value(window.get('stored_per_second'), 'per_second')}, evicted "
+                  f"{format_value(window.get('evicted_per_second'), 'per_second')}, stored again after their "
+                  f"eviction {format_value(window.get('stored_again_ratio'), 'ratio')} of those stored (median "
+                  f"{format_value(window.get('return_seconds_median'), 'seconds')} after it); "
+                  f"{intake.get('missed', 0)} messages missed, {intake.get('dropped', 0)} dropped", file=out)
+            for point in (stream.get("sizing") or {}).get("points") or []:
+                said = (f"hit ratio {format_value(point['hit_ratio'], 'ratio')}" if point.get("hit_ratio") is not None
+                        else f"{format_value(point.get('recomputation_avoided_ratio'), 'ratio')} of the recomputation "
+                             "avoided")
+                print(f"  x{point['extra_cache']:g} more cache ({point['extra_blocks']} blocks): {said} (estimate)",
+                      file=out)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -289,10 +363,14 @@ def run_replay(args: argparse.Namespace) -> int:
             "exit_code": EXIT_FINDINGS if actionable else EXIT_OK,
         }), indent=2))
     else:
-        print_timeline(sys.stdout, capture, settings, timeline)
+        print_timeline(TerminalText(sys.stdout), capture, settings, timeline)
     if timeline.polls == timeline.failed:
         return EXIT_UNUSABLE
     return EXIT_FINDINGS if actionable else EXIT_OK
+
+
+# A replay's KV-cache events come from the capture: an endpoint that is never bound.
+REPLAYED_EVENTS = "ipc://kvwatch-replayed-events"
 
 
 def replay_settings(capture, config: str | None, window: str | None):
@@ -300,7 +378,8 @@ def replay_settings(capture, config: str | None, window: str | None):
     window, the recorded target and interval."""
     interval = float(capture.manifest.get("interval_seconds") or 5.0)
     overrides = {"target": capture.manifest.get("target") or None, "poll_interval": interval, "window": window,
-                 "upstream_target": "", "upstream_histogram": "", "lmcache_target": ""}
+                 "upstream_target": "", "upstream_histogram": "", "lmcache_target": "", "demo_target": "",
+                 "kv_events": REPLAYED_EVENTS if capture.events else ""}
     settings = load_settings(config, overrides, environ={})
     if settings.window < 2 * interval:
         raise SettingsError([f"window ({settings.window:g}s) must hold at least two recorded pages "
@@ -347,8 +426,13 @@ def print_timeline(out: TextIO, capture, settings, timeline) -> None:
         print(f"\n  {worst['severity'].upper():8}  {episode.symptom} / {episode.cause}  [{where}]  "
               f"confidence {worst['confidence']}", file=out)
         print(f"    from {_clock(episode.start, origin)} to {until}, {episode.polls} polls", file=out)
-        for label, text in (("worst at " + _clock(worst["time"], origin) + ": ", worst["summary"]),
-                            ("evidence: ", format_evidence(worst["evidence"])), ("next: ", worst["next_check"])):
+        lines = [("worst at " + _clock(worst["time"], origin) + ": ", worst["summary"]),
+                 ("evidence: ", format_evidence(worst["evidence"]))]
+        lines += [(f"contributing: {c['cause']} ({c['confidence']} confidence): ", c["summary"])
+                  for c in worst.get("contributing") or ()]
+        lines += [(f"cannot tell apart from: {a['cause']}, decided by {', '.join(a['decided_by'])}: ", a["how"])
+                  for a in worst.get("alternatives") or ()]
+        for label, text in lines + [("next: ", worst["next_check"])]:
             print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "),
                   file=out)
     if timeline.outages:
@@ -435,7 +519,7 @@ def run_history(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print_text(sys.stdout, history, url)
+        print_text(TerminalText(sys.stdout), history, url)
     if not history.replicas:
         return EXIT_UNUSABLE
     return report["exit_code"]

@@ -5,6 +5,9 @@ panel ids), so the generated files are committed and a test regenerates them
 to prove they are current.
 
     kvwatch generate [--config mixin.yaml] [--out DIR] [--check] [--print-config]
+
+It writes under the current directory unless --out names another (never into
+the installed package), and says where.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from grafanalib._gen import DashboardEncoder
 from kvwatch.engines.coverage import engines_markdown
 from kvwatch.mixin import metrics_doc
 from kvwatch.mixin import dashboards as dash
-from kvwatch.mixin import grafana_alerts, rules, runbooks
+from kvwatch.mixin import alertmanager, grafana_alerts, rules, runbooks
 from kvwatch.mixin.config import MixinConfig, MixinConfigError, describe_config, load_config
 
+# The checkout's root, for its tests (`kvwatch generate` itself writes into the current directory).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Directories whose every file `generate` owns: a file there that it no
 # longer writes is stale. (deploy/ also holds hand-written files.)
@@ -32,6 +36,7 @@ PROMETHEUS_RULE_FILE = "alerts/kvwatch-prometheusrule.yaml"
 RUNBOOKS_FILE = "alerts/runbooks.md"
 GRAFANA_RULES_FILE = "alerts/grafana/kvwatch-alert-rules.json"
 GRAFANA_NOTIFICATIONS_FILE = "alerts/grafana/kvwatch-notifications.example.yaml"
+ALERTMANAGER_FILE = "alerts/alertmanager.example.yaml"
 
 
 def to_json(data) -> str:
@@ -61,6 +66,11 @@ def render_all(config: MixinConfig) -> dict[str, str]:
         "# Replace the webhook URLs; provisioning `policies` replaces the organisation's whole policy tree,\n"
         "# so merge these routes into yours instead if you already have one.\n"
         + rules.dump_yaml(grafana_alerts.notification_example(config)))
+    files[ALERTMANAGER_FILE] = (
+        "# Example Alertmanager configuration for kvwatch's Prometheus rules (docs/alerts.md): one notification\n"
+        "# per engine and model, pages for the objectives, cause alerts to the team that can act, inhibitions.\n"
+        "# Replace the webhook URLs with your receivers (or merge the routes into your tree).\n"
+        + rules.dump_yaml(alertmanager.example(config)))
     files.update({f"deploy/{path}": text for path, text in _manifests(config, files, dashboards).items()})
     files["docs/metrics.md"] = metrics_doc.render()
     files["docs/engines-signals.md"] = ("# Signals by engine\n\nGenerated from the engine adapters' tables by `kvwatch generate`; "
@@ -74,7 +84,13 @@ def _manifests(config: MixinConfig, files: dict[str, str], dashboards: dict[str,
         manifests = importlib.import_module("kvwatch.mixin.manifests")
     except ModuleNotFoundError:  # the manifests module is optional
         return {}
-    return manifests.render_manifests(config, prometheus_rule=files[PROMETHEUS_RULE_FILE], dashboards=dashboards)
+    out = manifests.render_manifests(config, prometheus_rule=files[PROMETHEUS_RULE_FILE], dashboards=dashboards)
+    # The Helm chart, from the same settings, containers, rules and dashboards.
+    from kvwatch.mixin import helm
+    from kvwatch.mixin.config import deploy_settings
+
+    out.update(helm.render_chart(deploy_settings(config), files[PROMETHEUS_RULE_FILE], dashboards))
+    return out
 
 
 def stale_files(files: dict[str, str], out: Path) -> list[str]:
@@ -112,7 +128,7 @@ def write(files: dict[str, str], out: Path) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="mixin config YAML (fields: kvwatch generate --print-config)")
-    parser.add_argument("--out", default=None, help="output root (default: the repository root)")
+    parser.add_argument("--out", default=None, help="output root (default: the current directory)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if any generated file is missing or differs")
     parser.add_argument("--print-config", action="store_true",
@@ -128,20 +144,21 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(describe_config(config))
         return 0
-    out = Path(args.out) if args.out else REPO_ROOT
+    out = Path(args.out) if args.out else Path.cwd()
+    where = f"{out.resolve()}" + ("" if args.out else " (the current directory; --out DIR for another)")
     files = render_all(config)
     if args.check:
         problems = stale_files(files, out)
         for problem in problems:
             print(problem, file=sys.stderr)
         if problems:
-            print(f"kvwatch generate: {len(problems)} generated file(s) out of date; run `kvwatch generate`",
+            print(f"kvwatch generate: {len(problems)} generated file(s) out of date in {where}; run `kvwatch generate`",
                   file=sys.stderr)
             return 1
-        print(f"kvwatch generate: {len(files)} files up to date")
+        print(f"kvwatch generate: {len(files)} files up to date in {where}")
         return 0
     written = write(files, out)
     for relative in written:
         print(out / relative)
-    print(f"kvwatch generate: {len(files)} files, {len(written)} changed", file=sys.stderr)
+    print(f"kvwatch generate: {len(files)} files in {where}, {len(written)} changed", file=sys.stderr)
     return 0

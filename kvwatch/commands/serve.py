@@ -44,6 +44,14 @@ OPTIONS = {
     "upstream_target": "a gateway's or application's /metrics (second source for TTFT diagnosis)",
     "upstream_histogram": "the histogram there that measures time before the engine, e.g. app_retrieval_seconds",
     "lmcache_target": "LMCache's /metrics (the engine's own when LMCache shares its registry): a KV tier read beside the engine",
+    "demo_target": "a kvwatch sim's /sim/phase (make run sets it): the status page names the simulated phase now and the next",
+    "kv_events": "the engine's KV-cache events: a ZMQ endpoint kvwatch binds for vLLM's --kv-events-config "
+                 "publisher to connect to, e.g. tcp://127.0.0.1:5557",
+    "kv_events_connect": "connect to kv_events instead of binding it (a publisher that binds tcp://*:N): true or false",
+    "kv_events_topic": "the events' topic prefix kvwatch subscribes to (empty: every topic)",
+    "kv_events_replay": "the engine's replay endpoint (vLLM's replay_endpoint, e.g. tcp://127.0.0.1:5558): kvwatch "
+                        "asks it for the messages a sequence gap lost",
+    "kv_events_table_bytes": "memory for tracked blocks (about 110 B each); past it the hash space is sampled",
     "auth_token_file": "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
     "tls_cert_file": "serve kvwatch over TLS with this certificate",
     "tls_key_file": "and this key",
@@ -97,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {key: getattr(args, key) for key in OPTIONS}
     if getattr(args, "replay", None):
         from kvwatch.capture.bundle import Capture, CaptureError
+        from kvwatch.commands.diagnose import REPLAYED_EVENTS
 
         from kvwatch.units import parse_number
 
@@ -113,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         # The recorded target and interval; nothing is fetched.
         overrides.update(target=capture.manifest.get("target") or None,
                          poll_interval=capture.manifest.get("interval_seconds") or None,
-                         upstream_target="", upstream_histogram="", lmcache_target="")
+                         upstream_target="", upstream_histogram="", lmcache_target="", demo_target="",
+                         kv_events=REPLAYED_EVENTS if capture.events else "")
     if getattr(args, "prometheus", None):
         return run_central(args, overrides)
     try:
@@ -178,7 +188,7 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
     import os
 
     from kvwatch.history.central import DEFAULT_INTERVAL, Central
-    from kvwatch.history.query import PrometheusClient, check_selector
+    from kvwatch.history.query import CENTRAL_MAX_BYTES, PrometheusClient, check_selector
     from kvwatch.sidecar.settings import Settings, normalize_target
 
     problems = []
@@ -224,7 +234,7 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
     settings.target = args.prometheus
     client = PrometheusClient(args.prometheus, timeout=settings.fetch_timeout,
                               bearer_token_file=settings.bearer_token_file, ca_bundle=settings.ca_bundle,
-                              tls_verify=settings.tls_verify)
+                              tls_verify=settings.tls_verify, max_bytes=CENTRAL_MAX_BYTES)
     central = Central(client, settings, args.selector, args.source,
                       tuple(label.strip() for label in args.replica_labels.split(",") if label.strip()),
                       max_replicas=args.max_replicas)
@@ -288,14 +298,14 @@ def replaying(capture, settings, speed: float):
     import threading
 
     from kvwatch.capture.bundle import CaptureError
-    from kvwatch.capture.replay import ReplaySource, paced
+    from kvwatch.capture.replay import ReplaySource, paced, with_events
     from kvwatch.sidecar.monitor import Monitor
 
     import dataclasses
     from pathlib import Path
 
-    source = ReplaySource(capture.pages())
-    monitor = Monitor(settings, fetcher=source, clock=source.now)
+    source = ReplaySource(capture.pages(), capture.events)
+    monitor = with_events(source, Monitor(settings, fetcher=source, clock=source.now))
     # What the page, the JSON and /readyz say of the replay (report.replay_text):
     # updated in place, so the last state says when it finished.
     monitor.replay = {"capture": Path(str(capture.path)).name, "speed": speed, "recorded_polls": len(capture.entries),

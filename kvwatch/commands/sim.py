@@ -12,7 +12,7 @@ import time
 
 from kvwatch.sim.dialects import DIALECTS
 from kvwatch.sim.lmcache import DEFAULT_SIZE_FACTOR
-from kvwatch.sim.scenario import ScenarioError, list_scenarios, load_scenario
+from kvwatch.sim.scenario import ScenarioError, clock_text, list_scenarios, load_scenario, phase_line
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
 from kvwatch.units import parse_duration, parse_number, parse_port, parse_whole_number
 
@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lmcache-tokens", default=None, metavar="TOKENS",
                         help="size of the simulated LMCache tier in tokens (default: 4x one engine's GPU cache); "
                              "implies --lmcache")
+    parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                        help="publish the engines' KV-cache events as vLLM does (ZMQ, msgpack) to this endpoint: "
+                             "connect to it, or bind a wildcard tcp://*:N; engine i on port N+i (default: none)")
     parser.add_argument("--interval", default="15s", help="report interval, simulated time (default: 15s)")
 
 
@@ -79,6 +82,14 @@ def _report(sim: Simulation, seconds: float, interval: float) -> None:
               f"{hit:>6} {int(delta('preemptions')):7d} {ttft} {queue} {prefill} {retrieval} {int(finished):5d}")
         previous = now
     print("(usage: mean of 1 s samples in the window, peak: their max; ttft/queue/prefill/retrieval: mean seconds of the window)")
+
+
+def _zmq_error() -> type[Exception]:
+    try:
+        import zmq
+    except ImportError:  # pragma: no cover - pyzmq is a dependency
+        return OSError
+    return zmq.ZMQError
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,6 +129,14 @@ def run(args: argparse.Namespace) -> int:
     lmcache_tokens = args.lmcache_tokens
     if lmcache_tokens is None and args.lmcache:
         lmcache_tokens = DEFAULT_SIZE_FACTOR * scenario.phases[0].engine.kv_cache_size_tokens
+    if args.kv_events:
+        from kvwatch.sidecar.settings import zmq_endpoint
+
+        try:
+            args.kv_events = zmq_endpoint(args.kv_events)
+        except ValueError as exc:
+            print(f"kvwatch sim: --kv-events: {exc}", file=sys.stderr)
+            return 2
     if args.engines is not None and args.engines < 1:
         print("kvwatch sim: --engines must be >= 1", file=sys.stderr)
         return 2
@@ -130,7 +149,11 @@ def run(args: argparse.Namespace) -> int:
     from kvwatch.sim.server import SimServer
 
     try:
-        server = SimServer(sim, speed=args.speed, host=args.host, port=args.port, dialect=args.dialect)
+        server = SimServer(sim, speed=args.speed, host=args.host, port=args.port, dialect=args.dialect,
+                           kv_events=args.kv_events)
+    except _zmq_error() as exc:
+        print(f"kvwatch sim: cannot publish KV-cache events to {args.kv_events}: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"kvwatch sim: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
@@ -146,11 +169,28 @@ def run(args: argparse.Namespace) -> int:
     if sim.lmcache is not None:
         print(f"kvwatch sim: simulated LMCache tier of {sim.lmcache.capacity_chunks * sim.lmcache.chunk_tokens} "
               f"tokens, its page at {server.lmcache_metrics_url}", flush=True)
+    if args.kv_events:
+        print(f"kvwatch sim: KV-cache events published to {args.kv_events} (kvwatch serve --kv-events)", flush=True)
+    status = server.phase_status()
+    if status["phases"] > 1:
+        loop = "then loops" if scenario.loop else "then stays in the last phase"
+        length = (f"{clock_text(status['cycle_seconds'])} at speed {args.speed:g}" if args.speed > 0
+                  else f"{clock_text(status['cycle_seconds'])} of simulated time (speed 0: the clock moves by hand)")
+        print(f"kvwatch sim: {status['phases']} phases, {length}, {loop}; the phase now and the next at "
+              f"{server.url}/sim/phase", flush=True)
+    shown = None
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
-        while not stop.wait(0.2):
+        while True:
+            if status["phases"] > 1 and (status["phase"], status["index"], status["cycle"]) != shown:
+                shown = (status["phase"], status["index"], status["cycle"])
+                note = f" ({status['note']})" if status["note"] else ""
+                print(f"kvwatch sim: {phase_line(status)}{note}", flush=True)
+            if stop.wait(0.2):
+                break
             if deadline is not None and time.monotonic() >= deadline:
                 break
+            status = server.phase_status()
     except KeyboardInterrupt:
         pass
     finally:

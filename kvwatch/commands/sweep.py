@@ -114,13 +114,25 @@ def _compare(args: argparse.Namespace) -> int:
         return 2
     out_dir = Path(args.out) if args.out else Path(
         f"kvwatch-compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    result = compare(before, after, force=args.force, names=(str(before_dir), str(after_dir)))
+    try:
+        result = compare(before, after, force=args.force, names=(str(before_dir), str(after_dir)))
+        markdown = render_markdown(result)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as error:
+        # A sweep.json of the shape load_sweep checks, with a value of another
+        # type deeper in (a crafted or hand-edited folder): one sentence.
+        print(f"kvwatch sweep: error: --compare: {before_dir} or {after_dir} holds a value kvwatch sweep "
+              f"does not write ({type(error).__name__}: {str(error)[:120]})", file=sys.stderr)
+        return 2
     try:
         written = write_comparison(out_dir, result, plots=not args.no_plots)
     except OSError as error:
         print(f"kvwatch sweep: error: --out: {error}", file=sys.stderr)
         return 2
-    print(render_markdown(result), end="")
+    except (TypeError, ValueError, OverflowError) as error:  # a plot of values no axis holds
+        print(f"kvwatch sweep: error: --compare: the plots could not be drawn ({str(error)[:120]})",
+              file=sys.stderr)
+        return 2
+    print(markdown, end="")
     print(f"kvwatch sweep: wrote {', '.join(written)} in {out_dir}", file=sys.stderr)
     refused = len(result["cells"]["refused"])
     if refused:

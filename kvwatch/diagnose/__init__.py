@@ -9,9 +9,10 @@ exhaustion        concurrency_beyond_capacity, long_requests,
 low_hit_rate      caching_disabled, cold_cache, prefix_changed,
                   eviction_before_reuse, no_reuse
 slow_first_token  queueing_kv_bound, queueing_compute_bound, prefill,
-                  front_end, upstream
+                  front_end, upstream, preemption
 change            model_changed, lora_changed, cache_dtype_changed,
                   cache_config_changed, engine_restarted
+kv_events         events_stopped, events_missed
 
 Rules run per (model, engine): the KV cache, its queue and its counters belong
 to one engine core. Every rule reads only the window (so a finding starts when
@@ -29,10 +30,22 @@ decided once per window from its means, as the generated alert rule decides
 them over its rate window, so the two agree and exactly one of
 concurrency_beyond_capacity and long_requests is named.
 
+With the engine's KV-cache event stream (`kv_events`), the low-hit-rate
+causes the page cannot tell apart are decided block by block
+(diagnose/stream.py): blocks stored again after their eviction name eviction
+before reuse, blocks that never return name no shared prefix or a changed
+one; the stream's own silence and losses are the `kv_events` symptom.
+
 With an LMCache tier beside the engine (`lmcache_target`), a low engine hit
 ratio is not `no_reuse` while the tier supplies at least `hit_ratio_low` of the
 model's prompt tokens, and the other low-hit-rate findings name the tier in
 their evidence (hit_rate.with_external_tier).
+
+Per engine and symptom one cause is primary (diagnose/arbitration.py: the
+rule, written once); the other causes the rules found ride on it as
+contributing factors, and causes the data cannot tell from it as
+alternatives, both data. While the cache is exhausted, the first-token time
+the queue and prefill histograms miss is `preemption`, never `front_end`.
 
 Findings never claim more than their evidence. A prefix-cache hit means KV
 computed for earlier tokens was reused; it proves neither that an answer is
@@ -44,11 +57,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvwatch.diagnose.arbitration import arbitrate
 from kvwatch.diagnose.changes import Change, change_findings, changes_between, names_text, window_changes
 from kvwatch.diagnose.context import EngineContext
 from kvwatch.diagnose.exhaustion import exhaustion_findings
 from kvwatch.diagnose.first_token import slow_first_token_findings
 from kvwatch.diagnose.hit_rate import HitRateMemory, low_hit_rate_findings, with_external_tier
+from kvwatch.diagnose.stream import stream_findings, stream_target
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS, resolve_thresholds, validate_thresholds
 from kvwatch.diagnose.vocabulary import CAUSES, CONFIDENCES, NEXT_CHECK, SEVERITIES, Finding, finding_order, is_actionable
 
@@ -69,11 +84,13 @@ __all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "NEXT_CHECK", "NOT_DIA
 
 
 def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=None,
-             hit_memory: HitRateMemory | None = None, lmcache=None) -> list[Finding]:
+             hit_memory: HitRateMemory | None = None, lmcache=None, kv_events=None,
+             incumbents: frozenset | set = frozenset()) -> list[Finding]:
     """Findings for the window, most severe first. The rules judge each
     engine, whose cache and queue are its own. A rule that fails drops only
     its own findings. `hit_memory` (kept by the caller across polls) carries
-    each engine's last healthy hit ratio beyond the window."""
+    each engine's last healthy hit ratio beyond the window; `incumbents`
+    (FindingHold.incumbents()) the previous poll's primary causes."""
     resolved = resolve_thresholds(thresholds)
     changes: list[Change] = []
     try:
@@ -85,6 +102,8 @@ def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=No
         if row.engine is None:
             continue
         ctx = EngineContext(window, row, resolved, changes, hit_memory)
+        if kv_events and stream_target(kv_events, per_engine) == (row.model, row.engine):
+            ctx.stream = kv_events
         for rule in (
             lambda: exhaustion_findings(ctx),
             lambda: low_hit_rate_findings(ctx),
@@ -104,10 +123,16 @@ def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=No
             findings = with_external_tier(findings, lmcache, prompt_tokens, resolved)
         except Exception:  # pragma: no cover - defensive
             log.exception("diagnosis: reading the LMCache tier failed")
+    if kv_events:
+        try:
+            findings = stream_findings(findings, kv_events, per_engine, window, resolved)
+        except Exception:  # pragma: no cover - defensive
+            log.exception("diagnosis: reading the KV-cache event stream failed")
     try:
         findings.extend(change_findings(window, changes))
     except Exception:
         log.exception("diagnosis: change rule failed")
-    findings.sort(key=finding_order)
-    return findings
+    # One story per engine and symptom: one primary cause, the rest carried
+    # as its contributing factors (arbitration.py).
+    return arbitrate(findings, incumbents)
 

@@ -18,7 +18,7 @@ class Change:
     diagnosis and shown on every surface as the same record."""
 
     time: float
-    kind: str  # restart | cache_config | models | lora
+    kind: str  # restart | cache_config | models | lora | kv_cache_cleared | kv_events_restart
     model: str | None
     engine: str | None
     detail: str
@@ -169,4 +169,8 @@ def change_findings(window: Window, changes: list[Change]) -> list[Finding]:
                     {"models_before": ",".join(change.before), "models_after": ",".join(change.after)}, model)
         elif change.kind == "lora":
             add("lora_changed", change, f"LoRA adapters changed {ago:.0f}s ago: {change.detail}.", {})
+        elif change.kind == "kv_cache_cleared":  # from the engine's KV-cache events (kvwatch/kvevents)
+            add("prefix_cache_cleared", change,
+                f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache events): "
+                "every cached block is gone; hit ratios before and after do not compare.", {})
     return findings

@@ -91,6 +91,8 @@ class EngineContext:
         self.capacity_tokens: float | None = row.view.capacity_tokens
         self._exhaustion: Exhaustion | None | bool = False
         self.hit_rate: HitRateVerdict | None = None  # judged once, by hit_rate.verdict
+        # The engine's KV-cache event stream report (kvwatch/kvevents) where it is this engine's.
+        self.stream: dict[str, Any] | None = None
 
     def value(self, name: str):
         return self.values.get(name)
@@ -113,13 +115,16 @@ class EngineContext:
         return histogram if histogram is not None and histogram.count > 0 else None
 
     def finding(self, symptom: str, cause: str, confidence: str, summary: str, evidence: dict[str, Any],
-                next_check: str, *, preempting: bool = False, advisory: bool = False) -> Finding:
+                next_check: str, *, preempting: bool = False, advisory: bool = False,
+                alternatives: tuple = ()) -> Finding:
         """A finding whose severity comes from the one table (vocabulary.SEVERITY):
         `preempting` raises an exhaustion cause to its preempting severity;
-        `advisory` marks a warning sign seen before any harm (info)."""
+        `advisory` marks a warning sign seen before any harm (info);
+        `alternatives` are the causes the data cannot tell from this one
+        (arbitration.alternative)."""
         severity = "info" if advisory else severity_of(cause, preempting)
         return Finding(symptom, cause, severity, confidence, self.model, self.engine, summary,
-                       tidy(evidence), next_check)
+                       tidy(evidence), next_check, alternatives=tuple(alternatives))
 
     @property
     def exhaustion(self) -> Exhaustion | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvwatch.diagnose.arbitration import alternative
 from kvwatch.diagnose.context import EngineContext, Poll, max_num_seqs, quantile_value
 from kvwatch.diagnose.hit_rate import verdict as hit_rate_verdict
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
@@ -178,9 +179,23 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         demand = peak.demand if peak else None
         beyond = capacity_requests is not None and demand is not None and demand > capacity_requests
         summary = f"KV cache full {when}"
-        if demand is not None and capacity_requests is not None:
+        alternatives: tuple = ()
+        if demand is not None and capacity_requests is not None and beyond:
             summary += (f": {count_text(demand)} requests running or waiting at the peak, the cache holds about "
                         f"{count_text(capacity_requests)} at current mean lengths")
+        elif demand is not None and capacity_requests is not None:
+            # The headline never claims more than its evidence: fewer requests
+            # than the cache holds at the window's mean lengths filled it, so
+            # the ones in flight then were longer than the mean, and the means
+            # (which decide between the two shapes, as the alert rule does)
+            # cannot say whether many or a few long ones were to blame.
+            summary += (f" with only {count_text(demand)} requests running or waiting at the peak, fewer than "
+                        f"the roughly {count_text(capacity_requests)} the cache holds at the window's mean "
+                        "lengths: the requests in flight then were longer than the mean")
+            alternatives = (alternative(
+                "long_requests", ("request_lengths", "kv_events"),
+                "the lengths of the requests in flight at the peak (the gateway log), or the blocks each held "
+                "(vLLM's KV-cache events): a few requests near the cache's size are long_requests"),)
         elif not state.full_polls:
             summary += f": {count_text(state.preemptions)} preemptions, no poll caught the cache full"
         if share is not None:
@@ -191,7 +206,7 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
             "exhaustion", "concurrency_beyond_capacity",
             confidence if (beyond or capacity_requests is None) else "low", summary + ".",
             {**common, "demand_at_peak": demand, **at_peak(peak)},
-            NEXT_CHECK["concurrency_beyond_capacity"], preempting=preempting))
+            NEXT_CHECK["concurrency_beyond_capacity"], preempting=preempting, alternatives=alternatives))
     if below is not None:
         findings.append(ctx.finding(
             "exhaustion", "capacity_below_max_num_seqs",

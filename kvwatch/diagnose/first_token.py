@@ -1,11 +1,14 @@
 """Slow first token: the queue (bound by KV or by compute), prefill, the front
-end, or time spent upstream of the engine (retrieval, a gateway)."""
+end, preemption (the residual while the cache is exhausted), or time spent
+upstream of the engine (retrieval, a gateway). Each part found is a finding;
+diagnose/arbitration.py keeps one primary and carries the rest."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvwatch.diagnose.context import EngineContext, max_num_seqs, quantile_value
+from kvwatch.diagnose.exhaustion import count_text
 from kvwatch.signals import ttft_decomposition
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 
@@ -65,7 +68,9 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
     }
     if parts is not None and parts.note:
         evidence["histograms_disagree"] = parts.note
-    headline = (f"Time to first token p95 {(pinned + ' ') if pinned else ''}{p95:.2f}s, mean {ttft_mean:.2f}s "
+    # The span, said where the eye compares: the page's trend ends on shorter spans.
+    headline = (f"Time to first token over the last {ctx.increase.seconds:.0f}s: p95 "
+                f"{(pinned + ' ') if pinned else ''}{p95:.2f}s, mean {ttft_mean:.2f}s "
                 f"(objective p95 {t['ttft_p95_seconds']:g}s, mean {t['ttft_mean_seconds']:g}s)")
     findings = []
 
@@ -132,6 +137,25 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
                 {**evidence, "prompt_tokens_mean": prompt_mean, "prompt_tokens_cached_ratio": cached,
                  "uncached_prompt_tokens_mean": uncached},
                 NEXT_CHECK["prefill"]))
+        elif ctx.exhaustion is not None:
+            # A preempted request goes back to the queue and recomputes its
+            # KV: neither vLLM's queue nor its prefill histogram counts that
+            # time, so the residual grows exactly when the cache is the cause.
+            # While the exhaustion detector holds (preemptions in the window,
+            # or the cache full while requests waited) the residual is
+            # preemption, never the front end (the alert rules split it the
+            # same way: mixin/alerts.py).
+            exhaustion = ctx.exhaustion
+            findings.append(ctx.finding(
+                "slow_first_token", "preemption", confidence,
+                f"{headline}; {share_text} is outside queue and prefill while the KV cache was exhausted"
+                + (f" ({count_text(exhaustion.preemptions)} preemptions in the window): preempted requests "
+                   "re-queued and recomputed, not the front end." if exhaustion.preemptions else
+                   " (full while requests waited, none preempted yet): requests held by the full cache, whose queue "
+                   "and prefill time vLLM counts only when they finish, not the front end."),
+                {**evidence, "preemptions": exhaustion.preemptions,
+                 "kv_usage_max": ctx.value("kvwatch_kv_cache_usage_max_ratio")},
+                NEXT_CHECK["preemption"]))
         else:
             findings.append(ctx.finding(
                 "slow_first_token", "front_end", confidence,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvwatch.diagnose.arbitration import alternative
 from kvwatch.diagnose.context import EngineContext, quantile_value
 from kvwatch.snapshot import Histogram
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
@@ -57,7 +58,16 @@ def _residency(ctx: EngineContext, since: float | None = None) -> tuple[bool | N
     an earlier phase describe that phase's working set, not this one), and
     only as far as the evidence goes: enough samples of both, medians in
     different buckets. Returns (evicts: True/False/None for cannot tell, the
-    evidence, the confidence the comparison supports)."""
+    evidence, the confidence the comparison supports).
+
+    The engine's KV-cache event stream, where kvwatch reads it, decides
+    first and with high confidence (diagnose/stream.py): it sees each block
+    come back after its eviction, or not."""
+    from kvwatch.diagnose.stream import stream_residency
+
+    decided = stream_residency(ctx)
+    if decided is not None:
+        return decided
     present = (ctx.increase.histograms.get("kv_block_idle_before_evict") is not None
                or ctx.increase.histograms.get("kv_block_reuse_gap") is not None)
     idle = _histogram_since(ctx, "kv_block_idle_before_evict", since)
@@ -300,6 +310,16 @@ def _undecided(evidence: dict[str, Any], named: str) -> dict[str, Any]:
                                  if on_page else "--kv-cache-metrics")}
 
 
+def eviction_alternative(evidence: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The alternative an undecided low-hit-rate finding carries as data:
+    eviction before reuse, decided by the residency histograms where they are
+    not on the page yet, and by the KV-cache event stream (which names each
+    evicted block's prefix) either way."""
+    on_page = "kv_block_evictions_sampled" in evidence
+    return (alternative("eviction_before_reuse", ("kv_events",) if on_page else ("kv_cache_metrics", "kv_events"),
+                        _what_tells(evidence)),)
+
+
 def _what_tells(evidence: dict[str, Any]) -> str:
     if "kv_block_evictions_sampled" in evidence:  # the histograms are on the page but could not tell
         return evidence["residency"]
@@ -457,7 +477,8 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
                 "shared before, or their prefixes outgrew the cache and are evicted before reuse (idle cached "
                 f"blocks count as free, so eviction shows at any usage). The page cannot tell them apart: "
                 f"{_what_tells(extra)}.",
-                _undecided(extra, "prefix_changed"), _next_check_both("prefix_changed"))
+                _undecided(extra, "prefix_changed"), _next_check_both("prefix_changed"),
+            alternatives=eviction_alternative(extra))
 
         if exhausted is None:
             return verdict(judged_without_exhaustion(drop, latest_time, drop_text, {}))
@@ -521,7 +542,8 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
             f"{text}: the requests stopped sharing the prefix they shared before, or their prefixes outgrew the "
             "cache and are evicted before reuse (idle cached blocks count as free, so eviction shows at any "
             f"usage), and reuse has not come back. The page cannot tell them apart: {_what_tells(evidence)}.",
-            _undecided(evidence, "prefix_changed"), _next_check_both("prefix_changed")))
+            _undecided(evidence, "prefix_changed"), _next_check_both("prefix_changed"),
+            alternatives=eviction_alternative(evidence)))
     if not drop.low_in_both(t):
         return verdict()  # low for a moment only: not yet a workload's character
     evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio})
@@ -545,7 +567,8 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
         f"{usage_mean if usage_mean is not None else 0:.0%}): the requests share little prefix, or they share "
         "prefixes that outgrow the cache and are evicted before their reuse comes (a round robin over more prefixes "
         f"than fit). The page cannot tell them apart: {_what_tells(evidence)}.",
-        _undecided(evidence, "no_reuse"), _next_check_both("no_reuse")))
+        _undecided(evidence, "no_reuse"), _next_check_both("no_reuse"),
+            alternatives=eviction_alternative(evidence)))
 
 
 def tier_row(lmcache: dict[str, Any] | None, model: str, engine_models: set[str]) -> dict[str, Any] | None:

@@ -19,6 +19,11 @@ cache is still full), and `kvwatch_finding` carries the severity as a label,
 so a fall would end one series and start another: an alert on the first
 resolves and one on the second starts its `for:` over. The finding keeps the
 highest severity seen since it began; a rise shows at once.
+
+A finding held while clearing is reported only while no other cause of its
+symptom on its engine is active (diagnose/arbitration.py), unless it was the
+story's primary and the active rival is less sure (the rival rides on it):
+when the primary changes on stronger evidence, the story changes with it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
-from kvwatch.diagnose.vocabulary import SEVERITIES, Finding, finding_order
+from kvwatch.diagnose.arbitration import arbitrate, primaries
+from kvwatch.diagnose.vocabulary import SEVERITIES, Finding
 
 
 def hold_key(finding: Finding) -> tuple:
@@ -45,6 +51,8 @@ class FindingHold:
         self.seconds = max(0.0, float(seconds))
         # key -> (the finding as last seen, the time its condition was first found clear or None)
         self._held: dict[tuple, tuple[Finding, float | None]] = {}
+        # (story, cause) of each primary reported at the last poll (arbitration.primaries)
+        self._primaries: set[tuple] = set()
 
     def apply(self, at: float, findings: Iterable[Finding]) -> list[Finding]:
         current = [self._no_lower(f) for f in findings]
@@ -59,8 +67,17 @@ class FindingHold:
                 held[key] = (finding, since)
                 out.append(replace(finding, clearing_since=since))
         self._held = held
-        out.sort(key=finding_order)
+        # One story per engine and symptom: a held finding never stands beside
+        # an active cause of the same symptom (it is kept here and comes back
+        # if its rival clears first); between held ones, the last primary stays.
+        out = arbitrate(out, self._primaries)
+        self._primaries = primaries(out)
         return out
+
+    def incumbents(self) -> set[tuple]:
+        """The primary cause of each story at the last poll (active or held):
+        what diagnose() keeps on a tie (arbitration.strength)."""
+        return self._primaries
 
     def _no_lower(self, finding: Finding) -> Finding:
         """The finding at the highest severity seen since it began (its

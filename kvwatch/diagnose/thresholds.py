@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from kvwatch.units import parse_duration
+from kvwatch.units import did_you_mean, parse_duration
 
 DEFAULT_THRESHOLDS: dict[str, Any] = {
     # --- exhaustion ---
@@ -76,6 +76,21 @@ DEFAULT_THRESHOLDS: dict[str, Any] = {
     # peers reuse at least hit_ratio_low, lost the prefix affinity its peers
     # have: half, so ordinary spread between replicas does not count.
     "fleet_affinity_fraction": 0.5,
+    # --- the KV-cache event stream (kv_events; diagnose/stream.py) ---
+    # Fewer blocks stored than this in the judged part (hit_recent_seconds)
+    # and the stream decides nothing: four requests of 256 tokens at 16 a block.
+    "stream_min_blocks": 64,
+    # A tenth of the stored blocks or more stored again after their eviction
+    # is recomputation a cache that kept them would have saved: eviction
+    # before reuse. A rotation of 12 prefixes through the real tier's cache
+    # stored 75 % again; distinct prompts 0 %.
+    "stored_again_ratio_high": 0.1,
+    # At most this share stored again while blocks are stored: nothing comes
+    # back, so a larger cache would not help (no shared prefix, or a changed one).
+    "stored_again_ratio_none": 0.01,
+    # No event for this long while the page counts prompt tokens: the stream
+    # stopped (an idle engine sends none, so prompt tokens must be counted).
+    "kv_events_silence_seconds": 60.0,
     # --- every finding ---
     # A finding stays active until its condition has been clear for this long
     # (from the first poll that found it clear), reported as clearing
@@ -143,6 +158,10 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "eviction_usage_ratio": _ratio,
     "fleet_room_usage_ratio": _ratio,
     "fleet_affinity_fraction": _ratio,
+    "stream_min_blocks": _count,
+    "stored_again_ratio_high": _ratio,
+    "stored_again_ratio_none": _ratio,
+    "kv_events_silence_seconds": _seconds,
     "finding_hold_seconds": _hold,
 }
 assert set(_PARSERS) == set(DEFAULT_THRESHOLDS)
@@ -155,7 +174,7 @@ def validate_thresholds(thresholds: dict[str, Any]) -> list[str]:
     for key, value in thresholds.items():
         parser = _PARSERS.get(key)
         if parser is None:
-            problems.append(f"unknown threshold {key!r} (known: {', '.join(sorted(_PARSERS))})")
+            problems.append(f"unknown threshold {key!r}{did_you_mean(key, _PARSERS)} (known: {', '.join(sorted(_PARSERS))})")
             continue
         try:
             parser(value)

@@ -57,8 +57,14 @@ def episode_json(episode: Episode) -> dict[str, Any]:
 
 
 def _worst_of(finding, at: float) -> dict[str, Any]:
-    return {"time": at, "severity": finding.severity, "confidence": finding.confidence,
-            "summary": finding.summary, "evidence": _clean(dict(finding.evidence)), "next_check": finding.next_check}
+    worst = {"time": at, "severity": finding.severity, "confidence": finding.confidence,
+             "summary": finding.summary, "evidence": _clean(dict(finding.evidence)), "next_check": finding.next_check}
+    # One story (diagnose/arbitration.py): what rode on it, and what it could not be told from.
+    if finding.contributing:
+        worst["contributing"] = [{k: v for k, v in c.items() if k != "evidence"} for c in finding.contributing]
+    if finding.alternatives:
+        worst["alternatives"] = [dict(a) for a in finding.alternatives]
+    return worst
 
 
 class Timeline:

@@ -15,11 +15,15 @@ CONFIDENCES = ("high", "medium", "low")
 CAUSES: dict[str, tuple[str, ...]] = {
     "exhaustion": ("concurrency_beyond_capacity", "long_requests", "capacity_below_max_num_seqs"),
     "low_hit_rate": ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"),
-    "slow_first_token": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream"),
-    "change": ("model_changed", "lora_changed", "cache_dtype_changed", "cache_config_changed", "engine_restarted"),
+    "slow_first_token": ("queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream",
+                         "preemption"),
+    "change": ("model_changed", "lora_changed", "cache_dtype_changed", "cache_config_changed", "engine_restarted",
+               "prefix_cache_cleared"),
     # Judged across the replicas of one model (diagnose/fleet.py); a replica
     # alone cannot show them.
     "fleet": ("imbalance", "lost_prefix_affinity", "cold_replica"),
+    # The engine's KV-cache event stream itself (diagnose/stream.py), where kv_events is set.
+    "kv_events": ("events_stopped", "events_missed"),
 }
 
 
@@ -45,12 +49,20 @@ SEVERITY: dict[str, str] = {
     "prefill": "warning",
     "front_end": "warning",
     "upstream": "warning",
+    # The first-token time the queue and prefill histograms miss while the
+    # cache is exhausted: requests preempted and re-queued, their KV recomputed.
+    "preemption": "warning",
     # Changes are context for the other findings.
     "model_changed": "info",
     "lora_changed": "info",
     "cache_dtype_changed": "info",
     "cache_config_changed": "info",
     "engine_restarted": "info",
+    "prefix_cache_cleared": "info",
+    # The stream kvwatch decides hit-rate causes by went quiet or lost messages:
+    # its decisions are off or low; the page's signals stand.
+    "events_stopped": "warning",
+    "events_missed": "info",
     # Across the replicas of one model.
     "imbalance": "warning",
     "lost_prefix_affinity": "warning",
@@ -71,7 +83,9 @@ assert set(PREEMPTING_SEVERITY) <= set(CAUSES["exhaustion"])
 # tests/test_rules_promtool.py checks), for the runbook link a finding carries.
 SYMPTOM_ALERTS = {"exhaustion": "VllmKvCacheExhausted", "low_hit_rate": "VllmPrefixCacheHitRateLow",
                   "slow_first_token": "VllmTimeToFirstTokenSlow", "fleet": "VllmFleetReplicaOutlier"}
-RUNBOOK_PATH = "alerts/runbooks.md"
+# kvwatch serves the runbooks (GET /runbooks): a finding's link is relative
+# to the kvwatch that reports it (the status page, the JSON API).
+RUNBOOK_PATH = "runbooks"
 
 
 def runbook_link(symptom: str, cause: str, alert_causes: dict[str, tuple[str, ...]] | None = None) -> str | None:
@@ -105,6 +119,8 @@ ALERT_CAUSES = {
     "VllmTimeToFirstTokenSlow": CAUSES["slow_first_token"],
     "KvwatchDown": ("kvwatch_unreachable", "kvwatch_absent"),
     "KvwatchEngineUnreachable": ("engine_unreachable",),
+    # vLLM answers without its statistics (--disable-log-stats): not unreachable, blind.
+    "VllmEngineStatsDisabled": ("stats_disabled",),
     "VllmFleetReplicaOutlier": CAUSES["fleet"],
 }
 assert set(ALERT_CAUSES["VllmKvCacheExhausted"]) <= set(CAUSES["exhaustion"])
@@ -125,15 +141,37 @@ class Finding:
     # clear since this time (epoch seconds), for less than the hold; the
     # finding is still active and reported as it was last seen.
     clearing_since: float | None = None
+    # Other causes of the same symptom on the same engine that the rules also
+    # found, weaker than this one (diagnose/arbitration.py): each
+    # {"cause", "severity", "confidence", "summary"}.
+    contributing: tuple[dict[str, Any], ...] = ()
+    # Causes the data cannot tell from this one, each {"cause", "decided_by":
+    # [sources that would decide, arbitration.DECIDERS], "how"}.
+    alternatives: tuple[dict[str, Any], ...] = ()
 
 
 def finding_order(finding: Finding) -> tuple:
-    """The order findings are listed in: most severe first."""
-    return (SEVERITIES.index(finding.severity) if finding.severity in SEVERITIES else 9, finding.symptom,
+    """The order findings are listed in: active ones before those held while
+    clearing, most severe first within each (the page's banner shows the
+    first, and draws clearing ones muted below the active)."""
+    return (finding.clearing_since is not None,
+            SEVERITIES.index(finding.severity) if finding.severity in SEVERITIES else 9, finding.symptom,
             finding.model, finding.engine or "", finding.cause)
 
 
 NEXT_CHECK = {
+    "prefix_cache_cleared":
+        "The engine reset its prefix cache (vLLM's /reset_prefix_cache, or its own reset after a change of "
+        "weights or adapters; the KV-cache events say AllBlocksCleared): every cached block is gone and the hit "
+        "ratio refills from 0. Find who reset it; compare hit ratios only from after it.",
+    "events_stopped":
+        "The engine's KV-cache events stopped while it serves: check that it runs with --kv-events-config pointing "
+        "at kvwatch's --kv-events endpoint (publisher zmq; kvwatch binds unless --kv-events-connect), that nothing "
+        "else holds the port, and kvwatch_kv_events_publisher_restarts; the hit-rate causes fall back to the page.",
+    "events_missed":
+        "Sequence gaps (kvwatch_kv_events_missed_messages) are messages the engine's publisher dropped past its hwm "
+        "or the connection lost; drops (kvwatch_kv_events_dropped_messages) are kvwatch's intake full under a flood: "
+        "raise the publisher's hwm, give kvwatch CPU, and read the stream's counts as lower bounds meanwhile.",
     "concurrency_beyond_capacity":
         "Compare kvwatch_requests_running_max and waiting with kvwatch_kv_cache_capacity_requests: cap concurrency in "
         "front of the engine near that bound, add replicas, or give the cache more memory (gpu_memory_utilization, a "
@@ -172,6 +210,11 @@ NEXT_CHECK = {
     "prefill":
         "Long uncached prompts: raise prefix reuse (shared text first), shorten prompts, tune chunked prefill "
         "(--max-num-batched-tokens) or separate prefill from decode.",
+    "preemption":
+        "The cache is exhausted (see the exhaustion finding): preempted requests go back to the queue and their KV is "
+        "recomputed, time that neither vLLM's queue nor its prefill histogram counts. Relieve the cache as the "
+        "exhaustion finding says (fewer or shorter concurrent requests, more KV memory); the front end is not the "
+        "cause while this lasts.",
     "front_end":
         "Time outside queue and prefill: tokenization, multimodal preprocessing, API-server CPU, scheduling gaps; "
         "check the API server's CPU and --api-server-count.",
@@ -209,6 +252,9 @@ NEXT_CHECK = {
 # One short instruction per cause, for places with room for a sentence (the
 # status page's banner); NEXT_CHECK above is the full advice on the card.
 NEXT_ACTION = {
+    "prefix_cache_cleared": "Find who reset the prefix cache, and compare hit ratios only after it.",
+    "events_stopped": "Check the engine's --kv-events-config endpoint and that kvwatch listens there.",
+    "events_missed": "Raise the publisher's hwm or give kvwatch more CPU; counts are low meanwhile.",
     "concurrency_beyond_capacity": "Cap concurrency near the cache's capacity, add replicas or give the cache more memory.",
     "long_requests": "Find the long requests and cap max_tokens or route them to engines sized for them.",
     "capacity_below_max_num_seqs": "Lower --max-num-seqs to about the cache's capacity in requests, or enlarge the cache.",
@@ -221,6 +267,7 @@ NEXT_ACTION = {
     "queueing_compute_bound": "Add replicas or lower the arrival rate: a bigger KV cache does not help.",
     "prefill": "Raise prefix reuse, shorten prompts or tune chunked prefill.",
     "front_end": "Check the API server's CPU, tokenization and preprocessing.",
+    "preemption": "Relieve the exhausted cache: preempted requests are re-queued and recomputed.",
     "upstream": "Look at the stage before the engine (retrieval, gateway) named by the histogram.",
     "model_changed": "Recheck capacity and thresholds for the new model; compare signals only within one model.",
     "lora_changed": "Compare hit ratios and latency per adapter set, not across the change.",

@@ -31,7 +31,7 @@ import time as _time
 
 from kvwatch.engines.base import EngineAdapter
 from kvwatch.exposition import Family, FamilySelector
-from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
+from kvwatch.snapshot import COUNTER_ROUNDING, EngineSnapshot, Histogram, Snapshot
 
 # Spellings of the namespace on the wire: the native one, the OpenMetrics
 # `escaping=underscores` rewrite, and Ray Serve's.
@@ -298,6 +298,7 @@ class VllmAdapter(EngineAdapter):
         # Derived forms of the parser's cached label sets, which come back as
         # the same objects poll after poll (see _SeriesCache).
         self._series = _SeriesCache()
+        self._cache_clears = 0
         self._folds = _Folds()
         self._process_start: float | None = None
 
@@ -310,7 +311,11 @@ class VllmAdapter(EngineAdapter):
         return self._selector
 
     def adapt(self, text: str, at: float | None = None) -> Snapshot:
-        page = self.selector.parse(text)
+        selector = self.selector
+        page = selector.parse(text)
+        if selector.cache_clears != self._cache_clears:
+            self._cache_clears = selector.cache_clears
+            self._series.clear()
         return self.adapt_families(page.families, page.errors, _process_start(text), at)
 
     def adapt_families(self, families: dict[str, Family], errors: list, process_start: float | None,
@@ -557,7 +562,7 @@ def _process_start(text: str) -> float | None:
 
 
 def _fell(now: float, before: float) -> bool:
-    return now < before
+    return now < before - before * COUNTER_ROUNDING  # within rounding is no fall
 
 
 def _histogram_fell(now: Histogram, before: Histogram) -> bool:
@@ -667,10 +672,15 @@ class _SeriesCache:
     def trim(self) -> None:
         if (len(self.engine_keys) + len(self.buckets) + len(self.others) + len(self.tokens)
                 + len(self.bounds) > self.limit):
-            for table in (self.engine_keys, self.buckets, self.others, self.tokens, self.token_labels, self.bounds,
-                          self.plans):
-                table.clear()
-            self.page = None
+            self.clear()
+
+    def clear(self) -> None:
+        """Every entry dropped: with the parser's label cache (whose dicts
+        these entries hold; keeping them would keep what the parser let go)."""
+        for table in (self.engine_keys, self.buckets, self.others, self.tokens, self.token_labels, self.bounds,
+                      self.plans):
+            table.clear()
+        self.page = None
 
     # Empty label sets are fresh dicts on every line (nothing to reuse), so
     # they are answered without an entry.

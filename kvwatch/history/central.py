@@ -318,10 +318,16 @@ def store_sentence(url: str | None, error: QueryError) -> str:
         why = "the TLS handshake failed"
     elif error.reason in ("refused", "dns", "disconnected", "connection") or "ConnectTimeout" in text:
         why = "the connection failed (is it running, and is the URL right?)"
+    elif error.reason == "too_large":
+        why = "an answer was larger than kvwatch reads of one (narrow the selector)"
+    elif error.status is not None:
+        # Not the store's own text: /readyz is open to anyone who can reach
+        # kvwatch, and that text is the store's to choose (the log has it).
+        why = f"it answered HTTP {error.status}"
     elif ": HTTP " in text:
-        why = "it answered " + text[text.index("HTTP "):][:200]
+        why = "it answered " + text[text.index("HTTP "):].split(",")[0][:40]
     else:
-        why = text[:200]
+        why = "its answer could not be read (see kvwatch's log)"
     return f"kvwatch cannot read the store at {url}: {why}."
 
 

@@ -28,12 +28,24 @@ import urllib3
 
 from kvwatch import __version__
 from kvwatch.history.matrix import decode, joined
-from kvwatch.scrape import BearerToken, connection_reason, public_host
+from kvwatch.scrape import BearerToken, WatchedAdapter, Watchdog, connection_reason, public_host, read_body
 
 MAX_POINTS = 10_000  # per series and query; Prometheus refuses more than 11,000
 DEFAULT_MAX_SAMPLES = 5_000_000  # per query
 DEFAULT_CONCURRENCY = 4
 DEFAULT_TIMEOUT = 60.0
+# The most bytes of one answer kvwatch holds (decompressed, counted as they
+# are read): a hostile store's answers were read whole (4.8 GB; 2.7 GB in
+# central mode against its 1024Mi limit). Central mode passes its own,
+# smaller cap (CENTRAL_MAX_BYTES). The planner keeps a chunk's samples within
+# the cap at BYTES_PER_SAMPLE each (a matrix point, `[1700000000.123,"1234.5"]`,
+# is about 30 bytes with its separators).
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+CENTRAL_MAX_BYTES = 32 * 1024 * 1024
+BYTES_PER_SAMPLE = 48
+# The most of a store's own error text kept (in the log only; /readyz and the
+# page say the status alone).
+ERROR_TEXT_CHARS = 300
 # Steps the planner picks from, so that steps line up across runs.
 NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 
@@ -53,9 +65,24 @@ class QueryError(Exception):
     `reason` names a connection failure: refused, dns, disconnected,
     connection, tls)."""
 
-    def __init__(self, message: str, reason: str | None = None):
+    def __init__(self, message: str, reason: str | None = None, status: int | None = None):
         super().__init__(message)
         self.reason = reason
+        self.status = status
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _is_labels(labels) -> bool:
+    return isinstance(labels, dict) and all(type(k) is str and type(v) is str for k, v in labels.items())
+
+
+def _printable(text: str, limit: int) -> str:
+    """A store's own text as kvwatch repeats it: control characters (a
+    terminal's escape sequences) written as escapes, cut to `limit`."""
+    text = str(text)[:limit]
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 @dataclass
@@ -112,18 +139,21 @@ def check_selector(selector: str | None) -> str | None:
 class PrometheusClient:
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, bearer_token_file: str | None = None,
                  ca_bundle: str | None = None, tls_verify: bool = True, concurrency: int = DEFAULT_CONCURRENCY,
-                 max_samples: int = DEFAULT_MAX_SAMPLES):
+                 max_samples: int = DEFAULT_MAX_SAMPLES, max_bytes: int = DEFAULT_MAX_BYTES):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.max_bytes = max(1024, int(max_bytes))
         self.bearer_token_file = bearer_token_file
         self.concurrency = max(1, concurrency)
-        self.max_samples = max(1, max_samples)
+        self.max_samples = max(1, min(max_samples, self.max_bytes // BYTES_PER_SAMPLE))
         self.cost = Cost()
         self.session = requests.Session()
         self.session.trust_env = False
         self.session.verify = ca_bundle if ca_bundle else tls_verify
         self.session.headers.update({"User-Agent": f"kvwatch/{__version__}", "Accept-Encoding": "gzip"})
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=self.concurrency)
+        # The fetcher's watchdog over these sockets too: the deadline holds
+        # however slowly a store trickles its answer.
+        adapter = WatchedAdapter(pool_connections=1, pool_maxsize=self.concurrency)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         if not tls_verify:
@@ -131,11 +161,49 @@ class PrometheusClient:
         self._token = BearerToken(bearer_token_file)
 
     def _get(self, path: str, params) -> object:
+        """One query's answer, within the client's timeout for the whole of
+        it (connect, headers and body: a trickling store is cut off at the
+        deadline) and within max_bytes (decompressed)."""
+        started = time.monotonic()
+        watchdog = Watchdog(self.timeout)
+        try:
+            with watchdog:
+                status, content_type, content = self._post(path, params, started)
+        except QueryError:
+            if watchdog.fired:
+                raise QueryError(f"{path}: no answer within {self.timeout:g}s", "timeout") from None
+            raise
+        if watchdog.fired:
+            raise QueryError(f"{path}: no answer within {self.timeout:g}s", "timeout")
+        size = len(content)
+        try:
+            body = decode(content.decode("utf-8"))
+        except (ValueError, RecursionError):  # UnicodeDecodeError included
+            raise QueryError(f"{path}: HTTP {status}, not JSON ({_printable(content_type, 80)})") from None
+        if not isinstance(body, dict):
+            raise QueryError(f"{path}: HTTP {status}, JSON but not an object")
+        if status != 200 or body.get("status") != "success":
+            said = _printable(f"{body.get('errorType', '')} {body.get('error', '')}".strip(), ERROR_TEXT_CHARS)
+            raise QueryError(f"{path}: HTTP {status}: {said}".strip(), status=status)
+        data = body.get("data")
+        if isinstance(data, dict) and isinstance(data.get("result"), list):
+            result = data["result"]
+            if not all(isinstance(s, dict) and _is_labels(s.get("metric")) for s in result):
+                raise QueryError(f"{path}: HTTP {status}, a result that is not a list of series with labels")
+            samples = sum(len(s.get("values", ())) or 1 for s in result)
+            self.cost.count(samples, len(result), size)
+        elif isinstance(data, list) and all(map(_is_labels, data)):
+            self.cost.count(len(data), 0, size)
+        else:
+            raise QueryError(f"{path}: HTTP {status}, an answer whose data is neither series nor a result")
+        return data
+
+    def _post(self, path: str, params, started: float) -> tuple[int, str, bytes]:
         try:
             response = self.session.post(f"{self.url}{path}", data=params, headers=self._token.headers(),
-                                         timeout=self.timeout, allow_redirects=False)
+                                         timeout=(self.timeout, self.timeout), allow_redirects=False, stream=True)
         except requests.Timeout:
-            raise QueryError(f"{path}: no answer within {self.timeout:g}s") from None
+            raise QueryError(f"{path}: no answer within {self.timeout:g}s", "timeout") from None
         except requests.exceptions.SSLError:
             raise QueryError(f"{path}: TLS handshake with {public_host(self.url)} failed (certificate or protocol)",
                              "tls") from None
@@ -143,24 +211,20 @@ class PrometheusClient:
             reason = connection_reason(exc)
             raise QueryError(f"{path}: {_STORE_SENTENCES[reason].format(host=public_host(self.url))}", reason) from None
         except requests.RequestException as exc:
-            raise QueryError(f"{path}: {type(exc).__name__}: {exc}") from None
-        size = len(response.content)
-        try:
-            body = decode(response.content.decode("utf-8"))
-        except ValueError:  # UnicodeDecodeError included
-            raise QueryError(f"{path}: HTTP {response.status_code}, not JSON ({response.headers.get('content-type')})") from None
-        if not isinstance(body, dict):
-            raise QueryError(f"{path}: HTTP {response.status_code}, JSON but not an object")
-        if response.status_code != 200 or body.get("status") != "success":
-            raise QueryError(f"{path}: HTTP {response.status_code}: {body.get('errorType', '')} {body.get('error', '')}".strip())
-        data = body["data"]
-        if isinstance(data, dict) and "result" in data:
-            result = data["result"]
-            samples = sum(len(s.get("values", ())) or 1 for s in result)
-            self.cost.count(samples, len(result), size)
-        else:
-            self.cost.count(len(data), 0, size)
-        return data
+            raise QueryError(f"{path}: {type(exc).__name__}: {_printable(str(exc), ERROR_TEXT_CHARS)}") from None
+        with response:
+            content, failure = read_body(response, self.max_bytes, started + self.timeout, self.timeout)
+            status, content_type = response.status_code, response.headers.get("content-type", "")
+        if failure is not None:
+            reason, _detail = failure
+            if reason == "timeout":
+                raise QueryError(f"{path}: no answer within {self.timeout:g}s", "timeout")
+            if reason == "too_large":
+                raise QueryError(f"{path}: the answer is larger than the {self.max_bytes:,} bytes kvwatch reads of "
+                                 "one answer (narrow the selector or the range)", "too_large")
+            raise QueryError(f"{path}: {_STORE_SENTENCES['disconnected'].format(host=public_host(self.url))} "
+                             "in the middle of its answer", "disconnected")
+        return status, content_type, content
 
     def series(self, match: str, start: float, end: float) -> list[dict[str, str]]:
         """The label sets of every series matching over the range."""
@@ -193,8 +257,13 @@ class PrometheusClient:
             for chunk_start, chunk_end in self.plan(start, end, step, series):
                 jobs.append((index, query, chunk_start, chunk_end))
         started = time.monotonic()
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+        pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        try:
             answers = list(pool.map(lambda job: (job[0], self.query_range(job[1], job[2], job[3], step)), jobs))
+        finally:
+            # The first failure ends the read: queries not yet started are
+            # dropped, not each waited out to its own deadline.
+            pool.shutdown(wait=True, cancel_futures=True)
         self.cost.seconds += time.monotonic() - started
         by_query: list[dict[tuple, dict]] = [dict() for _ in queries]
         for index, result in answers:

@@ -264,9 +264,9 @@ def _replica_step(state: ReplicaState, replica, index: int, at: float, threshold
     # derived (LazyValues): history reports nothing else of a step.
     per_engine, per_model = evaluate_window(window, lazy=True)
     events = tuple(e for e in state.events if e.time >= at - window.seconds)
-    findings = diagnosis.diagnose(window, per_engine, events, thresholds or {})
     if state.hold is None:
         state.hold = FindingHold(diagnosis.resolve_thresholds(thresholds)["finding_hold_seconds"])
+    findings = diagnosis.diagnose(window, per_engine, events, thresholds or {}, incumbents=state.hold.incumbents())
     findings = state.hold.apply(at, findings)
     restarted = state.restarted_at if state.restarted_at is not None and at - state.restarted_at <= window.seconds else None
     usage = waiting = hit = None

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvwatch.mixin import objectives
 from kvwatch.mixin.config import ALERT_CAUSES, ALERTS, PREEMPTING_SUFFIX, MixinConfig
+from kvwatch.mixin.conditions import Recorded
+from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
 from kvwatch.mixin.promql import Fragments, Scope, chain, num, paren
 
 # Where each alert is shown: (dashboard key, panel key), see dashboards.py.
@@ -31,7 +34,17 @@ ALERT_PANELS = {
     "KvwatchDown": ("overview", "scrape_up"),
     "KvwatchEngineUnreachable": ("overview", "poll_up"),
     "VllmFleetReplicaOutlier": ("fleet", "replicas"),
+    "VllmEngineStatsDisabled": ("overview", "poll_up"),
+    "VllmTimeToFirstTokenBudgetBurn": ("overview", "objective_burn"),
+    "VllmRequestErrorBudgetBurn": ("overview", "objective_burn"),
+    "VllmRequestAbortBudgetBurn": ("overview", "objective_burn"),
 }
+
+# Alternatives (issue 32): where the page cannot tell a cause from eviction
+# before reuse, the description says so and names what decides;
+# kvwatch_finding_alternative carries the same as data.
+UNDECIDED = ("Without vLLM's --kv-cache-metrics or its KV-cache events this reads the same as prefixes evicted "
+             "before reuse: kvwatch_finding_alternative names the alternative and what would decide it.")
 
 # Stand-in for the alert's value in description templates: Prometheus calls
 # it $value, Grafana $values.<refId>.Value.
@@ -53,7 +66,10 @@ class AlertSpec:
     description: str  # Go template with VALUE standing for the value
     dashboard: str
     panel: str
-    variant: str = ""  # "preempting" for an exhaustion cause's critical rule
+    variant: str = ""  # "preempting" for an exhaustion cause's rule with preemptions; the long window of a burn
+    # "cause": the label `cause` names it; "objective": a burn-rate page, the label `objective` names it
+    kind: str = "cause"
+    extra_labels: tuple[tuple[str, str], ...] = ()
 
     @property
     def expr(self) -> str:
@@ -61,6 +77,8 @@ class AlertSpec:
 
     @property
     def anchor(self) -> str:
+        if self.kind == "objective":
+            return runbook_anchor(self.alert)
         return runbook_anchor(self.alert, self.cause)
 
     @property
@@ -69,14 +87,20 @@ class AlertSpec:
         short = {"VllmKvCacheExhausted": "exhausted", "VllmKvCacheExhaustionSoon": "exhaustion-soon",
                  "VllmPrefixCacheHitRateLow": "hit-rate",
                  "VllmTimeToFirstTokenSlow": "ttft", "KvwatchDown": "down",
-                 "KvwatchEngineUnreachable": "unreachable", "VllmFleetReplicaOutlier": "fleet"}[self.alert]
+                 "KvwatchEngineUnreachable": "unreachable", "VllmFleetReplicaOutlier": "fleet",
+                 "VllmEngineStatsDisabled": "stats-disabled", "VllmTimeToFirstTokenBudgetBurn": "burn",
+                 "VllmRequestErrorBudgetBurn": "burn", "VllmRequestAbortBudgetBurn": "burn"}[self.alert]
         uid = f"kvwatch-{short}-{self.cause.replace('_', '-')}"
         if self.variant:
             return uid[:39 - len(self.variant)] + "-" + self.variant
         return uid[:40]
 
     def labels(self) -> dict[str, str]:
-        labels = {"severity": self.severity, "cause": self.cause}
+        if self.kind == "objective":
+            labels = {"severity": self.severity, "objective": self.cause}
+        else:
+            labels = {"severity": self.severity, "cause": self.cause}
+        labels.update(self.extra_labels)
         if self.symptom:
             labels["symptom"] = self.symptom
         return labels
@@ -99,7 +123,8 @@ def engine_scope(config: MixinConfig) -> Scope:
 
 
 def alert_specs(config: MixinConfig) -> list[AlertSpec]:
-    f = Fragments(engine_scope(config), config)
+    # The alerts read recorded values and conditions (kvwatch/mixin/conditions.py).
+    f = Recorded(engine_scope(config), config)
     w = config.rate_window
     where = f"engine {_lbl('engine')} of {_lbl('model_name')} on {_lbl(config.instance_label)}"
     pct = lambda x: f"{x * 100:g}%"  # noqa: E731
@@ -110,6 +135,31 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         severity = config.severity(cause + PREEMPTING_SUFFIX if variant == "preempting" else cause)
         specs.append(AlertSpec(alert, cause, ALERTS[alert], query, op, threshold, config.for_duration(alert),
                                severity, summary, description, dashboard, panel, variant))
+
+    # --- objectives: what pages ----------------------------------------------------
+    for objective, (alert, symptom, _) in OBJECTIVE_ALERTS.items():
+        target = objectives.objective_target(config, objective)
+        what = {"first_token": f"got their first token later than {num(config.ttft_objective_seconds)}s",
+                "availability": "ended in error", "aborts": "were aborted by their client"}[objective]
+        goal = {"first_token": f"{pct(target)} of first tokens within {num(config.ttft_objective_seconds)}s",
+                "availability": f"{pct(target)} of requests without error",
+                "aborts": f"{pct(target)} of requests not aborted"}[objective]
+        summary = {"first_token": "vLLM first tokens are late for too many requests: the objective's budget burns.",
+                   "availability": "vLLM requests fail: the availability objective's budget burns.",
+                   "aborts": "Clients abort many vLLM requests: the abort objective's budget burns."}[objective]
+        dashboard, panel = ALERT_PANELS[alert]
+        for pair in objectives.burn_windows(config):
+            query, threshold = objectives.burn_query(config, objective, pair)
+            specs.append(AlertSpec(
+                alert, objective, symptom, query, ">", threshold, config.for_duration(alert),
+                objectives.severity(objective, pair), summary,
+                f"{{{{ {VALUE} | humanizePercentage }}}} of the requests to {where} {what} over the last "
+                f"{pair.long}, and more than {pct(threshold)} over the last {pair.short} as well: the budget of "
+                f"the objective ({goal}) burns {num(pair.factor)}x faster than it lasts. The alerts firing beside "
+                "it for this engine say where to look (annotation cause_alerts; the first-token and exhaustion "
+                "dashboards).",
+                dashboard, panel, pair.long, "objective",
+                (("long_window", pair.long), ("short_window", pair.short))))
 
     # --- KV cache exhausted ------------------------------------------------------
     usage = f.usage_max()
@@ -137,12 +187,19 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
             "generation length p95 on the exhaustion dashboard and the gateway log; cap max_tokens or "
             "--max-model-len, or route long-context requests to engines sized for them."),
     }
-    # Each cause twice, split on preemptions (the diagnosis' severity rule):
-    # preempting engines recompute running requests (critical); a full cache
-    # that only makes requests wait is a warning.
-    for variant in ("preempting", ""):
+    # A cause splits on preemptions only where the two severities differ (the config sets
+    # <cause>_preempting apart); by default both are warnings and each cause
+    # is one rule: the page is the objective, not the preemption.
+    for variant in ("preempting", "", "either"):
         for cause, (split, headline, reason) in exhaustion_causes.items():
-            if variant:
+            split_here = config.severity(cause + PREEMPTING_SUFFIX) != config.severity(cause)
+            if split_here == (variant == "either"):
+                continue
+            if variant == "either":
+                steps = (("and", f.exhausted()), split)
+                summary = f"vLLM KV cache full: {headline}"
+                state = ""
+            elif variant:
                 steps = (("and", f.exhausted()), split, ("and", f.preempting()))
                 summary = f"vLLM KV cache full and preempting: {headline}"
                 state = ", requests are being preempted (their KV recomputed)"
@@ -151,7 +208,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
                 summary = f"vLLM KV cache full: {headline}"
                 state = ", requests wait (none preempted)"
             add("VllmKvCacheExhausted", cause, chain(usage, *steps), ">", 0, summary,
-                f"{exhausted_intro}{state}, and {reason}", variant)
+                f"{exhausted_intro}{state}, and {reason}", "" if variant == "either" else variant)
 
     # --- KV cache full soon --------------------------------------------------------
     # The ETA signal's own PromQL (the one its recording rule records): absent
@@ -160,7 +217,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     # then on VllmKvCacheExhausted speaks, and this one warns only before.
     minutes = config.exhaustion_eta_minutes
     add("VllmKvCacheExhaustionSoon", "usage_rising",
-        chain(f.s.signal("kvwatch_kv_cache_exhaustion_eta_seconds"), ("unless", f.exhausted())),
+        chain(f.signal("kvwatch_kv_cache_exhaustion_eta_seconds"), ("unless", f.exhausted())),
         "<", minutes * 60,
         "vLLM KV cache on course to fill up: preemption is minutes away.",
         f"KV usage of {where} is rising: at its trend over the last 5m the cache is full in "
@@ -203,18 +260,15 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "reuse). Next: run vLLM with --kv-cache-metrics and compare kv_block_idle_before_evict with "
         "kv_block_reuse_gap; give the cache more room, or route requests that share a prefix to the same "
         "engine.")
-    not_exhausted_or_dropped_before = (f"{paren(f.query_tokens())}\nunless\n{paren(f.exhausted())}"
-                                       f"\nunless\n{paren(f.cache_pressure())}"
-                                       f"\nor\n{paren(f.low_before_exhaustion())}\nand\n{paren(f.exhausted())}")
     add("VllmPrefixCacheHitRateLow", "prefix_changed",
         chain(hit, *judged, ("unless", f.cold()), ("and", f.healthy_baseline()),
-              ("and", not_exhausted_or_dropped_before)),
+              ("and", f.dropped_with_room())),
         "<", config.hit_ratio_low,
         "vLLM prefix-cache hit ratio dropped: the shared prompt prefix changed.",
         f"{low_intro}, after at least {pct(config.hit_ratio_low)} in the {config.hit_ratio_baseline_window} "
         "before, and the drop showed while the cache had room: the requests stopped sharing the prefix they "
         "shared (likely cause: prefix changed). Next: diff the prompt templates and system prompts deployed "
-        "around the drop; per-request text (timestamps, ids) before the shared text breaks reuse.")
+        "around the drop; per-request text (timestamps, ids) before the shared text breaks reuse. " + UNDECIDED)
     if config.no_reuse_alert:
         add("VllmPrefixCacheHitRateLow", "no_reuse",
             chain(hit, *judged, ("unless", f.cold()), ("and", f.low_baseline()), ("unless", f.exhausted())),
@@ -222,7 +276,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
             "vLLM prefix-cache hit ratio low: the prompts share little prefix.",
             f"{low_intro}, it was low in the {config.hit_ratio_baseline_window} before as well, and the cache is "
             "not exhausted: the workload shares few prefixes (likely cause: no reuse). Next: nothing to repair "
-            "in the cache; if the prompts should share text, put it first and keep it byte-identical.")
+            "in the cache; if the prompts should share text, put it first and keep it byte-identical. " + UNDECIDED)
 
     # --- time to first token slow ------------------------------------------------
     ttft = f.first_token_mean()
@@ -250,13 +304,26 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         f"{slow_intro}; most of it is prefill (likely cause: long uncached prompts). Next: check prompt length "
         "and the cached share of prompt tokens on the first-token dashboard; raise prefix reuse, shorten "
         "prompts, tune chunked prefill (--max-num-batched-tokens) or separate prefill from decode.")
+    # One story (issue 32, kvwatch/diagnose/arbitration.py): the residual
+    # outside queue and prefill is preemption wherever the exhaustion detector
+    # holds (a preempted request's re-queueing and recomputation is in neither
+    # histogram), front_end only where it does not.
     add("VllmTimeToFirstTokenSlow", "front_end",
-        chain(ttft, ("and", f.front_end_largest())),
+        chain(ttft, ("and", f.front_end_largest()), ("unless", f.exhausted())),
         ">", config.ttft_mean_seconds,
         "vLLM first token slow: time outside queue and prefill.",
-        f"{slow_intro}; most of it is outside queue and prefill (likely cause: front end: tokenization, "
-        "multimodal preprocessing, API-server CPU, scheduling gaps). Next: check the API server's CPU and "
-        "--api-server-count; a bigger KV cache does not help.")
+        f"{slow_intro}; most of it is outside queue and prefill while the KV cache had room (likely cause: front "
+        "end: tokenization, multimodal preprocessing, API-server CPU, scheduling gaps). Next: check the API "
+        "server's CPU and --api-server-count; a bigger KV cache does not help.")
+    add("VllmTimeToFirstTokenSlow", "preemption",
+        chain(ttft, ("and", f.front_end_largest()), ("and", f.exhausted())),
+        ">", config.ttft_mean_seconds,
+        "vLLM first token slow: requests preempted and recomputed in a full KV cache.",
+        f"{slow_intro}; most of it is outside queue and prefill while the KV cache was exhausted (preempting, or "
+        "full while requests waited): preempted requests go back to the queue and recompute their KV, time "
+        "neither histogram counts (likely cause: preemption; the front end is not the cause while this lasts). "
+        "Next: VllmKvCacheExhausted for the same engine names why the cache is full; fewer or shorter concurrent "
+        "requests, or more KV memory, end it.")
     if f.upstream:
         add("VllmTimeToFirstTokenSlow", "upstream",
             chain(ttft, ("and on (" + ", ".join(config.upstream_join_labels) + ")", f.upstream_mean()),
@@ -323,19 +390,31 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "carrying kvwatch are gone. Every vLLM alert is blind. Next: `kubectl get pods,servicemonitors,"
         "podmonitors -n <namespace>`, Prometheus' Targets page for the job, and whether the fleet was scaled to "
         "zero on purpose (then silence this alert).")
+    # An engine that answers without its statistics is not unreachable: it
+    # has its own alert (below), and this one leaves it out.
+    stats_off = f"kvwatch_engine_stats_disabled{{{config.kvwatch_selector}}} > 0"
     add("KvwatchEngineUnreachable", "engine_unreachable",
-        f"kvwatch_up{{{config.kvwatch_selector}}}", "<", 1,
+        chain(f"kvwatch_up{{{config.kvwatch_selector}}}", ("unless", stats_off)), "<", 1,
         "kvwatch cannot read the vLLM engine's /metrics.",
         f"kvwatch at {_lbl(config.instance_label)} has failed to poll its vLLM engine for "
         f"{config.for_duration('KvwatchEngineUnreachable')}. kvwatch_poll_errors_total by reason says why: "
-        "refused or timeout (engine down or wedged), no_engine_metrics (vLLM runs with --disable-log-stats), "
-        "http_4xx (wrong path or auth). Next: kvwatch's status page and /readyz, then the engine's log.")
+        "refused or timeout (engine down or wedged), http_4xx (wrong path or auth), http_5xx. Next: kvwatch's "
+        "status page and /readyz, then the engine's log.")
+    add("VllmEngineStatsDisabled", "stats_disabled",
+        f"kvwatch_engine_stats_disabled{{{config.kvwatch_selector}}}", ">", 0,
+        "vLLM answers, but without its statistics (--disable-log-stats): kvwatch is blind.",
+        f"The engine beside kvwatch at {_lbl(config.instance_label)} serves /metrics without any engine series "
+        f"for {config.for_duration('VllmEngineStatsDisabled')}: vLLM runs with --disable-log-stats (or the "
+        "target is another program). Requests may be served fine, but kvwatch, its findings and every vLLM "
+        "alert (the objectives too) see nothing. Next: remove --disable-log-stats from the engine's arguments, "
+        "or point kvwatch's target at the engine.")
 
     expected = {(alert, cause) for alert, causes in ALERT_CAUSES.items() for cause in causes}
     if not f.upstream:
         expected.discard(("VllmTimeToFirstTokenSlow", "upstream"))
     if not config.no_reuse_alert:
         expected.discard(("VllmPrefixCacheHitRateLow", "no_reuse"))
+    expected |= {(alert, objective) for objective, (alert, _, _) in OBJECTIVE_ALERTS.items()}
     assert {(s.alert, s.cause) for s in specs} == expected, "every alert and cause has exactly one spec"
     return specs
 
@@ -345,5 +424,18 @@ def dashboard_url(config: MixinConfig, uid: str, panel_id: int) -> str:
                                                engine=_lbl("engine"))
 
 
+# kvwatch serves the runbooks itself (GET /runbooks, kvwatch/sidecar/app.py):
+# by default an alert links the kvwatch that raised it.
+RUNBOOK_PATH = "/runbooks"
+
+
+def default_runbook_base(config: MixinConfig) -> str:
+    return "http://" + _lbl("instance") + RUNBOOK_PATH
+
+
 def runbook_url(config: MixinConfig, alert: str, cause: str | None = None) -> str:
-    return config.runbook_url_pattern.format(anchor=runbook_anchor(alert, cause))
+    anchor = runbook_anchor(alert, cause)
+    if config.runbook_url_pattern:
+        return config.runbook_url_pattern.format(anchor=anchor)
+    base = (config.runbook_base_url or default_runbook_base(config)).rstrip("/")
+    return f"{base}#{anchor}"

@@ -25,7 +25,8 @@ from kvwatch import __version__
 
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
 from kvwatch.diagnose.vocabulary import ALERT_CAUSES, PREEMPTING_SEVERITY, SEVERITY
-from kvwatch.units import yaml_problem
+from kvwatch.units import did_you_mean, yaml_problem
+from kvwatch.mixin.objectives import DEFAULT_BURN_RATE_WINDOWS, OBJECTIVE_ALERTS, check_windows
 
 SEVERITIES = ("critical", "warning", "info")
 # Alert names, with the symptom (the diagnosis vocabulary) each one reports.
@@ -37,6 +38,10 @@ ALERTS = {
     "KvwatchDown": None,
     "KvwatchEngineUnreachable": None,
     "VllmFleetReplicaOutlier": "fleet",
+    # vLLM answers, but without its statistics (--disable-log-stats): kvwatch is blind, serving may be fine.
+    "VllmEngineStatsDisabled": None,
+    # The objectives' burn-rate alerts (kvwatch/mixin/objectives.py): what pages.
+    **{alert: symptom for alert, symptom, _ in OBJECTIVE_ALERTS.values()},
 }
 # The causes the rules tell apart, per alert. The diagnosis' third exhaustion
 # cause (capacity_below_max_num_seqs) needs --max-num-seqs, which vLLM does
@@ -50,7 +55,11 @@ ALERTS = {
 PREEMPTING_SUFFIX = "_preempting"
 DEFAULT_SEVERITIES = {
     **{cause: SEVERITY[cause] for causes in ALERT_CAUSES.values() for cause in causes if cause in SEVERITY},
-    **{cause + PREEMPTING_SUFFIX: severity for cause, severity in PREEMPTING_SEVERITY.items()
+    # Exhaustion with preemptions is the diagnosis' critical finding, but the
+    # alert does not page: users feel it as late first tokens (and failed
+    # requests), which the objectives' burn-rate alerts page on; this one
+    # says where to look. Set it back to critical to page on the cause too.
+    **{cause + PREEMPTING_SUFFIX: "warning" for cause in PREEMPTING_SEVERITY
        if cause in ALERT_CAUSES["VllmKvCacheExhausted"]},
     # Nothing hurts yet; it warns while there is time to act (shed or route
     # load, add a replica) before preemption starts. Not a diagnosis cause: a
@@ -64,6 +73,9 @@ DEFAULT_SEVERITIES = {
     # The engine's own /metrics does not answer on the pod's loopback: the
     # engine is down or wedged, or stats logging is off.
     "engine_unreachable": "critical",
+    # vLLM serves its /metrics without engine series (--disable-log-stats):
+    # requests may be served fine; kvwatch and every vLLM alert are blind.
+    "stats_disabled": "warning",
 }
 
 DEFAULT_FOR = {
@@ -82,6 +94,10 @@ DEFAULT_FOR = {
     # As the exhaustion it compares: a routing fault that lasts, not a burst
     # that landed on one replica.
     "VllmFleetReplicaOutlier": "10m",
+    "VllmEngineStatsDisabled": "5m",
+    # The short window already proves the burn is current; 2m more keeps one
+    # evaluation at a window's edge from paging.
+    **{alert: "2m" for alert, _, _ in OBJECTIVE_ALERTS.values()},
 }
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
@@ -123,6 +139,41 @@ EVERYDAY_PEAK_MIB = 80
 KVWATCH_MEMORY_LIMIT_MIB = -(-max(WORST_PAGE_PEAK_MIB * 5 // 4, 2 * EVERYDAY_PEAK_MIB) // 32) * 32
 KVWATCH_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"},
                      "limits": {"memory": f"{KVWATCH_MEMORY_LIMIT_MIB}Mi"}}
+
+# The sidecar's only probe. A pod is Ready only when all its containers are,
+# so kvwatch has no readiness probe: a hung or starved kvwatch must never take
+# the vLLM pod out of its Service. Liveness restarts kvwatch alone, and only
+# after /healthz went unanswered for failures x period (5 minutes): long enough
+# for a starved node (20m of CPU) to import Python and for a GC pause or a
+# worst-case page (8 MiB) to pass; no startup probe, because a native
+# sidecar's startup probe holds back the containers after it (vLLM).
+SIDECAR_LIVENESS = {"periodSeconds": 30, "timeoutSeconds": 5, "failureThreshold": 10}
+
+
+def kv_events_resources(resources: dict) -> dict:
+    """The sidecar's resources with the KV-event stream on (kv_events): the
+    request grows by the block ledger's table (kv_events_table_bytes, which it
+    fills on a busy engine), the limit by everything the stream may hold at
+    once (the table, kvwatch's intake queue, ZMQ's receive queue and the
+    message being read at their byte bounds, in kvwatch/kvevents) plus a
+    quarter, rounded up to 32 MiB. Derived from the bounds, not measured."""
+    from kvwatch.kvevents.ledger import DEFAULT_TABLE_BYTES
+    from kvwatch.kvevents.source import INTAKE_HELD_BYTES
+
+    mib = 1024 * 1024
+    table = DEFAULT_TABLE_BYTES // mib
+    held = (DEFAULT_TABLE_BYTES + INTAKE_HELD_BYTES) / mib
+    out = json.loads(json.dumps(resources))
+
+    def add(section: str, extra: int) -> None:
+        value = str(out[section]["memory"])
+        if not value.endswith("Mi"):
+            raise ValueError(f"resources: memory {value!r} is not in Mi; give kv_events resources yourself")
+        out[section]["memory"] = f"{int(value[:-2]) + extra}Mi"
+
+    add("requests", table)
+    add("limits", _round_up(held * 5 / 4, 32))
+    return out
 
 # Central mode's Deployment (`kvwatch serve --prometheus`): its memory grows
 # with the replicas it keeps (one window each), its CPU with the replicas it
@@ -189,6 +240,8 @@ class DeploySettings:
     central_selector: str | None = None
     central_max_replicas: int = CENTRAL_MAX_REPLICAS
     central_resources: dict | None = None
+    sidecar_native: bool = True
+    kv_events_port: int | None = None
 
     @property
     def config_map_name(self) -> str:
@@ -209,6 +262,11 @@ class DeploySettings:
             else central_resources(self.central_max_replicas)
 
     @property
+    def sidecar_resources(self) -> dict:
+        """The kvwatch container's resources: `resources`, grown for the KV-event stream when it is on."""
+        return kv_events_resources(self.resources) if self.kv_events_port is not None else self.resources
+
+    @property
     def all_vllm_args(self) -> list[str]:
         # vLLM's image runs `vllm serve`; the model is its positional argument.
         return list(self.vllm_args) or [self.vllm_model, "--host", "0.0.0.0", "--port", str(self.vllm_port)]
@@ -217,7 +275,8 @@ class DeploySettings:
 # field -> when to change it (also the documentation of the config contract).
 DEPLOY_FIELDS = {
     "namespace": "namespace the base's kustomization puts everything in",
-    "name": "name of the example vLLM Deployment and its Service; the sidecar patch targets a Deployment of this name",
+    "name": "name of the example vLLM Deployment and its Service; the sidecar Components patch the Deployment "
+            "of this name (the one place it is set), and the build fails when there is none",
     "replicas": "vLLM pods in the example Deployment; each carries its own kvwatch",
     "image": "kvwatch image as pushed to your registry (kustomize `images:` can override it)",
     "image_pull_policy": "pull policy of the kvwatch container",
@@ -235,7 +294,9 @@ DEPLOY_FIELDS = {
     "scrape_timeout": "scrape deadline; below scrape_interval",
     "job": "the job label Prometheus gives kvwatch's series (the rules and dashboards select it)",
     "resources": "kvwatch container resources (default sized from the benchmark)",
-    "labels": "labels on the vLLM pods and Service; the Service, ServiceMonitor and PodMonitor select by them",
+    "labels": "labels on the example vLLM pods and Service; the Deployment and Service select pods by them, the "
+              "ServiceMonitor the Service (the PodMonitor selects the label kvwatch/sidecar=true every sidecar's "
+              "pod gets)",
     "monitor_labels": "labels your Prometheus selects ServiceMonitors, PodMonitors and PrometheusRules by "
                       "(kube-prometheus-stack: release=<helm release>)",
     "grafana_folder": "Grafana folder for the dashboards (grafana_folder annotation of the Grafana sidecar)",
@@ -247,6 +308,10 @@ DEPLOY_FIELDS = {
                             "the default resources are sized for it",
     "central_resources": "central Deployment's resources (default: scaled from the measured figure to "
                          "central_max_replicas)",
+    "sidecar_native": "the example Deployment runs kvwatch as a native sidecar (an init container with "
+                      "restartPolicy: Always, Kubernetes 1.29+); false: a plain second container",
+    "kv_events_port": "port on the pod's loopback where kvwatch binds for vLLM's KV-cache events (kv_events); "
+                      "vLLM's --kv-events-config endpoint tcp://127.0.0.1:<port> connects to it. Empty: off",
 }
 assert set(DEPLOY_FIELDS) == {f.name for f in fields(DeploySettings)}
 
@@ -314,6 +379,11 @@ def _check(s: DeploySettings) -> None:
         problems.append(f"central_selector: {selector_problem}")
     if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", str(s.prometheus_url)):
         problems.append(f"prometheus_url: {s.prometheus_url!r} is not an http(s) URL")
+    if s.kv_events_port is not None and (not isinstance(s.kv_events_port, int) or not 1 <= s.kv_events_port <= 65535
+                                         or s.kv_events_port in (s.kvwatch_port, s.vllm_port)):
+        problems.append(f"kv_events_port: {s.kv_events_port!r} is not a port apart from kvwatch's and vLLM's")
+    if not isinstance(s.sidecar_native, bool):
+        problems.append(f"sidecar_native: {s.sidecar_native!r} must be true or false")
     if not isinstance(s.central_max_replicas, int) or s.central_max_replicas < 1:
         problems.append(f"central_max_replicas: {s.central_max_replicas!r} is not a positive whole number")
     if problems:
@@ -410,6 +480,25 @@ class MixinConfig:
         "A warm replica whose hit ratio is below this share of its warm peers' pooled ratio (peers at least "
         "hit_ratio_low) lost prefix affinity: requests sharing a prefix no longer reach it "
         "(VllmFleetReplicaOutlier, cause lost_prefix_affinity)."))
+    # ---------------------------------------------------------------- objectives (what pages)
+    ttft_objective_seconds: float = field(default=2.5, metadata=_help(
+        "The first-token objective's threshold: a request is on time when its first token came within this "
+        "many seconds. It must be a bound of vLLM's TTFT histogram (0.5, 0.75, 1, 2.5, 5, 7.5, 10 ...), since "
+        "the share on time is read from that bucket; 2.5 is the bound at or above the diagnosis' p95 target "
+        "(ttft_p95_seconds, 2 s)."))
+    ttft_objective: float = field(default=0.99, metadata=_help(
+        "Share of requests whose first token must come within ttft_objective_seconds (0.99: one request in a "
+        "hundred may be late). Its burn-rate alerts (VllmTimeToFirstTokenBudgetBurn) page."))
+    availability_objective: float = field(default=0.999, metadata=_help(
+        "Share of finished requests that must not end in error (vllm:request_success_total "
+        "finished_reason=\"error\"). Its burn-rate alerts (VllmRequestErrorBudgetBurn) page."))
+    abort_objective: float = field(default=0.99, metadata=_help(
+        "Share of finished requests that should not end in abort. Clients abort for their own reasons (a closed "
+        "tab, a gateway timeout), so its burn-rate alerts (VllmRequestAbortBudgetBurn) are warnings at most."))
+    burn_rate_windows: tuple = field(default=DEFAULT_BURN_RATE_WINDOWS, metadata=_help(
+        "The multi-window, multi-burn-rate pairs every objective alerts on (SRE workbook): an alert fires when "
+        "the error ratio over `long` and over `short` both exceed factor x (1 - objective); `severity` is its "
+        "label (critical pages). Defaults: 1h/5m at 14.4x and 6h/30m at 6x page, 1d/2h at 3x is a warning."))
     # ---------------------------------------------------------------- upstream
     upstream_histogram: str | None = field(default=None, metadata=_help(
         "Name of a Prometheus histogram that measures time spent before the engine (retrieval, gateway), e.g. "
@@ -432,10 +521,14 @@ class MixinConfig:
         "severity label of each cause (cause -> critical|warning|info). Routing in Alertmanager or Grafana "
         "keys on it. The defaults are the diagnosis' own (kvwatch/diagnose/vocabulary.py SEVERITY); an "
         "exhaustion cause with preemptions is keyed <cause>_preempting (default critical)."))
+    runbook_base_url: str | None = field(default=None, metadata=_help(
+        "Where the runbooks are published, e.g. https://kvwatch.example.org/runbooks (kvwatch's own "
+        "GET /runbooks behind an ingress) or a rendered alerts/runbooks.md; every alert's runbook_url is this "
+        "plus #<section>. Empty (the default): http://<instance>/runbooks, the kvwatch that raised the alert "
+        "(it serves the runbooks itself), reachable where Prometheus' instance address is."))
     runbook_url_pattern: str | None = field(default=None, metadata=_help(
-        "Where alerts/runbooks.md is served, e.g. https://git.example.org/ops/kvwatch/blob/main/alerts/"
-        "runbooks.md#{anchor}; {anchor} becomes the section of the alert and cause. Empty (the default): the "
-        "alerts and panels carry no runbook_url, rather than a link to a host that is not yours."))
+        "Overrides runbook_base_url with a pattern in which {anchor} becomes the section of the alert and "
+        "cause, e.g. https://git.example.org/ops/kvwatch/blob/main/alerts/runbooks.md#{anchor}."))
     dashboard_url_pattern: str | None = field(default=None, metadata=_help(
         "Link to the dashboard panel an alert belongs to, e.g. https://grafana.example.org/d/{uid}?var-model="
         "{model_name}&var-engine={engine}&viewPanel={panel_id}; {uid} and {panel_id} are filled in, "
@@ -581,8 +674,14 @@ def _check_field(name: str, value: Any) -> list[str]:
     elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio",
                   "fleet_room_usage_ratio", "fleet_affinity_fraction"):
         ratio(value)
-    elif name in ("min_query_tokens", "ttft_mean_seconds", "ttft_p95_seconds", "exhaustion_eta_minutes"):
+    elif name in ("min_query_tokens", "ttft_mean_seconds", "ttft_p95_seconds", "exhaustion_eta_minutes",
+                  "ttft_objective_seconds"):
         positive(value)
+    elif name in ("ttft_objective", "availability_objective", "abort_objective"):
+        if not _is_number(value) or not 0 < value < 1:
+            problems.append(f"{name}: {value!r} must be a number strictly between 0 and 1 (0.99: 99%)")
+    elif name == "burn_rate_windows":
+        problems.extend(check_windows(value))
     elif name == "no_reuse_alert":
         if not isinstance(value, bool):
             problems.append(f"no_reuse_alert: {value!r} must be true or false")
@@ -609,6 +708,9 @@ def _check_field(name: str, value: Any) -> list[str]:
                     problems.append(f"severities: {cause}: {severity!r} is not one of {', '.join(SEVERITIES)}")
     elif name in ("runbook_url_pattern", "dashboard_url_pattern") and value is None:
         pass
+    elif name == "runbook_base_url" and value is not None:
+        if not isinstance(value, str) or not re.fullmatch(r"https?://\S+", value) or "#" in value:
+            problems.append(f"runbook_base_url: {value!r} must be an http(s) URL without a #fragment")
     elif name == "runbook_url_pattern":
         if not isinstance(value, str) or "{anchor}" not in value:
             problems.append("runbook_url_pattern: must be a string containing {anchor}")
@@ -636,7 +738,8 @@ def _check_field(name: str, value: Any) -> list[str]:
 
             unknown = sorted(set(value) - set(DEPLOY_FIELDS))
             for key in unknown:
-                problems.append(f"deploy: unknown field {key!r} (known: {', '.join(sorted(DEPLOY_FIELDS))})")
+                problems.append(f"deploy: unknown field {key!r}{did_you_mean(key, DEPLOY_FIELDS)} "
+                                    f"(known: {', '.join(sorted(DEPLOY_FIELDS))})")
             if not unknown:
                 try:
                     deploy_settings({"deploy": value})
@@ -700,7 +803,7 @@ def config_from_mapping(data: Any, source: str = "config") -> MixinConfig:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in known:
-            problems.append(f"{source}: unknown field {key!r} (known: {', '.join(sorted(known))})")
+            problems.append(f"{source}: unknown field {key!r}{did_you_mean(name, known)} (known: {', '.join(sorted(known))})")
             continue
         field_problems = _check_field(name, value)
         if field_problems:
@@ -708,6 +811,8 @@ def config_from_mapping(data: Any, source: str = "config") -> MixinConfig:
             continue
         if name in _TUPLE_FIELDS:
             value = tuple(value)
+        elif name == "burn_rate_windows":
+            value = tuple(dict(pair) for pair in value)
         elif name in ("for_durations", "severities"):
             value = {**(DEFAULT_FOR if name == "for_durations" else DEFAULT_SEVERITIES), **value}
         values[name] = value

@@ -21,8 +21,10 @@ from grafanalib import core as g
 from kvwatch.mixin.alerts import runbook_anchor
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.promql import Fragments, Scope, indent, num, paren
-from kvwatch.mixin.config import ALERTS
-from kvwatch.signals import QUANTILES, SIGNALS, SIGNALS_BY_NAME, TIER_SIGNALS_BY_NAME, UNITS, good_direction
+from kvwatch.mixin import objectives
+from kvwatch.mixin.config import ALERTS, seconds
+from kvwatch.signals import (ENGINE_SERIES, QUANTILES, SIGNALS, SIGNALS_BY_NAME, STREAM_SIGNALS_BY_NAME, STREAM_SIZING,
+                             TIER_SIGNALS_BY_NAME, UNITS, good_direction)
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
@@ -315,6 +317,13 @@ class Views:
         return (f"max by (symptom, cause, severity, model_name, engine, {inst}) "
                 f"(kvwatch_finding{{{FINDING_SEL}{extra}}})")
 
+    def engine_quantile_targets(self, histogram: str) -> list[tuple[str, str]]:
+        """Quantiles per model of an engine histogram kvwatch re-exports (kvwatch_engine_<histogram>)."""
+        return [(self.length_quantile(histogram, q), f"p{q * 100:g} {self.model_legend}") for q in QUANTILES]
+
+    def engine_help(self, histogram: str) -> str:
+        return next(e.help for e in ENGINE_SERIES if e.name == f"kvwatch_engine_{histogram}")
+
     def length_quantile(self, histogram: str, q: float) -> str:
         return (f"histogram_quantile({num(q)}, sum by (model_name, le) "
                 f"(rate(kvwatch_engine_{histogram}_bucket{{{ENGINE_SEL}}}[{RATE}])))")
@@ -379,6 +388,8 @@ def overview(config: MixinConfig) -> Board:
                       "findings")], kind="stat", width=5, height=4, runbook=ANCHOR_EXHAUSTED, threshold=1,
                     signal="kvwatch_finding"))
     b.add(_findings_panel(v, "findings", None, ANCHOR_EXHAUSTED))
+    # What pages: the objectives' burn rates and budgets.
+    _objectives_row(b, v)
     b.row("KV cache")
     b.add(PanelSpec("kv_usage", "KV cache usage",
                     v.help("kvwatch_kv_cache_usage_ratio") + " The red line is the exhaustion threshold.",
@@ -423,6 +434,16 @@ def overview(config: MixinConfig) -> Board:
                     signal="kvwatch_time_to_first_token_mean_seconds"))
     b.add(PanelSpec("queue_time", "Queue time", v.help("kvwatch_queue_time_seconds"), "s",
                     v.quantile_targets("kvwatch_queue_time_seconds", "model"), width=8, runbook=ANCHOR_TTFT))
+    # What users feel after the first token: the gap between output tokens and the whole request.
+    b.row("Per output token and end to end")
+    b.add(PanelSpec("inter_token_latency", "Inter-token latency (per output token)",
+                    v.engine_help("inter_token_latency_seconds") + " Per model: buckets of all engines summed "
+                    "before the quantile. Rises with batch size and preemptions, not with queueing.", "s",
+                    v.engine_quantile_targets("inter_token_latency_seconds"), width=12, runbook=ANCHOR_THROUGHPUT))
+    b.add(PanelSpec("e2e_latency", "End-to-end request latency",
+                    v.engine_help("e2e_request_latency_seconds") + " Per model: buckets of all engines summed "
+                    "before the quantile. Time to first token plus every output token's gap.", "s",
+                    v.engine_quantile_targets("e2e_request_latency_seconds"), width=12, runbook=ANCHOR_THROUGHPUT))
     b.row("Throughput and failures")
     b.add(PanelSpec("tokens_per_second", "Tokens per second",
                     v.help("kvwatch_prompt_tokens_per_second") + " " + v.help("kvwatch_generation_tokens_per_second"),
@@ -439,6 +460,36 @@ def overview(config: MixinConfig) -> Board:
                     runbook=ANCHOR_THROUGHPUT))
     b.closing.append(_kvwatch_health)
     return b
+
+
+def _objectives_row(b: Board, v: "Views") -> None:
+    """Each objective's burn rate (error ratio / budget) over the pages' first
+    long window, and the budget left over the longest window the pairs read
+    (the recording rules of kvwatch/mixin/objectives.py)."""
+    config = b.config
+    pairs = objectives.burn_windows(config)
+    first, longest = pairs[0], max(objectives.windows(config), key=seconds)
+    sel = f'{{{TARGET_SEL},model_name=~"$model",engine=~"$engine"}}'
+    e = v.engine_legend
+    burn, left = [], []
+    for objective in objectives.OBJECTIVE_ALERTS:
+        budget = num(objectives.budget(config, objective))
+        burn.append((f"{objectives.record_name(config, objective, first.long)}{sel} / {budget}", f"{objective} {e}"))
+        left.append((f"1 - {objectives.record_name(config, objective, longest)}{sel} / {budget}",
+                     f"{objective} {e}"))
+    goals = (f"first tokens within {num(config.ttft_objective_seconds)}s for {num(config.ttft_objective * 100)}% "
+             f"of requests, {num(config.availability_objective * 100)}% without error, "
+             f"{num(config.abort_objective * 100)}% not aborted")
+    b.row("Objectives: burn rate and error budget")
+    b.add(PanelSpec("objective_burn", f"Burn rate over {first.long}",
+                    f"How fast each objective's error budget burns ({goals}): the share of requests that missed it "
+                    f"over the last {first.long}, divided by the share allowed. 1 spends the budget exactly; "
+                    f"{num(first.factor)} pages when the last {first.short} burns as fast.", "short",
+                    burn, width=12, runbook=runbook_anchor("VllmTimeToFirstTokenBudgetBurn")))
+    b.add(PanelSpec("objective_budget", f"Error budget left over {longest}",
+                    f"The share of each objective's error budget not spent over the last {longest} ({goals}); "
+                    "below 0 the objective was missed over that span.", "percentunit",
+                    left, width=12, runbook=runbook_anchor("VllmTimeToFirstTokenBudgetBurn")))
 
 
 def _kvwatch_health(b: Board) -> None:
@@ -582,7 +633,53 @@ def prefix_cache(config: MixinConfig) -> Board:
                     [(v.sig("kvwatch_preemptions_per_second"), e)], width=12, runbook=ANCHOR_HIT))
     b.add(_findings_panel(v, "findings", "low_hit_rate", ANCHOR_HIT))
     _lmcache_row(b, v)
+    _stream_row(b, v)
     return b
+
+
+def _stream_row(b: Board, v: Views) -> None:
+    """The engine's KV-cache event stream (kvwatch/kvevents): its series
+    exist only where kvwatch runs with --kv-events, so without it these
+    panels are empty, not failing."""
+    inst = b.config.instance_label
+    scope = Scope(TARGET_SEL, RATE, (inst,))
+    empty = " Empty unless kvwatch reads the engine's KV-cache events (--kv-events)."
+
+    def sig(name: str) -> str:
+        return STREAM_SIGNALS_BY_NAME[name].promql.format(sel=scope.sel, w=scope.w, by=scope.by_text)
+
+    def doc(name: str) -> str:
+        return STREAM_SIGNALS_BY_NAME[name].help + empty
+
+    b.row("KV-cache events: evicted before reuse, or never reused?")
+    b.add(PanelSpec("kv_events_up", "kvwatch reading KV-cache events",
+                    "kvwatch_kv_events_up: 1 while kvwatch listens for the engine's KV-cache events and one has "
+                    "arrived, 0 otherwise (the status page's kv_events.reason says why); the page's signals do not "
+                    "depend on it." + empty, "short",
+                    [(f"kvwatch_kv_events_up{{{TARGET_SEL}}}", v.instance_legend)], kind="stat", width=6, height=8,
+                    runbook=ANCHOR_HIT, threshold=1, signal="kvwatch_kv_events_up",
+                    mappings=((1, "reading"), (0, "no events"))))
+    b.add(PanelSpec("kv_events_stored_again_ratio", "Blocks stored again after their eviction",
+                    doc("kvwatch_kv_events_stored_again_ratio"), "percentunit",
+                    [(sig("kvwatch_kv_events_stored_again_ratio"), v.instance_legend)], width=9, runbook=ANCHOR_HIT,
+                    signal="kvwatch_kv_events_stored_again_ratio"))
+    b.add(PanelSpec("kv_events_return_seconds", "Eviction to return (median)",
+                    doc("kvwatch_kv_events_return_after_eviction_seconds"), UNITS["seconds"].grafana,
+                    [(sig("kvwatch_kv_events_return_after_eviction_seconds"), v.instance_legend)], width=9,
+                    runbook=ANCHOR_HIT, signal="kvwatch_kv_events_return_after_eviction_seconds"))
+    b.add(PanelSpec("kv_events_block_rates", "Blocks stored, evicted and stored again",
+                    "Blocks the engine stored, evicted and stored again after their eviction, per second over the "
+                    "rate interval (BlockStored, BlockRemoved)." + empty, UNITS["per_second"].grafana,
+                    [(sig("kvwatch_kv_events_blocks_stored_per_second"), "stored " + v.instance_legend),
+                     (sig("kvwatch_kv_events_blocks_evicted_per_second"), "evicted " + v.instance_legend),
+                     (sig("kvwatch_kv_events_blocks_stored_again_per_second"), "stored again " + v.instance_legend)],
+                    width=12, runbook=ANCHOR_HIT))
+    b.add(PanelSpec("kv_events_sizing", "Hit ratio with more cache (estimate)",
+                    STREAM_SIZING[0].help + " Each line one size: `extra_cache` times the engine's cache added."
+                    + empty, "percentunit",
+                    [(f"kvwatch_kv_events_sizing_hit_ratio{{{TARGET_SEL}}}",
+                      "x{{extra_cache}} more " + v.instance_legend)], width=12, runbook=ANCHOR_HIT,
+                    signal="kvwatch_kv_events_sizing_hit_ratio"))
 
 
 def _lmcache_row(b: Board, v: Views) -> None:

@@ -22,8 +22,9 @@ from grafanalib import core as g
 
 from kvwatch.mixin.alerts import AlertSpec, alert_specs
 from kvwatch.mixin.config import MixinConfig
+from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
 from kvwatch.mixin.promql import num
-from kvwatch.mixin.rules import annotations
+from kvwatch.mixin.rules import annotations, expand, keep_firing_for, recorded_exprs
 
 GRAFANA_VALUE = "$values.B.Value"
 # What Grafana does when a rule's query returns no series, decided per alert
@@ -39,7 +40,7 @@ NO_DATA: dict[tuple[str, str], tuple[str, str]] = {
     **{("VllmPrefixCacheHitRateLow", cause): _FILTER for cause in (
         "caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse")},
     **{("VllmTimeToFirstTokenSlow", cause): _FILTER for cause in (
-        "queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream")},
+        "queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream", "preemption")},
     ("KvwatchDown", "kvwatch_unreachable"): (
         "OK", "No `up` series means no target at all: the kvwatch_absent rule reports that with its own labels; "
               "NoData here would page twice for one fault."),
@@ -48,6 +49,13 @@ NO_DATA: dict[tuple[str, str], tuple[str, str]] = {
               "targets exist. A Prometheus that cannot be queried is an error (execErrState), not no data."),
     ("KvwatchEngineUnreachable", "engine_unreachable"): (
         "OK", "No kvwatch_up series means Prometheus does not scrape kvwatch, which KvwatchDown reports."),
+    ("VllmEngineStatsDisabled", "stats_disabled"): (
+        "OK", "No kvwatch_engine_stats_disabled series means Prometheus does not scrape kvwatch, which "
+              "KvwatchDown reports."),
+    **{(alert, objective): (
+        "OK", "The query is a filter over both windows' error ratios: no series is an engine whose budget does "
+              "not burn, or one without requests (nothing to judge).")
+       for objective, (alert, _, _) in OBJECTIVE_ALERTS.items()},
 }
 EXEC_ERR_STATE = "Error"
 RULE_GROUP = "kvwatch"
@@ -56,6 +64,8 @@ RULE_GROUP = "kvwatch"
 @attr.s
 class ProvisionedAlertRule(g.AlertRulev9):
     """AlertRulev9 in Grafana's file-provisioning shape."""
+
+    keep_firing_for = attr.ib(default=None)
 
     def to_json_data(self):
         ruler = super().to_json_data()
@@ -85,6 +95,11 @@ class ProvisionedAlertRule(g.AlertRulev9):
             "annotations": self.annotations,
             "isPaused": False,
         }
+        if self.keep_firing_for:
+            # Grafana 12+ keeps an instance firing this long after its
+            # condition clears, as Prometheus' keep_firing_for does; older
+            # Grafana ignores the key.
+            rule["keepFiringFor"] = self.keep_firing_for
         if self.dashboard_uid:
             rule["dashboardUid"] = self.dashboard_uid
             rule["panelId"] = self.panel_id
@@ -105,7 +120,7 @@ class ProvisionedAlertGroup(g.AlertGroup):
 
 def grafana_rule(spec: AlertSpec, config: MixinConfig, panel_ids) -> ProvisionedAlertRule:
     uid, panel_id = panel_ids[(spec.dashboard, spec.panel)]
-    query = g.Target(expr=spec.query, refId="A", datasource=config.grafana_datasource_uid, instant=True)
+    query = g.Target(expr=expand(spec.query, recorded_exprs(config)), refId="A", datasource=config.grafana_datasource_uid, instant=True)
     reduce = g.AlertExpression(refId="B", expression="A", expressionType=g.EXP_TYPE_REDUCE,
                                reduceFunction=g.EXP_REDUCER_FUNC_LAST, reduceMode=g.EXP_REDUCER_FUNC_DROP_NN)
     threshold = g.AlertExpression(refId="C", expression=f"$B {spec.op} {num(spec.threshold)}",
@@ -125,6 +140,7 @@ def grafana_rule(spec: AlertSpec, config: MixinConfig, panel_ids) -> Provisioned
         timeRangeTo=0,
         dashboard_uid=uid,
         panel_id=panel_id,
+        keep_firing_for=keep_firing_for(spec, config),
     )
 
 
@@ -142,9 +158,9 @@ def provisioning(config: MixinConfig, panel_ids) -> dict:
 # Causes whose fix lies with whoever runs, sizes and scales the engines (and
 # kvwatch beside them), and those whose fix lies with whoever owns prompts,
 # the application or the gateway.
-PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "usage_rising", "queueing_kv_bound",
+PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "usage_rising", "queueing_kv_bound", "preemption",
                    "queueing_compute_bound", "eviction_before_reuse", "prefill", "kvwatch_unreachable", "kvwatch_absent",
-                   "engine_unreachable", "cold_replica")
+                   "engine_unreachable", "stats_disabled", "cold_replica")
 # The fleet's routing causes belong to whoever runs the gateway or router.
 APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled", "imbalance",
                       "lost_prefix_affinity")
@@ -177,15 +193,19 @@ def notification_example(config: MixinConfig) -> dict:
         "policies": [{
             "orgId": org,
             "receiver": "kvwatch-tickets",
-            "group_by": ["alertname", "model_name", "cause"],
+            # One notification per engine: the page and the cause alerts that explain it together.
+            "group_by": [*config.group_labels, config.instance_label, "model_name", "engine"],
             "group_wait": "30s",
             "group_interval": "5m",
             "repeat_interval": "4h",
             "routes": [
-                # Critical first: the engine is unreachable; page whatever the cause.
-                route("kvwatch-pager", [["severity", "=", "critical"]], group_wait="0s", repeat_interval="1h"),
+                # Critical first: an objective's budget burns fast, or the engine is unreachable.
+                route("kvwatch-pager", [["severity", "=", "critical"]], group_wait="30s", repeat_interval="1h"),
                 # Info findings (caching off, cold cache, no reuse) only make tickets.
                 route("kvwatch-tickets", [["severity", "=", "info"]]),
+                # A slow burn of the first-token or error budget: the platform's queue; aborts: the application's.
+                route("kvwatch-platform", [["objective", "=~", "first_token|availability"]]),
+                route("kvwatch-application", [["objective", "=", "aborts"]]),
                 route("kvwatch-platform", [["cause", "=~", regex(PLATFORM_CAUSES)]]),
                 route("kvwatch-application", [["cause", "=~", regex(APPLICATION_CAUSES)]]),
             ],

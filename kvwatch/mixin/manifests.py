@@ -10,6 +10,8 @@ kustomize layout:
     kubernetes/overlays/podmonitor/       base + a PodMonitor
     kubernetes/sidecar-patch/         a kustomize Component that adds the
                                       sidecar to an existing vLLM Deployment
+                                      (a native sidecar; -plain: a plain container),
+                                      failing the build when no Deployment matches
     kubernetes/central/               central mode instead of sidecars: one kvwatch
                                       Deployment reading every replica from
                                       Prometheus, its Service and ServiceMonitor
@@ -38,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from kvwatch.mixin.config import DeploySettings, deploy_settings
+from kvwatch.mixin.config import SIDECAR_LIVENESS, DeploySettings, deploy_settings
 
 PROMETHEUS_RULE_FILE = "alerts/kvwatch-prometheusrule.yaml"
 DASHBOARDS_DIR = "dashboards"
@@ -64,32 +66,30 @@ def kvwatch_config(s: DeploySettings) -> dict:
         "poll_interval": s.poll_interval,
         "window": s.window,
         "log_level": s.log_level,
+        # kvwatch binds on the pod's loopback; vLLM, started with --kv-events-config
+        # endpoint tcp://127.0.0.1:<port>, connects to it.
+        **({"kv_events": f"tcp://127.0.0.1:{s.kv_events_port}"} if s.kv_events_port is not None else {}),
     }
 
+
+# The label every pod carrying kvwatch gets (the example Deployment's pods, and
+# what the sidecar patches add to a pod template): the PodMonitor selects it,
+# so it finds the sidecars whatever labels the user's vLLM pods have.
+SIDECAR_POD_LABELS = {"kvwatch/sidecar": "true"}
 
 CONFIG_MOUNT_DIR = "/etc/kvwatch"
 CONFIG_FILE_NAME = "kvwatch.yaml"
 
 
-def kvwatch_container(s: DeploySettings) -> dict:
-    def probe(path: str, **timing) -> dict:
-        return {"httpGet": {"path": path, "port": s.port_name}, "periodSeconds": 10, "timeoutSeconds": 2, **timing}
-
-    # Importing the web stack takes seconds on a busy node with a 20m CPU
-    # request; liveness applies only once the startup probe passed (up to 60 s).
-    startup = probe("/healthz", periodSeconds=2, failureThreshold=30)
-    liveness = probe("/healthz", failureThreshold=3)
-    # A pod is Ready only when every container is, so a sidecar's readiness
-    # decides whether the vLLM pod stays in its Service. It must reflect
-    # kvwatch alone (/healthz: kvwatch serves): /readyz follows the engine's
-    # polls, which time out under heavy load, and would take a serving pod out
-    # of rotation exactly when it is busiest. The engine's state is a metric
-    # (kvwatch_up) and an alert (KvwatchEngineUnreachable), never a probe.
-    readiness = probe("/healthz", failureThreshold=3)
-    return {
-        "name": "kvwatch",
-        "image": s.image,
-        "imagePullPolicy": s.image_pull_policy,
+def kvwatch_container(s: DeploySettings, native: bool | None = None) -> dict:
+    """The sidecar container. `native` (default: the setting sidecar_native)
+    makes it a native sidecar: an init container with restartPolicy Always
+    (Kubernetes 1.29+), started before vLLM and stopped after it."""
+    native = s.sidecar_native if native is None else native
+    container = {"name": "kvwatch", "image": s.image, "imagePullPolicy": s.image_pull_policy}
+    if native:
+        container["restartPolicy"] = "Always"
+    container.update({
         # The image's ENTRYPOINT is `kvwatch serve`; everything else is environment and the config file.
         "env": [
             {"name": "KVWATCH_CONFIG", "value": f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"},
@@ -99,10 +99,10 @@ def kvwatch_container(s: DeploySettings) -> dict:
             {"name": "KVWATCH_PORT", "value": str(s.kvwatch_port)},
         ],
         "ports": [{"name": s.port_name, "containerPort": s.kvwatch_port, "protocol": "TCP"}],
-        "startupProbe": startup,
-        "livenessProbe": liveness,
-        "readinessProbe": readiness,
-        "resources": s.resources,
+        # The only probe (SIDECAR_LIVENESS in kvwatch/mixin/config.py says why):
+        # no readiness, so kvwatch never takes the vLLM pod out of its Service.
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": s.port_name}, **SIDECAR_LIVENESS},
+        "resources": s.sidecar_resources,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": s.run_as_user,
@@ -116,7 +116,8 @@ def kvwatch_container(s: DeploySettings) -> dict:
             {"name": "kvwatch-config", "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
             {"name": "kvwatch-tmp", "mountPath": "/tmp"},
         ],
-    }
+    })
+    return container
 
 
 def kvwatch_volumes(s: DeploySettings) -> list[dict]:
@@ -159,7 +160,7 @@ def vllm_deployment(s: DeploySettings) -> dict:
             "selector": {"matchLabels": dict(s.labels)},
             "template": {
                 "metadata": {
-                    "labels": dict(s.labels),
+                    "labels": {**s.labels, **SIDECAR_POD_LABELS},
                     "annotations": {"kubectl.kubernetes.io/default-container": "vllm"},
                 },
                 "spec": {
@@ -167,7 +168,8 @@ def vllm_deployment(s: DeploySettings) -> dict:
                     # links would put other Services' addresses into the environment.
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
-                    "containers": [vllm, kvwatch_container(s)],
+                    **({"initContainers": [kvwatch_container(s)], "containers": [vllm]} if s.sidecar_native
+                       else {"containers": [vllm, kvwatch_container(s)]}),
                     "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
                                + kvwatch_volumes(s),
                 },
@@ -185,7 +187,9 @@ def service(s: DeploySettings) -> dict:
             "selector": dict(s.labels),
             "ports": [
                 {"name": "http", "port": s.vllm_port, "targetPort": "http", "protocol": "TCP"},
-                {"name": s.port_name, "port": s.kvwatch_port, "targetPort": s.port_name, "protocol": "TCP"},
+                # By number: a Service resolves a named port of a native sidecar
+                # (an init container) only from Kubernetes 1.32 on.
+                {"name": s.port_name, "port": s.kvwatch_port, "targetPort": s.kvwatch_port, "protocol": "TCP"},
             ],
         },
     }
@@ -206,13 +210,15 @@ def _job_relabeling(s: DeploySettings) -> list[dict]:
 
 
 def _monitor(s: DeploySettings, kind: str, endpoints_key: str) -> dict:
-    # ServiceMonitor and PodMonitor differ only in kind and endpoint list name.
+    # ServiceMonitor and PodMonitor differ in kind, endpoint list name and
+    # selector: the Service by its labels, the pods by the sidecar's label.
+    selector = dict(s.labels) if kind == "ServiceMonitor" else dict(SIDECAR_POD_LABELS)
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": kind,
         "metadata": {"name": "kvwatch", "labels": _monitor_labels(s)},
         "spec": {
-            "selector": {"matchLabels": dict(s.labels)},
+            "selector": {"matchLabels": selector},
             endpoints_key: [{
                 "port": s.port_name,
                 "path": "/metrics",
@@ -433,49 +439,65 @@ CENTRAL_NOTES = [
 # ---------------------------------------------------------------- sidecar patch
 
 
-def sidecar_container_patch(s: DeploySettings) -> list[dict]:
-    """JSON6902: append kvwatch after the Deployment's containers. (A strategic
-    merge would put it first, which makes it the default of `kubectl logs` and
-    `kubectl exec`.)"""
-    return [{"op": "add", "path": "/spec/template/spec/containers/-", "value": kvwatch_container(s)}]
+# Kustomize applies a patch that names a `target` to whatever matches, and to
+# nothing without a word when nothing does (a Deployment named `llama` under a
+# patch targeting `vllm` built fine and had no kvwatch). A patch without a
+# target is matched by its own kind, name and namespace, and a build where no
+# object matches fails, naming them. So each Component is one such patch: the
+# Deployment's name is set in one place (its metadata.name), and a wrong name
+# is an error. (A labelSelector can only be a target, so it cannot fail.)
+SIDECAR_COMPONENTS = {"sidecar-patch": True, "sidecar-patch-plain": False}
+SIDECAR_PATCH_FILE = "kvwatch-sidecar.yaml"
 
 
-def sidecar_volumes_patch(s: DeploySettings) -> dict:
-    """Strategic merge: volumes merge by name, and the list is created when the
-    Deployment has none (a JSON6902 append would fail there)."""
+def sidecar_patch(s: DeploySettings, native: bool) -> dict:
+    """A strategic merge patch of the Deployment named `s.name`: kvwatch as a
+    native sidecar (initContainers) or a plain container, and its volumes
+    (both lists merge by name and are created when the Deployment has none)."""
+    key = "initContainers" if native else "containers"
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": s.name},
-        "spec": {"template": {"spec": {"volumes": kvwatch_volumes(s)}}},
+        "spec": {"template": {
+            # The PodMonitor selects this label: your pods are scraped whatever their own labels.
+            "metadata": {"labels": dict(SIDECAR_POD_LABELS)},
+            "spec": {key: [kvwatch_container(s, native=native)], "volumes": kvwatch_volumes(s)},
+        }},
     }
 
 
-def sidecar_component(s: DeploySettings) -> dict:
-    target = {"group": "apps", "version": "v1", "kind": "Deployment", "name": s.name}
+def sidecar_component() -> dict:
     return {
         "apiVersion": "kustomize.config.k8s.io/v1alpha1",
         "kind": "Component",
         "resources": ["kvwatch-config.yaml"],
-        "patches": [
-            {"path": "kvwatch-volumes.yaml", "target": dict(target)},
-            {"path": "kvwatch-container.yaml", "target": dict(target)},
-        ],
+        "patches": [{"path": SIDECAR_PATCH_FILE}],
     }
 
 
+PATCH_NOTE = (
+    "THE ONE PLACE TO EDIT: metadata.name is the name of your vLLM Deployment (and add metadata.namespace\n"
+    "if your Deployment's own file sets one). The patch has no `target`, so kustomize fails the build,\n"
+    "naming this name, when no Deployment matches it, instead of adding kvwatch nowhere."
+)
+
 SIDECAR_README = """\
-# kvwatch sidecar patch
+# kvwatch sidecar Components
 
-A kustomize Component that adds the kvwatch container (and its ConfigMap) to a
-vLLM Deployment you already have. Generated by `kvwatch generate`.
+Kustomize Components that add kvwatch (and its ConfigMap) to a vLLM
+Deployment you already have. Generated by `kvwatch generate`.
 
-- `kvwatch-container.yaml`: a JSON 6902 patch that appends the kvwatch
-  container after yours (so `kubectl logs` still defaults to vLLM);
-- `kvwatch-volumes.yaml`: a strategic merge patch adding kvwatch's volumes;
-- `kvwatch-config.yaml`: the ConfigMap holding `kvwatch.yaml`.
+- `sidecar-patch/`: kvwatch as a native sidecar, an init container with
+  `restartPolicy: Always` (Kubernetes 1.29 or later): it starts before vLLM,
+  stops after it, and `kubectl logs` still defaults to your container;
+- `sidecar-patch-plain/`: kvwatch as a plain second container, for older
+  clusters (a strategic merge puts it first: use `kubectl logs -c <yours>`).
 
-In your own kustomization:
+Each holds `kvwatch-config.yaml` (the ConfigMap holding `kvwatch.yaml`) and
+`{patch}`, one strategic merge patch. **Its `metadata.name` is the one place
+that names your Deployment** (`{name}` as generated). Copy the Component next
+to your kustomization, set that name, and list it:
 
 ```yaml
 apiVersion: kustomize.config.k8s.io/v1beta1
@@ -483,18 +505,26 @@ kind: Kustomization
 resources:
   - my-vllm-deployment.yaml
 components:
-  - path/to/kvwatch/deploy/kubernetes/sidecar-patch
+  - kvwatch-sidecar        # your copy of {directory}
 ```
 
-Then `kubectl apply -k .` (or `kustomize build . | kubectl apply -f -`).
+When no Deployment has that name, the build fails and says so:
 
-Before applying, check in `kvwatch-config.yaml` and `kustomization.yaml`:
+    no resource matches strategic merge patch "Deployment.v1.apps/{name}.[noNs]"
 
-- `target` in `kvwatch.yaml`: `http://127.0.0.1:{vllm_port}/metrics`, the port your
-  vLLM container listens on (the containers share the pod's network).
-- `target.name` of both patches in `kustomization.yaml`: your Deployment's name
-  (`{name}`), or replace `name` by a `labelSelector` to patch several.
+(`[noNs]`: the patch names no namespace. If your Deployment's own file sets
+`metadata.namespace`, set the same in the patch; a `namespace:` in your
+kustomization needs nothing.) Then `kubectl apply -k .`.
+
+Before applying, check:
+
+- `target` in `kvwatch-config.yaml`: `http://127.0.0.1:{vllm_port}/metrics`,
+  the port your vLLM container listens on (the containers share the pod's network);
 - the image `{image}`: set yours with `kustomize edit set image kvwatch=REGISTRY/kvwatch:TAG`.
+
+kvwatch has no readiness probe, so it never takes a vLLM pod out of its
+Service; its liveness probe restarts it alone after five minutes without an
+answer.
 
 To scrape it, apply the monitor on its own (the overlays would also deploy the
 example vLLM):
@@ -504,10 +534,11 @@ kubectl apply -n YOUR_NAMESPACE -f ../overlays/podmonitor/podmonitor.yaml
 kubectl apply -n YOUR_NAMESPACE -f ../base/prometheusrule.yaml -f ../base/grafana-dashboards.yaml
 ```
 
-The PodMonitor selects pods labelled {labels} and scrapes their container port
-`{port_name}`: give your pod template those labels, or edit its selector. (The
-ServiceMonitor also needs a Service with those labels and a port named
-`{port_name}` targeting `{port_name}`.) docs/deploy.md has the details.
+The patch labels your pod template {pod_label}; the PodMonitor selects
+pods by that label and scrapes their container port `{port_name}`. (The
+ServiceMonitor needs a Service labelled {labels} with a port named
+`{port_name}` targeting container port {kvwatch_port}: by number, since a Service
+resolves a native sidecar's named port only from Kubernetes 1.32.) docs/deploy.md has the details.
 """
 
 
@@ -574,9 +605,10 @@ def _load_generated(source_dir: Path) -> tuple[str | None, dict[str, str]]:
 
 CONTAINER_NOTES = [
     ("- name: kvwatch", "kvwatch sidecar: polls vLLM's /metrics over the pod's loopback and serves signals on {port_name}."),
-    ("readinessProbe:", "Ready when kvwatch serves (/healthz), never on the engine's polls: a monitoring sidecar "
-                        "must not take the vLLM pod out of its Service; kvwatch_up and KvwatchEngineUnreachable "
-                        "report the engine."),
+    ("livenessProbe:", "The only probe. No readiness probe: a pod is Ready only when every container is, and a "
+                       "monitoring sidecar\nmust never take the vLLM pod out of its Service. Liveness restarts kvwatch "
+                       "alone after 5 minutes\nwithout an answer; kvwatch_up and KvwatchEngineUnreachable report the "
+                       "engine."),
     ("resources:", RESOURCES_COMMENT),
     ("securityContext:", "Runs as the image's non-root uid with nothing writable but /tmp."),
 ]
@@ -613,16 +645,18 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
         # The monitor lives beside the pods: monitors select in their own namespace by default.
         files[overlay + "kustomization.yaml"] = _kustomization(["../../base", f"{monitor}.yaml"], s.namespace)
 
-    patch = "kubernetes/sidecar-patch/"
-    files[patch + "kvwatch-config.yaml"] = files[base + "kvwatch-config.yaml"]
-    files[patch + "kvwatch-volumes.yaml"] = HEADER + to_yaml(sidecar_volumes_patch(s))
-    container_patch = to_yaml(sidecar_container_patch(s))
-    files[patch + "kvwatch-container.yaml"] = HEADER + _with_comments(
-        container_patch, [("- op: add", container_notes[0][1])] + container_notes[1:])
-    files[patch + "kustomization.yaml"] = HEADER + to_yaml(sidecar_component(s))
-    files[patch + "README.md"] = SIDECAR_README.format(
-        vllm_port=s.vllm_port, name=s.name, image=s.image, port_name=s.port_name,
-        labels=", ".join(f"`{k}={v}`" for k, v in s.labels.items()))
+    for directory, native in SIDECAR_COMPONENTS.items():
+        patch = f"kubernetes/{directory}/"
+        files[patch + "kvwatch-config.yaml"] = files[base + "kvwatch-config.yaml"]
+        files[patch + SIDECAR_PATCH_FILE] = HEADER + _with_comments(
+            to_yaml(sidecar_patch(s, native)), [("metadata:", PATCH_NOTE)] + container_notes)
+        files[patch + "kustomization.yaml"] = HEADER + to_yaml(sidecar_component())
+        files[patch + "README.md"] = SIDECAR_README.format(
+            vllm_port=s.vllm_port, name=s.name, image=s.image, port_name=s.port_name, patch=SIDECAR_PATCH_FILE,
+            kvwatch_port=s.kvwatch_port,
+            pod_label=", ".join(f"`{k}={v}`" for k, v in SIDECAR_POD_LABELS.items()),
+            directory=f"deploy/kubernetes/{directory}",
+            labels=", ".join(f"`{k}={v}`" for k, v in s.labels.items()))
 
     files["prometheus/scrape-configs.yaml"] = HEADER + to_yaml(prometheus_scrape_configs(s))
 

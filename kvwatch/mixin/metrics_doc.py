@@ -5,6 +5,7 @@ releases that export it and what kvwatch does when it is missing."""
 from __future__ import annotations
 
 from kvwatch.engines import vllm
+from kvwatch.signals import STREAM_HEALTH, STREAM_SERIES, STREAM_SIGNALS, STREAM_SIZING
 from kvwatch.signals import CENTRAL_HEALTH, ENGINE_SERIES, HEALTH, IDENTITY, SIGNALS, TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS
 
 def _row(name: str, kind: str, labels: str, help_text: str) -> str:
@@ -61,6 +62,7 @@ def render() -> str:
     for signal in SIGNALS:
         lines.append(_row(signal.name, signal.unit, signal.label or "", signal.help))
     lines += _tier()
+    lines += _stream()
     lines += [
         "",
         "## Central mode's own health",
@@ -98,6 +100,28 @@ def _tier() -> list[str]:
     lines += [_row(s.name, "gauge", ", ".join(TIER_IDENTITY), s.help) for s in TIER_SIGNALS]
     lines += ["", "LMCache families read: " + ", ".join(f"`lmcache:{base}` (counter)" for base in (s.family for s in TIER_SERIES))
               + "; any of the spellings `lmcache:`, `lmcache_`, with or without `_total`."]
+    return lines
+
+
+def _stream() -> list[str]:
+    """The engine's KV-cache event stream (kvwatch/kvevents), present only with `kv_events`."""
+    lines = [
+        "",
+        "## KV-cache event stream",
+        "",
+        "Only with `--kv-events` (`KVWATCH_KV_EVENTS`, YAML `kv_events:`): vLLM's KV-cache events (`--kv-events-config`,",
+        "docs/kv-events.md), read beside the page. No model or engine label: one endpoint is one engine's publisher.",
+        "Health is present whenever the stream is configured; counts and signals once an event arrived. Stored-again",
+        "counts, return times and the sizing curve are scaled from the ledger's sample (`kvwatch_kv_events_sampling_ratio`,",
+        "1 until `kv_events_table_bytes` fills).",
+        "",
+        "| metric | type | labels | meaning and event sources |",
+        "|---|---|---|---|",
+    ]
+    lines += [_row(f.sample_name, f.kind, ", ".join(f.labels), f.help) for f in STREAM_HEALTH]
+    lines += [_row(s.sample_name, s.kind, ", ".join(s.labels), s.help) for s in STREAM_SERIES]
+    lines += [_row(s.name, "gauge", "", s.help) for s in STREAM_SIGNALS]
+    lines += [_row(s.name, "gauge", "extra_cache", s.help) for s in STREAM_SIZING]
     return lines
 
 

@@ -11,6 +11,7 @@ with `on(<join labels>) group_left`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvwatch.signals import SIGNALS_BY_NAME
@@ -72,6 +73,10 @@ class Fragments:
         self.c = config
 
     # --- values ---------------------------------------------------------------
+
+    def signal(self, name: str) -> str:
+        """A catalogue signal's PromQL twin in this scope."""
+        return self.s.signal(name)
 
     def usage_max(self) -> str:
         return self.s.signal("kvwatch_kv_cache_usage_max_ratio")
@@ -281,6 +286,15 @@ class Fragments:
                      f"\nor\n(\n  last_over_time({last}[{MEMORY_BRIDGE}])\n  and\n  {seen}\n)")
         return [{"record": seen, "expr": seen_expr}, {"record": last, "expr": last_expr}]
 
+    def dropped_with_room(self) -> str:
+        """The hit ratio's drop can be told from the exhaustion: the cache had
+        room in the window (neither exhausted nor under pressure), or the drop
+        already showed in a rate window without exhaustion (low_before_exhaustion)
+        while it is exhausted now."""
+        return (f"{paren(self.query_tokens())}\nunless\n{paren(self.exhausted())}"
+                f"\nunless\n{paren(self.cache_pressure())}"
+                f"\nor\n{paren(self.low_before_exhaustion())}\nand\n{paren(self.exhausted())}")
+
     def low_before_exhaustion(self) -> str:
         """Within the baseline span, some rate window (stepped by the rate
         window, so they tile it) had a low hit ratio over enough queried
@@ -408,11 +422,18 @@ def seconds_of(duration: str) -> float:
     return sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration))
 
 
+_SERIES_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
 def chain(value: str, *steps: tuple[str, str]) -> str:
     """value op condition op condition ...: each step is ("and"|"unless",
     condition). `and` and `unless` share one precedence and associate to the
-    left, so this reads as a filter pipeline over `value`'s series."""
-    text = paren(value)
+    left, so this reads as a filter pipeline over `value`'s series. A recorded
+    series (a bare name) takes one line: `and <name>`."""
+    text = value if _SERIES_NAME.fullmatch(value) else paren(value)
     for op, condition in steps:
-        text += f"\n{op}\n{paren(condition)}"
+        if _SERIES_NAME.fullmatch(condition):
+            text += f"\n{op} {condition}"
+        else:
+            text += f"\n{op}\n{paren(condition)}"
     return text

@@ -6,7 +6,7 @@ runbook links point at."""
 from __future__ import annotations
 
 from kvwatch.mixin.alerts import alert_specs, runbook_anchor
-from kvwatch.mixin.config import ALERT_CAUSES, MixinConfig
+from kvwatch.mixin.config import ALERT_CAUSES, MixinConfig, seconds
 from kvwatch.mixin.dashboards import DASHBOARDS
 from kvwatch.mixin.promql import num
 
@@ -93,6 +93,13 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
             f"kvwatch is up but its polls of the vLLM engine's /metrics have failed for "
             f"{c.for_duration('KvwatchEngineUnreachable')} (kvwatch_up == 0). kvwatch exports no engine series "
             "while it cannot read them, so the vLLM alerts for that pod are blind too."),
+        "VllmEngineStatsDisabled": (
+            "kvwatch reads the engine's /metrics, but the page carries no engine series "
+            f"(kvwatch_engine_stats_disabled == 1) for {c.for_duration('VllmEngineStatsDisabled')}: vLLM runs "
+            "with `--disable-log-stats`, which turns its Prometheus statistics off, or the target is another "
+            "program. The engine may serve requests perfectly well, so this is not KvwatchEngineUnreachable "
+            "(which it excludes): it is blindness. kvwatch, its findings and every vLLM alert, the objectives' "
+            "pages included, see nothing for this engine while it lasts."),
         "VllmFleetReplicaOutlier": (
             f"One replica of a model behaves unlike the other replicas of the same model over the last {w} "
             f"(replicas told apart by `{c.instance_label}`, models by `model_name` within "
@@ -135,6 +142,8 @@ FIRST_FIVE = {
     "prefill":
         "Check prompt lengths (gateway log, prompt tokens per request); rate-limit the callers sending the longest "
         "prompts if latency objectives are breached.",
+    "preemption":
+        "Treat the exhaustion first (VllmKvCacheExhausted for the same engine): shed load or scale out.",
     "front_end":
         "Check the vLLM container's CPU (`kubectl top pod -n <namespace> <pod> --containers`) and throttling.",
     "upstream":
@@ -145,6 +154,10 @@ FIRST_FIVE = {
     "kvwatch_absent":
         "`kubectl get pods,servicemonitors,podmonitors -n <namespace>`; Prometheus' Targets page for the job. If "
         "the fleet was scaled to zero on purpose, silence the alert.",
+    "stats_disabled":
+        "Read the engine's arguments (`kubectl get pod -n <namespace> <pod> -o jsonpath='{.spec.containers[?(@.name"
+        "==\"vllm\")].args}'`): `--disable-log-stats` there means vLLM exports no statistics. `curl` kvwatch's "
+        "target: a page of only process_* and python_* series confirms it.",
     "engine_unreachable":
         "`kubectl get pod -n <namespace> <pod>` and `kubectl logs -n <namespace> <pod> -c vllm --tail=100`: is "
         "the engine running, restarting, out of memory? kvwatch's `/readyz` and status page say why polls fail.",
@@ -300,6 +313,16 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             "Raise prefix reuse (shared text first), shorten prompts, tune chunked prefill "
             "(`--max-num-batched-tokens`), or separate prefill from decode (disaggregated serving).",
             "Do not add KV memory or replicas for this alone: prefill time per request does not shrink with them."),
+        "preemption": (
+            "Most of the time to first token is outside queue and prefill while the KV cache is exhausted: "
+            "preempted requests go back to the queue and recompute their KV, and neither vLLM's queue nor its "
+            "prefill histogram counts that time.",
+            f"{D_TTFT}: front end the largest part while *KV-bound? Usage peak and preemptions* shows preemptions "
+            "or usage at the red line; VllmKvCacheExhausted fires for the same engine.",
+            "Follow VllmKvCacheExhausted's runbook for its cause: fewer or shorter concurrent requests, more KV "
+            "memory, or more replicas.",
+            "Do not chase the API server: while the cache preempts, the residual is recomputation, not the front "
+            "end."),
         "front_end": (
             "Most of the time to first token is outside queue and prefill: the API server (HTTP, tokenization, "
             "chat templating, multimodal preprocessing) or scheduling gaps.",
@@ -364,13 +387,21 @@ def _cause_texts(c: MixinConfig) -> dict[str, tuple[str, str, str, str]]:
             "Check the kvwatch container (`kubectl logs -c kvwatch`, restarts, OOM), its /healthz, and the "
             "ServiceMonitor/PodMonitor or scrape job (port name, labels).",
             "Do not assume vLLM is down: kvwatch is a separate container."),
+        "stats_disabled": (
+            "The engine answers /metrics without its statistics: `--disable-log-stats` is set, or kvwatch's "
+            "target is a different program's metrics endpoint.",
+            f"{D_OVERVIEW}: *Failed polls by reason* shows no_engine_metrics; kvwatch's status page says the page "
+            "has no engine metrics.",
+            "Remove `--disable-log-stats` from the vLLM arguments (the statistics cost little), or fix kvwatch's "
+            "`target`. kvwatch picks the series up at its next poll.",
+            "Do not treat it as an outage: requests may be served normally. Do not restart the engine for it."),
         "engine_unreachable": (
-            "kvwatch runs but cannot read vLLM's /metrics: the engine is down, starting, wedged, or serves no "
-            "engine metrics (`--disable-log-stats`), or kvwatch's target is wrong.",
+            "kvwatch runs but cannot read vLLM's /metrics: the engine is down, starting or wedged, or kvwatch's "
+            "target is wrong. (An engine that answers without statistics is VllmEngineStatsDisabled.)",
             f"{D_OVERVIEW}: *kvwatch polling vLLM* at 0; *Failed polls by reason* says why: refused or timeout "
-            "(engine down or wedged), no_engine_metrics (stats logging off), http_4xx (path or auth), too_large.",
-            "Check the vLLM container (health endpoint, log, restarts). For no_engine_metrics remove "
-            "`--disable-log-stats`. For http_4xx fix kvwatch's `target` or token.",
+            "(engine down or wedged), http_4xx (path or auth), too_large.",
+            "Check the vLLM container (health endpoint, log, restarts). For http_4xx fix kvwatch's `target` or "
+            "token.",
             "Do not restart kvwatch to fix it: it polls on its own and recovers when the engine answers."),
     }
 
@@ -396,6 +427,65 @@ def _severity_text(spec_list) -> str:
     if set(by_variant) == {"preempting", ""}:
         return f"{by_variant['preempting']} with preemptions, {by_variant['']} without"
     return ", ".join(sorted(set(by_variant.values())))
+
+
+def _objective_sections(config: MixinConfig, specs) -> list[str]:
+    """One section per objective's burn-rate alert: what pages and why."""
+    from kvwatch.mixin import objectives
+
+    pairs = objectives.burn_windows(config)
+    table = ["| long window | short window | burn rate | budget spent when it fires | severity |",
+             "|---|---|---|---|---|"]
+    for pair in pairs:
+        spent = pair.factor * seconds(pair.long) / (30 * 86400)
+        table.append(f"| {pair.long} | {pair.short} | {num(pair.factor)}x | {_pct(round(spent, 4))} of 30 days' | "
+                     f"{pair.severity} |")
+    texts = {
+        "first_token": (
+            f"Too many requests got their first token later than {num(config.ttft_objective_seconds)}s: the "
+            f"objective is {_pct(config.ttft_objective)} within that bound (mixin config `ttft_objective`, "
+            "`ttft_objective_seconds`), read per engine from vLLM's TTFT histogram (the bucket at the bound over "
+            "the count). Users wait for the first word of every answer; this is the page for it.",
+            "Open the cause alerts that fire beside it for the same engine (the page's `cause_alerts` annotation "
+            "names them; Alertmanager groups them by engine and model): `VllmKvCacheExhausted` and "
+            "`VllmTimeToFirstTokenSlow` say whether the queue waits for KV cache, for compute, for prefill or "
+            "for something upstream, and their runbook sections say what to do. With no cause alert yet, open "
+            f"{D_TTFT}: the largest part of the mean is where the time goes."),
+        "availability": (
+            f"Requests end in error: the objective is {_pct(config.availability_objective)} of finished requests "
+            "without error (`availability_objective`), from vllm:request_success_total by finished_reason. An "
+            "error is the engine's (an exception in the model runner, an out-of-memory, a bad request the "
+            "engine failed), not the client's.",
+            "Read the engine's log for the errors (`kubectl logs -n <namespace> <pod> -c vllm --since=15m`). "
+            "Errors together with exhaustion or restarts point at memory; errors alone at the model, the "
+            "request payloads or the engine version."),
+        "aborts": (
+            f"Clients abort requests: the objective is {_pct(config.abort_objective)} not aborted "
+            "(`abort_objective`). Clients abort for their own reasons (a closed tab, a retry, a gateway "
+            "timeout), so this never pages, whatever the window: rising aborts beside slow first tokens are "
+            "users giving up; aborts alone are usually the client's or the gateway's timeouts.",
+            "Compare with the first-token objective: aborts rising with it are waits too long for users; "
+            "alone, check the gateway's timeouts and the client's retry policy."),
+    }
+    out = ["## Pages: objectives and burn rates", "",
+           "Pages follow what users feel: late first tokens and failed requests, each an objective with an "
+           "error budget (1 - objective). Each objective alerts on multi-window, multi-burn-rate pairs (the SRE "
+           "workbook's): the share of bad requests over the long window AND over the short one above burn rate "
+           "x budget. The long window says enough budget is gone to matter; the short one that it still burns, "
+           "so a short spike does not page and the page resolves minutes after the harm stops. The cause alerts "
+           "below are warnings that say where to look. Pairs (`burn_rate_windows`):", "", *table, ""]
+    from kvwatch.mixin.alerts import runbook_anchor as anchor_of
+
+    for objective, (alert, _, _) in objectives.OBJECTIVE_ALERTS.items():
+        meaning, do = texts[objective]
+        spec_list = specs.get((alert, objective), [])
+        severity = ", ".join(f"{s.severity} ({s.variant})" for s in spec_list)
+        out += [f'<a id="{anchor_of(alert)}"></a>', "", f"### {alert}", "",
+                f"*{spec_list[0].summary}* Severity by window: {severity}.", "",
+                f"**What it means.** {meaning}", "", f"**First five minutes.** {do}", "",
+                "Paste into Prometheus (the first pair's query; one series per affected engine):", "",
+                "```promql", spec_list[0].query, "```", ""]
+    return out
 
 
 def render(config: MixinConfig) -> str:
@@ -425,6 +515,10 @@ def render(config: MixinConfig) -> str:
             out.append(f"| {alert} | [{cause}](#{runbook_anchor(alert, cause)}) | {severity} | "
                        f"{config.for_duration(alert)} |")
     out.append("")
+    out += _objective_sections(config, specs)
+    out += ["## Cause alerts", "",
+            "Warnings (and facts) that explain a page, or come before one: each names the likely cause of a "
+            "symptom on one engine and the next check.", ""]
     for alert, alert_causes in ALERT_CAUSES.items():
         out += [f'<a id="{runbook_anchor(alert)}"></a>', "", f"## {alert}", "", intros[alert], ""]
         for cause in alert_causes:

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvwatch import __version__
+from kvwatch.sidecar import runbooks_page
 from kvwatch.sidecar.collector import Renderer, make_registry
 from kvwatch.sidecar.report import diagnosis_json, replay_text, signals_json
 from kvwatch.sidecar.series import series_json
@@ -93,6 +94,7 @@ def create_app(monitor, settings=None) -> FastAPI:
     async def metrics() -> Response:
         return Response(serve_exposition(False), media_type=CONTENT_TYPE_LATEST)
 
+    # The probes take HEAD too: HotPaths answers it (and a 405 for other methods).
     @app.get("/healthz")
     def healthz() -> PlainTextResponse:
         return PlainTextResponse("ok\n")
@@ -101,6 +103,15 @@ def create_app(monitor, settings=None) -> FastAPI:
     def readyz() -> PlainTextResponse:
         status, text = readiness(monitor)
         return PlainTextResponse(text, status_code=status)
+
+    # The runbooks every alert and finding links to (kvwatch/sidecar/runbooks_page.py).
+    @app.get("/runbooks", response_class=HTMLResponse)
+    def runbooks() -> HTMLResponse:
+        return HTMLResponse(runbooks_page.page())
+
+    @app.get("/runbooks.md")
+    def runbooks_markdown() -> PlainTextResponse:
+        return PlainTextResponse(runbooks_page.markdown_text(), media_type="text/markdown; charset=utf-8")
 
     @app.get("/api/v1/signals")
     def signals() -> JSONResponse:
@@ -144,6 +155,17 @@ class HotPaths:
         path = scope["path"]
         if self.token is not None and path not in OPEN_PATHS and not self.authorized(scope):
             await answer(send, 401, b"unauthorized\n", TEXT, [(b"www-authenticate", b"Bearer")])
+            return
+        if path in OPEN_PATHS and scope["method"] != "GET":
+            # Probes and uptime checkers that ask with HEAD (they got 405).
+            if scope["method"] != "HEAD":
+                await answer(send, 405, b'{"detail":"Method Not Allowed"}', b"application/json",
+                             [(b"allow", b"GET, HEAD")])
+            elif path == "/healthz":
+                await answer(send, 200, b"ok\n", TEXT, head=True)
+            else:
+                status, text = readiness(self.monitor)
+                await answer(send, status, text.encode(), TEXT, head=True)
             return
         if scope["method"] == "GET":
             if path == "/metrics":
@@ -209,10 +231,11 @@ def readiness(monitor) -> tuple[int, str]:
     return (200, "ready\n") if ready else (503, f"not ready: {why}\n")
 
 
-async def answer(send, status: int, body: bytes, content_type: bytes, headers=()) -> None:
+async def answer(send, status: int, body: bytes, content_type: bytes, headers=(), head: bool = False) -> None:
+    """`head`: HEAD's answer, the GET's status and headers without the body."""
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", content_type), *headers]})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": b"" if head else body})
 
 
 def accepts_gzip(scope) -> bool:
@@ -233,28 +256,42 @@ def accepts_gzip(scope) -> bool:
 
 # Bounds on kvwatch's own HTTP connections, below the auth check: the image
 # listens on 0.0.0.0. Without them 1,100 half-sent requests made /healthz
-# unreachable (and the polls ran out of file descriptors), and a 96 MB header
-# held the event loop for seconds, past the liveness probe's timeout.
+# unreachable (and the polls ran out of file descriptors), a 96 MB header
+# held the event loop for seconds, past the liveness probe's timeout, and
+# 300 requests declaring a 100 MB body, then trickling it a byte every 3 s,
+# held the connection cap for good (every probe answered 503).
 # A request line and headers within 16 KiB: Prometheus and the kubelet send
 # a few hundred bytes (nginx's default limit is 8 KiB per line, 32 KiB total).
 MAX_HEADER_BYTES = 16 * 1024
-# From the connection's (or the request's) first byte to the end of its headers.
+# kvwatch's endpoints read no request body: a declared or sent body over this
+# is refused with 413 and the connection closed.
+MAX_BODY_BYTES = 64 * 1024
+# From the connection's (or the request's) first byte to the end of the
+# request, its body included.
 HEADER_TIMEOUT_SECONDS = 10.0
 # Open connections at most; beyond it the oldest connection still sending
-# its headers is closed to make room, so a flood of half-sent requests
-# cannot lock the probes out (a fresh probe is never the oldest).
+# its request (headers or body) is closed to make room, so a flood of
+# half-sent requests cannot lock the probes out (a fresh probe is never the
+# oldest, and sends its whole request at once).
 MAX_CONNECTIONS = 256
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a header size cap, a header
-    deadline and a connection cap (uvicorn bounds neither the first two for
-    httptools, and its limit_concurrency answers 503, the probes included)."""
+    """uvicorn's httptools protocol with a header size cap, a body size cap,
+    a deadline on the whole request and a connection cap (uvicorn bounds
+    none of these for httptools, and its limit_concurrency answers 503, the
+    probes included)."""
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.header_bytes = 0
+        self.header_tail = b""
+        self.body_bytes = 0
+        # in_headers: the next bytes are a request's line and headers;
+        # receiving: a request has begun and has not been read to its end.
         self.in_headers = True
+        self.receiving = False
+        self.refused = False
         self.header_timer = None
         self.opened_at = self.loop.time()
         self._start_header_timer()
@@ -266,25 +303,59 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.refused or self.transport.is_closing():
+            return
         if self.in_headers:
-            self.header_bytes += len(data)
+            # Up to the blank line that ends the headers (a body in the same
+            # read is the body's, counted against MAX_BODY_BYTES).
+            seen = self.header_tail + data
+            end = seen.find(b"\r\n\r\n")
+            self.header_bytes += len(data) if end < 0 else max(0, end + 4 - len(self.header_tail))
+            self.header_tail = seen[-3:]
             if self.header_bytes > MAX_HEADER_BYTES:
                 self._refuse(b"431 Request Header Fields Too Large")
                 return
+        if self.in_headers or self.receiving:
             self._start_header_timer()
         super().data_received(data)
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.receiving = True
+        self.body_bytes = 0
+
     def on_headers_complete(self) -> None:
         self.in_headers = False
-        self._stop_header_timer()
+        declared = next((value for name, value in self.headers if name == b"content-length"), b"0")
+        try:
+            too_large = int(declared) > MAX_BODY_BYTES
+        except ValueError:
+            too_large = False  # httptools refuses a malformed length itself
+        if too_large:
+            self._refuse(b"413 Content Too Large")
+            return
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if self.refused:
+            return
+        self.body_bytes += len(body)
+        if self.body_bytes > MAX_BODY_BYTES:  # chunked, or more than declared
+            self._refuse(b"413 Content Too Large")
+            return
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self.refused:
+            return
         super().on_message_complete()
         # What comes next on this connection is the next request's headers;
         # until it comes, uvicorn's keep-alive timeout bounds the idle time.
+        self.receiving = False
+        self._stop_header_timer()
         self.in_headers = True
         self.header_bytes = 0
+        self.header_tail = b""
 
     def _start_header_timer(self) -> None:
         if self.header_timer is None:
@@ -297,23 +368,30 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _headers_too_slow(self) -> None:
         self.header_timer = None
-        if self.in_headers and not self.transport.is_closing():
+        if (self.in_headers or self.receiving) and not self.transport.is_closing():
             self._refuse(b"408 Request Timeout")
 
     def _refuse(self, status: bytes) -> None:
+        """Close the connection, with `status` unless a response to this
+        request has already begun (it would be cut into)."""
         self._stop_header_timer()
-        self.in_headers = False
+        self.in_headers = self.receiving = False
+        self.refused = True
         if not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            if self.cycle is None or not self.cycle.response_started or self.cycle.response_complete:
+                self.transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
             self.transport.close()
+        if self.cycle is not None:
+            # An app still waiting on the body sees a disconnect.
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
 
     def _make_room(self) -> None:
         waiting = [c for c in self.connections if c is not self and isinstance(c, BoundedHttpProtocol)
-                   and c.in_headers and (c.cycle is None or c.cycle.response_complete)
-                   and not c.transport.is_closing()]
+                   and (c.in_headers or c.receiving) and not c.transport.is_closing()]
         if waiting:
             oldest = min(waiting, key=lambda c: c.opened_at)
             oldest._stop_header_timer()
             oldest.transport.abort()
-        else:  # every other connection is busy with a request: this one waits its turn elsewhere
+        else:  # every other connection is busy with a whole request: this one waits its turn elsewhere
             self._refuse(b"503 Service Unavailable")

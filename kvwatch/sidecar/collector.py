@@ -16,14 +16,18 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    Metric,
+    UntypedMetricFamily,
 )
 from prometheus_client import ProcessCollector
+from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from kvwatch import __version__
 from kvwatch.signals import (
-    ENGINE_SERIES, HEALTH_BY_NAME, INFO_KEYS, SIGNALS, TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS,
+    ENGINE_SERIES, HEALTH_BY_NAME, INFO_KEYS, SIGNALS, STREAM_HEALTH, STREAM_SERIES, STREAM_SIGNALS, STREAM_SIZING,
+    TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS,
     engine_series_value,
 )
 from kvwatch.signals import IDENTITY as IDENTITY_LABELS
@@ -48,6 +52,7 @@ class KvwatchCollector(Collector):
         yield from self._engine_series(state.snapshot)
         yield from self._sources(state.snapshot, state.lmcache)
         yield from self._tier(state.lmcache)
+        yield from self._stream(getattr(state, "kv_events", None))
         yield from self._signals(state)
         yield from self._pinned(state)
         yield from self._findings(state)
@@ -63,7 +68,9 @@ class KvwatchCollector(Collector):
         yield errors
         # The unlabelled ones; None means absent (nothing known yet).
         for name, value in (
-            ("kvwatch_up", 1.0 if state.up else 0.0), ("kvwatch_polls", state.polls),
+            ("kvwatch_up", 1.0 if state.up else 0.0),
+            ("kvwatch_engine_stats_disabled", 1.0 if state.reason == "no_engine_metrics" else 0.0),
+            ("kvwatch_polls", state.polls),
             ("kvwatch_parse_errors", state.parse_errors), ("kvwatch_dropped_series", state.dropped_series),
             ("kvwatch_poll_duration_seconds", state.poll_seconds),
             ("kvwatch_page_late_seconds", state.page_late_seconds),
@@ -143,6 +150,70 @@ class KvwatchCollector(Collector):
                     family.add_metric([row["model_name"]], value)
             yield family
 
+    def _stream(self, report):
+        """The engine's KV-cache event stream (kvwatch/kvevents): its
+        health whenever it is configured, its counts and signals once an
+        event arrived."""
+        if report is None:
+            return
+        health = {family.name: family for family in STREAM_HEALTH}
+        intake = report.get("intake") or {}
+        table = report.get("table") or {}
+        up = GaugeMetricFamily("kvwatch_kv_events_up", health["kvwatch_kv_events_up"].help, labels=[])
+        up.add_metric([], 1.0 if report.get("up") else 0.0)
+        yield up
+        for name, value in (("kvwatch_kv_events_messages", intake.get("messages")),
+                            ("kvwatch_kv_events_dropped_messages", intake.get("dropped")),
+                            ("kvwatch_kv_events_missed_messages", intake.get("missed")),
+                            ("kvwatch_kv_events_malformed_messages", intake.get("malformed")),
+                            ("kvwatch_kv_events_publisher_restarts", intake.get("restarts"))):
+            family = CounterMetricFamily(name, health[name].help, labels=[])
+            family.add_metric([], float(value or 0))
+            yield family
+        for name, value in (("kvwatch_kv_events_tracked_blocks", table.get("entries")),
+                            ("kvwatch_kv_events_sampling_ratio", table.get("sampling_rate")),
+                            ("kvwatch_kv_events_last_message_age_seconds", report.get("last_message_age_seconds"))):
+            if _finite(value):
+                family = GaugeMetricFamily(name, health[name].help, labels=[])
+                family.add_metric([], float(value))
+                yield family
+        if not report.get("up"):
+            return
+        totals = report.get("totals") or {}
+        for series in STREAM_SERIES:
+            if series.kind == "histogram":
+                buckets = totals.get("return_buckets") or []
+                family = HistogramMetricFamily(series.name, series.help, labels=[])
+                family.add_metric([], [(_le(bound), count) for bound, count in buckets],
+                                  totals.get("return_seconds_sum") or 0.0)
+                yield family
+                continue
+            family = CounterMetricFamily(series.name, series.help, labels=list(series.labels))
+            if series.key in ("stored", "stored_again"):
+                for row in totals.get("by_label") or []:
+                    family.add_metric([row["medium"], row["lora_name"]], float(row[series.key]))
+            elif series.key == "evicted":
+                for medium, count in (totals.get("evicted_by_medium") or {}).items():
+                    family.add_metric([medium], float(count))
+            else:
+                family.add_metric([], float(totals.get(series.key) or 0))
+            yield family
+        window = report.get("window") or {}
+        for signal in STREAM_SIGNALS:
+            value = window.get(signal.key)
+            if _finite(value):
+                family = GaugeMetricFamily(signal.name, signal.help, labels=[])
+                family.add_metric([], float(value))
+                yield family
+        points = (report.get("sizing") or {}).get("points") or []
+        for signal in STREAM_SIZING:
+            family = GaugeMetricFamily(signal.name, signal.help, labels=["extra_cache"])
+            for point in points:
+                value = point.get(signal.key)
+                if _finite(value):
+                    family.add_metric([f"{point['extra_cache']:g}"], float(value))
+            yield family
+
     def _signals(self, state):
         for prefix, rows, labels in (
             ("kvwatch_", state.per_engine, IDENTITY),
@@ -151,7 +222,8 @@ class KvwatchCollector(Collector):
             for signal in SIGNALS:
                 name = prefix + signal.name[len("kvwatch_"):]
                 family_labels = labels + ([signal.label] if signal.label else [])
-                family = GaugeMetricFamily(name, signal.help, labels=family_labels)
+                make = QuantileMetricFamily if signal.label == "quantile" else GaugeMetricFamily
+                family = make(name, signal.help, labels=family_labels)
                 for row in rows:
                     identity = [row.model] if row.engine is None else [row.model, row.engine]
                     value = row.values.get(signal.name)
@@ -176,16 +248,43 @@ class KvwatchCollector(Collector):
         yield family
 
     def _findings(self, state):
+        # One series per symptom per engine (the primary, diagnose/arbitration.py);
+        # its contributing factors and alternatives in companion series.
         family = _health_family("kvwatch_finding")
+        contributors = _health_family("kvwatch_finding_contributor")
+        alternatives = _health_family("kvwatch_finding_alternative")
         for finding in state.findings:
-            family.add_metric([finding.symptom, finding.cause, finding.severity, finding.model, finding.engine or ""], 1.0)
+            identity = [finding.model, finding.engine or ""]
+            family.add_metric([finding.symptom, finding.cause, finding.severity, *identity], 1.0)
+            for factor in sorted({c["cause"] for c in finding.contributing}):
+                contributors.add_metric([finding.symptom, finding.cause, factor, *identity], 1.0)
+            for other in finding.alternatives:
+                for source in other["decided_by"]:
+                    alternatives.add_metric([finding.symptom, finding.cause, other["cause"], source, *identity], 1.0)
         yield family
+        yield contributors
+        yield alternatives
 
 
 def _health_family(name: str):
     family = HEALTH_BY_NAME[name]
-    make = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
+    make = {"counter": CounterMetricFamily, "untyped": UntypedMetricFamily}.get(family.kind, GaugeMetricFamily)
     return make(family.name, family.help, labels=list(family.labels))
+
+
+class QuantileMetricFamily(Metric):
+    """Windowed quantiles, typed `summary`: that is what they are (phi-
+    quantiles over a sliding window, as a client library's summary reports
+    them; no _sum or _count, which the window's mean signals carry), and
+    Prometheus' lint refuses a `quantile` label on any other type
+    (`promtool check metrics` exited 3 on kvwatch's /metrics)."""
+
+    def __init__(self, name: str, documentation: str, labels=None):
+        super().__init__(name, documentation, "summary")
+        self._labelnames = tuple(labels or ())
+
+    def add_metric(self, labels, value: float) -> None:
+        self.samples.append(Sample(self.name, dict(zip(self._labelnames, labels)), value, None))
 
 
 def _le(bound: float) -> str:

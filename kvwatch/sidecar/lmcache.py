@@ -39,6 +39,7 @@ PREFIXES = ("lmcache:", "lmcache_")
 COUNTERS = {series.key: series.family for series in TIER_SERIES}
 # The engine slot of the tier's rows in its window and report.
 TIER = "lmcache"
+_INF = float("inf")
 
 
 def family_name(key: str) -> str:
@@ -50,7 +51,10 @@ def _rank(labels: dict[str, str]) -> tuple:
     before any other role's, then the lowest worker_id."""
     role = labels.get("role", "")
     worker = labels.get("worker_id", "")
-    return (0 if role in ("", "worker") else 1, int(worker) if worker.isdigit() else 1 << 30, worker, role)
+    # ASCII digits only, and few of them: `"²".isdigit()` is true and int()
+    # refuses it (a traceback every poll), and int() refuses over 4,300 digits.
+    rank = int(worker) if worker.isascii() and worker.isdigit() and len(worker) <= 18 else 1 << 62
+    return (0 if role in ("", "worker") else 1, rank, worker, role)
 
 
 def read_page(page, max_models: int = 1000) -> tuple[dict[str, EngineSnapshot], dict[str, str]]:
@@ -78,7 +82,7 @@ def read_page(page, max_models: int = 1000) -> tuple[dict[str, EngineSnapshot], 
         if family is None:
             continue
         for suffix, labels, value in family.samples:
-            if suffix not in ("", "_total") or value != value:  # NaN
+            if suffix not in ("", "_total") or not 0.0 <= value < _INF:  # a counter: finite, never below 0
                 continue
             model = labels.get("served_model_name") or labels.get("model_name", "")
             if model not in chosen or _rank(labels) != chosen[model]:

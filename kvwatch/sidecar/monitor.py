@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
@@ -80,6 +80,8 @@ class State:
     upstream: dict[str, Any] | None = None
     # The LMCache tier's latest poll (kvwatch/sidecar/lmcache.py), None unless lmcache_target is set.
     lmcache: dict[str, Any] | None = None
+    # The KV-cache event stream's report (kvwatch/kvevents/source.py), None unless kv_events is set.
+    kv_events: dict[str, Any] | None = None
     # finding key (report.finding_key) -> when it was first seen, while it stays active
     findings_since: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
     # The window's entries as of this poll (the trends on the status page);
@@ -92,6 +94,8 @@ class State:
     # A replay's progress (kvwatch serve --replay; None when live): the
     # monitor's one dict, so its `finished` shows on the last state too.
     replay: dict[str, Any] | None = None
+    # The simulator's phase now and the next (kvwatch/sidecar/demo.py), only with demo_target.
+    demo: dict[str, Any] | None = None
 
 
 
@@ -146,12 +150,27 @@ class Monitor:
         if settings.upstream_target and settings.upstream_histogram:
             from kvwatch.sidecar.upstream import UpstreamSource
 
-            self.upstream = UpstreamSource(settings, self.window.seconds)
+            # The monitor's clock (steady; recorded time in a replay), not the
+            # wall clock: an NTP step back kept stale steps in its window.
+            self.upstream = UpstreamSource(settings, self.window.seconds, clock=self.clock)
         self.lmcache = None
         if settings.lmcache_target:
             from kvwatch.sidecar.lmcache import LMCacheSource
 
             self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
+        self.demo = None
+        if settings.demo_target:
+            from kvwatch.sidecar.demo import DemoSource
+
+            self.demo = DemoSource(settings.demo_target, settings.fetch_timeout)
+        self.kv_events = None
+        if settings.kv_events:
+            from kvwatch.kvevents.source import KVEventSource
+
+            self.kv_events = KVEventSource(settings.kv_events, connect=settings.kv_events_connect,
+                                           topic=settings.kv_events_topic, replay=settings.kv_events_replay,
+                                           window_seconds=self.window.seconds,
+                                           table_bytes=settings.kv_events_table_bytes, clock=self.clock)
         # LMCache sharing vLLM's registry is on the engine's own page: read that page, never fetch it twice.
         self._lmcache_on_engine_page = bool(settings.lmcache_target) and settings.lmcache_target == settings.target
         self.replay: dict[str, Any] | None = None
@@ -182,6 +201,8 @@ class Monitor:
     # --- the loop -------------------------------------------------------
 
     def start(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._thread = threading.Thread(target=self._run, name="kvwatch-poll", daemon=True)
         self._thread.start()
 
@@ -189,6 +210,8 @@ class Monitor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.kv_events is not None:
+            self.kv_events.stop()
 
     def _run(self) -> None:
         run_at_fixed_rate(self._stop, self.settings.poll_interval, self.poll_once,
@@ -204,9 +227,13 @@ class Monitor:
             started_monotonic = time.monotonic()
             result = self.fetcher.fetch()
             if not result.ok:
-                return self._record_failure(result.reason, result.detail, started, result.seconds,
-                                            time.thread_time() - started_cpu, result.sentence)
-            return self._ingest(result, started, started_monotonic, started_cpu)
+                state = self._record_failure(result.reason, result.detail, started, result.seconds,
+                                             time.thread_time() - started_cpu, result.sentence)
+            else:
+                state = self._ingest(result, started, started_monotonic, started_cpu)
+            if self.demo is not None:
+                state = self.state = replace(state, demo=self.demo.poll())
+            return state
 
     def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
         if self.adapter is None:
@@ -242,9 +269,11 @@ class Monitor:
         per_engine, per_model = evaluate_window(self.window)
         upstream = self.upstream.poll() if self.upstream is not None else None
         lmcache = self._poll_lmcache(result.text if self._lmcache_on_engine_page else None, answered)
+        kv_events = self._report_kv_events(answered, per_engine)
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
-                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache)
+                                      self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
+                                      incumbents=self.hold.incumbents())
         findings = self.hold.apply(answered, findings)
         self._polls += 1
         was_up = self.state.up
@@ -273,6 +302,7 @@ class Monitor:
             events=events,
             upstream=upstream,
             lmcache=lmcache,
+            kv_events=kv_events,
             findings_since=findings_since,
             entries=tuple(self.window.entries),
             engine=self.adapter.name,
@@ -297,6 +327,27 @@ class Monitor:
             return {"target": public_url(self.settings.lmcache_target), "up": False, "reason": "internal",
                     "detail": "kvwatch failed reading LMCache's page", "families": None, "models": [],
                     "time": self.clock()}
+
+    def _report_kv_events(self, at: float, per_engine) -> dict[str, Any] | None:
+        """The stream's report for this poll, with the page's numbers it
+        needs (bytes per block, prefix hits): its failure is its own."""
+        if self.kv_events is None:
+            return None
+        try:
+            from kvwatch.kvevents.join import with_page
+
+            new_changes = self.kv_events.take_changes()
+            engines = [row for row in per_engine if row.engine is not None]
+            # The stream is one engine's: its changes are that engine's where the page has one.
+            model, engine = (engines[0].model, engines[0].engine) if len(engines) == 1 else (None, None)
+            for when, kind, detail in new_changes:
+                self._event(Change(when, kind, model, engine, detail))
+            recent = min(diagnosis.resolve_thresholds(self.settings.diagnosis)["hit_recent_seconds"],
+                         self.window.seconds / 2)
+            return with_page(self.kv_events.report(at, recent_seconds=recent), per_engine)
+        except Exception:  # pragma: no cover - defensive: the stream must not take the engine's poll down
+            log.exception("reading the KV-cache event stream failed")
+            return None
 
     def _no_engine_metrics(self, result: FetchResult, detail: str, parse_errors, started: float,
                            started_cpu: float) -> State:
@@ -347,6 +398,7 @@ class Monitor:
             poll_cpu_seconds=cpu,
             page_late_seconds=previous.page_late_seconds,
             events=previous.events,
+            kv_events=self._report_kv_events(started, ()),
             engine=previous.engine,
             dark_signals=previous.dark_signals,
             replay=self.replay,

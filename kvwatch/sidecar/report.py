@@ -29,6 +29,12 @@ def public_url(url: str | None) -> str | None:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+def public_report(report):
+    from kvwatch.kvevents.source import public_report as public
+
+    return public(report)
+
+
 def _clean(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
@@ -76,6 +82,9 @@ def status_json(state, settings) -> dict[str, Any]:
         # The LMCache tier's poll (absent unless lmcache_target is set): its own up and reason.
         **({"lmcache": {key: tier.get(key) for key in ("target", "up", "reason", "detail", "families")}}
            if (tier := getattr(state, "lmcache", None)) else {}),
+        # The KV-cache event stream (absent unless kv_events is set): its own up and reason.
+        **({"kv_events": {key: stream.get(key) for key in ("endpoint", "mode", "up", "reason", "detail")}}
+           if (stream := getattr(state, "kv_events", None)) else {}),
     }
 
 
@@ -164,6 +173,8 @@ def signals_json(state, settings) -> dict[str, Any]:
         # The diagnosis' thresholds in force (defaults overlaid with the
         # settings' `diagnosis:`): the page colours values by these.
         "thresholds": resolve_thresholds(settings.diagnosis),
+        # The simulator's phase now and the next: only where demo_target is set (make run).
+        **({"demo": getattr(state, "demo", None)} if getattr(settings, "demo_target", None) else {}),
     }
 
 
@@ -192,4 +203,5 @@ def diagnosis_json(state, settings) -> dict[str, Any]:
         "events": [asdict(e) for e in state.events],
         "upstream": _clean(state.upstream),
         "lmcache": _clean(getattr(state, "lmcache", None)),
+        "kv_events": _clean(public_report(getattr(state, "kv_events", None))),
     }

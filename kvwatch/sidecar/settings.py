@@ -13,7 +13,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from kvwatch.units import parse_duration, parse_port, parse_size, parse_whole_number, yaml_problem
+from kvwatch.units import (did_you_mean, parse_duration, parse_port, parse_size, parse_whole_number, read_small_file,
+                           yaml_problem)
 
 
 class SettingsError(Exception):
@@ -68,10 +69,26 @@ class Settings:
     # Optional LMCache page (kvwatch/sidecar/lmcache.py): the engine's own
     # /metrics when LMCache shares vLLM's registry, or LMCache's API server.
     lmcache_target: str | None = None
+    # Optional KV-cache event stream (kvwatch/kvevents): the ZMQ endpoint
+    # kvwatch binds (the engine, pointed at it with --kv-events-config,
+    # connects), or connects to with kv_events_connect (a publisher that binds
+    # a wildcard, tcp://*:N). The topic filters by prefix ("" takes every topic).
+    kv_events: str | None = None
+    kv_events_connect: bool = False
+    kv_events_topic: str = ""
+    # The engine's replay socket (vLLM's replay_endpoint, which it binds):
+    # kvwatch connects and asks for what a sequence gap lost.
+    kv_events_replay: str | None = None
+    # The block ledger's memory (about 110 bytes a tracked block): past it
+    # the ledger samples the hash space (kvwatch/kvevents/ledger.py).
+    kv_events_table_bytes: int = 32 * 1024 * 1024
     # Protect kvwatch's own endpoints (/healthz and /readyz stay open for probes).
     auth_token_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # A `kvwatch sim`'s /sim/phase (make run sets it): the status page then
+    # names the simulated phase now and the next. Nothing else reads it.
+    demo_target: str | None = None
     # Diagnosis thresholds (see kvwatch/diagnose/thresholds.py for every key and default).
     diagnosis: dict[str, Any] = field(default_factory=dict)
     # The engine whose page the target serves (kvwatch/engines): `auto` picks
@@ -118,6 +135,29 @@ def normalize_target(value: Any) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
+def _demo_url(value: Any) -> str:
+    """A simulator's base URL or its /sim/phase: a bare http://host:port gets /sim/phase."""
+    text = str(value).strip()
+    parts = urlsplit(text)
+    if parts.scheme in ("http", "https") and parts.path in ("", "/"):
+        text = urlunsplit((parts.scheme, parts.netloc, "/sim/phase", parts.query, ""))
+    return normalize_target(text)
+
+
+def zmq_endpoint(value: Any) -> str:
+    """A ZMQ endpoint kvwatch can bind or connect: tcp://host:port or
+    ipc://path."""
+    text = str(value).strip()
+    if text.startswith("ipc://") and len(text) > len("ipc://"):
+        return text
+    if text.startswith("tcp://"):
+        host, _, port = text[len("tcp://"):].rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return text
+        raise ValueError(f"{text!r} has no host and port (tcp://127.0.0.1:5557)")
+    raise ValueError(f"{text!r} is not a ZMQ endpoint (tcp://host:port or ipc://path)")
+
+
 def _optional_str(value: Any) -> str | None:
     return None if value in (None, "") else str(value)
 
@@ -130,6 +170,13 @@ def _existing_file(value: Any) -> str | None:
     return str(value)
 
 
+# What kvwatch reads of its own configuration files (bounded like every
+# other input: a config or token path naming a FIFO or a device blocked or
+# never ended).
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_TOKEN_BYTES = 64 * 1024
+
+
 def read_auth_token(path: str) -> str:
     """The bearer token kvwatch's own endpoints require, from its file: one
     token in UTF-8, surrounding whitespace (a trailing newline) removed.
@@ -137,11 +184,13 @@ def read_auth_token(path: str) -> str:
     error, as is a token with whitespace or control characters inside, which
     no Authorization header could carry."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = read_small_file(path, MAX_TOKEN_BYTES).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"file {path!r} is not UTF-8 (byte {exc.start})") from None
     except OSError as exc:
         raise ValueError(f"file {path!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"file {path!r}: {exc}") from None
     token = text.strip()
     if not token:
         raise ValueError(f"file {path!r} holds no token (it is empty or only whitespace)")
@@ -202,6 +251,12 @@ PARSERS = {
     "upstream_target": lambda v: None if v in (None, "") else normalize_target(v),
     "upstream_histogram": _optional_str,
     "lmcache_target": lambda v: None if v in (None, "") else normalize_target(v),
+    "demo_target": lambda v: None if v in (None, "") else _demo_url(v),
+    "kv_events": lambda v: None if v in (None, "") else zmq_endpoint(v),
+    "kv_events_connect": _parse_bool,
+    "kv_events_topic": lambda v: "" if v is None else str(v),
+    "kv_events_replay": lambda v: None if v in (None, "") else zmq_endpoint(v),
+    "kv_events_table_bytes": parse_size,
     "auth_token_file": _auth_token_file,
     "tls_cert_file": _existing_file,
     "tls_key_file": _existing_file,
@@ -256,9 +311,15 @@ def load_settings(
     config_file = config_file or environ.get(env_name("config"))
     if config_file:
         try:
-            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+            loaded = yaml.safe_load(read_small_file(config_file, MAX_CONFIG_BYTES).decode("utf-8")) or {}
         except OSError as exc:
             problems.append(f"config file {config_file}: {exc.strerror or exc}")
+            loaded = {}
+        except UnicodeDecodeError as exc:
+            problems.append(f"config file {config_file}: not UTF-8 text (byte {exc.start})")
+            loaded = {}
+        except ValueError as exc:
+            problems.append(f"config file {config_file}: {exc}")
             loaded = {}
         except yaml.YAMLError as exc:
             problems.append(f"config file {config_file}: not valid YAML: {yaml_problem(exc)}")
@@ -269,7 +330,8 @@ def load_settings(
         for key, value in loaded.items():
             normalized = str(key).replace("-", "_")
             if normalized not in PARSERS:
-                problems.append(f"config file {config_file}: unknown setting {key!r} (known: {', '.join(sorted(PARSERS))})")
+                problems.append(f"config file {config_file}: unknown setting {key!r}{did_you_mean(normalized, PARSERS)} "
+                                f"(known: {', '.join(sorted(PARSERS))})")
                 continue
             raw[normalized] = (value, f"{config_file}: {key}")
 

@@ -6,7 +6,10 @@ the engine is not read); the selected engine's key numbers as large figures,
 coloured by the diagnosis' own thresholds (sent in the JSON, never copied
 here) and by a finding only where their own value is bad; one row per engine, sortable, worst first, a click selects one; trend
 charts over the window the sidecar holds, with findings and changes marked on
-the time axis; the findings as cards; the changes.
+the time axis; the findings as cards (a headline, at most three deciding
+numbers, one next action and its runbook; the prose, the other causes and
+every value folded); the changes. With `demo_target` (make run), a strip
+above the banner names the simulated phase now, the next and when.
 
 The page carries the monitor's last state as JSON and draws itself from it at
 once (it never waits on the engine), then a small inline script refreshes it
@@ -32,6 +35,7 @@ import math
 import time
 from typing import Any
 
+from kvwatch.diagnose.arbitration import DECIDERS
 from kvwatch.diagnose.vocabulary import NEXT_ACTION, SEVERITIES
 from kvwatch.sidecar.report import diagnosis_json, public_url, signals_json
 from kvwatch.sidecar.series import series_json
@@ -67,6 +71,7 @@ CAUSE_TITLES = {
     "queueing_compute_bound": "requests queue for compute, not KV",
     "prefill": "long uncached prompts (prefill)",
     "front_end": "time outside queue and prefill (front end)",
+    "preemption": "requests preempted and recomputed in a full cache",
     "upstream": "time spent before the engine (upstream)",
     "model_changed": "the model changed",
     "lora_changed": "the LoRA adapters changed",
@@ -89,6 +94,7 @@ DECIDING = {
     "queueing_compute_bound": ("ttft_p95_seconds", "queue_share", "kv_usage_max_while_waiting"),
     "prefill": ("ttft_p95_seconds", "prefill_share", "uncached_prompt_tokens_mean"),
     "front_end": ("ttft_p95_seconds", "other_share", "other_lower_bound_seconds"),
+    "preemption": ("ttft_p95_seconds", "other_share", "preemptions"),
     "upstream": ("upstream_mean_seconds", "upstream_share", "ttft_mean_seconds"),
     "model_changed": ("detail", "seconds_ago"),
     "lora_changed": ("detail", "seconds_ago"),
@@ -289,9 +295,12 @@ padding:10px 14px}
 .card h3{font-size:15px;margin:0 0 4px}.card p{margin:6px 0}.card .where{color:var(--muted);font-size:12px}
 .card.critical{border-left-color:var(--bad)}.card.warning{border-left-color:var(--warn)}
 .card.info{border-left-color:var(--info)}
+.card.clearing,.banner.clearing{opacity:.6;border-left-color:var(--muted)}.card .factor{font-size:13px}
 .deciding{display:flex;flex-wrap:wrap;gap:6px;margin:6px 0}
 .num-chip{border:1px solid var(--line);border-radius:6px;padding:2px 8px;font-size:12px;color:var(--muted)}
 .num-chip b{font-size:15px;color:var(--fg);margin-left:4px;font-variant-numeric:tabular-nums}
+.phase-strip{margin:10px 0 0;padding:6px 12px;border:1px dashed var(--line);border-radius:8px;background:var(--panel)}
+.phase-strip b{margin-right:6px}.phase-strip .now,.phase-strip .next{font-weight:650}
 details{margin-top:6px}summary{cursor:pointer;color:var(--muted);font-size:12px}
 details table{font-size:12px;margin-top:4px}
 ul.changes{padding-left:18px;margin:0}
@@ -371,13 +380,13 @@ SCRIPT = r"""
       (hold ? ", ends at " + clock(f.clearing_since + hold) + " unless it returns" : "");
   }
   function where(f) { return f.model_name + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : ""); }
-  // The runbook section: a link where it is a URL, else the section's place in the repository.
+  // The runbook section: a link (kvwatch serves the runbooks at runbooks#<section>).
   function runbookNode(f) {
     if (!f.runbook) return null;
     var p = el("p", "runbook");
     p.setAttribute("data-runbook", f.runbook);
     p.appendChild(el("b", null, "Runbook: "));
-    if (/^https?:\/\//.test(f.runbook)) {
+    if (/^(https?:\/\/|runbooks#|\/runbooks#)/.test(f.runbook)) {
       var a = el("a", null, f.runbook);
       a.href = f.runbook;
       a.rel = "noopener";
@@ -498,6 +507,44 @@ SCRIPT = r"""
     return "kvwatch cannot read the engine's metrics at " + (signals.target || "its target") + ": " + why + ". " + last;
   }
 
+  // The demo's phase strip (demo_target, set by make run): the simulated phase now, the next and when.
+  function clockText(seconds) {
+    var whole = Math.max(0, Math.round(seconds)), h = Math.floor(whole / 3600), m = Math.floor(whole % 3600 / 60),
+      s = whole % 60, two = function (n) { return (n < 10 ? "0" : "") + n; };
+    return h ? h + ":" + two(m) + ":" + two(s) : m + ":" + two(s);
+  }
+  var countdownFrom = null;
+  window.setInterval(function () {
+    if (countdownFrom && countdownFrom.node.isConnected) countdownFrom.node.textContent =
+      clockText(Math.max(0, countdownFrom.seconds - (Date.now() - countdownFrom.at) / 1000));
+  }, 1000);
+  function renderPhase(signals) {
+    var node = el("div"), d = signals.demo;
+    countdownFrom = null;
+    if (d !== undefined) {
+      node.className = "phase-strip";
+      node.appendChild(el("b", null, "Demo:"));
+      if (!d) node.appendChild(document.createTextNode(" the simulator's phase is unknown (its /sim/phase did not answer)."));
+      else {
+        node.setAttribute("data-phase", d.phase);
+        node.setAttribute("data-next", d.next || "");
+        add(node, document.createTextNode(" now: "), el("span", "now", d.phase),
+          d.note ? document.createTextNode(" (" + d.note + ")") : null);
+        if (d.next && d.next_in_seconds !== null) {
+          var countdown = el("span", "countdown", clockText(d.next_in_seconds));
+          add(node, document.createTextNode(" \u00b7 next: "), el("span", "next", d.next),
+            document.createTextNode(" in "), countdown, document.createTextNode(d.clock === "simulated" ? " (simulated)" : ""));
+          // In wall time the countdown runs between refreshes (from when this data arrived).
+          if (d.clock === "wall") countdownFrom = {node: countdown, seconds: d.next_in_seconds, at: Date.now()};
+        }
+        if (d.cycle_seconds) node.appendChild(document.createTextNode(" \u00b7 a loop of " + (d.phases || "its") +
+          " phases takes " + clockText(d.cycle_seconds) + (d.speed ? " at speed " + d.speed : "") +
+          " (SPEED=N make run runs it N times faster)"));
+      }
+    }
+    swap("phase", node);
+  }
+
   function renderBanner(signals, diagnosis) {
     var div = el("div", "banner");
     var findings = diagnosis.findings || [];
@@ -514,9 +561,13 @@ SCRIPT = r"""
         el("p", null, "Nothing in the last " + span(signals.window_covered_seconds || 0) + " on " + n +
           (n === 1 ? " engine" : " engines") + " crossed a threshold of the diagnosis."));
     } else {
-      var f = findings[0];
-      div.className += " sev-" + f.severity;
+      // The worst active finding; one held while clearing only when nothing else is active
+      // (findings come active first, most severe first: diagnose.vocabulary.finding_order).
+      var active = findings.filter(function (x) { return !x.clearing_since; });
+      var f = active.length ? active[0] : findings[0];
+      div.className += " sev-" + f.severity + (f.clearing_since ? " clearing" : "");
       div.setAttribute("data-state", f.severity);
+      if (f.clearing_since) div.setAttribute("data-clearing", "true");
       div.setAttribute("data-symptom", f.symptom);
       div.setAttribute("data-cause", f.cause);
       var since = el("span", "since", sinceText(f, signals.last_success_time, (signals.thresholds || {}).finding_hold_seconds));
@@ -720,15 +771,22 @@ SCRIPT = r"""
       swap("findings", section);
       return;
     }
-    var grid = el("div", "cards");
+    var grid = el("div", "cards"), opened = {};
+    // A refresh redraws the cards: what the reader unfolded stays unfolded.
+    Array.prototype.forEach.call(document.querySelectorAll("#findings details.more[open]"), function (d) {
+      opened[d.getAttribute("data-key")] = true;
+    });
     findings.forEach(function (f) {
-      var card = el("article", "card " + f.severity);
+      // Held while clearing: drawn muted, below the active ones (the list's order).
+      var card = el("article", "card " + f.severity + (f.clearing_since ? " clearing" : ""));
       card.setAttribute("data-symptom", f.symptom);
       card.setAttribute("data-cause", f.cause);
+      if (f.clearing_since) card.setAttribute("data-clearing", "true");
+      // What an on-call engineer reads: the headline, the deciding numbers, one next action.
+      // The rest (why in prose, other causes, the full check, every value) is folded.
       add(card, add(el("h3"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
         add(el("div", "where"), document.createTextNode(where(f) + " \u00b7 " + f.confidence + " confidence \u00b7 "),
-          el("span", "since", sinceText(f, signals.last_success_time, (signals.thresholds || {}).finding_hold_seconds))),
-        el("p", null, f.summary));
+          el("span", "since", sinceText(f, signals.last_success_time, (signals.thresholds || {}).finding_hold_seconds))));
       var deciding = el("div", "deciding"), shown = 0;
       (meta.deciding[f.cause] || []).forEach(function (key) {
         var v = (f.evidence || {})[key];
@@ -739,19 +797,54 @@ SCRIPT = r"""
         deciding.appendChild(chip);
       });
       if (shown) card.appendChild(deciding);
+      // The span of the card's numbers, where the eye compares them with the figures and the
+      // trends (which end on shorter spans): "TTFT p95 28 s" here and 4.56 s at a trend's end.
+      var spanned = (f.evidence || {}).window_seconds;
+      if (shown && spanned) {
+        var spanNote = el("p", "muted span-note", "Numbers over the " + span(spanned) + " the diagnosis judged" +
+          (f.clearing_since ? ", as last seen" : "") + ".");
+        spanNote.setAttribute("data-span", String(spanned));
+        card.appendChild(spanNote);
+      }
+      var next = add(el("p", "next"), el("b", null, "Next: "), document.createTextNode(meta.actions[f.cause] || f.next_check));
+      next.setAttribute("data-next", f.cause);
+      add(card, next, runbookNode(f));
+      var more = el("details", "more"), counted = [], key = [f.symptom, f.cause, f.model_name, f.engine].join("|");
+      more.setAttribute("data-key", key);
+      more.open = !!opened[key];
+      var notes = Object.keys(f.notes || {}), extra = (f.contributing || []).length + (f.alternatives || []).length;
+      if (notes.length) counted.push(notes.length + (notes.length === 1 ? " note" : " notes"));
+      if (extra) counted.push(extra + " other cause" + (extra === 1 ? "" : "s"));
+      counted.push("the full check", Object.keys(f.evidence || {}).length + " values");
+      more.appendChild(el("summary", null, "Why, in words: " + counted.join(", ")));
+      more.appendChild(el("p", null, f.summary));
       // Prose the diagnosis wrote beside the numbers (`notes`, apart from `evidence`).
-      Object.keys(f.notes || {}).forEach(function (key) {
+      notes.forEach(function (key) {
         var note = add(el("p", "note"), el("b", null, evidenceLabel(key) + ": "), document.createTextNode(f.notes[key]));
         note.setAttribute("data-note", key);
-        card.appendChild(note);
+        more.appendChild(note);
       });
-      add(card, add(el("p"), el("b", null, "Next check: "), document.createTextNode(f.next_check)), runbookNode(f));
-      var details = el("details"), table = el("table");
-      details.appendChild(el("summary", null, "All evidence (" + Object.keys(f.evidence || {}).length + " values)"));
+      // One story: the other causes found for this symptom ride here, not as rival cards;
+      // the causes the data cannot tell apart say what would decide.
+      (f.contributing || []).forEach(function (c) {
+        var p = add(el("p", "factor"), el("b", null, "Contributing: "),
+          document.createTextNode((meta.causes[c.cause] || c.cause) + " (" + c.confidence + " confidence). " + c.summary));
+        p.setAttribute("data-contributor", c.cause);
+        more.appendChild(p);
+      });
+      (f.alternatives || []).forEach(function (a) {
+        var p = add(el("p", "factor"), el("b", null, "Cannot tell apart from: "),
+          document.createTextNode((meta.causes[a.cause] || a.cause) + ". Decided by " +
+            (a.decided_by || []).map(function (d) { return meta.deciders[d] || d; }).join(" or ") + "."));
+        p.setAttribute("data-alternative", a.cause);
+        more.appendChild(p);
+      });
+      more.appendChild(add(el("p"), el("b", null, "Full check: "), document.createTextNode(f.next_check)));
+      var table = el("table");
       Object.keys(f.evidence || {}).forEach(function (key) {
         add(table, add(el("tr"), el("td", null, evidenceLabel(key)), el("td", "num", evidenceText(f, key))));
       });
-      add(card, add(details, table));
+      add(card, add(more, table));
       grid.appendChild(card);
     });
     section.appendChild(grid);
@@ -791,6 +884,26 @@ SCRIPT = r"""
           fmt(v.kvwatch_lmcache_retrieved_tokens_per_second, "per_second") + ", tokens stored " +
           fmt(v.kvwatch_lmcache_stored_tokens_per_second, "per_second")));
       });
+    }
+    var stream = diagnosis.kv_events;
+    if (stream) {
+      section.appendChild(el("h2", null, "KV-cache events"));
+      if (!stream.up) section.appendChild(el("p", "muted", "Events at " + (stream.endpoint || "") + ": down (" +
+        (stream.reason || "") + (stream.detail ? ": " + stream.detail : "") + "); the page's signals do not depend on them."));
+      else {
+        var w = stream.window || {}, intake = stream.intake || {};
+        section.appendChild(el("p", null, "At " + stream.endpoint + " over " + fmt(w.seconds, "seconds") + ": blocks stored " +
+          fmt(w.stored_per_second, "per_second") + ", evicted " + fmt(w.evicted_per_second, "per_second") +
+          ", stored again after their eviction " + fmt(w.stored_again_ratio, "ratio") + " of those stored (median " +
+          fmt(w.return_seconds_median, "seconds") + " after the eviction); " + (w.missed || 0) + " messages missed, " +
+          (w.dropped || 0) + " dropped"));
+        var points = (stream.sizing || {}).points || [];
+        if (points.length) section.appendChild(el("p", null, "With more cache (an estimate from the returns' distances): " +
+          points.map(function (p) {
+            return "x" + p.extra_cache + " " + (p.hit_ratio == null ? fmt(p.recomputation_avoided_ratio, "ratio") + " of the recomputation avoided"
+              : "hit ratio " + fmt(p.hit_ratio, "ratio"));
+          }).join(", ")));
+      }
     }
     swap("changes", section);
   }
@@ -839,6 +952,7 @@ SCRIPT = r"""
     var row = rows.filter(function (r) { return keyOf(r) === selected; })[0] || rows[0] || null;
     selected = row ? keyOf(row) : null;
     renderStatus(signals);
+    renderPhase(signals);
     renderBanner(signals, diagnosis);
     renderFigures(row, signals, diagnosis);
     renderEngines(signals, diagnosis, rows);
@@ -918,6 +1032,7 @@ def page_meta() -> dict[str, Any]:
         # The banner's "Next:" (the card has the full next_check).
         "actions": NEXT_ACTION,
         "deciding": {cause: list(keys) for cause, keys in DECIDING.items()},
+        "deciders": DECIDERS,
         "severities": list(SEVERITIES),
     }
 
@@ -972,9 +1087,15 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
         if f.get("clearing_since"):
             since += f", clearing: condition clear since {_time_text(f['clearing_since'])}"
         notes = "".join(f"<p>{_e(key.replace('_', ' '))}: {_e(note)}</p>" for key, note in (f.get("notes") or {}).items())
-        runbook = f"<p>Runbook: <code>{_e(f['runbook'])}</code></p>" if f.get("runbook") else ""
+        runbook = (f'<p>Runbook: <a href="{_e(f["runbook"])}" rel="noopener">{_e(f["runbook"])}</a></p>'
+                   if f.get("runbook") else "")
+        notes += "".join(f"<p>Contributing: {_e(CAUSE_TITLES.get(c['cause'], c['cause']))} ({_e(c['confidence'])} "
+                         f"confidence). {_e(c['summary'])}</p>" for c in f.get("contributing") or ())
+        notes += "".join(f"<p>Cannot tell apart from: {_e(CAUSE_TITLES.get(a['cause'], a['cause']))}. Decided by "
+                         f"{_e(' or '.join(DECIDERS.get(d, d) for d in a['decided_by']))}.</p>"
+                         for a in f.get("alternatives") or ())
         out.append(
-            f'<div class="finding" data-symptom="{_e(f["symptom"])}" data-cause="{_e(f["cause"])}">'
+            f'<div class="finding{" clearing" if f.get("clearing_since") else ""}" data-symptom="{_e(f["symptom"])}" data-cause="{_e(f["cause"])}">'
             f'<p><b>{_e(f["severity"].upper())}</b> {_e(SYMPTOM_TITLES.get(f["symptom"], f["symptom"]))}: '
             f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))} ({_e(where)}, {_e(f["confidence"])} confidence{since})</p>'
             f'<p>{_e(f["summary"])}</p>{notes}<p>Next: {_e(f["next_check"])}</p>{runbook}'
@@ -1002,6 +1123,34 @@ def _tier_html(diagnosis: dict[str, Any]) -> str:
             f'{_e(format_value(v.get("kvwatch_lmcache_prompt_tokens_served_ratio"), "ratio"))}, tokens retrieved '
             f'{_e(format_value(v.get("kvwatch_lmcache_retrieved_tokens_per_second"), "per_second"))}, tokens stored '
             f'{_e(format_value(v.get("kvwatch_lmcache_stored_tokens_per_second"), "per_second"))}</p>')
+    return "".join(out)
+
+
+def _stream_html(diagnosis: dict[str, Any]) -> str:
+    """The engine's KV-cache event stream (absent unless kv_events is set)."""
+    stream = diagnosis.get("kv_events")
+    if not stream:
+        return ""
+    where = f'Events at <code>{_e(stream.get("endpoint") or "")}</code>'
+    if not stream.get("up"):
+        why = _e(("down: " + (stream.get("reason") or "") + " " + (stream.get("detail") or "")).strip())
+        return (f'<h2>KV-cache events</h2><p>{where}: <span class="down">{why}</span>; '
+                "the page's signals do not depend on them.</p>")
+    w = stream.get("window") or {}
+    out = ["<h2>KV-cache events</h2>",
+           f'<p>{where} over {_e(format_value(w.get("seconds"), "seconds"))}: blocks stored '
+           f'{_e(format_value(w.get("stored_per_second"), "per_second"))}, evicted '
+           f'{_e(format_value(w.get("evicted_per_second"), "per_second"))}, stored again after their eviction '
+           f'{_e(format_value(w.get("stored_again_ratio"), "ratio"))} of those stored (median '
+           f'{_e(format_value(w.get("return_seconds_median"), "seconds"))} after the eviction); '
+           f'{w.get("missed") or 0} messages missed, {w.get("dropped") or 0} dropped</p>']
+    points = (stream.get("sizing") or {}).get("points") or []
+    if points:
+        out.append("<p>With more cache (an estimate from the returns' distances): " + ", ".join(
+            f'x{p["extra_cache"]:g} ' + (f'hit ratio {_e(format_value(p["hit_ratio"], "ratio"))}'
+                                         if p.get("hit_ratio") is not None else
+                                         f'{_e(format_value(p.get("recomputation_avoided_ratio"), "ratio"))} of the '
+                                         "recomputation avoided") for p in points) + "</p>")
     return "".join(out)
 
 
@@ -1092,6 +1241,7 @@ def render_status_page(state, settings, nav: str = "") -> str:
 <main>
 <header><h1>kvwatch</h1>{nav}<p id="status" class="muted"></p>
 <p id="live" class="muted">{_live_html(signals)}</p></header>
+<div id="phase"></div>
 <div id="banner"></div>
 <section id="figures"></section>
 <section id="engines"></section>
@@ -1104,6 +1254,7 @@ def render_status_page(state, settings, nav: str = "") -> str:
 {_findings_html(diagnosis)}
 {_signals_html(signals)}
 {_tier_html(diagnosis)}
+{_stream_html(diagnosis)}
 </noscript>
 <footer><h2>More</h2><ul>
 <li><a href="metrics">/metrics</a>: Prometheus metrics (kvwatch_* signals, kvwatch_finding, kvwatch_engine_*)</li>

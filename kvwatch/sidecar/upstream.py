@@ -21,6 +21,15 @@ from kvwatch.scrape import Fetcher
 from kvwatch.snapshot import Histogram
 
 _SUFFIXES = ("_bucket", "_sum", "_count")
+# The most bucket bounds kvwatch sums for the upstream histogram (classic
+# histograms carry tens; client libraries' defaults 10 to 15): a page of
+# 160,000 bounds (7.6 MiB) took 1.3 GB, each poll's histogram kept in the
+# window twice.
+MAX_BUCKETS = 1024
+
+
+class TooManyBuckets(ValueError):
+    pass
 
 
 def histogram_base_name(name: str) -> str:
@@ -33,7 +42,8 @@ def histogram_base_name(name: str) -> str:
 
 
 def summed_histogram(page, name: str) -> Histogram | None:
-    """The family's series summed across every label set but `le`."""
+    """The family's series summed across every label set but `le`
+    (TooManyBuckets past MAX_BUCKETS bounds)."""
     family = page.families.get(name)
     if family is None:
         return None
@@ -50,6 +60,9 @@ def summed_histogram(page, name: str) -> Histogram | None:
                 continue
             if not math.isnan(bound):
                 buckets[bound] = buckets.get(bound, 0.0) + value
+                if len(buckets) > MAX_BUCKETS:
+                    raise TooManyBuckets(f"the histogram has more than {MAX_BUCKETS} bucket bounds, more than "
+                                         "kvwatch reads")
         elif suffix == "_sum":
             total += value
         elif suffix == "_count":
@@ -85,7 +98,10 @@ class UpstreamSource:
 
     def ingest(self, text: str, now: float) -> dict[str, Any]:
         page = self.selector.parse(text)
-        histogram = summed_histogram(page, self.name)
+        try:
+            histogram = summed_histogram(page, self.name)
+        except TooManyBuckets as exc:
+            return self._report(now, False, "too_many_buckets", f"{self.name}: {exc}")
         if histogram is None:
             return self._report(now, False, "histogram_missing", f"no histogram {self.name!r} on the page")
         step = None

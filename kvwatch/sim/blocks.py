@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 
 
 class BlockPool:
-    __slots__ = ("num_blocks", "ref_count", "block_hash", "free_queue", "cached", "evictions", "on_evict")
+    __slots__ = ("num_blocks", "ref_count", "block_hash", "free_queue", "cached", "evictions", "on_evict", "events")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -32,6 +32,8 @@ class BlockPool:
         self.evictions = 0
         # Called with the content hashes one allocation evicted (the LMCache tier keeps them).
         self.on_evict = None
+        # An EventRecorder (kvwatch/sim/kvevents.py) while the simulator publishes KV-cache events.
+        self.events = None
 
     @property
     def usable_blocks(self) -> int:
@@ -90,6 +92,8 @@ class BlockPool:
             taken.append(block)
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
         return taken
 
     def free(self, blocks: Sequence[int]) -> None:
@@ -110,6 +114,8 @@ class BlockPool:
             return
         self.cached[content_hash] = block
         self.block_hash[block] = content_hash
+        if self.events is not None:
+            self.events.stored(content_hash)
 
     def accounting(self) -> dict[str, int]:
         """Block counts by state; used + free_cached + free_uncached == usable."""

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from kvwatch import units
+from kvwatch.units import did_you_mean
 
 from kvwatch.sim.engine import EngineConfig
 from kvwatch.sim.workload import WorkloadSpec, parse_workload
@@ -57,6 +58,27 @@ class Scenario:
         return sum(phase.duration for phase in self.phases)
 
 
+def clock_text(seconds: float) -> str:
+    """1:40, 27:00, 1:02:03: a countdown or a length as a clock reads."""
+    whole = max(0, int(round(seconds)))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def phase_line(status: dict) -> str:
+    """`now: healthy, next: eviction-pressure in 0:30` from a phase status
+    (Simulation.phase_status, SimServer.phase_status); the page says the same."""
+    text = f"now: {status['phase']}"
+    if status.get("next") is not None and status.get("next_in_seconds") is not None:
+        text += f", next: {status['next']} in {clock_text(status['next_in_seconds'])}"
+        if status.get("clock") == "simulated":
+            text += " (simulated time)"
+    else:
+        text += " (the last phase; it lasts until the simulator stops)"
+    return text
+
+
 def parse_duration(raw: Any) -> float | None:
     try:
         return units.parse_duration(raw)
@@ -80,7 +102,7 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         raise ScenarioError(source, [f"top level: expected a mapping, got {type(data).__name__}"])
     for key in data:
         if key not in TOP_KEYS:
-            problems.append(f"{key}: unknown top-level key (expected one of {', '.join(TOP_KEYS)})")
+            problems.append(f"{key}: unknown top-level key{did_you_mean(key, TOP_KEYS)} (expected one of {', '.join(TOP_KEYS)})")
     name = data.get("name", Path(source).stem)
     if not isinstance(name, str) or not name:
         problems.append(f"name: expected a non-empty string, got {name!r}")
@@ -106,7 +128,7 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     else:
         unknown = [key for key in raw_engine if key not in known]
         for key in unknown:
-            problems.append(f"engine.{key}: unknown engine setting (expected one of {', '.join(sorted(known))})")
+            problems.append(f"engine.{key}: unknown engine setting{did_you_mean(key, known)} (expected one of {', '.join(sorted(known))})")
         engine = replace(engine, **{k: v for k, v in raw_engine.items() if k in known})
         problems.extend(engine.problems("engine"))
 
@@ -134,7 +156,7 @@ def parse_scenario(data: Any, source: str) -> Scenario:
             phase_name = f"phase-{index + 1}"
         for key in raw_phase:
             if key not in PHASE_KEYS:
-                problems.append(f"{where}.{key}: unknown phase key (expected one of {', '.join(PHASE_KEYS)})")
+                problems.append(f"{where}.{key}: unknown phase key{did_you_mean(key, PHASE_KEYS)} (expected one of {', '.join(PHASE_KEYS)})")
         duration = parse_duration(raw_phase.get("duration"))
         if duration is None or duration <= 0:
             problems.append(

@@ -2,7 +2,8 @@
 times `speed`, and a stdlib HTTP server on loopback answers `/metrics`,
 `/health`, `/version`, `/v1/models`, `/v1/completions`, `/v1/chat/completions`
 (OpenAI style, streaming or not), `/app/metrics` (the RAG application's
-histogram) and, with a simulated LMCache tier, `/lmcache/metrics` (its page).
+histogram), `/sim/phase` (the scenario's phase now and the next, JSON) and,
+with a simulated LMCache tier, `/lmcache/metrics` (its page).
 With `temperature: 0` a completion's text depends on its prompt
 alone, and `logprobs` brings a logprob per token, also fixed by the prompt.
 
@@ -48,6 +49,9 @@ from kvwatch.sim.workload import token_block_hashes
 MAX_BODY_BYTES = 16 * 1024 * 1024
 # The simulated LMCache tier's own page (`kvwatch sim --lmcache`).
 LMCACHE_PATH = "/lmcache/metrics"
+# The scenario's phase now and the next, as JSON (`make run` prints it, and
+# kvwatch's status page shows it when `demo_target` points here).
+PHASE_PATH = "/sim/phase"
 # The clock thread sleeps until the next simulated event (a step ending, an
 # arrival), at most this long, so streamed tokens leave when the simulated
 # engine produces them rather than on a coarse tick.
@@ -90,6 +94,7 @@ class SimServer:
         port: int = 0,
         request_timeout: float = 600.0,
         dialect: str = "vllm",
+        kv_events: str | None = None,
     ) -> None:
         if speed < 0:
             raise ValueError("speed must be >= 0")
@@ -112,6 +117,14 @@ class SimServer:
         self.httpd.daemon_threads = True
         self.httpd.sim_server = self  # type: ignore[attr-defined]
         self._threads: list[threading.Thread] = []
+        # The engines' KV-cache events in vLLM's wire format (kvwatch/sim/kvevents.py), where asked for.
+        self.kv_events = kv_events
+        self.kv_publisher = None
+        if kv_events:
+            from kvwatch.sim.kvevents import EventPublisher, attach
+
+            attach(simulation.engines)
+            self.kv_publisher = EventPublisher(simulation.engines, kv_events, self.cond)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -150,6 +163,8 @@ class SimServer:
             clock = threading.Thread(target=self._clock_loop, name="kvwatch-sim-clock", daemon=True)
             clock.start()
             self._threads.append(clock)
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()
         return self
 
     def stop(self) -> None:
@@ -163,6 +178,8 @@ class SimServer:
         self.httpd.server_close()
         for thread in self._threads:
             thread.join(timeout=5)
+        if self.kv_publisher is not None:
+            self.kv_publisher.stop()
 
     def __enter__(self) -> SimServer:
         return self
@@ -214,6 +231,20 @@ class SimServer:
                 return render_dialect(self.dialect, self.sim.engines, self.sim.model_name, self.trtllm_gauges)
             return render_metrics(self.sim.engines, self.sim.model_name, self.sim.created_unix, self.http_stats)
 
+    def phase_status(self) -> dict:
+        """The scenario's phase now and the next (Simulation.phase_status), its
+        times in wall seconds at this speed (simulated seconds when the clock
+        only moves by hand, speed 0: `clock` says which)."""
+        with self.cond:
+            self.catch_up()
+            status = self.sim.phase_status()
+        per = self.speed if self.speed > 0 else 1.0
+        for key in ("next_in_seconds", "cycle_seconds"):
+            if status[key] is not None:
+                status[key] = status[key] / per
+        status.update(speed=self.speed, clock="wall" if self.speed > 0 else "simulated")
+        return status
+
     def lmcache_metrics_text(self) -> str | None:
         with self.cond:
             if self.sim.lmcache is None:
@@ -235,17 +266,19 @@ def start_background(
     model_name: str = DEFAULT_MODEL_NAME,
     dialect: str = "vllm",
     lmcache_tokens: int | None = None,
+    kv_events: str | None = None,
 ) -> SimServer:
     """Start a simulator in this process (threads); port 0 picks a free port.
     The handle has .url, .metrics_url, .app_metrics_url, .lmcache_metrics_url,
     .sim, .advance(s), .stop() and works as a context manager.
     `lmcache_tokens`: a simulated LMCache tier of that size (its page at
-    .lmcache_metrics_url)."""
+    .lmcache_metrics_url). `kv_events`: publish the engines' KV-cache events
+    to that ZMQ endpoint (kvwatch/sim/kvevents.py)."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     simulation = Simulation(scenario, seed=seed, engines=engines, model_name=model_name,
                             lmcache_tokens=lmcache_tokens)
-    return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect).start()
+    return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect, kv_events=kv_events).start()
 
 
 # -- HTTP ----------------------------------------------------------------------
@@ -385,6 +418,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, server.app_metrics_text().encode(), CONTENT_TYPE)
             elif path == LMCACHE_PATH and server.sim.lmcache is not None:
                 self._send(200, server.lmcache_metrics_text().encode(), CONTENT_TYPE)
+            elif path == PHASE_PATH:
+                # One line ending in a newline: kvwatch reads it with its page fetcher.
+                self._send(200, (json.dumps(server.phase_status()) + "\n").encode(), "application/json")
             elif path in ("/health", "/ping"):
                 self._send(200, b"", "application/json")
             elif path == "/version":

@@ -95,6 +95,26 @@ class Simulation:
         # Poisson arrivals are memoryless: redrawing at the boundary is exact.
         self._next_arrival = self._draw_gap(phase.workload.rate)
 
+    def phase_status(self) -> dict:
+        """Where the scenario stands: the phase now, the one after it (None
+        when a scenario without `loop` is in its last phase) and the simulated
+        seconds until it starts, the cycle's length and how many loops ran."""
+        phases = self.scenario.phases
+        index = self.phase_index
+        following = index + 1 if index + 1 < len(phases) else (0 if self.scenario.loop else None)
+        return {
+            "scenario": self.scenario.name,
+            "phase": self.phase.name,
+            "note": self.phase.note,
+            "index": index + 1,
+            "phases": len(phases),
+            "next": phases[following].name if following is not None else None,
+            "next_in_seconds": max(0.0, self._phase_end - self.now) if following is not None else None,
+            "cycle_seconds": self.scenario.cycle_seconds,
+            "loop": self.scenario.loop,
+            "cycle": self.cycle,
+        }
+
     # -- the clock -------------------------------------------------------------
 
     def advance(self, seconds: float) -> None:

@@ -79,20 +79,68 @@ class CompareInputError(ValueError):
     """A folder that holds no readable sweep; exit status 2."""
 
 
+# What --compare reads of a sweep folder: sweep.json up to this many bytes
+# (a real sweep's is tens of KB), at most this many cells, JSON nested no
+# deeper than Python's parser manages (deeper is one sentence, not a
+# RecursionError), numbers of cells' coordinates within MAX_COORDINATE.
+MAX_SWEEP_BYTES = 64 * 1024 * 1024
+MAX_CELLS = 10_000
+MAX_COORDINATE = 10**9
+
+
 def load_sweep(folder: str | Path) -> dict[str, Any]:
+    """A sweep's sweep.json, checked to have the shape kvwatch sweep writes
+    where the comparison relies on it; CompareInputError, one sentence,
+    for anything else."""
     path = Path(folder)
     target = path / "sweep.json" if path.is_dir() else path
     if not target.is_file():
         raise CompareInputError(f"{folder}: no sweep.json (give the folder a sweep wrote)")
     try:
-        report = json.loads(target.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CompareInputError(f"{target}: cannot read: {error}") from None
+        with open(target, "rb") as handle:
+            data = handle.read(MAX_SWEEP_BYTES + 1)
+    except OSError as error:
+        raise CompareInputError(f"{target}: cannot read: {error.strerror or error}") from None
+    if len(data) > MAX_SWEEP_BYTES:
+        raise CompareInputError(f"{target} is over {MAX_SWEEP_BYTES:,} bytes: not the result of kvwatch sweep")
+    try:
+        report = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise CompareInputError(f"{target}: cannot read: not UTF-8 text") from None
+    except RecursionError:
+        raise CompareInputError(f"{target}: cannot read: JSON nested too deeply") from None
+    except ValueError as error:  # JSONDecodeError, or an integer of thousands of digits
+        raise CompareInputError(f"{target}: cannot read: {str(error)[:200]}") from None
     if not isinstance(report, dict) or not isinstance(report.get("cells"), list) \
             or not isinstance(report.get("config"), dict):
         raise CompareInputError(f"{target} is not the result of kvwatch sweep")
     report.setdefault("server", {})
+    problem = _shape_problem(report)
+    if problem:
+        raise CompareInputError(f"{target} is not the result of kvwatch sweep: {problem}")
     return report
+
+
+def _shape_problem(report: dict[str, Any]) -> str | None:
+    """What in a sweep.json the comparison cannot read, or None."""
+    if not isinstance(report["server"], dict):
+        return "server is not an object"
+    caches = report["server"].get("cache_config")
+    if caches is not None and not isinstance(caches, dict):
+        return "server.cache_config is not an object"
+    if len(report["cells"]) > MAX_CELLS:
+        return f"more than {MAX_CELLS:,} cells"
+    for index, cell in enumerate(report["cells"], start=1):
+        if not isinstance(cell, dict):
+            return f"cell {index} is not an object"
+        for key in ("input_tokens", "output_tokens", "concurrency"):
+            value = cell.get(key)
+            if type(value) is not int or not 0 <= value <= MAX_COORDINATE:
+                return f"cell {index}'s {key} is not a whole number from 0 to {MAX_COORDINATE:,}"
+    probe = report.get("quality_probe")
+    if probe is not None and not isinstance(probe, dict):
+        return "quality_probe is not an object"
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -347,14 +395,22 @@ def _prompt_tokens(cell: dict[str, Any]) -> float | None:
 def cell_conditions(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """What differs in the conditions of two cells at the same coordinates."""
     reasons = []
+    # Other traffic first: it is what makes the server's counts differ (two
+    # identical sweeps against the busy demo counted 844 and 999 tokens per
+    # 128-token prompt, and every cell was refused for its "prompt length").
+    for name, cell in (("before", before), ("after", after)):
+        foreign = cell.get("foreign_requests")
+        if foreign:
+            reasons.append(f"other traffic: the server finished {foreign} requests the {name} sweep did not send "
+                           f"during the cell; its engine figures include them")
+        elif cell.get("other_traffic"):
+            reasons.append(f"other traffic: the server was still busy when the {name} cell started")
     pb, pa = _prompt_tokens(before), _prompt_tokens(after)
     if pb is not None and pa is not None and \
             abs(pb - pa) > max(1.0, PROMPT_TOKENS_TOLERANCE * max(pb, pa)):
-        reasons.append(f"prompt length: the server counted {pb:g} tokens per prompt before, "
-                       f"{pa:g} after")
+        reasons.append(f"prompt length: the server counted {pb:g} tokens per prompt before, {pa:g} after"
+                       + (" (with the other traffic's prompts)" if reasons else ""))
     for name, cell in (("before", before), ("after", after)):
-        if cell.get("other_traffic"):
-            reasons.append(f"other traffic: the server was still busy when the {name} cell started")
         if cell.get("engine_restarts"):
             reasons.append(f"engine restart: the engine's counters reset during the {name} cell")
     return reasons
@@ -465,6 +521,21 @@ def _md_text(text: str, limit: int = 60) -> str:
 
 
 def render_markdown(result: dict[str, Any]) -> str:
+    """compare.md; markup in what the sweeps recorded (a model name, a cache
+    setting, a probe's output) is written as text: compare.md carried a
+    crafted sweep's raw `<script>`."""
+    return _escape_markup(_render_markdown(result))
+
+
+# Markdown's own syntax here uses none of these; each in a value is text.
+_MARKUP = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;"})
+
+
+def _escape_markup(text: str) -> str:
+    return text.translate(_MARKUP)
+
+
+def _render_markdown(result: dict[str, Any]) -> str:
     changes, quality, cells = result["changes"], result["quality"], result["cells"]
     b, a = changes["before"], changes["after"]
     lines = ["# kvwatch sweep comparison", ""]

@@ -51,6 +51,8 @@ COLUMNS: dict[str, str] = {
     "capacity_source": "where the bound came from: the model config or the server's cache_config_info",
     "preemptions": "increase of vLLM's num_preemptions over the cell",
     "engine_finished": "increase of vLLM's request_success over the cell (all finish reasons)",
+    "foreign_requests": "requests the server finished in the cell beyond those the sweep sent: other traffic, "
+                        "which the cell's engine figures (prompt tokens per request, TTFT, peaks) include",
     "prompt_tokens_mean": "prompt tokens per finished request, from the server's counters",
     "prompt_tokens_client_mean": "prompt tokens per completed request, from the responses' usage",
     "prompt_tokens_per_s": "increase of the server's prompt_tokens counter / seconds",

@@ -29,7 +29,7 @@ from kvwatch import __version__
 from kvwatch.snapshot import bounded_text
 from kvwatch.sweep.compare import compare, kv_bytes_per_token, write_comparison
 from kvwatch.sweep.config import SweepConfig, SweepInputError, SweepRunError
-from kvwatch.sweep.summary import capacity_bounds, cell_notes, summarize_cell
+from kvwatch.sweep.summary import capacity_bounds, cell_notes, foreign_note, summarize_cell
 from kvwatch.sweep.client import Client, RequestResult, ServerError, Worker
 from kvwatch.sweep.metrics import MetricsPoller, select_engines
 from kvwatch.sweep.output import COLUMNS, KV_PLOT, TTFT_PLOT, append_requests, write_plots, write_results
@@ -411,6 +411,9 @@ class Sweep:
         ordered = [result for _, result in sorted(results, key=lambda item: item[0])]
         cell = summarize_cell(number, inp, out, conc, ordered, metrics, self.bounds.get((inp, out)))
         cell["other_traffic"] = busy
+        if cell["foreign_requests"]:
+            # Said while the sweep runs, not only in the files at the end.
+            self.say(f"kvwatch sweep: {foreign_note(cell)}")
         self.notes.extend(cell_notes(cell, metrics, config.poll_interval))
         append_requests(config.out_dir, self._request_rows(cell, sorted(results, key=lambda x: x[0])),
                         first=not self.cells)
@@ -534,6 +537,11 @@ class Sweep:
             self.say(f"kvwatch sweep: interrupted; {len(self.cells)} of {len(self.config.cells)} "
                      f"cell(s) kept in {out_dir} ({written})")
             return EXIT_INTERRUPTED
+        foreign = [cell for cell in self.cells if cell.get("foreign_requests") or cell.get("other_traffic")]
+        if foreign:
+            self.say(f"kvwatch sweep: other traffic on the server in {len(foreign)} of {len(self.cells)} cell(s) "
+                     f"({sum(c.get('foreign_requests') or 0 for c in foreign)} requests it did not send); their "
+                     "engine figures include it, and --compare refuses them")
         self.say(f"kvwatch sweep: done; wrote {written} in {out_dir}")
         if any(cell["completed"] == 0 for cell in self.cells):
             self.say("kvwatch sweep: some cells completed no request; see first_error in sweep.csv")

@@ -37,6 +37,12 @@ def _rate(amount: float | None, seconds: float) -> float | None:
     return amount / seconds
 
 
+def foreign_note(cell: dict[str, Any]) -> str:
+    return (f"cell {cell['cell']}: other traffic: the server finished {cell['engine_finished']:.0f} requests, "
+            f"{cell['foreign_requests']} more than the {cell['requests_sent']} the sweep sent; the cell's engine "
+            "figures (prompt tokens per request, engine TTFT, peaks, tokens per second) include them")
+
+
 def cell_notes(cell: dict[str, Any], metrics: CellMetrics, poll_interval: float) -> list[str]:
     """What makes a cell's engine figures doubtful, said next to them."""
     number, notes = cell["cell"], []
@@ -57,6 +63,8 @@ def cell_notes(cell: dict[str, Any], metrics: CellMetrics, poll_interval: float)
         notes.append(f"cell {number}: none of its {metrics.polls} /metrics polls saw one of its "
                      f"{cell['completed']} requests running; its peak KV usage, running and waiting "
                      "were not measured (lower --poll-interval or lengthen the cell)")
+    if cell.get("foreign_requests"):
+        notes.append(foreign_note(cell))
     if metrics.restarts:
         notes.append(f"cell {number}: the engine's counters reset during the cell "
                      "(restart?); its engine figures are partial")
@@ -101,6 +109,9 @@ def summarize_cell(number: int, inp: int, out: int, conc: int,
     cell["preemptions"] = metrics.counter("preemptions")
     finished = metrics.finished()
     cell["engine_finished"] = finished
+    # The server finished more requests than the sweep sent: someone else's
+    # (a lower bound: foreign requests still running at the end are not counted).
+    cell["foreign_requests"] = max(0, round(finished) - len(results)) if finished is not None else None
     prompt_tokens = metrics.counter("prompt_tokens")
     divisor = finished if finished else (len(completed) or None)
     cell["prompt_tokens_mean"] = (prompt_tokens / divisor

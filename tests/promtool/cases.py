@@ -23,7 +23,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ALERT_NAMES = ("VllmKvCacheExhausted", "VllmKvCacheExhaustionSoon", "VllmPrefixCacheHitRateLow", "VllmTimeToFirstTokenSlow",
-               "KvwatchDown", "KvwatchEngineUnreachable", "VllmFleetReplicaOutlier")
+               "KvwatchDown", "KvwatchEngineUnreachable", "VllmFleetReplicaOutlier", "VllmEngineStatsDisabled")
 SYMPTOM = {"VllmKvCacheExhausted": "exhaustion", "VllmKvCacheExhaustionSoon": "exhaustion",
            "VllmPrefixCacheHitRateLow": "low_hit_rate",
            "VllmTimeToFirstTokenSlow": "slow_first_token", "VllmFleetReplicaOutlier": "fleet"}
@@ -32,12 +32,12 @@ SEVERITY = {
     "caching_disabled": "info",
     "cold_cache": "info", "no_reuse": "info", "prefix_changed": "warning", "eviction_before_reuse": "warning",
     "queueing_kv_bound": "warning", "queueing_compute_bound": "warning", "prefill": "warning",
-    "front_end": "warning", "upstream": "warning", "kvwatch_unreachable": "warning", "kvwatch_absent": "warning",
-    "engine_unreachable": "critical",
+    "front_end": "warning", "upstream": "warning", "preemption": "warning", "kvwatch_unreachable": "warning", "kvwatch_absent": "warning",
+    "engine_unreachable": "critical", "stats_disabled": "warning",
     "imbalance": "warning", "lost_prefix_affinity": "warning", "cold_replica": "info",
 }
 # Exhaustion while vLLM preempts (the diagnosis' critical finding).
-PREEMPTING = "critical"
+PREEMPTING = "warning"
 TARGET = {"namespace": "llm", "job": "kvwatch", "instance": "10.0.0.1:9400"}
 ENGINE = {**TARGET, "model_name": "m", "engine": "0"}
 MINUTES = 120  # samples per series, one a minute
@@ -90,6 +90,7 @@ class Engine:
     info: str | None = const(1)
     up: str | None = const(1)
     kvwatch_up: str | None = const(1)
+    stats_disabled: str | None = None
 
     def series(self) -> list[dict]:
         target = {k: self.labels[k] for k in TARGET}
@@ -101,6 +102,7 @@ class Engine:
 
         add("up", self.up, target)
         add("kvwatch_up", self.kvwatch_up, target)
+        add("kvwatch_engine_stats_disabled", self.stats_disabled, target)
         add("kvwatch_engine_info", self.info, {**self.labels, "enable_prefix_caching": self.caching,
                                                "block_size": "16"})
         add("kvwatch_engine_kv_cache_usage_ratio", self.usage)
@@ -148,6 +150,16 @@ def latency_stop(ttft: float, queue: float, prefill: float, per_minute: int = 60
                 f"0+{per_minute}x{at} {per_minute * at}x{MINUTES - at - 1}")
 
     return {"ttft": hist(ttft), "queue": hist(queue), "prefill": hist(prefill)}
+
+
+def latency_switch(ttft: float, before: tuple[float, float], after: tuple[float, float], at: int = 30,
+                   per_minute: int = 60) -> dict:
+    """latency() whose (queue, prefill) means change from `before` to `after` at minute `at`."""
+    def hist(first, then):
+        return (f"0+{first * per_minute:g}x{at} {(first * at + then) * per_minute:g}+{then * per_minute:g}"
+                f"x{MINUTES - at - 1}", rate(per_minute))
+
+    return {"ttft": hist(ttft, ttft), "queue": hist(before[0], after[0]), "prefill": hist(before[1], after[1])}
 
 
 @dataclass
@@ -329,6 +341,27 @@ def default_cases() -> list[Case]:
              [Engine(**latency(3.0, 0.2, 2.5))], "40m", [("VllmTimeToFirstTokenSlow", "prefill", ENGINE)]),
         Case("first token: mostly outside queue and prefill -> front_end",
              [Engine(**latency(3.0, 0.2, 0.3))], "40m", [("VllmTimeToFirstTokenSlow", "front_end", ENGINE)]),
+        # One story (issue 32): a preempted request's re-queueing and recomputation are in neither
+        # histogram, so the residual grows exactly when the cache is the cause: preemption, never front_end.
+        Case("first token: mostly outside queue and prefill while preempting -> preemption, not front_end",
+             [Engine(**busy, **latency(3.0, 0.2, 0.3))], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE, PREEMPTING),
+              ("VllmTimeToFirstTokenSlow", "preemption", ENGINE)]),
+        Case("first token: mostly outside queue and prefill while full and waiting, no preemption -> preemption",
+             [Engine(usage=const(0.98), running=const(8), waiting=const(12), **latency(3.0, 0.2, 0.3))], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE),
+              ("VllmTimeToFirstTokenSlow", "preemption", ENGINE)]),
+        # One story through a change of cause (issue 32): at minute 30 the largest part moves from the
+        # queue to prefill. The queue's alert is kept firing for the hold (1m) while prefill is pending
+        # (10m): never both firing.
+        Case("first token: the largest part moves from queue to prefill -> the queue fires before",
+             [Engine(**latency_switch(3.0, (2.5, 0.2), (0.2, 2.5)))], "31m",
+             [("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)]),
+        Case("first token: the largest part moves from queue to prefill -> neither fires between",
+             [Engine(**latency_switch(3.0, (2.5, 0.2), (0.2, 2.5)))], "38m", []),
+        Case("first token: the largest part moves from queue to prefill -> prefill fires after its for:",
+             [Engine(**latency_switch(3.0, (2.5, 0.2), (0.2, 2.5)))], "45m",
+             [("VllmTimeToFirstTokenSlow", "prefill", ENGINE)]),
         Case("first token: queue and prefill tie -> exactly one cause (queue)",
              [Engine(**latency(3.0, 1.2, 1.2))], "40m",
              [("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)]),
@@ -372,6 +405,10 @@ def default_cases() -> list[Case]:
              [Engine(kvwatch_up=const(0), info=None, usage=None, running=None, waiting=None,
                      preemptions=None, prompt_tokens=None)], "10m",
              [("KvwatchEngineUnreachable", "engine_unreachable", TARGET)]),
+        Case("engine answers without statistics (--disable-log-stats) -> VllmEngineStatsDisabled, not unreachable",
+             [Engine(kvwatch_up=const(0), stats_disabled=const(1), info=None, usage=None, running=None,
+                     waiting=None, preemptions=None, prompt_tokens=None)], "10m",
+             [("VllmEngineStatsDisabled", "stats_disabled", TARGET)]),
         Case("a down blip shorter than for: (5m) -> nothing",
              [Engine(up="1x5 0x3 1x112")], "10m", []),
     ]

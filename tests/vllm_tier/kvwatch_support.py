@@ -157,7 +157,8 @@ class RunningKvwatch:
 @contextlib.contextmanager
 def running_kvwatch(target: str, poll_interval: str = "0.5s", window: str = "20s",
                     start_timeout_s: float = 10.0, diagnosis: dict | None = None,
-                    upstream: tuple[str, str] | None = None) -> Iterator[RunningKvwatch]:
+                    upstream: tuple[str, str] | None = None,
+                    kv_events: str | None = None) -> Iterator[RunningKvwatch]:
     """kvwatch polling `target` in the background and serving its HTTP app on
     loopback; `diagnosis` sets thresholds as the config's `diagnosis:` does,
     `upstream` the second source of the slow-first-token diagnosis."""
@@ -167,6 +168,8 @@ def running_kvwatch(target: str, poll_interval: str = "0.5s", window: str = "20s
         overrides["diagnosis"] = diagnosis
     if upstream:  # (its /metrics URL, the histogram measuring time before the engine)
         overrides["upstream_target"], overrides["upstream_histogram"] = upstream
+    if kv_events:  # the ZMQ endpoint kvwatch binds for vLLM's KV-cache events
+        overrides["kv_events"] = kv_events
     settings = load_settings(overrides=overrides, environ={})
     monitor = Monitor(settings)
     with serving(create_app(monitor, settings), lifespan="off", start_timeout_s=start_timeout_s) as kvwatch:

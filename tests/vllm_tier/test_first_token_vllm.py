@@ -127,15 +127,21 @@ def test_a_queue_behind_a_full_cache_is_kv_bound(real_vllm, report):
     others = [(i, f["cause"], f["evidence"]) for i, s in enumerate(samples) for f in s
               if f["symptom"] == "slow_first_token" and f["cause"] != "queueing_kv_bound"]
     assert "queueing_kv_bound" in causes(samples), shares(samples)
-    # The queue's other reading, and prefill, never. `front_end` beside it
-    # showed in 1 of 4 runs: under the burst a request lives longer than the
-    # window and its queue and prefill times are observed only when it
-    # finishes, so the residual of the decomposition can pass its share for
-    # a poll or two (docs/diagnosis.md, the matrix); it is reported, not
-    # failed on, until the decomposition accounts for it.
-    assert not causes(samples) & {"queueing_compute_bound", "prefill", "upstream"}, others[:3]
-    if "front_end" in causes(samples):
-        report(f"KV-bound queue: front_end beside it at {len(others)} samples: {others[:1]}")
+    # The queue's other reading, and prefill, never. `front_end` never either
+    # (issue 32): under the burst a request lives longer than the window, its
+    # queue and prefill times are observed only when it finishes, and a
+    # preempted request's re-queueing and recomputation are in neither
+    # histogram, so the residual can pass its share for a poll or two (it did
+    # in 1 of 4 runs); while the cache is exhausted that residual is
+    # `preemption`, as a contributing factor or, for a poll, the primary.
+    assert not causes(samples) & {"queueing_compute_bound", "prefill", "upstream", "front_end"}, others[:3]
+    assert not [f for s in samples for f in s for c in f.get("contributing") or () if c["cause"] == "front_end"]
+    # One story: at most one primary cause per symptom per engine at every poll.
+    for found in samples:
+        stories = [(f["model_name"], f.get("engine"), f["symptom"]) for f in found if f["symptom"] != "change"]
+        assert len(stories) == len(set(stories)), found
+    if "preemption" in causes(samples):
+        report(f"KV-bound queue: preemption at {len(others)} samples: {others[:1]}")
 
 
 def test_long_prompts_one_at_a_time_are_prefill(real_vllm, report):

@@ -1,0 +1,215 @@
+"""What the engine's KV-cache event stream decides (kvwatch/kvevents).
+
+The page cannot tell a working set evicted before its reuse from prompts that
+share nothing or a prefix that changed: vLLM counts idle cached blocks as
+free and its prefix counters read the same. The stream tells them apart
+block by block, over the recent part of the window (`hit_recent_seconds`):
+
+- blocks come back after their eviction (`stored_again_ratio_high` of the
+  blocks stored or more): **eviction before reuse**, high confidence, with
+  the blocks that returned and the extra cache that would have kept them;
+- none comes back (at most `stored_again_ratio_none`) while blocks are
+  stored: blocks that returned before and stopped returning, or a drop the
+  page saw, is a **changed prefix**; otherwise **no shared prefix**, high
+  confidence once the stream has been read longer than the judged part
+  (a block evicted before kvwatch listened cannot be seen returning);
+- in between, the page's cause stands and the stream's numbers ride along.
+
+Fewer than `stream_min_blocks` stored in the judged part and the stream
+decides nothing. The stream is one engine's (its publisher's endpoint); its
+findings go to the engine the report was joined with.
+
+The stream's own health is a symptom of its own, `kv_events`: events
+configured but none for `kv_events_silence_seconds` while the page counts
+prompt tokens (`events_stopped`), or messages lost on the way (sequence gaps)
+or dropped by kvwatch's bounded intake in the window (`events_missed`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Any
+
+from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
+
+REFINED = ("prefix_changed", "eviction_before_reuse", "no_reuse")
+_HAS_ALTERNATIVES = "alternatives" in {f.name for f in fields(Finding)}
+
+
+def stream_target(report: dict[str, Any], per_engine) -> tuple[str, str] | None:
+    """The (model, engine) the stream is read for: the engine its report was
+    joined with, or the page's only engine."""
+    engine = report.get("page_engine")
+    if engine and engine.get("engine") is not None:
+        return engine["model_name"], engine["engine"]
+    rows = [row for row in per_engine if row.engine is not None]
+    return (rows[0].model, rows[0].engine) if len(rows) == 1 else None
+
+
+def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
+    """What the stream says in place of vLLM's residency histograms
+    (hit_rate._residency): (evicted before reuse, evidence, "high"), or None
+    where it cannot tell (not read, too few blocks stored, a ratio between
+    the two thresholds, or not read long enough to see blocks return)."""
+    report = ctx.stream
+    if not report or not report.get("up"):
+        return None
+    t = ctx.t
+    recent = report["recent"]
+    if recent["stored"] < t["stream_min_blocks"] or report["window"].get("cleared"):
+        return None  # too little, or a reset of the cache in the window (what returns after it is no eviction's)
+    ratio = recent["stored_again_ratio"] or 0.0
+    evidence = {**_evidence(report), "decided_by": "kv_events"}
+    if ratio >= t["stored_again_ratio_high"]:
+        return True, evidence, "high"
+    if ratio <= t["stored_again_ratio_none"]:
+        listened = report.get("listening_seconds") or 0.0
+        if listened < 2 * recent["seconds"]:
+            return None  # a block evicted before kvwatch listened cannot be seen returning
+        return False, evidence, "high"
+    return None
+
+
+def stream_findings(findings: list[Finding], report: dict[str, Any] | None, per_engine, window,
+                    t: dict[str, Any]) -> list[Finding]:
+    """`findings` with the stream's decisions stated (the hit-rate rule took
+    them as its residency evidence), the stream's numbers on the findings it
+    could not decide, and its own health findings added."""
+    if not report:
+        return findings
+    target = stream_target(report, per_engine)
+    out = [_state(f, report, t) if target and (f.model, f.engine) == target and f.symptom == "low_hit_rate"
+           and f.cause in REFINED else f for f in findings]
+    if target is not None:
+        out.extend(_health(report, target, window, t))
+    return out
+
+
+def _evidence(report: dict[str, Any]) -> dict[str, Any]:
+    from kvwatch.kvevents.source import extra_for_share
+
+    recent, earlier, window = report["recent"], report["earlier"], report["window"]
+    sizing = report.get("sizing") or {}
+    half = extra_for_share(window.get("distance") or [], window.get("stored_again") or 0.0, 0.5)
+    every = extra_for_share(window.get("distance") or [], window.get("stored_again") or 0.0, 1.0)
+    evidence = {
+        "kv_events_judged_seconds": recent["seconds"],
+        "kv_events_blocks_stored": recent["stored"],
+        "kv_events_blocks_evicted": recent["evicted"],
+        "kv_events_blocks_stored_again": recent["stored_again"],
+        "kv_events_stored_again_ratio": recent["stored_again_ratio"],
+        "kv_events_stored_again_ratio_before": earlier["stored_again_ratio"],
+        "kv_events_blocks_stored_before": earlier["stored"],
+        "kv_events_return_seconds_median": window.get("return_seconds_median"),
+        "kv_events_extra_blocks_to_keep_half": half,
+        "kv_events_extra_blocks_to_keep_all": every,
+        "kv_events_sampling_ratio": (report.get("table") or {}).get("sampling_rate"),
+    }
+    bytes_per_block = None
+    for point in sizing.get("points") or []:
+        if point.get("extra_blocks") and point.get("extra_bytes") is not None:
+            bytes_per_block = point["extra_bytes"] / point["extra_blocks"]
+            break
+    if bytes_per_block is not None and half is not None:
+        evidence["kv_events_extra_bytes_to_keep_half"] = half * bytes_per_block
+    return evidence
+
+
+def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Finding:
+    """A low-hit-rate finding of the stream's engine, in the stream's words
+    where it decided; its numbers and why not where it did not."""
+    if not report.get("up"):
+        return finding
+    recent, earlier = report["recent"], report["earlier"]
+    evidence = {**finding.evidence, **_evidence(report)}
+    seconds = recent["seconds"]
+    ratio = recent["stored_again_ratio"] or 0.0
+    cleared = [c for c in report.get("changes") or () if c.get("kind") == "kv_cache_cleared"]
+    if cleared:
+        # A reset, not a workload: the cache refills from nothing, as after a restart.
+        ago = (report.get("time") or cleared[-1]["time"]) - cleared[-1]["time"]
+        evidence.update(decided_by="kv_events", kv_cache_cleared_seconds_ago=ago)
+        changes = dict(cause="cold_cache", severity=severity_of("cold_cache"), confidence="high",
+                       summary=(f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache "
+                                "events): the cache refills from nothing, so the hit ratio is low for now."),
+                       evidence=evidence, next_check=NEXT_CHECK["prefix_cache_cleared"])
+        if _HAS_ALTERNATIVES:
+            changes["alternatives"] = ()
+        return replace(finding, **changes)
+    if finding.evidence.get("decided_by") != "kv_events":
+        if recent["stored"] < t["stream_min_blocks"]:
+            why = (f"the stream saw {recent['stored']:g} blocks stored in the last {seconds:.0f}s, fewer than "
+                   f"stream_min_blocks ({t['stream_min_blocks']:g}): it decides nothing yet")
+        elif t["stored_again_ratio_none"] < ratio < t["stored_again_ratio_high"]:
+            why = (f"{ratio:.0%} of the blocks stored in the last {seconds:.0f}s came back after their eviction: "
+                   "between stored_again_ratio_none and stored_again_ratio_high, the stream does not decide")
+        else:
+            why = (f"none of the blocks stored came back, but the stream has been read for "
+                   f"{report.get('listening_seconds') or 0:.0f}s, less than twice the judged part: a block "
+                   "evicted before kvwatch listened cannot be seen returning")
+        return replace(finding, evidence={**evidence, "kv_events": why})
+    cause = finding.cause
+    before = earlier["stored_again_ratio"]
+    if (cause == "no_reuse" and earlier["stored"] >= t["stream_min_blocks"] and before is not None
+            and before >= t["stored_again_ratio_high"]):
+        cause = "prefix_changed"  # blocks returned, and stopped returning while stores go on
+    if cause == "eviction_before_reuse":
+        extra = evidence.get("kv_events_extra_blocks_to_keep_half")
+        in_bytes = evidence.get("kv_events_extra_bytes_to_keep_half")
+        median = evidence.get("kv_events_return_seconds_median")
+        summary = (f"Blocks are evicted before their reuse (the engine's KV-cache events decide it): "
+                   f"{recent['stored_again']:.0f} of the {recent['stored']:.0f} blocks stored in the last "
+                   f"{seconds:.0f}s ({ratio:.0%}) were stored again after their eviction, recomputed"
+                   + (f", a median {median:.3g}s after it" if median is not None else "")
+                   + (f"; about {extra:.0f} more blocks" + (f" ({in_bytes / 2**20:.0f} MiB)" if in_bytes else "")
+                      + " would have kept half of them (estimate)" if extra else "") + ".")
+    elif cause == "prefix_changed" and before is not None and before >= t["stored_again_ratio_high"]:
+        summary = (f"The prefix changed (the engine's KV-cache events decide it): before the last {seconds:.0f}s, "
+                   f"{before:.0%} of the stored blocks came back after their eviction; since, none of the "
+                   f"{recent['stored']:.0f} blocks stored has: the requests stopped sharing what they shared.")
+    elif cause == "prefix_changed":
+        summary = (f"The prefix changed: {finding.summary.rstrip('.')}; the engine's KV-cache events rule out "
+                   f"eviction: none of the {recent['stored']:.0f} blocks stored in the last {seconds:.0f}s came "
+                   "back after an eviction, so the new prompts' blocks are new content.")
+    else:
+        summary = (f"The prompts share no prefix the cache could keep (the engine's KV-cache events decide it): "
+                   f"none of the {recent['stored']:.0f} blocks stored in the last {seconds:.0f}s came back "
+                   "after an eviction, so a larger cache would not raise the hit ratio.")
+    changes: dict[str, Any] = dict(cause=cause, severity=severity_of(cause), confidence="high", summary=summary,
+                                   evidence=evidence, next_check=NEXT_CHECK[cause])
+    if _HAS_ALTERNATIVES:
+        changes["alternatives"] = ()  # the stream told the causes apart
+    return replace(finding, **changes)
+
+
+def _health(report: dict[str, Any], target: tuple[str, str], window, t: dict[str, Any]) -> list[Finding]:
+    model, engine = target
+    found: list[Finding] = []
+    silence = t["kv_events_silence_seconds"]
+    age = report.get("last_message_age_seconds")
+    quiet = age if age is not None else (report.get("configured_seconds") or 0.0)
+    now = report.get("time")
+    if quiet >= silence and window is not None and now is not None and window.latest is not None:
+        increase = window.increase((model, engine), since=now - quiet)
+        prompt_tokens = increase.counters.get("prompt_tokens", 0.0)
+        if prompt_tokens > 0:
+            what = "no KV-cache event has arrived" if age is None else f"the last KV-cache event came {age:.0f}s ago"
+            found.append(Finding(
+                "kv_events", "events_stopped", severity_of("events_stopped"), "high", model, engine,
+                f"The engine's KV-cache events stopped reaching kvwatch at {report.get('endpoint')}: {what}, while "
+                f"the page counted {prompt_tokens:.0f} prompt tokens since; the stream's decisions are off.",
+                {"endpoint": report.get("endpoint"), "mode": report.get("mode"), "last_message_age_seconds": age,
+                 "kv_events_silence_seconds": silence, "prompt_tokens_since": prompt_tokens,
+                 "reason": report.get("reason"), "detail": report.get("detail")},
+                NEXT_CHECK["events_stopped"]))
+    lost = report["window"].get("missed", 0) + report["window"].get("dropped", 0)
+    if lost > 0:
+        found.append(Finding(
+            "kv_events", "events_missed", severity_of("events_missed"), "high", model, engine,
+            f"{lost:g} KV-cache event messages were lost in the window ({report['window'].get('missed', 0):g} never "
+            f"arrived, {report['window'].get('dropped', 0):g} dropped by kvwatch's bounded intake): the stream's "
+            "counts are low by what they held.",
+            {"missed_messages": report["window"].get("missed"), "dropped_messages": report["window"].get("dropped"),
+             "messages": report["window"].get("messages"), "window_seconds": report["window"].get("seconds")},
+            NEXT_CHECK["events_missed"]))
+    return found

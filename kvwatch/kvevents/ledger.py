@@ -1,0 +1,280 @@
+"""The block ledger: what the engine's block stream says, accounted block by
+block in bounded memory.
+
+For each block hash it sees, the ledger keeps one dict entry: 0 while the
+block is cached, or, once evicted, the number of blocks stored before its
+eviction and the time of it (packed in one integer). A block stored again
+while the ledger remembers its eviction is **stored again after eviction**:
+recomputation that a larger cache would have saved. Its **distance** is the
+number of blocks stored between its eviction and its return: under the
+engine's least-recently-used eviction of free blocks, a cache that many blocks
+larger would have evicted it that many stores later, after its return, so it
+would have been a hit (a first-order estimate: it ignores what the extra hits
+would have changed after them). The distances' histogram is the sizing curve.
+
+Bounded in bytes, by spatial sampling (as SHARDS samples a trace): the
+ledger tracks only the hashes whose mixed value falls below a threshold, a
+rate R = 2**-shift of the hash space, and scales what it counts from them by
+1/R. It starts at R = 1 (every block). When the table reaches its capacity,
+evicted entries beyond the horizon (8x the most blocks seen cached at once)
+are forgotten first; if the table is still three quarters full, R halves and
+the entries outside the new sample are dropped. Stored, evicted and cleared
+counts never depend on R (every event is counted); only stored-again counts,
+their distances and times are sampled. The error of a sampled count is that
+of a binomial sample: with n returns seen at rate R the relative standard
+error of the scaled count is about 1/sqrt(n) (n = 400 sampled returns: 5 %),
+independent of the hash function as long as hashes are spread uniformly,
+which the mixing step ensures for any 64-bit hash.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+# Measured by benchmarks/kv_events.py (a dict entry of a 64-bit int key and,
+# once evicted, its own packed mark): 78 bytes per cached block and 110 per
+# evicted block on CPython 3.11; the capacity divides the byte budget by the
+# larger.
+ENTRY_BYTES = 110
+DEFAULT_TABLE_BYTES = 32 * 1024 * 1024
+MIN_CAPACITY = 1024
+HORIZON_FACTOR = 8
+MAX_LABELS = 64  # (medium, LoRA) pairs counted apart; the rest under "other"
+
+_MIX = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+_MS_MASK = 0xFFFFFFFF
+
+# Distance buckets: exact below 8, then 4 per doubling.
+DISTANCE_BUCKETS = 256
+# Eviction-to-return time buckets, seconds (the last is +Inf).
+RETURN_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+                 float("inf"))
+
+
+def distance_bucket(d: int) -> int:
+    if d < 8:
+        return d
+    b = d.bit_length()
+    return (b - 4) * 4 + 8 + ((d >> (b - 3)) & 3)
+
+
+def bucket_upper(index: int) -> int:
+    """The largest distance in a bucket."""
+    if index < 8:
+        return index
+    k, s = divmod(index - 8, 4)
+    return ((5 + s) << (k + 1)) - 1
+
+
+def bucket_lower(index: int) -> int:
+    if index < 8:
+        return index
+    k, s = divmod(index - 8, 4)
+    return (4 + s) << (k + 1)
+
+
+def _return_bucket(seconds: float) -> int:
+    for index, bound in enumerate(RETURN_BOUNDS):
+        if seconds <= bound:
+            return index
+    return len(RETURN_BOUNDS) - 1
+
+
+def medium_salt(medium: str | None) -> int:
+    """Blocks of another medium (CPU offload) are other blocks: their hashes
+    are salted so a GPU block's return is not confused with its CPU copy."""
+    if not medium or medium.upper() == "GPU":
+        return 0
+    return (zlib.crc32(medium.encode("utf-8", "replace")) << 32) | 0x5BD1E995
+
+
+class Totals:
+    """Cumulative counts since the ledger started (the window diffs them)."""
+
+    __slots__ = ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed",
+                 "distance", "returns", "labels", "evicted_by_medium")
+
+    def __init__(self) -> None:
+        self.stored = 0
+        self.evicted = 0
+        self.again = 0.0  # scaled by 1/R
+        self.again_seconds = 0.0  # scaled sum of eviction-to-return times
+        self.cleared = 0
+        self.duplicate = 0  # stored while cached (another group, a replay)
+        self.unknown_removed = 0  # removed, never seen stored (stored before kvwatch listened)
+        self.distance = [0.0] * DISTANCE_BUCKETS
+        self.returns = [0.0] * len(RETURN_BOUNDS)
+        self.labels: dict[tuple[str, str], list[float]] = {}  # (medium, lora) -> [stored, again]
+        self.evicted_by_medium: dict[str, int] = {}
+
+    def copy(self) -> "Totals":
+        other = Totals()
+        for name in ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed"):
+            setattr(other, name, getattr(self, name))
+        other.distance = list(self.distance)
+        other.returns = list(self.returns)
+        other.labels = {key: list(value) for key, value in self.labels.items()}
+        other.evicted_by_medium = dict(self.evicted_by_medium)
+        return other
+
+
+class Ledger:
+    def __init__(self, max_bytes: int = DEFAULT_TABLE_BYTES):
+        self.capacity = max(MIN_CAPACITY, max_bytes // ENTRY_BYTES)
+        self.table: dict[int, int] = {}
+        self.shift = 0  # sampling rate R = 2**-shift
+        self._limit = 1 << 64
+        self.totals = Totals()
+        self.cached = 0  # sampled blocks cached now (scaled: cached / R)
+        self.peak_cached = 0.0
+        self.sweeps = 0
+        self.forgotten = 0  # evicted entries dropped past the horizon
+
+    @property
+    def rate(self) -> float:
+        return 1.0 / (1 << self.shift)
+
+    @property
+    def horizon(self) -> int:
+        return HORIZON_FACTOR * max(MIN_CAPACITY, int(self.peak_cached))
+
+    def stored(self, hashes: list, now: float, medium: str | None = None, lora: str | None = None) -> None:
+        totals = self.totals
+        table = self.table
+        clock = totals.stored
+        salt = medium_salt(medium)
+        shift = self.shift
+        limit = self._limit
+        now_ms = int(now * 1000) & _MS_MASK
+        scale = float(1 << shift)
+        again = 0
+        new = 0
+        duplicate = 0
+        distance = totals.distance
+        returns = totals.returns
+        seconds = 0.0
+        get = table.get
+        for h in hashes:
+            clock += 1
+            if type(h) is not int:
+                h = int.from_bytes(h[-8:], "big")
+            if salt:
+                h ^= salt
+            if shift and ((h * _MIX) & _MASK64) >= limit:
+                continue
+            value = get(h)
+            if value is None:
+                new += 1
+            elif value:
+                # Its distance: blocks stored after its eviction, before this one.
+                d = clock - 1 - (value >> 33)
+                again += 1
+                distance[d if d < 8 else distance_bucket(d)] += scale
+                elapsed = ((now_ms - ((value >> 1) & _MS_MASK)) & _MS_MASK) / 1000.0
+                seconds += elapsed
+                returns[_return_bucket(elapsed)] += scale
+                new += 1
+            else:
+                duplicate += 1
+                continue
+            table[h] = 0
+        totals.stored = clock
+        totals.again += again * scale
+        totals.again_seconds += seconds * scale
+        totals.duplicate += duplicate
+        self.cached += new
+        cached = self.cached * scale
+        if cached > self.peak_cached:
+            self.peak_cached = cached
+        key = (medium or "GPU", lora or "")
+        row = totals.labels.get(key)
+        if row is None:
+            if len(totals.labels) >= MAX_LABELS:
+                key = ("other", "other")
+            row = totals.labels.setdefault(key, [0.0, 0.0])
+        row[0] += len(hashes)
+        row[1] += again * scale
+        if len(table) > self.capacity:
+            self._sweep()
+
+    def removed(self, hashes: list, now: float, medium: str | None = None) -> None:
+        totals = self.totals
+        table = self.table
+        salt = medium_salt(medium)
+        shift = self.shift
+        limit = self._limit
+        mark = ((totals.stored << 32) | (int(now * 1000) & _MS_MASK)) << 1 | 1
+        unknown = 0
+        gone = 0
+        get = table.get
+        for h in hashes:
+            if type(h) is not int:
+                h = int.from_bytes(h[-8:], "big")
+            if salt:
+                h ^= salt
+            if shift and ((h * _MIX) & _MASK64) >= limit:
+                continue
+            value = get(h)
+            if value is None:
+                unknown += 1
+            elif value == 0:
+                gone += 1
+            else:
+                continue  # removed twice: the first eviction stands
+            table[h] = mark
+        totals.evicted += len(hashes)
+        totals.unknown_removed += unknown
+        self.cached = max(0, self.cached - gone)
+        name = medium or "GPU"
+        by_medium = totals.evicted_by_medium
+        if name in by_medium or len(by_medium) < MAX_LABELS:
+            by_medium[name] = by_medium.get(name, 0) + len(hashes)
+        else:
+            by_medium["other"] = by_medium.get("other", 0) + len(hashes)
+        if len(table) > self.capacity:
+            self._sweep()
+
+    def clear(self) -> None:
+        """AllBlocksCleared: the engine reset its prefix cache; what returns
+        after it is not an eviction's recomputation, so the table starts over."""
+        self.table.clear()
+        self.cached = 0
+        self.totals.cleared += 1
+
+    def _sweep(self) -> None:
+        self.sweeps += 1
+        table = self.table
+        oldest = self.totals.stored - self.horizon
+        if oldest > 0:
+            stale = [h for h, v in table.items() if v and (v >> 33) < oldest]
+            for h in stale:
+                del table[h]
+            self.forgotten += len(stale)
+        while len(table) > 0.75 * self.capacity:
+            self.shift += 1
+            self._limit = (1 << 64) >> self.shift
+            limit = self._limit
+            outside = [h for h in table if ((h * _MIX) & _MASK64) >= limit]
+            for h in outside:
+                if table.pop(h) == 0:
+                    self.cached -= 1
+            self.cached = max(0, self.cached)
+
+    def entries(self) -> int:
+        return len(self.table)
+
+
+def curve(distance: list[float], stored_again: float, points: list[int]) -> list[tuple[int, float]]:
+    """(extra blocks, blocks stored again that a cache that much larger
+    would have kept) for each of `points`: the returns whose distance is
+    below the extra blocks (whole buckets: a bucket counts once its largest
+    distance is below, so the estimate errs low by at most a quarter octave)."""
+    out = []
+    for extra in points:
+        kept = 0.0
+        for index, count in enumerate(distance):
+            if count and bucket_upper(index) < extra:
+                kept += count
+        out.append((extra, min(kept, stored_again)))
+    return out

@@ -1,0 +1,281 @@
+"""vLLM's KV-cache event wire format (`vllm/distributed/kv_events.py`), read
+and written by kvwatch's own types (the facts: docs/kv-events.md).
+
+A message is three ZMQ frames: the topic, an 8-byte big-endian sequence
+number, and a msgpack payload (vLLM encodes it with msgspec). The payload is
+a batch `(ts, events, data_parallel_rank?)`; each event is a tagged struct,
+`BlockStored`, `BlockRemoved` or `AllBlocksCleared`. vLLM's releases encode
+both as msgpack arrays (`array_like`: the tag first, then the fields in
+declaration order, trailing defaults omitted) or as maps (the tag under
+`"type"`); kvwatch reads all four combinations: the batch's first byte says
+array or map, and the events' layout that last decoded is tried first.
+
+Decoding is typed (msgspec), so a stored event's `token_ids`, the largest
+part of a batch and of no use here, is skipped without building one integer
+of it. A batch the typed decoders refuse (an event type of a newer release,
+a field of an unexpected type) is decoded generically and walked by hand;
+what still makes no sense is counted as malformed, never raised.
+
+Block hashes are 64-bit integers (vLLM's external block hashes); a hash sent
+as bytes is read as the integer of its last 8 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import msgspec
+
+STORED = "BlockStored"
+REMOVED = "BlockRemoved"
+CLEARED = "AllBlocksCleared"
+
+_Hash = Union[int, bytes]
+
+
+# --- the array layout (array_like: tag first, fields in order) -------------
+
+class _AStored(msgspec.Struct, array_like=True, tag=STORED):
+    block_hashes: list[_Hash]
+    parent_block_hash: Union[_Hash, None] = None
+    token_ids: msgspec.Raw = msgspec.Raw(b"")  # never decoded
+    block_size: Union[int, None] = None
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+
+
+class _ARemoved(msgspec.Struct, array_like=True, tag=REMOVED):
+    block_hashes: list[_Hash]
+    medium: Union[str, None] = None
+
+
+class _ACleared(msgspec.Struct, array_like=True, tag=CLEARED):
+    pass
+
+
+# --- the map layout (the tag under "type"; unknown fields skipped) ----------
+
+class _MStored(msgspec.Struct, tag=STORED, tag_field="type"):
+    block_hashes: list[_Hash]
+    block_size: Union[int, None] = None
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+
+
+class _MRemoved(msgspec.Struct, tag=REMOVED, tag_field="type"):
+    block_hashes: list[_Hash]
+    medium: Union[str, None] = None
+
+
+class _MCleared(msgspec.Struct, tag=CLEARED, tag_field="type"):
+    pass
+
+
+_AEvent = Union[_AStored, _ARemoved, _ACleared]
+_MEvent = Union[_MStored, _MRemoved, _MCleared]
+
+
+class _ABatchA(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_AEvent]
+    data_parallel_rank: Union[int, None] = None
+
+
+class _ABatchM(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_MEvent]
+    data_parallel_rank: Union[int, None] = None
+
+
+class _MBatchA(msgspec.Struct):
+    ts: float
+    events: list[_AEvent]
+    data_parallel_rank: Union[int, None] = None
+
+
+class _MBatchM(msgspec.Struct):
+    ts: float
+    events: list[_MEvent]
+    data_parallel_rank: Union[int, None] = None
+
+
+_DECODERS = {
+    ("array", "array"): msgspec.msgpack.Decoder(_ABatchA),
+    ("array", "map"): msgspec.msgpack.Decoder(_ABatchM),
+    ("map", "array"): msgspec.msgpack.Decoder(_MBatchA),
+    ("map", "map"): msgspec.msgpack.Decoder(_MBatchM),
+}
+
+
+class Malformed(ValueError):
+    """A payload that is not a batch of KV-cache events; its text is one
+    sentence for people (what was wrong, never the bytes)."""
+
+
+@dataclass(slots=True)
+class Event:
+    """One event as kvwatch reads it: `kind` is STORED, REMOVED or CLEARED."""
+    kind: str
+    hashes: list
+    block_size: int | None = None
+    medium: str | None = None
+    lora: str | None = None
+
+
+@dataclass(slots=True)
+class Batch:
+    ts: float
+    events: list[Event]
+    rank: int | None = None
+    skipped: int = 0  # events of a type kvwatch does not know (a newer release's)
+
+
+def _outer(payload: bytes) -> str | None:
+    if not payload:
+        return None
+    first = payload[0]
+    if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):
+        return "array"
+    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):
+        return "map"
+    return None
+
+
+class Decoder:
+    """Decodes payloads; remembers which event layout the engine sends so
+    each batch is decoded once."""
+
+    def __init__(self) -> None:
+        self._events_layout = {"array": "array", "map": "map"}
+
+    def decode(self, payload: bytes) -> Batch:
+        outer = _outer(payload)
+        if outer is None:
+            raise Malformed("the payload is not a msgpack array or map")
+        first = self._events_layout[outer]
+        for layout in (first, "map" if first == "array" else "array"):
+            try:
+                raw = _DECODERS[(outer, layout)].decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            self._events_layout[outer] = layout
+            return Batch(float(raw.ts), [_event(e) for e in raw.events], raw.data_parallel_rank)
+        return _generic(payload, outer)
+
+
+def _event(raw) -> Event:
+    if isinstance(raw, (_AStored, _MStored)):
+        return Event(STORED, raw.block_hashes, raw.block_size, raw.medium,
+                     raw.lora_name if raw.lora_name is not None else (str(raw.lora_id) if raw.lora_id else None))
+    if isinstance(raw, (_ARemoved, _MRemoved)):
+        return Event(REMOVED, raw.block_hashes, None, raw.medium)
+    return Event(CLEARED, [])
+
+
+# Positions of the fields in the array layout (after the tag).
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+_REMOVED_FIELDS = ("block_hashes", "medium")
+
+
+def _generic(payload: bytes, outer: str) -> Batch:
+    """The slow path: a batch the typed decoders refused, walked by hand."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        raise Malformed("the payload is not valid msgpack") from None
+    if isinstance(raw, dict):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list) and len(raw) >= 2:
+        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    else:
+        raise Malformed("the payload is not a batch (timestamp, events)")
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not isinstance(events, list):
+        raise Malformed("the batch has no timestamp or no list of events")
+    out: list[Event] = []
+    skipped = 0
+    for item in events:
+        if isinstance(item, list) and item and isinstance(item[0], str):
+            fields = dict(zip(_STORED_FIELDS if item[0] == STORED else _REMOVED_FIELDS, item[1:]))
+            kind = item[0]
+        elif isinstance(item, dict) and isinstance(item.get("type"), str):
+            fields, kind = item, item["type"]
+        else:
+            raise Malformed("an event is neither a tagged array nor a tagged map")
+        if kind == CLEARED:
+            out.append(Event(CLEARED, []))
+            continue
+        if kind not in (STORED, REMOVED):
+            skipped += 1
+            continue
+        hashes = fields.get("block_hashes")
+        if not isinstance(hashes, list) or not all(isinstance(h, (int, bytes)) and not isinstance(h, bool)
+                                                   for h in hashes):
+            raise Malformed(f"a {kind} event's block_hashes is not a list of integers")
+        size = fields.get("block_size")
+        medium = fields.get("medium")
+        lora = fields.get("lora_name")
+        out.append(Event(kind, hashes, size if isinstance(size, int) and not isinstance(size, bool) else None,
+                         medium if isinstance(medium, str) else None, lora if isinstance(lora, str) else None))
+    return Batch(float(ts), out, rank if isinstance(rank, int) and not isinstance(rank, bool) else None, skipped)
+
+
+def hash_int(value: Any) -> int:
+    """A block hash as an integer: bytes are read as their last 8 bytes."""
+    if isinstance(value, int):
+        return value
+    return int.from_bytes(value[-8:], "big")
+
+
+# --- writing (the simulator and the tests publish what vLLM publishes) -----
+
+class _WStored(msgspec.Struct, array_like=True, omit_defaults=True, tag=STORED):
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Union[int, None]
+    medium: Union[str, None]
+    lora_name: Union[str, None] = None
+
+
+class _WRemoved(msgspec.Struct, array_like=True, omit_defaults=True, tag=REMOVED):
+    block_hashes: list[int]
+    medium: Union[str, None]
+
+
+class _WCleared(msgspec.Struct, array_like=True, omit_defaults=True, tag=CLEARED):
+    pass
+
+
+class _WBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[Union[_WStored, _WRemoved, _WCleared]]
+    data_parallel_rank: Union[int, None] = None
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def stored(hashes: list[int], block_size: int, token_ids: list[int] | None = None, parent: int | None = None,
+           medium: str | None = "GPU", lora_name: str | None = None) -> _WStored:
+    return _WStored(list(hashes), parent, list(token_ids or ()), block_size, None, medium, lora_name)
+
+
+def removed(hashes: list[int], medium: str | None = "GPU") -> _WRemoved:
+    return _WRemoved(list(hashes), medium)
+
+
+def cleared() -> _WCleared:
+    return _WCleared()
+
+
+def encode_batch(ts: float, events: list, rank: int | None = 0) -> bytes:
+    """A payload as vLLM's publisher writes it (array layout)."""
+    return _ENCODER.encode(_WBatch(ts, events, rank))
+
+
+def sequence_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=seq < 0)

@@ -1,0 +1,64 @@
+"""The demo's phase strip: with `demo_target` set (make run points it at the
+simulator's /sim/phase), each poll also reads which simulated phase runs now
+and which comes next, so the status page can say what the newcomer is looking
+at and what to expect. A real deployment never sets it.
+
+Read like any page: a byte cap, a deadline, and what comes back checked field
+by field; anything else is dropped (the strip then says the phase is unknown)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from kvwatch.scrape import Fetcher
+
+MAX_BYTES = 16 * 1024
+# The strip is a nicety: a slow simulator must not hold the engine's poll long.
+DEADLINE_SECONDS = 2.0
+MAX_TEXT = 200
+
+
+def _text(value: Any) -> str | None:
+    return value[:MAX_TEXT] if isinstance(value, str) else None
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
+def read_status(text: str | None) -> dict[str, Any] | None:
+    """The fields the page shows, from a /sim/phase body; None when it is
+    not one (not JSON, no phase name)."""
+    if not text:
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or not _text(raw.get("phase")):
+        return None
+    count = raw.get("phases")
+    return {
+        "scenario": _text(raw.get("scenario")),
+        "phase": _text(raw.get("phase")),
+        "note": _text(raw.get("note")) or "",
+        "next": _text(raw.get("next")),
+        "next_in_seconds": _seconds(raw.get("next_in_seconds")),
+        "cycle_seconds": _seconds(raw.get("cycle_seconds")),
+        "speed": _seconds(raw.get("speed")),
+        "phases": count if isinstance(count, int) and not isinstance(count, bool) and 0 < count < 1000 else None,
+        "clock": "simulated" if raw.get("clock") == "simulated" else "wall",
+    }
+
+
+class DemoSource:
+    def __init__(self, url: str, timeout: float):
+        self.fetcher = Fetcher(url, min(DEADLINE_SECONDS, timeout), MAX_BYTES)
+
+    def poll(self) -> dict[str, Any] | None:
+        result = self.fetcher.fetch()
+        return read_status(result.text) if result.ok else None

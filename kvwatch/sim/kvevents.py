@@ -1,0 +1,140 @@
+"""The simulated engines' KV-cache events, published as vLLM publishes them
+(kvwatch/kvevents/wire.py: topic, 8-byte sequence number, msgpack batch), so
+`kvwatch serve --kv-events` reads the simulator as it reads vLLM.
+
+Each engine's block pool reports the blocks it publishes in its prefix cache
+and those an allocation evicts to its EventRecorder; the publisher thread
+sends what the recorders hold every PUBLISH_SECONDS of wall time. Like vLLM's
+publisher it binds a wildcard endpoint (tcp://*:N) and connects to any other
+(kvwatch then binds it), and engine i publishes on the endpoint's port + i
+(vLLM's data-parallel ranks)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Hashable
+
+from kvwatch.kvevents import wire
+
+log = logging.getLogger("kvwatch.sim")
+
+PUBLISH_SECONDS = 0.05
+MAX_PENDING_BLOCKS = 200_000  # a recorder no publisher drains keeps at most this many; the rest are dropped
+_MASK = (1 << 63) - 1
+
+
+def block_hash(content: Hashable) -> int:
+    """A simulated content hash as a 63-bit integer (as vLLM's external
+    block hashes are integers)."""
+    return (content if isinstance(content, int) else hash(content)) & _MASK
+
+
+class EventRecorder:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.events: list = []
+        self.pending_blocks = 0
+        self.dropped_blocks = 0
+        self._last_stored: list[int] | None = None
+
+    def stored(self, content: Hashable) -> None:
+        if self.pending_blocks >= MAX_PENDING_BLOCKS:
+            self.dropped_blocks += 1
+            return
+        self.pending_blocks += 1
+        if self._last_stored is None:
+            self._last_stored = []
+            self.events.append(("stored", self._last_stored))
+        self._last_stored.append(block_hash(content))
+
+    def removed(self, contents) -> None:
+        for content in contents:
+            if self.pending_blocks >= MAX_PENDING_BLOCKS:
+                self.dropped_blocks += 1
+                continue
+            self.pending_blocks += 1
+            self.events.append(("removed", [block_hash(content)]))  # vLLM: one event per evicted block
+        self._last_stored = None
+
+    def take(self) -> list:
+        """The wire events recorded since the last call."""
+        events, self.events = self.events, []
+        self._last_stored = None
+        self.pending_blocks = 0
+        return [wire.stored(hashes, self.block_size) if kind == "stored" else wire.removed(hashes)
+                for kind, hashes in events]
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    if rank == 0 or not endpoint.startswith("tcp://"):
+        return endpoint if rank == 0 else f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + rank}"
+
+
+class EventPublisher:
+    """Publishes the recorders of `engines` (each engine's `pool.events`);
+    `lock` is the simulation's (the clock thread advances it under it)."""
+
+    def __init__(self, engines, endpoint: str, lock, topic: str = "kv") -> None:
+        import zmq
+
+        self.engines = engines
+        self.lock = lock
+        self.topic = topic.encode()
+        self.context = zmq.Context()
+        self.sockets = []
+        self.sequences = [0] * len(engines)
+        for engine in engines:
+            sock = self.context.socket(zmq.PUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            where = rank_endpoint(endpoint, engine.index)
+            if "*" in where or "::" in where or where.startswith("ipc://"):
+                sock.bind(where)
+            else:
+                sock.connect(where)
+            self.sockets.append(sock)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvwatch-sim-kv-events", daemon=True)
+
+    def start(self) -> "EventPublisher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for sock in self.sockets:
+            sock.close(0)
+        self.context.term()
+
+    def publish_once(self) -> int:
+        sent = 0
+        with self.lock:
+            batches = [engine.pool.events.take() if engine.pool.events is not None else [] for engine in self.engines]
+        now = time.time()
+        for rank, (sock, events) in enumerate(zip(self.sockets, batches)):
+            if not events:
+                continue
+            payload = wire.encode_batch(now, events, rank)
+            sock.send_multipart([self.topic, wire.sequence_bytes(self.sequences[rank]), payload])
+            self.sequences[rank] += 1
+            sent += 1
+        return sent
+
+    def _run(self) -> None:
+        while not self._stop.wait(PUBLISH_SECONDS):
+            try:
+                self.publish_once()
+            except Exception:  # pragma: no cover - the simulator keeps serving its page
+                log.exception("publishing KV-cache events failed")
+
+
+def attach(engines) -> None:
+    """Give each engine's pool a recorder (prefix caching on or off alike:
+    with it off nothing is ever published)."""
+    for engine in engines:
+        engine.pool.events = EventRecorder(engine.config.block_size)

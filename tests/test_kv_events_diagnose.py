@@ -1,0 +1,156 @@
+"""The stream decides what the page cannot: the simulator publishes its
+engines' KV-cache events in vLLM's wire format over ZMQ on loopback, kvwatch
+polls the simulated page and reads the stream, on the simulation's clock.
+
+A rotation over more prefixes than the cache holds is eviction before reuse
+with high confidence; prompts that share nothing are no shared prefix; a
+prefix that changes mid-run is a changed prefix; events that stop while the
+page counts prompt tokens are a finding of their own."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.settings import load_settings
+from kvwatch.sim.scenario import load_scenario
+from kvwatch.sim.server import start_background
+
+T0 = 1_800_000_000.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Live:
+    """A simulator (frozen clock, moved by hand) publishing to kvwatch."""
+
+    def __init__(self, scenario, tmp_path=None, publish=True, thresholds=None):
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        if isinstance(scenario, str) and "\n" in scenario:
+            path = tmp_path / "scenario.yaml"
+            path.write_text(scenario)
+            scenario = load_scenario(str(path))
+        self.sim = start_background(scenario, speed=0, kv_events=endpoint if publish else None)
+        settings = load_settings(overrides={"target": self.sim.metrics_url, "poll_interval": "5s", "window": "5m",
+                                            "kv_events": endpoint}, environ={})
+        settings.diagnosis.update(thresholds or {})
+        self.monitor = Monitor(settings, clock=lambda: T0 + self.sim.sim.now)
+        self.source = self.monitor.kv_events
+        self.source.start()
+        if publish:
+            # PUB/SUB keeps nothing for a subscriber not yet connected: move
+            # the simulation until a first message arrives.
+            deadline = time.monotonic() + 20
+            while self.source.messages == 0:
+                assert time.monotonic() < deadline, "no KV-cache event reached kvwatch"
+                self.sim.advance(1.0)
+                time.sleep(0.1)
+
+    def settle(self):
+        """Wait until what the simulation recorded reached the ledger."""
+        publisher = self.sim.kv_publisher
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            pending = any(e.pool.events.events for e in self.sim.sim.engines) if publisher else False
+            sent = publisher.sequences[0] if publisher else 0
+            if not pending and (self.source._expected or 0) >= sent and not self.source._queue:
+                time.sleep(0.02)  # the accountant finishes the batch it popped
+                return
+            time.sleep(0.02)
+        raise AssertionError("the stream did not settle")
+
+    def run(self, seconds, step=5.0):
+        state = None
+        for _ in range(int(seconds / step)):
+            self.sim.advance(step)
+            self.settle()
+            state = self.monitor.poll_once()
+        return state
+
+    def close(self):
+        self.source.stop()
+        self.sim.stop()
+
+
+def hit_rate(state):
+    return [f for f in state.findings if f.symptom == "low_hit_rate"]
+
+
+@pytest.fixture
+def live():
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(Live(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for item in made:
+        item.close()
+
+
+def test_a_rotation_over_more_prefixes_than_the_cache_holds_is_eviction_before_reuse(live):
+    run = live("eviction-pressure")
+    run.run(120)  # few tenants: their prefixes fit
+    state = run.run(150)  # 60 tenants of 1k tokens through a 16k-token cache
+    findings = hit_rate(state)
+    assert [(f.cause, f.confidence) for f in findings] == [("eviction_before_reuse", "high")]
+    evidence = findings[0].evidence
+    assert evidence["decided_by"] == "kv_events"
+    assert findings[0].alternatives == ()  # the stream told the causes apart: nothing left to decide
+    assert evidence["kv_events_stored_again_ratio"] >= 0.1
+    assert evidence["kv_events_blocks_stored_again"] > 0
+    assert evidence["kv_events_extra_blocks_to_keep_half"] > 0
+    assert "stored again after their eviction" in findings[0].summary
+    window = state.kv_events["window"]
+    assert window["stored_again"] > 0 and state.kv_events["intake"]["missed"] == 0
+
+
+DISTINCT = """
+name: distinct
+description: every prompt its own
+engine: {num_gpu_blocks: 1024, block_size: 16, max_num_seqs: 12, max_model_len: 4096}
+workload:
+  rate: 3.0
+  prompt_tokens: {dist: lognormal, mean: 400, sigma: 0.3, min: 64, max: 1000}
+  output_tokens: {dist: lognormal, mean: 60, sigma: 0.3, min: 8, max: 200}
+  max_tokens: 300
+  prefix: {share: 0.0}
+phases:
+  - {name: distinct, duration: 10m}
+"""
+
+
+def test_prompts_that_share_nothing_are_no_shared_prefix(live, tmp_path):
+    run = live(DISTINCT, tmp_path)
+    state = run.run(200)
+    findings = hit_rate(state)
+    assert [(f.cause, f.confidence) for f in findings] == [("no_reuse", "high")]
+    assert findings[0].evidence["kv_events_blocks_stored_again"] == 0
+    assert findings[0].evidence["decided_by"] == "kv_events"
+
+
+def test_a_prefix_change_mid_run_is_a_changed_prefix(live):
+    run = live("prefix-change")
+    run.run(180)
+    state = run.run(60)
+    findings = hit_rate(state)
+    assert [(f.cause, f.confidence) for f in findings] == [("prefix_changed", "high")]
+    assert findings[0].evidence["decided_by"] == "kv_events"
+
+
+def test_events_that_stop_while_the_page_counts_prompt_tokens_are_a_finding(live, tmp_path):
+    run = live(DISTINCT, tmp_path, publish=False)
+    state = run.run(90)
+    stopped = [f for f in state.findings if f.symptom == "kv_events"]
+    assert [(f.cause, f.severity) for f in stopped] == [("events_stopped", "warning")]
+    assert "no KV-cache event has arrived" in stopped[0].summary
+    # The page's own diagnosis is unaffected: the hit-rate finding is the page's, undecided by the stream.
+    assert all(f.evidence.get("decided_by") != "kv_events" for f in hit_rate(state))

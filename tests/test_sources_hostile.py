@@ -1,0 +1,106 @@
+"""The second sources beside the engine (the upstream histogram, LMCache)
+against hostile pages (issue 35): bounded in what they keep, one sentence
+for what they refuse, on the monitor's clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvwatch.scrape import FetchResult
+from kvwatch.sidecar.lmcache import LMCacheSource
+from kvwatch.sidecar.monitor import Monitor
+from kvwatch.sidecar.settings import Settings, load_settings
+import kvwatch.sidecar.upstream as upstream
+from kvwatch.sidecar.upstream import UpstreamSource
+
+
+def upstream_page(bounds: list[str], counts: list[float], total: float) -> str:
+    lines = ["# TYPE app_retrieval_seconds histogram"]
+    lines += [f'app_retrieval_seconds_bucket{{le="{b}"}} {c}' for b, c in zip(bounds, counts)]
+    lines += [f"app_retrieval_seconds_sum {total}", f"app_retrieval_seconds_count {counts[-1]}"]
+    return "\n".join(lines) + "\n"
+
+
+def test_an_upstream_histogram_of_absurdly_many_buckets_is_refused():
+    """5,000 bucket bounds (a 7.6 MiB page of 160,000 took 1.3 GB, each
+    poll's histogram kept twice in the window): not read past MAX_BUCKETS,
+    reported down with one sentence; a page of 20 bounds reads as before."""
+    source = UpstreamSource(Settings(upstream_target="http://127.0.0.1:9/metrics",
+                                     upstream_histogram="app_retrieval_seconds", poll_interval=1.0), 60)
+    bounds = [f"{n / 1000:g}" for n in range(1, 5000)] + ["+Inf"]
+    report = source.ingest(upstream_page(bounds, [float(n) for n in range(5000)], 10.0), now=100.0)
+    assert not report["up"] and report["reason"] == "too_many_buckets"
+    assert report["detail"] == (f"app_retrieval_seconds: the histogram has more than {upstream.MAX_BUCKETS} bucket bounds, "
+                                "more than kvwatch reads")
+    assert not source._entries
+    fine = [f"{n / 10:g}" for n in range(1, 20)] + ["+Inf"]
+    assert source.ingest(upstream_page(fine, [0.0] * 20, 0.0), now=101.0)["up"]
+
+
+def test_the_upstream_window_runs_on_the_monitors_clock(fixtures_dir):
+    """Polls 30 s apart on the monitor's clock, the wall clock elsewhere (an
+    NTP step back, here a clock the test holds): a slow step leaves the
+    upstream's 60 s window with the monitor's (it read the wall clock: six
+    minutes after a 1 h step back, a mean of 0.915 s against a true 0.01 s)."""
+    engine_page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()
+    settings = load_settings(overrides={
+        "target": "http://127.0.0.1:9/metrics", "window": "60s", "poll_interval": "30s",
+        "upstream_target": "http://127.0.0.1:9/upstream", "upstream_histogram": "app_retrieval_seconds"},
+        environ={})
+    now = [1_700_000_000.0]
+
+    class Engine:
+        def fetch(self):
+            return FetchResult(engine_page, size=len(engine_page))
+
+    monitor = Monitor(settings, fetcher=Engine(), clock=lambda: now[0])
+    bounds = ["0.1", "1", "+Inf"]
+    # No requests, then 10 slow ones (1 s each), then 10 fast ones (10 ms) a poll.
+    steps = [([0, 0, 0], 0.0), ([0, 10, 10], 10.0)]
+    for n in range(1, 6):
+        steps.append(([10 * n, 10 + 10 * n, 10 + 10 * n], 10.0 + 0.1 * n))
+    pages = iter(upstream_page(bounds, counts, total) for counts, total in steps)
+    monitor.upstream.fetcher.fetch = lambda: FetchResult(next(pages), size=1)
+    for _ in steps:
+        state = monitor.poll_once()
+        now[0] += 30
+    report = state.upstream
+    assert report["up"] and report["mean_seconds"] == pytest.approx(0.01)
+    assert 0 < report["window_seconds"] <= 90
+
+
+def lmcache_page(worker: str, value: str) -> str:
+    labels = f'{{model_name="m",worker_id="{worker}",role="worker",served_model_name="m"}}'
+    return (f"lmcache:num_hit_tokens_total{labels} {value}\n"
+            f"lmcache:num_requested_tokens_total{labels} {value}\n")
+
+
+@pytest.mark.parametrize("worker", ["²", "٣", "9" * 5000, "-1", ""])
+def test_a_hostile_lmcache_worker_id_is_ranked_not_a_traceback(worker):
+    """`worker_id="²"` (isdigit() but not int()) took the tier down with a
+    traceback every poll; so would 5,000 digits (past int()'s limit)."""
+    tier = LMCacheSource(Settings(target="http://127.0.0.1:9/metrics", lmcache_target="http://127.0.0.1:9/metrics"),
+                         300.0)
+    page = lmcache_page(worker, "10") + lmcache_page("1", "20")
+    tier.ingest(page, 0.0)
+    report = tier.ingest(page.replace(" 10\n", " 15\n").replace(" 20\n", " 30\n"), 60.0)
+    # Worker 1 (a number) ranks before a worker_id that is not one.
+    [row] = report["models"]
+    assert report["up"] and row["latest"]["hit_tokens"] == 30
+
+
+@pytest.mark.parametrize("value", ["-1e308", "-1", "+Inf", "NaN", "1e309"])
+def test_an_lmcache_counter_that_is_no_count_is_not_read(value):
+    """A -1e308 counter was kept and exported; a counter is finite and never
+    below 0, and the other counter of the model still reads."""
+    tier = LMCacheSource(Settings(target="http://127.0.0.1:9/metrics", lmcache_target="http://127.0.0.1:9/metrics"),
+                         300.0)
+    labels = '{model_name="m",worker_id="0",role="worker",served_model_name="m"}'
+    page = f"lmcache:num_hit_tokens_total{labels} {value}\nlmcache:num_requested_tokens_total{labels} 100\n"
+    report = tier.ingest(page, 0.0)
+    [row] = report["models"]
+    assert "hit_tokens" not in row["latest"]
+    assert row["latest"]["requested_tokens"] == 100
+    assert all(math.isfinite(v) and v >= 0 for v in row["latest"].values())

@@ -1,0 +1,218 @@
+"""A hostile or failing Prometheus-compatible store, on loopback, against
+kvwatch's query client (`kvwatch diagnose --prometheus`, central mode):
+every answer is read with a byte cap (decompressed) and a deadline enforced
+while it is read, central mode recovers when the store does, and what the
+store says is never repeated on the open /readyz (issue 35)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import time
+import urllib.parse
+from socketserver import StreamRequestHandler, ThreadingTCPServer
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvwatch.history.central import Central
+from kvwatch.history.query import PrometheusClient, QueryError
+from kvwatch.sidecar.central import create_central_app
+from promstub import StubClient
+from test_central import START, STEP, history_text, settings  # noqa: F401 (fixture)
+
+
+class Store(ThreadingTCPServer):
+    """A raw HTTP store: `mode` picks the answer; `stub` answers queries in
+    mode "good"; `sent` counts body bytes written, `cut` is set when kvwatch
+    closed the connection before the answer ended."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, stub=None):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.mode = "good"
+        self.stub = stub
+        self.sent = 0
+        self.cut = threading.Event()
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class Handler(StreamRequestHandler):
+    def handle(self) -> None:
+        while True:
+            line = self.rfile.readline()
+            if not line:
+                return
+            path = line.split()[1].decode()
+            length = 0
+            while (header := self.rfile.readline()) not in (b"\r\n", b"\n", b""):
+                if header.lower().startswith(b"content-length:"):
+                    length = int(header.split(b":")[1])
+            params = {k: v[0] for k, v in urllib.parse.parse_qs(self.rfile.read(length).decode()).items()}
+            if not self.answer(path, params):
+                return
+
+    def send(self, status: int, body: bytes, headers: dict | None = None) -> None:
+        head = f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self.wfile.write(head.encode() + b"\r\n" + body)
+
+    def answer(self, path: str, params: dict) -> bool:
+        store = self.server
+        if store.mode == "good":
+            data = store.stub._get(path, params)
+            self.send(200, json.dumps({"status": "success", "data": data}).encode())
+            return True
+        if store.mode == "trickle":
+            # Headers at once, then the answer a byte every 50 ms (10 s whole).
+            body = json.dumps({"status": "success", "data": []}).encode() + b" " * 200
+            self.wfile.write(f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             f"content-length: {len(body)}\r\n\r\n".encode())
+            return self._pieces((body[i:i + 1] for i in range(len(body))), pause=0.05)
+        if store.mode == "huge":
+            # 64 MiB of one series list (never complete JSON before its end).
+            total = 64 * 1024 * 1024
+            head = b'{"status":"success","data":['
+            tail = b"{}]}"
+            filler = b"{}," * (1024 * 1024 // 3)
+            count = (total - len(head) - len(tail)) // len(filler)
+            body_len = len(head) + count * len(filler) + len(tail)
+            self.wfile.write(f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             f"content-length: {body_len}\r\n\r\n".encode())
+            return self._pieces([head] + [filler] * count + [tail])
+        if store.mode == "gzip":
+            body = gzip.compress(b'{"status":"success","data":[' + b" " * (64 * 1024 * 1024) + b"]}", 9)
+            self.send(200, body, {"content-encoding": "gzip"})
+            return True
+        if store.mode == "error":
+            said = "\x1b[2J\x1b[31mpwned\x07 " + "x" * 100_000
+            self.send(500, json.dumps({"status": "error", "errorType": "internal", "error": said}).encode())
+            return True
+        if store.mode == "wrong":
+            self.send(200, b'{"status":"success","data":{"result":[1,2,3]}}')
+            return True
+        return False
+
+    def _pieces(self, pieces, pause: float = 0.0) -> bool:
+        try:
+            for piece in pieces:
+                self.wfile.write(piece)
+                self.wfile.flush()
+                self.server.sent += len(piece)
+                if pause:
+                    time.sleep(pause)
+        except (BrokenPipeError, ConnectionResetError):
+            self.server.cut.set()
+            return False
+        return True
+
+
+@pytest.fixture
+def store():
+    server = Store()
+    yield server
+    server.stop()
+
+
+def test_a_trickling_answer_is_cut_off_at_the_query_timeout(store):
+    """Headers at once, then a byte every 50 ms: the query fails as `timeout`
+    at its 0.5 s deadline and kvwatch closes the connection long before the
+    answer's 10 s are out (a trickling store outlived --query-timeout 5s
+    past 90 s)."""
+    store.mode = "trickle"
+    client = PrometheusClient(store.url, timeout=0.5)
+    with pytest.raises(QueryError, match=r"no answer within 0.5s") as raised:
+        client.series("{}", 0, 1)
+    assert raised.value.reason == "timeout"
+    assert store.cut.wait(8), "kvwatch kept reading the trickle"
+    assert store.sent < 200
+
+
+@pytest.mark.parametrize("mode", ["huge", "gzip"])
+def test_an_answer_over_the_byte_cap_is_refused_while_it_is_read(store, mode):
+    """A 64 MiB answer, plain or as a 64 KB gzip bomb, against a 1 MiB cap:
+    refused as too large once the cap is passed (counted decompressed), in
+    one sentence (answers were read whole: 4.8 GB)."""
+    store.mode = mode
+    client = PrometheusClient(store.url, timeout=30, max_bytes=1024 * 1024)
+    with pytest.raises(QueryError, match=r"larger than the 1,048,576 bytes kvwatch reads of one answer") as raised:
+        client.series("{}", 0, 1)
+    assert raised.value.reason == "too_large"
+    if mode == "huge":
+        assert store.cut.wait(10)
+        assert store.sent < 32 * 1024 * 1024  # stopped near the cap (socket buffers hold the rest)
+
+
+def test_the_stores_error_text_is_capped_escaped_and_never_on_readyz(store):
+    """A 100 KB error with terminal escapes: the query's message keeps 300
+    characters with the escapes written out; central mode's open /readyz and
+    its sentence say the status only (they quoted the store's text, and the
+    log got 100 KB every refresh)."""
+    store.mode = "error"
+    client = PrometheusClient(store.url, timeout=5)
+    with pytest.raises(QueryError) as raised:
+        client.series("{}", 0, 1)
+    message = str(raised.value)
+    assert "\x1b" not in message and "\x07" not in message and "\\x1b[2J" in message
+    assert len(message) < 400
+    central = Central(client, settings(), clock=lambda: START)
+    state = central.refresh_once()
+    assert not state.up and state.detail == f"kvwatch cannot read the store at {store.url}: it answered HTTP 500."
+    with TestClient(create_central_app(central, settings())) as http:
+        ready = http.get("/readyz")
+        assert ready.status_code == 503 and "pwned" not in ready.text and "xxx" not in ready.text
+
+
+def test_an_answer_of_the_wrong_shape_is_one_sentence(store):
+    store.mode = "wrong"
+    client = PrometheusClient(store.url, timeout=5)
+    with pytest.raises(QueryError, match="a result that is not a list of series with labels"):
+        client.query_range("up", 0, 1, 1)
+
+
+def test_central_mode_recovers_when_a_trickling_store_does(history_text, store):  # noqa: F811
+    """A refresh against a trickling store fails at the query timeout, and
+    the next one, the store answering again, is up with every replica
+    (central mode stopped refreshing for good: still stuck 74 s after the
+    store recovered)."""
+    store.stub = StubClient(history_text)
+    now = [START + 240]
+    central = Central(PrometheusClient(store.url, timeout=0.5), settings(), clock=lambda: now[0])
+    store.mode = "trickle"
+    state = central.refresh_once()
+    assert not state.up and state.detail.endswith("it did not answer within 0.5s.")
+    store.mode = "good"
+    # A deadline a loaded machine meets: the stand-in store builds its
+    # answers in Python (this test is about the recovery, not the speed).
+    central.client.timeout = 60
+    now[0] += STEP
+    state = central.refresh_once()
+    assert state.up and len(state.replicas) == 8
+
+
+def test_terminal_escapes_in_the_stores_labels_never_reach_the_terminal(history_text, store, capsys):  # noqa: F811
+    """A replica's instance label carrying escape sequences (clear the
+    screen, retitle the terminal, bell): the text report writes them as
+    escapes (they reached the terminal raw)."""
+    from kvwatch.cli import main
+
+    hostile = "10.0.1.1:8000\x1b[2J\x1b]0;pwned\x07\u202e"
+    store.stub = StubClient(history_text.replace("10.0.1.1:8000", hostile))
+    code = main(["diagnose", "--prometheus", store.url, "--from", str(START), "--to", str(START + 240),
+                 "--step", "15s", "--window", "2m"])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and "10.0.1.1:8000" in out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert "10.0.1.1:8000\\x1b[2J\\x1b]0;pwned\\x07\\u202e" in out
