@@ -152,6 +152,16 @@ def latency_stop(ttft: float, queue: float, prefill: float, per_minute: int = 60
     return {"ttft": hist(ttft), "queue": hist(queue), "prefill": hist(prefill)}
 
 
+def latency_switch(ttft: float, before: tuple[float, float], after: tuple[float, float], at: int = 30,
+                   per_minute: int = 60) -> dict:
+    """latency() whose (queue, prefill) means change from `before` to `after` at minute `at`."""
+    def hist(first, then):
+        return (f"0+{first * per_minute:g}x{at} {(first * at + then) * per_minute:g}+{then * per_minute:g}"
+                f"x{MINUTES - at - 1}", rate(per_minute))
+
+    return {"ttft": hist(ttft, ttft), "queue": hist(before[0], after[0]), "prefill": hist(before[1], after[1])}
+
+
 @dataclass
 class Case:
     name: str
@@ -341,6 +351,17 @@ def default_cases() -> list[Case]:
              [Engine(usage=const(0.98), running=const(8), waiting=const(12), **latency(3.0, 0.2, 0.3))], "40m",
              [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE),
               ("VllmTimeToFirstTokenSlow", "preemption", ENGINE)]),
+        # One story through a change of cause (issue 32): at minute 30 the largest part moves from the
+        # queue to prefill. The queue's alert is kept firing for the hold (1m) while prefill is pending
+        # (10m): never both firing.
+        Case("first token: the largest part moves from queue to prefill -> the queue fires before",
+             [Engine(**latency_switch(3.0, (2.5, 0.2), (0.2, 2.5)))], "31m",
+             [("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)]),
+        Case("first token: the largest part moves from queue to prefill -> neither fires between",
+             [Engine(**latency_switch(3.0, (2.5, 0.2), (0.2, 2.5)))], "38m", []),
+        Case("first token: the largest part moves from queue to prefill -> prefill fires after its for:",
+             [Engine(**latency_switch(3.0, (2.5, 0.2), (0.2, 2.5)))], "45m",
+             [("VllmTimeToFirstTokenSlow", "prefill", ENGINE)]),
         Case("first token: queue and prefill tie -> exactly one cause (queue)",
              [Engine(**latency(3.0, 1.2, 1.2))], "40m",
              [("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)]),
