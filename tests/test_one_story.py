@@ -275,3 +275,17 @@ def test_the_default_rules_never_fire_two_causes_of_one_symptom_at_once():
     for alert, count in causes.items():
         if count > 1:
             assert seconds_of(config.for_duration(alert)) > seconds_of(config.finding_hold), alert
+
+
+def test_the_page_without_script_draws_one_story_too():
+    from kvwatch.sidecar.report import finding_json
+    from kvwatch.sidecar.statuspage import _findings_html
+
+    alternative = {"cause": "eviction_before_reuse", "decided_by": ["kv_events"], "how": "x"}
+    undecided = replace(_f("prefix_changed", "low_hit_rate", confidence="low"), alternatives=(alternative,))
+    primary = arbitrate([_f("queueing_kv_bound", queue_share=0.6), _f("preemption", other_share=0.3)])[0]
+    held = replace(_f("long_requests", "exhaustion"), clearing_since=SIM_BASE)
+    text = _findings_html({"up": True, "findings": [finding_json(f) for f in (undecided, primary, held)]})
+    assert "the prompt prefix changed, or prefixes are evicted before they are reused" in text
+    assert "Contributing: requests preempted and recomputed in a full cache (medium confidence)" in text
+    assert '<div class="finding clearing" data-symptom="exhaustion"' in text

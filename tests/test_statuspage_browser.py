@@ -418,9 +418,12 @@ def test_the_banner_shows_the_worst_active_finding_and_clearing_ones_are_muted_b
           contributors: Array.from(document.querySelectorAll("#findings [data-contributor]")).map(e => e.dataset.contributor),
           alternatives: Array.from(document.querySelectorAll("#findings [data-alternative]")).map(e => e.textContent),
           spans: Array.from(document.querySelectorAll("#findings article.card [data-span]")).map(e => e.textContent),
+          bannerHead: document.querySelector("#banner .head").textContent,
         }))()""")
         messages = page.messages()
     assert facts["banner"] == ["prefix_changed", ""], facts
+    # The headline names what it cannot tell its cause from.
+    assert facts["bannerHead"].endswith("the prompt prefix changed, or prefixes are evicted before they are reused")
     assert facts["cards"] == [["prefix_changed", False], ["queueing_kv_bound", False], ["long_requests", True]]
     assert facts["contributors"] == ["preemption"]
     assert len(facts["alternatives"]) == 1 and "KV-cache event stream" in facts["alternatives"][0]

@@ -401,8 +401,12 @@ SCRIPT = r"""
     return (seconds / 3600).toFixed(1) + " h";
   }
   function keyOf(row) { return row.model_name + " / " + row.engine; }
+  // A finding that cannot be told from another cause says so in its title, not only below it:
+  // the headline never claims more than its evidence (diagnose/arbitration.py, alternatives).
   function title(f) {
-    return (meta.symptoms[f.symptom] || f.symptom) + ": " + (meta.causes[f.cause] || f.cause);
+    var alts = (f.alternatives || []).map(function (a) { return meta.causes[a.cause] || a.cause; });
+    return (meta.symptoms[f.symptom] || f.symptom) + ": " + (meta.causes[f.cause] || f.cause) +
+      (alts.length ? ", or " + alts.join(", or ") : "");
   }
   // A quantile pinned at a bucket edge is a bound: "< 300 ms", "> 80 s"
   // (the row's `pinned`: {signal: {quantile: "<" | ">"}}).
@@ -1097,7 +1101,9 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
         out.append(
             f'<div class="finding{" clearing" if f.get("clearing_since") else ""}" data-symptom="{_e(f["symptom"])}" data-cause="{_e(f["cause"])}">'
             f'<p><b>{_e(f["severity"].upper())}</b> {_e(SYMPTOM_TITLES.get(f["symptom"], f["symptom"]))}: '
-            f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))} ({_e(where)}, {_e(f["confidence"])} confidence{since})</p>'
+            f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))}'
+            + "".join(f", or {_e(CAUSE_TITLES.get(a['cause'], a['cause']))}" for a in f.get("alternatives") or ())
+            + f' ({_e(where)}, {_e(f["confidence"])} confidence{since})</p>'
             f'<p>{_e(f["summary"])}</p>{notes}<p>Next: {_e(f["next_check"])}</p>{runbook}'
             f'<p><small>{_e(format_evidence(f["evidence"], f.get("pinned")))}</small></p></div>'
         )
