@@ -27,9 +27,13 @@ window burning while the long one has not) never pages.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from kvwatch.mixin.promql import num
+from kvwatch.diagnose.vocabulary import SEVERITIES
+from kvwatch.mixin.promql import num, seconds_of
+
+_DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")  # a Prometheus duration, as config.py checks them
 
 # objective -> (alert, symptom label, recorded metric, what counts as bad)
 OBJECTIVE_ALERTS = {
@@ -146,8 +150,6 @@ def burn_query(config, objective: str, pair: BurnWindow) -> tuple[str, float]:
 
 def check_windows(value) -> list[str]:
     """Problems with a burn_rate_windows value (one sentence each)."""
-    from kvwatch.mixin.config import SEVERITIES, seconds, _DURATION
-
     if not isinstance(value, (list, tuple)) or not value:
         return ["burn_rate_windows: must be a non-empty list of {long, short, factor, severity}"]
     problems = []
@@ -159,7 +161,7 @@ def check_windows(value) -> list[str]:
         bad = [k for k in ("long", "short") if not isinstance(pair[k], str) or not _DURATION.match(pair[k])]
         if bad:
             problems.append(f"{where}: {', '.join(bad)} must be Prometheus durations (examples: 5m, 1h)")
-        elif seconds(pair["short"]) >= seconds(pair["long"]):
+        elif seconds_of(pair["short"]) >= seconds_of(pair["long"]):
             problems.append(f"{where}: short ({pair['short']}) must be shorter than long ({pair['long']})")
         factor = pair["factor"]
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
