@@ -10,8 +10,9 @@ parser and adapter go through every line: that transient is what the pod's
 memory limit must allow, and the window holds a window's worth of the kept
 pairs. With `--sources engine,upstream,lmcache` (the default) the same poll
 also reads an upstream page (the named histogram with the most bucket bounds
-kvwatch sums, as many label sets as the cap admits) and an LMCache page (one
-served model name per line, new every poll, up to the cap). The process is
+kvwatch sums, as many label sets as their cap admits) and an LMCache page (one
+served model name per line, new every poll), each up to the second sources'
+cap (SECOND_SOURCE_MAX_BYTES, 2 MiB). The process is
 built as `kvwatch serve` builds itself (settings, Monitor, the app) with the
 default settings, and polls a loopback server a full window of polls
 (window / poll interval + 1, 61 at the defaults) unless `--polls N`; a
@@ -98,6 +99,7 @@ def main() -> int:
     from kvwatch.sidecar.app import create_app
     from kvwatch.sidecar.monitor import Monitor, tune_garbage_collector
     from kvwatch.sidecar.settings import load_settings
+    from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES
     from kvwatch.sidecar.upstream import MAX_BUCKETS
 
     overrides = {"max_body_bytes": args.cap} if args.cap else {}
@@ -105,8 +107,10 @@ def main() -> int:
     cap = defaults.max_body_bytes
     total = (int(defaults.window // defaults.poll_interval) + 1 if args.polls == "full" else int(args.polls))
     counters = {"/metrics": iter(range(total)), "/upstream": iter(range(total)), "/lmcache": iter(range(total))}
-    makers = {"/metrics": lambda n: worst_page(n, cap), "/upstream": lambda n: upstream_page(n, cap, MAX_BUCKETS),
-              "/lmcache": lambda n: lmcache_page(n, cap)}
+    # The second sources' pages up to their own cap (SECOND_SOURCE_MAX_BYTES).
+    second = min(cap, SECOND_SOURCE_MAX_BYTES)
+    makers = {"/metrics": lambda n: worst_page(n, cap), "/upstream": lambda n: upstream_page(n, second, MAX_BUCKETS),
+              "/lmcache": lambda n: lmcache_page(n, second)}
     sizes: dict[str, list[int]] = {path: [] for path in makers}
 
     class Handler(BaseHTTPRequestHandler):

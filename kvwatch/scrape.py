@@ -30,6 +30,13 @@ from kvwatch.units import read_small_file
 ACCEPT = "text/plain; version=0.0.4; charset=utf-8, application/openmetrics-text; version=1.0.0; q=0.5"
 ACCEPTED_CONTENT_TYPES = ("text/plain", "application/openmetrics-text")
 CHUNK = 64 * 1024
+# The most of a second source's page kvwatch reads (the upstream's
+# histogram, LMCache's own server), below the engine's cap (max_body_bytes,
+# when that is smaller, wins): those pages hold a histogram or a handful of
+# counters (LMCache's, kilobytes), and at the engine's 8 MiB each, beside
+# the engine's page, kvwatch peaked at 541 MiB against its 384Mi limit
+# (benchmarks/worst_page_probe.py, docs/reliability.md).
+SECOND_SOURCE_MAX_BYTES = 2 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,3 +203,11 @@ def test_le_matcher_reads_either_spelling_of_a_bound():
         for spelling in spellings:
             assert re.fullmatch(pattern, spelling), (bound, spelling)
         assert not re.fullmatch(pattern, "25" if bound == 2.5 else "100")
+
+
+def test_a_page_holds_for_its_short_window():
+    # A short window without any request has no ratio: without the hold the
+    # page would resolve there and page again (benchmarks/demo_time_to_page.py).
+    rules = yaml.safe_load(render_all(MixinConfig())[RULES_FILE])
+    burns = [r for g in rules["groups"] for r in g["rules"] if "objective" in r.get("labels", {})]
+    assert burns and all(r["keep_firing_for"] == r["labels"]["short_window"] for r in burns)

@@ -104,3 +104,35 @@ def test_an_lmcache_counter_that_is_no_count_is_not_read(value):
     assert "hit_tokens" not in row["latest"]
     assert row["latest"]["requested_tokens"] == 100
     assert all(math.isfinite(v) and v >= 0 for v in row["latest"].values())
+
+
+def test_a_second_sources_page_is_read_up_to_its_own_cap():
+    """An upstream page of 3 MiB (under the engine's 8 MiB): too large for a
+    second source (SECOND_SOURCE_MAX_BYTES, 2 MiB), reported down, read no
+    further; at the engine's cap each, beside the engine's page, kvwatch
+    peaked at 541 MiB against its 384Mi limit."""
+    from pageserver import Answer, PageServer
+
+    bounds = ["0.1", "1", "+Inf"]
+    page = upstream_page(bounds, [1.0, 2.0, 3.0], 1.0)
+    padding = "".join(f"# padding {n:08d} {'x' * 80}\n" for n in range(3 * 1024 * 1024 // 100))
+    with PageServer([Answer(padding + page)]) as server:
+        settings = Settings(upstream_target=server.url, upstream_histogram="app_retrieval_seconds",
+                            poll_interval=5.0)
+        report = UpstreamSource(settings, 60).poll()
+    assert not report["up"] and report["reason"] == "too_large"
+
+
+def test_the_lmcache_tier_keeps_at_most_its_own_model_count():
+    """500 served names on LMCache's page (a new name per request): the tier
+    keeps MAX_MODELS (100) of them, the first in name order, even with the
+    default max_series of 1,000 (it kept 1,000 a poll in its window)."""
+    import kvwatch.sidecar.lmcache as lmcache
+
+    labels = '{{model_name="m",worker_id="0",role="worker",served_model_name="name-{n:04d}"}}'
+    page = "".join(f"lmcache:num_hit_tokens_total{labels.format(n=n)} 1\n"
+                   f"lmcache:num_requested_tokens_total{labels.format(n=n)} 2\n" for n in range(500))
+    tier = LMCacheSource(Settings(target="http://127.0.0.1:9/metrics", lmcache_target="http://127.0.0.1:9/metrics"),
+                         300.0)
+    report = tier.ingest(page, 0.0)
+    assert [row["model_name"] for row in report["models"]] == [f"name-{n:04d}" for n in range(lmcache.MAX_MODELS)]

@@ -117,7 +117,12 @@ def alert_rule(spec: AlertSpec, config: MixinConfig, panel_ids: dict[tuple[str, 
 
 
 def keep_firing_for(spec: AlertSpec, config: MixinConfig) -> str | None:
-    """The hold of an alert that reports a diagnosis symptom (None: none)."""
+    """The hold of an alert that reports a diagnosis symptom (None: none);
+    a burn-rate page's is its short window: a window without any request
+    (a lull between phases, vLLM observing first tokens in bursts) has no
+    ratio, and without a hold the page would resolve and page again."""
+    if spec.kind == "objective":
+        return dict(spec.extra_labels)["short_window"]
     if spec.kind == "cause" and SYMPTOM_ALERTS.get(spec.symptom) == spec.alert and seconds_of(config.finding_hold) > 0:
         return config.finding_hold
     return None

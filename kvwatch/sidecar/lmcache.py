@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from kvwatch.exposition import FamilySelector
-from kvwatch.scrape import Fetcher
+from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
 from kvwatch.sidecar.report import public_url
 from kvwatch.signals import TIER_SERIES, TIER_SIGNALS, View, evaluate_tier
 from kvwatch.snapshot import EngineSnapshot, Snapshot
@@ -40,6 +40,11 @@ COUNTERS = {series.key: series.family for series in TIER_SERIES}
 # The engine slot of the tier's rows in its window and report.
 TIER = "lmcache"
 _INF = float("inf")
+# The most models the tier keeps a poll (max_series when smaller): LMCache
+# runs inside one engine, which serves a model or a few; a page of a new
+# served name per line kept 1,000 of them in the tier's window every poll
+# (benchmarks/worst_page_probe.py).
+MAX_MODELS = 100
 
 
 def family_name(key: str) -> str:
@@ -101,13 +106,16 @@ class LMCacheSource:
         # The engine's bearer token goes along only when LMCache is read from
         # the engine's own page (the same origin); never to another service.
         same_origin = _origin(settings.lmcache_target) == _origin(settings.target or "")
-        self.fetcher = Fetcher(self.target, timeout, settings.max_body_bytes,
+        # LMCache's own server's page is small (SECOND_SOURCE_MAX_BYTES); on
+        # the engine's origin it is the engine's page, under the engine's cap.
+        cap = settings.max_body_bytes if same_origin else min(settings.max_body_bytes, SECOND_SOURCE_MAX_BYTES)
+        self.fetcher = Fetcher(self.target, timeout, cap,
                                settings.bearer_token_file if same_origin else None,
                                settings.ca_bundle, settings.tls_verify)
         self.selector = FamilySelector(list(COUNTERS.values()), PREFIXES)
         self.window = Window(window_seconds)
         self.clock = clock
-        self.max_models = settings.max_series
+        self.max_models = min(settings.max_series, MAX_MODELS)
         self._families = {key: family_name(key) for key in COUNTERS}
 
     def poll(self, page_text: str | None = None, at: float | None = None) -> dict[str, Any]:

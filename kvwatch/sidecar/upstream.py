@@ -17,7 +17,7 @@ from typing import Any
 
 from kvwatch.exposition import FamilySelector
 from kvwatch.sidecar.report import public_url
-from kvwatch.scrape import Fetcher
+from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
 from kvwatch.snapshot import Histogram
 
 _SUFFIXES = ("_bucket", "_sum", "_count")
@@ -81,7 +81,7 @@ class UpstreamSource:
         # Half the poll interval at most: the engine's fetch comes first in the
         # same poll, and both together should fit one interval.
         timeout = min(settings.fetch_timeout, max(0.2, 0.5 * settings.poll_interval))
-        self.fetcher = Fetcher(self.target, timeout, settings.max_body_bytes, None,
+        self.fetcher = Fetcher(self.target, timeout, min(settings.max_body_bytes, SECOND_SOURCE_MAX_BYTES), None,
                                settings.ca_bundle, settings.tls_verify)
         self.selector = FamilySelector([self.name], ("",))
         self.window_seconds = window_seconds
