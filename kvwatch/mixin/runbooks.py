@@ -499,9 +499,12 @@ def render(config: MixinConfig) -> str:
         "# kvwatch runbooks",
         "",
         "One section per alert and one per cause, each leading with what to do in the first five minutes, then "
-        "what it means, how to confirm it and the medium-term fix. Every alert carries `severity`, `cause` (and "
-        "`symptom` for the vLLM alerts) labels, and, where the mixin config sets the patterns, a `runbook_url` "
-        "to its cause's section here and a `dashboard_url` to the panel that shows it. The same causes are named "
+        "what it means, how to confirm it and the medium-term fix. The pages come first (the objectives' burn "
+        "rates: what users feel), then the cause alerts that explain them. Every alert carries `severity`, "
+        "`cause` or `objective` (and `symptom` for the vLLM alerts) labels and a `runbook_url` to its section "
+        "here (by default on the kvwatch that raised it, which serves this text at /runbooks; `kvwatch runbook "
+        "<section>` prints a section in a terminal), and, where the mixin config sets the pattern, a "
+        "`dashboard_url` to the panel that shows it. The same causes are named "
         "by kvwatch's in-process diagnosis (`kvwatch_finding`, `/api/v1/diagnosis`), which also shows the "
         "evidence. Why each severity and `for:`: docs/alerts.md.",
         "",
