@@ -428,5 +428,5 @@ def test_the_banner_shows_the_worst_active_finding_and_clearing_ones_are_muted_b
     assert facts["contributors"] == ["preemption"]
     assert len(facts["alternatives"]) == 1 and "KV-cache event stream" in facts["alternatives"][0]
     # The card's numbers say their span (the trends end on shorter ones).
-    assert facts["spans"] == ["Numbers over the 60 s the diagnosis judged."], facts["spans"]
+    assert facts["spans"] == ["over the last 60 s"], facts["spans"]
     assert messages == []

@@ -800,16 +800,16 @@ SCRIPT = r"""
         chip.setAttribute("data-evidence", key);
         deciding.appendChild(chip);
       });
-      if (shown) card.appendChild(deciding);
-      // The span of the card's numbers, where the eye compares them with the figures and the
-      // trends (which end on shorter spans): "TTFT p95 28 s" here and 4.56 s at a trend's end.
+      // The span of the chips' numbers, beside them, where the eye compares them with the figures
+      // and the trends (which end on shorter spans): "TTFT p95 28 s" here and 4.56 s at a trend's end.
       var spanned = (f.evidence || {}).window_seconds;
       if (shown && spanned) {
-        var spanNote = el("p", "muted span-note", "Numbers over the " + span(spanned) + " the diagnosis judged" +
-          (f.clearing_since ? ", as last seen" : "") + ".");
+        var spanNote = el("span", "muted span-note", (f.clearing_since ? "as last seen, over " : "over the last ") +
+          span(spanned));
         spanNote.setAttribute("data-span", String(spanned));
-        card.appendChild(spanNote);
+        deciding.appendChild(spanNote);
       }
+      if (shown) card.appendChild(deciding);
       var next = add(el("p", "next"), el("b", null, "Next: "), document.createTextNode(meta.actions[f.cause] || f.next_check));
       next.setAttribute("data-next", f.cause);
       add(card, next, runbookNode(f));
