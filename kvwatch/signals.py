@@ -106,7 +106,7 @@ class HealthFamily:
 
 HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_up", "gauge", (), "1 if the latest poll of the engine's /metrics succeeded, else 0.", good="high"),
-    HealthFamily("kvwatch_engine_stats_disabled", "gauge", (),
+    HealthFamily("kvwatch_stats_disabled", "gauge", (),
                  "1 while the engine answers its /metrics without engine series (vLLM with --disable-log-stats, "
                  "or another program at the target): not unreachable, but blind; else 0.", good="low"),
     HealthFamily("kvwatch_build_info", "gauge", ("version",), "kvwatch's version; always 1."),

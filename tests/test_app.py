@@ -380,12 +380,12 @@ def test_an_engine_without_statistics_is_its_own_state_not_unreachable():
         monitor.poll_once()
         text = client.get("/metrics").text
     assert value(text, "kvwatch_up") == 0
-    assert value(text, "kvwatch_engine_stats_disabled") == 1
+    assert value(text, "kvwatch_stats_disabled") == 1
     with PageServer([Answer(status=503)]) as server:
         monitor, client = make(server)
         monitor.poll_once()
         text = client.get("/metrics").text
-    assert value(text, "kvwatch_up") == 0 and value(text, "kvwatch_engine_stats_disabled") == 0
+    assert value(text, "kvwatch_up") == 0 and value(text, "kvwatch_stats_disabled") == 0
 
 
 def test_probes_answer_head_as_get_without_a_body(capture, tmp_path):

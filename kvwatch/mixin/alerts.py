@@ -392,7 +392,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "zero on purpose (then silence this alert).")
     # An engine that answers without its statistics is not unreachable: it
     # has its own alert (below), and this one leaves it out.
-    stats_off = f"kvwatch_engine_stats_disabled{{{config.kvwatch_selector}}} > 0"
+    stats_off = f"kvwatch_stats_disabled{{{config.kvwatch_selector}}} > 0"
     add("KvwatchEngineUnreachable", "engine_unreachable",
         chain(f"kvwatch_up{{{config.kvwatch_selector}}}", ("unless", stats_off)), "<", 1,
         "kvwatch cannot read the vLLM engine's /metrics.",
@@ -401,7 +401,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "refused or timeout (engine down or wedged), http_4xx (wrong path or auth), http_5xx. Next: kvwatch's "
         "status page and /readyz, then the engine's log.")
     add("VllmEngineStatsDisabled", "stats_disabled",
-        f"kvwatch_engine_stats_disabled{{{config.kvwatch_selector}}}", ">", 0,
+        f"kvwatch_stats_disabled{{{config.kvwatch_selector}}}", ">", 0,
         "vLLM answers, but without its statistics (--disable-log-stats): kvwatch is blind.",
         f"The engine beside kvwatch at {_lbl(config.instance_label)} serves /metrics without any engine series "
         f"for {config.for_duration('VllmEngineStatsDisabled')}: vLLM runs with --disable-log-stats (or the "

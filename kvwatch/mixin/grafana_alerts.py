@@ -50,7 +50,7 @@ NO_DATA: dict[tuple[str, str], tuple[str, str]] = {
     ("KvwatchEngineUnreachable", "engine_unreachable"): (
         "OK", "No kvwatch_up series means Prometheus does not scrape kvwatch, which KvwatchDown reports."),
     ("VllmEngineStatsDisabled", "stats_disabled"): (
-        "OK", "No kvwatch_engine_stats_disabled series means Prometheus does not scrape kvwatch, which "
+        "OK", "No kvwatch_stats_disabled series means Prometheus does not scrape kvwatch, which "
               "KvwatchDown reports."),
     **{(alert, objective): (
         "OK", "The query is a filter over both windows' error ratios: no series is an engine whose budget does "

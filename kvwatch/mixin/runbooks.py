@@ -95,7 +95,7 @@ def _alert_intros(c: MixinConfig) -> dict[str, str]:
             "while it cannot read them, so the vLLM alerts for that pod are blind too."),
         "VllmEngineStatsDisabled": (
             "kvwatch reads the engine's /metrics, but the page carries no engine series "
-            f"(kvwatch_engine_stats_disabled == 1) for {c.for_duration('VllmEngineStatsDisabled')}: vLLM runs "
+            f"(kvwatch_stats_disabled == 1) for {c.for_duration('VllmEngineStatsDisabled')}: vLLM runs "
             "with `--disable-log-stats`, which turns its Prometheus statistics off, or the target is another "
             "program. The engine may serve requests perfectly well, so this is not KvwatchEngineUnreachable "
             "(which it excludes): it is blindness. kvwatch, its findings and every vLLM alert, the objectives' "

@@ -69,7 +69,7 @@ class KvwatchCollector(Collector):
         # The unlabelled ones; None means absent (nothing known yet).
         for name, value in (
             ("kvwatch_up", 1.0 if state.up else 0.0),
-            ("kvwatch_engine_stats_disabled", 1.0 if state.reason == "no_engine_metrics" else 0.0),
+            ("kvwatch_stats_disabled", 1.0 if state.reason == "no_engine_metrics" else 0.0),
             ("kvwatch_polls", state.polls),
             ("kvwatch_parse_errors", state.parse_errors), ("kvwatch_dropped_series", state.dropped_series),
             ("kvwatch_poll_duration_seconds", state.poll_seconds),

@@ -102,7 +102,7 @@ class Engine:
 
         add("up", self.up, target)
         add("kvwatch_up", self.kvwatch_up, target)
-        add("kvwatch_engine_stats_disabled", self.stats_disabled, target)
+        add("kvwatch_stats_disabled", self.stats_disabled, target)
         add("kvwatch_engine_info", self.info, {**self.labels, "enable_prefix_caching": self.caching,
                                                "block_size": "16"})
         add("kvwatch_engine_kv_cache_usage_ratio", self.usage)
