@@ -362,7 +362,7 @@ def test_every_dashboard_query_returns_data(stack, alerts_delivered):
     # test config's windows (60s, 15s) stand for the default's (1h, 5m ...).
     dashboards["overview (test config)"] = json.loads(stack["files"]["dashboards/kvwatch-overview.json"])
     unlabelled = []
-    checked = lmcache = 0
+    checked = lmcache = events = 0
     for name, dashboard in dashboards.items():
         for panel in iter_panels(dashboard):
             for target in panel.get("targets", []):
@@ -376,6 +376,11 @@ def test_every_dashboard_query_returns_data(stack, alerts_delivered):
                     # The LMCache tier's panels: no --lmcache-target here (tests/test_e2e_engines.py
                     # checks them against the simulator's tier).
                     lmcache += 1
+                    continue
+                if "kvwatch_kv_events_" in expr:
+                    # The KV-cache event stream's panels: no --kv-events here (tests/test_e2e_engines.py
+                    # checks them against the simulator's stream).
+                    events += 1
                     continue
                 series = query_range(prometheus, expr, stack["started"], now, step=2)
                 # Restart counts (resets() > 0) have data only after a restart, and nothing here restarts.
@@ -395,7 +400,7 @@ def test_every_dashboard_query_returns_data(stack, alerts_delivered):
                 if not query_range(prometheus, expr, stack["started"], now, step=2):
                     empty.append(where)
                 checked += 1
-    assert checked > 90 and lmcache > 0
+    assert checked > 90 and lmcache > 0 and events > 0
     assert not unlabelled, f"legends naming labels their series lack: {unlabelled}"
     assert not empty, f"dashboard queries without data: {empty}"
 

@@ -41,7 +41,7 @@ from kvwatch.sim.server import start_background
 from mixin_support import (GRAFANA_VARIABLES, RULES, dashboard_exprs, iter_panels, load_dashboards, load_rules,
                            metric_names)
 from pageserver import serving
-from promstack import prometheus, query, query_range, wait_until
+from promstack import free_port, prometheus, query, query_range, wait_until
 
 # dialect -> the model_name its page gives kvwatch (llama.cpp's page names no model).
 DIALECTS = {"sglang": "m-sglang", "llamacpp": "unknown", "trtllm": "m-trtllm"}
@@ -146,6 +146,12 @@ def _needs_lmcache(expr: str) -> bool:
     return any(name.startswith("kvwatch_lmcache_") for name in metric_names(expr))
 
 
+def _needs_kv_events(expr: str) -> bool:
+    """The KV-cache event stream's queries: series kvwatch exports only while it
+    reads an engine's stream (--kv-events), checked by the stream's stack below."""
+    return any(name.startswith("kvwatch_kv_events_") for name in metric_names(expr))
+
+
 def _needs_rising_usage(expr: str) -> bool:
     """The exhaustion ETA: data only while the usage trend is rising
     (deriv(...) > 0). The fixture runs the climb inside the query range."""
@@ -160,6 +166,7 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
     skipped = checked = 0
     rising: set[str] = set()
     lmcache: set[str] = set()
+    events: set[str] = set()
     for dialect, model in DIALECTS.items():
         names = unavailable_names(dialect)
         variables = dict(GRAFANA_VARIABLES, **{"$model": model, "$__rate_interval": "10s", "$__range": "20s"})
@@ -167,6 +174,9 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
             for where, expr in dashboard_exprs(dashboard):
                 if _needs_lmcache(expr):
                     lmcache.add(where)
+                    continue
+                if _needs_kv_events(expr):
+                    events.add(where)
                     continue
                 if _reads(expr, names) or _depends_on_the_workload(expr):
                     skipped += 1
@@ -192,6 +202,8 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
     assert checked > 200 and skipped > 0
     # Without an LMCache target the tier's panels need that source: classed so, not failed.
     assert lmcache == set(lmcache_exprs()), sorted(lmcache)
+    # Likewise the KV-cache event stream's panels without --kv-events.
+    assert events == set(kv_events_exprs()), sorted(events)
     # The ETA queries were among those checked (panel, engine and model series)
     # for every engine that reports usage, and the sidecar's own ETA signal
     # (absent too unless usage rises) had data in the same run.
@@ -270,3 +282,59 @@ def dashboard_targets(dashboard: dict):
     for panel in iter_panels(dashboard):
         for target in panel.get("targets", []):
             yield f"{dashboard['uid']} panel {panel['id']} {panel['title']!r} {target['refId']}", target
+
+
+# -- the KV-cache event stream ---------------------------------------------------
+
+EVENTS_MODEL = "m-events"
+EVENTS_UNTIL = 240.0  # simulated seconds of eviction pressure: prefixes evicted, then stored again
+
+
+def kv_events_exprs() -> dict[str, str]:
+    """Every dashboard query that reads the KV-cache event stream's series."""
+    return {where: expr for dashboard in load_dashboards().values() for where, expr in dashboard_exprs(dashboard)
+            if _needs_kv_events(expr)}
+
+
+@pytest.fixture
+def kv_events_stack():
+    with contextlib.ExitStack() as running:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        # kvwatch binds the endpoint first; the simulator connects to it, as vLLM does.
+        sim = start_background("eviction-pressure", speed=0, model_name=EVENTS_MODEL, kv_events=endpoint)
+        running.callback(sim.stop)
+        settings = load_settings(overrides={"target": sim.metrics_url, "port": 0, "poll_interval": "0.5s",
+                                            "window": "5m", "kv_events": endpoint}, environ={})
+        monitor = Monitor(settings)
+        kvwatch = running.enter_context(serving(create_app(monitor, settings), start_timeout_s=10))
+        monitor.start()
+        running.callback(monitor.stop)
+        prom = running.enter_context(prometheus([f"127.0.0.1:{kvwatch.port}"], rule_files=[RULES], interval="1s"))
+        begin = float(int(time.time()))
+        wait_until(lambda: query(prom.url, "kvwatch_up == 1"), 60, "Prometheus to scrape kvwatch")
+        # The stream says something only as the simulated clock moves.
+        stepped = sim.sim.now
+        while stepped < EVENTS_UNTIL:
+            stepped = advance([sim], SIM_STEP)
+        wait_until(lambda: query(prom.url, "kvwatch_kv_events_up == 1"), 30,
+                   "Prometheus to scrape kvwatch reading the KV-cache events")
+        wait_until(lambda: query(prom.url, "kvwatch_kv_events_blocks_stored_again_total > 0"), 30,
+                   "blocks stored again after their eviction to reach Prometheus")
+        yield {"prometheus": prom.url, "started": begin, "sim": sim}
+
+
+def test_the_kv_event_panels_return_data_when_kvwatch_reads_the_stream(kv_events_stack):
+    prom, start = kv_events_stack["prometheus"], kv_events_stack["started"]
+    now = float(int(time.time()))
+    exprs = kv_events_exprs()
+    # The row's panels: stream up, stored/evicted/stored again, the share stored again,
+    # eviction to return, and the hit ratio a larger cache would give.
+    assert len(exprs) >= 6, sorted(exprs)
+    variables = dict(GRAFANA_VARIABLES, **{"$model": EVENTS_MODEL, "$__rate_interval": "10s", "$__range": "20s"})
+    empty = []
+    for where, expr in exprs.items():
+        for variable in sorted(variables, key=len, reverse=True):
+            expr = expr.replace(variable, variables[variable])
+        if not query_range(prom, expr, start, now, step=2):
+            empty.append(where)
+    assert not empty, f"KV-event queries without data: {empty}"
