@@ -232,19 +232,25 @@ def lmcache_exprs() -> dict[str, str]:
             if _needs_lmcache(expr)}
 
 
+def _kvwatch_scraped(running: contextlib.ExitStack, sim, **overrides):
+    """A kvwatch polling the simulator (with the extra sources in overrides),
+    scraped by a real Prometheus with the generated rules; returns Prometheus."""
+    settings = load_settings(overrides={"target": sim.metrics_url, "port": 0, "poll_interval": "0.5s",
+                                        "window": "5m", **overrides}, environ={})
+    monitor = Monitor(settings)
+    kvwatch = running.enter_context(serving(create_app(monitor, settings), start_timeout_s=10))
+    monitor.start()
+    running.callback(monitor.stop)
+    return running.enter_context(prometheus([f"127.0.0.1:{kvwatch.port}"], rule_files=[RULES], interval="1s"))
+
+
 @pytest.fixture
 def lmcache_stack():
     with contextlib.ExitStack() as running:
         sim = start_background("exhaustion", speed=0, model_name=LMCACHE_MODEL, lmcache_tokens=16384)
         running.callback(sim.stop)
         sim.advance(LMCACHE_BEFORE)
-        settings = load_settings(overrides={"target": sim.metrics_url, "lmcache_target": sim.lmcache_metrics_url,
-                                            "port": 0, "poll_interval": "0.5s", "window": "5m"}, environ={})
-        monitor = Monitor(settings)
-        kvwatch = running.enter_context(serving(create_app(monitor, settings), start_timeout_s=10))
-        monitor.start()
-        running.callback(monitor.stop)
-        prom = running.enter_context(prometheus([f"127.0.0.1:{kvwatch.port}"], rule_files=[RULES], interval="1s"))
+        prom = _kvwatch_scraped(running, sim, lmcache_target=sim.lmcache_metrics_url)
         begin = float(int(time.time()))
         wait_until(lambda: query(prom.url, "kvwatch_lmcache_up == 1"), 60, "Prometheus to scrape kvwatch's LMCache up")
         stepped = sim.sim.now
@@ -300,16 +306,10 @@ def kv_events_exprs() -> dict[str, str]:
 def kv_events_stack():
     with contextlib.ExitStack() as running:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        # kvwatch binds the endpoint first; the simulator connects to it, as vLLM does.
+        # kvwatch binds the endpoint; the simulator connects to it, as vLLM does (ZMQ retries until it can).
         sim = start_background("eviction-pressure", speed=0, model_name=EVENTS_MODEL, kv_events=endpoint)
         running.callback(sim.stop)
-        settings = load_settings(overrides={"target": sim.metrics_url, "port": 0, "poll_interval": "0.5s",
-                                            "window": "5m", "kv_events": endpoint}, environ={})
-        monitor = Monitor(settings)
-        kvwatch = running.enter_context(serving(create_app(monitor, settings), start_timeout_s=10))
-        monitor.start()
-        running.callback(monitor.stop)
-        prom = running.enter_context(prometheus([f"127.0.0.1:{kvwatch.port}"], rule_files=[RULES], interval="1s"))
+        prom = _kvwatch_scraped(running, sim, kv_events=endpoint)
         begin = float(int(time.time()))
         wait_until(lambda: query(prom.url, "kvwatch_up == 1"), 60, "Prometheus to scrape kvwatch")
         # The stream says something only as the simulated clock moves.
