@@ -215,15 +215,21 @@ class KVEventSource:
                 self.tap(now, seq, payload)
             except Exception:  # pragma: no cover - a recorder's failure must not stop the stream
                 log.exception("recording a KV-cache event message failed")
+        self._enqueue(payload)
+
+    def _enqueue(self, payload: bytes) -> bool:
+        """Queues a message for the accountant, or drops and counts it when
+        the intake is full (in messages or bytes); says whether it was queued."""
         with self._wake:
             if len(self._queue) >= QUEUE_MESSAGES or self._queued_bytes + len(payload) > self.queue_bytes:
                 with self._lock:
                     self.dropped += 1
                     self.dropped_bytes += len(payload)
-                return
+                return False
             self._queue.append(payload)
             self._queued_bytes += len(payload)
             self._wake.notify()
+            return True
 
     def _sequence(self, seq: int, now: float) -> None:
         expected = self._expected
@@ -290,16 +296,8 @@ class KVEventSource:
                     return  # the end of the replay
                 if seq < first or seq > last:
                     continue  # the replay sends everything from `first` on; only the gap is missing
-                payload = frames[2]
-                with self._wake:
-                    if len(self._queue) >= QUEUE_MESSAGES or self._queued_bytes + len(payload) > self.queue_bytes:
-                        with self._lock:
-                            self.dropped += 1
-                            self.dropped_bytes += len(payload)
-                        continue
-                    self._queue.append(payload)
-                    self._queued_bytes += len(payload)
-                    self._wake.notify()
+                if not self._enqueue(frames[2]):
+                    continue
                 with self._lock:
                     self.recovered += 1
                     self.missed = max(0, self.missed - 1)
