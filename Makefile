@@ -43,9 +43,12 @@ test-llamacpp: $(STAMP)
 
 # Fresh captures from the real vLLM of the tier, one per scenario it runs, to
 # renew tests/fixtures/ (check their ground truth by hand before replacing one).
-CAPTURE_OUT ?= tests/fixtures/vllm-cpu-$(shell date +%Y%m%d)
+# VLLM_VERSION=0.10.2 or 0.20.2 records an older build instead, installed in a
+# venv of its own beside the tier's (harness.py OLDER_BUILDS says how).
+VLLM_VERSION ?=
+CAPTURE_OUT ?= tests/fixtures/vllm$(if $(VLLM_VERSION),-$(VLLM_VERSION))-cpu-$(shell date +%Y%m%d)
 capture-vllm: $(STAMP)
-	$(PY) -m tests.vllm_tier.record_captures --out $(CAPTURE_OUT)
+	KVWATCH_VLLM_VERSION=$(VLLM_VERSION) $(PY) -m tests.vllm_tier.record_captures --out $(CAPTURE_OUT)
 
 # Fresh /metrics pages from the tier's llama-server (see tests/fixtures/README.md).
 LLAMACPP_CAPTURE_OUT ?= tests/fixtures/llamacpp-b11434-cpu

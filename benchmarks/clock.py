@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time as real_time
 
-import kvwatch.sidecar.monitor
+import kvwatch.pipeline.monitor
 
 
 class SimulatedClock:
@@ -25,9 +25,9 @@ class SimulatedClock:
 
 
 def install(clock: SimulatedClock) -> None:
-    """Make kvwatch.sidecar.monitor read its wall clock from `clock`."""
-    kvwatch.sidecar.monitor.time = clock
+    """Make kvwatch.pipeline.monitor read its wall clock from `clock`."""
+    kvwatch.pipeline.monitor.time = clock
 
 
 def uninstall() -> None:
-    kvwatch.sidecar.monitor.time = real_time
+    kvwatch.pipeline.monitor.time = real_time

@@ -52,8 +52,8 @@ def main() -> int:
 
     from clock import SimulatedClock, install
     from kvwatch.sidecar.app import create_app
-    from kvwatch.sidecar.monitor import Monitor, tune_garbage_collector
-    from kvwatch.sidecar.settings import load_settings
+    from kvwatch.pipeline.monitor import Monitor, tune_garbage_collector
+    from kvwatch.settings import load_settings
 
     port = free_port()
     settings = load_settings(overrides={"target": args.target, "engine": "vllm", "poll_interval": "1s", "port": port,

@@ -37,15 +37,14 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import clock as simulated  # noqa: E402
 import kvwatch.diagnose  # noqa: E402
-import kvwatch.sidecar.monitor  # noqa: E402
+import kvwatch.pipeline.monitor  # noqa: E402
 from kvwatch.engines.vllm import VllmAdapter  # noqa: E402
-from kvwatch.sidecar.monitor import GC_GEN0_THRESHOLD, Monitor, tune_garbage_collector  # noqa: E402
+from kvwatch.pipeline.monitor import GC_GEN0_THRESHOLD, Monitor, tune_garbage_collector  # noqa: E402
 from kvwatch.scrape import FetchResult  # noqa: E402
-from kvwatch.sidecar.settings import load_settings  # noqa: E402
+from kvwatch.settings import load_settings  # noqa: E402
 from pages import AdvancingPage, capture_text, sample_count, scale  # noqa: E402
 
-SECTIONS = ("parse", "poll", "scrape", "memory", "curve", "replay", "page", "history", "kv_events")
-
+from sections import SECTION_CODE, SECTION_HEADINGS, SECTIONS, not_rerun_of, with_not_rerun  # noqa: E402,F401
 
 # --------------------------------------------------------------------------
 # Measuring
@@ -93,6 +92,8 @@ class Figure:
 class Report:
     figures: list[Figure] = field(default_factory=list)
     sections: list[str] = field(default_factory=list)  # markdown detail, one block per section
+    # Sections asked for but not measured in this run: name -> why (RESULTS.md lists them under "## Not rerun").
+    not_run: dict[str, str] = field(default_factory=dict)
 
     def figure(self, *args) -> None:
         self.figures.append(Figure(*args))
@@ -131,7 +132,8 @@ def machine() -> dict[str, str]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvwatch"], cwd=REPO, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvwatch", "benchmarks",
+                                ":!benchmarks/RESULTS.md"], cwd=REPO, capture_output=True,
                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "unknown", ""
@@ -147,7 +149,7 @@ def machine() -> dict[str, str]:
         "Python": f"{platform.python_implementation()} {platform.python_version()}",
         "OS": f"{platform.system()} {platform.release()}",
         "prometheus_client": client_version,
-        "kvwatch commit": commit + (" (kvwatch/ modified)" if dirty else ""),
+        "kvwatch commit": commit + (" (kvwatch/ or benchmarks/ modified)" if dirty else ""),
         "load average at start": " ".join(f"{x:.2f}" for x in load),
         "garbage collector": f"as kvwatch serve runs it: start-up frozen, gen0 threshold {gc.get_threshold()[0]}",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -270,7 +272,7 @@ class StageTimer:
         self._wrap(monitor.fetcher, "fetch", "fetch")
         self._wrap(monitor.adapter, "adapt", "parse + adapt")
         self._wrap(monitor.window, "add", "window")
-        self._wrap(kvwatch.sidecar.monitor, "evaluate_window", "signals")
+        self._wrap(kvwatch.pipeline.monitor, "evaluate_window", "signals")
         self._wrap(kvwatch.diagnose, "diagnose", "diagnosis")
 
     def _wrap(self, owner, attribute: str, stage: str) -> None:
@@ -297,7 +299,7 @@ class StageTimer:
 
     def close(self) -> None:
         for owner, attribute, original in reversed(self._restore):
-            if owner is kvwatch.sidecar.monitor or owner is kvwatch.diagnose:
+            if owner is kvwatch.pipeline.monitor or owner is kvwatch.diagnose:
                 setattr(owner, attribute, original)
             else:
                 delattr(owner, attribute)  # back to the class's method
@@ -355,21 +357,22 @@ def poll_cycle(url: str, polls: int, window_polls: int, window: str = "5m",
 STAGES = ["fetch", "parse + adapt", "window", "signals", "diagnosis"]
 
 
-# Issue 9's targets for a whole poll, and prometheus_client's parse of the
-# same page on the machine the issue measured them on: the targets scale with
-# the machine by that yardstick (the issue asks for ratios within one run).
-POLL_TARGETS = {1: (5e-3, 6.4e-3), 8: (25e-3, 42e-3)}
+# Issue 40's targets for a whole poll, as shares of the yardstick
+# (prometheus_client's parse of the same page, measured in the same run):
+# about 2 ms and 10 ms on the machine of its first measurements. Issue 9's
+# were 0.78x and 0.60x (5 ms and 25 ms where that parse took 6.4 and 42 ms).
+POLL_TARGETS = {1: 0.15, 8: 0.13}
 
 
 def bench_poll(report: Report, capture: str, fixtures: Path, quick: bool) -> None:
     rows = []
-    for engines, (target, issue_yardstick) in POLL_TARGETS.items():
+    for engines, allowed in POLL_TARGETS.items():
         with page_server(fixtures, engines) as url:
             totals, stages, reference = poll_cycle(url, polls=40 if quick else 120, window_polls=301,
                                                    yardstick=scale(capture, engines))
         total = median(totals)
         yardstick = median(reference)
-        ratio, allowed = total / yardstick, target / issue_yardstick
+        ratio = total / yardstick
         share = total / 1.0 * 100
         stage_medians = {s: median([st.get(s, 0.0) for st in stages]) for s in STAGES}
         rest = max(0.0, total - sum(stage_medians.values()))
@@ -377,9 +380,8 @@ def bench_poll(report: Report, capture: str, fixtures: Path, quick: bool) -> Non
                      f"{ratio:.2f}x"] + [ms(stage_medians[s]) for s in STAGES] + [ms(rest)])
         report.figure(f"poll cycle CPU, {engines} engine{'s' if engines > 1 else ''} (5 min window full)",
                       f"{ms(total)} = {share:.2f} % of a core at 1 s; {ratio:.2f}x the yardstick",
-                      f"yardstick: prometheus_client's parse of the page, {ms(yardstick)} here, "
-                      f"{ms(issue_yardstick, 1)} on issue 9's machine",
-                      f"<= {ms(target, 0)} there, so <= {allowed:.2f}x the yardstick", ratio <= allowed)
+                      f"yardstick: prometheus_client's parse of the page, {ms(yardstick)} here",
+                      f"<= {allowed:.2f}x the yardstick", ratio <= allowed)
     header = ["engines", "median CPU", "p90 CPU", "core share at 1 s", "yardstick", "CPU / yardstick"] + STAGES + ["rest"]
     report.sections.append(
         "### Whole poll cycle\n\n"
@@ -387,8 +389,8 @@ def bench_poll(report: Report, capture: str, fixtures: Path, quick: bool) -> Non
         "poll), thread CPU time as the monitor records it (state.poll_cpu_seconds), with the default 5 min "
         "window already full (301 polls at a simulated 1 s), median over the measured polls. Stages are "
         "medians of each stage's own CPU time; 'rest' is the monitor's own bookkeeping. The yardstick is "
-        "prometheus_client's parse of the same page, measured after every 10th poll: issue 9's targets (5 ms "
-        "and 25 ms where that parse took 6.4 ms and 42 ms) scale with it, so a slower or busier machine "
+        "prometheus_client's parse of the same page, measured after every 10th poll: the targets (issue 40: "
+        "at most 0.15x of it at 1 engine and 0.13x at 8) scale with it, so a slower or busier machine "
         "does not fail them, nor a faster one pass them.\n\n" + table(header, rows))
     print(plain_table(header, rows), flush=True)
 
@@ -1029,6 +1031,7 @@ def bench_history(report: Report, quick: bool) -> None:
 
     if shutil.which("promtool") is None or shutil.which("prometheus") is None:
         print("  skipped: promtool and prometheus are not installed")
+        report.not_run["history"] = "promtool and prometheus were not installed on the machine of the run"
         return
     replicas, hours, slice_hours, step = (16, 1, 1, 30.0) if quick else (64, 24, 2, 30.0)
     points = int(hours * 3600 / step)
@@ -1129,6 +1132,14 @@ def bench_history(report: Report, quick: bool) -> None:
     ]))
 
 
+def bench_central(report: Report, quick: bool) -> None:
+    """Central mode's cost per replica at 64, 256 and 1,000 replicas, and 4
+    shards (benchmarks/central_cost.py)."""
+    import central_cost
+
+    central_cost.bench_central(report, quick)
+
+
 def bench_kv_events(report: Report, quick: bool) -> None:
     """The engine's KV-cache event stream (benchmarks/kv_events.py): decoding
     and accounting on one core, the ledger's memory for a million blocks, and
@@ -1180,7 +1191,7 @@ def main() -> int:
         return 2
 
     started = time.monotonic()
-    # kvwatch serve's setting (kvwatch/sidecar/monitor.py): every figure measured in
+    # kvwatch serve's setting (kvwatch/pipeline/monitor.py): every figure measured in
     # this process, prometheus_client's included, runs under it; the curve
     # also shows the poll under CPython's default.
     tune_garbage_collector()
@@ -1197,13 +1208,18 @@ def main() -> int:
         "replay": lambda: bench_replay(report, capture, args.quick),
         "page": lambda: bench_page(report, args.fixtures, args.quick),
         "history": lambda: bench_history(report, args.quick),
+        "central": lambda: bench_central(report, args.quick),
         "kv_events": lambda: bench_kv_events(report, args.quick),
     }
     for name in SECTIONS:
         if name in wanted:
             print(f"\n== {name} ==", flush=True)
             gc.collect()
+            before = len(report.sections)
+            stamp = section_stamp(info, merge=args.merge, quick=args.quick)
             steps[name]()
+            for index in range(before, len(report.sections)):
+                report.sections[index] = report.sections[index].rstrip("\n") + "\n\n" + stamp
     elapsed = time.monotonic() - started
 
     header = ["figure", "kvwatch", "baseline", "target", "met"]
@@ -1234,16 +1250,31 @@ def main() -> int:
         "",
     ]
     if args.merge and args.output.exists():
-        args.output.write_text(merged(args.output.read_text(), rows, report.sections, info))
+        text = merged(args.output.read_text(), rows, report.sections, info)
+        skipped = {name: why for name, why in not_rerun_of(text).items() if name not in wanted}
     else:
-        args.output.write_text("\n".join(document))
+        text = "\n".join(document)
+        skipped = {}
+    skipped.update(report.not_run)
+    args.output.write_text(with_not_rerun(text, skipped))
     return 0
+
+
+def section_stamp(info: dict[str, str], merge: bool, quick: bool = False) -> str:
+    """The line every section ends with: the commit it measured, when, and
+    the load average as it started (tests/test_bench_results.py reads the
+    commit)."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    how = ("run on its own (`benchmarks/run.py --only ... --merge`; the machine table above is the full run's)"
+           if merge else "run in the full run described above") + (", with --quick (fewer rounds)" if quick else "")
+    return (f"Measured at commit {info['kvwatch commit']} on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load "
+            f"average at the start of the section {' '.join(f'{x:.2f}' for x in load)}; {how}.")
 
 
 def merged(existing: str, rows: list[list[str]], sections: list[str], info: dict[str, str]) -> str:
     """`existing` results with this run's summary rows and detail sections
     put in place of those of the same name (or added), the rest kept; each
-    section says when and at which commit it was run."""
+    section says when and at which commit it was run (section_stamp)."""
     lines = existing.rstrip("\n").split("\n")
     names = {row[0] for row in rows}
     start = lines.index("## Summary")
@@ -1254,12 +1285,9 @@ def merged(existing: str, rows: list[list[str]], sections: list[str], info: dict
     header = [line for line in lines[start:end] if line.startswith("| figure ") or line.startswith("|---")]
     lines[start:end] = ["## Summary", "", *header, *kept, *new_rows, ""]
     text = "\n".join(lines) + "\n"
-    stamp = (f"\n\nThis section was run on its own (`benchmarks/run.py --only ... --merge`) on {info['date']} at "
-             f"commit {info['kvwatch commit']}, load average at start {info['load average at start']}; the "
-             "machine table above is the full run's.")
     for section in sections:
         heading = section.split("\n", 1)[0]
-        body = section + stamp
+        body = section
         at = text.find("\n" + heading + "\n")
         if at < 0:
             text = text.rstrip("\n") + "\n\n" + body + "\n"

@@ -19,7 +19,26 @@ default settings, and polls a loopback server a full window of polls
 /metrics and a /api/v1/diagnosis request follow each poll. Peak RSS is VmHWM
 from /proc/self/status.
 
-    python benchmarks/worst_page_probe.py [--polls N|full] [--sources engine,upstream,lmcache]
+With `kvevents` among the sources (the default), a publisher on loopback
+sends the KV-cache event stream at its caps while the polls run: every poll,
+eight messages just under the message cap (4 MiB) of block hashes never
+seen (the ledger fills its table to kv_events_table_bytes and samples past
+it; the intake's queue fills and drops), and one message of the same size
+that the typed decoders refuse (an unknown event type holding 4 M empty
+arrays). `--shape rich` fills the engine's page with real vLLM 0.32
+engines (every family, its histograms' buckets) instead of one counter per
+name: the same engines every poll, so the window's byte bound
+(kvwatch.window.WINDOW_MAX_BYTES) drops the oldest polls instead of
+forgetting pairs.
+
+`--central` measures central mode instead: a stand-in store on loopback
+answers every series listing and every range query just under central
+mode's cap on one answer (CENTRAL_MAX_BYTES, 32 MiB) with the most objects
+that many bytes can hold, and central mode (built as `kvwatch serve
+--prometheus` builds it) refreshes `--polls` times (default 10).
+
+    python benchmarks/worst_page_probe.py [--polls N|full] [--sources engine,upstream,lmcache,kvevents]
+                                          [--shape rotating|rich] [--central]
 """
 
 from __future__ import annotations
@@ -71,6 +90,53 @@ def upstream_page(poll: int, cap: int, bounds: int) -> bytes:
     return "".join(lines).encode()
 
 
+def rich_page(cap: int) -> bytes:
+    """Real vLLM 0.32 engines (the capture's engine 0 under new engine
+    ids), as many as fit under the cap; their counters move every poll."""
+    capture = Path(__file__).resolve().parent.parent / "tests/fixtures/vllm-0.32-cpu/metrics-prefix-load.txt"
+    head, per_engine = [], []
+    for line in capture.read_text().splitlines(keepends=True):
+        (per_engine if 'engine="0"' in line else head).append(line)
+    size, engines = sum(map(len, head)), 0
+    block = "".join(per_engine)
+    while size + len(block) + 64 * len(per_engine) < cap - 1024:
+        size += len(block) + 8 * len(per_engine)
+        engines += 1
+    return "".join(head + [line.replace('engine="0"', f'engine="{n}"') for n in range(engines)
+                           for line in per_engine]).encode()
+
+
+def moving(page: bytes, poll: int) -> bytes:
+    """The page with every `_total`/`_count`/`_sum` counter advanced by `poll`."""
+    out = []
+    for line in page.split(b"\n"):
+        if line and not line.startswith(b"#") and (b"_total{" in line or b"_count{" in line or b"_sum{" in line
+                                                   or b"_bucket{" in line):
+            name, _, value = line.rpartition(b" ")
+            line = name + b" " + repr(float(value) + poll).encode()
+        out.append(line)
+    return b"\n".join(out)
+
+
+def kv_event_messages(poll: int, max_bytes: int) -> list[bytes]:
+    """Eight typed messages of new block hashes just under the cap, and one
+    the typed decoders refuse (an unknown event type of 4 M empty arrays)."""
+    import msgspec
+
+    from kvwatch.kvevents import wire
+
+    per_message = (max_bytes - 4096) // 9  # a 64-bit hash is 9 msgpack bytes
+    out = []
+    for n in range(8):
+        base = ((poll * 8 + n) * per_message) << 1
+        hashes = [(base + i) * 0x9E3779B97F4A7C15 % (1 << 63) + (1 << 62) for i in range(per_message)]
+        out.append(wire.encode_batch(float(poll), [wire.stored(hashes, 16)]))
+    count = max_bytes - 4096
+    out.append(b"\x92" + msgspec.msgpack.encode(float(poll)) + b"\x91\x92" + msgspec.msgpack.encode("BlockPinnedSoon")
+               + b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count)
+    return out
+
+
 def lmcache_page(poll: int, cap: int) -> bytes:
     lines, size, n = [], 0, 0
     while True:
@@ -89,18 +155,26 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--polls", default="full", help="polls to make, or `full` for a full window (default)")
     parser.add_argument("--cap", default=None, help="max_body_bytes (default: kvwatch's default)")
-    parser.add_argument("--sources", default="engine,upstream,lmcache",
-                        help="sources polled each poll, of engine, upstream, lmcache (default: all three)")
+    parser.add_argument("--sources", default="engine,upstream,lmcache,kvevents",
+                        help="sources polled each poll, of engine, upstream, lmcache, kvevents (default: all four)")
+    parser.add_argument("--shape", default="rotating", choices=("rotating", "rich"),
+                        help="the engine's page: one counter per new name (rotating), or real engines (rich)")
+    parser.add_argument("--central", action="store_true", help="central mode against a store at its caps instead")
+    parser.add_argument("--publish", metavar="ENDPOINT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.publish:
+        return publish_forever(args.publish)
+    if args.central:
+        return central_probe(args)
     sources = set(args.sources.split(","))
 
     from fastapi.testclient import TestClient
 
+    from kvwatch.pipeline.monitor import Monitor, tune_garbage_collector
+    from kvwatch.settings import load_settings
     from kvwatch.sidecar.app import create_app
-    from kvwatch.sidecar.monitor import Monitor, tune_garbage_collector
-    from kvwatch.sidecar.settings import load_settings
     from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES
-    from kvwatch.sidecar.upstream import MAX_BUCKETS
+    from kvwatch.pipeline.upstream import MAX_BUCKETS
 
     overrides = {"max_body_bytes": args.cap} if args.cap else {}
     defaults = load_settings(overrides=overrides, environ={})
@@ -109,7 +183,9 @@ def main() -> int:
     counters = {"/metrics": iter(range(total)), "/upstream": iter(range(total)), "/lmcache": iter(range(total))}
     # The second sources' pages up to their own cap (SECOND_SOURCE_MAX_BYTES).
     second = min(cap, SECOND_SOURCE_MAX_BYTES)
-    makers = {"/metrics": lambda n: worst_page(n, cap), "/upstream": lambda n: upstream_page(n, second, MAX_BUCKETS),
+    rich = rich_page(cap) if args.shape == "rich" else None
+    makers = {"/metrics": (lambda n: moving(rich, n)) if rich is not None else (lambda n: worst_page(n, cap)),
+              "/upstream": lambda n: upstream_page(n, second, MAX_BUCKETS),
               "/lmcache": lambda n: lmcache_page(n, second)}
     sizes: dict[str, list[int]] = {path: [] for path in makers}
 
@@ -136,6 +212,12 @@ def main() -> int:
         more.update(upstream_target=f"{base}/upstream", upstream_histogram="app_retrieval_seconds")
     if "lmcache" in sources:
         more.update(lmcache_target=f"{base}/lmcache")
+    if "kvevents" in sources:
+        import socket
+
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            more.update(kv_events=f"tcp://127.0.0.1:{free.getsockname()[1]}")
     settings = load_settings(overrides={"target": f"{base}/metrics", "timeout": "4s", "log_level": "warning",
                                         **overrides, **more}, environ={})
     # The monitor's clock advances one poll interval a poll, whatever the
@@ -146,11 +228,33 @@ def main() -> int:
     now = [time.time()]
     monitor = Monitor(settings, clock=lambda: now[0])
     client = TestClient(create_app(monitor, settings))
+    publisher = None
+    if monitor.kv_events is not None:
+        import subprocess
+        import time as clock_time
+
+        # The publisher is a process of its own: its send queue is the
+        # engine's memory, not kvwatch's.
+        monitor.kv_events.start()
+        publisher = subprocess.Popen([sys.executable, __file__, "--publish", settings.kv_events],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+        def publish(poll: int) -> None:
+            publisher.stdin.write(f"{poll}\n")
+            publisher.stdin.flush()
+            publisher.stdout.readline()  # sent
+
+        waited = clock_time.monotonic()
+        while monitor.kv_events.messages == 0 and clock_time.monotonic() - waited < 20:
+            publish(-1)  # a one-block batch, until the subscription is through
+            clock_time.sleep(0.1)
     tune_garbage_collector()
     gc.collect()
     before = status_kib("VmRSS")
     rss = []
-    for _ in range(total):
+    for poll in range(total):
+        if publisher is not None:
+            publish(poll)
         state = monitor.poll_once()
         if not state.up:
             raise RuntimeError(f"poll failed: {state.reason} {state.detail}")
@@ -159,13 +263,115 @@ def main() -> int:
         rss.append(status_kib("VmRSS"))
         now[0] += settings.poll_interval
     state = monitor.state
+    stream = None if monitor.kv_events is None else monitor.kv_events.report(monitor.clock(), checkpoint=False)
     print(json.dumps({"cap_bytes": cap, "page_bytes": sizes["/metrics"][0], "polls": total,
                       "sources": sorted(sources),
                       "source_page_bytes": {path: max(found) for path, found in sizes.items() if found},
                       "upstream": None if state.upstream is None else state.upstream.get("reason") or "up",
                       "lmcache": None if state.lmcache is None else state.lmcache.get("reason") or "up",
-                      "window_entries": len(monitor.window.entries), "rss_before_kib": before, "rss_kib": rss,
+                      "kv_events": None if monitor.kv_events is None else {
+                          **{key: stream["intake"].get(key) for key in ("messages", "dropped", "malformed")},
+                          "table_bytes": stream["table"]["bytes"]},
+                      "shape": args.shape, "window_entries": len(monitor.window.entries),
+                      "window_bytes": monitor.window.bytes, "window_trimmed": monitor.window.trimmed,
+                      "rss_before_kib": before, "rss_kib": rss,
                       "peak_rss_kib": status_kib("VmHWM"), "engines": len(state.snapshot.engines)}))
+    if publisher is not None:
+        publisher.stdin.close()
+        publisher.wait(30)
+        monitor.kv_events.stop()
+    httpd.shutdown()
+    return 0
+
+
+def publish_forever(endpoint: str) -> int:
+    """The KV-event publisher (`--publish ENDPOINT`): for each poll number
+    read from stdin, that poll's messages (a one-block batch for -1); a
+    line back once sent."""
+    import zmq
+
+    from kvwatch.kvevents import wire
+    from kvwatch.kvevents.source import DEFAULT_MAX_MESSAGE_BYTES
+
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.setsockopt(zmq.SNDHWM, 16)
+    publisher.connect(endpoint)
+    sequence = 0
+    for line in sys.stdin:
+        poll = int(line)
+        messages = ([wire.encode_batch(0.0, [wire.stored([1], 16)])] if poll < 0
+                    else kv_event_messages(poll, DEFAULT_MAX_MESSAGE_BYTES))
+        for payload in messages:
+            publisher.send_multipart([b"kv", wire.sequence_bytes(sequence), payload])
+            sequence += 1
+        print("sent", flush=True)
+    publisher.close(linger=2000)
+    return 0
+
+
+def central_probe(args) -> int:
+    """Central mode against a store whose every answer is just under its cap."""
+    from kvwatch.central.refresh import Central
+    from kvwatch.history.query import CENTRAL_MAX_BYTES, PrometheusClient
+    from kvwatch.pipeline.monitor import tune_garbage_collector
+    from kvwatch.settings import load_settings
+
+    cap = CENTRAL_MAX_BYTES - 4096
+    # The most objects an answer holds: one series per small object, each a
+    # replica of its own (a pod label), of a family central mode reads.
+    parts, size, n = [], 0, 0
+    while size < cap - 200:
+        part = f'{{"__name__":"vllm:num_requests_running","pod":"p{n:07d}","model_name":"m","engine":"0"}},'
+        parts.append(part)
+        size += len(part)
+        n += 1
+    series = ('{"status":"success","data":[' + "".join(parts)[:-1] + "]}").encode()
+    parts, size, n = [], 0, 0
+    while size < cap - 200:
+        part = f'{{"metric":{{"pod":"p{n:07d}"}},"values":[[1,"1"]]}},'
+        parts.append(part)
+        size += len(part)
+        n += 1
+    matrix = ('{"status":"success","data":{"resultType":"matrix","result":[' + "".join(parts)[:-1] + "]}}").encode()
+    del parts
+    asked = {"series": 0, "query_range": 0}
+
+    class Store(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):  # the client asks by POST, its parameters in the body
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.do_GET()
+
+        def do_GET(self):
+            body = series if self.path.startswith("/api/v1/series") else matrix
+            asked["series" if body is series else "query_range"] += 1
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Store)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    settings = load_settings(overrides={"target": url, "timeout": "60s", "log_level": "warning",
+                                        "poll_interval": "30s"}, environ={})
+    client = PrometheusClient(url, timeout=60, max_bytes=CENTRAL_MAX_BYTES)
+    central = Central(client, settings)
+    tune_garbage_collector()
+    gc.collect()
+    before = status_kib("VmRSS")
+    refreshes = 10 if args.polls == "full" else int(args.polls)
+    rss, states = [], []
+    for _ in range(refreshes):
+        state = central.refresh_once()
+        states.append(state.reason if not state.up else "up")
+        rss.append(status_kib("VmRSS"))
+    print(json.dumps({"mode": "central", "answer_bytes": {"series": len(series), "query_range": len(matrix)},
+                      "cap_bytes": CENTRAL_MAX_BYTES, "refreshes": refreshes, "asked": asked, "states": states,
+                      "rss_before_kib": before, "rss_kib": rss, "peak_rss_kib": status_kib("VmHWM")}))
     httpd.shutdown()
     return 0
 

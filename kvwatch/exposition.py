@@ -168,6 +168,10 @@ class FamilySelector:
             _SCANNERS[key] = _scanner(self.sample_names)
         self._scanner = _SCANNERS[key]
         self._layout: _Layout | None = None
+        # The text plan of the last layout read twice in a row (_TextPlan),
+        # or the layout whose plan could not be made or did not read its page.
+        self._text_plan: _TextPlan | None = None
+        self._unplanned: _Layout | None = None
 
     def parse(self, text: str) -> Page:
         if self._scanner is not None:
@@ -185,6 +189,12 @@ class FamilySelector:
         the same order, as the previous page (every poll of an engine whose
         series did not change) only has its values read: the families are
         rebuilt from the previous page's layout."""
+        plan = self._text_plan
+        if plan is not None:
+            page = plan.read(text)
+            if page is not None:
+                return page
+            self._text_plan, self._unplanned = None, plan.layout
         # The leading newline lets the first line match like any other; the
         # trailing one ends a last line that has no newline of its own.
         found = self._scanner.findall("\n" + text + "\n")
@@ -199,14 +209,22 @@ class FamilySelector:
         layout = self._layout
         if layout is not None and layout.series == series and layout.type_lines == type_lines:
             try:
-                return layout.page(list(map(float, layout.sample_values(values))), line_count)
+                page = layout.page(list(map(float, layout.sample_values(values))), line_count)
             except ValueError:
                 pass  # not a number (see _NUMBER_CHARS): line by line
+            else:
+                if layout is not self._unplanned and self._text_plan is None:
+                    # The layout's second page: plan the next ones from its text.
+                    self._text_plan = _TextPlan.of(text, self._scanner, layout)
+                    if self._text_plan is None:
+                        self._unplanned = layout
+                return page
         families: dict[str, Family] = {}
         owners: list[str] = []
         if not self._parse_found(found, families, owners):
             return None
         self._layout = _Layout(series, type_lines, families, owners)
+        self._text_plan = self._unplanned = None
         return Page(families, [], line_count)
 
     def _parse_found(self, found: list[tuple[str, str, str, str]], families: dict[str, Family],
@@ -446,6 +464,88 @@ class _Layout:
                 values = ()
             families[name] = Family(name, type_, spelling, list(zip(suffixes, labels, values)), entry)
         return Page(families, [], line_count)
+
+
+# The values a text plan reads: _NUMBER_CHARS tokens, one blank apart.
+_PLANNED_VALUES = re.compile(rf"{_NUMBER_CHARS}(?:\x20{_NUMBER_CHARS})*+")
+# Each line's last token after a blank (the lines that end in a newline):
+# split there, a page is its skeleton (every other part) and these tokens.
+_LAST_TOKEN = re.compile(r"\x20([^\x20\n]*+)(?=\n)")
+
+
+def _picker(indices: list[int]):
+    """A function of a sequence giving the tuple of its items at `indices`."""
+    if len(indices) == 1:
+        return lambda items: (items[indices[0]],)
+    if not indices:
+        return lambda items: ()
+    return operator.itemgetter(*indices)
+
+
+class _TextPlan:
+    """A page's text as the scanner read it, so that a page that differs
+    only in the values of the samples it reads is read without the scanner.
+    Split after the last blank of each line, a page is a skeleton (each line
+    up to and with that blank, whole where it has none) and the tokens
+    after it. A page with the same skeleton, the same tokens on its TYPE and
+    EOF lines, and each value read a _NUMBER_CHARS token gives the scanner
+    the same matches but for those values (each match is one line, decided
+    by its text up to the blank after its name or label block), so the Page
+    the layout rebuilds from its values; any other page is read by the
+    scanner. Made from the layout's second page; a page the plan does not
+    read drops it (tests/test_bench_equivalence.py)."""
+
+    __slots__ = ("skeleton", "exact", "pick_exact", "pick_values", "layout")
+
+    def __init__(self, skeleton, exact, pick_exact, pick_values, layout):
+        self.skeleton = skeleton
+        self.exact = exact
+        self.pick_exact = pick_exact
+        self.pick_values = pick_values
+        self.layout = layout
+
+    @staticmethod
+    def of(text: str, scanner: re.Pattern, layout: _Layout) -> "_TextPlan | None":
+        parts = _LAST_TOKEN.split(text)
+        tokens = parts[1::2]
+        lines = text.split("\n")
+        exact_at: list[int] = []
+        values_at: list[int] = []
+        token = 0  # the index in `tokens` of the next line's token
+        for index, line in enumerate(lines):
+            has_token = index < len(lines) - 1 and " " in line
+            match = scanner.match("\n" + line + "\n")
+            if match is not None:
+                series, value, type_line, other = match.groups()
+                if other:
+                    return None
+                if type_line:
+                    if has_token:
+                        exact_at.append(token)
+                elif has_token and line == series + " " + value and tokens[token] == value:
+                    values_at.append(token)
+                else:
+                    return None  # a timestamp, a CR, the last line: not planned
+            token += has_token
+        if token != len(tokens) or len(values_at) != len(layout.rows):
+            return None
+        pick_exact = _picker(exact_at)
+        return _TextPlan(parts[0::2], pick_exact(tokens), pick_exact, _picker(values_at), layout)
+
+    def read(self, text: str) -> Page | None:
+        parts = _LAST_TOKEN.split(text)
+        if parts[0::2] != self.skeleton:
+            return None
+        tokens = parts[1::2]
+        if self.pick_exact(tokens) != self.exact:
+            return None
+        values = self.pick_values(tokens)
+        if values and _PLANNED_VALUES.fullmatch(" ".join(values)) is None:
+            return None
+        try:
+            return self.layout.page(list(map(float, values)), text.count("\n") + 1)
+        except ValueError:
+            return None
 
 
 def _trie_pattern(words: Iterable[str]) -> str:

@@ -25,6 +25,7 @@ import urllib3
 import urllib3.connection
 
 from kvwatch import __version__
+from kvwatch.present import public_host
 from kvwatch.units import read_small_file
 
 ACCEPT = "text/plain; version=0.0.4; charset=utf-8, application/openmetrics-text; version=1.0.0; q=0.5"
@@ -122,6 +123,10 @@ class Fetcher:
             "User-Agent": f"kvwatch/{__version__}",
         })
         self._token = BearerToken(bearer_token_file)
+        # The request as the session prepares it (URL, the session's and the
+        # token's headers), kept while those stay the same and the session
+        # holds no cookie: what Session.get rebuilds on every poll.
+        self._prepared: tuple[tuple, requests.PreparedRequest] | None = None
         if not tls_verify:
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
 
@@ -142,13 +147,8 @@ class Fetcher:
     def _fetch(self, started: float) -> FetchResult:
         deadline = started + self.timeout
         try:
-            response = self.session.get(
-                self.url,
-                headers=self._token.headers(),
-                timeout=(self.timeout, self.timeout),
-                allow_redirects=False,
-                stream=True,
-            )
+            response = self.session.send(self._request(), timeout=(self.timeout, self.timeout),
+                                         allow_redirects=False, stream=True)
         except requests.exceptions.SSLError as exc:
             return self._fail("tls", _safe(exc), started)
         except requests.exceptions.ConnectTimeout:
@@ -187,6 +187,18 @@ class Fetcher:
             # one was cut off, and half a page would skew every delta.
             return self._fail("truncated", f"page of {len(body)} bytes ends mid-line", started)
         return FetchResult(text, seconds=time.monotonic() - started, size=len(body), content_type=content_type)
+
+    def _request(self) -> requests.PreparedRequest:
+        """What `self.session.get(self.url, headers=token headers)` sends
+        (Session.send fills in the same verify, proxies and cert as get)."""
+        headers = self._token.headers()
+        key = tuple(headers.items())
+        if self._prepared is None or self._prepared[0] != key or self.session.cookies:
+            request = self.session.prepare_request(requests.Request("GET", self.url, headers=headers))
+            if self.session.cookies:
+                return request  # cookies may change with every answer: prepared afresh each time
+            self._prepared = (key, request)
+        return self._prepared[1].copy()
 
     def _read_body(self, response: requests.Response, deadline: float) -> tuple[bytes, tuple[str, str] | None]:
         return read_body(response, self.max_body_bytes, deadline, self.timeout)
@@ -372,13 +384,6 @@ class _WatchedAdapter(requests.adapters.HTTPAdapter):
     def init_poolmanager(self, *args, **kwargs) -> None:
         super().init_poolmanager(*args, **kwargs)
         self.poolmanager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
-
-
-def public_host(url: str) -> str:
-    """host:port of a URL, without credentials."""
-    parts = urlsplit(url)
-    host = parts.hostname or "?"
-    return f"{host}:{parts.port}" if parts.port else host
 
 
 # reason -> one human sentence ({host}, {timeout}, {engine}); the page, /readyz and the

@@ -8,7 +8,7 @@ gauges      kv_usage, running, waiting, waiting_by_reason/<reason>,
             offload_cpu_pinned
 counters    prefix_queries, prefix_hits, external_prefix_queries,
             external_prefix_hits, preemptions, prompt_tokens,
-            generation_tokens, prompt_tokens_cached, prompt_tokens_recomputed,
+            generation_tokens, decode_tokens, prompt_tokens_cached, prompt_tokens_recomputed,
             prompt_tokens_by_source/<source>,
             prompt_tokens_cached_by_source/<tier>, finished/<finished_reason>,
             admission_rejections/<reason>, offload_{load,store}_{bytes,seconds},
@@ -199,6 +199,14 @@ class Snapshot:
     # A key absent from `sources` was not on the page.
     families: dict[str, str] = field(default_factory=dict)
     gates: dict[str, str] = field(default_factory=dict)
+    # Values the page carried that cannot be true (kvwatch.engines.plausible.SourceFault),
+    # taken out of `engines`: a fault of the source, never clamped.
+    faults: list = field(default_factory=list)
+    faults_dropped: int = 0  # beyond kvwatch.engines.plausible.MAX_FAULTS: counted, not described
+    # canonical counter key -> how this page's engine version counts it, where
+    # that differs from the current meaning (vllm.counting_caveats): the
+    # signals and findings read from it carry the sentence.
+    counting: dict[str, str] = field(default_factory=dict)
 
     def present(self) -> dict[str, bool]:
         """Engine family -> whether the page carried it (with samples)."""

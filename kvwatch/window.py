@@ -28,17 +28,67 @@ drifts); read back, each is the correctly rounded sum of the steps, which is
 what summing the steps one by one gives whenever that is exact (always, for
 counts below 2**53). A step holding an infinite or NaN value is summed one
 by one instead, until it leaves the window.
+
+The window is bounded in bytes across polls, not only per poll (a gateway
+that sets a new served model name per request brought 1,000 new pairs a
+poll, and a 5-minute window held 61,000 of them: 493 MiB). Past
+`max_bytes`, the window forgets the (model, engine) pairs that are no longer
+on the page, those last seen longest ago first, then, if that is not enough,
+its oldest polls (it then spans less than its configured time).
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvwatch.snapshot import COUNTER_ROUNDING, EngineSnapshot, Histogram, Snapshot
 
 EngineKey = tuple[str, str]
+
+# The most one window holds, in bytes as `pair_bytes` counts them. A real
+# vLLM 0.32 engine costs 22.9 KB a poll (its histograms' buckets, in
+# the snapshot and in the step), so 64 engines polled every 5 s over 5
+# minutes (61 polls, 85 MiB) fit with a quarter to spare; the memory limit
+# (kvwatch/mixin/config.py) is derived from the worst page's peak with the
+# window at this bound (benchmarks/worst_page_probe.py).
+WINDOW_MAX_BYTES = 112 * 1024 * 1024
+
+# What readers derive per (model, engine) and poll and keep beside its
+# snapshot and step (diagnose.context's Poll, the page's trend points, the
+# window's gauge series), the larger of two figures measured with
+# tracemalloc over a full window: 0.9 KB for a pair of five families, 2.7 KB
+# for a real vLLM 0.32 engine. pair_bytes then counts 5.2 KB and 22.9 KB
+# where tracemalloc saw 3.3 KB and 22.7 KB.
+DERIVED_PAIR_BYTES = 2816
+_FLOAT = sys.getsizeof(0.0)
+_getsizeof = sys.getsizeof
+
+
+def _histograms_bytes(histograms: dict[str, Histogram]) -> int:
+    # Bounds are interned by the adapter (one tuple per layout, shared by
+    # every poll), so only the counts are the entry's own.
+    total = _getsizeof(histograms)
+    for histogram in histograms.values():
+        cumulative = histogram.cumulative
+        total += _getsizeof(histogram) + _getsizeof(cumulative) + _FLOAT * (len(cumulative) + 2)
+    return total
+
+
+def pair_bytes(key: EngineKey, engine: EngineSnapshot, step: "Step | None") -> int:
+    """What one (model, engine) of one window entry holds: its snapshot, its
+    step, their dicts, tuples and numbers as sys.getsizeof counts them, the
+    key and its names, and what readers derive from it (DERIVED_PAIR_BYTES)."""
+    total = (DERIVED_PAIR_BYTES + _getsizeof(key) + _getsizeof(key[0]) + _getsizeof(key[1]) + _getsizeof(engine)
+             + _getsizeof(engine.gauges) + _getsizeof(engine.counters)
+             + _FLOAT * (len(engine.gauges) + len(engine.counters)) + _histograms_bytes(engine.histograms))
+    if step is not None:
+        total += (_getsizeof(step) + _getsizeof(step.counters) + _FLOAT * len(step.counters)
+                  + _histograms_bytes(step.histograms))
+    return total
 
 
 @dataclass(slots=True)
@@ -58,6 +108,14 @@ class Entry:
     # What readers derive from this entry once, for every poll it stays in
     # the window (diagnosis' per-engine Polls); it leaves with the entry.
     derived: dict = field(default_factory=dict)
+    # pair_bytes of its (model, engine) pairs, summed.
+    size: int = 0
+
+
+# What an entry derived that stays true when the window forgets some of its
+# pairs: the changes read between it and the entry before, as they were
+# seen (diagnose.changes). The rest is derived again from what is left.
+DERIVED_KEPT_WHEN_TRIMMED = ("changes",)
 
 
 @dataclass(slots=True)
@@ -148,17 +206,74 @@ def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float,
     return Step(seconds, counters, histograms, restarted)
 
 
+class EntryFollower:
+    """What a reader keeps about a window's entries from one poll to the
+    next, kept in step with them: entries arrive at the end and leave from
+    the front (anything else starts it over, from `reset`). A subclass says
+    what an entry adds (`entered`, with the entry before it, None for the
+    first) and takes away (`left`); the window keeps one per reader
+    (`Window.kept`)."""
+
+    def __init__(self) -> None:
+        self.entries: deque[Entry] = deque()
+
+    def reset(self) -> None:
+        self.entries = deque()
+
+    def entered(self, previous: Entry | None, entry: Entry) -> None:
+        raise NotImplementedError
+
+    def left(self, entry: Entry, first: Entry | None) -> None:
+        """`entry` left; `first` is the window's first entry now."""
+        raise NotImplementedError
+
+    def sync(self, entries: deque) -> None:
+        tracked = self.entries
+        first = entries[0] if entries else None
+        while tracked and tracked[0] is not first:
+            gone = tracked.popleft()
+            self.left(gone, tracked[0] if tracked else None)
+        count = len(tracked)
+        if count and (count > len(entries) or tracked[-1] is not entries[count - 1]):
+            self.reset()  # changed behind the window's back: start over
+            tracked, count = self.entries, 0
+        for entry in itertools.islice(entries, count, None):
+            self.entered(tracked[-1] if tracked else None, entry)
+            tracked.append(entry)
+
+    @classmethod
+    def of(cls, window: "Window", name: str) -> "EntryFollower":
+        """The window's follower of this class under `name`, in step with it."""
+        kept = window.kept.get(name)
+        if kept is None:
+            kept = window.kept[name] = cls()
+        kept.sync(window.entries)
+        return kept
+
+
 class Window:
     """Snapshots of the last `seconds`, with per-engine steps."""
 
-    def __init__(self, seconds: float, max_entries: int = 10_000):
+    def __init__(self, seconds: float, max_entries: int = 10_000, max_bytes: int | None = WINDOW_MAX_BYTES):
         self.seconds = seconds
         # Bounded even if polls come faster than expected.
         self.entries: deque[Entry] = deque(maxlen=max_entries)
+        # The entries' pair_bytes, and the bound on it (None: entries only).
+        self.bytes = 0
+        self.max_bytes = max_bytes
+        # What the byte bound took, in all: (pair, poll) items forgotten, and
+        # polls dropped before the window's time was up. `trimmed` says it in
+        # one sentence while the latest poll's window is short of something.
+        self.forgotten_pairs = 0
+        self.dropped_polls = 0
+        self.trimmed: str | None = None
         self._sums = _WindowSums()
         # What kvwatch.signals.evaluate_window kept from its last evaluation
         # of this window (derived values and the inputs they came from).
         self.evaluated: dict = {}
+        # What other readers keep about the window from one poll to the next
+        # (the diagnosis' per-engine polls), by reader; it goes with clear().
+        self.kept: dict = {}
 
     def add(self, snapshot: Snapshot) -> Entry:
         entry = Entry(snapshot)
@@ -174,6 +289,10 @@ class Window:
                 before = previous.engines.get(key)
                 if before is not None:
                     entry.steps[key] = step_between(before, engine, seconds, renamed, new_process)
+        if self.max_bytes is not None:
+            steps = entry.steps
+            entry.size = sum(pair_bytes(key, engine, steps.get(key)) for key, engine in snapshot.engines.items())
+            self.bytes += entry.size
         sums = self._sums.current(self.entries)
         if self.entries.maxlen is not None and len(self.entries) == self.entries.maxlen:
             self._drop_oldest(sums)  # what append would drop, with the sums kept
@@ -184,12 +303,86 @@ class Window:
         # Keep one entry at or before the horizon so the window spans it fully.
         while len(self.entries) > 2 and self.entries[1].snapshot.time <= horizon:
             self._drop_oldest(sums)
+        self.trimmed = None
+        if self.max_bytes is not None and self.bytes > self.max_bytes:
+            self._fit(sums)
         if sums is not None:
             sums.mark(self.entries)
         return entry
 
+    def _fit(self, sums: _WindowSums | None) -> None:
+        """Back within max_bytes: forget the pairs no longer on the page
+        (those last seen longest ago first) in every entry but the latest
+        two (the latest step's), then drop the oldest polls if need be."""
+        entries = self.entries
+        latest = entries[-1].snapshot.engines
+        last_seen: dict[EngineKey, int] = {}
+        for index, entry in enumerate(entries):
+            for key in entry.snapshot.engines:
+                last_seen[key] = index
+        trimmable = list(entries)[:-2]
+        gone = sorted((index, key) for key, index in last_seen.items() if key not in latest)
+        excess = self.bytes - self.max_bytes
+        chosen: set[EngineKey] = set()
+        for _, key in gone:
+            if excess <= 0:
+                break
+            for entry in trimmable:
+                engine = entry.snapshot.engines.get(key)
+                if engine is not None:
+                    excess -= pair_bytes(key, engine, entry.steps.get(key))
+                    chosen.add(key)
+        forgotten = 0
+        if chosen:
+            for position, entry in enumerate(trimmable):
+                forgotten += self._forget(entry, chosen, sums if position > 0 else None)
+            if sums is not None:
+                sums.forgot(chosen)
+            # What readers kept (the diagnosis' per-engine polls) was built
+            # from the entries as they were: they build it again.
+            self.kept = {}
+            self.forgotten_pairs += forgotten
+        dropped = 0
+        while len(entries) > 2 and self.bytes > self.max_bytes:
+            self._drop_oldest(sums)
+            dropped += 1
+        self.dropped_polls += dropped
+        if forgotten or dropped:
+            parts = []
+            if forgotten:
+                parts.append(f"forgot {len(chosen)} (model, engine) pairs no longer on the page before their time")
+            if dropped:
+                parts.append(f"dropped its {dropped} oldest polls (it spans "
+                             f"{entries[-1].snapshot.time - entries[0].snapshot.time:.0f} s, not {self.seconds:g} s)")
+            self.trimmed = (f"The window reached its bound of {self.max_bytes / 2 ** 20:.0f} MiB and "
+                            + " and ".join(parts) + ".")
+
+    def _forget(self, entry: Entry, keys: set[EngineKey], sums: _WindowSums | None) -> int:
+        """Takes `keys` out of one entry (new dicts: a reader may hold the
+        old ones); `sums`: the entry's steps count in the running sums."""
+        engines = entry.snapshot.engines
+        if keys.isdisjoint(engines):
+            return 0
+        steps = entry.steps
+        kept = {key: engine for key, engine in engines.items() if key not in keys}
+        for key in keys:
+            engine = engines.get(key)
+            if engine is None:
+                continue
+            step = steps.get(key)
+            size = pair_bytes(key, engine, step)
+            entry.size -= size
+            self.bytes -= size
+            if step is not None and sums is not None:
+                sums.forget_step(key, step, entry)
+        entry.snapshot.engines = kept
+        entry.steps = {key: step for key, step in steps.items() if key not in keys}
+        entry.derived = {name: value for name, value in entry.derived.items() if name in DERIVED_KEPT_WHEN_TRIMMED}
+        return len(engines) - len(kept)
+
     def _drop_oldest(self, sums: _WindowSums | None) -> None:
         gone = self.entries.popleft()
+        self.bytes -= gone.size
         if sums is not None:
             # The new first entry only marks where the window starts: its
             # steps (its increase over the one just dropped) stop counting.
@@ -248,8 +441,11 @@ class Window:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.bytes = 0
+        self.trimmed = None
         self._sums = _WindowSums()
         self.evaluated = {}
+        self.kept = {}
 
 
 # --------------------------------------------------------------------------
@@ -564,6 +760,27 @@ class _WindowSums:
                 points.popleft()
             if not holders:
                 del self.series[index]
+
+    def forget_step(self, key: EngineKey, step: Step, entry: Entry) -> None:
+        """A counted entry's step of `key` stops counting (the window forgot
+        the pair there); entries are forgotten oldest first, as they leave."""
+        if self.engines is None:
+            return
+        sums = self.engines.get(key)
+        if sums is None:
+            return
+        sums.take(step, entry)
+        if not sums.steps:
+            del self.engines[key]
+
+    def forgot(self, keys: set[EngineKey]) -> None:
+        """The window forgot `keys` in some entries: what is kept about them
+        is read again from the entries when asked for."""
+        self.cached = {}
+        for index in [index for index in self.peaks if index[0] in keys]:
+            del self.peaks[index]
+        for index in [index for index in self.series if index[0] in keys]:
+            del self.series[index]
 
     def increase(self, key: EngineKey) -> Increase:
         found = self.cached.get(key)

@@ -27,8 +27,8 @@ from pageserver import serving  # noqa: E402
 from test_statuspage_browser import CASES  # noqa: E402
 
 from kvwatch.sidecar.app import create_app  # noqa: E402
-from kvwatch.sidecar.monitor import Monitor  # noqa: E402
-from kvwatch.sidecar.settings import load_settings  # noqa: E402
+from kvwatch.pipeline.monitor import Monitor  # noqa: E402
+from kvwatch.settings import load_settings  # noqa: E402
 
 
 def shrink(path: Path) -> None:

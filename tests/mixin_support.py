@@ -102,8 +102,8 @@ def exported_names(fixtures_dir: Path) -> set[str]:
     LMCache page (the tier's series), plus the names implied by each family's
     type (so families empty here still count)."""
     from kvwatch.sidecar.collector import make_registry
-    from kvwatch.sidecar.monitor import Monitor
-    from kvwatch.sidecar.settings import load_settings
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
     from pageserver import Answer, PageServer
 
     pages = [(fixtures_dir / "vllm-0.32-cpu" / f"metrics-{name}.txt").read_text()

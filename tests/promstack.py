@@ -1,11 +1,14 @@
-"""Real Prometheus and Alertmanager (Debian packages) on loopback for
-end-to-end tests: started in temp dirs on free ports, stopped and removed
-after. Use `prometheus(...)` and `alertmanager(...)` as context managers."""
+"""Real Prometheus, VictoriaMetrics and Alertmanager (Debian packages) on
+loopback for end-to-end tests: started in temp dirs on free ports, stopped
+and removed after. Use `prometheus(...)`, `backfilled_prometheus(...)`,
+`victoria_metrics(...)` and `alertmanager(...)` as context managers."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -157,6 +160,63 @@ def backfilled_prometheus(openmetrics: str | Path, timeout: float = 300, block_h
         backfill(openmetrics, workdir / "data", block_hours=block_hours, timeout=timeout)
         with _prometheus_in(workdir, {"global": {"scrape_interval": "1m"}}, "100y") as running:
             yield running
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{.*\})?)\s+(\S+)\s+(\S+)$")
+
+
+def _as_prometheus_text(openmetrics: str | Path, out: Path) -> tuple[int, float, float]:
+    """OpenMetrics text with timestamps in seconds (what `backfill` reads)
+    as the Prometheus text VictoriaMetrics imports, timestamps in
+    milliseconds; (distinct series, first and last time)."""
+    series: set[str] = set()
+    first, last = float("inf"), float("-inf")
+    lines = Path(openmetrics).open() if isinstance(openmetrics, Path) else io.StringIO(openmetrics)
+    with lines, out.open("w") as sink:
+        for line in lines:
+            match = _SAMPLE.match(line.rstrip("\n"))
+            if not match:
+                continue  # # TYPE, # HELP, # EOF
+            name, value, at = match.groups()
+            seconds = float(at)
+            first, last = min(first, seconds), max(last, seconds)
+            series.add(name)
+            sink.write(f"{name} {value} {int(round(seconds * 1000))}\n")
+    return len(series), first, last
+
+
+@contextlib.contextmanager
+def victoria_metrics(openmetrics: str | Path, timeout: float = 300) -> Iterator[Running]:
+    """A single-node VictoriaMetrics (Debian's victoria-metrics) on a free
+    loopback port holding the samples of `openmetrics` (text, or a file of
+    it: what `backfilled_prometheus` backfills), imported through its
+    /api/v1/import/prometheus and flushed, so that the two stores hold the
+    same samples. Limits raised for large fleets (the series API's 30,000
+    series, a query's 300,000 unique series); the query cache off."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-vm-"))
+    try:
+        text = workdir / "import.prom"
+        count, first, last = _as_prometheus_text(openmetrics, text)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = [_binary("victoria-metrics"), f"-storageDataPath={workdir / 'data'}",
+                f"-httpListenAddr=127.0.0.1:{port}", "-retentionPeriod=100y", "-search.disableCache",
+                "-search.maxSeries=10000000", "-search.maxUniqueTimeseries=10000000", "-loggerLevel=WARN"]
+        with _process(args, workdir, f"{url}/health", "victoria-metrics") as process:
+            with text.open("rb") as body:
+                answer = requests.post(f"{url}/api/v1/import/prometheus", data=body, timeout=timeout)
+            answer.raise_for_status()
+            text.unlink()
+
+            def stored() -> bool:
+                requests.get(f"{url}/internal/force_flush", timeout=10)
+                found = requests.post(f"{url}/api/v1/series", data={
+                    "match[]": '{__name__=~".+"}', "start": f"{first:.3f}", "end": f"{last:.3f}"}, timeout=60)
+                return len(found.json()["data"]) >= count
+            wait_until(stored, 60, f"VictoriaMetrics to hold the {count} imported series", interval=1)
+            yield Running(url, process, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -133,9 +133,9 @@ def sim_monitor(scenario: str | list[tuple[str, float]], until: float, engines: 
     A list of (scenario, lead seconds) plays a fleet: one engine per scenario
     behind one page (engine labels 0, 1, ...), each `lead` seconds ahead in
     its own scenario. `on_state` is called with the State of every poll."""
-    import kvwatch.sidecar.monitor as monitor_module
-    from kvwatch.sidecar.monitor import Monitor
-    from kvwatch.sidecar.settings import load_settings
+    import kvwatch.pipeline.monitor as monitor_module
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
     from kvwatch.sim.scenario import load_scenario
 
     fleet = [(scenario, 0.0)] if isinstance(scenario, str) else scenario

@@ -10,10 +10,10 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.sidecar.app import create_app
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from kvwatch.sidecar import statuspage
-from kvwatch.sidecar.statuspage import format_value
+from kvwatch.present import format_value
 from pageserver import Answer, PageServer
 
 

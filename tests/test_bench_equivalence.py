@@ -217,3 +217,86 @@ def test_histograms_of_a_known_layout_read_as_a_fresh_adapter_reads_them(shape):
         assert warm == fresh
         assert [repr(h) for e in warm.engines.values() for h in e.histograms.values()] == \
                [repr(h) for e in fresh.engines.values() for h in e.histograms.values()]
+
+
+def _mutations(text: str):
+    """(what, page) pairs: the capture with its values changed in every
+    way the text plan reads or must refuse, and with one line changed in
+    every way that decides how the scanner takes it."""
+    import random
+
+    from test_vllm_page_plan import with_values
+
+    lines = text.split("\n")
+    wanted = [i for i, line in enumerate(lines) if line.startswith("vllm:") and " " in line]
+    other = [i for i, line in enumerate(lines) if line and not line.startswith(("vllm:", "#")) and " " in line]
+    types = [i for i, line in enumerate(lines) if line.startswith("# TYPE vllm:")]
+    helps = [i for i, line in enumerate(lines) if line.startswith("# HELP ")]
+    draw = random.Random(len(text))
+
+    def one(index: int, line: str) -> str:
+        changed = list(lines)
+        changed[index] = line
+        return "\n".join(changed)
+
+    yield "values grow", with_values(text, lambda n, v: repr(v * 2 + n % 5))
+    yield "values fall, NaN", with_values(text, lambda n, v: "NaN" if n % 7 == 3 else repr(v / 3))
+    for token in ("Inf", "+Inf", "-Inf", "nan", "1e3", "1E-3", ".5", "5.", "-0.0", "0x10", "1_0", "--1", "+nan",
+                  "infinity", "1e", ""):
+        yield f"a value {token!r}", with_values(text, lambda n, v, t=token: t if n % 11 == 2 else repr(v + 1))
+    if wanted:
+        at = draw.choice(wanted)
+        yield "a timestamp", one(at, lines[at] + " 1700000000000")
+        yield "a CR", one(at, lines[at] + "\r")
+        yield "a tab before the value", one(at, lines[at].replace(" ", "\t", 1))
+        yield "a label changed", one(at, lines[at].replace('="', '="x', 1))
+        yield "a line gone", "\n".join(lines[:at] + lines[at + 1:])
+        yield "a line twice", "\n".join(lines[:at + 1] + lines[at:])
+        yield "no value", one(at, lines[at].rpartition(" ")[0])
+    if other:
+        yield "another family's value", one(other[0], other[0] and lines[other[0]].rpartition(" ")[0] + " 987654")
+        yield "another family's line becomes ours", one(other[0], "vllm:num_requests_running" + lines[other[0]][
+            lines[other[0]].find("{"):] if "{" in lines[other[0]] else "vllm:num_requests_running 3")
+    empty = [i for i, line in enumerate(lines) if not line]
+    if empty:
+        # A line without a blank is taken by its whole text: here a wanted
+        # name with no value (a malformed line the line parser reports).
+        yield "a name alone on an empty line", one(empty[0], "vllm:num_requests_running")
+    if types:
+        yield "a TYPE changed", one(types[0], lines[types[0]].rsplit(" ", 1)[0] + " untyped")
+    if helps:
+        yield "a HELP changed", one(helps[0], lines[helps[0]] + " more")
+
+
+def test_the_text_plan_reads_what_the_scanner_reads(fixtures_dir):
+    """A page whose text differs from the one before only in its values is
+    read by the selector's text plan (exposition._TextPlan) without the
+    scanner; every page, planned or not, gives what a fresh selector (no
+    layout, no plan) gives: on every capture, with values changed in every
+    way and lines changed in every way the plan must refuse."""
+    from kvwatch.exposition import _TextPlan
+
+    planned_reads = 0
+    original = _TextPlan.read
+
+    def counted(plan, text):
+        nonlocal planned_reads
+        page = original(plan, text)
+        planned_reads += page is not None
+        return page
+
+    _TextPlan.read = counted
+    try:
+        for path in captures(fixtures_dir):
+            text = path.read_text()
+            for what, page in _mutations(text):
+                selector = VllmAdapter().selector
+                selector.parse(text)
+                selector.parse(text)  # its second sight: the plan is made
+                expected = as_comparable(VllmAdapter().selector.parse(page))
+                assert as_comparable(selector.parse(page)) == expected, f"{path.name}: {what}"
+                # And the page after it, back to the capture's layout.
+                assert as_comparable(selector.parse(text)) == as_comparable(VllmAdapter().selector.parse(text))
+    finally:
+        _TextPlan.read = original
+    assert planned_reads > 100

@@ -21,9 +21,10 @@ from kvwatch.cli import main
 from kvwatch.diagnose.timeline import Timeline
 from kvwatch.diagnose.vocabulary import Finding
 from kvwatch.scrape import Fetcher, FetchResult
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.report import _clean, finding_json
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.present import clean
+from kvwatch.sidecar.report import finding_json
+from kvwatch.settings import load_settings
 from kvwatch.sim.server import start_background
 from pageserver import Answer, PageServer
 
@@ -159,8 +160,12 @@ def test_diagnose_replay_prints_the_timeline_at_recorded_times(fixtures_dir, tmp
     assert main(["diagnose", "--replay", str(path), "--json"]) == 1
     body = json.loads(capsys.readouterr().out)
     assert body["polls"] == 6 and body["failed_polls"] == 1 and body["start"] == BASE and body["end"] == BASE + 50
-    assert body["outages"] == [{"reason": "timeout", "detail": "no response within 0.5s", "start": BASE + 30,
-                                "end": BASE + 30, "polls": 1}]
+    # The timeout came 10 s after a page with the burst's load on it: the replay reads it as the live loop
+    # does (busy, not down), from the recorded deadline and the page before it.
+    assert body["outages"] == [{"reason": "timeout", "start": BASE + 30, "end": BASE + 30, "polls": 1,
+                                "detail": "127.0.0.1:8000 is busy, not down: its /metrics did not answer within"
+                                          " 0.5 s, and its latest page (10 s before) showed 6 running and 18"
+                                          " waiting requests"}]
     burst = next(f for f in body["findings"] if f["cause"] == "concurrency_beyond_capacity")
     # One timeline format with `kvwatch diagnose --prometheus` (where `replica` names the replica).
     assert set(burst) == {"symptom", "cause", "model_name", "engine", "start", "end", "polls", "worst",
@@ -247,7 +252,7 @@ def test_serve_replay_is_the_sidecar_over_recorded_time(fixtures_dir, tmp_path):
 
 
 def findings_of(state) -> list:
-    return [_clean(asdict(f)) for f in state.findings] if state.up else None
+    return [clean(asdict(f)) for f in state.findings] if state.up else None
 
 
 def test_a_simulator_recording_replays_to_the_live_sidecars_timeline(tmp_path):
@@ -324,7 +329,7 @@ def test_serve_replay_is_marked_as_a_replay_on_every_surface(fixtures_dir, tmp_p
 
     # Live: no replay key, /readyz unchanged.
     live = load_settings(overrides={"target": "http://127.0.0.1:9/metrics"}, environ={})
-    from kvwatch.sidecar.monitor import Monitor
+    from kvwatch.pipeline.monitor import Monitor
 
     assert "replay" not in TestClient(create_app(Monitor(live), live)).get("/api/v1/signals").json()
 

@@ -14,10 +14,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvwatch.cli import main
-from kvwatch.history.central import Central
+from kvwatch.central.refresh import Central
 from kvwatch.history.query import PrometheusClient
-from kvwatch.sidecar.central import create_central_app
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.central.app import create_central_app
+from kvwatch.settings import load_settings
 from promstack import backfilled_prometheus
 from sim_support import fleet_openmetrics
 from test_history_prometheus import fleet

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.sidecar.demo import read_status
-from kvwatch.sidecar.monitor import Monitor
+from kvwatch.pipeline.demo import read_status
+from kvwatch.pipeline.monitor import Monitor
 from kvwatch.sidecar.report import signals_json
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.settings import load_settings
 from kvwatch.sim.scenario import load_scenario, phase_line
 from kvwatch.sim.server import start_background
 from kvwatch.sim.simulation import Simulation
@@ -70,7 +70,7 @@ def test_the_loop_length_the_readme_and_run_demo_state_is_the_scenario_s():
 def test_sim_phase_is_served_over_http_and_read_back_bounded():
     with start_background("demo", speed=0) as server:
         server.advance(10)
-        from kvwatch.sidecar.demo import DemoSource
+        from kvwatch.pipeline.demo import DemoSource
 
         status = DemoSource(server.url + "/sim/phase", 5.0).poll()
     assert status["phase"] == "healthy" and status["next"] == "eviction-pressure"

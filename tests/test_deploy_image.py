@@ -25,7 +25,7 @@ import pytest
 import requests
 import yaml
 
-from kvwatch.sidecar.settings import PARSERS, Settings, env_name
+from kvwatch.settings import PARSERS, Settings, env_name
 from pageserver import Answer, LoopbackServer, PageServer
 from promstack import free_port, stop_process
 from promstub import StubClient

@@ -28,7 +28,7 @@ from kvwatch.mixin.config import (CENTRAL_MEASURED_REPLICAS, CENTRAL_MEASURED_RE
                                   DeploySettings, central_resources, deploy_settings)
 from kvwatch.mixin.helm import render_chart
 from kvwatch.mixin.manifests import render_manifests
-from kvwatch.sidecar.settings import PARSERS, env_name, load_settings
+from kvwatch.settings import PARSERS, env_name, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -360,7 +360,7 @@ def test_wiring_check_catches_a_mismatch():
 
 def test_kustomizations_reference_existing_files():
     kustomizations = sorted(KUBE.rglob("kustomization.yaml"))
-    assert len(kustomizations) == 6  # base, two overlays, two sidecar Components, central
+    assert len(kustomizations) == 7  # base, two overlays, two sidecar Components, central, central-sharded
     for path in kustomizations:
         doc = yaml.safe_load(path.read_text())
         assert doc["apiVersion"].startswith("kustomize.config.k8s.io/")
@@ -823,7 +823,7 @@ def test_kvwatch_serve_runs_central_mode_with_the_deployments_arguments(monkeypa
     import uvicorn
 
     from kvwatch.cli import main
-    from kvwatch.history.central import Central
+    from kvwatch.central.refresh import Central
 
     container = central_container()
     for key in [k for k in os.environ if k.startswith("KVWATCH_")]:
@@ -897,3 +897,73 @@ def test_central_scrape_config_is_valid(tmp_path):
     result = subprocess.run([promtool, "check", "config", "--syntax-only", str(tmp_path / "prometheus.yml")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- sharded central mode
+
+
+SHARDED = KUBE / "central-sharded"
+
+
+def sharded_objects(directory: Path = SHARDED) -> list[dict]:
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    objects = [doc for name in kustomization["resources"] for doc in load_docs(directory / name)]
+    for doc in objects:
+        doc["metadata"]["namespace"] = kustomization["namespace"]
+    return objects
+
+
+def check_sharded_wiring(objects: list[dict], shards: int) -> None:
+    """The StatefulSet's pods each serve their ordinal's shard of `shards`,
+    under a headless governing Service, scraped as the central Deployment."""
+    statefulset = one(objects, "StatefulSet")
+    service = one(objects, "Service")
+    spec = statefulset["spec"]
+    assert spec["replicas"] == shards and spec["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    as_deployment = {**statefulset, "kind": "Deployment", "spec": {**spec, "replicas": 1}}
+    check_central_wiring([as_deployment if doc is statefulset else doc for doc in objects])
+    (container,) = spec["template"]["spec"]["containers"]
+    args = serve_parser().parse_args(container["args"])
+    assert args.shard == f"ordinal/{shards}"
+    (pod_name,) = [e for e in container["env"] if e["name"] == "POD_NAME"]
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_sharded_central_manifests_validate_and_select_each_other(version):
+    objects = sharded_objects()
+    assert sorted(doc["kind"] for doc in objects) == ["Service", "ServiceMonitor", "StatefulSet"]
+    for doc in objects:
+        validate_object(doc, version)
+    check_sharded_wiring(objects, SETTINGS.central_shards)
+
+
+def test_each_statefulset_pod_serves_its_own_shard_and_together_every_replica():
+    from kvwatch.history.shard import Shard, parse_shard
+
+    statefulset = one(sharded_objects(), "StatefulSet")
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    flag = serve_parser().parse_args(container["args"]).shard
+    name, count = statefulset["metadata"]["name"], statefulset["spec"]["replicas"]
+    # A StatefulSet names its pods NAME-0 .. NAME-(N-1).
+    assert [parse_shard(flag, {"POD_NAME": f"{name}-{k}"}) for k in range(count)] == \
+        [Shard(k, count) for k in range(count)]
+
+
+def test_sharded_count_comes_from_the_deploy_config_and_is_checked():
+    files = render_manifests({"central_shards": 7}, prometheus_rule="", dashboards={})
+    objects = [doc for name in ("statefulset.yaml", "service.yaml", "servicemonitor.yaml")
+               for doc in yaml.safe_load_all(files["kubernetes/central-sharded/" + name]) if doc]
+    check_sharded_wiring(objects, 7)
+    for bad in (0, 5000, "4", True):
+        with pytest.raises(ValueError, match="central_shards"):
+            render_manifests({"central_shards": bad}, prometheus_rule="", dashboards={})
+
+
+def test_kustomize_builds_the_sharded_central_layout():
+    objects = kustomize_build(SHARDED)
+    for doc in objects:
+        assert doc["metadata"]["namespace"] == SETTINGS.namespace
+        validate_object(doc, KUBERNETES_VERSIONS[-1])
+    check_sharded_wiring(objects, SETTINGS.central_shards)

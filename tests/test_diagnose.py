@@ -19,7 +19,7 @@ from kvwatch.diagnose import (
     validate_thresholds,
 )
 from kvwatch.diagnose import Change, HitRateMemory
-from kvwatch.sidecar.settings import SettingsError, load_settings
+from kvwatch.settings import SettingsError, load_settings
 from kvwatch.signals import evaluate_window
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
 from kvwatch.window import Window

@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from kvwatch.cli import main
-from kvwatch.sidecar.settings import Settings
-from kvwatch.sidecar.upstream import UpstreamSource, histogram_base_name
+from kvwatch.settings import Settings
+from kvwatch.pipeline.upstream import UpstreamSource, histogram_base_name
 from pageserver import Answer, PageServer
 
 
@@ -214,8 +214,8 @@ def test_readyz_and_the_json_api_carry_the_sentence_not_the_exception():
     from fastapi.testclient import TestClient
 
     from kvwatch.sidecar.app import create_app
-    from kvwatch.sidecar.monitor import Monitor
-    from kvwatch.sidecar.settings import load_settings
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -246,3 +246,20 @@ def test_counts_in_summaries_are_whole_numbers(fixtures_dir, capsys):
     assert "with 9 waiting for 3 running." in text, text
     assert not re.search(r"\b\d+\.0 (requests|waiting|running|preemptions)\b", text), text
     assert [count_text(v) for v in (9.0, 3.02, 0, 2.44, 12.96)] == ["9", "3", "0", "2.4", "13"]
+
+
+def test_a_signal_an_older_vllm_counts_differently_is_marked_under_the_table(fixtures_dir, capsys):
+    """Two pages of the real vLLM 0.10.2 burst (tests/fixtures/vllm-0.10.2-cpu):
+    its lookups count re-lookups and its preemptions come late; the table is
+    followed by the sentence for each."""
+    from kvwatch.capture.bundle import Capture
+    from kvwatch.engines.vllm import LATE_PREEMPTIONS, RELOOKUPS
+
+    pages = [text for _, text in Capture(fixtures_dir / "vllm-0.10.2-cpu" / "load.tar.gz").pages() if text]
+    with PageServer([Answer(pages[10]), Answer(pages[60])]) as server:
+        diagnose_cli(server.url)
+    out = " ".join(capsys.readouterr().out.split())  # the sentences are wrapped
+    table_end = out.index("FINDINGS")
+    hit = out.index("* Prefix cache hit ratio [tiny-llama / 0]: the window's lookups")
+    assert hit < table_end and RELOOKUPS in out[hit:table_end]
+    assert f"* Preemptions [tiny-llama / 0]: {LATE_PREEMPTIONS}" in out[:table_end]

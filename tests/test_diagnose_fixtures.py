@@ -11,8 +11,8 @@ from kvwatch.sidecar.app import create_app
 from kvwatch.sidecar.collector import make_registry
 from kvwatch.diagnose import diagnose
 from kvwatch.engines.vllm import VllmAdapter
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from kvwatch.signals import evaluate_window
 from kvwatch.window import Window
 from pageserver import Answer, PageServer

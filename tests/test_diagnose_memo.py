@@ -21,16 +21,20 @@ BASE = 1_700_000_000.0
 
 
 def fresh_findings(window: Window, thresholds: dict) -> list:
-    """The findings with every entry's kept views set aside (and put back)."""
+    """The findings with every entry's kept views, and what the diagnosis
+    keeps on the window (its per-engine polls), set aside (and put back)."""
     kept = [entry.derived for entry in window.entries]
+    kept_on_window = window.kept
     try:
         for entry in window.entries:
             entry.derived = {}
+        window.kept = {}
         per_engine, per_model = evaluate_window(window)
         return diagnose(window, per_engine, (), thresholds)
     finally:
         for entry, derived in zip(window.entries, kept):
             entry.derived = derived
+        window.kept = kept_on_window
 
 
 def diagnose_each_poll(pages, window_seconds: float, every: float, thresholds: dict | None = None) -> list:

@@ -13,12 +13,12 @@ import yaml
 
 from kvwatch.diagnose import diagnose
 from kvwatch.engines.vllm import VllmAdapter
-from kvwatch.sidecar.settings import Settings
+from kvwatch.settings import Settings
 from kvwatch.signals import evaluate_window
 from kvwatch.sim.render import render_app_metrics, render_metrics
 from kvwatch.sim.scenario import load_scenario
 from kvwatch.sim.simulation import Simulation
-from kvwatch.sidecar.upstream import UpstreamSource
+from kvwatch.pipeline.upstream import UpstreamSource
 from kvwatch.window import Window
 
 BASE = 1_700_000_000.0

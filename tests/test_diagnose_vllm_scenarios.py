@@ -17,8 +17,8 @@ import pytest
 
 from kvwatch.capture.bundle import Capture
 from kvwatch.capture.replay import replay
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 
 
 def replayed(fixtures_dir, scenario: str, window: str = "60s", diagnosis: dict | None = None) -> list:

@@ -33,8 +33,8 @@ import pytest
 from kvwatch.engines import ENGINES
 from kvwatch.engines.coverage import dark_signals, provided
 from kvwatch.sidecar.app import create_app
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from kvwatch.signals import ENGINE_SERIES, SIGNALS
 from kvwatch.sim.scenario import load_scenario
 from kvwatch.sim.server import start_background
@@ -165,6 +165,7 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
     empty: list[str] = []
     skipped = checked = 0
     rising: set[str] = set()
+    with_data: set[str] = set()
     lmcache: set[str] = set()
     events: set[str] = set()
     for dialect, model in DIALECTS.items():
@@ -185,6 +186,8 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
                     expr = expr.replace(variable, variables[variable])
                 if not query_range(prom, expr, start, now, step=2):
                     empty.append(f"{dialect}: {where}")
+                else:
+                    with_data.add(f"{dialect}: {where}")
                 checked += 1
                 if _needs_rising_usage(expr):
                     rising.add(f"{dialect}: {where}")
@@ -199,6 +202,9 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
             if _needs_rising_usage(rule["expr"]):
                 rising.add(f"{dialect}: recorded {rule['record']}")
     assert not empty, f"queries without data: {empty}"
+    # Every cache tier in one view: SGLang's tiers (prefill_effective_tokens) on the prefix-cache board.
+    assert any(where.startswith("sglang: ") and "by the cache tier" in where for where in with_data), \
+        sorted(w for w in with_data if w.startswith("sglang: "))
     assert checked > 200 and skipped > 0
     # Without an LMCache target the tier's panels need that source: classed so, not failed.
     assert lmcache == set(lmcache_exprs()), sorted(lmcache)

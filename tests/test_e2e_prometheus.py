@@ -7,8 +7,8 @@ import contextlib
 import pytest
 
 from kvwatch.sidecar.app import create_app
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from pageserver import Answer, PageServer, serving
 from promstack import free_port, prometheus, query, wait_until
 

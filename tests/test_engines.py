@@ -14,9 +14,9 @@ from kvwatch.engines import ENGINES, make_adapter, recognize
 from kvwatch.engines.coverage import dark_signals
 from kvwatch.engines.sglang import SglangAdapter
 from kvwatch.engines.trtllm import STALE_AFTER
-from kvwatch.sidecar.monitor import Monitor
+from kvwatch.pipeline.monitor import Monitor
 from kvwatch.sidecar.report import signals_json
-from kvwatch.sidecar.settings import SettingsError, load_settings
+from kvwatch.settings import SettingsError, load_settings
 from kvwatch.signals import evaluate_window
 from kvwatch.sim.dialects import render_dialect
 from kvwatch.sim.render import render_metrics

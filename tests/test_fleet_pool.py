@@ -79,3 +79,33 @@ def test_a_row_slimmed_to_what_the_rules_read_gives_the_same_findings():
         assert fleet_findings("m", [row.slim() for row in rows]) == expected
         seen.update(f.cause for f in expected)
     assert seen == {"imbalance", "cold_replica", "lost_prefix_affinity"}
+
+
+def test_imbalance_counts_every_peer_with_room_and_their_highest_peak():
+    """Each pressed replica's peers with room are counted once for the fleet
+    (a fleet of n was n * n): the evidence must still be each replica's,
+    computed from its own peers."""
+    from kvwatch.diagnose.vocabulary import Finding
+
+    rng = random.Random(3)
+    exhausted = Finding("exhaustion", "concurrency_beyond_capacity", "critical", "high", "m", "0", "", {}, "")
+    rows = []
+    for i in range(40):
+        pressed = rng.random() < 0.4
+        peak = 0.99 if pressed else round(rng.uniform(0.1, 0.95), 3)
+        rows.append(ReplicaRow(f"r{i}", "0", {"kvwatch_kv_cache_usage_max_ratio": peak,
+                                              "kvwatch_requests_waiting": 4.0 if pressed else 0.0},
+                               {}, [exhausted] if pressed else []))
+    found = {f.evidence["replica"]: f for f in fleet_findings("m", rows) if f.cause == "imbalance"}
+    from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
+
+    room = DEFAULT_THRESHOLDS["fleet_room_usage_ratio"]
+    for row in rows:
+        peers = [p for p in rows if p is not row and p.usage_peak <= room and p.waiting <= 0 and not p.findings]
+        if not row.findings or not peers:
+            assert row.replica not in found
+            continue
+        evidence = found[row.replica].evidence
+        assert evidence["peers_with_room"] == len(peers) and evidence["peers"] == len(rows) - 1
+        assert evidence["peers_usage_peak_max"] == max(p.usage_peak for p in peers)
+    assert found  # the fleet has pressed replicas with roomy peers

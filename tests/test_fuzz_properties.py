@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvwatch.sidecar.monitor
+import kvwatch.pipeline.monitor
 from fuzz.pages import TTFT_BOUNDS, Engine, escape, page
 from fuzz.pipeline import Pipeline
 from kvwatch.engines.vllm import PREFIXES, VllmAdapter, all_families
@@ -324,7 +324,7 @@ def test_one_model_name_per_request_is_capped_counted_and_memory_stays_flat(monk
     growing once the window and the parser's bounded caches are full (they
     are cleared when full, so memory saws up and down: compare peaks)."""
     clock = [1_000_000.0]
-    monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
+    monkeypatch.setattr(kvwatch.pipeline.monitor, "time", types.SimpleNamespace(
         time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
     pipeline = Pipeline(max_series=100, window="30s")
     per_poll, polls = 5000, 30
@@ -369,7 +369,7 @@ def test_new_80_kb_label_values_every_poll_keep_the_parser_cache_bounded_in_byte
     from kvwatch import exposition
 
     clock = [1_000_000.0]
-    monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
+    monkeypatch.setattr(kvwatch.pipeline.monitor, "time", types.SimpleNamespace(
         time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
     pipeline = Pipeline(max_series=100, window="30s")
 
@@ -410,7 +410,7 @@ def test_model_names_changing_every_poll_keep_findings_events_and_details_bounde
     full = int((60 + DEFAULT_THRESHOLDS["finding_hold_seconds"]) / 5) + 1
     polls = full + 16
     clock = [1_000_000.0]
-    monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
+    monkeypatch.setattr(kvwatch.pipeline.monitor, "time", types.SimpleNamespace(
         time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
     pipeline = Pipeline(max_series=1000, window="60s")
     sizes = []
@@ -439,7 +439,7 @@ def test_a_new_lora_adapter_set_each_poll_is_forgotten_after_the_window(monkeypa
     from kvwatch.diagnose.changes import MAX_NAMES
 
     clock = [1_000_000.0]
-    monkeypatch.setattr(kvwatch.sidecar.monitor, "time", types.SimpleNamespace(
+    monkeypatch.setattr(kvwatch.pipeline.monitor, "time", types.SimpleNamespace(
         time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
     pipeline = Pipeline(window="30s")
 

@@ -24,7 +24,7 @@ import yaml
 from kvwatch.mixin import helm as chart_gen
 from kvwatch.mixin import manifests
 from kvwatch.mixin.config import DeploySettings, central_resources, kv_events_resources
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.settings import load_settings
 from test_deploy_manifests import kubectl_path
 
 helm = pytest.importorskip(

@@ -156,8 +156,8 @@ def test_the_families_history_does_not_read_change_no_finding(fixtures_dir):
     evidence included, at every poll."""
     from kvwatch.capture.bundle import Capture
     from kvwatch.capture.replay import ReplaySource
-    from kvwatch.sidecar.monitor import Monitor
-    from kvwatch.sidecar.settings import load_settings
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
 
     settings = load_settings(overrides={"poll_interval": "1s", "window": "60s"}, environ={})
     recordings = sorted((fixtures_dir / "vllm-0.32-cpu-scenarios").glob("*/capture.tar.gz"))

@@ -174,16 +174,16 @@ def test_a_query_split_into_time_chunks_reads_each_series_whole(store):
 def test_replica_after_replica_gives_the_timeline_of_step_after_step(store):
     """History diagnoses a chunk one replica after another (_diagnose_chunk,
     for the CPU's caches); central mode, a few steps at a time, every replica
-    at one step (_diagnose_step). The replicas' states are their own, so both
+    at one step (diagnose_step). The replicas' states are their own, so both
     orders give the same timeline."""
     from kvwatch.diagnose.timeline import Timeline
     from kvwatch.history.pages import Pages, family_query
-    from kvwatch.history.run import _diagnose_step, _discover
+    from kvwatch.history.run import diagnose_step, discover
 
     prom, start = store
     client = PrometheusClient(prom.url)
     history = diagnose_history(client, start, start + DURATION, INTERVAL, window=WINDOW)
-    source, families, counts, inner = _discover(client, "", start, start + DURATION, "auto", diagnosed_only=True)
+    source, families, counts, inner = discover(client, "", start, start + DURATION, "auto", diagnosed_only=True)
     points = DURATION // INTERVAL + 1
     pages = Pages(start, INTERVAL, points, source)
     queries = [(family_query(f, names, inner), counts[f]) for f, names in sorted(families.items())]
@@ -191,7 +191,7 @@ def test_replica_after_replica_gives_the_timeline_of_step_after_step(store):
         pages.add(result)
     ordered, states, timeline, holds = sorted(pages.replicas.items()), {}, Timeline(), {}
     for index in range(points):
-        _diagnose_step(start + index * INTERVAL, index, ordered, states, timeline, WINDOW, None, INTERVAL, holds)
+        diagnose_step(start + index * INTERVAL, index, ordered, states, timeline, WINDOW, None, INTERVAL, holds)
     timeline.finish()
     assert len(history.timeline.episodes) >= 3
     assert timeline.episodes == history.timeline.episodes and timeline.gaps == history.timeline.gaps

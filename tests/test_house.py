@@ -11,13 +11,13 @@ from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.dashboards import Board, PanelSpec
 from kvwatch.mixin.metrics_doc import render
 from kvwatch.sidecar.collector import make_registry
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from kvwatch.signals import ENGINE_SERIES, HEALTH, SIGNALS
 from pageserver import Answer, PageServer
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvwatch"
-SHARED_PIPELINE = {"cli", "units", "scrape", "exposition", "snapshot", "window", "signals"}
+SHARED_PIPELINE = {"cli", "units", "scrape", "exposition", "snapshot", "window", "settings", "present"}
 
 
 def module_name(path: Path) -> str:
@@ -81,7 +81,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_loop_inside_kvwatch():
     graph = import_graph()
-    assert "kvwatch.diagnose" in graph and "kvwatch.sidecar.settings" in graph
+    assert "kvwatch.diagnose" in graph and "kvwatch.settings" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 

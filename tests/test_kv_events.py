@@ -18,8 +18,8 @@ from kvwatch.kvevents import wire
 from kvwatch.kvevents.ledger import Ledger, bucket_lower, bucket_upper, distance_bucket
 from kvwatch.kvevents.source import QUEUE_MESSAGES, KVEventSource
 from kvwatch.sidecar.app import create_app
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import SettingsError, load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import SettingsError, load_settings
 from pageserver import Answer, PageServer
 from test_app import value
 

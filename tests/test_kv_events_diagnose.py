@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from kvwatch.sim.scenario import load_scenario
 from kvwatch.sim.server import start_background
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kvwatch.sidecar.collector import make_registry
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from pageserver import Answer, PageServer
 
 

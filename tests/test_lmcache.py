@@ -1,4 +1,4 @@
-"""LMCache as a second source beside the engine (kvwatch/sidecar/lmcache.py).
+"""LMCache as a second source beside the engine (kvwatch/pipeline/lmcache.py).
 
 No LMCache server runs here (it needs CUDA): the pages under
 tests/fixtures/handwritten/lmcache-{a,b,c}.txt are written by hand from
@@ -16,10 +16,10 @@ from kvwatch.cli import main
 from kvwatch.diagnose import diagnose
 from kvwatch.mixin.metrics_doc import render
 from kvwatch.sidecar.collector import make_registry
-from kvwatch.sidecar.lmcache import LMCacheSource
-from kvwatch.sidecar.monitor import Monitor
+from kvwatch.pipeline.lmcache import LMCacheSource
+from kvwatch.pipeline.monitor import Monitor
 from kvwatch.sidecar.report import diagnosis_json, status_json
-from kvwatch.sidecar.settings import Settings, load_settings
+from kvwatch.settings import Settings, load_settings
 from kvwatch.sidecar.statuspage import render_status_page
 from kvwatch.signals import evaluate_window
 from pageserver import Answer, PageServer

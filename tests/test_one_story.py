@@ -19,9 +19,9 @@ from kvwatch.diagnose import Finding
 from kvwatch.diagnose.arbitration import ARBITRATED, DECIDERS, arbitrate, group_key, one_primary_each
 from kvwatch.diagnose.hold import FindingHold
 from kvwatch.sidecar.collector import KvwatchCollector
-from kvwatch.sidecar.monitor import Monitor
+from kvwatch.pipeline.monitor import Monitor
 from kvwatch.sidecar.report import diagnosis_json
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.settings import load_settings
 from sim_support import SIM_BASE, sim_monitor
 
 SEEDS = (0, 1, 2)
@@ -138,7 +138,7 @@ def test_two_loops_of_the_demo_tell_one_story_per_engine_and_symptom(seed):
     holder = []
     check = Checker(lambda: holder[0])
     # As `make run` polls: every 2 s over a 1-minute window, max_num_seqs told.
-    import kvwatch.sidecar.monitor as monitor_module
+    import kvwatch.pipeline.monitor as monitor_module
 
     real_init = monitor_module.Monitor.__init__
 

@@ -1,6 +1,6 @@
 """A poll leaves no reference cycles behind.
 
-kvwatch serve runs the cyclic garbage collector rarely (kvwatch/sidecar/monitor.py:
+kvwatch serve runs the cyclic garbage collector rarely (kvwatch/pipeline/monitor.py:
 tune_garbage_collector), because a poll's objects are freed by reference
 counting. Anything a poll leaves in a cycle therefore lingers until a rare
 collection, and resident memory creeps up meanwhile (a timer thread per fetch
@@ -38,8 +38,8 @@ def engine_url(tmp_path, fixtures_dir):
 MEASURE = """
 import gc, json, sys
 from collections import Counter
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 settings = load_settings(overrides={"target": sys.argv[1], "poll_interval": "1s", "window": "1m"}, environ={})
 monitor = Monitor(settings)
 for _ in range(3):  # connections, caches and the deadline thread come with the first polls

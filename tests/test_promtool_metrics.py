@@ -12,9 +12,9 @@ import subprocess
 import pytest
 from fastapi.testclient import TestClient
 
-from kvwatch.history.central import Central
+from kvwatch.central.refresh import Central
 from kvwatch.sidecar.app import create_app
-from kvwatch.sidecar.central import create_central_app
+from kvwatch.central.app import create_central_app
 from promstub import StubClient
 from test_central import START, history_text, settings  # noqa: F401 (fixture)
 

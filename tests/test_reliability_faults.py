@@ -24,8 +24,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.sidecar.app import create_app
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from pageserver import Answer, PageServer
 
 TIMEOUT = 0.5  # the fetch deadline: every timeout case waits about this long

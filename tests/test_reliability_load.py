@@ -21,8 +21,8 @@ import requests
 
 from fuzz.pages import Engine, page
 from kvwatch.sidecar.app import create_app
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from pageserver import Answer, PageServer, serving
 from test_reliability_faults import metric_values
 

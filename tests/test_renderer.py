@@ -83,8 +83,8 @@ CAPTURES = ["vllm-0.32-cpu/metrics-idle.txt", "vllm-0.32-cpu/metrics-load.txt",
 def test_the_renderer_matches_generate_latest_on_kvwatch_s_own_registry(fixtures_dir, capture):
     from pageserver import Answer, PageServer
 
-    from kvwatch.sidecar.monitor import Monitor
-    from kvwatch.sidecar.settings import load_settings
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
 
     page = (fixtures_dir / capture).read_text()
     with PageServer([Answer(page if page.endswith("\n") else page + "\n")]) as server:

@@ -140,7 +140,7 @@ def test_eta_cases_are_the_sidecars_signal_on_the_same_samples():
     # One number, one definition: the sidecar's ETA (kvwatch/signals.py),
     # fed each case's samples up to its evaluation time (one a minute, as
     # promtool's), gives the value the recorded series must hold, or none.
-    from kvwatch.signals import _eta
+    from kvwatch.signals.evaluation import _eta
 
     cases_seen = 0
     for case in cases.eta_cases():

@@ -31,8 +31,8 @@ from fastapi.testclient import TestClient
 
 from fuzz.pages import Engine, page
 from kvwatch.sidecar.app import OPEN_PATHS, create_app
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import Settings, load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import Settings, load_settings
 from pageserver import Answer, PageServer, serving
 from test_reliability_faults import Blackhole, RawServer, free_port, never_answer, page_server_on, value
 
@@ -672,3 +672,28 @@ def test_config_and_token_files_are_read_with_a_byte_cap(tmp_path, capsys):
     assert f"config file {fifo}: not a regular file" in capsys.readouterr().err
     assert main(["serve", "--config", "/dev/null", "--port", "99999999"]) == 2  # a device: refused, never read
     assert "/dev/null: not a regular file" in capsys.readouterr().err
+
+
+def test_tls_and_ca_files_are_regular_files_within_a_byte_cap(tmp_path, capsys):
+    """A CA bundle of 2 GiB (sparse), a certificate path naming a FIFO: the
+    TLS library reads them whole (a CA bundle at every new connection to the
+    engine) and a FIFO blocks it for ever. Each is one sentence, exit 2,
+    before anything is read."""
+    import os
+
+    from kvwatch.cli import main
+    from kvwatch.settings import MAX_PEM_BYTES
+
+    bundle = tmp_path / "ca.pem"
+    with open(bundle, "wb") as handle:
+        handle.truncate(2 * 1024 ** 3)
+    assert main(["serve", "--target", "https://127.0.0.1:9/metrics", "--ca-bundle", str(bundle),
+                 "--port", "99999999"]) == 2
+    assert f"is larger than the {MAX_PEM_BYTES:,} bytes kvwatch reads of it" in capsys.readouterr().err
+    fifo = tmp_path / "cert.pem"
+    os.mkfifo(fifo)
+    key = tmp_path / "key.pem"
+    key.write_text("not a key")
+    assert main(["serve", "--target", "http://127.0.0.1:9/metrics", "--tls-cert-file", str(fifo),
+                 "--tls-key-file", str(key), "--port", "99999999"]) == 2
+    assert f"{str(fifo)!r} is not a regular file" in capsys.readouterr().err

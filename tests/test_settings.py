@@ -3,7 +3,7 @@ import socket
 import pytest
 
 from kvwatch.cli import main
-from kvwatch.sidecar.settings import SettingsError, load_settings
+from kvwatch.settings import SettingsError, load_settings
 
 
 def test_defaults_env_file_and_flags_layer_in_that_order(tmp_path):
@@ -101,7 +101,7 @@ def test_serve_help_states_every_default_one_way_and_each_parses_back_to_the_set
     import re
     from dataclasses import fields
 
-    from kvwatch.sidecar.settings import PARSERS, Settings, default_text
+    from kvwatch.settings import PARSERS, Settings, default_text
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

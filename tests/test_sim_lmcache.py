@@ -10,8 +10,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwatch.sidecar.lmcache import LMCacheSource
-from kvwatch.sidecar.settings import Settings
+from kvwatch.pipeline.lmcache import LMCacheSource
+from kvwatch.settings import Settings
 from kvwatch.sim.engine import Engine, EngineConfig, Request
 from kvwatch.sim.lmcache import LMCacheTier
 from kvwatch.sim.scenario import load_scenario

@@ -9,11 +9,11 @@ import math
 import pytest
 
 from kvwatch.scrape import FetchResult
-from kvwatch.sidecar.lmcache import LMCacheSource
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import Settings, load_settings
-import kvwatch.sidecar.upstream as upstream
-from kvwatch.sidecar.upstream import UpstreamSource
+from kvwatch.pipeline.lmcache import LMCacheSource
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import Settings, load_settings
+import kvwatch.pipeline.upstream as upstream
+from kvwatch.pipeline.upstream import UpstreamSource
 
 
 def upstream_page(bounds: list[str], counts: list[float], total: float) -> str:
@@ -127,7 +127,7 @@ def test_the_lmcache_tier_keeps_at_most_its_own_model_count():
     """500 served names on LMCache's page (a new name per request): the tier
     keeps MAX_MODELS (100) of them, the first in name order, even with the
     default max_series of 1,000 (it kept 1,000 a poll in its window)."""
-    import kvwatch.sidecar.lmcache as lmcache
+    import kvwatch.pipeline.lmcache as lmcache
 
     labels = '{{model_name="m",worker_id="0",role="worker",served_model_name="name-{n:04d}"}}'
     page = "".join(f"lmcache:num_hit_tokens_total{labels.format(n=n)} 1\n"
@@ -136,3 +136,36 @@ def test_the_lmcache_tier_keeps_at_most_its_own_model_count():
                          300.0)
     report = tier.ingest(page, 0.0)
     assert [row["model_name"] for row in report["models"]] == [f"name-{n:04d}" for n in range(lmcache.MAX_MODELS)]
+
+
+def test_a_kv_event_batch_of_an_unknown_layout_is_decoded_by_hand_only_up_to_its_cap():
+    """A 4 MiB message (under the stream's 4 MiB message cap) of an event
+    type no release sends, holding 4 M empty arrays: the typed decoders
+    refuse it, and the generic decode built a list per byte (257 MB traced).
+    It is now one sentence and a malformed count, decoding at most
+    GENERIC_MAX_BYTES generically; a small batch of a newer event type still
+    reads."""
+    import tracemalloc
+
+    import msgspec
+
+    from kvwatch.kvevents import wire
+    from kvwatch.kvevents.source import KVEventSource
+
+    count = 4 * 1024 * 1024 - 64
+    bomb = (b"\x92" + msgspec.msgpack.encode(1.0) + b"\x91\x92" + msgspec.msgpack.encode("BlockPinnedSoon")
+            + b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count)
+    source = KVEventSource("tcp://127.0.0.1:1")
+    tracemalloc.start()
+    try:
+        source.feed(0, bomb, now=1.0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(bomb), peak
+    assert source.malformed == 1
+    assert source.last_malformed == (f"a batch of {len(bomb):,} bytes that is not in vLLM's known layouts "
+                                        f"(kvwatch reads such batches only up to {wire.GENERIC_MAX_BYTES:,} bytes)")
+    small = msgspec.msgpack.encode([2.0, [["BlockStored", [7], None, [], 16, None, "GPU"], ["BlockPinnedSoon", [7]]]])
+    source.feed(1, small, now=2.0)
+    assert source.ledger.totals.stored == 1 and source.skipped_events == 1

@@ -11,9 +11,10 @@ import re
 from fastapi.testclient import TestClient
 
 from kvwatch.sidecar.app import create_app
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
-from kvwatch.sidecar.statuspage import CONTENT_SECURITY_POLICY, SCRIPT, STYLE, format_value, render_status_page
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
+from kvwatch.present import format_value
+from kvwatch.sidecar.statuspage import CONTENT_SECURITY_POLICY, SCRIPT, STYLE, render_status_page
 from pageserver import Answer, PageServer
 
 
@@ -130,7 +131,7 @@ def test_a_full_window_reads_as_the_span_it_covers_not_more_than_set():
 
 
 def _down_state():
-    from kvwatch.sidecar.monitor import State
+    from kvwatch.pipeline.monitor import State
 
     return State(up=False, reason="refused", detail="connection refused", polls=3)
 
@@ -164,7 +165,7 @@ def test_series_hold_one_point_per_window_entry_and_thresholds_come_with_the_sta
 
 def test_every_signal_has_a_human_label():
     from kvwatch.signals import SIGNALS
-    from kvwatch.sidecar.statuspage import signal_label
+    from kvwatch.present import signal_label
 
     labels = [signal.display for signal in SIGNALS]
     assert all(labels) and len(set(labels)) == len(labels)
@@ -353,7 +354,7 @@ def test_the_script_formats_numbers_as_python_does():
     summary and in the page's script: both must write every value alike."""
     import json
 
-    from kvwatch.sidecar.statuspage import format_value
+    from kvwatch.present import format_value
 
     expected = [format_value(value, unit) for value, unit in FORMAT_CASES]
     written = run_script(["labelKey", "three", "fmt"], f"{json.dumps(FORMAT_CASES)}.map(function (c) {{ return fmt(c[0], c[1]); }})")
@@ -379,7 +380,7 @@ def test_no_two_signals_read_alike():
 
 
 def signal_label_of(name: str) -> str:
-    from kvwatch.sidecar.statuspage import signal_label
+    from kvwatch.present import signal_label
 
     return signal_label(name)
 

@@ -16,8 +16,8 @@ import subprocess
 import pytest
 
 from kvwatch.sidecar.app import create_app, readiness
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from pageserver import Answer, PageServer, serving
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -109,8 +109,8 @@ def test_central_modes_page_of_one_replica_refreshes_that_replica(tmp_path):
     """Central mode (kvwatch serve --prometheus) serves one replica's page at
     /?replica=NAME; its script must ask the API for the same replica (the
     API without it lists every replica, and /api/v1/series refuses)."""
-    from kvwatch.history.central import Central
-    from kvwatch.sidecar.central import create_central_app
+    from kvwatch.central.refresh import Central
+    from kvwatch.central.app import create_central_app
     from promstub import StubClient
     from sim_support import fleet_openmetrics
     from test_history_prometheus import fleet
@@ -430,3 +430,31 @@ def test_the_banner_shows_the_worst_active_finding_and_clearing_ones_are_muted_b
     # The card's numbers say their span (the trends end on shorter ones).
     assert facts["spans"] == ["over the last 60 s"], facts["spans"]
     assert messages == []
+
+
+def test_the_script_marks_a_figure_its_engines_version_counts_differently(fixtures_dir, tmp_path):
+    """Rendered from a vLLM 0.32 page (no caveat), the script then draws the
+    state of a replayed vLLM 0.10.2 burst: the hit-ratio and preemption
+    figures say they are counted differently, and why, below the figures."""
+    from kvwatch.capture.bundle import Capture
+    from kvwatch.capture.replay import replay
+    from kvwatch.engines.vllm import LATE_PREEMPTIONS, RELOOKUPS
+
+    settings = load_settings(environ={})
+    plain = polled(fixtures_dir, ["idle", "load"], settings)
+    replay_settings = load_settings(overrides={"poll_interval": "1s", "window": "600s"}, environ={})
+    monitors = []
+    replay(Capture(fixtures_dir / "vllm-0.10.2-cpu" / "load.tar.gz"),
+           lambda source: monitors.append(Monitor(replay_settings, fetcher=source, clock=source.now)) or monitors[0])
+    app = create_app(SwitchingMonitor(plain, monitors[0]), settings)
+    with serving(app, lifespan="off", start_timeout_s=10) as kvwatch:
+        dom, stderr = dump_dom(kvwatch.url + "/", tmp_path)
+    assert console_lines(stderr) == []
+    figures = re.search(r'<section id="figures">(.*?)</section>', dom, re.S).group(1)
+    assert 'data-figure="hit_ratio" data-state=' in figures
+    assert re.search(r'data-figure="hit_ratio"[^>]*data-caveat="kvwatch_prefix_cache_hit_ratio"', figures)
+    assert re.search(r'data-figure="preemptions"[^>]*data-caveat="kvwatch_preemptions_per_second"', figures)
+    notes = re.findall(r'<p class="note caveat" data-caveat="([a-z_]+)"><b>[^<]*</b>([^<]*)</p>', figures)
+    assert dict(notes)["kvwatch_prefix_cache_hit_ratio"].startswith("the window's lookups")
+    assert RELOOKUPS in dict(notes)["kvwatch_prefix_cache_hit_ratio"]
+    assert dict(notes)["kvwatch_preemptions_per_second"] == LATE_PREEMPTIONS

@@ -16,9 +16,9 @@ from socketserver import StreamRequestHandler, ThreadingTCPServer
 import pytest
 from fastapi.testclient import TestClient
 
-from kvwatch.history.central import Central
+from kvwatch.central.refresh import Central
 from kvwatch.history.query import PrometheusClient, QueryError
-from kvwatch.sidecar.central import create_central_app
+from kvwatch.central.app import create_central_app
 from promstub import StubClient
 from test_central import START, STEP, history_text, settings  # noqa: F401 (fixture)
 

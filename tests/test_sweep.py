@@ -487,3 +487,83 @@ def test_a_server_with_other_traffic_is_measured_after_a_bounded_wait_with_a_not
     refused = json.loads((tmp_path / "cmp" / "compare.json").read_text())["cells"]["refused"]
     assert refused and refused[0]["reasons"][0].startswith(
         f"other traffic: the server finished {cell['foreign_requests']} requests the before sweep did not send")
+
+
+class _RawServer:
+    """Answers one connection with `script(sock)`; counts what it sent."""
+
+    def __init__(self, script):
+        import socket
+
+        self.sent = 0
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(4)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.done = threading.Event()
+
+        def serve():
+            try:
+                conn, _ = self.listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    script(self, conn)
+            except OSError:
+                pass
+            finally:
+                self.done.set()
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def send(self, conn, data: bytes) -> None:
+        conn.sendall(data)
+        self.sent += len(data)
+
+
+def test_a_json_answer_trickled_a_byte_at_a_time_is_cut_off_at_the_call_timeout():
+    """A /version answer of 1,000 bytes, one every 20 ms: the call's timeout
+    (0.3 s) holds for the whole answer, not for each byte (the client read
+    all of it, 20 s, as long as each byte came within the timeout)."""
+    import time as clock
+
+    from kvwatch.sweep.client import Client, ServerError
+
+    body = b'{"version": "' + b"x" * 980 + b'"}'
+
+    def trickle(server, conn):
+        server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                          + f"Content-Length: {len(body)}\r\n\r\n".encode())
+        for byte in body:
+            server.send(conn, bytes([byte]))
+            clock.sleep(0.02)
+
+    server = _RawServer(trickle)
+    with pytest.raises(ServerError, match="no whole answer within 0.3 s"):
+        Client(server.url, timeout=0.3).get_json("/version")
+    server.listener.close()
+    assert server.sent < len(body)
+
+
+def test_a_stream_event_that_never_ends_is_cut_off_at_its_cap():
+    """A 200 stream whose first line never ends (8 MiB of data without a
+    newline): the reader stops at MAX_EVENT_BYTES with one sentence (it
+    held every byte until the stream ended)."""
+    from kvwatch.sweep.client import MAX_EVENT_BYTES, Client
+
+    def endless(server, conn):
+        server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\ndata: ")
+        chunk = b"x" * 65536
+        while server.sent < 8 * 2**20:
+            server.send(conn, chunk)
+
+    server = _RawServer(endless)
+    client = Client(server.url, timeout=30.0)
+    worker = Worker(client)
+    try:
+        result = client.stream_completion(worker, {"model": "m", "prompt": "x", "stream": True})
+    finally:
+        worker.close()
+    assert not result.ok and result.error == f"an event of more than {MAX_EVENT_BYTES:,} bytes"
+    server.done.wait(10)
+    server.listener.close()
+    assert server.sent < 8 * 2**20

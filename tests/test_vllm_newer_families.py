@@ -189,7 +189,7 @@ def test_sources_present_and_dark_signals_name_the_flag(fixtures_dir):
 
 def test_gated_signals_are_absent_never_zero_and_the_exporter_says_which_families_were_there(fixtures_dir):
     from kvwatch.sidecar.collector import KvwatchCollector
-    from kvwatch.sidecar.monitor import State
+    from kvwatch.pipeline.monitor import State
 
     window = window_of([capture(fixtures_dir, "load"), capture(fixtures_dir, "long-load")])
     row = values(window)
@@ -434,7 +434,7 @@ def test_offload_and_nixl_histograms_are_re_exported_with_the_flag_that_lights_t
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvwatch.sidecar.collector import KvwatchCollector
-    from kvwatch.sidecar.monitor import State
+    from kvwatch.pipeline.monitor import State
 
     page = capture(fixtures_dir, "after") + OFFLOAD_SIZES_DEPRECATED + NIXL_TRANSFERS
     window = window_of([page, page])

@@ -274,7 +274,7 @@ def test_unchanged_inputs_give_the_values_again_without_deriving_them(fixtures_d
     not move, the same gauges), so the window's next evaluation returns the
     values derived last time, equal to a fresh derivation and independent
     of what a caller did to the earlier answer; a changed input derives anew."""
-    import kvwatch.signals as signals
+    import kvwatch.signals.evaluation as signals
 
     text = (fixtures_dir / "vllm-0.32-cpu" / "metrics-idle.txt").read_text()
     adapter = VllmAdapter()
@@ -310,7 +310,7 @@ def same(a, b) -> bool:
 
 
 def test_the_clamp_spelled_out_is_min_of_max_on_every_edge():
-    from kvwatch import signals
+    from kvwatch.signals import evaluation as signals
     from kvwatch.snapshot import config_number
 
     for value in EDGES:
@@ -326,7 +326,7 @@ def test_the_clamp_spelled_out_is_min_of_max_on_every_edge():
 
 
 def _eta_as_defined(series):
-    """kvwatch.signals._eta as the definition reads, one generator per sum."""
+    """kvwatch.signals.evaluation._eta as the definition reads, one generator per sum."""
     from kvwatch.signals import TREND_SECONDS
 
     if len(series) < 2:
@@ -350,7 +350,7 @@ def _eta_as_defined(series):
 def test_the_exhaustion_trend_equals_its_definition_to_the_bit():
     import random
 
-    from kvwatch.signals import _eta
+    from kvwatch.signals.evaluation import _eta
 
     rng = random.Random(7)
     cases = [
@@ -376,7 +376,7 @@ def test_the_exhaustion_trend_equals_its_definition_to_the_bit():
 
 
 def test_a_view_of_one_engine_merges_as_the_general_loop_does():
-    from kvwatch import signals
+    from kvwatch.signals import evaluation as signals
     from kvwatch.window import Increase
 
     gauges = {"running": -0.0, "kv_usage": -0.0, "waiting": 3, "v0_prefix_hit_rate": 1,
@@ -400,7 +400,7 @@ def test_a_view_of_one_engine_merges_as_the_general_loop_does():
 
 
 def test_parsed_engine_configuration_is_the_labels_parsed_each_time():
-    from kvwatch import signals
+    from kvwatch.signals import evaluation as signals
     from kvwatch.snapshot import capacity_tokens, config_number
 
     configs = [{}, {"num_gpu_blocks": "2048", "block_size": "16"},
@@ -416,7 +416,7 @@ def test_parsed_engine_configuration_is_the_labels_parsed_each_time():
 
 
 def test_kept_values_are_copied_down_to_their_dicts():
-    from kvwatch import signals
+    from kvwatch.signals import evaluation as signals
 
     values = {"a": 1.0, "b": None, "c": {"0.5": 1.0}, "d": {"load": 2.0}, "e": 3}
     copy = signals._copied(values)

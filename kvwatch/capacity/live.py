@@ -10,6 +10,7 @@ from typing import Any
 from kvwatch.capacity.arithmetic import CapacityInputError
 from kvwatch.engines import ENGINES, make_adapter, recognize
 from kvwatch.engines.coverage import dark_signals
+from kvwatch.present import normalize_target
 from kvwatch.scrape import Fetcher
 from kvwatch.snapshot import Snapshot, config_number, hybrid_cache
 
@@ -19,8 +20,6 @@ FETCH_MAX_BYTES = 32 * 2**20
 
 def metrics_url(target: str) -> str:
     """The target's /metrics URL (a bare host:port gets http:// and /metrics)."""
-    from kvwatch.sidecar.settings import normalize_target
-
     try:
         return normalize_target(target if "://" in target else f"http://{target}")
     except ValueError as error:

@@ -17,7 +17,7 @@ from kvwatch import __version__
 from kvwatch.capture.bundle import CaptureWriter, Entry
 from kvwatch.engines import make_adapter, recognize
 from kvwatch.scrape import Fetcher
-from kvwatch.sidecar.report import public_url
+from kvwatch.present import public_url
 
 Progress = Callable[[Entry, CaptureWriter], None]
 

@@ -20,8 +20,9 @@ from typing import TextIO
 from kvwatch.capture.bundle import CaptureError, CaptureWriter, Entry, is_bundle
 from kvwatch.capture.record import manifest_for, record
 from kvwatch.commands import failfast
-from kvwatch.scrape import Fetcher, failure_sentence, public_host
-from kvwatch.sidecar.settings import SettingsError, load_settings
+from kvwatch.present import public_host
+from kvwatch.scrape import Fetcher, failure_sentence
+from kvwatch.settings import SettingsError, load_settings
 from kvwatch.units import parse_duration
 
 EXIT_OK, EXIT_NO_PAGES, EXIT_UNUSABLE = 0, 1, 2

@@ -32,11 +32,11 @@ import time
 from typing import Any, TextIO
 
 from kvwatch.diagnose import is_actionable
-from kvwatch.sidecar.report import diagnosis_json, signals_json
-from kvwatch.sidecar.settings import SettingsError, load_settings, parse_duration
+from kvwatch.sidecar.report import caveat_lines, diagnosis_json, signals_json
+from kvwatch.settings import SettingsError, load_settings, parse_duration
 from kvwatch.commands import failfast
 from kvwatch.signals import SIGNALS
-from kvwatch.sidecar.statuspage import format_evidence, format_value, signal_columns, signal_label
+from kvwatch.present import format_evidence, format_value, signal_columns, signal_label
 
 EXIT_OK, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwatch.sidecar.monitor import Monitor
+    from kvwatch.pipeline.monitor import Monitor
 
     if args.replay:
         return run_replay(args)
@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
     # Say where the target came from: a silent default polled the wrong engine.
     import os
 
-    from kvwatch.sidecar.report import public_url
-    from kvwatch.sidecar.settings import Settings
+    from kvwatch.present import public_url
+    from kvwatch.settings import Settings
 
     if args.target:
         source = "--target"
@@ -264,6 +264,10 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
             continue
         rows.append([signal_label(signal.name)] + cells)
     _table(rows, out, "  ")
+    # Signals this engine's version counts differently (re-lookups, a late counter).
+    for heading, name, text in caveat_lines(signals):
+        print(textwrap.fill(f"* {signal_label(name)} [{heading}]: {text}", width=110, initial_indent="  ",
+                            subsequent_indent="    "), file=out)
 
     findings = diagnosis["findings"]
     print(f"\nFINDINGS ({len(findings)} active)", file=out)
@@ -334,7 +338,7 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
 def run_replay(args: argparse.Namespace) -> int:
     from kvwatch.capture.bundle import Capture, CaptureError
     from kvwatch.capture.replay import replay
-    from kvwatch.sidecar.monitor import Monitor
+    from kvwatch.pipeline.monitor import Monitor
 
     try:
         capture = Capture(args.replay)
@@ -459,7 +463,7 @@ def run_history(args: argparse.Namespace) -> int:
     from kvwatch.history.query import PrometheusClient, QueryError, check_selector, choose_step
     from kvwatch.history.report import print_text, to_json, write_html
     from kvwatch.history.run import diagnose_history, usable_cores
-    from kvwatch.sidecar.report import public_url
+    from kvwatch.present import public_url
 
     problems = []
     now = time.time()
@@ -508,7 +512,12 @@ def run_history(args: argparse.Namespace) -> int:
             (lambda line: print("\r" + line, end="", file=progress, flush=True)) if progress else None,
             workers=args.workers if args.workers is not None else usable_cores())
     except QueryError as exc:
-        print(f"kvwatch diagnose: reading {public_url(args.prometheus)} failed: {exc}", file=sys.stderr)
+        if exc.reason in ("limit", "throttled", "partial"):
+            from kvwatch.central.refresh import store_sentence
+
+            print(f"kvwatch diagnose: {store_sentence(public_url(args.prometheus), exc)}", file=sys.stderr)
+        else:
+            print(f"kvwatch diagnose: reading {public_url(args.prometheus)} failed: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
     if progress:
         print(file=progress)

@@ -146,7 +146,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.out) if args.out else Path.cwd()
     where = f"{out.resolve()}" + ("" if args.out else " (the current directory; --out DIR for another)")
-    files = render_all(config)
+    try:
+        files = render_all(config)
+    except runbooks.RunbookProseError as exc:
+        print(f"kvwatch generate: {exc}", file=sys.stderr)
+        return 2
     if args.check:
         problems = stale_files(files, out)
         for problem in problems:

@@ -13,7 +13,7 @@ keeps serving its last state.
 clusters without sidecars: kvwatch reads every replica the store scrapes
 through its query API (as `kvwatch diagnose --prometheus` does, a refresh per
 poll interval, 30 s unless set), and serves the same endpoints for all of them
-(kvwatch.sidecar.central). `target` is not polled; bearer_token_file,
+(kvwatch.central.app). `target` is not polled; bearer_token_file,
 ca_bundle, tls_verify and timeout apply to the store."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 import socket
 import sys
 
-from kvwatch.sidecar.settings import SettingsError, default_text, env_name, load_settings
+from kvwatch.settings import SettingsError, default_text, env_name, load_settings
 
 # flag -> settings key; the help adds the default (from Settings, written
 # back as the flag takes it) and the environment variable, one way for all.
@@ -91,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="with --prometheus: labels that tell replicas apart (default: job,instance,namespace,pod)")
     central.add_argument("--max-replicas", type=int, default=256,
                          help="with --prometheus: most replicas kept; the rest are counted as dropped (default: 256)")
+    central.add_argument("--shard", default=None,
+                         help="with --prometheus: serve shard k of N (k/N, 0 <= k < N), the replicas a stable hash "
+                              "of their replica labels gives it; ordinal/N takes k from the pod's name in a "
+                              "StatefulSet (POD_NAME or HOSTNAME, NAME-k); fleet findings then come from the "
+                              "store's fleet rules over every shard's series (default: none; env KVWATCH_SHARD)")
 
 
 def configure_logging(level: str) -> None:
@@ -137,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvwatch.sidecar.app import create_app
-    from kvwatch.sidecar.monitor import Monitor, tune_garbage_collector
-    from kvwatch.sidecar.report import public_url
+    from kvwatch.pipeline.monitor import Monitor, tune_garbage_collector
+    from kvwatch.present import public_url
 
     if capture is not None:
         monitor, start = replaying(capture, settings, args.speed)
@@ -187,9 +192,11 @@ def listen_problem(host: str, port: int) -> str | None:
 def run_central(args: argparse.Namespace, overrides: dict) -> int:
     import os
 
-    from kvwatch.history.central import DEFAULT_INTERVAL, Central
+    from kvwatch.central.refresh import DEFAULT_INTERVAL, Central
     from kvwatch.history.query import CENTRAL_MAX_BYTES, PrometheusClient, check_selector
-    from kvwatch.sidecar.settings import Settings, normalize_target
+    from kvwatch.history.shard import ShardError, parse_shard
+    from kvwatch.present import normalize_target
+    from kvwatch.settings import Settings
 
     problems = []
     try:
@@ -203,6 +210,11 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
         problems.append(f"--selector: {selector_problem}")
     if args.max_replicas < 1:
         problems.append("--max-replicas must be at least 1")
+    shard = None
+    try:
+        shard = parse_shard(args.shard if args.shard is not None else os.environ.get("KVWATCH_SHARD"))
+    except ShardError as exc:
+        problems.append(f"--shard: {exc}")
     try:
         settings = load_settings(args.config, overrides)
     except SettingsError as exc:
@@ -226,9 +238,9 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
 
     import uvicorn
 
-    from kvwatch.sidecar.central import create_central_app
-    from kvwatch.sidecar.monitor import tune_garbage_collector
-    from kvwatch.sidecar.report import public_url
+    from kvwatch.central.app import create_central_app
+    from kvwatch.pipeline.monitor import tune_garbage_collector
+    from kvwatch.present import public_url
 
     # The store's URL is the target the page and the JSON name.
     settings.target = args.prometheus
@@ -237,14 +249,15 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
                               tls_verify=settings.tls_verify, max_bytes=CENTRAL_MAX_BYTES)
     central = Central(client, settings, args.selector, args.source,
                       tuple(label.strip() for label in args.replica_labels.split(",") if label.strip()),
-                      max_replicas=args.max_replicas)
+                      max_replicas=args.max_replicas, shard=shard)
     app = create_central_app(central, settings)
     tune_garbage_collector()
     central.start()
     scheme = "https" if settings.tls_cert_file else "http"
     logging.getLogger("kvwatch").info(
-        "kvwatch central mode: reading %s%s every %gs; serving %s://%s:%d/",
-        public_url(settings.target), f" for {args.selector}" if args.selector else "", settings.poll_interval,
+        "kvwatch central mode: reading %s%s%s every %gs; serving %s://%s:%d/",
+        public_url(settings.target), f" for {args.selector}" if args.selector else "",
+        f" (shard {shard})" if shard else "", settings.poll_interval,
         scheme, settings.host, settings.port)
     raise_file_limit()
     try:
@@ -299,7 +312,7 @@ def replaying(capture, settings, speed: float):
 
     from kvwatch.capture.bundle import CaptureError
     from kvwatch.capture.replay import ReplaySource, paced, with_events
-    from kvwatch.sidecar.monitor import Monitor
+    from kvwatch.pipeline.monitor import Monitor
 
     import dataclasses
     from pathlib import Path

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if lmcache_tokens is None and args.lmcache:
         lmcache_tokens = DEFAULT_SIZE_FACTOR * scenario.phases[0].engine.kv_cache_size_tokens
     if args.kv_events:
-        from kvwatch.sidecar.settings import zmq_endpoint
+        from kvwatch.settings import zmq_endpoint
 
         try:
             args.kv_events = zmq_endpoint(args.kv_events)

@@ -10,6 +10,7 @@ low_hit_rate      caching_disabled, cold_cache, prefix_changed,
                   eviction_before_reuse, no_reuse
 slow_first_token  queueing_kv_bound, queueing_compute_bound, prefill,
                   front_end, upstream, preemption
+stuck             requests_stalled, kv_held_idle
 change            model_changed, lora_changed, cache_dtype_changed,
                   cache_config_changed, engine_restarted
 kv_events         events_stopped, events_missed
@@ -62,8 +63,10 @@ from kvwatch.diagnose.changes import Change, change_findings, changes_between, n
 from kvwatch.diagnose.context import EngineContext
 from kvwatch.diagnose.exhaustion import exhaustion_findings
 from kvwatch.diagnose.first_token import slow_first_token_findings
-from kvwatch.diagnose.hit_rate import HitRateMemory, low_hit_rate_findings, with_external_tier
+from kvwatch.diagnose.context import HitRateMemory
+from kvwatch.diagnose.hit_rate import low_hit_rate_findings, with_external_tier
 from kvwatch.diagnose.stream import stream_findings, stream_target
+from kvwatch.diagnose.stuck import stuck, stuck_findings
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS, resolve_thresholds, validate_thresholds
 from kvwatch.diagnose.vocabulary import CAUSES, CONFIDENCES, NEXT_CHECK, SEVERITIES, Finding, finding_order, is_actionable
 
@@ -81,6 +84,25 @@ __all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "NEXT_CHECK", "NOT_DIA
            "Finding",
            "HitRateMemory",
            "changes_between", "diagnose", "is_actionable", "names_text", "resolve_thresholds", "validate_thresholds"]
+
+
+# Evidence that reads a counter whose meaning the engine's version changed
+# (Snapshot.counting): the note each finding citing it carries, and the
+# counter it reads.
+COUNTING_NOTES = (("hit_ratio", "prefix_queries", "hit_ratio_counting"),
+                  ("preemptions", "preemptions", "preemptions_counting"))
+
+
+def note_counting(findings: list[Finding], counting: dict[str, str]) -> None:
+    """Adds to each finding whose evidence cites such a counter the sentence
+    on how this version counts it (a string in the evidence is a note)."""
+    if not counting:
+        return
+    for finding in findings:
+        for part, key, note in COUNTING_NOTES:
+            if key in counting and any(part in name and isinstance(value, (int, float)) and value is not None
+                                       for name, value in finding.evidence.items()):
+                finding.evidence[note] = counting[key]
 
 
 def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=None,
@@ -104,15 +126,25 @@ def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=No
         ctx = EngineContext(window, row, resolved, changes, hit_memory)
         if kv_events and stream_target(kv_events, per_engine) == (row.model, row.engine):
             ctx.stream = kv_events
-        for rule in (
+        first = len(findings)
+        try:
+            held = stuck(ctx)
+        except Exception:  # pragma: no cover - defensive: one rule must not hide the rest
+            log.exception("diagnosis: the stuck detector failed for %s/%s", row.model, row.engine)
+            held = None
+        # A stuck engine is its own finding: its frozen full cache is no
+        # exhaustion, and its first tokens are not slow but absent.
+        rules = (lambda: stuck_findings(ctx), lambda: low_hit_rate_findings(ctx)) if held is not None else (
             lambda: exhaustion_findings(ctx),
             lambda: low_hit_rate_findings(ctx),
             lambda: slow_first_token_findings(ctx, upstream),
-        ):
+        )
+        for rule in rules:
             try:
                 findings.extend(rule())
             except Exception:
                 log.exception("diagnosis rule failed for %s/%s", row.model, row.engine)
+        note_counting(findings[first:], row.view.counting)
     if lmcache:
         prompt_tokens: dict[str, float] = {}
         for row in per_engine:

@@ -39,10 +39,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Iterable
 
-from kvwatch.diagnose.vocabulary import CAUSES, CONFIDENCES, Finding, finding_order
+from kvwatch.diagnose.causes import CAUSE, CAUSE_LIST, CAUSES, CONFIDENCES, SYMPTOM_LIST
+from kvwatch.diagnose.vocabulary import Finding, finding_order
 
+# The rule's inputs are each cause's record (causes.py: rank, subordinate,
+# weight) and each symptom's (arbitrated); these are views of them.
 # Symptoms whose causes compete; "change" findings are events, each true.
-ARBITRATED = ("exhaustion", "low_hit_rate", "slow_first_token", "fleet")
+ARBITRATED = tuple(s.name for s in SYMPTOM_LIST if s.arbitrated)
 
 # symptom -> its causes, the first preferred when the evidence is otherwise
 # equal. Exhaustion: the two load shapes (decided exclusively from the
@@ -50,31 +53,18 @@ ARBITRATED = ("exhaustion", "low_hit_rate", "slow_first_token", "fleet")
 # is a reason the load shape hurts, not a rival to it. First token: the
 # causes of queueing before the residual, KV before compute.
 RANK: dict[str, tuple[str, ...]] = {
-    "exhaustion": ("concurrency_beyond_capacity", "long_requests", "capacity_below_max_num_seqs"),
-    "low_hit_rate": ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse"),
-    "slow_first_token": ("upstream", "queueing_kv_bound", "queueing_compute_bound", "prefill", "preemption",
-                         "front_end"),
-    "fleet": ("imbalance", "lost_prefix_affinity", "cold_replica"),
-}
-assert all(set(RANK[s]) == set(CAUSES[s]) for s in RANK), "RANK orders every cause of its symptom"
+    symptom: tuple(sorted(CAUSES[symptom], key=lambda cause: CAUSE[cause].rank)) for symptom in ARBITRATED}
 
 # Causes that are a reason another cause could happen, not a reading of the
 # symptom: primary only when no other cause of the symptom was found. The
 # scheduler admitting more than fit is why too many or too long requests
 # exhaust the cache; the alert names the load shape (it has no rule of its
 # own), and so does kvwatch_finding.
-SUBORDINATE = frozenset({"capacity_below_max_num_seqs"})
+SUBORDINATE = frozenset(c.name for c in CAUSE_LIST if c.subordinate)
 
 # cause -> the evidence value (0..1) that says how much of the symptom it
 # explains, where causes of one symptom are told apart by size.
-WEIGHT: dict[str, str] = {
-    "upstream": "upstream_share",
-    "queueing_kv_bound": "queue_share",
-    "queueing_compute_bound": "queue_share",
-    "prefill": "prefill_share",
-    "preemption": "other_share",
-    "front_end": "other_share",
-}
+WEIGHT: dict[str, str] = {c.name: c.weight for c in CAUSE_LIST if c.weight}
 
 # What can decide between causes the page cannot tell apart (the `decided_by`
 # values of an alternative): a vLLM flag or a sharper source.

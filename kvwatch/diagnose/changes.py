@@ -3,31 +3,12 @@ adapter changes, as info findings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
 from typing import Any
 
-from kvwatch.diagnose.context import tidy
-from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
-from kvwatch.window import Entry, Window
-
-
-@dataclass(frozen=True)
-class Change:
-    """One change that invalidates comparisons across it: found between two
-    window entries, kept by the monitor beyond the window, read by the
-    diagnosis and shown on every surface as the same record."""
-
-    time: float
-    kind: str  # restart | cache_config | models | lora | kv_cache_cleared | kv_events_restart
-    model: str | None
-    engine: str | None
-    detail: str
-    keys: tuple[str, ...] = ()  # cache_config keys that changed
-    # Served models before and after, and those added: at most MAX_NAMES
-    # each (the detail gives the counts).
-    before: tuple[str, ...] = ()
-    after: tuple[str, ...] = ()
-    added: tuple[str, ...] = ()
+from kvwatch.diagnose.context import EngineContext, tidy
+from kvwatch.diagnose.vocabulary import NEXT_CHECK, Change, Finding, severity_of
+from kvwatch.window import Entry, EntryFollower, Window
 
 
 # Names a change keeps and shows. A gateway that sets one model name per
@@ -51,12 +32,44 @@ def window_changes(window: Window, events: tuple[Change, ...] | None) -> list[Ch
     events for what a window cannot see (new LoRA adapters, and anything
     recorded without a matching snapshot)."""
     found: list[Change] = []
-    entries = list(window.entries)
-    for previous, entry in zip(entries, entries[1:]):
-        found.extend(changes_between(previous, entry))
+    if EngineContext.incremental:
+        # The same changes, kept as entries arrive and leave (WindowChanges).
+        for _entry, changes in WindowChanges.of(window, "diagnosis_changes").changes:
+            found.extend(changes)
+    else:
+        entries = list(window.entries)
+        for previous, entry in zip(entries, entries[1:]):
+            found.extend(changes_between(previous, entry))
     seen = {(c.time, c.kind, c.engine) for c in found}
     found.extend(event for event in events or () if (event.time, event.kind, event.engine) not in seen)
     return sorted(found, key=lambda c: c.time)
+
+
+class WindowChanges(EntryFollower):
+    """(entry, what changed from the entry before it) for the window's
+    entries after the first that changed something, kept as entries arrive
+    and leave (window_changes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changes: deque[tuple[Entry, list[Change]]] = deque()
+
+    def reset(self) -> None:
+        super().reset()
+        self.changes = deque()
+
+    def entered(self, previous: Entry | None, entry: Entry) -> None:
+        if previous is not None:
+            found = changes_between(previous, entry)
+            if found:
+                self.changes.append((entry, found))
+
+    def left(self, entry: Entry, first: Entry | None) -> None:
+        changes = self.changes
+        if changes and changes[0][0] is entry:
+            changes.popleft()
+        if changes and changes[0][0] is first:
+            changes.popleft()  # the first entry's changes (from one that left) no longer count
 
 
 def changes_between(previous: Entry, entry: Entry) -> list[Change]:
@@ -136,7 +149,17 @@ def change_findings(window: Window, changes: list[Change]) -> list[Finding]:
                                 tidy({"seconds_ago": now - change.time, "detail": change.detail, **evidence}),
                                 NEXT_CHECK[cause]))
 
-    for change in changes:
+    # At most MAX_NAMES model_changed findings in all, the newest changes'
+    # first: a gateway that sets a new served name per request changes the
+    # set every poll, and ten findings a change filled the page and the API
+    # with a window's worth of them.
+    room = MAX_NAMES
+    named: dict[int, list[str]] = {}
+    for index in range(len(changes) - 1, -1, -1):
+        if changes[index].kind == "models" and room > 0:
+            named[index] = list(changes[index].added or ["*"])[:room]
+            room -= len(named[index])
+    for index, change in enumerate(changes):
         ago = now - change.time
         if change.kind == "restart":
             hits, queries = _prefix_since(window, change)
@@ -164,7 +187,7 @@ def change_findings(window: Window, changes: list[Change]) -> list[Finding]:
                     f"KV-cache configuration changed {ago:.0f}s ago ({change.detail}): capacity and block "
                     "baselines before it do not compare.", {"changed_keys": ",".join(rest)})
         elif change.kind == "models":
-            for model in change.added or ["*"]:
+            for model in named.get(index, ()):
                 add("model_changed", change, f"Served models changed {ago:.0f}s ago: {change.detail}.",
                     {"models_before": ",".join(change.before), "models_after": ",".join(change.after)}, model)
         elif change.kind == "lora":

@@ -4,16 +4,16 @@ exhaustion detector, and small helpers for evidence."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
 
-from kvwatch.diagnose.vocabulary import Finding, severity_of
+from kvwatch.diagnose.vocabulary import Change, Finding, severity_of
 from kvwatch.snapshot import EngineSnapshot, Histogram
-from kvwatch.window import EngineKey, Entry, Increase, Step, Window
+from kvwatch.window import EngineKey, EntryFollower, Entry, Increase, Step, Window
 
-if TYPE_CHECKING:
-    from kvwatch.diagnose.changes import Change
-    from kvwatch.diagnose.hit_rate import HitRateMemory, HitRateVerdict
 
 
 class Poll:
@@ -55,6 +55,182 @@ def polls_of(entry: Entry) -> dict[EngineKey, Poll]:
     return polls
 
 
+class EnginePolls:
+    """One engine's Polls over the window, in order, and what the rules read
+    of them kept as polls arrive and leave (WindowPolls), so a diagnosis
+    reads a 300-poll window without walking it in Python: the values the
+    sums add, in the window's order (summed in C by the same `sum`, so the
+    same float additions as the walk), counts of the polls a fast read
+    cannot take (a missing gauge, a restart), and the running maxima as
+    monotonic queues (the front is the first poll with the highest value,
+    as `max` picks it). What depends on the thresholds is kept for one set
+    of them (`for_limits`)."""
+
+    __slots__ = ("polls", "times", "usage", "running", "waiting", "no_usage", "no_running", "no_usage_or_running",
+                 "no_waiting", "restarts", "preempted", "usage_peaks", "waiting_usage_peaks", "counters", "limits",
+                 "full", "full_peaks", "unordered", "share_peaks", "unordered_shares")
+
+    def __init__(self) -> None:
+        self.polls: deque[Poll] = deque()
+        self.times: deque[float] = deque()
+        self.usage: deque = deque()
+        self.running: deque = deque()
+        self.waiting: deque = deque()
+        self.no_usage = self.no_running = self.no_usage_or_running = self.no_waiting = self.restarts = 0
+        self.preempted: deque[Poll] = deque()  # polls whose step preempted
+        self.usage_peaks: deque = deque()  # (poll, usage)
+        self.waiting_usage_peaks: deque = deque()  # (poll, usage) of polls with requests waiting
+        # counter key -> its step's value at every poll (0.0 where none): built when first read
+        self.counters: dict[str, deque] = {}
+        self.limits: tuple | None = None  # (exhaustion_usage_ratio, max_num_seqs) of the next four
+        self.full: deque[Poll] = deque()  # the exhaustion detector's full polls
+        self.full_peaks: deque = deque()  # (poll, (demand, usage)) of the full polls
+        self.unordered = 0  # full polls whose demand is NaN: no order, so no queue
+        self.share_peaks: deque = deque()  # (poll, usage / running) of polls at the usage threshold
+        self.unordered_shares = 0  # of those, the ones whose share is NaN
+
+    def entered(self, poll: Poll) -> None:
+        self.polls.append(poll)
+        self.times.append(poll.time)
+        usage, running, waiting = poll.usage, poll.running, poll.waiting
+        self.usage.append(usage)
+        self.running.append(running)
+        self.waiting.append(waiting)
+        self.no_usage += usage is None
+        self.no_running += running is None
+        self.no_usage_or_running += usage is None or running is None
+        self.no_waiting += waiting is None
+        self.restarts += poll.restarted
+        if poll.preempted > 0:
+            self.preempted.append(poll)
+        if usage is not None:
+            _push(self.usage_peaks, poll, usage)
+            if (waiting or 0) > 0:
+                _push(self.waiting_usage_peaks, poll, usage)
+        step = poll.step
+        for key, values in self.counters.items():
+            values.append(step.counters.get(key, 0.0) if step is not None else 0.0)
+        if self.limits is not None:
+            self._enter_limited(poll)
+
+    def left(self, poll: Poll) -> None:
+        """`poll`, the engine's oldest, left the window."""
+        self.polls.popleft()
+        self.times.popleft()
+        self.usage.popleft()
+        self.running.popleft()
+        self.waiting.popleft()
+        usage, running = poll.usage, poll.running
+        self.no_usage -= usage is None
+        self.no_running -= running is None
+        self.no_usage_or_running -= usage is None or running is None
+        self.no_waiting -= poll.waiting is None
+        self.restarts -= poll.restarted
+        for queue in (self.preempted, self.full):
+            if queue and queue[0] is poll:
+                queue.popleft()
+        for queue in (self.usage_peaks, self.waiting_usage_peaks, self.full_peaks, self.share_peaks):
+            if queue and queue[0][0] is poll:
+                queue.popleft()
+        for values in self.counters.values():
+            values.popleft()
+        if self.limits is not None:
+            if self._full(poll) and poll.demand != poll.demand:
+                self.unordered -= 1
+            share = self._share(poll)
+            if share is not None and share != share:
+                self.unordered_shares -= 1
+
+    def counter_values(self, key: str) -> deque:
+        values = self.counters.get(key)
+        if values is None:
+            values = self.counters[key] = deque(
+                [p.step.counters.get(key, 0.0) if p.step is not None else 0.0 for p in self.polls])
+        return values
+
+    def for_limits(self, limit: float, slots) -> "EnginePolls":
+        if self.limits != (limit, slots):
+            self.limits = (limit, slots)
+            self.full, self.full_peaks, self.share_peaks = deque(), deque(), deque()
+            self.unordered = self.unordered_shares = 0
+            for poll in self.polls:
+                self._enter_limited(poll)
+        return self
+
+    def _full(self, p: Poll) -> bool:
+        """The exhaustion detector's test of one poll (EngineContext.exhaustion)."""
+        limit, slots = self.limits
+        return (p.usage is not None and p.usage >= limit and p.waiting_for_capacity > 0
+                and not (slots is not None and (p.running or 0) >= slots))
+
+    def _enter_limited(self, poll: Poll) -> None:
+        if self._full(poll):
+            self.full.append(poll)
+            if poll.demand != poll.demand:
+                self.unordered += 1
+            else:
+                _push(self.full_peaks, poll, (poll.demand, poll.usage or 0.0))
+        share = self._share(poll)
+        if share is not None:
+            if share != share:
+                self.unordered_shares += 1
+            else:
+                _push(self.share_peaks, poll, share)
+
+    def _share(self, p: Poll) -> float | None:
+        """The share of the cache one running request held at a poll at the
+        usage threshold (exhaustion.exhaustion_findings' full_shares)."""
+        return p.usage / p.running if p.usage is not None and p.usage >= self.limits[0] and p.running else None
+
+    def full_share_max(self) -> tuple[bool, float | None]:
+        """(known, the highest share) of the polls at the usage threshold;
+        unknown while a share is NaN (no order)."""
+        if self.unordered_shares:
+            return False, None
+        return True, self.share_peaks[0][1] if self.share_peaks else None
+
+
+def _push(peaks: deque, poll: Poll, value) -> None:
+    """Add a poll to a monotonic queue of maxima: the values a later,
+    higher one outlasts leave, equal ones stay, so the front is the first
+    poll with the highest value (as `max` picks it). Values never NaN."""
+    while peaks and peaks[-1][1] < value:
+        peaks.pop()
+    peaks.append((poll, value))
+
+
+class WindowPolls(EntryFollower):
+    """Every engine's EnginePolls over a window, kept in step with its
+    entries from one diagnosis to the next (on the window, Window.kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engines: dict[EngineKey, EnginePolls] = {}
+
+    def reset(self) -> None:
+        super().reset()
+        self.engines = {}
+
+    def entered(self, previous: Entry | None, entry: Entry) -> None:
+        engines = self.engines
+        for key, poll in polls_of(entry).items():
+            track = engines.get(key)
+            if track is None:
+                track = engines[key] = EnginePolls()
+            track.entered(poll)
+
+    def left(self, entry: Entry, first: Entry | None) -> None:
+        for key, poll in polls_of(entry).items():
+            track = self.engines[key]
+            track.left(poll)
+            if not track.polls:
+                del self.engines[key]
+
+
+def window_polls(window: Window) -> WindowPolls:
+    return WindowPolls.of(window, "diagnosis_polls")  # type: ignore[return-value]
+
+
 @dataclass
 class Exhaustion:
     """What the one exhaustion detector saw for an engine."""
@@ -66,7 +242,16 @@ class Exhaustion:
 
 
 class EngineContext:
-    """One engine's window, read once for all rules."""
+    """One engine's window, read once for all rules.
+
+    With `incremental` (the default) the polls and what the rules sum and
+    compare over them come from the window's EnginePolls, kept as polls
+    arrive and leave; without, every read walks the polls (the full
+    evaluation, which stays the definition: tests/test_incremental_diagnosis.py
+    requires the same signals, findings and evidence both ways at every poll
+    of every real recording)."""
+
+    incremental = True
 
     def __init__(self, window: Window, row, thresholds: dict[str, Any], changes: list["Change"] | None = None,
                  hit_memory: "HitRateMemory | None" = None):
@@ -81,11 +266,18 @@ class EngineContext:
         self.increase: Increase = row.view.increase
         key = self.key
         entries = window.entries
-        self.polls: list[Poll] = [poll for entry in entries if (poll := polls_of(entry).get(key)) is not None]
+        self.track: EnginePolls | None = None
+        if self.incremental:
+            self.track = window_polls(window).engines.get(key)
+            if self.track is None:
+                self.track = EnginePolls()
+            self.polls: list[Poll] = list(self.track.polls)
+        else:
+            self.polls = [poll for entry in entries if (poll := polls_of(entry).get(key)) is not None]
         # The oldest entry's step reaches back past the window: its counters
         # (preemptions included) never count.
-        self.counted: list[Poll] = (self.polls[1:] if self.polls and entries[0].snapshot.engines.get(key) is not None
-                                    else self.polls)
+        self.skipped = 1 if self.polls and entries[0].snapshot.engines.get(key) is not None else 0
+        self.counted: list[Poll] = self.polls[1:] if self.skipped else self.polls
         latest = window.latest
         self.cache_config: dict[str, str] = latest.cache_config.get(row.engine, {}) if latest else {}
         self.capacity_tokens: float | None = row.view.capacity_tokens
@@ -100,15 +292,42 @@ class EngineContext:
     def counters_since(self, since: float, keys: tuple[str, ...], until: float | None = None) -> dict[str, float]:
         """The increase of a few counters after `since` (up to `until`), from
         the window's stored steps (cheaper than a whole Increase with its
-        histograms)."""
-        total = dict.fromkeys(keys, 0.0)
-        for poll in self.counted:
-            if poll.time <= since or (until is not None and poll.time > until) or poll.step is None:
-                continue
-            counters = poll.step.counters
-            for key in keys:
-                total[key] += counters.get(key, 0.0)
-        return total
+        histograms), each summed in window order by `sum` from 0.0."""
+        track = self.track
+        if track is not None:
+            times = track.times
+            start = max(self.skipped, bisect_right(times, since))
+            end = len(times) if until is None else bisect_right(times, until)
+            return {key: sum(islice(track.counter_values(key), start, end), 0.0) if end > start else 0.0
+                    for key in keys}
+        steps = [poll.step.counters for poll in self.counted if poll.time > since
+                 and (until is None or poll.time <= until) and poll.step is not None]
+        return {key: sum([counters.get(key, 0.0) for counters in steps], 0.0) for key in keys}
+
+    def usage_in(self, since: float | None = None, until: float | None = None) -> tuple[float | None, float | None]:
+        """The highest and the mean KV usage of the polls after `since` (up
+        to `until`) that report it."""
+        track = self.track
+        if track is not None and not track.no_usage:
+            start = 0 if since is None else bisect_right(track.times, since)
+            end = len(track.times) if until is None else bisect_right(track.times, until)
+            if end <= start:
+                return None, None
+            if start == 0 and end == len(track.times):
+                return track.usage_peaks[0][1], sum(track.usage) / end
+            values = list(islice(track.usage, start, end))
+            return max(values), sum(values) / len(values)
+        values = [p.usage for p in self.polls if p.usage is not None and (since is None or p.time > since)
+                  and (until is None or p.time <= until)]
+        if not values:
+            return None, None
+        return max(values), sum(values) / len(values)
+
+    def restarted_polls(self) -> list[int]:
+        """The positions of the polls whose step is a restart."""
+        if self.track is not None and not self.track.restarts:
+            return []
+        return [i for i, p in enumerate(self.polls) if p.restarted]
 
     def histogram(self, key: str) -> Histogram | None:
         histogram = self.increase.histograms.get(key)
@@ -117,7 +336,7 @@ class EngineContext:
     def finding(self, symptom: str, cause: str, confidence: str, summary: str, evidence: dict[str, Any],
                 next_check: str, *, preempting: bool = False, advisory: bool = False,
                 alternatives: tuple = ()) -> Finding:
-        """A finding whose severity comes from the one table (vocabulary.SEVERITY):
+        """A finding whose severity comes from its cause's record (causes.py):
         `preempting` raises an exhaustion cause to its preempting severity;
         `advisory` marks a warning sign seen before any harm (info);
         `alternatives` are the causes the data cannot tell from this one
@@ -137,11 +356,26 @@ class EngineContext:
             # With the batch at --max-num-seqs, requests wait for a slot, not
             # for blocks, however full the cache is (known only when set).
             slots = self.t["max_num_seqs"]
-            full = [p for p in self.polls if p.usage is not None and p.usage >= limit and p.waiting_for_capacity > 0
-                    and not (slots is not None and (p.running or 0) >= slots)]
+            track = self.track.for_limits(limit, slots) if self.track is not None else None
+            if track is not None:
+                full = list(track.full)
+            else:
+                full = [p for p in self.polls if p.usage is not None and p.usage >= limit
+                        and p.waiting_for_capacity > 0 and not (slots is not None and (p.running or 0) >= slots)]
             preemptions = self.increase.counters.get("preemptions", 0.0)
             if not full and preemptions <= 0:
                 self._exhaustion = None
+            elif track is not None and not (full and track.unordered):
+                # The same choices as below, from the kept queues (times only grow).
+                peak = (track.full_peaks if full else track.usage_peaks)[0][0] if (
+                    full or track.usage_peaks) else None
+                preempted = track.preempted
+                counted_preempted = preempted[0] if preempted and not (
+                    self.skipped and preempted[0] is self.polls[0]) else (
+                    preempted[1] if len(preempted) > 1 else None)
+                first = [p.time for p in (full[0] if full else None, counted_preempted) if p is not None]
+                started = min(first) if first else (self.polls[0].time if self.polls else 0.0)
+                self._exhaustion = Exhaustion(full, peak, preemptions, started)
             else:
                 if full:
                     peak = max(full, key=lambda p: (p.demand, p.usage or 0.0))
@@ -152,6 +386,38 @@ class EngineContext:
                 started = min(first) if first else (self.polls[0].time if self.polls else 0.0)
                 self._exhaustion = Exhaustion(full, peak, preemptions, started)
         return self._exhaustion  # type: ignore[return-value]
+
+
+class HitRateMemory:
+    """Each engine's last healthy hit ratio and when it was seen, kept beyond
+    the window (the monitor holds one for the life of the process): a ratio
+    that fell stays a regression after the low part fills the window, until
+    reuse comes back. The rules keep the same memory in recording rules
+    (kvwatch/mixin/promql.py Fragments.memory_rules). Bounded: the engines
+    seen longest ago are forgotten first."""
+
+    def __init__(self, max_engines: int = 1024):
+        self.max_engines = max_engines
+        self._healthy: dict[tuple[str, str], tuple[float, float]] = {}
+
+    def remember(self, key: tuple[str, str], ratio: float, time: float) -> None:
+        self._healthy.pop(key, None)
+        self._healthy[key] = (ratio, time)
+        while len(self._healthy) > self.max_engines:
+            self._healthy.pop(next(iter(self._healthy)))
+
+    def recall(self, key: tuple[str, str]) -> tuple[float, float] | None:
+        return self._healthy.get(key)
+
+
+@dataclass
+class HitRateVerdict:
+    """The hit-rate rule's decision for one engine: its finding, if any, and
+    what the exhaustion finding carries about the hit ratio (the ratio, and
+    why no low-hit-rate cause stands beside the exhaustion)."""
+
+    findings: list[Finding] = field(default_factory=list)
+    exhaustion_evidence: dict[str, Any] = field(default_factory=dict)
 
 
 def tidy(evidence: dict[str, Any]) -> dict[str, Any]:

@@ -44,12 +44,23 @@ def _load_shape(ctx: EngineContext) -> dict[str, float | None]:
     and running), and the share of the cache one running request held: mean
     usage / mean running. The PromQL of the exhaustion alert computes the
     same means with avg_over_time over its rate window."""
+    track = ctx.track
+    if track is not None and not track.no_usage_or_running and not track.no_waiting:
+        # Every poll counts: the same sums over the kept values, in order.
+        count = len(track.polls)
+        if not count:
+            return {"kv_usage_mean": None, "running_mean": None, "waiting_mean": None, "share": None}
+        usage = sum(track.usage) / count
+        running = sum(track.running) / count
+        waiting = sum(track.waiting) / count
+        return {"kv_usage_mean": usage, "running_mean": running, "waiting_mean": waiting,
+                "share": usage / running if running > 0 else None}
     polls = [p for p in ctx.polls if p.usage is not None and p.running is not None]
     if not polls:
         return {"kv_usage_mean": None, "running_mean": None, "waiting_mean": None, "share": None}
-    usage = sum(p.usage for p in polls) / len(polls)
-    running = sum(p.running for p in polls) / len(polls)
-    waiting = sum(p.waiting or 0.0 for p in polls) / len(polls)
+    usage = sum([p.usage for p in polls]) / len(polls)
+    running = sum([p.running for p in polls]) / len(polls)
+    waiting = sum([p.waiting or 0.0 for p in polls]) / len(polls)
     return {"kv_usage_mean": usage, "running_mean": running, "waiting_mean": waiting,
             "share": usage / running if running > 0 else None}
 
@@ -91,9 +102,12 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     # Before any request finished (its final size unknown), the share one
     # held while the cache was full tells the same: a full cache and four
     # running requests is 25 % each.
-    full_shares = [p.usage / p.running for p in ctx.polls
-                   if p.usage is not None and p.usage >= limit and p.running]
-    full_share = max(full_shares, default=None)
+    known, full_share = ctx.track.for_limits(limit, ctx.t["max_num_seqs"]).full_share_max() if (
+        ctx.track is not None) else (False, None)
+    if not known:
+        full_shares = [p.usage / p.running for p in ctx.polls
+                       if p.usage is not None and p.usage >= limit and p.running]
+        full_share = max(full_shares, default=None)
     try:
         hit_evidence = hit_rate_verdict(ctx).exhaustion_evidence
     except Exception:  # the hit-rate rule's own failure must not drop this finding

@@ -5,6 +5,7 @@ diagnose/arbitration.py keeps one primary and carries the rest."""
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
 from kvwatch.diagnose.context import EngineContext, max_num_seqs, quantile_value
@@ -42,7 +43,11 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
     # queue length over the arrival rate (first tokens per second). It counts
     # the requests still waiting, which no histogram has seen yet: evidence
     # beside the decomposition, never a second set of shares.
-    waiting = [p.waiting for p in ctx.polls[1:] if p.waiting is not None]
+    track = ctx.track
+    if track is not None and not track.no_waiting:
+        waiting = list(islice(track.waiting, 1, None))  # every poll's, as below
+    else:
+        waiting = [p.waiting for p in ctx.polls[1:] if p.waiting is not None]
     queue_little = None
     if waiting and ctx.increase.seconds > 0:
         queue_little = (sum(waiting) / len(waiting)) / (ttft.count / ctx.increase.seconds)
@@ -102,8 +107,12 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
         share_text = f"{shares[part]:.0%} of it"
         if part == "queue":
             exhaustion = ctx.exhaustion
-            waiting_polls = [p for p in ctx.polls if (p.waiting or 0) > 0]
-            usage_while_waiting = max((p.usage for p in waiting_polls if p.usage is not None), default=None)
+            if track is not None:
+                peaks = track.waiting_usage_peaks
+                usage_while_waiting = peaks[0][1] if peaks else None
+            else:
+                waiting_polls = [p for p in ctx.polls if (p.waiting or 0) > 0]
+                usage_while_waiting = max((p.usage for p in waiting_polls if p.usage is not None), default=None)
             queue_evidence = {**evidence, "kv_usage_max_while_waiting": usage_while_waiting,
                               "kv_usage_threshold": t["exhaustion_usage_ratio"],
                               "running_max": ctx.view.running_max, "preemptions": ctx.increase.counters.get("preemptions")}

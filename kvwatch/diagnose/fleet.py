@@ -96,13 +96,14 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
     t = resolve_thresholds(thresholds)
     findings: list[Finding] = []
     room = t["fleet_room_usage_ratio"]
-    roomy = [row for row in rows if _has_room(row, room)]
+    # A pressed row has no room itself: its peers with room are all of them
+    # (counted and their peak taken once, not again for each pressed row:
+    # n * n in a fleet of n).
+    peers = [row for row in rows if _has_room(row, room)]
+    peers_peak = max((peer.usage_peak for peer in peers), default=None)
     for row in rows:
         state = _pressed(row)
-        if state is None:
-            continue
-        peers = [peer for peer in roomy if peer is not row]
-        if not peers:
+        if state is None or not peers:
             continue
         findings.append(Finding(
             "fleet", "imbalance", severity_of("imbalance"), "high", model, row.engine,
@@ -110,7 +111,7 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
             f"room (usage peak at most {room:.0%}, nothing waiting): the load is unevenly routed, not too large.",
             {"replica": row.replica, "state": state, "usage_peak": row.usage_peak, "waiting": row.waiting,
              "peers_with_room": len(peers), "peers": len(rows) - 1,
-             "peers_usage_peak_max": max(peer.usage_peak for peer in peers)},
+             "peers_usage_peak_max": peers_peak},
             NEXT_CHECK["imbalance"]))
 
     restarted = [row for row in rows if row.restarted_at is not None]

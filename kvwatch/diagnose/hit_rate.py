@@ -3,16 +3,15 @@ a restart, a changed prefix, eviction before reuse, or no reuse at all."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvwatch.diagnose.arbitration import alternative
-from kvwatch.diagnose.context import EngineContext, quantile_value
-from kvwatch.snapshot import Histogram
+from kvwatch.diagnose.context import EngineContext, HitRateVerdict, quantile_value
+from kvwatch.diagnose.stream import stream_residency
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 from kvwatch.signals import reuse_shortfall_blocks
-from kvwatch.snapshot import config_number, hybrid_cache
-
+from kvwatch.snapshot import Histogram, config_number, hybrid_cache
 
 # Fewer reuse gaps (or evictions) than this in the judged part and their
 # medians are a handful of blocks: too few to say which is longer.
@@ -63,8 +62,6 @@ def _residency(ctx: EngineContext, since: float | None = None) -> tuple[bool | N
     The engine's KV-cache event stream, where kvwatch reads it, decides
     first and with high confidence (diagnose/stream.py): it sees each block
     come back after its eviction, or not."""
-    from kvwatch.diagnose.stream import stream_residency
-
     decided = stream_residency(ctx)
     if decided is not None:
         return decided
@@ -202,41 +199,31 @@ def _within_one_block(floor: dict[str, Any]) -> str:
 
 def _usage_in(ctx: EngineContext, since: float | None = None,
               until: float | None = None) -> tuple[float | None, float | None]:
-    values = [p.usage for p in ctx.polls if p.usage is not None and (since is None or p.time > since)
-              and (until is None or p.time <= until)]
-    if not values:
-        return None, None
-    return max(values), sum(values) / len(values)
+    return ctx.usage_in(since, until)
 
 
 PREFIX_COUNTERS = ("prefix_queries", "prefix_hits")
+# Where the engine's release counts a request waiting for KV space in the
+# lookups again at every scheduling attempt (vLLM before 0.32,
+# Snapshot.counting), hits over lookups is no share of prompts: the rule then
+# judges the share of prompt tokens served from the prefix cache, where the
+# release counts it (vllm:prompt_tokens_by_source, 0.16+), as (whole, part).
+SERVED_COUNTERS = ("prompt_tokens", "prompt_tokens_by_source/local_cache_hit")
+SERVED_BASIS = ("the share of prompt tokens served from the prefix cache (vllm:prompt_tokens_by_source"
+                "{source=\"local_cache_hit\"} over vllm:prompt_tokens_total), not hits over lookups, which this "
+                "release inflates or deflates with re-lookups")
 
 
-class HitRateMemory:
-    """Each engine's last healthy hit ratio and when it was seen, kept beyond
-    the window (the monitor holds one for the life of the process): a ratio
-    that fell stays a regression after the low part fills the window, until
-    reuse comes back. The rules keep the same memory in recording rules
-    (kvwatch/mixin/promql.py Fragments.memory_rules). Bounded: the engines
-    seen longest ago are forgotten first."""
-
-    def __init__(self, max_engines: int = 1024):
-        self.max_engines = max_engines
-        self._healthy: dict[tuple[str, str], tuple[float, float]] = {}
-
-    def remember(self, key: tuple[str, str], ratio: float, time: float) -> None:
-        self._healthy.pop(key, None)
-        self._healthy[key] = (ratio, time)
-        while len(self._healthy) > self.max_engines:
-            self._healthy.pop(next(iter(self._healthy)))
-
-    def recall(self, key: tuple[str, str]) -> tuple[float, float] | None:
-        return self._healthy.get(key)
+def hit_counters(ctx: EngineContext) -> tuple[str, str]:
+    """The (whole, part) counters the hit ratio is judged on for this engine."""
+    if "prefix_queries" in ctx.view.counting and SERVED_COUNTERS[1] in ctx.increase.counters:
+        return SERVED_COUNTERS
+    return PREFIX_COUNTERS
 
 
-def _ratio_of(counters: dict[str, float]) -> tuple[float | None, float]:
-    queries = counters.get("prefix_queries", 0.0)
-    hits = counters.get("prefix_hits", 0.0)
+def _ratio_of(counters: dict[str, float], keys: tuple[str, str] = PREFIX_COUNTERS) -> tuple[float | None, float]:
+    queries = counters.get(keys[0], 0.0)
+    hits = counters.get(keys[1], 0.0)
     return (hits / queries if queries > 0 else None), queries
 
 
@@ -273,19 +260,10 @@ def _step_drop(ctx: EngineContext, last_time: float) -> StepDrop:
     first_time = ctx.polls[0].time if ctx.polls else last_time
     span = min(ctx.t["hit_recent_seconds"], (last_time - first_time) / 2)
     split = last_time - span
-    recent_ratio, recent_queries = _ratio_of(ctx.counters_since(split, PREFIX_COUNTERS, until=last_time))
-    baseline_ratio, baseline_queries = _ratio_of(ctx.counters_since(first_time, PREFIX_COUNTERS, until=split))
+    keys = hit_counters(ctx)
+    recent_ratio, recent_queries = _ratio_of(ctx.counters_since(split, keys, until=last_time), keys)
+    baseline_ratio, baseline_queries = _ratio_of(ctx.counters_since(first_time, keys, until=split), keys)
     return StepDrop(baseline_ratio, baseline_queries, recent_ratio, recent_queries, span, split)
-
-
-@dataclass
-class HitRateVerdict:
-    """The hit-rate rule's decision for one engine: its finding, if any, and
-    what the exhaustion finding carries about the hit ratio (the ratio, and
-    why no low-hit-rate cause stands beside the exhaustion)."""
-
-    findings: list[Finding] = field(default_factory=list)
-    exhaustion_evidence: dict[str, Any] = field(default_factory=dict)
 
 
 # vLLM counts cached blocks no running request holds as free in
@@ -379,7 +357,8 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
              "prefix_queries": counters.get("prefix_queries"), "window_seconds": ctx.increase.seconds},
             NEXT_CHECK["caching_disabled"])])
 
-    ratio, queries = _ratio_of(counters)
+    keys = hit_counters(ctx)
+    ratio, queries = _ratio_of(counters, keys)
     if ratio is None or queries < t["min_query_tokens"]:
         return HitRateVerdict()
     latest_time = ctx.polls[-1].time if ctx.polls else 0.0
@@ -387,22 +366,27 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     min_tokens = t["min_query_tokens"]
     exhausted = ctx.exhaustion
     usage_max, usage_mean = _usage_in(ctx)
-    base_evidence = {"hit_ratio": ratio, "prefix_queries": queries, "prefix_hits": counters.get("prefix_hits"),
+    base_evidence = {"hit_ratio": ratio, "prefix_queries": counters.get("prefix_queries"),
+                     "prefix_hits": counters.get("prefix_hits"),
                      "hit_ratio_low": t["hit_ratio_low"], "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
                      "kv_cache_exhausted": exhausted is not None, "window_seconds": ctx.increase.seconds}
-    on_exhaustion = {"prefix_cache_hit_ratio": ratio}
+    if keys == SERVED_COUNTERS:
+        base_evidence.update({"prompt_tokens": queries, "prompt_tokens_from_prefix_cache": counters.get(keys[1]),
+                              "hit_ratio_basis": SERVED_BASIS})
+    on_exhaustion = {"prefix_cache_hit_ratio": ratio,
+                     **({"hit_ratio_basis": SERVED_BASIS} if keys == SERVED_COUNTERS else {})}
 
     def verdict(finding: Finding | None = None, note: str | None = None) -> HitRateVerdict:
         return HitRateVerdict([finding] if finding else [], {**on_exhaustion, "hit_ratio_note": note})
 
     # A restart empties the cache: judge only the part after the last one.
-    restarts = [i for i, p in enumerate(ctx.polls) if p.restarted]
+    restarts = ctx.restarted_polls()
     if restarts:
         before_restart = ctx.polls[restarts[-1] - 1].time
-        after = ctx.counters_since(before_restart, PREFIX_COUNTERS)
-        after_ratio, after_queries = _ratio_of(after)
+        after = ctx.counters_since(before_restart, keys)
+        after_ratio, after_queries = _ratio_of(after, keys)
         earlier = {k: v - after.get(k, 0.0) for k, v in counters.items()}
-        earlier_ratio, earlier_queries = _ratio_of(earlier)
+        earlier_ratio, earlier_queries = _ratio_of(earlier, keys)
         if after_ratio is not None and after_queries >= min_tokens and (
             after_ratio < t["hit_ratio_low"]
             or (earlier_ratio is not None and earlier_queries >= min_tokens

@@ -42,10 +42,17 @@ def hold_key(finding: Finding) -> tuple:
             str(finding.evidence.get("replica", "")))
 
 
+# The most findings held while clearing: findings that come and go with new
+# names each poll (a served model name per request) were each held for the
+# whole hold, a hold's worth of them on the page and in the API.
+MAX_HELD = 100
+
+
 class FindingHold:
     """Feed `apply()` each poll's findings in time order; it returns them plus
     the findings still held. Bounded: it keeps only findings active at the
-    last poll (each at most one record)."""
+    last poll (each at most one record), and at most MAX_HELD clearing ones,
+    those that cleared last."""
 
     def __init__(self, seconds: float):
         self.seconds = max(0.0, float(seconds))
@@ -59,13 +66,20 @@ class FindingHold:
         seen = {hold_key(f) for f in current}
         held: dict[tuple, tuple[Finding, float | None]] = {hold_key(f): (f, None) for f in current}
         out = list(current)
+        clearing = []
         for key, (finding, clear_since) in self._held.items():
             if key in seen:
                 continue
             since = at if clear_since is None else clear_since
             if at - since < self.seconds:
-                held[key] = (finding, since)
-                out.append(replace(finding, clearing_since=since))
+                clearing.append((since, key, finding))
+        if len(clearing) > MAX_HELD:
+            # Those that cleared last stay (sorted is stable: the order they were held in breaks ties).
+            clearing = sorted(clearing, key=lambda item: item[0], reverse=True)[:MAX_HELD]
+            clearing.reverse()
+        for since, key, finding in clearing:
+            held[key] = (finding, since)
+            out.append(replace(finding, clearing_since=since))
         self._held = held
         # One story per engine and symptom: a held finding never stands beside
         # an active cause of the same symptom (it is kept here and comes back

@@ -31,6 +31,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
+from kvwatch.kvevents.source import extra_for_share
 
 REFINED = ("prefix_changed", "eviction_before_reuse", "no_reuse")
 _HAS_ALTERNATIVES = "alternatives" in {f.name for f in fields(Finding)}
@@ -86,8 +87,6 @@ def stream_findings(findings: list[Finding], report: dict[str, Any] | None, per_
 
 
 def _evidence(report: dict[str, Any]) -> dict[str, Any]:
-    from kvwatch.kvevents.source import extra_for_share
-
     recent, earlier, window = report["recent"], report["earlier"], report["window"]
     sizing = report.get("sizing") or {}
     half = extra_for_share(window.get("distance") or [], window.get("stored_again") or 0.0, 0.5)

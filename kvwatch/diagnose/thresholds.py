@@ -91,6 +91,22 @@ DEFAULT_THRESHOLDS: dict[str, Any] = {
     # No event for this long while the page counts prompt tokens: the stream
     # stopped (an idle engine sends none, so prompt tokens must be counted).
     "kv_events_silence_seconds": 60.0,
+    # --- a stuck engine, a busy one (diagnose/stuck.py, the monitor) ---
+    # Running or waiting requests, or KV usage, that do not move for this long
+    # while the engine counts no token at all (prompt, generated, decoded) and
+    # finishes no request: the engine is stuck, not exhausted. vLLM counts
+    # tokens every step and SGLang every log interval (seconds), so three
+    # minutes without one, with requests held, is no slow decode; shorter
+    # than the default window (5m), so the window can show it.
+    "stuck_seconds": 180.0,
+    # A page answered this late while requests run or wait: the engine is
+    # busy, not down (vLLM answers /metrics 1.5-12 s late under load on the
+    # real tier's CPU). Reported with the lateness measured.
+    "busy_late_seconds": 2.0,
+    # A poll that times out within this long of a page that showed requests
+    # running or waiting is a busy engine's late page, not an unreachable
+    # engine; past it, nothing recent says it is busy, and it is unreachable.
+    "busy_timeout_seconds": 120.0,
     # --- every finding ---
     # A finding stays active until its condition has been clear for this long
     # (from the first poll that found it clear), reported as clearing
@@ -162,6 +178,9 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "stored_again_ratio_high": _ratio,
     "stored_again_ratio_none": _ratio,
     "kv_events_silence_seconds": _seconds,
+    "stuck_seconds": _seconds,
+    "busy_late_seconds": _seconds,
+    "busy_timeout_seconds": _seconds,
     "finding_hold_seconds": _hold,
 }
 assert set(_PARSERS) == set(DEFAULT_THRESHOLDS)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from kvwatch.diagnose.vocabulary import CONFIDENCES, SEVERITIES
-from kvwatch.sidecar.report import _clean
+from kvwatch.present import clean
 
 _SEVERITY_RANK = {severity: len(SEVERITIES) - index for index, severity in enumerate(SEVERITIES)}
 _CONFIDENCE_RANK = {confidence: len(CONFIDENCES) - index for index, confidence in enumerate(CONFIDENCES)}
@@ -58,7 +58,7 @@ def episode_json(episode: Episode) -> dict[str, Any]:
 
 def _worst_of(finding, at: float) -> dict[str, Any]:
     worst = {"time": at, "severity": finding.severity, "confidence": finding.confidence,
-             "summary": finding.summary, "evidence": _clean(dict(finding.evidence)), "next_check": finding.next_check}
+             "summary": finding.summary, "evidence": clean(dict(finding.evidence)), "next_check": finding.next_check}
     # One story (diagnose/arbitration.py): what rode on it, and what it could not be told from.
     if finding.contributing:
         worst["contributing"] = [{k: v for k, v in c.items() if k != "evidence"} for c in finding.contributing]
@@ -81,7 +81,10 @@ class Timeline:
         self.failed = 0
         self.first: float | None = None
         self.last: float | None = None
-        self._open: dict[tuple, Episode] = {}
+        # Open episodes per scope: a step's add() for one scope ends only
+        # that scope's (looking through every scope's made a fleet's step
+        # cost replicas x open episodes).
+        self._open: dict[str, dict[tuple, Episode]] = {}
 
     def add(self, scope: str, at: float, findings: Iterable, replica: str | None = None) -> None:
         """The findings of one scope (a replica, or one model's fleet rules)
@@ -89,18 +92,21 @@ class Timeline:
         names the replica of every finding; without it, each finding's
         evidence["replica"] does."""
         seen = set()
+        open_here = self._open.get(scope)
+        if open_here is None:
+            open_here = self._open[scope] = {}
         for finding in findings:
             where = replica if replica is not None else str(finding.evidence.get("replica", ""))
             key = (scope, where, finding.symptom, finding.cause, finding.model, finding.engine)
             seen.add(key)
-            episode = self._open.get(key)
+            episode = open_here.get(key)
             if episode is None:
                 if len(self.episodes) >= MAX_EPISODES:
                     self.dropped += 1
                     continue
                 episode = Episode(finding.symptom, finding.cause, finding.model, finding.engine, at, at,
                                   worst=_worst_of(finding, at), replica=where)
-                self._open[key] = episode
+                open_here[key] = episode
                 self.episodes.append(episode)
                 continue
             episode.end = at
@@ -108,8 +114,10 @@ class Timeline:
             candidate = (_SEVERITY_RANK.get(finding.severity, 0), _CONFIDENCE_RANK.get(finding.confidence, 0))
             if candidate > episode.rank():
                 episode.worst = _worst_of(finding, at)
-        for key in [key for key in self._open if key[0] == scope and key not in seen]:
-            del self._open[key]
+        for key in [key for key in open_here if key not in seen]:
+            del open_here[key]
+        if not open_here:
+            del self._open[scope]
 
     def add_state(self, state, replica: str = "") -> None:
         """One poll of a Monitor: a failed one is an outage (consecutive
@@ -140,8 +148,9 @@ class Timeline:
             spans.append([at, at])
 
     def finish(self) -> "Timeline":
-        for episode in self._open.values():
-            episode.active_at_end = True
+        for open_here in self._open.values():
+            for episode in open_here.values():
+                episode.active_at_end = True
         for outage in self.outages:
             outage.pop("open", None)
         self.episodes.sort(key=lambda e: (e.start, -e.rank()[0], e.model, e.replica, e.symptom, e.cause))

@@ -33,6 +33,9 @@ class EngineAdapter(ABC):
     # page and which flag would light a dark signal.
     families: dict[str, str] = {}
     gates: dict[str, str] = {}
+    # Engine family -> the releases that export it ("0.20+"): a dark signal
+    # whose family a page lacks names them.
+    versions: dict[str, str] = {}
 
     def __init__(self, max_series: int = 10_000):
         # A page with more (model, engine) pairs than this is capped: the rest

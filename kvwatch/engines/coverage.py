@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from kvwatch.engines import ENGINES, vllm
 from kvwatch.engines.base import EngineAdapter
 from kvwatch.engines.table import TableAdapter
+from kvwatch.engines.vllm import VllmAdapter
+from kvwatch.signals import SIGNALS, View
 from kvwatch.snapshot import EngineSnapshot, Histogram
 from kvwatch.window import Increase
 
@@ -30,8 +33,6 @@ def provided(adapter: type[EngineAdapter], older_builds: bool = True) -> dict[st
             if older_builds or row.key not in adapter.OLDER_BUILDS_ONLY:
                 found[row.key] = "config" if row.key == "capacity_tokens" else row.kind
         return found
-    from kvwatch.engines import vllm
-
     if adapter is vllm.VllmAdapter:
         found = {key: "gauge" for key in vllm.GAUGES}
         found.update({key: "counter" for key in vllm.COUNTERS})
@@ -47,9 +48,6 @@ def provided(adapter: type[EngineAdapter], older_builds: bool = True) -> dict[st
 def dark_signals(adapter: type[EngineAdapter], older_builds: bool = False) -> tuple[str, ...]:
     """Names of the catalogue's signals this engine's current builds cannot
     provide (with `older_builds`: that no build of it provides)."""
-    from kvwatch.engines.vllm import VllmAdapter
-    from kvwatch.signals import SIGNALS, View
-
     if adapter is VllmAdapter:
         # The catalogue is vLLM's: every signal has its inputs in some vLLM
         # version, and what a given page lacks is said from the page
@@ -59,7 +57,7 @@ def dark_signals(adapter: type[EngineAdapter], older_builds: bool = False) -> tu
     latest = EngineSnapshot("model", "0")
     increase = Increase(seconds=60.0, steps=2)
     for key, kind in keys.items():
-        names = [key] if not key.endswith("/*") else [key[:-1] + value for value in ("stop", "abort", "capacity")]
+        names = [key] if not key.endswith("/*") else [key[:-1] + value for value in ("stop", "abort", "capacity", "local_compute", "device")]
         for name in names:
             if kind == "gauge":
                 latest.gauges[name] = 0.5
@@ -95,9 +93,6 @@ def dark_signals(adapter: type[EngineAdapter], older_builds: bool = False) -> tu
 def engines_markdown() -> str:
     """docs/engines-signals.md: signals x engines, then each adapter's table
     (written by `kvwatch generate`, checked for staleness like the rest)."""
-    from kvwatch.engines import ENGINES
-    from kvwatch.signals import SIGNALS
-
     engines = list(ENGINES)
     lines = ["| signal | " + " | ".join(engines) + " |", "|---|" + "---|" * len(engines)]
     for signal in SIGNALS:

@@ -43,10 +43,17 @@ ROWS: tuple[Row, ...] = (
         "prefill_cache + prefill_compute", where=(("mode", "prefill_cache"),), adds=True),
     Row("prefix_queries", "realtime_tokens", "counter", "tokens",
         "prefill_cache + prefill_compute", where=(("mode", "prefill_compute"),), adds=True),
+    Row("decode_tokens", "realtime_tokens", "counter", "tokens",
+        "tokens decoded, counted each log interval (progress while requests run; prompt and generated tokens "
+        "are counted when a request finishes)", where=(("mode", "decode"),)),
     Row("prompt_tokens", "prompt_tokens", "counter", "tokens", "cached tokens included"),
     Row("generation_tokens", "generation_tokens", "counter", "tokens"),
     Row("preemptions", "num_retracted_requests", "counter", "requests",
         "retractions; the family appears after the first one"),
+    Row("retracted_prompt_tokens", "num_retracted_input_tokens", "counter", "tokens",
+        "prompt tokens of retracted requests, computed again when they are rescheduled"),
+    Row("retracted_generation_tokens", "num_retracted_output_tokens", "counter", "tokens",
+        "generated tokens of retracted requests, whose KV is computed again (as prompt) when they resume"),
     Row("ttft", "time_to_first_token_seconds", "histogram", "seconds"),
     Row("queue_time", "queue_time_seconds", "histogram", "seconds"),
     Row("e2e_latency", "e2e_request_latency_seconds", "histogram", "seconds"),
@@ -57,6 +64,12 @@ ROWS: tuple[Row, ...] = (
 )
 # Read in `finish` (the table lists them with their notes in TABLE_NOTES).
 CACHED_TOKENS = "cached_tokens"
+# The per-tier prefill counter: mode device_hit, host_hit, storage_hit (cached
+# tokens by the HiCache tier that served them) and input (computed), each
+# pre-seeded at 0, re-counts of retracted requests excluded. vLLM's words:
+# prompt_tokens_cached_by_source/<tier> and prompt_tokens_by_source/<source>.
+EFFECTIVE_TOKENS = "prefill_effective_tokens"
+EFFECTIVE_TIERS = {"device_hit": "device", "host_hit": "host", "storage_hit": "storage"}
 CAPACITY = "max_total_num_tokens"
 PAGE_SIZE = "page_size"
 RETRACTIONS = "num_retracted_requests"
@@ -66,6 +79,11 @@ TABLE_NOTES: tuple[Row, ...] = (
         "summed over cache_source (device, host, storage_*); a `total` series is read alone"),
     Row("capacity_tokens", "max_total_num_tokens", "gauge", "tokens",
         "KV pool size in tokens; page_size is the block size"),
+    Row("prompt_tokens_cached_by_source/*", "prefill_effective_tokens", "counter", "tokens",
+        "mode device_hit, host_hit, storage_hit as tiers device, host, storage (HiCache); retracted re-counts "
+        "excluded"),
+    Row("prompt_tokens_by_source/*", "prefill_effective_tokens", "counter", "tokens",
+        "local_compute = mode input; local_cache_hit = the three hit modes (HiCache's tiers are the engine's own)"),
 )
 
 MISSING: dict[str, str] = {
@@ -88,7 +106,7 @@ class SglangAdapter(TableAdapter):
     MISSING = MISSING
     engine_label = "dp_rank"
     rank_labels = ("tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "attn_cp_rank")
-    EXTRA_FAMILIES = (CACHED_TOKENS, CAPACITY, PAGE_SIZE)
+    EXTRA_FAMILIES = (CACHED_TOKENS, CAPACITY, PAGE_SIZE, EFFECTIVE_TOKENS)
     TABLE_NOTES = TABLE_NOTES
 
     def __init__(self, max_series: int = 10_000):
@@ -114,6 +132,8 @@ class SglangAdapter(TableAdapter):
                     engine.counters["prefix_hits"] = engine.counters["prompt_tokens_cached"]
                     engine.counters["prefix_queries"] = engine.counters["prompt_tokens"]
 
+        self._effective_tokens(snapshot, families.get(EFFECTIVE_TOKENS))
+
         if RETRACTIONS in families and families[RETRACTIONS].samples:
             self.retractions_seen = True
         elif self.retractions_seen:
@@ -130,6 +150,32 @@ class SglangAdapter(TableAdapter):
             size = page_size.get((model, engine_name, None))
             if size:
                 config["block_size"] = _integer_text(size)
+
+    def _effective_tokens(self, snapshot: Snapshot, family: Family | None) -> None:
+        """prefill_effective_tokens{mode} as the tiers' cached tokens and the
+        computed ones (the families vLLM 0.32 names by source)."""
+        if family is None or not family.samples:
+            return
+        folded = self.fold(family, "counter", label="mode")
+        name = self.prefixes[0] + EFFECTIVE_TOKENS + "_total"
+        wrote = False
+        for (model, engine_name, mode), value in folded.items():
+            engine = snapshot.engines.get((model, engine_name))
+            if engine is None:
+                continue
+            counters = engine.counters
+            if mode == "input":
+                counters["prompt_tokens_by_source/local_compute"] = value
+            elif mode in EFFECTIVE_TIERS:
+                counters[f"prompt_tokens_cached_by_source/{EFFECTIVE_TIERS[mode]}"] = value
+                counters["prompt_tokens_by_source/local_cache_hit"] = (
+                    counters.get("prompt_tokens_by_source/local_cache_hit", 0.0) + value)
+            else:
+                continue
+            wrote = True
+        if wrote:
+            snapshot.sources["prompt_tokens_cached_by_source"] = name
+            snapshot.sources["prompt_tokens_by_source"] = name
 
     def _cached_tokens(self, family: Family | None) -> dict[tuple[str, str], float]:
         if family is None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvwatch.engines.base import EngineAdapter
 from kvwatch.exposition import Family, FamilySelector
+from kvwatch.engines.plausible import add_fault, screen
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
 
 
@@ -173,6 +174,7 @@ class TableAdapter(EngineAdapter):
                         engine.histograms[row.key] = histogram
                 continue
             folded = self.fold(family, row.kind, row.where, row.label)
+            self._nan_faults(snapshot, family, row)
             if not folded:
                 continue
             snapshot.sources[row.key] = (snapshot.sources[row.key] + " + " + self.spelled(row)
@@ -188,8 +190,23 @@ class TableAdapter(EngineAdapter):
                 else:
                     target[key] = value
         self.finish(snapshot, families)
+        screen(snapshot, self.prefixes[0])
         self.dropped_series += len(dropped)
         return snapshot
+
+    def _nan_faults(self, snapshot: Snapshot, family: Family, row: Row) -> None:
+        """The NaN samples `fold` skips, described as faults of the source
+        (kvwatch.engines.plausible); one per (model, engine) and row."""
+        wanted = ("_total", "") if row.kind == "counter" else ("",)
+        seen = set()
+        for suffix, labels, value in self._chosen(family, row.where):
+            if value == value or suffix not in wanted:
+                continue
+            identity = self.identity(labels)
+            key = row.key if row.label is None else f"{row.key[:-2]}/{labels.get(row.label, '')}"
+            if (identity, key) not in seen:
+                seen.add((identity, key))
+                add_fault(snapshot, *identity, key, self.spelled(row), "not_finite", value, row.kind)
 
     def _engine(self, snapshot: Snapshot, identity: tuple[str, str], dropped: set) -> EngineSnapshot | None:
         engine = snapshot.engines.get(identity)

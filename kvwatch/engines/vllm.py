@@ -31,6 +31,7 @@ import time as _time
 
 from kvwatch.engines.base import EngineAdapter
 from kvwatch.exposition import Family, FamilySelector
+from kvwatch.engines.plausible import add_fault, family_name, screen
 from kvwatch.snapshot import COUNTER_ROUNDING, EngineSnapshot, Histogram, Snapshot
 
 # Spellings of the namespace on the wire: the native one, the OpenMetrics
@@ -212,7 +213,8 @@ VERSIONS: dict[str, str] = {
     "kv_block_reuse_gap_seconds": "0.12+",
     "request_num_preemptions": "0.30+",
     "cache_config_info": "all (its labels change with every release; kv_cache_size_tokens and "
-                         "kv_cache_max_concurrency 0.24+, kv_cache_memory_bytes 0.11+; mamba_block_size is a number "
+                         "kv_cache_max_concurrency 0.24+; kv_cache_memory_bytes already on 0.10.2, as \"None\" there (its CPU "
+                         "worker ignores --kv-cache-memory-bytes), a number on 0.20.2 given that flag; mamba_block_size is a number "
                          "only on hybrid models, whose mamba_* labels kvwatch shows in capacity and the exhaustion "
                          "evidence)",
     "lora_requests_info": "with LoRA",
@@ -242,6 +244,36 @@ GATES: dict[str, str] = {
     "nixl_descriptors": "--kv-transfer-config with the NixlConnector",
     "engine_healthy": "--enable-fault-tolerance",
 }
+
+
+# Counters that meant something else in older releases: canonical key -> (the
+# test on the page's families that tells an older release, what its counter
+# counts there). The tests are read from the families a page carries, since no
+# vLLM page states its version; each was seen on a real build (the captures in
+# tests/fixtures/vllm-0.10.2-cpu and vllm-0.20.2-cpu). Signals and findings
+# read from such a counter say so (Snapshot.counting).
+RELOOKUPS = (
+    "vLLM before 0.32 (this page has no vllm:prompt_tokens_cached_by_source; seen on 0.10.2 and 0.20.2) counts a "
+    "request that waits for KV space in the prefix-cache lookup counters again at every scheduling attempt, so "
+    "hits over queries is a ratio of lookups, inflated or deflated by re-lookups, not the share of prompt tokens "
+    "served from the cache")
+LATE_PREEMPTIONS = (
+    "vLLM's V1 engine before 0.11 (this page still carries vllm:gpu_cache_usage_perc; seen on 0.10.2) counts a "
+    "preemption when the preempted request next produces output, so the counter trails the event")
+
+
+def counting_caveats(families: dict[str, Family]) -> dict[str, str]:
+    """canonical counter key -> how this page's release counts it, where that
+    differs from the current meaning (empty for a current page)."""
+    found = {}
+    v1_lookups = "prefix_cache_queries" in families or "gpu_prefix_cache_queries" in families
+    if v1_lookups and "prompt_tokens_cached_by_source" not in families:
+        found["prefix_queries"] = found["prefix_hits"] = RELOOKUPS
+    # V1 0.8 to 0.10 still showed gpu_cache_usage_perc (hidden in 0.11); V0,
+    # which had it too, had no lookup counters but its hit-rate gauge.
+    if "num_preemptions" in families and "gpu_cache_usage_perc" in families and v1_lookups:
+        found["preemptions"] = LATE_PREEMPTIONS
+    return found
 
 
 def key_families() -> dict[str, str]:
@@ -291,6 +323,7 @@ class VllmAdapter(EngineAdapter):
     prefixes = PREFIXES
     families = KEY_FAMILIES
     gates = GATES
+    versions = VERSIONS
 
     def __init__(self, max_series: int = 10_000):
         super().__init__(max_series)
@@ -339,6 +372,8 @@ class VllmAdapter(EngineAdapter):
         if plan is None or len(plan.engine_keys) > self.max_series or not plan.apply(snapshot, families, self._folds):
             self._read_page(snapshot, families)
         self._read_info(snapshot, families)
+        screen(snapshot, "vllm:")
+        snapshot.counting = counting_caveats(families)
         return snapshot
 
     # Whether a page whose layout was seen on the poll before is read by its
@@ -525,6 +560,7 @@ class VllmAdapter(EngineAdapter):
                         flat = f"{key}/{labels.get(dimension, '')}"
                         engine.counters[flat] = engine.counters.get(flat, 0.0) + value
         self.dropped_series += len(dropped)
+        _nan_faults(snapshot, families, series)
 
     @staticmethod
     def _read_info(snapshot: Snapshot, families: dict[str, Family]) -> None:
@@ -540,6 +576,35 @@ class VllmAdapter(EngineAdapter):
             latest = max((s for s in lora.samples if s[0] == ""), key=lambda s: s[2], default=None)
             if latest is not None:
                 snapshot.lora = latest[1]
+
+
+# canonical key -> (its label, whether a counter) for the flattened families.
+_FLAT = {**{key: (dimension, False) for key, (_n, dimension) in LABELLED_GAUGES.items()},
+         **{key: (dimension, True) for key, (_n, dimension) in LABELLED_COUNTERS.items()},
+         **{key: (dimension, True) for key, (_n, dimension) in MODEL_ONLY_COUNTERS.items()}}
+_COUNTER_KEYS = frozenset(COUNTERS) | frozenset(COUNTER_FALLBACKS)
+
+
+def _nan_faults(snapshot: Snapshot, families: dict[str, Family], series: "_SeriesCache") -> None:
+    """The NaN gauges and counters the reading above skipped, described as
+    faults of the source (kvwatch.engines.plausible): skipped silently, a counter
+    that turned NaN looked like one that stopped. Only the slow path reads
+    here; the page plan hands a page with a NaN to it."""
+    for key, name in snapshot.sources.items():
+        if key in HISTOGRAMS or key in HISTOGRAM_FALLBACKS:
+            continue
+        family = families.get(name)
+        if family is None:
+            continue
+        dimension, counter = _FLAT.get(key, (None, key in _COUNTER_KEYS))
+        for suffix, labels, value in family.samples:
+            if value == value or suffix not in ("", "_total"):
+                continue
+            model, engine = series.engine_key(labels)
+            flat = f"{key}/{labels.get(dimension, '')}" if dimension else key
+            add_fault(snapshot, model, engine, flat,
+                      family_name({flat: name}, flat, "vllm:", "counter" if counter else "gauge"), "not_finite",
+                      value, "counter" if counter else "gauge")
 
 
 def _process_start(text: str) -> float | None:

@@ -16,6 +16,7 @@ no proxies from the environment, no redirects followed.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
@@ -28,7 +29,8 @@ import urllib3
 
 from kvwatch import __version__
 from kvwatch.history.matrix import decode, joined
-from kvwatch.scrape import BearerToken, WatchedAdapter, Watchdog, connection_reason, public_host, read_body
+from kvwatch.present import public_host
+from kvwatch.scrape import BearerToken, WatchedAdapter, Watchdog, connection_reason, read_body
 
 MAX_POINTS = 10_000  # per series and query; Prometheus refuses more than 11,000
 DEFAULT_MAX_SAMPLES = 5_000_000  # per query
@@ -46,6 +48,12 @@ BYTES_PER_SAMPLE = 48
 # The most of a store's own error text kept (in the log only; /readyz and the
 # page say the status alone).
 ERROR_TEXT_CHARS = 300
+# Sent with every query. Thanos: refuse a partial answer (a failed store
+# behind the querier fails the query instead of leaving its replicas out)
+# and deduplicate HA pairs by the querier's replica labels (its default, said
+# here). Prometheus, Mimir and VictoriaMetrics ignore both (tested against
+# Prometheus and VictoriaMetrics).
+STORE_PARAMETERS = {"partial_response": "false", "dedup": "true"}
 # Steps the planner picks from, so that steps line up across runs.
 NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 
@@ -63,12 +71,36 @@ _STORE_SENTENCES = {
 class QueryError(Exception):
     """The store refused or failed a query (the message says which and why;
     `reason` names a connection failure: refused, dns, disconnected,
-    connection, tls)."""
+    connection, tls; or what a store's refusal means: limit, throttled,
+    partial)."""
 
     def __init__(self, message: str, reason: str | None = None, status: int | None = None):
         super().__init__(message)
         self.reason = reason
         self.status = status
+
+
+# What a horizontally scaled store's refusal means, from its status and text
+# (the text stays in the log): over one of its query limits (Prometheus'
+# "would load too many samples", Mimir's err-mimir-max-series-per-query and
+# kin, VictoriaMetrics' -search.max* flags, Thanos' store limits); throttled
+# (HTTP 429: a tenant's query rate or concurrency); partial (a store behind
+# a Thanos querier failed and partial responses are refused).
+_LIMIT = re.compile(r"limit|exceed|too many|too large|max[-_.]?(samples|series|chunks|fetched|unique|points|query)",
+                    re.IGNORECASE)
+_PARTIAL = re.compile(r"partial|receive series from|store ?api|storeapi", re.IGNORECASE)
+
+
+def refusal(status: int | None, text: str) -> str | None:
+    """limit, throttled, partial, or None for any other error answer."""
+    if status == 429:
+        return "throttled"
+    if _PARTIAL.search(text):
+        return "partial"
+    # A deadline "exceeded" is a store too slow, not a limit reached.
+    if status in (400, 413, 422, 500, 503) and _LIMIT.search(text) and "deadline" not in text.lower():
+        return "limit"
+    return None
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
@@ -183,9 +215,17 @@ class PrometheusClient:
         if not isinstance(body, dict):
             raise QueryError(f"{path}: HTTP {status}, JSON but not an object")
         if status != 200 or body.get("status") != "success":
-            said = _printable(f"{body.get('errorType', '')} {body.get('error', '')}".strip(), ERROR_TEXT_CHARS)
-            raise QueryError(f"{path}: HTTP {status}: {said}".strip(), status=status)
+            text = f"{body.get('errorType', '')} {body.get('error', '')}".strip()
+            raise QueryError(f"{path}: HTTP {status}: {_printable(text, ERROR_TEXT_CHARS)}".strip(),
+                             refusal(status, text[:ERROR_TEXT_CHARS * 4]), status=status)
         data = body.get("data")
+        # Thanos answers a query some of its stores failed with success and
+        # warnings (a partial response) where partial responses are on: part
+        # of a fleet read as all of it would show the rest as gone.
+        warnings = body.get("warnings") or (data.get("warnings") if isinstance(data, dict) else None)
+        if warnings:
+            said = _printable(json.dumps(warnings)[:ERROR_TEXT_CHARS], ERROR_TEXT_CHARS)
+            raise QueryError(f"{path}: a partial answer, with warnings: {said}", "partial")
         if isinstance(data, dict) and isinstance(data.get("result"), list):
             result = data["result"]
             if not all(isinstance(s, dict) and _is_labels(s.get("metric")) for s in result):
@@ -228,11 +268,12 @@ class PrometheusClient:
 
     def series(self, match: str, start: float, end: float) -> list[dict[str, str]]:
         """The label sets of every series matching over the range."""
-        return self._get("/api/v1/series", {"match[]": match, "start": f"{start:.3f}", "end": f"{end:.3f}"})
+        return self._get("/api/v1/series", {"match[]": match, "start": f"{start:.3f}", "end": f"{end:.3f}",
+                                            **STORE_PARAMETERS})
 
     def query_range(self, query: str, start: float, end: float, step: float) -> list[dict]:
         data = self._get("/api/v1/query_range", {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}",
-                                                 "step": f"{step:g}"})
+                                                 "step": f"{step:g}", **STORE_PARAMETERS})
         return data["result"]
 
     def plan(self, start: float, end: float, step: float, series: int) -> list[tuple[float, float]]:

@@ -9,8 +9,7 @@ import textwrap
 import time
 from typing import Any, TextIO
 
-from kvwatch.sidecar.report import _clean
-from kvwatch.sidecar.statuspage import format_evidence
+from kvwatch.present import clean, format_evidence
 
 from kvwatch.history.run import MAX_TREND_POINTS, History
 
@@ -27,7 +26,7 @@ def to_json(history: History, public_url: str) -> dict[str, Any]:
     for name, state in sorted(history.replicas.items()):
         for model in state.models:
             models.setdefault(model, []).append(name)
-    return _clean({
+    return clean({
         "prometheus": public_url,
         "selector": history.selector,
         "source": history.source,

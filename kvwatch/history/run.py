@@ -90,7 +90,7 @@ def replica_name(labels: dict[str, str], key: tuple[str, ...]) -> str:
     return "/".join(values) if values else "(no target labels)"
 
 
-def _discover(client: PrometheusClient, selector: str, start: float, end: float, source: str,
+def discover(client: PrometheusClient, selector: str, start: float, end: float, source: str,
               diagnosed_only: bool = False):
     """(source, {family: [series names]}, {family: series count}); with
     `diagnosed_only`, without the families no rule reads."""
@@ -133,7 +133,7 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
     started = time.monotonic()
     # Only what the diagnosis reads: the timeline and the trends are all
     # that history reports (central mode, serving status pages, reads all).
-    source, families, counts, inner = _discover(client, selector, start, end, source, diagnosed_only=True)
+    source, families, counts, inner = discover(client, selector, start, end, source, diagnosed_only=True)
     timeline = Timeline()
     replicas: dict[tuple, ReplicaState] = {}
     points = int((end - start) // step) + 1
@@ -203,7 +203,7 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
     return History(start, end, step, window, source, selector, named, timeline, cost, diagnose_seconds, points)
 
 
-def _diagnose_step(at: float, index: int, ordered, replicas: dict, timeline: Timeline, window_seconds: float,
+def diagnose_step(at: float, index: int, ordered, replicas: dict, timeline: Timeline, window_seconds: float,
                    thresholds, step: float, fleet_holds: dict, fast: bool = True) -> None:
     """Every replica of `ordered` at one step, then the fleet rules."""
     results = []

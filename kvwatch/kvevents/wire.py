@@ -180,8 +180,20 @@ _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size"
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
+# The most of a batch the slow path decodes generically: every msgpack byte
+# may become a Python object (an empty array is one byte and a 56-byte
+# list), so a 4 MiB message of an unknown event type holding 4 M empty
+# arrays took 257 MB to decode; 256 KiB takes at most 16 MB. vLLM's
+# batches the typed decoders read have no such bound and need none (their
+# hashes are typed, their token ids never decoded).
+GENERIC_MAX_BYTES = 256 * 1024
+
+
 def _generic(payload: bytes, outer: str) -> Batch:
     """The slow path: a batch the typed decoders refused, walked by hand."""
+    if len(payload) > GENERIC_MAX_BYTES:
+        raise Malformed(f"a batch of {len(payload):,} bytes that is not in vLLM's known layouts (kvwatch reads such "
+                        f"batches only up to {GENERIC_MAX_BYTES:,} bytes)")
     try:
         raw = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, RecursionError):

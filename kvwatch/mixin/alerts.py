@@ -19,25 +19,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvwatch.diagnose.causes import ALERT_LIST, CAUSE, CAUSE_LIST
+from kvwatch.diagnose.causes import ALERTS as ALERTS_BY_NAME
 from kvwatch.mixin import objectives
 from kvwatch.mixin.config import ALERT_CAUSES, ALERTS, PREEMPTING_SUFFIX, MixinConfig
 from kvwatch.mixin.conditions import Recorded
 from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
 from kvwatch.mixin.promql import Fragments, Scope, chain, num, paren
 
-# Where each alert is shown: (dashboard key, panel key), see dashboards.py.
+# Where each alert is shown: (dashboard key, panel key), see dashboards.py;
+# the catalogue's alerts say it in their record.
+OBJECTIVE_PANEL = ("overview", "objective_burn")
 ALERT_PANELS = {
-    "VllmKvCacheExhausted": ("exhaustion", "usage_peak"),
-    "VllmKvCacheExhaustionSoon": ("exhaustion", "kvwatch_kv_cache_exhaustion_eta_seconds"),
-    "VllmPrefixCacheHitRateLow": ("prefix_cache", "hit_ratio_vs_baseline"),
-    "VllmTimeToFirstTokenSlow": ("first_token", "ttft_parts"),
-    "KvwatchDown": ("overview", "scrape_up"),
-    "KvwatchEngineUnreachable": ("overview", "poll_up"),
-    "VllmFleetReplicaOutlier": ("fleet", "replicas"),
-    "VllmEngineStatsDisabled": ("overview", "poll_up"),
-    "VllmTimeToFirstTokenBudgetBurn": ("overview", "objective_burn"),
-    "VllmRequestErrorBudgetBurn": ("overview", "objective_burn"),
-    "VllmRequestAbortBudgetBurn": ("overview", "objective_burn"),
+    **{alert.name: alert.panel for alert in ALERT_LIST},
+    **{alert: OBJECTIVE_PANEL for alert, _, _ in OBJECTIVE_ALERTS.values()},
 }
 
 # Alternatives (issue 32): where the page cannot tell a cause from eviction
@@ -84,12 +79,7 @@ class AlertSpec:
     @property
     def uid(self) -> str:
         """Stable Grafana rule uid (at most 40 characters)."""
-        short = {"VllmKvCacheExhausted": "exhausted", "VllmKvCacheExhaustionSoon": "exhaustion-soon",
-                 "VllmPrefixCacheHitRateLow": "hit-rate",
-                 "VllmTimeToFirstTokenSlow": "ttft", "KvwatchDown": "down",
-                 "KvwatchEngineUnreachable": "unreachable", "VllmFleetReplicaOutlier": "fleet",
-                 "VllmEngineStatsDisabled": "stats-disabled", "VllmTimeToFirstTokenBudgetBurn": "burn",
-                 "VllmRequestErrorBudgetBurn": "burn", "VllmRequestAbortBudgetBurn": "burn"}[self.alert]
+        short = "burn" if self.kind == "objective" else ALERTS_BY_NAME[self.alert].uid
         uid = f"kvwatch-{short}-{self.cause.replace('_', '-')}"
         if self.variant:
             return uid[:39 - len(self.variant)] + "-" + self.variant
@@ -130,7 +120,10 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     pct = lambda x: f"{x * 100:g}%"  # noqa: E731
     specs: list[AlertSpec] = []
 
-    def add(alert, cause, query, op, threshold, summary, description, variant=""):
+    def add(cause, query, op, threshold, summary, description, variant=""):
+        # The alert a cause's rule belongs to is its record's route (causes.py).
+        alert = CAUSE[cause].alert
+        assert alert is not None, f"{cause}: a PromQL twin for a cause its record routes to no alert"
         dashboard, panel = ALERT_PANELS[alert]
         severity = config.severity(cause + PREEMPTING_SUFFIX if variant == "preempting" else cause)
         specs.append(AlertSpec(alert, cause, ALERTS[alert], query, op, threshold, config.for_duration(alert),
@@ -207,7 +200,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
                 steps = (("and", f.exhausted()), split, ("unless", f.preempting()))
                 summary = f"vLLM KV cache full: {headline}"
                 state = ", requests wait (none preempted)"
-            add("VllmKvCacheExhausted", cause, chain(usage, *steps), ">", 0, summary,
+            add(cause, chain(usage, *steps), ">", 0, summary,
                 f"{exhausted_intro}{state}, and {reason}", "" if variant == "either" else variant)
 
     # --- KV cache full soon --------------------------------------------------------
@@ -216,7 +209,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     # or falling usage never fires. Silent once the cache is exhausted: from
     # then on VllmKvCacheExhausted speaks, and this one warns only before.
     minutes = config.exhaustion_eta_minutes
-    add("VllmKvCacheExhaustionSoon", "usage_rising",
+    add("usage_rising",
         chain(f.signal("kvwatch_kv_cache_exhaustion_eta_seconds"), ("unless", f.exhausted())),
         "<", minutes * 60,
         "vLLM KV cache on course to fill up: preemption is minutes away.",
@@ -233,7 +226,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     judged = (("and", f.enough_queries()), ("unless", f.caching_disabled()))
     low_intro = (f"The prefix-cache hit ratio of {where} was {{{{ {VALUE} | humanizePercentage }}}} over the last "
                  f"{w} (below {pct(config.hit_ratio_low)})")
-    add("VllmPrefixCacheHitRateLow", "caching_disabled",
+    add("caching_disabled",
         chain(f"0 * {paren(f.caching_disabled())}", ("and", f.prompt_traffic())),
         "<", config.hit_ratio_low,
         "vLLM serves prompts with prefix caching disabled.",
@@ -241,7 +234,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "prompts, so no prompt token is reused and no hit ratio is measured (likely cause: caching disabled). "
         "Next: if prompts share prefixes (system prompt, few-shot examples, documents), start vLLM with "
         "--enable-prefix-caching.")
-    add("VllmPrefixCacheHitRateLow", "cold_cache",
+    add("cold_cache",
         chain(hit, *judged, ("and", f.cold())),
         "<", config.hit_ratio_low,
         "vLLM prefix-cache hit ratio low: the cache is cold after a restart.",
@@ -249,7 +242,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "or its cache configuration changed): the cache has not warmed up (likely cause: cold cache). Next: "
         "expect the ratio to recover after a few repeats of each prefix; find out why the engine restarted "
         "(deploy, OOM, crash).")
-    add("VllmPrefixCacheHitRateLow", "eviction_before_reuse",
+    add("eviction_before_reuse",
         chain(hit, *judged, ("unless", f.cold()), ("and", f.healthy_baseline()), ("unless", f.exhausted()),
               ("and", f.cache_pressure())),
         "<", config.hit_ratio_low,
@@ -260,7 +253,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "reuse). Next: run vLLM with --kv-cache-metrics and compare kv_block_idle_before_evict with "
         "kv_block_reuse_gap; give the cache more room, or route requests that share a prefix to the same "
         "engine.")
-    add("VllmPrefixCacheHitRateLow", "prefix_changed",
+    add("prefix_changed",
         chain(hit, *judged, ("unless", f.cold()), ("and", f.healthy_baseline()),
               ("and", f.dropped_with_room())),
         "<", config.hit_ratio_low,
@@ -270,7 +263,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "shared (likely cause: prefix changed). Next: diff the prompt templates and system prompts deployed "
         "around the drop; per-request text (timestamps, ids) before the shared text breaks reuse. " + UNDECIDED)
     if config.no_reuse_alert:
-        add("VllmPrefixCacheHitRateLow", "no_reuse",
+        add("no_reuse",
             chain(hit, *judged, ("unless", f.cold()), ("and", f.low_baseline()), ("unless", f.exhausted())),
             "<", config.hit_ratio_low,
             "vLLM prefix-cache hit ratio low: the prompts share little prefix.",
@@ -282,14 +275,14 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     ttft = f.first_token_mean()
     slow_intro = (f"Mean time to first token of {where} was {{{{ {VALUE} | humanizeDuration }}}} over the last "
                   f"{w} (objective {num(config.ttft_mean_seconds)}s)")
-    add("VllmTimeToFirstTokenSlow", "queueing_kv_bound",
+    add("queueing_kv_bound",
         chain(ttft, ("and", f.queue_largest()), ("and", f.kv_bound())),
         ">", config.ttft_mean_seconds,
         "vLLM first token slow: requests queue for KV cache.",
         f"{slow_intro}; most of it is queueing, and the KV cache was exhausted (full while requests waited, or "
         "preempting): requests wait for KV blocks (likely cause: KV-bound queueing). Next: the exhaustion "
         "dashboard; fewer or shorter concurrent requests, or a larger cache, shorten this queue.")
-    add("VllmTimeToFirstTokenSlow", "queueing_compute_bound",
+    add("queueing_compute_bound",
         chain(ttft, ("and", f.queue_largest()), ("unless", f.kv_bound())),
         ">", config.ttft_mean_seconds,
         "vLLM first token slow: requests queue for compute, not KV cache.",
@@ -297,7 +290,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "or compute (likely cause: compute-bound queueing), and a bigger KV cache does not shorten this queue. "
         "Next: add replicas or lower the arrival rate; check step time, --max-num-seqs and "
         "--max-num-batched-tokens.")
-    add("VllmTimeToFirstTokenSlow", "prefill",
+    add("prefill",
         chain(ttft, ("and", f.prefill_largest())),
         ">", config.ttft_mean_seconds,
         "vLLM first token slow: prefill of long uncached prompts.",
@@ -308,14 +301,14 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     # outside queue and prefill is preemption wherever the exhaustion detector
     # holds (a preempted request's re-queueing and recomputation is in neither
     # histogram), front_end only where it does not.
-    add("VllmTimeToFirstTokenSlow", "front_end",
+    add("front_end",
         chain(ttft, ("and", f.front_end_largest()), ("unless", f.exhausted())),
         ">", config.ttft_mean_seconds,
         "vLLM first token slow: time outside queue and prefill.",
         f"{slow_intro}; most of it is outside queue and prefill while the KV cache had room (likely cause: front "
         "end: tokenization, multimodal preprocessing, API-server CPU, scheduling gaps). Next: check the API "
         "server's CPU and --api-server-count; a bigger KV cache does not help.")
-    add("VllmTimeToFirstTokenSlow", "preemption",
+    add("preemption",
         chain(ttft, ("and", f.front_end_largest()), ("and", f.exhausted())),
         ">", config.ttft_mean_seconds,
         "vLLM first token slow: requests preempted and recomputed in a full KV cache.",
@@ -325,7 +318,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "Next: VllmKvCacheExhausted for the same engine names why the cache is full; fewer or shorter concurrent "
         "requests, or more KV memory, end it.")
     if f.upstream:
-        add("VllmTimeToFirstTokenSlow", "upstream",
+        add("upstream",
             chain(ttft, ("and on (" + ", ".join(config.upstream_join_labels) + ")", f.upstream_mean()),
                   ("unless", f.queue_largest()), ("unless", f.prefill_largest()), ("unless", f.front_end_largest())),
             ">", config.ttft_mean_seconds,
@@ -338,7 +331,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     # kvwatch/diagnose/fleet.py's definitions across the replicas
     # (instance_label) of a model; see Fragments.imbalance and after.
     peer_where = f"{_lbl('model_name')} on {_lbl(config.instance_label)} (engine {_lbl('engine')})"
-    add("VllmFleetReplicaOutlier", "imbalance",
+    add("imbalance",
         f.imbalance(), ">", 0,
         "One vLLM replica is exhausted or queueing while its peers have room.",
         f"The replica of {peer_where} was exhausted or queueing over the last {w} (KV usage peak "
@@ -347,7 +340,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "(likely cause: imbalance). Next: the fleet dashboard's replica table; check the load balancer or gateway "
         "policy (sticky sessions, a prefix-aware router pinning one hot prefix, a replica missing from the "
         "endpoints); more KV memory does not fix it.")
-    add("VllmFleetReplicaOutlier", "lost_prefix_affinity",
+    add("lost_prefix_affinity",
         f.lost_prefix_affinity(), "<", config.fleet_affinity_fraction,
         "One vLLM replica reuses far fewer prefixes than its peers: prefix routing lost.",
         f"The prefix-cache hit ratio of {peer_where} over the last {w} was {{{{ {VALUE} | humanizePercentage }}}} "
@@ -355,7 +348,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         f"{pct(config.hit_ratio_low)}): requests sharing a prefix no longer reach the replica that holds it "
         "(likely cause: lost prefix affinity). Next: check the router's prefix or session affinity setting and "
         "whether this replica receives traffic by another path (a Service bypassing the router).")
-    add("VllmFleetReplicaOutlier", "cold_replica",
+    add("cold_replica",
         f.cold_replica(), ">", 0,
         "One vLLM replica restarted and refills its cache while its peers are warm.",
         f"The replica of {peer_where} restarted in the last {config.cold_cache_window} (its counters reset) while "
@@ -365,7 +358,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "crash); if it restarts again, look at its events and logs.")
 
     # --- health ------------------------------------------------------------------
-    add("KvwatchDown", "kvwatch_unreachable",
+    add("kvwatch_unreachable",
         f"up{{{config.kvwatch_selector}}}", "<", 1,
         "Prometheus cannot scrape kvwatch.",
         f"Prometheus has failed to scrape kvwatch at {_lbl(config.instance_label)} (job {_lbl('job')}) for "
@@ -380,7 +373,7 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     # (absent() until a target returns): silence it for planned scale-downs.
     up = f"up{{{config.kvwatch_selector}}}"
     groups = ", ".join(config.group_labels)
-    add("KvwatchDown", "kvwatch_absent",
+    add("kvwatch_absent",
         f"absent({up})\nor\n(\n  group by ({groups}) (max_over_time({up}[{config.kvwatch_absent_window}]))\n"
         f"  unless\n  group by ({groups}) ({up})\n  and on ()\n  count({up})\n)",
         ">", 0,
@@ -393,14 +386,16 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     # An engine that answers without its statistics is not unreachable: it
     # has its own alert (below), and this one leaves it out.
     stats_off = f"kvwatch_stats_disabled{{{config.kvwatch_selector}}} > 0"
-    add("KvwatchEngineUnreachable", "engine_unreachable",
-        chain(f"kvwatch_up{{{config.kvwatch_selector}}}", ("unless", stats_off)), "<", 1,
+    # Nor is a busy one, whose /metrics answers late under load (kvwatch_busy).
+    busy = f"kvwatch_busy{{{config.kvwatch_selector}}} > 0"
+    add("engine_unreachable",
+        chain(f"kvwatch_up{{{config.kvwatch_selector}}}", ("unless", stats_off), ("unless", busy)), "<", 1,
         "kvwatch cannot read the vLLM engine's /metrics.",
         f"kvwatch at {_lbl(config.instance_label)} has failed to poll its vLLM engine for "
         f"{config.for_duration('KvwatchEngineUnreachable')}. kvwatch_poll_errors_total by reason says why: "
         "refused or timeout (engine down or wedged), http_4xx (wrong path or auth), http_5xx. Next: kvwatch's "
         "status page and /readyz, then the engine's log.")
-    add("VllmEngineStatsDisabled", "stats_disabled",
+    add("stats_disabled",
         f"kvwatch_stats_disabled{{{config.kvwatch_selector}}}", ">", 0,
         "vLLM answers, but without its statistics (--disable-log-stats): kvwatch is blind.",
         f"The engine beside kvwatch at {_lbl(config.instance_label)} serves /metrics without any engine series "
@@ -408,6 +403,21 @@ def alert_specs(config: MixinConfig) -> list[AlertSpec]:
         "target is another program). Requests may be served fine, but kvwatch, its findings and every vLLM "
         "alert (the objectives too) see nothing. Next: remove --disable-log-stats from the engine's arguments, "
         "or point kvwatch's target at the engine.")
+
+    # --- causes routed by their finding ----------------------------------------
+    # A cause whose record routes it to an alert by its finding (no PromQL
+    # twin above) fires where kvwatch's own diagnosis names it: kvwatch_finding
+    # holds it as long as the finding is held.
+    by = ", ".join(config.engine_labels)
+    for cause in CAUSE_LIST:
+        if cause.alert and cause.routed_by_finding:
+            title = cause.title or cause.name.replace("_", " ")
+            add(cause.name,
+                f'max by ({by}) (kvwatch_finding{{{config.kvwatch_selector},symptom="{cause.symptom}",'
+                f'cause="{cause.name}"}})', ">", 0,
+                f"kvwatch diagnoses {title}.",
+                f"kvwatch's diagnosis names {cause.name} ({cause.symptom}) for {where} (kvwatch_finding; the "
+                f"evidence is on kvwatch's status page and /api/v1/diagnosis). Next: {cause.next_action}")
 
     expected = {(alert, cause) for alert, causes in ALERT_CAUSES.items() for cause in causes}
     if not f.upstream:

@@ -22,25 +22,21 @@ from typing import Any
 import yaml
 
 from kvwatch import __version__
-
+from kvwatch.diagnose.causes import ALERT_CAUSES, ALERT_LIST, CAUSE_LIST, SEVERITIES  # noqa: F401
 from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
-from kvwatch.diagnose.vocabulary import ALERT_CAUSES, PREEMPTING_SEVERITY, SEVERITY
-from kvwatch.units import did_you_mean, yaml_problem
+from kvwatch.history.query import check_selector as store_selector_problem
+from kvwatch.history.shard import MAX_SHARDS
+from kvwatch.kvevents.ledger import DEFAULT_TABLE_BYTES
+from kvwatch.kvevents.source import INTAKE_HELD_BYTES
 from kvwatch.mixin.objectives import DEFAULT_BURN_RATE_WINDOWS, OBJECTIVE_ALERTS, check_windows
+from kvwatch.settings import PARSERS
+from kvwatch.units import did_you_mean, yaml_problem
 
-SEVERITIES = ("critical", "warning", "info")
-# Alert names, with the symptom (the diagnosis vocabulary) each one reports.
+# Alert names, with the symptom (the diagnosis vocabulary) each one reports:
+# the cause catalogue's alerts (kvwatch/diagnose/causes.py) and the
+# objectives' burn-rate alerts (kvwatch/mixin/objectives.py): what pages.
 ALERTS = {
-    "VllmKvCacheExhausted": "exhaustion",
-    "VllmKvCacheExhaustionSoon": "exhaustion",
-    "VllmPrefixCacheHitRateLow": "low_hit_rate",
-    "VllmTimeToFirstTokenSlow": "slow_first_token",
-    "KvwatchDown": None,
-    "KvwatchEngineUnreachable": None,
-    "VllmFleetReplicaOutlier": "fleet",
-    # vLLM answers, but without its statistics (--disable-log-stats): kvwatch is blind, serving may be fine.
-    "VllmEngineStatsDisabled": None,
-    # The objectives' burn-rate alerts (kvwatch/mixin/objectives.py): what pages.
+    **{alert.name: alert.symptom for alert in ALERT_LIST},
     **{alert: symptom for alert, symptom, _ in OBJECTIVE_ALERTS.values()},
 }
 # The causes the rules tell apart, per alert. The diagnosis' third exhaustion
@@ -48,53 +44,21 @@ ALERTS = {
 # not export, so Prometheus cannot decide it; the health alerts have one cause
 # each. `upstream` and `no_reuse` are generated only when the config asks.
 
-# One table: the diagnosis' severities (kvwatch/diagnose/vocabulary.py) for
-# the causes the alerts share with it, plus the alerts' own health causes.
-# An exhaustion cause has two rules: with preemptions (`<cause>_preempting`,
-# PREEMPTING_SEVERITY: critical) and without (SEVERITY: warning).
+# Each cause's severity from its record (the diagnosis' own, and the alerts'
+# own health causes). An exhaustion cause has two rules: with preemptions
+# (`<cause>_preempting`, the record's preempting_alert_severity: the alert
+# does not page, users feel it as late first tokens, which the objectives'
+# burn-rate alerts page on) and without (its severity).
 PREEMPTING_SUFFIX = "_preempting"
 DEFAULT_SEVERITIES = {
-    **{cause: SEVERITY[cause] for causes in ALERT_CAUSES.values() for cause in causes if cause in SEVERITY},
-    # Exhaustion with preemptions is the diagnosis' critical finding, but the
-    # alert does not page: users feel it as late first tokens (and failed
-    # requests), which the objectives' burn-rate alerts page on; this one
-    # says where to look. Set it back to critical to page on the cause too.
-    **{cause + PREEMPTING_SUFFIX: "warning" for cause in PREEMPTING_SEVERITY
-       if cause in ALERT_CAUSES["VllmKvCacheExhausted"]},
-    # Nothing hurts yet; it warns while there is time to act (shed or route
-    # load, add a replica) before preemption starts. Not a diagnosis cause: a
-    # forecast from the usage trend.
-    "usage_rising": "warning",
-    # kvwatch itself not scraped: the other alerts are blind, but serving may be fine.
-    "kvwatch_unreachable": "warning",
-    # No kvwatch target at all where there were some: the monitor selects
-    # nothing, or the pods went away; blind, serving may be fine.
-    "kvwatch_absent": "warning",
-    # The engine's own /metrics does not answer on the pod's loopback: the
-    # engine is down or wedged, or stats logging is off.
-    "engine_unreachable": "critical",
-    # vLLM serves its /metrics without engine series (--disable-log-stats):
-    # requests may be served fine; kvwatch and every vLLM alert are blind.
-    "stats_disabled": "warning",
+    **{c.name: c.severity for c in CAUSE_LIST if c.alert and c.diagnosed},
+    **{c.name + PREEMPTING_SUFFIX: c.preempting_alert_severity for c in CAUSE_LIST
+       if c.alert and c.preempting_alert_severity},
+    **{c.name: c.severity for c in CAUSE_LIST if c.alert and not c.diagnosed},
 }
 
 DEFAULT_FOR = {
-    # Long enough that a burst which drains by itself does not page; short
-    # enough that a real overload is reported while it still hurts.
-    "VllmKvCacheExhausted": "10m",
-    # Short against the ETA threshold (15m), so it still warns with about ten
-    # minutes left; long enough that one steep ramp that levels off does not.
-    "VllmKvCacheExhaustionSoon": "5m",
-    # Hit ratios move slowly and the causes are not urgent; shorter than the
-    # cold-cache window, or a cold cache could never be reported.
-    "VllmPrefixCacheHitRateLow": "15m",
-    "VllmTimeToFirstTokenSlow": "10m",
-    "KvwatchDown": "5m",
-    "KvwatchEngineUnreachable": "5m",
-    # As the exhaustion it compares: a routing fault that lasts, not a burst
-    # that landed on one replica.
-    "VllmFleetReplicaOutlier": "10m",
-    "VllmEngineStatsDisabled": "5m",
+    **{alert.name: alert.for_ for alert in ALERT_LIST},
     # The short window already proves the burn is current; 2m more keeps one
     # evaluation at a window's edge from paging.
     **{alert: "2m" for alert, _, _ in OBJECTIVE_ALERTS.values()},
@@ -157,9 +121,6 @@ def kv_events_resources(resources: dict) -> dict:
     once (the table, kvwatch's intake queue, ZMQ's receive queue and the
     message being read at their byte bounds, in kvwatch/kvevents) plus a
     quarter, rounded up to 32 MiB. Derived from the bounds, not measured."""
-    from kvwatch.kvevents.ledger import DEFAULT_TABLE_BYTES
-    from kvwatch.kvevents.source import INTAKE_HELD_BYTES
-
     mib = 1024 * 1024
     table = DEFAULT_TABLE_BYTES // mib
     held = (DEFAULT_TABLE_BYTES + INTAKE_HELD_BYTES) / mib
@@ -239,6 +200,7 @@ class DeploySettings:
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
     central_selector: str | None = None
     central_max_replicas: int = CENTRAL_MAX_REPLICAS
+    central_shards: int = 4
     central_resources: dict | None = None
     sidecar_native: bool = True
     kv_events_port: int | None = None
@@ -306,6 +268,9 @@ DEPLOY_FIELDS = {
                         "(default: {namespace=\"<namespace>\"}; empty: every vLLM series the store holds)",
     "central_max_replicas": "central mode: --max-replicas, the most replicas kept (the rest are counted as dropped); "
                             "the default resources are sized for it",
+    "central_shards": "sharded central mode (kubernetes/central-sharded/): StatefulSet pods, each serving the "
+                      "replicas a stable hash gives it (--shard ordinal/N); changing it moves only the replicas "
+                      "it must",
     "central_resources": "central Deployment's resources (default: scaled from the measured figure to "
                          "central_max_replicas)",
     "sidecar_native": "the example Deployment runs kvwatch as a native sidecar (an init container with "
@@ -362,8 +327,6 @@ def _check(s: DeploySettings) -> None:
     if not s.labels:
         problems.append("labels must not be empty: the Service and monitors select pods by them")
     # These land in kvwatch.yaml: check them the way `kvwatch serve` will.
-    from kvwatch.sidecar.settings import PARSERS
-
     for key in ("poll_interval", "window", "log_level"):
         try:
             PARSERS[key](getattr(s, key))
@@ -372,9 +335,7 @@ def _check(s: DeploySettings) -> None:
     for key in ("scrape_interval", "scrape_timeout"):
         if not re.fullmatch(r"(\d+(ms|s|m|h))+", str(getattr(s, key))):
             problems.append(f"{key}: {getattr(s, key)!r} is not a Prometheus duration (e.g. 15s)")
-    from kvwatch.history.query import check_selector
-
-    selector_problem = check_selector(s.store_selector)
+    selector_problem = store_selector_problem(s.store_selector)
     if selector_problem:
         problems.append(f"central_selector: {selector_problem}")
     if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", str(s.prometheus_url)):
@@ -386,6 +347,9 @@ def _check(s: DeploySettings) -> None:
         problems.append(f"sidecar_native: {s.sidecar_native!r} must be true or false")
     if not isinstance(s.central_max_replicas, int) or s.central_max_replicas < 1:
         problems.append(f"central_max_replicas: {s.central_max_replicas!r} is not a positive whole number")
+    if not isinstance(s.central_shards, int) or isinstance(s.central_shards, bool) \
+            or not 1 <= s.central_shards <= MAX_SHARDS:
+        problems.append(f"central_shards: {s.central_shards!r} is not a whole number from 1 to {MAX_SHARDS}")
     if problems:
         raise ValueError("deploy settings: " + "; ".join(problems))
 
@@ -519,8 +483,9 @@ class MixinConfig:
         "`for:` of each alert (alert name -> duration). Shorten to page sooner, lengthen against flapping."))
     severities: dict = field(default_factory=lambda: dict(DEFAULT_SEVERITIES), metadata=_help(
         "severity label of each cause (cause -> critical|warning|info). Routing in Alertmanager or Grafana "
-        "keys on it. The defaults are the diagnosis' own (kvwatch/diagnose/vocabulary.py SEVERITY); an "
-        "exhaustion cause with preemptions is keyed <cause>_preempting (default critical)."))
+        "keys on it. The defaults are the diagnosis' own (each cause's record in kvwatch/diagnose/causes.py); an "
+        "exhaustion cause with preemptions is keyed <cause>_preempting (default warning: the objectives page, "
+        "not the cause)."))
     runbook_base_url: str | None = field(default=None, metadata=_help(
         "Where the runbooks are published, e.g. https://kvwatch.example.org/runbooks (kvwatch's own "
         "GET /runbooks behind an ingress) or a rendered alerts/runbooks.md; every alert's runbook_url is this "

@@ -683,7 +683,7 @@ def _stream_row(b: Board, v: Views) -> None:
 
 
 def _lmcache_row(b: Board, v: Views) -> None:
-    """The LMCache tier beside the engine (kvwatch/sidecar/lmcache.py): its
+    """The LMCache tier beside the engine (kvwatch/pipeline/lmcache.py): its
     series exist only where kvwatch runs with --lmcache-target, so without
     one these panels are empty, not failing."""
     inst = b.config.instance_label

@@ -20,6 +20,7 @@ from __future__ import annotations
 import attr
 from grafanalib import core as g
 
+from kvwatch.diagnose.causes import CAUSE_LIST, owned_by
 from kvwatch.mixin.alerts import AlertSpec, alert_specs
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
@@ -29,29 +30,9 @@ from kvwatch.mixin.rules import annotations, expand, keep_firing_for, recorded_e
 GRAFANA_VALUE = "$values.B.Value"
 # What Grafana does when a rule's query returns no series, decided per alert
 # and cause (every rule must have a decision: tests/test_mixin_grafana_alerts.py),
-# with the reason docs/alerts.md shows.
-_FILTER = ("OK", "The query is a filter: it returns a series only for an engine where the condition holds, so no "
-                 "data is the healthy answer. A blind kvwatch (no scrape, no poll) is reported by KvwatchDown and "
-                 "KvwatchEngineUnreachable, not by every vLLM rule at once.")
+# with the reason docs/alerts.md shows: each cause's record says it.
 NO_DATA: dict[tuple[str, str], tuple[str, str]] = {
-    **{("VllmKvCacheExhausted", cause): _FILTER for cause in ("concurrency_beyond_capacity", "long_requests")},
-    ("VllmKvCacheExhaustionSoon", "usage_rising"): _FILTER,
-    **{("VllmFleetReplicaOutlier", cause): _FILTER for cause in ("imbalance", "lost_prefix_affinity", "cold_replica")},
-    **{("VllmPrefixCacheHitRateLow", cause): _FILTER for cause in (
-        "caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse")},
-    **{("VllmTimeToFirstTokenSlow", cause): _FILTER for cause in (
-        "queueing_kv_bound", "queueing_compute_bound", "prefill", "front_end", "upstream", "preemption")},
-    ("KvwatchDown", "kvwatch_unreachable"): (
-        "OK", "No `up` series means no target at all: the kvwatch_absent rule reports that with its own labels; "
-              "NoData here would page twice for one fault."),
-    ("KvwatchDown", "kvwatch_absent"): (
-        "OK", "The query is absent(): it returns a series exactly when targets are missing, so no data means "
-              "targets exist. A Prometheus that cannot be queried is an error (execErrState), not no data."),
-    ("KvwatchEngineUnreachable", "engine_unreachable"): (
-        "OK", "No kvwatch_up series means Prometheus does not scrape kvwatch, which KvwatchDown reports."),
-    ("VllmEngineStatsDisabled", "stats_disabled"): (
-        "OK", "No kvwatch_stats_disabled series means Prometheus does not scrape kvwatch, which "
-              "KvwatchDown reports."),
+    **{(cause.alert, cause.name): cause.no_data for cause in CAUSE_LIST if cause.alert},
     **{(alert, objective): (
         "OK", "The query is a filter over both windows' error ratios: no series is an engine whose budget does "
               "not burn, or one without requests (nothing to judge).")
@@ -157,13 +138,9 @@ def provisioning(config: MixinConfig, panel_ids) -> dict:
 
 # Causes whose fix lies with whoever runs, sizes and scales the engines (and
 # kvwatch beside them), and those whose fix lies with whoever owns prompts,
-# the application or the gateway.
-PLATFORM_CAUSES = ("concurrency_beyond_capacity", "long_requests", "usage_rising", "queueing_kv_bound", "preemption",
-                   "queueing_compute_bound", "eviction_before_reuse", "prefill", "kvwatch_unreachable", "kvwatch_absent",
-                   "engine_unreachable", "stats_disabled", "cold_replica")
-# The fleet's routing causes belong to whoever runs the gateway or router.
-APPLICATION_CAUSES = ("prefix_changed", "no_reuse", "front_end", "upstream", "caching_disabled", "imbalance",
-                      "lost_prefix_affinity")
+# the application, the gateway or router: each cause's record says (owner).
+PLATFORM_CAUSES = owned_by("platform")
+APPLICATION_CAUSES = owned_by("application")
 
 
 def notification_example(config: MixinConfig) -> dict:

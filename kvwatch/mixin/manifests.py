@@ -15,6 +15,8 @@ kustomize layout:
     kubernetes/central/               central mode instead of sidecars: one kvwatch
                                       Deployment reading every replica from
                                       Prometheus, its Service and ServiceMonitor
+    kubernetes/central-sharded/       the same as a StatefulSet of central_shards
+                                      pods, each serving its shard of the replicas
     prometheus/scrape-configs.yaml    a scrape job for Prometheus without the operator
     prometheus/central-scrape-configs.yaml   the same for the central Deployment
 
@@ -368,6 +370,31 @@ def central_deployment(s: DeploySettings) -> dict:
     }
 
 
+def central_statefulset(s: DeploySettings) -> dict:
+    """Sharded central mode: pod NAME-k serves shard k of central_shards
+    (--shard ordinal/N reads k from POD_NAME). Parallel: the shards are
+    independent readers, none waits for another to start. The pod is the
+    central Deployment's."""
+    deployment = central_deployment(s)
+    template = deployment["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    container["args"] = container["args"] + ["--shard", f"ordinal/{s.central_shards}"]
+    container["env"] = container["env"] + [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": deployment["metadata"],
+        "spec": {
+            "serviceName": s.central_name,
+            "replicas": s.central_shards,
+            "podManagementPolicy": "Parallel",
+            "selector": deployment["spec"]["selector"],
+            "template": template,
+        },
+    }
+
+
 def central_service(s: DeploySettings) -> dict:
     return {
         "apiVersion": "v1",
@@ -433,6 +460,15 @@ CENTRAL_NOTES = [
                    "(CENTRAL_MEASURED_* in kvwatch/mixin/config.py). Requests scale that to --max-replicas ({max}),\n"
                    "the memory limit adds a quarter; --max-replicas keeps kvwatch under it. No CPU limit."),
     ("securityContext:", "Runs as the image's non-root uid with nothing writable but /tmp."),
+]
+
+
+SHARDED_NOTES = [
+    ("replicas:", "central_shards ({shards}) shards; each pod owns the vLLM replicas a stable hash of their\n"
+                  "job/instance/namespace/pod gives its ordinal. Changing the count moves only the replicas it\n"
+                  "must (about 1/N of them); each moved replica's window refills in one window span. The fleet\n"
+                  "findings are the store's fleet alert over every shard's series."),
+    ("- name: POD_NAME", "--shard ordinal/N reads the shard's index from the pod's name (NAME-k)."),
 ]
 
 
@@ -669,4 +705,17 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
     files[central + "kustomization.yaml"] = _kustomization(
         ["deployment.yaml", "service.yaml", "servicemonitor.yaml"], s.namespace)
     files["prometheus/central-scrape-configs.yaml"] = HEADER + to_yaml(central_scrape_configs(s))
+
+    sharded = "kubernetes/central-sharded/"
+    shard_notes = [(prefix, note.format(shards=s.central_shards)) for prefix, note in SHARDED_NOTES]
+    # In the order the anchors appear: the count, the container, its POD_NAME, its probes.
+    sharded_notes = shard_notes[:1] + central_notes[:1] + shard_notes[1:] + central_notes[1:]
+    files[sharded + "statefulset.yaml"] = HEADER + _with_comments(to_yaml(central_statefulset(s)), sharded_notes)
+    # The StatefulSet's governing Service: headless, one address per shard.
+    service_object = central_service(s)
+    service_object["spec"]["clusterIP"] = "None"
+    files[sharded + "service.yaml"] = HEADER + to_yaml(service_object)
+    files[sharded + "servicemonitor.yaml"] = files[central + "servicemonitor.yaml"]
+    files[sharded + "kustomization.yaml"] = _kustomization(
+        ["statefulset.yaml", "service.yaml", "servicemonitor.yaml"], s.namespace)
     return files

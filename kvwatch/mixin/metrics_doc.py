@@ -79,7 +79,7 @@ def render() -> str:
 
 
 def _tier() -> list[str]:
-    """The LMCache tier (kvwatch/sidecar/lmcache.py), present only with `lmcache_target`."""
+    """The LMCache tier (kvwatch/pipeline/lmcache.py), present only with `lmcache_target`."""
     lines = [
         "",
         "## LMCache tier",

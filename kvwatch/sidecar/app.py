@@ -21,7 +21,7 @@ from kvwatch.sidecar import runbooks_page
 from kvwatch.sidecar.collector import Renderer, make_registry
 from kvwatch.sidecar.report import diagnosis_json, replay_text, signals_json
 from kvwatch.sidecar.series import series_json
-from kvwatch.sidecar.settings import read_auth_token
+from kvwatch.settings import read_auth_token
 from kvwatch.sidecar.statuspage import render_status_page
 
 OPEN_PATHS = ("/healthz", "/readyz")

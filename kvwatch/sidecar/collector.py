@@ -31,6 +31,7 @@ from kvwatch.signals import (
     engine_series_value,
 )
 from kvwatch.signals import IDENTITY as IDENTITY_LABELS
+from kvwatch.engines.plausible import FAULTS
 from kvwatch.snapshot import PINNED_LABELS, Histogram
 
 IDENTITY = list(IDENTITY_LABELS)
@@ -56,6 +57,13 @@ class KvwatchCollector(Collector):
         yield from self._signals(state)
         yield from self._pinned(state)
         yield from self._findings(state)
+        yield from self._faults(state)
+
+    def _faults(self, state):
+        family = _health_family("kvwatch_source_fault")
+        for fault in state.source_faults:
+            family.add_metric([fault.family, fault.fault, fault.model, fault.engine], 1.0)
+        yield family
 
     def _health(self, state):
         info = _health_family("kvwatch_build_info")
@@ -66,10 +74,16 @@ class KvwatchCollector(Collector):
             errors.add_metric([reason], state.errors_by_reason.get(reason, 0))
         yield info
         yield errors
+        faults = _health_family("kvwatch_source_faults")
+        # Every kind present from the start, as the poll errors.
+        for kind in sorted(set(FAULTS) | set(state.source_faults_by_kind)):
+            faults.add_metric([kind], state.source_faults_by_kind.get(kind, 0))
+        yield faults
         # The unlabelled ones; None means absent (nothing known yet).
         for name, value in (
             ("kvwatch_up", 1.0 if state.up else 0.0),
             ("kvwatch_stats_disabled", 1.0 if state.reason == "no_engine_metrics" else 0.0),
+            ("kvwatch_busy", 1.0 if getattr(state, "busy", None) else 0.0),
             ("kvwatch_polls", state.polls),
             ("kvwatch_parse_errors", state.parse_errors), ("kvwatch_dropped_series", state.dropped_series),
             ("kvwatch_poll_duration_seconds", state.poll_seconds),
@@ -123,7 +137,7 @@ class KvwatchCollector(Collector):
         yield present
 
     def _tier(self, lmcache):
-        """The LMCache tier (kvwatch/sidecar/lmcache.py): its health whenever
+        """The LMCache tier (kvwatch/pipeline/lmcache.py): its health whenever
         it is configured, its series and signals only while its latest poll
         succeeded (values from a failed poll's past would look current)."""
         if lmcache is None:

@@ -2,47 +2,22 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-from kvwatch.diagnose.vocabulary import ALERT_CAUSES, runbook_link
 from kvwatch.diagnose.thresholds import resolve_thresholds
+from kvwatch.diagnose.vocabulary import ALERT_CAUSES, finding_key, runbook_link
+from kvwatch.engines import ENGINES
+from kvwatch.engines.plausible import faults_json
+from kvwatch.kvevents.source import public_report as public
+from kvwatch.present import clean, public_url
 from kvwatch.signals import SIGNALS, WHOLE_BLOCK_SIGNALS, blocks_hold_capacity
+from kvwatch.signals.catalogue import caveats, unlit_reasons
 from kvwatch.snapshot import hybrid_cache
 
 
-
-def finding_key(finding) -> tuple[str, str, str, str]:
-    return (finding.symptom, finding.cause, finding.model, finding.engine or "")
-
-
-def public_url(url: str | None) -> str | None:
-    """The URL without credentials, for anything a user or scraper can read."""
-    if not url:
-        return url
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
 def public_report(report):
-    from kvwatch.kvevents.source import public_report as public
-
     return public(report)
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
 
 
 def _rows(rows) -> list[dict[str, Any]]:
@@ -50,10 +25,13 @@ def _rows(rows) -> list[dict[str, Any]]:
         {
             "model_name": row.model,
             **({"engine": row.engine} if row.engine is not None else {}),
-            "signals": {signal.name: _clean(row.values.get(signal.name)) for signal in SIGNALS},
+            "signals": {signal.name: clean(row.values.get(signal.name)) for signal in SIGNALS},
             "notes": list(dict.fromkeys(row.notes)),
             # Signal -> {quantile: "<" | ">"}: the quantiles that are bounds, not estimates.
             "pinned": dict(getattr(row, "pinned", {}) or {}),
+            # Signal -> the sentence on how this engine's version counts what it reads
+            # (re-lookups in the prefix-cache lookups, a preemption counter that trails).
+            "caveats": caveats(row.view, row.values),
         }
         for row in rows
     ]
@@ -74,11 +52,19 @@ def status_json(state, settings) -> dict[str, Any]:
         "poll_interval_seconds": settings.poll_interval,
         "window_seconds": settings.window,
         "window_covered_seconds": state.window_seconds,
+        # One sentence when the window reached its byte bound and forgot
+        # pairs or polls before their time (kvwatch.window), else null.
+        "window_trimmed": getattr(state, "window_trimmed", None),
         "engine": state.engine,
         # kvwatch serve --replay: what is replayed, how fast, whether it ended
         # (absent when live); `text` is the sentence every surface shows.
         **({"replay": {**replay, "text": replay_text(replay)}} if (replay := getattr(state, "replay", None)) else {}),
-        "dark_signals": dark_signals(state.snapshot if state.up else None, state.engine, state.dark_signals),
+        "dark_signals": dark_signals(state.snapshot if state.up else None, state.engine, state.dark_signals,
+                                     state.per_engine if state.up else ()),
+        # Busy, not down: /metrics late or timed out under load, the lateness measured (None otherwise).
+        "busy": clean(getattr(state, "busy", None)),
+        # Values that cannot be true (kvwatch.engines.plausible): faults of the engine's metrics, left out, never clamped.
+        "source_faults": faults_json(getattr(state, "source_faults", ()) if state.up else ()),
         # The LMCache tier's poll (absent unless lmcache_target is set): its own up and reason.
         **({"lmcache": {key: tier.get(key) for key in ("target", "up", "reason", "detail", "families")}}
            if (tier := getattr(state, "lmcache", None)) else {}),
@@ -102,8 +88,6 @@ def replay_text(replay: dict[str, Any]) -> str:
 
 
 def _engine_title(engine: str | None) -> str:
-    from kvwatch.engines import ENGINES
-
     adapter = ENGINES.get(engine or "")
     return adapter.title if adapter is not None else "this engine"
 
@@ -126,16 +110,49 @@ def _hybrid_without_whole_blocks(snapshot) -> str | None:
     return None
 
 
-def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """The signals left dark, in catalogue order, one list for three reasons:
+def _versions(engine: str | None) -> dict[str, str]:
+    from kvwatch.engines import ENGINES
+
+    adapter = ENGINES.get(engine or "")
+    return getattr(adapter, "versions", {}) if adapter is not None else {}
+
+
+def _unstated_bytes(snapshot) -> str | None:
+    """Why KV bytes are unknown where the page states the cache but not its
+    bytes: cache_config_info's kv_cache_memory_bytes set to "None" (as
+    vLLM 0.10.2 writes it)."""
+    if snapshot is None:
+        return None
+    for engine in sorted(snapshot.cache_config):
+        if snapshot.cache_config[engine].get("kv_cache_memory_bytes") == "None":
+            return (f'cache_config_info of engine {engine} says kv_cache_memory_bytes="None": the engine states '
+                    "no size of its KV cache in bytes")
+    return None
+
+
+BYTE_SIGNALS = ("kvwatch_kv_cache_used_bytes", "kvwatch_kv_cache_reuse_shortfall_bytes")
+
+
+def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ...] = (),
+                 rows=()) -> list[dict[str, Any]]:
+    """The signals left dark, in catalogue order, one list for these reasons:
     the engine does not export their inputs at all (`engine_dark`, from the
     adapter), this page lacks a family they need, with the flag that lights
     a config-gated one (else the family is missing from this engine's
-    version), or the model is a hybrid one whose blocks are not whole-block
-    arithmetic's (its mamba_* labels named). Unknown is not zero: these
-    signals are absent, never 0."""
+    version, named with the releases that have it), the model is a hybrid
+    one whose blocks are not whole-block arithmetic's (its mamba_* labels
+    named), the cache's bytes are stated as "None", or a value was refused
+    (the evaluated `rows` say why: signals.unlit_reasons). Unknown is not
+    zero: these signals are absent, never 0."""
     dark = []
     hybrid = _hybrid_without_whole_blocks(snapshot)
+    unstated = _unstated_bytes(snapshot)
+    versions = _versions(engine)
+    refused: dict[str, str] = {}
+    for row in rows:
+        if row.engine is not None:
+            for name, why in unlit_reasons(row.view, row.values).items():
+                refused.setdefault(name, why)
     for signal in SIGNALS:
         if hybrid and signal.name in WHOLE_BLOCK_SIGNALS:
             dark.append({"signal": signal.name, "missing_families": [], "lit_by": None, "why": hybrid})
@@ -148,16 +165,33 @@ def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ..
             continue
         missing = [key for key in signal.needs if key not in snapshot.sources]
         if not missing:
+            if signal.name in refused:
+                dark.append({"signal": signal.name, "missing_families": [], "lit_by": None,
+                             "why": refused[signal.name]})
+            elif unstated and signal.name in BYTE_SIGNALS:
+                dark.append({"signal": signal.name, "missing_families": [], "lit_by": None, "why": unstated})
             continue
         flags = sorted({snapshot.gates[key] for key in missing if key in snapshot.gates})
+        families = [snapshot.families.get(key, key) for key in missing]
+        since = [f"{family}: {versions[family]}" for family in families if family in versions]
         dark.append({
             "signal": signal.name,
-            "missing_families": [snapshot.families.get(key, key) for key in missing],
+            "missing_families": families,
             "lit_by": flags or None,
             "why": ("config-gated: start the engine with " + " and ".join(flags)) if flags
-            else "not exported by this engine's version",
+            else "not exported by this engine's version" + (f" ({'; '.join(since)})" if since else ""),
         })
     return dark
+
+
+def caveat_lines(signals: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(engine heading, signal, sentence) for each signal this engine's
+    version counts differently (the rows' `caveats`), engines first."""
+    lines = []
+    for row in (signals.get("engines") or []) + (signals.get("models") or []):
+        heading = f"{row['model_name']} / {row['engine']}" if "engine" in row else f"{row['model_name']} (all engines)"
+        lines += [(heading, name, text) for name, text in (row.get("caveats") or {}).items()]
+    return lines
 
 
 def signals_json(state, settings) -> dict[str, Any]:
@@ -191,7 +225,7 @@ def finding_json(finding, since: float | None = None) -> dict[str, Any]:
               if key.endswith("_pinned") and value in ("<", ">")}
     evidence = {k: v for k, v in raw.items() if not isinstance(v, str) and not k.endswith("_pinned")}
     notes = {k: v for k, v in raw.items() if isinstance(v, str) and not k.endswith("_pinned")}
-    return _clean({"model_name": finding.model, **data, "evidence": evidence, "notes": notes, "pinned": pinned,
+    return clean({"model_name": finding.model, **data, "evidence": evidence, "notes": notes, "pinned": pinned,
                    "since": since, "runbook": runbook_link(finding.symptom, finding.cause, ALERT_CAUSES)})
 
 
@@ -201,7 +235,7 @@ def diagnosis_json(state, settings) -> dict[str, Any]:
         **status_json(state, settings),
         "findings": [finding_json(f, since.get(finding_key(f))) for f in state.findings] if state.up else [],
         "events": [asdict(e) for e in state.events],
-        "upstream": _clean(state.upstream),
-        "lmcache": _clean(getattr(state, "lmcache", None)),
-        "kv_events": _clean(public_report(getattr(state, "kv_events", None))),
+        "upstream": clean(state.upstream),
+        "lmcache": clean(getattr(state, "lmcache", None)),
+        "kv_events": clean(public_report(getattr(state, "kv_events", None))),
     }

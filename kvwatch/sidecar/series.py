@@ -5,7 +5,7 @@ preemptions per second; plus the findings and changes to mark on the time
 axis.
 
 Gauges are read at each entry. Rates, ratios and quantiles are taken over the
-trailing TREND_SECONDS before each entry (one step alone holds a handful of
+trailing CHART_RATE_SECONDS before each entry (one step alone holds a handful of
 requests at a 5 s poll): the difference of the two cumulative snapshots when
 no restart lies between them, else the sum of the steps since (the window's
 reset rule). Each entry's points are computed once and kept on the entry
@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwatch.sidecar.report import finding_key
+from kvwatch.diagnose.vocabulary import finding_key
 from kvwatch.snapshot import Histogram
 from kvwatch.window import Increase
 
-TREND_SECONDS = 30.0
+# Not the catalogue's TREND_SECONDS (the exhaustion trend's fit, 5 min): the
+# span each chart point's rates and quantiles are taken over.
+CHART_RATE_SECONDS = 30.0
 # Bounded whatever the window and poll interval: at most this many points per
 # series (evenly spaced entries when the window holds more).
 MAX_POINTS = 400
@@ -103,7 +105,7 @@ def _points(entries: list) -> list[dict]:
     start = 0
     for index, entry in enumerate(entries):
         time = entry.snapshot.time
-        while start < index and entries[start + 1].snapshot.time <= time - TREND_SECONDS:
+        while start < index and entries[start + 1].snapshot.time <= time - CHART_RATE_SECONDS:
             start += 1
         cached = entry.derived.get(_CACHE_KEY)
         # A point depends on where its trailing span starts, which only moves
@@ -157,7 +159,7 @@ def series_json(state, settings) -> dict[str, Any]:
     return {
         "window_seconds": settings.window,
         "poll_interval_seconds": settings.poll_interval,
-        "trend_seconds": TREND_SECONDS,
+        "trend_seconds": CHART_RATE_SECONDS,
         "max_points": MAX_POINTS,
         "times": times,
         "engines": engines,

@@ -91,9 +91,23 @@ def render_sglang(engines: Sequence[Engine], model_name: str) -> list[str]:
               for mode, value in (("prefill_compute", lambda s: s.prompt_tokens_local_compute),
                                   ("prefill_cache", lambda s: s.prompt_tokens_local_cache_hit),
                                   ("decode", lambda s: s.generation_tokens))])
+    # Pre-seeded at 0 for every mode (SGLang does so); the hit modes are the
+    # HiCache tiers. The simulator's cache is the device's; its LMCache tier
+    # (external) stands for the host tier here.
+    _counter(out, "sglang:prefill_effective_tokens", "Effective prefill tokens with retracted-request re-counts "
+             "excluded, updated on each log interval. mode: device_hit, host_hit, storage_hit, input.",
+             [({**labels, "mode": mode}, value(engine.stats)) for labels, engine in ranks
+              for mode, value in (("input", lambda s: s.prompt_tokens_local_compute),
+                                  ("device_hit", lambda s: s.prompt_tokens_local_cache_hit),
+                                  ("host_hit", lambda s: s.prompt_tokens_external),
+                                  ("storage_hit", lambda s: 0))])
     if any(engine.stats.num_preemptions for engine in engines):
         _counter(out, "sglang:num_retracted_requests", "Total number of retracted requests.",
                  [(labels, engine.stats.num_preemptions) for labels, engine in ranks])
+        _counter(out, "sglang:num_retracted_input_tokens", "Total number of retracted input tokens.",
+                 [(labels, engine.stats.retracted_prompt_tokens) for labels, engine in ranks])
+        _counter(out, "sglang:num_retracted_output_tokens", "Total number of retracted output tokens.",
+                 [(labels, engine.stats.retracted_generation_tokens) for labels, engine in ranks])
     _counter(out, "sglang:prompt_tokens", "Number of prefill tokens processed.",
              [(tokenizer, sum(engine.stats.prompt_tokens for engine in engines))])
     _counter(out, "sglang:generation_tokens", "Number of generation tokens processed.",

@@ -50,10 +50,15 @@ class EngineConfig:
     cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.92
     kv_bytes_per_token: int = 1024
+    # A wedged engine (a hung collective, a KV transfer that never completes):
+    # no step ends and none starts, so its requests and KV blocks stay held
+    # and no token is counted, while its /metrics keeps answering.
+    stalled: bool = False
 
     # Fields a scenario phase may change while the engine runs; the others would
     # need a restart of a real engine.
-    RUNTIME_FIELDS = ("step_overhead_s", "decode_s_per_seq", "prefill_s_per_token", "max_num_queued_reqs")
+    RUNTIME_FIELDS = ("step_overhead_s", "decode_s_per_seq", "prefill_s_per_token", "max_num_queued_reqs",
+                      "stalled")
 
     @property
     def kv_cache_size_tokens(self) -> int:
@@ -77,8 +82,9 @@ class EngineConfig:
             not isinstance(self.max_num_queued_reqs, int) or self.max_num_queued_reqs < 1
         ):
             out.append(f"{where}.max_num_queued_reqs: must be a positive integer or null, got {self.max_num_queued_reqs!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            out.append(f"{where}.enable_prefix_caching: must be true or false, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "stalled"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{where}.{name}: must be true or false, got {getattr(self, name)!r}")
         if not out:
             if self.num_gpu_blocks < 2:
                 out.append(f"{where}.num_gpu_blocks: needs at least 2 blocks (one is reserved), got {self.num_gpu_blocks}")
@@ -222,8 +228,8 @@ class Engine:
 
     @property
     def next_step_end(self) -> float | None:
-        """When the step in flight ends (its outputs appear), if one is."""
-        return self._pending[0] if self._pending is not None else None
+        """When the step in flight ends (its outputs appear), if one is (never, while stalled)."""
+        return self._pending[0] if self._pending is not None and not self.config.stalled else None
 
     def load(self) -> int:
         """What vLLM's DP coordinator balances on: waiting weighs 4x running."""
@@ -231,7 +237,13 @@ class Engine:
 
     def run_until(self, t: float) -> None:
         """Run every step that ends by simulated time t. A step that would end
-        later stays in flight; its outputs appear in a later call."""
+        later stays in flight; its outputs appear in a later call. A
+        stalled engine runs nothing: its clock moves, its step in flight
+        never ends."""
+        if self.config.stalled:
+            if t > self.clock:
+                self.clock = t
+            return
         while True:
             pending = self._pending
             if pending is None:
@@ -360,6 +372,8 @@ class Engine:
         request.num_preemptions += 1
         request.state = WAITING
         self.stats.num_preemptions += 1
+        self.stats.retracted_prompt_tokens += request.prompt_len
+        self.stats.retracted_generation_tokens += request.num_output
         self.waiting.appendleft(request)
 
     def _complete(self, pending: tuple[float, list[tuple[Request, int]], int]) -> None:

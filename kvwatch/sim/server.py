@@ -45,6 +45,7 @@ from kvwatch.sim.render import CONTENT_TYPE, HttpStats, render_app_metrics, rend
 from kvwatch.sim.scenario import Scenario, load_scenario
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
 from kvwatch.sim.workload import token_block_hashes
+from kvwatch.sim.kvevents import EventPublisher, attach
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 # The simulated LMCache tier's own page (`kvwatch sim --lmcache`).
@@ -121,8 +122,6 @@ class SimServer:
         self.kv_events = kv_events
         self.kv_publisher = None
         if kv_events:
-            from kvwatch.sim.kvevents import EventPublisher, attach
-
             attach(simulation.engines)
             self.kv_publisher = EventPublisher(simulation.engines, kv_events, self.cond)
 

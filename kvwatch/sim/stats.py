@@ -76,6 +76,10 @@ class EngineStats:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        # Tokens of preempted requests, computed again when they resume
+        # (SGLang's num_retracted_{input,output}_tokens_total).
+        self.retracted_prompt_tokens = 0
+        self.retracted_generation_tokens = 0
         self.prompt_tokens = 0
         self.prompt_tokens_local_compute = 0
         self.prompt_tokens_local_cache_hit = 0

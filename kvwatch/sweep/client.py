@@ -31,6 +31,35 @@ from kvwatch import __version__
 ERROR_BODY_BYTES = 4096
 JSON_BODY_BYTES = 16 * 2**20
 READ_SIZE = 65536
+# One server-sent event (its data lines, and a line not yet ended): a
+# completion chunk is a few hundred bytes; a server that never ends a line
+# or an event filled memory until the request's deadline.
+MAX_EVENT_BYTES = 2**20
+# What is read after [DONE] before the connection is reused (the chunked
+# body's end); a server that goes on sending loses its connection instead.
+AFTER_DONE_BYTES = 64 * 1024
+
+
+def read_within(response: http.client.HTTPResponse, conn: http.client.HTTPConnection, cap: int,
+                deadline: float) -> tuple[bytes, bool]:
+    """Up to `cap` + 1 bytes of the body, by `deadline` (each read waits at
+    most what is left, so a server trickling a byte at a time cannot hold it
+    longer); and whether the body ended within both."""
+    data = b""
+    while len(data) <= cap:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return data, False
+        if conn.sock is not None:
+            conn.sock.settimeout(remaining)
+        try:
+            chunk = response.read1(min(READ_SIZE, cap + 1 - len(data)))
+        except (http.client.IncompleteRead, TimeoutError):
+            return data, False
+        if not chunk:
+            return data, True
+        data += chunk
+    return data, False
 
 
 class ServerError(RuntimeError):
@@ -117,16 +146,21 @@ class Client:
                    timeout: float | None) -> tuple[int, object]:
         """(HTTP status, parsed JSON or None). Connection failures raise ServerError."""
         url = f"{self.base_url}{path}"
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         conn = self.connect(timeout)
         try:
             payload = None if body is None else json.dumps(body).encode()
             conn.request(method, self.prefix + path, body=payload, headers=self.headers)
             response = conn.getresponse()
-            raw = response.read(JSON_BODY_BYTES + 1)
+            # The whole answer is due by the deadline, not each byte.
+            raw, whole = read_within(response, conn, JSON_BODY_BYTES, deadline)
         except (OSError, http.client.HTTPException) as error:
             raise ServerError(f"{method} {url}: {_describe(error)}") from None
         finally:
             conn.close()
+        if not whole and len(raw) <= JSON_BODY_BYTES:
+            raise ServerError(f"{method} {url}: no whole answer within {timeout:g} s")
         try:
             parsed = json.loads(raw) if raw and len(raw) <= JSON_BODY_BYTES else None
         except ValueError:
@@ -146,15 +180,18 @@ class Client:
         try:
             conn, response = self._send(worker, payload, headers)
             if response.status != 200:
-                detail = _error_detail(response.read(ERROR_BODY_BYTES))
+                detail = _error_detail(read_within(response, conn, ERROR_BODY_BYTES, deadline)[0][:ERROR_BODY_BYTES])
                 result.error = f"HTTP {response.status}" + (f": {detail}" if detail else "")
                 worker.discard()
                 return result
             self._read_stream(response, conn, result, deadline)
             result.latency = time.monotonic() - started
             if result.ok:
-                # The chunked body is finished, so the connection can carry the next request.
-                response.read()
+                # The chunked body is finished, so the connection can carry
+                # the next request; one that still sends is not reused.
+                _, ended = read_within(response, conn, AFTER_DONE_BYTES, deadline)
+                if not ended:
+                    worker.discard()
             else:
                 worker.discard()
         except socket.timeout:
@@ -211,11 +248,17 @@ class Client:
                 break
             pending += chunk
             *lines, pending = pending.split(b"\n")
+            if len(pending) + sum(map(len, data_lines)) > MAX_EVENT_BYTES:
+                result.error = f"an event of more than {MAX_EVENT_BYTES:,} bytes"
+                return
             for line in lines:
                 line = line.rstrip(b"\r")
                 if line:
                     if line.startswith(b"data:"):
                         data_lines.append(line[5:].lstrip(b" "))
+                        if sum(map(len, data_lines)) > MAX_EVENT_BYTES:
+                            result.error = f"an event of more than {MAX_EVENT_BYTES:,} bytes"
+                            return
                     continue
                 # A blank line ends an event.
                 if data_lines:

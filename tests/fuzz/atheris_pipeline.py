@@ -27,7 +27,7 @@ with atheris.instrument_imports(include=["kvwatch"]):
     import kvwatch.diagnose  # noqa: F401
     import kvwatch.engines.vllm
     import kvwatch.exposition  # noqa: F401
-    import kvwatch.sidecar.monitor
+    import kvwatch.pipeline.monitor
     import kvwatch.sidecar.report  # noqa: F401
     import kvwatch.signals  # noqa: F401
     import kvwatch.sidecar.statuspage  # noqa: F401
@@ -43,7 +43,7 @@ ADAPTER = kvwatch.engines.vllm.VllmAdapter(max_series=MAX_SERIES)
 
 
 def fresh_pipeline() -> Pipeline:
-    with mock.patch.object(kvwatch.sidecar.monitor, "make_adapter", lambda engine, max_series: ADAPTER):
+    with mock.patch.object(kvwatch.pipeline.monitor, "make_adapter", lambda engine, max_series: ADAPTER):
         return Pipeline(max_series=MAX_SERIES)
 
 

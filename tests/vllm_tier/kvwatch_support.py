@@ -34,8 +34,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.sidecar.app import create_app
-from kvwatch.sidecar.monitor import Monitor
-from kvwatch.sidecar.settings import load_settings
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
 from pageserver import Answer, LoopbackServer, Request, serving
 
 from .harness import Metrics, _open

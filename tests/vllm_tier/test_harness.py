@@ -290,3 +290,73 @@ def test_tiny_lora_is_a_peft_adapter_that_safetensors_can_read(tmp_path):
         assert entry["dtype"] == "F32" and entry["data_offsets"][1] - entry["data_offsets"][0] == 4 * rows * columns
         assert (columns if name.endswith("lora_A.weight") else rows) in (128, 64)
     assert len(header) == 2 * 2 * 2  # 2 layers x (q_proj, v_proj) x (A, B)
+
+
+# --- older builds ----------------------------------------------------------------
+
+
+def _library_with_version_needs(path: Path, versions: list[str]) -> Path:
+    """A minimal 64-bit ELF file: a string table and one version-needs entry
+    (libstdc++.so.6) listing `versions`, as the loader reads them."""
+    import struct
+    strings = b"\0libstdc++.so.6\0" + b"".join(v.encode() + b"\0" for v in versions)
+    names, at = [], len(b"\0libstdc++.so.6\0")
+    for version in versions:
+        names.append(at)
+        at += len(version) + 1
+    need = struct.pack("<HHIII", 1, len(versions), 1, 16, 0)
+    for i, name in enumerate(names):
+        need += struct.pack("<IHHII", 0, 0, 10 + i, name, 16 if i < len(versions) - 1 else 0)
+    strings_at, need_at = 64, 64 + len(strings)
+    headers_at = need_at + len(need)
+    header = bytearray(b"\x7fELF\x02\x01\x01" + bytes(9))
+    header += struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 0, headers_at, 0, 64, 0, 0, 64, 3, 1)
+    sections = [struct.pack("<IIQQQQIIQQ", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, strings_at, len(strings), 0, 0, 1, 0),
+                struct.pack("<IIQQQQIIQQ", 0, harness.SHT_GNU_VERNEED, 0, 0, need_at, len(need), 1, 1, 8, 0)]
+    path.write_bytes(bytes(header) + strings + need + b"".join(sections))
+    return path
+
+
+def _flags(path: Path) -> list[int]:
+    import struct
+    data = path.read_bytes()
+    need_at = 64 + len(b"\0libstdc++.so.6\0") + sum(len(v) + 1 for v in ("GLIBCXX_3.4.32", "GLIBCXX_3.4.9"))
+    return [struct.unpack_from("<H", data, need_at + 16 + 16 * i + 4)[0] for i in range(2)]
+
+
+def test_a_version_need_is_marked_weak_and_only_that_one(tmp_path):
+    library = _library_with_version_needs(tmp_path / "_C.abi3.so", ["GLIBCXX_3.4.32", "GLIBCXX_3.4.9"])
+    size = library.stat().st_size
+    assert _flags(library) == [0, 0]
+    assert harness.weaken_version_need(library, "GLIBCXX_3.4.32") is True
+    assert _flags(library) == [harness.VER_FLG_WEAK, 0]
+    assert library.stat().st_size == size
+    # Again: nothing left to change; a version it does not need: nothing either.
+    assert harness.weaken_version_need(library, "GLIBCXX_3.4.32") is False
+    assert harness.weaken_version_need(library, "GLIBCXX_3.4.99") is False
+    assert _flags(library) == [harness.VER_FLG_WEAK, 0]
+
+
+def test_weakening_refuses_a_file_that_is_not_a_64_bit_elf(tmp_path):
+    text = tmp_path / "not-a-library.so"
+    text.write_text("#!/bin/sh\n")
+    with pytest.raises(harness.HarnessError, match="not a 64-bit little-endian ELF"):
+        harness.weaken_version_need(text, "GLIBCXX_3.4.32")
+
+
+def test_an_older_builds_requirements_leave_torch_to_the_index_and_pin_transformers():
+    requires = ['regex', 'transformers>=4.55.2', 'torch==2.6.0+cpu; platform_machine == "x86_64"',
+                'torchaudio; platform_machine != "ppc64le" and platform_machine != "s390x"', 'torchvision',
+                'intel_extension_for_pytorch==2.6.0; platform_machine == "x86_64"',
+                'fastapi[standard]>=0.115.0', "pytest; extra == 'test'"]
+    kept = harness.other_requirements(requires, harness.OLDER_BUILDS["0.10.2"])
+    assert kept == ['regex', 'transformers==4.56.2', 'intel_extension_for_pytorch==2.6.0; platform_machine == "x86_64"',
+                    'fastapi[standard]>=0.115.0']
+
+
+def test_an_older_build_that_ignores_the_bytes_gets_its_cache_in_blocks(monkeypatch):
+    monkeypatch.setattr(harness, "VLLM_VERSION", "0.10.2")
+    assert harness.cache_size_args(4194304, 32) == ["--num-gpu-blocks-override", "128"]
+    monkeypatch.setattr(harness, "VLLM_VERSION", "0.20.2")
+    assert harness.cache_size_args(4194304, 32) == ["--kv-cache-memory-bytes", "4194304"]

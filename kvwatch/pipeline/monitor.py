@@ -19,11 +19,18 @@ from typing import Any, Callable
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose import Change
 from kvwatch.diagnose.hold import FindingHold
+from kvwatch.diagnose.vocabulary import finding_key
 from kvwatch.engines import AUTO, ENGINES, make_adapter, recognize
 from kvwatch.engines.coverage import dark_signals
-from kvwatch.scrape import Fetcher, FetchResult, failure_sentence, public_host
-from kvwatch.sidecar.report import finding_key, public_url
-from kvwatch.sidecar.settings import Settings
+from kvwatch.engines.plausible import window_faults
+from kvwatch.kvevents.join import with_page
+from kvwatch.kvevents.source import KVEventSource
+from kvwatch.pipeline.demo import DemoSource
+from kvwatch.pipeline.lmcache import LMCacheSource
+from kvwatch.pipeline.upstream import UpstreamSource
+from kvwatch.present import public_host, public_url
+from kvwatch.scrape import Fetcher, FetchResult, failure_sentence
+from kvwatch.settings import Settings
 from kvwatch.signals import Evaluated, evaluate_window
 from kvwatch.snapshot import Snapshot
 from kvwatch.window import Window
@@ -78,7 +85,7 @@ class State:
     findings: tuple[diagnosis.Finding, ...] = ()
     events: tuple[Change, ...] = ()
     upstream: dict[str, Any] | None = None
-    # The LMCache tier's latest poll (kvwatch/sidecar/lmcache.py), None unless lmcache_target is set.
+    # The LMCache tier's latest poll (kvwatch/pipeline/lmcache.py), None unless lmcache_target is set.
     lmcache: dict[str, Any] | None = None
     # The KV-cache event stream's report (kvwatch/kvevents/source.py), None unless kv_events is set.
     kv_events: dict[str, Any] | None = None
@@ -94,8 +101,20 @@ class State:
     # A replay's progress (kvwatch serve --replay; None when live): the
     # monitor's one dict, so its `finished` shows on the last state too.
     replay: dict[str, Any] | None = None
-    # The simulator's phase now and the next (kvwatch/sidecar/demo.py), only with demo_target.
+    # The simulator's phase now and the next (kvwatch/pipeline/demo.py), only with demo_target.
     demo: dict[str, Any] | None = None
+    # One sentence when the window reached its byte bound this poll and
+    # forgot pairs or polls before their time (kvwatch.window), else None.
+    window_trimmed: str | None = None
+    # Values of the latest page, and ratios of the window, that cannot be true
+    # (kvwatch.engines.plausible.SourceFault): shown as faults of the source, never clamped.
+    source_faults: tuple = ()
+    # Faults seen since start, by kind (kvwatch_source_faults_total).
+    source_faults_by_kind: dict[str, int] = field(default_factory=dict)
+    # The engine answers /metrics late, or not within the deadline, while it
+    # has requests running or waiting: busy, not down (Monitor._busy), with
+    # the lateness measured; None otherwise.
+    busy: dict[str, Any] | None = None
 
 
 
@@ -148,25 +167,17 @@ class Monitor:
         self.window = Window(settings.window)
         self.upstream = None
         if settings.upstream_target and settings.upstream_histogram:
-            from kvwatch.sidecar.upstream import UpstreamSource
-
             # The monitor's clock (steady; recorded time in a replay), not the
             # wall clock: an NTP step back kept stale steps in its window.
             self.upstream = UpstreamSource(settings, self.window.seconds, clock=self.clock)
         self.lmcache = None
         if settings.lmcache_target:
-            from kvwatch.sidecar.lmcache import LMCacheSource
-
             self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
         self.demo = None
         if settings.demo_target:
-            from kvwatch.sidecar.demo import DemoSource
-
             self.demo = DemoSource(settings.demo_target, settings.fetch_timeout)
         self.kv_events = None
         if settings.kv_events:
-            from kvwatch.kvevents.source import KVEventSource
-
             self.kv_events = KVEventSource(settings.kv_events, connect=settings.kv_events_connect,
                                            topic=settings.kv_events_topic, replay=settings.kv_events_replay,
                                            window_seconds=self.window.seconds,
@@ -178,14 +189,20 @@ class Monitor:
         self._errors: dict[str, int] = {}
         self._parse_errors = 0
         self._polls = 0
+        self._faults_by_kind: dict[str, int] = {}
         self._events: deque[Change] = deque(maxlen=MAX_EVENTS)
         # LoRA adapter name -> when last seen: only those seen within the
         # window are kept (a page with a new adapter set each poll grew a set
         # that never shrank to 1.5 M names), and at most MAX_LORA_NAMES.
         self._lora_seen: dict[str, float] = {}
         self.hit_memory = diagnosis.HitRateMemory()
+        self.thresholds = diagnosis.resolve_thresholds(settings.diagnosis)
         # A finding stays active until its condition has been clear for the hold.
-        self.hold = FindingHold(diagnosis.resolve_thresholds(settings.diagnosis)["finding_hold_seconds"])
+        self.hold = FindingHold(self.thresholds["finding_hold_seconds"])
+        # (time, running, waiting) of the latest page read, and when the
+        # current run of busy polls began (None outside one).
+        self._last_load: tuple[float, float, float] | None = None
+        self._busy_since: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
@@ -265,8 +282,16 @@ class Monitor:
                 result, f"no {self.adapter.name} engine metrics in a page of {result.size} bytes",
                 snapshot.parse_errors, started, started_cpu)
         self.window.add(snapshot)
+        if self.window.trimmed and not self.state.window_trimmed:
+            log.warning("%s", self.window.trimmed)
         self._note_changes(previous, snapshot)
         per_engine, per_model = evaluate_window(self.window)
+        source_faults = tuple(snapshot.faults) + tuple(
+            window_faults(per_engine, snapshot.sources, self.adapter.prefixes[0]))
+        for fault in source_faults:
+            self._faults_by_kind[fault.fault] = self._faults_by_kind.get(fault.fault, 0) + 1
+        if snapshot.faults_dropped:
+            self._faults_by_kind["undescribed"] = self._faults_by_kind.get("undescribed", 0) + snapshot.faults_dropped
         upstream = self.upstream.poll() if self.upstream is not None else None
         lmcache = self._poll_lmcache(result.text if self._lmcache_on_engine_page else None, answered)
         kv_events = self._report_kv_events(answered, per_engine)
@@ -275,6 +300,7 @@ class Monitor:
                                       self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
                                       incumbents=self.hold.incumbents())
         findings = self.hold.apply(answered, findings)
+        busy = self._busy(snapshot, result.seconds, timed_out=False, at=answered)
         self._polls += 1
         was_up = self.state.up
         previous_since = self.state.findings_since
@@ -308,6 +334,10 @@ class Monitor:
             engine=self.adapter.name,
             dark_signals=dark_signals(type(self.adapter)),
             replay=self.replay,
+            window_trimmed=self.window.trimmed,
+            source_faults=source_faults,
+            source_faults_by_kind=dict(self._faults_by_kind),
+            busy=busy,
         )
         if not was_up:
             count = len(snapshot.engines)
@@ -334,8 +364,6 @@ class Monitor:
         if self.kv_events is None:
             return None
         try:
-            from kvwatch.kvevents.join import with_page
-
             new_changes = self.kv_events.take_changes()
             engines = [row for row in per_engine if row.engine is not None]
             # The stream is one engine's: its changes are that engine's where the page has one.
@@ -374,6 +402,13 @@ class Monitor:
         self._polls += 1
         self._errors[reason] = self._errors.get(reason, 0) + 1
         previous = self.state
+        # A connect that timed out never reached the engine's server: no busy page, an unreachable host.
+        busy = (self._busy(None, seconds, timed_out=True, at=started)
+                if reason == "timeout" and not detail.startswith("connect") else None)
+        if busy is None:
+            self._busy_since = None
+        if busy is not None:
+            sentence = busy["sentence"]
         if previous.up or previous.reason != reason:
             # Log transitions, not every failed poll: a down engine must not
             # flood the log at one line per interval.
@@ -396,14 +431,50 @@ class Monitor:
             last_success_time=previous.last_success_time,
             poll_seconds=seconds,
             poll_cpu_seconds=cpu,
-            page_late_seconds=previous.page_late_seconds,
+            # A busy engine's page is at least as late as the deadline waited.
+            page_late_seconds=busy["late_seconds"] if busy is not None else previous.page_late_seconds,
             events=previous.events,
             kv_events=self._report_kv_events(started, ()),
             engine=previous.engine,
             dark_signals=previous.dark_signals,
             replay=self.replay,
+            source_faults_by_kind=previous.source_faults_by_kind,
+            busy=busy,
         )
         return self.state
+
+    def _busy(self, snapshot: Snapshot | None, seconds: float | None, timed_out: bool, at: float) -> dict | None:
+        """Busy, not down: the page came `busy_late_seconds` or more late
+        (or, `timed_out`, not within the deadline) while the engine had
+        requests running or waiting, on this page or, for a timeout, on the
+        latest page read at most `busy_timeout_seconds` before. The lateness
+        is measured: how long the engine took to answer (for a timeout, the
+        deadline waited: a lower bound)."""
+        late = max(0.0, seconds or 0.0)
+        if snapshot is not None:
+            running = sum(e.gauges.get("running", 0.0) for e in snapshot.engines.values())
+            waiting = sum(e.gauges.get("waiting", 0.0) for e in snapshot.engines.values())
+            self._last_load = (snapshot.time, running, waiting)
+            busy = late >= self.thresholds["busy_late_seconds"] and running + waiting > 0
+        else:
+            last = self._last_load
+            busy = (last is not None and last[1] + last[2] > 0
+                    and at - last[0] <= self.thresholds["busy_timeout_seconds"])
+            running, waiting = (last[1], last[2]) if last is not None else (0.0, 0.0)
+        if not busy:
+            self._busy_since = None
+            return None
+        if self._busy_since is None:
+            self._busy_since = at
+        host = public_host(self.settings.target)
+        load = f"{running:g} running and {waiting:g} waiting"
+        if timed_out:
+            sentence = (f"{host} is busy, not down: its /metrics did not answer within {late:.1f} s, and its latest "
+                        f"page ({at - self._last_load[0]:.0f} s before) showed {load} requests")
+        else:
+            sentence = f"{host} is busy: its /metrics answered {late:.1f} s late with {load} requests"
+        return {"late_seconds": late, "timed_out": timed_out, "running": running, "waiting": waiting,
+                "since": self._busy_since, "sentence": sentence}
 
     def _note_changes(self, previous: Snapshot | None, current: Snapshot) -> None:
         if previous is None or len(self.window.entries) < 2:

@@ -4,7 +4,7 @@ incrementally, for clusters where no sidecar polls the engines.
 Every refresh (the poll interval, 30 s by default) reads only the steps since
 the last one from the store (the first refresh back-fills one window span),
 advances each replica's window with the history pipeline's own step
-(run._diagnose_step: adapter -> Window -> evaluate_window -> diagnose, then
+(run.diagnose_step: adapter -> Window -> evaluate_window -> diagnose, then
 the fleet rules across the replicas of each model), and publishes one
 immutable CentralState: per replica the sidecar's State (what the status page,
 the JSON API and the exporter read), plus the fleet findings.
@@ -32,10 +32,12 @@ from typing import Any, Callable
 
 from kvwatch.engines.coverage import dark_signals
 from kvwatch.history.pages import DEFAULT_REPLICA_LABELS, Pages, family_query
-from kvwatch.history.query import PrometheusClient, QueryError
-from kvwatch.history.run import _diagnose_step, _discover
-from kvwatch.sidecar.monitor import State, run_at_fixed_rate
-from kvwatch.sidecar.report import finding_key, public_url
+from kvwatch.history.query import PrometheusClient, QueryError, merge_selector
+from kvwatch.history.run import diagnose_step, discover
+from kvwatch.history.shard import Shard, identity, marker_matcher, shard_matcher
+from kvwatch.pipeline.monitor import State, run_at_fixed_rate
+from kvwatch.diagnose.vocabulary import finding_key
+from kvwatch.present import public_url
 from kvwatch.signals import evaluate_window
 
 log = logging.getLogger("kvwatch")
@@ -69,10 +71,14 @@ class CentralState:
     fleet: tuple = ()
     dropped_replicas: int = 0
     cost: dict[str, Any] = field(default_factory=dict)
+    # Sharded (--shard k/N): "k/N", and how many replicas the store holds
+    # for every shard at the latest discovery.
+    shard: str | None = None
+    store_replicas: int | None = None
 
 
 class _Latest:
-    """Stands in for the Timeline _diagnose_step feeds: keeps each scope's
+    """Stands in for the Timeline diagnose_step feeds: keeps each scope's
     latest findings and step, and each replica's latest step with data."""
 
     def __init__(self) -> None:
@@ -92,7 +98,8 @@ class Central:
 
     def __init__(self, client: PrometheusClient, settings, selector: str = "", source: str = "auto",
                  replica_labels: tuple[str, ...] = DEFAULT_REPLICA_LABELS, step: float | None = None,
-                 max_replicas: int = DEFAULT_MAX_REPLICAS, clock: Callable[[], float] | None = None):
+                 max_replicas: int = DEFAULT_MAX_REPLICAS, clock: Callable[[], float] | None = None,
+                 shard: Shard | None = None):
         self.client = client
         self.settings = settings
         self.selector = selector
@@ -102,6 +109,8 @@ class Central:
         self.window = float(settings.window)
         self.max_replicas = max(1, int(max_replicas))
         self.clock = clock or time.time
+        self.shard = shard
+        self._store_replicas: int | None = None  # every shard's, at the latest discovery (sharded only)
         self.url = public_url(client.url)
         self.state = CentralState()
         self.after_poll: list[Callable[[CentralState], None]] = []
@@ -114,7 +123,7 @@ class Central:
         self._fleet_holds: dict = {}  # model -> FindingHold of its fleet findings
         self._last_step: float | None = None
         self._source: str | None = None
-        self._discovered: tuple | None = None  # _discover's answer and the step it was asked at
+        self._discovered: tuple | None = None  # discover's answer and the step it was asked at
         self._dropped = 0  # replicas the store has beyond max_replicas, at the latest refresh
         self._refreshes = 0
         self._failures = 0
@@ -172,8 +181,7 @@ class Central:
         # seconds between two steps may hold none of a replica's.
         found = self._discovered
         if found is None or found[0] is None or end - found[4] >= self.window:
-            found = self._discovered = (*_discover(self.client, self.selector, min(start, end - self.window),
-                                                   end, self._source or self.wanted_source), end)
+            found = self._discovered = (*self._discover(min(start, end - self.window), end), end)
         source, families, counts, inner, _at = found
         if source is None:
             self._step_nothing(end)
@@ -185,12 +193,12 @@ class Central:
         for result in self.client.read_ranges(queries, start, end, step):
             pages.add(result)
         self._forget(end)  # first, so that a replica gone for a window makes room for a new one now
-        ordered = self._admit(sorted(pages.replicas.items()))
+        ordered = self._admit(sorted((key, replica) for key, replica in pages.replicas.items() if self._owns(key)))
         latest = _Latest()
         for index in range(points):
             at = start + index * step
             latest.findings.clear()
-            _diagnose_step(at, index, ordered, self._replicas, latest, self.window, self.settings.diagnosis, step,
+            diagnose_step(at, index, ordered, self._replicas, latest, self.window, self.settings.diagnosis, step,
                            self._fleet_holds)
             for key, _replica in ordered:
                 state = self._replicas.get(key)
@@ -206,12 +214,37 @@ class Central:
                         del since[gone]
                     for k in current:
                         since.setdefault(k, at)
-            fleet = [f for scope, (when, found) in sorted(latest.findings.items())
-                     if scope.startswith("fleet:") and when == at for f in found]
+            # A shard sees only its share of each model's replicas: the
+            # fleet's findings are the store's (shard.py).
+            fleet = [] if self.shard is not None else [
+                f for scope, (when, found) in sorted(latest.findings.items())
+                if scope.startswith("fleet:") and when == at for f in found]
             self._fleet = fleet
             current = {_fleet_key(f) for f in fleet}
             self._fleet_since = {k: self._fleet_since.get(k, at) for k in current}
         self._forget(end)
+
+    def _discover(self, start: float, end: float) -> tuple:
+        """discover's answer for the replicas this instance serves: all of
+        them, or a shard's (found from one family's series, then selected in
+        every query by shard_matcher)."""
+        source = self._source or self.wanted_source
+        if self.shard is None:
+            return discover(self.client, self.selector, start, end, source)
+        for candidate in ("vllm", "kvwatch") if source == "auto" else (source,):
+            found = self.client.series(merge_selector(self.selector, marker_matcher(candidate)), start, end)
+            keys = {tuple(labels.get(label, "") for label in self.replica_labels) for labels in found}
+            if keys:
+                break
+        self._store_replicas = len(keys)
+        mine = sorted(key for key in keys if self._owns(key))
+        if not mine:
+            return None, {}, {}, ""
+        selector = merge_selector(self.selector, shard_matcher(self.replica_labels, mine))
+        return discover(self.client, selector, start, end, candidate)
+
+    def _owns(self, key: tuple) -> bool:
+        return self.shard is None or self.shard.owns(identity(self.replica_labels, key))
 
     def _step_nothing(self, end: float) -> None:
         self._fleet = []
@@ -268,7 +301,8 @@ class Central:
             last_refresh_time=self.clock(), last_success_time=self._last_success, last_step=end,
             source=self._source, replicas=views,
             fleet=tuple((f, self._fleet_since.get(_fleet_key(f))) for f in self._fleet),
-            dropped_replicas=self._dropped, cost=self.client.cost.to_json())
+            dropped_replicas=self._dropped, cost=self.client.cost.to_json(),
+            shard=str(self.shard) if self.shard else None, store_replicas=self._store_replicas)
         return self.state
 
     def _replica_state(self, key: tuple, state, end: float) -> State:
@@ -303,6 +337,10 @@ class Central:
         limit = max(3 * self.step, self.client.timeout + self.step)
         if age > limit:
             return False, f"no successful refresh for {age:.0f}s"
+        if not state.replicas and self.shard is not None and self._store_replicas:
+            # Ready: a shard that owns none of the replicas is not broken (a
+            # StatefulSet's rollout waits for every pod's readiness).
+            return True, f"ok (shard {self.shard} owns none of the {self._store_replicas} replicas)"
         if not state.replicas:
             return False, f"the store at {self.url} holds no vLLM series for the selector {self.selector or '{}'}"
         return True, "ok"
@@ -319,7 +357,15 @@ def store_sentence(url: str | None, error: QueryError) -> str:
     elif error.reason in ("refused", "dns", "disconnected", "connection") or "ConnectTimeout" in text:
         why = "the connection failed (is it running, and is the URL right?)"
     elif error.reason == "too_large":
-        why = "an answer was larger than kvwatch reads of one (narrow the selector)"
+        why = "an answer was larger than kvwatch reads of one (narrow the selector, or split the fleet with --shard)"
+    elif error.reason == "limit":
+        why = ("it refused a query as over one of its limits (series, samples or query length): narrow the "
+               "selector, or split the fleet over more shards (--shard)")
+    elif error.reason == "throttled":
+        why = "it is throttling kvwatch's queries (HTTP 429, a rate or concurrency limit); the next refresh asks again"
+    elif error.reason == "partial":
+        why = ("it could read only part of the data (a store behind it failed): kvwatch does not diagnose a fleet "
+               "from part of it")
     elif error.status is not None:
         # Not the store's own text: /readyz is open to anyone who can reach
         # kvwatch, and that text is the store's to choose (the log has it).

@@ -1,6 +1,6 @@
 """Central mode's HTTP surface (`kvwatch serve --prometheus URL`): the
 sidecar's endpoints for every replica the store knows, from the state
-kvwatch.history.central.Central publishes after each refresh.
+kvwatch.central.refresh.Central publishes after each refresh.
 
 - `/`: one table of replicas, worst finding first, with the fleet findings;
   `/?replica=NAME` is the sidecar's status page of that replica (its script
@@ -39,7 +39,8 @@ from kvwatch.diagnose.vocabulary import SEVERITIES
 from kvwatch.signals import CENTRAL_HEALTH
 from kvwatch.sidecar.app import GZIP_LEVEL, HotPaths, TokenFile, readiness
 from kvwatch.sidecar.collector import KvwatchCollector, Renderer
-from kvwatch.sidecar.report import _clean, diagnosis_json, finding_json, signals_json
+from kvwatch.present import clean
+from kvwatch.sidecar.report import diagnosis_json, finding_json, signals_json
 from kvwatch.sidecar.series import series_json
 from kvwatch.sidecar.statuspage import CONTENT_SECURITY_POLICY, STYLE, render_status_page
 
@@ -110,6 +111,7 @@ def central_status(state, central) -> dict:
         "window_seconds": central.window,
         "replicas_dropped": state.dropped_replicas,
         "cost": state.cost,
+        **({"shard": state.shard, "store_replicas": state.store_replicas} if state.shard else {}),
     }
 
 
@@ -119,7 +121,7 @@ def diagnosis_all(state, central, settings) -> dict:
         replicas.append({"replica": name, "labels": view.labels,
                          **diagnosis_json(view.state, replica_settings(settings, name))})
     fleet = [{"replica": str(f.evidence.get("replica", "")), **finding_json(f, since)} for f, since in state.fleet]
-    return _clean({**central_status(state, central), "replicas": replicas, "fleet": fleet})
+    return clean({**central_status(state, central), "replicas": replicas, "fleet": fleet})
 
 
 def index_page(state, central) -> str:
@@ -138,9 +140,15 @@ def index_page(state, central) -> str:
         models = sorted({row.model for row in view.state.per_engine})
         rows.append(f'<tr data-replica="{e(name)}"><td><a href="?replica={e(_quote(name))}">{e(name)}</a></td>'
                     f"<td>{e(', '.join(models))}</td><td>{cell}</td></tr>")
-    fleet = "".join(
+    fleet_items = "".join(
         f'<li data-cause="{e(f.cause)}"><b>{e(f.severity.upper())}</b> {e(f.cause)} ({e(f.model)}): {e(f.summary)}</li>'
         for f, _since in state.fleet)
+    if state.shard:
+        fleet = (f"<p>This is shard {e(state.shard)} ({len(state.replicas)} of the store's "
+                 f"{state.store_replicas or 0} replicas): the fleet findings are the store's fleet alert "
+                 "(VllmFleetReplicaOutlier) over every shard's series.</p>")
+    else:
+        fleet = "<ul>" + fleet_items + "</ul>" if fleet_items else "<p>None.</p>"
     if state.up:
         status = (f"Read from <code>{e(central.url or '')}</code> ({e(state.source or 'no series')}) at "
                   f"{_clock(state.last_step)}; {len(state.replicas)} replicas, window {central.window:g} s, "
@@ -165,7 +173,7 @@ def index_page(state, central) -> str:
 <body><main>
 <header><h1>kvwatch: every replica</h1><p id="status" class="muted">{status}</p></header>
 {dropped}
-<section id="fleet"><h2>Fleet findings ({len(state.fleet)})</h2>{"<ul>" + fleet + "</ul>" if fleet else "<p>None.</p>"}</section>
+<section id="fleet"><h2>Fleet findings ({len(state.fleet)})</h2>{fleet}</section>
 <section id="replicas"><h2>Replicas</h2>{table}</section>
 <footer><ul>
 <li><a href="api/v1/diagnosis">/api/v1/diagnosis</a>: every replica's findings and the fleet's (JSON)</li>
@@ -262,7 +270,7 @@ def create_central_app(central, settings) -> FastAPI:
             return missing
         state = central.state
         if view is None:
-            return JSONResponse(_clean({**central_status(state, central), "replicas": [
+            return JSONResponse(clean({**central_status(state, central), "replicas": [
                 {"replica": name, "labels": v.labels, **signals_json(v.state, replica_settings(settings, name))}
                 for name, v in state.replicas.items()]}))
         return JSONResponse({"replica": view.name, "labels": view.labels,

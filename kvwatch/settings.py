@@ -13,8 +13,18 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from kvwatch.units import (did_you_mean, parse_duration, parse_port, parse_size, parse_whole_number, read_small_file,
-                           yaml_problem)
+from kvwatch.diagnose import validate_thresholds
+from kvwatch.engines import AUTO, ENGINES
+from kvwatch.present import normalize_target
+from kvwatch.units import (
+    did_you_mean,
+    parse_duration,
+    parse_port,
+    parse_size,
+    parse_whole_number,
+    read_small_file,
+    yaml_problem,
+)
 
 
 class SettingsError(Exception):
@@ -66,7 +76,7 @@ class Settings:
     # before the engine (e.g. retrieval).
     upstream_target: str | None = None
     upstream_histogram: str | None = None
-    # Optional LMCache page (kvwatch/sidecar/lmcache.py): the engine's own
+    # Optional LMCache page (kvwatch/pipeline/lmcache.py): the engine's own
     # /metrics when LMCache shares vLLM's registry, or LMCache's API server.
     lmcache_target: str | None = None
     # Optional KV-cache event stream (kvwatch/kvevents): the ZMQ endpoint
@@ -117,24 +127,6 @@ _whole_number = parse_whole_number  # one definition: kvwatch/units.py
 _parse_port = parse_port
 
 
-def normalize_target(value: Any) -> str:
-    text = str(value).strip()
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        # The message goes to the terminal and CI logs: not the password.
-        shown = text.replace(f":{parts.password}@", ":<redacted>@", 1) if parts.password else text
-        raise ValueError(f"{shown!r} is not an http(s) URL")
-    try:
-        parts.port  # noqa: B018 - raises for a port that is not a number or out of range
-    except ValueError:
-        shown = parts.netloc.rsplit("@", 1)[-1]
-        raise ValueError(f"{shown!r} has no valid port (1-65535)") from None
-    if parts.port == 0 or not parts.hostname:
-        raise ValueError(f"{parts.netloc.rsplit('@', 1)[-1]!r} is not a host and port kvwatch can fetch from")
-    path = parts.path if parts.path not in ("", "/") else "/metrics"
-    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
-
-
 def _demo_url(value: Any) -> str:
     """A simulator's base URL or its /sim/phase: a bare http://host:port gets /sim/phase."""
     text = str(value).strip()
@@ -162,11 +154,22 @@ def _optional_str(value: Any) -> str | None:
     return None if value in (None, "") else str(value)
 
 
+# A CA bundle, certificate or key is read whole by the TLS library (a CA
+# bundle at every new connection to the engine): a regular file (a FIFO
+# blocked, a device never ended) of at most this many bytes (the system's
+# whole CA bundle is about 220 KB).
+MAX_PEM_BYTES = 16 * 1024 * 1024
+
+
 def _existing_file(value: Any) -> str | None:
     if value in (None, ""):
         return None
-    if not Path(str(value)).is_file():
-        raise ValueError(f"file {value!r} does not exist")
+    path = Path(str(value))
+    if not path.is_file():
+        raise ValueError(f"file {value!r} does not exist" if not path.exists() else
+                         f"{value!r} is not a regular file")
+    if path.stat().st_size > MAX_PEM_BYTES:
+        raise ValueError(f"file {value!r} is larger than the {MAX_PEM_BYTES:,} bytes kvwatch reads of it")
     return str(value)
 
 
@@ -220,8 +223,6 @@ def _mapping(value: Any) -> dict:
 
 
 def _engine(value: Any) -> str:
-    from kvwatch.engines import AUTO, ENGINES
-
     text = str(value).strip().lower()
     if text != AUTO and text not in ENGINES:
         raise ValueError(f"{value!r} is not an engine ({', '.join((AUTO, *ENGINES))})")
@@ -376,8 +377,6 @@ def load_settings(
     if bool(settings.upstream_target) != bool(settings.upstream_histogram):
         problems.append("upstream_target and upstream_histogram must be given together")
     if settings.diagnosis:
-        from kvwatch.diagnose import validate_thresholds
-
         problems.extend(f"diagnosis: {p}" for p in validate_thresholds(settings.diagnosis))
     if problems:
         raise SettingsError(problems)

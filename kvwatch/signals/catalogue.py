@@ -22,17 +22,15 @@ for the range and `{by}` for the aggregation labels.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
-import operator
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable
 
 from kvwatch import units
-from kvwatch.snapshot import EngineSnapshot, Histogram, capacity_tokens, config_number
-from kvwatch.window import Increase, Window
+from kvwatch.signals.series import ENGINE_SERIES, IDENTITY, INFO_KEYS, TIER_SERIES
+from kvwatch.snapshot import EngineSnapshot, Histogram
+from kvwatch.window import Increase
 
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -77,15 +75,8 @@ GOOD_DIRECTIONS = ("high", "low", None)
 
 
 # --------------------------------------------------------------------------
-# vLLM series re-exported under stable names
+# kvwatch's own families: the poll's health, identity, configuration, findings
 # --------------------------------------------------------------------------
-
-
-# The identity labels of every per-engine family kvwatch exports.
-IDENTITY = ("model_name", "engine")
-# cache_config_info keys re-exported on kvwatch_engine_info (a bounded set, not
-# the whole open map, so the label set does not change with every vLLM release).
-INFO_KEYS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "kv_cache_size_tokens")
 
 
 @dataclass(frozen=True)
@@ -120,7 +111,13 @@ HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_poll_duration_seconds", "gauge", (), "Wall time of the latest poll.", good="low"),
     HealthFamily("kvwatch_page_late_seconds", "gauge", (),
                  "How long the engine took to answer the latest page kvwatch read (a busy vLLM answers /metrics "
-                 "seconds late under load; the page is kept and stamped at the time it was answered).", good="low"),
+                 "seconds late under load; the page is kept and stamped at the time it was answered); after a poll "
+                 "that timed out while the engine was busy (kvwatch_busy), the deadline waited.", good="low"),
+    HealthFamily("kvwatch_busy", "gauge", (),
+                 "1 while the engine is busy, not down: its /metrics answered at least busy_late_seconds late, or "
+                 "not within the deadline shortly after a page (busy_timeout_seconds), while requests ran or waited; "
+                 "kvwatch_page_late_seconds says how late (for a timeout, the deadline waited: at least). 0 "
+                 "otherwise; KvwatchEngineUnreachable leaves a busy engine out.", good="low"),
     HealthFamily("kvwatch_poll_cpu_seconds", "gauge", (),
                  "CPU time of the latest poll (fetch, parse, signals, diagnosis).", good="low"),
     HealthFamily("kvwatch_last_success_timestamp_seconds", "gauge", (), "Unix time of the latest successful poll."),
@@ -147,6 +144,15 @@ HEALTH: tuple[HealthFamily, ...] = (
                  good=None),
     # Untyped: Prometheus' lint refuses a `quantile` label on a gauge, and the
     # label names the quantile it marks (Prometheus stores it as a gauge).
+    HealthFamily("kvwatch_source_fault", "gauge", ("family", "fault") + IDENTITY,
+                 "1 for each value of the engine's latest page (or ratio of the window) that cannot be true: "
+                 "fault=below_zero, above_one (a share above 1), not_finite (NaN, infinity), part_above_whole (hits "
+                 "that rose more than their lookups). A fault of the engine's metrics: the value is not clamped, it "
+                 "is left out, so its signals are absent; /api/v1/signals source_faults has the value read.",
+                 good="low"),
+    HealthFamily("kvwatch_source_faults", "counter", ("fault",),
+                 "Values that cannot be true read since kvwatch started, by fault (one per value per poll; "
+                 "`undescribed` counts those beyond the hundred a page's faults describe).", good="low"),
     HealthFamily("kvwatch_quantile_pinned", "untyped", ("signal", "quantile", "bound") + IDENTITY,
                  "1 for each windowed quantile pinned at a bucket edge, where its value is a bound and not an "
                  "estimate: bound=\"upper\" (pinned in the first bucket; the value is that bucket's bound and the "
@@ -161,166 +167,6 @@ HEALTH_BY_NAME = {family.name: family for family in HEALTH}
 SCRAPE: tuple[HealthFamily, ...] = (
     HealthFamily("up", "gauge", (), "1 while Prometheus scraped the target (kvwatch) successfully, else 0.",
                  good="high"),
-)
-
-
-@dataclass(frozen=True)
-class EngineSeries:
-    name: str  # exported family name (counters without their `_total`)
-    kind: str  # gauge | counter | histogram
-    key: str  # canonical snapshot key; "<key>/*" for a labelled family
-    unit: str
-    help: str
-    label: str | None = None  # the dimension of a labelled family
-    good: str | None = None  # GOOD_DIRECTIONS
-
-    @property
-    def sample_name(self) -> str:
-        return self.name + "_total" if self.kind == "counter" else self.name
-
-
-ENGINE_SERIES: tuple[EngineSeries, ...] = (
-    EngineSeries("kvwatch_engine_kv_cache_usage_ratio", "gauge", "kv_usage", "ratio",
-                 "KV-cache usage 0..1 (vllm:kv_cache_usage_perc, formerly vllm:gpu_cache_usage_perc); evictable prefix-cache blocks count as free.", good="low"),
-    EngineSeries("kvwatch_engine_kv_cache_capacity_tokens", "gauge", "capacity_tokens", "tokens",
-                 "KV-cache capacity in tokens (vllm:cache_config_info kv_cache_size_tokens, else num_gpu_blocks x block_size).", good="high"),
-    EngineSeries("kvwatch_engine_kv_cache_memory_bytes", "gauge", "config/kv_cache_memory_bytes", "bytes",
-                 "Bytes of the KV cache (vllm:cache_config_info kv_cache_memory_bytes, vLLM 0.24+); absent before."),
-    EngineSeries("kvwatch_engine_requests_running", "gauge", "running", "requests",
-                 "Requests in model execution batches (vllm:num_requests_running)."),
-    EngineSeries("kvwatch_engine_requests_waiting", "gauge", "waiting", "requests",
-                 "Requests waiting to be scheduled (vllm:num_requests_waiting).", good="low"),
-    EngineSeries("kvwatch_engine_requests_waiting_by_reason", "gauge", "waiting_by_reason/*", "requests",
-                 "Waiting requests by reason: capacity (KV blocks) or deferred (vllm:num_requests_waiting_by_reason, vLLM 0.20+).",
-                 label="reason", good="low"),
-    # good="high": enough lookups to judge the hit ratio (below min_query_tokens it is not judged).
-    EngineSeries("kvwatch_engine_prefix_cache_queries", "counter", "prefix_queries", "tokens",
-                 "Prefix-cache queries in tokens (vllm:prefix_cache_queries_total, formerly vllm:gpu_prefix_cache_queries_total; blocks before vLLM 0.9).", good="high"),
-    EngineSeries("kvwatch_engine_prefix_cache_hits", "counter", "prefix_hits", "tokens",
-                 "Prefix-cache hits in tokens (vllm:prefix_cache_hits_total, formerly vllm:gpu_prefix_cache_hits_total; blocks before vLLM 0.9).", good="high"),
-    EngineSeries("kvwatch_engine_external_prefix_cache_queries", "counter", "external_prefix_queries", "tokens",
-                 "External (KV connector) prefix-cache queries in tokens (vllm:external_prefix_cache_queries_total)."),
-    EngineSeries("kvwatch_engine_external_prefix_cache_hits", "counter", "external_prefix_hits", "tokens",
-                 "External (KV connector) prefix-cache hits in tokens (vllm:external_prefix_cache_hits_total).", good="high"),
-    EngineSeries("kvwatch_engine_preemptions", "counter", "preemptions", "preemptions",
-                 "Preemptions by the scheduler (vllm:num_preemptions_total).", good="low"),
-    EngineSeries("kvwatch_engine_prompt_tokens", "counter", "prompt_tokens", "tokens",
-                 "Prompt tokens processed, cached ones included (vllm:prompt_tokens_total)."),
-    EngineSeries("kvwatch_engine_prompt_tokens_cached", "counter", "prompt_tokens_cached", "tokens",
-                 "Prompt tokens served from a cache, local or external (vllm:prompt_tokens_cached_total, vLLM 0.16+).", good="high"),
-    EngineSeries("kvwatch_engine_generation_tokens", "counter", "generation_tokens", "tokens",
-                 "Generated tokens (vllm:generation_tokens_total)."),
-    EngineSeries("kvwatch_engine_requests_finished", "counter", "finished/*", "requests",
-                 "Finished requests by reason: stop, length, abort, error, repetition (vllm:request_success_total).",
-                 label="finished_reason"),
-    EngineSeries("kvwatch_engine_time_to_first_token_seconds", "histogram", "ttft", "seconds",
-                 "Time to first token, from front-end arrival, so queue and prefill included (vllm:time_to_first_token_seconds).", good="low"),
-    EngineSeries("kvwatch_engine_request_queue_time_seconds", "histogram", "queue_time", "seconds",
-                 "Time in the WAITING phase, observed when a request finishes (vllm:request_queue_time_seconds, V0 vllm:time_in_queue_requests).", good="low"),
-    EngineSeries("kvwatch_engine_request_prefill_time_seconds", "histogram", "prefill_time", "seconds",
-                 "Time in the PREFILL phase, observed when a request finishes (vllm:request_prefill_time_seconds).", good="low"),
-    EngineSeries("kvwatch_engine_e2e_request_latency_seconds", "histogram", "e2e_latency", "seconds",
-                 "End-to-end request latency (vllm:e2e_request_latency_seconds).", good="low"),
-    EngineSeries("kvwatch_engine_inter_token_latency_seconds", "histogram", "inter_token_latency", "seconds",
-                 "Gap between output events (vllm:inter_token_latency_seconds, formerly vllm:time_per_output_token_seconds).", good="low"),
-    EngineSeries("kvwatch_engine_request_prompt_tokens", "histogram", "prompt_len", "tokens",
-                 "Prompt length per finished request (vllm:request_prompt_tokens)."),
-    EngineSeries("kvwatch_engine_request_generation_tokens", "histogram", "generation_len", "tokens",
-                 "Generated length per finished request (vllm:request_generation_tokens)."),
-    EngineSeries("kvwatch_engine_kv_cache_blocks", "gauge", "config/num_gpu_blocks", "blocks",
-                 "KV blocks of the engine's pool (vllm:cache_config_info num_gpu_blocks); one of them is vLLM's "
-                 "null block, never allocated, so usage = used / (blocks - 1).", good="high"),
-    EngineSeries("kvwatch_engine_kv_cache_block_size_tokens", "gauge", "config/block_size", "tokens",
-                 "Tokens per KV block (vllm:cache_config_info block_size; on hybrid models the minimum over the "
-                 "KV groups)."),
-    EngineSeries("kvwatch_engine_kv_cache_max_concurrency", "gauge", "config/kv_cache_max_concurrency", "requests",
-                 "Requests of max_model_len tokens the cache holds at once (vllm:cache_config_info "
-                 "kv_cache_max_concurrency, vLLM 0.24+): capacity / max_model_len, not --max-num-seqs.", good="high"),
-    EngineSeries("kvwatch_engine_prompt_tokens_by_source", "counter", "prompt_tokens_by_source/*", "tokens",
-                 "Prompt tokens by where they came from: local_compute, local_cache_hit, external_kv_transfer; "
-                 "the sources sum to the prompt tokens (vllm:prompt_tokens_by_source_total, vLLM 0.16+).",
-                 label="source"),
-    EngineSeries("kvwatch_engine_prompt_tokens_cached_by_source", "counter", "prompt_tokens_cached_by_source/*",
-                 "tokens",
-                 "Cached prompt tokens by the tier that supplied them: device, host, p2p, disk, "
-                 "external_unspecified (vllm:prompt_tokens_cached_by_source_total, vLLM 0.32+).", label="source"),
-    EngineSeries("kvwatch_engine_prompt_tokens_recomputed", "counter", "prompt_tokens_recomputed", "tokens",
-                 "Cached prompt tokens computed again because the whole prompt was cached and the model needs one "
-                 "token to produce logits: one per fully cached prompt, not preemption recompute "
-                 "(vllm:prompt_tokens_recomputed_total, vLLM 0.16 to 0.19 only)."),
-    EngineSeries("kvwatch_engine_request_num_preemptions", "histogram", "preemptions_per_request", "preemptions",
-                 "Preemptions per finished request, 0 included (0 and 1 share the first bucket) "
-                 "(vllm:request_num_preemptions, vLLM 0.30+).", good="low"),
-    EngineSeries("kvwatch_engine_admission_rejections", "counter", "admission_rejections/*", "requests",
-                 "Requests the front end rejected at a queue limit, by reason: max_num_queued_reqs, "
-                 "max_num_queued_tokens (vllm:admission_rejections_total, vLLM 0.32+; vLLM labels it per model, "
-                 "kvwatch books it on the model's lowest engine).", label="reason", good="low"),
-    EngineSeries("kvwatch_engine_sleep_state", "gauge", "sleep_state/*", "state",
-                 "Engine sleep state: awake=1 when serving, weights_offloaded=1 or discard_all=1 in sleep levels 1 "
-                 "and 2; a sleeping engine is not a down engine (vllm:engine_sleep_state, vLLM 0.11.1+).",
-                 label="sleep_state"),
-    EngineSeries("kvwatch_engine_healthy", "gauge", "engine_healthy", "state",
-                 "1 while the engine reports healthy under fault tolerance, else 0 (vllm:engine_healthy; only with "
-                 "--enable-fault-tolerance).", good="high"),
-    EngineSeries("kvwatch_engine_kv_block_lifetime_seconds", "histogram", "kv_block_lifetime", "seconds",
-                 "Sampled KV block lifetimes, allocation to eviction (vllm:kv_block_lifetime_seconds; only with "
-                 "--kv-cache-metrics)."),
-    EngineSeries("kvwatch_engine_kv_block_idle_before_evict_seconds", "histogram", "kv_block_idle_before_evict",
-                 "seconds",
-                 "Sampled idle time of KV blocks before eviction (vllm:kv_block_idle_before_evict_seconds; only with "
-                 "--kv-cache-metrics)."),
-    EngineSeries("kvwatch_engine_kv_block_reuse_gap_seconds", "histogram", "kv_block_reuse_gap", "seconds",
-                 "Sampled gaps between consecutive accesses of a KV block (vllm:kv_block_reuse_gap_seconds; only "
-                 "with --kv-cache-metrics)."),
-    EngineSeries("kvwatch_engine_kv_offload_load_bytes", "counter", "offload_load_bytes", "bytes",
-                 "Bytes loaded from the offload tier into GPU KV blocks (vllm:kv_offload_load_bytes_total, else the "
-                 "deprecated vllm:kv_offload_total_bytes_total{transfer_type=\"CPU_to_GPU\"}, never both; "
-                 "OffloadingConnector only)."),
-    EngineSeries("kvwatch_engine_kv_offload_store_bytes", "counter", "offload_store_bytes", "bytes",
-                 "Bytes stored from GPU KV blocks to the offload tier (vllm:kv_offload_store_bytes_total, else "
-                 "vllm:kv_offload_total_bytes_total{transfer_type=\"GPU_to_CPU\"}; OffloadingConnector only)."),
-    EngineSeries("kvwatch_engine_kv_offload_load_seconds", "counter", "offload_load_seconds", "seconds",
-                 "Time spent loading from the offload tier (vllm:kv_offload_load_time_total, else "
-                 "vllm:kv_offload_total_time_total{transfer_type=\"CPU_to_GPU\"})."),
-    EngineSeries("kvwatch_engine_kv_offload_store_seconds", "counter", "offload_store_seconds", "seconds",
-                 "Time spent storing to the offload tier (vllm:kv_offload_store_time_total, else "
-                 "vllm:kv_offload_total_time_total{transfer_type=\"GPU_to_CPU\"})."),
-    EngineSeries("kvwatch_engine_kv_offload_allocation_failures", "counter", "offload_allocation_failures",
-                 "failures", "Offload-tier allocations that failed (vllm:kv_offload_allocation_failure_total).", good="low"),
-    EngineSeries("kvwatch_engine_kv_offload_cpu_pinned_ratio", "gauge", "offload_cpu_pinned", "ratio",
-                 "Share of the CPU offload tier pinned by in-flight transfers (vllm:kv_offload_cpu_cache_usage_perc): "
-                 "evictable blocks do not count, so it reads 0 on a full tier at rest; not the tier's usage."),
-    EngineSeries("kvwatch_engine_kv_offload_load_size_bytes", "histogram", "offload_load_size", "bytes",
-                 "Bytes per load from the offload tier into GPU KV blocks, one observation per operation "
-                 "(vllm:kv_offload_load_size, else the deprecated vllm:kv_offload_size{transfer_type=\"CPU_to_GPU\"}, "
-                 "never both; OffloadingConnector only)."),
-    EngineSeries("kvwatch_engine_kv_offload_store_size_bytes", "histogram", "offload_store_size", "bytes",
-                 "Bytes per store from GPU KV blocks to the offload tier, one observation per operation "
-                 "(vllm:kv_offload_store_size, else vllm:kv_offload_size{transfer_type=\"GPU_to_CPU\"}; "
-                 "OffloadingConnector only)."),
-    EngineSeries("kvwatch_engine_nixl_failed_transfers", "counter", "nixl_failed_transfers", "transfers",
-                 "Failed NIXL KV transfers, handshake and notification failures included, so never add "
-                 "kvwatch_engine_nixl_failed_notifications to it (vllm:nixl_num_failed_transfers_total; "
-                 "NixlConnector only).", good="low"),
-    EngineSeries("kvwatch_engine_nixl_failed_notifications", "counter", "nixl_failed_notifications", "notifications",
-                 "Failed NIXL notifications, already counted in kvwatch_engine_nixl_failed_transfers "
-                 "(vllm:nixl_num_failed_notifications_total; NixlConnector only).", good="low"),
-    EngineSeries("kvwatch_engine_nixl_expired_requests", "counter", "nixl_expired_requests", "requests",
-                 "Requests whose KV expired before the peer fetched it, counted on the prefill instance; not a "
-                 "transport failure (vllm:nixl_num_kv_expired_reqs_total; NixlConnector only).", good="low"),
-    EngineSeries("kvwatch_engine_nixl_notifications_after_expiry", "counter", "nixl_notifications_after_expiry",
-                 "notifications",
-                 "Completion notifications for requests no longer tracked, usually because their KV lease expired "
-                 "(the blocks may have been reused before the transfer finished), one per remote rank "
-                 "(vllm:nixl_num_notifications_after_expiry_total; NixlConnector only).", good="low"),
-    EngineSeries("kvwatch_engine_nixl_transfer_seconds", "histogram", "nixl_transfer_time", "seconds",
-                 "Duration of each NIXL KV transfer (vllm:nixl_xfer_time_seconds; NixlConnector only).", good="low"),
-    EngineSeries("kvwatch_engine_nixl_post_seconds", "histogram", "nixl_post_time", "seconds",
-                 "Time to post each NIXL KV transfer (vllm:nixl_post_time_seconds; NixlConnector only).", good="low"),
-    EngineSeries("kvwatch_engine_nixl_transfer_bytes", "histogram", "nixl_transfer_bytes", "bytes",
-                 "Bytes per NIXL KV transfer (vllm:nixl_bytes_transferred; NixlConnector only)."),
-    EngineSeries("kvwatch_engine_nixl_descriptors", "histogram", "nixl_descriptors", "descriptors",
-                 "Descriptors per NIXL KV transfer (vllm:nixl_num_descriptors; NixlConnector only)."),
 )
 
 
@@ -359,6 +205,10 @@ class View:
     # The quantiles the derivation running now found pinned at a bucket edge,
     # {quantile: "<" | ">"}; evaluate() files them under the signal's name.
     pinned: dict[str, str] = field(default_factory=dict)
+    # canonical counter key -> how the engine's version counts it where that
+    # differs from the current meaning (Snapshot.counting): `caveats` and
+    # `unlit_reasons` say so beside the signals read from it.
+    counting: dict[str, str] = field(default_factory=dict)
 
     def gauge(self, key: str) -> float | None:
         return self.latest.gauges.get(key)
@@ -392,7 +242,9 @@ class Signal:
 
 
 def _clamp01(value: float | None) -> float | None:
-    # vllm-ascend reported negative usage on hybrid models; usage is 0..1.
+    # Usage outside 0..1 never reaches here (kvwatch.engines.plausible.screen takes it
+    # out of the snapshot as a source fault); this only keeps arithmetic on a
+    # hand-built view in range.
     if value is None:
         return None
     # min(1.0, max(0.0, value)) spelled out, without two builtin calls (NaN
@@ -437,11 +289,57 @@ def _cached_share(view: View) -> float | None:
     # hits in tokens (vLLM 0.9+) say the same.
     prompt = view.increase.counters.get("prompt_tokens")
     hits = view.increase.counters.get("prefix_hits")
-    if prompt and hits is not None:
+    if prompt and hits is not None and "prefix_hits" not in view.counting:
         cached = hits + view.increase.counters.get("external_prefix_hits", 0.0)
         # More cached tokens than prompt tokens: the counters disagree (see Increase.ratio).
         return cached / prompt if cached <= prompt else None
+    # A version whose hits count re-lookups has no fallback: unlit_reasons says why.
     return None
+
+
+def caveats(view: View, values: Mapping[str, object]) -> dict[str, str]:
+    """Signals whose value the engine's version counts differently, each with
+    the sentence that says how (/api/v1/signals' `caveats`, the page, and the
+    findings that cite them): the lookup hit ratio where a waiting request's
+    re-lookups are counted, the preemption rate where the counter trails."""
+    found = {}
+    counting = view.counting
+    if values.get("kvwatch_prefix_cache_hit_ratio") is not None and "prefix_queries" in counting:
+        counters = view.increase.counters
+        queries, prompt = counters.get("prefix_queries"), counters.get("prompt_tokens")
+        text = counting["prefix_queries"]
+        if queries and prompt and queries > prompt:
+            text = (f"the window's lookups ({queries:.0f} tokens) exceed its prompt tokens ({prompt:.0f}): "
+                    + text)
+        served = values.get("kvwatch_prompt_tokens_cached_ratio")
+        found["kvwatch_prefix_cache_hit_ratio"] = text + (
+            f"; the share of prompt tokens served from a cache in the window is {served:.3g} "
+            "(kvwatch_prompt_tokens_cached_ratio)" if isinstance(served, float) else
+            "; this version counts no prompt tokens served from a cache (vllm:prompt_tokens_cached_total is 0.16+), "
+            "so that share is unknown")
+    if values.get("kvwatch_preemptions_per_second") is not None and "preemptions" in counting:
+        found["kvwatch_preemptions_per_second"] = counting["preemptions"]
+    return found
+
+
+def unlit_reasons(view: View, values: Mapping[str, object]) -> dict[str, str]:
+    """Why a signal is absent although the families it reads were on the
+    page, where the view tells: signal name -> one sentence
+    (/api/v1/signals' `dark_signals`)."""
+    found = {}
+    counters = view.increase.counters
+    prompt, hits = counters.get("prompt_tokens"), counters.get("prefix_hits")
+    if (values.get("kvwatch_prompt_tokens_cached_ratio") is None and "prompt_tokens_cached" not in counters
+            and prompt and hits is not None):
+        cached = hits + counters.get("external_prefix_hits", 0.0)
+        fallback = (f"this page has no vllm:prompt_tokens_cached_total (vLLM 0.16+), and the fallback, prefix hits "
+                    f"over prompt tokens ({cached:.0f} / {prompt:.0f} = {cached / prompt:.3g} in the window), is "
+                    "refused: ")
+        if "prefix_hits" in view.counting:
+            found["kvwatch_prompt_tokens_cached_ratio"] = fallback + view.counting["prefix_hits"]
+        elif cached > prompt:
+            found["kvwatch_prompt_tokens_cached_ratio"] = fallback + "more hits than prompt tokens is no share"
+    return found
 
 
 # Each quantile with its name in the values (str(q), written once).
@@ -649,6 +547,32 @@ def _from_cache(view: View) -> dict[str, float] | None:
             for tier, source in (("local", "local_cache_hit"), ("external", "external_kv_transfer"))}
 
 
+CACHED_BY_SOURCE = "prompt_tokens_cached_by_source/"
+LOCAL_COMPUTE = "prompt_tokens_by_source/local_compute"
+
+
+def prompt_tokens_by_tier(view: View) -> dict[str, float] | None:
+    """Every cache tier's share of the window's prompt tokens, and the
+    computed share, token-weighted (counter increases, never averaged
+    gauges): each tier's cached tokens (vLLM's prompt_tokens_cached_by_source:
+    device, host, disk, p2p, external_unspecified; SGLang's
+    prefill_effective_tokens: device, host, storage) over the tiers' sum plus
+    the computed tokens (vLLM's prompt_tokens_by_source{local_compute},
+    SGLang's prefill_effective_tokens{input}). The shares sum to 1."""
+    counters = view.increase.counters
+    computed = counters.get(LOCAL_COMPUTE)
+    tiers = {key[len(CACHED_BY_SOURCE):]: value for key, value in counters.items()
+             if key.startswith(CACHED_BY_SOURCE)}
+    if computed is None or not tiers:
+        return None
+    total = sum(tiers.values()) + computed
+    if total <= 0:
+        return None
+    shares = {tier: value / total for tier, value in tiers.items()}
+    shares["computed"] = computed / total
+    return shares
+
+
 def _first_bucket_at_one(histogram: Histogram) -> float | None:
     for bound, cumulative in zip(histogram.bounds, histogram.cumulative):
         if bound == 1.0:
@@ -744,7 +668,8 @@ def _mean_promql(histogram: str) -> str:
 SIGNALS: tuple[Signal, ...] = (
     # --- cache exhaustion ---
     Signal("kvwatch_kv_cache_usage_ratio", "ratio",
-           "KV-cache usage now, 0..1, clamped (vllm:kv_cache_usage_perc / vllm:gpu_cache_usage_perc).",
+           "KV-cache usage now, 0..1 (vllm:kv_cache_usage_perc / vllm:gpu_cache_usage_perc); a reading outside 0..1 is "
+           "a fault of the source, absent here and named by kvwatch_source_fault, never clamped.",
            _usage, "exhaustion", "max by ({by}) (kvwatch_engine_kv_cache_usage_ratio{{{sel}}})",
            display="KV cache usage", record=("kvwatch_kv_cache_usage_ratio", "max"), good="low"),
     Signal("kvwatch_kv_cache_usage_max_ratio", "ratio",
@@ -765,7 +690,8 @@ SIGNALS: tuple[Signal, ...] = (
            display="KV cache headroom", record=("kvwatch_kv_cache_free_tokens", "sum"), good="high"),
     Signal("kvwatch_kv_cache_used_bytes", "bytes",
            "KV-cache bytes held now: usage x the cache's bytes, rounded to a whole byte "
-           "(vllm:kv_cache_usage_perc, vllm:cache_config_info kv_cache_memory_bytes; absent before vLLM 0.24).",
+           "(vllm:kv_cache_usage_perc, vllm:cache_config_info kv_cache_memory_bytes, a number from vLLM 0.24 or given "
+           "--kv-cache-memory-bytes (0.20.2 states it then); absent where it is \"None\", as on 0.10.2).",
            _used_bytes, "exhaustion",
            "sum by ({by}) (clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * kvwatch_engine_kv_cache_memory_bytes{{{sel}}})",
            panel="overview", title="KV bytes in use",
@@ -802,7 +728,8 @@ SIGNALS: tuple[Signal, ...] = (
            "Requests waiting now by reason: capacity (no KV blocks) or deferred (vllm:num_requests_waiting_by_reason, vLLM 0.20+).",
            _waiting_by_reason, "exhaustion",
            "sum by ({by}, reason) (kvwatch_engine_requests_waiting_by_reason{{{sel}}})", label="reason",
-           record=("kvwatch_requests_waiting", "sum"), display="Waiting by reason", good="low"),
+           record=("kvwatch_requests_waiting", "sum"), needs=("waiting_by_reason",), display="Waiting by reason",
+           good="low"),
     # --- KV blocks, occupancy and trend ---
     Signal("kvwatch_kv_cache_used_blocks", "blocks",
            "KV blocks held now, whole: usage x (num_gpu_blocks - 1), since vLLM keeps one null block aside "
@@ -879,7 +806,8 @@ SIGNALS: tuple[Signal, ...] = (
            "External (KV connector) prefix-cache hits over queries in the window (vllm:external_prefix_cache_{hits,queries}_total).",
            lambda v: v.increase.ratio("external_prefix_hits", "external_prefix_queries"), "prefix",
            _ratio_of_rates("kvwatch_engine_external_prefix_cache_hits_total", "kvwatch_engine_external_prefix_cache_queries_total"),
-           display="External prefix cache hit ratio", record=("kvwatch_external_prefix_cache_hit", "ratio_rate{w}"), good="high"),
+           display="External prefix cache hit ratio", record=("kvwatch_external_prefix_cache_hit", "ratio_rate{w}"),
+           needs=("external_prefix_queries",), good="high"),
     Signal("kvwatch_prompt_tokens_cached_ratio", "ratio",
            "Share of prompt tokens served from a cache in the window (vllm:prompt_tokens_cached_total / vllm:prompt_tokens_total; "
            "before 0.16 prefix hits / prompt tokens).",
@@ -896,6 +824,27 @@ SIGNALS: tuple[Signal, ...] = (
            "/ ignoring (tier) group_left\nsum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel}}}[{w}]))",
            label="tier", panel="prefix_cache", title="Prompt tokens served from a cache, by tier",
            record=("kvwatch_prompt_tokens_from_cache", "ratio_rate{w}"), needs=("prompt_tokens_by_source",), display="Prompt tokens served from a cache, by tier", good="high"),
+    Signal("kvwatch_prompt_tokens_by_tier_ratio", "ratio",
+           "Share of the window's prompt tokens each cache tier served, and the share computed (tier=\"computed\"), "
+           "token-weighted: a tier's cached tokens over every tier's plus the computed ones; the shares sum to 1. "
+           "Tiers as the engine names them: vLLM device, host, disk, p2p, external_unspecified "
+           "(vllm:prompt_tokens_cached_by_source_total and prompt_tokens_by_source_total{source=\"local_compute\"}, "
+           "vLLM 0.32+); SGLang device, host, storage (sglang:prefill_effective_tokens_total{mode}, input = computed).",
+           prompt_tokens_by_tier, "prefix",
+           "sum by ({by}, tier) (\n"
+           "  label_replace(rate(kvwatch_engine_prompt_tokens_cached_by_source_total{{{sel}}}[{w}]), \"tier\", \"$1\", \"source\", \"(.*)\")\n"
+           "  or\n"
+           "  label_replace(rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"local_compute\"}}[{w}]), \"tier\", \"computed\", \"\", \"\")\n"
+           ")\n/ ignoring (tier) group_left\n"
+           "sum by ({by}) (\n"
+           "  rate(kvwatch_engine_prompt_tokens_cached_by_source_total{{{sel}}}[{w}])\n"
+           "  or\n"
+           "  rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"local_compute\"}}[{w}])\n"
+           ")",
+           label="tier", panel="prefix_cache", title="Prompt tokens by the cache tier that served them, and computed",
+           record=("kvwatch_prompt_tokens_by_tier", "ratio_rate{w}"),
+           needs=("prompt_tokens_cached_by_source", "prompt_tokens_by_source"),
+           display="Prompt tokens by cache tier", good=None),
     Signal("kvwatch_kv_cache_reuse_shortfall_blocks", "blocks",
            "KV blocks the cache lacks to keep idle prefixes until their typical reuse: free pool x (median reuse "
            "gap / median idle time before eviction - 1), 0 when blocks outlive the reuse gap "
@@ -908,7 +857,7 @@ SIGNALS: tuple[Signal, ...] = (
            needs=("kv_block_reuse_gap", "kv_block_idle_before_evict"), display="KV blocks short of keeping reuse", good="low"),
     Signal("kvwatch_kv_cache_reuse_shortfall_bytes", "bytes",
            "The reuse shortfall in bytes: blocks x kv_cache_memory_bytes / num_gpu_blocks (--kv-cache-metrics, "
-           "vLLM 0.24+ for the bytes).",
+           "bytes as for kvwatch_kv_cache_used_bytes).",
            _reuse_shortfall_bytes, "prefix",
            "ceil(sum by ({by}) ((kvwatch_engine_kv_cache_blocks{{{sel}}} - 1) * (1 - avg_over_time(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}[{w}])) * kvwatch_engine_kv_cache_memory_bytes{{{sel}}} / kvwatch_engine_kv_cache_blocks{{{sel}}})\n* clamp_min(\n"
            "  histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_engine_kv_block_reuse_gap_seconds_bucket{{{sel}}}[{w}])))\n"
@@ -1013,381 +962,8 @@ def good_direction(name: str) -> str | None:
 
 
 # --------------------------------------------------------------------------
-# Evaluation over a window
+# LMCache's health and signals (its series: kvwatch.signals.series)
 # --------------------------------------------------------------------------
-
-
-@dataclass
-class Evaluated:
-    """Signal values of one engine (engine set) or one model (engine None)."""
-
-    model: str
-    engine: str | None
-    values: dict[str, float | dict[str, float] | None]
-    notes: list[str]
-    view: View
-    # Signal name -> {quantile: "<" | ">"}: a quantile pinned in the first
-    # bucket is an upper bound (its value is that bucket's bound), one pinned
-    # at the last finite bucket a lower bound.
-    pinned: dict[str, dict[str, str]] = field(default_factory=dict)
-
-
-def _view(window: Window, keys: list[tuple[str, str]]) -> View | None:
-    latest = window.latest
-    if latest is None:
-        return None
-    present = [key for key in keys if key in latest.engines]
-    if not present:
-        return None
-    merged = EngineSnapshot(present[0][0], present[0][1] if len(present) == 1 else "*")
-    increase = None
-    span = 0.0
-    capacity = None
-    block_size = None
-    usage_max = None
-    running_max = None
-    used_bytes: float | None = 0.0
-    blocks: BlockSums | None = BlockSums()
-    eta = None
-    for key in present:
-        engine = latest.engines[key]
-        config = _engine_config(latest.cache_config.get(key[1], {}))
-        series = window.gauge_series(key, "kv_usage")
-        engine_eta = _eta(series)
-        if engine_eta is not None:
-            eta = engine_eta if eta is None else min(eta, engine_eta)
-        engine_usage = engine.gauges.get("kv_usage")
-        if blocks is not None:
-            blocks = blocks.add(config, engine_usage, series)
-        engine_bytes = config.memory
-        if used_bytes is not None and engine_bytes is not None and engine_usage is not None:
-            used_bytes += _clamp01(engine_usage) * engine_bytes
-        else:
-            used_bytes = None
-        engine_increase = window.increase(key)
-        if increase is None:
-            merged.gauges = _first_gauges(engine.gauges)
-            increase = _first_increase(engine_increase)
-        else:
-            _merge_gauges(merged.gauges, engine.gauges)
-            increase.add(engine_increase)
-        span = max(span, engine_increase.seconds)
-        engine_capacity = config.capacity
-        if engine_capacity is not None:
-            capacity = (capacity or 0.0) + engine_capacity
-        block_size = block_size or config.block_size
-        # The window keeps these maxima as snapshots come and go.
-        usage_peak = window.gauge_max(key, "kv_usage")
-        if usage_peak is not None:
-            usage_max = usage_peak if usage_max is None else max(usage_max, usage_peak)
-        running_peak = window.gauge_max(key, "running")
-        if running_peak is not None:
-            running_max = (running_max or 0.0) + running_peak
-    # Engines of one model run side by side over the same span.
-    increase.seconds = span
-    view = View(merged, increase, usage_max, running_max, capacity, block_size, used_bytes)
-    if blocks is not None:
-        view.usable_blocks, view.used_blocks, view.block_tokens = blocks.usable, blocks.used, blocks.tokens
-        view.bytes_per_block = blocks.bytes_per_block
-        view.usage_mean = blocks.usage_weighted / blocks.usable if blocks.usable else None
-    view.exhaustion_eta = eta
-    return view
-
-
-# Gauges merged over engines by their maximum (a ratio); the others are summed.
-_MAX_GAUGES = ("kv_usage", "v0_prefix_hit_rate")
-_ZEROS = itertools.repeat(0.0)
-
-
-def _merge_gauges(merged: dict[str, float], gauges: dict[str, float]) -> None:
-    for gauge, value in gauges.items():
-        if gauge in _MAX_GAUGES:
-            previous = merged.get(gauge)
-            merged[gauge] = value if previous is None else max(previous, value)
-        else:
-            merged[gauge] = merged.get(gauge, 0.0) + value
-
-
-def _first_gauges(gauges: dict[str, float]) -> dict[str, float]:
-    """What _merge_gauges({}, gauges) makes (0.0 + each value, the maxima as
-    they are), with the additions in C: most views are of one engine."""
-    merged = dict(zip(gauges, map(operator.add, _ZEROS, gauges.values())))
-    for gauge in _MAX_GAUGES:
-        if gauge in gauges:
-            merged[gauge] = gauges[gauge]
-    return merged
-
-
-def _first_increase(increase: Increase) -> Increase:
-    """What Increase().add(increase) makes (0.0 + each counter), with the
-    additions in C; `increase` is left as it is (it is the window's answer)."""
-    counters = increase.counters
-    return Increase(0.0, dict(zip(counters, map(operator.add, _ZEROS, counters.values()))), dict(increase.histograms),
-                    0 + increase.restarts, 0 + increase.steps)
-
-
-@dataclass(frozen=True, slots=True)
-class _EngineConfig:
-    """What _view reads from one engine's cache_config_info, parsed once."""
-
-    count: float | None  # num_gpu_blocks
-    block_size: float | None
-    memory: float | None  # kv_cache_memory_bytes
-    capacity: float | None  # capacity_tokens()
-    blocks_hold: bool  # blocks_hold_capacity()
-
-
-def _engine_config(cache_config: dict[str, str]) -> _EngineConfig:
-    # Labels change only when an engine is reconfigured: parsed once per set.
-    return _parsed_config(tuple(cache_config.items()))
-
-
-@functools.lru_cache(maxsize=64)
-def _parsed_config(labels: tuple[tuple[str, str], ...]) -> _EngineConfig:
-    cache_config = dict(labels)
-    return _EngineConfig(config_number(cache_config, "num_gpu_blocks"), config_number(cache_config, "block_size"),
-                         config_number(cache_config, "kv_cache_memory_bytes"), capacity_tokens(cache_config),
-                         blocks_hold_capacity(cache_config))
-
-
-# Signals of whole-block arithmetic (BlockSums): absent on hybrid models,
-# whose KV groups' blocks differ (/api/v1/signals lists them dark there).
-WHOLE_BLOCK_SIGNALS = ("kvwatch_kv_cache_used_blocks", "kvwatch_kv_cache_free_blocks", "kvwatch_kv_cache_requests_fit_now",
-                       "kvwatch_kv_cache_token_usage_estimate_ratio", "kvwatch_kv_cache_reuse_shortfall_blocks",
-                       "kvwatch_kv_cache_reuse_shortfall_bytes")
-
-
-def blocks_hold_capacity(cache_config: dict[str, str]) -> bool:
-    """num_gpu_blocks x block_size is the stated capacity (or none is
-    stated): not so on hybrid models, where block_size is the minimum over
-    the KV groups."""
-    count = config_number(cache_config, "num_gpu_blocks")
-    size = config_number(cache_config, "block_size")
-    stated = config_number(cache_config, "kv_cache_size_tokens")
-    return not (stated and count and size and stated != count * size)
-
-
-@dataclass
-class BlockSums:
-    """Whole-block arithmetic over the engines of a view."""
-
-    usable: float = 0.0
-    used: float = 0.0
-    tokens: float = 0.0
-    usage_weighted: float = 0.0
-    bytes_per_block: float | None = None
-
-    def add(self, config: _EngineConfig, usage: float | None, series) -> "BlockSums | None":
-        count, size = config.count, config.block_size
-        if not count or count < 2 or not size or usage is None or not series:
-            return None
-        if not config.blocks_hold:
-            return None  # hybrid: block_size is the minimum over groups, blocks x size is not the capacity
-        usable = count - 1
-        used = float(round(_clamp01(usage) * usable))
-        self.usable += usable
-        self.used += used
-        self.tokens += used * size
-        clamped = [(v if v < 1.0 else 1.0) if v > 0.0 else 0.0 for _t, v in series]  # _clamp01, inline
-        self.usage_weighted += usable * sum(clamped) / len(series)
-        memory = config.memory
-        per_block = memory / count if memory else None
-        if self.bytes_per_block is None or per_block is None:
-            self.bytes_per_block = per_block if self.usable == usable else None
-        return self
-
-
-def _eta(series: list[tuple[float, float]]) -> float | None:
-    """Seconds until usage reaches 1 at the least-squares slope of the last
-    TREND_SECONDS (PromQL deriv()); None unless usage rises and is now at
-    least its mean over that span (a cache that just emptied is not filling)."""
-    if len(series) < 2:
-        return None
-    horizon = series[-1][0] - TREND_SECONDS
-    series = [point for point in series if point[0] >= horizon]
-    n = len(series)
-    if n < 2:
-        return None
-    # The definition's sums (sum(v) / n, sum(t - t0) / n, sum((t - t0 - mean_t) ** 2), ...)
-    # term by term and in the same order, with each term computed once.
-    values = [v for _t, v in series]
-    total = sum(values)
-    if values[-1] < total / n:
-        return None
-    t0 = series[0][0]
-    offsets = [t - t0 for t, _v in series]
-    mean_t = sum(offsets) / n
-    mean_v = total / n
-    centred = [offset - mean_t for offset in offsets]
-    var = sum([d ** 2 for d in centred])
-    if var <= 0:
-        return None
-    slope = sum([d * (v - mean_v) for d, v in zip(centred, values)]) / var
-    if slope <= 0:
-        return None
-    return max(0.0, 1.0 - _clamp01(series[-1][1])) / slope
-
-
-# The View fields a derivation reads besides `latest`, `increase`, `notes`
-# and `pinned` (_inputs handles those): every other field, so a field added
-# to View joins the comparison by itself.
-_PLAIN_VIEW_FIELDS = tuple(f.name for f in fields(View) if f.name not in ("latest", "increase", "notes", "pinned"))
-_plain_view_fields = operator.attrgetter(*_PLAIN_VIEW_FIELDS)  # a tuple of them, read in C
-
-
-def _inputs(view: View) -> tuple:
-    """Everything the derivations read from a view, copied (callers may
-    change the view's dicts afterwards): of `latest` only its gauges (the
-    derivations read no counter or histogram of it, only the increase;
-    keep it so, or add them here), the whole increase, every other field,
-    and the notes it came with."""
-    increase = view.increase
-    return ((dict(view.latest.gauges), increase.seconds, dict(increase.counters), dict(increase.histograms),
-             increase.restarts, increase.steps, tuple(view.notes))
-            + _plain_view_fields(view))
-
-
-def _copied(values: dict) -> dict:
-    """The values, each dict among them copied too."""
-    copy = dict(values)
-    # The names of the dict values, picked in C (most values are floats or None).
-    for name in itertools.compress(values, map(operator.is_, map(type, values.values()), itertools.repeat(dict))):
-        copy[name] = dict(copy[name])
-    return copy
-
-
-def evaluate(view: View, model: str, engine: str | None, remembered: dict | None = None,
-             kept: dict | None = None) -> Evaluated:
-    """The signals of one view. With `remembered` (what the window's last
-    evaluation kept, by (model, engine)): where the view's inputs equal the
-    ones the values were derived from then (an idle engine, a steady load),
-    those values again, not derived anew (the derivations are functions of
-    the view alone); `kept` receives what this evaluation leaves for the next."""
-    inputs = None
-    if kept is not None:
-        inputs = _inputs(view)
-        found = remembered.get((model, engine)) if remembered else None
-        if found is not None and found[0] == inputs:
-            kept[(model, engine)] = found
-            _inputs_then, values, notes, pinned = found
-            view.notes = list(notes)
-            view.pinned = {}
-            return Evaluated(model, engine, _copied(values), view.notes, view,
-                             {name: dict(q) for name, q in pinned.items()})
-    evaluated = _evaluate(view, model, engine)
-    if kept is not None:
-        kept[(model, engine)] = (inputs, _copied(evaluated.values), list(evaluated.notes),
-                                 {name: dict(q) for name, q in evaluated.pinned.items()})
-    return evaluated
-
-
-def _evaluate(view: View, model: str, engine: str | None) -> Evaluated:
-    values = {}
-    pinned = {}
-    for signal in SIGNALS:
-        values[signal.name] = _derive(signal, view, pinned)
-    return Evaluated(model, engine, values, view.notes, view, pinned)
-
-
-def _derive(signal: Signal, view: View, pinned: dict):
-    """One signal's value; its pinned quantiles filed in `pinned`."""
-    view.pinned = {}
-    try:
-        value = signal.derive(view)
-    except (ArithmeticError, ValueError) as exc:  # one bad signal must not hide the rest
-        value = None
-        view.notes.append(f"{signal.name}: {exc}")
-    if view.pinned and value is not None:
-        pinned[signal.name] = view.pinned
-    view.pinned = {}
-    return value
-
-
-class LazyValues(Mapping):
-    """A view's signal values, each derived when first read (the same
-    derivation, so the same value, as evaluate() gives, in any order of
-    reading: a derivation reads the view alone). For the history diagnosis,
-    whose rules read a few signals of each replica at each step and report
-    no other: the rest are never derived. Iterating derives them all, in the
-    catalogue's order. Notes and pinned quantiles gather as signals are read."""
-
-    __slots__ = ("_view", "_values", "_pinned")
-
-    def __init__(self, view: View, pinned: dict):
-        self._view = view
-        self._values: dict = {}
-        self._pinned = pinned
-
-    def __getitem__(self, name: str):
-        try:
-            return self._values[name]
-        except KeyError:
-            signal = SIGNALS_BY_NAME[name]  # KeyError for a name that is no signal, as a dict's
-        value = self._values[name] = _derive(signal, self._view, self._pinned)
-        return value
-
-    def __iter__(self):
-        return iter(SIGNALS_BY_NAME)
-
-    def __len__(self) -> int:
-        return len(SIGNALS_BY_NAME)
-
-
-def evaluate_window(window: Window, lazy: bool = False) -> tuple[list[Evaluated], list[Evaluated]]:
-    """Per (model, engine), and per model with its engines merged. `lazy`:
-    values as LazyValues, derived where read (the history diagnosis); the
-    window's evaluation cache is then neither read nor kept."""
-    latest = window.latest
-    if latest is None:
-        return [], []
-    # Values derived at the window's last evaluation, for views whose inputs
-    # did not change since (kept for the engines and models evaluated now).
-    remembered = window.evaluated
-    kept: dict = {}
-    window.evaluated = kept
-    if lazy:
-        def evaluate_view(view, model, engine):
-            pinned: dict = {}
-            return Evaluated(model, engine, LazyValues(view, pinned), view.notes, view, pinned)
-    else:
-        def evaluate_view(view, model, engine):
-            return evaluate(view, model, engine, remembered, kept)
-    per_engine = []
-    by_key: dict[tuple[str, str], Evaluated] = {}
-    by_model: dict[str, list[tuple[str, str]]] = {}
-    for key in sorted(latest.engines):
-        view = _view(window, [key])
-        if view is not None:
-            per_engine.append(by_key.setdefault(key, evaluate_view(view, key[0], key[1])))
-        by_model.setdefault(key[0], []).append(key)
-    per_model = []
-    for model, keys in sorted(by_model.items()):
-        if len(keys) == 1 and keys[0] in by_key:
-            # A model of one engine: its view is that engine's (the same
-            # inputs, so the same values and notes), evaluated once.
-            alone = by_key[keys[0]]
-            if lazy:  # the same values, derived once wherever first read
-                per_model.append(Evaluated(model, None, alone.values, alone.notes, alone.view, alone.pinned))
-                continue
-            per_model.append(Evaluated(model, None, dict(alone.values), list(alone.notes), alone.view,
-                                       {name: dict(q) for name, q in alone.pinned.items()}))
-            continue
-        view = _view(window, keys)
-        if view is not None:
-            per_model.append(evaluate_view(view, model, None))
-    return per_engine, per_model
-
-
-# --------------------------------------------------------------------------
-# LMCache: a KV tier beside the engine, read from its own page
-# --------------------------------------------------------------------------
-
-# Its counters describe the same requests as the engine's external-cache
-# counters, so they are exported apart (`kvwatch_lmcache_*`, per model, no
-# `engine` label: LMCache's ranks repeat one count and kvwatch reads the first
-# worker's) and never added to the engine's. kvwatch/sidecar/lmcache.py reads
-# them; present only while `lmcache_target` is set and its latest poll succeeded.
-TIER_IDENTITY = ("model_name",)
 
 TIER_HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_lmcache_up", "gauge", (),
@@ -1396,7 +972,7 @@ TIER_HEALTH: tuple[HealthFamily, ...] = (
 )
 
 # Central mode (`kvwatch serve --prometheus`): its own health beside every
-# replica's series, without replica labels (kvwatch/sidecar/central.py).
+# replica's series, without replica labels (kvwatch/central/app.py).
 CENTRAL_HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_central_store_up", "gauge", (),
                  "Central mode: 1 if the latest refresh read the store's query API, else 0 (the replicas' series "
@@ -1409,36 +985,6 @@ CENTRAL_HEALTH: tuple[HealthFamily, ...] = (
                  "Central mode: Unix time of the latest refresh that read the store."),
 )
 
-
-@dataclass(frozen=True)
-class TierSeries:
-    name: str  # exported family name, a counter without `_total`
-    key: str  # canonical key in the tier's window
-    family: str  # LMCache's counter, without `lmcache:` and `_total`
-    unit: str
-    help: str
-    kind: str = "counter"
-    good: str | None = None
-
-    @property
-    def sample_name(self) -> str:
-        return self.name + "_total"
-
-
-TIER_SERIES: tuple[TierSeries, ...] = (
-    TierSeries("kvwatch_lmcache_retrieve_requests", "retrieve_requests", "num_retrieve_requests", "requests",
-               "Retrievals the engine asked of LMCache (lmcache:num_retrieve_requests, first worker)."),
-    TierSeries("kvwatch_lmcache_requested_tokens", "requested_tokens", "num_requested_tokens", "tokens",
-               "Tokens the engine asked LMCache to load: what its lookup found, less what vLLM had "
-               "(lmcache:num_requested_tokens, first worker)."),
-    TierSeries("kvwatch_lmcache_hit_tokens", "hit_tokens", "num_hit_tokens", "tokens",
-               "Tokens LMCache delivered to the engine (lmcache:num_hit_tokens, first worker).", good="high"),
-    TierSeries("kvwatch_lmcache_prompt_tokens", "prompt_tokens", "num_prompt_tokens", "tokens",
-               "Prompt tokens of the requests LMCache's connector scheduled, counted by the worker as they are "
-               "loaded (lmcache:num_prompt_tokens, first worker; absent in builds before it)."),
-    TierSeries("kvwatch_lmcache_stored_tokens", "stored_tokens", "num_stored_tokens", "tokens",
-               "Tokens stored into LMCache, evicted ones included (lmcache:num_stored_tokens, first worker)."),
-)
 
 TIER_SIGNALS: tuple[Signal, ...] = (
     Signal("kvwatch_lmcache_hit_ratio", "ratio",
@@ -1469,20 +1015,8 @@ TIER_SIGNALS: tuple[Signal, ...] = (
 TIER_SIGNALS_BY_NAME = {signal.name: signal for signal in TIER_SIGNALS}
 
 
-def evaluate_tier(view: View) -> dict[str, float | None]:
-    """The tier's signals for one model's view of LMCache's window."""
-    values: dict[str, float | None] = {}
-    for signal in TIER_SIGNALS:
-        try:
-            values[signal.name] = signal.derive(view)
-        except (ArithmeticError, ValueError):
-            values[signal.name] = None
-    return values
-
-
-
 # --------------------------------------------------------------------------
-# The engine's KV-cache event stream (kvwatch/kvevents), read beside its page
+# The engine's KV-cache event stream's health and signals (kvwatch/kvevents)
 # --------------------------------------------------------------------------
 
 # One stream per kvwatch (`kv_events`): no model or engine label (vLLM's
@@ -1512,36 +1046,6 @@ STREAM_HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_kv_events_sampling_ratio", "gauge", (),
                  "Share of the hash space the ledger tracks: 1 until the table fills, then halved as needed; "
                  "stored-again counts and the sizing curve are scaled from the sample.", good="high"),
-)
-
-
-@dataclass(frozen=True)
-class StreamSeries:
-    name: str  # exported family name (a counter without `_total`)
-    key: str  # the report's totals key
-    labels: tuple[str, ...]
-    help: str
-    kind: str = "counter"
-
-    @property
-    def sample_name(self) -> str:
-        return self.name + "_total" if self.kind == "counter" else self.name
-
-
-STREAM_SERIES: tuple[StreamSeries, ...] = (
-    StreamSeries("kvwatch_kv_events_blocks_stored", "stored", ("medium", "lora_name"),
-                 "Blocks the engine stored in its prefix cache (BlockStored events' block_hashes), by medium (GPU, "
-                 "CPU offload) and LoRA adapter (empty without one)."),
-    StreamSeries("kvwatch_kv_events_blocks_stored_again", "stored_again", ("medium", "lora_name"),
-                 "Blocks stored again after their eviction (a BlockStored of a hash whose BlockRemoved kvwatch "
-                 "saw): recomputation a larger cache would have saved. Scaled from the ledger's sample."),
-    StreamSeries("kvwatch_kv_events_blocks_evicted", "evicted", ("medium",),
-                 "Blocks the engine evicted from its prefix cache (BlockRemoved events' block_hashes), by medium."),
-    StreamSeries("kvwatch_kv_events_cache_cleared", "cleared", (),
-                 "AllBlocksCleared events: the engine reset its prefix cache (each also a change on the timeline)."),
-    StreamSeries("kvwatch_kv_events_eviction_return_seconds", "return_buckets", (),
-                 "Time from a block's eviction to its return (stored again), a histogram; scaled from the sample.",
-                 kind="histogram"),
 )
 
 
@@ -1598,29 +1102,3 @@ STREAM_SIZING: tuple[StreamSignal, ...] = (
                  "max by ({by}, extra_cache) (kvwatch_kv_events_sizing_recomputation_avoided_ratio{{{sel}}})",
                  "Recomputation avoided", good="high"),
 )
-
-
-def engine_series_value(series: EngineSeries, engine: EngineSnapshot, cache_config: dict[str, str]):
-    """The current value of a re-exported series for one engine: a float, a
-    {label: float} dict, a Histogram, or None."""
-    if series.key == "capacity_tokens":
-        return capacity_tokens(cache_config)
-    if series.key.startswith("config/"):
-        return config_number(cache_config, series.key[len("config/"):])
-    source = engine.histograms if series.kind == "histogram" else (
-        engine.counters if series.kind == "counter" else engine.gauges)
-    if series.key.endswith("/*"):
-        prefix = series.key[:-1]
-        found = {k[len(prefix):]: v for k, v in source.items() if k.startswith(prefix)}
-        return found or None
-    return source.get(series.key)
-
-
-__all__ = [
-    "ENGINE_SERIES", "SIGNALS", "SIGNALS_BY_NAME", "QUANTILES", "EngineSeries", "Signal", "View", "SCRAPE",
-    "GOOD_DIRECTIONS", "good_direction",
-    "Evaluated", "evaluate_window", "engine_series_value", "Histogram",
-    "STREAM_HEALTH", "STREAM_SERIES", "STREAM_SIGNALS", "STREAM_SIGNALS_BY_NAME", "STREAM_SIZING", "StreamSeries",
-    "StreamSignal",
-    "CENTRAL_HEALTH", "TIER_HEALTH", "TIER_IDENTITY", "TIER_SERIES", "TIER_SIGNALS", "TIER_SIGNALS_BY_NAME", "TierSeries", "evaluate_tier",
-]

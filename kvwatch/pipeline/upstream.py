@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any
 
 from kvwatch.exposition import FamilySelector
-from kvwatch.sidecar.report import public_url
+from kvwatch.present import public_url
 from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
 from kvwatch.snapshot import Histogram
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvwatch.exposition import FamilySelector
 from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
-from kvwatch.sidecar.report import public_url
+from kvwatch.present import origin, public_url
 from kvwatch.signals import TIER_SERIES, TIER_SIGNALS, View, evaluate_tier
 from kvwatch.snapshot import EngineSnapshot, Snapshot
 from kvwatch.window import Window
@@ -105,7 +105,7 @@ class LMCacheSource:
         timeout = min(settings.fetch_timeout, max(0.2, 0.5 * settings.poll_interval))
         # The engine's bearer token goes along only when LMCache is read from
         # the engine's own page (the same origin); never to another service.
-        same_origin = _origin(settings.lmcache_target) == _origin(settings.target or "")
+        same_origin = origin(settings.lmcache_target) == origin(settings.target or "")
         # LMCache's own server's page is small (SECOND_SOURCE_MAX_BYTES); on
         # the engine's origin it is the engine's page, under the engine's cap.
         cap = settings.max_body_bytes if same_origin else min(settings.max_body_bytes, SECOND_SOURCE_MAX_BYTES)
@@ -170,13 +170,6 @@ class LMCacheSource:
             "models": models,
             "time": now,
         }
-
-
-def _origin(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}".lower()
 
 
 __all__ = ["COUNTERS", "LMCacheSource", "PREFIXES", "TIER", "TIER_SIGNALS", "family_name", "read_page"]

@@ -1,0 +1,77 @@
+"""The sections of `make bench` (benchmarks/run.py), the code each one
+measures, and the "## Not rerun" list of benchmarks/RESULTS.md: read by the
+benchmark and by tests/test_bench_results.py (this module imports nothing
+of the benchmark's)."""
+
+from __future__ import annotations
+
+SECTIONS = ("parse", "poll", "scrape", "memory", "curve", "replay", "page", "history", "central", "kv_events")
+
+# The code each section measures: a section of RESULTS.md is current while
+# no commit after the one it was measured at touched these paths
+# (tests/test_bench_results.py asks git). Folders and files; a path that no
+# longer exists still names its history.
+_READING = ("kvwatch/exposition.py", "kvwatch/engines", "kvwatch/snapshot.py")
+_POLL = _READING + ("kvwatch/scrape.py", "kvwatch/window.py", "kvwatch/signals.py", "kvwatch/signals",
+                    "kvwatch/diagnose", "kvwatch/pipeline/monitor.py", "kvwatch/pipeline",
+                    "benchmarks/pageserver.py")
+_SERVE = _POLL + ("kvwatch/sidecar", "kvwatch/commands/serve.py", "kvwatch/units.py")
+SECTION_CODE: dict[str, tuple[str, ...]] = {
+    "parse": _READING,
+    "poll": _POLL,
+    "scrape": _SERVE + ("benchmarks/burst.py",),
+    "memory": _SERVE + ("benchmarks/memory_probe.py", "benchmarks/worst_page_probe.py", "kvwatch/mixin/config.py"),
+    "curve": _POLL,
+    "replay": _POLL + ("kvwatch/capture",),
+    "page": _POLL + ("kvwatch/sidecar/statuspage.py", "kvwatch/sidecar/series.py", "kvwatch/sidecar/report.py",
+                     "kvwatch/sidecar/static", "kvwatch/present.py"),
+    "history": _READING + ("kvwatch/history", "kvwatch/window.py", "kvwatch/signals.py", "kvwatch/signals",
+                           "kvwatch/diagnose"),
+    "central": _READING + ("kvwatch/history", "kvwatch/central", "kvwatch/window.py", "kvwatch/signals.py",
+                           "kvwatch/signals", "kvwatch/diagnose", "benchmarks/central_cost.py"),
+    "kv_events": ("kvwatch/kvevents", "benchmarks/kv_events.py"),
+}
+# Each section's heading in RESULTS.md starts with one of these.
+SECTION_HEADINGS: dict[str, tuple[str, ...]] = {
+    "parse": ("### Parse + adapt",),
+    "poll": ("### Whole poll cycle",),
+    "scrape": ("### /metrics under",),
+    "memory": ("### Memory over", "### The worst page"),
+    "curve": ("### Cost from 1 to 64",),
+    "replay": ("### Replay of",),
+    "page": ("### Status page",),
+    "history": ("### history:",),
+    "central": ("### central mode: cost",),
+    "kv_events": ("### KV-cache events",),
+}
+
+
+def not_rerun_of(text: str) -> dict[str, str]:
+    """The sections RESULTS.md lists under "## Not rerun" (`- name: why`)."""
+    lines = text.split("\n")
+    if "## Not rerun" not in lines:
+        return {}
+    found = {}
+    for line in lines[lines.index("## Not rerun") + 1:]:
+        if line.startswith("## "):
+            break
+        if line.startswith("- ") and ": " in line:
+            name, why = line[2:].split(": ", 1)
+            found[name] = why
+    return found
+
+
+def with_not_rerun(text: str, skipped: dict[str, str]) -> str:
+    """`text` with its "## Not rerun" block (before the details) listing
+    `skipped`, or without one when nothing was skipped."""
+    lines = text.rstrip("\n").split("\n")
+    if "## Not rerun" in lines:
+        start = lines.index("## Not rerun")
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        del lines[start:end]
+    if skipped:
+        at = lines.index("## Details") if "## Details" in lines else len(lines)
+        block = ["## Not rerun", "", "Sections of `make bench` whose figures below are not from a run on the code "
+                 "they describe, and why:", ""] + [f"- {name}: {why}" for name, why in sorted(skipped.items())] + [""]
+        lines[at:at] = block
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,27 @@
+"""Recorded pages handed to a Monitor one per poll, and one value changed on
+a page: shared by the tests that judge what a page says (source faults,
+stuck and busy engines, cache tiers)."""
+
+from __future__ import annotations
+
+import re
+
+from kvwatch.scrape import FetchResult
+
+
+class Pages:
+    """Hands the monitor the given pages, one per poll."""
+
+    def __init__(self, pages):
+        self.pages = list(pages)
+
+    def fetch(self) -> FetchResult:
+        text = self.pages.pop(0)
+        return FetchResult(text, size=len(text))
+
+
+def with_value(page: str, series: str, value: str) -> str:
+    """The page with one series' value replaced (the series' name at the start of a line, once)."""
+    changed, count = re.subn(rf"^({re.escape(series)}(?:\{{[^}}]*\}})?) \S+$", rf"\g<1> {value}", page, flags=re.M)
+    assert count == 1, f"{series} is on the page once"
+    return changed

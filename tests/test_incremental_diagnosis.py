@@ -1,0 +1,177 @@
+"""The live loop's fast path gives what the full evaluation gives, at every
+poll of every real recording: every signal (per engine and per model, with
+its notes and pinned quantiles) and every finding with all its evidence.
+
+The fast path is the diagnosis reading the window's kept per-engine polls
+(diagnose/context.py EnginePolls: values summed in C, maxima kept in
+monotonic queues, counters summed between two times by position) and the
+signals' evaluation cache (signals.evaluate: values reused where a view's
+inputs did not change). The full evaluation walks every poll in Python
+(EngineContext.incremental off) and derives every signal afresh (the
+window's evaluation cache emptied before each poll). Both replay the same
+pages through the sidecar's own Monitor; the comparison is of repr(), so a
+float must agree to the last bit (and -0.0 is not 0.0)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwatch.capture.bundle import Capture
+from kvwatch.capture.replay import ReplaySource
+from kvwatch.diagnose.context import EngineContext
+from kvwatch.pipeline.monitor import Monitor
+from kvwatch.settings import load_settings
+
+
+def recordings(fixtures_dir) -> list:
+    found = sorted(fixtures_dir.glob("**/capture.tar.gz"))
+    assert len(found) >= 14  # every scenario folder of vllm-0.32-cpu-scenarios
+    return found
+
+
+def polls_of(path, window: str, incremental: bool) -> list[str]:
+    """repr() of every poll's signals and findings, replaying `path`."""
+    settings = load_settings(overrides={"poll_interval": "1s", "window": window}, environ={})
+    source = ReplaySource(Capture(path).pages())
+    monitor = Monitor(settings, fetcher=source, clock=source.now)
+    seen = []
+    original = EngineContext.incremental
+    EngineContext.incremental = incremental
+    try:
+        while not source.exhausted:
+            if not incremental:
+                monitor.window.evaluated = {}  # every signal derived afresh
+                monitor.window.kept = {}  # nothing the diagnosis kept
+            state = monitor.poll_once()
+            rows = [(row.model, row.engine, row.values, row.notes, row.pinned)
+                    for row in state.per_engine + state.per_model]
+            seen.append(repr((state.last_poll_time, rows, state.findings)))
+    finally:
+        EngineContext.incremental = original
+    return seen
+
+
+@pytest.mark.parametrize("window", ["60s", "20s"])
+def test_fast_path_gives_the_full_evaluation_at_every_poll_of_every_recording(fixtures_dir, window):
+    findings_seen = set()
+    for path in recordings(fixtures_dir):
+        fast = polls_of(path, window, incremental=True)
+        full = polls_of(path, window, incremental=False)
+        assert len(fast) == len(full) > 10, path.parent.name
+        for index, (a, b) in enumerate(zip(fast, full)):
+            assert a == b, f"{path.parent.name}, poll {index}"
+        findings_seen.update(part.split("'")[0] for part in "".join(fast).split("Finding(symptom='")[1:])
+    # The recordings exercise what the fast path keeps: exhaustion (full
+    # polls, peaks, shares), low hit rates (counters between two times,
+    # usage), slow first tokens (waiting) and restarts.
+    assert {"exhaustion", "low_hit_rate", "slow_first_token", "change"} <= findings_seen
+
+
+def test_the_window_leaves_while_the_kept_polls_follow(fixtures_dir):
+    """The kept polls are the window's polls after every poll, as entries
+    arrive and leave (a 20 s window over recordings of minutes)."""
+    from kvwatch.diagnose.context import polls_of as entry_polls, window_polls
+
+    path = fixtures_dir / "vllm-0.32-cpu-scenarios" / "restart" / "capture.tar.gz"
+    settings = load_settings(overrides={"poll_interval": "1s", "window": "20s"}, environ={})
+    source = ReplaySource(Capture(path).pages())
+    monitor = Monitor(settings, fetcher=source, clock=source.now)
+    left = 0
+    while not source.exhausted:
+        before = monitor.window.earliest
+        monitor.poll_once()
+        left += before is not None and monitor.window.earliest is not before
+        kept = window_polls(monitor.window)
+        for key, track in kept.engines.items():
+            walked = [poll for entry in monitor.window.entries if (poll := entry_polls(entry).get(key)) is not None]
+            assert list(track.polls) == walked
+            assert list(track.times) == [poll.time for poll in walked]
+    assert left > 10
+
+
+def eta_written_out(series):
+    """signals._eta as the definition writes it, point by point in Python."""
+    from kvwatch.signals.catalogue import TREND_SECONDS, _clamp01
+
+    if len(series) < 2:
+        return None
+    horizon = series[-1][0] - TREND_SECONDS
+    series = [point for point in series if point[0] >= horizon]
+    n = len(series)
+    if n < 2:
+        return None
+    values = [v for _t, v in series]
+    total = sum(values)
+    if values[-1] < total / n:
+        return None
+    t0 = series[0][0]
+    offsets = [t - t0 for t, _v in series]
+    mean_t = sum(offsets) / n
+    mean_v = total / n
+    centred = [offset - mean_t for offset in offsets]
+    var = sum([d ** 2 for d in centred])
+    if var <= 0:
+        return None
+    slope = sum([d * (v - mean_v) for d, v in zip(centred, values)]) / var
+    if slope <= 0:
+        return None
+    return max(0.0, 1.0 - _clamp01(series[-1][1])) / slope
+
+
+def usage_sum_written_out(series):
+    """BlockSums.add's sum of the clamped usage, point by point."""
+    return sum([(v if v < 1.0 else 1.0) if v > 0.0 else 0.0 for _t, v in series])
+
+
+def test_trend_and_block_sums_give_the_written_out_definition(fixtures_dir):
+    """signals._eta and BlockSums.add map their arithmetic in C: the same
+    float operations in the same order as the definition written out, on
+    every usage series of every recording's windows and on series that
+    leave the usual shape (unordered or repeated times, NaN, values outside
+    0..1)."""
+    import math
+    import random
+
+    from kvwatch.signals.evaluation import BlockSums, _EngineConfig, _eta
+
+    def same(a, b):
+        return repr(a) == repr(b)
+
+    def block_sum(series):
+        config = _EngineConfig(count=1001.0, block_size=16.0, memory=None, capacity=16000.0, blocks_hold=True)
+        sums = BlockSums().add(config, 0.5, series)
+        return sums.usage_weighted
+
+    checked = rising = 0
+    for path in recordings(fixtures_dir):
+        settings = load_settings(overrides={"poll_interval": "1s", "window": "5m"}, environ={})
+        source = ReplaySource(Capture(path).pages())
+        monitor = Monitor(settings, fetcher=source, clock=source.now)
+        while not source.exhausted:
+            monitor.poll_once()
+            for key in monitor.window.latest.engines if monitor.window.latest else ():
+                series = monitor.window.gauge_series(key, "kv_usage")
+                found = _eta(series)
+                assert same(found, eta_written_out(series)), path.parent.name
+                if series:
+                    assert same(block_sum(series), 1000.0 * usage_sum_written_out(series) / len(series))
+                checked += 1
+                rising += found is not None
+    assert checked > 500 and rising > 10
+    draw = random.Random(7)
+    for case in range(400):
+        n = draw.randint(0, 40)
+        times = sorted(draw.uniform(0, 900) for _ in range(n))
+        if case % 5 == 1:
+            draw.shuffle(times)
+        if case % 5 == 2 and n > 3:
+            times[2] = times[1]
+        values = [draw.uniform(-0.2, 1.2) if case % 3 else draw.uniform(0, 1) for _ in range(n)]
+        if case % 7 == 3 and n:
+            values[draw.randrange(n)] = math.nan
+        if case % 11 == 4 and n:
+            values[draw.randrange(n)] = -0.0
+        series = list(zip(times, values))
+        assert same(_eta(series), eta_written_out(series)), case
+        if series:
+            assert same(block_sum(series), 1000.0 * usage_sum_written_out(series) / len(series)), case
