@@ -28,13 +28,6 @@ import time
 import uuid
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-
-class _Server(ThreadingHTTPServer):
-    # The default listen backlog of 5 drops connection attempts when a load
-    # generator opens dozens at once; the kernel's retry then adds about 1 s
-    # to those requests' first token.
-    request_queue_size = 128
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +41,15 @@ from kvwatch.sim.workload import token_block_hashes
 from kvwatch.sim.kvevents import EventPublisher, attach
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class _Server(ThreadingHTTPServer):
+    # The default listen backlog of 5 drops connection attempts when a load
+    # generator opens dozens at once; the kernel's retry then adds about 1 s
+    # to those requests' first token.
+    request_queue_size = 128
+
+
 # The simulated LMCache tier's own page (`kvwatch sim --lmcache`).
 LMCACHE_PATH = "/lmcache/metrics"
 # The scenario's phase now and the next, as JSON (`make run` prints it, and
