@@ -110,6 +110,7 @@ MODES = {
     "sidecar": {},
     "sidecar-servicemonitor": {"monitor": {"kind": "ServiceMonitor"}},
     "central": {"mode": "central"},
+    "central-sharded": {"mode": "central", "central": {"shards": 4}, "prometheusRule": {"enabled": True}},
     "monitoring": {"mode": "monitoring"},
     "monitoring-grafana-operator": {"mode": "monitoring", "dashboards": {"grafanaOperator": {"enabled": True}}},
     "sidecar-everything": {
@@ -172,6 +173,7 @@ def test_each_mode_renders_what_it_is_for():
     assert kinds["sidecar"] == ["ConfigMap", "PodMonitor", "PrometheusRule"]
     assert kinds["sidecar-servicemonitor"] == ["ConfigMap", "PrometheusRule", "Service", "ServiceMonitor"]
     assert kinds["central"] == ["ConfigMap", "Deployment", "Service", "ServiceMonitor"]  # dashboards, no rules
+    assert kinds["central-sharded"] == ["ConfigMap", "PrometheusRule", "Service", "ServiceMonitor", "StatefulSet"]
     assert kinds["monitoring"] == ["ConfigMap", "PodMonitor", "PrometheusRule"]
     assert "GrafanaDashboard" in kinds["monitoring-grafana-operator"]
     # Only dashboards are ConfigMaps in monitoring mode: no sidecar configuration, no patch.
@@ -250,6 +252,49 @@ def test_chart_and_kustomize_render_the_same_central_container():
     assert monitor["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     service = one(docs, "Service")
     assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_chart_and_kustomize_render_the_same_sharded_central():
+    docs = objects({"mode": "central", "central": {"selector": SETTINGS.store_selector,
+                                                   "shards": SETTINGS.central_shards}})
+    assert not of_kind(docs, "Deployment")
+    statefulset = one(docs, "StatefulSet")
+    kustomize = yaml.safe_load((KUBE / "central-sharded" / "statefulset.yaml").read_text())
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert container == kustomize["spec"]["template"]["spec"]["containers"][0]
+    for key in ("replicas", "podManagementPolicy"):
+        assert statefulset["spec"][key] == kustomize["spec"][key]
+    # The governing Service is the chart's own, headless, and selects the shards.
+    service = one(docs, "Service")
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert one(docs, "ServiceMonitor")["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # One shard is the unsharded Deployment, with no --shard.
+    (plain,) = one(objects({"mode": "central", "central": {"shards": 1}}), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "--shard" not in plain["args"] and "env" in plain
+    assert all(env["name"] != "POD_NAME" for env in plain["env"])
+
+
+@pytest.mark.parametrize("shards", [2, 3, 16])
+def test_each_sharded_pod_reads_its_shard_from_its_ordinal(shards):
+    # A StatefulSet names its pods NAME-0 .. NAME-(N-1) and the downward API gives
+    # POD_NAME that name: kvwatch's own parser turns each into its shard, and every
+    # shard 0..N-1 is served once.
+    from kvwatch.history.shard import Shard, parse_shard
+
+    for release in (RELEASE, "llm-central"):
+        statefulset = one(objects({"mode": "central", "central": {"shards": shards}}, release), "StatefulSet")
+        (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+        text = container["args"][container["args"].index("--shard") + 1]
+        (pod_name,) = [env for env in container["env"] if env["name"] == "POD_NAME"]
+        assert pod_name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        name = statefulset["metadata"]["name"]
+        served = [parse_shard(text, {"POD_NAME": f"{name}-{ordinal}", "HOSTNAME": "ignored"})
+                  for ordinal in range(statefulset["spec"]["replicas"])]
+        assert served == [Shard(k, shards) for k in range(shards)]
+    assert "4 shards" in notes({"mode": "central", "central": {"shards": 4}})
 
 
 @pytest.mark.parametrize("replicas", [1, 16, 64, 100, 128, 256, 1000])
@@ -449,6 +494,9 @@ def test_dashboards_follow_the_grafana_sidecar_settings():
     ({"sidecar": {"readinessProbe": {}}}, "/sidecar"),
     ({"monitor": {"kind": "ScrapeConfig"}}, "/monitor/kind"),
     ({"central": {"prometheusUrl": "prometheus:9090"}}, "/central/prometheusUrl"),
+    ({"central": {"shards": 0}}, "/central/shards"),
+    ({"central": {"shards": 4096}}, "/central/shards"),
+    ({"central": {"shards": "4"}}, "/central/shards"),
     ({"pods": {"labels": {"app": 1}}}, "/pods/labels"),
 ])
 def test_schema_refuses_values_the_templates_cannot_use(bad, where):

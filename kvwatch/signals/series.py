@@ -47,6 +47,16 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
     EngineSeries("kvwatch_engine_kv_cache_memory_bytes", "gauge", "config/kv_cache_memory_bytes", "bytes",
                  "Bytes of the KV cache (vllm:cache_config_info kv_cache_memory_bytes: a number from vLLM 0.24, or "
                  "given --kv-cache-memory-bytes, as 0.20.2 states it); absent where it is \"None\" (0.10.2) or missing."),
+    EngineSeries("kvwatch_engine_kv_pool_used_tokens", "gauge", "pool_used_tokens/*", "tokens",
+                 "Token slots held by running requests, per pool: kv (full attention), swa (sliding-window layers), "
+                 "mamba (state slots) of a hybrid model (sglang:{kv,swa,mamba}_used_tokens; SGLang only). "
+                 "used / (used + available + evictable) of the fullest pool is its KV usage.", label="pool"),
+    EngineSeries("kvwatch_engine_kv_pool_available_tokens", "gauge", "pool_available_tokens/*", "tokens",
+                 "Free token slots, per pool (sglang:{kv,swa,mamba}_available_tokens; SGLang only).", label="pool",
+                 good="high"),
+    EngineSeries("kvwatch_engine_kv_pool_evictable_tokens", "gauge", "pool_evictable_tokens/*", "tokens",
+                 "Radix-cached token slots a new request may reclaim, per pool; counted as free in the usage "
+                 "(sglang:{kv,swa,mamba}_evictable_tokens; SGLang only).", label="pool"),
     EngineSeries("kvwatch_engine_requests_running", "gauge", "running", "requests",
                  "Requests in model execution batches (vllm:num_requests_running)."),
     EngineSeries("kvwatch_engine_requests_waiting", "gauge", "waiting", "requests",
