@@ -26,7 +26,6 @@ Label handling:
 
 from __future__ import annotations
 
-import math
 import operator
 import time as _time
 
