@@ -207,6 +207,10 @@ class Snapshot:
     # that differs from the current meaning (vllm.counting_caveats): the
     # signals and findings read from it carry the sentence.
     counting: dict[str, str] = field(default_factory=dict)
+    # The namespace the page's sample lines were spelled in ("sglang:", or
+    # "sglang_" after OpenMetrics' escaping=underscores; several joined by
+    # "," on a page that mixes them); "" where the adapter does not say.
+    spelling: str = ""
 
     def present(self) -> dict[str, bool]:
         """Engine family -> whether the page carried it (with samples)."""

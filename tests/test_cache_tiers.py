@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from page_support import Pages, with_value
+from page_support import Pages
 
 from kvwatch.sidecar.collector import make_registry
 from kvwatch.pipeline.monitor import Monitor

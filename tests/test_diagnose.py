@@ -752,6 +752,25 @@ def test_a_prefix_regression_stays_one_after_the_low_ratio_fills_the_window():
     assert not causes(findings, "low_hit_rate")
 
 
+def test_the_hit_rate_memory_is_bounded_in_bytes():
+    """Engines with model names of 100 KB (a label value is as long as the
+    page admits): the memory keeps at most max_bytes of them, the newest, and
+    one engine whose names alone are over the bound is not remembered."""
+    memory = HitRateMemory(max_engines=1024, max_bytes=1024 * 1024)
+    for n in range(200):
+        memory.remember((f"model-{n}-" + "m" * 100_000, "0"), 0.5, float(n))
+        assert memory.bytes == sum(HitRateMemory.entry_bytes(key) for key in memory._healthy) <= 1024 * 1024
+    assert 0 < len(memory._healthy) <= 10
+    assert memory.recall(("model-199-" + "m" * 100_000, "0")) == (0.5, 199.0)
+    assert memory.recall(("model-0-" + "m" * 100_000, "0")) is None
+    memory.remember(("huge", "e" * (2 * 1024 * 1024)), 0.9, 300.0)
+    assert memory.recall(("huge", "e" * (2 * 1024 * 1024))) is None
+    assert memory.recall(("model-199-" + "m" * 100_000, "0")) == (0.5, 199.0)
+    for n in range(2000):  # short names: the engine count still bounds it
+        memory.remember((f"m{n}", "0"), 0.5, float(n))
+    assert len(memory._healthy) == 1024
+
+
 def diagnose_with(run, memory):
     per_engine, _ = evaluate_window(run.window)
     return diagnose(run.window, per_engine, tuple(run.events), run.thresholds, None, memory)

@@ -5,6 +5,7 @@ read back to the same canonical values as its vLLM page."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,15 @@ from kvwatch.sim.scenario import load_scenario
 from kvwatch.sim.simulation import Simulation
 from kvwatch.window import Window
 from pageserver import Answer, PageServer
+
+
+def spelled(page: str, spelling: str) -> str:
+    """An SGLang page in `spelling`: "sglang_" is what OpenMetrics'
+    escaping=underscores writes, sample lines only (HELP and TYPE keep `sglang:`)."""
+    return re.sub(r"^sglang:", "sglang_", page, flags=re.M) if spelling == "sglang_" else page
+
+
+SPELLINGS = ("sglang:", "sglang_")
 
 
 def _window(adapter, pages: list[tuple[float, str]]) -> Window:
@@ -67,19 +77,22 @@ def _sglang_later(text: str) -> str:
     return text
 
 
-def test_sglang_capture_through_adapter_window_and_diagnosis(fixtures_dir):
-    text = (fixtures_dir / "public" / "sglang-0.5.10-trimmed.txt").read_text()
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_sglang_capture_through_adapter_window_and_diagnosis(fixtures_dir, spelling):
+    raw = (fixtures_dir / "public" / "sglang-0.5.10-trimmed.txt").read_text()
+    text = spelled(raw, spelling)
     assert recognize(text) == "sglang"
     adapter = make_adapter("sglang")
     snapshot = adapter.adapt(text, at=0.0)
+    assert snapshot.spelling == spelling
     (engine,) = snapshot.engines.values()
     assert (engine.model, engine.engine) == ("facebook/opt-125m", "0")
     # token_usage 0.25 on the page; cache_hit_rate (0.2) is never read.
     assert engine.gauges == {"kv_usage": 0.25, "running": 0.0, "waiting": 0.0}
     assert snapshot.cache_config["0"]["kv_cache_size_tokens"] == "430839"
     # This build has no realtime_tokens_total: hits and queries are cached and prompt tokens.
-    assert snapshot.sources["prefix_hits"] == "sglang:cached_tokens_total"
-    window = _window(adapter, [(0.0, text), (10.0, _sglang_later(text))])
+    assert snapshot.sources["prefix_hits"] == f"{spelling}cached_tokens_total"
+    window = _window(adapter, [(0.0, text), (10.0, spelled(_sglang_later(raw), spelling))])
     values = _values(window)
     assert values["kvwatch_prefix_cache_hit_ratio"] == pytest.approx(150 / 200)
     assert values["kvwatch_prompt_tokens_per_second"] == pytest.approx(20.0)
@@ -93,7 +106,7 @@ def test_sglang_capture_through_adapter_window_and_diagnosis(fixtures_dir):
     assert not [f for f in findings if f.symptom == "exhaustion"]  # 25 % used, nothing waiting
 
 
-def _sglang_page(usage_by_rank: dict[str, float], cache: float, compute: float, retracted: float | None,
+def _sglang_page_native(usage_by_rank: dict[str, float], cache: float, compute: float, retracted: float | None,
                  cached_by_source: dict[str, float]) -> str:
     lines = ["# TYPE sglang:token_usage gauge"]
     for rank, usage in usage_by_rank.items():
@@ -116,7 +129,11 @@ def _sglang_page(usage_by_rank: dict[str, float], cache: float, compute: float, 
     return "\n".join(lines) + "\n"
 
 
-def test_sglang_ranks_are_read_once_and_the_hit_ratio_comes_from_counters():
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_sglang_ranks_are_read_once_and_the_hit_ratio_comes_from_counters(spelling):
+    def _sglang_page(*args):
+        return spelled(_sglang_page_native(*args), spelling)
+
     adapter = SglangAdapter()
     # Two TP ranks repeat the scheduler's series: one is read, never the sum.
     first = adapter.adapt(_sglang_page({"0": 0.4, "1": 0.4}, 100, 300, None, {"device": 80, "host": 20}), at=0)
@@ -140,6 +157,64 @@ def test_sglang_ranks_are_read_once_and_the_hit_ratio_comes_from_counters():
     # Seen once on this target, the family's absence (a restart) reads 0.
     restarted = adapter.adapt(_sglang_page({"0": 0.1}, 0, 0, None, {"total": 0}), at=30)
     assert restarted.engines[("m", "0")].counters["preemptions"] == 0.0
+
+
+def _hybrid_page(pools: dict[str, tuple[float, float, float]], usage: float | None) -> str:
+    """A hybrid model's scheduler gauges: per pool (used, available, evictable)."""
+    labels = 'dp_rank="0",model_name="m",tp_rank="0"'
+    lines = []
+    if usage is not None:
+        lines += ["# TYPE sglang:token_usage gauge", f"sglang:token_usage{{{labels}}} {usage}"]
+    for pool, values in pools.items():
+        for state, value in zip(("used", "available", "evictable"), values):
+            lines += [f"# TYPE sglang:{pool}_{state}_tokens gauge", f"sglang:{pool}_{state}_tokens{{{labels}}} {value}"]
+    lines += ["# TYPE sglang:num_running_reqs gauge", f"sglang:num_running_reqs{{{labels}}} 4"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_sglang_pools_read_per_pool_and_give_a_hybrid_models_usage(spelling):
+    # The sliding-window pool is the fuller one: 600 of 1,000 slots held; the
+    # full-attention pool 100 of 1,000 (its 300 evictable slots count as free).
+    pools = {"kv": (100, 600, 300), "swa": (600, 400, 0), "mamba": (10, 40, 0)}
+    adapter = SglangAdapter()
+    snapshot = adapter.adapt(spelled(_hybrid_page(pools, None), spelling), at=0)
+    engine = snapshot.engines[("m", "0")]
+    assert engine.gauges["pool_used_tokens/swa"] == 600 and engine.gauges["pool_evictable_tokens/kv"] == 300
+    # No token_usage on the page: the fullest pool's used / size, as SGLang's token_usage reads it.
+    assert engine.gauges["kv_usage"] == pytest.approx(0.6)
+    assert snapshot.sources["kv_usage"].startswith(f"{spelling}{{kv,swa,mamba}}_used_tokens")
+    # With token_usage on the page, it is the KV usage and the pools ride beside it.
+    snapshot = adapter.adapt(spelled(_hybrid_page(pools, 0.61), spelling), at=10)
+    assert snapshot.engines[("m", "0")].gauges["kv_usage"] == 0.61
+    assert snapshot.sources["kv_usage"] == f"{spelling}token_usage"
+    assert snapshot.sources["pool_used_tokens"] == f"{spelling}{{kv,swa,mamba}}_used_tokens"
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_the_spelling_seen_is_reported_and_the_pools_re_exported(fixtures_dir, spelling):
+    from page_support import Pages
+
+    from kvwatch.sidecar.collector import make_registry
+    from kvwatch.sidecar.statuspage import render_status_page
+
+    pages = [spelled((fixtures_dir / "handwritten" / f"sglang-hicache-{x}.txt").read_text(), spelling) for x in "ab"]
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "poll_interval": "1s",
+                                        "window": "5m"}, environ={})
+    times = iter([1000.0, 1060.0])
+    monitor = Monitor(settings, fetcher=Pages(pages), clock=lambda: next(times))
+    for _ in pages:
+        state = monitor.poll_once()
+    body = signals_json(state, settings)
+    assert body["engine"] == "sglang" and body["engine_spelling"] == spelling
+    assert body["sources"]["prompt_tokens_cached"] == f"{spelling}cached_tokens_total"
+    html = render_status_page(state, settings)
+    assert f'names spelled <code data-spelling="{spelling}">{spelling}</code>' in html
+    registry = make_registry(monitor)
+    assert registry.get_sample_value("kvwatch_engine_spelling_info", {"spelling": spelling}) == 1.0
+    identity = {"model_name": "qwen3-8b", "engine": "0"}
+    assert registry.get_sample_value("kvwatch_engine_kv_pool_evictable_tokens", {**identity, "pool": "kv"}) == 18000
+    assert registry.get_sample_value("kvwatch_engine_kv_pool_used_tokens", {**identity, "pool": "kv"}) > 0
 
 
 # --- llama.cpp: pages written from the source ---------------------------------
@@ -303,8 +378,9 @@ def test_dark_signals_follow_each_adapters_table():
 # --- the simulator's dialects -------------------------------------------------
 
 
-@pytest.mark.parametrize("dialect", ["sglang", "llamacpp", "trtllm"])
-def test_each_dialect_reads_back_to_the_vllm_pages_values(dialect):
+@pytest.mark.parametrize("dialect, spelling", [("sglang", "sglang:"), ("sglang", "sglang_"), ("llamacpp", None),
+                                               ("trtllm", None)])
+def test_each_dialect_reads_back_to_the_vllm_pages_values(dialect, spelling):
     """The same simulated engine rendered as vLLM and as `dialect`: wherever
     the dialect provides a signal, it equals vLLM's (blocks round TensorRT-LLM's
     block counters)."""
@@ -319,8 +395,11 @@ def test_each_dialect_reads_back_to_the_vllm_pages_values(dialect):
         vllm_window.add(vllm_adapter.adapt(render_metrics(sim.engines, sim.model_name, sim.created_unix,
                                                           include_process=False), at=step * 10.0))
         text = render_dialect(dialect, sim.engines, sim.model_name, held)
+        if spelling:
+            text = spelled(text, spelling)
         assert recognize(text) == dialect
         other_window.add(other.adapt(text, at=step * 10.0))
+        assert other_window.latest.spelling == (spelling or other.prefixes[0])
     expected, got = _values(vllm_window), _values(other_window)
     dark = set(dark_signals(ENGINES[dialect]))
     compared = 0
@@ -351,3 +430,20 @@ def test_the_engines_doc_is_the_adapters_tables():
     assert "| `kvwatch_prefix_cache_hit_ratio` | yes |" in table
     committed = (Path(__file__).resolve().parent.parent / "docs" / "engines-signals.md").read_text()
     assert committed == table
+
+
+@pytest.mark.parametrize("spelling", ["vllm:", "vllm_"])
+def test_vllms_spelling_is_reported_too(fixtures_dir, spelling):
+    from kvwatch.sidecar.collector import make_registry
+
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    if spelling == "vllm_":
+        page = re.sub(r"^vllm:", "vllm_", page, flags=re.M)
+    adapter = make_adapter("vllm")
+    snapshot = adapter.adapt(page, at=0)
+    assert snapshot.spelling == spelling and snapshot.engines
+    with PageServer([Answer(page)]) as server:
+        monitor = Monitor(load_settings(overrides={"target": server.url, "engine": "vllm"}, environ={}))
+        state = monitor.poll_once()
+    assert signals_json(state, monitor.settings)["engine_spelling"] == spelling
+    assert make_registry(monitor).get_sample_value("kvwatch_engine_spelling_info", {"spelling": spelling}) == 1.0

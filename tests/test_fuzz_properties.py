@@ -460,3 +460,49 @@ def test_a_new_lora_adapter_set_each_poll_is_forgotten_after_the_window(monkeypa
         clock[0] += 5
         assert pipeline.poll(lora_page(["steady"], 100 * number)).up
     assert set(seen) == {"steady"}
+
+
+def test_long_lora_adapter_names_are_remembered_within_a_byte_bound(monkeypatch):
+    """running_lora_adapters names new adapters every poll: ten of 200 KB
+    each, then 500 of 250 characters. The names kvwatch remembers stay within
+    MAX_LORA_BYTES (a count alone held 61 polls of one 8 MiB name each,
+    490 MB, or 10,000 names of any length), a long name is remembered by a
+    digest of it (seen again, it is no new adapter), and an event's detail
+    shows at most NAME_MAX_CHARS of each name."""
+    from kvwatch.diagnose.changes import MAX_NAMES, NAME_MAX_CHARS
+    from kvwatch.pipeline.monitor import LORA_NAME_MAX_CHARS, MAX_LORA_BYTES, lora_name_bytes
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(kvwatch.pipeline.monitor, "time", types.SimpleNamespace(
+        time=lambda: clock[0], monotonic=lambda: clock[0], thread_time=time.thread_time))
+    pipeline = Pipeline(window="5m")
+
+    def lora_page(names: list[str], prompt: int) -> str:
+        return page(Engine(prompt_tokens=prompt)) + (
+            f'vllm:lora_requests_info{{max_lora="4",running_lora_adapters="{",".join(names)}",'
+            f'waiting_lora_adapters=""}} {clock[0]}\n')
+
+    def held() -> int:
+        seen = pipeline.monitor._lora_seen
+        assert sum(lora_name_bytes(name) for name in seen) == pipeline.monitor._lora_bytes <= MAX_LORA_BYTES
+        return sum(len(name) for name in seen)
+
+    for number in range(15):
+        clock[0] += 5
+        long_names = [f"adapter-{number}-{n}-" + "x" * 200_000 for n in range(10)]
+        assert pipeline.poll(lora_page(long_names, 100 * number)).up
+        assert held() <= MAX_LORA_BYTES
+    assert len(pipeline.monitor._lora_seen) == 140  # by their digests, each poll's but the first (nothing before it)
+    events = [c for c in pipeline.monitor.state.events if c.kind == "lora"]
+    assert events and all(len(c.detail) < MAX_NAMES * (NAME_MAX_CHARS + 40) + 100 for c in events)
+    before = len(events)
+    clock[0] += 5
+    assert pipeline.poll(lora_page(long_names, 100 * 15)).up  # the same long names again: nothing new
+    assert len([c for c in pipeline.monitor.state.events if c.kind == "lora"]) == before
+    for number in range(16, 26):  # names just under the digest's length, 500 a poll: the bytes bind
+        clock[0] += 5
+        names = [f"a-{number}-{n}-".ljust(LORA_NAME_MAX_CHARS, "y") for n in range(500)]
+        assert pipeline.poll(lora_page(names, 100 * number)).up
+        assert held() <= MAX_LORA_BYTES
+    assert set(names) <= set(pipeline.monitor._lora_seen)  # the latest poll's are kept
+    assert len(pipeline.monitor._lora_seen) < 5000

@@ -300,3 +300,69 @@ def test_flags_say_what_is_wrong_in_one_sentence(argv, error, capsys):
     assert kvwatch_main(argv) == 2
     err = capsys.readouterr().err
     assert error in err and "usage:" not in err and "expected one argument" not in err, err
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed `sock` (reading whatever it sent), or None."""
+    started = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - started < seconds:
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - started
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            return time.monotonic() - started
+    return None
+
+
+def test_a_slow_client_holds_a_handler_no_longer_than_the_request_deadline():
+    """A client that trickles its headers a byte at a time (each byte well
+    within the per-read socket timeout), one that sends half its declared
+    body, and one that connects and says nothing: each connection is shut at
+    the request deadline, and other clients are answered meanwhile."""
+    with start_background(QUIET, speed=0, read_timeout=0.5) as server:
+        idle = socket.create_connection((server.host, server.port), timeout=10)
+        half = socket.create_connection((server.host, server.port), timeout=10)
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        trickle = socket.create_connection((server.host, server.port), timeout=10)
+        stop = threading.Event()
+
+        def trickled():
+            request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 10_000
+            for byte in request:
+                if stop.wait(0.05):
+                    return
+                try:
+                    trickle.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+        sender = threading.Thread(target=trickled, daemon=True)
+        sender.start()
+        try:
+            assert httpx.get(server.metrics_url, timeout=TIMEOUT).status_code == 200
+            for sock in (idle, half, trickle):
+                assert _closed_within(sock, 15.0) is not None
+            assert server.deadlines.shut >= 3
+            # The deadline covers a request, not the connection: keep-alive requests each get their own.
+            with httpx.Client(timeout=TIMEOUT) as client:
+                for _ in range(3):
+                    assert client.get(server.metrics_url).status_code == 200
+                    time.sleep(0.3)
+        finally:
+            stop.set()
+            sender.join(5)
+            for sock in (idle, half, trickle):
+                sock.close()
+
+
+def test_a_request_answered_in_time_is_not_cut():
+    """A streamed completion that takes longer than the read deadline is
+    answered whole: once a request is read, its answer has request_timeout."""
+    with start_background(QUIET, speed=20, read_timeout=0.3) as server:
+        events = stream_completion(server.url, {"model": "tiny-llama", "prompt": "a b c " * 20, "max_tokens": 40,
+                                                "ignore_eos": True})
+        assert events[-1] == "[DONE]" and len(events) == 41

@@ -16,11 +16,16 @@ from kvwatch.window import Entry, EntryFollower, Window
 # lists, and each finding them again, so memory grew with the square of the
 # names (200 new names a poll took RSS from 168 MB to 1.38 GB).
 MAX_NAMES = 10
+# Characters a change shows of one name: a name is a label value, as long as
+# the page admits (MAX_NAMES of 8 MiB each made one event's detail 80 MB).
+NAME_MAX_CHARS = 120
 
 
 def names_text(names) -> str:
-    """`['a', 'b']`, or the first MAX_NAMES and how many there are in all."""
-    names = list(names)
+    """`['a', 'b']`, or the first MAX_NAMES and how many there are in all;
+    a name longer than NAME_MAX_CHARS shows its start and its length."""
+    names = [name if len(name) <= NAME_MAX_CHARS else f"{name[:NAME_MAX_CHARS]}...({len(name)} chars)"
+             for name in names]
     if len(names) <= MAX_NAMES:
         return repr(names)
     return repr(names[:MAX_NAMES])[:-1] + f", ... ({len(names)} in all)]"

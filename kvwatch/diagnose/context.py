@@ -393,18 +393,35 @@ class HitRateMemory:
     the window (the monitor holds one for the life of the process): a ratio
     that fell stays a regression after the low part fills the window, until
     reuse comes back. The rules keep the same memory in recording rules
-    (kvwatch/mixin/promql.py Fragments.memory_rules). Bounded: the engines
-    seen longest ago are forgotten first."""
+    (kvwatch/mixin/promql.py Fragments.memory_rules). Bounded in engines and
+    in bytes (entry_bytes: the model and engine names are label values, as
+    long as a page admits): the engines seen longest ago are forgotten first.
+    An engine whose names alone are over the byte bound is not remembered."""
 
-    def __init__(self, max_engines: int = 1024):
+    ENTRY_BYTES = 400  # a dict slot, the key tuple, the value tuple, two floats, two str headers (CPython 3.11)
+
+    def __init__(self, max_engines: int = 1024, max_bytes: int = 1024 * 1024):
         self.max_engines = max_engines
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._healthy: dict[tuple[str, str], tuple[float, float]] = {}
 
+    @classmethod
+    def entry_bytes(cls, key: tuple[str, str]) -> int:
+        return cls.ENTRY_BYTES + len(key[0]) + len(key[1])
+
     def remember(self, key: tuple[str, str], ratio: float, time: float) -> None:
-        self._healthy.pop(key, None)
+        cost = self.entry_bytes(key)
+        if self._healthy.pop(key, None) is not None:
+            self.bytes -= cost
+        if cost > self.max_bytes:
+            return
         self._healthy[key] = (ratio, time)
-        while len(self._healthy) > self.max_engines:
-            self._healthy.pop(next(iter(self._healthy)))
+        self.bytes += cost
+        while len(self._healthy) > self.max_engines or self.bytes > self.max_bytes:
+            oldest = next(iter(self._healthy))
+            del self._healthy[oldest]
+            self.bytes -= self.entry_bytes(oldest)
 
     def recall(self, key: tuple[str, str]) -> tuple[float, float] | None:
         return self._healthy.get(key)

@@ -54,3 +54,12 @@ class EngineAdapter(ABC):
         at the start of a line."""
         return any(text.startswith(prefix) or f"\n{prefix}" in text or f"# TYPE {prefix}" in text
                    for prefix in cls.prefixes)
+
+    @classmethod
+    def spelling_of(cls, text: str) -> str:
+        """The namespace prefixes the page's sample lines start with, in the
+        order of `prefixes`, joined by ","; "" when none does. HELP and TYPE
+        lines are not samples: OpenMetrics' escaping=underscores rewrites only
+        the sample lines, so they say nothing of what a query must name."""
+        return ",".join(prefix for prefix in cls.prefixes
+                        if text.startswith(prefix) or f"\n{prefix}" in text)

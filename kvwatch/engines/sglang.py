@@ -17,6 +17,13 @@ Traps this adapter handles:
 - `num_retracted_requests_total` appears only after the first retraction:
   absent means 0 only once the family has been seen on this target (before,
   the build may simply not have it, so preemptions stay absent).
+- The names come as `sglang:` or, once OpenMetrics' escaping=underscores has
+  rewritten the sample lines, `sglang_` (HELP and TYPE lines may keep the
+  colon): both are read, and the families named (sources, faults, the
+  status) are spelled as the samples were (Snapshot.spelling).
+- Hybrid models keep several token pools (`kv`, `swa`, `mamba`), each with
+  used, available and evictable gauges: they are read per pool, and where
+  a build has no token_usage, the fullest pool's used share is the usage.
 - Tensor/pipeline/expert-parallel ranks (`tp_rank`, `pp_rank`, `moe_ep_rank`,
   `attn_tp_rank`, `attn_cp_rank`) repeat the scheduler's series: one rank is
   read, never the sum. `dp_rank` is the engine (vLLM's `engine`).
@@ -73,12 +80,28 @@ EFFECTIVE_TIERS = {"device_hit": "device", "host_hit": "host", "storage_hit": "s
 CAPACITY = "max_total_num_tokens"
 PAGE_SIZE = "page_size"
 RETRACTIONS = "num_retracted_requests"
+# The token pools' gauges: `kv` (full attention), `swa` (sliding-window
+# layers) and `mamba` (state slots) of hybrid models, each split into tokens
+# held by running requests (used), radix-cached and reclaimable (evictable)
+# and free (available). SGLang's token_usage is the most-used pool's
+# used / size, evictable counted as free: the same reading, per pool.
+POOLS = ("kv", "swa", "mamba")
+POOL_STATES = ("used", "available", "evictable")
+POOL_FAMILIES = tuple(f"{pool}_{state}_tokens" for pool in POOLS for state in POOL_STATES)
 
 TABLE_NOTES: tuple[Row, ...] = (
     Row("prompt_tokens_cached", "cached_tokens", "counter", "tokens",
         "summed over cache_source (device, host, storage_*); a `total` series is read alone"),
     Row("capacity_tokens", "max_total_num_tokens", "gauge", "tokens",
         "KV pool size in tokens; page_size is the block size"),
+    Row("pool_used_tokens/*", "{kv,swa,mamba}_used_tokens", "gauge", "tokens",
+        "per pool (kv, swa, mamba): token slots held by running requests"),
+    Row("pool_available_tokens/*", "{kv,swa,mamba}_available_tokens", "gauge", "tokens",
+        "per pool: free token slots"),
+    Row("pool_evictable_tokens/*", "{kv,swa,mamba}_evictable_tokens", "gauge", "tokens",
+        "per pool: radix-cached token slots, reclaimable (free for usage)"),
+    Row("kv_usage", "{kv,swa,mamba}_used_tokens", "gauge", "ratio",
+        "where token_usage is absent: the most-used pool's used / (used + available + evictable)"),
     Row("prompt_tokens_cached_by_source/*", "prefill_effective_tokens", "counter", "tokens",
         "mode device_hit, host_hit, storage_hit as tiers device, host, storage (HiCache); retracted re-counts "
         "excluded"),
@@ -106,7 +129,7 @@ class SglangAdapter(TableAdapter):
     MISSING = MISSING
     engine_label = "dp_rank"
     rank_labels = ("tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "attn_cp_rank")
-    EXTRA_FAMILIES = (CACHED_TOKENS, CAPACITY, PAGE_SIZE, EFFECTIVE_TOKENS)
+    EXTRA_FAMILIES = (CACHED_TOKENS, CAPACITY, PAGE_SIZE, EFFECTIVE_TOKENS) + POOL_FAMILIES
     TABLE_NOTES = TABLE_NOTES
 
     def __init__(self, max_series: int = 10_000):
@@ -117,7 +140,7 @@ class SglangAdapter(TableAdapter):
     def finish(self, snapshot: Snapshot, families: dict[str, Family]) -> None:
         cached = self._cached_tokens(families.get(CACHED_TOKENS))
         if cached:
-            snapshot.sources["prompt_tokens_cached"] = "sglang:cached_tokens_total"
+            snapshot.sources["prompt_tokens_cached"] = f"{self.prefix}cached_tokens_total"
         for (model, engine_name), value in cached.items():
             engine = snapshot.engines.get((model, engine_name))
             if engine is not None:
@@ -125,22 +148,25 @@ class SglangAdapter(TableAdapter):
 
         # Without realtime_tokens_total: cached over prompt tokens.
         if "prefix_queries" not in snapshot.sources and cached:
-            snapshot.sources["prefix_hits"] = "sglang:cached_tokens_total"
-            snapshot.sources["prefix_queries"] = "sglang:prompt_tokens_total"
+            snapshot.sources["prefix_hits"] = f"{self.prefix}cached_tokens_total"
+            snapshot.sources["prefix_queries"] = f"{self.prefix}prompt_tokens_total"
             for engine in snapshot.engines.values():
                 if "prompt_tokens_cached" in engine.counters and "prompt_tokens" in engine.counters:
                     engine.counters["prefix_hits"] = engine.counters["prompt_tokens_cached"]
                     engine.counters["prefix_queries"] = engine.counters["prompt_tokens"]
 
         self._effective_tokens(snapshot, families.get(EFFECTIVE_TOKENS))
+        self._pools(snapshot, families)
 
         if RETRACTIONS in families and families[RETRACTIONS].samples:
             self.retractions_seen = True
         elif self.retractions_seen:
             # Seen before on this target: no series now means none since a restart.
-            snapshot.sources["preemptions"] = "sglang:num_retracted_requests_total"
+            snapshot.sources["preemptions"] = f"{self.prefix}num_retracted_requests_total"
+            snapshot.sources["retracted_prompt_tokens"] = f"{self.prefix}num_retracted_input_tokens_total"
             for engine in snapshot.engines.values():
                 engine.counters.setdefault("preemptions", 0.0)
+                engine.counters.setdefault("retracted_prompt_tokens", 0.0)
 
         capacity = self.fold(families.get(CAPACITY), "gauge")
         page_size = self.fold(families.get(PAGE_SIZE), "gauge")
@@ -151,13 +177,46 @@ class SglangAdapter(TableAdapter):
             if size:
                 config["block_size"] = _integer_text(size)
 
+    def _pools(self, snapshot: Snapshot, families: dict[str, Family]) -> None:
+        """The pools' token gauges per pool; KV usage from them where the page
+        has no token_usage (the fullest pool runs out first, as token_usage
+        reads it)."""
+        read = False
+        for pool in POOLS:
+            for state in POOL_STATES:
+                for (model, engine_name, _), value in self.fold(families.get(f"{pool}_{state}_tokens"),
+                                                                 "gauge").items():
+                    engine = snapshot.engines.get((model, engine_name))
+                    if engine is not None:
+                        engine.gauges[f"pool_{state}_tokens/{pool}"] = value
+                        read = True
+        if not read:
+            return
+        for state in POOL_STATES:
+            snapshot.sources[f"pool_{state}_tokens"] = f"{self.prefix}{{kv,swa,mamba}}_{state}_tokens"
+        if "kv_usage" in snapshot.sources:
+            return
+        wrote = False
+        for engine in snapshot.engines.values():
+            usages = []
+            for pool in POOLS:
+                parts = [engine.gauges.get(f"pool_{state}_tokens/{pool}") for state in POOL_STATES]
+                if None not in parts and sum(parts) > 0:
+                    usages.append(parts[0] / sum(parts))
+            if usages:
+                engine.gauges["kv_usage"] = max(usages)
+                wrote = True
+        if wrote:
+            snapshot.sources["kv_usage"] = (f"{self.prefix}{{kv,swa,mamba}}_used_tokens / "
+                                            "(used + available + evictable), the most-used pool")
+
     def _effective_tokens(self, snapshot: Snapshot, family: Family | None) -> None:
         """prefill_effective_tokens{mode} as the tiers' cached tokens and the
         computed ones (the families vLLM 0.32 names by source)."""
         if family is None or not family.samples:
             return
         folded = self.fold(family, "counter", label="mode")
-        name = self.prefixes[0] + EFFECTIVE_TOKENS + "_total"
+        name = self.prefix + EFFECTIVE_TOKENS + "_total"
         wrote = False
         for (model, engine_name, mode), value in folded.items():
             engine = snapshot.engines.get((model, engine_name))

@@ -71,6 +71,9 @@ class TableAdapter(EngineAdapter):
         super().__init__(max_series)
         names = {row.family for row in self.ROWS} | set(self.EXTRA_FAMILIES)
         self.selector = FamilySelector(sorted(names), self.prefixes)
+        # The namespace of the latest page's sample lines: the families this
+        # adapter names (sources, faults) are spelled as a query must name them.
+        self.prefix = self.prefixes[0]
 
     # --- what the page says, per (model, engine) ---------------------------
 
@@ -157,7 +160,9 @@ class TableAdapter(EngineAdapter):
     def adapt(self, text: str, at: float | None = None) -> Snapshot:
         page = self.selector.parse(text)
         families = page.families
-        snapshot = Snapshot(time=_time.time() if at is None else at, engines={}, parse_errors=page.errors)
+        snapshot = Snapshot(time=_time.time() if at is None else at, engines={}, parse_errors=page.errors,
+                            spelling=self.spelling_of(text))
+        self.prefix = snapshot.spelling.split(",", 1)[0] or self.prefixes[0]
         dropped: set[tuple[str, str]] = set()
 
         for row in self.ROWS:
@@ -190,7 +195,7 @@ class TableAdapter(EngineAdapter):
                 else:
                     target[key] = value
         self.finish(snapshot, families)
-        screen(snapshot, self.prefixes[0])
+        screen(snapshot, self.prefix)
         self.dropped_series += len(dropped)
         return snapshot
 
@@ -220,7 +225,7 @@ class TableAdapter(EngineAdapter):
     def spelled(self, row: Row) -> str:
         suffix = "_total" if row.kind == "counter" else ""
         where = ",".join(f'{k}="{v}"' for k, v in row.where)
-        return f"{self.prefixes[0]}{row.family}{suffix}" + (f"{{{where}}}" if where else "")
+        return f"{self.prefix}{row.family}{suffix}" + (f"{{{where}}}" if where else "")
 
     def finish(self, snapshot: Snapshot, families: dict[str, Family]) -> None:
         """What the table cannot say; the default adds nothing."""

@@ -9,6 +9,7 @@ current State and never see a half-built one, and never wait on the engine.
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import threading
 import time
@@ -42,6 +43,12 @@ MAX_EVENTS = 100
 # the time it was answered (see Monitor._ingest).
 LATE_FRACTION = 0.1
 MAX_LORA_NAMES = 10_000
+# The adapter names remembered, in bytes as lora_name_bytes counts them: a
+# count alone let 61 polls of one 8 MiB adapter name each hold 490 MB. A name
+# longer than LORA_NAME_MAX_CHARS is remembered by a digest of it.
+MAX_LORA_BYTES = 1024 * 1024
+LORA_NAME_MAX_CHARS = 256
+LORA_ENTRY_BYTES = 160  # a dict slot, the float and the str header (sys.getsizeof, CPython 3.11)
 
 # A poll allocates a few hundred thousand short-lived objects at 64 engines
 # (samples, label tuples, snapshots), almost none in reference cycles, so
@@ -193,8 +200,10 @@ class Monitor:
         self._events: deque[Change] = deque(maxlen=MAX_EVENTS)
         # LoRA adapter name -> when last seen: only those seen within the
         # window are kept (a page with a new adapter set each poll grew a set
-        # that never shrank to 1.5 M names), and at most MAX_LORA_NAMES.
+        # that never shrank to 1.5 M names), at most MAX_LORA_NAMES and
+        # MAX_LORA_BYTES.
         self._lora_seen: dict[str, float] = {}
+        self._lora_bytes = 0
         self.hit_memory = diagnosis.HitRateMemory()
         self.thresholds = diagnosis.resolve_thresholds(settings.diagnosis)
         # A finding stays active until its condition has been clear for the hold.
@@ -483,20 +492,22 @@ class Monitor:
             self._event(change)
         # Running and waiting adapter lists change with every request; what
         # invalidates comparisons is an adapter never seen before, or max_lora.
-        adapters = _lora_adapters(current.lora)
+        adapters = {_lora_key(name) for name in _lora_adapters(current.lora)}
         seen = self._lora_seen
         new = sorted(name for name in adapters if name not in seen)
         if seen and new:
             self._event(Change(current.time, "lora", None, None, f"new LoRA adapters: {diagnosis.names_text(new)}"))
         for name in adapters:
-            seen.pop(name, None)  # re-inserted last: the dict stays in order of last sight
+            if seen.pop(name, None) is None:  # re-inserted last: the dict stays in order of last sight
+                self._lora_bytes += lora_name_bytes(name)
             seen[name] = current.time
         horizon = current.time - self.window.seconds
         while seen:
             oldest, at = next(iter(seen.items()))
-            if at >= horizon and len(seen) <= MAX_LORA_NAMES:
+            if at >= horizon and len(seen) <= MAX_LORA_NAMES and self._lora_bytes <= MAX_LORA_BYTES:
                 break
             del seen[oldest]
+            self._lora_bytes -= lora_name_bytes(oldest)
         before_max = (previous.lora or {}).get("max_lora")
         now_max = (current.lora or {}).get("max_lora")
         if before_max and now_max and before_max != now_max:
@@ -522,6 +533,20 @@ class Monitor:
         if age > limit:
             return False, f"no successful poll for {age:.0f}s"
         return True, "ok"
+
+
+def lora_name_bytes(name: str) -> int:
+    """What remembering one adapter name costs, as MAX_LORA_BYTES counts it."""
+    return LORA_ENTRY_BYTES + len(name)
+
+
+def _lora_key(name: str) -> str:
+    """The name, or for a name longer than LORA_NAME_MAX_CHARS its start and a
+    digest of the whole (the same name keeps the same key)."""
+    if len(name) <= LORA_NAME_MAX_CHARS:
+        return name
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return f"{name[:64]}...({len(name)} chars, blake2b {digest})"
 
 
 def _lora_adapters(info: dict[str, str] | None) -> set[str]:

@@ -56,6 +56,9 @@ def status_json(state, settings) -> dict[str, Any]:
         # pairs or polls before their time (kvwatch.window), else null.
         "window_trimmed": getattr(state, "window_trimmed", None),
         "engine": state.engine,
+        # The namespace the engine's sample lines are spelled in ("sglang:", or "sglang_" once OpenMetrics'
+        # escaping=underscores rewrote them): what a query of the engine's own series must name; null unknown.
+        "engine_spelling": (getattr(state.snapshot, "spelling", "") or None) if state.up and state.snapshot else None,
         # kvwatch serve --replay: what is replayed, how fast, whether it ended
         # (absent when live); `text` is the sentence every surface shows.
         **({"replay": {**replay, "text": replay_text(replay)}} if (replay := getattr(state, "replay", None)) else {}),

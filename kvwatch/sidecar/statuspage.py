@@ -205,6 +205,8 @@ def _status_html(signals: dict[str, Any]) -> str:
          if replay else "")
         + f'<p>Target <code>{_e(signals["target"] or "")}</code>: {state} · {signals["polls"]} polls, '
         f'last success {_time_text(signals["last_success_time"])} · window {window_text(signals)}'
+        + (f' · names spelled <code data-spelling="{_e(spelling)}">{_e(spelling)}</code>'
+           if (spelling := signals.get("engine_spelling")) else "")
         + (f' · {_e(trimmed)}' if (trimmed := signals.get("window_trimmed")) else "") + '</p>'
     )
 

@@ -27,14 +27,9 @@ import threading
 import time
 import uuid
 import zlib
+import heapq
+import itertools
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-
-class _Server(ThreadingHTTPServer):
-    # The default listen backlog of 5 drops connection attempts when a load
-    # generator opens dozens at once; the kernel's retry then adds about 1 s
-    # to those requests' first token.
-    request_queue_size = 128
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +43,23 @@ from kvwatch.sim.workload import token_block_hashes
 from kvwatch.sim.kvevents import EventPublisher, attach
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class _Server(ThreadingHTTPServer):
+    # The default listen backlog of 5 drops connection attempts when a load
+    # generator opens dozens at once; the kernel's retry then adds about 1 s
+    # to those requests' first token.
+    request_queue_size = 128
+
+
+# A request (its line, headers and body) must arrive whole within this many
+# seconds of the connection asking for it, or the connection is shut; an idle
+# keep-alive connection is shut after as long. Its answer then has the
+# server's request_timeout plus this much: a client that trickles its request
+# or never reads its answer holds a handler thread no longer.
+REQUEST_READ_SECONDS = 10.0
+# One socket operation (a read or a write) waits at most this long.
+SOCKET_TIMEOUT_SECONDS = 30.0
 # The simulated LMCache tier's own page (`kvwatch sim --lmcache`).
 LMCACHE_PATH = "/lmcache/metrics"
 # The scenario's phase now and the next, as JSON (`make run` prints it, and
@@ -96,6 +108,7 @@ class SimServer:
         request_timeout: float = 600.0,
         dialect: str = "vllm",
         kv_events: str | None = None,
+        read_timeout: float = REQUEST_READ_SECONDS,
     ) -> None:
         if speed < 0:
             raise ValueError("speed must be >= 0")
@@ -106,6 +119,8 @@ class SimServer:
         self.sim = simulation
         self.speed = float(speed)
         self.request_timeout = request_timeout
+        self.read_timeout = read_timeout
+        self.deadlines = _Deadlines()
         self.cond = threading.Condition()
         self.http_stats = HttpStats(time.time())
         self.stopping = threading.Event()
@@ -158,6 +173,10 @@ class SimServer:
                                  name="kvwatch-sim-http", daemon=True)
         serve.start()
         self._threads.append(serve)
+        watchdog = threading.Thread(target=self.deadlines.run, args=(self.stopping,),
+                                    name="kvwatch-sim-deadlines", daemon=True)
+        watchdog.start()
+        self._threads.append(watchdog)
         if self.speed > 0:
             clock = threading.Thread(target=self._clock_loop, name="kvwatch-sim-clock", daemon=True)
             clock.start()
@@ -266,21 +285,78 @@ def start_background(
     dialect: str = "vllm",
     lmcache_tokens: int | None = None,
     kv_events: str | None = None,
+    read_timeout: float = REQUEST_READ_SECONDS,
 ) -> SimServer:
     """Start a simulator in this process (threads); port 0 picks a free port.
     The handle has .url, .metrics_url, .app_metrics_url, .lmcache_metrics_url,
     .sim, .advance(s), .stop() and works as a context manager.
     `lmcache_tokens`: a simulated LMCache tier of that size (its page at
     .lmcache_metrics_url). `kv_events`: publish the engines' KV-cache events
-    to that ZMQ endpoint (kvwatch/sim/kvevents.py)."""
+    to that ZMQ endpoint (kvwatch/sim/kvevents.py). `read_timeout`: the
+    seconds a request has to arrive whole (REQUEST_READ_SECONDS)."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     simulation = Simulation(scenario, seed=seed, engines=engines, model_name=model_name,
                             lmcache_tokens=lmcache_tokens)
-    return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect, kv_events=kv_events).start()
+    return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect, kv_events=kv_events,
+                     read_timeout=read_timeout).start()
 
 
 # -- HTTP ----------------------------------------------------------------------
+
+
+class _Deadlines:
+    """One thread's watch over every connection's deadline: at its deadline a
+    connection is shut down (its handler's read or write then fails at once),
+    whatever the client does. A socket timeout alone bounds one read, and a
+    client sending one byte a second never hits it."""
+
+    TICK_SECONDS = 0.05
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._heap: list[tuple[float, int]] = []
+        self._armed: dict[int, tuple[float, socket.socket]] = {}
+        self._ids = itertools.count()
+        self.shut = 0  # connections shut at their deadline
+
+    def arm(self, sock: socket.socket, deadline: float, ident: int | None = None) -> int:
+        """Watches `sock` until `deadline` (time.monotonic()); with `ident`,
+        moves that watch's deadline. Returns the watch's id."""
+        ident = next(self._ids) if ident is None else ident
+        with self._lock:
+            self._armed[ident] = (deadline, sock)
+            heapq.heappush(self._heap, (deadline, ident))
+            if len(self._heap) > 2 * len(self._armed) + 64:  # moved and finished watches: drop them
+                self._heap = [(at, key) for key, (at, _) in self._armed.items()]
+                heapq.heapify(self._heap)
+        return ident
+
+    def disarm(self, ident: int) -> None:
+        with self._lock:
+            self._armed.pop(ident, None)
+            if not self._armed:
+                self._heap.clear()
+
+    def expire(self, now: float) -> None:
+        due = []
+        with self._lock:
+            while self._heap and self._heap[0][0] <= now:
+                deadline, ident = heapq.heappop(self._heap)
+                armed = self._armed.get(ident)
+                if armed is not None and armed[0] == deadline:
+                    del self._armed[ident]
+                    due.append(armed[1])
+        for sock in due:
+            self.shut += 1
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+
+    def run(self, stopping: threading.Event) -> None:
+        while not stopping.wait(self.TICK_SECONDS):
+            self.expire(time.monotonic())
 
 
 class _BadRequest(Exception):
@@ -343,11 +419,30 @@ class _Handler(BaseHTTPRequestHandler):
     def sim_server(self) -> SimServer:
         return self.server.sim_server  # type: ignore[attr-defined]
 
+    timeout = SOCKET_TIMEOUT_SECONDS  # per socket operation (StreamRequestHandler sets it)
+
     def setup(self) -> None:
         super().setup()
         # Streamed chunks are small writes; without this, Nagle's algorithm and
         # the client's delayed ACK hold each one back by up to 40 ms.
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def handle_one_request(self) -> None:
+        # The request must arrive whole within read_timeout (see _answer_deadline for its answer).
+        server = self.sim_server
+        self._watch = server.deadlines.arm(self.connection, time.monotonic() + server.read_timeout)
+        try:
+            super().handle_one_request()
+        except OSError:
+            self.close_connection = True  # shut at its deadline, or the client went away
+        finally:
+            server.deadlines.disarm(self._watch)
+
+    def _answer_deadline(self) -> None:
+        """The request is read: its answer has request_timeout (and read_timeout more)."""
+        server = self.sim_server
+        server.deadlines.arm(self.connection, time.monotonic() + server.request_timeout + server.read_timeout,
+                             self._watch)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass  # quiet: a load test would flood the terminal
@@ -395,6 +490,9 @@ class _Handler(BaseHTTPRequestHandler):
         if size < 0 or size > MAX_BODY_BYTES:
             raise _BadRequest("request body too large", 413)
         raw = self.rfile.read(size)
+        if len(raw) < size:
+            raise _BadRequest("the body ended before its Content-Length")
+        self._answer_deadline()
         try:
             body = json.loads(raw or b"{}")
         except ValueError:
@@ -407,6 +505,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
         self._begin()
+        self._answer_deadline()
         path = self.path.split("?", 1)[0]
         server = self.sim_server
         try:

@@ -180,6 +180,11 @@
       document.createTextNode(" \u00b7 " + (signals.busy ? "busy" : signals.up ? "up" : "down") + " \u00b7 " + signals.polls +
         " polls \u00b7 window " + windowText(signals) + " \u00b7 " + (replay ? "recorded time " : "last poll ") +
         clock(signals.last_success_time)));
+    if (signals.engine_spelling) {
+      var spelled = el("code", null, signals.engine_spelling);
+      spelled.setAttribute("data-spelling", signals.engine_spelling);
+      add(p, document.createTextNode(" \u00b7 names spelled "), spelled);
+    }
     if (signals.window_trimmed) add(p, document.createTextNode(" \u00b7 " + signals.window_trimmed));
     swap("status", p);
   }
