@@ -213,6 +213,7 @@ def test_the_spelling_seen_is_reported_and_the_pools_re_exported(fixtures_dir, s
     html = render_status_page(state, settings)
     assert f'names spelled <code data-spelling="{spelling}">{spelling}</code>' in html
     registry = make_registry(monitor)
+    assert registry.get_sample_value("kvwatch_engine_spelling_info", {"spelling": spelling}) == 1.0
     identity = {"model_name": "qwen3-8b", "engine": "0"}
     assert registry.get_sample_value("kvwatch_engine_kv_pool_evictable_tokens", {**identity, "pool": "kv"}) == 18000
     assert registry.get_sample_value("kvwatch_engine_kv_pool_used_tokens", {**identity, "pool": "kv"}) > 0
@@ -458,3 +459,20 @@ def test_the_engines_doc_is_the_adapters_tables():
     assert "| `kvwatch_prefix_cache_hit_ratio` | yes |" in table
     committed = (Path(__file__).resolve().parent.parent / "docs" / "engines-signals.md").read_text()
     assert committed == table
+
+
+@pytest.mark.parametrize("spelling", ["vllm:", "vllm_"])
+def test_vllms_spelling_is_reported_too(fixtures_dir, spelling):
+    from kvwatch.sidecar.collector import make_registry
+
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    if spelling == "vllm_":
+        page = re.sub(r"^vllm:", "vllm_", page, flags=re.M)
+    adapter = make_adapter("vllm")
+    snapshot = adapter.adapt(page, at=0)
+    assert snapshot.spelling == spelling and snapshot.engines
+    with PageServer([Answer(page)]) as server:
+        monitor = Monitor(load_settings(overrides={"target": server.url, "engine": "vllm"}, environ={}))
+        state = monitor.poll_once()
+    assert signals_json(state, monitor.settings)["engine_spelling"] == spelling
+    assert make_registry(monitor).get_sample_value("kvwatch_engine_spelling_info", {"spelling": spelling}) == 1.0

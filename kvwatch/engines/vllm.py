@@ -94,7 +94,9 @@ class VllmAdapter(EngineAdapter):
         if selector.cache_clears != self._cache_clears:
             self._cache_clears = selector.cache_clears
             self._series.clear()
-        return self.adapt_families(page.families, page.errors, _process_start(text), at)
+        snapshot = self.adapt_families(page.families, page.errors, _process_start(text), at)
+        snapshot.spelling = self.spelling_of(text)
+        return snapshot
 
     def adapt_families(self, families: dict[str, Family], errors: list, process_start: float | None,
                        at: float | None = None) -> Snapshot:

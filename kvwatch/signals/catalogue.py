@@ -32,7 +32,7 @@ from kvwatch.signals.derivations import (  # noqa: F401 (the public names re-exp
     _cached_share, _capacity_requests, _clamp01, _exhaustion_eta, _failed_rate, _free_blocks, _free_tokens,
     _from_cache, _labelled_rates, _mean, _mean_promql, _offload_rates, _prefix_hit_ratio, _quantile_promql,
     _quantiles, _rate, _ratio_of_rates, _reuse_shortfall_bytes, _sleeping, _usage, _used_blocks, _used_bytes,
-    _waiting_by_reason, caveats, mean_tokens, preemption_repeat_share, prompt_tokens_by_tier, requests_fit_now,
+    _waiting_by_reason, caveats, mean_tokens, preemption_repeat_share, prompt_tokens_by_tier, recomputed_prompt_share, requests_fit_now,
     reuse_shortfall_blocks, token_usage_estimate, ttft_decomposition, ttft_parts, unlit_reasons,
 )
 from kvwatch.signals.health import (  # noqa: F401 (the public names re-exported)
@@ -157,6 +157,27 @@ SIGNALS: tuple[Signal, ...] = (
            "- sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_bucket{{{sel},le=\"1.0\"}}[{w}])), 0)\n/\n"
            "(sum by ({by}) (rate(kvwatch_engine_request_num_preemptions_sum{{{sel}}}[{w}])) > 0), 1)",
            record=("kvwatch_preemptions_on_repeat_requests", "ratio_rate{w}"), needs=("preemptions_per_request",), display="Preemptions on repeat requests", good="low"),
+    Signal("kvwatch_prefill_recomputed_ratio", "ratio",
+           "Share of the window's prefill work spent computing again the prompts of preempted requests: recomputed "
+           "/ (prompt tokens computed once + recomputed). SGLang counts the recomputed tokens "
+           "(sglang:num_retracted_input_tokens_total over prefill_effective_tokens_total{mode=\"input\"} plus them). "
+           "vLLM does not: there it is an ESTIMATE, preemptions x the mean prompt length of the requests finished in "
+           "the window (vllm:num_preemptions_total, vllm:request_prompt_tokens) over "
+           "vllm:prompt_tokens_by_source_total{source=\"local_compute\"} (each prompt counted once, vLLM 0.16+) plus "
+           "the estimate; an upper bound for the prompts (a resumed request may find part of its prompt still cached), "
+           "and the generated tokens a resumed request also recomputes are left out. 0 without preemptions; absent "
+           "before the preemption family is seen.",
+           recomputed_prompt_share, "exhaustion",
+           "(\n  sum by ({by}) (rate(kvwatch_engine_retracted_prompt_tokens_total{{{sel}}}[{w}]))\n  or\n"
+           "  sum by ({by}) (rate(kvwatch_engine_preemptions_total{{{sel}}}[{w}]))\n  * on ({by}) (" + _mean_promql(
+               "kvwatch_engine_request_prompt_tokens") + ")\n)\n/ on ({by}) (\n"
+           "  sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"local_compute\"}}[{w}]))\n"
+           "  + on ({by}) (\n    sum by ({by}) (rate(kvwatch_engine_retracted_prompt_tokens_total{{{sel}}}[{w}]))\n    or\n"
+           "    sum by ({by}) (rate(kvwatch_engine_preemptions_total{{{sel}}}[{w}]))\n    * on ({by}) (" + _mean_promql(
+               "kvwatch_engine_request_prompt_tokens") + ")\n  )\n)",
+           panel="exhaustion", title="Prefill work spent recomputing preempted prompts",
+           record=("kvwatch_prefill_recomputed", "ratio_rate{w}"), needs=("preemptions", "prompt_tokens_by_source"),
+           display="Prefill recomputed after preemption", good="low"),
     Signal("kvwatch_admission_rejections_per_second", "per_second",
            "Requests rejected at a queue limit per second, by reason: a cause apart from the KV cache, the queue "
            "was full (vllm:admission_rejections_total, vLLM 0.32+).",

@@ -426,6 +426,41 @@ def prompt_tokens_by_tier(view: View) -> dict[str, float] | None:
     return shares
 
 
+RETRACTED_PROMPT = "retracted_prompt_tokens"
+
+
+def recomputed_prompt_share(view: View) -> float | None:
+    """The share of the window's prefill work spent computing again the
+    prompts of preempted (SGLang: retracted) requests: recomputed / (computed
+    once + recomputed). Computed once is prompt_tokens_by_source{local_compute}
+    (vLLM counts each prompt there once, preemptions aside; SGLang's
+    prefill_effective_tokens{input} excludes retracted re-counts). Recomputed:
+    SGLang counts it (num_retracted_input_tokens_total); vLLM does not, so it is
+    estimated as preemptions x the mean prompt length of the requests finished
+    in the window (request_prompt_tokens), an upper bound: a resumed request
+    may find part of its prompt still in the prefix cache, and the generated
+    tokens it also recomputes are not counted. None with no preemption family
+    (unknown, not 0) or no prefill."""
+    counters = view.increase.counters
+    computed = counters.get(LOCAL_COMPUTE)
+    if computed is None:
+        return None
+    again = counters.get(RETRACTED_PROMPT)
+    if again is None:
+        preemptions = counters.get("preemptions")
+        if preemptions is None:
+            return None
+        if preemptions > 0:
+            prompt = mean_tokens(view, "prompt_len", "prompt_tokens")
+            if prompt is None:
+                return None
+            again = preemptions * prompt
+        else:
+            again = 0.0
+    total = computed + again
+    return again / total if total > 0 else None
+
+
 def _first_bucket_at_one(histogram: Histogram) -> float | None:
     for bound, cumulative in zip(histogram.bounds, histogram.cumulative):
         if bound == 1.0:

@@ -96,6 +96,11 @@ HEALTH: tuple[HealthFamily, ...] = (
     HealthFamily("kvwatch_engine_info", "gauge", IDENTITY + INFO_KEYS,
                  "The engine's KV-cache configuration (from vllm:cache_config_info); changes() on it marks a "
                  "configuration change."),
+    HealthFamily("kvwatch_engine_spelling_info", "gauge", ("spelling",),
+                 "1, labelled with the namespace the engine's sample lines are spelled in: vllm: or sglang:, or "
+                 "vllm_ / sglang_ once OpenMetrics' escaping=underscores rewrote them (ray_vllm: under Ray Serve; "
+                 "several joined by a comma on a page that mixes them). A query or rule over the engine's own "
+                 "series must name this spelling; absent while no page was read."),
     HealthFamily("kvwatch_source_present", "gauge", ("family",),
                  "1 if the engine's latest page carried this family (vLLM's newest name for it), 0 if not: unknown "
                  "is not zero, so a signal whose families are 0 here is absent, never 0 (/api/v1/signals "

@@ -75,6 +75,10 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
                  "External (KV connector) prefix-cache hits in tokens (vllm:external_prefix_cache_hits_total).", good="high"),
     EngineSeries("kvwatch_engine_preemptions", "counter", "preemptions", "preemptions",
                  "Preemptions by the scheduler (vllm:num_preemptions_total).", good="low"),
+    EngineSeries("kvwatch_engine_retracted_prompt_tokens", "counter", "retracted_prompt_tokens", "tokens",
+                 "Prompt tokens of retracted requests, computed again when they are rescheduled "
+                 "(sglang:num_retracted_input_tokens_total; SGLang only: vLLM does not count its preemptions' "
+                 "recomputed tokens).", good="low"),
     EngineSeries("kvwatch_engine_prompt_tokens", "counter", "prompt_tokens", "tokens",
                  "Prompt tokens processed, cached ones included (vllm:prompt_tokens_total)."),
     EngineSeries("kvwatch_engine_prompt_tokens_cached", "counter", "prompt_tokens_cached", "tokens",
