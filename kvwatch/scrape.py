@@ -190,7 +190,7 @@ class Fetcher:
         """The same request, outcomes and reasons as the session's, over
         _PlainHTTP."""
         try:
-            request = self._request()
+            request = self._request(copy=False)  # _PlainHTTP only reads it
         except requests.exceptions.InvalidHeader:
             message = "the bearer token file does not hold a valid HTTP header value"
             return self._fail("error", message, started, sentence=message)
@@ -223,9 +223,10 @@ class Fetcher:
             return self._fail("truncated", f"page of {len(body)} bytes ends mid-line", started)
         return FetchResult(text, seconds=time.monotonic() - started, size=len(body), content_type=content_type)
 
-    def _request(self) -> requests.PreparedRequest:
+    def _request(self, copy: bool = True) -> requests.PreparedRequest:
         """What `self.session.get(self.url, headers=token headers)` sends
-        (Session.send fills in the same verify, proxies and cert as get)."""
+        (Session.send fills in the same verify, proxies and cert as get).
+        `copy=False`: the kept request itself, for a reader that only reads it."""
         headers = self._token.headers()
         key = tuple(headers.items())
         if self._prepared is None or self._prepared[0] != key or self.session.cookies:
@@ -233,7 +234,7 @@ class Fetcher:
             if self.session.cookies:
                 return request  # cookies may change with every answer: prepared afresh each time
             self._prepared = (key, request)
-        return self._prepared[1].copy()
+        return self._prepared[1].copy() if copy else self._prepared[1]
 
     def _read_body(self, response: requests.Response, deadline: float) -> tuple[bytes, tuple[str, str] | None]:
         return read_body(response, self.max_body_bytes, deadline, self.timeout)
@@ -585,6 +586,9 @@ class _Deadlines:
         self._changed = threading.Condition()
         self._armed: set[_Watchdog] = set()
         self._thread: threading.Thread | None = None
+        # When the thread wakes next (None: when told): a fetch whose
+        # deadline comes later (every poll's, at one timeout) wakes nobody.
+        self._wake_at: float | None = None
 
     def watch(self, watchdog: _Watchdog) -> None:
         with self._changed:
@@ -592,7 +596,9 @@ class _Deadlines:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvwatch-fetch-deadlines", daemon=True)
                 self._thread.start()
-            self._changed.notify()
+            if self._wake_at is None or watchdog.deadline < self._wake_at:
+                self._wake_at = watchdog.deadline  # the thread may not be waiting yet: it reads the set first
+                self._changed.notify()
 
     def forget(self, watchdog: _Watchdog) -> None:
         with self._changed:
@@ -606,6 +612,7 @@ class _Deadlines:
                     self._armed.discard(watchdog)
                     watchdog.fire()
                 nearest = min((w.deadline for w in self._armed), default=None)
+                self._wake_at = nearest
                 self._changed.wait(None if nearest is None else nearest - now)
 
 

@@ -1,3 +1,4 @@
+import re
 import sys
 from pathlib import Path
 
@@ -37,3 +38,24 @@ def _stays_on_loopback():
     made = network_guard.take_violations()
     if made:
         pytest.fail("a test left loopback:\n" + "\n".join(made), pytrace=False)
+
+
+# The real-engine tiers run only when a -m expression names their marker
+# (scripts/test-vllm.sh: -m vllm; scripts/test-llamacpp.sh: -m llamacpp). Any
+# other run leaves them out, so `pytest -m "not slow"` needs no "and not vllm
+# and not llamacpp" of its own (a -m on the command line replaces addopts').
+TIERS = ("vllm", "llamacpp")
+
+
+def tier_items_left_out(markexpr: str, items: list) -> list:
+    """The items of a real-engine tier that the -m expression does not name."""
+    named = set(re.findall(r"\w+", markexpr or ""))
+    return [item for item in items if any(tier not in named and item.get_closest_marker(tier) for tier in TIERS)]
+
+
+def pytest_collection_modifyitems(config, items):
+    left_out = tier_items_left_out(config.getoption("markexpr"), items)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        dropped = set(map(id, left_out))
+        items[:] = [item for item in items if id(item) not in dropped]

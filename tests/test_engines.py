@@ -5,20 +5,22 @@ read back to the same canonical values as its vLLM page."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 
 from kvwatch import diagnose
-from kvwatch.engines import ENGINES, make_adapter, recognize
+from kvwatch.engines import ENGINES, coverage, make_adapter, recognize
+from kvwatch.engines.base import EngineAdapter
 from kvwatch.engines.coverage import dark_signals
 from kvwatch.engines.sglang import SglangAdapter
 from kvwatch.engines.trtllm import STALE_AFTER
 from kvwatch.pipeline.monitor import Monitor
 from kvwatch.sidecar.report import signals_json
 from kvwatch.settings import SettingsError, load_settings
-from kvwatch.signals import evaluate_window
+from kvwatch.signals import SIGNALS, evaluate_window
 from kvwatch.sim.dialects import render_dialect
 from kvwatch.sim.render import render_metrics
 from kvwatch.sim.scenario import load_scenario
@@ -373,6 +375,33 @@ def test_dark_signals_follow_each_adapters_table():
     assert "kvwatch_prefix_cache_hit_ratio" not in dark_signals(ENGINES["sglang"])
     assert "kvwatch_preemptions_per_second" in dark_signals(ENGINES["trtllm"])
     assert "kvwatch_kv_cache_capacity_tokens" in dark_signals(ENGINES["llamacpp"])
+
+
+def test_dark_signals_come_from_what_each_adapter_declares(fixtures_dir):
+    """The coverage reads EngineAdapter.provides and nothing engine-specific:
+    vLLM is lit everywhere because it declares its alias tables, every key a
+    real vLLM page fills is declared, and an adapter that declares nothing
+    lights nothing."""
+    for function in (coverage.provided, coverage.dark_signals):
+        source = inspect.getsource(function)
+        assert "vllm" not in source.lower() and "TableAdapter" not in source, function.__name__
+    declared = ENGINES["vllm"].provides()
+    pages = sorted(fixtures_dir.glob("vllm-*/metrics-*.txt"))
+    assert len(pages) >= 4
+    for page in pages:
+        for engine in make_adapter("vllm").adapt(page.read_text(), 1.0).engines.values():
+            for key in [*engine.gauges, *engine.counters, *engine.histograms]:
+                assert key in declared or key.split("/", 1)[0] + "/*" in declared, (page.name, key)
+    for adapter in ENGINES.values():
+        assert set(adapter.provides(older_builds=False)) <= set(adapter.provides()), adapter.name
+
+    class Bare(EngineAdapter):
+        name = "bare"
+
+        def adapt(self, text, at=None):
+            raise NotImplementedError
+
+    assert set(dark_signals(Bare)) == {signal.name for signal in SIGNALS}
 
 
 # --- the simulator's dialects -------------------------------------------------

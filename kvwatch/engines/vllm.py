@@ -55,6 +55,21 @@ class VllmAdapter(EngineAdapter):
     gates = GATES
     versions = VERSIONS
 
+    @classmethod
+    def provides(cls, older_builds: bool = True) -> dict[str, str]:
+        """The alias tables' keys (EngineAdapter.provides), every build's: the
+        catalogue is vLLM's, and what one page lacks is said from the page
+        (Signal.needs, /api/v1/signals' dark_signals)."""
+        found = {key: "gauge" for key in GAUGES | ENGINE_ONLY_GAUGES}
+        found.update({key: "counter" for key in COUNTERS})
+        found.update({f"{key}/*": "gauge" for key in LABELLED_GAUGES})
+        found.update({f"{key}/*": "counter" for key in LABELLED_COUNTERS | MODEL_ONLY_COUNTERS})
+        found.update({key: "histogram" for key in HISTOGRAMS})
+        # From vllm:cache_config_info.
+        found.update({key: "config" for key in ("capacity_tokens", "config/kv_cache_memory_bytes",
+                                                "config/num_gpu_blocks", "config/block_size")})
+        return found
+
     def __init__(self, max_series: int = 10_000):
         super().__init__(max_series)
         self._selector: FamilySelector | None = None
@@ -106,6 +121,10 @@ class VllmAdapter(EngineAdapter):
         self._read_info(snapshot, families)
         screen(snapshot, "vllm:")
         snapshot.counting = counting_caveats(families)
+        # What a store's answer was spelled in (adapt() replaces it with the
+        # page text's own sample lines, the definition).
+        spelled = {family.spelling for family in families.values()}
+        snapshot.spelling = ",".join(prefix for prefix in self.prefixes if prefix in spelled)
         return snapshot
 
     # Whether a page whose layout was seen on the poll before is read by its
