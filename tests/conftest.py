@@ -25,6 +25,8 @@ def fixtures_dir() -> Path:
     return path
 
 
+from slow_tests import SLOW_MODULES, SLOW_TESTS  # noqa: E402
+
 # Every test, the tiers' included, stays on loopback (tests/network_guard.py).
 import network_guard  # noqa: E402
 
@@ -53,7 +55,19 @@ def tier_items_left_out(markexpr: str, items: list) -> list:
     return [item for item in items if any(tier not in named and item.get_closest_marker(tier) for tier in TIERS)]
 
 
+def mark_slow(items: list) -> None:
+    """The slow marker on the tests tests/slow_tests.py lists."""
+    for item in items:
+        module = item.path.name
+        function = getattr(item, "originalname", None) or item.name.split("[")[0]
+        if module in SLOW_MODULES or function in SLOW_TESTS.get(module, ()):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    # tryfirst: the marks are on before -m selects (the mark plugin's hook).
+    mark_slow(items)
     left_out = tier_items_left_out(config.getoption("markexpr"), items)
     if left_out:
         config.hook.pytest_deselected(items=left_out)

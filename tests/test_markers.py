@@ -5,12 +5,14 @@ vLLM (tests/vllm_tier/conftest.py)."""
 
 from __future__ import annotations
 
+import ast
 import tomllib
 from pathlib import Path
 
 import pytest
 from _pytest.mark.expression import Expression
 from conftest import TIERS, tier_items_left_out
+from slow_tests import SLOW_MODULES, SLOW_TESTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,3 +50,15 @@ def test_a_tier_runs_only_when_the_expression_names_it(markexpr, selected):
     expression = Expression.compile(markexpr) if markexpr else None
     assert {name for name, item in items.items() if item not in left_out and
             (expression is None or expression.evaluate(lambda marker, item=item: marker in item.markers))} == selected
+
+
+def test_every_slow_test_listed_is_still_a_test():
+    tests = ROOT / "tests"
+    for module in SLOW_MODULES:
+        assert (tests / module).is_file(), module
+    for module, functions in SLOW_TESTS.items():
+        assert module not in SLOW_MODULES, module
+        tree = ast.parse((tests / module).read_text())
+        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        stale = sorted(set(functions) - defined)
+        assert not stale, f"tests/slow_tests.py names tests {module} no longer has: {stale}"

@@ -121,6 +121,10 @@ class VllmAdapter(EngineAdapter):
         self._read_info(snapshot, families)
         screen(snapshot, "vllm:")
         snapshot.counting = counting_caveats(families)
+        # What a store's answer was spelled in (adapt() replaces it with the
+        # page text's own sample lines, the definition).
+        spelled = {family.spelling for family in families.values()}
+        snapshot.spelling = ",".join(prefix for prefix in self.prefixes if prefix in spelled)
         return snapshot
 
     # Whether a page whose layout was seen on the poll before is read by its
