@@ -12,7 +12,7 @@ ifdef KVWATCH_CACHE_DIR
 export PIP_CACHE_DIR := $(KVWATCH_CACHE_DIR)/pip
 endif
 
-.PHONY: run test test-vllm test-llamacpp capture-vllm capture-llamacpp bench generate check-generated screenshots system-deps clean
+.PHONY: run test test-vllm test-llamacpp capture-vllm capture-llamacpp bench generate check-generated screenshots system-deps lint test-fast clean
 
 $(RUN_STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -68,6 +68,14 @@ generate: $(RUN_STAMP)
 # Fail when committed dashboards/, alerts/ or deploy/ are stale (a test checks it too).
 check-generated: $(RUN_STAMP)
 	$(VENV)/bin/kvwatch generate --check
+
+# The developer loop: everything but the slow tests (tests/slow_tests.py, docs/contributing.md).
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow"
+
+# The rules chosen in pyproject.toml's [tool.ruff] (tests/test_lint.py runs the same).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvwatch tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

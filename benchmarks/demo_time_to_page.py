@@ -32,8 +32,9 @@ from prometheus_client import generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvwatch.mixin import objectives  # noqa: E402
-from kvwatch.mixin.config import MixinConfig, seconds  # noqa: E402
+from kvwatch.mixin.config import MixinConfig  # noqa: E402
 from kvwatch.sidecar.collector import make_registry  # noqa: E402
+from kvwatch.units import parse_prometheus_duration as seconds  # noqa: E402
 from sim_support import sim_monitor  # noqa: E402
 
 EVERY = 15

@@ -8,7 +8,9 @@ is a ratio or a median taken in this run; nothing here is a pass/fail test
     .venv/bin/python benchmarks/run.py [--fixtures DIR] [--quick] [--only parse,poll,...] [--merge]
 
 `--only history --merge` runs one section and updates only its figures and
-details in RESULTS.md.
+details in RESULTS.md. `--history-scale 256x6` runs the history section over
+256 replicas x 6 h (the same replica-steps as 64 x 24 h, four times the
+series) as a section and figures of their own.
 """
 
 from __future__ import annotations
@@ -1012,7 +1014,7 @@ def cpu_with_children() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def bench_history(report: Report, quick: bool) -> None:
+def bench_history(report: Report, quick: bool, scale_text: str | None = None) -> None:
     """kvwatch diagnose --prometheus over a fleet backfilled into a real
     Prometheus with promtool: read, rebuild and diagnose every replica at
     every step, the fleet rules included. The whole range is diagnosed as
@@ -1034,6 +1036,9 @@ def bench_history(report: Report, quick: bool) -> None:
         report.not_run["history"] = "promtool and prometheus were not installed on the machine of the run"
         return
     replicas, hours, slice_hours, step = (16, 1, 1, 30.0) if quick else (64, 24, 2, 30.0)
+    if scale_text:  # REPLICASxHOURS: its own section and figures, the whole range measured
+        replicas, hours = (int(part) for part in scale_text.lower().split("x"))
+        slice_hours = 1
     points = int(hours * 3600 / step)
     slice_points = int(slice_hours * 3600 / step)
     start = float((int(time.time()) // 3600 - hours - 2) * 3600)
@@ -1085,12 +1090,19 @@ def bench_history(report: Report, quick: bool) -> None:
     within = cost["queries"] <= max_queries and cost["samples"] <= max_samples
     full = 64 * 2880
     scale = f"{replicas} replicas x {hours} h at {step:g} s"
+    # A chosen scale's rows and section are its own (the default's are kept).
+    suffix = f", {scale}" if scale_text else ""
     print(f"  {scale} ({replica_steps:,} replica-steps; OpenMetrics {size / 1e6:.0f} MB written in {written:.0f}s, "
           f"backfilled in {setup - written:.0f}s): {cost['queries']} queries, {cost['samples']:,} samples, "
           f"read {cost['seconds']:.1f}s, total {total:.1f}s wall, {cpu:.1f}s CPU with {workers} workers; "
           f"{len(history.timeline.episodes)} findings; CPU per replica-step: "
           + ", ".join(f"{label} {value * 1e3:.3f} ms" for label, value in per_step.items()))
-    if replica_steps == full:
+    if scale_text:
+        report.figure(f"history: {scale}, measured",
+                      f"{total:.0f} s wall, {cpu:.0f} s CPU ({workers} workers)",
+                      f"one process: {per_step['slice, one process'] * replica_steps:.0f} s CPU "
+                      f"(from a {slice_hours} h slice)", "< 60 s", total < 60)
+    elif replica_steps == full:
         report.figure("history: 64 replicas x 24 h at 30 s, measured",
                       f"{total:.0f} s wall, {cpu:.0f} s CPU ({workers} workers)",
                       f"one process: {per_step['slice, one process'] * full:.0f} s CPU (from a {slice_hours} h slice)",
@@ -1102,14 +1114,14 @@ def bench_history(report: Report, quick: bool) -> None:
                       f"one process: {per_step['slice, one process'] * full:.0f} s CPU", "< 60 s", extrapolated < 60)
     report.figure(f"history: queries and samples, {scale}", f"{cost['queries']} queries, {cost['samples']:,} samples",
                   "-", f"<= {max_queries} queries, <= {max_samples:,} samples", within)
-    report.figure("history: CPU per replica-step",
+    report.figure("history: CPU per replica-step" + suffix,
                   f"{per_step['slice, workers'] * 1e3:.3f} ms ({workers} workers), "
                   f"{per_step['slice, one process'] * 1e3:.3f} ms (one process)",
                   f"pages as text {per_step['slice, pages as text'] * 1e3:.3f} ms", "-", None)
-    report.figure("history: workers give the one-process timeline", "yes" if same else "NO", "one process",
+    report.figure("history: workers give the one-process timeline" + suffix, "yes" if same else "NO", "one process",
                   "identical", same)
     report.sections.append("\n".join([
-        "### history: `kvwatch diagnose --prometheus`",
+        "### history: `kvwatch diagnose --prometheus`" + suffix,
         "",
         f"{scale} ({replica_steps:,} replica-steps), backfilled into a real Prometheus with "
         f"`promtool tsdb create-blocks-from openmetrics` ({size / 1e6:.0f} MB of OpenMetrics, {setup:.0f} s to "
@@ -1180,6 +1192,9 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--merge", action="store_true",
                         help="update only the figures and sections run (with --only) in an existing --output")
+    parser.add_argument("--history-scale", metavar="REPLICASxHOURS",
+                        help="the history section over this fleet and range (e.g. 256x6), as a section and figures "
+                             "of their own beside the default's (64x24, 16x1 with --quick)")
     args = parser.parse_args()
     if not (args.fixtures / "vllm-0.32-cpu").is_dir():
         print(f"real vLLM captures not found under {args.fixtures}", file=sys.stderr)
@@ -1207,7 +1222,7 @@ def main() -> int:
         "curve": lambda: bench_curve(report, capture, args.quick),
         "replay": lambda: bench_replay(report, capture, args.quick),
         "page": lambda: bench_page(report, args.fixtures, args.quick),
-        "history": lambda: bench_history(report, args.quick),
+        "history": lambda: bench_history(report, args.quick, args.history_scale),
         "central": lambda: bench_central(report, args.quick),
         "kv_events": lambda: bench_kv_events(report, args.quick),
     }

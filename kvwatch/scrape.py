@@ -23,6 +23,7 @@ import requests
 import requests.adapters
 import urllib3
 import urllib3.connection
+import urllib3.util.wait
 
 from kvwatch import __version__
 from kvwatch.present import public_host
@@ -129,6 +130,10 @@ class Fetcher:
         self._prepared: tuple[tuple, requests.PreparedRequest] | None = None
         if not tls_verify:
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+        # Plain http:// targets are read over one kept-alive socket by
+        # _PlainHTTP (a tenth of requests' CPU per poll); https:// ones, and
+        # a target that sets cookies, through the session.
+        self._plain: _PlainHTTP | None = _PlainHTTP() if urlsplit(url).scheme.lower() == "http" else None
 
     def fetch(self) -> FetchResult:
         started = time.monotonic()
@@ -146,6 +151,8 @@ class Fetcher:
 
     def _fetch(self, started: float) -> FetchResult:
         deadline = started + self.timeout
+        if self._plain is not None and not self.session.cookies:
+            return self._fetch_plain(started, deadline)
         try:
             response = self.session.send(self._request(), timeout=(self.timeout, self.timeout),
                                          allow_redirects=False, stream=True)
@@ -177,7 +184,35 @@ class Fetcher:
             body, failure = self._read_body(response, deadline)
             if failure is not None:
                 return self._fail(failure[0], failure[1], started)
+        return self._page(body, content_type, started)
 
+    def _fetch_plain(self, started: float, deadline: float) -> FetchResult:
+        """The same request, outcomes and reasons as the session's, over
+        _PlainHTTP."""
+        try:
+            request = self._request(copy=False)  # _PlainHTTP only reads it
+        except requests.exceptions.InvalidHeader:
+            message = "the bearer token file does not hold a valid HTTP header value"
+            return self._fail("error", message, started, sentence=message)
+        except requests.exceptions.RequestException as exc:
+            return self._fail("error", _safe(exc), started)
+        answer = self._plain.get(request, self.timeout, deadline, self.max_body_bytes)
+        if answer.failure is not None:
+            return self._fail(answer.failure[0], answer.failure[1], started)
+        if answer.sets_cookie:
+            # The session keeps cookies and sends them back; this path does
+            # not: the next polls go through the session.
+            self._plain.close()
+            self._plain = None
+        status = answer.status
+        if status != 200:
+            location = answer.headers.get("location", "")
+            detail = f"HTTP {status}" + (f" redirect to {location[:200]} refused" if 300 <= status < 400 else "")
+            return self._fail(f"http_{status // 100}xx", detail, started)
+        content_type = answer.headers.get("content-type", "").split(";")[0].strip().lower()[:80]
+        return self._page(answer.body, content_type, started)
+
+    def _page(self, body: bytes, content_type: str, started: float) -> FetchResult:
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -188,9 +223,10 @@ class Fetcher:
             return self._fail("truncated", f"page of {len(body)} bytes ends mid-line", started)
         return FetchResult(text, seconds=time.monotonic() - started, size=len(body), content_type=content_type)
 
-    def _request(self) -> requests.PreparedRequest:
+    def _request(self, copy: bool = True) -> requests.PreparedRequest:
         """What `self.session.get(self.url, headers=token headers)` sends
-        (Session.send fills in the same verify, proxies and cert as get)."""
+        (Session.send fills in the same verify, proxies and cert as get).
+        `copy=False`: the kept request itself, for a reader that only reads it."""
         headers = self._token.headers()
         key = tuple(headers.items())
         if self._prepared is None or self._prepared[0] != key or self.session.cookies:
@@ -198,7 +234,7 @@ class Fetcher:
             if self.session.cookies:
                 return request  # cookies may change with every answer: prepared afresh each time
             self._prepared = (key, request)
-        return self._prepared[1].copy()
+        return self._prepared[1].copy() if copy else self._prepared[1]
 
     def _read_body(self, response: requests.Response, deadline: float) -> tuple[bytes, tuple[str, str] | None]:
         return read_body(response, self.max_body_bytes, deadline, self.timeout)
@@ -261,6 +297,239 @@ def read_body(response: requests.Response, cap: int, deadline: float,
     return b"".join(parts), None
 
 
+# Bounds on what a plain-HTTP answer may send before its body: as
+# http.client's (100 headers, 64 KiB a line).
+_MAX_HEADERS = 100
+_MAX_LINE = 65536
+
+
+@dataclass(slots=True)
+class _Answer:
+    status: int = 0
+    headers: dict = None  # lower-cased names; a repeated header keeps its last value
+    body: bytes = b""
+    sets_cookie: bool = False
+    failure: tuple[str, str] | None = None  # (reason, detail), as the session's path names them
+
+
+class _Ended(Exception):
+    """The server closed the connection or the read failed."""
+
+
+class _PlainHTTP:
+    """GET over one kept-alive plain-HTTP/1.1 connection, what a poll of an
+    http:// target needs of requests, urllib3 and http.client at a tenth of
+    their CPU: the request the session prepares (its bytes kept while it
+    stays the same), the status line and headers read by hand, a body of a
+    Content-Length, chunked or up to the close, gzip decompressed within
+    the cap (read_body's rules), and the same failures under the same
+    reasons. The socket is watched by the fetch's Watchdog. A connection the
+    server closed while idle is opened again before the request, and once
+    more if the reused one ends before any byte of the answer."""
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.reader = None
+        self._sent: tuple[tuple, bytes, tuple[str, int]] | None = None
+        self._where = ""
+
+    def close(self) -> None:
+        # The reader holds a reference to the socket: both close, or the
+        # descriptor stays open.
+        for thing in (self.reader, self.sock):
+            if thing is not None:
+                try:
+                    thing.close()
+                except OSError:
+                    pass
+        self.sock = self.reader = None
+
+    def _wire(self, request: requests.PreparedRequest) -> tuple[bytes, tuple[str, int]]:
+        key = (request.url, tuple(request.headers.items()))
+        if self._sent is None or self._sent[0] != key:
+            url = urllib3.util.parse_url(request.url)
+            port = url.port or 80
+            host = url.host or ""
+            lines = [f"GET {request.path_url} HTTP/1.1", f"Host: {host if port == 80 else f'{host}:{port}'}"]
+            lines += [f"{name}: {value}" for name, value in request.headers.items()]
+            wire = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+            self._sent = (key, wire, (host.strip("[]"), port))
+            # What a failure's detail quotes, as requests' exceptions quote
+            # it (the query string is redacted by the Fetcher).
+            self._where = f"host={host!r}, port={port}, url: {request.path_url}"
+        return self._sent[1], self._sent[2]
+
+    def _detail(self, exc: BaseException) -> str:
+        return f"{_safe(exc)} ({self._where})"
+
+    def get(self, request: requests.PreparedRequest, timeout: float, deadline: float, cap: int) -> _Answer:
+        try:
+            wire, address = self._wire(request)
+        except (UnicodeEncodeError, ValueError, urllib3.exceptions.LocationParseError) as exc:
+            return _Answer(failure=("error", self._detail(exc)))
+        reused = self.sock is not None
+        if reused and _dropped(self.sock):
+            self.close()
+            reused = False
+        answer = self._exchange(wire, address, timeout, deadline, cap, reused)
+        if answer is None:  # the kept connection had been closed: once more on a new one
+            self.close()
+            answer = self._exchange(wire, address, timeout, deadline, cap, False)
+        if answer.failure is not None or answer.status != 200:
+            self.close()
+        return answer
+
+    def _exchange(self, wire: bytes, address: tuple[str, int], timeout: float, deadline: float, cap: int,
+                  reused: bool) -> _Answer | None:
+        if self.sock is None:
+            try:
+                sock = socket.create_connection(address, timeout)
+            except socket.gaierror as exc:
+                return _Answer(failure=("dns", self._detail(exc)))
+            except (socket.timeout, TimeoutError):
+                return _Answer(failure=("timeout", f"connect timed out after {timeout:g}s"))
+            except ConnectionRefusedError as exc:
+                return _Answer(failure=("refused", self._detail(exc)))
+            except OSError as exc:
+                return _Answer(failure=(connection_reason(exc), self._detail(exc)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock, self.reader = sock, sock.makefile("rb")
+        _Watchdog.watch(self.sock)
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.sendall(wire)
+            status, version, headers = self._head()
+        except (socket.timeout, TimeoutError):
+            return _Answer(failure=("timeout", f"no response within {timeout:g}s"))
+        except (_Ended, OSError) as exc:
+            if reused and not getattr(exc, "started", False):
+                return None
+            return _Answer(failure=("disconnected", self._detail(exc)))
+        except ValueError as exc:  # a status line or header that is not HTTP
+            return _Answer(failure=("disconnected", self._detail(exc)))
+        answer = _Answer(status, headers, sets_cookie="set-cookie" in headers)
+        if status != 200:
+            return answer
+        keep = version == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+        answer.body, answer.failure, whole = self._body(headers, timeout, deadline, cap)
+        if not (keep and whole):
+            self.close()
+        return answer
+
+    def _line(self) -> bytes:
+        line = self.reader.readline(_MAX_LINE + 1)
+        if len(line) > _MAX_LINE:
+            raise ValueError("header line too long")
+        return line
+
+    def _head(self) -> tuple[int, str, dict]:
+        while True:
+            line = self._line()
+            if not line:
+                raise _Ended("RemoteDisconnected: the server closed the connection without an answer")
+            parts = line.decode("latin-1").rstrip("\r\n").split(None, 2)
+            if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit() or len(parts[1]) != 3:
+                raise ValueError(f"BadStatusLine: {line[:80]!r}")
+            status = int(parts[1])
+            headers: dict[str, str] = {}
+            for _ in range(_MAX_HEADERS + 1):
+                line = self._line()
+                if not line:
+                    ended = _Ended("the server closed the connection within the headers")
+                    ended.started = True
+                    raise ended
+                if line in (b"\r\n", b"\n"):
+                    break
+                name, colon, value = line.decode("latin-1").partition(":")
+                if colon:
+                    headers[name.strip().lower()] = value.strip()
+            else:
+                raise ValueError(f"more than {_MAX_HEADERS} headers")
+            if not 100 <= status < 200:
+                return status, parts[0], headers
+            # an interim answer (100 Continue): the real one follows
+
+    def _body(self, headers: dict, timeout: float, deadline: float,
+              cap: int) -> tuple[bytes, tuple[str, str] | None, bool]:
+        """(body, failure, whether the connection may carry another request)."""
+        decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS) \
+            if headers.get("content-encoding", "").lower() == "gzip" else None
+        parts: list[bytes] = []
+        size = 0
+        chunked = headers.get("transfer-encoding", "").lower().rsplit(",", 1)[-1].strip() == "chunked"
+        length = headers.get("content-length")
+        try:
+            if chunked:
+                raw = self._chunks()
+            elif length is not None and not headers.get("transfer-encoding"):
+                if not length.isdigit():
+                    return b"", ("truncated", f"invalid Content-Length {length[:40]!r}"), False
+                raw = self._sized(int(length))
+            else:
+                raw = self._to_close()
+            for chunk in raw:
+                if decompressor is not None:
+                    chunk, decompressor = _gunzip(decompressor, chunk, cap + 1 - size)
+                size += len(chunk)
+                if size > cap:
+                    return b"", ("too_large", f"body exceeds the {cap} byte cap"), False
+                parts.append(chunk)
+                if time.monotonic() > deadline:
+                    return b"", ("timeout", f"body not complete within {timeout:g}s (slow server)"), False
+        except (socket.timeout, TimeoutError) as exc:
+            return b"", ("timeout", self._detail(exc)), False
+        except (_Ended, OSError, ValueError, zlib.error) as exc:
+            return b"", ("truncated", self._detail(exc)), False
+        if decompressor is not None and not decompressor.eof:
+            return b"", ("truncated", "gzip stream ends before its end marker"), False
+        return b"".join(parts), None, chunked or length is not None
+
+    def _sized(self, length: int):
+        left = length
+        while left:
+            chunk = self.reader.read1(min(left, CHUNK))
+            if not chunk:
+                raise _Ended(f"IncompleteRead: {length - left} bytes read, {left} more expected")
+            left -= len(chunk)
+            yield chunk
+
+    def _to_close(self):
+        while chunk := self.reader.read1(CHUNK):
+            yield chunk
+
+    def _chunks(self):
+        while True:
+            line = self._line()
+            if not line:
+                raise _Ended("the chunked body ends before its last chunk")
+            size_text = line.split(b";", 1)[0].strip()
+            size = int(size_text, 16)  # ValueError: not a chunk size
+            if size < 0:
+                raise ValueError("negative chunk size")
+            if size == 0:
+                while self._line() not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return
+            left = size
+            while left:
+                chunk = self.reader.read1(min(left, CHUNK))
+                if not chunk:
+                    raise _Ended("the chunked body ends before its last chunk")
+                left -= len(chunk)
+                yield chunk
+            if self._line() not in (b"\r\n", b"\n"):
+                raise ValueError("a chunk not followed by its line end")
+
+
+def _dropped(sock: socket.socket) -> bool:
+    """Whether a kept-alive connection was closed (or sent something) while
+    idle: then it cannot carry the next request."""
+    try:
+        return urllib3.util.wait.wait_for_read(sock, timeout=0.0)
+    except (OSError, ValueError):
+        return True
+
+
 class _Watchdog:
     """Shuts down the sockets of one fetch when its overall deadline passes.
 
@@ -317,6 +586,9 @@ class _Deadlines:
         self._changed = threading.Condition()
         self._armed: set[_Watchdog] = set()
         self._thread: threading.Thread | None = None
+        # When the thread wakes next (None: when told): a fetch whose
+        # deadline comes later (every poll's, at one timeout) wakes nobody.
+        self._wake_at: float | None = None
 
     def watch(self, watchdog: _Watchdog) -> None:
         with self._changed:
@@ -324,7 +596,9 @@ class _Deadlines:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvwatch-fetch-deadlines", daemon=True)
                 self._thread.start()
-            self._changed.notify()
+            if self._wake_at is None or watchdog.deadline < self._wake_at:
+                self._wake_at = watchdog.deadline  # the thread may not be waiting yet: it reads the set first
+                self._changed.notify()
 
     def forget(self, watchdog: _Watchdog) -> None:
         with self._changed:
@@ -338,6 +612,7 @@ class _Deadlines:
                     self._armed.discard(watchdog)
                     watchdog.fire()
                 nearest = min((w.deadline for w in self._armed), default=None)
+                self._wake_at = nearest
                 self._changed.wait(None if nearest is None else nearest - now)
 
 

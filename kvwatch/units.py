@@ -1,7 +1,10 @@
 """One grammar for the sizes and durations every command and config accepts.
 
 Durations: a number of seconds (`5`, `0.5`) or a number with a unit (`500ms`,
-`5s`, `2m`, `1h`); finite and above zero. Sizes: a whole number of bytes
+`5s`, `2m`, `1h`); finite and above zero. Prometheus' own durations (the
+mixin's windows and `for:`, scrape intervals) have their own grammar, read
+here too: whole numbers each with a unit, in one or more parts (`30s`,
+`1h30m`, `1d`, `0s`), never a bare number. Sizes: a whole number of bytes
 (`4194304`) or a number with a unit, decimal (`KB`, `MB`, `GB`, `TB`: powers of
 1000) or binary (`KiB`, `MiB`, `GiB`, `TiB`: powers of 1024). A bare `M` or `G`
 is refused because it could mean either, and a size is exact: `1.5GiB` is
@@ -18,6 +21,9 @@ from typing import Any
 
 _DURATION = re.compile(r"\s*([-+]?[0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+# Prometheus' duration units; `y` is 365 days, as Prometheus counts it.
+PROMETHEUS_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 _BYTES = {
@@ -43,6 +49,31 @@ def parse_duration(value: Any) -> float:
     if seconds <= 0:
         raise ValueError(f"{value!r} must be positive")
     return seconds
+
+
+def parse_prometheus_duration(value: Any, units: str = "ms|s|m|h|d|w|y") -> float:
+    """Seconds of a Prometheus duration (`30s`, `5m`, `1h30m`, `1d`, `0s`),
+    each part a whole number with one of `units` (alternatives of a regular
+    expression, longest first). ValueError, one sentence, for anything else:
+    not a string, a bare number, a fraction, another unit."""
+    if not isinstance(value, str) or not re.fullmatch(rf"(?:\d+(?:{units}))+", value):
+        raise ValueError(f"{value!r} is not a Prometheus duration (examples: 30s, 5m, 1h)")
+    return sum(float(n) * PROMETHEUS_UNITS[u] for n, u in re.findall(rf"(\d+)({units})", value))
+
+
+def is_prometheus_duration(value: Any, units: str = "ms|s|m|h|d|w|y") -> bool:
+    """Whether parse_prometheus_duration reads `value`."""
+    try:
+        parse_prometheus_duration(value, units)
+    except ValueError:
+        return False
+    return True
+
+
+def prometheus_duration(seconds: float) -> str:
+    """Seconds as a Prometheus duration: whole minutes as `Nm`, else `Ns`."""
+    whole = int(round(seconds))
+    return f"{whole // 60}m" if whole and whole % 60 == 0 else f"{whole}s"
 
 
 def parse_whole_number(value: Any) -> int:

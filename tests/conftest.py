@@ -1,3 +1,4 @@
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def fixtures_dir() -> Path:
     return path
 
 
+from slow_tests import SLOW_MODULES, SLOW_TESTS  # noqa: E402
+
 # Every test, the tiers' included, stays on loopback (tests/network_guard.py).
 import network_guard  # noqa: E402
 
@@ -37,3 +40,36 @@ def _stays_on_loopback():
     made = network_guard.take_violations()
     if made:
         pytest.fail("a test left loopback:\n" + "\n".join(made), pytrace=False)
+
+
+# The real-engine tiers run only when a -m expression names their marker
+# (scripts/test-vllm.sh: -m vllm; scripts/test-llamacpp.sh: -m llamacpp). Any
+# other run leaves them out, so `pytest -m "not slow"` needs no "and not vllm
+# and not llamacpp" of its own (a -m on the command line replaces addopts').
+TIERS = ("vllm", "llamacpp")
+
+
+def tier_items_left_out(markexpr: str, items: list) -> list:
+    """The items of a real-engine tier that the -m expression does not name."""
+    named = set(re.findall(r"\w+", markexpr or ""))
+    return [item for item in items if any(tier not in named and item.get_closest_marker(tier) for tier in TIERS)]
+
+
+def mark_slow(items: list) -> None:
+    """The slow marker on the tests tests/slow_tests.py lists."""
+    for item in items:
+        module = item.path.name
+        function = getattr(item, "originalname", None) or item.name.split("[")[0]
+        if module in SLOW_MODULES or function in SLOW_TESTS.get(module, ()):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # tryfirst: the marks are on before -m selects (the mark plugin's hook).
+    mark_slow(items)
+    left_out = tier_items_left_out(config.getoption("markexpr"), items)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        dropped = set(map(id, left_out))
+        items[:] = [item for item in items if id(item) not in dropped]

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import re
 
+from kvwatch.pipeline.monitor import Monitor
 from kvwatch.scrape import FetchResult
+from kvwatch.settings import load_settings
 
 
 class Pages:
@@ -18,6 +20,17 @@ class Pages:
     def fetch(self) -> FetchResult:
         text = self.pages.pop(0)
         return FetchResult(text, size=len(text))
+
+
+def polled(pages, engine="auto", every=60.0) -> Monitor:
+    """A monitor that polled each page once, `every` seconds apart on its clock."""
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "engine": engine,
+                                        "poll_interval": "1s", "window": "5m"}, environ={})
+    times = iter(1000.0 + every * i for i in range(100))
+    monitor = Monitor(settings, fetcher=Pages(pages), clock=lambda: next(times))
+    for _ in pages:
+        monitor.poll_once()
+    return monitor
 
 
 def with_value(page: str, series: str, value: str) -> str:

@@ -9,28 +9,14 @@ from __future__ import annotations
 import re
 
 import pytest
-from page_support import Pages, with_value
+from page_support import polled
 
 from kvwatch.sidecar.collector import make_registry
-from kvwatch.pipeline.monitor import Monitor
 from kvwatch.sidecar.report import signals_json
-from kvwatch.settings import load_settings
 from kvwatch.sidecar.statuspage import render_status_page
 from kvwatch.signals.catalogue import prompt_tokens_by_tier
 
 TIER = "kvwatch_prompt_tokens_by_tier_ratio"
-
-
-
-
-def polled(pages, engine="auto", every=60.0) -> Monitor:
-    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "engine": engine,
-                                        "poll_interval": "1s", "window": "5m"}, environ={})
-    times = iter(1000.0 + every * i for i in range(100))
-    monitor = Monitor(settings, fetcher=Pages(pages), clock=lambda: next(times))
-    for _ in pages:
-        monitor.poll_once()
-    return monitor
 
 
 def underscored(page: str) -> str:

@@ -4,22 +4,28 @@ share when N grows; `--shard` and `ordinal/N` parse or fail in one sentence;
 and against a real Prometheus over backfilled replicas, N shards each read
 only their own replicas (the selector is in their queries), and the union
 of their findings and of their exported series is one unsharded instance's
-at every refresh."""
+at every refresh; and two shards' exports, stored in a real Prometheus, give
+the generated fleet records and VllmFleetReplicaOutlier alerts exactly one
+unsharded instance's figures."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 
 import pytest
+import yaml
 
 from kvwatch.central.refresh import Central
 from kvwatch.history.query import PrometheusClient
 from kvwatch.history.shard import (MAX_SHARD_MATCHER_BYTES, Shard, ShardError, identity, owner, parse_shard,
                                    shard_matcher)
 from kvwatch.central.app import CentralCollector, create_central_app
+from kvwatch.commands.generate import RULES_FILE, render_all
+from kvwatch.mixin.config import MixinConfig
 from kvwatch.settings import load_settings
-from promstack import backfilled_prometheus
+from promstack import backfilled_prometheus, query_range
 from sim_support import fleet_openmetrics
 from test_history_prometheus import fleet
 
@@ -174,3 +180,96 @@ def test_a_shard_owning_no_replica_is_ready_and_says_so(store):
     assert state.up and state.replicas == {} and state.store_replicas == 16
     ready, text = central.ready()
     assert ready and f"shard {empty}/{count} owns none of the 16 replicas" in text
+
+
+# ----------------------------------------------------------------- the store's fleet rules over the shards
+
+
+def _openmetrics_of(exports: list[tuple[float, set]]) -> str:
+    """Central mode's exported replica samples at each refresh, as the store
+    scraping them (honorLabels: the replica's own labels) would hold them."""
+    def text(value: str) -> str:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    series: dict[tuple, list[str]] = {}
+    for at, samples in exports:
+        for name, labels, value in samples:
+            rendered = ",".join(f'{key}="{text(val)}"' for key, val in labels)
+            number = "NaN" if value != value else ("+Inf" if value == float("inf") else
+                                                   "-Inf" if value == float("-inf") else repr(float(value)))
+            series.setdefault((name, labels), []).append(f"{name}{{{rendered}}} {number} {at:.3f}")
+    return "\n".join(line for key in sorted(series) for line in series[key]) + "\n# EOF\n"
+
+
+def _fleet_queries() -> dict[str, str]:
+    """The generated rules that make the fleet's figures and alert, for a
+    central mode whose series carry the engines' job (the selector central
+    mode's rules are generated with, docs/deploy.md): the fleet group's
+    records, and each VllmFleetReplicaOutlier alert with the records it reads
+    written out (a backfilled store evaluates no rules over its past; the
+    expressions are the rules' own)."""
+    groups = yaml.safe_load(render_all(MixinConfig(selector='job="vllm"'))[RULES_FILE])["groups"]
+    records = {rule["record"]: rule["expr"] for group in groups for rule in group["rules"] if "record" in rule}
+    record_name = re.compile(r"\b[a-z_]+:[a-z0-9_]+:[a-z0-9_]+\b")
+
+    def written_out(expr: str) -> str:
+        return record_name.sub(lambda m: f"({written_out(records[m[0]])})" if m[0] in records else m[0], expr)
+
+    queries = {}
+    for group in groups:
+        for rule in group["rules"]:
+            if group["name"] == "kvwatch-fleet.rules":
+                queries[rule["record"]] = rule["expr"]
+            elif rule.get("alert") == "VllmFleetReplicaOutlier":
+                queries[f"VllmFleetReplicaOutlier/{rule['labels']['cause']}"] = written_out(rule["expr"])
+    assert len(queries) == 6 and all('job="vllm"' in q and "kvwatch_engine_" in q for q in queries.values())
+    assert not {name for q in queries.values() for name in record_name.findall(q) if name in records}
+    return queries
+
+
+def test_the_stores_fleet_rules_over_two_shards_exports_are_one_instances(store):
+    """Fleet findings over shards, end to end: what two shards export, stored
+    as a Prometheus scraping them stores it, gives the generated fleet
+    records and the VllmFleetReplicaOutlier alerts exactly the figures one
+    unsharded instance's exports give, at every step, in a real Prometheus."""
+    prom, start = store
+    settings = load_settings(overrides={"poll_interval": f"{STEP}s", "window": f"{WINDOW}s"}, environ={})
+    now = [start]
+    whole = Central(PrometheusClient(prom.url, timeout=10), settings, '{job="vllm"}', clock=lambda: now[0])
+    shards = [Central(PrometheusClient(prom.url, timeout=10), settings, '{job="vllm"}', clock=lambda: now[0],
+                      shard=Shard(k, 2)) for k in range(2)]
+    one, two, alone = [], [], []
+    while now[0] <= start + DURATION:
+        whole.refresh_once()
+        for shard in shards:
+            shard.refresh_once()
+        parts = [replica_samples(shard) for shard in shards]
+        # Each series from one shard only: two targets never write the same series.
+        assert all(parts) and not ({(n, l) for n, l, _ in parts[0]} & {(n, l) for n, l, _ in parts[1]})
+        one.append((now[0], replica_samples(whole)))
+        two.append((now[0], parts[0] | parts[1]))
+        alone.append((now[0], parts[0]))
+        now[0] += STEP
+
+    queries = _fleet_queries()
+    first, last = start + WINDOW, start + DURATION
+    with backfilled_prometheus(_openmetrics_of(one)) as unsharded, \
+            backfilled_prometheus(_openmetrics_of(two)) as sharded, \
+            backfilled_prometheus(_openmetrics_of(alone)) as one_shard:
+        fired, differs = set(), set()
+        for name, expr in queries.items():
+            figures = []
+            for store_ in (unsharded, sharded, one_shard):
+                result = query_range(store_.url, expr, first, last, step=STEP)
+                figures.append({tuple(sorted(r["metric"].items())): r["values"] for r in result})
+            assert figures[0] == figures[1], name
+            if figures[0]:
+                fired.add(name)
+            if figures[2] != figures[0]:
+                differs.add(name)
+        # The comparison sees a difference: one shard alone is not the fleet.
+        assert differs, "one shard's exports gave the whole fleet's figures"
+        # Not vacuous: the fleet's three findings fire, and the fleet counts are there.
+        assert {"VllmFleetReplicaOutlier/imbalance", "VllmFleetReplicaOutlier/lost_prefix_affinity",
+                "VllmFleetReplicaOutlier/cold_replica"} <= fired, fired
+        assert "model_name:kvwatch_fleet_replicas_pressed:count5m" in fired, fired

@@ -5,20 +5,22 @@ read back to the same canonical values as its vLLM page."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 
 from kvwatch import diagnose
-from kvwatch.engines import ENGINES, make_adapter, recognize
+from kvwatch.engines import ENGINES, coverage, make_adapter, recognize
+from kvwatch.engines.base import EngineAdapter
 from kvwatch.engines.coverage import dark_signals
 from kvwatch.engines.sglang import SglangAdapter
 from kvwatch.engines.trtllm import STALE_AFTER
 from kvwatch.pipeline.monitor import Monitor
 from kvwatch.sidecar.report import signals_json
 from kvwatch.settings import SettingsError, load_settings
-from kvwatch.signals import evaluate_window
+from kvwatch.signals import SIGNALS, evaluate_window
 from kvwatch.sim.dialects import render_dialect
 from kvwatch.sim.render import render_metrics
 from kvwatch.sim.scenario import load_scenario
@@ -211,6 +213,7 @@ def test_the_spelling_seen_is_reported_and_the_pools_re_exported(fixtures_dir, s
     html = render_status_page(state, settings)
     assert f'names spelled <code data-spelling="{spelling}">{spelling}</code>' in html
     registry = make_registry(monitor)
+    assert registry.get_sample_value("kvwatch_engine_spelling_info", {"spelling": spelling}) == 1.0
     identity = {"model_name": "qwen3-8b", "engine": "0"}
     assert registry.get_sample_value("kvwatch_engine_kv_pool_evictable_tokens", {**identity, "pool": "kv"}) == 18000
     assert registry.get_sample_value("kvwatch_engine_kv_pool_used_tokens", {**identity, "pool": "kv"}) > 0
@@ -374,6 +377,33 @@ def test_dark_signals_follow_each_adapters_table():
     assert "kvwatch_kv_cache_capacity_tokens" in dark_signals(ENGINES["llamacpp"])
 
 
+def test_dark_signals_come_from_what_each_adapter_declares(fixtures_dir):
+    """The coverage reads EngineAdapter.provides and nothing engine-specific:
+    vLLM is lit everywhere because it declares its alias tables, every key a
+    real vLLM page fills is declared, and an adapter that declares nothing
+    lights nothing."""
+    for function in (coverage.provided, coverage.dark_signals):
+        source = inspect.getsource(function)
+        assert "vllm" not in source.lower() and "TableAdapter" not in source, function.__name__
+    declared = ENGINES["vllm"].provides()
+    pages = sorted(fixtures_dir.glob("vllm-*/metrics-*.txt"))
+    assert len(pages) >= 4
+    for page in pages:
+        for engine in make_adapter("vllm").adapt(page.read_text(), 1.0).engines.values():
+            for key in [*engine.gauges, *engine.counters, *engine.histograms]:
+                assert key in declared or key.split("/", 1)[0] + "/*" in declared, (page.name, key)
+    for adapter in ENGINES.values():
+        assert set(adapter.provides(older_builds=False)) <= set(adapter.provides()), adapter.name
+
+    class Bare(EngineAdapter):
+        name = "bare"
+
+        def adapt(self, text, at=None):
+            raise NotImplementedError
+
+    assert set(dark_signals(Bare)) == {signal.name for signal in SIGNALS}
+
+
 # --- the simulator's dialects -------------------------------------------------
 
 
@@ -429,3 +459,20 @@ def test_the_engines_doc_is_the_adapters_tables():
     assert "| `kvwatch_prefix_cache_hit_ratio` | yes |" in table
     committed = (Path(__file__).resolve().parent.parent / "docs" / "engines-signals.md").read_text()
     assert committed == table
+
+
+@pytest.mark.parametrize("spelling", ["vllm:", "vllm_"])
+def test_vllms_spelling_is_reported_too(fixtures_dir, spelling):
+    from kvwatch.sidecar.collector import make_registry
+
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    if spelling == "vllm_":
+        page = re.sub(r"^vllm:", "vllm_", page, flags=re.M)
+    adapter = make_adapter("vllm")
+    snapshot = adapter.adapt(page, at=0)
+    assert snapshot.spelling == spelling and snapshot.engines
+    with PageServer([Answer(page)]) as server:
+        monitor = Monitor(load_settings(overrides={"target": server.url, "engine": "vllm"}, environ={}))
+        state = monitor.poll_once()
+    assert signals_json(state, monitor.settings)["engine_spelling"] == spelling
+    assert make_registry(monitor).get_sample_value("kvwatch_engine_spelling_info", {"spelling": spelling}) == 1.0

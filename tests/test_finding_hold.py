@@ -9,8 +9,8 @@ from kvwatch.diagnose import DEFAULT_THRESHOLDS, Finding, validate_thresholds
 from kvwatch.diagnose.hold import FindingHold
 from kvwatch.diagnose.timeline import Timeline
 from kvwatch.mixin.config import MixinConfig
-from kvwatch.mixin.promql import seconds_of
 from kvwatch.sidecar.report import finding_json
+from kvwatch.units import parse_prometheus_duration
 from sim_support import SIM_BASE, sim_monitor
 
 HOLD = DEFAULT_THRESHOLDS["finding_hold_seconds"]
@@ -72,7 +72,7 @@ def test_the_hold_is_one_setting_checked_like_the_other_thresholds():
     assert validate_thresholds({"finding_hold_seconds": -5}) != []
     assert validate_thresholds({"finding_hold_seconds": "soon"}) != []
     # The alert rules' keep_firing_for defaults to the same span.
-    assert seconds_of(MixinConfig().finding_hold) == HOLD
+    assert parse_prometheus_duration(MixinConfig().finding_hold) == HOLD
 
 
 def test_a_held_finding_says_so_in_the_api():
@@ -165,7 +165,7 @@ def test_the_symptom_alerts_keep_firing_for_the_hold_and_the_health_alerts_do_no
     alerts = [rule for rule in load_rules() if "alert" in rule and "objective" not in rule["labels"]]
     for rule in alerts:
         if rule["alert"] in SYMPTOM_ALERTS.values():
-            assert seconds_of(rule["keep_firing_for"]) == HOLD, rule["alert"]
+            assert parse_prometheus_duration(rule["keep_firing_for"]) == HOLD, rule["alert"]
         else:
             assert "keep_firing_for" not in rule, rule["alert"]
     assert {r["alert"] for r in alerts if "keep_firing_for" in r} == set(SYMPTOM_ALERTS.values())

@@ -12,7 +12,6 @@ import copy
 import json
 import platform
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -70,7 +69,7 @@ def objects(values: dict | None = None, release: str = RELEASE) -> list[dict]:
 
 
 def notes(values: dict | None = None) -> str:
-    return render(values)[f"kvwatch/templates/NOTES.txt"]
+    return render(values)["kvwatch/templates/NOTES.txt"]
 
 
 def of_kind(docs: list[dict], kind: str) -> list[dict]:

@@ -26,16 +26,12 @@ def module_name(path: Path) -> str:
 
 
 def module_imports(path: Path, known: set[str]) -> set[str]:
-    """kvwatch modules a module imports, at module level or inside a function
-    (a lazy import still loops, only later), not under TYPE_CHECKING."""
+    """kvwatch modules a module imports, at module level, inside a function
+    (a lazy import still loops, only later) or under TYPE_CHECKING (a
+    type-only loop is still two modules that cannot be read apart)."""
     found = set()
     tree = ast.parse(path.read_text())
-    skipped = {id(inner) for node in ast.walk(tree)
-               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-               for inner in ast.walk(node)}
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -88,6 +84,16 @@ def test_no_import_loop_inside_kvwatch():
 def test_the_cycle_finder_finds_a_loop():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_a_type_only_import_counts(tmp_path):
+    """An import under TYPE_CHECKING, or inside a function, is an edge of the
+    graph like any other: a loop through one fails the test above."""
+    path = tmp_path / "module.py"
+    path.write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from kvwatch.window import Window\n\n\n"
+                    "def later():\n    import kvwatch.snapshot\n")
+    assert module_imports(path, {"kvwatch.window", "kvwatch.snapshot", "kvwatch.units"}) == {
+        "kvwatch.window", "kvwatch.snapshot"}
 
 
 def test_top_level_modules_are_the_shared_pipeline_alone():

@@ -64,7 +64,10 @@ def test_handwritten_pages_read_by_hand(pages):
     assert "} 1.0\n" in pages["b"].split("lmcache:retrieve_hit_rate{")[2]
     assert report["families"] == {"lmcache:num_hit_tokens": True, "lmcache:num_prompt_tokens": True,
                                   "lmcache:num_requested_tokens": True, "lmcache:num_retrieve_requests": True,
-                                  "lmcache:num_stored_tokens": True}
+                                  "lmcache:num_stored_tokens": True,
+                                  # The multiprocess server's names, read beside the old ones: not on this page.
+                                  "lmcache_mp_lookup_hit_l1_tokens": False, "lmcache_mp_lookup_hit_l2_tokens": False,
+                                  "lmcache_mp_lookup_hit_tokens": False, "lmcache_mp_lookup_requested_tokens": False}
     assert report["models"][0]["latest"]["hit_tokens"] == 48128.0
 
 
@@ -280,3 +283,47 @@ def test_the_models_read_are_bounded():
                                   max_series=4), 300.0)
     report = tier.ingest(page, 0.0)
     assert [row["model_name"] for row in report["models"]] == [f"model-{n:03d}" for n in range(4)]
+
+
+# --- the multiprocess server (LMCache 0.5): lmcache_mp_* beside the old names --
+
+
+@pytest.fixture
+def mp_pages(fixtures_dir):
+    return [(fixtures_dir / "handwritten" / f"lmcache-mp-{name}.txt").read_text() for name in "ab"]
+
+
+def test_the_multiprocess_servers_lookup_counters_are_read_and_summed_over_tenants(mp_pages):
+    tier = source()
+    first = tier.ingest(mp_pages[0], 1000.0)
+    assert first["up"], first
+    [row] = first["models"]
+    # Two cache_salt series (tenants) per counter: disjoint, summed.
+    assert row["model_name"] == MODEL
+    assert row["latest"] == {"lookup_requested_tokens": 100000.0, "lookup_hit_tokens": 70000.0,
+                             "lookup_hit_l1_tokens": 50000.0, "lookup_hit_l2_tokens": 20000.0}
+    assert first["families"]["lmcache_mp_lookup_hit_l2_tokens"] is True
+    assert first["families"]["lmcache:num_hit_tokens"] is False
+    second = tier.ingest(mp_pages[1], 1060.0)
+    [row] = second["models"]
+    assert row["increase"] == {"lookup_requested_tokens": 60000.0, "lookup_hit_tokens": 48000.0,
+                               "lookup_hit_l1_tokens": 34000.0, "lookup_hit_l2_tokens": 14000.0}
+    # The old names' signals have no inputs here: absent, not 0.
+    assert row["signals"]["kvwatch_lmcache_hit_ratio"] is None
+
+
+def test_the_multiprocess_counters_are_exported_and_documented(fixtures_dir, mp_pages):
+    engine_page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    with PageServer([Answer(engine_page)]) as engine, PageServer([Answer(p) for p in mp_pages]) as tier:
+        monitor = monitor_for(engine.url, tier.url)
+        monitor.poll_once()
+        monitor.poll_once()
+    found = samples(monitor)
+    model = (("model_name", MODEL),)
+    assert found[("kvwatch_lmcache_up", ())] == 1.0
+    assert found[("kvwatch_lmcache_lookup_hit_l1_tokens_total", model)] == 84000.0
+    assert found[("kvwatch_lmcache_lookup_hit_l2_tokens_total", model)] == 34000.0
+    assert found[("kvwatch_source_present", (("family", "lmcache_mp_lookup_hit_tokens"),))] == 1.0
+    documented = render()
+    assert all(f"`{name}`" in documented for name, _ in found if name.startswith("kvwatch_lmcache_"))
+    assert "`lmcache_mp_lookup_hit_l1_tokens_total`" in documented and "not OTLP" in documented

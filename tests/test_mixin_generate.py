@@ -223,3 +223,32 @@ def test_generate_writes_into_the_current_directory_and_says_where(tmp_path, mon
     assert f"files in {tmp_path.resolve()} (the current directory; --out DIR for another)" in err
     assert cli.main(["generate", "--check"]) == 0
     assert f"up to date in {tmp_path.resolve()}" in capsys.readouterr().out
+
+
+def test_one_grammar_reads_every_prometheus_duration_of_the_mixin():
+    """The windows, `for:` durations, burn-rate windows and scrape intervals
+    are read by kvwatch.units' one Prometheus-duration parser: compound
+    parts, `d`/`w`/`y`, no bare numbers, no fractions."""
+    from kvwatch.mixin.config import deploy_settings
+    from kvwatch.units import is_prometheus_duration, parse_prometheus_duration
+
+    assert parse_prometheus_duration("1h30m") == 5400.0
+    assert parse_prometheus_duration("500ms") == 0.5
+    assert parse_prometheus_duration("0s") == 0.0
+    assert parse_prometheus_duration("1y") == 365 * 86400
+    for text in ("5", "5.5m", "", "5M", "5m ", 5, None):
+        assert not is_prometheus_duration(text), text
+        with pytest.raises(ValueError, match="is not a Prometheus duration"):
+            parse_prometheus_duration(text)
+    assert not is_prometheus_duration("1d", units="ms|s|m|h")
+    with pytest.raises(MixinConfigError) as raised:
+        config_from_mapping({"rate_window": "5.5m", "for_durations": {"VllmKvCacheExhausted": "3"},
+                             "burn_rate_windows": [{"long": "1h", "short": "5", "factor": 14.4,
+                                                    "severity": "critical"}]})
+    problems = "\n".join(raised.value.problems)
+    assert "rate_window: '5.5m' is not a Prometheus duration" in problems
+    assert "for_durations: VllmKvCacheExhausted: '3' is not a Prometheus duration" in problems
+    assert "short must be Prometheus durations" in problems
+    with pytest.raises(ValueError, match="scrape_interval: '1d' is not a Prometheus duration"):
+        deploy_settings({"scrape_interval": "1d"})
+    assert config_from_mapping({"cold_cache_window": "1h30m"}).cold_cache_window == "1h30m"

@@ -219,7 +219,7 @@ def test_notification_example_routes_every_cause_by_severity_and_cause():
 
     def receiver_for(labels: dict) -> str:
         for route in policy["routes"]:
-            if all(_matches(labels.get(l, ""), op, v) for l, op, v in route["object_matchers"]):
+            if all(_matches(labels.get(key, ""), op, v) for key, op, v in route["object_matchers"]):
                 return route["receiver"]
         return policy["receiver"]
 

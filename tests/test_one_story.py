@@ -267,14 +267,15 @@ def test_the_default_rules_never_fire_two_causes_of_one_symptom_at_once():
     engine at any evaluation (a real Prometheus in tests/test_e2e_alerting.py)."""
     from kvwatch.mixin.alerts import alert_specs
     from kvwatch.mixin.config import MixinConfig
-    from kvwatch.mixin.promql import seconds_of
+    from kvwatch.units import parse_prometheus_duration
 
     config = MixinConfig()
     causes = Counter(spec.alert for spec in alert_specs(config) if spec.symptom in ARBITRATED)
     assert causes["VllmTimeToFirstTokenSlow"] >= 5
     for alert, count in causes.items():
         if count > 1:
-            assert seconds_of(config.for_duration(alert)) > seconds_of(config.finding_hold), alert
+            assert (parse_prometheus_duration(config.for_duration(alert))
+                    > parse_prometheus_duration(config.finding_hold)), alert
 
 
 def test_the_page_without_script_draws_one_story_too():

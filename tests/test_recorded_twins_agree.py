@@ -36,7 +36,7 @@ TARGET = {"namespace": "llm", "job": "kvwatch", "instance": "10.0.0.1:9400"}
 SIGNALS = ("kvwatch_prefix_cache_hit_ratio", "kvwatch_time_to_first_token_mean_seconds",
            "kvwatch_queue_time_mean_seconds", "kvwatch_prefill_time_mean_seconds",
            "kvwatch_kv_cache_usage_max_ratio", "kvwatch_preemptions_per_second",
-           "kvwatch_prompt_tokens_per_second")
+           "kvwatch_prompt_tokens_per_second", "kvwatch_prefill_recomputed_ratio")
 
 
 def _selector(name: str, labels: dict) -> str:

@@ -269,8 +269,10 @@ def test_alert_severities_are_the_diagnosis_severities_and_only_objectives_page(
     assert {s.cause for s in specs if s.cause not in SEVERITY and s.kind == "cause"} <= {
         "usage_rising", "kvwatch_unreachable", "kvwatch_absent", "engine_unreachable", "stats_disabled"}
     critical = {(s.alert, s.kind) for s in specs if s.severity == "critical"}
+    # Besides the objectives, two pages: an engine kvwatch cannot read, and one that holds requests and
+    # produces nothing (stuck requests never get a first token, so no TTFT histogram sees them burn).
     assert critical == {("VllmTimeToFirstTokenBudgetBurn", "objective"), ("VllmRequestErrorBudgetBurn", "objective"),
-                        ("KvwatchEngineUnreachable", "cause")}
+                        ("KvwatchEngineUnreachable", "cause"), ("VllmEngineStuck", "cause")}
     # Without a severity apart for preemptions, each exhaustion cause is one rule...
     exhausted = [s for s in specs if s.alert == "VllmKvCacheExhausted"]
     assert sorted(s.cause for s in exhausted) == ["concurrency_beyond_capacity", "long_requests"]

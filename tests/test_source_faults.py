@@ -7,7 +7,6 @@ the SGLang sample with one value changed."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 from page_support import Pages, with_value

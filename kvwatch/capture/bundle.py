@@ -29,7 +29,6 @@ sit in memory at once.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re

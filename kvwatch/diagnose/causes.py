@@ -121,7 +121,7 @@ SYMPTOM_LIST = (
     Symptom("slow_first_token", "Slow first token", "VllmTimeToFirstTokenSlow", arbitrated=True),
     # Requests or KV blocks held while nothing moves and no token is counted (diagnose/stuck.py):
     # not exhaustion, which serves. Its two causes exclude each other (requests held, or none).
-    Symptom("stuck", "Engine stuck"),
+    Symptom("stuck", "Engine stuck", "VllmEngineStuck"),
     Symptom("change", "Engine changed"),
     # Judged across the replicas of one model (diagnose/fleet.py); a replica
     # alone cannot show them. Arbitrated per replica they name.
@@ -151,6 +151,9 @@ ALERT_LIST = (
     # As the exhaustion it compares: a routing fault that lasts, not a burst
     # that landed on one replica.
     Alert("VllmFleetReplicaOutlier", "fleet", "10m", ("fleet", "replicas"), "fleet"),
+    # Fired by kvwatch's own stuck finding (diagnose/stuck.py), which already waited
+    # diagnosis.stuck_seconds with nothing moving: a short `for:` only rides out one missed scrape.
+    Alert("VllmEngineStuck", "stuck", "2m", ("overview", "findings"), "stuck"),
 )
 
 # In the order the rules consider them within a symptom.
@@ -389,7 +392,10 @@ CAUSE_LIST = (
             "failures), its process and GPU state (nvidia-smi: utilization at 0 with memory held); abort the "
             "requests or restart the engine, and find the request that wedged it before it recurs."),
         next_action="Check the engine's log for a hung step or transfer; restart it if it does not recover.",
-        deciding=("running", "waiting", "stuck_seconds", "tokens_counted")),
+        deciding=("running", "waiting", "stuck_seconds", "tokens_counted"),
+        alert="VllmEngineStuck",
+        routed_by_finding=True,
+        owner="platform"),
     # KV blocks held with nothing running: capacity lost until a restart (warning).
     Cause(
         name="kv_held_idle",
@@ -404,7 +410,10 @@ CAUSE_LIST = (
             "capacity is lost until a restart: check the engine's log for aborts and transfers, and restart it "
             "in a quiet moment."),
         next_action="Find the requests or transfers holding the blocks; restart the engine if they never free.",
-        deciding=("kv_usage", "stuck_seconds", "tokens_counted")),
+        deciding=("kv_usage", "stuck_seconds", "tokens_counted"),
+        alert="VllmEngineStuck",
+        routed_by_finding=True,
+        owner="platform"),
     # --- changes: context for the other findings (info), each an event of its own.
     Cause(
         name="model_changed",

@@ -49,6 +49,15 @@ class EngineAdapter(ABC):
         """The canonical Snapshot of one page fetched at `at` (Unix time)."""
 
     @classmethod
+    def provides(cls, older_builds: bool = True) -> dict[str, str]:
+        """canonical key -> kind (gauge, counter, histogram, config) the adapter
+        can fill; a key ending in "/*" is a labelled one (a key per label
+        value). Without `older_builds`, only what the engine's current builds
+        carry. engines/coverage.py reads the dark signals and the coverage
+        table from it: an engine with no declaration provides nothing."""
+        return {}
+
+    @classmethod
     def recognizes(cls, text: str) -> bool:
         """Whether a page is this engine's: a family with one of its prefixes
         at the start of a line."""

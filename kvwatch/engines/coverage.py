@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from kvwatch.engines import ENGINES, vllm
+from kvwatch.engines import ENGINES
 from kvwatch.engines.base import EngineAdapter
 from kvwatch.engines.table import TableAdapter
-from kvwatch.engines.vllm import VllmAdapter
 from kvwatch.signals import SIGNALS, View
 from kvwatch.snapshot import EngineSnapshot, Histogram
 from kvwatch.window import Increase
@@ -24,40 +23,27 @@ KIND_BY_PREFIX = {"kv_usage": "gauge", "running": "gauge", "waiting": "gauge", "
                   "v0_prefix_hit_rate": "gauge"}
 
 
+# Label values a labelled key ("key/*") is given in the window made up below;
+# "awake" lights the sleep state.
+LABEL_VALUES = ("stop", "abort", "capacity", "local_compute", "device", "awake")
+
+
 def provided(adapter: type[EngineAdapter], older_builds: bool = True) -> dict[str, str]:
     """canonical key -> kind (gauge, counter, histogram, config) the adapter can
-    fill; without `older_builds`, only what the engine's current builds carry."""
-    if issubclass(adapter, TableAdapter):
-        found = {}
-        for row in adapter.ROWS + adapter.TABLE_NOTES:
-            if older_builds or row.key not in adapter.OLDER_BUILDS_ONLY:
-                found[row.key] = "config" if row.key == "capacity_tokens" else row.kind
-        return found
-    if adapter is vllm.VllmAdapter:
-        found = {key: "gauge" for key in vllm.GAUGES}
-        found.update({key: "counter" for key in vllm.COUNTERS})
-        found.update({f"{key}/*": "gauge" for key in vllm.LABELLED_GAUGES})
-        found.update({f"{key}/*": "counter" for key in vllm.LABELLED_COUNTERS})
-        found.update({key: "histogram" for key in vllm.HISTOGRAMS})
-        found.update({"capacity_tokens": "config", "config/kv_cache_memory_bytes": "config"})
-        return found
-    return {}
+    fill, as the adapter declares it (EngineAdapter.provides); without
+    `older_builds`, only what the engine's current builds carry."""
+    return adapter.provides(older_builds)
 
 
 @lru_cache(maxsize=None)
 def dark_signals(adapter: type[EngineAdapter], older_builds: bool = False) -> tuple[str, ...]:
     """Names of the catalogue's signals this engine's current builds cannot
     provide (with `older_builds`: that no build of it provides)."""
-    if adapter is VllmAdapter:
-        # The catalogue is vLLM's: every signal has its inputs in some vLLM
-        # version, and what a given page lacks is said from the page
-        # (Signal.needs, /api/v1/signals' dark_signals).
-        return ()
     keys = provided(adapter, older_builds)
     latest = EngineSnapshot("model", "0")
     increase = Increase(seconds=60.0, steps=2)
     for key, kind in keys.items():
-        names = [key] if not key.endswith("/*") else [key[:-1] + value for value in ("stop", "abort", "capacity", "local_compute", "device")]
+        names = [key] if not key.endswith("/*") else [key[:-1] + value for value in LABEL_VALUES]
         for name in names:
             if kind == "gauge":
                 latest.gauges[name] = 0.5
@@ -79,6 +65,11 @@ def dark_signals(adapter: type[EngineAdapter], older_builds: bool = False) -> tu
         usage_mean=0.5 if "kv_usage" in keys else None,
         exhaustion_eta=60.0 if "kv_usage" in keys else None,
     )
+    if capacity and "kv_usage" in keys and {"config/num_gpu_blocks", "config/block_size"} <= keys.keys():
+        # Whole-block arithmetic (signals/evaluation.py): 63 usable blocks of 16 tokens, half used.
+        view_args.update(usable_blocks=63.0, used_blocks=32.0, block_tokens=512.0)
+        if "config/kv_cache_memory_bytes" in keys:
+            view_args.update(bytes_per_block=1024.0)
     dark = []
     for signal in SIGNALS:
         try:

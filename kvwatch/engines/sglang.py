@@ -163,8 +163,10 @@ class SglangAdapter(TableAdapter):
         elif self.retractions_seen:
             # Seen before on this target: no series now means none since a restart.
             snapshot.sources["preemptions"] = f"{self.prefix}num_retracted_requests_total"
+            snapshot.sources["retracted_prompt_tokens"] = f"{self.prefix}num_retracted_input_tokens_total"
             for engine in snapshot.engines.values():
                 engine.counters.setdefault("preemptions", 0.0)
+                engine.counters.setdefault("retracted_prompt_tokens", 0.0)
 
         capacity = self.fold(families.get(CAPACITY), "gauge")
         page_size = self.fold(families.get(PAGE_SIZE), "gauge")

@@ -233,6 +233,13 @@ class TableAdapter(EngineAdapter):
     # --- the table, for docs and the status ----------------------------------
 
     @classmethod
+    def provides(cls, older_builds: bool = True) -> dict[str, str]:
+        """What the rows fill (EngineAdapter.provides); capacity_tokens is the
+        cache's size, a configuration value."""
+        return {row.key: "config" if row.key == "capacity_tokens" else row.kind
+                for row in cls.ROWS + cls.TABLE_NOTES if older_builds or row.key not in cls.OLDER_BUILDS_ONLY}
+
+    @classmethod
     def table(cls) -> list[dict[str, str]]:
         """canonical key -> family, type, unit, note; then what is missing."""
         rows = [{"key": row.key, "family": cls.prefixes[0] + row.family + ("_total" if row.kind == "counter" else "")

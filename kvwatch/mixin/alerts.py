@@ -25,7 +25,7 @@ from kvwatch.mixin import objectives
 from kvwatch.mixin.config import ALERT_CAUSES, ALERTS, PREEMPTING_SUFFIX, MixinConfig
 from kvwatch.mixin.conditions import Recorded
 from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
-from kvwatch.mixin.promql import Fragments, Scope, chain, num, paren
+from kvwatch.mixin.promql import Scope, chain, num, paren
 
 # Where each alert is shown: (dashboard key, panel key), see dashboards.py;
 # the catalogue's alerts say it in their record.

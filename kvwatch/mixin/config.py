@@ -28,53 +28,15 @@ from kvwatch.history.query import check_selector as store_selector_problem
 from kvwatch.history.shard import MAX_SHARDS
 from kvwatch.kvevents.ledger import DEFAULT_TABLE_BYTES
 from kvwatch.kvevents.source import INTAKE_HELD_BYTES
-from kvwatch.mixin.objectives import DEFAULT_BURN_RATE_WINDOWS, OBJECTIVE_ALERTS, check_windows
+from kvwatch.mixin.objectives import DEFAULT_BURN_RATE_WINDOWS, check_windows
+from kvwatch.mixin.paging import ALERTS, DEFAULT_FOR, DEFAULT_SEVERITIES, PREEMPTING_SUFFIX  # noqa: F401 (re-exported)
+from kvwatch.mixin.promql import check_selector
 from kvwatch.settings import PARSERS
-from kvwatch.units import did_you_mean, yaml_problem
+from kvwatch.units import (did_you_mean, is_prometheus_duration, parse_prometheus_duration, prometheus_duration,
+                           yaml_problem)
 
-# Alert names, with the symptom (the diagnosis vocabulary) each one reports:
-# the cause catalogue's alerts (kvwatch/diagnose/causes.py) and the
-# objectives' burn-rate alerts (kvwatch/mixin/objectives.py): what pages.
-ALERTS = {
-    **{alert.name: alert.symptom for alert in ALERT_LIST},
-    **{alert: symptom for alert, symptom, _ in OBJECTIVE_ALERTS.values()},
-}
-# The causes the rules tell apart, per alert. The diagnosis' third exhaustion
-# cause (capacity_below_max_num_seqs) needs --max-num-seqs, which vLLM does
-# not export, so Prometheus cannot decide it; the health alerts have one cause
-# each. `upstream` and `no_reuse` are generated only when the config asks.
-
-# Each cause's severity from its record (the diagnosis' own, and the alerts'
-# own health causes). An exhaustion cause has two rules: with preemptions
-# (`<cause>_preempting`, the record's preempting_alert_severity: the alert
-# does not page, users feel it as late first tokens, which the objectives'
-# burn-rate alerts page on) and without (its severity).
-PREEMPTING_SUFFIX = "_preempting"
-DEFAULT_SEVERITIES = {
-    **{c.name: c.severity for c in CAUSE_LIST if c.alert and c.diagnosed},
-    **{c.name + PREEMPTING_SUFFIX: c.preempting_alert_severity for c in CAUSE_LIST
-       if c.alert and c.preempting_alert_severity},
-    **{c.name: c.severity for c in CAUSE_LIST if c.alert and not c.diagnosed},
-}
-
-DEFAULT_FOR = {
-    **{alert.name: alert.for_ for alert in ALERT_LIST},
-    # The short window already proves the burn is current; 2m more keeps one
-    # evaluation at a window's edge from paging.
-    **{alert: "2m" for alert, _, _ in OBJECTIVE_ALERTS.values()},
-}
-
-_DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-# One PromQL label matcher: name, operator, double-quoted value.
-_MATCHER = re.compile(r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*')
-
-
-def _prometheus_duration(seconds: float) -> str:
-    """Seconds as a Prometheus duration: whole minutes as `Nm`, else `Ns`."""
-    whole = int(round(seconds))
-    return f"{whole // 60}m" if whole and whole % 60 == 0 else f"{whole}s"
 
 
 def _help(text: str) -> dict:
@@ -333,7 +295,7 @@ def _check(s: DeploySettings) -> None:
         except (ValueError, TypeError) as exc:
             problems.append(f"{key}: {exc}")
     for key in ("scrape_interval", "scrape_timeout"):
-        if not re.fullmatch(r"(\d+(ms|s|m|h))+", str(getattr(s, key))):
+        if not is_prometheus_duration(str(getattr(s, key)), units="ms|s|m|h"):
             problems.append(f"{key}: {getattr(s, key)!r} is not a Prometheus duration (e.g. 15s)")
     selector_problem = store_selector_problem(s.store_selector)
     if selector_problem:
@@ -352,7 +314,6 @@ def _check(s: DeploySettings) -> None:
         problems.append(f"central_shards: {s.central_shards!r} is not a whole number from 1 to {MAX_SHARDS}")
     if problems:
         raise ValueError("deploy settings: " + "; ".join(problems))
-
 
 
 @dataclass(frozen=True)
@@ -376,7 +337,7 @@ class MixinConfig:
     rule_interval: str | None = field(default=None, metadata=_help(
         "Evaluation interval of the generated rule groups; empty uses Prometheus' global evaluation_interval. "
         "Set it when the global one is longer than the rate window allows."))
-    finding_hold: str = field(default=_prometheus_duration(DEFAULT_THRESHOLDS["finding_hold_seconds"]), metadata=_help(
+    finding_hold: str = field(default=prometheus_duration(DEFAULT_THRESHOLDS["finding_hold_seconds"]), metadata=_help(
         "`keep_firing_for` of the alerts that report a diagnosis symptom (exhaustion, hit rate, first token, "
         "fleet): a firing alert resolves only after its condition has been clear this long, so one evaluation "
         "that misses it neither resolves and re-fires it nor drops it. kvwatch's own findings (kvwatch_finding, "
@@ -568,29 +529,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_selector(text: str) -> str | None:
-    """None when `text` is a comma-separated list of PromQL label matchers."""
-    rest = text.strip()
-    if not rest:
-        return "must not be empty"
-    position = 0
-    while True:
-        match = _MATCHER.match(text, position)
-        if not match:
-            return f"{text!r} is not a list of label matchers like job=\"kvwatch\" (problem at {text[position:]!r})"
-        position = match.end()
-        if position == len(text):
-            return None
-        if text[position] != ",":
-            return f"{text!r}: expected ',' at {text[position:]!r}"
-        position += 1
-
-
 def _check_field(name: str, value: Any) -> list[str]:
     problems: list[str] = []
 
     def duration(v: Any) -> None:
-        if not isinstance(v, str) or not _DURATION.match(v):
+        if not is_prometheus_duration(v):
             problems.append(f"{name}: {v!r} is not a Prometheus duration (examples: 30s, 5m, 1h)")
 
     def ratio(v: Any) -> None:
@@ -660,7 +603,7 @@ def _check_field(name: str, value: Any) -> list[str]:
             for alert, duration_value in value.items():
                 if alert not in ALERTS:
                     problems.append(f"for_durations: unknown alert {alert!r} (known: {', '.join(ALERTS)})")
-                elif not isinstance(duration_value, str) or not _DURATION.match(duration_value):
+                elif not is_prometheus_duration(duration_value):
                     problems.append(f"for_durations: {alert}: {duration_value!r} is not a Prometheus duration")
     elif name == "severities":
         if not isinstance(value, dict):
@@ -725,32 +668,21 @@ def validate(config: MixinConfig) -> list[str]:
         problems.append(f"upstream_join_labels: {missing} must also be in group_labels (the rules aggregate by them)")
     if config.upstream_histogram is None and (config.upstream_selector or config.upstream_join_labels):
         problems.append("upstream_selector/upstream_join_labels given without upstream_histogram")
-    if _seconds(config.cold_cache_window) < _seconds(config.rate_window):
+    seconds = parse_prometheus_duration  # every duration was checked above
+    if seconds(config.cold_cache_window) < seconds(config.rate_window):
         problems.append("cold_cache_window must be at least rate_window (the rate covers the cold start for that long)")
-    if _seconds(config.cold_cache_window) <= _seconds(config.for_duration("VllmPrefixCacheHitRateLow")):
+    if seconds(config.cold_cache_window) <= seconds(config.for_duration("VllmPrefixCacheHitRateLow")):
         problems.append("cold_cache_window must be longer than for_durations.VllmPrefixCacheHitRateLow, or the "
                         "cold_cache cause can never fire")
-    if config.exhaustion_eta_minutes * 60 <= _seconds(config.for_duration("VllmKvCacheExhaustionSoon")):
+    if config.exhaustion_eta_minutes * 60 <= seconds(config.for_duration("VllmKvCacheExhaustionSoon")):
         problems.append("exhaustion_eta_minutes must be longer than for_durations.VllmKvCacheExhaustionSoon, or "
                         "the warning could only come after the forecast time")
-    if _seconds(config.cold_cache_window) <= _seconds(config.for_duration("VllmFleetReplicaOutlier")):
+    if seconds(config.cold_cache_window) <= seconds(config.for_duration("VllmFleetReplicaOutlier")):
         problems.append("cold_cache_window must be longer than for_durations.VllmFleetReplicaOutlier, or the "
                         "cold_replica cause can never fire")
     if config.instance_label in ("model_name", "engine"):
         problems.append("instance_label must not be model_name or engine")
     return problems
-
-
-_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
-
-
-def _seconds(duration: str) -> float:
-    return sum(float(n) * _UNIT_SECONDS[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration))
-
-
-def seconds(duration: str) -> float:
-    """A Prometheus duration in seconds."""
-    return _seconds(duration)
 
 
 _TUPLE_FIELDS = ("group_labels", "upstream_join_labels", "dashboard_tags")

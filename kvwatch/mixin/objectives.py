@@ -27,13 +27,12 @@ window burning while the long one has not) never pages.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from kvwatch.diagnose.vocabulary import SEVERITIES
-from kvwatch.mixin.promql import num, seconds_of
+from kvwatch.mixin.promql import num
+from kvwatch.units import is_prometheus_duration, parse_prometheus_duration
 
-_DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")  # a Prometheus duration, as config.py checks them
 
 # objective -> (alert, symptom label, recorded metric, what counts as bad)
 OBJECTIVE_ALERTS = {
@@ -158,10 +157,10 @@ def check_windows(value) -> list[str]:
         if not isinstance(pair, dict) or set(pair) != {"long", "short", "factor", "severity"}:
             problems.append(f"{where}: must be a mapping with exactly long, short, factor, severity")
             continue
-        bad = [k for k in ("long", "short") if not isinstance(pair[k], str) or not _DURATION.match(pair[k])]
+        bad = [k for k in ("long", "short") if not is_prometheus_duration(pair[k])]
         if bad:
             problems.append(f"{where}: {', '.join(bad)} must be Prometheus durations (examples: 5m, 1h)")
-        elif seconds_of(pair["short"]) >= seconds_of(pair["long"]):
+        elif parse_prometheus_duration(pair["short"]) >= parse_prometheus_duration(pair["long"]):
             problems.append(f"{where}: short ({pair['short']}) must be shorter than long ({pair['long']})")
         factor = pair["factor"]
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from kvwatch.signals import SIGNALS_BY_NAME
+from kvwatch.units import parse_prometheus_duration
 
 
 def num(value: float) -> str:
@@ -278,7 +279,7 @@ class Fragments:
         last, seen = (f"{self.memory_level}:{name}" for name in (MEMORY_LAST_NAME, MEMORY_SEEN_NAME))
         present = self.s.agg("group", f"last_over_time({self.s.m('kvwatch_engine_info')}"
                                       f"[{MEMORY_BRIDGE}])")
-        memory = seconds_of(self.c.hit_ratio_memory)
+        memory = parse_prometheus_duration(self.c.hit_ratio_memory)
         seen_expr = (f"{paren(self.healthy_now())} * 0 + time()"
                      f"\nor\n(\n  last_over_time({seen}[{MEMORY_BRIDGE}]) > time() - {num(memory)}\n  and\n"
                      f"{indent(paren(present))}\n)")
@@ -415,14 +416,27 @@ MEMORY_SEEN_NAME = "kvwatch_prefix_cache_hit_ratio:last_healthy_timestamp_second
 MEMORY_BRIDGE = "1h"
 
 
-def seconds_of(duration: str) -> float:
-    import re
-
-    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
-    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration))
-
-
 _SERIES_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+# One PromQL label matcher: name, operator, double-quoted value.
+_MATCHER = re.compile(r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*')
+
+
+def check_selector(text: str) -> str | None:
+    """None when `text` is a comma-separated list of PromQL label matchers."""
+    rest = text.strip()
+    if not rest:
+        return "must not be empty"
+    position = 0
+    while True:
+        match = _MATCHER.match(text, position)
+        if not match:
+            return f"{text!r} is not a list of label matchers like job=\"kvwatch\" (problem at {text[position:]!r})"
+        position = match.end()
+        if position == len(text):
+            return None
+        if text[position] != ",":
+            return f"{text!r}: expected ',' at {text[position:]!r}"
+        position += 1
 
 
 def chain(value: str, *steps: tuple[str, str]) -> str:

@@ -27,8 +27,9 @@ from kvwatch.mixin.alerts import AlertSpec, PROMETHEUS_VALUE, alert_specs, dashb
 from kvwatch.mixin import conditions, objectives
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.diagnose.vocabulary import SYMPTOM_ALERTS
-from kvwatch.mixin.promql import Fragments, Scope, indent, paren, seconds_of
+from kvwatch.mixin.promql import Fragments, Scope, indent, paren
 from kvwatch.signals import QUANTILES, SIGNALS
+from kvwatch.units import parse_prometheus_duration
 
 # The hit-ratio memory the prefix-regression alerts read (Fragments.memory_rules).
 MEMORY_GROUP = "kvwatch-memory.rules"
@@ -123,7 +124,8 @@ def keep_firing_for(spec: AlertSpec, config: MixinConfig) -> str | None:
     ratio, and without a hold the page would resolve and page again."""
     if spec.kind == "objective":
         return dict(spec.extra_labels)["short_window"]
-    if spec.kind == "cause" and SYMPTOM_ALERTS.get(spec.symptom) == spec.alert and seconds_of(config.finding_hold) > 0:
+    if (spec.kind == "cause" and SYMPTOM_ALERTS.get(spec.symptom) == spec.alert
+            and parse_prometheus_duration(config.finding_hold) > 0):
         return config.finding_hold
     return None
 

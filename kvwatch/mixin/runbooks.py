@@ -17,9 +17,10 @@ from importlib import resources
 from kvwatch.mixin import objectives
 from kvwatch.mixin.alerts import alert_specs, runbook_anchor
 from kvwatch.mixin.alerts import runbook_anchor as anchor_of
-from kvwatch.mixin.config import ALERT_CAUSES, MixinConfig, seconds
+from kvwatch.mixin.config import ALERT_CAUSES, MixinConfig
 from kvwatch.mixin.dashboards import DASHBOARDS
 from kvwatch.mixin.promql import num
+from kvwatch.units import parse_prometheus_duration
 
 D_TTFT = DASHBOARDS["first_token"][1]
 THROUGHPUT_ANCHOR = "throughput-and-failures"
@@ -153,7 +154,7 @@ def _objective_sections(config: MixinConfig, specs) -> list[str]:
     table = ["| long window | short window | burn rate | budget spent when it fires | severity |",
              "|---|---|---|---|---|"]
     for pair in pairs:
-        spent = pair.factor * seconds(pair.long) / (30 * 86400)
+        spent = pair.factor * parse_prometheus_duration(pair.long) / (30 * 86400)
         table.append(f"| {pair.long} | {pair.short} | {num(pair.factor)}x | {_pct(round(spent, 4))} of 30 days' | "
                      f"{pair.severity} |")
     texts = {

@@ -20,6 +20,18 @@ What LMCache's source says (lmcache/observability.py, PrometheusLogger):
   delivered: their ratio is the tier's delivery ratio over the window;
 - the `retrieve_hit_rate` and `lookup_hit_rate` gauges are "since last log"
   and read 1 (retrieve) or 0 (lookup) when nothing was retrieved: never read.
+
+The multiprocess server of LMCache 0.5 (`lmcache server`, vLLM's
+LMCacheMPConnector; lmcache/v1/mp_observability) counts through OpenTelemetry
+under `lmcache_mp.`: pushed as OTLP to a collector where `--otlp-endpoint` is
+set, else served as a Prometheus page (the HTTP frontend's /metrics). kvwatch
+reads the Prometheus page, the server's own or the collector's, never OTLP:
+- `lmcache_mp_lookup_requested_tokens_total` and `..._lookup_hit_tokens_total`
+  come from one event per completed lookup (the chunk-aligned tokens asked
+  for, the contiguous prefix found in L1 or L2); `..._lookup_hit_l1_tokens_total`
+  and `..._lookup_hit_l2_tokens_total` split the hit by tier (l1 + l2 = hit);
+- one process, no worker ranks; labels `model_name` and `cache_salt` (a
+  tenant): the `cache_salt` series are disjoint and summed per model.
 """
 
 from __future__ import annotations
@@ -47,8 +59,13 @@ _INF = float("inf")
 MAX_MODELS = 100
 
 
+# The multiprocess server's families (OpenTelemetry's names, `lmcache_mp_...`).
+MP = "mp_"
+
+
 def family_name(key: str) -> str:
-    return "lmcache:" + COUNTERS[key]
+    base = COUNTERS[key]
+    return ("lmcache_" if base.startswith(MP) else "lmcache:") + base
 
 
 def _rank(labels: dict[str, str]) -> tuple:
@@ -90,9 +107,16 @@ def read_page(page, max_models: int = 1000) -> tuple[dict[str, EngineSnapshot], 
             if suffix not in ("", "_total") or not 0.0 <= value < _INF:  # a counter: finite, never below 0
                 continue
             model = labels.get("served_model_name") or labels.get("model_name", "")
-            if model not in chosen or _rank(labels) != chosen[model]:
+            if model not in chosen:
                 continue
-            engines.setdefault(model, EngineSnapshot(model, TIER)).counters[key] = value
+            counters = engines.setdefault(model, EngineSnapshot(model, TIER)).counters
+            if base.startswith(MP):
+                # One server: every series of the model (a cache_salt each) counts its own tokens.
+                counters[key] = counters.get(key, 0.0) + value
+            elif _rank(labels) == chosen[model]:
+                counters[key] = value
+            else:
+                continue
             sources[key] = family_name(key)
     return engines, sources
 
@@ -134,7 +158,8 @@ class LMCacheSource:
         engines, sources = read_page(page, self.max_models)
         if not engines:
             return self._report(now, False, "no_lmcache_metrics",
-                                "no lmcache:num_hit_tokens / num_requested_tokens on the page", sources)
+                                "no lmcache:num_hit_tokens / num_requested_tokens (nor the multiprocess server's "
+                                "lmcache_mp_lookup_*_tokens) on the page", sources)
         previous = self.window.latest
         if previous is not None and now <= previous.time:
             now = previous.time + 1e-3

@@ -126,6 +126,10 @@ class KvwatchCollector(Collector):
             info.add_metric([model, engine_id] + [cache_config.get(k, "") for k in INFO_KEYS], 1.0)
         yield from families.values()
         yield info
+        if getattr(snapshot, "spelling", ""):
+            spelling = _health_family("kvwatch_engine_spelling_info")
+            spelling.add_metric([snapshot.spelling], 1.0)
+            yield spelling
 
     def _sources(self, snapshot, lmcache):
         present = _health_family("kvwatch_source_present")

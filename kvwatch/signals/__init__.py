@@ -1,8 +1,10 @@
 """The catalogue of what kvwatch exports and derives, declared once:
-catalogue.py (the windowed signals, kvwatch's own health families, units and
-good directions), series.py (the engine's series re-exported under stable
-names) and evaluation.py (the signals over a window). Import from here or from
-the module."""
+catalogue.py (the windowed signals), derivations.py (how each is derived:
+View, Signal, the derivations, the PromQL helpers), health.py (kvwatch's own
+health families, units and good directions), series.py (the engine's series
+re-exported under stable names) and evaluation.py (the signals over a window).
+Import from here or from the module (catalogue.py re-exports the public names
+of derivations.py and health.py)."""
 
 from kvwatch.signals.catalogue import (  # noqa: F401
     CENTRAL_HEALTH, GOOD_DIRECTIONS, HEALTH, HEALTH_BY_NAME, QUANTILES, SCRAPE, SIGNALS, SIGNALS_BY_NAME,

@@ -10,7 +10,8 @@ import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from kvwatch.signals.catalogue import SIGNALS, SIGNALS_BY_NAME, TIER_SIGNALS, TREND_SECONDS, Signal, View, _clamp01
+from kvwatch.signals.catalogue import SIGNALS, SIGNALS_BY_NAME, TIER_SIGNALS
+from kvwatch.signals.derivations import TREND_SECONDS, Signal, View, _clamp01
 from kvwatch.snapshot import EngineSnapshot, capacity_tokens, config_number
 from kvwatch.window import Increase, Window
 

@@ -75,6 +75,10 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
                  "External (KV connector) prefix-cache hits in tokens (vllm:external_prefix_cache_hits_total).", good="high"),
     EngineSeries("kvwatch_engine_preemptions", "counter", "preemptions", "preemptions",
                  "Preemptions by the scheduler (vllm:num_preemptions_total).", good="low"),
+    EngineSeries("kvwatch_engine_retracted_prompt_tokens", "counter", "retracted_prompt_tokens", "tokens",
+                 "Prompt tokens of retracted requests, computed again when they are rescheduled "
+                 "(sglang:num_retracted_input_tokens_total; SGLang only: vLLM does not count its preemptions' "
+                 "recomputed tokens).", good="low"),
     EngineSeries("kvwatch_engine_prompt_tokens", "counter", "prompt_tokens", "tokens",
                  "Prompt tokens processed, cached ones included (vllm:prompt_tokens_total)."),
     EngineSeries("kvwatch_engine_prompt_tokens_cached", "counter", "prompt_tokens_cached", "tokens",
@@ -235,6 +239,24 @@ TIER_SERIES: tuple[TierSeries, ...] = (
                "loaded (lmcache:num_prompt_tokens, first worker; absent in builds before it)."),
     TierSeries("kvwatch_lmcache_stored_tokens", "stored_tokens", "num_stored_tokens", "tokens",
                "Tokens stored into LMCache, evicted ones included (lmcache:num_stored_tokens, first worker)."),
+    # The multiprocess server (LMCache 0.5: `lmcache server`, LMCacheMPConnector)
+    # counts through OpenTelemetry: `lmcache_mp.lookup_requested` with unit
+    # tokens is `lmcache_mp_lookup_requested_tokens_total` on its Prometheus
+    # page. One server process, no worker ranks; `cache_salt` (a tenant)
+    # splits the counts, so its series are summed per model.
+    TierSeries("kvwatch_lmcache_lookup_requested_tokens", "lookup_requested_tokens", "mp_lookup_requested_tokens",
+               "tokens",
+               "Tokens the multiprocess server was asked to look up, chunk-aligned part only "
+               "(lmcache_mp_lookup_requested_tokens_total, summed over cache_salt; LMCache 0.5 multiprocess mode)."),
+    TierSeries("kvwatch_lmcache_lookup_hit_tokens", "lookup_hit_tokens", "mp_lookup_hit_tokens", "tokens",
+               "Tokens its lookups found in L1 (CPU memory) or L2 (storage), the contiguous prefix only "
+               "(lmcache_mp_lookup_hit_tokens_total, summed over cache_salt).", good="high"),
+    TierSeries("kvwatch_lmcache_lookup_hit_l1_tokens", "lookup_hit_l1_tokens", "mp_lookup_hit_l1_tokens", "tokens",
+               "Of the lookup hits, tokens L1 already held (lmcache_mp_lookup_hit_l1_tokens_total; l1 + l2 = hit).",
+               good="high"),
+    TierSeries("kvwatch_lmcache_lookup_hit_l2_tokens", "lookup_hit_l2_tokens", "mp_lookup_hit_l2_tokens", "tokens",
+               "Of the lookup hits, tokens L2 added beyond what L1 held: each must be loaded into L1 first "
+               "(lmcache_mp_lookup_hit_l2_tokens_total)."),
 )
 
 

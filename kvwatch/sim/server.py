@@ -33,13 +33,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-
-class _Server(ThreadingHTTPServer):
-    # The default listen backlog of 5 drops connection attempts when a load
-    # generator opens dozens at once; the kernel's retry then adds about 1 s
-    # to those requests' first token.
-    request_queue_size = 128
-
 from kvwatch import __version__
 from kvwatch.sim.engine import FINISHED, Request, RequestRejected
 from kvwatch.sim.dialects import DIALECTS, TrtllmGauges, render_dialect
@@ -50,6 +43,15 @@ from kvwatch.sim.workload import token_block_hashes
 from kvwatch.sim.kvevents import EventPublisher, attach
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class _Server(ThreadingHTTPServer):
+    # The default listen backlog of 5 drops connection attempts when a load
+    # generator opens dozens at once; the kernel's retry then adds about 1 s
+    # to those requests' first token.
+    request_queue_size = 128
+
+
 # A request (its line, headers and body) must arrive whole within this many
 # seconds of the connection asking for it, or the connection is shut; an idle
 # keep-alive connection is shut after as long. Its answer then has the

@@ -23,10 +23,12 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ALERT_NAMES = ("VllmKvCacheExhausted", "VllmKvCacheExhaustionSoon", "VllmPrefixCacheHitRateLow", "VllmTimeToFirstTokenSlow",
-               "KvwatchDown", "KvwatchEngineUnreachable", "VllmFleetReplicaOutlier", "VllmEngineStatsDisabled")
+               "KvwatchDown", "KvwatchEngineUnreachable", "VllmFleetReplicaOutlier", "VllmEngineStatsDisabled",
+               "VllmEngineStuck")
 SYMPTOM = {"VllmKvCacheExhausted": "exhaustion", "VllmKvCacheExhaustionSoon": "exhaustion",
            "VllmPrefixCacheHitRateLow": "low_hit_rate",
-           "VllmTimeToFirstTokenSlow": "slow_first_token", "VllmFleetReplicaOutlier": "fleet"}
+           "VllmTimeToFirstTokenSlow": "slow_first_token", "VllmFleetReplicaOutlier": "fleet",
+           "VllmEngineStuck": "stuck"}
 SEVERITY = {
     "concurrency_beyond_capacity": "warning", "long_requests": "warning", "usage_rising": "warning",
     "caching_disabled": "info",
@@ -35,6 +37,7 @@ SEVERITY = {
     "front_end": "warning", "upstream": "warning", "preemption": "warning", "kvwatch_unreachable": "warning", "kvwatch_absent": "warning",
     "engine_unreachable": "critical", "stats_disabled": "warning",
     "imbalance": "warning", "lost_prefix_affinity": "warning", "cold_replica": "info",
+    "requests_stalled": "critical", "kv_held_idle": "warning",
 }
 # Exhaustion while vLLM preempts (the diagnosis' critical finding).
 PREEMPTING = "warning"
@@ -91,6 +94,8 @@ class Engine:
     up: str | None = const(1)
     kvwatch_up: str | None = const(1)
     stats_disabled: str | None = None
+    # kvwatch's own findings: (symptom, cause, severity, values) each a kvwatch_finding series.
+    findings: tuple = ()
 
     def series(self) -> list[dict]:
         target = {k: self.labels[k] for k in TARGET}
@@ -103,6 +108,8 @@ class Engine:
         add("up", self.up, target)
         add("kvwatch_up", self.kvwatch_up, target)
         add("kvwatch_stats_disabled", self.stats_disabled, target)
+        for symptom, cause, severity, values in self.findings:
+            add("kvwatch_finding", values, {**self.labels, "symptom": symptom, "cause": cause, "severity": severity})
         add("kvwatch_engine_info", self.info, {**self.labels, "enable_prefix_caching": self.caching,
                                                "block_size": "16"})
         add("kvwatch_engine_kv_cache_usage_ratio", self.usage)
@@ -411,6 +418,19 @@ def default_cases() -> list[Case]:
              [("VllmEngineStatsDisabled", "stats_disabled", TARGET)]),
         Case("a down blip shorter than for: (5m) -> nothing",
              [Engine(up="1x5 0x3 1x112")], "10m", []),
+        # --- stuck: routed by kvwatch's own finding (diagnose/stuck.py already waited stuck_seconds) --
+        Case("requests held, no token counted -> VllmEngineStuck requests_stalled, critical",
+             [Engine(running=const(6), waiting=const(3), prompt_tokens=const(50000),
+                     findings=(("stuck", "requests_stalled", "critical", "_x20 1x100"),))], "30m",
+             [("VllmEngineStuck", "requests_stalled", ENGINE)]),
+        Case("KV held with nothing running -> VllmEngineStuck kv_held_idle, warning",
+             [Engine(usage=const(0.3), running=const(0), waiting=const(0), prompt_tokens=const(50000),
+                     findings=(("stuck", "kv_held_idle", "warning", "_x20 1x100"),))], "30m",
+             [("VllmEngineStuck", "kv_held_idle", ENGINE)]),
+        Case("a stuck finding for one evaluation, shorter than for: (2m) -> nothing",
+             [Engine(findings=(("stuck", "requests_stalled", "critical", "_x20 1 stale"),))], "22m", []),
+        Case("a finding of another symptom -> not VllmEngineStuck",
+             [Engine(findings=(("change", "engine_restarted", "info", const(1)),))], "30m", []),
     ]
 
 

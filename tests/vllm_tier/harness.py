@@ -170,7 +170,7 @@ def _file_lock(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise HarnessError(f"{path} stayed locked for {timeout_s:.0f} s")
+                    raise HarnessError(f"{path} stayed locked for {timeout_s:.0f} s") from None
                 time.sleep(1.0)
         try:
             yield
