@@ -17,7 +17,7 @@ import pytest
 
 import kvwatch.pipeline.monitor
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
-from kvwatch.window import Window, pair_bytes
+from kvwatch.window import Window, pair_bytes, step_between
 from fuzz.pages import Engine, page
 from fuzz.pipeline import Pipeline
 
@@ -158,8 +158,12 @@ def test_stable_pairs_over_the_bound_drop_the_oldest_polls_and_say_so():
     and what it spans is still summed exactly."""
     window = Window(300.0)
     models = [f"m{n}" for n in range(20)]
-    per_poll = sum(pair_bytes((m, "0"), _engine(m, 2), None) for m in models)
-    window.max_bytes = 12 * per_poll  # room for about 6 polls of snapshots and steps
+    # What one steady poll holds: every pair with its snapshot and its step
+    # (a pair without a step also counts what a reader keeps for a new pair,
+    # window.NEW_PAIR_BYTES, which a steady pair no longer has).
+    per_poll = sum(pair_bytes((m, "0"), _engine(m, 2), step_between(_engine(m, 1), _engine(m, 2), 5.0))
+                   for m in models)
+    window.max_bytes = 6 * per_poll  # room for about 6 polls
     for poll in range(61):
         window.add(Snapshot(1000.0 + 5 * poll, {(m, "0"): _engine(m, poll) for m in models}))
         assert window.bytes <= window.max_bytes or len(window.entries) == 2
