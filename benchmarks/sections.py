@@ -12,7 +12,7 @@ SECTIONS = ("parse", "poll", "scrape", "memory", "curve", "replay", "page", "his
 # (tests/test_bench_results.py asks git). Folders and files; a path that no
 # longer exists still names its history.
 _READING = ("kvwatch/exposition.py", "kvwatch/engines", "kvwatch/snapshot.py")
-_POLL = _READING + ("kvwatch/scrape.py", "kvwatch/window.py", "kvwatch/signals.py", "kvwatch/signals",
+_POLL = _READING + ("kvwatch/scrape.py", "kvwatch/window.py", "kvwatch/window", "kvwatch/signals.py", "kvwatch/signals",
                     "kvwatch/diagnose", "kvwatch/pipeline/monitor.py", "kvwatch/pipeline",
                     "benchmarks/pageserver.py")
 _SERVE = _POLL + ("kvwatch/sidecar", "kvwatch/commands/serve.py", "kvwatch/units.py")
@@ -25,9 +25,9 @@ SECTION_CODE: dict[str, tuple[str, ...]] = {
     "replay": _POLL + ("kvwatch/capture",),
     "page": _POLL + ("kvwatch/sidecar/statuspage.py", "kvwatch/sidecar/series.py", "kvwatch/sidecar/report.py",
                      "kvwatch/sidecar/static", "kvwatch/present.py"),
-    "history": _READING + ("kvwatch/history", "kvwatch/window.py", "kvwatch/signals.py", "kvwatch/signals",
+    "history": _READING + ("kvwatch/history", "kvwatch/window.py", "kvwatch/window", "kvwatch/signals.py", "kvwatch/signals",
                            "kvwatch/diagnose"),
-    "central": _READING + ("kvwatch/history", "kvwatch/central", "kvwatch/window.py", "kvwatch/signals.py",
+    "central": _READING + ("kvwatch/history", "kvwatch/central", "kvwatch/window.py", "kvwatch/window", "kvwatch/signals.py",
                            "kvwatch/signals", "kvwatch/diagnose", "benchmarks/central_cost.py"),
     "kv_events": ("kvwatch/kvevents", "benchmarks/kv_events.py"),
 }
