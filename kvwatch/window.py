@@ -64,6 +64,13 @@ WINDOW_MAX_BYTES = 112 * 1024 * 1024
 # for a real vLLM 0.32 engine. pair_bytes then counts 5.2 KB and 22.9 KB
 # where tracemalloc saw 3.3 KB and 22.7 KB.
 DERIVED_PAIR_BYTES = 2816
+# What a reader keeps per (model, engine) while the pair is in the window
+# (the diagnosis' EnginePolls: its deques of polls, times and gauges, at
+# least 760 bytes each), counted where a pair has no step (its first poll,
+# or its first after a gap): a gateway that sets one model name per request
+# makes one per name, 8.4 KB each, and the window held 34,000 of them at its
+# bound (peak RSS 596 MiB against 384Mi, benchmarks/worst_page_probe.py).
+NEW_PAIR_BYTES = 4608
 _FLOAT = sys.getsizeof(0.0)
 _getsizeof = sys.getsizeof
 
@@ -88,6 +95,8 @@ def pair_bytes(key: EngineKey, engine: EngineSnapshot, step: "Step | None") -> i
     if step is not None:
         total += (_getsizeof(step) + _getsizeof(step.counters) + _FLOAT * len(step.counters)
                   + _histograms_bytes(step.histograms))
+    else:
+        total += NEW_PAIR_BYTES
     return total
 
 
