@@ -12,8 +12,8 @@ SECTIONS = ("parse", "poll", "scrape", "memory", "curve", "replay", "page", "his
 # (tests/test_bench_results.py asks git). Folders and files; a path that no
 # longer exists still names its history.
 _READING = ("kvwatch/exposition.py", "kvwatch/engines", "kvwatch/snapshot.py")
-_POLL = _READING + ("kvwatch/scrape.py", "kvwatch/window.py", "kvwatch/signals.py", "kvwatch/signals",
-                    "kvwatch/diagnose", "kvwatch/pipeline/monitor.py", "kvwatch/pipeline",
+_POLL = _READING + ("kvwatch/scrape.py", "kvwatch/window.py", "kvwatch/window", "kvwatch/signals.py",
+                    "kvwatch/signals", "kvwatch/diagnose", "kvwatch/pipeline/monitor.py", "kvwatch/pipeline",
                     "benchmarks/pageserver.py")
 _SERVE = _POLL + ("kvwatch/sidecar", "kvwatch/commands/serve.py", "kvwatch/units.py")
 # The benchmark's own code counts too: each section's module
@@ -31,10 +31,10 @@ SECTION_CODE: dict[str, tuple[str, ...]] = {
     "page": _POLL + _BENCH + ("kvwatch/sidecar/statuspage.py", "kvwatch/sidecar/series.py",
                               "kvwatch/sidecar/report.py", "kvwatch/sidecar/static", "kvwatch/present.py",
                               "benchmarks/bench_page.py"),
-    "history": _READING + _BENCH + ("kvwatch/history", "kvwatch/window.py", "kvwatch/signals.py", "kvwatch/signals",
-                                    "kvwatch/diagnose", "benchmarks/bench_history.py"),
-    "central": _READING + _BENCH + ("kvwatch/history", "kvwatch/central", "kvwatch/window.py", "kvwatch/signals.py",
-                                    "kvwatch/signals", "kvwatch/diagnose", "benchmarks/central_cost.py",
+    "history": _READING + _BENCH + ("kvwatch/history", "kvwatch/window.py", "kvwatch/window", "kvwatch/signals.py",
+                                    "kvwatch/signals", "kvwatch/diagnose", "benchmarks/bench_history.py"),
+    "central": _READING + _BENCH + ("kvwatch/history", "kvwatch/central", "kvwatch/window.py", "kvwatch/window",
+                                    "kvwatch/signals.py", "kvwatch/signals", "kvwatch/diagnose", "benchmarks/central_cost.py",
                                     "benchmarks/bench_history.py"),
     "kv_events": _BENCH + ("kvwatch/kvevents", "benchmarks/kv_events.py", "benchmarks/bench_kv_events.py"),
 }
