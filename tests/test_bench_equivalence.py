@@ -300,3 +300,30 @@ def test_the_text_plan_reads_what_the_scanner_reads(fixtures_dir):
     finally:
         _TextPlan.read = original
     assert planned_reads > 100
+
+
+def test_a_warm_adapter_says_the_spelling_a_fresh_one_reads_from_the_text(fixtures_dir):
+    """The adapter keeps the last page's spelling while the text plan reads
+    the pages (their lines start as the last one's did) and reads it again
+    from the text otherwise: on every capture and every mutation, planned
+    or not, and on the capture respelled (vllm: -> vllm_ on its sample lines,
+    as OpenMetrics' escaping writes them), a warm adapter's spelling is what
+    the page's text says."""
+    planned = 0
+    for path in captures(fixtures_dir):
+        text = path.read_text()
+        respelled = "\n".join(line.replace("vllm:", "vllm_", 1) if line.startswith("vllm:") else line
+                              for line in text.split("\n"))
+        pages = [page for _, page in _mutations(text)] + [respelled, text]
+        for page in pages:
+            warm = VllmAdapter()
+            warm.adapt(text, at=1.0)
+            warm.adapt(text, at=2.0)  # the plan is made
+            snapshot = warm.adapt(page, at=3.0)
+            planned += warm.selector.planned
+            assert snapshot.spelling == VllmAdapter.spelling_of(page), path.name
+        if "\nvllm:" in text:
+            warm = VllmAdapter()
+            spellings = [warm.adapt(page, at=float(i)).spelling for i, page in enumerate((text, text, respelled))]
+            assert spellings[1] == "vllm:" and spellings[2] == "vllm_", (path.name, spellings)
+    assert planned > 20  # the kept spelling was exercised
