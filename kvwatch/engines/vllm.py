@@ -130,6 +130,9 @@ class VllmAdapter(EngineAdapter):
         # page text's own sample lines, the definition).
         spelled = {family.spelling for family in families.values()}
         snapshot.spelling = ",".join(prefix for prefix in self.prefixes if prefix in spelled)
+        # Within its bounds between polls too, not only before the next one:
+        # a page of new label sets is let go once it is read.
+        series.trim()
         return snapshot
 
     # Whether a page whose layout was seen on the poll before is read by its
