@@ -313,6 +313,14 @@ def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def flag_help(key: str, note: str = "") -> str:
+    """A setting's flag help, one way for every command that takes it: its
+    declared help (and a command's `note`), its default and its variable,
+    escaped for argparse (which formats help with %)."""
+    text = DECLARED[key]["help"] + (f", {note}" if note else "")
+    return f"{text} (default: {default_text(key)}; env {env_name(key)})".replace("%", "%%")
+
+
 def default_text(key: str) -> str:
     """A setting's default as a person writes it back (each parser reads its
     own output): durations as 5s or 5m, sizes in binary units, booleans as

@@ -66,3 +66,18 @@ def test_a_yaml_only_setting_is_not_read_from_the_environment(tmp_path):
     # KVWATCH_DIAGNOSIS is no variable of kvwatch: set, it is ignored (as before the declarations).
     settings = load_settings(environ={env_name("diagnosis"): "not a mapping", env_name("window"): "2m"})
     assert settings.diagnosis == {} and settings.window == 120.0
+
+
+@pytest.mark.parametrize("command, keys", [
+    ("capture", ("target", "bearer_token_file", "ca_bundle", "tls_verify", "timeout", "max_body_bytes")),
+    ("diagnose", ("target", "engine")),
+])
+def test_other_commands_take_a_setting_as_flag_with_its_declared_help(capsys, command, keys):
+    args = [command, "--help"] if command != "capture" else [command, "--out", "x", "--help"]
+    with pytest.raises(SystemExit):
+        main(args)
+    text = " ".join(capsys.readouterr().out.split())
+    for key in keys:
+        words = " ".join(DECLARED[key]["help"].split())
+        assert f"{flag_name(key)} {key.upper()} {words}" in text, key
+        assert f"; env {env_name(key)})" in text, key

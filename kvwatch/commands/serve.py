@@ -24,7 +24,7 @@ import logging
 import socket
 import sys
 
-from kvwatch.settings import DECLARED, FLAGS, SettingsError, default_text, env_name, flag_name, load_settings
+from kvwatch.settings import DECLARED, FLAGS, SettingsError, env_name, flag_help, flag_name, load_settings
 
 # settings key -> its help, for every setting that is a flag (declared once,
 # beside its field in kvwatch/settings.py); option_help adds the default (from
@@ -33,8 +33,7 @@ OPTIONS = {key: DECLARED[key]["help"] for key in FLAGS}
 
 
 def option_help(key: str) -> str:
-    # argparse formats help with %: a literal % is written %%.
-    return f"{OPTIONS[key]} (default: {default_text(key)}; env {env_name(key)})".replace("%", "%%")
+    return flag_help(key)
 
 
 # Seconds a shutdown waits for open connections to kvwatch before closing them.
