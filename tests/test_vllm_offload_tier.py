@@ -11,6 +11,8 @@ which files. Figures worked out by hand from the pages."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from page_support import polled
 
@@ -26,6 +28,21 @@ DROPPED = "kvwatch_kv_offload_stores_dropped_per_second"
 FETCH = "kvwatch_requests_kv_fetch"
 # KV bytes of one token of Llama 3.1 8B in bf16 (32 layers x 8 KV heads x 128 x K and V x 2 bytes).
 TOKEN_BYTES = 131072
+
+
+# The families of the offload pages no real capture carries (the byte counters and the CPU tier's gauge
+# are in test_vllm_newer_families.OFFLOAD_NEW).
+ADDED = ("kv_offload_load_time", "kv_offload_store_time", "kv_offload_allocation_failure", "kv_offload_stores_skipped",
+         "kv_offload_lookup_sync_delay_seconds", "kv_offload_lookup_async_delay_seconds",
+         "num_requests_kv_fetch_by_stage")
+
+
+def offload_lines(fixtures_dir, model: str = "tiny-llama") -> str:
+    """ADDED's lines of the second offload page (written from vLLM's source), for `model`."""
+    text = (fixtures_dir / "handwritten" / "vllm-0.32-offload-b.txt").read_text()
+    kept = [line for line in text.splitlines()
+            if any(re.match(rf"(# (HELP|TYPE) )?vllm:{name}(_total|_bucket|_sum|_count)?[ {{]", line) for name in ADDED)]
+    return "\n".join(kept).replace('model_name="llama-3.1-8b"', f'model_name="{model}"') + "\n"
 
 
 @pytest.fixture

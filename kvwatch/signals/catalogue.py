@@ -33,7 +33,7 @@ from kvwatch.signals.derivations import (  # noqa: F401 (the public names re-exp
     _from_cache, _labelled_rates, _mean, _mean_promql, _offload_rates, _prefix_hit_ratio, _quantile_promql,
     _quantiles, _rate, _ratio_of_rates, _reuse_shortfall_bytes, _sleeping, _usage, _used_blocks, _used_bytes,
     _kv_fetch_by_stage, _offload_lookup_delay, _offload_stores_dropped, _waiting_by_reason, cache_tier_bytes_per_token,
-    cache_tier_cost, caveats, mean_tokens, preemption_repeat_share, prompt_tokens_by_tier, recomputed_prompt_share, requests_fit_now,
+    cache_tier_cost, caveats, lmcache_lookup_by_tier, mean_tokens, preemption_repeat_share, prompt_tokens_by_tier, recomputed_prompt_share, requests_fit_now,
     reuse_shortfall_blocks, token_usage_estimate, ttft_decomposition, ttft_parts, unlit_reasons,
 )
 from kvwatch.signals.health import (  # noqa: F401 (the public names re-exported)
@@ -451,6 +451,20 @@ TIER_SIGNALS: tuple[Signal, ...] = (
            _rate("hit_tokens"), "prefix",
            "sum by ({by}) (rate(kvwatch_lmcache_hit_tokens_total{{{sel}}}[{w}]))",
            needs=("hit_tokens",), display="LMCache tokens retrieved", good="high"),
+    Signal("kvwatch_lmcache_lookup_tokens_by_tier_ratio", "ratio",
+           "LMCache's multiprocess server (0.5.3+), token-weighted: the share of the window's looked-up tokens "
+           "its L1 (CPU memory) held (tier=\"l1\"), its L2 (storage) added (tier=\"l2\", loaded into L1 first) "
+           "and neither held (tier=\"not_found\"); the shares sum to 1 (lmcache_mp_lookup_hit_l1_tokens_total, "
+           "lmcache_mp_lookup_hit_l2_tokens_total, lmcache_mp_lookup_hit_tokens_total over "
+           "lmcache_mp_lookup_requested_tokens_total, summed over cache_salt). Lookups, not deliveries.",
+           lmcache_lookup_by_tier, "prefix",
+           "(\n  label_replace(sum by ({by}) (rate(kvwatch_lmcache_lookup_hit_l1_tokens_total{{{sel}}}[{w}])), \"tier\", \"l1\", \"\", \"\")\n"
+           "  or\n  label_replace(sum by ({by}) (rate(kvwatch_lmcache_lookup_hit_l2_tokens_total{{{sel}}}[{w}])), \"tier\", \"l2\", \"\", \"\")\n"
+           "  or\n  label_replace(clamp_min(sum by ({by}) (rate(kvwatch_lmcache_lookup_requested_tokens_total{{{sel}}}[{w}])) "
+           "- sum by ({by}) (rate(kvwatch_lmcache_lookup_hit_tokens_total{{{sel}}}[{w}])), 0), \"tier\", \"not_found\", \"\", \"\")\n)\n"
+           "/ ignoring (tier) group_left\n(sum by ({by}) (rate(kvwatch_lmcache_lookup_requested_tokens_total{{{sel}}}[{w}])) > 0)",
+           label="tier", needs=("lookup_requested_tokens", "lookup_hit_l1_tokens", "lookup_hit_l2_tokens"),
+           display="LMCache lookups by tier", good=None),
     Signal("kvwatch_lmcache_stored_tokens_per_second", "per_second",
            "Tokens stored into LMCache per second over the window (lmcache:num_stored_tokens).",
            _rate("stored_tokens"), "prefix",

@@ -597,6 +597,27 @@ def _offload_stores_dropped(view: View) -> dict[str, float] | None:
     return found or None
 
 
+_LMCACHE_LOOKUP_TIERS = (("l1", "lookup_hit_l1_tokens"), ("l2", "lookup_hit_l2_tokens"))
+
+
+def lmcache_lookup_by_tier(view: View) -> dict[str, float] | None:
+    """LMCache's multiprocess server: the share of the window's looked-up
+    tokens each of its tiers held (l1: CPU memory already had them; l2:
+    storage added them, to be loaded into L1 first) and the share neither
+    held (not_found), token-weighted from the lookup counters; the shares sum
+    to 1. None with no lookup in the window or without the L1/L2 split."""
+    counters = view.increase.counters
+    requested = counters.get("lookup_requested_tokens")
+    tiers = {tier: counters[key] for tier, key in _LMCACHE_LOOKUP_TIERS if key in counters}
+    if not requested or len(tiers) < len(_LMCACHE_LOOKUP_TIERS):
+        return None
+    shares = {tier: value / requested for tier, value in tiers.items()}
+    # The hit counter where it is read (l1 + l2 = hit), so a page's own total decides what was not found.
+    found = counters.get("lookup_hit_tokens", sum(tiers.values()))
+    shares["not_found"] = max(0.0, requested - found) / requested
+    return shares
+
+
 def _kv_fetch_by_stage(view: View) -> dict[str, float] | None:
     found = {key.split("/", 1)[1]: value for key, value in view.latest.gauges.items()
              if key.startswith("kv_fetch_by_stage/")}
