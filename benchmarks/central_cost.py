@@ -113,7 +113,7 @@ def measure(quick: bool) -> dict:
 
     sys.path.insert(0, str(REPO / "tests"))
     from promstack import backfilled_prometheus
-    from run import write_history_openmetrics
+    from bench_history import write_history_openmetrics
 
     sizes = (16, 64) if quick else (64, 256, 1000)
     refreshes = 4 if quick else 6
@@ -172,7 +172,7 @@ if __name__ == "__main__":
 
 def bench_central(report, quick: bool) -> None:
     """run.py's section: the figures and the details."""
-    from run import table
+    from bench_support import table
 
     found = measure(quick)
     sizes, refreshes = found["sizes"], found["refreshes"]
@@ -252,6 +252,6 @@ def bench_central(report, quick: bool) -> None:
 
 
 def plain_table_rows(header: list[str], rows: list[list[str]]) -> str:
-    from run import plain_table
+    from bench_support import plain_table
 
     return plain_table(header, rows)

@@ -172,6 +172,11 @@ class FamilySelector:
         # or the layout whose plan could not be made or did not read its page.
         self._text_plan: _TextPlan | None = None
         self._unplanned: _Layout | None = None
+        # Whether the last page was read by the text plan: its lines then
+        # start as the previous page's did (only the values after each
+        # line's last blank differ), so what a reader learnt from those
+        # line starts (the spelling) still holds.
+        self.planned = False
 
     def parse(self, text: str) -> Page:
         if self._scanner is not None:
@@ -190,9 +195,11 @@ class FamilySelector:
         series did not change) only has its values read: the families are
         rebuilt from the previous page's layout."""
         plan = self._text_plan
+        self.planned = False
         if plan is not None:
             page = plan.read(text)
             if page is not None:
+                self.planned = True
                 return page
             self._text_plan, self._unplanned = None, plan.layout
         # The leading newline lets the first line match like any other; the
@@ -495,14 +502,16 @@ class _TextPlan:
     scanner. Made from the layout's second page; a page the plan does not
     read drops it (tests/test_bench_equivalence.py)."""
 
-    __slots__ = ("skeleton", "exact", "pick_exact", "pick_values", "layout")
+    __slots__ = ("skeleton", "exact", "pick_exact", "pick_values", "layout", "line_count")
 
-    def __init__(self, skeleton, exact, pick_exact, pick_values, layout):
+    def __init__(self, skeleton, exact, pick_exact, pick_values, layout, line_count):
         self.skeleton = skeleton
         self.exact = exact
         self.pick_exact = pick_exact
         self.pick_values = pick_values
         self.layout = layout
+        # No token holds a newline: a page with this skeleton has its lines.
+        self.line_count = line_count
 
     @staticmethod
     def of(text: str, scanner: re.Pattern, layout: _Layout) -> "_TextPlan | None":
@@ -530,7 +539,7 @@ class _TextPlan:
         if token != len(tokens) or len(values_at) != len(layout.rows):
             return None
         pick_exact = _picker(exact_at)
-        return _TextPlan(parts[0::2], pick_exact(tokens), pick_exact, _picker(values_at), layout)
+        return _TextPlan(parts[0::2], pick_exact(tokens), pick_exact, _picker(values_at), layout, len(lines))
 
     def read(self, text: str) -> Page | None:
         parts = _LAST_TOKEN.split(text)
@@ -543,7 +552,7 @@ class _TextPlan:
         if values and _PLANNED_VALUES.fullmatch(" ".join(values)) is None:
             return None
         try:
-            return self.layout.page(list(map(float, values)), text.count("\n") + 1)
+            return self.layout.page(list(map(float, values)), self.line_count)
         except ValueError:
             return None
 

@@ -40,10 +40,12 @@ def not_rerun(text: str) -> dict[str, str]:
 
 
 def stale(section_commit: str, paths: tuple[str, ...]) -> list[str]:
-    """The commits after `section_commit` that touched `paths` (oneline)."""
-    listed = git("log", "--oneline", f"{section_commit}..HEAD", "--", *paths)
+    """The commits after `section_commit` that touched `paths` (oneline),
+    bar those that only moved the code (sections.MOVED_WITHOUT_CHANGE)."""
+    listed = git("log", "--format=%H %h %s", f"{section_commit}..HEAD", "--", *paths)
     assert listed.returncode == 0, listed.stderr
-    return listed.stdout.splitlines()
+    moved = tuple(sections_module.MOVED_WITHOUT_CHANGE)
+    return [line.split(" ", 1)[1] for line in listed.stdout.splitlines() if not line.startswith(moved)]
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +111,16 @@ def test_the_check_finds_a_section_older_than_its_code(in_git):
     first = git("rev-list", "--max-parents=0", "HEAD").stdout.split()[-1]
     for name in sections_module.SECTIONS:
         assert stale(first, sections_module.SECTION_CODE[name]), name
+
+
+def test_a_commit_that_only_moved_code_does_not_age_a_section(in_git):
+    """Each commit listed as moving code without changing it is in the
+    history, says what it moved, and is not counted against the paths it
+    touched."""
+    for commit, what in sections_module.MOVED_WITHOUT_CHANGE.items():
+        assert what, f"{commit}: says nothing of what it moved"
+        assert git("cat-file", "-e", f"{commit}^{{commit}}").returncode == 0, f"{commit}: not in this history"
+        touched = git("diff-tree", "--no-commit-id", "--name-only", "-r", commit).stdout.split()
+        assert touched, commit
+        short = git("rev-parse", "--short", commit).stdout.strip()
+        assert not [line for line in stale(f"{commit}^", tuple(touched)) if line.split()[0] == short], commit

@@ -245,7 +245,7 @@ def test_the_stores_fleet_rules_over_two_shards_exports_are_one_instances(store)
             shard.refresh_once()
         parts = [replica_samples(shard) for shard in shards]
         # Each series from one shard only: two targets never write the same series.
-        assert all(parts) and not ({(n, l) for n, l, _ in parts[0]} & {(n, l) for n, l, _ in parts[1]})
+        assert all(parts) and not ({(name, labels) for name, labels, _ in parts[0]} & {(name, labels) for name, labels, _ in parts[1]})
         one.append((now[0], replica_samples(whole)))
         two.append((now[0], parts[0] | parts[1]))
         alone.append((now[0], parts[0]))

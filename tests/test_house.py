@@ -17,7 +17,8 @@ from kvwatch.signals import ENGINE_SERIES, HEALTH, SIGNALS
 from pageserver import Answer, PageServer
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvwatch"
-SHARED_PIPELINE = {"cli", "units", "scrape", "exposition", "snapshot", "window", "settings", "present"}
+# (The window, shared too, is a package: kvwatch/window/.)
+SHARED_PIPELINE = {"cli", "units", "scrape", "exposition", "snapshot", "settings", "present"}
 
 
 def module_name(path: Path) -> str:

@@ -147,3 +147,60 @@ def test_history_families_with_gaps_read_as_the_adapter_reads(fixtures_dir):
         expected = read.adapt_families(families, [], start, at=at)
         assert deep(got) == deep(expected), index
         assert not math.isnan(got.engines[("tiny-llama", "0")].counters["prompt_tokens"])
+
+
+def _new_label_sets_page(poll: int, width: int) -> str:
+    """Every label set new this poll and `width` characters long: served
+    names (the engines' identity), gauges and a histogram per name."""
+    lines = ["# TYPE vllm:num_requests_running gauge",
+             "# TYPE vllm:prompt_tokens_total counter",
+             "# TYPE vllm:time_to_first_token_seconds histogram"]
+    for n in range(6):
+        name = f"m-{poll:03d}-{n}-" + "x" * width
+        labels = f'model_name="{name}",engine="0"'
+        lines.append(f"vllm:num_requests_running{{{labels}}} {n}")
+        lines.append(f"vllm:prompt_tokens_total{{{labels}}} {100 * poll + n}")
+        for bound in ("0.1", "1.0", "+Inf"):
+            lines.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="{bound}"}} {poll + n}')
+        lines.append(f"vllm:time_to_first_token_seconds_sum{{{labels}}} {0.5 * poll}")
+        lines.append(f"vllm:time_to_first_token_seconds_count{{{labels}}} {poll + n}")
+    return "\n".join(lines) + "\n"
+
+
+def test_new_large_label_sets_every_poll_keep_the_series_cache_within_its_byte_bound():
+    """A reader that hands the adapter new label sets on every poll, each
+    with 40 KB values (a store's answers read into new dicts, as history and
+    central mode do, where the parser's cache the series cache empties with
+    is not in the way): the series cache's estimate stays within its bound
+    after every poll, what is traced stays flat as the polls go on, and
+    every poll reads what a fresh adapter reads. Bounded in entries only
+    (50,000), the cache kept every label set it saw: 1 MB more a poll
+    here, 11 MiB over the last 12 polls."""
+    import gc
+    import tracemalloc
+
+    adapter = VllmAdapter()
+    cache = adapter._series
+    cache.max_bytes = 4 * 2 ** 20
+    traced, largest = [], 0
+    tracemalloc.start()
+    try:
+        for poll in range(24):
+            text = _new_label_sets_page(poll, 40_000)
+            # A new parser each poll: new dicts, as a store's answer gives.
+            snapshot = adapter.adapt_families(VllmAdapter().selector.parse(text).families, [], None, at=float(poll))
+            largest = max(largest, cache.bytes)
+            assert cache.bytes <= cache.max_bytes, (poll, cache.bytes)
+            fresh = VllmAdapter().adapt_families(VllmAdapter().selector.parse(text).families, [], None,
+                                                 at=float(poll))
+            assert snapshot.engines == fresh.engines, poll
+            assert len(snapshot.engines) == 6 and all(
+                engine.histograms["ttft"].count == poll + n
+                for n, engine in enumerate(sorted(snapshot.engines.values(), key=lambda e: e.model)))
+            del text, snapshot, fresh
+            gc.collect()
+            traced.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    assert largest > cache.max_bytes // 2  # the bound was neared, so it was what held the cache
+    assert max(traced[12:]) - max(traced[:12]) < 2 * 2 ** 20, [t >> 20 for t in traced]

@@ -17,7 +17,7 @@ import pytest
 
 import kvwatch.pipeline.monitor
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
-from kvwatch.window import Window, pair_bytes
+from kvwatch.window import Window, pair_bytes, step_between
 from fuzz.pages import Engine, page
 from fuzz.pipeline import Pipeline
 
@@ -53,7 +53,9 @@ def test_rotating_model_names_keep_the_window_within_its_byte_bound(clock):
     state says what was forgotten."""
     pipeline = Pipeline(max_series=1000, window="50s")
     window = pipeline.monitor.window
-    window.max_bytes = 2 ** 20
+    # Two polls of 101 new pairs (the latest two, never trimmed) count
+    # 1.8 MB with the diagnosis' per-pair tracks (window.NEW_PAIR_BYTES).
+    window.max_bytes = 2 ** 21
     names, polls = 100, 40
     tracemalloc.start()
     try:
@@ -99,6 +101,48 @@ def test_rotating_model_names_keep_the_window_within_its_byte_bound(clock):
     assert "no longer on the page" in status["status_page"]
 
 
+def test_what_the_window_counts_covers_what_its_readers_keep_per_name(clock):
+    """A page of one counter per name, 200 new names a poll (the worst
+    page's shape, benchmarks/worst_page_probe.py), over a 5-minute window
+    bounded at 2 MiB, diagnosed every poll. The diagnosis keeps
+    an EnginePolls per (model, engine) for as long as the pair is in the
+    window: 8.4 KB of empty deques each, which the window did not count, so
+    live memory grew to 3.6 times its bound (596 MiB peak RSS in the probe
+    against the pod's 384Mi). Now what is live beyond the steady state stays
+    within a quarter over the bound (the findings and events, bounded by
+    count, are the rest), once the parser's and adapter's label caches
+    (bounded on their own, and emptied when full) are set aside."""
+    pipeline = Pipeline(max_series=1000, window="5m")
+    window = pipeline.monitor.window
+    window.max_bytes = 2 * 2 ** 20
+    names, polls = 100, 61
+
+    def rotating(poll: int) -> str:
+        return "".join(f'vllm:prompt_tokens_total{{model_name="gateway-request-{poll:04d}-{n:08d}",engine="0"}} '
+                       f"{n}.0\n" for n in range(names))
+
+    clock[0] += 5
+    assert pipeline.poll(page(Engine(model="steady", prompt_tokens=1.0))).up
+    pipeline.views(parse_back=False)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for poll in range(polls):
+            clock[0] += 5
+            assert pipeline.poll(rotating(poll)).up
+            assert window.bytes <= window.max_bytes
+        adapter = pipeline.monitor.adapter
+        adapter._series.clear()
+        adapter.selector._label_cache.clear()
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert window.forgotten_pairs > 0  # the bound was reached
+    assert held <= window.max_bytes * 5 // 4, (held, window.bytes, sum(len(e.snapshot.engines) for e in window.entries))
+
+
 def _engine(model: str, poll: int, buckets: int = 40) -> EngineSnapshot:
     bounds = tuple(float(n) for n in range(1, buckets)) + (float("inf"),)
     return EngineSnapshot(model, "0", gauges={"kv_usage": 0.5, "running": float(poll % 7)},
@@ -114,8 +158,12 @@ def test_stable_pairs_over_the_bound_drop_the_oldest_polls_and_say_so():
     and what it spans is still summed exactly."""
     window = Window(300.0)
     models = [f"m{n}" for n in range(20)]
-    per_poll = sum(pair_bytes((m, "0"), _engine(m, 2), None) for m in models)
-    window.max_bytes = 12 * per_poll  # room for about 6 polls of snapshots and steps
+    # What one steady poll holds: every pair with its snapshot and its step
+    # (a pair without a step also counts what a reader keeps for a new pair,
+    # window.NEW_PAIR_BYTES, which a steady pair no longer has).
+    per_poll = sum(pair_bytes((m, "0"), _engine(m, 2), step_between(_engine(m, 1), _engine(m, 2), 5.0))
+                   for m in models)
+    window.max_bytes = 6 * per_poll  # room for about 6 polls
     for poll in range(61):
         window.add(Snapshot(1000.0 + 5 * poll, {(m, "0"): _engine(m, poll) for m in models}))
         assert window.bytes <= window.max_bytes or len(window.entries) == 2

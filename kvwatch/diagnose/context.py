@@ -77,16 +77,20 @@ class EnginePolls:
         self.running: deque = deque()
         self.waiting: deque = deque()
         self.no_usage = self.no_running = self.no_usage_or_running = self.no_waiting = self.restarts = 0
-        self.preempted: deque[Poll] = deque()  # polls whose step preempted
-        self.usage_peaks: deque = deque()  # (poll, usage)
-        self.waiting_usage_peaks: deque = deque()  # (poll, usage) of polls with requests waiting
+        # The queues below start as the shared empty tuple and become deques
+        # on their first poll (_pushed, _appended): an empty deque is 760
+        # bytes, and a gateway that names one model per request makes an
+        # EnginePolls per name and poll, most of whose queues stay empty.
+        self.preempted: deque[Poll] | tuple = _EMPTY  # polls whose step preempted
+        self.usage_peaks: deque | tuple = _EMPTY  # (poll, usage)
+        self.waiting_usage_peaks: deque | tuple = _EMPTY  # (poll, usage) of polls with requests waiting
         # counter key -> its step's value at every poll (0.0 where none): built when first read
         self.counters: dict[str, deque] = {}
         self.limits: tuple | None = None  # (exhaustion_usage_ratio, max_num_seqs) of the next four
-        self.full: deque[Poll] = deque()  # the exhaustion detector's full polls
-        self.full_peaks: deque = deque()  # (poll, (demand, usage)) of the full polls
+        self.full: deque[Poll] | tuple = _EMPTY  # the exhaustion detector's full polls
+        self.full_peaks: deque | tuple = _EMPTY  # (poll, (demand, usage)) of the full polls
         self.unordered = 0  # full polls whose demand is NaN: no order, so no queue
-        self.share_peaks: deque = deque()  # (poll, usage / running) of polls at the usage threshold
+        self.share_peaks: deque | tuple = _EMPTY  # (poll, usage / running) of polls at the usage threshold
         self.unordered_shares = 0  # of those, the ones whose share is NaN
 
     def entered(self, poll: Poll) -> None:
@@ -102,11 +106,11 @@ class EnginePolls:
         self.no_waiting += waiting is None
         self.restarts += poll.restarted
         if poll.preempted > 0:
-            self.preempted.append(poll)
+            self.preempted = _appended(self.preempted, poll)
         if usage is not None:
-            _push(self.usage_peaks, poll, usage)
+            self.usage_peaks = _pushed(self.usage_peaks, poll, usage)
             if (waiting or 0) > 0:
-                _push(self.waiting_usage_peaks, poll, usage)
+                self.waiting_usage_peaks = _pushed(self.waiting_usage_peaks, poll, usage)
         step = poll.step
         for key, values in self.counters.items():
             values.append(step.counters.get(key, 0.0) if step is not None else 0.0)
@@ -151,7 +155,7 @@ class EnginePolls:
     def for_limits(self, limit: float, slots) -> "EnginePolls":
         if self.limits != (limit, slots):
             self.limits = (limit, slots)
-            self.full, self.full_peaks, self.share_peaks = deque(), deque(), deque()
+            self.full, self.full_peaks, self.share_peaks = _EMPTY, _EMPTY, _EMPTY
             self.unordered = self.unordered_shares = 0
             for poll in self.polls:
                 self._enter_limited(poll)
@@ -165,17 +169,17 @@ class EnginePolls:
 
     def _enter_limited(self, poll: Poll) -> None:
         if self._full(poll):
-            self.full.append(poll)
+            self.full = _appended(self.full, poll)
             if poll.demand != poll.demand:
                 self.unordered += 1
             else:
-                _push(self.full_peaks, poll, (poll.demand, poll.usage or 0.0))
+                self.full_peaks = _pushed(self.full_peaks, poll, (poll.demand, poll.usage or 0.0))
         share = self._share(poll)
         if share is not None:
             if share != share:
                 self.unordered_shares += 1
             else:
-                _push(self.share_peaks, poll, share)
+                self.share_peaks = _pushed(self.share_peaks, poll, share)
 
     def _share(self, p: Poll) -> float | None:
         """The share of the cache one running request held at a poll at the
@@ -190,13 +194,28 @@ class EnginePolls:
         return True, self.share_peaks[0][1] if self.share_peaks else None
 
 
-def _push(peaks: deque, poll: Poll, value) -> None:
+_EMPTY: tuple = ()
+
+
+def _appended(queue: deque | tuple, poll: Poll) -> deque:
+    """`queue` with `poll` at its end (a deque from the first one on)."""
+    if not isinstance(queue, deque):
+        return deque((poll,))
+    queue.append(poll)
+    return queue
+
+
+def _pushed(peaks: deque | tuple, poll: Poll, value) -> deque:
     """Add a poll to a monotonic queue of maxima: the values a later,
     higher one outlasts leave, equal ones stay, so the front is the first
-    poll with the highest value (as `max` picks it). Values never NaN."""
+    poll with the highest value (as `max` picks it). Values never NaN.
+    Returns the queue (a deque from the first poll on)."""
+    if not isinstance(peaks, deque):
+        return deque(((poll, value),))
     while peaks and peaks[-1][1] < value:
         peaks.pop()
     peaks.append((poll, value))
+    return peaks
 
 
 class WindowPolls(EntryFollower):

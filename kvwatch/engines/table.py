@@ -74,6 +74,7 @@ class TableAdapter(EngineAdapter):
         # The namespace of the latest page's sample lines: the families this
         # adapter names (sources, faults) are spelled as a query must name them.
         self.prefix = self.prefixes[0]
+        self._spelling: str | None = None
 
     # --- what the page says, per (model, engine) ---------------------------
 
@@ -160,8 +161,11 @@ class TableAdapter(EngineAdapter):
     def adapt(self, text: str, at: float | None = None) -> Snapshot:
         page = self.selector.parse(text)
         families = page.families
+        # A page the text plan read starts its lines as the last one did.
+        if not self.selector.planned or self._spelling is None:
+            self._spelling = self.spelling_of(text)
         snapshot = Snapshot(time=_time.time() if at is None else at, engines={}, parse_errors=page.errors,
-                            spelling=self.spelling_of(text))
+                            spelling=self._spelling)
         self.prefix = snapshot.spelling.split(",", 1)[0] or self.prefixes[0]
         dropped: set[tuple[str, str]] = set()
 

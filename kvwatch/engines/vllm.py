@@ -79,6 +79,7 @@ class VllmAdapter(EngineAdapter):
         self._cache_clears = 0
         self._folds = _Folds()
         self._process_start: float | None = None
+        self._spelling: str | None = None
 
     @property
     def selector(self) -> FamilySelector:
@@ -95,7 +96,11 @@ class VllmAdapter(EngineAdapter):
             self._cache_clears = selector.cache_clears
             self._series.clear()
         snapshot = self.adapt_families(page.families, page.errors, _process_start(text), at)
-        snapshot.spelling = self.spelling_of(text)
+        # A page the text plan read starts its lines as the last one did:
+        # its spelling is the last one's (0.4 ms of text search at 8 engines).
+        if not selector.planned or self._spelling is None:
+            self._spelling = self.spelling_of(text)
+        snapshot.spelling = self._spelling
         return snapshot
 
     def adapt_families(self, families: dict[str, Family], errors: list, process_start: float | None,
@@ -125,6 +130,9 @@ class VllmAdapter(EngineAdapter):
         # page text's own sample lines, the definition).
         spelled = {family.spelling for family in families.values()}
         snapshot.spelling = ",".join(prefix for prefix in self.prefixes if prefix in spelled)
+        # Within its bounds between polls too, not only before the next one:
+        # a page of new label sets is let go once it is read.
+        series.trim()
         return snapshot
 
     # Whether a page whose layout was seen on the poll before is read by its

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import sys
 
 from kvwatch.engines.plausible import add_fault, family_name
 from kvwatch.engines.vllm_names import (
@@ -144,6 +145,32 @@ def _identity(labels: dict[str, str]) -> tuple[str, str]:
     return labels.get("model_name", "unknown"), labels.get("engine", "0")
 
 
+# The most the series cache holds, in bytes as it estimates them (below). Its
+# entries are keyed by label sets, so a reader handing it new ones each poll
+# grows it: label values set per request, or a store's answers read into new
+# dicts on every refresh (history, central mode), where the parser's cache,
+# which it empties with, is not in the way. Bounded in entries only (50,000),
+# new 80 KB label values kept every set seen until 50,000 of them (3.2 MB a
+# poll on a page of 40 such series). A real page of 64 engines (vLLM 0.32's
+# families) counts 4.4 MiB here, where tracemalloc sees 4.35 MiB were the
+# cache the label sets' only holder.
+SERIES_CACHE_MAX_BYTES = 16 * 1024 * 1024
+_getsizeof = sys.getsizeof
+# An entry's own cost beside the objects counted: its slot in a dict (a
+# dict grows in steps, about 100 bytes a key at its fullest) and its tuple.
+_ENTRY_BYTES = 150
+
+
+def _labels_bytes(labels: dict[str, str]) -> int:
+    """A label set as sys.getsizeof counts it: the dict, its names and values
+    (counted in full by every table that keeps the set: an estimate from
+    above, since the parser and the other tables may share them)."""
+    size = _getsizeof(labels)
+    for name, value in labels.items():
+        size += _getsizeof(name) + _getsizeof(value)
+    return size
+
+
 class _SeriesCache:
     """What the adapter derives from a label set, computed once per label set.
 
@@ -152,11 +179,16 @@ class _SeriesCache:
     dict itself, so the id cannot be reused by another object while the
     entry lives. Bucket bounds are interned too: every poll, and every
     snapshot in the window, shares one bounds tuple per layout. Bounded:
-    cleared between polls once it outgrows `limit` (a page with one label
+    cleared between polls once it outgrows `limit` entries or `max_bytes`
+    (`bytes`, its estimate of what its entries hold; a page with one label
     value per request would otherwise grow it forever)."""
 
-    def __init__(self, limit: int = 50_000):
+    def __init__(self, limit: int = 50_000, max_bytes: int = SERIES_CACHE_MAX_BYTES):
         self.limit = limit
+        self.max_bytes = max_bytes
+        # What the entries hold: each new entry adds its label set (or its
+        # token, bounds), the tuple it keeps and its slot (_ENTRY_BYTES).
+        self.bytes = 0
         self.engine_keys: dict[int, tuple[dict[str, str], tuple[str, str]]] = {}
         # id(labels) -> (labels, identity token, its id, `le` or None, bound or None)
         self.buckets: dict[int, tuple[dict[str, str], tuple, int, str | None, float | None]] = {}
@@ -176,8 +208,8 @@ class _SeriesCache:
         self.page: tuple[tuple[str, ...], tuple[object, ...], object] | None = None
 
     def trim(self) -> None:
-        if (len(self.engine_keys) + len(self.buckets) + len(self.others) + len(self.tokens)
-                + len(self.bounds) > self.limit):
+        if (self.bytes > self.max_bytes or len(self.engine_keys) + len(self.buckets) + len(self.others)
+                + len(self.tokens) + len(self.bounds) > self.limit):
             self.clear()
 
     def clear(self) -> None:
@@ -187,6 +219,7 @@ class _SeriesCache:
                       self.plans):
             table.clear()
         self.page = None
+        self.bytes = 0
 
     # Empty label sets are fresh dicts on every line (nothing to reuse), so
     # they are answered without an entry.
@@ -197,10 +230,16 @@ class _SeriesCache:
         entry = self.engine_keys.get(id(labels))
         if entry is None:
             entry = self.engine_keys[id(labels)] = (labels, _identity(labels))
+            self.bytes += _ENTRY_BYTES + 120 + _labels_bytes(labels)  # two tuples of two
         return entry[1]
 
     def token(self, identity: tuple) -> tuple:
-        return self.tokens.setdefault(identity, identity)
+        token = self.tokens.get(identity)
+        if token is None:
+            # The pairs' names and values are the label set's own objects.
+            token = self.tokens[identity] = identity
+            self.bytes += _ENTRY_BYTES + _getsizeof(identity) + 56 * len(identity)
+        return token
 
     def bucket(self, labels: dict[str, str]) -> tuple[dict[str, str], tuple, int, str | None, float | None]:
         if not labels:
@@ -215,6 +254,7 @@ class _SeriesCache:
             except ValueError:
                 bound = None
             entry = self.buckets[id(labels)] = (labels, token, id(token), le, bound)
+            self.bytes += _ENTRY_BYTES + 160 + _labels_bytes(labels)  # its tuple, id and bound
         return entry
 
     def other(self, labels: dict[str, str]) -> tuple[dict[str, str], tuple, int]:
@@ -225,6 +265,7 @@ class _SeriesCache:
         if entry is None:
             token = self.token(tuple(sorted(labels.items())))
             entry = self.others[id(labels)] = (labels, token, id(token))
+            self.bytes += _ENTRY_BYTES + 96 + _labels_bytes(labels)  # its tuple and id
         return entry
 
     def labels_of(self, token: tuple) -> tuple[dict[str, str], tuple[str, str]]:
@@ -232,6 +273,7 @@ class _SeriesCache:
         if entry is None:
             labels = dict(token)
             entry = self.token_labels[token] = (labels, _identity(labels))
+            self.bytes += _ENTRY_BYTES + 120 + _getsizeof(labels)  # its names and values are the token's
         return entry
 
     def sorted_bounds(self, page_order: tuple[float, ...]) -> tuple[tuple[float, ...], bool]:
@@ -239,6 +281,7 @@ class _SeriesCache:
         if entry is None:
             bounds = tuple(sorted(page_order))
             entry = self.bounds[page_order] = (bounds, bounds == page_order)
+            self.bytes += _ENTRY_BYTES + 64 + _getsizeof(page_order) + _getsizeof(bounds) + 24 * len(bounds)
         return entry
 
 

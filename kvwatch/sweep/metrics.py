@@ -3,7 +3,7 @@ while a cell runs, and what one cell adds up to.
 
 Each cell gets a fresh `Window` of snapshots, opened by a poll at the cell's
 start and closed by one after its last request; counters and histograms are
-summed over the window's reset-safe steps (kvwatch/window.py), gauges are the
+summed over the window's reset-safe steps (kvwatch/window/steps.py), gauges are the
 maxima seen by the polls in between. Engines are those serving the sweep's
 model (all engines when none carries its name); data-parallel engines are
 added up: counters and histograms summed, running and waiting summed per poll,
