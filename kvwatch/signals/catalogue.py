@@ -462,7 +462,7 @@ TIER_SIGNALS: tuple[Signal, ...] = (
            "  or\n  label_replace(sum by ({by}) (rate(kvwatch_lmcache_lookup_hit_l2_tokens_total{{{sel}}}[{w}])), \"tier\", \"l2\", \"\", \"\")\n"
            "  or\n  label_replace(clamp_min(sum by ({by}) (rate(kvwatch_lmcache_lookup_requested_tokens_total{{{sel}}}[{w}])) "
            "- sum by ({by}) (rate(kvwatch_lmcache_lookup_hit_tokens_total{{{sel}}}[{w}])), 0), \"tier\", \"not_found\", \"\", \"\")\n)\n"
-           "/ ignoring (tier) group_left\n(sum by ({by}) (rate(kvwatch_lmcache_lookup_requested_tokens_total{{{sel}}}[{w}])) > 0)",
+           "/ ignoring (tier) group_left ()\n(sum by ({by}) (rate(kvwatch_lmcache_lookup_requested_tokens_total{{{sel}}}[{w}])) > 0)",
            label="tier", needs=("lookup_requested_tokens", "lookup_hit_l1_tokens", "lookup_hit_l2_tokens"),
            display="LMCache lookups by tier", good=None),
     Signal("kvwatch_lmcache_stored_tokens_per_second", "per_second",
