@@ -1,6 +1,12 @@
 """Configuration: defaults, then a YAML file, then `KVWATCH_*` environment
 variables, then command-line flags; the later wins. Every problem is collected
-and reported at once, so a bad config is fixed in one round trip."""
+and reported at once, so a bad config is fixed in one round trip.
+
+Each setting is declared once, as a field of Settings whose metadata
+(`setting(...)`) holds its parser and its help: the YAML key is the field's
+name, the environment variable KVWATCH_ + its name, the flag --its-name;
+`kvwatch serve`'s flags and their --help, and docs/configuration.md
+(kvwatch/mixin/settings_doc.py), are made from these declarations."""
 
 from __future__ import annotations
 
@@ -36,80 +42,6 @@ class SettingsError(Exception):
 # The default fetch deadline (or 80 % of a longer interval): above the 12 s a
 # busy vLLM took to answer, like Prometheus's own default scrape_timeout (10 s).
 DEFAULT_FETCH_DEADLINE_S = 15.0
-
-
-@dataclass
-class Settings:
-    # The engine's /metrics. A bare http://host:port gets /metrics appended.
-    target: str = "http://127.0.0.1:8000/metrics"
-    # Loopback by default: exposing the sidecar is a decision, not an accident.
-    # The container image sets 0.0.0.0 explicitly.
-    host: str = "127.0.0.1"
-    port: int = 9400
-    # One poll per interval whatever scrapes kvwatch; 5 s matches vLLM's own
-    # example scrape interval and costs well under 1 % of a core.
-    poll_interval: float = 5.0
-    # Fetch deadline. Polls never overlap whatever it is (the loop waits for
-    # a poll to finish; a late page delays the next poll and skips the slots
-    # it missed), so it is not tied to the interval: a real vLLM 0.32 under
-    # load answered /metrics 1.5-3.8 s late at times and once 12 s late, and
-    # a deadline of 80 % of a 1 s interval dropped exactly the pages of the
-    # load. A late page is still a page: it is read, stamped at the time it
-    # was answered and its lateness exported (kvwatch_page_late_seconds).
-    timeout: float | None = None
-    # Signals are computed over this span; 5 m matches rate(...[5m]) in the rules.
-    window: float = 300.0
-    # A real vLLM page is 50-300 KB (64 engines write 2.2 MB); 8 MiB is far
-    # above any sane page and bounds memory against a runaway or hostile
-    # target. The pod's memory limit is derived from the peak the worst page
-    # under this cap costs (kvwatch/mixin/config.py, measured by `make bench`):
-    # change one, measure and change the other.
-    max_body_bytes: int = 8 * 1024 * 1024
-    # Most (model, engine) pairs kept per poll; the rest are dropped and counted.
-    max_series: int = 1000
-    bearer_token_file: str | None = None
-    ca_bundle: str | None = None
-    tls_verify: bool = True
-    log_level: str = "info"
-    # Optional second source for the slow-first-token diagnosis: a gateway's or
-    # application's /metrics and the histogram there that measures time spent
-    # before the engine (e.g. retrieval).
-    upstream_target: str | None = None
-    upstream_histogram: str | None = None
-    # Optional LMCache page (kvwatch/pipeline/lmcache.py): the engine's own
-    # /metrics when LMCache shares vLLM's registry, or LMCache's API server.
-    lmcache_target: str | None = None
-    # Optional KV-cache event stream (kvwatch/kvevents): the ZMQ endpoint
-    # kvwatch binds (the engine, pointed at it with --kv-events-config,
-    # connects), or connects to with kv_events_connect (a publisher that binds
-    # a wildcard, tcp://*:N). The topic filters by prefix ("" takes every topic).
-    kv_events: str | None = None
-    kv_events_connect: bool = False
-    kv_events_topic: str = ""
-    # The engine's replay socket (vLLM's replay_endpoint, which it binds):
-    # kvwatch connects and asks for what a sequence gap lost.
-    kv_events_replay: str | None = None
-    # The block ledger's memory (about 110 bytes a tracked block): past it
-    # the ledger samples the hash space (kvwatch/kvevents/ledger.py).
-    kv_events_table_bytes: int = 32 * 1024 * 1024
-    # Protect kvwatch's own endpoints (/healthz and /readyz stay open for probes).
-    auth_token_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    # A `kvwatch sim`'s /sim/phase (make run sets it): the status page then
-    # names the simulated phase now and the next. Nothing else reads it.
-    demo_target: str | None = None
-    # Diagnosis thresholds (see kvwatch/diagnose/thresholds.py for every key and default).
-    diagnosis: dict[str, Any] = field(default_factory=dict)
-    # The engine whose page the target serves (kvwatch/engines): `auto` picks
-    # it from the first page with engine metrics; a name pins it.
-    engine: str = "auto"
-
-    @property
-    def fetch_timeout(self) -> float:
-        if self.timeout is not None:
-            return self.timeout
-        return min(max(DEFAULT_FETCH_DEADLINE_S, 0.8 * self.poll_interval), self.window / 2)
 
 
 def _parse_bool(value: Any) -> bool:
@@ -236,38 +168,157 @@ def _positive_int(value: Any) -> int:
     return number
 
 
-PARSERS = {
-    "target": normalize_target,
-    "host": str,
-    "port": _parse_port,
-    "poll_interval": parse_duration,
-    "timeout": parse_duration,
-    "window": parse_duration,
-    "max_body_bytes": parse_size,
-    "max_series": _positive_int,
-    "bearer_token_file": _existing_file,
-    "ca_bundle": _existing_file,
-    "tls_verify": _parse_bool,
-    "log_level": _log_level,
-    "upstream_target": lambda v: None if v in (None, "") else normalize_target(v),
-    "upstream_histogram": _optional_str,
-    "lmcache_target": lambda v: None if v in (None, "") else normalize_target(v),
-    "demo_target": lambda v: None if v in (None, "") else _demo_url(v),
-    "kv_events": lambda v: None if v in (None, "") else zmq_endpoint(v),
-    "kv_events_connect": _parse_bool,
-    "kv_events_topic": lambda v: "" if v is None else str(v),
-    "kv_events_replay": lambda v: None if v in (None, "") else zmq_endpoint(v),
-    "kv_events_table_bytes": parse_size,
-    "auth_token_file": _auth_token_file,
-    "tls_cert_file": _existing_file,
-    "tls_key_file": _existing_file,
-    "diagnosis": _mapping,
-    "engine": _engine,
-}
-assert set(PARSERS) == {f.name for f in fields(Settings)}
+def _optional(parse):
+    """`parse`, with None and "" read as unset."""
+    return lambda value: None if value in (None, "") else parse(value)
 
+
+def setting(parse, help: str, *, flag: bool = True, env: bool = True, default_rule: str | None = None,
+            doc: str = "") -> dict:
+    """A setting's declaration, the metadata of its field in Settings: the
+    one place its parser and its words are written. `parse` reads a value
+    from the YAML file, the environment and the flag alike (ValueError says
+    what is wrong); `help` is its line in `kvwatch serve --help` and in
+    docs/configuration.md (which adds `doc`); `flag` and `env` say whether
+    it is also `--key-name` and `KVWATCH_KEY` (every setting is a YAML key);
+    `default_rule` states a default that is a rule rather than a value."""
+    return {"parse": parse, "help": help, "flag": flag, "env": env, "default_rule": default_rule, "doc": doc}
+
+
+@dataclass
+class Settings:
+    # The engine's /metrics. A bare http://host:port gets /metrics appended.
+    target: str = field(default="http://127.0.0.1:8000/metrics", metadata=setting(
+        normalize_target, "the engine's /metrics URL (a bare http://host:port gets /metrics)"))
+    # Loopback by default: exposing the sidecar is a decision, not an accident.
+    # The container image sets 0.0.0.0 explicitly.
+    host: str = field(default="127.0.0.1", metadata=setting(
+        str, "address to listen on", doc="the container image sets `0.0.0.0`"))
+    port: int = field(default=9400, metadata=setting(_parse_port, "port to listen on"))
+    # One poll per interval whatever scrapes kvwatch; 5 s matches vLLM's own
+    # example scrape interval and costs well under 1 % of a core.
+    poll_interval: float = field(default=5.0, metadata=setting(
+        parse_duration, "time between polls, e.g. 5s or 1m", doc="one poll per interval, whatever scrapes kvwatch"))
+    # Fetch deadline. Polls never overlap whatever it is (the loop waits for
+    # a poll to finish; a late page delays the next poll and skips the slots
+    # it missed), so it is not tied to the interval: a real vLLM 0.32 under
+    # load answered /metrics 1.5-3.8 s late at times and once 12 s late, and
+    # a deadline of 80 % of a 1 s interval dropped exactly the pages of the
+    # load. A late page is still a page: it is read, stamped at the time it
+    # was answered and its lateness exported (kvwatch_page_late_seconds).
+    timeout: float | None = field(default=None, metadata=setting(
+        parse_duration, "fetch deadline, e.g. 4s",
+        default_rule="15s, or 80% of a longer poll interval (a late page is kept)",
+        doc="polls never overlap: a late page delays the next poll and is kept, stamped when answered "
+            "(`kvwatch_page_late_seconds`); at most half the window"))
+    # Signals are computed over this span; 5 m matches rate(...[5m]) in the rules.
+    window: float = field(default=300.0, metadata=setting(
+        parse_duration, "span of the windowed signals, e.g. 5m", doc="at least two poll intervals"))
+    # A real vLLM page is 50-300 KB (64 engines write 2.2 MB); 8 MiB is far
+    # above any sane page and bounds memory against a runaway or hostile
+    # target. The pod's memory limit is derived from the peak the worst page
+    # under this cap costs (kvwatch/mixin/config.py, measured by `make bench`):
+    # change one, measure and change the other.
+    max_body_bytes: int = field(default=8 * 1024 * 1024, metadata=setting(
+        parse_size, "cap on the engine's page size, e.g. 8MiB"))
+    # Most (model, engine) pairs kept per poll; the rest are dropped and counted.
+    max_series: int = field(default=1000, metadata=setting(_positive_int, "most (model, engine) pairs kept per poll"))
+    bearer_token_file: str | None = field(default=None, metadata=setting(
+        _existing_file, "file holding a bearer token for the engine", doc="re-read each poll"))
+    ca_bundle: str | None = field(default=None, metadata=setting(
+        _existing_file, "CA bundle to verify the engine's TLS certificate"))
+    tls_verify: bool = field(default=True, metadata=setting(
+        _parse_bool, "verify the engine's TLS certificate: true or false"))
+    log_level: str = field(default="info", metadata=setting(_log_level, "debug, info, warning or error"))
+    # Optional second source for the slow-first-token diagnosis: a gateway's or
+    # application's /metrics and the histogram there that measures time spent
+    # before the engine (e.g. retrieval).
+    upstream_target: str | None = field(default=None, metadata=setting(
+        _optional(normalize_target), "a gateway's or application's /metrics (second source for TTFT diagnosis)",
+        doc="given together with upstream_histogram"))
+    upstream_histogram: str | None = field(default=None, metadata=setting(
+        _optional_str, "the histogram there that measures time before the engine, e.g. app_retrieval_seconds"))
+    # Optional LMCache page (kvwatch/pipeline/lmcache.py): the engine's own
+    # /metrics when LMCache shares vLLM's registry, or LMCache's API server.
+    lmcache_target: str | None = field(default=None, metadata=setting(
+        _optional(normalize_target),
+        "LMCache's /metrics (the engine's own when LMCache shares its registry): a KV tier read beside the engine",
+        doc="[engines.md](engines.md#lmcache-tier)"))
+    # A `kvwatch sim`'s /sim/phase (make run sets it): the status page then
+    # names the simulated phase now and the next. Nothing else reads it.
+    demo_target: str | None = field(default=None, metadata=setting(
+        _optional(_demo_url),
+        "a kvwatch sim's /sim/phase (make run sets it): the status page names the simulated phase now and the next"))
+    # Optional KV-cache event stream (kvwatch/kvevents): the ZMQ endpoint
+    # kvwatch binds (the engine, pointed at it with --kv-events-config,
+    # connects), or connects to with kv_events_connect (a publisher that binds
+    # a wildcard, tcp://*:N). The topic filters by prefix ("" takes every topic).
+    kv_events: str | None = field(default=None, metadata=setting(
+        _optional(zmq_endpoint),
+        "the engine's KV-cache events: a ZMQ endpoint kvwatch binds for vLLM's --kv-events-config "
+        "publisher to connect to, e.g. tcp://127.0.0.1:5557",
+        doc="blocks evicted before reuse, never reused or whose prefix changed are told apart block by block, "
+            "and the extra cache that would have kept them is estimated ([kv-events.md](kv-events.md))"))
+    kv_events_connect: bool = field(default=False, metadata=setting(
+        _parse_bool, "connect to kv_events instead of binding it (a publisher that binds tcp://*:N): true or false"))
+    kv_events_topic: str = field(default="", metadata=setting(
+        lambda v: "" if v is None else str(v), "the events' topic prefix kvwatch subscribes to (empty: every topic)"))
+    # The engine's replay socket (vLLM's replay_endpoint, which it binds):
+    # kvwatch connects and asks for what a sequence gap lost.
+    kv_events_replay: str | None = field(default=None, metadata=setting(
+        _optional(zmq_endpoint),
+        "the engine's replay endpoint (vLLM's replay_endpoint, e.g. tcp://127.0.0.1:5558): kvwatch "
+        "asks it for the messages a sequence gap lost"))
+    # The block ledger's memory (about 110 bytes a tracked block): past it
+    # the ledger samples the hash space (kvwatch/kvevents/ledger.py).
+    kv_events_table_bytes: int = field(default=32 * 1024 * 1024, metadata=setting(
+        parse_size, "memory for tracked blocks (about 110 B each); past it the hash space is sampled"))
+    # Protect kvwatch's own endpoints (/healthz and /readyz stay open for probes).
+    auth_token_file: str | None = field(default=None, metadata=setting(
+        _auth_token_file, "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
+        doc="one token on one line"))
+    tls_cert_file: str | None = field(default=None, metadata=setting(
+        _existing_file, "serve kvwatch over TLS with this certificate", doc="given together with tls_key_file"))
+    tls_key_file: str | None = field(default=None, metadata=setting(_existing_file, "and this key"))
+    # Diagnosis thresholds (see kvwatch/diagnose/thresholds.py for every key and default).
+    diagnosis: dict[str, Any] = field(default_factory=dict, metadata=setting(
+        _mapping, "diagnosis thresholds, a mapping of threshold: value", flag=False, env=False,
+        default_rule="each threshold's own",
+        doc="`kvwatch/diagnose/thresholds.py` lists each key, its default and why"))
+    # The engine whose page the target serves (kvwatch/engines): `auto` picks
+    # it from the first page with engine metrics; a name pins it.
+    engine: str = field(default="auto", metadata=setting(
+        _engine, "the engine serving the target: auto (from its first page), vllm, sglang, llamacpp or trtllm",
+        doc="[engines.md](engines.md)"))
+
+    @property
+    def fetch_timeout(self) -> float:
+        if self.timeout is not None:
+            return self.timeout
+        return min(max(DEFAULT_FETCH_DEADLINE_S, 0.8 * self.poll_interval), self.window / 2)
+
+
+# Each setting's declaration (setting() above), in Settings' order.
+DECLARED = {f.name: f.metadata for f in fields(Settings)}
+# key -> parser, for the file, the environment and the flags alike.
+PARSERS = {key: meta["parse"] for key, meta in DECLARED.items()}
 # Defaults that are not a value but a rule, as `--help` states them.
-DEFAULT_RULES = {"timeout": "15s, or 80% of a longer poll interval (a late page is kept)"}
+DEFAULT_RULES = {key: meta["default_rule"] for key, meta in DECLARED.items() if meta["default_rule"]}
+# The settings that are also a flag of `kvwatch serve` and a KVWATCH_* variable.
+FLAGS = [key for key, meta in DECLARED.items() if meta["flag"]]
+ENV_KEYS = [key for key, meta in DECLARED.items() if meta["env"]]
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def flag_help(key: str, note: str = "") -> str:
+    """A setting's flag help, one way for every command that takes it: its
+    declared help (and a command's `note`), its default and its variable,
+    escaped for argparse (which formats help with %)."""
+    text = DECLARED[key]["help"] + (f", {note}" if note else "")
+    return f"{text} (default: {default_text(key)}; env {env_name(key)})".replace("%", "%%")
 
 
 def default_text(key: str) -> str:
@@ -336,9 +387,9 @@ def load_settings(
                 continue
             raw[normalized] = (value, f"{config_file}: {key}")
 
-    for key in PARSERS:
+    for key in ENV_KEYS:
         name = env_name(key)
-        if key == "diagnosis" or name not in environ:
+        if name not in environ:
             continue
         if key == "port" and environ[name].startswith("tcp://"):
             # Kubernetes injects KVWATCH_PORT=tcp://host:port into every pod of
@@ -348,7 +399,7 @@ def load_settings(
 
     for key, value in (overrides or {}).items():
         if value is not None:
-            raw[key] = (value, f"--{key.replace('_', '-')}")
+            raw[key] = (value, flag_name(key))
 
     values: dict[str, Any] = {}
     for key, (value, origin) in raw.items():

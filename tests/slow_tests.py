@@ -14,6 +14,7 @@ SLOW_MODULES = (
     "test_deploy_image.py",
     "test_e2e_alerting.py",
     "test_e2e_engines.py",
+    "test_e2e_offload_tier.py",
     "test_e2e_prometheus.py",
     "test_fuzz_atheris.py",
     "test_history_backfill.py",

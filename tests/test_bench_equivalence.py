@@ -327,3 +327,43 @@ def test_a_warm_adapter_says_the_spelling_a_fresh_one_reads_from_the_text(fixtur
             spellings = [warm.adapt(page, at=float(i)).spelling for i, page in enumerate((text, text, respelled))]
             assert spellings[1] == "vllm:" and spellings[2] == "vllm_", (path.name, spellings)
     assert planned > 20  # the kept spelling was exercised
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(FRAGMENTS, max_size=40), st.lists(st.tuples(st.integers(0, 39), FRAGMENTS), max_size=3),
+       st.sampled_from(["1", "2.5", "x", "1 2", "NaN", "", " "]))
+def test_a_page_after_a_planned_one_parses_as_the_line_parser_parses_it(fragments, changes, other_value):
+    """The text plan is made at a layout's second sight and reads the
+    third page: whatever that page changed (its values, or any fragment),
+    it reads what the line parser reads, or leaves the page to the scanner."""
+    selector = FamilySelector(["g", "h"], ("vllm:", "vllm_"))
+    base = "".join(fragments)
+    changed = ["".join(other_value if f == "1" else f for f in fragments), base]
+    edited = list(fragments)
+    for at, fragment in changes:
+        if at < len(edited):
+            edited[at] = fragment
+    changed.append("".join(edited))
+    for text in (base, base, *changed):
+        slow = FamilySelector(["g", "h"], ("vllm:", "vllm_"))._parse_lines(text)
+        assert as_comparable(selector.parse(text)) == as_comparable(slow)
+
+
+@pytest.mark.parametrize("before, after", [
+    # A line that was a blank and a token becomes a line without a blank.
+    ('vllm:g 1\n 5\nvllm:h 2\n', 'vllm:g 2\nvllm:g\nvllm:h 3\n'),
+    # A line without a blank changes (into a wanted name without a value).
+    ('vllm:g 1\nabc\nvllm:h 2\n', 'vllm:g 2\nvllm:h\nvllm:h 3\n'),
+    # The last line (no newline after it) becomes a wanted one.
+    ('vllm:g 1\nother 2', 'vllm:g 2\nvllm:h 3'),
+    # A TYPE line's last token changes.
+    ('# TYPE vllm:g gauge\nvllm:g 1\n', '# TYPE vllm:g counter\nvllm:g 1\n'),
+])
+def test_the_text_plan_refuses_a_page_whose_lines_changed(before, after):
+    selector = FamilySelector(["g", "h"], ("vllm:", "vllm_"))
+    selector.parse(before)
+    selector.parse(before)  # the plan is made
+    assert selector._text_plan is not None
+    expected = as_comparable(FamilySelector(["g", "h"], ("vllm:", "vllm_"))._parse_lines(after))
+    assert as_comparable(selector.parse(after)) == expected
+    assert not selector.planned

@@ -447,6 +447,19 @@ def test_each_dialect_reads_back_to_the_vllm_pages_values(dialect, spelling):
     assert compared >= 4
     if dialect == "sglang":  # llama.cpp 2026 has no usage gauge; TensorRT-LLM holds it until a completion
         assert got["kvwatch_kv_cache_usage_ratio"] == pytest.approx(expected["kvwatch_kv_cache_usage_ratio"])
+        # Every cache tier in one view, from SGLang's prefill_effective_tokens{mode} as from vLLM's by-source
+        # counters: the device's and the computed shares agree (the tiers SGLang lacks, vLLM reads 0).
+        tiers, vllm_tiers = got["kvwatch_prompt_tokens_by_tier_ratio"], expected["kvwatch_prompt_tokens_by_tier_ratio"]
+        assert set(tiers) == {"device", "host", "storage", "computed"}
+        for tier in ("device", "computed"):
+            assert tiers[tier] == pytest.approx(vllm_tiers[tier]), tier
+        assert tiers["device"] > 0 and tiers["computed"] > 0
+        # The token pool: used / (used + available + evictable) is the usage token_usage states.
+        engine = other_window.latest.engines[(sim.model_name, "0")]
+        pool = [engine.gauges[f"pool_{state}_tokens/kv"] for state in ("used", "available", "evictable")]
+        assert pool[0] / sum(pool) == pytest.approx(engine.gauges["kv_usage"])
+        assert sum(pool) == sim.engines[0].config.kv_cache_size_tokens - sim.engines[0].config.block_size
+        assert pool[2] > 0  # eviction pressure keeps radix-cached, reclaimable slots
 
 
 def test_the_engines_doc_is_the_adapters_tables():
@@ -476,3 +489,35 @@ def test_vllms_spelling_is_reported_too(fixtures_dir, spelling):
         state = monitor.poll_once()
     assert signals_json(state, monitor.settings)["engine_spelling"] == spelling
     assert make_registry(monitor).get_sample_value("kvwatch_engine_spelling_info", {"spelling": spelling}) == 1.0
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_the_simulators_sglang_dialect_serves_its_tiers_and_pools_in_either_spelling(spelling):
+    """`kvwatch sim --dialect sglang --spelling ...`, as a demo runs it: a kvwatch polling it reports the
+    spelling seen, every cache tier's share, the token pool and the recomputation's cost, under both."""
+    from kvwatch.sidecar.collector import make_registry
+    from kvwatch.sim.server import start_background
+
+    # The exhaustion scenario's overload retracts requests from about 90 simulated seconds on.
+    with start_background("exhaustion", speed=0, dialect="sglang", spelling=spelling, model_name="m-sglang") as sim:
+        text = sim.metrics_text()
+        assert (f"{spelling}kv_evictable_tokens{{" in text) and (f"{spelling}prefill_effective_tokens_total{{" in text)
+        monitor = Monitor(load_settings(overrides={"target": sim.metrics_url, "poll_interval": "1s",
+                                                   "window": "5m"}, environ={}))
+        for _ in range(8):
+            sim.advance(30.0)
+            monitor.poll_once()
+    state = monitor.state
+    assert state.engine == "sglang"
+    assert signals_json(state, monitor.settings)["engine_spelling"] == spelling
+    registry = make_registry(monitor)
+    assert registry.get_sample_value("kvwatch_engine_spelling_info", {"spelling": spelling}) == 1.0
+    identity = {"model_name": "m-sglang", "engine": "0"}
+    pools = {state_: registry.get_sample_value(f"kvwatch_engine_kv_pool_{state_}_tokens", {**identity, "pool": "kv"})
+             for state_ in ("used", "available", "evictable")}
+    assert None not in pools.values() and sum(pools.values()) > 0
+    shares = {tier: registry.get_sample_value("kvwatch_prompt_tokens_by_tier_ratio", {**identity, "tier": tier})
+              for tier in ("device", "host", "storage", "computed")}
+    assert None not in shares.values() and sum(shares.values()) == pytest.approx(1.0)
+    assert registry.get_sample_value("kvwatch_engine_retracted_prompt_tokens_total", identity) > 0
+    assert 0 < registry.get_sample_value("kvwatch_prefill_recomputed_ratio", identity) < 1

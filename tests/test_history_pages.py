@@ -111,6 +111,45 @@ def test_families_from_query_results_give_the_snapshots_of_the_pages_text():
     assert any(engine.histograms for engine in expected.engines.values())
 
 
+def test_chunks_take_over_the_plan_before_and_give_the_same_snapshots():
+    """Each chunk (a Replica of its own) taking over the replica's plan of
+    the chunk before (Replica.earlier, as the diagnosis hands it on) gives
+    the text path's Snapshots; the adapter sees the same layout objects as
+    before where the family's series are the same, and a new one where a
+    series is missing."""
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu"
+    names = ("metrics-idle.txt", "metrics-load.txt", "metrics-prefix-load.txt", "metrics-long-load.txt",
+             "metrics-after.txt", "metrics-idle.txt")
+    pages_in = [(1000.0 + 15.0 * i, (folder / name).read_text()) for i, name in enumerate(names)]
+    results = _as_query_results(pages_in, {"job": "vllm", "instance": "10.0.0.2:8000"})
+    for series in results:  # one bucket missing in the last chunk
+        metric = series["metric"]
+        if metric["__name__"] == "vllm:time_to_first_token_seconds_bucket" and metric["le"] == "1.0":
+            series["values"] = [v for v in series["values"] if v[0] < 1060.0]
+    by_text, by_families = make_adapter(), make_adapter()
+    earlier, layouts = None, []
+    for first in (0, 2, 4):  # three chunks of two steps
+        chunk = [{"metric": r["metric"], "values": [v for v in r["values"] if 1000.0 + 15.0 * first <= v[0]
+                                                    < 1000.0 + 15.0 * (first + 2)]} for r in results]
+        pages = Pages(1000.0 + 15.0 * first, 15.0, 2, "vllm")
+        pages.add([r for r in chunk if r["values"]])
+        (replica,) = pages.replicas.values()
+        replica.earlier = earlier
+        for index in range(2):
+            at = 1000.0 + 15.0 * (first + index)
+            expected = by_text.adapt(replica.page(index), at=at)
+            families, process_start = replica.families(index)
+            assert by_families.adapt_families(families, [], process_start, at=at) == expected, (first, index)
+        layouts.append({name: family.layout for name, family in families.items()})
+        earlier = replica.carried()
+    planned = [name for name, layout in layouts[0].items() if layout is not None]
+    assert planned and all(layouts[1][name] is layouts[0][name] for name in planned)
+    assert layouts[2]["time_to_first_token_seconds"] is not layouts[1]["time_to_first_token_seconds"]
+    assert layouts[2]["num_requests_running"] is layouts[1]["num_requests_running"]
+
+
 def test_kvwatch_series_with_configuration_give_the_same_snapshots_both_ways():
     pages = Pages(100.0, 30.0, 2, "kvwatch")
     pages.add([matrix("kvwatch_engine_kv_cache_usage_ratio", 0.25),

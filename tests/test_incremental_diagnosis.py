@@ -119,12 +119,12 @@ def eta_written_out(series):
 
 
 def usage_sum_written_out(series):
-    """BlockSums.add's sum of the clamped usage, point by point."""
+    """_usage_total's sum of the clamped usage (BlockSums.add's input), point by point."""
     return sum([(v if v < 1.0 else 1.0) if v > 0.0 else 0.0 for _t, v in series])
 
 
 def test_trend_and_block_sums_give_the_written_out_definition(fixtures_dir):
-    """signals._eta and BlockSums.add map their arithmetic in C: the same
+    """signals._eta and _usage_total (BlockSums.add's) map their arithmetic in C: the same
     float operations in the same order as the definition written out, on
     every usage series of every recording's windows and on series that
     leave the usual shape (unordered or repeated times, NaN, values outside
@@ -132,14 +132,14 @@ def test_trend_and_block_sums_give_the_written_out_definition(fixtures_dir):
     import math
     import random
 
-    from kvwatch.signals.evaluation import BlockSums, _EngineConfig, _eta
+    from kvwatch.signals.evaluation import BlockSums, _EngineConfig, _eta, _usage_total
 
     def same(a, b):
         return repr(a) == repr(b)
 
     def block_sum(series):
         config = _EngineConfig(count=1001.0, block_size=16.0, memory=None, capacity=16000.0, blocks_hold=True)
-        sums = BlockSums().add(config, 0.5, series)
+        sums = BlockSums().add(config, 0.5, len(series), _usage_total(series))
         return sums.usage_weighted
 
     checked = rising = 0

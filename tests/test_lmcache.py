@@ -327,3 +327,36 @@ def test_the_multiprocess_counters_are_exported_and_documented(fixtures_dir, mp_
     documented = render()
     assert all(f"`{name}`" in documented for name, _ in found if name.startswith("kvwatch_lmcache_"))
     assert "`lmcache_mp_lookup_hit_l1_tokens_total`" in documented and "not OTLP" in documented
+
+
+def test_the_multiprocess_servers_l1_l2_split_is_a_token_weighted_tier_view(fixtures_dir, mp_pages):
+    """Over the 60 s of lmcache-mp-{a,b}: 60,000 tokens looked up, 34,000 found in L1, 14,000 added by L2,
+    12,000 in neither; the shares are those tokens over the 60,000, not an average of the tenants' ratios
+    (tenant-a's and tenant-b's own shares differ)."""
+    name = "kvwatch_lmcache_lookup_tokens_by_tier_ratio"
+    expected = {"l1": 34000 / 60000, "l2": 14000 / 60000, "not_found": 12000 / 60000}
+    tier = source()
+    tier.ingest(mp_pages[0], 1000.0)
+    [row] = tier.ingest(mp_pages[1], 1060.0)["models"]
+    assert row["signals"][name] == pytest.approx(expected)
+    assert sum(row["signals"][name].values()) == pytest.approx(1.0)
+    engine_page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    with PageServer([Answer(engine_page)]) as engine, PageServer([Answer(p) for p in mp_pages]) as server:
+        monitor = monitor_for(engine.url, server.url)
+        monitor.poll_once()
+        monitor.poll_once()
+    found = samples(monitor)
+    for key, share in expected.items():
+        assert found[(name, (("model_name", MODEL), ("tier", key)))] == pytest.approx(share, rel=0.05)
+    html = render_status_page(monitor.state, monitor.settings)
+    assert "looked-up tokens by tier: l1 " in html and "not_found" in html
+    body = json.loads(json.dumps(diagnosis_json(monitor.state, monitor.settings)))
+    assert body["lmcache"]["models"][0]["signals"][name]["l2"] == pytest.approx(expected["l2"], rel=0.05)
+    assert f"`{name}` | gauge | model_name, tier |" in render()
+
+
+def test_the_old_names_give_no_tier_view(pages):
+    tier = source()
+    tier.ingest(pages["a"], 1000.0)
+    [row] = tier.ingest(pages["b"], 1010.0)["models"]
+    assert row["signals"]["kvwatch_lmcache_lookup_tokens_by_tier_ratio"] is None

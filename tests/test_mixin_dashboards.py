@@ -348,7 +348,7 @@ def test_every_board_marks_restarts_changes_and_firing_alerts(dashboards):
 def legend_problems(dashboard: dict, instance_label: str) -> list[str]:
     """Legends name replicas by the config's instance_label, before the model, never as
     `@ address`; every label a legend names is one its query keeps (a label
-    of an aggregation's by/on list, or any label of a bare selector); a query
+    of an aggregation's by/on list, a label_replace's target, or any label of a bare selector); a query
     kept per replica names the replica."""
     problems = []
     for panel in iter_panels(dashboard):
@@ -363,6 +363,8 @@ def legend_problems(dashboard: dict, instance_label: str) -> list[str]:
             groups = [set(re.split(r",\s*", g.strip())) - {"le"}
                       for g in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr)]
             kept = set().union(*groups) if groups else None
+            if kept is not None:  # label_replace(..., "dst", "value", "src", "regex") keeps its dst
+                kept |= set(re.findall(r'\)\s*,\s*"(\w+)"\s*,\s*"[^"]*"\s*,\s*"[^"]*"\s*,\s*"[^"]*"\s*\)', expr))
             for label in named:
                 if kept is not None and label not in kept:
                     problems.append(f"{where}: {{{{{label}}}}} is not a label the query keeps")

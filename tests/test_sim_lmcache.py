@@ -30,9 +30,14 @@ def shape(text: str) -> dict[str, tuple[str, frozenset]]:
 
 def test_the_page_has_the_fixtures_families_types_and_labels(fixtures_dir):
     reference = shape((fixtures_dir / "handwritten" / "lmcache-a.txt").read_text())
+    # The multiprocess server's lookup counters beside them (its target_info series left out).
+    reference_mp = {name: kind for name, kind in shape(
+        (fixtures_dir / "handwritten" / "lmcache-mp-a.txt").read_text()).items() if name != "target_info"}
     sim = Simulation(load_scenario("exhaustion"), lmcache_tokens=4096)
     sim.advance(60)
-    assert shape(sim.lmcache.render(sim.model_name)) == reference
+    page = shape(sim.lmcache.render(sim.model_name))
+    assert {name: kind for name, kind in page.items() if name.startswith("lmcache:")} == reference
+    assert {name: kind for name, kind in page.items() if name.startswith("lmcache_mp")} == reference_mp
 
 
 def run(engine: Engine, uid: int, hashes: list, until: float) -> Request:
@@ -67,6 +72,11 @@ def test_an_evicted_prefix_comes_back_from_the_tier_and_is_counted_as_lmcache_co
     assert stats.prompt_tokens_external == 4 * BLOCK
     assert stats.prompt_tokens_local_compute - computed_before == again.prompt_len - 4 * BLOCK
     assert stats.external_prefix_cache_hits == 4 * BLOCK
+    # As the multiprocess server counts the same lookups: the 4-block prefix found (all L1's, one level),
+    # out of the chunks past the engine's own the four prompts asked for.
+    assert tier.mp_lookup_hit_tokens == tier.mp_lookup_hit_l1_tokens == 4 * BLOCK
+    assert tier.mp_lookup_hit_l2_tokens == 0 and tier.mp_lookups == 4
+    assert tier.mp_lookup_requested_tokens == sum(n * BLOCK for n in (4, 4, 4, 5))
 
 
 def test_the_tier_is_bounded_and_evicts_least_recently_used_first():

@@ -212,8 +212,9 @@ def test_an_engine_that_does_not_export_the_inputs_says_so(fixtures_dir):
 
 def test_a_page_with_everything_has_no_dark_section(fixtures_dir):
     from test_vllm_newer_families import OFFLOAD_NEW, residency
+    from test_vllm_offload_tier import offload_lines
 
-    everything = page(fixtures_dir, "after") + residency({1: 5}, {10: 5}) + OFFLOAD_NEW
+    everything = page(fixtures_dir, "after") + residency({1: 5}, {10: 5}) + OFFLOAD_NEW + offload_lines(fixtures_dir)
     monitor, settings = polled([everything, everything])
     html = render_status_page(monitor.state, settings)
     assert _dark_section(html) == "" and "leaves dark" not in html.split("<script")[0]

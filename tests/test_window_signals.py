@@ -319,7 +319,8 @@ def test_the_clamp_spelled_out_is_min_of_max_on_every_edge():
     # BlockSums clamps the window's usages inline: its mean is the definition's.
     labels = {"num_gpu_blocks": "101", "block_size": "16"}
     series = [(1000.0 + i, value) for i, value in enumerate(EDGES)]
-    sums = signals.BlockSums().add(signals._engine_config(labels), 0.5, series)
+    from kvwatch.signals.evaluation import _usage_total
+    sums = signals.BlockSums().add(signals._engine_config(labels), 0.5, len(series), _usage_total(series))
     usable = config_number(labels, "num_gpu_blocks") - 1
     expected = usable * sum(min(1.0, max(0.0, v)) for _t, v in series) / len(series)
     assert same(sums.usage_weighted, expected)

@@ -22,7 +22,7 @@ from kvwatch.capture.record import manifest_for, record
 from kvwatch.commands import failfast
 from kvwatch.present import public_host
 from kvwatch.scrape import Fetcher, failure_sentence
-from kvwatch.settings import SettingsError, load_settings
+from kvwatch.settings import SettingsError, flag_help, flag_name, load_settings
 from kvwatch.units import parse_duration
 
 EXIT_OK, EXIT_NO_PAGES, EXIT_UNUSABLE = 0, 1, 2
@@ -43,18 +43,17 @@ def out_problem(out: str) -> str | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="the engine's /metrics URL (default: from --config or KVWATCH_TARGET)")
+    # The settings this command takes as flags, help and default as `kvwatch serve` gives them (kvwatch/settings.py).
+    parser.add_argument("--target", help=flag_help("target"))
     parser.add_argument("--interval", default="5s", help="time between fetches (default 5s)")
     parser.add_argument("--duration", default="10m", help="how long to record (default 10m); Ctrl-C stops early")
     parser.add_argument("--count", type=int, default=None, help="stop after this many fetches (default: none)")
     parser.add_argument("--out", required=True,
                         help="a new folder, or a file ending in .tar.gz for one bundle; never overwritten")
     parser.add_argument("--config", help="YAML config file of kvwatch serve (target, TLS, bearer token, size cap)")
-    parser.add_argument("--bearer-token-file", help="file holding a bearer token for the engine (never recorded)")
-    parser.add_argument("--ca-bundle", help="CA bundle to verify the engine's TLS certificate")
-    parser.add_argument("--tls-verify", help="verify the engine's TLS certificate: true/false (default true)")
-    parser.add_argument("--timeout", help="fetch deadline (default 15s, or 80%% of a longer interval): a late page is kept with its lateness")
-    parser.add_argument("--max-body-bytes", help="cap on the engine's page size, e.g. 16MiB")
+    notes = {"bearer_token_file": "never recorded"}
+    for key in ("bearer_token_file", "ca_bundle", "tls_verify", "timeout", "max_body_bytes"):
+        parser.add_argument(flag_name(key), dest=key, help=flag_help(key, notes.get(key, "")))
     parser.add_argument("--kv-events", metavar="ENDPOINT",
                         help="also record the engine's KV-cache events from this ZMQ endpoint (kvwatch binds it "
                              "for vLLM's --kv-events-config publisher to connect), e.g. tcp://127.0.0.1:5557")

@@ -33,7 +33,7 @@ from typing import Any, TextIO
 
 from kvwatch.diagnose import is_actionable
 from kvwatch.sidecar.report import caveat_lines, diagnosis_json, signals_json
-from kvwatch.settings import SettingsError, load_settings, parse_duration
+from kvwatch.settings import SettingsError, flag_help, load_settings, parse_duration
 from kvwatch.commands import failfast
 from kvwatch.signals import SIGNALS
 from kvwatch.present import format_evidence, format_value, signal_columns, signal_label
@@ -42,15 +42,13 @@ EXIT_OK, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="the engine's /metrics URL (default: `target` in --config, else "
-                                         "KVWATCH_TARGET, else http://127.0.0.1:8000/metrics)")
+    parser.add_argument("--target", help=flag_help("target"))
     parser.add_argument("--duration", default="30s", help="how long to poll (default 30s); the window covers it")
     parser.add_argument("--interval", default="2s", help="time between polls (default 2s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     failfast.add_arguments(parser, "polling")
     parser.add_argument("--config", help="YAML config file (diagnosis thresholds, TLS, upstream, ...)")
-    parser.add_argument("--engine", help="the engine serving the target: auto (default, from its page), vllm, "
-                                         "sglang, llamacpp, trtllm")
+    parser.add_argument("--engine", help=flag_help("engine"))
     parser.add_argument("--replay", metavar="CAPTURE",
                         help="replay a capture folder or .tar.gz bundle at its recorded times instead of polling")
     history = parser.add_argument_group("history (--prometheus)")

@@ -21,7 +21,7 @@ from pathlib import Path
 from grafanalib._gen import DashboardEncoder
 
 from kvwatch.engines.coverage import engines_markdown
-from kvwatch.mixin import metrics_doc
+from kvwatch.mixin import metrics_doc, settings_doc
 from kvwatch.mixin import dashboards as dash
 from kvwatch.mixin import alertmanager, grafana_alerts, rules, runbooks
 from kvwatch.mixin.config import MixinConfig, MixinConfigError, describe_config, load_config
@@ -73,6 +73,7 @@ def render_all(config: MixinConfig) -> dict[str, str]:
         + rules.dump_yaml(alertmanager.example(config)))
     files.update({f"deploy/{path}": text for path, text in _manifests(config, files, dashboards).items()})
     files["docs/metrics.md"] = metrics_doc.render()
+    files["docs/configuration.md"] = settings_doc.render()
     files["docs/engines-signals.md"] = ("# Signals by engine\n\nGenerated from the engine adapters' tables by `kvwatch generate`; "
                                         "do not edit by hand. What the marks mean: [engines.md](engines.md).\n\n"
                                         + engines_markdown())

@@ -24,44 +24,16 @@ import logging
 import socket
 import sys
 
-from kvwatch.settings import SettingsError, default_text, env_name, load_settings
+from kvwatch.settings import DECLARED, FLAGS, SettingsError, env_name, flag_help, flag_name, load_settings
 
-# flag -> settings key; the help adds the default (from Settings, written
-# back as the flag takes it) and the environment variable, one way for all.
-OPTIONS = {
-    "target": "the engine's /metrics URL (a bare http://host:port gets /metrics)",
-    "host": "address to listen on",
-    "port": "port to listen on",
-    "poll_interval": "time between polls, e.g. 5s or 1m",
-    "timeout": "fetch deadline, e.g. 4s",
-    "window": "span of the windowed signals, e.g. 5m",
-    "max_body_bytes": "cap on the engine's page size, e.g. 8MiB",
-    "max_series": "most (model, engine) pairs kept per poll",
-    "bearer_token_file": "file holding a bearer token for the engine",
-    "ca_bundle": "CA bundle to verify the engine's TLS certificate",
-    "tls_verify": "verify the engine's TLS certificate: true or false",
-    "log_level": "debug, info, warning or error",
-    "upstream_target": "a gateway's or application's /metrics (second source for TTFT diagnosis)",
-    "upstream_histogram": "the histogram there that measures time before the engine, e.g. app_retrieval_seconds",
-    "lmcache_target": "LMCache's /metrics (the engine's own when LMCache shares its registry): a KV tier read beside the engine",
-    "demo_target": "a kvwatch sim's /sim/phase (make run sets it): the status page names the simulated phase now and the next",
-    "kv_events": "the engine's KV-cache events: a ZMQ endpoint kvwatch binds for vLLM's --kv-events-config "
-                 "publisher to connect to, e.g. tcp://127.0.0.1:5557",
-    "kv_events_connect": "connect to kv_events instead of binding it (a publisher that binds tcp://*:N): true or false",
-    "kv_events_topic": "the events' topic prefix kvwatch subscribes to (empty: every topic)",
-    "kv_events_replay": "the engine's replay endpoint (vLLM's replay_endpoint, e.g. tcp://127.0.0.1:5558): kvwatch "
-                        "asks it for the messages a sequence gap lost",
-    "kv_events_table_bytes": "memory for tracked blocks (about 110 B each); past it the hash space is sampled",
-    "auth_token_file": "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",
-    "tls_cert_file": "serve kvwatch over TLS with this certificate",
-    "tls_key_file": "and this key",
-    "engine": "the engine serving the target: auto (from its first page), vllm, sglang, llamacpp or trtllm",
-}
+# settings key -> its help, for every setting that is a flag (declared once,
+# beside its field in kvwatch/settings.py); option_help adds the default (from
+# Settings, written back as the flag takes it) and the environment variable.
+OPTIONS = {key: DECLARED[key]["help"] for key in FLAGS}
 
 
 def option_help(key: str) -> str:
-    # argparse formats help with %: a literal % is written %%.
-    return f"{OPTIONS[key]} (default: {default_text(key)}; env {env_name(key)})".replace("%", "%%")
+    return flag_help(key)
 
 
 # Seconds a shutdown waits for open connections to kvwatch before closing them.
@@ -71,7 +43,7 @@ SHUTDOWN_GRACE_SECONDS = 3
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help=f"YAML config file (default: none; env {env_name('config')})")
     for key in OPTIONS:
-        parser.add_argument("--" + key.replace("_", "-"), dest=key, default=None, help=option_help(key))
+        parser.add_argument(flag_name(key), dest=key, default=None, help=option_help(key))
     parser.add_argument("--replay", metavar="CAPTURE",
                         help="serve a capture (folder or .tar.gz of kvwatch capture) instead of polling a target "
                              "(default: none)")

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from kvwatch.sim.dialects import DIALECTS
+from kvwatch.sim.dialects import DIALECTS, SGLANG_SPELLINGS
 from kvwatch.sim.lmcache import DEFAULT_SIZE_FACTOR
 from kvwatch.sim.scenario import ScenarioError, clock_text, list_scenarios, load_scenario, phase_line
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dialect", default="vllm", choices=DIALECTS,
                         help="whose /metrics page to serve: vllm (default), sglang, llamacpp or trtllm; the same "
                              "simulated engines, spelled as that engine spells them")
+    parser.add_argument("--spelling", default="sglang:", choices=SGLANG_SPELLINGS,
+                        help="with --dialect sglang, the names' spelling: sglang: (SGLang's own, default) or sglang_ "
+                             "(sample lines as OpenMetrics' escaping=underscores rewrites them)")
     parser.add_argument("--lmcache", action="store_true",
                         help="give the engines a simulated LMCache tier that keeps the prefixes their GPU cache "
                              "evicts and serves them back; its page (LMCache's names) at /lmcache/metrics")
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         server = SimServer(sim, speed=args.speed, host=args.host, port=args.port, dialect=args.dialect,
-                           kv_events=args.kv_events)
+                           kv_events=args.kv_events, spelling=args.spelling)
     except _zmq_error() as exc:
         print(f"kvwatch sim: cannot publish KV-cache events to {args.kv_events}: {exc}", file=sys.stderr)
         return 1

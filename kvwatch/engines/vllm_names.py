@@ -49,6 +49,9 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "offload_load_seconds": ("kv_offload_load_time",),
     "offload_store_seconds": ("kv_offload_store_time",),
     "offload_allocation_failures": ("kv_offload_allocation_failure",),
+    # The CPU spec's stores left out on purpose: a block offered fewer times
+    # than its reuse threshold (store_threshold >= 2) is not stored.
+    "offload_stores_skipped": ("kv_offload_stores_skipped",),
     # NixlConnector (--kv-transfer-config).
     "nixl_failed_transfers": ("nixl_num_failed_transfers",),
     "nixl_failed_notifications": ("nixl_num_failed_notifications",),
@@ -69,6 +72,9 @@ LABELLED_GAUGES: dict[str, tuple[str, str]] = {
     "waiting_by_reason": ("num_requests_waiting_by_reason", "reason"),
     # awake=1, or weights_offloaded=1 / discard_all=1 for sleep levels 1 and 2.
     "sleep_state": ("engine_sleep_state", "sleep_state"),
+    # A KV consumer's waiting requests by async KV load stage:
+    # waiting_to_start, in_progress, completed_waiting (0.32+).
+    "kv_fetch_by_stage": ("num_requests_kv_fetch_by_stage", "stage"),
 }
 LABELLED_COUNTERS: dict[str, tuple[str, str]] = {
     "finished": ("request_success", "finished_reason"),
@@ -113,6 +119,12 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     # HISTOGRAM_FALLBACKS).
     "offload_load_size": ("kv_offload_load_size",),
     "offload_store_size": ("kv_offload_store_size",),
+    # OffloadingConnector's scheduler side: the time inside one offload
+    # lookup call (it blocks the scheduler's step), and the time from a
+    # request's lookup first deferring to the lookup that resolves it (or the
+    # request's end): how long the tier kept a request waiting.
+    "offload_lookup_sync_delay": ("kv_offload_lookup_sync_delay_seconds",),
+    "offload_lookup_async_delay": ("kv_offload_lookup_async_delay_seconds",),
     # NixlConnector: per transfer, its duration, the time to post it, its
     # bytes and its descriptors.
     "nixl_transfer_time": ("nixl_xfer_time_seconds",),
@@ -152,6 +164,10 @@ VERSIONS: dict[str, str] = {
     "kv_offload_load_time": "0.27+",
     "kv_offload_store_time": "0.27+",
     "kv_offload_allocation_failure": "0.27+",
+    "kv_offload_stores_skipped": "recent releases, 0.32 has it (the OffloadingConnector's CPU tier, only with store_threshold >= 2)",
+    "kv_offload_lookup_sync_delay_seconds": "0.27+",
+    "kv_offload_lookup_async_delay_seconds": "0.27+",
+    "num_requests_kv_fetch_by_stage": "0.32+ (a KV consumer only)",
     "kv_offload_total_bytes": "deprecated CPU-offload form, still emitted beside the load/store split",
     "kv_offload_total_time": "deprecated CPU-offload form, still emitted beside the load/store split",
     "nixl_num_failed_transfers": "with NixlConnector",
@@ -208,6 +224,10 @@ GATES: dict[str, str] = {
     "offload_load_seconds": "--kv-transfer-config with the OffloadingConnector",
     "offload_store_seconds": "--kv-transfer-config with the OffloadingConnector",
     "offload_allocation_failures": "--kv-transfer-config with the OffloadingConnector",
+    "offload_stores_skipped": "--kv-transfer-config with the OffloadingConnector (CPU tier, store_threshold >= 2)",
+    "offload_lookup_sync_delay": "--kv-transfer-config with the OffloadingConnector",
+    "offload_lookup_async_delay": "--kv-transfer-config with the OffloadingConnector",
+    "kv_fetch_by_stage": "--kv-transfer-config with a KV connector in a consumer role (kv_consumer or kv_both)",
     "nixl_failed_transfers": "--kv-transfer-config with the NixlConnector",
     "nixl_failed_notifications": "--kv-transfer-config with the NixlConnector",
     "nixl_expired_requests": "--kv-transfer-config with the NixlConnector",

@@ -212,6 +212,18 @@ class Replica:
     # object of each set of present rows, kept from step to step so the
     # adapter reuses what it derived.
     _plan: tuple | None = None
+    # The same replica's plan in the chunk before (`carried()` of its
+    # Replica), set by whoever diagnoses it: its label dicts and layout
+    # objects are taken over where the series are the same, so the adapter's
+    # caches, keyed by those objects, hit from one chunk to the next as from
+    # one step to the next (else every chunk's first steps read the page the
+    # slow way and plan it again: with many replicas the chunks are short).
+    earlier: tuple | None = None
+
+    def carried(self) -> tuple | None:
+        """What the replica's next chunk takes over (`earlier`): the plan and
+        the layouts, without the values."""
+        return None if self._plan is None else (self._plan[0], self._plan[4])
 
     def _order(self) -> None:
         if not self._ordered:
@@ -230,7 +242,7 @@ class Replica:
         state["config_rows"] = [(labels, key, _packed(values)) for labels, key, values in self.config_rows]
         if self.process_start is not None:
             state["process_start"] = _packed(self.process_start)
-        state["_plan"] = None
+        state["_plan"] = state["earlier"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -257,7 +269,8 @@ class Replica:
         self._order()
         self._decode()
         if self._plan is None:
-            self._plan = self._make_plan()
+            self._plan = _taken_over(self._make_plan(), self.earlier)
+            self.earlier = None
         plan, steps, complete, any_row, layouts = self._plan
         if not any_row[index]:
             return None
@@ -370,6 +383,28 @@ class Replica:
                         line = line.replace("{", "{" + added + ",", 1)
             out.append(line)
         return out
+
+
+def _taken_over(made: tuple, earlier: tuple | None) -> tuple:
+    """A plan (Replica._make_plan) with the label dicts and layout objects
+    of `earlier` (Replica.carried) for every family whose series are the
+    same (spelling, suffixes, labels, whether the configuration joins it),
+    and the layouts made for sets of present series of those families."""
+    if earlier is None:
+        return made
+    plan, steps, complete, any_row, _layouts = made
+    before_plan, before_layouts = earlier
+    before = {entry[0]: entry for entry in before_plan}
+    same = set()
+    for position, entry in enumerate(plan):
+        name, spelling, first, end, suffixes, label_sets, config, _whole = entry
+        old = before.get(name)
+        if old is not None and old[1] == spelling and old[4] == suffixes and old[6] == config \
+                and old[5] == label_sets:
+            plan[position] = (name, spelling, first, end, old[4], old[5], config, old[7])
+            same.add(name)
+    layouts = {key: layout for key, layout in before_layouts.items() if key[0] in same}
+    return plan, steps, complete, any_row, layouts
 
 
 _SEPARATOR = "\x1f"

@@ -60,6 +60,9 @@ class ReplicaState:
     trend: list = field(default_factory=list)
     # The finding hold (diagnose/hold.py), as the replica's sidecar applies it.
     hold: FindingHold | None = None
+    # Its page's plan in the chunk before (Replica.carried), taken over by
+    # the next chunk's Replica (Replica.earlier); not kept past the diagnosis.
+    carried: tuple | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -131,6 +134,55 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
     timeline is the same either way; with workers, each ReplicaState comes
     back at the end with its window but a fresh adapter."""
     started = time.monotonic()
+    # The workers start before the first query: the fetches start a thread
+    # (the deadlines' watcher), and a process with threads cannot fork
+    # safely; started after it they would be fresh interpreters, each
+    # importing kvwatch again (spawn).
+    collector = _tuned_collector()
+    pool = None
+    try:
+        if workers > 1:
+            pool = _Workers(workers, window, thresholds, not pages_as_text)
+        return _diagnose_history(client, start, end, step, selector, source, window, thresholds, replica_labels,
+                                 progress, pages_as_text, pool, started)
+    finally:
+        if pool is not None:
+            pool.close()
+        _restore_collector(collector)
+
+
+def _tuned_collector() -> tuple:
+    """The collector as the diagnosis wants it (as `kvwatch serve` runs,
+    pipeline.monitor.tune_garbage_collector): what exists before it is never
+    its garbage (frozen, not scanned again), and a young collection every
+    GC_GEN0_THRESHOLD allocations instead of 700. A step allocates thousands
+    of objects, nearly all freed by their count going to zero; with the
+    default threshold the collector ran hundreds of times a chunk, and each
+    full collection scanned every replica's window (more replicas, longer
+    scans). Returns what _restore_collector puts back."""
+    import gc
+
+    from kvwatch.pipeline.monitor import GC_GEN0_THRESHOLD
+
+    threshold = gc.get_threshold()
+    frozen = gc.get_freeze_count()
+    gc.freeze()
+    gc.set_threshold(max(threshold[0], GC_GEN0_THRESHOLD), *threshold[1:])
+    return threshold, frozen
+
+
+def _restore_collector(collector: tuple) -> None:
+    import gc
+
+    threshold, frozen = collector
+    gc.set_threshold(*threshold)
+    if not frozen:  # unfrozen only where nothing was frozen before: a caller's freeze stays
+        gc.unfreeze()
+
+
+def _diagnose_history(client: PrometheusClient, start: float, end: float, step: float, selector: str, source: str,
+                      window: float, thresholds, replica_labels: tuple[str, ...], progress, pages_as_text: bool,
+                      pool, started: float) -> History:
     # Only what the diagnosis reads: the timeline and the trends are all
     # that history reports (central mode, serving status pages, reads all).
     source, families, counts, inner = discover(client, selector, start, end, source, diagnosed_only=True)
@@ -158,44 +210,41 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
     # on its own cores): two chunks in memory at most (three with workers:
     # one being read, one being diagnosed there, the answers of the one
     # before being put into the timeline here).
-    pool = _Workers(workers, window, thresholds, not pages_as_text) if workers > 1 else None
-    try:
-        with ThreadPoolExecutor(max_workers=1) as reader:
-            coming = reader.submit(read, *rounds[0])
-            pending = None
-            for number, (first, last) in enumerate(rounds):
-                pages = coming.result()
-                if number + 1 < len(rounds):
-                    coming = reader.submit(read, *rounds[number + 1])
-                began = time.monotonic()
-                ordered = sorted(pages.replicas.items())
-                if pool is None:
-                    chunk_start = pages.start
-                    answers = _diagnose_chunk(chunk_start, step, last - first + 1, ordered, replicas, window,
-                                              thresholds, not pages_as_text)
-                    del pages, ordered
-                    for index, found in enumerate(answers):
-                        _fleet_step(chunk_start + index * step, found, timeline, thresholds, step, fleet_holds)
-                else:
-                    sent = pool.send(pages.start, step, last - first + 1, ordered)
-                    del pages, ordered  # the workers have their copies: not kept here while they work
-                    if pending is not None:
-                        pool.merge(*pending, timeline, step, fleet_holds)
-                    pending = (sent, pool.receive())
-                diagnose_seconds += time.monotonic() - began
-                if progress:
-                    progress(f"{last + 1}/{points} steps, {len(replicas) if pool is None else len(pool.owner)} "
-                             f"replicas, {client.cost.queries} queries")
-        if pool is not None:
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        coming = reader.submit(read, *rounds[0])
+        pending = None
+        for number, (first, last) in enumerate(rounds):
+            pages = coming.result()
+            if number + 1 < len(rounds):
+                coming = reader.submit(read, *rounds[number + 1])
             began = time.monotonic()
-            if pending is not None:
-                pool.merge(*pending, timeline, step, fleet_holds)
-            replicas = pool.finish()
+            ordered = sorted(pages.replicas.items())
+            if pool is None:
+                chunk_start = pages.start
+                answers = _diagnose_chunk(chunk_start, step, last - first + 1, ordered, replicas, window,
+                                          thresholds, not pages_as_text)
+                del pages, ordered
+                for index, found in enumerate(answers):
+                    _fleet_step(chunk_start + index * step, found, timeline, thresholds, step, fleet_holds)
+            else:
+                sent = pool.send(pages.start, step, last - first + 1, ordered)
+                del pages, ordered  # the workers have their copies: not kept here while they work
+                if pending is not None:
+                    pool.merge(*pending, timeline, step, fleet_holds)
+                pending = (sent, pool.receive())
             diagnose_seconds += time.monotonic() - began
-    finally:
-        if pool is not None:
-            pool.close()
+            if progress:
+                progress(f"{last + 1}/{points} steps, {len(replicas) if pool is None else len(pool.owner)} "
+                         f"replicas, {client.cost.queries} queries")
+    if pool is not None:
+        began = time.monotonic()
+        if pending is not None:
+            pool.merge(*pending, timeline, step, fleet_holds)
+        replicas = pool.finish()
+        diagnose_seconds += time.monotonic() - began
     timeline.finish()
+    for state in replicas.values():
+        state.carried = None
     cost = client.cost.to_json()
     cost["total_seconds"] = round(time.monotonic() - started, 3)
     cost["diagnose_seconds"] = round(diagnose_seconds, 3)
@@ -209,7 +258,9 @@ def diagnose_step(at: float, index: int, ordered, replicas: dict, timeline: Time
     results = []
     for key, replica in ordered:
         state = _state(replicas, key, replica, window_seconds)
+        replica.earlier = state.carried  # read where its plan is made (its first step)
         results.append((state.name, _replica_step(state, replica, index, at, thresholds, fast)))
+        state.carried = replica.carried()
     _fleet_step(at, results, timeline, thresholds, step, fleet_holds)
 
 
@@ -224,11 +275,13 @@ def _diagnose_chunk(start: float, step: float, points: int, ordered, replicas: d
     answers: list[list] = [[] for _ in range(points)]
     for key, replica in ordered:
         state = _state(replicas, key, replica, window_seconds)
+        replica.earlier = state.carried
         for index in range(points):
             answer = _replica_step(state, replica, index, start + index * step, thresholds, fast)
             if answer is not None:  # the rows as the fleet rules read them: less to keep or send
                 answer = answer[0], [(model, row.slim()) for model, row in answer[1]]
             answers[index].append((state.name, answer))
+        state.carried = replica.carried()
     return answers
 
 
@@ -345,7 +398,7 @@ def _serve(connection, window_seconds: float, thresholds, fast: bool) -> None:
             connection.send(answers)
         else:  # "finish": the states, without the adapters (their caches are keyed by object ids)
             for state in states.values():
-                state.adapter = None
+                state.adapter = state.carried = None
             connection.send(states)
             return
 

@@ -408,6 +408,10 @@ def _lmcache_row(b: Board, v: Views) -> None:
                     doc("kvwatch_lmcache_prompt_tokens_served_ratio"), "percentunit",
                     [(sig("kvwatch_lmcache_prompt_tokens_served_ratio"), legend)], width=9, runbook=ANCHOR_HIT,
                     signal="kvwatch_lmcache_prompt_tokens_served_ratio"))
+    b.add(PanelSpec("lmcache_lookups_by_tier", "LMCache lookups by tier (multiprocess server)",
+                    doc("kvwatch_lmcache_lookup_tokens_by_tier_ratio"), "percentunit",
+                    [(sig("kvwatch_lmcache_lookup_tokens_by_tier_ratio"), "{{tier}} " + legend)], width=24,
+                    runbook=ANCHOR_HIT, signal="kvwatch_lmcache_lookup_tokens_by_tier_ratio"))
     b.add(PanelSpec("lmcache_token_rates", "LMCache tokens retrieved and stored",
                     "Tokens LMCache delivered to the engine and tokens stored into it, per second over the rate "
                     "interval (lmcache:num_hit_tokens, lmcache:num_stored_tokens; the first worker's, never the sum "

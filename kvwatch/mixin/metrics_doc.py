@@ -97,7 +97,8 @@ def _tier() -> list[str]:
     ]
     lines += [_row(f.sample_name, f.kind, ", ".join(f.labels), f.help) for f in TIER_HEALTH]
     lines += [_row(s.sample_name, s.kind, ", ".join(TIER_IDENTITY), s.help) for s in TIER_SERIES]
-    lines += [_row(s.name, "gauge", ", ".join(TIER_IDENTITY), s.help) for s in TIER_SIGNALS]
+    lines += [_row(s.name, "gauge", ", ".join(TIER_IDENTITY + ((s.label,) if s.label else ())), s.help)
+              for s in TIER_SIGNALS]
     lines += ["", "LMCache families read: " + ", ".join(f"`lmcache:{base}` (counter)" for base in (s.family for s in TIER_SERIES)
                                                        if not base.startswith("mp_"))
               + "; any of the spellings `lmcache:`, `lmcache_`, with or without `_total`. The multiprocess server's "

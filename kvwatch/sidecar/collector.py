@@ -161,10 +161,15 @@ class KvwatchCollector(Collector):
                     family.add_metric([row["model_name"]], value)
             yield family
         for signal in TIER_SIGNALS:
-            family = GaugeMetricFamily(signal.name, signal.help, labels=labels)
+            family = GaugeMetricFamily(signal.name, signal.help,
+                                       labels=labels + [signal.label] if signal.label else labels)
             for row in rows:
                 value = row.get("signals", {}).get(signal.name)
-                if _finite(value):
+                if isinstance(value, dict):
+                    for label, one in sorted(value.items()):
+                        if _finite(one):
+                            family.add_metric([row["model_name"], label], one)
+                elif _finite(value):
                     family.add_metric([row["model_name"]], value)
             yield family
 

@@ -269,8 +269,18 @@ def _tier_html(diagnosis: dict[str, Any]) -> str:
             " (tokens delivered / asked for), prompt tokens from LMCache "
             f'{_e(format_value(v.get("kvwatch_lmcache_prompt_tokens_served_ratio"), "ratio"))}, tokens retrieved '
             f'{_e(format_value(v.get("kvwatch_lmcache_retrieved_tokens_per_second"), "per_second"))}, tokens stored '
-            f'{_e(format_value(v.get("kvwatch_lmcache_stored_tokens_per_second"), "per_second"))}</p>')
+            f'{_e(format_value(v.get("kvwatch_lmcache_stored_tokens_per_second"), "per_second"))}'
+            + _lookup_tiers(v.get("kvwatch_lmcache_lookup_tokens_by_tier_ratio")) + "</p>")
     return "".join(out)
+
+
+def _lookup_tiers(shares: dict[str, float] | None) -> str:
+    """The multiprocess server's lookups by tier, token-weighted (absent without them)."""
+    if not shares:
+        return ""
+    parts = ", ".join(f"{_e(tier)} {_e(format_value(shares.get(tier), 'ratio'))}"
+                      for tier in ("l1", "l2", "not_found") if tier in shares)
+    return f"; looked-up tokens by tier: {parts}"
 
 
 def _stream_html(diagnosis: dict[str, Any]) -> str:

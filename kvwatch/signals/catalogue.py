@@ -32,7 +32,8 @@ from kvwatch.signals.derivations import (  # noqa: F401 (the public names re-exp
     _cached_share, _capacity_requests, _clamp01, _exhaustion_eta, _failed_rate, _free_blocks, _free_tokens,
     _from_cache, _labelled_rates, _mean, _mean_promql, _offload_rates, _prefix_hit_ratio, _quantile_promql,
     _quantiles, _rate, _ratio_of_rates, _reuse_shortfall_bytes, _sleeping, _usage, _used_blocks, _used_bytes,
-    _waiting_by_reason, caveats, mean_tokens, preemption_repeat_share, prompt_tokens_by_tier, recomputed_prompt_share, requests_fit_now,
+    _kv_fetch_by_stage, _offload_lookup_delay, _offload_stores_dropped, _waiting_by_reason, cache_tier_bytes_per_token,
+    cache_tier_cost, caveats, lmcache_lookup_by_tier, mean_tokens, preemption_repeat_share, prompt_tokens_by_tier, recomputed_prompt_share, requests_fit_now,
     reuse_shortfall_blocks, token_usage_estimate, ttft_decomposition, ttft_parts, unlit_reasons,
 )
 from kvwatch.signals.health import (  # noqa: F401 (the public names re-exported)
@@ -269,6 +270,74 @@ SIGNALS: tuple[Signal, ...] = (
            "  or\n  label_replace(sum by ({by}) (rate(kvwatch_engine_kv_offload_store_bytes_total{{{sel}}}[{w}])), \"direction\", \"store\", \"\", \"\")\n)",
            label="direction", record=("kvwatch_kv_offload_bytes", "rate{w}"),
            needs=("offload_load_bytes", "offload_store_bytes"), display="KV offload transfer rate"),
+    Signal("kvwatch_cache_tier_cost_ratio", "ratio",
+           "Whether a cache tier pays for itself: the seconds it added in the window (its loads and lookups) over the "
+           "prefill seconds the tokens it served would have cost to compute; below 1 it saves more time than it "
+           "costs, above 1 computing would have been quicker. An ESTIMATE: the compute cost is the window's prefill "
+           "seconds per computed token (vllm:request_prefill_time_seconds sum over "
+           "prompt_tokens_by_source_total{source=\"local_compute\"}), and with batching both sides are "
+           "request-seconds, not wall time. vLLM's offload tier (tier=\"offload\"): vllm:kv_offload_load_time_total "
+           "plus the sums of vllm:kv_offload_lookup_{sync,async}_delay_seconds, over the tokens it served "
+           "(prompt_tokens_by_source_total{source=\"external_kv_transfer\"}); OffloadingConnector only.",
+           cache_tier_cost, "prefix",
+           "label_replace(\n  sum by ({by}) (\n"
+           "    label_replace(rate(kvwatch_engine_kv_offload_load_seconds_total{{{sel}}}[{w}]), \"part\", \"load\", \"\", \"\")\n"
+           "    or label_replace(rate(kvwatch_engine_kv_offload_lookup_sync_delay_seconds_sum{{{sel}}}[{w}]), \"part\", \"sync\", \"\", \"\")\n"
+           "    or label_replace(rate(kvwatch_engine_kv_offload_lookup_async_delay_seconds_sum{{{sel}}}[{w}]), \"part\", \"async\", \"\", \"\")\n"
+           "  )\n"
+           "  / on ({by}) (sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"external_kv_transfer\"}}[{w}])) > 0)\n"
+           "  / on ({by}) (\n"
+           "    (sum by ({by}) (rate(kvwatch_engine_request_prefill_time_seconds_sum{{{sel}}}[{w}])) > 0)\n"
+           "    / on ({by}) (sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"local_compute\"}}[{w}])) > 0)\n"
+           "  ),\n  \"tier\", \"offload\", \"\", \"\")",
+           label="tier", panel="prefix_cache", title="Does the cache tier pay for itself? Time added over compute saved",
+           record=("kvwatch_cache_tier_cost", "ratio_rate{w}"),
+           needs=("offload_load_seconds", "prompt_tokens_by_source", "prefill_time"),
+           display="Cache tier cost over compute saved (estimate)", good="low"),
+    Signal("kvwatch_cache_tier_moved_bytes_per_token", "bytes",
+           "Bytes a cache tier moved (stored and loaded) per prompt token it served in the window: the KV bytes of "
+           "one token when every token stored is served once, a multiple of them when stores go unused. vLLM's "
+           "offload tier: vllm:kv_offload_{load,store}_bytes_total over "
+           "prompt_tokens_by_source_total{source=\"external_kv_transfer\"}; OffloadingConnector only.",
+           cache_tier_bytes_per_token, "prefix",
+           "label_replace(\n  sum by ({by}) (\n"
+           "    label_replace(rate(kvwatch_engine_kv_offload_load_bytes_total{{{sel}}}[{w}]), \"direction\", \"load\", \"\", \"\")\n"
+           "    or label_replace(rate(kvwatch_engine_kv_offload_store_bytes_total{{{sel}}}[{w}]), \"direction\", \"store\", \"\", \"\")\n"
+           "  )\n"
+           "  / on ({by}) (sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"external_kv_transfer\"}}[{w}])) > 0),\n  \"tier\", \"offload\", \"\", \"\")",
+           label="tier", panel="prefix_cache", title="Bytes a cache tier moved per token it served",
+           record=("kvwatch_cache_tier_moved_bytes_per_token", "ratio_rate{w}"),
+           needs=("offload_load_bytes", "prompt_tokens_by_source"), display="Cache tier bytes moved per token served",
+           good="low"),
+    Signal("kvwatch_kv_offload_lookup_delay_mean_seconds", "seconds",
+           "Mean time of the offload tier's lookups in the window: kind=\"sync\", inside one lookup call, which the "
+           "scheduler's step waits on (vllm:kv_offload_lookup_sync_delay_seconds); kind=\"async\", from a request's "
+           "lookup first deferring to the lookup that resolves it (vllm:kv_offload_lookup_async_delay_seconds); "
+           "OffloadingConnector only.",
+           _offload_lookup_delay, "prefix",
+           "label_replace(" + _mean_promql("kvwatch_engine_kv_offload_lookup_sync_delay_seconds") + ", \"kind\", \"sync\", \"\", \"\")\n"
+           "or\nlabel_replace(" + _mean_promql("kvwatch_engine_kv_offload_lookup_async_delay_seconds") + ", \"kind\", \"async\", \"\", \"\")",
+           label="kind", panel="prefix_cache", title="KV offload lookup delay, mean",
+           record=("kvwatch_kv_offload_lookup_delay_seconds", "mean_rate{w}"),
+           needs=("offload_lookup_sync_delay",), display="KV offload lookup delay, mean", good="low"),
+    Signal("kvwatch_kv_offload_stores_dropped_per_second", "per_second",
+           "Offload-tier stores not made, per second, by reason: allocation_failure, the tier found no room "
+           "(vllm:kv_offload_allocation_failure_total); below_reuse_threshold, the block was offered fewer times "
+           "than store_threshold asks, a policy (vllm:kv_offload_stores_skipped_total, the CPU tier with "
+           "store_threshold >= 2); OffloadingConnector only.",
+           _offload_stores_dropped, "prefix",
+           "label_replace(sum by ({by}) (rate(kvwatch_engine_kv_offload_allocation_failures_total{{{sel}}}[{w}])), \"reason\", \"allocation_failure\", \"\", \"\")\n"
+           "or\nlabel_replace(sum by ({by}) (rate(kvwatch_engine_kv_offload_stores_skipped_total{{{sel}}}[{w}])), \"reason\", \"below_reuse_threshold\", \"\", \"\")",
+           label="reason", record=("kvwatch_kv_offload_stores_dropped", "rate{w}"),
+           needs=("offload_allocation_failures",), display="KV offload stores not made", good="low"),
+    Signal("kvwatch_requests_kv_fetch", "requests",
+           "Waiting requests by async KV load stage now: waiting_to_start (a fetch intended, no transfer started), "
+           "in_progress (receiving KV), completed_waiting (received, waiting to run) "
+           "(vllm:num_requests_kv_fetch_by_stage, vLLM 0.32+; a KV consumer only).",
+           _kv_fetch_by_stage, "exhaustion",
+           "sum by ({by}, stage) (kvwatch_engine_requests_kv_fetch_by_stage{{{sel}}})", label="stage",
+           record=("kvwatch_requests_kv_fetch", "sum"), needs=("kv_fetch_by_stage",),
+           display="Requests waiting on a KV fetch", good="low"),
     # --- first token ---
     Signal("kvwatch_time_to_first_token_seconds", "seconds",
            "Time to first token quantiles over the window, from bucket increases with the scraped bounds (vllm:time_to_first_token_seconds).",
@@ -382,6 +451,20 @@ TIER_SIGNALS: tuple[Signal, ...] = (
            _rate("hit_tokens"), "prefix",
            "sum by ({by}) (rate(kvwatch_lmcache_hit_tokens_total{{{sel}}}[{w}]))",
            needs=("hit_tokens",), display="LMCache tokens retrieved", good="high"),
+    Signal("kvwatch_lmcache_lookup_tokens_by_tier_ratio", "ratio",
+           "LMCache's multiprocess server (0.5.3+), token-weighted: the share of the window's looked-up tokens "
+           "its L1 (CPU memory) held (tier=\"l1\"), its L2 (storage) added (tier=\"l2\", loaded into L1 first) "
+           "and neither held (tier=\"not_found\"); the shares sum to 1 (lmcache_mp_lookup_hit_l1_tokens_total, "
+           "lmcache_mp_lookup_hit_l2_tokens_total, lmcache_mp_lookup_hit_tokens_total over "
+           "lmcache_mp_lookup_requested_tokens_total, summed over cache_salt). Lookups, not deliveries.",
+           lmcache_lookup_by_tier, "prefix",
+           "(\n  label_replace(sum by ({by}) (rate(kvwatch_lmcache_lookup_hit_l1_tokens_total{{{sel}}}[{w}])), \"tier\", \"l1\", \"\", \"\")\n"
+           "  or\n  label_replace(sum by ({by}) (rate(kvwatch_lmcache_lookup_hit_l2_tokens_total{{{sel}}}[{w}])), \"tier\", \"l2\", \"\", \"\")\n"
+           "  or\n  label_replace(clamp_min(sum by ({by}) (rate(kvwatch_lmcache_lookup_requested_tokens_total{{{sel}}}[{w}])) "
+           "- sum by ({by}) (rate(kvwatch_lmcache_lookup_hit_tokens_total{{{sel}}}[{w}])), 0), \"tier\", \"not_found\", \"\", \"\")\n)\n"
+           "/ ignoring (tier) group_left ()\n(sum by ({by}) (rate(kvwatch_lmcache_lookup_requested_tokens_total{{{sel}}}[{w}])) > 0)",
+           label="tier", needs=("lookup_requested_tokens", "lookup_hit_l1_tokens", "lookup_hit_l2_tokens"),
+           display="LMCache lookups by tier", good=None),
     Signal("kvwatch_lmcache_stored_tokens_per_second", "per_second",
            "Tokens stored into LMCache per second over the window (lmcache:num_stored_tokens).",
            _rate("stored_tokens"), "prefix",

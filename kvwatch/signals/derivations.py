@@ -532,6 +532,98 @@ def _offload_rates(view: View) -> dict[str, float] | None:
 _OFFLOAD_BYTES = tuple((direction, f"offload_{direction}_bytes") for direction in ("load", "store"))
 
 
+# The tokens vLLM's KV connector delivered (for the OffloadingConnector, the
+# offload tier's): prompt_tokens_by_source{external_kv_transfer}, vLLM 0.16+.
+OFFLOAD_SERVED = "prompt_tokens_by_source/external_kv_transfer"
+_LOOKUP_DELAYS = (("sync", "offload_lookup_sync_delay"), ("async", "offload_lookup_async_delay"))
+
+
+def _offload_added_seconds(view: View) -> float | None:
+    """Seconds the offload tier added in the window: its loads (the engine's
+    load time counter) plus the time its lookups took, inside the scheduler's
+    step (sync) and while a request waited on a deferred lookup (async),
+    where the engine exports them."""
+    load = view.increase.counters.get("offload_load_seconds")
+    if load is None:
+        return None
+    histograms = view.increase.histograms
+    return load + sum(histograms[key].sum for _kind, key in _LOOKUP_DELAYS if key in histograms)
+
+
+def cache_tier_cost(view: View) -> dict[str, float] | None:
+    """Whether the offload tier pays for itself: the seconds it added (loads
+    and lookups) over the prefill seconds the tokens it served would have
+    cost to compute, at the window's prefill seconds per computed token
+    (request_prefill_time_seconds' sum over prompt_tokens_by_source
+    {local_compute}). Below 1 the tier saved more time than it cost. An
+    estimate: batching makes both sides request-seconds, not wall time. None
+    without served tokens, computed tokens or prefill time to weigh."""
+    counters = view.increase.counters
+    served, computed = counters.get(OFFLOAD_SERVED), counters.get(LOCAL_COMPUTE)
+    prefill = view.increase.histograms.get("prefill_time")
+    added = _offload_added_seconds(view)
+    if added is None or not served or not computed or prefill is None or prefill.sum <= 0:
+        return None
+    return {"offload": added / (served * prefill.sum / computed)}
+
+
+def cache_tier_bytes_per_token(view: View) -> dict[str, float] | None:
+    """Bytes the offload tier moved (stored and loaded) per prompt token it
+    served in the window: the KV bytes of a token when every stored token is
+    served once, more when stores go unused."""
+    counters = view.increase.counters
+    served = counters.get(OFFLOAD_SERVED)
+    moved = [counters[key] for _direction, key in _OFFLOAD_BYTES if key in counters]
+    if not served or not moved:
+        return None
+    return {"offload": sum(moved) / served}
+
+
+def _offload_lookup_delay(view: View) -> dict[str, float] | None:
+    found = {kind: _histogram_mean(view, key) for kind, key in _LOOKUP_DELAYS}
+    found = {kind: value for kind, value in found.items() if value is not None}
+    return found or None
+
+
+_STORES_DROPPED = (("allocation_failure", "offload_allocation_failures"),
+                   ("below_reuse_threshold", "offload_stores_skipped"))
+
+
+def _offload_stores_dropped(view: View) -> dict[str, float] | None:
+    if view.increase.seconds <= 0:
+        return None
+    counters = view.increase.counters
+    found = {reason: counters[key] / view.increase.seconds for reason, key in _STORES_DROPPED if key in counters}
+    return found or None
+
+
+_LMCACHE_LOOKUP_TIERS = (("l1", "lookup_hit_l1_tokens"), ("l2", "lookup_hit_l2_tokens"))
+
+
+def lmcache_lookup_by_tier(view: View) -> dict[str, float] | None:
+    """LMCache's multiprocess server: the share of the window's looked-up
+    tokens each of its tiers held (l1: CPU memory already had them; l2:
+    storage added them, to be loaded into L1 first) and the share neither
+    held (not_found), token-weighted from the lookup counters; the shares sum
+    to 1. None with no lookup in the window or without the L1/L2 split."""
+    counters = view.increase.counters
+    requested = counters.get("lookup_requested_tokens")
+    tiers = {tier: counters[key] for tier, key in _LMCACHE_LOOKUP_TIERS if key in counters}
+    if not requested or len(tiers) < len(_LMCACHE_LOOKUP_TIERS):
+        return None
+    shares = {tier: value / requested for tier, value in tiers.items()}
+    # The hit counter where it is read (l1 + l2 = hit), so a page's own total decides what was not found.
+    found = counters.get("lookup_hit_tokens", sum(tiers.values()))
+    shares["not_found"] = max(0.0, requested - found) / requested
+    return shares
+
+
+def _kv_fetch_by_stage(view: View) -> dict[str, float] | None:
+    found = {key.split("/", 1)[1]: value for key, value in view.latest.gauges.items()
+             if key.startswith("kv_fetch_by_stage/")}
+    return found or None
+
+
 def _sel(metric: str) -> str:
     # The result is spliced into a template that is .format()ted later, so the
     # selector's braces must stay escaped: `metric{{{sel}}}` -> `metric{<sel>}`.

@@ -62,21 +62,20 @@ def _view(window: Window, keys: list[tuple[str, str]], trends: dict | None = Non
         found = trends.get(key) if trends is not None else None
         if found is None:
             series = window.gauge_series(key, "kv_usage")
-            found = (series, _eta(series))
+            found = (series, _eta(series), _usage_total(series), window.increase(key))
             if trends is not None:
                 trends[key] = found
-        series, engine_eta = found
+        series, engine_eta, usage_total, engine_increase = found
         if engine_eta is not None:
             eta = engine_eta if eta is None else min(eta, engine_eta)
         engine_usage = engine.gauges.get("kv_usage")
         if blocks is not None:
-            blocks = blocks.add(config, engine_usage, series)
+            blocks = blocks.add(config, engine_usage, len(series), usage_total)
         engine_bytes = config.memory
         if used_bytes is not None and engine_bytes is not None and engine_usage is not None:
             used_bytes += _clamp01(engine_usage) * engine_bytes
         else:
             used_bytes = None
-        engine_increase = window.increase(key)
         if increase is None:
             merged.gauges = _first_gauges(engine.gauges)
             increase = _first_increase(engine_increase)
@@ -190,9 +189,11 @@ class BlockSums:
     usage_weighted: float = 0.0
     bytes_per_block: float | None = None
 
-    def add(self, config: _EngineConfig, usage: float | None, series) -> "BlockSums | None":
+    def add(self, config: _EngineConfig, usage: float | None, points: int, usage_total: float) -> "BlockSums | None":
+        """One engine more: its config, its usage now, and its usage series'
+        length and _usage_total."""
         count, size = config.count, config.block_size
-        if not count or count < 2 or not size or usage is None or not series:
+        if not count or count < 2 or not size or usage is None or not points:
             return None
         if not config.blocks_hold:
             return None  # hybrid: block_size is the minimum over groups, blocks x size is not the capacity
@@ -201,17 +202,23 @@ class BlockSums:
         self.usable += usable
         self.used += used
         self.tokens += used * size
-        values = list(map(_SECOND, series))
-        total = sum(values)
-        # Within 0..1 (and no NaN) every value is its own _clamp01: the same sum.
-        if not (total == total and min(values) >= 0.0 and max(values) <= 1.0):
-            total = sum([(v if v < 1.0 else 1.0) if v > 0.0 else 0.0 for v in values])  # _clamp01, inline
-        self.usage_weighted += usable * total / len(series)
+        self.usage_weighted += usable * usage_total / points
         memory = config.memory
         per_block = memory / count if memory else None
         if self.bytes_per_block is None or per_block is None:
             self.bytes_per_block = per_block if self.usable == usable else None
         return self
+
+
+def _usage_total(series: list[tuple[float, float]]) -> float:
+    """The sum of a usage series' values, each clamped to 0..1 (read once per
+    engine by its own view and its model's)."""
+    values = list(map(_SECOND, series))
+    total = sum(values)
+    # Within 0..1 (and no NaN) every value is its own _clamp01: the same sum.
+    if not (total == total and min(values, default=0.0) >= 0.0 and max(values, default=0.0) <= 1.0):
+        total = sum([(v if v < 1.0 else 1.0) if v > 0.0 else 0.0 for v in values])  # _clamp01, inline
+    return total
 
 
 def _eta(series: list[tuple[float, float]]) -> float | None:

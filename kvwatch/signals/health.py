@@ -34,6 +34,7 @@ UNITS: dict[str, Unit] = {
     "notifications": Unit("short", "notifications"),
     "transfers": Unit("short", "transfers"),
     "descriptors": Unit("short", "descriptors"),
+    "stores": Unit("short", "stores"),
 }
 
 

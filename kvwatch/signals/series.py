@@ -162,6 +162,23 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
                  "vllm:kv_offload_total_time_total{transfer_type=\"GPU_to_CPU\"})."),
     EngineSeries("kvwatch_engine_kv_offload_allocation_failures", "counter", "offload_allocation_failures",
                  "failures", "Offload-tier allocations that failed (vllm:kv_offload_allocation_failure_total).", good="low"),
+    EngineSeries("kvwatch_engine_kv_offload_stores_skipped", "counter", "offload_stores_skipped", "stores",
+                 "Offload-tier stores left out because the block was offered fewer times than the reuse threshold: "
+                 "a policy, not a failure (vllm:kv_offload_stores_skipped_total; the CPU tier with "
+                 "store_threshold >= 2 only)."),
+    EngineSeries("kvwatch_engine_kv_offload_lookup_sync_delay_seconds", "histogram", "offload_lookup_sync_delay",
+                 "seconds",
+                 "Time inside each offload lookup call, which the scheduler's step waits on "
+                 "(vllm:kv_offload_lookup_sync_delay_seconds; OffloadingConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_kv_offload_lookup_async_delay_seconds", "histogram", "offload_lookup_async_delay",
+                 "seconds",
+                 "Time from a request's offload lookup first deferring to the lookup that resolves it, or the "
+                 "request's end: how long the tier kept it waiting (vllm:kv_offload_lookup_async_delay_seconds; "
+                 "OffloadingConnector only).", good="low"),
+    EngineSeries("kvwatch_engine_requests_kv_fetch_by_stage", "gauge", "kv_fetch_by_stage/*", "requests",
+                 "Waiting requests by async KV load stage: waiting_to_start, in_progress, completed_waiting "
+                 "(vllm:num_requests_kv_fetch_by_stage, vLLM 0.32+; a KV consumer only).", label="stage",
+                 good="low"),
     EngineSeries("kvwatch_engine_kv_offload_cpu_pinned_ratio", "gauge", "offload_cpu_pinned", "ratio",
                  "Share of the CPU offload tier pinned by in-flight transfers (vllm:kv_offload_cpu_cache_usage_perc): "
                  "evictable blocks do not count, so it reads 0 on a full tier at rest; not the tier's usage."),

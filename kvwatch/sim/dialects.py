@@ -77,6 +77,17 @@ def render_sglang(engines: Sequence[Engine], model_name: str) -> list[str]:
     _gauge(out, "sglang:num_used_tokens", "The number of used tokens.",
            [(labels, round(engine.pool.usage() * engine.config.kv_cache_size_tokens)) for labels, engine in ranks])
     _gauge(out, "sglang:token_usage", "The token usage.", [(labels, engine.pool.usage()) for labels, engine in ranks])
+    # The token pools (one full-attention pool here): slots held by running
+    # requests, free, and radix-cached but reclaimable (counted free in the
+    # usage, as token_usage counts them); used / (used + available +
+    # evictable) is the usage.
+    pools = [(labels, engine.pool.accounting(), engine.config.block_size) for labels, engine in ranks]
+    for state, help_text, count in (
+            ("used", "The number of used tokens in the KV pool.", lambda a: a["used"]),
+            ("available", "The number of available tokens in the KV pool.", lambda a: a["free_uncached"]),
+            ("evictable", "The number of evictable tokens in the KV pool.", lambda a: a["free_cached"])):
+        _gauge(out, f"sglang:kv_{state}_tokens", help_text,
+               [(labels, count(accounting) * block) for labels, accounting, block in pools])
     _gauge(out, "sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.",
            [(labels, engine.config.kv_cache_size_tokens) for labels, engine in ranks])
     _gauge(out, "sglang:page_size", "The page size of the KV cache.",
@@ -114,7 +125,8 @@ def render_sglang(engines: Sequence[Engine], model_name: str) -> list[str]:
              [(tokenizer, sum(engine.stats.generation_tokens for engine in engines))])
     _counter(out, "sglang:cached_tokens", "Number of cached prompt tokens.",
              [({**tokenizer, "cache_source": "device"},
-               sum(engine.stats.prompt_tokens_local_cache_hit for engine in engines))])
+               sum(engine.stats.prompt_tokens_local_cache_hit for engine in engines)),
+              ({**tokenizer, "cache_source": "host"}, sum(engine.stats.prompt_tokens_external for engine in engines))])
     _counter(out, "sglang:num_requests", "Number of requests processed.",
              [(tokenizer, sum(sum(engine.stats.request_success.values()) for engine in engines))])
     for name, help_text, attribute in SGLANG_HISTOGRAMS:
@@ -239,9 +251,20 @@ def render_trtllm(engines: Sequence[Engine], model_name: str, gauges: TrtllmGaug
     return out
 
 
-def render_dialect(dialect: str, engines: Sequence[Engine], model_name: str, gauges: TrtllmGauges | None) -> str:
+# SGLang's names as published: its own `sglang:`, or `sglang_` where the page
+# is served with OpenMetrics' escaping=underscores (sample lines rewritten,
+# HELP and TYPE keep `sglang:`).
+SGLANG_SPELLINGS = ("sglang:", "sglang_")
+
+
+def render_dialect(dialect: str, engines: Sequence[Engine], model_name: str, gauges: TrtllmGauges | None,
+                   spelling: str = "sglang:") -> str:
     if dialect == "sglang":
+        if spelling not in SGLANG_SPELLINGS:
+            raise ValueError(f"unknown SGLang spelling {spelling!r} (known: {', '.join(SGLANG_SPELLINGS)})")
         lines = render_sglang(engines, model_name)
+        if spelling == "sglang_":
+            lines = ["sglang_" + line[len("sglang:"):] if line.startswith("sglang:") else line for line in lines]
     elif dialect == "llamacpp":
         lines = render_llamacpp(engines)
     elif dialect == "trtllm":

@@ -16,7 +16,11 @@ tensor-parallel rank) repeats the same counts, and the scheduler's series stay 0
 The semantics are those of docs/engines.md: `num_requested_tokens` counts only
 what the lookup promised (found in the tier, less what the engine's own cache
 held), `num_hit_tokens` what was delivered, `num_prompt_tokens` the prompt
-tokens of every request looked up.
+tokens of every request looked up. The same page carries the multiprocess
+server's lookup counters (`lmcache_mp_lookup_*`, LMCache 0.5.3's names, as
+tests/fixtures/handwritten/lmcache-mp-a.txt writes them): asked for the
+chunks past the engine's own, found what it loads; the simulated tier has
+one level, so L1 holds every hit and L2's counter stays 0.
 """
 
 from __future__ import annotations
@@ -39,6 +43,22 @@ COUNTERS = (
     ("num_prompt_tokens", "prompt_tokens"),
 )
 GAUGES = ("retrieve_hit_rate", "lookup_hit_rate", "local_cache_usage")
+# The multiprocess server's lookup counters (LMCache 0.5.3's OpenTelemetry
+# names on its Prometheus page, as tests/fixtures/handwritten/lmcache-mp-a.txt
+# writes them): family -> (counter attribute, HELP).
+MP_COUNTERS = (
+    ("lmcache_mp_lookup_requested_tokens_total", "mp_lookup_requested_tokens",
+     "Total tokens submitted for lookup (denominator of the L1+L2 token-level hit rate). Only chunk-aligned tokens "
+     "are counted."),
+    ("lmcache_mp_lookup_hit_tokens_total", "mp_lookup_hit_tokens",
+     "Total tokens found in L1+L2 during lookup (numerator of the L1+L2 token-level hit rate). Counts the "
+     "contiguous prefix hit only."),
+    ("lmcache_mp_lookup_hit_l1_tokens_total", "mp_lookup_hit_l1_tokens",
+     "Of lookup_hit: tokens served from objects L1 already held (from the storage manager's per-tier hit counts)."),
+    ("lmcache_mp_lookup_hit_l2_tokens_total", "mp_lookup_hit_l2_tokens",
+     "Of lookup_hit: tokens L2 added beyond the L1-servable prefix. lookup_hit_l1 + lookup_hit_l2 == lookup_hit."),
+    ("lmcache_mp_lookups_requests_total", "mp_lookups", "Completed lookups (denominator for lookup_early_exit)."),
+)
 HELP = "Multiprocess metric"
 DEFAULT_WORKERS = 2
 # The tier's default size, in multiples of one engine's GPU cache.
@@ -57,6 +77,8 @@ class LMCacheTier:
         self.chunks: OrderedDict[Hashable, None] = OrderedDict()  # front = evicted first
         self.evictions = 0
         for _, attribute in COUNTERS:
+            setattr(self, attribute, 0)
+        for _, attribute, _help in MP_COUNTERS:
             setattr(self, attribute, 0)
         # Since the last page, for the "since last log" gauges.
         self._logged = (0, 0, 0, 0)
@@ -94,6 +116,13 @@ class LMCacheTier:
         self.lookup_tokens += prompt_len
         self.prompt_tokens += prompt_len
         self.lookup_hits += (engine_blocks + loaded) * self.chunk_tokens
+        # As the multiprocess server counts it: asked for the chunks past the
+        # engine's own, found the run it holds; one level here, so every hit
+        # is L1's and L2 adds none.
+        self.mp_lookups += 1
+        self.mp_lookup_requested_tokens += (len(hashes) - engine_blocks) * self.chunk_tokens
+        self.mp_lookup_hit_tokens += loaded * self.chunk_tokens
+        self.mp_lookup_hit_l1_tokens += loaded * self.chunk_tokens
         if loaded > 0:
             for key in hashes[engine_blocks:engine_blocks + loaded]:
                 if key in self.chunks:
@@ -134,7 +163,13 @@ class LMCacheTier:
             out.append(f"# TYPE lmcache:{family} gauge")
             for worker, role in rows:
                 out.append(f"lmcache:{family}{labels(worker, role)} {gauges[family]}")
+        # The multiprocess server's counters on the same page: one process,
+        # no ranks, one tenant (an empty cache_salt).
+        mp = f'{{cache_salt="",model_name="{name}",otel_scope_name="lmcache.lookup",otel_scope_version=""}}'
+        for family, attribute, help_text in MP_COUNTERS:
+            out += [f"# HELP {family} {help_text}", f"# TYPE {family} counter",
+                    f"{family}{mp} {float(getattr(self, attribute))}"]
         return "\n".join(out) + "\n"
 
 
-__all__ = ["COUNTERS", "DEFAULT_SIZE_FACTOR", "DEFAULT_WORKERS", "GAUGES", "LMCacheTier"]
+__all__ = ["COUNTERS", "DEFAULT_SIZE_FACTOR", "DEFAULT_WORKERS", "GAUGES", "LMCacheTier", "MP_COUNTERS"]

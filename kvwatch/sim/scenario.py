@@ -79,13 +79,6 @@ def phase_line(status: dict) -> str:
     return text
 
 
-def parse_duration(raw: Any) -> float | None:
-    try:
-        return units.parse_duration(raw)
-    except ValueError:
-        return None
-
-
 def _merge(base: dict, change: dict) -> dict:
     out = dict(base)
     for key, value in change.items():
@@ -157,8 +150,12 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         for key in raw_phase:
             if key not in PHASE_KEYS:
                 problems.append(f"{where}.{key}: unknown phase key{did_you_mean(key, PHASE_KEYS)} (expected one of {', '.join(PHASE_KEYS)})")
-        duration = parse_duration(raw_phase.get("duration"))
-        if duration is None or duration <= 0:
+        try:
+            # kvwatch's one duration grammar (kvwatch/units.py): 90, 90s, 3m, 500ms.
+            duration = units.parse_duration(raw_phase.get("duration"))
+        except ValueError:
+            duration = None
+        if duration is None:
             problems.append(
                 f"{where}.duration: expected a positive number of seconds or a string like '90s', '3m', "
                 f"got {raw_phase.get('duration')!r}"

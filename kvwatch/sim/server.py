@@ -109,12 +109,14 @@ class SimServer:
         dialect: str = "vllm",
         kv_events: str | None = None,
         read_timeout: float = REQUEST_READ_SECONDS,
+        spelling: str = "sglang:",
     ) -> None:
         if speed < 0:
             raise ValueError("speed must be >= 0")
         if dialect not in DIALECTS:
             raise ValueError(f"unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
         self.dialect = dialect
+        self.spelling = spelling  # the SGLang dialect's: sglang: or sglang_ (SGLANG_SPELLINGS)
         self.trtllm_gauges = TrtllmGauges()
         self.sim = simulation
         self.speed = float(speed)
@@ -246,7 +248,8 @@ class SimServer:
     def metrics_text(self) -> str:
         with self.cond:
             if self.dialect != "vllm":
-                return render_dialect(self.dialect, self.sim.engines, self.sim.model_name, self.trtllm_gauges)
+                return render_dialect(self.dialect, self.sim.engines, self.sim.model_name, self.trtllm_gauges,
+                                      self.spelling)
             return render_metrics(self.sim.engines, self.sim.model_name, self.sim.created_unix, self.http_stats)
 
     def phase_status(self) -> dict:
@@ -286,6 +289,7 @@ def start_background(
     lmcache_tokens: int | None = None,
     kv_events: str | None = None,
     read_timeout: float = REQUEST_READ_SECONDS,
+    spelling: str = "sglang:",
 ) -> SimServer:
     """Start a simulator in this process (threads); port 0 picks a free port.
     The handle has .url, .metrics_url, .app_metrics_url, .lmcache_metrics_url,
@@ -293,13 +297,14 @@ def start_background(
     `lmcache_tokens`: a simulated LMCache tier of that size (its page at
     .lmcache_metrics_url). `kv_events`: publish the engines' KV-cache events
     to that ZMQ endpoint (kvwatch/sim/kvevents.py). `read_timeout`: the
-    seconds a request has to arrive whole (REQUEST_READ_SECONDS)."""
+    seconds a request has to arrive whole (REQUEST_READ_SECONDS). `spelling`:
+    the SGLang dialect's names, sglang: or sglang_ (sample lines rewritten)."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     simulation = Simulation(scenario, seed=seed, engines=engines, model_name=model_name,
                             lmcache_tokens=lmcache_tokens)
     return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect, kv_events=kv_events,
-                     read_timeout=read_timeout).start()
+                     read_timeout=read_timeout, spelling=spelling).start()
 
 
 # -- HTTP ----------------------------------------------------------------------

@@ -613,6 +613,12 @@
         ", p95 " + bounded(fmt(u.p95_seconds, "seconds"), u.p95_pinned) + " over " + fmt(u.count, "requests") + " requests"));
     }
     var tier = diagnosis.lmcache;
+    // The multiprocess server's lookups by tier, token-weighted (absent without them).
+    var lookupTiers = function (shares) {
+      if (!shares) return "";
+      return "; looked-up tokens by tier: " + ["l1", "l2", "not_found"].filter(function (t) { return t in shares; })
+        .map(function (t) { return t + " " + fmt(shares[t], "ratio"); }).join(", ");
+    };
     if (tier) {
       section.appendChild(el("h2", null, "LMCache tier"));
       if (!tier.up) section.appendChild(el("p", "muted", "LMCache at " + (tier.target || "") + ": down (" +
@@ -623,7 +629,7 @@
           fmt(v.kvwatch_lmcache_hit_ratio, "ratio") + " (tokens delivered / asked for), prompt tokens from LMCache " +
           fmt(v.kvwatch_lmcache_prompt_tokens_served_ratio, "ratio") + ", tokens retrieved " +
           fmt(v.kvwatch_lmcache_retrieved_tokens_per_second, "per_second") + ", tokens stored " +
-          fmt(v.kvwatch_lmcache_stored_tokens_per_second, "per_second")));
+          fmt(v.kvwatch_lmcache_stored_tokens_per_second, "per_second") + lookupTiers(v.kvwatch_lmcache_lookup_tokens_by_tier_ratio)));
       });
     }
     var stream = diagnosis.kv_events;
