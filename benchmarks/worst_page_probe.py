@@ -48,6 +48,7 @@ import gc
 import json
 import sys
 import threading
+import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -160,6 +161,9 @@ def main() -> int:
     parser.add_argument("--shape", default="rotating", choices=("rotating", "rich"),
                         help="the engine's page: one counter per new name (rotating), or real engines (rich)")
     parser.add_argument("--central", action="store_true", help="central mode against a store at its caps instead")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="trace Python's allocations (tracemalloc) and add what the last poll holds by file, "
+                             "and the traced peak (slower, and the RSS figures then include the tracing)")
     parser.add_argument("--publish", metavar="ENDPOINT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.publish:
@@ -218,7 +222,9 @@ def main() -> int:
         with socket.socket() as free:
             free.bind(("127.0.0.1", 0))
             more.update(kv_events=f"tcp://127.0.0.1:{free.getsockname()[1]}")
-    settings = load_settings(overrides={"target": f"{base}/metrics", "timeout": "4s", "log_level": "warning",
+    # Traced, the loopback server (a thread here) makes its pages slower.
+    settings = load_settings(overrides={"target": f"{base}/metrics", "timeout": "60s" if args.breakdown else "4s",
+                                        "log_level": "warning",
                                         **overrides, **more}, environ={})
     # The monitor's clock advances one poll interval a poll, whatever the
     # polls take here: the window then holds a full window of polls on any
@@ -250,6 +256,8 @@ def main() -> int:
             clock_time.sleep(0.1)
     tune_garbage_collector()
     gc.collect()
+    if args.breakdown:
+        tracemalloc.start()
     before = status_kib("VmRSS")
     rss = []
     for poll in range(total):
@@ -263,6 +271,7 @@ def main() -> int:
         rss.append(status_kib("VmRSS"))
         now[0] += settings.poll_interval
     state = monitor.state
+    breakdown = traced_breakdown() if args.breakdown else None
     stream = None if monitor.kv_events is None else monitor.kv_events.report(monitor.clock(), checkpoint=False)
     print(json.dumps({"cap_bytes": cap, "page_bytes": sizes["/metrics"][0], "polls": total,
                       "sources": sorted(sources),
@@ -275,13 +284,34 @@ def main() -> int:
                       "shape": args.shape, "window_entries": len(monitor.window.entries),
                       "window_bytes": monitor.window.bytes, "window_trimmed": monitor.window.trimmed,
                       "rss_before_kib": before, "rss_kib": rss,
-                      "peak_rss_kib": status_kib("VmHWM"), "engines": len(state.snapshot.engines)}))
+                      "peak_rss_kib": status_kib("VmHWM"), "engines": len(state.snapshot.engines),
+                      **({"traced": breakdown} if breakdown is not None else {})}))
     if publisher is not None:
         publisher.stdin.close()
         publisher.wait(30)
         monitor.kv_events.stop()
     httpd.shutdown()
     return 0
+
+
+def traced_breakdown(top: int = 12) -> dict:
+    """What Python holds after the last poll, by the file and line that
+    allocated it (MiB), and the traced peak over the polls."""
+    gc.collect()
+    current, peak = tracemalloc.get_traced_memory()
+    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+    lines = snapshot.statistics("lineno")[:top]
+    files = snapshot.statistics("filename")[:top]
+    mib = 2 ** 20
+
+    def where(stat) -> str:
+        frame = stat.traceback[0]
+        return f"{Path(frame.filename).name}:{frame.lineno}" if hasattr(frame, "lineno") else frame.filename
+    tracemalloc.stop()
+    return {"current_mib": round(current / mib, 1), "peak_mib": round(peak / mib, 1),
+            "by_file_mib": {Path(stat.traceback[0].filename).as_posix().split("site-packages/")[-1].split(
+                "/kvwatch/")[-1]: round(stat.size / mib, 1) for stat in files},
+            "by_line_mib": {where(stat): round(stat.size / mib, 1) for stat in lines}}
 
 
 def publish_forever(endpoint: str) -> int:
@@ -362,6 +392,8 @@ def central_probe(args) -> int:
     central = Central(client, settings)
     tune_garbage_collector()
     gc.collect()
+    if args.breakdown:
+        tracemalloc.start()
     before = status_kib("VmRSS")
     refreshes = 10 if args.polls == "full" else int(args.polls)
     rss, states = [], []
@@ -371,7 +403,8 @@ def central_probe(args) -> int:
         rss.append(status_kib("VmRSS"))
     print(json.dumps({"mode": "central", "answer_bytes": {"series": len(series), "query_range": len(matrix)},
                       "cap_bytes": CENTRAL_MAX_BYTES, "refreshes": refreshes, "asked": asked, "states": states,
-                      "rss_before_kib": before, "rss_kib": rss, "peak_rss_kib": status_kib("VmHWM")}))
+                      "rss_before_kib": before, "rss_kib": rss, "peak_rss_kib": status_kib("VmHWM"),
+                      **({"traced": traced_breakdown()} if args.breakdown else {})}))
     httpd.shutdown()
     return 0
 
