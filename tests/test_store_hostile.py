@@ -17,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvwatch.central.refresh import Central
+from kvwatch.history.matrix import pairs_of
 from kvwatch.history.query import PrometheusClient, QueryError
 from kvwatch.central.app import create_central_app
 from promstub import StubClient
@@ -216,3 +217,43 @@ def test_terminal_escapes_in_the_stores_labels_never_reach_the_terminal(history_
     assert code in (0, 1) and "10.0.1.1:8000" in out
     assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
     assert "10.0.1.1:8000\\x1b[2J\\x1b]0;pwned\\x07\\u202e" in out
+
+
+def test_a_read_of_many_chunks_holds_a_few_answers_at_a_time():
+    """A range read split into 24 time chunks, each answered with 2,000
+    series of 2 KB labels (new objects every answer, the same series): the
+    read joins each answer in as it comes and asks at most `concurrency`
+    ahead, so what it holds at its peak is a few answers, not all of them
+    (read_ranges kept every chunk's answer until the last: behind a store
+    answering 22 chunks at central mode's 32 MiB cap, a refresh peaked at
+    9.8 GiB against 1024Mi). The series come back whole, in time order."""
+    import tracemalloc
+
+    chunks, series = 24, 2_000
+
+    class Chunked(PrometheusClient):
+        def plan(self, start, end, step, expected):
+            return [(start + n * step, start + n * step) for n in range(chunks)]
+
+        def query_range(self, query, start, end, step):
+            return [{"metric": {"pod": f"p{n:05d}", "note": "x" * 2_000 + str(n)}, "values": [[start, "1"]]}
+                    for n in range(series)]
+
+    client = Chunked("http://127.0.0.1:9", concurrency=4)
+    tracemalloc.start()
+    try:
+        answer = tracemalloc.get_traced_memory()[0]
+        one = client.query_range("q", 0.0, 0.0, 1.0)
+        answer = tracemalloc.get_traced_memory()[0] - answer
+        del one
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        (result,) = client.read_ranges([("q", series)], 0.0, float(chunks - 1), 1.0)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert len(result) == series and all(len(pairs_of(s["values"])) == chunks for s in result)
+    assert [float(t) for t, _ in pairs_of(result[0]["values"])] == [float(n) for n in range(chunks)]
+    # The joined series (one answer's labels) and at most concurrency + 1
+    # answers more, with room: far below the 24 answers held before.
+    assert peak < 8 * answer, (peak >> 20, answer >> 20)

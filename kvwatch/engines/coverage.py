@@ -24,8 +24,9 @@ KIND_BY_PREFIX = {"kv_usage": "gauge", "running": "gauge", "waiting": "gauge", "
 
 
 # Label values a labelled key ("key/*") is given in the window made up below;
-# "awake" lights the sleep state, "external_kv_transfer" the tokens a KV connector served.
-LABEL_VALUES = ("stop", "abort", "capacity", "local_compute", "external_kv_transfer", "device", "awake")
+# "awake" lights the sleep state, "external_kv_transfer" the tokens a KV connector served, "host"
+# the tokens SGLang's HiCache host tier served.
+LABEL_VALUES = ("stop", "abort", "capacity", "local_compute", "external_kv_transfer", "device", "host", "awake")
 
 
 def provided(adapter: type[EngineAdapter], older_builds: bool = True) -> dict[str, str]:

@@ -24,6 +24,10 @@ Traps this adapter handles:
 - Hybrid models keep several token pools (`kv`, `swa`, `mamba`), each with
   used, available and evictable gauges: they are read per pool, and where
   a build has no token_usage, the fullest pool's used share is the usage.
+- HiCache's radix-cache families (load-back time and bytes, backup bytes)
+  carry `cache_type` and ranks but no `model_name`: they are the one model
+  of the page's scheduler with the same `dp_rank`, and are left unread
+  where the page serves several models.
 - Tensor/pipeline/expert-parallel ranks (`tp_rank`, `pp_rank`, `moe_ep_rank`,
   `attn_tp_rank`, `attn_cp_rank`) repeat the scheduler's series: one rank is
   read, never the sum. `dp_rank` is the engine (vLLM's `engine`).
@@ -61,6 +65,9 @@ ROWS: tuple[Row, ...] = (
         "prompt tokens of retracted requests, computed again when they are rescheduled"),
     Row("retracted_generation_tokens", "num_retracted_output_tokens", "counter", "tokens",
         "generated tokens of retracted requests, whose KV is computed again (as prompt) when they resume"),
+    Row("prefill_forward_seconds", "forward_execution_seconds", "counter", "seconds",
+        "GPU time of extend (prefill) forward passes; SGLANG_ENABLE_METRICS_DEVICE_TIMER=1 only; mixed "
+        "prefill+decode passes (forward_mixed) are left out", where=(("category", "forward_extend"),)),
     Row("ttft", "time_to_first_token_seconds", "histogram", "seconds"),
     Row("queue_time", "queue_time_seconds", "histogram", "seconds"),
     Row("e2e_latency", "e2e_request_latency_seconds", "histogram", "seconds"),
@@ -89,6 +96,13 @@ POOLS = ("kv", "swa", "mamba")
 POOL_STATES = ("used", "available", "evictable")
 POOL_FAMILIES = tuple(f"{pool}_{state}_tokens" for pool in POOLS for state in POOL_STATES)
 
+# HiCache's host tier (L2) from the radix cache's collector
+# (RadixCacheMetricsCollector): the time and bytes of loads back to the GPU
+# and the bytes backed up into host memory. Their labels are the cache's
+# (`cache_type`, ranks), without model_name (_radix_cache reads them).
+RADIX_COUNTERS = {"hicache_load_back_bytes": "load_back_bytes", "hicache_backup_bytes": "hicache_backup_bytes"}
+RADIX_HISTOGRAMS = {"hicache_load_back_time": "load_back_duration_seconds"}
+
 TABLE_NOTES: tuple[Row, ...] = (
     Row("prompt_tokens_cached", "cached_tokens", "counter", "tokens",
         "summed over cache_source (device, host, storage_*); a `total` series is read alone"),
@@ -107,6 +121,12 @@ TABLE_NOTES: tuple[Row, ...] = (
         "excluded"),
     Row("prompt_tokens_by_source/*", "prefill_effective_tokens", "counter", "tokens",
         "local_compute = mode input; local_cache_hit = the three hit modes (HiCache's tiers are the engine's own)"),
+    Row("hicache_load_back_time", "load_back_duration_seconds", "histogram", "seconds",
+        "HiCache: each load of KV from host memory (L2) back to the GPU; no model_name (the page's one model)"),
+    Row("hicache_load_back_bytes", "load_back_bytes", "counter", "bytes",
+        "HiCache: bytes loaded back from host memory (L2) to the GPU, all pools, draft transfers included"),
+    Row("hicache_backup_bytes", "hicache_backup_bytes", "counter", "bytes",
+        "HiCache: bytes backed up from the GPU to host memory (L2), all pools, draft transfers included"),
 )
 
 MISSING: dict[str, str] = {
@@ -118,6 +138,9 @@ MISSING: dict[str, str] = {
     "external_prefix_queries": "HiCache tiers are counted in cached_tokens_total{cache_source}, not as "
                                "queries and hits",
     "external_prefix_hits": "as external_prefix_queries",
+    "hicache_storage_time": "no time for HiCache's storage tier (L3): prefetch_bandwidth and backup_bandwidth are "
+                            "GB/s per batch, prefetch_pgs and backup_pgs pages, with no seconds or bytes beside "
+                            "them, so the storage tier's cost and bytes moved stay unweighed",
 }
 
 
@@ -129,7 +152,8 @@ class SglangAdapter(TableAdapter):
     MISSING = MISSING
     engine_label = "dp_rank"
     rank_labels = ("tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "attn_cp_rank")
-    EXTRA_FAMILIES = (CACHED_TOKENS, CAPACITY, PAGE_SIZE, EFFECTIVE_TOKENS) + POOL_FAMILIES
+    EXTRA_FAMILIES = ((CACHED_TOKENS, CAPACITY, PAGE_SIZE, EFFECTIVE_TOKENS) + POOL_FAMILIES
+                      + tuple(RADIX_COUNTERS.values()) + tuple(RADIX_HISTOGRAMS.values()))
     TABLE_NOTES = TABLE_NOTES
 
     def __init__(self, max_series: int = 10_000):
@@ -157,6 +181,7 @@ class SglangAdapter(TableAdapter):
 
         self._effective_tokens(snapshot, families.get(EFFECTIVE_TOKENS))
         self._pools(snapshot, families)
+        self._radix_cache(snapshot, families)
 
         if RETRACTIONS in families and families[RETRACTIONS].samples:
             self.retractions_seen = True
@@ -209,6 +234,30 @@ class SglangAdapter(TableAdapter):
         if wrote:
             snapshot.sources["kv_usage"] = (f"{self.prefix}{{kv,swa,mamba}}_used_tokens / "
                                             "(used + available + evictable), the most-used pool")
+
+    def _radix_cache(self, snapshot: Snapshot, families: dict[str, Family]) -> None:
+        """HiCache's load-back and backup families, written to the engine of
+        the same dp_rank where the page's scheduler serves one model (the
+        radix cache labels its series with no model_name)."""
+        def target(identity: tuple[str, str]):
+            engine = snapshot.engines.get(identity)
+            if engine is not None:
+                return engine
+            found = [e for e in snapshot.engines.values() if e.engine == identity[1]]
+            return found[0] if len({e.model for e in snapshot.engines.values()}) == 1 and len(found) == 1 else None
+
+        for key, family in RADIX_COUNTERS.items():
+            for (model, engine_name, _), value in self.fold(families.get(family), "counter").items():
+                engine = target((model, engine_name))
+                if engine is not None:
+                    engine.counters[key] = value
+                    snapshot.sources[key] = f"{self.prefix}{family}_total"
+        for key, family in RADIX_HISTOGRAMS.items():
+            for identity, histogram in self.histograms(families.get(family), snapshot.parse_errors).items():
+                engine = target(identity)
+                if engine is not None:
+                    engine.histograms[key] = histogram
+                    snapshot.sources[key] = f"{self.prefix}{family}"
 
     def _effective_tokens(self, snapshot: Snapshot, family: Family | None) -> None:
         """prefill_effective_tokens{mode} as the tiers' cached tokens and the

@@ -21,6 +21,7 @@ import math
 import re
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -292,28 +293,42 @@ class PrometheusClient:
     def read_ranges(self, queries: list[tuple[str, int]], start: float, end: float, step: float) -> list[list[dict]]:
         """Each (query, expected series) over [start, end] at `step`, chunked,
         at most `concurrency` at a time; per query, its series with the
-        chunks' values joined in time order."""
-        jobs = []
+        chunks' values joined in time order.
+
+        Each answer is joined in as soon as it and those before it are in,
+        and at most `concurrency` answers are asked ahead of the one being
+        joined, so a read holds what it joined and at most `concurrency`
+        answers more, however many chunks it takes (holding every answer
+        until the last, a refresh of 22 chunks at central mode's 32 MiB cap
+        peaked at 9.8 GiB)."""
+        jobs = deque()
         for index, (query, series) in enumerate(queries):
             for chunk_start, chunk_end in self.plan(start, end, step, series):
                 jobs.append((index, query, chunk_start, chunk_end))
         started = time.monotonic()
+        by_query: list[dict[tuple, dict]] = [dict() for _ in queries]
         pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        asked: deque = deque()
         try:
-            answers = list(pool.map(lambda job: (job[0], self.query_range(job[1], job[2], job[3], step)), jobs))
+            while jobs or asked:
+                while jobs and len(asked) < self.concurrency:
+                    index, query, chunk_start, chunk_end = jobs.popleft()
+                    asked.append((index, pool.submit(self.query_range, query, chunk_start, chunk_end, step)))
+                index, future = asked.popleft()
+                result = future.result()
+                del future
+                target = by_query[index]
+                for series in result:
+                    key = tuple(sorted(series["metric"].items()))
+                    found = target.get(key)
+                    if found is None:
+                        target[key] = {"metric": series["metric"], "values": series["values"]}
+                    else:
+                        found["values"] = joined(found["values"], series["values"])
+                del result
         finally:
             # The first failure ends the read: queries not yet started are
             # dropped, not each waited out to its own deadline.
             pool.shutdown(wait=True, cancel_futures=True)
         self.cost.seconds += time.monotonic() - started
-        by_query: list[dict[tuple, dict]] = [dict() for _ in queries]
-        for index, result in answers:
-            target = by_query[index]
-            for series in result:
-                key = tuple(sorted(series["metric"].items()))
-                found = target.get(key)
-                if found is None:
-                    target[key] = {"metric": series["metric"], "values": series["values"]}
-                else:
-                    found["values"] = joined(found["values"], series["values"])
         return [list(found.values()) for found in by_query]

@@ -136,8 +136,9 @@ def _families() -> list[str]:
     for series in ENGINE_SERIES:
         exported.setdefault(series.key.removesuffix("/*"), []).append(f"`{series.sample_name}`")
     for signal in SIGNALS:
-        for key in signal.needs:
-            exported.setdefault(key, []).append(f"`{signal.name}`")
+        for need in signal.needs:
+            for key in need.split("|"):
+                exported.setdefault(key, []).append(f"`{signal.name}`")
     rows: list[tuple[str, str, str, str]] = []  # family, type, key, when missing
 
     def missing(key: str) -> str:

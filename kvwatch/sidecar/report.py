@@ -136,6 +136,16 @@ def _unstated_bytes(snapshot) -> str | None:
 BYTE_SIGNALS = ("kvwatch_kv_cache_used_bytes", "kvwatch_kv_cache_reuse_shortfall_bytes")
 
 
+def _named(need: str, snapshot, engine: str | None) -> str:
+    """Of a need's alternatives ("a|b"), the one this engine provides or its
+    page names (a gate or a family), else the first."""
+    parts = need.split("|")
+    adapter = ENGINES.get(engine or "")
+    provided = adapter.provides() if adapter is not None and len(parts) > 1 else {}
+    return next((part for part in parts
+                 if part in provided or part in snapshot.gates or part in snapshot.families), parts[0])
+
+
 def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ...] = (),
                  rows=()) -> list[dict[str, Any]]:
     """The signals left dark, in catalogue order, one list for these reasons:
@@ -166,7 +176,9 @@ def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ..
             continue
         if snapshot is None:
             continue
-        missing = [key for key in signal.needs if key not in snapshot.sources]
+        # "a|b": either key lights it (one engine's family or another's).
+        missing = [_named(key, snapshot, engine) for key in signal.needs
+                   if not any(part in snapshot.sources for part in key.split("|"))]
         if not missing:
             if signal.name in refused:
                 dark.append({"signal": signal.name, "missing_families": [], "lit_by": None,

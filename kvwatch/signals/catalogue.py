@@ -278,7 +278,11 @@ SIGNALS: tuple[Signal, ...] = (
            "prompt_tokens_by_source_total{source=\"local_compute\"}), and with batching both sides are "
            "request-seconds, not wall time. vLLM's offload tier (tier=\"offload\"): vllm:kv_offload_load_time_total "
            "plus the sums of vllm:kv_offload_lookup_{sync,async}_delay_seconds, over the tokens it served "
-           "(prompt_tokens_by_source_total{source=\"external_kv_transfer\"}); OffloadingConnector only.",
+           "(prompt_tokens_by_source_total{source=\"external_kv_transfer\"}); OffloadingConnector only. SGLang's "
+           "HiCache host tier (tier=\"host\"): the sum of sglang:load_back_duration_seconds over the tokens it served "
+           "(prefill_effective_tokens_total{mode=\"host_hit\"}), the compute cost from "
+           "sglang:forward_execution_seconds_total{category=\"forward_extend\"} over mode=\"input\" "
+           "(SGLANG_ENABLE_METRICS_DEVICE_TIMER=1); its storage tier (L3) exports no time and is not weighed.",
            cache_tier_cost, "prefix",
            "label_replace(\n  sum by ({by}) (\n"
            "    label_replace(rate(kvwatch_engine_kv_offload_load_seconds_total{{{sel}}}[{w}]), \"part\", \"load\", \"\", \"\")\n"
@@ -289,25 +293,42 @@ SIGNALS: tuple[Signal, ...] = (
            "  / on ({by}) (\n"
            "    (sum by ({by}) (rate(kvwatch_engine_request_prefill_time_seconds_sum{{{sel}}}[{w}])) > 0)\n"
            "    / on ({by}) (sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"local_compute\"}}[{w}])) > 0)\n"
-           "  ),\n  \"tier\", \"offload\", \"\", \"\")",
+           "  ),\n  \"tier\", \"offload\", \"\", \"\")\n"
+           "or\nlabel_replace(\n"
+           "  sum by ({by}) (rate(kvwatch_engine_hicache_load_back_seconds_sum{{{sel}}}[{w}]))\n"
+           "  / on ({by}) (sum by ({by}) (rate(kvwatch_engine_prompt_tokens_cached_by_source_total{{{sel},source=\"host\"}}[{w}])) > 0)\n"
+           "  / on ({by}) (\n"
+           "    (sum by ({by}) (rate(kvwatch_engine_prefill_forward_seconds_total{{{sel}}}[{w}])) > 0)\n"
+           "    / on ({by}) (sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"local_compute\"}}[{w}])) > 0)\n"
+           "  ),\n  \"tier\", \"host\", \"\", \"\")",
            label="tier", panel="prefix_cache", title="Does the cache tier pay for itself? Time added over compute saved",
            record=("kvwatch_cache_tier_cost", "ratio_rate{w}"),
-           needs=("offload_load_seconds", "prompt_tokens_by_source", "prefill_time"),
+           needs=("offload_load_seconds|hicache_load_back_time", "prompt_tokens_by_source",
+                  "prefill_time|prefill_forward_seconds"),
            display="Cache tier cost over compute saved (estimate)", good="low"),
     Signal("kvwatch_cache_tier_moved_bytes_per_token", "bytes",
            "Bytes a cache tier moved (stored and loaded) per prompt token it served in the window: the KV bytes of "
            "one token when every token stored is served once, a multiple of them when stores go unused. vLLM's "
            "offload tier: vllm:kv_offload_{load,store}_bytes_total over "
-           "prompt_tokens_by_source_total{source=\"external_kv_transfer\"}; OffloadingConnector only.",
+           "prompt_tokens_by_source_total{source=\"external_kv_transfer\"}; OffloadingConnector only. SGLang's "
+           "HiCache host tier: sglang:hicache_backup_bytes_total plus load_back_bytes_total (draft transfers "
+           "included) over prefill_effective_tokens_total{mode=\"host_hit\"}; its storage tier (L3) exports no "
+           "bytes.",
            cache_tier_bytes_per_token, "prefix",
            "label_replace(\n  sum by ({by}) (\n"
            "    label_replace(rate(kvwatch_engine_kv_offload_load_bytes_total{{{sel}}}[{w}]), \"direction\", \"load\", \"\", \"\")\n"
            "    or label_replace(rate(kvwatch_engine_kv_offload_store_bytes_total{{{sel}}}[{w}]), \"direction\", \"store\", \"\", \"\")\n"
            "  )\n"
-           "  / on ({by}) (sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"external_kv_transfer\"}}[{w}])) > 0),\n  \"tier\", \"offload\", \"\", \"\")",
+           "  / on ({by}) (sum by ({by}) (rate(kvwatch_engine_prompt_tokens_by_source_total{{{sel},source=\"external_kv_transfer\"}}[{w}])) > 0),\n  \"tier\", \"offload\", \"\", \"\")\n"
+           "or\nlabel_replace(\n  sum by ({by}) (\n"
+           "    label_replace(rate(kvwatch_engine_hicache_load_back_bytes_total{{{sel}}}[{w}]), \"direction\", \"load\", \"\", \"\")\n"
+           "    or label_replace(rate(kvwatch_engine_hicache_backup_bytes_total{{{sel}}}[{w}]), \"direction\", \"store\", \"\", \"\")\n"
+           "  )\n"
+           "  / on ({by}) (sum by ({by}) (rate(kvwatch_engine_prompt_tokens_cached_by_source_total{{{sel},source=\"host\"}}[{w}])) > 0),\n  \"tier\", \"host\", \"\", \"\")",
            label="tier", panel="prefix_cache", title="Bytes a cache tier moved per token it served",
            record=("kvwatch_cache_tier_moved_bytes_per_token", "ratio_rate{w}"),
-           needs=("offload_load_bytes", "prompt_tokens_by_source"), display="Cache tier bytes moved per token served",
+           needs=("offload_load_bytes|hicache_load_back_bytes", "prompt_tokens_by_source"),
+           display="Cache tier bytes moved per token served",
            good="low"),
     Signal("kvwatch_kv_offload_lookup_delay_mean_seconds", "seconds",
            "Mean time of the offload tier's lookups in the window: kind=\"sync\", inside one lookup call, which the "

@@ -172,6 +172,7 @@ def caveats(view: View, values: Mapping[str, object]) -> dict[str, str]:
             "so that share is unknown")
     if values.get("kvwatch_preemptions_per_second") is not None and "preemptions" in counting:
         found["kvwatch_preemptions_per_second"] = counting["preemptions"]
+    found.update(_storage_unweighed(view, values))
     return found
 
 
@@ -550,33 +551,84 @@ def _offload_added_seconds(view: View) -> float | None:
     return load + sum(histograms[key].sum for _kind, key in _LOOKUP_DELAYS if key in histograms)
 
 
-def cache_tier_cost(view: View) -> dict[str, float] | None:
-    """Whether the offload tier pays for itself: the seconds it added (loads
-    and lookups) over the prefill seconds the tokens it served would have
-    cost to compute, at the window's prefill seconds per computed token
-    (request_prefill_time_seconds' sum over prompt_tokens_by_source
-    {local_compute}). Below 1 the tier saved more time than it cost. An
-    estimate: batching makes both sides request-seconds, not wall time. None
-    without served tokens, computed tokens or prefill time to weigh."""
-    counters = view.increase.counters
-    served, computed = counters.get(OFFLOAD_SERVED), counters.get(LOCAL_COMPUTE)
-    prefill = view.increase.histograms.get("prefill_time")
-    added = _offload_added_seconds(view)
-    if added is None or not served or not computed or prefill is None or prefill.sum <= 0:
+# SGLang's HiCache host tier (L2): the tokens it served (prefill_effective_tokens
+# {mode="host_hit"}), the time of its loads back to the GPU and the bytes it
+# moved both ways. Its storage tier (L3) exports no seconds and no bytes.
+HOST_SERVED = "prompt_tokens_cached_by_source/host"
+STORAGE_SERVED = "prompt_tokens_cached_by_source/storage"
+_HOST_BYTES = ("hicache_load_back_bytes", "hicache_backup_bytes")
+STORAGE_UNWEIGHED = ("the storage tier (HiCache L3) served {tokens:.0f} tokens in the window but is not weighed: "
+                     "SGLang exports no seconds and no bytes for it (sglang:prefetch_bandwidth and backup_bandwidth "
+                     "are GB/s per batch, prefetch_pgs and backup_pgs pages)")
+
+
+def _prefill_seconds_per_token(view: View) -> float | None:
+    """The window's prefill seconds per computed prompt token: vLLM's
+    request_prefill_time_seconds sum, else SGLang's extend forward passes'
+    GPU seconds, over prompt_tokens_by_source{local_compute}."""
+    computed = view.increase.counters.get(LOCAL_COMPUTE)
+    if not computed:
         return None
-    return {"offload": added / (served * prefill.sum / computed)}
+    prefill = view.increase.histograms.get("prefill_time")
+    if prefill is not None:
+        return prefill.sum / computed if prefill.sum > 0 else None
+    forward = view.increase.counters.get("prefill_forward_seconds")
+    return forward / computed if forward else None
+
+
+def cache_tier_cost(view: View) -> dict[str, float] | None:
+    """Whether a cache tier pays for itself: the seconds it added over the
+    prefill seconds the tokens it served would have cost to compute, at the
+    window's prefill seconds per computed token (_prefill_seconds_per_token).
+    Below 1 the tier saved more time than it cost. vLLM's offload tier: its
+    loads and lookups; SGLang's host tier: its loads back to the GPU
+    (load_back_duration_seconds). An estimate: with batching, vLLM's sides
+    are request-seconds, not wall time. None without served tokens, computed
+    tokens or prefill time to weigh."""
+    per_token = _prefill_seconds_per_token(view)
+    if per_token is None:
+        return None
+    counters = view.increase.counters
+    found = {}
+    served, added = counters.get(OFFLOAD_SERVED), _offload_added_seconds(view)
+    if added is not None and served:
+        found["offload"] = added / (served * per_token)
+    load_back, served = view.increase.histograms.get("hicache_load_back_time"), counters.get(HOST_SERVED)
+    if load_back is not None and served:
+        found["host"] = load_back.sum / (served * per_token)
+    return found or None
 
 
 def cache_tier_bytes_per_token(view: View) -> dict[str, float] | None:
-    """Bytes the offload tier moved (stored and loaded) per prompt token it
-    served in the window: the KV bytes of a token when every stored token is
-    served once, more when stores go unused."""
+    """Bytes a tier moved (stored and loaded) per prompt token it served in
+    the window: the KV bytes of a token when every stored token is served
+    once, more when stores go unused. vLLM's offload tier; SGLang's host tier
+    (backups to host memory and loads back)."""
     counters = view.increase.counters
+    found = {}
     served = counters.get(OFFLOAD_SERVED)
     moved = [counters[key] for _direction, key in _OFFLOAD_BYTES if key in counters]
-    if not served or not moved:
-        return None
-    return {"offload": sum(moved) / served}
+    if served and moved:
+        found["offload"] = sum(moved) / served
+    served = counters.get(HOST_SERVED)
+    moved = [counters[key] for key in _HOST_BYTES if key in counters]
+    if served and moved:
+        found["host"] = sum(moved) / served
+    return found or None
+
+
+def _storage_unweighed(view: View, values: Mapping[str, object]) -> dict[str, str]:
+    """The cache-tier signals lit for SGLang's host tier, where its storage
+    tier served tokens it cannot be weighed on."""
+    if "hicache_load_back_time" not in view.increase.histograms and not any(
+            key in view.increase.counters for key in _HOST_BYTES):
+        return {}
+    tokens = view.increase.counters.get(STORAGE_SERVED)
+    if not tokens:
+        return {}
+    text = STORAGE_UNWEIGHED.format(tokens=tokens)
+    return {name: text for name in ("kvwatch_cache_tier_cost_ratio", "kvwatch_cache_tier_moved_bytes_per_token")
+            if values.get(name) is not None}
 
 
 def _offload_lookup_delay(view: View) -> dict[str, float] | None:

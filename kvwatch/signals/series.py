@@ -179,6 +179,18 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
                  "Waiting requests by async KV load stage: waiting_to_start, in_progress, completed_waiting "
                  "(vllm:num_requests_kv_fetch_by_stage, vLLM 0.32+; a KV consumer only).", label="stage",
                  good="low"),
+    EngineSeries("kvwatch_engine_hicache_load_back_seconds", "histogram", "hicache_load_back_time", "seconds",
+                 "Time of each load of KV from SGLang's HiCache host tier (L2) back to the GPU "
+                 "(sglang:load_back_duration_seconds).", good="low"),
+    EngineSeries("kvwatch_engine_hicache_load_back_bytes", "counter", "hicache_load_back_bytes", "bytes",
+                 "Bytes loaded back from SGLang's HiCache host tier (L2) to the GPU, all pools, draft transfers "
+                 "included (sglang:load_back_bytes_total)."),
+    EngineSeries("kvwatch_engine_hicache_backup_bytes", "counter", "hicache_backup_bytes", "bytes",
+                 "Bytes backed up from the GPU to SGLang's HiCache host tier (L2), all pools, draft transfers "
+                 "included (sglang:hicache_backup_bytes_total)."),
+    EngineSeries("kvwatch_engine_prefill_forward_seconds", "counter", "prefill_forward_seconds", "seconds",
+                 "GPU seconds of extend (prefill) forward passes (sglang:forward_execution_seconds_total"
+                 "{category=\"forward_extend\"}; SGLANG_ENABLE_METRICS_DEVICE_TIMER=1 only)."),
     EngineSeries("kvwatch_engine_kv_offload_cpu_pinned_ratio", "gauge", "offload_cpu_pinned", "ratio",
                  "Share of the CPU offload tier pinned by in-flight transfers (vllm:kv_offload_cpu_cache_usage_perc): "
                  "evictable blocks do not count, so it reads 0 on a full tier at rest; not the tier's usage."),
