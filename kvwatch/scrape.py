@@ -12,11 +12,13 @@ contains the bearer token, nor the credentials or query string of the target URL
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Iterator
 from urllib.parse import unquote, urlsplit
 
 import requests
@@ -617,6 +619,16 @@ class _Deadlines:
 
 
 _DEADLINES = _Deadlines()
+
+
+@contextlib.contextmanager
+def deadlines_held() -> Iterator[threading.Thread | None]:
+    """Held around a fork (`with deadlines_held() as watcher:`): the
+    deadlines' thread (`watcher`, None before the first fetch) is then
+    waiting, or waiting to wake, and holds no lock, since all it does is done
+    holding the one this takes; a child forked meanwhile never fetches."""
+    with _DEADLINES._changed:
+        yield _DEADLINES._thread
 
 
 def _shutdown(sock: socket.socket) -> None:

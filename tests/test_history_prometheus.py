@@ -195,3 +195,34 @@ def test_replica_after_replica_gives_the_timeline_of_step_after_step(store):
     timeline.finish()
     assert len(history.timeline.episodes) >= 3
     assert timeline.episodes == history.timeline.episodes and timeline.gaps == history.timeline.gaps
+
+
+def test_workers_fork_beside_the_deadlines_thread_and_spawn_beside_any_other():
+    """A process that fetched before (the deadlines' thread waiting) still
+    forks its workers (spawned, each would import kvwatch again); beside a
+    thread of anyone else's it spawns them."""
+    import threading
+
+    from kvwatch.history.run import _Workers
+    from kvwatch.scrape import _DEADLINES, _Watchdog
+
+    with _Watchdog(5.0):  # what a fetch does: the deadlines' thread starts
+        pass
+    assert _DEADLINES._thread is not None and _DEADLINES._thread.is_alive()
+    pool = _Workers(2, 300.0, None, True)
+    try:
+        assert pool.method == "fork"
+    finally:
+        pool.close()
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        pool = _Workers(1, 300.0, None, True)
+        try:
+            assert pool.method == "spawn"
+        finally:
+            pool.close()
+    finally:
+        stop.set()
+        other.join()

@@ -134,10 +134,8 @@ def diagnose_history(client: PrometheusClient, start: float, end: float, step: f
     timeline is the same either way; with workers, each ReplicaState comes
     back at the end with its window but a fresh adapter."""
     started = time.monotonic()
-    # The workers start before the first query: the fetches start a thread
-    # (the deadlines' watcher), and a process with threads cannot fork
-    # safely; started after it they would be fresh interpreters, each
-    # importing kvwatch again (spawn).
+    # The workers start before the first query, while this process is
+    # small (a fork copies its page tables) and before the reader thread.
     collector = _tuned_collector()
     pool = None
     try:
@@ -411,22 +409,30 @@ class _Workers:
         import multiprocessing
         import threading
 
-        # Fork is fastest (nothing to import again) but only safe while this
-        # process runs no other thread; otherwise start fresh interpreters.
-        method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
-            else "spawn"
-        context = multiprocessing.get_context(method)
+        from kvwatch.scrape import deadlines_held
+
         self.thresholds = thresholds
         self.owner: dict[tuple, int] = {}
         self.connections = []
         self.processes = []
-        for _ in range(count):
-            mine, theirs = context.Pipe()
-            process = context.Process(target=_serve, args=(theirs, window_seconds, thresholds, fast), daemon=True)
-            process.start()
-            theirs.close()
-            self.connections.append(mine)
-            self.processes.append(process)
+        # Fork is fastest (nothing to import again) but only safe while no
+        # other thread of this process may hold a lock: none runs, or only
+        # the fetches' deadlines thread, held still while the workers fork
+        # (a caller's earlier fetches leave it waiting; it holds no lock
+        # then). Otherwise the workers are fresh interpreters (spawn).
+        with deadlines_held() as watcher:
+            others = [thread for thread in threading.enumerate() if thread is not threading.current_thread()]
+            alone = all(thread is watcher for thread in others)
+            method = "fork" if alone and "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            context = multiprocessing.get_context(method)
+            for _ in range(count):
+                mine, theirs = context.Pipe()
+                process = context.Process(target=_serve, args=(theirs, window_seconds, thresholds, fast), daemon=True)
+                process.start()
+                theirs.close()
+                self.connections.append(mine)
+                self.processes.append(process)
+        self.method = method
 
     def send(self, start: float, step: float, points: int, ordered: list) -> tuple:
         """One chunk's replicas (key order) out to their workers; returns what
