@@ -228,9 +228,15 @@ class FamilySelector:
                 return page
         families: dict[str, Family] = {}
         owners: list[str] = []
+        clears = self.cache_clears
         if not self._parse_found(found, families, owners):
             return None
-        self._layout = _Layout(series, type_lines, families, owners)
+        # A page whose label sets did not fit the label cache (it emptied
+        # while reading them) brought new ones: a layout of it would hold
+        # every one of them until the next page (the parser's and the
+        # adapter's, through family.layout: 89 MiB of an 8 MiB page of new
+        # names each poll, beside that next page), and no page repeats it.
+        self._layout = _Layout(series, type_lines, families, owners) if self.cache_clears == clears else None
         self._text_plan = self._unplanned = None
         return Page(families, [], line_count)
 

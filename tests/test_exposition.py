@@ -81,3 +81,33 @@ def test_unwanted_families_are_skipped_and_malformed_wanted_lines_counted_with_l
     assert [e.line_number for e in page.errors] == [3, 4, 5]
     assert [labels["engine"] for _, labels, _ in page.families["g"].samples] == ["0", "3"]
     assert "line 4" in str(page.errors[1])
+
+
+def test_a_page_of_label_sets_past_the_label_cache_is_not_kept_as_a_layout(monkeypatch):
+    """A page whose label sets do not fit the label cache (new served names
+    on every line, every poll) is read, and its layout is not kept: kept, it
+    held every label set of the page until the next one (89 MiB of an 8 MiB
+    page, beside the next page as it is read) for a page that never comes
+    back. A page that fits keeps its layout (once its sets are in the cache),
+    and reads the next poll's values through it."""
+    from kvwatch import exposition
+
+    monkeypatch.setattr(exposition, "_LABEL_CACHE_MAX", 50)
+    parser = select("prompt_tokens")
+
+    def page(poll: int, names: int, value: float = 0.0) -> str:
+        return "".join(f'vllm:prompt_tokens_total{{model_name="m-{poll}-{n}",engine="0"}} {n + value}\n'
+                       for n in range(names))
+
+    for poll in range(3):
+        parsed = parser.parse(page(poll, 200))
+        assert len(parsed.families["prompt_tokens"].samples) == 200
+        assert parser._layout is None
+        assert all(family.layout is None for family in parsed.families.values())
+    parser.parse(page(9, 20))  # new sets: the cache may empty once more for them
+    parser.parse(page(9, 20))
+    layout = parser._layout
+    assert layout is not None
+    again = parser.parse(page(9, 20, 0.5))
+    assert parser._layout is layout
+    assert [sample[2] for sample in again.families["prompt_tokens"].samples] == [n + 0.5 for n in range(20)]
