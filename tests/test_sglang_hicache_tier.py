@@ -123,3 +123,29 @@ def test_a_page_of_two_models_leaves_the_radix_cache_unread(fixtures_dir):
     rows = {row.model: row for row in monitor.state.per_engine}
     assert sorted(rows) == ["other", "qwen3-8b"]
     assert rows["qwen3-8b"].values[COST] is None
+
+
+@pytest.mark.parametrize("spelling", ["sglang:", "sglang_"])
+def test_the_simulators_sglang_dialect_weighs_its_host_tier(spelling):
+    """`kvwatch sim --dialect sglang --lmcache N`: the tier stands for HiCache's host tier, its loads back
+    (tier_load_s_per_token a token, a fifth of prefill's 0.0001) and its bytes served as SGLang's radix cache
+    serves them, so a kvwatch polling it weighs the host tier under either spelling."""
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+    from kvwatch.sim.server import start_background
+
+    with start_background("demo", speed=0, dialect="sglang", spelling=spelling, model_name="m-sglang",
+                          lmcache_tokens=16384) as sim:
+        monitor = Monitor(load_settings(overrides={"target": sim.metrics_url, "poll_interval": "1s",
+                                                   "window": "5m"}, environ={}))
+        for _ in range(10):
+            sim.advance(30.0)
+            monitor.poll_once()
+        text = sim.metrics_text()
+    assert f'{spelling}load_back_duration_seconds_sum{{cache_type="HiRadixCache"' in text
+    [row] = monitor.state.per_engine
+    assert row.values["kvwatch_prompt_tokens_by_tier_ratio"]["host"] > 0
+    # Loads at a fifth of prefill's cost a token: the tier costs well under what it saves.
+    assert 0 < row.values[COST]["host"] < 0.5
+    # At least the served tokens' own bytes (1,024 a token), more with stores never served.
+    assert row.values[BYTES]["host"] >= 1024

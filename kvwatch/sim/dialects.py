@@ -119,6 +119,25 @@ def render_sglang(engines: Sequence[Engine], model_name: str) -> list[str]:
                  [(labels, engine.stats.retracted_prompt_tokens) for labels, engine in ranks])
         _counter(out, "sglang:num_retracted_output_tokens", "Total number of retracted output tokens.",
                  [(labels, engine.stats.retracted_generation_tokens) for labels, engine in ranks])
+    # SGLANG_ENABLE_METRICS_DEVICE_TIMER=1's forward seconds (extend passes: the
+    # steps' prefill work), and with a tier (--lmcache, standing for HiCache's
+    # host tier) the radix cache's load-back and backup families, labelled as
+    # newer builds label them: cache_type and ranks, no model_name.
+    _counter(out, "sglang:forward_execution_seconds", "Total time that GPU is busy executing model forward passes. "
+             "Refer to ForwardMode for category labels.",
+             [({**labels, "category": "forward_extend"}, engine.stats.prefill_forward_seconds)
+              for labels, engine in ranks])
+    if any(engine.tier is not None for engine in engines):
+        radix = [({"cache_type": "HiRadixCache", "tp_rank": labels["tp_rank"], "pp_rank": "0",
+                   "dp_rank": labels["dp_rank"]}, engine) for labels, engine in ranks]
+        _head(out, "sglang:load_back_duration_seconds", "Time taken to load KV cache from CPU back to GPU in seconds.",
+              "histogram")
+        for labels, engine in radix:
+            _histogram_lines(out, "sglang:load_back_duration_seconds", labels, engine.stats.tier_load_back)
+        _counter(out, "sglang:load_back_bytes", "Bytes loaded back from local host DRAM (L2) to GPU, all pools "
+                 "combined.", [(labels, engine.stats.tier_load_back_bytes) for labels, engine in radix])
+        _counter(out, "sglang:hicache_backup_bytes", "Bytes backed up from GPU to local host DRAM (L2), all pools "
+                 "combined.", [(labels, engine.stats.tier_backup_bytes) for labels, engine in radix])
     _counter(out, "sglang:prompt_tokens", "Number of prefill tokens processed.",
              [(tokenizer, sum(engine.stats.prompt_tokens for engine in engines))])
     _counter(out, "sglang:generation_tokens", "Number of generation tokens processed.",

@@ -46,6 +46,10 @@ class EngineConfig:
     step_overhead_s: float = 0.012
     decode_s_per_seq: float = 0.0004
     prefill_s_per_token: float = 0.0001
+    # Time to load one token's KV back from the tier (kvwatch sim --lmcache):
+    # recorded per load, overlapped with the step (HiCache loads layer by
+    # layer beside the forward), so the step is not lengthened.
+    tier_load_s_per_token: float = 0.00002
     # Only reported in cache_config_info.
     cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.92
@@ -74,7 +78,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 out.append(f"{where}.{name}: must be a number > 0, got {value!r}")
-        for name in ("decode_s_per_seq", "prefill_s_per_token"):
+        for name in ("decode_s_per_seq", "prefill_s_per_token", "tier_load_s_per_token"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 out.append(f"{where}.{name}: must be a number >= 0, got {value!r}")
@@ -174,7 +178,12 @@ class Engine:
     def attach_tier(self, tier) -> None:
         """Keep what the GPU cache evicts in `tier` and load from it at admission."""
         self.tier = tier
-        self.pool.on_evict = tier.store
+        self.pool.on_evict = self._store_in_tier
+
+    def _store_in_tier(self, hashes) -> None:
+        before = self.tier.stored_tokens
+        self.tier.store(hashes)
+        self.stats.tier_backup_bytes += (self.tier.stored_tokens - before) * self.config.kv_bytes_per_token
 
     # -- requests in and out ------------------------------------------------
 
@@ -327,6 +336,9 @@ class Engine:
                 if tier is not None:
                     # Counted before the allocation, whose evictions the tier stores.
                     tier.retrieve(reusable, len(hit), loaded, num_tokens)
+                    if loaded:
+                        stats.tier_load_back.observe(loaded * block_size * config.tier_load_s_per_token)
+                        stats.tier_load_back_bytes += loaded * block_size * config.kv_bytes_per_token
                 request.blocks = hit + pool.allocate(needed)
                 request.num_computed = num_cached
                 request.num_published = len(hit)
@@ -361,6 +373,7 @@ class Engine:
             + config.decode_s_per_seq * decodes
             + config.prefill_s_per_token * prefill_tokens
         )
+        stats.prefill_forward_seconds += config.prefill_s_per_token * prefill_tokens
         self._pending = (now + duration, scheduled, prefill_tokens)
         return True
 

@@ -23,6 +23,10 @@ NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 # prometheus_client's default buckets, which a Python RAG service gets unless it sets its own.
 APP_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
+# SGLang's default load_back_duration_seconds bounds (RadixCacheMetricsCollector).
+LOAD_BACK_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.02, 0.03, 0.04, 0.05,
+                     0.1, 0.2, 0.5, 1.0)
+
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
@@ -87,6 +91,13 @@ class EngineStats:
         self.prompt_tokens_external = 0
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
+        # The tier's transfers as SGLang's HiCache counts its host tier's: each load
+        # back to the GPU (seconds), the bytes loaded back and the bytes stored
+        # into the tier; and the seconds of the steps' prefill work.
+        self.tier_load_back = Histogram(LOAD_BACK_BUCKETS)
+        self.tier_load_back_bytes = 0
+        self.tier_backup_bytes = 0
+        self.prefill_forward_seconds = 0.0
         self.generation_tokens = 0
         self.request_success = dict.fromkeys(FINISH_REASONS, 0)
         self.admission_rejections = {"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}
