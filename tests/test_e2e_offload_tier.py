@@ -54,7 +54,7 @@ def tier_names() -> set[str]:
     return names
 
 
-def _reads_tier(expr: str, names: set[str]) -> bool:
+def reads_tier(expr: str, names: set[str]) -> bool:
     return any(name in names or any(part in names for part in name.split(":")) for name in metric_names(expr))
 
 
@@ -119,7 +119,7 @@ def test_the_offload_tier_panels_and_records_return_data(offload_stack):
     checked, empty = [], []
     for dashboard in load_dashboards().values():
         for where, expr in dashboard_exprs(dashboard):
-            if not _reads_tier(expr, names):
+            if not reads_tier(expr, names):
                 continue
             for variable in sorted(variables, key=len, reverse=True):
                 expr = expr.replace(variable, variables[variable])
@@ -127,7 +127,7 @@ def test_the_offload_tier_panels_and_records_return_data(offload_stack):
             if not query_range(prom, expr, start, now, step=2):
                 empty.append(where)
     for rule in load_rules():
-        if "record" in rule and _reads_tier(rule["expr"], names):
+        if "record" in rule and reads_tier(rule["expr"], names):
             checked.append(f"recorded {rule['record']}")
             if not query_range(prom, f'{rule["record"]}{{model_name="{MODEL}"}}', start, now, step=2):
                 empty.append(f"recorded {rule['record']}")

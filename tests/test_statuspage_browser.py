@@ -319,28 +319,42 @@ def test_findings_show_since_when_on_the_time_axis_and_their_runbook(browser, se
 def test_dark_signals_section_follows_the_api(fixtures_dir, tmp_path):
     """Rendered from a page with every family (no dark section), the page's
     script then draws the section from /api/v1/signals: a vLLM 0.32 capture
-    without --kv-cache-metrics, its residency signals under that flag."""
-    from test_vllm_newer_families import OFFLOAD_NEW, residency
+    without --kv-cache-metrics or an offload connector, its residency signals
+    under that flag and the offload tier's named as missing families."""
+    from kvwatch.sidecar.report import dark_signals
+    from test_vllm_newer_families import residency
 
     settings = load_settings(environ={})
-    everything = page(fixtures_dir, "after") + residency({1: 5}, {10: 5}) + OFFLOAD_NEW
+    everything = page(fixtures_dir, "after") + residency({1: 5}, {10: 5}) + offload_families(fixtures_dir)
     with PageServer([Answer(everything)]) as server:
         settings.target = server.url
         lit = Monitor(settings)
         lit.poll_once()
     assert lit.state.dark_signals == () and lit.state.up
+    assert dark_signals(lit.state.snapshot, lit.state.engine, lit.state.dark_signals) == []
     plain = polled(fixtures_dir, ["idle", "load"], settings)
+    expected = [d["signal"] for d in dark_signals(plain.state.snapshot, plain.state.engine, plain.state.dark_signals)]
+    assert {"kvwatch_kv_cache_reuse_shortfall_blocks", "kvwatch_cache_tier_cost_ratio"} <= set(expected)
     app = create_app(SwitchingMonitor(lit, plain), settings)
     with serving(app, lifespan="off", start_timeout_s=10) as kvwatch:
         dom, stderr = dump_dom(kvwatch.url + "/", tmp_path)
     assert console_lines(stderr) == []
     assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 1
     section = re.search(r'<section id="dark">(.*?)</section>', dom, re.S)
-    assert section is not None and "Signals this engine leaves dark (3)" in section.group(1)
+    assert section is not None and f"Signals this engine leaves dark ({len(expected)})" in section.group(1)
     line = re.search(r'<li data-flag="--kv-cache-metrics"><code>--kv-cache-metrics</code> lights: (.*?)</li>',
                      section.group(1))
     assert line is not None, section.group(1)
     assert "KV blocks short of keeping reuse (blocks)</span>, <span" in line.group(1)
+
+
+def offload_families(fixtures_dir) -> str:
+    """The offload connector's families of the handwritten vLLM 0.32 offload
+    page (tests/fixtures/README.md), which the capture lacks."""
+    text = (fixtures_dir / "handwritten" / "vllm-0.32-offload-b.txt").read_text()
+    blocks = re.split(r"(?m)^(?=# HELP )", text)
+    return "".join(block for block in blocks
+                   if block.startswith(("# HELP vllm:kv_offload_", "# HELP vllm:num_requests_kv_fetch")))
 
 
 def test_a_finished_replay_reads_as_one_and_calm_figures_stay_calm(browser, fixtures_dir):
