@@ -35,10 +35,13 @@ forgetting pairs.
 answers every series listing and every range query just under central
 mode's cap on one answer (CENTRAL_MAX_BYTES, 32 MiB) with the most objects
 that many bytes can hold, and central mode (built as `kvwatch serve
---prometheus` builds it) refreshes `--polls` times (default 10).
+--prometheus` builds it, with the manifests' --max-replicas) refreshes
+`--polls` times (default 10); `--layout reordered` writes each series'
+keys in the other order, which kvwatch does not scan but decodes whole
+(matrix.decode's fallback).
 
     python benchmarks/worst_page_probe.py [--polls N|full] [--sources engine,upstream,lmcache,kvevents]
-                                          [--shape rotating|rich] [--central]
+                                          [--shape rotating|rich] [--central [--layout compact|reordered]]
 """
 
 from __future__ import annotations
@@ -161,6 +164,9 @@ def main() -> int:
     parser.add_argument("--shape", default="rotating", choices=("rotating", "rich"),
                         help="the engine's page: one counter per new name (rotating), or real engines (rich)")
     parser.add_argument("--central", action="store_true", help="central mode against a store at its caps instead")
+    parser.add_argument("--layout", default="compact", choices=("compact", "reordered"),
+                        help="with --central: the store's answers as Prometheus writes them, or each series' keys "
+                             "in the other order (not the layout kvwatch scans: it decodes the answer whole)")
     parser.add_argument("--breakdown", action="store_true",
                         help="trace Python's allocations (tracemalloc) and add what the last poll holds by file, "
                              "and the traced peak (slower, and the RSS figures then include the tracing)")
@@ -343,6 +349,7 @@ def central_probe(args) -> int:
     """Central mode against a store whose every answer is just under its cap."""
     from kvwatch.central.refresh import Central
     from kvwatch.history.query import CENTRAL_MAX_BYTES, PrometheusClient
+    from kvwatch.mixin.config import CENTRAL_MAX_REPLICAS
     from kvwatch.pipeline.monitor import tune_garbage_collector
     from kvwatch.settings import load_settings
 
@@ -358,7 +365,8 @@ def central_probe(args) -> int:
     series = ('{"status":"success","data":[' + "".join(parts)[:-1] + "]}").encode()
     parts, size, n = [], 0, 0
     while size < cap - 200:
-        part = f'{{"metric":{{"pod":"p{n:07d}"}},"values":[[1,"1"]]}},'
+        part = (f'{{"metric":{{"pod":"p{n:07d}"}},"values":[[1,"1"]]}},' if args.layout == "compact"
+                else f'{{"values":[[1,"1"]],"metric":{{"pod":"p{n:07d}"}}}},')
         parts.append(part)
         size += len(part)
         n += 1
@@ -389,7 +397,8 @@ def central_probe(args) -> int:
     settings = load_settings(overrides={"target": url, "timeout": "60s", "log_level": "warning",
                                         "poll_interval": "30s"}, environ={})
     client = PrometheusClient(url, timeout=60, max_bytes=CENTRAL_MAX_BYTES)
-    central = Central(client, settings)
+    # As the manifests run it (--max-replicas), since their limit is what it is measured against.
+    central = Central(client, settings, max_replicas=CENTRAL_MAX_REPLICAS)
     tune_garbage_collector()
     gc.collect()
     if args.breakdown:
@@ -399,9 +408,10 @@ def central_probe(args) -> int:
     rss, states = [], []
     for _ in range(refreshes):
         state = central.refresh_once()
-        states.append(state.reason if not state.up else "up")
+        states.append(f"up, {len(state.replicas)} replicas kept, {state.dropped_replicas} dropped" if state.up
+                      else state.reason)
         rss.append(status_kib("VmRSS"))
-    print(json.dumps({"mode": "central", "answer_bytes": {"series": len(series), "query_range": len(matrix)},
+    print(json.dumps({"mode": "central", "layout": args.layout, "answer_bytes": {"series": len(series), "query_range": len(matrix)},
                       "cap_bytes": CENTRAL_MAX_BYTES, "refreshes": refreshes, "asked": asked, "states": states,
                       "rss_before_kib": before, "rss_kib": rss, "peak_rss_kib": status_kib("VmHWM"),
                       **({"traced": traced_breakdown()} if args.breakdown else {})}))

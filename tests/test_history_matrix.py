@@ -129,3 +129,30 @@ def test_pages_read_the_same_steps_from_text_values_as_from_json():
             assert replica.page(index) == pages_json.replicas[key].page(index), (key, index)
     b = pages_fast.replicas[("j", "b", "", "")]
     assert b.page(1) is None and "3" in b.page(2)
+
+
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_decode_with_keep_gives_what_json_gives_less_the_series_refused(name):
+    """`keep` leaves a series out as it is read, on the scanned layout and
+    on any other (decoded whole), and counts what it left out."""
+    text = BODIES[name]
+    whole = json.loads(text)
+
+    def keep(metric):
+        return metric.get("__name__") != "x"
+
+    refused = [0, 0]
+    found = plain(decode(text, keep, refused))
+    data = whole.get("data")
+    if isinstance(data, dict) and isinstance(data.get("result"), list):
+        left = [s for s in data["result"] if "values" in s and not keep(s["metric"])]
+        data["result"] = [s for s in data["result"] if s not in left]
+        assert refused == [len(left), sum(len(s["values"]) or 1 for s in left)]
+    assert found == whole
+
+
+def test_a_refused_series_keeps_nothing_of_its_values():
+    text = body([series([[1, "1"], [2, "2"]], pod=f"p{n}") for n in range(100)])
+    refused = [0, 0]
+    (kept,) = decode(text, lambda metric: metric["pod"] == "p7", refused)["data"]["result"]
+    assert kept["metric"]["pod"] == "p7" and isinstance(kept["values"], RawPairs) and refused == [99, 198]

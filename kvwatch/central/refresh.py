@@ -124,6 +124,9 @@ class Central:
         self._last_step: float | None = None
         self._source: str | None = None
         self._discovered: tuple | None = None  # discover's answer and the step it was asked at
+        # Past max_replicas at the latest discovery: the first max_replicas of
+        # the store's replicas in order (those _admit would take first), else None.
+        self._listed: list[tuple] | None = None
         self._dropped = 0  # replicas the store has beyond max_replicas, at the latest refresh
         self._refreshes = 0
         self._failures = 0
@@ -181,6 +184,7 @@ class Central:
         # seconds between two steps may hold none of a replica's.
         found = self._discovered
         if found is None or found[0] is None or end - found[4] >= self.window:
+            self._listed = None
             found = self._discovered = (*self._discover(min(start, end - self.window), end), end)
         source, families, counts, inner, _at = found
         if source is None:
@@ -190,10 +194,15 @@ class Central:
         queries = [(family_query(family, names, inner), counts[family]) for family, names in sorted(families.items())]
         points = int(round((end - start) / step)) + 1
         pages = Pages(start, step, points, source, self.replica_labels)
-        for result in self.client.read_ranges(queries, start, end, step):
-            pages.add(result)
         self._forget(end)  # first, so that a replica gone for a window makes room for a new one now
+        admission = None
+        if self._listed is not None:
+            admission = _Admission(self.replica_labels, set(self._listed) | set(self._replicas), self._owns)
+        for result in self.client.read_ranges(queries, start, end, step, keep=admission):
+            pages.add(result)
         ordered = self._admit(sorted((key, replica) for key, replica in pages.replicas.items() if self._owns(key)))
+        if admission is not None:
+            self._dropped += len(admission.refused)
         latest = _Latest()
         for index in range(points):
             at = start + index * step
@@ -230,7 +239,7 @@ class Central:
         every query by shard_matcher)."""
         source = self._source or self.wanted_source
         if self.shard is None:
-            return discover(self.client, self.selector, start, end, source)
+            return discover(self.client, self.selector, start, end, source, listed=self._note_listing)
         for candidate in ("vllm", "kvwatch") if source == "auto" else (source,):
             found = self.client.series(merge_selector(self.selector, marker_matcher(candidate)), start, end)
             keys = {tuple(labels.get(label, "") for label in self.replica_labels) for labels in found}
@@ -241,7 +250,17 @@ class Central:
         if not mine:
             return None, {}, {}, ""
         selector = merge_selector(self.selector, shard_matcher(self.replica_labels, mine))
-        return discover(self.client, selector, start, end, candidate)
+        return discover(self.client, selector, start, end, candidate, listed=self._note_listing)
+
+    def _note_listing(self, listing: list[dict]) -> None:
+        """From the series list, which replicas a read may keep where the
+        store holds more than max_replicas: those known, and the first
+        max_replicas of the rest in order (a superset of what _admit takes
+        while they have data). A fleet within max_replicas reads every
+        series, so a replica new since the list still shows at once."""
+        keys = {tuple(labels.get(label, "") for label in self.replica_labels) for labels in listing}
+        keys = [key for key in keys if self._owns(key)]
+        self._listed = sorted(keys)[:self.max_replicas] if len(keys) > self.max_replicas else None
 
     def _owns(self, key: tuple) -> bool:
         return self.shard is None or self.shard.owns(identity(self.replica_labels, key))
@@ -344,6 +363,28 @@ class Central:
         if not state.replicas:
             return False, f"the store at {self.url} holds no vLLM series for the selector {self.selector or '{}'}"
         return True, "ok"
+
+
+class _Admission:
+    """read_ranges' `keep` past max_replicas: a series is kept if its
+    replica may be (`admitted`); every other replica of this instance with
+    data in the read is counted (as a hash: a set of 370,000 label tuples is
+    50 MiB, of their hashes 20) for dropped_replicas, as _admit counts those
+    it leaves out. Called from the read's threads."""
+
+    def __init__(self, replica_labels: tuple[str, ...], admitted: set, owns: Callable[[tuple], bool]):
+        self.replica_labels = replica_labels
+        self.admitted = admitted
+        self.owns = owns
+        self.refused: set[int] = set()
+
+    def __call__(self, labels: dict) -> bool:
+        key = tuple(labels.get(label, "") for label in self.replica_labels)
+        if key in self.admitted:
+            return True
+        if self.owns(key):
+            self.refused.add(hash(key))
+        return False
 
 
 def store_sentence(url: str | None, error: QueryError) -> str:

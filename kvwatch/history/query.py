@@ -16,6 +16,7 @@ no proxies from the environment, no redirects followed.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import re
@@ -24,6 +25,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import requests
 import urllib3
@@ -55,6 +57,9 @@ ERROR_TEXT_CHARS = 300
 # here). Prometheus, Mimir and VictoriaMetrics ignore both (tested against
 # Prometheus and VictoriaMetrics).
 STORE_PARAMETERS = {"partial_response": "false", "dedup": "true"}
+# The series read_ranges keeps (its `keep`), seen by _get in the read's
+# worker threads, so that an override of query_range keeps its signature.
+_KEEP: contextvars.ContextVar = contextvars.ContextVar("kvwatch_keep", default=None)
 # Steps the planner picks from, so that steps line up across runs.
 NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 
@@ -192,6 +197,11 @@ class PrometheusClient:
         if not tls_verify:
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
         self._token = BearerToken(bearer_token_file)
+        # Answers are read `concurrency` at a time but decoded one at a time:
+        # decoding holds the GIL anyway, and a decoded answer is many times
+        # its bytes (14 per byte for small series), so what a read holds at
+        # once is at most `concurrency` answers' bytes and one answer decoded.
+        self._decoding = threading.Lock()
 
     def _get(self, path: str, params) -> object:
         """One query's answer, within the client's timeout for the whole of
@@ -209,10 +219,16 @@ class PrometheusClient:
         if watchdog.fired:
             raise QueryError(f"{path}: no answer within {self.timeout:g}s", "timeout")
         size = len(content)
-        try:
-            body = decode(content.decode("utf-8"))
-        except (ValueError, RecursionError):  # UnicodeDecodeError included
-            raise QueryError(f"{path}: HTTP {status}, not JSON ({_printable(content_type, 80)})") from None
+        refused = [0, 0]
+        with self._decoding:
+            try:
+                text = content.decode("utf-8")
+                del content
+                body = decode(text, _KEEP.get() if path == "/api/v1/query_range" else None, refused)
+            except (ValueError, RecursionError):  # UnicodeDecodeError included
+                raise QueryError(f"{path}: HTTP {status}, not JSON ({_printable(content_type, 80)})") from None
+            finally:
+                text = None
         if not isinstance(body, dict):
             raise QueryError(f"{path}: HTTP {status}, JSON but not an object")
         if status != 200 or body.get("status") != "success":
@@ -231,8 +247,8 @@ class PrometheusClient:
             result = data["result"]
             if not all(isinstance(s, dict) and _is_labels(s.get("metric")) for s in result):
                 raise QueryError(f"{path}: HTTP {status}, a result that is not a list of series with labels")
-            samples = sum(len(s.get("values", ())) or 1 for s in result)
-            self.cost.count(samples, len(result), size)
+            samples = sum(len(s.get("values", ())) or 1 for s in result) + refused[1]
+            self.cost.count(samples, len(result) + refused[0], size)
         elif isinstance(data, list) and all(map(_is_labels, data)):
             self.cost.count(len(data), 0, size)
         else:
@@ -290,10 +306,13 @@ class PrometheusClient:
             first = last + 1
         return chunks
 
-    def read_ranges(self, queries: list[tuple[str, int]], start: float, end: float, step: float) -> list[list[dict]]:
+    def read_ranges(self, queries: list[tuple[str, int]], start: float, end: float, step: float,
+                    keep: Callable[[dict], bool] | None = None) -> list[list[dict]]:
         """Each (query, expected series) over [start, end] at `step`, chunked,
         at most `concurrency` at a time; per query, its series with the
-        chunks' values joined in time order.
+        chunks' values joined in time order. With `keep(labels) -> bool`,
+        only the series it keeps: the others are left out as each answer is
+        decoded (matrix.decode), never held past their labels.
 
         Each answer is joined in as soon as it and those before it are in,
         and at most `concurrency` answers are asked ahead of the one being
@@ -313,12 +332,19 @@ class PrometheusClient:
             while jobs or asked:
                 while jobs and len(asked) < self.concurrency:
                     index, query, chunk_start, chunk_end = jobs.popleft()
-                    asked.append((index, pool.submit(self.query_range, query, chunk_start, chunk_end, step)))
+                    context = contextvars.copy_context()
+                    context.run(_KEEP.set, keep)
+                    asked.append((index, pool.submit(context.run, self.query_range, query, chunk_start, chunk_end,
+                                                     step)))
                 index, future = asked.popleft()
                 result = future.result()
                 del future
                 target = by_query[index]
                 for series in result:
+                    # Again here: a client whose answers do not come
+                    # through _get (a stand-in) is held to `keep` too.
+                    if keep is not None and not keep(series["metric"]):
+                        continue
                     key = tuple(sorted(series["metric"].items()))
                     found = target.get(key)
                     if found is None:

@@ -94,9 +94,11 @@ def replica_name(labels: dict[str, str], key: tuple[str, ...]) -> str:
 
 
 def discover(client: PrometheusClient, selector: str, start: float, end: float, source: str,
-              diagnosed_only: bool = False):
+             diagnosed_only: bool = False, listed: Callable[[list[dict]], None] | None = None):
     """(source, {family: [series names]}, {family: series count}); with
-    `diagnosed_only`, without the families no rule reads."""
+    `diagnosed_only`, without the families no rule reads. `listed` is
+    handed the chosen source's series list (every series' labels) before
+    it is let go."""
     inner = merge_selector(selector, "")[1:-1]
     candidates = ("vllm", "kvwatch") if source == "auto" else (source,)
     for candidate in candidates:
@@ -110,6 +112,12 @@ def discover(client: PrometheusClient, selector: str, start: float, end: float, 
             family = family_of(name, candidate)
             names.setdefault(family, set()).add(name)
             counts[family] = counts.get(family, 0) + 1
+        if names and listed is not None:
+            listed(found)
+        # Let go before the next list is read: two lists at once are twice
+        # the memory of one (a list at central mode's 32 MiB cap is over
+        # 100 MiB decoded).
+        found = None
         if names:
             if candidate == "vllm":
                 process = client.series(merge_selector(selector, f'__name__="{PROCESS_START}"'), start, end)
