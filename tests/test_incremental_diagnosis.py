@@ -132,7 +132,7 @@ def test_trend_and_block_sums_give_the_written_out_definition(fixtures_dir):
     import math
     import random
 
-    from kvwatch.signals.evaluation import BlockSums, _EngineConfig, _eta, _usage_total
+    from kvwatch.signals.evaluation import BlockSums, _EngineConfig, _eta, _eta_of, _usage_total, _usage_total_of
 
     def same(a, b):
         return repr(a) == repr(b)
@@ -153,6 +153,10 @@ def test_trend_and_block_sums_give_the_written_out_definition(fixtures_dir):
                 series = monitor.window.gauge_series(key, "kv_usage")
                 found = _eta(series)
                 assert same(found, eta_written_out(series)), path.parent.name
+                # As the live loop reads it: the window's columns and what it keeps about them.
+                times, values, ordered, in_unit = monitor.window.gauge_columns(key, "kv_usage")
+                assert same(_eta_of(times, values, ordered, sum(values)), found), path.parent.name
+                assert same(_usage_total_of(values, sum(values), in_unit), usage_sum_written_out(series))
                 if series:
                     assert same(block_sum(series), 1000.0 * usage_sum_written_out(series) / len(series))
                 checked += 1
@@ -173,5 +177,49 @@ def test_trend_and_block_sums_give_the_written_out_definition(fixtures_dir):
             values[draw.randrange(n)] = -0.0
         series = list(zip(times, values))
         assert same(_eta(series), eta_written_out(series)), case
+        times, values = [t for t, _v in series], [v for _t, v in series]
+        ordered = all(a < b for a, b in zip(times, times[1:]))
+        assert same(_eta_of(times, values, ordered, sum(values)), eta_written_out(series)), case
+        in_unit = all(0.0 <= v <= 1.0 for v in values)
+        assert same(_usage_total_of(values, sum(values), in_unit), usage_sum_written_out(series)), case
         if series:
             assert same(block_sum(series), 1000.0 * usage_sum_written_out(series) / len(series)), case
+
+
+def tidy_written_out(evidence):
+    """diagnose.context.tidy as the definition writes it: each figure formatted."""
+    import math
+
+    tidy = {}
+    for key, value in evidence.items():
+        if value is None:
+            continue
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                continue
+            value = float(round(value)) if abs(value) >= 1000 else float(f"{value:.4g}")
+            if value.is_integer() and abs(value) < 1e15:
+                value = int(value)
+        tidy[key] = value
+    return tidy
+
+
+def test_tidy_rounds_every_figure_as_written_out_seen_again_or_not():
+    """tidy looks up the figures it rounded before: the same result, to the
+    type and the sign, for figures seen again or not, across its emptying."""
+    import math
+    import random
+
+    from kvwatch.diagnose import context
+
+    draw = random.Random(11)
+    figures = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e15, -1e15, 999.95, 999.9999, 1000.0, 0.30000000000000004,
+               1e-300, 5e-324, 123456.5, 2.5, -2.5, 1.0, 7, True, "text", None, 10 ** 20, 1.7976931348623157e308]
+    figures += [draw.uniform(-2000, 2000) for _ in range(3000)] + [draw.random() * 10 ** draw.randint(-12, 18)
+                                                                      for _ in range(3000)]
+    for round_ in range(3):  # new, then seen again, then after the lookups emptied
+        if round_ == 2:
+            context._ROUNDED.clear()
+        for start in range(0, len(figures), 40):
+            evidence = {f"k{i}": figure for i, figure in enumerate(figures[start:start + 40])}
+            assert repr(context.tidy(evidence)) == repr(tidy_written_out(evidence))

@@ -61,16 +61,18 @@ def _view(window: Window, keys: list[tuple[str, str]], trends: dict | None = Non
         config = _engine_config(latest.cache_config.get(key[1], {}))
         found = trends.get(key) if trends is not None else None
         if found is None:
-            series = window.gauge_series(key, "kv_usage")
-            found = (series, _eta(series), _usage_total(series), window.increase(key))
+            times, values, ordered, in_unit = window.gauge_columns(key, "kv_usage")
+            total = sum(values)
+            found = (len(values), _eta_of(times, values, ordered, total),
+                     _usage_total_of(values, total, in_unit), window.increase(key))
             if trends is not None:
                 trends[key] = found
-        series, engine_eta, usage_total, engine_increase = found
+        points, engine_eta, usage_total, engine_increase = found
         if engine_eta is not None:
             eta = engine_eta if eta is None else min(eta, engine_eta)
         engine_usage = engine.gauges.get("kv_usage")
         if blocks is not None:
-            blocks = blocks.add(config, engine_usage, len(series), usage_total)
+            blocks = blocks.add(config, engine_usage, points, usage_total)
         engine_bytes = config.memory
         if used_bytes is not None and engine_bytes is not None and engine_usage is not None:
             used_bytes += _clamp01(engine_usage) * engine_bytes
@@ -214,9 +216,14 @@ def _usage_total(series: list[tuple[float, float]]) -> float:
     """The sum of a usage series' values, each clamped to 0..1 (read once per
     engine by its own view and its model's)."""
     values = list(map(_SECOND, series))
-    total = sum(values)
+    return _usage_total_of(values, sum(values), all(0.0 <= v <= 1.0 for v in values))
+
+
+def _usage_total_of(values: list[float], total: float, in_unit: bool) -> float:
+    """_usage_total of the series' values, given their sum and whether each
+    lies within 0..1 (the window keeps that as the series moves)."""
     # Within 0..1 (and no NaN) every value is its own _clamp01: the same sum.
-    if not (total == total and min(values, default=0.0) >= 0.0 and max(values, default=0.0) <= 1.0):
+    if not in_unit:
         total = sum([(v if v < 1.0 else 1.0) if v > 0.0 else 0.0 for v in values])  # _clamp01, inline
     return total
 
@@ -227,24 +234,35 @@ def _eta(series: list[tuple[float, float]]) -> float | None:
     least its mean over that span (a cache that just emptied is not filling)."""
     if len(series) < 2:
         return None
-    horizon = series[-1][0] - TREND_SECONDS
     times = list(map(_FIRST, series))
-    if all(map(operator.lt, times, itertools.islice(times, 1, None))):
+    values = list(map(_SECOND, series))
+    return _eta_of(times, values, all(map(operator.lt, times, itertools.islice(times, 1, None))), sum(values))
+
+
+def _eta_of(times: list[float], values: list[float], ordered: bool, total: float) -> float | None:
+    """_eta of a series given as its times and values, whether the times
+    strictly increase, and the sum of all its values (the window keeps the
+    order as the series moves; the sum is the usage total's too)."""
+    if len(times) < 2:
+        return None
+    horizon = times[-1] - TREND_SECONDS
+    if ordered:
         # In time order (a window's series always is): the points kept are
         # those from the first at or after the horizon on.
         start = bisect.bisect_left(times, horizon)
-        series, times = series[start:], times[start:]
+        if start:
+            times, values = times[start:], values[start:]
+            total = sum(values)
     else:
-        series = [point for point in series if point[0] >= horizon]
-        times = list(map(_FIRST, series))
-    n = len(series)
+        kept = list(map(operator.ge, times, itertools.repeat(horizon)))
+        times, values = list(itertools.compress(times, kept)), list(itertools.compress(values, kept))
+        total = sum(values)
+    n = len(times)
     if n < 2:
         return None
     # The definition's sums (sum(v) / n, sum(t - t0) / n, sum((t - t0 - mean_t) ** 2), ...)
     # term by term and in the same order, with each term computed once (and
     # each operation mapped in C: the same float operations as written out).
-    values = list(map(_SECOND, series))
-    total = sum(values)
     if values[-1] < total / n:
         return None
     t0 = times[0]
@@ -258,7 +276,7 @@ def _eta(series: list[tuple[float, float]]) -> float | None:
     slope = sum(map(operator.mul, centred, map(operator.sub, values, itertools.repeat(mean_v)))) / var  # d * (v - mean_v)
     if slope <= 0:
         return None
-    return max(0.0, 1.0 - _clamp01(series[-1][1])) / slope
+    return max(0.0, 1.0 - _clamp01(values[-1])) / slope
 
 
 _FIRST = operator.itemgetter(0)
