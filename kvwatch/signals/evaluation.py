@@ -291,13 +291,13 @@ _plain_view_fields = operator.attrgetter(*_PLAIN_VIEW_FIELDS)  # a tuple of them
 
 
 def _inputs(view: View) -> tuple:
-    """Everything the derivations read from a view, copied (callers may
-    change the view's dicts afterwards): of `latest` only its gauges (the
-    derivations read no counter or histogram of it, only the increase;
-    keep it so, or add them here), the whole increase, every other field,
-    and the notes it came with."""
+    """Everything the derivations read from a view but the increase's
+    seconds, copied (callers may change the view's dicts afterwards): of
+    `latest` only its gauges (the derivations read no counter or histogram
+    of it, only the increase; keep it so, or add them here), the rest of the
+    increase, every other field, and the notes it came with."""
     increase = view.increase
-    return ((dict(view.latest.gauges), increase.seconds, dict(increase.counters), dict(increase.histograms),
+    return ((dict(view.latest.gauges), dict(increase.counters), dict(increase.histograms),
              increase.restarts, increase.steps, tuple(view.notes))
             + _plain_view_fields(view))
 
@@ -311,28 +311,59 @@ def _copied(values: dict) -> dict:
     return copy
 
 
+_SECONDS = Increase.seconds  # the slot's descriptor
+
+
+class _WatchedIncrease(Increase):
+    """A view's increase while its signals are derived (the same dicts and
+    numbers): says whether a derivation read `seconds`, the one input that
+    moves at every poll (the window's span), so that a signal that did not
+    read it keeps its value while nothing else it reads moves."""
+
+    __slots__ = ("read",)
+
+    def __init__(self, increase: Increase):
+        _SECONDS.__set__(self, _SECONDS.__get__(increase))
+        self.counters, self.histograms = increase.counters, increase.histograms
+        self.restarts, self.steps = increase.restarts, increase.steps
+        self.read = False
+
+    @property  # type: ignore[override]
+    def seconds(self) -> float:
+        self.read = True
+        return _SECONDS.__get__(self)
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        _SECONDS.__set__(self, value)
+
+
 def evaluate(view: View, model: str, engine: str | None, remembered: dict | None = None,
              kept: dict | None = None) -> Evaluated:
     """The signals of one view. With `remembered` (what the window's last
     evaluation kept, by (model, engine)): where the view's inputs equal the
     ones the values were derived from then (an idle engine, a steady load),
     those values again, not derived anew (the derivations are functions of
-    the view alone); `kept` receives what this evaluation leaves for the next."""
-    inputs = None
-    if kept is not None:
-        inputs = _inputs(view)
-        found = remembered.get((model, engine)) if remembered else None
-        if found is not None and found[0] == inputs:
+    the view alone); where only the window's span moved, the values of the
+    signals that did not read it again and the others derived anew. `kept`
+    receives what this evaluation leaves for the next."""
+    if kept is None:
+        return _evaluate(view, model, engine)
+    inputs = _inputs(view)
+    seconds = view.increase.seconds
+    found = remembered.get((model, engine)) if remembered else None
+    then = None
+    if found is not None and found[0] == inputs:
+        if found[1] == seconds:
             kept[(model, engine)] = found
-            _inputs_then, values, notes, pinned = found
-            view.notes = list(notes)
+            view.notes = list(found[3])
             view.pinned = {}
-            return Evaluated(model, engine, _copied(values), view.notes, view,
-                             {name: dict(q) for name, q in pinned.items()})
-    evaluated = _evaluate(view, model, engine)
-    if kept is not None:
-        kept[(model, engine)] = (inputs, _copied(evaluated.values), list(evaluated.notes),
-                                 {name: dict(q) for name, q in evaluated.pinned.items()})
+            return Evaluated(model, engine, _copied(found[2]), view.notes, view,
+                             {name: dict(q) for name, q in found[4].items()})
+        then = found
+    evaluated, read, notes_of = _evaluate_watched(view, model, engine, then)
+    kept[(model, engine)] = (inputs, seconds, _copied(evaluated.values), list(evaluated.notes),
+                             {name: dict(q) for name, q in evaluated.pinned.items()}, read, notes_of)
     return evaluated
 
 
@@ -342,6 +373,62 @@ def _evaluate(view: View, model: str, engine: str | None) -> Evaluated:
     for signal in SIGNALS:
         values[signal.name] = _derive(signal, view, pinned)
     return Evaluated(model, engine, values, view.notes, view, pinned)
+
+
+def _evaluate_watched(view: View, model: str, engine: str | None, then: tuple | None):
+    """_evaluate, with the view's increase watched: also the names of the
+    signals whose derivation read its seconds, and the notes each other
+    signal added (by name, where it added any; None for none). With `then`
+    (what evaluate kept of the same inputs at another span), a signal that
+    did not read the span takes its value, notes and pinned quantiles from
+    there instead of being derived."""
+    values: dict = {}
+    pinned: dict = {}
+    read: set[str] = set()
+    notes_of: dict[str, tuple] = {}
+    if then is not None:
+        _inputs_then, _seconds_then, values_then, _notes_then, pinned_then, read_then, notes_of_then = then
+    increase = view.increase
+    watched = view.increase = _WatchedIncrease(increase)
+    notes = view.notes
+    try:
+        for signal in SIGNALS:
+            name = signal.name
+            if then is not None and name not in read_then:
+                value = values_then[name]
+                values[name] = dict(value) if type(value) is dict else value
+                added = notes_of_then.get(name) if notes_of_then is not None else None
+                if added:
+                    notes.extend(added)
+                    notes_of[name] = added
+                quantiles = pinned_then.get(name)
+                if quantiles is not None:
+                    pinned[name] = dict(quantiles)
+                continue
+            watched.read = False
+            before = len(notes)
+            values[name] = _derive(signal, view, pinned)
+            if watched.read:
+                read.add(name)
+            elif len(notes) > before:
+                notes_of[name] = tuple(notes[before:])
+    finally:
+        view.increase = increase
+    return Evaluated(model, engine, values, view.notes, view, pinned), _interned(frozenset(read)), notes_of or None
+
+
+# The sets of signals that read the span, one object per set: most views
+# of a process share one or two, kept beside every view's cached values.
+_READ_SETS: dict[frozenset, frozenset] = {}
+
+
+def _interned(read: frozenset) -> frozenset:
+    found = _READ_SETS.get(read)
+    if found is None:
+        if len(_READ_SETS) >= 64:
+            _READ_SETS.clear()
+        found = _READ_SETS[read] = read
+    return found
 
 
 def _derive(signal: Signal, view: View, pinned: dict):
