@@ -481,9 +481,6 @@ class _Layout:
 
 # The values a text plan reads: _NUMBER_CHARS tokens, one blank apart.
 _PLANNED_VALUES = re.compile(rf"{_NUMBER_CHARS}(?:\x20{_NUMBER_CHARS})*+")
-# Each line's last token after a blank (the lines that end in a newline):
-# split there, a page is its skeleton (every other part) and these tokens.
-_LAST_TOKEN = re.compile(r"\x20([^\x20\n]*+)(?=\n)")
 
 
 def _picker(indices: list[int]):
@@ -498,37 +495,62 @@ def _picker(indices: list[int]):
 class _TextPlan:
     """A page's text as the scanner read it, so that a page that differs
     only in the values of the samples it reads is read without the scanner.
-    Split after the last blank of each line, a page is a skeleton (each line
-    up to and with that blank, whole where it has none) and the tokens
-    after it. A page with the same skeleton, the same tokens on its TYPE and
-    EOF lines, and each value read a _NUMBER_CHARS token gives the scanner
-    the same matches but for those values (each match is one line, decided
-    by its text up to the blank after its name or label block), so the Page
-    the layout rebuilds from its values; any other page is read by the
-    scanner. Made from the layout's second page; a page the plan does not
-    read drops it (tests/test_bench_equivalence.py)."""
+    Split after the last blank of each line that a newline ends, a page is a
+    skeleton (each such line up to and with that blank, every other line
+    whole) and the tokens after those blanks. A page with the same skeleton,
+    the same tokens on its TYPE and EOF lines, and each value read a
+    _NUMBER_CHARS token gives the scanner the same matches but for those
+    values (each match is one line, decided by its text up to the blank
+    after its name or label block), so the Page the layout rebuilds from its
+    values; any other page is read by the scanner. Made from the layout's
+    second page; a page the plan does not read drops it
+    (tests/test_bench_equivalence.py).
 
-    __slots__ = ("skeleton", "exact", "pick_exact", "pick_values", "layout", "line_count")
+    The skeleton is checked line by line in C (the page's lines against
+    their kept starts), not by splitting the page on a regex: a regex tries
+    a match at every blank, and the HELP lines hold most of a page's blanks."""
 
-    def __init__(self, skeleton, exact, pick_exact, pick_values, layout, line_count):
-        self.skeleton = skeleton
+    __slots__ = ("starts", "whole_at", "whole", "token_at", "token_slices", "exact", "pick_exact", "pick_values",
+                 "layout", "line_count")
+
+    def __init__(self, starts, whole_at, whole, token_at, token_slices, exact, pick_exact, pick_values, layout,
+                 line_count):
+        # Each line's start in the skeleton: up to and with its last blank,
+        # or the whole line (those lines' positions and texts: whole_at, whole).
+        self.starts = starts
+        self.whole_at = whole_at
+        self.whole = whole
+        # The lines with a token, and where in each the token begins.
+        self.token_at = token_at
+        self.token_slices = token_slices
         self.exact = exact
         self.pick_exact = pick_exact
         self.pick_values = pick_values
         self.layout = layout
-        # No token holds a newline: a page with this skeleton has its lines.
         self.line_count = line_count
 
     @staticmethod
     def of(text: str, scanner: re.Pattern, layout: _Layout) -> "_TextPlan | None":
-        parts = _LAST_TOKEN.split(text)
-        tokens = parts[1::2]
         lines = text.split("\n")
+        last = len(lines) - 1
+        starts: list[str] = []
+        whole_at: list[int] = []
+        token_at: list[int] = []
+        token_slices: list[slice] = []
+        tokens: list[str] = []
         exact_at: list[int] = []
         values_at: list[int] = []
-        token = 0  # the index in `tokens` of the next line's token
         for index, line in enumerate(lines):
-            has_token = index < len(lines) - 1 and " " in line
+            head, blank, token = line.rpartition(" ")
+            has_token = index < last and blank == " "
+            if has_token:
+                starts.append(head + blank)
+                token_at.append(index)
+                token_slices.append(slice(len(head) + 1, None))
+                tokens.append(token)
+            else:
+                starts.append(line)
+                whole_at.append(index)
             match = scanner.match("\n" + line + "\n")
             if match is not None:
                 series, value, type_line, other = match.groups()
@@ -536,23 +558,27 @@ class _TextPlan:
                     return None
                 if type_line:
                     if has_token:
-                        exact_at.append(token)
-                elif has_token and line == series + " " + value and tokens[token] == value:
-                    values_at.append(token)
+                        exact_at.append(len(tokens) - 1)
+                elif has_token and line == series + " " + value and token == value:
+                    values_at.append(len(tokens) - 1)
                 else:
                     return None  # a timestamp, a CR, the last line: not planned
-            token += has_token
-        if token != len(tokens) or len(values_at) != len(layout.rows):
+        if len(values_at) != len(layout.rows):
             return None
         pick_exact = _picker(exact_at)
-        return _TextPlan(parts[0::2], pick_exact(tokens), pick_exact, _picker(values_at), layout, len(lines))
+        pick_whole = _picker(whole_at)
+        return _TextPlan(tuple(starts), pick_whole, pick_whole(lines), _picker(token_at), tuple(token_slices),
+                         pick_exact(tokens), pick_exact, _picker(values_at), layout, len(lines))
 
     def read(self, text: str) -> Page | None:
-        parts = _LAST_TOKEN.split(text)
-        if parts[0::2] != self.skeleton:
+        lines = text.split("\n")
+        # Every line starts as its skeleton's does, the lines kept whole are
+        # those lines exactly, and no token holds a blank: the same skeleton.
+        if (len(lines) != self.line_count or not all(map(str.startswith, lines, self.starts))
+                or self.whole_at(lines) != self.whole):
             return None
-        tokens = parts[1::2]
-        if self.pick_exact(tokens) != self.exact:
+        tokens = list(map(operator.getitem, self.token_at(lines), self.token_slices))
+        if "\x20" in "\n".join(tokens) or self.pick_exact(tokens) != self.exact:
             return None
         values = self.pick_values(tokens)
         if values and _PLANNED_VALUES.fullmatch(" ".join(values)) is None:

@@ -358,6 +358,11 @@ def test_a_page_after_a_planned_one_parses_as_the_line_parser_parses_it(fragment
     ('vllm:g 1\nother 2', 'vllm:g 2\nvllm:h 3'),
     # A TYPE line's last token changes.
     ('# TYPE vllm:g gauge\nvllm:g 1\n', '# TYPE vllm:g counter\nvllm:g 1\n'),
+    # A line keeps its start but gains a blank after it: a timestamp after
+    # a value, a word after a TYPE, a longer line kept whole.
+    ('vllm:g 1\nvllm:h 2\n', 'vllm:g 1 5\nvllm:h 3\n'),
+    ('# TYPE vllm:g gauge\nvllm:g 1\n', '# TYPE vllm:g gauge x\nvllm:g 1\n'),
+    ('vllm:g 1\nabc\nvllm:h 2\n', 'vllm:g 2\nabcd\nvllm:h 3\n'),
 ])
 def test_the_text_plan_refuses_a_page_whose_lines_changed(before, after):
     selector = FamilySelector(["g", "h"], ("vllm:", "vllm_"))

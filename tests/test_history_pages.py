@@ -220,3 +220,79 @@ def test_the_families_history_does_not_read_change_no_finding(fixtures_dir):
         assert runs[0] == runs[1], path.parent.name
         assert any(findings for _at, findings in runs[0]) or path.parent.name in ("front-end",), path.parent.name
     assert stripped_series > 1000  # the families were there to leave out
+
+
+def _chunks_through_a_worker(results: list[dict], start: float, step: float, points: int, size: int):
+    """The replica's chunks of `size` steps as a worker process gets them:
+    read with the series filed once (KnownSeries), the first chunk sent
+    whole and each later one as its values alone (pickled both ways), each
+    taking over the plan of the one before. Yields (index, at, replica,
+    whether its values were sent alone)."""
+    import pickle
+
+    from kvwatch.history.pages import KnownSeries, Replica
+
+    known, sent, skeleton, earlier = KnownSeries(10_000), None, None, None
+    for first in range(0, points, size):
+        count = min(size, points - first)
+        chunk_start = start + first * step
+        chunk = [{"metric": r["metric"], "values": [v for v in r["values"]
+                                                    if chunk_start <= v[0] < chunk_start + count * step]}
+                 for r in results]
+        pages = Pages(chunk_start, step, count, "vllm", known=known)
+        pages.add([r for r in chunk if r["values"]])
+        if not pages.replicas:  # no page in the chunk's steps
+            yield from ((index, chunk_start + index * step, None, False) for index in range(count))
+            continue
+        (replica,) = pages.replicas.values()
+        # As _Workers.send: compared with what was sent whole (the filed
+        # objects, so equal by identity), rebuilt from what the worker kept.
+        alone = sent is not None and replica.skeleton() == sent
+        if alone:
+            replica = Replica.from_skeleton(skeleton, pickle.loads(pickle.dumps(replica.values_only())))
+        else:
+            sent = replica.skeleton()
+            replica = pickle.loads(pickle.dumps(replica))
+            skeleton = replica.skeleton()
+        replica.earlier = earlier
+        for index in range(count):
+            yield index, chunk_start + index * step, replica, alone
+        earlier = replica.carried()
+
+
+def test_series_filed_once_and_values_sent_alone_give_every_recordings_snapshots(fixtures_dir):
+    """Every real recording's pages as a store's answers, in chunks of 7
+    steps read and sent as a worker process gets them (each series filed
+    once, later chunks' values sent alone): each step's Snapshot equals the
+    text path's, and later chunks reuse the first chunk's label dicts."""
+    from kvwatch.capture.bundle import Capture
+
+    recordings = sorted((fixtures_dir / "vllm-0.32-cpu-scenarios").glob("*/capture.tar.gz"))
+    assert len(recordings) >= 10
+    steps = reused = 0
+    sent = {True: 0, False: 0}
+    for path in recordings:
+        pages_in = [(float(round(entry.time)), text) for entry, text in Capture(path).pages() if text is not None]
+        # One page per whole second: the steps of a 1 s grid.
+        pages_in = [page for i, page in enumerate(pages_in) if i == 0 or page[0] > pages_in[i - 1][0]]
+        start, last = pages_in[0][0], pages_in[-1][0]
+        points = int(last - start) + 1
+        results = _as_query_results(pages_in, {"job": "vllm", "instance": "10.0.0.3:8000"})
+        texts = dict(pages_in)
+        by_text, by_families = make_adapter(), make_adapter()
+        labels_seen: dict[tuple, int] = {}
+        for index, at, replica, alone in _chunks_through_a_worker(results, start, 1.0, points, 7):
+            sent[alone] += index == 0 and replica is not None
+            read = replica.families(index) if replica is not None else None
+            if at not in texts:
+                assert read is None, (path.parent.name, at)
+                continue
+            expected = by_text.adapt(replica.page(index), at=at)
+            assert by_families.adapt_families(read[0], [], read[1], at=at) == expected, (path.parent.name, at)
+            steps += 1
+            for row in replica.rows:
+                if row[3] is not None:
+                    held = labels_seen.setdefault((row[0],), id(row[3][2]))
+                    reused += held == id(row[3][2])
+    assert steps > 500 and reused > steps
+    assert sent[True] > 2 * sent[False] > 0

@@ -199,3 +199,56 @@ def test_forgetting_keeps_the_running_sums_exact():
             assert window.gauge_max(key, "running") == max(value for _, value in window._gauge_series_scanned(
                 key, "running"))
     assert window.forgotten_pairs > 0
+
+
+def pair_bytes_written_out(key, engine, step) -> int:
+    """window.pair_bytes as its definition writes it: every histogram measured."""
+    import sys
+
+    from kvwatch.window.sizes import DERIVED_PAIR_BYTES, NEW_PAIR_BYTES
+
+    def histograms_bytes(histograms):
+        return sys.getsizeof(histograms) + sum(
+            sys.getsizeof(h) + sys.getsizeof(h.cumulative) + sys.getsizeof(0.0) * (len(h.cumulative) + 2)
+            for h in histograms.values())
+
+    total = (DERIVED_PAIR_BYTES + sum(map(sys.getsizeof, (key, key[0], key[1], engine, engine.gauges, engine.counters)))
+             + sys.getsizeof(0.0) * (len(engine.gauges) + len(engine.counters)) + histograms_bytes(engine.histograms))
+    if step is None:
+        return total + NEW_PAIR_BYTES
+    return total + (sys.getsizeof(step) + sys.getsizeof(step.counters) + sys.getsizeof(0.0) * len(step.counters)
+                    + histograms_bytes(step.histograms))
+
+
+def test_pair_bytes_of_every_pair_of_a_recording_as_written_out(fixtures_dir):
+    """pair_bytes looks a histogram's size up by its bucket count: what
+    measuring each one gives, on every pair of every poll of a recording,
+    and for histograms whose counts are no tuple or that are no Histogram."""
+    from kvwatch.capture.bundle import Capture
+    from kvwatch.capture.replay import ReplaySource
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+
+    path = fixtures_dir / "vllm-0.32-cpu-scenarios" / "restart" / "capture.tar.gz"
+    settings = load_settings(overrides={"poll_interval": "1s", "window": "20s"}, environ={})
+    source = ReplaySource(Capture(path).pages())
+    monitor = Monitor(settings, fetcher=source, clock=source.now)
+    checked = 0
+    while not source.exhausted:
+        monitor.poll_once()
+        entry = monitor.window.entries[-1]
+        for key, engine in entry.snapshot.engines.items():
+            step = entry.steps.get(key)
+            assert pair_bytes(key, engine, step) == pair_bytes_written_out(key, engine, step)
+            checked += bool(engine.histograms)
+    assert checked > 10
+
+    class Odd(Histogram):
+        __slots__ = ("extra",)
+
+    engine = EngineSnapshot("m", "0", histograms={
+        "listed": Histogram((1.0, float("inf")), [1.0, 2.0], 3.0, 2.0),
+        "odd": Odd((1.0, float("inf")), (1.0, 2.0), 3.0, 2.0),
+        "plain": Histogram((1.0, float("inf")), (1.0, 2.0), 3.0, 2.0)})
+    for _ in range(2):
+        assert pair_bytes(("m", "0"), engine, None) == pair_bytes_written_out(("m", "0"), engine, None)

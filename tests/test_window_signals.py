@@ -286,8 +286,8 @@ def test_unchanged_inputs_give_the_values_again_without_deriving_them(fixtures_d
     assert first.values == fresh.values and first.notes == fresh.notes and first.pinned == fresh.pinned
     first.values.clear()  # a caller's change does not reach what was kept
     derived = []
-    original = signals._evaluate
-    monkeypatch.setattr(signals, "_evaluate", lambda *a: derived.append(a) or original(*a))
+    original = signals._evaluate_watched  # what the window's evaluation derives with
+    monkeypatch.setattr(signals, "_evaluate_watched", lambda *a: derived.append(a) or original(*a))
     window.add(adapter.adapt(text, at=1040))
     again = evaluate_window(window)[0][0]
     assert derived == [] and again.values == fresh.values and again.notes == fresh.notes

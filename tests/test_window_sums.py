@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
@@ -106,6 +106,15 @@ def check(window: Window):
             series = window.gauge_series(key, gauge)
             assert series == window._gauge_series_scanned(key, gauge)
             assert window.gauge_max(key, gauge) == (max(v for _, v in series) if series else None)
+            assert window.gauge_columns(key, gauge) == columns_scanned(window, key, gauge)
+
+
+def columns_scanned(window: Window, key, gauge: str):
+    """Window.gauge_columns written out: from a pass over the entries."""
+    series = window._gauge_series_scanned(key, gauge)
+    times, values = [t for t, _ in series], [v for _, v in series]
+    return (times, values, all(a < b for a, b in zip(times, times[1:])),
+            all(0.0 <= v <= 1.0 for v in values))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -234,3 +243,29 @@ def test_a_negative_bucket_step_keeps_the_bucket_sums_exact_when_it_leaves():
             assert summed.cumulative == (math.fsum(s.cumulative[0] for s in steps),)
             assert summed.count == math.fsum(s.count for s in steps)
     assert [s.cumulative for s in steps] == [(2.0 ** 52,), (0.0,), (0.0,)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1.0, 1.0, 2.5, 0.0, -1.0]),
+                          st.one_of(st.floats(0, 1), st.sampled_from([-0.0, 1.5, -0.25, math.nan])),
+                          st.booleans()), max_size=40),
+       st.sampled_from([4.0, 10.0, math.inf]), st.integers(0, 40))
+# A value outside 0..1 and a time that goes back, each leaving the window after.
+@example([(1.0, 1.5, True)] + [(1.0, 0.5, True)] * 8, 4.0, 40)
+@example([(1.0, 0.5, True), (-1.0, 0.5, True)] + [(1.0, 0.5, True)] * 8, 4.0, 40)
+def test_gauge_columns_keep_order_and_range_as_points_arrive_and_leave(points, seconds, tamper_at):
+    """What the window keeps about a gauge's series as it moves (whether its
+    times strictly increase, whether every value lies within 0..1) is what a
+    pass over the series says: through times that repeat or go back, values
+    outside 0..1 or NaN, polls without the gauge, and entries changed behind
+    the window's back."""
+    window = Window(seconds, max_entries=12)
+    now = 1000.0
+    for index, (gap, usage, has_gauge) in enumerate(points):
+        now += gap
+        engine = EngineSnapshot("m", "0", gauges={"kv_usage": usage} if has_gauge else {})
+        window.add(Snapshot(now, {("m", "0"): engine}))
+        if index == tamper_at and len(window.entries) > 2:
+            window.entries.popleft()  # behind the window's back
+        assert repr(window.gauge_columns(("m", "0"), "kv_usage")) == repr(columns_scanned(window, ("m", "0"),
+                                                                                          "kv_usage"))

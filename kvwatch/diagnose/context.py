@@ -466,16 +466,38 @@ def tidy(evidence: dict[str, Any]) -> dict[str, Any]:
         if value is None:
             continue
         if isinstance(value, float):
-            if not math.isfinite(value):
-                continue
-            if abs(value) >= 1000:
-                value = float(round(value))
-            else:
-                value = float(f"{value:.4g}")
-            if value.is_integer() and abs(value) < 1e15:
-                value = int(value)
+            # Most of a poll's figures (thresholds, capacities, the window's
+            # means of idle engines) are the ones the poll before rounded:
+            # looked up, not formatted again. Equal floats round alike (0.0
+            # and -0.0 both to 0); NaN is never found, so never kept.
+            rounded = _ROUNDED.get(value)
+            if rounded is None:
+                if not math.isfinite(value):
+                    continue
+                rounded = _round_figure(value)
+                if len(_ROUNDED) >= _ROUNDED_MAX:
+                    _ROUNDED.clear()
+                _ROUNDED[value] = rounded
+            value = rounded
         tidy[key] = value
     return tidy
+
+
+def _round_figure(value: float) -> float | int:
+    """tidy's rounding of one finite figure."""
+    if abs(value) >= 1000:
+        value = float(round(value))
+    else:
+        value = float(f"{value:.4g}")
+    if value.is_integer() and abs(value) < 1e15:
+        return int(value)
+    return value
+
+
+# Figures tidy rounded, by value: a few hundred a poll at 8 engines, emptied
+# when full rather than kept in order of use (a poll refills what it reads).
+_ROUNDED: dict[float, float | int] = {}
+_ROUNDED_MAX = 4096
 
 
 def share(part: float | None, whole: float | None) -> float | None:

@@ -36,8 +36,8 @@ from kvwatch.diagnose.fleet import ReplicaRow, fleet_findings
 from kvwatch.diagnose.hold import FindingHold
 from kvwatch.diagnose.timeline import Timeline
 from kvwatch.engines import make_adapter
-from kvwatch.history.pages import (DEFAULT_REPLICA_LABELS, PROCESS_START, Pages, family_of, family_query,
-                                   name_matcher, wanted)
+from kvwatch.history.pages import (DEFAULT_REPLICA_LABELS, PROCESS_START, KnownSeries, Pages, Replica, family_of,
+                                   family_query, name_matcher, wanted)
 from kvwatch.history.query import MAX_POINTS, PrometheusClient, merge_selector
 from kvwatch.signals import evaluate_window
 from kvwatch.window import Window
@@ -205,9 +205,12 @@ def _diagnose_history(client: PrometheusClient, start: float, end: float, step: 
     fleet_holds: dict = {}  # model -> FindingHold of its fleet findings
     rounds = [(first, min(points - 1, first + per_round - 1)) for first in range(0, points, per_round)]
 
+    # Twice the series found: room for replicas that come and go.
+    known = KnownSeries(2 * total_series + 1024)
+
     def read(first: int, last: int) -> Pages:
         chunk_start = start + first * step
-        pages = Pages(chunk_start, step, last - first + 1, source, replica_labels)
+        pages = Pages(chunk_start, step, last - first + 1, source, replica_labels, known)
         for result in client.read_ranges(queries, chunk_start, start + last * step, step):
             pages.add(result)
         return pages
@@ -386,14 +389,17 @@ def _serve(connection, window_seconds: float, thresholds, fast: bool) -> None:
     own state kept here from one chunk to the next; answers per step, in
     the order sent, [(name, _replica_step's answer)]."""
     states: dict[tuple, ReplicaState] = {}
+    skeletons: dict[tuple, tuple] = {}  # key -> Replica.skeleton() of the replica as last sent whole
     while True:
         try:
             message = connection.recv()
         except EOFError:  # the diagnosis stopped (an error there)
             return
         if message[0] == "chunk":
-            _kind, start, step, points, ordered = message
+            _kind, start, step, points, share = message
             try:
+                ordered = _replicas_sent(share, skeletons)
+                del share
                 answers = _diagnose_chunk(start, step, points, ordered, states, window_seconds, thresholds, fast)
             except Exception:  # handed to the diagnosis, which raises it
                 import traceback
@@ -409,6 +415,20 @@ def _serve(connection, window_seconds: float, thresholds, fast: bool) -> None:
             return
 
 
+def _replicas_sent(share: list, skeletons: dict) -> list:
+    """A chunk's (key, Replica) as _Workers.send sent them: whole, or the
+    values alone of a replica whose series are those of the one sent whole
+    before (its skeleton kept here)."""
+    ordered = []
+    for key, replica, values in share:
+        if replica is None:
+            replica = Replica.from_skeleton(skeletons[key], values)
+        else:
+            skeletons[key] = replica.skeleton()
+        ordered.append((key, replica))
+    return ordered
+
+
 class _Workers:
     """Worker processes, each owning a fixed share of the replicas (given
     out in turn as they first appear), fed one chunk at a time."""
@@ -421,6 +441,8 @@ class _Workers:
 
         self.thresholds = thresholds
         self.owner: dict[tuple, int] = {}
+        # key -> Replica.skeleton() of the replica as last sent whole to its worker
+        self.sent: dict[tuple, tuple] = {}
         self.connections = []
         self.processes = []
         # Fork is fastest (nothing to import again) but only safe while no
@@ -446,11 +468,21 @@ class _Workers:
         """One chunk's replicas (key order) out to their workers; returns what
         merge needs: the steps' times and each key's worker."""
         shares: list[list] = [[] for _ in self.connections]
+        sent = self.sent
         for key, replica in ordered:
             owner = self.owner.get(key)
             if owner is None:
                 owner = self.owner[key] = len(self.owner) % len(self.connections)
-            shares[owner].append((key, replica))
+            # A replica's series are nearly always the chunk before's: then
+            # only their values go (pickling every series' labels and
+            # filing again cost the parent as much per chunk as reading it,
+            # and the worker as much to take them in).
+            skeleton = replica.skeleton()
+            if sent.get(key) == skeleton:
+                shares[owner].append((key, None, replica.values_only()))
+            else:
+                sent[key] = skeleton
+                shares[owner].append((key, replica, None))
         for connection, share in zip(self.connections, shares):
             connection.send(("chunk", start, step, points, share))
         return start, points, [self.owner[key] for key, _replica in ordered]

@@ -61,16 +61,18 @@ def _view(window: Window, keys: list[tuple[str, str]], trends: dict | None = Non
         config = _engine_config(latest.cache_config.get(key[1], {}))
         found = trends.get(key) if trends is not None else None
         if found is None:
-            series = window.gauge_series(key, "kv_usage")
-            found = (series, _eta(series), _usage_total(series), window.increase(key))
+            times, values, ordered, in_unit = window.gauge_columns(key, "kv_usage")
+            total = sum(values)
+            found = (len(values), _eta_of(times, values, ordered, total),
+                     _usage_total_of(values, total, in_unit), window.increase(key))
             if trends is not None:
                 trends[key] = found
-        series, engine_eta, usage_total, engine_increase = found
+        points, engine_eta, usage_total, engine_increase = found
         if engine_eta is not None:
             eta = engine_eta if eta is None else min(eta, engine_eta)
         engine_usage = engine.gauges.get("kv_usage")
         if blocks is not None:
-            blocks = blocks.add(config, engine_usage, len(series), usage_total)
+            blocks = blocks.add(config, engine_usage, points, usage_total)
         engine_bytes = config.memory
         if used_bytes is not None and engine_bytes is not None and engine_usage is not None:
             used_bytes += _clamp01(engine_usage) * engine_bytes
@@ -214,9 +216,14 @@ def _usage_total(series: list[tuple[float, float]]) -> float:
     """The sum of a usage series' values, each clamped to 0..1 (read once per
     engine by its own view and its model's)."""
     values = list(map(_SECOND, series))
-    total = sum(values)
+    return _usage_total_of(values, sum(values), all(0.0 <= v <= 1.0 for v in values))
+
+
+def _usage_total_of(values: list[float], total: float, in_unit: bool) -> float:
+    """_usage_total of the series' values, given their sum and whether each
+    lies within 0..1 (the window keeps that as the series moves)."""
     # Within 0..1 (and no NaN) every value is its own _clamp01: the same sum.
-    if not (total == total and min(values, default=0.0) >= 0.0 and max(values, default=0.0) <= 1.0):
+    if not in_unit:
         total = sum([(v if v < 1.0 else 1.0) if v > 0.0 else 0.0 for v in values])  # _clamp01, inline
     return total
 
@@ -227,24 +234,35 @@ def _eta(series: list[tuple[float, float]]) -> float | None:
     least its mean over that span (a cache that just emptied is not filling)."""
     if len(series) < 2:
         return None
-    horizon = series[-1][0] - TREND_SECONDS
     times = list(map(_FIRST, series))
-    if all(map(operator.lt, times, itertools.islice(times, 1, None))):
+    values = list(map(_SECOND, series))
+    return _eta_of(times, values, all(map(operator.lt, times, itertools.islice(times, 1, None))), sum(values))
+
+
+def _eta_of(times: list[float], values: list[float], ordered: bool, total: float) -> float | None:
+    """_eta of a series given as its times and values, whether the times
+    strictly increase, and the sum of all its values (the window keeps the
+    order as the series moves; the sum is the usage total's too)."""
+    if len(times) < 2:
+        return None
+    horizon = times[-1] - TREND_SECONDS
+    if ordered:
         # In time order (a window's series always is): the points kept are
         # those from the first at or after the horizon on.
         start = bisect.bisect_left(times, horizon)
-        series, times = series[start:], times[start:]
+        if start:
+            times, values = times[start:], values[start:]
+            total = sum(values)
     else:
-        series = [point for point in series if point[0] >= horizon]
-        times = list(map(_FIRST, series))
-    n = len(series)
+        kept = list(map(operator.ge, times, itertools.repeat(horizon)))
+        times, values = list(itertools.compress(times, kept)), list(itertools.compress(values, kept))
+        total = sum(values)
+    n = len(times)
     if n < 2:
         return None
     # The definition's sums (sum(v) / n, sum(t - t0) / n, sum((t - t0 - mean_t) ** 2), ...)
     # term by term and in the same order, with each term computed once (and
     # each operation mapped in C: the same float operations as written out).
-    values = list(map(_SECOND, series))
-    total = sum(values)
     if values[-1] < total / n:
         return None
     t0 = times[0]
@@ -258,7 +276,7 @@ def _eta(series: list[tuple[float, float]]) -> float | None:
     slope = sum(map(operator.mul, centred, map(operator.sub, values, itertools.repeat(mean_v)))) / var  # d * (v - mean_v)
     if slope <= 0:
         return None
-    return max(0.0, 1.0 - _clamp01(series[-1][1])) / slope
+    return max(0.0, 1.0 - _clamp01(values[-1])) / slope
 
 
 _FIRST = operator.itemgetter(0)
@@ -273,13 +291,13 @@ _plain_view_fields = operator.attrgetter(*_PLAIN_VIEW_FIELDS)  # a tuple of them
 
 
 def _inputs(view: View) -> tuple:
-    """Everything the derivations read from a view, copied (callers may
-    change the view's dicts afterwards): of `latest` only its gauges (the
-    derivations read no counter or histogram of it, only the increase;
-    keep it so, or add them here), the whole increase, every other field,
-    and the notes it came with."""
+    """Everything the derivations read from a view but the increase's
+    seconds, copied (callers may change the view's dicts afterwards): of
+    `latest` only its gauges (the derivations read no counter or histogram
+    of it, only the increase; keep it so, or add them here), the rest of the
+    increase, every other field, and the notes it came with."""
     increase = view.increase
-    return ((dict(view.latest.gauges), increase.seconds, dict(increase.counters), dict(increase.histograms),
+    return ((dict(view.latest.gauges), dict(increase.counters), dict(increase.histograms),
              increase.restarts, increase.steps, tuple(view.notes))
             + _plain_view_fields(view))
 
@@ -293,28 +311,59 @@ def _copied(values: dict) -> dict:
     return copy
 
 
+_SECONDS = Increase.seconds  # the slot's descriptor
+
+
+class _WatchedIncrease(Increase):
+    """A view's increase while its signals are derived (the same dicts and
+    numbers): says whether a derivation read `seconds`, the one input that
+    moves at every poll (the window's span), so that a signal that did not
+    read it keeps its value while nothing else it reads moves."""
+
+    __slots__ = ("read",)
+
+    def __init__(self, increase: Increase):
+        _SECONDS.__set__(self, _SECONDS.__get__(increase))
+        self.counters, self.histograms = increase.counters, increase.histograms
+        self.restarts, self.steps = increase.restarts, increase.steps
+        self.read = False
+
+    @property  # type: ignore[override]
+    def seconds(self) -> float:
+        self.read = True
+        return _SECONDS.__get__(self)
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        _SECONDS.__set__(self, value)
+
+
 def evaluate(view: View, model: str, engine: str | None, remembered: dict | None = None,
              kept: dict | None = None) -> Evaluated:
     """The signals of one view. With `remembered` (what the window's last
     evaluation kept, by (model, engine)): where the view's inputs equal the
     ones the values were derived from then (an idle engine, a steady load),
     those values again, not derived anew (the derivations are functions of
-    the view alone); `kept` receives what this evaluation leaves for the next."""
-    inputs = None
-    if kept is not None:
-        inputs = _inputs(view)
-        found = remembered.get((model, engine)) if remembered else None
-        if found is not None and found[0] == inputs:
+    the view alone); where only the window's span moved, the values of the
+    signals that did not read it again and the others derived anew. `kept`
+    receives what this evaluation leaves for the next."""
+    if kept is None:
+        return _evaluate(view, model, engine)
+    inputs = _inputs(view)
+    seconds = view.increase.seconds
+    found = remembered.get((model, engine)) if remembered else None
+    then = None
+    if found is not None and found[0] == inputs:
+        if found[1] == seconds:
             kept[(model, engine)] = found
-            _inputs_then, values, notes, pinned = found
-            view.notes = list(notes)
+            view.notes = list(found[3])
             view.pinned = {}
-            return Evaluated(model, engine, _copied(values), view.notes, view,
-                             {name: dict(q) for name, q in pinned.items()})
-    evaluated = _evaluate(view, model, engine)
-    if kept is not None:
-        kept[(model, engine)] = (inputs, _copied(evaluated.values), list(evaluated.notes),
-                                 {name: dict(q) for name, q in evaluated.pinned.items()})
+            return Evaluated(model, engine, _copied(found[2]), view.notes, view,
+                             {name: dict(q) for name, q in found[4].items()})
+        then = found
+    evaluated, read, notes_of = _evaluate_watched(view, model, engine, then)
+    kept[(model, engine)] = (inputs, seconds, _copied(evaluated.values), list(evaluated.notes),
+                             {name: dict(q) for name, q in evaluated.pinned.items()}, read, notes_of)
     return evaluated
 
 
@@ -324,6 +373,62 @@ def _evaluate(view: View, model: str, engine: str | None) -> Evaluated:
     for signal in SIGNALS:
         values[signal.name] = _derive(signal, view, pinned)
     return Evaluated(model, engine, values, view.notes, view, pinned)
+
+
+def _evaluate_watched(view: View, model: str, engine: str | None, then: tuple | None):
+    """_evaluate, with the view's increase watched: also the names of the
+    signals whose derivation read its seconds, and the notes each other
+    signal added (by name, where it added any; None for none). With `then`
+    (what evaluate kept of the same inputs at another span), a signal that
+    did not read the span takes its value, notes and pinned quantiles from
+    there instead of being derived."""
+    values: dict = {}
+    pinned: dict = {}
+    read: set[str] = set()
+    notes_of: dict[str, tuple] = {}
+    if then is not None:
+        _inputs_then, _seconds_then, values_then, _notes_then, pinned_then, read_then, notes_of_then = then
+    increase = view.increase
+    watched = view.increase = _WatchedIncrease(increase)
+    notes = view.notes
+    try:
+        for signal in SIGNALS:
+            name = signal.name
+            if then is not None and name not in read_then:
+                value = values_then[name]
+                values[name] = dict(value) if type(value) is dict else value
+                added = notes_of_then.get(name) if notes_of_then is not None else None
+                if added:
+                    notes.extend(added)
+                    notes_of[name] = added
+                quantiles = pinned_then.get(name)
+                if quantiles is not None:
+                    pinned[name] = dict(quantiles)
+                continue
+            watched.read = False
+            before = len(notes)
+            values[name] = _derive(signal, view, pinned)
+            if watched.read:
+                read.add(name)
+            elif len(notes) > before:
+                notes_of[name] = tuple(notes[before:])
+    finally:
+        view.increase = increase
+    return Evaluated(model, engine, values, view.notes, view, pinned), _interned(frozenset(read)), notes_of or None
+
+
+# The sets of signals that read the span, one object per set: most views
+# of a process share one or two, kept beside every view's cached values.
+_READ_SETS: dict[frozenset, frozenset] = {}
+
+
+def _interned(read: frozenset) -> frozenset:
+    found = _READ_SETS.get(read)
+    if found is None:
+        if len(_READ_SETS) >= 64:
+            _READ_SETS.clear()
+        found = _READ_SETS[read] = read
+    return found
 
 
 def _derive(signal: Signal, view: View, pinned: dict):

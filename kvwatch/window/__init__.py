@@ -44,6 +44,7 @@ re-exported here.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import deque
 
 from kvwatch.snapshot import Snapshot
@@ -272,6 +273,22 @@ class Window:
         if sums is not None:
             return sums.gauge_series(self.entries, key, gauge)
         return self._gauge_series_scanned(key, gauge)
+
+    def gauge_columns(self, key: EngineKey, gauge: str) -> tuple[list[float], list[float], bool, bool]:
+        """gauge_series as its times and its values, whether the times
+        strictly increase, and whether every value lies within 0..1 (none
+        NaN): kept as the window moves, not found by a pass over it."""
+        sums = self._sums.current(self.entries)
+        if sums is not None:
+            found = sums.gauge_columns(self.entries, key, gauge)
+            if found is None:
+                return [], [], True, True
+            return list(found.times), list(found.values), not found.unordered, not found.outside
+        series = self._gauge_series_scanned(key, gauge)
+        times = [time for time, _ in series]
+        values = [value for _, value in series]
+        return (times, values, all(map(operator.lt, times, itertools.islice(times, 1, None))),
+                all(0.0 <= value <= 1.0 for value in values))
 
     def _gauge_series_scanned(self, key: EngineKey, gauge: str) -> list[tuple[float, float]]:
         series = []

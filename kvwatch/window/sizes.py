@@ -47,8 +47,24 @@ def _histograms_bytes(histograms: dict[str, Histogram]) -> int:
     total = _getsizeof(histograms)
     for histogram in histograms.values():
         cumulative = histogram.cumulative
-        total += _getsizeof(histogram) + _getsizeof(cumulative) + _FLOAT * (len(cumulative) + 2)
+        if type(histogram) is Histogram and type(cumulative) is tuple:
+            # A Histogram and a tuple of n counts are the same size whatever
+            # their values: looked up by n (two histograms per engine and
+            # poll), not measured again.
+            size = _HISTOGRAM_BYTES.get(len(cumulative))
+            if size is None:
+                size = _getsizeof(histogram) + _getsizeof(cumulative) + _FLOAT * (len(cumulative) + 2)
+                if len(_HISTOGRAM_BYTES) < 256:
+                    _HISTOGRAM_BYTES[len(cumulative)] = size
+            total += size
+        else:
+            total += _getsizeof(histogram) + _getsizeof(cumulative) + _FLOAT * (len(cumulative) + 2)
     return total
+
+
+# Bucket count -> what one Histogram of that many counts holds, as
+# _histograms_bytes measures it.
+_HISTOGRAM_BYTES: dict[int, int] = {}
 
 
 def pair_bytes(key: EngineKey, engine: EngineSnapshot, step: "Step | None") -> int:

@@ -243,8 +243,8 @@ class _WindowSums:
         self.cached: dict[EngineKey, Increase] = {}
         # (key, gauge) -> deque of (entry, value), values non-increasing
         self.peaks: dict[tuple[EngineKey, str], deque] = {}
-        # (key, gauge) -> (entries holding it, deque of their (time, value))
-        self.series: dict[tuple[EngineKey, str], tuple[deque, deque]] = {}
+        # (key, gauge) -> the entries holding it and their times and values
+        self.series: dict[tuple[EngineKey, str], _GaugeSeries] = {}
         self.failed_at: Entry | None = None  # the entry whose step could not be summed
 
     @staticmethod
@@ -299,8 +299,8 @@ class _WindowSums:
             return
         for (key, gauge), peaks in self.peaks.items():
             _push_peak(peaks, entry, key, gauge)
-        for (key, gauge), (holders, points) in self.series.items():
-            _push_point(holders, points, entry, key, gauge)
+        for (key, gauge), series in self.series.items():
+            series.push(entry, key, gauge)
 
     def left(self, gone: Entry, first: Entry | None) -> None:
         """`gone` left the window; `first` became its first entry, so its
@@ -319,11 +319,10 @@ class _WindowSums:
                 peaks.popleft()
             if not peaks:
                 del self.peaks[index]
-        for index, (holders, points) in list(self.series.items()):
-            if holders and holders[0] is gone:
-                holders.popleft()
-                points.popleft()
-            if not holders:
+        for index, series in list(self.series.items()):
+            if series.holders and series.holders[0] is gone:
+                series.pop()
+            if not series.holders:
                 del self.series[index]
 
     def forget_step(self, key: EngineKey, step: Step, entry: Entry) -> None:
@@ -368,23 +367,61 @@ class _WindowSums:
 
 
     def gauge_series(self, entries: deque, key: EngineKey, gauge: str) -> list[tuple[float, float]]:
+        found = self.gauge_columns(entries, key, gauge)
+        return list(zip(found.times, found.values)) if found is not None else []
+
+    def gauge_columns(self, entries: deque, key: EngineKey, gauge: str) -> "_GaugeSeries | None":
         found = self.series.get((key, gauge))
         if found is None:
-            found = (deque(), deque())
+            found = _GaugeSeries()
             for entry in entries:
-                _push_point(*found, entry, key, gauge)
-            if not found[0]:
-                return []
+                found.push(entry, key, gauge)
+            if not found.holders:
+                return None
             self.series[(key, gauge)] = found
-        return list(found[1])
+        return found
 
 
-def _push_point(holders: deque, points: deque, entry: Entry, key: EngineKey, gauge: str) -> None:
-    """Add the entry's value of the gauge, if it has one, to a gauge's series."""
-    engine = entry.snapshot.engines.get(key)
-    if engine is not None and gauge in engine.gauges:
-        holders.append(entry)
-        points.append((entry.snapshot.time, engine.gauges[gauge]))
+class _GaugeSeries:
+    """One engine's gauge over the window: the entries that hold it, their
+    times and its values, in window order; and, kept as points arrive and
+    leave, how many neighbouring times do not increase and how many values
+    lie outside 0..1 (or are NaN), so a reader learns both without a pass
+    over the series."""
+
+    __slots__ = ("holders", "times", "values", "unordered", "outside")
+
+    def __init__(self) -> None:
+        self.holders: deque[Entry] = deque()
+        self.times: deque[float] = deque()
+        self.values: deque[float] = deque()
+        self.unordered = 0
+        self.outside = 0
+
+    def push(self, entry: Entry, key: EngineKey, gauge: str) -> None:
+        """Add the entry's value of the gauge, if it has one."""
+        engine = entry.snapshot.engines.get(key)
+        if engine is not None and gauge in engine.gauges:
+            time, value = entry.snapshot.time, engine.gauges[gauge]
+            times = self.times
+            if times and not times[-1] < time:
+                self.unordered += 1
+            if not 0.0 <= value <= 1.0:
+                self.outside += 1
+            self.holders.append(entry)
+            times.append(time)
+            self.values.append(value)
+
+    def pop(self) -> None:
+        """Take the oldest point away."""
+        times = self.times
+        if len(times) > 1 and not times[0] < times[1]:
+            self.unordered -= 1
+        if not 0.0 <= self.values[0] <= 1.0:
+            self.outside -= 1
+        self.holders.popleft()
+        times.popleft()
+        self.values.popleft()
 
 
 def _push_peak(peaks: deque, entry: Entry, key: EngineKey, gauge: str) -> None:
