@@ -387,7 +387,7 @@ def test_sidecar_is_hardened_and_sized_from_the_benchmark():
     assert security["allowPrivilegeEscalation"] is False
     assert security["capabilities"] == {"drop": ["ALL"]}
     assert security["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert container["resources"] == {"requests": {"cpu": "20m", "memory": "96Mi"}, "limits": {"memory": "384Mi"}}
+    assert container["resources"] == {"requests": {"cpu": "20m", "memory": "96Mi"}, "limits": {"memory": "576Mi"}}
     text = (KUBE / "base" / "vllm-deployment.yaml").read_text()
     assert "~5 ms CPU per poll" in text and "60-80 MiB" in text  # the comment that says where the figures come from
     # Writable scratch is the only writable path.

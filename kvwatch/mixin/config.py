@@ -65,9 +65,15 @@ def _help(text: str) -> dict:
 # LMCache's (2 MiB each), with the window at its byte bound: 391 MiB (the
 # engine alone: 332 MiB), over the 384Mi that 284 MiB gave; then 299 MiB
 # (the engine alone: 268 MiB) once the parser kept no layout of a page whose
-# label sets overflow its cache. The limit is derived from that figure; the
-# KV-event stream's resources add their own bounds to it (kv_events_resources).
-WORST_PAGE_PEAK_MIB = 299
+# label sets overflow its cache. The same probe with real engines on the page
+# (`--shape rich`: 225 vLLM 0.32 engines up to the 8 MiB cap, every poll, so
+# the window sits at its byte bound) peaked at 450 MiB, over the 384Mi that
+# 299 MiB gives. The limit is derived from that worst measured shape (450 MiB:
+# 576Mi), not the rotating names, since a real engine's page may be any shape
+# the cap admits; the KV-event stream's resources add their own bounds to it
+# (kv_events_resources: 704Mi, against the 624 MiB the rich run peaked at with
+# the stream on).
+WORST_PAGE_PEAK_MIB = 450
 EVERYDAY_PEAK_MIB = 80
 KVWATCH_MEMORY_LIMIT_MIB = -(-max(WORST_PAGE_PEAK_MIB * 5 // 4, 2 * EVERYDAY_PEAK_MIB) // 32) * 32
 KVWATCH_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"},
