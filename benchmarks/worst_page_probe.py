@@ -38,10 +38,12 @@ that many bytes can hold, and central mode (built as `kvwatch serve
 --prometheus` builds it, with the manifests' --max-replicas) refreshes
 `--polls` times (default 10); `--layout reordered` writes each series'
 keys in the other order, which kvwatch does not scan but decodes whole
-(matrix.decode's fallback).
+(matrix.decode's fallback); `--listing empty` makes the series list
+empty label sets (`{}`) up to the cap, the most objects a list can hold.
 
     python benchmarks/worst_page_probe.py [--polls N|full] [--sources engine,upstream,lmcache,kvevents]
-                                          [--shape rotating|rich] [--central [--layout compact|reordered]]
+                                          [--shape rotating|rich] [--central [--layout compact|reordered]
+                                                                          [--listing replicas|empty]]
 """
 
 from __future__ import annotations
@@ -167,6 +169,9 @@ def main() -> int:
     parser.add_argument("--layout", default="compact", choices=("compact", "reordered"),
                         help="with --central: the store's answers as Prometheus writes them, or each series' keys "
                              "in the other order (not the layout kvwatch scans: it decodes the answer whole)")
+    parser.add_argument("--listing", default="replicas", choices=("replicas", "empty"),
+                        help="with --central: the series list names a replica per series (default), or is "
+                             "empty label sets ({}) up to the cap, the most objects a list can hold")
     parser.add_argument("--breakdown", action="store_true",
                         help="trace Python's allocations (tracemalloc) and add what the last poll holds by file, "
                              "and the traced peak (slower, and the RSS figures then include the tracing)")
@@ -362,6 +367,8 @@ def central_probe(args) -> int:
         parts.append(part)
         size += len(part)
         n += 1
+    if args.listing == "empty":  # the real family's one series kept, so that the refresh reads on
+        parts = ["{}," * ((cap - 300) // 3) + parts[0]]
     series = ('{"status":"success","data":[' + "".join(parts)[:-1] + "]}").encode()
     parts, size, n = [], 0, 0
     while size < cap - 200:
@@ -411,7 +418,7 @@ def central_probe(args) -> int:
         states.append(f"up, {len(state.replicas)} replicas kept, {state.dropped_replicas} dropped" if state.up
                       else state.reason)
         rss.append(status_kib("VmRSS"))
-    print(json.dumps({"mode": "central", "layout": args.layout, "answer_bytes": {"series": len(series), "query_range": len(matrix)},
+    print(json.dumps({"mode": "central", "layout": args.layout, "listing": args.listing, "answer_bytes": {"series": len(series), "query_range": len(matrix)},
                       "cap_bytes": CENTRAL_MAX_BYTES, "refreshes": refreshes, "asked": asked, "states": states,
                       "rss_before_kib": before, "rss_kib": rss, "peak_rss_kib": status_kib("VmHWM"),
                       **({"traced": traced_breakdown()} if args.breakdown else {})}))

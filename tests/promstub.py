@@ -65,7 +65,7 @@ class StubClient(PrometheusClient):
                 found.append(key)
         return found
 
-    def _get(self, path: str, params):
+    def _get(self, path: str, params, labels=None):
         self.paths.append(path)
         if self.down:
             raise QueryError(f"{path}: no answer within {self.timeout:g}s")
@@ -77,7 +77,7 @@ class StubClient(PrometheusClient):
             for key in self._matching(params["match[]"]):
                 times = self.store[key][0]
                 if bisect.bisect_left(times, start) < bisect.bisect_right(times, end):
-                    out.append(dict(key))
+                    out.append(dict(key) if labels is None else {k: v for k, v in key if k in labels})
             self.cost.count(len(out), 0, 0)
             return out
         step = float(params["step"])

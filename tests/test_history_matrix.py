@@ -156,3 +156,31 @@ def test_a_refused_series_keeps_nothing_of_its_values():
     refused = [0, 0]
     (kept,) = decode(text, lambda metric: metric["pod"] == "p7", refused)["data"]["result"]
     assert kept["metric"]["pod"] == "p7" and isinstance(kept["values"], RawPairs) and refused == [99, 198]
+
+
+def test_a_listing_cut_to_the_labels_read_shares_equal_label_sets():
+    """decode_listing is json.loads with each label set cut to the labels
+    asked for, equal cut sets one object: what a listing of many label sets
+    holds is a reference each, not a dict each."""
+    from kvwatch.history.matrix import decode_listing
+
+    text = json.dumps({"status": "success", "data": [
+        {}, {}, {"__name__": "vllm:a", "pod": "p1", "job": "x"}, {"__name__": "vllm:a", "pod": "p1", "job": "y"},
+        {"__name__": "vllm:b", "pod": "p2"}, {"job": "z"}]})
+    found = decode_listing(text, ("__name__", "pod"))
+    assert found["status"] == "success"
+    data = found["data"]
+    assert data == [{}, {}, {"__name__": "vllm:a", "pod": "p1"}, {"__name__": "vllm:a", "pod": "p1"},
+                    {"__name__": "vllm:b", "pod": "p2"}, {}]
+    assert data[0] is data[1] is data[5] and data[2] is data[3] and data[4] is not data[2]
+    # Exactly json.loads where every label is kept.
+    assert decode_listing(text, ("__name__", "pod", "job")) == json.loads(text)
+
+
+def test_a_listing_leaves_whole_what_is_not_a_label_set_and_keeps_an_error_envelope():
+    from kvwatch.history.matrix import decode_listing
+
+    odd = '{"status":"success","data":[{"__name__":"vllm:a","pod":1,"extra":"x"},{"pod":["p"]}]}'
+    assert decode_listing(odd, ("__name__",)) == json.loads(odd)  # the answer's check refuses it
+    error = '{"status":"error","errorType":"bad_data","error":"parse error"}'
+    assert decode_listing(error, ("__name__",)) == json.loads(error)

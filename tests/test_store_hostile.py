@@ -259,7 +259,42 @@ def test_a_read_of_many_chunks_holds_a_few_answers_at_a_time():
     assert peak < 8 * answer, (peak >> 20, answer >> 20)
 
 
-def test_a_refresh_past_max_replicas_never_holds_the_replicas_it_leaves_out():
+def test_a_series_list_of_empty_label_sets_is_held_as_references_not_dicts():
+    """A store's series list of empty label sets (`{}`, 3 bytes each) decoded
+    whole is a dict each, about 24 bytes held per byte read: 942 MiB for a
+    list at central mode's 32 MiB cap. The list is cut to the labels its
+    readers read, equal label sets shared, so it holds a reference each."""
+    import tracemalloc
+
+    empties = 300_000
+    real = '{"__name__":"vllm:num_requests_running","instance":"10.0.0.1:8000","job":"vllm","model_name":"m"}'
+    listing = ('{"status":"success","data":[' + "{}," * empties + real + "]}").encode()
+
+    class Answering(PrometheusClient):
+        def __init__(self):
+            super().__init__("http://store.invalid:9090")
+
+        def _post(self, path, params, started):
+            return 200, "application/json", listing
+
+    client = Answering()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        found = client.series('{__name__=~"vllm:.+"}', START, START + 60, labels=("__name__", "instance"))
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert len(found) == empties + 1 and client.cost.bytes == len(listing)
+    assert found[-1] == {"__name__": "vllm:num_requests_running", "instance": "10.0.0.1:8000"}
+    assert found[0] == {} and all(labels is found[0] for labels in found[:-1])
+    # The text, its string and the list's references: about 5 bytes per
+    # byte; each label set a dict of its own was about 24.
+    assert peak < 8 * len(listing), (peak >> 20, len(listing) >> 20)
+
+
+@pytest.mark.parametrize("listed", ["all", "two"])
+def test_a_refresh_past_max_replicas_never_holds_the_replicas_it_leaves_out(listed):
     """A store of 3,000 replicas, each series' answer in 8 time chunks, read
     by central mode keeping 3: the series of the replicas it leaves out are
     dropped as each answer is decoded (known from the series list), and
@@ -267,7 +302,12 @@ def test_a_refresh_past_max_replicas_never_holds_the_replicas_it_leaves_out():
     answer's text and the series list, not several decoded answers and
     every replica's pages (370,000 series an answer at central mode's cap
     held 3.0 GiB against 1024Mi). Who is kept and what is counted as
-    dropped are as before."""
+    dropped are as before.
+
+    `two`: the store lists two replicas (within max_replicas, so the list
+    chooses none) and answers 3,000: the first three the answers bring are
+    kept, the rest left out as they are decoded (a list of two and answers
+    of 680,000 series held 2.1 GiB)."""
     import tracemalloc
 
     replicas, chunks, points = 3_000, 8, 10
@@ -277,7 +317,8 @@ def test_a_refresh_past_max_replicas_never_holds_the_replicas_it_leaves_out():
         return (f'"__name__":"vllm:num_requests_running","engine":"0","instance":"10.9.{n // 250}.{n % 250}:8000",'
                 '"job":"vllm","model_name":"m"')
 
-    listing = ('{"status":"success","data":[' + ",".join("{" + labels(n) + "}" for n in range(replicas))
+    listing = ('{"status":"success","data":[' + ",".join("{" + labels(n) + "}"
+                                                        for n in range(replicas if listed == "all" else 2))
                + "]}").encode()
 
     class Answering(PrometheusClient):
@@ -314,7 +355,9 @@ def test_a_refresh_past_max_replicas_never_holds_the_replicas_it_leaves_out():
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    assert state.up and sorted(state.replicas) == ["vllm/10.9.0.0:8000", "vllm/10.9.0.100:8000", "vllm/10.9.0.101:8000"]
+    assert state.up and sorted(state.replicas) == (
+        ["vllm/10.9.0.0:8000", "vllm/10.9.0.100:8000", "vllm/10.9.0.101:8000"] if listed == "all"
+        else ["vllm/10.9.0.0:8000", "vllm/10.9.0.1:8000", "vllm/10.9.0.2:8000"])
     assert state.dropped_replicas == replicas - 3
     assert client.cost.series == chunks * replicas  # what was read is counted, kept or not
     # One answer's text and the series list decoded: 1.7 times the largest

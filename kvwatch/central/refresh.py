@@ -195,14 +195,17 @@ class Central:
         points = int(round((end - start) / step)) + 1
         pages = Pages(start, step, points, source, self.replica_labels)
         self._forget(end)  # first, so that a replica gone for a window makes room for a new one now
-        admission = None
-        if self._listed is not None:
-            admission = _Admission(self.replica_labels, set(self._listed) | set(self._replicas), self._owns)
+        # Past max_replicas, the replicas chosen from the list; within it,
+        # every replica the answers bring until max_replicas: a store may
+        # answer more replicas than it listed (new ones, or a hostile store:
+        # a list of two and answers of 680,000 held 2.1 GiB).
+        admitted = set(self._replicas) | set(self._listed or ())
+        admission = _Admission(self.replica_labels, admitted, self._owns,
+                               room=0 if self._listed is not None else self.max_replicas - len(admitted))
         for result in self.client.read_ranges(queries, start, end, step, keep=admission):
             pages.add(result)
         ordered = self._admit(sorted((key, replica) for key, replica in pages.replicas.items() if self._owns(key)))
-        if admission is not None:
-            self._dropped += len(admission.refused)
+        self._dropped += len(admission.refused)
         latest = _Latest()
         for index in range(points):
             at = start + index * step
@@ -239,9 +242,11 @@ class Central:
         every query by shard_matcher)."""
         source = self._source or self.wanted_source
         if self.shard is None:
-            return discover(self.client, self.selector, start, end, source, listed=self._note_listing)
+            return discover(self.client, self.selector, start, end, source, listed=self._note_listing,
+                            listed_labels=self.replica_labels)
         for candidate in ("vllm", "kvwatch") if source == "auto" else (source,):
-            found = self.client.series(merge_selector(self.selector, marker_matcher(candidate)), start, end)
+            found = self.client.series(merge_selector(self.selector, marker_matcher(candidate)), start, end,
+                                       labels=self.replica_labels)
             keys = {tuple(labels.get(label, "") for label in self.replica_labels) for labels in found}
             if keys:
                 break
@@ -250,7 +255,8 @@ class Central:
         if not mine:
             return None, {}, {}, ""
         selector = merge_selector(self.selector, shard_matcher(self.replica_labels, mine))
-        return discover(self.client, selector, start, end, candidate, listed=self._note_listing)
+        return discover(self.client, selector, start, end, candidate, listed=self._note_listing,
+                        listed_labels=self.replica_labels)
 
     def _note_listing(self, listing: list[dict]) -> None:
         """From the series list, which replicas a read may keep where the
@@ -366,24 +372,32 @@ class Central:
 
 
 class _Admission:
-    """read_ranges' `keep` past max_replicas: a series is kept if its
-    replica may be (`admitted`); every other replica of this instance with
-    data in the read is counted (as a hash: a set of 370,000 label tuples is
-    50 MiB, of their hashes 20) for dropped_replicas, as _admit counts those
-    it leaves out. Called from the read's threads."""
+    """read_ranges' `keep`: a series is kept if its replica may be
+    (`admitted`, and up to `room` more replicas of this instance as they
+    come); every other replica of this instance with data in the read is
+    counted (as a hash: a set of 370,000 label tuples is 50 MiB, of their
+    hashes 20) for dropped_replicas, as _admit counts those it leaves out.
+    Called as each answer is decoded, one answer at a time."""
 
-    def __init__(self, replica_labels: tuple[str, ...], admitted: set, owns: Callable[[tuple], bool]):
+    def __init__(self, replica_labels: tuple[str, ...], admitted: set, owns: Callable[[tuple], bool],
+                 room: int = 0):
         self.replica_labels = replica_labels
         self.admitted = admitted
         self.owns = owns
+        self.room = room
         self.refused: set[int] = set()
 
     def __call__(self, labels: dict) -> bool:
         key = tuple(labels.get(label, "") for label in self.replica_labels)
         if key in self.admitted:
             return True
-        if self.owns(key):
-            self.refused.add(hash(key))
+        if not self.owns(key):
+            return False
+        if self.room > 0:
+            self.room -= 1
+            self.admitted.add(key)
+            return True
+        self.refused.add(hash(key))
         return False
 
 

@@ -112,6 +112,38 @@ def decode(body: str, keep=None, refused: list | None = None) -> dict:
     return envelope
 
 
+def decode_listing(body: str, labels: tuple[str, ...]) -> object:
+    """The answer of /api/v1/series as json.loads gives it, except that each
+    label set is cut to `labels` (and the envelope's own string keys), and
+    label sets equal once cut are one object (read, never changed, by whoever
+    reads the list).
+
+    A listing is read to find names and replicas, and one label set of a few
+    bytes decoded whole is a dict of about 200: a list of 11 million empty
+    label sets under central mode's 32 MiB cap held 942 MiB, where cut and
+    shared it holds a reference per label set. A label set with a value that
+    is not a string is left whole, so the answer's check still refuses it."""
+    kept = tuple(labels) + _ENVELOPE
+    shared: dict[tuple, dict] = {}
+
+    def hook(obj: dict):
+        for value in obj.values():
+            if type(value) is not str:
+                return obj
+        key = tuple(obj.get(label) for label in kept)
+        cut = shared.get(key)
+        if cut is None:
+            cut = shared[key] = {label: value for label, value in zip(kept, key) if value is not None}
+        return cut
+
+    return json.loads(body, object_hook=hook)
+
+
+# The string keys of an answer's envelope (an error answer is all strings:
+# cut like a label set, it keeps them).
+_ENVELOPE = ("status", "errorType", "error")
+
+
 # What decode's hook leaves where a refused series was (not None: a store's
 # own null in the result still fails the answer's check).
 _REFUSED = object()

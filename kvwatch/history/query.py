@@ -31,7 +31,7 @@ import requests
 import urllib3
 
 from kvwatch import __version__
-from kvwatch.history.matrix import decode, joined
+from kvwatch.history.matrix import decode, decode_listing, joined
 from kvwatch.present import public_host
 from kvwatch.scrape import BearerToken, WatchedAdapter, Watchdog, connection_reason, read_body
 
@@ -203,10 +203,11 @@ class PrometheusClient:
         # once is at most `concurrency` answers' bytes and one answer decoded.
         self._decoding = threading.Lock()
 
-    def _get(self, path: str, params) -> object:
+    def _get(self, path: str, params, labels: tuple[str, ...] | None = None) -> object:
         """One query's answer, within the client's timeout for the whole of
         it (connect, headers and body: a trickling store is cut off at the
-        deadline) and within max_bytes (decompressed)."""
+        deadline) and within max_bytes (decompressed). `labels`: a series
+        list's label sets cut to these (matrix.decode_listing)."""
         started = time.monotonic()
         watchdog = Watchdog(self.timeout)
         try:
@@ -224,7 +225,10 @@ class PrometheusClient:
             try:
                 text = content.decode("utf-8")
                 del content
-                body = decode(text, _KEEP.get() if path == "/api/v1/query_range" else None, refused)
+                if labels is not None:
+                    body = decode_listing(text, labels)
+                else:
+                    body = decode(text, _KEEP.get() if path == "/api/v1/query_range" else None, refused)
             except (ValueError, RecursionError):  # UnicodeDecodeError included
                 raise QueryError(f"{path}: HTTP {status}, not JSON ({_printable(content_type, 80)})") from None
             finally:
@@ -283,10 +287,14 @@ class PrometheusClient:
                              "in the middle of its answer", "disconnected")
         return status, content_type, content
 
-    def series(self, match: str, start: float, end: float) -> list[dict[str, str]]:
-        """The label sets of every series matching over the range."""
+    def series(self, match: str, start: float, end: float,
+               labels: tuple[str, ...] | None = None) -> list[dict[str, str]]:
+        """The label sets of every series matching over the range; with
+        `labels`, each cut to those labels and equal ones shared (read them,
+        never change them): what a listing holds is then what its reader
+        reads, not every label of every series."""
         return self._get("/api/v1/series", {"match[]": match, "start": f"{start:.3f}", "end": f"{end:.3f}",
-                                            **STORE_PARAMETERS})
+                                            **STORE_PARAMETERS}, labels)
 
     def query_range(self, query: str, start: float, end: float, step: float) -> list[dict]:
         data = self._get("/api/v1/query_range", {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}",

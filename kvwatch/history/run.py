@@ -94,15 +94,18 @@ def replica_name(labels: dict[str, str], key: tuple[str, ...]) -> str:
 
 
 def discover(client: PrometheusClient, selector: str, start: float, end: float, source: str,
-             diagnosed_only: bool = False, listed: Callable[[list[dict]], None] | None = None):
+             diagnosed_only: bool = False, listed: Callable[[list[dict]], None] | None = None,
+             listed_labels: tuple[str, ...] = ()):
     """(source, {family: [series names]}, {family: series count}); with
     `diagnosed_only`, without the families no rule reads. `listed` is
-    handed the chosen source's series list (every series' labels) before
-    it is let go."""
+    handed the chosen source's series list before it is let go, each
+    series' labels cut to its name and `listed_labels` (the list holds
+    only what is read from it: PrometheusClient.series)."""
     inner = merge_selector(selector, "")[1:-1]
     candidates = ("vllm", "kvwatch") if source == "auto" else (source,)
     for candidate in candidates:
-        found = client.series(merge_selector(selector, name_matcher(candidate)), start, end)
+        found = client.series(merge_selector(selector, name_matcher(candidate)), start, end,
+                              labels=("__name__", *listed_labels))
         names: dict[str, set] = {}
         counts: dict[str, int] = {}
         for labels in found:
@@ -120,7 +123,8 @@ def discover(client: PrometheusClient, selector: str, start: float, end: float, 
         found = None
         if names:
             if candidate == "vllm":
-                process = client.series(merge_selector(selector, f'__name__="{PROCESS_START}"'), start, end)
+                process = client.series(merge_selector(selector, f'__name__="{PROCESS_START}"'), start, end,
+                                        labels=("__name__",))
                 if process:
                     names[PROCESS_START] = {PROCESS_START}
                     counts[PROCESS_START] = len(process)
