@@ -386,9 +386,10 @@ class _Admission:
         self.owns = owns
         self.room = room
         self.refused: set[int] = set()
+        self._blanks = ("",) * len(replica_labels)
 
     def __call__(self, labels: dict) -> bool:
-        key = tuple(labels.get(label, "") for label in self.replica_labels)
+        key = tuple(map(labels.get, self.replica_labels, self._blanks))  # labels.get(label, "") in C
         if key in self.admitted:
             return True
         if not self.owns(key):
