@@ -967,3 +967,18 @@ def test_kustomize_builds_the_sharded_central_layout():
         assert doc["metadata"]["namespace"] == SETTINGS.namespace
         validate_object(doc, KUBERNETES_VERSIONS[-1])
     check_sharded_wiring(objects, SETTINGS.central_shards)
+
+
+def test_the_kv_event_streams_limit_holds_its_measured_peak_and_a_quarter():
+    """The limit with the KV-event stream on is at least the worst page
+    measured with the stream (the rich run, 624 MiB) plus a quarter, as the
+    HTTP sources' limit is for theirs (704Mi, from the stream's bounds alone,
+    left 13 %)."""
+    from kvwatch.mixin.config import (KVWATCH_RESOURCES, WORST_PAGE_PEAK_MIB, WORST_PAGE_PEAK_WITH_KV_EVENTS_MIB,
+                                      kv_events_resources)
+
+    def limit(resources: dict) -> int:
+        return int(resources["limits"]["memory"].removesuffix("Mi"))
+
+    assert limit(KVWATCH_RESOURCES) >= WORST_PAGE_PEAK_MIB * 5 / 4
+    assert limit(kv_events_resources(KVWATCH_RESOURCES)) >= WORST_PAGE_PEAK_WITH_KV_EVENTS_MIB * 5 / 4
