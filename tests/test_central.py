@@ -220,3 +220,45 @@ def test_serve_refuses_a_bad_store_url_or_selector(capsys):
     # Central mode refreshes every 30 s unless told: a 50 s window is too short for it.
     assert main(["serve", "--prometheus", "http://127.0.0.1:9", "--window", "50s"]) == 2
     assert "window (50s) must hold at least two refreshes (30s apart)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_a_refresh_reads_with_the_collector_paused_and_collects_its_cycles_after(history_text, enabled_before):
+    """The cyclic collector is off while a refresh reads and steps (young
+    collections walking a read's large answers made the cost per replica grow
+    with the fleet: 2.2 s of an 8.1 s refresh at 1,000 replicas), and on again
+    after it, as it was, with the refresh's cyclic garbage collected (it is
+    never left for a collector that does not run). A caller's disabled
+    collector stays disabled."""
+    import gc
+    import weakref
+
+    central, _client, _now = central_at(history_text, START + WINDOW)
+    seen = []
+    read_and_step = central._read_and_step
+
+    class Node:
+        pass
+
+    def recording(start, end):
+        seen.append(gc.isenabled())
+        cycle = Node()
+        cycle.self = cycle
+        seen.append(weakref.ref(cycle))
+        del cycle
+        return read_and_step(start, end)
+
+    central._read_and_step = recording
+    was = gc.isenabled()
+    try:
+        if not enabled_before:
+            gc.disable()
+        state = central.refresh_once()
+        assert gc.isenabled() is enabled_before
+    finally:
+        if was:
+            gc.enable()
+    assert state.up and state.replicas
+    assert seen[0] is False
+    if enabled_before:
+        assert seen[1]() is None  # collected by the refresh's own collection

