@@ -835,6 +835,8 @@ def test_kvwatch_serve_runs_central_mode_with_the_deployments_arguments(monkeypa
     monkeypatch.setattr(Central, "stop", lambda self, timeout=5.0: None)
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append(options))
     monkeypatch.setattr("kvwatch.commands.serve.raise_file_limit", lambda: None)
+    # Nothing listens (uvicorn.run is the stand-in): the container's port may be taken on this machine.
+    monkeypatch.setattr("kvwatch.commands.serve.listen_problem", lambda host, port: None)
     assert main(["serve"] + container["args"]) == 0
     (central,) = started
     assert central.client.url == SETTINGS.prometheus_url
