@@ -42,6 +42,21 @@ def _stays_on_loopback():
         pytest.fail("a test left loopback:\n" + "\n".join(made), pytrace=False)
 
 
+# A thread or child process a test starts ends with it (tests/leak_guard.py).
+import leak_guard  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _leaves_no_thread_or_process():
+    threads, children = leak_guard.thread_snapshot(), leak_guard.running_children()
+    yield
+    left = [f"thread {name}" for name in leak_guard.leftover_threads(threads)]
+    left += [f"process {name}" for name in leak_guard.leftover_children(children)]
+    if left:
+        pytest.fail(f"the test left running ({leak_guard.GRACE_S:g} s after it ended):\n  " + "\n  ".join(left),
+                    pytrace=False)
+
+
 # The real-engine tiers run only when a -m expression names their marker
 # (scripts/test-vllm.sh: -m vllm; scripts/test-llamacpp.sh: -m llamacpp). Any
 # other run leaves them out, so `pytest -m "not slow"` needs no "and not vllm
