@@ -66,174 +66,227 @@ def _load_shape(ctx: EngineContext) -> dict[str, float | None]:
 
 
 def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
-    state = ctx.exhaustion
     capacity_requests = ctx.value("kvwatch_kv_cache_capacity_requests")
     max_seqs, max_seqs_source = max_num_seqs(ctx)
     stated_concurrency = config_number(ctx.cache_config, "kv_cache_max_concurrency")
-    findings = []
-
-    below = None
-    if capacity_requests is not None and max_seqs is not None and capacity_requests < max_seqs:
-        # An inferred bound only counts when strictly more requests ran than fit.
-        below = max_seqs
-
+    bound = {"kv_cache_capacity_requests": capacity_requests, "max_num_seqs": max_seqs,
+             "max_num_seqs_source": max_seqs_source}
+    # An inferred bound only counts when strictly more requests ran than fit.
+    below = capacity_requests is not None and max_seqs is not None and capacity_requests < max_seqs
+    state = ctx.exhaustion
     if state is None:
-        if below is not None and ctx.t["max_num_seqs"] is not None:
-            findings.append(ctx.finding(
-                "exhaustion", "capacity_below_max_num_seqs", "medium",
-                f"Not exhausted in the window, but at current lengths the cache holds {count_text(capacity_requests)} requests "
-                f"and the scheduler admits up to {count_text(max_seqs)}: more concurrency will preempt.",
-                {"kv_cache_capacity_requests": capacity_requests, "max_num_seqs": max_seqs,
-                 "max_num_seqs_source": max_seqs_source, "kv_cache_max_concurrency_at_max_model_len": stated_concurrency,
-                 **_length_evidence(ctx)},
-                NEXT_CHECK["capacity_below_max_num_seqs"], advisory=True))
-        return findings
+        if below and ctx.t["max_num_seqs"] is not None:
+            return [_capacity_below_advisory(ctx, bound, stated_concurrency)]
+        return []
+    findings = [_full_cache_finding(ctx, state, capacity_requests)]
+    if below:
+        findings.append(_capacity_below_finding(ctx, state, bound, stated_concurrency))
+    return findings
 
-    preempting = state.preemptions > 0
-    usage_now = ctx.value("kvwatch_kv_cache_usage_ratio")
-    limit = ctx.t["exhaustion_usage_ratio"]
-    long_share = ctx.t["long_request_capacity_share"]
-    prompt_mean = ctx.value("kvwatch_prompt_tokens_per_request_mean")
-    generated_mean = ctx.value("kvwatch_generation_tokens_per_request_mean")
-    request_mean = prompt_mean + generated_mean if prompt_mean is not None and generated_mean is not None else None
-    shape = _load_shape(ctx)
-    share = shape["share"]
-    final_share = 1.0 / capacity_requests if capacity_requests else None
-    # Before any request finished (its final size unknown), the share one
-    # held while the cache was full tells the same: a full cache and four
-    # running requests is 25 % each.
+
+def _capacity_below_advisory(ctx: EngineContext, bound: dict[str, Any], stated_concurrency) -> Finding:
+    capacity_requests, max_seqs = bound["kv_cache_capacity_requests"], bound["max_num_seqs"]
+    return ctx.finding(
+        "exhaustion", "capacity_below_max_num_seqs", "medium",
+        f"Not exhausted in the window, but at current lengths the cache holds {count_text(capacity_requests)} requests "
+        f"and the scheduler admits up to {count_text(max_seqs)}: more concurrency will preempt.",
+        {**bound, "kv_cache_max_concurrency_at_max_model_len": stated_concurrency, **_length_evidence(ctx)},
+        NEXT_CHECK["capacity_below_max_num_seqs"], advisory=True)
+
+
+def _capacity_below_finding(ctx: EngineContext, state, bound: dict[str, Any], stated_concurrency) -> Finding:
+    capacity_requests, max_seqs = bound["kv_cache_capacity_requests"], bound["max_num_seqs"]
+    stated = ctx.t["max_num_seqs"] is not None
+    return ctx.finding(
+        "exhaustion", "capacity_below_max_num_seqs", "high" if stated else "medium",
+        f"At current mean lengths the cache holds {count_text(capacity_requests)} requests but the scheduler admits "
+        f"{'up to' if stated else 'at least'} {count_text(max_seqs)}, so it starts requests it "
+        "cannot keep and preempts them.",
+        {**bound, "running_max": ctx.view.running_max,
+         "kv_cache_max_concurrency_at_max_model_len": stated_concurrency, "preemptions": state.preemptions,
+         **_length_evidence(ctx)},
+        NEXT_CHECK["capacity_below_max_num_seqs"])
+
+
+def _full_share(ctx: EngineContext, limit: float) -> float | None:
+    """The largest share one running request held while the cache was full.
+    Before any request finished (its final size unknown), it tells the same:
+    a full cache and four running requests is 25 % each."""
     known, full_share = ctx.track.for_limits(limit, ctx.t["max_num_seqs"]).full_share_max() if (
         ctx.track is not None) else (False, None)
     if not known:
         full_shares = [p.usage / p.running for p in ctx.polls
                        if p.usage is not None and p.usage >= limit and p.running]
         full_share = max(full_shares, default=None)
+    return full_share
+
+
+def _hit_rate_evidence(ctx: EngineContext) -> dict[str, Any]:
     try:
-        hit_evidence = hit_rate_verdict(ctx).exhaustion_evidence
+        return hit_rate_verdict(ctx).exhaustion_evidence
     except Exception:  # the hit-rate rule's own failure must not drop this finding
         log.exception("diagnosis: judging the hit rate failed for %s/%s", ctx.model, ctx.engine)
-        hit_evidence = {}
-    common = {
+        return {}
+
+
+def _request_tokens_mean(ctx: EngineContext) -> float | None:
+    prompt_mean = ctx.value("kvwatch_prompt_tokens_per_request_mean")
+    generated_mean = ctx.value("kvwatch_generation_tokens_per_request_mean")
+    return prompt_mean + generated_mean if prompt_mean is not None and generated_mean is not None else None
+
+
+def _full_cache_evidence(ctx: EngineContext, state, shares: dict[str, Any]) -> dict[str, Any]:
+    """What every full-cache finding carries, whichever shape it names."""
+    shape = shares["shape"]
+    return {
         "kv_usage_max": ctx.value("kvwatch_kv_cache_usage_max_ratio"),
-        "kv_usage_now": usage_now,
-        "kv_usage_threshold": limit,
+        "kv_usage_now": ctx.value("kvwatch_kv_cache_usage_ratio"),
+        "kv_usage_threshold": ctx.t["exhaustion_usage_ratio"],
         "preemptions": state.preemptions,
         "preemptions_per_second": ctx.value("kvwatch_preemptions_per_second"),
         **_preemption_shape(ctx),
         "kv_cache_capacity_tokens": ctx.capacity_tokens,
-        "kv_cache_capacity_requests": capacity_requests,
+        "kv_cache_capacity_requests": shares["capacity_requests"],
         **_hybrid_evidence(ctx),
         **_length_evidence(ctx),
-        "request_tokens_mean": request_mean,
+        "request_tokens_mean": _request_tokens_mean(ctx),
         "kv_usage_mean": shape["kv_usage_mean"],
         "running_mean": shape["running_mean"],
         "waiting_mean": shape["waiting_mean"],
-        "capacity_share_per_running_request": share,
-        "capacity_share_per_finished_request": final_share,
-        "capacity_share_per_running_request_when_full_max": full_share,
-        "long_request_capacity_share": long_share,
-        **hit_evidence,
+        "capacity_share_per_running_request": shares["share"],
+        "capacity_share_per_finished_request": shares["final_share"],
+        "capacity_share_per_running_request_when_full_max": shares["full_share"],
+        "long_request_capacity_share": ctx.t["long_request_capacity_share"],
+        **_hit_rate_evidence(ctx),
         "window_seconds": ctx.increase.seconds,
     }
-    ongoing = usage_now is not None and usage_now >= limit
 
-    # One cause per window, decided as the alert rule decides it: a few long
-    # requests when each request's footprint is a large share of the cache
-    # and no more requests waited than ran; many requests otherwise (also when
-    # no poll reported usage and running, with only preemptions to go by).
-    # The footprint is the larger of the share a running request held on
-    # average (mean usage / mean running) and the share a finished request
-    # ends at (its mean prompt + generated tokens over the capacity, i.e.
-    # 1 / capacity_requests): a request that generates grows, and it is its
-    # final size that fills the cache. In the real capture 4 requests of 200
-    # + 800 tokens preempted with nobody waiting while each held only 15 % of
-    # the cache on average over its life, and ended at 24 %.
-    footprint_share = max((x for x in (share, final_share, full_share) if x is not None), default=None)
-    long = (footprint_share is not None and footprint_share >= long_share
+
+def _request_shares(ctx: EngineContext, capacity_requests) -> dict[str, Any]:
+    """The window's load means and the share of the cache one request held:
+    on average while running, at its end (1 / capacity_requests), and at most
+    while the cache was full."""
+    shape = _load_shape(ctx)
+    return {"shape": shape, "share": shape["share"], "capacity_requests": capacity_requests,
+            "final_share": 1.0 / capacity_requests if capacity_requests else None,
+            "full_share": _full_share(ctx, ctx.t["exhaustion_usage_ratio"])}
+
+
+def _few_long_requests(ctx: EngineContext, shares: dict[str, Any]) -> tuple[bool, float | None]:
+    """Whether a few long requests filled the cache, and one request's footprint share.
+
+    One cause per window, decided as the alert rule decides it: a few long
+    requests when each request's footprint is a large share of the cache and
+    no more requests waited than ran; many requests otherwise (also when no
+    poll reported usage and running, with only preemptions to go by). The
+    footprint is the larger of the share a running request held on average
+    (mean usage / mean running) and the share a finished request ends at (its
+    mean prompt + generated tokens over the capacity, i.e. 1 / capacity_requests):
+    a request that generates grows, and it is its final size that fills the
+    cache. In the real capture 4 requests of 200 + 800 tokens preempted with
+    nobody waiting while each held only 15 % of the cache on average over its
+    life, and ended at 24 %.
+    """
+    shape = shares["shape"]
+    footprint_share = max((x for x in (shares["share"], shares["final_share"], shares["full_share"])
+                           if x is not None), default=None)
+    long = (footprint_share is not None and footprint_share >= ctx.t["long_request_capacity_share"]
             and (shape["waiting_mean"] or 0.0) <= (shape["running_mean"] or 0.0))
+    return long, footprint_share
 
-    def footprint(poll: Poll) -> float | None:
-        running = poll.running
-        if poll.usage is None or not running or not ctx.capacity_tokens:
-            return None
-        return poll.usage * ctx.capacity_tokens / running
 
-    def at_peak(poll: Poll | None) -> dict[str, Any]:
-        if poll is None:
-            return {}
-        return {"peak_seconds_ago": ctx.polls[-1].time - poll.time, "kv_usage_at_peak": poll.usage,
-                "running_at_peak": poll.running, "waiting_at_peak": poll.waiting,
-                "waiting_for_capacity_at_peak": poll.waiting_for_capacity,
-                "tokens_per_running_request_at_peak": footprint(poll)}
+def _footprint(ctx: EngineContext, poll: Poll) -> float | None:
+    running = poll.running
+    if poll.usage is None or not running or not ctx.capacity_tokens:
+        return None
+    return poll.usage * ctx.capacity_tokens / running
 
+
+def _at_peak(ctx: EngineContext, poll: Poll | None) -> dict[str, Any]:
+    if poll is None:
+        return {}
+    return {"peak_seconds_ago": ctx.polls[-1].time - poll.time, "kv_usage_at_peak": poll.usage,
+            "running_at_peak": poll.running, "waiting_at_peak": poll.waiting,
+            "waiting_for_capacity_at_peak": poll.waiting_for_capacity,
+            "tokens_per_running_request_at_peak": _footprint(ctx, poll)}
+
+
+def _when_full(usage_now: float | None, limit: float) -> str:
+    """Wording follows the numbers on the same page: a cache at or above the
+    threshold now is full now, wherever in the window its peak fell."""
+    if usage_now is not None and usage_now >= limit:
+        return f"now ({usage_now:.1%})"
+    if usage_now is not None:
+        return f"earlier in the window (now {usage_now:.1%})"
+    return "earlier in the window"
+
+
+def _full_cache_finding(ctx: EngineContext, state, capacity_requests) -> Finding:
+    shares = _request_shares(ctx, capacity_requests)
+    common = _full_cache_evidence(ctx, state, shares)
+    long, footprint_share = _few_long_requests(ctx, shares)
+    when = _when_full(common["kv_usage_now"], common["kv_usage_threshold"])
     peak = state.peak
-    # Wording follows the numbers on the same page: a cache at or above the
-    # threshold now is full now, wherever in the window its peak fell.
-    if ongoing:
-        when = f"now ({usage_now:.1%})"
-    elif usage_now is not None:
-        when = f"earlier in the window (now {usage_now:.1%})"
-    else:
-        when = "earlier in the window"
     proven = state.full_polls and (state.preemptions > 0 or (peak and peak.gauge("waiting_by_reason/capacity")))
     confidence = "high" if proven else "medium"
-
     if long:
-        tokens = footprint_share * ctx.capacity_tokens if ctx.capacity_tokens else None
-        grows = final_share is not None and (share is None or final_share > share)
-        findings.append(ctx.finding(
-            "exhaustion", "long_requests", confidence,
-            f"KV cache full {when} with few requests: {count_text(shape['running_mean'] or 0)} running on average, each "
-            + (f"ending at {final_share:.0%} of the cache" if grows else f"holding {share:.0%} of the cache")
-            + (f" (about {tokens:.0f} tokens)" if tokens is not None else "")
-            + f", and {count_text(shape['waiting_mean'] or 0)} waiting: a few very long requests fill it.",
-            {**common, **at_peak(peak)},
-            NEXT_CHECK["long_requests"], preempting=preempting))
-    else:
-        demand = peak.demand if peak else None
-        beyond = capacity_requests is not None and demand is not None and demand > capacity_requests
-        summary = f"KV cache full {when}"
-        alternatives: tuple = ()
-        if demand is not None and capacity_requests is not None and beyond:
-            summary += (f": {count_text(demand)} requests running or waiting at the peak, the cache holds about "
-                        f"{count_text(capacity_requests)} at current mean lengths")
-        elif demand is not None and capacity_requests is not None:
-            # The headline never claims more than its evidence: fewer requests
-            # than the cache holds at the window's mean lengths filled it, so
-            # the ones in flight then were longer than the mean, and the means
-            # (which decide between the two shapes, as the alert rule does)
-            # cannot say whether many or a few long ones were to blame.
-            summary += (f" with only {count_text(demand)} requests running or waiting at the peak, fewer than "
-                        f"the roughly {count_text(capacity_requests)} the cache holds at the window's mean "
-                        "lengths: the requests in flight then were longer than the mean")
-            alternatives = (alternative(
-                "long_requests", ("request_lengths", "kv_events"),
-                "the lengths of the requests in flight at the peak (the gateway log), or the blocks each held "
-                "(vLLM's KV-cache events): a few requests near the cache's size are long_requests"),)
-        elif not state.full_polls:
-            summary += f": {count_text(state.preemptions)} preemptions, no poll caught the cache full"
-        if share is not None:
-            summary += (f"; each running request held {share:.0%} of it on average, with "
-                        f"{count_text(shape['waiting_mean'])} waiting for {count_text(shape['running_mean'])} running"
-                        + ("" if _whole(shape['waiting_mean']) and _whole(shape['running_mean']) else " on average"))
-        findings.append(ctx.finding(
-            "exhaustion", "concurrency_beyond_capacity",
-            confidence if (beyond or capacity_requests is None) else "low", summary + ".",
-            {**common, "demand_at_peak": demand, **at_peak(peak)},
-            NEXT_CHECK["concurrency_beyond_capacity"], preempting=preempting, alternatives=alternatives))
-    if below is not None:
-        findings.append(ctx.finding(
-            "exhaustion", "capacity_below_max_num_seqs",
-            "high" if ctx.t["max_num_seqs"] is not None else "medium",
-            f"At current mean lengths the cache holds {count_text(capacity_requests)} requests but the scheduler admits "
-            f"{'up to' if ctx.t['max_num_seqs'] is not None else 'at least'} {count_text(max_seqs)}, so it starts requests it "
-            "cannot keep and preempts them.",
-            {"kv_cache_capacity_requests": capacity_requests, "max_num_seqs": max_seqs,
-             "max_num_seqs_source": max_seqs_source, "running_max": ctx.view.running_max,
-             "kv_cache_max_concurrency_at_max_model_len": stated_concurrency, "preemptions": state.preemptions,
-             **_length_evidence(ctx)},
-            NEXT_CHECK["capacity_below_max_num_seqs"]))
-    return findings
+        return _long_requests_finding(ctx, state, shares, common, when, confidence, footprint_share)
+    return _concurrency_finding(ctx, state, shares, common, when, confidence)
+
+
+def _long_requests_finding(ctx: EngineContext, state, shares: dict[str, Any], common: dict[str, Any], when: str,
+                           confidence: str, footprint_share: float) -> Finding:
+    share, final_share, shape = shares["share"], shares["final_share"], shares["shape"]
+    tokens = footprint_share * ctx.capacity_tokens if ctx.capacity_tokens else None
+    grows = final_share is not None and (share is None or final_share > share)
+    return ctx.finding(
+        "exhaustion", "long_requests", confidence,
+        f"KV cache full {when} with few requests: {count_text(shape['running_mean'] or 0)} running on average, each "
+        + (f"ending at {final_share:.0%} of the cache" if grows else f"holding {share:.0%} of the cache")
+        + (f" (about {tokens:.0f} tokens)" if tokens is not None else "")
+        + f", and {count_text(shape['waiting_mean'] or 0)} waiting: a few very long requests fill it.",
+        {**common, **_at_peak(ctx, state.peak)},
+        NEXT_CHECK["long_requests"], preempting=state.preemptions > 0)
+
+
+def _concurrency_headline(state, demand, capacity_requests) -> tuple[str, tuple]:
+    """What the peak's demand says against the cache's size, and the cause it leaves open."""
+    if demand is not None and capacity_requests is not None and demand > capacity_requests:
+        return (f": {count_text(demand)} requests running or waiting at the peak, the cache holds about "
+                f"{count_text(capacity_requests)} at current mean lengths"), ()
+    if demand is not None and capacity_requests is not None:
+        # The headline never claims more than its evidence: fewer requests
+        # than the cache holds at the window's mean lengths filled it, so
+        # the ones in flight then were longer than the mean, and the means
+        # (which decide between the two shapes, as the alert rule does)
+        # cannot say whether many or a few long ones were to blame.
+        return (f" with only {count_text(demand)} requests running or waiting at the peak, fewer than "
+                f"the roughly {count_text(capacity_requests)} the cache holds at the window's mean "
+                "lengths: the requests in flight then were longer than the mean"), (alternative(
+                    "long_requests", ("request_lengths", "kv_events"),
+                    "the lengths of the requests in flight at the peak (the gateway log), or the blocks each held "
+                    "(vLLM's KV-cache events): a few requests near the cache's size are long_requests"),)
+    if not state.full_polls:
+        return f": {count_text(state.preemptions)} preemptions, no poll caught the cache full", ()
+    return "", ()
+
+
+def _concurrency_finding(ctx: EngineContext, state, shares: dict[str, Any], common: dict[str, Any], when: str,
+                         confidence: str) -> Finding:
+    share, shape, capacity_requests = shares["share"], shares["shape"], shares["capacity_requests"]
+    demand = state.peak.demand if state.peak else None
+    beyond = capacity_requests is not None and demand is not None and demand > capacity_requests
+    headline, alternatives = _concurrency_headline(state, demand, capacity_requests)
+    summary = f"KV cache full {when}" + headline
+    if share is not None:
+        summary += (f"; each running request held {share:.0%} of it on average, with "
+                    f"{count_text(shape['waiting_mean'])} waiting for {count_text(shape['running_mean'])} running"
+                    + ("" if _whole(shape['waiting_mean']) and _whole(shape['running_mean']) else " on average"))
+    return ctx.finding(
+        "exhaustion", "concurrency_beyond_capacity",
+        confidence if (beyond or capacity_requests is None) else "low", summary + ".",
+        {**common, "demand_at_peak": demand, **_at_peak(ctx, state.peak)},
+        NEXT_CHECK["concurrency_beyond_capacity"], preempting=state.preemptions > 0, alternatives=alternatives)
 
 
 def _hybrid_evidence(ctx: EngineContext) -> dict[str, Any]:
