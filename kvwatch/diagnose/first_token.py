@@ -15,10 +15,40 @@ from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 
 
 def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | None) -> list[Finding]:
+    slow = _slow_first_token(ctx, upstream)
+    if slow is None:
+        return []
+    evidence, shares, other_lower = _ttft_evidence(ctx, slow)
+    # The span, said where the eye compares: the page's trend ends on shorter spans.
+    t = ctx.t
+    pinned = slow["pinned"]
+    headline = (f"Time to first token over the last {ctx.increase.seconds:.0f}s: p95 "
+                f"{(pinned + ' ') if pinned else ''}{slow['p95']:.2f}s, mean {slow['ttft_mean']:.2f}s "
+                f"(objective p95 {t['ttft_p95_seconds']:g}s, mean {t['ttft_mean_seconds']:g}s)")
+    findings = []
+    upstream_found = _upstream_finding(ctx, upstream, slow, evidence)
+    if upstream_found is not None:
+        findings.append(upstream_found)
+    if not slow["engine_slow"] or not shares:
+        return findings
+    named, confidence = _named_parts(t, shares, other_lower, slow["ttft_mean"])
+    for part in sorted(named, key=lambda name: -shares[name]):
+        share_text = f"{shares[part]:.0%} of it"
+        if part == "queue":
+            findings.append(_queue_finding(ctx, evidence, headline, share_text, confidence))
+        elif part == "prefill":
+            findings.append(_prefill_finding(ctx, evidence, headline, share_text, confidence))
+        else:
+            findings.append(_residual_finding(ctx, evidence, headline, share_text, confidence))
+    return findings
+
+
+def _slow_first_token(ctx: EngineContext, upstream: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The window's first-token times when they (or with the upstream's, the total) miss the objective."""
     t = ctx.t
     ttft = ctx.histogram("ttft")
     if ttft is None or ttft.count < t["ttft_min_requests"]:
-        return []
+        return None
     ttft_mean = ttft.mean()
     # As every surface reports it: pinned at a bucket edge, the edge and its side ("<" / ">").
     reported = ttft.reported_quantile(0.95)
@@ -31,38 +61,52 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
     total_mean = (ttft_mean or 0.0) + (upstream_mean or 0.0)
     total_slow = upstream_mean is not None and total_mean > t["ttft_mean_seconds"]
     if not engine_slow and not total_slow:
-        return []
+        return None
+    return {"ttft": ttft, "ttft_mean": ttft_mean, "p95": p95, "pinned": pinned, "upstream_mean": upstream_mean,
+            "total_mean": total_mean, "engine_slow": engine_slow}
 
-    queue_histogram = ctx.histogram("queue_time")
-    prefill_histogram = ctx.histogram("prefill_time")
-    # One decomposition for the finding, the signal, the page and the rules.
-    parts = ttft_decomposition(ctx.view)
-    queue_observed = parts.queue_mean if parts else None
-    prefill = parts.prefill_mean if parts else None
-    # The same lag from the gauges: by Little's law the mean wait is the mean
-    # queue length over the arrival rate (first tokens per second). It counts
-    # the requests still waiting, which no histogram has seen yet: evidence
-    # beside the decomposition, never a second set of shares.
+
+def _queue_from_waiting(ctx: EngineContext, ttft) -> float | None:
+    """The same lag from the gauges: by Little's law the mean wait is the mean
+    queue length over the arrival rate (first tokens per second). It counts
+    the requests still waiting, which no histogram has seen yet: evidence
+    beside the decomposition, never a second set of shares."""
     track = ctx.track
     if track is not None and not track.no_waiting:
         waiting = list(islice(track.waiting, 1, None))  # every poll's, as below
     else:
         waiting = [p.waiting for p in ctx.polls[1:] if p.waiting is not None]
-    queue_little = None
     if waiting and ctx.increase.seconds > 0:
-        queue_little = (sum(waiting) / len(waiting)) / (ttft.count / ctx.increase.seconds)
+        return (sum(waiting) / len(waiting)) / (ttft.count / ctx.increase.seconds)
+    return None
+
+
+def _other_lower_bound(ctx: EngineContext, ttft, other: float | None) -> float | None:
+    """Requests with a first token but not finished yet have a TTFT and no
+    queue or prefill time, so their whole TTFT lands in the rest. Its lower
+    bound charges each of them the TTFT p99 before the rest is named."""
+    queue_histogram = ctx.histogram("queue_time")
+    prefill_histogram = ctx.histogram("prefill_time")
+    if other is None or queue_histogram is None or prefill_histogram is None:
+        return None
+    unfinished = max(0.0, ttft.count - min(queue_histogram.count, prefill_histogram.count))
+    p99, _ = quantile_value(ttft, 0.99)
+    return max(0.0, other - unfinished * (p99 or 0.0) / ttft.count)
+
+
+def _ttft_evidence(ctx: EngineContext, slow: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float], float | None]:
+    """The evidence every finding carries, the parts' shares of the TTFT, and the rest's lower bound."""
+    t, ttft = ctx.t, slow["ttft"]
+    # One decomposition for the finding, the signal, the page and the rules.
+    parts = ttft_decomposition(ctx.view)
+    queue_observed = parts.queue_mean if parts else None
+    prefill = parts.prefill_mean if parts else None
+    queue_little = _queue_from_waiting(ctx, ttft)
     other = parts.other_mean if parts else None
-    # Requests with a first token but not finished yet have a TTFT and no
-    # queue or prefill time, so their whole TTFT lands in the rest. Its lower
-    # bound charges each of them the TTFT p99 before the rest is named.
-    other_lower = None
-    if other is not None and queue_histogram is not None and prefill_histogram is not None:
-        unfinished = max(0.0, ttft.count - min(queue_histogram.count, prefill_histogram.count))
-        p99, _ = quantile_value(ttft, 0.99)
-        other_lower = max(0.0, other - unfinished * (p99 or 0.0) / ttft.count)
+    other_lower = _other_lower_bound(ctx, ttft, other)
     shares = dict(parts.shares) if parts and queue_observed is not None and prefill is not None else {}
     evidence = {
-        "ttft_p95_seconds": p95, "ttft_p95_pinned": pinned, "ttft_mean_seconds": ttft_mean,
+        "ttft_p95_seconds": slow["p95"], "ttft_p95_pinned": slow["pinned"], "ttft_mean_seconds": slow["ttft_mean"],
         "ttft_requests": ttft.count, "objective_p95_seconds": t["ttft_p95_seconds"],
         "objective_mean_seconds": t["ttft_mean_seconds"],
         "queue_mean_seconds": queue_observed, "queue_from_waiting_seconds": queue_little,
@@ -73,101 +117,111 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
     }
     if parts is not None and parts.note:
         evidence["histograms_disagree"] = parts.note
-    # The span, said where the eye compares: the page's trend ends on shorter spans.
-    headline = (f"Time to first token over the last {ctx.increase.seconds:.0f}s: p95 "
-                f"{(pinned + ' ') if pinned else ''}{p95:.2f}s, mean {ttft_mean:.2f}s "
-                f"(objective p95 {t['ttft_p95_seconds']:g}s, mean {t['ttft_mean_seconds']:g}s)")
-    findings = []
+    return evidence, shares, other_lower
 
-    if upstream_mean is not None:
-        upstream_share = upstream_mean / total_mean if total_mean else 0.0
-        if upstream_share >= t["upstream_share"]:
-            findings.append(ctx.finding(
-                "slow_first_token", "upstream", "medium",
-                f"{upstream_mean:.2f}s of {total_mean:.2f}s mean time to first token ({upstream_share:.0%}) is spent "
-                f"before the engine, in {upstream.get('histogram')}.",
-                {**evidence, "upstream_histogram": upstream.get("histogram"), "upstream_mean_seconds": upstream_mean,
-                 "upstream_p95_seconds": upstream.get("p95_seconds"), "upstream_share": upstream_share,
-                 "upstream_requests": upstream.get("count")},
-                NEXT_CHECK["upstream"]))
-    if not engine_slow or not shares:
-        return findings
 
+def _upstream_finding(ctx: EngineContext, upstream: dict[str, Any] | None, slow: dict[str, Any],
+                      evidence: dict[str, Any]) -> Finding | None:
+    upstream_mean, total_mean = slow["upstream_mean"], slow["total_mean"]
+    if upstream_mean is None:
+        return None
+    upstream_share = upstream_mean / total_mean if total_mean else 0.0
+    if upstream_share < ctx.t["upstream_share"]:
+        return None
+    return ctx.finding(
+        "slow_first_token", "upstream", "medium",
+        f"{upstream_mean:.2f}s of {total_mean:.2f}s mean time to first token ({upstream_share:.0%}) is spent "
+        f"before the engine, in {upstream.get('histogram')}.",
+        {**evidence, "upstream_histogram": upstream.get("histogram"), "upstream_mean_seconds": upstream_mean,
+         "upstream_p95_seconds": upstream.get("p95_seconds"), "upstream_share": upstream_share,
+         "upstream_requests": upstream.get("count")},
+        NEXT_CHECK["upstream"])
+
+
+def _named_parts(t, shares: dict[str, float], other_lower: float | None, ttft_mean: float) -> tuple[list[str], str]:
+    """The parts large enough to name (else the largest, with low confidence).
+    The rest is a residual: named only when its lower bound is a part too."""
     named = [name for name, share in shares.items() if share >= t["ttft_part_share"]]
     confidence = "medium"
     if not named:
         named = [max(shares, key=shares.get)]
         confidence = "low"
-    # The rest is a residual: named only when its lower bound is a part too.
     if "other" in named and (other_lower is None or other_lower / ttft_mean < t["ttft_part_share"]):
         named = [name for name in named if name != "other"]
-        if not named:
-            return findings
-    for part in sorted(named, key=lambda name: -shares[name]):
-        share_text = f"{shares[part]:.0%} of it"
-        if part == "queue":
-            exhaustion = ctx.exhaustion
-            if track is not None:
-                peaks = track.waiting_usage_peaks
-                usage_while_waiting = peaks[0][1] if peaks else None
-            else:
-                waiting_polls = [p for p in ctx.polls if (p.waiting or 0) > 0]
-                usage_while_waiting = max((p.usage for p in waiting_polls if p.usage is not None), default=None)
-            queue_evidence = {**evidence, "kv_usage_max_while_waiting": usage_while_waiting,
-                              "kv_usage_threshold": t["exhaustion_usage_ratio"],
-                              "running_max": ctx.view.running_max, "preemptions": ctx.increase.counters.get("preemptions")}
-            if exhaustion is not None:
-                findings.append(ctx.finding(
-                    "slow_first_token", "queueing_kv_bound", confidence,
-                    f"{headline}; the queue is {share_text}, and the KV cache was exhausted while requests waited.",
-                    queue_evidence, NEXT_CHECK["queueing_kv_bound"]))
-            else:
-                max_seqs, source = max_num_seqs(ctx)
-                configured = ctx.t["max_num_seqs"]
-                if configured is not None and (ctx.view.running_max or 0) >= configured:
-                    why = f"the batch was full at max_num_seqs={configured}"
-                else:
-                    why = f"KV usage at most {usage_while_waiting or 0:.0%} while requests waited"
-                findings.append(ctx.finding(
-                    "slow_first_token", "queueing_compute_bound",
-                    confidence if usage_while_waiting is not None else "low",
-                    f"{headline}; the queue is {share_text} while the KV cache was not exhausted ({why}): a bigger "
-                    "cache does not shorten this queue.",
-                    {**queue_evidence, "max_num_seqs": max_seqs, "max_num_seqs_source": source},
-                    NEXT_CHECK["queueing_compute_bound"]))
-        elif part == "prefill":
-            cached = ctx.value("kvwatch_prompt_tokens_cached_ratio")
-            prompt_mean = ctx.value("kvwatch_prompt_tokens_per_request_mean")
-            uncached = prompt_mean * (1 - cached) if prompt_mean is not None and cached is not None else None
-            findings.append(ctx.finding(
-                "slow_first_token", "prefill", confidence,
-                f"{headline}; prefill is {share_text}"
-                + (f", about {uncached:.0f} uncached prompt tokens per request." if uncached is not None else "."),
-                {**evidence, "prompt_tokens_mean": prompt_mean, "prompt_tokens_cached_ratio": cached,
-                 "uncached_prompt_tokens_mean": uncached},
-                NEXT_CHECK["prefill"]))
-        elif ctx.exhaustion is not None:
-            # A preempted request goes back to the queue and recomputes its
-            # KV: neither vLLM's queue nor its prefill histogram counts that
-            # time, so the residual grows exactly when the cache is the cause.
-            # While the exhaustion detector holds (preemptions in the window,
-            # or the cache full while requests waited) the residual is
-            # preemption, never the front end (the alert rules split it the
-            # same way: mixin/alerts.py).
-            exhaustion = ctx.exhaustion
-            findings.append(ctx.finding(
-                "slow_first_token", "preemption", confidence,
-                f"{headline}; {share_text} is outside queue and prefill while the KV cache was exhausted"
-                + (f" ({count_text(exhaustion.preemptions)} preemptions in the window): preempted requests "
-                   "re-queued and recomputed, not the front end." if exhaustion.preemptions else
-                   " (full while requests waited, none preempted yet): requests held by the full cache, whose queue "
-                   "and prefill time vLLM counts only when they finish, not the front end."),
-                {**evidence, "preemptions": exhaustion.preemptions,
-                 "kv_usage_max": ctx.value("kvwatch_kv_cache_usage_max_ratio")},
-                NEXT_CHECK["preemption"]))
-        else:
-            findings.append(ctx.finding(
-                "slow_first_token", "front_end", confidence,
-                f"{headline}; {share_text} is outside queue and prefill (front end, tokenization, scheduling).",
-                evidence, NEXT_CHECK["front_end"]))
-    return findings
+    return named, confidence
+
+
+def _usage_while_waiting(ctx: EngineContext) -> float | None:
+    if ctx.track is not None:
+        peaks = ctx.track.waiting_usage_peaks
+        return peaks[0][1] if peaks else None
+    waiting_polls = [p for p in ctx.polls if (p.waiting or 0) > 0]
+    return max((p.usage for p in waiting_polls if p.usage is not None), default=None)
+
+
+def _queue_finding(ctx: EngineContext, evidence: dict[str, Any], headline: str, share_text: str,
+                   confidence: str) -> Finding:
+    t = ctx.t
+    usage_while_waiting = _usage_while_waiting(ctx)
+    queue_evidence = {**evidence, "kv_usage_max_while_waiting": usage_while_waiting,
+                      "kv_usage_threshold": t["exhaustion_usage_ratio"],
+                      "running_max": ctx.view.running_max, "preemptions": ctx.increase.counters.get("preemptions")}
+    if ctx.exhaustion is not None:
+        return ctx.finding(
+            "slow_first_token", "queueing_kv_bound", confidence,
+            f"{headline}; the queue is {share_text}, and the KV cache was exhausted while requests waited.",
+            queue_evidence, NEXT_CHECK["queueing_kv_bound"])
+    max_seqs, source = max_num_seqs(ctx)
+    configured = t["max_num_seqs"]
+    if configured is not None and (ctx.view.running_max or 0) >= configured:
+        why = f"the batch was full at max_num_seqs={configured}"
+    else:
+        why = f"KV usage at most {usage_while_waiting or 0:.0%} while requests waited"
+    return ctx.finding(
+        "slow_first_token", "queueing_compute_bound",
+        confidence if usage_while_waiting is not None else "low",
+        f"{headline}; the queue is {share_text} while the KV cache was not exhausted ({why}): a bigger "
+        "cache does not shorten this queue.",
+        {**queue_evidence, "max_num_seqs": max_seqs, "max_num_seqs_source": source},
+        NEXT_CHECK["queueing_compute_bound"])
+
+
+def _prefill_finding(ctx: EngineContext, evidence: dict[str, Any], headline: str, share_text: str,
+                     confidence: str) -> Finding:
+    cached = ctx.value("kvwatch_prompt_tokens_cached_ratio")
+    prompt_mean = ctx.value("kvwatch_prompt_tokens_per_request_mean")
+    uncached = prompt_mean * (1 - cached) if prompt_mean is not None and cached is not None else None
+    return ctx.finding(
+        "slow_first_token", "prefill", confidence,
+        f"{headline}; prefill is {share_text}"
+        + (f", about {uncached:.0f} uncached prompt tokens per request." if uncached is not None else "."),
+        {**evidence, "prompt_tokens_mean": prompt_mean, "prompt_tokens_cached_ratio": cached,
+         "uncached_prompt_tokens_mean": uncached},
+        NEXT_CHECK["prefill"])
+
+
+def _residual_finding(ctx: EngineContext, evidence: dict[str, Any], headline: str, share_text: str,
+                      confidence: str) -> Finding:
+    """The time outside queue and prefill: preemption while the cache is exhausted, else the front end."""
+    exhaustion = ctx.exhaustion
+    if exhaustion is None:
+        return ctx.finding(
+            "slow_first_token", "front_end", confidence,
+            f"{headline}; {share_text} is outside queue and prefill (front end, tokenization, scheduling).",
+            evidence, NEXT_CHECK["front_end"])
+    # A preempted request goes back to the queue and recomputes its KV:
+    # neither vLLM's queue nor its prefill histogram counts that time, so the
+    # residual grows exactly when the cache is the cause. While the exhaustion
+    # detector holds (preemptions in the window, or the cache full while
+    # requests waited) the residual is preemption, never the front end (the
+    # alert rules split it the same way: mixin/alerts.py).
+    return ctx.finding(
+        "slow_first_token", "preemption", confidence,
+        f"{headline}; {share_text} is outside queue and prefill while the KV cache was exhausted"
+        + (f" ({count_text(exhaustion.preemptions)} preemptions in the window): preempted requests "
+           "re-queued and recomputed, not the front end." if exhaustion.preemptions else
+           " (full while requests waited, none preempted yet): requests held by the full cache, whose queue "
+           "and prefill time vLLM counts only when they finish, not the front end."),
+        {**evidence, "preemptions": exhaustion.preemptions,
+         "kv_usage_max": ctx.value("kvwatch_kv_cache_usage_max_ratio")},
+        NEXT_CHECK["preemption"])
