@@ -228,6 +228,24 @@ def test_stop_releases_the_port():
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
+def test_stop_ends_every_connection_an_idle_keep_alive_one_too():
+    # A client that keeps its connection open (a pooled session never closed)
+    # held a handler thread waiting for its next request past the server's stop.
+    before = set(threading.enumerate())
+    server = start_background(QUIET, speed=1)
+    client = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    try:
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert client.recv(4096).startswith(b"HTTP/1.1 200")
+        server.stop()
+        left = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+        assert left == []
+        assert client.recv(4096) == b""  # the server's side is closed
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_cli_lists_scenarios_and_rejects_a_bad_one(tmp_path, capsys):
     assert kvwatch_main(["sim", "--list-scenarios"]) == 0
     listed = capsys.readouterr().out

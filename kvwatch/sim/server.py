@@ -50,6 +50,39 @@ class _Server(ThreadingHTTPServer):
     # generator opens dozens at once; the kernel's retry then adds about 1 s
     # to those requests' first token.
     request_queue_size = 128
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._handlers_lock = threading.Lock()
+        self._handlers: dict[socket.socket, threading.Thread] = {}
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # ThreadingMixIn's, with each connection's thread kept until it ends.
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                                  name="kvwatch-sim-connection", daemon=True)
+        with self._handlers_lock:
+            self._handlers[request] = thread
+        thread.start()
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._handlers_lock:
+            self._handlers.pop(request, None)
+        super().shutdown_request(request)
+
+    def close_connections(self, timeout: float) -> None:
+        """Shuts every open connection (a client's idle keep-alive one too) and
+        waits up to `timeout` for their threads: none outlives the server."""
+        with self._handlers_lock:
+            open_now = list(self._handlers.items())
+        for sock, _ in open_now:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+        deadline = time.monotonic() + timeout
+        for _, thread in open_now:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 # A request (its line, headers and body) must arrive whole within this many
@@ -132,7 +165,6 @@ class SimServer:
         self._base_sim = simulation.now
         self._base_wall = time.monotonic()
         self.httpd = _Server((host, port), _Handler)
-        self.httpd.daemon_threads = True
         self.httpd.sim_server = self  # type: ignore[attr-defined]
         self._threads: list[threading.Thread] = []
         # The engines' KV-cache events in vLLM's wire format (kvwatch/sim/kvevents.py), where asked for.
@@ -195,6 +227,7 @@ class SimServer:
         with self.cond:
             self.cond.notify_all()
         self.httpd.shutdown()
+        self.httpd.close_connections(timeout=5)
         self.httpd.server_close()
         for thread in self._threads:
             thread.join(timeout=5)
