@@ -29,7 +29,6 @@ OVER_FOR_NOW: dict[str, int] = {
     "kvwatch/commands/diagnose.py:run": 129,
     "kvwatch/commands/diagnose.py:print_report": 90,
     "kvwatch/commands/sim.py:run": 107,
-    "kvwatch/diagnose/hit_rate.py:_judge_hit_rate": 219,
     "kvwatch/engines/vllm.py:VllmAdapter._read_page": 162,
     "kvwatch/engines/vllm_plan.py:_PagePlan.__init__": 153,
     "kvwatch/kvevents/source.py:KVEventSource.report": 83,

@@ -343,216 +343,283 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     workload without shared prefixes is then no separate problem (the
     exhaustion finding says so), and a drop that came with the exhaustion is
     either evicted prefixes or changed ones: kvwatch does not guess which."""
-    t = ctx.t
-    counters = ctx.increase.counters
-    prompt_tokens = counters.get("prompt_tokens", 0.0)
     enabled = ctx.cache_config.get("enable_prefix_caching")
     if enabled is not None and enabled.strip().lower() == "false":
-        if prompt_tokens <= 0:
-            return HitRateVerdict()
-        return HitRateVerdict([ctx.finding(
-            "low_hit_rate", "caching_disabled", "high",
-            "Prefix caching is disabled (cache_config enable_prefix_caching=False): no prompt reuses earlier KV.",
-            {"enable_prefix_caching": enabled, "prompt_tokens": prompt_tokens,
-             "prefix_queries": counters.get("prefix_queries"), "window_seconds": ctx.increase.seconds},
-            NEXT_CHECK["caching_disabled"])])
-
-    keys = hit_counters(ctx)
-    ratio, queries = _ratio_of(counters, keys)
-    if ratio is None or queries < t["min_query_tokens"]:
+        return _caching_disabled(ctx, enabled)
+    judging = _start_judging(ctx)
+    if judging is None:
         return HitRateVerdict()
-    latest_time = ctx.polls[-1].time if ctx.polls else 0.0
-    memory = ctx.hit_memory
-    min_tokens = t["min_query_tokens"]
-    exhausted = ctx.exhaustion
-    usage_max, usage_mean = _usage_in(ctx)
-    base_evidence = {"hit_ratio": ratio, "prefix_queries": counters.get("prefix_queries"),
-                     "prefix_hits": counters.get("prefix_hits"),
-                     "hit_ratio_low": t["hit_ratio_low"], "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
-                     "kv_cache_exhausted": exhausted is not None, "window_seconds": ctx.increase.seconds}
-    if keys == SERVED_COUNTERS:
-        base_evidence.update({"prompt_tokens": queries, "prompt_tokens_from_prefix_cache": counters.get(keys[1]),
-                              "hit_ratio_basis": SERVED_BASIS})
-    on_exhaustion = {"prefix_cache_hit_ratio": ratio,
-                     **({"hit_ratio_basis": SERVED_BASIS} if keys == SERVED_COUNTERS else {})}
-
-    def verdict(finding: Finding | None = None, note: str | None = None) -> HitRateVerdict:
-        return HitRateVerdict([finding] if finding else [], {**on_exhaustion, "hit_ratio_note": note})
-
     # A restart empties the cache: judge only the part after the last one.
     restarts = ctx.restarted_polls()
     if restarts:
-        before_restart = ctx.polls[restarts[-1] - 1].time
-        after = ctx.counters_since(before_restart, keys)
-        after_ratio, after_queries = _ratio_of(after, keys)
-        earlier = {k: v - after.get(k, 0.0) for k, v in counters.items()}
-        earlier_ratio, earlier_queries = _ratio_of(earlier, keys)
-        if after_ratio is not None and after_queries >= min_tokens and (
-            after_ratio < t["hit_ratio_low"]
-            or (earlier_ratio is not None and earlier_queries >= min_tokens
-                and after_ratio <= earlier_ratio * (1 - t["hit_drop_fraction"]))
-        ):
-            return verdict(ctx.finding(
-                "low_hit_rate", "cold_cache", "high",
-                f"The engine restarted {latest_time - ctx.polls[restarts[-1]].time:.0f}s ago and its prefix cache "
-                f"is cold: hit ratio {after_ratio:.0%} since the restart.",
-                {**base_evidence, "hit_ratio_since_restart": after_ratio, "hit_ratio_before_restart": earlier_ratio,
-                 "prefix_queries_since_restart": after_queries},
-                NEXT_CHECK["cold_cache"]))
-        return verdict()
-
+        return _judge_since_restart(judging, restarts[-1])
     # Step drop: the recent part of the window against the earlier baseline.
-    drop = _step_drop(ctx, latest_time)
+    t, memory = ctx.t, ctx.hit_memory
+    drop = _step_drop(ctx, judging.latest_time)
     dropped = drop.dropped(t)
-    low = ratio < t["hit_ratio_low"]
+    low = judging.ratio < t["hit_ratio_low"]
     if memory is not None and not low and not dropped:
-        memory.remember(ctx.key, ratio, latest_time)  # a healthy level, not one falling
+        memory.remember(ctx.key, judging.ratio, judging.latest_time)  # a healthy level, not one falling
     remembered = memory.recall(ctx.key) if memory is not None else None
     if not dropped and not low:
-        return verdict()
+        return judging.verdict()
+    _add_residency(judging, drop, dropped)
+    if dropped:
+        return _judge_drop(judging, drop)
+    return _judge_low_without_drop(judging, drop, remembered)
 
-    # After a drop, residency is judged over the later half of the recent
-    # part: a block records its reuse gaps when it is evicted, so the blocks
-    # evicted just after the drop report the gaps of the working set before
-    # it (in the real capture, 4 prefixes reused every 0.2-0.5 s, evicted
-    # in a burst when 12 replaced them), not the gaps the new one needs.
+
+@dataclass
+class _Judging:
+    """What each step of the hit-rate judgement reads: the window's ratio, the
+    evidence gathered so far, and what the residency histograms say."""
+    ctx: EngineContext
+    ratio: float
+    latest_time: float
+    usage_mean: float | None
+    evidence: dict[str, Any]
+    on_exhaustion: dict[str, Any]
+    evicts: bool | None = None
+    residency_confidence: str = "low"
+
+    def verdict(self, finding: Finding | None = None, note: str | None = None) -> HitRateVerdict:
+        return HitRateVerdict([finding] if finding else [], {**self.on_exhaustion, "hit_ratio_note": note})
+
+
+def _caching_disabled(ctx: EngineContext, enabled: str) -> HitRateVerdict:
+    counters = ctx.increase.counters
+    prompt_tokens = counters.get("prompt_tokens", 0.0)
+    if prompt_tokens <= 0:
+        return HitRateVerdict()
+    return HitRateVerdict([ctx.finding(
+        "low_hit_rate", "caching_disabled", "high",
+        "Prefix caching is disabled (cache_config enable_prefix_caching=False): no prompt reuses earlier KV.",
+        {"enable_prefix_caching": enabled, "prompt_tokens": prompt_tokens,
+         "prefix_queries": counters.get("prefix_queries"), "window_seconds": ctx.increase.seconds},
+        NEXT_CHECK["caching_disabled"])])
+
+
+def _start_judging(ctx: EngineContext) -> _Judging | None:
+    """The window's hit ratio and its base evidence, or None with too few queries to judge."""
+    t = ctx.t
+    counters = ctx.increase.counters
+    keys = hit_counters(ctx)
+    ratio, queries = _ratio_of(counters, keys)
+    if ratio is None or queries < t["min_query_tokens"]:
+        return None
+    usage_max, usage_mean = _usage_in(ctx)
+    evidence = {"hit_ratio": ratio, "prefix_queries": counters.get("prefix_queries"),
+                "prefix_hits": counters.get("prefix_hits"),
+                "hit_ratio_low": t["hit_ratio_low"], "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
+                "kv_cache_exhausted": ctx.exhaustion is not None, "window_seconds": ctx.increase.seconds}
+    if keys == SERVED_COUNTERS:
+        evidence.update({"prompt_tokens": queries, "prompt_tokens_from_prefix_cache": counters.get(keys[1]),
+                         "hit_ratio_basis": SERVED_BASIS})
+    on_exhaustion = {"prefix_cache_hit_ratio": ratio,
+                     **({"hit_ratio_basis": SERVED_BASIS} if keys == SERVED_COUNTERS else {})}
+    return _Judging(ctx, ratio, ctx.polls[-1].time if ctx.polls else 0.0, usage_mean, evidence, on_exhaustion)
+
+
+def _judge_since_restart(judging: _Judging, restart: int) -> HitRateVerdict:
+    """A cold cache when the part since the restart is low, or well below the part before it."""
+    ctx, t = judging.ctx, judging.ctx.t
+    min_tokens = t["min_query_tokens"]
+    keys = hit_counters(ctx)
+    counters = ctx.increase.counters
+    after = ctx.counters_since(ctx.polls[restart - 1].time, keys)
+    after_ratio, after_queries = _ratio_of(after, keys)
+    earlier = {k: v - after.get(k, 0.0) for k, v in counters.items()}
+    earlier_ratio, earlier_queries = _ratio_of(earlier, keys)
+    if after_ratio is not None and after_queries >= min_tokens and (
+        after_ratio < t["hit_ratio_low"]
+        or (earlier_ratio is not None and earlier_queries >= min_tokens
+            and after_ratio <= earlier_ratio * (1 - t["hit_drop_fraction"]))
+    ):
+        return judging.verdict(ctx.finding(
+            "low_hit_rate", "cold_cache", "high",
+            f"The engine restarted {judging.latest_time - ctx.polls[restart].time:.0f}s ago and its prefix cache "
+            f"is cold: hit ratio {after_ratio:.0%} since the restart.",
+            {**judging.evidence, "hit_ratio_since_restart": after_ratio, "hit_ratio_before_restart": earlier_ratio,
+             "prefix_queries_since_restart": after_queries},
+            NEXT_CHECK["cold_cache"]))
+    return judging.verdict()
+
+
+def _add_residency(judging: _Judging, drop: StepDrop, dropped: bool) -> None:
+    """The residency histograms' word, and the drop's figures, in the evidence.
+
+    After a drop, residency is judged over the later half of the recent
+    part: a block records its reuse gaps when it is evicted, so the blocks
+    evicted just after the drop report the gaps of the working set before
+    it (in the real capture, 4 prefixes reused every 0.2-0.5 s, evicted
+    in a burst when 12 replaced them), not the gaps the new one needs.
+    """
+    ctx = judging.ctx
     evicts, residency_evidence, residency_confidence = _residency(
         ctx, since=drop.split + drop.span / 2 if dropped else None)
     recent_usage_max, _ = _usage_in(ctx, since=drop.split)
-    evidence = {**base_evidence, **residency_evidence, "eviction_usage_ratio": t["eviction_usage_ratio"]}
+    evidence = {**judging.evidence, **residency_evidence, "eviction_usage_ratio": ctx.t["eviction_usage_ratio"]}
     if dropped:
         evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio,
                          "recent_seconds": drop.span, "kv_usage_recent_max": recent_usage_max})
-        # A change of configuration, model or adapters at the drop explains it.
-        interval = (latest_time - ctx.polls[0].time) / max(1, len(ctx.polls) - 1)
-        at_drop = [c for c in ctx.changes if c.time > drop.split - interval
-                   and c.kind in ("cache_config", "models", "lora") and c.engine in (None, ctx.engine)]
-        drop_text = (f"Hit ratio fell from {drop.baseline_ratio:.0%} to {drop.recent_ratio:.0%} in the last "
-                     f"{drop.span:.3g}s")
-        if at_drop:
-            evidence["changes_at_drop"] = "; ".join(f"{c.kind}: {c.detail}" for c in at_drop)
-            return verdict(ctx.finding("low_hit_rate", "prefix_changed", "high",
-                                       drop_text + f", when {at_drop[0].kind.replace('_', ' ')} changed.",
-                                       evidence, NEXT_CHECK["prefix_changed"]))
-        if evicts:
-            return verdict(ctx.finding(
-                "low_hit_rate", "eviction_before_reuse", residency_confidence,
-                f"{drop_text}; blocks are evicted after less idle time than the usual gap between reuses.",
-                evidence, NEXT_CHECK["eviction_before_reuse"]))
+    judging.evidence, judging.evicts, judging.residency_confidence = evidence, evicts, residency_confidence
 
-        def judged_without_exhaustion(part: StepDrop, until: float, text: str, extra: dict) -> Finding:
-            """A drop while the cache had room: crowded out when usage was high
-            (and no residency histogram says otherwise), else a changed prefix."""
-            usage_max, _ = _usage_in(ctx, since=part.split, until=until)
-            extra = {**evidence, **extra}
-            if evicts is None and usage_max is not None and usage_max >= t["eviction_usage_ratio"]:
-                return ctx.finding(
-                    "low_hit_rate", "eviction_before_reuse", "medium",
-                    f"{text} while KV usage reached {usage_max:.0%} without exhausting the cache: running "
-                    "requests leave idle prefixes little room.", extra, NEXT_CHECK["eviction_before_reuse"])
-            if evicts is False:
-                return ctx.finding(
-                    "low_hit_rate", "prefix_changed", residency_confidence,
-                    f"{text} with blocks cached longer than the usual gap between reuses: the requests stopped "
-                    "sharing the prefix they shared before.", extra, NEXT_CHECK["prefix_changed"])
-            return ctx.finding(
-                "low_hit_rate", "prefix_changed", "low",
-                f"{text} with KV usage at most {usage_max or 0:.0%}: the requests stopped sharing the prefix they "
-                "shared before, or their prefixes outgrew the cache and are evicted before reuse (idle cached "
-                f"blocks count as free, so eviction shows at any usage). The page cannot tell them apart: "
-                f"{_what_tells(extra)}.",
-                _undecided(extra, "prefix_changed"), _next_check_both("prefix_changed"),
-            alternatives=eviction_alternative(extra))
 
-        if exhausted is None:
-            return verdict(judged_without_exhaustion(drop, latest_time, drop_text, {}))
-        # Exhausted: the drop says something apart from the exhaustion when
-        # it showed before the cache was exhausted (judged as if the window
-        # ended there), or when residency rules eviction out.
-        before = [p for p in ctx.polls if p.time < exhausted.started]
-        early = _step_drop(ctx, before[-1].time) if before else None
-        if early is not None and early.dropped(t):
-            return verdict(judged_without_exhaustion(
-                early, before[-1].time,
-                f"Hit ratio fell from {early.baseline_ratio:.0%} to {early.recent_ratio:.0%} before the KV cache "
-                f"was exhausted ({latest_time - exhausted.started:.0f}s ago)",
-                {"hit_ratio_baseline_before_exhaustion": early.baseline_ratio,
-                 "hit_ratio_recent_before_exhaustion": early.recent_ratio,
-                 "exhausted_seconds_ago": latest_time - exhausted.started}))
-        if evicts is False:
-            return verdict(ctx.finding(
-                "low_hit_rate", "prefix_changed", "medium",
-                f"{drop_text}, while the KV cache was exhausted, but blocks stay cached longer than the usual gap "
-                "between reuses: not eviction; the requests stopped sharing the prefix they shared before.",
-                evidence, NEXT_CHECK["prefix_changed"]))
-        return verdict(note=(
-            f"The hit ratio fell from {drop.baseline_ratio:.0%} to {drop.recent_ratio:.0%} as the cache was "
-            "exhausted: idle prefixes evicted by the load, or a changed prefix; vLLM's --kv-cache-metrics "
-            "histograms tell them apart, so no low-hit-rate cause is named."))
-
-    # Low without a drop.
-    if evicts:
-        return verdict(ctx.finding(
-            "low_hit_rate", "eviction_before_reuse", "medium",
-            f"Hit ratio {ratio:.0%}; blocks are evicted after less idle time than the usual gap between reuses.",
+def _judge_drop(judging: _Judging, drop: StepDrop) -> HitRateVerdict:
+    ctx, evidence = judging.ctx, judging.evidence
+    # A change of configuration, model or adapters at the drop explains it.
+    interval = (judging.latest_time - ctx.polls[0].time) / max(1, len(ctx.polls) - 1)
+    at_drop = [c for c in ctx.changes if c.time > drop.split - interval
+               and c.kind in ("cache_config", "models", "lora") and c.engine in (None, ctx.engine)]
+    drop_text = (f"Hit ratio fell from {drop.baseline_ratio:.0%} to {drop.recent_ratio:.0%} in the last "
+                 f"{drop.span:.3g}s")
+    if at_drop:
+        evidence["changes_at_drop"] = "; ".join(f"{c.kind}: {c.detail}" for c in at_drop)
+        return judging.verdict(ctx.finding("low_hit_rate", "prefix_changed", "high",
+                                           drop_text + f", when {at_drop[0].kind.replace('_', ' ')} changed.",
+                                           evidence, NEXT_CHECK["prefix_changed"]))
+    if judging.evicts:
+        return judging.verdict(ctx.finding(
+            "low_hit_rate", "eviction_before_reuse", judging.residency_confidence,
+            f"{drop_text}; blocks are evicted after less idle time than the usual gap between reuses.",
             evidence, NEXT_CHECK["eviction_before_reuse"]))
-    if exhausted is not None:
-        return verdict(note=NO_REUSE_UNDER_EXHAUSTION)
+    if ctx.exhaustion is None:
+        return judging.verdict(_judged_without_exhaustion(judging, drop, judging.latest_time, drop_text, {}))
+    return _judge_drop_while_exhausted(judging, drop, drop_text)
+
+
+def _judge_drop_while_exhausted(judging: _Judging, drop: StepDrop, drop_text: str) -> HitRateVerdict:
+    """The drop says something apart from the exhaustion when it showed before
+    the cache was exhausted (judged as if the window ended there), or when
+    residency rules eviction out; otherwise no cause, only a note."""
+    ctx, exhausted, latest_time = judging.ctx, judging.ctx.exhaustion, judging.latest_time
+    before = [p for p in ctx.polls if p.time < exhausted.started]
+    early = _step_drop(ctx, before[-1].time) if before else None
+    if early is not None and early.dropped(ctx.t):
+        return judging.verdict(_judged_without_exhaustion(
+            judging, early, before[-1].time,
+            f"Hit ratio fell from {early.baseline_ratio:.0%} to {early.recent_ratio:.0%} before the KV cache "
+            f"was exhausted ({latest_time - exhausted.started:.0f}s ago)",
+            {"hit_ratio_baseline_before_exhaustion": early.baseline_ratio,
+             "hit_ratio_recent_before_exhaustion": early.recent_ratio,
+             "exhausted_seconds_ago": latest_time - exhausted.started}))
+    if judging.evicts is False:
+        return judging.verdict(ctx.finding(
+            "low_hit_rate", "prefix_changed", "medium",
+            f"{drop_text}, while the KV cache was exhausted, but blocks stay cached longer than the usual gap "
+            "between reuses: not eviction; the requests stopped sharing the prefix they shared before.",
+            judging.evidence, NEXT_CHECK["prefix_changed"]))
+    return judging.verdict(note=(
+        f"The hit ratio fell from {drop.baseline_ratio:.0%} to {drop.recent_ratio:.0%} as the cache was "
+        "exhausted: idle prefixes evicted by the load, or a changed prefix; vLLM's --kv-cache-metrics "
+        "histograms tell them apart, so no low-hit-rate cause is named."))
+
+
+def _judged_without_exhaustion(judging: _Judging, part: StepDrop, until: float, text: str,
+                               extra: dict[str, Any]) -> Finding:
+    """A drop while the cache had room: crowded out when usage was high
+    (and no residency histogram says otherwise), else a changed prefix."""
+    ctx, t, evicts = judging.ctx, judging.ctx.t, judging.evicts
+    usage_max, _ = _usage_in(ctx, since=part.split, until=until)
+    extra = {**judging.evidence, **extra}
+    if evicts is None and usage_max is not None and usage_max >= t["eviction_usage_ratio"]:
+        return ctx.finding(
+            "low_hit_rate", "eviction_before_reuse", "medium",
+            f"{text} while KV usage reached {usage_max:.0%} without exhausting the cache: running "
+            "requests leave idle prefixes little room.", extra, NEXT_CHECK["eviction_before_reuse"])
+    if evicts is False:
+        return ctx.finding(
+            "low_hit_rate", "prefix_changed", judging.residency_confidence,
+            f"{text} with blocks cached longer than the usual gap between reuses: the requests stopped "
+            "sharing the prefix they shared before.", extra, NEXT_CHECK["prefix_changed"])
+    return ctx.finding(
+        "low_hit_rate", "prefix_changed", "low",
+        f"{text} with KV usage at most {usage_max or 0:.0%}: the requests stopped sharing the prefix they "
+        "shared before, or their prefixes outgrew the cache and are evicted before reuse (idle cached "
+        f"blocks count as free, so eviction shows at any usage). The page cannot tell them apart: "
+        f"{_what_tells(extra)}.",
+        _undecided(extra, "prefix_changed"), _next_check_both("prefix_changed"),
+        alternatives=eviction_alternative(extra))
+
+
+def _judge_low_without_drop(judging: _Judging, drop: StepDrop,
+                            remembered: tuple[float, float] | None) -> HitRateVerdict:
+    ctx, evidence = judging.ctx, judging.evidence
+    if judging.evicts:
+        return judging.verdict(ctx.finding(
+            "low_hit_rate", "eviction_before_reuse", "medium",
+            f"Hit ratio {judging.ratio:.0%}; blocks are evicted after less idle time than the usual gap between "
+            "reuses.", evidence, NEXT_CHECK["eviction_before_reuse"]))
+    if ctx.exhaustion is not None:
+        return judging.verdict(note=NO_REUSE_UNDER_EXHAUSTION)
     if remembered is not None:
-        # Healthy before this window: the drop left the window, the regression did not.
-        healthy_ratio, seen = remembered
-        evidence.update({"hit_ratio_last_healthy": healthy_ratio,
-                         "hit_ratio_last_healthy_seconds_ago": latest_time - seen})
-        # Remembered at a poll before the window's first, or inside the window
-        # (then too early in it for the two parts of the step-drop test to show it).
-        window_start = ctx.polls[0].time if ctx.polls else latest_time
-        where = "before the window" if seen < window_start else (
-            f"within the {latest_time - window_start:.0f}s window, too early in it for the window's own "
-            "comparison of its halves to show the drop")
-        text = (f"Hit ratio {ratio:.0%} over the window, down from {healthy_ratio:.0%} when last healthy "
-                f"{latest_time - seen:.0f}s ago ({where})")
-        if evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]:
-            return verdict(ctx.finding(
-                "low_hit_rate", "eviction_before_reuse", "medium",
-                f"{text}, with KV usage averaging {usage_mean:.0%} without exhausting the cache: running requests "
-                "leave idle prefixes little room.", evidence, NEXT_CHECK["eviction_before_reuse"]))
-        if evicts is False:
-            return verdict(ctx.finding(
-                "low_hit_rate", "prefix_changed", residency_confidence,
-                f"{text}: the requests stopped sharing the prefix they shared before, and reuse has not come back.",
-                evidence, NEXT_CHECK["prefix_changed"]))
-        return verdict(ctx.finding(
-            "low_hit_rate", "prefix_changed", "low",
-            f"{text}: the requests stopped sharing the prefix they shared before, or their prefixes outgrew the "
-            "cache and are evicted before reuse (idle cached blocks count as free, so eviction shows at any "
-            f"usage), and reuse has not come back. The page cannot tell them apart: {_what_tells(evidence)}.",
-            _undecided(evidence, "prefix_changed"), _next_check_both("prefix_changed"),
-            alternatives=eviction_alternative(evidence)))
-    if not drop.low_in_both(t):
-        return verdict()  # low for a moment only: not yet a workload's character
+        return judging.verdict(_low_since_last_healthy(judging, remembered))
+    if not drop.low_in_both(ctx.t):
+        return judging.verdict()  # low for a moment only: not yet a workload's character
     evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio})
+    return judging.verdict(_stable_low(judging))
+
+
+def _low_since_last_healthy(judging: _Judging, remembered: tuple[float, float]) -> Finding:
+    """Healthy before this window: the drop left the window, the regression did not."""
+    ctx, t, evidence, evicts, latest_time = judging.ctx, judging.ctx.t, judging.evidence, judging.evicts, \
+        judging.latest_time
+    healthy_ratio, seen = remembered
+    evidence.update({"hit_ratio_last_healthy": healthy_ratio,
+                     "hit_ratio_last_healthy_seconds_ago": latest_time - seen})
+    # Remembered at a poll before the window's first, or inside the window
+    # (then too early in it for the two parts of the step-drop test to show it).
+    window_start = ctx.polls[0].time if ctx.polls else latest_time
+    where = "before the window" if seen < window_start else (
+        f"within the {latest_time - window_start:.0f}s window, too early in it for the window's own "
+        "comparison of its halves to show the drop")
+    text = (f"Hit ratio {judging.ratio:.0%} over the window, down from {healthy_ratio:.0%} when last healthy "
+            f"{latest_time - seen:.0f}s ago ({where})")
+    usage_mean = judging.usage_mean
+    if evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]:
+        return ctx.finding(
+            "low_hit_rate", "eviction_before_reuse", "medium",
+            f"{text}, with KV usage averaging {usage_mean:.0%} without exhausting the cache: running requests "
+            "leave idle prefixes little room.", evidence, NEXT_CHECK["eviction_before_reuse"])
+    if evicts is False:
+        return ctx.finding(
+            "low_hit_rate", "prefix_changed", judging.residency_confidence,
+            f"{text}: the requests stopped sharing the prefix they shared before, and reuse has not come back.",
+            evidence, NEXT_CHECK["prefix_changed"])
+    return ctx.finding(
+        "low_hit_rate", "prefix_changed", "low",
+        f"{text}: the requests stopped sharing the prefix they shared before, or their prefixes outgrew the "
+        "cache and are evicted before reuse (idle cached blocks count as free, so eviction shows at any "
+        f"usage), and reuse has not come back. The page cannot tell them apart: {_what_tells(evidence)}.",
+        _undecided(evidence, "prefix_changed"), _next_check_both("prefix_changed"),
+        alternatives=eviction_alternative(evidence))
+
+
+def _stable_low(judging: _Judging) -> Finding:
+    """Low in both halves of the window with the cache not exhausted: no reuse, as far as the page can tell."""
+    ctx, evidence, ratio, usage_mean = judging.ctx, judging.evidence, judging.ratio, judging.usage_mean
     floor = block_floor(ctx)
     evidence.update(floor)
     if floor.get("no_reuse_kind") == "prefix_shorter_than_block":
-        return verdict(ctx.finding(
+        return ctx.finding(
             "low_hit_rate", "no_reuse", "medium",
             f"Hit ratio {ratio:.0%} and stable: {_within_one_block(floor)}, so any prefix they share is shorter "
             "than a block, and vLLM caches only whole blocks: such a prefix never hits, whatever the workload "
             "shares.",
-            evidence, NEXT_CHECK["no_reuse"]))
-    if evicts is False:
-        return verdict(ctx.finding(
-            "low_hit_rate", "no_reuse", residency_confidence,
+            evidence, NEXT_CHECK["no_reuse"])
+    if judging.evicts is False:
+        return ctx.finding(
+            "low_hit_rate", "no_reuse", judging.residency_confidence,
             f"Hit ratio {ratio:.0%} and stable, the cache not exhausted, and blocks stay cached longer than the usual "
-            "gap between reuses: the requests share little prefix.", evidence, NEXT_CHECK["no_reuse"]))
-    return verdict(ctx.finding(
+            "gap between reuses: the requests share little prefix.", evidence, NEXT_CHECK["no_reuse"])
+    return ctx.finding(
         "low_hit_rate", "no_reuse", "low",
         f"Hit ratio {ratio:.0%} and stable, the cache not exhausted (KV usage mean "
         f"{usage_mean if usage_mean is not None else 0:.0%}): the requests share little prefix, or they share "
         "prefixes that outgrow the cache and are evicted before their reuse comes (a round robin over more prefixes "
         f"than fit). The page cannot tell them apart: {_what_tells(evidence)}.",
         _undecided(evidence, "no_reuse"), _next_check_both("no_reuse"),
-            alternatives=eviction_alternative(evidence)))
+        alternatives=eviction_alternative(evidence))
 
 
 def tier_row(lmcache: dict[str, Any] | None, model: str, engine_models: set[str]) -> dict[str, Any] | None:
