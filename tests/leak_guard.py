@@ -28,6 +28,10 @@ LONG_LIVED_THREADS = {
     # process, started with the first fetch and asleep while none is in flight.
     "kvwatch-fetch-deadlines",
 }
+# Processes the standard library starts once per process by design and keeps
+# to its end: multiprocessing's resource tracker (with the first spawned
+# worker) and its fork server.
+LONG_LIVED_PROCESSES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 PROC = Path("/proc")
 
 
@@ -90,20 +94,24 @@ def running_children(parent: int | None = None) -> set[int]:
     return found
 
 
-def describe_process(pid: int) -> str:
+def command_line(pid: int) -> str:
     try:
         argv = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
     except OSError:
-        return str(pid)
-    command = " ".join(part.decode("utf-8", "replace") for part in argv if part)
-    return f"{pid} ({command[:160]})"
+        return ""
+    return " ".join(part.decode("utf-8", "replace") for part in argv if part)
+
+
+def describe_process(pid: int) -> str:
+    return f"{pid} ({command_line(pid)[:160]})"
 
 
 def leftover_children(before: set[int], grace_s: float = GRACE_S) -> list[str]:
     """This process's children started since `before` still running after `grace_s`."""
     deadline = time.monotonic() + grace_s
     while True:
-        left = running_children() - before
+        left = {pid for pid in running_children() - before
+                if not any(name in command_line(pid) for name in LONG_LIVED_PROCESSES)}
         if not left or time.monotonic() >= deadline:
             return [describe_process(pid) for pid in sorted(left)]
         time.sleep(0.05)

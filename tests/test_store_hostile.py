@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
 import threading
 import time
 import urllib.parse
@@ -38,6 +39,7 @@ class Store(ThreadingTCPServer):
         self.stub = stub
         self.sent = 0
         self.cut = threading.Event()
+        self.open: dict = {}  # connection -> its handler's thread, until it ends
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
 
@@ -46,11 +48,30 @@ class Store(ThreadingTCPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
     def stop(self) -> None:
+        # A client's pooled keep-alive connection held its handler in readline
+        # past the test: shut every open one and wait for its thread.
         self.shutdown()
+        for connection, thread in list(self.open.items()):
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile
+            thread.join(5)
         self.server_close()
 
 
 class Handler(StreamRequestHandler):
+    def setup(self) -> None:
+        super().setup()
+        self.server.open[self.request] = threading.current_thread()
+
+    def finish(self) -> None:
+        self.server.open.pop(self.request, None)
+        try:
+            super().finish()
+        except OSError:
+            pass  # the connection was shut by stop()
+
     def handle(self) -> None:
         while True:
             line = self.rfile.readline()
