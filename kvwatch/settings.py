@@ -14,6 +14,7 @@ import os
 import ssl
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -358,35 +359,62 @@ def load_settings(
     overrides mean "not given"). Raises SettingsError listing every problem."""
     environ = os.environ if environ is None else environ
     problems: list[str] = []
+    # Each setting's raw value and where it came from; a later source wins.
     raw: dict[str, tuple[Any, str]] = {}
-
     config_file = config_file or environ.get(env_name("config"))
     if config_file:
+        raw.update(_from_config_file(config_file, problems))
+    raw.update(_from_environment(environ))
+    raw.update({key: (value, flag_name(key)) for key, value in (overrides or {}).items() if value is not None})
+    values: dict[str, Any] = {}
+    for key, (value, origin) in raw.items():
         try:
-            loaded = yaml.safe_load(read_small_file(config_file, MAX_CONFIG_BYTES).decode("utf-8")) or {}
-        except OSError as exc:
-            problems.append(f"config file {config_file}: {exc.strerror or exc}")
-            loaded = {}
-        except UnicodeDecodeError as exc:
-            problems.append(f"config file {config_file}: not UTF-8 text (byte {exc.start})")
-            loaded = {}
-        except ValueError as exc:
-            problems.append(f"config file {config_file}: {exc}")
-            loaded = {}
-        except yaml.YAMLError as exc:
-            problems.append(f"config file {config_file}: not valid YAML: {yaml_problem(exc)}")
-            loaded = {}
-        if not isinstance(loaded, dict):
-            problems.append(f"config file {config_file}: must be a mapping of settings")
-            loaded = {}
-        for key, value in loaded.items():
-            normalized = str(key).replace("-", "_")
-            if normalized not in PARSERS:
-                problems.append(f"config file {config_file}: unknown setting {key!r}{did_you_mean(normalized, PARSERS)} "
-                                f"(known: {', '.join(sorted(PARSERS))})")
-                continue
-            raw[normalized] = (value, f"{config_file}: {key}")
+            values[key] = PARSERS[key](value)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{origin}: {exc}")
+    settings = Settings(**values)
+    problems.extend(_combination_problems(settings, values))
+    if problems:
+        raise SettingsError(problems)
+    return settings
 
+
+def _read_config_file(config_file: str, problems: list[str]) -> dict:
+    """The file's mapping of settings ({} with a problem said when it cannot be read as one)."""
+    try:
+        loaded = yaml.safe_load(read_small_file(config_file, MAX_CONFIG_BYTES).decode("utf-8")) or {}
+    except OSError as exc:
+        problems.append(f"config file {config_file}: {exc.strerror or exc}")
+        return {}
+    except UnicodeDecodeError as exc:
+        problems.append(f"config file {config_file}: not UTF-8 text (byte {exc.start})")
+        return {}
+    except ValueError as exc:
+        problems.append(f"config file {config_file}: {exc}")
+        return {}
+    except yaml.YAMLError as exc:
+        problems.append(f"config file {config_file}: not valid YAML: {yaml_problem(exc)}")
+        return {}
+    if not isinstance(loaded, dict):
+        problems.append(f"config file {config_file}: must be a mapping of settings")
+        return {}
+    return loaded
+
+
+def _from_config_file(config_file: str, problems: list[str]) -> dict[str, tuple[Any, str]]:
+    raw = {}
+    for key, value in _read_config_file(config_file, problems).items():
+        normalized = str(key).replace("-", "_")
+        if normalized not in PARSERS:
+            problems.append(f"config file {config_file}: unknown setting {key!r}{did_you_mean(normalized, PARSERS)} "
+                            f"(known: {', '.join(sorted(PARSERS))})")
+            continue
+        raw[normalized] = (value, f"{config_file}: {key}")
+    return raw
+
+
+def _from_environment(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    raw = {}
     for key in ENV_KEYS:
         name = env_name(key)
         if name not in environ:
@@ -396,19 +424,12 @@ def load_settings(
             # a namespace that has a Service named "kvwatch" (service links).
             continue
         raw[key] = (environ[name], name)
+    return raw
 
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            raw[key] = (value, flag_name(key))
 
-    values: dict[str, Any] = {}
-    for key, (value, origin) in raw.items():
-        try:
-            values[key] = PARSERS[key](value)
-        except (ValueError, TypeError) as exc:
-            problems.append(f"{origin}: {exc}")
-
-    settings = Settings(**values)
+def _combination_problems(settings: Settings, values: dict[str, Any]) -> list[str]:
+    """What the settings say wrong together (each one alone parsed)."""
+    problems = []
     if settings.timeout is not None and settings.timeout > settings.window / 2:
         problems.append(
             f"timeout ({settings.timeout:g}s) must be at most half the window ({settings.window:g}s): a page later "
@@ -429,9 +450,7 @@ def load_settings(
         problems.append("upstream_target and upstream_histogram must be given together")
     if settings.diagnosis:
         problems.extend(f"diagnosis: {p}" for p in validate_thresholds(settings.diagnosis))
-    if problems:
-        raise SettingsError(problems)
-    return settings
+    return problems
 
 
 def _tls_pair_problem(cert_file: str, key_file: str) -> str | None:

@@ -36,7 +36,6 @@ OVER_FOR_NOW: dict[str, int] = {
     "kvwatch/mixin/config.py:_check_field": 125,
     "kvwatch/mixin/dashboards.py:overview": 113,
     "kvwatch/pipeline/monitor.py:Monitor._ingest": 92,
-    "kvwatch/settings.py:load_settings": 83,
     "kvwatch/sidecar/app.py:create_app": 94,
     "kvwatch/sim/dialects.py:render_sglang": 88,
     "kvwatch/sim/engine.py:Engine._schedule": 108,
