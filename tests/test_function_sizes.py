@@ -37,9 +37,7 @@ OVER_FOR_NOW: dict[str, int] = {
     "kvwatch/mixin/dashboards.py:overview": 113,
     "kvwatch/pipeline/monitor.py:Monitor._ingest": 92,
     "kvwatch/sidecar/app.py:create_app": 94,
-    "kvwatch/sim/dialects.py:render_sglang": 88,
     "kvwatch/sim/engine.py:Engine._schedule": 108,
-    "kvwatch/sim/render.py:render_vllm": 81,
     "kvwatch/sim/scenario.py:parse_scenario": 97,
 }
 

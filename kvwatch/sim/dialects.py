@@ -69,7 +69,14 @@ def render_sglang(engines: Sequence[Engine], model_name: str) -> list[str]:
     ranks = [({"model_name": model_name, "engine_type": "unified", "dp_rank": str(engine.index), "tp_rank": tp,
                "pp_rank": "0", "moe_ep_rank": "0"}, engine)
              for engine in engines for tp in SGLANG_TP_RANKS]
-    tokenizer = {"model_name": model_name, "engine_type": "unified"}
+    _sglang_gauges(out, ranks)
+    _sglang_rank_counters(out, engines, ranks)
+    _sglang_forward_and_tier(out, engines, ranks)
+    _sglang_tokenizer(out, engines, {"model_name": model_name, "engine_type": "unified"})
+    return out
+
+
+def _sglang_gauges(out: list[str], ranks: list[tuple[dict, Engine]]) -> None:
     _gauge(out, "sglang:num_running_reqs", "The number of running requests.",
            [(labels, engine.num_running) for labels, engine in ranks])
     _gauge(out, "sglang:num_queue_reqs", "The number of requests in the waiting queue.",
@@ -97,6 +104,9 @@ def render_sglang(engines: Sequence[Engine], model_name: str) -> list[str]:
     _gauge(out, "sglang:cache_hit_rate", "The prefix cache hit rate.",
            [(labels, engine.stats.prefix_cache_hits / engine.stats.prefix_cache_queries
              if engine.stats.prefix_cache_queries else 0.0) for labels, engine in ranks])
+
+
+def _sglang_rank_counters(out: list[str], engines: Sequence[Engine], ranks: list[tuple[dict, Engine]]) -> None:
     _counter(out, "sglang:realtime_tokens", "Total number of tokens processed, updated on each log interval.",
              [({**labels, "mode": mode}, value(engine.stats)) for labels, engine in ranks
               for mode, value in (("prefill_compute", lambda s: s.prompt_tokens_local_compute),
@@ -119,6 +129,9 @@ def render_sglang(engines: Sequence[Engine], model_name: str) -> list[str]:
                  [(labels, engine.stats.retracted_prompt_tokens) for labels, engine in ranks])
         _counter(out, "sglang:num_retracted_output_tokens", "Total number of retracted output tokens.",
                  [(labels, engine.stats.retracted_generation_tokens) for labels, engine in ranks])
+
+
+def _sglang_forward_and_tier(out: list[str], engines: Sequence[Engine], ranks: list[tuple[dict, Engine]]) -> None:
     # SGLANG_ENABLE_METRICS_DEVICE_TIMER=1's forward seconds (extend passes: the
     # steps' prefill work), and with a tier (--lmcache, standing for HiCache's
     # host tier) the radix cache's load-back and backup families, labelled as
@@ -138,6 +151,10 @@ def render_sglang(engines: Sequence[Engine], model_name: str) -> list[str]:
                  "combined.", [(labels, engine.stats.tier_load_back_bytes) for labels, engine in radix])
         _counter(out, "sglang:hicache_backup_bytes", "Bytes backed up from GPU to local host DRAM (L2), all pools "
                  "combined.", [(labels, engine.stats.tier_backup_bytes) for labels, engine in radix])
+
+
+def _sglang_tokenizer(out: list[str], engines: Sequence[Engine], tokenizer: dict[str, str]) -> None:
+    """The tokenizer manager's families: one series for the model, summed over its engines."""
     _counter(out, "sglang:prompt_tokens", "Number of prefill tokens processed.",
              [(tokenizer, sum(engine.stats.prompt_tokens for engine in engines))])
     _counter(out, "sglang:generation_tokens", "Number of generation tokens processed.",
@@ -151,7 +168,6 @@ def render_sglang(engines: Sequence[Engine], model_name: str) -> list[str]:
     for name, help_text, attribute in SGLANG_HISTOGRAMS:
         _head(out, name, help_text, "histogram")
         _histogram_lines(out, name, tokenizer, _merged(engines, attribute))
-    return out
 
 
 # --- llama.cpp -------------------------------------------------------------

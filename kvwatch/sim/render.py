@@ -207,7 +207,25 @@ def render_vllm(engines: Sequence[Engine], model_name: str, created: float) -> l
     bases = [{"engine": str(engine.index), "model_name": model_name} for engine in engines]
     stats = [engine.stats for engine in engines]
     pairs = list(zip(bases, engines, stats))
+    _vllm_gauges(out, bases, pairs, created)
+    _vllm_cache_counters(out, bases, pairs, created)
+    _vllm_token_counters(out, pairs, stats, model_name, created)
+    created_text = _fmt(created)
+    for name, help_text, attribute in HISTOGRAMS:
+        _head(out, name, help_text, "histogram")
+        for base, _, s in pairs:
+            _histogram_lines(out, name, base, getattr(s, attribute))
+        _head(out, f"{name}_created", help_text, "gauge")
+        for base in bases:
+            out.append(f"{name}_created{_labels(base)} {created_text}")
+    _head(out, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge")
+    for engine in engines:
+        out.append(f"vllm:cache_config_info{_labels(cache_config_labels(engine))} 1.0")
+    return out
 
+
+def _vllm_gauges(out: list[str], bases: list[dict], pairs: list[tuple], created: float) -> None:
+    """The MFU estimates (always zero here), then the scheduler's and the cache's gauges."""
     for what in ("flops", "read_bytes", "write_bytes"):
         noun = {"flops": "number of floating point operations", "read_bytes": "number of bytes read from memory",
                 "write_bytes": "number of bytes written to memory"}[what]
@@ -227,6 +245,9 @@ def render_vllm(engines: Sequence[Engine], model_name: str, created: float) -> l
             for state in ("awake", "weights_offloaded", "discard_all") for base in bases])
     _gauge(out, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
            [(base, engine.pool.usage()) for base, engine, _ in pairs])
+
+
+def _vllm_cache_counters(out: list[str], bases: list[dict], pairs: list[tuple], created: float) -> None:
     _counter(out, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
              [(base, s.prefix_cache_queries) for base, _, s in pairs], created)
     _counter(out, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
@@ -242,6 +263,10 @@ def render_vllm(engines: Sequence[Engine], model_name: str, created: float) -> l
              [(base, 0.0) for base in bases], created)
     _counter(out, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
              [(base, s.num_preemptions) for base, _, s in pairs], created)
+
+
+def _vllm_token_counters(out: list[str], pairs: list[tuple], stats: list, model_name: str, created: float) -> None:
+    """Prompt tokens (by source, cached), generated tokens, finished requests and admission rejections."""
     _counter(out, "vllm:prompt_tokens", "Number of prefill tokens processed.",
              [(base, s.prompt_tokens) for base, _, s in pairs], created)
     by_source = {
@@ -268,20 +293,6 @@ def render_vllm(engines: Sequence[Engine], model_name: str, created: float) -> l
     _counter(out, "vllm:admission_rejections", "Number of admission attempts rejected by a queue limit, by reason.",
              [({"model_name": model_name, "reason": reason}, sum(s.admission_rejections[reason] for s in stats))
               for reason in ("max_num_queued_reqs", "max_num_queued_tokens")], created)
-
-    created_text = _fmt(created)
-    for name, help_text, attribute in HISTOGRAMS:
-        _head(out, name, help_text, "histogram")
-        for base, _, s in pairs:
-            _histogram_lines(out, name, base, getattr(s, attribute))
-        _head(out, f"{name}_created", help_text, "gauge")
-        for base in bases:
-            out.append(f"{name}_created{_labels(base)} {created_text}")
-
-    _head(out, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge")
-    for engine in engines:
-        out.append(f"vllm:cache_config_info{_labels(cache_config_labels(engine))} 1.0")
-    return out
 
 
 class HttpStats:
