@@ -38,7 +38,6 @@ OVER_FOR_NOW: dict[str, int] = {
     "kvwatch/pipeline/monitor.py:Monitor._ingest": 92,
     "kvwatch/sidecar/app.py:create_app": 94,
     "kvwatch/sim/engine.py:Engine._schedule": 108,
-    "kvwatch/sim/scenario.py:parse_scenario": 97,
 }
 
 

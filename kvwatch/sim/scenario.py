@@ -93,6 +93,33 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     problems: list[str] = []
     if not isinstance(data, dict):
         raise ScenarioError(source, [f"top level: expected a mapping, got {type(data).__name__}"])
+    name, description, engines, loop = _scenario_header(data, source, problems)
+    engine = _engine_config(data, problems)
+    raw_phases = data.get("phases")
+    phases: list[Phase] = []
+    if not isinstance(raw_phases, list) or not raw_phases:
+        problems.append("phases: expected a non-empty list of phases")
+        raw_phases = []
+    workload_raw = data.get("workload") or {}
+    if not isinstance(workload_raw, dict):
+        problems.append(f"workload: expected a mapping, got {workload_raw!r}")
+        workload_raw = {}
+    phase_engine = engine
+    for index, raw_phase in enumerate(raw_phases):
+        if not isinstance(raw_phase, dict):
+            problems.append(f"phases[{index}]: expected a mapping, got {raw_phase!r}")
+            continue
+        # Each phase's workload and engine are the ones before it, changed.
+        phase, workload_raw, phase_engine = _parse_phase(index, raw_phase, workload_raw, phase_engine, problems)
+        if phase is not None:
+            phases.append(phase)
+    if problems:
+        raise ScenarioError(source, problems)
+    return Scenario(name, description, engine, phases, loop, engines, source)
+
+
+def _scenario_header(data: dict, source: str, problems: list[str]) -> tuple[str, str, int, bool]:
+    """The scenario's name, description, engine count and loop flag (defaults where wrong, each said)."""
     for key in data:
         if key not in TOP_KEYS:
             problems.append(f"{key}: unknown top-level key{did_you_mean(key, TOP_KEYS)} (expected one of {', '.join(TOP_KEYS)})")
@@ -112,80 +139,82 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     if not isinstance(loop, bool):
         problems.append(f"loop: expected true or false, got {loop!r}")
         loop = False
+    return name, description, engines, loop
 
+
+def _engine_config(data: dict, problems: list[str]) -> EngineConfig:
     known = EngineConfig.field_names()
     raw_engine = data.get("engine") or {}
     engine = EngineConfig()
     if not isinstance(raw_engine, dict):
         problems.append(f"engine: expected a mapping, got {raw_engine!r}")
-    else:
-        unknown = [key for key in raw_engine if key not in known]
-        for key in unknown:
-            problems.append(f"engine.{key}: unknown engine setting{did_you_mean(key, known)} (expected one of {', '.join(sorted(known))})")
-        engine = replace(engine, **{k: v for k, v in raw_engine.items() if k in known})
-        problems.extend(engine.problems("engine"))
+        return engine
+    unknown = [key for key in raw_engine if key not in known]
+    for key in unknown:
+        problems.append(f"engine.{key}: unknown engine setting{did_you_mean(key, known)} (expected one of {', '.join(sorted(known))})")
+    engine = replace(engine, **{k: v for k, v in raw_engine.items() if k in known})
+    problems.extend(engine.problems("engine"))
+    return engine
 
-    raw_phases = data.get("phases")
-    phases: list[Phase] = []
-    if not isinstance(raw_phases, list) or not raw_phases:
-        problems.append("phases: expected a non-empty list of phases")
-        raw_phases = []
-    workload_raw = data.get("workload") or {}
-    if not isinstance(workload_raw, dict):
-        problems.append(f"workload: expected a mapping, got {workload_raw!r}")
-        workload_raw = {}
-    phase_engine = engine
-    for index, raw_phase in enumerate(raw_phases):
-        where = f"phases[{index}]"
-        if not isinstance(raw_phase, dict):
-            problems.append(f"{where}: expected a mapping, got {raw_phase!r}")
-            continue
-        phase_name = raw_phase.get("name")
-        if isinstance(phase_name, str) and phase_name:
-            where = f"phases[{index}] ({phase_name})"
-        else:
-            if phase_name is not None:
-                problems.append(f"{where}.name: expected a non-empty string, got {phase_name!r}")
-            phase_name = f"phase-{index + 1}"
-        for key in raw_phase:
-            if key not in PHASE_KEYS:
-                problems.append(f"{where}.{key}: unknown phase key{did_you_mean(key, PHASE_KEYS)} (expected one of {', '.join(PHASE_KEYS)})")
-        try:
-            # kvwatch's one duration grammar (kvwatch/units.py): 90, 90s, 3m, 500ms.
-            duration = units.parse_duration(raw_phase.get("duration"))
-        except ValueError:
-            duration = None
-        if duration is None:
+
+def _parse_phase(index: int, raw_phase: dict, workload_raw: dict, phase_engine: EngineConfig,
+                 problems: list[str]) -> tuple[Phase | None, dict, EngineConfig]:
+    """One phase (None when its workload is wrong), with the workload and engine it leaves to the next."""
+    where = f"phases[{index}]"
+    phase_name = raw_phase.get("name")
+    if isinstance(phase_name, str) and phase_name:
+        where = f"phases[{index}] ({phase_name})"
+    else:
+        if phase_name is not None:
+            problems.append(f"{where}.name: expected a non-empty string, got {phase_name!r}")
+        phase_name = f"phase-{index + 1}"
+    for key in raw_phase:
+        if key not in PHASE_KEYS:
+            problems.append(f"{where}.{key}: unknown phase key{did_you_mean(key, PHASE_KEYS)} (expected one of {', '.join(PHASE_KEYS)})")
+    duration = _phase_duration(raw_phase, where, problems)
+    change = raw_phase.get("workload") or {}
+    if not isinstance(change, dict):
+        problems.append(f"{where}.workload: expected a mapping, got {change!r}")
+        change = {}
+    workload_raw = _merge(workload_raw, change)
+    workload = parse_workload(workload_raw, f"{where}.workload", problems)
+    phase_engine = _phase_engine(raw_phase, where, phase_engine, problems)
+    note = raw_phase.get("note", "")
+    phase = Phase(phase_name, duration, workload, phase_engine, str(note)) if workload is not None else None
+    return phase, workload_raw, phase_engine
+
+
+def _phase_duration(raw_phase: dict, where: str, problems: list[str]) -> float:
+    try:
+        # kvwatch's one duration grammar (kvwatch/units.py): 90, 90s, 3m, 500ms.
+        duration = units.parse_duration(raw_phase.get("duration"))
+    except ValueError:
+        duration = None
+    if duration is None:
+        problems.append(
+            f"{where}.duration: expected a positive number of seconds or a string like '90s', '3m', "
+            f"got {raw_phase.get('duration')!r}"
+        )
+        duration = 1.0
+    return duration
+
+
+def _phase_engine(raw_phase: dict, where: str, phase_engine: EngineConfig, problems: list[str]) -> EngineConfig:
+    """The engine of the phase before, with the settings a run may change changed."""
+    engine_change = raw_phase.get("engine") or {}
+    if not isinstance(engine_change, dict):
+        problems.append(f"{where}.engine: expected a mapping, got {engine_change!r}")
+        engine_change = {}
+    for key in engine_change:
+        if key not in EngineConfig.RUNTIME_FIELDS:
             problems.append(
-                f"{where}.duration: expected a positive number of seconds or a string like '90s', '3m', "
-                f"got {raw_phase.get('duration')!r}"
+                f"{where}.engine.{key}: cannot change during a run "
+                f"(a phase may change {', '.join(EngineConfig.RUNTIME_FIELDS)})"
             )
-            duration = 1.0
-        change = raw_phase.get("workload") or {}
-        if not isinstance(change, dict):
-            problems.append(f"{where}.workload: expected a mapping, got {change!r}")
-            change = {}
-        workload_raw = _merge(workload_raw, change)
-        workload = parse_workload(workload_raw, f"{where}.workload", problems)
-        engine_change = raw_phase.get("engine") or {}
-        if not isinstance(engine_change, dict):
-            problems.append(f"{where}.engine: expected a mapping, got {engine_change!r}")
-            engine_change = {}
-        for key in engine_change:
-            if key not in EngineConfig.RUNTIME_FIELDS:
-                problems.append(
-                    f"{where}.engine.{key}: cannot change during a run "
-                    f"(a phase may change {', '.join(EngineConfig.RUNTIME_FIELDS)})"
-                )
-        phase_engine = replace(phase_engine, **{k: v for k, v in engine_change.items() if k in EngineConfig.RUNTIME_FIELDS})
-        if engine_change:
-            problems.extend(phase_engine.problems(f"{where}.engine"))
-        note = raw_phase.get("note", "")
-        if workload is not None:
-            phases.append(Phase(phase_name, duration, workload, phase_engine, str(note)))
-    if problems:
-        raise ScenarioError(source, problems)
-    return Scenario(name, description, engine, phases, loop, engines, source)
+    phase_engine = replace(phase_engine, **{k: v for k, v in engine_change.items() if k in EngineConfig.RUNTIME_FIELDS})
+    if engine_change:
+        problems.extend(phase_engine.problems(f"{where}.engine"))
+    return phase_engine
 
 
 def _builtin_dir():
