@@ -37,7 +37,6 @@ OVER_FOR_NOW: dict[str, int] = {
     "kvwatch/mixin/dashboards.py:overview": 113,
     "kvwatch/pipeline/monitor.py:Monitor._ingest": 92,
     "kvwatch/sidecar/app.py:create_app": 94,
-    "kvwatch/sim/engine.py:Engine._schedule": 108,
 }
 
 

@@ -270,17 +270,34 @@ class Engine:
 
     def _schedule(self) -> bool:
         config = self.config
-        block_size = config.block_size
-        pool = self.pool
-        stats = self.stats
-        now = self.clock
-        budget = config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        prefill_tokens = 0
-        decodes = 0
-        preempted = False
+        # A decode is one new token of a request that has output already; the rest is prefill.
+        budget, prefill_tokens, decodes, preempted = self._schedule_running(config.max_num_batched_tokens, scheduled)
+        if not preempted:
+            prefill_waiting, decodes_waiting = self._schedule_waiting(budget, scheduled)
+            prefill_tokens += prefill_waiting
+            decodes += decodes_waiting
+        if not scheduled:
+            return False
+        duration = (
+            config.step_overhead_s
+            + config.decode_s_per_seq * decodes
+            + config.prefill_s_per_token * prefill_tokens
+        )
+        self.stats.prefill_forward_seconds += config.prefill_s_per_token * prefill_tokens
+        self._pending = (self.clock + duration, scheduled, prefill_tokens)
+        return True
 
+    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int]]) -> tuple[int, int, int, bool]:
+        """The running requests' next tokens, in order, within the token budget;
+        with no block left, the newest running request is preempted (vLLM's
+        recompute). Returns the budget left, the prefill tokens and decodes
+        scheduled, and whether any request was preempted."""
+        block_size = self.config.block_size
+        pool = self.pool
         running = self.running
+        preempted = False
+        prefill_tokens = decodes = 0
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -307,75 +324,78 @@ class Engine:
             else:
                 prefill_tokens += num_new
             index += 1
+        return budget, prefill_tokens, decodes, preempted
 
-        if not preempted:
-            waiting = self.waiting
-            caching = config.enable_prefix_caching
-            tier = self.tier if caching else None
-            max_seqs = config.max_num_seqs
-            while waiting and budget > 0 and len(running) < max_seqs:
-                request = waiting[0]
-                num_tokens = request.num_tokens
-                loaded = 0
-                if caching:
-                    max_hit_blocks = (num_tokens - 1) // block_size
-                    reusable = request.block_hashes(max_hit_blocks)
-                    hit = pool.longest_cached_prefix(reusable, max_hit_blocks)
-                    if tier is not None:
-                        loaded = tier.find(reusable, len(hit))
-                else:
-                    hit = []
-                num_cached = (len(hit) + loaded) * block_size
-                num_new = num_tokens - num_cached
-                if num_new > budget:
-                    num_new = budget
-                needed = -(-(num_cached + num_new) // block_size) - len(hit)
-                if needed + pool.count_evictable(hit) > pool.num_free:
-                    break
-                pool.touch(hit)
+    def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> tuple[int, int]:
+        """Waiting requests admitted in order while the budget, the sequence
+        limit and the free blocks (past their cached prefix) allow. Returns
+        the prefill tokens and decodes scheduled."""
+        config = self.config
+        block_size = config.block_size
+        pool = self.pool
+        waiting = self.waiting
+        running = self.running
+        caching = config.enable_prefix_caching
+        tier = self.tier if caching else None
+        prefill_tokens = decodes = 0
+        while waiting and budget > 0 and len(running) < config.max_num_seqs:
+            request = waiting[0]
+            num_tokens = request.num_tokens
+            loaded = 0
+            reusable: list = []
+            hit: list = []
+            if caching:
+                max_hit_blocks = (num_tokens - 1) // block_size
+                reusable = request.block_hashes(max_hit_blocks)
+                hit = pool.longest_cached_prefix(reusable, max_hit_blocks)
                 if tier is not None:
-                    # Counted before the allocation, whose evictions the tier stores.
-                    tier.retrieve(reusable, len(hit), loaded, num_tokens)
-                    if loaded:
-                        stats.tier_load_back.observe(loaded * block_size * config.tier_load_s_per_token)
-                        stats.tier_load_back_bytes += loaded * block_size * config.kv_bytes_per_token
-                request.blocks = hit + pool.allocate(needed)
-                request.num_computed = num_cached
-                request.num_published = len(hit)
-                request.state = RUNNING
-                waiting.popleft()
-                running.append(request)
-                if request.scheduled_ts < 0:
-                    # vLLM counts prefix-cache queries and hits for a request's
-                    # first admission only; recomputation after a preemption is
-                    # kept out of these counters.
-                    request.scheduled_ts = now
-                    request.num_cached_tokens = len(hit) * block_size
-                    request.num_external_tokens = loaded * block_size
-                    if caching:
-                        stats.prefix_cache_queries += num_tokens
-                        stats.prefix_cache_hits += len(hit) * block_size
-                    if tier is not None:
-                        # vLLM counts a KV connector's lookups as external queries and hits.
-                        stats.external_prefix_cache_queries += num_tokens - len(hit) * block_size
-                        stats.external_prefix_cache_hits += loaded * block_size
-                scheduled.append((request, num_new))
-                budget -= num_new
-                if num_new == 1 and request.num_output:
-                    decodes += 1
-                else:
-                    prefill_tokens += num_new
+                    loaded = tier.find(reusable, len(hit))
+            num_cached = (len(hit) + loaded) * block_size
+            num_new = num_tokens - num_cached
+            if num_new > budget:
+                num_new = budget
+            needed = -(-(num_cached + num_new) // block_size) - len(hit)
+            if needed + pool.count_evictable(hit) > pool.num_free:
+                break
+            pool.touch(hit)
+            if tier is not None:
+                # Counted before the allocation, whose evictions the tier stores.
+                tier.retrieve(reusable, len(hit), loaded, num_tokens)
+                if loaded:
+                    self.stats.tier_load_back.observe(loaded * block_size * config.tier_load_s_per_token)
+                    self.stats.tier_load_back_bytes += loaded * block_size * config.kv_bytes_per_token
+            request.blocks = hit + pool.allocate(needed)
+            request.num_computed = num_cached
+            request.num_published = len(hit)
+            request.state = RUNNING
+            waiting.popleft()
+            running.append(request)
+            if request.scheduled_ts < 0:
+                self._count_first_admission(request, hit, loaded)
+            scheduled.append((request, num_new))
+            budget -= num_new
+            if num_new == 1 and request.num_output:
+                decodes += 1
+            else:
+                prefill_tokens += num_new
+        return prefill_tokens, decodes
 
-        if not scheduled:
-            return False
-        duration = (
-            config.step_overhead_s
-            + config.decode_s_per_seq * decodes
-            + config.prefill_s_per_token * prefill_tokens
-        )
-        stats.prefill_forward_seconds += config.prefill_s_per_token * prefill_tokens
-        self._pending = (now + duration, scheduled, prefill_tokens)
-        return True
+    def _count_first_admission(self, request: Request, hit: list, loaded: int) -> None:
+        """vLLM counts prefix-cache queries and hits for a request's first
+        admission only; recomputation after a preemption is kept out of these
+        counters."""
+        block_size = self.config.block_size
+        stats = self.stats
+        request.scheduled_ts = self.clock
+        request.num_cached_tokens = len(hit) * block_size
+        request.num_external_tokens = loaded * block_size
+        if self.config.enable_prefix_caching:
+            stats.prefix_cache_queries += request.num_tokens
+            stats.prefix_cache_hits += len(hit) * block_size
+        if self.tier is not None and self.config.enable_prefix_caching:
+            # vLLM counts a KV connector's lookups as external queries and hits.
+            stats.external_prefix_cache_queries += request.num_tokens - len(hit) * block_size
+            stats.external_prefix_cache_hits += loaded * block_size
 
     def _preempt(self, request: Request) -> None:
         self.pool.free(request.blocks)
