@@ -23,7 +23,6 @@ LIMIT = 80
 OVER_FOR_NOW: dict[str, int] = {
     "kvwatch/capacity/arithmetic.py:kv_structure": 140,
     "kvwatch/capacity/arithmetic.py:compute_capacity": 101,
-    "kvwatch/capacity/hardware.py:count_weights": 202,
     "kvwatch/central/app.py:create_central_app": 95,
     "kvwatch/commands/capture.py:run": 101,
     "kvwatch/commands/diagnose.py:run": 129,

@@ -123,6 +123,25 @@ def _split(n: int, tp: int) -> int:
     return -(-n // tp)
 
 
+@dataclass(frozen=True)
+class _Shapes:
+    """The config's shapes the weight count reads, and the tensor parallel size."""
+
+    config: Mapping[str, Any]
+    cfg: Mapping[str, Any]  # the language model's section (the config itself unless nested)
+    model_type: str | None
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int
+    tp: int
+
+
+def _term(name: str, total: int, per_gpu: int, split: str, formula: str) -> list[WeightTerm]:
+    """The term, or none when it counts no parameter."""
+    return [WeightTerm(name, total, per_gpu, split, formula)] if total else []
+
+
 def count_weights(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> WeightCount:
     """Parameters from the config's shapes: embeddings, attention (MHA, GQA, MQA,
     MLA), MLP (plain, gated, MoE experts with shared experts and router), norms,
@@ -134,16 +153,33 @@ def count_weights(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> W
     if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
         raise CapacityInputError(f"--tensor-parallel-size must be a positive integer, got {tp!r}")
     cfg, section = cap._language_section(config)
-    model_type = cfg.get("model_type") or config.get("model_type")
-    steps: list[str] = []
-    notes: list[str] = []
-
     dtype = cap._model_dtype(config, cfg)
     if dtype is None:
         raise CapacityInputError("counting the weights needs the config's torch_dtype (or "
                                  "dtype); or give --weights-bytes per GPU")
     dtype_bytes = cap._dtype_bytes(dtype, "torch_dtype")
+    shapes = _read_shapes(config, cfg, tp)
+    steps: list[str] = []
+    terms = _embedding_terms(shapes, steps)
+    terms += _mla_attention_term(shapes) if cfg.get("kv_lora_rank") is not None else _attention_term(shapes)
+    terms += _mlp_terms(shapes)
+    norms = (2 * shapes.layers + 1) * shapes.hidden
+    terms += _term("norms", norms, norms, "replicated", f"(2 per layer x {shapes.layers} + final 1) x {shapes.hidden}")
+    total = sum(t.parameters for t in terms)
+    per_gpu = sum(t.per_gpu_parameters for t in terms)
+    nbytes = per_gpu * dtype_bytes
+    for term in terms:
+        steps.append(f"{term.name} = {term.formula} = {term.parameters:,}; on one GPU "
+                     f"{term.per_gpu_parameters:,} ({term.split})")
+    steps.append(f"parameters = {total:,} ({total / 1e9:.2f} B); on one GPU of {tp}: "
+                 f"{per_gpu:,} x {dtype_bytes} B ({dtype}) = {nbytes:,} B ({human_bytes(nbytes)})")
+    return WeightCount(model_type=shapes.model_type, dtype=dtype, dtype_bytes=dtype_bytes,
+                       tensor_parallel_size=tp, terms=terms, parameters=total,
+                       per_gpu_parameters=per_gpu, bytes_per_gpu=nbytes, steps=steps,
+                       notes=_weight_notes(config, cfg, section, dtype))
 
+
+def _read_shapes(config: Mapping[str, Any], cfg: Mapping[str, Any], tp: int) -> _Shapes:
     _, layers = cap._require(cfg, cap._LAYER_KEYS, "the layer count")
     _, hidden = cap._require(cfg, cap._HIDDEN_KEYS, "the weight shapes")
     _, vocab = cap._require(cfg, ("vocab_size",), "the embedding size")
@@ -154,162 +190,179 @@ def count_weights(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> W
         raise CapacityInputError(
             f"the config has {', '.join(odd)} layers, whose weights kvwatch does not count; "
             "give --weights-bytes (the checkpoint's bytes per GPU) instead")
+    return _Shapes(config, cfg, cfg.get("model_type") or config.get("model_type"), layers, hidden, vocab, heads, tp)
 
-    terms: list[WeightTerm] = []
 
-    def add(name: str, total: int, per_gpu: int, split: str, formula: str) -> None:
-        if total:
-            terms.append(WeightTerm(name, total, per_gpu, split, formula))
-
-    # Embeddings and head: vLLM's VocabParallelEmbedding / ParallelLMHead pad the
-    # vocabulary to a multiple of 64 and give each rank a slice of the rows.
+def _embedding_terms(shapes: _Shapes, steps: list[str]) -> list[WeightTerm]:
+    """Embeddings and head: vLLM's VocabParallelEmbedding / ParallelLMHead pad the
+    vocabulary to a multiple of 64 and give each rank a slice of the rows. A
+    tied head adds nothing, said in `steps`."""
+    cfg, config, vocab, hidden = shapes.cfg, shapes.config, shapes.vocab, shapes.hidden
     padded = _split(vocab, _VOCAB_PADDING) * _VOCAB_PADDING
-    rows_per_gpu = _split(padded, tp)
-    add("embeddings", vocab * hidden, rows_per_gpu * hidden, "sharded (vocabulary rows)",
-        f"vocab_size {vocab} x hidden_size {hidden}")
+    rows_per_gpu = _split(padded, shapes.tp)
+    terms = _term("embeddings", vocab * hidden, rows_per_gpu * hidden, "sharded (vocabulary rows)",
+                  f"vocab_size {vocab} x hidden_size {hidden}")
     if "tie_word_embeddings" in cfg or "tie_word_embeddings" in config:
         tied = bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings")))
         tie_line = f"tie_word_embeddings = {str(tied).lower()}"
     else:
-        tied = model_type in _TIED_BY_DEFAULT
-        tie_line = (f"tie_word_embeddings absent: {model_type}'s default, "
+        tied = shapes.model_type in _TIED_BY_DEFAULT
+        tie_line = (f"tie_word_embeddings absent: {shapes.model_type}'s default, "
                     f"{'tied' if tied else 'untied'}")
     if tied:
         steps.append(f"lm_head: {tie_line}, it shares the embedding matrix and adds nothing")
-    else:
-        add("lm_head", vocab * hidden, rows_per_gpu * hidden, "sharded (vocabulary rows)",
-            f"hidden_size {hidden} x vocab_size {vocab} ({tie_line})")
+        return terms
+    return terms + _term("lm_head", vocab * hidden, rows_per_gpu * hidden, "sharded (vocabulary rows)",
+                         f"hidden_size {hidden} x vocab_size {vocab} ({tie_line})")
 
-    # Attention, per layer.
-    if cfg.get("kv_lora_rank") is not None:
-        kv_rank = cap._positive_int(cfg, "kv_lora_rank")
-        rope = _get(cfg, "qk_rope_head_dim")
-        nope = _get(cfg, "qk_nope_head_dim")
-        v_dim = _get(cfg, "v_head_dim")
-        if rope is None or nope is None or v_dim is None:
-            raise CapacityInputError("an MLA config (kv_lora_rank) needs qk_rope_head_dim, "
-                                     "qk_nope_head_dim and v_head_dim to count its weights")
-        q_rank = _get(cfg, "q_lora_rank")
-        qk = nope + rope
-        sharded = heads * (nope + v_dim) * kv_rank + heads * v_dim * hidden
-        replicated = hidden * (kv_rank + rope) + kv_rank
-        if q_rank:
-            sharded += q_rank * heads * qk
-            replicated += hidden * q_rank + q_rank
-            q_line = (f"q_a {hidden} x q_lora_rank {q_rank} + norm + q_b {q_rank} x {heads} "
-                      f"heads x {qk}")
-        else:
-            sharded += hidden * heads * qk
-            q_line = f"q {hidden} x {heads} heads x (nope {nope} + rope {rope})"
-        add("attention", layers * (sharded + replicated),
-            layers * (_split(sharded, tp) + replicated),
-            "q, kv_b, o sharded; kv_a and its norm replicated",
-            f"MLA, {layers} layers x ({q_line} + kv_a {hidden} x (kv_lora_rank {kv_rank} + "
-            f"rope {rope}) + norm {kv_rank} + kv_b {kv_rank} x {heads} x (nope {nope} + v "
-            f"{v_dim}) + o {heads} x {v_dim} x {hidden})")
-    else:
-        kv_heads = _get(cfg, *cap._KV_HEAD_KEYS)
-        if kv_heads is None:
-            if cfg.get("multi_query_attention") and cfg.get("multi_query_group_num"):
-                kv_heads = cap._positive_int(cfg, "multi_query_group_num")
-            elif cfg.get("multi_query") is True:
-                kv_heads = 1
-            else:
-                kv_heads = heads
-        head_dim = _get(cfg, "head_dim") or hidden // heads
-        q = hidden * heads * head_dim
-        o = heads * head_dim * hidden
-        kv = 2 * hidden * kv_heads * head_dim
-        # With more ranks than KV heads, vLLM gives each rank one whole KV head.
-        kv_heads_per_gpu = max(1, _split(kv_heads, tp))
-        kv_per_gpu = 2 * hidden * kv_heads_per_gpu * head_dim
-        bias = bias_per_gpu = 0
-        bias_line = ""
-        if cfg.get("attention_bias") is True or cfg.get("bias") is True:
-            bias = heads * head_dim + 2 * kv_heads * head_dim + hidden
-            bias_per_gpu = _split(heads * head_dim, tp) + 2 * kv_heads_per_gpu * head_dim + hidden
-            bias_line = " + q, k, v, o biases"
-        elif model_type in _QKV_BIAS:
-            bias = heads * head_dim + 2 * kv_heads * head_dim
-            bias_per_gpu = _split(heads * head_dim, tp) + 2 * kv_heads_per_gpu * head_dim
-            bias_line = f" + q, k, v biases ({model_type})"
-        add("attention", layers * (q + o + kv + bias),
-            layers * (_split(q + o, tp) + kv_per_gpu + bias_per_gpu),
-            "sharded by heads" + (f"; {kv_heads} KV heads over {tp} ranks: each holds "
-                                  f"{kv_heads_per_gpu}" if tp > 1 else ""),
-            f"{layers} layers x (q {hidden} x {heads} x {head_dim} + k, v 2 x {hidden} x "
-            f"{kv_heads} x {head_dim} + o {heads} x {head_dim} x {hidden}{bias_line})")
 
-    # MLP, per layer: dense, or routed experts + shared experts + router.
-    gated = model_type not in _UNGATED_MLP
+def _mla_attention_term(shapes: _Shapes) -> list[WeightTerm]:
+    """Multi-head latent attention (kv_lora_rank), per layer."""
+    cfg, hidden, heads, layers = shapes.cfg, shapes.hidden, shapes.heads, shapes.layers
+    kv_rank = cap._positive_int(cfg, "kv_lora_rank")
+    rope = _get(cfg, "qk_rope_head_dim")
+    nope = _get(cfg, "qk_nope_head_dim")
+    v_dim = _get(cfg, "v_head_dim")
+    if rope is None or nope is None or v_dim is None:
+        raise CapacityInputError("an MLA config (kv_lora_rank) needs qk_rope_head_dim, "
+                                 "qk_nope_head_dim and v_head_dim to count its weights")
+    q_rank = _get(cfg, "q_lora_rank")
+    qk = nope + rope
+    sharded = heads * (nope + v_dim) * kv_rank + heads * v_dim * hidden
+    replicated = hidden * (kv_rank + rope) + kv_rank
+    if q_rank:
+        sharded += q_rank * heads * qk
+        replicated += hidden * q_rank + q_rank
+        q_line = (f"q_a {hidden} x q_lora_rank {q_rank} + norm + q_b {q_rank} x {heads} "
+                  f"heads x {qk}")
+    else:
+        sharded += hidden * heads * qk
+        q_line = f"q {hidden} x {heads} heads x (nope {nope} + rope {rope})"
+    return _term("attention", layers * (sharded + replicated),
+                 layers * (_split(sharded, shapes.tp) + replicated),
+                 "q, kv_b, o sharded; kv_a and its norm replicated",
+                 f"MLA, {layers} layers x ({q_line} + kv_a {hidden} x (kv_lora_rank {kv_rank} + "
+                 f"rope {rope}) + norm {kv_rank} + kv_b {kv_rank} x {heads} x (nope {nope} + v "
+                 f"{v_dim}) + o {heads} x {v_dim} x {hidden})")
+
+
+def _kv_heads(cfg: Mapping[str, Any], heads: int) -> int:
+    kv_heads = _get(cfg, *cap._KV_HEAD_KEYS)
+    if kv_heads is not None:
+        return kv_heads
+    if cfg.get("multi_query_attention") and cfg.get("multi_query_group_num"):
+        return cap._positive_int(cfg, "multi_query_group_num")
+    if cfg.get("multi_query") is True:
+        return 1
+    return heads
+
+
+def _attention_term(shapes: _Shapes) -> list[WeightTerm]:
+    """Multi-head, grouped-query or multi-query attention, per layer, with its biases."""
+    cfg, hidden, heads, layers, tp, model_type = (shapes.cfg, shapes.hidden, shapes.heads, shapes.layers,
+                                                   shapes.tp, shapes.model_type)
+    kv_heads = _kv_heads(cfg, heads)
+    head_dim = _get(cfg, "head_dim") or hidden // heads
+    q = hidden * heads * head_dim
+    o = heads * head_dim * hidden
+    kv = 2 * hidden * kv_heads * head_dim
+    # With more ranks than KV heads, vLLM gives each rank one whole KV head.
+    kv_heads_per_gpu = max(1, _split(kv_heads, tp))
+    kv_per_gpu = 2 * hidden * kv_heads_per_gpu * head_dim
+    bias = bias_per_gpu = 0
+    bias_line = ""
+    if cfg.get("attention_bias") is True or cfg.get("bias") is True:
+        bias = heads * head_dim + 2 * kv_heads * head_dim + hidden
+        bias_per_gpu = _split(heads * head_dim, tp) + 2 * kv_heads_per_gpu * head_dim + hidden
+        bias_line = " + q, k, v, o biases"
+    elif model_type in _QKV_BIAS:
+        bias = heads * head_dim + 2 * kv_heads * head_dim
+        bias_per_gpu = _split(heads * head_dim, tp) + 2 * kv_heads_per_gpu * head_dim
+        bias_line = f" + q, k, v biases ({model_type})"
+    return _term("attention", layers * (q + o + kv + bias),
+                 layers * (_split(q + o, tp) + kv_per_gpu + bias_per_gpu),
+                 "sharded by heads" + (f"; {kv_heads} KV heads over {tp} ranks: each holds "
+                                       f"{kv_heads_per_gpu}" if tp > 1 else ""),
+                 f"{layers} layers x (q {hidden} x {heads} x {head_dim} + k, v 2 x {hidden} x "
+                 f"{kv_heads} x {head_dim} + o {heads} x {head_dim} x {hidden}{bias_line})")
+
+
+def _moe_layer_rule(cfg: Mapping[str, Any], layers: int) -> tuple[list[bool], str]:
+    """Which layers hold experts, and the config's rule for it in words."""
+    if cfg.get("n_routed_experts") is not None:
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        freq = int(cfg.get("moe_layer_freq") or 1)
+        return ([i >= first_dense and i % freq == 0 for i in range(layers)],
+                f"layers from first_k_dense_replace {first_dense} on, every moe_layer_freq {freq}")
+    if cfg.get("decoder_sparse_step") is not None or cfg.get("mlp_only_layers"):
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        only = set(cfg.get("mlp_only_layers") or [])
+        return ([i not in only and (i + 1) % step == 0 for i in range(layers)],
+                f"every decoder_sparse_step {step} layer, not mlp_only_layers")
+    return [True] * layers, "every layer"
+
+
+def _mlp_terms(shapes: _Shapes) -> list[WeightTerm]:
+    """MLP, per layer: dense, or routed experts + shared experts + router."""
+    cfg, hidden, layers, tp = shapes.cfg, shapes.hidden, shapes.layers, shapes.tp
+    gated = shapes.model_type not in _UNGATED_MLP
     matrices = 3 if gated else 2
     mlp_kind = "gated: gate, up, down" if gated else "up, down"
     dense_inter = _get(cfg, "intermediate_size", "ffn_dim", "n_inner")
     if dense_inter is None and not gated:
         dense_inter = 4 * hidden
     experts = _get(cfg, "num_local_experts", "n_routed_experts", "num_experts")
+    terms: list[WeightTerm] = []
     moe_layers = 0
     if experts:
-        expert_inter = _get(cfg, "moe_intermediate_size") or dense_inter
-        if expert_inter is None:
-            raise CapacityInputError("an MoE config needs moe_intermediate_size or "
-                                     "intermediate_size to count its experts")
-        if cfg.get("n_routed_experts") is not None:
-            first_dense = int(cfg.get("first_k_dense_replace") or 0)
-            freq = int(cfg.get("moe_layer_freq") or 1)
-            is_moe = [i >= first_dense and i % freq == 0 for i in range(layers)]
-            rule = f"layers from first_k_dense_replace {first_dense} on, every moe_layer_freq {freq}"
-        elif cfg.get("decoder_sparse_step") is not None or cfg.get("mlp_only_layers"):
-            step = int(cfg.get("decoder_sparse_step") or 1)
-            only = set(cfg.get("mlp_only_layers") or [])
-            is_moe = [i not in only and (i + 1) % step == 0 for i in range(layers)]
-            rule = f"every decoder_sparse_step {step} layer, not mlp_only_layers"
-        else:
-            is_moe = [True] * layers
-            rule = "every layer"
-        moe_layers = sum(is_moe)
-        routed = experts * matrices * hidden * expert_inter
-        add("experts", moe_layers * routed, moe_layers * _split(routed, tp),
-            "sharded (each expert's intermediate split)",
-            f"{moe_layers} MoE layers ({rule}) x {experts} experts x {matrices} x {hidden} x "
-            f"{expert_inter}")
-        shared_inter = 0
-        if cfg.get("n_shared_experts"):
-            shared_inter = cap._positive_int(cfg, "n_shared_experts") * expert_inter
-            shared_line = f"n_shared_experts {cfg['n_shared_experts']} x {expert_inter}"
-        elif cfg.get("shared_expert_intermediate_size"):
-            shared_inter = cap._positive_int(cfg, "shared_expert_intermediate_size")
-            shared_line = f"shared_expert_intermediate_size {shared_inter} (+ its gate)"
-        if shared_inter:
-            shared = matrices * hidden * shared_inter
-            gate = hidden if cfg.get("shared_expert_intermediate_size") else 0
-            add("shared experts", moe_layers * (shared + gate),
-                moe_layers * (_split(shared, tp) + gate), "sharded",
-                f"{moe_layers} MoE layers x {matrices} x {hidden} x {shared_line}")
-        add("router", moe_layers * hidden * experts, moe_layers * hidden * experts, "replicated",
-            f"{moe_layers} MoE layers x {hidden} x {experts} experts")
+        moe_layers, terms = _expert_terms(shapes, experts, matrices, dense_inter)
     dense_layers = layers - moe_layers
     if dense_layers:
         if dense_inter is None:
             raise CapacityInputError("the config has no intermediate_size, needed for the MLP")
         dense = matrices * hidden * dense_inter
-        add("mlp", dense_layers * dense, dense_layers * _split(dense, tp), "sharded",
-            f"{dense_layers} dense layers x {matrices} ({mlp_kind}) x {hidden} x "
-            f"intermediate_size {dense_inter}")
+        terms += _term("mlp", dense_layers * dense, dense_layers * _split(dense, tp), "sharded",
+                       f"{dense_layers} dense layers x {matrices} ({mlp_kind}) x {hidden} x "
+                       f"intermediate_size {dense_inter}")
+    return terms
 
-    norms = (2 * layers + 1) * hidden
-    add("norms", norms, norms, "replicated",
-        f"(2 per layer x {layers} + final 1) x {hidden}")
 
-    total = sum(t.parameters for t in terms)
-    per_gpu = sum(t.per_gpu_parameters for t in terms)
-    nbytes = per_gpu * dtype_bytes
-    for term in terms:
-        steps.append(f"{term.name} = {term.formula} = {term.parameters:,}; on one GPU "
-                     f"{term.per_gpu_parameters:,} ({term.split})")
-    steps.append(f"parameters = {total:,} ({total / 1e9:.2f} B); on one GPU of {tp}: "
-                 f"{per_gpu:,} x {dtype_bytes} B ({dtype}) = {nbytes:,} B ({human_bytes(nbytes)})")
+def _expert_terms(shapes: _Shapes, experts: int, matrices: int,
+                  dense_inter: int | None) -> tuple[int, list[WeightTerm]]:
+    """The MoE layers' count, and their routed experts, shared experts and router."""
+    cfg, hidden, tp = shapes.cfg, shapes.hidden, shapes.tp
+    expert_inter = _get(cfg, "moe_intermediate_size") or dense_inter
+    if expert_inter is None:
+        raise CapacityInputError("an MoE config needs moe_intermediate_size or "
+                                 "intermediate_size to count its experts")
+    is_moe, rule = _moe_layer_rule(cfg, shapes.layers)
+    moe_layers = sum(is_moe)
+    routed = experts * matrices * hidden * expert_inter
+    terms = _term("experts", moe_layers * routed, moe_layers * _split(routed, tp),
+                  "sharded (each expert's intermediate split)",
+                  f"{moe_layers} MoE layers ({rule}) x {experts} experts x {matrices} x {hidden} x "
+                  f"{expert_inter}")
+    shared_inter = 0
+    if cfg.get("n_shared_experts"):
+        shared_inter = cap._positive_int(cfg, "n_shared_experts") * expert_inter
+        shared_line = f"n_shared_experts {cfg['n_shared_experts']} x {expert_inter}"
+    elif cfg.get("shared_expert_intermediate_size"):
+        shared_inter = cap._positive_int(cfg, "shared_expert_intermediate_size")
+        shared_line = f"shared_expert_intermediate_size {shared_inter} (+ its gate)"
+    if shared_inter:
+        shared = matrices * hidden * shared_inter
+        gate = hidden if cfg.get("shared_expert_intermediate_size") else 0
+        terms += _term("shared experts", moe_layers * (shared + gate),
+                       moe_layers * (_split(shared, tp) + gate), "sharded",
+                       f"{moe_layers} MoE layers x {matrices} x {hidden} x {shared_line}")
+    terms += _term("router", moe_layers * hidden * experts, moe_layers * hidden * experts, "replicated",
+                   f"{moe_layers} MoE layers x {hidden} x {experts} experts")
+    return moe_layers, terms
 
+
+def _weight_notes(config: Mapping[str, Any], cfg: Mapping[str, Any], section: str | None, dtype: str) -> list[str]:
+    """What the count leaves out or overstates, each with the way to the real figure."""
+    notes = []
     if section:
         notes.append(f"Only the language model ({section}) is counted: a vision or audio "
                      "encoder's weights are not, so the KV budget is too high; give "
@@ -321,10 +374,7 @@ def count_weights(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> W
     if cfg.get("num_nextn_predict_layers"):
         notes.append(f"{cfg['num_nextn_predict_layers']} MTP layer(s) are not counted; vLLM "
                      "loads them only for speculative decoding.")
-    return WeightCount(model_type=model_type, dtype=dtype, dtype_bytes=dtype_bytes,
-                       tensor_parallel_size=tp, terms=terms, parameters=total,
-                       per_gpu_parameters=per_gpu, bytes_per_gpu=nbytes, steps=steps,
-                       notes=notes)
+    return notes
 
 
 def kv_shards(config: Mapping[str, Any], tensor_parallel_size: int) -> tuple[int, str]:
