@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from kvwatch import units
+from kvwatch.capacity.estimate import RequestEstimate, human_bytes, request_estimate  # noqa: F401 (re-exported)
 
 KV_DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp32")
 
@@ -312,20 +313,7 @@ def kv_structure(config: Mapping[str, Any], kv_dtype: str = "auto") -> KVStructu
     where = f" (from {section})" if section else ""
     if section:
         steps.append(f"language model fields read from {section}")
-
-    kv_dtype = (kv_dtype or "auto").lower()
-    if kv_dtype == "auto":
-        model_dtype = _model_dtype(config, cfg)
-        if model_dtype is None:
-            raise CapacityInputError(
-                "--kv-dtype auto uses the model's torch_dtype, and the config has none; "
-                "pass --kv-dtype fp16, bf16, fp8 or fp32")
-        dtype_bytes = _dtype_bytes(model_dtype, "torch_dtype")
-        dtype_label = f"auto = torch_dtype {model_dtype}"
-    else:
-        dtype_bytes = _dtype_bytes(kv_dtype, "KV cache dtype")
-        dtype_label = kv_dtype
-
+    dtype_bytes, dtype_label = _kv_dtype_bytes(config, cfg, kv_dtype)
     layers_key, num_layers = _require(cfg, _LAYER_KEYS, "the layer count")
     kinds, kinds_source = _raw_layer_kinds(cfg, num_layers)
     window = _sliding_window(cfg)
@@ -333,77 +321,127 @@ def kv_structure(config: Mapping[str, Any], kv_dtype: str = "auto") -> KVStructu
         raise CapacityInputError(
             "the config's layer list names sliding-window layers but sliding_window is not set")
     kinds, window_rule = _resolve_attention(cfg, kinds, window, model_type)
-
-    heads: int | None = None
-    kv_heads: int | None = None
-    head_dim: int | None = None
-    kv_lora_rank: int | None = None
-    rope_dim: int | None = None
     if cfg.get("kv_lora_rank") is not None:
-        # Multi-head latent attention caches one compressed latent (kv_lora_rank)
-        # plus the shared rotary key part per token and layer; K and V are
-        # rebuilt from it, so there is no factor 2 and no head count.
-        attention = "MLA"
-        kv_lora_rank = _positive_int(cfg, "kv_lora_rank")
-        if cfg.get("qk_rope_head_dim") is None:
-            raise CapacityInputError(
-                "the model config has kv_lora_rank (MLA) but no qk_rope_head_dim, "
-                "needed for the rotary part of the cached latent")
-        rope_dim = _positive_int(cfg, "qk_rope_head_dim")
-        elements = kv_lora_rank + rope_dim
-        steps.append(f"attention: MLA (kv_lora_rank{where}), one latent vector per layer and "
-                     "token, no separate K and V")
-        steps.append(f"KV elements per token per layer = kv_lora_rank {kv_lora_rank} + "
-                     f"qk_rope_head_dim {rope_dim} = {elements}")
-        if dtype_bytes == 1:
-            notes.append("MLA with an fp8 cache: some vLLM backends (fp8_ds_mla) store the "
-                         "rotary part in bf16 plus scales (656 B per token and layer for "
-                         "DeepSeek V3), more than the 1 byte per element counted here.")
+        shape = _mla_shape(cfg, where, dtype_bytes, steps, notes)
     else:
-        heads_key, heads = _require(cfg, _HEAD_KEYS, "the head count")
-        found_kv = _first(cfg, _KV_HEAD_KEYS)
-        if found_kv is not None:
-            kv_key, kv_heads = found_kv
-            kv_line = f"{kv_key} = {kv_heads}"
-        elif cfg.get("multi_query_attention") and cfg.get("multi_query_group_num") is not None:
-            kv_heads = _positive_int(cfg, "multi_query_group_num")
-            kv_line = f"multi_query_group_num = {kv_heads}"
-        elif cfg.get("multi_query") is True:
-            kv_heads = 1
-            kv_line = "multi_query = true, so 1"
-        else:
-            kv_heads = heads
-            kv_line = f"no num_key_value_heads, so {heads_key} = {heads}"
-        if cfg.get("head_dim") is not None:
-            head_dim = _positive_int(cfg, "head_dim")
-            dim_line = f"head_dim = {head_dim} (config)"
-        else:
-            hidden_key, hidden = _require(cfg, _HIDDEN_KEYS, "head_dim (hidden_size / heads)")
-            if hidden % heads:
-                raise CapacityInputError(
-                    f"{hidden_key} {hidden} is not a multiple of {heads_key} {heads} and the "
-                    "config gives no head_dim")
-            head_dim = hidden // heads
-            dim_line = f"head_dim = {hidden_key} {hidden} / {heads_key} {heads} = {head_dim}"
-        if kv_heads == heads:
-            attention = "MHA"
-        elif kv_heads == 1:
-            attention = "MQA"
-        else:
-            attention = "GQA"
-        elements = 2 * kv_heads * head_dim
-        steps.append(f"attention: {attention}{where}, KV heads: {kv_line} "
-                     f"(of {heads} query heads)")
-        steps.append(dim_line)
-        steps.append(f"KV elements per token per layer = 2 (K and V) x {kv_heads} KV heads x "
-                     f"head_dim {head_dim} = {elements}")
-
+        shape = _heads_shape(cfg, where, steps)
+    elements = shape["elements"]
     per_layer = elements * dtype_bytes
     steps.append(f"bytes per token per layer = {elements} x {dtype_bytes} B ({dtype_label}) "
                  f"= {per_layer} B")
+    full, sliding = kinds.count("full"), kinds.count("sliding")
+    steps.append(_layers_line(kinds, num_layers, layers_key, window, kinds_source))
+    if window_rule and sliding:
+        steps.append(window_rule)
+    if full + sliding == 0:
+        raise CapacityInputError(
+            "the config describes no attention layer, so there is no KV cache to size")
+    bytes_per_token = per_layer * (full + sliding)
+    steps.append(f"bytes per token = {per_layer} B x {full + sliding} KV layers = "
+                 f"{bytes_per_token} B ({human_bytes(bytes_per_token)})"
+                 + (f"; the {sliding} sliding-window layers stop growing at the window"
+                    if sliding else ""))
+    state_bytes = _mamba_state_bytes(config, cfg, kinds, steps, notes)
+    _structure_notes(cfg, kinds, notes)
+    return KVStructure(
+        config_section=section, model_type=model_type, attention=shape["attention"],
+        num_layers=num_layers, layer_kinds=kinds, full_layers=full, sliding_layers=sliding,
+        no_kv_layers=num_layers - full - sliding, sliding_window=window if sliding else None,
+        num_attention_heads=shape.get("heads"), num_kv_heads=shape.get("kv_heads"), head_dim=shape.get("head_dim"),
+        kv_lora_rank=shape.get("kv_lora_rank"), qk_rope_head_dim=shape.get("rope_dim"), kv_dtype=dtype_label,
+        kv_dtype_bytes=dtype_bytes, elements_per_token_per_layer=elements,
+        bytes_per_token_per_layer=per_layer, bytes_per_token=bytes_per_token,
+        full_bytes_per_token=per_layer * full, sliding_bytes_per_token=per_layer * sliding,
+        state_bytes_per_request=state_bytes, steps=steps, notes=notes)
 
-    full = kinds.count("full")
-    sliding = kinds.count("sliding")
+
+def _kv_dtype_bytes(config: Mapping[str, Any], cfg: Mapping[str, Any], kv_dtype: str) -> tuple[int, str]:
+    """Bytes of one KV element and how the dtype was chosen ('auto' follows the model's torch_dtype)."""
+    kv_dtype = (kv_dtype or "auto").lower()
+    if kv_dtype != "auto":
+        return _dtype_bytes(kv_dtype, "KV cache dtype"), kv_dtype
+    model_dtype = _model_dtype(config, cfg)
+    if model_dtype is None:
+        raise CapacityInputError(
+            "--kv-dtype auto uses the model's torch_dtype, and the config has none; "
+            "pass --kv-dtype fp16, bf16, fp8 or fp32")
+    return _dtype_bytes(model_dtype, "torch_dtype"), f"auto = torch_dtype {model_dtype}"
+
+
+def _mla_shape(cfg: Mapping[str, Any], where: str, dtype_bytes: int, steps: list[str],
+               notes: list[str]) -> dict[str, Any]:
+    """Multi-head latent attention caches one compressed latent (kv_lora_rank)
+    plus the shared rotary key part per token and layer; K and V are rebuilt
+    from it, so there is no factor 2 and no head count."""
+    kv_lora_rank = _positive_int(cfg, "kv_lora_rank")
+    if cfg.get("qk_rope_head_dim") is None:
+        raise CapacityInputError(
+            "the model config has kv_lora_rank (MLA) but no qk_rope_head_dim, "
+            "needed for the rotary part of the cached latent")
+    rope_dim = _positive_int(cfg, "qk_rope_head_dim")
+    elements = kv_lora_rank + rope_dim
+    steps.append(f"attention: MLA (kv_lora_rank{where}), one latent vector per layer and "
+                 "token, no separate K and V")
+    steps.append(f"KV elements per token per layer = kv_lora_rank {kv_lora_rank} + "
+                 f"qk_rope_head_dim {rope_dim} = {elements}")
+    if dtype_bytes == 1:
+        notes.append("MLA with an fp8 cache: some vLLM backends (fp8_ds_mla) store the "
+                     "rotary part in bf16 plus scales (656 B per token and layer for "
+                     "DeepSeek V3), more than the 1 byte per element counted here.")
+    return {"attention": "MLA", "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, "elements": elements}
+
+
+def _kv_heads_line(cfg: Mapping[str, Any], heads: int, heads_key: str) -> tuple[int, str]:
+    """The KV head count and where it came from."""
+    found_kv = _first(cfg, _KV_HEAD_KEYS)
+    if found_kv is not None:
+        kv_key, kv_heads = found_kv
+        return kv_heads, f"{kv_key} = {kv_heads}"
+    if cfg.get("multi_query_attention") and cfg.get("multi_query_group_num") is not None:
+        kv_heads = _positive_int(cfg, "multi_query_group_num")
+        return kv_heads, f"multi_query_group_num = {kv_heads}"
+    if cfg.get("multi_query") is True:
+        return 1, "multi_query = true, so 1"
+    return heads, f"no num_key_value_heads, so {heads_key} = {heads}"
+
+
+def _head_dim_line(cfg: Mapping[str, Any], heads: int, heads_key: str) -> tuple[int, str]:
+    """head_dim from the config, else hidden size over heads, and how."""
+    if cfg.get("head_dim") is not None:
+        head_dim = _positive_int(cfg, "head_dim")
+        return head_dim, f"head_dim = {head_dim} (config)"
+    hidden_key, hidden = _require(cfg, _HIDDEN_KEYS, "head_dim (hidden_size / heads)")
+    if hidden % heads:
+        raise CapacityInputError(
+            f"{hidden_key} {hidden} is not a multiple of {heads_key} {heads} and the "
+            "config gives no head_dim")
+    head_dim = hidden // heads
+    return head_dim, f"head_dim = {hidden_key} {hidden} / {heads_key} {heads} = {head_dim}"
+
+
+def _heads_shape(cfg: Mapping[str, Any], where: str, steps: list[str]) -> dict[str, Any]:
+    """Multi-head, grouped-query or multi-query attention: K and V per KV head."""
+    heads_key, heads = _require(cfg, _HEAD_KEYS, "the head count")
+    kv_heads, kv_line = _kv_heads_line(cfg, heads, heads_key)
+    head_dim, dim_line = _head_dim_line(cfg, heads, heads_key)
+    if kv_heads == heads:
+        attention = "MHA"
+    elif kv_heads == 1:
+        attention = "MQA"
+    else:
+        attention = "GQA"
+    elements = 2 * kv_heads * head_dim
+    steps.append(f"attention: {attention}{where}, KV heads: {kv_line} "
+                 f"(of {heads} query heads)")
+    steps.append(dim_line)
+    steps.append(f"KV elements per token per layer = 2 (K and V) x {kv_heads} KV heads x "
+                 f"head_dim {head_dim} = {elements}")
+    return {"attention": attention, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "elements": elements}
+
+
+def _layers_line(kinds: list[str], num_layers: int, layers_key: str, window: int | None,
+                 kinds_source: str | None) -> str:
+    full, sliding = kinds.count("full"), kinds.count("sliding")
     no_kv = num_layers - full - sliding
     layer_line = (f"layers: {num_layers} ({layers_key}): {full} full attention, "
                   f"{sliding} sliding window" + (f" of {window} tokens" if sliding else "")
@@ -413,32 +451,7 @@ def kv_structure(config: Mapping[str, Any], kv_dtype: str = "auto") -> KVStructu
         layer_line += " (" + ", ".join(f"{n} {kind}" for kind, n in counts.items()) + ")"
     if kinds_source:
         layer_line += f"; layer types from {kinds_source}"
-    steps.append(layer_line)
-    if window_rule and sliding:
-        steps.append(window_rule)
-    if full + sliding == 0:
-        raise CapacityInputError(
-            "the config describes no attention layer, so there is no KV cache to size")
-
-    bytes_per_token = per_layer * (full + sliding)
-    steps.append(f"bytes per token = {per_layer} B x {full + sliding} KV layers = "
-                 f"{bytes_per_token} B ({human_bytes(bytes_per_token)})"
-                 + (f"; the {sliding} sliding-window layers stop growing at the window"
-                    if sliding else ""))
-
-    state_bytes = _mamba_state_bytes(config, cfg, kinds, steps, notes)
-    _structure_notes(cfg, kinds, notes)
-
-    return KVStructure(
-        config_section=section, model_type=model_type, attention=attention,
-        num_layers=num_layers, layer_kinds=kinds, full_layers=full, sliding_layers=sliding,
-        no_kv_layers=no_kv, sliding_window=window if sliding else None,
-        num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope_dim, kv_dtype=dtype_label,
-        kv_dtype_bytes=dtype_bytes, elements_per_token_per_layer=elements,
-        bytes_per_token_per_layer=per_layer, bytes_per_token=bytes_per_token,
-        full_bytes_per_token=per_layer * full, sliding_bytes_per_token=per_layer * sliding,
-        state_bytes_per_request=state_bytes, steps=steps, notes=notes)
+    return layer_line
 
 
 def _mamba_state_bytes(config: Mapping[str, Any], cfg: Mapping[str, Any], kinds: list[str],
@@ -503,27 +516,6 @@ def _structure_notes(cfg: Mapping[str, Any], kinds: list[str], notes: list[str])
 
 
 @dataclass
-class RequestEstimate:
-    """One request length and how many of it fit."""
-
-    label: str
-    input_tokens: int | None
-    output_tokens: int | None
-    tokens: int | None
-    sliding_tokens: int | None          # tokens a sliding layer keeps: min(tokens, window)
-    bytes_per_request: int              # without block rounding
-    simple_bound: int                   # budget // bytes_per_request
-    full_layer_blocks: int | None       # ceil(tokens / block_size)
-    sliding_layer_blocks: int | None    # min(full_layer_blocks, ceil(window / block_size) + 1)
-    rounded_bytes_per_request: int | None
-    rounded_bound: int | None           # budget // rounded_bytes_per_request
-    pool_bound: int | None              # (budget - one null block) // rounded bytes
-    state_bytes_per_request: int | None
-    bound_with_state: int | None        # pool bound with the fixed state added per request
-    steps: list[str] = field(default_factory=list)
-
-
-@dataclass
 class CapacityResult:
     """Every number of the derivation; `bound` fields are upper bounds from
     arithmetic, see `ignores`."""
@@ -543,16 +535,6 @@ class CapacityResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def human_bytes(value: int | float) -> str:
-    """'384.0 MiB': binary units, for reading beside the exact byte count."""
-    amount = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(amount) < 1024 or unit == "TiB":
-            return f"{int(amount)} B" if unit == "B" else f"{amount:.1f} {unit}"
-        amount /= 1024
-    raise AssertionError("unreachable")
 
 
 def _check_budget(kv_budget_bytes: int) -> int:
@@ -600,62 +582,9 @@ def compute_capacity(config: Mapping[str, Any], kv_dtype: str, block_size: int,
     steps.append(f"usable blocks = {pool_blocks} - 1 (vLLM V1 keeps one null block) = "
                  f"{usable_blocks}")
 
-    window = structure.sliding_window
-    requests = []
-    for label, inp, out in rows:
-        tokens = inp + out
-        lines = [f"[{label}] tokens = {inp} input + {out} output = {tokens}"]
-        full_blocks = math.ceil(tokens / block_size)
-        if window is not None:
-            sliding_tokens = min(tokens, window)
-            simple = structure.full_bytes_per_token * tokens \
-                + structure.sliding_bytes_per_token * sliding_tokens
-            lines.append(f"[{label}] bytes = {structure.full_bytes_per_token} B x {tokens} "
-                         f"(full layers) + {structure.sliding_bytes_per_token} B x min({tokens}, "
-                         f"window {window}) = {sliding_tokens} (sliding layers) = {simple} B "
-                         f"({human_bytes(simple)})")
-            sliding_blocks = min(full_blocks, math.ceil(window / block_size) + 1)
-            rounded = (structure.full_bytes_per_token * full_blocks
-                       + structure.sliding_bytes_per_token * sliding_blocks) * block_size
-            lines.append(f"[{label}] blocks: full layers ceil({tokens} / {block_size}) = "
-                         f"{full_blocks}; sliding layers min({full_blocks}, ceil({window} / "
-                         f"{block_size}) + 1) = {sliding_blocks}")
-            lines.append(f"[{label}] rounded bytes = ({structure.full_bytes_per_token} B x "
-                         f"{full_blocks} + {structure.sliding_bytes_per_token} B x "
-                         f"{sliding_blocks}) x {block_size} = {rounded} B ({human_bytes(rounded)})")
-        else:
-            sliding_tokens = None
-            sliding_blocks = None
-            simple = bpt * tokens
-            rounded = full_blocks * block_size * bpt
-            lines.append(f"[{label}] bytes = {tokens} x {bpt} B = {simple} B "
-                         f"({human_bytes(simple)})")
-            lines.append(f"[{label}] blocks = ceil({tokens} / {block_size}) = {full_blocks}; "
-                         f"rounded bytes = {full_blocks} x {block_bytes} B = {rounded} B "
-                         f"({human_bytes(rounded)})")
-        simple_bound = budget // simple
-        rounded_bound = budget // rounded
-        pool_budget = max(budget - block_bytes, 0)
-        pool_bound = pool_budget // rounded
-        lines.append(f"[{label}] simple bound = {budget} // {simple} = {simple_bound}")
-        lines.append(f"[{label}] bound after block rounding = {budget} // {rounded} = "
-                     f"{rounded_bound}")
-        lines.append(f"[{label}] pool bound = ({budget} - one null block {block_bytes}) // "
-                     f"{rounded} = {pool_bound}")
-        state = structure.state_bytes_per_request
-        with_state = None
-        if state is not None:
-            with_state = pool_budget // (rounded + state)
-            lines.append(f"[{label}] with Mamba state = {pool_budget} // ({rounded} + {state}) "
-                         f"= {with_state}")
-        requests.append(RequestEstimate(
-            label=label, input_tokens=inp, output_tokens=out, tokens=tokens,
-            sliding_tokens=sliding_tokens, bytes_per_request=simple, simple_bound=simple_bound,
-            full_layer_blocks=full_blocks, sliding_layer_blocks=sliding_blocks,
-            rounded_bytes_per_request=rounded, rounded_bound=rounded_bound,
-            pool_bound=pool_bound, state_bytes_per_request=state, bound_with_state=with_state,
-            steps=lines))
-        steps.extend(lines)
+    requests = [request_estimate(structure, label, inp, out, block_size, budget) for label, inp, out in rows]
+    for request in requests:
+        steps.extend(request.steps)
     if len(rows) > 1:
         steps.append("each quantile's bound assumes every request had that quantile's length")
 
