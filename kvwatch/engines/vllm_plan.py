@@ -443,6 +443,158 @@ class _NoPlan(Exception):
     """A page the plan does not read (it takes VllmAdapter._read_page)."""
 
 
+class _PlanBuilder:
+    """What _PagePlan is built from, family by family, in _read_page's order:
+    the families read (a sample's position is its index in their values,
+    concatenated), each engine in the order it first shows, and each value's
+    destination. Raises _NoPlan where the page needs _read_page."""
+
+    def __init__(self, families: dict[str, Family], series: _SeriesCache):
+        self.families = families
+        self.series = series
+        self.read: list[str] = []
+        self.offsets: dict[str, int] = {}
+        self.sources: dict[str, str] = {}
+        self.engines: dict[tuple[str, str], int] = {}  # engine key -> its index, in the order of creation
+        self.gauges: list[tuple[int, str, int, bool]] = []  # (engine, key, position, whether the key is new)
+        self.touched: set[tuple[int, str]] = set()
+        # (engine, key) -> [fold key, {series token: position or histogram}]
+        self.counter_parts: dict[tuple[int, str], list] = {}
+        self.histogram_parts: dict[tuple[int, str], list] = {}
+        self.created: list[tuple[int, int]] = []
+        self.model_counters: list[tuple[int, str, int]] = []
+
+    def samples(self, name: str) -> list:
+        """(position, suffix, labels) of each sample of a family read."""
+        if name not in self.offsets:
+            self.offsets[name] = sum(len(self.families[read].samples) for read in self.read)
+            self.read.append(name)
+        base = self.offsets[name]
+        return [(base + index, suffix, labels)
+                for index, (suffix, labels, _value) in enumerate(self.families[name].samples)]
+
+    def engine_of(self, labels: dict[str, str]) -> int:
+        return self.engines.setdefault(self.series.engine_key(labels), len(self.engines))
+
+    def gauge(self, engine: int, key: str, position: int) -> None:
+        self.gauges.append((engine, key, position, (engine, key) not in self.touched))
+        self.touched.add((engine, key))
+
+    def add_part(self, parts: dict, engine: int, key: str, token: tuple, value) -> None:
+        entry = parts.get((engine, key))
+        if entry is None:
+            entry = parts[(engine, key)] = [(*list(self.engines)[engine], key), {}]  # the fold's key, as _read_page's
+        if token in entry[1]:
+            raise _NoPlan  # a duplicate series: a parse error
+        entry[1][token] = value
+
+    def counter(self, labels: dict[str, str], key: str, position: int) -> None:
+        self.add_part(self.counter_parts, self.engine_of(labels), key, self.series.other(labels)[1], position)
+
+    def gauges_and_counters(self) -> None:
+        families, sources = self.families, self.sources
+        for key, aliases in GAUGES.items():
+            if _first_present(families, aliases, sources, key) is None:
+                continue
+            seen: set[tuple] = set()
+            for position, suffix, labels in self.samples(sources[key]):
+                if suffix == "":
+                    engine = self.engine_of(labels)
+                    token = self.series.other(labels)[1]
+                    if token in seen:
+                        raise _NoPlan
+                    seen.add(token)
+                    self.gauge(engine, key, position)
+        for key, (name, dimension) in LABELLED_GAUGES.items():
+            if name not in families:
+                continue
+            sources[key] = name
+            for position, suffix, labels in self.samples(name):
+                if suffix == "":
+                    self.gauge(self.engine_of(labels), f"{key}/{labels.get(dimension, '')}", position)
+        self.counter_families()
+
+    def counter_families(self) -> None:
+        families, sources = self.families, self.sources
+        for key, aliases in COUNTERS.items():
+            if _first_present(families, aliases, sources, key) is None:
+                continue
+            marks_restart = aliases[0] == RESTART_MARKER
+            for position, suffix, labels in self.samples(sources[key]):
+                if suffix == "_total" or suffix == "":
+                    self.counter(labels, key, position)
+                elif suffix == "_created" and marks_restart:
+                    self.created.append((self.engine_of(labels), position))
+        for key, (name, dimension) in LABELLED_COUNTERS.items():
+            if name not in families:
+                continue
+            sources[key] = name
+            for position, suffix, labels in self.samples(name):
+                if suffix == "_total" or suffix == "":
+                    self.counter(labels, f"{key}/{labels.get(dimension, '')}", position)
+        for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
+            if key in sources or name not in families or not families[name].samples:
+                continue
+            sources[key] = name
+            for position, suffix, labels in self.samples(name):
+                if (suffix == "_total" or suffix == "") and labels.get(dimension) == wanted:
+                    self.counter(labels, key, position)
+
+    def histogram_family(self, key: str, name: str, wanted: tuple[str, str] | None) -> None:
+        family = self.families[name]
+        series = self.series
+        known = series.plans.get(family.name)  # as _histograms keeps it
+        if known is None or known[0] is not family.layout:
+            known = series.plans[family.name] = (family.layout, _HistogramPlan.of(family, series))
+        if known[1] is None:
+            raise _NoPlan  # a family _histograms reads apart (and may find errors in)
+        self.samples(name)
+        base = self.offsets[name]
+        for token, labels, bounds, first, end, total, count in known[1].histograms:
+            if wanted is None or labels.get(wanted[0]) == wanted[1]:
+                self.add_part(self.histogram_parts, self.engine_of(labels), key, token,
+                              (bounds, base + first, base + end, None if total is None else base + total,
+                               None if count is None else base + count))
+
+    def histogram_families(self) -> None:
+        families, sources = self.families, self.sources
+        for key, aliases in HISTOGRAMS.items():
+            if _first_present(families, aliases, sources, key) is not None:
+                self.histogram_family(key, sources[key], None)
+        for key, (name, dimension, wanted) in HISTOGRAM_FALLBACKS.items():
+            if key in sources or name not in families or not families[name].samples:
+                continue
+            sources[key] = name
+            self.histogram_family(key, name, (dimension, wanted))
+
+    def engine_and_model_only(self) -> None:
+        """Gauges only the engine label names, and counters only the model's (on its first engine)."""
+        families, sources, engines = self.families, self.sources, self.engines
+        for key, name in ENGINE_ONLY_GAUGES.items():
+            if name not in families or not families[name].samples:
+                continue
+            sources[key] = name
+            for position, suffix, labels in self.samples(name):
+                if suffix == "":
+                    for engine, (_model, number) in enumerate(engines):
+                        if number == labels.get("engine", "0"):
+                            self.gauge(engine, key, position)
+        for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():
+            if name not in families or not families[name].samples:
+                continue
+            sources[key] = name
+            first_engine: dict[str, int] = {}
+            for engine, (model, number) in enumerate(engines):
+                held = first_engine.get(model)
+                if held is None or _engine_order(number) < _engine_order(list(engines)[held][1]):
+                    first_engine[model] = engine
+            for position, suffix, labels in self.samples(name):
+                if suffix == "_total" or suffix == "":
+                    engine = first_engine.get(labels.get("model_name", "unknown"))
+                    if engine is not None:
+                        self.model_counters.append((engine, f"{key}/{labels.get(dimension, '')}", position))
+
+
 class _PagePlan:
     """What VllmAdapter._read_page does with a page, worked out once for its
     layout: where each value it reads goes (which engine, which key, which
@@ -470,155 +622,20 @@ class _PagePlan:
         for name, family in families.items():
             if family.layout is None and name != CACHE_CONFIG and name != LORA:
                 raise _NoPlan
-        # The families whose values are read, concatenated in this order;
-        # a sample's position is its index in that list.
-        self.read: list[str] = []
-        offsets: dict[str, int] = {}
-
-        def samples(name: str):
-            """(position, suffix, labels) of each sample of a family read."""
-            if name not in offsets:
-                offsets[name] = sum(len(families[read].samples) for read in self.read)
-                self.read.append(name)
-            base = offsets[name]
-            return [(base + index, suffix, labels) for index, (suffix, labels, _value) in enumerate(families[name].samples)]
-
-        sources: dict[str, str] = {}
-        engines: dict[tuple[str, str], int] = {}  # engine key -> its index, in the order of creation
-
-        def engine_of(labels: dict[str, str]) -> int:
-            return engines.setdefault(series.engine_key(labels), len(engines))
-
-        gauges: list[tuple[int, str, int, bool]] = []  # (engine, key, position, whether the key is new)
-        touched: set[tuple[int, str]] = set()
-
-        def gauge(engine: int, key: str, position: int) -> None:
-            gauges.append((engine, key, position, (engine, key) not in touched))
-            touched.add((engine, key))
-
-        # (engine, key) -> [fold key, {series token: position or histogram}]
-        counter_parts: dict[tuple[int, str], list] = {}
-        histogram_parts: dict[tuple[int, str], list] = {}
-
-        def add_part(parts: dict, engine: int, key: str, token: tuple, value) -> None:
-            entry = parts.get((engine, key))
-            if entry is None:
-                entry = parts[(engine, key)] = [(*list(engines)[engine], key), {}]  # the fold's key, as _read_page's
-            if token in entry[1]:
-                raise _NoPlan  # a duplicate series: a parse error
-            entry[1][token] = value
-
-        created: list[tuple[int, int]] = []
-
-        for key, aliases in GAUGES.items():
-            if _first_present(families, aliases, sources, key) is None:
-                continue
-            seen: set[tuple] = set()
-            for position, suffix, labels in samples(sources[key]):
-                if suffix == "":
-                    engine = engine_of(labels)
-                    token = series.other(labels)[1]
-                    if token in seen:
-                        raise _NoPlan
-                    seen.add(token)
-                    gauge(engine, key, position)
-
-        for key, (name, dimension) in LABELLED_GAUGES.items():
-            if name not in families:
-                continue
-            sources[key] = name
-            for position, suffix, labels in samples(name):
-                if suffix == "":
-                    gauge(engine_of(labels), f"{key}/{labels.get(dimension, '')}", position)
-
-        for key, aliases in COUNTERS.items():
-            if _first_present(families, aliases, sources, key) is None:
-                continue
-            marks_restart = aliases[0] == RESTART_MARKER
-            for position, suffix, labels in samples(sources[key]):
-                if suffix == "_total" or suffix == "":
-                    add_part(counter_parts, engine_of(labels), key, series.other(labels)[1], position)
-                elif suffix == "_created" and marks_restart:
-                    created.append((engine_of(labels), position))
-
-        for key, (name, dimension) in LABELLED_COUNTERS.items():
-            if name not in families:
-                continue
-            sources[key] = name
-            for position, suffix, labels in samples(name):
-                if suffix == "_total" or suffix == "":
-                    add_part(counter_parts, engine_of(labels), f"{key}/{labels.get(dimension, '')}",
-                             series.other(labels)[1], position)
-
-        for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
-            if key in sources or name not in families or not families[name].samples:
-                continue
-            sources[key] = name
-            for position, suffix, labels in samples(name):
-                if (suffix == "_total" or suffix == "") and labels.get(dimension) == wanted:
-                    add_part(counter_parts, engine_of(labels), key, series.other(labels)[1], position)
-
-        def histograms(key: str, name: str, wanted: tuple[str, str] | None) -> None:
-            family = families[name]
-            known = series.plans.get(family.name)  # as _histograms keeps it
-            if known is None or known[0] is not family.layout:
-                known = series.plans[family.name] = (family.layout, _HistogramPlan.of(family, series))
-            if known[1] is None:
-                raise _NoPlan  # a family _histograms reads apart (and may find errors in)
-            samples(name)
-            base = offsets[name]
-            for token, labels, bounds, first, end, total, count in known[1].histograms:
-                if wanted is None or labels.get(wanted[0]) == wanted[1]:
-                    add_part(histogram_parts, engine_of(labels), key, token,
-                             (bounds, base + first, base + end, None if total is None else base + total,
-                              None if count is None else base + count))
-
-        for key, aliases in HISTOGRAMS.items():
-            if _first_present(families, aliases, sources, key) is not None:
-                histograms(key, sources[key], None)
-
-        for key, (name, dimension, wanted) in HISTOGRAM_FALLBACKS.items():
-            if key in sources or name not in families or not families[name].samples:
-                continue
-            sources[key] = name
-            histograms(key, name, (dimension, wanted))
-
-        for key, name in ENGINE_ONLY_GAUGES.items():
-            if name not in families or not families[name].samples:
-                continue
-            sources[key] = name
-            for position, suffix, labels in samples(name):
-                if suffix == "":
-                    for engine, (_model, number) in enumerate(engines):
-                        if number == labels.get("engine", "0"):
-                            gauge(engine, key, position)
-
-        model_counters: list[tuple[int, str, int]] = []
-        for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():
-            if name not in families or not families[name].samples:
-                continue
-            sources[key] = name
-            first_engine: dict[str, int] = {}
-            for engine, (model, number) in enumerate(engines):
-                held = first_engine.get(model)
-                if held is None or _engine_order(number) < _engine_order(list(engines)[held][1]):
-                    first_engine[model] = engine
-            for position, suffix, labels in samples(name):
-                if suffix == "_total" or suffix == "":
-                    engine = first_engine.get(labels.get("model_name", "unknown"))
-                    if engine is not None:
-                        model_counters.append((engine, f"{key}/{labels.get(dimension, '')}", position))
-
-        self.read = tuple(self.read)
-        self.sources = sources
-        self.engine_keys = tuple(engines)
-        self.gauges = tuple(gauges)
-        self.created = tuple(created)
+        plan = _PlanBuilder(families, series)
+        plan.gauges_and_counters()
+        plan.histogram_families()
+        plan.engine_and_model_only()
+        self.read = tuple(plan.read)
+        self.sources = plan.sources
+        self.engine_keys = tuple(plan.engines)
+        self.gauges = tuple(plan.gauges)
+        self.created = tuple(plan.created)
         self.counters = tuple((engine, key, fold_key, tuple(parts.items()))
-                              for (engine, key), (fold_key, parts) in counter_parts.items())
+                              for (engine, key), (fold_key, parts) in plan.counter_parts.items())
         self.histograms = tuple((engine, key, fold_key + ("histogram",), tuple(parts.items()))
-                                for (engine, key), (fold_key, parts) in histogram_parts.items())
-        self.model_counters = tuple(model_counters)
+                                for (engine, key), (fold_key, parts) in plan.histogram_parts.items())
+        self.model_counters = tuple(plan.model_counters)
 
     def apply(self, snapshot: Snapshot, families: dict[str, Family], folds: _Folds) -> bool:
         """Reads the page into the snapshot as _read_page would; False,
