@@ -26,7 +26,6 @@ OVER_FOR_NOW: dict[str, int] = {
     "kvwatch/commands/diagnose.py:run": 129,
     "kvwatch/commands/diagnose.py:print_report": 90,
     "kvwatch/commands/sim.py:run": 107,
-    "kvwatch/engines/vllm.py:VllmAdapter._read_page": 162,
     "kvwatch/kvevents/source.py:KVEventSource.report": 83,
     "kvwatch/mixin/alerts.py:alert_specs": 315,
     "kvwatch/mixin/config.py:_check_field": 125,

@@ -44,6 +44,171 @@ from kvwatch.exposition import Family, FamilySelector
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
 
 
+class _PageReading:
+    """One page read family by family into a snapshot (VllmAdapter._read_page,
+    the definition _PagePlan follows): each sample to its engine, counters and
+    histograms gathered per series before they are folded. `value == value`
+    is False only for NaN, and cheaper than math.isnan."""
+
+    def __init__(self, snapshot: Snapshot, families: dict[str, Family], series: _SeriesCache, max_series: int):
+        self.snapshot = snapshot
+        self.families = families
+        self.series = series
+        self.max_series = max_series
+        self.errors = snapshot.parse_errors
+        # (model, engine, canonical key) -> (the engine, {series token: value}),
+        # folded once the page is read.
+        self.counter_parts: dict[tuple[str, str, str], tuple[EngineSnapshot, dict[tuple, float]]] = {}
+        self.histogram_parts: dict[tuple[str, str, str], tuple[EngineSnapshot, dict[tuple, Histogram]]] = {}
+        # Count each dropped (model, engine) pair once per poll, not once per
+        # sample: the count must not depend on how many families it has.
+        self.dropped: set[tuple[str, str]] = set()
+
+    def add_part(self, parts: dict, engine: EngineSnapshot, key: str, token: tuple, value, family: str) -> None:
+        entry = parts.get((engine.model, engine.engine, key))
+        if entry is None:
+            parts[(engine.model, engine.engine, key)] = (engine, {token: value})
+            return
+        found = entry[1]
+        if token in found:
+            self.errors.append(f"{family}: duplicate series {dict(token)} (value {value!r}; kept the first, "
+                               f"{found[token]!r})")
+        else:
+            found[token] = value
+
+    def engine_of(self, labels: dict[str, str]) -> EngineSnapshot | None:
+        engines = self.snapshot.engines
+        key = self.series.engine_key(labels)
+        found = engines.get(key)
+        if found is None:
+            if len(engines) >= self.max_series:
+                self.dropped.add(key)
+                return None
+            found = engines[key] = EngineSnapshot(*key)
+        return found
+
+    def gauges(self) -> None:
+        families, snapshot, series = self.families, self.snapshot, self.series
+        for key, aliases in GAUGES.items():
+            family = _first_present(families, aliases, snapshot.sources, key)
+            if family is None:
+                continue
+            seen: set[tuple] = set()
+            for suffix, labels, value in family.samples:
+                if suffix == "" and value == value:
+                    engine = self.engine_of(labels)
+                    if engine is not None:
+                        token = series.other(labels)[1]
+                        if token in seen:
+                            self.errors.append(f"{family.name}: duplicate series {dict(token)} "
+                                               f"(value {value!r}; kept the first)")
+                            continue
+                        seen.add(token)
+                        _fold_max(engine.gauges, key, value)
+        for key, (name, dimension) in LABELLED_GAUGES.items():
+            family = families.get(name)
+            if family is None:
+                continue
+            snapshot.sources[key] = name
+            for suffix, labels, value in family.samples:
+                if suffix == "" and value == value:
+                    engine = self.engine_of(labels)
+                    if engine is not None:
+                        _fold_max(engine.gauges, f"{key}/{labels.get(dimension, '')}", value)
+
+    def counters(self) -> None:
+        families, snapshot, series, parts = self.families, self.snapshot, self.series, self.counter_parts
+        for key, aliases in COUNTERS.items():
+            family = _first_present(families, aliases, snapshot.sources, key)
+            if family is None:
+                continue
+            marks_restart = aliases[0] == RESTART_MARKER
+            for suffix, labels, value in family.samples:
+                if (suffix == "_total" or suffix == "") and value == value:
+                    engine = self.engine_of(labels)
+                    if engine is not None:
+                        self.add_part(parts, engine, key, series.other(labels)[1], value, family.name)
+                elif suffix == "_created" and marks_restart:
+                    engine = self.engine_of(labels)
+                    if engine is not None:
+                        engine.created = value if engine.created is None else min(engine.created, value)
+        for key, (name, dimension) in LABELLED_COUNTERS.items():
+            family = families.get(name)
+            if family is None:
+                continue
+            snapshot.sources[key] = name
+            for suffix, labels, value in family.samples:
+                if (suffix == "_total" or suffix == "") and value == value:
+                    engine = self.engine_of(labels)
+                    if engine is not None:
+                        self.add_part(parts, engine, f"{key}/{labels.get(dimension, '')}",
+                                      series.other(labels)[1], value, family.name)
+        for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
+            if key in snapshot.sources:
+                continue
+            family = families.get(name)
+            if family is None or not family.samples:
+                continue
+            snapshot.sources[key] = name
+            for suffix, labels, value in family.samples:
+                if (suffix == "_total" or suffix == "") and value == value and labels.get(dimension) == wanted:
+                    engine = self.engine_of(labels)
+                    if engine is not None:
+                        self.add_part(parts, engine, key, series.other(labels)[1], value, family.name)
+
+    def histograms(self) -> None:
+        families, snapshot, series, parts = self.families, self.snapshot, self.series, self.histogram_parts
+        for key, aliases in HISTOGRAMS.items():
+            family = _first_present(families, aliases, snapshot.sources, key)
+            if family is not None:
+                for token, labels, histogram in _histograms(family, self.errors, series):
+                    engine = self.engine_of(labels)
+                    if engine is not None:
+                        self.add_part(parts, engine, key, token, histogram, family.name)
+        for key, (name, dimension, wanted) in HISTOGRAM_FALLBACKS.items():
+            if key in snapshot.sources:
+                continue
+            family = families.get(name)
+            if family is None or not family.samples:
+                continue
+            snapshot.sources[key] = name
+            for token, labels, histogram in _histograms(family, self.errors, series):
+                if labels.get(dimension) == wanted:
+                    engine = self.engine_of(labels)
+                    if engine is not None:
+                        self.add_part(parts, engine, key, token, histogram, family.name)
+
+    def engine_and_model_only(self) -> None:
+        """Gauges only the engine label names, and counters only the model's (on its first engine)."""
+        families, snapshot, engines = self.families, self.snapshot, self.snapshot.engines
+        for key, name in ENGINE_ONLY_GAUGES.items():
+            family = families.get(name)
+            if family is None or not family.samples:
+                continue
+            snapshot.sources[key] = name
+            for suffix, labels, value in family.samples:
+                if suffix == "" and value == value:
+                    for engine in engines.values():
+                        if engine.engine == labels.get("engine", "0"):
+                            _fold_max(engine.gauges, key, value)
+        for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():
+            family = families.get(name)
+            if family is None or not family.samples:
+                continue
+            snapshot.sources[key] = name
+            first_engine: dict[str, EngineSnapshot] = {}
+            for engine in engines.values():
+                held = first_engine.get(engine.model)
+                if held is None or _engine_order(engine.engine) < _engine_order(held.engine):
+                    first_engine[engine.model] = engine
+            for suffix, labels, value in family.samples:
+                if (suffix == "_total" or suffix == "") and value == value:
+                    engine = first_engine.get(labels.get("model_name", "unknown"))
+                    if engine is not None:
+                        flat = f"{key}/{labels.get(dimension, '')}"
+                        engine.counters[flat] = engine.counters.get(flat, 0.0) + value
+
+
 class VllmAdapter(EngineAdapter):
     """Turns the text of a vLLM /metrics page into a Snapshot. Keep one
     instance per target: it caches the parsed spellings and label sets."""
@@ -161,165 +326,20 @@ class VllmAdapter(EngineAdapter):
     def _read_page(self, snapshot: Snapshot, families: dict[str, Family]) -> None:
         """Every family but the cache configuration and LoRA, into the
         snapshot's engines and sources (and parse errors)."""
-        engines = snapshot.engines
-        series = self._series
-        errors = snapshot.parse_errors
-        # (model, engine, canonical key) -> (the engine, {series token: value}),
-        # folded once the page is read.
-        counter_parts: dict[tuple[str, str, str], tuple[EngineSnapshot, dict[tuple, float]]] = {}
-        histogram_parts: dict[tuple[str, str, str], tuple[EngineSnapshot, dict[tuple, Histogram]]] = {}
-
-        def add_part(parts: dict, engine: EngineSnapshot, key: str, token: tuple, value, family: str) -> None:
-            entry = parts.get((engine.model, engine.engine, key))
-            if entry is None:
-                parts[(engine.model, engine.engine, key)] = (engine, {token: value})
-                return
-            found = entry[1]
-            if token in found:
-                errors.append(f"{family}: duplicate series {dict(token)} (value {value!r}; kept the first, "
-                              f"{found[token]!r})")
-            else:
-                found[token] = value
-        # Count each dropped (model, engine) pair once per poll, not once per
-        # sample: the count must not depend on how many families it has.
-        dropped: set[tuple[str, str]] = set()
-
-        def engine_of(labels: dict[str, str]) -> EngineSnapshot | None:
-            key = series.engine_key(labels)
-            found = engines.get(key)
-            if found is None:
-                if len(engines) >= self.max_series:
-                    dropped.add(key)
-                    return None
-                found = engines[key] = EngineSnapshot(*key)
-            return found
-
-        # `value == value` is False only for NaN, and cheaper than math.isnan.
-        for key, aliases in GAUGES.items():
-            family = _first_present(families, aliases, snapshot.sources, key)
-            if family is None:
-                continue
-            seen: set[tuple] = set()
-            for suffix, labels, value in family.samples:
-                if suffix == "" and value == value:
-                    engine = engine_of(labels)
-                    if engine is not None:
-                        token = series.other(labels)[1]
-                        if token in seen:
-                            errors.append(f"{family.name}: duplicate series {dict(token)} (value {value!r}; kept the first)")
-                            continue
-                        seen.add(token)
-                        _fold_max(engine.gauges, key, value)
-
-        for key, (name, dimension) in LABELLED_GAUGES.items():
-            family = families.get(name)
-            if family is None:
-                continue
-            snapshot.sources[key] = name
-            for suffix, labels, value in family.samples:
-                if suffix == "" and value == value:
-                    engine = engine_of(labels)
-                    if engine is not None:
-                        _fold_max(engine.gauges, f"{key}/{labels.get(dimension, '')}", value)
-
-        for key, aliases in COUNTERS.items():
-            family = _first_present(families, aliases, snapshot.sources, key)
-            if family is None:
-                continue
-            marks_restart = aliases[0] == RESTART_MARKER
-            for suffix, labels, value in family.samples:
-                if (suffix == "_total" or suffix == "") and value == value:
-                    engine = engine_of(labels)
-                    if engine is not None:
-                        add_part(counter_parts, engine, key, series.other(labels)[1], value, family.name)
-                elif suffix == "_created" and marks_restart:
-                    engine = engine_of(labels)
-                    if engine is not None:
-                        engine.created = value if engine.created is None else min(engine.created, value)
-
-        for key, (name, dimension) in LABELLED_COUNTERS.items():
-            family = families.get(name)
-            if family is None:
-                continue
-            snapshot.sources[key] = name
-            for suffix, labels, value in family.samples:
-                if (suffix == "_total" or suffix == "") and value == value:
-                    engine = engine_of(labels)
-                    if engine is not None:
-                        add_part(counter_parts, engine, f"{key}/{labels.get(dimension, '')}",
-                                 series.other(labels)[1], value, family.name)
-
-        for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
-            if key in snapshot.sources:
-                continue
-            family = families.get(name)
-            if family is None or not family.samples:
-                continue
-            snapshot.sources[key] = name
-            for suffix, labels, value in family.samples:
-                if (suffix == "_total" or suffix == "") and value == value and labels.get(dimension) == wanted:
-                    engine = engine_of(labels)
-                    if engine is not None:
-                        add_part(counter_parts, engine, key, series.other(labels)[1], value, family.name)
-
-        for key, aliases in HISTOGRAMS.items():
-            family = _first_present(families, aliases, snapshot.sources, key)
-            if family is not None:
-                for token, labels, histogram in _histograms(family, errors, series):
-                    engine = engine_of(labels)
-                    if engine is not None:
-                        add_part(histogram_parts, engine, key, token, histogram, family.name)
-
-        for key, (name, dimension, wanted) in HISTOGRAM_FALLBACKS.items():
-            if key in snapshot.sources:
-                continue
-            family = families.get(name)
-            if family is None or not family.samples:
-                continue
-            snapshot.sources[key] = name
-            for token, labels, histogram in _histograms(family, errors, series):
-                if labels.get(dimension) == wanted:
-                    engine = engine_of(labels)
-                    if engine is not None:
-                        add_part(histogram_parts, engine, key, token, histogram, family.name)
-
+        reading = _PageReading(snapshot, families, self._series, self.max_series)
+        reading.gauges()
+        reading.counters()
+        reading.histograms()
         folds = self._folds
-        for fold_key, (engine, parts) in counter_parts.items():
+        for fold_key, (engine, parts) in reading.counter_parts.items():
             engine.counters[fold_key[2]] = folds.fold(fold_key, parts, _fell, operator.add)
-        for fold_key, (engine, parts) in histogram_parts.items():
+        for fold_key, (engine, parts) in reading.histogram_parts.items():
             engine.histograms[fold_key[2]] = folds.fold(fold_key + ("histogram",), parts,
                                                         _histogram_fell, _histogram_plus)
         folds.forget_unseen()
-
-        for key, name in ENGINE_ONLY_GAUGES.items():
-            family = families.get(name)
-            if family is None or not family.samples:
-                continue
-            snapshot.sources[key] = name
-            for suffix, labels, value in family.samples:
-                if suffix == "" and value == value:
-                    for engine in engines.values():
-                        if engine.engine == labels.get("engine", "0"):
-                            _fold_max(engine.gauges, key, value)
-
-        for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():
-            family = families.get(name)
-            if family is None or not family.samples:
-                continue
-            snapshot.sources[key] = name
-            first_engine: dict[str, EngineSnapshot] = {}
-            for engine in engines.values():
-                held = first_engine.get(engine.model)
-                if held is None or _engine_order(engine.engine) < _engine_order(held.engine):
-                    first_engine[engine.model] = engine
-            for suffix, labels, value in family.samples:
-                if (suffix == "_total" or suffix == "") and value == value:
-                    engine = first_engine.get(labels.get("model_name", "unknown"))
-                    if engine is not None:
-                        flat = f"{key}/{labels.get(dimension, '')}"
-                        engine.counters[flat] = engine.counters.get(flat, 0.0) + value
-        self.dropped_series += len(dropped)
-        _nan_faults(snapshot, families, series)
+        reading.engine_and_model_only()
+        self.dropped_series += len(reading.dropped)
+        _nan_faults(snapshot, families, self._series)
 
     @staticmethod
     def _read_info(snapshot: Snapshot, families: dict[str, Family]) -> None:
