@@ -119,10 +119,21 @@ def pytest_configure(config):
         config.stash[_shuffle_seed] = seed
 
 
-def pytest_report_header(config):
+def _shuffle_line(config) -> str | None:
     if _shuffle_seed in config.stash:
         return f"tests shuffled: {SHUFFLE_VARIABLE}={config.stash[_shuffle_seed]} repeats this order"
     return None
+
+
+def pytest_report_header(config):
+    return _shuffle_line(config)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # Again at the end, where a failure is read (and -q prints no header).
+    line = _shuffle_line(config)
+    if line:
+        terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(tryfirst=True)
