@@ -198,39 +198,57 @@ def create_central_app(central, settings) -> FastAPI:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CentralCollector(central))
     ProcessCollector(registry=registry)
-    renderer = Renderer(registry)
     app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None)
     token = TokenFile(settings.auth_token_file) if settings.auth_token_file else None
-    rendered = {"state": None, "body": b"", "gzip": None}
-    lock = threading.Lock()
+    exposition = _Exposition(central, Renderer(registry))
+    _add_pages(app, central, settings, exposition)
+    _add_api(app, central, settings)
+    app.add_middleware(GZipMiddleware, minimum_size=2048, compresslevel=GZIP_LEVEL)
+    app.add_middleware(HotPaths, monitor=central, exposition=exposition, token=token)
+    return app
 
-    # Rendered once per refresh, whatever scrapes it (as the sidecar does per poll).
-    def exposition(gzipped: bool = False) -> bytes:
-        state = central.state
-        with lock:
+
+class _Exposition:
+    """The /metrics body, rendered once per refresh whatever scrapes it (as the
+    sidecar does per poll), and gzipped once when asked for."""
+
+    def __init__(self, central, renderer: Renderer):
+        self.central = central
+        self.renderer = renderer
+        self.rendered = {"state": None, "body": b"", "gzip": None}
+        self.lock = threading.Lock()
+
+    def __call__(self, gzipped: bool = False) -> bytes:
+        state = self.central.state
+        rendered = self.rendered
+        with self.lock:
             if rendered["state"] is not state:
-                rendered.update(state=state, body=renderer.render(), gzip=None)
+                rendered.update(state=state, body=self.renderer.render(), gzip=None)
             if not gzipped:
                 return rendered["body"]
             if rendered["gzip"] is None:
                 rendered["gzip"] = gzip.compress(rendered["body"], compresslevel=GZIP_LEVEL, mtime=0)
             return rendered["gzip"]
 
-    def view_of(request: Request):
-        """(view, None) for ?replica=NAME, (None, None) without one, (None,
-        response) for a replica the store does not have."""
-        name = request.query_params.get("replica")
-        if name is None:
-            return None, None
-        view = central.state.replicas.get(name)
-        if view is None:
-            return None, JSONResponse({"error": f"no replica {name!r} in the store (see /api/v1/diagnosis)"},
-                                      status_code=404)
-        return view, None
 
+def _replica_view(central, request: Request):
+    """(view, None) for ?replica=NAME, (None, None) without one, (None,
+    response) for a replica the store does not have."""
+    name = request.query_params.get("replica")
+    if name is None:
+        return None, None
+    view = central.state.replicas.get(name)
+    if view is None:
+        return None, JSONResponse({"error": f"no replica {name!r} in the store (see /api/v1/diagnosis)"},
+                                  status_code=404)
+    return view, None
+
+
+def _add_pages(app: FastAPI, central, settings, exposition: _Exposition) -> None:
+    """The status page (every replica, or one), /metrics and the probes."""
     @app.get("/", response_class=HTMLResponse)
     def index(request: Request) -> Response:
-        view, missing = view_of(request)
+        view, missing = _replica_view(central, request)
         if missing is not None:
             return HTMLResponse(f"<!doctype html><p>No replica {html.escape(request.query_params['replica'])} "
                                 f'in the store. <a href="./">Every replica</a></p>', status_code=404)
@@ -252,9 +270,12 @@ def create_central_app(central, settings) -> FastAPI:
         status, text = readiness(central)
         return PlainTextResponse(text, status_code=status)
 
+
+def _add_api(app: FastAPI, central, settings) -> None:
+    """The JSON API: diagnosis and signals of every replica or one, series of one."""
     @app.get("/api/v1/diagnosis")
     def diagnosis(request: Request) -> JSONResponse:
-        view, missing = view_of(request)
+        view, missing = _replica_view(central, request)
         if missing is not None:
             return missing
         state = central.state
@@ -265,7 +286,7 @@ def create_central_app(central, settings) -> FastAPI:
 
     @app.get("/api/v1/signals")
     def signals(request: Request) -> JSONResponse:
-        view, missing = view_of(request)
+        view, missing = _replica_view(central, request)
         if missing is not None:
             return missing
         state = central.state
@@ -278,14 +299,10 @@ def create_central_app(central, settings) -> FastAPI:
 
     @app.get("/api/v1/series")
     def series(request: Request) -> JSONResponse:
-        view, missing = view_of(request)
+        view, missing = _replica_view(central, request)
         if missing is not None:
             return missing
         if view is None:
             return JSONResponse({"error": "central mode serves series per replica: add ?replica=NAME",
                                  "replicas": sorted(central.state.replicas)}, status_code=400)
         return JSONResponse(series_json(view.state, replica_settings(settings, view.name)))
-
-    app.add_middleware(GZipMiddleware, minimum_size=2048, compresslevel=GZIP_LEVEL)
-    app.add_middleware(HotPaths, monitor=central, exposition=exposition, token=token)
-    return app
