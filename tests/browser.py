@@ -40,6 +40,7 @@ class Browser:
             raise BrowserError("chromium is not installed (make test installs it)")
         self.timeout = timeout
         self.profile = tempfile.mkdtemp(prefix="kvwatch-chromium-")
+        self.targets: list[str] = []  # the pages opened, until close_pages
         child_in, self._write = os.pipe()
         self._read, child_out = os.pipe()
         # Moved above 9 first, so that dup2 onto 3 and 4 in the child never
@@ -109,6 +110,7 @@ class Browser:
 
     def page(self, width: int = 1400, height: int = 900, dark: bool = False) -> "Page":
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        self.targets.append(target)
         session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         page = Page(self, session)
         for domain in ("Page", "Runtime", "Log"):
@@ -117,6 +119,16 @@ class Browser:
         page.send("Emulation.setEmulatedMedia", {
             "features": [{"name": "prefers-color-scheme", "value": "dark" if dark else "light"}]})
         return page
+
+    def close_pages(self) -> None:
+        """Closes every page opened so far: a status page left open keeps polling
+        its server (and starting its worker threads) through the tests after."""
+        targets, self.targets = self.targets, []
+        for target in targets:
+            try:
+                self.send("Target.closeTarget", {"targetId": target})
+            except BrowserError:
+                pass  # closed already
 
     def close(self) -> None:
         try:

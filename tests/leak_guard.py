@@ -45,10 +45,21 @@ def describe_thread(thread: threading.Thread) -> str:
     return f"{thread.name} ({where}, {'daemon' if thread.daemon else 'non-daemon'})"
 
 
+def _works_for_a_running_loop(thread: threading.Thread) -> bool:
+    """A worker of an event loop still running (AnyIO's worker threads keep
+    their loop): it ends with that loop's server. A server the test started
+    and left running is named by its own thread; one started by a fixture of
+    a wider scope (before the test) goes on serving, with its workers."""
+    loop = getattr(thread, "loop", None)
+    is_running = getattr(loop, "is_running", None)
+    return callable(is_running) and bool(is_running())
+
+
 def leftover_threads(before: set[threading.Thread], grace_s: float = GRACE_S) -> list[str]:
     """The threads started since `before` still alive after `grace_s` of joining them all."""
     new = [t for t in threading.enumerate()
-           if t not in before and t.is_alive() and t.name not in LONG_LIVED_THREADS]
+           if t not in before and t.is_alive() and t.name not in LONG_LIVED_THREADS
+           and not _works_for_a_running_loop(t)]
     deadline = time.monotonic() + grace_s
     for thread in new:
         thread.join(max(0.0, deadline - time.monotonic()))

@@ -74,3 +74,29 @@ def test_without_children_files_every_process_parent_is_read(monkeypatch):
         child.kill()
         child.wait(10)
     assert leak_guard.running_children() - before == set()
+
+
+def test_a_worker_of_an_event_loop_still_running_is_that_servers_not_the_tests():
+    # AnyIO's worker threads keep their loop; one serving a loop that still runs
+    # belongs to a server a fixture of a wider scope started.
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    serving = threading.Thread(target=loop.run_forever, name="server-loop", daemon=True)
+    serving.start()
+    before = leak_guard.thread_snapshot()
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait, name="loop-worker", daemon=True)
+    worker.loop = loop  # as anyio's WorkerThread keeps it
+    worker.start()
+    try:
+        assert leak_guard.leftover_threads(before, grace_s=0.1) == []
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join(5)
+        assert leak_guard.leftover_threads(before, grace_s=0.1) == ["loop-worker (Event.wait, daemon)"]
+    finally:
+        release.set()
+        worker.join(5)
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join(5)
+        loop.close()

@@ -193,23 +193,27 @@ def browser():
         yield running
 
 
+@pytest.fixture(autouse=True)
+def _pages_closed(request):
+    yield
+    if "browser" in request.fixturenames:
+        request.getfixturevalue("browser").close_pages()
+
+
 @pytest.fixture(scope="module")
 def served():
-    """Each case's monitor, polled once and served for the module."""
+    """Each case's monitor, polled once and served for the module (all started
+    here, before any test: a server a test started would outlive it)."""
     from sim_support import sim_monitor
 
     running = {}
     with contextlib.ExitStack() as stack:
-        def get(case: str):
-            if case not in running:
-                scenario, until = CASES[case][:2]
-                monitor = sim_monitor(scenario, until)
-                kvwatch = stack.enter_context(serving(create_app(monitor, monitor.settings), lifespan="off",
-                                                      start_timeout_s=10))
-                running[case] = (monitor, kvwatch.url + "/")
-            return running[case]
-
-        yield get
+        for case, (scenario, until, *_rest) in CASES.items():
+            monitor = sim_monitor(scenario, until)
+            kvwatch = stack.enter_context(serving(create_app(monitor, monitor.settings), lifespan="off",
+                                                  start_timeout_s=10))
+            running[case] = (monitor, kvwatch.url + "/")
+        yield running.__getitem__
 
 
 def load(browser, url: str, width: int, dark: bool = False):
