@@ -21,9 +21,7 @@ kvwatch.central.refresh.Central publishes after each refresh.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import html
-import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -37,8 +35,9 @@ from prometheus_client.samples import Sample
 from kvwatch import __version__
 from kvwatch.diagnose.vocabulary import SEVERITIES
 from kvwatch.signals import CENTRAL_HEALTH
-from kvwatch.sidecar.app import GZIP_LEVEL, HotPaths, TokenFile, readiness
+from kvwatch.sidecar.app import HotPaths, TokenFile, encodings, readiness
 from kvwatch.sidecar.collector import KvwatchCollector, Renderer
+from kvwatch.sidecar.renders import GZIP_LEVEL, GZIP_MIN_BYTES, Exposition, RefusedRenders, json_route, page_route
 from kvwatch.present import clean
 from kvwatch.sidecar.report import diagnosis_json, finding_json, signals_json
 from kvwatch.sidecar.series import series_json
@@ -198,23 +197,13 @@ def create_central_app(central, settings) -> FastAPI:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CentralCollector(central))
     ProcessCollector(registry=registry)
-    renderer = Renderer(registry)
+    refused = RefusedRenders()
+    registry.register(refused)
+    # Rendered once per refresh, whatever scrapes it (as the sidecar does
+    # per poll), in a worker thread, within the render bound.
+    exposition = Exposition(Renderer(registry), lambda: central.state, refused)
     app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None)
     token = TokenFile(settings.auth_token_file) if settings.auth_token_file else None
-    rendered = {"state": None, "body": b"", "gzip": None}
-    lock = threading.Lock()
-
-    # Rendered once per refresh, whatever scrapes it (as the sidecar does per poll).
-    def exposition(gzipped: bool = False) -> bytes:
-        state = central.state
-        with lock:
-            if rendered["state"] is not state:
-                rendered.update(state=state, body=renderer.render(), gzip=None)
-            if not gzipped:
-                return rendered["body"]
-            if rendered["gzip"] is None:
-                rendered["gzip"] = gzip.compress(rendered["body"], compresslevel=GZIP_LEVEL, mtime=0)
-            return rendered["gzip"]
 
     def view_of(request: Request):
         """(view, None) for ?replica=NAME, (None, None) without one, (None,
@@ -235,13 +224,14 @@ def create_central_app(central, settings) -> FastAPI:
             return HTMLResponse(f"<!doctype html><p>No replica {html.escape(request.query_params['replica'])} "
                                 f'in the store. <a href="./">Every replica</a></p>', status_code=404)
         if view is None:
-            return HTMLResponse(index_page(central.state, central))
-        return HTMLResponse(render_status_page(view.state, replica_settings(settings, view.name),
-                                               nav='<p><a href="./">\u2190 every replica</a></p>'))
+            return page_route(lambda: index_page(central.state, central), refused, encodings(request))
+        return page_route(lambda: render_status_page(view.state, replica_settings(settings, view.name),
+                                                     nav='<p><a href="./">\u2190 every replica</a></p>'),
+                          refused, encodings(request))
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(exposition(False), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition.serve(False), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     def healthz() -> PlainTextResponse:
@@ -259,9 +249,11 @@ def create_central_app(central, settings) -> FastAPI:
             return missing
         state = central.state
         if view is None:
-            return JSONResponse(diagnosis_all(state, central, settings))
-        return JSONResponse({"replica": view.name, "labels": view.labels,
-                             **diagnosis_json(view.state, replica_settings(settings, view.name))})
+            return json_route(lambda: diagnosis_all(state, central, settings), "/api/v1/diagnosis", refused,
+                              encodings(request))
+        return json_route(lambda: {"replica": view.name, "labels": view.labels,
+                                   **diagnosis_json(view.state, replica_settings(settings, view.name))},
+                          "/api/v1/diagnosis", refused, encodings(request))
 
     @app.get("/api/v1/signals")
     def signals(request: Request) -> JSONResponse:
@@ -270,11 +262,12 @@ def create_central_app(central, settings) -> FastAPI:
             return missing
         state = central.state
         if view is None:
-            return JSONResponse(clean({**central_status(state, central), "replicas": [
+            return json_route(lambda: clean({**central_status(state, central), "replicas": [
                 {"replica": name, "labels": v.labels, **signals_json(v.state, replica_settings(settings, name))}
-                for name, v in state.replicas.items()]}))
-        return JSONResponse({"replica": view.name, "labels": view.labels,
-                             **signals_json(view.state, replica_settings(settings, view.name))})
+                for name, v in state.replicas.items()]}), "/api/v1/signals", refused, encodings(request))
+        return json_route(lambda: {"replica": view.name, "labels": view.labels,
+                                   **signals_json(view.state, replica_settings(settings, view.name))},
+                          "/api/v1/signals", refused, encodings(request))
 
     @app.get("/api/v1/series")
     def series(request: Request) -> JSONResponse:
@@ -284,8 +277,9 @@ def create_central_app(central, settings) -> FastAPI:
         if view is None:
             return JSONResponse({"error": "central mode serves series per replica: add ?replica=NAME",
                                  "replicas": sorted(central.state.replicas)}, status_code=400)
-        return JSONResponse(series_json(view.state, replica_settings(settings, view.name)))
+        return json_route(lambda: series_json(view.state, replica_settings(settings, view.name)), "/api/v1/series",
+                          refused, encodings(request))
 
-    app.add_middleware(GZipMiddleware, minimum_size=2048, compresslevel=GZIP_LEVEL)
+    app.add_middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES, compresslevel=GZIP_LEVEL)
     app.add_middleware(HotPaths, monitor=central, exposition=exposition, token=token)
     return app

@@ -119,6 +119,10 @@ HEALTH: tuple[HealthFamily, ...] = (
                  "1 for each cause an active finding cannot be told apart from, once per source that would decide "
                  "(`decided_by`: kv_cache_metrics, kv_events, request_lengths); absent when the finding is decided.",
                  good=None),
+    HealthFamily("kvwatch_renders_refused", "counter", ("route",),
+                 "Renders of kvwatch's own routes (route: /metrics, /, /api/v1/*) refused because they passed the "
+                 "render bound (16 MiB): /metrics then serves this counter alone, the page and the JSON routes "
+                 "answer 503 with one sentence. Hostile label values, not a fleet, get there.", good="low"),
     # Untyped: Prometheus' lint refuses a `quantile` label on a gauge, and the
     # label names the quantile it marks (Prometheus stores it as a gauge).
     HealthFamily("kvwatch_source_fault", "gauge", ("family", "fault") + IDENTITY,
