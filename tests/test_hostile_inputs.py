@@ -1,0 +1,87 @@
+"""The low-severity inputs: what a command reads from outside, what a request
+names, what a Helm value templates, what a flag parses, what the demo's
+phase endpoint answers, and which scenario file `kvwatch sim` reads. Each
+is one sentence and the right exit status, refused by the schema, or kept
+from what it could reach."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from kvwatch.cli import main
+from pageserver import Answer, PageServer
+
+ESCAPES = "\x1b]0;retitled\x07\x1b[2J\x1b[31m\u202e"
+
+
+def kvwatch_diagnosis(engine: str = "0") -> dict:
+    """A kvwatch's /api/v1/diagnosis as `capacity --kvwatch` reads it."""
+    return {"kv_events": {
+        "up": True, "block_size": 16, "table": {"sampling_rate": 1},
+        "page_engine": {"engine": engine},
+        "window": {"seconds": 60, "stored": 720, "stored_again": 540, "stored_again_ratio": 0.75},
+        "sizing": {"hit_ratio_now": 0.5, "cache_blocks": 128, "note": "an estimate",
+                   "points": [{"extra_cache": 1, "extra_blocks": 128, "extra_bytes": 2**20, "blocks_kept": 100,
+                               "recomputation_avoided_ratio": 0.5, "hit_ratio": 0.6}]}}}
+
+
+def capacity_of(answer: str, capsys) -> tuple[int, str, str]:
+    with PageServer([Answer(answer, headers={"Content-Type": "application/json"})]) as served:
+        status = main(["capacity", "--kvwatch", served.base_url])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_capacity_prints_a_kvwatchs_labels_with_their_escapes_written_out(capsys):
+    status, out, err = capacity_of(json.dumps(kvwatch_diagnosis(engine="engine" + ESCAPES)), capsys)
+    assert status == 0 and "x1" in out
+    assert not any(ch in out for ch in "\x1b\x07\u202e"), out
+    assert "engine\\x1b]0;retitled\\x07\\x1b[2J" in out
+
+
+def wrong(path: str, value) -> str:
+    diagnosis = kvwatch_diagnosis()
+    *parents, last = path.split(".")
+    at = diagnosis["kv_events"]
+    for key in parents:
+        at = at[int(key)] if isinstance(at, list) else at[key]
+    at[last] = value
+    return json.dumps(diagnosis)
+
+
+@pytest.mark.parametrize("answer", [
+    wrong("window", ["60 s"]),
+    wrong("window.seconds", "60"),
+    wrong("window.stored", {"n": 1}),
+    wrong("window.stored_again_ratio", True),
+    wrong("sizing", "a curve"),
+    wrong("sizing.points", "many"),
+    wrong("sizing.points", [1, 2]),
+    wrong("sizing.points.0.blocks_kept", None),
+    wrong("sizing.points.0.extra_cache", "x2"),
+    wrong("sizing.points.0.hit_ratio", [0.5]),
+    wrong("sizing.note", 7),
+    wrong("table", "sampled"),
+    wrong("page_engine", [ESCAPES]),
+    wrong("window.seconds", 10**400),
+    json.dumps(kvwatch_diagnosis()).replace('"blocks_kept": 100', '"blocks_kept": 1e400'),
+    json.dumps(kvwatch_diagnosis()).replace('"stored": 720', '"stored": NaN'),
+    json.dumps(kvwatch_diagnosis()).replace('"stored": 720', '"stored": ' + "9" * 5000),
+    "[" * 100_000 + "]" * 100_000,
+    json.dumps({"kv_events": {"up": False, "detail": "no events" + ESCAPES}}),
+])
+def test_capacity_on_a_kvwatch_answer_of_the_wrong_types_is_one_sentence(capsys, answer):
+    status, out, err = capacity_of(answer, capsys)
+    assert status == 2 and out == ""
+    assert err.startswith("kvwatch capacity: error: ") and err.count("\n") == 1, err[-2000:]
+    assert "Traceback" not in err and "\x1b" not in err
+
+
+def test_the_shape_check_passes_kvwatchs_own_answer():
+    from kvwatch.commands.capacity import _stream_shape_problem
+
+    stream = copy.deepcopy(kvwatch_diagnosis()["kv_events"])
+    assert _stream_shape_problem(stream, stream["window"], stream["sizing"]) is None
