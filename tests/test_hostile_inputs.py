@@ -85,3 +85,44 @@ def test_the_shape_check_passes_kvwatchs_own_answer():
 
     stream = copy.deepcopy(kvwatch_diagnosis()["kv_events"])
     assert _stream_shape_problem(stream, stream["window"], stream["sizing"]) is None
+
+
+# --- redirects name no host a request chose ---------------------------------------
+
+
+def sidecar_and_central_apps():
+    from kvwatch.central.app import create_central_app
+    from kvwatch.central.refresh import Central
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+    from kvwatch.sidecar.app import create_app
+    from promstub import StubClient
+
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics"}, environ={})
+    return {"sidecar": create_app(Monitor(settings), settings),
+            "central": create_central_app(Central(StubClient(""), settings), settings)}
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "central"])
+def test_a_trailing_slash_redirect_is_relative_whatever_host_the_request_names(mode):
+    """Without a token, `/runbooks/` answered 307 to `http://<Host header>/runbooks`:
+    any page could send a user through kvwatch to a host of its choosing."""
+    from urllib.parse import urljoin
+
+    from fastapi.testclient import TestClient
+
+    from test_security import routes_of
+
+    app = sidecar_and_central_apps()[mode]
+    client = TestClient(app)
+    paths = [path for path, _ in routes_of(app) if path != "/"]
+    assert "/api/v1/diagnosis" in paths and ("/runbooks" in paths or mode == "central")
+    for path in paths:
+        for headers in ({"Host": "evil.example"}, {"Host": "evil.example", "X-Forwarded-Host": "evil.example"}):
+            answer = client.get(path + "/", params={"replica": "a"}, headers=headers, follow_redirects=False)
+            location = answer.headers.get("location", "")
+            assert answer.status_code == 307 and "evil" not in location, (path, location)
+            # Resolved against where it was asked (behind a proxy's prefix too), it is the route.
+            assert urljoin(f"http://kvwatch.local{path}/", location) == f"http://kvwatch.local{path}?replica=a"
+            assert urljoin(f"http://kvwatch.local/prefix{path}/", location) == \
+                f"http://kvwatch.local/prefix{path}?replica=a"

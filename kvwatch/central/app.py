@@ -35,7 +35,7 @@ from prometheus_client.samples import Sample
 from kvwatch import __version__
 from kvwatch.diagnose.vocabulary import SEVERITIES
 from kvwatch.signals import CENTRAL_HEALTH
-from kvwatch.sidecar.app import HotPaths, TokenFile, encodings, readiness
+from kvwatch.sidecar.app import HotPaths, TokenFile, encodings, readiness, route_paths
 from kvwatch.sidecar.collector import KvwatchCollector, Renderer
 from kvwatch.sidecar.renders import GZIP_LEVEL, GZIP_MIN_BYTES, Exposition, RefusedRenders, json_route, page_route
 from kvwatch.present import clean
@@ -202,7 +202,7 @@ def create_central_app(central, settings) -> FastAPI:
     # Rendered once per refresh, whatever scrapes it (as the sidecar does
     # per poll), in a worker thread, within the render bound.
     exposition = Exposition(Renderer(registry), lambda: central.state, refused)
-    app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None, redirect_slashes=False)
     token = TokenFile(settings.auth_token_file) if settings.auth_token_file else None
 
     def view_of(request: Request):
@@ -281,5 +281,5 @@ def create_central_app(central, settings) -> FastAPI:
                           refused, encodings(request))
 
     app.add_middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES, compresslevel=GZIP_LEVEL)
-    app.add_middleware(HotPaths, monitor=central, exposition=exposition, token=token)
+    app.add_middleware(HotPaths, monitor=central, exposition=exposition, token=token, paths=route_paths(app))
     return app

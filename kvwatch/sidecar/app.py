@@ -46,7 +46,7 @@ def create_app(monitor, settings=None) -> FastAPI:
     # rendered.
     exposition = Exposition(Renderer(registry), lambda: monitor.state, refused)
     monitor.after_poll.append(exposition.render_ahead)
-    app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None, redirect_slashes=False)
     token = TokenFile(settings.auth_token_file) if settings.auth_token_file else None
 
     # The routes below stay FastAPI's (the route list, 405 for other methods,
@@ -100,8 +100,20 @@ def create_app(monitor, settings=None) -> FastAPI:
     # page and the JSON routes compress themselves, off the event loop, and the
     # hot paths below answer before this layer and compress /metrics themselves.
     app.add_middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES, compresslevel=GZIP_LEVEL)
-    app.add_middleware(HotPaths, monitor=monitor, exposition=exposition, token=token)
+    app.add_middleware(HotPaths, monitor=monitor, exposition=exposition, token=token, paths=route_paths(app))
     return app
+
+
+def route_paths(app: FastAPI) -> frozenset[str]:
+    return frozenset(path for route in app.routes if "{" not in (path := getattr(route, "path", "{")))
+
+
+def slash_redirect(path: str, query: bytes) -> bytes:
+    """Where `/route/` is sent: `../route`, relative, so never to the host
+    a request names (Starlette's own redirect was absolute, built from the
+    Host header), and right behind a proxy's path prefix too."""
+    target = "../" + path[:-1].rsplit("/", 1)[1]
+    return target.encode("latin-1") + (b"?" + query if query else b"")
 
 
 def encodings(request: Request) -> str:
@@ -121,9 +133,9 @@ class HotPaths:
     (docs/performance.md). Anything else, other methods on these paths
     included, goes on to FastAPI as before."""
 
-    def __init__(self, app, monitor, exposition, token: "TokenFile | None"):
+    def __init__(self, app, monitor, exposition, token: "TokenFile | None", paths: frozenset[str] = frozenset()):
         self.app, self.monitor, self.exposition = app, monitor, exposition
-        self.token = token
+        self.token, self.paths = token, paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -143,6 +155,9 @@ class HotPaths:
             else:
                 status, text = readiness(self.monitor)
                 await answer(send, status, text.encode(), TEXT, head=True)
+            return
+        if path.endswith("/") and path[:-1] in self.paths and scope["method"] in ("GET", "HEAD"):
+            await answer(send, 307, b"", TEXT, [(b"location", slash_redirect(path, scope.get("query_string", b"")))])
             return
         if scope["method"] == "GET":
             if path == "/metrics":
