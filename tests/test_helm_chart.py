@@ -498,6 +498,22 @@ def test_dashboards_follow_the_grafana_sidecar_settings():
     ({"central": {"shards": 4096}}, "/central/shards"),
     ({"central": {"shards": "4"}}, "/central/shards"),
     ({"pods": {"labels": {"app": 1}}}, "/pods/labels"),
+    # A newline in a string the templates write unquoted wrote YAML of its own
+    # (into the patch applied to the vLLM Deployment, or the dashboards' ConfigMaps).
+    ({"sidecar": {"tls": {"secretName": "tls\n    items: [{key: other, path: x}]"}}}, "/sidecar/tls/secretName"),
+    ({"sidecar": {"engine": {"bearerTokenSecret": {"name": "token\n  hostPath: {path: /}", "key": "token"}}}},
+     "/sidecar/engine/bearerTokenSecret/name"),
+    ({"sidecar": {"auth": {"tokenSecret": {"name": "auth", "key": "token\n        mode: 511"}}}},
+     "/sidecar/auth/tokenSecret/key"),
+    ({"sidecar": {"engine": {"caBundleConfigMap": {"name": "Not A Name", "key": "ca.crt"}}}},
+     "/sidecar/engine/caBundleConfigMap/name"),
+    ({"dashboards": {"configMaps": {"namespace": "monitoring\n  labels: {injected: x}"}}},
+     "/dashboards/configMaps/namespace"),
+    ({"dashboards": {"configMaps": {"label": "grafana_dashboard: \"1\"\n    injected"}}}, "/dashboards/configMaps/label"),
+    ({"dashboards": {"configMaps": {"labelValue": "1\nx"}}}, "/dashboards/configMaps/labelValue"),
+    ({"pods": {"labels": {"app\nx": "vllm"}}}, "/pods/labels"),
+    ({"monitor": {"labels": {"release": "a b"}}}, "/monitor/labels"),
+    ({"image": {"tag": "v1\nx"}}, "/image/tag"),
 ])
 def test_schema_refuses_values_the_templates_cannot_use(bad, where):
     with pytest.raises(helm.HelmValuesError) as caught:

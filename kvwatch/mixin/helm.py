@@ -163,17 +163,32 @@ def _schema_resources() -> dict:
             "properties": {"requests": section, "limits": section, "claims": {"type": "array"}}}
 
 
+# Kubernetes' own rules for what the templates write unquoted into YAML (a
+# newline in a name would write YAML of its own into the patch applied to the
+# vLLM Deployment): the schema refuses anything else before a template runs.
+DNS_SUBDOMAIN = {"type": "string", "maxLength": 253, "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"}
+DNS_SUBDOMAIN_OR_EMPTY = {"type": "string", "maxLength": 253, "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"}
+DNS_LABEL_OR_EMPTY = {"type": "string", "maxLength": 63, "pattern": r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"}
+DATA_KEY = {"type": "string", "maxLength": 253, "pattern": r"^[-._a-zA-Z0-9]+$"}
+LABEL_KEY = {"type": "string", "maxLength": 317,
+             "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"}
+LABEL_VALUE = {"type": "string", "maxLength": 63, "pattern": r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"}
+NO_WHITESPACE = {"type": "string", "minLength": 1, "pattern": r"^\S+$"}
+
+
 def _secret_ref(what: str) -> dict:
     return {"type": "object", "additionalProperties": False, "required": ["name", "key"],
             "description": f"{what}: name (empty: none) and key",
-            "properties": {"name": {"type": "string"}, "key": {"type": "string", "minLength": 1}}}
+            "properties": {"name": DNS_SUBDOMAIN_OR_EMPTY, "key": DATA_KEY}}
 
 
 def values_schema(s: DeploySettings) -> dict:
     string = {"type": "string"}
     duration = {"type": "string", "pattern": r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"}
     port = {"type": "integer", "minimum": 1, "maximum": 65535}
-    labels = {"type": "object", "additionalProperties": {"type": "string"}}
+    # By pattern, not propertyNames: Helm then names the map a bad key is in.
+    labels = {"type": "object", "patternProperties": {LABEL_KEY["pattern"]: LABEL_VALUE},
+              "additionalProperties": False}
 
     def obj(properties: dict, required: list[str] | None = None, **extra) -> dict:
         out = {"type": "object", "additionalProperties": False, "properties": properties, **extra}
@@ -185,13 +200,11 @@ def values_schema(s: DeploySettings) -> dict:
         "title": "kvwatch chart values",
         **obj({
             "mode": {"enum": ["sidecar", "central", "monitoring"]},
-            "image": obj({"repository": {"type": "string", "minLength": 1}, "tag": {"type": "string", "minLength": 1},
+            "image": obj({"repository": NO_WHITESPACE, "tag": NO_WHITESPACE,
                           "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}),
             "runAsUser": {"type": "integer", "minimum": 1},
             "sidecar": obj({
-                "deployment": {"type": "string", "minLength": 1, "maxLength": 253,
-                               "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-                               "description": "name of the vLLM Deployment to add kvwatch to"},
+                "deployment": {**DNS_SUBDOMAIN, "description": "name of the vLLM Deployment to add kvwatch to"},
                 "native": {"enum": ["auto", True, False]},
                 "vllmPort": port,
                 "port": port,
@@ -204,7 +217,7 @@ def values_schema(s: DeploySettings) -> dict:
                                "caBundleConfigMap": _secret_ref("ConfigMap holding the CA bundle for vLLM's TLS"),
                                "tlsVerify": {"type": "boolean"}}),
                 "auth": obj({"tokenSecret": _secret_ref("Secret holding the token kvwatch's endpoints require")}),
-                "tls": obj({"secretName": string}),
+                "tls": obj({"secretName": DNS_SUBDOMAIN_OR_EMPTY}),
                 "kvEvents": obj({"enabled": {"type": "boolean"}, "port": port, "resources": _schema_resources()}),
             }),
             "pods": obj({"labels": {**labels, "minProperties": 1}}),
@@ -219,8 +232,8 @@ def values_schema(s: DeploySettings) -> dict:
                             "interval": duration, "scrapeTimeout": duration, "tlsConfig": {"type": "object"}}),
             "prometheusRule": obj({"enabled": {"enum": ["auto", True, False]}, "labels": labels}),
             "dashboards": obj({
-                "configMaps": obj({"enabled": {"type": "boolean"}, "label": {"type": "string", "minLength": 1},
-                                   "labelValue": string, "folder": string, "namespace": string}),
+                "configMaps": obj({"enabled": {"type": "boolean"}, "label": LABEL_KEY,
+                                   "labelValue": LABEL_VALUE, "folder": string, "namespace": DNS_LABEL_OR_EMPTY}),
                 "grafanaOperator": obj({"enabled": {"type": "boolean"}, "instanceSelector": {"type": "object"},
                                         "folder": string, "allowCrossNamespaceImport": {"type": "boolean"}}),
             }),
