@@ -126,3 +126,20 @@ def test_a_trailing_slash_redirect_is_relative_whatever_host_the_request_names(m
             assert urljoin(f"http://kvwatch.local{path}/", location) == f"http://kvwatch.local{path}?replica=a"
             assert urljoin(f"http://kvwatch.local/prefix{path}/", location) == \
                 f"http://kvwatch.local/prefix{path}?replica=a"
+
+
+# --- --shard -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shard, pod", [
+    ("0/\u00b2", ""), ("\u00b2/4", ""), ("0/\u0663", ""), ("0/" + "9" * 5000, ""), ("9" * 5000 + "/4", ""),
+    ("ordinal/4", "kvwatch-central-\u00b2"), ("ordinal/4", "kvwatch-central-" + "7" * 5000),
+])
+def test_a_shard_that_is_no_number_is_one_sentence(capsys, monkeypatch, shard, pod):
+    """`--shard 0/²` and a 5,000-digit count gave a traceback (str.isdigit
+    takes "²", int() refuses it and 5,000 digits)."""
+    monkeypatch.setenv("POD_NAME", pod)
+    status = main(["serve", "--prometheus", "http://127.0.0.1:9", "--shard", shard])
+    err = capsys.readouterr().err
+    assert status == 2 and "--shard: " in err and "Traceback" not in err, err[-500:]
+    assert len(err) < 1000
