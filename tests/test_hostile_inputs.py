@@ -143,3 +143,33 @@ def test_a_shard_that_is_no_number_is_one_sentence(capsys, monkeypatch, shard, p
     err = capsys.readouterr().err
     assert status == 2 and "--shard: " in err and "Traceback" not in err, err[-500:]
     assert len(err) < 1000
+
+
+# --- --demo-target -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("answer", [
+    "[" * 8000 + "]" * 8000,
+    '{"phase": ' + "[" * 5000 + "]" * 5000 + "}",
+    '{"phase": "p", "phases": ' + "9" * 5000 + "}",
+    '{"phase": ["p"], "next_in_seconds": 1e400, "speed": NaN}',
+    "\xff\xfe not json",
+])
+def test_a_hostile_demo_answer_leaves_the_engines_poll_alone(answer):
+    """The demo's phase endpoint answering brackets nested thousands deep
+    raised out of the engine's poll: `kvwatch_up` 0, `internal`."""
+    from fuzz.pages import Engine, page
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+
+    good = page(Engine(prompt_tokens=100, running=1, usage=0.25))
+    with PageServer([Answer(good)]) as engine, \
+            PageServer([Answer(answer, headers={"Content-Type": "application/json"})]) as demo:
+        settings = load_settings(overrides={"target": engine.url, "demo_target": demo.base_url + "/sim/phase"},
+                                 environ={})
+        monitor = Monitor(settings)
+        for _ in range(2):
+            state = monitor.poll_once()
+            assert state.up and state.reason in ("", None) and state.demo is None
+        assert len(demo.requests) == 2
+    assert sum(monitor.state.errors_by_reason.values()) == 0

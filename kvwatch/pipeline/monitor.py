@@ -182,7 +182,7 @@ class Monitor:
             self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
         self.demo = None
         if settings.demo_target:
-            self.demo = DemoSource(settings.demo_target, settings.fetch_timeout)
+            self.demo = DemoSource(settings.demo_target, settings.fetch_timeout, settings.poll_interval)
         self.kv_events = None
         if settings.kv_events:
             self.kv_events = KVEventSource(settings.kv_events, connect=settings.kv_events_connect,
