@@ -164,7 +164,7 @@ def test_a_hostile_demo_answer_leaves_the_engines_poll_alone(answer):
 
     good = page(Engine(prompt_tokens=100, running=1, usage=0.25))
     with PageServer([Answer(good)]) as engine, \
-            PageServer([Answer(answer, headers={"Content-Type": "application/json"})]) as demo:
+            PageServer([Answer(answer + "\n", headers={"Content-Type": "application/json"})]) as demo:
         settings = load_settings(overrides={"target": engine.url, "demo_target": demo.base_url + "/sim/phase"},
                                  environ={})
         monitor = Monitor(settings)
@@ -173,3 +173,11 @@ def test_a_hostile_demo_answer_leaves_the_engines_poll_alone(answer):
             assert state.up and state.reason in ("", None) and state.demo is None
         assert len(demo.requests) == 2
     assert sum(monitor.state.errors_by_reason.values()) == 0
+
+
+def test_the_demo_endpoint_waits_a_quarter_of_the_poll_interval_at_most():
+    from kvwatch.pipeline.demo import DemoSource
+
+    assert DemoSource("http://127.0.0.1:9/sim/phase", 10.0, 1.0).fetcher.timeout == 0.25
+    assert DemoSource("http://127.0.0.1:9/sim/phase", 10.0, 30.0).fetcher.timeout == 2.0
+    assert DemoSource("http://127.0.0.1:9/sim/phase", 0.5, 30.0).fetcher.timeout == 0.5
