@@ -181,3 +181,42 @@ def test_the_demo_endpoint_waits_a_quarter_of_the_poll_interval_at_most():
     assert DemoSource("http://127.0.0.1:9/sim/phase", 10.0, 1.0).fetcher.timeout == 0.25
     assert DemoSource("http://127.0.0.1:9/sim/phase", 10.0, 30.0).fetcher.timeout == 2.0
     assert DemoSource("http://127.0.0.1:9/sim/phase", 0.5, 30.0).fetcher.timeout == 0.5
+
+
+# --- kvwatch sim --scenario ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shadow", ["folder", "file"])
+def test_the_current_directory_never_shadows_a_shipped_scenario(tmp_path, monkeypatch, shadow):
+    """A `demo/` folder (or a file named `demo`) in the current directory
+    was taken for the scenario: the folder failed `kvwatch sim`, the file
+    ran instead of the shipped demo. A bare name is always the package's; a
+    file of one's own is named by a path (a slash, or .yaml)."""
+    from kvwatch.sim.scenario import ScenarioError, load_scenario
+
+    shipped = load_scenario("demo")
+    monkeypatch.chdir(tmp_path)
+    from importlib import resources
+
+    own = resources.files("kvwatch").joinpath("scenarios/idle.yaml").read_text().replace("name: idle", "name: mine", 1)
+    if shadow == "folder":
+        (tmp_path / "demo").mkdir()
+    else:
+        (tmp_path / "demo").write_text(own)
+    (tmp_path / "healthy.yaml").write_text(own)
+    assert load_scenario("demo") == shipped
+    assert load_scenario("healthy").name == "healthy"
+    assert load_scenario("healthy.yaml").name == "mine"  # a .yaml ending names a file
+    if shadow == "file":
+        assert load_scenario("./demo").name == "mine"  # so does a slash
+    else:
+        with pytest.raises(ScenarioError, match="no such scenario file|not a regular file"):
+            load_scenario("./demo")
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "./absent.yaml"])
+def test_a_scenario_path_that_is_no_small_file_is_one_sentence(tmp_path, monkeypatch, capsys, path):
+    monkeypatch.chdir(tmp_path)
+    assert main(["sim", "--scenario", path, "--report", "60"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") <= 2, err
