@@ -197,3 +197,6 @@ class TerminalText:
 
     def flush(self) -> None:
         self.out.flush()
+
+    def __getattr__(self, name: str):  # isatty, encoding, ...: the stream's own
+        return getattr(self.out, name)

@@ -220,3 +220,19 @@ def test_a_scenario_path_that_is_no_small_file_is_one_sentence(tmp_path, monkeyp
     assert main(["sim", "--scenario", path, "--report", "60"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") <= 2, err
+
+
+def test_every_command_that_prints_text_from_outside_writes_its_escapes_out():
+    """One helper (present.printable) for capacity, diagnose, capture's and
+    diagnose's failure lines and sweep --compare's report."""
+    import io
+
+    from kvwatch.commands.failfast import FailureReport
+    from kvwatch.present import TerminalText, printable
+
+    out = io.StringIO()
+    FailureReport(out, "kvwatch capture", None).failed(1, "content_type", "it answered text/html" + ESCAPES)
+    assert "\x1b" not in out.getvalue() and "\\x1b]0;retitled" in out.getvalue()
+    assert printable("a\tb\nc" + ESCAPES, keep_lines=True).startswith("a\tb\nc\\x1b")
+    assert "\n" not in printable("a\nb") and "\u202e" not in printable(ESCAPES)
+    assert TerminalText(io.StringIO()).isatty() is False
