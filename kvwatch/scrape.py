@@ -4,8 +4,10 @@ Limits on every fetch: a connect and read timeout and an overall deadline (a
 server that trickles bytes, in its headers or its body, cannot hold a poll past
 it: a watchdog shuts the socket down when the deadline passes), a cap on the body size
 (counted after decompression), no redirects (kvwatch only ever fetches the
-configured target), and a record of the content type (an HTML error page from
-a proxy is reported as such). Each failure has a short machine-readable reason for
+configured target), exact framing (an answer that leaves any byte behind its
+end closes the connection: nothing it left is read as the next answer), and a
+record of the content type (an HTML error page from a proxy is reported as
+such). Each failure has a short machine-readable reason for
 `kvwatch_poll_errors_total{reason}` and a human detail for logs; neither ever
 contains the bearer token, nor the credentials or query string of the target URL.
 """
@@ -134,7 +136,7 @@ class Fetcher:
         if not tls_verify:
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
         # Plain http:// targets are read over one kept-alive socket by
-        # _PlainHTTP (a tenth of requests' CPU per poll); https:// ones, and
+        # _PlainHTTP (h11: half of requests' CPU per poll); https:// ones, and
         # a target that sets cookies, through the session.
         self._plain: _PlainHTTP | None = _PlainHTTP() if urlsplit(url).scheme.lower() == "http" else None
 
@@ -345,8 +347,6 @@ class _PlainHTTP:
         self._sent: tuple[tuple, h11.Request, tuple[str, int]] | None = None
         self._where = ""
         self._received = 0  # bytes of the current answer read so far
-        self._buffer = bytearray(CHUNK)
-        self._view = memoryview(self._buffer)
 
     def close(self) -> None:
         if self.sock is not None:
@@ -441,12 +441,10 @@ class _PlainHTTP:
     def _read(self) -> int:
         """Hands h11 what the socket holds, up to CHUNK bytes; 0: the server
         closed (h11 judges it: the end of a close-delimited body, or a cut)."""
-        # Into one kept buffer: recv(CHUNK) would allocate 64 KiB for every
-        # read, the few hundred bytes of a head included.
-        count = self.sock.recv_into(self._buffer)
-        self._received += count
-        self.http.receive_data(self._view[:count] if count else b"")
-        return count
+        data = self.sock.recv(CHUNK)
+        self._received += len(data)
+        self.http.receive_data(data)
+        return len(data)
 
     def _next_event(self):
         while (event := self.http.next_event()) is h11.NEED_DATA:

@@ -191,3 +191,24 @@ def test_an_answer_sent_while_the_connection_is_idle_is_never_read_as_the_next_o
             fetcher._plain.close()
         assert second.ok and second.text == ENGINE_PAGE.decode()
         assert len(server.connections) == 2
+
+
+@pytest.mark.parametrize("framing", ["Content-Length: 12abc", "Transfer-Encoding: gzip, chunked"],
+                         ids=["length-not-a-number", "transfer-coding-not-asked-for"])
+def test_framing_kvwatch_cannot_read_fails_in_one_sentence(framing):
+    # kvwatch asks for no transfer coding (no TE header): an answer in one
+    # has no length kvwatch can read.
+    with HostileServer(lambda: answer(ENGINE_PAGE, framing)) as server:
+        fetcher = Fetcher(server.url, 5.0, 1 << 20)
+        result = fetcher.fetch()
+        assert fetcher._plain.sock is None  # closed
+    assert result.reason == "truncated" and result.sentence == FRAMING_SENTENCE.format(host=public_host(server.url))
+
+
+def test_a_head_past_64_kib_fails_as_not_http():
+    # A header that never ends within the bound: h11 holds at most 64 KiB
+    # waiting for the head's end.
+    with HostileServer(lambda: answer(ENGINE_PAGE, "X-Padding: " + "x" * (200 * 1024))) as server:
+        fetcher = Fetcher(server.url, 5.0, 1 << 20)
+        result = fetcher.fetch()
+    assert result.reason == "disconnected" and "Receive buffer too long" in result.detail
