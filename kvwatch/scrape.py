@@ -313,6 +313,9 @@ _MAX_HEAD = 64 * 1024
 FRAMING_SENTENCE = "the page from {host} has no single, valid length (conflicting or invalid Content-Length)"
 
 
+_END = h11.EndOfMessage()  # a GET's end: no body
+
+
 @dataclass(slots=True)
 class _Answer:
     status: int = 0
@@ -417,7 +420,7 @@ class _PlainHTTP:
         self._received = 0
         try:
             self.sock.settimeout(timeout)
-            self.sock.sendall(self.http.send(event) + self.http.send(h11.EndOfMessage()))
+            self.sock.sendall(self.http.send(event) + self.http.send(_END))
             head = self._head()
         except (socket.timeout, TimeoutError):
             return _Answer(failure=("timeout", f"no response within {timeout:g}s"))
@@ -429,7 +432,7 @@ class _PlainHTTP:
             if "Content-Length" in str(exc) or "Transfer-Encoding" in str(exc):
                 return _Answer(failure=("truncated", self._detail(exc)), sentence=FRAMING_SENTENCE)
             return _Answer(failure=("disconnected", self._detail(exc)))  # a status line or header that is not HTTP
-        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in head.headers}
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in head.headers.raw_items()}
         answer = _Answer(head.status_code, headers, sets_cookie="set-cookie" in headers)
         if answer.status != 200:
             return answer
@@ -452,15 +455,16 @@ class _PlainHTTP:
         return event
 
     def _head(self) -> h11.Response:
+        # Read first: an answer starts on an empty buffer (no byte is kept
+        # past an answer's end), so h11 would only ask for data.
         while True:
-            event = self.http.next_event()
-            if event is h11.NEED_DATA:
-                if not self._read():
-                    raise _Ended("RemoteDisconnected: the server closed the connection without an answer"
-                                 if not self._received else "the server closed the connection within the headers")
-            elif type(event) is h11.Response:
-                return event
-            # else an interim answer (100 Continue): the real one follows
+            if not self._read():
+                raise _Ended("RemoteDisconnected: the server closed the connection without an answer"
+                             if not self._received else "the server closed the connection within the headers")
+            while (event := self.http.next_event()) is not h11.NEED_DATA:
+                if type(event) is h11.Response:
+                    return event
+                # an interim answer (100 Continue): the real one follows
 
     def _body(self, headers: dict, timeout: float, deadline: float, cap: int) -> tuple[bytes, tuple[str, str] | None]:
         decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS) \
