@@ -381,7 +381,7 @@ class _PlainHTTP:
         try:
             event, address = self._request(request)
         except h11.LocalProtocolError:  # its message quotes the header: the token, perhaps
-            return _Answer(failure=("error", "a request header is not a valid HTTP header value"))
+            return _Answer(failure=("error", "the request's path or a header value is not valid in HTTP/1.1"))
         except (UnicodeEncodeError, ValueError, urllib3.exceptions.LocationParseError) as exc:
             return _Answer(failure=("error", self._detail(exc)))
         reused = self.sock is not None
