@@ -214,3 +214,16 @@ def test_credentials_in_the_url_are_sent_as_basic_auth_and_kept_out_of_the_detai
     assert refused.reason == "refused"
     assert "k3y-value" not in refused.detail and "s3cret-pass" not in refused.detail
     assert "<redacted>" in refused.detail
+
+
+def test_a_token_with_a_nul_byte_is_refused_before_sending_and_never_quoted(tmp_path):
+    # requests lets a NUL through (it refuses only line ends); HTTP/1.1 does not.
+    token = tmp_path / "token"
+    token.write_text("s3cret\x00token\n")
+    server = Scripted(lambda index, request: (sized(PAGE), False))
+    try:
+        result = Fetcher(server.url, 5.0, 1 << 20, bearer_token_file=str(token)).fetch()
+        assert result.reason == "error" and "not valid in HTTP/1.1" in result.detail
+        assert "s3cret" not in result.detail and server.requests == []
+    finally:
+        server.close()
