@@ -159,7 +159,15 @@ class Fetcher:
         if self._plain is not None and not self.session.cookies:
             return self._fetch_plain(started, deadline)
         try:
-            response = self.session.send(self._request(), timeout=(self.timeout, self.timeout),
+            request = self._request()
+        except requests.exceptions.InvalidHeader:
+            # Its message quotes the header value, that is the token itself.
+            message = "the bearer token file does not hold a valid HTTP header value"
+            return self._fail("error", message, started, sentence=message)
+        try:
+            # Prepared apart: an InvalidHeader raised while reading the answer
+            # is the server's, never blamed on the token.
+            response = self.session.send(request, timeout=(self.timeout, self.timeout),
                                          allow_redirects=False, stream=True)
         except requests.exceptions.SSLError as exc:
             return self._fail("tls", _safe(exc), started)
@@ -169,10 +177,11 @@ class Fetcher:
             return self._fail("timeout", f"no response within {self.timeout:g}s", started)
         except requests.exceptions.ConnectionError as exc:
             return self._fail(connection_reason(exc), _safe(exc), started)
-        except requests.exceptions.InvalidHeader:
-            # Its message quotes the header value, that is the token itself.
-            message = "the bearer token file does not hold a valid HTTP header value"
-            return self._fail("error", message, started, sentence=message)
+        except (requests.exceptions.InvalidHeader, urllib3.exceptions.InvalidHeader) as exc:
+            # urllib3 refuses Content-Length values that disagree: the same
+            # page without a single length as the plain path's.
+            sentence = FRAMING_SENTENCE.format(host=public_host(self.url))
+            return self._fail("truncated", _safe(exc), started, sentence=sentence)
         except requests.exceptions.RequestException as exc:
             return self._fail("error", _safe(exc), started)
 
