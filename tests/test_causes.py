@@ -153,8 +153,6 @@ def _route_by_finding(monkeypatch, name: str, alert: str):
     records = tuple(routed if c.name == name else c for c in CAUSE_LIST)
     monkeypatch.setattr(alerts, "CAUSE_LIST", records)
     monkeypatch.setattr(alerts, "CAUSE", {c.name: c for c in records})
-    monkeypatch.setattr(alerts, "ALERT_CAUSES", {a.name: tuple(c.name for c in records if c.alert == a.name)
-                                                 for a in ALERT_LIST})
     # The mixin's defaults are read from the records when it is imported.
     monkeypatch.setitem(DEFAULT_SEVERITIES, name, routed.severity)
     return routed
@@ -167,7 +165,7 @@ def test_a_cause_routed_by_its_finding_gets_a_rule_on_kvwatch_finding(monkeypatc
     spec = specs[0]
     assert spec.alert == "VllmKvCacheExhausted" and spec.severity == routed.severity
     assert 'kvwatch_finding{job="kvwatch",symptom="exhaustion",cause="capacity_below_max_num_seqs"}' in spec.query
-    assert spec.op == ">" and spec.threshold == 0 and routed.next_action in spec.description
+    assert spec.op == ">" and spec.threshold == 0 and spec.description.endswith("Next: " + routed.next_check)
 
 
 def test_a_cause_routed_by_its_finding_fires_in_promtool(monkeypatch, tmp_path):

@@ -209,7 +209,7 @@ def test_no_reuse_alert_is_off_by_default():
 
 def test_cases_cover_every_alert_and_cause_and_check_every_alert():
     # Every rule, preempting and waiting-only exhaustion apart (their severities differ).
-    covered = {(e[0], e[1], e[3] if len(e) > 3 else cases.SEVERITY[e[1]])
+    covered = {(e[0], e[1], cases.expected_severity(*e[1::2]))
                for case in cases.default_cases() + cases.upstream_cases() + cases.no_reuse_cases()
                + cases.fleet_cases() for e in case.expect}
     # (The objectives' burn-rate alerts have their own cases: tests/test_objectives_promtool.py.)
@@ -230,7 +230,8 @@ def test_case_labels_match_the_config():
     config = MixinConfig()
     for spec in alert_specs(config):
         if spec.kind == "cause":
-            assert (cases.PREEMPTING if spec.variant == "preempting" else cases.SEVERITY[spec.cause]) == spec.severity
+            assert cases.expected_severity(spec.cause, cases.PREEMPTING if spec.variant == "preempting" else None) \
+                == spec.severity
     # Every alert names its cause, or (a page) its objective.
     assert all(rule["labels"].get("cause") or rule["labels"].get("objective") for rule in load_rules() if "alert" in rule)
 

@@ -91,6 +91,10 @@ class Recorded(Fragments):
     def signal(self, name: str) -> str:
         return twin_record(self.c, name)
 
+    def series(self, name: str) -> str:
+        """One of kvwatch's own series, under the config's selector."""
+        return f"{name}{{{self.c.kvwatch_selector}}}"
+
     # values
     def usage_max(self) -> str:
         return self.signal(VALUES["usage_max"])
@@ -131,19 +135,16 @@ for _method in CONDITIONS:
     setattr(Recorded, _method, _recorded_method(_method))
 
 
-# The catalogue twins the alerts read (besides VALUES): the exhaustion forecast.
-ALERT_SIGNALS = (*VALUES.values(), "kvwatch_kv_cache_exhaustion_eta_seconds")
-
-
-def recording_rules(config, scope: Scope) -> list[dict]:
+def recording_rules(config, scope: Scope, signals: tuple[str, ...]) -> list[dict]:
     """What the alerts read, in the alerts' group: the catalogue twins of
-    their values (recorded there, not in kvwatch-engine.rules), the values
-    that are not a twin (the first token with the upstream stage, the
-    upstream stage, the replica's hit ratio against its peers), and each
-    condition once, its expression the base Fragments' (self-contained)."""
+    `signals` (those the alerts' queries read: alerts.signals_read; recorded
+    there, not in kvwatch-engine.rules), the values that are not a twin (the
+    first token with the upstream stage, the upstream stage, the replica's hit
+    ratio against its peers), and each condition once, its expression the
+    base Fragments' (self-contained)."""
     recorded = Recorded(scope, config)
     base = recorded.base
-    rules = [{"record": twin_record(config, signal), "expr": scope.signal(signal)} for signal in ALERT_SIGNALS]
+    rules = [{"record": twin_record(config, signal), "expr": scope.signal(signal)} for signal in signals]
     rules.append({"record": recorded.hit_ratio_vs_peers(), "expr": base.hit_ratio_vs_peers()})
     if base.upstream:
         rules.append({"record": recorded.upstream_mean(), "expr": base.upstream_mean()})

@@ -104,7 +104,7 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvwatch_requests_waiting_by_reason", "requests",
            "Requests waiting now by reason: capacity (no KV blocks) or deferred (vllm:num_requests_waiting_by_reason, vLLM 0.20+).",
            _waiting_by_reason, "exhaustion",
-           "sum by ({by}, reason) (kvwatch_engine_requests_waiting_by_reason{{{sel}}})", label="reason",
+           "sum by ({by}, reason) (kvwatch_engine_requests_waiting_by_reason{{{sel}}})", label="reason", output_labels=("reason",),
            record=("kvwatch_requests_waiting", "sum"), needs=("waiting_by_reason",), display="Waiting by reason",
            good="low"),
     # --- KV blocks, occupancy and trend ---
@@ -183,7 +183,7 @@ SIGNALS: tuple[Signal, ...] = (
            "Requests rejected at a queue limit per second, by reason: a cause apart from the KV cache, the queue "
            "was full (vllm:admission_rejections_total, vLLM 0.32+).",
            _labelled_rates("admission_rejections"), "exhaustion",
-           "sum by ({by}, reason) (rate(kvwatch_engine_admission_rejections_total{{{sel}}}[{w}]))", label="reason",
+           "sum by ({by}, reason) (rate(kvwatch_engine_admission_rejections_total{{{sel}}}[{w}]))", label="reason", output_labels=("reason",),
            record=("kvwatch_admission_rejections", "rate{w}"), needs=("admission_rejections",), display="Admission rejections", good="low"),
     Signal("kvwatch_engine_sleeping", "state",
            "1 while the engine sleeps (sleep level 1 or 2), 0 while awake: a sleeping engine is not a down one "
@@ -349,7 +349,7 @@ SIGNALS: tuple[Signal, ...] = (
            _offload_stores_dropped, "prefix",
            "label_replace(sum by ({by}) (rate(kvwatch_engine_kv_offload_allocation_failures_total{{{sel}}}[{w}])), \"reason\", \"allocation_failure\", \"\", \"\")\n"
            "or\nlabel_replace(sum by ({by}) (rate(kvwatch_engine_kv_offload_stores_skipped_total{{{sel}}}[{w}])), \"reason\", \"below_reuse_threshold\", \"\", \"\")",
-           label="reason", record=("kvwatch_kv_offload_stores_dropped", "rate{w}"),
+           label="reason", output_labels=("reason",), record=("kvwatch_kv_offload_stores_dropped", "rate{w}"),
            needs=("offload_allocation_failures",), display="KV offload stores not made", good="low"),
     Signal("kvwatch_requests_kv_fetch", "requests",
            "Waiting requests by async KV load stage now: waiting_to_start (a fetch intended, no transfer started), "
@@ -393,13 +393,14 @@ SIGNALS: tuple[Signal, ...] = (
            ttft_parts, "first_token",
            _mean_promql("kvwatch_engine_request_queue_time_seconds") + "\n/ on ({by})\n"
            + _mean_promql("kvwatch_engine_time_to_first_token_seconds"), label="part",
+           output_labels=("part",), record_labels=(("part", "queue"),),
            display="Time to first token split", record=("kvwatch_time_to_first_token_share", "ratio_rate{w}"), good="low"),
     # --- throughput and failures ---
     Signal("kvwatch_requests_finished_per_second", "per_second",
            "Finished requests per second by reason (vllm:request_success_total).",
            _labelled_rates("finished"), "throughput",
            "sum by ({by}, finished_reason) (rate(kvwatch_engine_requests_finished_total{{{sel}}}[{w}]))",
-           label="finished_reason",
+           label="finished_reason", output_labels=("finished_reason",),
            display="Finished requests", record=("kvwatch_requests_finished", "rate{w}")),
     Signal("kvwatch_requests_failed_per_second", "per_second",
            "Requests ending in abort or error per second (vllm:request_success_total{finished_reason=~\"abort|error\"}).",
