@@ -137,7 +137,7 @@ def test_promtool_unit_tests_of_the_eta_recording_rules(tmp_path):
 
 
 def test_eta_cases_are_the_sidecars_signal_on_the_same_samples():
-    # One number, one definition: the sidecar's ETA (kvwatch/signals.py),
+    # One number, one definition: the sidecar's ETA (kvwatch/signals/evaluation.py),
     # fed each case's samples up to its evaluation time (one a minute, as
     # promtool's), gives the value the recorded series must hold, or none.
     from kvwatch.signals.evaluation import _eta

@@ -17,7 +17,7 @@ def render() -> str:
     lines = [
         "# Metrics kvwatch exports",
         "",
-        "Generated from `kvwatch/signals.py` by `kvwatch generate`; do not edit by hand.",
+        "Generated from `kvwatch/signals/` by `kvwatch generate`; do not edit by hand.",
         "",
         "## Health of the poll",
         "",
