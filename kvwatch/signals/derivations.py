@@ -97,6 +97,9 @@ class Signal:
     display: str = ""
     # GOOD_DIRECTIONS: the side of a threshold a person wants it on.
     good: str | None = None
+    # `help` is one line (the exported # HELP, a panel's description);
+    # where more needs saying, docs/metrics.md shows this instead.
+    doc: str = ""
 
 
 def _clamp01(value: float | None) -> float | None:
