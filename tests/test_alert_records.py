@@ -19,7 +19,7 @@ from kvwatch.mixin.alert_records import CAUSE_ALERTS
 from kvwatch.mixin.alerts import AlertCatalogueError, alert_specs, signals_read
 from kvwatch.mixin.conditions import twin_record
 from kvwatch.mixin.config import MixinConfig, config_from_mapping
-from kvwatch.mixin.rules import ALERTS_GROUP, rule_groups
+from kvwatch.mixin.rules import ALERTS_GROUP, recording_rules, rule_groups
 from mixin_support import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "promtool"))
@@ -62,10 +62,11 @@ def test_every_series_an_alert_reads_is_recorded_before_it_in_its_group(config):
     assert signals_read(config) and all(twin_record(config, s) in queries for s in signals_read(config))
 
 
-def test_an_alert_on_another_signal_gets_its_twin_in_its_group(monkeypatch):
-    """A record reading a signal no alert read before: its twin moves into the
-    alerts' group, before the alert, with nothing listed by hand."""
-    signal = "kvwatch_preemptions_per_second"
+@pytest.mark.parametrize("signal", ["kvwatch_preemptions_per_second", "kvwatch_admission_rejections_per_second"])
+def test_an_alert_on_another_signal_gets_its_twin_in_its_group(monkeypatch, signal):
+    """A record reading a signal no alert read before (one labelled by reason
+    too): its twin moves into the alerts' group, before the alert, under the
+    name its recording rule has, with nothing listed by hand."""
     config = MixinConfig()
     assert signal not in signals_read(config)
     rising = next(r for r in CAUSE_ALERTS if r.cause == "usage_rising")
@@ -75,6 +76,9 @@ def test_an_alert_on_another_signal_gets_its_twin_in_its_group(monkeypatch):
     assert _read_late(config) == []
     engine_group = next(g for g in rule_groups(config, _panel_ids()) if g["name"] == "kvwatch-engine.rules")
     assert twin_record(config, signal) not in {rule["record"] for rule in engine_group["rules"]}
+    assert twin_record(config, signal) in {rule["record"] for rule in _alerts_group(config) if "record" in rule}
+    # The same name its engine-level recording rule has wherever no alert reads it.
+    assert twin_record(config, signal) in {rule["record"] for rule in recording_rules(config, "engine")}
 
 
 def test_the_records_and_the_cause_catalogue_agree_or_kvwatch_refuses(monkeypatch):

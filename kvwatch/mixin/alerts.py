@@ -269,7 +269,8 @@ def signals_read(config: MixinConfig) -> tuple[str, ...]:
     catalogue order: recorded in the alerts' group, before them (see
     kvwatch/mixin/conditions.py), so no alert reads one an evaluation late."""
     read = {name for spec in alert_specs(config) for name in _RECORDED.findall(spec.query)}
-    return tuple(s.name for s in SIGNALS if s.record[0] and s.label is None and twin_record(config, s.name) in read)
+    one_record = [s for s in SIGNALS if s.record[0] and (s.label is None or s.output_labels) and not s.record_labels]
+    return tuple(s.name for s in one_record if twin_record(config, s.name) in read)
 
 
 def _check_records() -> None:

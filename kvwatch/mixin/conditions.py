@@ -72,9 +72,12 @@ def engine_level(config) -> str:
 
 
 def twin_record(config, signal: str) -> str:
-    """The engine-level recording rule of a catalogue signal (rules.recording_rules names it so)."""
-    metric, ops = SIGNALS_BY_NAME[signal].record
-    return f"{engine_level(config)}:{metric}:{ops.format(w=config.rate_window)}"
+    """The engine-level recording rule of a catalogue signal (rules.recording_rules names it so: its
+    level names its output labels too)."""
+    entry = SIGNALS_BY_NAME[signal]
+    metric, ops = entry.record
+    level = "_".join((engine_level(config), *entry.output_labels))
+    return f"{level}:{metric}:{ops.format(w=config.rate_window)}"
 
 
 class Recorded(Fragments):

@@ -226,7 +226,8 @@ DEPLOY_FIELDS = {
     "kv_events_port": "port on the pod's loopback where kvwatch binds for vLLM's KV-cache events (kv_events); "
                       "vLLM's --kv-events-config endpoint tcp://127.0.0.1:<port> connects to it. Empty: off",
 }
-assert set(DEPLOY_FIELDS) == {f.name for f in fields(DeploySettings)}
+if set(DEPLOY_FIELDS) != {f.name for f in fields(DeploySettings)}:
+    raise TypeError("DEPLOY_FIELDS and DeploySettings name different fields: each field is documented once")
 
 
 def _get(source: Any, name: str) -> Any:
