@@ -126,3 +126,26 @@ def test_the_records_are_declared_by_keyword():
     with pytest.raises(TypeError):
         alerts.CauseAlert("prefill", lambda f: "x", ">", 0, "s", "d")  # type: ignore[misc]
 
+
+
+def test_an_alert_only_cause_without_prose_gets_its_runbook_section_from_its_records(tmp_path, monkeypatch):
+    """Its advice, what its alert's description says in words, the dashboard
+    it links; a cause the diagnosis names still needs its prose."""
+    import shutil
+
+    from kvwatch.mixin import runbooks
+
+    shutil.copytree(str(runbooks.PROSE), tmp_path / "runbooks")
+    (tmp_path / "runbooks" / "usage_rising.md").unlink()
+    monkeypatch.setattr(runbooks, "PROSE", tmp_path / "runbooks")
+    first, meaning, confirm, do, dont = runbooks.cause_sections(
+        MixinConfig(), "VllmKvCacheExhaustionSoon", "usage_rising").values()
+    assert first == CAUSE["usage_rising"].next_check
+    assert meaning.startswith("KV usage of engine <engine> of <model_name> on <instance> is rising") \
+        and "the cache is full in the alert's value" in meaning and "{" not in meaning and "Next:" not in meaning
+    assert confirm == f"{runbooks.DASHBOARDS['exhaustion'][1]}: the panel the alert links."
+    assert (do, dont) == ("", "")
+    assert "### VllmKvCacheExhaustionSoon: usage_rising" in runbooks.render(MixinConfig())
+    (tmp_path / "runbooks" / "prefill.md").unlink()
+    with pytest.raises(runbooks.RunbookProseError, match="prefill.md is missing"):
+        runbooks.render(MixinConfig())
