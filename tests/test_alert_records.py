@@ -62,10 +62,10 @@ def test_every_series_an_alert_reads_is_recorded_before_it_in_its_group(config):
     assert signals_read(config) and all(twin_record(config, s) in queries for s in signals_read(config))
 
 
-@pytest.mark.parametrize("signal", ["kvwatch_preemptions_per_second", "kvwatch_admission_rejections_per_second"])
+@pytest.mark.parametrize("signal", ["kvwatch_preemptions_per_second", "kvwatch_requests_finished_per_second"])
 def test_an_alert_on_another_signal_gets_its_twin_in_its_group(monkeypatch, signal):
-    """A record reading a signal no alert read before (one labelled by reason
-    too): its twin moves into the alerts' group, before the alert, under the
+    """A record reading a signal no alert read before (one labelled by its
+    finished_reason too): its twin moves into the alerts' group, before the alert, under the
     name its recording rule has, with nothing listed by hand."""
     config = MixinConfig()
     assert signal not in signals_read(config)

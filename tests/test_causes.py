@@ -100,7 +100,10 @@ def test_every_alert_and_alerted_cause_has_its_prose_and_every_placeholder_resol
     for cause in CAUSE_LIST:
         if cause.alert:
             sections = runbooks.cause_sections(MixinConfig(), cause.alert, cause.name)
-            assert tuple(sections) == runbooks.SECTIONS and all(sections.values()), cause.name
+            # A cause only its alert names may come without prose: its records then fill the first three.
+            written = runbooks.PROSE.joinpath(f"{cause.name}.md").is_file()
+            assert tuple(sections) == runbooks.SECTIONS, cause.name
+            assert all(list(sections.values())[:None if written else 3]), cause.name
     # No placeholder left unfilled (the jsonpath and PromQL braces are text).
     assert "{dashboard:" not in text and ":pct}" not in text and "{for}" not in text
 

@@ -266,9 +266,13 @@ def test_alert_severities_are_the_diagnosis_severities_and_only_objectives_page(
     for spec in specs:
         if spec.symptom and spec.cause in SEVERITY:
             assert spec.severity == severity_of(spec.cause), spec.uid
-    # The alerts the diagnosis has no finding for: a forecast, and kvwatch's own health.
-    assert {s.cause for s in specs if s.cause not in SEVERITY and s.kind == "cause"} <= {
-        "usage_rising", "kvwatch_unreachable", "kvwatch_absent", "engine_unreachable", "stats_disabled"}
+    # The alerts the diagnosis has no finding for (a forecast, kvwatch's own health) are the
+    # causes whose records say so, with their records' severities.
+    from kvwatch.diagnose.causes import CAUSE, CAUSE_LIST
+
+    alert_only = {s.cause for s in specs if s.cause not in SEVERITY and s.kind == "cause"}
+    assert alert_only == {c.name for c in CAUSE_LIST if c.alert and not c.diagnosed}
+    assert all(s.severity == CAUSE[s.cause].severity for s in specs if s.cause in alert_only)
     critical = {(s.alert, s.kind) for s in specs if s.severity == "critical"}
     # Besides the objectives, two pages: an engine kvwatch cannot read, and one that holds requests and
     # produces nothing (stuck requests never get a first token, so no TTFT histogram sees them burn).
