@@ -155,8 +155,6 @@ ALERT_LIST = (
     # Fired by kvwatch's own stuck finding (diagnose/stuck.py), which already waited
     # diagnosis.stuck_seconds with nothing moving: a short `for:` only rides out one missed scrape.
     Alert("VllmEngineStuck", "stuck", "2m", ("overview", "findings"), "stuck"),
-    # Requests turned away at the engine's queue limit: users get errors, not waits; a burst is not a trend.
-    Alert("VllmRequestsRejected", None, "5m", ("exhaustion", "waiting_by_reason"), "rejected"),
 )
 
 # In the order the rules consider them within a symptom.
@@ -546,18 +544,6 @@ CAUSE_LIST = (
             "On the exhaustion dashboard, see what rises (running requests or their length); shed or route load to "
             "other replicas, or add one now, before vLLM starts preempting."),
         alert="VllmKvCacheExhaustionSoon",
-        owner="platform",
-        diagnosed=False),
-    # The engine turns requests away at its queue limit (vLLM 0.32+): not the KV cache, the queue was full.
-    Cause(
-        name="admission_rejected",
-        symptom=None,
-        severity="warning",
-        next_check=(
-            "Requests are turned away at the engine's queue limit, not for lack of KV cache: compare the arrival "
-            "rate with what the engine serves; add replicas, shed load at the gateway, or raise the queue limit if "
-            "the waits it allows are acceptable."),
-        alert="VllmRequestsRejected",
         owner="platform",
         diagnosed=False),
     # kvwatch itself not scraped: the other alerts are blind, but serving may be fine.

@@ -297,14 +297,4 @@ CAUSE_ALERTS: tuple[CauseAlert, ...] = (
             "The engine beside kvwatch at {instance} serves /metrics without any engine series for {for}: vLLM "
             "runs with --disable-log-stats (or the target is another program). Requests may be served fine, but "
             "kvwatch, its findings and every vLLM alert (the objectives too) see nothing.")),
-    # --- requests turned away at the engine's queue limit, any reason.
-    CauseAlert(
-        cause="admission_rejected",
-        query=lambda f: f"sum without (reason) ({f.signal('kvwatch_admission_rejections_per_second')})",
-        op=">", threshold=0,
-        summary="vLLM rejects requests at its queue limit.",
-        description=(
-            "The {where} rejected requests at its queue limit over the last {rate_window} "
-            "(kvwatch_admission_rejections_per_second): users get errors, not waits (likely cause: admission "
-            "rejected).")),
 )

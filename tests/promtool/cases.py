@@ -87,7 +87,6 @@ class Engine:
     up: str | None = const(1)
     kvwatch_up: str | None = const(1)
     stats_disabled: str | None = None
-    rejections: str | None = None  # kvwatch_engine_admission_rejections_total{reason="queue_full"}
     # kvwatch's own findings: (symptom, cause, severity, values) each a kvwatch_finding series.
     findings: tuple = ()
 
@@ -112,7 +111,6 @@ class Engine:
         add("kvwatch_engine_requests_waiting_by_reason", self.waiting_capacity, {**self.labels, "reason": "capacity"})
         add("kvwatch_engine_requests_waiting_by_reason", self.waiting_deferred, {**self.labels, "reason": "deferred"})
         add("kvwatch_engine_preemptions_total", self.preemptions)
-        add("kvwatch_engine_admission_rejections_total", self.rejections, {**self.labels, "reason": "queue_full"})
         add("kvwatch_engine_prompt_tokens_total", self.prompt_tokens)
         add("kvwatch_engine_prefix_cache_queries_total", self.prefix_queries)
         add("kvwatch_engine_prefix_cache_hits_total", self.prefix_hits)
@@ -418,10 +416,6 @@ def default_cases() -> list[Case]:
              [Engine(kvwatch_up=const(0), stats_disabled=const(1), info=None, usage=None, running=None,
                      waiting=None, preemptions=None, prompt_tokens=None)], "10m",
              [("VllmEngineStatsDisabled", "stats_disabled", TARGET)]),
-        Case("requests rejected at the queue limit -> VllmRequestsRejected admission_rejected",
-             [Engine(rejections=rate(30))], "20m", [("VllmRequestsRejected", "admission_rejected", ENGINE)]),
-        Case("rejections that stopped before for: (5m) -> nothing",
-             [Engine(rejections="0+30x3 90x116")], "20m", []),
         Case("a down blip shorter than for: (5m) -> nothing",
              [Engine(up="1x5 0x3 1x112")], "10m", []),
         # --- stuck: routed by kvwatch's own finding (diagnose/stuck.py already waited stuck_seconds) --
