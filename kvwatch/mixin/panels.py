@@ -64,7 +64,7 @@ class PanelSpec:
     threshold: float | None = None
     stacked: bool = False
     instant: bool = False
-    # The catalogue entry (signals.py) the threshold and value mappings are
+    # The catalogue entry (signals/catalogue.py) the threshold and value mappings are
     # about: its declared good side ("high" or "low") colours them.
     signal: str | None = None
     mappings: tuple[tuple[float, str], ...] = ()  # (value, text) of a stat

@@ -14,6 +14,8 @@ import re
 from dataclasses import fields
 from importlib import resources
 
+from kvwatch.diagnose.causes import ALERTS as ALERTS_BY_NAME
+from kvwatch.diagnose.causes import CAUSE
 from kvwatch.mixin import objectives
 from kvwatch.mixin.alerts import alert_specs, runbook_anchor
 from kvwatch.mixin.alerts import runbook_anchor as anchor_of
@@ -91,7 +93,7 @@ def read_prose(name: str) -> str:
     path = PROSE.joinpath(f"{name}.md")
     if not path.is_file():
         raise RunbookProseError(f"kvwatch/diagnose/runbooks/{name}.md is missing: every alert and every alerted "
-                                "cause has its runbook prose there")
+                                "cause the diagnosis names has its runbook prose there")
     with path.open("rb") as handle:
         data = handle.read(PROSE_MAX_BYTES + 1)
     if len(data) > PROSE_MAX_BYTES:
@@ -114,7 +116,11 @@ def alert_intro(c: MixinConfig, alert: str) -> str:
 
 
 def cause_sections(c: MixinConfig, alert: str, cause: str) -> dict[str, str]:
-    """{section title: its text} of a cause's runbook, from its Markdown file."""
+    """{section title: its text} of a cause's runbook, from its Markdown file;
+    a cause only its alert names (diagnosed=False) may have none, and then its
+    records say it (_record_sections)."""
+    if not CAUSE[cause].diagnosed and not PROSE.joinpath(f"{cause}.md").is_file():
+        return _record_sections(c, alert, cause)
     body = read_prose(cause)
     parts = re.split(r"^## (.+)\n", body, flags=re.M)
     titles = tuple(parts[1::2])
@@ -123,6 +129,19 @@ def cause_sections(c: MixinConfig, alert: str, cause: str) -> dict[str, str]:
                                 f"heading, in this order (found: {', '.join(titles) or 'none'})")
     return {title: _fill(_paragraphs(text), c, alert, f"runbooks/{cause}.md")
             for title, text in zip(titles, parts[2::2])}
+
+
+def _record_sections(c: MixinConfig, alert: str, cause: str) -> dict[str, str]:
+    """A section from the records alone: the cause's advice first, then what
+    its alert's description says (its labels and value named in words), and
+    the dashboard its alert links; nothing made up for the rest."""
+    record = CAUSE[cause]
+    spec = next((s for s in alert_specs(c) if (s.alert, s.cause) == (alert, cause)), None)
+    meaning = spec.description.rsplit(" Next: ", 1)[0] if spec else (record.title or cause.replace("_", " "))
+    meaning = re.sub(r"\{\{ \$labels\.(\w+) \}\}", r"<\1>", meaning)
+    meaning = re.sub(r"\{\{ VALUE \| \w+ \}\}", "the alert's value", meaning)
+    dashboard = DASHBOARDS[ALERTS_BY_NAME[alert].panel[0]][1]
+    return dict(zip(SECTIONS, (record.next_check, meaning, f"{dashboard}: the panel the alert links.", "", "")))
 
 
 def _first_five(config: MixinConfig, alert: str, first_five: str, spec_list) -> list[str]:
@@ -249,10 +268,9 @@ def render(config: MixinConfig) -> str:
                             "generation).")
             out += [f'<a id="{runbook_anchor(alert, cause)}"></a>', "", f"### {alert}: {cause}", "", headline, ""]
             out += _first_five(config, alert, first, spec_list)
-            out += [f"**What it means.** {meaning}", "",
-                    f"**Confirm on the dashboard.** {confirm}", "",
-                    f"**Medium term.** {do}", "",
-                    f"**What not to do.** {dont}", ""]
+            out += [f"**What it means.** {meaning}", "", f"**Confirm on the dashboard.** {confirm}", ""]
+            out += [f"**Medium term.** {do}", ""] if do else []
+            out += [f"**What not to do.** {dont}", ""] if dont else []
     out += [f'<a id="{THROUGHPUT_ANCHOR}"></a>', "", "## Throughput and failures (no alert)", "",
             "The overview's last row, for context when an alert fires.", "",
             "**Tokens per second.** Prompt tokens (cached ones included) and generated tokens per engine. A drop "

@@ -21,26 +21,19 @@ from pathlib import Path
 
 import yaml
 
+from kvwatch.diagnose.causes import ALERT_LIST
+from kvwatch.mixin.paging import DEFAULT_SEVERITIES, PREEMPTING_SUFFIX
+
 HERE = Path(__file__).resolve().parent
-ALERT_NAMES = ("VllmKvCacheExhausted", "VllmKvCacheExhaustionSoon", "VllmPrefixCacheHitRateLow", "VllmTimeToFirstTokenSlow",
-               "KvwatchDown", "KvwatchEngineUnreachable", "VllmFleetReplicaOutlier", "VllmEngineStatsDisabled",
-               "VllmEngineStuck")
-SYMPTOM = {"VllmKvCacheExhausted": "exhaustion", "VllmKvCacheExhaustionSoon": "exhaustion",
-           "VllmPrefixCacheHitRateLow": "low_hit_rate",
-           "VllmTimeToFirstTokenSlow": "slow_first_token", "VllmFleetReplicaOutlier": "fleet",
-           "VllmEngineStuck": "stuck"}
-SEVERITY = {
-    "concurrency_beyond_capacity": "warning", "long_requests": "warning", "usage_rising": "warning",
-    "caching_disabled": "info",
-    "cold_cache": "info", "no_reuse": "info", "prefix_changed": "warning", "eviction_before_reuse": "warning",
-    "queueing_kv_bound": "warning", "queueing_compute_bound": "warning", "prefill": "warning",
-    "front_end": "warning", "upstream": "warning", "preemption": "warning", "kvwatch_unreachable": "warning", "kvwatch_absent": "warning",
-    "engine_unreachable": "critical", "stats_disabled": "warning",
-    "imbalance": "warning", "lost_prefix_affinity": "warning", "cold_replica": "info",
-    "requests_stalled": "critical", "kv_held_idle": "warning",
-}
-# Exhaustion while vLLM preempts (the diagnosis' critical finding).
-PREEMPTING = "warning"
+# The alert names, symptoms and severities come from the records the rules
+# are generated from (kvwatch/diagnose/causes.py): the cases say only when
+# an alert should fire, never what the catalogue already says.
+ALERT_NAMES = tuple(alert.name for alert in ALERT_LIST)
+SYMPTOM = {alert.name: alert.symptom for alert in ALERT_LIST if alert.symptom}
+SEVERITY = DEFAULT_SEVERITIES
+# An expectation's severity for an exhaustion cause while vLLM preempts: its
+# `<cause>_preempting` severity (by default the same as without).
+PREEMPTING = "preempting"
 TARGET = {"namespace": "llm", "job": "kvwatch", "instance": "10.0.0.1:9400"}
 ENGINE = {**TARGET, "model_name": "m", "engine": "0"}
 MINUTES = 120  # samples per series, one a minute
@@ -178,9 +171,16 @@ class Case:
     extra_series: list[dict] = field(default_factory=list)
 
 
+def expected_severity(cause: str, severity: str | None = None) -> str:
+    """The severity an expectation names: the cause's, its preempting one, or one given."""
+    if severity == PREEMPTING:
+        return SEVERITY[cause + PREEMPTING_SUFFIX]
+    return severity or SEVERITY[cause]
+
+
 def _labels_of(alert: str, cause: str, labels: dict, severity: str | None = None) -> dict:
     out = dict(labels)
-    out.update({"severity": severity or SEVERITY[cause], "cause": cause})
+    out.update({"severity": expected_severity(cause, severity), "cause": cause})
     if alert in SYMPTOM:
         out["symptom"] = SYMPTOM[alert]
     return out
