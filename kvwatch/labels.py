@@ -39,6 +39,13 @@ def bounded_label(value: str) -> str:
     return f"{start}...({len(encoded)} bytes, blake2b {digest})"
 
 
+def bounded_labels(labels: dict[str, str]) -> dict[str, str]:
+    """A label set with every value bounded (the same dict when none is long)."""
+    if all(len(value) * 4 <= LABEL_VALUE_MAX_BYTES for value in labels.values()):
+        return labels
+    return {name: bounded_label(value) for name, value in labels.items()}
+
+
 class LabelBudget:
     """The distinct label values one source may introduce: at most
     `max_values` of them and `max_bytes` in all (after `bounded_label`);

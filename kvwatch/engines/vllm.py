@@ -41,6 +41,7 @@ from kvwatch.engines.vllm_plan import (
     _histogram_fell, _histogram_plus, _histograms, _nan_faults, _process_start,
 )
 from kvwatch.exposition import Family, FamilySelector
+from kvwatch.labels import bounded_label, bounded_labels
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
 
 
@@ -299,7 +300,7 @@ class VllmAdapter(EngineAdapter):
             for suffix, labels, value in family.samples:
                 if suffix == "" and value == value:
                     for engine in engines.values():
-                        if engine.engine == labels.get("engine", "0"):
+                        if engine.engine == bounded_label(labels.get("engine", "0")):
                             _fold_max(engine.gauges, key, value)
 
         for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():
@@ -314,7 +315,7 @@ class VllmAdapter(EngineAdapter):
                     first_engine[engine.model] = engine
             for suffix, labels, value in family.samples:
                 if (suffix == "_total" or suffix == "") and value == value:
-                    engine = first_engine.get(labels.get("model_name", "unknown"))
+                    engine = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
                     if engine is not None:
                         flat = f"{key}/{labels.get(dimension, '')}"
                         engine.counters[flat] = engine.counters.get(flat, 0.0) + value
@@ -328,7 +329,7 @@ class VllmAdapter(EngineAdapter):
         if cache_config is not None:
             for suffix, labels, _value in cache_config.samples:
                 if suffix == "":
-                    snapshot.cache_config[labels.get("engine", "0")] = labels
+                    snapshot.cache_config[bounded_label(labels.get("engine", "0"))] = bounded_labels(labels)
 
         lora = families.get(LORA)
         if lora is not None:

@@ -18,6 +18,7 @@ from kvwatch.engines.vllm_names import (
     LABELLED_COUNTERS, LABELLED_GAUGES, LORA, MODEL_ONLY_COUNTERS, RESTART_MARKER,
 )
 from kvwatch.exposition import Family
+from kvwatch.labels import bounded_label
 from kvwatch.snapshot import COUNTER_ROUNDING, EngineSnapshot, Histogram, Snapshot
 
 # canonical key -> (its label, whether a counter) for the flattened families.
@@ -142,7 +143,8 @@ def _fold_max(target: dict[str, float], key: str, value: float) -> None:
 
 
 def _identity(labels: dict[str, str]) -> tuple[str, str]:
-    return labels.get("model_name", "unknown"), labels.get("engine", "0")
+    # Label values kvwatch exports: bounded in bytes by the one rule (kvwatch/labels.py).
+    return bounded_label(labels.get("model_name", "unknown")), bounded_label(labels.get("engine", "0"))
 
 
 # The most the series cache holds, in bytes as it estimates them (below). Its
@@ -590,7 +592,7 @@ class _PagePlan:
             for position, suffix, labels in samples(name):
                 if suffix == "":
                     for engine, (_model, number) in enumerate(engines):
-                        if number == labels.get("engine", "0"):
+                        if number == bounded_label(labels.get("engine", "0")):
                             gauge(engine, key, position)
 
         model_counters: list[tuple[int, str, int]] = []
@@ -605,7 +607,7 @@ class _PagePlan:
                     first_engine[model] = engine
             for position, suffix, labels in samples(name):
                 if suffix == "_total" or suffix == "":
-                    engine = first_engine.get(labels.get("model_name", "unknown"))
+                    engine = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
                     if engine is not None:
                         model_counters.append((engine, f"{key}/{labels.get(dimension, '')}", position))
 
