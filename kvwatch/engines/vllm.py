@@ -299,8 +299,9 @@ class VllmAdapter(EngineAdapter):
             snapshot.sources[key] = name
             for suffix, labels, value in family.samples:
                 if suffix == "" and value == value:
+                    number = bounded_label(labels.get("engine", "0"))
                     for engine in engines.values():
-                        if engine.engine == bounded_label(labels.get("engine", "0")):
+                        if engine.engine == number:
                             _fold_max(engine.gauges, key, value)
 
         for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():

@@ -591,8 +591,9 @@ class _PagePlan:
             sources[key] = name
             for position, suffix, labels in samples(name):
                 if suffix == "":
+                    its_engine = bounded_label(labels.get("engine", "0"))
                     for engine, (_model, number) in enumerate(engines):
-                        if number == bounded_label(labels.get("engine", "0")):
+                        if number == its_engine:
                             gauge(engine, key, position)
 
         model_counters: list[tuple[int, str, int]] = []
