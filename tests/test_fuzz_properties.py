@@ -288,6 +288,22 @@ def test_long_label_values_of_a_page_are_exported_as_a_start_and_a_digest():
     assert max(len(json.dumps(e)) for e in views["signals"]["engines"]) < 20_000
 
 
+def test_a_long_finished_reason_is_exported_as_a_start_and_a_digest():
+    """The values of a labelled family inside one engine (finished_reason)
+    follow the same rule as the engine's own labels."""
+    from kvwatch.labels import LABEL_VALUE_MAX_BYTES
+
+    reason = "r" * 100_000
+    pipeline = Pipeline()
+    for count in (10, 25):
+        text = page(Engine(prompt_tokens=100 * count, running=1)) + (
+            "# TYPE vllm:request_success_total counter\n"
+            f'vllm:request_success_total{{model_name="m",engine="0",finished_reason="{reason}"}} {count}\n')
+        assert pipeline.poll(text).up
+    values = [v for f in pipeline.views()["families"] for s in f.samples for v in s.labels.values()]
+    assert values and max(len(v.encode()) for v in values) <= LABEL_VALUE_MAX_BYTES
+
+
 # --- worst cases at scale -------------------------------------------------------
 
 

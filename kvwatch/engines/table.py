@@ -111,7 +111,7 @@ class TableAdapter(EngineAdapter):
         for suffix, labels, value in self._chosen(family, where):
             if suffix not in wanted or value != value:
                 continue
-            key = (*self.identity(labels), labels.get(label, "") if label else None)
+            key = (*self.identity(labels), bounded_label(labels.get(label, "")) if label else None)
             previous = found.get(key)
             if previous is None:
                 found[key] = value
@@ -213,7 +213,7 @@ class TableAdapter(EngineAdapter):
             if value == value or suffix not in wanted:
                 continue
             identity = self.identity(labels)
-            key = row.key if row.label is None else f"{row.key[:-2]}/{labels.get(row.label, '')}"
+            key = row.key if row.label is None else f"{row.key[:-2]}/{bounded_label(labels.get(row.label, ''))}"
             if (identity, key) not in seen:
                 seen.add((identity, key))
                 add_fault(snapshot, *identity, key, self.spelled(row), "not_finite", value, row.kind)

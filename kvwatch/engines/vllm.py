@@ -221,7 +221,7 @@ class VllmAdapter(EngineAdapter):
                 if suffix == "" and value == value:
                     engine = engine_of(labels)
                     if engine is not None:
-                        _fold_max(engine.gauges, f"{key}/{labels.get(dimension, '')}", value)
+                        _fold_max(engine.gauges, f"{key}/{bounded_label(labels.get(dimension, ''))}", value)
 
         for key, aliases in COUNTERS.items():
             family = _first_present(families, aliases, snapshot.sources, key)
@@ -247,7 +247,7 @@ class VllmAdapter(EngineAdapter):
                 if (suffix == "_total" or suffix == "") and value == value:
                     engine = engine_of(labels)
                     if engine is not None:
-                        add_part(counter_parts, engine, f"{key}/{labels.get(dimension, '')}",
+                        add_part(counter_parts, engine, f"{key}/{bounded_label(labels.get(dimension, ''))}",
                                  series.other(labels)[1], value, family.name)
 
         for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
@@ -318,7 +318,7 @@ class VllmAdapter(EngineAdapter):
                 if (suffix == "_total" or suffix == "") and value == value:
                     engine = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
                     if engine is not None:
-                        flat = f"{key}/{labels.get(dimension, '')}"
+                        flat = f"{key}/{bounded_label(labels.get(dimension, ''))}"
                         engine.counters[flat] = engine.counters.get(flat, 0.0) + value
         self.dropped_series += len(dropped)
         _nan_faults(snapshot, families, series)

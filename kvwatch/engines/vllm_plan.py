@@ -44,7 +44,7 @@ def _nan_faults(snapshot: Snapshot, families: dict[str, Family], series: "_Serie
             if value == value or suffix not in ("", "_total"):
                 continue
             model, engine = series.engine_key(labels)
-            flat = f"{key}/{labels.get(dimension, '')}" if dimension else key
+            flat = f"{key}/{bounded_label(labels.get(dimension, ''))}" if dimension else key
             add_fault(snapshot, model, engine, flat,
                       family_name({flat: name}, flat, "vllm:", "counter" if counter else "gauge"), "not_finite",
                       value, "counter" if counter else "gauge")
@@ -531,7 +531,7 @@ class _PagePlan:
             sources[key] = name
             for position, suffix, labels in samples(name):
                 if suffix == "":
-                    gauge(engine_of(labels), f"{key}/{labels.get(dimension, '')}", position)
+                    gauge(engine_of(labels), f"{key}/{bounded_label(labels.get(dimension, ''))}", position)
 
         for key, aliases in COUNTERS.items():
             if _first_present(families, aliases, sources, key) is None:
@@ -549,7 +549,7 @@ class _PagePlan:
             sources[key] = name
             for position, suffix, labels in samples(name):
                 if suffix == "_total" or suffix == "":
-                    add_part(counter_parts, engine_of(labels), f"{key}/{labels.get(dimension, '')}",
+                    add_part(counter_parts, engine_of(labels), f"{key}/{bounded_label(labels.get(dimension, ''))}",
                              series.other(labels)[1], position)
 
         for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
@@ -610,7 +610,7 @@ class _PagePlan:
                 if suffix == "_total" or suffix == "":
                     engine = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
                     if engine is not None:
-                        model_counters.append((engine, f"{key}/{labels.get(dimension, '')}", position))
+                        model_counters.append((engine, f"{key}/{bounded_label(labels.get(dimension, ''))}", position))
 
         self.read = tuple(self.read)
         self.sources = sources

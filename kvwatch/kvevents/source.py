@@ -10,7 +10,8 @@ Two threads, both bounded:
 - the receiver reads messages (ZMQ refuses one over the byte cap, and keeps
   at most RCVHWM messages itself), checks each message's sequence number
   (a jump forward is a gap: messages the engine's PUB socket dropped or the
-  network lost; a jump back is the publisher starting over) and hands the
+  network lost, as many as a publisher could have sent since the last one;
+  a longer jump, or one back, is a publisher starting over) and hands the
   payload to a queue bounded in messages and in bytes; a message that does
   not fit is dropped and counted, so a flood costs counts, never memory;
 - the accountant decodes (kvwatch/kvevents/wire.py) and accounts
