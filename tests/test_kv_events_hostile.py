@@ -270,3 +270,27 @@ def test_one_future_stamped_record_in_a_capture_hides_nothing_after_it(fixtures_
     last = states[-1].kv_events
     assert last["totals"]["stored"] == 720 and last["totals"]["stored_again"] == 540
     assert last["intake"]["missed"] == 0 and last["intake"]["restarts"] == 0
+
+
+def test_kvwatch_diagnose_says_the_fold_once_and_prints_no_long_name(fixtures_dir):
+    import io
+
+    from kvwatch.commands.diagnose import print_report
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+    from kvwatch.sidecar.report import diagnosis_json, signals_json
+    from pageserver import Answer, PageServer
+
+    page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
+    with PageServer([Answer(page), Answer(page)]) as server:
+        settings = load_settings(overrides={"target": server.url, "kv_events": "tcp://127.0.0.1:1"}, environ={})
+        monitor = Monitor(settings)
+        monitor.poll_once()
+        for seq in range(100):
+            monitor.kv_events.feed(seq, _long_named_batch(seq, 100_000), now=monitor.clock())
+        state = monitor.poll_once()
+    out = io.StringIO()
+    print_report(out, signals_json(state, settings), diagnosis_json(state, settings), 2, state)
+    text = out.getvalue()
+    assert text.count('every new one is counted under "other"') == 1 and "m" * 1000 not in text
+    assert len(json.dumps(diagnosis_json(state, settings), default=str)) < 500_000
