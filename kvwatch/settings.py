@@ -21,6 +21,7 @@ import yaml
 
 from kvwatch.diagnose import validate_thresholds
 from kvwatch.engines import AUTO, ENGINES
+from kvwatch.kvevents.endpoint import ipc_path_problem
 from kvwatch.present import normalize_target
 from kvwatch.units import (
     did_you_mean,
@@ -73,6 +74,9 @@ def zmq_endpoint(value: Any) -> str:
     ipc://path."""
     text = str(value).strip()
     if text.startswith("ipc://") and len(text) > len("ipc://"):
+        problem = ipc_path_problem(text)
+        if problem:
+            raise ValueError(problem)
         return text
     if text.startswith("tcp://"):
         host, _, port = text[len("tcp://"):].rpartition(":")

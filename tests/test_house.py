@@ -21,7 +21,7 @@ from pageserver import Answer, PageServer
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvwatch"
 # (The window, shared too, is a package: kvwatch/window/.)
-SHARED_PIPELINE = {"cli", "units", "scrape", "exposition", "snapshot", "settings", "present"}
+SHARED_PIPELINE = {"cli", "units", "scrape", "exposition", "snapshot", "settings", "present", "labels"}
 
 
 def module_name(path: Path) -> str:

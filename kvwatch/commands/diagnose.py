@@ -304,6 +304,8 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
                   f"eviction {format_value(window.get('stored_again_ratio'), 'ratio')} of those stored (median "
                   f"{format_value(window.get('return_seconds_median'), 'seconds')} after it); "
                   f"{intake.get('missed', 0)} messages missed, {intake.get('dropped', 0)} dropped", file=out)
+            if stream.get("labels_note"):
+                print(f"  {stream['labels_note']}", file=out)
             for point in (stream.get("sizing") or {}).get("points") or []:
                 said = (f"hit ratio {format_value(point['hit_ratio'], 'ratio')}" if point.get("hit_ratio") is not None
                         else f"{format_value(point.get('recomputation_avoided_ratio'), 'ratio')} of the recomputation "

@@ -18,6 +18,7 @@ from kvwatch.engines.vllm_names import (
     LABELLED_COUNTERS, LABELLED_GAUGES, LORA, MODEL_ONLY_COUNTERS, RESTART_MARKER,
 )
 from kvwatch.exposition import Family
+from kvwatch.labels import bounded_label
 from kvwatch.snapshot import COUNTER_ROUNDING, EngineSnapshot, Histogram, Snapshot
 
 # canonical key -> (its label, whether a counter) for the flattened families.
@@ -43,7 +44,7 @@ def _nan_faults(snapshot: Snapshot, families: dict[str, Family], series: "_Serie
             if value == value or suffix not in ("", "_total"):
                 continue
             model, engine = series.engine_key(labels)
-            flat = f"{key}/{labels.get(dimension, '')}" if dimension else key
+            flat = f"{key}/{bounded_label(labels.get(dimension, ''))}" if dimension else key
             add_fault(snapshot, model, engine, flat,
                       family_name({flat: name}, flat, "vllm:", "counter" if counter else "gauge"), "not_finite",
                       value, "counter" if counter else "gauge")
@@ -142,7 +143,8 @@ def _fold_max(target: dict[str, float], key: str, value: float) -> None:
 
 
 def _identity(labels: dict[str, str]) -> tuple[str, str]:
-    return labels.get("model_name", "unknown"), labels.get("engine", "0")
+    # Label values kvwatch exports: bounded in bytes by the one rule (kvwatch/labels.py).
+    return bounded_label(labels.get("model_name", "unknown")), bounded_label(labels.get("engine", "0"))
 
 
 # The most the series cache holds, in bytes as it estimates them (below). Its
@@ -529,7 +531,7 @@ class _PagePlan:
             sources[key] = name
             for position, suffix, labels in samples(name):
                 if suffix == "":
-                    gauge(engine_of(labels), f"{key}/{labels.get(dimension, '')}", position)
+                    gauge(engine_of(labels), f"{key}/{bounded_label(labels.get(dimension, ''))}", position)
 
         for key, aliases in COUNTERS.items():
             if _first_present(families, aliases, sources, key) is None:
@@ -547,7 +549,7 @@ class _PagePlan:
             sources[key] = name
             for position, suffix, labels in samples(name):
                 if suffix == "_total" or suffix == "":
-                    add_part(counter_parts, engine_of(labels), f"{key}/{labels.get(dimension, '')}",
+                    add_part(counter_parts, engine_of(labels), f"{key}/{bounded_label(labels.get(dimension, ''))}",
                              series.other(labels)[1], position)
 
         for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
@@ -589,8 +591,9 @@ class _PagePlan:
             sources[key] = name
             for position, suffix, labels in samples(name):
                 if suffix == "":
+                    its_engine = bounded_label(labels.get("engine", "0"))
                     for engine, (_model, number) in enumerate(engines):
-                        if number == labels.get("engine", "0"):
+                        if number == its_engine:
                             gauge(engine, key, position)
 
         model_counters: list[tuple[int, str, int]] = []
@@ -605,9 +608,9 @@ class _PagePlan:
                     first_engine[model] = engine
             for position, suffix, labels in samples(name):
                 if suffix == "_total" or suffix == "":
-                    engine = first_engine.get(labels.get("model_name", "unknown"))
+                    engine = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
                     if engine is not None:
-                        model_counters.append((engine, f"{key}/{labels.get(dimension, '')}", position))
+                        model_counters.append((engine, f"{key}/{bounded_label(labels.get(dimension, ''))}", position))
 
         self.read = tuple(self.read)
         self.sources = sources
