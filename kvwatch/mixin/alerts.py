@@ -296,22 +296,9 @@ _check_records()
 
 
 def dashboard_url(config: MixinConfig, uid: str, panel_id: int) -> str:
-    return config.dashboard_url_pattern.format(uid=uid, panel_id=panel_id, model_name=_lbl("model_name"),
-                                               engine=_lbl("engine"))
-
-
-# kvwatch serves the runbooks itself (GET /runbooks, kvwatch/sidecar/app.py):
-# by default an alert links the kvwatch that raised it.
-RUNBOOK_PATH = "/runbooks"
-
-
-def default_runbook_base(config: MixinConfig) -> str:
-    return "http://" + _lbl("instance") + RUNBOOK_PATH
+    return config.dashboard_link_pattern.format(uid=uid, panel_id=panel_id, model_name=_lbl("model_name"),
+                                                engine=_lbl("engine"))
 
 
 def runbook_url(config: MixinConfig, alert: str, cause: str | None = None) -> str:
-    anchor = runbook_anchor(alert, cause)
-    if config.runbook_url_pattern:
-        return config.runbook_url_pattern.format(anchor=anchor)
-    base = (config.runbook_base_url or default_runbook_base(config)).rstrip("/")
-    return f"{base}#{anchor}"
+    return config.runbook_link(runbook_anchor(alert, cause))

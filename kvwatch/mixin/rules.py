@@ -122,12 +122,11 @@ def keep_firing_for(spec: AlertSpec, config: MixinConfig) -> str | None:
 
 def annotations(spec: AlertSpec, config: MixinConfig, uid: str, panel_id: int, value_ref: str) -> dict[str, str]:
     out = {"summary": spec.summary, "description": spec.description_for(value_ref)}
-    # Every alert links its runbook section: by default on the kvwatch that
-    # raised it (it serves the runbooks itself), else where the config says.
+    # Every alert links its runbook section where the on-call reader can open it (runbook_base_url).
     out["runbook_url"] = runbook_url(config, spec.alert, None if spec.kind == "objective" else spec.cause)
     if spec.kind == "objective" and value_ref == PROMETHEUS_VALUE:
         out["cause_alerts"] = cause_alerts_template(config)
-    if config.dashboard_url_pattern:
+    if config.dashboard_link_pattern:
         out["dashboard_url"] = dashboard_url(config, uid, panel_id)
     return out
 

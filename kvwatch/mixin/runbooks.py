@@ -234,8 +234,9 @@ def render(config: MixinConfig) -> str:
         "what it means, how to confirm it and the medium-term fix. The pages come first (the objectives' burn "
         "rates: what users feel), then the cause alerts that explain them. Every alert carries `severity`, "
         "`cause` or `objective` (and `symptom` for the vLLM alerts) labels and a `runbook_url` to its section "
-        "here (by default on the kvwatch that raised it, which serves this text at /runbooks; `kvwatch runbook "
-        "<section>` prints a section in a terminal), and, where the mixin config sets the pattern, a "
+        "here (by default as published with this version's documentation, or where the mixin config's "
+        "runbook_base_url says; every kvwatch also serves this text at /runbooks, and `kvwatch runbook "
+        "<section>` prints a section in a terminal), and, where the mixin config names Grafana, a "
         "`dashboard_url` to the panel that shows it. The same causes are named "
         "by kvwatch's in-process diagnosis (`kvwatch_finding`, `/api/v1/diagnosis`), which also shows the "
         "evidence. Why each severity and `for:`: docs/alerts.md.",
