@@ -72,8 +72,8 @@ def twin_problems(rules_text: str, provisioning: dict, config: MixinConfig | Non
         if rule["labels"] != alert["labels"]:
             problems.append(f"{key}: labels {rule['labels']} != {alert['labels']}")
         normalised = {k: v.replace(GRAFANA_VALUE, "$value") for k, v in rule["annotations"].items()}
-        # cause_alerts queries Prometheus' ALERTS from a Prometheus template: a Prometheus rule's alone.
-        if normalised != {k: v for k, v in alert["annotations"].items() if k != "cause_alerts"}:
+        # cause_alerts and burning_replicas query Prometheus from a Prometheus template: a Prometheus rule's alone.
+        if normalised != {k: v for k, v in alert["annotations"].items() if k not in PROMETHEUS_ONLY}:
             problems.append(f"{key}: annotations differ")
     return problems
 
@@ -147,6 +147,9 @@ def test_uids_are_unique_stable_and_valid():
 
 LINKS = {"runbook_url_pattern": "https://git.example.org/ops/kvwatch/blob/main/alerts/runbooks.md#{anchor}",
          "dashboard_url_pattern": "https://grafana.example.org/d/{uid}?var-model={model_name}&viewPanel={panel_id}"}
+
+
+PROMETHEUS_ONLY = ("cause_alerts", "burning_replicas")
 
 
 def _rendered_without_labels(url: str) -> str:
@@ -240,8 +243,8 @@ def test_notification_example_routes_every_cause_by_severity_and_cause():
     contact_points = {cp["name"] for cp in example["contactPoints"]}
     policy = example["policies"][0]
     assert policy["receiver"] in contact_points
-    # One notification per engine and model: a page with the cause alerts beside it.
-    assert {"model_name", "engine"} <= set(policy["group_by"])
+    # One notification per model (a page's labels): the page with every replica's cause alerts beside it.
+    assert policy["group_by"] == ["namespace", "job", "model_name"]
     keys = set()
     for route in policy["routes"]:
         assert route["receiver"] in contact_points

@@ -119,6 +119,11 @@ def engine_scope(config: MixinConfig) -> Scope:
     return Scope(config.kvwatch_selector, config.rate_window, config.engine_labels)
 
 
+def _model_where(config: MixinConfig) -> str:
+    groups = ", ".join(f"{label} {_lbl(label)}" for label in config.group_labels)
+    return f"model {_lbl('model_name')} ({groups})"
+
+
 def _where(config: MixinConfig) -> str:
     return f"engine {_lbl('engine')} of {_lbl('model_name')} on {_lbl(config.instance_label)}"
 
@@ -217,11 +222,12 @@ def _objective_specs(config: MixinConfig) -> list[AlertSpec]:
                 alert=alert, cause=objective, symptom=symptom, query=query, op=">", threshold=threshold,
                 for_=config.for_duration(alert), severity=objectives.severity(objective, pair), summary=summary,
                 description=(
-                    f"{{{{ {VALUE} | humanizePercentage }}}} of the requests to {_where(config)} {what} over the "
-                    f"last {pair.long}, and more than {pct(threshold)} over the last {pair.short} as well: the "
-                    f"budget of the objective ({goal}) burns {num(pair.factor)}x faster than it lasts. The alerts "
-                    "firing beside it for this engine say where to look (annotation cause_alerts; the first-token "
-                    "and exhaustion dashboards)."),
+                    f"{{{{ {VALUE} | humanizePercentage }}}} of the requests to all replicas of {_model_where(config)} "
+                    f"{what} over the last {pair.long}, and more than {pct(threshold)} over the last "
+                    f"{pair.short} as well: the budget of the objective ({goal}) burns {num(pair.factor)}x faster "
+                    "than it lasts. The replicas burning alone are in annotation burning_replicas; the alerts firing "
+                    "beside it for this model say where to look (annotation cause_alerts; the first-token and "
+                    "exhaustion dashboards, per replica)."),
                 dashboard=dashboard, panel=panel, variant=pair.long, kind="objective",
                 extra_labels=(("long_window", pair.long), ("short_window", pair.short))))
     return specs

@@ -430,6 +430,11 @@ class MixinConfig:
     abort_objective: float = field(default=0.99, metadata=described(k.OBJECTIVE,
         "Share of finished requests that should not end in abort. Clients abort for their own reasons (a closed "
         "tab, a gateway timeout), so its burn-rate alerts (VllmRequestAbortBudgetBurn) are warnings at most."))
+    objective_min_requests: int = field(default=100, metadata=described(k.POSITIVE_INTEGER,
+        "A model (over all its replicas) pages on an objective only when it served at least this many requests "
+        "in the pair's long window. 100: below it one request is a percent or more of the ratio, so two slow "
+        "first tokens of a handful would read as a 14.4x burn, and one error alone nears the availability "
+        "page's 1.44%. Lower it for models that serve a few requests an hour and whose every failure matters."))
     burn_rate_windows: tuple = field(default=DEFAULT_BURN_RATE_WINDOWS, metadata=described(k.BURN_WINDOWS,
         "The multi-window, multi-burn-rate pairs every objective alerts on (SRE workbook): an alert fires when "
         "the error ratio over `long` and over `short` both exceed factor x (1 - objective); `severity` is its "
