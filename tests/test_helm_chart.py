@@ -352,6 +352,13 @@ def test_default_config_is_what_kvwatch_serve_accepts(tmp_path):
     (tmp_path / "kvwatch.yaml").write_text(config)
     settings = load_settings(str(tmp_path / "kvwatch.yaml"), environ={})
     assert settings.target == f"http://127.0.0.1:{SETTINGS.vllm_port}/metrics"
+    assert settings.load_grace == 30 * 60  # a large model loading from network storage is starting, not down
+
+
+def test_the_load_grace_value_reaches_kvwatch(tmp_path):
+    config = one(objects({"sidecar": {"loadGrace": "45m"}}), "ConfigMap", "-config")["data"][manifests.CONFIG_FILE_NAME]
+    (tmp_path / "kvwatch.yaml").write_text(config)
+    assert load_settings(str(tmp_path / "kvwatch.yaml"), environ={}).load_grace == 45 * 60
 
 
 def test_monitors_select_the_sidecars_and_set_the_rules_job():

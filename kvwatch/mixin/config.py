@@ -143,6 +143,7 @@ class DeploySettings:
     poll_interval: str = "5s"
     window: str = "5m"
     log_level: str = "info"
+    load_grace: str = "30m"
     scrape_interval: str = "15s"
     scrape_timeout: str = "10s"
     job: str = "kvwatch"
@@ -206,6 +207,8 @@ DEPLOY_FIELDS = {
     "poll_interval": "kvwatch's poll interval (config file key poll_interval)",
     "window": "kvwatch's signal window (config file key window); keep it equal to the rules' rate() range",
     "log_level": "kvwatch's log level",
+    "load_grace": "kvwatch's load_grace: how long after kvwatch starts an engine that has not answered yet is "
+                  "loading, not down (KvwatchEngineUnreachable waits); cover the slowest model load",
     "scrape_interval": "how often Prometheus scrapes kvwatch (ServiceMonitor/PodMonitor interval)",
     "scrape_timeout": "scrape deadline; below scrape_interval",
     "job": "the job label Prometheus gives kvwatch's series (the rules and dashboards select it)",
@@ -282,7 +285,7 @@ def _check(s: DeploySettings) -> None:
     if not s.labels:
         problems.append("labels must not be empty: the Service and monitors select pods by them")
     # These land in kvwatch.yaml: check them the way `kvwatch serve` will.
-    for key in ("poll_interval", "window", "log_level"):
+    for key in ("poll_interval", "window", "log_level", "load_grace"):
         try:
             PARSERS[key](getattr(s, key))
         except (ValueError, TypeError) as exc:

@@ -80,6 +80,7 @@ def values(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL) -> dic
             "pollInterval": s.poll_interval,
             "window": s.window,
             "logLevel": s.log_level,
+            "loadGrace": s.load_grace,
             "resources": s.resources,
             "engine": {"bearerTokenSecret": {"name": "", "key": "token"},
                        "caBundleConfigMap": {"name": "", "key": "ca.crt"},
@@ -129,6 +130,9 @@ VALUES_COMMENTS = [
                 "container before (`helm template` without --kube-version assumes a current one); true or false\n"
                 "to choose."),
     ("vllmPort:", "Port vLLM serves on inside the pod; kvwatch polls http://127.0.0.1:<vllmPort>/metrics."),
+    ("loadGrace:", "How long after kvwatch starts an engine that has not answered yet is loading its weights, not\n"
+                   "down: KvwatchEngineUnreachable waits for its first answer or this long. Cover your slowest model\n"
+                   "load (network storage); an engine that answered once is down as soon as it stops."),
     ("resources:", manifests.RESOURCES_COMMENT),
     ("engine:", "Reading vLLM: a token (a Secret's key) and a CA bundle (a ConfigMap's key) when vLLM wants them."),
     ("auth:", "Protecting kvwatch's own endpoints (/healthz stays open for the probe): a Secret's key holding\n"
@@ -217,6 +221,7 @@ def values_schema(s: DeploySettings) -> dict:
                 "pollInterval": duration,
                 "window": duration,
                 "logLevel": {"enum": ["debug", "info", "warning", "error", "critical"]},
+                "loadGrace": duration,
                 "resources": _schema_resources(),
                 "engine": obj({"bearerTokenSecret": _secret_ref("Secret holding vLLM's bearer token"),
                                "caBundleConfigMap": _secret_ref("ConfigMap holding the CA bundle for vLLM's TLS"),
