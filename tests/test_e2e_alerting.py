@@ -202,12 +202,18 @@ def stack():
                 kvwatch_targets.append({"targets": [f"127.0.0.1:{kv_port}"], "labels": {"deployment": scenario}})
                 if scenario == "upstream-delay":
                     app_targets.append({"targets": [f"127.0.0.1:{sim_port}"], "labels": {"deployment": scenario}})
-            # A kvwatch whose engine does not answer, and a kvwatch target nobody serves.
+            # A kvwatch whose engine does not answer past its (short) load grace, and a kvwatch target nobody serves.
             dead_engine, no_kvwatch, kv_port = free_port(), free_port(), free_port()
             processes.start("kvwatch-no-engine", [
                 python, "-m", "kvwatch", "serve", "--target", f"http://127.0.0.1:{dead_engine}",
-                "--port", str(kv_port), "--poll-interval", "1s", "--window", "30s"])
+                "--port", str(kv_port), "--poll-interval", "1s", "--window", "30s", "--load-grace", "2s"])
             kvwatch_targets.append({"targets": [f"127.0.0.1:{kv_port}"], "labels": {"deployment": "no-engine"}})
+            # A kvwatch whose engine is still loading its weights (no answer yet, within the default grace).
+            loading_engine, kv_port = free_port(), free_port()
+            processes.start("kvwatch-loading", [
+                python, "-m", "kvwatch", "serve", "--target", f"http://127.0.0.1:{loading_engine}",
+                "--port", str(kv_port), "--poll-interval", "1s", "--window", "30s"])
+            kvwatch_targets.append({"targets": [f"127.0.0.1:{kv_port}"], "labels": {"deployment": "loading"}})
             # A kvwatch whose engine answers without statistics (vLLM with --disable-log-stats).
             kv_port = free_port()
             processes.start("kvwatch-no-stats", [
@@ -285,8 +291,9 @@ def test_alertmanager_delivers_the_expected_alerts_with_their_causes(stack, aler
     for alert in stack["webhook"].received():
         labels = alert["labels"]
         if labels["alertname"].startswith("Vllm") and labels["alertname"] != "VllmEngineStatsDisabled":
-            assert {"severity", "symptom", "model_name", "engine"} <= set(labels), labels
-            assert labels.get("cause") or labels.get("objective"), labels
+            # A cause alert is per engine; a page per model, over all its replicas.
+            assert {"severity", "symptom", "model_name"} <= set(labels), labels
+            assert ("engine" in labels and "cause" in labels) or ("objective" in labels and "engine" not in labels), labels
             assert alert["annotations"]["runbook_url"].split("#")[1].startswith(labels["alertname"].lower())
             assert "{{" not in alert["annotations"]["description"]  # templates rendered
             assert alert["annotations"]["dashboard_url"].find("var-model=tiny-llama") > 0
@@ -302,6 +309,7 @@ def test_the_objective_pages_once_per_engine_with_its_cause_beside_it(stack, ale
     pages: dict[str, set[str]] = {}
     first_page: dict[str, float] = {}
     named: dict[str, set[str]] = {}
+    replicas: dict[str, set[str]] = {}
     for at, payload in webhook.sent_to("pager"):
         deployment = payload["groupLabels"].get("deployment", "")
         pages.setdefault(deployment, set()).add(payload["groupKey"])
@@ -309,7 +317,12 @@ def test_the_objective_pages_once_per_engine_with_its_cause_beside_it(stack, ale
             if alert["labels"]["alertname"] == "VllmTimeToFirstTokenBudgetBurn" and alert["status"] == "firing":
                 first_page.setdefault(deployment, at - started)
                 named.setdefault(deployment, set()).add(alert["annotations"].get("cause_alerts", ""))
+                replicas.setdefault(deployment, set()).add(alert["annotations"].get("burning_replicas", "{{"))
     print("time to page (wall s from start, sims at 4x):", {d: round(t, 1) for d, t in sorted(first_page.items())})
+    print("replicas burning, as paged:", replicas)
+    # The page's list of replicas is rendered (a template query when Prometheus sends it).
+    assert replicas and all(re.fullmatch(r"(127\.0\.0\.1:\d+ \(engine 0: [\d.]+%\) )+", text)
+                            for texts in replicas.values() for text in texts), replicas
     for scenario, cause in PAGED.items():
         # One page: one notification group for the model (grouped by model and the group labels).
         assert len(pages.get(scenario, ())) == 1, (scenario, pages)
@@ -321,9 +334,10 @@ def test_the_objective_pages_once_per_engine_with_its_cause_beside_it(stack, ale
                   if payload["groupLabels"] == group
                   and any(a["labels"].get("cause") == cause for a in payload["alerts"])]
         assert causes, (scenario, cause)
-    # The healthy engine: nothing delivered anywhere, and no page for it.
-    assert not any(a["labels"].get("deployment") == "healthy" for a in webhook.received())
-    assert "healthy" not in pages
+    # The healthy engine and the one still loading its weights: nothing delivered anywhere, no page.
+    for quiet in ("healthy", "loading"):
+        assert not any(a["labels"].get("deployment") == quiet for a in webhook.received()), quiet
+        assert quiet not in pages
 
 
 def test_contradicting_causes_are_never_delivered(stack, alerts_delivered):
