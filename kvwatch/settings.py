@@ -223,7 +223,7 @@ class Settings:
     # network storage): until the engine first answers, or this long, it is starting, not down.
     load_grace: float = field(default=1800.0, metadata=setting(
         _duration_or_zero, "how long after kvwatch starts an engine that has not answered yet is loading, not down, "
-        "e.g. 30m (0: no grace)", doc="`kvwatch_engine_starting` is 1 meanwhile and KvwatchEngineUnreachable waits; an engine "
+        "e.g. 30m (0: no grace)", doc="`kvwatch_starting` is 1 meanwhile and KvwatchEngineUnreachable waits; an engine "
         "that answered once is down as soon as it stops"))
     # Signals are computed over this span; 5 m matches rate(...[5m]) in the rules.
     window: float = field(default=300.0, metadata=setting(

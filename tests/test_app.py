@@ -393,14 +393,14 @@ def test_an_engine_that_never_answered_is_starting_and_one_that_stopped_is_down(
     client = TestClient(create_app(monitor, settings))
     monitor.poll_once()
     text = client.get("/metrics").text
-    assert (value(text, "kvwatch_up"), value(text, "kvwatch_engine_starting")) == (0, 1)  # starting, not down
+    assert (value(text, "kvwatch_up"), value(text, "kvwatch_starting")) == (0, 1)  # starting, not down
     with PageServer([Answer(capture("load"))], port=port):
         monitor.poll_once()
         text = client.get("/metrics").text
-        assert (value(text, "kvwatch_up"), value(text, "kvwatch_engine_starting")) == (1, 0)
+        assert (value(text, "kvwatch_up"), value(text, "kvwatch_starting")) == (1, 0)
     monitor.poll_once()  # the port is closed again: the engine answered once, so it is down
     text = client.get("/metrics").text
-    assert (value(text, "kvwatch_up"), value(text, "kvwatch_engine_starting")) == (0, 0)
+    assert (value(text, "kvwatch_up"), value(text, "kvwatch_starting")) == (0, 0)
     assert monitor.state.reason == "refused"
 
 
@@ -410,7 +410,7 @@ def test_an_engine_silent_past_the_load_grace_is_down():
     monitor = Monitor(settings)
     monitor.poll_once()
     text = TestClient(create_app(monitor, settings)).get("/metrics").text
-    assert (value(text, "kvwatch_up"), value(text, "kvwatch_engine_starting")) == (0, 0)
+    assert (value(text, "kvwatch_up"), value(text, "kvwatch_starting")) == (0, 0)
 
 
 def test_an_engine_without_statistics_is_its_own_state_not_unreachable():

@@ -93,7 +93,7 @@ def _engine_unreachable(f: Recorded) -> list:
     # nor a busy one, whose /metrics answers late under load, nor one still
     # loading its weights (not answered since kvwatch started, within load_grace) is unreachable.
     return [f.series("kvwatch_up"), ("unless", f.series("kvwatch_stats_disabled") + " > 0"),
-            ("unless", f.series("kvwatch_busy") + " > 0"), ("unless", f.series("kvwatch_engine_starting") + " > 0")]
+            ("unless", f.series("kvwatch_busy") + " > 0"), ("unless", f.series("kvwatch_starting") + " > 0")]
 
 
 CAUSE_ALERTS: tuple[CauseAlert, ...] = (

@@ -87,7 +87,7 @@ class Engine:
     up: str | None = const(1)
     kvwatch_up: str | None = const(1)
     stats_disabled: str | None = None
-    starting: str | None = None  # kvwatch_engine_starting
+    starting: str | None = None  # kvwatch_starting
     # kvwatch's own findings: (symptom, cause, severity, values) each a kvwatch_finding series.
     findings: tuple = ()
 
@@ -102,7 +102,7 @@ class Engine:
         add("up", self.up, target)
         add("kvwatch_up", self.kvwatch_up, target)
         add("kvwatch_stats_disabled", self.stats_disabled, target)
-        add("kvwatch_engine_starting", self.starting, target)
+        add("kvwatch_starting", self.starting, target)
         for symptom, cause, severity, values in self.findings:
             add("kvwatch_finding", values, {**self.labels, "symptom": symptom, "cause": cause, "severity": severity})
         add("kvwatch_engine_info", self.info, {**self.labels, "enable_prefix_caching": self.caching,
