@@ -89,10 +89,11 @@ def _kvwatch_absent(f: Recorded) -> str:
 
 
 def _engine_unreachable(f: Recorded) -> list:
-    # Neither an engine that answers without its statistics (its own alert)
-    # nor a busy one, whose /metrics answers late under load, is unreachable.
+    # Neither an engine that answers without its statistics (its own alert),
+    # nor a busy one, whose /metrics answers late under load, nor one still
+    # loading its weights (not answered since kvwatch started, within load_grace) is unreachable.
     return [f.series("kvwatch_up"), ("unless", f.series("kvwatch_stats_disabled") + " > 0"),
-            ("unless", f.series("kvwatch_busy") + " > 0")]
+            ("unless", f.series("kvwatch_busy") + " > 0"), ("unless", f.series("kvwatch_starting") + " > 0")]
 
 
 CAUSE_ALERTS: tuple[CauseAlert, ...] = (
@@ -285,7 +286,8 @@ CAUSE_ALERTS: tuple[CauseAlert, ...] = (
         op="<", threshold=1,
         summary="kvwatch cannot read the vLLM engine's /metrics.",
         description=(
-            "kvwatch at {instance} has failed to poll its vLLM engine for {for}. kvwatch_poll_errors_total by "
+            "kvwatch at {instance} has failed to poll its vLLM engine for {for}, after the engine answered once "
+            "(or its load_grace passed: a model still loading is starting, not down). kvwatch_poll_errors_total by "
             "reason says why: refused or timeout (engine down or wedged), http_4xx (wrong path or auth), "
             "http_5xx.")),
     CauseAlert(

@@ -119,6 +119,11 @@ def engine_scope(config: MixinConfig) -> Scope:
     return Scope(config.kvwatch_selector, config.rate_window, config.engine_labels)
 
 
+def _model_where(config: MixinConfig) -> str:
+    groups = ", ".join(f"{label} {_lbl(label)}" for label in config.group_labels)
+    return f"model {_lbl('model_name')} ({groups})"
+
+
 def _where(config: MixinConfig) -> str:
     return f"engine {_lbl('engine')} of {_lbl('model_name')} on {_lbl(config.instance_label)}"
 
@@ -217,11 +222,12 @@ def _objective_specs(config: MixinConfig) -> list[AlertSpec]:
                 alert=alert, cause=objective, symptom=symptom, query=query, op=">", threshold=threshold,
                 for_=config.for_duration(alert), severity=objectives.severity(objective, pair), summary=summary,
                 description=(
-                    f"{{{{ {VALUE} | humanizePercentage }}}} of the requests to {_where(config)} {what} over the "
-                    f"last {pair.long}, and more than {pct(threshold)} over the last {pair.short} as well: the "
-                    f"budget of the objective ({goal}) burns {num(pair.factor)}x faster than it lasts. The alerts "
-                    "firing beside it for this engine say where to look (annotation cause_alerts; the first-token "
-                    "and exhaustion dashboards)."),
+                    f"{{{{ {VALUE} | humanizePercentage }}}} of the requests to all replicas of {_model_where(config)} "
+                    f"{what} over the last {pair.long}, and more than {pct(threshold)} over the last "
+                    f"{pair.short} as well: the budget of the objective ({goal}) burns {num(pair.factor)}x faster "
+                    "than it lasts. The replicas burning alone are in annotation burning_replicas; the alerts firing "
+                    "beside it for this model say where to look (annotation cause_alerts; the first-token and "
+                    "exhaustion dashboards, per replica)."),
                 dashboard=dashboard, panel=panel, variant=pair.long, kind="objective",
                 extra_labels=(("long_window", pair.long), ("short_window", pair.short))))
     return specs
@@ -296,22 +302,9 @@ _check_records()
 
 
 def dashboard_url(config: MixinConfig, uid: str, panel_id: int) -> str:
-    return config.dashboard_url_pattern.format(uid=uid, panel_id=panel_id, model_name=_lbl("model_name"),
-                                               engine=_lbl("engine"))
-
-
-# kvwatch serves the runbooks itself (GET /runbooks, kvwatch/sidecar/app.py):
-# by default an alert links the kvwatch that raised it.
-RUNBOOK_PATH = "/runbooks"
-
-
-def default_runbook_base(config: MixinConfig) -> str:
-    return "http://" + _lbl("instance") + RUNBOOK_PATH
+    return config.dashboard_link_pattern.format(uid=uid, panel_id=panel_id, model_name=_lbl("model_name"),
+                                                engine=_lbl("engine"))
 
 
 def runbook_url(config: MixinConfig, alert: str, cause: str | None = None) -> str:
-    anchor = runbook_anchor(alert, cause)
-    if config.runbook_url_pattern:
-        return config.runbook_url_pattern.format(anchor=anchor)
-    base = (config.runbook_base_url or default_runbook_base(config)).rstrip("/")
-    return f"{base}#{anchor}"
+    return config.runbook_link(runbook_anchor(alert, cause))

@@ -38,6 +38,12 @@ from kvwatch.units import (did_you_mean, is_prometheus_duration, parse_prometheu
 
 
 
+# The runbooks an alert links by default: alerts/runbooks.md as published with
+# this version's documentation, reachable from an on-call laptop (a pod's address is not).
+PUBLISHED_RUNBOOKS_URL = f"https://github.com/kvwatch/kvwatch/blob/v{__version__}/alerts/runbooks.md"
+DASHBOARD_PATH_PATTERN = "/d/{uid}?var-model={model_name}&var-engine={engine}&viewPanel={panel_id}"
+
+
 # ---------------------------------------------------------------- deploy
 # The manifests' settings: the `deploy:` mapping of this one config.
 
@@ -137,6 +143,7 @@ class DeploySettings:
     poll_interval: str = "5s"
     window: str = "5m"
     log_level: str = "info"
+    load_grace: str = "30m"
     scrape_interval: str = "15s"
     scrape_timeout: str = "10s"
     job: str = "kvwatch"
@@ -200,6 +207,8 @@ DEPLOY_FIELDS = {
     "poll_interval": "kvwatch's poll interval (config file key poll_interval)",
     "window": "kvwatch's signal window (config file key window); keep it equal to the rules' rate() range",
     "log_level": "kvwatch's log level",
+    "load_grace": "kvwatch's load_grace: how long after kvwatch starts an engine that has not answered yet is "
+                  "loading, not down (KvwatchEngineUnreachable waits); cover the slowest model load",
     "scrape_interval": "how often Prometheus scrapes kvwatch (ServiceMonitor/PodMonitor interval)",
     "scrape_timeout": "scrape deadline; below scrape_interval",
     "job": "the job label Prometheus gives kvwatch's series (the rules and dashboards select it)",
@@ -276,7 +285,7 @@ def _check(s: DeploySettings) -> None:
     if not s.labels:
         problems.append("labels must not be empty: the Service and monitors select pods by them")
     # These land in kvwatch.yaml: check them the way `kvwatch serve` will.
-    for key in ("poll_interval", "window", "log_level"):
+    for key in ("poll_interval", "window", "log_level", "load_grace"):
         try:
             PARSERS[key](getattr(s, key))
         except (ValueError, TypeError) as exc:
@@ -424,6 +433,11 @@ class MixinConfig:
     abort_objective: float = field(default=0.99, metadata=described(k.OBJECTIVE,
         "Share of finished requests that should not end in abort. Clients abort for their own reasons (a closed "
         "tab, a gateway timeout), so its burn-rate alerts (VllmRequestAbortBudgetBurn) are warnings at most."))
+    objective_min_requests: int = field(default=100, metadata=described(k.POSITIVE_INTEGER,
+        "A model (over all its replicas) pages on an objective only when it served at least this many requests "
+        "in the pair's long window. 100: below it one request is a percent or more of the ratio, so two slow "
+        "first tokens of a handful would read as a 14.4x burn, and one error alone nears the availability "
+        "page's 1.44%. Lower it for models that serve a few requests an hour and whose every failure matters."))
     burn_rate_windows: tuple = field(default=DEFAULT_BURN_RATE_WINDOWS, metadata=described(k.BURN_WINDOWS,
         "The multi-window, multi-burn-rate pairs every objective alerts on (SRE workbook): an alert fires when "
         "the error ratio over `long` and over `short` both exceed factor x (1 - objective); `severity` is its "
@@ -451,19 +465,24 @@ class MixinConfig:
         "keys on it. The defaults are the diagnosis' own (each cause's record in kvwatch/diagnose/causes.py); an "
         "exhaustion cause with preemptions is keyed <cause>_preempting (default warning: the objectives page, "
         "not the cause)."))
-    runbook_base_url: str | None = field(default=None, metadata=described(k.OPTIONAL_BASE_URL,
-        "Where the runbooks are published, e.g. https://kvwatch.example.org/runbooks (kvwatch's own "
-        "GET /runbooks behind an ingress) or a rendered alerts/runbooks.md; every alert's runbook_url is this "
-        "plus #<section>. Empty (the default): http://<instance>/runbooks, the kvwatch that raised the alert "
-        "(it serves the runbooks itself), reachable where Prometheus' instance address is."))
+    runbook_base_url: str = field(default=PUBLISHED_RUNBOOKS_URL, metadata=described(k.BASE_URL,
+        "Where the on-call reader opens the runbooks; every alert's runbook_url (and every panel's Runbook link) "
+        "is this plus #<section>. Default: alerts/runbooks.md as published with this version's documentation. "
+        "Set it to your own copy, e.g. https://kvwatch.example.org/runbooks (kvwatch's own GET /runbooks behind "
+        "an ingress) or your Git server's alerts/runbooks.md. A literal host: a pod address or a "
+        "{{ $labels.instance }} template is unreachable from a laptop and empty on an alert without it."))
     runbook_url_pattern: str | None = field(default=None, metadata=described(k.OPTIONAL_RUNBOOK_PATTERN,
         "Overrides runbook_base_url with a pattern in which {anchor} becomes the section of the alert and "
         "cause, e.g. https://git.example.org/ops/kvwatch/blob/main/alerts/runbooks.md#{anchor}."))
+    dashboard_base_url: str | None = field(default=None, metadata=described(k.OPTIONAL_BASE_URL,
+        "Grafana's URL as the on-call reader opens it, e.g. https://grafana.example.org: every Prometheus alert "
+        "then carries a dashboard_url to its panel there (<base>/d/<uid>?var-model=...&viewPanel=<id>). Empty (the "
+        "default): no dashboard_url, unless dashboard_url_pattern gives the whole link."))
     dashboard_url_pattern: str | None = field(default=None, metadata=described(k.OPTIONAL_DASHBOARD_PATTERN,
         "Link to the dashboard panel an alert belongs to, e.g. https://grafana.example.org/d/{uid}?var-model="
         "{model_name}&var-engine={engine}&viewPanel={panel_id}; {uid} and {panel_id} are filled in, "
-        "{model_name} and {engine} become the alert's labels. Empty (the default): the Prometheus alerts carry "
-        "no dashboard_url (Grafana's own rules link their panel by uid either way)."))
+        "{model_name} and {engine} become the alert's labels; overrides dashboard_base_url. Empty (the default): "
+        "dashboard_base_url decides (Grafana's own rules link their panel by uid either way)."))
     # ---------------------------------------------------------------- Grafana
     grafana_datasource_uid: str = field(default="prometheus", metadata=described(k.SHORT_NAME,
         "uid of the Prometheus data source the Grafana alert rules query (dashboards use a variable instead). "
@@ -510,6 +529,19 @@ class MixinConfig:
 
     def for_duration(self, alert: str) -> str:
         return self.for_durations.get(alert, DEFAULT_FOR[alert])
+
+    def runbook_link(self, anchor: str) -> str:
+        """The runbook section `anchor` where the on-call reader opens it (a literal host, never a label template)."""
+        if self.runbook_url_pattern:
+            return self.runbook_url_pattern.format(anchor=anchor)
+        return f"{self.runbook_base_url.rstrip('/')}#{anchor}"
+
+    @property
+    def dashboard_link_pattern(self) -> str | None:
+        """The dashboard_url pattern in effect: the explicit one, else Grafana's base with the panel's path."""
+        if self.dashboard_url_pattern:
+            return self.dashboard_url_pattern
+        return self.dashboard_base_url.rstrip("/") + DASHBOARD_PATH_PATTERN if self.dashboard_base_url else None
 
 
 k.require_kinds(MixinConfig)

@@ -131,8 +131,13 @@ SHORT_NAME = Kind(_when(lambda v: isinstance(v, str) and bool(re.fullmatch(r"[a-
 STRING_MAP = Kind(_when(lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
                                                               for k, x in v.items()),
                         "{name}: must be a mapping of strings to strings"))
-OPTIONAL_BASE_URL = Kind(_when(lambda v: isinstance(v, str) and bool(re.fullmatch(r"https?://\S+", v)) and "#" not in v,
-                               "{name}: {value} must be an http(s) URL without a #fragment"), optional=True)
+# A link base an on-call reader opens: a literal host (never a template, which
+# renders empty on an alert without that label), no fragment, nothing YAML quotes.
+LINK_BASE_URL = re.compile(r"https?://[A-Za-z0-9][A-Za-z0-9.:\[\]-]*(/[^\s#{}\"'<>|\\^`]*)?")
+BASE_URL = Kind(_when(lambda v: isinstance(v, str) and bool(LINK_BASE_URL.fullmatch(v)),
+                      "{name}: {value} must be an http(s) URL with a host of its own (no {{{{ template }}}}, "
+                      "no #fragment, no quotes or spaces)"))
+OPTIONAL_BASE_URL = Kind(BASE_URL.check, optional=True)
 OPTIONAL_RUNBOOK_PATTERN = Kind(_when(lambda v: isinstance(v, str) and "{anchor}" in v,
                                       "{name}: must be a string containing {{anchor}}"), optional=True)
 OPTIONAL_DASHBOARD_PATTERN = Kind(_dashboard_url_pattern, optional=True)

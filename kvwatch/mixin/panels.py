@@ -155,8 +155,8 @@ def _panel(spec: PanelSpec, panel_id: int, grid: g.GridPos, config: MixinConfig)
         for i, (expr, legend) in enumerate(spec.targets)
     ]
     links = []
-    if spec.runbook and config.runbook_url_pattern:
-        links.append({"title": "Runbook", "url": config.runbook_url_pattern.format(anchor=spec.runbook),
+    if spec.runbook:
+        links.append({"title": "Runbook", "url": config.runbook_link(spec.runbook),
                       "targetBlank": True})
     steps = threshold_steps(spec)
     common = dict(title=spec.title, description=spec.description, id=panel_id, gridPos=grid,

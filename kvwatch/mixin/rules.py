@@ -28,7 +28,7 @@ from kvwatch.mixin.alerts import (AlertSpec, PROMETHEUS_VALUE, alert_specs, dash
 from kvwatch.mixin import conditions, objectives
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.diagnose.vocabulary import SYMPTOM_ALERTS
-from kvwatch.mixin.promql import Fragments, Scope, indent, paren
+from kvwatch.mixin.promql import Fragments, Scope, indent, num, paren
 from kvwatch.signals import QUANTILES, SIGNALS
 from kvwatch.units import parse_prometheus_duration
 
@@ -122,21 +122,34 @@ def keep_firing_for(spec: AlertSpec, config: MixinConfig) -> str | None:
 
 def annotations(spec: AlertSpec, config: MixinConfig, uid: str, panel_id: int, value_ref: str) -> dict[str, str]:
     out = {"summary": spec.summary, "description": spec.description_for(value_ref)}
-    # Every alert links its runbook section: by default on the kvwatch that
-    # raised it (it serves the runbooks itself), else where the config says.
+    # Every alert links its runbook section where the on-call reader can open it (runbook_base_url).
     out["runbook_url"] = runbook_url(config, spec.alert, None if spec.kind == "objective" else spec.cause)
     if spec.kind == "objective" and value_ref == PROMETHEUS_VALUE:
+        out["burning_replicas"] = burning_replicas_template(spec, config)
         out["cause_alerts"] = cause_alerts_template(config)
-    if config.dashboard_url_pattern:
+    if config.dashboard_link_pattern:
         out["dashboard_url"] = dashboard_url(config, uid, panel_id)
     return out
 
 
+def burning_replicas_template(spec: AlertSpec, config: MixinConfig) -> str:
+    """The paged model's replicas whose own ratio burns over the pair's short window, read when the page is
+    sent (Prometheus templates only): the page is per model, the replicas to look at are in it."""
+    labels = config.model_labels
+    matchers = ",".join(f"{label}=%q" for label in labels).replace('"', '\\"')
+    record = objectives.record_name(config, spec.cause, dict(spec.extra_labels)["short_window"])
+    selector = f"{record}{{{matchers}}} > {num(spec.threshold)}"
+    args = " ".join(f"$labels.{label}" for label in labels)
+    name = config.instance_label
+    return (f'{{{{ with printf "{selector}" {args} | query }}}}{{{{ range . }}}}{{{{ .Labels.{name} }}}} (engine '
+            '{{ .Labels.engine }}: {{ .Value | humanizePercentage }}) {{ end }}{{ else }}none alone{{ end }}')
+
+
 def cause_alerts_template(config: MixinConfig) -> str:
-    """The cause alerts firing for the paged engine, read from Prometheus'
+    """The cause alerts firing for the paged model (any replica), read from Prometheus'
     ALERTS when the page is sent (Prometheus templates only): the page names
     where to look even before the routes bring the cause alert beside it."""
-    labels = [label for label in config.engine_labels]
+    labels = [label for label in config.model_labels]
     matchers = ",".join(f"{label}=%q" for label in labels)
     selector = 'ALERTS{alertstate=\\"firing\\",cause!=\\"\\",' + matchers.replace('"', '\\"') + "}"
     args = " ".join(f"$labels.{label}" for label in labels)

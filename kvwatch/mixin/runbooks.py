@@ -180,10 +180,10 @@ def _objective_sections(config: MixinConfig, specs) -> list[str]:
         "first_token": (
             f"Too many requests got their first token later than {num(config.ttft_objective_seconds)}s: the "
             f"objective is {_pct(config.ttft_objective)} within that bound (mixin config `ttft_objective`, "
-            "`ttft_objective_seconds`), read per engine from vLLM's TTFT histogram (the bucket at the bound over "
+            "`ttft_objective_seconds`), read per model over all its replicas from vLLM's TTFT histogram (the bucket at the bound over "
             "the count). Users wait for the first word of every answer; this is the page for it.",
-            "Open the cause alerts that fire beside it for the same engine (the page's `cause_alerts` annotation "
-            "names them; Alertmanager groups them by engine and model): `VllmKvCacheExhausted` and "
+            "Open the cause alerts that fire beside it for the same model (the page's `cause_alerts` annotation "
+            "names them, its description the replicas burning; Alertmanager groups them by model): `VllmKvCacheExhausted` and "
             "`VllmTimeToFirstTokenSlow` say whether the queue waits for KV cache, for compute, for prefill or "
             "for something upstream, and their runbook sections say what to do. With no cause alert yet, open "
             f"{D_TTFT}: the largest part of the mean is where the time goes."),
@@ -208,8 +208,11 @@ def _objective_sections(config: MixinConfig, specs) -> list[str]:
            "error budget (1 - objective). Each objective alerts on multi-window, multi-burn-rate pairs (the SRE "
            "workbook's): the share of bad requests over the long window AND over the short one above burn rate "
            "x budget. The long window says enough budget is gone to matter; the short one that it still burns, "
-           "so a short spike does not page and the page resolves minutes after the harm stops. The cause alerts "
-           "below are warnings that say where to look. Pairs (`burn_rate_windows`):", "", *table, ""]
+           "so a short spike does not page and the page resolves minutes after the harm stops. A page is per model "
+           "over all its replicas (one incident, one page), and only for a model that served "
+           f"{config.objective_min_requests} requests in the long window (`objective_min_requests`). The cause "
+           "alerts below are warnings, per replica, that say where to look. Pairs (`burn_rate_windows`):", "",
+           *table, ""]
     for objective, (alert, _, _) in objectives.OBJECTIVE_ALERTS.items():
         meaning, do = texts[objective]
         spec_list = specs.get((alert, objective), [])
@@ -217,7 +220,7 @@ def _objective_sections(config: MixinConfig, specs) -> list[str]:
         out += [f'<a id="{anchor_of(alert)}"></a>', "", f"### {alert}", "",
                 f"*{spec_list[0].summary}* Severity by window: {severity}.", "",
                 f"**What it means.** {meaning}", "", f"**First five minutes.** {do}", "",
-                "Paste into Prometheus (the first pair's query; one series per affected engine):", "",
+                "Paste into Prometheus (the first pair's query; one series per affected model):", "",
                 "```promql", spec_list[0].query, "```", ""]
     return out
 
@@ -234,8 +237,9 @@ def render(config: MixinConfig) -> str:
         "what it means, how to confirm it and the medium-term fix. The pages come first (the objectives' burn "
         "rates: what users feel), then the cause alerts that explain them. Every alert carries `severity`, "
         "`cause` or `objective` (and `symptom` for the vLLM alerts) labels and a `runbook_url` to its section "
-        "here (by default on the kvwatch that raised it, which serves this text at /runbooks; `kvwatch runbook "
-        "<section>` prints a section in a terminal), and, where the mixin config sets the pattern, a "
+        "here (by default as published with this version's documentation, or where the mixin config's "
+        "runbook_base_url says; every kvwatch also serves this text at /runbooks, and `kvwatch runbook "
+        "<section>` prints a section in a terminal), and, where the mixin config names Grafana, a "
         "`dashboard_url` to the panel that shows it. The same causes are named "
         "by kvwatch's in-process diagnosis (`kvwatch_finding`, `/api/v1/diagnosis`), which also shows the "
         "evidence. Why each severity and `for:`: docs/alerts.md.",

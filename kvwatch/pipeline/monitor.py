@@ -123,6 +123,9 @@ class State:
     # has requests running or waiting: busy, not down (Monitor._busy), with
     # the lateness measured; None otherwise.
     busy: dict[str, Any] | None = None
+    # The engine has not answered since kvwatch started and load_grace has not passed:
+    # a model still loading its weights, not an engine that answered and stopped.
+    engine_starting: bool = True
 
 
 
@@ -213,6 +216,9 @@ class Monitor:
         # current run of busy polls began (None outside one).
         self._last_load: tuple[float, float, float] | None = None
         self._busy_since: float | None = None
+        # Whether the engine has answered once since start, and when start was (engine_starting).
+        self._answered_once = False
+        self._started_monotonic = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
@@ -320,6 +326,7 @@ class Monitor:
         self.state = State(
             up=True,
             reason=None,
+            engine_starting=self._starting(answered=True),
             polls=self._polls,
             errors_by_reason=dict(self._errors),
             parse_errors=self._parse_errors,
@@ -407,6 +414,11 @@ class Monitor:
         return self._record_failure(reason, detail, started, result.seconds, time.thread_time() - started_cpu,
                                     sentence)
 
+    def _starting(self, answered: bool) -> bool:
+        """True while the engine has never answered since kvwatch started and load_grace has not passed."""
+        self._answered_once = self._answered_once or answered
+        return not self._answered_once and time.monotonic() - self._started_monotonic < self.settings.load_grace
+
     def _record_failure(self, reason: str, detail: str, started: float, seconds: float, cpu: float,
                         sentence: str = "") -> State:
         self._polls += 1
@@ -431,6 +443,8 @@ class Monitor:
         self.state = State(
             up=False,
             reason=reason,
+            # An engine that answers without its statistics has answered: not loading.
+            engine_starting=self._starting(answered=reason == "no_engine_metrics"),
             detail=sentence or failure_sentence(reason, public_host(self.settings.target),
                                                 self.settings.fetch_timeout),
             polls=self._polls,

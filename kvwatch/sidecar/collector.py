@@ -85,6 +85,7 @@ class KvwatchCollector(Collector):
             ("kvwatch_up", 1.0 if state.up else 0.0),
             ("kvwatch_stats_disabled", 1.0 if state.reason == "no_engine_metrics" else 0.0),
             ("kvwatch_busy", 1.0 if getattr(state, "busy", None) else 0.0),
+            ("kvwatch_starting", 1.0 if getattr(state, "engine_starting", False) else 0.0),
             ("kvwatch_polls", state.polls),
             ("kvwatch_parse_errors", state.parse_errors), ("kvwatch_dropped_series", state.dropped_series),
             ("kvwatch_poll_duration_seconds", state.poll_seconds),

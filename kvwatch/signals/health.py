@@ -90,6 +90,10 @@ HEALTH: tuple[HealthFamily, ...] = (
                  "not within the deadline shortly after a page (busy_timeout_seconds), while requests ran or waited; "
                  "kvwatch_page_late_seconds says how late (for a timeout, the deadline waited: at least). 0 "
                  "otherwise; KvwatchEngineUnreachable leaves a busy engine out.", good="low"),
+    HealthFamily("kvwatch_starting", "gauge", (),
+                 "1 while the engine has not answered /metrics since kvwatch started and load_grace has not passed "
+                 "(a model loading its weights: starting, not down); 0 once it answered, for good, or after the "
+                 "grace. KvwatchEngineUnreachable leaves a starting engine out.", good="low"),
     HealthFamily("kvwatch_poll_cpu_seconds", "gauge", (),
                  "CPU time of the latest poll (fetch, parse, signals, diagnosis).", good="low"),
     HealthFamily("kvwatch_last_success_timestamp_seconds", "gauge", (), "Unix time of the latest successful poll."),

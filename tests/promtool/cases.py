@@ -87,6 +87,7 @@ class Engine:
     up: str | None = const(1)
     kvwatch_up: str | None = const(1)
     stats_disabled: str | None = None
+    starting: str | None = None  # kvwatch_starting
     # kvwatch's own findings: (symptom, cause, severity, values) each a kvwatch_finding series.
     findings: tuple = ()
 
@@ -101,6 +102,7 @@ class Engine:
         add("up", self.up, target)
         add("kvwatch_up", self.kvwatch_up, target)
         add("kvwatch_stats_disabled", self.stats_disabled, target)
+        add("kvwatch_starting", self.starting, target)
         for symptom, cause, severity, values in self.findings:
             add("kvwatch_finding", values, {**self.labels, "symptom": symptom, "cause": cause, "severity": severity})
         add("kvwatch_engine_info", self.info, {**self.labels, "enable_prefix_caching": self.caching,
@@ -216,6 +218,7 @@ def default_cases() -> list[Case]:
     """Against the default config: rate window 5m, for 10m (exhaustion,
     TTFT), 15m (hit rate), 5m (health); cold window 30m; baseline 1h. Engines
     exist from minute 0, so they are cold until minute 30."""
+    silent = dict(info=None, usage=None, running=None, waiting=None, preemptions=None, prompt_tokens=None)
     busy = dict(usage=const(0.98), preemptions=rate(6), running=const(8), waiting=const(12))
     def old_engine_hit(ratio: float, queried_per_minute: float = 20000, **kw) -> Engine:
         return Engine(**hits(ratio, queried_per_minute), **kw)
@@ -416,6 +419,16 @@ def default_cases() -> list[Case]:
              [Engine(kvwatch_up=const(0), stats_disabled=const(1), info=None, usage=None, running=None,
                      waiting=None, preemptions=None, prompt_tokens=None)], "10m",
              [("VllmEngineStatsDisabled", "stats_disabled", TARGET)]),
+        # --- starting is not down: an engine loading its weights has not answered since kvwatch started --
+        *[Case(f"an engine that takes 15 minutes to start pages nothing (at {at})",
+               [Engine(kvwatch_up="0x15 1x104", starting="1x15 0x104", **silent)], at, [])
+          for at in ("10m", "15m", "22m")],
+        Case("an engine that answered once, then stopped -> KvwatchEngineUnreachable",
+             [Engine(kvwatch_up="1x20 0x99", starting=const(0), **silent)], "30m",
+             [("KvwatchEngineUnreachable", "engine_unreachable", TARGET)]),
+        Case("an engine silent past the load grace -> KvwatchEngineUnreachable",
+             [Engine(kvwatch_up=const(0), starting="1x30 0x89", **silent)], "40m",
+             [("KvwatchEngineUnreachable", "engine_unreachable", TARGET)]),
         Case("a down blip shorter than for: (5m) -> nothing",
              [Engine(up="1x5 0x3 1x112")], "10m", []),
         # --- stuck: routed by kvwatch's own finding (diagnose/stuck.py already waited stuck_seconds) --
