@@ -31,6 +31,16 @@ name: the same engines every poll, so the window's byte bound
 (kvwatch.window.WINDOW_MAX_BYTES) drops the oldest polls instead of
 forgetting pairs.
 
+`--events strings` makes the stream's messages the strings' shape
+instead: every poll, four messages just under the cap, each a stored block
+naming a new medium and a new LoRA adapter of about 2 MB each (label values
+of /metrics and the API). `--events capture` replays them from a capture
+bundle instead: events.bin at its cap (MAX_EVENTS_BYTES, 64 MiB) of such
+messages, written as a .tar.gz, read back as `kvwatch serve --replay` reads
+it and fed to the stream a few per poll. `--serve` serves the app on
+loopback (uvicorn, as `kvwatch serve` does), reads /metrics and the API over
+HTTP, and asks /healthz every 0.1 s throughout (its latencies in the output).
+
 `--central` measures central mode instead: a stand-in store on loopback
 answers every series listing and every range query just under central
 mode's cap on one answer (CENTRAL_MAX_BYTES, 32 MiB) with the most objects
@@ -42,6 +52,7 @@ keys in the other order, which kvwatch does not scan but decodes whole
 empty label sets (`{}`) up to the cap, the most objects a list can hold.
 
     python benchmarks/worst_page_probe.py [--polls N|full] [--sources engine,upstream,lmcache,kvevents]
+                                          [--events blocks|strings|capture] [--serve]
                                           [--shape rotating|rich] [--central [--layout compact|reordered]
                                                                           [--listing replicas|empty]]
 """
@@ -143,6 +154,90 @@ def kv_event_messages(poll: int, max_bytes: int) -> list[bytes]:
     return out
 
 
+def kv_string_messages(poll: int, max_bytes: int, count: int = 4) -> list[bytes]:
+    """Messages just under the cap, each one stored block naming a new medium
+    and a new LoRA adapter of about half the cap each."""
+    from kvwatch.kvevents import wire
+
+    size = (max_bytes - 4096) // 2 - 64
+    out = []
+    for n in range(count):
+        tag = f"{poll:05d}-{n:02d}-"
+        out.append(wire.encode_batch(float(poll), [wire.stored([poll * 64 + n + 1], 16, medium=tag + "m" * size,
+                                                               lora_name=tag + "l" * size)]))
+    return out
+
+
+def capture_events(folder: Path) -> tuple[list, int]:
+    """A capture bundle whose events.bin is at its cap with the strings'
+    messages, read back as a replay reads it: (its records, bundle bytes)."""
+    from kvwatch.capture.bundle import MAX_EVENTS_BYTES, Capture, CaptureWriter
+    from kvwatch.capture.record import manifest_for
+    from kvwatch.kvevents.source import DEFAULT_MAX_MESSAGE_BYTES
+
+    out = folder / "strings.tar.gz"
+    writer = CaptureWriter(out, {**manifest_for("http://127.0.0.1:8000/metrics", 5.0, 300.0), "kv_events": "tcp://x:1"})
+    seq = 0
+    while True:
+        payload = kv_string_messages(seq, DEFAULT_MAX_MESSAGE_BYTES, count=1)[0]
+        if not writer.add_event(1_700_000_000.0 + seq, seq, payload) or seq * len(payload) > MAX_EVENTS_BYTES:
+            break
+        seq += 1
+    writer.add(1_700_000_100.0, 0.01, worst_page(0, 1 << 16).decode())
+    writer.close(ended_at=1_700_000_200.0, interrupted=False)
+    return Capture(out).events, out.stat().st_size
+
+
+class HealthProbe:
+    """Asks /healthz every 0.1 s on its own connection, as a kubelet does,
+    and keeps each answer's latency (a failure or a timeout counts 10 s)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.latencies: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        import requests
+
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            try:
+                ok = requests.get(self.url, timeout=10).status_code == 200
+            except requests.RequestException:
+                ok = False
+            self.latencies.append(time.perf_counter() - started if ok else 10.0)
+            self.failures += not ok
+            self._stop.wait(0.1)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(15)
+        found = sorted(self.latencies)
+        return {"answers": len(found), "failures": self.failures,
+                "max_s": round(found[-1], 3) if found else None,
+                "p99_s": round(found[int(0.99 * (len(found) - 1))], 3) if found else None,
+                "over_1s": sum(1 for x in found if x > 1.0)}
+
+
+def serve_app(app):
+    """The app served on loopback as `kvwatch serve` serves it; (server, base URL)."""
+    import time
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
 def lmcache_page(poll: int, cap: int) -> bytes:
     lines, size, n = [], 0, 0
     while True:
@@ -175,10 +270,15 @@ def main() -> int:
     parser.add_argument("--breakdown", action="store_true",
                         help="trace Python's allocations (tracemalloc) and add what the last poll holds by file, "
                              "and the traced peak (slower, and the RSS figures then include the tracing)")
+    parser.add_argument("--events", default="blocks", choices=("blocks", "strings", "capture"),
+                        help="the stream's shape: new blocks at the caps (default), new 2 MB media and LoRA names "
+                             "(strings), or those replayed from a capture bundle at its cap (capture)")
+    parser.add_argument("--serve", action="store_true",
+                        help="serve the app on loopback, read it over HTTP and ask /healthz every 0.1 s throughout")
     parser.add_argument("--publish", metavar="ENDPOINT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.publish:
-        return publish_forever(args.publish)
+        return publish_forever(args.publish, args.events)
     if args.central:
         return central_probe(args)
     sources = set(args.sources.split(","))
@@ -244,16 +344,38 @@ def main() -> int:
 
     now = [time.time()]
     monitor = Monitor(settings, clock=lambda: now[0])
-    client = TestClient(create_app(monitor, settings))
+    app = create_app(monitor, settings)
+    client = TestClient(app)
+    server = health = None
+    render_bytes: list[int] = []
+    if args.serve:
+        import requests
+
+        server, served = serve_app(app)
+        health = HealthProbe(f"{served}/healthz")
+
+        def get(path: str) -> None:
+            render_bytes.append(len(requests.get(served + path, timeout=120).content))
+    else:
+        def get(path: str) -> None:
+            render_bytes.append(len(client.get(path).content))
     publisher = None
-    if monitor.kv_events is not None:
+    replayed: list = []
+    per_poll = bundle_bytes = 0
+    if args.events == "capture" and monitor.kv_events is not None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            replayed, bundle_bytes = capture_events(Path(folder))
+        per_poll = -(-len(replayed) // total)
+    elif monitor.kv_events is not None:
         import subprocess
         import time as clock_time
 
         # The publisher is a process of its own: its send queue is the
         # engine's memory, not kvwatch's.
         monitor.kv_events.start()
-        publisher = subprocess.Popen([sys.executable, __file__, "--publish", settings.kv_events],
+        publisher = subprocess.Popen([sys.executable, __file__, "--publish", settings.kv_events, "--events", args.events],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
         def publish(poll: int) -> None:
@@ -274,11 +396,14 @@ def main() -> int:
     for poll in range(total):
         if publisher is not None:
             publish(poll)
+        for seq in range(poll * per_poll, min(len(replayed), (poll + 1) * per_poll)):
+            at, number, payload = replayed[seq]
+            monitor.kv_events.feed(number, payload, now=now[0])
         state = monitor.poll_once()
         if not state.up:
             raise RuntimeError(f"poll failed: {state.reason} {state.detail}")
-        client.get("/metrics")
-        client.get("/api/v1/diagnosis")
+        get("/metrics")
+        get("/api/v1/diagnosis")
         rss.append(status_kib("VmRSS"))
         now[0] += settings.poll_interval
     state = monitor.state
@@ -292,7 +417,11 @@ def main() -> int:
                       "kv_events": None if monitor.kv_events is None else {
                           **{key: stream["intake"].get(key) for key in ("messages", "dropped", "malformed")},
                           "table_bytes": stream["table"]["bytes"]},
-                      "shape": args.shape, "window_entries": len(monitor.window.entries),
+                      "shape": args.shape, "events": args.events,
+                      "largest_render_bytes": max(render_bytes) if render_bytes else None,
+                      **({"capture_bundle_bytes": bundle_bytes, "capture_messages": len(replayed)} if replayed else {}),
+                      **({"healthz": health.stop()} if health is not None else {}),
+                      "window_entries": len(monitor.window.entries),
                       "window_bytes": monitor.window.bytes, "window_trimmed": monitor.window.trimmed,
                       "rss_before_kib": before, "rss_kib": rss,
                       "peak_rss_kib": status_kib("VmHWM"), "engines": len(state.snapshot.engines),
@@ -300,7 +429,10 @@ def main() -> int:
     if publisher is not None:
         publisher.stdin.close()
         publisher.wait(30)
+    if monitor.kv_events is not None:
         monitor.kv_events.stop()
+    if server is not None:
+        server.should_exit = True
     httpd.shutdown()
     return 0
 
@@ -325,7 +457,7 @@ def traced_breakdown(top: int = 12) -> dict:
             "by_line_mib": {where(stat): round(stat.size / mib, 1) for stat in lines}}
 
 
-def publish_forever(endpoint: str) -> int:
+def publish_forever(endpoint: str, shape: str = "blocks") -> int:
     """The KV-event publisher (`--publish ENDPOINT`): for each poll number
     read from stdin, that poll's messages (a one-block batch for -1); a
     line back once sent."""
@@ -341,6 +473,7 @@ def publish_forever(endpoint: str) -> int:
     for line in sys.stdin:
         poll = int(line)
         messages = ([wire.encode_batch(0.0, [wire.stored([1], 16)])] if poll < 0
+                    else kv_string_messages(poll, DEFAULT_MAX_MESSAGE_BYTES) if shape == "strings"
                     else kv_event_messages(poll, DEFAULT_MAX_MESSAGE_BYTES))
         for payload in messages:
             publisher.send_multipart([b"kv", wire.sequence_bytes(sequence), payload])

@@ -6,6 +6,7 @@ carry. They read nothing but their arguments (and the catalogue's labels)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -163,3 +164,39 @@ def signal_columns(signals: dict[str, Any]) -> list[tuple[str, dict[str, Any], d
         if per_model_count.get(row["model_name"], 0) > 1:
             columns.append((f"{row['model_name']} (all engines)", row["signals"], row.get("pinned") or {}))
     return columns
+
+
+# --------------------------------------------------------------------------
+# Text for a terminal
+# --------------------------------------------------------------------------
+
+# Control characters, and the format characters that reorder or hide text
+# (right-to-left overrides, isolates, line and paragraph separators).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_CONTROL_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: Any, keep_lines: bool = False) -> str:
+    """Text from outside (an engine's label, a store's error, a sidecar's
+    answer) as kvwatch prints or logs it: control characters written as
+    escapes, never sent raw (they could clear the screen, retitle it or hide
+    lines). `keep_lines`: newline and tab stay (kvwatch's own reports)."""
+    pattern = _CONTROL_BUT_LINES if keep_lines else _CONTROL
+    return pattern.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
+
+class TerminalText:
+    """A text stream for people's terminals, written through printable()
+    (newlines and tabs kept). JSON output is escaped by json.dumps already."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def write(self, text: str) -> int:
+        return self.out.write(printable(text, keep_lines=True))
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def __getattr__(self, name: str):  # isatty, encoding, ...: the stream's own
+        return getattr(self.out, name)

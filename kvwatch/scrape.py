@@ -4,8 +4,10 @@ Limits on every fetch: a connect and read timeout and an overall deadline (a
 server that trickles bytes, in its headers or its body, cannot hold a poll past
 it: a watchdog shuts the socket down when the deadline passes), a cap on the body size
 (counted after decompression), no redirects (kvwatch only ever fetches the
-configured target), and a record of the content type (an HTML error page from
-a proxy is reported as such). Each failure has a short machine-readable reason for
+configured target), exact framing (an answer that leaves any byte behind its
+end closes the connection: nothing it left is read as the next answer), and a
+record of the content type (an HTML error page from a proxy is reported as
+such). Each failure has a short machine-readable reason for
 `kvwatch_poll_errors_total{reason}` and a human detail for logs; neither ever
 contains the bearer token, nor the credentials or query string of the target URL.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator
 from urllib.parse import unquote, urlsplit
 
+import h11
 import requests
 import requests.adapters
 import urllib3
@@ -133,7 +136,7 @@ class Fetcher:
         if not tls_verify:
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
         # Plain http:// targets are read over one kept-alive socket by
-        # _PlainHTTP (a tenth of requests' CPU per poll); https:// ones, and
+        # _PlainHTTP (h11: half of requests' CPU per poll); https:// ones, and
         # a target that sets cookies, through the session.
         self._plain: _PlainHTTP | None = _PlainHTTP() if urlsplit(url).scheme.lower() == "http" else None
 
@@ -156,7 +159,15 @@ class Fetcher:
         if self._plain is not None and not self.session.cookies:
             return self._fetch_plain(started, deadline)
         try:
-            response = self.session.send(self._request(), timeout=(self.timeout, self.timeout),
+            request = self._request()
+        except requests.exceptions.InvalidHeader:
+            # Its message quotes the header value, that is the token itself.
+            message = "the bearer token file does not hold a valid HTTP header value"
+            return self._fail("error", message, started, sentence=message)
+        try:
+            # Prepared apart: an InvalidHeader raised while reading the answer
+            # is the server's, never blamed on the token.
+            response = self.session.send(request, timeout=(self.timeout, self.timeout),
                                          allow_redirects=False, stream=True)
         except requests.exceptions.SSLError as exc:
             return self._fail("tls", _safe(exc), started)
@@ -166,10 +177,11 @@ class Fetcher:
             return self._fail("timeout", f"no response within {self.timeout:g}s", started)
         except requests.exceptions.ConnectionError as exc:
             return self._fail(connection_reason(exc), _safe(exc), started)
-        except requests.exceptions.InvalidHeader:
-            # Its message quotes the header value, that is the token itself.
-            message = "the bearer token file does not hold a valid HTTP header value"
-            return self._fail("error", message, started, sentence=message)
+        except (requests.exceptions.InvalidHeader, urllib3.exceptions.InvalidHeader) as exc:
+            # urllib3 refuses Content-Length values that disagree: the same
+            # page without a single length as the plain path's.
+            sentence = FRAMING_SENTENCE.format(host=public_host(self.url))
+            return self._fail("truncated", _safe(exc), started, sentence=sentence)
         except requests.exceptions.RequestException as exc:
             return self._fail("error", _safe(exc), started)
 
@@ -200,7 +212,8 @@ class Fetcher:
             return self._fail("error", _safe(exc), started)
         answer = self._plain.get(request, self.timeout, deadline, self.max_body_bytes)
         if answer.failure is not None:
-            return self._fail(answer.failure[0], answer.failure[1], started)
+            sentence = answer.sentence.format(host=public_host(self.url)) if answer.sentence else None
+            return self._fail(answer.failure[0], answer.failure[1], started, sentence=sentence)
         if answer.sets_cookie:
             # The session keeps cookies and sends them back; this path does
             # not: the next polls go through the session.
@@ -299,10 +312,17 @@ def read_body(response: requests.Response, cap: int, deadline: float,
     return b"".join(parts), None
 
 
-# Bounds on what a plain-HTTP answer may send before its body: as
-# http.client's (100 headers, 64 KiB a line).
-_MAX_HEADERS = 100
-_MAX_LINE = 65536
+# What an answer may send before its body (status line and headers): h11
+# holds at most this much while it waits for their end (http.client's bound
+# on one header line).
+_MAX_HEAD = 64 * 1024
+# The sentence for an answer whose headers leave its end unknown: two
+# different Content-Length values, one that is not a number, or a
+# Transfer-Encoding other than chunked.
+FRAMING_SENTENCE = "the page from {host} has no single, valid length (conflicting or invalid Content-Length)"
+
+
+_END = h11.EndOfMessage()  # a GET's end: no body
 
 
 @dataclass(slots=True)
@@ -312,50 +332,52 @@ class _Answer:
     body: bytes = b""
     sets_cookie: bool = False
     failure: tuple[str, str] | None = None  # (reason, detail), as the session's path names them
+    sentence: str = ""  # a template ({host}) saying more than the reason's own sentence, where one does
 
 
 class _Ended(Exception):
-    """The server closed the connection or the read failed."""
+    """The server closed the connection before the answer's head was whole."""
 
 
 class _PlainHTTP:
-    """GET over one kept-alive plain-HTTP/1.1 connection, what a poll of an
-    http:// target needs of requests, urllib3 and http.client at a tenth of
-    their CPU: the request the session prepares (its bytes kept while it
-    stays the same), the status line and headers read by hand, a body of a
-    Content-Length, chunked or up to the close, gzip decompressed within
-    the cap (read_body's rules), and the same failures under the same
-    reasons. The socket is watched by the fetch's Watchdog. A connection the
-    server closed while idle is opened again before the request, and once
-    more if the reused one ends before any byte of the answer."""
+    """GET over one kept-alive plain-HTTP/1.1 connection, framed by h11:
+    what a poll of an http:// target needs of requests, urllib3 and
+    http.client at a fraction of their CPU. The request the session prepares
+    (h11's event kept while it stays the same); the answer's head and its
+    body (Content-Length, chunked or up to the close) framed by h11, the body
+    gzip decompressed within the cap (read_body's rules); the same failures
+    under the same reasons. An answer that leaves any byte behind its end (a
+    stray line end, a second answer nobody asked for) closes the connection,
+    and so does a connection that sent anything, or closed, while idle:
+    nothing but the answer to this request is read as its answer. A reused
+    connection that ends before any byte of the answer is tried once more on
+    a new one. The socket is watched by the fetch's Watchdog."""
 
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
-        self.reader = None
-        self._sent: tuple[tuple, bytes, tuple[str, int]] | None = None
+        self.http: h11.Connection | None = None
+        self._sent: tuple[tuple, h11.Request, tuple[str, int]] | None = None
         self._where = ""
+        self._received = 0  # bytes of the current answer read so far
 
     def close(self) -> None:
-        # The reader holds a reference to the socket: both close, or the
-        # descriptor stays open.
-        for thing in (self.reader, self.sock):
-            if thing is not None:
-                try:
-                    thing.close()
-                except OSError:
-                    pass
-        self.sock = self.reader = None
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        self.sock = self.http = None
 
-    def _wire(self, request: requests.PreparedRequest) -> tuple[bytes, tuple[str, int]]:
+    def _request(self, request: requests.PreparedRequest) -> tuple[h11.Request, tuple[str, int]]:
         key = (request.url, tuple(request.headers.items()))
         if self._sent is None or self._sent[0] != key:
             url = urllib3.util.parse_url(request.url)
             port = url.port or 80
             host = url.host or ""
-            lines = [f"GET {request.path_url} HTTP/1.1", f"Host: {host if port == 80 else f'{host}:{port}'}"]
-            lines += [f"{name}: {value}" for name, value in request.headers.items()]
-            wire = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-            self._sent = (key, wire, (host.strip("[]"), port))
+            headers = [("Host", host if port == 80 else f"{host}:{port}"), *request.headers.items()]
+            event = h11.Request(method="GET", target=_latin1(request.path_url),
+                                headers=[(_latin1(name), _latin1(value)) for name, value in headers])
+            self._sent = (key, event, (host.strip("[]"), port))
             # What a failure's detail quotes, as requests' exceptions quote
             # it (the query string is redacted by the Fetcher).
             self._where = f"host={host!r}, port={port}, url: {request.path_url}"
@@ -366,161 +388,131 @@ class _PlainHTTP:
 
     def get(self, request: requests.PreparedRequest, timeout: float, deadline: float, cap: int) -> _Answer:
         try:
-            wire, address = self._wire(request)
+            event, address = self._request(request)
+        except h11.LocalProtocolError:  # its message quotes the header: the token, perhaps
+            return _Answer(failure=("error", "the request's path or a header value is not valid in HTTP/1.1"))
         except (UnicodeEncodeError, ValueError, urllib3.exceptions.LocationParseError) as exc:
             return _Answer(failure=("error", self._detail(exc)))
         reused = self.sock is not None
         if reused and _dropped(self.sock):
             self.close()
             reused = False
-        answer = self._exchange(wire, address, timeout, deadline, cap, reused)
+        answer = self._exchange(event, address, timeout, deadline, cap, reused)
         if answer is None:  # the kept connection had been closed: once more on a new one
             self.close()
-            answer = self._exchange(wire, address, timeout, deadline, cap, False)
+            answer = self._exchange(event, address, timeout, deadline, cap, False)
         if answer.failure is not None or answer.status != 200:
             self.close()
         return answer
 
-    def _exchange(self, wire: bytes, address: tuple[str, int], timeout: float, deadline: float, cap: int,
+    def _connect(self, address: tuple[str, int], timeout: float) -> _Answer | None:
+        try:
+            sock = socket.create_connection(address, timeout)
+        except socket.gaierror as exc:
+            return _Answer(failure=("dns", self._detail(exc)))
+        except (socket.timeout, TimeoutError):
+            return _Answer(failure=("timeout", f"connect timed out after {timeout:g}s"))
+        except ConnectionRefusedError as exc:
+            return _Answer(failure=("refused", self._detail(exc)))
+        except OSError as exc:
+            return _Answer(failure=(connection_reason(exc), self._detail(exc)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.http = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD)
+        return None
+
+    def _exchange(self, event: h11.Request, address: tuple[str, int], timeout: float, deadline: float, cap: int,
                   reused: bool) -> _Answer | None:
-        if self.sock is None:
-            try:
-                sock = socket.create_connection(address, timeout)
-            except socket.gaierror as exc:
-                return _Answer(failure=("dns", self._detail(exc)))
-            except (socket.timeout, TimeoutError):
-                return _Answer(failure=("timeout", f"connect timed out after {timeout:g}s"))
-            except ConnectionRefusedError as exc:
-                return _Answer(failure=("refused", self._detail(exc)))
-            except OSError as exc:
-                return _Answer(failure=(connection_reason(exc), self._detail(exc)))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock, self.reader = sock, sock.makefile("rb")
+        if self.sock is None and (refused := self._connect(address, timeout)) is not None:
+            return refused
         _Watchdog.watch(self.sock)
+        self._received = 0
         try:
             self.sock.settimeout(timeout)
-            self.sock.sendall(wire)
-            status, version, headers = self._head()
+            self.sock.sendall(self.http.send(event) + self.http.send(_END))
+            head = self._head()
         except (socket.timeout, TimeoutError):
             return _Answer(failure=("timeout", f"no response within {timeout:g}s"))
         except (_Ended, OSError) as exc:
-            if reused and not getattr(exc, "started", False):
+            if reused and not self._received:
                 return None
             return _Answer(failure=("disconnected", self._detail(exc)))
-        except ValueError as exc:  # a status line or header that is not HTTP
-            return _Answer(failure=("disconnected", self._detail(exc)))
-        answer = _Answer(status, headers, sets_cookie="set-cookie" in headers)
-        if status != 200:
+        except h11.RemoteProtocolError as exc:
+            if "Content-Length" in str(exc) or "Transfer-Encoding" in str(exc):
+                return _Answer(failure=("truncated", self._detail(exc)), sentence=FRAMING_SENTENCE)
+            return _Answer(failure=("disconnected", self._detail(exc)))  # a status line or header that is not HTTP
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in head.headers.raw_items()}
+        answer = _Answer(head.status_code, headers, sets_cookie="set-cookie" in headers)
+        if answer.status != 200:
             return answer
-        keep = version == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
-        answer.body, answer.failure, whole = self._body(headers, timeout, deadline, cap)
-        if not (keep and whole):
+        answer.body, answer.failure = self._body(headers, timeout, deadline, cap)
+        if answer.failure is None and not self._reusable():
             self.close()
         return answer
 
-    def _line(self) -> bytes:
-        line = self.reader.readline(_MAX_LINE + 1)
-        if len(line) > _MAX_LINE:
-            raise ValueError("header line too long")
-        return line
+    def _read(self) -> int:
+        """Hands h11 what the socket holds, up to CHUNK bytes; 0: the server
+        closed (h11 judges it: the end of a close-delimited body, or a cut)."""
+        data = self.sock.recv(CHUNK)
+        self._received += len(data)
+        self.http.receive_data(data)
+        return len(data)
 
-    def _head(self) -> tuple[int, str, dict]:
+    def _next_event(self):
+        while (event := self.http.next_event()) is h11.NEED_DATA:
+            self._read()
+        return event
+
+    def _head(self) -> h11.Response:
+        # Read first: an answer starts on an empty buffer (no byte is kept
+        # past an answer's end), so h11 would only ask for data.
         while True:
-            line = self._line()
-            if not line:
-                raise _Ended("RemoteDisconnected: the server closed the connection without an answer")
-            parts = line.decode("latin-1").rstrip("\r\n").split(None, 2)
-            if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit() or len(parts[1]) != 3:
-                raise ValueError(f"BadStatusLine: {line[:80]!r}")
-            status = int(parts[1])
-            headers: dict[str, str] = {}
-            for _ in range(_MAX_HEADERS + 1):
-                line = self._line()
-                if not line:
-                    ended = _Ended("the server closed the connection within the headers")
-                    ended.started = True
-                    raise ended
-                if line in (b"\r\n", b"\n"):
-                    break
-                name, colon, value = line.decode("latin-1").partition(":")
-                if colon:
-                    headers[name.strip().lower()] = value.strip()
-            else:
-                raise ValueError(f"more than {_MAX_HEADERS} headers")
-            if not 100 <= status < 200:
-                return status, parts[0], headers
-            # an interim answer (100 Continue): the real one follows
+            if not self._read():
+                raise _Ended("RemoteDisconnected: the server closed the connection without an answer"
+                             if not self._received else "the server closed the connection within the headers")
+            while (event := self.http.next_event()) is not h11.NEED_DATA:
+                if type(event) is h11.Response:
+                    return event
+                # an interim answer (100 Continue): the real one follows
 
-    def _body(self, headers: dict, timeout: float, deadline: float,
-              cap: int) -> tuple[bytes, tuple[str, str] | None, bool]:
-        """(body, failure, whether the connection may carry another request)."""
+    def _body(self, headers: dict, timeout: float, deadline: float, cap: int) -> tuple[bytes, tuple[str, str] | None]:
         decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS) \
             if headers.get("content-encoding", "").lower() == "gzip" else None
         parts: list[bytes] = []
         size = 0
-        chunked = headers.get("transfer-encoding", "").lower().rsplit(",", 1)[-1].strip() == "chunked"
-        length = headers.get("content-length")
         try:
-            if chunked:
-                raw = self._chunks()
-            elif length is not None and not headers.get("transfer-encoding"):
-                if not length.isdigit():
-                    return b"", ("truncated", f"invalid Content-Length {length[:40]!r}"), False
-                raw = self._sized(int(length))
-            else:
-                raw = self._to_close()
-            for chunk in raw:
+            while type(event := self._next_event()) is h11.Data:
+                chunk = event.data
                 if decompressor is not None:
                     chunk, decompressor = _gunzip(decompressor, chunk, cap + 1 - size)
                 size += len(chunk)
                 if size > cap:
-                    return b"", ("too_large", f"body exceeds the {cap} byte cap"), False
+                    return b"", ("too_large", f"body exceeds the {cap} byte cap")
                 parts.append(chunk)
                 if time.monotonic() > deadline:
-                    return b"", ("timeout", f"body not complete within {timeout:g}s (slow server)"), False
+                    return b"", ("timeout", f"body not complete within {timeout:g}s (slow server)")
         except (socket.timeout, TimeoutError) as exc:
-            return b"", ("timeout", self._detail(exc)), False
-        except (_Ended, OSError, ValueError, zlib.error) as exc:
-            return b"", ("truncated", self._detail(exc)), False
+            return b"", ("timeout", self._detail(exc))
+        except (h11.RemoteProtocolError, OSError, zlib.error) as exc:
+            return b"", ("truncated", self._detail(exc))
         if decompressor is not None and not decompressor.eof:
-            return b"", ("truncated", "gzip stream ends before its end marker"), False
-        return b"".join(parts), None, chunked or length is not None
+            return b"", ("truncated", "gzip stream ends before its end marker")
+        return b"".join(parts), None
 
-    def _sized(self, length: int):
-        left = length
-        while left:
-            chunk = self.reader.read1(min(left, CHUNK))
-            if not chunk:
-                raise _Ended(f"IncompleteRead: {length - left} bytes read, {left} more expected")
-            left -= len(chunk)
-            yield chunk
+    def _reusable(self) -> bool:
+        """Whether the connection may carry the next request: both sides
+        done with this one and not a byte read past the answer's end (a stray
+        line end, a second answer nobody asked for): that would be read as
+        the next answer."""
+        http = self.http
+        if http.our_state is not h11.DONE or http.their_state is not h11.DONE or http.trailing_data[0]:
+            return False
+        http.start_next_cycle()
+        return True
 
-    def _to_close(self):
-        while chunk := self.reader.read1(CHUNK):
-            yield chunk
 
-    def _chunks(self):
-        while True:
-            line = self._line()
-            if not line:
-                raise _Ended("the chunked body ends before its last chunk")
-            size_text = line.split(b";", 1)[0].strip()
-            size = int(size_text, 16)  # ValueError: not a chunk size
-            if size < 0:
-                raise ValueError("negative chunk size")
-            if size == 0:
-                while self._line() not in (b"\r\n", b"\n", b""):
-                    pass  # trailers
-                return
-            left = size
-            while left:
-                chunk = self.reader.read1(min(left, CHUNK))
-                if not chunk:
-                    raise _Ended("the chunked body ends before its last chunk")
-                left -= len(chunk)
-                yield chunk
-            if self._line() not in (b"\r\n", b"\n"):
-                raise ValueError("a chunk not followed by its line end")
+def _latin1(text: str | bytes) -> bytes:
+    return text if isinstance(text, bytes) else text.encode("latin-1")
 
 
 def _dropped(sock: socket.socket) -> bool:

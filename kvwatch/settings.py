@@ -22,6 +22,7 @@ import yaml
 
 from kvwatch.diagnose import validate_thresholds
 from kvwatch.engines import AUTO, ENGINES
+from kvwatch.kvevents.endpoint import ipc_path_problem
 from kvwatch.present import normalize_target
 from kvwatch.units import (
     did_you_mean,
@@ -56,6 +57,14 @@ def _parse_bool(value: Any) -> bool:
     raise ValueError(f"{value!r} is not a boolean (true/false)")
 
 
+def _duration_or_zero(value: Any) -> float:
+    """A duration, or 0 (0, 0s, 0m ...) for none."""
+    text = str(value).strip()
+    if not isinstance(value, bool) and (value == 0 or (text[:1] == "0" and text.rstrip("hms").strip("0.") == "")):
+        return 0.0
+    return parse_duration(value)
+
+
 _whole_number = parse_whole_number  # one definition: kvwatch/units.py
 _parse_port = parse_port
 
@@ -74,6 +83,9 @@ def zmq_endpoint(value: Any) -> str:
     ipc://path."""
     text = str(value).strip()
     if text.startswith("ipc://") and len(text) > len("ipc://"):
+        problem = ipc_path_problem(text)
+        if problem:
+            raise ValueError(problem)
         return text
     if text.startswith("tcp://"):
         host, _, port = text[len("tcp://"):].rpartition(":")
@@ -212,6 +224,12 @@ class Settings:
         default_rule="15s, or 80% of a longer poll interval (a late page is kept)",
         doc="polls never overlap: a late page delays the next poll and is kept, stamped when answered "
             "(`kvwatch_page_late_seconds`); at most half the window"))
+    # A native sidecar starts before vLLM, which answers nothing while it loads its weights (minutes from
+    # network storage): until the engine first answers, or this long, it is starting, not down.
+    load_grace: float = field(default=1800.0, metadata=setting(
+        _duration_or_zero, "how long after kvwatch starts an engine that has not answered yet is loading, not down, "
+        "e.g. 30m (0: no grace)", doc="`kvwatch_starting` is 1 meanwhile and KvwatchEngineUnreachable waits; an engine "
+        "that answered once is down as soon as it stops"))
     # Signals are computed over this span; 5 m matches rate(...[5m]) in the rules.
     window: float = field(default=300.0, metadata=setting(
         parse_duration, "span of the windowed signals, e.g. 5m", doc="at least two poll intervals"))

@@ -24,6 +24,7 @@ SLOW_MODULES = (
     "test_statuspage_browser.py",
     "test_store_victoriametrics.py",
     "test_sweep_interrupt.py",
+    "test_wheel.py",
 )
 
 # module -> its slow test functions (every parametrization of each).

@@ -243,6 +243,7 @@ def test_metrics_body_is_a_fresh_render_of_each_poll_with_its_content_type(captu
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from kvwatch.sidecar.collector import make_registry
+    from kvwatch.sidecar.renders import RefusedRenders
 
     with PageServer([Answer(capture("idle")), Answer(capture("load"))]) as server:
         monitor, client = make(server)
@@ -254,7 +255,9 @@ def test_metrics_body_is_a_fresh_render_of_each_poll_with_its_content_type(captu
             assert response.headers["content-type"] == CONTENT_TYPE_LATEST
             assert response.headers["content-length"] == str(len(response.content))
             assert "content-encoding" not in response.headers
-            fresh = generate_latest(make_registry(monitor)).decode()
+            registry = make_registry(monitor)
+            registry.register(RefusedRenders())  # the app's count of renders past the bound: 0 here
+            fresh = generate_latest(registry).decode()
             assert without_process_lines(response.text) == without_process_lines(fresh)
             assert any(line.startswith("process_cpu_seconds_total") for line in response.text.splitlines())
 
@@ -352,10 +355,11 @@ def test_up_log_line_counts_engines_in_words(fixtures_dir, caplog):
 
 
 def test_runbooks_are_served_with_every_section_the_alerts_link():
-    # Every alert's runbook_url defaults to http://<instance>/runbooks#<section>:
-    # the section must exist on the page kvwatch serves.
+    # Every alert's runbook_url names a section of alerts/runbooks.md; kvwatch serves
+    # the same text (an ingress in front of it can be the alerts' runbook_base_url).
     import yaml
 
+    from kvwatch.mixin.config import PUBLISHED_RUNBOOKS_URL
     from mixin_support import RULES
 
     with PageServer([Answer("")]) as server:
@@ -367,9 +371,46 @@ def test_runbooks_are_served_with_every_section_the_alerts_link():
     anchors = set(re.findall(r'<a id="([\w-]+)"></a>', page.text))
     links = {rule["annotations"]["runbook_url"] for group in yaml.safe_load(RULES.read_text())["groups"]
              for rule in group["rules"] if "alert" in rule}
-    assert links and all(link.split("#")[0] == "http://{{ $labels.instance }}/runbooks" for link in links)
+    assert links and all(link.split("#")[0] == PUBLISHED_RUNBOOKS_URL for link in links)
     assert {link.split("#")[1] for link in links} <= anchors
     assert "<h3>VllmTimeToFirstTokenBudgetBurn</h3>" in page.text and "<table>" in page.text
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # closed on leaving: nothing listens there now
+
+
+def test_an_engine_that_never_answered_is_starting_and_one_that_stopped_is_down(capture):
+    # A native sidecar starts before vLLM, which answers nothing while it loads its weights.
+    port = _closed_port()
+    settings = load_settings(overrides={"target": f"http://127.0.0.1:{port}/metrics", "poll_interval": "1s",
+                                        "timeout": "1s"}, environ={})
+    monitor = Monitor(settings)
+    client = TestClient(create_app(monitor, settings))
+    monitor.poll_once()
+    text = client.get("/metrics").text
+    assert (value(text, "kvwatch_up"), value(text, "kvwatch_starting")) == (0, 1)  # starting, not down
+    with PageServer([Answer(capture("load"))], port=port):
+        monitor.poll_once()
+        text = client.get("/metrics").text
+        assert (value(text, "kvwatch_up"), value(text, "kvwatch_starting")) == (1, 0)
+    monitor.poll_once()  # the port is closed again: the engine answered once, so it is down
+    text = client.get("/metrics").text
+    assert (value(text, "kvwatch_up"), value(text, "kvwatch_starting")) == (0, 0)
+    assert monitor.state.reason == "refused"
+
+
+def test_an_engine_silent_past_the_load_grace_is_down():
+    settings = load_settings(overrides={"target": f"http://127.0.0.1:{_closed_port()}/metrics",
+                                        "load_grace": "0s"}, environ={})  # no grace
+    monitor = Monitor(settings)
+    monitor.poll_once()
+    text = TestClient(create_app(monitor, settings)).get("/metrics").text
+    assert (value(text, "kvwatch_up"), value(text, "kvwatch_starting")) == (0, 0)
 
 
 def test_an_engine_without_statistics_is_its_own_state_not_unreachable():

@@ -344,6 +344,22 @@ def test_kustomize_builds_each_overlay_into_valid_wired_objects(overlay, kind):
     check_wiring(objects, kind)
 
 
+def test_the_documented_overlay_rebases_every_runbook_link(tmp_path):
+    # docs/deploy.md's kustomize recipe, built over the committed base: every alert's link on the new base.
+    text = (REPO / "docs" / "deploy.md").read_text().split("<!-- runbook-links-overlay -->", 1)[1]
+    recipe = yaml.safe_load(text.split("```yaml", 1)[1].split("```", 1)[0])
+    base = recipe["configMapGenerator"][0]["literals"][0].split("=", 1)[1]
+    shutil.copytree(REPO / "deploy" / "kubernetes" / "base", tmp_path / "base")
+    (tmp_path / "overlay").mkdir()
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                     "resources": ["../base"], **recipe}
+    (tmp_path / "overlay" / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    rule = one(kustomize_build(tmp_path / "overlay"), "PrometheusRule")
+    links = [r["annotations"]["runbook_url"] for group in rule["spec"]["groups"] for r in group["rules"]
+             if "alert" in r]
+    assert len(links) >= 30 and all(link.startswith(base + "#") and link != base + "#" for link in links), links
+
+
 def test_wiring_check_catches_a_mismatch():
     objects = base_objects() + load_docs(KUBE / "overlays/servicemonitor/servicemonitor.yaml")
     for doc in objects:

@@ -1,5 +1,6 @@
 """The poll of an http:// target goes over kvwatch.scrape's own plain
-HTTP/1.1 client (one kept-alive socket, a tenth of requests' CPU): it reads
+HTTP/1.1 client (h11 over one kept-alive socket, half of requests' CPU;
+its framing is tests/test_fetch_framing.py's): it reads
 what the session reads, keeps one connection across polls, reopens one the
 server closed, and hands a target that sets cookies to the session. The
 failures and their reasons are tests/test_reliability_faults.py's, which
@@ -21,7 +22,8 @@ PAGE = b'vllm:num_requests_running{engine="0",model_name="m"} 1\n' * 50
 class Scripted:
     """A loopback HTTP server on raw sockets: `answer(index, request)` gives
     the bytes to send for the index-th request (over all connections) and
-    whether to close the connection after them."""
+    whether to close the connection after them. Its threads are stopped and
+    joined on close."""
 
     def __init__(self, answer):
         self.answer = answer
@@ -32,7 +34,9 @@ class Scripted:
         self.connections = 0
         self.requests: list[bytes] = []
         self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.accepted: list[socket.socket] = []
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
 
     def _accept(self) -> None:
         while True:
@@ -41,7 +45,10 @@ class Scripted:
             except OSError:
                 return
             self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            self.accepted.append(conn)
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.threads.append(thread)
+            thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(10)
@@ -66,11 +73,15 @@ class Scripted:
                     return
 
     def close(self) -> None:
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        for sock in [self.listener] + self.accepted:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in self.threads:
+            thread.join(10)
         self.listener.close()
+        assert not any(thread.is_alive() for thread in self.threads)
 
 
 def sized(body: bytes, *headers: str) -> bytes:
@@ -112,6 +123,18 @@ def test_a_chunked_page_with_extensions_and_trailers_is_read_whole():
     body = (b"%x;name=value\r\n%s\r\n%x\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n"
             % (half, PAGE[:half], len(PAGE) - half, PAGE[half:]))
     reply = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+    server = Scripted(lambda index, request: (reply, False))
+    try:
+        reading = fetcher(server.url)
+        assert reading.fetch().text == PAGE.decode()
+        assert reading.fetch().text == PAGE.decode()
+        assert server.connections == 1
+    finally:
+        server.close()
+
+
+def test_an_interim_answer_is_passed_over_for_the_answer_that_follows():
+    reply = b"HTTP/1.1 100 Continue\r\n\r\n" + sized(PAGE)
     server = Scripted(lambda index, request: (reply, False))
     try:
         reading = fetcher(server.url)
@@ -191,3 +214,16 @@ def test_credentials_in_the_url_are_sent_as_basic_auth_and_kept_out_of_the_detai
     assert refused.reason == "refused"
     assert "k3y-value" not in refused.detail and "s3cret-pass" not in refused.detail
     assert "<redacted>" in refused.detail
+
+
+def test_a_token_with_a_nul_byte_is_refused_before_sending_and_never_quoted(tmp_path):
+    # requests lets a NUL through (it refuses only line ends); HTTP/1.1 does not.
+    token = tmp_path / "token"
+    token.write_text("s3cret\x00token\n")
+    server = Scripted(lambda index, request: (sized(PAGE), False))
+    try:
+        result = Fetcher(server.url, 5.0, 1 << 20, bearer_token_file=str(token)).fetch()
+        assert result.reason == "error" and "not valid in HTTP/1.1" in result.detail
+        assert "s3cret" not in result.detail and server.requests == []
+    finally:
+        server.close()

@@ -264,6 +264,46 @@ def assert_round_trip(model: str, engine: str) -> None:
     assert [m["model_name"] for m in views["signals"]["models"]] == [model]
 
 
+def test_long_label_values_of_a_page_are_exported_as_a_start_and_a_digest():
+    """A 200 KB model name and engine id, the same on both polls: exported as
+    their start and a digest (kvwatch.labels, the rule every source follows),
+    the same pair on both polls, so the window's rates still read; a short
+    name beside them is exported whole."""
+    from kvwatch.labels import LABEL_VALUE_MAX_BYTES, bounded_label
+
+    model, engine = "m" * 200_000 + "-a", "e" * 200_000 + "-b"
+    pipeline = Pipeline()
+    for prompt in (100, 250):
+        text = page(Engine(model=model, engine=engine, prompt_tokens=prompt, running=3),
+                    Engine(model="short", engine="0", prompt_tokens=prompt, running=1))
+        assert pipeline.poll(text).up
+    views = pipeline.views()
+    exported = {(s.labels.get("model_name"), s.labels.get("engine")) for f in views["families"]
+                for s in f.samples if s.name == "kvwatch_engine_requests_running"}
+    assert exported == {(bounded_label(model), bounded_label(engine)), ("short", "0")}
+    assert all(len(v.encode()) <= LABEL_VALUE_MAX_BYTES for pair in exported for v in pair)
+    rates = {s.labels["model_name"]: s.value for f in views["families"] for s in f.samples
+             if s.name == "kvwatch_prompt_tokens_per_second"}
+    assert rates[bounded_label(model)] > 0 and rates["short"] > 0
+    assert max(len(json.dumps(e)) for e in views["signals"]["engines"]) < 20_000
+
+
+def test_a_long_finished_reason_is_exported_as_a_start_and_a_digest():
+    """The values of a labelled family inside one engine (finished_reason)
+    follow the same rule as the engine's own labels."""
+    from kvwatch.labels import LABEL_VALUE_MAX_BYTES
+
+    reason = "r" * 100_000
+    pipeline = Pipeline()
+    for count in (10, 25):
+        text = page(Engine(prompt_tokens=100 * count, running=1)) + (
+            "# TYPE vllm:request_success_total counter\n"
+            f'vllm:request_success_total{{model_name="m",engine="0",finished_reason="{reason}"}} {count}\n')
+        assert pipeline.poll(text).up
+    values = [v for f in pipeline.views()["families"] for s in f.samples for v in s.labels.values()]
+    assert values and max(len(v.encode()) for v in values) <= LABEL_VALUE_MAX_BYTES
+
+
 # --- worst cases at scale -------------------------------------------------------
 
 

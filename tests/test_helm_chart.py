@@ -352,6 +352,13 @@ def test_default_config_is_what_kvwatch_serve_accepts(tmp_path):
     (tmp_path / "kvwatch.yaml").write_text(config)
     settings = load_settings(str(tmp_path / "kvwatch.yaml"), environ={})
     assert settings.target == f"http://127.0.0.1:{SETTINGS.vllm_port}/metrics"
+    assert settings.load_grace == 30 * 60  # a large model loading from network storage is starting, not down
+
+
+def test_the_load_grace_value_reaches_kvwatch(tmp_path):
+    config = one(objects({"sidecar": {"loadGrace": "45m"}}), "ConfigMap", "-config")["data"][manifests.CONFIG_FILE_NAME]
+    (tmp_path / "kvwatch.yaml").write_text(config)
+    assert load_settings(str(tmp_path / "kvwatch.yaml"), environ={}).load_grace == 45 * 60
 
 
 def test_monitors_select_the_sidecars_and_set_the_rules_job():
@@ -469,6 +476,25 @@ def test_rules_and_dashboards_are_the_generated_ones():
         assert board["spec"]["instanceSelector"] == {"matchLabels": {"dashboards": "grafana"}}
 
 
+def test_runbook_links_follow_the_links_value_in_every_mode():
+    # The chart renders the rules' and panels' links on links.runbookBaseUrl, not only the generated base.
+    from kvwatch.mixin.config import PUBLISHED_RUNBOOKS_URL
+
+    base = "https://wiki.example.org/llm/kvwatch-runbooks"
+    for mode in ("sidecar", "central", "monitoring"):
+        docs = objects({"mode": mode, "prometheusRule": {"enabled": True}, "links": {"runbookBaseUrl": base + "/"},
+                        "dashboards": {"grafanaOperator": {"enabled": True}}})
+        alerts = [rule for group in one(docs, "PrometheusRule")["spec"]["groups"] for rule in group["rules"]
+                  if "alert" in rule]
+        boards = [json.loads(text) for cm in of_kind(docs, "ConfigMap") for text in cm["data"].values()
+                  if cm["metadata"]["labels"].get("grafana_dashboard") == "1"]
+        panel_links = [link["url"] for board in boards for panel in board["panels"] for link in panel.get("links", [])]
+        assert len(alerts) >= 30 and len(panel_links) > 30, mode
+        for url in [rule["annotations"]["runbook_url"] for rule in alerts] + panel_links:
+            assert url.startswith(base + "#") and len(url) > len(base) + 1, (mode, url)
+        assert PUBLISHED_RUNBOOKS_URL not in json.dumps(docs), mode
+
+
 def test_dashboards_follow_the_grafana_sidecar_settings():
     docs = objects({"dashboards": {"configMaps": {"label": "grafana_dashboards", "labelValue": "kvwatch",
                                                   "namespace": "monitoring", "folder": "LLM"}}})
@@ -498,6 +524,25 @@ def test_dashboards_follow_the_grafana_sidecar_settings():
     ({"central": {"shards": 4096}}, "/central/shards"),
     ({"central": {"shards": "4"}}, "/central/shards"),
     ({"pods": {"labels": {"app": 1}}}, "/pods/labels"),
+    # A newline in a string the templates write unquoted wrote YAML of its own
+    # (into the patch applied to the vLLM Deployment, or the dashboards' ConfigMaps).
+    ({"sidecar": {"tls": {"secretName": "tls\n    items: [{key: other, path: x}]"}}}, "/sidecar/tls/secretName"),
+    ({"sidecar": {"engine": {"bearerTokenSecret": {"name": "token\n  hostPath: {path: /}", "key": "token"}}}},
+     "/sidecar/engine/bearerTokenSecret/name"),
+    ({"sidecar": {"auth": {"tokenSecret": {"name": "auth", "key": "token\n        mode: 511"}}}},
+     "/sidecar/auth/tokenSecret/key"),
+    ({"sidecar": {"engine": {"caBundleConfigMap": {"name": "Not A Name", "key": "ca.crt"}}}},
+     "/sidecar/engine/caBundleConfigMap/name"),
+    ({"dashboards": {"configMaps": {"namespace": "monitoring\n  labels: {injected: x}"}}},
+     "/dashboards/configMaps/namespace"),
+    ({"dashboards": {"configMaps": {"label": "grafana_dashboard: \"1\"\n    injected"}}}, "/dashboards/configMaps/label"),
+    ({"dashboards": {"configMaps": {"labelValue": "1\nx"}}}, "/dashboards/configMaps/labelValue"),
+    ({"pods": {"labels": {"app\nx": "vllm"}}}, "/pods/labels"),
+    ({"monitor": {"labels": {"release": "a b"}}}, "/monitor/labels"),
+    ({"image": {"tag": "v1\nx"}}, "/image/tag"),
+    # A link base must name a host the on-call reader reaches, never a label template.
+    ({"links": {"runbookBaseUrl": "http://{{ $labels.instance }}/runbooks"}}, "/links/runbookBaseUrl"),
+    ({"links": {"runbookBaseUrl": "http:///runbooks"}}, "/links/runbookBaseUrl"),
 ])
 def test_schema_refuses_values_the_templates_cannot_use(bad, where):
     with pytest.raises(helm.HelmValuesError) as caught:

@@ -38,3 +38,20 @@ def test_every_vllm_family_read_is_listed_with_its_releases_and_what_happens_whe
         assert all(vllm.VERSIONS[family] in row for row in rows), family
     gated = [line for line in section.splitlines() if line.startswith("| `vllm:kv_block_reuse_gap_seconds`")]
     assert "--kv-cache-metrics" in gated[0] and "dark_signals" in gated[0]
+
+
+def test_each_signal_helps_in_one_line_and_the_doc_keeps_the_rest():
+    """The exported # HELP and a panel's description are one short line;
+    where more needs saying it is the signal's doc, which docs/metrics.md shows."""
+    from kvwatch.signals import STREAM_SIGNALS, TIER_SIGNALS
+
+    text = render()
+    for signal in (*SIGNALS, *TIER_SIGNALS, *STREAM_SIGNALS):
+        assert "\n" not in signal.help and len(signal.help) <= HELP_MAX_CHARS, (signal.name, len(signal.help))
+        if signal.doc:
+            assert signal.doc.replace("|", "/") in text, signal.name
+            assert len(signal.doc) > len(signal.help), signal.name
+
+
+# What fits one line of a dashboard panel's description.
+HELP_MAX_CHARS = 120

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from kvwatch.mixin.alerts import alert_specs
-from kvwatch.mixin.config import ALERT_CAUSES, MixinConfig, config_from_mapping
+from kvwatch.mixin.config import ALERT_CAUSES, MixinConfig, MixinConfigError, config_from_mapping
 from kvwatch.commands.generate import GRAFANA_NOTIFICATIONS_FILE, GRAFANA_RULES_FILE, RULES_FILE, render_all
 from kvwatch.mixin.grafana_alerts import GRAFANA_VALUE
 from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
@@ -72,8 +72,8 @@ def twin_problems(rules_text: str, provisioning: dict, config: MixinConfig | Non
         if rule["labels"] != alert["labels"]:
             problems.append(f"{key}: labels {rule['labels']} != {alert['labels']}")
         normalised = {k: v.replace(GRAFANA_VALUE, "$value") for k, v in rule["annotations"].items()}
-        # cause_alerts queries Prometheus' ALERTS from a Prometheus template: a Prometheus rule's alone.
-        if normalised != {k: v for k, v in alert["annotations"].items() if k != "cause_alerts"}:
+        # cause_alerts and burning_replicas query Prometheus from a Prometheus template: a Prometheus rule's alone.
+        if normalised != {k: v for k, v in alert["annotations"].items() if k not in PROMETHEUS_ONLY}:
             problems.append(f"{key}: annotations differ")
     return problems
 
@@ -149,23 +149,59 @@ LINKS = {"runbook_url_pattern": "https://git.example.org/ops/kvwatch/blob/main/a
          "dashboard_url_pattern": "https://grafana.example.org/d/{uid}?var-model={model_name}&viewPanel={panel_id}"}
 
 
-def test_every_alert_links_its_runbook_by_default_on_the_kvwatch_that_raised_it():
-    # A page at 3am carries a link that works: kvwatch serves the runbooks
-    # itself (GET /runbooks), so the default points at the alert's instance.
-    files = render_all(MixinConfig())
-    for rule in grafana_rules(json.loads(files[GRAFANA_RULES_FILE])) + prometheus_alerts(files[RULES_FILE]):
-        url = rule["annotations"]["runbook_url"]
-        assert url.startswith("http://{{ $labels.instance }}/runbooks#"), (rule.get("uid", rule.get("alert")), url)
-        assert "dashboard_url" not in rule["annotations"]
-    assert "example.com" not in files[RULES_FILE] + files[GRAFANA_RULES_FILE]
-    for name, text in files.items():
-        if name.startswith("dashboards/"):
-            assert '"title": "Runbook"' not in text, name
-    # A published copy replaces the default: a base URL, or a pattern.
+PROMETHEUS_ONLY = ("cause_alerts", "burning_replicas")
+
+
+def _rendered_without_labels(url: str) -> str:
+    """A link as Prometheus or Grafana renders it for an alert without the labels it names
+    (KvwatchDown{cause="kvwatch_absent"} has no instance): every label template empty."""
+    return re.sub(r"\{\{[^}]*\}\}", "", url)
+
+
+@pytest.mark.parametrize("links", [{}, {"runbook_base_url": "https://kvwatch.example.org/runbooks/"},
+                                   {"runbook_url_pattern": "https://git.example.org/rb.md#{anchor}"}])
+def test_every_runbook_link_has_a_host_even_for_an_alert_without_labels(links):
+    # A page at 3am carries a link the on-call laptop opens: a literal host, never
+    # a pod's address from $labels.instance (http:///runbooks on an alert without it).
+    files = render_all(config_from_mapping(links))
+    rules = grafana_rules(json.loads(files[GRAFANA_RULES_FILE])) + prometheus_alerts(files[RULES_FILE])
+    panel_links = [link["url"] for name, text in files.items() if name.startswith("dashboards/")
+                   for panel in iter_panels(json.loads(text)) for link in panel.get("links", [])]
+    assert len(rules) >= 30 and len(panel_links) > 30
+    for url in [rule["annotations"]["runbook_url"] for rule in rules] + panel_links:
+        rendered = urlsplit(_rendered_without_labels(url))
+        assert rendered.scheme == "https" and rendered.hostname and "." in rendered.hostname, url
+        assert rendered.fragment, url
+    assert "dashboard_url" not in files[RULES_FILE]  # no Grafana named, no link to guess
+
+
+def test_runbook_base_defaults_to_the_published_runbooks_and_follows_the_config():
+    from kvwatch.mixin.config import PUBLISHED_RUNBOOKS_URL
+
+    urls = {r["annotations"]["runbook_url"] for r in prometheus_alerts(render_all(MixinConfig())[RULES_FILE])}
+    assert PUBLISHED_RUNBOOKS_URL + "#vllmtimetofirsttokenbudgetburn" in urls
+    assert all(url.startswith(PUBLISHED_RUNBOOKS_URL + "#") for url in urls)
     published = render_all(config_from_mapping({"runbook_base_url": "https://kvwatch.example.org/runbooks/"}))
     urls = {r["annotations"]["runbook_url"] for r in prometheus_alerts(published[RULES_FILE])}
     assert "https://kvwatch.example.org/runbooks#vllmtimetofirsttokenbudgetburn" in urls
     assert all(url.startswith("https://kvwatch.example.org/runbooks#") for url in urls)
+
+
+@pytest.mark.parametrize("base", ["http://{{ $labels.instance }}/runbooks", "http:///runbooks", "runbooks.md",
+                                  "https://wiki.example.org/rb#top", "https://wiki.example.org/a b"])
+def test_a_runbook_base_without_a_host_of_its_own_is_refused_in_one_sentence(base):
+    with pytest.raises(MixinConfigError) as error:
+        config_from_mapping({"runbook_base_url": base})
+    assert error.value.problems == [f"config: runbook_base_url: {base!r} must be an http(s) URL with a host of its "
+                                    "own (no {{ template }}, no #fragment, no quotes or spaces)"]
+
+
+def test_grafana_base_gives_every_prometheus_alert_its_panel_link():
+    files = render_all(config_from_mapping({"dashboard_base_url": "https://grafana.example.org/"}))
+    for rule in prometheus_alerts(files[RULES_FILE]):
+        url = urlsplit(_rendered_without_labels(rule["annotations"]["dashboard_url"]))
+        assert url.hostname == "grafana.example.org" and url.path.startswith("/d/kvwatch"), rule["alert"]
+        assert parse_qs(url.query)["viewPanel"][0].isdigit()
 
 
 def test_every_rule_has_a_no_data_decision_with_a_reason():
@@ -207,8 +243,8 @@ def test_notification_example_routes_every_cause_by_severity_and_cause():
     contact_points = {cp["name"] for cp in example["contactPoints"]}
     policy = example["policies"][0]
     assert policy["receiver"] in contact_points
-    # One notification per engine and model: a page with the cause alerts beside it.
-    assert {"model_name", "engine"} <= set(policy["group_by"])
+    # One notification per model (a page's labels): the page with every replica's cause alerts beside it.
+    assert policy["group_by"] == ["namespace", "job", "model_name"]
     keys = set()
     for route in policy["routes"]:
         assert route["receiver"] in contact_points

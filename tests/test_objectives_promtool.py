@@ -24,6 +24,7 @@ PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (make system-deps)")
 
 ENGINE = {"namespace": "llm", "job": "kvwatch", "instance": "10.0.0.1:9400", "model_name": "m", "engine": "0"}
+MODEL = {"namespace": "llm", "job": "kvwatch", "model_name": "m"}  # what a page is about: every replica
 HEALTHY = 420  # minutes of healthy history before anything happens
 END = 500
 PER_MINUTE = 10
@@ -40,18 +41,18 @@ def cumulative(per_minute) -> str:
     return " ".join(values)
 
 
-def sel(name: str, **extra) -> str:
-    labels = {**ENGINE, **extra}
+def sel(name: str, engine: dict | None = None, **extra) -> str:
+    labels = {**(engine or ENGINE), **extra}
     return name + "{" + ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
 
 
-def ttft_series(slow_share) -> list[dict]:
-    """slow_share(m): the share of minute m's requests later than the objective's bound."""
+def ttft_series(slow_share, engine: dict | None = None, per_minute=lambda m: PER_MINUTE) -> list[dict]:
+    """slow_share(m): the share of minute m's requests later than the objective's bound; per_minute(m): how many."""
     return [
-        {"series": sel("kvwatch_engine_time_to_first_token_seconds_bucket", le="2.5"),
-         "values": cumulative(lambda m: PER_MINUTE * (1 - slow_share(m)))},
-        {"series": sel("kvwatch_engine_time_to_first_token_seconds_count"),
-         "values": cumulative(lambda m: PER_MINUTE)},
+        {"series": sel("kvwatch_engine_time_to_first_token_seconds_bucket", engine, le="2.5"),
+         "values": cumulative(lambda m: per_minute(m) * (1 - slow_share(m)))},
+        {"series": sel("kvwatch_engine_time_to_first_token_seconds_count", engine),
+         "values": cumulative(per_minute)},
     ]
 
 
@@ -70,7 +71,7 @@ def after(start: int, share: float, until: int = END + 1):
 
 def firing(objective: str, *pairs: tuple[str, str, str]) -> list[dict]:
     alert, symptom, _ = objectives.OBJECTIVE_ALERTS[objective]
-    return [{"exp_labels": {**ENGINE, "severity": severity, "objective": objective, "long_window": long,
+    return [{"exp_labels": {**MODEL, "severity": severity, "objective": objective, "long_window": long,
                             "short_window": short, "symptom": symptom}} for long, short, severity in pairs]
 
 
@@ -122,6 +123,56 @@ def cases() -> list[dict]:
                               "value": 0}]}],
          "alert_rule_test": checks(f"{HEALTHY}m", {})},
     ]
+
+
+REPLICAS = [{**ENGINE, "instance": f"10.0.0.{i}:9400"} for i in range(1, 9)]
+
+
+def one_incident_on_eight_replicas() -> dict:
+    """Eight replicas of one model, each serving 20 requests an hour (160 together: over the guard, which
+    counts the model), all late from minute 421: one page for the model, not eight."""
+    series = [s for engine in REPLICAS
+              for s in ttft_series(after(HEALTHY + 1, 1.0), engine, per_minute=lambda m: 1 / 3)]
+    series += [s for engine in REPLICAS for s in finished_series_of(engine)]
+    return {"name": "one incident on 8 replicas: one page for the model",
+            "interval": "1m", "input_series": series,
+            "alert_rule_test": checks(f"{HEALTHY + 12}m",
+                                      {OBJECTIVE_NAMES["first_token"]: firing("first_token", PAGE_1H)})}
+
+
+def finished_series_of(engine: dict) -> list[dict]:
+    return [{"series": sel("kvwatch_engine_requests_finished_total", engine, finished_reason="stop"),
+             "values": cumulative(lambda m: 1 / 3)}]
+
+
+def a_handful_with_two_slow() -> dict:
+    """A one-replica model serving a request every ten minutes (6 an hour), two of them late: a third of
+    its hour is late, far over 14.4%, yet six requests are no budget burning."""
+    every_ten = lambda m: 1.0 if m % 10 == 0 else 0.0  # noqa: E731
+    slow = lambda m: 1.0 if m in (HEALTHY + 10, HEALTHY + 20) else 0.0  # noqa: E731
+    record = objectives.model_record_name(MixinConfig(), "first_token", "1h")
+    return {"name": "a replica serving a handful of requests, two slow, pages nothing",
+            "interval": "1m", "input_series": ttft_series(slow, per_minute=every_ten) + finished_series({}),
+            # The ratio does burn (the case would page without the guard) ...
+            "promql_expr_test": [{"expr": f"count({record} > 0.144)", "eval_time": f"{HEALTHY + 24}m",
+                                  "exp_samples": [{"labels": "{}", "value": 1}]}],
+            # ... and nothing pages, before, while, or after the late ones.
+            "alert_rule_test": [c for t in range(HEALTHY + 5, HEALTHY + 60, 3) for c in checks(f"{t}m", {})]}
+
+
+@needs_promtool
+def test_one_incident_on_eight_replicas_is_one_page_and_a_handful_of_requests_none(tmp_path):
+    result = run(tmp_path, render_all(MixinConfig())[RULES_FILE], [one_incident_on_eight_replicas(),
+                                                                    a_handful_with_two_slow()])
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+
+
+@needs_promtool
+def test_the_guard_is_the_configured_minimum(tmp_path):
+    # With the guard at 5 requests, the same handful pages: the guard, not the data, kept it quiet.
+    result = run(tmp_path, render_all(config_from_mapping({"objective_min_requests": 5}))[RULES_FILE],
+                 [a_handful_with_two_slow()])
+    assert result.returncode != 0 and OBJECTIVE_NAMES["first_token"] in result.stdout + result.stderr
 
 
 def objective_rules(rules_text: str) -> str:

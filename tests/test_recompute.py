@@ -48,8 +48,8 @@ def test_vllm_estimates_it_from_preemptions_and_the_mean_prompt(fixtures_dir):
     assert row.values[SIGNAL] == pytest.approx(4800 / 14800)
     html = render_status_page(monitor.state, monitor.settings)
     assert "Prefill recomputed after preemption" in html
-    # The help says it is an estimate on vLLM, and how.
-    help_text = SIGNALS_BY_NAME[SIGNAL].help
+    # Its documentation (docs/metrics.md) says it is an estimate on vLLM, and how.
+    help_text = SIGNALS_BY_NAME[SIGNAL].doc
     assert "ESTIMATE" in help_text and "mean prompt length" in help_text and "upper bound" in help_text
 
 

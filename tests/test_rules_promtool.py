@@ -137,7 +137,7 @@ def test_promtool_unit_tests_of_the_eta_recording_rules(tmp_path):
 
 
 def test_eta_cases_are_the_sidecars_signal_on_the_same_samples():
-    # One number, one definition: the sidecar's ETA (kvwatch/signals.py),
+    # One number, one definition: the sidecar's ETA (kvwatch/signals/evaluation.py),
     # fed each case's samples up to its evaluation time (one a minute, as
     # promtool's), gives the value the recorded series must hold, or none.
     from kvwatch.signals.evaluation import _eta
@@ -209,7 +209,7 @@ def test_no_reuse_alert_is_off_by_default():
 
 def test_cases_cover_every_alert_and_cause_and_check_every_alert():
     # Every rule, preempting and waiting-only exhaustion apart (their severities differ).
-    covered = {(e[0], e[1], e[3] if len(e) > 3 else cases.SEVERITY[e[1]])
+    covered = {(e[0], e[1], cases.expected_severity(*e[1::2]))
                for case in cases.default_cases() + cases.upstream_cases() + cases.no_reuse_cases()
                + cases.fleet_cases() for e in case.expect}
     # (The objectives' burn-rate alerts have their own cases: tests/test_objectives_promtool.py.)
@@ -230,7 +230,8 @@ def test_case_labels_match_the_config():
     config = MixinConfig()
     for spec in alert_specs(config):
         if spec.kind == "cause":
-            assert (cases.PREEMPTING if spec.variant == "preempting" else cases.SEVERITY[spec.cause]) == spec.severity
+            assert cases.expected_severity(spec.cause, cases.PREEMPTING if spec.variant == "preempting" else None) \
+                == spec.severity
     # Every alert names its cause, or (a page) its objective.
     assert all(rule["labels"].get("cause") or rule["labels"].get("objective") for rule in load_rules() if "alert" in rule)
 
@@ -265,9 +266,13 @@ def test_alert_severities_are_the_diagnosis_severities_and_only_objectives_page(
     for spec in specs:
         if spec.symptom and spec.cause in SEVERITY:
             assert spec.severity == severity_of(spec.cause), spec.uid
-    # The alerts the diagnosis has no finding for: a forecast, and kvwatch's own health.
-    assert {s.cause for s in specs if s.cause not in SEVERITY and s.kind == "cause"} <= {
-        "usage_rising", "kvwatch_unreachable", "kvwatch_absent", "engine_unreachable", "stats_disabled"}
+    # The alerts the diagnosis has no finding for (a forecast, kvwatch's own health) are the
+    # causes whose records say so, with their records' severities.
+    from kvwatch.diagnose.causes import CAUSE, CAUSE_LIST
+
+    alert_only = {s.cause for s in specs if s.cause not in SEVERITY and s.kind == "cause"}
+    assert alert_only == {c.name for c in CAUSE_LIST if c.alert and not c.diagnosed}
+    assert all(s.severity == CAUSE[s.cause].severity for s in specs if s.cause in alert_only)
     critical = {(s.alert, s.kind) for s in specs if s.severity == "critical"}
     # Besides the objectives, two pages: an engine kvwatch cannot read, and one that holds requests and
     # produces nothing (stuck requests never get a first token, so no TTFT histogram sees them burn).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import socket
 import threading
 import time
@@ -385,3 +386,27 @@ def test_a_refresh_past_max_replicas_never_holds_the_replicas_it_leaves_out(list
     # answer; 21 times it when every series was decoded and every replica
     # read into pages before max_replicas applied, several answers at once.
     assert peak < 3 * largest, (peak, largest)
+
+
+def test_a_stores_long_label_values_are_exported_as_a_start_and_a_digest(history_text):  # noqa: F811
+    """A replica whose instance label and model name are 2 KB each in the
+    store: its exported labels, its name in the API and its series are
+    bounded by the one rule for label values (kvwatch.labels); the store is
+    still asked by the values it holds, so the replica keeps its data."""
+    from kvwatch.labels import LABEL_VALUE_MAX_BYTES, bounded_label
+    from test_central import central_at
+
+    instance, model = "h" * 2_000 + ":8000", "m" * 2_000
+    text = history_text.replace("10.0.1.1:8000", instance).replace('"imbalanced"', f'"{model}"')
+    central, _client, _now = central_at(text, START + 300)
+    state = central.refresh_once()
+    name = bounded_label(f"vllm/{instance}")
+    assert len(state.replicas) == 8 and name in state.replicas
+    assert state.replicas[name].labels == {"job": "vllm", "instance": bounded_label(instance)}
+    with TestClient(create_central_app(central, settings())) as http:
+        exposition = http.get("/metrics").text
+        body = http.get("/api/v1/diagnosis").text
+    assert model not in body and instance not in body
+    long_values = [v for v in re.findall(r'="((?:[^"\\]|\\.)*)"', exposition) if len(v.encode()) > LABEL_VALUE_MAX_BYTES]
+    assert long_values == []
+    assert f'instance="{bounded_label(instance)}"' in exposition and f'model_name="{bounded_label(model)}"' in exposition

@@ -266,7 +266,7 @@ def test_counts_of_tokens_blocks_and_requests_are_whole_numbers_with_the_roundin
             assert item is None or float(item).is_integer(), (signal.name, item)
     for name in ("kvwatch_kv_cache_free_tokens", "kvwatch_kv_cache_capacity_requests"):
         signal = next(s for s in SIGNALS if s.name == name)
-        assert "round" in signal.help and "floor(" in signal.promql, name
+        assert "round" in signal.doc and "floor(" in signal.promql, name
 
 
 def test_unchanged_inputs_give_the_values_again_without_deriving_them(fixtures_dir, monkeypatch):

@@ -31,7 +31,7 @@ class ReplaySource:
         # The engine's recorded KV-cache event messages, fed to `feed` (the
         # monitor's KVEventSource.feed) up to each page's answer, as they
         # arrived live before it.
-        self._events = list(events or ())
+        self._events = _in_time_order(list(events or ()))
         self._event_index = 0
         self.feed: Callable[..., Any] | None = None
 
@@ -68,6 +68,19 @@ class ReplaySource:
                 self.feed(seq, payload, at)
             index += 1
         self._event_index = index
+
+
+def _in_time_order(events: list[tuple[float, int, bytes]]) -> list[tuple[float, int, bytes]]:
+    """The records in their recorded order, each fed no later than any after
+    it: a record stamped later than the next one (a bad stamp, a clock stepped
+    back) takes the next one's time, so it cannot hold back what follows."""
+    out = []
+    due = float("inf")
+    for at, seq, payload in reversed(events):
+        due = min(due, at)
+        out.append((due, seq, payload))
+    out.reverse()
+    return out
 
 
 def with_events(source: ReplaySource, monitor) -> Any:

@@ -21,9 +21,7 @@ kvwatch.central.refresh.Central publishes after each refresh.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import html
-import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -37,8 +35,9 @@ from prometheus_client.samples import Sample
 from kvwatch import __version__
 from kvwatch.diagnose.vocabulary import SEVERITIES
 from kvwatch.signals import CENTRAL_HEALTH
-from kvwatch.sidecar.app import GZIP_LEVEL, HotPaths, TokenFile, readiness
+from kvwatch.sidecar.app import HotPaths, TokenFile, encodings, readiness, route_paths
 from kvwatch.sidecar.collector import KvwatchCollector, Renderer
+from kvwatch.sidecar.renders import GZIP_LEVEL, GZIP_MIN_BYTES, Exposition, RefusedRenders, json_route, page_route
 from kvwatch.present import clean
 from kvwatch.sidecar.report import diagnosis_json, finding_json, signals_json
 from kvwatch.sidecar.series import series_json
@@ -198,37 +197,18 @@ def create_central_app(central, settings) -> FastAPI:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CentralCollector(central))
     ProcessCollector(registry=registry)
-    app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None)
+    refused = RefusedRenders()
+    registry.register(refused)
+    # Rendered once per refresh, whatever scrapes it (as the sidecar does
+    # per poll), in a worker thread, within the render bound.
+    exposition = Exposition(Renderer(registry), lambda: central.state, refused)
+    app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None, redirect_slashes=False)
     token = TokenFile(settings.auth_token_file) if settings.auth_token_file else None
-    exposition = _Exposition(central, Renderer(registry))
-    _add_pages(app, central, settings, exposition)
-    _add_api(app, central, settings)
-    app.add_middleware(GZipMiddleware, minimum_size=2048, compresslevel=GZIP_LEVEL)
-    app.add_middleware(HotPaths, monitor=central, exposition=exposition, token=token)
+    _add_pages(app, central, settings, exposition, refused)
+    _add_api(app, central, settings, refused)
+    app.add_middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES, compresslevel=GZIP_LEVEL)
+    app.add_middleware(HotPaths, monitor=central, exposition=exposition, token=token, paths=route_paths(app))
     return app
-
-
-class _Exposition:
-    """The /metrics body, rendered once per refresh whatever scrapes it (as the
-    sidecar does per poll), and gzipped once when asked for."""
-
-    def __init__(self, central, renderer: Renderer):
-        self.central = central
-        self.renderer = renderer
-        self.rendered = {"state": None, "body": b"", "gzip": None}
-        self.lock = threading.Lock()
-
-    def __call__(self, gzipped: bool = False) -> bytes:
-        state = self.central.state
-        rendered = self.rendered
-        with self.lock:
-            if rendered["state"] is not state:
-                rendered.update(state=state, body=self.renderer.render(), gzip=None)
-            if not gzipped:
-                return rendered["body"]
-            if rendered["gzip"] is None:
-                rendered["gzip"] = gzip.compress(rendered["body"], compresslevel=GZIP_LEVEL, mtime=0)
-            return rendered["gzip"]
 
 
 def _replica_view(central, request: Request):
@@ -244,7 +224,7 @@ def _replica_view(central, request: Request):
     return view, None
 
 
-def _add_pages(app: FastAPI, central, settings, exposition: _Exposition) -> None:
+def _add_pages(app: FastAPI, central, settings, exposition: Exposition, refused: RefusedRenders) -> None:
     """The status page (every replica, or one), /metrics and the probes."""
     @app.get("/", response_class=HTMLResponse)
     def index(request: Request) -> Response:
@@ -253,13 +233,14 @@ def _add_pages(app: FastAPI, central, settings, exposition: _Exposition) -> None
             return HTMLResponse(f"<!doctype html><p>No replica {html.escape(request.query_params['replica'])} "
                                 f'in the store. <a href="./">Every replica</a></p>', status_code=404)
         if view is None:
-            return HTMLResponse(index_page(central.state, central))
-        return HTMLResponse(render_status_page(view.state, replica_settings(settings, view.name),
-                                               nav='<p><a href="./">\u2190 every replica</a></p>'))
+            return page_route(lambda: index_page(central.state, central), refused, encodings(request))
+        return page_route(lambda: render_status_page(view.state, replica_settings(settings, view.name),
+                                                     nav='<p><a href="./">\u2190 every replica</a></p>'),
+                          refused, encodings(request))
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(exposition(False), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition.serve(False), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     def healthz() -> PlainTextResponse:
@@ -271,7 +252,7 @@ def _add_pages(app: FastAPI, central, settings, exposition: _Exposition) -> None
         return PlainTextResponse(text, status_code=status)
 
 
-def _add_api(app: FastAPI, central, settings) -> None:
+def _add_api(app: FastAPI, central, settings, refused: RefusedRenders) -> None:
     """The JSON API: diagnosis and signals of every replica or one, series of one."""
     @app.get("/api/v1/diagnosis")
     def diagnosis(request: Request) -> JSONResponse:
@@ -280,9 +261,11 @@ def _add_api(app: FastAPI, central, settings) -> None:
             return missing
         state = central.state
         if view is None:
-            return JSONResponse(diagnosis_all(state, central, settings))
-        return JSONResponse({"replica": view.name, "labels": view.labels,
-                             **diagnosis_json(view.state, replica_settings(settings, view.name))})
+            return json_route(lambda: diagnosis_all(state, central, settings), "/api/v1/diagnosis", refused,
+                              encodings(request))
+        return json_route(lambda: {"replica": view.name, "labels": view.labels,
+                                   **diagnosis_json(view.state, replica_settings(settings, view.name))},
+                          "/api/v1/diagnosis", refused, encodings(request))
 
     @app.get("/api/v1/signals")
     def signals(request: Request) -> JSONResponse:
@@ -291,11 +274,12 @@ def _add_api(app: FastAPI, central, settings) -> None:
             return missing
         state = central.state
         if view is None:
-            return JSONResponse(clean({**central_status(state, central), "replicas": [
+            return json_route(lambda: clean({**central_status(state, central), "replicas": [
                 {"replica": name, "labels": v.labels, **signals_json(v.state, replica_settings(settings, name))}
-                for name, v in state.replicas.items()]}))
-        return JSONResponse({"replica": view.name, "labels": view.labels,
-                             **signals_json(view.state, replica_settings(settings, view.name))})
+                for name, v in state.replicas.items()]}), "/api/v1/signals", refused, encodings(request))
+        return json_route(lambda: {"replica": view.name, "labels": view.labels,
+                                   **signals_json(view.state, replica_settings(settings, view.name))},
+                          "/api/v1/signals", refused, encodings(request))
 
     @app.get("/api/v1/series")
     def series(request: Request) -> JSONResponse:
@@ -305,4 +289,5 @@ def _add_api(app: FastAPI, central, settings) -> None:
         if view is None:
             return JSONResponse({"error": "central mode serves series per replica: add ?replica=NAME",
                                  "replicas": sorted(central.state.replicas)}, status_code=400)
-        return JSONResponse(series_json(view.state, replica_settings(settings, view.name)))
+        return json_route(lambda: series_json(view.state, replica_settings(settings, view.name)), "/api/v1/series",
+                          refused, encodings(request))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvwatch.capacity import arithmetic as cap
 from kvwatch.capacity import hardware, live
 from kvwatch.capacity.arithmetic import CapacityInputError
 from kvwatch.capacity.model_config import load_model_config
+from kvwatch.present import printable
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
 
@@ -199,18 +201,63 @@ def _stream_report(url: str) -> dict[str, Any]:
         raise CapacityInputError(f"cannot fetch {api}: {result.detail or result.reason}")
     try:
         diagnosis = json.loads(result.text or "")
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: brackets nested thousands deep
         raise CapacityInputError(f"{api} did not answer with kvwatch's JSON") from None
     stream = diagnosis.get("kv_events") if isinstance(diagnosis, dict) else None
     if not isinstance(stream, dict):
         raise CapacityInputError(f"the kvwatch at {base} does not read KV-cache events (start it with --kv-events)")
     if not stream.get("up"):
-        raise CapacityInputError(f"the kvwatch at {base} has no KV-cache events yet: {stream.get('detail')}")
+        raise CapacityInputError(f"the kvwatch at {base} has no KV-cache events yet: {printable(stream.get('detail'))}")
     sizing = stream.get("sizing") or {}
     window = stream.get("window") or {}
+    wrong = _stream_shape_problem(stream, window, sizing)
+    if wrong:
+        raise CapacityInputError(f"{api} is not kvwatch's diagnosis: its kv_events {wrong}")
     return {"mode": "kv-events", "kvwatch": base, "window": window, "sizing": sizing,
             "block_size": stream.get("block_size"), "sampling_rate": (stream.get("table") or {}).get("sampling_rate"),
             "page_engine": stream.get("page_engine")}
+
+
+_STREAM_NUMBERS = {"window": ("seconds", "stored", "stored_again", "stored_again_ratio"),
+                   "sizing": ("hit_ratio_now", "cache_blocks")}
+_POINT_NUMBERS = ("extra_cache", "extra_blocks", "extra_bytes", "blocks_kept", "recomputation_avoided_ratio",
+                  "hit_ratio")
+
+
+def _stream_shape_problem(stream: dict, window: Any, sizing: Any) -> str | None:
+    """What in a kvwatch's kv_events answer is not of the shape printed
+    (a number where one is printed, finite; lists and objects where they
+    are read), or None."""
+    parts = {"window": window, "sizing": sizing, "page_engine": stream.get("page_engine") or {},
+             "table": stream.get("table") or {}}
+    for name, part in parts.items():
+        if not isinstance(part, dict):
+            return f"{name} is not an object"
+    for name, keys in _STREAM_NUMBERS.items():
+        for key in keys:
+            if not _number_or_none(parts[name].get(key)):
+                return f"{name}.{key} is not a finite number"
+    if not _number_or_none(parts["table"].get("sampling_rate")) or not isinstance(sizing.get("note") or "", str):
+        return "table.sampling_rate or sizing.note is not of its type"
+    points = sizing.get("points") or []
+    if not isinstance(points, list) or not all(isinstance(point, dict) for point in points):
+        return "sizing.points is not a list of objects"
+    for point in points:
+        if not all(_number_or_none(point.get(key)) for key in _POINT_NUMBERS) or point.get("extra_cache") is None \
+                or point.get("extra_blocks") is None or point.get("blocks_kept") is None:
+            return "sizing.points holds a point whose figures are not finite numbers"
+    return None
+
+
+def _number_or_none(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer of hundreds of digits
+        return False
 
 
 def _stream_lines(report: dict[str, Any]) -> list[str]:
@@ -316,12 +363,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = build_report(args)
     except CapacityInputError as error:
-        print(f"kvwatch capacity: error: {error}", file=sys.stderr)
+        print(printable(f"kvwatch capacity: error: {error}"), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
-        print(render_table(report))
+        # Labels and notes come from the engine or a kvwatch: printed as text, never as escapes.
+        print(printable(render_table(report), keep_lines=True))
     return 0
 
 

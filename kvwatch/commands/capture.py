@@ -20,7 +20,7 @@ from typing import TextIO
 from kvwatch.capture.bundle import CaptureError, CaptureWriter, Entry, is_bundle
 from kvwatch.capture.record import manifest_for, record
 from kvwatch.commands import failfast
-from kvwatch.present import public_host
+from kvwatch.present import TerminalText, public_host
 from kvwatch.scrape import Fetcher, failure_sentence
 from kvwatch.settings import SettingsError, flag_help, flag_name, load_settings
 from kvwatch.units import parse_duration
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             return _fail([stream.listen_error])
         writer.update(kv_events=settings.kv_events)
 
-    out = sys.stderr
+    out = TerminalText(sys.stderr)  # the engine's target and failure sentences: escapes written out
     tty = out.isatty()
     limit = f"for {duration:g}s" + (f" or {args.count} fetches, whichever comes first" if args.count else "")
     print(f"kvwatch capture: {writer.manifest['target']} every {interval:g}s {limit} into {args.out}"

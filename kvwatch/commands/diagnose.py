@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import logging
 import sys
 import textwrap
@@ -36,7 +35,7 @@ from kvwatch.sidecar.report import caveat_lines, diagnosis_json, signals_json
 from kvwatch.settings import SettingsError, flag_help, load_settings, parse_duration
 from kvwatch.commands import failfast
 from kvwatch.signals import SIGNALS
-from kvwatch.present import format_evidence, format_value, signal_columns, signal_label
+from kvwatch.present import TerminalText, format_evidence, format_value, signal_columns, signal_label
 
 EXIT_OK, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
@@ -221,26 +220,6 @@ def _table(rows: list[list[str]], out: TextIO, indent: str = "") -> None:
         print(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
 
 
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-class TerminalText:
-    """A text stream for people's terminals: control characters other than
-    newline and tab (an escape sequence in a store's label, an engine's model
-    name, a capture's target) written as escapes, never sent raw (they could
-    clear the screen, retitle it or hide lines). JSON output is escaped by
-    json.dumps already."""
-
-    def __init__(self, out: TextIO):
-        self.out = out
-
-    def write(self, text: str) -> int:
-        return self.out.write(_CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text))
-
-    def flush(self) -> None:
-        self.out.flush()
-
-
 def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any], polls: int, final) -> None:
     failed = sum(final.errors_by_reason.values())
     print(f"kvwatch diagnose: {signals['target']} ({signals['engine']}), {polls} polls ({failed} failed), window "
@@ -325,6 +304,8 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
                   f"eviction {format_value(window.get('stored_again_ratio'), 'ratio')} of those stored (median "
                   f"{format_value(window.get('return_seconds_median'), 'seconds')} after it); "
                   f"{intake.get('missed', 0)} messages missed, {intake.get('dropped', 0)} dropped", file=out)
+            if stream.get("labels_note"):
+                print(f"  {stream['labels_note']}", file=out)
             for point in (stream.get("sizing") or {}).get("points") or []:
                 said = (f"hit ratio {format_value(point['hit_ratio'], 'ratio')}" if point.get("hit_ratio") is not None
                         else f"{format_value(point.get('recomputation_avoided_ratio'), 'ratio')} of the recomputation "

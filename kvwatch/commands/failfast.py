@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import TextIO
 
+from kvwatch.present import TerminalText
+
 DEFAULT_MAX_FAILURES = 3
 
 
@@ -33,7 +35,8 @@ class FailureReport:
     sentence once per new reason), a recovery, and whether to give up."""
 
     def __init__(self, out: TextIO, prefix: str, limit: int | None):
-        self.out = out
+        # A failure's sentence may quote what the engine sent: escapes written out.
+        self.out = TerminalText(out)
         self.prefix = prefix
         self.limit = limit
         self.in_a_row = 0

@@ -90,7 +90,8 @@ def _manifests(config: MixinConfig, files: dict[str, str], dashboards: dict[str,
     from kvwatch.mixin import helm
     from kvwatch.mixin.config import deploy_settings
 
-    out.update(helm.render_chart(deploy_settings(config), files[PROMETHEUS_RULE_FILE], dashboards))
+    out.update(helm.render_chart(deploy_settings(config), files[PROMETHEUS_RULE_FILE], dashboards,
+                                 config.runbook_base_url))
     return out
 
 

@@ -19,7 +19,8 @@ from kvwatch.units import parse_duration, parse_number, parse_port, parse_whole_
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="demo",
-                        help="shipped scenario name or path to a YAML file (default: demo)")
+                        help="shipped scenario name, or a YAML file of your own by a path with a slash or a "
+                             ".yaml ending (./demo, my.yaml); default: demo")
     parser.add_argument("--list-scenarios", action="store_true", help="list the shipped scenarios and exit")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", default="8000", help="port to serve on; 0 picks a free one (default: 8000)")

@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 
 from kvwatch.capacity import arithmetic as cap
+from kvwatch.present import printable
 from kvwatch.sweep.config import SweepInputError, build_config
 
 # Needed to measure, not to compare: checked in run() so --compare can go without them.
@@ -132,7 +133,7 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"kvwatch sweep: error: --compare: the plots could not be drawn ({str(error)[:120]})",
               file=sys.stderr)
         return 2
-    print(markdown, end="")
+    print(printable(markdown, keep_lines=True), end="")  # the compared folders' text: escapes written out
     print(f"kvwatch sweep: wrote {', '.join(written)} in {out_dir}", file=sys.stderr)
     refused = len(result["cells"]["refused"])
     if refused:

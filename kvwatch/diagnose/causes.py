@@ -16,8 +16,9 @@ and the CLI (titles, actions, deciding evidence), the mixin (severities,
     Adding a cause: its Cause record below, its rule (a diagnose/ module
     returning ctx.finding(symptom, cause, ...)), its runbooks/<cause>.md; tests.
     Routing it to an alert: `alert=` and `owner=` in its record, and
-    `routed_by_finding=True` (the alert fires on kvwatch_finding), or a PromQL
-    twin in kvwatch/mixin/alerts.py (Prometheus decides it alone).
+    `routed_by_finding=True` (the alert fires on kvwatch_finding), or its
+    CauseAlert record in kvwatch/mixin/alert_records.py (a PromQL twin:
+    Prometheus decides it alone). The alert's advice is `next_check`.
     Adding an alert: its Alert record below and runbooks/<Alert>.md; the
     causes it reports name it in their records; a test.
 
@@ -71,8 +72,8 @@ class Cause:
     preempting_alert_severity: str | None = None
     # The page's words for it (None: the page shows the name).
     title: str | None = None
-    # A finding's full advice (its card), and one short instruction for
-    # places with room for a sentence (the banner).
+    # A finding's full advice (its card and its alert's description), and one
+    # short instruction for places with room for a sentence (the banner).
     next_check: str = ""
     next_action: str = ""
     # The two or three evidence values that decided it, highlighted on its
@@ -81,7 +82,7 @@ class Cause:
     # The alert that reports it (a `cause` label and a runbook section), if any.
     alert: str | None = None
     # How that alert decides it: False, by its PromQL twin (the diagnosis
-    # written again in PromQL, kvwatch/mixin/alerts.py, so Prometheus decides
+    # written again in PromQL, kvwatch/mixin/alert_records.py, so Prometheus decides
     # without kvwatch's diagnosis); True, by kvwatch's own finding
     # (kvwatch_finding for this cause; nothing to write in the mixin).
     routed_by_finding: bool = False
@@ -539,6 +540,9 @@ CAUSE_LIST = (
         name="usage_rising",
         symptom="exhaustion",
         severity="warning",
+        next_check=(
+            "On the exhaustion dashboard, see what rises (running requests or their length); shed or route load to "
+            "other replicas, or add one now, before vLLM starts preempting."),
         alert="VllmKvCacheExhaustionSoon",
         owner="platform",
         diagnosed=False),
@@ -547,6 +551,7 @@ CAUSE_LIST = (
         name="kvwatch_unreachable",
         symptom=None,
         severity="warning",
+        next_check="Check the kvwatch container (its log, /healthz), the pod, and the scrape configuration.",
         alert="KvwatchDown",
         no_data=("OK", (
             "No `up` series means no target at all: the kvwatch_absent rule reports that with its own labels; "
@@ -559,6 +564,9 @@ CAUSE_LIST = (
         name="kvwatch_absent",
         symptom=None,
         severity="warning",
+        next_check=(
+            "Check `kubectl get pods,servicemonitors,podmonitors -n <namespace>`, Prometheus' Targets page for the "
+            "job, and whether the fleet was scaled to zero on purpose (then silence this alert)."),
         alert="KvwatchDown",
         no_data=("OK", (
             "The query is absent(): it returns a series exactly when targets are missing, so no data means "
@@ -571,6 +579,7 @@ CAUSE_LIST = (
         name="engine_unreachable",
         symptom=None,
         severity="critical",
+        next_check="Check kvwatch's status page and /readyz, then the engine's log.",
         alert="KvwatchEngineUnreachable",
         no_data=("OK", (
             "No kvwatch_up series means Prometheus does not scrape kvwatch, which KvwatchDown reports.")),
@@ -582,6 +591,8 @@ CAUSE_LIST = (
         name="stats_disabled",
         symptom=None,
         severity="warning",
+        next_check=(
+            "Remove --disable-log-stats from the engine's arguments, or point kvwatch's target at the engine."),
         alert="VllmEngineStatsDisabled",
         no_data=("OK", (
             "No kvwatch_stats_disabled series means Prometheus does not scrape kvwatch, which KvwatchDown "
@@ -596,26 +607,40 @@ CAUSE: dict[str, Cause] = {c.name: c for c in CAUSE_LIST}
 DIAGNOSED: tuple[Cause, ...] = tuple(c for c in CAUSE_LIST if c.diagnosed)
 
 
+class CatalogueError(ValueError):
+    """An inconsistent cause catalogue: kvwatch does not import (a real error, not an assert)."""
+
+
+def _require(holds: object, problem: str) -> None:
+    if not holds:
+        raise CatalogueError(problem)
+
+
 def _check() -> None:
     """The catalogue is consistent, or kvwatch does not import."""
-    assert len(CAUSE) == len(CAUSE_LIST) and len(ALERTS) == len(ALERT_LIST), "a name is declared twice"
+    _require(len(CAUSE) == len(CAUSE_LIST) and len(ALERTS) == len(ALERT_LIST), "a name is declared twice")
     for c in CAUSE_LIST:
-        assert c.severity in SEVERITIES and c.preempting_severity in (None, *SEVERITIES), c.name
-        assert (c.preempting_severity is None) == (c.preempting_alert_severity is None), c.name
-        assert c.owner in (None, *OWNERS), c.name
-        assert c.alert is None or c.alert in ALERTS, c.name
-        assert c.alert is None or ALERTS[c.alert].symptom == c.symptom, c.name
-        assert not c.routed_by_finding or (c.alert and c.diagnosed), f"{c.name}: only a finding can route by finding"
+        _require(c.severity in SEVERITIES and c.preempting_severity in (None, *SEVERITIES),
+                 f"{c.name}: a severity is not one of {SEVERITIES}")
+        _require((c.preempting_severity is None) == (c.preempting_alert_severity is None),
+                 f"{c.name}: preempting_severity and preempting_alert_severity go together")
+        _require(c.owner in (None, *OWNERS), f"{c.name}: owner {c.owner!r} is not one of {OWNERS}")
+        _require(c.alert is None or c.alert in ALERTS, f"{c.name}: no alert {c.alert!r} in ALERT_LIST")
+        _require(c.alert is None or ALERTS[c.alert].symptom == c.symptom, f"{c.name}: its alert reports another symptom")
+        _require(not c.routed_by_finding or (c.alert and c.diagnosed), f"{c.name}: only a finding can route by finding")
         if c.diagnosed:
-            assert c.symptom in SYMPTOMS and c.next_check and c.next_action, c.name
+            _require(c.symptom in SYMPTOMS and c.next_check and c.next_action,
+                     f"{c.name}: a diagnosed cause needs a known symptom, next_check and next_action")
         else:
-            assert c.alert is not None, f"{c.name}: a cause no finding names exists only for its alert"
+            _require(c.alert is not None, f"{c.name}: a cause no finding names exists only for its alert")
         symptom = SYMPTOMS.get(c.symptom)
-        assert (c.rank is not None) == bool(symptom and symptom.arbitrated and c.diagnosed), c.name
+        _require((c.rank is not None) == bool(symptom and symptom.arbitrated and c.diagnosed),
+                 f"{c.name}: a rank exactly where its symptom is arbitrated")
     for symptom in SYMPTOM_LIST:
         ranks = sorted(c.rank for c in DIAGNOSED if c.symptom == symptom.name and c.rank is not None)
-        assert ranks == list(range(len(ranks))), f"{symptom.name}: ranks 0..n-1, each once"
-        assert symptom.alert is None or ALERTS[symptom.alert].symptom == symptom.name, symptom.name
+        _require(ranks == list(range(len(ranks))), f"{symptom.name}: ranks 0..n-1, each once")
+        _require(symptom.alert is None or ALERTS[symptom.alert].symptom == symptom.name,
+                 f"{symptom.name}: its alert reports another symptom")
 
 
 _check()

@@ -3,7 +3,7 @@ kvwatch's signals stay dark on that engine.
 
 A signal is dark on an engine when its derivation returns nothing from a
 window in which every key the engine provides moved and nothing else exists:
-the answer follows the catalogue (kvwatch/signals.py) as it grows, with no
+the answer follows the catalogue (kvwatch/signals/catalogue.py) as it grows, with no
 second list of each signal's inputs to keep in step.
 """
 

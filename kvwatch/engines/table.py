@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvwatch.engines.base import EngineAdapter
 from kvwatch.exposition import Family, FamilySelector
+from kvwatch.labels import bounded_label
 from kvwatch.engines.plausible import add_fault, screen
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
 
@@ -81,7 +82,7 @@ class TableAdapter(EngineAdapter):
     def identity(self, labels: dict[str, str]) -> tuple[str, str]:
         model = labels.get(self.model_label, "unknown") if self.model_label else "unknown"
         engine = labels.get(self.engine_label, "0") if self.engine_label else "0"
-        return model, engine
+        return bounded_label(model), bounded_label(engine)  # exported label values (kvwatch/labels.py)
 
     def _chosen(self, family: Family, where: tuple[tuple[str, str], ...]) -> list[tuple[str, dict[str, str], float]]:
         """The family's samples that match `where`, of one rank per identity."""
@@ -110,7 +111,7 @@ class TableAdapter(EngineAdapter):
         for suffix, labels, value in self._chosen(family, where):
             if suffix not in wanted or value != value:
                 continue
-            key = (*self.identity(labels), labels.get(label, "") if label else None)
+            key = (*self.identity(labels), bounded_label(labels.get(label, "")) if label else None)
             previous = found.get(key)
             if previous is None:
                 found[key] = value
@@ -212,7 +213,7 @@ class TableAdapter(EngineAdapter):
             if value == value or suffix not in wanted:
                 continue
             identity = self.identity(labels)
-            key = row.key if row.label is None else f"{row.key[:-2]}/{labels.get(row.label, '')}"
+            key = row.key if row.label is None else f"{row.key[:-2]}/{bounded_label(labels.get(row.label, ''))}"
             if (identity, key) not in seen:
                 seen.add((identity, key))
                 add_fault(snapshot, *identity, key, self.spelled(row), "not_finite", value, row.kind)

@@ -41,6 +41,7 @@ from kvwatch.engines.vllm_plan import (
     _histogram_fell, _histogram_plus, _histograms, _nan_faults, _process_start,
 )
 from kvwatch.exposition import Family, FamilySelector
+from kvwatch.labels import bounded_label, bounded_labels
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
 
 
@@ -114,7 +115,7 @@ class _PageReading:
                 if suffix == "" and value == value:
                     engine = self.engine_of(labels)
                     if engine is not None:
-                        _fold_max(engine.gauges, f"{key}/{labels.get(dimension, '')}", value)
+                        _fold_max(engine.gauges, f"{key}/{bounded_label(labels.get(dimension, ''))}", value)
 
     def counters(self) -> None:
         families, snapshot, series, parts = self.families, self.snapshot, self.series, self.counter_parts
@@ -141,7 +142,7 @@ class _PageReading:
                 if (suffix == "_total" or suffix == "") and value == value:
                     engine = self.engine_of(labels)
                     if engine is not None:
-                        self.add_part(parts, engine, f"{key}/{labels.get(dimension, '')}",
+                        self.add_part(parts, engine, f"{key}/{bounded_label(labels.get(dimension, ''))}",
                                       series.other(labels)[1], value, family.name)
         for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
             if key in snapshot.sources:
@@ -188,8 +189,9 @@ class _PageReading:
             snapshot.sources[key] = name
             for suffix, labels, value in family.samples:
                 if suffix == "" and value == value:
+                    number = bounded_label(labels.get("engine", "0"))
                     for engine in engines.values():
-                        if engine.engine == labels.get("engine", "0"):
+                        if engine.engine == number:
                             _fold_max(engine.gauges, key, value)
         for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():
             family = families.get(name)
@@ -203,9 +205,9 @@ class _PageReading:
                     first_engine[engine.model] = engine
             for suffix, labels, value in family.samples:
                 if (suffix == "_total" or suffix == "") and value == value:
-                    engine = first_engine.get(labels.get("model_name", "unknown"))
+                    engine = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
                     if engine is not None:
-                        flat = f"{key}/{labels.get(dimension, '')}"
+                        flat = f"{key}/{bounded_label(labels.get(dimension, ''))}"
                         engine.counters[flat] = engine.counters.get(flat, 0.0) + value
 
 
@@ -348,7 +350,7 @@ class VllmAdapter(EngineAdapter):
         if cache_config is not None:
             for suffix, labels, _value in cache_config.samples:
                 if suffix == "":
-                    snapshot.cache_config[labels.get("engine", "0")] = labels
+                    snapshot.cache_config[bounded_label(labels.get("engine", "0"))] = bounded_labels(labels)
 
         lora = families.get(LORA)
         if lora is not None:

@@ -18,6 +18,7 @@ from kvwatch.engines.vllm_names import (
     LABELLED_COUNTERS, LABELLED_GAUGES, LORA, MODEL_ONLY_COUNTERS, RESTART_MARKER,
 )
 from kvwatch.exposition import Family
+from kvwatch.labels import bounded_label
 from kvwatch.snapshot import COUNTER_ROUNDING, EngineSnapshot, Histogram, Snapshot
 
 # canonical key -> (its label, whether a counter) for the flattened families.
@@ -43,7 +44,7 @@ def _nan_faults(snapshot: Snapshot, families: dict[str, Family], series: "_Serie
             if value == value or suffix not in ("", "_total"):
                 continue
             model, engine = series.engine_key(labels)
-            flat = f"{key}/{labels.get(dimension, '')}" if dimension else key
+            flat = f"{key}/{bounded_label(labels.get(dimension, ''))}" if dimension else key
             add_fault(snapshot, model, engine, flat,
                       family_name({flat: name}, flat, "vllm:", "counter" if counter else "gauge"), "not_finite",
                       value, "counter" if counter else "gauge")
@@ -142,7 +143,8 @@ def _fold_max(target: dict[str, float], key: str, value: float) -> None:
 
 
 def _identity(labels: dict[str, str]) -> tuple[str, str]:
-    return labels.get("model_name", "unknown"), labels.get("engine", "0")
+    # Label values kvwatch exports: bounded in bytes by the one rule (kvwatch/labels.py).
+    return bounded_label(labels.get("model_name", "unknown")), bounded_label(labels.get("engine", "0"))
 
 
 # The most the series cache holds, in bytes as it estimates them (below). Its
@@ -511,7 +513,7 @@ class _PlanBuilder:
             sources[key] = name
             for position, suffix, labels in self.samples(name):
                 if suffix == "":
-                    self.gauge(self.engine_of(labels), f"{key}/{labels.get(dimension, '')}", position)
+                    self.gauge(self.engine_of(labels), f"{key}/{bounded_label(labels.get(dimension, ''))}", position)
         self.counter_families()
 
     def counter_families(self) -> None:
@@ -531,7 +533,7 @@ class _PlanBuilder:
             sources[key] = name
             for position, suffix, labels in self.samples(name):
                 if suffix == "_total" or suffix == "":
-                    self.counter(labels, f"{key}/{labels.get(dimension, '')}", position)
+                    self.counter(labels, f"{key}/{bounded_label(labels.get(dimension, ''))}", position)
         for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
             if key in sources or name not in families or not families[name].samples:
                 continue
@@ -576,8 +578,9 @@ class _PlanBuilder:
             sources[key] = name
             for position, suffix, labels in self.samples(name):
                 if suffix == "":
+                    its_engine = bounded_label(labels.get("engine", "0"))
                     for engine, (_model, number) in enumerate(engines):
-                        if number == labels.get("engine", "0"):
+                        if number == its_engine:
                             self.gauge(engine, key, position)
         for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():
             if name not in families or not families[name].samples:
@@ -590,9 +593,10 @@ class _PlanBuilder:
                     first_engine[model] = engine
             for position, suffix, labels in self.samples(name):
                 if suffix == "_total" or suffix == "":
-                    engine = first_engine.get(labels.get("model_name", "unknown"))
+                    engine = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
                     if engine is not None:
-                        self.model_counters.append((engine, f"{key}/{labels.get(dimension, '')}", position))
+                        self.model_counters.append((engine, f"{key}/{bounded_label(labels.get(dimension, ''))}",
+                                                    position))
 
 
 class _PagePlan:

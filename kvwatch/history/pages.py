@@ -36,6 +36,7 @@ from kvwatch.diagnose import NOT_DIAGNOSED_KEYS
 from kvwatch.engines import vllm
 from kvwatch.exposition import Family, sample_names
 from kvwatch.history.matrix import RawPairs, pairs_of
+from kvwatch.labels import bounded_label
 from kvwatch.signals import ENGINE_SERIES, INFO_KEYS
 
 DEFAULT_REPLICA_LABELS = ("job", "instance", "namespace", "pod")
@@ -551,8 +552,9 @@ class Pages:
         key = self.replica_key(labels)
         replica = self.replicas.get(key)
         if replica is None:
+            # The key matches the store's own values; the labels are exported (kvwatch/labels.py).
             replica = self.replicas[key] = Replica(
-                key, {label: value for label, value in zip(self.replica_labels, key) if value})
+                key, {label: bounded_label(value) for label, value in zip(self.replica_labels, key) if value})
         return replica
 
     def _values(self, pairs) -> "list[str | None] | RawPairs":

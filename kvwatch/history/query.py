@@ -32,7 +32,7 @@ import urllib3
 
 from kvwatch import __version__
 from kvwatch.history.matrix import decode, decode_listing, joined
-from kvwatch.present import public_host
+from kvwatch.present import printable, public_host
 from kvwatch.scrape import BearerToken, WatchedAdapter, Watchdog, connection_reason, read_body
 
 MAX_POINTS = 10_000  # per series and query; Prometheus refuses more than 11,000
@@ -109,9 +109,6 @@ def refusal(status: int | None, text: str) -> str | None:
     return None
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
 def _is_labels(labels) -> bool:
     return isinstance(labels, dict) and all(type(k) is str and type(v) is str for k, v in labels.items())
 
@@ -119,8 +116,7 @@ def _is_labels(labels) -> bool:
 def _printable(text: str, limit: int) -> str:
     """A store's own text as kvwatch repeats it: control characters (a
     terminal's escape sequences) written as escapes, cut to `limit`."""
-    text = str(text)[:limit]
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+    return printable(str(text)[:limit])
 
 
 @dataclass

@@ -39,6 +39,7 @@ from kvwatch.engines import make_adapter
 from kvwatch.history.pages import (DEFAULT_REPLICA_LABELS, PROCESS_START, KnownSeries, Pages, Replica, family_of,
                                    family_query, name_matcher, wanted)
 from kvwatch.history.query import MAX_POINTS, PrometheusClient, merge_selector
+from kvwatch.labels import bounded_label
 from kvwatch.signals import evaluate_window
 from kvwatch.window import Window
 
@@ -90,7 +91,7 @@ def usable_cores() -> int:
 
 def replica_name(labels: dict[str, str], key: tuple[str, ...]) -> str:
     values = [value for value in key if value]
-    return "/".join(values) if values else "(no target labels)"
+    return bounded_label("/".join(values)) if values else "(no target labels)"
 
 
 def discover(client: PrometheusClient, selector: str, start: float, end: float, source: str,

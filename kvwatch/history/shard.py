@@ -85,7 +85,10 @@ def identity(replica_labels: tuple[str, ...], key: tuple[str, ...]) -> str:
     return "\x00".join(f"{label}={value}" for label, value in sorted(zip(replica_labels, key)) if value)
 
 
-_ORDINAL = re.compile(r"-(\d+)$")
+# ASCII digits only (str.isdigit and \d take "²" and "٣", which int() refuses
+# or reads), and few of them: int() refuses 5,000 digits with a traceback.
+_ORDINAL = re.compile(r"-([0-9]{1,9})\Z")
+_NUMBER = re.compile(r"[0-9]{1,9}")
 
 
 def parse_shard(text: str | None, environ: dict | None = None) -> Shard | None:
@@ -97,8 +100,8 @@ def parse_shard(text: str | None, environ: dict | None = None) -> Shard | None:
         return None
     environ = os.environ if environ is None else environ
     index_text, slash, count_text = text.strip().partition("/")
-    if not slash or not count_text.strip().isdigit():
-        raise ShardError(f"not a shard: {text!r} (expected k/N, e.g. 0/4, or ordinal/N in a StatefulSet)")
+    if not slash or not _NUMBER.fullmatch(count_text.strip()):
+        raise ShardError(f"not a shard: {_shown(text)} (expected k/N, e.g. 0/4, or ordinal/N in a StatefulSet)")
     count = int(count_text)
     if not 1 <= count <= MAX_SHARDS:
         raise ShardError(f"the number of shards must be 1 to {MAX_SHARDS}, not {count}")
@@ -107,15 +110,20 @@ def parse_shard(text: str | None, environ: dict | None = None) -> Shard | None:
         name = environ.get("POD_NAME") or environ.get("HOSTNAME") or ""
         found = _ORDINAL.search(name)
         if not found:
-            raise ShardError(f"ordinal/{count}: the pod's name ({name or 'neither POD_NAME nor HOSTNAME is set'}) "
+            raise ShardError(f"ordinal/{count}: the pod's name ({_shown(name) if name else 'neither POD_NAME nor HOSTNAME is set'}) "
                              "does not end in -<ordinal> as a StatefulSet's pods do")
         index_text = found.group(1)
-    if not index_text.isdigit():
-        raise ShardError(f"not a shard: {text!r} (expected k/N, e.g. 0/4, or ordinal/N in a StatefulSet)")
+    if not _NUMBER.fullmatch(index_text):
+        raise ShardError(f"not a shard: {_shown(text)} (expected k/N, e.g. 0/4, or ordinal/N in a StatefulSet)")
     index = int(index_text)
     if index >= count:
         raise ShardError(f"shard {index} of {count} does not exist (shards are numbered 0 to {count - 1})")
     return Shard(index, count) if count > 1 else None
+
+
+def _shown(text: str) -> str:
+    """A flag's text as an error quotes it: its start, escaped."""
+    return repr(text[:40] + ("..." if len(text) > 40 else ""))
 
 
 def marker_matcher(source: str) -> str:

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import zlib
 
+from kvwatch.labels import LabelBudget
+
 # Measured by benchmarks/kv_events.py (a dict entry of a 64-bit int key and,
 # once evicted, its own packed mark): 78 bytes per cached block and 110 per
 # evicted block on CPython 3.11; the capacity divides the byte budget by the
@@ -39,7 +41,9 @@ ENTRY_BYTES = 110
 DEFAULT_TABLE_BYTES = 32 * 1024 * 1024
 MIN_CAPACITY = 1024
 HORIZON_FACTOR = 8
-MAX_LABELS = 64  # (medium, LoRA) pairs counted apart; the rest under "other"
+# Media and LoRA names counted apart (kvwatch.labels' budget), and pairs of
+# them; past either the rest are counted under "other".
+MAX_LABELS = 64
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -130,6 +134,7 @@ class Ledger:
         self.peak_cached = 0.0
         self.sweeps = 0
         self.forgotten = 0  # evicted entries dropped past the horizon
+        self.labels = LabelBudget("the KV-cache event stream", MAX_LABELS)
 
     @property
     def rate(self) -> float:
@@ -187,7 +192,7 @@ class Ledger:
         cached = self.cached * scale
         if cached > self.peak_cached:
             self.peak_cached = cached
-        key = (medium or "GPU", lora or "")
+        key = self._label_key(medium, lora)
         row = totals.labels.get(key)
         if row is None:
             if len(totals.labels) >= MAX_LABELS:
@@ -226,7 +231,7 @@ class Ledger:
         totals.evicted += len(hashes)
         totals.unknown_removed += unknown
         self.cached = max(0, self.cached - gone)
-        name = medium or "GPU"
+        name = self.labels.admit(medium or "GPU")
         by_medium = totals.evicted_by_medium
         if name in by_medium or len(by_medium) < MAX_LABELS:
             by_medium[name] = by_medium.get(name, 0) + len(hashes)
@@ -234,6 +239,12 @@ class Ledger:
             by_medium["other"] = by_medium.get("other", 0) + len(hashes)
         if len(table) > self.capacity:
             self._sweep()
+
+    def _label_key(self, medium: str | None, lora: str | None) -> tuple[str, str]:
+        # The stream's label values count against its budget; the hashes'
+        # salt above used the medium itself, so folded media stay apart.
+        admit = self.labels.admit
+        return admit(medium or "GPU"), admit(lora) if lora else ""
 
     def clear(self) -> None:
         """AllBlocksCleared: the engine reset its prefix cache; what returns

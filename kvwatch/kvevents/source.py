@@ -10,7 +10,8 @@ Two threads, both bounded:
 - the receiver reads messages (ZMQ refuses one over the byte cap, and keeps
   at most RCVHWM messages itself), checks each message's sequence number
   (a jump forward is a gap: messages the engine's PUB socket dropped or the
-  network lost; a jump back is the publisher starting over) and hands the
+  network lost, as many as a publisher could have sent since the last one;
+  a longer jump, or one back, is a publisher starting over) and hands the
   payload to a queue bounded in messages and in bytes; a message that does
   not fit is dropped and counted, so a flood costs counts, never memory;
 - the accountant decodes (kvwatch/kvevents/wire.py) and accounts
@@ -25,11 +26,13 @@ accounting without sockets.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import deque
 from typing import Any, Callable
 
+from kvwatch.kvevents.endpoint import ipc_path_problem
 from kvwatch.kvevents.ledger import (DEFAULT_TABLE_BYTES, ENTRY_BYTES, RETURN_BOUNDS, Ledger, Totals,
                                      bucket_upper, curve)
 from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
@@ -64,6 +67,20 @@ REPLAY_PAUSE_SECONDS = 0.5
 # Extra cache the sizing curve is read at, as multiples of the most blocks
 # seen cached at once (the engine's cache, as far as the stream shows it).
 CURVE_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+# The most messages a publisher could have sent: vLLM publishes one batch per
+# engine step (a millisecond at the least), so 10,000 a second since the last
+# message, and a burst of SEQUENCE_SLACK; a jump forward past that is no loss
+# but a publisher that started over elsewhere, or a second one on the endpoint.
+MAX_MESSAGES_PER_SECOND = 10_000
+SEQUENCE_SLACK = 10_000
+# A restart or an impossible jump is filed as a change at most once a minute
+# (two publishers on one endpoint jump on every message); each is counted.
+SEQUENCE_NOTE_SECONDS = 60.0
+# The log says each kind of malformed message (its sentence, numbers aside)
+# at most once a minute, and remembers at most this many kinds.
+MALFORMED_LOG_SECONDS = 60.0
+MAX_MALFORMED_KINDS = 64
+_NUMBERS = re.compile(r"[0-9][0-9,]*")
 
 
 class KVEventSource:
@@ -118,6 +135,11 @@ class KVEventSource:
         self.block_size: int | None = None
         self.ranks: set[int] = set()
         self._expected: int | None = None
+        self._sequence_time: float | None = None  # when the last sequence number was read
+        self._sequence_noted: float | None = None  # when a restart or jump was last filed
+        self.jumps = 0  # impossible jumps forward (counted in restarts too)
+        self._malformed_logged: dict[str, float] = {}  # kind -> when last logged
+        self._log_clock: Callable[[], float] = time.monotonic
         # (time, the ledger's totals, (missed, dropped, messages)) at each poll,
         # as long as the window and at most MAX_CHECKPOINTS (a few KB each: past
         # it the oldest goes and the window's `seconds` says what is covered).
@@ -144,6 +166,9 @@ class KVEventSource:
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         try:
+            problem = None if self.connect or not self.endpoint.startswith("ipc://") else ipc_path_problem(self.endpoint)
+            if problem:
+                raise zmq.ZMQError(msg=problem)
             if self.connect:
                 sock.connect(self.endpoint)
             else:
@@ -190,7 +215,11 @@ class KVEventSource:
                     return
                 time.sleep(0.05)
                 continue
-            self.intake(frames, self.clock())
+            try:
+                self.intake(frames, self.clock())
+            except Exception:  # pragma: no cover - no message may stop the receiver
+                with self._lock:
+                    self._malformed("a message kvwatch could not read")
 
     def intake(self, frames: list[bytes], now: float) -> None:
         """One message from the socket: checked, counted, queued or dropped."""
@@ -232,19 +261,34 @@ class KVEventSource:
             return True
 
     def _sequence(self, seq: int, now: float) -> None:
-        expected = self._expected
-        if expected is not None:
-            if seq > expected:
-                self.missed += seq - expected
-                if self.replay_endpoint:
-                    self._gaps.append((expected, seq - 1))
-                    self._gap_wake.set()
-            elif seq < expected:
-                self.restarts += 1
-                self._change(now, "kv_events_restart",
-                             f"the engine's event sequence started over (at {seq}, after {expected - 1}): "
-                             "its publisher restarted")
-        self._expected = seq + 1
+        expected, since = self._expected, self._sequence_time
+        self._expected, self._sequence_time = seq + 1, now
+        if expected is None or seq == expected:
+            return
+        if seq < expected:
+            self.restarts += 1
+            self._note_sequence(now, f"the engine's event sequence started over (at {seq}, after {expected - 1}): "
+                                     "its publisher restarted")
+            return
+        elapsed = max(0.0, now - since) if since is not None else 0.0
+        if seq - expected > SEQUENCE_SLACK + MAX_MESSAGES_PER_SECOND * elapsed:
+            self.restarts += 1
+            self.jumps += 1
+            self._note_sequence(now, f"the engine's event sequence jumped from {expected - 1} to {seq}, more than a "
+                                     f"publisher sends in {elapsed:.1f} s: read as a publisher that started over or "
+                                     f"a second publisher on {self.endpoint}, not as lost messages")
+            return
+        self.missed += seq - expected
+        if self.replay_endpoint and expected >= 0:
+            self._gaps.append((expected, seq - 1))
+            self._gap_wake.set()
+
+    def _note_sequence(self, now: float, sentence: str) -> None:
+        noted = self._sequence_noted
+        if noted is not None and 0 <= now - noted < SEQUENCE_NOTE_SECONDS:
+            return
+        self._sequence_noted = now
+        self._change(now, "kv_events_restart", sentence)
 
     def _replayer(self) -> None:
         """Asks the engine's replay socket for each gap's messages, one gap
@@ -266,6 +310,9 @@ class KVEventSource:
                     self._replay_gap(zmq, first, last)
                 except zmq.ZMQError as exc:
                     log.info("KV-cache events: replay from %s failed (%s)", self.replay_endpoint, exc.strerror)
+                except Exception:  # pragma: no cover - no answer may stop the replayer
+                    with self._lock:
+                        self._malformed("a replay answer kvwatch could not read")
                 time.sleep(REPLAY_PAUSE_SECONDS)  # a lossy link must not turn into a replay storm
 
     def _replay_gap(self, zmq, first: int, last: int) -> None:
@@ -280,6 +327,7 @@ class KVEventSource:
             sock.send_multipart([b"", first.to_bytes(8, "big")])
             deadline = time.monotonic() + REPLAY_DEADLINE_SECONDS
             read = 0
+            taken: set[int] = set()  # a replay answering a sequence again is read once
             while read < REPLAY_MAX_MESSAGES and not self._stop.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0 or not sock.poll(int(left * 1000) + 1):
@@ -294,8 +342,9 @@ class KVEventSource:
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq < 0:
                     return  # the end of the replay
-                if seq < first or seq > last:
+                if seq < first or seq > last or seq in taken:
                     continue  # the replay sends everything from `first` on; only the gap is missing
+                taken.add(seq)
                 if not self._enqueue(frames[2]):
                     continue
                 with self._lock:
@@ -313,7 +362,11 @@ class KVEventSource:
                     return
                 payload = self._queue.popleft()
                 self._queued_bytes -= len(payload)
-            self.account(payload, self.clock())
+            try:
+                self.account(payload, self.clock())
+            except Exception:  # pragma: no cover - no batch may stop the accountant
+                with self._lock:
+                    self._malformed("a batch kvwatch could not account")
 
     # --- accounting (also what tests and replays call) -----------------
 
@@ -341,7 +394,6 @@ class KVEventSource:
                 self._malformed(str(exc))
             return
         except Exception:  # pragma: no cover - a decoder bug must not stop the stream
-            log.exception("decoding a KV-cache event batch failed")
             with self._lock:
                 self._malformed("the payload could not be decoded")
             return
@@ -371,9 +423,20 @@ class KVEventSource:
 
     def _malformed(self, sentence: str) -> None:
         self.malformed += 1
-        if self.last_malformed != sentence:
-            log.info("KV-cache events: %s", sentence)
         self.last_malformed = sentence
+        kind = _NUMBERS.sub("N", sentence)
+        now = self._log_clock()
+        logged = self._malformed_logged
+        last = logged.get(kind)
+        if last is not None and now - last < MALFORMED_LOG_SECONDS:
+            return
+        if last is None and len(logged) >= MAX_MALFORMED_KINDS:
+            for old in [k for k, at in logged.items() if now - at >= MALFORMED_LOG_SECONDS]:
+                del logged[old]
+            if len(logged) >= MAX_MALFORMED_KINDS:
+                return
+        logged[kind] = now
+        log.info("KV-cache events: %s", sentence)
 
     def _change(self, now: float, kind: str, detail: str) -> None:
         self._changes.append((now, kind, detail))
@@ -410,7 +473,9 @@ class KVEventSource:
                       "restarts": self.restarts, "malformed": self.malformed, "absurd_events": self.absurd_events,
                       "replay_requests": self.replay_requests, "recovered": self.recovered,
                       "skipped_events": self.skipped_events, "queued": len(self._queue),
-                      "queued_bytes": self._queued_bytes}
+                      "queued_bytes": self._queued_bytes, "jumps": self.jumps,
+                      "labels_folded": ledger.labels.folded}
+            labels_note = ledger.labels.sentence
             last = self.last_message_time
             first = self.first_message_time
             last_malformed = self.last_malformed
@@ -458,6 +523,7 @@ class KVEventSource:
             "last_message_age_seconds": None if last is None else max(0.0, now - last),
             "listening_seconds": None if first is None else max(0.0, now - first),
             "last_malformed": last_malformed,
+            "labels_note": labels_note,
             "intake": intake,
             "table": table,
             "totals": _totals_dict(totals),

@@ -27,6 +27,8 @@ from typing import Any, Union
 
 import msgspec
 
+from kvwatch.labels import bounded_label
+
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
 CLEARED = "AllBlocksCleared"
@@ -161,17 +163,25 @@ class Decoder:
                 raw = _DECODERS[(outer, layout)].decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
+            except RecursionError:  # msgspec's own depth limit, even in the skipped token ids
+                raise Malformed("the payload is nested deeper than msgpack decoding allows") from None
             self._events_layout[outer] = layout
             return Batch(float(raw.ts), [_event(e) for e in raw.events], raw.data_parallel_rank)
         return _generic(payload, outer)
 
 
+def _label(value: str | None) -> str | None:
+    # A medium or LoRA name becomes a label value: bounded now, so a 2 MB name
+    # is never held past its batch (kvwatch/labels.py).
+    return None if value is None else bounded_label(value)
+
+
 def _event(raw) -> Event:
     if isinstance(raw, (_AStored, _MStored)):
-        return Event(STORED, raw.block_hashes, raw.block_size, raw.medium,
-                     raw.lora_name if raw.lora_name is not None else (str(raw.lora_id) if raw.lora_id else None))
+        return Event(STORED, raw.block_hashes, raw.block_size, _label(raw.medium),
+                     _label(raw.lora_name) if raw.lora_name is not None else (str(raw.lora_id) if raw.lora_id else None))
     if isinstance(raw, (_ARemoved, _MRemoved)):
-        return Event(REMOVED, raw.block_hashes, None, raw.medium)
+        return Event(REMOVED, raw.block_hashes, None, _label(raw.medium))
     return Event(CLEARED, [])
 
 
@@ -230,7 +240,8 @@ def _generic(payload: bytes, outer: str) -> Batch:
         medium = fields.get("medium")
         lora = fields.get("lora_name")
         out.append(Event(kind, hashes, size if isinstance(size, int) and not isinstance(size, bool) else None,
-                         medium if isinstance(medium, str) else None, lora if isinstance(lora, str) else None))
+                         _label(medium) if isinstance(medium, str) else None,
+                         _label(lora) if isinstance(lora, str) else None))
     return Batch(float(ts), out, rank if isinstance(rank, int) and not isinstance(rank, bool) else None, skipped)
 
 

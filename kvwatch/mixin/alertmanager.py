@@ -1,17 +1,18 @@
 """An example Alertmanager configuration for the Prometheus rules
-(alerts/alertmanager.example.yaml): one notification per engine and model,
-pages for what users feel, the cause alerts to the team that can act on them,
+(alerts/alertmanager.example.yaml): one notification per model, pages for
+what users feel, the cause alerts to the team that can act on them,
 and inhibitions that keep one fault from notifying twice.
 
-- Grouping: by the group labels, the instance label, model_name and engine,
-  so the page of an engine and the cause alerts that explain it share one
-  group key (and a receiver's notification lists every alert of the engine).
+- Grouping: by the group labels and model_name, the labels of a page (an
+  objective burns over every replica of a model), so an incident across 8
+  replicas is one notification, and the page and the cause alerts that
+  explain it (each naming its replica) share one group key.
 - Routes: critical (the objectives' fast burns, an unreachable engine) to the
   pager; info to tickets; the objectives' slow burns to the platform team
   (aborts: the application team); cause alerts by cause to the team that owns
   the fix (the same split as the Grafana example, grafana_alerts.py).
 - Inhibitions: an objective's page silences its own slower burn for the same
-  engine; an exhausted cache silences its forecast; a kvwatch that Prometheus
+  model; an exhausted cache silences its forecast; a kvwatch that Prometheus
   cannot scrape silences what kvwatch would have said about its engine.
 
 The page carries the cause beside it in its `cause_alerts` annotation (the
@@ -33,13 +34,14 @@ RECEIVERS = {
 
 
 def group_by(config: MixinConfig) -> list[str]:
-    return [*config.group_labels, config.instance_label, "model_name", "engine"]
+    return list(config.model_labels)
 
 
 def example(config: MixinConfig, urls: dict[str, str] | None = None) -> dict:
     """The configuration; `urls` replaces the receivers' webhook URLs (tests)."""
     urls = {**RECEIVERS, **(urls or {})}
-    engine = group_by(config)
+    model = group_by(config)
+    engine = list(config.engine_labels)
     target = [*config.group_labels, config.instance_label]
 
     def route(receiver: str, *matchers: str, **extra) -> dict:
@@ -48,7 +50,7 @@ def example(config: MixinConfig, urls: dict[str, str] | None = None) -> dict:
     return {
         "route": {
             "receiver": "tickets",
-            "group_by": engine,
+            "group_by": model,
             "group_wait": "30s",
             "group_interval": "5m",
             "repeat_interval": "4h",
@@ -66,10 +68,10 @@ def example(config: MixinConfig, urls: dict[str, str] | None = None) -> dict:
             ],
         },
         "inhibit_rules": [
-            # A fast burn pages; the same objective's slow burn on that engine adds nothing.
+            # A fast burn pages; the same objective's slow burn on that model adds nothing.
             {"source_matchers": ['severity="critical"', 'objective=~".+"'],
              "target_matchers": ['severity="warning"', 'objective=~".+"'],
-             "equal": [*engine, "objective"]},
+             "equal": [*model, "objective"]},
             # The cache is full now: the forecast that it will be is moot.
             {"source_matchers": ['alertname="VllmKvCacheExhausted"'],
              "target_matchers": ['alertname="VllmKvCacheExhaustionSoon"'],

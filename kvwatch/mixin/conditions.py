@@ -72,9 +72,12 @@ def engine_level(config) -> str:
 
 
 def twin_record(config, signal: str) -> str:
-    """The engine-level recording rule of a catalogue signal (rules.recording_rules names it so)."""
-    metric, ops = SIGNALS_BY_NAME[signal].record
-    return f"{engine_level(config)}:{metric}:{ops.format(w=config.rate_window)}"
+    """The engine-level recording rule of a catalogue signal (rules.recording_rules names it so: its
+    level names its output labels too)."""
+    entry = SIGNALS_BY_NAME[signal]
+    metric, ops = entry.record
+    level = "_".join((engine_level(config), *entry.output_labels))
+    return f"{level}:{metric}:{ops.format(w=config.rate_window)}"
 
 
 class Recorded(Fragments):
@@ -90,6 +93,10 @@ class Recorded(Fragments):
 
     def signal(self, name: str) -> str:
         return twin_record(self.c, name)
+
+    def series(self, name: str) -> str:
+        """One of kvwatch's own series, under the config's selector."""
+        return f"{name}{{{self.c.kvwatch_selector}}}"
 
     # values
     def usage_max(self) -> str:
@@ -131,19 +138,16 @@ for _method in CONDITIONS:
     setattr(Recorded, _method, _recorded_method(_method))
 
 
-# The catalogue twins the alerts read (besides VALUES): the exhaustion forecast.
-ALERT_SIGNALS = (*VALUES.values(), "kvwatch_kv_cache_exhaustion_eta_seconds")
-
-
-def recording_rules(config, scope: Scope) -> list[dict]:
+def recording_rules(config, scope: Scope, signals: tuple[str, ...]) -> list[dict]:
     """What the alerts read, in the alerts' group: the catalogue twins of
-    their values (recorded there, not in kvwatch-engine.rules), the values
-    that are not a twin (the first token with the upstream stage, the
-    upstream stage, the replica's hit ratio against its peers), and each
-    condition once, its expression the base Fragments' (self-contained)."""
+    `signals` (those the alerts' queries read: alerts.signals_read; recorded
+    there, not in kvwatch-engine.rules), the values that are not a twin (the
+    first token with the upstream stage, the upstream stage, the replica's hit
+    ratio against its peers), and each condition once, its expression the
+    base Fragments' (self-contained)."""
     recorded = Recorded(scope, config)
     base = recorded.base
-    rules = [{"record": twin_record(config, signal), "expr": scope.signal(signal)} for signal in ALERT_SIGNALS]
+    rules = [{"record": twin_record(config, signal), "expr": scope.signal(signal)} for signal in signals]
     rules.append({"record": recorded.hit_ratio_vs_peers(), "expr": base.hit_ratio_vs_peers()})
     if base.upstream:
         rules.append({"record": recorded.upstream_mean(), "expr": base.upstream_mean()})

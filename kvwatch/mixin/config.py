@@ -28,53 +28,26 @@ from kvwatch.history.query import check_selector as store_selector_problem
 from kvwatch.history.shard import MAX_SHARDS
 from kvwatch.kvevents.ledger import DEFAULT_TABLE_BYTES
 from kvwatch.kvevents.source import INTAKE_HELD_BYTES
-from kvwatch.mixin.objectives import DEFAULT_BURN_RATE_WINDOWS, check_windows
+from kvwatch.mixin import config_kinds as k
+from kvwatch.mixin.config_kinds import described
+from kvwatch.mixin.objectives import DEFAULT_BURN_RATE_WINDOWS
 from kvwatch.mixin.paging import ALERTS, DEFAULT_FOR, DEFAULT_SEVERITIES, PREEMPTING_SUFFIX  # noqa: F401 (re-exported)
-from kvwatch.mixin.promql import check_selector
 from kvwatch.settings import PARSERS
 from kvwatch.units import (did_you_mean, is_prometheus_duration, parse_prometheus_duration, prometheus_duration,
                            yaml_problem)
 
-_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
+# The runbooks an alert links by default: alerts/runbooks.md as published with
+# this version's documentation, reachable from an on-call laptop (a pod's address is not).
+PUBLISHED_RUNBOOKS_URL = f"https://github.com/kvwatch/kvwatch/blob/v{__version__}/alerts/runbooks.md"
+DASHBOARD_PATH_PATTERN = "/d/{uid}?var-model={model_name}&var-engine={engine}&viewPanel={panel_id}"
 
 
 # ---------------------------------------------------------------- deploy
 # The manifests' settings: the `deploy:` mapping of this one config.
 
-# The kvwatch container's resources. Measured (benchmarks/, issue 9): a poll
-# costs about 5 ms of CPU, so at the 5 s default interval kvwatch averages
-# about 1 m of CPU; resident memory is 60-80 MiB once the window is full.
-# 20m leaves room for scrapes and the status page. No CPU limit: CFS
-# throttling would stretch polls for no gain, and the request already keeps
-# kvwatch from starving vLLM.
-#
-# The memory limit must hold the worst page the default body cap admits (the
-# settings' max_body_bytes, 8 MiB: one model name per line, a new name on
-# every poll), or a hostile or runaway engine gets kvwatch OOM-killed.
-# `make bench` measures that peak (benchmarks/worst_page_probe.py: 284 MiB
-# at 8 MiB over 6 polls, issue 18; 451 MiB at the former 16 MiB against a
-# limit of 160Mi) and checks it stays under the limit. The limit is that peak
-# plus a quarter, or twice the everyday peak if more, rounded up to 32 MiB.
-# Issue 35 measured a full window (61 polls) of the worst pages of every
-# HTTP source at their caps, the engine's (8 MiB), the upstream's and
-# LMCache's (2 MiB each), with the window at its byte bound: 391 MiB (the
-# engine alone: 332 MiB), over the 384Mi that 284 MiB gave; then 299 MiB
-# (the engine alone: 268 MiB) once the parser kept no layout of a page whose
-# label sets overflow its cache. The same probe with real engines on the page
-# (`--shape rich`: 225 vLLM 0.32 engines up to the 8 MiB cap, every poll, so
-# the window sits at its byte bound) peaked at 450 MiB, over the 384Mi that
-# 299 MiB gives. The limit is derived from that worst measured shape (450 MiB:
-# 576Mi), not the rotating names, since a real engine's page may be any shape
-# the cap admits. The KV-event stream adds its part (kv_events_resources):
-# the rich run peaked at 624 MiB with the stream on, 174 MiB more than
-# without, where the stream's bounds alone give about 100, so its part is
-# the larger of the two plus a quarter (800Mi; 704Mi from the bounds left
-# 13 % to spare).
+# The sidecar's memory limit: the worst measured page shape plus a quarter (history: docs/reliability.md).
 WORST_PAGE_PEAK_MIB = 450
 WORST_PAGE_PEAK_WITH_KV_EVENTS_MIB = 624
 EVERYDAY_PEAK_MIB = 80
@@ -170,6 +143,7 @@ class DeploySettings:
     poll_interval: str = "5s"
     window: str = "5m"
     log_level: str = "info"
+    load_grace: str = "30m"
     scrape_interval: str = "15s"
     scrape_timeout: str = "10s"
     job: str = "kvwatch"
@@ -233,6 +207,8 @@ DEPLOY_FIELDS = {
     "poll_interval": "kvwatch's poll interval (config file key poll_interval)",
     "window": "kvwatch's signal window (config file key window); keep it equal to the rules' rate() range",
     "log_level": "kvwatch's log level",
+    "load_grace": "kvwatch's load_grace: how long after kvwatch starts an engine that has not answered yet is "
+                  "loading, not down (KvwatchEngineUnreachable waits); cover the slowest model load",
     "scrape_interval": "how often Prometheus scrapes kvwatch (ServiceMonitor/PodMonitor interval)",
     "scrape_timeout": "scrape deadline; below scrape_interval",
     "job": "the job label Prometheus gives kvwatch's series (the rules and dashboards select it)",
@@ -259,7 +235,8 @@ DEPLOY_FIELDS = {
     "kv_events_port": "port on the pod's loopback where kvwatch binds for vLLM's KV-cache events (kv_events); "
                       "vLLM's --kv-events-config endpoint tcp://127.0.0.1:<port> connects to it. Empty: off",
 }
-assert set(DEPLOY_FIELDS) == {f.name for f in fields(DeploySettings)}
+if set(DEPLOY_FIELDS) != {f.name for f in fields(DeploySettings)}:
+    raise TypeError("DEPLOY_FIELDS and DeploySettings name different fields: each field is documented once")
 
 
 def _get(source: Any, name: str) -> Any:
@@ -308,7 +285,7 @@ def _check(s: DeploySettings) -> None:
     if not s.labels:
         problems.append("labels must not be empty: the Service and monitors select pods by them")
     # These land in kvwatch.yaml: check them the way `kvwatch serve` will.
-    for key in ("poll_interval", "window", "log_level"):
+    for key in ("poll_interval", "window", "log_level", "load_grace"):
         try:
             PARSERS[key](getattr(s, key))
         except (ValueError, TypeError) as exc:
@@ -335,167 +312,194 @@ def _check(s: DeploySettings) -> None:
         raise ValueError("deploy settings: " + "; ".join(problems))
 
 
+def _deploy_problems(name: str, value: Any) -> list[str]:
+    if not isinstance(value, dict):
+        return ["deploy: must be a mapping"]
+    unknown = sorted(set(value) - set(DEPLOY_FIELDS))
+    problems = [f"deploy: unknown field {key!r}{did_you_mean(key, DEPLOY_FIELDS)} "
+                f"(known: {', '.join(sorted(DEPLOY_FIELDS))})" for key in unknown]
+    if not unknown:
+        try:
+            deploy_settings({"deploy": value})
+        except (ValueError, TypeError) as exc:
+            problems.append(f"deploy: {exc}")
+    return problems
+
+
+DEPLOY = k.Kind(_deploy_problems)
+
+
 @dataclass(frozen=True)
 class MixinConfig:
     # ---------------------------------------------------------------- selection
-    selector: str | None = field(default=None, metadata=_help(
+    selector: str | None = field(default=None, metadata=described(k.OPTIONAL_SELECTOR,
         "PromQL label matchers (without braces) selecting kvwatch's series, e.g. job=\"kvwatch\". Default: "
         "job=\"<deploy.job>\". Change it when your scrape config names kvwatch's job differently, or to "
         "restrict the rules to some namespaces (namespace=~\"llm-.*\")."))
-    group_labels: tuple[str, ...] = field(default=("namespace", "job"), metadata=_help(
+    group_labels: tuple[str, ...] = field(default=("namespace", "job"), metadata=described(k.LABELS,
         "Target labels every aggregation keeps, so two deployments never mix. Add cluster (or region) when one "
         "Prometheus or Thanos sees several; labels a series lacks are simply empty."))
-    instance_label: str = field(default="instance", metadata=_help(
+    instance_label: str = field(default="instance", metadata=described(k.LABEL,
         "The label that tells one kvwatch (one vLLM pod) from another; alerts and dashboard legends name "
         "replicas by it. instance (an address) always exists; on Kubernetes use pod, which the generated scrape "
         "config, PodMonitor and ServiceMonitor all attach, for pod names."))
     # ---------------------------------------------------------------- windows
-    rate_window: str = field(default="5m", metadata=_help(
+    rate_window: str = field(default="5m", metadata=described(k.DURATION,
         "Range of rate() and *_over_time() in rules and alerts. At least 4x the scrape interval; keep it equal "
         "to kvwatch's own `window` so alerts and findings look at the same span."))
-    rule_interval: str | None = field(default=None, metadata=_help(
+    rule_interval: str | None = field(default=None, metadata=described(k.OPTIONAL_DURATION,
         "Evaluation interval of the generated rule groups; empty uses Prometheus' global evaluation_interval. "
         "Set it when the global one is longer than the rate window allows."))
-    finding_hold: str = field(default=prometheus_duration(DEFAULT_THRESHOLDS["finding_hold_seconds"]), metadata=_help(
+    finding_hold: str = field(default=prometheus_duration(DEFAULT_THRESHOLDS["finding_hold_seconds"]), metadata=described(k.DURATION,
         "`keep_firing_for` of the alerts that report a diagnosis symptom (exhaustion, hit rate, first token, "
         "fleet): a firing alert resolves only after its condition has been clear this long, so one evaluation "
         "that misses it neither resolves and re-fires it nor drops it. kvwatch's own findings (kvwatch_finding, "
         "the page, the API) hold the same span (diagnosis: finding_hold_seconds): keep the two equal. 0s: no "
         "hold. Needs Prometheus 2.42 or later."))
-    cold_cache_window: str = field(default="30m", metadata=_help(
+    cold_cache_window: str = field(default="30m", metadata=described(k.DURATION,
         "How long after an engine restart (its counters reset, or its cache configuration changed against the "
         "one it had a window earlier) a low hit ratio is blamed on a cold cache. Only evidence of a restart "
         "counts: a Prometheus with less history than this sees none. Longer than the hit-rate alert's `for:` "
         "(else a cold cache is never reported); raise it for workloads whose prefixes repeat only every "
         "several minutes."))
-    hit_ratio_baseline_window: str = field(default="1h", metadata=_help(
+    hit_ratio_baseline_window: str = field(default="1h", metadata=described(k.DURATION,
         "Span before the rate window whose hit ratio is the baseline: a low ratio after a healthy baseline is a "
         "changed prefix (or, with usage high and the cache not exhausted, eviction before reuse), after a low "
         "one it is no reuse. Also the span searched for a drop that showed before an exhaustion. Shorten it for "
         "workloads that change by the minute."))
-    kvwatch_absent_window: str = field(default="1h", metadata=_help(
+    kvwatch_absent_window: str = field(default="1h", metadata=described(k.DURATION,
         "KvwatchDown (cause kvwatch_absent) fires for a group (group_labels) that had kvwatch targets within "
         "this span and has none now; absent() covers a selector that matches nothing at all. Lengthen it to "
         "remember a vanished fleet longer; a fleet scaled to zero on purpose alerts until it passes."))
-    hit_ratio_memory: str = field(default="7d", metadata=_help(
+    hit_ratio_memory: str = field(default="7d", metadata=described(k.DURATION,
         "How long the rules remember an engine's last healthy hit ratio (recording rules "
         "*:kvwatch_prefix_cache_hit_ratio:last_healthy*): a ratio that fell from it stays a changed prefix "
         "(not no reuse) until reuse comes back, someone silences the alert, or this span passes since the "
         "ratio was last healthy. Beyond hit_ratio_baseline_window, which only looks one span back."))
     # ---------------------------------------------------------------- thresholds
-    exhaustion_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["exhaustion_usage_ratio"], metadata=_help(
+    exhaustion_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["exhaustion_usage_ratio"], metadata=described(k.RATIO,
         "KV usage (0..1) above which the cache counts as full when requests also wait or are preempted. vLLM "
         "counts evictable prefix blocks as free, and a truly full cache reads 0.97-0.99; lower it only for "
         "engines whose usage gauge stops short of that."))
     long_request_capacity_share: float = field(
-        default=DEFAULT_THRESHOLDS["long_request_capacity_share"], metadata=_help(
+        default=DEFAULT_THRESHOLDS["long_request_capacity_share"], metadata=described(k.RATIO,
             "A full cache is blamed on long requests when each running request holds at least this share of "
             "it (mean usage / mean running) and no more requests wait than run, and on concurrency otherwise "
             "(kvwatch's diagnosis uses the same definition). 0.2 means five or fewer requests fill the cache; "
             "raise it for long-context deployments where that is normal."))
-    exhaustion_eta_minutes: float = field(default=15, metadata=_help(
+    exhaustion_eta_minutes: float = field(default=15, metadata=described(k.POSITIVE,
         "VllmKvCacheExhaustionSoon fires when KV usage, at its 5-minute trend (the "
         "kvwatch_kv_cache_exhaustion_eta_seconds signal), reaches 1 within this many minutes, before any "
         "request is preempted. Longer than the alert's `for:`, or it could only fire after the forecast "
         "time; raise it when adding capacity takes longer (a replica that loads for ten minutes)."))
-    hit_ratio_low: float = field(default=DEFAULT_THRESHOLDS["hit_ratio_low"], metadata=_help(
+    hit_ratio_low: float = field(default=DEFAULT_THRESHOLDS["hit_ratio_low"], metadata=described(k.RATIO,
         "Prefix-cache hit ratio (hit tokens / queried tokens) below which the hit rate is low. Raise it for "
         "workloads built on a long shared system prompt, where 0.5+ is normal."))
-    min_query_tokens: float = field(default=DEFAULT_THRESHOLDS["min_query_tokens"], metadata=_help(
+    min_query_tokens: float = field(default=DEFAULT_THRESHOLDS["min_query_tokens"], metadata=described(k.POSITIVE,
         "Fewer prompt tokens queried in the rate window than this and the hit ratio is not judged (a handful "
         "of requests). Scale it with your traffic."))
-    eviction_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["eviction_usage_ratio"], metadata=_help(
+    eviction_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["eviction_usage_ratio"], metadata=described(k.RATIO,
         "Mean KV usage above which a hit ratio that fell from a healthy baseline is blamed on idle cached "
         "prefixes evicted before reuse (running requests crowd them out), when the cache is not exhausted. "
         "While it is exhausted the full cache explains a low ratio by itself and this cause is not named."))
-    ttft_mean_seconds: float = field(default=DEFAULT_THRESHOLDS["ttft_mean_seconds"], metadata=_help(
+    ttft_mean_seconds: float = field(default=DEFAULT_THRESHOLDS["ttft_mean_seconds"], metadata=described(k.POSITIVE,
         "Mean time to first token (engine, plus the upstream stage when configured) above which the first "
         "token is slow. Means, not quantiles, because the parts (queue, prefill, front end, upstream) add "
         "up only as means. Set it from your latency objective."))
-    ttft_p95_seconds: float = field(default=DEFAULT_THRESHOLDS["ttft_p95_seconds"], metadata=_help(
+    ttft_p95_seconds: float = field(default=DEFAULT_THRESHOLDS["ttft_p95_seconds"], metadata=described(k.POSITIVE,
         "p95 time to first token above which the overview's TTFT stat turns red: the diagnosis' objective of the "
         "same name (diagnosis: ttft_p95_seconds), so keep the two equal. No alert reads it; the alert compares "
         "means (ttft_mean_seconds)."))
-    fleet_room_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["fleet_room_usage_ratio"], metadata=_help(
+    fleet_room_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["fleet_room_usage_ratio"], metadata=described(k.RATIO,
         "A replica whose KV usage peak over the rate window is at most this, with nothing waiting, has room: "
         "another replica of the same model exhausted or queueing beside it is a routing problem "
         "(VllmFleetReplicaOutlier, cause imbalance)."))
-    fleet_affinity_fraction: float = field(default=DEFAULT_THRESHOLDS["fleet_affinity_fraction"], metadata=_help(
+    fleet_affinity_fraction: float = field(default=DEFAULT_THRESHOLDS["fleet_affinity_fraction"], metadata=described(k.RATIO,
         "A warm replica whose hit ratio is below this share of its warm peers' pooled ratio (peers at least "
         "hit_ratio_low) lost prefix affinity: requests sharing a prefix no longer reach it "
         "(VllmFleetReplicaOutlier, cause lost_prefix_affinity)."))
     # ---------------------------------------------------------------- objectives (what pages)
-    ttft_objective_seconds: float = field(default=2.5, metadata=_help(
+    ttft_objective_seconds: float = field(default=2.5, metadata=described(k.POSITIVE,
         "The first-token objective's threshold: a request is on time when its first token came within this "
         "many seconds. It must be a bound of vLLM's TTFT histogram (0.5, 0.75, 1, 2.5, 5, 7.5, 10 ...), since "
         "the share on time is read from that bucket; 2.5 is the bound at or above the diagnosis' p95 target "
         "(ttft_p95_seconds, 2 s)."))
-    ttft_objective: float = field(default=0.99, metadata=_help(
+    ttft_objective: float = field(default=0.99, metadata=described(k.OBJECTIVE,
         "Share of requests whose first token must come within ttft_objective_seconds (0.99: one request in a "
         "hundred may be late). Its burn-rate alerts (VllmTimeToFirstTokenBudgetBurn) page."))
-    availability_objective: float = field(default=0.999, metadata=_help(
+    availability_objective: float = field(default=0.999, metadata=described(k.OBJECTIVE,
         "Share of finished requests that must not end in error (vllm:request_success_total "
         "finished_reason=\"error\"). Its burn-rate alerts (VllmRequestErrorBudgetBurn) page."))
-    abort_objective: float = field(default=0.99, metadata=_help(
+    abort_objective: float = field(default=0.99, metadata=described(k.OBJECTIVE,
         "Share of finished requests that should not end in abort. Clients abort for their own reasons (a closed "
         "tab, a gateway timeout), so its burn-rate alerts (VllmRequestAbortBudgetBurn) are warnings at most."))
-    burn_rate_windows: tuple = field(default=DEFAULT_BURN_RATE_WINDOWS, metadata=_help(
+    objective_min_requests: int = field(default=100, metadata=described(k.POSITIVE_INTEGER,
+        "A model (over all its replicas) pages on an objective only when it served at least this many requests "
+        "in the pair's long window. 100: below it one request is a percent or more of the ratio, so two slow "
+        "first tokens of a handful would read as a 14.4x burn, and one error alone nears the availability "
+        "page's 1.44%. Lower it for models that serve a few requests an hour and whose every failure matters."))
+    burn_rate_windows: tuple = field(default=DEFAULT_BURN_RATE_WINDOWS, metadata=described(k.BURN_WINDOWS,
         "The multi-window, multi-burn-rate pairs every objective alerts on (SRE workbook): an alert fires when "
         "the error ratio over `long` and over `short` both exceed factor x (1 - objective); `severity` is its "
         "label (critical pages). Defaults: 1h/5m at 14.4x and 6h/30m at 6x page, 1d/2h at 3x is a warning."))
     # ---------------------------------------------------------------- upstream
-    upstream_histogram: str | None = field(default=None, metadata=_help(
+    upstream_histogram: str | None = field(default=None, metadata=described(k.OPTIONAL_METRIC,
         "Name of a Prometheus histogram that measures time spent before the engine (retrieval, gateway), e.g. "
         "app_retrieval_seconds. Set it to add the `upstream` cause; it must be scraped by the same Prometheus."))
-    upstream_selector: str = field(default="", metadata=_help(
+    upstream_selector: str = field(default="", metadata=described(k.SELECTOR_OR_EMPTY,
         "Label matchers (without braces) for the upstream histogram, e.g. job=\"rag-app\"."))
-    upstream_join_labels: tuple[str, ...] = field(default=(), metadata=_help(
+    upstream_join_labels: tuple[str, ...] = field(default=(), metadata=described(k.LABELS,
         "Labels the upstream histogram shares with kvwatch's series (a subset of group_labels), used to pair "
         "each engine with its upstream. Empty pairs every engine with the whole upstream: right when one "
         "upstream feeds all selected engines."))
-    no_reuse_alert: bool = field(default=False, metadata=_help(
+    no_reuse_alert: bool = field(default=False, metadata=described(k.FLAG,
         "Generate the VllmPrefixCacheHitRateLow alert for cause no_reuse (severity info). Off by default: a "
         "workload without shared prefixes has a low hit ratio forever and nothing to repair, so the alert would "
         "fire forever; kvwatch_finding{cause=\"no_reuse\"} and the prefix-cache dashboard show it anyway. "
         "Turn it on to hear when a workload that should share prefixes does not."))
     # ---------------------------------------------------------------- alerting
-    for_durations: dict = field(default_factory=lambda: dict(DEFAULT_FOR), metadata=_help(
+    for_durations: dict = field(default_factory=lambda: dict(DEFAULT_FOR), metadata=described(k.FOR_DURATIONS,
         "`for:` of each alert (alert name -> duration). Shorten to page sooner, lengthen against flapping."))
-    severities: dict = field(default_factory=lambda: dict(DEFAULT_SEVERITIES), metadata=_help(
+    severities: dict = field(default_factory=lambda: dict(DEFAULT_SEVERITIES), metadata=described(k.SEVERITY_MAP,
         "severity label of each cause (cause -> critical|warning|info). Routing in Alertmanager or Grafana "
         "keys on it. The defaults are the diagnosis' own (each cause's record in kvwatch/diagnose/causes.py); an "
         "exhaustion cause with preemptions is keyed <cause>_preempting (default warning: the objectives page, "
         "not the cause)."))
-    runbook_base_url: str | None = field(default=None, metadata=_help(
-        "Where the runbooks are published, e.g. https://kvwatch.example.org/runbooks (kvwatch's own "
-        "GET /runbooks behind an ingress) or a rendered alerts/runbooks.md; every alert's runbook_url is this "
-        "plus #<section>. Empty (the default): http://<instance>/runbooks, the kvwatch that raised the alert "
-        "(it serves the runbooks itself), reachable where Prometheus' instance address is."))
-    runbook_url_pattern: str | None = field(default=None, metadata=_help(
+    runbook_base_url: str = field(default=PUBLISHED_RUNBOOKS_URL, metadata=described(k.BASE_URL,
+        "Where the on-call reader opens the runbooks; every alert's runbook_url (and every panel's Runbook link) "
+        "is this plus #<section>. Default: alerts/runbooks.md as published with this version's documentation. "
+        "Set it to your own copy, e.g. https://kvwatch.example.org/runbooks (kvwatch's own GET /runbooks behind "
+        "an ingress) or your Git server's alerts/runbooks.md. A literal host: a pod address or a "
+        "{{ $labels.instance }} template is unreachable from a laptop and empty on an alert without it."))
+    runbook_url_pattern: str | None = field(default=None, metadata=described(k.OPTIONAL_RUNBOOK_PATTERN,
         "Overrides runbook_base_url with a pattern in which {anchor} becomes the section of the alert and "
         "cause, e.g. https://git.example.org/ops/kvwatch/blob/main/alerts/runbooks.md#{anchor}."))
-    dashboard_url_pattern: str | None = field(default=None, metadata=_help(
+    dashboard_base_url: str | None = field(default=None, metadata=described(k.OPTIONAL_BASE_URL,
+        "Grafana's URL as the on-call reader opens it, e.g. https://grafana.example.org: every Prometheus alert "
+        "then carries a dashboard_url to its panel there (<base>/d/<uid>?var-model=...&viewPanel=<id>). Empty (the "
+        "default): no dashboard_url, unless dashboard_url_pattern gives the whole link."))
+    dashboard_url_pattern: str | None = field(default=None, metadata=described(k.OPTIONAL_DASHBOARD_PATTERN,
         "Link to the dashboard panel an alert belongs to, e.g. https://grafana.example.org/d/{uid}?var-model="
         "{model_name}&var-engine={engine}&viewPanel={panel_id}; {uid} and {panel_id} are filled in, "
-        "{model_name} and {engine} become the alert's labels. Empty (the default): the Prometheus alerts carry "
-        "no dashboard_url (Grafana's own rules link their panel by uid either way)."))
+        "{model_name} and {engine} become the alert's labels; overrides dashboard_base_url. Empty (the default): "
+        "dashboard_base_url decides (Grafana's own rules link their panel by uid either way)."))
     # ---------------------------------------------------------------- Grafana
-    grafana_datasource_uid: str = field(default="prometheus", metadata=_help(
+    grafana_datasource_uid: str = field(default="prometheus", metadata=described(k.SHORT_NAME,
         "uid of the Prometheus data source the Grafana alert rules query (dashboards use a variable instead). "
         "Set it to your data source's uid (Connections > Data sources, in the URL)."))
-    grafana_rule_interval: str = field(default="1m", metadata=_help(
+    grafana_rule_interval: str = field(default="1m", metadata=described(k.DURATION,
         "Evaluation interval of the Grafana rule group (a multiple of 10s)."))
-    grafana_org_id: int = field(default=1, metadata=_help("Grafana organisation the rules are provisioned into."))
-    dashboard_uid_prefix: str = field(default="kvwatch", metadata=_help(
+    grafana_org_id: int = field(default=1, metadata=described(k.POSITIVE_INTEGER, "Grafana organisation the rules are provisioned into."))
+    dashboard_uid_prefix: str = field(default="kvwatch", metadata=described(k.SHORT_NAME,
         "Prefix of the dashboards' uids (stable across generations). Change it to install two copies side by side."))
-    dashboard_tags: tuple[str, ...] = field(default=("kvwatch", "vllm"), metadata=_help("Tags on every dashboard."))
+    dashboard_tags: tuple[str, ...] = field(default=("kvwatch", "vllm"), metadata=described(k.STRINGS, "Tags on every dashboard."))
     # ---------------------------------------------------------------- Prometheus Operator
-    prometheus_rule_name: str = field(default="kvwatch", metadata=_help("metadata.name of the PrometheusRule."))
-    prometheus_rule_labels: dict = field(default_factory=dict, metadata=_help(
+    prometheus_rule_name: str = field(default="kvwatch", metadata=described(k.SHORT_NAME, "metadata.name of the PrometheusRule."))
+    prometheus_rule_labels: dict = field(default_factory=dict, metadata=described(k.STRING_MAP,
         "Labels on the PrometheusRule; your Prometheus' ruleSelector must match them (kube-prometheus-stack: "
         "release: <helm release>)."))
     # ---------------------------------------------------------------- deploy
-    deploy: dict = field(default_factory=dict, metadata=_help(
+    deploy: dict = field(default_factory=dict, metadata=described(DEPLOY,
         "Kubernetes manifest settings, passed to kvwatch/mixin/manifests.py (fields and defaults: "
         "DEPLOY_FIELDS there, docs/deploy.md)."))
 
@@ -526,6 +530,22 @@ class MixinConfig:
     def for_duration(self, alert: str) -> str:
         return self.for_durations.get(alert, DEFAULT_FOR[alert])
 
+    def runbook_link(self, anchor: str) -> str:
+        """The runbook section `anchor` where the on-call reader opens it (a literal host, never a label template)."""
+        if self.runbook_url_pattern:
+            return self.runbook_url_pattern.format(anchor=anchor)
+        return f"{self.runbook_base_url.rstrip('/')}#{anchor}"
+
+    @property
+    def dashboard_link_pattern(self) -> str | None:
+        """The dashboard_url pattern in effect: the explicit one, else Grafana's base with the panel's path."""
+        if self.dashboard_url_pattern:
+            return self.dashboard_url_pattern
+        return self.dashboard_base_url.rstrip("/") + DASHBOARD_PATH_PATTERN if self.dashboard_base_url else None
+
+
+k.require_kinds(MixinConfig)
+
 
 def _unique(labels) -> tuple[str, ...]:
     seen: list[str] = []
@@ -544,135 +564,9 @@ class MixinConfigError(Exception):
 # ------------------------------------------------------------------ checking
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_field(name: str, value: Any) -> list[str]:
-    problems: list[str] = []
-
-    def duration(v: Any) -> None:
-        if not is_prometheus_duration(v):
-            problems.append(f"{name}: {v!r} is not a Prometheus duration (examples: 30s, 5m, 1h)")
-
-    def ratio(v: Any) -> None:
-        if not _is_number(v) or not 0 < v <= 1:
-            problems.append(f"{name}: {v!r} must be a number in (0, 1]")
-
-    def positive(v: Any) -> None:
-        if not _is_number(v) or not v > 0:
-            problems.append(f"{name}: {v!r} must be a positive number")
-
-    def labels(v: Any) -> None:
-        if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and _LABEL_NAME.match(x) for x in v):
-            problems.append(f"{name}: {v!r} must be a list of label names")
-
-    def string_map(v: Any) -> None:
-        if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
-            problems.append(f"{name}: must be a mapping of strings to strings")
-
-    if name == "selector":
-        if value is not None:
-            problem = check_selector(value) if isinstance(value, str) else "must be a string"
-            if problem:
-                problems.append(f"selector: {problem}")
-    elif name == "upstream_selector":
-        if not isinstance(value, str):
-            problems.append("upstream_selector: must be a string")
-        elif value.strip():
-            problem = check_selector(value)
-            if problem:
-                problems.append(f"upstream_selector: {problem}")
-    elif name in ("group_labels", "upstream_join_labels", "dashboard_tags"):
-        if name == "dashboard_tags":
-            if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
-                problems.append(f"{name}: must be a list of strings")
-        else:
-            labels(value)
-    elif name == "instance_label":
-        if not isinstance(value, str) or not _LABEL_NAME.match(value):
-            problems.append(f"instance_label: {value!r} is not a label name")
-    elif name in ("rate_window", "cold_cache_window", "hit_ratio_baseline_window", "grafana_rule_interval",
-                  "kvwatch_absent_window", "hit_ratio_memory", "finding_hold"):
-        duration(value)
-    elif name == "rule_interval":
-        if value is not None:
-            duration(value)
-    elif name in ("exhaustion_usage_ratio", "long_request_capacity_share", "hit_ratio_low", "eviction_usage_ratio",
-                  "fleet_room_usage_ratio", "fleet_affinity_fraction"):
-        ratio(value)
-    elif name in ("min_query_tokens", "ttft_mean_seconds", "ttft_p95_seconds", "exhaustion_eta_minutes",
-                  "ttft_objective_seconds"):
-        positive(value)
-    elif name in ("ttft_objective", "availability_objective", "abort_objective"):
-        if not _is_number(value) or not 0 < value < 1:
-            problems.append(f"{name}: {value!r} must be a number strictly between 0 and 1 (0.99: 99%)")
-    elif name == "burn_rate_windows":
-        problems.extend(check_windows(value))
-    elif name == "no_reuse_alert":
-        if not isinstance(value, bool):
-            problems.append(f"no_reuse_alert: {value!r} must be true or false")
-    elif name == "upstream_histogram":
-        if value is not None and (not isinstance(value, str) or not _METRIC_NAME.match(value)):
-            problems.append(f"upstream_histogram: {value!r} is not a metric name")
-    elif name == "for_durations":
-        if not isinstance(value, dict):
-            problems.append("for_durations: must be a mapping of alert name to duration")
-        else:
-            for alert, duration_value in value.items():
-                if alert not in ALERTS:
-                    problems.append(f"for_durations: unknown alert {alert!r} (known: {', '.join(ALERTS)})")
-                elif not is_prometheus_duration(duration_value):
-                    problems.append(f"for_durations: {alert}: {duration_value!r} is not a Prometheus duration")
-    elif name == "severities":
-        if not isinstance(value, dict):
-            problems.append("severities: must be a mapping of cause to severity")
-        else:
-            for cause, severity in value.items():
-                if cause not in DEFAULT_SEVERITIES:
-                    problems.append(f"severities: unknown cause {cause!r} (known: {', '.join(DEFAULT_SEVERITIES)})")
-                elif severity not in SEVERITIES:
-                    problems.append(f"severities: {cause}: {severity!r} is not one of {', '.join(SEVERITIES)}")
-    elif name in ("runbook_url_pattern", "dashboard_url_pattern") and value is None:
-        pass
-    elif name == "runbook_base_url" and value is not None:
-        if not isinstance(value, str) or not re.fullmatch(r"https?://\S+", value) or "#" in value:
-            problems.append(f"runbook_base_url: {value!r} must be an http(s) URL without a #fragment")
-    elif name == "runbook_url_pattern":
-        if not isinstance(value, str) or "{anchor}" not in value:
-            problems.append("runbook_url_pattern: must be a string containing {anchor}")
-    elif name == "dashboard_url_pattern":
-        if not isinstance(value, str) or "{uid}" not in value:
-            problems.append("dashboard_url_pattern: must be a string containing {uid}")
-        else:
-            try:
-                value.format(uid="u", panel_id=1, model_name="m", engine="e")
-            except (KeyError, IndexError, ValueError) as exc:
-                problems.append(f"dashboard_url_pattern: unknown placeholder {exc} "
-                                "(known: {uid}, {panel_id}, {model_name}, {engine})")
-    elif name in ("grafana_datasource_uid", "dashboard_uid_prefix", "prometheus_rule_name"):
-        if not isinstance(value, str) or not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,39}", value):
-            problems.append(f"{name}: {value!r} must be 1-40 letters, digits, '-', '_' or '.'")
-    elif name == "grafana_org_id":
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"grafana_org_id: {value!r} must be a positive integer")
-    elif name == "prometheus_rule_labels":
-        string_map(value)
-    elif name == "deploy":
-        if not isinstance(value, dict):
-            problems.append("deploy: must be a mapping")
-        else:
-
-            unknown = sorted(set(value) - set(DEPLOY_FIELDS))
-            for key in unknown:
-                problems.append(f"deploy: unknown field {key!r}{did_you_mean(key, DEPLOY_FIELDS)} "
-                                    f"(known: {', '.join(sorted(DEPLOY_FIELDS))})")
-            if not unknown:
-                try:
-                    deploy_settings({"deploy": value})
-                except (ValueError, TypeError) as exc:
-                    problems.append(f"deploy: {exc}")
-    return problems
+    """The problems of one field's value: its declared kind's (config_kinds.py)."""
+    return k.kind_of(MixinConfig, name).problems(name, value)
 
 
 def validate(config: MixinConfig) -> list[str]:
@@ -704,9 +598,6 @@ def validate(config: MixinConfig) -> list[str]:
     return problems
 
 
-_TUPLE_FIELDS = ("group_labels", "upstream_join_labels", "dashboard_tags")
-
-
 def config_from_mapping(data: Any, source: str = "config") -> MixinConfig:
     """Defaults overlaid with `data`; raises MixinConfigError listing every problem."""
     if data is None:
@@ -725,13 +616,7 @@ def config_from_mapping(data: Any, source: str = "config") -> MixinConfig:
         if field_problems:
             problems.extend(f"{source}: {p}" for p in field_problems)
             continue
-        if name in _TUPLE_FIELDS:
-            value = tuple(value)
-        elif name == "burn_rate_windows":
-            value = tuple(dict(pair) for pair in value)
-        elif name in ("for_durations", "severities"):
-            value = {**(DEFAULT_FOR if name == "for_durations" else DEFAULT_SEVERITIES), **value}
-        values[name] = value
+        values[name] = k.kind_of(MixinConfig, name).convert(value)
     if problems:
         raise MixinConfigError(problems)
     config = replace(MixinConfig(), **values)

@@ -170,8 +170,8 @@ def notification_example(config: MixinConfig) -> dict:
         "policies": [{
             "orgId": org,
             "receiver": "kvwatch-tickets",
-            # One notification per engine: the page and the cause alerts that explain it together.
-            "group_by": [*config.group_labels, config.instance_label, "model_name", "engine"],
+            # One notification per model: the page (over all replicas) and the cause alerts that explain it.
+            "group_by": list(config.model_labels),
             "group_wait": "30s",
             "group_interval": "5m",
             "repeat_interval": "4h",

@@ -36,10 +36,11 @@ import yaml
 
 from kvwatch import __version__
 from kvwatch.mixin import manifests
-from kvwatch.mixin.config import (CENTRAL_MEASURED_CPU_SECONDS_PER_REFRESH, CENTRAL_MEASURED_REPLICAS,
+from kvwatch.mixin.config import (PUBLISHED_RUNBOOKS_URL, CENTRAL_MEASURED_CPU_SECONDS_PER_REFRESH, CENTRAL_MEASURED_REPLICAS,
                                   CENTRAL_MEASURED_RESIDENT_MIB, CENTRAL_REFRESH_SECONDS, SIDECAR_LIVENESS,
                                   DeploySettings, kv_events_resources)
 from kvwatch.history.shard import MAX_SHARDS
+from kvwatch.mixin.config_kinds import LINK_BASE_URL
 from kvwatch.mixin.helm_templates import (CENTRAL_TEMPLATE, CONFIG_TEMPLATE, DASHBOARDS_TEMPLATE,
                                           HELMIGNORE, HELPERS, MONITOR_TEMPLATE, NOTES, README,
                                           RULE_TEMPLATE, SERVICE_TEMPLATE)
@@ -64,7 +65,7 @@ def _image_parts(image: str) -> tuple[str, str]:
     return name, tag
 
 
-def values(s: DeploySettings) -> dict:
+def values(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL) -> dict:
     repository, tag = _image_parts(s.image)
     return {
         "mode": "sidecar",
@@ -79,6 +80,7 @@ def values(s: DeploySettings) -> dict:
             "pollInterval": s.poll_interval,
             "window": s.window,
             "logLevel": s.log_level,
+            "loadGrace": s.load_grace,
             "resources": s.resources,
             "engine": {"bearerTokenSecret": {"name": "", "key": "token"},
                        "caBundleConfigMap": {"name": "", "key": "ca.crt"},
@@ -106,6 +108,7 @@ def values(s: DeploySettings) -> dict:
             "tlsConfig": {},
         },
         "prometheusRule": {"enabled": "auto", "labels": {}},
+        "links": {"runbookBaseUrl": runbook_base},
         "dashboards": {
             "configMaps": {"enabled": True, "label": "grafana_dashboard", "labelValue": "1",
                            "folder": s.grafana_folder, "namespace": ""},
@@ -127,6 +130,9 @@ VALUES_COMMENTS = [
                 "container before (`helm template` without --kube-version assumes a current one); true or false\n"
                 "to choose."),
     ("vllmPort:", "Port vLLM serves on inside the pod; kvwatch polls http://127.0.0.1:<vllmPort>/metrics."),
+    ("loadGrace:", "How long after kvwatch starts an engine that has not answered yet is loading its weights, not\n"
+                   "down: KvwatchEngineUnreachable waits for its first answer or this long. Cover your slowest model\n"
+                   "load (network storage); an engine that answered once is down as soon as it stops."),
     ("resources:", manifests.RESOURCES_COMMENT),
     ("engine:", "Reading vLLM: a token (a Secret's key) and a CA bundle (a ConfigMap's key) when vLLM wants them."),
     ("auth:", "Protecting kvwatch's own endpoints (/healthz stays open for the probe): a Secret's key holding\n"
@@ -151,6 +157,9 @@ VALUES_COMMENTS = [
                  "your Prometheus selects monitors and rules by."),
     ("prometheusRule:", "enabled: auto renders the rules in sidecar and monitoring modes; central mode's series carry\n"
                         "the engines' job, so there generate the rules with that selector first (docs/deploy.md)."),
+    ("links:", "runbookBaseUrl: where the on-call reader opens the runbooks; every alert's runbook_url and every\n"
+               "panel's Runbook link is it plus #<section> (default: as published with this version's documentation;\n"
+               "kvwatch's own /runbooks behind an ingress, or your Git server's alerts/runbooks.md). A literal host."),
     ("dashboards:", "ConfigMaps for the Grafana sidecar (its label, folder annotation, and a namespace it watches;\n"
                     "empty: the release's), and grafana-operator GrafanaDashboards referring to them."),
 ]
@@ -163,17 +172,32 @@ def _schema_resources() -> dict:
             "properties": {"requests": section, "limits": section, "claims": {"type": "array"}}}
 
 
+# Kubernetes' own rules for what the templates write unquoted into YAML (a
+# newline in a name would write YAML of its own into the patch applied to the
+# vLLM Deployment): the schema refuses anything else before a template runs.
+DNS_SUBDOMAIN = {"type": "string", "maxLength": 253, "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"}
+DNS_SUBDOMAIN_OR_EMPTY = {"type": "string", "maxLength": 253, "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"}
+DNS_LABEL_OR_EMPTY = {"type": "string", "maxLength": 63, "pattern": r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"}
+DATA_KEY = {"type": "string", "maxLength": 253, "pattern": r"^[-._a-zA-Z0-9]+$"}
+LABEL_KEY = {"type": "string", "maxLength": 317,
+             "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"}
+LABEL_VALUE = {"type": "string", "maxLength": 63, "pattern": r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"}
+NO_WHITESPACE = {"type": "string", "minLength": 1, "pattern": r"^\S+$"}
+
+
 def _secret_ref(what: str) -> dict:
     return {"type": "object", "additionalProperties": False, "required": ["name", "key"],
             "description": f"{what}: name (empty: none) and key",
-            "properties": {"name": {"type": "string"}, "key": {"type": "string", "minLength": 1}}}
+            "properties": {"name": DNS_SUBDOMAIN_OR_EMPTY, "key": DATA_KEY}}
 
 
 def values_schema(s: DeploySettings) -> dict:
     string = {"type": "string"}
     duration = {"type": "string", "pattern": r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"}
     port = {"type": "integer", "minimum": 1, "maximum": 65535}
-    labels = {"type": "object", "additionalProperties": {"type": "string"}}
+    # By pattern, not propertyNames: Helm then names the map a bad key is in.
+    labels = {"type": "object", "patternProperties": {LABEL_KEY["pattern"]: LABEL_VALUE},
+              "additionalProperties": False}
 
     def obj(properties: dict, required: list[str] | None = None, **extra) -> dict:
         out = {"type": "object", "additionalProperties": False, "properties": properties, **extra}
@@ -185,13 +209,11 @@ def values_schema(s: DeploySettings) -> dict:
         "title": "kvwatch chart values",
         **obj({
             "mode": {"enum": ["sidecar", "central", "monitoring"]},
-            "image": obj({"repository": {"type": "string", "minLength": 1}, "tag": {"type": "string", "minLength": 1},
+            "image": obj({"repository": NO_WHITESPACE, "tag": NO_WHITESPACE,
                           "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}),
             "runAsUser": {"type": "integer", "minimum": 1},
             "sidecar": obj({
-                "deployment": {"type": "string", "minLength": 1, "maxLength": 253,
-                               "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-                               "description": "name of the vLLM Deployment to add kvwatch to"},
+                "deployment": {**DNS_SUBDOMAIN, "description": "name of the vLLM Deployment to add kvwatch to"},
                 "native": {"enum": ["auto", True, False]},
                 "vllmPort": port,
                 "port": port,
@@ -199,12 +221,13 @@ def values_schema(s: DeploySettings) -> dict:
                 "pollInterval": duration,
                 "window": duration,
                 "logLevel": {"enum": ["debug", "info", "warning", "error", "critical"]},
+                "loadGrace": duration,
                 "resources": _schema_resources(),
                 "engine": obj({"bearerTokenSecret": _secret_ref("Secret holding vLLM's bearer token"),
                                "caBundleConfigMap": _secret_ref("ConfigMap holding the CA bundle for vLLM's TLS"),
                                "tlsVerify": {"type": "boolean"}}),
                 "auth": obj({"tokenSecret": _secret_ref("Secret holding the token kvwatch's endpoints require")}),
-                "tls": obj({"secretName": string}),
+                "tls": obj({"secretName": DNS_SUBDOMAIN_OR_EMPTY}),
                 "kvEvents": obj({"enabled": {"type": "boolean"}, "port": port, "resources": _schema_resources()}),
             }),
             "pods": obj({"labels": {**labels, "minProperties": 1}}),
@@ -218,9 +241,11 @@ def values_schema(s: DeploySettings) -> dict:
             "monitor": obj({"kind": {"enum": ["PodMonitor", "ServiceMonitor", "none"]}, "labels": labels,
                             "interval": duration, "scrapeTimeout": duration, "tlsConfig": {"type": "object"}}),
             "prometheusRule": obj({"enabled": {"enum": ["auto", True, False]}, "labels": labels}),
+            "links": obj({"runbookBaseUrl": {"type": "string", "pattern": "^" + LINK_BASE_URL.pattern + "$",
+                                             "description": "an http(s) URL with a literal host, no #fragment"}}),
             "dashboards": obj({
-                "configMaps": obj({"enabled": {"type": "boolean"}, "label": {"type": "string", "minLength": 1},
-                                   "labelValue": string, "folder": string, "namespace": string}),
+                "configMaps": obj({"enabled": {"type": "boolean"}, "label": LABEL_KEY,
+                                   "labelValue": LABEL_VALUE, "folder": string, "namespace": DNS_LABEL_OR_EMPTY}),
                 "grafanaOperator": obj({"enabled": {"type": "boolean"}, "instanceSelector": {"type": "object"},
                                         "folder": string, "allowCrossNamespaceImport": {"type": "boolean"}}),
             }),
@@ -279,17 +304,25 @@ def _fill(template: str, s: DeploySettings) -> str:
     return template
 
 
-def _values_yaml(s: DeploySettings) -> str:
-    text = manifests.to_yaml(values(s))
+def _values_yaml(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL) -> str:
+    text = manifests.to_yaml(values(s, runbook_base))
     return HEADER + manifests._with_comments(text, VALUES_COMMENTS)
 
 
-def render_chart(s: DeploySettings, prometheus_rule: str | None, dashboards: dict[str, str]) -> dict[str, str]:
-    """{path relative to deploy/: text} for the chart."""
+def _with_runbook_base(template: str, runbook_base: str) -> str:
+    """A template whose generated text has its runbook links rebased on links.runbookBaseUrl at render time:
+    the links are `<base>#<section>`, so replacing `<base>#` touches nothing else."""
+    rebase = f'replace {json.dumps(runbook_base.rstrip("/") + "#")} (printf "%s#" (trimSuffix "/" $.Values.links.runbookBaseUrl))'
+    return template.replace("@@REBASE_RUNBOOKS@@", rebase)
+
+
+def render_chart(s: DeploySettings, prometheus_rule: str | None, dashboards: dict[str, str],
+                 runbook_base: str = PUBLISHED_RUNBOOKS_URL) -> dict[str, str]:
+    """{path relative to deploy/: text} for the chart; `runbook_base` is the base the generated links carry."""
     base = CHART_DIR + "/"
     files = {
         base + "Chart.yaml": HEADER + manifests.to_yaml(chart_yaml()),
-        base + "values.yaml": _values_yaml(s),
+        base + "values.yaml": _values_yaml(s, runbook_base),
         base + "values.schema.json": json.dumps(values_schema(s), indent=2, sort_keys=True) + "\n",
         base + ".helmignore": HELMIGNORE,
         base + "README.md": README,
@@ -298,17 +331,17 @@ def render_chart(s: DeploySettings, prometheus_rule: str | None, dashboards: dic
         base + "templates/service.yaml": _fill(SERVICE_TEMPLATE, s),
         base + "templates/monitor.yaml": _fill(MONITOR_TEMPLATE, s),
         base + "templates/central.yaml": _fill(CENTRAL_TEMPLATE, s),
-        base + "templates/dashboards.yaml": DASHBOARDS_TEMPLATE,
+        base + "templates/dashboards.yaml": _with_runbook_base(DASHBOARDS_TEMPLATE, runbook_base),
         base + "templates/NOTES.txt": NOTES,
     }
     if prometheus_rule:
         files[base + "files/prometheusrule.yaml"] = prometheus_rule
-        files[base + "templates/prometheusrule.yaml"] = RULE_TEMPLATE
+        files[base + "templates/prometheusrule.yaml"] = _with_runbook_base(RULE_TEMPLATE, runbook_base)
     for name in sorted(dashboards):
         files[base + f"files/dashboards/{Path(name).name}"] = dashboards[name]
     return files
 
 
-def chart_values_for(s: DeploySettings) -> dict[str, Any]:
+def chart_values_for(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL) -> dict[str, Any]:
     """values.yaml as data (what the chart renders with by default)."""
-    return yaml.safe_load(_values_yaml(s))
+    return yaml.safe_load(_values_yaml(s, runbook_base))

@@ -53,6 +53,7 @@ target: {{ printf "http://127.0.0.1:%d/metrics" (int $s.vllmPort) }}
 poll_interval: {{ $s.pollInterval }}
 window: {{ $s.window }}
 log_level: {{ $s.logLevel }}
+load_grace: {{ $s.loadGrace }}
 {{- if $s.kvEvents.enabled }}
 kv_events: {{ printf "tcp://127.0.0.1:%d" (int $s.kvEvents.port) }}
 {{- end }}
@@ -467,7 +468,8 @@ RULE_TEMPLATE = r'''{{- $enabled := .Values.prometheusRule.enabled }}
 {{- if eq (toString $enabled) "auto" }}{{ $enabled = ne .Values.mode "central" }}{{ end }}
 {{- if $enabled }}
 {{- $rule := .Files.Get "files/prometheusrule.yaml" | fromYaml }}
-# The rules `kvwatch generate` wrote (alerts/kvwatch-prometheusrule.yaml), copied into files/.
+# The rules `kvwatch generate` wrote (alerts/kvwatch-prometheusrule.yaml), copied into files/,
+# their runbook links on links.runbookBaseUrl.
 apiVersion: monitoring.coreos.com/v1
 kind: PrometheusRule
 metadata:
@@ -484,7 +486,7 @@ metadata:
     {{- toYaml . | nindent 4 }}
     {{- end }}
 spec:
-  {{- toYaml $rule.spec | nindent 2 }}
+  {{- toYaml $rule.spec | @@REBASE_RUNBOOKS@@ | nindent 2 }}
 {{- end }}
 '''
 
@@ -496,7 +498,7 @@ DASHBOARDS_TEMPLATE = r'''{{- $d := .Values.dashboards }}
 {{- $name := printf "%s-dashboard-%s" (include "kvwatch.fullname" $root) $stem | trunc 63 | trimSuffix "-" }}
 {{- if or $d.configMaps.enabled $d.grafanaOperator.enabled }}
 ---
-# Byte for byte as `kvwatch generate` wrote dashboards/{{ $file }}.
+# As `kvwatch generate` wrote dashboards/{{ $file }}, its runbook links on links.runbookBaseUrl.
 apiVersion: v1
 kind: ConfigMap
 metadata:
@@ -512,7 +514,7 @@ metadata:
   annotations:
     grafana_folder: {{ $d.configMaps.folder | quote }}
 data:
-  {{ $file }}: {{ $root.Files.Get $path | quote }}
+  {{ $file }}: {{ $root.Files.Get $path | @@REBASE_RUNBOOKS@@ | quote }}
 {{- end }}
 {{- if $d.grafanaOperator.enabled }}
 ---

@@ -68,6 +68,7 @@ def kvwatch_config(s: DeploySettings) -> dict:
         "poll_interval": s.poll_interval,
         "window": s.window,
         "log_level": s.log_level,
+        "load_grace": s.load_grace,
         # kvwatch binds on the pod's loopback; vLLM, started with --kv-events-config
         # endpoint tcp://127.0.0.1:<port>, connects to it.
         **({"kv_events": f"tcp://127.0.0.1:{s.kv_events_port}"} if s.kv_events_port is not None else {}),

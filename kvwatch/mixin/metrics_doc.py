@@ -17,7 +17,7 @@ def render() -> str:
     lines = [
         "# Metrics kvwatch exports",
         "",
-        "Generated from `kvwatch/signals.py` by `kvwatch generate`; do not edit by hand.",
+        "Generated from `kvwatch/signals/` by `kvwatch generate`; do not edit by hand.",
         "",
         "## Health of the poll",
         "",
@@ -60,7 +60,7 @@ def render() -> str:
         "|---|---|---|---|",
     ]
     for signal in SIGNALS:
-        lines.append(_row(signal.name, signal.unit, signal.label or "", signal.help))
+        lines.append(_row(signal.name, signal.unit, signal.label or "", signal.doc or signal.help))
     lines += _tier()
     lines += _stream()
     lines += [
@@ -97,7 +97,7 @@ def _tier() -> list[str]:
     ]
     lines += [_row(f.sample_name, f.kind, ", ".join(f.labels), f.help) for f in TIER_HEALTH]
     lines += [_row(s.sample_name, s.kind, ", ".join(TIER_IDENTITY), s.help) for s in TIER_SERIES]
-    lines += [_row(s.name, "gauge", ", ".join(TIER_IDENTITY + ((s.label,) if s.label else ())), s.help)
+    lines += [_row(s.name, "gauge", ", ".join(TIER_IDENTITY + ((s.label,) if s.label else ())), s.doc or s.help)
               for s in TIER_SIGNALS]
     lines += ["", "LMCache families read: " + ", ".join(f"`lmcache:{base}` (counter)" for base in (s.family for s in TIER_SERIES)
                                                        if not base.startswith("mp_"))
@@ -125,7 +125,7 @@ def _stream() -> list[str]:
     ]
     lines += [_row(f.sample_name, f.kind, ", ".join(f.labels), f.help) for f in STREAM_HEALTH]
     lines += [_row(s.sample_name, s.kind, ", ".join(s.labels), s.help) for s in STREAM_SERIES]
-    lines += [_row(s.name, "gauge", "", s.help) for s in STREAM_SIGNALS]
+    lines += [_row(s.name, "gauge", "", s.doc or s.help) for s in STREAM_SIGNALS]
     lines += [_row(s.name, "gauge", "extra_cache", s.help) for s in STREAM_SIZING]
     return lines
 

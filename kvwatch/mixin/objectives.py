@@ -23,6 +23,14 @@ short window above `factor x (1 - objective)`. The long window says enough
 budget is gone to matter; the short one that it is still burning, so the
 page resolves minutes after the harm stops and a short spike (the short
 window burning while the long one has not) never pages.
+
+A page is per model (and the group labels: namespace, job), over every
+replica's requests: an incident across 8 replicas is one page, the replicas
+burning listed in its description. The ratios are recorded per model too
+(model_name:...:ratio_rate1h), and a pair pages only when the model served
+`objective_min_requests` in its long window: a handful of requests, two of
+them slow, is no budget burning. The per-engine ratios stay for the
+dashboards and the page's list of replicas.
 """
 
 from __future__ import annotations
@@ -94,6 +102,31 @@ def record_name(config, objective: str, window: str) -> str:
     return f"{level(config)}:{OBJECTIVE_ALERTS[objective][2]}:ratio_rate{window}"
 
 
+def model_level(config) -> str:
+    return "_".join(label for label in config.model_labels if label not in config.group_labels)
+
+
+def model_record_name(config, objective: str, window: str) -> str:
+    """The objective's error ratio over every replica of a model: what pages."""
+    return f"{model_level(config)}:{OBJECTIVE_ALERTS[objective][2]}:ratio_rate{window}"
+
+
+# objective -> the counter of the requests its ratio is over (the guard counts them)
+OBJECTIVE_REQUESTS = {"first_token": "kvwatch_engine_time_to_first_token_seconds_count",
+                      "availability": "kvwatch_engine_requests_finished_total",
+                      "aborts": "kvwatch_engine_requests_finished_total"}
+
+
+def requests_record_name(config, objective: str, window: str) -> str:
+    metric = OBJECTIVE_REQUESTS[objective].removesuffix("_total")
+    return f"{model_level(config)}:{metric}:increase{window}"
+
+
+def requests_expr(config, objective: str, window: str) -> str:
+    sel = config.kvwatch_selector
+    return _sum(config, f"increase({OBJECTIVE_REQUESTS[objective]}{{{sel}}}[{window}])", config.model_labels)
+
+
 def le_matcher(bound: float) -> str:
     """A matcher for one `le` bound however the exporter spelled it (2.5,
     2.50; 1, 1.0): vLLM and prometheus_client write 1.0, others 1."""
@@ -106,30 +139,38 @@ def le_matcher(bound: float) -> str:
     return f'le=~"{whole}(\\\\.0+)?"'
 
 
-def _sum(config, inner: str) -> str:
-    return f"sum by ({', '.join(config.engine_labels)}) ({inner})"
+def _sum(config, inner: str, labels: tuple[str, ...] | None = None) -> str:
+    return f"sum by ({', '.join(labels or config.engine_labels)}) ({inner})"
 
 
-def ratio_expr(config, objective: str, window: str) -> str:
-    """The objective's error ratio over `window` per engine: bad / all."""
+def ratio_expr(config, objective: str, window: str, labels: tuple[str, ...] | None = None) -> str:
+    """The objective's error ratio over `window`, bad / all, summed by `labels` (default: per engine)."""
     sel = config.kvwatch_selector
     if objective == "first_token":
-        total = _sum(config, f"rate(kvwatch_engine_time_to_first_token_seconds_count{{{sel}}}[{window}])")
+        total = _sum(config, f"rate(kvwatch_engine_time_to_first_token_seconds_count{{{sel}}}[{window}])", labels)
         good = _sum(config, f"rate(kvwatch_engine_time_to_first_token_seconds_bucket"
-                            f"{{{sel},{le_matcher(config.ttft_objective_seconds)}}}[{window}])")
+                            f"{{{sel},{le_matcher(config.ttft_objective_seconds)}}}[{window}])", labels)
         return f"1 - (\n  {good}\n  /\n  {total}\n)"
     reason = {"availability": "error", "aborts": "abort"}[objective]
-    finished = f"rate(kvwatch_engine_requests_finished_total{{{sel}}}[{window}])"
-    bad = f"rate(kvwatch_engine_requests_finished_total{{{sel},finished_reason=\"{reason}\"}}[{window}])"
+    finished = _sum(config, f"rate(kvwatch_engine_requests_finished_total{{{sel}}}[{window}])", labels)
+    bad = _sum(config, f"rate(kvwatch_engine_requests_finished_total{{{sel},finished_reason=\"{reason}\"}}[{window}])",
+               labels)
     # vLLM creates a reason's series at its first request of that reason:
     # none yet is a ratio of 0, not no ratio.
-    return (f"(\n  {_sum(config, bad)}\n  or\n  0 * {_sum(config, finished)}\n)"
-            f"\n/\n{_sum(config, finished)}")
+    return f"(\n  {bad}\n  or\n  0 * {finished}\n)\n/\n{finished}"
 
 
 def recording_rules(config) -> list[dict]:
-    return [{"record": record_name(config, objective, w), "expr": ratio_expr(config, objective, w)}
-            for objective in OBJECTIVE_ALERTS for w in windows(config)]
+    """Per engine (dashboards, the page's replicas), per model (what pages), and each model's requests
+    over every long window (the minimum-traffic guard)."""
+    per_engine = [{"record": record_name(config, objective, w), "expr": ratio_expr(config, objective, w)}
+                  for objective in OBJECTIVE_ALERTS for w in windows(config)]
+    per_model = [{"record": model_record_name(config, objective, w),
+                  "expr": ratio_expr(config, objective, w, config.model_labels)}
+                 for objective in OBJECTIVE_ALERTS for w in windows(config)]
+    requests = {requests_record_name(config, objective, pair.long): requests_expr(config, objective, pair.long)
+                for objective in OBJECTIVE_ALERTS for pair in burn_windows(config)}
+    return per_engine + per_model + [{"record": name, "expr": expr} for name, expr in requests.items()]
 
 
 def severity(objective: str, pair: BurnWindow) -> str:
@@ -138,12 +179,18 @@ def severity(objective: str, pair: BurnWindow) -> str:
     return pair.severity
 
 
+def burn_threshold(config, objective: str, pair: BurnWindow) -> float:
+    return float(num(pair.factor * budget(config, objective)))
+
+
 def burn_query(config, objective: str, pair: BurnWindow) -> tuple[str, float]:
-    """(query, threshold): the query is the long window's ratio where the
-    short window burns too; the alert compares it with the same threshold."""
-    threshold = float(num(pair.factor * budget(config, objective)))
-    query = (f"{record_name(config, objective, pair.long)}\nand\n"
-             f"{record_name(config, objective, pair.short)} > {num(threshold)}")
+    """(query, threshold): the query is a model's long-window ratio where its
+    short window burns too and it served enough requests to judge; the alert
+    compares it with the same threshold."""
+    threshold = burn_threshold(config, objective, pair)
+    query = (f"{model_record_name(config, objective, pair.long)}\nand\n"
+             f"{model_record_name(config, objective, pair.short)} > {num(threshold)}\nand\n"
+             f"{requests_record_name(config, objective, pair.long)} >= {num(config.objective_min_requests)}")
     return query, threshold
 
 

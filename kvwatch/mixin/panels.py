@@ -64,7 +64,7 @@ class PanelSpec:
     threshold: float | None = None
     stacked: bool = False
     instant: bool = False
-    # The catalogue entry (signals.py) the threshold and value mappings are
+    # The catalogue entry (signals/catalogue.py) the threshold and value mappings are
     # about: its declared good side ("high" or "low") colours them.
     signal: str | None = None
     mappings: tuple[tuple[float, str], ...] = ()  # (value, text) of a stat
@@ -155,8 +155,8 @@ def _panel(spec: PanelSpec, panel_id: int, grid: g.GridPos, config: MixinConfig)
         for i, (expr, legend) in enumerate(spec.targets)
     ]
     links = []
-    if spec.runbook and config.runbook_url_pattern:
-        links.append({"title": "Runbook", "url": config.runbook_url_pattern.format(anchor=spec.runbook),
+    if spec.runbook:
+        links.append({"title": "Runbook", "url": config.runbook_link(spec.runbook),
                       "targetBlank": True})
     steps = threshold_steps(spec)
     common = dict(title=spec.title, description=spec.description, id=panel_id, gridPos=grid,

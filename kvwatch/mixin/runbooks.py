@@ -14,6 +14,8 @@ import re
 from dataclasses import fields
 from importlib import resources
 
+from kvwatch.diagnose.causes import ALERTS as ALERTS_BY_NAME
+from kvwatch.diagnose.causes import CAUSE
 from kvwatch.mixin import objectives
 from kvwatch.mixin.alerts import alert_specs, runbook_anchor
 from kvwatch.mixin.alerts import runbook_anchor as anchor_of
@@ -91,7 +93,7 @@ def read_prose(name: str) -> str:
     path = PROSE.joinpath(f"{name}.md")
     if not path.is_file():
         raise RunbookProseError(f"kvwatch/diagnose/runbooks/{name}.md is missing: every alert and every alerted "
-                                "cause has its runbook prose there")
+                                "cause the diagnosis names has its runbook prose there")
     with path.open("rb") as handle:
         data = handle.read(PROSE_MAX_BYTES + 1)
     if len(data) > PROSE_MAX_BYTES:
@@ -114,7 +116,11 @@ def alert_intro(c: MixinConfig, alert: str) -> str:
 
 
 def cause_sections(c: MixinConfig, alert: str, cause: str) -> dict[str, str]:
-    """{section title: its text} of a cause's runbook, from its Markdown file."""
+    """{section title: its text} of a cause's runbook, from its Markdown file;
+    a cause only its alert names (diagnosed=False) may have none, and then its
+    records say it (_record_sections)."""
+    if not CAUSE[cause].diagnosed and not PROSE.joinpath(f"{cause}.md").is_file():
+        return _record_sections(c, alert, cause)
     body = read_prose(cause)
     parts = re.split(r"^## (.+)\n", body, flags=re.M)
     titles = tuple(parts[1::2])
@@ -123,6 +129,19 @@ def cause_sections(c: MixinConfig, alert: str, cause: str) -> dict[str, str]:
                                 f"heading, in this order (found: {', '.join(titles) or 'none'})")
     return {title: _fill(_paragraphs(text), c, alert, f"runbooks/{cause}.md")
             for title, text in zip(titles, parts[2::2])}
+
+
+def _record_sections(c: MixinConfig, alert: str, cause: str) -> dict[str, str]:
+    """A section from the records alone: the cause's advice first, then what
+    its alert's description says (its labels and value named in words), and
+    the dashboard its alert links; nothing made up for the rest."""
+    record = CAUSE[cause]
+    spec = next((s for s in alert_specs(c) if (s.alert, s.cause) == (alert, cause)), None)
+    meaning = spec.description.rsplit(" Next: ", 1)[0] if spec else (record.title or cause.replace("_", " "))
+    meaning = re.sub(r"\{\{ \$labels\.(\w+) \}\}", r"<\1>", meaning)
+    meaning = re.sub(r"\{\{ VALUE \| \w+ \}\}", "the alert's value", meaning)
+    dashboard = DASHBOARDS[ALERTS_BY_NAME[alert].panel[0]][1]
+    return dict(zip(SECTIONS, (record.next_check, meaning, f"{dashboard}: the panel the alert links.", "", "")))
 
 
 def _first_five(config: MixinConfig, alert: str, first_five: str, spec_list) -> list[str]:
@@ -161,10 +180,10 @@ def _objective_sections(config: MixinConfig, specs) -> list[str]:
         "first_token": (
             f"Too many requests got their first token later than {num(config.ttft_objective_seconds)}s: the "
             f"objective is {_pct(config.ttft_objective)} within that bound (mixin config `ttft_objective`, "
-            "`ttft_objective_seconds`), read per engine from vLLM's TTFT histogram (the bucket at the bound over "
+            "`ttft_objective_seconds`), read per model over all its replicas from vLLM's TTFT histogram (the bucket at the bound over "
             "the count). Users wait for the first word of every answer; this is the page for it.",
-            "Open the cause alerts that fire beside it for the same engine (the page's `cause_alerts` annotation "
-            "names them; Alertmanager groups them by engine and model): `VllmKvCacheExhausted` and "
+            "Open the cause alerts that fire beside it for the same model (the page's `cause_alerts` annotation "
+            "names them, its description the replicas burning; Alertmanager groups them by model): `VllmKvCacheExhausted` and "
             "`VllmTimeToFirstTokenSlow` say whether the queue waits for KV cache, for compute, for prefill or "
             "for something upstream, and their runbook sections say what to do. With no cause alert yet, open "
             f"{D_TTFT}: the largest part of the mean is where the time goes."),
@@ -189,8 +208,11 @@ def _objective_sections(config: MixinConfig, specs) -> list[str]:
            "error budget (1 - objective). Each objective alerts on multi-window, multi-burn-rate pairs (the SRE "
            "workbook's): the share of bad requests over the long window AND over the short one above burn rate "
            "x budget. The long window says enough budget is gone to matter; the short one that it still burns, "
-           "so a short spike does not page and the page resolves minutes after the harm stops. The cause alerts "
-           "below are warnings that say where to look. Pairs (`burn_rate_windows`):", "", *table, ""]
+           "so a short spike does not page and the page resolves minutes after the harm stops. A page is per model "
+           "over all its replicas (one incident, one page), and only for a model that served "
+           f"{config.objective_min_requests} requests in the long window (`objective_min_requests`). The cause "
+           "alerts below are warnings, per replica, that say where to look. Pairs (`burn_rate_windows`):", "",
+           *table, ""]
     for objective, (alert, _, _) in objectives.OBJECTIVE_ALERTS.items():
         meaning, do = texts[objective]
         spec_list = specs.get((alert, objective), [])
@@ -198,7 +220,7 @@ def _objective_sections(config: MixinConfig, specs) -> list[str]:
         out += [f'<a id="{anchor_of(alert)}"></a>', "", f"### {alert}", "",
                 f"*{spec_list[0].summary}* Severity by window: {severity}.", "",
                 f"**What it means.** {meaning}", "", f"**First five minutes.** {do}", "",
-                "Paste into Prometheus (the first pair's query; one series per affected engine):", "",
+                "Paste into Prometheus (the first pair's query; one series per affected model):", "",
                 "```promql", spec_list[0].query, "```", ""]
     return out
 
@@ -215,8 +237,9 @@ def render(config: MixinConfig) -> str:
         "what it means, how to confirm it and the medium-term fix. The pages come first (the objectives' burn "
         "rates: what users feel), then the cause alerts that explain them. Every alert carries `severity`, "
         "`cause` or `objective` (and `symptom` for the vLLM alerts) labels and a `runbook_url` to its section "
-        "here (by default on the kvwatch that raised it, which serves this text at /runbooks; `kvwatch runbook "
-        "<section>` prints a section in a terminal), and, where the mixin config sets the pattern, a "
+        "here (by default as published with this version's documentation, or where the mixin config's "
+        "runbook_base_url says; every kvwatch also serves this text at /runbooks, and `kvwatch runbook "
+        "<section>` prints a section in a terminal), and, where the mixin config names Grafana, a "
         "`dashboard_url` to the panel that shows it. The same causes are named "
         "by kvwatch's in-process diagnosis (`kvwatch_finding`, `/api/v1/diagnosis`), which also shows the "
         "evidence. Why each severity and `for:`: docs/alerts.md.",
@@ -249,10 +272,9 @@ def render(config: MixinConfig) -> str:
                             "generation).")
             out += [f'<a id="{runbook_anchor(alert, cause)}"></a>', "", f"### {alert}: {cause}", "", headline, ""]
             out += _first_five(config, alert, first, spec_list)
-            out += [f"**What it means.** {meaning}", "",
-                    f"**Confirm on the dashboard.** {confirm}", "",
-                    f"**Medium term.** {do}", "",
-                    f"**What not to do.** {dont}", ""]
+            out += [f"**What it means.** {meaning}", "", f"**Confirm on the dashboard.** {confirm}", ""]
+            out += [f"**Medium term.** {do}", ""] if do else []
+            out += [f"**What not to do.** {dont}", ""] if dont else []
     out += [f'<a id="{THROUGHPUT_ANCHOR}"></a>', "", "## Throughput and failures (no alert)", "",
             "The overview's last row, for context when an alert fires.", "",
             "**Tokens per second.** Prompt tokens (cached ones included) and generated tokens per engine. A drop "

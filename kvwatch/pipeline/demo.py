@@ -9,10 +9,13 @@ by field; anything else is dropped (the strip then says the phase is unknown).""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any
 
 from kvwatch.scrape import Fetcher
+
+log = logging.getLogger("kvwatch")
 
 MAX_BYTES = 16 * 1024
 # The strip is a nicety: a slow simulator must not hold the engine's poll long.
@@ -37,7 +40,7 @@ def read_status(text: str | None) -> dict[str, Any] | None:
         return None
     try:
         raw = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: brackets nested a thousand deep
         return None
     if not isinstance(raw, dict) or not _text(raw.get("phase")):
         return None
@@ -56,9 +59,19 @@ def read_status(text: str | None) -> dict[str, Any] | None:
 
 
 class DemoSource:
-    def __init__(self, url: str, timeout: float):
-        self.fetcher = Fetcher(url, min(DEADLINE_SECONDS, timeout), MAX_BYTES)
+    def __init__(self, url: str, timeout: float, interval: float | None = None):
+        # A quarter of the poll interval at most: a slow (or trickling) phase
+        # endpoint must not push the engine's next poll back.
+        deadline = min(DEADLINE_SECONDS, timeout, interval / 4 if interval else DEADLINE_SECONDS)
+        self.fetcher = Fetcher(url, deadline, MAX_BYTES)
 
     def poll(self) -> dict[str, Any] | None:
-        result = self.fetcher.fetch()
-        return read_status(result.text) if result.ok else None
+        """The strip's fields, or None; never raises: it runs inside the
+        engine's poll, whose state (kvwatch_up) no answer of this endpoint
+        may touch."""
+        try:
+            result = self.fetcher.fetch()
+            return read_status(result.text) if result.ok else None
+        except Exception:  # noqa: BLE001 - a nicety's failure is logged, never the engine's
+            log.debug("the demo's phase endpoint gave an answer kvwatch cannot read", exc_info=True)
+            return None

@@ -40,6 +40,7 @@ import time
 from typing import Any
 
 from kvwatch.exposition import FamilySelector
+from kvwatch.labels import bounded_label
 from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
 from kvwatch.present import origin, public_url
 from kvwatch.signals import TIER_SERIES, TIER_SIGNALS, View, evaluate_tier
@@ -91,7 +92,7 @@ def read_page(page, max_models: int = 1000) -> tuple[dict[str, EngineSnapshot], 
         for suffix, labels, _value in family.samples:
             if suffix not in ("", "_total"):
                 continue
-            model = labels.get("served_model_name") or labels.get("model_name", "")
+            model = bounded_label(labels.get("served_model_name") or labels.get("model_name", ""))
             rank = _rank(labels)
             if model not in chosen or rank < chosen[model]:
                 chosen[model] = rank
@@ -106,7 +107,7 @@ def read_page(page, max_models: int = 1000) -> tuple[dict[str, EngineSnapshot], 
         for suffix, labels, value in family.samples:
             if suffix not in ("", "_total") or not 0.0 <= value < _INF:  # a counter: finite, never below 0
                 continue
-            model = labels.get("served_model_name") or labels.get("model_name", "")
+            model = bounded_label(labels.get("served_model_name") or labels.get("model_name", ""))
             if model not in chosen:
                 continue
             counters = engines.setdefault(model, EngineSnapshot(model, TIER)).counters

@@ -9,7 +9,6 @@ current State and never see a half-built one, and never wait on the engine.
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import threading
 import time
@@ -29,6 +28,7 @@ from kvwatch.kvevents.source import KVEventSource
 from kvwatch.pipeline.demo import DemoSource
 from kvwatch.pipeline.lmcache import LMCacheSource
 from kvwatch.pipeline.upstream import UpstreamSource
+from kvwatch.labels import LABEL_VALUE_MAX_BYTES, bounded_label
 from kvwatch.present import public_host, public_url
 from kvwatch.scrape import Fetcher, FetchResult, failure_sentence
 from kvwatch.settings import Settings
@@ -45,9 +45,10 @@ LATE_FRACTION = 0.1
 MAX_LORA_NAMES = 10_000
 # The adapter names remembered, in bytes as lora_name_bytes counts them: a
 # count alone let 61 polls of one 8 MiB adapter name each hold 490 MB. A name
-# longer than LORA_NAME_MAX_CHARS is remembered by a digest of it.
+# longer than LORA_NAME_MAX_CHARS (bytes: kvwatch.labels' one rule for label
+# values) is remembered by its start and a digest of it.
 MAX_LORA_BYTES = 1024 * 1024
-LORA_NAME_MAX_CHARS = 256
+LORA_NAME_MAX_CHARS = LABEL_VALUE_MAX_BYTES
 LORA_ENTRY_BYTES = 160  # a dict slot, the float and the str header (sys.getsizeof, CPython 3.11)
 
 # A poll allocates a few hundred thousand short-lived objects at 64 engines
@@ -122,6 +123,9 @@ class State:
     # has requests running or waiting: busy, not down (Monitor._busy), with
     # the lateness measured; None otherwise.
     busy: dict[str, Any] | None = None
+    # The engine has not answered since kvwatch started and load_grace has not passed:
+    # a model still loading its weights, not an engine that answered and stopped.
+    engine_starting: bool = True
 
 
 
@@ -182,7 +186,7 @@ class Monitor:
             self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
         self.demo = None
         if settings.demo_target:
-            self.demo = DemoSource(settings.demo_target, settings.fetch_timeout)
+            self.demo = DemoSource(settings.demo_target, settings.fetch_timeout, settings.poll_interval)
         self.kv_events = None
         if settings.kv_events:
             self.kv_events = KVEventSource(settings.kv_events, connect=settings.kv_events_connect,
@@ -212,6 +216,9 @@ class Monitor:
         # current run of busy polls began (None outside one).
         self._last_load: tuple[float, float, float] | None = None
         self._busy_since: float | None = None
+        # Whether the engine has answered once since start, and when start was (engine_starting).
+        self._answered_once = False
+        self._started_monotonic = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one poll at a time (loop or CLI)
@@ -319,6 +326,7 @@ class Monitor:
         self.state = State(
             up=True,
             reason=None,
+            engine_starting=self._starting(answered=True),
             polls=self._polls,
             errors_by_reason=dict(self._errors),
             parse_errors=self._parse_errors,
@@ -406,6 +414,11 @@ class Monitor:
         return self._record_failure(reason, detail, started, result.seconds, time.thread_time() - started_cpu,
                                     sentence)
 
+    def _starting(self, answered: bool) -> bool:
+        """True while the engine has never answered since kvwatch started and load_grace has not passed."""
+        self._answered_once = self._answered_once or answered
+        return not self._answered_once and time.monotonic() - self._started_monotonic < self.settings.load_grace
+
     def _record_failure(self, reason: str, detail: str, started: float, seconds: float, cpu: float,
                         sentence: str = "") -> State:
         self._polls += 1
@@ -430,6 +443,8 @@ class Monitor:
         self.state = State(
             up=False,
             reason=reason,
+            # An engine that answers without its statistics has answered: not loading.
+            engine_starting=self._starting(answered=reason == "no_engine_metrics"),
             detail=sentence or failure_sentence(reason, public_host(self.settings.target),
                                                 self.settings.fetch_timeout),
             polls=self._polls,
@@ -492,7 +507,7 @@ class Monitor:
             self._event(change)
         # Running and waiting adapter lists change with every request; what
         # invalidates comparisons is an adapter never seen before, or max_lora.
-        adapters = {_lora_key(name) for name in _lora_adapters(current.lora)}
+        adapters = {bounded_label(name) for name in _lora_adapters(current.lora)}
         seen = self._lora_seen
         new = sorted(name for name in adapters if name not in seen)
         if seen and new:
@@ -538,15 +553,6 @@ class Monitor:
 def lora_name_bytes(name: str) -> int:
     """What remembering one adapter name costs, as MAX_LORA_BYTES counts it."""
     return LORA_ENTRY_BYTES + len(name)
-
-
-def _lora_key(name: str) -> str:
-    """The name, or for a name longer than LORA_NAME_MAX_CHARS its start and a
-    digest of the whole (the same name keeps the same key)."""
-    if len(name) <= LORA_NAME_MAX_CHARS:
-        return name
-    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-    return f"{name[:64]}...({len(name)} chars, blake2b {digest})"
 
 
 def _lora_adapters(info: dict[str, str] | None) -> set[str]:

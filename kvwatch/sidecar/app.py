@@ -4,21 +4,23 @@ touches the engine."""
 
 from __future__ import annotations
 
-import gzip
 import hmac
 import logging
 import os
-import threading
 
-from fastapi import FastAPI
+import anyio.to_thread
+from fastapi import FastAPI, Request
 from fastapi.middleware.gzip import GZipMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvwatch import __version__
 from kvwatch.sidecar import runbooks_page
 from kvwatch.sidecar.collector import Renderer, make_registry
+from kvwatch.sidecar.renders import (
+    GZIP_LEVEL, GZIP_MIN_BYTES, Exposition, RefusedRenders, accepts_gzip_header, json_route, page_route,
+)
 from kvwatch.sidecar.report import diagnosis_json, replay_text, signals_json
 from kvwatch.sidecar.series import series_json
 from kvwatch.settings import read_auth_token
@@ -31,68 +33,34 @@ log = logging.getLogger("kvwatch")
 
 TEXT = b"text/plain; charset=utf-8"
 
-# Compress the exposition for scrapers that accept gzip (Prometheus asks for
-# it): once per State, like the render. Level 1: at 8 engines 181 KB become
-# 13 KB in 0.5 ms of CPU; level 6 takes 3x that for 14 % fewer bytes.
-GZIP_LEVEL = 1
-
 
 def create_app(monitor, settings=None) -> FastAPI:
     settings = settings or monitor.settings
-    renderer = Renderer(make_registry(monitor))
-    app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None)
+    refused = RefusedRenders()
+    registry = make_registry(monitor)
+    registry.register(refused)
+    # Rendered once per State (kvwatch's own process metrics are then as
+    # fresh as the latest poll), and ahead, in the poll thread, when the
+    # previous poll's exposition was scraped: a Prometheus scraping every
+    # 15 s of a 1 s poll leaves most polls unscraped, and they are never
+    # rendered.
+    exposition = Exposition(Renderer(registry), lambda: monitor.state, refused)
+    monitor.after_poll.append(exposition.render_ahead)
+    app = FastAPI(title="kvwatch", version=__version__, docs_url=None, redoc_url=None, redirect_slashes=False)
     token = TokenFile(settings.auth_token_file) if settings.auth_token_file else None
-
-    # The exposition changes once per poll, not per scrape: render it once per
-    # State and serve those bytes to every scraper until the next poll, so 50
-    # scrapers cost one render, not 50 (kvwatch's own process metrics are then
-    # as fresh as the latest poll). The gzip form is made on the first scrape
-    # that asks for it, also once per State.
-    rendered = {"state": None, "body": b"", "gzip": None, "served": False, "served_gzip": False}
-    render_lock = threading.Lock()
-
-    def exposition(gzipped: bool = False, state=None) -> bytes:
-        state = state or monitor.state
-        with render_lock:
-            if rendered["state"] is not state:
-                rendered["body"] = renderer.render()
-                rendered["gzip"] = None
-                rendered["state"] = state
-                rendered["served"] = rendered["served_gzip"] = False
-            if not gzipped:
-                return rendered["body"]
-            if rendered["gzip"] is None:
-                rendered["gzip"] = gzip.compress(rendered["body"], compresslevel=GZIP_LEVEL, mtime=0)
-            return rendered["gzip"]
-
-    def serve_exposition(gzipped: bool) -> bytes:
-        body = exposition(gzipped)
-        rendered["served"] = True
-        rendered["served_gzip"] |= gzipped
-        return body
-
-    # Render ahead, in the poll thread right after a poll, when the previous
-    # poll's exposition was scraped: then this one most likely will be too,
-    # and the scrapers that come first after a poll need not wait for the
-    # render (at 8 engines 5 ms, for every one of 50 simultaneous scrapers).
-    # A Prometheus scraping every 15 s of a 1 s poll leaves most polls
-    # unscraped, and they are never rendered.
-    def render_ahead(state) -> None:
-        if rendered["served"]:
-            exposition(rendered["served_gzip"], state)
-
-    monitor.after_poll.append(render_ahead)
 
     # The routes below stay FastAPI's (the route list, 405 for other methods,
     # and any path form the front layer does not take); HotPaths answers GET on
     # the first three itself, from the same functions.
+    # Every render runs in the worker threads (sync routes), within the
+    # render bound, and gzips there too (kvwatch/sidecar/renders.py).
     @app.get("/", response_class=HTMLResponse)
-    def index() -> HTMLResponse:
-        return HTMLResponse(render_status_page(monitor.state, settings))
+    def index(request: Request) -> Response:
+        return page_route(lambda: render_status_page(monitor.state, settings), refused, encodings(request))
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(serve_exposition(False), media_type=CONTENT_TYPE_LATEST)
+    def metrics() -> Response:
+        return Response(exposition.serve(False), media_type=CONTENT_TYPE_LATEST)
 
     # The probes take HEAD too: HotPaths answers it (and a 405 for other methods).
     @app.get("/healthz")
@@ -114,23 +82,42 @@ def create_app(monitor, settings=None) -> FastAPI:
         return PlainTextResponse(runbooks_page.markdown_text(), media_type="text/markdown; charset=utf-8")
 
     @app.get("/api/v1/signals")
-    def signals() -> JSONResponse:
-        return JSONResponse(signals_json(monitor.state, settings))
+    def signals(request: Request) -> Response:
+        return json_route(lambda: signals_json(monitor.state, settings), "/api/v1/signals", refused,
+                          encodings(request))
 
     @app.get("/api/v1/diagnosis")
-    def diagnosis() -> JSONResponse:
-        return JSONResponse(diagnosis_json(monitor.state, settings))
+    def diagnosis(request: Request) -> Response:
+        return json_route(lambda: diagnosis_json(monitor.state, settings), "/api/v1/diagnosis", refused,
+                          encodings(request))
 
     @app.get("/api/v1/series")
-    def series() -> JSONResponse:
-        return JSONResponse(series_json(monitor.state, settings))
+    def series(request: Request) -> Response:
+        return json_route(lambda: series_json(monitor.state, settings), "/api/v1/series", refused,
+                          encodings(request))
 
-    # The page and the JSON routes, gzipped for clients that accept it: the
-    # page carries its state (at 8 engines about 150 KB, 20 KB gzipped). The
+    # The other routes (the runbooks), gzipped for clients that accept it; the
+    # page and the JSON routes compress themselves, off the event loop, and the
     # hot paths below answer before this layer and compress /metrics themselves.
-    app.add_middleware(GZipMiddleware, minimum_size=2048, compresslevel=GZIP_LEVEL)
-    app.add_middleware(HotPaths, monitor=monitor, exposition=serve_exposition, token=token)
+    app.add_middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES, compresslevel=GZIP_LEVEL)
+    app.add_middleware(HotPaths, monitor=monitor, exposition=exposition, token=token, paths=route_paths(app))
     return app
+
+
+def route_paths(app: FastAPI) -> frozenset[str]:
+    return frozenset(path for route in app.routes if "{" not in (path := getattr(route, "path", "{")))
+
+
+def slash_redirect(path: str, query: bytes) -> bytes:
+    """Where `/route/` is sent: `../route`, relative, so never to the host
+    a request names (Starlette's own redirect was absolute, built from the
+    Host header), and right behind a proxy's path prefix too."""
+    target = "../" + path[:-1].rsplit("/", 1)[1]
+    return target.encode("latin-1") + (b"?" + query if query else b"")
+
+
+def encodings(request: Request) -> str:
+    return request.headers.get("accept-encoding", "")
 
 
 class HotPaths:
@@ -139,14 +126,16 @@ class HotPaths:
     answered here. Those are what Prometheus and the kubelet call all the
     time; answered here they skip routing, dependency solving and Response
     objects, and /healthz and /readyz skip the thread pool (both are a
-    few attribute reads). Under 50 concurrent scrapers that takes /healthz's
+    few attribute reads). /metrics is served here only when this State's
+    bytes are made; a render waits in a worker thread, never on the event
+    loop that answers the probes. Under 50 concurrent scrapers that takes /healthz's
     p99 from 17-22 to 8 ms and /metrics' from 15-18 to 10-12 ms at one engine
     (docs/performance.md). Anything else, other methods on these paths
     included, goes on to FastAPI as before."""
 
-    def __init__(self, app, monitor, exposition, token: "TokenFile | None"):
+    def __init__(self, app, monitor, exposition, token: "TokenFile | None", paths: frozenset[str] = frozenset()):
         self.app, self.monitor, self.exposition = app, monitor, exposition
-        self.token = token
+        self.token, self.paths = token, paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -167,13 +156,19 @@ class HotPaths:
                 status, text = readiness(self.monitor)
                 await answer(send, status, text.encode(), TEXT, head=True)
             return
+        if path.endswith("/") and path[:-1] in self.paths and scope["method"] in ("GET", "HEAD"):
+            await answer(send, 307, b"", TEXT, [(b"location", slash_redirect(path, scope.get("query_string", b"")))])
+            return
         if scope["method"] == "GET":
             if path == "/metrics":
                 gzipped = accepts_gzip(scope)
                 headers = [(b"vary", b"Accept-Encoding")]
                 if gzipped:
                     headers.append((b"content-encoding", b"gzip"))
-                await answer(send, 200, self.exposition(gzipped), CONTENT_TYPE_LATEST.encode(), headers)
+                body = self.exposition.cached(gzipped)
+                if body is None:
+                    body = await anyio.to_thread.run_sync(self.exposition.serve, gzipped)
+                await answer(send, 200, body, CONTENT_TYPE_LATEST.encode(), headers)
                 return
             if path == "/healthz":
                 await answer(send, 200, b"ok\n", TEXT)
@@ -241,17 +236,8 @@ async def answer(send, status: int, body: bytes, content_type: bytes, headers=()
 def accepts_gzip(scope) -> bool:
     """Whether Accept-Encoding takes gzip with a q above 0 (named, or by *
     when gzip is not named)."""
-    weights = {}
-    for name, value in scope["headers"]:
-        if name == b"accept-encoding":
-            for item in value.decode("latin-1").lower().split(","):
-                coding, *params = (part.strip() for part in item.split(";"))
-                q = next((p[2:] for p in params if p.startswith("q=")), "1")
-                try:
-                    weights[coding] = float(q)
-                except ValueError:
-                    weights[coding] = 0.0
-    return weights.get("gzip", weights.get("*", 0.0)) > 0
+    values = [value.decode("latin-1") for name, value in scope["headers"] if name == b"accept-encoding"]
+    return accepts_gzip_header(",".join(values))
 
 
 # Bounds on kvwatch's own HTTP connections, below the auth check: the image

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from kvwatch import __version__
+from kvwatch.sidecar import renders
 from kvwatch.signals import (
     ENGINE_SERIES, HEALTH_BY_NAME, INFO_KEYS, SIGNALS, STREAM_HEALTH, STREAM_SERIES, STREAM_SIGNALS, STREAM_SIZING,
     TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS,
@@ -84,6 +85,7 @@ class KvwatchCollector(Collector):
             ("kvwatch_up", 1.0 if state.up else 0.0),
             ("kvwatch_stats_disabled", 1.0 if state.reason == "no_engine_metrics" else 0.0),
             ("kvwatch_busy", 1.0 if getattr(state, "busy", None) else 0.0),
+            ("kvwatch_starting", 1.0 if getattr(state, "engine_starting", False) else 0.0),
             ("kvwatch_polls", state.polls),
             ("kvwatch_parse_errors", state.parse_errors), ("kvwatch_dropped_series", state.dropped_series),
             ("kvwatch_poll_duration_seconds", state.poll_seconds),
@@ -348,10 +350,14 @@ class Renderer:
         self.registry = registry
         self._prefixes: dict[tuple, str] = {}
 
-    def render(self) -> bytes:
+    def render(self, limit: int | None = None) -> bytes:
+        """Raises RenderTooLarge once the text passes `limit` characters
+        (RENDER_MAX_BYTES), before the rest of the registry is collected."""
+        limit = renders.RENDER_MAX_BYTES if limit is None else limit
         kept, self._prefixes = self._prefixes, {}
         prefixes = self._prefixes
         output: list[str] = []
+        size = 0
         for metric in self.registry.collect():
             name, kind = metric.name, metric.type
             if kind == "counter":
@@ -373,10 +379,13 @@ class Renderer:
                 if sample.timestamp is not None:
                     line += f" {int(float(sample.timestamp) * 1000):d}"
                 suffix = special.get(sample.name)
+                size += len(line) + 1
                 if suffix is None:
                     output.append(line + "\n")
                 else:
                     moved.setdefault(suffix, []).append(line + "\n")
+                if size > limit:
+                    raise renders.RenderTooLarge("kvwatch's /metrics", limit)
             for suffix, lines in sorted(moved.items()):
                 output.append(f"# HELP {name}{suffix} {help_text}\n# TYPE {name}{suffix} gauge\n")
                 output.extend(lines)

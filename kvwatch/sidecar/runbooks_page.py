@@ -1,6 +1,6 @@
-"""GET /runbooks: kvwatch serves its runbooks itself, so the runbook_url of
-every alert (by default http://<instance>/runbooks#<section>) and the link of
-every finding on the status page work without publishing anything.
+"""GET /runbooks: kvwatch serves its runbooks itself, so the link of every
+finding on the status page works without publishing anything, and an ingress
+in front of it can be the alerts' runbook_base_url (<ingress>/runbooks).
 
 The text is alerts/runbooks.md as `kvwatch generate` writes it for the
 default mixin config (kvwatch/mixin/runbooks.py), rendered once per process

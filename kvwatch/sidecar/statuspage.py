@@ -39,6 +39,7 @@ from typing import Any
 from kvwatch.diagnose.arbitration import DECIDERS
 from kvwatch.diagnose.causes import CAUSE_LIST, NEXT_ACTION, SEVERITIES, SYMPTOM_LIST
 from kvwatch.present import format_value, public_url, signal_columns, signal_label
+from kvwatch.sidecar import renders
 from kvwatch.sidecar.report import caveat_lines, diagnosis_json, signals_json
 from kvwatch.sidecar.series import series_json
 from kvwatch.signals import SIGNALS, SIGNALS_BY_NAME
@@ -167,9 +168,11 @@ def page_meta() -> dict[str, Any]:
     }
 
 
-def _json_for_script(value: Any) -> str:
+def _json_for_script(value: Any, bounded: bool = False) -> str:
     # Inside <script type="application/json"> only "</" could end the element.
-    return json.dumps(value, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    # `bounded`: the state, refused past the render bound before the page is built.
+    text = renders.bounded_json(value, "the status page's state") if bounded else json.dumps(value, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def _e(value: Any) -> str:
@@ -388,6 +391,7 @@ def render_status_page(state, settings, nav: str = "") -> str:
     if _META_JSON is None:
         _META_JSON = _json_for_script(page_meta())
     data = page_state(state, settings)
+    state_json = _json_for_script(data, bounded=True)
     signals, diagnosis = data["signals"], data["diagnosis"]
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
@@ -430,7 +434,7 @@ def render_status_page(state, settings, nav: str = "") -> str:
 </footer>
 </main>
 <script type="application/json" id="kvwatch-meta">{_META_JSON}</script>
-<script type="application/json" id="kvwatch-state">{_json_for_script(data)}</script>
+<script type="application/json" id="kvwatch-state">{state_json}</script>
 <script>{SCRIPT}</script>
 </body></html>
 """

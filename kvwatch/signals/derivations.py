@@ -83,6 +83,11 @@ class Signal:
     # Its recording rule's name parts, `level:metric:operations`: the metric
     # part and the operations ({w} is the rate window).
     record: tuple[str, str] = ("", "")
+    # The labels its twin's output keeps beyond the engine's (its `by`
+    # clause), named in its recording rule's level, and the labels that rule
+    # sets (the TTFT shares' twin is the queue's share: part="queue").
+    output_labels: tuple[str, ...] = ()
+    record_labels: tuple[tuple[str, str], ...] = ()
     # Canonical snapshot keys the signal cannot do without: where one was not
     # on the page the signal is absent, and /api/v1/signals says so (and
     # names the flag, for a config-gated family).
@@ -92,6 +97,9 @@ class Signal:
     display: str = ""
     # GOOD_DIRECTIONS: the side of a threshold a person wants it on.
     good: str | None = None
+    # `help` is one line (the exported # HELP, a panel's description);
+    # where more needs saying, docs/metrics.md shows this instead.
+    doc: str = ""
 
 
 def _clamp01(value: float | None) -> float | None:

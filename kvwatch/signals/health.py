@@ -90,6 +90,10 @@ HEALTH: tuple[HealthFamily, ...] = (
                  "not within the deadline shortly after a page (busy_timeout_seconds), while requests ran or waited; "
                  "kvwatch_page_late_seconds says how late (for a timeout, the deadline waited: at least). 0 "
                  "otherwise; KvwatchEngineUnreachable leaves a busy engine out.", good="low"),
+    HealthFamily("kvwatch_starting", "gauge", (),
+                 "1 while the engine has not answered /metrics since kvwatch started and load_grace has not passed "
+                 "(a model loading its weights: starting, not down); 0 once it answered, for good, or after the "
+                 "grace. KvwatchEngineUnreachable leaves a starting engine out.", good="low"),
     HealthFamily("kvwatch_poll_cpu_seconds", "gauge", (),
                  "CPU time of the latest poll (fetch, parse, signals, diagnosis).", good="low"),
     HealthFamily("kvwatch_last_success_timestamp_seconds", "gauge", (), "Unix time of the latest successful poll."),
@@ -119,6 +123,10 @@ HEALTH: tuple[HealthFamily, ...] = (
                  "1 for each cause an active finding cannot be told apart from, once per source that would decide "
                  "(`decided_by`: kv_cache_metrics, kv_events, request_lengths); absent when the finding is decided.",
                  good=None),
+    HealthFamily("kvwatch_renders_refused", "counter", ("route",),
+                 "Renders of kvwatch's own routes (route: /metrics, /, /api/v1/*) refused because they passed the "
+                 "render bound (16 MiB): /metrics then serves this counter alone, the page and the JSON routes "
+                 "answer 503 with one sentence. Hostile label values, not a fleet, get there.", good="low"),
     # Untyped: Prometheus' lint refuses a `quantile` label on a gauge, and the
     # label names the quantile it marks (Prometheus stores it as a gauge).
     HealthFamily("kvwatch_source_fault", "gauge", ("family", "fault") + IDENTITY,

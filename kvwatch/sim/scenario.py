@@ -1,6 +1,9 @@
 """Scenario files: an engine configuration and a sequence of timed phases, each
 with a workload (and optionally changed runtime engine knobs). Shipped scenarios
-live in `kvwatch/scenarios/*.yaml`; any other path works too.
+live in `kvwatch/scenarios/*.yaml` and are read from the package by name
+(`healthy`), whatever the current directory holds; a file of your own is read
+only by a path that says it is one: with a slash, or ending in .yaml or .yml
+(`./demo`, `my.yaml`).
 
 A phase changes what it names; everything else carries over from the phase
 before it (the first phase starts from the top-level `workload`). Loading
@@ -9,6 +12,7 @@ reports every problem in the file at once, each with its location.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -235,15 +239,35 @@ def list_scenarios() -> list[tuple[str, str]]:
     return out
 
 
+# A scenario file is a few KiB; a path to /dev/zero or a FIFO must not hang.
+MAX_SCENARIO_BYTES = 1024 * 1024
+
+
+def is_scenario_path(name_or_path: str | Path) -> bool:
+    """Whether the text names a file of the user's (a slash, or a .yaml or
+    .yml ending) rather than a shipped scenario: a bare name is always the
+    package's, so a `demo/` folder or a file `healthy` in the current
+    directory never shadows one."""
+    source = str(name_or_path)
+    return isinstance(name_or_path, Path) or "/" in source or os.sep in source \
+        or source.endswith((".yaml", ".yml"))
+
+
 def load_scenario(name_or_path: str | Path) -> Scenario:
     """A shipped scenario by name (`healthy`), or a YAML file by path."""
     text = None
     source = str(name_or_path)
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists() or "/" in source:
-        if not path.is_file():
-            raise ScenarioError(source, [f"no such scenario file: {source}"])
-        text = path.read_text(encoding="utf-8")
+    if is_scenario_path(name_or_path):
+        try:
+            text = units.read_small_file(source, MAX_SCENARIO_BYTES).decode("utf-8")
+        except FileNotFoundError:
+            raise ScenarioError(source, [f"no such scenario file: {source}"]) from None
+        except OSError as exc:
+            raise ScenarioError(source, [f"cannot read it: {exc.strerror or exc}"]) from None
+        except UnicodeDecodeError as exc:
+            raise ScenarioError(source, [f"not UTF-8 text (byte {exc.start})"]) from None
+        except ValueError as exc:
+            raise ScenarioError(source, [str(exc)]) from None
     else:
         entry = _builtin_dir().joinpath(f"{source}.yaml")
         if not entry.is_file():

@@ -21,26 +21,19 @@ from pathlib import Path
 
 import yaml
 
+from kvwatch.diagnose.causes import ALERT_LIST
+from kvwatch.mixin.paging import DEFAULT_SEVERITIES, PREEMPTING_SUFFIX
+
 HERE = Path(__file__).resolve().parent
-ALERT_NAMES = ("VllmKvCacheExhausted", "VllmKvCacheExhaustionSoon", "VllmPrefixCacheHitRateLow", "VllmTimeToFirstTokenSlow",
-               "KvwatchDown", "KvwatchEngineUnreachable", "VllmFleetReplicaOutlier", "VllmEngineStatsDisabled",
-               "VllmEngineStuck")
-SYMPTOM = {"VllmKvCacheExhausted": "exhaustion", "VllmKvCacheExhaustionSoon": "exhaustion",
-           "VllmPrefixCacheHitRateLow": "low_hit_rate",
-           "VllmTimeToFirstTokenSlow": "slow_first_token", "VllmFleetReplicaOutlier": "fleet",
-           "VllmEngineStuck": "stuck"}
-SEVERITY = {
-    "concurrency_beyond_capacity": "warning", "long_requests": "warning", "usage_rising": "warning",
-    "caching_disabled": "info",
-    "cold_cache": "info", "no_reuse": "info", "prefix_changed": "warning", "eviction_before_reuse": "warning",
-    "queueing_kv_bound": "warning", "queueing_compute_bound": "warning", "prefill": "warning",
-    "front_end": "warning", "upstream": "warning", "preemption": "warning", "kvwatch_unreachable": "warning", "kvwatch_absent": "warning",
-    "engine_unreachable": "critical", "stats_disabled": "warning",
-    "imbalance": "warning", "lost_prefix_affinity": "warning", "cold_replica": "info",
-    "requests_stalled": "critical", "kv_held_idle": "warning",
-}
-# Exhaustion while vLLM preempts (the diagnosis' critical finding).
-PREEMPTING = "warning"
+# The alert names, symptoms and severities come from the records the rules
+# are generated from (kvwatch/diagnose/causes.py): the cases say only when
+# an alert should fire, never what the catalogue already says.
+ALERT_NAMES = tuple(alert.name for alert in ALERT_LIST)
+SYMPTOM = {alert.name: alert.symptom for alert in ALERT_LIST if alert.symptom}
+SEVERITY = DEFAULT_SEVERITIES
+# An expectation's severity for an exhaustion cause while vLLM preempts: its
+# `<cause>_preempting` severity (by default the same as without).
+PREEMPTING = "preempting"
 TARGET = {"namespace": "llm", "job": "kvwatch", "instance": "10.0.0.1:9400"}
 ENGINE = {**TARGET, "model_name": "m", "engine": "0"}
 MINUTES = 120  # samples per series, one a minute
@@ -94,6 +87,7 @@ class Engine:
     up: str | None = const(1)
     kvwatch_up: str | None = const(1)
     stats_disabled: str | None = None
+    starting: str | None = None  # kvwatch_starting
     # kvwatch's own findings: (symptom, cause, severity, values) each a kvwatch_finding series.
     findings: tuple = ()
 
@@ -108,6 +102,7 @@ class Engine:
         add("up", self.up, target)
         add("kvwatch_up", self.kvwatch_up, target)
         add("kvwatch_stats_disabled", self.stats_disabled, target)
+        add("kvwatch_starting", self.starting, target)
         for symptom, cause, severity, values in self.findings:
             add("kvwatch_finding", values, {**self.labels, "symptom": symptom, "cause": cause, "severity": severity})
         add("kvwatch_engine_info", self.info, {**self.labels, "enable_prefix_caching": self.caching,
@@ -178,9 +173,16 @@ class Case:
     extra_series: list[dict] = field(default_factory=list)
 
 
+def expected_severity(cause: str, severity: str | None = None) -> str:
+    """The severity an expectation names: the cause's, its preempting one, or one given."""
+    if severity == PREEMPTING:
+        return SEVERITY[cause + PREEMPTING_SUFFIX]
+    return severity or SEVERITY[cause]
+
+
 def _labels_of(alert: str, cause: str, labels: dict, severity: str | None = None) -> dict:
     out = dict(labels)
-    out.update({"severity": severity or SEVERITY[cause], "cause": cause})
+    out.update({"severity": expected_severity(cause, severity), "cause": cause})
     if alert in SYMPTOM:
         out["symptom"] = SYMPTOM[alert]
     return out
@@ -216,6 +218,7 @@ def default_cases() -> list[Case]:
     """Against the default config: rate window 5m, for 10m (exhaustion,
     TTFT), 15m (hit rate), 5m (health); cold window 30m; baseline 1h. Engines
     exist from minute 0, so they are cold until minute 30."""
+    silent = dict(info=None, usage=None, running=None, waiting=None, preemptions=None, prompt_tokens=None)
     busy = dict(usage=const(0.98), preemptions=rate(6), running=const(8), waiting=const(12))
     def old_engine_hit(ratio: float, queried_per_minute: float = 20000, **kw) -> Engine:
         return Engine(**hits(ratio, queried_per_minute), **kw)
@@ -416,6 +419,16 @@ def default_cases() -> list[Case]:
              [Engine(kvwatch_up=const(0), stats_disabled=const(1), info=None, usage=None, running=None,
                      waiting=None, preemptions=None, prompt_tokens=None)], "10m",
              [("VllmEngineStatsDisabled", "stats_disabled", TARGET)]),
+        # --- starting is not down: an engine loading its weights has not answered since kvwatch started --
+        *[Case(f"an engine that takes 15 minutes to start pages nothing (at {at})",
+               [Engine(kvwatch_up="0x15 1x104", starting="1x15 0x104", **silent)], at, [])
+          for at in ("10m", "15m", "22m")],
+        Case("an engine that answered once, then stopped -> KvwatchEngineUnreachable",
+             [Engine(kvwatch_up="1x20 0x99", starting=const(0), **silent)], "30m",
+             [("KvwatchEngineUnreachable", "engine_unreachable", TARGET)]),
+        Case("an engine silent past the load grace -> KvwatchEngineUnreachable",
+             [Engine(kvwatch_up=const(0), starting="1x30 0x89", **silent)], "40m",
+             [("KvwatchEngineUnreachable", "engine_unreachable", TARGET)]),
         Case("a down blip shorter than for: (5m) -> nothing",
              [Engine(up="1x5 0x3 1x112")], "10m", []),
         # --- stuck: routed by kvwatch's own finding (diagnose/stuck.py already waited stuck_seconds) --

@@ -51,6 +51,7 @@ target: {{ printf "http://127.0.0.1:%d/metrics" (int $s.vllmPort) }}
 poll_interval: {{ $s.pollInterval }}
 window: {{ $s.window }}
 log_level: {{ $s.logLevel }}
+load_grace: {{ $s.loadGrace }}
 {{- if $s.kvEvents.enabled }}
 kv_events: {{ printf "tcp://127.0.0.1:%d" (int $s.kvEvents.port) }}
 {{- end }}
