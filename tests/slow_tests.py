@@ -122,7 +122,6 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
         "test_output_is_deterministic",
     ),
     "test_mixin_grafana_alerts.py": (
-        "test_every_alert_links_its_runbook_by_default_on_the_kvwatch_that_raised_it",
         "test_panel_references_point_at_existing_panels",
         "test_runbook_links_resolve_to_sections",
     ),
