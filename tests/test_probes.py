@@ -8,6 +8,7 @@ held: the ordering is the assertion, no clock is read.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -184,3 +185,44 @@ def test_json_and_pages_within_the_bound_are_unchanged_and_gzipped_off_the_loop(
     assert packed.headers["content-encoding"] == "gzip" and "content-encoding" not in plain.headers
     page = client.get("/", headers={"Accept-Encoding": "gzip"})
     assert page.status_code == 200 and page.headers["content-encoding"] == "gzip" and "kvwatch-state" in page.text
+
+
+class CountingExposition:
+    """An exposition whose bytes are not made until one serve() has run;
+    counts the serve() calls (each one a worker thread's hop and a wait on
+    the render's lock)."""
+
+    def __init__(self):
+        self.made: bytes | None = None
+        self.serves = 0
+
+    def cached(self, gzipped: bool) -> bytes | None:
+        return self.made
+
+    def serve(self, gzipped: bool) -> bytes:
+        self.serves += 1
+        self.made = b"kvwatch_up 1\n"
+        return self.made
+
+
+def test_concurrent_scrapers_of_an_unrendered_state_take_one_worker_thread():
+    exposition = CountingExposition()
+    hot = sidecar_app.HotPaths(app=None, monitor=None, exposition=exposition, token=None)
+    scope = {"type": "http", "path": "/metrics", "method": "GET", "headers": [], "query_string": b""}
+
+    async def scrape() -> bytes:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await hot(scope, None, send)
+        return b"".join(message.get("body", b"") for message in sent)
+
+    async def burst() -> list[bytes]:
+        return await asyncio.gather(*(scrape() for _ in range(50)))
+
+    bodies = asyncio.run(burst())
+    # Each scraper hopped to a thread to queue on the render's lock: 50.
+    assert exposition.serves == 1
+    assert bodies == [b"kvwatch_up 1\n"] * 50
