@@ -77,6 +77,15 @@ class _PageReading:
         else:
             found[token] = value
 
+    def claim(self, key: str, name: str) -> Family | None:
+        """The family `name`, recorded as the source of `key`, when the page
+        has samples of it."""
+        family = self.families.get(name)
+        if family is None or not family.samples:
+            return None
+        self.snapshot.sources[key] = name
+        return family
+
     def engine_of(self, labels: dict[str, str]) -> EngineSnapshot | None:
         engines = self.snapshot.engines
         key = self.series.engine_key(labels)
@@ -145,12 +154,8 @@ class _PageReading:
                         self.add_part(parts, engine, f"{key}/{bounded_label(labels.get(dimension, ''))}",
                                       series.other(labels)[1], value, family.name)
         for key, (name, dimension, wanted) in COUNTER_FALLBACKS.items():
-            if key in snapshot.sources:
+            if key in snapshot.sources or (family := self.claim(key, name)) is None:
                 continue
-            family = families.get(name)
-            if family is None or not family.samples:
-                continue
-            snapshot.sources[key] = name
             for suffix, labels, value in family.samples:
                 if (suffix == "_total" or suffix == "") and value == value and labels.get(dimension) == wanted:
                     engine = self.engine_of(labels)
@@ -167,12 +172,8 @@ class _PageReading:
                     if engine is not None:
                         self.add_part(parts, engine, key, token, histogram, family.name)
         for key, (name, dimension, wanted) in HISTOGRAM_FALLBACKS.items():
-            if key in snapshot.sources:
+            if key in snapshot.sources or (family := self.claim(key, name)) is None:
                 continue
-            family = families.get(name)
-            if family is None or not family.samples:
-                continue
-            snapshot.sources[key] = name
             for token, labels, histogram in _histograms(family, self.errors, series):
                 if labels.get(dimension) == wanted:
                     engine = self.engine_of(labels)
@@ -181,12 +182,10 @@ class _PageReading:
 
     def engine_and_model_only(self) -> None:
         """Gauges only the engine label names, and counters only the model's (on its first engine)."""
-        families, snapshot, engines = self.families, self.snapshot, self.snapshot.engines
+        engines = self.snapshot.engines
         for key, name in ENGINE_ONLY_GAUGES.items():
-            family = families.get(name)
-            if family is None or not family.samples:
+            if (family := self.claim(key, name)) is None:
                 continue
-            snapshot.sources[key] = name
             for suffix, labels, value in family.samples:
                 if suffix == "" and value == value:
                     number = bounded_label(labels.get("engine", "0"))
@@ -194,10 +193,8 @@ class _PageReading:
                         if engine.engine == number:
                             _fold_max(engine.gauges, key, value)
         for key, (name, dimension) in MODEL_ONLY_COUNTERS.items():
-            family = families.get(name)
-            if family is None or not family.samples:
+            if (family := self.claim(key, name)) is None:
                 continue
-            snapshot.sources[key] = name
             first_engine: dict[str, EngineSnapshot] = {}
             for engine in engines.values():
                 held = first_engine.get(engine.model)
