@@ -1,13 +1,15 @@
 """Presentation helpers shared by the status page, the CLI and the reports:
 URLs as a person or a scraper may read them (never with credentials), values
 and evidence as a person reads them, and JSON without the floats JSON cannot
-carry. They read nothing but their arguments (and the catalogue's labels)."""
+carry. They read nothing but their arguments (and the catalogue's labels),
+but for Throttle, which remembers when each kind of thing was last said."""
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any
+import time
+from typing import Any, Callable, Hashable
 from urllib.parse import urlsplit, urlunsplit
 
 from kvwatch.signals.catalogue import SIGNALS_BY_NAME, UNITS
@@ -200,3 +202,26 @@ class TerminalText:
 
     def __getattr__(self, name: str):  # isatty, encoding, ...: the stream's own
         return getattr(self.out, name)
+
+
+class Throttle:
+    """Whether a kind of thing may be said again now: at most once every
+    `seconds` per kind, remembering at most `max_kinds` (a new kind past
+    them waits until one has been quiet that long). Callers hold their lock."""
+
+    def __init__(self, seconds: float, max_kinds: int = 64, clock: Callable[[], float] = time.monotonic):
+        self.seconds, self.max_kinds, self.clock = seconds, max_kinds, clock
+        self.said: dict[Hashable, float] = {}
+
+    def ready(self, kind: Hashable) -> bool:
+        now = self.clock()
+        last = self.said.get(kind)
+        if last is not None and now - last < self.seconds:
+            return False
+        if last is None and len(self.said) >= self.max_kinds:
+            for quiet in [k for k, at in self.said.items() if now - at >= self.seconds]:
+                del self.said[quiet]
+            if len(self.said) >= self.max_kinds:
+                return False
+        self.said[kind] = now
+        return True

@@ -203,7 +203,7 @@ def test_each_malformed_kind_is_logged_once_a_minute_without_a_traceback(caplog)
     # A stored event whose token ids (never decoded, but skipped) nest 1,000 deep: 1 KB.
     nested = b"\x92\xcb" + bytes(8) + b"\x91\x94\xabBlockStored\x90\xc0" + b"\x91" * 1000 + b"\x00"
     clock = [0.0]
-    source._log_clock = lambda: clock[0]
+    source._malformed_log.clock = lambda: clock[0]
     with caplog.at_level(logging.DEBUG, logger="kvwatch"):
         for seq in range(200):
             source.feed(seq, nested if seq % 2 else b"\xc1" * (seq + 1), now=1.0)

@@ -36,6 +36,7 @@ from kvwatch.kvevents.endpoint import ipc_path_problem
 from kvwatch.kvevents.ledger import (DEFAULT_TABLE_BYTES, ENTRY_BYTES, RETURN_BOUNDS, Ledger, Totals,
                                      bucket_upper, curve)
 from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
+from kvwatch.present import Throttle
 
 log = logging.getLogger("kvwatch")
 
@@ -138,8 +139,7 @@ class KVEventSource:
         self._sequence_time: float | None = None  # when the last sequence number was read
         self._sequence_noted: float | None = None  # when a restart or jump was last filed
         self.jumps = 0  # impossible jumps forward (counted in restarts too)
-        self._malformed_logged: dict[str, float] = {}  # kind -> when last logged
-        self._log_clock: Callable[[], float] = time.monotonic
+        self._malformed_log = Throttle(MALFORMED_LOG_SECONDS, MAX_MALFORMED_KINDS)
         # (time, the ledger's totals, (missed, dropped, messages)) at each poll,
         # as long as the window and at most MAX_CHECKPOINTS (a few KB each: past
         # it the oldest goes and the window's `seconds` says what is covered).
@@ -424,19 +424,8 @@ class KVEventSource:
     def _malformed(self, sentence: str) -> None:
         self.malformed += 1
         self.last_malformed = sentence
-        kind = _NUMBERS.sub("N", sentence)
-        now = self._log_clock()
-        logged = self._malformed_logged
-        last = logged.get(kind)
-        if last is not None and now - last < MALFORMED_LOG_SECONDS:
-            return
-        if last is None and len(logged) >= MAX_MALFORMED_KINDS:
-            for old in [k for k, at in logged.items() if now - at >= MALFORMED_LOG_SECONDS]:
-                del logged[old]
-            if len(logged) >= MAX_MALFORMED_KINDS:
-                return
-        logged[kind] = now
-        log.info("KV-cache events: %s", sentence)
+        if self._malformed_log.ready(_NUMBERS.sub("N", sentence)):
+            log.info("KV-cache events: %s", sentence)
 
     def _change(self, now: float, kind: str, detail: str) -> None:
         self._changes.append((now, kind, detail))

@@ -16,13 +16,13 @@ import html
 import json
 import logging
 import threading
-import time
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
+from kvwatch.present import Throttle
 from kvwatch.signals import HEALTH_BY_NAME
 
 log = logging.getLogger("kvwatch")
@@ -53,17 +53,15 @@ class RefusedRenders(Collector):
 
     def __init__(self):
         self.counts = dict.fromkeys(ROUTES, 0)
-        self.logged: dict[str, float] = {}
+        self.logged = Throttle(LOG_EVERY_SECONDS)
         self.lock = threading.Lock()
 
     def count(self, route: str, exc: RenderTooLarge) -> None:
         """Count the refusal; log it once a minute per route at most."""
-        now = time.monotonic()
         with self.lock:
             self.counts[route] = self.counts.get(route, 0) + 1
-            if now - self.logged.get(route, -LOG_EVERY_SECONDS) < LOG_EVERY_SECONDS:
+            if not self.logged.ready(route):
                 return
-            self.logged[route] = now
         log.warning("%s", exc)
 
     def family(self) -> CounterMetricFamily:
