@@ -30,7 +30,7 @@ import operator
 import re
 from sys import getsizeof as _getsizeof
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 # Suffixes a sample name may carry on top of its family's base name: those of
 # 0.0.4 and OpenMetrics (`_info` of an info metric, `_gcount` and `_gsum` of a
@@ -204,7 +204,10 @@ class FamilySelector:
             self._text_plan, self._unplanned = None, plan.layout
         # The leading newline lets the first line match like any other; the
         # trailing one ends a last line that has no newline of its own.
-        found = self._scanner.findall("\n" + text + "\n")
+        scanner = self._scanner
+        if scanner is None:
+            return None
+        found = scanner.findall("\n" + text + "\n")
         line_count = text.count("\n") + 1
         if not found:
             return Page({}, [], line_count)
@@ -222,7 +225,7 @@ class FamilySelector:
             else:
                 if layout is not self._unplanned and self._text_plan is None:
                     # The layout's second page: plan the next ones from its text.
-                    self._text_plan = _TextPlan.of(text, self._scanner, layout)
+                    self._text_plan = _TextPlan.of(text, scanner, layout)
                     if self._text_plan is None:
                         self._unplanned = layout
                 return page
@@ -256,7 +259,7 @@ class FamilySelector:
             brace = series.find("{")
             if brace == -1:
                 name = series
-                labels = {}
+                labels: dict[str, str] | None = {}
             else:
                 name = series[:brace]
                 block = series[brace + 1:-1]
@@ -281,7 +284,7 @@ class FamilySelector:
                 if family is None:
                     family = families[base] = Family(base, spelling=_prefix_of(name, base))
                 family_base = base
-            family.samples.append((suffix, labels, number))
+            family.samples.append((suffix, labels, number))  # type: ignore[union-attr,arg-type]  # set above: base is new at first
             owners.append(base)
         return True
 
@@ -445,9 +448,10 @@ class _Layout:
             numbers[owner].append(number)
         self.families = []
         for name, family in families.items():
-            where: slice | tuple[int, ...] = tuple(numbers[name])
-            if where and where[-1] - where[0] == len(where) - 1:
-                where = slice(where[0], where[-1] + 1)
+            at = tuple(numbers[name])
+            where: slice | tuple[int, ...] = at
+            if at and at[-1] - at[0] == len(at) - 1:
+                where = slice(at[0], at[-1] + 1)
             entry = (name, family.type, family.spelling, tuple(s[0] for s in family.samples),
                      tuple(s[1] for s in family.samples), where)
             self.families.append(entry)
@@ -467,7 +471,8 @@ class _Layout:
         families: dict[str, Family] = {}
         for entry in self.families:
             name, type_, spelling, suffixes, labels, where = entry
-            if type(where) is slice:
+            values: Sequence[float]
+            if isinstance(where, slice):
                 values = numbers[where]
             elif len(where) == 1:
                 values = (numbers[where[0]],)
@@ -577,7 +582,7 @@ class _TextPlan:
         if (len(lines) != self.line_count or not all(map(str.startswith, lines, self.starts))
                 or self.whole_at(lines) != self.whole):
             return None
-        tokens = list(map(operator.getitem, self.token_at(lines), self.token_slices))
+        tokens: list[str] = list(map(operator.getitem, self.token_at(lines), self.token_slices))
         if "\x20" in "\n".join(tokens) or self.pick_exact(tokens) != self.exact:
             return None
         values = self.pick_values(tokens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Protocol, overload
 from urllib.parse import urlsplit, urlunsplit
 
 from kvwatch.signals.catalogue import SIGNALS_BY_NAME, UNITS
@@ -21,6 +21,10 @@ from kvwatch.snapshot import bounded_text
 # --------------------------------------------------------------------------
 
 
+@overload
+def public_url(url: str) -> str: ...
+@overload
+def public_url(url: None) -> None: ...
 def public_url(url: str | None) -> str | None:
     """The URL without credentials, for anything a user or scraper can read."""
     if not url:
@@ -185,6 +189,12 @@ def printable(text: Any, keep_lines: bool = False) -> str:
     lines). `keep_lines`: newline and tab stay (kvwatch's own reports)."""
     pattern = _CONTROL_BUT_LINES if keep_lines else _CONTROL
     return pattern.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
+
+class TextOut(Protocol):
+    """What the reports write to: a stream, or TerminalText over one."""
+
+    def write(self, text: str, /) -> int: ...
 
 
 class TerminalText:

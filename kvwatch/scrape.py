@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 from urllib.parse import unquote, urlsplit
 
@@ -210,14 +210,17 @@ class Fetcher:
             return self._fail("error", message, started, sentence=message)
         except requests.exceptions.RequestException as exc:
             return self._fail("error", _safe(exc), started)
-        answer = self._plain.get(request, self.timeout, deadline, self.max_body_bytes)
+        plain = self._plain
+        if plain is None:  # a cookie moved the polls to the session meanwhile
+            return self._fail("error", "the plain-HTTP connection was closed", started)
+        answer = plain.get(request, self.timeout, deadline, self.max_body_bytes)
         if answer.failure is not None:
             sentence = answer.sentence.format(host=public_host(self.url)) if answer.sentence else None
             return self._fail(answer.failure[0], answer.failure[1], started, sentence=sentence)
         if answer.sets_cookie:
             # The session keeps cookies and sends them back; this path does
             # not: the next polls go through the session.
-            self._plain.close()
+            plain.close()
             self._plain = None
         status = answer.status
         if status != 200:
@@ -328,7 +331,7 @@ _END = h11.EndOfMessage()  # a GET's end: no body
 @dataclass(slots=True)
 class _Answer:
     status: int = 0
-    headers: dict = None  # lower-cased names; a repeated header keeps its last value
+    headers: dict[str, str] = field(default_factory=dict)  # lower-cased names; a repeated header keeps its last value
     body: bytes = b""
     sets_cookie: bool = False
     failure: tuple[str, str] | None = None  # (reason, detail), as the session's path names them
@@ -371,7 +374,7 @@ class _PlainHTTP:
     def _request(self, request: requests.PreparedRequest) -> tuple[h11.Request, tuple[str, int]]:
         key = (request.url, tuple(request.headers.items()))
         if self._sent is None or self._sent[0] != key:
-            url = urllib3.util.parse_url(request.url)
+            url = urllib3.util.parse_url(request.url or "")
             port = url.port or 80
             host = url.host or ""
             headers = [("Host", host if port == 80 else f"{host}:{port}"), *request.headers.items()]
@@ -383,7 +386,7 @@ class _PlainHTTP:
             self._where = f"host={host!r}, port={port}, url: {request.path_url}"
         return self._sent[1], self._sent[2]
 
-    def _detail(self, exc: BaseException) -> str:
+    def _detail(self, exc: Exception) -> str:
         return f"{_safe(exc)} ({self._where})"
 
     def get(self, request: requests.PreparedRequest, timeout: float, deadline: float, cap: int) -> _Answer:
@@ -394,13 +397,15 @@ class _PlainHTTP:
         except (UnicodeEncodeError, ValueError, urllib3.exceptions.LocationParseError) as exc:
             return _Answer(failure=("error", self._detail(exc)))
         reused = self.sock is not None
-        if reused and _dropped(self.sock):
+        if self.sock is not None and _dropped(self.sock):
             self.close()
             reused = False
         answer = self._exchange(event, address, timeout, deadline, cap, reused)
         if answer is None:  # the kept connection had been closed: once more on a new one
             self.close()
             answer = self._exchange(event, address, timeout, deadline, cap, False)
+        if answer is None:  # a new connection is never retried: _exchange answers it
+            answer = _Answer(failure=("disconnected", "the server closed the connection without an answer"))
         if answer.failure is not None or answer.status != 200:
             self.close()
         return answer
@@ -425,11 +430,12 @@ class _PlainHTTP:
                   reused: bool) -> _Answer | None:
         if self.sock is None and (refused := self._connect(address, timeout)) is not None:
             return refused
-        _Watchdog.watch(self.sock)
+        sock, http = self._live()
+        _Watchdog.watch(sock)
         self._received = 0
         try:
-            self.sock.settimeout(timeout)
-            self.sock.sendall(self.http.send(event) + self.http.send(_END))
+            sock.settimeout(timeout)
+            sock.sendall((http.send(event) or b"") + (http.send(_END) or b""))
             head = self._head()
         except (socket.timeout, TimeoutError):
             return _Answer(failure=("timeout", f"no response within {timeout:g}s"))
@@ -450,16 +456,23 @@ class _PlainHTTP:
             self.close()
         return answer
 
+    def _live(self) -> tuple[socket.socket, h11.Connection]:
+        """The open connection; one closed meanwhile reads as ended."""
+        if self.sock is None or self.http is None:
+            raise _Ended("the connection was closed")
+        return self.sock, self.http
+
     def _read(self) -> int:
         """Hands h11 what the socket holds, up to CHUNK bytes; 0: the server
         closed (h11 judges it: the end of a close-delimited body, or a cut)."""
-        data = self.sock.recv(CHUNK)
+        sock, http = self._live()
+        data = sock.recv(CHUNK)
         self._received += len(data)
-        self.http.receive_data(data)
+        http.receive_data(data)
         return len(data)
 
     def _next_event(self):
-        while (event := self.http.next_event()) is h11.NEED_DATA:
+        while (event := self._live()[1].next_event()) is h11.NEED_DATA:
             self._read()
         return event
 
@@ -470,7 +483,7 @@ class _PlainHTTP:
             if not self._read():
                 raise _Ended("RemoteDisconnected: the server closed the connection without an answer"
                              if not self._received else "the server closed the connection within the headers")
-            while (event := self.http.next_event()) is not h11.NEED_DATA:
+            while (event := self._live()[1].next_event()) is not h11.NEED_DATA:
                 if type(event) is h11.Response:
                     return event
                 # an interim answer (100 Continue): the real one follows
@@ -505,7 +518,7 @@ class _PlainHTTP:
         line end, a second answer nobody asked for): that would be read as
         the next answer."""
         http = self.http
-        if http.our_state is not h11.DONE or http.their_state is not h11.DONE or http.trailing_data[0]:
+        if http is None or http.our_state is not h11.DONE or http.their_state is not h11.DONE or http.trailing_data[0]:
             return False
         http.start_next_cycle()
         return True
@@ -630,7 +643,7 @@ def _shutdown(sock: socket.socket) -> None:
         pass  # already closed
 
 
-class _WatchedConnectionMixin:
+class _WatchedConnectionMixin(urllib3.connection.HTTPConnection):
     # A new connection is watched from its TCP connect on (TLS handshake
     # included); a reused keep-alive connection from its next response on.
     def _new_conn(self):

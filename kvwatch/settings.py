@@ -346,7 +346,7 @@ def default_text(key: str) -> str:
     true/false, an unset one as `none`."""
     if key in DEFAULT_RULES:
         return DEFAULT_RULES[key]
-    value = next(f for f in fields(Settings) if f.name == key).default
+    value: Any = next(f for f in fields(Settings) if f.name == key).default
     parser = PARSERS[key]
     if value is None:
         return "none"
@@ -371,11 +371,12 @@ def env_name(key: str) -> str:
 def load_settings(
     config_file: str | None = None,
     overrides: dict[str, Any] | None = None,
-    environ: dict[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """Build Settings from file, environment and flag overrides (None values in
     overrides mean "not given"). Raises SettingsError listing every problem."""
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
     problems: list[str] = []
     # Each setting's raw value and where it came from; a later source wins.
     raw: dict[str, tuple[Any, str]] = {}
@@ -458,7 +459,7 @@ def _combination_problems(settings: Settings, values: dict[str, Any]) -> list[st
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         problems.append("tls_cert_file and tls_key_file must be given together")
     elif settings.tls_cert_file and "tls_cert_file" in values and "tls_key_file" in values:
-        problem = _tls_pair_problem(settings.tls_cert_file, settings.tls_key_file)
+        problem = _tls_pair_problem(settings.tls_cert_file, settings.tls_key_file or "")
         if problem:
             problems.append(problem)
     if settings.bearer_token_file and urlsplit(settings.target).username is not None:

@@ -131,7 +131,7 @@ def _histogram_init(self: Histogram, bounds: tuple[float, ...], cumulative: tupl
     _set_count(self, count)
 
 
-Histogram.__init__ = _histogram_init
+Histogram.__init__ = _histogram_init  # type: ignore[method-assign]  # the faster __init__ above
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, overload
 
 from kvwatch import units
 from kvwatch.snapshot import EngineSnapshot, Histogram
@@ -102,6 +102,10 @@ class Signal:
     doc: str = ""
 
 
+@overload
+def _clamp01(value: float) -> float: ...
+@overload
+def _clamp01(value: None) -> None: ...
 def _clamp01(value: float | None) -> float | None:
     # Usage outside 0..1 never reaches here (kvwatch.engines.plausible.screen takes it
     # out of the snapshot as a source fault); this only keeps arithmetic on a
@@ -640,8 +644,8 @@ def _storage_unweighed(view: View, values: Mapping[str, object]) -> dict[str, st
 
 
 def _offload_lookup_delay(view: View) -> dict[str, float] | None:
-    found = {kind: _histogram_mean(view, key) for kind, key in _LOOKUP_DELAYS}
-    found = {kind: value for kind, value in found.items() if value is not None}
+    means = {kind: _histogram_mean(view, key) for kind, key in _LOOKUP_DELAYS}
+    found = {kind: value for kind, value in means.items() if value is not None}
     return found or None
 
 

@@ -9,6 +9,7 @@ import itertools
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kvwatch.signals.catalogue import SIGNALS, SIGNALS_BY_NAME, TIER_SIGNALS
 from kvwatch.signals.derivations import TREND_SECONDS, Signal, View, _clamp01
@@ -27,7 +28,7 @@ class Evaluated:
 
     model: str
     engine: str | None
-    values: dict[str, float | dict[str, float] | None]
+    values: Mapping[str, float | dict[str, float] | None]
     notes: list[str]
     view: View
     # Signal name -> {quantile: "<" | ">"}: a quantile pinned in the first
@@ -47,7 +48,7 @@ def _view(window: Window, keys: list[tuple[str, str]], trends: dict | None = Non
     if not present:
         return None
     merged = EngineSnapshot(present[0][0], present[0][1] if len(present) == 1 else "*")
-    increase = None
+    increase: Increase | None = None
     span = 0.0
     capacity = None
     block_size = None
@@ -96,6 +97,8 @@ def _view(window: Window, keys: list[tuple[str, str]], trends: dict | None = Non
         running_peak = window.gauge_max(key, "running")
         if running_peak is not None:
             running_max = (running_max or 0.0) + running_peak
+    if increase is None:  # present is not empty: never
+        return None
     # Engines of one model run side by side over the same span.
     increase.seconds = span
     view = View(merged, increase, usage_max, running_max, capacity, block_size, used_bytes)
@@ -311,7 +314,7 @@ def _copied(values: dict) -> dict:
     return copy
 
 
-_SECONDS = Increase.seconds  # the slot's descriptor
+_SECONDS: Any = Increase.__dict__["seconds"]  # the slot's descriptor
 
 
 class _WatchedIncrease(Increase):
@@ -328,7 +331,7 @@ class _WatchedIncrease(Increase):
         self.restarts, self.steps = increase.restarts, increase.steps
         self.read = False
 
-    @property  # type: ignore[override]
+    @property
     def seconds(self) -> float:
         self.read = True
         return _SECONDS.__get__(self)
@@ -368,8 +371,8 @@ def evaluate(view: View, model: str, engine: str | None, remembered: dict | None
 
 
 def _evaluate(view: View, model: str, engine: str | None) -> Evaluated:
-    values = {}
-    pinned = {}
+    values: dict[str, float | dict[str, float] | None] = {}
+    pinned: dict[str, dict[str, str]] = {}
     for signal in SIGNALS:
         values[signal.name] = _derive(signal, view, pinned)
     return Evaluated(model, engine, values, view.notes, view, pinned)
@@ -526,7 +529,7 @@ def evaluate_tier(view: View) -> dict[str, float | None]:
     values: dict[str, float | None] = {}
     for signal in TIER_SIGNALS:
         try:
-            values[signal.name] = signal.derive(view)
+            values[signal.name] = signal.derive(view)  # type: ignore[assignment]  # the tier's signals are scalars
         except (ArithmeticError, ValueError):
             values[signal.name] = None
     return values

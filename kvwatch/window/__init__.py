@@ -157,12 +157,12 @@ class Window:
             self._drop_oldest(sums)
         self.trimmed = None
         if self.max_bytes is not None and self.bytes > self.max_bytes:
-            self._fit(sums)
+            self._fit(sums, self.max_bytes)
         if sums is not None:
             sums.mark(self.entries)
         return entry
 
-    def _fit(self, sums: _WindowSums | None) -> None:
+    def _fit(self, sums: _WindowSums | None, max_bytes: int) -> None:
         """Back within max_bytes: forget the pairs no longer on the page
         (those last seen longest ago first) in every entry but the latest
         two (the latest step's), then drop the oldest polls if need be."""
@@ -174,7 +174,7 @@ class Window:
                 last_seen[key] = index
         trimmable = list(entries)[:-2]
         gone = sorted((index, key) for key, index in last_seen.items() if key not in latest)
-        excess = self.bytes - self.max_bytes
+        excess = self.bytes - max_bytes
         chosen: set[EngineKey] = set()
         for _, key in gone:
             if excess <= 0:
@@ -195,7 +195,7 @@ class Window:
             self.kept = {}
             self.forgotten_pairs += forgotten
         dropped = 0
-        while len(entries) > 2 and self.bytes > self.max_bytes:
+        while len(entries) > 2 and self.bytes > max_bytes:
             self._drop_oldest(sums)
             dropped += 1
         self.dropped_polls += dropped
@@ -206,7 +206,7 @@ class Window:
             if dropped:
                 parts.append(f"dropped its {dropped} oldest polls (it spans "
                              f"{entries[-1].snapshot.time - entries[0].snapshot.time:.0f} s, not {self.seconds:g} s)")
-            self.trimmed = (f"The window reached its bound of {self.max_bytes / 2 ** 20:.0f} MiB and "
+            self.trimmed = (f"The window reached its bound of {max_bytes / 2 ** 20:.0f} MiB and "
                             + " and ".join(parts) + ".")
 
     def _forget(self, entry: Entry, keys: set[EngineKey], sums: _WindowSums | None) -> int:

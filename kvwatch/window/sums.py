@@ -108,7 +108,7 @@ class _HistogramRun:
         # sum of whole numbers >= 0 no larger than before). `exact` replaces
         # it for the first step that breaks that.
         self.counts: tuple[float, ...] | None = (0.0,) * len(histogram.bounds)
-        self.exact: list[_ExactSum] | None = None
+        self.exact: list[_ExactSum] = []  # filled when counts become None
         self.sum = _ExactSum()
         self.count = _ExactSum()
         self.add(histogram)
@@ -116,6 +116,7 @@ class _HistogramRun:
     def add(self, histogram: Histogram) -> None:
         cumulative = histogram.cumulative
         counts = self.counts
+        summed_as_floats = False
         if counts is not None:
             # min() after is_integer (no NaN left), max() of the sums: a sum
             # that rounded is at least 2**53.
@@ -123,10 +124,10 @@ class _HistogramRun:
                 summed = tuple(map(operator.add, counts, cumulative))
                 if not summed or max(summed) < _EXACT_FLOATS:
                     self.counts = summed
-                    cumulative = None
-            if cumulative is not None:
+                    summed_as_floats = True
+            if not summed_as_floats:
                 self._to_exact()
-        if cumulative is not None:
+        if not summed_as_floats:
             for total, value in zip(self.exact, cumulative):
                 total.add(value)
         self.sum.add(histogram.sum)
@@ -145,7 +146,7 @@ class _HistogramRun:
 
     def _to_exact(self) -> None:
         self.exact = []
-        for value in self.counts:
+        for value in self.counts or ():
             total = _ExactSum()
             total.whole = int(value)
             self.exact.append(total)
@@ -273,11 +274,14 @@ class _WindowSums:
         return self
 
     def _add_steps(self, entry: Entry) -> bool:
+        engines = self.engines
+        if engines is None:
+            return False
         try:
             for key, step in entry.steps.items():
-                sums = self.engines.get(key)
+                sums = engines.get(key)
                 if sums is None:
-                    sums = self.engines[key] = _EngineSums()
+                    sums = engines[key] = _EngineSums()
                 sums.add(step, entry)
         except (ValueError, OverflowError, TypeError, AttributeError):
             # NaN, infinity, or a value that is no float (a hand-built step)
@@ -349,7 +353,7 @@ class _WindowSums:
     def increase(self, key: EngineKey) -> Increase:
         found = self.cached.get(key)
         if found is None:
-            sums = self.engines.get(key)
+            sums = self.engines.get(key) if self.engines is not None else None
             found = self.cached[key] = sums.increase() if sums is not None else Increase()
         # A fresh Increase per call: callers may add to it.
         return Increase(found.seconds, dict(found.counters), dict(found.histograms), found.restarts, found.steps)
