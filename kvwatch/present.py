@@ -196,6 +196,8 @@ class TextOut(Protocol):
 
     def write(self, text: str, /) -> int: ...
 
+    def flush(self) -> None: ...
+
 
 class TerminalText:
     """A text stream for people's terminals, written through printable()

@@ -20,7 +20,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Protocol
 from urllib.parse import unquote, urlsplit
 
 import h11
@@ -97,6 +97,12 @@ class BearerToken:
         except (OSError, ValueError):
             pass
         return {"Authorization": f"Bearer {self.value}"} if self.value else {}
+
+
+class PageSource(Protocol):
+    """What the monitor polls: the engine (Fetcher) or a replay's recorded pages."""
+
+    def fetch(self) -> FetchResult: ...
 
 
 class Fetcher:

@@ -15,12 +15,11 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
 
 from kvwatch.capture.bundle import CaptureError, CaptureWriter, Entry, is_bundle
 from kvwatch.capture.record import manifest_for, record
 from kvwatch.commands import failfast
-from kvwatch.present import TerminalText, public_host
+from kvwatch.present import TerminalText, TextOut, public_host
 from kvwatch.scrape import Fetcher, failure_sentence
 from kvwatch.settings import SettingsError, flag_help, flag_name, load_settings
 from kvwatch.units import parse_duration
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         writer.update(kv_events=settings.kv_events)
 
     out = TerminalText(sys.stderr)  # the engine's target and failure sentences: escapes written out
-    tty = out.isatty()
+    tty = sys.stderr.isatty()
     limit = f"for {duration:g}s" + (f" or {args.count} fetches, whichever comes first" if args.count else "")
     print(f"kvwatch capture: {writer.manifest['target']} every {interval:g}s {limit} into {args.out}"
           + ("; Ctrl-C stops and keeps what was recorded" if tty else ""), file=out, flush=True)
@@ -165,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK if manifest["pages"] else EXIT_NO_PAGES
 
 
-def _progress(out: TextIO, tty: bool, entry: Entry, writer: CaptureWriter, started: float) -> None:
+def _progress(out: TextOut, tty: bool, entry: Entry, writer: CaptureWriter, started: float) -> None:
     manifest = writer.manifest
     line = (f"{entry.seq} fetches: {manifest['pages']} pages, {manifest['failed']} failed, "
             f"{time.monotonic() - started:.0f}s"

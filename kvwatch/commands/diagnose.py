@@ -28,14 +28,17 @@ import logging
 import sys
 import textwrap
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from kvwatch.diagnose import is_actionable
 from kvwatch.sidecar.report import caveat_lines, diagnosis_json, signals_json
-from kvwatch.settings import SettingsError, flag_help, load_settings, parse_duration
+from kvwatch.settings import Settings, SettingsError, flag_help, load_settings, parse_duration
 from kvwatch.commands import failfast
 from kvwatch.signals import SIGNALS
-from kvwatch.present import TerminalText, format_evidence, format_value, signal_columns, signal_label
+from kvwatch.present import TerminalText, TextOut, format_evidence, format_value, signal_columns, signal_label
+
+if TYPE_CHECKING:
+    from kvwatch.pipeline.monitor import Monitor, State
 
 EXIT_OK, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
@@ -83,37 +86,52 @@ def run(args: argparse.Namespace) -> int:
         return run_replay(args)
     if getattr(args, "prometheus", None):
         return run_history(args)
-    problems = []
-    duration = interval = None
-    for flag, raw in (("--duration", args.duration), ("--interval", args.interval)):
-        try:
-            value = parse_duration(raw)
-        except ValueError as exc:
-            problems.append(f"{flag}: {exc}")
-            continue
-        if flag == "--duration":
-            duration = value
-        else:
-            interval = value
-    if duration is not None and interval is not None and interval > duration:
-        problems.append(f"--interval ({interval:g}s) must not exceed --duration ({duration:g}s)")
-    max_failures, problem = failfast.limit_of(args)
-    if problem:
-        problems.append(problem)
-    if problems:
-        return _fail(problems)
+    parsed = _poll_arguments(args)
+    if isinstance(parsed, list):
+        return _fail(parsed)
+    duration, interval, max_failures = parsed
     # The window spans the whole run, so every poll counts.
     overrides = {"target": args.target, "engine": args.engine, "poll_interval": interval, "window": max(duration, 2 * interval) + interval}
     try:
         settings = load_settings(args.config, overrides)
     except SettingsError as exc:
         return _fail(exc.problems)
+    _say_target(args, settings)
+    # One account of a failing target, at the end (the sentence), not a log
+    # line per transition beside it.
+    logging.getLogger("kvwatch").setLevel(logging.ERROR)
+    monitor = Monitor(settings)
+    failures = failfast.FailureReport(sys.stderr, "kvwatch diagnose", max_failures)
+    progress = sys.stderr if sys.stderr.isatty() and not args.json else None
+    last_good, polls = _poll(monitor, duration, interval, failures, progress)
+    return _report(args, settings, monitor.state, last_good, polls, failures)
 
-    # Say where the target came from: a silent default polled the wrong engine.
+
+def _poll_arguments(args: argparse.Namespace) -> tuple[float, float, int | None] | list[str]:
+    """(duration, interval, max failures) from the flags, or the problems with them."""
+    problems = []
+    durations: dict[str, float] = {}
+    for flag, raw in (("--duration", args.duration), ("--interval", args.interval)):
+        try:
+            durations[flag] = parse_duration(raw)
+        except ValueError as exc:
+            problems.append(f"{flag}: {exc}")
+    duration, interval = durations.get("--duration"), durations.get("--interval")
+    if duration is not None and interval is not None and interval > duration:
+        problems.append(f"--interval ({interval:g}s) must not exceed --duration ({duration:g}s)")
+    max_failures, problem = failfast.limit_of(args)
+    if problem:
+        problems.append(problem)
+    if problems or duration is None or interval is None:
+        return problems
+    return duration, interval, max_failures
+
+
+def _say_target(args: argparse.Namespace, settings: Settings) -> None:
+    """Say where the target came from: a silent default polled the wrong engine."""
     import os
 
     from kvwatch.present import public_url
-    from kvwatch.settings import Settings
 
     if args.target:
         source = "--target"
@@ -124,34 +142,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         source = "the default; give --target, `target` in --config, or KVWATCH_TARGET"
     print(f"kvwatch diagnose: polling {public_url(settings.target)} ({source})", file=sys.stderr)
-    # One account of a failing target, at the end (the sentence), not a log
-    # line per transition beside it.
-    logging.getLogger("kvwatch").setLevel(logging.ERROR)
-    monitor = Monitor(settings)
+
+
+def _poll(monitor: Monitor, duration: float, interval: float, failures: failfast.FailureReport,
+          progress: TextIO | None) -> tuple[State | None, int]:
+    """Polls every `interval` for `duration` (or until the failures give up
+    or Ctrl-C): the last good poll's state and the number of polls."""
     if monitor.kv_events is not None:  # `kv_events` in the config: read the engine's stream while polling
         monitor.kv_events.start()
     last_good = None
     polls = 0
     started = time.monotonic()
     deadline = started + duration
-    progress = sys.stderr if sys.stderr.isatty() and not args.json else None
-    failures = failfast.FailureReport(sys.stderr, "kvwatch diagnose", max_failures)
     try:
         while True:
             state = monitor.poll_once()
             polls += 1
             if state.up:
                 last_good = state
-            # A failure is said at once, on a line of its own, before the progress line.
-            if state.up:
-                failures.succeeded(polls)
-            else:
-                if progress and polls > 1:
-                    print(file=progress)  # end the progress line the terminal shows
-                failures.failed(polls, state.reason or "error", state.detail)
-            if progress:
-                print(f"\rpoll {polls}: {'up' if state.up else 'down: ' + (state.reason or '')}"
-                      f" ({len(state.findings)} findings)   ", end="", file=progress, flush=True)
+            _said(state, polls, failures, progress)
             if failures.gave_up:
                 break
             next_due = started + polls * interval
@@ -166,8 +175,25 @@ def run(args: argparse.Namespace) -> int:
             monitor.kv_events.stop()
     if progress:
         print(file=progress)
+    return last_good, polls
 
-    final = monitor.state
+
+def _said(state: State, polls: int, failures: failfast.FailureReport, progress: TextIO | None) -> None:
+    # A failure is said at once, on a line of its own, before the progress line.
+    if state.up:
+        failures.succeeded(polls)
+    else:
+        if progress and polls > 1:
+            print(file=progress)  # end the progress line the terminal shows
+        failures.failed(polls, state.reason or "error", state.detail)
+    if progress:
+        print(f"\rpoll {polls}: {'up' if state.up else 'down: ' + (state.reason or '')}"
+              f" ({len(state.findings)} findings)   ", end="", file=progress, flush=True)
+
+
+def _report(args: argparse.Namespace, settings: Settings, final: State, last_good: State | None, polls: int,
+            failures: failfast.FailureReport) -> int:
+    """The report of the last good poll (JSON or tables) and the exit status."""
     stopped = failures.gave_up_text() if failures.gave_up else None
     if last_good is None:
         if args.json:
@@ -184,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     signals = signals_json(last_good, settings)
     diagnosis = diagnosis_json(last_good, settings)
     actionable = [f for f in last_good.findings if is_actionable(f)]
+    exit_code = EXIT_FINDINGS if actionable else EXIT_OK
     if args.json:
         print(json.dumps({
             "target": signals["target"],
@@ -200,11 +227,11 @@ def run(args: argparse.Namespace) -> int:
             "events": diagnosis["events"],
             "upstream": diagnosis["upstream"],
             "lmcache": diagnosis["lmcache"],
-            "exit_code": EXIT_FINDINGS if actionable else EXIT_OK,
+            "exit_code": exit_code,
         }, indent=2))
     else:
         print_report(TerminalText(sys.stdout), signals, diagnosis, polls, final)
-    return EXIT_FINDINGS if actionable else EXIT_OK
+    return exit_code
 
 
 def _fail(problems: list[str], heading: str = "invalid configuration") -> int:
@@ -214,13 +241,20 @@ def _fail(problems: list[str], heading: str = "invalid configuration") -> int:
     return EXIT_UNUSABLE
 
 
-def _table(rows: list[list[str]], out: TextIO, indent: str = "") -> None:
+def _table(rows: list[list[str]], out: TextOut, indent: str = "") -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
 
 
-def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any], polls: int, final) -> None:
+def print_report(out: TextOut, signals: dict[str, Any], diagnosis: dict[str, Any], polls: int, final) -> None:
+    _print_signals(out, signals, polls, final)
+    _print_findings(out, diagnosis["findings"])
+    _print_sources(out, diagnosis)
+    _print_stream(out, diagnosis.get("kv_events"))
+
+
+def _print_signals(out: TextOut, signals: dict[str, Any], polls: int, final) -> None:
     failed = sum(final.errors_by_reason.values())
     print(f"kvwatch diagnose: {signals['target']} ({signals['engine']}), {polls} polls ({failed} failed), window "
           f"{signals['window_covered_seconds']:.0f}s", file=out)
@@ -246,7 +280,8 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
         print(textwrap.fill(f"* {signal_label(name)} [{heading}]: {text}", width=110, initial_indent="  ",
                             subsequent_indent="    "), file=out)
 
-    findings = diagnosis["findings"]
+
+def _print_findings(out: TextOut, findings: list[dict[str, Any]]) -> None:
     print(f"\nFINDINGS ({len(findings)} active)", file=out)
     if not findings:
         print("  none", file=out)
@@ -267,6 +302,10 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
             lines.append(("runbook: ", f"kvwatch runbook {anchor} (or /runbooks#{anchor} on kvwatch serve)"))
         for label, text in lines:
             print(textwrap.fill(label + text, width=110, initial_indent="    ", subsequent_indent="      "), file=out)
+
+
+def _print_sources(out: TextOut, diagnosis: dict[str, Any]) -> None:
+    """The changes seen, the upstream histogram and the LMCache tier."""
     events = diagnosis["events"]
     if events:
         print("\nCHANGES", file=out)
@@ -290,7 +329,7 @@ def print_report(out: TextIO, signals: dict[str, Any], diagnosis: dict[str, Any]
                   file=out)
 
 
-    stream = diagnosis.get("kv_events")
+def _print_stream(out: TextOut, stream: dict[str, Any] | None) -> None:
     if stream:
         if not stream.get("up"):
             print(f"\nKV-CACHE EVENTS {stream.get('endpoint')}: down {stream.get('reason')}: {stream.get('detail')}",
@@ -390,7 +429,7 @@ def _clock(at: float | None, origin: float | None) -> str:
     return f"{stamp}Z (+{offset // 3600}:{offset // 60 % 60:02d}:{offset % 60:02d})"
 
 
-def print_timeline(out: TextIO, capture, settings, timeline) -> None:
+def print_timeline(out: TextOut, capture, settings, timeline) -> None:
     manifest = capture.manifest
     print(f"kvwatch diagnose --replay {capture.path}: {manifest.get('target')}, engine "
           f"{manifest.get('engine') or 'not recognised'}, recorded by kvwatch {manifest.get('kvwatch_version')}"
@@ -438,17 +477,14 @@ def _time(text: str) -> float:
     return parsed.timestamp()
 
 
-def run_history(args: argparse.Namespace) -> int:
-    from kvwatch.history.query import PrometheusClient, QueryError, check_selector, choose_step
-    from kvwatch.history.report import print_text, to_json, write_html
-    from kvwatch.history.run import diagnose_history, usable_cores
-    from kvwatch.present import public_url
+def _history_arguments(args: argparse.Namespace) -> tuple[float, float, float | None, float, Settings] | list[str]:
+    """(start, end, step or None, query timeout, settings) from the flags, or the problems with them."""
+    from kvwatch.history.query import check_selector
 
     problems = []
-    now = time.time()
     start = end = step = timeout = None
     try:
-        end = _time(args.to) if args.to else now
+        end = _time(args.to) if args.to else time.time()
         start = _time(args.from_) if args.from_ else end - parse_duration(args.since)
     except ValueError as exc:
         problems.append(f"--from/--to/--since: {exc}")
@@ -466,13 +502,26 @@ def run_history(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         problems.append(f"--workers must be at least 1 (1: diagnose in this process), not {args.workers}")
     overrides = {"window": args.window} if args.window else {}
+    settings = None
     try:
         settings = load_settings(args.config, overrides, environ={})
     except SettingsError as exc:
         problems.extend(exc.problems)
-        settings = None
-    if problems:
-        return _fail(problems)
+    if problems or start is None or end is None or timeout is None or settings is None:
+        return problems
+    return start, end, step, timeout, settings
+
+
+def run_history(args: argparse.Namespace) -> int:
+    from kvwatch.history.query import PrometheusClient, QueryError, choose_step
+    from kvwatch.history.report import print_text, to_json, write_html
+    from kvwatch.history.run import diagnose_history, usable_cores
+    from kvwatch.present import public_url
+
+    parsed = _history_arguments(args)
+    if isinstance(parsed, list):
+        return _fail(parsed)
+    start, end, step, timeout, settings = parsed
     step = step or choose_step(start, end)
     if settings.window < 2 * step:
         return _fail([f"window ({settings.window:g}s) must hold at least two steps ({step:g}s each): "

@@ -6,9 +6,8 @@ a stated number of failed polls in a row unless told to keep trying."""
 from __future__ import annotations
 
 import argparse
-from typing import TextIO
 
-from kvwatch.present import TerminalText
+from kvwatch.present import TerminalText, TextOut
 
 DEFAULT_MAX_FAILURES = 3
 
@@ -34,7 +33,7 @@ class FailureReport:
     """Counts failed polls in a row; prints a failure as it happens (its
     sentence once per new reason), a recovery, and whether to give up."""
 
-    def __init__(self, out: TextIO, prefix: str, limit: int | None):
+    def __init__(self, out: TextOut, prefix: str, limit: int | None):
         # A failure's sentence may quote what the engine sent: escapes written out.
         self.out = TerminalText(out)
         self.prefix = prefix

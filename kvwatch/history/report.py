@@ -7,9 +7,9 @@ from __future__ import annotations
 import html
 import textwrap
 import time
-from typing import Any, TextIO
+from typing import Any
 
-from kvwatch.present import clean, format_evidence
+from kvwatch.present import TextOut, clean, format_evidence
 
 from kvwatch.history.run import MAX_TREND_POINTS, History
 
@@ -50,7 +50,7 @@ def _where(episode) -> str:
     return f"{episode.replica} {episode.model}" + (f"/{episode.engine}" if episode.engine is not None else "")
 
 
-def print_text(out: TextIO, history: History, public_url: str) -> None:
+def print_text(out: TextOut, history: History, public_url: str) -> None:
     cost = history.cost
     print(f"kvwatch diagnose --prometheus {public_url}: {clock(history.start)} to {clock(history.end)}, step "
           f"{history.step:g}s, window {history.window:g}s, source {history.source}"
@@ -83,7 +83,7 @@ def print_text(out: TextIO, history: History, public_url: str) -> None:
                 print(f"    no data {clock(a)} to {clock(b)}", file=out)
 
 
-def _episode(out: TextIO, episode) -> None:
+def _episode(out: TextOut, episode) -> None:
     worst = episode.worst
     until = "the end (still active)" if episode.active_at_end else clock(episode.end)
     print(f"    {worst['severity'].upper():8} {episode.symptom} / {episode.cause}  [{_where(episode)}]  "

@@ -30,7 +30,7 @@ from kvwatch.pipeline.lmcache import LMCacheSource
 from kvwatch.pipeline.upstream import UpstreamSource
 from kvwatch.labels import LABEL_VALUE_MAX_BYTES, bounded_label
 from kvwatch.present import public_host, public_url
-from kvwatch.scrape import Fetcher, FetchResult, failure_sentence
+from kvwatch.scrape import Fetcher, FetchResult, PageSource, failure_sentence
 from kvwatch.settings import Settings
 from kvwatch.signals import Evaluated, evaluate_window
 from kvwatch.snapshot import Snapshot
@@ -158,10 +158,10 @@ class Monitor:
     replay (kvwatch.capture.replay) passes recorded pages and their recorded
     times, and everything after the fetch is the same code as live."""
 
-    def __init__(self, settings: Settings, fetcher: Fetcher | None = None,
+    def __init__(self, settings: Settings, fetcher: PageSource | None = None,
                  clock: Callable[[], float] | None = None):
         self.settings = settings
-        self.fetcher = fetcher or Fetcher(
+        self.fetcher: PageSource = fetcher or Fetcher(
             settings.target,
             settings.fetch_timeout,
             settings.max_body_bytes,
