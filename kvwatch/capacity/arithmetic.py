@@ -97,7 +97,7 @@ def combine_lengths(input_tokens: int | Mapping[str, int],
     them. Labels 'request' when both are single values."""
     in_map = input_tokens if isinstance(input_tokens, Mapping) else None
     out_map = output_tokens if isinstance(output_tokens, Mapping) else None
-    if in_map is None and out_map is None:
+    if not isinstance(input_tokens, Mapping) and not isinstance(output_tokens, Mapping):
         rows = [("request", int(input_tokens), int(output_tokens))]
     elif in_map is not None and out_map is not None:
         if list(in_map) != list(out_map):
@@ -106,10 +106,12 @@ def combine_lengths(input_tokens: int | Mapping[str, int],
                 f"({', '.join(in_map)} vs {', '.join(out_map)}); give the same keys in "
                 "the same order, or one plain number for either")
         rows = [(key, int(in_map[key]), int(out_map[key])) for key in in_map]
-    elif in_map is not None:
-        rows = [(key, int(value), int(output_tokens)) for key, value in in_map.items()]
-    else:
-        rows = [(key, int(input_tokens), int(value)) for key, value in out_map.items()]
+    elif isinstance(input_tokens, Mapping) and not isinstance(output_tokens, Mapping):
+        rows = [(key, int(value), int(output_tokens)) for key, value in input_tokens.items()]
+    elif isinstance(output_tokens, Mapping) and not isinstance(input_tokens, Mapping):
+        rows = [(key, int(input_tokens), int(value)) for key, value in output_tokens.items()]
+    else:  # both maps: above
+        rows = []
     for label, inp, out in rows:
         if inp < 0 or out < 0:
             raise CapacityInputError(f"token counts cannot be negative ({label}: {inp}+{out})")

@@ -47,6 +47,8 @@ def request_estimate(structure: Any, label: str, inp: int, out: int, block_size:
     tokens = inp + out
     lines = [f"[{label}] tokens = {inp} input + {out} output = {tokens}"]
     full_blocks = math.ceil(tokens / block_size)
+    sliding_tokens: int | None
+    sliding_blocks: int | None
     if structure.sliding_window is not None:
         sliding_tokens, sliding_blocks, simple, rounded = _windowed_bytes(structure, label, tokens, full_blocks,
                                                                           block_size, lines)

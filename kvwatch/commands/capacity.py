@@ -173,6 +173,8 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         budget, budget_source = hw.kv_budget_bytes, "--gpu-memory, from the hardware"
 
     if args.target is None:
+        if config is None or budget is None:  # both required above
+            raise CapacityInputError("--model-config and a KV budget are needed without --target")
         block_size = args.block_size or DEFAULT_BLOCK_SIZE
         result = cap.compute_capacity(config, kv_dtype, block_size, budget, inputs, outputs)
         result.ignores = _ignores(hw)
@@ -349,7 +351,8 @@ def _live_report(args, config, kv_dtype, budget, inputs, outputs,
             result_dict = result_dict or result.to_dict()
             entry["computed"] = {"budget_bytes": engine_budget, "budget_source": budget_source,
                                  "result": result.to_dict()}
-            if not budget_source.startswith("implied"):
+            if not budget_source.startswith("implied") and result.pool_blocks is not None \
+                    and result.pool_tokens is not None:
                 entry["comparison"] = cap.compare_pools(
                     result.pool_blocks, result.pool_tokens, info["num_gpu_blocks"],
                     info["capacity_tokens"])

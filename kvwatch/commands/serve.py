@@ -156,7 +156,7 @@ def listen_problem(host: str, port: int) -> str | None:
                 errno.EADDRINUSE: "another process already listens on that port (choose another --port)",
                 errno.EADDRNOTAVAIL: "no interface of this machine has that address (check --host)",
                 errno.EACCES: "permission denied (a port below 1024 needs privileges; choose another --port)",
-            }.get(exc.errno, exc.strerror or "the address cannot be bound")
+            }.get(exc.errno or 0, exc.strerror or "the address cannot be bound")
             return f"cannot listen on {where}: {reason}"
     return None
 
@@ -201,7 +201,7 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
         if settings.window < 2 * settings.poll_interval:
             problems.append(f"window ({settings.window:g}s) must hold at least two refreshes "
                             f"({settings.poll_interval:g}s apart)")
-    if problems:
+    if problems or settings is None:
         for problem in problems:
             print(f"kvwatch: {problem}", file=sys.stderr)
         return 2
