@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvwatch.diagnose import NOT_DIAGNOSED_KEYS
 from kvwatch.engines import vllm
@@ -89,9 +90,9 @@ def _newest(key: str) -> str | None:
         if key in table:
             return table[key][0]
     base = key[:-2] if key.endswith("/*") else key
-    for table in (vllm.LABELLED_GAUGES, vllm.LABELLED_COUNTERS):
-        if base in table:
-            return table[base][0]
+    for labelled in (vllm.LABELLED_GAUGES, vllm.LABELLED_COUNTERS):
+        if base in labelled:
+            return labelled[base][0]
     return None
 
 
@@ -128,13 +129,13 @@ def name_matcher(source: str) -> str:
 
 def _keys_of_families() -> dict[str, str]:
     """vLLM family (no prefix) -> the canonical key it carries."""
-    keys = {}
+    keys: dict[str, str] = {}
     for table in (vllm.GAUGES, vllm.COUNTERS, vllm.HISTOGRAMS):
         for key, aliases in table.items():
             for alias in aliases:
                 keys.setdefault(alias, key)
-    for table in (vllm.LABELLED_GAUGES, vllm.LABELLED_COUNTERS):
-        for key, (family, _label) in table.items():
+    for labelled in (vllm.LABELLED_GAUGES, vllm.LABELLED_COUNTERS):
+        for key, (family, _label) in labelled.items():
             keys.setdefault(family, key)
     return keys
 
@@ -166,8 +167,10 @@ def family_of(name: str, source: str) -> str:
             if name.endswith(suffix) and name[: -len(suffix)] + "_bucket" in KVWATCH_NAMES:
                 return name[: -len(suffix)]
         return name
-    prefix, family, _suffix = vllm_sample_name(name)
-    return prefix + family
+    found = vllm_sample_name(name)
+    if found is None:  # not a family the adapter reads: a query of its own
+        return name
+    return found[0] + found[1]
 
 
 def family_query(family: str, names: list[str], selector_inner: str) -> str:
@@ -201,10 +204,11 @@ class Replica:
     labels: dict[str, str]
     # [(sample line prefix, sort key, values by step index, (family, suffix,
     # labels, spelling) as the parser reads the line, or None where it skips it)]
-    rows: list[tuple[str, tuple, list[str | None], tuple | None]] = field(default_factory=list)
+    # Values are a RawPairs (as the store wrote them) until _decode makes them list[str | None].
+    rows: list[tuple[str, tuple, Any, tuple | None]] = field(default_factory=list)
     # config/<key> values that join the cache_config line: (engine labels, key, values)
-    config_rows: list[tuple[tuple, str, list[str | None]]] = field(default_factory=list)
-    process_start: list[str | None] | None = None
+    config_rows: list[tuple[tuple, str, Any]] = field(default_factory=list)
+    process_start: Any = None
     _ordered: bool = False
     # Whether every series' values are split out (RawPairs -> strings).
     _decoded: bool = False
@@ -352,14 +356,14 @@ class Replica:
             name, suffix, labels, spelling = read
             by_name.setdefault(name, [spelling, []])[1].append((suffix, labels, values))
         plan = []
-        series = []
+        series: list[list[str | None]] = []
         for name, (spelling, samples) in by_name.items():
             plan.append((name, spelling, len(series), len(series) + len(samples), tuple(s[0] for s in samples),
                          tuple(s[1] for s in samples), name == vllm.CACHE_CONFIG and bool(self.config_rows), object()))
             series.extend(s[2] for s in samples)
         # Step by step (a step's values made together lie together in memory,
         # where a step reads them); each family's are a slice of its step's.
-        steps = [_numbers(step) for step in zip(*series)] if series else []
+        steps = [_numbers(list(step)) for step in zip(*series)] if series else []
         if not steps:
             steps = [[] for _ in range(len(self.rows[0][2]) if self.rows else 0)]
         any_row = [any(column) for column in zip(*(row[2] for row in self.rows))] if self.rows else []
@@ -442,7 +446,7 @@ def _taken_over(made: tuple, earlier: tuple | None) -> tuple:
 _SEPARATOR = "\x1f"
 
 
-def _strings(values) -> list[str | None]:
+def _strings(values) -> Any:
     return values.strings() if isinstance(values, RawPairs) else values
 
 
@@ -465,15 +469,15 @@ def _sent(values):
     return (values.text, values.count) if isinstance(values, RawPairs) else _packed(values)
 
 
-def _received(values) -> "list[str | None] | RawPairs":
+def _received(values) -> Any:
     return RawPairs(*values) if isinstance(values, tuple) else _unpacked(values)
 
 
-def _unpacked(values: str | list[str | None]) -> list[str | None]:
+def _unpacked(values: str | list[str | None]) -> list[str] | list[str | None]:
     return values.split(_SEPARATOR) if isinstance(values, str) else values
 
 
-def _number(text: str) -> float:
+def _number(text: str) -> float | None:
     """A value of the query API ("0.25", "NaN", "+Inf") as the parser reads
     it; None for anything else, a line the parser would skip."""
     try:
@@ -486,7 +490,7 @@ def _numbers(values: list[str | None]) -> list[float | None]:
     """_number of each value (None stays None): in one pass in C for a
     series with a value at every step, the usual case."""
     try:
-        return list(map(float, values))
+        return list(map(float, values))  # type: ignore[arg-type]  # None raises TypeError, caught
     except (TypeError, ValueError):  # a missing step, or a value the parser would skip
         return [None if v is None else _number(v) for v in values]
 
@@ -570,8 +574,8 @@ class Pages:
                 first, last = ((pairs.first_time(), pairs.last_time()) if isinstance(pairs, RawPairs)
                                else (float(pairs[0][0]), float(pairs[-1][0])))
             except (ValueError, TypeError, IndexError):
-                first = last = None
-            if (first is not None and int(round((first - start) / step)) == 0
+                first, last = None, None
+            if (first is not None and last is not None and int(round((first - start) / step)) == 0
                     and int(round((last - start) / step)) == points - 1):
                 return pairs if isinstance(pairs, RawPairs) else [value for _at, value in pairs]
         values: list[str | None] = [None] * points

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import requests
 import urllib3
@@ -199,7 +199,7 @@ class PrometheusClient:
         # once is at most `concurrency` answers' bytes and one answer decoded.
         self._decoding = threading.Lock()
 
-    def _get(self, path: str, params, labels: tuple[str, ...] | None = None) -> object:
+    def _get(self, path: str, params, labels: tuple[str, ...] | None = None) -> Any:
         """One query's answer, within the client's timeout for the whole of
         it (connect, headers and body: a trickling store is cut off at the
         deadline) and within max_bytes (decompressed). `labels`: a series
@@ -228,7 +228,7 @@ class PrometheusClient:
             except (ValueError, RecursionError):  # UnicodeDecodeError included
                 raise QueryError(f"{path}: HTTP {status}, not JSON ({_printable(content_type, 80)})") from None
             finally:
-                text = None
+                text = ""
         if not isinstance(body, dict):
             raise QueryError(f"{path}: HTTP {status}, JSON but not an object")
         if status != 200 or body.get("status") != "success":
@@ -289,8 +289,9 @@ class PrometheusClient:
         `labels`, each cut to those labels and equal ones shared (read them,
         never change them): what a listing holds is then what its reader
         reads, not every label of every series."""
-        return self._get("/api/v1/series", {"match[]": match, "start": f"{start:.3f}", "end": f"{end:.3f}",
-                                            **STORE_PARAMETERS}, labels)
+        found = self._get("/api/v1/series", {"match[]": match, "start": f"{start:.3f}", "end": f"{end:.3f}",
+                                             **STORE_PARAMETERS}, labels)
+        return found
 
     def query_range(self, query: str, start: float, end: float, step: float) -> list[dict]:
         data = self._get("/api/v1/query_range", {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}",
@@ -324,7 +325,7 @@ class PrometheusClient:
         answers more, however many chunks it takes (holding every answer
         until the last, a refresh of 22 chunks at central mode's 32 MiB cap
         peaked at 9.8 GiB)."""
-        jobs = deque()
+        jobs: deque = deque()
         for index, (query, series) in enumerate(queries):
             for chunk_start, chunk_end in self.plan(start, end, step, series):
                 jobs.append((index, query, chunk_start, chunk_end))

@@ -121,7 +121,7 @@ def discover(client: PrometheusClient, selector: str, start: float, end: float, 
         # Let go before the next list is read: two lists at once are twice
         # the memory of one (a list at central mode's 32 MiB cap is over
         # 100 MiB decoded).
-        found = None
+        found = []
         if names:
             if candidate == "vllm":
                 process = client.series(merge_selector(selector, f'__name__="{PROCESS_START}"'), start, end,
@@ -336,7 +336,9 @@ def _replica_step(state: ReplicaState, replica, index: int, at: float, threshold
     findings = diagnosis.diagnose(window, per_engine, events, thresholds or {}, incumbents=state.hold.incumbents())
     findings = state.hold.apply(at, findings)
     restarted = state.restarted_at if state.restarted_at is not None and at - state.restarted_at <= window.seconds else None
-    usage = waiting = hit = None
+    usage: float | None = None
+    waiting: float | None = None
+    hit: float | None = None
     rows = []
     for row in per_engine:
         state.models.add(row.model)
@@ -344,13 +346,18 @@ def _replica_step(state: ReplicaState, replica, index: int, at: float, threshold
         mine = [f for f in findings if f.model == row.model and f.engine == row.engine]
         rows.append((row.model, ReplicaRow(state.name, row.engine, values, row.view.increase.counters, mine,
                                            restarted)))
-        u = values.get("kvwatch_kv_cache_usage_ratio")
+        u = _scalar(values.get("kvwatch_kv_cache_usage_ratio"))
         usage = u if usage is None or (u is not None and u > usage) else usage
-        waiting = (waiting or 0.0) + (values.get("kvwatch_requests_waiting") or 0.0)
+        waiting = (waiting or 0.0) + (_scalar(values.get("kvwatch_requests_waiting")) or 0.0)
     for row in per_model:
-        hit = row.values.get("kvwatch_prefix_cache_hit_ratio")
+        hit = _scalar(row.values.get("kvwatch_prefix_cache_hit_ratio"))
     state.trend.append((at, usage, waiting, hit))
     return findings, rows
+
+
+def _scalar(value: float | dict[str, float] | None) -> float | None:
+    """A scalar signal's value (the trend's three are never per-quantile)."""
+    return None if isinstance(value, dict) else value
 
 
 def _fleet_step(at: float, results: list, timeline: Timeline, thresholds, step: float, fleet_holds: dict) -> None:
@@ -458,8 +465,9 @@ class _Workers:
         with deadlines_held() as watcher:
             others = [thread for thread in threading.enumerate() if thread is not threading.current_thread()]
             alone = all(thread is watcher for thread in others)
-            method = "fork" if alone and "fork" in multiprocessing.get_all_start_methods() else "spawn"
-            context = multiprocessing.get_context(method)
+            forks = alone and "fork" in multiprocessing.get_all_start_methods()
+            method = "fork" if forks else "spawn"
+            context = multiprocessing.get_context("fork") if forks else multiprocessing.get_context("spawn")
             for _ in range(count):
                 mine, theirs = context.Pipe()
                 process = context.Process(target=_serve, args=(theirs, window_seconds, thresholds, fast), daemon=True)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvwatch.engines import vllm
@@ -91,14 +92,15 @@ _ORDINAL = re.compile(r"-([0-9]{1,9})\Z")
 _NUMBER = re.compile(r"[0-9]{1,9}")
 
 
-def parse_shard(text: str | None, environ: dict | None = None) -> Shard | None:
+def parse_shard(text: str | None, environ: Mapping[str, str] | None = None) -> Shard | None:
     """`k/N` (0 <= k < N), or `ordinal/N` (k from the pod's name); None for
     no sharding (empty, or N = 1)."""
     import os
 
     if not text:
         return None
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
     index_text, slash, count_text = text.strip().partition("/")
     if not slash or not _NUMBER.fullmatch(count_text.strip()):
         raise ShardError(f"not a shard: {_shown(text)} (expected k/N, e.g. 0/4, or ordinal/N in a StatefulSet)")

@@ -167,9 +167,9 @@ def _families() -> list[str]:
                 rows.append((f"{family}{{{label}=\"{value}\"}}", "histogram (deprecated)", key,
                              f"read only where `vllm:{aliases[0]}` is absent: both observe the same transfers, "
                              "never added"))
-    for kind, table in (("gauge", vllm.LABELLED_GAUGES), ("counter", vllm.LABELLED_COUNTERS),
-                        ("counter", vllm.MODEL_ONLY_COUNTERS)):
-        for key, (family, label) in table.items():
+    for kind, labelled in (("gauge", vllm.LABELLED_GAUGES), ("counter", vllm.LABELLED_COUNTERS),
+                           ("counter", vllm.MODEL_ONLY_COUNTERS)):
+        for key, (family, label) in labelled.items():
             rows.append((family, f"{kind} by `{label}`", key, missing(key)))
     for key, family in vllm.ENGINE_ONLY_GAUGES.items():
         rows.append((family, "gauge (label `engine` only)", key, missing(key)))

@@ -14,7 +14,7 @@ usage = 1 - free_blocks / (num_blocks - 1), the formula behind
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 
 class BlockPool:
@@ -31,7 +31,7 @@ class BlockPool:
         self.cached: dict[Hashable, int] = {}
         self.evictions = 0
         # Called with the content hashes one allocation evicted (the LMCache tier keeps them).
-        self.on_evict = None
+        self.on_evict: Callable[[list[Hashable]], None] | None = None
         # An EventRecorder (kvwatch/sim/kvevents.py) while the simulator publishes KV-cache events.
         self.events = None
 

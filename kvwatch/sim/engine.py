@@ -22,9 +22,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from kvwatch.sim.blocks import BlockPool
 from kvwatch.sim.stats import EngineStats
+
+if TYPE_CHECKING:  # lmcache imports this module
+    from kvwatch.sim.lmcache import LMCacheTier
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
 
@@ -171,19 +175,22 @@ class Engine:
         self.running: list[Request] = []
         self.clock = 0.0
         self.steps = 0
-        self.tier = None  # an LMCacheTier (kvwatch/sim/lmcache.py) after attach_tier
+        self.tier: LMCacheTier | None = None  # after attach_tier
         # (end_time, [(request, tokens)], prefill_tokens) of the step in flight.
         self._pending: tuple[float, list[tuple[Request, int]], int] | None = None
 
-    def attach_tier(self, tier) -> None:
+    def attach_tier(self, tier: LMCacheTier) -> None:
         """Keep what the GPU cache evicts in `tier` and load from it at admission."""
         self.tier = tier
         self.pool.on_evict = self._store_in_tier
 
     def _store_in_tier(self, hashes) -> None:
-        before = self.tier.stored_tokens
-        self.tier.store(hashes)
-        self.stats.tier_backup_bytes += (self.tier.stored_tokens - before) * self.config.kv_bytes_per_token
+        tier = self.tier
+        if tier is None:
+            return
+        before = tier.stored_tokens
+        tier.store(hashes)
+        self.stats.tier_backup_bytes += (tier.stored_tokens - before) * self.config.kv_bytes_per_token
 
     # -- requests in and out ------------------------------------------------
 
@@ -261,6 +268,8 @@ class Engine:
                         self.clock = t
                     return
                 pending = self._pending
+                if pending is None:
+                    return
             if pending[0] > t:
                 return
             self.clock = pending[0]
@@ -342,7 +351,7 @@ class Engine:
             request = waiting[0]
             num_tokens = request.num_tokens
             loaded = 0
-            reusable: list = []
+            reusable: Sequence[Hashable] = []
             hit: list = []
             if caching:
                 max_hit_blocks = (num_tokens - 1) // block_size
@@ -364,7 +373,7 @@ class Engine:
                 if loaded:
                     self.stats.tier_load_back.observe(loaded * block_size * config.tier_load_s_per_token)
                     self.stats.tier_load_back_bytes += loaded * block_size * config.kv_bytes_per_token
-            request.blocks = hit + pool.allocate(needed)
+            request.blocks = hit + (pool.allocate(needed) or [])  # count_evictable checked room above
             request.num_computed = num_cached
             request.num_published = len(hit)
             request.state = RUNNING

@@ -66,6 +66,22 @@ DEFAULT_SIZE_FACTOR = 4
 
 
 class LMCacheTier:
+    # The counters COUNTERS and MP_COUNTERS name, set to 0 in __init__.
+    retrieve_requests: int
+    store_requests: int
+    lookup_requests: int
+    requested_tokens: int
+    hit_tokens: int
+    stored_tokens: int
+    lookup_tokens: int
+    lookup_hits: int
+    prompt_tokens: int
+    mp_lookup_requested_tokens: int
+    mp_lookup_hit_tokens: int
+    mp_lookup_hit_l1_tokens: int
+    mp_lookup_hit_l2_tokens: int
+    mp_lookups: int
+
     def __init__(self, capacity_chunks: int, chunk_tokens: int, kv_bytes_per_token: int = 1024,
                  workers: int = DEFAULT_WORKERS) -> None:
         if capacity_chunks < 1 or chunk_tokens < 1 or workers < 1:

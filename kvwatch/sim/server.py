@@ -178,7 +178,7 @@ class SimServer:
 
     @property
     def host(self) -> str:
-        return self.httpd.server_address[0]
+        return str(self.httpd.server_address[0])
 
     @property
     def port(self) -> int:
@@ -552,8 +552,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, server.metrics_text().encode(), CONTENT_TYPE)
             elif path == "/app/metrics":
                 self._send(200, server.app_metrics_text().encode(), CONTENT_TYPE)
-            elif path == LMCACHE_PATH and server.sim.lmcache is not None:
-                self._send(200, server.lmcache_metrics_text().encode(), CONTENT_TYPE)
+            elif path == LMCACHE_PATH and (tier_text := server.lmcache_metrics_text()) is not None:
+                self._send(200, tier_text.encode(), CONTENT_TYPE)
             elif path == PHASE_PATH:
                 # One line ending in a newline: kvwatch reads it with its page fetcher.
                 self._send(200, (json.dumps(server.phase_status()) + "\n").encode(), "application/json")
@@ -676,8 +676,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _logprobs(self, request: Request) -> dict:
         """The OpenAI completions logprobs block of a greedy answer."""
         tokens, logprobs, offsets, offset = [], [], [], 0
+        key = self._greedy_key or 0  # asked for only with a greedy key
         for index in range(request.num_output):
-            word, logprob = _greedy_token(self._greedy_key, index)
+            word, logprob = _greedy_token(key, index)
             tokens.append(f" {word}")
             logprobs.append(logprob)
             offsets.append(offset)

@@ -239,7 +239,7 @@ def parse_workload(raw: Any, where: str, problems: list[str]) -> WorkloadSpec | 
                 zipf_s=float(zipf_s),
                 varies_after=varies_after,
             )
-    if len(problems) > start:
+    if len(problems) > start or prompt is None or output is None:
         return None
     return WorkloadSpec(float(rate), prompt, output, max_tokens, prefix, retrieval)
 
