@@ -302,7 +302,7 @@ _check_records()
 
 
 def dashboard_url(config: MixinConfig, uid: str, panel_id: int) -> str:
-    return config.dashboard_link_pattern.format(uid=uid, panel_id=panel_id, model_name=_lbl("model_name"),
+    return (config.dashboard_link_pattern or "").format(uid=uid, panel_id=panel_id, model_name=_lbl("model_name"),
                                                 engine=_lbl("engine"))
 
 

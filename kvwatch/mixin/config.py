@@ -248,7 +248,7 @@ def deploy_settings(config: Any = None) -> DeploySettings:
     kvwatch's window follows the mixin's `rate_window` unless `window` is given, so the
     sidecar's findings and the alerts look at the same span."""
     source = config
-    values = {}
+    values: dict[str, Any] = {}
     if source is not None:
         nested = _get(source, "deploy")
         if nested is not None:

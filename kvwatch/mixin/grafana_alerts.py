@@ -25,7 +25,7 @@ from kvwatch.mixin.alerts import AlertSpec, alert_specs
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
 from kvwatch.mixin.promql import num
-from kvwatch.mixin.rules import annotations, expand, keep_firing_for, recorded_exprs
+from kvwatch.mixin.rules import alert_annotations, expand, keep_firing_for, recorded_exprs
 
 GRAFANA_VALUE = "$values.B.Value"
 # What Grafana does when a rule's query returns no series, decided per alert
@@ -106,12 +106,12 @@ def grafana_rule(spec: AlertSpec, config: MixinConfig, panel_ids) -> Provisioned
                                reduceFunction=g.EXP_REDUCER_FUNC_LAST, reduceMode=g.EXP_REDUCER_FUNC_DROP_NN)
     threshold = g.AlertExpression(refId="C", expression=f"$B {spec.op} {num(spec.threshold)}",
                                   expressionType=g.EXP_TYPE_MATH)
-    return ProvisionedAlertRule(
+    return ProvisionedAlertRule(  # type: ignore[call-arg]  # fields of grafanalib's untyped base
         title=f"{spec.alert} ({spec.cause}{', ' + spec.variant if spec.variant else ''})",
         uid=spec.uid,
         triggers=[query, reduce, threshold],
         condition="C",
-        annotations=annotations(spec, config, uid, panel_id, GRAFANA_VALUE),
+        annotations=alert_annotations(spec, config, uid, panel_id, GRAFANA_VALUE),
         labels=spec.labels(),
         evaluateFor=spec.for_,
         noDataAlertState=NO_DATA[(spec.alert, spec.cause)][0],
@@ -126,7 +126,7 @@ def grafana_rule(spec: AlertSpec, config: MixinConfig, panel_ids) -> Provisioned
 
 
 def provisioning(config: MixinConfig, panel_ids) -> dict:
-    group = ProvisionedAlertGroup(
+    group = ProvisionedAlertGroup(  # type: ignore[call-arg]  # fields of grafanalib's untyped base
         name=RULE_GROUP,
         folder=config.deploy_settings.grafana_folder,
         evaluateInterval=config.grafana_rule_interval,

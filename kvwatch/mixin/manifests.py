@@ -89,7 +89,7 @@ def kvwatch_container(s: DeploySettings, native: bool | None = None) -> dict:
     makes it a native sidecar: an init container with restartPolicy Always
     (Kubernetes 1.29+), started before vLLM and stopped after it."""
     native = s.sidecar_native if native is None else native
-    container = {"name": "kvwatch", "image": s.image, "imagePullPolicy": s.image_pull_policy}
+    container: dict[str, Any] = {"name": "kvwatch", "image": s.image, "imagePullPolicy": s.image_pull_policy}
     if native:
         container["restartPolicy"] = "Always"
     container.update({
@@ -600,7 +600,7 @@ def _increase_indent(self, flow=False, indentless=False):
     return yaml.SafeDumper.increase_indent(self, flow, False)
 
 
-_Dumper.increase_indent = _increase_indent
+_Dumper.increase_indent = _increase_indent  # type: ignore[method-assign]
 
 
 def to_yaml(*documents: dict) -> str:

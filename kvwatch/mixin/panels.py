@@ -132,7 +132,7 @@ class Board:
             tags=list(self.config.dashboard_tags),
             panels=self.panels,
             templating=g.Templating(list=_variables()),
-            annotations=g.Annotations(list=annotations(self.config)),
+            annotations=g.Annotations(list=dashboard_annotations(self.config)),
             time=g.Time("now-1h", "now"),
             refresh="30s",
             timezone="browser",
@@ -241,7 +241,7 @@ TIER_SEL = TARGET_SEL + ',model_name=~"$model"'
 FINDING_SEL = TARGET_SEL + ',model_name=~"$model|\\\\*"'
 
 
-def annotations(config: MixinConfig) -> list[dict]:
+def dashboard_annotations(config: MixinConfig) -> list[dict]:
     """Marks on every board's time axis: engine restarts (the engine's
     prompt-token counter reset, from Prometheus' own history), cache-config,
     model and adapter changes (kvwatch's change findings, as they appear),

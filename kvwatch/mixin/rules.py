@@ -20,6 +20,7 @@ alerts fall back to the baseline span alone.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import yaml
 
@@ -62,7 +63,7 @@ def recording_rules(config: MixinConfig, level: str) -> list[dict]:
                 rules.append({"record": f"{level_name(output + ['quantile'])}:{metric}:{ops}",
                               "expr": scope.signal(signal.name, q), "labels": {"quantile": str(q)}})
         else:
-            rule = {"record": record, "expr": scope.signal(signal.name)}
+            rule: dict[str, Any] = {"record": record, "expr": scope.signal(signal.name)}
             if extra:
                 rule["labels"] = extra
             rules.append(rule)
@@ -90,7 +91,7 @@ def fleet_rules(config: MixinConfig) -> list[dict]:
 
 def alert_rule(spec: AlertSpec, config: MixinConfig, panel_ids: dict[tuple[str, str], tuple[str, int]]) -> dict:
     uid, panel_id = panel_ids[(spec.dashboard, spec.panel)]
-    rule = {
+    rule: dict[str, Any] = {
         "alert": spec.alert,
         "expr": spec.expr,
         "for": spec.for_,
@@ -103,7 +104,7 @@ def alert_rule(spec: AlertSpec, config: MixinConfig, panel_ids: dict[tuple[str, 
     if hold:
         rule["keep_firing_for"] = hold
     rule["labels"] = spec.labels()
-    rule["annotations"] = annotations(spec, config, uid, panel_id, PROMETHEUS_VALUE)
+    rule["annotations"] = alert_annotations(spec, config, uid, panel_id, PROMETHEUS_VALUE)
     return rule
 
 
@@ -114,13 +115,13 @@ def keep_firing_for(spec: AlertSpec, config: MixinConfig) -> str | None:
     ratio, and without a hold the page would resolve and page again."""
     if spec.kind == "objective":
         return dict(spec.extra_labels)["short_window"]
-    if (spec.kind == "cause" and SYMPTOM_ALERTS.get(spec.symptom) == spec.alert
+    if (spec.kind == "cause" and spec.symptom is not None and SYMPTOM_ALERTS.get(spec.symptom) == spec.alert
             and parse_prometheus_duration(config.finding_hold) > 0):
         return config.finding_hold
     return None
 
 
-def annotations(spec: AlertSpec, config: MixinConfig, uid: str, panel_id: int, value_ref: str) -> dict[str, str]:
+def alert_annotations(spec: AlertSpec, config: MixinConfig, uid: str, panel_id: int, value_ref: str) -> dict[str, str]:
     out = {"summary": spec.summary, "description": spec.description_for(value_ref)}
     # Every alert links its runbook section where the on-call reader can open it (runbook_base_url).
     out["runbook_url"] = runbook_url(config, spec.alert, None if spec.kind == "objective" else spec.cause)
@@ -158,7 +159,7 @@ def cause_alerts_template(config: MixinConfig) -> str:
 
 
 def _group(name: str, rules: list[dict], config: MixinConfig) -> dict:
-    group = {"name": name}
+    group: dict[str, Any] = {"name": name}
     if config.rule_interval:
         group["interval"] = config.rule_interval
     group["rules"] = rules
