@@ -64,6 +64,11 @@ class FetchResult:
     def ok(self) -> bool:
         return self.reason is None
 
+    @property
+    def page(self) -> str:
+        """The text of a successful fetch ("" for a failed one, which has none)."""
+        return self.text if self.text is not None else ""
+
 
 def _gunzip(decompressor, data: bytes, limit: int):
     """Up to `limit` bytes of `data` decompressed, and the decompressor for

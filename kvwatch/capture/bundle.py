@@ -37,7 +37,7 @@ import tarfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 FORMAT = "kvwatch-capture"
 FORMAT_VERSION = 1
@@ -113,9 +113,9 @@ class Entry:
             raise ValueError("seq is not a positive whole number")
         if type(ok) is not bool:
             raise ValueError("ok is not true or false")
-        numbers = {}
+        numbers: dict[str, Any] = {}
         for name, default in (("time", None), ("seconds", 0.0), ("size", 0)):
-            value = line.get(name, default)
+            value: Any = line.get(name, default)
             if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} is not a finite number of at least 0")
             numbers[name] = value
@@ -150,7 +150,7 @@ class CaptureWriter:
         self._write_manifest()
         self._index = open(self.folder / INDEX, "a", encoding="utf-8")
         self.seq = 0
-        self._events = None
+        self._events: BinaryIO | None = None
         self._events_bytes = 0
         import threading
 
@@ -166,10 +166,11 @@ class CaptureWriter:
             if self._events_bytes + len(record) > MAX_EVENTS_BYTES:
                 self.manifest["kv_events_truncated"] = True
                 return False
-            if self._events is None:
-                self._events = open(self.folder / EVENTS, "ab")
-            self._events.write(record)
-            self._events.flush()
+            events = self._events
+            if events is None:
+                events = self._events = open(self.folder / EVENTS, "ab")
+            events.write(record)
+            events.flush()
             self._events_bytes += len(record)
             self.manifest["kv_events_messages"] = self.manifest.get("kv_events_messages", 0) + 1
             return True
@@ -356,7 +357,7 @@ class Capture:
                     yield entry, None
                     continue
                 try:
-                    data = self._file(entry.page, MAX_PAGE_BYTES)
+                    data = self._file(entry.page or "", MAX_PAGE_BYTES)
                 except FileNotFoundError:
                     raise CaptureError(f"{self.path}: {entry.page} is missing") from None
                 except OSError as exc:
@@ -376,23 +377,23 @@ class Capture:
                     if member is not None and member.size > MAX_PAGE_BYTES:
                         raise CaptureError(f"{self.path}: member {member.name[:200]!r} declares {member.size:,} "
                                            f"bytes, over the {MAX_PAGE_BYTES:,} a capture's page may hold")
-                    entry = by_page.get(member.name) if member is not None and member.isfile() else None
-                    data = self._read(tar, member, MAX_PAGE_BYTES) if entry is not None else b""
+                    found = by_page.get(member.name) if member is not None and member.isfile() else None
+                    data = self._read(tar, member, MAX_PAGE_BYTES) if found is not None and member is not None else b""
                 except DAMAGED as exc:
                     raise CaptureError(f"{self.path}: the bundle is cut off or damaged after {read} of "
                                        f"{len(by_page)} pages ({exc})") from None
                 if member is None:
                     break
-                if entry is None:
+                if found is None:
                     continue
                 # Failed fetches before this page come first, as recorded.
                 for earlier in pending:
-                    if earlier is entry:
+                    if earlier is found:
                         break
                     if not earlier.ok:
                         yield earlier, None
                 read += 1
-                yield entry, self._text(entry, data)
+                yield found, self._text(found, data)
             for later in pending:
                 if not later.ok:
                     yield later, None
@@ -415,7 +416,10 @@ class Capture:
     def _read(self, tar: tarfile.TarFile, member: tarfile.TarInfo, cap: int) -> bytes:
         """A member's bytes, decompressed at most `cap` + 1 of them whatever
         its header says (a 15 MB bundle held a 2 GiB page: 13.4 GB RSS)."""
-        data = tar.extractfile(member).read(cap + 1)
+        file = tar.extractfile(member)
+        if file is None:
+            raise CaptureError(f"{self.path}: {member.name[:200]!r} is not a file")
+        data = file.read(cap + 1)
         if len(data) > cap:
             raise CaptureError(f"{self.path}: {member.name[:200]!r} holds more than the {cap:,} bytes a "
                                "capture's member may hold")

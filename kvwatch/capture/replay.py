@@ -108,8 +108,13 @@ def replay(capture: Capture, monitor_for: Callable[[ReplaySource], Any],
     return timeline.finish()
 
 
+def _sleep(seconds: float) -> bool:
+    time.sleep(seconds)
+    return False  # never asked to stop
+
+
 def paced(source: ReplaySource, poll: Callable[[], Any], speed: float,
-          wait: Callable[[float], bool] = lambda seconds: (time.sleep(seconds), False)[1],
+          wait: Callable[[float], bool] = lambda seconds: _sleep(seconds),
           monotonic: Callable[[], float] = time.monotonic) -> int:
     """Poll once per recorded page, each at its recorded offset from the first
     page divided by `speed` in wall time (speed 0: no waiting); `wait(seconds)`

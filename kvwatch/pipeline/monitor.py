@@ -260,7 +260,7 @@ class Monitor:
             started_monotonic = time.monotonic()
             result = self.fetcher.fetch()
             if not result.ok:
-                state = self._record_failure(result.reason, result.detail, started, result.seconds,
+                state = self._record_failure(result.reason or "error", result.detail, started, result.seconds,
                                              time.thread_time() - started_cpu, result.sentence)
             else:
                 state = self._ingest(result, started, started_monotonic, started_cpu)
@@ -270,7 +270,7 @@ class Monitor:
 
     def _ingest(self, result: FetchResult, started: float, started_monotonic: float, started_cpu: float) -> State:
         if self.adapter is None:
-            engine = recognize(result.text)
+            engine = recognize(result.page)
             if engine is None:
                 return self._no_engine_metrics(
                     result, f"no engine metrics in a page of {result.size} bytes (looked for the families of "
@@ -289,7 +289,7 @@ class Monitor:
         previous = self.window.latest
         if previous is not None and answered <= previous.time:
             answered = previous.time + 1e-3  # the window's time axis only moves forward
-        snapshot = self.adapter.adapt(result.text, at=answered)
+        snapshot = self.adapter.adapt(result.page, at=answered)
         self._parse_errors += len(snapshot.parse_errors)
         if snapshot.parse_errors:
             log.debug("%d malformed lines, first: %s", len(snapshot.parse_errors), snapshot.parse_errors[0])
@@ -492,7 +492,7 @@ class Monitor:
             self._busy_since = at
         host = public_host(self.settings.target)
         load = f"{running:g} running and {waiting:g} waiting"
-        if timed_out:
+        if timed_out and self._last_load is not None:
             sentence = (f"{host} is busy, not down: its /metrics did not answer within {late:.1f} s, and its latest "
                         f"page ({at - self._last_load[0]:.0f} s before) showed {load} requests")
         else:

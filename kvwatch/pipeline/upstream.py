@@ -94,7 +94,7 @@ class UpstreamSource:
         result = self.fetcher.fetch()
         if not result.ok:
             return self._report(now, False, result.reason, result.detail)
-        return self.ingest(result.text, now)
+        return self.ingest(result.page, now)
 
     def ingest(self, text: str, now: float) -> dict[str, Any]:
         page = self.selector.parse(text)

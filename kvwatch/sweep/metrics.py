@@ -103,15 +103,17 @@ class MetricsPoller:
                     self._cell.poll_errors += 1
                     self._cell.last_poll_error = error
                 return None, error
-            snapshot = self.adapter.adapt(result.text, at=time.time())
+            snapshot = self.adapter.adapt(result.page, at=time.time())
             self.latest = snapshot
             if self._cell is not None and self._window is not None:
                 self._record(snapshot)
             return snapshot, None
 
     def _record(self, snapshot: Snapshot) -> None:
-        cell = self._cell
-        self._window.add(snapshot)
+        cell, window = self._cell, self._window
+        if cell is None or window is None:
+            return
+        window.add(snapshot)
         cell.polls += 1
         keys = select_engines(snapshot, self.model)
         engines = [snapshot.engines[key] for key in keys]
