@@ -10,6 +10,7 @@ second list of each signal's inputs to keep in step.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 from kvwatch.engines import ENGINES
 from kvwatch.engines.base import EngineAdapter
@@ -56,7 +57,7 @@ def dark_signals(adapter: type[EngineAdapter], older_builds: bool = False) -> tu
                 latest.histograms[name] = histogram
                 increase.histograms[name] = histogram
     capacity = 1000.0 if "capacity_tokens" in keys else None
-    view_args = dict(
+    view_args: dict[str, Any] = dict(
         latest=latest, increase=increase,
         usage_max=0.5 if "kv_usage" in keys else None,
         running_max=1.0 if "running" in keys else None,

@@ -225,8 +225,9 @@ class SglangAdapter(TableAdapter):
         for engine in snapshot.engines.values():
             usages = []
             for pool in POOLS:
-                parts = [engine.gauges.get(f"pool_{state}_tokens/{pool}") for state in POOL_STATES]
-                if None not in parts and sum(parts) > 0:
+                found = [engine.gauges.get(f"pool_{state}_tokens/{pool}") for state in POOL_STATES]
+                parts = [part for part in found if part is not None]
+                if len(parts) == len(found) and sum(parts) > 0:
                     usages.append(parts[0] / sum(parts))
             if usages:
                 engine.gauges["kv_usage"] = max(usages)

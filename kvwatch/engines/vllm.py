@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import operator
 import time as _time
+from typing import Any
 
 from kvwatch.engines.base import EngineAdapter
 from kvwatch.engines.plausible import screen
@@ -202,10 +203,10 @@ class _PageReading:
                     first_engine[engine.model] = engine
             for suffix, labels, value in family.samples:
                 if (suffix == "_total" or suffix == "") and value == value:
-                    engine = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
-                    if engine is not None:
+                    first = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
+                    if first is not None:
                         flat = f"{key}/{bounded_label(labels.get(dimension, ''))}"
-                        engine.counters[flat] = engine.counters.get(flat, 0.0) + value
+                        first.counters[flat] = first.counters.get(flat, 0.0) + value
 
 
 class VllmAdapter(EngineAdapter):
@@ -314,7 +315,7 @@ class VllmAdapter(EngineAdapter):
         layouts = tuple(map(_LAYOUT, families.values()))
         seen = series.page
         if seen is not None and seen[0] == names and all(map(operator.is_, seen[1], layouts)):
-            plan = seen[2]
+            plan: Any = seen[2]
             if plan is _UNPLANNED:
                 plan = _PagePlan.of(families, series)
                 series.page = (names, layouts, plan)
@@ -332,8 +333,8 @@ class VllmAdapter(EngineAdapter):
         folds = self._folds
         for fold_key, (engine, parts) in reading.counter_parts.items():
             engine.counters[fold_key[2]] = folds.fold(fold_key, parts, _fell, operator.add)
-        for fold_key, (engine, parts) in reading.histogram_parts.items():
-            engine.histograms[fold_key[2]] = folds.fold(fold_key + ("histogram",), parts,
+        for fold_key, (holder, pieces) in reading.histogram_parts.items():
+            holder.histograms[fold_key[2]] = folds.fold(fold_key + ("histogram",), pieces,
                                                         _histogram_fell, _histogram_plus)
         folds.forget_unseen()
         reading.engine_and_model_only()

@@ -277,8 +277,8 @@ def key_families() -> dict[str, str]:
     keys: dict[str, str] = {}
     for table in (GAUGES, COUNTERS, HISTOGRAMS):
         keys.update({key: aliases[0] for key, aliases in table.items()})
-    for table in (LABELLED_GAUGES, LABELLED_COUNTERS, MODEL_ONLY_COUNTERS):
-        keys.update({key: family for key, (family, _label) in table.items()})
+    for labelled in (LABELLED_GAUGES, LABELLED_COUNTERS, MODEL_ONLY_COUNTERS):
+        keys.update({key: family for key, (family, _label) in labelled.items()})
     keys.update(ENGINE_ONLY_GAUGES)
     return keys
 

@@ -297,7 +297,8 @@ class _HistogramPlan:
 
     __slots__ = ("histograms",)
 
-    def __init__(self, histograms: list[tuple[dict[str, str], tuple[float, ...], int, int, int | None, int | None]]):
+    def __init__(self, histograms: list[tuple[tuple, dict[str, str], tuple[float, ...], int, int, int | None,
+                                              int | None]]):
         self.histograms = histograms  # (token, labels, bounds, first bucket, end, _sum index, _count index)
 
     @staticmethod
@@ -408,10 +409,10 @@ def _histograms(family: Family, errors: list, cache: _SeriesCache | None = None)
         elif suffix in _NOT_HISTOGRAM_SERIES:
             continue
         else:
-            entry = other_entries.get(id(labels))
-            if entry is None:
-                entry = cache.other(labels)
-            _labels, token, token_id = entry
+            other = other_entries.get(id(labels))
+            if other is None:
+                other = cache.other(labels)
+            _labels, token, token_id = other
             group = groups.get(token_id)
             if group is None:
                 group = groups[token_id] = [token, {}, None, None]
@@ -593,9 +594,9 @@ class _PlanBuilder:
                     first_engine[model] = engine
             for position, suffix, labels in self.samples(name):
                 if suffix == "_total" or suffix == "":
-                    engine = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
-                    if engine is not None:
-                        self.model_counters.append((engine, f"{key}/{bounded_label(labels.get(dimension, ''))}",
+                    first = first_engine.get(bounded_label(labels.get("model_name", "unknown")))
+                    if first is not None:
+                        self.model_counters.append((first, f"{key}/{bounded_label(labels.get(dimension, ''))}",
                                                     position))
 
 
@@ -658,9 +659,9 @@ class _PagePlan:
             gauges = engines[engine].gauges
             # As _fold_max.
             gauges[key] = values[position] if new else max(gauges[key], values[position])
-        for engine, position in self.created:
-            engine = engines[engine]
-            engine.created = values[position] if engine.created is None else min(engine.created, values[position])
+        for index, position in self.created:
+            holder = engines[index]
+            holder.created = values[position] if holder.created is None else min(holder.created, values[position])
         # One series of a key the folds hold nothing for: fold would hand its
         # value back as it is (marking the key seen only matters to keys in
         # `last`), so the value is taken without building fold's dict.

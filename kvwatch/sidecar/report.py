@@ -157,7 +157,7 @@ def dark_signals(snapshot, engine: str | None = None, engine_dark: tuple[str, ..
     named), the cache's bytes are stated as "None", or a value was refused
     (the evaluated `rows` say why: signals.unlit_reasons). Unknown is not
     zero: these signals are absent, never 0."""
-    dark = []
+    dark: list[dict[str, Any]] = []
     hybrid = _hybrid_without_whole_blocks(snapshot)
     unstated = _unstated_bytes(snapshot)
     versions = _versions(engine)

@@ -141,7 +141,7 @@ def series_json(state, settings) -> dict[str, Any]:
     entries = list(state.entries) if state.up else []
     if len(entries) > MAX_POINTS:
         stride = len(entries) / MAX_POINTS
-        picked = sorted({int(i * stride) for i in range(MAX_POINTS)} | {len(entries) - 1})
+        picked: list[int] | range = sorted({int(i * stride) for i in range(MAX_POINTS)} | {len(entries) - 1})
     else:
         picked = range(len(entries))
     points = _points(entries)

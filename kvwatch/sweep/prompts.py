@@ -109,7 +109,7 @@ class PromptMaker:
         if self.method == "tokenize":
             prompt = self._by_word_cost(tokens, rng)
             if tokens in self.fitted_lengths and self.tokenize is not None:
-                prompt = self._fit(tokens, prompt, rng)
+                prompt = self._fit(tokens, prompt, rng, self.tokenize)
             return prompt
         count = max(1, round((tokens - self.overhead) / self.slope))
         text = " ".join(rng.choice(self.words) for _ in range(count))
@@ -121,9 +121,9 @@ class PromptMaker:
         text = " ".join([first] + [rng.choice(self.words) for _ in range(rest)])
         return Prompt(text, self.first_cost[first] + rest)
 
-    def _fit(self, tokens: int, prompt: Prompt, rng: random.Random) -> Prompt:
+    def _fit(self, tokens: int, prompt: Prompt, rng: random.Random, tokenize: Callable[[str], int]) -> Prompt:
         words = prompt.text.split(" ")
-        count = self.tokenize(prompt.text)
+        count = tokenize(prompt.text)
         for _ in range(FIT_ATTEMPTS):
             if count == tokens:
                 break
@@ -132,7 +132,7 @@ class PromptMaker:
             else:
                 # Each word costs at least one token, so dropping the excess never undershoots by more.
                 words = words[: max(1, len(words) - (count - tokens))]
-            count = self.tokenize(" ".join(words))
+            count = tokenize(" ".join(words))
         return Prompt(" ".join(words), count)
 
     def check_length(self, tokens: int, seed: str) -> None:
