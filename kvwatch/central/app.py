@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import time
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.gzip import GZipMiddleware
@@ -33,7 +34,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
 
 from kvwatch import __version__
-from kvwatch.diagnose.vocabulary import SEVERITIES
+from kvwatch.diagnose.vocabulary import SEVERITIES, Finding
 from kvwatch.signals import CENTRAL_HEALTH
 from kvwatch.sidecar.app import HotPaths, TokenFile, encodings, readiness, route_paths
 from kvwatch.sidecar.collector import KvwatchCollector, Renderer
@@ -61,7 +62,7 @@ class CentralCollector(Collector):
         self.central = central
 
     def collect(self):
-        merged: dict[str, object] = {}
+        merged: dict[str, Any] = {}  # metric families by name
         for view in self.central.state.replicas.values():
             extra = dict(view.labels)
             for family in KvwatchCollector(_Holder(view.state)).collect():
@@ -88,7 +89,7 @@ def replica_settings(settings, name: str):
     return dataclasses.replace(settings, target=name)
 
 
-def worst(findings) -> tuple[int, object | None]:
+def worst(findings) -> tuple[int, Finding | None]:
     ranked = sorted(findings, key=lambda f: _RANK.get(f.severity, len(SEVERITIES)))
     return (_RANK.get(ranked[0].severity, len(SEVERITIES)), ranked[0]) if ranked else (len(SEVERITIES), None)
 
@@ -255,7 +256,7 @@ def _add_pages(app: FastAPI, central, settings, exposition: Exposition, refused:
 def _add_api(app: FastAPI, central, settings, refused: RefusedRenders) -> None:
     """The JSON API: diagnosis and signals of every replica or one, series of one."""
     @app.get("/api/v1/diagnosis")
-    def diagnosis(request: Request) -> JSONResponse:
+    def diagnosis(request: Request) -> Response:
         view, missing = _replica_view(central, request)
         if missing is not None:
             return missing
@@ -268,7 +269,7 @@ def _add_api(app: FastAPI, central, settings, refused: RefusedRenders) -> None:
                           "/api/v1/diagnosis", refused, encodings(request))
 
     @app.get("/api/v1/signals")
-    def signals(request: Request) -> JSONResponse:
+    def signals(request: Request) -> Response:
         view, missing = _replica_view(central, request)
         if missing is not None:
             return missing
@@ -282,7 +283,7 @@ def _add_api(app: FastAPI, central, settings, refused: RefusedRenders) -> None:
                           "/api/v1/signals", refused, encodings(request))
 
     @app.get("/api/v1/series")
-    def series(request: Request) -> JSONResponse:
+    def series(request: Request) -> Response:
         view, missing = _replica_view(central, request)
         if missing is not None:
             return missing

@@ -266,8 +266,8 @@ class Central:
         max_replicas of the rest in order (a superset of what _admit takes
         while they have data). A fleet within max_replicas reads every
         series, so a replica new since the list still shows at once."""
-        keys = {tuple(labels.get(label, "") for label in self.replica_labels) for labels in listing}
-        keys = [key for key in keys if self._owns(key)]
+        found = {tuple(labels.get(label, "") for label in self.replica_labels) for labels in listing}
+        keys = [key for key in found if self._owns(key)]
         self._listed = sorted(keys)[:self.max_replicas] if len(keys) > self.max_replicas else None
 
     def _owns(self, key: tuple) -> bool:
@@ -337,7 +337,7 @@ class Central:
         latest = window.latest
         last = self._last_data.get(key)
         common = dict(polls=state.steps, last_poll_time=end, last_success_time=last,
-                      engine="vllm", dark_signals=dark_signals(type(state.adapter)),
+                      engine="vllm", dark_signals=dark_signals(state.adapter.__class__),
                       dropped_series=state.adapter.dropped_series)
         if latest is None or last != end:
             return State(up=False, reason="no_data",

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose.fleet import ReplicaRow, fleet_findings
@@ -266,7 +266,15 @@ def _diagnose_history(client: PrometheusClient, start: float, end: float, step: 
     return History(start, end, step, window, source, selector, named, timeline, cost, diagnose_seconds, points)
 
 
-def diagnose_step(at: float, index: int, ordered, replicas: dict, timeline: Timeline, window_seconds: float,
+class StepSink(Protocol):
+    """Where diagnose_step puts a step's findings: the Timeline, or central mode's latest step."""
+
+    def add(self, scope: str, at: float, findings, replica: str | None = None) -> None: ...
+
+    def gap(self, replica: str, at: float, step: float) -> None: ...
+
+
+def diagnose_step(at: float, index: int, ordered, replicas: dict, timeline: StepSink, window_seconds: float,
                    thresholds, step: float, fleet_holds: dict, fast: bool = True) -> None:
     """Every replica of `ordered` at one step, then the fleet rules."""
     results = []
@@ -360,7 +368,7 @@ def _scalar(value: float | dict[str, float] | None) -> float | None:
     return None if isinstance(value, dict) else value
 
 
-def _fleet_step(at: float, results: list, timeline: Timeline, thresholds, step: float, fleet_holds: dict) -> None:
+def _fleet_step(at: float, results: list, timeline: StepSink, thresholds, step: float, fleet_holds: dict) -> None:
     """The replicas' results at one step (name, _replica_step's answer), in
     replica order, into the timeline; then the fleet rules per model, each
     model's findings held as a replica's are (`fleet_holds`, model ->

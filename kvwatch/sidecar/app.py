@@ -195,7 +195,7 @@ class HotPaths:
         # The first Authorization header, as the bytes that came, against the
         # token's UTF-8 bytes, in constant time (decoding the header as
         # latin-1 first made a UTF-8 token never match).
-        expected = self.token.expected()
+        expected = self.token.expected() if self.token is not None else None
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         return expected is not None and hmac.compare_digest(given, expected)
 
@@ -290,7 +290,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.in_headers = True
         self.receiving = False
         self.refused = False
-        self.header_timer = None
+        self.header_timer: asyncio.TimerHandle | None = None
         self.opened_at = self.loop.time()
         self._start_header_timer()
         if len(self.connections) > MAX_CONNECTIONS:

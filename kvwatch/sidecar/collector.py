@@ -11,6 +11,7 @@ from vLLM.
 from __future__ import annotations
 
 import math
+from typing import Any, TypeGuard
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -100,7 +101,7 @@ class KvwatchCollector(Collector):
                 yield family
 
     def _engine_series(self, snapshot):
-        families = {}
+        families: dict[str, Any] = {}  # a gauge, counter or histogram family per series
         for series in ENGINE_SERIES:
             labels = IDENTITY + ([series.label] if series.label else [])
             if series.kind == "gauge":
@@ -146,6 +147,7 @@ class KvwatchCollector(Collector):
         """The LMCache tier (kvwatch/pipeline/lmcache.py): its health whenever
         it is configured, its series and signals only while its latest poll
         succeeded (values from a failed poll's past would look current)."""
+        family: Any  # a gauge or counter family
         if lmcache is None:
             return
         up = GaugeMetricFamily(TIER_HEALTH[0].name, TIER_HEALTH[0].help, labels=[])
@@ -179,6 +181,7 @@ class KvwatchCollector(Collector):
         """The engine's KV-cache event stream (kvwatch/kvevents): its
         health whenever it is configured, its counts and signals once an
         event arrived."""
+        family: Any  # a gauge, counter or histogram family
         if report is None:
             return
         health = {family.name: family for family in STREAM_HEALTH}
@@ -318,7 +321,7 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
-def _finite(value) -> bool:
+def _finite(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 

@@ -67,7 +67,7 @@ DECIDING = {c.name: c.deciding for c in CAUSE_LIST if c.deciding}
 # that a rule marks (its own value is bad) and whose symptom has an active
 # finding on that engine takes at least the finding's colour; a calm value
 # stays calm whatever the finding. `series` names its trend in /api/v1/series.
-FIGURES = (
+FIGURES: tuple[dict[str, Any], ...] = (
     {"key": "kv_usage", "signal": "kvwatch_kv_cache_usage_ratio", "series": "kv_usage", "symptoms": ["exhaustion"],
      "over": "poll",
      "rules": [{"state": "bad", "threshold": "exhaustion_usage_ratio", "op": ">="},
@@ -134,7 +134,7 @@ CONTENT_SECURITY_POLICY = (
     "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"
 )
 
-_FIGURE_EXTRAS = {
+_FIGURE_EXTRAS: dict[str, dict[str, Any]] = {
     "kv_usage": {"short": "KV usage", "sub": "kvwatch_kv_cache_usage_max_ratio", "sub_label": "window peak"},
     "headroom": {"short": "Headroom", "sub": "kvwatch_kv_cache_capacity_tokens", "sub_label": "of", "wide": True},
     "hit_ratio": {"short": "Hit ratio", "sub": "kvwatch_prompt_tokens_cached_ratio", "sub_label": "prompt tokens cached"},
