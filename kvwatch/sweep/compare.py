@@ -433,7 +433,7 @@ def compare_cells(before: dict[str, Any], after: dict[str, Any], run_conditions:
     for key in sorted(set(cells_b) & set(cells_a)):
         cb, ca = cells_b[key], cells_a[key]
         reasons = run_reasons + cell_conditions(cb, ca)
-        row = {"input_tokens": key[0], "output_tokens": key[1], "concurrency": key[2]}
+        row: dict[str, Any] = {"input_tokens": key[0], "output_tokens": key[1], "concurrency": key[2]}
         if reasons and not force:
             refused.append({**row, "reasons": reasons})
             continue

@@ -71,10 +71,12 @@ REQUEST_COLUMNS = ("cell", "input_tokens", "output_tokens", "concurrency", "inde
 
 def _atomic_write(path: Path, text: str | bytes) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
-    mode = "wb" if isinstance(text, bytes) else "w"
-    with open(temporary, mode, **({} if isinstance(text, bytes) else {"encoding": "utf-8",
-                                                                       "newline": ""})) as handle:
-        handle.write(text)
+    if isinstance(text, bytes):
+        with open(temporary, "wb") as binary:
+            binary.write(text)
+    else:
+        with open(temporary, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
     os.replace(temporary, path)
 
 

@@ -143,9 +143,9 @@ class Sweep:
                 raise SweepInputError(
                     f"input + output tokens exceed the server's max_model_len {max_model_len}: "
                     f"{listed}")
-        snapshot, error = self.poller.poll()
+        snapshot, problem = self.poller.poll()
         if snapshot is None:
-            raise SweepRunError(f"cannot read {config.metrics_url}: {error}")
+            raise SweepRunError(f"cannot read {config.metrics_url}: {problem}")
         if not snapshot.engines:
             raise SweepRunError(f"{config.metrics_url} has no vLLM metrics (vllm:* families); "
                                 "point --metrics-url at the engine's /metrics")
@@ -237,8 +237,9 @@ class Sweep:
             self.notes.append(f"prompts repeat those of the baseline {self.config.baseline_dir} "
                               f"(seed {self.config.seed}, its prompt recipe)")
             return maker
-        maker = calibrate_with_tokenize(count) if count is not None else None
-        if maker is not None:
+        calibrated = calibrate_with_tokenize(count) if count is not None else None
+        if calibrated is not None:
+            maker = calibrated
             for length in self.config.input_tokens:
                 maker.check_length(length, self.config.seed)
             if maker.fitted_lengths:
@@ -281,9 +282,9 @@ class Sweep:
         snapshot, _ = self.poller.poll()
         if snapshot is None:
             return None
-        values = [snapshot.engines[k].counters.get("prompt_tokens")
-                  for k in select_engines(snapshot, self.config.model)]
-        values = [v for v in values if v is not None]
+        found = [snapshot.engines[k].counters.get("prompt_tokens")
+                 for k in select_engines(snapshot, self.config.model)]
+        values = [v for v in found if v is not None]
         return sum(values) if values else None
 
     def _request_body(self, prompt: str, output_tokens: int) -> dict[str, Any]:
@@ -299,7 +300,7 @@ class Sweep:
             for index in range(self.config.warmup):
                 if self.stop.is_set():
                     return
-                prompt = self.prompts.make(length, random.Random(f"{self.config.seed}-warmup-{index}"))
+                prompt = self._prompts().make(length, random.Random(f"{self.config.seed}-warmup-{index}"))
                 result = self.client.stream_completion(
                     worker, self._request_body(prompt.text, min(16, self.config.output_tokens[0])))
                 if not result.ok:
@@ -318,7 +319,7 @@ class Sweep:
                  f"{len(config.output_tokens)} output lengths x {len(config.concurrency)} "
                  f"concurrency levels), {per_cell} each, model {config.model!r} at "
                  f"{config.base_url}")
-        self.say(f"kvwatch sweep: prompts: {self.prompts.describe()}; results in {config.out_dir}")
+        self.say(f"kvwatch sweep: prompts: {self._prompts().describe()}; results in {config.out_dir}")
         self._write()
         self.poller.start()
         for number, (inp, out, conc) in enumerate(grid, start=1):
@@ -330,6 +331,11 @@ class Sweep:
             self.cells.append(cell)
             self._write()
             self.say(self._progress_line(number, len(grid), cell))
+
+    def _prompts(self) -> PromptMaker:
+        if self.prompts is None:  # _prepare calibrates them before any cell
+            raise SweepRunError("the prompts were not calibrated")
+        return self.prompts
 
     def _wait_idle(self, what: str) -> bool:
         """Let the previous cell's requests leave the engine, so cells do not overlap.
@@ -352,6 +358,7 @@ class Sweep:
                                      else "it ran anyway"))
                 return True
             self.stop.wait(min(0.1, self.config.poll_interval))
+        return False  # stopped: the caller checks stop itself
 
     def _run_cell(self, number: int, inp: int, out: int, conc: int) -> dict[str, Any] | None:
         config = self.config
@@ -384,7 +391,7 @@ class Sweep:
                 while (index := claim()) is not None:
                     # Keyed by the cell's coordinates, not its position: a sweep with the
                     # same seed sends the same prompts to the same cell whatever its grid.
-                    prompt = self.prompts.make(
+                    prompt = self._prompts().make(
                         inp, random.Random(f"{config.seed}-{inp}-{out}-{conc}-{index}"))
                     result = self.client.stream_completion(worker, self._request_body(prompt.text, out))
                     with lock:

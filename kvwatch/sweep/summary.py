@@ -153,8 +153,8 @@ def capacity_bounds(snapshot: Snapshot, config: SweepConfig,
         note = ("--model-config given but the server reports no cache_config_info and no "
                 "--kv-budget was given, so there is no budget to size")
         return bounds, note
-    live = [(info, capacity_tokens(info), config_number(info, "block_size")) for info in infos]
-    live = [(info, tokens, block) for info, tokens, block in live if tokens and block]
+    read = [(info, capacity_tokens(info), config_number(info, "block_size")) for info in infos]
+    live = [(info, tokens, block) for info, tokens, block in read if tokens and block]
     if not live:
         return bounds, "the server reports no cache_config_info with a pool size; no bound"
     for inp, out in pairs:
@@ -183,18 +183,20 @@ def _bounds_from_config(targets: list[dict[str, str]], config: SweepConfig,
             reported = (info.get("cache_dtype") or "auto").lower()
             if dtype == "auto" and reported in cap.DTYPE_BYTES:
                 dtype = reported
-            if config.kv_budget is not None:
-                budget, budget_source = config.kv_budget, "--kv-budget"
-            else:
+            budget: int | None = config.kv_budget
+            budget_source = "--kv-budget"
+            if budget is None:
                 memory = config_number(info, "kv_cache_memory_bytes")
-                budget, budget_source = (int(memory), "the server's kv_cache_memory_bytes") \
-                    if memory else (None, None)
+                budget = int(memory) if memory else None
+                budget_source = "the server's kv_cache_memory_bytes"
+            if config.model_config is None:  # the caller reads the config only when one was given
+                raise cap.CapacityInputError("no --model-config to size the requests with")
             if budget is None:
                 raise cap.CapacityInputError(
                     "the server does not report kv_cache_memory_bytes; give --kv-budget")
             result = cap.compute_capacity(config.model_config, dtype, block, budget, inp, out)
             request = result.requests[0]
-            total += request.pool_bound
+            total += request.pool_bound or 0
             steps.extend(request.steps)
             note = (f"computed from {config.model_config_path} ({result.bytes_per_token} B per "
                     f"token, {dtype}) with budget {budget:,} B from {budget_source}, blocks of "
