@@ -73,9 +73,11 @@ check-generated: $(RUN_STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"
 
-# The rules chosen in pyproject.toml's [tool.ruff] (tests/test_lint.py runs the same).
+# The rules chosen in pyproject.toml's [tool.ruff] and [tool.mypy] (tests/test_lint.py
+# and tests/test_mypy.py run the same).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvwatch tests benchmarks scripts
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
