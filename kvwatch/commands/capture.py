@@ -15,14 +15,18 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from kvwatch.capture.bundle import CaptureError, CaptureWriter, Entry, is_bundle
 from kvwatch.capture.record import manifest_for, record
 from kvwatch.commands import failfast
 from kvwatch.present import TerminalText, TextOut, public_host
 from kvwatch.scrape import Fetcher, failure_sentence
-from kvwatch.settings import SettingsError, flag_help, flag_name, load_settings
+from kvwatch.settings import Settings, SettingsError, flag_help, flag_name, load_settings
 from kvwatch.units import parse_duration
+
+if TYPE_CHECKING:  # imported where a capture records the stream
+    from kvwatch.kvevents.source import KVEventSource
 
 EXIT_OK, EXIT_NO_PAGES, EXIT_UNUSABLE = 0, 1, 2
 # Without a terminal (a log, CI), one progress line per this many fetches.
@@ -62,53 +66,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problems = []
-    values = {}
-    for flag, raw in (("--interval", args.interval), ("--duration", args.duration)):
-        try:
-            values[flag] = parse_duration(raw)
-        except ValueError as exc:
-            problems.append(f"{flag}: {exc}")
-    if problems:
-        return _fail(problems)
-    interval, duration = values["--interval"], values["--duration"]
-    if interval <= 0:
-        return _fail(["--interval must be above 0"])
-    if args.count is not None and args.count < 1:
-        return _fail(["--count must be at least 1"])
-    max_failures, problem = failfast.limit_of(args)
-    if problem:
-        return _fail([problem])
-    problem = out_problem(args.out)
-    if problem:
-        return _fail([problem])
-    overrides = {"target": args.target, "poll_interval": interval, "window": max(300.0, 2 * interval),
-                 "bearer_token_file": args.bearer_token_file, "ca_bundle": args.ca_bundle,
-                 "tls_verify": args.tls_verify, "timeout": args.timeout, "max_body_bytes": args.max_body_bytes,
-                 "kv_events": getattr(args, "kv_events", None)}
-    try:
-        settings = load_settings(args.config, overrides)
-    except SettingsError as exc:
-        return _fail(exc.problems)
+    parsed = _arguments(args)
+    if isinstance(parsed, list):
+        return _fail(parsed)
+    interval, duration, max_failures, settings = parsed
     fetcher = Fetcher(settings.target, settings.fetch_timeout, settings.max_body_bytes,
                       settings.bearer_token_file, settings.ca_bundle, settings.tls_verify)
     try:
         writer = CaptureWriter(args.out, manifest_for(settings.target, interval, duration))
     except CaptureError as exc:
         return _fail([str(exc)])
-    stream = None
-    if settings.kv_events:
-        from kvwatch.kvevents.source import KVEventSource
-
-        # The same receiver as the sidecar's (byte cap, bounded queues), each
-        # well-formed message recorded as it arrives.
-        stream = KVEventSource(settings.kv_events, connect=bool(getattr(args, "kv_events_connect", False)),
-                               topic=settings.kv_events_topic, tap=writer.add_event)
-        stream.start()
-        if stream.listen_error:
-            writer.close(ended_at=time.time(), interrupted=False)
-            return _fail([stream.listen_error])
-        writer.update(kv_events=settings.kv_events)
+    stream = _start_stream(args, settings, writer)
+    if isinstance(stream, str):
+        return _fail([stream])
 
     out = TerminalText(sys.stderr)  # the engine's target and failure sentences: escapes written out
     tty = sys.stderr.isatty()
@@ -116,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvwatch capture: {writer.manifest['target']} every {interval:g}s {limit} into {args.out}"
           + ("; Ctrl-C stops and keeps what was recorded" if tty else ""), file=out, flush=True)
     started = time.monotonic()
-    interrupted = False
     failures = failfast.FailureReport(out, "kvwatch capture", max_failures)
 
     def progress(entry: Entry, writer: CaptureWriter) -> None:
@@ -131,9 +100,70 @@ def run(args: argparse.Namespace) -> int:
             failures.failed(entry.seq, reason, sentence)
         _progress(out, tty, entry, writer, started)
 
+    interrupted, path = _record(fetcher, writer, stream, interval, duration, args.count, progress, failures)
+    if tty:
+        print(file=out)
+    return _summary(out, writer.manifest, stream is not None, failures, interrupted, started, path)
+
+
+def _arguments(args: argparse.Namespace) -> tuple[float, float, int | None, Settings] | list[str]:
+    """(interval, duration, failures to stop at, settings) from the flags, or the problems with them."""
+    problems = []
+    values = {}
+    for flag, raw in (("--interval", args.interval), ("--duration", args.duration)):
+        try:
+            values[flag] = parse_duration(raw)
+        except ValueError as exc:
+            problems.append(f"{flag}: {exc}")
+    if problems:
+        return problems
+    interval, duration = values["--interval"], values["--duration"]
+    if interval <= 0:
+        return ["--interval must be above 0"]
+    if args.count is not None and args.count < 1:
+        return ["--count must be at least 1"]
+    max_failures, problem = failfast.limit_of(args)
+    problem = problem or out_problem(args.out)
+    if problem:
+        return [problem]
+    overrides = {"target": args.target, "poll_interval": interval, "window": max(300.0, 2 * interval),
+                 "bearer_token_file": args.bearer_token_file, "ca_bundle": args.ca_bundle,
+                 "tls_verify": args.tls_verify, "timeout": args.timeout, "max_body_bytes": args.max_body_bytes,
+                 "kv_events": getattr(args, "kv_events", None)}
+    try:
+        settings = load_settings(args.config, overrides)
+    except SettingsError as exc:
+        return exc.problems
+    return interval, duration, max_failures, settings
+
+
+def _start_stream(args: argparse.Namespace, settings: Settings, writer: CaptureWriter) -> KVEventSource | str | None:
+    """The engine's KV-event stream recorded beside the pages (`kv_events` set), or why it cannot listen."""
+    if not settings.kv_events:
+        return None
+    from kvwatch.kvevents.source import KVEventSource
+
+    # The same receiver as the sidecar's (byte cap, bounded queues), each
+    # well-formed message recorded as it arrives.
+    stream = KVEventSource(settings.kv_events, connect=bool(getattr(args, "kv_events_connect", False)),
+                           topic=settings.kv_events_topic, tap=writer.add_event)
+    stream.start()
+    if stream.listen_error:
+        writer.close(ended_at=time.time(), interrupted=False)
+        return stream.listen_error
+    writer.update(kv_events=settings.kv_events)
+    return stream
+
+
+def _record(fetcher: Fetcher, writer: CaptureWriter, stream: KVEventSource | None, interval: float,
+            duration: float, count: int | None, progress: Callable[[Entry, CaptureWriter], None],
+            failures: failfast.FailureReport) -> tuple[bool, Path]:
+    """Records until the duration, the count, the failures or a signal ends it;
+    (interrupted, where the capture was written)."""
+    interrupted = False
     previous_term = _set_signal(signal.SIGTERM, _interrupt)
     try:
-        record(fetcher, writer, interval, duration, progress=progress, count=args.count,
+        record(fetcher, writer, interval, duration, progress=progress, count=count,
                give_up=lambda: failures.gave_up)
     except KeyboardInterrupt:
         interrupted = True
@@ -146,12 +176,15 @@ def run(args: argparse.Namespace) -> int:
         finally:
             _set_signal(signal.SIGINT, previous_int)
             _set_signal(signal.SIGTERM, previous_term)
-    manifest = writer.manifest
-    if tty:
-        print(file=out)
+    return interrupted, path
+
+
+def _summary(out: TextOut, manifest: dict, streamed: bool, failures: failfast.FailureReport, interrupted: bool,
+             started: float, path: Path) -> int:
+    """The closing line (pages, failures by reason, event messages, where) and the exit status."""
     failed = ", ".join(f"{reason} {count}" for reason, count in sorted(manifest["failed_by_reason"].items()))
     failed_text = f", {manifest['failed']} failed ({failed})" if failed else ""
-    if stream is not None:
+    if streamed:
         failed_text += (f", {manifest.get('kv_events_messages', 0)} KV-cache event messages"
                         + (" (cut short at the capture's cap)" if manifest.get("kv_events_truncated") else ""))
     stopped = f"{failures.gave_up_text()}; " if failures.gave_up else ""
