@@ -106,44 +106,13 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"kvwatch sim: {exc}", file=sys.stderr)
         return 2
-    for flag in ("duration", "report", "interval"):
-        raw = getattr(args, flag)
-        if raw is None:
-            continue
-        try:
-            setattr(args, flag, parse_duration(raw))
-        except ValueError as exc:
-            print(f"kvwatch sim: --{flag}: {exc}", file=sys.stderr)
-            return 2
-    # The shared parsers (kvwatch/units.py): one sentence, not argparse's usage.
-    parsers = {"port": parse_port, "seed": parse_whole_number, "speed": lambda v: parse_number(v, minimum=0),
-               "engines": parse_whole_number, "lmcache_tokens": parse_whole_number}
-    for flag, parse in parsers.items():
-        raw = getattr(args, flag)
-        if raw is None:
-            continue
-        try:
-            setattr(args, flag, parse(raw))
-        except ValueError as exc:
-            print(f"kvwatch sim: --{flag.replace('_', '-')}: {exc}", file=sys.stderr)
-            return 2
-    if args.lmcache_tokens is not None and args.lmcache_tokens < 1:
-        print("kvwatch sim: --lmcache-tokens must be >= 1", file=sys.stderr)
+    problem = _parse_flags(args)
+    if problem:
+        print(f"kvwatch sim: {problem}", file=sys.stderr)
         return 2
     lmcache_tokens = args.lmcache_tokens
     if lmcache_tokens is None and args.lmcache:
         lmcache_tokens = DEFAULT_SIZE_FACTOR * scenario.phases[0].engine.kv_cache_size_tokens
-    if args.kv_events:
-        from kvwatch.settings import zmq_endpoint
-
-        try:
-            args.kv_events = zmq_endpoint(args.kv_events)
-        except ValueError as exc:
-            print(f"kvwatch sim: --kv-events: {exc}", file=sys.stderr)
-            return 2
-    if args.engines is not None and args.engines < 1:
-        print("kvwatch sim: --engines must be >= 1", file=sys.stderr)
-        return 2
     sim = Simulation(scenario, seed=args.seed, engines=args.engines, model_name=args.model_name,
                      lmcache_tokens=lmcache_tokens)
     if args.report is not None:
@@ -166,6 +135,55 @@ def run(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server.start()
+    _say_serving(args, scenario, sim, server)
+    try:
+        _follow_phases(args, server, stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+        print("kvwatch sim: stopped", flush=True)
+    return 0
+
+
+def _parse_flags(args: argparse.Namespace) -> str | None:
+    """Each flag parsed in place, by the shared parsers (kvwatch/units.py);
+    the first problem as one sentence, not argparse's usage."""
+    for flag in ("duration", "report", "interval"):
+        raw = getattr(args, flag)
+        if raw is None:
+            continue
+        try:
+            setattr(args, flag, parse_duration(raw))
+        except ValueError as exc:
+            return f"--{flag}: {exc}"
+    parsers = {"port": parse_port, "seed": parse_whole_number, "speed": lambda v: parse_number(v, minimum=0),
+               "engines": parse_whole_number, "lmcache_tokens": parse_whole_number}
+    for flag, parse in parsers.items():
+        raw = getattr(args, flag)
+        if raw is None:
+            continue
+        try:
+            setattr(args, flag, parse(raw))
+        except ValueError as exc:
+            return f"--{flag.replace('_', '-')}: {exc}"
+    if args.lmcache_tokens is not None and args.lmcache_tokens < 1:
+        return "--lmcache-tokens must be >= 1"
+    if args.kv_events:
+        from kvwatch.settings import zmq_endpoint
+
+        try:
+            args.kv_events = zmq_endpoint(args.kv_events)
+        except ValueError as exc:
+            return f"--kv-events: {exc}"
+    if args.engines is not None and args.engines < 1:
+        return "--engines must be >= 1"
+    return None
+
+
+def _say_serving(args: argparse.Namespace, scenario, sim: Simulation, server) -> None:
     print(f"kvwatch sim: scenario {scenario.name!r}, {len(sim.engines)} engine(s), model {sim.model_name!r}, "
           f"speed {args.speed:g}, dialect {args.dialect}", flush=True)
     print(f"kvwatch sim: serving {server.url}  (metrics {server.metrics_url}, app metrics {server.app_metrics_url})",
@@ -182,24 +200,20 @@ def run(args: argparse.Namespace) -> int:
                   else f"{clock_text(status['cycle_seconds'])} of simulated time (speed 0: the clock moves by hand)")
         print(f"kvwatch sim: {status['phases']} phases, {length}, {loop}; the phase now and the next at "
               f"{server.url}/sim/phase", flush=True)
+
+
+def _follow_phases(args: argparse.Namespace, server, stop: threading.Event) -> None:
+    """Says each phase as it starts, until --duration, SIGTERM or Ctrl-C."""
+    status = server.phase_status()
     shown = None
     deadline = None if args.duration is None else time.monotonic() + args.duration
-    try:
-        while True:
-            if status["phases"] > 1 and (status["phase"], status["index"], status["cycle"]) != shown:
-                shown = (status["phase"], status["index"], status["cycle"])
-                note = f" ({status['note']})" if status["note"] else ""
-                print(f"kvwatch sim: {phase_line(status)}{note}", flush=True)
-            if stop.wait(0.2):
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            status = server.phase_status()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
-        print("kvwatch sim: stopped", flush=True)
-    return 0
+    while True:
+        if status["phases"] > 1 and (status["phase"], status["index"], status["cycle"]) != shown:
+            shown = (status["phase"], status["index"], status["cycle"])
+            note = f" ({status['note']})" if status["note"] else ""
+            print(f"kvwatch sim: {phase_line(status)}{note}", flush=True)
+        if stop.wait(0.2):
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        status = server.phase_status()
