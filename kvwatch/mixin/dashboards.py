@@ -46,9 +46,19 @@ def _findings_panel(v: Views, key: str, symptom: str | None, anchor: str, width:
 def overview(config: MixinConfig) -> Board:
     v = Views(config)
     b = Board("overview", config)
-    e = v.engine_legend
+    _engines_now_row(b, v, config)
+    # What pages: the objectives' burn rates and budgets.
+    _objectives_row(b, v)
+    _kv_cache_row(b, v, config)
+    _prefix_and_first_token_rows(b, v, config)
+    _latency_and_throughput_rows(b, v)
+    b.closing.append(_kvwatch_health)
+    return b
+
+
+def _engines_now_row(b: Board, v: "Views", config: MixinConfig) -> None:
+    """The engine first: where each model stands now, then what kvwatch found."""
     m = v.model_legend
-    # The engine first: where each model stands now, then what kvwatch found.
     b.row("Engines now")
     b.add(PanelSpec("now_kv_usage", "KV cache usage, fullest engine",
                     "KV-cache usage now of each model's fullest engine (vllm:kv_cache_usage_perc). Red from the "
@@ -84,8 +94,10 @@ def overview(config: MixinConfig) -> Board:
                       "findings")], kind="stat", width=5, height=4, runbook=ANCHOR_EXHAUSTED, threshold=1,
                     signal="kvwatch_finding"))
     b.add(_findings_panel(v, "findings", None, ANCHOR_EXHAUSTED))
-    # What pages: the objectives' burn rates and budgets.
-    _objectives_row(b, v)
+
+
+def _kv_cache_row(b: Board, v: "Views", config: MixinConfig) -> None:
+    e = v.engine_legend
     b.row("KV cache")
     b.add(PanelSpec("kv_usage", "KV cache usage",
                     v.help("kvwatch_kv_cache_usage_ratio") + " The red line is the exhaustion threshold.",
@@ -103,6 +115,10 @@ def overview(config: MixinConfig) -> Board:
                     v.help("kvwatch_requests_running") + " " + v.help("kvwatch_requests_waiting"), "short",
                     [(v.sig("kvwatch_requests_running"), "running " + e),
                      (v.sig("kvwatch_requests_waiting"), "waiting " + e)], width=12, runbook=ANCHOR_EXHAUSTED))
+
+
+def _prefix_and_first_token_rows(b: Board, v: "Views", config: MixinConfig) -> None:
+    e = v.engine_legend
     b.row("Prefix cache")
     b.add(PanelSpec("hit_ratio", "Prefix-cache hit ratio",
                     v.help("kvwatch_prefix_cache_hit_ratio") + " Per engine, and per model as a ratio of summed "
@@ -130,6 +146,10 @@ def overview(config: MixinConfig) -> Board:
                     signal="kvwatch_time_to_first_token_mean_seconds"))
     b.add(PanelSpec("queue_time", "Queue time", v.help("kvwatch_queue_time_seconds"), "s",
                     v.quantile_targets("kvwatch_queue_time_seconds", "model"), width=8, runbook=ANCHOR_TTFT))
+
+
+def _latency_and_throughput_rows(b: Board, v: "Views") -> None:
+    e = v.engine_legend
     # What users feel after the first token: the gap between output tokens and the whole request.
     b.row("Per output token and end to end")
     b.add(PanelSpec("inter_token_latency", "Inter-token latency (per output token)",
@@ -154,8 +174,6 @@ def overview(config: MixinConfig) -> Board:
     b.add(PanelSpec("failed", "Failed requests (abort, error)", v.help("kvwatch_requests_failed_per_second"),
                     "reqps", [(v.sig("kvwatch_requests_failed_per_second"), e)], width=8,
                     runbook=ANCHOR_THROUGHPUT))
-    b.closing.append(_kvwatch_health)
-    return b
 
 
 def _objectives_row(b: Board, v: "Views") -> None:
