@@ -21,6 +21,7 @@ from kvwatch.diagnose import Change
 from kvwatch.diagnose.hold import FindingHold
 from kvwatch.diagnose.vocabulary import finding_key
 from kvwatch.engines import AUTO, ENGINES, make_adapter, recognize
+from kvwatch.engines.base import EngineAdapter
 from kvwatch.engines.coverage import dark_signals
 from kvwatch.engines.plausible import window_faults
 from kvwatch.kvevents.join import with_page
@@ -277,37 +278,23 @@ class Monitor:
                     f"{', '.join(ENGINES)})", (), started, started_cpu)
             self.adapter = make_adapter(engine, self.settings.max_series)
             log.info("polling %s: the page is %s's", public_url(self.settings.target), self.adapter.title)
-        # A page describes the engine when it was answered, not when it was
-        # asked for: a busy vLLM answers seconds late (1.5-12 s under load on
-        # the tier's CPU), and a page stamped at the request would put the
-        # load's peak that much too early and stretch the rates around it.
-        # A page answered within a tenth of the interval keeps the time it
-        # was asked for: the window does not resolve the difference, and a
-        # replay then stamps exactly what the live sidecar stamped.
-        late = max(0.0, result.seconds or 0.0)
-        answered = started + late if late > LATE_FRACTION * self.settings.poll_interval else started
+        adapter = self.adapter
+        answered = self._answered_at(result, started)
         previous = self.window.latest
-        if previous is not None and answered <= previous.time:
-            answered = previous.time + 1e-3  # the window's time axis only moves forward
-        snapshot = self.adapter.adapt(result.page, at=answered)
+        snapshot = adapter.adapt(result.page, at=answered)
         self._parse_errors += len(snapshot.parse_errors)
         if snapshot.parse_errors:
             log.debug("%d malformed lines, first: %s", len(snapshot.parse_errors), snapshot.parse_errors[0])
         if not snapshot.engines:
             return self._no_engine_metrics(
-                result, f"no {self.adapter.name} engine metrics in a page of {result.size} bytes",
+                result, f"no {adapter.name} engine metrics in a page of {result.size} bytes",
                 snapshot.parse_errors, started, started_cpu)
         self.window.add(snapshot)
         if self.window.trimmed and not self.state.window_trimmed:
             log.warning("%s", self.window.trimmed)
         self._note_changes(previous, snapshot)
         per_engine, per_model = evaluate_window(self.window)
-        source_faults = tuple(snapshot.faults) + tuple(
-            window_faults(per_engine, snapshot.sources, self.adapter.prefixes[0]))
-        for fault in source_faults:
-            self._faults_by_kind[fault.fault] = self._faults_by_kind.get(fault.fault, 0) + 1
-        if snapshot.faults_dropped:
-            self._faults_by_kind["undescribed"] = self._faults_by_kind.get("undescribed", 0) + snapshot.faults_dropped
+        source_faults = self._count_faults(snapshot, per_engine, adapter)
         upstream = self.upstream.poll() if self.upstream is not None else None
         lmcache = self._poll_lmcache(result.text if self._lmcache_on_engine_page else None, answered)
         kv_events = self._report_kv_events(answered, per_engine)
@@ -320,8 +307,6 @@ class Monitor:
         self._polls += 1
         was_up = self.state.up
         previous_since = self.state.findings_since
-        findings_since = {key: previous_since.get(key, started)
-                          for key in (finding_key(f) for f in findings)}
         earliest = self.window.earliest
         self.state = State(
             up=True,
@@ -331,7 +316,7 @@ class Monitor:
             errors_by_reason=dict(self._errors),
             parse_errors=self._parse_errors,
             last_parse_errors=tuple(str(e) for e in snapshot.parse_errors[:5]),
-            dropped_series=self.adapter.dropped_series,
+            dropped_series=adapter.dropped_series,
             last_poll_time=answered,
             last_success_time=answered,
             poll_seconds=time.monotonic() - started_monotonic,
@@ -346,10 +331,10 @@ class Monitor:
             upstream=upstream,
             lmcache=lmcache,
             kv_events=kv_events,
-            findings_since=findings_since,
+            findings_since={key: previous_since.get(key, started) for key in (finding_key(f) for f in findings)},
             entries=tuple(self.window.entries),
-            engine=self.adapter.name,
-            dark_signals=dark_signals(type(self.adapter)),
+            engine=adapter.name,
+            dark_signals=dark_signals(type(adapter)),
             replay=self.replay,
             window_trimmed=self.window.trimmed,
             source_faults=source_faults,
@@ -361,6 +346,31 @@ class Monitor:
             log.info("polling %s: up (%d %s)", public_url(self.settings.target), count,
                      "engine" if count == 1 else "engines")
         return self.state
+
+    def _answered_at(self, result: FetchResult, started: float) -> float:
+        """The time the page is stamped with."""
+        # A page describes the engine when it was answered, not when it was
+        # asked for: a busy vLLM answers seconds late (1.5-12 s under load on
+        # the tier's CPU), and a page stamped at the request would put the
+        # load's peak that much too early and stretch the rates around it.
+        # A page answered within a tenth of the interval keeps the time it
+        # was asked for: the window does not resolve the difference, and a
+        # replay then stamps exactly what the live sidecar stamped.
+        late = max(0.0, result.seconds or 0.0)
+        answered = started + late if late > LATE_FRACTION * self.settings.poll_interval else started
+        previous = self.window.latest
+        if previous is not None and answered <= previous.time:
+            answered = previous.time + 1e-3  # the window's time axis only moves forward
+        return answered
+
+    def _count_faults(self, snapshot: Snapshot, per_engine, adapter: EngineAdapter) -> tuple:
+        """The page's source faults and the window's, each counted by kind."""
+        source_faults = tuple(snapshot.faults) + tuple(window_faults(per_engine, snapshot.sources, adapter.prefixes[0]))
+        for fault in source_faults:
+            self._faults_by_kind[fault.fault] = self._faults_by_kind.get(fault.fault, 0) + 1
+        if snapshot.faults_dropped:
+            self._faults_by_kind["undescribed"] = self._faults_by_kind.get("undescribed", 0) + snapshot.faults_dropped
+        return source_faults
 
     def _poll_lmcache(self, page_text: str | None, at: float) -> dict[str, Any] | None:
         """The tier's poll; its failure is its own (reported in its status),
