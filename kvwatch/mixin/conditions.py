@@ -76,7 +76,8 @@ def twin_record(config, signal: str) -> str:
     level names its output labels too)."""
     entry = SIGNALS_BY_NAME[signal]
     metric, ops = entry.record
-    level = "_".join((engine_level(config), *entry.output_labels))
+    # A quantile signal's rules (one per quantile) name the quantile label in their level too.
+    level = "_".join((engine_level(config), *entry.output_labels, *(("quantile",) if entry.label == "quantile" else ())))
     return f"{level}:{metric}:{ops.format(w=config.rate_window)}"
 
 

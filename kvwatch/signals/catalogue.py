@@ -42,6 +42,10 @@ from kvwatch.signals.health import (  # noqa: F401 (the public names re-exported
 )
 from kvwatch.signals.series import ENGINE_SERIES, TIER_SERIES
 
+# Why a quantile's twin differs: only where the quantile falls in the first bucket.
+_PINNED_QUANTILE = ("a quantile in the first bucket is that bucket's bound in kvwatch (an upper bound, said as "
+                    "pinned), where histogram_quantile interpolates from 0")
+
 SIGNALS: tuple[Signal, ...] = (
     # --- cache exhaustion ---
     Signal("kvwatch_kv_cache_usage_ratio", "ratio",
@@ -70,7 +74,7 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvwatch_kv_cache_used_bytes", "bytes",
            "KV-cache bytes held now: usage x the cache's bytes (vllm:cache_config_info).",
            _used_bytes, "exhaustion",
-           "sum by ({by}) (clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * kvwatch_engine_kv_cache_memory_bytes{{{sel}}})",
+           "round(sum by ({by}) (clamp(kvwatch_engine_kv_cache_usage_ratio{{{sel}}}, 0, 1) * kvwatch_engine_kv_cache_memory_bytes{{{sel}}}))",
            panel="overview", title="KV bytes in use",
            display="KV cache in use", record=("kvwatch_kv_cache_used_bytes", "sum"), good="low",
            doc=("KV-cache bytes held now: usage x the cache's bytes, rounded to a whole byte "
@@ -388,7 +392,7 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvwatch_time_to_first_token_seconds", "seconds",
            "Time to first token quantiles over the window (vllm:time_to_first_token_seconds).",
            _quantiles("ttft", "TTFT"), "first_token",
-           _quantile_promql("kvwatch_engine_time_to_first_token_seconds"), label="quantile",
+           _quantile_promql("kvwatch_engine_time_to_first_token_seconds"), label="quantile", inexact_twin=_PINNED_QUANTILE,
            display="Time to first token", record=("kvwatch_time_to_first_token_seconds", "histogram_quantile_rate{w}"), good="low",
            doc="Time to first token quantiles over the window, from bucket increases with the scraped bounds (vllm:time_to_first_token_seconds)."),
     Signal("kvwatch_time_to_first_token_mean_seconds", "seconds",
@@ -398,7 +402,7 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvwatch_queue_time_seconds", "seconds",
            "Queue (WAITING) time quantiles over the window (vllm:request_queue_time_seconds).",
            _quantiles("queue_time", "queue time"), "first_token",
-           _quantile_promql("kvwatch_engine_request_queue_time_seconds"), label="quantile",
+           _quantile_promql("kvwatch_engine_request_queue_time_seconds"), label="quantile", inexact_twin=_PINNED_QUANTILE,
            display="Queue time", record=("kvwatch_queue_time_seconds", "histogram_quantile_rate{w}"), good="low"),
     Signal("kvwatch_queue_time_mean_seconds", "seconds",
            "Mean queue time over the window (vllm:request_queue_time_seconds _sum/_count).",
@@ -407,7 +411,7 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvwatch_prefill_time_seconds", "seconds",
            "Prefill time quantiles over the window (vllm:request_prefill_time_seconds).",
            _quantiles("prefill_time", "prefill time"), "first_token",
-           _quantile_promql("kvwatch_engine_request_prefill_time_seconds"), label="quantile",
+           _quantile_promql("kvwatch_engine_request_prefill_time_seconds"), label="quantile", inexact_twin=_PINNED_QUANTILE,
            display="Prefill time", record=("kvwatch_prefill_time_seconds", "histogram_quantile_rate{w}"), good="low"),
     Signal("kvwatch_prefill_time_mean_seconds", "seconds",
            "Mean prefill time over the window (vllm:request_prefill_time_seconds _sum/_count).",
@@ -419,6 +423,8 @@ SIGNALS: tuple[Signal, ...] = (
            _mean_promql("kvwatch_engine_request_queue_time_seconds") + "\n/ on ({by})\n"
            + _mean_promql("kvwatch_engine_time_to_first_token_seconds"), label="part",
            output_labels=("part",), record_labels=(("part", "queue"),),
+           inexact_twin=("the twin is the queue part alone and unclamped; kvwatch clamps the parts to sum to 1 "
+                         "(TtftDecomposition), and the simulator's queue mean exceeds its TTFT mean"),
            display="Time to first token split", record=("kvwatch_time_to_first_token_share", "ratio_rate{w}"), good="low",
            doc=("Share of mean TTFT spent in queue, in prefill, and elsewhere (front end, tokenization, scheduling); the PromQL twin is the queue part "
            "(vllm:time_to_first_token_seconds, vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds).")),

@@ -100,6 +100,9 @@ class Signal:
     # `help` is one line (the exported # HELP, a panel's description);
     # where more needs saying, docs/metrics.md shows this instead.
     doc: str = ""
+    # Why the PromQL twin is not this value exactly, polled the same way; ""
+    # when it is, which tests/test_recorded_twins_agree.py checks for every such signal.
+    inexact_twin: str = ""
 
 
 @overload
