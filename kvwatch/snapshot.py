@@ -116,7 +116,8 @@ class Histogram:
         return quantile
 
 
-assert [f.name for f in fields(Histogram)] == ["bounds", "cumulative", "sum", "count"], "update _histogram_init"
+if [f.name for f in fields(Histogram)] != ["bounds", "cumulative", "sum", "count"]:  # a check -O keeps
+    raise TypeError("Histogram's fields changed: update _histogram_init, which sets them in this order")
 _set_bounds, _set_cumulative, _set_sum, _set_count = (getattr(Histogram, f.name).__set__ for f in fields(Histogram))
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from kvwatch.diagnose.causes import ALERT_LIST
+from kvwatch.diagnose.causes import ALERT_LIST, CAUSE
 from kvwatch.mixin.paging import DEFAULT_SEVERITIES, PREEMPTING_SUFFIX
 
 HERE = Path(__file__).resolve().parent
@@ -88,7 +88,8 @@ class Engine:
     kvwatch_up: str | None = const(1)
     stats_disabled: str | None = None
     starting: str | None = None  # kvwatch_starting
-    # kvwatch's own findings: (symptom, cause, severity, values) each a kvwatch_finding series.
+    # kvwatch's own findings: (cause, values), each a kvwatch_finding series whose
+    # symptom and severity are the cause record's (kvwatch/diagnose/causes.py).
     findings: tuple = ()
 
     def series(self) -> list[dict]:
@@ -103,8 +104,10 @@ class Engine:
         add("kvwatch_up", self.kvwatch_up, target)
         add("kvwatch_stats_disabled", self.stats_disabled, target)
         add("kvwatch_starting", self.starting, target)
-        for symptom, cause, severity, values in self.findings:
-            add("kvwatch_finding", values, {**self.labels, "symptom": symptom, "cause": cause, "severity": severity})
+        for cause, values in self.findings:
+            record = CAUSE[cause]
+            add("kvwatch_finding", values, {**self.labels, "symptom": record.symptom or "", "cause": cause,
+                                            "severity": record.severity})
         add("kvwatch_engine_info", self.info, {**self.labels, "enable_prefix_caching": self.caching,
                                                "block_size": "16"})
         add("kvwatch_engine_kv_cache_usage_ratio", self.usage)
@@ -434,16 +437,16 @@ def default_cases() -> list[Case]:
         # --- stuck: routed by kvwatch's own finding (diagnose/stuck.py already waited stuck_seconds) --
         Case("requests held, no token counted -> VllmEngineStuck requests_stalled, critical",
              [Engine(running=const(6), waiting=const(3), prompt_tokens=const(50000),
-                     findings=(("stuck", "requests_stalled", "critical", "_x20 1x100"),))], "30m",
+                     findings=(("requests_stalled", "_x20 1x100"),))], "30m",
              [("VllmEngineStuck", "requests_stalled", ENGINE)]),
         Case("KV held with nothing running -> VllmEngineStuck kv_held_idle, warning",
              [Engine(usage=const(0.3), running=const(0), waiting=const(0), prompt_tokens=const(50000),
-                     findings=(("stuck", "kv_held_idle", "warning", "_x20 1x100"),))], "30m",
+                     findings=(("kv_held_idle", "_x20 1x100"),))], "30m",
              [("VllmEngineStuck", "kv_held_idle", ENGINE)]),
         Case("a stuck finding for one evaluation, shorter than for: (2m) -> nothing",
-             [Engine(findings=(("stuck", "requests_stalled", "critical", "_x20 1 stale"),))], "22m", []),
+             [Engine(findings=(("requests_stalled", "_x20 1 stale"),))], "22m", []),
         Case("a finding of another symptom -> not VllmEngineStuck",
-             [Engine(findings=(("change", "engine_restarted", "info", const(1)),))], "30m", []),
+             [Engine(findings=(("engine_restarted", const(1)),))], "30m", []),
     ]
 
 
