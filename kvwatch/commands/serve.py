@@ -285,6 +285,7 @@ def replaying(capture, settings, speed: float):
     from kvwatch.capture.bundle import CaptureError
     from kvwatch.capture.replay import ReplaySource, paced, with_events
     from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.pipeline.reports import ReplayProgress
 
     import dataclasses
     from pathlib import Path
@@ -293,9 +294,10 @@ def replaying(capture, settings, speed: float):
     monitor = with_events(source, Monitor(settings, fetcher=source, clock=source.now))
     # What the page, the JSON and /readyz say of the replay (report.replay_text):
     # updated in place, so the last state says when it finished.
-    monitor.replay = {"capture": Path(str(capture.path)).name, "speed": speed, "recorded_polls": len(capture.entries),
-                      "finished": False, "stopped": None}
-    monitor.state = dataclasses.replace(monitor.state, replay=monitor.replay)
+    progress = ReplayProgress(capture=Path(str(capture.path)).name, speed=speed, recorded_polls=len(capture.entries),
+                              finished=False, stopped=None)
+    monitor.replay = progress
+    monitor.state = dataclasses.replace(monitor.state, replay=progress)
     log = logging.getLogger("kvwatch")
 
     def poll() -> None:
@@ -310,10 +312,10 @@ def replaying(capture, settings, speed: float):
         try:
             polls = paced(source, poll, speed, wait=monitor._stop.wait)
         except CaptureError as exc:
-            monitor.replay.update(finished=True, stopped=str(exc))
+            progress["finished"], progress["stopped"] = True, str(exc)
             log.error("replay stopped: %s; serving the last state read", exc)
             return
-        monitor.replay["finished"] = not monitor._stop.is_set()
+        progress["finished"] = not monitor._stop.is_set()
         log.info("replay of %s finished after %d polls; serving its last state", capture.path, polls)
 
     def start() -> None:

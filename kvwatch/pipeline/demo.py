@@ -13,6 +13,7 @@ import logging
 import math
 from typing import Any
 
+from kvwatch.pipeline.reports import DemoStatus
 from kvwatch.scrape import Fetcher
 
 log = logging.getLogger("kvwatch")
@@ -33,7 +34,7 @@ def _seconds(value: Any) -> float | None:
     return float(value)
 
 
-def read_status(text: str | None) -> dict[str, Any] | None:
+def read_status(text: str | None) -> DemoStatus | None:
     """The fields the page shows, from a /sim/phase body; None when it is
     not one (not JSON, no phase name)."""
     if not text:
@@ -45,17 +46,17 @@ def read_status(text: str | None) -> dict[str, Any] | None:
     if not isinstance(raw, dict) or not _text(raw.get("phase")):
         return None
     count = raw.get("phases")
-    return {
-        "scenario": _text(raw.get("scenario")),
-        "phase": _text(raw.get("phase")),
-        "note": _text(raw.get("note")) or "",
-        "next": _text(raw.get("next")),
-        "next_in_seconds": _seconds(raw.get("next_in_seconds")),
-        "cycle_seconds": _seconds(raw.get("cycle_seconds")),
-        "speed": _seconds(raw.get("speed")),
-        "phases": count if isinstance(count, int) and not isinstance(count, bool) and 0 < count < 1000 else None,
-        "clock": "simulated" if raw.get("clock") == "simulated" else "wall",
-    }
+    return DemoStatus(
+        scenario=_text(raw.get("scenario")),
+        phase=_text(raw.get("phase")),
+        note=_text(raw.get("note")) or "",
+        next=_text(raw.get("next")),
+        next_in_seconds=_seconds(raw.get("next_in_seconds")),
+        cycle_seconds=_seconds(raw.get("cycle_seconds")),
+        speed=_seconds(raw.get("speed")),
+        phases=count if isinstance(count, int) and not isinstance(count, bool) and 0 < count < 1000 else None,
+        clock="simulated" if raw.get("clock") == "simulated" else "wall",
+    )
 
 
 class DemoSource:
@@ -65,7 +66,7 @@ class DemoSource:
         deadline = min(DEADLINE_SECONDS, timeout, interval / 4 if interval else DEADLINE_SECONDS)
         self.fetcher = Fetcher(url, deadline, MAX_BYTES)
 
-    def poll(self) -> dict[str, Any] | None:
+    def poll(self) -> DemoStatus | None:
         """The strip's fields, or None; never raises: it runs inside the
         engine's poll, whose state (kvwatch_up) no answer of this endpoint
         may touch."""

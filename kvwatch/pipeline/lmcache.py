@@ -37,10 +37,10 @@ reads the Prometheus page, the server's own or the collector's, never OTLP:
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from kvwatch.exposition import FamilySelector
 from kvwatch.labels import bounded_label
+from kvwatch.pipeline.reports import LMCacheModel, LMCacheReport
 from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
 from kvwatch.present import origin, public_url
 from kvwatch.signals import TIER_SERIES, TIER_SIGNALS, View, evaluate_tier
@@ -143,7 +143,7 @@ class LMCacheSource:
         self.max_models = min(settings.max_series, MAX_MODELS)
         self._families = {key: family_name(key) for key in COUNTERS}
 
-    def poll(self, page_text: str | None = None, at: float | None = None) -> dict[str, Any]:
+    def poll(self, page_text: str | None = None, at: float | None = None) -> LMCacheReport:
         """One poll; `page_text` (and its time `at`) is the engine's page when
         LMCache is read from it: fetched once, read twice."""
         if page_text is not None:
@@ -154,7 +154,7 @@ class LMCacheSource:
             return self._report(now, False, result.reason, result.detail, None)
         return self.ingest(result.page, now)
 
-    def ingest(self, text: str, now: float) -> dict[str, Any]:
+    def ingest(self, text: str, now: float) -> LMCacheReport:
         page = self.selector.parse(text)
         engines, sources = read_page(page, self.max_models)
         if not engines:
@@ -170,32 +170,31 @@ class LMCacheSource:
         return self._report(now, True, None, "", sources)
 
     def _report(self, now: float, up: bool, reason: str | None, detail: str,
-                sources: dict[str, str] | None) -> dict[str, Any]:
-        models = []
+                sources: dict[str, str] | None) -> LMCacheReport:
+        models: list[LMCacheModel] = []
         latest = self.window.latest
         if up and latest is not None:
             for (model, tier), engine in sorted(latest.engines.items()):
                 increase = self.window.increase((model, tier))
                 view = View(engine, increase, None, None, None, None)
-                models.append({
-                    "model_name": model,
-                    "signals": evaluate_tier(view),
-                    "latest": dict(engine.counters),
-                    "increase": dict(increase.counters),
-                    "window_seconds": increase.seconds,
-                    "restarts": increase.restarts,
-                })
-        return {
-            "target": public_url(self.target),
-            "up": up,
-            "reason": reason,
-            "detail": detail,
-            # LMCache family -> whether the latest page carried it (None: not read, the fetch failed).
-            "families": None if sources is None else {
+                models.append(LMCacheModel(
+                    model_name=model,
+                    signals=evaluate_tier(view),
+                    latest=dict(engine.counters),
+                    increase=dict(increase.counters),
+                    window_seconds=increase.seconds,
+                    restarts=increase.restarts,
+                ))
+        return LMCacheReport(
+            target=public_url(self.target),
+            up=up,
+            reason=reason,
+            detail=detail,
+            families=None if sources is None else {
                 family: key in sources for key, family in sorted(self._families.items())},
-            "models": models,
-            "time": now,
-        }
+            models=models,
+            time=now,
+        )
 
 
 __all__ = ["COUNTERS", "LMCacheSource", "PREFIXES", "TIER", "TIER_SIGNALS", "family_name", "read_page"]

@@ -28,6 +28,7 @@ from kvwatch.kvevents.join import with_page
 from kvwatch.kvevents.source import KVEventSource
 from kvwatch.pipeline.demo import DemoSource
 from kvwatch.pipeline.lmcache import LMCacheSource
+from kvwatch.pipeline.reports import BusyReport, DemoStatus, KVEventsReport, LMCacheReport, ReplayProgress, UpstreamReport
 from kvwatch.pipeline.upstream import UpstreamSource
 from kvwatch.labels import LABEL_VALUE_MAX_BYTES, bounded_label
 from kvwatch.present import public_host, public_url
@@ -93,11 +94,11 @@ class State:
     per_model: tuple[Evaluated, ...] = ()
     findings: tuple[diagnosis.Finding, ...] = ()
     events: tuple[Change, ...] = ()
-    upstream: dict[str, Any] | None = None
+    upstream: UpstreamReport | None = None
     # The LMCache tier's latest poll (kvwatch/pipeline/lmcache.py), None unless lmcache_target is set.
-    lmcache: dict[str, Any] | None = None
+    lmcache: LMCacheReport | None = None
     # The KV-cache event stream's report (kvwatch/kvevents/source.py), None unless kv_events is set.
-    kv_events: dict[str, Any] | None = None
+    kv_events: KVEventsReport | None = None
     # finding key (report.finding_key) -> when it was first seen, while it stays active
     findings_since: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
     # The window's entries as of this poll (the trends on the status page);
@@ -109,9 +110,9 @@ class State:
     dark_signals: tuple[str, ...] = ()
     # A replay's progress (kvwatch serve --replay; None when live): the
     # monitor's one dict, so its `finished` shows on the last state too.
-    replay: dict[str, Any] | None = None
+    replay: ReplayProgress | None = None
     # The simulator's phase now and the next (kvwatch/pipeline/demo.py), only with demo_target.
-    demo: dict[str, Any] | None = None
+    demo: DemoStatus | None = None
     # One sentence when the window reached its byte bound this poll and
     # forgot pairs or polls before their time (kvwatch.window), else None.
     window_trimmed: str | None = None
@@ -123,7 +124,7 @@ class State:
     # The engine answers /metrics late, or not within the deadline, while it
     # has requests running or waiting: busy, not down (Monitor._busy), with
     # the lateness measured; None otherwise.
-    busy: dict[str, Any] | None = None
+    busy: BusyReport | None = None
     # The engine has not answered since kvwatch started and load_grace has not passed:
     # a model still loading its weights, not an engine that answered and stopped.
     engine_starting: bool = True
@@ -196,7 +197,7 @@ class Monitor:
                                            table_bytes=settings.kv_events_table_bytes, clock=self.clock)
         # LMCache sharing vLLM's registry is on the engine's own page: read that page, never fetch it twice.
         self._lmcache_on_engine_page = bool(settings.lmcache_target) and settings.lmcache_target == settings.target
-        self.replay: dict[str, Any] | None = None
+        self.replay: ReplayProgress | None = None
         self.state = State()
         self._errors: dict[str, int] = {}
         self._parse_errors = 0
@@ -372,7 +373,7 @@ class Monitor:
             self._faults_by_kind["undescribed"] = self._faults_by_kind.get("undescribed", 0) + snapshot.faults_dropped
         return source_faults
 
-    def _poll_lmcache(self, page_text: str | None, at: float) -> dict[str, Any] | None:
+    def _poll_lmcache(self, page_text: str | None, at: float) -> LMCacheReport | None:
         """The tier's poll; its failure is its own (reported in its status),
         never the engine's."""
         if self.lmcache is None:
@@ -477,7 +478,7 @@ class Monitor:
         )
         return self.state
 
-    def _busy(self, snapshot: Snapshot | None, seconds: float | None, timed_out: bool, at: float) -> dict | None:
+    def _busy(self, snapshot: Snapshot | None, seconds: float | None, timed_out: bool, at: float) -> BusyReport | None:
         """Busy, not down: the page came `busy_late_seconds` or more late
         (or, `timed_out`, not within the deadline) while the engine had
         requests running or waiting, on this page or, for a timeout, on the
@@ -507,8 +508,8 @@ class Monitor:
                         f"page ({at - self._last_load[0]:.0f} s before) showed {load} requests")
         else:
             sentence = f"{host} is busy: its /metrics answered {late:.1f} s late with {load} requests"
-        return {"late_seconds": late, "timed_out": timed_out, "running": running, "waiting": waiting,
-                "since": self._busy_since, "sentence": sentence}
+        return BusyReport(late_seconds=late, timed_out=timed_out, running=running, waiting=waiting,
+                          since=self._busy_since, sentence=sentence)
 
     def _note_changes(self, previous: Snapshot | None, current: Snapshot) -> None:
         if previous is None or len(self.window.entries) < 2:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Any
 
 from kvwatch.exposition import FamilySelector
+from kvwatch.pipeline.reports import UpstreamReport
 from kvwatch.present import public_url
 from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
 from kvwatch.snapshot import Histogram
@@ -89,14 +89,14 @@ class UpstreamSource:
         # (time, histogram as scraped, increase since the previous poll)
         self._entries: deque[tuple[float, Histogram, Histogram | None]] = deque(maxlen=10_000)
 
-    def poll(self) -> dict[str, Any]:
+    def poll(self) -> UpstreamReport:
         now = self.clock()
         result = self.fetcher.fetch()
         if not result.ok:
             return self._report(now, False, result.reason, result.detail)
         return self.ingest(result.page, now)
 
-    def ingest(self, text: str, now: float) -> dict[str, Any]:
+    def ingest(self, text: str, now: float) -> UpstreamReport:
         page = self.selector.parse(text)
         try:
             histogram = summed_histogram(page, self.name)
@@ -126,20 +126,20 @@ class UpstreamSource:
             total = merged if merged is not None else step
         return total
 
-    def _report(self, now: float, up: bool, reason: str | None, detail: str) -> dict[str, Any]:
+    def _report(self, now: float, up: bool, reason: str | None, detail: str) -> UpstreamReport:
         increase = self.increase()
         p95 = increase.reported_quantile(0.95) if increase is not None else None
         covered = self._entries[-1][0] - self._entries[0][0] if len(self._entries) > 1 else 0.0
-        return {
-            "histogram": self.name,
-            "target": public_url(self.target),
-            "up": up,
-            "reason": reason,
-            "detail": detail,
-            "count": increase.count if increase is not None else 0.0,
-            "mean_seconds": increase.mean() if increase is not None else None,
-            "p95_seconds": p95.value if p95 is not None else None,
-            "p95_pinned": p95.bound if p95 is not None else None,  # "<" or ">" where p95 is a bound
-            "window_seconds": covered,
-            "time": now,
-        }
+        return UpstreamReport(
+            histogram=self.name,
+            target=public_url(self.target),
+            up=up,
+            reason=reason,
+            detail=detail,
+            count=increase.count if increase is not None else 0.0,
+            mean_seconds=increase.mean() if increase is not None else None,
+            p95_seconds=p95.value if p95 is not None else None,
+            p95_pinned=p95.bound if p95 is not None else None,
+            window_seconds=covered,
+            time=now,
+        )

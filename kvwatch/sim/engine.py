@@ -22,13 +22,22 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvwatch.sim.blocks import BlockPool
 from kvwatch.sim.stats import EngineStats
 
-if TYPE_CHECKING:  # lmcache imports this module
-    from kvwatch.sim.lmcache import LMCacheTier
+
+class LMCacheTier(Protocol):
+    """What the engine asks of its tier (kvwatch/sim/lmcache.py's LMCacheTier, which imports this module)."""
+
+    stored_tokens: int
+
+    def store(self, hashes: Sequence[Hashable]) -> None: ...
+
+    def find(self, hashes: Sequence[Hashable], engine_blocks: int) -> int: ...
+
+    def retrieve(self, hashes: Sequence[Hashable], engine_blocks: int, loaded: int, prompt_len: int) -> None: ...
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
 
