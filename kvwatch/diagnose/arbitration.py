@@ -53,7 +53,7 @@ ARBITRATED = tuple(s.name for s in SYMPTOM_LIST if s.arbitrated)
 # is a reason the load shape hurts, not a rival to it. First token: the
 # causes of queueing before the residual, KV before compute.
 RANK: dict[str, tuple[str, ...]] = {
-    symptom: tuple(sorted(CAUSES[symptom], key=lambda cause: CAUSE[cause].rank)) for symptom in ARBITRATED}
+    symptom: tuple(sorted(CAUSES[symptom], key=lambda cause: CAUSE[cause].rank or 0)) for symptom in ARBITRATED}
 
 # Causes that are a reason another cause could happen, not a reading of the
 # symptom: primary only when no other cause of the symptom was found. The
@@ -82,7 +82,8 @@ def alternative(cause: str, decided_by: Iterable[str], how: str = "") -> dict[st
     """One alternative a finding cannot rule out: the cause, the sources
     that would decide (keys of DECIDERS), and a sentence on how."""
     decided = tuple(decided_by)
-    assert all(d in DECIDERS for d in decided), decided
+    if not all(d in DECIDERS for d in decided):  # a check -O keeps
+        raise ValueError(f"{cause}: unknown deciders {[d for d in decided if d not in DECIDERS]}")
     return {"cause": cause, "decided_by": list(decided), "how": how or "; ".join(DECIDERS[d] for d in decided)}
 
 

@@ -633,7 +633,7 @@ def _check() -> None:
                      f"{c.name}: a diagnosed cause needs a known symptom, next_check and next_action")
         else:
             _require(c.alert is not None, f"{c.name}: a cause no finding names exists only for its alert")
-        symptom = SYMPTOMS.get(c.symptom)
+        symptom = SYMPTOMS.get(c.symptom or "")
         _require((c.rank is not None) == bool(symptom and symptom.arbitrated and c.diagnosed),
                  f"{c.name}: a rank exactly where its symptom is arbitrated")
     for symptom in SYMPTOM_LIST:

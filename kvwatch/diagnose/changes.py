@@ -100,11 +100,11 @@ def changes_between(previous: Entry, entry: Entry) -> list[Change]:
     models_before = {m for m, _ in previous.snapshot.engines}
     models_now = {m for m, _ in now.engines}
     if models_before != models_now:
-        before, after = sorted(models_before), sorted(models_now)
+        names_before, names_after = sorted(models_before), sorted(models_now)
         added = sorted(models_now - models_before)
         found.append(Change(now.time, "models", None, None,
-                            f"served models changed: {names_text(before)} -> {names_text(after)}",
-                            before=tuple(before[:MAX_NAMES]), after=tuple(after[:MAX_NAMES]),
+                            f"served models changed: {names_text(names_before)} -> {names_text(names_after)}",
+                            before=tuple(names_before[:MAX_NAMES]), after=tuple(names_after[:MAX_NAMES]),
                             added=tuple(added[:MAX_NAMES])))
     entry.derived["changes"] = found
     return found

@@ -132,10 +132,10 @@ class EnginePolls:
         self.restarts -= poll.restarted
         for queue in (self.preempted, self.full):
             if queue and queue[0] is poll:
-                queue.popleft()
+                queue.popleft()  # type: ignore[union-attr]  # not empty: a deque
         for queue in (self.usage_peaks, self.waiting_usage_peaks, self.full_peaks, self.share_peaks):
-            if queue and queue[0][0] is poll:
-                queue.popleft()
+            if queue and queue[0][0] is poll:  # type: ignore[index]
+                queue.popleft()  # type: ignore[union-attr]  # not empty: a deque
         for values in self.counters.values():
             values.popleft()
         if self.limits is not None:
@@ -163,7 +163,7 @@ class EnginePolls:
 
     def _full(self, p: Poll) -> bool:
         """The exhaustion detector's test of one poll (EngineContext.exhaustion)."""
-        limit, slots = self.limits
+        limit, slots = self.limits  # type: ignore[misc]  # set before any poll is judged
         return (p.usage is not None and p.usage >= limit and p.waiting_for_capacity > 0
                 and not (slots is not None and (p.running or 0) >= slots))
 
@@ -184,7 +184,7 @@ class EnginePolls:
     def _share(self, p: Poll) -> float | None:
         """The share of the cache one running request held at a poll at the
         usage threshold (exhaustion.exhaustion_findings' full_shares)."""
-        return p.usage / p.running if p.usage is not None and p.usage >= self.limits[0] and p.running else None
+        return p.usage / p.running if p.usage is not None and p.usage >= self.limits[0] and p.running else None  # type: ignore[index]
 
     def full_share_max(self) -> tuple[bool, float | None]:
         """(known, the highest share) of the polls at the usage threshold;
@@ -247,7 +247,7 @@ class WindowPolls(EntryFollower):
 
 
 def window_polls(window: Window) -> WindowPolls:
-    return WindowPolls.of(window, "diagnosis_polls")  # type: ignore[return-value]
+    return WindowPolls.of(window, "diagnosis_polls")
 
 
 @dataclass
@@ -400,7 +400,7 @@ class EngineContext:
                     peak = max(full, key=lambda p: (p.demand, p.usage or 0.0))
                 else:
                     with_usage = [p for p in self.polls if p.usage is not None]
-                    peak = max(with_usage, key=lambda p: p.usage) if with_usage else None
+                    peak = max(with_usage, key=lambda p: p.usage or 0.0) if with_usage else None
                 first = [p.time for p in full] + [p.time for p in self.counted if p.preempted > 0]
                 started = min(first) if first else (self.polls[0].time if self.polls else 0.0)
                 self._exhaustion = Exhaustion(full, peak, preemptions, started)

@@ -58,8 +58,8 @@ def _load_shape(ctx: EngineContext) -> dict[str, float | None]:
     polls = [p for p in ctx.polls if p.usage is not None and p.running is not None]
     if not polls:
         return {"kv_usage_mean": None, "running_mean": None, "waiting_mean": None, "share": None}
-    usage = sum([p.usage for p in polls]) / len(polls)
-    running = sum([p.running for p in polls]) / len(polls)
+    usage = sum([p.usage or 0.0 for p in polls]) / len(polls)  # none is None: filtered above
+    running = sum([p.running or 0.0 for p in polls]) / len(polls)
     waiting = sum([p.waiting or 0.0 for p in polls]) / len(polls)
     return {"kv_usage_mean": usage, "running_mean": running, "waiting_mean": waiting,
             "share": usage / running if running > 0 else None}
@@ -230,7 +230,7 @@ def _full_cache_finding(ctx: EngineContext, state, capacity_requests) -> Finding
     proven = state.full_polls and (state.preemptions > 0 or (peak and peak.gauge("waiting_by_reason/capacity")))
     confidence = "high" if proven else "medium"
     if long:
-        return _long_requests_finding(ctx, state, shares, common, when, confidence, footprint_share)
+        return _long_requests_finding(ctx, state, shares, common, when, confidence, footprint_share or 0.0)
     return _concurrency_finding(ctx, state, shares, common, when, confidence)
 
 

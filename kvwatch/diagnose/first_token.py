@@ -123,7 +123,7 @@ def _ttft_evidence(ctx: EngineContext, slow: dict[str, Any]) -> tuple[dict[str, 
 def _upstream_finding(ctx: EngineContext, upstream: dict[str, Any] | None, slow: dict[str, Any],
                       evidence: dict[str, Any]) -> Finding | None:
     upstream_mean, total_mean = slow["upstream_mean"], slow["total_mean"]
-    if upstream_mean is None:
+    if upstream_mean is None or upstream is None:
         return None
     upstream_share = upstream_mean / total_mean if total_mean else 0.0
     if upstream_share < ctx.t["upstream_share"]:
@@ -144,7 +144,7 @@ def _named_parts(t, shares: dict[str, float], other_lower: float | None, ttft_me
     named = [name for name, share in shares.items() if share >= t["ttft_part_share"]]
     confidence = "medium"
     if not named:
-        named = [max(shares, key=shares.get)]
+        named = [max(shares, key=lambda name: shares[name])]
         confidence = "low"
     if "other" in named and (other_lower is None or other_lower / ttft_mean < t["ttft_part_share"]):
         named = [name for name in named if name != "other"]

@@ -23,6 +23,7 @@ replica. The same definitions are the fleet alerts' PromQL (mixin/alerts.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from kvwatch.diagnose.thresholds import resolve_thresholds
@@ -45,7 +46,7 @@ class ReplicaRow:
 
     replica: str
     engine: str
-    values: dict[str, Any]  # the per-engine signal values (kvwatch.signals.Evaluated.values)
+    values: Mapping[str, Any]  # the per-engine signal values (kvwatch.signals.Evaluated.values)
     counters: dict[str, float]  # the window's counter increases
     findings: list = field(default_factory=list)
     restarted_at: float | None = None  # the latest restart inside the window, if any
@@ -100,7 +101,7 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
     # (counted and their peak taken once, not again for each pressed row:
     # n * n in a fleet of n).
     peers = [row for row in rows if _has_room(row, room)]
-    peers_peak = max((peer.usage_peak for peer in peers), default=None)
+    peers_peak = max((peer.usage_peak for peer in peers), default=None)  # type: ignore[type-var]  # _has_room: a peak
     for row in rows:
         state = _pressed(row)
         if state is None or not peers:

@@ -93,7 +93,7 @@ def _residency(ctx: EngineContext, since: float | None = None) -> tuple[bool | N
             + ("; with no block reused, a working set evicted before its reuse and prompts that share nothing "
                "read the same even here" if gap_count == 0 and idle_count > 0 else ""))
         return None, evidence, "low"
-    idle_bucket, gap_bucket = _bucket(idle, idle_p50), _bucket(gap, gap_p50)
+    idle_bucket, gap_bucket = _bucket(idle, idle_p50), _bucket(gap, gap_p50)  # type: ignore[arg-type]  # a median: a histogram
     if idle_bucket == gap_bucket:
         evidence["residency"] = (
             f"the medians of idle time before eviction and of the gap between reuses lie in the same bucket "
@@ -145,7 +145,7 @@ def block_floor(ctx: EngineContext) -> dict[str, Any]:
         return {}
     # A hybrid model in mamba_cache_mode "align" keeps Mamba states only at
     # multiples of mamba_block_size: a hit needs that much shared prefix.
-    mamba = hybrid_cache(ctx.cache_config) or {}
+    mamba: dict[str, Any] = hybrid_cache(ctx.cache_config) or {}
     mamba_block = mamba.get("mamba_block_size") if mamba.get("mamba_cache_mode") == "align" else None
     unit = max(block_size, mamba_block or 0.0)
     at_least, at_most = 0.0, float(prompts.count)
@@ -493,6 +493,8 @@ def _judge_drop_while_exhausted(judging: _Judging, drop: StepDrop, drop_text: st
     the cache was exhausted (judged as if the window ended there), or when
     residency rules eviction out; otherwise no cause, only a note."""
     ctx, exhausted, latest_time = judging.ctx, judging.ctx.exhaustion, judging.latest_time
+    if exhausted is None:  # judged only while the window was exhausted
+        raise ValueError("no exhaustion to judge the drop against")
     before = [p for p in ctx.polls if p.time < exhausted.started]
     early = _step_drop(ctx, before[-1].time) if before else None
     if early is not None and early.dropped(ctx.t):

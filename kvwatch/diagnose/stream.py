@@ -128,7 +128,7 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
         # A reset, not a workload: the cache refills from nothing, as after a restart.
         ago = (report.get("time") or cleared[-1]["time"]) - cleared[-1]["time"]
         evidence.update(decided_by="kv_events", kv_cache_cleared_seconds_ago=ago)
-        changes = dict(cause="cold_cache", severity=severity_of("cold_cache"), confidence="high",
+        changes: dict[str, Any] = dict(cause="cold_cache", severity=severity_of("cold_cache"), confidence="high",
                        summary=(f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache "
                                 "events): the cache refills from nothing, so the hit ratio is low for now."),
                        evidence=evidence, next_check=NEXT_CHECK["prefix_cache_cleared"])
@@ -174,7 +174,7 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
         summary = (f"The prompts share no prefix the cache could keep (the engine's KV-cache events decide it): "
                    f"none of the {recent['stored']:.0f} blocks stored in the last {seconds:.0f}s came back "
                    "after an eviction, so a larger cache would not raise the hit ratio.")
-    changes: dict[str, Any] = dict(cause=cause, severity=severity_of(cause), confidence="high", summary=summary,
+    changes = dict(cause=cause, severity=severity_of(cause), confidence="high", summary=summary,
                                    evidence=evidence, next_check=NEXT_CHECK[cause])
     if _HAS_ALTERNATIVES:
         changes["alternatives"] = ()  # the stream told the causes apart

@@ -51,9 +51,10 @@ class Stuck:
 
 def stuck(ctx: EngineContext) -> Stuck | None:
     """The one detector, judged once per engine and poll."""
-    found = getattr(ctx, "_stuck", False)
-    if found is False:
-        found = ctx._stuck = _judge(ctx)
+    found: Stuck | None | bool = getattr(ctx, "_stuck", False)
+    if found is False or found is True:  # not judged yet (False is never a verdict)
+        found = _judge(ctx)
+        setattr(ctx, "_stuck", found)  # noqa: B010 - kept on the context, which declares no such field
     return found
 
 
@@ -128,7 +129,7 @@ def _rising(span: list[Poll]):
     values = [poll.waiting for poll in span]
     if all(value is None for value in values):
         return None
-    if any(value is None for value in values) or any(b < a for a, b in zip(values, values[1:])):
+    if any(value is None for value in values) or any(b < a for a, b in zip(values, values[1:])):  # type: ignore[operator]  # no None past the first test
         return False
     return values[-1]
 

@@ -183,7 +183,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "busy_timeout_seconds": _seconds,
     "finding_hold_seconds": _hold,
 }
-assert set(_PARSERS) == set(DEFAULT_THRESHOLDS)
+if set(_PARSERS) != set(DEFAULT_THRESHOLDS):  # a check -O keeps: a threshold nothing parses, or the reverse
+    raise TypeError(f"thresholds without a parser or a default: {sorted(set(_PARSERS) ^ set(DEFAULT_THRESHOLDS))}")
 
 
 def validate_thresholds(thresholds: dict[str, Any]) -> list[str]:

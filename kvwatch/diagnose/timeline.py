@@ -42,8 +42,8 @@ class Episode:
     replica: str = ""
 
     def rank(self) -> tuple[int, int]:
-        return (_SEVERITY_RANK.get(self.worst.get("severity"), 0),
-                _CONFIDENCE_RANK.get(self.worst.get("confidence"), 0))
+        return (_SEVERITY_RANK.get(self.worst.get("severity", ""), 0),
+                _CONFIDENCE_RANK.get(self.worst.get("confidence", ""), 0))
 
     @property
     def actionable(self) -> bool:

@@ -352,7 +352,7 @@ def _replica_step(state: ReplicaState, replica, index: int, at: float, threshold
         state.models.add(row.model)
         values = row.values
         mine = [f for f in findings if f.model == row.model and f.engine == row.engine]
-        rows.append((row.model, ReplicaRow(state.name, row.engine, values, row.view.increase.counters, mine,
+        rows.append((row.model, ReplicaRow(state.name, row.engine or "", values, row.view.increase.counters, mine,
                                            restarted)))
         u = _scalar(values.get("kvwatch_kv_cache_usage_ratio"))
         usage = u if usage is None or (u is not None and u > usage) else usage

@@ -115,8 +115,8 @@ class KVEventSource:
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._socket = None
-        self._context = None
+        self._socket: Any = None  # a zmq socket and context once started (zmq is imported then)
+        self._context: Any = None
         self.started = False
         self.listen_error: str | None = None
         # Intake (the receiver's) and decoding (the accountant's) counts.

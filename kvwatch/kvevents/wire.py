@@ -104,7 +104,7 @@ class _MBatchM(msgspec.Struct):
     data_parallel_rank: Union[int, None] = None
 
 
-_DECODERS = {
+_DECODERS: dict[tuple[str, str], msgspec.msgpack.Decoder[Any]] = {
     ("array", "array"): msgspec.msgpack.Decoder(_ABatchA),
     ("array", "map"): msgspec.msgpack.Decoder(_ABatchM),
     ("map", "array"): msgspec.msgpack.Decoder(_MBatchA),

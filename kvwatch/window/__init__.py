@@ -46,6 +46,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import deque
+from typing import Self
 
 from kvwatch.snapshot import Snapshot
 from kvwatch.window.sizes import DERIVED_PAIR_BYTES, NEW_PAIR_BYTES, WINDOW_MAX_BYTES, pair_bytes
@@ -94,10 +95,10 @@ class EntryFollower:
             tracked.append(entry)
 
     @classmethod
-    def of(cls, window: "Window", name: str) -> "EntryFollower":
+    def of(cls, window: "Window", name: str) -> Self:
         """The window's follower of this class under `name`, in step with it."""
         kept = window.kept.get(name)
-        if kept is None:
+        if not isinstance(kept, cls):  # absent (a follower of one class per name)
             kept = window.kept[name] = cls()
         kept.sync(window.entries)
         return kept
