@@ -27,7 +27,7 @@ from kvwatch.commands.generate import RULES_FILE, render_all
 from kvwatch.mixin.conditions import twin_record
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.sidecar.collector import make_registry
-from kvwatch.signals.catalogue import SIGNALS as CATALOGUE
+from kvwatch.signals.catalogue import SIGNALS as CATALOGUE, SIGNALS_BY_NAME
 from sim_support import sim_monitor
 
 PROMTOOL = shutil.which("promtool")
@@ -90,7 +90,10 @@ def run_twins(tmp_path, pages, mutate=lambda expr: expr, signals=SIGNALS, at_lea
     window_polls = 300 // EVERY
     for index in range(window_polls, len(pages)):
         for record, signal in wanted.items():
-            samples = [(dict(labels), value) for (name, labels), value in pages[index].items() if name == signal]
+            # A twin of one part (the TTFT share's queue) is compared with that part.
+            part = set(SIGNALS_BY_NAME[signal].record_labels)
+            samples = [(dict(labels), value) for (name, labels), value in pages[index].items()
+                       if name == signal and part <= set(labels)]
             expected = [{"labels": _selector(f"round({record}, 0.0001)", {**labels, **TARGET})
                          .replace(f"round({record}, 0.0001)", ""),
                          "value": promql_round(value)}
@@ -131,3 +134,15 @@ def test_every_signal_is_compared_or_says_why_not():
     inexact = {signal.name for signal in CATALOGUE if signal.inexact_twin}
     assert set(SIGNALS) | inexact == {signal.name for signal in CATALOGUE} and not set(SIGNALS) & inexact
     assert all(len(signal.inexact_twin) > 20 for signal in CATALOGUE if signal.inexact_twin)  # a reason, not a flag
+
+
+@needs_promtool
+def test_the_comparison_catches_a_ratio_of_means_divided_left_to_right(tmp_path, pages):
+    # a / b / on(...) c / d divides the queue's mean by TTFT's sum, then by its count: the share's twin once did.
+    def unparenthesised(expr: str) -> str:
+        return (expr.replace("clamp_max(\n(", "clamp_max(\n").replace(")\n/ on", "\n/ on")
+                .replace("\n(sum", "\nsum").replace("]))),\n1)", "])),\n1)"))
+
+    result = run_twins(tmp_path, pages, unparenthesised, signals=("kvwatch_time_to_first_token_share_ratio",),
+                       at_least=8)
+    assert result.returncode != 0 and "time_to_first_token_share" in result.stdout + result.stderr

@@ -420,11 +420,11 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvwatch_time_to_first_token_share_ratio", "ratio",
            "Share of mean TTFT spent in queue, in prefill and elsewhere, by part.",
            ttft_parts, "first_token",
-           _mean_promql("kvwatch_engine_request_queue_time_seconds") + "\n/ on ({by})\n"
-           + _mean_promql("kvwatch_engine_time_to_first_token_seconds"), label="part",
+           # The queue part: its mean over TTFT's, each mean in parentheses (a / b / c / d divides
+           # by c then by d), at most 1 as TtftDecomposition clamps it.
+           "clamp_max(\n(" + _mean_promql("kvwatch_engine_request_queue_time_seconds") + ")\n/ on ({by})\n("
+           + _mean_promql("kvwatch_engine_time_to_first_token_seconds") + "),\n1)", label="part",
            output_labels=("part",), record_labels=(("part", "queue"),),
-           inexact_twin=("the twin is the queue part alone and unclamped; kvwatch clamps the parts to sum to 1 "
-                         "(TtftDecomposition), and the simulator's queue mean exceeds its TTFT mean"),
            display="Time to first token split", record=("kvwatch_time_to_first_token_share", "ratio_rate{w}"), good="low",
            doc=("Share of mean TTFT spent in queue, in prefill, and elsewhere (front end, tokenization, scheduling); the PromQL twin is the queue part "
            "(vllm:time_to_first_token_seconds, vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds).")),
