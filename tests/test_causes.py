@@ -20,22 +20,25 @@ def test_every_alert_rule_carries_its_cause_record_severity_and_its_alert_record
             continue
         record = CAUSE[spec.cause]
         assert record.alert == spec.alert, spec
-        expected = record.preempting_alert_severity if spec.variant == "preempting" else record.severity
-        assert spec.severity == expected, spec
+        # The page's own rule (severity_of): one severity per finding on the page, in kvwatch_finding and the alert.
+        assert spec.severity == severity_of(spec.cause, preempting=spec.variant == "preempting"), spec
         alert = next(a for a in ALERT_LIST if a.name == spec.alert)
         assert spec.for_ == alert.for_ and (spec.dashboard, spec.panel) == alert.panel
         assert spec.uid.startswith(f"kvwatch-{alert.uid}-")
         seen.add(spec.cause)
     # Every cause that names an alert has a rule in it (with the optional ones configured).
     assert seen == {c.name for c in CAUSE_LIST if c.alert}
+    # A cause the page raises while the engine preempts has that rule apart, at the page's severity.
+    raised = {c.name for c in CAUSE_LIST if c.alert and c.preempting_severity and c.preempting_severity != c.severity}
+    assert raised and {s.cause for s in alert_specs(config) if s.variant == "preempting"} == raised
 
 
 def test_the_mixin_defaults_are_the_records():
     for cause in CAUSE_LIST:
         if cause.alert:
             assert DEFAULT_SEVERITIES[cause.name] == cause.severity
-        if cause.preempting_alert_severity:
-            assert DEFAULT_SEVERITIES[cause.name + PREEMPTING_SUFFIX] == cause.preempting_alert_severity
+        if cause.preempting_severity and cause.alert:
+            assert DEFAULT_SEVERITIES[cause.name + PREEMPTING_SUFFIX] == cause.preempting_severity
     assert {a.name: a.for_ for a in ALERT_LIST}.items() <= DEFAULT_FOR.items()
 
 

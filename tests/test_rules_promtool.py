@@ -255,17 +255,15 @@ def test_the_unit_tests_catch_a_threshold_that_never_fires(tmp_path):
     assert "VllmTimeToFirstTokenSlow" in result.stdout + result.stderr
 
 
-def test_alert_severities_are_the_diagnosis_severities_and_only_objectives_page():
-    # One table for the causes, with one exception: exhaustion with
-    # preemptions is the diagnosis' critical finding, but the alert is a
-    # warning that explains the page: what pages is an objective (users feel
-    # late first tokens and failed requests, not preemptions).
+def test_alert_severities_are_the_diagnosis_severities_without_exception():
+    # One table for the causes: the page's rule (severity_of), kvwatch_finding's
+    # severity label and the alert's are one value, preemptions included.
     from kvwatch.diagnose.vocabulary import SEVERITY, severity_of
 
     specs = alert_specs(MixinConfig())
     for spec in specs:
         if spec.symptom and spec.cause in SEVERITY:
-            assert spec.severity == severity_of(spec.cause), spec.uid
+            assert spec.severity == severity_of(spec.cause, preempting=spec.variant == "preempting"), spec.uid
     # The alerts the diagnosis has no finding for (a forecast, kvwatch's own health) are the
     # causes whose records say so, with their records' severities.
     from kvwatch.diagnose.causes import CAUSE, CAUSE_LIST
@@ -274,21 +272,23 @@ def test_alert_severities_are_the_diagnosis_severities_and_only_objectives_page(
     assert alert_only == {c.name for c in CAUSE_LIST if c.alert and not c.diagnosed}
     assert all(s.severity == CAUSE[s.cause].severity for s in specs if s.cause in alert_only)
     critical = {(s.alert, s.kind) for s in specs if s.severity == "critical"}
-    # Besides the objectives, two pages: an engine kvwatch cannot read, and one that holds requests and
-    # produces nothing (stuck requests never get a first token, so no TTFT histogram sees them burn).
+    # Besides the objectives: an engine kvwatch cannot read, one that holds requests and produces
+    # nothing, and a cache that preempts (the page's critical exhaustion).
     assert critical == {("VllmTimeToFirstTokenBudgetBurn", "objective"), ("VllmRequestErrorBudgetBurn", "objective"),
-                        ("KvwatchEngineUnreachable", "cause"), ("VllmEngineStuck", "cause")}
-    # Without a severity apart for preemptions, each exhaustion cause is one rule...
+                        ("KvwatchEngineUnreachable", "cause"), ("VllmEngineStuck", "cause"),
+                        ("VllmKvCacheExhausted", "cause")}
+    # Each exhaustion cause is two rules: with preemptions in the rate window (critical) and without.
     exhausted = [s for s in specs if s.alert == "VllmKvCacheExhausted"]
-    assert sorted(s.cause for s in exhausted) == ["concurrency_beyond_capacity", "long_requests"]
-    # (the exhaustion detector they read counts preemptions as exhaustion)
+    assert sorted((s.cause, s.variant, s.severity) for s in exhausted) == [
+        ("concurrency_beyond_capacity", "", "warning"), ("concurrency_beyond_capacity", "preempting", "critical"),
+        ("long_requests", "", "warning"), ("long_requests", "preempting", "critical")]
     detector = "instance_model_name_engine:kvwatch_kv_cache_exhausted:condition5m"
-    assert all(s.severity == "warning" and detector in s.query for s in exhausted)
+    assert all(detector in s.query for s in exhausted)
     assert "preemptions" in {r["record"]: r["expr"] for r in load_rules() if "record" in r}[detector]
-    # ...and a config that pages on preemptions gets the split back.
-    paging = alert_specs(config_from_mapping({"severities": {"concurrency_beyond_capacity_preempting": "critical"}}))
-    split = {(s.variant, s.severity) for s in paging if s.cause == "concurrency_beyond_capacity"}
-    assert split == {("preempting", "critical"), ("", "warning")}
+    # ...and a config that keeps preemptions a warning gets one rule per cause back.
+    quiet = alert_specs(config_from_mapping({"severities": {"concurrency_beyond_capacity_preempting": "warning"}}))
+    split = {(s.variant, s.severity) for s in quiet if s.cause == "concurrency_beyond_capacity"}
+    assert split == {("", "warning")}
 
 
 def test_docs_alerts_table_gives_every_alert_its_severity_and_for():

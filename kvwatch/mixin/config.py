@@ -462,9 +462,9 @@ class MixinConfig:
         "`for:` of each alert (alert name -> duration). Shorten to page sooner, lengthen against flapping."))
     severities: dict = field(default_factory=lambda: dict(DEFAULT_SEVERITIES), metadata=described(k.SEVERITY_MAP,
         "severity label of each cause (cause -> critical|warning|info). Routing in Alertmanager or Grafana "
-        "keys on it. The defaults are the diagnosis' own (each cause's record in kvwatch/diagnose/causes.py); an "
-        "exhaustion cause with preemptions is keyed <cause>_preempting (default warning: the objectives page, "
-        "not the cause)."))
+        "keys on it. The defaults are the diagnosis' own (each cause's record in kvwatch/diagnose/causes.py), so "
+        "the status page, kvwatch_finding and the alert say the same; an exhaustion cause with preemptions in the "
+        "rate window is keyed <cause>_preempting (default critical, as the page says it)."))
     runbook_base_url: str = field(default=PUBLISHED_RUNBOOKS_URL, metadata=described(k.BASE_URL,
         "Where the on-call reader opens the runbooks; every alert's runbook_url (and every panel's Runbook link) "
         "is this plus #<section>. Default: alerts/runbooks.md as published with this version's documentation. "
