@@ -205,7 +205,8 @@ def test_a_cause_routed_by_its_finding_fires_in_promtool(monkeypatch, tmp_path):
                 {"eval_time": "5m", "alertname": "VllmKvCacheExhausted", "exp_alerts": []},
                 {"eval_time": "20m", "alertname": "VllmKvCacheExhausted", "exp_alerts": [{"exp_labels": {
                     "job": "kvwatch", "namespace": "vllm", "instance": "a:9400", "model_name": "m", "engine": "0",
-                    "severity": routed.severity, "cause": routed.name, "symptom": "exhaustion"}}]}]}]}))
+                    "severity": routed.severity, "cause": routed.name, "symptom": "exhaustion",
+                    "route": "finding"}}]}]}]}))
     done = subprocess.run([promtool, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

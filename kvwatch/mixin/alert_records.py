@@ -30,6 +30,13 @@ from kvwatch.mixin.config import MixinConfig
 # filters, joined by promql.chain.
 Query = Union[str, list]
 
+# Symptoms kvwatch's own diagnosis may decide where the PromQL twin cannot
+# (the KV-event stream names a low-hit-rate cause from blocks returning, over
+# a part of the window the ratio does not judge): each PromQL-decided cause of
+# one also fires from kvwatch_finding where no PromQL-decided cause of the
+# symptom holds (alerts.py, the two routes of a symptom).
+FINDING_DECIDED = ("low_hit_rate",)
+
 
 @dataclass(frozen=True, kw_only=True)
 class CauseAlert:

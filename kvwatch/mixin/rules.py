@@ -23,8 +23,8 @@ import re
 
 import yaml
 
-from kvwatch.mixin.alerts import (AlertSpec, PROMETHEUS_VALUE, alert_specs, dashboard_url, engine_scope, runbook_url,
-                                  signals_read)
+from kvwatch.mixin.alerts import (AlertSpec, PROMETHEUS_VALUE, alert_specs, dashboard_url, engine_scope, route_records,
+                                  runbook_url, signals_read)
 from kvwatch.mixin import conditions, objectives
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.diagnose.vocabulary import SYMPTOM_ALERTS
@@ -169,6 +169,7 @@ def rule_groups(config: MixinConfig, panel_ids) -> list[dict]:
     # What the alerts read is recorded in their own group, before them
     # (kvwatch/mixin/conditions.py says why), and not again elsewhere.
     alert_records = conditions.recording_rules(config, engine_scope(config), signals_read(config))
+    alert_records += route_records(config)
     in_alerts = {rule["record"] for rule in alert_records}
     return [
         _group("kvwatch-engine.rules", [r for r in recording_rules(config, "engine") if r["record"] not in in_alerts],
@@ -189,7 +190,7 @@ def recorded_exprs(config: MixinConfig) -> dict[str, str]:
     rules = [rule for rule in recording_rules(config, "engine") if "labels" not in rule]
     rules += fleet_rules(config) + objectives.recording_rules(config)
     # the same names, the same expressions
-    rules += conditions.recording_rules(config, engine_scope(config), signals_read(config))
+    rules += conditions.recording_rules(config, engine_scope(config), signals_read(config)) + route_records(config)
     return {rule["record"]: rule["expr"] for rule in rules}
 
 
