@@ -146,15 +146,18 @@ def burning_replicas_template(spec: AlertSpec, config: MixinConfig) -> str:
 
 
 def cause_alerts_template(config: MixinConfig) -> str:
-    """The cause alerts firing for the paged model (any replica), read from Prometheus'
-    ALERTS when the page is sent (Prometheus templates only): the page names
-    where to look even before the routes bring the cause alert beside it."""
+    """The cause alerts of the paged model (any replica), pending or firing, read
+    from Prometheus' ALERTS when the page is sent (Prometheus templates only): a
+    cause alert's `for:` (10m) is longer than the page's (2m), so the cause is
+    named from the moment its condition holds, not minutes after the page."""
     labels = [label for label in config.model_labels]
     matchers = ",".join(f"{label}=%q" for label in labels)
-    selector = 'ALERTS{alertstate=\\"firing\\",cause!=\\"\\",' + matchers.replace('"', '\\"') + "}"
+    selector = ('count by (alertname, cause, alertstate) (ALERTS{cause!=\\"\\",'
+                + matchers.replace('"', '\\"') + "})")
     args = " ".join(f"$labels.{label}" for label in labels)
     return (f'{{{{ with printf "{selector}" {args} | query }}}}{{{{ range . }}}}{{{{ .Labels.alertname }}}} '
-            '({{ .Labels.cause }}) {{ end }}{{ else }}none firing yet{{ end }}')
+            '({{ .Labels.cause }}{{ if eq .Labels.alertstate "pending" }}, pending{{ end }}) on {{ .Value }} '
+            'engine(s); {{ end }}{{ else }}none yet{{ end }}')
 
 
 def _group(name: str, rules: list[dict], config: MixinConfig) -> dict:
