@@ -353,3 +353,51 @@ def test_every_recorded_series_an_alert_reads_is_recorded_before_it():
                 assert not missing, (rule.get("record") or rule.get("alert"), sorted(missing))
                 if "record" in rule:
                     defined.add(rule["record"])
+
+
+CENTRAL_TARGET = 'namespace="llm",job="kvwatch-central",instance="10.0.0.9:9400"'
+
+
+def central_cases(health: str = "1x300") -> dict:
+    """alerts.test.yaml as central mode's exports: the same replica series (central mode exports each
+    replica's own labels), central mode's own target and health beside them; the cases of the sidecars'
+    own health (KvwatchDown on their `up`) left out."""
+    data = yaml.safe_load((CASES_DIR / "alerts.test.yaml").read_text())
+    data["tests"] = [t for t in data["tests"]
+                     if not any(c["alertname"] == "KvwatchDown" and c["exp_alerts"] for c in t["alert_rule_test"])]
+    for test in data["tests"]:
+        test["input_series"] += [{"series": f"up{{{CENTRAL_TARGET}}}", "values": "1x300"},
+                                 {"series": f"kvwatch_central_store_up{{{CENTRAL_TARGET}}}", "values": health}]
+    return data
+
+
+@needs_promtool
+def test_central_mode_rules_fire_what_the_sidecar_rules_fire_over_the_same_replicas(tmp_path):
+    # Every case of the sidecars' rules, against the rules over central mode's exports (selected by the store's
+    # matchers, here everything): the same alerts, with the same labels, at the same evaluation.
+    config = config_from_mapping({"mode": "central", "deploy": {"central_selector": ""}})
+    text = render_all(config)[RULES_FILE]
+    assert 'job="kvwatch"' not in text and "\nup{" not in text and " up{" not in text
+    data = central_cases()
+    assert len(data["tests"]) > 40
+    (tmp_path / "central.test.yaml").write_text(yaml.safe_dump(data, width=1 << 16))
+    (tmp_path / "rules.yaml").write_text(alerts_without_annotations(text))
+    result = promtool("test", "rules", "central.test.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+@needs_promtool
+def test_central_mode_watches_itself_not_the_sidecars_job(tmp_path):
+    # Its store unreadable for longer than for: -> KvwatchDown store_unreachable on central mode's target;
+    # the sidecars' rules would call it absent for ever (no job="kvwatch"), central mode's do not.
+    config = config_from_mapping({"mode": "central", "deploy": {"central_selector": ""}})
+    data = central_cases(health="1x10 0x290")
+    data["tests"] = data["tests"][:1]
+    target = dict(pair.split("=") for pair in CENTRAL_TARGET.replace('"', "").split(","))
+    for check in data["tests"][0]["alert_rule_test"]:
+        if check["alertname"] == "KvwatchDown":
+            check["exp_alerts"] = [{"exp_labels": {**target, "severity": "warning", "cause": "store_unreachable"}}]
+    (tmp_path / "central.test.yaml").write_text(yaml.safe_dump(data, width=1 << 16))
+    (tmp_path / "rules.yaml").write_text(alerts_without_annotations(render_all(config)[RULES_FILE]))
+    result = promtool("test", "rules", "central.test.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

@@ -570,6 +570,20 @@ CAUSE_LIST = (
             "targets exist. A Prometheus that cannot be queried is an error (execErrState), not no data.")),
         owner="platform",
         diagnosed=False),
+    # Central mode answers, but cannot read its store: every replica's series it exports are
+    # stale; blind, serving may be fine.
+    Cause(
+        name="store_unreachable",
+        symptom=None,
+        severity="warning",
+        next_check=("Open central mode's status page (the store, its last good refresh and why the latest "
+                    "failed), then the store's address, token and CA bundle, and the store's own health."),
+        alert="KvwatchDown",
+        no_data=("OK", (
+            "No kvwatch_central_store_up series means Prometheus does not scrape central mode, which the "
+            "kvwatch_unreachable and kvwatch_absent rules report.")),
+        owner="platform",
+        diagnosed=False),
     # The engine's own /metrics does not answer on the pod's loopback: the engine is down or
     # wedged, or stats logging is off.
     Cause(

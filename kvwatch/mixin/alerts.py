@@ -29,6 +29,7 @@ from kvwatch.diagnose.causes import ALERTS as ALERTS_BY_NAME
 from kvwatch.mixin import objectives
 from kvwatch.mixin.alert_records import CAUSE_ALERTS, FINDING_DECIDED, CauseAlert
 from kvwatch.mixin.config import ALERTS, PREEMPTING_SUFFIX, MixinConfig
+from kvwatch.mixin.config_kinds import MODES
 from kvwatch.mixin.conditions import Recorded, twin_record
 from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
 from kvwatch.mixin.promql import Scope, chain, num, paren
@@ -391,13 +392,15 @@ def _check_records() -> None:
     """Each cause routed to an alert by PromQL has exactly one record, and its
     record says what the alert needs; else kvwatch does not import."""
     declared = [record.cause for record in CAUSE_ALERTS]
+    # A cause may have a record per install mode (its `when`), never two in one.
+    in_mode = [[r.cause for r in CAUSE_ALERTS if r.when(MixinConfig(mode=mode, no_reuse_alert=True))] for mode in MODES]
     for record in CAUSE_ALERTS:
         cause = CAUSE.get(record.cause)
         if cause is None or cause.alert is None or cause.routed_by_finding:
             raise AlertCatalogueError(f"{record.cause}: an alert record for a cause whose record routes it to no "
                                       "alert by PromQL (causes.py: alert=, routed_by_finding=False)")
-        if declared.count(record.cause) > 1 or record.op not in (">", "<"):
-            raise AlertCatalogueError(f"{record.cause}: one record per cause, its op '>' or '<'")
+        if any(causes.count(record.cause) > 1 for causes in in_mode) or record.op not in (">", "<"):
+            raise AlertCatalogueError(f"{record.cause}: one record per cause (per install mode), its op '>' or '<'")
     for cause in CAUSE_LIST:
         if cause.alert and not cause.routed_by_finding and cause.name not in declared:
             raise AlertCatalogueError(f"{cause.name}: its record routes it to {cause.alert} by PromQL, and "
