@@ -432,7 +432,9 @@ def test_grafana_rules_cross_their_thresholds_exactly_when_the_twins_fire(stack,
     prometheus = stack["prometheus"]
     start, end = float(int(stack["started"] + 5)), float(int(time.time()))
     grafana = json.loads(stack["files"][GRAFANA_RULES_FILE])
-    alerts = {(r["alert"], r["labels"].get("cause") or r["labels"]["objective"], r["labels"]["severity"]): r
+    # A cause may fire by two routes (its rules, or kvwatch's finding: label route): each has its twin.
+    alerts = {(r["alert"], r["labels"].get("cause") or r["labels"]["objective"], r["labels"]["severity"],
+               r["labels"].get("route", "")): r
               for g in yaml.safe_load(stack["files"][RULES_FILE])["groups"] for r in g["rules"] if "alert" in r}
     recorded = recorded_exprs(stack["config"])
     fired = 0
@@ -444,11 +446,13 @@ def test_grafana_rules_cross_their_thresholds_exactly_when_the_twins_fire(stack,
         query = next(q["model"]["expr"] for q in rule["data"] if q["refId"] == "A")
         condition = next(q["model"]["expression"] for q in rule["data"] if q["refId"] == rule["condition"])
         op, threshold = condition.split(" ")[1], condition.split(" ")[2]
-        twin_query, twin_op, twin_threshold = split_alert_expr(alerts[(alert, cause, severity)]["expr"])
+        route = labels.get("route", "")
+        twin_query, twin_op, twin_threshold = split_alert_expr(alerts[(alert, cause, severity, route)]["expr"])
         assert (expand(twin_query, recorded), twin_op, twin_threshold) == (query, op, float(threshold))
         crossing = _timeline(query_range(prometheus, f"({query}) {op} {threshold}", start, end))
         firing = _timeline(query_range(
-            prometheus, f'ALERTS{{alertname="{alert}",{key}="{cause}",severity="{severity}"}}', start, end))
+            prometheus, f'ALERTS{{alertname="{alert}",{key}="{cause}",severity="{severity}",route="{route}"}}',
+            start, end))
         if firing:
             fired += 1
         for key in set(crossing) | set(firing):
