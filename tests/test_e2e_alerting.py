@@ -319,6 +319,12 @@ def test_the_objective_pages_once_per_engine_with_its_cause_beside_it(stack, ale
                 named.setdefault(deployment, set()).add(alert["annotations"].get("cause_alerts", ""))
                 replicas.setdefault(deployment, set()).add(alert["annotations"].get("burning_replicas", "{{"))
     print("time to page (wall s from start, sims at 4x):", {d: round(t, 1) for d, t in sorted(first_page.items())})
+    counts = {}
+    for path, _, payload in webhook.notifications:
+        key = (payload["groupLabels"].get("deployment", ""), path)
+        counts[key] = counts.get(key, 0) + 1
+    print("notifications (deployment, receiver): count, pager groups:", dict(sorted(counts.items())),
+          {d: len(keys) for d, keys in sorted(pages.items())})
     print("replicas burning, as paged:", replicas)
     # The page's list of replicas is rendered (a template query when Prometheus sends it).
     assert replicas and all(re.fullmatch(r"(127\.0\.0\.1:\d+ \(engine 0: [\d.]+%\) )+", text)
