@@ -151,12 +151,12 @@ VALUES_COMMENTS = [
     ("shards:", "1: one Deployment reads every replica. N > 1 (a thousand replicas): a StatefulSet of N pods;\n"
                 "pod NAME-k serves shard k (--shard ordinal/N), the replicas a stable hash of their job/instance/\n"
                 "namespace/pod gives it. maxReplicas and resources are each pod's. Changing N moves only about 1/N\n"
-                "of the replicas; the fleet findings are the store's rules over every shard's series (enable\n"
-                "prometheusRule)."),
+                "of the replicas; the fleet findings are the store's rules over every shard's series."),
     ("monitor:", "PodMonitor, ServiceMonitor or none (central mode always uses a ServiceMonitor). labels: what\n"
                  "your Prometheus selects monitors and rules by."),
-    ("prometheusRule:", "enabled: auto renders the rules in sidecar and monitoring modes; central mode's series carry\n"
-                        "the engines' job, so there generate the rules with that selector first (docs/deploy.md)."),
+    ("prometheusRule:", "enabled: auto renders the rules of the mode: the sidecars' (job of their monitor), or in central\n"
+                        "mode the central ones, selecting central.selector's matchers (the replicas' labels central\n"
+                        "mode exports) and watching central mode itself; false renders none."),
     ("links:", "runbookBaseUrl: where the on-call reader opens the runbooks; every alert's runbook_url and every\n"
                "panel's Runbook link is it plus #<section> (default: as published with this version's documentation;\n"
                "kvwatch's own /runbooks behind an ingress, or your Git server's alerts/runbooks.md). A literal host.\n"
