@@ -14,6 +14,7 @@ SLOW_MODULES = (
     "test_deploy_image.py",
     "test_e2e_alerting.py",
     "test_e2e_one_page.py",
+    "test_e2e_central_alerts.py",
     "test_e2e_engines.py",
     "test_e2e_offload_tier.py",
     "test_e2e_prometheus.py",

@@ -46,27 +46,41 @@ CONFIG = {
 }
 
 
+def replica_series(engine: str, start: float, labels: str = "") -> dict[str, list[str]]:
+    """One replica's kvwatch series, {family: sample lines}: its engine's TTFT histogram and its parts
+    (the late first tokens are prefill), counted from the shared start; `labels` leads each sample's."""
+    elapsed = max(0.0, time.time() - start)
+    total = PER_SECOND * elapsed
+    slow = PER_SECOND * SLOW_SHARE * max(0.0, elapsed - HEALTHY_S)
+    own = f'{labels}model_name="m",engine="{engine}"'
+    out = {}
+    for name, fast_s, slow_s in (("time_to_first_token", 0.2, 5.0), ("request_prefill_time", 0.1, 4.5),
+                                 ("request_queue_time", 0.05, 0.1)):
+        family = f"kvwatch_engine_{name}_seconds"
+        out[family] = [f'{family}_bucket{{{own},le="0.5"}} {total - slow:.3f}',
+                       f'{family}_bucket{{{own},le="2.5"}} {total - slow:.3f}',
+                       f'{family}_bucket{{{own},le="+Inf"}} {total:.3f}',
+                       f"{family}_sum{{{own}}} {fast_s * (total - slow) + slow_s * slow:.3f}",
+                       f"{family}_count{{{own}}} {total:.3f}"]
+    out["kvwatch_up"] = [f"kvwatch_up{{{labels.rstrip(',')}}} 1" if labels else "kvwatch_up 1"]
+    return out
+
+
+def exposition(families: dict[str, list[str]]) -> str:
+    types = {"kvwatch_up": "gauge"}
+    return "".join(f"# TYPE {name} {types.get(name, 'histogram')}\n" + "\n".join(lines) + "\n"
+                   for name, lines in families.items())
+
+
 class Replica(LoopbackServer):
-    """One replica's kvwatch /metrics: its engine's TTFT histogram, counted from the shared start."""
+    """One replica's kvwatch /metrics (a sidecar)."""
 
     def __init__(self, engine: str, start: float):
         self.engine, self.start = engine, start
         super().__init__(name=f"replica-{engine}")
 
     def respond(self, request: Request) -> Answer:
-        elapsed = max(0.0, time.time() - self.start)
-        total = PER_SECOND * elapsed
-        slow = PER_SECOND * SLOW_SHARE * max(0.0, elapsed - HEALTHY_S)
-        labels = f'model_name="m",engine="{self.engine}"'
-        name = "kvwatch_engine_time_to_first_token_seconds"
-        lines = [f"# TYPE {name} histogram",
-                 f'{name}_bucket{{{labels},le="0.5"}} {total - slow:.3f}',
-                 f'{name}_bucket{{{labels},le="2.5"}} {total - slow:.3f}',
-                 f'{name}_bucket{{{labels},le="+Inf"}} {total:.3f}',
-                 f"{name}_sum{{{labels}}} {0.2 * (total - slow) + 5.0 * slow:.3f}",
-                 f"{name}_count{{{labels}}} {total:.3f}",
-                 "# TYPE kvwatch_up gauge", "kvwatch_up 1"]
-        return Answer("\n".join(lines) + "\n")
+        return Answer(exposition(replica_series(self.engine, self.start)))
 
 
 @pytest.fixture(scope="module")
