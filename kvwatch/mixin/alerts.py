@@ -8,7 +8,10 @@ alert holds. The rules come from three places: the objectives' burn rates
 Prometheus decides alone (kvwatch/mixin/alert_records.py: the diagnosis
 written again in PromQL over the recorded conditions of
 kvwatch/mixin/conditions.py); and the causes routed by kvwatch's own finding,
-whose cause record says so (nothing to declare here).
+whose cause record says so, with a finding twin of each PromQL-decided cause
+of a symptom kvwatch may decide alone (alert_records.FINDING_DECIDED). The two
+routes of one symptom exclude each other per engine (_routes), and
+check_routes refuses rules where they could fire together.
 
 A rule's alert, `for:`, severity, symptom, panel and advice come from its
 cause's record (kvwatch/diagnose/causes.py). The catalogue signals a query
