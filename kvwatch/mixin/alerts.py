@@ -245,6 +245,8 @@ def _finding_spec(config: MixinConfig, cause_name: str, variant: str = "") -> Al
     """A cause that fires where kvwatch's own diagnosis names it: kvwatch_finding
     holds it as long as the finding is held, at the severity the page shows."""
     cause = CAUSE[cause_name]
+    if cause.alert is None:  # causes._check: a finding-routed cause names its alert
+        raise AlertCatalogueError(f"{cause.name}: routed by its finding to no alert")
     by = ", ".join(config.engine_labels)
     title = cause.title or cause.name.replace("_", " ")
     dashboard, panel = ALERT_PANELS[cause.alert]
@@ -321,7 +323,7 @@ def _routes(config: MixinConfig, specs: list[AlertSpec]) -> tuple[list[AlertSpec
     Returns the specs and the route records they read."""
     on = f"unless on ({', '.join(config.engine_labels)})"
     records, out = [], list(specs)
-    for symptom in sorted({s.symptom for s in specs if _routed_by_finding(s)}):
+    for symptom in sorted({s.symptom for s in specs if _routed_by_finding(s) and s.symptom is not None}):
         decided = _decided(out, symptom)
         if not decided:
             continue
@@ -345,7 +347,9 @@ def check_routes(config: MixinConfig, specs: list[AlertSpec], records: list[dict
     else kvwatch refuses the rules with one sentence."""
     recorded = {r["record"]: r["expr"] for r in records}
     for f in filter(_routed_by_finding, specs):
-        read = lambda what: recorded.get(route_record(config, f.symptom, what), "")  # noqa: E731
+        if f.symptom is None:  # a finding always has its symptom
+            continue
+        read = lambda what: recorded.get(route_record(config, f.symptom or "", what), "")  # noqa: E731
         for p in _decided(specs, f.symptom):
             if not (paren(p.expr) in read("decided") and read("firing_rules") == _firing(config, f.symptom, False)
                     and read("firing_finding") == _firing(config, f.symptom, True)
