@@ -321,17 +321,17 @@ def default_cases() -> list[Case]:
         # --- low hit rate decided by kvwatch's finding (the KV-event stream), not by the ratio's twin ----
         Case("hit rate: the ratio reads healthy, kvwatch's KV-event stream decided eviction before reuse -> "
              "eviction_before_reuse from kvwatch_finding (route finding)",
-             [Engine(**hits(0.5), findings=(("low_hit_rate", "eviction_before_reuse", "warning", "_x20 1x100"),))],
+             [Engine(**hits(0.5), findings=(("eviction_before_reuse", "_x20 1x100"),))],
              "40m", [("VllmPrefixCacheHitRateLow", "eviction_before_reuse", ENGINE, FINDING)]),
         Case("hit rate: both routes hold for one engine (the rules decide prefix_changed, kvwatch's finding "
              "names eviction) -> the rules' cause alone, never two causes of one symptom",
              [Engine(prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60",
-                     findings=(("low_hit_rate", "eviction_before_reuse", "warning", "_x60 1x60"),))], "82m",
+                     findings=(("eviction_before_reuse", "_x60 1x60"),))], "82m",
              [("VllmPrefixCacheHitRateLow", "prefix_changed", ENGINE)]),
         Case("hit rate: kvwatch's finding first (the stream decides minutes before the ratio), then the rules "
              "decide prefix_changed -> the finding's route alone while it fires",
              [Engine(prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60",
-                     findings=(("low_hit_rate", "prefix_changed", "warning", "_x40 1x80"),))], "82m",
+                     findings=(("prefix_changed", "_x40 1x80"),))], "82m",
              [("VllmPrefixCacheHitRateLow", "prefix_changed", ENGINE, FINDING)]),
         # --- low prefix-cache hit rate while the cache is exhausted ---------------------
         Case("hit rate: the documented burst (exhausted, prompts share nothing) -> exhaustion only",
