@@ -57,9 +57,10 @@ def test_the_hold_keeps_findings_in_their_order_and_bounded():
                           Finding("exhaustion", "long_requests", "critical", "high", "m", "0", "full")])
     out = hold.apply(SIM_BASE + 3, [Finding("exhaustion", "concurrency_beyond_capacity", "warning", "high", "m", "1",
                                             "full")])
-    # Active before clearing (the banner shows the first), most severe first within each.
-    assert [(f.cause, f.engine) for f in out] == [("concurrency_beyond_capacity", "1"), ("long_requests", "0"),
-                                                  ("queueing_kv_bound", "0")]
+    # Active before clearing (the banner shows the first), what users feel first within each
+    # (late first tokens before a full cache, vocabulary.finding_order).
+    assert [(f.cause, f.engine) for f in out] == [("concurrency_beyond_capacity", "1"), ("queueing_kv_bound", "0"),
+                                                  ("long_requests", "0")]
     assert [f.clearing_since for f in out] == [None, SIM_BASE + 3, SIM_BASE + 3]
     for i in range(2, 200):
         hold.apply(SIM_BASE + 2 * i, [])

@@ -131,6 +131,12 @@ SYMPTOM_LIST = (
     Symptom("kv_events"),
 )
 
+# The banner's order among findings of one weight (actionable or not): what
+# users feel first (a stuck engine, late first tokens: the objectives), then
+# what makes them feel it (exhaustion), then what costs compute (hit rate),
+# then facts about the fleet, kvwatch's own stream and changes.
+FELT_ORDER = ("stuck", "slow_first_token", "exhaustion", "low_hit_rate", "fleet", "kv_events", "change")
+
 # The alerts, in the order of their runbook sections. The objectives'
 # burn-rate pages are kvwatch/mixin/objectives.py's.
 ALERT_LIST = (
@@ -641,6 +647,7 @@ def _check() -> None:
         _require(ranks == list(range(len(ranks))), f"{symptom.name}: ranks 0..n-1, each once")
         _require(symptom.alert is None or ALERTS[symptom.alert].symptom == symptom.name,
                  f"{symptom.name}: its alert reports another symptom")
+    _require(sorted(FELT_ORDER) == sorted(SYMPTOMS), "FELT_ORDER names every symptom once")
 
 
 _check()
