@@ -6,6 +6,7 @@ tested in tests/promtool (cases.py)."""
 from __future__ import annotations
 
 from kvwatch.diagnose import DEFAULT_THRESHOLDS, Finding, validate_thresholds
+from kvwatch.diagnose.causes import SYMPTOMS
 from kvwatch.diagnose.hold import FindingHold
 from kvwatch.diagnose.timeline import Timeline
 from kvwatch.mixin.config import MixinConfig
@@ -24,15 +25,27 @@ def _run(hold: FindingHold, present: list[bool], every: float = 2.0) -> list[lis
     return [hold.apply(SIM_BASE + i * every, [_finding()] if on else []) for i, on in enumerate(present)]
 
 
-def test_a_one_poll_lapse_is_held_and_marked_clearing():
+def test_a_lapse_shorter_than_its_quiet_is_not_shown():
+    """The page does not toggle: a condition clear for less than its
+    symptom's quiet (causes.Symptom) leaves the finding plain active, as
+    last seen; clear longer, it shows clearing from its first clear poll."""
     out = _run(FindingHold(60.0), [True, True, False, True])
+    assert [(len(found), found[0].clearing_since) for found in out] == [(1, None)] * 4
+    quiet = SYMPTOMS["slow_first_token"].quiet
+    assert quiet > 2.0
+    out = _run(FindingHold(60.0), [True] + [False] * int(quiet / 2.0 + 2))
+    assert out[1][0].clearing_since is None and out[-1][0].clearing_since == SIM_BASE + 2.0
+
+
+def test_a_one_poll_lapse_is_held_and_marked_clearing():
+    out = _run(FindingHold(60.0, hysteresis=False), [True, True, False, True])
     assert [len(found) for found in out] == [1, 1, 1, 1]
     held = out[2][0]
     assert held.clearing_since == SIM_BASE + 4.0
     assert (held.summary, held.evidence) == ("queueing_kv_bound now", {"ttft_requests": 9})
     # Back: plain active again, and a later lapse starts its own clearing.
     assert out[3][0].clearing_since is None
-    again = _run(FindingHold(60.0), [True, False, True, False, False])
+    again = _run(FindingHold(60.0, hysteresis=False), [True, False, True, False, False])
     assert again[3][0].clearing_since == SIM_BASE + 6.0 and again[4][0].clearing_since == SIM_BASE + 6.0
 
 
@@ -52,7 +65,7 @@ def test_no_hold_ends_a_finding_at_the_first_clear_poll():
 
 
 def test_the_hold_keeps_findings_in_their_order_and_bounded():
-    hold = FindingHold(60.0)
+    hold = FindingHold(60.0, hysteresis=False)
     hold.apply(SIM_BASE, [_finding("queueing_kv_bound"),
                           Finding("exhaustion", "long_requests", "critical", "high", "m", "0", "full")])
     out = hold.apply(SIM_BASE + 3, [Finding("exhaustion", "concurrency_beyond_capacity", "warning", "high", "m", "1",
@@ -77,7 +90,7 @@ def test_the_hold_is_one_setting_checked_like_the_other_thresholds():
 
 
 def test_a_held_finding_says_so_in_the_api():
-    held = FindingHold(60.0)
+    held = FindingHold(60.0, hysteresis=False)
     held.apply(SIM_BASE, [_finding()])
     [finding] = held.apply(SIM_BASE + 2, [])
     assert finding_json(finding, SIM_BASE)["clearing_since"] == SIM_BASE + 2
@@ -209,7 +222,7 @@ def test_a_findings_severity_does_not_fall_while_it_lasts():
     to warning inside one episode would end the critical series (an alert on
     it resolves) and start a warning one. The episode keeps its highest
     severity; a rise shows at once; a new episode starts from its own."""
-    hold = FindingHold(10.0)
+    hold = FindingHold(10.0, hysteresis=False)
     severities = ["warning", "critical", "warning", None, "warning", None, None, None, None, None, None, None,
                   "warning"]
     out = [hold.apply(SIM_BASE + 2.0 * i, [_finding("concurrency_beyond_capacity", s)] if s else [])

@@ -2,6 +2,13 @@
 scorer exposed, each on hand-built findings or polls, and the scorer's bars
 on the simulated demo loop (kvwatch/sim/score.py)."""
 
+from types import SimpleNamespace
+
+from kvwatch.diagnose import DEFAULT_THRESHOLDS, HitRateMemory
+from kvwatch.diagnose.causes import SYMPTOMS
+from kvwatch.diagnose.hold import FindingHold
+from kvwatch.diagnose.now import judged_now
+from kvwatch.diagnose.stream import stream_residency
 from kvwatch.diagnose.vocabulary import Finding, finding_order
 
 
@@ -20,3 +27,69 @@ def test_the_banner_leads_with_what_users_feel():
     order = [f.cause for f in sorted(found, key=finding_order)]
     assert order == ["queueing_kv_bound", "concurrency_beyond_capacity", "prefix_changed",
                      "capacity_below_max_num_seqs", "kv_held_idle"]
+
+
+def test_a_new_cause_replaces_the_shown_one_only_after_leading_for_its_lead():
+    """17 primary-cause changes in 28 minutes of the demo: a cause that leads
+    for a few polls does not change the story; one that leads for the
+    symptom's `lead` (causes.Symptom) does."""
+    lead = SYMPTOMS["slow_first_token"].lead
+    assert lead > 4.0
+    hold = FindingHold(60.0)
+    hold.apply(0.0, [finding("slow_first_token", "queueing_kv_bound")])
+    blip = hold.apply(2.0, [finding("slow_first_token", "preemption")])
+    assert [f.cause for f in blip] == ["queueing_kv_bound"]
+    back = hold.apply(4.0, [finding("slow_first_token", "queueing_kv_bound")])
+    assert [f.cause for f in back] == ["queueing_kv_bound"]
+    shown = [hold.apply(6.0 + t, [finding("slow_first_token", "prefill")])[0].cause for t in range(0, int(lead) + 4, 2)]
+    assert shown[0] == "queueing_kv_bound" and shown[-1] == "prefill"
+    assert shown.index("prefill") * 2.0 >= lead
+
+
+def test_a_finding_is_never_first_shown_clearing():
+    """A cause held behind an active rival of its symptom was never shown;
+    when the rival ends it must not appear already clearing."""
+    hold = FindingHold(60.0, hysteresis=False)
+    hold.apply(0.0, [finding("exhaustion", "long_requests")])
+    hold.apply(2.0, [finding("exhaustion", "concurrency_beyond_capacity")])  # long_requests held, hidden
+    out = hold.apply(4.0, [])
+    assert [(f.cause, f.clearing_since is not None) for f in out] == [("concurrency_beyond_capacity", True)]
+
+
+def test_a_finding_is_active_while_its_symptom_is_true_now():
+    """Now and the window apart (issue #55): a window finding whose symptom
+    the rules no longer find over the last now_seconds has ended; a symptom
+    true now that the window does not show yet starts from the now finding;
+    changes, the stream's own findings and stuck keep their own spans."""
+    window = [finding("exhaustion", "concurrency_beyond_capacity", "critical"),
+              finding("slow_first_token", "queueing_kv_bound"), finding("change", "engine_restarted", "info"),
+              finding("kv_events", "events_missed")]
+    now = [finding("slow_first_token", "preemption"), finding("low_hit_rate", "no_reuse", "info")]
+    judged = judged_now(window, now)
+    assert [(f.symptom, f.cause) for f in judged] == [
+        ("slow_first_token", "preemption"), ("change", "engine_restarted"), ("kv_events", "events_missed"),
+        ("low_hit_rate", "no_reuse")]
+
+
+def test_a_healthy_hit_ratio_is_no_baseline_once_old():
+    """The demo's 'last healthy 23 %' came from 13-18 minutes before: a
+    baseline expires (hit_baseline_max_age_seconds)."""
+    memory = HitRateMemory()
+    memory.remember(("m", "0"), 0.6, 100.0)
+    assert memory.recall(("m", "0"), 300.0, DEFAULT_THRESHOLDS["hit_baseline_max_age_seconds"]) == (0.6, 100.0)
+    assert memory.recall(("m", "0"), 100.0 + DEFAULT_THRESHOLDS["hit_baseline_max_age_seconds"] + 1,
+                         DEFAULT_THRESHOLDS["hit_baseline_max_age_seconds"]) is None
+
+
+def test_blocks_stored_again_while_the_cache_is_exhausted_are_no_eviction_before_reuse():
+    """A preempted request's blocks are evicted and stored again when it is
+    recomputed: in the demo's exhaustion phase (prompts sharing nothing) the
+    stream's 18 % stored again read as eviction before reuse at high
+    confidence. While exhausted, the stream decides nothing about reuse."""
+    report = {"up": True, "recent": {"stored": 2700, "stored_again": 480, "stored_again_ratio": 0.18,
+                                     "evicted": 2600, "seconds": 30.0},
+              "earlier": {"stored": 2000, "stored_again_ratio": 0.15}, "window": {}, "listening_seconds": 600.0}
+    ctx = SimpleNamespace(stream=report, t=DEFAULT_THRESHOLDS, exhaustion=None)
+    assert stream_residency(ctx)[0] is True
+    ctx.exhaustion = object()
+    assert stream_residency(ctx) is None

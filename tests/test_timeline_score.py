@@ -104,13 +104,13 @@ def test_toggles_born_clearing_and_cause_changes_are_counted():
 
 
 def test_start_and_clearing_delays_are_measured_from_the_phase_boundaries():
-    loaded = scenario({"lead": "exhaustion"}, {"lead": "nothing"}, {"lead": "nothing"})
-    run = polls([lambda t: [seen("exhaustion/long_requests")] if t >= 40 else [],
-                 lambda t: [seen("exhaustion/long_requests", clearing=True)] if t <= 30 else [],
+    loaded = scenario({"lead": "slow_first_token"}, {"lead": "nothing"}, {"lead": "nothing"})
+    run = polls([lambda t: [seen("slow_first_token/prefill")] if t >= 40 else [],
+                 lambda t: [seen("slow_first_token/prefill", clearing=True)] if t <= 30 else [],
                  lambda t: []])
     result = score(loaded, run, settle=75)
     assert result.start_seconds == [("p0 (cycle 0)", 40.0)]
     assert result.clear_seconds == [("p0 (cycle 0)", 40.0)]  # gone at the poll 40 s after the end
-    stuck = score(loaded, polls([lambda t: [seen("exhaustion/long_requests")]] * 3), settle=75)
+    stuck = score(loaded, polls([lambda t: [seen("slow_first_token/prefill")]] * 3), settle=75)
     assert stuck.clear_seconds == [("p0 (cycle 0)", None)]
     assert "p0 (cycle 0): its finding never cleared" in " ".join(stuck.failures())

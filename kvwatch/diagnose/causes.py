@@ -56,6 +56,12 @@ class Symptom:
     # Whether its causes compete for one story per engine (arbitration.py);
     # changes and the event stream's findings are facts, each true.
     arbitrated: bool = False
+    # Hysteresis (hold.py), in seconds: `quiet`, how long its condition must
+    # be clear before a finding shows as ended (a shorter lapse is not shown,
+    # so the page does not toggle); `lead`, how long a new cause must lead its
+    # story before it replaces the cause on the page.
+    quiet: float = 0.0
+    lead: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -116,10 +122,15 @@ class Alert:
     uid: str
 
 
+QUIET = 15.0
+LEAD = 30.0
 SYMPTOM_LIST = (
-    Symptom("exhaustion", "KV cache exhausted", "VllmKvCacheExhausted", arbitrated=True),
-    Symptom("low_hit_rate", "Low prefix-cache hit rate", "VllmPrefixCacheHitRateLow", arbitrated=True),
-    Symptom("slow_first_token", "Slow first token", "VllmTimeToFirstTokenSlow", arbitrated=True),
+    # Quiet and lead measured with the timeline scorer (docs/diagnosis.md, "The story over time, scored").
+    Symptom("exhaustion", "KV cache exhausted", "VllmKvCacheExhausted", arbitrated=True, quiet=QUIET, lead=LEAD),
+    Symptom("low_hit_rate", "Low prefix-cache hit rate", "VllmPrefixCacheHitRateLow", arbitrated=True,
+            quiet=QUIET, lead=LEAD),
+    Symptom("slow_first_token", "Slow first token", "VllmTimeToFirstTokenSlow", arbitrated=True, quiet=QUIET,
+            lead=LEAD),
     # Requests or KV blocks held while nothing moves and no token is counted (diagnose/stuck.py):
     # not exhaustion, which serves. Its two causes exclude each other (requests held, or none).
     Symptom("stuck", "Engine stuck", "VllmEngineStuck"),

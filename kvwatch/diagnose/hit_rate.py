@@ -358,11 +358,13 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     drop = _step_drop(ctx, judging.latest_time)
     dropped = drop.dropped(t)
     low = judging.ratio < t["hit_ratio_low"]
-    if memory is not None and not low and not dropped:
-        memory.remember(ctx.key, judging.ratio, judging.latest_time)  # a healthy level, not one falling
-    remembered = memory.recall(ctx.key) if memory is not None else None
     if not dropped and not low:
+        if memory is not None and ctx.exhaustion is None and not (stream_residency(ctx) or (False,))[0]:
+            # A stretch the rules judged healthy: not falling, no exhaustion, no stream verdict against it.
+            memory.remember(ctx.key, judging.ratio, judging.latest_time)
         return judging.verdict()
+    remembered = memory.recall(ctx.key, judging.latest_time, t["hit_baseline_max_age_seconds"]) \
+        if memory is not None else None
     _add_residency(judging, drop, dropped)
     if dropped:
         return _judge_drop(judging, drop)

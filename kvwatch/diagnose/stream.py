@@ -55,6 +55,10 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
     report = ctx.stream
     if not report or not report.get("up"):
         return None
+    if ctx.exhaustion is not None:
+        # A preempted request's blocks are evicted and stored again when it
+        # is recomputed: the exhaustion explains them, no working set does.
+        return None
     t = ctx.t
     recent = report["recent"]
     if recent["stored"] < t["stream_min_blocks"] or report["window"].get("cleared"):
@@ -150,7 +154,7 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
     cause = finding.cause
     before = earlier["stored_again_ratio"]
     if (cause == "no_reuse" and earlier["stored"] >= t["stream_min_blocks"] and before is not None
-            and before >= t["stored_again_ratio_high"]):
+            and before >= t["stored_again_ratio_high"] and not finding.evidence.get("kv_cache_exhausted")):
         cause = "prefix_changed"  # blocks returned, and stopped returning while stores go on
     if cause == "eviction_before_reuse":
         extra = evidence.get("kv_events_extra_blocks_to_keep_half")

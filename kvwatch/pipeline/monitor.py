@@ -19,6 +19,7 @@ from typing import Any, Callable
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose import Change
 from kvwatch.diagnose.hold import FindingHold
+from kvwatch.diagnose.now import judged_now
 from kvwatch.diagnose.vocabulary import finding_key
 from kvwatch.engines import AUTO, ENGINES, make_adapter, recognize
 from kvwatch.engines.coverage import dark_signals
@@ -212,6 +213,9 @@ class Monitor:
         self.thresholds = diagnosis.resolve_thresholds(settings.diagnosis)
         # A finding stays active until its condition has been clear for the hold.
         self.hold = FindingHold(self.thresholds["finding_hold_seconds"])
+        # What is true now (diagnose/now.py): the same rules over the last now_seconds.
+        self.now_window = Window(min(self.thresholds["now_seconds"], self.window.seconds))
+        self.now_memory = diagnosis.HitRateMemory()
         # (time, running, waiting) of the latest page read, and when the
         # current run of busy polls began (None outside one).
         self._last_load: tuple[float, float, float] | None = None
@@ -298,6 +302,7 @@ class Monitor:
                 result, f"no {self.adapter.name} engine metrics in a page of {result.size} bytes",
                 snapshot.parse_errors, started, started_cpu)
         self.window.add(snapshot)
+        self.now_window.add(snapshot)
         if self.window.trimmed and not self.state.window_trimmed:
             log.warning("%s", self.window.trimmed)
         self._note_changes(previous, snapshot)
@@ -315,6 +320,7 @@ class Monitor:
         findings = diagnosis.diagnose(self.window, per_engine, events,
                                       self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
                                       incumbents=self.hold.incumbents())
+        findings = judged_now(findings, self._findings_now(events, upstream, lmcache, kv_events))
         findings = self.hold.apply(answered, findings)
         busy = self._busy(snapshot, result.seconds, timed_out=False, at=answered)
         self._polls += 1
@@ -361,6 +367,14 @@ class Monitor:
             log.info("polling %s: up (%d %s)", public_url(self.settings.target), count,
                      "engine" if count == 1 else "engines")
         return self.state
+
+    def _findings_now(self, events, upstream, lmcache, kv_events) -> list[diagnosis.Finding]:
+        """The rules over the last now_seconds: which symptoms are true now."""
+        per_engine, _ = evaluate_window(self.now_window)
+        if self.upstream is not None:
+            upstream = self.upstream.recent(upstream, self.now_window.seconds)
+        return diagnosis.diagnose(self.now_window, per_engine, events, self.settings.diagnosis, upstream,
+                                  self.now_memory, lmcache, kv_events)
 
     def _poll_lmcache(self, page_text: str | None, at: float) -> dict[str, Any] | None:
         """The tier's poll; its failure is its own (reported in its status),

@@ -37,6 +37,8 @@ from kvwatch.sim.story import UNSCORED_SYMPTOMS, Story
 
 SIM_BASE = 1_700_000_000.0
 SETTLE_SECONDS = 75.0
+MAX_WRONG = 200
+FULL = 0.9  # usage of a full simulated cache (the diagnosis' exhaustion_usage_ratio)
 # The bars of issue #47 (per loop of the demo, and per phase).
 BARS = {"banner_right_share": 0.97, "false_minutes": 0.5, "false_high_minutes": 0.0, "cause_changes_per_phase": 1,
         "toggles": 0, "born_clearing": 0, "start_seconds": 45.0, "clear_seconds": 75.0}
@@ -73,6 +75,12 @@ class Poll:
     cycle: int
     into: float  # seconds into the phase
     findings: tuple[Seen, ...]
+    # Requests the simulated engines hold waiting (the truth, not kvwatch's
+    # reading): a phase's load outlives it until its queue drains.
+    waiting: int = 0
+    # The simulated cache ran out since the last poll (a preemption, or full
+    # with requests waiting): when an exhaustion's condition truly starts.
+    full: bool = False
 
     @property
     def banner(self) -> Seen | None:
@@ -107,6 +115,7 @@ def run_scenario(scenario: Scenario | str, settings, until: float, seed: int = 0
         monitor.upstream.fetcher = _Page(lambda: render_app_metrics(sim.app_retrieval, SIM_BASE))
     every = settings.poll_interval
     sequences = [0] * len(sim.engines)
+    preemptions = 0
     polls = []
     at = 0.0
     while at < until - 1e-9:
@@ -121,12 +130,16 @@ def run_scenario(scenario: Scenario | str, settings, until: float, seed: int = 0
                                            now=SIM_BASE + at)
                     sequences[engine.index] += 1
         state = monitor.poll_once()
+        now_preempted = sum(e.stats.num_preemptions for e in sim.engines)
+        waiting = sum(len(e.waiting) for e in sim.engines)
+        full = now_preempted > preemptions or (waiting > 0 and max(e.pool.usage() for e in sim.engines) >= FULL)
+        preemptions = now_preempted
         status = sim.phase_status()
         phase = scenario.phases[sim.phase_index]
         into = phase.duration - status["next_in_seconds"] if status["next_in_seconds"] is not None else at
         polls.append(Poll(at, sim.phase_index, sim.cycle, into, tuple(
             Seen(f.symptom, f.cause, f.severity, f.confidence, f.clearing_since is not None, f.summary,
-                 dict(f.evidence)) for f in state.findings)))
+                 dict(f.evidence)) for f in state.findings), waiting, full))
     return polls
 
 
@@ -142,7 +155,19 @@ class Score:
     born_clearing: int = 0
     start_seconds: list[tuple[str, float | None]] = field(default_factory=list)
     clear_seconds: list[tuple[str, float | None]] = field(default_factory=list)
-    wrong: list[str] = field(default_factory=list)  # the first banners and false findings, said
+    # What was wrong, said once per phase run and kind: sentence -> [first, last seconds into the phase, polls]
+    wrong: dict[str, list[float]] = field(default_factory=dict)
+
+    def note(self, name: str, what: str, into: float) -> None:
+        key = f"{name}: {what}"
+        seen = self.wrong.get(key)
+        if seen is None and len(self.wrong) < MAX_WRONG:
+            self.wrong[key] = [into, into, 1]
+        elif seen is not None:
+            seen[1], seen[2] = into, seen[2] + 1
+
+    def wrong_lines(self) -> list[str]:
+        return [f"{key} (+{first:.0f}..{last:.0f}s, {count:.0f} polls)" for key, (first, last, count) in self.wrong.items()]
 
     @property
     def banner_right_share(self) -> float:
@@ -195,44 +220,74 @@ def _stretches(polls: list[Poll]) -> list[list[Poll]]:
 
 def score(scenario: Scenario, polls: list[Poll], settle: float = SETTLE_SECONDS) -> Score:
     """The score of a run's polls against its phases' stories (phases
-    without a story are not scored)."""
+    without a story are not scored). A phase's condition ends at its end, or
+    where requests it queued still wait then, when that queue drains: its
+    lead stays fair in the next phase until `settle` after that, and its
+    clearing is measured from there."""
     result = Score(polls=len(polls))
     stretches = _stretches(polls)
+    carried: tuple[str, float] | None = None  # the last phase's lead, fair until then
     previous: Poll | None = None
     for index, stretch in enumerate(stretches):
         story = scenario.phases[stretch[0].phase].story
         following = stretches[index + 1] if index + 1 < len(stretches) else None
+        ended = _condition_end(stretch, following)
         if story is not None:
-            _score_stretch(result, scenario, story, stretch, following, previous, settle)
+            _score_stretch(result, scenario, story, stretch, following, previous, settle, carried, ended)
+        carried = (story.lead, ended + settle) if story is not None and story.lead is not None else None
         previous = stretch[-1]
     return result
 
 
+def _condition_start(story: Story, stretch: list[Poll]) -> float:
+    """Seconds into the phase its lead's condition began: an exhaustion when
+    the simulated cache first ran out (a few requests that grow fill it late
+    in their phase), any other at the phase's start."""
+    if story.lead is None or not story.lead.startswith("exhaustion"):
+        return 0.0
+    return next((p.into for p in stretch if p.full), stretch[-1].into)
+
+
+def _condition_end(stretch: list[Poll], following: list[Poll] | None) -> float:
+    if not stretch[-1].waiting or following is None:
+        return stretch[-1].at
+    return next((p.at for p in following if not p.waiting), following[-1].at)
+
+
 def _score_stretch(result: Score, scenario: Scenario, story: Story, stretch: list[Poll],
-                   following: list[Poll] | None, before: Poll | None, settle: float) -> None:
+                   following: list[Poll] | None, before: Poll | None, settle: float,
+                   carried: tuple[str, float] | None, ended: float) -> None:
     name = f"{scenario.phases[stretch[0].phase].name} (cycle {stretch[0].cycle})"
     every = stretch[1].at - stretch[0].at if len(stretch) > 1 else 0.0
     changes: dict[str, int] = {}
     last = before
+    began = _condition_start(story, stretch)
     for poll in stretch:
         if poll.into >= settle:
-            _score_poll(result, story, poll, every, name)
-            if last is not None:
-                result.toggles += _toggles(last, poll)
-        _count_changes(changes, last, poll)
-        result.born_clearing += _born_clearing(last, poll)
+            fair = Story(story.lead, story.fair + ((carried[0],) if carried and poll.at <= carried[1] else ()))
+            if poll.into < began:  # its condition has not begun: nothing, or the lead seen early, is right
+                fair = Story(None, fair.fair + (story.lead,))
+            _score_poll(result, fair, poll, every, name)
+            for key in _toggles(last, poll):
+                result.toggles += 1
+                result.note(name, f"toggle {'/'.join(key)}", poll.into)
+        for symptom, (was, now) in _changes(last, poll).items():
+            changes[symptom] = changes.get(symptom, 0) + 1
+            result.note(name, f"cause change {symptom}: {was} -> {now}", poll.into)
+        for key in _born_clearing(last, poll):
+            result.born_clearing += 1
+            result.note(name, f"born clearing {'/'.join(key)}", poll.into)
         last = poll
     result.cause_changes_max = max([result.cause_changes_max, *changes.values()])
     if story.lead is not None and stretch[-1].into >= settle:
-        start = next((p.into for p in stretch if any(story.leads(f.symptom, f.cause) and not f.clearing
-                                                     for f in p.findings)), None)
+        start = next((p.into - began for p in stretch if p.into >= began and any(
+            story.leads(f.symptom, f.cause) and not f.clearing for f in p.findings)), None)
         result.start_seconds.append((name, start))
     if story.lead is not None and following is not None:
         after = scenario.phases[following[0].phase].story
-        if after is not None and not after.allows(*story.lead.partition("/")[::2]) and following[-1].into >= settle:
-            end = stretch[-1].at
-            gone = next((p.at - end for p in following
-                         if not any(story.leads(f.symptom, f.cause) for f in p.findings)), None)
+        if after is not None and not after.allows(*story.lead.partition("/")[::2]) and following[-1].at >= ended + settle:
+            gone = next((p.at - ended for p in following
+                         if p.at >= ended and not any(story.leads(f.symptom, f.cause) for f in p.findings)), None)
             result.clear_seconds.append((name, gone))
 
 
@@ -242,45 +297,44 @@ def _score_poll(result: Score, story: Story, poll: Poll, every: float, name: str
     right = (banner is None or banner.clearing or story.allows(banner.symptom, banner.cause)) if story.lead is None \
         else (banner is not None and story.leads(banner.symptom, banner.cause))
     result.banner_right += right
-    if not right and len(result.wrong) < 40:
-        said = "nothing" if banner is None else f"{banner.symptom}/{banner.cause}"
-        result.wrong.append(f"{name} +{poll.into:.0f}s: banner {said}")
+    if not right:
+        result.note(name, "banner " + ("nothing" if banner is None else f"{banner.symptom}/{banner.cause}"
+                                       + (" (clearing)" if banner.clearing else "")), poll.into)
     for finding in poll.findings:
         if finding.clearing or story.allows(finding.symptom, finding.cause):
             continue
         result.false_seconds += every
         if finding.confidence == "high":
             result.false_high_seconds += every
-        if len(result.wrong) < 40:
-            result.wrong.append(f"{name} +{poll.into:.0f}s: false {finding.symptom}/{finding.cause} "
-                                f"({finding.confidence}): {finding.summary[:100]}")
+        result.note(name, f"false {finding.symptom}/{finding.cause} ({finding.severity}, {finding.confidence})",
+                    poll.into)
 
 
 def _primary(poll: Poll) -> dict[str, str]:
     return {f.symptom: f.cause for f in poll.findings if not f.clearing and f.symptom not in UNSCORED_SYMPTOMS}
 
 
-def _count_changes(changes: dict[str, int], last: Poll | None, poll: Poll) -> None:
+def _changes(last: Poll | None, poll: Poll) -> dict[str, tuple[str, str]]:
+    """symptom -> (cause before, cause now) where its primary changed."""
     if last is None:
-        return
-    before, now = _primary(last), _primary(poll)
-    for symptom, cause in now.items():
-        if symptom in before and before[symptom] != cause:
-            changes[symptom] = changes.get(symptom, 0) + 1
+        return {}
+    before = _primary(last)
+    return {symptom: (before[symptom], cause) for symptom, cause in _primary(poll).items()
+            if symptom in before and before[symptom] != cause}
 
 
 def _keys(poll: Poll, clearing: bool) -> set[tuple[str, str]]:
     return {(f.symptom, f.cause) for f in poll.findings if f.clearing == clearing}
 
 
-def _toggles(last: Poll, poll: Poll) -> int:
+def _toggles(last: Poll | None, poll: Poll) -> set[tuple[str, str]]:
     """Findings clearing at the last poll and active again at this one."""
-    return len(_keys(last, True) & _keys(poll, False))
+    return set() if last is None else _keys(last, True) & _keys(poll, False)
 
 
-def _born_clearing(last: Poll | None, poll: Poll) -> int:
+def _born_clearing(last: Poll | None, poll: Poll) -> set[tuple[str, str]]:
     seen = set() if last is None else _keys(last, True) | _keys(last, False)
-    return len(_keys(poll, True) - seen)
+    return _keys(poll, True) - seen
 
 
 def score_runs(scenario: str, settings, until: float, seeds: Iterable[int]) -> list[tuple[int, Score]]:
