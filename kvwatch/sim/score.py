@@ -222,11 +222,11 @@ def score(scenario: Scenario, polls: list[Poll], settle: float = SETTLE_SECONDS)
     """The score of a run's polls against its phases' stories (phases
     without a story are not scored). A phase's condition ends at its end, or
     where requests it queued still wait then, when that queue drains: its
-    lead stays fair in the next phase until `settle` after that, and its
-    clearing is measured from there."""
+    lead and fair findings stay fair in the next phase until `settle` after
+    that, and its lead's clearing is measured from there."""
     result = Score(polls=len(polls))
     stretches = _stretches(polls)
-    carried: tuple[str, float] | None = None  # the last phase's lead, fair until then
+    carried: tuple[tuple[str, ...], float] | None = None  # the last phase's findings, fair until then
     previous: Poll | None = None
     for index, stretch in enumerate(stretches):
         story = scenario.phases[stretch[0].phase].story
@@ -234,7 +234,8 @@ def score(scenario: Scenario, polls: list[Poll], settle: float = SETTLE_SECONDS)
         ended = _condition_end(stretch, following)
         if story is not None:
             _score_stretch(result, scenario, story, stretch, following, previous, settle, carried, ended)
-        carried = (story.lead, ended + settle) if story is not None and story.lead is not None else None
+        carried = ((story.lead, *story.fair) if story.lead else story.fair, ended + settle) \
+            if story is not None else None
         previous = stretch[-1]
     return result
 
@@ -256,7 +257,7 @@ def _condition_end(stretch: list[Poll], following: list[Poll] | None) -> float:
 
 def _score_stretch(result: Score, scenario: Scenario, story: Story, stretch: list[Poll],
                    following: list[Poll] | None, before: Poll | None, settle: float,
-                   carried: tuple[str, float] | None, ended: float) -> None:
+                   carried: tuple[tuple[str, ...], float] | None, ended: float) -> None:
     name = f"{scenario.phases[stretch[0].phase].name} (cycle {stretch[0].cycle})"
     every = stretch[1].at - stretch[0].at if len(stretch) > 1 else 0.0
     changes: dict[str, int] = {}
@@ -264,7 +265,7 @@ def _score_stretch(result: Score, scenario: Scenario, story: Story, stretch: lis
     began = _condition_start(story, stretch)
     for poll in stretch:
         if poll.into >= settle:
-            fair = Story(story.lead, story.fair + ((carried[0],) if carried and poll.at <= carried[1] else ()))
+            fair = Story(story.lead, story.fair + (carried[0] if carried and poll.at <= carried[1] else ()))
             if poll.into < began:  # its condition has not begun: nothing, or the lead seen early, is right
                 fair = Story(None, fair.fair + (story.lead,))
             _score_poll(result, fair, poll, every, name)
@@ -280,7 +281,9 @@ def _score_stretch(result: Score, scenario: Scenario, story: Story, stretch: lis
         last = poll
     result.cause_changes_max = max([result.cause_changes_max, *changes.values()])
     if story.lead is not None and stretch[-1].into >= settle:
-        start = next((p.into - began for p in stretch if p.into >= began and any(
+        # Looked for into the next phase too: a condition that begins late in its phase is still its.
+        began_at = stretch[0].at - stretch[0].into + began
+        start = next((p.at - began_at for p in stretch + (following or []) if p.at >= began_at and any(
             story.leads(f.symptom, f.cause) and not f.clearing for f in p.findings)), None)
         result.start_seconds.append((name, start))
     if story.lead is not None and following is not None:
