@@ -154,7 +154,9 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
     cause = finding.cause
     before = earlier["stored_again_ratio"]
     if (cause == "no_reuse" and earlier["stored"] >= t["stream_min_blocks"] and before is not None
-            and before >= t["stored_again_ratio_high"] and not finding.evidence.get("kv_cache_exhausted")):
+            and before >= t["stored_again_ratio_high"] and not finding.evidence.get("kv_cache_exhausted")
+            and not report.get("window_exhausted")):
+        # (Blocks stored again while the cache ran out are preempted requests recomputed, no shared prefix.)
         cause = "prefix_changed"  # blocks returned, and stopped returning while stores go on
     if cause == "eviction_before_reuse":
         extra = evidence.get("kv_events_extra_blocks_to_keep_half")

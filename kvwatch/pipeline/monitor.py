@@ -320,7 +320,10 @@ class Monitor:
         findings = diagnosis.diagnose(self.window, per_engine, events,
                                       self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
                                       incumbents=self.hold.incumbents())
-        findings = judged_now(findings, self._findings_now(events, upstream, lmcache, kv_events))
+        # The stream's report spans the window: the now span's rules must know the window's cache ran out.
+        now_kv = kv_events if not kv_events else {
+            **kv_events, "window_exhausted": any(f.symptom == "exhaustion" for f in findings)}
+        findings = judged_now(findings, self._findings_now(events, upstream, lmcache, now_kv))
         findings = self.hold.apply(answered, findings)
         busy = self._busy(snapshot, result.seconds, timed_out=False, at=answered)
         self._polls += 1

@@ -17,7 +17,8 @@ transport are the simulation's. Per poll it takes the findings as
 - toggles: a finding going from active to clearing and back, after `settle`;
 - findings born clearing (first seen held);
 - time from a phase's start to its lead's finding, and from its end until
-  that finding is gone (when the next phase does not also allow it).
+  that finding has ended (gone, or shown clearing: "ended at"), when the
+  next phase does not also allow it.
 """
 
 from __future__ import annotations
@@ -289,8 +290,9 @@ def _score_stretch(result: Score, scenario: Scenario, story: Story, stretch: lis
     if story.lead is not None and following is not None:
         after = scenario.phases[following[0].phase].story
         if after is not None and not after.allows(*story.lead.partition("/")[::2]) and following[-1].at >= ended + settle:
-            gone = next((p.at - ended for p in following
-                         if p.at >= ended and not any(story.leads(f.symptom, f.cause) for f in p.findings)), None)
+            # Ended: gone, or shown clearing ("ended at"), which the hold keeps as its alert keeps firing.
+            gone = next((p.at - ended for p in following if p.at >= ended and not any(
+                story.leads(f.symptom, f.cause) and not f.clearing for f in p.findings)), None)
             result.clear_seconds.append((name, gone))
 
 
