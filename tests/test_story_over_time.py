@@ -51,6 +51,27 @@ def test_a_new_cause_replaces_the_shown_one_only_after_leading_for_its_lead():
     assert shown.index("prefill") * 2.0 >= lead
 
 
+def test_a_story_crossing_the_exhaustion_line_changes_at_once():
+    """Compute-bound queueing says the cache was not exhausted: once the
+    exhaustion detector holds, keeping it shown for its lead contradicted the
+    exhaustion card beside it (the scorer's check found 15 such polls a loop)."""
+    hold = FindingHold(60.0)
+    hold.apply(0.0, [finding("slow_first_token", "queueing_compute_bound")])
+    out = hold.apply(2.0, [finding("slow_first_token", "queueing_kv_bound"), finding("exhaustion", "long_requests")])
+    assert sorted(f.cause for f in out) == ["long_requests", "queueing_kv_bound"]
+    # And a compute-bound finding whose condition lapsed is shown ended, not quietly active, beside an exhaustion.
+    hold = FindingHold(60.0)
+    hold.apply(0.0, [finding("slow_first_token", "queueing_compute_bound")])
+    out = hold.apply(2.0, [finding("exhaustion", "long_requests")])
+    assert [(f.cause, f.clearing_since) for f in out] == [("long_requests", None), ("queueing_compute_bound", 2.0)]
+
+
+def test_an_advisory_now_does_not_keep_the_harm_the_window_shows():
+    window = [finding("exhaustion", "long_requests", "critical")]
+    assert judged_now(window, [finding("exhaustion", "capacity_below_max_num_seqs", "info")]) == [
+        finding("exhaustion", "capacity_below_max_num_seqs", "info")]
+
+
 def test_a_finding_is_never_first_shown_clearing():
     """A cause held behind an active rival of its symptom was never shown;
     when the rival ends it must not appear already clearing."""
@@ -90,13 +111,15 @@ def test_blocks_stored_again_while_the_cache_is_exhausted_are_no_eviction_before
     """A preempted request's blocks are evicted and stored again when it is
     recomputed: in the demo's exhaustion phase (prompts sharing nothing) the
     stream's 18 % stored again read as eviction before reuse at high
-    confidence. While exhausted, the stream decides nothing about reuse."""
+    confidence. While preempting, the stream decides nothing about reuse."""
     report = {"up": True, "recent": {"stored": 2700, "stored_again": 480, "stored_again_ratio": 0.18,
                                      "evicted": 2600, "seconds": 30.0},
               "earlier": {"stored": 2000, "stored_again_ratio": 0.15}, "window": {}, "listening_seconds": 600.0}
     ctx = SimpleNamespace(stream=report, t=DEFAULT_THRESHOLDS, exhaustion=None)
     assert stream_residency(ctx)[0] is True
-    ctx.exhaustion = object()
+    ctx.exhaustion = SimpleNamespace(preemptions=0.0)  # full, nothing preempted: a rotation's evictions
+    assert stream_residency(ctx)[0] is True
+    ctx.exhaustion = SimpleNamespace(preemptions=3.0)
     assert stream_residency(ctx) is None
 
 
@@ -126,5 +149,6 @@ def test_the_demo_loop_is_told_right_over_time(config, diagnosis, ended_within, 
         assert result.banner_right_share >= BARS["banner_right_share"], said
         assert result.false_seconds / 60 <= false_minutes, said
         assert result.born_clearing == 0, said
+        assert result.contradictions == 0, said  # no finding text contradicts the findings beside it
         assert all(v is not None and v <= ended_within for _, v in result.clear_seconds), said
         assert all(v is not None for _, v in result.start_seconds), said

@@ -107,6 +107,10 @@ class Cause:
     # False for an alert's own cause that the in-process diagnosis never names
     # (kvwatch unreachable, a forecast).
     diagnosed: bool = True
+    # Named only while the one exhaustion detector holds (True) or only while
+    # it does not (False): a story moving across that line changes at once
+    # (hold.py), its old cause's text would contradict the exhaustion shown.
+    while_exhausted: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -308,6 +312,7 @@ CAUSE_LIST = (
     # upstream of the engine, or the residual while the cache is exhausted (preemption).
     Cause(
         name="queueing_kv_bound",
+        while_exhausted=True,
         symptom="slow_first_token",
         severity="warning",
         title="requests queue for KV blocks",
@@ -322,6 +327,7 @@ CAUSE_LIST = (
         weight="queue_share"),
     Cause(
         name="queueing_compute_bound",
+        while_exhausted=False,
         symptom="slow_first_token",
         severity="warning",
         title="requests queue for compute, not KV",
@@ -351,6 +357,7 @@ CAUSE_LIST = (
         weight="prefill_share"),
     Cause(
         name="front_end",
+        while_exhausted=False,
         symptom="slow_first_token",
         severity="warning",
         title="time outside queue and prefill (front end)",
@@ -382,6 +389,7 @@ CAUSE_LIST = (
     # requests preempted and re-queued, their KV recomputed.
     Cause(
         name="preemption",
+        while_exhausted=True,
         symptom="slow_first_token",
         severity="warning",
         title="requests preempted and recomputed in a full cache",

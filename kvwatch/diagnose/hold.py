@@ -40,7 +40,7 @@ from dataclasses import replace
 from typing import Iterable
 
 from kvwatch.diagnose.arbitration import arbitrate, group_key, primaries
-from kvwatch.diagnose.causes import SYMPTOMS
+from kvwatch.diagnose.causes import CAUSE, SYMPTOMS
 from kvwatch.diagnose.vocabulary import SEVERITIES, Finding
 
 
@@ -93,9 +93,10 @@ class FindingHold:
             # Those that cleared last stay (sorted is stable: the order they were held in breaks ties).
             clearing = sorted(clearing, key=lambda item: item[0], reverse=True)[:MAX_HELD]
             clearing.reverse()
+        contradicted = _contradicted(current)
         for since, key, finding in clearing:
             held[key] = (finding, since)
-            quiet = at - since < self._symptom(finding.symptom, "quiet")
+            quiet = at - since < self._symptom(finding.symptom, "quiet") and not contradicted(finding)
             out.append(finding if quiet else replace(finding, clearing_since=since))
         self._held = held
         # One story per engine and symptom: a held finding never stands beside
@@ -118,7 +119,8 @@ class FindingHold:
         for finding in current:
             story = group_key(finding)
             shown = self._shown_cause.get(story) if story is not None else None
-            if shown is None or shown.cause == finding.cause or self._symptom(finding.symptom, "lead") <= 0:
+            if (shown is None or shown.cause == finding.cause or self._symptom(finding.symptom, "lead") <= 0
+                    or _across_exhaustion(shown.cause, finding.cause)):
                 leading.pop(story, None)
                 out.append(finding)
                 continue
@@ -152,6 +154,32 @@ class FindingHold:
         if _rank(severity) < _rank(finding.severity):
             return replace(finding, severity=severity)
         return finding
+
+
+def _contradicted(active: list[Finding]):
+    """Whether a lapsed finding, shown as last seen, would contradict the
+    active ones on its engine: a cause named only while the cache is not
+    exhausted beside an active exhaustion, or an exhaustion beside such a
+    cause. Its lapse is then shown at once."""
+    exhausted = {(f.model, f.engine or "") for f in active if f.symptom == "exhaustion"}
+    unexhausted = {(f.model, f.engine or "") for f in active
+                   if CAUSE.get(f.cause) is not None and CAUSE[f.cause].while_exhausted is False}
+
+    def contradicted(finding: Finding) -> bool:
+        where = (finding.model, finding.engine or "")
+        if finding.symptom == "exhaustion":
+            return where in unexhausted
+        record = CAUSE.get(finding.cause)
+        return record is not None and record.while_exhausted is False and where in exhausted
+    return contradicted
+
+
+def _across_exhaustion(shown: str, new: str) -> bool:
+    """The two causes sit on either side of the exhaustion detector's line
+    (causes.Cause.while_exhausted): the evidence decided, not noise."""
+    before, after = CAUSE.get(shown), CAUSE.get(new)
+    return (before is not None and after is not None and None not in (before.while_exhausted, after.while_exhausted)
+            and before.while_exhausted != after.while_exhausted)
 
 
 def _rank(severity: str) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from kvwatch.diagnose.vocabulary import Finding
+from kvwatch.diagnose.vocabulary import Finding, is_actionable
 
 # Findings judged on their own span, not the window: changes are events, the
 # stream's findings are facts about kvwatch's source, and the stuck detector
@@ -38,9 +38,13 @@ def judged_now(window: Iterable[Finding], now: Iterable[Finding]) -> list[Findin
     out = []
     for finding in window:
         fresh = true_now.get(_where(finding))
-        if finding.symptom in OWN_SPAN or (fresh is not None and (not PREFER_NOW or fresh.cause == finding.cause)):
+        if finding.symptom in OWN_SPAN:
             out.append(finding)
-        elif fresh is not None:
-            out.append(fresh)
+        elif fresh is None:
+            continue  # ended: the hold shows it clearing
+        elif is_actionable(finding) and not is_actionable(fresh):
+            out.append(fresh)  # an advisory now (a latent risk) is not the harm the window shows, still going on
+        else:
+            out.append(finding if not PREFER_NOW or fresh.cause == finding.cause else fresh)
     out += [f for f in now if f.symptom not in OWN_SPAN and _where(f) not in shown]
     return out

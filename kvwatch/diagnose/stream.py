@@ -55,9 +55,9 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
     report = ctx.stream
     if not report or not report.get("up"):
         return None
-    if ctx.exhaustion is not None:
+    if ctx.exhaustion is not None and ctx.exhaustion.preemptions > 0:
         # A preempted request's blocks are evicted and stored again when it
-        # is recomputed: the exhaustion explains them, no working set does.
+        # is recomputed: the preemptions explain them, no working set does.
         return None
     t = ctx.t
     recent = report["recent"]

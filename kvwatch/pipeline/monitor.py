@@ -302,7 +302,6 @@ class Monitor:
                 result, f"no {self.adapter.name} engine metrics in a page of {result.size} bytes",
                 snapshot.parse_errors, started, started_cpu)
         self.window.add(snapshot)
-        self.now_window.add(snapshot)
         if self.window.trimmed and not self.state.window_trimmed:
             log.warning("%s", self.window.trimmed)
         self._note_changes(previous, snapshot)
@@ -320,11 +319,7 @@ class Monitor:
         findings = diagnosis.diagnose(self.window, per_engine, events,
                                       self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
                                       incumbents=self.hold.incumbents())
-        # The stream's report spans the window: the now span's rules must know the window's cache ran out.
-        now_kv = kv_events if not kv_events else {
-            **kv_events, "window_exhausted": any(f.symptom == "exhaustion" for f in findings)}
-        findings = judged_now(findings, self._findings_now(events, upstream, lmcache, now_kv))
-        findings = self.hold.apply(answered, findings)
+        findings = self.hold.apply(answered, self._judged_now(snapshot, findings, events, upstream, lmcache, kv_events))
         busy = self._busy(snapshot, result.seconds, timed_out=False, at=answered)
         self._polls += 1
         was_up = self.state.up
@@ -371,13 +366,18 @@ class Monitor:
                      "engine" if count == 1 else "engines")
         return self.state
 
-    def _findings_now(self, events, upstream, lmcache, kv_events) -> list[diagnosis.Finding]:
-        """The rules over the last now_seconds: which symptoms are true now."""
-        per_engine, _ = evaluate_window(self.now_window)
+    def _judged_now(self, snapshot, window_findings, events, upstream, lmcache, kv_events) -> list[diagnosis.Finding]:
+        """The window's findings judged on what is true now: the rules over
+        the last now_seconds (diagnose/now.py)."""
+        self.now_window.add(snapshot)
+        if kv_events:
+            # The stream's report spans the window: the now span's rules must know the window's cache ran out.
+            kv_events = {**kv_events, "window_exhausted": any(f.symptom == "exhaustion" for f in window_findings)}
+        per_engine, _ = evaluate_window(self.now_window, lazy=True)
         if self.upstream is not None:
             upstream = self.upstream.recent(upstream, self.now_window.seconds)
-        return diagnosis.diagnose(self.now_window, per_engine, events, self.settings.diagnosis, upstream,
-                                  self.now_memory, lmcache, kv_events)
+        return judged_now(window_findings, diagnosis.diagnose(self.now_window, per_engine, events, self.settings.diagnosis,
+                                                              upstream, self.now_memory, lmcache, kv_events))
 
     def _poll_lmcache(self, page_text: str | None, at: float) -> dict[str, Any] | None:
         """The tier's poll; its failure is its own (reported in its status),

@@ -154,6 +154,7 @@ class Score:
     cause_changes_max: int = 0
     toggles: int = 0
     born_clearing: int = 0
+    contradictions: int = 0  # finding texts that contradict the poll's findings (contradictions())
     start_seconds: list[tuple[str, float | None]] = field(default_factory=list)
     clear_seconds: list[tuple[str, float | None]] = field(default_factory=list)
     # What was wrong, said once per phase run and kind: sentence -> [first, last seconds into the phase, polls]
@@ -192,6 +193,8 @@ class Score:
             out.append(f"{self.cause_changes_max} cause changes in one phase")
         if self.toggles > bars["toggles"]:
             out.append(f"{self.toggles} active/clearing toggles")
+        if self.contradictions:
+            out.append(f"{self.contradictions} finding texts contradict their poll's findings")
         if self.born_clearing > bars["born_clearing"]:
             out.append(f"{self.born_clearing} findings born clearing")
         out += [f"{name}: its finding {'never started' if v is None else f'started after {v:.0f} s'}"
@@ -204,7 +207,7 @@ class Score:
         return {"polls": self.polls, "scored": self.scored, "banner_right": round(self.banner_right_share, 4),
                 "false_min": round(self.false_seconds / 60, 2), "false_high_min": round(self.false_high_seconds / 60, 2),
                 "cause_changes_max": self.cause_changes_max, "toggles": self.toggles,
-                "born_clearing": self.born_clearing, "start_worst_s": self.worst(self.start_seconds),
+                "born_clearing": self.born_clearing, "contradictions": self.contradictions, "start_worst_s": self.worst(self.start_seconds),
                 "clear_worst_s": self.worst(self.clear_seconds)}
 
 
@@ -276,6 +279,9 @@ def _score_stretch(result: Score, scenario: Scenario, story: Story, stretch: lis
         for symptom, (was, now) in _changes(last, poll).items():
             changes[symptom] = changes.get(symptom, 0) + 1
             result.note(name, f"cause change {symptom}: {was} -> {now}", poll.into)
+        for text in contradictions(poll):
+            result.contradictions += 1
+            result.note(name, "contradiction: " + text, poll.into)
         for key in _born_clearing(last, poll):
             result.born_clearing += 1
             result.note(name, f"born clearing {'/'.join(key)}", poll.into)
@@ -313,6 +319,25 @@ def _score_poll(result: Score, story: Story, poll: Poll, every: float, name: str
             result.false_high_seconds += every
         result.note(name, f"false {finding.symptom}/{finding.cause} ({finding.severity}, {finding.confidence})",
                     poll.into)
+
+
+# Prose that says the cache was not exhausted (exhaustion.py, first_token.py, hit_rate.py).
+NOT_EXHAUSTED = ("not exhausted",)
+
+
+def contradictions(poll: Poll) -> list[str]:
+    """Finding texts that contradict what the same poll shows: a card
+    headlined exhaustion whose body says the cache was not exhausted, or
+    another active finding saying so beside an active exhaustion."""
+    exhausted = any(f.symptom == "exhaustion" and f.severity != "info" and not f.clearing for f in poll.findings)
+    out = []
+    for finding in poll.findings:
+        says_not = any(phrase in finding.summary.lower() for phrase in NOT_EXHAUSTED)
+        if says_not and finding.symptom == "exhaustion" and finding.severity != "info":
+            out.append(f"{finding.symptom}/{finding.cause} ({finding.severity}) says the cache was not exhausted")
+        elif says_not and exhausted and not finding.clearing and finding.symptom != "exhaustion":
+            out.append(f"{finding.symptom}/{finding.cause} says the cache was not exhausted beside an active exhaustion")
+    return out
 
 
 def _primary(poll: Poll) -> dict[str, str]:
