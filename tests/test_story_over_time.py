@@ -152,3 +152,17 @@ def test_the_demo_loop_is_told_right_over_time(config, diagnosis, ended_within, 
         assert result.contradictions == 0, said  # no finding text contradicts the findings beside it
         assert all(v is not None and v <= ended_within for _, v in result.clear_seconds), said
         assert all(v is not None for _, v in result.start_seconds), said
+
+
+def test_a_critical_exhaustion_shows_the_figure_that_made_it_critical():
+    """A CRITICAL 'KV cache exhausted' stood on one preemption beside a chip
+    reading 83.9 % peak usage, under the 90 % line, while its alert is a
+    warning: every critical exhaustion says its preemptions and why its
+    alert says warning, held episodes included."""
+    demo = load_scenario("exhaustion")
+    polls = run_scenario(demo, settings_for(None, diagnosis={"max_num_seqs": demo.engine.max_num_seqs}), 240.0, 0)
+    critical = [f for p in polls for f in p.findings if f.symptom == "exhaustion" and f.severity == "critical"]
+    assert critical
+    for found in critical:
+        said = found.evidence.get("severity_because", "")
+        assert "preemption" in said and "VllmKvCacheExhausted is a warning" in said, found

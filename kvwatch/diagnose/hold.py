@@ -152,7 +152,12 @@ class FindingHold:
             return finding
         severity = before[0].severity
         if _rank(severity) < _rank(finding.severity):
-            return replace(finding, severity=severity)
+            # The figure that made it so stays on the card, said as the episode's.
+            said = before[0].evidence.get("severity_because")
+            evidence = finding.evidence if not said else {
+                "severity_because": said if said.startswith("earlier") else f"earlier in this episode, {said}",
+                **finding.evidence}
+            return replace(finding, severity=severity, evidence=evidence)
         return finding
 
 
