@@ -11,7 +11,7 @@ from kvwatch.diagnose import DEFAULT_THRESHOLDS, HitRateMemory
 from kvwatch.diagnose.causes import SYMPTOMS
 from kvwatch.diagnose.hold import FindingHold
 from kvwatch.diagnose.now import judged_now
-from kvwatch.diagnose.stream import stream_residency
+from kvwatch.diagnose.stream import baseline_confidence, stream_residency
 from kvwatch.diagnose.vocabulary import Finding, finding_order
 from kvwatch.sim.scenario import load_scenario
 from kvwatch.sim.score import BARS, run_scenario, score, settings_for
@@ -166,3 +166,13 @@ def test_a_critical_exhaustion_shows_the_figure_that_made_it_critical():
     for found in critical:
         said = found.evidence.get("severity_because", "")
         assert "preemption" in said and "VllmKvCacheExhausted is a warning" in said, found
+
+
+def test_confidence_falls_with_the_baselines_age():
+    t = DEFAULT_THRESHOLDS
+    limit = t["hit_baseline_max_age_seconds"]
+    assert baseline_confidence("high", {"hit_ratio_last_healthy_seconds_ago": limit / 8}, t) == "high"
+    assert baseline_confidence("high", {"hit_ratio_last_healthy_seconds_ago": limit / 3}, t) == "medium"
+    assert baseline_confidence("high", {"hit_ratio_last_healthy_seconds_ago": limit * 0.96}, t) == "low"
+    assert baseline_confidence("low", {"hit_ratio_last_healthy_seconds_ago": 1.0}, t) == "low"
+    assert baseline_confidence("high", {}, t) == "high"  # no baseline read: as sure as its own evidence
