@@ -41,7 +41,7 @@ from typing import Iterable
 
 from kvwatch.diagnose.arbitration import arbitrate, group_key, primaries
 from kvwatch.diagnose.causes import CAUSE, SYMPTOMS
-from kvwatch.diagnose.vocabulary import SEVERITIES, Finding
+from kvwatch.diagnose.vocabulary import SEVERITIES, Finding, is_actionable
 
 
 def hold_key(finding: Finding) -> tuple:
@@ -120,7 +120,8 @@ class FindingHold:
             story = group_key(finding)
             shown = self._shown_cause.get(story) if story is not None else None
             if (shown is None or shown.cause == finding.cause or self._symptom(finding.symptom, "lead") <= 0
-                    or _across_exhaustion(shown.cause, finding.cause)):
+                    or _across_exhaustion(shown.cause, finding.cause)
+                    or (is_actionable(shown) and not is_actionable(finding))):  # the harm ended: an advisory is left
                 leading.pop(story, None)
                 out.append(finding)
                 continue

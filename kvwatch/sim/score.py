@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from kvwatch.diagnose.causes import CAUSE
 from kvwatch.kvevents import wire
 from kvwatch.pipeline.monitor import Monitor
 from kvwatch.scrape import FetchResult
@@ -341,7 +342,11 @@ def contradictions(poll: Poll) -> list[str]:
 
 
 def _primary(poll: Poll) -> dict[str, str]:
-    return {f.symptom: f.cause for f in poll.findings if not f.clearing and f.symptom not in UNSCORED_SYMPTOMS}
+    """Each symptom's shown cause; a subordinate cause (causes.Cause.subordinate:
+    only the reason another could happen, a latent risk once the harm ended)
+    is no rival story."""
+    return {f.symptom: f.cause for f in poll.findings if not f.clearing and f.symptom not in UNSCORED_SYMPTOMS
+            and not (CAUSE.get(f.cause) is not None and CAUSE[f.cause].subordinate)}
 
 
 def _changes(last: Poll | None, poll: Poll) -> dict[str, tuple[str, str]]:
