@@ -2,6 +2,7 @@
 scorer exposed, each on hand-built findings or polls, and the scorer's bars
 on the simulated demo loop (kvwatch/sim/score.py)."""
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,15 +41,27 @@ def test_a_new_cause_replaces_the_shown_one_only_after_leading_for_its_lead():
     symptom's `lead` (causes.Symptom) does."""
     lead = SYMPTOMS["slow_first_token"].lead
     assert lead > 4.0
+    def rival(cause, over):  # `cause` leads, `over` still found beside it (a contributing factor)
+        return replace(finding("slow_first_token", cause), contributing=({"cause": over},))
+
     hold = FindingHold(60.0)
     hold.apply(0.0, [finding("slow_first_token", "queueing_kv_bound")])
-    blip = hold.apply(2.0, [finding("slow_first_token", "preemption")])
+    blip = hold.apply(2.0, [rival("preemption", "queueing_kv_bound")])
     assert [f.cause for f in blip] == ["queueing_kv_bound"]
     back = hold.apply(4.0, [finding("slow_first_token", "queueing_kv_bound")])
     assert [f.cause for f in back] == ["queueing_kv_bound"]
-    shown = [hold.apply(6.0 + t, [finding("slow_first_token", "prefill")])[0].cause for t in range(0, int(lead) + 4, 2)]
+    shown = [hold.apply(6.0 + t, [rival("prefill", "queueing_kv_bound")])[0].cause for t in range(0, int(lead) + 4, 2)]
     assert shown[0] == "queueing_kv_bound" and shown[-1] == "prefill"
     assert shown.index("prefill") * 2.0 >= lead
+    # A shown cause the rules no longer find at all is no rival: it ends as a lapse does, after its
+    # quiet, and the new cause shows then, before the lead.
+    quiet = SYMPTOMS["slow_first_token"].quiet
+    assert quiet < lead
+    hold = FindingHold(60.0)
+    hold.apply(0.0, [finding("slow_first_token", "prefill")])
+    shown = [hold.apply(2.0 + t, [finding("slow_first_token", "upstream")])[0].cause for t in range(0, int(lead), 2)]
+    assert shown[0] == "prefill" and shown[-1] == "upstream"
+    assert quiet <= shown.index("upstream") * 2.0 + 2.0 < lead
 
 
 def test_a_story_crossing_the_exhaustion_line_changes_at_once():

@@ -121,7 +121,9 @@ class FindingHold:
             shown = self._shown_cause.get(story) if story is not None else None
             if (shown is None or shown.cause == finding.cause or self._symptom(finding.symptom, "lead") <= 0
                     or _across_exhaustion(shown.cause, finding.cause)
-                    or (is_actionable(shown) and not is_actionable(finding))):  # the harm ended: an advisory is left
+                    or (is_actionable(shown) and not is_actionable(finding))  # the harm ended: an advisory is left
+                    # No rival: the shown cause is no longer found, and it ends as any lapse does (its quiet).
+                    or shown.cause not in {c.get("cause") for c in finding.contributing}):
                 leading.pop(story, None)
                 out.append(finding)
                 continue
