@@ -145,14 +145,16 @@ DEMO_SETTINGS = str(Path(__file__).resolve().parent.parent / "scripts" / "demo-k
 @pytest.mark.parametrize("config, diagnosis, ended_within, false_minutes", [
     # issue 47: the demo's settings, ended within 75 s, at most 0.5 min of false findings a loop
     (DEMO_SETTINGS, None, BARS["clear_seconds"], BARS["false_minutes"]),
-    # issue 55: the defaults, no longer active 90 s after the end (false findings: measured, 0.67 min at worst)
-    (None, {"max_num_seqs": 12}, 90.0, 1.0),
+    # issue 55: the defaults, no longer active 90 s after the end; false findings as issue 47's bar
+    (None, {"max_num_seqs": 12}, 90.0, BARS["false_minutes"]),
 ])
 def test_the_demo_loop_is_told_right_over_time(config, diagnosis, ended_within, false_minutes):
     """One loop of the demo per seed through the whole pipeline on simulated
-    time, scored against each phase's story: the banner, false findings,
-    findings born clearing and the end of each phase's finding hold the bars
-    of issue 47 (the defaults: issue 55's 90 s). Before this work, seed 0 at
+    time, scored against each phase's story: the banner, false findings (none
+    at high confidence), findings born clearing, contradicting texts, and each
+    phase's finding starting within 45 s and ending within 75 s hold the bars
+    of issue 47 (the defaults: ending within issue 55's 90 s). Not held here:
+    toggles and one cause change a phase (docs/diagnosis.md says the figures). Before this work, seed 0 at
     the demo's settings: banner right on 34.7 % of polls, 7.6 min of false
     findings (6.2 at high confidence), 3 born clearing, findings never ended."""
     demo = load_scenario("demo")
@@ -161,10 +163,11 @@ def test_the_demo_loop_is_told_right_over_time(config, diagnosis, ended_within, 
         said = f"seed {seed}: {result.figures()}; " + "; ".join(result.wrong_lines())
         assert result.banner_right_share >= BARS["banner_right_share"], said
         assert result.false_seconds / 60 <= false_minutes, said
+        assert result.false_high_seconds == 0, said  # none at high confidence
         assert result.born_clearing == 0, said
         assert result.contradictions == 0, said  # no finding text contradicts the findings beside it
         assert all(v is not None and v <= ended_within for _, v in result.clear_seconds), said
-        assert all(v is not None for _, v in result.start_seconds), said
+        assert all(v is not None and v <= BARS["start_seconds"] for _, v in result.start_seconds), said
 
 
 def test_a_critical_exhaustion_shows_the_figure_that_made_it_critical():
