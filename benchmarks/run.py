@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE))
 import bench_curve  # noqa: E402
 import bench_history  # noqa: E402
 import bench_kv_events  # noqa: E402
+import bench_timeline  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_page  # noqa: E402
 import bench_parse  # noqa: E402
@@ -79,6 +80,7 @@ SECTION_RUNS: dict[str, Callable[[Report, Run], None]] = {
     "history": lambda report, run: bench_history.bench_history(report, run.quick, run.history_scale),
     "central": lambda report, run: bench_central(report, run.quick),
     "kv_events": lambda report, run: bench_kv_events.bench_kv_events(report, run.quick),
+    "timeline": lambda report, run: bench_timeline.bench_timeline(report, run.quick),
 }
 assert tuple(SECTION_RUNS) == SECTIONS, "benchmarks/sections.py SECTIONS and SECTION_RUNS name different sections"
 

@@ -71,8 +71,8 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "test_finding_hold.py": (
         "test_over_the_demo_no_finding_restarts_within_the_hold_and_every_one_clears_within_it",
-        "test_the_demo_first_token_story_is_held_through_each_blink",
-        "test_the_demo_first_token_story_lapses_for_one_poll_without_the_hold",
+        "test_the_demo_story_is_held_through_each_blink",
+        "test_the_demo_story_lapses_for_one_poll_without_the_hold",
     ),
     "test_fuzz_properties.py": (
         "test_a_malformed_line_costs_only_itself",

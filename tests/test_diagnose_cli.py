@@ -263,3 +263,17 @@ def test_a_signal_an_older_vllm_counts_differently_is_marked_under_the_table(fix
     hit = out.index("* Prefix cache hit ratio [tiny-llama / 0]: the window's lookups")
     assert hit < table_end and RELOOKUPS in out[hit:table_end]
     assert f"* Preemptions [tiny-llama / 0]: {LATE_PREEMPTIONS}" in out[:table_end]
+
+
+def test_upstream_recent_part_is_what_is_true_now():
+    """The now span (diagnose/now.py) reads the upstream histogram's last
+    seconds only: 3 s retrievals that ended 40 s ago are the window's
+    evidence, not what is true now."""
+    source = UpstreamSource(upstream_settings(), window_seconds=300)
+    source.ingest(retrieval_page([0, 0, 0, 0, 0], 0.0), now=100.0)
+    source.ingest(retrieval_page([0, 0, 0, 0, 20], 60.0), now=110.0)  # 20 slow, 3 s each
+    report = source.ingest(retrieval_page([20, 20, 20, 20, 40], 61.0), now=150.0)  # 20 fast since
+    assert report["count"] == 40
+    recent = source.recent(report, 30.0)
+    assert recent["count"] == 20 and recent["mean_seconds"] == pytest.approx(0.05)
+    assert source.recent({**report, "up": False}, 30.0)["up"] is False  # a failed poll is reported as it was

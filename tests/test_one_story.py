@@ -204,12 +204,12 @@ def test_engines_symptoms_and_changes_are_separate_stories():
 
 
 def test_a_clearing_finding_never_stands_beside_an_active_cause_of_its_symptom():
-    hold = FindingHold(60.0)
+    hold = FindingHold(60.0, hysteresis=False)
     hold.apply(SIM_BASE, [_f("front_end", other_share=0.6)])
     out = hold.apply(SIM_BASE + 2, [_f("preemption", confidence="medium", other_share=0.6)])
     assert [(f.cause, f.clearing_since) for f in out] == [("preemption", None)]
     # A weaker active rival does not unseat the held primary: it rides on it while it clears.
-    hold = FindingHold(60.0)
+    hold = FindingHold(60.0, hysteresis=False)
     hold.apply(SIM_BASE, [_f("eviction_before_reuse", "low_hit_rate", confidence="medium")])
     [held] = hold.apply(SIM_BASE + 2, [_f("prefix_changed", "low_hit_rate", confidence="low")])
     assert (held.cause, held.clearing_since) == ("eviction_before_reuse", SIM_BASE + 2)
@@ -217,7 +217,7 @@ def test_a_clearing_finding_never_stands_beside_an_active_cause_of_its_symptom()
 
 
 def test_active_findings_come_before_clearing_ones_whatever_their_severity():
-    hold = FindingHold(60.0)
+    hold = FindingHold(60.0, hysteresis=False)
     hold.apply(SIM_BASE, [replace(_f("long_requests", "exhaustion"), severity="critical")])
     out = hold.apply(SIM_BASE + 2, [_f("prefill", prefill_share=0.5)])
     assert [(f.cause, f.clearing_since is None) for f in out] == [("prefill", True), ("long_requests", False)]

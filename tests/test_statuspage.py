@@ -409,3 +409,21 @@ def test_the_noscript_page_says_a_finding_is_clearing():
                "since": 1_700_000_000.0, "clearing_since": 1_700_000_100.0}
     assert "clearing" in _findings_html({"findings": [finding], "up": True})
     assert "clearing" not in _findings_html({"findings": [{**finding, "clearing_since": None}], "up": True})
+
+
+def test_a_finding_the_event_stream_decided_says_so_in_its_headline():
+    """At one minute into the demo, 'prefixes are evicted before they are
+    reused' stood beside a green 47 % hit-ratio card, decided by the KV-cache
+    event stream without the page saying so. The banner, the card, the
+    noscript page and `kvwatch diagnose` say what decided it."""
+    from kvwatch.sidecar.statuspage import _findings_html
+
+    finding = {"model_name": "m", "engine": "0", "symptom": "low_hit_rate", "cause": "eviction_before_reuse",
+               "severity": "warning", "confidence": "high", "summary": "s", "next_check": "n",
+               "evidence": {"decided_by": "kv_events"}, "since": 1_700_000_000.0, "clearing_since": None}
+    assert "decided by the engine&#x27;s KV-cache events" in _findings_html({"findings": [finding], "up": True}) or \
+        "decided by the engine's KV-cache events" in _findings_html({"findings": [finding], "up": True})
+    headline = run_script(["title"], f"title({json.dumps(finding)})")
+    assert headline.endswith("(decided by the engine's KV-cache events)"), headline
+    plain = run_script(["title"], f"title({json.dumps({**finding, 'evidence': {}})})")
+    assert "decided" not in plain

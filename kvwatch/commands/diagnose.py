@@ -31,6 +31,7 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvwatch.diagnose import is_actionable
+from kvwatch.diagnose.arbitration import decided_headline
 from kvwatch.sidecar.report import caveat_lines, diagnosis_json, signals_json
 from kvwatch.settings import Settings, SettingsError, flag_help, load_settings, parse_duration
 from kvwatch.commands import failfast
@@ -287,8 +288,8 @@ def _print_findings(out: TextOut, findings: list[dict[str, Any]]) -> None:
         print("  none", file=out)
     for finding in findings:
         where = finding["model_name"] + (f"/{finding['engine']}" if finding["engine"] is not None else "")
-        print(f"\n  {finding['severity'].upper():8}  {finding['symptom']} / {finding['cause']}  [{where}]  "
-              f"confidence {finding['confidence']}", file=out)
+        print(f"\n  {finding['severity'].upper():8}  {finding['symptom']} / {finding['cause']}"
+              f"{decided_headline(finding['evidence'])}  [{where}]  confidence {finding['confidence']}", file=out)
         lines = [("", finding["summary"]), ("evidence: ", format_evidence(finding["evidence"], finding.get("pinned")))]
         lines += [(f"{key.replace('_', ' ')}: ", note) for key, note in finding.get("notes", {}).items()]
         # One story: the other causes found for the symptom, and what the data cannot tell apart.

@@ -68,6 +68,19 @@ WEIGHT: dict[str, str] = {c.name: c.weight for c in CAUSE_LIST if c.weight}
 
 # What can decide between causes the page cannot tell apart (the `decided_by`
 # values of an alternative): a vLLM flag or a sharper source.
+# A finding a source decided says so in its headline (the page's banner and
+# card, the noscript page, `kvwatch diagnose`): beside a hit-ratio card that
+# reads healthy, "evicted before reuse" must say what decided it.
+DECIDED_HEADLINE = {"kv_events": "decided by the engine's KV-cache events",
+                    "kv_cache_metrics": "decided by vLLM's block residency histograms"}
+
+
+def decided_headline(evidence: dict[str, Any]) -> str:
+    """' (decided by ...)' for a finding a source decided, else ''."""
+    said = DECIDED_HEADLINE.get(str(evidence.get("decided_by")))
+    return f" ({said})" if said else ""
+
+
 DECIDERS = {
     "kv_cache_metrics": "vLLM's --kv-cache-metrics (block residency: idle time before eviction against the gap "
                         "between reuses)",

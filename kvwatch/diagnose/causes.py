@@ -56,6 +56,12 @@ class Symptom:
     # Whether its causes compete for one story per engine (arbitration.py);
     # changes and the event stream's findings are facts, each true.
     arbitrated: bool = False
+    # Hysteresis (hold.py), in seconds: `quiet`, how long its condition must
+    # be clear before a finding shows as ended (a shorter lapse is not shown,
+    # so the page does not toggle); `lead`, how long a new cause must lead its
+    # story before it replaces the cause on the page.
+    quiet: float = 0.0
+    lead: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,10 @@ class Cause:
     # False for an alert's own cause that the in-process diagnosis never names
     # (kvwatch unreachable, a forecast).
     diagnosed: bool = True
+    # Named only while the one exhaustion detector holds (True) or only while
+    # it does not (False): a story moving across that line changes at once
+    # (hold.py), its old cause's text would contradict the exhaustion shown.
+    while_exhausted: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -115,10 +125,15 @@ class Alert:
     uid: str
 
 
+QUIET = 15.0
+LEAD = 30.0
 SYMPTOM_LIST = (
-    Symptom("exhaustion", "KV cache exhausted", "VllmKvCacheExhausted", arbitrated=True),
-    Symptom("low_hit_rate", "Low prefix-cache hit rate", "VllmPrefixCacheHitRateLow", arbitrated=True),
-    Symptom("slow_first_token", "Slow first token", "VllmTimeToFirstTokenSlow", arbitrated=True),
+    # Quiet and lead measured with the timeline scorer (docs/diagnosis.md, "The story over time, scored").
+    Symptom("exhaustion", "KV cache exhausted", "VllmKvCacheExhausted", arbitrated=True, quiet=QUIET, lead=LEAD),
+    Symptom("low_hit_rate", "Low prefix-cache hit rate", "VllmPrefixCacheHitRateLow", arbitrated=True,
+            quiet=QUIET, lead=LEAD),
+    Symptom("slow_first_token", "Slow first token", "VllmTimeToFirstTokenSlow", arbitrated=True, quiet=QUIET,
+            lead=LEAD),
     # Requests or KV blocks held while nothing moves and no token is counted (diagnose/stuck.py):
     # not exhaustion, which serves. Its two causes exclude each other (requests held, or none).
     Symptom("stuck", "Engine stuck", "VllmEngineStuck"),
@@ -129,6 +144,12 @@ SYMPTOM_LIST = (
     # The engine's KV-cache event stream itself (diagnose/stream.py), where kv_events is set.
     Symptom("kv_events"),
 )
+
+# The banner's order among findings of one weight (actionable or not): what
+# users feel first (a stuck engine, late first tokens: the objectives), then
+# what makes them feel it (exhaustion), then what costs compute (hit rate),
+# then facts about the fleet, kvwatch's own stream and changes.
+FELT_ORDER = ("stuck", "slow_first_token", "exhaustion", "low_hit_rate", "fleet", "kv_events", "change")
 
 # The alerts, in the order of their runbook sections. The objectives'
 # burn-rate pages are kvwatch/mixin/objectives.py's.
@@ -288,6 +309,7 @@ CAUSE_LIST = (
     # upstream of the engine, or the residual while the cache is exhausted (preemption).
     Cause(
         name="queueing_kv_bound",
+        while_exhausted=True,
         symptom="slow_first_token",
         severity="warning",
         title="requests queue for KV blocks",
@@ -302,6 +324,7 @@ CAUSE_LIST = (
         weight="queue_share"),
     Cause(
         name="queueing_compute_bound",
+        while_exhausted=False,
         symptom="slow_first_token",
         severity="warning",
         title="requests queue for compute, not KV",
@@ -331,6 +354,7 @@ CAUSE_LIST = (
         weight="prefill_share"),
     Cause(
         name="front_end",
+        while_exhausted=False,
         symptom="slow_first_token",
         severity="warning",
         title="time outside queue and prefill (front end)",
@@ -362,6 +386,7 @@ CAUSE_LIST = (
     # requests preempted and re-queued, their KV recomputed.
     Cause(
         name="preemption",
+        while_exhausted=True,
         symptom="slow_first_token",
         severity="warning",
         title="requests preempted and recomputed in a full cache",
@@ -650,6 +675,7 @@ def _check() -> None:
         _require(ranks == list(range(len(ranks))), f"{symptom.name}: ranks 0..n-1, each once")
         _require(symptom.alert is None or ALERTS[symptom.alert].symptom == symptom.name,
                  f"{symptom.name}: its alert reports another symptom")
+    _require(sorted(FELT_ORDER) == sorted(SYMPTOMS), "FELT_ORDER names every symptom once")
 
 
 _check()

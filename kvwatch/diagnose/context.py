@@ -442,8 +442,14 @@ class HitRateMemory:
             del self._healthy[oldest]
             self.bytes -= self.entry_bytes(oldest)
 
-    def recall(self, key: tuple[str, str]) -> tuple[float, float] | None:
-        return self._healthy.get(key)
+    def recall(self, key: tuple[str, str], now: float | None = None,
+               max_age: float | None = None) -> tuple[float, float] | None:
+        """The last healthy (ratio, time), or None once older than `max_age`:
+        a baseline from another workload's stretch is no baseline."""
+        found = self._healthy.get(key)
+        if found is not None and now is not None and max_age is not None and now - found[1] > max_age:
+            return None
+        return found
 
 
 @dataclass

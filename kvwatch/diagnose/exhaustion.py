@@ -7,9 +7,11 @@ named."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from kvwatch.diagnose.arbitration import alternative
+from kvwatch.diagnose.causes import CAUSE
 from kvwatch.diagnose.context import EngineContext, Poll, max_num_seqs, quantile_value
 from kvwatch.diagnose.hit_rate import verdict as hit_rate_verdict
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
@@ -78,10 +80,23 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
         if below and ctx.t["max_num_seqs"] is not None:
             return [_capacity_below_advisory(ctx, bound, stated_concurrency)]
         return []
-    findings = [_full_cache_finding(ctx, state, capacity_requests)]
+    findings = [_severity_said(_full_cache_finding(ctx, state, capacity_requests), state)]
     if below:
         findings.append(_capacity_below_finding(ctx, state, bound, stated_concurrency))
     return findings
+
+
+def _severity_said(finding: Finding, state) -> Finding:
+    """A critical exhaustion says the figure that made it critical: the
+    preemptions its alert (critical with preemptions, the same record's
+    preempting_severity) reads too."""
+    record = CAUSE.get(finding.cause)
+    if finding.severity != "critical" or record is None or record.preempting_severity != "critical":
+        return finding
+    note = (f"critical: {state.preemptions:g} preemption{'s' if state.preemptions != 1 else ''} in the window (vLLM "
+            "preempts only when it cannot allocate a KV block: running requests lose their KV and recompute it); "
+            f"its alert {record.alert} is critical on the same preemptions")
+    return replace(finding, evidence={"severity_because": note, **finding.evidence})
 
 
 def _capacity_below_advisory(ctx: EngineContext, bound: dict[str, Any], stated_concurrency) -> Finding:

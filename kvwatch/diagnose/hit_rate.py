@@ -8,7 +8,7 @@ from typing import Any
 
 from kvwatch.diagnose.arbitration import alternative
 from kvwatch.diagnose.context import EngineContext, HitRateVerdict, quantile_value
-from kvwatch.diagnose.stream import stream_residency
+from kvwatch.diagnose.stream import baseline_confidence, stream_residency
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 from kvwatch.signals import reuse_shortfall_blocks
 from kvwatch.snapshot import Histogram, config_number, hybrid_cache
@@ -358,11 +358,13 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     drop = _step_drop(ctx, judging.latest_time)
     dropped = drop.dropped(t)
     low = judging.ratio < t["hit_ratio_low"]
-    if memory is not None and not low and not dropped:
-        memory.remember(ctx.key, judging.ratio, judging.latest_time)  # a healthy level, not one falling
-    remembered = memory.recall(ctx.key) if memory is not None else None
     if not dropped and not low:
+        if memory is not None and ctx.exhaustion is None and not (stream_residency(ctx) or (False,))[0]:
+            # A stretch the rules judged healthy: not falling, no exhaustion, no stream verdict against it.
+            memory.remember(ctx.key, judging.ratio, judging.latest_time)
         return judging.verdict()
+    remembered = memory.recall(ctx.key, judging.latest_time, t["hit_baseline_max_age_seconds"]) \
+        if memory is not None else None
     _add_residency(judging, drop, dropped)
     if dropped:
         return _judge_drop(judging, drop)
@@ -580,12 +582,12 @@ def _low_since_last_healthy(judging: _Judging, remembered: tuple[float, float]) 
     usage_mean = judging.usage_mean
     if evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]:
         return ctx.finding(
-            "low_hit_rate", "eviction_before_reuse", "medium",
+            "low_hit_rate", "eviction_before_reuse", baseline_confidence("medium", evidence, t),
             f"{text}, with KV usage averaging {usage_mean:.0%} without exhausting the cache: running requests "
             "leave idle prefixes little room.", evidence, NEXT_CHECK["eviction_before_reuse"])
     if evicts is False:
         return ctx.finding(
-            "low_hit_rate", "prefix_changed", judging.residency_confidence,
+            "low_hit_rate", "prefix_changed", baseline_confidence(judging.residency_confidence, evidence, t),
             f"{text}: the requests stopped sharing the prefix they shared before, and reuse has not come back.",
             evidence, NEXT_CHECK["prefix_changed"])
     return ctx.finding(

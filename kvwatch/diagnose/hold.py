@@ -20,6 +20,14 @@ so a fall would end one series and start another: an alert on the first
 resolves and one on the second starts its `for:` over. The finding keeps the
 highest severity seen since it began; a rise shows at once.
 
+Hysteresis, written once, with each symptom's seconds in the cause
+catalogue (causes.Symptom `quiet`, `lead`): a condition clear for less than
+`quiet` is not shown (the finding stays plain active as last seen, so a
+one-poll lapse does not toggle the page); a new cause of a story replaces the
+cause shown only once it has led for `lead` (until then the shown cause
+stays, as last seen); and a finding is never first shown already clearing
+(one the last poll did not show, hidden behind an active rival, stays hidden).
+
 A finding held while clearing is reported only while no other cause of its
 symptom on its engine is active (diagnose/arbitration.py), unless it was the
 story's primary and the active rival is less sure (the rival rides on it):
@@ -31,8 +39,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
-from kvwatch.diagnose.arbitration import arbitrate, primaries
-from kvwatch.diagnose.vocabulary import SEVERITIES, Finding
+from kvwatch.diagnose.arbitration import arbitrate, group_key, primaries
+from kvwatch.diagnose.causes import CAUSE, SYMPTOMS
+from kvwatch.diagnose.vocabulary import SEVERITIES, Finding, is_actionable
 
 
 def hold_key(finding: Finding) -> tuple:
@@ -54,15 +63,22 @@ class FindingHold:
     last poll (each at most one record), and at most MAX_HELD clearing ones,
     those that cleared last."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, hysteresis: bool = True):
         self.seconds = max(0.0, float(seconds))
+        # False: the hold alone (each symptom's quiet and lead taken as 0).
+        self.hysteresis = hysteresis
         # key -> (the finding as last seen, the time its condition was first found clear or None)
         self._held: dict[tuple, tuple[Finding, float | None]] = {}
         # (story, cause) of each primary reported at the last poll (arbitration.primaries)
         self._primaries: set[tuple] = set()
+        # The hysteresis' memory: what the last poll showed (hold keys), each
+        # story's cause shown active then, and since when another cause leads it.
+        self._shown: set[tuple] = set()
+        self._shown_cause: dict[tuple, Finding] = {}
+        self._challengers: dict[tuple, float] = {}
 
     def apply(self, at: float, findings: Iterable[Finding]) -> list[Finding]:
-        current = [self._no_lower(f) for f in findings]
+        current = self._led(at, [self._no_lower(f) for f in findings])
         seen = {hold_key(f) for f in current}
         held: dict[tuple, tuple[Finding, float | None]] = {hold_key(f): (f, None) for f in current}
         out = list(current)
@@ -77,16 +93,56 @@ class FindingHold:
             # Those that cleared last stay (sorted is stable: the order they were held in breaks ties).
             clearing = sorted(clearing, key=lambda item: item[0], reverse=True)[:MAX_HELD]
             clearing.reverse()
+        contradicted = _contradicted(current)
         for since, key, finding in clearing:
             held[key] = (finding, since)
-            out.append(replace(finding, clearing_since=since))
+            quiet = at - since < self._symptom(finding.symptom, "quiet") and not contradicted(finding)
+            out.append(finding if quiet else replace(finding, clearing_since=since))
         self._held = held
         # One story per engine and symptom: a held finding never stands beside
         # an active cause of the same symptom (it is kept here and comes back
         # if its rival clears first); between held ones, the last primary stays.
         out = arbitrate(out, self._primaries)
+        out = [f for f in out if f.clearing_since is None or hold_key(f) in self._shown]
+        self._shown = {hold_key(f) for f in out}
+        self._shown_cause = {story: f for f in out
+                             if f.clearing_since is None and (story := group_key(f)) is not None}
         self._primaries = primaries(out)
         return out
+
+    def _led(self, at: float, current: list[Finding]) -> list[Finding]:
+        """Each story's new cause in place of the one shown, once it has led
+        for its symptom's `lead`; until then the shown one, as last seen."""
+        out = []
+        # A story absent for a poll keeps its timer (the window's rule may lapse for a poll).
+        leading = {story: since for story, since in self._challengers.items() if story in self._shown_cause}
+        for finding in current:
+            story = group_key(finding)
+            shown = self._shown_cause.get(story) if story is not None else None
+            if (story is None or shown is None or shown.cause == finding.cause
+                    or self._symptom(finding.symptom, "lead") <= 0
+                    or _across_exhaustion(shown.cause, finding.cause)
+                    or (is_actionable(shown) and not is_actionable(finding))  # the harm ended: an advisory is left
+                    # No rival: the shown cause is no longer found, and it ends as any lapse does (its quiet).
+                    or shown.cause not in {c.get("cause") for c in finding.contributing}):
+                if story is not None:
+                    leading.pop(story, None)
+                out.append(finding)
+                continue
+            # Since when the shown cause has not led (whichever led instead: two
+            # challengers taking turns must not keep a stale cause shown).
+            since = leading[story] = self._challengers.get(story, at)
+            if at - since >= self._symptom(finding.symptom, "lead"):
+                self._held.pop(hold_key(shown), None)  # replaced, not ended: nothing to hold
+                out.append(finding)
+            else:
+                out.append(shown)
+        self._challengers = leading
+        return out
+
+    def _symptom(self, name: str, field: str) -> float:
+        record = SYMPTOMS.get(name)
+        return getattr(record, field) if record is not None and self.hysteresis else 0.0
 
     def incumbents(self) -> set[tuple]:
         """The primary cause of each story at the last poll (active or held):
@@ -101,9 +157,41 @@ class FindingHold:
             return finding
         severity = before[0].severity
         if _rank(severity) < _rank(finding.severity):
-            return replace(finding, severity=severity)
+            # The figure that made it so stays on the card, said as the episode's.
+            said = before[0].evidence.get("severity_because")
+            evidence = finding.evidence if not said else {
+                "severity_because": said if said.startswith("earlier") else f"earlier in this episode, {said}",
+                **finding.evidence}
+            return replace(finding, severity=severity, evidence=evidence)
         return finding
+
+
+def _contradicted(active: list[Finding]):
+    """Whether a lapsed finding, shown as last seen, would contradict the
+    active ones on its engine: a cause named only while the cache is not
+    exhausted beside an active exhaustion, or an exhaustion beside such a
+    cause. Its lapse is then shown at once."""
+    exhausted = {(f.model, f.engine or "") for f in active if f.symptom == "exhaustion"}
+    unexhausted = {(f.model, f.engine or "") for f in active
+                   if CAUSE.get(f.cause) is not None and CAUSE[f.cause].while_exhausted is False}
+
+    def contradicted(finding: Finding) -> bool:
+        where = (finding.model, finding.engine or "")
+        if finding.symptom == "exhaustion":
+            return where in unexhausted
+        record = CAUSE.get(finding.cause)
+        return record is not None and record.while_exhausted is False and where in exhausted
+    return contradicted
+
+
+def _across_exhaustion(shown: str, new: str) -> bool:
+    """The two causes sit on either side of the exhaustion detector's line
+    (causes.Cause.while_exhausted): the evidence decided, not noise."""
+    before, after = CAUSE.get(shown), CAUSE.get(new)
+    return (before is not None and after is not None and None not in (before.while_exhausted, after.while_exhausted)
+            and before.while_exhausted != after.while_exhausted)
 
 
 def _rank(severity: str) -> int:
     return SEVERITIES.index(severity) if severity in SEVERITIES else len(SEVERITIES)
+

@@ -37,6 +37,20 @@ REFINED = ("prefix_changed", "eviction_before_reuse", "no_reuse")
 _HAS_ALTERNATIVES = "alternatives" in {f.name for f in fields(Finding)}
 
 
+def baseline_confidence(confidence: str, evidence: dict[str, Any], t: dict[str, Any]) -> str:
+    """A finding judged against a remembered healthy hit ratio is as sure as
+    that baseline is fresh: high only within the first quarter of
+    hit_baseline_max_age_seconds, medium to its half, then low (another
+    stretch of traffic may have followed it)."""
+    age = evidence.get("hit_ratio_last_healthy_seconds_ago")
+    if not isinstance(age, (int, float)):
+        return confidence
+    limit = t["hit_baseline_max_age_seconds"]
+    cap = "high" if age <= limit / 4 else "medium" if age <= limit / 2 else "low"
+    order = ("high", "medium", "low")
+    return order[max(order.index(confidence), order.index(cap))] if confidence in order else confidence
+
+
 def stream_target(report: dict[str, Any], per_engine) -> tuple[str, str] | None:
     """The (model, engine) the stream is read for: the engine its report was
     joined with, or the page's only engine."""
@@ -54,6 +68,10 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
     the two thresholds, or not read long enough to see blocks return)."""
     report = ctx.stream
     if not report or not report.get("up"):
+        return None
+    if ctx.exhaustion is not None and ctx.exhaustion.preemptions > 0:
+        # A preempted request's blocks are evicted and stored again when it
+        # is recomputed: the preemptions explain them, no working set does.
         return None
     t = ctx.t
     recent = report["recent"]
@@ -150,7 +168,9 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
     cause = finding.cause
     before = earlier["stored_again_ratio"]
     if (cause == "no_reuse" and earlier["stored"] >= t["stream_min_blocks"] and before is not None
-            and before >= t["stored_again_ratio_high"]):
+            and before >= t["stored_again_ratio_high"] and not finding.evidence.get("kv_cache_exhausted")
+            and not report.get("window_exhausted")):
+        # (Blocks stored again while the cache ran out are preempted requests recomputed, no shared prefix.)
         cause = "prefix_changed"  # blocks returned, and stopped returning while stores go on
     if cause == "eviction_before_reuse":
         extra = evidence.get("kv_events_extra_blocks_to_keep_half")
@@ -174,8 +194,8 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
         summary = (f"The prompts share no prefix the cache could keep (the engine's KV-cache events decide it): "
                    f"none of the {recent['stored']:.0f} blocks stored in the last {seconds:.0f}s came back "
                    "after an eviction, so a larger cache would not raise the hit ratio.")
-    changes = dict(cause=cause, severity=severity_of(cause), confidence="high", summary=summary,
-                                   evidence=evidence, next_check=NEXT_CHECK[cause])
+    changes = dict(cause=cause, severity=severity_of(cause), confidence=baseline_confidence("high", evidence, t),
+                   summary=summary, evidence=evidence, next_check=NEXT_CHECK[cause])
     if _HAS_ALTERNATIVES:
         changes["alternatives"] = ()  # the stream told the causes apart
     return replace(finding, **changes)

@@ -120,6 +120,12 @@ DEFAULT_THRESHOLDS: dict[str, Any] = {
     # together. 1m bridges a lapse of one rule evaluation at the usual 1m
     # interval; a real clearing is resolved at most a hold plus one poll later.
     "finding_hold_seconds": 60.0,
+    # Whether a finding is active is judged on the last this-many seconds
+    # (diagnose/now.py); the window's figures stay its evidence.
+    "now_seconds": 30.0,
+    # A hit ratio last healthy longer ago than this is no baseline: another
+    # stretch of traffic, not the same traffic's shared prefix that stopped.
+    "hit_baseline_max_age_seconds": 300.0,
 }
 
 
@@ -182,6 +188,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "busy_late_seconds": _seconds,
     "busy_timeout_seconds": _seconds,
     "finding_hold_seconds": _hold,
+    "now_seconds": _seconds,
+    "hit_baseline_max_age_seconds": _seconds,
 }
 if set(_PARSERS) != set(DEFAULT_THRESHOLDS):  # a check -O keeps: a threshold nothing parses, or the reverse
     raise TypeError(f"thresholds without a parser or a default: {sorted(set(_PARSERS) ^ set(DEFAULT_THRESHOLDS))}")

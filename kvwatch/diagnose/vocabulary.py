@@ -13,7 +13,7 @@ from typing import Any
 # The tables by cause name are views of the cause catalogue (causes.py), one
 # record per cause; they are re-exported here for the rules that read them.
 from kvwatch.diagnose.causes import (  # noqa: F401
-    ALERT_CAUSES, CAUSES, CONFIDENCES, NEXT_ACTION, NEXT_CHECK, PREEMPTING_SEVERITY, SEVERITIES, SEVERITY,
+    ALERT_CAUSES, CAUSES, CONFIDENCES, FELT_ORDER, NEXT_ACTION, NEXT_CHECK, PREEMPTING_SEVERITY, SEVERITIES, SEVERITY,
     SYMPTOM_ALERTS, severity_of)
 
 # kvwatch serves the runbooks (GET /runbooks): a finding's link is relative
@@ -84,9 +84,12 @@ def finding_key(finding: Finding) -> tuple[str, str, str, str]:
 
 def finding_order(finding: Finding) -> tuple:
     """The order findings are listed in: active ones before those held while
-    clearing, most severe first within each (the page's banner shows the
-    first, and draws clearing ones muted below the active)."""
-    return (finding.clearing_since is not None,
+    clearing; within each, actionable (warning, critical) before info, then
+    by what users feel (causes.FELT_ORDER: late first tokens lead a full
+    cache, which leads a low hit rate), then most severe (the page's banner
+    shows the first, and draws clearing ones muted below the active)."""
+    felt = FELT_ORDER.index(finding.symptom) if finding.symptom in FELT_ORDER else len(FELT_ORDER)
+    return (finding.clearing_since is not None, not is_actionable(finding), felt,
             SEVERITIES.index(finding.severity) if finding.severity in SEVERITIES else 9, finding.symptom,
             finding.model, finding.engine or "", finding.cause)
 

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose import Change
 from kvwatch.diagnose.hold import FindingHold
+from kvwatch.diagnose.now import judged_now
 from kvwatch.diagnose.vocabulary import finding_key
 from kvwatch.engines import AUTO, ENGINES, make_adapter, recognize
 from kvwatch.engines.base import EngineAdapter
@@ -214,6 +215,9 @@ class Monitor:
         self.thresholds = diagnosis.resolve_thresholds(settings.diagnosis)
         # A finding stays active until its condition has been clear for the hold.
         self.hold = FindingHold(self.thresholds["finding_hold_seconds"])
+        # What is true now (diagnose/now.py): the same rules over the last now_seconds.
+        self.now_window = Window(min(self.thresholds["now_seconds"], self.window.seconds))
+        self.now_memory = diagnosis.HitRateMemory()
         # (time, running, waiting) of the latest page read, and when the
         # current run of busy polls began (None outside one).
         self._last_load: tuple[float, float, float] | None = None
@@ -303,7 +307,7 @@ class Monitor:
         findings = diagnosis.diagnose(self.window, per_engine, events,
                                       self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
                                       incumbents=self.hold.incumbents())
-        findings = self.hold.apply(answered, findings)
+        findings = self.hold.apply(answered, self._judged_now(snapshot, findings, events, upstream, lmcache, kv_events))
         busy = self._busy(snapshot, result.seconds, timed_out=False, at=answered)
         self._polls += 1
         was_up = self.state.up
@@ -372,6 +376,19 @@ class Monitor:
         if snapshot.faults_dropped:
             self._faults_by_kind["undescribed"] = self._faults_by_kind.get("undescribed", 0) + snapshot.faults_dropped
         return source_faults
+
+    def _judged_now(self, snapshot, window_findings, events, upstream, lmcache, kv_events) -> list[diagnosis.Finding]:
+        """The window's findings judged on what is true now: the rules over
+        the last now_seconds (diagnose/now.py)."""
+        self.now_window.add(snapshot)
+        if kv_events:
+            # The stream's report spans the window: the now span's rules must know the window's cache ran out.
+            kv_events = {**kv_events, "window_exhausted": any(f.symptom == "exhaustion" for f in window_findings)}
+        per_engine, _ = evaluate_window(self.now_window, lazy=True)
+        if self.upstream is not None:
+            upstream = self.upstream.recent(upstream, self.now_window.seconds)
+        return judged_now(window_findings, diagnosis.diagnose(self.now_window, per_engine, events, self.settings.diagnosis,
+                                                              upstream, self.now_memory, lmcache, kv_events))
 
     def _poll_lmcache(self, page_text: str | None, at: float) -> LMCacheReport | None:
         """The tier's poll; its failure is its own (reported in its status),

@@ -17,7 +17,7 @@ from collections import deque
 from kvwatch.exposition import FamilySelector
 from kvwatch.pipeline.reports import UpstreamReport
 from kvwatch.present import public_url
-from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
+from kvwatch.scrape import PageSource, SECOND_SOURCE_MAX_BYTES, Fetcher
 from kvwatch.snapshot import Histogram
 
 _SUFFIXES = ("_bucket", "_sum", "_count")
@@ -81,7 +81,7 @@ class UpstreamSource:
         # Half the poll interval at most: the engine's fetch comes first in the
         # same poll, and both together should fit one interval.
         timeout = min(settings.fetch_timeout, max(0.2, 0.5 * settings.poll_interval))
-        self.fetcher = Fetcher(self.target, timeout, min(settings.max_body_bytes, SECOND_SOURCE_MAX_BYTES), None,
+        self.fetcher: PageSource = Fetcher(self.target, timeout, min(settings.max_body_bytes, SECOND_SOURCE_MAX_BYTES), None,
                                settings.ca_bundle, settings.tls_verify)
         self.selector = FamilySelector([self.name], ("",))
         self.window_seconds = window_seconds
@@ -117,19 +117,29 @@ class UpstreamSource:
             self._entries.popleft()
         return self._report(now, True, None, "")
 
-    def increase(self) -> Histogram | None:
+    def increase(self, since: float | None = None) -> Histogram | None:
+        """The histogram's increase over the window (or its steps after `since`)."""
         total = None
-        for _, _, step in list(self._entries)[1:]:
-            if step is None:
+        for at, _, step in list(self._entries)[1:]:
+            if step is None or (since is not None and at <= since):
                 continue
             merged = step if total is None else total.plus(step)
             total = merged if merged is not None else step
         return total
 
-    def _report(self, now: float, up: bool, reason: str | None, detail: str) -> UpstreamReport:
-        increase = self.increase()
+    def recent(self, report: UpstreamReport | None, seconds: float) -> UpstreamReport | None:
+        """`report` (this poll's) over the last `seconds` only: what is true
+        now (diagnose/now.py)."""
+        if report is None or not report.get("up") or not self._entries:
+            return report
+        return self._report(report["time"], True, None, "", since=self._entries[-1][0] - seconds)
+
+    def _report(self, now: float, up: bool, reason: str | None, detail: str,
+                since: float | None = None) -> UpstreamReport:
+        increase = self.increase(since)
         p95 = increase.reported_quantile(0.95) if increase is not None else None
-        covered = self._entries[-1][0] - self._entries[0][0] if len(self._entries) > 1 else 0.0
+        first = next((at for at, _, _ in self._entries if since is None or at >= since), now) if self._entries else now
+        covered = self._entries[-1][0] - first if len(self._entries) > 1 else 0.0
         return UpstreamReport(
             histogram=self.name,
             target=public_url(self.target),

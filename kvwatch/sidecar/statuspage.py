@@ -36,7 +36,7 @@ import time
 from importlib import resources
 from typing import Any
 
-from kvwatch.diagnose.arbitration import DECIDERS
+from kvwatch.diagnose.arbitration import DECIDED_HEADLINE, DECIDERS, decided_headline
 from kvwatch.diagnose.causes import CAUSE_LIST, NEXT_ACTION, SEVERITIES, SYMPTOM_LIST
 from kvwatch.present import format_value, public_url, signal_columns, signal_label
 from kvwatch.sidecar import renders
@@ -164,6 +164,7 @@ def page_meta() -> dict[str, Any]:
         "actions": NEXT_ACTION,
         "deciding": {cause: list(keys) for cause, keys in DECIDING.items()},
         "deciders": DECIDERS,
+        "decided": DECIDED_HEADLINE,
         "severities": list(SEVERITIES),
     }
 
@@ -247,6 +248,7 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
             f'<p><b>{_e(f["severity"].upper())}</b> {_e(SYMPTOM_TITLES.get(f["symptom"], f["symptom"]))}: '
             f'{_e(CAUSE_TITLES.get(f["cause"], f["cause"]))}'
             + "".join(f", or {_e(CAUSE_TITLES.get(a['cause'], a['cause']))}" for a in f.get("alternatives") or ())
+            + _e(decided_headline(f.get("evidence") or {}))
             + f' ({_e(where)}, {_e(f["confidence"])} confidence{since})</p>'
             f'<p>{_e(f["summary"])}</p>{notes}<p>Next: {_e(f["next_check"])}</p>{runbook}</div>'
         )

@@ -24,10 +24,11 @@ from kvwatch import units
 from kvwatch.units import did_you_mean
 
 from kvwatch.sim.engine import EngineConfig
+from kvwatch.sim.story import Story, parse_story
 from kvwatch.sim.workload import WorkloadSpec, parse_workload
 
 TOP_KEYS = ("name", "description", "engines", "engine", "workload", "phases", "loop")
-PHASE_KEYS = ("name", "duration", "workload", "engine", "note")
+PHASE_KEYS = ("name", "duration", "workload", "engine", "note", "story")
 
 
 class ScenarioError(ValueError):
@@ -45,6 +46,8 @@ class Phase:
     workload: WorkloadSpec
     engine: EngineConfig
     note: str = ""
+    # What the diagnosis should say in this phase (kvwatch/sim/story.py); None: not scored.
+    story: Story | None = None
 
 
 @dataclass
@@ -184,7 +187,8 @@ def _parse_phase(index: int, raw_phase: dict, workload_raw: dict, phase_engine: 
     workload = parse_workload(workload_raw, f"{where}.workload", problems)
     phase_engine = _phase_engine(raw_phase, where, phase_engine, problems)
     note = raw_phase.get("note", "")
-    phase = Phase(phase_name, duration, workload, phase_engine, str(note)) if workload is not None else None
+    story = parse_story(raw_phase.get("story"), f"{where}.story", problems)
+    phase = Phase(phase_name, duration, workload, phase_engine, str(note), story) if workload is not None else None
     return phase, workload_raw, phase_engine
 
 

@@ -92,8 +92,10 @@
   // the headline never claims more than its evidence (diagnose/arbitration.py, alternatives).
   function title(f) {
     var alts = (f.alternatives || []).map(function (a) { return meta.causes[a.cause] || a.cause; });
+    // A finding a source decided says so (arbitration.DECIDED_HEADLINE, as the noscript page and the CLI).
+    var decided = (meta.decided || {})[(f.evidence || {}).decided_by];
     return (meta.symptoms[f.symptom] || f.symptom) + ": " + (meta.causes[f.cause] || f.cause) +
-      (alts.length ? ", or " + alts.join(", or ") : "");
+      (alts.length ? ", or " + alts.join(", or ") : "") + (decided ? " (" + decided + ")" : "");
   }
   // A quantile pinned at a bucket edge is a bound: "< 300 ms", "> 80 s"
   // (the row's `pinned`: {signal: {quantile: "<" | ">"}}).
