@@ -9,7 +9,10 @@ threads (Python's thread names are not the kernel's: it writes
 warm-up it reads /proc/PID/stat (utime + stime of every thread, those that
 ended included) and /proc/PID/task/TID/schedstat (nanoseconds on a CPU, per
 thread) before and after `--polls` polls, counted by kvwatch's own
-kvwatch_polls_total, and prints one JSON line.
+kvwatch_polls_total read by a scrape just before and just after, and prints
+one JSON line. Nothing reads the process over the window (a scrape is CPU of
+its event loop: the scrape section measures that), so this is the cost of
+polling alone, what a pod pays between Prometheus' scrapes.
 
     .venv/bin/python benchmarks/process_probe.py --target http://127.0.0.1:PORT/metrics [--polls 60]
 """
@@ -103,8 +106,10 @@ def measure(target: str, polls: int, warmup: int, extra: list[str]) -> dict:
         try:
             start_polls = wait_polls(port, warmup, time.monotonic() + 120)
             cpu0, threads0, t0 = process_cpu(child.pid), threads_cpu(child.pid), time.monotonic()
-            end_polls = wait_polls(port, start_polls + polls, time.monotonic() + polls * 3 + 60)
+            # Asleep over the window: a reading is a scrape, which the event loop would pay for.
+            time.sleep(polls * 1.0)
             cpu1, threads1, t1 = process_cpu(child.pid), threads_cpu(child.pid), time.monotonic()
+            end_polls = polls_done(port)
             rss, hwm = status_kib(child.pid, "VmRSS"), status_kib(child.pid, "VmHWM")
             names = json.loads(Path(names_file).read_text())
         finally:
@@ -114,7 +119,7 @@ def measure(target: str, polls: int, warmup: int, extra: list[str]) -> dict:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait(10)
-    # Two readings of polls_total bracket the window; each costs one scrape, counted once in the window.
+    # The poll count is read just before and just after the window, by a scrape outside it.
     done = end_polls - start_polls
     by_id = {tid: name for name, tid in names.items()}
     per_thread: dict[str, float] = {}

@@ -5,7 +5,8 @@ of the benchmark's)."""
 
 from __future__ import annotations
 
-SECTIONS = ("parse", "poll", "scrape", "memory", "curve", "replay", "page", "history", "central", "kv_events")
+SECTIONS = ("parse", "poll", "scrape", "memory", "curve", "replay", "page", "history", "central", "kv_events",
+            "process")
 
 # The code each section measures: a section of RESULTS.md is current while
 # no commit after the one it was measured at touched these paths
@@ -37,6 +38,8 @@ SECTION_CODE: dict[str, tuple[str, ...]] = {
                                     "kvwatch/signals.py", "kvwatch/signals", "kvwatch/diagnose", "benchmarks/central_cost.py",
                                     "benchmarks/bench_history.py"),
     "kv_events": _BENCH + ("kvwatch/kvevents", "benchmarks/kv_events.py", "benchmarks/bench_kv_events.py"),
+    "process": _SERVE + _BENCH + ("kvwatch/cli.py", "kvwatch/settings.py", "benchmarks/process_probe.py",
+                                  "benchmarks/bench_process.py"),
 }
 # Commits that only moved code a section measures, unchanged, from one file
 # to another (each with what moved): tests/test_bench_results.py does not
@@ -59,6 +62,7 @@ SECTION_HEADINGS: dict[str, tuple[str, ...]] = {
     "history": ("### history:",),
     "central": ("### central mode: cost",),
     "kv_events": ("### KV-cache events",),
+    "process": ("### What the pod pays",),
 }
 
 
