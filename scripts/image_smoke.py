@@ -8,8 +8,10 @@ follows the chart. A key of the security context it cannot translate into a
 podman flag fails the run rather than being skipped. Checks: `kvwatch
 --version`; `kvwatch sim` and `kvwatch serve` from the image; /healthz,
 /metrics (kvwatch_up 1 once it has read the simulator), the status page with
-the package's static files in it; a write to the root refused; and `kvwatch
-capture` writing a bundle to the writable volume (/tmp, an emptyDir in the pod).
+the package's static files in it; a write to the root refused; the whole
+process's CPU per poll and resident memory, as the bench's process section
+reads them; and `kvwatch capture` writing a bundle to the writable volume
+(/tmp, an emptyDir in the pod).
 
 Everything listens on 127.0.0.1 ports picked here (the host's network: no
 network namespace is needed), and every container started is removed.
@@ -41,6 +43,7 @@ from kvwatch.mixin import manifests  # noqa: E402
 from kvwatch.mixin.config import DeploySettings  # noqa: E402
 
 READ_LIMIT = 4 << 20  # bytes of any answer read
+COST_POLLS = 20  # polls the whole process's CPU is read over
 DEADLINE_S = 90.0  # for kvwatch to answer and to read the simulator (a cold import on 2 loaded cores)
 
 
@@ -200,6 +203,8 @@ def run(args: argparse.Namespace, podman: Podman, work: Path) -> list[str]:
         raise SmokeFailure(f"a write to the image's root was not refused as read-only: {wrote.stderr.strip()}")
     said.append("root: read-only")
 
+    said.append(process_cost(podman, serve, base))
+
     podman("exec", serve, "kvwatch", "capture", f"--target=http://127.0.0.1:{sim_port}/metrics", "--count=2",
            "--interval=1s", "--out=/tmp/smoke-capture.tar.gz")
     bundle = volumes["kvwatch-tmp"] / "smoke-capture.tar.gz"
@@ -209,6 +214,38 @@ def run(args: argparse.Namespace, podman: Podman, work: Path) -> list[str]:
         raise SmokeFailure(f"the capture bundle holds {names}")
     said.append(f"capture: {bundle.stat().st_size} bytes in the writable volume, {len(names)} files")
     return said
+
+
+def process_cost(podman: Podman, container: str, base: str) -> str:
+    """The container's whole process, as its cgroup bills it, over COST_POLLS polls with nothing reading it
+    (the probe of the bench's process section, benchmarks/process_probe.py, on the image)."""
+    pid = int(podman("inspect", "--format={{.State.Pid}}", container).stdout.strip())
+    before, cpu0 = _polls(base), _on_cpu(pid)
+    time.sleep(COST_POLLS)  # at the 1 s poll set above
+    cpu1, rss = _on_cpu(pid), _rss_kib(pid)
+    polls = _polls(base) - before
+    return f"whole process: {(cpu1 - cpu0) / max(polls, 1) * 1e3:.2f} ms CPU per poll over {polls} polls, " \
+           f"{rss / 1024:.1f} MiB resident"
+
+
+def _on_cpu(pid: int) -> float:
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def _rss_kib(pid: int) -> int:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1])
+
+
+def _polls(base: str) -> int:
+    return int(sum(float(line.split()[-1]) for line in get(base + "/metrics")[1].splitlines()
+                   if line.startswith(("kvwatch_polls_total ", "kvwatch_polls_total{"))))
 
 
 def _up(text: str) -> bool:
