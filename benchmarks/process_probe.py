@@ -3,16 +3,16 @@ as a container's cgroup bills it) and resident memory per poll, beside the
 poll thread's CPU, from one run.
 
 Starts `kvwatch serve` as a child process with the default settings but a
-1 s poll against `--target`, through a wrapper that names the process's
-threads (Python's thread names are not the kernel's: it writes
-{name: native id} once, before the measurement, then exits). After the
-warm-up it reads /proc/PID/stat (utime + stime of every thread, those that
-ended included) and /proc/PID/task/TID/schedstat (nanoseconds on a CPU, per
-thread) before and after `--polls` polls, counted by kvwatch's own
-kvwatch_polls_total read by a scrape just before and just after, and prints
-one JSON line. Nothing reads the process over the window (a scrape is CPU of
-its event loop: the scrape section measures that), so this is the cost of
-polling alone, what a pod pays between Prometheus' scrapes.
+1 s poll against `--target`, through a wrapper that adds one listener after
+each poll (counting polls and adding up each poll's CPU as the monitor records
+it, state.poll_cpu_seconds: the figure of the bench's poll section) and, on
+SIGUSR1, writes those sums and the threads' names with their kernel ids
+(Python's thread names are not the kernel's). After the warm-up it reads
+/proc/PID/stat (utime + stime of every thread, those that ended included),
+/proc/PID/task/TID/schedstat (nanoseconds on a CPU, per thread) and the
+wrapper's sums before and after `--polls` polls, and prints one JSON line.
+Nothing else reads the process: no scrape (a scrape is CPU of its event loop,
+the scrape section's figure), so this is what a pod pays between scrapes.
 
     .venv/bin/python benchmarks/process_probe.py --target http://127.0.0.1:PORT/metrics [--polls 60]
 """
@@ -22,29 +22,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
-READ_LIMIT = 8 << 20
 WRAPPER = """
-import json, sys, threading, time
-def names(path):
-    time.sleep(float(sys.argv[2]))
-    with open(path + ".part", "w") as out:
-        json.dump({t.name: t.native_id for t in threading.enumerate()}, out)
-    import os; os.replace(path + ".part", path)
-threading.Thread(target=names, args=(sys.argv[1],), name="probe-names", daemon=True).start()
+import json, os, signal, sys, threading, time
+from kvwatch.pipeline.monitor import Monitor
+polls = {"count": 0, "cpu": 0.0}
+def count(state):
+    polls["count"] += 1
+    polls["cpu"] += state.poll_cpu_seconds
+start = Monitor.start
+def start_counting(self):
+    self.after_poll.insert(0, count)
+    start(self)
+Monitor.start = start_counting
+def dump(signum, frame):
+    with open(sys.argv[1] + ".part", "w") as out:
+        json.dump({"polls": dict(polls), "threads": {t.name: t.native_id for t in threading.enumerate()}}, out)
+    os.replace(sys.argv[1] + ".part", sys.argv[1])
+signal.signal(signal.SIGUSR1, dump)
 from kvwatch.cli import main
-sys.exit(main(["serve", *sys.argv[3:]]))
+sys.exit(main(["serve", *sys.argv[2:]]))
 """
-
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -76,42 +83,42 @@ def status_kib(pid: int, field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/{pid}/status")
 
 
-def polls_done(port: int) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-        text = answer.read(READ_LIMIT).decode()
-    return int(sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith(("kvwatch_polls_total ", "kvwatch_polls_total{"))))
+def sums(pid: int, path: Path, deadline: float) -> dict:
+    """The wrapper's poll count and poll CPU and the thread names, asked for by SIGUSR1."""
+    path.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit("kvwatch serve did not answer SIGUSR1 in time")
+        time.sleep(0.05)
+    return json.loads(path.read_text())
 
 
-def wait_polls(port: int, count: int, deadline: float) -> int:
-    while time.monotonic() < deadline:
-        try:
-            done = polls_done(port)
-            if done >= count:
-                return done
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"kvwatch serve did not reach {count} polls in time")
+def wait_polls(pid: int, path: Path, count: int, deadline: float) -> dict:
+    while True:
+        found = sums(pid, path, deadline)
+        if found["polls"]["count"] >= count:
+            return found
+        if time.monotonic() > deadline:
+            raise SystemExit(f"kvwatch serve did not reach {count} polls in time")
+        time.sleep(1.0)
 
 
 def measure(target: str, polls: int, warmup: int, extra: list[str]) -> dict:
-    port = free_port()
     with tempfile.TemporaryDirectory() as work:
-        names_file = os.path.join(work, "threads.json")
+        path = Path(work) / "sums.json"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        child = subprocess.Popen([sys.executable, "-c", WRAPPER, names_file, "2", "--target", target,
-                                  "--poll-interval", "1s", "--port", str(port), *extra],
-                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        child = subprocess.Popen([sys.executable, "-c", WRAPPER, str(path), "--target", target,
+                                  "--poll-interval", "1s", "--port", str(free_port()), *extra],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            start_polls = wait_polls(port, warmup, time.monotonic() + 120)
+            time.sleep(2)  # the wrapper's handler is set before kvwatch starts; Python's start-up comes first
+            first = wait_polls(child.pid, path, warmup, time.monotonic() + 120)
             cpu0, threads0, t0 = process_cpu(child.pid), threads_cpu(child.pid), time.monotonic()
-            # Asleep over the window: a reading is a scrape, which the event loop would pay for.
             time.sleep(polls * 1.0)
             cpu1, threads1, t1 = process_cpu(child.pid), threads_cpu(child.pid), time.monotonic()
-            end_polls = polls_done(port)
+            last = sums(child.pid, path, time.monotonic() + 30)
             rss, hwm = status_kib(child.pid, "VmRSS"), status_kib(child.pid, "VmHWM")
-            names = json.loads(Path(names_file).read_text())
         finally:
             child.terminate()
             try:
@@ -119,14 +126,14 @@ def measure(target: str, polls: int, warmup: int, extra: list[str]) -> dict:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait(10)
-    # The poll count is read just before and just after the window, by a scrape outside it.
-    done = end_polls - start_polls
-    by_id = {tid: name for name, tid in names.items()}
+    by_id = {tid: name for name, tid in last["threads"].items()}
     per_thread: dict[str, float] = {}
     for tid, seconds in threads1.items():
         name = "main (event loop)" if tid == child.pid else by_id.get(tid, "other")
         per_thread[name] = per_thread.get(name, 0.0) + seconds - threads0.get(tid, 0.0)
-    return {"polls": done, "wall_seconds": t1 - t0, "process_cpu_seconds": cpu1 - cpu0,
+    return {"polls": last["polls"]["count"] - first["polls"]["count"],
+            "poll_cpu_seconds": last["polls"]["cpu"] - first["polls"]["cpu"],
+            "wall_seconds": t1 - t0, "process_cpu_seconds": cpu1 - cpu0,
             "threads_cpu_seconds": per_thread, "rss_kib": rss, "hwm_kib": hwm}
 
 
