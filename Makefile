@@ -12,7 +12,7 @@ ifdef KVWATCH_CACHE_DIR
 export PIP_CACHE_DIR := $(KVWATCH_CACHE_DIR)/pip
 endif
 
-.PHONY: run test test-vllm test-llamacpp capture-vllm capture-llamacpp bench generate check-generated screenshots system-deps lint test-fast clean
+.PHONY: run test test-image test-vllm test-llamacpp capture-vllm capture-llamacpp bench generate check-generated screenshots system-deps lint test-fast clean
 
 $(RUN_STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,6 +36,11 @@ test: $(STAMP) system-deps
 
 test-vllm: $(STAMP) system-deps
 	scripts/test-vllm.sh
+
+# deploy/Dockerfile built with buildah on a base of Debian's packages (cached under
+# KVWATCH_CACHE_DIR) and run by podman as the chart runs it (scripts/test-image.sh).
+test-image: $(RUN_STAMP)
+	PYTHON=$(PY) scripts/test-image.sh
 
 # The same against a real llama.cpp llama-server, built from source once and cached.
 test-llamacpp: $(STAMP)

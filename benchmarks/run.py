@@ -36,6 +36,7 @@ import bench_memory  # noqa: E402
 import bench_page  # noqa: E402
 import bench_parse  # noqa: E402
 import bench_poll  # noqa: E402
+import bench_process  # noqa: E402
 import bench_replay  # noqa: E402
 import bench_scrape  # noqa: E402
 from bench_support import Report, machine, plain_table, table  # noqa: E402
@@ -81,6 +82,7 @@ SECTION_RUNS: dict[str, Callable[[Report, Run], None]] = {
     "central": lambda report, run: bench_central(report, run.quick),
     "kv_events": lambda report, run: bench_kv_events.bench_kv_events(report, run.quick),
     "timeline": lambda report, run: bench_timeline.bench_timeline(report, run.quick),
+    "process": lambda report, run: bench_process.bench_process(report, run.fixtures, run.quick),
 }
 assert tuple(SECTION_RUNS) == SECTIONS, "benchmarks/sections.py SECTIONS and SECTION_RUNS name different sections"
 

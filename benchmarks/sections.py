@@ -6,7 +6,7 @@ of the benchmark's)."""
 from __future__ import annotations
 
 SECTIONS = ("parse", "poll", "scrape", "memory", "curve", "replay", "page", "history", "central", "kv_events",
-            "timeline")
+            "timeline", "process")
 
 # The code each section measures: a section of RESULTS.md is current while
 # no commit after the one it was measured at touched these paths
@@ -40,6 +40,8 @@ SECTION_CODE: dict[str, tuple[str, ...]] = {
     "kv_events": _BENCH + ("kvwatch/kvevents", "benchmarks/kv_events.py", "benchmarks/bench_kv_events.py"),
     "timeline": _POLL + _BENCH + ("kvwatch/sim", "kvwatch/scenarios", "scripts/demo-kvwatch.yaml",
                                   "kvwatch/settings.py", "benchmarks/bench_timeline.py"),
+    "process": _SERVE + _BENCH + ("kvwatch/cli.py", "kvwatch/settings.py", "benchmarks/process_probe.py",
+                                  "benchmarks/bench_process.py"),
 }
 # Commits that only moved code a section measures, unchanged, from one file
 # to another (each with what moved): tests/test_bench_results.py does not
@@ -63,6 +65,7 @@ SECTION_HEADINGS: dict[str, tuple[str, ...]] = {
     "central": ("### central mode: cost",),
     "kv_events": ("### KV-cache events",),
     "timeline": ("### Timeline:",),
+    "process": ("### What the pod pays",),
 }
 
 

@@ -841,9 +841,8 @@ def test_kvwatch_serve_runs_central_mode_with_the_deployments_arguments(monkeypa
     # `kvwatch serve` itself, up to the point where it would listen: it checks
     # the store URL, the selector, the replica cap and the window against the
     # refresh, and builds the reader from them.
-    import uvicorn
-
     from kvwatch.cli import main
+    from kvwatch.sidecar import server
     from kvwatch.central.refresh import Central
 
     container = central_container()
@@ -854,9 +853,9 @@ def test_kvwatch_serve_runs_central_mode_with_the_deployments_arguments(monkeypa
     started, served = [], []
     monkeypatch.setattr(Central, "start", lambda self: started.append(self))
     monkeypatch.setattr(Central, "stop", lambda self, timeout=5.0: None)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append(options))
+    monkeypatch.setattr(server, "run", lambda app, **options: served.append(options))
     monkeypatch.setattr("kvwatch.commands.serve.raise_file_limit", lambda: None)
-    # Nothing listens (uvicorn.run is the stand-in): the container's port may be taken on this machine.
+    # Nothing listens (server.run is the stand-in): the container's port may be taken on this machine.
     monkeypatch.setattr("kvwatch.commands.serve.listen_problem", lambda host, port: None)
     assert main(["serve"] + container["args"]) == 0
     (central,) = started

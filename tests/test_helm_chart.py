@@ -48,7 +48,21 @@ NAMESPACE = "llm"
 RELEASE = "kvwatch"
 
 
-def render(values: dict | None = None, release: str = RELEASE, kube_version: str | None = None) -> dict[str, str]:
+# The image a user pushed: the chart renders no kvwatch container without one (the test of the default
+# says why); the kustomize manifests' name, so the two render the same container.
+NAMED_IMAGE = chart_gen._image_parts(SETTINGS.image)[0]
+
+
+def named(values: dict | None) -> dict:
+    """The values with image.repository set, unless they set it themselves."""
+    values = copy.deepcopy(values or {})
+    values["image"] = {"repository": NAMED_IMAGE, **values.get("image", {})}
+    return values
+
+
+def render(values: dict | None = None, release: str = RELEASE, kube_version: str | None = None,
+           named_image: bool = True) -> dict[str, str]:
+    values = named(values) if named_image else values
     with helm.Chart.load(str(CHART)) as chart:
         if kube_version is None:
             return chart.render(values or {}, name=release, namespace=NAMESPACE)
@@ -61,9 +75,9 @@ def render(values: dict | None = None, release: str = RELEASE, kube_version: str
                                               json.dumps(options)))
 
 
-def objects(values: dict | None = None, release: str = RELEASE) -> list[dict]:
+def objects(values: dict | None = None, release: str = RELEASE, named_image: bool = True) -> list[dict]:
     out = []
-    for path, text in sorted(render(values, release).items()):
+    for path, text in sorted(render(values, release, named_image=named_image).items()):
         if path.endswith(".yaml"):
             out += [doc for doc in yaml.safe_load_all(text) if doc]
     return out
@@ -147,7 +161,7 @@ def test_committed_chart_is_what_the_generator_writes():
 @pytest.mark.parametrize("mode", MODES)
 def test_helm_lint_passes_strict(mode):
     for kube_version in ("v1.29.0", "v1.36.0"):
-        report = helm.lint(str(CHART), MODES[mode], strict=True, namespace=NAMESPACE, kube_version=kube_version)
+        report = helm.lint(str(CHART), named(MODES[mode]), strict=True, namespace=NAMESPACE, kube_version=kube_version)
         problems = [m for m in report["messages"] if m["severity"] >= 2]
         assert not problems and not report["errors"], (problems, report["errors"])
 
@@ -189,6 +203,39 @@ def test_each_mode_renders_what_it_is_for():
     assert of_kind(objects({"mode": "central", "prometheusRule": {"enabled": True}}), "PrometheusRule")
     assert not of_kind(objects({"prometheusRule": {"enabled": False}}), "PrometheusRule")
     assert not of_kind(objects({"monitor": {"kind": "none"}}), "PodMonitor")
+
+
+def _images(doc: object) -> list[str]:
+    """Every container image an object names, the sidecar patch's (JSON in a ConfigMap) included."""
+    if isinstance(doc, dict):
+        return [i for k, v in doc.items()
+                for i in ([v] if k == "image" else _images(json.loads(v)) if k == "patch.json" else _images(v))]
+    if isinstance(doc, list):
+        return [i for v in doc for i in _images(v)]
+    return []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_default_install_can_keep_vllm_from_starting(mode):
+    # A native sidecar whose image cannot be pulled holds the pod's vLLM back, a plain one keeps the pod
+    # from Ready; no registry serves a default name. So no install without an image the user named
+    # renders a kvwatch container: it fails, saying what to set, before anything reaches the cluster.
+    values = MODES[mode]
+    if values.get("mode") == "monitoring":
+        assert not [d for d in objects(values, named_image=False) if _images(d)]  # nothing there to pull
+        return
+    for native in ([False, True] if values.get("mode", "sidecar") == "sidecar" else [None]):
+        unnamed = copy.deepcopy(values)
+        if native is not None:
+            unnamed.setdefault("sidecar", {})["native"] = native
+        with pytest.raises(helm.HelmError) as caught:
+            render(unnamed, named_image=False)
+        # (helm install and helm template; helm lint renders in its lint mode, where `fail` is only logged)
+        assert "image.repository is empty" in str(caught.value) and "--set image.repository=" in str(caught.value)
+    # A name given renders it: the refusal is of the default alone.
+    images = [i for d in objects({**values, "image": {"repository": "registry.example/kvwatch"}}, named_image=False)
+              for i in _images(d)]
+    assert images and all(i.startswith("registry.example/kvwatch:") for i in images), images
 
 
 # ---------------------------------------------------------------- the same containers as kustomize
@@ -556,7 +603,7 @@ def test_schema_refuses_values_the_templates_cannot_use(bad, where):
         render(bad)
     assert where in str(caught.value), str(caught.value)
     # helm lint reports the same, as an error.
-    report = helm.lint(str(CHART), bad, namespace=NAMESPACE)
+    report = helm.lint(str(CHART), named(bad), namespace=NAMESPACE)
     assert any(where in error for error in report["errors"]), report
 
 

@@ -111,8 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if not _can_listen(settings):
         return 1
 
-    import uvicorn
-
+    from kvwatch.sidecar import server
     from kvwatch.sidecar.app import create_app
     from kvwatch.pipeline.monitor import Monitor, tune_garbage_collector
     from kvwatch.present import public_url
@@ -131,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("kvwatch").info("kvwatch %s; serving %s://%s:%d/", doing, scheme, settings.host, settings.port)
     raise_file_limit()
     try:
-        uvicorn.run(app, **server_options(settings))
+        server.run(app, **server_options(settings))
     finally:
         monitor.stop()
     return 0
@@ -208,8 +207,7 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
     if not _can_listen(settings):
         return 1
 
-    import uvicorn
-
+    from kvwatch.sidecar import server
     from kvwatch.central.app import create_central_app
     from kvwatch.pipeline.monitor import tune_garbage_collector
     from kvwatch.present import public_url
@@ -233,7 +231,7 @@ def run_central(args: argparse.Namespace, overrides: dict) -> int:
         scheme, settings.host, settings.port)
     raise_file_limit()
     try:
-        uvicorn.run(app, **server_options(settings))
+        server.run(app, **server_options(settings))
     finally:
         central.stop()
     return 0

@@ -67,6 +67,9 @@ def _image_parts(image: str) -> tuple[str, str]:
 
 def values(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL, dashboard_base: str = "") -> dict:
     repository, tag = _image_parts(s.image)
+    # The default name is served by no registry: the chart then has none, and refuses to render a container.
+    if s.image == DeploySettings.image:
+        repository = ""
     return {
         "mode": "sidecar",
         "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy},
@@ -122,7 +125,9 @@ VALUES_COMMENTS = [
     ("mode:", "sidecar: kvwatch beside each pod of a vLLM Deployment you already have (sidecar.deployment);\n"
               "central: one kvwatch reading every replica from Prometheus (central.*);\n"
               "monitoring: only the monitor, rules and dashboards (sidecars added by the kustomize Component)."),
-    ("image:", "Push the image to your registry first (docs/deploy.md, \"The image\")."),
+    ("image:", "Push the image to your registry first (docs/deploy.md, \"The image\") and name it here: with the\n"
+               "repository empty the chart refuses to render sidecar or central mode, since a sidecar whose image\n"
+               "cannot be pulled keeps the vLLM pod from starting."),
     ("runAsUser:", "The image's numeric non-root user."),
     ("deployment:", "The one place that names your vLLM Deployment: the patch this chart stores and NOTES.txt's\n"
                     "`kubectl patch` command name it, and kubectl fails, naming it, when there is none."),
@@ -211,7 +216,10 @@ def values_schema(s: DeploySettings) -> dict:
         "title": "kvwatch chart values",
         **obj({
             "mode": {"enum": ["sidecar", "central", "monitoring"]},
-            "image": obj({"repository": NO_WHITESPACE, "tag": NO_WHITESPACE,
+            "image": obj({"repository": {"type": "string", "pattern": r"^\S*$",
+                                         "description": "REGISTRY/kvwatch, as pushed; empty (the default) renders no "
+                                                        "kvwatch container"},
+                          "tag": NO_WHITESPACE,
                           "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}),
             "runAsUser": {"type": "integer", "minimum": 1},
             "sidecar": obj({

@@ -27,7 +27,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | quote }}
 {{- end -}}
 {{- end -}}
 
+{{/* No default: a kvwatch image the nodes cannot pull holds a native sidecar's vLLM back (docs/deploy.md). */}}
 {{- define "kvwatch.image" -}}
+{{- if not .Values.image.repository -}}
+{{- fail `image.repository is empty: no registry serves kvwatch's image under a default name, and a sidecar whose image cannot be pulled keeps the vLLM pod from starting. Push the image to a registry your nodes pull from (docs/deploy.md, "The image") and install with --set image.repository=REGISTRY/kvwatch` -}}
+{{- end -}}
 {{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
 {{- end -}}
 
