@@ -1,0 +1,117 @@
+"""What the cache is worth in the engine's own prefill seconds: saved by its
+hits (by tier, less what lower tiers cost to load back), lost to
+recomputation (the page's upper bound, the stream's count) and bought by
+more memory (the sizing curve's steps, the point of diminishing returns).
+Figures worked out by hand from the real vLLM 0.32 captures and the
+handwritten offload and HiCache pages."""
+
+from __future__ import annotations
+
+import pytest
+from page_support import polled
+from test_kv_events import feed_all, rotation
+
+from kvwatch.kvevents.source import KVEventSource
+from kvwatch.sidecar.collector import make_registry
+from kvwatch.signals import SIGNALS_BY_NAME, worth
+
+SAVED = "kvwatch_cache_saved_prefill_seconds"
+LOST = "kvwatch_cache_lost_prefill_seconds"
+
+
+def pages(fixtures_dir, folder, names):
+    return [(fixtures_dir / folder / f"metrics-{name}.txt").read_text() for name in names]
+
+
+def handwritten(fixtures_dir, names):
+    return [(fixtures_dir / "handwritten" / f"{name}.txt").read_text() for name in names]
+
+
+def test_saved_is_the_tokens_each_tier_served_at_the_engines_prefill_seconds_per_token(fixtures_dir):
+    monitor = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load")), engine="vllm")
+    [row] = monitor.state.per_engine
+    # idle -> load: 3,584 tokens from the device tier; 3,840 computed in 0.04006 prefill seconds.
+    per_token = 0.04006170100012696 / 3840
+    assert worth.prefill_seconds_per_token(row.view) == pytest.approx(per_token)
+    assert row.values[SAVED]["device"] == pytest.approx(3584 * per_token)
+    assert row.values[SAVED]["host"] == 0.0
+    registry = make_registry(monitor)
+    identity = {"model_name": "tiny-llama", "engine": "0", "tier": "device"}
+    assert registry.get_sample_value(SAVED, identity) == pytest.approx(3584 * per_token)
+
+
+def test_a_lower_tier_is_charged_what_it_took_to_load_back(fixtures_dir):
+    [row] = polled(handwritten(fixtures_dir, ("vllm-0.32-offload-a", "vllm-0.32-offload-b")),
+                   engine="vllm").state.per_engine
+    # 40,000 computed in 20 s: 0.0005 s a token. Device 30,000 tokens: 15 s. Host (the offload tier)
+    # 30,000 tokens, 15 s, less its loads (3 s) and lookups (0.3 + 1.2 s): 10.5 s.
+    assert row.values[SAVED]["device"] == pytest.approx(15.0)
+    assert row.values[SAVED]["host"] == pytest.approx(10.5)
+
+
+def test_sglang_prices_at_its_extend_passes_and_counts_what_it_recomputed(fixtures_dir):
+    [row] = polled(handwritten(fixtures_dir, ("sglang-hicache-a", "sglang-hicache-b"))).state.per_engine
+    # 30,000 computed (mode=input) in 15 s of extend passes: 0.0005 s a token.
+    assert row.values[SAVED]["device"] == pytest.approx(15.0)
+    assert row.values[SAVED]["host"] == pytest.approx(15.0 - 3.0)  # 30,000 host hits, 3 s loading them back
+    assert row.values[SAVED]["storage"] == pytest.approx(5.0)  # L3 exports no time: nothing to charge
+    # 3,000 retracted input tokens, a count: 1.5 s.
+    assert worth.recomputed_prompt_tokens(row.view) == (3000.0, True)
+    assert row.values[LOST] == pytest.approx(1.5)
+
+
+def test_lost_on_vllm_is_an_upper_bound_from_preemptions_and_the_mean_prompt(fixtures_dir):
+    [row] = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("load", "long-load")), engine="vllm").state.per_engine
+    # 12 preemptions x a 400-token mean prompt (9,600 / 24) = 4,800 tokens, an upper bound;
+    # 10,000 computed in 0.6166 - 0.0401 prefill seconds.
+    per_token = (0.6166234520007947 - 0.04006170100012696) / 10000
+    assert worth.recomputed_prompt_tokens(row.view) == (pytest.approx(4800.0), False)
+    assert row.values[LOST] == pytest.approx(4800 * per_token)
+    assert "UPPER BOUND" in SIGNALS_BY_NAME[LOST].doc
+
+
+def test_no_preemption_loses_nothing_and_no_prefill_time_prices_nothing(fixtures_dir):
+    [row] = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load")), engine="vllm").state.per_engine
+    assert row.values[LOST] == 0.0
+    [row] = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "idle")), engine="vllm").state.per_engine
+    assert row.values[SAVED] is None and row.values[LOST] is None
+
+
+def stream_report():
+    # 12 prefixes of 15 blocks of 16 tokens through a 100-block cache, 4 rounds: 540 blocks
+    # stored again; 80 more blocks would have kept them all.
+    source = KVEventSource("tcp://127.0.0.1:1")
+    end = feed_all(source, rotation(prefixes=12, blocks=15, cache=100, rounds=4))
+    return source.report(now=end, bytes_per_block=2 * 1024 * 1024)
+
+
+def test_the_stream_counts_what_eviction_before_reuse_cost_and_what_more_cache_buys(fixtures_dir):
+    [row] = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load")), engine="vllm").state.per_engine
+    per_token = worth.prefill_seconds_per_token(row.view)
+    report = stream_report()
+    seconds = report["window"]["seconds"]
+    out = worth.with_worth(report, row.view)
+    assert out["window"]["lost_prefill_seconds"] == pytest.approx(540 * 16 * per_token)
+    points = out["sizing"]["points"]
+    for point in points:
+        assert point["extra_gib"] == pytest.approx(point["extra_blocks"] * 2 / 1024)
+        assert point["saved_prefill_seconds_per_hour"] == pytest.approx(
+            point["blocks_kept"] * 16 * per_token * 3600 / seconds)
+    # Past the size that keeps every return, more cache buys nothing more: the knee is the first
+    # step that keeps them all (100 blocks, x1: the largest step's saving, 540 blocks kept).
+    knee = out["sizing"]["diminishing_returns"]
+    assert knee["extra_cache"] == 1.0
+    assert knee["saved_prefill_seconds_per_hour"] == pytest.approx(540 * 16 * per_token * 3600 / seconds)
+    assert report["sizing"].get("diminishing_returns") is None  # the stream's own report is left as it was
+
+
+def test_without_a_rate_to_price_at_the_stream_says_nothing_priced():
+    out = worth.with_worth(stream_report(), None)
+    assert out["window"]["lost_prefill_seconds"] is None
+    assert out["sizing"]["diminishing_returns"] is None
+    assert all(p["saved_prefill_seconds_per_hour"] is None for p in out["sizing"]["points"])
+
+
+def test_a_price_per_gpu_hour_turns_seconds_into_currency():
+    assert worth.currency(7200.0, 2.5) == pytest.approx(5.0)
+    assert worth.currency(7200.0, None) is None and worth.currency(None, 2.5) is None
