@@ -22,7 +22,7 @@ LIMIT = 80
 # it out then), so the list only shrinks.
 OVER_FOR_NOW: dict[str, int] = {
     "kvwatch/commands/capture.py:run": 101,
-    "kvwatch/commands/diagnose.py:run": 129,
+    "kvwatch/commands/diagnose.py:run": 115,
     "kvwatch/commands/diagnose.py:print_report": 92,
     "kvwatch/commands/sim.py:run": 107,
     "kvwatch/kvevents/source.py:KVEventSource.report": 86,

@@ -115,3 +115,52 @@ def test_without_a_rate_to_price_at_the_stream_says_nothing_priced():
 def test_a_price_per_gpu_hour_turns_seconds_into_currency():
     assert worth.currency(7200.0, 2.5) == pytest.approx(5.0)
     assert worth.currency(7200.0, None) is None and worth.currency(None, 2.5) is None
+
+
+def test_the_status_page_and_the_api_say_what_the_cache_is_worth_at_the_price(fixtures_dir):
+    from kvwatch.settings import load_settings
+    from kvwatch.sidecar.report import signals_json
+    from kvwatch.sidecar.statuspage import render_status_page
+
+    monitor = polled(handwritten(fixtures_dir, ("vllm-0.32-offload-a", "vllm-0.32-offload-b")), engine="vllm")
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "gpu_hour_price": "3.6"}, environ={})
+    [item] = signals_json(monitor.state, settings)["worth"]
+    assert item["saved_seconds"] == pytest.approx(25.5) and item["saved_money"] == pytest.approx(25.5 / 1000)
+    assert item["lost_basis"] == "page_count" and item["lost_seconds"] == 0.0  # no preemption in the window
+    html = render_status_page(monitor.state, settings)
+    assert 'id="worth"' in html and "What the cache is worth" in html
+    assert "Saved: 25.5 s of prefill over 60 s (device 15 s, host 10.5 s) (0.03 at the price per GPU-hour)." in html
+    assert "not wall time or a bill" in html
+
+
+def test_a_price_that_is_not_a_positive_number_is_one_sentence():
+    from kvwatch.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError) as raised:
+        load_settings(overrides={"gpu_hour_price": "cheap"}, environ={})
+    assert raised.value.problems == ["--gpu-hour-price: 'cheap' is not a number (a price per GPU-hour, e.g. 2.5)"]
+    with pytest.raises(SettingsError) as raised:
+        load_settings(overrides={"gpu_hour_price": "-1"}, environ={})
+    assert raised.value.problems == ["--gpu-hour-price: '-1' must be a positive price per GPU-hour"]
+
+
+def test_kvwatch_diagnose_prints_and_serves_the_worth(fixtures_dir, capsys):
+    import json
+
+    from pageserver import Answer, PageServer
+
+    from kvwatch.cli import main
+
+    texts = pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load"))
+    for extra in ((), ("--json",)):
+        with PageServer([Answer(text) for text in texts]) as server:
+            main(["diagnose", "--target", server.url, "--duration", "0.3s", "--interval", "0.1s",
+                  "--gpu-hour-price", "2", *extra])
+        out = capsys.readouterr().out
+        if extra:
+            [item] = json.loads(out)["worth"]
+            assert item["saved_by_tier"]["device"] == pytest.approx(3584 * 0.04006170100012696 / 3840)
+            assert item["gpu_hour_price"] == 2.0
+        else:
+            assert "WHAT THE CACHE IS WORTH [tiny-llama/0]" in out
+            assert "Saved: 0.0374 s of prefill" in out and "Lost to recomputation: 0 s" in out

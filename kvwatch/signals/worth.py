@@ -200,3 +200,92 @@ LOST_PROMQL = (
     "    sum by ({by}) (rate(kvwatch_engine_request_prompt_tokens_sum{{{sel}}}[{w}]))\n"
     "    / on ({by}) (sum by ({by}) (rate(kvwatch_engine_request_prompt_tokens_count{{{sel}}}[{w}])) > 0)\n  )\n)\n"
     "* on ({by}) (\n" + PER_TOKEN_PROMQL + "\n)")
+
+
+# --- what every surface shows ---------------------------------------------
+
+SAVED_SIGNAL = "kvwatch_cache_saved_prefill_seconds"
+LOST_SIGNAL = "kvwatch_cache_lost_prefill_seconds"
+CAVEAT = ("the engine's own prefill request-seconds at the window's rate per computed token: with batching they "
+          "overlap, so read them as work, not wall time or a bill")
+
+
+def _stream_lost(stream: Mapping[str, Any] | None, model: str, engine: str | None) -> float | None:
+    """The stream's lost seconds where it is up and is this engine's."""
+    if not stream or not stream.get("up"):
+        return None
+    page = stream.get("page_engine") or {}
+    if page and (page.get("model_name"), page.get("engine")) != (model, engine):
+        return None
+    return (stream.get("window") or {}).get("lost_prefill_seconds")
+
+
+def summary(model: str, engine: str | None, values: Mapping[str, Any], view: View,
+            stream: Mapping[str, Any] | None, gpu_hour_price: float | None) -> dict[str, Any] | None:
+    """One engine's (or model's) worth over the window: saved by tier, lost
+    and its basis (the stream's count where it is on, else the page's count
+    or upper bound), the stream's sizing steps, their money at the price,
+    and the sentences every surface prints. None with nothing priced."""
+    saved_by_tier = values.get(SAVED_SIGNAL)
+    saved = sum(saved_by_tier.values()) if isinstance(saved_by_tier, Mapping) else None
+    lost, basis = _stream_lost(stream, model, engine), "stream"
+    if lost is None:
+        lost = values.get(LOST_SIGNAL)
+        counted = recomputed_prompt_tokens(view)
+        basis = "page_count" if counted is not None and counted[1] else "page_upper_bound"
+    if saved is None and lost is None:
+        return None
+    sizing = ((stream or {}).get("sizing") or {}) if basis == "stream" else {}
+    out = {"model_name": model, "engine": engine, "window_seconds": view.increase.seconds,
+           "prefill_seconds_per_token": prefill_seconds_per_token(view),
+           "saved_seconds": saved, "saved_by_tier": dict(saved_by_tier) if saved is not None else None,
+           "lost_seconds": lost, "lost_basis": None if lost is None else basis,
+           "bought": [{key: point.get(key) for key in ("extra_cache", "extra_gib", "saved_prefill_seconds_per_hour")}
+                      for point in sizing.get("points") or []],
+           "diminishing_returns": sizing.get("diminishing_returns"),
+           "gpu_hour_price": gpu_hour_price,
+           "saved_money": currency(saved, gpu_hour_price), "lost_money": currency(lost, gpu_hour_price)}
+    out["lines"] = lines(out)
+    return out
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "unknown"
+    return f"{value:.3g} s" if abs(value) < 100 else f"{value:,.0f} s"
+
+
+def _money(value: float | None) -> str:
+    return "" if value is None else f" ({value:,.2f} at the price per GPU-hour)"
+
+
+_BASES = {"stream": "counted from the event stream's blocks stored again after their eviction",
+          "page_count": "from the page's counts (the engine's recomputed prompt tokens, or no preemption)",
+          "page_upper_bound": "an upper bound from the page (preemptions x the mean prompt)"}
+
+
+def lines(worth: Mapping[str, Any]) -> list[str]:
+    """The sentences the status page, `kvwatch diagnose` and the capacity
+    report print, made once here."""
+    window = f"over {worth['window_seconds']:.0f} s"
+    out = []
+    if worth["saved_seconds"] is not None:
+        tiers = ", ".join(f"{tier} {_seconds(s)}" for tier, s in sorted(worth["saved_by_tier"].items()) if s)
+        out.append(f"Saved: {_seconds(worth['saved_seconds'])} of prefill {window}"
+                   + (f" ({tiers})" if tiers else "") + _money(worth["saved_money"]) + ".")
+    if worth["lost_seconds"] is not None:
+        out.append(f"Lost to recomputation: {_seconds(worth['lost_seconds'])} {window}, "
+                   f"{_BASES[worth['lost_basis']]}" + _money(worth["lost_money"]) + ".")
+    priced = [p for p in worth["bought"] if p.get("saved_prefill_seconds_per_hour") is not None]
+    if priced:
+        steps = "; ".join(f"x{p['extra_cache']:g}" + (f" (+{p['extra_gib']:.3g} GiB)" if p.get("extra_gib") else "")
+                          + f" {_seconds(p['saved_prefill_seconds_per_hour'])}/h" for p in priced)
+        out.append(f"Bought by more cache (estimate): {steps}.")
+        knee = worth.get("diminishing_returns")
+        if knee:
+            gib = f" (+{knee['extra_gib']:.3g} GiB)" if knee.get("extra_gib") else ""
+            out.append(f"Diminishing returns past x{knee['extra_cache']:g} more cache{gib}: it buys "
+                       f"{DIMINISHING_SHARE:.0%} of what the largest step would.")
+    if out:
+        out.append(f"Seconds are {CAVEAT}.")
+    return out
