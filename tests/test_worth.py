@@ -164,3 +164,53 @@ def test_kvwatch_diagnose_prints_and_serves_the_worth(fixtures_dir, capsys):
         else:
             assert "WHAT THE CACHE IS WORTH [tiny-llama/0]" in out
             assert "Saved: 0.0374 s of prefill" in out and "Lost to recomputation: 0 s" in out
+
+
+def test_with_the_stream_lost_is_counted_and_kvwatch_capacity_prints_what_more_cache_buys(fixtures_dir):
+    import argparse
+    import json
+
+    from fastapi.testclient import TestClient
+    from pageserver import Answer, PageServer
+    from test_kv_events import free_port
+
+    from kvwatch.commands import capacity
+    from kvwatch.kvevents import wire
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+    from kvwatch.sidecar.app import create_app
+
+    idle, load = pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load"))
+    with PageServer([Answer(idle), Answer(load)]) as server:
+        settings = load_settings(overrides={"target": server.url, "poll_interval": "1s", "timeout": "1s",
+                                            "kv_events": f"tcp://127.0.0.1:{free_port()}"}, environ={})
+        monitor = Monitor(settings)
+        client = TestClient(create_app(monitor, settings))
+        try:
+            monitor.poll_once()
+            now = monitor.clock()
+            for seq, events in enumerate(rotation(prefixes=12, blocks=15, cache=100, rounds=4)):
+                monitor.kv_events.feed(seq, wire.encode_batch(now, events), now=now)
+            monitor.poll_once()
+            diagnosis = client.get("/api/v1/diagnosis").json()
+            signals = client.get("/api/v1/signals").json()
+        finally:
+            monitor.stop()
+    per_token = 0.04006170100012696 / 3840
+    stream = diagnosis["kv_events"]
+    # 540 blocks of 16 tokens stored again after their eviction, at the page's prefill seconds per token.
+    assert stream["window"]["lost_prefill_seconds"] == pytest.approx(540 * 16 * per_token)
+    [item] = signals["worth"]
+    assert item["lost_basis"] == "stream" and item["lost_seconds"] == pytest.approx(540 * 16 * per_token)
+    assert any("counted from the event stream" in line for line in item["lines"])
+    assert stream["sizing"]["diminishing_returns"]["extra_cache"] == 1
+    with PageServer([Answer(json.dumps(diagnosis), headers={"Content-Type": "application/json"})]) as served:
+        report = capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))
+    text = capacity.render_table(report)
+    assert "prefill s/h bought" in text and "Diminishing returns past x1 more cache" in text
+    assert "Lost to recomputation:" in text and "counted from the event stream" in text
+    # A hostile answer's knee is refused in one sentence, not printed.
+    stream["sizing"]["diminishing_returns"] = {"extra_cache": 1, "extra_gib": "lots"}
+    with PageServer([Answer(json.dumps(diagnosis), headers={"Content-Type": "application/json"})]) as served:
+        with pytest.raises(capacity.CapacityInputError, match="diminishing_returns is not a point"):
+            capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))

@@ -19,6 +19,7 @@ from kvwatch.capacity import hardware, live
 from kvwatch.capacity.arithmetic import CapacityInputError
 from kvwatch.capacity.model_config import load_model_config
 from kvwatch.present import printable
+from kvwatch.signals import worth
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
 
@@ -218,10 +219,10 @@ def _stream_report(url: str) -> dict[str, Any]:
             "page_engine": stream.get("page_engine")}
 
 
-_STREAM_NUMBERS = {"window": ("seconds", "stored", "stored_again", "stored_again_ratio"),
+_STREAM_NUMBERS = {"window": ("seconds", "stored", "stored_again", "stored_again_ratio", "lost_prefill_seconds"),
                    "sizing": ("hit_ratio_now", "cache_blocks")}
 _POINT_NUMBERS = ("extra_cache", "extra_blocks", "extra_bytes", "blocks_kept", "recomputation_avoided_ratio",
-                  "hit_ratio")
+                  "hit_ratio", "extra_gib", "saved_prefill_seconds_per_hour")
 
 
 def _stream_shape_problem(stream: dict, window: Any, sizing: Any) -> str | None:
@@ -242,6 +243,10 @@ def _stream_shape_problem(stream: dict, window: Any, sizing: Any) -> str | None:
     points = sizing.get("points") or []
     if not isinstance(points, list) or not all(isinstance(point, dict) for point in points):
         return "sizing.points is not a list of objects"
+    knee = sizing.get("diminishing_returns")
+    if knee is not None and not (isinstance(knee, dict) and knee.get("extra_cache") is not None
+                                 and all(_number_or_none(knee.get(key)) for key in _POINT_NUMBERS)):
+        return "sizing.diminishing_returns is not a point of finite numbers"
     for point in points:
         if not all(_number_or_none(point.get(key)) for key in _POINT_NUMBERS) or point.get("extra_cache") is None \
                 or point.get("extra_blocks") is None or point.get("blocks_kept") is None:
@@ -268,15 +273,19 @@ def _stream_lines(report: dict[str, Any]) -> list[str]:
            f"({(window.get('stored_again_ratio') or 0):.0%})"
            + (f", hit ratio {sizing['hit_ratio_now']:.1%} (the page's)" if sizing.get("hit_ratio_now") is not None
               else ""), ""]
-    rows = [["extra cache", "extra blocks", "extra bytes", "blocks kept", "recomputation avoided", "hit ratio"]]
+    rows = [["extra cache", "extra blocks", "extra bytes", "blocks kept", "recomputation avoided", "hit ratio",
+             "prefill s/h bought"]]
     for point in sizing.get("points") or []:
         rows.append([f"x{point['extra_cache']:g}", _n(point["extra_blocks"]),
                      f"{point['extra_bytes'] / 2**20:,.0f} MiB" if point.get("extra_bytes") is not None else "-",
                      _n(round(point["blocks_kept"])),
                      f"{point['recomputation_avoided_ratio']:.0%}" if point.get("recomputation_avoided_ratio")
                      is not None else "-",
-                     f"{point['hit_ratio']:.1%}" if point.get("hit_ratio") is not None else "-"])
+                     f"{point['hit_ratio']:.1%}" if point.get("hit_ratio") is not None else "-",
+                     f"{point['saved_prefill_seconds_per_hour']:,.3g}"
+                     if point.get("saved_prefill_seconds_per_hour") is not None else "-"])
     out += _table(rows[0], rows[1:])
+    out += [""] + worth.stream_lines(window, sizing)
     out += ["", f"Cache now: {_n(round(sizing.get('cache_blocks') or 0))} blocks. " + (sizing.get("note") or "") + "."]
     if report.get("sampling_rate") not in (None, 1, 1.0):
         out.append(f"The ledger sampled {report['sampling_rate']:.3g} of the hash space; counts are scaled from it.")

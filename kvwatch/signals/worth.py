@@ -289,3 +289,12 @@ def lines(worth: Mapping[str, Any]) -> list[str]:
     if out:
         out.append(f"Seconds are {CAVEAT}.")
     return out
+
+
+def stream_lines(window: Mapping[str, Any], sizing: Mapping[str, Any]) -> list[str]:
+    """The sentences for a stream's report alone (`kvwatch capacity --kvwatch`):
+    what blocks evicted before reuse cost, and what more cache buys."""
+    lost = window.get("lost_prefill_seconds")
+    return lines({"window_seconds": float(window.get("seconds") or 0.0), "saved_seconds": None,
+                  "lost_seconds": lost, "lost_basis": None if lost is None else "stream", "lost_money": None,
+                  "bought": list(sizing.get("points") or []), "diminishing_returns": sizing.get("diminishing_returns")})
