@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from typing import Any
 
 from kvwatch.capacity import arithmetic as cap
@@ -19,6 +20,7 @@ from kvwatch.capacity import hardware, live
 from kvwatch.capacity.arithmetic import CapacityInputError
 from kvwatch.capacity.model_config import load_model_config
 from kvwatch.present import printable
+from kvwatch.units import parse_duration
 from kvwatch.signals import worth
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
@@ -66,6 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a running kvwatch reading the engine's KV-cache events (serve --kv-events), e.g. "
                         "http://127.0.0.1:9400: print its sizing curve, the extra cache that would have kept the "
                         "blocks stored again after their eviction, estimated from the stream")
+    needed = parser.add_argument_group(
+        "what an objective needs, from history (--prometheus, as kvwatch diagnose --prometheus)")
+    needed.add_argument("--prometheus", metavar="URL",
+                        help="a Prometheus-compatible query API holding vLLM's series: invert --ttft-p95 over its "
+                        "history into the replicas or KV cache per replica the observed peak needs")
+    needed.add_argument("--ttft-p95", metavar="SECONDS", help="the objective: first-token p95 under this, e.g. 2s")
+    needed.add_argument("--since", default="6h", help="range ending now (default 6h)")
+    needed.add_argument("--from", dest="from_", metavar="TIME", help="range start: Unix seconds or RFC 3339")
+    needed.add_argument("--to", metavar="TIME", help="range end: Unix seconds or RFC 3339 (default now)")
+    needed.add_argument("--step", help="time between points (default: from the range, at least 15s)")
+    needed.add_argument("--rate-window", default="5m", help="the first-token p95's rate window (default 5m)")
+    needed.add_argument("--selector", default="", help="label selector of the series, e.g. '{namespace=\"llm\"}'")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -133,6 +147,8 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything the command prints, as one JSON-ready dict."""
     if getattr(args, "kvwatch", None):
         return _stream_report(args.kvwatch)
+    if getattr(args, "prometheus", None):
+        return _needed_report(args)
     kv_dtype = _check_dtype(args.kv_dtype)
     if args.block_size is not None and args.block_size <= 0:
         raise CapacityInputError(f"--block-size must be a positive integer, got {args.block_size}")
@@ -183,6 +199,49 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     report["hardware"] = hw.to_dict() if hw else None
     report["ignores"] = _ignores(hw)
     return report
+
+
+def _needed_range(args: argparse.Namespace) -> tuple[float, float, float, float]:
+    """(objective, start, end, step) from the flags, or one sentence of what is wrong."""
+    from kvwatch.commands.diagnose import _time
+    from kvwatch.history.query import check_selector, choose_step
+
+    if args.ttft_p95 is None:
+        raise CapacityInputError("--prometheus needs the objective: --ttft-p95 SECONDS (first-token p95 under it)")
+    try:
+        objective = parse_duration(args.ttft_p95)
+        end = _time(args.to) if args.to else time.time()
+        start = _time(args.from_) if args.from_ else end - parse_duration(args.since)
+        step = parse_duration(args.step) if args.step else choose_step(start, end)
+        parse_duration(args.rate_window)
+    except ValueError as exc:
+        raise CapacityInputError(f"--ttft-p95, --from/--to/--since, --step or --rate-window: {exc}") from None
+    problem = check_selector(args.selector)
+    if problem or objective <= 0 or start >= end:
+        raise CapacityInputError(problem or ("--ttft-p95 must be above 0" if objective <= 0 else
+                                             "the range is empty: --from must be before --to"))
+    return objective, start, end, step
+
+
+def _needed_report(args: argparse.Namespace) -> dict[str, Any]:
+    """What the objective needs at the observed peak, per model, from the store's history."""
+    from kvwatch.capacity import needed
+    from kvwatch.history import needed as history
+    from kvwatch.history.query import PrometheusClient, QueryError
+
+    objective, start, end, step = _needed_range(args)
+    client = PrometheusClient(args.prometheus, timeout=live.FETCH_TIMEOUT_S * 4)
+    try:
+        shape = history.read_shape(client, start, end, args.selector)
+        steps = history.read_steps(client, start, end, step, args.selector, args.rate_window) if shape else {}
+    except QueryError as exc:
+        raise CapacityInputError(f"cannot read {args.prometheus}: {exc}") from None
+    if shape is None:
+        raise CapacityInputError(f"{args.prometheus} holds no vllm:cache_config_info stating num_gpu_blocks in "
+                                 "the range: nothing to size the cache from")
+    results = [needed.needed(model, model_steps, objective, shape) for model, model_steps in sorted(steps.items())]
+    return {"mode": "needed", "prometheus": args.prometheus, "start": start, "end": end, "step": step,
+            "objective_ttft_p95_seconds": objective, "models": results}
 
 
 def _stream_report(url: str) -> dict[str, Any]:
@@ -515,6 +574,14 @@ def render_table(report: dict[str, Any]) -> str:
     out = [f"kvwatch capacity ({report['mode']})", ""]
     if report["mode"] == "kv-events":
         return "\n".join(out + _stream_lines(report))
+    if report["mode"] == "needed":
+        from kvwatch.capacity.needed import lines
+
+        if not report["models"]:
+            out.append("No vllm:num_requests_running series in the range: nothing to size.")
+        for result in report["models"]:
+            out += lines(result) + [""]
+        return "\n".join(out).rstrip()
     out = [answer_line(report), "", *out]
     if report.get("hardware"):
         out += _hardware_lines(report["hardware"])
