@@ -16,6 +16,9 @@ from kvwatch.sidecar.collector import make_registry
 from kvwatch.signals import SIGNALS_BY_NAME, worth
 
 SAVED = "kvwatch_cache_saved_prefill_seconds"
+# idle -> load of the real vLLM 0.32 capture: 8 requests' prefill time 0.04006 s, less one mean inter-token
+# latency each (4.5299 s / 1,840 = 0.002462 s): 0.020366 s over the 3,840 tokens computed.
+LOAD_PER_TOKEN = (0.04006170100012696 - 8 * 4.529917940999553 / 1840) / 3840
 LOST = "kvwatch_cache_lost_prefill_seconds"
 
 
@@ -30,8 +33,9 @@ def handwritten(fixtures_dir, names):
 def test_saved_is_the_tokens_each_tier_served_at_the_engines_prefill_seconds_per_token(fixtures_dir):
     monitor = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load")), engine="vllm")
     [row] = monitor.state.per_engine
-    # idle -> load: 3,584 tokens from the device tier; 3,840 computed in 0.04006 prefill seconds.
-    per_token = 0.04006170100012696 / 3840
+    # idle -> load: 3,584 tokens from the device tier, at LOAD_PER_TOKEN (5.3 us a token).
+    per_token = LOAD_PER_TOKEN
+    assert per_token == pytest.approx(5.3038e-06, rel=1e-4)
     assert worth.prefill_seconds_per_token(row.view) == pytest.approx(per_token)
     assert row.values[SAVED]["device"] == pytest.approx(3584 * per_token)
     assert row.values[SAVED]["host"] == 0.0
@@ -63,8 +67,10 @@ def test_sglang_prices_at_its_extend_passes_and_counts_what_it_recomputed(fixtur
 def test_lost_on_vllm_is_an_upper_bound_from_preemptions_and_the_mean_prompt(fixtures_dir):
     [row] = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("load", "long-load")), engine="vllm").state.per_engine
     # 12 preemptions x a 400-token mean prompt (9,600 / 24) = 4,800 tokens, an upper bound;
-    # 10,000 computed in 0.6166 - 0.0401 prefill seconds.
-    per_token = (0.6166234520007947 - 0.04006170100012696) / 10000
+    # 10,000 computed in 0.6166 - 0.0401 prefill seconds of 24 requests, less one mean inter-token latency
+    # each ((25.7417 - 4.5299) s / (9,940 - 1,840)).
+    itl = (25.741712759999132 - 4.529917940999553) / (9940 - 1840)
+    per_token = (0.6166234520007947 - 0.04006170100012696 - 24 * itl) / 10000
     assert worth.recomputed_prompt_tokens(row.view) == (pytest.approx(4800.0), False)
     assert row.values[LOST] == pytest.approx(4800 * per_token)
     assert "UPPER BOUND" in SIGNALS_BY_NAME[LOST].doc
@@ -159,11 +165,11 @@ def test_kvwatch_diagnose_prints_and_serves_the_worth(fixtures_dir, capsys):
         out = capsys.readouterr().out
         if extra:
             [item] = json.loads(out)["worth"]
-            assert item["saved_by_tier"]["device"] == pytest.approx(3584 * 0.04006170100012696 / 3840)
+            assert item["saved_by_tier"]["device"] == pytest.approx(3584 * LOAD_PER_TOKEN)
             assert item["gpu_hour_price"] == 2.0
         else:
             assert "WHAT THE CACHE IS WORTH [tiny-llama/0]" in out
-            assert "Saved: 0.0374 s of prefill" in out and "Lost to recomputation: 0 s" in out
+            assert "Saved: 0.019 s of prefill" in out and "Lost to recomputation: 0 s" in out
 
 
 def test_with_the_stream_lost_is_counted_and_kvwatch_capacity_prints_what_more_cache_buys(fixtures_dir):
@@ -196,7 +202,7 @@ def test_with_the_stream_lost_is_counted_and_kvwatch_capacity_prints_what_more_c
             signals = client.get("/api/v1/signals").json()
         finally:
             monitor.stop()
-    per_token = 0.04006170100012696 / 3840
+    per_token = LOAD_PER_TOKEN
     stream = diagnosis["kv_events"]
     # 540 blocks of 16 tokens stored again after their eviction, at the page's prefill seconds per token.
     assert stream["window"]["lost_prefill_seconds"] == pytest.approx(540 * 16 * per_token)

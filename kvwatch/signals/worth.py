@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvwatch.signals.derivations import (
-    CACHED_BY_SOURCE, HOST_SERVED, OFFLOAD_SERVED, RETRACTED_PROMPT, View, _offload_added_seconds,
+    CACHED_BY_SOURCE, HOST_SERVED, LOCAL_COMPUTE, OFFLOAD_SERVED, RETRACTED_PROMPT, View, _offload_added_seconds,
     _prefill_seconds_per_token, mean_tokens,
 )
 
@@ -29,9 +29,21 @@ DIMINISHING_SHARE = 0.9
 
 
 def prefill_seconds_per_token(view: View) -> float | None:
-    """The window's prefill seconds per computed prompt token (the one rate
-    every figure here is priced at)."""
-    return _prefill_seconds_per_token(view)
+    """The window's marginal prefill seconds per computed prompt token (the
+    one rate every figure here is priced at). vLLM's request prefill time
+    holds at least one engine step whatever the prompt (the step's overhead
+    and its batch-mates' decodes): one mean inter-token latency a request is
+    taken off before dividing, or a fully cached prompt would look costly (on
+    the simulator's healthy scenario the plain mean priced the hits 1.9x the
+    prefill GPU seconds they saved; less that step, 0.95x). SGLang's extend
+    passes' seconds are GPU time already; without the latency, the mean."""
+    increase = view.increase
+    computed = increase.counters.get(LOCAL_COMPUTE)
+    prefill, itl = increase.histograms.get("prefill_time"), increase.histograms.get("inter_token_latency")
+    if not computed or prefill is None or itl is None or not itl.count or prefill.sum <= 0:
+        return _prefill_seconds_per_token(view)
+    marginal = prefill.sum - prefill.count * itl.sum / itl.count
+    return marginal / computed if marginal > 0 else None
 
 
 def _tier_tokens(view: View) -> dict[str, float]:
@@ -161,7 +173,12 @@ def _increase(metric: str, extra: str = "") -> str:
 # The window's prefill seconds per computed prompt token (vLLM's prefill
 # histogram's sum, else SGLang's extend forward passes' seconds).
 PER_TOKEN_PROMQL = (
-    "(\n  (" + _increase("kvwatch_engine_request_prefill_time_seconds_sum") + " > 0)\n  or\n  ("
+    "(\n  (\n    (" + _increase("kvwatch_engine_request_prefill_time_seconds_sum") + "\n     - on ({by}) "
+    + _increase("kvwatch_engine_request_prefill_time_seconds_count") + "\n     * on ({by}) ("
+    + _increase("kvwatch_engine_inter_token_latency_seconds_sum") + "\n       / on ({by}) ("
+    + _increase("kvwatch_engine_inter_token_latency_seconds_count") + " > 0))) > 0\n  )\n  or\n  (("
+    + _increase("kvwatch_engine_request_prefill_time_seconds_sum") + " > 0)\n   unless on ({by}) ("
+    + _increase("kvwatch_engine_inter_token_latency_seconds_count") + " > 0))\n  or\n  ("
     + _increase("kvwatch_engine_prefill_forward_seconds_total") + " > 0)\n)\n/ on ({by}) ("
     + _increase("kvwatch_engine_prompt_tokens_by_source_total", ',source="local_compute"') + " > 0)")
 
@@ -226,8 +243,9 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
     and its basis (the stream's count where it is on, else the page's count
     or upper bound), the stream's sizing steps, their money at the price,
     and the sentences every surface prints. None with nothing priced."""
-    saved_by_tier = values.get(SAVED_SIGNAL)
-    saved = sum(saved_by_tier.values()) if isinstance(saved_by_tier, Mapping) else None
+    by_tier = values.get(SAVED_SIGNAL)
+    saved_by_tier = dict(by_tier) if isinstance(by_tier, Mapping) else None
+    saved = sum(saved_by_tier.values()) if saved_by_tier is not None else None
     lost, basis = _stream_lost(stream, model, engine), "stream"
     if lost is None:
         lost = values.get(LOST_SIGNAL)
@@ -238,7 +256,7 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
     sizing = ((stream or {}).get("sizing") or {}) if basis == "stream" else {}
     out = {"model_name": model, "engine": engine, "window_seconds": view.increase.seconds,
            "prefill_seconds_per_token": prefill_seconds_per_token(view),
-           "saved_seconds": saved, "saved_by_tier": dict(saved_by_tier) if saved is not None else None,
+           "saved_seconds": saved, "saved_by_tier": saved_by_tier,
            "lost_seconds": lost, "lost_basis": None if lost is None else basis,
            "bought": [{key: point.get(key) for key in ("extra_cache", "extra_gib", "saved_prefill_seconds_per_hour")}
                       for point in sizing.get("points") or []],
