@@ -361,9 +361,10 @@ SIGNALS: tuple[Signal, ...] = (
            needs=("prompt_tokens_by_source", "prefill_time|prefill_forward_seconds"),
            display="Prefill seconds the cache saved", good="high",
            doc=("Prefill seconds the cache saved in the window, by tier: the prompt tokens each tier served x the "
-           "window's prefill seconds per computed token, less the seconds that tier took to load them back where "
-           "the engine measures it. The rate is the engine's own: vllm:request_prefill_time_seconds sum (SGLang: "
-           "forward_execution_seconds_total{category=\"forward_extend\"}) over "
+           "window's marginal prefill seconds per computed token, less the seconds that tier took to load them back "
+           "where the engine measures it. The rate is the engine's own: vllm:request_prefill_time_seconds sum less "
+           "one mean vllm:inter_token_latency_seconds a request (the step every prompt rides on, cached or not; "
+           "SGLang: forward_execution_seconds_total{category=\"forward_extend\"}) over "
            "prompt_tokens_by_source_total{source=\"local_compute\"}; with batching those are request-seconds, not "
            "wall time. Tiers: vllm:prompt_tokens_cached_by_source_total (0.32+: device, host, ...), else "
            "prompt_tokens_by_source_total local_cache_hit (tier=\"local\") and external_kv_transfer "
@@ -381,7 +382,9 @@ SIGNALS: tuple[Signal, ...] = (
            "SGLang counts the tokens (num_retracted_input_tokens_total); on vLLM it is an UPPER BOUND from the "
            "page, preemptions x the mean prompt of the requests finished in the window, as "
            "kvwatch_prefill_recomputed_ratio. With the event stream on, kvwatch_kv_events_lost_prefill_seconds "
-           "counts the blocks actually stored again after their eviction instead.")),
+           "counts the blocks actually stored again after their eviction instead. Under heavy preemption the rate "
+           "itself runs high (a preempted request's prefill time runs from its first scheduling): on the "
+           "simulator's exhaustion scenario 6x the prefill seconds spent recomputing.")),
     Signal("kvwatch_kv_offload_lookup_delay_mean_seconds", "seconds",
            "Mean time of the offload tier's lookups in the window, by kind (sync, async).",
            _offload_lookup_delay, "prefix",
