@@ -220,3 +220,36 @@ def test_with_the_stream_lost_is_counted_and_kvwatch_capacity_prints_what_more_c
     with PageServer([Answer(json.dumps(diagnosis), headers={"Content-Type": "application/json"})]) as served:
         with pytest.raises(capacity.CapacityInputError, match="diminishing_returns is not a point"):
             capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))
+
+
+@pytest.mark.slow  # promtool and Prometheus
+def test_the_twins_over_kvwatch_s_own_series_give_the_sidecar_s_figures(fixtures_dir):
+    from page_support import Pages
+    from prometheus_client import generate_latest
+    from promstack import backfilled_prometheus, query
+    from sim_support import pages_openmetrics
+
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+
+    base = float((int(__import__("time").time()) // 3600 - 3) * 3600)
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "engine": "vllm",
+                                        "poll_interval": "1s", "window": "5m"}, environ={})
+    times = iter([base, base + 60.0])
+    monitor = Monitor(settings, fetcher=Pages(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load"))),
+                      clock=lambda: next(times))
+    exported = []
+    for at in (base, base + 60.0):
+        monitor.poll_once()
+        exported.append((at, generate_latest(make_registry(monitor)).decode()))
+    [row] = monitor.state.per_engine
+    scope = {"sel": 'model_name="tiny-llama"', "w": "2m", "by": "model_name, engine"}
+    with backfilled_prometheus(pages_openmetrics(exported, "10.0.9.3:9400", job="kvwatch")) as prom:
+        # Every increase over the range is the same multiple of the pages' difference, so the rate is exact.
+        [rate] = query(prom.url, worth.PER_TOKEN_PROMQL.format(**scope), at=base + 60.0)
+        saved = {one["metric"]["tier"]: float(one["value"][1])
+                 for one in query(prom.url, worth.SAVED_PROMQL.format(**scope), at=base + 60.0)}
+    assert float(rate["value"][1]) == pytest.approx(LOAD_PER_TOKEN)
+    mine = row.values[SAVED]
+    # The counters start at 0 on the idle page: increase() does not extrapolate below zero, so it is the difference.
+    assert saved["device"] == pytest.approx(mine["device"]) and saved["host"] == 0
