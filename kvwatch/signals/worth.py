@@ -36,14 +36,16 @@ def prefill_seconds_per_token(view: View) -> float | None:
     taken off before dividing, or a fully cached prompt would look costly (on
     the simulator's healthy scenario the plain mean priced the hits 1.9x the
     prefill GPU seconds they saved; less that step, 0.95x). SGLang's extend
-    passes' seconds are GPU time already; without the latency, the mean."""
+    passes' seconds are GPU time already; without the latency, or with
+    nothing left once it is taken off, the mean (an upper bound)."""
     increase = view.increase
     computed = increase.counters.get(LOCAL_COMPUTE)
     prefill, itl = increase.histograms.get("prefill_time"), increase.histograms.get("inter_token_latency")
     if not computed or prefill is None or itl is None or not itl.count or prefill.sum <= 0:
         return _prefill_seconds_per_token(view)
     marginal = prefill.sum - prefill.count * itl.sum / itl.count
-    return marginal / computed if marginal > 0 else None
+    # Prefill no longer than a step a request: its share cannot be told apart; the mean is an upper bound.
+    return marginal / computed if marginal > 0 else _prefill_seconds_per_token(view)
 
 
 def _tier_tokens(view: View) -> dict[str, float]:
@@ -176,9 +178,8 @@ PER_TOKEN_PROMQL = (
     "(\n  (\n    (" + _increase("kvwatch_engine_request_prefill_time_seconds_sum") + "\n     - on ({by}) "
     + _increase("kvwatch_engine_request_prefill_time_seconds_count") + "\n     * on ({by}) ("
     + _increase("kvwatch_engine_inter_token_latency_seconds_sum") + "\n       / on ({by}) ("
-    + _increase("kvwatch_engine_inter_token_latency_seconds_count") + " > 0))) > 0\n  )\n  or\n  (("
-    + _increase("kvwatch_engine_request_prefill_time_seconds_sum") + " > 0)\n   unless on ({by}) ("
-    + _increase("kvwatch_engine_inter_token_latency_seconds_count") + " > 0))\n  or\n  ("
+    + _increase("kvwatch_engine_inter_token_latency_seconds_count") + " > 0))) > 0\n  )\n  or\n  ("
+    + _increase("kvwatch_engine_request_prefill_time_seconds_sum") + " > 0)\n  or\n  ("
     + _increase("kvwatch_engine_prefill_forward_seconds_total") + " > 0)\n)\n/ on ({by}) ("
     + _increase("kvwatch_engine_prompt_tokens_by_source_total", ',source="local_compute"') + " > 0)")
 
