@@ -10,6 +10,7 @@ name, the environment variable KVWATCH_ + its name, the flag --its-name;
 
 from __future__ import annotations
 
+import math
 import os
 import ssl
 from dataclasses import dataclass, field, fields
@@ -181,6 +182,16 @@ def _positive_int(value: Any) -> int:
     return number
 
 
+def _price(value: Any) -> float:
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{value!r} is not a number (a price per GPU-hour, e.g. 2.5)") from None
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{value!r} must be a positive price per GPU-hour")
+    return number
+
+
 def _optional(parse):
     """`parse`, with None and "" read as unset."""
     return lambda value: None if value in (None, "") else parse(value)
@@ -292,6 +303,12 @@ class Settings:
     # the ledger samples the hash space (kvwatch/kvevents/ledger.py).
     kv_events_table_bytes: int = field(default=32 * 1024 * 1024, metadata=setting(
         parse_size, "memory for tracked blocks (about 110 B each); past it the hash space is sampled"))
+    # What the cache is worth is in the engine's own prefill seconds first; a
+    # price turns those GPU-seconds into money (kvwatch/signals/worth.py).
+    gpu_hour_price: float | None = field(default=None, metadata=setting(
+        _optional(_price), "a price per GPU-hour, to show what the cache saves, loses and would buy in money beside "
+        "its GPU-seconds, e.g. 2.5", doc="in your currency; the figures are the engine's prefill request-seconds, "
+        "not a bill"))
     # Protect kvwatch's own endpoints (/healthz and /readyz stay open for probes).
     auth_token_file: str | None = field(default=None, metadata=setting(
         _auth_token_file, "require this bearer token on kvwatch's endpoints (not /healthz, /readyz)",

@@ -26,7 +26,7 @@ import pytest
 from kvwatch.pipeline.monitor import Monitor
 from kvwatch.settings import load_settings
 from kvwatch.sidecar.app import create_app
-from kvwatch.signals import ENGINE_SERIES, SIGNALS_BY_NAME
+from kvwatch.signals import ENGINE_SERIES, SIGNALS_BY_NAME, worth
 from mixin_support import GRAFANA_VARIABLES, RULES, dashboard_exprs, load_dashboards, load_rules, metric_names
 from pageserver import Answer, LoopbackServer, serving
 from promstack import prometheus, query, query_range, wait_until
@@ -149,6 +149,17 @@ def test_the_offload_tier_panels_and_records_return_data(offload_stack):
     assert [round(float(one["value"][1])) for one in moved] == [3 * 131072]
     [row] = offload_stack["monitor"].state.per_engine
     assert row.values["kvwatch_cache_tier_cost_ratio"]["offload"] == pytest.approx(0.3)
+    # What the cache saved, as the sidecar counts it: per step of the pages the device tier's 30,000 tokens
+    # at 0.0005 s (15 s) and the host (offload) tier's less its 4.5 s of loads and lookups (10.5 s); over any
+    # range both are the same multiple of a step, so Prometheus' twin keeps their ratio and the per-token rate.
+    scope = {"sel": f'model_name="{MODEL}"', "w": "10s", "by": "model_name, engine"}
+    saved = {one["metric"]["tier"]: float(one["value"][1]) for one in query(
+        prom, SIGNALS_BY_NAME["kvwatch_cache_saved_prefill_seconds"].promql.format(**scope))}
+    assert saved["host"] / saved["device"] == pytest.approx(10.5 / 15.0) and saved["disk"] == 0
+    mine = row.values["kvwatch_cache_saved_prefill_seconds"]
+    assert mine["host"] / mine["device"] == pytest.approx(10.5 / 15.0)
+    per_token = query(prom, worth.PER_TOKEN_PROMQL.format(**scope))
+    assert [round(float(one["value"][1]), 9) for one in per_token] == [0.0005]
 
 
 def test_the_pages_carry_forward_as_a_to_b(fixtures_dir):

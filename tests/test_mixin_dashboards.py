@@ -395,3 +395,16 @@ def test_legends_follow_a_customised_instance_label():
             legends = [t.get("legendFormat") or "" for p in iter_panels(dashboard) for t in p.get("targets", [])]
             assert not any("{{instance}}" in legend for legend in legends), name
             assert any(legend.startswith("{{pod}} {{model_name}} engine {{engine}}") for legend in legends), name
+
+
+def test_the_prefix_cache_board_closes_with_what_the_cache_is_worth(dashboards):
+    board = dashboards["kvwatch-prefix-cache.json"]
+    rows = [p for p in board["panels"] if p["type"] == "row"]
+    assert rows[-1]["title"] == "What the cache is worth"
+    after = [p for p in board["panels"] if p["gridPos"]["y"] > rows[-1]["gridPos"]["y"]]
+    exprs = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in after}
+    assert set(exprs) == {"Prefill seconds the cache saved, by tier", "Prefill seconds lost to recomputation",
+                          "Prefill seconds per hour more cache would buy (estimate)"}
+    assert "kvwatch_engine_prompt_tokens_cached_by_source_total" in exprs["Prefill seconds the cache saved, by tier"]
+    assert "kvwatch_kv_events_lost_prefill_seconds" in exprs["Prefill seconds lost to recomputation"]
+    assert all(p["fieldConfig"]["defaults"]["unit"] == "s" for p in after)

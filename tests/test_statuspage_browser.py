@@ -103,6 +103,9 @@ def test_page_refreshes_findings_live_without_console_errors(fixtures_dir, tmp_p
     # beside the trend's last 30 s point read as two answers to one question).
     assert re.search(r'<p class="muted span-note">KV usage, Headroom, Waiting: the last poll; Hit ratio, TTFT p95, '
                      r'Preempt/s: over the last \d+ s\.</p>', dom)
+    # What the cache is worth, drawn by the script from /api/v1/signals (the idle render had none).
+    worth = re.search(r'<section id="worth"><h2>What the cache is worth</h2>(.*?)</section>', dom, re.S)
+    assert worth is not None and "<p>Saved: " in worth.group(1) and "not wall time or a bill" in worth.group(1)
 
 
 def test_central_modes_page_of_one_replica_refreshes_that_replica(tmp_path):

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from typing import Any
 
 from kvwatch.capacity import arithmetic as cap
@@ -19,6 +20,8 @@ from kvwatch.capacity import hardware, live
 from kvwatch.capacity.arithmetic import CapacityInputError
 from kvwatch.capacity.model_config import load_model_config
 from kvwatch.present import printable
+from kvwatch.units import parse_duration
+from kvwatch.signals import worth
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
 
@@ -65,6 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a running kvwatch reading the engine's KV-cache events (serve --kv-events), e.g. "
                         "http://127.0.0.1:9400: print its sizing curve, the extra cache that would have kept the "
                         "blocks stored again after their eviction, estimated from the stream")
+    needed = parser.add_argument_group(
+        "what an objective needs, from history (--prometheus, as kvwatch diagnose --prometheus)")
+    needed.add_argument("--prometheus", metavar="URL",
+                        help="a Prometheus-compatible query API holding vLLM's series: invert --ttft-p95 over its "
+                        "history into the replicas or KV cache per replica the observed peak needs")
+    needed.add_argument("--ttft-p95", metavar="SECONDS", help="the objective: first-token p95 under this, e.g. 2s")
+    needed.add_argument("--since", default="6h", help="range ending now (default 6h)")
+    needed.add_argument("--from", dest="from_", metavar="TIME", help="range start: Unix seconds or RFC 3339")
+    needed.add_argument("--to", metavar="TIME", help="range end: Unix seconds or RFC 3339 (default now)")
+    needed.add_argument("--step", help="time between points (default: from the range, at least 15s)")
+    needed.add_argument("--rate-window", default="5m", help="the first-token p95's rate window (default 5m)")
+    needed.add_argument("--selector", default="", help="label selector of the series, e.g. '{namespace=\"llm\"}'")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -132,6 +147,8 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything the command prints, as one JSON-ready dict."""
     if getattr(args, "kvwatch", None):
         return _stream_report(args.kvwatch)
+    if getattr(args, "prometheus", None):
+        return _needed_report(args)
     kv_dtype = _check_dtype(args.kv_dtype)
     if args.block_size is not None and args.block_size <= 0:
         raise CapacityInputError(f"--block-size must be a positive integer, got {args.block_size}")
@@ -186,6 +203,49 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _needed_range(args: argparse.Namespace) -> tuple[float, float, float, float]:
+    """(objective, start, end, step) from the flags, or one sentence of what is wrong."""
+    from kvwatch.commands.diagnose import _time
+    from kvwatch.history.query import check_selector, choose_step
+
+    if args.ttft_p95 is None:
+        raise CapacityInputError("--prometheus needs the objective: --ttft-p95 SECONDS (first-token p95 under it)")
+    try:
+        objective = parse_duration(args.ttft_p95)
+        end = _time(args.to) if args.to else time.time()
+        start = _time(args.from_) if args.from_ else end - parse_duration(args.since)
+        step = parse_duration(args.step) if args.step else choose_step(start, end)
+        parse_duration(args.rate_window)
+    except ValueError as exc:
+        raise CapacityInputError(f"--ttft-p95, --from/--to/--since, --step or --rate-window: {exc}") from None
+    problem = check_selector(args.selector)
+    if problem or objective <= 0 or start >= end:
+        raise CapacityInputError(problem or ("--ttft-p95 must be above 0" if objective <= 0 else
+                                             "the range is empty: --from must be before --to"))
+    return objective, start, end, step
+
+
+def _needed_report(args: argparse.Namespace) -> dict[str, Any]:
+    """What the objective needs at the observed peak, per model, from the store's history."""
+    from kvwatch.capacity import needed
+    from kvwatch.history import needed as history
+    from kvwatch.history.query import PrometheusClient, QueryError
+
+    objective, start, end, step = _needed_range(args)
+    client = PrometheusClient(args.prometheus, timeout=live.FETCH_TIMEOUT_S * 4)
+    try:
+        shape = history.read_shape(client, start, end, args.selector)
+        steps = history.read_steps(client, start, end, step, args.selector, args.rate_window) if shape else {}
+    except QueryError as exc:
+        raise CapacityInputError(f"cannot read {args.prometheus}: {exc}") from None
+    if shape is None:
+        raise CapacityInputError(f"{args.prometheus} holds no vllm:cache_config_info stating num_gpu_blocks in "
+                                 "the range: nothing to size the cache from")
+    results = [needed.needed(model, model_steps, objective, shape) for model, model_steps in sorted(steps.items())]
+    return {"mode": "needed", "prometheus": args.prometheus, "start": start, "end": end, "step": step,
+            "objective_ttft_p95_seconds": objective, "models": results}
+
+
 def _stream_report(url: str) -> dict[str, Any]:
     """The sizing curve a running kvwatch estimates from the engine's
     KV-cache events (kvwatch/kvevents/source.py: sizing_curve)."""
@@ -220,10 +280,10 @@ def _stream_report(url: str) -> dict[str, Any]:
             "page_engine": stream.get("page_engine")}
 
 
-_STREAM_NUMBERS = {"window": ("seconds", "stored", "stored_again", "stored_again_ratio"),
+_STREAM_NUMBERS = {"window": ("seconds", "stored", "stored_again", "stored_again_ratio", "lost_prefill_seconds"),
                    "sizing": ("hit_ratio_now", "cache_blocks")}
 _POINT_NUMBERS = ("extra_cache", "extra_blocks", "extra_bytes", "blocks_kept", "recomputation_avoided_ratio",
-                  "hit_ratio")
+                  "hit_ratio", "extra_gib", "saved_prefill_seconds_per_hour")
 
 
 def _stream_shape_problem(stream: dict, window: Any, sizing: Any) -> str | None:
@@ -244,6 +304,10 @@ def _stream_shape_problem(stream: dict, window: Any, sizing: Any) -> str | None:
     points = sizing.get("points") or []
     if not isinstance(points, list) or not all(isinstance(point, dict) for point in points):
         return "sizing.points is not a list of objects"
+    knee = sizing.get("diminishing_returns")
+    if knee is not None and not (isinstance(knee, dict) and knee.get("extra_cache") is not None
+                                 and all(_number_or_none(knee.get(key)) for key in _POINT_NUMBERS)):
+        return "sizing.diminishing_returns is not a point of finite numbers"
     for point in points:
         if not all(_number_or_none(point.get(key)) for key in _POINT_NUMBERS) or point.get("extra_cache") is None \
                 or point.get("extra_blocks") is None or point.get("blocks_kept") is None:
@@ -270,15 +334,19 @@ def _stream_lines(report: dict[str, Any]) -> list[str]:
            f"({(window.get('stored_again_ratio') or 0):.0%})"
            + (f", hit ratio {sizing['hit_ratio_now']:.1%} (the page's)" if sizing.get("hit_ratio_now") is not None
               else ""), ""]
-    rows = [["extra cache", "extra blocks", "extra bytes", "blocks kept", "recomputation avoided", "hit ratio"]]
+    rows = [["extra cache", "extra blocks", "extra bytes", "blocks kept", "recomputation avoided", "hit ratio",
+             "prefill s/h bought"]]
     for point in sizing.get("points") or []:
         rows.append([f"x{point['extra_cache']:g}", _n(point["extra_blocks"]),
                      f"{point['extra_bytes'] / 2**20:,.0f} MiB" if point.get("extra_bytes") is not None else "-",
                      _n(round(point["blocks_kept"])),
                      f"{point['recomputation_avoided_ratio']:.0%}" if point.get("recomputation_avoided_ratio")
                      is not None else "-",
-                     f"{point['hit_ratio']:.1%}" if point.get("hit_ratio") is not None else "-"])
+                     f"{point['hit_ratio']:.1%}" if point.get("hit_ratio") is not None else "-",
+                     f"{point['saved_prefill_seconds_per_hour']:,.3g}"
+                     if point.get("saved_prefill_seconds_per_hour") is not None else "-"])
     out += _table(rows[0], rows[1:])
+    out += [""] + worth.stream_lines(window, sizing)
     out += ["", f"Cache now: {_n(round(sizing.get('cache_blocks') or 0))} blocks. " + (sizing.get("note") or "") + "."]
     if report.get("sampling_rate") not in (None, 1, 1.0):
         out.append(f"The ledger sampled {report['sampling_rate']:.3g} of the hash space; counts are scaled from it.")
@@ -509,6 +577,14 @@ def render_table(report: dict[str, Any]) -> str:
     out = [f"kvwatch capacity ({report['mode']})", ""]
     if report["mode"] == "kv-events":
         return "\n".join(out + _stream_lines(report))
+    if report["mode"] == "needed":
+        from kvwatch.capacity.needed import lines
+
+        if not report["models"]:
+            out.append("No vllm:num_requests_running series in the range: nothing to size.")
+        for result in report["models"]:
+            out += lines(result) + [""]
+        return "\n".join(out).rstrip()
     out = [answer_line(report), "", *out]
     if report.get("hardware"):
         out += _hardware_lines(report["hardware"])

@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     failfast.add_arguments(parser, "polling")
     parser.add_argument("--config", help="YAML config file (diagnosis thresholds, TLS, upstream, ...)")
     parser.add_argument("--engine", help=flag_help("engine"))
+    parser.add_argument("--gpu-hour-price", help=flag_help("gpu_hour_price"))
     parser.add_argument("--replay", metavar="CAPTURE",
                         help="replay a capture folder or .tar.gz bundle at its recorded times instead of polling")
     history = parser.add_argument_group("history (--prometheus)")
@@ -92,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(parsed)
     duration, interval, max_failures = parsed
     # The window spans the whole run, so every poll counts.
-    overrides = {"target": args.target, "engine": args.engine, "poll_interval": interval, "window": max(duration, 2 * interval) + interval}
+    overrides = {"target": args.target, "engine": args.engine, "poll_interval": interval, "window": max(duration, 2 * interval) + interval,
+                 "gpu_hour_price": args.gpu_hour_price}
     try:
         settings = load_settings(args.config, overrides)
     except SettingsError as exc:
@@ -213,25 +215,10 @@ def _report(args: argparse.Namespace, settings: Settings, final: State, last_goo
     actionable = [f for f in last_good.findings if is_actionable(f)]
     exit_code = EXIT_FINDINGS if actionable else EXIT_OK
     if args.json:
-        print(json.dumps({
-            "target": signals["target"],
-            "engine": signals["engine"],
-            "dark_signals": signals["dark_signals"],
-            "polls": polls,
-            "failed_polls": sum(final.errors_by_reason.values()),
-            "last_poll_up": final.up,
-            "stopped": stopped,
-            "window_covered_seconds": last_good.window_seconds,
-            "engines": signals["engines"],
-            "models": signals["models"],
-            "findings": diagnosis["findings"],
-            "events": diagnosis["events"],
-            "upstream": diagnosis["upstream"],
-            "lmcache": diagnosis["lmcache"],
-            "exit_code": exit_code,
-        }, indent=2))
+        print(json.dumps(_json_report(signals, diagnosis, polls, final, stopped, last_good, exit_code), indent=2))
     else:
         print_report(TerminalText(sys.stdout), signals, diagnosis, polls, final)
+        print_worth(TerminalText(sys.stdout), signals["worth"])
     return exit_code
 
 
@@ -246,6 +233,38 @@ def _table(rows: list[list[str]], out: TextOut, indent: str = "") -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
+
+
+def _json_report(signals: dict[str, Any], diagnosis: dict[str, Any], polls: int, final: Any, stopped: str | None,
+                 last_good: Any, exit_code: int) -> dict[str, Any]:
+    """The one JSON object `--json` prints."""
+    return {
+        "target": signals["target"],
+        "engine": signals["engine"],
+        "dark_signals": signals["dark_signals"],
+        "polls": polls,
+        "failed_polls": sum(final.errors_by_reason.values()),
+        "last_poll_up": final.up,
+        "stopped": stopped,
+        "window_covered_seconds": last_good.window_seconds,
+        "engines": signals["engines"],
+        "models": signals["models"],
+        "findings": diagnosis["findings"],
+        "events": diagnosis["events"],
+        "upstream": diagnosis["upstream"],
+        "lmcache": diagnosis["lmcache"],
+        "worth": signals["worth"],
+        "exit_code": exit_code,
+    }
+
+
+def print_worth(out: TextOut, worth: list[dict[str, Any]]) -> None:
+    """What the cache is worth per engine, in the sentences the status page shows."""
+    for item in worth:
+        where = item["model_name"] + ("" if item.get("engine") is None else f"/{item['engine']}")
+        print(f"\nWHAT THE CACHE IS WORTH [{where}]", file=out)
+        for line in item.get("lines") or []:
+            print(textwrap.fill(line, width=110, initial_indent="  ", subsequent_indent="    "), file=out)
 
 
 def print_report(out: TextOut, signals: dict[str, Any], diagnosis: dict[str, Any], polls: int, final) -> None:

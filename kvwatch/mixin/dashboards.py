@@ -348,7 +348,37 @@ def prefix_cache(config: MixinConfig) -> Board:
     b.add(_findings_panel(v, "findings", "low_hit_rate", ANCHOR_HIT))
     _lmcache_row(b, v)
     _stream_row(b, v)
+    b.closing.append(lambda board: _worth_row(board, v))
     return b
+
+
+def _worth_row(b: Board, v: Views) -> None:
+    """What the cache is worth, in the engine's own prefill seconds
+    (kvwatch/signals/worth.py): saved by its hits, lost to recomputation,
+    bought by more memory. Laid out after the catalogue's cache panels."""
+    inst = b.config.instance_label
+    scope = Scope(TARGET_SEL, RATE, (inst,))
+    e = v.engine_legend
+    empty = " Empty unless kvwatch reads the engine's KV-cache events (--kv-events)."
+    b.row("What the cache is worth")
+    b.add(PanelSpec("worth_saved", "Prefill seconds the cache saved, by tier",
+                    v.help("kvwatch_cache_saved_prefill_seconds") + " Over the rate interval; request-seconds, "
+                    "not wall time.", UNITS["seconds"].grafana,
+                    [(v.sig("kvwatch_cache_saved_prefill_seconds"), "{{tier}} " + e)], width=8, stacked=True,
+                    runbook=ANCHOR_HIT, signal="kvwatch_cache_saved_prefill_seconds"))
+    b.add(PanelSpec("worth_lost", "Prefill seconds lost to recomputation",
+                    v.help("kvwatch_cache_lost_prefill_seconds") + " With the event stream, also the blocks "
+                    "evicted before their reuse and computed again (counted).", UNITS["seconds"].grafana,
+                    [(v.sig("kvwatch_cache_lost_prefill_seconds"), "preempted, page bound " + e),
+                     (STREAM_SIGNALS_BY_NAME["kvwatch_kv_events_lost_prefill_seconds"].promql.format(
+                         sel=scope.sel, w=scope.w, by=scope.by_text), "evicted before reuse, stream " + v.instance_legend)],
+                    width=8, runbook=ANCHOR_EXHAUSTED, signal="kvwatch_cache_lost_prefill_seconds"))
+    b.add(PanelSpec("worth_bought", "Prefill seconds per hour more cache would buy (estimate)",
+                    next(s for s in STREAM_SIZING if s.key == "saved_prefill_seconds_per_hour").help + " Each line one size; its GiB: kvwatch_kv_events_sizing_extra_bytes."
+                    + empty, UNITS["seconds"].grafana,
+                    [(f"kvwatch_kv_events_sizing_saved_prefill_seconds_per_hour{{{TARGET_SEL}}}",
+                      "x{{extra_cache}} more " + v.instance_legend)], width=8, runbook=ANCHOR_HIT,
+                    signal="kvwatch_kv_events_sizing_saved_prefill_seconds_per_hour"))
 
 
 def _stream_row(b: Board, v: Views) -> None:

@@ -36,6 +36,7 @@ from kvwatch.present import public_host, public_url
 from kvwatch.scrape import Fetcher, FetchResult, PageSource, failure_sentence
 from kvwatch.settings import Settings
 from kvwatch.signals import Evaluated, evaluate_window
+from kvwatch.signals.worth import with_worth
 from kvwatch.snapshot import Snapshot
 from kvwatch.window import Window
 
@@ -417,7 +418,8 @@ class Monitor:
                 self._event(Change(when, kind, model, engine, detail))
             recent = min(diagnosis.resolve_thresholds(self.settings.diagnosis)["hit_recent_seconds"],
                          self.window.seconds / 2)
-            return with_page(self.kv_events.report(at, recent_seconds=recent), per_engine)
+            joined = with_page(self.kv_events.report(at, recent_seconds=recent), per_engine)
+            return with_worth(joined, getattr(per_engine[0], "view", None) if per_engine else None)
         except Exception:  # pragma: no cover - defensive: the stream must not take the engine's poll down
             log.exception("reading the KV-cache event stream failed")
             return None

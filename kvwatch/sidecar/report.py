@@ -12,6 +12,7 @@ from kvwatch.engines.plausible import faults_json
 from kvwatch.kvevents.source import public_report as public
 from kvwatch.present import clean, public_url
 from kvwatch.signals import SIGNALS, WHOLE_BLOCK_SIGNALS, blocks_hold_capacity
+from kvwatch.signals import worth
 from kvwatch.signals.catalogue import caveats, unlit_reasons
 from kvwatch.snapshot import hybrid_cache
 
@@ -222,9 +223,18 @@ def signals_json(state, settings) -> dict[str, Any]:
         # The diagnosis' thresholds in force (defaults overlaid with the
         # settings' `diagnosis:`): the page colours values by these.
         "thresholds": resolve_thresholds(settings.diagnosis),
+        # What the cache is worth per engine (kvwatch/signals/worth.py), in seconds and at the price.
+        "worth": worth_json(state, settings) if snapshot else [],
         # The simulator's phase now and the next: only where demo_target is set (make run).
         **({"demo": getattr(state, "demo", None)} if getattr(settings, "demo_target", None) else {}),
     }
+
+
+def worth_json(state, settings) -> list[dict[str, Any]]:
+    stream = getattr(state, "kv_events", None)
+    price = getattr(settings, "gpu_hour_price", None)
+    found = (worth.summary(row.model, row.engine, row.values, row.view, stream, price) for row in state.per_engine)
+    return [clean(item) for item in found if item is not None]
 
 
 def finding_json(finding, since: float | None = None) -> dict[str, Any]:

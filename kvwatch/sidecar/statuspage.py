@@ -318,6 +318,20 @@ def _stream_html(diagnosis: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _worth_html(signals: dict[str, Any]) -> str:
+    """What the cache is worth per engine: the sentences kvwatch/signals/worth.py writes."""
+    worth = signals.get("worth") or []
+    if not worth:
+        return ""
+    out = ["<h2>What the cache is worth</h2>"]
+    for item in worth:
+        if len(worth) > 1:
+            where = item["model_name"] + ("" if item.get("engine") is None else f" / {item['engine']}")
+            out.append(f'<p class="muted">{_e(where)}</p>')
+        out += [f"<p>{_e(line)}</p>" for line in item.get("lines") or []]
+    return "".join(out)
+
+
 def _signals_html(signals: dict[str, Any]) -> str:
     columns = signal_columns(signals)
     if not columns:
@@ -415,6 +429,7 @@ def render_status_page(state, settings, nav: str = "") -> str:
 <section id="engines"></section>
 <section id="trends"></section>
 <section id="findings"></section>
+<section id="worth"></section>
 <section id="changes"></section>
 {_dark_html(signals)}
 <noscript>
@@ -422,6 +437,7 @@ def render_status_page(state, settings, nav: str = "") -> str:
 {_faults_html(signals)}
 {_findings_html(diagnosis)}
 {_signals_html(signals)}
+{_worth_html(signals)}
 {_tier_html(diagnosis)}
 {_stream_html(diagnosis)}
 </noscript>

@@ -40,6 +40,7 @@ from kvwatch.signals.health import (  # noqa: F401 (the public names re-exported
     CENTRAL_HEALTH, GOOD_DIRECTIONS, HEALTH, HEALTH_BY_NAME, SCRAPE, STREAM_HEALTH, TIER_HEALTH, UNITS, HealthFamily,
     Unit,
 )
+import kvwatch.signals.worth as worth
 from kvwatch.signals.series import ENGINE_SERIES, TIER_SERIES
 
 # Why a quantile's twin differs: only where the quantile falls in the first bucket.
@@ -356,6 +357,38 @@ SIGNALS: tuple[Signal, ...] = (
            "HiCache host tier: sglang:hicache_backup_bytes_total plus load_back_bytes_total (draft transfers "
            "included) over prefill_effective_tokens_total{mode=\"host_hit\"}; its storage tier (L3) exports no "
            "bytes.")),
+    # --- what the cache is worth (kvwatch/signals/worth.py) ---
+    Signal("kvwatch_cache_saved_prefill_seconds", "seconds",
+           "Prefill seconds the cache saved in the window, by tier: tokens served x prefill seconds per computed token.",
+           worth.saved_seconds, "prefix", worth.SAVED_PROMQL, label="tier",
+           record=("kvwatch_cache_saved_prefill_seconds", "increase{w}"),
+           needs=("prompt_tokens_by_source", "prefill_time|prefill_forward_seconds"),
+           display="Prefill seconds the cache saved", good="high",
+           doc=("Prefill seconds the cache saved in the window, by tier: the prompt tokens each tier served x the "
+           "window's marginal prefill seconds per computed token, less the seconds that tier took to load them back "
+           "where the engine measures it. The rate is the engine's own: vllm:request_prefill_time_seconds sum less "
+           "one mean vllm:inter_token_latency_seconds a request (the step every prompt rides on, cached or not; "
+           "SGLang: forward_execution_seconds_total{category=\"forward_extend\"}) over "
+           "prompt_tokens_by_source_total{source=\"local_compute\"}; with batching those are request-seconds, not "
+           "wall time. Tiers: vllm:prompt_tokens_cached_by_source_total (0.32+: device, host, ...), else "
+           "prompt_tokens_by_source_total local_cache_hit (tier=\"local\") and external_kv_transfer "
+           "(tier=\"external\"); SGLang prefill_effective_tokens_total{mode}. Load-back: vLLM's offload tier "
+           "(kv_offload_load_time_total and its lookup delays: tier host from 0.32, external before), SGLang's "
+           "load_back_duration_seconds (host). Priced per GPU-hour with gpu_hour_price.")),
+    Signal("kvwatch_cache_lost_prefill_seconds", "seconds",
+           "Prefill seconds the window spent recomputing preempted requests' prompts (vLLM: an upper bound).",
+           worth.lost_seconds, "exhaustion", worth.LOST_PROMQL,
+           record=("kvwatch_cache_lost_prefill_seconds", "increase{w}"),
+           needs=("preemptions", "prompt_tokens_by_source", "prefill_time|prefill_forward_seconds"),
+           display="Prefill seconds lost to preemption", good="low",
+           doc=("Prefill seconds the window spent computing again the prompts of preempted (SGLang: retracted) "
+           "requests, at the window's prefill seconds per computed token (as kvwatch_cache_saved_prefill_seconds). "
+           "SGLang counts the tokens (num_retracted_input_tokens_total); on vLLM it is an UPPER BOUND from the "
+           "page, preemptions x the mean prompt of the requests finished in the window, as "
+           "kvwatch_prefill_recomputed_ratio. With the event stream on, kvwatch_kv_events_lost_prefill_seconds "
+           "counts the blocks actually stored again after their eviction instead. Under heavy preemption the rate "
+           "itself runs high (a preempted request's prefill time runs from its first scheduling): on the "
+           "simulator's exhaustion scenario 6x the prefill seconds spent recomputing.")),
     Signal("kvwatch_kv_offload_lookup_delay_mean_seconds", "seconds",
            "Mean time of the offload tier's lookups in the window, by kind (sync, async).",
            _offload_lookup_delay, "prefix",
@@ -574,7 +607,14 @@ STREAM_SIGNALS: tuple[StreamSignal, ...] = (
                  "histogram_quantile(0.5, sum by ({by}, le) (rate(kvwatch_kv_events_eviction_return_seconds_bucket"
                  "{{{sel}}}[{w}])))", "Eviction to return (median)",
                  doc=("Median time from a block's eviction to its return over the window (the bucket bound of "
-                 "kvwatch_kv_events_eviction_return_seconds); absent with no returns.")),
+                 "kvwatch_kv_events_eviction_return_seconds); absent with no returns.")),    StreamSignal("kvwatch_kv_events_lost_prefill_seconds", "seconds", "lost_prefill_seconds",
+                 "Prefill seconds the window spent computing again blocks evicted before their reuse.",
+                 "max by ({by}) (kvwatch_kv_events_lost_prefill_seconds{{{sel}}})",
+                 "Prefill seconds lost to eviction before reuse", good="low",
+                 doc=("Prefill seconds the window spent computing again blocks evicted before their reuse, a "
+                 "preempted request's evicted prefix included: blocks stored again after their eviction x block "
+                 "size x the page's prefill seconds per computed token (as kvwatch_cache_saved_prefill_seconds); "
+                 "absent without the page's prefill time to price them at.")),
 )
 STREAM_SIGNALS_BY_NAME = {signal.name: signal for signal in STREAM_SIGNALS}
 
@@ -591,5 +631,14 @@ STREAM_SIZING: tuple[StreamSignal, ...] = (
                  "Estimated share of the window's blocks stored again after eviction that a cache larger by "
                  "`extra_cache` times the engine's would have kept.",
                  "max by ({by}, extra_cache) (kvwatch_kv_events_sizing_recomputation_avoided_ratio{{{sel}}})",
-                 "Recomputation avoided", good="high"),
+                 "Recomputation avoided", good="high"),    StreamSignal("kvwatch_kv_events_sizing_saved_prefill_seconds_per_hour", "seconds", "saved_prefill_seconds_per_hour",
+                 "Estimated prefill seconds per hour a cache larger by `extra_cache` times the engine's would have "
+                 "saved (blocks kept x block size x the page's prefill seconds per computed token).",
+                 "max by ({by}, extra_cache) (kvwatch_kv_events_sizing_saved_prefill_seconds_per_hour{{{sel}}})",
+                 "Prefill seconds per hour more cache buys", good="high"),
+    StreamSignal("kvwatch_kv_events_sizing_extra_bytes", "bytes", "extra_bytes",
+                 "The memory `extra_cache` times the engine's cache costs: its extra blocks x bytes per block "
+                 "(vllm:cache_config_info).",
+                 "max by ({by}, extra_cache) (kvwatch_kv_events_sizing_extra_bytes{{{sel}}})",
+                 "Extra KV cache memory"),
 )

@@ -657,6 +657,17 @@
     swap("changes", section);
   }
 
+  // What the cache is worth per engine: the server writes the sentences (kvwatch/signals/worth.py: lines).
+  function renderWorth(signals) {
+    var section = el("section"), worth = signals.worth || [];
+    if (worth.length) section.appendChild(el("h2", null, "What the cache is worth"));
+    worth.forEach(function (w) {
+      if (worth.length > 1) section.appendChild(el("p", "muted", w.model_name + (w.engine == null ? "" : " / " + w.engine)));
+      (w.lines || []).forEach(function (line) { section.appendChild(el("p", null, line)); });
+    });
+    swap("worth", section);
+  }
+
   // The signals left dark, grouped by the flag that lights them (dark_groups on the server).
   function darkGroups(dark) {
     var groups = [], index = {};
@@ -708,6 +719,7 @@
     renderEngines(signals, diagnosis, rows);
     renderTrends(row, data.series);
     renderFindings(signals, diagnosis);
+    renderWorth(signals);
     renderChanges(diagnosis);
     renderDark(signals);
   }

@@ -1,0 +1,319 @@
+"""What the cache is worth, in the engine's own prefill seconds: saved by its
+hits, lost to recomputation, bought by more memory. One definition each,
+read by the catalogue (the page's signals), the stream's report (bought,
+lost where the event stream is on), the status page, `kvwatch diagnose` and
+the capacity report.
+
+Every figure is tokens x the window's prefill seconds per computed token
+(the engine's own histograms: vLLM's request_prefill_time_seconds sum,
+SGLang's extend forward passes' seconds, over the tokens it computed). With
+batching those are request-seconds, not wall time: a cost in the engine's
+own measure, not a bill."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvwatch.signals.derivations import (
+    CACHED_BY_SOURCE, HOST_SERVED, LOCAL_COMPUTE, OFFLOAD_SERVED, RETRACTED_PROMPT, View, _offload_added_seconds,
+    _prefill_seconds_per_token, mean_tokens,
+)
+
+# vLLM before 0.32 names two sources of cached prompt tokens (0.16+).
+_BY_SOURCE_TIERS = (("local", "prompt_tokens_by_source/local_cache_hit"), ("external", OFFLOAD_SERVED))
+GIB = float(1 << 30)
+# The point of diminishing returns on the sizing curve: the smallest extra
+# cache that buys this share of what the largest step buys.
+DIMINISHING_SHARE = 0.9
+
+
+def prefill_seconds_per_token(view: View) -> float | None:
+    """The window's marginal prefill seconds per computed prompt token (the
+    one rate every figure here is priced at). vLLM's request prefill time
+    holds at least one engine step whatever the prompt (the step's overhead
+    and its batch-mates' decodes): one mean inter-token latency a request is
+    taken off before dividing, or a fully cached prompt would look costly (on
+    the simulator's healthy scenario the plain mean priced the hits 1.9x the
+    prefill GPU seconds they saved; less that step, 0.95x). SGLang's extend
+    passes' seconds are GPU time already; without the latency, or with
+    nothing left once it is taken off, the mean (an upper bound)."""
+    increase = view.increase
+    computed = increase.counters.get(LOCAL_COMPUTE)
+    prefill, itl = increase.histograms.get("prefill_time"), increase.histograms.get("inter_token_latency")
+    if not computed or prefill is None or itl is None or not itl.count or prefill.sum <= 0:
+        return _prefill_seconds_per_token(view)
+    marginal = prefill.sum - prefill.count * itl.sum / itl.count
+    # Prefill no longer than a step a request: its share cannot be told apart; the mean is an upper bound.
+    return marginal / computed if marginal > 0 else _prefill_seconds_per_token(view)
+
+
+def _tier_tokens(view: View) -> dict[str, float]:
+    counters = view.increase.counters
+    tiers = {key[len(CACHED_BY_SOURCE):]: value for key, value in counters.items() if key.startswith(CACHED_BY_SOURCE)}
+    if tiers:
+        return tiers
+    return {tier: counters[key] for tier, key in _BY_SOURCE_TIERS if key in counters}
+
+
+def _load_back_seconds(view: View, tiers: Mapping[str, float]) -> dict[str, float]:
+    """Seconds the lower tiers took to load back what they served, where the
+    engine measures it: vLLM's offload tier (host from 0.32, external
+    before), SGLang's HiCache host tier."""
+    found = {}
+    offload = _offload_added_seconds(view)
+    if offload is not None:
+        found["host" if "host" in tiers else "external"] = offload
+    load_back = view.increase.histograms.get("hicache_load_back_time")
+    if load_back is not None and HOST_SERVED in view.increase.counters:
+        found["host"] = found.get("host", 0.0) + load_back.sum
+    return found
+
+
+def saved_seconds(view: View) -> dict[str, float] | None:
+    """Prefill seconds the cache saved in the window, by tier: the tokens each
+    tier served x the window's prefill seconds per computed token, less the
+    seconds that tier took to load them back where measured. None without a
+    computed token or prefill time to price them at."""
+    per_token = prefill_seconds_per_token(view)
+    tiers = _tier_tokens(view)
+    if per_token is None or not tiers:
+        return None
+    cost = _load_back_seconds(view, tiers)
+    return {tier: tokens * per_token - cost.get(tier, 0.0) for tier, tokens in tiers.items()}
+
+
+def recomputed_prompt_tokens(view: View) -> tuple[float, bool] | None:
+    """Prompt tokens computed again after a preemption in the window, and
+    whether that is a count (SGLang's retracted tokens) or an upper bound
+    (vLLM: preemptions x the mean prompt of the requests finished)."""
+    counters = view.increase.counters
+    again = counters.get(RETRACTED_PROMPT)
+    if again is not None:
+        return again, True
+    preemptions = counters.get("preemptions")
+    if preemptions is None:
+        return None
+    if preemptions <= 0:
+        return 0.0, True
+    prompt = mean_tokens(view, "prompt_len", "prompt_tokens")
+    return None if prompt is None else (preemptions * prompt, False)
+
+
+def lost_seconds(view: View) -> float | None:
+    """Prefill seconds the window spent recomputing preempted requests'
+    prompts, from the page (recomputed_prompt_tokens x the per-token rate)."""
+    per_token = prefill_seconds_per_token(view)
+    recomputed = recomputed_prompt_tokens(view)
+    if per_token is None or recomputed is None:
+        return None
+    return recomputed[0] * per_token
+
+
+def stream_lost_seconds(window: Mapping[str, Any], block_size: float | None, per_token: float | None) -> float | None:
+    """Prefill seconds spent storing again blocks evicted before their reuse
+    (a preempted request's evicted prefix included), from the event stream."""
+    again = window.get("stored_again")
+    if again is None or not block_size or per_token is None:
+        return None
+    return float(again) * float(block_size) * per_token
+
+
+def bought(sizing: Mapping[str, Any], window_seconds: float, block_size: float | None,
+           per_token: float | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Each sizing-curve step as the extra GiB it costs and the prefill
+    seconds per hour it would have saved (its blocks kept x block size x the
+    per-token rate, over the window), and the point of diminishing returns:
+    the smallest step buying DIMINISHING_SHARE of the largest's saving.
+    Reads the stream's report's existing fields only."""
+    rows = []
+    for point in sizing.get("points") or []:
+        kept, extra_bytes = point.get("blocks_kept"), point.get("extra_bytes")
+        per_hour = (float(kept) * float(block_size) * per_token * 3600.0 / window_seconds
+                    if kept is not None and block_size and per_token is not None and window_seconds > 0 else None)
+        rows.append({"extra_cache": point.get("extra_cache"),
+                     "extra_gib": None if extra_bytes is None else float(extra_bytes) / GIB,
+                     "saved_prefill_seconds_per_hour": per_hour})
+    priced = [row for row in rows if row["saved_prefill_seconds_per_hour"] is not None]
+    if not priced or max(row["saved_prefill_seconds_per_hour"] for row in priced) <= 0:
+        return rows, None
+    best = max(row["saved_prefill_seconds_per_hour"] for row in priced)
+    knee = next(row for row in priced if row["saved_prefill_seconds_per_hour"] >= DIMINISHING_SHARE * best - 1e-12)
+    return rows, knee
+
+
+def with_worth(report: dict[str, Any], view: View | None) -> dict[str, Any]:
+    """The stream's report with what it says the cache is worth: the window's
+    prefill seconds lost to blocks stored again (`window.lost_prefill_seconds`),
+    and each sizing step's GiB and seconds per hour (`sizing.points[]`,
+    `sizing.diminishing_returns`). The one place kvwatch reads the report's
+    fields for this; a report without a view to price it at is left alone."""
+    per_token = None if view is None else prefill_seconds_per_token(view)
+    sizing = dict(report.get("sizing") or {})
+    window = dict(report.get("window") or {})
+    block_size = report.get("block_size") or (None if view is None else view.block_size)
+    window["lost_prefill_seconds"] = stream_lost_seconds(window, block_size, per_token)
+    rows, knee = bought(sizing, float(window.get("seconds") or 0.0), block_size, per_token)
+    points = [dict(point, **row) for point, row in zip(sizing.get("points") or [], rows)]
+    sizing.update(points=points, diminishing_returns=knee)
+    return dict(report, window=window, sizing=sizing)
+
+
+def currency(seconds: float | None, gpu_hour_price: float | None) -> float | None:
+    """GPU-seconds at a price per GPU-hour (the setting), None without one."""
+    if seconds is None or gpu_hour_price is None:
+        return None
+    return seconds / 3600.0 * gpu_hour_price
+
+
+# --- the PromQL twins ({sel}, {w}, {by} as in the catalogue) -----------------
+
+def _increase(metric: str, extra: str = "") -> str:
+    return f"sum by ({{by}}) (increase({metric}{{{{{{sel}}{extra}}}}}[{{w}}]))"
+
+
+# The window's prefill seconds per computed prompt token (vLLM's prefill
+# histogram's sum, else SGLang's extend forward passes' seconds).
+PER_TOKEN_PROMQL = (
+    "(\n  (\n    (" + _increase("kvwatch_engine_request_prefill_time_seconds_sum") + "\n     - on ({by}) "
+    + _increase("kvwatch_engine_request_prefill_time_seconds_count") + "\n     * on ({by}) ("
+    + _increase("kvwatch_engine_inter_token_latency_seconds_sum") + "\n       / on ({by}) ("
+    + _increase("kvwatch_engine_inter_token_latency_seconds_count") + " > 0))) > 0\n  )\n  or\n  ("
+    + _increase("kvwatch_engine_request_prefill_time_seconds_sum") + " > 0)\n  or\n  ("
+    + _increase("kvwatch_engine_prefill_forward_seconds_total") + " > 0)\n)\n/ on ({by}) ("
+    + _increase("kvwatch_engine_prompt_tokens_by_source_total", ',source="local_compute"') + " > 0)")
+
+_TIER_TOKENS_PROMQL = (
+    "(\n  sum by ({by}, tier) (label_replace(increase(kvwatch_engine_prompt_tokens_cached_by_source_total{{{sel}}}[{w}]), "
+    "\"tier\", \"$1\", \"source\", \"(.*)\"))\n  or\n  (\n    (\n"
+    "      label_replace(" + _increase("kvwatch_engine_prompt_tokens_by_source_total", ',source="local_cache_hit"')
+    + ", \"tier\", \"local\", \"\", \"\")\n      or\n"
+    "      label_replace(" + _increase("kvwatch_engine_prompt_tokens_by_source_total", ',source="external_kv_transfer"')
+    + ", \"tier\", \"external\", \"\", \"\")\n    )\n"
+    "    unless on ({by}) " + _increase("kvwatch_engine_prompt_tokens_cached_by_source_total") + "\n  )\n)")
+
+_OFFLOAD_SECONDS_PROMQL = (
+    "(" + _increase("kvwatch_engine_kv_offload_load_seconds_total")
+    + "\n     + on ({by}) (" + _increase("kvwatch_engine_kv_offload_lookup_sync_delay_seconds_sum") + " or "
+    + _increase("kvwatch_engine_kv_offload_load_seconds_total") + " * 0)\n     + on ({by}) ("
+    + _increase("kvwatch_engine_kv_offload_lookup_async_delay_seconds_sum") + " or "
+    + _increase("kvwatch_engine_kv_offload_load_seconds_total") + " * 0))")
+
+# The offload tier's seconds go to tier host (vLLM 0.32+) or external (before).
+_LOAD_BACK_PROMQL = (
+    "(\n  label_replace(\n    " + _OFFLOAD_SECONDS_PROMQL + "\n    and on ({by}) "
+    + _increase("kvwatch_engine_prompt_tokens_cached_by_source_total", ',source="host"')
+    + ",\n    \"tier\", \"host\", \"\", \"\")\n  or\n  label_replace(\n    " + _OFFLOAD_SECONDS_PROMQL
+    + "\n    unless on ({by}) " + _increase("kvwatch_engine_prompt_tokens_cached_by_source_total")
+    + ",\n    \"tier\", \"external\", \"\", \"\")\n  or\n  label_replace(\n"
+    "    " + _increase("kvwatch_engine_hicache_load_back_seconds_sum") + ",\n    \"tier\", \"host\", \"\", \"\")\n)")
+
+SAVED_PROMQL = (
+    _TIER_TOKENS_PROMQL + "\n* on ({by}) group_left ()\n(\n" + PER_TOKEN_PROMQL + "\n)\n"
+    "- on ({by}, tier)\n(" + _LOAD_BACK_PROMQL + " or on ({by}, tier) (" + _TIER_TOKENS_PROMQL + " * 0))")
+
+LOST_PROMQL = (
+    "(\n  " + _increase("kvwatch_engine_retracted_prompt_tokens_total") + "\n  or\n  "
+    + _increase("kvwatch_engine_preemptions_total") + "\n  * on ({by}) (\n"
+    "    sum by ({by}) (rate(kvwatch_engine_request_prompt_tokens_sum{{{sel}}}[{w}]))\n"
+    "    / on ({by}) (sum by ({by}) (rate(kvwatch_engine_request_prompt_tokens_count{{{sel}}}[{w}])) > 0)\n  )\n)\n"
+    "* on ({by}) (\n" + PER_TOKEN_PROMQL + "\n)")
+
+
+# --- what every surface shows ---------------------------------------------
+
+SAVED_SIGNAL = "kvwatch_cache_saved_prefill_seconds"
+LOST_SIGNAL = "kvwatch_cache_lost_prefill_seconds"
+CAVEAT = ("the engine's own prefill request-seconds at the window's rate per computed token: with batching they "
+          "overlap, so read them as work, not wall time or a bill")
+
+
+def _stream_lost(stream: Mapping[str, Any] | None, model: str, engine: str | None) -> float | None:
+    """The stream's lost seconds where it is up and is this engine's."""
+    if not stream or not stream.get("up"):
+        return None
+    page = stream.get("page_engine") or {}
+    if page and (page.get("model_name"), page.get("engine")) != (model, engine):
+        return None
+    return (stream.get("window") or {}).get("lost_prefill_seconds")
+
+
+def summary(model: str, engine: str | None, values: Mapping[str, Any], view: View,
+            stream: Mapping[str, Any] | None, gpu_hour_price: float | None) -> dict[str, Any] | None:
+    """One engine's (or model's) worth over the window: saved by tier, lost
+    and its basis (the stream's count where it is on, else the page's count
+    or upper bound), the stream's sizing steps, their money at the price,
+    and the sentences every surface prints. None with nothing priced."""
+    by_tier = values.get(SAVED_SIGNAL)
+    saved_by_tier = dict(by_tier) if isinstance(by_tier, Mapping) else None
+    saved = sum(saved_by_tier.values()) if saved_by_tier is not None else None
+    lost, basis = _stream_lost(stream, model, engine), "stream"
+    if lost is None:
+        lost = values.get(LOST_SIGNAL)
+        counted = recomputed_prompt_tokens(view)
+        basis = "page_count" if counted is not None and counted[1] else "page_upper_bound"
+    if saved is None and lost is None:
+        return None
+    sizing = ((stream or {}).get("sizing") or {}) if basis == "stream" else {}
+    out = {"model_name": model, "engine": engine, "window_seconds": view.increase.seconds,
+           "prefill_seconds_per_token": prefill_seconds_per_token(view),
+           "saved_seconds": saved, "saved_by_tier": saved_by_tier,
+           "lost_seconds": lost, "lost_basis": None if lost is None else basis,
+           "bought": [{key: point.get(key) for key in ("extra_cache", "extra_gib", "saved_prefill_seconds_per_hour")}
+                      for point in sizing.get("points") or []],
+           "diminishing_returns": sizing.get("diminishing_returns"),
+           "gpu_hour_price": gpu_hour_price,
+           "saved_money": currency(saved, gpu_hour_price), "lost_money": currency(lost, gpu_hour_price)}
+    out["lines"] = lines(out)
+    return out
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "unknown"
+    return f"{value:.3g} s" if abs(value) < 100 else f"{value:,.0f} s"
+
+
+def _money(value: float | None) -> str:
+    return "" if value is None else f" ({value:,.2f} at the price per GPU-hour)"
+
+
+_BASES = {"stream": "counted from the event stream's blocks stored again after their eviction",
+          "page_count": "from the page's counts (the engine's recomputed prompt tokens, or no preemption)",
+          "page_upper_bound": "an upper bound from the page (preemptions x the mean prompt)"}
+
+
+def lines(worth: Mapping[str, Any]) -> list[str]:
+    """The sentences the status page, `kvwatch diagnose` and the capacity
+    report print, made once here."""
+    window = f"over {worth['window_seconds']:.0f} s"
+    out = []
+    if worth["saved_seconds"] is not None:
+        tiers = ", ".join(f"{tier} {_seconds(s)}" for tier, s in sorted(worth["saved_by_tier"].items()) if s)
+        out.append(f"Saved: {_seconds(worth['saved_seconds'])} of prefill {window}"
+                   + (f" ({tiers})" if tiers else "") + _money(worth["saved_money"]) + ".")
+    if worth["lost_seconds"] is not None:
+        out.append(f"Lost to recomputation: {_seconds(worth['lost_seconds'])} {window}, "
+                   f"{_BASES[worth['lost_basis']]}" + _money(worth["lost_money"]) + ".")
+    priced = [p for p in worth["bought"] if p.get("saved_prefill_seconds_per_hour") is not None]
+    if priced:
+        steps = "; ".join(f"x{p['extra_cache']:g}" + (f" (+{p['extra_gib']:.3g} GiB)" if p.get("extra_gib") else "")
+                          + f" {_seconds(p['saved_prefill_seconds_per_hour'])}/h" for p in priced)
+        out.append(f"Bought by more cache (estimate): {steps}.")
+        knee = worth.get("diminishing_returns")
+        if knee:
+            gib = f" (+{knee['extra_gib']:.3g} GiB)" if knee.get("extra_gib") else ""
+            out.append(f"Diminishing returns past x{knee['extra_cache']:g} more cache{gib}: it buys "
+                       f"{DIMINISHING_SHARE:.0%} of what the largest step would.")
+    if out:
+        out.append(f"Seconds are {CAVEAT}.")
+    return out
+
+
+def stream_lines(window: Mapping[str, Any], sizing: Mapping[str, Any]) -> list[str]:
+    """The sentences for a stream's report alone (`kvwatch capacity --kvwatch`):
+    what blocks evicted before reuse cost, and what more cache buys."""
+    lost = window.get("lost_prefill_seconds")
+    return lines({"window_seconds": float(window.get("seconds") or 0.0), "saved_seconds": None,
+                  "lost_seconds": lost, "lost_basis": None if lost is None else "stream", "lost_money": None,
+                  "bought": list(sizing.get("points") or []), "diminishing_returns": sizing.get("diminishing_returns")})

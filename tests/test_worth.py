@@ -1,0 +1,255 @@
+"""What the cache is worth in the engine's own prefill seconds: saved by its
+hits (by tier, less what lower tiers cost to load back), lost to
+recomputation (the page's upper bound, the stream's count) and bought by
+more memory (the sizing curve's steps, the point of diminishing returns).
+Figures worked out by hand from the real vLLM 0.32 captures and the
+handwritten offload and HiCache pages."""
+
+from __future__ import annotations
+
+import pytest
+from page_support import polled
+from test_kv_events import feed_all, rotation
+
+from kvwatch.kvevents.source import KVEventSource
+from kvwatch.sidecar.collector import make_registry
+from kvwatch.signals import SIGNALS_BY_NAME, worth
+
+SAVED = "kvwatch_cache_saved_prefill_seconds"
+# idle -> load of the real vLLM 0.32 capture: 8 requests' prefill time 0.04006 s, less one mean inter-token
+# latency each (4.5299 s / 1,840 = 0.002462 s): 0.020366 s over the 3,840 tokens computed.
+LOAD_PER_TOKEN = (0.04006170100012696 - 8 * 4.529917940999553 / 1840) / 3840
+LOST = "kvwatch_cache_lost_prefill_seconds"
+
+
+def pages(fixtures_dir, folder, names):
+    return [(fixtures_dir / folder / f"metrics-{name}.txt").read_text() for name in names]
+
+
+def handwritten(fixtures_dir, names):
+    return [(fixtures_dir / "handwritten" / f"{name}.txt").read_text() for name in names]
+
+
+def test_saved_is_the_tokens_each_tier_served_at_the_engines_prefill_seconds_per_token(fixtures_dir):
+    monitor = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load")), engine="vllm")
+    [row] = monitor.state.per_engine
+    # idle -> load: 3,584 tokens from the device tier, at LOAD_PER_TOKEN (5.3 us a token).
+    per_token = LOAD_PER_TOKEN
+    assert per_token == pytest.approx(5.3038e-06, rel=1e-4)
+    assert worth.prefill_seconds_per_token(row.view) == pytest.approx(per_token)
+    assert row.values[SAVED]["device"] == pytest.approx(3584 * per_token)
+    assert row.values[SAVED]["host"] == 0.0
+    registry = make_registry(monitor)
+    identity = {"model_name": "tiny-llama", "engine": "0", "tier": "device"}
+    assert registry.get_sample_value(SAVED, identity) == pytest.approx(3584 * per_token)
+
+
+def test_a_lower_tier_is_charged_what_it_took_to_load_back(fixtures_dir):
+    [row] = polled(handwritten(fixtures_dir, ("vllm-0.32-offload-a", "vllm-0.32-offload-b")),
+                   engine="vllm").state.per_engine
+    # 40,000 computed in 20 s: 0.0005 s a token. Device 30,000 tokens: 15 s. Host (the offload tier)
+    # 30,000 tokens, 15 s, less its loads (3 s) and lookups (0.3 + 1.2 s): 10.5 s.
+    assert row.values[SAVED]["device"] == pytest.approx(15.0)
+    assert row.values[SAVED]["host"] == pytest.approx(10.5)
+
+
+def test_sglang_prices_at_its_extend_passes_and_counts_what_it_recomputed(fixtures_dir):
+    [row] = polled(handwritten(fixtures_dir, ("sglang-hicache-a", "sglang-hicache-b"))).state.per_engine
+    # 30,000 computed (mode=input) in 15 s of extend passes: 0.0005 s a token.
+    assert row.values[SAVED]["device"] == pytest.approx(15.0)
+    assert row.values[SAVED]["host"] == pytest.approx(15.0 - 3.0)  # 30,000 host hits, 3 s loading them back
+    assert row.values[SAVED]["storage"] == pytest.approx(5.0)  # L3 exports no time: nothing to charge
+    # 3,000 retracted input tokens, a count: 1.5 s.
+    assert worth.recomputed_prompt_tokens(row.view) == (3000.0, True)
+    assert row.values[LOST] == pytest.approx(1.5)
+
+
+def test_lost_on_vllm_is_an_upper_bound_from_preemptions_and_the_mean_prompt(fixtures_dir):
+    [row] = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("load", "long-load")), engine="vllm").state.per_engine
+    # 12 preemptions x a 400-token mean prompt (9,600 / 24) = 4,800 tokens, an upper bound;
+    # 10,000 computed in 0.6166 - 0.0401 prefill seconds of 24 requests, less one mean inter-token latency
+    # each ((25.7417 - 4.5299) s / (9,940 - 1,840)).
+    itl = (25.741712759999132 - 4.529917940999553) / (9940 - 1840)
+    per_token = (0.6166234520007947 - 0.04006170100012696 - 24 * itl) / 10000
+    assert worth.recomputed_prompt_tokens(row.view) == (pytest.approx(4800.0), False)
+    assert row.values[LOST] == pytest.approx(4800 * per_token)
+    assert "UPPER BOUND" in SIGNALS_BY_NAME[LOST].doc
+
+
+def test_no_preemption_loses_nothing_and_no_prefill_time_prices_nothing(fixtures_dir):
+    [row] = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load")), engine="vllm").state.per_engine
+    assert row.values[LOST] == 0.0
+    [row] = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "idle")), engine="vllm").state.per_engine
+    assert row.values[SAVED] is None and row.values[LOST] is None
+
+
+def stream_report():
+    # 12 prefixes of 15 blocks of 16 tokens through a 100-block cache, 4 rounds: 540 blocks
+    # stored again; 80 more blocks would have kept them all.
+    source = KVEventSource("tcp://127.0.0.1:1")
+    end = feed_all(source, rotation(prefixes=12, blocks=15, cache=100, rounds=4))
+    return source.report(now=end, bytes_per_block=2 * 1024 * 1024)
+
+
+def test_the_stream_counts_what_eviction_before_reuse_cost_and_what_more_cache_buys(fixtures_dir):
+    [row] = polled(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load")), engine="vllm").state.per_engine
+    per_token = worth.prefill_seconds_per_token(row.view)
+    report = stream_report()
+    seconds = report["window"]["seconds"]
+    out = worth.with_worth(report, row.view)
+    assert out["window"]["lost_prefill_seconds"] == pytest.approx(540 * 16 * per_token)
+    points = out["sizing"]["points"]
+    for point in points:
+        assert point["extra_gib"] == pytest.approx(point["extra_blocks"] * 2 / 1024)
+        assert point["saved_prefill_seconds_per_hour"] == pytest.approx(
+            point["blocks_kept"] * 16 * per_token * 3600 / seconds)
+    # Past the size that keeps every return, more cache buys nothing more: the knee is the first
+    # step that keeps them all (100 blocks, x1: the largest step's saving, 540 blocks kept).
+    knee = out["sizing"]["diminishing_returns"]
+    assert knee["extra_cache"] == 1.0
+    assert knee["saved_prefill_seconds_per_hour"] == pytest.approx(540 * 16 * per_token * 3600 / seconds)
+    assert report["sizing"].get("diminishing_returns") is None  # the stream's own report is left as it was
+
+
+def test_without_a_rate_to_price_at_the_stream_says_nothing_priced():
+    out = worth.with_worth(stream_report(), None)
+    assert out["window"]["lost_prefill_seconds"] is None
+    assert out["sizing"]["diminishing_returns"] is None
+    assert all(p["saved_prefill_seconds_per_hour"] is None for p in out["sizing"]["points"])
+
+
+def test_a_price_per_gpu_hour_turns_seconds_into_currency():
+    assert worth.currency(7200.0, 2.5) == pytest.approx(5.0)
+    assert worth.currency(7200.0, None) is None and worth.currency(None, 2.5) is None
+
+
+def test_the_status_page_and_the_api_say_what_the_cache_is_worth_at_the_price(fixtures_dir):
+    from kvwatch.settings import load_settings
+    from kvwatch.sidecar.report import signals_json
+    from kvwatch.sidecar.statuspage import render_status_page
+
+    monitor = polled(handwritten(fixtures_dir, ("vllm-0.32-offload-a", "vllm-0.32-offload-b")), engine="vllm")
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "gpu_hour_price": "3.6"}, environ={})
+    [item] = signals_json(monitor.state, settings)["worth"]
+    assert item["saved_seconds"] == pytest.approx(25.5) and item["saved_money"] == pytest.approx(25.5 / 1000)
+    assert item["lost_basis"] == "page_count" and item["lost_seconds"] == 0.0  # no preemption in the window
+    html = render_status_page(monitor.state, settings)
+    assert 'id="worth"' in html and "What the cache is worth" in html
+    assert "Saved: 25.5 s of prefill over 60 s (device 15 s, host 10.5 s) (0.03 at the price per GPU-hour)." in html
+    assert "not wall time or a bill" in html
+
+
+def test_a_price_that_is_not_a_positive_number_is_one_sentence():
+    from kvwatch.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError) as raised:
+        load_settings(overrides={"gpu_hour_price": "cheap"}, environ={})
+    assert raised.value.problems == ["--gpu-hour-price: 'cheap' is not a number (a price per GPU-hour, e.g. 2.5)"]
+    with pytest.raises(SettingsError) as raised:
+        load_settings(overrides={"gpu_hour_price": "-1"}, environ={})
+    assert raised.value.problems == ["--gpu-hour-price: '-1' must be a positive price per GPU-hour"]
+
+
+def test_kvwatch_diagnose_prints_and_serves_the_worth(fixtures_dir, capsys):
+    import json
+
+    from pageserver import Answer, PageServer
+
+    from kvwatch.cli import main
+
+    texts = pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load"))
+    for extra in ((), ("--json",)):
+        with PageServer([Answer(text) for text in texts]) as server:
+            main(["diagnose", "--target", server.url, "--duration", "0.3s", "--interval", "0.1s",
+                  "--gpu-hour-price", "2", *extra])
+        out = capsys.readouterr().out
+        if extra:
+            [item] = json.loads(out)["worth"]
+            assert item["saved_by_tier"]["device"] == pytest.approx(3584 * LOAD_PER_TOKEN)
+            assert item["gpu_hour_price"] == 2.0
+        else:
+            assert "WHAT THE CACHE IS WORTH [tiny-llama/0]" in out
+            assert "Saved: 0.019 s of prefill" in out and "Lost to recomputation: 0 s" in out
+
+
+def test_with_the_stream_lost_is_counted_and_kvwatch_capacity_prints_what_more_cache_buys(fixtures_dir):
+    import argparse
+    import json
+
+    from fastapi.testclient import TestClient
+    from pageserver import Answer, PageServer
+    from test_kv_events import free_port
+
+    from kvwatch.commands import capacity
+    from kvwatch.kvevents import wire
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+    from kvwatch.sidecar.app import create_app
+
+    idle, load = pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load"))
+    with PageServer([Answer(idle), Answer(load)]) as server:
+        settings = load_settings(overrides={"target": server.url, "poll_interval": "1s", "timeout": "1s",
+                                            "kv_events": f"tcp://127.0.0.1:{free_port()}"}, environ={})
+        monitor = Monitor(settings)
+        client = TestClient(create_app(monitor, settings))
+        try:
+            monitor.poll_once()
+            now = monitor.clock()
+            for seq, events in enumerate(rotation(prefixes=12, blocks=15, cache=100, rounds=4)):
+                monitor.kv_events.feed(seq, wire.encode_batch(now, events), now=now)
+            monitor.poll_once()
+            diagnosis = client.get("/api/v1/diagnosis").json()
+            signals = client.get("/api/v1/signals").json()
+        finally:
+            monitor.stop()
+    per_token = LOAD_PER_TOKEN
+    stream = diagnosis["kv_events"]
+    # 540 blocks of 16 tokens stored again after their eviction, at the page's prefill seconds per token.
+    assert stream["window"]["lost_prefill_seconds"] == pytest.approx(540 * 16 * per_token)
+    [item] = signals["worth"]
+    assert item["lost_basis"] == "stream" and item["lost_seconds"] == pytest.approx(540 * 16 * per_token)
+    assert any("counted from the event stream" in line for line in item["lines"])
+    assert stream["sizing"]["diminishing_returns"]["extra_cache"] == 1
+    with PageServer([Answer(json.dumps(diagnosis), headers={"Content-Type": "application/json"})]) as served:
+        report = capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))
+    text = capacity.render_table(report)
+    assert "prefill s/h bought" in text and "Diminishing returns past x1 more cache" in text
+    assert "Lost to recomputation:" in text and "counted from the event stream" in text
+    # A hostile answer's knee is refused in one sentence, not printed.
+    stream["sizing"]["diminishing_returns"] = {"extra_cache": 1, "extra_gib": "lots"}
+    with PageServer([Answer(json.dumps(diagnosis), headers={"Content-Type": "application/json"})]) as served:
+        with pytest.raises(capacity.CapacityInputError, match="diminishing_returns is not a point"):
+            capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))
+
+
+@pytest.mark.slow  # promtool and Prometheus
+def test_the_twins_over_kvwatch_s_own_series_give_the_sidecar_s_figures(fixtures_dir):
+    from page_support import Pages
+    from prometheus_client import generate_latest
+    from promstack import backfilled_prometheus, query
+    from sim_support import pages_openmetrics
+
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+
+    base = float((int(__import__("time").time()) // 3600 - 3) * 3600)
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "engine": "vllm",
+                                        "poll_interval": "1s", "window": "5m"}, environ={})
+    times = iter([base, base + 60.0])
+    monitor = Monitor(settings, fetcher=Pages(pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load"))),
+                      clock=lambda: next(times))
+    exported = []
+    for at in (base, base + 60.0):
+        monitor.poll_once()
+        exported.append((at, generate_latest(make_registry(monitor)).decode()))
+    [row] = monitor.state.per_engine
+    scope = {"sel": 'model_name="tiny-llama"', "w": "2m", "by": "model_name, engine"}
+    with backfilled_prometheus(pages_openmetrics(exported, "10.0.9.3:9400", job="kvwatch")) as prom:
+        # Every increase over the range is the same multiple of the pages' difference, so the rate is exact.
+        [rate] = query(prom.url, worth.PER_TOKEN_PROMQL.format(**scope), at=base + 60.0)
+        saved = {one["metric"]["tier"]: float(one["value"][1])
+                 for one in query(prom.url, worth.SAVED_PROMQL.format(**scope), at=base + 60.0)}
+    assert float(rate["value"][1]) == pytest.approx(LOAD_PER_TOKEN)
+    mine = row.values[SAVED]
+    # The counters start at 0 on the idle page: increase() does not extrapolate below zero, so it is the difference.
+    assert saved["device"] == pytest.approx(mine["device"]) and saved["host"] == 0
