@@ -25,7 +25,6 @@ OVER_FOR_NOW: dict[str, int] = {
     "kvwatch/commands/diagnose.py:run": 129,
     "kvwatch/commands/diagnose.py:print_report": 92,
     "kvwatch/commands/sim.py:run": 107,
-    "kvwatch/kvevents/source.py:KVEventSource.report": 86,
     "kvwatch/mixin/dashboards.py:overview": 113,
     "kvwatch/pipeline/monitor.py:Monitor._ingest": 93,
 }

@@ -298,6 +298,28 @@ def test_kvwatch_binds_the_engine_connects_and_gaps_and_restarts_are_counted():
         source.stop()
 
 
+def test_a_publishers_handshake_is_counted_before_any_message_and_its_leaving_too():
+    # An idle engine connects and sends nothing: its handshake tells it from no publisher at all.
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    source = KVEventSource(endpoint)
+    source.start()
+    ctx = zmq.Context()
+    try:
+        assert source.report()["intake"]["connections"] == 0
+        pub = _publisher(ctx, endpoint)
+        assert _wait(lambda: source.connections == 1 and source.publishers == 1)
+        second = _publisher(ctx, endpoint)
+        assert _wait(lambda: source.connections == 2 and source.publishers == 2)
+        second.close(0)
+        assert _wait(lambda: source.publishers == 1)
+        report = source.report()
+        assert report["intake"]["connections"] == 2 and report["intake"]["messages"] == 0
+        pub.close(0)
+    finally:
+        ctx.term()
+        source.stop()
+
+
 def test_an_endpoint_kvwatch_cannot_bind_is_one_sentence():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -346,6 +368,10 @@ def test_the_sidecar_exports_the_stream_beside_the_page_and_the_page_is_unaffect
             assert state.up and state.kv_events["reason"] == "no_events"
             body = client.get("/metrics").text
             assert value(body, "kvwatch_kv_events_up") == 0
+            # Nothing ever connected (the stream is fed by hand here) and nothing is silent yet.
+            assert value(body, "kvwatch_kv_events_connections_total") == 0
+            assert value(body, "kvwatch_kv_events_publishers") == 0
+            assert value(body, "kvwatch_kv_events_silent_blocks") == 0
             assert value(body, "kvwatch_kv_events_blocks_stored_total", medium="GPU", lora_name="") is None
             source = monitor.kv_events
             now = monitor.clock()

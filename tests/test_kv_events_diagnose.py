@@ -31,7 +31,7 @@ def free_port() -> int:
 class Live:
     """A simulator (frozen clock, moved by hand) publishing to kvwatch."""
 
-    def __init__(self, scenario, tmp_path=None, publish=True, thresholds=None):
+    def __init__(self, scenario, tmp_path=None, publish=True, thresholds=None, wait="message"):
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         if isinstance(scenario, str) and "\n" in scenario:
             path = tmp_path / "scenario.yaml"
@@ -46,9 +46,10 @@ class Live:
         self.source.start()
         if publish:
             # PUB/SUB keeps nothing for a subscriber not yet connected: move
-            # the simulation until a first message arrives.
+            # the simulation until a first message arrives (or, for an engine
+            # that stores nothing, until its publisher's handshake).
             deadline = time.monotonic() + 20
-            while self.source.messages == 0:
+            while (self.source.messages if wait == "message" else self.source.connections) == 0:
                 assert time.monotonic() < deadline, "no KV-cache event reached kvwatch"
                 self.sim.advance(1.0)
                 time.sleep(0.1)
@@ -146,11 +147,53 @@ def test_a_prefix_change_mid_run_is_a_changed_prefix(live):
     assert findings[0].evidence["decided_by"] == "kv_events"
 
 
-def test_events_that_stop_while_the_page_counts_prompt_tokens_are_a_finding(live, tmp_path):
+def test_a_stream_no_publisher_ever_reached_is_never_connected(live, tmp_path):
     run = live(DISTINCT, tmp_path, publish=False)
     state = run.run(90)
-    stopped = [f for f in state.findings if f.symptom == "kv_events"]
-    assert [(f.cause, f.severity) for f in stopped] == [("events_stopped", "warning")]
-    assert "no KV-cache event has arrived" in stopped[0].summary
+    found = [f for f in state.findings if f.symptom == "kv_events"]
+    assert [(f.cause, f.severity) for f in found] == [("events_never_connected", "warning")]
+    assert found[0].evidence["connections"] == 0
     # The page's own diagnosis is unaffected: the hit-rate finding is the page's, undecided by the stream.
     assert all(f.evidence.get("decided_by") != "kv_events" for f in hit_rate(state))
+
+
+def test_events_that_stop_while_the_engine_stores_blocks_are_a_finding(live, tmp_path):
+    run = live(DISTINCT, tmp_path)
+    run.run(30)
+    run.sim.kv_publisher.stop()  # the engine keeps serving; its events no longer reach kvwatch
+    state = None
+    for _ in range(18):
+        run.sim.advance(5.0)
+        state = run.monitor.poll_once()
+    found = [f for f in state.findings if f.symptom == "kv_events"]
+    assert [(f.cause, f.severity) for f in found] == [("events_stopped", "warning")]
+    assert "the last KV-cache event came" in found[0].summary
+    silence = state.kv_events["silence"]
+    assert silence["blocks"] >= 1 and silence["blocks"] == found[0].evidence["blocks_unseen"]
+    assert silence["blocks"] <= (silence["prompt_tokens"] - silence["cached_tokens"]) / 16
+
+
+QUIET = """
+name: quiet
+description: prompts shorter than a block, so the engine serves and stores no block
+engine: {num_gpu_blocks: 1024, block_size: 16, max_num_seqs: 12, max_model_len: 4096}
+workload:
+  rate: 3.0
+  prompt_tokens: {dist: uniform, min: 4, max: 10}
+  output_tokens: {dist: uniform, min: 1, max: 4}
+  max_tokens: 4
+  prefix: {share: 0.0}
+phases:
+  - {name: quiet, duration: 10m}
+"""
+
+
+def test_an_engine_that_stores_no_block_raises_no_events_stopped(live, tmp_path):
+    run = live(QUIET, tmp_path, wait="connection")
+    state = run.run(120)
+    intake = state.kv_events["intake"]
+    assert intake["messages"] == 0 and intake["connections"] >= 1
+    # The page counts prompt tokens: the old rule called that a stop.
+    assert state.kv_events["silence"]["prompt_tokens"] > 0
+    assert state.kv_events["silence"]["blocks"] == 0
+    assert [f.cause for f in state.findings if f.symptom == "kv_events"] == []

@@ -32,3 +32,40 @@ def with_page(report: dict[str, Any], per_engine) -> dict[str, Any]:
     report["sizing"] = sizing_curve(report["window"], cache_blocks, block_size, bytes_per_block, hits, queries)
     report["page_engine"] = None if row is None else {"model_name": row.model, "engine": row.engine}
     return report
+
+
+# vLLM's default block size: the bound below when neither the page nor the
+# stream says the engine's.
+DEFAULT_BLOCK_SIZE = 16
+
+
+def silence(report: dict[str, Any], per_engine, window, silence_seconds: float) -> dict[str, Any]:
+    """How long the stream has been quiet and the blocks the engine must have
+    stored meanwhile, by its page: a lower bound, its prompt tokens not
+    served from the prefix cache, less a partial block for each request that
+    could have been prefilled (finished since, or running now), in whole
+    blocks. An engine whose prompts all hit the cache, or are shorter than a
+    block, stores nothing and sends no event: a quiet stream then is no
+    stop. `blocks` counts only once the stream has been quiet for
+    `silence_seconds` (0 before); the diagnosis (events_stopped) and the
+    exported kvwatch_kv_events_silent_blocks read this one number."""
+    age = report.get("last_message_age_seconds")
+    quiet = age if age is not None else (report.get("configured_seconds") or 0.0)
+    out: dict[str, Any] = {"quiet_seconds": quiet, "silence_seconds": silence_seconds, "blocks": 0.0,
+                           "prompt_tokens": 0.0, "cached_tokens": 0.0, "requests": 0.0, "block_size": None}
+    row = per_engine[0] if per_engine else None
+    now = report.get("time")
+    if row is None or row.engine is None or window is None or now is None or window.latest is None:
+        return out
+    view = getattr(row, "view", None)
+    block_size = int((view.block_size if view is not None else None) or report.get("block_size")
+                     or DEFAULT_BLOCK_SIZE)
+    counters = window.increase((row.model, row.engine), since=now - quiet).counters
+    prompt = counters.get("prompt_tokens", 0.0)
+    cached = min(prompt, counters.get("prefix_hits", 0.0))
+    running = (view.gauge("running") if view is not None else None) or 0.0
+    requests = sum(v for k, v in counters.items() if k.startswith("finished/")) + running
+    blocks = max(0.0, (prompt - cached - requests * (block_size - 1)) // block_size)
+    out.update(prompt_tokens=prompt, cached_tokens=cached, requests=requests, block_size=block_size,
+               blocks=blocks if quiet >= silence_seconds else 0.0)
+    return out

@@ -116,7 +116,13 @@ class KVEventSource:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._socket = None
+        self._monitor = None
         self._context = None
+        # Publishers whose ZMQ handshake with kvwatch succeeded (since start,
+        # and connected now): a stream no publisher ever reached is told from
+        # an idle engine's, which sends nothing either.
+        self.connections = 0
+        self.publishers = 0
         self.started = False
         self.listen_error: str | None = None
         # Intake (the receiver's) and decoding (the accountant's) counts.
@@ -180,6 +186,7 @@ class KVEventSource:
             sock.close(0)
             return
         self._socket = sock
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         workers = [(self._receive, "kvwatch-kv-events-receive"), (self._account, "kvwatch-kv-events-account")]
         if self.replay_endpoint:
             workers.append((self._replayer, "kvwatch-kv-events-replay"))
@@ -196,6 +203,9 @@ class KVEventSource:
             self._wake.notify_all()
         for thread in self._threads:
             thread.join(timeout)
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(0)
         if self._socket is not None:
             self._socket.close(0)
         if self._context is not None:
@@ -205,9 +215,15 @@ class KVEventSource:
         import zmq
 
         sock = self._socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not sock.poll(200):
+                ready = dict(poller.poll(200))
+                if self._monitor in ready:
+                    self._peer_event(zmq)
+                if sock not in ready:
                     continue
                 frames = sock.recv_multipart()
             except zmq.ZMQError:
@@ -220,6 +236,18 @@ class KVEventSource:
             except Exception:  # pragma: no cover - no message may stop the receiver
                 with self._lock:
                     self._malformed("a message kvwatch could not read")
+
+    def _peer_event(self, zmq) -> None:
+        """A handshake or a disconnect on the socket (ZMQ's socket monitor)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+        with self._lock:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connections += 1
+                self.publishers += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.publishers = max(0, self.publishers - 1)  # also a peer whose handshake failed
 
     def intake(self, frames: list[bytes], now: float) -> None:
         """One message from the socket: checked, counted, queued or dropped."""
@@ -441,6 +469,17 @@ class KVEventSource:
 
     # --- the window ------------------------------------------------------
 
+    def _intake(self) -> dict[str, Any]:
+        """The intake's and the decoder's counts (under the lock)."""
+        return {"messages": self.messages, "bytes": self.bytes, "batches": self.batches,
+                "dropped": self.dropped, "dropped_bytes": self.dropped_bytes, "missed": self.missed,
+                "restarts": self.restarts, "malformed": self.malformed, "absurd_events": self.absurd_events,
+                "replay_requests": self.replay_requests, "recovered": self.recovered,
+                "skipped_events": self.skipped_events, "queued": len(self._queue),
+                "queued_bytes": self._queued_bytes, "jumps": self.jumps,
+                "labels_folded": self.ledger.labels.folded, "connections": self.connections,
+                "publishers": self.publishers}
+
     def report(self, now: float | None = None, bytes_per_block: float | None = None,
                checkpoint: bool = True, recent_seconds: float | None = None) -> dict[str, Any]:
         """The stream's state for one poll (it records the poll's checkpoint).
@@ -457,13 +496,7 @@ class KVEventSource:
                      "bytes": ledger.entries() * ENTRY_BYTES, "sampling_rate": ledger.rate,
                      "forgotten": ledger.forgotten, "horizon_blocks": ledger.horizon}
             cached_peak = ledger.peak_cached
-            intake = {"messages": self.messages, "bytes": self.bytes, "batches": self.batches,
-                      "dropped": self.dropped, "dropped_bytes": self.dropped_bytes, "missed": self.missed,
-                      "restarts": self.restarts, "malformed": self.malformed, "absurd_events": self.absurd_events,
-                      "replay_requests": self.replay_requests, "recovered": self.recovered,
-                      "skipped_events": self.skipped_events, "queued": len(self._queue),
-                      "queued_bytes": self._queued_bytes, "jumps": self.jumps,
-                      "labels_folded": ledger.labels.folded}
+            intake = self._intake()
             labels_note = ledger.labels.sentence
             last = self.last_message_time
             first = self.first_message_time

@@ -191,13 +191,16 @@ class KvwatchCollector(Collector):
                             ("kvwatch_kv_events_dropped_messages", intake.get("dropped")),
                             ("kvwatch_kv_events_missed_messages", intake.get("missed")),
                             ("kvwatch_kv_events_malformed_messages", intake.get("malformed")),
-                            ("kvwatch_kv_events_publisher_restarts", intake.get("restarts"))):
+                            ("kvwatch_kv_events_publisher_restarts", intake.get("restarts")),
+                            ("kvwatch_kv_events_connections", intake.get("connections"))):
             family = CounterMetricFamily(name, health[name].help, labels=[])
             family.add_metric([], float(value or 0))
             yield family
         for name, value in (("kvwatch_kv_events_tracked_blocks", table.get("entries")),
                             ("kvwatch_kv_events_sampling_ratio", table.get("sampling_rate")),
-                            ("kvwatch_kv_events_last_message_age_seconds", report.get("last_message_age_seconds"))):
+                            ("kvwatch_kv_events_last_message_age_seconds", report.get("last_message_age_seconds")),
+                            ("kvwatch_kv_events_publishers", intake.get("publishers")),
+                            ("kvwatch_kv_events_silent_blocks", (report.get("silence") or {}).get("blocks"))):
             if _finite(value):
                 family = GaugeMetricFamily(name, health[name].help, labels=[])
                 family.add_metric([], float(value))
