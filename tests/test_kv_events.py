@@ -193,6 +193,82 @@ def test_distinct_prompts_never_return():
     assert window["stored_again_ratio"] == 0
 
 
+def shared_rotation(prefixes: int, own: int, shared: int, cache: int, rounds: int, full_every: int = 0,
+                    origin: bool = False) -> list[list]:
+    """rotation() whose prompts start with `shared` blocks every prompt shares
+    (kept warm: hits) before their `own`: request i in vLLM's full report mode
+    where full_every divides i + 1 (its hits announced as stored first, with
+    origin REUSED where `origin`)."""
+    lru: list[int] = []
+    out = []
+    for i in range(rounds * prefixes):
+        p = i % prefixes
+        hashes = [900_000 + b for b in range(shared)] + [p * 1000 + b for b in range(own)]
+        hits = [h for h in hashes if h in lru]
+        new = [h for h in hashes if h not in lru]
+        for h in hits:
+            lru.remove(h)
+        events = []
+        if hits and full_every and (i + 1) % full_every == 0:
+            events.append(wire.stored(hits, 16, origin="REUSED" if origin else None))
+        while len(lru) + len(new) > cache:
+            events.append(wire.removed([lru.pop(0)], layout="map" if origin else "array"))
+        if new:
+            events.append(wire.stored(new, 16, origin="NEW" if origin else None))
+        lru.extend(hashes)
+        out.append(events)
+    return out
+
+
+def _counts(batches) -> dict:
+    source = KVEventSource("tcp://127.0.0.1:1")
+    end = feed_all(source, batches)
+    report = source.report(now=end)
+    window = report["window"]
+    kept = [p["blocks_kept"] for p in report["sizing"]["points"]]
+    return {"stored": window["stored"], "again": window["stored_again"], "ratio": window["stored_again_ratio"],
+            "reused": window["reused"], "kept": kept}
+
+
+@pytest.mark.parametrize("full_every, origin", [(1, False), (2, False), (3, False), (1, True), (2, True)])
+def test_full_report_modes_hits_are_hits_and_the_rest_reads_as_in_incremental_mode(full_every, origin):
+    # 12 prompts of 4 shared + 15 own blocks through 100: the shared blocks hit, the own ones return
+    # after their eviction. Every request in full mode, or every second or third (one stream, mixed).
+    incremental = _counts(shared_rotation(12, 15, 4, 100, 4))
+    full = _counts(shared_rotation(12, 15, 4, 100, 4, full_every=full_every, origin=origin))
+    hits = sum(1 for i in range(48) if (i + 1) % full_every == 0 and i > 0) * 4  # the first request hits nothing
+    assert full["reused"] == hits and incremental["reused"] == 0
+    assert {k: v for k, v in full.items() if k != "reused"} == {k: v for k, v in incremental.items() if k != "reused"}
+    assert incremental["stored"] == 4 + 48 * 15 and incremental["again"] == 540
+
+
+def test_a_warm_shared_prefix_in_full_mode_reads_as_hits_not_new_work_or_returns():
+    # The reference's measurement on the real vLLM: a warm prefix of ~9 blocks + one own block a request,
+    # every request in full mode: about 10 blocks announced per request where one is new.
+    batches = shared_rotation(96, 1, 9, 1000, 1, full_every=1)
+    announced = sum(len(e.block_hashes) for events in batches for e in events if isinstance(e, wire._WStored))
+    counts = _counts(batches)
+    assert announced == 9 + 96 + 95 * 9
+    assert counts["stored"] == 9 + 96 and counts["reused"] == 95 * 9
+    assert counts["again"] == 0 and counts["ratio"] == 0
+
+
+def test_origin_says_what_the_ledger_cannot():
+    source = KVEventSource("tcp://127.0.0.1:1")
+    # Blocks cached before kvwatch listened: only origin tells their announcement is a hit.
+    source.feed(0, _map_batch([wire.stored([1, 2], 16, origin="REUSED")]), now=1.0)
+    # Origin NEW on a cached hash: another KV group's copy, stored (as before).
+    source.feed(1, _map_batch([wire.stored([1], 16, origin="NEW")]), now=2.0)
+    # Then the ledger knows 2 is cached: without origin its announcement is a hit.
+    source.feed(2, wire.encode_batch(3.0, [wire.stored([2], 16)]), now=3.0)
+    totals = source.report(now=3.0)["totals"]
+    assert (totals["stored"], totals["reused"]) == (1, 3)
+
+
+def _map_batch(events) -> bytes:
+    return wire.encode_batch(1.0, events)
+
+
 def test_all_blocks_cleared_is_a_change_and_what_returns_after_it_is_not_an_evictions_recomputation():
     source = KVEventSource("tcp://127.0.0.1:1")
     source.feed(0, wire.encode_batch(1.0, [wire.stored([1, 2], 16), wire.removed([1])]), now=1.0)

@@ -31,13 +31,14 @@ def free_port() -> int:
 class Live:
     """A simulator (frozen clock, moved by hand) publishing to kvwatch."""
 
-    def __init__(self, scenario, tmp_path=None, publish=True, thresholds=None, wait="message"):
+    def __init__(self, scenario, tmp_path=None, publish=True, thresholds=None, wait="message",
+                 kv_report=(0.0, False)):
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         if isinstance(scenario, str) and "\n" in scenario:
             path = tmp_path / "scenario.yaml"
             path.write_text(scenario)
             scenario = load_scenario(str(path))
-        self.sim = start_background(scenario, speed=0, kv_events=endpoint if publish else None)
+        self.sim = start_background(scenario, speed=0, kv_events=endpoint if publish else None, kv_report=kv_report)
         settings = load_settings(overrides={"target": self.sim.metrics_url, "poll_interval": "5s", "window": "5m",
                                             "kv_events": endpoint}, environ={})
         settings.diagnosis.update(thresholds or {})
@@ -197,3 +198,51 @@ def test_an_engine_that_stores_no_block_raises_no_events_stopped(live, tmp_path)
     assert state.kv_events["silence"]["prompt_tokens"] > 0
     assert state.kv_events["silence"]["blocks"] == 0
     assert [f.cause for f in state.findings if f.symptom == "kv_events"] == []
+
+
+# --- vLLM's full report mode: the simulator announces its requests' hits as stored too -----------------------
+
+@pytest.mark.parametrize("kv_report", [(1.0, False), (0.5, False), (1.0, True)])
+def test_a_rotation_in_full_report_mode_is_eviction_before_reuse_as_in_incremental_mode(live, kv_report):
+    # Every request in full mode, or half of them (one stream, mixed); the events naming their origin or not.
+    states = []
+    for report in ((0.0, False), kv_report):
+        run = live("eviction-pressure", kv_report=report)
+        run.run(120)
+        states.append(run.run(150))
+    incremental, full = states
+    for state in states:
+        assert [(f.cause, f.confidence) for f in hit_rate(state)] == [("eviction_before_reuse", "high")]
+    before, after = incremental.kv_events["window"], full.kv_events["window"]
+    assert before["reused"] == 0 and after["reused"] > 0.1 * after["stored"]
+    # The hits are no new work: what was stored and stored again reads as without them (the two runs
+    # start their clocks a second or two apart, as the first message arrives).
+    assert after["stored"] == pytest.approx(before["stored"], rel=0.05)
+    assert after["stored_again_ratio"] == pytest.approx(before["stored_again_ratio"], abs=0.03)
+
+
+WARM = """
+name: warm-prefix
+description: one shared prefix of 512 tokens kept warm, a short question of its own after it
+engine: {num_gpu_blocks: 2048, block_size: 16, max_num_seqs: 12, max_model_len: 4096}
+workload:
+  rate: 3.0
+  prompt_tokens: {dist: uniform, min: 18, max: 48}
+  output_tokens: {dist: uniform, min: 8, max: 16}
+  max_tokens: 16
+  prefix: {share: 1.0, tokens: 512, count: 1}
+phases:
+  - {name: warm, duration: 10m}
+"""
+
+
+def test_a_warm_shared_prefix_in_full_mode_reads_as_hits_beside_the_pages(live, tmp_path):
+    run = live(WARM, tmp_path, kv_report=(1.0, False))
+    state = run.run(150)
+    window, hits = state.kv_events["window"], state.kv_events["hits"]
+    # 32 shared blocks a request hit, 1 or 2 of its own stored: not "stored again", not new work.
+    assert window["stored_again"] == 0
+    assert window["reused"] > 10 * window["stored"]
+    assert [f.cause for f in hit_rate(state)] == []  # the page's hit ratio is high: nothing to explain
+    # Every request asks for full reports: the stream's hit tokens are the page's.
+    assert hits["stream_share_of_page"] == pytest.approx(1.0, abs=0.02)

@@ -30,8 +30,21 @@ def with_page(report: dict[str, Any], per_engine) -> dict[str, Any]:
         hits, queries = counters.get("prefix_hits"), counters.get("prefix_queries")
     report = dict(report)
     report["sizing"] = sizing_curve(report["window"], cache_blocks, block_size, bytes_per_block, hits, queries)
+    report["hits"] = hits_beside(report["window"], block_size, hits, queries)
     report["page_engine"] = None if row is None else {"model_name": row.model, "engine": row.engine}
     return report
+
+
+def hits_beside(window: dict[str, Any], block_size: int | None, hits: float | None,
+                queries: float | None) -> dict[str, Any]:
+    """The hits the stream announced over the window (full report mode's
+    reused blocks, in tokens at the block size) beside the page's prefix
+    hits: their share is that of the hit tokens whose requests asked for
+    full reports (0 in incremental mode, 1 when every request does)."""
+    reused = window.get("reused") or 0.0
+    tokens = reused * block_size if block_size else None
+    return {"stream_blocks": reused, "stream_tokens": tokens, "page_tokens": hits, "page_queries": queries,
+            "stream_share_of_page": (min(1.0, tokens / hits) if tokens is not None and hits else None)}
 
 
 # vLLM's default block size: the bound below when neither the page nor the

@@ -97,7 +97,7 @@ class Totals:
     """Cumulative counts since the ledger started (the window diffs them)."""
 
     __slots__ = ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed",
-                 "distance", "returns", "labels", "evicted_by_medium")
+                 "reused", "distance", "returns", "labels", "evicted_by_medium")
 
     def __init__(self) -> None:
         self.stored = 0
@@ -105,16 +105,19 @@ class Totals:
         self.again = 0.0  # scaled by 1/R
         self.again_seconds = 0.0  # scaled sum of eviction-to-return times
         self.cleared = 0
-        self.duplicate = 0  # stored while cached (another group, a replay)
+        self.duplicate = 0  # stored while cached with origin NEW (another group's copy)
+        # Announced as stored while cached: hits of full report mode (scaled by 1/R where the ledger tells them).
+        self.reused = 0.0
         self.unknown_removed = 0  # removed, never seen stored (stored before kvwatch listened)
         self.distance = [0.0] * DISTANCE_BUCKETS
         self.returns = [0.0] * len(RETURN_BOUNDS)
-        self.labels: dict[tuple[str, str], list[float]] = {}  # (medium, lora) -> [stored, again]
+        self.labels: dict[tuple[str, str], list[float]] = {}  # (medium, lora) -> [stored, again, reused]
         self.evicted_by_medium: dict[str, int] = {}
 
     def copy(self) -> "Totals":
         other = Totals()
-        for name in ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed"):
+        for name in ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed",
+                     "reused"):
             setattr(other, name, getattr(self, name))
         other.distance = list(self.distance)
         other.returns = list(self.returns)
@@ -144,7 +147,17 @@ class Ledger:
     def horizon(self) -> int:
         return HORIZON_FACTOR * max(MIN_CAPACITY, int(self.peak_cached))
 
-    def stored(self, hashes: list, now: float, medium: str | None = None, lora: str | None = None) -> None:
+    def stored(self, hashes: list, now: float, medium: str | None = None, lora: str | None = None,
+               origin: str | None = None) -> None:
+        """A BlockStored event. In vLLM's full report mode a request's reused
+        (hit) blocks are announced as stored too: an event whose `origin` is
+        REUSED is all hits; without `origin`, a hash stored while the ledger
+        holds it cached is a hit (`reused`), not new work: it neither counts
+        as stored nor moves the distance clock (a hit allocates nothing).
+        Origin NEW trusts the engine: a cached hash is another group's copy."""
+        if origin == "REUSED":
+            self._reused(hashes, medium, lora)
+            return
         totals = self.totals
         table = self.table
         clock = totals.stored
@@ -153,25 +166,33 @@ class Ledger:
         limit = self._limit
         now_ms = int(now * 1000) & _MS_MASK
         scale = float(1 << shift)
+        trust_new = origin == "NEW"
         again = 0
         new = 0
         duplicate = 0
+        reused = 0
         distance = totals.distance
         returns = totals.returns
         seconds = 0.0
         get = table.get
         for h in hashes:
-            clock += 1
             if type(h) is not int:
                 h = int.from_bytes(h[-8:], "big")
             if salt:
                 h ^= salt
             if shift and ((h * _MIX) & _MASK64) >= limit:
+                clock += 1  # outside the sample: counted as stored (a hit there is not told apart)
                 continue
             value = get(h)
-            if value is None:
-                new += 1
-            elif value:
+            if value == 0:
+                if trust_new:
+                    clock += 1
+                    duplicate += 1
+                else:
+                    reused += 1
+                continue
+            clock += 1
+            if value is not None:
                 # Its distance: blocks stored after its eviction, before this one.
                 d = clock - 1 - (value >> 33)
                 again += 1
@@ -179,29 +200,55 @@ class Ledger:
                 elapsed = ((now_ms - ((value >> 1) & _MS_MASK)) & _MS_MASK) / 1000.0
                 seconds += elapsed
                 returns[_return_bucket(elapsed)] += scale
-                new += 1
-            else:
-                duplicate += 1
-                continue
+            new += 1
             table[h] = 0
+        stored = clock - totals.stored
         totals.stored = clock
         totals.again += again * scale
         totals.again_seconds += seconds * scale
         totals.duplicate += duplicate
+        totals.reused += reused * scale
         self.cached += new
         cached = self.cached * scale
         if cached > self.peak_cached:
             self.peak_cached = cached
-        key = self._label_key(medium, lora)
-        row = totals.labels.get(key)
-        if row is None:
-            if len(totals.labels) >= MAX_LABELS:
-                key = ("other", "other")
-            row = totals.labels.setdefault(key, [0.0, 0.0])
-        row[0] += len(hashes)
+        row = self._label_row(medium, lora)
+        row[0] += stored
         row[1] += again * scale
+        row[2] += reused * scale
         if len(table) > self.capacity:
             self._sweep()
+
+    def _reused(self, hashes: list, medium: str | None, lora: str | None) -> None:
+        """Blocks the engine says it reused (origin REUSED): hits, cached now."""
+        table = self.table
+        salt = medium_salt(medium)
+        shift, limit = self.shift, self._limit
+        for h in hashes:
+            if type(h) is not int:
+                h = int.from_bytes(h[-8:], "big")
+            if salt:
+                h ^= salt
+            if shift and ((h * _MIX) & _MASK64) >= limit:
+                continue
+            if table.get(h) != 0:
+                table[h] = 0  # stored before kvwatch listened, or an eviction the engine undid
+                self.cached += 1
+        self.totals.reused += len(hashes)
+        self._label_row(medium, lora)[2] += len(hashes)
+        if len(table) > self.capacity:
+            self._sweep()
+
+    def _label_row(self, medium: str | None, lora: str | None) -> list[float]:
+        """[stored, stored again, reused] of a (medium, LoRA) pair, or of "other" past the budget."""
+        labels = self.totals.labels
+        key = self._label_key(medium, lora)
+        row = labels.get(key)
+        if row is None:
+            if len(labels) >= MAX_LABELS:
+                key = ("other", "other")
+            row = labels.setdefault(key, [0.0, 0.0, 0.0])
+        return row
 
     def removed(self, hashes: list, now: float, medium: str | None = None) -> None:
         totals = self.totals

@@ -84,6 +84,12 @@ MAX_MALFORMED_KINDS = 64
 _NUMBERS = re.compile(r"[0-9][0-9,]*")
 
 
+class Replayed(bytes):
+    """A payload the replay socket answered: accounted after the messages
+    that followed it, so a block it stores may be cached already by then;
+    that is no hit of full report mode, and the ledger is told so."""
+
+
 class KVEventSource:
     def __init__(self, endpoint: str, *, connect: bool = False, topic: str = "",
                  window_seconds: float = 300.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -373,7 +379,7 @@ class KVEventSource:
                 if seq < first or seq > last or seq in taken:
                     continue  # the replay sends everything from `first` on; only the gap is missing
                 taken.add(seq)
-                if not self._enqueue(frames[2]):
+                if not self._enqueue(Replayed(frames[2])):
                     continue
                 with self._lock:
                     self.recovered += 1
@@ -426,6 +432,7 @@ class KVEventSource:
                 self._malformed("the payload could not be decoded")
             return
         ledger = self.ledger
+        late = "NEW" if isinstance(payload, Replayed) else None
         with self._lock:
             self.batches += 1
             self.skipped_events += batch.skipped
@@ -440,7 +447,7 @@ class KVEventSource:
                 if event.kind == STORED:
                     if event.block_size is not None and 0 < event.block_size <= 1 << 20:
                         self.block_size = event.block_size
-                    ledger.stored(event.hashes, now, event.medium, event.lora)
+                    ledger.stored(event.hashes, now, event.medium, event.lora, event.origin or late)
                 elif event.kind == REMOVED:
                     ledger.removed(event.hashes, now, event.medium)
                 elif event.kind == CLEARED:
@@ -566,7 +573,8 @@ def _totals_dict(totals: Totals) -> dict[str, Any]:
     return {
         "stored": totals.stored, "evicted": totals.evicted, "stored_again": totals.again,
         "return_seconds_sum": totals.again_seconds, "cleared": totals.cleared,
-        "by_label": [{"medium": m, "lora_name": lora, "stored": row[0], "stored_again": row[1]}
+        "reused": totals.reused,
+        "by_label": [{"medium": m, "lora_name": lora, "stored": row[0], "stored_again": row[1], "reused": row[2]}
                      for (m, lora), row in sorted(totals.labels.items())],
         "evicted_by_medium": dict(sorted(totals.evicted_by_medium.items())),
         "return_buckets": list(zip(RETURN_BOUNDS, _cumulative(totals.returns))),
@@ -585,6 +593,7 @@ def _window(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
     stored = end.stored - start.stored
     evicted = end.evicted - start.evicted
     again = max(0.0, end.again - start.again)
+    reused = max(0.0, end.reused - start.reused)
     again_seconds = max(0.0, end.again_seconds - start.again_seconds)
     restarted = end.stored < start.stored  # not possible today (one ledger per source); kept honest
     distance = [max(0.0, b - a) for a, b in zip(start.distance, end.distance)]
@@ -595,23 +604,32 @@ def _window(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
         "stored": stored, "evicted": evicted, "stored_again": again, "cleared": end.cleared - start.cleared,
         "stored_per_second": per(stored), "evicted_per_second": per(evicted),
         "stored_again_per_second": per(again),
+        # Hits the stream announced (full report mode): not new work, beside the page's prefix hits.
+        "reused": reused, "reused_per_second": per(reused),
         "stored_again_ratio": (min(1.0, again / stored) if stored > 0 else None),
         "return_seconds_mean": again_seconds / again if again > 0 else None,
         "return_seconds_median": _median(returns),
         "distance": distance,
         "restarted": restarted,
-        "by_label": [{"medium": m, "lora_name": lora,
-                      "stored": row[0] - start.labels.get((m, lora), [0.0, 0.0])[0],
-                      "stored_again": row[1] - start.labels.get((m, lora), [0.0, 0.0])[1]}
+        "by_label": [_label_delta(m, lora, row, start.labels.get((m, lora), _NO_ROW))
                      for (m, lora), row in sorted(end.labels.items())],
     }
+
+
+_NO_ROW = (0.0, 0.0, 0.0)
+
+
+def _label_delta(medium: str, lora: str, end, start) -> dict[str, Any]:
+    return {"medium": medium, "lora_name": lora, "stored": end[0] - start[0], "stored_again": end[1] - start[1],
+            "reused": end[2] - start[2]}
 
 
 def _part(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
     stored = end.stored - start.stored
     again = max(0.0, end.again - start.again)
     return {"seconds": seconds, "stored": stored, "evicted": end.evicted - start.evicted, "stored_again": again,
-            "stored_again_ratio": min(1.0, again / stored) if stored > 0 else None}
+            "stored_again_ratio": min(1.0, again / stored) if stored > 0 else None,
+            "reused": max(0.0, end.reused - start.reused)}
 
 
 def extra_for_share(distance: list[float], again: float, share: float) -> int | None:

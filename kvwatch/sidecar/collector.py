@@ -217,7 +217,7 @@ class KvwatchCollector(Collector):
                 yield family
                 continue
             family = CounterMetricFamily(series.name, series.help, labels=list(series.labels))
-            if series.key in ("stored", "stored_again"):
+            if series.key in ("stored", "stored_again", "reused"):
                 for row in totals.get("by_label") or []:
                     family.add_metric([row["medium"], row["lora_name"]], float(row[series.key]))
             elif series.key == "evicted":

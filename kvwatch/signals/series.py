@@ -309,8 +309,13 @@ class StreamSeries:
 
 STREAM_SERIES: tuple[StreamSeries, ...] = (
     StreamSeries("kvwatch_kv_events_blocks_stored", "stored", ("medium", "lora_name"),
-                 "Blocks the engine stored in its prefix cache (BlockStored events' block_hashes), by medium (GPU, "
+                 "Blocks the engine stored in its prefix cache (BlockStored events' block_hashes), new work only: "
+                 "a block announced while cached (full report mode's hits) is reused, not stored; by medium (GPU, "
                  "CPU offload) and LoRA adapter (empty without one)."),
+    StreamSeries("kvwatch_kv_events_blocks_reused", "reused", ("medium", "lora_name"),
+                 "Blocks announced as stored while cached: the hits of requests in vLLM's full report mode "
+                 "(origin REUSED where the events say it, else told by the ledger); 0 in incremental mode, where "
+                 "hits leave no event and the page's prefix-cache counters hold them."),
     StreamSeries("kvwatch_kv_events_blocks_stored_again", "stored_again", ("medium", "lora_name"),
                  "Blocks stored again after their eviction (a BlockStored of a hash whose BlockRemoved kvwatch "
                  "saw): recomputation a larger cache would have saved. Scaled from the ledger's sample."),

@@ -358,6 +358,8 @@ class Engine:
             if needed + pool.count_evictable(hit) > pool.num_free:
                 break
             pool.touch(hit)
+            if pool.events is not None and request.scheduled_ts < 0:
+                pool.events.admitted([pool.block_hash[block] for block in hit])
             if tier is not None:
                 # Counted before the allocation, whose evictions the tier stores.
                 tier.retrieve(reusable, len(hit), loaded, num_tokens)

@@ -32,12 +32,34 @@ def block_hash(content: Hashable) -> int:
 
 
 class EventRecorder:
-    def __init__(self, block_size: int) -> None:
+    """`full_share`: the share of requests that ask for vLLM's full report
+    mode (kv_cache_report_mode "full": their reused blocks announced as
+    stored too, at their first schedule), every 1/share-th request;
+    `origin`: events name NEW or REUSED (vLLM PR 51699, in the map layout)."""
+
+    def __init__(self, block_size: int, full_share: float = 0.0, origin: bool = False) -> None:
         self.block_size = block_size
+        self.full_share = full_share
+        self.origin = origin
+        self._credit = 0.0
         self.events: list = []
         self.pending_blocks = 0
         self.dropped_blocks = 0
         self._last_stored: list[int] | None = None
+
+    def admitted(self, reused_contents) -> None:
+        """A request's first schedule, with the cached blocks it reuses: a
+        request in full report mode announces them (one BlockStored)."""
+        self._credit += self.full_share
+        if self._credit < 1.0 - 1e-9:
+            return
+        self._credit -= 1.0
+        if not reused_contents or self.pending_blocks + len(reused_contents) > MAX_PENDING_BLOCKS:
+            self.dropped_blocks += len(reused_contents)
+            return
+        self.pending_blocks += len(reused_contents)
+        self.events.append(("reused", [block_hash(c) for c in reused_contents]))
+        self._last_stored = None
 
     def stored(self, content: Hashable) -> None:
         if self.pending_blocks >= MAX_PENDING_BLOCKS:
@@ -63,7 +85,11 @@ class EventRecorder:
         events, self.events = self.events, []
         self._last_stored = None
         self.pending_blocks = 0
-        return [wire.stored(hashes, self.block_size) if kind == "stored" else wire.removed(hashes)
+        if not self.origin:
+            return [wire.removed(hashes) if kind == "removed" else wire.stored(hashes, self.block_size)
+                    for kind, hashes in events]
+        return [wire.removed(hashes, layout="map") if kind == "removed"
+                else wire.stored(hashes, self.block_size, origin="REUSED" if kind == "reused" else "NEW")
                 for kind, hashes in events]
 
 
@@ -133,8 +159,8 @@ class EventPublisher:
                 log.exception("publishing KV-cache events failed")
 
 
-def attach(engines) -> None:
+def attach(engines, full_share: float = 0.0, origin: bool = False) -> None:
     """Give each engine's pool a recorder (prefix caching on or off alike:
     with it off nothing is ever published)."""
     for engine in engines:
-        engine.pool.events = EventRecorder(engine.config.block_size)
+        engine.pool.events = EventRecorder(engine.config.block_size, full_share, origin)
