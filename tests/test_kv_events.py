@@ -286,9 +286,30 @@ def test_a_cpu_offload_copy_is_another_block_and_lora_adapters_are_counted_apart
     source.feed(0, wire.encode_batch(1.0, [wire.stored([1], 16, lora_name="a"), wire.removed([1]),
                                            wire.stored([1], 16, medium="CPU")]), now=1.0)
     assert source.ledger.totals.again == 0  # the CPU copy is not the GPU block's return
-    source.feed(1, wire.encode_batch(2.0, [wire.stored([1], 16, lora_name="a")]), now=2.0)
+    source.feed(1, wire.encode_batch(2.0, [wire.stored([2], 16, lora_name="a"), wire.removed([2]),
+                                           wire.stored([2], 16, lora_name="a")]), now=2.0)
     rows = {(r["medium"], r["lora_name"]): r for r in source.report(now=2.0)["totals"]["by_label"]}
     assert rows[("GPU", "a")]["stored_again"] == 1 and rows[("CPU", "")]["stored_again"] == 0
+
+
+def test_a_block_back_from_a_lower_tier_is_that_tiers_hit_not_recomputation():
+    source = KVEventSource("tcp://127.0.0.1:1")
+    events = [wire.stored([1, 2, 3], 16), wire.stored([1, 2], 16, medium="CPU"),  # offloaded to the CPU tier
+              wire.stored([3], 16, medium="STORAGE", locality="REMOTE"),  # and 3 to remote storage
+              wire.removed([1]), wire.removed([2]), wire.removed([3]),
+              wire.removed([2], medium="CPU"),  # the CPU tier let 2 go
+              wire.stored([9], 16),  # one other block between the evictions and the returns
+              wire.stored([1, 2, 3], 16)]  # back on the GPU: 1 from the CPU, 3 from storage, 2 recomputed
+    source.feed(0, wire.encode_batch(1.0, events), now=1.0)
+    report = source.report(now=2.0)
+    tiers = {(r["medium"], r["locality"]): r for r in report["totals"]["tiers"]}
+    assert report["totals"]["stored_again"] == 1  # only 2 was recomputed
+    assert tiers[("GPU", "")] == {"medium": "GPU", "locality": "", "stored": 7, "evicted": 3, "returned": 3}
+    assert tiers[("CPU", "")]["returned"] == 1 and tiers[("CPU", "")]["evicted"] == 1
+    assert tiers[("STORAGE", "REMOTE")]["returned"] == 1 and tiers[("STORAGE", "REMOTE")]["stored"] == 1
+    # The curve per tier: the GPU cache that would have kept what each tier served (1 block stored between).
+    sizing = report["sizing"]["tiers"]
+    assert [p["blocks_kept"] for p in sizing["CPU"] if p["extra_blocks"] >= 2][:1] == [1]
 
 
 def test_the_table_stays_within_its_bytes_and_samples_with_a_small_error():

@@ -97,10 +97,11 @@ class Totals:
     """Cumulative counts since the ledger started (the window diffs them)."""
 
     __slots__ = ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed",
-                 "reused", "distance", "returns", "labels", "evicted_by_medium")
+                 "reused", "clock", "distance", "returns", "labels", "evicted_by_medium", "tiers", "tier_distance")
 
     def __init__(self) -> None:
         self.stored = 0
+        self.clock = 0  # GPU blocks stored: the distances' clock (a lower tier's store allocates none)
         self.evicted = 0
         self.again = 0.0  # scaled by 1/R
         self.again_seconds = 0.0  # scaled sum of eviction-to-return times
@@ -113,16 +114,23 @@ class Totals:
         self.returns = [0.0] * len(RETURN_BOUNDS)
         self.labels: dict[tuple[str, str], list[float]] = {}  # (medium, lora) -> [stored, again, reused]
         self.evicted_by_medium: dict[str, int] = {}
+        # (medium, locality) -> [stored, evicted, returned]: a lower tier's returned are the GPU's
+        # returns it held (its hits); the GPU's, every block back after its eviction, however served.
+        self.tiers: dict[tuple[str, str], list[float]] = {}
+        # lower medium -> distance buckets of the GPU returns it served (the curve per tier).
+        self.tier_distance: dict[str, list[float]] = {}
 
     def copy(self) -> "Totals":
         other = Totals()
         for name in ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed",
-                     "reused"):
+                     "reused", "clock"):
             setattr(other, name, getattr(self, name))
         other.distance = list(self.distance)
         other.returns = list(self.returns)
         other.labels = {key: list(value) for key, value in self.labels.items()}
         other.evicted_by_medium = dict(self.evicted_by_medium)
+        other.tiers = {key: list(value) for key, value in self.tiers.items()}
+        other.tier_distance = {key: list(value) for key, value in self.tier_distance.items()}
         return other
 
 
@@ -138,6 +146,10 @@ class Ledger:
         self.sweeps = 0
         self.forgotten = 0  # evicted entries dropped past the horizon
         self.labels = LabelBudget("the KV-cache event stream", MAX_LABELS)
+        # Lower tiers seen storing blocks (a medium other than the GPU): name -> its hashes' salt,
+        # and the locality its events last named.
+        self.lower: dict[str, int] = {}
+        self.locality: dict[str, str] = {}
 
     @property
     def rate(self) -> float:
@@ -148,20 +160,19 @@ class Ledger:
         return HORIZON_FACTOR * max(MIN_CAPACITY, int(self.peak_cached))
 
     def stored(self, hashes: list, now: float, medium: str | None = None, lora: str | None = None,
-               origin: str | None = None) -> None:
-        """A BlockStored event. In vLLM's full report mode a request's reused
-        (hit) blocks are announced as stored too: an event whose `origin` is
-        REUSED is all hits; without `origin`, a hash stored while the ledger
-        holds it cached is a hit (`reused`), not new work: it neither counts
-        as stored nor moves the distance clock (a hit allocates nothing).
-        Origin NEW trusts the engine: a cached hash is another group's copy."""
+               origin: str | None = None, locality: str | None = None) -> None:
+        """A BlockStored. Full report mode announces hits as stored: origin REUSED,
+        or (no origin) a hash the ledger holds cached, is a hit (`reused`), neither
+        stored nor a tick of the clock; origin NEW on a cached hash: another group's."""
         if origin == "REUSED":
             self._reused(hashes, medium, lora)
             return
-        totals = self.totals
-        table = self.table
-        clock = totals.stored
         salt = medium_salt(medium)
+        if salt:
+            self._note_lower(medium, locality)
+        totals, table, clock = self.totals, self.table, self.totals.clock
+        tick = 0 if salt else 1  # a lower tier's store allocates no GPU block: the clock stands
+        stored = 0
         shift = self.shift
         limit = self._limit
         now_ms = int(now * 1000) & _MS_MASK
@@ -174,6 +185,8 @@ class Ledger:
         distance = totals.distance
         returns = totals.returns
         seconds = 0.0
+        returned = 0
+        lower = None if salt else self._lower_holding()
         get = table.get
         for h in hashes:
             if type(h) is not int:
@@ -181,20 +194,28 @@ class Ledger:
             if salt:
                 h ^= salt
             if shift and ((h * _MIX) & _MASK64) >= limit:
-                clock += 1  # outside the sample: counted as stored (a hit there is not told apart)
+                clock += tick  # outside the sample: counted as stored (a hit there is not told apart)
+                stored += 1
                 continue
             value = get(h)
             if value == 0:
                 if trust_new:
-                    clock += 1
+                    clock += tick
+                    stored += 1
                     duplicate += 1
                 else:
                     reused += 1
                 continue
-            clock += 1
+            clock += tick
+            stored += 1
             if value is not None:
                 # Its distance: blocks stored after its eviction, before this one.
-                d = clock - 1 - (value >> 33)
+                d = clock - tick - (value >> 33)
+                returned += 1
+                if lower is not None and lower(h, d if d < 8 else distance_bucket(d), scale):
+                    new += 1  # a lower tier held it: that tier's hit, not recomputation
+                    table[h] = 0
+                    continue
                 again += 1
                 distance[d if d < 8 else distance_bucket(d)] += scale
                 elapsed = ((now_ms - ((value >> 1) & _MS_MASK)) & _MS_MASK) / 1000.0
@@ -202,8 +223,8 @@ class Ledger:
                 returns[_return_bucket(elapsed)] += scale
             new += 1
             table[h] = 0
-        stored = clock - totals.stored
-        totals.stored = clock
+        totals.clock = clock
+        totals.stored += stored
         totals.again += again * scale
         totals.again_seconds += seconds * scale
         totals.duplicate += duplicate
@@ -212,12 +233,56 @@ class Ledger:
         cached = self.cached * scale
         if cached > self.peak_cached:
             self.peak_cached = cached
-        row = self._label_row(medium, lora)
-        row[0] += stored
-        row[1] += again * scale
-        row[2] += reused * scale
+        self._count_rows(medium, lora, locality, stored, again * scale, reused * scale, returned * scale)
         if len(table) > self.capacity:
             self._sweep()
+
+    def _count_rows(self, medium, lora, locality, stored: int, again: float, reused: float, returned: float) -> None:
+        row = self._label_row(medium, lora)
+        row[0] += stored
+        row[1] += again
+        row[2] += reused
+        tier = self._tier_row(medium, locality)
+        tier[0] += stored
+        tier[2] += returned
+
+    def _note_lower(self, medium: str, locality: str | None) -> None:
+        name = self.labels.admit(medium)
+        if name not in self.lower and len(self.lower) < MAX_LABELS:
+            self.lower[name] = medium_salt(medium)
+        if locality:
+            self.locality[name] = locality
+
+    def _lower_holding(self):
+        """A check of the lower tiers for a GPU block back after its eviction:
+        the first tier holding it cached is credited (its hit, the distance);
+        None while no lower tier has stored anything."""
+        if not self.lower:
+            return None
+        table, totals, tiers = self.table, self.totals, list(self.lower.items())
+
+        def held(h: int, bucket: int, scale: float) -> bool:
+            for name, salt in tiers:
+                if table.get(h ^ salt) == 0:
+                    self._tier_row(name, self.locality.get(name))[2] += scale
+                    row = totals.tier_distance.get(name)
+                    if row is None:
+                        row = totals.tier_distance.setdefault(name, [0.0] * DISTANCE_BUCKETS)
+                    row[bucket] += scale
+                    return True
+            return False
+        return held
+
+    def _tier_row(self, medium: str | None, locality: str | None) -> list[float]:
+        """[stored, evicted, returned] of a (medium, locality), or of "other" past the budget."""
+        tiers = self.totals.tiers
+        key = (self.labels.admit(medium or "GPU"), self.labels.admit(locality) if locality else "")
+        row = tiers.get(key)
+        if row is None:
+            if len(tiers) >= MAX_LABELS:
+                key = ("other", "")
+            row = tiers.setdefault(key, [0.0, 0.0, 0.0])
+        return row
 
     def _reused(self, hashes: list, medium: str | None, lora: str | None) -> None:
         """Blocks the engine says it reused (origin REUSED): hits, cached now."""
@@ -250,13 +315,13 @@ class Ledger:
             row = labels.setdefault(key, [0.0, 0.0, 0.0])
         return row
 
-    def removed(self, hashes: list, now: float, medium: str | None = None) -> None:
+    def removed(self, hashes: list, now: float, medium: str | None = None, locality: str | None = None) -> None:
         totals = self.totals
         table = self.table
         salt = medium_salt(medium)
         shift = self.shift
         limit = self._limit
-        mark = ((totals.stored << 32) | (int(now * 1000) & _MS_MASK)) << 1 | 1
+        mark = ((totals.clock << 32) | (int(now * 1000) & _MS_MASK)) << 1 | 1
         unknown = 0
         gone = 0
         get = table.get
@@ -278,6 +343,7 @@ class Ledger:
         totals.evicted += len(hashes)
         totals.unknown_removed += unknown
         self.cached = max(0, self.cached - gone)
+        self._tier_row(medium, locality)[1] += len(hashes)
         name = self.labels.admit(medium or "GPU")
         by_medium = totals.evicted_by_medium
         if name in by_medium or len(by_medium) < MAX_LABELS:
@@ -303,7 +369,7 @@ class Ledger:
     def _sweep(self) -> None:
         self.sweeps += 1
         table = self.table
-        oldest = self.totals.stored - self.horizon
+        oldest = self.totals.clock - self.horizon
         if oldest > 0:
             stale = [h for h, v in table.items() if v and (v >> 33) < oldest]
             for h in stale:

@@ -33,8 +33,8 @@ from collections import deque
 from typing import Any, Callable
 
 from kvwatch.kvevents.endpoint import ipc_path_problem
-from kvwatch.kvevents.ledger import (DEFAULT_TABLE_BYTES, ENTRY_BYTES, RETURN_BOUNDS, Ledger, Totals,
-                                     bucket_upper, curve)
+from kvwatch.kvevents.ledger import (DEFAULT_TABLE_BYTES, DISTANCE_BUCKETS, ENTRY_BYTES, RETURN_BOUNDS, Ledger,
+                                     Totals, bucket_upper, curve)
 from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
 from kvwatch.present import Throttle
 
@@ -447,9 +447,9 @@ class KVEventSource:
                 if event.kind == STORED:
                     if event.block_size is not None and 0 < event.block_size <= 1 << 20:
                         self.block_size = event.block_size
-                    ledger.stored(event.hashes, now, event.medium, event.lora, event.origin or late)
+                    ledger.stored(event.hashes, now, event.medium, event.lora, event.origin or late, event.locality)
                 elif event.kind == REMOVED:
-                    ledger.removed(event.hashes, now, event.medium)
+                    ledger.removed(event.hashes, now, event.medium, event.locality)
                 elif event.kind == CLEARED:
                     ledger.clear()
                     self._change(now, "kv_cache_cleared",
@@ -577,6 +577,7 @@ def _totals_dict(totals: Totals) -> dict[str, Any]:
         "by_label": [{"medium": m, "lora_name": lora, "stored": row[0], "stored_again": row[1], "reused": row[2]}
                      for (m, lora), row in sorted(totals.labels.items())],
         "evicted_by_medium": dict(sorted(totals.evicted_by_medium.items())),
+        "tiers": _tier_rows(totals.tiers, {}),
         "return_buckets": list(zip(RETURN_BOUNDS, _cumulative(totals.returns))),
     }
 
@@ -613,10 +614,22 @@ def _window(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
         "restarted": restarted,
         "by_label": [_label_delta(m, lora, row, start.labels.get((m, lora), _NO_ROW))
                      for (m, lora), row in sorted(end.labels.items())],
+        "tiers": _tier_rows(end.tiers, start.tiers),
+        "tier_distance": {name: [max(0.0, b - a) for a, b in zip(start.tier_distance.get(name, _NO_DISTANCE), row)]
+                          for name, row in sorted(end.tier_distance.items())},
     }
 
 
 _NO_ROW = (0.0, 0.0, 0.0)
+_NO_DISTANCE = (0.0,) * DISTANCE_BUCKETS
+
+
+def _tier_rows(end: dict, start: dict) -> list[dict[str, Any]]:
+    """Stored, evicted and returned per (medium, locality) since `start`."""
+    return [{"medium": medium, "locality": locality, "stored": row[0] - start.get((medium, locality), _NO_ROW)[0],
+             "evicted": row[1] - start.get((medium, locality), _NO_ROW)[1],
+             "returned": row[2] - start.get((medium, locality), _NO_ROW)[2]}
+            for (medium, locality), row in sorted(end.items())]
 
 
 def _label_delta(medium: str, lora: str, end, start) -> dict[str, Any]:
@@ -682,11 +695,17 @@ def sizing_curve(window: dict[str, Any], cached_peak: float, block_size: int | N
             "hit_ratio": (min(1.0, (hits + kept * block_size) / queries)
                           if hits is not None and queries and block_size else None),
         })
+    # The curve per lower tier: the GPU cache that would have kept the returns that tier served.
+    tiers = {name: [{"extra_cache": factor, "extra_blocks": extra, "blocks_kept": kept,
+                     "tier_returns_avoided_ratio": kept / sum(row) if sum(row) > 0 else None}
+                    for (factor, _), (extra, kept) in zip(factors, curve(row, sum(row), [e for _, e in factors]))]
+             for name, row in (window.get("tier_distance") or {}).items()}
     largest = max((bucket_upper(i) for i, c in enumerate(window["distance"]) if c), default=None)
     return {
         "cache_blocks": cached_peak,
         "hit_ratio_now": (min(1.0, hits / queries) if hits is not None and queries else None),
         "points": rows,
+        "tiers": tiers,
         "largest_distance_blocks": largest,
         "note": ("an estimate: a block stored again after its eviction would have stayed cached in a cache larger "
                  "by more than its distance (blocks stored between its eviction and its return); first order, "

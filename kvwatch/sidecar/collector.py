@@ -220,6 +220,10 @@ class KvwatchCollector(Collector):
             if series.key in ("stored", "stored_again", "reused"):
                 for row in totals.get("by_label") or []:
                     family.add_metric([row["medium"], row["lora_name"]], float(row[series.key]))
+            elif series.key == "tiers":
+                for row in totals.get("tiers") or []:
+                    for event in ("stored", "evicted", "returned"):
+                        family.add_metric([row["medium"], row["locality"], event], float(row[event]))
             elif series.key == "evicted":
                 for medium, count in (totals.get("evicted_by_medium") or {}).items():
                     family.add_metric([medium], float(count))

@@ -321,6 +321,11 @@ STREAM_SERIES: tuple[StreamSeries, ...] = (
                  "saw): recomputation a larger cache would have saved. Scaled from the ledger's sample."),
     StreamSeries("kvwatch_kv_events_blocks_evicted", "evicted", ("medium",),
                  "Blocks the engine evicted from its prefix cache (BlockRemoved events' block_hashes), by medium."),
+    StreamSeries("kvwatch_kv_events_tier_blocks", "tiers", ("medium", "locality", "event"),
+                 "Blocks per cache tier (medium: GPU, CPU, STORAGE, ...; locality LOCAL or REMOTE where the events "
+                 "say it, else empty) by event: stored, evicted, returned. A lower tier's returned are the GPU "
+                 "blocks back after their eviction that it held (its hits, not recomputation); the GPU's, every "
+                 "block back after its eviction, however served."),
     StreamSeries("kvwatch_kv_events_cache_cleared", "cleared", (),
                  "AllBlocksCleared events: the engine reset its prefix cache (each also a change on the timeline)."),
     StreamSeries("kvwatch_kv_events_eviction_return_seconds", "return_buckets", (),
