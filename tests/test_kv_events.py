@@ -304,7 +304,9 @@ def test_a_block_back_from_a_lower_tier_is_that_tiers_hit_not_recomputation():
     report = source.report(now=2.0)
     tiers = {(r["medium"], r["locality"]): r for r in report["totals"]["tiers"]}
     assert report["totals"]["stored_again"] == 1  # only 2 was recomputed
-    assert tiers[("GPU", "")] == {"medium": "GPU", "locality": "", "stored": 7, "evicted": 3, "returned": 3}
+    assert tiers[("GPU", "")] == {"medium": "GPU", "locality": "", "stored": 7, "evicted": 3, "returned": 3,
+                                  "store_only": False}
+    assert not tiers[("CPU", "")]["store_only"] and tiers[("STORAGE", "REMOTE")]["store_only"]
     assert tiers[("CPU", "")]["returned"] == 1 and tiers[("CPU", "")]["evicted"] == 1
     assert tiers[("STORAGE", "REMOTE")]["returned"] == 1 and tiers[("STORAGE", "REMOTE")]["stored"] == 1
     # The curve per tier: the GPU cache that would have kept what each tier served (1 block stored between).
@@ -531,6 +533,41 @@ def test_the_api_serves_the_sizing_curve_and_kvwatch_capacity_prints_it(fixtures
     with PageServer([Answer(json.dumps({"findings": []}), headers={"Content-Type": "application/json"})]) as served:
         with pytest.raises(capacity.CapacityInputError, match="does not read KV-cache events"):
             capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))
+
+
+def _fixture_batch(fixtures_dir, name: str) -> bytes:
+    """A fixture batch (tests/fixtures/kv-events, JSON of the publisher's msgpack) as its bytes."""
+    import json
+
+    return msgspec.msgpack.encode(json.loads((fixtures_dir / "kv-events" / name).read_text()))
+
+
+def test_tensorrt_llms_streaming_batches_read_as_vllms(fixtures_dir):
+    # Positional envelope, map events tagged "type", token ids that may be strings, mm_keys: all skipped.
+    source = KVEventSource("tcp://127.0.0.1:1")
+    source.feed(0, _fixture_batch(fixtures_dir, "trtllm-streaming-batch.json"), now=1.0)
+    report = source.report(now=1.0)
+    assert report["intake"]["malformed"] == 0 and source.ranks == {1} and source.block_size == 32
+    totals = report["totals"]
+    assert (totals["stored"], totals["evicted"], totals["stored_again"], totals["cleared"]) == (5, 1, 1, 1)
+
+
+def test_lmcaches_store_only_tier_is_counted_and_its_hits_an_upper_bound(fixtures_dir):
+    source = KVEventSource("tcp://127.0.0.1:1")
+    source.feed(0, _fixture_batch(fixtures_dir, "lmcache-mp-store-only-batch.json"), now=1.0)
+    report = source.report(now=1.0)
+    tiers = {r["medium"]: r for r in report["totals"]["tiers"]}
+    # Both blocks came back from the CPU tier LMCache stored them in: its hits, not recomputation.
+    assert report["totals"]["stored_again"] == 0 and tiers["CPU"]["returned"] == 2
+    # It never said what it let go: store-only, so those hits are an upper bound.
+    assert tiers["CPU"]["store_only"] and tiers["CPU"]["evicted"] == 0
+
+
+def test_sglangs_fixture_batch_reads_as_vllms(fixtures_dir):
+    source = KVEventSource("tcp://127.0.0.1:1")
+    source.feed(0, _fixture_batch(fixtures_dir, "sglang-batch.json"), now=1.0)
+    totals = source.report(now=1.0)["totals"]
+    assert source.ranks == set() and (totals["stored"], totals["stored_again"], totals["cleared"]) == (3, 1, 1)
 
 
 def test_sglangs_batches_read_as_vllms():

@@ -32,13 +32,14 @@ class Live:
     """A simulator (frozen clock, moved by hand) publishing to kvwatch."""
 
     def __init__(self, scenario, tmp_path=None, publish=True, thresholds=None, wait="message",
-                 kv_report=(0.0, False)):
+                 kv_report=(0.0, False), lmcache_tokens=None):
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         if isinstance(scenario, str) and "\n" in scenario:
             path = tmp_path / "scenario.yaml"
             path.write_text(scenario)
             scenario = load_scenario(str(path))
-        self.sim = start_background(scenario, speed=0, kv_events=endpoint if publish else None, kv_report=kv_report)
+        self.sim = start_background(scenario, speed=0, kv_events=endpoint if publish else None, kv_report=kv_report,
+                                    lmcache_tokens=lmcache_tokens)
         settings = load_settings(overrides={"target": self.sim.metrics_url, "poll_interval": "5s", "window": "5m",
                                             "kv_events": endpoint}, environ={})
         settings.diagnosis.update(thresholds or {})
@@ -246,3 +247,27 @@ def test_a_warm_shared_prefix_in_full_mode_reads_as_hits_beside_the_pages(live, 
     assert [f.cause for f in hit_rate(state)] == []  # the page's hit ratio is high: nothing to explain
     # Every request asks for full reports: the stream's hit tokens are the page's.
     assert hits["stream_share_of_page"] == pytest.approx(1.0, abs=0.02)
+
+
+# --- other publishers' layouts, and a store-only lower tier -------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["sglang", "trtllm"])
+def test_sglangs_and_tensorrt_llms_layouts_read_as_vllms(live, layout):
+    run = live("eviction-pressure", kv_report=(0.0, False, layout))
+    run.run(120)
+    state = run.run(150)
+    assert [(f.cause, f.confidence) for f in hit_rate(state)] == [("eviction_before_reuse", "high")]
+    assert state.kv_events["intake"]["malformed"] == 0
+    assert state.kv_events["ranks"] == ([] if layout == "sglang" else [0])
+
+
+def test_an_lmcache_tier_publishing_store_only_events_serves_returns_as_its_hits(live):
+    # The simulated LMCache keeps what the GPU evicts and loads it back; its connector says what it
+    # stored, never what it let go (LMCache PR 5076).
+    run = live("eviction-pressure", lmcache_tokens=65536)
+    run.run(120)
+    state = run.run(150)
+    tiers = {r["medium"]: r for r in state.kv_events["window"]["tiers"]}
+    assert tiers["CPU"]["store_only"] and tiers["CPU"]["stored"] > 0 and tiers["CPU"]["evicted"] == 0
+    assert tiers["CPU"]["returned"] > 0  # GPU blocks back from the tier: its hits, not recomputation
+    assert tiers["GPU"]["returned"] >= tiers["CPU"]["returned"] + state.kv_events["window"]["stored_again"] - 1

@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reused blocks announced as stored too), 0 to 1 (default: 0, incremental)")
     parser.add_argument("--kv-events-origin", action="store_true",
                         help="events name their origin, NEW or REUSED (a proposed vLLM field; the map layout)")
+    parser.add_argument("--kv-events-layout", default="vllm", choices=("vllm", "sglang", "trtllm"),
+                        help="whose publisher the events' batches look like (default: vllm)")
     parser.add_argument("--interval", default="15s", help="report interval, simulated time (default: 15s)")
 
 
@@ -169,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         server = SimServer(sim, speed=args.speed, host=args.host, port=args.port, dialect=args.dialect,
-                           kv_events=args.kv_events, kv_report=(args.kv_events_full, args.kv_events_origin),
+                           kv_events=args.kv_events, kv_report=(args.kv_events_full, args.kv_events_origin,
+                                                                args.kv_events_layout),
                            spelling=args.spelling)
     except _zmq_error() as exc:
         print(f"kvwatch sim: cannot publish KV-cache events to {args.kv_events}: {exc}", file=sys.stderr)

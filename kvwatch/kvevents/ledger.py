@@ -97,7 +97,8 @@ class Totals:
     """Cumulative counts since the ledger started (the window diffs them)."""
 
     __slots__ = ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed",
-                 "reused", "clock", "distance", "returns", "labels", "evicted_by_medium", "tiers", "tier_distance")
+                 "reused", "clock", "distance", "returns", "labels", "evicted_by_medium", "tiers", "tier_distance",
+                 "removing")
 
     def __init__(self) -> None:
         self.stored = 0
@@ -119,6 +120,9 @@ class Totals:
         self.tiers: dict[tuple[str, str], list[float]] = {}
         # lower medium -> distance buckets of the GPU returns it served (the curve per tier).
         self.tier_distance: dict[str, list[float]] = {}
+        # Media that sent a BlockRemoved: a lower tier that never did is store-only (LMCache's
+        # multiprocess connector), its residency unknown, so its hits are an upper bound.
+        self.removing: set[str] = set()
 
     def copy(self) -> "Totals":
         other = Totals()
@@ -131,6 +135,7 @@ class Totals:
         other.evicted_by_medium = dict(self.evicted_by_medium)
         other.tiers = {key: list(value) for key, value in self.tiers.items()}
         other.tier_distance = {key: list(value) for key, value in self.tier_distance.items()}
+        other.removing = set(self.removing)
         return other
 
 
@@ -345,6 +350,8 @@ class Ledger:
         self.cached = max(0, self.cached - gone)
         self._tier_row(medium, locality)[1] += len(hashes)
         name = self.labels.admit(medium or "GPU")
+        if len(totals.removing) < MAX_LABELS:
+            totals.removing.add(name)
         by_medium = totals.evicted_by_medium
         if name in by_medium or len(by_medium) < MAX_LABELS:
             by_medium[name] = by_medium.get(name, 0) + len(hashes)

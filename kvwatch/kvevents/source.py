@@ -368,6 +368,8 @@ class KVEventSource:
                     return
                 frames = sock.recv_multipart()
                 read += 1
+                if len(frames) == 4:
+                    frames = [frames[0], frames[2], frames[3]]  # TensorRT-LLM's replay sends the topic too
                 if len(frames) != 3 or len(frames[1]) != 8:
                     with self._lock:
                         self._malformed(f"a replayed message of {len(frames)} frames, not delimiter, sequence and "
@@ -577,7 +579,7 @@ def _totals_dict(totals: Totals) -> dict[str, Any]:
         "by_label": [{"medium": m, "lora_name": lora, "stored": row[0], "stored_again": row[1], "reused": row[2]}
                      for (m, lora), row in sorted(totals.labels.items())],
         "evicted_by_medium": dict(sorted(totals.evicted_by_medium.items())),
-        "tiers": _tier_rows(totals.tiers, {}),
+        "tiers": _tier_rows(totals.tiers, {}, totals.removing),
         "return_buckets": list(zip(RETURN_BOUNDS, _cumulative(totals.returns))),
     }
 
@@ -614,7 +616,7 @@ def _window(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
         "restarted": restarted,
         "by_label": [_label_delta(m, lora, row, start.labels.get((m, lora), _NO_ROW))
                      for (m, lora), row in sorted(end.labels.items())],
-        "tiers": _tier_rows(end.tiers, start.tiers),
+        "tiers": _tier_rows(end.tiers, start.tiers, end.removing),
         "tier_distance": {name: [max(0.0, b - a) for a, b in zip(start.tier_distance.get(name, _NO_DISTANCE), row)]
                           for name, row in sorted(end.tier_distance.items())},
     }
@@ -624,11 +626,14 @@ _NO_ROW = (0.0, 0.0, 0.0)
 _NO_DISTANCE = (0.0,) * DISTANCE_BUCKETS
 
 
-def _tier_rows(end: dict, start: dict) -> list[dict[str, Any]]:
-    """Stored, evicted and returned per (medium, locality) since `start`."""
+def _tier_rows(end: dict, start: dict, removing: set) -> list[dict[str, Any]]:
+    """Stored, evicted and returned per (medium, locality) since `start`; a
+    lower tier that never sent a BlockRemoved is store-only (its returned an
+    upper bound: what it let go is not said)."""
     return [{"medium": medium, "locality": locality, "stored": row[0] - start.get((medium, locality), _NO_ROW)[0],
              "evicted": row[1] - start.get((medium, locality), _NO_ROW)[1],
-             "returned": row[2] - start.get((medium, locality), _NO_ROW)[2]}
+             "returned": row[2] - start.get((medium, locality), _NO_ROW)[2],
+             "store_only": medium != "GPU" and medium not in removing}
             for (medium, locality), row in sorted(end.items())]
 
 

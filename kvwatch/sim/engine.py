@@ -182,6 +182,8 @@ class Engine:
 
     def _store_in_tier(self, hashes) -> None:
         before = self.tier.stored_tokens
+        if self.pool.events is not None:
+            self.pool.events.tier_stored([h for h in hashes if h not in self.tier.chunks])
         self.tier.store(hashes)
         self.stats.tier_backup_bytes += (self.tier.stored_tokens - before) * self.config.kv_bytes_per_token
 

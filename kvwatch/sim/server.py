@@ -141,7 +141,7 @@ class SimServer:
         request_timeout: float = 600.0,
         dialect: str = "vllm",
         kv_events: str | None = None,
-        kv_report: tuple[float, bool] = (0.0, False),
+        kv_report: tuple = (0.0, False),
         read_timeout: float = REQUEST_READ_SECONDS,
         spelling: str = "sglang:",
     ) -> None:
@@ -322,7 +322,7 @@ def start_background(
     dialect: str = "vllm",
     lmcache_tokens: int | None = None,
     kv_events: str | None = None,
-    kv_report: tuple[float, bool] = (0.0, False),
+    kv_report: tuple = (0.0, False),
     read_timeout: float = REQUEST_READ_SECONDS,
     spelling: str = "sglang:",
 ) -> SimServer:
@@ -333,7 +333,7 @@ def start_background(
     .lmcache_metrics_url). `kv_events`: publish the engines' KV-cache events
     to that ZMQ endpoint (kvwatch/sim/kvevents.py); `kv_report`: (the share
     of requests in vLLM's full report mode, whether events name their
-    origin). `read_timeout`: the
+    origin[, whose publisher's layout: vllm, sglang, trtllm]). `read_timeout`: the
     seconds a request has to arrive whole (REQUEST_READ_SECONDS). `spelling`:
     the SGLang dialect's names, sglang: or sglang_ (sample lines rewritten)."""
     if not isinstance(scenario, Scenario):
