@@ -15,6 +15,7 @@ SLOW_MODULES = (
     "test_e2e_alerting.py",
     "test_e2e_engines.py",
     "test_e2e_kv_events_alerts.py",
+    "test_kv_events_sizing_sim.py",
     "test_e2e_offload_tier.py",
     "test_e2e_prometheus.py",
     "test_fuzz_atheris.py",

@@ -396,16 +396,37 @@ class Ledger:
         return len(self.table)
 
 
-def curve(distance: list[float], stored_again: float, points: list[int]) -> list[tuple[int, float]]:
+def _kept(distance: list[float], extra: float) -> float:
+    """The returns whose distance is below `extra`: whole buckets below it,
+    and of the bucket it falls in the share of its distances below it
+    (distances spread evenly within a bucket)."""
+    kept = 0.0
+    for index, count in enumerate(distance):
+        if not count:
+            continue
+        low, high = bucket_lower(index), bucket_upper(index)
+        if high < extra:
+            kept += count
+        elif low < extra:
+            kept += count * (extra - low) / (high - low + 1)
+    return kept
+
+
+def curve(distance: list[float], stored_again: float, points: list[int],
+          stored: float = 0.0) -> list[tuple[int, float]]:
     """(extra blocks, blocks stored again that a cache that much larger
     would have kept) for each of `points`: the returns whose distance is
-    below the extra blocks (whole buckets: a bucket counts once its largest
-    distance is below, so the estimate errs low by at most a quarter octave)."""
+    below the extra blocks. With `stored` (the blocks stored over the same
+    span), one second-order step: a kept return is a hit, not a store, so in
+    the larger cache fewer blocks are stored between an eviction and a
+    return, by the share p of the stores the first order keeps: a return is
+    kept when its distance is below extra / (1 - p). One step, not the fixed
+    point: iterating compounds the correction and overshoots (measured on
+    the simulator, docs/kv-events.md)."""
     out = []
     for extra in points:
-        kept = 0.0
-        for index, count in enumerate(distance):
-            if count and bucket_upper(index) < extra:
-                kept += count
+        kept = _kept(distance, extra)
+        if stored > 0 and kept > 0:
+            kept = _kept(distance, extra / (1.0 - min(kept / stored, 0.9)))
         out.append((extra, min(kept, stored_again)))
     return out

@@ -687,7 +687,8 @@ def sizing_curve(window: dict[str, Any], cached_peak: float, block_size: int | N
     base = max(1, int(round(cached_peak)))
     factors = [(f, max(1, int(round(base * f)))) for f in CURVE_FACTORS]
     rows = []
-    for (factor, _), (extra, kept) in zip(factors, curve(window["distance"], again, [e for _, e in factors])):
+    kept_at = curve(window["distance"], again, [e for _, e in factors], stored=stored)
+    for (factor, _), (extra, kept) in zip(factors, kept_at):
         rows.append({
             "extra_cache": factor,
             "extra_blocks": extra,
