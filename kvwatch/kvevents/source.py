@@ -484,6 +484,7 @@ class KVEventSource:
                 "dropped": self.dropped, "dropped_bytes": self.dropped_bytes, "missed": self.missed,
                 "restarts": self.restarts, "malformed": self.malformed, "absurd_events": self.absurd_events,
                 "replay_requests": self.replay_requests, "recovered": self.recovered,
+                "gaps": self.missed + self.recovered,  # found missing, ever (a counter: never goes back)
                 "skipped_events": self.skipped_events, "queued": len(self._queue),
                 "queued_bytes": self._queued_bytes, "jumps": self.jumps,
                 "labels_folded": self.ledger.labels.folded, "connections": self.connections,

@@ -96,6 +96,10 @@ def _engine_unreachable(f: Recorded) -> list:
             ("unless", f.series("kvwatch_busy") + " > 0"), ("unless", f.series("kvwatch_starting") + " > 0")]
 
 
+def _increase(f: Recorded, counter: str) -> str:
+    return f"increase({f.series(counter)}[{f.c.rate_window}])"
+
+
 def _not_starting(f: Recorded) -> tuple[str, str]:
     return ("unless", f.series("kvwatch_starting") + " > 0")
 
@@ -127,14 +131,15 @@ STREAM_ALERTS: tuple[CauseAlert, ...] = (
             "less a partial block per request): the stream stopped, its decisions are off.")),
     CauseAlert(
         cause="events_missed",
-        query=lambda f: (f"increase({f.series('kvwatch_kv_events_missed_messages_total')}[{f.c.rate_window}]) + "
-                         f"increase({f.series('kvwatch_kv_events_dropped_messages_total')}[{f.c.rate_window}])"),
+        query=lambda f: (f"{_increase(f, 'kvwatch_kv_events_missed_messages_total')} - "
+                         f"{_increase(f, 'kvwatch_kv_events_recovered_messages_total')} + "
+                         f"{_increase(f, 'kvwatch_kv_events_dropped_messages_total')}"),
         op=">", threshold=0,
         summary="KV-cache event messages are lost on their way to kvwatch.",
         description=(
             "kvwatch at {instance} lost {value:count} KV-cache event messages in the last {rate_window} (sequence gaps "
-            "the replay did not fill, or drops of its full intake): the stream's counts are low by what they "
-            "held.")),
+            "the replay socket did not answer, or drops of its full intake): the stream's counts are low by what "
+            "they held.")),
 )
 
 

@@ -189,7 +189,8 @@ class KvwatchCollector(Collector):
         yield up
         for name, value in (("kvwatch_kv_events_messages", intake.get("messages")),
                             ("kvwatch_kv_events_dropped_messages", intake.get("dropped")),
-                            ("kvwatch_kv_events_missed_messages", intake.get("missed")),
+                            ("kvwatch_kv_events_missed_messages", intake.get("gaps", intake.get("missed"))),
+                            ("kvwatch_kv_events_recovered_messages", intake.get("recovered")),
                             ("kvwatch_kv_events_malformed_messages", intake.get("malformed")),
                             ("kvwatch_kv_events_publisher_restarts", intake.get("restarts")),
                             ("kvwatch_kv_events_connections", intake.get("connections"))):

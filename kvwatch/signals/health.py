@@ -197,8 +197,12 @@ STREAM_HEALTH: tuple[HealthFamily, ...] = (
                  "Messages kvwatch dropped because its intake queue was full (a flood faster than it accounts); "
                  "what they held is missing from every count.", good="low"),
     HealthFamily("kvwatch_kv_events_missed_messages", "counter", (),
-                 "Sequence numbers that never arrived (the engine's publisher dropped them past its high-water "
-                 "mark, or the connection lost them); what they held is missing from every count.", good="low"),
+                 "Sequence numbers found missing (the engine's publisher dropped them past its high-water mark, "
+                 "or the connection lost them); those the replay socket answered are "
+                 "kvwatch_kv_events_recovered_messages, and what stays lost, the difference, is missing from "
+                 "every count.", good="low"),
+    HealthFamily("kvwatch_kv_events_recovered_messages", "counter", (),
+                 "Missing messages the engine's replay socket answered (--kv-events-replay), accounted late."),
     HealthFamily("kvwatch_kv_events_malformed_messages", "counter", (),
                  "Messages or events that were not vLLM's KV-cache events (bad frames, bad msgpack, absurd block "
                  "counts, over the byte cap); skipped.", good="low"),

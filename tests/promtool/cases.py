@@ -549,11 +549,12 @@ ETA_RECORDS = {"engine": f"instance_model_name_engine:{ETA}:deriv5m", "model": f
 
 
 def stream(connections: str = const(1), messages: str = rate(60), silent: str = const(0),
-           missed: str = const(0), dropped: str = const(0)) -> list[dict]:
+           missed: str = const(0), dropped: str = const(0), recovered: str = const(0)) -> list[dict]:
     """kvwatch's KV-cache event stream series (one stream per kvwatch target)."""
     values = {"kvwatch_kv_events_connections_total": connections, "kvwatch_kv_events_messages_total": messages,
               "kvwatch_kv_events_silent_blocks": silent, "kvwatch_kv_events_missed_messages_total": missed,
-              "kvwatch_kv_events_dropped_messages_total": dropped}
+              "kvwatch_kv_events_dropped_messages_total": dropped,
+              "kvwatch_kv_events_recovered_messages_total": recovered}
     return [{"series": _selector(name, TARGET), "values": v} for name, v in values.items()]
 
 
@@ -583,6 +584,8 @@ def stream_cases() -> list[Case]:
         Case("drops of kvwatch's full intake -> events_missed",
              [Engine()], "30m", [("KvwatchKvEventStreamUnhealthy", "events_missed", TARGET)],
              extra_series=stream(dropped=rate(1))),
+        Case("gaps every minute, each answered by the replay socket -> nothing",
+             [Engine()], "30m", [], extra_series=stream(missed=rate(3), recovered=rate(3))),
         Case("one gap at minute 10 -> nothing (shorter than for:)",
              [Engine()], "30m", [], extra_series=stream(missed=f"0x10 4x{MINUTES - 11}")),
     ]
