@@ -149,3 +149,41 @@ def test_an_alert_only_cause_without_prose_gets_its_runbook_section_from_its_rec
     (tmp_path / "runbooks" / "prefill.md").unlink()
     with pytest.raises(runbooks.RunbookProseError, match="prefill.md is missing"):
         runbooks.render(MixinConfig())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=("default", "upstream", "no_reuse"))
+def test_a_finding_decided_symptom_fires_from_kvwatch_finding_for_each_cause_the_rules_decide(config):
+    # A low hit rate the KV-event stream decided shows on the page while the ratio's twin may not hold:
+    # each cause the rules decide has a twin that fires from kvwatch_finding, at the same severity.
+    specs = alert_specs(config)
+    decided = {s.cause: s for s in specs if s.symptom == "low_hit_rate" and "route" not in s.labels()}
+    twins = {s.cause: s for s in specs if s.symptom == "low_hit_rate" and s.labels().get("route") == "finding"}
+    assert decided and twins.keys() == decided.keys()
+    for cause, twin in twins.items():
+        assert f'kvwatch_finding{{{config.kvwatch_selector},symptom="low_hit_rate",cause="{cause}"}}' in twin.query
+        assert twin.severity == decided[cause].severity and twin.uid != decided[cause].uid
+
+
+def test_two_routes_of_one_symptom_that_could_fire_together_are_a_real_error(monkeypatch):
+    # The catalogue's check, not a hand list: drop either side's exclusion and kvwatch refuses the rules.
+    real = alerts._routes
+
+    def without(side):
+        def routes(config, specs):
+            out, records = real(config, specs)
+            if side == "finding":
+                out = [dataclasses.replace(s, query=s.query.split("\nunless on")[0])
+                       if s.labels().get("route") == "finding" and s.symptom == "low_hit_rate" else s for s in out]
+            else:
+                out = [dataclasses.replace(s, query=s.query.replace(
+                    alerts.route_record(config, "low_hit_rate", "firing_finding"), "vector(0)"))
+                       if s.kind == "cause" and "route" not in s.labels() else s for s in out]
+            return out, records
+        return routes
+
+    for side in ("finding", "rules"):
+        monkeypatch.setattr(alerts, "_routes", without(side))
+        with pytest.raises(AlertCatalogueError, match="can fire together for one engine"):
+            alert_specs(MixinConfig())
+    monkeypatch.setattr(alerts, "_routes", real)
+    assert alert_specs(MixinConfig())

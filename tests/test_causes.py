@@ -2,6 +2,8 @@
 is described: every surface that says something about a cause says what its
 record says, so changing the record changes them all."""
 
+import dataclasses
+
 import yaml
 
 from kvwatch.diagnose import arbitration
@@ -15,27 +17,31 @@ from kvwatch.sidecar.statuspage import page_meta
 def test_every_alert_rule_carries_its_cause_record_severity_and_its_alert_record_duration():
     config = MixinConfig(no_reuse_alert=True, upstream_histogram="gateway_request_duration_seconds")
     seen = set()
-    for spec in alert_specs(config):
+    # Central mode's own health (store_unreachable) is generated in its mode alone.
+    for spec in alert_specs(config) + alert_specs(dataclasses.replace(config, mode="central")):
         if spec.kind != "cause":
             continue
         record = CAUSE[spec.cause]
         assert record.alert == spec.alert, spec
-        expected = record.preempting_alert_severity if spec.variant == "preempting" else record.severity
-        assert spec.severity == expected, spec
+        # The page's own rule (severity_of): one severity per finding on the page, in kvwatch_finding and the alert.
+        assert spec.severity == severity_of(spec.cause, preempting=spec.variant == "preempting"), spec
         alert = next(a for a in ALERT_LIST if a.name == spec.alert)
         assert spec.for_ == alert.for_ and (spec.dashboard, spec.panel) == alert.panel
         assert spec.uid.startswith(f"kvwatch-{alert.uid}-")
         seen.add(spec.cause)
     # Every cause that names an alert has a rule in it (with the optional ones configured).
     assert seen == {c.name for c in CAUSE_LIST if c.alert}
+    # A cause the page raises while the engine preempts has that rule apart, at the page's severity.
+    raised = {c.name for c in CAUSE_LIST if c.alert and c.preempting_severity and c.preempting_severity != c.severity}
+    assert raised and {s.cause for s in alert_specs(config) if s.variant == "preempting"} == raised
 
 
 def test_the_mixin_defaults_are_the_records():
     for cause in CAUSE_LIST:
         if cause.alert:
             assert DEFAULT_SEVERITIES[cause.name] == cause.severity
-        if cause.preempting_alert_severity:
-            assert DEFAULT_SEVERITIES[cause.name + PREEMPTING_SUFFIX] == cause.preempting_alert_severity
+        if cause.preempting_severity and cause.alert:
+            assert DEFAULT_SEVERITIES[cause.name + PREEMPTING_SUFFIX] == cause.preempting_severity
     assert {a.name: a.for_ for a in ALERT_LIST}.items() <= DEFAULT_FOR.items()
 
 
@@ -202,7 +208,8 @@ def test_a_cause_routed_by_its_finding_fires_in_promtool(monkeypatch, tmp_path):
                 {"eval_time": "5m", "alertname": "VllmKvCacheExhausted", "exp_alerts": []},
                 {"eval_time": "20m", "alertname": "VllmKvCacheExhausted", "exp_alerts": [{"exp_labels": {
                     "job": "kvwatch", "namespace": "vllm", "instance": "a:9400", "model_name": "m", "engine": "0",
-                    "severity": routed.severity, "cause": routed.name, "symptom": "exhaustion"}}]}]}]}))
+                    "severity": routed.severity, "cause": routed.name, "symptom": "exhaustion",
+                    "route": "finding"}}]}]}]}))
     done = subprocess.run([promtool, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -23,7 +23,7 @@ from kvwatch.history.shard import (MAX_SHARD_MATCHER_BYTES, Shard, ShardError, i
                                    shard_matcher)
 from kvwatch.central.app import CentralCollector, create_central_app
 from kvwatch.commands.generate import RULES_FILE, render_all
-from kvwatch.mixin.config import MixinConfig
+from kvwatch.mixin.config import config_from_mapping
 from kvwatch.settings import load_settings
 from promstack import backfilled_prometheus, query_range
 from sim_support import fleet_openmetrics
@@ -203,12 +203,13 @@ def _openmetrics_of(exports: list[tuple[float, set]]) -> str:
 
 def _fleet_queries() -> dict[str, str]:
     """The generated rules that make the fleet's figures and alert, for a
-    central mode whose series carry the engines' job (the selector central
-    mode's rules are generated with, docs/deploy.md): the fleet group's
+    central mode whose series carry the engines' job (mode: central, its
+    --selector {job="vllm"}: the rules select its matchers): the fleet group's
     records, and each VllmFleetReplicaOutlier alert with the records it reads
     written out (a backfilled store evaluates no rules over its past; the
     expressions are the rules' own)."""
-    groups = yaml.safe_load(render_all(MixinConfig(selector='job="vllm"'))[RULES_FILE])["groups"]
+    central = config_from_mapping({"mode": "central", "deploy": {"central_selector": '{job="vllm"}'}})
+    groups = yaml.safe_load(render_all(central)[RULES_FILE])["groups"]
     records = {rule["record"]: rule["expr"] for group in groups for rule in group["rules"] if "record" in rule}
     record_name = re.compile(r"\b[a-z_]+:[a-z0-9_]+:[a-z0-9_]+\b")
 

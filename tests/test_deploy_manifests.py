@@ -26,6 +26,8 @@ from kvwatch.mixin import manifests
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.config import (CENTRAL_MEASURED_REPLICAS, CENTRAL_MEASURED_RESIDENT_MIB, DEPLOY_FIELDS,
                                   DeploySettings, central_resources, deploy_settings)
+from kvwatch.commands.generate import CENTRAL_PROMETHEUS_RULE_FILE, dashboard_paths, panel_ids
+from kvwatch.mixin.dashboards import boards
 from kvwatch.mixin.helm import render_chart
 from kvwatch.mixin.manifests import render_manifests
 from kvwatch.settings import PARSERS, env_name, load_settings
@@ -165,8 +167,10 @@ SAMPLE_DASHBOARDS = {
 def test_committed_deploy_files_are_what_render_manifests_writes():
     # What `kvwatch generate` passes: its default config, the rule and dashboards it wrote.
     rule_text, dashboards = generated_inputs()
-    files = render_manifests(MixinConfig(), prometheus_rule=rule_text, dashboards=dashboards)
-    files.update(render_chart(deploy_settings(MixinConfig()), rule_text, dashboards))  # the Helm chart beside them
+    central = (REPO / CENTRAL_PROMETHEUS_RULE_FILE).read_text()
+    files = render_manifests(MixinConfig(), prometheus_rule=rule_text, dashboards=dashboards, central_rule=central)
+    files.update(render_chart(deploy_settings(MixinConfig()), rule_text, dashboards, central_rule=central,  # the Helm chart
+                              dashboard_paths=dashboard_paths(panel_ids(boards(MixinConfig())))))
     stale = []
     for relative, text in files.items():
         path = DEPLOY / relative
@@ -744,7 +748,8 @@ def check_central_wiring(objects: list[dict]) -> None:
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_central_manifests_validate_and_select_each_other(version):
     objects = central_objects()
-    assert sorted(doc["kind"] for doc in objects) == ["Deployment", "Service", "ServiceMonitor"]
+    # The rules over central mode's exports join it (kvwatch/mixin/alert_records.py, mode central).
+    assert sorted(doc["kind"] for doc in objects) == ["Deployment", "PrometheusRule", "Service", "ServiceMonitor"]
     for doc in objects:
         validate_object(doc, version)
     check_central_wiring(objects)
@@ -951,7 +956,7 @@ def check_sharded_wiring(objects: list[dict], shards: int) -> None:
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_sharded_central_manifests_validate_and_select_each_other(version):
     objects = sharded_objects()
-    assert sorted(doc["kind"] for doc in objects) == ["Service", "ServiceMonitor", "StatefulSet"]
+    assert sorted(doc["kind"] for doc in objects) == ["PrometheusRule", "Service", "ServiceMonitor", "StatefulSet"]
     for doc in objects:
         validate_object(doc, version)
     check_sharded_wiring(objects, SETTINGS.central_shards)

@@ -319,6 +319,12 @@ def test_the_objective_pages_once_per_engine_with_its_cause_beside_it(stack, ale
                 named.setdefault(deployment, set()).add(alert["annotations"].get("cause_alerts", ""))
                 replicas.setdefault(deployment, set()).add(alert["annotations"].get("burning_replicas", "{{"))
     print("time to page (wall s from start, sims at 4x):", {d: round(t, 1) for d, t in sorted(first_page.items())})
+    counts = {}
+    for path, _, payload in webhook.notifications:
+        key = (payload["groupLabels"].get("deployment", ""), path)
+        counts[key] = counts.get(key, 0) + 1
+    print("notifications (deployment, receiver): count, pager groups:", dict(sorted(counts.items())),
+          {d: len(keys) for d, keys in sorted(pages.items())})
     print("replicas burning, as paged:", replicas)
     # The page's list of replicas is rendered (a template query when Prometheus sends it).
     assert replicas and all(re.fullmatch(r"(127\.0\.0\.1:\d+ \(engine 0: [\d.]+%\) )+", text)
@@ -432,7 +438,9 @@ def test_grafana_rules_cross_their_thresholds_exactly_when_the_twins_fire(stack,
     prometheus = stack["prometheus"]
     start, end = float(int(stack["started"] + 5)), float(int(time.time()))
     grafana = json.loads(stack["files"][GRAFANA_RULES_FILE])
-    alerts = {(r["alert"], r["labels"].get("cause") or r["labels"]["objective"], r["labels"]["severity"]): r
+    # A cause may fire by two routes (its rules, or kvwatch's finding: label route): each has its twin.
+    alerts = {(r["alert"], r["labels"].get("cause") or r["labels"]["objective"], r["labels"]["severity"],
+               r["labels"].get("route", "")): r
               for g in yaml.safe_load(stack["files"][RULES_FILE])["groups"] for r in g["rules"] if "alert" in r}
     recorded = recorded_exprs(stack["config"])
     fired = 0
@@ -444,11 +452,13 @@ def test_grafana_rules_cross_their_thresholds_exactly_when_the_twins_fire(stack,
         query = next(q["model"]["expr"] for q in rule["data"] if q["refId"] == "A")
         condition = next(q["model"]["expression"] for q in rule["data"] if q["refId"] == rule["condition"])
         op, threshold = condition.split(" ")[1], condition.split(" ")[2]
-        twin_query, twin_op, twin_threshold = split_alert_expr(alerts[(alert, cause, severity)]["expr"])
+        route = labels.get("route", "")
+        twin_query, twin_op, twin_threshold = split_alert_expr(alerts[(alert, cause, severity, route)]["expr"])
         assert (expand(twin_query, recorded), twin_op, twin_threshold) == (query, op, float(threshold))
         crossing = _timeline(query_range(prometheus, f"({query}) {op} {threshold}", start, end))
         firing = _timeline(query_range(
-            prometheus, f'ALERTS{{alertname="{alert}",{key}="{cause}",severity="{severity}"}}', start, end))
+            prometheus, f'ALERTS{{alertname="{alert}",{key}="{cause}",severity="{severity}",route="{route}"}}',
+            start, end))
         if firing:
             fired += 1
         for key in set(crossing) | set(firing):

@@ -14,6 +14,7 @@ import platform
 import re
 import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import jsonschema
 import kubernetes_validate
@@ -129,7 +130,12 @@ MODES = {
 def test_committed_chart_is_what_the_generator_writes():
     rule = (REPO / manifests.PROMETHEUS_RULE_FILE).read_text()
     dashboards = {p.name: p.read_text() for p in sorted((REPO / manifests.DASHBOARDS_DIR).glob("*.json"))}
-    files = chart_gen.render_chart(SETTINGS, rule, dashboards)
+    from kvwatch.commands.generate import CENTRAL_PROMETHEUS_RULE_FILE, dashboard_paths, panel_ids
+    from kvwatch.mixin.config import MixinConfig
+    from kvwatch.mixin.dashboards import boards
+
+    files = chart_gen.render_chart(SETTINGS, rule, dashboards, central_rule=(REPO / CENTRAL_PROMETHEUS_RULE_FILE).read_text(),
+                                   dashboard_paths=dashboard_paths(panel_ids(boards(MixinConfig()))))
     stale = [path for path, text in files.items()
              if not (REPO / "deploy" / path).is_file() or (REPO / "deploy" / path).read_text() != text]
     assert not stale, f"deploy/helm is out of date (run `kvwatch generate`): {stale}"
@@ -172,7 +178,8 @@ def test_each_mode_renders_what_it_is_for():
     kinds = {mode: sorted({doc["kind"] for doc in objects(values)}) for mode, values in MODES.items()}
     assert kinds["sidecar"] == ["ConfigMap", "PodMonitor", "PrometheusRule"]
     assert kinds["sidecar-servicemonitor"] == ["ConfigMap", "PrometheusRule", "Service", "ServiceMonitor"]
-    assert kinds["central"] == ["ConfigMap", "Deployment", "Service", "ServiceMonitor"]  # dashboards, no rules
+    # Every mode its rules: central mode's select its exports (the store's labels), not the sidecars' job.
+    assert kinds["central"] == ["ConfigMap", "Deployment", "PrometheusRule", "Service", "ServiceMonitor"]
     assert kinds["central-sharded"] == ["ConfigMap", "PrometheusRule", "Service", "ServiceMonitor", "StatefulSet"]
     assert kinds["monitoring"] == ["ConfigMap", "PodMonitor", "PrometheusRule"]
     assert "GrafanaDashboard" in kinds["monitoring-grafana-operator"]
@@ -578,3 +585,63 @@ EXISTING = {
         },
     },
 }
+
+
+# ---------------------------------------------------------------- the rules of each mode
+
+
+def _rules(docs: list[dict]) -> list[dict]:
+    return [rule for group in one(docs, "PrometheusRule")["spec"]["groups"] for rule in group["rules"]]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_every_mode_renders_rules_that_select_its_own_series_and_links_that_open(mode):
+    # Sidecars' series carry job="kvwatch"; central mode's carry each replica's labels from the store, so its
+    # rules select central.selector's matchers and watch central mode itself, never up{job="kvwatch"}.
+    docs = objects({**MODES[mode], "links": {"dashboardBaseUrl": "https://grafana.example.org/"}})
+    rules = _rules(docs)
+    text = json.dumps(rules)
+    central = MODES[mode].get("mode") == "central"
+    assert ('job=\\"kvwatch\\"' in text) != central, mode
+    if central:
+        assert 'namespace=\\"llm\\"' in text and "kvwatch_central_store_up" in text
+        assert 'up{job=' not in text and 'absent(up' not in text
+    causes = {(r["alert"], r["labels"].get("cause")) for r in rules if "alert" in r}
+    assert (("KvwatchDown", "store_unreachable") in causes) == central, mode
+    for rule in (r for r in rules if "alert" in r):
+        for key in ("runbook_url", "dashboard_url"):
+            url = urlsplit(rule["annotations"][key])
+            assert url.scheme == "https" and url.hostname and "{{" not in url.hostname, (mode, key, url)
+        assert rule["annotations"]["dashboard_url"].startswith("https://grafana.example.org/d/kvwatch-"), rule["alert"]
+
+
+def test_central_rules_follow_the_central_selector_and_match_the_kustomize_ones():
+    docs = objects({"mode": "central", "central": {"selector": '{job="vllm", namespace=~"llm-.*"}'}})
+    text = json.dumps(_rules(docs))
+    assert 'kvwatch_up{job=\\"vllm\\", namespace=~\\"llm-.*\\"}' in text and 'namespace=\\"llm\\"' not in text
+    # A selector of everything selects any job, never an empty matcher list (nor a second metric name).
+    text = json.dumps(_rules(objects({"mode": "central", "central": {"selector": "{}"}})))
+    assert 'kvwatch_up{job!=\\"\\"}' in text and "{," not in text
+    # With the release namespace the generator's (vllm), the chart's rules are kustomize's central ones.
+    default = objects({"mode": "central"}, release=RELEASE)
+    kustomize = yaml.safe_load((KUBE / "central" / "prometheusrule.yaml").read_text())
+    rendered = json.dumps(one(default, "PrometheusRule")["spec"], sort_keys=True)
+    assert rendered.replace('namespace=\\"llm\\"', 'namespace=\\"vllm\\"') == json.dumps(kustomize["spec"], sort_keys=True)
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "central", "central-sharded", "monitoring"])
+def test_the_notes_say_what_rules_each_mode_renders(mode):
+    text = notes(MODES[mode])
+    if MODES[mode].get("mode") == "central":
+        assert 'selects central mode\'s exports by namespace="llm"' in text and "central mode itself" in text
+    else:
+        assert 'selects kvwatch\'s sidecars by job="kvwatch"' in text
+    assert "Runbook links open at https://" in text
+    assert "Rules: none" in notes({**MODES[mode], "prometheusRule": {"enabled": False}})
+
+
+def test_an_empty_dashboard_base_gives_no_dashboard_url_and_a_hostless_one_is_refused():
+    rules = [r for r in _rules(objects({})) if "alert" in r]
+    assert rules and not any("dashboard_url" in r["annotations"] for r in rules)
+    with pytest.raises(helm.HelmValuesError):
+        render({"links": {"dashboardBaseUrl": "https:///grafana"}})

@@ -39,7 +39,8 @@ def twin_problems(rules_text: str, provisioning: dict, config: MixinConfig | Non
     problems = []
     by_key = {}
     def key_of(title: str, labels: dict) -> tuple:
-        return (title, labels.get("cause") or labels.get("objective"), labels["severity"], labels.get("long_window"))
+        return (title, labels.get("cause") or labels.get("objective"), labels["severity"], labels.get("long_window"),
+                labels.get("route"))
 
     for rule in grafana_rules(provisioning):
         by_key.setdefault(key_of(rule["title"].split(" ")[0], rule["labels"]), []).append(rule)

@@ -262,3 +262,34 @@ def test_a_page_holds_for_its_short_window():
     rules = yaml.safe_load(render_all(MixinConfig())[RULES_FILE])
     burns = [r for g in rules["groups"] for r in g["rules"] if "objective" in r.get("labels", {})]
     assert burns and all(r["keep_firing_for"] == r["labels"]["short_window"] for r in burns)
+
+
+@needs_promtool
+def test_the_page_names_its_cause_while_the_cause_alert_waits_out_its_longer_for(tmp_path):
+    # The page fires after 2m, the cause alerts after 10m: the page's cause_alerts reads them pending too,
+    # counted per cause over the model's replicas, and never another model's.
+    data = yaml.safe_load(render_all(MixinConfig())[RULES_FILE])
+    page = next(r for g in data["groups"] for r in g["rules"]
+                if r.get("alert") == OBJECTIVE_NAMES["first_token"] and r["labels"]["long_window"] == "1h")
+    page["annotations"] = {"cause_alerts": page["annotations"]["cause_alerts"]}
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "page", "rules": [page]}]}))
+    model = ",".join(f'{k}="{v}"' for k, v in MODEL.items())
+    pending = 'alertname="VllmTimeToFirstTokenSlow",alertstate="pending",cause="prefill",severity="warning"'
+    series = [{"series": f"model_name:kvwatch_time_to_first_token_slow:ratio_rate{w}{{{model}}}", "values": "0.5x20"}
+              for w in ("1h", "5m")]
+    series += [{"series": f"model_name:kvwatch_engine_time_to_first_token_seconds_count:increase1h{{{model}}}",
+                "values": "1000x20"}]
+    series += [{"series": f'ALERTS{{{model},{pending},instance="10.0.0.{i}:9400",engine="0"}}', "values": "1x20"}
+               for i in (1, 2)]
+    series += [{"series": 'ALERTS{namespace="llm",job="kvwatch",model_name="other",alertname="VllmKvCacheExhausted",'
+                          'alertstate="firing",cause="long_requests",severity="warning"}', "values": "1x20"}]
+    labels = {**MODEL, **page["labels"]}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [
+        {"interval": "1m", "input_series": series, "alert_rule_test": [
+            {"eval_time": "3m", "alertname": OBJECTIVE_NAMES["first_token"], "exp_alerts": [
+                {"exp_labels": labels, "exp_annotations": {
+                    "cause_alerts": "VllmTimeToFirstTokenSlow (prefill, pending) on 2 engine(s); "}}]}]}]},
+        width=1 << 16))
+    done = subprocess.run([PROMTOOL, "test", "rules", "t.yaml"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

@@ -265,40 +265,41 @@ def test_the_unit_tests_catch_a_threshold_that_never_fires(tmp_path):
     assert "VllmTimeToFirstTokenSlow" in result.stdout + result.stderr
 
 
-def test_alert_severities_are_the_diagnosis_severities_and_only_objectives_page():
-    # One table for the causes, with one exception: exhaustion with
-    # preemptions is the diagnosis' critical finding, but the alert is a
-    # warning that explains the page: what pages is an objective (users feel
-    # late first tokens and failed requests, not preemptions).
+def test_alert_severities_are_the_diagnosis_severities_without_exception():
+    # One table for the causes: the page's rule (severity_of), kvwatch_finding's
+    # severity label and the alert's are one value, preemptions included.
     from kvwatch.diagnose.vocabulary import SEVERITY, severity_of
 
     specs = alert_specs(MixinConfig())
     for spec in specs:
         if spec.symptom and spec.cause in SEVERITY:
-            assert spec.severity == severity_of(spec.cause), spec.uid
+            assert spec.severity == severity_of(spec.cause, preempting=spec.variant == "preempting"), spec.uid
     # The alerts the diagnosis has no finding for (a forecast, kvwatch's own health) are the
     # causes whose records say so, with their records' severities.
     from kvwatch.diagnose.causes import CAUSE, CAUSE_LIST
 
     alert_only = {s.cause for s in specs if s.cause not in SEVERITY and s.kind == "cause"}
-    assert alert_only == {c.name for c in CAUSE_LIST if c.alert and not c.diagnosed}
+    # (central mode's own store is watched in its mode alone)
+    assert alert_only == {c.name for c in CAUSE_LIST if c.alert and not c.diagnosed} - {"store_unreachable"}
     assert all(s.severity == CAUSE[s.cause].severity for s in specs if s.cause in alert_only)
     critical = {(s.alert, s.kind) for s in specs if s.severity == "critical"}
-    # Besides the objectives, two pages: an engine kvwatch cannot read, and one that holds requests and
-    # produces nothing (stuck requests never get a first token, so no TTFT histogram sees them burn).
+    # Besides the objectives: an engine kvwatch cannot read, one that holds requests and produces
+    # nothing, and a cache that preempts (the page's critical exhaustion).
     assert critical == {("VllmTimeToFirstTokenBudgetBurn", "objective"), ("VllmRequestErrorBudgetBurn", "objective"),
-                        ("KvwatchEngineUnreachable", "cause"), ("VllmEngineStuck", "cause")}
-    # Without a severity apart for preemptions, each exhaustion cause is one rule...
+                        ("KvwatchEngineUnreachable", "cause"), ("VllmEngineStuck", "cause"),
+                        ("VllmKvCacheExhausted", "cause")}
+    # Each exhaustion cause is two rules: with preemptions in the rate window (critical) and without.
     exhausted = [s for s in specs if s.alert == "VllmKvCacheExhausted"]
-    assert sorted(s.cause for s in exhausted) == ["concurrency_beyond_capacity", "long_requests"]
-    # (the exhaustion detector they read counts preemptions as exhaustion)
+    assert sorted((s.cause, s.variant, s.severity) for s in exhausted) == [
+        ("concurrency_beyond_capacity", "", "warning"), ("concurrency_beyond_capacity", "preempting", "critical"),
+        ("long_requests", "", "warning"), ("long_requests", "preempting", "critical")]
     detector = "instance_model_name_engine:kvwatch_kv_cache_exhausted:condition5m"
-    assert all(s.severity == "warning" and detector in s.query for s in exhausted)
+    assert all(detector in s.query for s in exhausted)
     assert "preemptions" in {r["record"]: r["expr"] for r in load_rules() if "record" in r}[detector]
-    # ...and a config that pages on preemptions gets the split back.
-    paging = alert_specs(config_from_mapping({"severities": {"concurrency_beyond_capacity_preempting": "critical"}}))
-    split = {(s.variant, s.severity) for s in paging if s.cause == "concurrency_beyond_capacity"}
-    assert split == {("preempting", "critical"), ("", "warning")}
+    # ...and a config that keeps preemptions a warning gets one rule per cause back.
+    quiet = alert_specs(config_from_mapping({"severities": {"concurrency_beyond_capacity_preempting": "warning"}}))
+    split = {(s.variant, s.severity) for s in quiet if s.cause == "concurrency_beyond_capacity"}
+    assert split == {("", "warning")}
 
 
 def test_docs_alerts_table_gives_every_alert_its_severity_and_for():
@@ -363,3 +364,51 @@ def test_every_recorded_series_an_alert_reads_is_recorded_before_it():
                 assert not missing, (rule.get("record") or rule.get("alert"), sorted(missing))
                 if "record" in rule:
                     defined.add(rule["record"])
+
+
+CENTRAL_TARGET = 'namespace="llm",job="kvwatch-central",instance="10.0.0.9:9400"'
+
+
+def central_cases(health: str = "1x300") -> dict:
+    """alerts.test.yaml as central mode's exports: the same replica series (central mode exports each
+    replica's own labels), central mode's own target and health beside them; the cases of the sidecars'
+    own health (KvwatchDown on their `up`) left out."""
+    data = yaml.safe_load((CASES_DIR / "alerts.test.yaml").read_text())
+    data["tests"] = [t for t in data["tests"]
+                     if not any(c["alertname"] == "KvwatchDown" and c["exp_alerts"] for c in t["alert_rule_test"])]
+    for test in data["tests"]:
+        test["input_series"] += [{"series": f"up{{{CENTRAL_TARGET}}}", "values": "1x300"},
+                                 {"series": f"kvwatch_central_store_up{{{CENTRAL_TARGET}}}", "values": health}]
+    return data
+
+
+@needs_promtool
+def test_central_mode_rules_fire_what_the_sidecar_rules_fire_over_the_same_replicas(tmp_path):
+    # Every case of the sidecars' rules, against the rules over central mode's exports (selected by the store's
+    # matchers, here everything): the same alerts, with the same labels, at the same evaluation.
+    config = config_from_mapping({"mode": "central", "deploy": {"central_selector": ""}})
+    text = render_all(config)[RULES_FILE]
+    assert 'job="kvwatch"' not in text and "\nup{" not in text and " up{" not in text
+    data = central_cases()
+    assert len(data["tests"]) > 40
+    (tmp_path / "central.test.yaml").write_text(yaml.safe_dump(data, width=1 << 16))
+    (tmp_path / "rules.yaml").write_text(alerts_without_annotations(text))
+    result = promtool("test", "rules", "central.test.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+@needs_promtool
+def test_central_mode_watches_itself_not_the_sidecars_job(tmp_path):
+    # Its store unreadable for longer than for: -> KvwatchDown store_unreachable on central mode's target;
+    # the sidecars' rules would call it absent for ever (no job="kvwatch"), central mode's do not.
+    config = config_from_mapping({"mode": "central", "deploy": {"central_selector": ""}})
+    data = central_cases(health="1x10 0x290")
+    data["tests"] = data["tests"][:1]
+    target = dict(pair.split("=") for pair in CENTRAL_TARGET.replace('"', "").split(","))
+    for check in data["tests"][0]["alert_rule_test"]:
+        if check["alertname"] == "KvwatchDown":
+            check["exp_alerts"] = [{"exp_labels": {**target, "severity": "warning", "cause": "store_unreachable"}}]
+    (tmp_path / "central.test.yaml").write_text(yaml.safe_dump(data, width=1 << 16))
+    (tmp_path / "rules.yaml").write_text(alerts_without_annotations(render_all(config)[RULES_FILE]))
+    result = promtool("test", "rules", "central.test.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

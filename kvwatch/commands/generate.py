@@ -24,7 +24,9 @@ from kvwatch.engines.coverage import engines_markdown
 from kvwatch.mixin import metrics_doc, settings_doc
 from kvwatch.mixin import dashboards as dash
 from kvwatch.mixin import alertmanager, grafana_alerts, rules, runbooks
-from kvwatch.mixin.config import MixinConfig, MixinConfigError, describe_config, load_config
+from kvwatch.mixin.alerts import ALERT_PANELS
+from kvwatch.mixin.config import (DASHBOARD_PATH_PATTERN, MixinConfig, MixinConfigError, central_config, describe_config,
+                                  load_config)
 
 # The checkout's root, for its tests (`kvwatch generate` itself writes into the current directory).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +35,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 OWNED_DIRS = ("dashboards", "alerts")
 RULES_FILE = "alerts/kvwatch-rules.yaml"
 PROMETHEUS_RULE_FILE = "alerts/kvwatch-prometheusrule.yaml"
+# The same rules over central mode's exports (mode: central): kubernetes/central*/ and the chart's central mode.
+CENTRAL_RULES_FILE = "alerts/kvwatch-central-rules.yaml"
+CENTRAL_PROMETHEUS_RULE_FILE = "alerts/kvwatch-central-prometheusrule.yaml"
 RUNBOOKS_FILE = "alerts/runbooks.md"
 GRAFANA_RULES_FILE = "alerts/grafana/kvwatch-alert-rules.json"
 GRAFANA_NOTIFICATIONS_FILE = "alerts/grafana/kvwatch-notifications.example.yaml"
@@ -59,6 +64,8 @@ def render_all(config: MixinConfig) -> dict[str, str]:
         files[f"dashboards/{dash.file_name(key)}"] = text
     files[RULES_FILE] = rules.rules_file(config, ids)
     files[PROMETHEUS_RULE_FILE] = rules.prometheus_rule(config, ids)
+    files[CENTRAL_RULES_FILE] = rules.rules_file(central_config(config), ids)
+    files[CENTRAL_PROMETHEUS_RULE_FILE] = rules.prometheus_rule(central_config(config), ids)
     files[RUNBOOKS_FILE] = runbooks.render(config)
     files[GRAFANA_RULES_FILE] = to_json(grafana_alerts.provisioning(config, ids))
     files[GRAFANA_NOTIFICATIONS_FILE] = (
@@ -71,7 +78,7 @@ def render_all(config: MixinConfig) -> dict[str, str]:
         "# per engine and model, pages for the objectives, cause alerts to the team that can act, inhibitions.\n"
         "# Replace the webhook URLs with your receivers (or merge the routes into your tree).\n"
         + rules.dump_yaml(alertmanager.example(config)))
-    files.update({f"deploy/{path}": text for path, text in _manifests(config, files, dashboards).items()})
+    files.update({f"deploy/{path}": text for path, text in _manifests(config, files, dashboards, ids).items()})
     files["docs/metrics.md"] = metrics_doc.render()
     files["docs/configuration.md"] = settings_doc.render()
     files["docs/engines-signals.md"] = ("# Signals by engine\n\nGenerated from the engine adapters' tables by `kvwatch generate`; "
@@ -80,18 +87,28 @@ def render_all(config: MixinConfig) -> dict[str, str]:
     return files
 
 
-def _manifests(config: MixinConfig, files: dict[str, str], dashboards: dict[str, str]) -> dict[str, str]:
+def dashboard_paths(ids: dict[tuple[str, str], tuple[str, int]]) -> dict[str, str]:
+    """Each alert's panel as a path under Grafana's URL (the chart's links.dashboardBaseUrl)."""
+    return {alert: DASHBOARD_PATH_PATTERN.format(uid=ids[panel][0], panel_id=ids[panel][1],
+                                                 model_name="{{ $labels.model_name }}", engine="{{ $labels.engine }}")
+            for alert, panel in ALERT_PANELS.items()}
+
+
+def _manifests(config: MixinConfig, files: dict[str, str], dashboards: dict[str, str],
+               ids: dict[tuple[str, str], tuple[str, int]]) -> dict[str, str]:
     try:
         manifests = importlib.import_module("kvwatch.mixin.manifests")
     except ModuleNotFoundError:  # the manifests module is optional
         return {}
-    out = manifests.render_manifests(config, prometheus_rule=files[PROMETHEUS_RULE_FILE], dashboards=dashboards)
+    out = manifests.render_manifests(config, prometheus_rule=files[PROMETHEUS_RULE_FILE], dashboards=dashboards,
+                                     central_rule=files[CENTRAL_PROMETHEUS_RULE_FILE])
     # The Helm chart, from the same settings, containers, rules and dashboards.
     from kvwatch.mixin import helm
     from kvwatch.mixin.config import deploy_settings
 
     out.update(helm.render_chart(deploy_settings(config), files[PROMETHEUS_RULE_FILE], dashboards,
-                                 config.runbook_base_url))
+                                 config.runbook_base_url, central_rule=files[CENTRAL_PROMETHEUS_RULE_FILE],
+                                 dashboard_base=config.dashboard_base_url or "", dashboard_paths=dashboard_paths(ids)))
     return out
 
 

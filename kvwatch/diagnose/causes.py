@@ -66,10 +66,9 @@ class Cause:
     # lose work now), warning goes to the owning team's queue the same day,
     # info is a fact.
     severity: str
-    # The diagnosis' severity while the engine preempts (exhaustion), and the
-    # alert's for its `<cause>_preempting` rule.
+    # The severity while the engine preempts (exhaustion): the page's, and the
+    # alert's for its `<cause>_preempting` rule (one severity per finding).
     preempting_severity: str | None = None
-    preempting_alert_severity: str | None = None
     # The page's words for it (None: the page shows the name).
     title: str | None = None
     # A finding's full advice (its card and its alert's description), and one
@@ -171,7 +170,6 @@ CAUSE_LIST = (
         symptom="exhaustion",
         severity="warning",
         preempting_severity="critical",
-        preempting_alert_severity="warning",
         title="more concurrent requests than the cache holds",
         next_check=(
             "Compare kvwatch_requests_running_max and waiting with kvwatch_kv_cache_capacity_requests: cap "
@@ -188,7 +186,6 @@ CAUSE_LIST = (
         symptom="exhaustion",
         severity="warning",
         preempting_severity="critical",
-        preempting_alert_severity="warning",
         title="a few very long requests fill the cache",
         next_check=(
             "Find the long requests (vllm:request_prompt_tokens and request_generation_tokens p95, the gateway "
@@ -598,6 +595,20 @@ CAUSE_LIST = (
             "targets exist. A Prometheus that cannot be queried is an error (execErrState), not no data.")),
         owner="platform",
         diagnosed=False),
+    # Central mode answers, but cannot read its store: every replica's series it exports are
+    # stale; blind, serving may be fine.
+    Cause(
+        name="store_unreachable",
+        symptom=None,
+        severity="warning",
+        next_check=("Open central mode's status page (the store, its last good refresh and why the latest "
+                    "failed), then the store's address, token and CA bundle, and the store's own health."),
+        alert="KvwatchDown",
+        no_data=("OK", (
+            "No kvwatch_central_store_up series means Prometheus does not scrape central mode, which the "
+            "kvwatch_unreachable and kvwatch_absent rules report.")),
+        owner="platform",
+        diagnosed=False),
     # The engine's own /metrics does not answer on the pod's loopback: the engine is down or
     # wedged, or stats logging is off.
     Cause(
@@ -647,8 +658,6 @@ def _check() -> None:
     for c in CAUSE_LIST:
         _require(c.severity in SEVERITIES and c.preempting_severity in (None, *SEVERITIES),
                  f"{c.name}: a severity is not one of {SEVERITIES}")
-        _require((c.preempting_severity is None) == (c.preempting_alert_severity is None),
-                 f"{c.name}: preempting_severity and preempting_alert_severity go together")
         _require(c.owner in (None, *OWNERS), f"{c.name}: owner {c.owner!r} is not one of {OWNERS}")
         _require(c.alert is None or c.alert in ALERTS, f"{c.name}: no alert {c.alert!r} in ALERT_LIST")
         _require(c.alert is None or ALERTS[c.alert].symptom == c.symptom, f"{c.name}: its alert reports another symptom")

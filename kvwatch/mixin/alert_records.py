@@ -30,6 +30,13 @@ from kvwatch.mixin.config import MixinConfig
 # filters, joined by promql.chain.
 Query = Union[str, list]
 
+# Symptoms kvwatch's own diagnosis may decide where the PromQL twin cannot
+# (the KV-event stream names a low-hit-rate cause from blocks returning, over
+# a part of the window the ratio does not judge): each PromQL-decided cause of
+# one also fires from kvwatch_finding where no PromQL-decided cause of the
+# symptom holds (alerts.py, the two routes of a symptom).
+FINDING_DECIDED = ("low_hit_rate",)
+
 
 @dataclass(frozen=True, kw_only=True)
 class CauseAlert:
@@ -86,6 +93,29 @@ def _kvwatch_absent(f: Recorded) -> str:
     up, groups, window = f.series("up"), ", ".join(f.c.group_labels), f.c.kvwatch_absent_window
     return (f"absent({up})\nor\n(\n  group by ({groups}) (max_over_time({up}[{window}]))\n"
             f"  unless\n  group by ({groups}) ({up})\n  and on ()\n  count({up})\n)")
+
+
+def _central_targets(f: Recorded) -> str:
+    # Central mode's own scrape targets: those that exported its health within the window (its
+    # replicas' series carry the replicas' labels, never its own).
+    return (f"up\nand on (job, instance)\ngroup by (job, instance) "
+            f"(max_over_time(kvwatch_central_store_up[{f.c.kvwatch_absent_window}]))")
+
+
+def _central_absent(f: Recorded) -> str:
+    # As _kvwatch_absent, over central mode's health family: no central target anywhere, or a
+    # namespace and job that had one within the window and has none now.
+    health, window = "kvwatch_central_store_up", f.c.kvwatch_absent_window
+    return (f"absent({health})\nor\n(\n  group by (namespace, job) (max_over_time({health}[{window}]))\n"
+            f"  unless\n  group by (namespace, job) ({health})\n  and on ()\n  count({health})\n)")
+
+
+def _sidecar(c: MixinConfig) -> bool:
+    return c.mode == "sidecar"
+
+
+def _central(c: MixinConfig) -> bool:
+    return c.mode == "central"
 
 
 def _engine_unreachable(f: Recorded) -> list:
@@ -312,6 +342,7 @@ CAUSE_ALERTS: tuple[CauseAlert, ...] = (
     # --- health: kvwatch itself, and the engine beside it.
     CauseAlert(
         cause="kvwatch_unreachable",
+        when=_sidecar,
         query=lambda f: f.series("up"),
         op="<", threshold=1,
         summary="Prometheus cannot scrape kvwatch.",
@@ -320,6 +351,7 @@ CAUSE_ALERTS: tuple[CauseAlert, ...] = (
             "the vLLM alerts for that pod are blind.")),
     CauseAlert(
         cause="kvwatch_absent",
+        when=_sidecar,
         query=_kvwatch_absent,
         op=">", threshold=0,
         summary="Prometheus has no kvwatch target to scrape.",
@@ -327,6 +359,36 @@ CAUSE_ALERTS: tuple[CauseAlert, ...] = (
             "No target matches {kvwatch_selector} (or none is left in this group, which had some within the last "
             "{kvwatch_absent_window}): the ServiceMonitor/PodMonitor selects nothing, or the pods carrying "
             "kvwatch are gone. Every vLLM alert is blind.")),
+    # Central mode (mode: central): its own targets, its store, its absence.
+    CauseAlert(
+        cause="kvwatch_unreachable",
+        when=_central,
+        query=_central_targets,
+        op="<", threshold=1,
+        summary="Prometheus cannot scrape kvwatch central mode.",
+        description=(
+            "Prometheus has failed to scrape kvwatch central mode at {instance} (job {job}) for {for}: the series of "
+            "every replica it serves are stale, and their vLLM alerts are blind.")),
+    CauseAlert(
+        cause="store_unreachable",
+        when=_central,
+        query=lambda f: "kvwatch_central_store_up",
+        op="<", threshold=1,
+        summary="kvwatch central mode cannot read its store.",
+        description=(
+            "kvwatch central mode at {instance} (job {job}) has failed to read its Prometheus-compatible store for "
+            "{for} (kvwatch_central_store_up 0): the series of every replica it serves are stale, and their vLLM "
+            "alerts are blind.")),
+    CauseAlert(
+        cause="kvwatch_absent",
+        when=_central,
+        query=_central_absent,
+        op=">", threshold=0,
+        summary="Prometheus has no kvwatch central mode target to scrape.",
+        description=(
+            "No target exports kvwatch_central_store_up (or none is left in this namespace and job, which had one "
+            "within the last {kvwatch_absent_window}): central mode's Deployment or StatefulSet is gone, or its "
+            "ServiceMonitor selects nothing. Every vLLM alert of central mode is blind.")),
     CauseAlert(
         cause="engine_unreachable",
         query=_engine_unreachable,

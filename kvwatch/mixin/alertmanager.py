@@ -7,8 +7,8 @@ and inhibitions that keep one fault from notifying twice.
   objective burns over every replica of a model), so an incident across 8
   replicas is one notification, and the page and the cause alerts that
   explain it (each naming its replica) share one group key.
-- Routes: critical (the objectives' fast burns, an unreachable engine) to the
-  pager; info to tickets; the objectives' slow burns to the platform team
+- Routes: critical (the objectives' fast burns, an unreachable or stuck
+  engine, a cache that preempts) to the pager, in the model's group; info to tickets; the objectives' slow burns to the platform team
   (aborts: the application team); cause alerts by cause to the team that owns
   the fix (the same split as the Grafana example, grafana_alerts.py).
 - Inhibitions: an objective's page silences its own slower burn for the same
@@ -55,7 +55,8 @@ def example(config: MixinConfig, urls: dict[str, str] | None = None) -> dict:
             "group_interval": "5m",
             "repeat_interval": "4h",
             "routes": [
-                # What users feel, fast: the objectives' fast burns; and an engine that does not answer.
+                # What users feel, fast: the objectives' fast burns, an engine that does not answer or is stuck,
+                # a cache that preempts (the page's critical exhaustion), grouped by model with the page.
                 route("pager", 'severity="critical"', repeat_interval="1h"),
                 # Facts (caching off, a cold cache, a restarted replica): tickets.
                 route("tickets", 'severity="info"'),

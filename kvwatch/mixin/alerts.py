@@ -8,7 +8,10 @@ alert holds. The rules come from three places: the objectives' burn rates
 Prometheus decides alone (kvwatch/mixin/alert_records.py: the diagnosis
 written again in PromQL over the recorded conditions of
 kvwatch/mixin/conditions.py); and the causes routed by kvwatch's own finding,
-whose cause record says so (nothing to declare here).
+whose cause record says so, with a finding twin of each PromQL-decided cause
+of a symptom kvwatch may decide alone (alert_records.FINDING_DECIDED). The two
+routes of one symptom exclude each other per engine (_routes), and
+check_routes refuses rules where they could fire together.
 
 A rule's alert, `for:`, severity, symptom, panel and advice come from its
 cause's record (kvwatch/diagnose/causes.py). The catalogue signals a query
@@ -20,15 +23,16 @@ from __future__ import annotations
 
 import re
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import Any
 
 from kvwatch.diagnose.causes import ALERT_LIST, CAUSE, CAUSE_LIST
 from kvwatch.diagnose.causes import ALERTS as ALERTS_BY_NAME
 from kvwatch.mixin import objectives
-from kvwatch.mixin.alert_records import CAUSE_ALERTS, CauseAlert
+from kvwatch.mixin.alert_records import CAUSE_ALERTS, FINDING_DECIDED, CauseAlert
 from kvwatch.mixin.config import ALERTS, PREEMPTING_SUFFIX, MixinConfig
+from kvwatch.mixin.config_kinds import MODES
 from kvwatch.mixin.conditions import Recorded, twin_record
 from kvwatch.mixin.objectives import OBJECTIVE_ALERTS
 from kvwatch.mixin.promql import Scope, chain, num, paren
@@ -233,37 +237,145 @@ def _objective_specs(config: MixinConfig) -> list[AlertSpec]:
     return specs
 
 
-def _finding_specs(config: MixinConfig) -> list[AlertSpec]:
-    """A cause whose record routes it by its finding fires where kvwatch's own
-    diagnosis names it: kvwatch_finding holds it as long as the finding is held."""
+# The label that tells a finding-routed rule from a PromQL-decided one, in ALERTS too.
+ROUTE_LABEL = ("route", "finding")
+
+
+def _finding_spec(config: MixinConfig, cause_name: str, variant: str = "") -> AlertSpec:
+    """A cause that fires where kvwatch's own diagnosis names it: kvwatch_finding
+    holds it as long as the finding is held, at the severity the page shows."""
+    cause = CAUSE[cause_name]
     by = ", ".join(config.engine_labels)
-    specs = []
-    for cause in CAUSE_LIST:
-        if cause.alert and cause.routed_by_finding:
-            title = cause.title or cause.name.replace("_", " ")
-            dashboard, panel = ALERT_PANELS[cause.alert]
-            specs.append(AlertSpec(
-                alert=cause.alert, cause=cause.name, symptom=ALERTS[cause.alert],
-                query=(f'max by ({by}) (kvwatch_finding{{{config.kvwatch_selector},symptom="{cause.symptom}",'
-                       f'cause="{cause.name}"}})'),
-                op=">", threshold=0, for_=config.for_duration(cause.alert), severity=config.severity(cause.name),
-                summary=f"kvwatch diagnoses {title}.",
-                description=(
-                    f"kvwatch's diagnosis names {cause.name} ({cause.symptom}) for {_where(config)} (kvwatch_finding; "
-                    f"the evidence is on kvwatch's status page and /api/v1/diagnosis). Next: {cause.next_check}"),
-                dashboard=dashboard, panel=panel))
-    return specs
+    title = cause.title or cause.name.replace("_", " ")
+    dashboard, panel = ALERT_PANELS[cause.alert]
+    return AlertSpec(
+        alert=cause.alert, cause=cause.name, symptom=ALERTS[cause.alert],
+        query=(f'max by ({by}) (kvwatch_finding{{{config.kvwatch_selector},symptom="{cause.symptom}",'
+               f'cause="{cause.name}"}})'),
+        op=">", threshold=0, for_=config.for_duration(cause.alert), severity=config.severity(cause.name),
+        summary=f"kvwatch diagnoses {title}.",
+        description=(
+            f"kvwatch's diagnosis names {cause.name} ({cause.symptom}) for {_where(config)} (kvwatch_finding; "
+            f"the evidence is on kvwatch's status page and /api/v1/diagnosis)"
+            + ("; the rules' own twin does not decide it here (the KV-event stream, or a part of the window the "
+               "ratio does not judge, decided it)" if variant else "") + f". Next: {cause.next_check}"),
+        dashboard=dashboard, panel=panel, variant=variant, extra_labels=(ROUTE_LABEL,))
+
+
+def _finding_specs(config: MixinConfig, decided: list[AlertSpec]) -> list[AlertSpec]:
+    """The finding-routed rules: each cause whose record routes it by its finding,
+    and a finding twin of each PromQL-decided cause of a FINDING_DECIDED symptom."""
+    specs = [_finding_spec(config, c.name) for c in CAUSE_LIST if c.alert and c.routed_by_finding]
+    twins = dict.fromkeys(spec.cause for spec in decided if spec.kind == "cause" and spec.symptom in FINDING_DECIDED)
+    return specs + [_finding_spec(config, cause, "finding") for cause in twins]
+
+
+def route_record(config: MixinConfig, symptom: str, what: str) -> str:
+    """The recorded series, per engine, of `symptom`'s PromQL-decided causes that
+    hold ("decided"), or of its rules firing by one route ("firing_finding", "firing_rules")."""
+    level = "_".join(label for label in config.engine_labels if label not in config.group_labels)
+    name = {"decided": f"decided_by_rules:condition{config.rate_window}", "firing_finding": "routed_by_finding:firing",
+            "firing_rules": "decided_by_rules:firing"}[what]
+    return f"{level}:kvwatch_{symptom}_{name}"
+
+
+def _firing(config: MixinConfig, symptom: str, finding: bool) -> str:
+    # Every cause rule of the symptom, whichever alert (an exhaustion finding silences the forecast too);
+    # an objective's page carries no cause.
+    route = f'{ROUTE_LABEL[0]}{"=" if finding else "!="}"{ROUTE_LABEL[1]}"'
+    return (f'max by ({", ".join(config.engine_labels)}) '
+            f'(ALERTS{{symptom="{symptom}",cause!="",alertstate="firing",{route}}})')
+
+
+def _then(query: str, *steps: tuple[str, str]) -> str:
+    """`query` filtered by more (`unless on (...)`, record) steps, one line each:
+    appended as they are where the query has no top-level `or` (`and` and
+    `unless` associate to the left and bind tighter), so the alert still reads
+    in a few lines; else the query in parentheses first (promql.chain)."""
+    depth, quoted, word = 0, False, ""
+    for char in query + " ":
+        quoted = quoted != (char == '"')
+        if not quoted and char in "()":
+            depth += 1 if char == "(" else -1
+        if char.isalpha() and not quoted:
+            word += char
+            continue
+        if word == "or" and depth == 0:
+            return chain(query, *steps)
+        word = ""
+    return "\n".join([query, *(f"{op} {record}" for op, record in steps)])
+
+
+def _routed_by_finding(spec: AlertSpec) -> bool:
+    return ROUTE_LABEL in spec.extra_labels
+
+
+def _decided(specs: list[AlertSpec], symptom: str) -> list[AlertSpec]:
+    return [s for s in specs if s.kind == "cause" and s.symptom == symptom and not _routed_by_finding(s)]
+
+
+def _routes(config: MixinConfig, specs: list[AlertSpec]) -> tuple[list[AlertSpec], list[dict]]:
+    """The two routes of one symptom made exclusive per engine: a PromQL-decided
+    rule holds unless a finding-routed one of its symptom fires; a finding-routed
+    one unless a PromQL-decided cause holds or fires (held by keep_firing_for).
+    Returns the specs and the route records they read."""
+    on = f"unless on ({', '.join(config.engine_labels)})"
+    records, out = [], list(specs)
+    for symptom in sorted({s.symptom for s in specs if _routed_by_finding(s)}):
+        decided = _decided(out, symptom)
+        if not decided:
+            continue
+        records.append({"record": route_record(config, symptom, "firing_finding"),
+                        "expr": _firing(config, symptom, True)})
+        out = [replace(s, query=_then(s.query, (on, route_record(config, symptom, "firing_finding"))))
+               if s in decided else s for s in out]
+        records += [{"record": route_record(config, symptom, "decided"),
+                     "expr": "\nor\n".join(paren(s.expr) for s in _decided(out, symptom))},
+                    {"record": route_record(config, symptom, "firing_rules"), "expr": _firing(config, symptom, False)}]
+        steps = ((on, route_record(config, symptom, "decided")), (on, route_record(config, symptom, "firing_rules")))
+        out = [replace(s, query=_then(s.query, *steps)) if s.symptom == symptom and _routed_by_finding(s) else s
+               for s in out]
+    return out, records
+
+
+def check_routes(config: MixinConfig, specs: list[AlertSpec], records: list[dict]) -> None:
+    """No two routes of one symptom fire together for one engine: every
+    finding-routed rule excludes each PromQL-decided rule of its symptom
+    (holding, or firing while held), and each of those excludes it firing;
+    else kvwatch refuses the rules with one sentence."""
+    recorded = {r["record"]: r["expr"] for r in records}
+    for f in filter(_routed_by_finding, specs):
+        read = lambda what: recorded.get(route_record(config, f.symptom, what), "")  # noqa: E731
+        for p in _decided(specs, f.symptom):
+            if not (paren(p.expr) in read("decided") and read("firing_rules") == _firing(config, f.symptom, False)
+                    and read("firing_finding") == _firing(config, f.symptom, True)
+                    and all(route_record(config, f.symptom, what) in f.query for what in ("decided", "firing_rules"))
+                    and route_record(config, f.symptom, "firing_finding") in p.query):
+                raise AlertCatalogueError(
+                    f"{f.alert} {f.cause} (routed by kvwatch_finding) and {p.alert} {p.cause} (decided by PromQL) "
+                    f"can fire together for one engine: the two routes of {f.symptom} must exclude each other")
 
 
 def alert_specs(config: MixinConfig) -> list[AlertSpec]:
     """Every rule the config generates: the objectives', the records', the findings'."""
+    return _routed(config)[0]
+
+
+def route_records(config: MixinConfig) -> list[dict]:
+    """The recording rules the finding-routed rules read (route_record), in the alerts' group."""
+    return _routed(config)[1]
+
+
+def _routed(config: MixinConfig) -> tuple[list[AlertSpec], list[dict]]:
     f = Recorded(engine_scope(config), config)
     specs = _objective_specs(config)
     wanted = [record for record in CAUSE_ALERTS if record.when(config)]
     for split, group in groupby(wanted, key=lambda record: record.split_on_preemption):
         records = list(group)
         specs += _split_specs(records, f, config) if split else [_cause_spec(r, f, config) for r in records]
-    return specs + _finding_specs(config)
+    specs, routes = _routes(config, specs + _finding_specs(config, specs))
+    check_routes(config, specs, routes)
+    return specs, routes
 
 
 # A recorded series' name, `level:metric:operations` (not a subquery's `[1h:5m]`).
@@ -283,13 +395,15 @@ def _check_records() -> None:
     """Each cause routed to an alert by PromQL has exactly one record, and its
     record says what the alert needs; else kvwatch does not import."""
     declared = [record.cause for record in CAUSE_ALERTS]
+    # A cause may have a record per install mode (its `when`), never two in one.
+    in_mode = [[r.cause for r in CAUSE_ALERTS if r.when(MixinConfig(mode=mode, no_reuse_alert=True))] for mode in MODES]
     for record in CAUSE_ALERTS:
         cause = CAUSE.get(record.cause)
         if cause is None or cause.alert is None or cause.routed_by_finding:
             raise AlertCatalogueError(f"{record.cause}: an alert record for a cause whose record routes it to no "
                                       "alert by PromQL (causes.py: alert=, routed_by_finding=False)")
-        if declared.count(record.cause) > 1 or record.op not in (">", "<"):
-            raise AlertCatalogueError(f"{record.cause}: one record per cause, its op '>' or '<'")
+        if any(causes.count(record.cause) > 1 for causes in in_mode) or record.op not in (">", "<"):
+            raise AlertCatalogueError(f"{record.cause}: one record per cause (per install mode), its op '>' or '<'")
     for cause in CAUSE_LIST:
         if cause.alert and not cause.routed_by_finding and cause.name not in declared:
             raise AlertCatalogueError(f"{cause.name}: its record routes it to {cause.alert} by PromQL, and "

@@ -336,6 +336,12 @@ class MixinConfig:
         "PromQL label matchers (without braces) selecting kvwatch's series, e.g. job=\"kvwatch\". Default: "
         "job=\"<deploy.job>\". Change it when your scrape config names kvwatch's job differently, or to "
         "restrict the rules to some namespaces (namespace=~\"llm-.*\")."))
+    mode: str = field(default="sidecar", metadata=described(k.MODE,
+        "Whose series the rules read. sidecar: each kvwatch scraped as its own target (job=\"<deploy.job>\"; "
+        "KvwatchDown reads their `up`). central: central mode's exports, which carry each replica's own labels "
+        "from the store (its job, namespace, pod): the selector defaults to the matchers of "
+        "deploy.central_selector, and KvwatchDown reads central mode's own health (its targets' `up`, "
+        "kvwatch_central_store_up). Unsharded and sharded central mode read the same."))
     group_labels: tuple[str, ...] = field(default=("namespace", "job"), metadata=described(k.LABELS,
         "Target labels every aggregation keeps, so two deployments never mix. Add cluster (or region) when one "
         "Prometheus or Thanos sees several; labels a series lacks are simply empty."))
@@ -462,9 +468,9 @@ class MixinConfig:
         "`for:` of each alert (alert name -> duration). Shorten to page sooner, lengthen against flapping."))
     severities: dict = field(default_factory=lambda: dict(DEFAULT_SEVERITIES), metadata=described(k.SEVERITY_MAP,
         "severity label of each cause (cause -> critical|warning|info). Routing in Alertmanager or Grafana "
-        "keys on it. The defaults are the diagnosis' own (each cause's record in kvwatch/diagnose/causes.py); an "
-        "exhaustion cause with preemptions is keyed <cause>_preempting (default warning: the objectives page, "
-        "not the cause)."))
+        "keys on it. The defaults are the diagnosis' own (each cause's record in kvwatch/diagnose/causes.py), so "
+        "the status page, kvwatch_finding and the alert say the same; an exhaustion cause with preemptions in the "
+        "rate window is keyed <cause>_preempting (default critical, as the page says it)."))
     runbook_base_url: str = field(default=PUBLISHED_RUNBOOKS_URL, metadata=described(k.BASE_URL,
         "Where the on-call reader opens the runbooks; every alert's runbook_url (and every panel's Runbook link) "
         "is this plus #<section>. Default: alerts/runbooks.md as published with this version's documentation. "
@@ -509,6 +515,8 @@ class MixinConfig:
     def kvwatch_selector(self) -> str:
         if self.selector:
             return self.selector
+        if self.mode == "central":
+            return central_matchers(self.deploy_settings.store_selector)
         return f'job="{self.deploy_settings.job}"'
 
     @property
@@ -545,6 +553,19 @@ class MixinConfig:
 
 
 k.require_kinds(MixinConfig)
+
+
+def central_config(config: "MixinConfig") -> "MixinConfig":
+    """The config's rules for central mode: its exports' selector, central mode's own health."""
+    return config if config.mode == "central" else replace(config, mode="central", selector=None)
+
+
+def central_matchers(store_selector: str) -> str:
+    """The matchers (without braces) selecting central mode's exports: its
+    --selector's, which every replica's series carries from the store; a
+    selector of everything, any job (a matcher list is never empty)."""
+    inner = store_selector[store_selector.find("{") + 1:store_selector.rfind("}")] if "{" in store_selector else ""
+    return inner.strip().strip(",") or 'job!=""'
 
 
 def _unique(labels) -> tuple[str, ...]:

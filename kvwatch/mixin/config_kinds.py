@@ -122,6 +122,8 @@ LABELS = Kind(_when(lambda v: isinstance(v, (list, tuple)) and all(isinstance(x,
                     "{name}: {value} must be a list of label names"), convert=tuple)
 STRINGS = Kind(_when(lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
                      "{name}: must be a list of strings"), convert=tuple)
+MODES = ("sidecar", "central")
+MODE = Kind(_when(lambda v: v in MODES, "{name}: {value} is not one of " + ", ".join(MODES)))
 SELECTOR_OR_EMPTY = Kind(_selector_or_empty)
 OPTIONAL_SELECTOR = Kind(_selector, optional=True)
 OPTIONAL_METRIC = Kind(_when(lambda v: isinstance(v, str) and bool(_METRIC_NAME.match(v)),

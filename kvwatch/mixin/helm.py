@@ -38,7 +38,7 @@ from kvwatch import __version__
 from kvwatch.mixin import manifests
 from kvwatch.mixin.config import (PUBLISHED_RUNBOOKS_URL, CENTRAL_MEASURED_CPU_SECONDS_PER_REFRESH, CENTRAL_MEASURED_REPLICAS,
                                   CENTRAL_MEASURED_RESIDENT_MIB, CENTRAL_REFRESH_SECONDS, SIDECAR_LIVENESS,
-                                  DeploySettings, kv_events_resources)
+                                  DeploySettings, central_matchers, kv_events_resources)
 from kvwatch.history.shard import MAX_SHARDS
 from kvwatch.mixin.config_kinds import LINK_BASE_URL
 from kvwatch.mixin.helm_templates import (CENTRAL_TEMPLATE, CONFIG_TEMPLATE, DASHBOARDS_TEMPLATE,
@@ -65,7 +65,7 @@ def _image_parts(image: str) -> tuple[str, str]:
     return name, tag
 
 
-def values(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL) -> dict:
+def values(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL, dashboard_base: str = "") -> dict:
     repository, tag = _image_parts(s.image)
     return {
         "mode": "sidecar",
@@ -108,7 +108,7 @@ def values(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL) -> dic
             "tlsConfig": {},
         },
         "prometheusRule": {"enabled": "auto", "labels": {}},
-        "links": {"runbookBaseUrl": runbook_base},
+        "links": {"runbookBaseUrl": runbook_base, "dashboardBaseUrl": dashboard_base},
         "dashboards": {
             "configMaps": {"enabled": True, "label": "grafana_dashboard", "labelValue": "1",
                            "folder": s.grafana_folder, "namespace": ""},
@@ -151,15 +151,17 @@ VALUES_COMMENTS = [
     ("shards:", "1: one Deployment reads every replica. N > 1 (a thousand replicas): a StatefulSet of N pods;\n"
                 "pod NAME-k serves shard k (--shard ordinal/N), the replicas a stable hash of their job/instance/\n"
                 "namespace/pod gives it. maxReplicas and resources are each pod's. Changing N moves only about 1/N\n"
-                "of the replicas; the fleet findings are the store's rules over every shard's series (enable\n"
-                "prometheusRule)."),
+                "of the replicas; the fleet findings are the store's rules over every shard's series."),
     ("monitor:", "PodMonitor, ServiceMonitor or none (central mode always uses a ServiceMonitor). labels: what\n"
                  "your Prometheus selects monitors and rules by."),
-    ("prometheusRule:", "enabled: auto renders the rules in sidecar and monitoring modes; central mode's series carry\n"
-                        "the engines' job, so there generate the rules with that selector first (docs/deploy.md)."),
+    ("prometheusRule:", "enabled: auto renders the rules of the mode: the sidecars' (job of their monitor), or in central\n"
+                        "mode the central ones, selecting central.selector's matchers (the replicas' labels central\n"
+                        "mode exports) and watching central mode itself; false renders none."),
     ("links:", "runbookBaseUrl: where the on-call reader opens the runbooks; every alert's runbook_url and every\n"
                "panel's Runbook link is it plus #<section> (default: as published with this version's documentation;\n"
-               "kvwatch's own /runbooks behind an ingress, or your Git server's alerts/runbooks.md). A literal host."),
+               "kvwatch's own /runbooks behind an ingress, or your Git server's alerts/runbooks.md). A literal host.\n"
+               "dashboardBaseUrl: Grafana's URL as the on-call reader opens it (https://grafana.example.org); every\n"
+               "alert then carries a dashboard_url to its panel there. Empty: no dashboard_url (never an empty host)."),
     ("dashboards:", "ConfigMaps for the Grafana sidecar (its label, folder annotation, and a namespace it watches;\n"
                     "empty: the release's), and grafana-operator GrafanaDashboards referring to them."),
 ]
@@ -242,7 +244,9 @@ def values_schema(s: DeploySettings) -> dict:
                             "interval": duration, "scrapeTimeout": duration, "tlsConfig": {"type": "object"}}),
             "prometheusRule": obj({"enabled": {"enum": ["auto", True, False]}, "labels": labels}),
             "links": obj({"runbookBaseUrl": {"type": "string", "pattern": "^" + LINK_BASE_URL.pattern + "$",
-                                             "description": "an http(s) URL with a literal host, no #fragment"}}),
+                                             "description": "an http(s) URL with a literal host, no #fragment"},
+                          "dashboardBaseUrl": {"type": "string", "pattern": "^(" + LINK_BASE_URL.pattern + ")?$",
+                                               "description": "Grafana's http(s) URL with a literal host, or empty"}}),
             "dashboards": obj({
                 "configMaps": obj({"enabled": {"type": "boolean"}, "label": LABEL_KEY,
                                    "labelValue": LABEL_VALUE, "folder": string, "namespace": DNS_LABEL_OR_EMPTY}),
@@ -304,8 +308,8 @@ def _fill(template: str, s: DeploySettings) -> str:
     return template
 
 
-def _values_yaml(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL) -> str:
-    text = manifests.to_yaml(values(s, runbook_base))
+def _values_yaml(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL, dashboard_base: str = "") -> str:
+    text = manifests.to_yaml(values(s, runbook_base, dashboard_base))
     return HEADER + manifests._with_comments(text, VALUES_COMMENTS)
 
 
@@ -317,12 +321,14 @@ def _with_runbook_base(template: str, runbook_base: str) -> str:
 
 
 def render_chart(s: DeploySettings, prometheus_rule: str | None, dashboards: dict[str, str],
-                 runbook_base: str = PUBLISHED_RUNBOOKS_URL) -> dict[str, str]:
-    """{path relative to deploy/: text} for the chart; `runbook_base` is the base the generated links carry."""
+                 runbook_base: str = PUBLISHED_RUNBOOKS_URL, central_rule: str | None = None,
+                 dashboard_base: str = "", dashboard_paths: dict[str, str] | None = None) -> dict[str, str]:
+    """{path relative to deploy/: text} for the chart; `runbook_base` is the base the generated links carry;
+    `central_rule` the rules over central mode's exports, generated for deploy.central_selector's matchers."""
     base = CHART_DIR + "/"
     files = {
         base + "Chart.yaml": HEADER + manifests.to_yaml(chart_yaml()),
-        base + "values.yaml": _values_yaml(s, runbook_base),
+        base + "values.yaml": _values_yaml(s, runbook_base, dashboard_base),
         base + "values.schema.json": json.dumps(values_schema(s), indent=2, sort_keys=True) + "\n",
         base + ".helmignore": HELMIGNORE,
         base + "README.md": README,
@@ -332,11 +338,17 @@ def render_chart(s: DeploySettings, prometheus_rule: str | None, dashboards: dic
         base + "templates/monitor.yaml": _fill(MONITOR_TEMPLATE, s),
         base + "templates/central.yaml": _fill(CENTRAL_TEMPLATE, s),
         base + "templates/dashboards.yaml": _with_runbook_base(DASHBOARDS_TEMPLATE, runbook_base),
-        base + "templates/NOTES.txt": NOTES,
+        base + "templates/NOTES.txt": _fill(NOTES, s),
     }
     if prometheus_rule:
         files[base + "files/prometheusrule.yaml"] = prometheus_rule
-        files[base + "templates/prometheusrule.yaml"] = _with_runbook_base(RULE_TEMPLATE, runbook_base)
+        files[base + "files/prometheusrule-central.yaml"] = central_rule or prometheus_rule
+        # The generated central rules' matchers, replaced by central.selector's at render time.
+        matchers = json.dumps(central_matchers(s.store_selector))
+        # Each alert's panel path, put after links.dashboardBaseUrl at render time.
+        paths = " ".join(f"{json.dumps(alert)} {json.dumps(path)}" for alert, path in sorted((dashboard_paths or {}).items()))
+        files[base + "templates/prometheusrule.yaml"] = _with_runbook_base(RULE_TEMPLATE, runbook_base).replace(
+            "@@CENTRAL_RULE_MATCHERS@@", matchers).replace("@@DASHBOARD_PATHS@@", paths)
     for name in sorted(dashboards):
         files[base + f"files/dashboards/{Path(name).name}"] = dashboards[name]
     return files

@@ -215,6 +215,17 @@ spec:
 {{- .Values.central.selector | default (printf "{namespace=%q}" .Release.Namespace) -}}
 {{- end -}}
 
+{{/* The matchers of the central selector, which every series central mode exports carries (the rules select
+     them; kvwatch/mixin/config.py central_matchers); a selector of everything: any job. */}}
+{{- define "kvwatch.centralMatchers" -}}
+{{- $selector := include "kvwatch.centralSelector" . -}}
+{{- $inner := "" -}}
+{{- if contains "{" $selector -}}
+{{- $inner = regexReplaceAll "^[^{]*\\{(.*)\\}[^}]*$" $selector "${1}" | trim | trimSuffix "," | trim -}}
+{{- end -}}
+{{- $inner | default "job!=\"\"" -}}
+{{- end -}}
+
 {{/* Central mode's resources: measured at @@CENTRAL_REPLICAS@@ replicas, scaled to maxReplicas
      (kvwatch/mixin/config.py central_resources; a test compares). */}}
 {{- define "kvwatch.centralResources" -}}
@@ -465,11 +476,24 @@ spec:
 '''
 
 RULE_TEMPLATE = r'''{{- $enabled := .Values.prometheusRule.enabled }}
-{{- if eq (toString $enabled) "auto" }}{{ $enabled = ne .Values.mode "central" }}{{ end }}
+{{- if eq (toString $enabled) "auto" }}{{ $enabled = true }}{{ end }}
 {{- if $enabled }}
-{{- $rule := .Files.Get "files/prometheusrule.yaml" | fromYaml }}
-# The rules `kvwatch generate` wrote (alerts/kvwatch-prometheusrule.yaml), copied into files/,
-# their runbook links on links.runbookBaseUrl.
+{{- $text := .Files.Get "files/prometheusrule.yaml" }}
+{{- if eq .Values.mode "central" }}
+{{- /* Central mode's exports carry the replicas' labels from the store: the rules select central.selector's matchers. */}}
+{{- $text = .Files.Get "files/prometheusrule-central.yaml" | replace @@CENTRAL_RULE_MATCHERS@@ (include "kvwatch.centralMatchers" .) }}
+{{- end }}
+{{- $rule := $text | fromYaml }}
+{{- with trimSuffix "/" .Values.links.dashboardBaseUrl }}
+{{- /* Every alert's dashboard_url: its panel's path (kvwatch/mixin/config.py DASHBOARD_PATH_PATTERN) on Grafana's URL. */}}
+{{- $base := . }}
+{{- $paths := dict @@DASHBOARD_PATHS@@ }}
+{{- range $group := $rule.spec.groups }}{{ range $r := $group.rules }}{{ if hasKey $paths ($r.alert | default "") }}
+{{- $_ := set $r.annotations "dashboard_url" (printf "%s%s" $base (get $paths $r.alert)) }}
+{{- end }}{{ end }}{{ end }}
+{{- end }}
+# The rules `kvwatch generate` wrote (alerts/kvwatch-prometheusrule.yaml, in central mode
+# alerts/kvwatch-central-prometheusrule.yaml), copied into files/, their runbook links on links.runbookBaseUrl.
 apiVersion: monitoring.coreos.com/v1
 kind: PrometheusRule
 metadata:
@@ -539,7 +563,9 @@ spec:
 {{- end }}
 '''
 
-NOTES = r'''{{- if eq .Values.mode "sidecar" }}
+NOTES = r'''{{- $rules := .Values.prometheusRule.enabled }}
+{{- if eq (toString $rules) "auto" }}{{ $rules = true }}{{ end }}
+{{- if eq .Values.mode "sidecar" }}
 kvwatch's configuration, monitor, rules and dashboards are installed. One step adds the
 kvwatch container to your vLLM Deployment "{{ .Values.sidecar.deployment }}" (Helm cannot patch
 an object another tool owns):
@@ -564,11 +590,26 @@ To take it out again (before `helm uninstall`, which keeps the ConfigMap the pod
 kvwatch central mode reads {{ .Values.central.prometheusUrl }} for {{ include "kvwatch.centralSelector" . }}.
 {{- if gt (int .Values.central.shards) 1 }}
 {{ .Values.central.shards }} shards: pod {{ include "kvwatch.fullname" . }}-central-k serves shard k. A shard shows no fleet
-findings; the store's rules (prometheusRule.enabled) find them over every shard's series.
+findings; the store's rules find them over every shard's series.
 {{- end }}
 {{- else }}
 The monitor, rules and dashboards are installed for kvwatch sidecars in pods labelled
 {{ toYaml .Values.pods.labels }}.
+{{- end }}
+{{- if $rules }}
+
+Rules: the PrometheusRule {{ include "kvwatch.fullname" . }} (recording rules and alerts) selects
+{{- if eq .Values.mode "central" }} central mode's exports by {{ include "kvwatch.centralMatchers" . }}
+(each replica's own labels from the store); KvwatchDown watches central mode itself (its targets'
+scrape, its store, its absence).
+{{- else }} kvwatch's sidecars by job={{ @@JOB@@ | quote }} (their monitor's job);
+KvwatchDown watches their scrape.
+{{- end }}
+Runbook links open at {{ .Values.links.runbookBaseUrl }}
+{{- with .Values.links.dashboardBaseUrl }}; dashboard links at {{ . }}{{ end }}.
+{{- else }}
+
+Rules: none (prometheusRule.enabled is false).
 {{- end }}
 '''
 

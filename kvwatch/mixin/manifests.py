@@ -652,9 +652,11 @@ CONTAINER_NOTES = [
 
 
 def render_manifests(config: Any = None, prometheus_rule: str | None = None,
-                     dashboards: dict[str, str] | None = None, source_dir: str | Path | None = None) -> dict[str, str]:
+                     dashboards: dict[str, str] | None = None, source_dir: str | Path | None = None,
+                     central_rule: str | None = None) -> dict[str, str]:
     """{path relative to deploy/: file text}. `prometheus_rule` and
-    `dashboards` default to the generated files under `source_dir`."""
+    `dashboards` default to the generated files under `source_dir`;
+    `central_rule` (the rules over central mode's exports) joins central mode's kustomizations."""
     s = deploy_settings(config)
     if prometheus_rule is None or dashboards is None:
         loaded_rule, loaded_dashboards = _load_generated(Path(source_dir) if source_dir else Path.cwd())
@@ -703,8 +705,11 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
     files[central + "deployment.yaml"] = HEADER + _with_comments(to_yaml(central_deployment(s)), central_notes)
     files[central + "service.yaml"] = HEADER + to_yaml(central_service(s))
     files[central + "servicemonitor.yaml"] = HEADER + to_yaml(central_service_monitor(s))
-    files[central + "kustomization.yaml"] = _kustomization(
-        ["deployment.yaml", "service.yaml", "servicemonitor.yaml"], s.namespace)
+    central_resources = ["deployment.yaml", "service.yaml", "servicemonitor.yaml"]
+    if central_rule:
+        files[central + "prometheusrule.yaml"] = HEADER + to_yaml(prometheus_rule_object(s, central_rule))
+        central_resources.append("prometheusrule.yaml")
+    files[central + "kustomization.yaml"] = _kustomization(central_resources, s.namespace)
     files["prometheus/central-scrape-configs.yaml"] = HEADER + to_yaml(central_scrape_configs(s))
 
     sharded = "kubernetes/central-sharded/"
@@ -717,6 +722,10 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
     service_object["spec"]["clusterIP"] = "None"
     files[sharded + "service.yaml"] = HEADER + to_yaml(service_object)
     files[sharded + "servicemonitor.yaml"] = files[central + "servicemonitor.yaml"]
-    files[sharded + "kustomization.yaml"] = _kustomization(
-        ["statefulset.yaml", "service.yaml", "servicemonitor.yaml"], s.namespace)
+    sharded_resources = ["statefulset.yaml", "service.yaml", "servicemonitor.yaml"]
+    if central_rule:
+        # The same rules: the union of the shards' exports is one unsharded instance's.
+        files[sharded + "prometheusrule.yaml"] = files[central + "prometheusrule.yaml"]
+        sharded_resources.append("prometheusrule.yaml")
+    files[sharded + "kustomization.yaml"] = _kustomization(sharded_resources, s.namespace)
     return files

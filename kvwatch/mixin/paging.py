@@ -23,15 +23,15 @@ ALERTS = {
 # each. `upstream` and `no_reuse` are generated only when the config asks.
 
 # Each cause's severity from its record (the diagnosis' own, and the alerts'
-# own health causes). An exhaustion cause has two rules: with preemptions
-# (`<cause>_preempting`, the record's preempting_alert_severity: the alert
-# does not page, users feel it as late first tokens, which the objectives'
-# burn-rate alerts page on) and without (its severity).
+# own health causes): the page, kvwatch_finding and the alert say the same.
+# An exhaustion cause has two rules: with preemptions in the rate window
+# (`<cause>_preempting`, the record's preempting_severity, the page's
+# critical line: severity_of(cause, preempting=True)) and without (its severity).
 PREEMPTING_SUFFIX = "_preempting"
 DEFAULT_SEVERITIES = {
     **{c.name: c.severity for c in CAUSE_LIST if c.alert and c.diagnosed},
-    **{c.name + PREEMPTING_SUFFIX: c.preempting_alert_severity for c in CAUSE_LIST
-       if c.alert and c.preempting_alert_severity},
+    **{c.name + PREEMPTING_SUFFIX: c.preempting_severity for c in CAUSE_LIST
+       if c.alert and c.preempting_severity},
     **{c.name: c.severity for c in CAUSE_LIST if c.alert and not c.diagnosed},
 }
 

@@ -23,8 +23,8 @@ import re
 
 import yaml
 
-from kvwatch.mixin.alerts import (AlertSpec, PROMETHEUS_VALUE, alert_specs, dashboard_url, engine_scope, runbook_url,
-                                  signals_read)
+from kvwatch.mixin.alerts import (AlertSpec, PROMETHEUS_VALUE, alert_specs, dashboard_url, engine_scope, route_records,
+                                  runbook_url, signals_read)
 from kvwatch.mixin import conditions, objectives
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.diagnose.vocabulary import SYMPTOM_ALERTS
@@ -146,15 +146,18 @@ def burning_replicas_template(spec: AlertSpec, config: MixinConfig) -> str:
 
 
 def cause_alerts_template(config: MixinConfig) -> str:
-    """The cause alerts firing for the paged model (any replica), read from Prometheus'
-    ALERTS when the page is sent (Prometheus templates only): the page names
-    where to look even before the routes bring the cause alert beside it."""
+    """The cause alerts of the paged model (any replica), pending or firing, read
+    from Prometheus' ALERTS when the page is sent (Prometheus templates only): a
+    cause alert's `for:` (10m) is longer than the page's (2m), so the cause is
+    named from the moment its condition holds, not minutes after the page."""
     labels = [label for label in config.model_labels]
     matchers = ",".join(f"{label}=%q" for label in labels)
-    selector = 'ALERTS{alertstate=\\"firing\\",cause!=\\"\\",' + matchers.replace('"', '\\"') + "}"
+    selector = ('count by (alertname, cause, alertstate) (ALERTS{cause!=\\"\\",'
+                + matchers.replace('"', '\\"') + "})")
     args = " ".join(f"$labels.{label}" for label in labels)
     return (f'{{{{ with printf "{selector}" {args} | query }}}}{{{{ range . }}}}{{{{ .Labels.alertname }}}} '
-            '({{ .Labels.cause }}) {{ end }}{{ else }}none firing yet{{ end }}')
+            '({{ .Labels.cause }}{{ if eq .Labels.alertstate "pending" }}, pending{{ end }}) on {{ .Value }} '
+            'engine(s); {{ end }}{{ else }}none yet{{ end }}')
 
 
 def _group(name: str, rules: list[dict], config: MixinConfig) -> dict:
@@ -169,6 +172,7 @@ def rule_groups(config: MixinConfig, panel_ids) -> list[dict]:
     # What the alerts read is recorded in their own group, before them
     # (kvwatch/mixin/conditions.py says why), and not again elsewhere.
     alert_records = conditions.recording_rules(config, engine_scope(config), signals_read(config))
+    alert_records += route_records(config)
     in_alerts = {rule["record"] for rule in alert_records}
     return [
         _group("kvwatch-engine.rules", [r for r in recording_rules(config, "engine") if r["record"] not in in_alerts],
@@ -189,7 +193,7 @@ def recorded_exprs(config: MixinConfig) -> dict[str, str]:
     rules = [rule for rule in recording_rules(config, "engine") if "labels" not in rule]
     rules += fleet_rules(config) + objectives.recording_rules(config)
     # the same names, the same expressions
-    rules += conditions.recording_rules(config, engine_scope(config), signals_read(config))
+    rules += conditions.recording_rules(config, engine_scope(config), signals_read(config)) + route_records(config)
     return {rule["record"]: rule["expr"] for rule in rules}
 
 

@@ -264,7 +264,9 @@ def render(config: MixinConfig) -> str:
             spec_list = specs.get((alert, cause), [])
             first, meaning, confirm, do, dont = cause_sections(config, alert, cause).values()
             if spec_list:
-                headline = f"*{spec_list[-1].summary}* Severity {_severity_text(spec_list)}."
+                # The rules' own summary; the finding twin (route=finding) only adds a route to the same cause.
+                summary = [s for s in spec_list if s.variant != "finding"][-1].summary
+                headline = f"*{summary}* Severity {_severity_text(spec_list)}."
             elif cause == "no_reuse":
                 headline = "*Only when the mixin config sets `no_reuse_alert: true`* (not in this generation)."
             else:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from kvwatch.diagnose.causes import ALERT_LIST
+from kvwatch.diagnose.causes import ALERT_LIST, CAUSE
 from kvwatch.mixin.paging import DEFAULT_SEVERITIES, PREEMPTING_SUFFIX
 
 HERE = Path(__file__).resolve().parent
@@ -34,6 +34,8 @@ SEVERITY = DEFAULT_SEVERITIES
 # An expectation's severity for an exhaustion cause while vLLM preempts: its
 # `<cause>_preempting` severity (by default the same as without).
 PREEMPTING = "preempting"
+# An expectation for the finding-routed twin of a PromQL-decided cause (route="finding", its own severity).
+FINDING = "finding"
 TARGET = {"namespace": "llm", "job": "kvwatch", "instance": "10.0.0.1:9400"}
 ENGINE = {**TARGET, "model_name": "m", "engine": "0"}
 MINUTES = 120  # samples per series, one a minute
@@ -175,6 +177,8 @@ class Case:
 
 def expected_severity(cause: str, severity: str | None = None) -> str:
     """The severity an expectation names: the cause's, its preempting one, or one given."""
+    if severity == FINDING:
+        return SEVERITY[cause]
     if severity == PREEMPTING:
         return SEVERITY[cause + PREEMPTING_SUFFIX]
     return severity or SEVERITY[cause]
@@ -183,6 +187,8 @@ def expected_severity(cause: str, severity: str | None = None) -> str:
 def _labels_of(alert: str, cause: str, labels: dict, severity: str | None = None) -> dict:
     out = dict(labels)
     out.update({"severity": expected_severity(cause, severity), "cause": cause})
+    if severity == FINDING or (cause in CAUSE and CAUSE[cause].routed_by_finding):
+        out["route"] = "finding"
     if alert in SYMPTOM:
         out["symptom"] = SYMPTOM[alert]
     return out
@@ -309,6 +315,21 @@ def default_cases() -> list[Case]:
              "prefix_changed: the recording rules remember the last healthy ratio",
              [long_engine(prefix_queries=rate(20000, LONG), prefix_hits=f"0+16000x60 960000+1000x{LONG - 60}")],
              "200m", [("VllmPrefixCacheHitRateLow", "prefix_changed", ENGINE)]),
+        # --- low hit rate decided by kvwatch's finding (the KV-event stream), not by the ratio's twin ----
+        Case("hit rate: the ratio reads healthy, kvwatch's KV-event stream decided eviction before reuse -> "
+             "eviction_before_reuse from kvwatch_finding (route finding)",
+             [Engine(**hits(0.5), findings=(("low_hit_rate", "eviction_before_reuse", "warning", "_x20 1x100"),))],
+             "40m", [("VllmPrefixCacheHitRateLow", "eviction_before_reuse", ENGINE, FINDING)]),
+        Case("hit rate: both routes hold for one engine (the rules decide prefix_changed, kvwatch's finding "
+             "names eviction) -> the rules' cause alone, never two causes of one symptom",
+             [Engine(prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60",
+                     findings=(("low_hit_rate", "eviction_before_reuse", "warning", "_x60 1x60"),))], "82m",
+             [("VllmPrefixCacheHitRateLow", "prefix_changed", ENGINE)]),
+        Case("hit rate: kvwatch's finding first (the stream decides minutes before the ratio), then the rules "
+             "decide prefix_changed -> the finding's route alone while it fires",
+             [Engine(prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60",
+                     findings=(("low_hit_rate", "prefix_changed", "warning", "_x40 1x80"),))], "82m",
+             [("VllmPrefixCacheHitRateLow", "prefix_changed", ENGINE, FINDING)]),
         # --- low prefix-cache hit rate while the cache is exhausted ---------------------
         Case("hit rate: the documented burst (exhausted, prompts share nothing) -> exhaustion only",
              [Engine(**busy, **hits(0.0))], "50m",

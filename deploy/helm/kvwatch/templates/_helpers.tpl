@@ -213,6 +213,17 @@ spec:
 {{- .Values.central.selector | default (printf "{namespace=%q}" .Release.Namespace) -}}
 {{- end -}}
 
+{{/* The matchers of the central selector, which every series central mode exports carries (the rules select
+     them; kvwatch/mixin/config.py central_matchers); a selector of everything: any job. */}}
+{{- define "kvwatch.centralMatchers" -}}
+{{- $selector := include "kvwatch.centralSelector" . -}}
+{{- $inner := "" -}}
+{{- if contains "{" $selector -}}
+{{- $inner = regexReplaceAll "^[^{]*\\{(.*)\\}[^}]*$" $selector "${1}" | trim | trimSuffix "," | trim -}}
+{{- end -}}
+{{- $inner | default "job!=\"\"" -}}
+{{- end -}}
+
 {{/* Central mode's resources: measured at 64 replicas, scaled to maxReplicas
      (kvwatch/mixin/config.py central_resources; a test compares). */}}
 {{- define "kvwatch.centralResources" -}}
