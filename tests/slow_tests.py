@@ -16,6 +16,8 @@ SLOW_MODULES = (
     "test_e2e_one_page.py",
     "test_e2e_central_alerts.py",
     "test_e2e_engines.py",
+    "test_e2e_kv_events_alerts.py",
+    "test_kv_events_sizing_sim.py",
     "test_e2e_offload_tier.py",
     "test_e2e_prometheus.py",
     "test_fuzz_atheris.py",
@@ -103,8 +105,11 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "test_kv_events_diagnose.py": (
         "test_a_prefix_change_mid_run_is_a_changed_prefix",
+        "test_a_rotation_in_full_report_mode_is_eviction_before_reuse_as_in_incremental_mode",
         "test_a_rotation_over_more_prefixes_than_the_cache_holds_is_eviction_before_reuse",
+        "test_an_lmcache_tier_publishing_store_only_events_serves_returns_as_its_hits",
         "test_prompts_that_share_nothing_are_no_shared_prefix",
+        "test_sglangs_and_tensorrt_llms_layouts_read_as_vllms",
     ),
     "test_lmcache.py": (
         "test_kvwatch_diagnose_prints_the_tier_from_the_config",
@@ -158,6 +163,7 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
         "test_every_recorded_series_an_alert_reads_is_recorded_before_it",
         "test_promtool_unit_tests_of_the_committed_rules",
         "test_promtool_unit_tests_of_the_fleet_alert",
+        "test_promtool_unit_tests_of_the_kv_event_stream_alert",
         "test_promtool_unit_tests_with_an_upstream_histogram",
         "test_promtool_unit_tests_with_the_no_reuse_alert_on",
         "test_the_unit_tests_catch_a_threshold_that_never_fires",

@@ -193,6 +193,82 @@ def test_distinct_prompts_never_return():
     assert window["stored_again_ratio"] == 0
 
 
+def shared_rotation(prefixes: int, own: int, shared: int, cache: int, rounds: int, full_every: int = 0,
+                    origin: bool = False) -> list[list]:
+    """rotation() whose prompts start with `shared` blocks every prompt shares
+    (kept warm: hits) before their `own`: request i in vLLM's full report mode
+    where full_every divides i + 1 (its hits announced as stored first, with
+    origin REUSED where `origin`)."""
+    lru: list[int] = []
+    out = []
+    for i in range(rounds * prefixes):
+        p = i % prefixes
+        hashes = [900_000 + b for b in range(shared)] + [p * 1000 + b for b in range(own)]
+        hits = [h for h in hashes if h in lru]
+        new = [h for h in hashes if h not in lru]
+        for h in hits:
+            lru.remove(h)
+        events = []
+        if hits and full_every and (i + 1) % full_every == 0:
+            events.append(wire.stored(hits, 16, origin="REUSED" if origin else None))
+        while len(lru) + len(new) > cache:
+            events.append(wire.removed([lru.pop(0)], layout="map" if origin else "array"))
+        if new:
+            events.append(wire.stored(new, 16, origin="NEW" if origin else None))
+        lru.extend(hashes)
+        out.append(events)
+    return out
+
+
+def _counts(batches) -> dict:
+    source = KVEventSource("tcp://127.0.0.1:1")
+    end = feed_all(source, batches)
+    report = source.report(now=end)
+    window = report["window"]
+    kept = [p["blocks_kept"] for p in report["sizing"]["points"]]
+    return {"stored": window["stored"], "again": window["stored_again"], "ratio": window["stored_again_ratio"],
+            "reused": window["reused"], "kept": kept}
+
+
+@pytest.mark.parametrize("full_every, origin", [(1, False), (2, False), (3, False), (1, True), (2, True)])
+def test_full_report_modes_hits_are_hits_and_the_rest_reads_as_in_incremental_mode(full_every, origin):
+    # 12 prompts of 4 shared + 15 own blocks through 100: the shared blocks hit, the own ones return
+    # after their eviction. Every request in full mode, or every second or third (one stream, mixed).
+    incremental = _counts(shared_rotation(12, 15, 4, 100, 4))
+    full = _counts(shared_rotation(12, 15, 4, 100, 4, full_every=full_every, origin=origin))
+    hits = sum(1 for i in range(48) if (i + 1) % full_every == 0 and i > 0) * 4  # the first request hits nothing
+    assert full["reused"] == hits and incremental["reused"] == 0
+    assert {k: v for k, v in full.items() if k != "reused"} == {k: v for k, v in incremental.items() if k != "reused"}
+    assert incremental["stored"] == 4 + 48 * 15 and incremental["again"] == 540
+
+
+def test_a_warm_shared_prefix_in_full_mode_reads_as_hits_not_new_work_or_returns():
+    # The reference's measurement on the real vLLM: a warm prefix of ~9 blocks + one own block a request,
+    # every request in full mode: about 10 blocks announced per request where one is new.
+    batches = shared_rotation(96, 1, 9, 1000, 1, full_every=1)
+    announced = sum(len(e.block_hashes) for events in batches for e in events if isinstance(e, wire._WStored))
+    counts = _counts(batches)
+    assert announced == 9 + 96 + 95 * 9
+    assert counts["stored"] == 9 + 96 and counts["reused"] == 95 * 9
+    assert counts["again"] == 0 and counts["ratio"] == 0
+
+
+def test_origin_says_what_the_ledger_cannot():
+    source = KVEventSource("tcp://127.0.0.1:1")
+    # Blocks cached before kvwatch listened: only origin tells their announcement is a hit.
+    source.feed(0, _map_batch([wire.stored([1, 2], 16, origin="REUSED")]), now=1.0)
+    # Origin NEW on a cached hash: another KV group's copy, stored (as before).
+    source.feed(1, _map_batch([wire.stored([1], 16, origin="NEW")]), now=2.0)
+    # Then the ledger knows 2 is cached: without origin its announcement is a hit.
+    source.feed(2, wire.encode_batch(3.0, [wire.stored([2], 16)]), now=3.0)
+    totals = source.report(now=3.0)["totals"]
+    assert (totals["stored"], totals["reused"]) == (1, 3)
+
+
+def _map_batch(events) -> bytes:
+    return wire.encode_batch(1.0, events)
+
+
 def test_all_blocks_cleared_is_a_change_and_what_returns_after_it_is_not_an_evictions_recomputation():
     source = KVEventSource("tcp://127.0.0.1:1")
     source.feed(0, wire.encode_batch(1.0, [wire.stored([1, 2], 16), wire.removed([1])]), now=1.0)
@@ -210,9 +286,32 @@ def test_a_cpu_offload_copy_is_another_block_and_lora_adapters_are_counted_apart
     source.feed(0, wire.encode_batch(1.0, [wire.stored([1], 16, lora_name="a"), wire.removed([1]),
                                            wire.stored([1], 16, medium="CPU")]), now=1.0)
     assert source.ledger.totals.again == 0  # the CPU copy is not the GPU block's return
-    source.feed(1, wire.encode_batch(2.0, [wire.stored([1], 16, lora_name="a")]), now=2.0)
+    source.feed(1, wire.encode_batch(2.0, [wire.stored([2], 16, lora_name="a"), wire.removed([2]),
+                                           wire.stored([2], 16, lora_name="a")]), now=2.0)
     rows = {(r["medium"], r["lora_name"]): r for r in source.report(now=2.0)["totals"]["by_label"]}
     assert rows[("GPU", "a")]["stored_again"] == 1 and rows[("CPU", "")]["stored_again"] == 0
+
+
+def test_a_block_back_from_a_lower_tier_is_that_tiers_hit_not_recomputation():
+    source = KVEventSource("tcp://127.0.0.1:1")
+    events = [wire.stored([1, 2, 3], 16), wire.stored([1, 2], 16, medium="CPU"),  # offloaded to the CPU tier
+              wire.stored([3], 16, medium="STORAGE", locality="REMOTE"),  # and 3 to remote storage
+              wire.removed([1]), wire.removed([2]), wire.removed([3]),
+              wire.removed([2], medium="CPU"),  # the CPU tier let 2 go
+              wire.stored([9], 16),  # one other block between the evictions and the returns
+              wire.stored([1, 2, 3], 16)]  # back on the GPU: 1 from the CPU, 3 from storage, 2 recomputed
+    source.feed(0, wire.encode_batch(1.0, events), now=1.0)
+    report = source.report(now=2.0)
+    tiers = {(r["medium"], r["locality"]): r for r in report["totals"]["tiers"]}
+    assert report["totals"]["stored_again"] == 1  # only 2 was recomputed
+    assert tiers[("GPU", "")] == {"medium": "GPU", "locality": "", "stored": 7, "evicted": 3, "returned": 3,
+                                  "store_only": False}
+    assert not tiers[("CPU", "")]["store_only"] and tiers[("STORAGE", "REMOTE")]["store_only"]
+    assert tiers[("CPU", "")]["returned"] == 1 and tiers[("CPU", "")]["evicted"] == 1
+    assert tiers[("STORAGE", "REMOTE")]["returned"] == 1 and tiers[("STORAGE", "REMOTE")]["stored"] == 1
+    # The curve per tier: the GPU cache that would have kept what each tier served (1 block stored between).
+    sizing = report["sizing"]["tiers"]
+    assert [p["blocks_kept"] for p in sizing["CPU"] if p["extra_blocks"] >= 2][:1] == [1]
 
 
 def test_the_table_stays_within_its_bytes_and_samples_with_a_small_error():
@@ -298,6 +397,28 @@ def test_kvwatch_binds_the_engine_connects_and_gaps_and_restarts_are_counted():
         source.stop()
 
 
+def test_a_publishers_handshake_is_counted_before_any_message_and_its_leaving_too():
+    # An idle engine connects and sends nothing: its handshake tells it from no publisher at all.
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    source = KVEventSource(endpoint)
+    source.start()
+    ctx = zmq.Context()
+    try:
+        assert source.report()["intake"]["connections"] == 0
+        pub = _publisher(ctx, endpoint)
+        assert _wait(lambda: source.connections == 1 and source.publishers == 1)
+        second = _publisher(ctx, endpoint)
+        assert _wait(lambda: source.connections == 2 and source.publishers == 2)
+        second.close(0)
+        assert _wait(lambda: source.publishers == 1)
+        report = source.report()
+        assert report["intake"]["connections"] == 2 and report["intake"]["messages"] == 0
+        pub.close(0)
+    finally:
+        ctx.term()
+        source.stop()
+
+
 def test_an_endpoint_kvwatch_cannot_bind_is_one_sentence():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -346,6 +467,10 @@ def test_the_sidecar_exports_the_stream_beside_the_page_and_the_page_is_unaffect
             assert state.up and state.kv_events["reason"] == "no_events"
             body = client.get("/metrics").text
             assert value(body, "kvwatch_kv_events_up") == 0
+            # Nothing ever connected (the stream is fed by hand here) and nothing is silent yet.
+            assert value(body, "kvwatch_kv_events_connections_total") == 0
+            assert value(body, "kvwatch_kv_events_publishers") == 0
+            assert value(body, "kvwatch_kv_events_silent_blocks") == 0
             assert value(body, "kvwatch_kv_events_blocks_stored_total", medium="GPU", lora_name="") is None
             source = monitor.kv_events
             now = monitor.clock()
@@ -408,6 +533,41 @@ def test_the_api_serves_the_sizing_curve_and_kvwatch_capacity_prints_it(fixtures
     with PageServer([Answer(json.dumps({"findings": []}), headers={"Content-Type": "application/json"})]) as served:
         with pytest.raises(capacity.CapacityInputError, match="does not read KV-cache events"):
             capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))
+
+
+def _fixture_batch(fixtures_dir, name: str) -> bytes:
+    """A fixture batch (tests/fixtures/kv-events, JSON of the publisher's msgpack) as its bytes."""
+    import json
+
+    return msgspec.msgpack.encode(json.loads((fixtures_dir / "kv-events" / name).read_text()))
+
+
+def test_tensorrt_llms_streaming_batches_read_as_vllms(fixtures_dir):
+    # Positional envelope, map events tagged "type", token ids that may be strings, mm_keys: all skipped.
+    source = KVEventSource("tcp://127.0.0.1:1")
+    source.feed(0, _fixture_batch(fixtures_dir, "trtllm-streaming-batch.json"), now=1.0)
+    report = source.report(now=1.0)
+    assert report["intake"]["malformed"] == 0 and source.ranks == {1} and source.block_size == 32
+    totals = report["totals"]
+    assert (totals["stored"], totals["evicted"], totals["stored_again"], totals["cleared"]) == (5, 1, 1, 1)
+
+
+def test_lmcaches_store_only_tier_is_counted_and_its_hits_an_upper_bound(fixtures_dir):
+    source = KVEventSource("tcp://127.0.0.1:1")
+    source.feed(0, _fixture_batch(fixtures_dir, "lmcache-mp-store-only-batch.json"), now=1.0)
+    report = source.report(now=1.0)
+    tiers = {r["medium"]: r for r in report["totals"]["tiers"]}
+    # Both blocks came back from the CPU tier LMCache stored them in: its hits, not recomputation.
+    assert report["totals"]["stored_again"] == 0 and tiers["CPU"]["returned"] == 2
+    # It never said what it let go: store-only, so those hits are an upper bound.
+    assert tiers["CPU"]["store_only"] and tiers["CPU"]["evicted"] == 0
+
+
+def test_sglangs_fixture_batch_reads_as_vllms(fixtures_dir):
+    source = KVEventSource("tcp://127.0.0.1:1")
+    source.feed(0, _fixture_batch(fixtures_dir, "sglang-batch.json"), now=1.0)
+    totals = source.report(now=1.0)["totals"]
+    assert source.ranks == set() and (totals["stored"], totals["stored_again"], totals["cleared"]) == (3, 1, 1)
 
 
 def test_sglangs_batches_read_as_vllms():

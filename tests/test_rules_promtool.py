@@ -200,6 +200,16 @@ def test_promtool_unit_tests_of_the_fleet_alert(tmp_path):
     assert "SUCCESS" in result.stdout
 
 
+@needs_promtool
+def test_promtool_unit_tests_of_the_kv_event_stream_alert(tmp_path):
+    """Fires on a stream no publisher ever reached, one that stopped while
+    the engine stores blocks, and lost messages; not on an idle engine's
+    stream, a quiet one whose engine stores nothing, a late start, one gap."""
+    result = run_cases(tmp_path, "kv-events.test.yaml", RULES.read_text())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
 def test_no_reuse_alert_is_off_by_default():
     # A workload without shared prefixes would keep it firing forever.
     assert ("VllmPrefixCacheHitRateLow", "no_reuse") not in {(s.alert, s.cause) for s in alert_specs(MixinConfig())}
@@ -211,7 +221,7 @@ def test_cases_cover_every_alert_and_cause_and_check_every_alert():
     # Every rule, preempting and waiting-only exhaustion apart (their severities differ).
     covered = {(e[0], e[1], cases.expected_severity(*e[1::2]))
                for case in cases.default_cases() + cases.upstream_cases() + cases.no_reuse_cases()
-               + cases.fleet_cases() for e in case.expect}
+               + cases.fleet_cases() + cases.stream_cases() for e in case.expect}
     # (The objectives' burn-rate alerts have their own cases: tests/test_objectives_promtool.py.)
     specs = {(s.alert, s.cause, s.severity) for config in (MixinConfig(), config_from_mapping(cases.UPSTREAM_CONFIG),
                                                            config_from_mapping(cases.NO_REUSE_CONFIG))

@@ -50,7 +50,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                         help="publish the engines' KV-cache events as vLLM does (ZMQ, msgpack) to this endpoint: "
                              "connect to it, or bind a wildcard tcp://*:N; engine i on port N+i (default: none)")
+    parser.add_argument("--kv-events-full", default=0.0, type=float, metavar="SHARE",
+                        help="the share of requests in vLLM's full report mode (kv_cache_report_mode full: their "
+                             "reused blocks announced as stored too), 0 to 1 (default: 0, incremental)")
+    parser.add_argument("--kv-events-origin", action="store_true",
+                        help="events name their origin, NEW or REUSED (a proposed vLLM field; the map layout)")
+    parser.add_argument("--kv-events-layout", default="vllm", choices=("vllm", "sglang", "trtllm"),
+                        help="whose publisher the events' batches look like (default: vllm)")
     parser.add_argument("--interval", default="15s", help="report interval, simulated time (default: 15s)")
+
+
+def _kv_events_problem(args) -> str | None:
+    """The KV-event options' one sentence of what is wrong (the endpoint normalised in place), or None."""
+    if args.kv_events:
+        from kvwatch.settings import zmq_endpoint
+
+        try:
+            args.kv_events = zmq_endpoint(args.kv_events)
+        except ValueError as exc:
+            return f"--kv-events: {exc}"
+    if not 0.0 <= args.kv_events_full <= 1.0:
+        return "--kv-events-full must be between 0 and 1"
+    return None
 
 
 def _report(sim: Simulation, seconds: float, interval: float) -> None:
@@ -113,6 +134,13 @@ def run(args: argparse.Namespace) -> int:
     lmcache_tokens = args.lmcache_tokens
     if lmcache_tokens is None and args.lmcache:
         lmcache_tokens = DEFAULT_SIZE_FACTOR * scenario.phases[0].engine.kv_cache_size_tokens
+    problem = _kv_events_problem(args)
+    if problem:
+        print(f"kvwatch sim: {problem}", file=sys.stderr)
+        return 2
+    if args.engines is not None and args.engines < 1:
+        print("kvwatch sim: --engines must be >= 1", file=sys.stderr)
+        return 2
     sim = Simulation(scenario, seed=args.seed, engines=args.engines, model_name=args.model_name,
                      lmcache_tokens=lmcache_tokens)
     if args.report is not None:
@@ -123,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         server = SimServer(sim, speed=args.speed, host=args.host, port=args.port, dialect=args.dialect,
-                           kv_events=args.kv_events, spelling=args.spelling)
+                           kv_events=args.kv_events, kv_report=(args.kv_events_full, args.kv_events_origin,
+                                                                args.kv_events_layout),
+                           spelling=args.spelling)
     except _zmq_error() as exc:
         print(f"kvwatch sim: cannot publish KV-cache events to {args.kv_events}: {exc}", file=sys.stderr)
         return 1

@@ -142,7 +142,7 @@ SYMPTOM_LIST = (
     # alone cannot show them. Arbitrated per replica they name.
     Symptom("fleet", alert="VllmFleetReplicaOutlier", arbitrated=True),
     # The engine's KV-cache event stream itself (diagnose/stream.py), where kv_events is set.
-    Symptom("kv_events"),
+    Symptom("kv_events", "KV-cache event stream", "KvwatchKvEventStreamUnhealthy"),
 )
 
 # The banner's order among findings of one weight (actionable or not): what
@@ -175,6 +175,9 @@ ALERT_LIST = (
     # Fired by kvwatch's own stuck finding (diagnose/stuck.py), which already waited
     # diagnosis.stuck_seconds with nothing moving: a short `for:` only rides out one missed scrape.
     Alert("VllmEngineStuck", "stuck", "2m", ("overview", "findings"), "stuck"),
+    # The stream kvwatch decides hit-rate causes by: its causes already waited
+    # (kv_events_silence_seconds, the rate window), so `for:` rides out a restart of either side.
+    Alert("KvwatchKvEventStreamUnhealthy", "kv_events", "10m", ("prefix_cache", "kv_events_up"), "kv-events"),
 )
 
 # In the order the rules consider them within a symptom.
@@ -540,22 +543,44 @@ CAUSE_LIST = (
         name="events_stopped",
         symptom="kv_events",
         severity="warning",
+        title="KV-cache events stopped",
         next_check=(
-            "The engine's KV-cache events stopped while it serves: check that it runs with --kv-events-config "
-            "pointing at kvwatch's --kv-events endpoint (publisher zmq; kvwatch binds unless "
-            "--kv-events-connect), that nothing else holds the port, and kvwatch_kv_events_publisher_restarts; "
-            "the hit-rate causes fall back to the page."),
-        next_action="Check the engine's --kv-events-config endpoint and that kvwatch listens there."),
+            "The engine's KV-cache events stopped while it stores blocks (its page counts prompt tokens the prefix "
+            "cache did not serve): check that it still runs with --kv-events-config pointing at kvwatch's "
+            "--kv-events endpoint, kvwatch_kv_events_publishers (0: its publisher disconnected) and "
+            "kvwatch_kv_events_publisher_restarts; the hit-rate causes fall back to the page meanwhile."),
+        next_action="Check the engine's --kv-events-config endpoint and that kvwatch listens there.",
+        deciding=("blocks_unseen", "last_message_age_seconds", "prompt_tokens_since"),
+        alert="KvwatchKvEventStreamUnhealthy",
+        owner="platform"),
     Cause(
         name="events_missed",
         symptom="kv_events",
-        severity="info",
+        severity="warning",
+        title="KV-cache events lost",
         next_check=(
             "Sequence gaps (kvwatch_kv_events_missed_messages) are messages the engine's publisher dropped past "
             "its hwm or the connection lost; drops (kvwatch_kv_events_dropped_messages) are kvwatch's intake full"
             " under a flood: raise the publisher's hwm, give kvwatch CPU, and read the stream's counts as lower "
             "bounds meanwhile."),
-        next_action="Raise the publisher's hwm or give kvwatch more CPU; counts are low meanwhile."),
+        next_action="Raise the publisher's hwm or give kvwatch more CPU; counts are low meanwhile.",
+        deciding=("missed_messages", "dropped_messages"),
+        alert="KvwatchKvEventStreamUnhealthy",
+        owner="platform"),
+    Cause(
+        name="events_never_connected",
+        symptom="kv_events",
+        severity="warning",
+        title="KV-cache events never connected",
+        next_check=(
+            "kvwatch reads KV-cache events (--kv-events) but no publisher ever reached it: start the engine with "
+            "--kv-events-config (enable_kv_cache_events, publisher zmq) on the same endpoint; kvwatch binds a "
+            "loopback endpoint and the engine connects, and with a publisher that binds tcp://*:N kvwatch needs "
+            "--kv-events-connect and the engine's address. A router reading the same stream is blind as well."),
+        next_action="Point the engine's --kv-events-config at kvwatch's --kv-events endpoint.",
+        deciding=("configured_seconds", "connections", "detail"),
+        alert="KvwatchKvEventStreamUnhealthy",
+        owner="platform"),
     # --- causes only an alert names. A forecast from the usage trend: nothing hurts yet; it warns
     # while there is time to act (shed or route load, add a replica) before preemption starts.
     Cause(

@@ -19,10 +19,12 @@ Fewer than `stream_min_blocks` stored in the judged part and the stream
 decides nothing. The stream is one engine's (its publisher's endpoint); its
 findings go to the engine the report was joined with.
 
-The stream's own health is a symptom of its own, `kv_events`: events
-configured but none for `kv_events_silence_seconds` while the page counts
-prompt tokens (`events_stopped`), or messages lost on the way (sequence gaps)
-or dropped by kvwatch's bounded intake in the window (`events_missed`).
+The stream's own health is a symptom of its own, `kv_events`: configured
+but no publisher ever reached kvwatch (`events_never_connected`), none for
+`kv_events_silence_seconds` while the engine stored blocks by its page
+(`events_stopped`, kvwatch/kvevents/join.py's `silence`), or messages lost
+on the way (sequence gaps) or dropped by kvwatch's bounded intake in the
+window (`events_missed`).
 """
 
 from __future__ import annotations
@@ -206,21 +208,29 @@ def _health(report: dict[str, Any], target: tuple[str, str], window, t: dict[str
     found: list[Finding] = []
     silence = t["kv_events_silence_seconds"]
     age = report.get("last_message_age_seconds")
-    quiet = age if age is not None else (report.get("configured_seconds") or 0.0)
-    now = report.get("time")
-    if quiet >= silence and window is not None and now is not None and window.latest is not None:
-        increase = window.increase((model, engine), since=now - quiet)
-        prompt_tokens = increase.counters.get("prompt_tokens", 0.0)
-        if prompt_tokens > 0:
-            what = "no KV-cache event has arrived" if age is None else f"the last KV-cache event came {age:.0f}s ago"
-            found.append(Finding(
-                "kv_events", "events_stopped", severity_of("events_stopped"), "high", model, engine,
-                f"The engine's KV-cache events stopped reaching kvwatch at {report.get('endpoint')}: {what}, while "
-                f"the page counted {prompt_tokens:.0f} prompt tokens since; the stream's decisions are off.",
-                {"endpoint": report.get("endpoint"), "mode": report.get("mode"), "last_message_age_seconds": age,
-                 "kv_events_silence_seconds": silence, "prompt_tokens_since": prompt_tokens,
-                 "reason": report.get("reason"), "detail": report.get("detail")},
-                NEXT_CHECK["events_stopped"]))
+    quiet = report.get("silence") or {}
+    intake = report.get("intake") or {}
+    evidence = {"endpoint": report.get("endpoint"), "mode": report.get("mode"), "last_message_age_seconds": age,
+                "kv_events_silence_seconds": silence, "reason": report.get("reason"), "detail": report.get("detail")}
+    if never_connected(report, silence):
+        found.append(Finding(
+            "kv_events", "events_never_connected", severity_of("events_never_connected"), "high", model, engine,
+            f"No publisher has reached kvwatch's KV-cache event endpoint {report.get('endpoint')} in the "
+            f"{report.get('configured_seconds') or 0:.0f}s it has been configured, and no event arrived: the engine "
+            "does not publish there (or kvwatch cannot listen), so the stream decides nothing.",
+            {**evidence, "configured_seconds": report.get("configured_seconds"),
+             "connections": intake.get("connections", 0)},
+            NEXT_CHECK["events_never_connected"]))
+    elif quiet.get("blocks", 0) >= 1:
+        what = "no KV-cache event has arrived" if age is None else f"the last KV-cache event came {age:.0f}s ago"
+        found.append(Finding(
+            "kv_events", "events_stopped", severity_of("events_stopped"), "high", model, engine,
+            f"The engine's KV-cache events stopped reaching kvwatch at {report.get('endpoint')}: {what}, while "
+            f"by its page the engine stored at least {quiet['blocks']:.0f} blocks since ({quiet['prompt_tokens']:.0f} "
+            f"prompt tokens, {quiet['cached_tokens']:.0f} of them cached); the stream's decisions are off.",
+            {**evidence, "prompt_tokens_since": quiet["prompt_tokens"], "cached_tokens_since": quiet["cached_tokens"],
+             "blocks_unseen": quiet["blocks"]},
+            NEXT_CHECK["events_stopped"]))
     lost = report["window"].get("missed", 0) + report["window"].get("dropped", 0)
     if lost > 0:
         found.append(Finding(
@@ -232,3 +242,11 @@ def _health(report: dict[str, Any], target: tuple[str, str], window, t: dict[str
              "messages": report["window"].get("messages"), "window_seconds": report["window"].get("seconds")},
             NEXT_CHECK["events_missed"]))
     return found
+
+
+def never_connected(report: dict[str, Any], silence_seconds: float) -> bool:
+    """Configured for `silence_seconds` or more, and neither a publisher's
+    handshake nor a message reached kvwatch (or it cannot listen at all)."""
+    connected = (report.get("intake") or {}).get("connections")
+    return ((report.get("reason") == "listen" or (report.get("reason") == "no_events" and not connected))
+            and (report.get("configured_seconds") or 0.0) >= silence_seconds)

@@ -88,8 +88,9 @@ DEFAULT_THRESHOLDS: dict[str, Any] = {
     # At most this share stored again while blocks are stored: nothing comes
     # back, so a larger cache would not help (no shared prefix, or a changed one).
     "stored_again_ratio_none": 0.01,
-    # No event for this long while the page counts prompt tokens: the stream
-    # stopped (an idle engine sends none, so prompt tokens must be counted).
+    # No event for this long while the engine stored blocks by its page: the
+    # stream stopped (an engine that stores nothing sends none); no publisher
+    # connected for this long: it never connected.
     "kv_events_silence_seconds": 60.0,
     # --- a stuck engine, a busy one (diagnose/stuck.py, the monitor) ---
     # Running or waiting requests, or KV usage, that do not move for this long

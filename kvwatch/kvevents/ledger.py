@@ -97,29 +97,45 @@ class Totals:
     """Cumulative counts since the ledger started (the window diffs them)."""
 
     __slots__ = ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed",
-                 "distance", "returns", "labels", "evicted_by_medium")
+                 "reused", "clock", "distance", "returns", "labels", "evicted_by_medium", "tiers", "tier_distance",
+                 "removing")
 
     def __init__(self) -> None:
         self.stored = 0
+        self.clock = 0  # GPU blocks stored: the distances' clock (a lower tier's store allocates none)
         self.evicted = 0
         self.again = 0.0  # scaled by 1/R
         self.again_seconds = 0.0  # scaled sum of eviction-to-return times
         self.cleared = 0
-        self.duplicate = 0  # stored while cached (another group, a replay)
+        self.duplicate = 0  # stored while cached with origin NEW (another group's copy)
+        # Announced as stored while cached: hits of full report mode (scaled by 1/R where the ledger tells them).
+        self.reused = 0.0
         self.unknown_removed = 0  # removed, never seen stored (stored before kvwatch listened)
         self.distance = [0.0] * DISTANCE_BUCKETS
         self.returns = [0.0] * len(RETURN_BOUNDS)
-        self.labels: dict[tuple[str, str], list[float]] = {}  # (medium, lora) -> [stored, again]
+        self.labels: dict[tuple[str, str], list[float]] = {}  # (medium, lora) -> [stored, again, reused]
         self.evicted_by_medium: dict[str, int] = {}
+        # (medium, locality) -> [stored, evicted, returned]: a lower tier's returned are the GPU's
+        # returns it held (its hits); the GPU's, every block back after its eviction, however served.
+        self.tiers: dict[tuple[str, str], list[float]] = {}
+        # lower medium -> distance buckets of the GPU returns it served (the curve per tier).
+        self.tier_distance: dict[str, list[float]] = {}
+        # Media that sent a BlockRemoved: a lower tier that never did is store-only (LMCache's
+        # multiprocess connector), its residency unknown, so its hits are an upper bound.
+        self.removing: set[str] = set()
 
     def copy(self) -> "Totals":
         other = Totals()
-        for name in ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed"):
+        for name in ("stored", "evicted", "again", "again_seconds", "cleared", "duplicate", "unknown_removed",
+                     "reused", "clock"):
             setattr(other, name, getattr(self, name))
         other.distance = list(self.distance)
         other.returns = list(self.returns)
         other.labels = {key: list(value) for key, value in self.labels.items()}
         other.evicted_by_medium = dict(self.evicted_by_medium)
+        other.tiers = {key: list(value) for key, value in self.tiers.items()}
+        other.tier_distance = {key: list(value) for key, value in self.tier_distance.items()}
+        other.removing = set(self.removing)
         return other
 
 
@@ -135,6 +151,10 @@ class Ledger:
         self.sweeps = 0
         self.forgotten = 0  # evicted entries dropped past the horizon
         self.labels = LabelBudget("the KV-cache event stream", MAX_LABELS)
+        # Lower tiers seen storing blocks (a medium other than the GPU): name -> its hashes' salt,
+        # and the locality its events last named.
+        self.lower: dict[str, int] = {}
+        self.locality: dict[str, str] = {}
 
     @property
     def rate(self) -> float:
@@ -144,72 +164,169 @@ class Ledger:
     def horizon(self) -> int:
         return HORIZON_FACTOR * max(MIN_CAPACITY, int(self.peak_cached))
 
-    def stored(self, hashes: list, now: float, medium: str | None = None, lora: str | None = None) -> None:
-        totals = self.totals
-        table = self.table
-        clock = totals.stored
+    def stored(self, hashes: list, now: float, medium: str | None = None, lora: str | None = None,
+               origin: str | None = None, locality: str | None = None) -> None:
+        """A BlockStored. Full report mode announces hits as stored: origin REUSED,
+        or (no origin) a hash the ledger holds cached, is a hit (`reused`), neither
+        stored nor a tick of the clock; origin NEW on a cached hash: another group's."""
+        if origin == "REUSED":
+            self._reused(hashes, medium, lora)
+            return
         salt = medium_salt(medium)
+        if salt and medium is not None:
+            self._note_lower(medium, locality)
+        totals, table, clock = self.totals, self.table, self.totals.clock
+        tick = 0 if salt else 1  # a lower tier's store allocates no GPU block: the clock stands
+        stored = 0
         shift = self.shift
         limit = self._limit
         now_ms = int(now * 1000) & _MS_MASK
         scale = float(1 << shift)
+        trust_new = origin == "NEW"
         again = 0
         new = 0
         duplicate = 0
+        reused = 0
         distance = totals.distance
         returns = totals.returns
         seconds = 0.0
+        returned = 0
+        lower = None if salt else self._lower_holding()
         get = table.get
         for h in hashes:
-            clock += 1
+            if type(h) is not int:
+                h = int.from_bytes(h[-8:], "big")
+            if salt:
+                h ^= salt
+            if shift and ((h * _MIX) & _MASK64) >= limit:
+                clock += tick  # outside the sample: counted as stored (a hit there is not told apart)
+                stored += 1
+                continue
+            value = get(h)
+            if value == 0:
+                if trust_new:
+                    clock += tick
+                    stored += 1
+                    duplicate += 1
+                else:
+                    reused += 1
+                continue
+            clock += tick
+            stored += 1
+            if value is not None:
+                # Its distance: blocks stored after its eviction, before this one.
+                d = clock - tick - (value >> 33)
+                returned += 1
+                if lower is not None and lower(h, d if d < 8 else distance_bucket(d), scale):
+                    new += 1  # a lower tier held it: that tier's hit, not recomputation
+                    table[h] = 0
+                    continue
+                again += 1
+                distance[d if d < 8 else distance_bucket(d)] += scale
+                elapsed = ((now_ms - ((value >> 1) & _MS_MASK)) & _MS_MASK) / 1000.0
+                seconds += elapsed
+                returns[_return_bucket(elapsed)] += scale
+            new += 1
+            table[h] = 0
+        totals.clock = clock
+        totals.stored += stored
+        totals.again += again * scale
+        totals.again_seconds += seconds * scale
+        totals.duplicate += duplicate
+        totals.reused += reused * scale
+        self.cached += new
+        cached = self.cached * scale
+        if cached > self.peak_cached:
+            self.peak_cached = cached
+        self._count_rows(medium, lora, locality, stored, again * scale, reused * scale, returned * scale)
+        if len(table) > self.capacity:
+            self._sweep()
+
+    def _count_rows(self, medium, lora, locality, stored: int, again: float, reused: float, returned: float) -> None:
+        row = self._label_row(medium, lora)
+        row[0] += stored
+        row[1] += again
+        row[2] += reused
+        tier = self._tier_row(medium, locality)
+        tier[0] += stored
+        tier[2] += returned
+
+    def _note_lower(self, medium: str, locality: str | None) -> None:
+        name = self.labels.admit(medium)
+        if name not in self.lower and len(self.lower) < MAX_LABELS:
+            self.lower[name] = medium_salt(medium)
+        if locality:
+            self.locality[name] = locality
+
+    def _lower_holding(self):
+        """A check of the lower tiers for a GPU block back after its eviction:
+        the first tier holding it cached is credited (its hit, the distance);
+        None while no lower tier has stored anything."""
+        if not self.lower:
+            return None
+        table, totals, tiers = self.table, self.totals, list(self.lower.items())
+
+        def held(h: int, bucket: int, scale: float) -> bool:
+            for name, salt in tiers:
+                if table.get(h ^ salt) == 0:
+                    self._tier_row(name, self.locality.get(name))[2] += scale
+                    row = totals.tier_distance.get(name)
+                    if row is None:
+                        row = totals.tier_distance.setdefault(name, [0.0] * DISTANCE_BUCKETS)
+                    row[bucket] += scale
+                    return True
+            return False
+        return held
+
+    def _tier_row(self, medium: str | None, locality: str | None) -> list[float]:
+        """[stored, evicted, returned] of a (medium, locality), or of "other" past the budget."""
+        tiers = self.totals.tiers
+        key = (self.labels.admit(medium or "GPU"), self.labels.admit(locality) if locality else "")
+        row = tiers.get(key)
+        if row is None:
+            if len(tiers) >= MAX_LABELS:
+                key = ("other", "")
+            row = tiers.setdefault(key, [0.0, 0.0, 0.0])
+        return row
+
+    def _reused(self, hashes: list, medium: str | None, lora: str | None) -> None:
+        """Blocks the engine says it reused (origin REUSED): hits, cached now."""
+        table = self.table
+        salt = medium_salt(medium)
+        shift, limit = self.shift, self._limit
+        for h in hashes:
             if type(h) is not int:
                 h = int.from_bytes(h[-8:], "big")
             if salt:
                 h ^= salt
             if shift and ((h * _MIX) & _MASK64) >= limit:
                 continue
-            value = get(h)
-            if value is None:
-                new += 1
-            elif value:
-                # Its distance: blocks stored after its eviction, before this one.
-                d = clock - 1 - (value >> 33)
-                again += 1
-                distance[d if d < 8 else distance_bucket(d)] += scale
-                elapsed = ((now_ms - ((value >> 1) & _MS_MASK)) & _MS_MASK) / 1000.0
-                seconds += elapsed
-                returns[_return_bucket(elapsed)] += scale
-                new += 1
-            else:
-                duplicate += 1
-                continue
-            table[h] = 0
-        totals.stored = clock
-        totals.again += again * scale
-        totals.again_seconds += seconds * scale
-        totals.duplicate += duplicate
-        self.cached += new
-        cached = self.cached * scale
-        if cached > self.peak_cached:
-            self.peak_cached = cached
-        key = self._label_key(medium, lora)
-        row = totals.labels.get(key)
-        if row is None:
-            if len(totals.labels) >= MAX_LABELS:
-                key = ("other", "other")
-            row = totals.labels.setdefault(key, [0.0, 0.0])
-        row[0] += len(hashes)
-        row[1] += again * scale
+            if table.get(h) != 0:
+                table[h] = 0  # stored before kvwatch listened, or an eviction the engine undid
+                self.cached += 1
+        self.totals.reused += len(hashes)
+        self._label_row(medium, lora)[2] += len(hashes)
         if len(table) > self.capacity:
             self._sweep()
 
-    def removed(self, hashes: list, now: float, medium: str | None = None) -> None:
+    def _label_row(self, medium: str | None, lora: str | None) -> list[float]:
+        """[stored, stored again, reused] of a (medium, LoRA) pair, or of "other" past the budget."""
+        labels = self.totals.labels
+        key = self._label_key(medium, lora)
+        row = labels.get(key)
+        if row is None:
+            if len(labels) >= MAX_LABELS:
+                key = ("other", "other")
+            row = labels.setdefault(key, [0.0, 0.0, 0.0])
+        return row
+
+    def removed(self, hashes: list, now: float, medium: str | None = None, locality: str | None = None) -> None:
         totals = self.totals
         table = self.table
         salt = medium_salt(medium)
         shift = self.shift
         limit = self._limit
-        mark = ((totals.stored << 32) | (int(now * 1000) & _MS_MASK)) << 1 | 1
+        mark = ((totals.clock << 32) | (int(now * 1000) & _MS_MASK)) << 1 | 1
         unknown = 0
         gone = 0
         get = table.get
@@ -231,7 +348,10 @@ class Ledger:
         totals.evicted += len(hashes)
         totals.unknown_removed += unknown
         self.cached = max(0, self.cached - gone)
+        self._tier_row(medium, locality)[1] += len(hashes)
         name = self.labels.admit(medium or "GPU")
+        if len(totals.removing) < MAX_LABELS:
+            totals.removing.add(name)
         by_medium = totals.evicted_by_medium
         if name in by_medium or len(by_medium) < MAX_LABELS:
             by_medium[name] = by_medium.get(name, 0) + len(hashes)
@@ -256,7 +376,7 @@ class Ledger:
     def _sweep(self) -> None:
         self.sweeps += 1
         table = self.table
-        oldest = self.totals.stored - self.horizon
+        oldest = self.totals.clock - self.horizon
         if oldest > 0:
             stale = [h for h, v in table.items() if v and (v >> 33) < oldest]
             for h in stale:
@@ -276,16 +396,37 @@ class Ledger:
         return len(self.table)
 
 
-def curve(distance: list[float], stored_again: float, points: list[int]) -> list[tuple[int, float]]:
+def _kept(distance: list[float], extra: float) -> float:
+    """The returns whose distance is below `extra`: whole buckets below it,
+    and of the bucket it falls in the share of its distances below it
+    (distances spread evenly within a bucket)."""
+    kept = 0.0
+    for index, count in enumerate(distance):
+        if not count:
+            continue
+        low, high = bucket_lower(index), bucket_upper(index)
+        if high < extra:
+            kept += count
+        elif low < extra:
+            kept += count * (extra - low) / (high - low + 1)
+    return kept
+
+
+def curve(distance: list[float], stored_again: float, points: list[int],
+          stored: float = 0.0) -> list[tuple[int, float]]:
     """(extra blocks, blocks stored again that a cache that much larger
     would have kept) for each of `points`: the returns whose distance is
-    below the extra blocks (whole buckets: a bucket counts once its largest
-    distance is below, so the estimate errs low by at most a quarter octave)."""
+    below the extra blocks. With `stored` (the blocks stored over the same
+    span), one second-order step: a kept return is a hit, not a store, so in
+    the larger cache fewer blocks are stored between an eviction and a
+    return, by the share p of the stores the first order keeps: a return is
+    kept when its distance is below extra / (1 - p). One step, not the fixed
+    point: iterating compounds the correction and overshoots (measured on
+    the simulator, docs/kv-events.md)."""
     out = []
     for extra in points:
-        kept = 0.0
-        for index, count in enumerate(distance):
-            if count and bucket_upper(index) < extra:
-                kept += count
+        kept = _kept(distance, extra)
+        if stored > 0 and kept > 0:
+            kept = _kept(distance, extra / (1.0 - min(kept / stored, 0.9)))
         out.append((extra, min(kept, stored_again)))
     return out

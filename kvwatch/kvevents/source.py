@@ -33,8 +33,8 @@ from collections import deque
 from typing import Any, Callable
 
 from kvwatch.kvevents.endpoint import ipc_path_problem
-from kvwatch.kvevents.ledger import (DEFAULT_TABLE_BYTES, ENTRY_BYTES, RETURN_BOUNDS, Ledger, Totals,
-                                     bucket_upper, curve)
+from kvwatch.kvevents.ledger import (DEFAULT_TABLE_BYTES, DISTANCE_BUCKETS, ENTRY_BYTES, RETURN_BOUNDS, Ledger,
+                                     Totals, bucket_upper, curve)
 from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
 from kvwatch.present import Throttle
 
@@ -84,6 +84,12 @@ MAX_MALFORMED_KINDS = 64
 _NUMBERS = re.compile(r"[0-9][0-9,]*")
 
 
+class Replayed(bytes):
+    """A payload the replay socket answered: accounted after the messages
+    that followed it, so a block it stores may be cached already by then;
+    that is no hit of full report mode, and the ledger is told so."""
+
+
 class KVEventSource:
     def __init__(self, endpoint: str, *, connect: bool = False, topic: str = "",
                  window_seconds: float = 300.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -115,8 +121,14 @@ class KVEventSource:
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._socket: Any = None  # a zmq socket and context once started (zmq is imported then)
+        self._socket: Any = None  # a zmq socket, its monitor and context once started (zmq is imported then)
+        self._monitor: Any = None
         self._context: Any = None
+        # Publishers whose ZMQ handshake with kvwatch succeeded (since start,
+        # and connected now): a stream no publisher ever reached is told from
+        # an idle engine's, which sends nothing either.
+        self.connections = 0
+        self.publishers = 0
         self.started = False
         self.listen_error: str | None = None
         # Intake (the receiver's) and decoding (the accountant's) counts.
@@ -180,6 +192,7 @@ class KVEventSource:
             sock.close(0)
             return
         self._socket = sock
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         workers = [(self._receive, "kvwatch-kv-events-receive"), (self._account, "kvwatch-kv-events-account")]
         if self.replay_endpoint:
             workers.append((self._replayer, "kvwatch-kv-events-replay"))
@@ -196,6 +209,9 @@ class KVEventSource:
             self._wake.notify_all()
         for thread in self._threads:
             thread.join(timeout)
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(0)
         if self._socket is not None:
             self._socket.close(0)
         if self._context is not None:
@@ -205,9 +221,15 @@ class KVEventSource:
         import zmq
 
         sock = self._socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not sock.poll(200):
+                ready = dict(poller.poll(200))
+                if self._monitor in ready:
+                    self._peer_event(zmq)
+                if sock not in ready:
                     continue
                 frames = sock.recv_multipart()
             except zmq.ZMQError:
@@ -220,6 +242,18 @@ class KVEventSource:
             except Exception:  # pragma: no cover - no message may stop the receiver
                 with self._lock:
                     self._malformed("a message kvwatch could not read")
+
+    def _peer_event(self, zmq) -> None:
+        """A handshake or a disconnect on the socket (ZMQ's socket monitor)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+        with self._lock:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connections += 1
+                self.publishers += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.publishers = max(0, self.publishers - 1)  # also a peer whose handshake failed
 
     def intake(self, frames: list[bytes], now: float) -> None:
         """One message from the socket: checked, counted, queued or dropped."""
@@ -334,6 +368,8 @@ class KVEventSource:
                     return
                 frames = sock.recv_multipart()
                 read += 1
+                if len(frames) == 4:
+                    frames = [frames[0], frames[2], frames[3]]  # TensorRT-LLM's replay sends the topic too
                 if len(frames) != 3 or len(frames[1]) != 8:
                     with self._lock:
                         self._malformed(f"a replayed message of {len(frames)} frames, not delimiter, sequence and "
@@ -345,7 +381,7 @@ class KVEventSource:
                 if seq < first or seq > last or seq in taken:
                     continue  # the replay sends everything from `first` on; only the gap is missing
                 taken.add(seq)
-                if not self._enqueue(frames[2]):
+                if not self._enqueue(Replayed(frames[2])):
                     continue
                 with self._lock:
                     self.recovered += 1
@@ -398,6 +434,7 @@ class KVEventSource:
                 self._malformed("the payload could not be decoded")
             return
         ledger = self.ledger
+        late = "NEW" if isinstance(payload, Replayed) else None
         with self._lock:
             self.batches += 1
             self.skipped_events += batch.skipped
@@ -412,9 +449,9 @@ class KVEventSource:
                 if event.kind == STORED:
                     if event.block_size is not None and 0 < event.block_size <= 1 << 20:
                         self.block_size = event.block_size
-                    ledger.stored(event.hashes, now, event.medium, event.lora)
+                    ledger.stored(event.hashes, now, event.medium, event.lora, event.origin or late, event.locality)
                 elif event.kind == REMOVED:
-                    ledger.removed(event.hashes, now, event.medium)
+                    ledger.removed(event.hashes, now, event.medium, event.locality)
                 elif event.kind == CLEARED:
                     ledger.clear()
                     self._change(now, "kv_cache_cleared",
@@ -441,6 +478,18 @@ class KVEventSource:
 
     # --- the window ------------------------------------------------------
 
+    def _intake(self) -> dict[str, Any]:
+        """The intake's and the decoder's counts (under the lock)."""
+        return {"messages": self.messages, "bytes": self.bytes, "batches": self.batches,
+                "dropped": self.dropped, "dropped_bytes": self.dropped_bytes, "missed": self.missed,
+                "restarts": self.restarts, "malformed": self.malformed, "absurd_events": self.absurd_events,
+                "replay_requests": self.replay_requests, "recovered": self.recovered,
+                "gaps": self.missed + self.recovered,  # found missing, ever (a counter: never goes back)
+                "skipped_events": self.skipped_events, "queued": len(self._queue),
+                "queued_bytes": self._queued_bytes, "jumps": self.jumps,
+                "labels_folded": self.ledger.labels.folded, "connections": self.connections,
+                "publishers": self.publishers}
+
     def report(self, now: float | None = None, bytes_per_block: float | None = None,
                checkpoint: bool = True, recent_seconds: float | None = None) -> dict[str, Any]:
         """The stream's state for one poll (it records the poll's checkpoint).
@@ -457,13 +506,7 @@ class KVEventSource:
                      "bytes": ledger.entries() * ENTRY_BYTES, "sampling_rate": ledger.rate,
                      "forgotten": ledger.forgotten, "horizon_blocks": ledger.horizon}
             cached_peak = ledger.peak_cached
-            intake = {"messages": self.messages, "bytes": self.bytes, "batches": self.batches,
-                      "dropped": self.dropped, "dropped_bytes": self.dropped_bytes, "missed": self.missed,
-                      "restarts": self.restarts, "malformed": self.malformed, "absurd_events": self.absurd_events,
-                      "replay_requests": self.replay_requests, "recovered": self.recovered,
-                      "skipped_events": self.skipped_events, "queued": len(self._queue),
-                      "queued_bytes": self._queued_bytes, "jumps": self.jumps,
-                      "labels_folded": ledger.labels.folded}
+            intake = self._intake()
             labels_note = ledger.labels.sentence
             last = self.last_message_time
             first = self.first_message_time
@@ -533,9 +576,11 @@ def _totals_dict(totals: Totals) -> dict[str, Any]:
     return {
         "stored": totals.stored, "evicted": totals.evicted, "stored_again": totals.again,
         "return_seconds_sum": totals.again_seconds, "cleared": totals.cleared,
-        "by_label": [{"medium": m, "lora_name": lora, "stored": row[0], "stored_again": row[1]}
+        "reused": totals.reused,
+        "by_label": [{"medium": m, "lora_name": lora, "stored": row[0], "stored_again": row[1], "reused": row[2]}
                      for (m, lora), row in sorted(totals.labels.items())],
         "evicted_by_medium": dict(sorted(totals.evicted_by_medium.items())),
+        "tiers": _tier_rows(totals.tiers, {}, totals.removing),
         "return_buckets": list(zip(RETURN_BOUNDS, _cumulative(totals.returns))),
     }
 
@@ -552,6 +597,7 @@ def _window(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
     stored = end.stored - start.stored
     evicted = end.evicted - start.evicted
     again = max(0.0, end.again - start.again)
+    reused = max(0.0, end.reused - start.reused)
     again_seconds = max(0.0, end.again_seconds - start.again_seconds)
     restarted = end.stored < start.stored  # not possible today (one ledger per source); kept honest
     distance = [max(0.0, b - a) for a, b in zip(start.distance, end.distance)]
@@ -562,23 +608,47 @@ def _window(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
         "stored": stored, "evicted": evicted, "stored_again": again, "cleared": end.cleared - start.cleared,
         "stored_per_second": per(stored), "evicted_per_second": per(evicted),
         "stored_again_per_second": per(again),
+        # Hits the stream announced (full report mode): not new work, beside the page's prefix hits.
+        "reused": reused, "reused_per_second": per(reused),
         "stored_again_ratio": (min(1.0, again / stored) if stored > 0 else None),
         "return_seconds_mean": again_seconds / again if again > 0 else None,
         "return_seconds_median": _median(returns),
         "distance": distance,
         "restarted": restarted,
-        "by_label": [{"medium": m, "lora_name": lora,
-                      "stored": row[0] - start.labels.get((m, lora), [0.0, 0.0])[0],
-                      "stored_again": row[1] - start.labels.get((m, lora), [0.0, 0.0])[1]}
+        "by_label": [_label_delta(m, lora, row, start.labels.get((m, lora), _NO_ROW))
                      for (m, lora), row in sorted(end.labels.items())],
+        "tiers": _tier_rows(end.tiers, start.tiers, end.removing),
+        "tier_distance": {name: [max(0.0, b - a) for a, b in zip(start.tier_distance.get(name, _NO_DISTANCE), row)]
+                          for name, row in sorted(end.tier_distance.items())},
     }
+
+
+_NO_ROW = (0.0, 0.0, 0.0)
+_NO_DISTANCE = (0.0,) * DISTANCE_BUCKETS
+
+
+def _tier_rows(end: dict, start: dict, removing: set) -> list[dict[str, Any]]:
+    """Stored, evicted and returned per (medium, locality) since `start`; a
+    lower tier that never sent a BlockRemoved is store-only (its returned an
+    upper bound: what it let go is not said)."""
+    return [{"medium": medium, "locality": locality, "stored": row[0] - start.get((medium, locality), _NO_ROW)[0],
+             "evicted": row[1] - start.get((medium, locality), _NO_ROW)[1],
+             "returned": row[2] - start.get((medium, locality), _NO_ROW)[2],
+             "store_only": medium != "GPU" and medium not in removing}
+            for (medium, locality), row in sorted(end.items())]
+
+
+def _label_delta(medium: str, lora: str, end, start) -> dict[str, Any]:
+    return {"medium": medium, "lora_name": lora, "stored": end[0] - start[0], "stored_again": end[1] - start[1],
+            "reused": end[2] - start[2]}
 
 
 def _part(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
     stored = end.stored - start.stored
     again = max(0.0, end.again - start.again)
     return {"seconds": seconds, "stored": stored, "evicted": end.evicted - start.evicted, "stored_again": again,
-            "stored_again_ratio": min(1.0, again / stored) if stored > 0 else None}
+            "stored_again_ratio": min(1.0, again / stored) if stored > 0 else None,
+            "reused": max(0.0, end.reused - start.reused)}
 
 
 def extra_for_share(distance: list[float], again: float, share: float) -> int | None:
@@ -618,7 +688,8 @@ def sizing_curve(window: dict[str, Any], cached_peak: float, block_size: int | N
     base = max(1, int(round(cached_peak)))
     factors = [(f, max(1, int(round(base * f)))) for f in CURVE_FACTORS]
     rows = []
-    for (factor, _), (extra, kept) in zip(factors, curve(window["distance"], again, [e for _, e in factors])):
+    kept_at = curve(window["distance"], again, [e for _, e in factors], stored=stored)
+    for (factor, _), (extra, kept) in zip(factors, kept_at):
         rows.append({
             "extra_cache": factor,
             "extra_blocks": extra,
@@ -631,11 +702,17 @@ def sizing_curve(window: dict[str, Any], cached_peak: float, block_size: int | N
             "hit_ratio": (min(1.0, (hits + kept * block_size) / queries)
                           if hits is not None and queries and block_size else None),
         })
+    # The curve per lower tier: the GPU cache that would have kept the returns that tier served.
+    tiers = {name: [{"extra_cache": factor, "extra_blocks": extra, "blocks_kept": kept,
+                     "tier_returns_avoided_ratio": kept / sum(row) if sum(row) > 0 else None}
+                    for (factor, _), (extra, kept) in zip(factors, curve(row, sum(row), [e for _, e in factors]))]
+             for name, row in (window.get("tier_distance") or {}).items()}
     largest = max((bucket_upper(i) for i, c in enumerate(window["distance"]) if c), default=None)
     return {
         "cache_blocks": cached_peak,
         "hit_ratio_now": (min(1.0, hits / queries) if hits is not None and queries else None),
         "points": rows,
+        "tiers": tiers,
         "largest_distance_blocks": largest,
         "note": ("an estimate: a block stored again after its eviction would have stayed cached in a cache larger "
                  "by more than its distance (blocks stored between its eviction and its return); first order, "

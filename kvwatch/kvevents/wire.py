@@ -65,11 +65,16 @@ class _MStored(msgspec.Struct, tag=STORED, tag_field="type"):
     lora_id: Union[int, None] = None
     medium: Union[str, None] = None
     lora_name: Union[str, None] = None
+    # NEW or REUSED (vLLM PR 51699, proposed): how the block came to be stored.
+    origin: Union[str, None] = None
+    # LOCAL or REMOTE: a secondary tier's place relative to the engine (vLLM PR 48281).
+    locality: Union[str, None] = None
 
 
 class _MRemoved(msgspec.Struct, tag=REMOVED, tag_field="type"):
     block_hashes: list[_Hash]
     medium: Union[str, None] = None
+    locality: Union[str, None] = None
 
 
 class _MCleared(msgspec.Struct, tag=CLEARED, tag_field="type"):
@@ -125,6 +130,8 @@ class Event:
     block_size: int | None = None
     medium: str | None = None
     lora: str | None = None
+    origin: str | None = None  # NEW, REUSED, or None (not said: the ledger tells)
+    locality: str | None = None  # LOCAL, REMOTE, or None (not said)
 
 
 @dataclass(slots=True)
@@ -179,10 +186,26 @@ def _label(value: str | None) -> str | None:
 def _event(raw) -> Event:
     if isinstance(raw, (_AStored, _MStored)):
         return Event(STORED, raw.block_hashes, raw.block_size, _label(raw.medium),
-                     _label(raw.lora_name) if raw.lora_name is not None else (str(raw.lora_id) if raw.lora_id else None))
+                     _label(raw.lora_name) if raw.lora_name is not None else (str(raw.lora_id) if raw.lora_id else None),
+                     _origin(getattr(raw, "origin", None)), _locality(getattr(raw, "locality", None)))
     if isinstance(raw, (_ARemoved, _MRemoved)):
-        return Event(REMOVED, raw.block_hashes, None, _label(raw.medium))
+        return Event(REMOVED, raw.block_hashes, None, _label(raw.medium),
+                     locality=_locality(getattr(raw, "locality", None)))
     return Event(CLEARED, [])
+
+
+def _origin(value) -> str | None:
+    """NEW or REUSED where the event says so (any case); anything else is not said."""
+    if isinstance(value, str) and value.upper() in ("NEW", "REUSED"):
+        return value.upper()
+    return None
+
+
+def _locality(value) -> str | None:
+    """LOCAL or REMOTE where the event says so; anything else is not said."""
+    if isinstance(value, str) and value.upper() in ("LOCAL", "REMOTE"):
+        return value.upper()
+    return None
 
 
 # Positions of the fields in the array layout (after the tag).
@@ -241,7 +264,8 @@ def _generic(payload: bytes, outer: str) -> Batch:
         lora = fields.get("lora_name")
         out.append(Event(kind, hashes, size if isinstance(size, int) and not isinstance(size, bool) else None,
                          _label(medium) if isinstance(medium, str) else None,
-                         _label(lora) if isinstance(lora, str) else None))
+                         _label(lora) if isinstance(lora, str) else None, _origin(fields.get("origin")),
+                         _locality(fields.get("locality"))))
     return Batch(float(ts), out, rank if isinstance(rank, int) and not isinstance(rank, bool) else None, skipped)
 
 
@@ -279,15 +303,46 @@ class _WBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: Union[int, None] = None
 
 
+class _WMStored(msgspec.Struct, omit_defaults=True, tag=STORED, tag_field="type"):
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Union[int, None]
+    medium: Union[str, None]
+    lora_name: Union[str, None] = None
+    origin: Union[str, None] = None
+    locality: Union[str, None] = None
+
+
+class _WMRemoved(msgspec.Struct, omit_defaults=True, tag=REMOVED, tag_field="type"):
+    block_hashes: list[int]
+    medium: Union[str, None]
+    locality: Union[str, None] = None
+
+
+class _WMBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[Union[_WMStored, _WMRemoved]]
+    data_parallel_rank: Union[int, None] = None
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 
 
 def stored(hashes: list[int], block_size: int, token_ids: list[int] | None = None, parent: int | None = None,
-           medium: str | None = "GPU", lora_name: str | None = None) -> _WStored:
+           medium: str | None = "GPU", lora_name: str | None = None, origin: str | None = None,
+           locality: str | None = None):
+    """A BlockStored; with `origin` (NEW or REUSED) or `locality` in the map layout, the only one naming them."""
+    if origin is not None or locality is not None:
+        return _WMStored(list(hashes), parent, list(token_ids or ()), block_size, None, medium, lora_name, origin,
+                         locality)
     return _WStored(list(hashes), parent, list(token_ids or ()), block_size, None, medium, lora_name)
 
 
-def removed(hashes: list[int], medium: str | None = "GPU") -> _WRemoved:
+def removed(hashes: list[int], medium: str | None = "GPU", layout: str = "array", locality: str | None = None):
+    if layout == "map" or locality is not None:
+        return _WMRemoved(list(hashes), medium, locality)
     return _WRemoved(list(hashes), medium)
 
 
@@ -296,7 +351,10 @@ def cleared() -> _WCleared:
 
 
 def encode_batch(ts: float, events: list, rank: int | None = 0) -> bytes:
-    """A payload as vLLM's publisher writes it (array layout)."""
+    """A payload as vLLM's publisher writes it: the array layout, or the map
+    layout where the events are maps (newer releases; `origin`)."""
+    if events and all(isinstance(e, (_WMStored, _WMRemoved)) for e in events):
+        return _ENCODER.encode(_WMBatch(ts, events, rank))
     return _ENCODER.encode(_WBatch(ts, events, rank))
 
 

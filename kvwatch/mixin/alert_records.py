@@ -8,7 +8,7 @@ the cause's record; kvwatch/mixin/alerts.py expands the records into rules.
 
 The description is a template: {where} (the engine, by its labels),
 {peer_where} (a replica among its peers), {instance}, {job}, {for} (the
-alert's `for:`), {value:pct} or {value:duration} (the alert's value), any
+alert's `for:`), {value:pct}, {value:duration} or {value:count} (the alert's value), any
 mixin config field ({rate_window}; {hit_ratio_low:pct} as a percentage), and
 {preemption_state}/{and_preempting} in a record split on preemption.
 
@@ -124,6 +124,53 @@ def _engine_unreachable(f: Recorded) -> list:
     # loading its weights (not answered since kvwatch started, within load_grace) is unreachable.
     return [f.series("kvwatch_up"), ("unless", f.series("kvwatch_stats_disabled") + " > 0"),
             ("unless", f.series("kvwatch_busy") + " > 0"), ("unless", f.series("kvwatch_starting") + " > 0")]
+
+
+def _increase(f: Recorded, counter: str) -> str:
+    return f"increase({f.series(counter)}[{f.c.rate_window}])"
+
+
+def _not_starting(f: Recorded) -> tuple[str, str]:
+    return ("unless", f.series("kvwatch_starting") + " > 0")
+
+
+# --- the engine's KV-cache event stream (kvwatch/kvevents), where kvwatch reads one
+# (kv_events): its series exist only then. The diagnosis decides the same
+# numbers (kvwatch/diagnose/stream.py): the silent blocks are its, a lower
+# bound from the page, so an engine that stores nothing never reads as stopped.
+STREAM_ALERTS: tuple[CauseAlert, ...] = (
+    CauseAlert(
+        cause="events_never_connected",
+        query=lambda f: [f"{f.series('kvwatch_kv_events_connections_total')} + "
+                         f"{f.series('kvwatch_kv_events_messages_total')}", _not_starting(f)],
+        op="<", threshold=1,
+        summary="kvwatch reads KV-cache events, but no engine publisher ever reached it.",
+        description=(
+            "kvwatch at {instance} is configured to read the engine's KV-cache events, and for {for} no publisher "
+            "has completed a handshake with its endpoint and no event arrived (the status page's kv_events.detail "
+            "says whether kvwatch could listen at all): the stream's decisions are off, and so is every router "
+            "index fed by the same configuration.")),
+    CauseAlert(
+        cause="events_stopped",
+        query=lambda f: [f.series("kvwatch_kv_events_silent_blocks"), _not_starting(f)],
+        op=">", threshold=0,
+        summary="The engine's KV-cache events stopped while it stores blocks.",
+        description=(
+            "kvwatch at {instance} has received no KV-cache event for longer than kv_events_silence_seconds while "
+            "the engine stored at least {value:count} blocks by its page (prompt tokens the prefix cache did not serve, "
+            "less a partial block per request): the stream stopped, its decisions are off.")),
+    CauseAlert(
+        cause="events_missed",
+        query=lambda f: (f"{_increase(f, 'kvwatch_kv_events_missed_messages_total')} - "
+                         f"{_increase(f, 'kvwatch_kv_events_recovered_messages_total')} + "
+                         f"{_increase(f, 'kvwatch_kv_events_dropped_messages_total')}"),
+        op=">", threshold=0,
+        summary="KV-cache event messages are lost on their way to kvwatch.",
+        description=(
+            "kvwatch at {instance} lost {value:count} KV-cache event messages in the last {rate_window} (sequence gaps "
+            "the replay socket did not answer, or drops of its full intake): the stream's counts are low by what "
+            "they held.")),
+)
 
 
 CAUSE_ALERTS: tuple[CauseAlert, ...] = (
@@ -361,4 +408,5 @@ CAUSE_ALERTS: tuple[CauseAlert, ...] = (
             "The engine beside kvwatch at {instance} serves /metrics without any engine series for {for}: vLLM "
             "runs with --disable-log-stats (or the target is another program). Requests may be served fine, but "
             "kvwatch, its findings and every vLLM alert (the objectives too) see nothing.")),
+    *STREAM_ALERTS,
 )

@@ -133,9 +133,9 @@ def _where(config: MixinConfig) -> str:
 
 
 class _Value:
-    """The alert's value in a description: {value:pct} or {value:duration}."""
+    """The alert's value in a description: {value:pct}, {value:duration} or {value:count}."""
 
-    FILTERS = {"pct": "humanizePercentage", "duration": "humanizeDuration"}
+    FILTERS = {"pct": "humanizePercentage", "duration": "humanizeDuration", "count": "humanize"}
 
     def __format__(self, spec: str) -> str:
         return "{{ " + VALUE + " | " + self.FILTERS[spec] + " }}"

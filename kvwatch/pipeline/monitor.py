@@ -25,7 +25,7 @@ from kvwatch.engines import AUTO, ENGINES, make_adapter, recognize
 from kvwatch.engines.base import EngineAdapter
 from kvwatch.engines.coverage import dark_signals
 from kvwatch.engines.plausible import window_faults
-from kvwatch.kvevents.join import with_page
+from kvwatch.kvevents.join import silence, with_page
 from kvwatch.kvevents.source import KVEventSource
 from kvwatch.pipeline.demo import DemoSource
 from kvwatch.pipeline.lmcache import LMCacheSource
@@ -416,10 +416,11 @@ class Monitor:
             model, engine = (engines[0].model, engines[0].engine) if len(engines) == 1 else (None, None)
             for when, kind, detail in new_changes:
                 self._event(Change(when, kind, model, engine, detail))
-            recent = min(diagnosis.resolve_thresholds(self.settings.diagnosis)["hit_recent_seconds"],
-                         self.window.seconds / 2)
-            joined = with_page(self.kv_events.report(at, recent_seconds=recent), per_engine)
-            return with_worth(joined, getattr(per_engine[0], "view", None) if per_engine else None)
+            thresholds = diagnosis.resolve_thresholds(self.settings.diagnosis)
+            recent = min(thresholds["hit_recent_seconds"], self.window.seconds / 2)
+            report = with_page(self.kv_events.report(at, recent_seconds=recent), per_engine)
+            report["silence"] = silence(report, per_engine, self.window, thresholds["kv_events_silence_seconds"])
+            return with_worth(report, getattr(per_engine[0], "view", None) if per_engine else None)
         except Exception:  # pragma: no cover - defensive: the stream must not take the engine's poll down
             log.exception("reading the KV-cache event stream failed")
             return None

@@ -192,15 +192,19 @@ class KvwatchCollector(Collector):
         yield up
         for name, value in (("kvwatch_kv_events_messages", intake.get("messages")),
                             ("kvwatch_kv_events_dropped_messages", intake.get("dropped")),
-                            ("kvwatch_kv_events_missed_messages", intake.get("missed")),
+                            ("kvwatch_kv_events_missed_messages", intake.get("gaps", intake.get("missed"))),
+                            ("kvwatch_kv_events_recovered_messages", intake.get("recovered")),
                             ("kvwatch_kv_events_malformed_messages", intake.get("malformed")),
-                            ("kvwatch_kv_events_publisher_restarts", intake.get("restarts"))):
+                            ("kvwatch_kv_events_publisher_restarts", intake.get("restarts")),
+                            ("kvwatch_kv_events_connections", intake.get("connections"))):
             family = CounterMetricFamily(name, health[name].help, labels=[])
             family.add_metric([], float(value or 0))
             yield family
         for name, value in (("kvwatch_kv_events_tracked_blocks", table.get("entries")),
                             ("kvwatch_kv_events_sampling_ratio", table.get("sampling_rate")),
-                            ("kvwatch_kv_events_last_message_age_seconds", report.get("last_message_age_seconds"))):
+                            ("kvwatch_kv_events_last_message_age_seconds", report.get("last_message_age_seconds")),
+                            ("kvwatch_kv_events_publishers", intake.get("publishers")),
+                            ("kvwatch_kv_events_silent_blocks", (report.get("silence") or {}).get("blocks"))):
             if _finite(value):
                 family = GaugeMetricFamily(name, health[name].help, labels=[])
                 family.add_metric([], float(value))
@@ -217,9 +221,13 @@ class KvwatchCollector(Collector):
                 yield family
                 continue
             family = CounterMetricFamily(series.name, series.help, labels=list(series.labels))
-            if series.key in ("stored", "stored_again"):
+            if series.key in ("stored", "stored_again", "reused"):
                 for row in totals.get("by_label") or []:
                     family.add_metric([row["medium"], row["lora_name"]], float(row[series.key]))
+            elif series.key == "tiers":
+                for row in totals.get("tiers") or []:
+                    for event in ("stored", "evicted", "returned"):
+                        family.add_metric([row["medium"], row["locality"], event], float(row[event]))
             elif series.key == "evicted":
                 for medium, count in (totals.get("evicted_by_medium") or {}).items():
                     family.add_metric([medium], float(count))

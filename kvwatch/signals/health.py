@@ -197,13 +197,28 @@ STREAM_HEALTH: tuple[HealthFamily, ...] = (
                  "Messages kvwatch dropped because its intake queue was full (a flood faster than it accounts); "
                  "what they held is missing from every count.", good="low"),
     HealthFamily("kvwatch_kv_events_missed_messages", "counter", (),
-                 "Sequence numbers that never arrived (the engine's publisher dropped them past its high-water "
-                 "mark, or the connection lost them); what they held is missing from every count.", good="low"),
+                 "Sequence numbers found missing (the engine's publisher dropped them past its high-water mark, "
+                 "or the connection lost them); those the replay socket answered are "
+                 "kvwatch_kv_events_recovered_messages, and what stays lost, the difference, is missing from "
+                 "every count.", good="low"),
+    HealthFamily("kvwatch_kv_events_recovered_messages", "counter", (),
+                 "Missing messages the engine's replay socket answered (--kv-events-replay), accounted late."),
     HealthFamily("kvwatch_kv_events_malformed_messages", "counter", (),
                  "Messages or events that were not vLLM's KV-cache events (bad frames, bad msgpack, absurd block "
                  "counts, over the byte cap); skipped.", good="low"),
     HealthFamily("kvwatch_kv_events_publisher_restarts", "counter", (),
                  "Times the engine's sequence numbers started over (its publisher restarted)."),
+    HealthFamily("kvwatch_kv_events_connections", "counter", (),
+                 "Publishers whose ZMQ handshake with kvwatch's endpoint succeeded since kvwatch started; with no "
+                 "message either, no engine publishes there (an idle engine connects and sends nothing).",
+                 good="high"),
+    HealthFamily("kvwatch_kv_events_publishers", "gauge", (),
+                 "Publishers connected to kvwatch's endpoint now (handshakes less disconnects)."),
+    HealthFamily("kvwatch_kv_events_silent_blocks", "gauge", (),
+                 "Blocks the engine stored, by its page, since the stream's last message (or since kvwatch listened) "
+                 "once the stream has been quiet for kv_events_silence_seconds, else 0: a lower bound, the prompt "
+                 "tokens the prefix cache did not serve less a partial block per request. Above 0: the stream "
+                 "stopped while the engine works (events_stopped).", good="low"),
     HealthFamily("kvwatch_kv_events_last_message_age_seconds", "gauge", (),
                  "Seconds since the latest event message (an idle engine sends none).", good="low"),
     HealthFamily("kvwatch_kv_events_tracked_blocks", "gauge", (),

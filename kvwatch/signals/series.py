@@ -309,13 +309,23 @@ class StreamSeries:
 
 STREAM_SERIES: tuple[StreamSeries, ...] = (
     StreamSeries("kvwatch_kv_events_blocks_stored", "stored", ("medium", "lora_name"),
-                 "Blocks the engine stored in its prefix cache (BlockStored events' block_hashes), by medium (GPU, "
+                 "Blocks the engine stored in its prefix cache (BlockStored events' block_hashes), new work only: "
+                 "a block announced while cached (full report mode's hits) is reused, not stored; by medium (GPU, "
                  "CPU offload) and LoRA adapter (empty without one)."),
+    StreamSeries("kvwatch_kv_events_blocks_reused", "reused", ("medium", "lora_name"),
+                 "Blocks announced as stored while cached: the hits of requests in vLLM's full report mode "
+                 "(origin REUSED where the events say it, else told by the ledger); 0 in incremental mode, where "
+                 "hits leave no event and the page's prefix-cache counters hold them."),
     StreamSeries("kvwatch_kv_events_blocks_stored_again", "stored_again", ("medium", "lora_name"),
                  "Blocks stored again after their eviction (a BlockStored of a hash whose BlockRemoved kvwatch "
                  "saw): recomputation a larger cache would have saved. Scaled from the ledger's sample."),
     StreamSeries("kvwatch_kv_events_blocks_evicted", "evicted", ("medium",),
                  "Blocks the engine evicted from its prefix cache (BlockRemoved events' block_hashes), by medium."),
+    StreamSeries("kvwatch_kv_events_tier_blocks", "tiers", ("medium", "locality", "event"),
+                 "Blocks per cache tier (medium: GPU, CPU, STORAGE, ...; locality LOCAL or REMOTE where the events "
+                 "say it, else empty) by event: stored, evicted, returned. A lower tier's returned are the GPU "
+                 "blocks back after their eviction that it held (its hits, not recomputation); the GPU's, every "
+                 "block back after its eviction, however served."),
     StreamSeries("kvwatch_kv_events_cache_cleared", "cleared", (),
                  "AllBlocksCleared events: the engine reset its prefix cache (each also a change on the timeline)."),
     StreamSeries("kvwatch_kv_events_eviction_return_seconds", "return_buckets", (),

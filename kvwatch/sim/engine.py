@@ -198,6 +198,8 @@ class Engine:
         if tier is None:
             return
         before = tier.stored_tokens
+        if self.pool.events is not None:
+            self.pool.events.tier_stored([h for h in hashes if h not in tier.chunks])
         tier.store(hashes)
         self.stats.tier_backup_bytes += (tier.stored_tokens - before) * self.config.kv_bytes_per_token
 
@@ -376,6 +378,8 @@ class Engine:
             if needed + pool.count_evictable(hit) > pool.num_free:
                 break
             pool.touch(hit)
+            if pool.events is not None and request.scheduled_ts < 0:
+                pool.events.admitted([pool.block_hash[block] for block in hit])
             if tier is not None:
                 # Counted before the allocation, whose evictions the tier stores.
                 tier.retrieve(reusable, len(hit), loaded, num_tokens)

@@ -141,6 +141,7 @@ class SimServer:
         request_timeout: float = 600.0,
         dialect: str = "vllm",
         kv_events: str | None = None,
+        kv_report: tuple = (0.0, False),
         read_timeout: float = REQUEST_READ_SECONDS,
         spelling: str = "sglang:",
     ) -> None:
@@ -171,7 +172,7 @@ class SimServer:
         self.kv_events = kv_events
         self.kv_publisher = None
         if kv_events:
-            attach(simulation.engines)
+            attach(simulation.engines, *kv_report)
             self.kv_publisher = EventPublisher(simulation.engines, kv_events, self.cond)
 
     # -- lifecycle -------------------------------------------------------------
@@ -321,6 +322,7 @@ def start_background(
     dialect: str = "vllm",
     lmcache_tokens: int | None = None,
     kv_events: str | None = None,
+    kv_report: tuple = (0.0, False),
     read_timeout: float = REQUEST_READ_SECONDS,
     spelling: str = "sglang:",
 ) -> SimServer:
@@ -329,7 +331,9 @@ def start_background(
     .sim, .advance(s), .stop() and works as a context manager.
     `lmcache_tokens`: a simulated LMCache tier of that size (its page at
     .lmcache_metrics_url). `kv_events`: publish the engines' KV-cache events
-    to that ZMQ endpoint (kvwatch/sim/kvevents.py). `read_timeout`: the
+    to that ZMQ endpoint (kvwatch/sim/kvevents.py); `kv_report`: (the share
+    of requests in vLLM's full report mode, whether events name their
+    origin[, whose publisher's layout: vllm, sglang, trtllm]). `read_timeout`: the
     seconds a request has to arrive whole (REQUEST_READ_SECONDS). `spelling`:
     the SGLang dialect's names, sglang: or sglang_ (sample lines rewritten)."""
     if not isinstance(scenario, Scenario):
@@ -337,7 +341,7 @@ def start_background(
     simulation = Simulation(scenario, seed=seed, engines=engines, model_name=model_name,
                             lmcache_tokens=lmcache_tokens)
     return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect, kv_events=kv_events,
-                     read_timeout=read_timeout, spelling=spelling).start()
+                     kv_report=kv_report, read_timeout=read_timeout, spelling=spelling).start()
 
 
 # -- HTTP ----------------------------------------------------------------------

@@ -572,6 +572,49 @@ ETA = "kvwatch_kv_cache_exhaustion_eta_seconds"
 ETA_RECORDS = {"engine": f"instance_model_name_engine:{ETA}:deriv5m", "model": f"model_name:{ETA}:deriv5m"}
 
 
+def stream(connections: str = const(1), messages: str = rate(60), silent: str = const(0),
+           missed: str = const(0), dropped: str = const(0), recovered: str = const(0)) -> list[dict]:
+    """kvwatch's KV-cache event stream series (one stream per kvwatch target)."""
+    values = {"kvwatch_kv_events_connections_total": connections, "kvwatch_kv_events_messages_total": messages,
+              "kvwatch_kv_events_silent_blocks": silent, "kvwatch_kv_events_missed_messages_total": missed,
+              "kvwatch_kv_events_dropped_messages_total": dropped,
+              "kvwatch_kv_events_recovered_messages_total": recovered}
+    return [{"series": _selector(name, TARGET), "values": v} for name, v in values.items()]
+
+
+def stream_cases() -> list[Case]:
+    """The stream's health (KvwatchKvEventStreamUnhealthy, for 10m): never
+    connected, stopped while the engine stores blocks, messages lost; and
+    an idle or quiet engine's stream, a late start, a single gap: nothing."""
+    never = dict(connections=const(0), messages=const(0))
+    return [
+        Case("no publisher ever connected and no message -> events_never_connected",
+             [Engine()], "20m", [("KvwatchKvEventStreamUnhealthy", "events_never_connected", TARGET)],
+             extra_series=stream(**never)),
+        Case("never connected while the engine is still starting -> nothing",
+             [Engine(starting=const(1))], "20m", [], extra_series=stream(**never)),
+        Case("a publisher connected to an idle engine, no message -> nothing",
+             [Engine(prompt_tokens=const(0))], "20m", [], extra_series=stream(messages=const(0))),
+        Case("the publisher connects after 5 minutes -> nothing",
+             [Engine()], "20m", [], extra_series=stream(connections=f"0x5 1x{MINUTES - 6}", messages=const(0))),
+        Case("blocks stored by the page while the stream is quiet -> events_stopped",
+             [Engine()], "30m", [("KvwatchKvEventStreamUnhealthy", "events_stopped", TARGET)],
+             extra_series=stream(silent=f"0x10 40x{MINUTES - 11}")),
+        Case("a quiet stream while the engine stores nothing (silent blocks 0) -> nothing",
+             [Engine()], "30m", [], extra_series=stream(messages=const(500))),
+        Case("sequence gaps every minute -> events_missed",
+             [Engine()], "30m", [("KvwatchKvEventStreamUnhealthy", "events_missed", TARGET)],
+             extra_series=stream(missed=rate(3))),
+        Case("drops of kvwatch's full intake -> events_missed",
+             [Engine()], "30m", [("KvwatchKvEventStreamUnhealthy", "events_missed", TARGET)],
+             extra_series=stream(dropped=rate(1))),
+        Case("gaps every minute, each answered by the replay socket -> nothing",
+             [Engine()], "30m", [], extra_series=stream(missed=rate(3), recovered=rate(3))),
+        Case("one gap at minute 10 -> nothing (shorter than for:)",
+             [Engine()], "30m", [], extra_series=stream(missed=f"0x10 4x{MINUTES - 11}")),
+    ]
+
+
 @dataclass
 class EtaCase:
     """Engines "0", "1", ... of model m, each with its usage (one sample a
@@ -656,7 +699,7 @@ def expand(values: str) -> list[float]:
 
 
 FILES = {"alerts.test.yaml": default_cases, "upstream.test.yaml": upstream_cases,
-         "no-reuse.test.yaml": no_reuse_cases, "fleet.test.yaml": fleet_cases}
+         "no-reuse.test.yaml": no_reuse_cases, "fleet.test.yaml": fleet_cases, "kv-events.test.yaml": stream_cases}
 RENDER_FILES = {"eta.test.yaml": (eta_cases, render_eta)}
 
 

@@ -759,9 +759,12 @@ class LoadRun:
 
     def __init__(self, name: str, base_url: str, make_prompt: Callable[[int], str],
                  output_tokens: int, concurrency: int, duration_s: float, max_requests: int,
-                 request_timeout_s: float, prime: bool = False, model: str = MODEL_NAME):
+                 request_timeout_s: float, prime: bool = False, model: str = MODEL_NAME,
+                 extra_body: Callable[[int], dict] | None = None):
         self.name = name
         self.model = model
+        # Fields added to request `index`'s body (vllm_xargs: a request in full report mode).
+        self._extra_body = extra_body
         self.stats = LoadStats()
         self._url = base_url + "/v1/completions"
         self._make_prompt = make_prompt
@@ -815,6 +818,8 @@ class LoadRun:
     def _send(self, index: int) -> None:
         body = {"model": self.model, "prompt": self._make_prompt(index),
                 "max_tokens": self._output_tokens, "ignore_eos": True}
+        if self._extra_body is not None:
+            body.update(self._extra_body(index))
         try:
             usage = _post_json(self._url, body, self._request_timeout_s)["usage"]
         except Exception as err:  # any failure is counted and reported, never raised in a thread

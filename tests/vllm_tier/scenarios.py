@@ -63,7 +63,8 @@ def long_requests_load(base_url: str, duration: float = 20.0, concurrency: int =
 
 def prefix_rotation_load(base_url: str, duration: float = 25.0, phases: tuple[tuple[float, int], ...] = ((0.0, 12),),
                          concurrency: int = 2, prefix_tokens: int = 512, suffix_tokens: int = 32,
-                         output_tokens: int = 16, seed: int | None = None, max_requests: int = 5000) -> LoadRun:
+                         output_tokens: int = 16, seed: int | None = None, max_requests: int = 5000,
+                         extra_body=None) -> LoadRun:
     """Round robin over a working set of prefixes; `phases` is ((start_s, size), ...):
     from start_s on, the rotation runs over the first `size` prefixes."""
     words = prompt_words()
@@ -82,12 +83,12 @@ def prefix_rotation_load(base_url: str, duration: float = 25.0, phases: tuple[tu
             return prefixes[next(turn) % size] + prompt_suffix(suffix_tokens, suffixes, words)
 
     return LoadRun("prefix-rotation", base_url, make_prompt, output_tokens, concurrency, duration, max_requests,
-                   60.0)
+                   60.0, extra_body=extra_body)
 
 
 def changed_prefix_load(base_url: str, duration: float = 35.0, switch_after: float = 15.0, concurrency: int = 2,
                         prefix_tokens: int = 512, suffix_tokens: int = 32, output_tokens: int = 16,
-                        seed: int | None = None) -> LoadRun:
+                        seed: int | None = None, extra_body=None) -> LoadRun:
     words = prompt_words()
     rng = random.Random(random.randrange(1 << 62) if seed is None else seed)
     prefix = prompt_text(prefix_tokens, rng, words)
@@ -105,11 +106,12 @@ def changed_prefix_load(base_url: str, duration: float = 35.0, switch_after: flo
             return prompt_text(32, headers, words) + " " + prefix + suffix
 
     return LoadRun("changed-prefix", base_url, make_prompt, output_tokens, concurrency, duration, 5000, 60.0,
-                   prime=True)
+                   prime=True, extra_body=extra_body)
 
 
 def distinct_load(base_url: str, duration: float = 25.0, concurrency: int = 2, prompt_tokens: int = 544,
-                  output_tokens: int = 16, seed: int | None = None, model: str = MODEL_NAME) -> LoadRun:
+                  output_tokens: int = 16, seed: int | None = None, model: str = MODEL_NAME,
+                  extra_body=None) -> LoadRun:
     words = prompt_words()
     run_seed = random.randrange(1 << 62) if seed is None else seed
 
@@ -117,7 +119,7 @@ def distinct_load(base_url: str, duration: float = 25.0, concurrency: int = 2, p
         return prompt_text(prompt_tokens, random.Random(f"{run_seed}-{index}"), words)
 
     return LoadRun("distinct", base_url, make_prompt, output_tokens, concurrency, duration, 5000, 60.0,
-                   model=model)
+                   model=model, extra_body=extra_body)
 
 
 class StalledFrontEndRun(LoadRun):
