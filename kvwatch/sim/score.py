@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from kvwatch.diagnose.causes import CAUSE
-from kvwatch.kvevents import wire
 from kvwatch.pipeline.monitor import Monitor
 from kvwatch.scrape import FetchResult
 from kvwatch.settings import load_settings
@@ -125,10 +124,11 @@ def run_scenario(scenario: Scenario | str, settings, until: float, seed: int = 0
         sim.advance_to(at)
         if monitor.kv_events is not None:
             for engine in sim.engines:
-                events = engine.pool.events.take() if engine.pool.events is not None else None
-                if events:
-                    monitor.kv_events.feed(sequences[engine.index],
-                                           wire.encode_batch(SIM_BASE + at, events, engine.index),
+                recorder = engine.pool.events
+                events = recorder.take() if recorder is not None else None
+                if recorder is not None and events:
+                    # The recorder's own payload: the layout it publishes (vLLM's unless the scenario says).
+                    monitor.kv_events.feed(sequences[engine.index], recorder.payload(SIM_BASE + at, events, engine.index),
                                            now=SIM_BASE + at)
                     sequences[engine.index] += 1
         state = monitor.poll_once()
