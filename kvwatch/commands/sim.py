@@ -12,6 +12,7 @@ import time
 
 from kvwatch.sim.dialects import DIALECTS, SGLANG_SPELLINGS
 from kvwatch.sim.lmcache import DEFAULT_SIZE_FACTOR
+from kvwatch.sim.router import POLICIES
 from kvwatch.sim.scenario import ScenarioError, clock_text, list_scenarios, load_scenario, phase_line
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
 from kvwatch.units import parse_duration, parse_number, parse_port, parse_whole_number
@@ -50,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                         help="publish the engines' KV-cache events as vLLM does (ZMQ, msgpack) to this endpoint: "
                              "connect to it, or bind a wildcard tcp://*:N; engine i on port N+i (default: none)")
+    parser.add_argument("--router", default=None, choices=POLICIES,
+                        help="put a simulated router with this policy in front of the engines (round_robin, prefix, "
+                             "prefix_stale: prefix-aware over an index never told of evictions); its page (llm-d's "
+                             "endpoint picker names) at /router/metrics; default: none, the least-loaded engine")
     parser.add_argument("--interval", default="15s", help="report interval, simulated time (default: 15s)")
 
 
@@ -145,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvwatch sim: --engines must be >= 1", file=sys.stderr)
         return 2
     sim = Simulation(scenario, seed=args.seed, engines=args.engines, model_name=args.model_name,
-                     lmcache_tokens=lmcache_tokens)
+                     lmcache_tokens=lmcache_tokens, router=args.router)
     if args.report is not None:
         _report(sim, args.report, args.interval)
         return 0
@@ -173,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
     if sim.lmcache is not None:
         print(f"kvwatch sim: simulated LMCache tier of {sim.lmcache.capacity_chunks * sim.lmcache.chunk_tokens} "
               f"tokens, its page at {server.lmcache_metrics_url}", flush=True)
+    if sim.router is not None:
+        print(f"kvwatch sim: simulated router ({sim.router.policy}), its page at {server.router_metrics_url}",
+              flush=True)
     if args.kv_events:
         print(f"kvwatch sim: KV-cache events published to {args.kv_events} (kvwatch serve --kv-events)", flush=True)
     status = server.phase_status()
