@@ -24,7 +24,7 @@ OVER_FOR_NOW: dict[str, int] = {
     "kvwatch/commands/capture.py:run": 101,
     "kvwatch/commands/diagnose.py:run": 129,
     "kvwatch/commands/diagnose.py:print_report": 92,
-    "kvwatch/commands/sim.py:run": 107,
+    "kvwatch/commands/sim.py:run": 103,
     "kvwatch/kvevents/source.py:KVEventSource.report": 86,
     "kvwatch/mixin/dashboards.py:overview": 113,
     "kvwatch/pipeline/monitor.py:Monitor._ingest": 93,

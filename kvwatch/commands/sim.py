@@ -93,6 +93,18 @@ def _report(sim: Simulation, seconds: float, interval: float) -> None:
     print("(usage: mean of 1 s samples in the window, peak: their max; ttft/queue/prefill/retrieval: mean seconds of the window)")
 
 
+def _print_sources(sim: Simulation, server, kv_events: str | None) -> None:
+    """The banner's lines for the simulated sources beside the engines' page."""
+    if sim.lmcache is not None:
+        print(f"kvwatch sim: simulated LMCache tier of {sim.lmcache.capacity_chunks * sim.lmcache.chunk_tokens} "
+              f"tokens, its page at {server.lmcache_metrics_url}", flush=True)
+    if sim.router is not None:
+        print(f"kvwatch sim: simulated router ({sim.router.policy}), its page at {server.router_metrics_url}",
+              flush=True)
+    if kv_events:
+        print(f"kvwatch sim: KV-cache events published to {kv_events} (kvwatch serve --kv-events)", flush=True)
+
+
 def _zmq_error() -> type[Exception]:
     try:
         import zmq
@@ -175,14 +187,7 @@ def run(args: argparse.Namespace) -> int:
           f"speed {args.speed:g}, dialect {args.dialect}", flush=True)
     print(f"kvwatch sim: serving {server.url}  (metrics {server.metrics_url}, app metrics {server.app_metrics_url})",
           flush=True)
-    if sim.lmcache is not None:
-        print(f"kvwatch sim: simulated LMCache tier of {sim.lmcache.capacity_chunks * sim.lmcache.chunk_tokens} "
-              f"tokens, its page at {server.lmcache_metrics_url}", flush=True)
-    if sim.router is not None:
-        print(f"kvwatch sim: simulated router ({sim.router.policy}), its page at {server.router_metrics_url}",
-              flush=True)
-    if args.kv_events:
-        print(f"kvwatch sim: KV-cache events published to {args.kv_events} (kvwatch serve --kv-events)", flush=True)
+    _print_sources(sim, server, args.kv_events)
     status = server.phase_status()
     if status["phases"] > 1:
         loop = "then loops" if scenario.loop else "then stays in the last phase"

@@ -129,6 +129,8 @@ SYMPTOM_LIST = (
     Symptom("fleet", alert="VllmFleetReplicaOutlier", arbitrated=True),
     # The engine's KV-cache event stream itself (diagnose/stream.py), where kv_events is set.
     Symptom("kv_events"),
+    # The router's prediction against the engines' delivery, per model (kvwatch/routing/).
+    Symptom("routing", "Routing"),
 )
 
 # The alerts, in the order of their runbook sections. The objectives'
@@ -599,6 +601,32 @@ CAUSE_LIST = (
             "reports.")),
         owner="platform",
         diagnosed=False),
+    # --- routing: the router's prediction against the engines' delivery (kvwatch/routing/attribution.py).
+    Cause(
+        name="routing_miss",
+        symptom="routing",
+        severity="warning",
+        title="the router routes to prefixes the replicas no longer hold",
+        next_check=(
+            "The router predicted prefix reuse the engines did not deliver: its index of which replica holds what "
+            "is stale. Check that it is fed the engines' KV-cache events (a precise index) or that its approximate "
+            "index forgets as fast as the replicas evict; compare its predicted tokens with the engines' "
+            "prefix-cache hits per replica."),
+        next_action="Feed the router the engines' KV-cache events, or shorten its index's memory.",
+        deciding=("predicted_tokens", "delivered_tokens", "delivered_fraction"),
+        owner="application"),
+    Cause(
+        name="stale_router_metrics",
+        symptom="routing",
+        severity="warning",
+        title="the router decides on stale metrics",
+        next_check=(
+            "The router's view of the replicas is older than its staleness bound: poll the replicas more often "
+            "than the bound (or raise the bound), check the endpoints it cannot read (path, port, TLS, "
+            "authentication), and that its KV index receives events from every replica."),
+        next_action="Make the router poll its replicas more often than its staleness bound.",
+        deciding=("stale_endpoints", "stale_share", "events_applied"),
+        owner="application"),
 )
 
 SYMPTOMS: dict[str, Symptom] = {s.name: s for s in SYMPTOM_LIST}
