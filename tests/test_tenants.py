@@ -1,0 +1,87 @@
+"""Tenants and adapters (kvwatch/routing/tenants.py): per-tenant reuse
+bounded to the top K plus "other", and who evicts whom from the event stream
+of a simulated engine serving two tenants, one churning."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwatch.routing.tenants import EvictionLedger, TenantTable
+from kvwatch.sim.engine import Engine, EngineConfig, Request
+from kvwatch.sim.kvevents import EventRecorder, block_hash
+
+
+@pytest.mark.parametrize("k", [0, 3, 10])
+def test_ten_thousand_tenants_give_at_most_k_plus_one_series_per_signal(k):
+    table = TenantTable("cache_salt")
+    for i in range(10_000):
+        table.add(f"tenant-{i}", queries=1000 + i, hits=i % 700, stored=10, stored_again=i % 3, recomputed=i % 50)
+    for signal in ("hit_ratio", "stored_again_share", "recomputed_tokens"):
+        series = table.series(signal, k)
+        assert len(series) <= k + 1
+        assert "other" in series
+    rows = table.top(k)
+    # The heaviest by queried tokens lead, and "other" sums the rest: nothing is lost.
+    assert [row.tenant for row in rows[:k]] == [f"tenant-{9999 - i}" for i in range(k)]
+    assert rows[-1].tenants == 10_000 - k
+    assert sum(row.queries for row in rows) == sum(1000 + i for i in range(10_000))
+
+
+def test_names_past_the_table_bound_count_into_other_at_once():
+    table = TenantTable("fairness_id", max_tenants=5)
+    for i in range(8):
+        table.add(f"t{i}", queries=100, hits=50)
+    assert len(table.rows) == 5
+    other = table.top(5)[-1]
+    assert (other.tenant, other.tenants, other.queries) == ("other", 3, 300)
+
+
+def test_unknown_counter_is_one_sentence():
+    with pytest.raises(ValueError, match="unknown tenant counter"):
+        TenantTable("lora").add("a", hitz=1)
+
+
+def _serve(engine: Engine, ledger: EvictionLedger, tenant: str, uid: int, hashes: list, at: float) -> None:
+    """One request of `tenant` run to the end; its allocation's evictions and its stores go to the ledger."""
+    block = engine.config.block_size
+    engine.add_request(Request(uid, len(hashes) * block + 1, 1, 1, hashes, at))
+    engine.run_until(at + 5.0)
+    recorder = engine.pool.events
+    for kind, blocks in recorder.events:
+        if kind == "stored":
+            ledger.stored(blocks, tenant)
+        else:
+            ledger.removed(blocks)
+    recorder.events.clear()
+    recorder.pending_blocks = 0
+
+
+def test_the_churning_tenant_is_named_as_the_evictor_with_its_share():
+    engine = Engine(EngineConfig(num_gpu_blocks=64, block_size=16, max_model_len=63 * 16), 0)
+    engine.pool.events = EventRecorder(16)
+    ledger = EvictionLedger()
+    steady = [[("steady", p, i) for i in range(8)] for p in range(3)]  # three system prompts it reuses
+    uid = 0
+    for turn in range(60):
+        uid += 1
+        _serve(engine, ledger, "steady", uid, steady[turn % 3], turn * 10.0)
+        uid += 1  # the churning tenant: prompts of its own, never reused
+        _serve(engine, ledger, "churn", uid, [("churn", uid, i) for i in range(12)], turn * 10.0 + 5.0)
+    finding = ledger.finding()
+    assert finding is not None and finding["evictor"] == "churn"
+    assert set(finding["victims"]) == {"steady"}
+    assert finding["share"] == finding["evicted_blocks"] / finding["reusable_evictions"]
+    # The steady tenant evicts the churner's blocks too, but they never come back: no cost, not named.
+    assert ledger.charged[("steady", "churn")] > 0
+    assert ledger.reusable_evicted().get("steady", 0) == 0
+    assert finding["share"] == 1.0
+
+
+def test_block_hash_is_the_published_hash():
+    ledger = EvictionLedger()
+    ledger.stored([block_hash(("a", 0))], "a")
+    ledger.removed([block_hash(("a", 0))])
+    ledger.stored([block_hash(("b", 0))], "b")
+    assert ledger.charged == {("b", "a"): 1} and ledger.returned == {}
+    ledger.stored([block_hash(("a", 0))], "a")  # a's block comes back: b's eviction cost a recomputation
+    assert ledger.returned == {("b", "a"): 1}
