@@ -163,3 +163,51 @@ def test_sglang_router_counts_requests_and_decides_no_token_cause(router_page):
 def test_a_page_of_no_router_is_no_reading():
     assert read_router_page("vllm:num_requests_running 1\n").dialect is None
     assert read_router_page("not a metrics page at all {{{\n").dialect is None
+
+
+def _monitor_findings(policy: str, **overrides) -> tuple[set, object]:
+    """kvwatch's poll loop over the simulator's 4 engines with the simulated router beside them."""
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+    from kvwatch.sim.server import start_background
+
+    with start_background("routing", speed=0, seed=1, router=policy) as sim:
+        settings = load_settings(overrides={"target": sim.metrics_url, "router_target": sim.router_metrics_url,
+                                            "poll_interval": "1s", "timeout": "0.5s", **overrides}, environ={})
+        monitor = Monitor(settings)
+        sim.advance(WARM)
+        monitor.poll_once()
+        sim.advance(WINDOW)
+        monitor.poll_once()
+    routing = {(f.symptom, f.cause) for f in monitor.state.findings
+               if f.symptom == "routing" or f.cause == "lost_prefix_affinity"}
+    return routing, monitor
+
+
+@pytest.mark.parametrize("policy, expected", [
+    ("prefix", set()),
+    ("round_robin", {("fleet", "lost_prefix_affinity")}),
+    ("prefix_stale", {("routing", "routing_miss")}),
+])
+def test_the_poll_loop_names_each_policys_cause_and_no_other(policy, expected):
+    routing, monitor = _monitor_findings(policy)
+    assert routing == expected
+    assert monitor.router.last["up"] and monitor.router.last["router"] == "llm-d"
+
+
+def test_the_poll_loop_names_a_router_polling_slower_than_its_staleness_bound():
+    routing, _monitor = _monitor_findings("prefix", router_refresh_interval="15s", router_staleness_bound="200ms")
+    assert routing == {("routing", "stale_router_metrics")}
+
+
+def test_a_router_that_does_not_answer_leaves_the_engine_alone():
+    from kvwatch.pipeline.monitor import Monitor
+    from kvwatch.settings import load_settings
+    from kvwatch.sim.server import start_background
+
+    with start_background("routing", speed=0, seed=1) as sim:
+        settings = load_settings(overrides={"target": sim.metrics_url, "router_target": "http://127.0.0.1:9/metrics",
+                                            "poll_interval": "1s", "timeout": "0.5s"}, environ={})
+        monitor = Monitor(settings)
+        monitor.poll_once()
+    assert monitor.state.up and not monitor.router.last["up"]

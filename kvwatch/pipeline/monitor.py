@@ -27,6 +27,7 @@ from kvwatch.kvevents.join import with_page
 from kvwatch.kvevents.source import KVEventSource
 from kvwatch.pipeline.demo import DemoSource
 from kvwatch.pipeline.lmcache import LMCacheSource
+from kvwatch.pipeline.router import RouterSource
 from kvwatch.pipeline.upstream import UpstreamSource
 from kvwatch.labels import LABEL_VALUE_MAX_BYTES, bounded_label
 from kvwatch.present import public_host, public_url
@@ -184,6 +185,7 @@ class Monitor:
         self.lmcache = None
         if settings.lmcache_target:
             self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
+        self.router = RouterSource(settings, self.window.seconds, clock=self.clock) if settings.router_target else None
         self.demo = None
         if settings.demo_target:
             self.demo = DemoSource(settings.demo_target, settings.fetch_timeout, settings.poll_interval)
@@ -315,7 +317,7 @@ class Monitor:
         findings = diagnosis.diagnose(self.window, per_engine, events,
                                       self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
                                       incumbents=self.hold.incumbents())
-        findings = self.hold.apply(answered, findings)
+        findings = self.hold.apply(answered, findings + self._poll_router(answered))
         busy = self._busy(snapshot, result.seconds, timed_out=False, at=answered)
         self._polls += 1
         was_up = self.state.up
@@ -374,6 +376,16 @@ class Monitor:
             return {"target": public_url(self.settings.lmcache_target), "up": False, "reason": "internal",
                     "detail": "kvwatch failed reading LMCache's page", "families": None, "models": [],
                     "time": self.clock()}
+
+    def _poll_router(self, at: float) -> list:
+        """The router's findings for this poll; its failure is its own, never the engine's."""
+        if self.router is None:
+            return []
+        try:
+            return self.router.poll(self.window, at)
+        except Exception:  # pragma: no cover - defensive: the router must not take the engine's poll down
+            log.exception("polling the router failed")
+            return []
 
     def _report_kv_events(self, at: float, per_engine) -> dict[str, Any] | None:
         """The stream's report for this poll, with the page's numbers it
