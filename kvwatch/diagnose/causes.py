@@ -130,7 +130,7 @@ SYMPTOM_LIST = (
     # The engine's KV-cache event stream itself (diagnose/stream.py), where kv_events is set.
     Symptom("kv_events"),
     # The router's prediction against the engines' delivery, per model (kvwatch/routing/).
-    Symptom("routing", "Routing"),
+    Symptom("routing", "Routing", "VllmRouterPrefixRouting"),
 )
 
 # The alerts, in the order of their runbook sections. The objectives'
@@ -157,6 +157,8 @@ ALERT_LIST = (
     # Fired by kvwatch's own stuck finding (diagnose/stuck.py), which already waited
     # diagnosis.stuck_seconds with nothing moving: a short `for:` only rides out one missed scrape.
     Alert("VllmEngineStuck", "stuck", "2m", ("overview", "findings"), "stuck"),
+    # Fired by kvwatch's routing finding (kvwatch/routing/), each judged over the window already.
+    Alert("VllmRouterPrefixRouting", "routing", "10m", ("overview", "findings"), "routing"),
 )
 
 # In the order the rules consider them within a symptom.
@@ -614,6 +616,8 @@ CAUSE_LIST = (
             "prefix-cache hits per replica."),
         next_action="Feed the router the engines' KV-cache events, or shorten its index's memory.",
         deciding=("predicted_tokens", "delivered_tokens", "delivered_fraction"),
+        alert="VllmRouterPrefixRouting",
+        routed_by_finding=True,
         owner="application"),
     Cause(
         name="stale_router_metrics",
@@ -626,6 +630,8 @@ CAUSE_LIST = (
             "authentication), and that its KV index receives events from every replica."),
         next_action="Make the router poll its replicas more often than its staleness bound.",
         deciding=("stale_endpoints", "stale_share", "events_applied"),
+        alert="VllmRouterPrefixRouting",
+        routed_by_finding=True,
         owner="application"),
 )
 
