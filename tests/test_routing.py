@@ -211,3 +211,21 @@ def test_a_router_that_does_not_answer_leaves_the_engine_alone():
         monitor = Monitor(settings)
         monitor.poll_once()
     assert monitor.state.up and not monitor.router.last["up"]
+
+
+def test_the_exporter_gives_predicted_delivered_and_available_per_model_and_documents_them():
+    from kvwatch.mixin.metrics_doc import render
+    from kvwatch.sidecar.collector import make_registry
+
+    _routing, monitor = _monitor_findings("prefix_stale")
+    found = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for family in make_registry(monitor).collect() for s in family.samples}
+    model = (("model_name", "tiny-llama"),)
+    window = monitor.router.last["windows"][0]
+    assert found[("kvwatch_router_up", ())] == 1.0
+    assert found[("kvwatch_router_predicted_hit_ratio", model)] == pytest.approx(window.predicted_ratio)
+    assert found[("kvwatch_router_delivered_hit_ratio", model)] == pytest.approx(window.delivered_ratio)
+    assert found[("kvwatch_router_available_hit_ratio", model)] == pytest.approx(window.available_ratio)
+    assert window.delivered_ratio < 0.8 * window.predicted_ratio  # the stale index's miss, as exported
+    documented = render()
+    assert all(f"`{name}`" in documented for name, _ in found if name.startswith("kvwatch_router_"))

@@ -98,6 +98,8 @@ class State:
     lmcache: dict[str, Any] | None = None
     # The KV-cache event stream's report (kvwatch/kvevents/source.py), None unless kv_events is set.
     kv_events: dict[str, Any] | None = None
+    # The router's latest poll (kvwatch/pipeline/router.py), None unless router_target is set.
+    router: dict[str, Any] | None = None
     # finding key (report.finding_key) -> when it was first seen, while it stays active
     findings_since: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
     # The window's entries as of this poll (the trends on the status page);
@@ -346,7 +348,7 @@ class Monitor:
             findings=tuple(findings),
             events=events,
             upstream=upstream,
-            lmcache=lmcache,
+            lmcache=lmcache, router=self.router.last if self.router is not None else None,
             kv_events=kv_events,
             findings_since=findings_since,
             entries=tuple(self.window.entries),

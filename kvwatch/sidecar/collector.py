@@ -32,6 +32,7 @@ from kvwatch.signals import (
     engine_series_value,
 )
 from kvwatch.signals import IDENTITY as IDENTITY_LABELS
+from kvwatch.signals.health import ROUTER_HEALTH
 from kvwatch.engines.plausible import FAULTS
 from kvwatch.snapshot import PINNED_LABELS, Histogram
 
@@ -54,6 +55,7 @@ class KvwatchCollector(Collector):
         yield from self._engine_series(state.snapshot)
         yield from self._sources(state.snapshot, state.lmcache)
         yield from self._tier(state.lmcache)
+        yield from self._router(getattr(state, "router", None))
         yield from self._stream(getattr(state, "kv_events", None))
         yield from self._signals(state)
         yield from self._pinned(state)
@@ -141,6 +143,25 @@ class KvwatchCollector(Collector):
         for family, on_page in sorted(((lmcache or {}).get("families") or {}).items()):
             present.add_metric([family], 1.0 if on_page else 0.0)
         yield present
+
+    def _router(self, router):
+        """The router beside the engines (kvwatch/pipeline/router.py): its health
+        whenever configured, each model's window only while its latest poll read one."""
+        if router is None:
+            return
+        up = GaugeMetricFamily(ROUTER_HEALTH[0].name, ROUTER_HEALTH[0].help, labels=[])
+        up.add_metric([], 1.0 if router.get("up") else 0.0)
+        yield up
+        if not router.get("up"):
+            return
+        attributes = ("predicted_ratio", "delivered_ratio", "available_ratio")
+        for health, attribute in zip(ROUTER_HEALTH[1:], attributes):
+            family = GaugeMetricFamily(health.name, health.help, labels=list(health.labels))
+            for window in router.get("windows") or ():
+                value = getattr(window, attribute)
+                if _finite(value):
+                    family.add_metric([window.model], value)
+            yield family
 
     def _tier(self, lmcache):
         """The LMCache tier (kvwatch/pipeline/lmcache.py): its health whenever
