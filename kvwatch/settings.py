@@ -276,6 +276,8 @@ class Settings:
         doc="with router_staleness_bound: a poll slower than the bound is stale_router_metrics"))
     router_staleness_bound: float | None = field(default=None, metadata=setting(
         _optional(parse_duration), "the router's staleness bound on its replicas' metrics, as configured there"))
+    tenant_top_k: int = field(default=10, metadata=setting(
+        _whole_number, "tenants exported by name per kind (fairness_id, cache_salt, LoRA); the rest summed as other"))
     # A `kvwatch sim`'s /sim/phase (make run sets it): the status page then
     # names the simulated phase now and the next. Nothing else reads it.
     demo_target: str | None = field(default=None, metadata=setting(

@@ -85,3 +85,45 @@ def test_block_hash_is_the_published_hash():
     assert ledger.charged == {("b", "a"): 1} and ledger.returned == {}
     ledger.stored([block_hash(("a", 0))], "a")  # a's block comes back: b's eviction cost a recomputation
     assert ledger.returned == {("b", "a"): 1}
+
+
+def _router_source(top_k: int = 10):
+    from kvwatch.pipeline.router import RouterSource
+    from kvwatch.settings import load_settings
+
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics",
+                                        "router_target": "http://127.0.0.1:9/router", "tenant_top_k": str(top_k)},
+                             environ={})
+    return RouterSource(settings, 300.0, clock=lambda: 0.0)
+
+
+def _tenant_page(tenants: int, scale: float) -> str:
+    lines = ["# TYPE llm_d_epp_prefix_predicted_cached_tokens histogram",
+             f"llm_d_epp_prefix_predicted_cached_tokens_sum 0\nllm_d_epp_prefix_predicted_cached_tokens_count {scale}",
+             "# TYPE llm_d_epp_request_input_tokens histogram", "# TYPE llm_d_epp_request_cached_tokens histogram"]
+    for i in range(tenants):
+        lines.append(f'llm_d_epp_request_input_tokens_sum{{fairness_id="f{i}"}} {scale * (100 + i)}')
+        lines.append(f'llm_d_epp_request_cached_tokens_sum{{fairness_id="f{i}"}} {scale * (i % 100)}')
+    return "\n".join(lines) + "\n"
+
+
+def test_ten_thousand_fairness_ids_on_a_router_page_export_at_most_k_plus_one_series():
+    from kvwatch.sidecar.collector import KvwatchCollector
+    from kvwatch.window import Window
+
+    source = _router_source(top_k=7)
+    source.poll(Window(300.0), at=0.0, text=_tenant_page(10_000, 1.0))
+    source.poll(Window(300.0), at=10.0, text=_tenant_page(10_000, 2.0))
+    families = {f.name: f for f in KvwatchCollector(None)._router(source.last)}
+    samples = families["kvwatch_tenant_hit_ratio"].samples
+    assert len(samples) == 8  # the 7 heaviest by name, and "other"
+    assert {s.labels["tenant"] for s in samples} == {f"f{9999 - i}" for i in range(7)} | {"other"}
+    heaviest = next(s for s in samples if s.labels["tenant"] == "f9999")
+    assert heaviest.value == pytest.approx(99 / 10_099)  # its window: cached over sent, both doubled
+
+
+def test_fairness_ids_of_the_llm_d_fixture(fixtures_dir):
+    from kvwatch.routing.page import read_router_page
+
+    reading = read_router_page((fixtures_dir / "handwritten" / "router-llm-d.txt").read_text())
+    assert reading.tenants == {"team-a": [48000, 36000], "team-b": [32000, 4000]}

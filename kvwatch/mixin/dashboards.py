@@ -557,6 +557,12 @@ def _router_row(b: Board, v: Views) -> None:
                      (f"kvwatch_router_delivered_hit_ratio{{{TARGET_SEL}}}", "delivered " + legend),
                      (f"kvwatch_router_available_hit_ratio{{{TARGET_SEL}}}", "available " + legend)],
                     width=18, runbook=ANCHOR_ROUTING))
+    b.add(PanelSpec("tenant_hit_ratio", "Hit ratio per tenant",
+                    "Per tenant (kind fairness_id: llm-d's, from the router's request metrics), now, over the "
+                    "window: prompt tokens served from cache over those sent; the tenant_top_k tenants with the "
+                    "most prompt tokens by name, the rest as other." + empty, "percentunit",
+                    [(f"kvwatch_tenant_hit_ratio{{{TARGET_SEL}}}", "{{kind}} {{tenant}}")],
+                    kind="table", width=24, height=8, runbook=ANCHOR_ROUTING, instant=True))
 
 
 BUILDERS = {"overview": overview, "exhaustion": exhaustion, "prefix_cache": prefix_cache, "first_token": first_token,

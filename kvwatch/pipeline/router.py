@@ -15,6 +15,7 @@ from typing import Any
 from kvwatch.diagnose.vocabulary import Finding
 from kvwatch.present import origin, public_url
 from kvwatch.routing import RouterReading, RoutingWindow, attribute, judge_routing, read_router_page
+from kvwatch.routing.tenants import TenantRow, TenantTable
 from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
 from kvwatch.window import Window
 
@@ -37,6 +38,7 @@ class RouterSource:
                                settings.ca_bundle, settings.tls_verify)
         self.window_seconds = window_seconds
         self.clock = clock
+        self.top_k: int = settings.tenant_top_k
         self.readings: deque[tuple[float, RouterReading]] = deque(maxlen=MAX_READINGS)
         self.last: dict[str, Any] | None = None
 
@@ -63,8 +65,20 @@ class RouterSource:
         windows = self.windows(engines)
         findings = [f for window in windows for f in judge_routing(window)]
         self.last = {"target": public_url(self.target), "up": True, "reason": None, "detail": "", "time": now,
-                     "router": reading.dialect, "windows": windows}
+                     "router": reading.dialect, "windows": windows, "tenants": self.tenants()}
         return findings
+
+    def tenants(self) -> dict[str, list[TenantRow]]:
+        """kind -> the window's top K tenants and "other" (llm-d's fairness_id, from the router's page)."""
+        start, end = self.readings[0][1], self.readings[-1][1]
+        table = TenantTable("fairness_id")
+        for tenant, (sent, cached) in end.tenants.items():
+            before = start.tenants.get(tenant, [0.0, 0.0])
+            queries = sent - before[0] if sent >= before[0] else sent  # a fall: the router restarted
+            hits = cached - before[1] if cached >= before[1] else cached
+            if queries > 0:
+                table.add(tenant, queries=queries, hits=hits)
+        return {"fairness_id": table.top(self.top_k)} if table.rows or table.overflow.tenants else {}
 
     def windows(self, engines: Window) -> list[RoutingWindow]:
         """Each model's attribution over the readings' span and the engines' window."""

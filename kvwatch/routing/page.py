@@ -29,12 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvwatch.exposition import Family, FamilySelector, Page
+from kvwatch.labels import OTHER, bounded_label
 
 # Bases of every family any dialect reads, and the prefixes they come under.
 LLM_D_PREFIXES = ("llm_d_epp_", "llm_d_router_epp_")
 LLM_D = ("prefix_predicted_cached_tokens", "prefix_best_predicted_cached_tokens",
          "prefix_best_available_cached_tokens", "prefix_prompt_tokens", "flow_control_stale_endpoints",
-         "request_total")
+         "request_total", "request_input_tokens", "request_cached_tokens")
 LEGACY = ("inference_extension_prefix_indexer_hit_ratio",)
 DYNAMO = ("dynamo_component_router_kv_hit_rate", "dynamo_component_kv_cache_events_applied")
 SGLANG = ("smg_router_cache_hits_total", "smg_router_cache_misses_total")
@@ -68,6 +69,9 @@ class RouterReading:
     stale_endpoints: float | None = None
     events_applied: float | None = None
     models: list[str] = field(default_factory=list)
+    # llm-d's request metrics per fairness_id (a tenant): [input tokens, cached tokens] sums, as the model
+    # server answered (llm_d_epp_request_input_tokens, llm_d_epp_request_cached_tokens).
+    tenants: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def basis(self) -> str | None:
@@ -168,6 +172,25 @@ def _read_sglang(page: Page, reading: RouterReading) -> bool:
     return True
 
 
+# The most fairness_id values kept from one page (llm-d caps its own at 1,000 by default).
+MAX_TENANTS = 10_000
+
+
+def _read_tenants(page: Page, reading: RouterReading) -> None:
+    for slot, base in enumerate(("request_input_tokens", "request_cached_tokens")):
+        family = page.families.get(base)
+        for suffix, labels, value in (family.samples if family is not None else ()):
+            if suffix != "_sum" or not 0.0 <= value < float("inf"):
+                continue
+            tenant = bounded_label(labels.get("fairness_id", ""))
+            row = reading.tenants.get(tenant)
+            if row is None:
+                if len(reading.tenants) >= MAX_TENANTS:
+                    tenant = OTHER
+                row = reading.tenants.setdefault(tenant, [0.0, 0.0])
+            row[slot] += value
+
+
 def read_router_page(text: str) -> RouterReading:
     """The page's reading; a page of no known router gives dialect None."""
     global _SELECTOR
@@ -178,6 +201,7 @@ def read_router_page(text: str) -> RouterReading:
     for read in (_read_llm_d, _read_legacy, _read_dynamo, _read_sglang):
         if read(page, reading):
             break
+    _read_tenants(page, reading)
     reading.stale_endpoints = _plain(page.families.get("flow_control_stale_endpoints"), ("",))
     requests = _family(page, "request_total")
     if requests is not None:

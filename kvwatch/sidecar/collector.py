@@ -162,6 +162,13 @@ class KvwatchCollector(Collector):
                 if _finite(value):
                     family.add_metric([window.model], value)
             yield family
+        tenants = ROUTER_HEALTH[4]
+        family = GaugeMetricFamily(tenants.name, tenants.help, labels=list(tenants.labels))
+        for kind, rows in sorted((router.get("tenants") or {}).items()):
+            for row in rows:
+                if _finite(row.hit_ratio):
+                    family.add_metric([kind, row.tenant], row.hit_ratio)
+        yield family
 
     def _tier(self, lmcache):
         """The LMCache tier (kvwatch/pipeline/lmcache.py): its health whenever
