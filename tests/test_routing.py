@@ -193,6 +193,14 @@ def test_the_poll_loop_names_each_policys_cause_and_no_other(policy, expected):
     routing, monitor = _monitor_findings(policy)
     assert routing == expected
     assert monitor.router.last["up"] and monitor.router.last["router"] == "llm-d"
+    # Every surface shows the finding: the status page, the diagnosis JSON.
+    from kvwatch.sidecar.report import diagnosis_json
+    from kvwatch.sidecar.statuspage import render_status_page
+
+    html = render_status_page(monitor.state, monitor.settings)
+    listed = {(f["symptom"], f["cause"]) for f in diagnosis_json(monitor.state, monitor.settings)["findings"]}
+    assert expected <= listed
+    assert all(cause in html for _symptom, cause in expected)
 
 
 def test_the_poll_loop_names_a_router_polling_slower_than_its_staleness_bound():

@@ -52,7 +52,7 @@ class RouterSource:
                 self.last = {"target": public_url(self.target), "up": False, "reason": result.reason,
                              "detail": result.detail, "time": now, "windows": []}
                 return []
-            text = result.text
+            text = result.text or ""
         reading = read_router_page(text)
         if reading.dialect is None and reading.stale_endpoints is None:
             self.last = {"target": public_url(self.target), "up": False, "reason": "no_router_metrics",

@@ -116,19 +116,20 @@ def attribute(model: str, start: RouterReading, end: RouterReading, delivered_to
 
 def _stale(window: RoutingWindow) -> Finding | None:
     poll, bound = window.poll_interval_s, window.staleness_bound_s
-    slow_poll = poll is not None and bound is not None and poll > bound
+    stale_share = 1 - bound / poll if poll is not None and bound is not None and poll > bound else None
+    slow_poll = stale_share is not None
     no_events = window.events_applied == 0 and bool(window.requests)
     if not (slow_poll or (window.stale_endpoints or 0) > 0 or no_events):
         return None
-    if slow_poll:
+    if stale_share is not None:
         why = (f"it polls the replicas every {poll:g} s against a staleness bound of {bound:g} s, so its view is "
-               f"stale {1 - bound / poll:.1%} of each cycle")
+               f"stale {stale_share:.1%} of each cycle")
     elif no_events:
         why = f"its KV index applied no event while it routed {window.requests:.0f} requests"
     else:
         why = f"{window.stale_endpoints:.0f} endpoints' metrics are missing or older than its staleness bound"
     evidence = {"router": window.dialect, "stale_endpoints": window.stale_endpoints, "poll_interval_s": poll,
-                "staleness_bound_s": bound, "stale_share": (1 - bound / poll) if slow_poll else None,
+                "staleness_bound_s": bound, "stale_share": stale_share,
                 "events_applied": window.events_applied, "requests": window.requests}
     return Finding("routing", "stale_router_metrics", severity_of("stale_router_metrics"), "high", window.model,
                    None, f"The router of {window.model} decides on stale metrics: {why}.", evidence,
