@@ -4,6 +4,8 @@ of a simulated engine serving two tenants, one churning."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvwatch.routing.tenants import EvictionLedger, TenantTable
@@ -114,7 +116,7 @@ def test_ten_thousand_fairness_ids_on_a_router_page_export_at_most_k_plus_one_se
     source = _router_source(top_k=7)
     source.poll(Window(300.0), at=0.0, text=_tenant_page(10_000, 1.0))
     source.poll(Window(300.0), at=10.0, text=_tenant_page(10_000, 2.0))
-    families = {f.name: f for f in KvwatchCollector(None)._router(source.last)}
+    families = {f.name: f for f in KvwatchCollector(None)._tenants(source.last)}
     samples = families["kvwatch_tenant_hit_ratio"].samples
     assert len(samples) == 8  # the 7 heaviest by name, and "other"
     assert {s.labels["tenant"] for s in samples} == {f"f{9999 - i}" for i in range(7)} | {"other"}
@@ -127,3 +129,22 @@ def test_fairness_ids_of_the_llm_d_fixture(fixtures_dir):
 
     reading = read_router_page((fixtures_dir / "handwritten" / "router-llm-d.txt").read_text())
     assert reading.tenants == {"team-a": [48000, 36000], "team-b": [32000, 4000]}
+
+
+def test_lmcache_multiprocess_cache_salts_are_tenants_over_the_window(fixtures_dir):
+    from kvwatch.pipeline.lmcache import LMCacheSource
+    from kvwatch.settings import Settings
+    from kvwatch.sidecar.collector import KvwatchCollector
+
+    pages = {name: (fixtures_dir / "handwritten" / f"lmcache-mp-{name}.txt").read_text() for name in "ab"}
+    tier = LMCacheSource(Settings(target="http://127.0.0.1:9/metrics", lmcache_target="http://127.0.0.1:9/m"), 300.0)
+    tier.ingest(pages["a"], 1000.0)
+    report = tier.ingest(pages["b"], 1010.0)
+    rows = {row["tenant"]: row for row in report["tenants"]["cache_salt"]}
+    # By hand from the two pages: tenant-a 29,000 of 36,000 tokens found, tenant-b 19,000 of 24,000.
+    assert rows["tenant-a"]["hit_ratio"] == pytest.approx(29000 / 36000)
+    assert rows["tenant-b"]["hit_ratio"] == pytest.approx(19000 / 24000)
+    json.dumps(report)  # the report is what the JSON API carries
+    [family] = KvwatchCollector(None)._tenants(report)
+    assert {(s.labels["kind"], s.labels["tenant"]) for s in family.samples} == {("cache_salt", "tenant-a"),
+                                                                                  ("cache_salt", "tenant-b")}

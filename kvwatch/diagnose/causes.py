@@ -614,7 +614,7 @@ CAUSE_LIST = (
             "is stale. Check that it is fed the engines' KV-cache events (a precise index) or that its approximate "
             "index forgets as fast as the replicas evict; compare its predicted tokens with the engines' "
             "prefix-cache hits per replica."),
-        next_action="Feed the router the engines' KV-cache events, or shorten its index's memory.",
+        next_action="Give the router the engines' KV-cache events, or shorten its index's memory.",
         deciding=("predicted_tokens", "delivered_tokens", "delivered_fraction"),
         alert="VllmRouterPrefixRouting",
         routed_by_finding=True,

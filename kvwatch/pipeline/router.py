@@ -15,7 +15,7 @@ from typing import Any
 from kvwatch.diagnose.vocabulary import Finding
 from kvwatch.present import origin, public_url
 from kvwatch.routing import RouterReading, RoutingWindow, attribute, judge_routing, read_router_page
-from kvwatch.routing.tenants import TenantRow, TenantTable
+from kvwatch.routing.tenants import window_rows
 from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
 from kvwatch.window import Window
 
@@ -68,17 +68,11 @@ class RouterSource:
                      "router": reading.dialect, "windows": windows, "tenants": self.tenants()}
         return findings
 
-    def tenants(self) -> dict[str, list[TenantRow]]:
+    def tenants(self) -> dict[str, list[dict[str, Any]]]:
         """kind -> the window's top K tenants and "other" (llm-d's fairness_id, from the router's page)."""
         start, end = self.readings[0][1], self.readings[-1][1]
-        table = TenantTable("fairness_id")
-        for tenant, (sent, cached) in end.tenants.items():
-            before = start.tenants.get(tenant, [0.0, 0.0])
-            queries = sent - before[0] if sent >= before[0] else sent  # a fall: the router restarted
-            hits = cached - before[1] if cached >= before[1] else cached
-            if queries > 0:
-                table.add(tenant, queries=queries, hits=hits)
-        return {"fairness_id": table.top(self.top_k)} if table.rows or table.overflow.tenants else {}
+        rows = window_rows("fairness_id", start.tenants, end.tenants, self.top_k)
+        return {"fairness_id": [row.as_dict() for row in rows]} if rows else {}
 
     def windows(self, engines: Window) -> list[RoutingWindow]:
         """Each model's attribution over the readings' span and the engines' window."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvwatch.exposition import Family, FamilySelector, Page
-from kvwatch.labels import OTHER, bounded_label
+from kvwatch.routing.tenants import tenant_sums
 
 # Bases of every family any dialect reads, and the prefixes they come under.
 LLM_D_PREFIXES = ("llm_d_epp_", "llm_d_router_epp_")
@@ -177,18 +177,8 @@ MAX_TENANTS = 10_000
 
 
 def _read_tenants(page: Page, reading: RouterReading) -> None:
-    for slot, base in enumerate(("request_input_tokens", "request_cached_tokens")):
-        family = page.families.get(base)
-        for suffix, labels, value in (family.samples if family is not None else ()):
-            if suffix != "_sum" or not 0.0 <= value < float("inf"):
-                continue
-            tenant = bounded_label(labels.get("fairness_id", ""))
-            row = reading.tenants.get(tenant)
-            if row is None:
-                if len(reading.tenants) >= MAX_TENANTS:
-                    tenant = OTHER
-                row = reading.tenants.setdefault(tenant, [0.0, 0.0])
-            row[slot] += value
+    reading.tenants = tenant_sums(page.families, "fairness_id", "request_input_tokens", "request_cached_tokens",
+                                  MAX_TENANTS)
 
 
 def read_router_page(text: str) -> RouterReading:

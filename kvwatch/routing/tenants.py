@@ -56,6 +56,11 @@ class TenantRow:
     def stored_again_share(self) -> float | None:
         return self.stored_again / self.stored if self.stored > 0 else None
 
+    def as_dict(self) -> dict[str, Any]:
+        """The row as the reports and the JSON API carry it."""
+        return {"tenant": self.tenant, "tenants": self.tenants, "queries": self.queries, "hits": self.hits,
+                "hit_ratio": self.hit_ratio}
+
     def signals(self) -> dict[str, float | None]:
         return {"hit_ratio": self.hit_ratio, "stored_again_share": self.stored_again_share,
                 "recomputed_tokens": self.recomputed}
@@ -109,6 +114,38 @@ class TenantTable:
             if value is not None:
                 out[row.tenant] = value
         return out
+
+
+def tenant_sums(families: dict[str, Any], label: str, queried: str, hit: str,
+                max_tenants: int = MAX_TENANTS) -> dict[str, list[float]]:
+    """tenant -> [queried, hit] cumulative sums over one page's counter families
+    (Family objects by name) by `label`, summed over every other label; at most
+    `max_tenants` names, the rest summed as "other"."""
+    out: dict[str, list[float]] = {}
+    for slot, name in enumerate((queried, hit)):
+        family = families.get(name)
+        for suffix, labels, value in (family.samples if family is not None else ()):
+            if suffix not in ("", "_total", "_sum") or not 0.0 <= value < float("inf"):
+                continue
+            tenant = bounded_label(labels.get(label, "")) or "(none)"
+            if tenant not in out and len(out) >= max_tenants:
+                tenant = OTHER
+            out.setdefault(tenant, [0.0, 0.0])[slot] += value
+    return out
+
+
+def window_rows(kind: str, start: dict[str, list[float]], end: dict[str, list[float]],
+                k: int = DEFAULT_TOP_K) -> list[TenantRow]:
+    """The top k tenants and "other" over a window between two tenant_sums
+    (a sum that fell restarted from zero, as a counter does)."""
+    table = TenantTable(kind)
+    for tenant, (queried, hit) in end.items():
+        before = start.get(tenant, [0.0, 0.0])
+        queries = queried - before[0] if queried >= before[0] else queried
+        hits = hit - before[1] if hit >= before[1] else hit
+        if queries > 0:
+            table.add(tenant, queries=queries, hits=hits)
+    return table.top(k)
 
 
 @dataclass

@@ -56,6 +56,7 @@ class KvwatchCollector(Collector):
         yield from self._sources(state.snapshot, state.lmcache)
         yield from self._tier(state.lmcache)
         yield from self._router(getattr(state, "router", None))
+        yield from self._tenants(state.lmcache, getattr(state, "router", None))
         yield from self._stream(getattr(state, "kv_events", None))
         yield from self._signals(state)
         yield from self._pinned(state)
@@ -162,12 +163,20 @@ class KvwatchCollector(Collector):
                 if _finite(value):
                     family.add_metric([window.model], value)
             yield family
+
+    def _tenants(self, *reports):
+        """Per tenant of each kind, its window's hit ratio: from the router's page (fairness_id) and LMCache's
+        multiprocess server (cache_salt), each already cut to the top K and "other"."""
+        kinds = {kind: rows for report in reports if report and report.get("up")
+                 for kind, rows in (report.get("tenants") or {}).items()}
+        if not kinds:
+            return
         tenants = ROUTER_HEALTH[4]
         family = GaugeMetricFamily(tenants.name, tenants.help, labels=list(tenants.labels))
-        for kind, rows in sorted((router.get("tenants") or {}).items()):
+        for kind, rows in sorted(kinds.items()):
             for row in rows:
-                if _finite(row.hit_ratio):
-                    family.add_metric([kind, row.tenant], row.hit_ratio)
+                if _finite(row["hit_ratio"]):
+                    family.add_metric([kind, row["tenant"]], row["hit_ratio"])
         yield family
 
     def _tier(self, lmcache):

@@ -185,9 +185,10 @@ ROUTER_HEALTH: tuple[HealthFamily, ...] = (
                  "llm_d_epp_prefix_best_available_cached_tokens_sum); absent where the router does not say it.",
                  good="high"),
     HealthFamily("kvwatch_tenant_hit_ratio", "gauge", ("kind", "tenant"),
-                 "Per tenant over the window, the prompt tokens the model servers served from cache over those sent "
+                 "Per tenant over the window, the prompt tokens served from cache over those sent "
                  "(llm-d: llm_d_epp_request_cached_tokens_sum over llm_d_epp_request_input_tokens_sum by "
-                 "fairness_id, kind fairness_id); the tenant_top_k tenants with the most prompt tokens, the rest "
+                 "fairness_id, kind fairness_id; LMCache's multiprocess server: lookup hit over requested tokens by "
+                 "cache_salt, kind cache_salt); the tenant_top_k tenants with the most prompt tokens, the rest "
                  "summed as tenant=\"other\": at most tenant_top_k + 1 series per kind.", good="high"),
 )
 
