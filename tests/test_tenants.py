@@ -148,3 +148,20 @@ def test_lmcache_multiprocess_cache_salts_are_tenants_over_the_window(fixtures_d
     [family] = KvwatchCollector(None)._tenants(report)
     assert {(s.labels["kind"], s.labels["tenant"]) for s in family.samples} == {("cache_salt", "tenant-a"),
                                                                                   ("cache_salt", "tenant-b")}
+
+
+def test_lora_adapters_stored_again_share_from_the_stream_window_bounded_to_k_plus_one():
+    from kvwatch.routing.tenants import lora_rows
+    from kvwatch.sidecar.collector import KvwatchCollector
+
+    by_label = [{"medium": "GPU", "lora_name": None, "stored": 50_000, "stored_again": 25_000},
+                {"medium": "CPU", "lora_name": None, "stored": 10_000, "stored_again": 0}]
+    by_label += [{"medium": "GPU", "lora_name": f"adapter-{i}", "stored": 100 + i, "stored_again": i % 10}
+                 for i in range(10_000)]  # the last past the table's 10,000 names: counted in other at once
+    report = {"up": True, "window": {"by_label": by_label}}
+    rows = lora_rows(report, k=3)
+    assert [row["tenant"] for row in rows] == ["(base)", "adapter-9998", "adapter-9997", "other"]
+    assert rows[0]["stored_again_share"] == pytest.approx(25_000 / 60_000)  # summed over the media
+    [family] = KvwatchCollector(None)._adapters(report)
+    assert len(family.samples) <= 10 + 1  # the default K without settings
+    assert {s.labels["kind"] for s in family.samples} == {"lora"}

@@ -59,7 +59,8 @@ class TenantRow:
     def as_dict(self) -> dict[str, Any]:
         """The row as the reports and the JSON API carry it."""
         return {"tenant": self.tenant, "tenants": self.tenants, "queries": self.queries, "hits": self.hits,
-                "hit_ratio": self.hit_ratio}
+                "hit_ratio": self.hit_ratio, "stored": self.stored, "stored_again": self.stored_again,
+                "stored_again_share": self.stored_again_share}
 
     def signals(self) -> dict[str, float | None]:
         return {"hit_ratio": self.hit_ratio, "stored_again_share": self.stored_again_share,
@@ -146,6 +147,19 @@ def window_rows(kind: str, start: dict[str, list[float]], end: dict[str, list[fl
         if queries > 0:
             table.add(tenant, queries=queries, hits=hits)
     return table.top(k)
+
+
+def lora_rows(kv_events: dict[str, Any] | None, k: int = DEFAULT_TOP_K) -> list[dict[str, Any]]:
+    """Per LoRA adapter over the stream's window (vLLM's BlockStored carries it;
+    the stream's report sums its blocks stored and stored again by medium and
+    adapter): the k adapters that stored most, and "other". "(base)" is the
+    base model's own blocks."""
+    window = (kv_events or {}).get("window") or {}
+    table = TenantTable("lora")
+    for row in window.get("by_label") or ():
+        table.add(row.get("lora_name") or "(base)", stored=float(row.get("stored") or 0.0),
+                  stored_again=float(row.get("stored_again") or 0.0))
+    return [row.as_dict() for row in table.top(k)]
 
 
 @dataclass

@@ -33,6 +33,7 @@ from kvwatch.signals import (
 )
 from kvwatch.signals import IDENTITY as IDENTITY_LABELS
 from kvwatch.signals.health import ROUTER_HEALTH
+from kvwatch.routing.tenants import DEFAULT_TOP_K, lora_rows
 from kvwatch.engines.plausible import FAULTS
 from kvwatch.snapshot import PINNED_LABELS, Histogram
 
@@ -57,6 +58,7 @@ class KvwatchCollector(Collector):
         yield from self._tier(state.lmcache)
         yield from self._router(getattr(state, "router", None))
         yield from self._tenants(state.lmcache, getattr(state, "router", None))
+        yield from self._adapters(getattr(state, "kv_events", None))
         yield from self._stream(getattr(state, "kv_events", None))
         yield from self._signals(state)
         yield from self._pinned(state)
@@ -163,6 +165,18 @@ class KvwatchCollector(Collector):
                 if _finite(value):
                     family.add_metric([window.model], value)
             yield family
+
+    def _adapters(self, kv_events):
+        """Per LoRA adapter, the stream's window's stored-again share (top K and "other")."""
+        if not kv_events or not kv_events.get("up"):
+            return
+        settings = getattr(self.monitor, "settings", None)
+        health = ROUTER_HEALTH[5]
+        family = GaugeMetricFamily(health.name, health.help, labels=list(health.labels))
+        for row in lora_rows(kv_events, settings.tenant_top_k if settings is not None else DEFAULT_TOP_K):
+            if _finite(row["stored_again_share"]):
+                family.add_metric(["lora", row["tenant"]], row["stored_again_share"])
+        yield family
 
     def _tenants(self, *reports):
         """Per tenant of each kind, its window's hit ratio: from the router's page (fairness_id) and LMCache's

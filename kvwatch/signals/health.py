@@ -190,6 +190,11 @@ ROUTER_HEALTH: tuple[HealthFamily, ...] = (
                  "fairness_id, kind fairness_id; LMCache's multiprocess server: lookup hit over requested tokens by "
                  "cache_salt, kind cache_salt); the tenant_top_k tenants with the most prompt tokens, the rest "
                  "summed as tenant=\"other\": at most tenant_top_k + 1 series per kind.", good="high"),
+    HealthFamily("kvwatch_tenant_stored_again_ratio", "gauge", ("kind", "tenant"),
+                 "Per LoRA adapter (kind lora, from the KV-cache event stream's BlockStored lora_name; (base) for the "
+                 "base model) over the stream's window: blocks stored again after their eviction over blocks "
+                 "stored, the share recomputed; the tenant_top_k adapters that stored most, the rest as other.",
+                 good="low"),
 )
 
 # Central mode (`kvwatch serve --prometheus`): its own health beside every
