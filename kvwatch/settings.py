@@ -274,6 +274,21 @@ class Settings:
         _optional(normalize_target),
         "LMCache's /metrics (the engine's own when LMCache shares its registry): a KV tier read beside the engine",
         doc="[engines.md](engines.md#lmcache-tier)"))
+    # Optional router page (kvwatch/pipeline/router.py): llm-d's endpoint
+    # picker, Dynamo's KV router or SGLang's gateway, read beside the engines.
+    router_target: str | None = field(default=None, metadata=setting(
+        _optional(normalize_target),
+        "a router's /metrics (llm-d's endpoint picker, Dynamo's KV router, SGLang's gateway): its predicted "
+        "prefix reuse is judged against what the engines delivered", doc="[diagnosis.md](diagnosis.md#routing-the-routers-prediction-against-the-engines-delivery)"))
+    router_model: str | None = field(default=None, metadata=setting(
+        _optional_str, "the model the router's predictions are for; unset, every model the engines serve"))
+    router_refresh_interval: float | None = field(default=None, metadata=setting(
+        _optional(parse_duration), "how often the router polls its replicas' metrics, as configured in the router",
+        doc="with router_staleness_bound: a poll slower than the bound is stale_router_metrics"))
+    router_staleness_bound: float | None = field(default=None, metadata=setting(
+        _optional(parse_duration), "the router's staleness bound on its replicas' metrics, as configured there"))
+    tenant_top_k: int = field(default=10, metadata=setting(
+        _whole_number, "tenants exported by name per kind (fairness_id, cache_salt, LoRA); the rest summed as other"))
     # A `kvwatch sim`'s /sim/phase (make run sets it): the status page then
     # names the simulated phase now and the next. Nothing else reads it.
     demo_target: str | None = field(default=None, metadata=setting(

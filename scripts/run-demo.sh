@@ -10,6 +10,15 @@ KVWATCH_PORT=${KVWATCH_PORT:-9400}
 KV_EVENTS=${KV_EVENTS:-tcp://127.0.0.1:5557}
 SCENARIO=${SCENARIO:-demo}
 SPEED=${SPEED:-1}
+# A simulated router in front of the engines (round_robin, prefix, prefix_stale), read by kvwatch beside them:
+# SCENARIO=routing ROUTER=prefix_stale make run shows a routing miss.
+ROUTER=${ROUTER:-}
+sim_router=()
+serve_router=()
+if [ -n "$ROUTER" ]; then
+  sim_router=(--router "$ROUTER")
+  serve_router=(--router-target "http://127.0.0.1:$SIM_PORT/router/metrics")
+fi
 
 pids=()
 stop() {
@@ -20,12 +29,12 @@ stop() {
 }
 trap stop INT TERM EXIT
 
-"$KVWATCH" sim --scenario "$SCENARIO" --speed "$SPEED" --port "$SIM_PORT" --host 127.0.0.1 --kv-events "$KV_EVENTS" &
+"$KVWATCH" sim --scenario "$SCENARIO" --speed "$SPEED" --port "$SIM_PORT" --host 127.0.0.1 --kv-events "$KV_EVENTS" ${sim_router[@]+"${sim_router[@]}"} &
 pids+=($!)
 # Poll interval, window and thresholds: scripts/demo-kvwatch.yaml.
 "$KVWATCH" serve --config scripts/demo-kvwatch.yaml --target "http://127.0.0.1:$SIM_PORT/metrics" --port "$KVWATCH_PORT" \
   --upstream-target "http://127.0.0.1:$SIM_PORT/app/metrics" --demo-target "http://127.0.0.1:$SIM_PORT/sim/phase" \
-  --kv-events "$KV_EVENTS" &
+  --kv-events "$KV_EVENTS" ${serve_router[@]+"${serve_router[@]}"} &
 pids+=($!)
 
 for _ in $(seq 1 50); do

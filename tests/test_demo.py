@@ -124,6 +124,7 @@ def demo_settings(server, kv_events: str):
     serve = serve[:serve.index("&\n")]
     flags = set(re.findall(r"--([a-z-]+)", serve))
     assert flags == {"config", "target", "port", "upstream-target", "demo-target", "kv-events"}, flags
+    assert "--router-target" in script  # only with ROUTER set (kvwatch sim --router)
     assert "--config scripts/demo-kvwatch.yaml" in serve
     sim = script[script.index('"$KVWATCH" sim'):]
     assert set(re.findall(r"--([a-z-]+)", sim[:sim.index("&\n")])) == {"scenario", "speed", "port", "host", "kv-events"}

@@ -198,7 +198,9 @@ def catalogue_metrics(name: str) -> set[str]:
     for stream in STREAM_SIGNALS + STREAM_SIZING:
         if name == stream.name:
             return metric_names(stream.promql.format(sel="", w="5m", by="x"))
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + STREAM_HEALTH:
+    from kvwatch.signals.health import ROUTER_HEALTH
+
+    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + STREAM_HEALTH + ROUTER_HEALTH:
         if name in (entry.name, entry.sample_name):
             return {entry.sample_name} | {entry.name + suffix for suffix in ("_bucket", "_sum", "_count")}
     raise KeyError(name)

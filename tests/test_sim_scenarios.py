@@ -10,7 +10,7 @@ from kvwatch.sim.simulation import Simulation
 from sim_support import observe, scrape, total
 
 SHIPPED = {"healthy", "exhaustion", "long-requests", "prefix-change", "eviction-pressure", "queueing", "slow-prefill",
-           "upstream-delay", "demo", "idle", "stuck"}
+           "upstream-delay", "demo", "idle", "stuck", "routing"}
 
 
 def simulation(name: str, seed: int = 0) -> Simulation:

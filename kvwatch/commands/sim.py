@@ -12,6 +12,7 @@ import time
 
 from kvwatch.sim.dialects import DIALECTS, SGLANG_SPELLINGS
 from kvwatch.sim.lmcache import DEFAULT_SIZE_FACTOR
+from kvwatch.sim.router import POLICIES
 from kvwatch.sim.scenario import ScenarioError, clock_text, list_scenarios, load_scenario, phase_line
 from kvwatch.sim.simulation import DEFAULT_MODEL_NAME, Simulation
 from kvwatch.units import parse_duration, parse_number, parse_port, parse_whole_number
@@ -57,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="events name their origin, NEW or REUSED (a proposed vLLM field; the map layout)")
     parser.add_argument("--kv-events-layout", default="vllm", choices=("vllm", "sglang", "trtllm"),
                         help="whose publisher the events' batches look like (default: vllm)")
+    parser.add_argument("--router", default=None, choices=POLICIES,
+                        help="put a simulated router with this policy in front of the engines (round_robin, prefix, "
+                             "prefix_stale: prefix-aware over an index never told of evictions); its page (llm-d's "
+                             "endpoint picker names) at /router/metrics; default: none, the least-loaded engine")
     parser.add_argument("--interval", default="15s", help="report interval, simulated time (default: 15s)")
 
 
@@ -109,6 +114,18 @@ def _report(sim: Simulation, seconds: float, interval: float) -> None:
     print("(usage: mean of 1 s samples in the window, peak: their max; ttft/queue/prefill/retrieval: mean seconds of the window)")
 
 
+def _print_sources(sim: Simulation, server, kv_events: str | None) -> None:
+    """The banner's lines for the simulated sources beside the engines' page."""
+    if sim.lmcache is not None:
+        print(f"kvwatch sim: simulated LMCache tier of {sim.lmcache.capacity_chunks * sim.lmcache.chunk_tokens} "
+              f"tokens, its page at {server.lmcache_metrics_url}", flush=True)
+    if sim.router is not None:
+        print(f"kvwatch sim: simulated router ({sim.router.policy}), its page at {server.router_metrics_url}",
+              flush=True)
+    if kv_events:
+        print(f"kvwatch sim: KV-cache events published to {kv_events} (kvwatch serve --kv-events)", flush=True)
+
+
 def _zmq_error() -> type[Exception]:
     try:
         import zmq
@@ -142,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvwatch sim: --engines must be >= 1", file=sys.stderr)
         return 2
     sim = Simulation(scenario, seed=args.seed, engines=args.engines, model_name=args.model_name,
-                     lmcache_tokens=lmcache_tokens)
+                     lmcache_tokens=lmcache_tokens, router=args.router)
     if args.report is not None:
         _report(sim, args.report, args.interval)
         return 0
@@ -218,11 +235,7 @@ def _say_serving(args: argparse.Namespace, scenario, sim: Simulation, server) ->
           f"speed {args.speed:g}, dialect {args.dialect}", flush=True)
     print(f"kvwatch sim: serving {server.url}  (metrics {server.metrics_url}, app metrics {server.app_metrics_url})",
           flush=True)
-    if sim.lmcache is not None:
-        print(f"kvwatch sim: simulated LMCache tier of {sim.lmcache.capacity_chunks * sim.lmcache.chunk_tokens} "
-              f"tokens, its page at {server.lmcache_metrics_url}", flush=True)
-    if args.kv_events:
-        print(f"kvwatch sim: KV-cache events published to {args.kv_events} (kvwatch serve --kv-events)", flush=True)
+    _print_sources(sim, server, args.kv_events)
     status = server.phase_status()
     if status["phases"] > 1:
         loop = "then loops" if scenario.loop else "then stays in the last phase"

@@ -143,13 +143,15 @@ SYMPTOM_LIST = (
     Symptom("fleet", alert="VllmFleetReplicaOutlier", arbitrated=True),
     # The engine's KV-cache event stream itself (diagnose/stream.py), where kv_events is set.
     Symptom("kv_events", "KV-cache event stream", "KvwatchKvEventStreamUnhealthy"),
+    # The router's prediction against the engines' delivery, per model (kvwatch/routing/).
+    Symptom("routing", "Routing", "VllmRouterPrefixRouting"),
 )
 
 # The banner's order among findings of one weight (actionable or not): what
 # users feel first (a stuck engine, late first tokens: the objectives), then
 # what makes them feel it (exhaustion), then what costs compute (hit rate),
-# then facts about the fleet, kvwatch's own stream and changes.
-FELT_ORDER = ("stuck", "slow_first_token", "exhaustion", "low_hit_rate", "fleet", "kv_events", "change")
+# then how the router placed them, then facts about the fleet, kvwatch's own stream and changes.
+FELT_ORDER = ("stuck", "slow_first_token", "exhaustion", "low_hit_rate", "routing", "fleet", "kv_events", "change")
 
 # The alerts, in the order of their runbook sections. The objectives'
 # burn-rate pages are kvwatch/mixin/objectives.py's.
@@ -178,6 +180,8 @@ ALERT_LIST = (
     # The stream kvwatch decides hit-rate causes by: its causes already waited
     # (kv_events_silence_seconds, the rate window), so `for:` rides out a restart of either side.
     Alert("KvwatchKvEventStreamUnhealthy", "kv_events", "10m", ("prefix_cache", "kv_events_up"), "kv-events"),
+    # Fired by kvwatch's routing finding (kvwatch/routing/), each judged over the window already.
+    Alert("VllmRouterPrefixRouting", "routing", "10m", ("overview", "findings"), "routing"),
 )
 
 # In the order the rules consider them within a symptom.
@@ -660,6 +664,36 @@ CAUSE_LIST = (
             "reports.")),
         owner="platform",
         diagnosed=False),
+    # --- routing: the router's prediction against the engines' delivery (kvwatch/routing/attribution.py).
+    Cause(
+        name="routing_miss",
+        symptom="routing",
+        severity="warning",
+        title="the router routes to prefixes the replicas no longer hold",
+        next_check=(
+            "The router predicted prefix reuse the engines did not deliver: its index of which replica holds what "
+            "is stale. Check that it is fed the engines' KV-cache events (a precise index) or that its approximate "
+            "index forgets as fast as the replicas evict; compare its predicted tokens with the engines' "
+            "prefix-cache hits per replica."),
+        next_action="Give the router the engines' KV-cache events, or shorten its index's memory.",
+        deciding=("predicted_tokens", "delivered_tokens", "delivered_fraction"),
+        alert="VllmRouterPrefixRouting",
+        routed_by_finding=True,
+        owner="application"),
+    Cause(
+        name="stale_router_metrics",
+        symptom="routing",
+        severity="warning",
+        title="the router decides on stale metrics",
+        next_check=(
+            "The router's view of the replicas is older than its staleness bound: poll the replicas more often "
+            "than the bound (or raise the bound), check the endpoints it cannot read (path, port, TLS, "
+            "authentication), and that its KV index receives events from every replica."),
+        next_action="Make the router poll its replicas more often than its staleness bound.",
+        deciding=("stale_endpoints", "stale_share", "events_applied"),
+        alert="VllmRouterPrefixRouting",
+        routed_by_finding=True,
+        owner="application"),
 )
 
 SYMPTOMS: dict[str, Symptom] = {s.name: s for s in SYMPTOM_LIST}

@@ -577,7 +577,40 @@ def fleet(config: MixinConfig) -> Board:
                     "Counter resets inside the window per replica (kvwatch_engine_prompt_tokens_total): a replica "
                     "that restarted refills its cache while its peers are warm.", "short",
                     [(f.restarted(), e)], width=12, runbook=ANCHOR_FLEET))
+    _router_row(b, v)
     return b
+
+
+ANCHOR_ROUTING = runbook_anchor("VllmRouterPrefixRouting")
+
+
+def _router_row(b: Board, v: Views) -> None:
+    """The router's prediction against the engines' delivery (kvwatch/pipeline/router.py): its series exist
+    only where kvwatch reads a router's page (--router-target), so without one these panels are empty."""
+    empty = " Empty unless kvwatch reads a router's page (--router-target)."
+    legend = v.instance_legend + " {{model_name}}"
+    b.row("Router: predicted against delivered")
+    b.add(PanelSpec("router_up", "kvwatch reading the router",
+                    "kvwatch_router_up: 1 while kvwatch's latest poll of the router's page succeeded and carried "
+                    "its prefix prediction, 0 while it fails." + empty, "short",
+                    [(f"kvwatch_router_up{{{TARGET_SEL}}}", v.instance_legend)], kind="stat", width=6, height=8,
+                    runbook=ANCHOR_ROUTING, threshold=1, signal="kvwatch_router_up",
+                    mappings=((1, "reading"), (0, "failing"))))
+    b.add(PanelSpec("router_predicted_delivered", "Predicted, delivered and available per model",
+                    "Over the window, per model: the prompt share the router predicted its chosen replicas hold, "
+                    "the share the engines delivered from their prefix caches, and the share the best replica "
+                    "held. Delivered well below predicted is routing_miss (a stale index); predicted well below "
+                    "available is lost prefix affinity (routing without the prefix)." + empty, "percentunit",
+                    [(f"kvwatch_router_predicted_hit_ratio{{{TARGET_SEL}}}", "predicted " + legend),
+                     (f"kvwatch_router_delivered_hit_ratio{{{TARGET_SEL}}}", "delivered " + legend),
+                     (f"kvwatch_router_available_hit_ratio{{{TARGET_SEL}}}", "available " + legend)],
+                    width=18, runbook=ANCHOR_ROUTING))
+    b.add(PanelSpec("tenant_hit_ratio", "Hit ratio per tenant",
+                    "Per tenant (kind fairness_id: llm-d's, from the router's request metrics), now, over the "
+                    "window: prompt tokens served from cache over those sent; the tenant_top_k tenants with the "
+                    "most prompt tokens by name, the rest as other." + empty, "percentunit",
+                    [(f"kvwatch_tenant_hit_ratio{{{TARGET_SEL}}}", "{{kind}} {{tenant}}")],
+                    kind="table", width=24, height=8, runbook=ANCHOR_ROUTING, instant=True))
 
 
 BUILDERS = {"overview": overview, "exhaustion": exhaustion, "prefix_cache": prefix_cache, "first_token": first_token,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from kvwatch.engines import vllm
 from kvwatch.signals import STREAM_HEALTH, STREAM_SERIES, STREAM_SIGNALS, STREAM_SIZING
 from kvwatch.signals import CENTRAL_HEALTH, ENGINE_SERIES, HEALTH, IDENTITY, SIGNALS, TIER_HEALTH, TIER_IDENTITY, TIER_SERIES, TIER_SIGNALS
+from kvwatch.signals.health import ROUTER_HEALTH
 
 def _row(name: str, kind: str, labels: str, help_text: str) -> str:
     return f"| `{name}` | {kind} | {labels} | {help_text.replace('|', '/')} |"
@@ -62,6 +63,7 @@ def render() -> str:
     for signal in SIGNALS:
         lines.append(_row(signal.name, signal.unit, signal.label or "", signal.doc or signal.help))
     lines += _tier()
+    lines += _router()
     lines += _stream()
     lines += [
         "",
@@ -105,6 +107,23 @@ def _tier() -> list[str]:
               "(LMCache 0.5, OpenTelemetry names, read from its Prometheus page, not OTLP): "
               + ", ".join(f"`lmcache_{base}_total`" for base in (s.family for s in TIER_SERIES) if base.startswith("mp_"))
               + " (counters, summed over `cache_salt`)."]
+    return lines
+
+
+def _router() -> list[str]:
+    """The router's page read beside the engines, present only with `router_target`."""
+    lines = [
+        "",
+        "## Router",
+        "",
+        "Only with `--router-target` (`KVWATCH_ROUTER_TARGET`, YAML `router_target:`): a router's page (llm-d's",
+        "endpoint picker, NVIDIA Dynamo's KV router, SGLang's gateway) read beside the engines'; docs/diagnosis.md",
+        "(`routing`) says how the window is split and judged.",
+        "",
+        "| metric | type | labels | meaning and sources |",
+        "|---|---|---|---|",
+    ]
+    lines += [_row(f.sample_name, f.kind, ", ".join(f.labels), f.help) for f in ROUTER_HEALTH]
     return lines
 
 

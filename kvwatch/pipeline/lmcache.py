@@ -37,12 +37,15 @@ reads the Prometheus page, the server's own or the collector's, never OTLP:
 from __future__ import annotations
 
 import time
+from collections import deque
+from typing import Any
 
 from kvwatch.exposition import FamilySelector
 from kvwatch.labels import bounded_label
 from kvwatch.pipeline.reports import LMCacheModel, LMCacheReport
 from kvwatch.scrape import SECOND_SOURCE_MAX_BYTES, Fetcher
 from kvwatch.present import origin, public_url
+from kvwatch.routing.tenants import tenant_sums, window_rows
 from kvwatch.signals import TIER_SERIES, TIER_SIGNALS, View, evaluate_tier
 from kvwatch.snapshot import EngineSnapshot, Snapshot
 from kvwatch.window import Window
@@ -142,6 +145,9 @@ class LMCacheSource:
         self.clock = clock
         self.max_models = min(settings.max_series, MAX_MODELS)
         self._families = {key: family_name(key) for key in COUNTERS}
+        # The multiprocess server's lookups per cache_salt (a tenant), one sum per poll over the window.
+        self.top_k: int = settings.tenant_top_k
+        self._salts: deque[tuple[float, dict[str, list[float]]]] = deque(maxlen=3600)
 
     def poll(self, page_text: str | None = None, at: float | None = None) -> LMCacheReport:
         """One poll; `page_text` (and its time `at`) is the engine's page when
@@ -167,7 +173,21 @@ class LMCacheSource:
         snapshot = Snapshot(now, {(model, TIER): engine for model, engine in engines.items()}, sources=sources,
                             families=self._families)
         self.window.add(snapshot)
-        return self._report(now, True, None, "", sources)
+        report = self._report(now, True, None, "", sources)
+        report["tenants"] = self._tenants(page, now)
+        return report
+
+    def _tenants(self, page, now: float) -> dict[str, Any]:
+        """kind -> the window's top K cache_salt tenants and "other" (lookup hit over requested tokens)."""
+        sums = tenant_sums(page.families, "cache_salt", COUNTERS["lookup_requested_tokens"],
+                           COUNTERS["lookup_hit_tokens"])
+        if not sums:
+            return {}
+        self._salts.append((now, sums))
+        while self._salts[0][0] < now - self.window.seconds:
+            self._salts.popleft()
+        rows = window_rows("cache_salt", self._salts[0][1], sums, self.top_k)
+        return {"cache_salt": [row.as_dict() for row in rows]}
 
     def _report(self, now: float, up: bool, reason: str | None, detail: str,
                 sources: dict[str, str] | None) -> LMCacheReport:

@@ -30,6 +30,7 @@ from kvwatch.kvevents.source import KVEventSource
 from kvwatch.pipeline.demo import DemoSource
 from kvwatch.pipeline.lmcache import LMCacheSource
 from kvwatch.pipeline.reports import BusyReport, DemoStatus, KVEventsReport, LMCacheReport, ReplayProgress, UpstreamReport
+from kvwatch.pipeline.router import RouterSource
 from kvwatch.pipeline.upstream import UpstreamSource
 from kvwatch.labels import LABEL_VALUE_MAX_BYTES, bounded_label
 from kvwatch.present import public_host, public_url
@@ -101,6 +102,8 @@ class State:
     lmcache: LMCacheReport | None = None
     # The KV-cache event stream's report (kvwatch/kvevents/source.py), None unless kv_events is set.
     kv_events: KVEventsReport | None = None
+    # The router's latest poll (kvwatch/pipeline/router.py), None unless router_target is set.
+    router: dict[str, Any] | None = None
     # finding key (report.finding_key) -> when it was first seen, while it stays active
     findings_since: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
     # The window's entries as of this poll (the trends on the status page);
@@ -188,6 +191,7 @@ class Monitor:
         self.lmcache = None
         if settings.lmcache_target:
             self.lmcache = LMCacheSource(settings, self.window.seconds, clock=self.clock)
+        self.router = RouterSource(settings, self.window.seconds, clock=self.clock) if settings.router_target else None
         self.demo = None
         if settings.demo_target:
             self.demo = DemoSource(settings.demo_target, settings.fetch_timeout, settings.poll_interval)
@@ -308,7 +312,8 @@ class Monitor:
         findings = diagnosis.diagnose(self.window, per_engine, events,
                                       self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
                                       incumbents=self.hold.incumbents())
-        findings = self.hold.apply(answered, self._judged_now(snapshot, findings, events, upstream, lmcache, kv_events))
+        findings = self.hold.apply(answered, self._judged_now(snapshot, findings, events, upstream, lmcache, kv_events)
+                                   + self._poll_router(answered))
         busy = self._busy(snapshot, result.seconds, timed_out=False, at=answered)
         self._polls += 1
         was_up = self.state.up
@@ -335,7 +340,7 @@ class Monitor:
             findings=tuple(findings),
             events=events,
             upstream=upstream,
-            lmcache=lmcache,
+            lmcache=lmcache, router=self.router.last if self.router is not None else None,
             kv_events=kv_events,
             findings_since={key: previous_since.get(key, started) for key in (finding_key(f) for f in findings)},
             entries=tuple(self.window.entries),
@@ -403,6 +408,16 @@ class Monitor:
             return {"target": public_url(self.settings.lmcache_target), "up": False, "reason": "internal",
                     "detail": "kvwatch failed reading LMCache's page", "families": None, "models": [],
                     "time": self.clock()}
+
+    def _poll_router(self, at: float) -> list:
+        """The router's findings for this poll; its failure is its own, never the engine's."""
+        if self.router is None:
+            return []
+        try:
+            return self.router.poll(self.window, at)
+        except Exception:  # pragma: no cover - defensive: the router must not take the engine's poll down
+            log.exception("polling the router failed")
+            return []
 
     def _report_kv_events(self, at: float, per_engine) -> dict[str, Any] | None:
         """The stream's report for this poll, with the page's numbers it

@@ -7,7 +7,7 @@ report (kvwatch/kvevents/source.py) has its own type there."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypedDict
+from typing import NotRequired, Any, Literal, TypedDict
 
 
 class UpstreamReport(TypedDict):
@@ -48,6 +48,8 @@ class LMCacheReport(TypedDict):
     families: dict[str, bool] | None
     models: list[LMCacheModel]
     time: float
+    # kind (cache_salt) -> the window's top K tenants and "other" (kvwatch/routing/tenants.py); only where read.
+    tenants: NotRequired[dict[str, Any]]
 
 
 class DemoStatus(TypedDict):

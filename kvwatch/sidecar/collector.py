@@ -33,6 +33,8 @@ from kvwatch.signals import (
     engine_series_value,
 )
 from kvwatch.signals import IDENTITY as IDENTITY_LABELS
+from kvwatch.signals.health import ROUTER_HEALTH
+from kvwatch.routing.tenants import DEFAULT_TOP_K, lora_rows
 from kvwatch.engines.plausible import FAULTS
 from kvwatch.snapshot import PINNED_LABELS, Histogram
 
@@ -55,6 +57,9 @@ class KvwatchCollector(Collector):
         yield from self._engine_series(state.snapshot)
         yield from self._sources(state.snapshot, state.lmcache)
         yield from self._tier(state.lmcache)
+        yield from self._router(getattr(state, "router", None))
+        yield from self._tenants(state.lmcache, getattr(state, "router", None))
+        yield from self._adapters(getattr(state, "kv_events", None))
         yield from self._stream(getattr(state, "kv_events", None))
         yield from self._signals(state)
         yield from self._pinned(state)
@@ -142,6 +147,52 @@ class KvwatchCollector(Collector):
         for family, on_page in sorted(((lmcache or {}).get("families") or {}).items()):
             present.add_metric([family], 1.0 if on_page else 0.0)
         yield present
+
+    def _router(self, router):
+        """The router beside the engines (kvwatch/pipeline/router.py): its health
+        whenever configured, each model's window only while its latest poll read one."""
+        if router is None:
+            return
+        up = GaugeMetricFamily(ROUTER_HEALTH[0].name, ROUTER_HEALTH[0].help, labels=[])
+        up.add_metric([], 1.0 if router.get("up") else 0.0)
+        yield up
+        if not router.get("up"):
+            return
+        attributes = ("predicted_ratio", "delivered_ratio", "available_ratio")
+        for health, attribute in zip(ROUTER_HEALTH[1:], attributes):
+            family = GaugeMetricFamily(health.name, health.help, labels=list(health.labels))
+            for window in router.get("windows") or ():
+                value = getattr(window, attribute)
+                if _finite(value):
+                    family.add_metric([window.model], value)
+            yield family
+
+    def _adapters(self, kv_events):
+        """Per LoRA adapter, the stream's window's stored-again share (top K and "other")."""
+        if not kv_events or not kv_events.get("up"):
+            return
+        settings = getattr(self.monitor, "settings", None)
+        health = ROUTER_HEALTH[5]
+        family = GaugeMetricFamily(health.name, health.help, labels=list(health.labels))
+        for row in lora_rows(kv_events, settings.tenant_top_k if settings is not None else DEFAULT_TOP_K):
+            if _finite(row["stored_again_share"]):
+                family.add_metric(["lora", row["tenant"]], row["stored_again_share"])
+        yield family
+
+    def _tenants(self, *reports):
+        """Per tenant of each kind, its window's hit ratio: from the router's page (fairness_id) and LMCache's
+        multiprocess server (cache_salt), each already cut to the top K and "other"."""
+        kinds = {kind: rows for report in reports if report and report.get("up")
+                 for kind, rows in (report.get("tenants") or {}).items()}
+        if not kinds:
+            return
+        tenants = ROUTER_HEALTH[4]
+        family = GaugeMetricFamily(tenants.name, tenants.help, labels=list(tenants.labels))
+        for kind, rows in sorted(kinds.items()):
+            for row in rows:
+                if _finite(row["hit_ratio"]):
+                    family.add_metric([kind, row["tenant"]], row["hit_ratio"])
+        yield family
 
     def _tier(self, lmcache):
         """The LMCache tier (kvwatch/pipeline/lmcache.py): its health whenever

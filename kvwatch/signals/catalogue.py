@@ -37,7 +37,7 @@ from kvwatch.signals.derivations import (  # noqa: F401 (the public names re-exp
     reuse_shortfall_blocks, token_usage_estimate, ttft_decomposition, ttft_parts, unlit_reasons,
 )
 from kvwatch.signals.health import (  # noqa: F401 (the public names re-exported)
-    CENTRAL_HEALTH, GOOD_DIRECTIONS, HEALTH, HEALTH_BY_NAME, SCRAPE, STREAM_HEALTH, TIER_HEALTH, UNITS, HealthFamily,
+    CENTRAL_HEALTH, GOOD_DIRECTIONS, HEALTH, HEALTH_BY_NAME, ROUTER_HEALTH, SCRAPE, STREAM_HEALTH, TIER_HEALTH, UNITS, HealthFamily,
     Unit,
 )
 import kvwatch.signals.worth as worth
@@ -509,7 +509,8 @@ def good_direction(name: str) -> str | None:
     for stream in STREAM_SIGNALS + STREAM_SIZING:
         if name == stream.name:
             return stream.good
-    for entry in ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + CENTRAL_HEALTH + STREAM_HEALTH:
+    for entry in (ENGINE_SERIES + HEALTH + SCRAPE + TIER_HEALTH + TIER_SERIES + CENTRAL_HEALTH + STREAM_HEALTH
+                  + ROUTER_HEALTH):
         if name in (entry.name, entry.sample_name):
             return entry.good
     raise KeyError(f"{name} is not in the catalogue")

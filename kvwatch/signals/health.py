@@ -165,6 +165,38 @@ TIER_HEALTH: tuple[HealthFamily, ...] = (
                  "absent unless lmcache_target is set. The engine's signals do not depend on it.", good="high"),
 )
 
+# A router's page read beside the engines (`router_target`, kvwatch/pipeline/router.py): each model's
+# window split into what the router predicted, what the engines delivered and what the best replica held.
+ROUTER_HEALTH: tuple[HealthFamily, ...] = (
+    HealthFamily("kvwatch_router_up", "gauge", (),
+                 "1 if the latest poll of the router's page (router_target) succeeded and carried a router's "
+                 "prefix prediction, else 0; absent unless router_target is set.", good="high"),
+    HealthFamily("kvwatch_router_predicted_hit_ratio", "gauge", ("model_name",),
+                 "Prompt tokens the router predicted the replicas it chose hold, over the prompt tokens it measured "
+                 "against, over the window (llm-d: llm_d_epp_prefix_predicted_cached_tokens_sum over "
+                 "llm_d_epp_prefix_prompt_tokens_sum; Dynamo and older llm-d: a mean of per-request ratios).",
+                 good="high"),
+    HealthFamily("kvwatch_router_delivered_hit_ratio", "gauge", ("model_name",),
+                 "The engines' prefix-cache hits over their queried tokens for the model over the same window "
+                 "(vllm:prefix_cache_hits over vllm:prefix_cache_queries, summed over the model's engines).",
+                 good="high"),
+    HealthFamily("kvwatch_router_available_hit_ratio", "gauge", ("model_name",),
+                 "What the best candidate replica held, over the prompt tokens, over the window (llm-d: "
+                 "llm_d_epp_prefix_best_available_cached_tokens_sum); absent where the router does not say it.",
+                 good="high"),
+    HealthFamily("kvwatch_tenant_hit_ratio", "gauge", ("kind", "tenant"),
+                 "Per tenant over the window, the prompt tokens served from cache over those sent "
+                 "(llm-d: llm_d_epp_request_cached_tokens_sum over llm_d_epp_request_input_tokens_sum by "
+                 "fairness_id, kind fairness_id; LMCache's multiprocess server: lookup hit over requested tokens by "
+                 "cache_salt, kind cache_salt); the tenant_top_k tenants with the most prompt tokens, the rest "
+                 "summed as tenant=\"other\": at most tenant_top_k + 1 series per kind.", good="high"),
+    HealthFamily("kvwatch_tenant_stored_again_ratio", "gauge", ("kind", "tenant"),
+                 "Per LoRA adapter (kind lora, from the KV-cache event stream's BlockStored lora_name; (base) for the "
+                 "base model) over the stream's window: blocks stored again after their eviction over blocks "
+                 "stored, the share recomputed; the tenant_top_k adapters that stored most, the rest as other.",
+                 good="low"),
+)
+
 # Central mode (`kvwatch serve --prometheus`): its own health beside every
 # replica's series, without replica labels (kvwatch/central/app.py).
 CENTRAL_HEALTH: tuple[HealthFamily, ...] = (

@@ -3,7 +3,8 @@ times `speed`, and a stdlib HTTP server on loopback answers `/metrics`,
 `/health`, `/version`, `/v1/models`, `/v1/completions`, `/v1/chat/completions`
 (OpenAI style, streaming or not), `/app/metrics` (the RAG application's
 histogram), `/sim/phase` (the scenario's phase now and the next, JSON) and,
-with a simulated LMCache tier, `/lmcache/metrics` (its page).
+with a simulated LMCache tier, `/lmcache/metrics` (its page), and with a
+simulated router, `/router/metrics` (its page, llm-d EPP's names).
 With `temperature: 0` a completion's text depends on its prompt
 alone, and `logprobs` brings a logprob per token, also fixed by the prompt.
 
@@ -95,6 +96,8 @@ REQUEST_READ_SECONDS = 10.0
 SOCKET_TIMEOUT_SECONDS = 30.0
 # The simulated LMCache tier's own page (`kvwatch sim --lmcache`).
 LMCACHE_PATH = "/lmcache/metrics"
+# The simulated router's page (`kvwatch sim --router POLICY`).
+ROUTER_PATH = "/router/metrics"
 # The scenario's phase now and the next, as JSON (`make run` prints it, and
 # kvwatch's status page shows it when `demo_target` points here).
 PHASE_PATH = "/sim/phase"
@@ -203,6 +206,11 @@ class SimServer:
         """The simulated LMCache tier's page (served only with one)."""
         return self.url + LMCACHE_PATH
 
+    @property
+    def router_metrics_url(self) -> str:
+        """The simulated router's page (served only with one)."""
+        return self.url + ROUTER_PATH
+
     def start(self) -> SimServer:
         serve = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
                                  name="kvwatch-sim-http", daemon=True)
@@ -306,6 +314,12 @@ class SimServer:
                 return None
             return self.sim.lmcache.render(self.sim.model_name)
 
+    def router_metrics_text(self) -> str | None:
+        with self.cond:
+            if self.sim.router is None:
+                return None
+            return self.sim.router.render(self.sim.model_name)
+
     def app_metrics_text(self) -> str:
         with self.cond:
             return render_app_metrics(self.sim.app_retrieval, self.sim.created_unix)
@@ -325,6 +339,7 @@ def start_background(
     kv_report: tuple = (0.0, False),
     read_timeout: float = REQUEST_READ_SECONDS,
     spelling: str = "sglang:",
+    router: str | None = None,
 ) -> SimServer:
     """Start a simulator in this process (threads); port 0 picks a free port.
     The handle has .url, .metrics_url, .app_metrics_url, .lmcache_metrics_url,
@@ -335,11 +350,12 @@ def start_background(
     of requests in vLLM's full report mode, whether events name their
     origin[, whose publisher's layout: vllm, sglang, trtllm]). `read_timeout`: the
     seconds a request has to arrive whole (REQUEST_READ_SECONDS). `spelling`:
-    the SGLang dialect's names, sglang: or sglang_ (sample lines rewritten)."""
+    the SGLang dialect's names, sglang: or sglang_ (sample lines rewritten).
+    `router`: a simulated router of that policy (its page at .router_metrics_url)."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     simulation = Simulation(scenario, seed=seed, engines=engines, model_name=model_name,
-                            lmcache_tokens=lmcache_tokens)
+                            lmcache_tokens=lmcache_tokens, router=router)
     return SimServer(simulation, speed=speed, host=host, port=port, dialect=dialect, kv_events=kv_events,
                      kv_report=kv_report, read_timeout=read_timeout, spelling=spelling).start()
 
@@ -558,6 +574,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, server.app_metrics_text().encode(), CONTENT_TYPE)
             elif path == LMCACHE_PATH and (tier_text := server.lmcache_metrics_text()) is not None:
                 self._send(200, tier_text.encode(), CONTENT_TYPE)
+            elif path == ROUTER_PATH and (router_text := server.router_metrics_text()) is not None:
+                self._send(200, router_text.encode(), CONTENT_TYPE)
             elif path == PHASE_PATH:
                 # One line ending in a newline: kvwatch reads it with its page fetcher.
                 self._send(200, (json.dumps(server.phase_status()) + "\n").encode(), "application/json")

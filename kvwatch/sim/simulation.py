@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from kvwatch.sim.engine import Engine, Request, RequestRejected
 from kvwatch.sim.lmcache import LMCacheTier
+from kvwatch.sim.router import SimRouter
 from kvwatch.sim.scenario import Scenario
 from kvwatch.sim.stats import APP_DEFAULT_BUCKETS, Histogram
 from kvwatch.sim.workload import DrawnRequest, draw_request, symbolic_block_hashes
@@ -32,9 +33,12 @@ class Simulation:
         model_name: str = DEFAULT_MODEL_NAME,
         created_unix: float | None = None,
         lmcache_tokens: int | None = None,
+        router: str | None = None,
     ) -> None:
         """`lmcache_tokens`: give the engines a simulated LMCache tier of that
-        many tokens (kvwatch/sim/lmcache.py); None: none."""
+        many tokens (kvwatch/sim/lmcache.py); None: none. `router`: put a
+        simulated router with that policy (kvwatch/sim/router.py) in front of
+        the engines; None: the least-loaded engine, as vLLM's DP coordinator."""
         self.scenario = scenario
         self.model_name = model_name
         self.seed = seed
@@ -51,6 +55,7 @@ class Simulation:
                                        first.engine.kv_bytes_per_token)
             for engine in self.engines:
                 engine.attach_tier(self.lmcache)
+        self.router = SimRouter(self.engines, router) if router is not None else None
         self.created_unix = time.time() if created_unix is None else created_unix
         self.now = 0.0
         self.app_retrieval = Histogram(APP_DEFAULT_BUCKETS)
@@ -162,7 +167,9 @@ class Simulation:
 
     # -- requests --------------------------------------------------------------
 
-    def pick_engine(self) -> Engine:
+    def pick_engine(self, hashes: list | None = None, prompt_len: int = 0) -> Engine:
+        if self.router is not None and hashes is not None:
+            return self.router.pick(hashes, prompt_len)
         return min(self.engines, key=Engine.load)
 
     def _new_uid(self) -> int:
@@ -175,9 +182,9 @@ class Simulation:
                 self.repeat_prefix_tokens += drawn.shared_len
             else:
                 self._seen_prefixes.add(drawn.prefix_key)
-        engine = self.pick_engine()
         uid = self._new_uid()
-        hashes = symbolic_block_hashes(uid, drawn, engine.config.block_size)
+        hashes = symbolic_block_hashes(uid, drawn, self.engines[0].config.block_size)
+        engine = self.pick_engine(hashes, drawn.prompt_len)
         request = Request(uid, drawn.prompt_len, drawn.max_tokens, drawn.output_len, hashes, self.now)
         try:
             engine.add_request(request)
@@ -193,8 +200,9 @@ class Simulation:
         sink: Callable[[Request, float], None] | None = None,
     ) -> Request:
         """Hand an outside request (from the HTTP API) to the least-loaded engine
-        at the current simulated time. Raises RequestRejected."""
-        engine = self.pick_engine()
+        at the current simulated time (the router's pick, where there is
+        one). Raises RequestRejected."""
+        engine = self.pick_engine(prompt_hashes, prompt_len)
         request = Request(
             self._new_uid(),
             prompt_len,

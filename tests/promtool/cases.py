@@ -468,6 +468,15 @@ def default_cases() -> list[Case]:
              [Engine(findings=(("requests_stalled", "_x20 1 stale"),))], "22m", []),
         Case("a finding of another symptom -> not VllmEngineStuck",
              [Engine(findings=(("engine_restarted", const(1)),))], "30m", []),
+        # --- routing: routed by kvwatch's own finding (kvwatch/routing/ judged the window already) --
+        Case("the router predicted what the engines did not deliver -> VllmRouterPrefixRouting routing_miss",
+             [Engine(findings=(("routing_miss", "_x20 1x100"),))], "40m",
+             [("VllmRouterPrefixRouting", "routing_miss", ENGINE)]),
+        Case("the router decides on stale metrics -> VllmRouterPrefixRouting stale_router_metrics",
+             [Engine(findings=(("stale_router_metrics", "_x20 1x100"),))], "40m",
+             [("VllmRouterPrefixRouting", "stale_router_metrics", ENGINE)]),
+        Case("a routing finding for five minutes, shorter than for: (10m) -> nothing",
+             [Engine(findings=(("routing_miss", "_x20 1x5 stale"),))], "26m", []),
     ]
 
 
