@@ -109,8 +109,11 @@ def exported_names(fixtures_dir: Path) -> set[str]:
     pages = [(fixtures_dir / "vllm-0.32-cpu" / f"metrics-{name}.txt").read_text()
              for name in ("idle", "prefix-load", "load", "long-load")]
     lmcache = (fixtures_dir / "handwritten" / "lmcache-a.txt").read_text()
-    with PageServer([Answer(page) for page in pages]) as server, PageServer([Answer(lmcache)]) as tier:
+    router = (fixtures_dir / "handwritten" / "router-llm-d.txt").read_text()
+    with PageServer([Answer(page) for page in pages]) as server, PageServer([Answer(lmcache)]) as tier, \
+            PageServer([Answer(router)]) as router_page:
         monitor = Monitor(load_settings(overrides={"target": server.url, "lmcache_target": tier.url,
+                                                   "router_target": router_page.url,
                                                    "kv_events": "tcp://127.0.0.1:1"}, environ={}))
         # The KV-cache event stream's series (never started: its events are fed here).
         from kvwatch.kvevents import wire

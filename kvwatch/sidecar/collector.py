@@ -182,10 +182,11 @@ class KvwatchCollector(Collector):
     def _tenants(self, *reports):
         """Per tenant of each kind, its window's hit ratio: from the router's page (fairness_id) and LMCache's
         multiprocess server (cache_salt), each already cut to the top K and "other"."""
-        kinds = {kind: rows for report in reports if report and report.get("up")
-                 for kind, rows in (report.get("tenants") or {}).items()}
-        if not kinds:
+        read = [report for report in reports if report and report.get("up")]
+        if not read:
             return
+        # The family stands while a tenant source answers, empty until its window has two readings.
+        kinds = {kind: rows for report in read for kind, rows in (report.get("tenants") or {}).items()}
         tenants = ROUTER_HEALTH[4]
         family = GaugeMetricFamily(tenants.name, tenants.help, labels=list(tenants.labels))
         for kind, rows in sorted(kinds.items()):
