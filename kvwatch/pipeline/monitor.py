@@ -385,7 +385,7 @@ class Monitor:
         if kv_events:
             # The stream's report spans the window: the now span's rules must know the window's cache ran out.
             kv_events = {**kv_events, "window_exhausted": any(f.symptom == "exhaustion" for f in window_findings)}
-        per_engine, _ = evaluate_window(self.now_window, lazy=True)
+        per_engine, _ = evaluate_window(self.now_window, lazy=True, models=False)
         if self.upstream is not None:
             upstream = self.upstream.recent(upstream, self.now_window.seconds)
         return judged_now(window_findings, diagnosis.diagnose(self.now_window, per_engine, events, self.settings.diagnosis,
