@@ -392,13 +392,34 @@ def test_a_held_finding_reads_clearing_with_when_it_ends():
     """A finding inside its hold (diagnosis: finding_hold_seconds) says it is
     clearing and when it ends unless its condition returns; an active one
     does not."""
-    functions = ["clock", "minutes", "span", "sinceText"]
+    functions = ["clock", "minutes", "span", "fmt", "bounded", "evidenceUnit", "evidenceLabel", "evidenceText",
+                 "endedText", "sinceText"]
     now = 1_700_000_000.0
     held = {"since": now - 600, "clearing_since": now - 20}
     text = run_script(functions, f"sinceText({held}, {now}, 60)".replace("'", '"'), prelude="process.env.TZ='UTC';")
-    assert "clearing: condition clear since" in text and "ends at" in text and "unless it returns" in text
+    assert "clearing: ended at 22:13:00" in text and "gone at 22:14:00 unless it returns" in text
     active = run_script(functions, f'sinceText({{"since": {now - 600}}}, {now}, 60)')
     assert "clearing" not in active
+
+
+def test_a_finding_whose_condition_stopped_says_ended_at_with_its_peak():
+    """Issue 55: a finding whose condition stopped says "ended at" with its
+    peak, the figure that leads its card (the cause's first deciding figure,
+    as last seen), on the page's script and the page without it alike."""
+    from kvwatch.sidecar.statuspage import _findings_html
+
+    functions = ["clock", "minutes", "span", "fmt", "bounded", "evidenceUnit", "evidenceLabel", "evidenceText",
+                 "endedText", "sinceText"]
+    now = 1_700_000_000.0
+    held = {"since": now - 600, "clearing_since": now - 20, "cause": "concurrency_beyond_capacity",
+            "evidence": {"kv_usage_max": 0.969, "preemptions": 12}}
+    text = run_script(functions, f"sinceText({held}, {now}, 60)".replace("'", '"'), prelude="process.env.TZ='UTC';")
+    assert "ended at 22:13:00, peak KV usage max 96.9%" in text, text
+    finding = {"model_name": "m", "engine": "0", "symptom": "exhaustion", "cause": "concurrency_beyond_capacity",
+               "severity": "critical", "confidence": "high", "summary": "s", "next_check": "n",
+               "evidence": held["evidence"], "since": now - 600, "clearing_since": now - 20}
+    page = _findings_html({"findings": [finding], "up": True})
+    assert "ended at" in page and "peak KV usage max 96.9%" in page, page
 
 
 def test_the_noscript_page_says_a_finding_is_clearing():

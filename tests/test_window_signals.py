@@ -463,3 +463,12 @@ def test_lazy_values_are_the_evaluated_ones_read_in_any_order(fixtures_dir):
                 compared += 1
                 pinned_seen += bool(full.pinned)
     assert compared > 500 and pinned_seen > 50
+
+
+def test_the_now_span_evaluates_engines_alone(fixtures_dir):
+    """models=False (the now span's rules judge engines): the same engine
+    values, and no model view derived."""
+    window = window_of(fixtures_dir, ["load", "long-load"], spacing=10.0)
+    per_engine, per_model = evaluate_window(window, lazy=True, models=False)
+    assert per_model == []
+    assert dict(per_engine[0].values) == dict(evaluate_window(window)[0][0].values)

@@ -117,10 +117,8 @@ def columns_scanned(window: Window, key, gauge: str):
             all(0.0 <= v <= 1.0 for v in values))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(polls(), st.sampled_from([5.0, 12.0, math.inf]), st.sampled_from([3, 7, 10_000]), st.integers(0, 40))
-def test_running_sums_answer_what_step_by_step_sums_answer(sequence, seconds, max_entries, tamper_at):
-    window = Window(seconds, max_entries=max_entries)
+def snapshots_of(sequence):
+    """The drawn polls as snapshots of cumulative counters and histograms."""
     cumulative: dict = {}
     now = 1000.0
     for index, (gap, engines, renamed) in enumerate(sequence):
@@ -145,6 +143,14 @@ def test_running_sums_answer_what_step_by_step_sums_answer(sequence, seconds, ma
                 state["histograms"][name] = engine.histograms[name] = Histogram(
                     layout, tuple(cumulative_counts), before.sum + total, cumulative_counts[-1])
             snapshot.engines[key] = engine
+        yield snapshot
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(polls(), st.sampled_from([5.0, 12.0, math.inf]), st.sampled_from([3, 7, 10_000]), st.integers(0, 40))
+def test_running_sums_answer_what_step_by_step_sums_answer(sequence, seconds, max_entries, tamper_at):
+    window = Window(seconds, max_entries=max_entries)
+    for index, snapshot in enumerate(snapshots_of(sequence)):
         window.add(snapshot)
         if index == tamper_at and len(window.entries) > 2:
             window.entries.popleft()  # behind the window's back
@@ -269,3 +275,28 @@ def test_gauge_columns_keep_order_and_range_as_points_arrive_and_leave(points, s
             window.entries.popleft()  # behind the window's back
         assert repr(window.gauge_columns(("m", "0"), "kv_usage")) == repr(columns_scanned(window, ("m", "0"),
                                                                                           "kv_usage"))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(polls(), st.sampled_from([2.0, 5.0]), st.sampled_from([None, 4_000]), st.integers(0, 40))
+def test_a_window_that_follows_another_shares_its_entries_and_sums_its_span(sequence, seconds, max_bytes, tamper_at):
+    """The now span (Window.follow): the last `seconds` of another window's
+    very entries (steps computed once), summed as its own window, through
+    the source forgetting pairs and dropping polls for its byte bound and a
+    follower that missed polls."""
+    source = Window(30.0, max_bytes=max_bytes)
+    follower = Window(seconds, max_bytes=None)
+    for index, snapshot in enumerate(snapshots_of(sequence)):
+        source.add(snapshot)
+        if index != tamper_at:  # a poll the follower missed
+            follower.follow(source)
+        else:
+            continue
+        check(follower)
+        shared = list(source.entries)[-len(follower.entries):]
+        assert all(a is b for a, b in zip(follower.entries, shared))
+        first = follower.entries[0]
+        assert first is source.entries[0] or first.snapshot.time <= snapshot.time - seconds
+        if len(follower.entries) > 1:
+            assert follower.entries[1].snapshot.time > snapshot.time - seconds
+        assert follower.bytes == 0

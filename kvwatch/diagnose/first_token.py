@@ -17,7 +17,8 @@ from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | None) -> list[Finding]:
     slow = _slow_first_token(ctx, upstream)
     if slow is None:
-        return []
+        waiting = _waiting_now(ctx)
+        return [waiting] if waiting is not None else []
     evidence, shares, other_lower = _ttft_evidence(ctx, slow)
     # The span, said where the eye compares: the page's trend ends on shorter spans.
     t = ctx.t
@@ -64,6 +65,45 @@ def _slow_first_token(ctx: EngineContext, upstream: dict[str, Any] | None) -> di
         return None
     return {"ttft": ttft, "ttft_mean": ttft_mean, "p95": p95, "pinned": pinned, "upstream_mean": upstream_mean,
             "total_mean": total_mean, "engine_slow": engine_slow}
+
+
+def _waiting_now(ctx: EngineContext) -> Finding | None:
+    """Lag-aware: requests wait now, every poll since `waiting` ago, and the
+    first tokens admitted meanwhile (the histograms observe a request only
+    once it is admitted) are too few to say how long: the mean wait by
+    Little's law (the mean queue over the admission rate), or, with no
+    request admitted, at least how long the queue has stood, past the mean
+    objective is a queue found from what waits now; the histograms confirm
+    it as requests are admitted."""
+    polls, t = ctx.polls, ctx.t
+    if not polls or polls[-1].waiting_for_capacity <= 0:
+        return None
+    start = len(polls) - 1
+    while start > 0 and polls[start - 1].waiting_for_capacity > 0:
+        start -= 1
+    # A preempted request waits again for room, its first token long since
+    # out: only those beyond the stretch's preemptions wait for a first token
+    # (none can be told apart where the queue is older than the span and it
+    # preempted), and as many as the histograms need (ttft_min_requests).
+    preempted = sum(p.preempted for p in polls[start + 1:])
+    if (start == 0 and preempted > 0) or \
+            polls[-1].waiting_for_capacity - preempted < max(1, t["ttft_min_requests"]):
+        return None
+    stood = polls[-1].time - polls[start].time
+    ttft = ctx.histogram("ttft")
+    admitted = ttft.count if ttft is not None else 0.0
+    queue = sum(p.waiting_for_capacity for p in polls[start:]) / (len(polls) - start)
+    seconds = ctx.increase.seconds
+    wait = queue / (admitted / seconds) if admitted > 0 and seconds > 0 else stood
+    if wait <= t["ttft_mean_seconds"] or stood < t["ttft_mean_seconds"]:
+        return None
+    evidence = {"waiting_now": polls[-1].waiting_for_capacity, "waiting_seconds": stood,
+                "queue_from_waiting_seconds": wait, "ttft_requests": admitted,
+                "objective_mean_seconds": t["ttft_mean_seconds"], "window_seconds": seconds}
+    headline = (f"Time to first token over the last {stood:.0f}s: {polls[-1].waiting_for_capacity:.0f} requests "
+                f"waiting now, {admitted:.0f} first tokens in {seconds:.0f}s, a mean wait of about {wait:.1f}s "
+                f"(objective mean {t['ttft_mean_seconds']:g}s) before the histograms see it")
+    return _queue_finding(ctx, evidence, headline, "all of it", "low")
 
 
 def _queue_from_waiting(ctx: EngineContext, ttft) -> float | None:

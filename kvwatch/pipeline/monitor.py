@@ -221,7 +221,8 @@ class Monitor:
         # A finding stays active until its condition has been clear for the hold.
         self.hold = FindingHold(self.thresholds["finding_hold_seconds"])
         # What is true now (diagnose/now.py): the same rules over the last now_seconds.
-        self.now_window = Window(min(self.thresholds["now_seconds"], self.window.seconds))
+        # It follows the window (Window.follow): the same entries and steps, computed once.
+        self.now_window = Window(min(self.thresholds["now_seconds"], self.window.seconds), max_bytes=None)
         self.now_memory = diagnosis.HitRateMemory()
         # (time, running, waiting) of the latest page read, and when the
         # current run of busy polls began (None outside one).
@@ -386,11 +387,11 @@ class Monitor:
     def _judged_now(self, snapshot, window_findings, events, upstream, lmcache, kv_events) -> list[diagnosis.Finding]:
         """The window's findings judged on what is true now: the rules over
         the last now_seconds (diagnose/now.py)."""
-        self.now_window.add(snapshot)
+        self.now_window.follow(self.window)
         if kv_events:
             # The stream's report spans the window: the now span's rules must know the window's cache ran out.
             kv_events = {**kv_events, "window_exhausted": any(f.symptom == "exhaustion" for f in window_findings)}
-        per_engine, _ = evaluate_window(self.now_window, lazy=True)
+        per_engine, _ = evaluate_window(self.now_window, lazy=True, models=False)
         if self.upstream is not None:
             upstream = self.upstream.recent(upstream, self.now_window.seconds)
         return judged_now(window_findings, diagnosis.diagnose(self.now_window, per_engine, events, self.settings.diagnosis,

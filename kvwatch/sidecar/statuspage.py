@@ -32,6 +32,7 @@ import base64
 import hashlib
 import html
 import json
+import re
 import time
 from importlib import resources
 from typing import Any
@@ -224,6 +225,35 @@ def _faults_html(signals: dict[str, Any]) -> str:
             + "".join(f'<p data-fault="{_e(f["fault"])}">{_e(f["sentence"])}</p>' for f in faults))
 
 
+def _evidence_unit(key: str) -> str:
+    """The script's evidenceUnit: the unit an evidence key's name says."""
+    if "seconds" in key:
+        return "seconds"
+    if any(word in key for word in ("ratio", "share", "usage")) and "tokens" not in key:
+        return "ratio"
+    return "tokens" if "tokens" in key else ""
+
+
+def _evidence_label(key: str) -> str:
+    """The script's evidenceLabel."""
+    label = re.sub(r"\bttft\b", "TTFT", re.sub(r"\bkv\b", "KV", re.sub(r"_seconds$", "", key).replace("_", " ")))
+    return label[:1].upper() + label[1:]
+
+
+def ended_text(f: dict[str, Any]) -> str:
+    """A finding whose condition stopped: when, and its peak (the figure
+    leading its card, as last seen); the script's endedText."""
+    evidence = f.get("evidence") or {}
+    peak = next((key for key in DECIDING.get(f["cause"], ()) if evidence.get(key) is not None), None)
+    text = f"ended at {_time_text(f['clearing_since'])}"
+    if peak is None:
+        return text
+    value = evidence[peak]
+    shown = format_value(value, _evidence_unit(peak), (f.get("pinned") or {}).get(peak)) \
+        if isinstance(value, (int, float)) else str(value)
+    return f"{text}, peak {_evidence_label(peak)} {shown}"
+
+
 def _findings_html(diagnosis: dict[str, Any]) -> str:
     findings = diagnosis["findings"]
     out = [f"<h2>Findings ({len(findings)} active)</h2>"]
@@ -234,7 +264,7 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
         where = f["model_name"] + (f" / {f['engine']}" if f["engine"] is not None else "")
         since = f", since {_time_text(f['since'])}" if f.get("since") else ""
         if f.get("clearing_since"):
-            since += f", clearing: condition clear since {_time_text(f['clearing_since'])}"
+            since += f", clearing: {ended_text(f)}"
         notes = "".join(f"<p>{_e(key.replace('_', ' '))}: {_e(note)}</p>" for key, note in (f.get("notes") or {}).items())
         runbook = (f'<p>Runbook: <a href="{_e(f["runbook"])}" rel="noopener">{_e(f["runbook"])}</a></p>'
                    if f.get("runbook") else "")

@@ -478,10 +478,12 @@ class LazyValues(Mapping):
         return len(SIGNALS_BY_NAME)
 
 
-def evaluate_window(window: Window, lazy: bool = False) -> tuple[list[Evaluated], list[Evaluated]]:
-    """Per (model, engine), and per model with its engines merged. `lazy`:
-    values as LazyValues, derived where read (the history diagnosis); the
-    window's evaluation cache is then neither read nor kept."""
+def evaluate_window(window: Window, lazy: bool = False,
+                    models: bool = True) -> tuple[list[Evaluated], list[Evaluated]]:
+    """Per (model, engine), and per model with its engines merged (none
+    without `models`: the now span's rules judge engines). `lazy`: values as
+    LazyValues, derived where read (the history diagnosis); the window's
+    evaluation cache is then neither read nor kept."""
     latest = window.latest
     if latest is None:
         return [], []
@@ -506,8 +508,8 @@ def evaluate_window(window: Window, lazy: bool = False) -> tuple[list[Evaluated]
         if view is not None:
             per_engine.append(by_key.setdefault(key, evaluate_view(view, key[0], key[1])))
         by_model.setdefault(key[0], []).append(key)
-    per_model = []
-    for model, keys in sorted(by_model.items()):
+    per_model: list[Evaluated] = []
+    for model, keys in sorted(by_model.items()) if models else ():
         if len(keys) == 1 and keys[0] in by_key:
             # A model of one engine: its view is that engine's (the same
             # inputs, so the same values and notes), evaluated once.

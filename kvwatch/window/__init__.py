@@ -146,6 +146,36 @@ class Window:
             steps = entry.steps
             entry.size = sum(pair_bytes(key, engine, steps.get(key)) for key, engine in snapshot.engines.items())
             self.bytes += entry.size
+        self._append(entry)
+        return entry
+
+    def follow(self, source: "Window") -> None:
+        """Brings this (shorter) window up to `source`'s latest entry by
+        sharing its entries, steps and what readers derived from them, not
+        computing them again (the now span, diagnose/now.py). Anything else
+        than the next entry (a first call, a gap, the source forgetting
+        pairs or clearing) starts it over from the source's entries."""
+        entries = source.entries
+        if not entries:
+            self.clear()
+            return
+        latest = entries[-1]
+        if self.entries and self.entries[-1] is latest:
+            return
+        if (not self.entries or source.trimmed is not None or len(entries) < 2
+                or entries[-2] is not self.entries[-1]):
+            self.clear()
+            horizon = latest.snapshot.time - self.seconds
+            start = len(entries) - 1
+            while start > 0 and entries[start].snapshot.time > horizon:
+                start -= 1
+            for entry in itertools.islice(entries, start, None):
+                self._append(entry)
+            return
+        self._append(latest)
+
+    def _append(self, entry: Entry) -> None:
+        snapshot = entry.snapshot
         sums = self._sums.current(self.entries)
         if self.entries.maxlen is not None and len(self.entries) == self.entries.maxlen:
             self._drop_oldest(sums)  # what append would drop, with the sums kept
@@ -161,7 +191,6 @@ class Window:
             self._fit(sums, self.max_bytes)
         if sums is not None:
             sums.mark(self.entries)
-        return entry
 
     def _fit(self, sums: _WindowSums | None, max_bytes: int) -> None:
         """Back within max_bytes: forget the pairs no longer on the page
@@ -235,7 +264,8 @@ class Window:
 
     def _drop_oldest(self, sums: _WindowSums | None) -> None:
         gone = self.entries.popleft()
-        self.bytes -= gone.size
+        if self.max_bytes is not None:  # a follower's shared entries count in their own window's bytes
+            self.bytes -= gone.size
         if sums is not None:
             # The new first entry only marks where the window starts: its
             # steps (its increase over the one just dropped) stop counting.

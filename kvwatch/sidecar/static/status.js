@@ -63,8 +63,16 @@
     var text = f.since ? "since " + minutes(f.since) + ", " + span(Math.max(0, (now || f.since) - f.since)) + " ago"
       : "active now";
     if (!f.clearing_since) return text;
-    return text + " \u00b7 clearing: condition clear since " + clock(f.clearing_since) +
-      (hold ? ", ends at " + clock(f.clearing_since + hold) + " unless it returns" : "");
+    return text + " \u00b7 clearing: " + endedText(f) +
+      (hold ? " \u00b7 gone at " + clock(f.clearing_since + hold) + " unless it returns" : "");
+  }
+  // A finding whose condition stopped: when, and its peak (the figure leading its card, as last seen).
+  function endedText(f) {
+    var peak = ((meta.deciding || {})[f.cause] || []).filter(function (key) {
+      var v = (f.evidence || {})[key];
+      return v !== null && v !== undefined;
+    })[0];
+    return "ended at " + clock(f.clearing_since) + (peak ? ", peak " + evidenceLabel(peak) + " " + evidenceText(f, peak) : "");
   }
   function where(f) { return f.model_name + (f.engine !== null && f.engine !== undefined ? " / " + f.engine : ""); }
   // The runbook section: a link (kvwatch serves the runbooks at runbooks#<section>).
