@@ -158,7 +158,9 @@ FIGURES = ("kv_usage", "headroom", "hit_ratio", "ttft_p95", "waiting", "preempti
 # (scenario, simulated seconds polled, banner cause, figures that must be
 # highlighted, figures that must not be).
 CASES = {
-    "exhaustion": ("exhaustion", 230.0, "concurrency_beyond_capacity",
+    # What users feel leads (causes.FELT_ORDER): late first tokens, queued for KV blocks, the
+    # card naming the exhausted cache as their cause; the exhaustion card follows.
+    "exhaustion": ("exhaustion", 230.0, "queueing_kv_bound",
                    {"kv_usage", "headroom", "waiting", "preemptions", "ttft_p95"}, set()),
     # The window's hit ratio (43 %) is above hit_ratio_low: the finding (the recent part fell
     # to 3 %) does not colour a value that is not bad by itself; the banner names it.
@@ -166,7 +168,7 @@ CASES = {
                       set(), {"kv_usage", "headroom", "waiting", "preemptions", "ttft_p95", "hit_ratio"}),
     "slow-first-token": ("slow-prefill", 270.0, "prefill",
                          {"ttft_p95"}, {"kv_usage", "headroom", "waiting", "preemptions"}),
-    "four-engines": (FLEET, 230.0, "concurrency_beyond_capacity",
+    "four-engines": (FLEET, 230.0, "queueing_kv_bound",
                      {"kv_usage", "headroom", "waiting", "preemptions", "ttft_p95"}, set()),
 }
 
@@ -419,7 +421,10 @@ def test_the_banner_shows_the_worst_active_finding_and_clearing_ones_are_muted_b
     monitor = sim_monitor("healthy", 30.0)
     hold = FindingHold(60.0)
     now = monitor.state.last_poll_time
-    hold.apply(now - 4, [Finding("exhaustion", "long_requests", "critical", "high", "tiny-llama", "0", "full earlier")])
+    # Found 20 s ago and clear since 18 s ago: past its symptom's quiet (a shorter lapse still shows
+    # active), within the hold.
+    hold.apply(now - 20, [Finding("exhaustion", "long_requests", "critical", "high", "tiny-llama", "0", "full earlier")])
+    hold.apply(now - 18, [])
     found = hold.apply(now, [
         Finding("low_hit_rate", "prefix_changed", "warning", "low", "tiny-llama", "0", "prefix or eviction",
                 {"hit_ratio": 0.1}, "diff the templates",
@@ -428,7 +433,8 @@ def test_the_banner_shows_the_worst_active_finding_and_clearing_ones_are_muted_b
                 {"ttft_p95_seconds": 28.0, "queue_share": 0.6, "window_seconds": 60}, "shorten it"),
         Finding("slow_first_token", "preemption", "warning", "medium", "tiny-llama", "0", "preempted",
                 {"other_share": 0.3}, "relieve the cache")])
-    assert [f.cause for f in found] == ["prefix_changed", "queueing_kv_bound", "long_requests"]
+    # Late first tokens lead what costs compute (causes.FELT_ORDER); the held critical stays below.
+    assert [f.cause for f in found] == ["queueing_kv_bound", "prefix_changed", "long_requests"]
     monitor.state = with_(monitor.state, findings=found)
     with serving(create_app(monitor, monitor.settings), lifespan="off", start_timeout_s=10) as kvwatch:
         page = load(browser, kvwatch.url + "/", 1400)
@@ -439,13 +445,13 @@ def test_the_banner_shows_the_worst_active_finding_and_clearing_ones_are_muted_b
           contributors: Array.from(document.querySelectorAll("#findings [data-contributor]")).map(e => e.dataset.contributor),
           alternatives: Array.from(document.querySelectorAll("#findings [data-alternative]")).map(e => e.textContent),
           spans: Array.from(document.querySelectorAll("#findings article.card [data-span]")).map(e => e.textContent),
-          bannerHead: document.querySelector("#banner .head").textContent,
+          prefixHead: document.querySelector('#findings article.card[data-cause="prefix_changed"] h3').textContent,
         }))()""")
         messages = page.messages()
-    assert facts["banner"] == ["prefix_changed", ""], facts
+    assert facts["banner"] == ["queueing_kv_bound", ""], facts
     # The headline names what it cannot tell its cause from.
-    assert facts["bannerHead"].endswith("the prompt prefix changed, or prefixes are evicted before they are reused")
-    assert facts["cards"] == [["prefix_changed", False], ["queueing_kv_bound", False], ["long_requests", True]]
+    assert facts["prefixHead"].endswith("the prompt prefix changed, or prefixes are evicted before they are reused")
+    assert facts["cards"] == [["queueing_kv_bound", False], ["prefix_changed", False], ["long_requests", True]]
     assert facts["contributors"] == ["preemption"]
     assert len(facts["alternatives"]) == 1 and "KV-cache event stream" in facts["alternatives"][0]
     # The card's numbers say their span (the trends end on shorter ones).

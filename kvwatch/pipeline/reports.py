@@ -7,7 +7,7 @@ report (kvwatch/kvevents/source.py) has its own type there."""
 
 from __future__ import annotations
 
-from typing import NotRequired, Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 
 class UpstreamReport(TypedDict):
@@ -37,7 +37,12 @@ class LMCacheModel(TypedDict):
     restarts: int
 
 
-class LMCacheReport(TypedDict):
+class _LMCacheTenants(TypedDict, total=False):
+    # kind (cache_salt) -> the window's top K tenants and "other" (kvwatch/routing/tenants.py); only where read.
+    tenants: dict[str, Any]
+
+
+class LMCacheReport(_LMCacheTenants):
     """The LMCache tier's latest poll (kvwatch/pipeline/lmcache.py)."""
 
     target: str | None
@@ -48,8 +53,6 @@ class LMCacheReport(TypedDict):
     families: dict[str, bool] | None
     models: list[LMCacheModel]
     time: float
-    # kind (cache_salt) -> the window's top K tenants and "other" (kvwatch/routing/tenants.py); only where read.
-    tenants: NotRequired[dict[str, Any]]
 
 
 class DemoStatus(TypedDict):
