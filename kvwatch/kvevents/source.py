@@ -528,8 +528,7 @@ class KVEventSource:
             last_malformed = self.last_malformed
             changes = [{"time": t, "kind": k, "detail": d} for t, k, d in self._changes
                        if t >= now - self.window_seconds]
-            ranks = sorted(self.ranks)
-            pauses = list(self._pauses)
+            ranks, pauses = sorted(self.ranks), list(self._pauses)
             flow = (self.missed, self.dropped, self.messages)
         checkpoints = self._checkpoints
         if not checkpoints:
@@ -583,8 +582,7 @@ class KVEventSource:
             "cached_blocks_peak": cached_peak,
             "ranks": ranks,
             "sizing": sizing,
-            "changes": changes,
-            "pause": _last_pause(pauses, recent_seconds, now),
+            "changes": changes, "pause": _last_pause(pauses, recent_seconds, now),
             "time": now,
         }
 
