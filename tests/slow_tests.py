@@ -107,6 +107,7 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
         "test_a_prefix_change_mid_run_is_a_changed_prefix",
         "test_a_rotation_in_full_report_mode_is_eviction_before_reuse_as_in_incremental_mode",
         "test_a_rotation_over_more_prefixes_than_the_cache_holds_is_eviction_before_reuse",
+        "test_distinct_prompts_after_a_pause_are_no_shared_prefix_not_a_changed_prefix",
         "test_an_lmcache_tier_publishing_store_only_events_serves_returns_as_its_hits",
         "test_prompts_that_share_nothing_are_no_shared_prefix",
         "test_sglangs_and_tensorrt_llms_layouts_read_as_vllms",

@@ -761,3 +761,14 @@ def test_a_low_hit_rate_after_a_reset_of_the_cache_is_a_cold_cache_not_a_workloa
                  if f.symptom == "low_hit_rate"]
     assert (finding.cause, finding.confidence) == ("cold_cache", "high")
     assert finding.evidence["kv_cache_cleared_seconds_ago"] == 10.0 and "cleared its prefix cache 10s ago" in finding.summary
+
+
+def test_the_report_names_the_latest_pause_in_the_stores_as_long_as_the_judged_part():
+    source = KVEventSource("tcp://127.0.0.1:1", window_seconds=300.0)
+    for seq, t in enumerate((1000.0, 1003.0, 1010.0, 1050.0, 1052.0)):  # pauses of 7 s and 40 s
+        source.feed(seq, wire.encode_batch(t, [wire.stored([seq], 16)]), now=t)
+    assert source.report(now=1060.0, recent_seconds=30.0)["pause"] == {"seconds": 40.0, "ended_seconds_ago": 10.0}
+    assert source.report(now=1060.0, recent_seconds=5.0)["pause"]["seconds"] == 40.0  # the latest one long enough
+    assert source.report(now=1060.0, recent_seconds=60.0)["pause"] is None
+    source.feed(5, wire.encode_batch(1060.0, [wire.removed([4])]), now=1060.0)  # an eviction is no store
+    assert source.report(now=1061.0, recent_seconds=30.0)["pause"]["ended_seconds_ago"] == 11.0

@@ -271,3 +271,41 @@ def test_an_lmcache_tier_publishing_store_only_events_serves_returns_as_its_hits
     assert tiers["CPU"]["store_only"] and tiers["CPU"]["stored"] > 0 and tiers["CPU"]["evicted"] == 0
     assert tiers["CPU"]["returned"] > 0  # GPU blocks back from the tier: its hits, not recomputation
     assert tiers["GPU"]["returned"] >= tiers["CPU"]["returned"] + state.kv_events["window"]["stored_again"] - 1
+
+
+WARM_QUIET_DISTINCT = """
+name: warm-quiet-distinct
+description: a warm shared prefix, a pause longer than the judged part, then prompts that share nothing
+engine: {num_gpu_blocks: 1024, block_size: 16, max_num_seqs: 12, max_model_len: 4096}
+workload:
+  rate: 3.0
+  prompt_tokens: {dist: lognormal, mean: 150, sigma: 0.4, min: 8, max: 600}
+  output_tokens: {dist: lognormal, mean: 60, sigma: 0.3, min: 8, max: 200}
+  max_tokens: 300
+  prefix: {share: 1.0, tokens: 1024, count: 4, version: 1}
+phases:
+  - {name: warm, duration: 2m}
+  - {name: quiet, duration: 2m, workload: {rate: 0.0}}
+  - name: distinct
+    duration: 4m
+    workload:
+      rate: 3.0
+      prompt_tokens: {dist: lognormal, mean: 400, sigma: 0.3, min: 64, max: 1000}
+      prefix: {share: 0.0}
+"""
+
+
+def test_distinct_prompts_after_a_pause_are_no_shared_prefix_not_a_changed_prefix(live, tmp_path):
+    # The page compares the new load with the warm one before the pause (a drop, then a remembered
+    # healthy ratio); the stream saw the engine store nothing between them: a new load, not a changed prefix.
+    run = live(WARM_QUIET_DISTINCT, tmp_path)
+    run.run(240)
+    seen = []
+    for _ in range(6):
+        state = run.run(30)
+        seen.append([(f.cause, f.confidence, f.evidence.get("decided_by")) for f in hit_rate(state)])
+    assert all(found in ([], [("no_reuse", "high", "kv_events")]) for found in seen), seen
+    assert seen[-1] == [("no_reuse", "high", "kv_events")]
+    finding = hit_rate(state)[0]
+    assert finding.evidence["kv_events_quiet_seconds"] >= 60
+    assert "stored nothing" in finding.summary

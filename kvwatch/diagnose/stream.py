@@ -139,7 +139,7 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
     where it decided; its numbers and why not where it did not."""
     if not report.get("up"):
         return finding
-    recent, earlier = report["recent"], report["earlier"]
+    recent = report["recent"]
     evidence = {**finding.evidence, **_evidence(report)}
     seconds = recent["seconds"]
     ratio = recent["stored_again_ratio"] or 0.0
@@ -167,9 +167,36 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
                    f"{report.get('listening_seconds') or 0:.0f}s, less than twice the judged part: a block "
                    "evicted before kvwatch listened cannot be seen returning")
         return replace(finding, evidence={**evidence, "kv_events": why})
+    return _decided(finding, report, t, evidence)
+
+
+def _new_load(finding: Finding, report: dict[str, Any]) -> dict[str, float] | None:
+    """The pause in the engine's stores (as long as the judged part or more)
+    that began the load judged now, where what the page or the stream's
+    earlier part compares it with came before that pause: then that was
+    another load's reuse, not this load's prefix that changed."""
+    pause = report.get("pause")
+    if not pause or finding.evidence.get("changes_at_drop"):
+        return None
+    ago = finding.evidence.get("hit_ratio_last_healthy_seconds_ago")
+    # A remembered healthy ratio is that old; a drop's baseline and the stream's earlier part end where the recent part starts.
+    baseline_ended = ago if isinstance(ago, (int, float)) else report["recent"]["seconds"]
+    return pause if baseline_ended >= pause["ended_seconds_ago"] else None
+
+
+def _decided(finding: Finding, report: dict[str, Any], t: dict[str, Any], evidence: dict[str, Any]) -> Finding:
+    """A low-hit-rate finding the stream decided, in the stream's words."""
+    recent, earlier = report["recent"], report["earlier"]
+    seconds = recent["seconds"]
+    ratio = recent["stored_again_ratio"] or 0.0
     cause = finding.cause
     before = earlier["stored_again_ratio"]
-    if (cause == "no_reuse" and earlier["stored"] >= t["stream_min_blocks"] and before is not None
+    new_load = _new_load(finding, report) if cause in ("no_reuse", "prefix_changed") else None
+    if new_load is not None:
+        cause = "no_reuse"  # what was shared before the pause was another load's
+        evidence.update(kv_events_quiet_seconds=new_load["seconds"],
+                        kv_events_load_began_seconds_ago=new_load["ended_seconds_ago"])
+    elif (cause == "no_reuse" and earlier["stored"] >= t["stream_min_blocks"] and before is not None
             and before >= t["stored_again_ratio_high"] and not finding.evidence.get("kv_cache_exhausted")
             and not report.get("window_exhausted")):
         # (Blocks stored again while the cache ran out are preempted requests recomputed, no shared prefix.)
@@ -193,10 +220,15 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
                    f"eviction: none of the {recent['stored']:.0f} blocks stored in the last {seconds:.0f}s came "
                    "back after an eviction, so the new prompts' blocks are new content.")
     else:
-        summary = (f"The prompts share no prefix the cache could keep (the engine's KV-cache events decide it): "
-                   f"none of the {recent['stored']:.0f} blocks stored in the last {seconds:.0f}s came back "
+        summary = ("The prompts share no prefix the cache could keep (the engine's KV-cache events decide it): "
+                   + (f"the engine stored nothing for {new_load['seconds']:.0f}s before this load began "
+                      f"{new_load['ended_seconds_ago']:.0f}s ago, so the reuse before that pause was another "
+                      "load's; " if new_load is not None else "")
+                   + f"none of the {recent['stored']:.0f} blocks stored in the last {seconds:.0f}s came back "
                    "after an eviction, so a larger cache would not raise the hit ratio.")
-    changes = dict(cause=cause, severity=severity_of(cause), confidence=baseline_confidence("high", evidence, t),
+    # Judged against no remembered baseline when the load is new: its age does not lower the confidence.
+    confidence = "high" if new_load is not None else baseline_confidence("high", evidence, t)
+    changes: dict[str, Any] = dict(cause=cause, severity=severity_of(cause), confidence=confidence,
                    summary=summary, evidence=evidence, next_check=NEXT_CHECK[cause])
     if _HAS_ALTERNATIVES:
         changes["alternatives"] = ()  # the stream told the causes apart

@@ -62,6 +62,11 @@ MAX_CHECKPOINTS = 2_000
 # The replay socket (vLLM's replay_endpoint): gaps waiting to be asked for,
 # and what one replay may read and take.
 MAX_PENDING_GAPS = 16
+# Pauses in the engine's stores (no BlockStored for this long or longer), the last
+# MAX_PAUSES kept (they span 21 min or more, past hit_baseline_max_age_seconds):
+# a load that began after one is a new load (diagnose/stream.py).
+PAUSE_MIN_SECONDS = 5.0
+MAX_PAUSES = 256
 REPLAY_MAX_MESSAGES = 10_000
 REPLAY_DEADLINE_SECONDS = 2.0
 REPLAY_PAUSE_SECONDS = 0.5
@@ -129,6 +134,8 @@ class KVEventSource:
         # an idle engine's, which sends nothing either.
         self.connections = 0
         self.publishers = 0
+        self.last_store_time: float | None = None
+        self._pauses: deque[tuple[float, float]] = deque(maxlen=MAX_PAUSES)  # (last store, next store)
         self.started = False
         self.listen_error: str | None = None
         # Intake (the receiver's) and decoding (the accountant's) counts.
@@ -447,6 +454,7 @@ class KVEventSource:
                                     f"step holds ({MAX_EVENT_BLOCKS})")
                     continue
                 if event.kind == STORED:
+                    self._stored_at(now)
                     if event.block_size is not None and 0 < event.block_size <= 1 << 20:
                         self.block_size = event.block_size
                     ledger.stored(event.hashes, now, event.medium, event.lora, event.origin or late, event.locality)
@@ -457,6 +465,13 @@ class KVEventSource:
                     self._change(now, "kv_cache_cleared",
                                  "the engine cleared its prefix cache (AllBlocksCleared): every cached block is gone "
                                  "and reuse starts over")
+
+    def _stored_at(self, now: float) -> None:
+        last = self.last_store_time
+        if last is not None and now - last >= PAUSE_MIN_SECONDS:
+            self._pauses.append((last, now))
+        if last is None or now > last:
+            self.last_store_time = now
 
     def _malformed(self, sentence: str) -> None:
         self.malformed += 1
@@ -513,7 +528,7 @@ class KVEventSource:
             last_malformed = self.last_malformed
             changes = [{"time": t, "kind": k, "detail": d} for t, k, d in self._changes
                        if t >= now - self.window_seconds]
-            ranks = sorted(self.ranks)
+            ranks, pauses = sorted(self.ranks), list(self._pauses)
             flow = (self.missed, self.dropped, self.messages)
         checkpoints = self._checkpoints
         if not checkpoints:
@@ -567,9 +582,18 @@ class KVEventSource:
             "cached_blocks_peak": cached_peak,
             "ranks": ranks,
             "sizing": sizing,
-            "changes": changes,
+            "changes": changes, "pause": _last_pause(pauses, recent_seconds, now),
             "time": now,
         }
+
+
+def _last_pause(pauses: list[tuple[float, float]], shortest: float, now: float) -> dict[str, float] | None:
+    """The latest pause in the engine's stores of `shortest` seconds or more
+    (the judged part): its length and how long ago stores resumed."""
+    for last, resumed in reversed(pauses):
+        if resumed - last >= shortest:
+            return {"seconds": resumed - last, "ended_seconds_ago": max(0.0, now - resumed)}
+    return None
 
 
 def _totals_dict(totals: Totals) -> dict[str, Any]:
