@@ -44,12 +44,6 @@ def prefill_seconds(server) -> float:
     return wait_until_idle(server.metrics_url).value(PREFILL) - before
 
 
-# Measured on the tier's CPU vLLM 0.32 (2026-12-07): prefill time 0.256 s with caching, 0.588 s without, 0.333 s
-# saved by vLLM's count; kvwatch said 0.776 s (+133 %) at 54 us a token. On this engine a request's prefill holds
-# about 5.8 ms besides its tokens (from the two runs: 23 us a token), more than the one inter-token latency
-# (about 2.5 ms) kvwatch takes off, so the warm requests' 32-token suffixes price the hits too high. Strict: it
-# fails once the rate is right, and the mark goes.
-@pytest.mark.xfail(strict=True, reason="saved runs 2.3x vLLM's own difference on the CPU tier (docs/capacity.md)")
 @pytest.mark.timeout(1500)  # two vLLM start-ups (2-3 min each on the shared cores) and two loads
 def test_saved_against_the_prefill_time_caching_saves(vllm_build, tmp_path_factory, report):
     venv, model = vllm_build
