@@ -6,8 +6,8 @@ prefill seconds from the on run, against the difference in vLLM's own
 prefill time (vllm:request_prefill_time_seconds sum) between the two:
 measured and REPORTED, not asserted within 15 %. That difference is itself
 unsteady on the shared cores: the same load measured 0.333 s and 0.092 s
-saved in two runs one after the other; three rounds in turns, 25 us and
-12 us a cached token in two runs (docs/capacity.md). A bound it meets one
+saved in two runs one after the other; three rounds in turns, 25, 12 and
+26 us a cached token in three runs (docs/capacity.md). A bound it meets one
 run and misses the next would be a flaky test; what is asserted is what
 holds on every run: kvwatch prices exactly the tokens the engine served
 from its cache, caching saved prefill time, and kvwatch's rate is the fit's
