@@ -4,9 +4,10 @@ read by the catalogue (the page's signals), the stream's report (bought,
 lost where the event stream is on), the status page, `kvwatch diagnose` and
 the capacity report.
 
-Every figure is tokens x the window's prefill seconds per computed token
-(the engine's own histograms: vLLM's request_prefill_time_seconds sum,
-SGLang's extend forward passes' seconds, over the tokens it computed). With
+Every figure is tokens x the window's marginal prefill seconds per computed
+token (prefill_seconds_per_token: the slope of vLLM's prefill time fitted
+over the window's polls against requests and computed tokens; SGLang's
+extend forward passes' seconds over the tokens it computed). With
 batching those are request-seconds, not wall time: a cost in the engine's
 own measure, not a bill."""
 
