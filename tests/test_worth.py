@@ -7,8 +7,10 @@ handwritten offload and HiCache pages."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
-from page_support import polled
+from page_support import polled, with_value
 from test_kv_events import feed_all, rotation
 
 from kvwatch.kvevents.source import KVEventSource
@@ -253,3 +255,63 @@ def test_the_twins_over_kvwatch_s_own_series_give_the_sidecar_s_figures(fixtures
     mine = row.values[SAVED]
     # The counters start at 0 on the idle page: increase() does not extrapolate below zero, so it is the difference.
     assert saved["device"] == pytest.approx(mine["device"]) and saved["host"] == 0
+
+
+def _prefill_page(idle: str, requests: int, computed: int, cached: int, seconds: float, itl: tuple[int, float]) -> str:
+    """The idle capture with these lifetime totals: every prefill under 0.3 s and 1,000 tokens, each request
+    one inter-token latency step (itl: count, sum)."""
+    def histogram(page: str, family: str, from_le: float, count: int, total: float) -> str:
+        def bucket(match: re.Match) -> str:
+            le = match.group(2)
+            return f"{match.group(1)} {count if le == '+Inf' or float(le) >= from_le else 0}.0"
+        page = re.sub(rf'^({re.escape(family)}_bucket\{{[^}}]*le="([^"]+)"[^}}]*\}}) \S+$', bucket, page, flags=re.M)
+        page = with_value(page, family + "_count", f"{count}.0")
+        return with_value(page, family + "_sum", repr(float(total)))
+
+    page = histogram(idle, "vllm:request_prefill_time_seconds", 0.3, requests, seconds)
+    page = histogram(page, "vllm:request_prefill_kv_computed_tokens", 1000.0, requests, computed)
+    page = with_value(page, 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny-llama",'
+                      'source="local_compute"}', f"{computed}.0")
+    page = with_value(page, 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny-llama",'
+                      'source="local_cache_hit"}', f"{cached}.0")
+    page = with_value(page, 'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="tiny-llama",'
+                      'source="device"}', f"{cached}.0")
+    page = with_value(page, "vllm:inter_token_latency_seconds_count", f"{itl[0]}.0")
+    return with_value(page, "vllm:inter_token_latency_seconds_sum", repr(itl[1]))
+
+
+# The CPU tier's engine (tests/vllm_tier/test_worth_vllm.py): a request's prefill holds 5.8 ms whatever its
+# prompt, and 23 us a token; one inter-token latency is 2.5 ms.
+FIXED, PER_TOKEN, ITL = 0.0058, 23e-6, 0.0025
+
+
+def _rotation_pages(fixtures_dir, steps):
+    """Pages after each step of (requests, computed tokens a request, cached tokens a request)."""
+    [idle] = pages(fixtures_dir, "vllm-0.32-cpu", ("idle",))
+    out, totals = [idle], [0, 0, 0, 0.0]
+    for requests, computed, cached in steps:
+        totals = [totals[0] + requests, totals[1] + requests * computed, totals[2] + requests * cached,
+                  totals[3] + requests * (FIXED + computed * PER_TOKEN)]
+        out.append(_prefill_page(idle, totals[0], totals[1], totals[2], totals[3], (totals[0], totals[0] * ITL)))
+    return out
+
+
+def test_a_hit_is_priced_at_the_fitted_cost_of_a_token_not_at_the_requests_fixed_cost(fixtures_dir):
+    # 4 prefixes of 512 tokens and a 32-token suffix: 4 cold requests (544 computed), then 8 and 8 warm (32
+    # computed, 512 cached). The fit of the three polls' steps finds the fixed 5.8 ms and the 23 us exactly;
+    # 8,192 cached tokens saved 8,192 x 23 us = 0.1884 s, what turning the cache off would add. The mean less
+    # one inter-token latency a request said (0.1778 - 20 x 0.0025) / 2,688 = 47.6 us a token: 0.390 s, +107 %.
+    steps = ((4, 544, 0), (8, 32, 512), (8, 32, 512))
+    [row] = polled(_rotation_pages(fixtures_dir, steps), engine="vllm").state.per_engine
+    fixed, per_token = worth.fitted_prefill_cost(row.view)
+    assert (fixed, per_token) == (pytest.approx(FIXED), pytest.approx(PER_TOKEN))
+    assert worth.prefill_seconds_per_token(row.view) == pytest.approx(PER_TOKEN)
+    assert row.values[SAVED]["device"] == pytest.approx(8192 * PER_TOKEN)
+
+
+def test_polls_of_one_shape_of_request_cannot_tell_the_fixed_cost_apart(fixtures_dir):
+    # Every step the same mix: the fit's two columns are one; the mean less one inter-token latency a request.
+    steps = ((4, 100, 400), (8, 100, 400), (2, 100, 400))
+    [row] = polled(_rotation_pages(fixtures_dir, steps), engine="vllm").state.per_engine
+    assert worth.fitted_prefill_cost(row.view) is None
+    assert worth.prefill_seconds_per_token(row.view) == pytest.approx((FIXED - ITL + 100 * PER_TOKEN) / 100)

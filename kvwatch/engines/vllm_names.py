@@ -99,6 +99,8 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "ttft": ("time_to_first_token_seconds",),
     "queue_time": ("request_queue_time_seconds", "time_in_queue_requests"),
     "prefill_time": ("request_prefill_time_seconds",),
+    # Observed with prefill_time, at the request's end: the tokens that time computed (kvwatch.signals.worth's fit).
+    "prefill_computed": ("request_prefill_kv_computed_tokens",),
     "decode_time": ("request_decode_time_seconds",),
     "inference_time": ("request_inference_time_seconds",),
     "e2e_latency": ("e2e_request_latency_seconds",),
@@ -192,6 +194,7 @@ VERSIONS: dict[str, str] = {
     "request_queue_time_seconds": "0.6+",
     "time_in_queue_requests": "V0 0.6 to 0.9.0",
     "request_prefill_time_seconds": "0.6+",
+    "request_prefill_kv_computed_tokens": "0.13+",
     "request_decode_time_seconds": "0.6+",
     "request_inference_time_seconds": "0.6+",
     "e2e_request_latency_seconds": "all",

@@ -44,6 +44,10 @@ import kvwatch.signals.worth as worth
 from kvwatch.signals.series import ENGINE_SERIES, TIER_SERIES
 
 # Why a quantile's twin differs: only where the quantile falls in the first bucket.
+# The per-token rate of what the cache is worth (kvwatch.signals.worth).
+_FITTED_RATE = ("kvwatch prices a token at the slope of a least-squares fit over the window's polls (a request's "
+                "fixed prefill cost apart); the twin has no per-poll steps to fit and takes one mean inter-token "
+                "latency a request off the mean instead, kvwatch's own fallback where the polls cannot tell the two apart")
 _PINNED_QUANTILE = ("a quantile in the first bucket is that bucket's bound in kvwatch (an upper bound, said as "
                     "pinned), where histogram_quantile interpolates from 0")
 
@@ -360,24 +364,27 @@ SIGNALS: tuple[Signal, ...] = (
     # --- what the cache is worth (kvwatch/signals/worth.py) ---
     Signal("kvwatch_cache_saved_prefill_seconds", "seconds",
            "Prefill seconds the cache saved in the window, by tier: tokens served x prefill seconds per computed token.",
-           worth.saved_seconds, "prefix", worth.SAVED_PROMQL, label="tier",
+           worth.saved_seconds, "prefix", worth.SAVED_PROMQL, label="tier", inexact_twin=_FITTED_RATE,
            record=("kvwatch_cache_saved_prefill_seconds", "increase{w}"),
            needs=("prompt_tokens_by_source", "prefill_time|prefill_forward_seconds"),
            display="Prefill seconds the cache saved", good="high",
            doc=("Prefill seconds the cache saved in the window, by tier: the prompt tokens each tier served x the "
            "window's marginal prefill seconds per computed token, less the seconds that tier took to load them back "
-           "where the engine measures it. The rate is the engine's own: vllm:request_prefill_time_seconds sum less "
-           "one mean vllm:inter_token_latency_seconds a request (the step every prompt rides on, cached or not; "
-           "SGLang: forward_execution_seconds_total{category=\"forward_extend\"}) over "
-           "prompt_tokens_by_source_total{source=\"local_compute\"}; with batching those are request-seconds, not "
-           "wall time. Tiers: vllm:prompt_tokens_cached_by_source_total (0.32+: device, host, ...), else "
+           "where the engine measures it. The rate is the engine's own: the slope b of vllm:request_prefill_time_seconds "
+           "= a x requests + b x computed tokens, fitted over the window's polls (tokens from "
+           "vllm:request_prefill_kv_computed_tokens, observed with the time, 0.13+; else "
+           "prompt_tokens_by_source_total{source=\"local_compute\"}), so a request's fixed cost a (an engine step, "
+           "cached or not) is not charged to its tokens; where the polls cannot tell a from b, the sum less one mean "
+           "vllm:inter_token_latency_seconds a request over the computed tokens (SGLang: "
+           "forward_execution_seconds_total{category=\"forward_extend\"} over them); with batching those are "
+           "request-seconds, not wall time. Tiers: vllm:prompt_tokens_cached_by_source_total (0.32+: device, host, ...), else "
            "prompt_tokens_by_source_total local_cache_hit (tier=\"local\") and external_kv_transfer "
            "(tier=\"external\"); SGLang prefill_effective_tokens_total{mode}. Load-back: vLLM's offload tier "
            "(kv_offload_load_time_total and its lookup delays: tier host from 0.32, external before), SGLang's "
            "load_back_duration_seconds (host). Priced per GPU-hour with gpu_hour_price.")),
     Signal("kvwatch_cache_lost_prefill_seconds", "seconds",
            "Prefill seconds the window spent recomputing preempted requests' prompts (vLLM: an upper bound).",
-           worth.lost_seconds, "exhaustion", worth.LOST_PROMQL,
+           worth.lost_seconds, "exhaustion", worth.LOST_PROMQL, inexact_twin=_FITTED_RATE,
            record=("kvwatch_cache_lost_prefill_seconds", "increase{w}"),
            needs=("preemptions", "prompt_tokens_by_source", "prefill_time|prefill_forward_seconds"),
            display="Prefill seconds lost to preemption", good="low",

@@ -4,9 +4,10 @@ read by the catalogue (the page's signals), the stream's report (bought,
 lost where the event stream is on), the status page, `kvwatch diagnose` and
 the capacity report.
 
-Every figure is tokens x the window's prefill seconds per computed token
-(the engine's own histograms: vLLM's request_prefill_time_seconds sum,
-SGLang's extend forward passes' seconds, over the tokens it computed). With
+Every figure is tokens x the window's marginal prefill seconds per computed
+token (prefill_seconds_per_token: the slope of vLLM's prefill time fitted
+over the window's polls against requests and computed tokens; SGLang's
+extend forward passes' seconds over the tokens it computed). With
 batching those are request-seconds, not wall time: a cost in the engine's
 own measure, not a bill."""
 
@@ -19,6 +20,7 @@ from kvwatch.signals.derivations import (
     CACHED_BY_SOURCE, HOST_SERVED, LOCAL_COMPUTE, OFFLOAD_SERVED, RETRACTED_PROMPT, View, _offload_added_seconds,
     _prefill_seconds_per_token, mean_tokens,
 )
+from kvwatch.window.steps import PREFILL_FIT
 
 # vLLM before 0.32 names two sources of cached prompt tokens (0.16+).
 _BY_SOURCE_TIERS = (("local", "prompt_tokens_by_source/local_cache_hit"), ("external", OFFLOAD_SERVED))
@@ -28,18 +30,48 @@ GIB = float(1 << 30)
 DIMINISHING_SHARE = 0.9
 
 
+# The fit's two columns (requests, computed tokens) must differ in shape
+# across the steps: below this share of det / (Snn * Stt) they are one column.
+FIT_MIN_SPREAD = 0.01
+
+
+def fitted_prefill_cost(view: View) -> tuple[float, float] | None:
+    """(a, b): a request's fixed prefill seconds and the seconds per computed
+    token, from the least-squares fit of prefill seconds = a*requests +
+    b*computed tokens over the window's steps (the cross products each step
+    adds, kvwatch.window.steps.PREFILL_FIT). None where the steps cannot tell
+    the two apart (one shape of request throughout, or a fit with a cost
+    below zero)."""
+    c = view.increase.counters
+    sums = [c.get(PREFILL_FIT + name) for name in ("nn", "nt", "tt", "np", "tp")]
+    if any(value is None for value in sums):
+        return None
+    nn, nt, tt, np_, tp = (float(value or 0.0) for value in sums)
+    det = nn * tt - nt * nt
+    if nn <= 0 or tt <= 0 or det <= FIT_MIN_SPREAD * nn * tt:
+        return None
+    a, b = (tt * np_ - nt * tp) / det, (nn * tp - nt * np_) / det
+    return (a, b) if a >= 0 and b > 0 else None
+
+
 def prefill_seconds_per_token(view: View) -> float | None:
     """The window's marginal prefill seconds per computed prompt token (the
-    one rate every figure here is priced at). vLLM's request prefill time
-    holds at least one engine step whatever the prompt (the step's overhead
-    and its batch-mates' decodes): one mean inter-token latency a request is
-    taken off before dividing, or a fully cached prompt would look costly (on
-    the simulator's healthy scenario the plain mean priced the hits 1.9x the
-    prefill GPU seconds they saved; less that step, 0.95x). SGLang's extend
-    passes' seconds are GPU time already; without the latency, or with
-    nothing left once it is taken off, the mean (an upper bound)."""
+    one rate every figure here is priced at). A request's prefill time holds
+    a fixed cost whatever its prompt (on vLLM at least one engine step: its
+    overhead and its batch-mates' decodes; on the CPU tier about 5.8 ms
+    against 23 us a token), so a hit saves only the per-token part: the
+    slope of the fit over the window's steps (fitted_prefill_cost) where the
+    steps tell it apart. Else one mean inter-token latency a request is
+    taken off the mean before dividing (on the simulator's healthy scenario
+    the plain mean priced the hits 1.9x what they saved; less that step,
+    0.95x). SGLang's extend passes' seconds are GPU time already; without
+    the latency, or with nothing left once it is taken off, the mean (an
+    upper bound)."""
     increase = view.increase
     computed = increase.counters.get(LOCAL_COMPUTE)
+    fit = fitted_prefill_cost(view)
+    if computed and fit is not None:
+        return fit[1]
     prefill, itl = increase.histograms.get("prefill_time"), increase.histograms.get("inter_token_latency")
     if not computed or prefill is None or itl is None or not itl.count or prefill.sum <= 0:
         return _prefill_seconds_per_token(view)

@@ -146,5 +146,26 @@ def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float,
                 counters[key] = 0.0 if value >= before - before * COUNTER_ROUNDING else value
     histograms = {key: later.histograms[key] if restarted or delta is None else delta
                   for key, delta in histogram_deltas.items()}
+    _add_prefill_fit(counters, histograms)
     return Step(seconds, counters, histograms, restarted)
+
+
+# The step's prefill (requests n, computed tokens t, seconds p) as the cross
+# products a least-squares fit of p = a*n + b*t over the window's steps sums
+# (kvwatch.signals.worth): counters, so the window adds and takes them away.
+PREFILL_FIT = "prefill_fit/"
+_COMPUTED = "prompt_tokens_by_source/local_compute"
+
+
+def _add_prefill_fit(counters: dict[str, float], histograms: dict[str, Histogram]) -> None:
+    # The tokens observed with the same requests' prefill time where the engine says (vLLM 0.13+); else
+    # the step's computed tokens, counted at prefill, while the time is observed at the request's end.
+    prefill, with_it = histograms.get("prefill_time"), histograms.get("prefill_computed")
+    computed = with_it.sum if with_it is not None and with_it.count == getattr(prefill, "count", None) \
+        else counters.get(_COMPUTED)
+    if prefill is None or computed is None or prefill.count <= 0:
+        return
+    n, t, p = float(prefill.count), float(computed), float(prefill.sum)
+    for name, value in (("nn", n * n), ("nt", n * t), ("tt", t * t), ("np", n * p), ("tp", t * p)):
+        counters[PREFILL_FIT + name] = value
 
