@@ -30,19 +30,21 @@ def _slow_first_token(state) -> list:
 def test_a_queue_that_admits_nobody_is_slow_first_tokens_before_any_histogram_says_so(clock):
     pipeline = Pipeline(window="5m")
     ttft = [0.0, 0.0, 0.0, 0.0, 0.0]
-    done, total = 0.0, 0.0
+    done, total, decoded = 0.0, 0.0, 0.0
     for _ in range(24):  # two healthy minutes: fast first tokens
         clock[0] += 5
         done += 4
         total += 4 * 0.05
+        decoded += 400
         ttft = [done] * 5
         assert not _slow_first_token(pipeline.poll(page(Engine(usage=0.3, running=4, ttft_cumulative=tuple(ttft),
-                                                                ttft_sum=total))))
+                                                                ttft_sum=total, generation_tokens=decoded))))
     started = None
     for poll in range(12):  # a burst: the cache full, 20 requests waiting, no first token for a minute
         clock[0] += 5
+        decoded += 400  # the running requests decode: the engine moves (one that does not is stuck.py's)
         state = pipeline.poll(page(Engine(usage=1.0, running=4, waiting=20, ttft_cumulative=tuple(ttft),
-                                          ttft_sum=total)))
+                                          ttft_sum=total, generation_tokens=decoded)))
         if started is None and _slow_first_token(state):
             started = poll * 5
     assert started is not None and started <= 45, started

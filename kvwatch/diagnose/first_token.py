@@ -8,6 +8,7 @@ from __future__ import annotations
 from itertools import islice
 from typing import Any
 
+from kvwatch.diagnose.stuck import PROGRESS
 from kvwatch.diagnose.context import EngineContext, max_num_seqs, quantile_value
 from kvwatch.diagnose.exhaustion import count_text
 from kvwatch.signals import ttft_decomposition
@@ -90,6 +91,9 @@ def _waiting_now(ctx: EngineContext) -> Finding | None:
             polls[-1].waiting_for_capacity - preempted < max(1, t["ttft_min_requests"]):
         return None
     stood = polls[-1].time - polls[start].time
+    progress = [ctx.increase.counters[key] for key in PROGRESS if key in ctx.increase.counters]
+    if progress and all(value <= 0 for value in progress):
+        return None  # nothing moved in the span: an engine stuck (stuck.py), not a queue that drains
     ttft = ctx.histogram("ttft")
     admitted = ttft.count if ttft is not None else 0.0
     queue = sum(p.waiting_for_capacity for p in polls[start:]) / (len(polls) - start)
