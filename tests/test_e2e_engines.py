@@ -133,10 +133,12 @@ def _depends_on_the_workload(expr: str) -> bool:
     """Queries that hold data only after something happened, whatever the
     engine: an active finding, a restart (resets()), a healthy hit ratio
     remembered, a fleet of several replicas (one simulator per engine here),
-    or a cause's condition (kvwatch-causes.rules: present only while it holds).
+    or a cause's condition (kvwatch-causes.rules: present only while it holds),
+    or an alert firing (the routes' records read ALERTS).
     tests/test_e2e_alerting.py and the promtool cases check those."""
     names = metric_names(expr)
-    return ("kvwatch_finding" in names or "resets(" in expr or ":condition" in expr
+    return ("kvwatch_finding" in names or "resets(" in expr or ":condition" in expr or "ALERTS" in names
+            or ":firing" in expr
             or any("last_healthy" in name or "fleet" in name for name in names) or "last_healthy" in expr)
 
 
@@ -150,6 +152,13 @@ def _needs_kv_events(expr: str) -> bool:
     """The KV-cache event stream's queries: series kvwatch exports only while it
     reads an engine's stream (--kv-events), checked by the stream's stack below."""
     return any(name.startswith("kvwatch_kv_events_") for name in metric_names(expr))
+
+
+def _needs_router(expr: str) -> bool:
+    """The router's and tenants' queries: series kvwatch exports only while it
+    reads a router's page (--router-target), checked by tests/test_e2e_alerting.py's
+    routed engine and tests/test_tenants.py."""
+    return any(name.startswith(("kvwatch_router_", "kvwatch_tenant_")) for name in metric_names(expr))
 
 
 def _needs_rising_usage(expr: str) -> bool:
@@ -178,6 +187,9 @@ def test_every_engine_feeds_the_dashboards_and_rules_where_it_has_the_inputs(sta
                     continue
                 if _needs_kv_events(expr):
                     events.add(where)
+                    continue
+                if _needs_router(expr):
+                    skipped += 1
                     continue
                 if _reads(expr, names) or _depends_on_the_workload(expr):
                     skipped += 1
