@@ -198,15 +198,8 @@ def run(args: argparse.Namespace) -> int:
 def _parse_flags(args: argparse.Namespace) -> str | None:
     """Each flag parsed in place, by the shared parsers (kvwatch/units.py);
     the first problem as one sentence, not argparse's usage."""
-    for flag in ("duration", "report", "interval"):
-        raw = getattr(args, flag)
-        if raw is None:
-            continue
-        try:
-            setattr(args, flag, parse_duration(raw))
-        except ValueError as exc:
-            return f"--{flag}: {exc}"
-    parsers = {"port": parse_port, "seed": parse_whole_number, "speed": lambda v: parse_number(v, minimum=0),
+    parsers = {"duration": parse_duration, "report": parse_duration, "interval": parse_duration,
+               "port": parse_port, "seed": parse_whole_number, "speed": lambda v: parse_number(v, minimum=0),
                "engines": parse_whole_number, "lmcache_tokens": parse_whole_number}
     for flag, parse in parsers.items():
         raw = getattr(args, flag)
