@@ -52,7 +52,7 @@ SCALED = {
     "rate_window": "20s",
     "burn_rate_windows": [{"long": "60s", "short": "15s", "factor": 14.4, "severity": "critical"}],
     "objective_min_requests": 5,
-    # KvwatchDown keeps its default (5m): scaled to seconds it fires while the stores start, before their first scrape.
+    # KvwatchDown keeps its default (5m): at 3 s its kvwatch_absent cause fired on both sides early in the run.
     "for_durations": {"VllmTimeToFirstTokenBudgetBurn": "3s", "VllmTimeToFirstTokenSlow": "5s",
                       "VllmKvCacheExhausted": "5s", "VllmPrefixCacheHitRateLow": "5s"},
 }

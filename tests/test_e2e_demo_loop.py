@@ -72,6 +72,7 @@ PAGE = "VllmTimeToFirstTokenBudgetBurn"
 LOAD_S = 15 * 60 / SPEED  # the engine's load time, scaled
 # The page's lag after its incident ends: its short window still burns, then its `for:`, then a scrape or two.
 PAGE_LAG_S = (5 * 60 + 2 * 60) / SPEED + 3
+TAIL_S = 15.0  # wall seconds watched after the loop: the first page's resolution, a late notification
 
 
 def incidents() -> set[str]:
@@ -177,9 +178,9 @@ def loop():
             loaded = time.time()
             wait_until(lambda: query(prometheus, 'kvwatch_up{deployment="loading"} == 1'), 30,
                        "the loaded engine polled")
-            # One whole loop, then the last incident's page lag.
+            # One whole loop, then a little of the next.
             loop_end = phases.changes[0][0] + LOOP_S
-            threading.Event().wait(max(0.0, loop_end + PAGE_LAG_S - time.time()))
+            threading.Event().wait(max(0.0, loop_end + TAIL_S - time.time()))
             yield {"webhook": webhook, "phases": phases, "prometheus": prometheus, "loading": (loading_since, loaded),
                    "loop_end": loop_end, "processes": processes}
     finally:
