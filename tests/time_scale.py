@@ -15,8 +15,12 @@ DURATION_FIELDS = ("rate_window", "finding_hold", "cold_cache_window", "hit_rati
 
 
 def milliseconds(seconds: float) -> str:
-    """A Prometheus duration in whole milliseconds (a scaled `for:` is rarely whole seconds)."""
-    return f"{max(1, round(seconds * 1000))}ms"
+    """A Prometheus duration: whole minutes or seconds where exact (the recorded series' names carry
+    their windows), else milliseconds (a scaled `for:` is rarely whole seconds)."""
+    ms = max(1, round(seconds * 1000))
+    if ms % 60_000 == 0:
+        return f"{ms // 60_000}m"
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
 def scaled(mapping: dict, factor: float) -> dict:
