@@ -22,11 +22,13 @@ kvwatch's window, hold and load grace with them. The demo's phases last
 as an operator whose incidents last minutes would. Only the fast-burn pair
 (1h/5m) pages: the slower pairs' windows are longer than the loop.
 
-What must hold: each user-facing incident (a phase whose story leads with
-a slow first token) pages once at most and some page, every page starts
-during an incident or within the page's lag after one (the short window
-plus `for:`), never in a healthy phase, and the cause alerts of the
-paged engine reach their team in the page's notification group. The
+What must hold: every page starts during a user-facing incident (a phase
+whose story leads with a slow first token) or within the page's lag after
+one (the short window plus `for:`), never in a healthy phase; the demo's
+incidents follow each other within the page's short window, so to the
+objective a loop is one incident: the first loop pages, and no loop pages
+twice; the cause alerts of the paged engine reach their team in the page's
+notification group. The
 loading deployment notifies nothing, the control does. The counts per phase
 are printed (docs/alerts.md quotes them)."""
 
