@@ -15,6 +15,8 @@ SLOW_MODULES = (
     "test_e2e_alerting.py",
     "test_e2e_one_page.py",
     "test_e2e_central_alerts.py",
+    "test_e2e_central_live.py",
+    "test_e2e_demo_loop.py",
     "test_e2e_engines.py",
     "test_e2e_kv_events_alerts.py",
     "test_kv_events_sizing_sim.py",
