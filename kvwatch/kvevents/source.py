@@ -37,6 +37,7 @@ from kvwatch.kvevents.ledger import (DEFAULT_TABLE_BYTES, DISTANCE_BUCKETS, ENTR
                                      Totals, bucket_upper, curve)
 from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
 from kvwatch.present import Throttle
+from kvwatch.routing.tenants import EvictionLedger
 
 log = logging.getLogger("kvwatch")
 
@@ -78,6 +79,12 @@ CURVE_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 # message, and a burst of SEQUENCE_SLACK; a jump forward past that is no loss
 # but a publisher that started over elsewhere, or a second one on the endpoint.
 MAX_MESSAGES_PER_SECOND = 10_000
+# Who evicts whom (routing/tenants.py's EvictionLedger, tenants by the stored
+# blocks' LoRA adapter): its two block tables bounded in bytes, an entry (an
+# ordered dict's slot, the hash and the names it points to) about 200 bytes.
+EVICTION_TABLE_BYTES = 32 * 1024 * 1024
+EVICTION_ENTRY_BYTES = 200
+BASE_TENANT = "(base)"
 SEQUENCE_SLACK = 10_000
 # A restart or an impossible jump is filed as a change at most once a minute
 # (two publishers on one endpoint jump on every message); each is counted.
@@ -119,6 +126,9 @@ class KVEventSource:
         self.queue_bytes = queue_bytes
         self.clock = clock
         self.ledger = Ledger(table_bytes)
+        self.evictions = EvictionLedger(max_blocks=EVICTION_TABLE_BYTES // (2 * EVICTION_ENTRY_BYTES))
+        # (time, the eviction ledger's snapshot) at each poll, as the checkpoints below.
+        self._eviction_checkpoints: deque[tuple[float, tuple]] = deque(maxlen=MAX_CHECKPOINTS)
         self.decoder = Decoder()
         self._lock = threading.Lock()  # the ledger and the counters below
         self._queue: deque[bytes] = deque()
@@ -458,10 +468,15 @@ class KVEventSource:
                     if event.block_size is not None and 0 < event.block_size <= 1 << 20:
                         self.block_size = event.block_size
                     ledger.stored(event.hashes, now, event.medium, event.lora, event.origin or late, event.locality)
+                    if event.medium in (None, "GPU") and not late and event.origin != "REUSED":
+                        self.evictions.stored(event.hashes, event.lora or BASE_TENANT)
                 elif event.kind == REMOVED:
                     ledger.removed(event.hashes, now, event.medium, event.locality)
+                    if event.medium in (None, "GPU"):
+                        self.evictions.removed(event.hashes)
                 elif event.kind == CLEARED:
                     ledger.clear()
+                    self.evictions.clear()
                     self._change(now, "kv_cache_cleared",
                                  "the engine cleared its prefix cache (AllBlocksCleared): every cached block is gone "
                                  "and reuse starts over")
@@ -530,6 +545,7 @@ class KVEventSource:
                        if t >= now - self.window_seconds]
             ranks, pauses = sorted(self.ranks), list(self._pauses)
             flow = (self.missed, self.dropped, self.messages)
+            evictions = self.evictions.snapshot()
         checkpoints = self._checkpoints
         if not checkpoints:
             # The stream's start: nothing counted before it.
@@ -540,6 +556,7 @@ class KVEventSource:
             while len(checkpoints) > 2 and checkpoints[1][0] <= horizon:
                 checkpoints.popleft()
         start_time, start, start_flow = checkpoints[0]
+        evictor = self._evictor(now, evictions, checkpoint)
         seconds = now - start_time
         window = _window(start, totals, seconds)
         window.update(missed=flow[0] - start_flow[0], dropped=flow[1] - start_flow[1],
@@ -583,8 +600,22 @@ class KVEventSource:
             "ranks": ranks,
             "sizing": sizing,
             "changes": changes, "pause": _last_pause(pauses, recent_seconds, now),
+            "evictor": evictor,
             "time": now,
         }
+
+    def _evictor(self, now: float, evictions: tuple, checkpoint: bool) -> dict[str, Any] | None:
+        """Over the window: the tenant (LoRA adapter) whose stores evicted other
+        tenants' reusable blocks most, and its share (EvictionLedger.finding)."""
+        marks = self._eviction_checkpoints
+        if not marks:
+            marks.append((now, ({}, {})))
+        if checkpoint:
+            marks.append((now, evictions))
+            while len(marks) > 2 and marks[1][0] <= now - self.window_seconds:
+                marks.popleft()
+        with self._lock:
+            return self.evictions.finding(since=marks[0][1])
 
 
 def _last_pause(pauses: list[tuple[float, float]], shortest: float, now: float) -> dict[str, float] | None:

@@ -204,23 +204,48 @@ class EvictionLedger:
             if victim is not None and len(self.pending) < self.max_blocks:
                 self.pending.append((victim, block))
 
+    def clear(self) -> None:
+        """The engine cleared its cache: no block is held, no eviction pending (what was counted stays)."""
+        self.owners.clear()
+        self.pending.clear()
+        self.evicted_by.clear()
+
+    def snapshot(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+        """The counts so far (charged, returned), to count a window from."""
+        return dict(self.charged), dict(self.returned)
+
     def reusable_evicted(self) -> dict[str, int]:
         """evictor -> blocks of other tenants it evicted that were stored again (recomputed)."""
-        out: dict[str, int] = {}
-        for (evictor, victim), blocks in self.returned.items():
-            if evictor != victim:
-                out[evictor] = out.get(evictor, 0) + blocks
-        return out
+        return _others(self.returned)
 
-    def finding(self, min_blocks: int = 32) -> dict[str, Any] | None:
+    def finding(self, min_blocks: int = 32,
+                since: tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]] | None = None
+                ) -> dict[str, Any] | None:
         """The tenant whose traffic evicts other tenants' reusable blocks most, its
-        share of all evictions of reusable blocks, and whom it evicted."""
-        total = sum(self.returned.values())
-        others = self.reusable_evicted()
+        share of all evictions of reusable blocks, and whom it evicted; counted
+        since `since` (a snapshot), else since the ledger began."""
+        charged, returned = self.charged, self.returned
+        if since is not None:
+            charged, returned = _delta(charged, since[0]), _delta(returned, since[1])
+        total = sum(returned.values())
+        others = _others(returned)
         if not others or total < min_blocks:
             return None
         evictor, blocks = max(others.items(), key=lambda item: (item[1], item[0]))
-        victims = {victim: n for (who, victim), n in self.returned.items() if who == evictor and victim != evictor}
+        victims = {victim: n for (who, victim), n in returned.items() if who == evictor and victim != evictor}
         return {"evictor": evictor, "evicted_blocks": blocks, "reusable_evictions": total, "share": blocks / total,
-                "evictions": sum(self.charged.values()),
+                "evictions": sum(charged.values()),
                 "victims": dict(sorted(victims.items(), key=lambda item: -item[1])[:DEFAULT_TOP_K])}
+
+
+def _delta(end: dict[tuple[str, str], int], start: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
+    out = {key: value - start.get(key, 0) for key, value in end.items()}
+    return {key: value for key, value in out.items() if value > 0}
+
+
+def _others(returned: dict[tuple[str, str], int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (evictor, victim), blocks in returned.items():
+        if evictor != victim:
+            out[evictor] = out.get(evictor, 0) + blocks
+    return out
