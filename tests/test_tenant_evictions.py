@@ -47,6 +47,15 @@ def test_the_churning_tenant_is_named_the_evictor_with_its_share_from_the_live_s
     assert finding.evidence["evictor_tenant"] == "batch"
     assert finding.evidence["evictor_share"] == evictor["share"]
     assert "Tenant batch" in finding.summary and f"{evictor['share']:.0%}" in finding.summary
+    # Recomputation per tenant, as exported: the steady tenant's prefixes came back, the churner's never do.
+    from kvwatch.sidecar.collector import KvwatchCollector
+
+    families = {f.name: f for f in KvwatchCollector(run.monitor)._adapters(state.kv_events)}
+    recomputed = {s.labels["tenant"]: s.value for s in families["kvwatch_tenant_recomputed_tokens"].samples}
+    by_label = {row["lora_name"]: row for row in state.kv_events["window"]["by_label"] if row["medium"] == "GPU"}
+    print("recomputed tokens per tenant:", recomputed)
+    assert recomputed["team-a"] == by_label["team-a"]["stored_again"] * 16 > 0
+    assert recomputed["batch"] == 0
 
 
 def test_a_window_counts_only_the_evictions_since_its_start():
@@ -86,3 +95,35 @@ def test_bad_tenants_in_a_scenario_are_one_sentence(tmp_path, tenants, said):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ScenarioError, match=said):
         load_scenario(str(path))
+
+
+@pytest.mark.parametrize("k", [0, 3, 10])
+def test_recomputation_of_ten_thousand_tenants_is_at_most_k_plus_one_series(k):
+    from kvwatch.sidecar.collector import KvwatchCollector
+
+    class Settings:
+        tenant_top_k = k
+
+    class Monitor:
+        settings = Settings()
+
+    by_label = [{"medium": "GPU", "lora_name": f"t{i}", "stored": 1000 + i, "stored_again": i % 7}
+                for i in range(10_000)]
+    by_label.append({"medium": "CPU", "lora_name": "t9999", "stored": 5, "stored_again": 5})  # a tier's: no recompute
+    report = {"up": True, "block_size": 16, "window": {"by_label": by_label}}
+    families = {f.name: f for f in KvwatchCollector(Monitor())._adapters(report)}
+    samples = {s.labels["tenant"]: s.value for s in families["kvwatch_tenant_recomputed_tokens"].samples}
+    assert len(samples) == k + 1
+    assert set(samples) == {f"t{9999 - i}" for i in range(k)} | {"other"}
+    if k:
+        assert samples["t9999"] == (9999 % 7) * 16
+    # "other" sums the rest: no recomputed token is lost.
+    assert sum(samples.values()) == sum((i % 7) * 16 for i in range(10_000))
+
+
+def test_recomputation_without_a_block_size_counts_none():
+    from kvwatch.routing.tenants import lora_rows
+
+    rows = lora_rows({"up": True, "window": {"by_label": [{"medium": "GPU", "lora_name": "a", "stored": 10,
+                                                           "stored_again": 4}]}})
+    assert [(row["tenant"], row["recomputed_tokens"]) for row in rows] == [("a", 0.0)]

@@ -60,7 +60,7 @@ class TenantRow:
         """The row as the reports and the JSON API carry it."""
         return {"tenant": self.tenant, "tenants": self.tenants, "queries": self.queries, "hits": self.hits,
                 "hit_ratio": self.hit_ratio, "stored": self.stored, "stored_again": self.stored_again,
-                "stored_again_share": self.stored_again_share}
+                "stored_again_share": self.stored_again_share, "recomputed_tokens": self.recomputed}
 
     def signals(self) -> dict[str, float | None]:
         return {"hit_ratio": self.hit_ratio, "stored_again_share": self.stored_again_share,
@@ -153,12 +153,16 @@ def lora_rows(kv_events: dict[str, Any] | None, k: int = DEFAULT_TOP_K) -> list[
     """Per LoRA adapter over the stream's window (vLLM's BlockStored carries it;
     the stream's report sums its blocks stored and stored again by medium and
     adapter): the k adapters that stored most, and "other". "(base)" is the
-    base model's own blocks."""
+    base model's own blocks. Recomputed tokens: the GPU's blocks stored again
+    after their eviction times the events' block size (unknown, none counted)."""
     window = (kv_events or {}).get("window") or {}
+    block_size = (kv_events or {}).get("block_size") or 0
     table = TenantTable("lora")
     for row in window.get("by_label") or ():
-        table.add(row.get("lora_name") or "(base)", stored=float(row.get("stored") or 0.0),
-                  stored_again=float(row.get("stored_again") or 0.0))
+        again = float(row.get("stored_again") or 0.0)
+        recomputed = again * block_size if row.get("medium") in (None, "GPU") else 0.0
+        table.add(row.get("lora_name") or "(base)", stored=float(row.get("stored") or 0.0), stored_again=again,
+                  recomputed=recomputed)
     return [row.as_dict() for row in table.top(k)]
 
 
