@@ -10,6 +10,7 @@ still names a test.
 # Every test of these modules: each starts a real store, browser or process.
 SLOW_MODULES = (
     "test_central_prometheus.py",
+    "test_central_router.py",
     "test_central_shards.py",
     "test_deploy_image.py",
     "test_e2e_alerting.py",
@@ -197,6 +198,9 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "test_stuck_busy.py": (
         "test_a_stricter_stuck_time_is_read_from_the_thresholds",
+    ),
+    "test_tenant_evictions.py": (
+        "test_the_churning_tenant_is_named_the_evictor_with_its_share_from_the_live_stream",
     ),
     "test_sweep.py": (
         "test_a_server_with_other_traffic_is_measured_after_a_bounded_wait_with_a_note",

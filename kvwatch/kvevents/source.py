@@ -545,7 +545,6 @@ class KVEventSource:
                        if t >= now - self.window_seconds]
             ranks, pauses = sorted(self.ranks), list(self._pauses)
             flow = (self.missed, self.dropped, self.messages)
-            evictions = self.evictions.snapshot()
         checkpoints = self._checkpoints
         if not checkpoints:
             # The stream's start: nothing counted before it.
@@ -556,7 +555,6 @@ class KVEventSource:
             while len(checkpoints) > 2 and checkpoints[1][0] <= horizon:
                 checkpoints.popleft()
         start_time, start, start_flow = checkpoints[0]
-        evictor = self._evictor(now, evictions, checkpoint)
         seconds = now - start_time
         window = _window(start, totals, seconds)
         window.update(missed=flow[0] - start_flow[0], dropped=flow[1] - start_flow[1],
@@ -600,13 +598,14 @@ class KVEventSource:
             "ranks": ranks,
             "sizing": sizing,
             "changes": changes, "pause": _last_pause(pauses, recent_seconds, now),
-            "evictor": evictor,
-            "time": now,
+            "evictor": self._evictor(now, checkpoint), "time": now,
         }
 
-    def _evictor(self, now: float, evictions: tuple, checkpoint: bool) -> dict[str, Any] | None:
+    def _evictor(self, now: float, checkpoint: bool) -> dict[str, Any] | None:
         """Over the window: the tenant (LoRA adapter) whose stores evicted other
         tenants' reusable blocks most, and its share (EvictionLedger.finding)."""
+        with self._lock:
+            evictions = self.evictions.snapshot()
         marks = self._eviction_checkpoints
         if not marks:
             marks.append((now, ({}, {})))
