@@ -16,6 +16,8 @@ fleet's (they are about the model, not one replica).
 
 from __future__ import annotations
 
+import math
+import re
 from collections import deque
 from typing import Any
 
@@ -39,6 +41,19 @@ NAME_MATCHER = '__name__=~"(({prefixes})({llm_d}))|{others}"'.format(
     prefixes="|".join(LLM_D_PREFIXES), llm_d="|".join(_LLM_D), others="|".join(_OTHERS))
 
 
+_NAME = re.compile(NAME_MATCHER[len('__name__=~"'):-1])
+_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _number(value: Any) -> float | None:
+    """A sample's time or value as the store wrote it, None where it is no finite number."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _family(name: str) -> tuple[str, str]:
     """(the family a sample name belongs to, its kind) as the page declares them."""
     for suffix in ("_sum", "_count"):
@@ -59,7 +74,8 @@ def page_text(samples: list[tuple[str, dict[str, str], float]]) -> str:
     families: dict[str, tuple[str, list[str]]] = {}
     for name, labels, value in samples:
         family, kind = _family(name)
-        inner = ",".join(f'{key}="{_escape(val)}"' for key, val in sorted(labels.items()))
+        inner = ",".join(f'{key}="{_escape(str(val))}"' for key, val in sorted(labels.items())
+                         if _LABEL.fullmatch(str(key)))
         families.setdefault(family, (kind, []))[1].append(f"{name}{{{inner}}} {value!r}")
     lines: list[str] = []
     for family, (kind, rows) in families.items():
@@ -90,9 +106,13 @@ class StoreRouters:
             key = tuple(metric.pop(label, "") for label in self.replica_labels)
             if key not in self.readings and key not in steps and len(self.readings) + len(steps) >= MAX_ROUTERS:
                 continue
+            if not _NAME.fullmatch(name):
+                continue  # not a family asked for: a store's answer is not trusted to hold only those
             at_steps = steps.setdefault(key, {})
             for at, value in pairs_of(series["values"]):
-                at_steps.setdefault(float(at), []).append((name, metric, float(value)))
+                sample = _number(at), _number(value)
+                if sample[0] is not None and sample[1] is not None:
+                    at_steps.setdefault(sample[0], []).append((name, metric, sample[1]))
         for key, by_time in sorted(steps.items()):
             kept = self.readings.setdefault(key, deque(maxlen=MAX_READINGS))
             for at in sorted(by_time):
