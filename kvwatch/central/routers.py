@@ -98,16 +98,27 @@ class StoreRouters:
     def read(self, client: PrometheusClient, selector: str, start: float, end: float, step: float) -> None:
         """The routers' readings at each step of [start, end]; routers with no
         reading for a window span are forgotten."""
-        [found] = client.read_ranges([(merge_selector(selector, NAME_MATCHER), EXPECTED_SERIES)], start, end, step)
+        admitted = set(self.readings)
+
+        def keep(metric: dict) -> bool:
+            """Only the families asked for (a store's answer is not trusted to hold only those), of
+            at most MAX_ROUTERS routers: the rest is left out as the answer is decoded."""
+            if not isinstance(metric.get("__name__"), str) or not _NAME.fullmatch(metric["__name__"]):
+                return False
+            key = tuple(metric.get(label, "") for label in self.replica_labels)
+            if key not in admitted and len(admitted) < MAX_ROUTERS:
+                admitted.add(key)
+            return key in admitted
+
+        [found] = client.read_ranges([(merge_selector(selector, NAME_MATCHER), EXPECTED_SERIES)], start, end, step,
+                                     keep=keep)
         steps: dict[tuple, dict[float, list]] = {}
         for series in found:
             metric = dict(series["metric"])
             name = metric.pop("__name__", "")
             key = tuple(metric.pop(label, "") for label in self.replica_labels)
-            if key not in self.readings and key not in steps and len(self.readings) + len(steps) >= MAX_ROUTERS:
-                continue
-            if not _NAME.fullmatch(name):
-                continue  # not a family asked for: a store's answer is not trusted to hold only those
+            if not keep({"__name__": name, **dict(zip(self.replica_labels, key))}):
+                continue  # a stand-in client may not apply keep itself
             at_steps = steps.setdefault(key, {})
             for at, value in pairs_of(series["values"]):
                 sample = _number(at), _number(value)
