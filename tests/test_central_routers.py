@@ -73,3 +73,18 @@ def test_at_most_max_routers_are_kept_and_a_silent_one_is_forgotten():
     assert len(routers.readings) == MAX_ROUTERS
     routers.read(_Store([]), "", 101, 221, 1)  # nothing for a window span
     assert routers.readings == {}
+
+
+def test_a_router_window_decides_affinity_only_with_what_it_needs():
+    from kvwatch.routing import RouterReading, attribute
+    from kvwatch.routing.attribution import decides_affinity
+
+    def reading(scale: float, available: float | None = 800.0) -> RouterReading:
+        return RouterReading(dialect="llm-d", requests=10 * scale, predicted_tokens=100 * scale,
+                             available_tokens=None if available is None else available * scale,
+                             prompt_tokens=1000 * scale)
+
+    assert decides_affinity(attribute("m", reading(1), reading(2), 500.0, 2000.0))
+    assert not decides_affinity(attribute("m", reading(1), reading(2), 5.0, 20.0))  # too little queried
+    # No best available on the page (Dynamo, older llm-d): the peers' comparison stands.
+    assert not decides_affinity(attribute("m", reading(1, None), reading(2, None), 500.0, 2000.0))

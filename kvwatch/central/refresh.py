@@ -248,10 +248,12 @@ class Central:
         if self._routers is None:
             return
         self._routers.read(self.client, self.selector, start, end, self.step)
-        routing = self._routers.findings([state.window for state in self._replicas.values()])
+        routing, decided = self._routers.findings([state.window for state in self._replicas.values()])
         current = {_fleet_key(f) for f in routing}
         self._routing_since = {k: self._routing_since.get(k, end) for k in current}
-        self._fleet = self._fleet + routing
+        # The router's window decides prefix affinity for its models: the peers' comparison gives way.
+        peers = [f for f in self._fleet if not (f.cause == "lost_prefix_affinity" and f.model in decided)]
+        self._fleet = peers + routing
         self._fleet_since.update(self._routing_since)
 
     def _discover(self, start: float, end: float) -> tuple:

@@ -11,7 +11,10 @@ with its readings over one window span. At the refresh's last step, each
 router's window is attributed against the prefix-cache counters of every
 replica's window (kvwatch/pipeline/router.py's model_windows, the sidecar's
 own function) and judged by judge_routing: the router's findings are the
-fleet's (they are about the model, not one replica).
+fleet's (they are about the model, not one replica). Where a router's window
+says what its chosen replicas and the best one held (decides_affinity), it
+decides lost_prefix_affinity for its model: the fleet's peer comparison of
+hit ratios for that model gives way to it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from kvwatch.history.matrix import pairs_of
 from kvwatch.history.query import PrometheusClient, merge_selector
 from kvwatch.pipeline.router import MAX_READINGS, model_windows
 from kvwatch.routing import RouterReading, judge_routing, read_router_page
+from kvwatch.routing.attribution import decides_affinity
 from kvwatch.routing.page import LLM_D_PREFIXES
 from kvwatch.window import Window
 
@@ -137,13 +141,17 @@ class StoreRouters:
             if not kept:
                 del self.readings[key]
 
-    def findings(self, engines: list[Window]) -> list[Finding]:
-        """Each router's findings over its readings' span, beside every replica's window."""
+    def findings(self, engines: list[Window]) -> tuple[list[Finding], set[str]]:
+        """Each router's findings over its readings' span, beside every replica's
+        window; and the models whose prefix affinity a router's window decided."""
         out: list[Finding] = []
+        decided: set[str] = set()
         for _key, kept in sorted(self.readings.items()):
             if len(kept) < 2:
                 continue
             for window in model_windows(kept[0][1], kept[-1][1], engines, self.model, self.refresh_interval,
                                         self.bound):
                 out.extend(judge_routing(window))
-        return out
+                if decides_affinity(window):
+                    decided.add(window.model)
+        return out, decided
