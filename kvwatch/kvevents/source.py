@@ -37,7 +37,6 @@ from kvwatch.kvevents.ledger import (DEFAULT_TABLE_BYTES, DISTANCE_BUCKETS, ENTR
                                      Totals, bucket_upper, curve)
 from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
 from kvwatch.present import Throttle
-from kvwatch.routing.tenants import EvictionLedger
 
 log = logging.getLogger("kvwatch")
 
@@ -84,6 +83,11 @@ MAX_MESSAGES_PER_SECOND = 10_000
 # ordered dict's slot, the hash and the names it points to) about 200 bytes.
 EVICTION_TABLE_BYTES = 32 * 1024 * 1024
 EVICTION_ENTRY_BYTES = 200
+# Its (evictor, victim) counts: at most this many pairs, copied at most
+# EVICTION_MARKS times over the window (a window's start is then up to
+# 1/EVICTION_MARKS of the window early): a few MB at the most.
+EVICTION_PAIRS = 1_000
+EVICTION_MARKS = 16
 BASE_TENANT = "(base)"
 SEQUENCE_SLACK = 10_000
 # A restart or an impossible jump is filed as a change at most once a minute
@@ -126,9 +130,13 @@ class KVEventSource:
         self.queue_bytes = queue_bytes
         self.clock = clock
         self.ledger = Ledger(table_bytes)
-        self.evictions = EvictionLedger(max_blocks=EVICTION_TABLE_BYTES // (2 * EVICTION_ENTRY_BYTES))
-        # (time, the eviction ledger's snapshot) at each poll, as the checkpoints below.
-        self._eviction_checkpoints: deque[tuple[float, tuple]] = deque(maxlen=MAX_CHECKPOINTS)
+        # Imported here: kvwatch.routing's package imports the diagnosis, which imports this module.
+        from kvwatch.routing.tenants import EvictionLedger
+
+        self.evictions = EvictionLedger(max_blocks=EVICTION_TABLE_BYTES // (2 * EVICTION_ENTRY_BYTES),
+                                        max_pairs=EVICTION_PAIRS)
+        # (time, the eviction ledger's snapshot), one each window / EVICTION_MARKS at the most.
+        self._eviction_checkpoints: deque[tuple[float, tuple]] = deque(maxlen=EVICTION_MARKS + 2)
         self.decoder = Decoder()
         self._lock = threading.Lock()  # the ledger and the counters below
         self._queue: deque[bytes] = deque()
@@ -604,13 +612,12 @@ class KVEventSource:
     def _evictor(self, now: float, checkpoint: bool) -> dict[str, Any] | None:
         """Over the window: the tenant (LoRA adapter) whose stores evicted other
         tenants' reusable blocks most, and its share (EvictionLedger.finding)."""
-        with self._lock:
-            evictions = self.evictions.snapshot()
         marks = self._eviction_checkpoints
         if not marks:
             marks.append((now, ({}, {})))
-        if checkpoint:
-            marks.append((now, evictions))
+        if checkpoint and now - marks[-1][0] >= self.window_seconds / EVICTION_MARKS:
+            with self._lock:
+                marks.append((now, self.evictions.snapshot()))
             while len(marks) > 2 and marks[1][0] <= now - self.window_seconds:
                 marks.popleft()
         with self._lock:

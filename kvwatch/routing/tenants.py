@@ -179,9 +179,10 @@ class EvictionLedger:
     charged: dict[tuple[str, str], int] = field(default_factory=dict)  # (evictor, victim) -> blocks
     returned: dict[tuple[str, str], int] = field(default_factory=dict)  # (evictor, victim) -> blocks stored again
 
-    @staticmethod
-    def _count(table: dict[tuple[str, str], int], key: tuple[str, str]) -> None:
-        if key in table or len(table) < 10_000:  # pairs bounded: a flood of names adds none past it
+    max_pairs: int = 10_000
+
+    def _count(self, table: dict[tuple[str, str], int], key: tuple[str, str]) -> None:
+        if key in table or len(table) < self.max_pairs:  # pairs bounded: a flood of names adds none past it
             table[key] = table.get(key, 0) + 1
 
     def stored(self, hashes: list[int], tenant: str) -> None:
