@@ -199,15 +199,15 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
     "test_stuck_busy.py": (
         "test_a_stricter_stuck_time_is_read_from_the_thresholds",
     ),
-    "test_tenant_evictions.py": (
-        "test_the_churning_tenant_is_named_the_evictor_with_its_share_from_the_live_stream",
-    ),
     "test_sweep.py": (
         "test_a_server_with_other_traffic_is_measured_after_a_bounded_wait_with_a_note",
         "test_sweep_against_the_simulator_peak_kv_rises_with_concurrency",
     ),
     "test_sweep_compare.py": (
         "test_compare_command_writes_files_and_exits_1_on_refused_cells",
+    ),
+    "test_tenant_evictions.py": (
+        "test_the_churning_tenant_is_named_the_evictor_with_its_share_from_the_live_stream",
     ),
     "test_vllm_page_plan.py": (
         "test_page_plan_reads_as_the_adapter_reads",
