@@ -10,6 +10,7 @@ still names a test.
 # Every test of these modules: each starts a real store, browser or process.
 SLOW_MODULES = (
     "test_central_prometheus.py",
+    "test_central_router.py",
     "test_central_shards.py",
     "test_deploy_image.py",
     "test_e2e_alerting.py",
@@ -206,6 +207,9 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "test_sweep_compare.py": (
         "test_compare_command_writes_files_and_exits_1_on_refused_cells",
+    ),
+    "test_tenant_evictions.py": (
+        "test_the_churning_tenant_is_named_the_evictor_with_its_share_from_the_live_stream",
     ),
     "test_vllm_page_plan.py": (
         "test_page_plan_reads_as_the_adapter_reads",

@@ -157,7 +157,8 @@ def _needs_kv_events(expr: str) -> bool:
 def _needs_router(expr: str) -> bool:
     """The router's and tenants' queries: series kvwatch exports only while it
     reads a router's page (--router-target), checked by tests/test_e2e_alerting.py's
-    routed engine and tests/test_tenants.py."""
+    routed engine and tests/test_tenants.py, or per LoRA adapter while it reads a
+    stream whose events name adapters (tests/test_tenant_evictions.py)."""
     return any(name.startswith(("kvwatch_router_", "kvwatch_tenant_")) for name in metric_names(expr))
 
 

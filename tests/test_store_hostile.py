@@ -355,6 +355,8 @@ def test_a_refresh_past_max_replicas_never_holds_the_replicas_it_leaves_out(list
         def _post(self, path, params, started):
             if path == "/api/v1/series":  # no process start times: one family
                 return 200, "application/json", listing if "vllm" in params["match[]"] else b'{"status":"success","data":[]}'
+            if "llm_d_epp_" in params["query"]:  # the router families' query: no router in this store
+                return 200, "application/json", b'{"status":"success","data":{"resultType":"matrix","result":[]}}'
             return 200, "application/json", answers[float(params["start"])]
 
     # Made before the read, so that what is traced is what kvwatch holds.

@@ -162,6 +162,9 @@ def test_lora_adapters_stored_again_share_from_the_stream_window_bounded_to_k_pl
     rows = lora_rows(report, k=3)
     assert [row["tenant"] for row in rows] == ["(base)", "adapter-9998", "adapter-9997", "other"]
     assert rows[0]["stored_again_share"] == pytest.approx(25_000 / 60_000)  # summed over the media
-    [family] = KvwatchCollector(None)._adapters(report)
-    assert len(family.samples) <= 10 + 1  # the default K without settings
-    assert {s.labels["kind"] for s in family.samples} == {"lora"}
+    # The stored-again share and the recomputed tokens (no block size here: none counted).
+    families = list(KvwatchCollector(None)._adapters(report))
+    assert [f.name for f in families] == ["kvwatch_tenant_stored_again_ratio", "kvwatch_tenant_recomputed_tokens"]
+    for family in families:
+        assert len(family.samples) <= 10 + 1  # the default K without settings
+        assert {s.labels["kind"] for s in family.samples} == {"lora"}

@@ -35,6 +35,7 @@ from kvwatch.engines.coverage import dark_signals
 from kvwatch.history.pages import DEFAULT_REPLICA_LABELS, Pages, family_query
 from kvwatch.history.query import PrometheusClient, QueryError, merge_selector
 from kvwatch.history.run import diagnose_step, discover
+from kvwatch.central.routers import StoreRouters
 from kvwatch.history.shard import Shard, identity, marker_matcher, shard_matcher
 from kvwatch.pipeline.monitor import State, run_at_fixed_rate
 from kvwatch.diagnose.vocabulary import finding_key
@@ -122,6 +123,9 @@ class Central:
         self._findings: dict[tuple, list] = {}
         self._fleet: list = []
         self._fleet_holds: dict = {}  # model -> FindingHold of its fleet findings
+        # The routers the store holds (a shard sees a share of the replicas: none read there).
+        self._routers = StoreRouters(settings, self.window, self.replica_labels) if shard is None else None
+        self._routing_since: dict[tuple, float] = {}
         self._last_step: float | None = None
         self._source: str | None = None
         self._discovered: tuple | None = None  # discover's answer and the step it was asked at
@@ -236,7 +240,21 @@ class Central:
             self._fleet = fleet
             current = {_fleet_key(f) for f in fleet}
             self._fleet_since = {k: self._fleet_since.get(k, at) for k in current}
+        self._route(start, end)
         self._forget(end)
+
+    def _route(self, start: float, end: float) -> None:
+        """The routers' findings at the refresh's last step, with the fleet's."""
+        if self._routers is None:
+            return
+        self._routers.read(self.client, self.selector, start, end, self.step)
+        routing, decided = self._routers.findings([state.window for state in self._replicas.values()])
+        current = {_fleet_key(f) for f in routing}
+        self._routing_since = {k: self._routing_since.get(k, end) for k in current}
+        # The router's window decides prefix affinity for its models: the peers' comparison gives way.
+        peers = [f for f in self._fleet if not (f.cause == "lost_prefix_affinity" and f.model in decided)]
+        self._fleet = peers + routing
+        self._fleet_since.update(self._routing_since)
 
     def _discover(self, start: float, end: float) -> tuple:
         """discover's answer for the replicas this instance serves: all of

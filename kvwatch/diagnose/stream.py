@@ -210,7 +210,8 @@ def _decided(finding: Finding, report: dict[str, Any], t: dict[str, Any], eviden
                    f"{seconds:.0f}s ({ratio:.0%}) were stored again after their eviction, recomputed"
                    + (f", a median {median:.3g}s after it" if median is not None else "")
                    + (f"; about {extra:.0f} more blocks" + (f" ({in_bytes / 2**20:.0f} MiB)" if in_bytes else "")
-                      + " would have kept half of them (estimate)" if extra else "") + ".")
+                      + " would have kept half of them (estimate)" if extra else "") + "."
+                   + _evictor(report, evidence))
     elif cause == "prefix_changed" and before is not None and before >= t["stored_again_ratio_high"]:
         summary = (f"The prefix changed (the engine's KV-cache events decide it): before the last {seconds:.0f}s, "
                    f"{before:.0%} of the stored blocks came back after their eviction; since, none of the "
@@ -233,6 +234,20 @@ def _decided(finding: Finding, report: dict[str, Any], t: dict[str, Any], eviden
     if _HAS_ALTERNATIVES:
         changes["alternatives"] = ()  # the stream told the causes apart
     return replace(finding, **changes)
+
+
+def _evictor(report: dict[str, Any], evidence: dict[str, Any]) -> str:
+    """The tenant (LoRA adapter) whose stores evicted other tenants' reusable
+    blocks most over the stream's window, into the evidence, and its sentence."""
+    found = report.get("evictor")
+    if not found:
+        return ""
+    victims = ", ".join(found["victims"])
+    evidence.update(evictor_tenant=found["evictor"], evictor_share=found["share"],
+                    evictor_evicted_blocks=found["evicted_blocks"], evictor_victims=found["victims"],
+                    reusable_evictions=found["reusable_evictions"])
+    return (f" Tenant {found['evictor']} (its LoRA adapter on the events) evicted {found['share']:.0%} of the "
+            f"{found['reusable_evictions']:.0f} reusable blocks evicted in the window, of {victims}.")
 
 
 def _health(report: dict[str, Any], target: tuple[str, str], window, t: dict[str, Any]) -> list[Finding]:

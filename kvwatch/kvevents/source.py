@@ -78,6 +78,17 @@ CURVE_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 # message, and a burst of SEQUENCE_SLACK; a jump forward past that is no loss
 # but a publisher that started over elsewhere, or a second one on the endpoint.
 MAX_MESSAGES_PER_SECOND = 10_000
+# Who evicts whom (routing/tenants.py's EvictionLedger, tenants by the stored
+# blocks' LoRA adapter): its two block tables bounded in bytes, an entry (an
+# ordered dict's slot, the hash and the names it points to) about 200 bytes.
+EVICTION_TABLE_BYTES = 32 * 1024 * 1024
+EVICTION_ENTRY_BYTES = 200
+# Its (evictor, victim) counts: at most this many pairs, copied at most
+# EVICTION_MARKS times over the window (a window's start is then up to
+# 1/EVICTION_MARKS of the window early): a few MB at the most.
+EVICTION_PAIRS = 1_000
+EVICTION_MARKS = 16
+BASE_TENANT = "(base)"
 SEQUENCE_SLACK = 10_000
 # A restart or an impossible jump is filed as a change at most once a minute
 # (two publishers on one endpoint jump on every message); each is counted.
@@ -119,6 +130,13 @@ class KVEventSource:
         self.queue_bytes = queue_bytes
         self.clock = clock
         self.ledger = Ledger(table_bytes)
+        # Imported here: kvwatch.routing's package imports the diagnosis, which imports this module.
+        from kvwatch.routing.tenants import EvictionLedger
+
+        self.evictions = EvictionLedger(max_blocks=EVICTION_TABLE_BYTES // (2 * EVICTION_ENTRY_BYTES),
+                                        max_pairs=EVICTION_PAIRS)
+        # (time, the eviction ledger's snapshot), one each window / EVICTION_MARKS at the most.
+        self._eviction_checkpoints: deque[tuple[float, tuple]] = deque(maxlen=EVICTION_MARKS + 2)
         self.decoder = Decoder()
         self._lock = threading.Lock()  # the ledger and the counters below
         self._queue: deque[bytes] = deque()
@@ -458,10 +476,15 @@ class KVEventSource:
                     if event.block_size is not None and 0 < event.block_size <= 1 << 20:
                         self.block_size = event.block_size
                     ledger.stored(event.hashes, now, event.medium, event.lora, event.origin or late, event.locality)
+                    if event.medium in (None, "GPU") and not late and event.origin != "REUSED":
+                        self.evictions.stored(event.hashes, event.lora or BASE_TENANT)
                 elif event.kind == REMOVED:
                     ledger.removed(event.hashes, now, event.medium, event.locality)
+                    if event.medium in (None, "GPU"):
+                        self.evictions.removed(event.hashes)
                 elif event.kind == CLEARED:
                     ledger.clear()
+                    self.evictions.clear()
                     self._change(now, "kv_cache_cleared",
                                  "the engine cleared its prefix cache (AllBlocksCleared): every cached block is gone "
                                  "and reuse starts over")
@@ -583,8 +606,22 @@ class KVEventSource:
             "ranks": ranks,
             "sizing": sizing,
             "changes": changes, "pause": _last_pause(pauses, recent_seconds, now),
-            "time": now,
+            "evictor": self._evictor(now, checkpoint), "time": now,
         }
+
+    def _evictor(self, now: float, checkpoint: bool) -> dict[str, Any] | None:
+        """Over the window: the tenant (LoRA adapter) whose stores evicted other
+        tenants' reusable blocks most, and its share (EvictionLedger.finding)."""
+        marks = self._eviction_checkpoints
+        if not marks:
+            marks.append((now, ({}, {})))
+        if checkpoint and now - marks[-1][0] >= self.window_seconds / EVICTION_MARKS:
+            with self._lock:
+                marks.append((now, self.evictions.snapshot()))
+            while len(marks) > 2 and marks[1][0] <= now - self.window_seconds:
+                marks.popleft()
+        with self._lock:
+            return self.evictions.finding(since=marks[0][1])
 
 
 def _last_pause(pauses: list[tuple[float, float]], shortest: float, now: float) -> dict[str, float] | None:

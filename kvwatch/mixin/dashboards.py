@@ -611,6 +611,13 @@ def _router_row(b: Board, v: Views) -> None:
                     "most prompt tokens by name, the rest as other." + empty, "percentunit",
                     [(f"kvwatch_tenant_hit_ratio{{{TARGET_SEL}}}", "{{kind}} {{tenant}}")],
                     kind="table", width=24, height=8, runbook=ANCHOR_ROUTING, instant=True))
+    b.add(PanelSpec("tenant_recomputed_tokens", "Recomputed tokens per tenant",
+                    "Per tenant (kind lora: the LoRA adapter the engine's KV-cache events name), over the "
+                    "stream's window: prompt tokens recomputed because their blocks were evicted before their "
+                    "reuse; the tenant_top_k adapters that stored most by name, the rest as other. Needs the "
+                    "event stream (--kv-events).", "short",
+                    [(f"kvwatch_tenant_recomputed_tokens{{{TARGET_SEL}}}", "{{kind}} {{tenant}}")],
+                    kind="table", width=24, height=8, runbook=ANCHOR_ROUTING, instant=True))
 
 
 BUILDERS = {"overview": overview, "exhaustion": exhaustion, "prefix_cache": prefix_cache, "first_token": first_token,

@@ -76,23 +76,32 @@ class RouterSource:
 
     def windows(self, engines: Window) -> list[RoutingWindow]:
         """Each model's attribution over the readings' span and the engines' window."""
-        start, end = self.readings[0][1], self.readings[-1][1]
-        latest = engines.latest
-        models = sorted({model for model, _engine in latest.engines}) if latest is not None else []
-        if self.model:
-            models = [self.model]
-        out = []
-        for model in models[:MAX_MODELS]:
-            hits = queries = 0.0
-            known = False
-            for key in (latest.engines if latest is not None else ()):
-                if key[0] != model:
+        return model_windows(self.readings[0][1], self.readings[-1][1], [engines], self.model, self.refresh,
+                             self.bound)
+
+
+def model_windows(start: RouterReading, end: RouterReading, engines: list[Window], model: str | None = None,
+                  refresh: float | None = None, bound: float | None = None) -> list[RoutingWindow]:
+    """Each model's attribution between two readings of a router's page,
+    beside the prefix-cache hits and queries its engines counted over their
+    windows (a sidecar's one window, or central mode's every replica's):
+    `model` alone where the router is known to route one, else every model
+    the engines serve now. The sidecar's router source and central mode
+    both judge these windows."""
+    latest = [(window, window.latest.engines) for window in engines if window.latest is not None]
+    models = [model] if model else sorted({name for _window, keys in latest for name, _engine in keys})
+    out = []
+    for name in models[:MAX_MODELS]:
+        hits = queries = 0.0
+        known = False
+        for window, keys in latest:
+            for key in keys:
+                if key[0] != name:
                     continue
-                counters = engines.increase(key).counters
+                counters = window.increase(key).counters
                 if "prefix_queries" in counters:
                     known = True
                     hits += counters.get("prefix_hits", 0.0)
                     queries += counters["prefix_queries"]
-            out.append(attribute(model, start, end, hits if known else None, queries if known else None,
-                                 self.refresh, self.bound))
-        return out
+        out.append(attribute(name, start, end, hits if known else None, queries if known else None, refresh, bound))
+    return out

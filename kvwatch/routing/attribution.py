@@ -173,6 +173,17 @@ def _affinity(window: RoutingWindow, t: dict[str, float]) -> Finding | None:
                    evidence, NEXT_CHECK["lost_prefix_affinity"])
 
 
+def decides_affinity(window: RoutingWindow, thresholds: dict[str, float] | None = None) -> bool:
+    """Whether the window tells whether the router keeps prefix affinity: it
+    says what its chosen replicas and the best one held, over enough queried
+    tokens. Such a window decides lost_prefix_affinity for its model, in place
+    of the fleet's peer comparison (which sees hits, not where each prompt's
+    prefix was held)."""
+    t = {**ROUTING_THRESHOLDS, **(thresholds or {})}
+    return (window.predicted_ratio is not None and window.available_ratio is not None and bool(window.requests)
+            and (window.queried_tokens or 0.0) >= t["min_query_tokens"])
+
+
 def judge_routing(window: RoutingWindow, thresholds: dict[str, float] | None = None) -> list[Finding]:
     """The routing findings of one model's window (none while too little was queried)."""
     t = {**ROUTING_THRESHOLDS, **(thresholds or {})}

@@ -60,7 +60,7 @@ class TenantRow:
         """The row as the reports and the JSON API carry it."""
         return {"tenant": self.tenant, "tenants": self.tenants, "queries": self.queries, "hits": self.hits,
                 "hit_ratio": self.hit_ratio, "stored": self.stored, "stored_again": self.stored_again,
-                "stored_again_share": self.stored_again_share}
+                "stored_again_share": self.stored_again_share, "recomputed_tokens": self.recomputed}
 
     def signals(self) -> dict[str, float | None]:
         return {"hit_ratio": self.hit_ratio, "stored_again_share": self.stored_again_share,
@@ -153,12 +153,16 @@ def lora_rows(kv_events: dict[str, Any] | None, k: int = DEFAULT_TOP_K) -> list[
     """Per LoRA adapter over the stream's window (vLLM's BlockStored carries it;
     the stream's report sums its blocks stored and stored again by medium and
     adapter): the k adapters that stored most, and "other". "(base)" is the
-    base model's own blocks."""
+    base model's own blocks. Recomputed tokens: the GPU's blocks stored again
+    after their eviction times the events' block size (unknown, none counted)."""
     window = (kv_events or {}).get("window") or {}
+    block_size = (kv_events or {}).get("block_size") or 0
     table = TenantTable("lora")
     for row in window.get("by_label") or ():
-        table.add(row.get("lora_name") or "(base)", stored=float(row.get("stored") or 0.0),
-                  stored_again=float(row.get("stored_again") or 0.0))
+        again = float(row.get("stored_again") or 0.0)
+        recomputed = again * block_size if row.get("medium") in (None, "GPU") else 0.0
+        table.add(row.get("lora_name") or "(base)", stored=float(row.get("stored") or 0.0), stored_again=again,
+                  recomputed=recomputed)
     return [row.as_dict() for row in table.top(k)]
 
 
@@ -175,9 +179,10 @@ class EvictionLedger:
     charged: dict[tuple[str, str], int] = field(default_factory=dict)  # (evictor, victim) -> blocks
     returned: dict[tuple[str, str], int] = field(default_factory=dict)  # (evictor, victim) -> blocks stored again
 
-    @staticmethod
-    def _count(table: dict[tuple[str, str], int], key: tuple[str, str]) -> None:
-        if key in table or len(table) < 10_000:  # pairs bounded: a flood of names adds none past it
+    max_pairs: int = 10_000
+
+    def _count(self, table: dict[tuple[str, str], int], key: tuple[str, str]) -> None:
+        if key in table or len(table) < self.max_pairs:  # pairs bounded: a flood of names adds none past it
             table[key] = table.get(key, 0) + 1
 
     def stored(self, hashes: list[int], tenant: str) -> None:
@@ -204,23 +209,48 @@ class EvictionLedger:
             if victim is not None and len(self.pending) < self.max_blocks:
                 self.pending.append((victim, block))
 
+    def clear(self) -> None:
+        """The engine cleared its cache: no block is held, no eviction pending (what was counted stays)."""
+        self.owners.clear()
+        self.pending.clear()
+        self.evicted_by.clear()
+
+    def snapshot(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+        """The counts so far (charged, returned), to count a window from."""
+        return dict(self.charged), dict(self.returned)
+
     def reusable_evicted(self) -> dict[str, int]:
         """evictor -> blocks of other tenants it evicted that were stored again (recomputed)."""
-        out: dict[str, int] = {}
-        for (evictor, victim), blocks in self.returned.items():
-            if evictor != victim:
-                out[evictor] = out.get(evictor, 0) + blocks
-        return out
+        return _others(self.returned)
 
-    def finding(self, min_blocks: int = 32) -> dict[str, Any] | None:
+    def finding(self, min_blocks: int = 32,
+                since: tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]] | None = None
+                ) -> dict[str, Any] | None:
         """The tenant whose traffic evicts other tenants' reusable blocks most, its
-        share of all evictions of reusable blocks, and whom it evicted."""
-        total = sum(self.returned.values())
-        others = self.reusable_evicted()
+        share of all evictions of reusable blocks, and whom it evicted; counted
+        since `since` (a snapshot), else since the ledger began."""
+        charged, returned = self.charged, self.returned
+        if since is not None:
+            charged, returned = _delta(charged, since[0]), _delta(returned, since[1])
+        total = sum(returned.values())
+        others = _others(returned)
         if not others or total < min_blocks:
             return None
         evictor, blocks = max(others.items(), key=lambda item: (item[1], item[0]))
-        victims = {victim: n for (who, victim), n in self.returned.items() if who == evictor and victim != evictor}
+        victims = {victim: n for (who, victim), n in returned.items() if who == evictor and victim != evictor}
         return {"evictor": evictor, "evicted_blocks": blocks, "reusable_evictions": total, "share": blocks / total,
-                "evictions": sum(self.charged.values()),
+                "evictions": sum(charged.values()),
                 "victims": dict(sorted(victims.items(), key=lambda item: -item[1])[:DEFAULT_TOP_K])}
+
+
+def _delta(end: dict[tuple[str, str], int], start: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
+    out = {key: value - start.get(key, 0) for key, value in end.items()}
+    return {key: value for key, value in out.items() if value > 0}
+
+
+def _others(returned: dict[tuple[str, str], int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (evictor, victim), blocks in returned.items():
+        if evictor != victim:
+            out[evictor] = out.get(evictor, 0) + blocks
+    return out

@@ -168,16 +168,17 @@ class KvwatchCollector(Collector):
             yield family
 
     def _adapters(self, kv_events):
-        """Per LoRA adapter, the stream's window's stored-again share (top K and "other")."""
+        """Per LoRA adapter, the stream's window's stored-again share and recomputed tokens (top K and "other")."""
         if not kv_events or not kv_events.get("up"):
             return
         settings = getattr(self.monitor, "settings", None)
-        health = ROUTER_HEALTH[5]
-        family = GaugeMetricFamily(health.name, health.help, labels=list(health.labels))
-        for row in lora_rows(kv_events, settings.tenant_top_k if settings is not None else DEFAULT_TOP_K):
-            if _finite(row["stored_again_share"]):
-                family.add_metric(["lora", row["tenant"]], row["stored_again_share"])
-        yield family
+        rows = lora_rows(kv_events, settings.tenant_top_k if settings is not None else DEFAULT_TOP_K)
+        for health, key in ((ROUTER_HEALTH[5], "stored_again_share"), (ROUTER_HEALTH[6], "recomputed_tokens")):
+            family = GaugeMetricFamily(health.name, health.help, labels=list(health.labels))
+            for row in rows:
+                if _finite(row[key]):
+                    family.add_metric(["lora", row["tenant"]], row[key])
+            yield family
 
     def _tenants(self, *reports):
         """Per tenant of each kind, its window's hit ratio: from the router's page (fairness_id) and LMCache's

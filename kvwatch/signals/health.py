@@ -195,6 +195,12 @@ ROUTER_HEALTH: tuple[HealthFamily, ...] = (
                  "base model) over the stream's window: blocks stored again after their eviction over blocks "
                  "stored, the share recomputed; the tenant_top_k adapters that stored most, the rest as other.",
                  good="low"),
+    HealthFamily("kvwatch_tenant_recomputed_tokens", "gauge", ("kind", "tenant"),
+                 "Per LoRA adapter (kind lora, from the KV-cache event stream; (base) for the base model) over the "
+                 "stream's window: prompt tokens recomputed because their blocks were evicted before their reuse "
+                 "(GPU blocks stored again after their eviction times the events' block size); the "
+                 "tenant_top_k adapters that stored most by name, the rest summed as tenant=\"other\": at most "
+                 "tenant_top_k + 1 series.", good="low"),
 )
 
 # Central mode (`kvwatch serve --prometheus`): its own health beside every

@@ -106,7 +106,7 @@ class BlockPool:
             if ref_count[block] == 0:
                 free_queue[block] = None
 
-    def cache(self, block: int, content_hash: Hashable) -> None:
+    def cache(self, block: int, content_hash: Hashable, lora: str | None = None) -> None:
         """Publish a full block under its content hash. If an identical block is
         already published (two requests computed the same prefix at once), the
         first one stays the cached copy and this one remains private."""
@@ -115,7 +115,7 @@ class BlockPool:
         self.cached[content_hash] = block
         self.block_hash[block] = content_hash
         if self.events is not None:
-            self.events.stored(content_hash)
+            self.events.stored(content_hash, lora)
 
     def accounting(self) -> dict[str, int]:
         """Block counts by state; used + free_cached + free_uncached == usable."""

@@ -132,6 +132,7 @@ class Request:
     arrival: float
     sink: Callable[[Request, float], None] | None = None
     n: int = 1
+    lora: str | None = None  # the adapter its blocks are published under (the simulator's tenant)
     # Engine-side state.
     state: int = WAITING
     engine_index: int = -1
@@ -451,7 +452,7 @@ class Engine:
                 if full > request.num_published:
                     blocks = request.blocks
                     for index in range(request.num_published, full):
-                        pool.cache(blocks[index], request.block_hash(index))
+                        pool.cache(blocks[index], request.block_hash(index), request.lora)
                     request.num_published = full
             if request.num_computed < request.num_tokens:
                 continue  # a prefill chunk that does not finish the prompt

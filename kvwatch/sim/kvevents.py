@@ -33,6 +33,12 @@ def block_hash(content: Hashable) -> int:
     return (content if isinstance(content, int) else hash(content)) & _MASK
 
 
+class Stored(list):
+    """A BlockStored's hashes, and the adapter (LoRA name) of the request that stored them."""
+
+    lora: str | None = None
+
+
 class EventRecorder:
     """`full_share`: the share of requests that ask for vLLM's full report
     mode (kv_cache_report_mode "full": their reused blocks announced as
@@ -49,7 +55,7 @@ class EventRecorder:
         self.events: list = []
         self.pending_blocks = 0
         self.dropped_blocks = 0
-        self._last_stored: list[int] | None = None
+        self._last_stored: Stored | None = None
 
     def admitted(self, reused_contents) -> None:
         """A request's first schedule, with the cached blocks it reuses: a
@@ -65,13 +71,15 @@ class EventRecorder:
         self.events.append(("reused", [block_hash(c) for c in reused_contents]))
         self._last_stored = None
 
-    def stored(self, content: Hashable) -> None:
+    def stored(self, content: Hashable, lora: str | None = None) -> None:
         if self.pending_blocks >= MAX_PENDING_BLOCKS:
             self.dropped_blocks += 1
             return
         self.pending_blocks += 1
-        if self._last_stored is None:
-            self._last_stored = []
+        if self._last_stored is None or self._last_stored.lora != lora:
+            # One event per run of blocks of one adapter, as vLLM's is per request.
+            self._last_stored = Stored()
+            self._last_stored.lora = lora
             self.events.append(("stored", self._last_stored))
         self._last_stored.append(block_hash(content))
 
@@ -117,10 +125,12 @@ class EventRecorder:
         medium = {"tier": "CPU"}
         if not self.origin:
             return [wire.removed(hashes) if kind == "removed"
-                    else wire.stored(hashes, self.block_size, medium=medium.get(kind, "GPU"))
+                    else wire.stored(hashes, self.block_size, medium=medium.get(kind, "GPU"),
+                                     lora_name=getattr(hashes, "lora", None))
                     for kind, hashes in events]
         return [wire.removed(hashes, layout="map") if kind == "removed"
                 else wire.stored(hashes, self.block_size, medium=medium.get(kind, "GPU"),
+                                 lora_name=getattr(hashes, "lora", None),
                                  origin="REUSED" if kind == "reused" else "NEW")
                 for kind, hashes in events]
 

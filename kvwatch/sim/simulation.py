@@ -185,7 +185,8 @@ class Simulation:
         uid = self._new_uid()
         hashes = symbolic_block_hashes(uid, drawn, self.engines[0].config.block_size)
         engine = self.pick_engine(hashes, drawn.prompt_len)
-        request = Request(uid, drawn.prompt_len, drawn.max_tokens, drawn.output_len, hashes, self.now)
+        request = Request(uid, drawn.prompt_len, drawn.max_tokens, drawn.output_len, hashes, self.now,
+                          lora=drawn.tenant)
         try:
             engine.add_request(request)
         except RequestRejected:

@@ -175,9 +175,15 @@ class WorkloadSpec:
     max_tokens: int | None
     prefix: PrefixSpec
     retrieval_seconds: Distribution | None
+    # Two tenants, by whether a request drew a shared prefix: (the tenant of
+    # those that did, the tenant of the rest). The simulated engine publishes
+    # a request's blocks under its tenant as their LoRA adapter (the one
+    # request identity vLLM's KV-cache events carry).
+    tenants: tuple[str, str] | None = None
 
 
-WORKLOAD_KEYS = ("rate", "prompt_tokens", "output_tokens", "max_tokens", "prefix", "retrieval_seconds")
+WORKLOAD_KEYS = ("rate", "prompt_tokens", "output_tokens", "max_tokens", "prefix", "retrieval_seconds", "tenants")
+TENANT_KEYS = ("shared", "own")
 PREFIX_KEYS = ("share", "tokens", "count", "version", "popularity", "zipf_s", "varies_after")
 
 
@@ -239,9 +245,24 @@ def parse_workload(raw: Any, where: str, problems: list[str]) -> WorkloadSpec | 
                 zipf_s=float(zipf_s),
                 varies_after=varies_after,
             )
+    tenants = _tenants(raw.get("tenants"), f"{where}.tenants", problems)
     if len(problems) > start or prompt is None or output is None:
         return None
-    return WorkloadSpec(float(rate), prompt, output, max_tokens, prefix, retrieval)
+    return WorkloadSpec(float(rate), prompt, output, max_tokens, prefix, retrieval, tenants)
+
+
+def _tenants(raw: Any, where: str, problems: list[str]) -> tuple[str, str] | None:
+    """`tenants: {shared: NAME, own: NAME}`: who sends the requests with a shared prefix, and the rest."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != set(TENANT_KEYS):
+        problems.append(f"{where}: expected a mapping of exactly {' and '.join(TENANT_KEYS)}, got {raw!r}")
+        return None
+    names = [raw[key] for key in TENANT_KEYS]
+    if not all(isinstance(name, str) and 0 < len(name) <= 64 for name in names) or names[0] == names[1]:
+        problems.append(f"{where}: the two tenants need distinct names of 1 to 64 characters, got {raw!r}")
+        return None
+    return names[0], names[1]
 
 
 @dataclass
@@ -255,6 +276,7 @@ class DrawnRequest:
     prefix_len: int
     retrieval_seconds: float
     shared_len: int = 0  # leading prompt tokens identical to other requests of the same prefix
+    tenant: str | None = None
 
 
 def draw_request(spec: WorkloadSpec, rng: random.Random, max_model_len: int) -> DrawnRequest:
@@ -279,7 +301,8 @@ def draw_request(spec: WorkloadSpec, rng: random.Random, max_model_len: int) -> 
         prefix_len = min(prefix_len, room)
     retrieval = spec.retrieval_seconds.sample(rng) if spec.retrieval_seconds is not None else 0.0
     shared_len = prefix_len if prefix.varies_after is None else min(prefix_len, prefix.varies_after)
-    return DrawnRequest(prompt_len, max_tokens, output, prefix_key, prefix_len, retrieval, shared_len)
+    tenant = spec.tenants[0 if prefix_key is not None else 1] if spec.tenants else None
+    return DrawnRequest(prompt_len, max_tokens, output, prefix_key, prefix_len, retrieval, shared_len, tenant)
 
 
 def symbolic_block_hashes(uid: int, drawn: DrawnRequest, block_size: int) -> list:
