@@ -299,7 +299,10 @@ def _because_html(cause: dict[str, Any] | None) -> str:
             f'<p><b>Because: {_e(SYMPTOM_TITLES.get(cause["symptom"], cause["symptom"]))}</b>, '
             f'{_e(CAUSE_TITLES.get(cause["cause"], cause["cause"]))} ({_e(cause["severity"].upper())}, '
             f'{_e(cause["confidence"])} confidence). {_e(cause["summary"])}</p>'
-            f'<p>Next: {_e(cause["next_check"])}</p></div>')
+            + "".join(f"<p>{_e(key.replace('_', ' '))}: {_e(note)}</p>" for key, note in (cause.get("notes") or {}).items())
+            + f'<p>Next: {_e(cause["next_check"])}</p>'
+            + (f'<p>Runbook: <a href="{_e(cause["runbook"])}" rel="noopener">{_e(cause["runbook"])}</a></p>'
+               if cause.get("runbook") else "") + "</div>")
 
 
 def _tier_html(diagnosis: dict[str, Any]) -> str:

@@ -524,7 +524,7 @@
     add(div, add(el("p"), el("b", null, "Because: "), el("span", "pill " + c.severity, c.severity),
       document.createTextNode(" " + title(c) + " \u00b7 " + c.confidence + " confidence")),
       el("p", null, c.summary),
-      add(el("p"), el("b", null, "Next: "), document.createTextNode(meta.actions[c.cause] || c.next_check)));
+      add(el("p"), el("b", null, "Next: "), document.createTextNode(meta.actions[c.cause] || c.next_check)), runbookNode(c));
     return div;
   }
 
@@ -581,15 +581,20 @@
       var more = el("details", "more"), counted = [], key = [f.symptom, f.cause, f.model_name, f.engine].join("|");
       more.setAttribute("data-key", key);
       more.open = !!opened[key];
-      var notes = Object.keys(f.notes || {}), extra = (f.contributing || []).length + (f.alternatives || []).length;
+      // Its notes, then those of the finding told as its cause (caused_by), each under its own owner.
+      var told = [f].concat(f.caused_by ? [f.caused_by] : []);
+      var notes = [].concat.apply([], told.map(function (o) { return Object.keys(o.notes || {}).map(function (k) { return [o, k]; }); }));
+      var extra = (f.contributing || []).length + (f.alternatives || []).length;
       if (notes.length) counted.push(notes.length + (notes.length === 1 ? " note" : " notes"));
       if (extra) counted.push(extra + " other cause" + (extra === 1 ? "" : "s"));
       counted.push("the full check", Object.keys(f.evidence || {}).length + " values");
       more.appendChild(el("summary", null, "Why, in words: " + counted.join(", ")));
       more.appendChild(el("p", null, f.summary));
       // Prose the diagnosis wrote beside the numbers (`notes`, apart from `evidence`).
-      notes.forEach(function (key) {
-        var note = add(el("p", "note"), el("b", null, evidenceLabel(key) + ": "), document.createTextNode(f.notes[key]));
+      notes.forEach(function (pair) {
+        var owner = pair[0], key = pair[1];
+        var note = add(el("p", "note"), el("b", null, (owner === f ? "" : (meta.symptoms[owner.symptom] || owner.symptom) + ", ") +
+          evidenceLabel(key) + ": "), document.createTextNode(owner.notes[key]));
         note.setAttribute("data-note", key);
         more.appendChild(note);
       });
