@@ -144,7 +144,9 @@ def test_series_hold_one_point_per_window_entry_and_thresholds_come_with_the_sta
     from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
     from kvwatch.sidecar.statuspage import FIGURES, TRENDS
 
-    monitor = sim_monitor("exhaustion", 120.0, thresholds={"max_num_seqs": 32, "ttft_p95_seconds": 3.0})
+    # 160 s: the cache's first fill reads as a few long requests, and the load shape that follows
+    # (concurrency) replaces it only once it has led for the exhaustion's lead (causes.Symptom).
+    monitor = sim_monitor("exhaustion", 160.0, thresholds={"max_num_seqs": 32, "ttft_p95_seconds": 3.0})
     client = TestClient(create_app(monitor, monitor.settings))
     series = client.get("/api/v1/series").json()
     entries = len(monitor.state.entries)
@@ -448,3 +450,45 @@ def test_a_finding_the_event_stream_decided_says_so_in_its_headline():
     assert headline.endswith("(decided by the engine's KV-cache events)"), headline
     plain = run_script(["title"], f"title({json.dumps({**finding, 'evidence': {}})})")
     assert "decided" not in plain
+
+
+def test_late_first_tokens_caused_by_the_exhausted_cache_are_one_story():
+    """Where a lower symptom is the named cause of a higher one the API and
+    the page tell one causal story ("first tokens are slow: requests are
+    preempted because the cache is exhausted"), not two cards: the
+    first-token finding carries the exhaustion as `caused_by`, the exhaustion
+    says `cause_of`, and the noscript page draws one card with both. A cause
+    that does not need the exhausted cache (prefill), an exhaustion on
+    another engine, or one that has ended (clearing) stays its own card."""
+    from dataclasses import replace as with_
+
+    from sim_support import sim_monitor
+
+    from kvwatch.diagnose import Finding
+    from kvwatch.sidecar.statuspage import _findings_html
+
+    monitor = sim_monitor("healthy", 30.0)
+    found = [
+        Finding("slow_first_token", "preemption", "warning", "medium", "m", "0", "preempted", {}, "relieve the cache"),
+        Finding("slow_first_token", "prefill", "warning", "medium", "m", "1", "long prompts", {}, "chunk them"),
+        Finding("slow_first_token", "queueing_kv_bound", "warning", "medium", "m", "3", "queued", {}, "shorten it"),
+        Finding("exhaustion", "concurrency_beyond_capacity", "critical", "high", "m", "0", "full now", {}, "cap it"),
+        Finding("exhaustion", "long_requests", "warning", "high", "m", "1", "a few long", {}, "cap max_tokens"),
+        Finding("exhaustion", "long_requests", "warning", "high", "m", "2", "elsewhere", {}, "cap max_tokens"),
+        Finding("exhaustion", "long_requests", "warning", "high", "m", "3", "ended", {}, "cap", clearing_since=1.0)]
+    monitor.state = with_(monitor.state, findings=found)
+    diagnosis = TestClient(create_app(monitor, monitor.settings)).get("/api/v1/diagnosis").json()
+    rows = {(f["engine"], f["cause"]): f for f in diagnosis["findings"]}
+    assert len(diagnosis["findings"]) == len(found)  # every finding is still listed
+    told = rows[("0", "preemption")]["caused_by"]
+    assert (told["symptom"], told["cause"], told["summary"]) == ("exhaustion", "concurrency_beyond_capacity", "full now")
+    assert rows[("0", "concurrency_beyond_capacity")]["cause_of"] == {"symptom": "slow_first_token",
+                                                                      "cause": "preemption"}
+    assert [key for key, f in rows.items() if "caused_by" in f or "cause_of" in f] == [
+        ("0", "preemption"), ("0", "concurrency_beyond_capacity")]
+    page = _findings_html(diagnosis)
+    assert page.count('class="finding') == len(found) - 1
+    card = page[page.index('data-cause="preemption"'):]
+    card = card[:card.index('<div class="finding')] if '<div class="finding' in card else card
+    assert 'data-caused-by="exhaustion/concurrency_beyond_capacity"' in card and "full now" in card
+    assert "Because: KV cache exhausted" in card

@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 
+from kvwatch.diagnose.arbitration import caused_by
 from kvwatch.sidecar.app import create_app, readiness
 from kvwatch.pipeline.monitor import Monitor
 from kvwatch.settings import load_settings
@@ -128,7 +129,8 @@ def test_central_modes_page_of_one_replica_refreshes_that_replica(tmp_path):
     assert console_lines(stderr) == []
     assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 1, "the page never refreshed from the API"
     assert "Live: refreshed" in dom and "vllm/10.0.1.1:8000" in dom
-    assert 'data-cause="concurrency_beyond_capacity"' in dom
+    # The exhaustion: its own card, or told inside the card of the late first tokens it causes.
+    assert re.search(r'data-(cause|caused-by)="(exhaustion/)?concurrency_beyond_capacity"', dom)
     assert "every replica" in dom
 
 
@@ -185,6 +187,7 @@ PAGE_FACTS = """(() => ({
   rows: Array.from(document.querySelectorAll("#engines tbody tr")).map(e => e.dataset.engine),
   selected: (document.querySelector("#figures h2") || {}).textContent,
   cards: document.querySelectorAll("#findings article.card").length,
+  because: Array.from(document.querySelectorAll("#findings article.card .because")).map(e => e.dataset.causedBy),
 }))()"""
 
 
@@ -248,7 +251,10 @@ def test_console_reads_the_state_at_a_glance(browser, served, case, width):
     assert facts["charts"] == [len(monitor.state.entries)] * 6
     assert 2 < facts["vertices"] <= len(monitor.state.entries)
     assert facts["marks"] >= 1  # the active findings on the time axis
-    assert facts["cards"] == len(monitor.state.findings)
+    # One card a story: a finding told as another's cause (arbitration.caused_by) is inside that card.
+    told = caused_by(list(monitor.state.findings))
+    assert facts["cards"] == len(monitor.state.findings) - len(told)
+    assert facts["because"] == [f"{f.symptom}/{f.cause}" for f in (monitor.state.findings[i] for i in told.values())]
 
 
 def test_four_engines_as_rows_worst_first_with_detail_on_click(browser, served):
@@ -316,8 +322,10 @@ def test_findings_show_since_when_on_the_time_axis_and_their_runbook(browser, se
       notes: Array.from(document.querySelectorAll("#findings [data-note]")).map(e => e.dataset.note),
     }))()""")
     assert re.fullmatch(r"since \d\d:\d\d, \d+(\.\d)? (s|min|h) ago", facts["banner"]), facts["banner"]
-    assert len(facts["cards"]) == len(findings) and all(text.startswith("since ") for text in facts["cards"])
-    assert [r for r, _ in facts["runbooks"]] == [f["runbook"] for f in findings if f["runbook"]]
+    cards = [f for f in findings if not f.get("cause_of")]  # one told as another's cause is in its card
+    assert len(facts["cards"]) == len(cards) and all(text.startswith("since ") for text in facts["cards"])
+    # Each finding's runbook, a finding told as another's cause inside that card (before the card's own).
+    assert sorted(r for r, _ in facts["runbooks"]) == sorted(f["runbook"] for f in findings if f["runbook"])
     assert all(text == "Runbook: " + r for r, text in facts["runbooks"])
     assert first["since"] in facts["marks"]
     assert first["since"] < monitor.state.snapshot.time  # first seen before the latest poll
@@ -390,7 +398,7 @@ def test_a_finished_replay_reads_as_one_and_calm_figures_stay_calm(browser, fixt
           live: document.getElementById("live").textContent,
           figures: Object.fromEntries(Array.from(document.querySelectorAll("#figures .fig"))
             .map(e => [e.dataset.figure, [e.dataset.state, e.querySelector(".value").textContent]])),
-          next: (document.querySelector("#banner p:last-child") || {}).textContent,
+          next: (document.querySelector("#banner > p:last-of-type") || {}).textContent,
         }))()""")
         assert page.messages() == []
     assert facts["replay"] == "finished" and "recorded time" in facts["status"] and "last poll" not in facts["status"]
@@ -485,3 +493,36 @@ def test_the_script_marks_a_figure_its_engines_version_counts_differently(fixtur
     assert dict(notes)["kvwatch_prefix_cache_hit_ratio"].startswith("the window's lookups")
     assert RELOOKUPS in dict(notes)["kvwatch_prefix_cache_hit_ratio"]
     assert dict(notes)["kvwatch_preemptions_per_second"] == LATE_PREEMPTIONS
+
+
+def test_first_tokens_late_because_the_cache_is_exhausted_read_as_one_card(browser):
+    """The exhaustion that is the named cause of late first tokens is told
+    inside their card (its headline, words and next action), in the banner
+    too, not as a second card; another engine's exhaustion keeps its own."""
+    from dataclasses import replace as with_
+
+    from kvwatch.diagnose import Finding
+    from sim_support import sim_monitor
+
+    monitor = sim_monitor("healthy", 30.0)
+    monitor.state = with_(monitor.state, findings=[
+        Finding("slow_first_token", "preemption", "warning", "medium", "tiny-llama", "0", "preempted", {}, "relieve"),
+        Finding("exhaustion", "concurrency_beyond_capacity", "critical", "high", "tiny-llama", "0", "full now", {},
+                "cap it"),
+        Finding("exhaustion", "long_requests", "warning", "high", "tiny-llama", "1", "a few long", {}, "cap")])
+    with serving(create_app(monitor, monitor.settings), lifespan="off", start_timeout_s=10) as kvwatch:
+        page = load(browser, kvwatch.url + "/", 1400)
+        facts = page.evaluate("""(() => ({
+          cards: Array.from(document.querySelectorAll("#findings article.card")).map(e => e.dataset.cause),
+          because: Array.from(document.querySelectorAll("#findings article.card .because"))
+            .map(e => [e.closest("article").dataset.cause, e.dataset.causedBy, e.textContent]),
+          banner: Array.from(document.querySelectorAll("#banner .because")).map(e => e.dataset.causedBy),
+          bannerText: document.getElementById("banner").textContent,
+        }))()""")
+        messages = page.messages()
+    assert facts["cards"] == ["preemption", "long_requests"], facts
+    assert [b[:2] for b in facts["because"]] == [["preemption", "exhaustion/concurrency_beyond_capacity"]]
+    assert "KV cache exhausted" in facts["because"][0][2] and "full now" in facts["because"][0][2]
+    assert facts["banner"] == ["exhaustion/concurrency_beyond_capacity"]
+    assert "1 more finding below" in facts["bannerText"], facts["bannerText"]
+    assert messages == []

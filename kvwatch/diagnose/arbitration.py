@@ -137,6 +137,25 @@ def primaries(findings: Iterable[Finding]) -> set[tuple]:
     return {(key, f.cause) for f in findings if (key := group_key(f)) is not None}
 
 
+def caused_by(findings: list[Finding]) -> dict[int, int]:
+    """One causal story across symptoms: where a finding's cause is named
+    only while the cache is exhausted (causes.Cause.while_exhausted: first
+    tokens late because requests queue for KV blocks or are preempted), the
+    active exhaustion on its engine is that cause, and the page tells the two
+    as one story, not two cards. Index of each such finding -> index of the
+    exhaustion finding (both active)."""
+    exhausted = {(f.model, f.engine or ""): i for i, f in enumerate(findings)
+                 if f.symptom == "exhaustion" and f.clearing_since is None and f.severity in ("critical", "warning")}
+    out = {}
+    for i, f in enumerate(findings):
+        record = CAUSE.get(f.cause)
+        lower = exhausted.get((f.model, f.engine or ""))
+        if (lower is not None and f.symptom != "exhaustion" and f.clearing_since is None and record is not None
+                and record.while_exhausted):
+            out[i] = lower
+    return out
+
+
 def arbitrate(findings: Iterable[Finding], incumbents: frozenset | set = frozenset()) -> list[Finding]:
     """One primary per (model, engine, symptom[, replica]); its rivals become
     its `contributing` factors (active ones only: a clearing rival's

@@ -59,9 +59,13 @@ class Symptom:
     # Hysteresis (hold.py), in seconds: `quiet`, how long its condition must
     # be clear before a finding shows as ended (a shorter lapse is not shown,
     # so the page does not toggle); `lead`, how long a new cause must lead its
-    # story before it replaces the cause on the page.
+    # story before it replaces the cause on the page; `handover`, how long a
+    # shown cause the rules no longer find stays shown while another cause of
+    # the symptom is found (its successor's own evidence says the story moved
+    # on, so it waits less than a lapse, which is hidden for `quiet`).
     quiet: float = 0.0
     lead: float = 0.0
+    handover: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,11 @@ class Cause:
     # it does not (False): a story moving across that line changes at once
     # (hold.py), its old cause's text would contradict the exhaustion shown.
     while_exhausted: bool | None = None
+    # One of its symptom's exclusive readings: the rule names exactly one of
+    # them per window from the same evidence (the exhaustion's load shape), so
+    # another found in its place is a rival reading, never a lapse of this one:
+    # it replaces it on the page only after leading for the symptom's `lead`.
+    exclusive: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,15 +134,22 @@ class Alert:
     uid: str
 
 
-QUIET = 15.0
+# Measured with the timeline scorer (docs/diagnosis.md, "The story over time, scored"): the demo's
+# true lapses last up to 30 s (a hit rate between two bursts of tenants, a queue that drains between
+# long generations), and a phase's end must show ended within 75 s, of which the now span and the
+# window's lag take about 35 s: a quiet of 35 s, 25 s for first tokens (a queue that drains for 34 s
+# between two readings of one exhaustion is a new episode, not noise). An exhaustion's load shape is
+# read again within 35 s of a queue forming behind long generations: its lead is 45 s.
+QUIET = 35.0
 LEAD = 30.0
+HANDOVER = 15.0
 SYMPTOM_LIST = (
-    # Quiet and lead measured with the timeline scorer (docs/diagnosis.md, "The story over time, scored").
-    Symptom("exhaustion", "KV cache exhausted", "VllmKvCacheExhausted", arbitrated=True, quiet=QUIET, lead=LEAD),
+    Symptom("exhaustion", "KV cache exhausted", "VllmKvCacheExhausted", arbitrated=True, quiet=QUIET, lead=45.0,
+            handover=HANDOVER),
     Symptom("low_hit_rate", "Low prefix-cache hit rate", "VllmPrefixCacheHitRateLow", arbitrated=True,
-            quiet=QUIET, lead=LEAD),
-    Symptom("slow_first_token", "Slow first token", "VllmTimeToFirstTokenSlow", arbitrated=True, quiet=QUIET,
-            lead=LEAD),
+            quiet=QUIET, lead=LEAD, handover=HANDOVER),
+    Symptom("slow_first_token", "Slow first token", "VllmTimeToFirstTokenSlow", arbitrated=True, quiet=25.0,
+            lead=LEAD, handover=HANDOVER),
     # Requests or KV blocks held while nothing moves and no token is counted (diagnose/stuck.py):
     # not exhaustion, which serves. Its two causes exclude each other (requests held, or none).
     Symptom("stuck", "Engine stuck", "VllmEngineStuck"),
@@ -205,7 +221,8 @@ CAUSE_LIST = (
         deciding=("kv_usage_max", "waiting_at_peak", "preemptions", "demand_at_peak"),
         alert="VllmKvCacheExhausted",
         owner="platform",
-        rank=0),
+        rank=0,
+        exclusive=True),
     Cause(
         name="long_requests",
         symptom="exhaustion",
@@ -221,7 +238,8 @@ CAUSE_LIST = (
         deciding=("kv_usage_max", "capacity_share_per_running_request", "running_mean"),
         alert="VllmKvCacheExhausted",
         owner="platform",
-        rank=1),
+        rank=1,
+        exclusive=True),
     # Sizing advice: the scheduler admits more than the cache holds. It needs --max-num-seqs, which
     # vLLM does not export, so Prometheus cannot decide it: no alert.
     Cause(

@@ -21,12 +21,16 @@ resolves and one on the second starts its `for:` over. The finding keeps the
 highest severity seen since it began; a rise shows at once.
 
 Hysteresis, written once, with each symptom's seconds in the cause
-catalogue (causes.Symptom `quiet`, `lead`): a condition clear for less than
-`quiet` is not shown (the finding stays plain active as last seen, so a
-one-poll lapse does not toggle the page); a new cause of a story replaces the
+catalogue (causes.Symptom `quiet`, `lead`, `handover`): a condition clear for
+less than `quiet` is not shown (the finding stays plain active as last seen,
+so a lapse does not toggle the page), but no longer than the finding stood
+before it and never less than `handover`; a new cause of a story replaces the
 cause shown only once it has led for `lead` (until then the shown cause
-stays, as last seen); and a finding is never first shown already clearing
-(one the last poll did not show, hidden behind an active rival, stays hidden).
+stays, as last seen), or, where the rules no longer find the shown cause at
+all, after its `handover` (unless both are exclusive readings of one
+evidence, causes.Cause.exclusive: then the new one must lead); and a finding
+is never first shown already clearing (one the last poll did not show, hidden
+behind an active rival, stays hidden).
 
 A finding held while clearing is reported only while no other cause of its
 symptom on its engine is active (diagnose/arbitration.py), unless it was the
@@ -69,6 +73,8 @@ class FindingHold:
         self.hysteresis = hysteresis
         # key -> (the finding as last seen, the time its condition was first found clear or None)
         self._held: dict[tuple, tuple[Finding, float | None]] = {}
+        # key -> when its episode began (the same keys as _held)
+        self._born: dict[tuple, float] = {}
         # (story, cause) of each primary reported at the last poll (arbitration.primaries)
         self._primaries: set[tuple] = set()
         # The hysteresis' memory: what the last poll showed (hold keys), each
@@ -81,6 +87,7 @@ class FindingHold:
         current = self._led(at, [self._no_lower(f) for f in findings])
         seen = {hold_key(f) for f in current}
         held: dict[tuple, tuple[Finding, float | None]] = {hold_key(f): (f, None) for f in current}
+        born = {key: self._born.get(key, at) for key in held}
         out = list(current)
         clearing = []
         for key, (finding, clear_since) in self._held.items():
@@ -94,11 +101,22 @@ class FindingHold:
             clearing = sorted(clearing, key=lambda item: item[0], reverse=True)[:MAX_HELD]
             clearing.reverse()
         contradicted = _contradicted(current)
+        # Stories with a harm found now: a shown cause no longer found beside another one waits only its
+        # handover (an advisory left once the harm ended is no successor: that is a lapse).
+        found = {story: f.cause for f in current if (story := group_key(f)) is not None and is_actionable(f)}
         for since, key, finding in clearing:
             held[key] = (finding, since)
-            quiet = at - since < self._symptom(finding.symptom, "quiet") and not contradicted(finding)
+            born[key] = self._born.get(key, since)
+            story = group_key(finding)
+            successor = story is not None and found.get(story, finding.cause) != finding.cause
+            handover = self._symptom(finding.symptom, "handover")
+            # A lapse is hidden for its quiet, but no longer than the finding stood before it (a blip
+            # stays a blip), and never less than its handover (a one-poll lapse is never shown).
+            wait = handover if successor else max(handover, min(self._symptom(finding.symptom, "quiet"),
+                                                                  since - born[key]))
+            quiet = at - since < wait and not contradicted(finding)
             out.append(finding if quiet else replace(finding, clearing_since=since))
-        self._held = held
+        self._held, self._born = held, born
         # One story per engine and symptom: a held finding never stands beside
         # an active cause of the same symptom (it is kept here and comes back
         # if its rival clears first); between held ones, the last primary stays.
@@ -122,9 +140,13 @@ class FindingHold:
             if (story is None or shown is None or shown.cause == finding.cause
                     or self._symptom(finding.symptom, "lead") <= 0
                     or _across_exhaustion(shown.cause, finding.cause)
-                    or (is_actionable(shown) and not is_actionable(finding))  # the harm ended: an advisory is left
-                    # No rival: the shown cause is no longer found, and it ends as any lapse does (its quiet).
-                    or shown.cause not in {c.get("cause") for c in finding.contributing}):
+                    # The harm ended (an advisory is left) or began (beside the advisory): not noise.
+                    or is_actionable(shown) != is_actionable(finding)
+                    # No rival: the shown cause is no longer found, and it ends as a lapse does, after
+                    # its handover; unless both are exclusive readings of one evidence (causes.Cause.exclusive),
+                    # where the rule could name only one: the new one is then a rival, and must lead.
+                    or (shown.cause not in {c.get("cause") for c in finding.contributing}
+                        and not _rival_readings(shown.cause, finding.cause))):
                 if story is not None:
                     leading.pop(story, None)
                 out.append(finding)
@@ -190,6 +212,13 @@ def _across_exhaustion(shown: str, new: str) -> bool:
     before, after = CAUSE.get(shown), CAUSE.get(new)
     return (before is not None and after is not None and None not in (before.while_exhausted, after.while_exhausted)
             and before.while_exhausted != after.while_exhausted)
+
+
+def _rival_readings(shown: str, new: str) -> bool:
+    """Both causes are exclusive readings of their symptom's evidence
+    (causes.Cause.exclusive): the one not named was not found absent."""
+    before, after = CAUSE.get(shown), CAUSE.get(new)
+    return before is not None and after is not None and before.exclusive and after.exclusive
 
 
 def _rank(severity: str) -> int:

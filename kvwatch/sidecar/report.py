@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from kvwatch.diagnose.arbitration import caused_by
 from kvwatch.diagnose.thresholds import resolve_thresholds
 from kvwatch.diagnose.vocabulary import ALERT_CAUSES, finding_key, runbook_link
 from kvwatch.engines import ENGINES
@@ -254,11 +255,23 @@ def finding_json(finding, since: float | None = None) -> dict[str, Any]:
                    "since": since, "runbook": runbook_link(finding.symptom, finding.cause, ALERT_CAUSES)})
 
 
+def findings_json(findings, since: dict) -> list[dict[str, Any]]:
+    """The findings as JSON, each listed; one whose named cause is another
+    finding (arbitration.caused_by: late first tokens because the cache is
+    exhausted) carries it as `caused_by`, and that one says `cause_of`, so
+    the page draws one card telling both."""
+    rows = [finding_json(f, since.get(finding_key(f))) for f in findings]
+    for higher, lower in caused_by(findings).items():
+        rows[higher]["caused_by"] = dict(rows[lower])
+        rows[lower]["cause_of"] = {"symptom": findings[higher].symptom, "cause": findings[higher].cause}
+    return rows
+
+
 def diagnosis_json(state, settings) -> dict[str, Any]:
     since = getattr(state, "findings_since", {}) or {}
     return {
         **status_json(state, settings),
-        "findings": [finding_json(f, since.get(finding_key(f))) for f in state.findings] if state.up else [],
+        "findings": findings_json(list(state.findings), since) if state.up else [],
         "events": [asdict(e) for e in state.events],
         "upstream": clean(state.upstream),
         "lmcache": clean(getattr(state, "lmcache", None)),

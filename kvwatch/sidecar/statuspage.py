@@ -261,6 +261,8 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
         out.append("<p>" + ("No active findings." if diagnosis["up"]
                             else "No findings while the engine is not polled.") + "</p>")
     for f in findings:
+        if f.get("cause_of"):
+            continue  # told inside the card of the finding it causes (arbitration.caused_by)
         where = f["model_name"] + (f" / {f['engine']}" if f["engine"] is not None else "")
         since = f", since {_time_text(f['since'])}" if f.get("since") else ""
         if f.get("clearing_since"):
@@ -280,12 +282,27 @@ def _findings_html(diagnosis: dict[str, Any]) -> str:
             + "".join(f", or {_e(CAUSE_TITLES.get(a['cause'], a['cause']))}" for a in f.get("alternatives") or ())
             + _e(decided_headline(f.get("evidence") or {}))
             + f' ({_e(where)}, {_e(f["confidence"])} confidence{since})</p>'
-            f'<p>{_e(f["summary"])}</p>{notes}<p>Next: {_e(f["next_check"])}</p>{runbook}</div>'
+            f'<p>{_e(f["summary"])}</p>{_because_html(f.get("caused_by"))}{notes}<p>Next: {_e(f["next_check"])}</p>'
+            f'{runbook}</div>'
         )
     # Each finding's evidence figures (a kilobyte each, a fifth of the page
     # at 8 engines) are left to the script and /api/v1/diagnosis (the
     # footer's link): the fallback stays small.
     return "".join(out)
+
+
+def _because_html(cause: dict[str, Any] | None) -> str:
+    """The finding that is a card's named cause, told inside it: one story."""
+    if not cause:
+        return ""
+    return (f'<div class="because" data-caused-by="{_e(cause["symptom"])}/{_e(cause["cause"])}">'
+            f'<p><b>Because: {_e(SYMPTOM_TITLES.get(cause["symptom"], cause["symptom"]))}</b>, '
+            f'{_e(CAUSE_TITLES.get(cause["cause"], cause["cause"]))} ({_e(cause["severity"].upper())}, '
+            f'{_e(cause["confidence"])} confidence). {_e(cause["summary"])}</p>'
+            + "".join(f"<p>{_e(key.replace('_', ' '))}: {_e(note)}</p>" for key, note in (cause.get("notes") or {}).items())
+            + f'<p>Next: {_e(cause["next_check"])}</p>'
+            + (f'<p>Runbook: <a href="{_e(cause["runbook"])}" rel="noopener">{_e(cause["runbook"])}</a></p>'
+               if cause.get("runbook") else "") + "</div>")
 
 
 def _tier_html(diagnosis: dict[str, Any]) -> str:

@@ -279,6 +279,8 @@
       // (findings come active first, most severe first: diagnose.vocabulary.finding_order).
       var active = findings.filter(function (x) { return !x.clearing_since; });
       var f = active.length ? active[0] : findings[0];
+      // Cards below besides this one (a finding told as this one's cause is in it).
+      var others = findings.filter(function (x) { return x !== f && !(f.caused_by && x.cause_of); }).length;
       div.className += " sev-" + f.severity + (f.clearing_since ? " clearing" : "");
       div.setAttribute("data-state", f.severity);
       if (f.clearing_since) div.setAttribute("data-clearing", "true");
@@ -287,8 +289,9 @@
       var since = el("span", "since", sinceText(f, signals.last_success_time, (signals.thresholds || {}).finding_hold_seconds));
       add(div, add(el("div", "head"), el("span", "pill " + f.severity, f.severity), document.createTextNode(title(f))),
         add(el("p"), document.createTextNode(where(f) + " \u00b7 "), since, document.createTextNode(" \u00b7 " + f.confidence + " confidence" +
-          (findings.length > 1 ? " \u00b7 " + (findings.length - 1) + " more finding" + (findings.length > 2 ? "s" : "") + " below" : ""))),
+          (others ? " \u00b7 " + others + " more finding" + (others > 1 ? "s" : "") + " below" : ""))),
         el("p", null, f.summary), add(el("p"), el("b", null, "Next: "), document.createTextNode(meta.actions[f.cause] || f.next_check)));
+      if (f.caused_by) div.appendChild(becauseNode(f.caused_by));
     }
     swap("banner", div);
   }
@@ -513,6 +516,18 @@
     return bounded(fmt(value, evidenceUnit(key)), (f.pinned || {})[key]);
   }
 
+  // The finding a card's finding is caused by (late first tokens because the cache is exhausted,
+  // kvwatch.diagnose.arbitration.caused_by): its headline, its words and its next action, in the card.
+  function becauseNode(c) {
+    var div = el("div", "because");
+    div.setAttribute("data-caused-by", c.symptom + "/" + c.cause);
+    add(div, add(el("p"), el("b", null, "Because: "), el("span", "pill " + c.severity, c.severity),
+      document.createTextNode(" " + title(c) + " \u00b7 " + c.confidence + " confidence")),
+      el("p", null, c.summary),
+      add(el("p"), el("b", null, "Next: "), document.createTextNode(meta.actions[c.cause] || c.next_check)), runbookNode(c));
+    return div;
+  }
+
   function renderFindings(signals, diagnosis) {
     var section = el("section");
     var findings = diagnosis.findings || [];
@@ -528,6 +543,8 @@
       opened[d.getAttribute("data-key")] = true;
     });
     findings.forEach(function (f) {
+      // A finding that is another's named cause is told inside that card (caused_by): one story.
+      if (f.cause_of) return;
       // Held while clearing: drawn muted, below the active ones (the list's order).
       var card = el("article", "card " + f.severity + (f.clearing_since ? " clearing" : ""));
       card.setAttribute("data-symptom", f.symptom);
@@ -557,21 +574,27 @@
         deciding.appendChild(spanNote);
       }
       if (shown) card.appendChild(deciding);
+      if (f.caused_by) card.appendChild(becauseNode(f.caused_by));
       var next = add(el("p", "next"), el("b", null, "Next: "), document.createTextNode(meta.actions[f.cause] || f.next_check));
       next.setAttribute("data-next", f.cause);
       add(card, next, runbookNode(f));
       var more = el("details", "more"), counted = [], key = [f.symptom, f.cause, f.model_name, f.engine].join("|");
       more.setAttribute("data-key", key);
       more.open = !!opened[key];
-      var notes = Object.keys(f.notes || {}), extra = (f.contributing || []).length + (f.alternatives || []).length;
+      // Its notes, then those of the finding told as its cause (caused_by), each under its own owner.
+      var told = [f].concat(f.caused_by ? [f.caused_by] : []);
+      var notes = [].concat.apply([], told.map(function (o) { return Object.keys(o.notes || {}).map(function (k) { return [o, k]; }); }));
+      var extra = (f.contributing || []).length + (f.alternatives || []).length;
       if (notes.length) counted.push(notes.length + (notes.length === 1 ? " note" : " notes"));
       if (extra) counted.push(extra + " other cause" + (extra === 1 ? "" : "s"));
       counted.push("the full check", Object.keys(f.evidence || {}).length + " values");
       more.appendChild(el("summary", null, "Why, in words: " + counted.join(", ")));
       more.appendChild(el("p", null, f.summary));
       // Prose the diagnosis wrote beside the numbers (`notes`, apart from `evidence`).
-      notes.forEach(function (key) {
-        var note = add(el("p", "note"), el("b", null, evidenceLabel(key) + ": "), document.createTextNode(f.notes[key]));
+      notes.forEach(function (pair) {
+        var owner = pair[0], key = pair[1];
+        var note = add(el("p", "note"), el("b", null, (owner === f ? "" : (meta.symptoms[owner.symptom] || owner.symptom) + ", ") +
+          evidenceLabel(key) + ": "), document.createTextNode(owner.notes[key]));
         note.setAttribute("data-note", key);
         more.appendChild(note);
       });
