@@ -181,6 +181,10 @@ def test_the_sizing_estimate_on_the_hard_loads_against_vllm_at_each_size(vllm_bu
     loads = {name: make(random.Random(seed), words) for name, (make, seed) in HARD_LOADS.items()}
     base = predict_on_the_tier_cache(vllm_build, tmp_path_factory, report, loads)
     extra = {p["extra_cache"]: p["extra_blocks"] for p in base[next(iter(loads))][0]["sizing"]["points"]}
+    for name, (stream, now) in base.items():  # said before the larger engines run, in case one fails
+        report(f"kv events sizing, {name}: predicted " + ", ".join(
+            f"{1 + p['extra_cache']:g}x {p['hit_ratio']:.3f}" for p in stream["sizing"]["points"]
+            if p["extra_cache"] in SIZES) + f"; vLLM counted {now:.3f} on 128 blocks")
     counted = {size: count_at_size(vllm_build, tmp_path_factory, report, loads, 128 + extra[size])
                for size in SIZES}
     errors = {}
