@@ -179,7 +179,6 @@ class Ledger:
         tick = 0 if salt else 1  # a lower tier's store allocates no GPU block: the clock stands
         stored = 0
         shift = self.shift
-        limit = self._limit
         now_ms = int(now * 1000) & _MS_MASK
         scale = float(1 << shift)
         trust_new = origin == "NEW"
@@ -193,12 +192,8 @@ class Ledger:
         returned = 0
         lower = None if salt else self._lower_holding()
         get = table.get
-        for h in hashes:
-            if type(h) is not int:
-                h = int.from_bytes(h[-8:], "big")
-            if salt:
-                h ^= salt
-            if shift and ((h * _MIX) & _MASK64) >= limit:
+        for h in self._keys(hashes, salt):
+            if h is None:
                 clock += tick  # outside the sample: counted as stored (a hit there is not told apart)
                 stored += 1
                 continue
@@ -289,19 +284,25 @@ class Ledger:
             row = tiers.setdefault(key, [0.0, 0.0, 0.0])
         return row
 
-    def _reused(self, hashes: list, medium: str | None, lora: str | None) -> None:
-        """Blocks the engine says it reused (origin REUSED): hits, cached now."""
-        table = self.table
-        salt = medium_salt(medium)
+    def _keys(self, hashes: list, salt: int) -> list[int | None]:
+        """The events' hashes as the table's keys, in order: integers (bytes
+        read as their last 8), salted by their medium, None for a hash outside
+        the sample (the stored path still counts it)."""
         shift, limit = self.shift, self._limit
+        keys: list[int | None] = []
         for h in hashes:
             if type(h) is not int:
                 h = int.from_bytes(h[-8:], "big")
             if salt:
                 h ^= salt
-            if shift and ((h * _MIX) & _MASK64) >= limit:
-                continue
-            if table.get(h) != 0:
+            keys.append(None if shift and ((h * _MIX) & _MASK64) >= limit else h)
+        return keys
+
+    def _reused(self, hashes: list, medium: str | None, lora: str | None) -> None:
+        """Blocks the engine says it reused (origin REUSED): hits, cached now."""
+        table = self.table
+        for h in self._keys(hashes, medium_salt(medium)):
+            if h is not None and table.get(h) != 0:
                 table[h] = 0  # stored before kvwatch listened, or an eviction the engine undid
                 self.cached += 1
         self.totals.reused += len(hashes)
@@ -323,19 +324,12 @@ class Ledger:
     def removed(self, hashes: list, now: float, medium: str | None = None, locality: str | None = None) -> None:
         totals = self.totals
         table = self.table
-        salt = medium_salt(medium)
-        shift = self.shift
-        limit = self._limit
         mark = ((totals.clock << 32) | (int(now * 1000) & _MS_MASK)) << 1 | 1
         unknown = 0
         gone = 0
         get = table.get
-        for h in hashes:
-            if type(h) is not int:
-                h = int.from_bytes(h[-8:], "big")
-            if salt:
-                h ^= salt
-            if shift and ((h * _MIX) & _MASK64) >= limit:
+        for h in self._keys(hashes, medium_salt(medium)):
+            if h is None:
                 continue
             value = get(h)
             if value is None:

@@ -46,6 +46,18 @@ class _AStored(msgspec.Struct, array_like=True, tag=STORED):
     lora_id: Union[int, None] = None
     medium: Union[str, None] = None
     lora_name: Union[str, None] = None
+    # Newer releases' fields, in vLLM's order, kept as their raw bytes (never
+    # decoded, whatever their type): `locality` (vLLM PR 48281) and `origin`
+    # (NEW or REUSED, vLLM PR 51699, proposed: after `ownership`) are read
+    # from theirs only when a short string (_word), so an engine sending a
+    # large or nested value there costs no memory and no malformed batch.
+    extra_keys: msgspec.Raw = msgspec.Raw(b"")
+    group_idx: msgspec.Raw = msgspec.Raw(b"")
+    kv_cache_spec_kind: msgspec.Raw = msgspec.Raw(b"")
+    kv_cache_spec_sliding_window: msgspec.Raw = msgspec.Raw(b"")
+    locality: msgspec.Raw = msgspec.Raw(b"")
+    ownership: msgspec.Raw = msgspec.Raw(b"")
+    origin: msgspec.Raw = msgspec.Raw(b"")
 
 
 class _ARemoved(msgspec.Struct, array_like=True, tag=REMOVED):
@@ -187,11 +199,29 @@ def _event(raw) -> Event:
     if isinstance(raw, (_AStored, _MStored)):
         return Event(STORED, raw.block_hashes, raw.block_size, _label(raw.medium),
                      _label(raw.lora_name) if raw.lora_name is not None else (str(raw.lora_id) if raw.lora_id else None),
-                     _origin(getattr(raw, "origin", None)), _locality(getattr(raw, "locality", None)))
+                     _origin(_word(raw.origin)), _locality(_word(raw.locality)))
     if isinstance(raw, (_ARemoved, _MRemoved)):
         return Event(REMOVED, raw.block_hashes, None, _label(raw.medium),
                      locality=_locality(getattr(raw, "locality", None)))
     return Event(CLEARED, [])
+
+
+# The longest msgpack string _word decodes (a one-byte header and 15 bytes):
+# enough for every word of origin and locality.
+WORD_MAX_BYTES = 16
+
+
+def _word(value):
+    """A field of the array layout kept raw (msgspec.Raw): the string it
+    holds when a short one, else None; a map event's field as it is."""
+    if not isinstance(value, msgspec.Raw):
+        return value
+    if not 1 < len(value) <= WORD_MAX_BYTES:
+        return None
+    try:
+        return msgspec.msgpack.decode(value, type=str)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def _origin(value) -> str | None:
@@ -209,7 +239,9 @@ def _locality(value) -> str | None:
 
 
 # Positions of the fields in the array layout (after the tag).
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                  "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
+                  "ownership", "origin")
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
@@ -286,6 +318,13 @@ class _WStored(msgspec.Struct, array_like=True, omit_defaults=True, tag=STORED):
     lora_id: Union[int, None]
     medium: Union[str, None]
     lora_name: Union[str, None] = None
+    extra_keys: None = None
+    group_idx: Union[int, None] = None
+    kv_cache_spec_kind: Union[str, None] = None
+    kv_cache_spec_sliding_window: Union[int, None] = None
+    locality: Union[str, None] = None
+    ownership: Union[str, None] = None
+    origin: Union[str, None] = None
 
 
 class _WRemoved(msgspec.Struct, array_like=True, omit_defaults=True, tag=REMOVED):
@@ -332,12 +371,14 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 def stored(hashes: list[int], block_size: int, token_ids: list[int] | None = None, parent: int | None = None,
            medium: str | None = "GPU", lora_name: str | None = None, origin: str | None = None,
-           locality: str | None = None):
-    """A BlockStored; with `origin` (NEW or REUSED) or `locality` in the map layout, the only one naming them."""
-    if origin is not None or locality is not None:
+           locality: str | None = None, layout: str | None = None):
+    """A BlockStored, in the array layout, or in the map layout where `layout`
+    says so or (no layout) where it names `origin` (NEW or REUSED) or `locality`."""
+    if layout == "map" or (layout is None and (origin is not None or locality is not None)):
         return _WMStored(list(hashes), parent, list(token_ids or ()), block_size, None, medium, lora_name, origin,
                          locality)
-    return _WStored(list(hashes), parent, list(token_ids or ()), block_size, None, medium, lora_name)
+    return _WStored(list(hashes), parent, list(token_ids or ()), block_size, None, medium, lora_name,
+                    locality=locality, origin=origin)
 
 
 def removed(hashes: list[int], medium: str | None = "GPU", layout: str = "array", locality: str | None = None):
