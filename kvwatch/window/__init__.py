@@ -127,6 +127,9 @@ class Window:
         # What other readers keep about the window from one poll to the next
         # (the diagnosis' per-engine polls), by reader; it goes with clear().
         self.kept: dict = {}
+        # The window this one follows (follow), whose readers' per-engine
+        # polls this one's readers take the tail of; None for a window of its own.
+        self.followed: Window | None = None
 
     def add(self, snapshot: Snapshot) -> Entry:
         entry = Entry(snapshot)
@@ -155,6 +158,7 @@ class Window:
         computing them again (the now span, diagnose/now.py). Anything else
         than the next entry (a first call, a gap, the source forgetting
         pairs or clearing) starts it over from the source's entries."""
+        self.followed = source
         entries = source.entries
         if not entries:
             self.clear()
