@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from kvwatch.diagnose import diagnose
+from kvwatch.diagnose import NOT_DIAGNOSED_KEYS, diagnose
 from kvwatch.diagnose.context import HitRateMemory
 from kvwatch.diagnose.hold import FindingHold
 from kvwatch.diagnose.thresholds import resolve_thresholds
@@ -74,7 +74,9 @@ class NowJudgment:
     def __init__(self, window_seconds: float, thresholds: dict[str, Any] | None = None):
         self.thresholds = thresholds or {}
         resolved = resolve_thresholds(self.thresholds)
-        self.window = Window(min(resolved["now_seconds"], window_seconds), max_bytes=None)
+        # The latency histograms past the first token, which no rule reads, are not summed over it.
+        self.window = Window(min(resolved["now_seconds"], window_seconds), max_bytes=None,
+                             left_out=NOT_DIAGNOSED_KEYS)
         # The hit-rate rule's memory of each engine's healthy ratio, as the now span saw it.
         self.memory = HitRateMemory()
         self.hold = FindingHold(resolved["finding_hold_seconds"])
