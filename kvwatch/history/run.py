@@ -1,8 +1,9 @@
 """The history diagnosis: read the range in time chunks, rebuild each
 replica's page at each step, and run the sidecar's own pipeline over it
-(adapter -> Window -> evaluate_window -> diagnose, one adapter and one window
-per replica, as one sidecar per replica would have), then the fleet rules
-across the replicas of each model at the same step.
+(adapter -> Window -> evaluate_window -> diagnose -> the now span's judgment
+and the hold, diagnose/now.py; one adapter and one window per replica, as
+one sidecar per replica would have), then the fleet rules across the
+replicas of each model at the same step.
 
 Memory is bounded by the chunk, not the range: a chunk reads every family
 for at most `max_samples` samples in all, its steps are diagnosed while the
