@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import gc
 import time
+import types
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 import clock as simulated
 import kvwatch.diagnose
+import kvwatch.diagnose.now
 import kvwatch.pipeline.monitor
 from bench_support import Report, median, monitor_for, ms, page_server, percentile, plain_table, table
 from kvwatch.pipeline.monitor import Monitor
@@ -29,6 +31,9 @@ class StageTimer:
         self._wrap(monitor.window, "add", "window")
         self._wrap(kvwatch.pipeline.monitor, "evaluate_window", "signals")
         self._wrap(kvwatch.diagnose, "diagnose", "diagnosis")
+        # The now span's judgment (diagnose/now.py) runs the same two stages over its span.
+        self._wrap(kvwatch.diagnose.now, "evaluate_window", "signals")
+        self._wrap(kvwatch.diagnose.now, "diagnose", "diagnosis")
 
     def _wrap(self, owner, attribute: str, stage: str) -> None:
         original = getattr(owner, attribute)
@@ -54,7 +59,7 @@ class StageTimer:
 
     def close(self) -> None:
         for owner, attribute, original in reversed(self._restore):
-            if owner is kvwatch.pipeline.monitor or owner is kvwatch.diagnose:
+            if isinstance(owner, types.ModuleType):
                 setattr(owner, attribute, original)
             else:
                 delattr(owner, attribute)  # back to the class's method

@@ -56,11 +56,9 @@ def _episodes(findings: list[dict]) -> dict[tuple, list[dict]]:
     return {key: sorted(found, key=lambda f: f["start"]) for key, found in keyed.items()}
 
 
-# The replay runs the sidecar's Monitor, which judges whether a finding is active on the last
-# now_seconds and holds it by the catalogue's hysteresis (issues 47, 55); the history still judges
-# each step's window alone, so the two timelines differ (a finding the now span ended early, a cause
-# the hysteresis kept). Deterministic: strict, so the mark must go when the history judges now too.
-@pytest.mark.xfail(strict=True, reason="the history judges the window alone, the replay judges now (issue 55)")
+# The replay runs the sidecar's Monitor and the history its own pipeline per replica; both judge
+# whether a finding is active on the last now_seconds and hold it by the catalogue's hysteresis
+# through the same judgment (diagnose/now.py NowJudgment), so the two timelines agree.
 def test_the_store_gives_the_timeline_the_capture_gives(bundle, capsys):
     capture, base = bundle
     pages = [(entry.time, text) for entry, text in capture.pages()]

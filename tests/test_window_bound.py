@@ -54,9 +54,9 @@ def test_rotating_model_names_keep_the_window_within_its_byte_bound(clock):
     pipeline = Pipeline(max_series=1000, window="50s")
     window = pipeline.monitor.window
     # Two polls of 101 new pairs (the latest two, never trimmed) count
-    # 2.7 MB with the per-pair tracks of the window's diagnosis and the now
-    # span's (window.NEW_PAIR_BYTES): the bound is 4 MiB, three polls' pairs.
-    window.max_bytes = 2 ** 22
+    # 1.8 MB with the diagnosis' per-pair tracks (window.NEW_PAIR_BYTES; the
+    # now span keeps none of its own): the bound is 2 MiB.
+    window.max_bytes = 2 ** 21
     names, polls = 100, 40
     tracemalloc.start()
     try:
@@ -82,7 +82,7 @@ def test_rotating_model_names_keep_the_window_within_its_byte_bound(clock):
     held = sum(len(entry.snapshot.engines) for entry in window.entries)
     status = pipeline.views(parse_back=False)
     assert len(window.entries) == 11  # the whole 50 s, one poll at its start
-    assert held < 4 * (names + 1) + len(window.entries), held  # 11 polls' worth is 1,111
+    assert held < 3 * (names + 1) + len(window.entries), held  # 11 polls' worth is 1,111
     # The model that stays was never forgotten: its window is whole.
     steady = window.increase(("steady", "0"))
     assert steady.seconds == 50.0 and steady.counters["prompt_tokens"] == 100.0
@@ -115,7 +115,7 @@ def test_what_the_window_counts_covers_what_its_readers_keep_per_name(clock):
     (bounded on their own, and emptied when full) are set aside."""
     pipeline = Pipeline(max_series=1000, window="5m")
     window = pipeline.monitor.window
-    window.max_bytes = 4 * 2 ** 20  # as above: two poll's new pairs must fit beside the steady one
+    window.max_bytes = 2 * 2 ** 20
     names, polls = 100, 61
 
     def rotating(poll: int) -> str:

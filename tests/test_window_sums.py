@@ -300,3 +300,26 @@ def test_a_window_that_follows_another_shares_its_entries_and_sums_its_span(sequ
         if len(follower.entries) > 1:
             assert follower.entries[1].snapshot.time > snapshot.time - seconds
         assert follower.bytes == 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(polls(), st.sampled_from([2.0, 5.0]))
+def test_a_window_that_leaves_histograms_out_sums_the_rest_alike(sequence, seconds):
+    """The now span leaves out the histograms no rule reads (Window's
+    `left_out`): its increases are those of a window that sums everything,
+    less those histograms, through restarts, layout changes and odd values,
+    summed running or step by step."""
+    source = Window(30.0)
+    everything = Window(seconds, max_bytes=None)
+    fewer = Window(seconds, max_bytes=None, left_out=frozenset({"h2"}))
+    for snapshot in snapshots_of(sequence):
+        source.add(snapshot)
+        everything.follow(source)
+        fewer.follow(source)
+        check(fewer)
+        for key in ENGINES:
+            whole, trimmed = everything.increase(key), fewer.increase(key)
+            assert "h2" not in trimmed.histograms and "h2" not in fewer._summed_step_by_step(key).histograms
+            assert repr(trimmed.counters) == repr(whole.counters)
+            assert repr(trimmed.histograms) == repr({k: v for k, v in whole.histograms.items() if k != "h2"})
+            assert (trimmed.seconds, trimmed.restarts, trimmed.steps) == (whole.seconds, whole.restarts, whole.steps)

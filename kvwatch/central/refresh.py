@@ -4,8 +4,8 @@ incrementally, for clusters where no sidecar polls the engines.
 Every refresh (the poll interval, 30 s by default) reads only the steps since
 the last one from the store (the first refresh back-fills one window span),
 advances each replica's window with the history pipeline's own step
-(run.diagnose_step: adapter -> Window -> evaluate_window -> diagnose, then
-the fleet rules across the replicas of each model), and publishes one
+(run.diagnose_step: adapter -> Window -> evaluate_window -> diagnose -> the
+now span's judgment and the hold, then the fleet rules across the replicas of each model), and publishes one
 immutable CentralState: per replica the sidecar's State (what the status page,
 the JSON API and the exporter read), plus the fleet findings.
 

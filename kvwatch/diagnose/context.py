@@ -4,7 +4,7 @@ exhaustion detector, and small helpers for evidence."""
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
@@ -250,6 +250,17 @@ def window_polls(window: Window) -> WindowPolls:
     return WindowPolls.of(window, "diagnosis_polls")
 
 
+def _tail(track: EnginePolls | None, entries) -> list[Poll]:
+    """The engine's polls from the first of `entries` on: the part of a
+    window's track (its polls in time order) that a following span holds."""
+    if track is None or not entries:
+        return []
+    start = entries[0].snapshot.time
+    polls = track.polls
+    count = len(polls) - bisect_left(track.times, start)
+    return list(islice(reversed(polls), count))[::-1]
+
+
 @dataclass
 class Exhaustion:
     """What the one exhaustion detector saw for an engine."""
@@ -286,11 +297,17 @@ class EngineContext:
         key = self.key
         entries = window.entries
         self.track: EnginePolls | None = None
-        if self.incremental:
+        self.polls: list[Poll]
+        if self.incremental and window.followed is not None:
+            # A span that follows a window (the now span): its polls are the
+            # tail of the window's own, read by walking them (a few, over a
+            # short span), so no second per-engine track is kept.
+            self.polls = _tail(window_polls(window.followed).engines.get(key), entries)
+        elif self.incremental:
             self.track = window_polls(window).engines.get(key)
             if self.track is None:
                 self.track = EnginePolls()
-            self.polls: list[Poll] = list(self.track.polls)
+            self.polls = list(self.track.polls)
         else:
             self.polls = [poll for entry in entries if (poll := polls_of(entry).get(key)) is not None]
         # The oldest entry's step reaches back past the window: its counters

@@ -1,8 +1,9 @@
 """The history diagnosis: read the range in time chunks, rebuild each
 replica's page at each step, and run the sidecar's own pipeline over it
-(adapter -> Window -> evaluate_window -> diagnose, one adapter and one window
-per replica, as one sidecar per replica would have), then the fleet rules
-across the replicas of each model at the same step.
+(adapter -> Window -> evaluate_window -> diagnose -> the now span's judgment
+and the hold, diagnose/now.py; one adapter and one window per replica, as
+one sidecar per replica would have), then the fleet rules across the
+replicas of each model at the same step.
 
 Memory is bounded by the chunk, not the range: a chunk reads every family
 for at most `max_samples` samples in all, its steps are diagnosed while the
@@ -34,6 +35,7 @@ from typing import Any, Callable, Protocol
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose.fleet import ReplicaRow, fleet_findings
 from kvwatch.diagnose.hold import FindingHold
+from kvwatch.diagnose.now import NowJudgment
 from kvwatch.diagnose.timeline import Timeline
 from kvwatch.engines import make_adapter
 from kvwatch.history.pages import (DEFAULT_REPLICA_LABELS, PROCESS_START, KnownSeries, Pages, Replica, family_of,
@@ -59,8 +61,8 @@ class ReplicaState:
     steps: int = 0
     # (time, KV usage, waiting, prefix hit ratio over the window) per step
     trend: list = field(default_factory=list)
-    # The finding hold (diagnose/hold.py), as the replica's sidecar applies it.
-    hold: FindingHold | None = None
+    # What is true now and the hold (diagnose/now.py), as the replica's sidecar judges them.
+    judgment: NowJudgment | None = None
     # Its page's plan in the chunk before (Replica.carried), taken over by
     # the next chunk's Replica (Replica.earlier); not kept past the diagnosis.
     carried: tuple | None = field(default=None, repr=False, compare=False)
@@ -339,10 +341,11 @@ def _replica_step(state: ReplicaState, replica, index: int, at: float, threshold
     # derived (LazyValues): history reports nothing else of a step.
     per_engine, per_model = evaluate_window(window, lazy=True)
     events = tuple(e for e in state.events if e.time >= at - window.seconds)
-    if state.hold is None:
-        state.hold = FindingHold(diagnosis.resolve_thresholds(thresholds)["finding_hold_seconds"])
-    findings = diagnosis.diagnose(window, per_engine, events, thresholds or {}, incumbents=state.hold.incumbents())
-    findings = state.hold.apply(at, findings)
+    if state.judgment is None:
+        state.judgment = NowJudgment(window.seconds, thresholds)
+    findings = diagnosis.diagnose(window, per_engine, events, thresholds or {},
+                                  incumbents=state.judgment.incumbents())
+    findings = state.judgment.judge(at, window, findings, events)
     restarted = state.restarted_at if state.restarted_at is not None and at - state.restarted_at <= window.seconds else None
     usage: float | None = None
     waiting: float | None = None

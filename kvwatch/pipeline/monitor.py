@@ -18,8 +18,7 @@ from typing import Any, Callable
 
 from kvwatch import diagnose as diagnosis
 from kvwatch.diagnose import Change
-from kvwatch.diagnose.hold import FindingHold
-from kvwatch.diagnose.now import judged_now
+from kvwatch.diagnose.now import NowJudgment
 from kvwatch.diagnose.vocabulary import finding_key
 from kvwatch.engines import AUTO, ENGINES, make_adapter, recognize
 from kvwatch.engines.base import EngineAdapter
@@ -218,12 +217,9 @@ class Monitor:
         self._lora_bytes = 0
         self.hit_memory = diagnosis.HitRateMemory()
         self.thresholds = diagnosis.resolve_thresholds(settings.diagnosis)
-        # A finding stays active until its condition has been clear for the hold.
-        self.hold = FindingHold(self.thresholds["finding_hold_seconds"])
-        # What is true now (diagnose/now.py): the same rules over the last now_seconds.
-        # It follows the window (Window.follow): the same entries and steps, computed once.
-        self.now_window = Window(min(self.thresholds["now_seconds"], self.window.seconds), max_bytes=None)
-        self.now_memory = diagnosis.HitRateMemory()
+        # What is true now (the same rules over the last now_seconds) and the
+        # hold: the judgment every mode applies (diagnose/now.py).
+        self.judgment = NowJudgment(self.window.seconds, settings.diagnosis)
         # (time, running, waiting) of the latest page read, and when the
         # current run of busy polls began (None outside one).
         self._last_load: tuple[float, float, float] | None = None
@@ -312,9 +308,11 @@ class Monitor:
         events = tuple(e for e in self._events if e.time >= snapshot.time - self.window.seconds)
         findings = diagnosis.diagnose(self.window, per_engine, events,
                                       self.settings.diagnosis, upstream, self.hit_memory, lmcache, kv_events,
-                                      incumbents=self.hold.incumbents())
-        findings = self.hold.apply(answered, self._judged_now(snapshot, findings, events, upstream, lmcache, kv_events)
-                                   + self._poll_router(answered))
+                                      incumbents=self.judgment.incumbents())
+        upstream_now = self.upstream.recent(upstream, self.judgment.window.seconds) if (
+            self.upstream is not None) else upstream
+        findings = self.judgment.judge(answered, self.window, findings, events, upstream_now, lmcache, kv_events,
+                                       others=self._poll_router(answered))
         busy = self._busy(snapshot, result.seconds, timed_out=False, at=answered)
         self._polls += 1
         was_up = self.state.up
@@ -383,19 +381,6 @@ class Monitor:
         if snapshot.faults_dropped:
             self._faults_by_kind["undescribed"] = self._faults_by_kind.get("undescribed", 0) + snapshot.faults_dropped
         return source_faults
-
-    def _judged_now(self, snapshot, window_findings, events, upstream, lmcache, kv_events) -> list[diagnosis.Finding]:
-        """The window's findings judged on what is true now: the rules over
-        the last now_seconds (diagnose/now.py)."""
-        self.now_window.follow(self.window)
-        if kv_events:
-            # The stream's report spans the window: the now span's rules must know the window's cache ran out.
-            kv_events = {**kv_events, "window_exhausted": any(f.symptom == "exhaustion" for f in window_findings)}
-        per_engine, _ = evaluate_window(self.now_window, lazy=True, models=False)
-        if self.upstream is not None:
-            upstream = self.upstream.recent(upstream, self.now_window.seconds)
-        return judged_now(window_findings, diagnosis.diagnose(self.now_window, per_engine, events, self.settings.diagnosis,
-                                                              upstream, self.now_memory, lmcache, kv_events))
 
     def _poll_lmcache(self, page_text: str | None, at: float) -> LMCacheReport | None:
         """The tier's poll; its failure is its own (reported in its status),

@@ -107,8 +107,12 @@ class EntryFollower:
 class Window:
     """Snapshots of the last `seconds`, with per-engine steps."""
 
-    def __init__(self, seconds: float, max_entries: int = 10_000, max_bytes: int | None = WINDOW_MAX_BYTES):
+    def __init__(self, seconds: float, max_entries: int = 10_000, max_bytes: int | None = WINDOW_MAX_BYTES,
+                 left_out: frozenset[str] = frozenset()):
         self.seconds = seconds
+        # Histogram keys whose increase the window does not sum (its
+        # readers never read them): absent from `increase`.
+        self.left_out = left_out
         # Bounded even if polls come faster than expected.
         self.entries: deque[Entry] = deque(maxlen=max_entries)
         # The entries' pair_bytes, and the bound on it (None: entries only).
@@ -120,13 +124,16 @@ class Window:
         self.forgotten_pairs = 0
         self.dropped_polls = 0
         self.trimmed: str | None = None
-        self._sums = _WindowSums()
+        self._sums = _WindowSums(left_out)
         # What kvwatch.signals.evaluate_window kept from its last evaluation
         # of this window (derived values and the inputs they came from).
         self.evaluated: dict = {}
         # What other readers keep about the window from one poll to the next
         # (the diagnosis' per-engine polls), by reader; it goes with clear().
         self.kept: dict = {}
+        # The window this one follows (follow), whose readers' per-engine
+        # polls this one's readers take the tail of; None for a window of its own.
+        self.followed: Window | None = None
 
     def add(self, snapshot: Snapshot) -> Entry:
         entry = Entry(snapshot)
@@ -155,6 +162,7 @@ class Window:
         computing them again (the now span, diagnose/now.py). Anything else
         than the next entry (a first call, a gap, the source forgetting
         pairs or clearing) starts it over from the source's entries."""
+        self.followed = source
         entries = source.entries
         if not entries:
             self.clear()
@@ -296,6 +304,8 @@ class Window:
             if step is not None:
                 total.add(step)
                 total.seconds += step.seconds
+        for left_out in self.left_out.intersection(total.histograms):
+            del total.histograms[left_out]
         return total
 
     def gauge_series(self, key: EngineKey, gauge: str) -> list[tuple[float, float]]:
@@ -342,6 +352,6 @@ class Window:
         self.entries.clear()
         self.bytes = 0
         self.trimmed = None
-        self._sums = _WindowSums()
+        self._sums = _WindowSums(self.left_out)
         self.evaluated = {}
         self.kept = {}

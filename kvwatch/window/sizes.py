@@ -36,9 +36,9 @@ DERIVED_PAIR_BYTES = 2816
 # or its first after a gap): a gateway that sets one model name per request
 # makes one per name, 8.4 KB each, and the window held 34,000 of them at its
 # bound (peak RSS 596 MiB against 384Mi, benchmarks/worst_page_probe.py).
-# Two readers keep one: the window's diagnosis and the now span's
-# (diagnose/now.py, the rules over the last now_seconds).
-NEW_PAIR_BYTES = 2 * 4608
+# One reader keeps one: the window's diagnosis (the now span's rules,
+# diagnose/now.py, read the tail of the same polls).
+NEW_PAIR_BYTES = 4608
 _FLOAT = sys.getsizeof(0.0)
 _getsizeof = sys.getsizeof
 

@@ -163,9 +163,10 @@ class _HistogramRun:
 class _EngineSums:
     """One engine's sum of steps over the window."""
 
-    __slots__ = ("counters", "histograms", "seconds", "restarts", "steps")
+    __slots__ = ("counters", "histograms", "seconds", "restarts", "steps", "left_out")
 
-    def __init__(self) -> None:
+    def __init__(self, left_out: frozenset[str] = frozenset()) -> None:
+        self.left_out = left_out  # histograms not summed (_WindowSums)
         self.counters: dict[str, list] = {}  # key -> [_ExactSum, steps holding it]
         self.histograms: dict[str, _HistogramRun] = {}
         self.seconds = _ExactSum()
@@ -184,7 +185,10 @@ class _EngineSums:
             else:
                 total[0].add(value)
             total[1] += 1
+        left_out = self.left_out
         for key, histogram in step.histograms.items():
+            if key in left_out:
+                continue
             run = self.histograms.get(key)
             if run is None or run.bounds != histogram.bounds:
                 self.histograms[key] = _HistogramRun(histogram, entry)
@@ -238,7 +242,9 @@ class _WindowSums:
     makes it rebuild, or give way to step-by-step sums until the odd step
     has left)."""
 
-    def __init__(self) -> None:
+    def __init__(self, left_out: frozenset[str] = frozenset()) -> None:
+        # Histogram keys not summed: no reader of the window reads their increase.
+        self.left_out = left_out
         self.engines: dict[EngineKey, _EngineSums] | None = None
         self.marks: tuple | None = None
         self.cached: dict[EngineKey, Increase] = {}
@@ -281,7 +287,7 @@ class _WindowSums:
             for key, step in entry.steps.items():
                 sums = engines.get(key)
                 if sums is None:
-                    sums = engines[key] = _EngineSums()
+                    sums = engines[key] = _EngineSums(self.left_out)
                 sums.add(step, entry)
         except (ValueError, OverflowError, TypeError, AttributeError):
             # NaN, infinity, or a value that is no float (a hand-built step)
