@@ -155,15 +155,17 @@ class RunningKvwatch:
 
 
 @contextlib.contextmanager
-def running_kvwatch(target: str, poll_interval: str = "0.5s", window: str = "20s",
+def running_kvwatch(target: str, poll_interval: str | None = "0.5s", window: str | None = "20s",
                     start_timeout_s: float = 10.0, diagnosis: dict | None = None,
                     upstream: tuple[str, str] | None = None,
                     kv_events: str | None = None) -> Iterator[RunningKvwatch]:
     """kvwatch polling `target` in the background and serving its HTTP app on
     loopback; `diagnosis` sets thresholds as the config's `diagnosis:` does,
-    `upstream` the second source of the slow-first-token diagnosis."""
+    `upstream` the second source of the slow-first-token diagnosis;
+    `poll_interval` or `window` None: kvwatch's default."""
     # Port 0 lets the OS choose; uvicorn reports the port it bound.
-    overrides = {"target": target, "port": 0, "poll_interval": poll_interval, "window": window}
+    overrides = {"target": target, "port": 0,
+                 **{key: value for key, value in (("poll_interval", poll_interval), ("window", window)) if value}}
     if diagnosis:
         overrides["diagnosis"] = diagnosis
     if upstream:  # (its /metrics URL, the histogram measuring time before the engine)
