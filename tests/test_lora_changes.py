@@ -20,8 +20,8 @@ import pytest
 import kvwatch.pipeline.monitor
 from fuzz.pages import Engine, page
 from kvwatch.pipeline.monitor import Monitor
-from kvwatch.scrape import FetchResult
-from kvwatch.settings import load_settings
+from kvwatch.scrape import FetchResult, RenderedPage
+from kvwatch.sim.score import settings_for
 
 START = 1_000_000.0
 
@@ -53,15 +53,21 @@ def clock(monkeypatch):
     return now
 
 
+class Down:
+    """The engine stopped: nothing listens."""
+
+    def fetch(self) -> FetchResult:
+        return FetchResult(None, reason="refused", detail="nothing listens there")
+
+
 def poller(clock):
-    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "poll_interval": "1s",
-                                        "window": "40s"}, environ={})
+    settings = settings_for(overrides={"poll_interval": "1s", "window": "40s"},
+                            sources={"target": "http://127.0.0.1:9/metrics"})
     monitor = Monitor(settings, clock=lambda: clock[0])
 
     def poll(text: str | None):
         clock[0] += 1.0
-        monitor.fetcher.fetch = (lambda: FetchResult(text, size=len(text))) if text is not None else (
-            lambda: FetchResult(None, reason="refused", detail="nothing listens there"))
+        monitor.fetcher = RenderedPage(lambda: text) if text is not None else Down()
         return monitor.poll_once()
     return monitor, poll
 

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 from kvwatch.diagnose.causes import CAUSE
 from kvwatch.pipeline.monitor import Monitor
-from kvwatch.scrape import FetchResult
+from kvwatch.scrape import RenderedPage
 from kvwatch.settings import load_settings
 from kvwatch.sim.kvevents import attach
 from kvwatch.sim.render import render_app_metrics, render_metrics
@@ -43,17 +43,6 @@ FULL = 0.9  # usage of a full simulated cache (the diagnosis' exhaustion_usage_r
 # The bars of issue #47 (per loop of the demo, and per phase).
 BARS = {"banner_right_share": 0.97, "false_minutes": 0.5, "false_high_minutes": 0.0, "cause_changes_per_phase": 1,
         "toggles": 0, "born_clearing": 0, "start_seconds": 45.0, "clear_seconds": 75.0}
-
-
-class _Page:
-    """The simulated server's page now, as the fetch would have returned it."""
-
-    def __init__(self, render):
-        self.render = render
-
-    def fetch(self) -> FetchResult:
-        text = self.render()
-        return FetchResult(text, size=len(text))
 
 
 @dataclass(frozen=True)
@@ -90,12 +79,17 @@ class Poll:
         return active[0] if active else (scored[0] if scored else None)
 
 
+# The simulated sources, as the Monitor's targets (the simulation stands in for each).
+SIM_SOURCES = {"target": "http://127.0.0.1:9/metrics", "upstream_target": "http://127.0.0.1:9/app/metrics",
+               "upstream_histogram": "app_retrieval_seconds", "kv_events": "tcp://127.0.0.1:9"}
+
+
 def settings_for(config_file: str | None = None, overrides: dict[str, Any] | None = None,
-                 diagnosis: dict[str, Any] | None = None):
+                 diagnosis: dict[str, Any] | None = None, sources: dict[str, str] | None = None):
     """The sidecar's settings (a config file such as scripts/demo-kvwatch.yaml,
-    or the defaults), with the simulated sources as targets."""
-    fixed = {"target": "http://127.0.0.1:9/metrics", "upstream_target": "http://127.0.0.1:9/app/metrics",
-             "upstream_histogram": "app_retrieval_seconds", "kv_events": "tcp://127.0.0.1:9"}
+    or the defaults, never the environment's), with `sources` as its targets:
+    the simulated ones unless given (a real engine's, for the tier)."""
+    fixed = SIM_SOURCES if sources is None else sources
     settings = load_settings(config_file, overrides={**fixed, **(overrides or {})}, environ={})
     if diagnosis is not None:
         settings.diagnosis = {**(settings.diagnosis or {}), **diagnosis}
@@ -109,11 +103,11 @@ def run_scenario(scenario: Scenario | str, settings, until: float, seed: int = 0
         scenario = load_scenario(scenario)
     sim = Simulation(scenario, seed=seed, created_unix=SIM_BASE)
     attach(sim.engines)
-    monitor = Monitor(settings, fetcher=_Page(lambda: render_metrics(sim.engines, sim.model_name, SIM_BASE,
+    monitor = Monitor(settings, fetcher=RenderedPage(lambda: render_metrics(sim.engines, sim.model_name, SIM_BASE,
                                                                      include_process=False)),
                       clock=lambda: SIM_BASE + sim.now)
     if monitor.upstream is not None:
-        monitor.upstream.fetcher = _Page(lambda: render_app_metrics(sim.app_retrieval, SIM_BASE))
+        monitor.upstream.fetcher = RenderedPage(lambda: render_app_metrics(sim.app_retrieval, SIM_BASE))
     every = settings.poll_interval
     sequences = [0] * len(sim.engines)
     preemptions = 0
