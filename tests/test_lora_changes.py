@@ -7,7 +7,7 @@ page as a series set since the previous one, newest or not.
 
 The Monitor is fed the pages at simulated times (1 s polls, a 40 s window,
 as the tier's restart test polls a real vLLM): a server without LoRA, a
-restart into another served model with prefix caching off and two adapters,
+restart into another served model with prefix caching off, an fp8 KV cache and two adapters,
 used one after the other."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Engine3:
         self.requests += 1
         text = page(Engine(model="m-b", prompt_tokens=100 * self.requests, finished_stop=self.requests),
                     process_start=START + 100, num_gpu_blocks=512)
-        text = text.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
+        text = text.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"').replace(
+            'cache_dtype="auto"', 'cache_dtype="fp8"')
         rows = "".join(f'vllm:lora_requests_info{{max_lora="1",running_lora_adapters="{names}",'
                        f'waiting_lora_adapters="{names}"}} {at!r}\n' for names, at in self.series.items())
         return text + "# HELP vllm:lora_requests_info Running stats on lora requests.\n" \
@@ -104,10 +105,11 @@ def test_an_adapter_never_newest_on_a_page_still_counts_and_the_next_one_is_a_lo
     assert lora, seen[-1]
     assert all("lora-b" in f.summary and "lora-a" not in f.summary for f in lora), lora[-1].summary
     assert lora[0].model == "m-b"
-    # The same restart's other changes are the window's, as before: model, configuration.
+    # The same restart's other changes are read from the window's pages: model, configuration, dtype.
     last = seen[-1]
-    assert {"lora_changed", "model_changed", "cache_config_changed"} <= set(last), set(last)
+    assert {"lora_changed", "model_changed", "cache_config_changed", "cache_dtype_changed"} <= set(last), set(last)
     assert "enable_prefix_caching" in last["cache_config_changed"][0].evidence["changed_keys"]
+    assert last["cache_dtype_changed"][0].evidence["changed_keys"] == "cache_dtype"
     assert [e.detail for e in monitor.state.events if e.kind == "lora"] == ["new LoRA adapters: ['lora-b']"]
 
 
