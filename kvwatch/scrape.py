@@ -20,7 +20,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 from urllib.parse import unquote, urlsplit
 
 import h11
@@ -108,6 +108,18 @@ class PageSource(Protocol):
     """What the monitor polls: the engine (Fetcher) or a replay's recorded pages."""
 
     def fetch(self) -> FetchResult: ...
+
+
+class RenderedPage:
+    """A PageSource over text made in this process (a simulated engine's
+    page, a test's pages): each fetch answers what `render()` gives then."""
+
+    def __init__(self, render: Callable[[], str]):
+        self.render = render
+
+    def fetch(self) -> FetchResult:
+        text = self.render()
+        return FetchResult(text, size=len(text))
 
 
 class Fetcher:

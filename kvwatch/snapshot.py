@@ -189,6 +189,9 @@ class Snapshot:
     cache_config: dict[str, dict[str, str]] = field(default_factory=dict)
     # lora_requests_info labels of the most recent series, or None without LoRA.
     lora: dict[str, str] | None = None
+    # The adapter names of each lora_requests_info series set since the
+    # previous page, oldest first (engines/vllm.py LoraSeries).
+    lora_used: tuple[tuple[str, ...], ...] = ()
     # canonical key -> the vLLM family that supplied it (tells versions apart).
     sources: dict[str, str] = field(default_factory=dict)
     parse_errors: list = field(default_factory=list)

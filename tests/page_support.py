@@ -7,19 +7,16 @@ from __future__ import annotations
 import re
 
 from kvwatch.pipeline.monitor import Monitor
-from kvwatch.scrape import FetchResult
+from kvwatch.scrape import RenderedPage
 from kvwatch.settings import load_settings
 
 
-class Pages:
+class Pages(RenderedPage):
     """Hands the monitor the given pages, one per poll."""
 
     def __init__(self, pages):
         self.pages = list(pages)
-
-    def fetch(self) -> FetchResult:
-        text = self.pages.pop(0)
-        return FetchResult(text, size=len(text))
+        super().__init__(lambda: self.pages.pop(0))
 
 
 def polled(pages, engine="auto", every=60.0) -> Monitor:

@@ -91,18 +91,14 @@ def observe(sim: Simulation, until: float, every: float = 2.0) -> Window:
 SIM_BASE = 1_700_000_000.0
 
 
-class _SimFetcher:
+def _sim_page(sims: list[Simulation]):
     """Stands in for the HTTP fetch: the simulated engines' page now."""
+    from kvwatch.scrape import RenderedPage
 
-    def __init__(self, sims: list[Simulation]):
-        self.sims = sims
-
-    def fetch(self):
-        from kvwatch.scrape import FetchResult
-
-        engines = [engine for sim in self.sims for engine in sim.engines]
-        text = render_metrics(engines, self.sims[0].model_name, SIM_BASE, include_process=False)
-        return FetchResult(text, size=len(text))
+    def render() -> str:
+        engines = [engine for sim in sims for engine in sim.engines]
+        return render_metrics(engines, sims[0].model_name, SIM_BASE, include_process=False)
+    return RenderedPage(render)
 
 
 class _SimClock:
@@ -161,7 +157,7 @@ def sim_monitor(scenario: str | list[tuple[str, float]], until: float, engines: 
     monitor_module.time = _SimClock(clock_sim)
     try:
         monitor = Monitor(settings)
-        monitor.fetcher = _SimFetcher(sims)
+        monitor.fetcher = _sim_page(sims)
         elapsed = 0.0
         while elapsed < until - 1e-9:
             step = min(until - elapsed, every)

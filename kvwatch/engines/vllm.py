@@ -26,6 +26,7 @@ Label handling:
 
 from __future__ import annotations
 
+import math
 import operator
 import time as _time
 from typing import Any
@@ -245,6 +246,7 @@ class VllmAdapter(EngineAdapter):
         self._folds = _Folds()
         self._process_start: float | None = None
         self._spelling: str | None = None
+        self._lora = LoraSeries()
 
     @property
     def selector(self) -> FamilySelector:
@@ -289,6 +291,8 @@ class VllmAdapter(EngineAdapter):
         if plan is None or len(plan.engine_keys) > self.max_series or not plan.apply(snapshot, families, self._folds):
             self._read_page(snapshot, families)
         self._read_info(snapshot, families)
+        lora = families.get(LORA)
+        snapshot.lora_used = self._lora.used(lora.samples if lora is not None else ())
         screen(snapshot, "vllm:")
         snapshot.counting = counting_caveats(families)
         # What a store's answer was spelled in (adapt() replaces it with the
@@ -356,3 +360,45 @@ class VllmAdapter(EngineAdapter):
             if latest is not None:
                 snapshot.lora = latest[1]
 
+
+# The lora_requests_info series remembered from one page to the next.
+MAX_LORA_SERIES = 64
+
+
+class LoraSeries:
+    """Which LoRA adapters were used since the previous page. vLLM keeps one
+    lora_requests_info series per (running, waiting) adapter set, valued with
+    the time it was last set, and sets the idle one ("", "") at the steps
+    between a LoRA request's too: on most pages of a real run the idle series
+    was the newest while an adapter ran, so the newest series alone missed an
+    adapter used only between two polls."""
+
+    def __init__(self) -> None:
+        self._times: dict[tuple[str, str], float] | None = None  # None before the first page
+
+    def used(self, samples) -> tuple[tuple[str, ...], ...]:
+        """The adapter names of each series set since the previous page,
+        oldest first. On the first page only the newest series: the older
+        ones were set before kvwatch looked, in an order it cannot place."""
+        times: dict[tuple[str, str], float] = {}
+        labels_of: dict[tuple[str, str], dict[str, str]] = {}
+        for suffix, labels, value in samples:
+            if suffix == "" and math.isfinite(value):
+                # Bounded as label values are: a page of long names is not kept whole until the next one.
+                key = (bounded_label(labels.get("running_lora_adapters", "")),
+                       bounded_label(labels.get("waiting_lora_adapters", "")))
+                if value >= times.get(key, value):
+                    times[key], labels_of[key] = value, labels
+        newest = sorted(times.items(), key=operator.itemgetter(1))[-MAX_LORA_SERIES:]
+        before, self._times = self._times, dict(newest)
+        if before is None:
+            newest = newest[-1:]
+        fresh = (adapter_names(labels_of[key]) for key, at in newest if before is None or before.get(key) != at)
+        return tuple(names for names in fresh if names)
+
+
+def adapter_names(labels: dict[str, str]) -> tuple[str, ...]:
+    """The adapter names of one series' running and waiting labels, in order, once each."""
+    names = (name.strip() for label in ("running_lora_adapters", "waiting_lora_adapters")
+             for name in labels.get(label, "").split(","))
+    return tuple(dict.fromkeys(bounded_label(name) for name in names if name))

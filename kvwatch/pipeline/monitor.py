@@ -31,7 +31,7 @@ from kvwatch.pipeline.lmcache import LMCacheSource
 from kvwatch.pipeline.reports import BusyReport, DemoStatus, KVEventsReport, LMCacheReport, ReplayProgress, UpstreamReport
 from kvwatch.pipeline.router import RouterSource
 from kvwatch.pipeline.upstream import UpstreamSource
-from kvwatch.labels import LABEL_VALUE_MAX_BYTES, bounded_label
+from kvwatch.labels import LABEL_VALUE_MAX_BYTES
 from kvwatch.present import public_host, public_url
 from kvwatch.scrape import Fetcher, FetchResult, PageSource, failure_sentence
 from kvwatch.settings import Settings
@@ -539,15 +539,20 @@ class Monitor:
             self._event(change)
         # Running and waiting adapter lists change with every request; what
         # invalidates comparisons is an adapter never seen before, or max_lora.
-        adapters = {bounded_label(name) for name in _lora_adapters(current.lora)}
+        # Each adapter set used since the last page, in the order vLLM set them:
+        # the first adapter seen is no change, one used after it is.
         seen = self._lora_seen
-        new = sorted(name for name in adapters if name not in seen)
-        if seen and new:
-            self._event(Change(current.time, "lora", None, None, f"new LoRA adapters: {diagnosis.names_text(new)}"))
-        for name in adapters:
-            if seen.pop(name, None) is None:  # re-inserted last: the dict stays in order of last sight
-                self._lora_bytes += lora_name_bytes(name)
-            seen[name] = current.time
+        new: dict[str, None] = {}
+        for adapters in current.lora_used:
+            if seen:
+                new.update(dict.fromkeys(name for name in adapters if name not in seen))
+            for name in adapters:
+                if seen.pop(name, None) is None:  # re-inserted last: the dict stays in order of last sight
+                    self._lora_bytes += lora_name_bytes(name)
+                seen[name] = current.time
+        if new:
+            self._event(Change(current.time, "lora", None, None,
+                               f"new LoRA adapters: {diagnosis.names_text(sorted(new))}"))
         horizon = current.time - self.window.seconds
         while seen:
             oldest, at = next(iter(seen.items()))
@@ -585,10 +590,3 @@ class Monitor:
 def lora_name_bytes(name: str) -> int:
     """What remembering one adapter name costs, as MAX_LORA_BYTES counts it."""
     return LORA_ENTRY_BYTES + len(name)
-
-
-def _lora_adapters(info: dict[str, str] | None) -> set[str]:
-    if not info:
-        return set()
-    names = info.get("running_lora_adapters", "") + "," + info.get("waiting_lora_adapters", "")
-    return {name.strip() for name in names.split(",") if name.strip()}

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 from kvwatch.diagnose.causes import CAUSE
 from kvwatch.pipeline.monitor import Monitor
-from kvwatch.scrape import FetchResult
+from kvwatch.scrape import RenderedPage
 from kvwatch.settings import load_settings
 from kvwatch.sim.kvevents import attach
 from kvwatch.sim.render import render_app_metrics, render_metrics
@@ -43,17 +43,6 @@ FULL = 0.9  # usage of a full simulated cache (the diagnosis' exhaustion_usage_r
 # The bars of issue #47 (per loop of the demo, and per phase).
 BARS = {"banner_right_share": 0.97, "false_minutes": 0.5, "false_high_minutes": 0.0, "cause_changes_per_phase": 1,
         "toggles": 0, "born_clearing": 0, "start_seconds": 45.0, "clear_seconds": 75.0}
-
-
-class _Page:
-    """The simulated server's page now, as the fetch would have returned it."""
-
-    def __init__(self, render):
-        self.render = render
-
-    def fetch(self) -> FetchResult:
-        text = self.render()
-        return FetchResult(text, size=len(text))
 
 
 @dataclass(frozen=True)
@@ -90,12 +79,17 @@ class Poll:
         return active[0] if active else (scored[0] if scored else None)
 
 
+# The simulated sources, as the Monitor's targets (the simulation stands in for each).
+SIM_SOURCES = {"target": "http://127.0.0.1:9/metrics", "upstream_target": "http://127.0.0.1:9/app/metrics",
+               "upstream_histogram": "app_retrieval_seconds", "kv_events": "tcp://127.0.0.1:9"}
+
+
 def settings_for(config_file: str | None = None, overrides: dict[str, Any] | None = None,
-                 diagnosis: dict[str, Any] | None = None):
+                 diagnosis: dict[str, Any] | None = None, sources: dict[str, str] | None = None):
     """The sidecar's settings (a config file such as scripts/demo-kvwatch.yaml,
-    or the defaults), with the simulated sources as targets."""
-    fixed = {"target": "http://127.0.0.1:9/metrics", "upstream_target": "http://127.0.0.1:9/app/metrics",
-             "upstream_histogram": "app_retrieval_seconds", "kv_events": "tcp://127.0.0.1:9"}
+    or the defaults, never the environment's), with `sources` as its targets:
+    the simulated ones unless given (a real engine's, for the tier)."""
+    fixed = SIM_SOURCES if sources is None else sources
     settings = load_settings(config_file, overrides={**fixed, **(overrides or {})}, environ={})
     if diagnosis is not None:
         settings.diagnosis = {**(settings.diagnosis or {}), **diagnosis}
@@ -109,11 +103,11 @@ def run_scenario(scenario: Scenario | str, settings, until: float, seed: int = 0
         scenario = load_scenario(scenario)
     sim = Simulation(scenario, seed=seed, created_unix=SIM_BASE)
     attach(sim.engines)
-    monitor = Monitor(settings, fetcher=_Page(lambda: render_metrics(sim.engines, sim.model_name, SIM_BASE,
+    monitor = Monitor(settings, fetcher=RenderedPage(lambda: render_metrics(sim.engines, sim.model_name, SIM_BASE,
                                                                      include_process=False)),
                       clock=lambda: SIM_BASE + sim.now)
     if monitor.upstream is not None:
-        monitor.upstream.fetcher = _Page(lambda: render_app_metrics(sim.app_retrieval, SIM_BASE))
+        monitor.upstream.fetcher = RenderedPage(lambda: render_app_metrics(sim.app_retrieval, SIM_BASE))
     every = settings.poll_interval
     sequences = [0] * len(sim.engines)
     preemptions = 0
@@ -139,10 +133,67 @@ def run_scenario(scenario: Scenario | str, settings, until: float, seed: int = 0
         status = sim.phase_status()
         phase = scenario.phases[sim.phase_index]
         into = phase.duration - status["next_in_seconds"] if status["next_in_seconds"] is not None else at
-        polls.append(Poll(at, sim.phase_index, sim.cycle, into, tuple(
-            Seen(f.symptom, f.cause, f.severity, f.confidence, f.clearing_since is not None, f.summary,
-                 dict(f.evidence)) for f in state.findings), waiting, full))
+        polls.append(poll_of(at, sim.phase_index, into, state.findings, sim.cycle, waiting, full))
     return polls
+
+
+def poll_of(at: float, phase: int, into: float, findings, cycle: int = 0, waiting: int = 0,
+            full: bool = False) -> Poll:
+    """One poll's findings (the Monitor's, as `/api/v1/diagnosis` lists
+    them), placed in its phase: a simulated run and a real engine's scripted
+    sequence are scored from the same records."""
+    return Poll(at, phase, cycle, into, tuple(
+        Seen(f.symptom, f.cause, f.severity, f.confidence, f.clearing_since is not None, f.summary, dict(f.evidence))
+        for f in findings), waiting, full)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A scored phase of a sequence the simulator did not run (a real
+    engine's scripted load): its name and its story."""
+
+    name: str
+    story: Story | None
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The phases of such a sequence, in order, scored as a scenario's are."""
+
+    phases: tuple[Phase, ...]
+
+
+class PollRecorder:
+    """Each successful poll of a live Monitor (one of its `after_poll`
+    listeners): when, its findings, and whether the cache ran out since the
+    poll before (a preemption, or a full cache with requests waiting), read
+    from the engine's page as the simulator's truth is read from it. `polls()`
+    places them in the phases of a scripted sequence, for `score()`."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[float, tuple, bool]] = []
+        self._preempted: float | None = None
+
+    def __call__(self, state) -> None:
+        if not state.up or state.snapshot is None:
+            return
+        engines = state.snapshot.engines.values()
+        preempted = sum(e.counters.get("preemptions", 0.0) for e in engines)
+        waiting = sum(e.gauges.get("waiting", 0.0) for e in engines)
+        usage = max((e.gauges.get("kv_usage", 0.0) for e in engines), default=0.0)
+        full = (self._preempted is not None and preempted > self._preempted) or (waiting > 0 and usage >= FULL)
+        self._preempted = preempted
+        self.records.append((state.last_poll_time, tuple(state.findings), full))
+
+    def polls(self, starts: list[float]) -> list[Poll]:
+        """The polls from the first phase's start on, each in the phase whose
+        start (on the Monitor's clock) it follows; times from the first start."""
+        out = []
+        for at, findings, full in list(self.records):
+            phase = sum(1 for start in starts if start <= at) - 1
+            if phase >= 0:
+                out.append(poll_of(at - starts[0], phase, at - starts[phase], findings, full=full))
+        return out
 
 
 @dataclass
@@ -158,6 +209,8 @@ class Score:
     contradictions: int = 0  # finding texts that contradict the poll's findings (contradictions())
     start_seconds: list[tuple[str, float | None]] = field(default_factory=list)
     clear_seconds: list[tuple[str, float | None]] = field(default_factory=list)
+    # Per phase run: [polls whose banner was right, polls scored]
+    banner_by_phase: dict[str, list[int]] = field(default_factory=dict)
     # What was wrong, said once per phase run and kind: sentence -> [first, last seconds into the phase, polls]
     wrong: dict[str, list[float]] = field(default_factory=dict)
 
@@ -223,7 +276,7 @@ def _stretches(polls: list[Poll]) -> list[list[Poll]]:
     return out
 
 
-def score(scenario: Scenario, polls: list[Poll], settle: float = SETTLE_SECONDS) -> Score:
+def score(scenario: Scenario | Timeline, polls: list[Poll], settle: float = SETTLE_SECONDS) -> Score:
     """The score of a run's polls against its phases' stories (phases
     without a story are not scored). A phase's condition ends at its end, or
     where requests it queued still wait then, when that queue drains: its
@@ -260,7 +313,7 @@ def _condition_end(stretch: list[Poll], following: list[Poll] | None) -> float:
     return next((p.at for p in following if not p.waiting), following[-1].at)
 
 
-def _score_stretch(result: Score, scenario: Scenario, story: Story, stretch: list[Poll],
+def _score_stretch(result: Score, scenario: Scenario | Timeline, story: Story, stretch: list[Poll],
                    following: list[Poll] | None, before: Poll | None, settle: float,
                    carried: tuple[tuple[str, ...], float] | None, ended: float) -> None:
     name = f"{scenario.phases[stretch[0].phase].name} (cycle {stretch[0].cycle})"
@@ -309,6 +362,8 @@ def _score_poll(result: Score, story: Story, poll: Poll, every: float, name: str
     right = (banner is None or banner.clearing or story.allows(banner.symptom, banner.cause)) if story.lead is None \
         else (banner is not None and story.leads(banner.symptom, banner.cause))
     result.banner_right += right
+    tally = result.banner_by_phase.setdefault(name, [0, 0])
+    tally[0], tally[1] = tally[0] + right, tally[1] + 1
     if not right:
         result.note(name, "banner " + ("nothing" if banner is None else f"{banner.symptom}/{banner.cause}"
                                        + (" (clearing)" if banner.clearing else "")), poll.into)

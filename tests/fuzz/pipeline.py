@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvwatch.sidecar.collector import make_registry
 from kvwatch.pipeline.monitor import Monitor
 from kvwatch.sidecar.report import diagnosis_json, signals_json
-from kvwatch.scrape import FetchResult
+from kvwatch.scrape import RenderedPage
 from kvwatch.settings import load_settings
 from kvwatch.sidecar.statuspage import render_status_page
 
@@ -28,7 +28,7 @@ class Pipeline:
 
     def poll(self, text: str):
         """One poll of a page, as if the fetch had returned it."""
-        self.monitor.fetcher.fetch = lambda: FetchResult(text, size=len(text))
+        self.monitor.fetcher = RenderedPage(lambda: text)
         return self.monitor.poll_once()
 
     def views(self, parse_back: bool = True) -> dict[str, object]:

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.sidecar.app import create_app
 from kvwatch.pipeline.monitor import Monitor
-from kvwatch.settings import load_settings
+from kvwatch.sim.score import settings_for
 from pageserver import Answer, LoopbackServer, Request, serving
 
 from .harness import Metrics, _open
@@ -155,22 +155,26 @@ class RunningKvwatch:
 
 
 @contextlib.contextmanager
-def running_kvwatch(target: str, poll_interval: str = "0.5s", window: str = "20s",
+def running_kvwatch(target: str, poll_interval: str | None = "0.5s", window: str | None = "20s",
                     start_timeout_s: float = 10.0, diagnosis: dict | None = None,
                     upstream: tuple[str, str] | None = None,
                     kv_events: str | None = None) -> Iterator[RunningKvwatch]:
     """kvwatch polling `target` in the background and serving its HTTP app on
     loopback; `diagnosis` sets thresholds as the config's `diagnosis:` does,
-    `upstream` the second source of the slow-first-token diagnosis."""
+    `upstream` the second source of the slow-first-token diagnosis;
+    `poll_interval` or `window` None: kvwatch's default."""
     # Port 0 lets the OS choose; uvicorn reports the port it bound.
-    overrides = {"target": target, "port": 0, "poll_interval": poll_interval, "window": window}
+    overrides: dict = {"port": 0, **{key: value for key, value in (("poll_interval", poll_interval),
+                                                                   ("window", window)) if value}}
     if diagnosis:
         overrides["diagnosis"] = diagnosis
+    sources = {"target": target}
     if upstream:  # (its /metrics URL, the histogram measuring time before the engine)
-        overrides["upstream_target"], overrides["upstream_histogram"] = upstream
+        sources["upstream_target"], sources["upstream_histogram"] = upstream
     if kv_events:  # the ZMQ endpoint kvwatch binds for vLLM's KV-cache events
-        overrides["kv_events"] = kv_events
-    settings = load_settings(overrides=overrides, environ={})
+        sources["kv_events"] = kv_events
+    # The settings the simulated timeline runs the Monitor with, the tier's engine as its source.
+    settings = settings_for(overrides=overrides, sources=sources)
     monitor = Monitor(settings)
     with serving(create_app(monitor, settings), lifespan="off", start_timeout_s=start_timeout_s) as kvwatch:
         monitor.start()

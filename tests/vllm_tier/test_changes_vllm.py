@@ -61,10 +61,6 @@ def causes(samples: list, symptom: str) -> set[str]:
 # while other tests ran beside the tier) and about 80 s of loads: past the
 # default 300 s once, so this test has its own limit.
 @pytest.mark.timeout(720)
-# Its second part failed at the stop of the session that merged the now span (issue 55): no
-# lora_changed finding was seen after the restart with another LoRA (the cold/warm part passes).
-# Not strict: a cause not yet found; the next session must find it and take the mark away.
-@pytest.mark.xfail(strict=False, reason="no lora_changed seen after the LoRA restart since the now span merge")
 def test_restart_cold_then_warm_and_a_restart_that_changes_config_dtype_model_and_lora(vllm_build, tmp_path,
                                                                                           request):
     report = tier_reporter(request.config)
