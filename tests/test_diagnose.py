@@ -19,6 +19,8 @@ from kvwatch.diagnose import (
     validate_thresholds,
 )
 from kvwatch.diagnose import Change, HitRateMemory
+from kvwatch.kvevents import wire
+from kvwatch.kvevents.source import KVEventSource
 from kvwatch.settings import SettingsError, load_settings
 from kvwatch.signals import evaluate_window
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
@@ -393,6 +395,26 @@ def test_no_reuse():
     assert finding.severity == "info"
     assert causes(findings, "low_hit_rate") == {"no_reuse"}
     assert not [f for f in findings if is_actionable(f)]
+
+
+def test_a_low_hit_rate_after_a_reset_the_stream_saw_is_a_cold_cache_not_a_workload():
+    """The page reads a low, stable ratio (no reuse); the engine's KV-cache
+    events saw the whole cache cleared 10 s ago: the hit-rate rule itself
+    names the cold cache, decided by the stream."""
+    source = KVEventSource("tcp://127.0.0.1:1")  # fed by hand: nothing listens
+    source.feed(0, wire.encode_batch(1.0, [wire.stored(list(range(200)), 16)]), now=100.0)
+    source.feed(1, wire.encode_batch(1.0, [wire.cleared()]), now=110.0)
+    source.feed(2, wire.encode_batch(1.0, [wire.stored(list(range(200, 400)), 16)]), now=115.0)
+    report = {**source.report(now=120.0), "page_engine": {"model_name": "tiny-llama", "engine": "0"}}
+    run = Run()
+    run.steps(18, usage=0.4, running=3, requests=4, hit_ratio=0.03)
+    per_engine, _ = evaluate_window(run.window)
+    assert causes(diagnose(run.window, per_engine, (), {}), "low_hit_rate") == {"no_reuse"}
+    findings = diagnose(run.window, per_engine, (), {}, kv_events=report)
+    finding = only(findings, "cold_cache")
+    assert (finding.confidence, finding.evidence["decided_by"]) == ("high", "kv_events")
+    assert finding.evidence["kv_cache_cleared_seconds_ago"] == 10.0 and "cleared its prefix cache 10s ago" in finding.summary
+    assert causes(findings, "low_hit_rate") == {"cold_cache"}
 
 
 def test_residency_that_keeps_blocks_long_enough_is_no_reuse():

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvwatch.diagnose.arbitration import alternative
 from kvwatch.diagnose.context import EngineContext, HitRateVerdict, quantile_value
-from kvwatch.diagnose.stream import baseline_confidence, stream_residency
+from kvwatch.diagnose.stream import baseline_confidence, stated_by_stream, stream_residency
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 from kvwatch.signals import reuse_shortfall_blocks
 from kvwatch.snapshot import Histogram, config_number, hybrid_cache
@@ -324,9 +324,13 @@ NO_REUSE_UNDER_EXHAUSTION = ("With the cache exhausted, a low hit rate from a wo
 
 def verdict(ctx: EngineContext) -> HitRateVerdict:
     """The hit-rate rule's verdict, judged once per engine context: the
-    low_hit_rate rule reports its finding, the exhaustion rule its notes."""
+    low_hit_rate rule reports its finding, the exhaustion rule its notes.
+    The engine's KV-cache event stream, where kvwatch reads it, states the
+    cause it decides here too (diagnose/stream.py)."""
     if ctx.hit_rate is None:
-        ctx.hit_rate = _judge_hit_rate(ctx)
+        judged = _judge_hit_rate(ctx)
+        judged.findings = [stated_by_stream(f, ctx.stream, ctx.t) for f in judged.findings]
+        ctx.hit_rate = judged
     return ctx.hit_rate
 
 

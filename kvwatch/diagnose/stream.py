@@ -93,17 +93,22 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
 
 def stream_findings(findings: list[Finding], report: dict[str, Any] | None, per_engine, window,
                     t: dict[str, Any]) -> list[Finding]:
-    """`findings` with the stream's decisions stated (the hit-rate rule took
-    them as its residency evidence), the stream's numbers on the findings it
-    could not decide, and its own health findings added."""
+    """`findings` with the stream's own health findings added (its decisions
+    of hit-rate causes are the hit-rate rule's: stated_by_stream)."""
     if not report:
         return findings
     target = stream_target(report, per_engine)
-    out = [_state(f, report, t) if target and (f.model, f.engine) == target and f.symptom == "low_hit_rate"
-           and f.cause in REFINED else f for f in findings]
-    if target is not None:
-        out.extend(_health(report, target, window, t))
-    return out
+    return findings + _health(report, target, window, t) if target is not None else findings
+
+
+def stated_by_stream(finding: Finding, report: dict[str, Any] | None, t: dict[str, Any]) -> Finding:
+    """A low-hit-rate finding of the stream's engine (`report`, None where the
+    engine has no stream) in the stream's words where it decided the cause;
+    its numbers and why not where it did not. The hit-rate rule calls it on
+    the finding it judged, so its cause is decided in one place."""
+    if not report or finding.symptom != "low_hit_rate" or finding.cause not in REFINED:
+        return finding
+    return _state(finding, report, t)
 
 
 def _evidence(report: dict[str, Any]) -> dict[str, Any]:
