@@ -18,7 +18,8 @@ from kvwatch.diagnose import (
     resolve_thresholds,
     validate_thresholds,
 )
-from kvwatch.diagnose import Change, HitRateMemory
+from kvwatch.diagnose import Change, HitRateMemory, hit_rate
+from kvwatch.diagnose.causes import SYMPTOMS, CatalogueError
 from kvwatch.kvevents import wire
 from kvwatch.kvevents.source import KVEventSource
 from kvwatch.settings import SettingsError, load_settings
@@ -330,6 +331,25 @@ def test_cold_cache_after_restart():
     assert finding.evidence["hit_ratio_before_restart"] == pytest.approx(0.8, rel=1e-3)
     assert causes(findings, "low_hit_rate") == {"cold_cache"}
     assert "engine_restarted" in causes(findings, "change")
+
+
+def test_each_low_hit_rate_cause_has_its_judge_asked_in_the_symptoms_ranking(monkeypatch):
+    ranking = SYMPTOMS["low_hit_rate"].ranking
+    assert set(hit_rate.JUDGES) == set(ranking)
+    with pytest.raises(CatalogueError, match=r"no judge for \['cache_reset'\]"):
+        hit_rate.check_judges(ranking + ("cache_reset",), hit_rate.JUDGES)
+    with pytest.raises(CatalogueError, match=r"no ranked cause for the judges of \['no_reuse'\]"):
+        hit_rate.check_judges(ranking[:-1], hit_rate.JUDGES)
+    run = Run()
+    run.steps(6, usage=0.4, running=3, requests=4, hit_ratio=0.8)
+    run.engine.restart()
+    run.steps(4, usage=0.4, running=3, requests=4, hit_ratio=0.05)
+    assert causes(run.findings(), "low_hit_rate") == {"cold_cache"}
+    # The workload's judge asked before the cold cache's reads the window's two halves, not the restart.
+    workload_first = tuple(c for c in ranking if c != "cold_cache") + ("cold_cache",)
+    monkeypatch.setitem(hit_rate.SYMPTOMS, "low_hit_rate",
+                        replace(SYMPTOMS["low_hit_rate"], ranking=workload_first))
+    assert causes(run.findings(), "low_hit_rate") != {"cold_cache"}
 
 
 def test_prefix_changed_step_drop_with_moderate_usage():

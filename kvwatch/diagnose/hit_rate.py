@@ -4,12 +4,14 @@ a restart, a changed prefix, eviction before reuse, or no reuse at all."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 from kvwatch.diagnose.arbitration import alternative
 from kvwatch.diagnose.context import EngineContext, HitRateVerdict, quantile_value
-from kvwatch.diagnose.stream import baseline_confidence, stated_by_stream, stream_residency
-from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
+from kvwatch.diagnose.causes import SYMPTOMS, CatalogueError
+from kvwatch.diagnose.stream import (REFINED, baseline_confidence, cleared_seconds_ago, stated_by_stream,
+                                     stream_evidence, stream_residency)
+from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 from kvwatch.signals import reuse_shortfall_blocks
 from kvwatch.snapshot import Histogram, config_number, hybrid_cache
 
@@ -324,13 +326,9 @@ NO_REUSE_UNDER_EXHAUSTION = ("With the cache exhausted, a low hit rate from a wo
 
 def verdict(ctx: EngineContext) -> HitRateVerdict:
     """The hit-rate rule's verdict, judged once per engine context: the
-    low_hit_rate rule reports its finding, the exhaustion rule its notes.
-    The engine's KV-cache event stream, where kvwatch reads it, states the
-    cause it decides here too (diagnose/stream.py)."""
+    low_hit_rate rule reports its finding, the exhaustion rule its notes."""
     if ctx.hit_rate is None:
-        judged = _judge_hit_rate(ctx)
-        judged.findings = [stated_by_stream(f, ctx.stream, ctx.t) for f in judged.findings]
-        ctx.hit_rate = judged
+        ctx.hit_rate = _judge_hit_rate(ctx)
     return ctx.hit_rate
 
 
@@ -339,25 +337,126 @@ def low_hit_rate_findings(ctx: EngineContext) -> list[Finding]:
 
 
 def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
-    """Low hit rate, cause by cause. While the cache is exhausted (the one
-    detector), a low ratio is named only on evidence the exhaustion does not
-    explain: caching off, a restart, a configuration/model/adapter change at
-    a drop, a drop that showed before the cache was exhausted, or vLLM's
-    residency histograms showing blocks evicted before their reuse. A
-    workload without shared prefixes is then no separate problem (the
-    exhaustion finding says so), and a drop that came with the exhaustion is
-    either evicted prefixes or changed ones: kvwatch does not guess which."""
-    enabled = ctx.cache_config.get("enable_prefix_caching")
-    if enabled is not None and enabled.strip().lower() == "false":
-        return _caching_disabled(ctx, enabled)
+    """Low hit rate, cause by cause: each cause's judge is asked in the
+    symptom's ranking (causes.py), and the first verdict stands. While the
+    cache is exhausted (the one detector), a low ratio is named only on
+    evidence the exhaustion does not explain: caching off, a restart or a
+    reset, a configuration/model/adapter change at a drop, a drop that
+    showed before the cache was exhausted, or vLLM's residency histograms
+    showing blocks evicted before their reuse. A workload without shared
+    prefixes is then no separate problem (the exhaustion finding says so),
+    and a drop that came with the exhaustion is either evicted prefixes or
+    changed ones: kvwatch does not guess which."""
     judging = _start_judging(ctx)
-    if judging is None:
+    asked: list[Judge] = []
+    for cause in SYMPTOMS["low_hit_rate"].ranking:
+        judge = JUDGES[cause]
+        if judge in asked:
+            continue  # it named this cause with an earlier one
+        asked.append(judge)
+        decided = judge(ctx, judging)
+        if decided is not None:
+            return decided
+    return HitRateVerdict()
+
+
+@dataclass
+class _Judging:
+    """What each judge of the hit rate reads: the window's ratio, the
+    evidence gathered so far, and what the residency histograms say."""
+    ctx: EngineContext
+    ratio: float
+    latest_time: float
+    usage_mean: float | None
+    evidence: dict[str, Any]
+    on_exhaustion: dict[str, Any]
+    evicts: bool | None = None
+    residency_confidence: str = "low"
+
+    def verdict(self, finding: Finding | None = None, note: str | None = None) -> HitRateVerdict:
+        return HitRateVerdict([finding] if finding else [], {**self.on_exhaustion, "hit_ratio_note": note})
+
+
+# A cause's judge: the engine's context and the window's hit ratio with its
+# base evidence (None: too few prompt tokens looked up to judge) in; its
+# verdict out, or None where its cause does not apply (the next is asked).
+# One judge may name causes one comparison tells apart (the workload's: a
+# changed prefix, eviction before reuse, no reuse); it is asked once.
+Judge = Callable[[EngineContext, "_Judging | None"], "HitRateVerdict | None"]
+JUDGES: dict[str, Judge] = {}
+
+
+def judges(*causes: str) -> Callable[[Judge], Judge]:
+    """Registers a judge for the low-hit-rate causes it names."""
+    def register(judge: Judge) -> Judge:
+        for cause in causes:
+            JUDGES[cause] = judge
+        return judge
+    return register
+
+
+@judges("caching_disabled")
+def _caching_disabled(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
+    enabled = ctx.cache_config.get("enable_prefix_caching")
+    if enabled is None or enabled.strip().lower() != "false":
+        return None
+    counters = ctx.increase.counters
+    prompt_tokens = counters.get("prompt_tokens", 0.0)
+    if prompt_tokens <= 0:
         return HitRateVerdict()
-    # A restart empties the cache: judge only the part after the last one.
+    return HitRateVerdict([ctx.finding(
+        "low_hit_rate", "caching_disabled", "high",
+        "Prefix caching is disabled (cache_config enable_prefix_caching=False): no prompt reuses earlier KV.",
+        {"enable_prefix_caching": enabled, "prompt_tokens": prompt_tokens,
+         "prefix_queries": counters.get("prefix_queries"), "window_seconds": ctx.increase.seconds},
+        NEXT_CHECK["caching_disabled"])])
+
+
+@judges("cold_cache")
+def _cold_cache(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
+    """A restart empties the cache: only the part after the last one is
+    judged. A reset the engine's KV-cache events saw (AllBlocksCleared)
+    empties it too: what the workload's judge would name is the cold cache."""
+    if judging is None:
+        return None
     restarts = ctx.restarted_polls()
     if restarts:
         return _judge_since_restart(judging, restarts[-1])
-    # Step drop: the recent part of the window against the earlier baseline.
+    ago = cleared_seconds_ago(ctx.stream)
+    if ago is None:
+        return None
+    workload = _workload_on_page(ctx, judging)
+    if workload is not None:
+        workload.findings = [_cold_after_reset(f, ctx.stream, ago) if f.cause in REFINED else f
+                             for f in workload.findings]
+    return workload
+
+
+def _cold_after_reset(finding: Finding, report: dict[str, Any] | None, ago: float) -> Finding:
+    evidence = {**finding.evidence, **stream_evidence(report or {}), "decided_by": "kv_events",
+                "kv_cache_cleared_seconds_ago": ago}
+    return replace(finding, cause="cold_cache", severity=severity_of("cold_cache"), confidence="high",
+                   summary=(f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache "
+                            "events): the cache refills from nothing, so the hit ratio is low for now."),
+                   evidence=evidence, next_check=NEXT_CHECK["prefix_cache_cleared"], alternatives=())
+
+
+@judges("prefix_changed", "eviction_before_reuse", "no_reuse")
+def _judge_workload(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
+    """A drop of the recent part against the earlier baseline, or a ratio low
+    and stable: a changed prefix, prefixes evicted before their reuse, or
+    prompts that share none, told apart by the residency evidence; where the
+    engine's KV-cache event stream is read, in its words where it decided
+    (diagnose/stream.py)."""
+    decided = _workload_on_page(ctx, judging)
+    if decided is not None:
+        decided.findings = [stated_by_stream(f, ctx.stream, ctx.t) for f in decided.findings]
+    return decided
+
+
+def _workload_on_page(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
+    if judging is None:
+        return None
     t, memory = ctx.t, ctx.hit_memory
     drop = _step_drop(ctx, judging.latest_time)
     dropped = drop.dropped(t)
@@ -373,36 +472,6 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     if dropped:
         return _judge_drop(judging, drop)
     return _judge_low_without_drop(judging, drop, remembered)
-
-
-@dataclass
-class _Judging:
-    """What each step of the hit-rate judgement reads: the window's ratio, the
-    evidence gathered so far, and what the residency histograms say."""
-    ctx: EngineContext
-    ratio: float
-    latest_time: float
-    usage_mean: float | None
-    evidence: dict[str, Any]
-    on_exhaustion: dict[str, Any]
-    evicts: bool | None = None
-    residency_confidence: str = "low"
-
-    def verdict(self, finding: Finding | None = None, note: str | None = None) -> HitRateVerdict:
-        return HitRateVerdict([finding] if finding else [], {**self.on_exhaustion, "hit_ratio_note": note})
-
-
-def _caching_disabled(ctx: EngineContext, enabled: str) -> HitRateVerdict:
-    counters = ctx.increase.counters
-    prompt_tokens = counters.get("prompt_tokens", 0.0)
-    if prompt_tokens <= 0:
-        return HitRateVerdict()
-    return HitRateVerdict([ctx.finding(
-        "low_hit_rate", "caching_disabled", "high",
-        "Prefix caching is disabled (cache_config enable_prefix_caching=False): no prompt reuses earlier KV.",
-        {"enable_prefix_caching": enabled, "prompt_tokens": prompt_tokens,
-         "prefix_queries": counters.get("prefix_queries"), "window_seconds": ctx.increase.seconds},
-        NEXT_CHECK["caching_disabled"])])
 
 
 def _start_judging(ctx: EngineContext) -> _Judging | None:
@@ -671,3 +740,15 @@ def with_external_tier(findings: list[Finding], lmcache: dict[str, Any] | None, 
             "lmcache_share_of_prompt_tokens": share,
             "lmcache_hit_ratio": row.get("signals", {}).get("kvwatch_lmcache_hit_ratio")}))
     return kept
+
+
+def check_judges(ranking: tuple[str, ...], judged: dict[str, Judge]) -> None:
+    """Each cause the symptom ranks has its judge, and each judge names a
+    ranked cause, or kvwatch does not import (a cause nobody judges would
+    never be named, and the rule would fail at its turn)."""
+    if set(ranking) != set(judged):
+        raise CatalogueError(f"low_hit_rate: no judge for {sorted(set(ranking) - set(judged))} or no ranked cause "
+                             f"for the judges of {sorted(set(judged) - set(ranking))} (hit_rate.py's @judges)")
+
+
+check_judges(SYMPTOMS["low_hit_rate"].ranking, JUDGES)
