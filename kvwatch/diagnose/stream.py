@@ -65,7 +65,7 @@ def stream_target(report: dict[str, Any], per_engine) -> tuple[str, str] | None:
 
 def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
     """What the stream says in place of vLLM's residency histograms
-    (hit_rate._residency): (evicted before reuse, evidence, "high"), or None
+    (residency.residency): (evicted before reuse, evidence, "high"), or None
     where it cannot tell (not read, too few blocks stored, a ratio between
     the two thresholds, or not read long enough to see blocks return)."""
     report = ctx.stream
