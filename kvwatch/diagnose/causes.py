@@ -139,7 +139,8 @@ SYMPTOM_LIST = (
             ranking=("concurrency_beyond_capacity", "long_requests", "capacity_below_max_num_seqs")),
     Symptom("low_hit_rate", "Low prefix-cache hit rate", "VllmPrefixCacheHitRateLow", arbitrated=True,
             quiet=QUIET, lead=LEAD,
-            ranking=("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse")),
+            ranking=("caching_disabled", "cold_cache", "cache_reset", "prefix_changed", "eviction_before_reuse",
+                     "no_reuse")),
     # First token: time upstream of the engine, then the causes of queueing
     # (KV before compute), prefill, and the residual last.
     Symptom("slow_first_token", "Slow first token", "VllmTimeToFirstTokenSlow", arbitrated=True, quiet=QUIET,
@@ -273,6 +274,19 @@ CAUSE_LIST = (
             "Wait for the cache to warm up before comparing hit ratios, and find why the engine restarted."),
         deciding=("hit_ratio_since_restart", "hit_ratio_before_restart"),
         alert="VllmPrefixCacheHitRateLow"),
+    Cause(
+        name="cache_reset",
+        symptom="low_hit_rate",
+        severity="info",
+        title="the prefix cache was reset",
+        next_check=(
+            "Expected for a while after a reset of the prefix cache (vLLM's /reset_prefix_cache, or its own reset "
+            "after new weights or adapters): compare hit ratios only once the cache has warmed up again, and find "
+            "who reset it (the engine's access log); a reset repeated on a schedule keeps the cache cold."),
+        next_action="Find who reset the prefix cache, and compare hit ratios only once it has warmed up.",
+        deciding=("kv_cache_cleared_seconds_ago", "hit_ratio_since_reset", "hit_ratio_before_reset"),
+        alert="VllmPrefixCacheHitRateLow",
+        routed_by_finding=True),
     Cause(
         name="prefix_changed",
         symptom="low_hit_rate",

@@ -1,7 +1,7 @@
 """Low prefix-cache hit rate, cause by cause. Each cause has its judge
 (registered with @judges), asked in the symptom's ranking (causes.py), the
-first verdict standing: caching off; a cold cache after a restart or a reset
-the KV-cache events saw; then the workload's causes, a changed prefix,
+first verdict standing: caching off; a cold cache after a restart; a reset
+of the cache the KV-cache events saw; then the workload's causes, a changed prefix,
 eviction before reuse or no reuse at all, told apart by the residency
 evidence (diagnose/residency.py) and, where read, the KV-cache event stream.
 
@@ -17,9 +17,9 @@ from kvwatch.diagnose.arbitration import alternative
 from kvwatch.diagnose.causes import SYMPTOMS, CatalogueError
 from kvwatch.diagnose.context import EngineContext, HitRateVerdict
 from kvwatch.diagnose.residency import block_floor, residency, within_one_block
-from kvwatch.diagnose.stream import (REFINED, baseline_confidence, cleared_seconds_ago, stated_by_stream,
-                                     stream_evidence, stream_residency)
-from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
+from kvwatch.diagnose.stream import (baseline_confidence, cleared_seconds_ago, stated_by_stream, stream_evidence,
+                                     stream_residency)
+from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 
 def _usage_in(ctx: EngineContext, since: float | None = None,
               until: float | None = None) -> tuple[float | None, float | None]:
@@ -236,31 +236,48 @@ def _caching_disabled(ctx: EngineContext, judging: _Judging | None) -> HitRateVe
 
 @judges("cold_cache")
 def _cold_cache(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
-    """A restart empties the cache: only the part after the last one is
-    judged. A reset the engine's KV-cache events saw (AllBlocksCleared)
-    empties it too: what the workload's judge would name is the cold cache."""
-    if judging is None:
+    """A restart empties the cache: only the part after the last one is judged."""
+    restarts = ctx.restarted_polls() if judging is not None else []
+    if judging is None or not restarts:
         return None
-    restarts = ctx.restarted_polls()
-    if restarts:
-        return _judge_since_restart(judging, restarts[-1])
+    cold = _cold_since(judging, ctx.polls[restarts[-1] - 1].time)
+    if cold is None:
+        return judging.verdict()
+    after_ratio, earlier_ratio, after_queries = cold
+    return judging.verdict(ctx.finding(
+        "low_hit_rate", "cold_cache", "high",
+        f"The engine restarted {judging.latest_time - ctx.polls[restarts[-1]].time:.0f}s ago and its prefix cache "
+        f"is cold: hit ratio {after_ratio:.0%} since the restart.",
+        {**judging.evidence, "hit_ratio_since_restart": after_ratio, "hit_ratio_before_restart": earlier_ratio,
+         "prefix_queries_since_restart": after_queries},
+        NEXT_CHECK["cold_cache"]))
+
+
+@judges("cache_reset")
+def _cache_reset(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
+    """The engine's KV-cache events saw its whole prefix cache cleared
+    (AllBlocksCleared: vLLM's /reset_prefix_cache, or its own reset after new
+    weights or adapters), and the part of the window since is low or well
+    below the part before: the cache refills from nothing. The page alone
+    cannot show a reset (vLLM counts idle cached blocks as free, so its KV
+    usage reads the same before and after), so only the stream decides it."""
     ago = cleared_seconds_ago(ctx.stream)
-    if ago is None:
+    if judging is None or ago is None:
         return None
-    workload = _workload_on_page(ctx, judging)
-    if workload is not None:
-        workload.findings = [_cold_after_reset(f, ctx.stream, ago) if f.cause in REFINED else f
-                             for f in workload.findings]
-    return workload
-
-
-def _cold_after_reset(finding: Finding, report: dict[str, Any] | None, ago: float) -> Finding:
-    evidence = {**finding.evidence, **stream_evidence(report or {}), "decided_by": "kv_events",
-                "kv_cache_cleared_seconds_ago": ago}
-    return replace(finding, cause="cold_cache", severity=severity_of("cold_cache"), confidence="high",
-                   summary=(f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache "
-                            "events): the cache refills from nothing, so the hit ratio is low for now."),
-                   evidence=evidence, next_check=NEXT_CHECK["prefix_cache_cleared"], alternatives=())
+    reset = judging.latest_time - ago
+    before = [p.time for p in ctx.polls if p.time <= reset]
+    cold = _cold_since(judging, before[-1] if before else ctx.polls[0].time)
+    if cold is None:
+        return None  # refilled already: the workload's judge reads the window
+    after_ratio, earlier_ratio, after_queries = cold
+    return judging.verdict(ctx.finding(
+        "low_hit_rate", "cache_reset", "high",
+        f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache events): the cache "
+        f"refills from nothing, so the hit ratio is low for now ({after_ratio:.0%} since the reset).",
+        {**judging.evidence, **stream_evidence(ctx.stream or {}), "decided_by": "kv_events",
+         "kv_cache_cleared_seconds_ago": ago, "hit_ratio_since_reset": after_ratio,
+         "hit_ratio_before_reset": earlier_ratio, "prefix_queries_since_reset": after_queries},
+        NEXT_CHECK["cache_reset"]))
 
 
 @judges("prefix_changed", "eviction_before_reuse", "no_reuse")
@@ -317,29 +334,24 @@ def _start_judging(ctx: EngineContext) -> _Judging | None:
     return _Judging(ctx, ratio, ctx.polls[-1].time if ctx.polls else 0.0, usage_mean, evidence, on_exhaustion)
 
 
-def _judge_since_restart(judging: _Judging, restart: int) -> HitRateVerdict:
-    """A cold cache when the part since the restart is low, or well below the part before it."""
+def _cold_since(judging: _Judging, since: float) -> tuple[float, float | None, float] | None:
+    """(the hit ratio after `since`, the ratio before it, the tokens looked up
+    after it) where the part after is low, or well below the part before,
+    each part with enough tokens looked up; None otherwise."""
     ctx, t = judging.ctx, judging.ctx.t
     min_tokens = t["min_query_tokens"]
     keys = hit_counters(ctx)
-    counters = ctx.increase.counters
-    after = ctx.counters_since(ctx.polls[restart - 1].time, keys)
+    after = ctx.counters_since(since, keys)
     after_ratio, after_queries = _ratio_of(after, keys)
-    earlier = {k: v - after.get(k, 0.0) for k, v in counters.items()}
+    earlier = {k: v - after.get(k, 0.0) for k, v in ctx.increase.counters.items()}
     earlier_ratio, earlier_queries = _ratio_of(earlier, keys)
     if after_ratio is not None and after_queries >= min_tokens and (
         after_ratio < t["hit_ratio_low"]
         or (earlier_ratio is not None and earlier_queries >= min_tokens
             and after_ratio <= earlier_ratio * (1 - t["hit_drop_fraction"]))
     ):
-        return judging.verdict(ctx.finding(
-            "low_hit_rate", "cold_cache", "high",
-            f"The engine restarted {judging.latest_time - ctx.polls[restart].time:.0f}s ago and its prefix cache "
-            f"is cold: hit ratio {after_ratio:.0%} since the restart.",
-            {**judging.evidence, "hit_ratio_since_restart": after_ratio, "hit_ratio_before_restart": earlier_ratio,
-             "prefix_queries_since_restart": after_queries},
-            NEXT_CHECK["cold_cache"]))
-    return judging.verdict()
+        return after_ratio, earlier_ratio, after_queries
+    return None
 
 
 def _add_residency(judging: _Judging, drop: StepDrop, dropped: bool) -> None:
