@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Iterable
 
-from kvwatch.diagnose.causes import CAUSE_LIST, CONFIDENCES, SYMPTOM_LIST
+from kvwatch.diagnose.causes import CAUSE, CAUSE_LIST, CONFIDENCES, SYMPTOM_LIST
 from kvwatch.diagnose.vocabulary import Finding, finding_order
 
 # The rule's inputs are each cause's record (causes.py: subordinate, weight)
