@@ -9,10 +9,12 @@ lost and needed, each against what the engine itself measured.
   difference in vLLM's own prefill time (vllm:request_prefill_time_seconds
   sum) between the two; kvwatch's saved seconds are read from the on-run.
 - Lost: a burst far beyond the tier's 128 blocks, so vLLM preempts. vLLM
-  0.32 counts a request's prompt tokens once (at its first token), so the
-  tokens it computed again are the scheduled tokens of its steps
-  (vllm:iteration_tokens_total sum) less the first prefills' computed
-  tokens and the decode steps' one token each; priced at kvwatch's own rate.
+  0.32 counts a request's prompt tokens once, at its first token (the prompt
+  counters, the prefill's computed tokens and the per-step token histogram
+  alike), so the only count of the prefill it did again is its KV-cache event
+  stream: blocks stored again after their eviction, kvwatch's `stream` basis.
+  kvwatch's lost is checked against that count at its rate; the page's bound
+  (preemptions x the mean prompt) is printed beside it.
 - Needed: a burst of requests, more than the tier's cache admits at once,
   read the way `kvwatch capacity --prometheus` reads its store (running,
   waiting, KV usage, first-token p95), inverted for an objective; then the
@@ -20,7 +22,8 @@ lost and needed, each against what the engine itself measured.
   with half of them.
 
 The figures of each run are printed ([vllm-tier] lines) and kept in
-docs/capacity.md. Its own module: five vLLM start-ups, short loads."""
+docs/capacity.md. Its own module: five vLLM start-ups, short loads. Saved is an
+expected failure where the truth's own standard error is over 5 % of it."""
 
 from __future__ import annotations
 
