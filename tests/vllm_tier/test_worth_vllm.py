@@ -13,8 +13,9 @@ lost and needed, each against what the engine itself measured.
   counters, the prefill's computed tokens and the per-step token histogram
   alike), so the only count of the prefill it did again is its KV-cache event
   stream: blocks stored again after their eviction, kvwatch's `stream` basis.
-  kvwatch's lost is checked against that count at its rate; the page's bound
-  (preemptions x the mean prompt) is printed beside it.
+  kvwatch's lost is checked against that count at its rate, and the page's
+  bound (preemptions x the mean prompt, kvwatch's lost without the stream)
+  within 20 % of it.
 - Needed: a burst of requests, more than the tier's cache admits at once,
   read the way `kvwatch capacity --prometheus` reads its store (running,
   waiting, KV usage, first-token p95), inverted for an objective; then the
@@ -176,6 +177,9 @@ def test_lost_against_the_blocks_the_engine_stored_again(tier_engine, report):
     assert preemptions > 0 and again > 0  # the burst did what it is for
     assert worth["lost_basis"] == "stream"
     assert lost == pytest.approx(again * per_token, rel=1e-9)
+    # Without the stream kvwatch's lost is the page's bound: within 20 % of what the engine stored again
+    # (-1.0 % in the run of docs/capacity.md: 3,200 tokens against 3,232).
+    assert page_bound == pytest.approx(again, rel=0.20)
 
 
 # Needed: 16 requests of 448 + 128 tokens sent at once; 14 blocks each at
