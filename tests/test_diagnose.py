@@ -4,7 +4,7 @@ the finding appears, and the causes it could be mistaken for do not."""
 from __future__ import annotations
 
 import bisect
-from dataclasses import replace
+from dataclasses import asdict, replace
 import math
 from collections import defaultdict
 
@@ -786,7 +786,7 @@ def test_docs_name_every_threshold_and_cause():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "diagnosis.md").read_text()
-    missing = [key for key in DEFAULT_THRESHOLDS if f"`{key}`" not in text]
+    missing = [key for key in asdict(DEFAULT_THRESHOLDS) if f"`{key}`" not in text]
     missing += [cause for group in CAUSES.values() for cause in group if f"`{cause}`" not in text]
     assert not missing, missing
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+from kvwatch.diagnose.thresholds import Thresholds
 from kvwatch.diagnose.vocabulary import Change, Finding, severity_of
 from kvwatch.snapshot import EngineSnapshot, Histogram
 from kvwatch.window import EngineKey, EntryFollower, Entry, Increase, Step, Window
@@ -283,7 +284,7 @@ class EngineContext:
 
     incremental = True
 
-    def __init__(self, window: Window, row, thresholds: dict[str, Any], changes: list["Change"] | None = None,
+    def __init__(self, window: Window, row, thresholds: Thresholds, changes: list["Change"] | None = None,
                  hit_memory: "HitRateMemory | None" = None):
         self.changes = changes or []
         self.hit_memory = hit_memory  # the last healthy hit ratio per engine, beyond the window

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
-from kvwatch.diagnose.thresholds import resolve_thresholds
+from kvwatch.diagnose.thresholds import Thresholds, resolve_thresholds
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 
 QUEUEING = ("queueing_kv_bound", "queueing_compute_bound")
@@ -90,7 +90,7 @@ def _has_room(row: ReplicaRow, room: float) -> bool:
             and _pressed(row) is None)
 
 
-def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any] | None = None) -> list[Finding]:
+def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: Mapping[str, Any] | Thresholds | None = None) -> list[Finding]:
     """Findings across the replicas of `model` at one step (none with fewer than two)."""
     if len(rows) < 2:
         return []

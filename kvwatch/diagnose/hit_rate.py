@@ -19,6 +19,7 @@ from kvwatch.diagnose.context import EngineContext, HitRateVerdict
 from kvwatch.diagnose.residency import block_floor, residency, within_one_block
 from kvwatch.diagnose.stream import (baseline_confidence, cleared_seconds_ago, stated_by_stream, stream_evidence,
                                      stream_residency)
+from kvwatch.diagnose.thresholds import Thresholds
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 
 def _usage_in(ctx: EngineContext, since: float | None = None,
@@ -62,7 +63,7 @@ class StepDrop:
     span: float  # seconds of the recent part
     split: float  # time the recent part starts
 
-    def dropped(self, t: dict[str, Any]) -> bool:
+    def dropped(self, t: Thresholds) -> bool:
         """The recent ratio fell to (1 - hit_drop_fraction) of a baseline
         that had real reuse, both parts with enough queried tokens."""
         return (self.recent_ratio is not None and self.baseline_ratio is not None
@@ -70,7 +71,7 @@ class StepDrop:
                 and self.baseline_ratio >= t["hit_ratio_low"]
                 and self.recent_ratio <= self.baseline_ratio * (1 - t["hit_drop_fraction"]))
 
-    def low_in_both(self, t: dict[str, Any]) -> bool:
+    def low_in_both(self, t: Thresholds) -> bool:
         """Low in the baseline and in the recent part, both with enough
         queried tokens: low and stable, not a moment's mix."""
         return (self.recent_ratio is not None and self.baseline_ratio is not None
@@ -547,7 +548,7 @@ def tier_row(lmcache: dict[str, Any] | None, model: str, engine_models: set[str]
 
 
 def with_external_tier(findings: list[Finding], lmcache: dict[str, Any] | None, prompt_tokens: dict[str, float],
-                       t: dict[str, Any]) -> list[Finding]:
+                       t: Thresholds) -> list[Finding]:
     """A low engine hit ratio while LMCache delivers prefixes: the requests do
     share prefixes (the engine's own cache misses them, the tier serves them),
     so `no_reuse` is not the cause once the tier supplied at least

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from typing import Any
 
+from kvwatch.diagnose.thresholds import Thresholds
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 from kvwatch.kvevents.source import extra_for_share
 
@@ -39,7 +40,7 @@ REFINED = ("prefix_changed", "eviction_before_reuse", "no_reuse")
 _HAS_ALTERNATIVES = "alternatives" in {f.name for f in fields(Finding)}
 
 
-def baseline_confidence(confidence: str, evidence: dict[str, Any], t: dict[str, Any]) -> str:
+def baseline_confidence(confidence: str, evidence: dict[str, Any], t: Thresholds) -> str:
     """A finding judged against a remembered healthy hit ratio is as sure as
     that baseline is fresh: high only within the first quarter of
     hit_baseline_max_age_seconds, medium to its half, then low (another
@@ -92,7 +93,7 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
 
 
 def stream_findings(findings: list[Finding], report: dict[str, Any] | None, per_engine, window,
-                    t: dict[str, Any]) -> list[Finding]:
+                    t: Thresholds) -> list[Finding]:
     """`findings` with the stream's own health findings added (its decisions
     of hit-rate causes are the hit-rate rule's: stated_by_stream)."""
     if not report:
@@ -101,7 +102,7 @@ def stream_findings(findings: list[Finding], report: dict[str, Any] | None, per_
     return findings + _health(report, target, window, t) if target is not None else findings
 
 
-def stated_by_stream(finding: Finding, report: dict[str, Any] | None, t: dict[str, Any]) -> Finding:
+def stated_by_stream(finding: Finding, report: dict[str, Any] | None, t: Thresholds) -> Finding:
     """A low-hit-rate finding of the stream's engine (`report`, None where the
     engine has no stream) in the stream's words where it decided the cause;
     its numbers and why not where it did not. The hit-rate rule calls it on
@@ -152,7 +153,7 @@ def stream_evidence(report: dict[str, Any]) -> dict[str, Any]:
     return evidence
 
 
-def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Finding:
+def _state(finding: Finding, report: dict[str, Any], t: Thresholds) -> Finding:
     """A low-hit-rate finding of the stream's engine, in the stream's words
     where it decided; its numbers and why not where it did not."""
     if not report.get("up"):
@@ -190,7 +191,7 @@ def _new_load(finding: Finding, report: dict[str, Any]) -> dict[str, float] | No
     return pause if baseline_ended >= pause["ended_seconds_ago"] else None
 
 
-def _decided(finding: Finding, report: dict[str, Any], t: dict[str, Any], evidence: dict[str, Any]) -> Finding:
+def _decided(finding: Finding, report: dict[str, Any], t: Thresholds, evidence: dict[str, Any]) -> Finding:
     """A low-hit-rate finding the stream decided, in the stream's words."""
     recent, earlier = report["recent"], report["earlier"]
     seconds = recent["seconds"]
@@ -256,7 +257,7 @@ def _evictor(report: dict[str, Any], evidence: dict[str, Any]) -> str:
             f"{found['reusable_evictions']:.0f} reusable blocks evicted in the window, of {victims}.")
 
 
-def _health(report: dict[str, Any], target: tuple[str, str], window, t: dict[str, Any]) -> list[Finding]:
+def _health(report: dict[str, Any], target: tuple[str, str], window, t: Thresholds) -> list[Finding]:
     model, engine = target
     found: list[Finding] = []
     silence = t["kv_events_silence_seconds"]
