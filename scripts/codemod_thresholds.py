@@ -7,7 +7,8 @@ that holds resolved thresholds, is rewritten: `t`, `….t` (the engine
 context's), `resolved`, `DEFAULT_THRESHOLDS`, a call of resolve_thresholds,
 and any name or attribute the same file assigns from such a call. A config
 mapping (`settings.diagnosis`, a test's `thresholds` dict) and the JSON
-payload's `thresholds` stay dicts and are left alone. Idempotent: run it
+payload's `thresholds` stay dicts and are left alone, as does a name the
+file assigns a dict (routing's own thresholds). Idempotent: run it
 again on a tree that has new dict reads (a branch merged in) and only those
 change.
 
@@ -32,14 +33,21 @@ NAMES = frozenset(f.name for f in fields(Thresholds))
 RECEIVER = re.compile(r"^(?:t|(?:\w+\.)+t|resolved|DEFAULT_THRESHOLDS|(?:\w+\.)*resolve_thresholds\(.*\))$", re.S)
 
 
-def _resolved_names(tree: ast.AST) -> set[str]:
-    """Names and attributes this file assigns from resolve_thresholds(...)."""
-    names = set()
+def _assigned_names(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """Names and attributes this file assigns from resolve_thresholds(...),
+    and those it assigns a dict (another set of thresholds, as routing's)."""
+    resolved, dicts = set(), set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            if ast.unparse(node.value.func).split(".")[-1] == "resolve_thresholds":
-                names.update(ast.unparse(target) for target in node.targets)
-    return names
+        if not isinstance(node, ast.Assign):
+            continue
+        targets = {ast.unparse(target) for target in node.targets}
+        value = node.value
+        if isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] == "resolve_thresholds":
+            resolved |= targets
+        elif isinstance(value, (ast.Dict, ast.DictComp)) or (isinstance(value, ast.Call)
+                                                             and ast.unparse(value.func) == "dict"):
+            dicts |= targets
+    return resolved, dicts - resolved
 
 
 def _key(node: ast.AST) -> str | None:
@@ -48,7 +56,7 @@ def _key(node: ast.AST) -> str | None:
     return None
 
 
-def _reads(tree: ast.AST, receivers: set[str]):
+def _reads(tree: ast.AST, receivers: set[str], dicts: set[str]):
     """(receiver node, whole node, key) of each dict read of a threshold."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
@@ -59,20 +67,20 @@ def _reads(tree: ast.AST, receivers: set[str]):
         else:
             continue
         text = ast.unparse(receiver)
-        if key is not None and (RECEIVER.match(text) or text in receivers):
+        if key is not None and text not in dicts and (RECEIVER.match(text) or text in receivers):
             yield receiver, node, key
 
 
 def rewrite(source: str) -> tuple[str, int]:
     tree = ast.parse(source)
-    receivers = _resolved_names(tree)
+    receivers, dicts = _assigned_names(tree)
     lines = source.encode().splitlines(keepends=True)
     starts = [0]
     for line in lines:
         starts.append(starts[-1] + len(line))
     data = source.encode()
     edits = []
-    for receiver, node, key in _reads(tree, receivers):
+    for receiver, node, key in _reads(tree, receivers, dicts):
         assert receiver.end_lineno is not None and node.end_lineno is not None and node.end_col_offset is not None
         begin = starts[receiver.end_lineno - 1] + (receiver.end_col_offset or 0)
         end = starts[node.end_lineno - 1] + node.end_col_offset
