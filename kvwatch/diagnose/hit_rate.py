@@ -323,7 +323,7 @@ def _start_judging(ctx: EngineContext) -> _Judging | None:
     if ratio is None or queries < t["min_query_tokens"]:
         return None
     usage_max, usage_mean = _usage_in(ctx)
-    evidence = {"hit_ratio": ratio, "prefix_queries": counters.get("prefix_queries"),
+    evidence: dict[str, Any] = {"hit_ratio": ratio, "prefix_queries": counters.get("prefix_queries"),
                 "prefix_hits": counters.get("prefix_hits"),
                 "hit_ratio_low": t["hit_ratio_low"], "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
                 "kv_cache_exhausted": ctx.exhaustion is not None, "window_seconds": ctx.increase.seconds}
