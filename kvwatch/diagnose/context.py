@@ -11,6 +11,7 @@ from itertools import islice
 from typing import Any
 
 from kvwatch.diagnose.thresholds import Thresholds
+from kvwatch.pipeline.reports import KVEventsReport
 from kvwatch.diagnose.vocabulary import Change, Finding, severity_of
 from kvwatch.snapshot import EngineSnapshot, Histogram
 from kvwatch.window import EngineKey, EntryFollower, Entry, Increase, Step, Window
@@ -321,7 +322,7 @@ class EngineContext:
         self._exhaustion: Exhaustion | None | bool = False
         self.hit_rate: HitRateVerdict | None = None  # judged once, by hit_rate.verdict
         # The engine's KV-cache event stream report (kvwatch/kvevents) where it is this engine's.
-        self.stream: dict[str, Any] | None = None
+        self.stream: KVEventsReport | None = None
 
     def value(self, name: str):
         return self.values.get(name)

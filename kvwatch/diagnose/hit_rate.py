@@ -275,7 +275,7 @@ def _cache_reset(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict
         "low_hit_rate", "cache_reset", "high",
         f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache events): the cache "
         f"refills from nothing, so the hit ratio is low for now ({after_ratio:.0%} since the reset).",
-        {**judging.evidence, **stream_evidence(ctx.stream or {}), "decided_by": "kv_events",
+        {**judging.evidence, **(stream_evidence(ctx.stream) if ctx.stream else {}), "decided_by": "kv_events",
          "kv_cache_cleared_seconds_ago": ago, "hit_ratio_since_reset": after_ratio,
          "hit_ratio_before_reset": earlier_ratio, "prefix_queries_since_reset": after_queries},
         NEXT_CHECK["cache_reset"]))

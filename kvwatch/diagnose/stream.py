@@ -33,6 +33,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from kvwatch.diagnose.thresholds import Thresholds
+from kvwatch.pipeline.reports import KVEventsPause, KVEventsReport
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 from kvwatch.kvevents.source import extra_for_share
 
@@ -54,12 +55,12 @@ def baseline_confidence(confidence: str, evidence: dict[str, Any], t: Thresholds
     return order[max(order.index(confidence), order.index(cap))] if confidence in order else confidence
 
 
-def stream_target(report: dict[str, Any], per_engine) -> tuple[str, str] | None:
+def stream_target(report: KVEventsReport, per_engine) -> tuple[str, str] | None:
     """The (model, engine) the stream is read for: the engine its report was
     joined with, or the page's only engine."""
     engine = report.get("page_engine")
-    if engine and engine.get("engine") is not None:
-        return engine["model_name"], engine["engine"]
+    if engine and (name := engine["engine"]) is not None:
+        return engine["model_name"], name
     rows = [row for row in per_engine if row.engine is not None]
     return (rows[0].model, rows[0].engine) if len(rows) == 1 else None
 
@@ -92,7 +93,7 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
     return None
 
 
-def stream_findings(findings: list[Finding], report: dict[str, Any] | None, per_engine, window,
+def stream_findings(findings: list[Finding], report: KVEventsReport | None, per_engine, window,
                     t: Thresholds) -> list[Finding]:
     """`findings` with the stream's own health findings added (its decisions
     of hit-rate causes are the hit-rate rule's: stated_by_stream)."""
@@ -102,7 +103,7 @@ def stream_findings(findings: list[Finding], report: dict[str, Any] | None, per_
     return findings + _health(report, target, window, t) if target is not None else findings
 
 
-def stated_by_stream(finding: Finding, report: dict[str, Any] | None, t: Thresholds) -> Finding:
+def stated_by_stream(finding: Finding, report: KVEventsReport | None, t: Thresholds) -> Finding:
     """A low-hit-rate finding of the stream's engine (`report`, None where the
     engine has no stream) in the stream's words where it decided the cause;
     its numbers and why not where it did not. The hit-rate rule calls it on
@@ -112,7 +113,7 @@ def stated_by_stream(finding: Finding, report: dict[str, Any] | None, t: Thresho
     return _state(finding, report, t)
 
 
-def cleared_seconds_ago(report: dict[str, Any] | None) -> float | None:
+def cleared_seconds_ago(report: KVEventsReport | None) -> float | None:
     """How long ago the engine last cleared its whole prefix cache
     (AllBlocksCleared in its events: a reset, after which the cache refills
     from nothing), or None where the stream is not up or saw no clear."""
@@ -124,7 +125,7 @@ def cleared_seconds_ago(report: dict[str, Any] | None) -> float | None:
     return (report.get("time") or cleared[-1]["time"]) - cleared[-1]["time"]
 
 
-def stream_evidence(report: dict[str, Any]) -> dict[str, Any]:
+def stream_evidence(report: KVEventsReport) -> dict[str, Any]:
     """The stream's numbers a low-hit-rate finding of its engine carries."""
     recent, earlier, window = report["recent"], report["earlier"], report["window"]
     sizing = report.get("sizing") or {}
@@ -153,7 +154,7 @@ def stream_evidence(report: dict[str, Any]) -> dict[str, Any]:
     return evidence
 
 
-def _state(finding: Finding, report: dict[str, Any], t: Thresholds) -> Finding:
+def _state(finding: Finding, report: KVEventsReport, t: Thresholds) -> Finding:
     """A low-hit-rate finding of the stream's engine, in the stream's words
     where it decided; its numbers and why not where it did not."""
     if not report.get("up"):
@@ -177,7 +178,7 @@ def _state(finding: Finding, report: dict[str, Any], t: Thresholds) -> Finding:
     return _decided(finding, report, t, evidence)
 
 
-def _new_load(finding: Finding, report: dict[str, Any]) -> dict[str, float] | None:
+def _new_load(finding: Finding, report: KVEventsReport) -> KVEventsPause | None:
     """The pause in the engine's stores (as long as the judged part or more)
     that began the load judged now, where what the page or the stream's
     earlier part compares it with came before that pause: then that was
@@ -191,7 +192,7 @@ def _new_load(finding: Finding, report: dict[str, Any]) -> dict[str, float] | No
     return pause if baseline_ended >= pause["ended_seconds_ago"] else None
 
 
-def _decided(finding: Finding, report: dict[str, Any], t: Thresholds, evidence: dict[str, Any]) -> Finding:
+def _decided(finding: Finding, report: KVEventsReport, t: Thresholds, evidence: dict[str, Any]) -> Finding:
     """A low-hit-rate finding the stream decided, in the stream's words."""
     recent, earlier = report["recent"], report["earlier"]
     seconds = recent["seconds"]
@@ -243,7 +244,7 @@ def _decided(finding: Finding, report: dict[str, Any], t: Thresholds, evidence: 
     return replace(finding, **changes)
 
 
-def _evictor(report: dict[str, Any], evidence: dict[str, Any]) -> str:
+def _evictor(report: KVEventsReport, evidence: dict[str, Any]) -> str:
     """The tenant (LoRA adapter) whose stores evicted other tenants' reusable
     blocks most over the stream's window, into the evidence, and its sentence."""
     found = report.get("evictor")
@@ -257,7 +258,7 @@ def _evictor(report: dict[str, Any], evidence: dict[str, Any]) -> str:
             f"{found['reusable_evictions']:.0f} reusable blocks evicted in the window, of {victims}.")
 
 
-def _health(report: dict[str, Any], target: tuple[str, str], window, t: Thresholds) -> list[Finding]:
+def _health(report: KVEventsReport, target: tuple[str, str], window, t: Thresholds) -> list[Finding]:
     model, engine = target
     found: list[Finding] = []
     silence = t["kv_events_silence_seconds"]
@@ -298,7 +299,7 @@ def _health(report: dict[str, Any], target: tuple[str, str], window, t: Threshol
     return found
 
 
-def never_connected(report: dict[str, Any], silence_seconds: float) -> bool:
+def never_connected(report: KVEventsReport, silence_seconds: float) -> bool:
     """Configured for `silence_seconds` or more, and neither a publisher's
     handshake nor a message reached kvwatch (or it cannot listen at all)."""
     connected = (report.get("intake") or {}).get("connections")

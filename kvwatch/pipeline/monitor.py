@@ -405,7 +405,7 @@ class Monitor:
             log.exception("polling the router failed")
             return []
 
-    def _report_kv_events(self, at: float, per_engine) -> dict[str, Any] | None:
+    def _report_kv_events(self, at: float, per_engine) -> KVEventsReport | None:
         """The stream's report for this poll, with the page's numbers it
         needs (bytes per block, prefix hits): its failure is its own."""
         if self.kv_events is None:
