@@ -274,7 +274,7 @@ def _stream_lost(stream: Mapping[str, Any] | None, model: str, engine: str | Non
 
 
 def summary(model: str, engine: str | None, values: Mapping[str, Any], view: View,
-            stream: Mapping[str, Any] | None, gpu_hour_price: float | None) -> dict[str, Any] | None:
+            stream: KVEventsReport | None, gpu_hour_price: float | None) -> dict[str, Any] | None:
     """One engine's (or model's) worth over the window: saved by tier, lost
     and its basis (the stream's count where it is on, else the page's count
     or upper bound), the stream's sizing steps, their money at the price,
@@ -289,7 +289,7 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
         basis = "page_count" if counted is not None and counted[1] else "page_upper_bound"
     if saved is None and lost is None:
         return None
-    sizing = ((stream or {}).get("sizing") or {}) if basis == "stream" else {}
+    sizing = ((stream.get("sizing") if stream else None) or {}) if basis == "stream" else {}
     out = {"model_name": model, "engine": engine, "window_seconds": view.increase.seconds,
            "prefill_seconds_per_token": prefill_seconds_per_token(view),
            "saved_seconds": saved, "saved_by_tier": saved_by_tier,
