@@ -770,8 +770,8 @@ def test_validate_thresholds_reports_everything_at_once():
 def test_thresholds_accept_durations_and_defaults_fill_in():
     assert validate_thresholds({"ttft_p95_seconds": "500ms", "hit_recent_seconds": "2m", "max_num_seqs": None}) == []
     resolved = resolve_thresholds({"ttft_p95_seconds": "500ms", "hit_recent_seconds": "2m"})
-    assert resolved["ttft_p95_seconds"] == 0.5 and resolved["hit_recent_seconds"] == 120.0
-    assert resolved["hit_ratio_low"] == DEFAULT_THRESHOLDS["hit_ratio_low"]
+    assert resolved.ttft_p95_seconds == 0.5 and resolved.hit_recent_seconds == 120.0
+    assert resolved.hit_ratio_low == DEFAULT_THRESHOLDS.hit_ratio_low
 
 
 def test_settings_reject_bad_diagnosis_thresholds(tmp_path):

@@ -390,10 +390,10 @@ class EngineContext:
         any preemption (the V1 scheduler preempts only when it cannot allocate
         a KV block)."""
         if self._exhaustion is False:
-            limit = self.t["exhaustion_usage_ratio"]
+            limit = self.t.exhaustion_usage_ratio
             # With the batch at --max-num-seqs, requests wait for a slot, not
             # for blocks, however full the cache is (known only when set).
-            slots = self.t["max_num_seqs"]
+            slots = self.t.max_num_seqs
             track = self.track.for_limits(limit, slots) if self.track is not None else None
             if track is not None:
                 full = list(track.full)
@@ -542,7 +542,7 @@ def quantile_value(histogram: Histogram | None, q: float) -> tuple[float | None,
 
 
 def max_num_seqs(ctx: EngineContext) -> tuple[float | None, str]:
-    configured = ctx.t["max_num_seqs"]
+    configured = ctx.t.max_num_seqs
     if configured is not None:
         return float(configured), "configured (diagnosis.max_num_seqs)"
     running_max = ctx.view.running_max

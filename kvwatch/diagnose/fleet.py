@@ -96,7 +96,7 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: Mapping[str, 
         return []
     t = resolve_thresholds(thresholds)
     findings: list[Finding] = []
-    room = t["fleet_room_usage_ratio"]
+    room = t.fleet_room_usage_ratio
     # A pressed row has no room itself: its peers with room are all of them
     # (counted and their peak taken once, not again for each pressed row:
     # n * n in a fleet of n).
@@ -129,7 +129,7 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: Mapping[str, 
              "peers_hit_ratio": pooled, "warm_peers": len(warm)},
             NEXT_CHECK["cold_replica"]))
 
-    fraction, floor, min_tokens = t["fleet_affinity_fraction"], t["hit_ratio_low"], t["min_query_tokens"]
+    fraction, floor, min_tokens = t.fleet_affinity_fraction, t.hit_ratio_low, t.min_query_tokens
     pool = _PeerPool(warm)
     for index, row in enumerate(warm):
         ratio = row.hit_ratio()

@@ -67,23 +67,23 @@ class StepDrop:
         """The recent ratio fell to (1 - hit_drop_fraction) of a baseline
         that had real reuse, both parts with enough queried tokens."""
         return (self.recent_ratio is not None and self.baseline_ratio is not None
-                and self.recent_queries >= t["min_query_tokens"] and self.baseline_queries >= t["min_query_tokens"]
-                and self.baseline_ratio >= t["hit_ratio_low"]
-                and self.recent_ratio <= self.baseline_ratio * (1 - t["hit_drop_fraction"]))
+                and self.recent_queries >= t.min_query_tokens and self.baseline_queries >= t.min_query_tokens
+                and self.baseline_ratio >= t.hit_ratio_low
+                and self.recent_ratio <= self.baseline_ratio * (1 - t.hit_drop_fraction))
 
     def low_in_both(self, t: Thresholds) -> bool:
         """Low in the baseline and in the recent part, both with enough
         queried tokens: low and stable, not a moment's mix."""
         return (self.recent_ratio is not None and self.baseline_ratio is not None
-                and self.recent_queries >= t["min_query_tokens"] and self.baseline_queries >= t["min_query_tokens"]
-                and self.recent_ratio < t["hit_ratio_low"] and self.baseline_ratio < t["hit_ratio_low"])
+                and self.recent_queries >= t.min_query_tokens and self.baseline_queries >= t.min_query_tokens
+                and self.recent_ratio < t.hit_ratio_low and self.baseline_ratio < t.hit_ratio_low)
 
 
 def _step_drop(ctx: EngineContext, last_time: float) -> StepDrop:
     """The polls up to `last_time` split into a baseline and a recent part of
     at most `hit_recent_seconds` (and at most half, so both have data)."""
     first_time = ctx.polls[0].time if ctx.polls else last_time
-    span = min(ctx.t["hit_recent_seconds"], (last_time - first_time) / 2)
+    span = min(ctx.t.hit_recent_seconds, (last_time - first_time) / 2)
     split = last_time - span
     keys = hit_counters(ctx)
     recent_ratio, recent_queries = _ratio_of(ctx.counters_since(split, keys, until=last_time), keys)
@@ -300,13 +300,13 @@ def _workload_on_page(ctx: EngineContext, judging: _Judging | None) -> HitRateVe
     t, memory = ctx.t, ctx.hit_memory
     drop = _step_drop(ctx, judging.latest_time)
     dropped = drop.dropped(t)
-    low = judging.ratio < t["hit_ratio_low"]
+    low = judging.ratio < t.hit_ratio_low
     if not dropped and not low:
         if memory is not None and ctx.exhaustion is None and not (stream_residency(ctx) or (False,))[0]:
             # A stretch the rules judged healthy: not falling, no exhaustion, no stream verdict against it.
             memory.remember(ctx.key, judging.ratio, judging.latest_time)
         return judging.verdict()
-    remembered = memory.recall(ctx.key, judging.latest_time, t["hit_baseline_max_age_seconds"]) \
+    remembered = memory.recall(ctx.key, judging.latest_time, t.hit_baseline_max_age_seconds) \
         if memory is not None else None
     _add_residency(judging, drop, dropped)
     if dropped:
@@ -320,12 +320,12 @@ def _start_judging(ctx: EngineContext) -> _Judging | None:
     counters = ctx.increase.counters
     keys = hit_counters(ctx)
     ratio, queries = _ratio_of(counters, keys)
-    if ratio is None or queries < t["min_query_tokens"]:
+    if ratio is None or queries < t.min_query_tokens:
         return None
     usage_max, usage_mean = _usage_in(ctx)
     evidence: dict[str, Any] = {"hit_ratio": ratio, "prefix_queries": counters.get("prefix_queries"),
                 "prefix_hits": counters.get("prefix_hits"),
-                "hit_ratio_low": t["hit_ratio_low"], "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
+                "hit_ratio_low": t.hit_ratio_low, "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
                 "kv_cache_exhausted": ctx.exhaustion is not None, "window_seconds": ctx.increase.seconds}
     if keys == SERVED_COUNTERS:
         evidence.update({"prompt_tokens": queries, "prompt_tokens_from_prefix_cache": counters.get(keys[1]),
@@ -340,16 +340,16 @@ def _cold_since(judging: _Judging, since: float) -> tuple[float, float | None, f
     after it) where the part after is low, or well below the part before,
     each part with enough tokens looked up; None otherwise."""
     ctx, t = judging.ctx, judging.ctx.t
-    min_tokens = t["min_query_tokens"]
+    min_tokens = t.min_query_tokens
     keys = hit_counters(ctx)
     after = ctx.counters_since(since, keys)
     after_ratio, after_queries = _ratio_of(after, keys)
     earlier = {k: v - after.get(k, 0.0) for k, v in ctx.increase.counters.items()}
     earlier_ratio, earlier_queries = _ratio_of(earlier, keys)
     if after_ratio is not None and after_queries >= min_tokens and (
-        after_ratio < t["hit_ratio_low"]
+        after_ratio < t.hit_ratio_low
         or (earlier_ratio is not None and earlier_queries >= min_tokens
-            and after_ratio <= earlier_ratio * (1 - t["hit_drop_fraction"]))
+            and after_ratio <= earlier_ratio * (1 - t.hit_drop_fraction))
     ):
         return after_ratio, earlier_ratio, after_queries
     return None
@@ -368,7 +368,7 @@ def _add_residency(judging: _Judging, drop: StepDrop, dropped: bool) -> None:
     evicts, residency_evidence, residency_confidence = residency(
         ctx, since=drop.split + drop.span / 2 if dropped else None)
     recent_usage_max, _ = _usage_in(ctx, since=drop.split)
-    evidence = {**judging.evidence, **residency_evidence, "eviction_usage_ratio": ctx.t["eviction_usage_ratio"]}
+    evidence = {**judging.evidence, **residency_evidence, "eviction_usage_ratio": ctx.t.eviction_usage_ratio}
     if dropped:
         evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio,
                          "recent_seconds": drop.span, "kv_usage_recent_max": recent_usage_max})
@@ -434,7 +434,7 @@ def _judged_without_exhaustion(judging: _Judging, part: StepDrop, until: float, 
     ctx, t, evicts = judging.ctx, judging.ctx.t, judging.evicts
     usage_max, _ = _usage_in(ctx, since=part.split, until=until)
     extra = {**judging.evidence, **extra}
-    if evicts is None and usage_max is not None and usage_max >= t["eviction_usage_ratio"]:
+    if evicts is None and usage_max is not None and usage_max >= t.eviction_usage_ratio:
         return ctx.finding(
             "low_hit_rate", "eviction_before_reuse", "medium",
             f"{text} while KV usage reached {usage_max:.0%} without exhausting the cache: running "
@@ -488,7 +488,7 @@ def _low_since_last_healthy(judging: _Judging, remembered: tuple[float, float]) 
     text = (f"Hit ratio {judging.ratio:.0%} over the window, down from {healthy_ratio:.0%} when last healthy "
             f"{latest_time - seen:.0f}s ago ({where})")
     usage_mean = judging.usage_mean
-    if evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]:
+    if evicts is None and usage_mean is not None and usage_mean >= t.eviction_usage_ratio:
         return ctx.finding(
             "low_hit_rate", "eviction_before_reuse", baseline_confidence("medium", evidence, t),
             f"{text}, with KV usage averaging {usage_mean:.0%} without exhausting the cache: running requests "
@@ -568,7 +568,7 @@ def with_external_tier(findings: list[Finding], lmcache: dict[str, Any] | None, 
             kept.append(finding)
             continue
         share = delivered / prompt
-        if finding.cause == "no_reuse" and share >= t["hit_ratio_low"]:
+        if finding.cause == "no_reuse" and share >= t.hit_ratio_low:
             continue
         kept.append(replace(finding, evidence={
             **finding.evidence, "external_tier": "lmcache", "lmcache_hit_tokens": delivered,

@@ -75,11 +75,11 @@ class NowJudgment:
     def __init__(self, window_seconds: float, thresholds: Mapping[str, Any] | Thresholds | None = None):
         self.thresholds = resolved = resolve_thresholds(thresholds)
         # The latency histograms past the first token, which no rule reads, are not summed over it.
-        self.window = Window(min(resolved["now_seconds"], window_seconds), max_bytes=None,
+        self.window = Window(min(resolved.now_seconds, window_seconds), max_bytes=None,
                              left_out=NOT_DIAGNOSED_KEYS)
         # The hit-rate rule's memory of each engine's healthy ratio, as the now span saw it.
         self.memory = HitRateMemory()
-        self.hold = FindingHold(resolved["finding_hold_seconds"])
+        self.hold = FindingHold(resolved.finding_hold_seconds)
 
     def incumbents(self) -> set[tuple]:
         """The previous step's primary causes, for the window's diagnosis (diagnose's `incumbents`)."""

@@ -49,7 +49,7 @@ def baseline_confidence(confidence: str, evidence: dict[str, Any], t: Thresholds
     age = evidence.get("hit_ratio_last_healthy_seconds_ago")
     if not isinstance(age, (int, float)):
         return confidence
-    limit = t["hit_baseline_max_age_seconds"]
+    limit = t.hit_baseline_max_age_seconds
     cap = "high" if age <= limit / 4 else "medium" if age <= limit / 2 else "low"
     order = ("high", "medium", "low")
     return order[max(order.index(confidence), order.index(cap))] if confidence in order else confidence
@@ -79,13 +79,13 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
         return None
     t = ctx.t
     recent = report["recent"]
-    if recent["stored"] < t["stream_min_blocks"] or report["window"].get("cleared"):
+    if recent["stored"] < t.stream_min_blocks or report["window"].get("cleared"):
         return None  # too little, or a reset of the cache in the window (what returns after it is no eviction's)
     ratio = recent["stored_again_ratio"] or 0.0
     evidence = {**stream_evidence(report), "decided_by": "kv_events"}
-    if ratio >= t["stored_again_ratio_high"]:
+    if ratio >= t.stored_again_ratio_high:
         return True, evidence, "high"
-    if ratio <= t["stored_again_ratio_none"]:
+    if ratio <= t.stored_again_ratio_none:
         listened = report.get("listening_seconds") or 0.0
         if listened < 2 * recent["seconds"]:
             return None  # a block evicted before kvwatch listened cannot be seen returning
@@ -164,10 +164,10 @@ def _state(finding: Finding, report: KVEventsReport, t: Thresholds) -> Finding:
     seconds = recent["seconds"]
     ratio = recent["stored_again_ratio"] or 0.0
     if finding.evidence.get("decided_by") != "kv_events":
-        if recent["stored"] < t["stream_min_blocks"]:
+        if recent["stored"] < t.stream_min_blocks:
             why = (f"the stream saw {recent['stored']:g} blocks stored in the last {seconds:.0f}s, fewer than "
-                   f"stream_min_blocks ({t['stream_min_blocks']:g}): it decides nothing yet")
-        elif t["stored_again_ratio_none"] < ratio < t["stored_again_ratio_high"]:
+                   f"stream_min_blocks ({t.stream_min_blocks:g}): it decides nothing yet")
+        elif t.stored_again_ratio_none < ratio < t.stored_again_ratio_high:
             why = (f"{ratio:.0%} of the blocks stored in the last {seconds:.0f}s came back after their eviction: "
                    "between stored_again_ratio_none and stored_again_ratio_high, the stream does not decide")
         else:
@@ -204,8 +204,8 @@ def _decided(finding: Finding, report: KVEventsReport, t: Thresholds, evidence: 
         cause = "no_reuse"  # what was shared before the pause was another load's
         evidence.update(kv_events_quiet_seconds=new_load["seconds"],
                         kv_events_load_began_seconds_ago=new_load["ended_seconds_ago"])
-    elif (cause == "no_reuse" and earlier["stored"] >= t["stream_min_blocks"] and before is not None
-            and before >= t["stored_again_ratio_high"] and not finding.evidence.get("kv_cache_exhausted")
+    elif (cause == "no_reuse" and earlier["stored"] >= t.stream_min_blocks and before is not None
+            and before >= t.stored_again_ratio_high and not finding.evidence.get("kv_cache_exhausted")
             and not report.get("window_exhausted")):
         # (Blocks stored again while the cache ran out are preempted requests recomputed, no shared prefix.)
         cause = "prefix_changed"  # blocks returned, and stopped returning while stores go on
@@ -220,7 +220,7 @@ def _decided(finding: Finding, report: KVEventsReport, t: Thresholds, evidence: 
                    + (f"; about {extra:.0f} more blocks" + (f" ({in_bytes / 2**20:.0f} MiB)" if in_bytes else "")
                       + " would have kept half of them (estimate)" if extra else "") + "."
                    + _evictor(report, evidence))
-    elif cause == "prefix_changed" and before is not None and before >= t["stored_again_ratio_high"]:
+    elif cause == "prefix_changed" and before is not None and before >= t.stored_again_ratio_high:
         summary = (f"The prefix changed (the engine's KV-cache events decide it): before the last {seconds:.0f}s, "
                    f"{before:.0%} of the stored blocks came back after their eviction; since, none of the "
                    f"{recent['stored']:.0f} blocks stored has: the requests stopped sharing what they shared.")
@@ -261,7 +261,7 @@ def _evictor(report: KVEventsReport, evidence: dict[str, Any]) -> str:
 def _health(report: KVEventsReport, target: tuple[str, str], window, t: Thresholds) -> list[Finding]:
     model, engine = target
     found: list[Finding] = []
-    silence = t["kv_events_silence_seconds"]
+    silence = t.kv_events_silence_seconds
     age = report.get("last_message_age_seconds")
     quiet = report.get("silence") or {}
     intake = report.get("intake") or {}
