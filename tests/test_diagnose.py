@@ -4,7 +4,7 @@ the finding appears, and the causes it could be mistaken for do not."""
 from __future__ import annotations
 
 import bisect
-from dataclasses import replace
+from dataclasses import asdict, replace
 import math
 from collections import defaultdict
 
@@ -770,8 +770,8 @@ def test_validate_thresholds_reports_everything_at_once():
 def test_thresholds_accept_durations_and_defaults_fill_in():
     assert validate_thresholds({"ttft_p95_seconds": "500ms", "hit_recent_seconds": "2m", "max_num_seqs": None}) == []
     resolved = resolve_thresholds({"ttft_p95_seconds": "500ms", "hit_recent_seconds": "2m"})
-    assert resolved["ttft_p95_seconds"] == 0.5 and resolved["hit_recent_seconds"] == 120.0
-    assert resolved["hit_ratio_low"] == DEFAULT_THRESHOLDS["hit_ratio_low"]
+    assert resolved.ttft_p95_seconds == 0.5 and resolved.hit_recent_seconds == 120.0
+    assert resolved.hit_ratio_low == DEFAULT_THRESHOLDS.hit_ratio_low
 
 
 def test_settings_reject_bad_diagnosis_thresholds(tmp_path):
@@ -786,7 +786,7 @@ def test_docs_name_every_threshold_and_cause():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "diagnosis.md").read_text()
-    missing = [key for key in DEFAULT_THRESHOLDS if f"`{key}`" not in text]
+    missing = [key for key in asdict(DEFAULT_THRESHOLDS) if f"`{key}`" not in text]
     missing += [cause for group in CAUSES.values() for cause in group if f"`{cause}`" not in text]
     assert not missing, missing
 

@@ -14,7 +14,7 @@ from kvwatch.sidecar.report import finding_json
 from kvwatch.units import parse_prometheus_duration
 from sim_support import SIM_BASE, sim_monitor
 
-HOLD = DEFAULT_THRESHOLDS["finding_hold_seconds"]
+HOLD = DEFAULT_THRESHOLDS.finding_hold_seconds
 
 
 def _finding(cause: str = "queueing_kv_bound", severity: str = "warning") -> Finding:

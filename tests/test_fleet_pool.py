@@ -99,7 +99,7 @@ def test_imbalance_counts_every_peer_with_room_and_their_highest_peak():
     found = {f.evidence["replica"]: f for f in fleet_findings("m", rows) if f.cause == "imbalance"}
     from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS
 
-    room = DEFAULT_THRESHOLDS["fleet_room_usage_ratio"]
+    room = DEFAULT_THRESHOLDS.fleet_room_usage_ratio
     for row in rows:
         peers = [p for p in rows if p is not row and p.usage_peak <= room and p.waiting <= 0 and not p.findings]
         if not row.findings or not peers:

@@ -447,7 +447,7 @@ def test_model_names_changing_every_poll_keep_findings_events_and_details_bounde
     # The window (60 s of 5 s polls) plus the finding hold (a finding whose
     # names left is held that long, marked clearing): from then on the
     # diagnosis no longer grows.
-    full = int((60 + DEFAULT_THRESHOLDS["finding_hold_seconds"]) / 5) + 1
+    full = int((60 + DEFAULT_THRESHOLDS.finding_hold_seconds) / 5) + 1
     polls = full + 16
     clock = [1_000_000.0]
     monkeypatch.setattr(kvwatch.pipeline.monitor, "time", types.SimpleNamespace(

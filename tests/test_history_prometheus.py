@@ -82,7 +82,7 @@ def test_the_three_fleet_findings_and_none_on_a_balanced_fleet(store):
     cold = next(e for e in history.timeline.episodes if e.cause == "cold_replica")
     # Found from the step of the restart for one window, then held for the
     # finding hold as every finding is (within one step).
-    hold = DEFAULT_THRESHOLDS["finding_hold_seconds"]
+    hold = DEFAULT_THRESHOLDS.finding_hold_seconds
     assert abs(cold.start - (start + 300)) <= INTERVAL
     assert abs(cold.end - (start + 300 + WINDOW + hold)) <= INTERVAL
     lost = next(e for e in history.timeline.episodes if e.cause == "lost_prefix_affinity")

@@ -4,6 +4,7 @@ nothing from outside, nothing secret, nothing from the engine as markup."""
 from __future__ import annotations
 
 import base64
+from dataclasses import asdict
 import json
 import hashlib
 import re
@@ -163,7 +164,7 @@ def test_series_hold_one_point_per_window_entry_and_thresholds_come_with_the_sta
     assert thresholds["ttft_p95_seconds"] == 3.0 and thresholds["exhaustion_usage_ratio"] == 0.9
     named = [rule["threshold"] for f in FIGURES for rule in f["rules"] if "threshold" in rule]
     named += [t["threshold"] for t in TRENDS if "threshold" in t]
-    assert named and set(named) <= set(DEFAULT_THRESHOLDS)
+    assert named and set(named) <= set(asdict(DEFAULT_THRESHOLDS))
     assert client.get("/", headers={"Accept-Encoding": "gzip"}).headers["content-encoding"] == "gzip"
 
 
@@ -302,12 +303,12 @@ def test_a_finding_colours_only_figures_whose_own_value_is_bad():
     finding = {"symptom": "exhaustion", "severity": "critical", "model_name": "m", "engine": "0"}
     functions = ["figureValue", "compare", "figureStates"]
     calm = run_script(functions, f"figureStates({json.dumps(row)}, [{json.dumps(finding)}], "
-                                 f"{json.dumps(DEFAULT_THRESHOLDS)})")
+                                 f"{json.dumps(asdict(DEFAULT_THRESHOLDS))})")
     assert calm == {"kv_usage": "ok", "headroom": "ok", "hit_ratio": "ok", "ttft_p95": "ok",
                     "waiting": "ok", "preemptions": "bad"}
     row["signals"].update(kvwatch_kv_cache_usage_ratio=0.95, kvwatch_requests_waiting=3)
     full = run_script(functions, f"figureStates({json.dumps(row)}, [{json.dumps(finding)}], "
-                                 f"{json.dumps(DEFAULT_THRESHOLDS)})")
+                                 f"{json.dumps(asdict(DEFAULT_THRESHOLDS))})")
     # Waiting's own rule says warn; the critical finding deepens it to bad.
     assert full["kv_usage"] == full["headroom"] == full["waiting"] == "bad"
 

@@ -273,7 +273,7 @@ def test_four_engines_as_rows_worst_first_with_detail_on_click(browser, served):
     row = next(r for r in monitor.state.per_engine if r.engine == "1")
     from kvwatch.diagnose.thresholds import resolve_thresholds
 
-    low = row.values["kvwatch_prefix_cache_hit_ratio"] < resolve_thresholds(monitor.settings.diagnosis)["hit_ratio_low"]
+    low = row.values["kvwatch_prefix_cache_hit_ratio"] < resolve_thresholds(monitor.settings.diagnosis).hit_ratio_low
     assert facts["figures"]["hit_ratio"] == ("warn" if low else "ok") and facts["figures"]["kv_usage"] == "ok"
     assert facts["charts"] == [len(monitor.state.entries)] * 6
 

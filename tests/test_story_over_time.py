@@ -163,9 +163,9 @@ def test_a_healthy_hit_ratio_is_no_baseline_once_old():
     baseline expires (hit_baseline_max_age_seconds)."""
     memory = HitRateMemory()
     memory.remember(("m", "0"), 0.6, 100.0)
-    assert memory.recall(("m", "0"), 300.0, DEFAULT_THRESHOLDS["hit_baseline_max_age_seconds"]) == (0.6, 100.0)
-    assert memory.recall(("m", "0"), 100.0 + DEFAULT_THRESHOLDS["hit_baseline_max_age_seconds"] + 1,
-                         DEFAULT_THRESHOLDS["hit_baseline_max_age_seconds"]) is None
+    assert memory.recall(("m", "0"), 300.0, DEFAULT_THRESHOLDS.hit_baseline_max_age_seconds) == (0.6, 100.0)
+    assert memory.recall(("m", "0"), 100.0 + DEFAULT_THRESHOLDS.hit_baseline_max_age_seconds + 1,
+                         DEFAULT_THRESHOLDS.hit_baseline_max_age_seconds) is None
 
 
 def test_blocks_stored_again_while_the_cache_is_exhausted_are_no_eviction_before_reuse():
@@ -234,7 +234,7 @@ def test_a_critical_exhaustion_shows_the_figure_that_made_it_critical():
 
 def test_confidence_falls_with_the_baselines_age():
     t = DEFAULT_THRESHOLDS
-    limit = t["hit_baseline_max_age_seconds"]
+    limit = t.hit_baseline_max_age_seconds
     assert baseline_confidence("high", {"hit_ratio_last_healthy_seconds_ago": limit / 8}, t) == "high"
     assert baseline_confidence("high", {"hit_ratio_last_healthy_seconds_ago": limit / 3}, t) == "medium"
     assert baseline_confidence("high", {"hit_ratio_last_healthy_seconds_ago": limit * 0.96}, t) == "low"

@@ -37,6 +37,7 @@ from kvwatch.settings import Settings, SettingsError, flag_help, load_settings, 
 from kvwatch.commands import failfast
 from kvwatch.signals import SIGNALS
 from kvwatch.present import TerminalText, TextOut, format_evidence, format_value, signal_columns, signal_label
+from kvwatch.pipeline.reports import KVEventsReport
 
 if TYPE_CHECKING:
     from kvwatch.pipeline.monitor import Monitor, State
@@ -349,7 +350,7 @@ def _print_sources(out: TextOut, diagnosis: dict[str, Any]) -> None:
                   file=out)
 
 
-def _print_stream(out: TextOut, stream: dict[str, Any] | None) -> None:
+def _print_stream(out: TextOut, stream: KVEventsReport | None) -> None:
     if stream:
         if not stream.get("up"):
             print(f"\nKV-CACHE EVENTS {stream.get('endpoint')}: down {stream.get('reason')}: {stream.get('detail')}",

@@ -56,6 +56,7 @@ current nor that the caller may see it, and no finding says otherwise.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from kvwatch.diagnose.arbitration import arbitrate
@@ -67,7 +68,7 @@ from kvwatch.diagnose.context import HitRateMemory
 from kvwatch.diagnose.hit_rate import low_hit_rate_findings, with_external_tier
 from kvwatch.diagnose.stream import stream_findings, stream_target
 from kvwatch.diagnose.stuck import stuck, stuck_findings
-from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS, resolve_thresholds, validate_thresholds
+from kvwatch.diagnose.thresholds import DEFAULT_THRESHOLDS, Thresholds, resolve_thresholds, validate_thresholds
 from kvwatch.diagnose.vocabulary import CAUSES, CONFIDENCES, NEXT_CHECK, SEVERITIES, Finding, finding_order, is_actionable
 
 log = logging.getLogger("kvwatch")
@@ -80,7 +81,7 @@ log = logging.getLogger("kvwatch")
 # and without them and requires the same findings, poll for poll.
 NOT_DIAGNOSED_KEYS = frozenset({"decode_time", "inference_time", "e2e_latency", "inter_token_latency", "tpot"})
 
-__all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "NEXT_CHECK", "NOT_DIAGNOSED_KEYS", "SEVERITIES", "Change",
+__all__ = ["CAUSES", "CONFIDENCES", "DEFAULT_THRESHOLDS", "Thresholds", "NEXT_CHECK", "NOT_DIAGNOSED_KEYS", "SEVERITIES", "Change",
            "Finding",
            "HitRateMemory",
            "changes_between", "diagnose", "is_actionable", "names_text", "resolve_thresholds", "validate_thresholds"]
@@ -105,7 +106,7 @@ def note_counting(findings: list[Finding], counting: dict[str, str]) -> None:
                 finding.evidence[note] = counting[key]
 
 
-def diagnose(window, per_engine, events, thresholds: dict[str, Any], upstream=None,
+def diagnose(window, per_engine, events, thresholds: Mapping[str, Any] | Thresholds | None, upstream=None,
              hit_memory: HitRateMemory | None = None, lmcache=None, kv_events=None,
              incumbents: frozenset | set = frozenset()) -> list[Finding]:
     """Findings for the window, most severe first. The rules judge each

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+from kvwatch.diagnose.thresholds import Thresholds
+from kvwatch.pipeline.reports import KVEventsReport
 from kvwatch.diagnose.vocabulary import Change, Finding, severity_of
 from kvwatch.snapshot import EngineSnapshot, Histogram
 from kvwatch.window import EngineKey, EntryFollower, Entry, Increase, Step, Window
@@ -283,7 +285,7 @@ class EngineContext:
 
     incremental = True
 
-    def __init__(self, window: Window, row, thresholds: dict[str, Any], changes: list["Change"] | None = None,
+    def __init__(self, window: Window, row, thresholds: Thresholds, changes: list["Change"] | None = None,
                  hit_memory: "HitRateMemory | None" = None):
         self.changes = changes or []
         self.hit_memory = hit_memory  # the last healthy hit ratio per engine, beyond the window
@@ -320,7 +322,7 @@ class EngineContext:
         self._exhaustion: Exhaustion | None | bool = False
         self.hit_rate: HitRateVerdict | None = None  # judged once, by hit_rate.verdict
         # The engine's KV-cache event stream report (kvwatch/kvevents) where it is this engine's.
-        self.stream: dict[str, Any] | None = None
+        self.stream: KVEventsReport | None = None
 
     def value(self, name: str):
         return self.values.get(name)
@@ -388,10 +390,10 @@ class EngineContext:
         any preemption (the V1 scheduler preempts only when it cannot allocate
         a KV block)."""
         if self._exhaustion is False:
-            limit = self.t["exhaustion_usage_ratio"]
+            limit = self.t.exhaustion_usage_ratio
             # With the batch at --max-num-seqs, requests wait for a slot, not
             # for blocks, however full the cache is (known only when set).
-            slots = self.t["max_num_seqs"]
+            slots = self.t.max_num_seqs
             track = self.track.for_limits(limit, slots) if self.track is not None else None
             if track is not None:
                 full = list(track.full)
@@ -540,7 +542,7 @@ def quantile_value(histogram: Histogram | None, q: float) -> tuple[float | None,
 
 
 def max_num_seqs(ctx: EngineContext) -> tuple[float | None, str]:
-    configured = ctx.t["max_num_seqs"]
+    configured = ctx.t.max_num_seqs
     if configured is not None:
         return float(configured), "configured (diagnosis.max_num_seqs)"
     running_max = ctx.view.running_max

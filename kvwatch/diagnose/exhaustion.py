@@ -77,7 +77,7 @@ def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
     below = capacity_requests is not None and max_seqs is not None and capacity_requests < max_seqs
     state = ctx.exhaustion
     if state is None:
-        if below and ctx.t["max_num_seqs"] is not None:
+        if below and ctx.t.max_num_seqs is not None:
             return [_capacity_below_advisory(ctx, bound, stated_concurrency)]
         return []
     findings = [_severity_said(_full_cache_finding(ctx, state, capacity_requests), state)]
@@ -111,7 +111,7 @@ def _capacity_below_advisory(ctx: EngineContext, bound: dict[str, Any], stated_c
 
 def _capacity_below_finding(ctx: EngineContext, state, bound: dict[str, Any], stated_concurrency) -> Finding:
     capacity_requests, max_seqs = bound["kv_cache_capacity_requests"], bound["max_num_seqs"]
-    stated = ctx.t["max_num_seqs"] is not None
+    stated = ctx.t.max_num_seqs is not None
     return ctx.finding(
         "exhaustion", "capacity_below_max_num_seqs", "high" if stated else "medium",
         f"At current mean lengths the cache holds {count_text(capacity_requests)} requests but the scheduler admits "
@@ -127,7 +127,7 @@ def _full_share(ctx: EngineContext, limit: float) -> float | None:
     """The largest share one running request held while the cache was full.
     Before any request finished (its final size unknown), it tells the same:
     a full cache and four running requests is 25 % each."""
-    known, full_share = ctx.track.for_limits(limit, ctx.t["max_num_seqs"]).full_share_max() if (
+    known, full_share = ctx.track.for_limits(limit, ctx.t.max_num_seqs).full_share_max() if (
         ctx.track is not None) else (False, None)
     if not known:
         full_shares = [p.usage / p.running for p in ctx.polls
@@ -156,7 +156,7 @@ def _full_cache_evidence(ctx: EngineContext, state, shares: dict[str, Any]) -> d
     return {
         "kv_usage_max": ctx.value("kvwatch_kv_cache_usage_max_ratio"),
         "kv_usage_now": ctx.value("kvwatch_kv_cache_usage_ratio"),
-        "kv_usage_threshold": ctx.t["exhaustion_usage_ratio"],
+        "kv_usage_threshold": ctx.t.exhaustion_usage_ratio,
         "preemptions": state.preemptions,
         "preemptions_per_second": ctx.value("kvwatch_preemptions_per_second"),
         **_preemption_shape(ctx),
@@ -171,7 +171,7 @@ def _full_cache_evidence(ctx: EngineContext, state, shares: dict[str, Any]) -> d
         "capacity_share_per_running_request": shares["share"],
         "capacity_share_per_finished_request": shares["final_share"],
         "capacity_share_per_running_request_when_full_max": shares["full_share"],
-        "long_request_capacity_share": ctx.t["long_request_capacity_share"],
+        "long_request_capacity_share": ctx.t.long_request_capacity_share,
         **_hit_rate_evidence(ctx),
         "window_seconds": ctx.increase.seconds,
     }
@@ -184,7 +184,7 @@ def _request_shares(ctx: EngineContext, capacity_requests) -> dict[str, Any]:
     shape = _load_shape(ctx)
     return {"shape": shape, "share": shape["share"], "capacity_requests": capacity_requests,
             "final_share": 1.0 / capacity_requests if capacity_requests else None,
-            "full_share": _full_share(ctx, ctx.t["exhaustion_usage_ratio"])}
+            "full_share": _full_share(ctx, ctx.t.exhaustion_usage_ratio)}
 
 
 def _few_long_requests(ctx: EngineContext, shares: dict[str, Any]) -> tuple[bool, float | None]:
@@ -205,7 +205,7 @@ def _few_long_requests(ctx: EngineContext, shares: dict[str, Any]) -> tuple[bool
     shape = shares["shape"]
     footprint_share = max((x for x in (shares["share"], shares["final_share"], shares["full_share"])
                            if x is not None), default=None)
-    long = (footprint_share is not None and footprint_share >= ctx.t["long_request_capacity_share"]
+    long = (footprint_share is not None and footprint_share >= ctx.t.long_request_capacity_share
             and (shape["waiting_mean"] or 0.0) <= (shape["running_mean"] or 0.0))
     return long, footprint_share
 

@@ -26,7 +26,7 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
     pinned = slow["pinned"]
     headline = (f"Time to first token over the last {ctx.increase.seconds:.0f}s: p95 "
                 f"{(pinned + ' ') if pinned else ''}{slow['p95']:.2f}s, mean {slow['ttft_mean']:.2f}s "
-                f"(objective p95 {t['ttft_p95_seconds']:g}s, mean {t['ttft_mean_seconds']:g}s)")
+                f"(objective p95 {t.ttft_p95_seconds:g}s, mean {t.ttft_mean_seconds:g}s)")
     findings = []
     upstream_found = _upstream_finding(ctx, upstream, slow, evidence)
     if upstream_found is not None:
@@ -49,19 +49,19 @@ def _slow_first_token(ctx: EngineContext, upstream: dict[str, Any] | None) -> di
     """The window's first-token times when they (or with the upstream's, the total) miss the objective."""
     t = ctx.t
     ttft = ctx.histogram("ttft")
-    if ttft is None or ttft.count < t["ttft_min_requests"]:
+    if ttft is None or ttft.count < t.ttft_min_requests:
         return None
     ttft_mean = ttft.mean()
     # As every surface reports it: pinned at a bucket edge, the edge and its side ("<" / ">").
     reported = ttft.reported_quantile(0.95)
     p95, pinned = (reported.value, reported.bound) if reported is not None else (None, None)
     upstream_mean = None
-    if upstream and upstream.get("up") and (upstream.get("count") or 0) >= t["ttft_min_requests"]:
+    if upstream and upstream.get("up") and (upstream.get("count") or 0) >= t.ttft_min_requests:
         upstream_mean = upstream.get("mean_seconds")
-    engine_slow = (p95 is not None and p95 > t["ttft_p95_seconds"] and pinned != "<") or \
-        (ttft_mean is not None and ttft_mean > t["ttft_mean_seconds"])
+    engine_slow = (p95 is not None and p95 > t.ttft_p95_seconds and pinned != "<") or \
+        (ttft_mean is not None and ttft_mean > t.ttft_mean_seconds)
     total_mean = (ttft_mean or 0.0) + (upstream_mean or 0.0)
-    total_slow = upstream_mean is not None and total_mean > t["ttft_mean_seconds"]
+    total_slow = upstream_mean is not None and total_mean > t.ttft_mean_seconds
     if not engine_slow and not total_slow:
         return None
     return {"ttft": ttft, "ttft_mean": ttft_mean, "p95": p95, "pinned": pinned, "upstream_mean": upstream_mean,
@@ -88,7 +88,7 @@ def _waiting_now(ctx: EngineContext) -> Finding | None:
     # preempted), and as many as the histograms need (ttft_min_requests).
     preempted = sum(p.preempted for p in polls[start + 1:])
     if (start == 0 and preempted > 0) or \
-            polls[-1].waiting_for_capacity - preempted < max(1, t["ttft_min_requests"]):
+            polls[-1].waiting_for_capacity - preempted < max(1, t.ttft_min_requests):
         return None
     stood = polls[-1].time - polls[start].time
     progress = [ctx.increase.counters[key] for key in PROGRESS if key in ctx.increase.counters]
@@ -99,14 +99,14 @@ def _waiting_now(ctx: EngineContext) -> Finding | None:
     queue = sum(p.waiting_for_capacity for p in polls[start:]) / (len(polls) - start)
     seconds = ctx.increase.seconds
     wait = queue / (admitted / seconds) if admitted > 0 and seconds > 0 else stood
-    if wait <= t["ttft_mean_seconds"] or stood < t["ttft_mean_seconds"]:
+    if wait <= t.ttft_mean_seconds or stood < t.ttft_mean_seconds:
         return None
     evidence = {"waiting_now": polls[-1].waiting_for_capacity, "waiting_seconds": stood,
                 "queue_from_waiting_seconds": wait, "ttft_requests": admitted,
-                "objective_mean_seconds": t["ttft_mean_seconds"], "window_seconds": seconds}
+                "objective_mean_seconds": t.ttft_mean_seconds, "window_seconds": seconds}
     headline = (f"Time to first token over the last {stood:.0f}s: {polls[-1].waiting_for_capacity:.0f} requests "
                 f"waiting now, {admitted:.0f} first tokens in {seconds:.0f}s, a mean wait of about {wait:.1f}s "
-                f"(objective mean {t['ttft_mean_seconds']:g}s) before the histograms see it")
+                f"(objective mean {t.ttft_mean_seconds:g}s) before the histograms see it")
     return _queue_finding(ctx, evidence, headline, "all of it", "low")
 
 
@@ -151,8 +151,8 @@ def _ttft_evidence(ctx: EngineContext, slow: dict[str, Any]) -> tuple[dict[str, 
     shares = dict(parts.shares) if parts and queue_observed is not None and prefill is not None else {}
     evidence = {
         "ttft_p95_seconds": slow["p95"], "ttft_p95_pinned": slow["pinned"], "ttft_mean_seconds": slow["ttft_mean"],
-        "ttft_requests": ttft.count, "objective_p95_seconds": t["ttft_p95_seconds"],
-        "objective_mean_seconds": t["ttft_mean_seconds"],
+        "ttft_requests": ttft.count, "objective_p95_seconds": t.ttft_p95_seconds,
+        "objective_mean_seconds": t.ttft_mean_seconds,
         "queue_mean_seconds": queue_observed, "queue_from_waiting_seconds": queue_little,
         "prefill_mean_seconds": prefill, "other_mean_seconds": other,
         "queue_share": shares.get("queue"), "prefill_share": shares.get("prefill"), "other_share": shares.get("other"),
@@ -170,7 +170,7 @@ def _upstream_finding(ctx: EngineContext, upstream: dict[str, Any] | None, slow:
     if upstream_mean is None or upstream is None:
         return None
     upstream_share = upstream_mean / total_mean if total_mean else 0.0
-    if upstream_share < ctx.t["upstream_share"]:
+    if upstream_share < ctx.t.upstream_share:
         return None
     return ctx.finding(
         "slow_first_token", "upstream", "medium",
@@ -185,12 +185,12 @@ def _upstream_finding(ctx: EngineContext, upstream: dict[str, Any] | None, slow:
 def _named_parts(t, shares: dict[str, float], other_lower: float | None, ttft_mean: float) -> tuple[list[str], str]:
     """The parts large enough to name (else the largest, with low confidence).
     The rest is a residual: named only when its lower bound is a part too."""
-    named = [name for name, share in shares.items() if share >= t["ttft_part_share"]]
+    named = [name for name, share in shares.items() if share >= t.ttft_part_share]
     confidence = "medium"
     if not named:
         named = [max(shares, key=lambda name: shares[name])]
         confidence = "low"
-    if "other" in named and (other_lower is None or other_lower / ttft_mean < t["ttft_part_share"]):
+    if "other" in named and (other_lower is None or other_lower / ttft_mean < t.ttft_part_share):
         named = [name for name in named if name != "other"]
     return named, confidence
 
@@ -208,7 +208,7 @@ def _queue_finding(ctx: EngineContext, evidence: dict[str, Any], headline: str, 
     t = ctx.t
     usage_while_waiting = _usage_while_waiting(ctx)
     queue_evidence = {**evidence, "kv_usage_max_while_waiting": usage_while_waiting,
-                      "kv_usage_threshold": t["exhaustion_usage_ratio"],
+                      "kv_usage_threshold": t.exhaustion_usage_ratio,
                       "running_max": ctx.view.running_max, "preemptions": ctx.increase.counters.get("preemptions")}
     if ctx.exhaustion is not None:
         return ctx.finding(
@@ -216,7 +216,7 @@ def _queue_finding(ctx: EngineContext, evidence: dict[str, Any], headline: str, 
             f"{headline}; the queue is {share_text}, and the KV cache was exhausted while requests waited.",
             queue_evidence, NEXT_CHECK["queueing_kv_bound"])
     max_seqs, source = max_num_seqs(ctx)
-    configured = t["max_num_seqs"]
+    configured = t.max_num_seqs
     if configured is not None and (ctx.view.running_max or 0) >= configured:
         why = f"the batch was full at max_num_seqs={configured}"
     else:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
-from kvwatch.diagnose.thresholds import resolve_thresholds
+from kvwatch.diagnose.thresholds import Thresholds, resolve_thresholds
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 
 QUEUEING = ("queueing_kv_bound", "queueing_compute_bound")
@@ -90,13 +90,13 @@ def _has_room(row: ReplicaRow, room: float) -> bool:
             and _pressed(row) is None)
 
 
-def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any] | None = None) -> list[Finding]:
+def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: Mapping[str, Any] | Thresholds | None = None) -> list[Finding]:
     """Findings across the replicas of `model` at one step (none with fewer than two)."""
     if len(rows) < 2:
         return []
     t = resolve_thresholds(thresholds)
     findings: list[Finding] = []
-    room = t["fleet_room_usage_ratio"]
+    room = t.fleet_room_usage_ratio
     # A pressed row has no room itself: its peers with room are all of them
     # (counted and their peak taken once, not again for each pressed row:
     # n * n in a fleet of n).
@@ -129,7 +129,7 @@ def fleet_findings(model: str, rows: list[ReplicaRow], thresholds: dict[str, Any
              "peers_hit_ratio": pooled, "warm_peers": len(warm)},
             NEXT_CHECK["cold_replica"]))
 
-    fraction, floor, min_tokens = t["fleet_affinity_fraction"], t["hit_ratio_low"], t["min_query_tokens"]
+    fraction, floor, min_tokens = t.fleet_affinity_fraction, t.hit_ratio_low, t.min_query_tokens
     pool = _PeerPool(warm)
     for index, row in enumerate(warm):
         ratio = row.hit_ratio()

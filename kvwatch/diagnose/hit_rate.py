@@ -19,6 +19,7 @@ from kvwatch.diagnose.context import EngineContext, HitRateVerdict
 from kvwatch.diagnose.residency import block_floor, residency, within_one_block
 from kvwatch.diagnose.stream import (baseline_confidence, cleared_seconds_ago, stated_by_stream, stream_evidence,
                                      stream_residency)
+from kvwatch.diagnose.thresholds import Thresholds
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 
 def _usage_in(ctx: EngineContext, since: float | None = None,
@@ -62,27 +63,27 @@ class StepDrop:
     span: float  # seconds of the recent part
     split: float  # time the recent part starts
 
-    def dropped(self, t: dict[str, Any]) -> bool:
+    def dropped(self, t: Thresholds) -> bool:
         """The recent ratio fell to (1 - hit_drop_fraction) of a baseline
         that had real reuse, both parts with enough queried tokens."""
         return (self.recent_ratio is not None and self.baseline_ratio is not None
-                and self.recent_queries >= t["min_query_tokens"] and self.baseline_queries >= t["min_query_tokens"]
-                and self.baseline_ratio >= t["hit_ratio_low"]
-                and self.recent_ratio <= self.baseline_ratio * (1 - t["hit_drop_fraction"]))
+                and self.recent_queries >= t.min_query_tokens and self.baseline_queries >= t.min_query_tokens
+                and self.baseline_ratio >= t.hit_ratio_low
+                and self.recent_ratio <= self.baseline_ratio * (1 - t.hit_drop_fraction))
 
-    def low_in_both(self, t: dict[str, Any]) -> bool:
+    def low_in_both(self, t: Thresholds) -> bool:
         """Low in the baseline and in the recent part, both with enough
         queried tokens: low and stable, not a moment's mix."""
         return (self.recent_ratio is not None and self.baseline_ratio is not None
-                and self.recent_queries >= t["min_query_tokens"] and self.baseline_queries >= t["min_query_tokens"]
-                and self.recent_ratio < t["hit_ratio_low"] and self.baseline_ratio < t["hit_ratio_low"])
+                and self.recent_queries >= t.min_query_tokens and self.baseline_queries >= t.min_query_tokens
+                and self.recent_ratio < t.hit_ratio_low and self.baseline_ratio < t.hit_ratio_low)
 
 
 def _step_drop(ctx: EngineContext, last_time: float) -> StepDrop:
     """The polls up to `last_time` split into a baseline and a recent part of
     at most `hit_recent_seconds` (and at most half, so both have data)."""
     first_time = ctx.polls[0].time if ctx.polls else last_time
-    span = min(ctx.t["hit_recent_seconds"], (last_time - first_time) / 2)
+    span = min(ctx.t.hit_recent_seconds, (last_time - first_time) / 2)
     split = last_time - span
     keys = hit_counters(ctx)
     recent_ratio, recent_queries = _ratio_of(ctx.counters_since(split, keys, until=last_time), keys)
@@ -274,7 +275,7 @@ def _cache_reset(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict
         "low_hit_rate", "cache_reset", "high",
         f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache events): the cache "
         f"refills from nothing, so the hit ratio is low for now ({after_ratio:.0%} since the reset).",
-        {**judging.evidence, **stream_evidence(ctx.stream or {}), "decided_by": "kv_events",
+        {**judging.evidence, **(stream_evidence(ctx.stream) if ctx.stream else {}), "decided_by": "kv_events",
          "kv_cache_cleared_seconds_ago": ago, "hit_ratio_since_reset": after_ratio,
          "hit_ratio_before_reset": earlier_ratio, "prefix_queries_since_reset": after_queries},
         NEXT_CHECK["cache_reset"]))
@@ -299,13 +300,13 @@ def _workload_on_page(ctx: EngineContext, judging: _Judging | None) -> HitRateVe
     t, memory = ctx.t, ctx.hit_memory
     drop = _step_drop(ctx, judging.latest_time)
     dropped = drop.dropped(t)
-    low = judging.ratio < t["hit_ratio_low"]
+    low = judging.ratio < t.hit_ratio_low
     if not dropped and not low:
         if memory is not None and ctx.exhaustion is None and not (stream_residency(ctx) or (False,))[0]:
             # A stretch the rules judged healthy: not falling, no exhaustion, no stream verdict against it.
             memory.remember(ctx.key, judging.ratio, judging.latest_time)
         return judging.verdict()
-    remembered = memory.recall(ctx.key, judging.latest_time, t["hit_baseline_max_age_seconds"]) \
+    remembered = memory.recall(ctx.key, judging.latest_time, t.hit_baseline_max_age_seconds) \
         if memory is not None else None
     _add_residency(judging, drop, dropped)
     if dropped:
@@ -319,12 +320,12 @@ def _start_judging(ctx: EngineContext) -> _Judging | None:
     counters = ctx.increase.counters
     keys = hit_counters(ctx)
     ratio, queries = _ratio_of(counters, keys)
-    if ratio is None or queries < t["min_query_tokens"]:
+    if ratio is None or queries < t.min_query_tokens:
         return None
     usage_max, usage_mean = _usage_in(ctx)
-    evidence = {"hit_ratio": ratio, "prefix_queries": counters.get("prefix_queries"),
+    evidence: dict[str, Any] = {"hit_ratio": ratio, "prefix_queries": counters.get("prefix_queries"),
                 "prefix_hits": counters.get("prefix_hits"),
-                "hit_ratio_low": t["hit_ratio_low"], "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
+                "hit_ratio_low": t.hit_ratio_low, "kv_usage_max": usage_max, "kv_usage_mean": usage_mean,
                 "kv_cache_exhausted": ctx.exhaustion is not None, "window_seconds": ctx.increase.seconds}
     if keys == SERVED_COUNTERS:
         evidence.update({"prompt_tokens": queries, "prompt_tokens_from_prefix_cache": counters.get(keys[1]),
@@ -339,16 +340,16 @@ def _cold_since(judging: _Judging, since: float) -> tuple[float, float | None, f
     after it) where the part after is low, or well below the part before,
     each part with enough tokens looked up; None otherwise."""
     ctx, t = judging.ctx, judging.ctx.t
-    min_tokens = t["min_query_tokens"]
+    min_tokens = t.min_query_tokens
     keys = hit_counters(ctx)
     after = ctx.counters_since(since, keys)
     after_ratio, after_queries = _ratio_of(after, keys)
     earlier = {k: v - after.get(k, 0.0) for k, v in ctx.increase.counters.items()}
     earlier_ratio, earlier_queries = _ratio_of(earlier, keys)
     if after_ratio is not None and after_queries >= min_tokens and (
-        after_ratio < t["hit_ratio_low"]
+        after_ratio < t.hit_ratio_low
         or (earlier_ratio is not None and earlier_queries >= min_tokens
-            and after_ratio <= earlier_ratio * (1 - t["hit_drop_fraction"]))
+            and after_ratio <= earlier_ratio * (1 - t.hit_drop_fraction))
     ):
         return after_ratio, earlier_ratio, after_queries
     return None
@@ -367,7 +368,7 @@ def _add_residency(judging: _Judging, drop: StepDrop, dropped: bool) -> None:
     evicts, residency_evidence, residency_confidence = residency(
         ctx, since=drop.split + drop.span / 2 if dropped else None)
     recent_usage_max, _ = _usage_in(ctx, since=drop.split)
-    evidence = {**judging.evidence, **residency_evidence, "eviction_usage_ratio": ctx.t["eviction_usage_ratio"]}
+    evidence = {**judging.evidence, **residency_evidence, "eviction_usage_ratio": ctx.t.eviction_usage_ratio}
     if dropped:
         evidence.update({"hit_ratio_baseline": drop.baseline_ratio, "hit_ratio_recent": drop.recent_ratio,
                          "recent_seconds": drop.span, "kv_usage_recent_max": recent_usage_max})
@@ -433,7 +434,7 @@ def _judged_without_exhaustion(judging: _Judging, part: StepDrop, until: float, 
     ctx, t, evicts = judging.ctx, judging.ctx.t, judging.evicts
     usage_max, _ = _usage_in(ctx, since=part.split, until=until)
     extra = {**judging.evidence, **extra}
-    if evicts is None and usage_max is not None and usage_max >= t["eviction_usage_ratio"]:
+    if evicts is None and usage_max is not None and usage_max >= t.eviction_usage_ratio:
         return ctx.finding(
             "low_hit_rate", "eviction_before_reuse", "medium",
             f"{text} while KV usage reached {usage_max:.0%} without exhausting the cache: running "
@@ -487,7 +488,7 @@ def _low_since_last_healthy(judging: _Judging, remembered: tuple[float, float]) 
     text = (f"Hit ratio {judging.ratio:.0%} over the window, down from {healthy_ratio:.0%} when last healthy "
             f"{latest_time - seen:.0f}s ago ({where})")
     usage_mean = judging.usage_mean
-    if evicts is None and usage_mean is not None and usage_mean >= t["eviction_usage_ratio"]:
+    if evicts is None and usage_mean is not None and usage_mean >= t.eviction_usage_ratio:
         return ctx.finding(
             "low_hit_rate", "eviction_before_reuse", baseline_confidence("medium", evidence, t),
             f"{text}, with KV usage averaging {usage_mean:.0%} without exhausting the cache: running requests "
@@ -547,7 +548,7 @@ def tier_row(lmcache: dict[str, Any] | None, model: str, engine_models: set[str]
 
 
 def with_external_tier(findings: list[Finding], lmcache: dict[str, Any] | None, prompt_tokens: dict[str, float],
-                       t: dict[str, Any]) -> list[Finding]:
+                       t: Thresholds) -> list[Finding]:
     """A low engine hit ratio while LMCache delivers prefixes: the requests do
     share prefixes (the engine's own cache misses them, the tier serves them),
     so `no_reuse` is not the cause once the tier supplied at least
@@ -567,7 +568,7 @@ def with_external_tier(findings: list[Finding], lmcache: dict[str, Any] | None, 
             kept.append(finding)
             continue
         share = delivered / prompt
-        if finding.cause == "no_reuse" and share >= t["hit_ratio_low"]:
+        if finding.cause == "no_reuse" and share >= t.hit_ratio_low:
             continue
         kept.append(replace(finding, evidence={
             **finding.evidence, "external_tier": "lmcache", "lmcache_hit_tokens": delivered,

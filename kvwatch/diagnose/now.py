@@ -19,12 +19,13 @@ of the window's (context.EngineContext).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 from kvwatch.diagnose import NOT_DIAGNOSED_KEYS, diagnose
 from kvwatch.diagnose.context import HitRateMemory
 from kvwatch.diagnose.hold import FindingHold
-from kvwatch.diagnose.thresholds import resolve_thresholds
+from kvwatch.diagnose.thresholds import Thresholds, resolve_thresholds
 from kvwatch.diagnose.vocabulary import Finding, is_actionable
 from kvwatch.signals import evaluate_window
 from kvwatch.window import Window
@@ -71,15 +72,14 @@ class NowJudgment:
     say what is shown. `thresholds` as given to diagnose (the settings'
     diagnosis section)."""
 
-    def __init__(self, window_seconds: float, thresholds: dict[str, Any] | None = None):
-        self.thresholds = thresholds or {}
-        resolved = resolve_thresholds(self.thresholds)
+    def __init__(self, window_seconds: float, thresholds: Mapping[str, Any] | Thresholds | None = None):
+        self.thresholds = resolved = resolve_thresholds(thresholds)
         # The latency histograms past the first token, which no rule reads, are not summed over it.
-        self.window = Window(min(resolved["now_seconds"], window_seconds), max_bytes=None,
+        self.window = Window(min(resolved.now_seconds, window_seconds), max_bytes=None,
                              left_out=NOT_DIAGNOSED_KEYS)
         # The hit-rate rule's memory of each engine's healthy ratio, as the now span saw it.
         self.memory = HitRateMemory()
-        self.hold = FindingHold(resolved["finding_hold_seconds"])
+        self.hold = FindingHold(resolved.finding_hold_seconds)
 
     def incumbents(self) -> set[tuple]:
         """The previous step's primary causes, for the window's diagnosis (diagnose's `incumbents`)."""

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from typing import Any
 
+from kvwatch.diagnose.thresholds import Thresholds
+from kvwatch.pipeline.reports import KVEventsPause, KVEventsReport
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 from kvwatch.kvevents.source import extra_for_share
 
@@ -39,7 +41,7 @@ REFINED = ("prefix_changed", "eviction_before_reuse", "no_reuse")
 _HAS_ALTERNATIVES = "alternatives" in {f.name for f in fields(Finding)}
 
 
-def baseline_confidence(confidence: str, evidence: dict[str, Any], t: dict[str, Any]) -> str:
+def baseline_confidence(confidence: str, evidence: dict[str, Any], t: Thresholds) -> str:
     """A finding judged against a remembered healthy hit ratio is as sure as
     that baseline is fresh: high only within the first quarter of
     hit_baseline_max_age_seconds, medium to its half, then low (another
@@ -47,18 +49,18 @@ def baseline_confidence(confidence: str, evidence: dict[str, Any], t: dict[str, 
     age = evidence.get("hit_ratio_last_healthy_seconds_ago")
     if not isinstance(age, (int, float)):
         return confidence
-    limit = t["hit_baseline_max_age_seconds"]
+    limit = t.hit_baseline_max_age_seconds
     cap = "high" if age <= limit / 4 else "medium" if age <= limit / 2 else "low"
     order = ("high", "medium", "low")
     return order[max(order.index(confidence), order.index(cap))] if confidence in order else confidence
 
 
-def stream_target(report: dict[str, Any], per_engine) -> tuple[str, str] | None:
+def stream_target(report: KVEventsReport, per_engine) -> tuple[str, str] | None:
     """The (model, engine) the stream is read for: the engine its report was
     joined with, or the page's only engine."""
     engine = report.get("page_engine")
-    if engine and engine.get("engine") is not None:
-        return engine["model_name"], engine["engine"]
+    if engine and (name := engine["engine"]) is not None:
+        return engine["model_name"], name
     rows = [row for row in per_engine if row.engine is not None]
     return (rows[0].model, rows[0].engine) if len(rows) == 1 else None
 
@@ -77,13 +79,13 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
         return None
     t = ctx.t
     recent = report["recent"]
-    if recent["stored"] < t["stream_min_blocks"] or report["window"].get("cleared"):
+    if recent["stored"] < t.stream_min_blocks or report["window"].get("cleared"):
         return None  # too little, or a reset of the cache in the window (what returns after it is no eviction's)
     ratio = recent["stored_again_ratio"] or 0.0
     evidence = {**stream_evidence(report), "decided_by": "kv_events"}
-    if ratio >= t["stored_again_ratio_high"]:
+    if ratio >= t.stored_again_ratio_high:
         return True, evidence, "high"
-    if ratio <= t["stored_again_ratio_none"]:
+    if ratio <= t.stored_again_ratio_none:
         listened = report.get("listening_seconds") or 0.0
         if listened < 2 * recent["seconds"]:
             return None  # a block evicted before kvwatch listened cannot be seen returning
@@ -91,8 +93,8 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
     return None
 
 
-def stream_findings(findings: list[Finding], report: dict[str, Any] | None, per_engine, window,
-                    t: dict[str, Any]) -> list[Finding]:
+def stream_findings(findings: list[Finding], report: KVEventsReport | None, per_engine, window,
+                    t: Thresholds) -> list[Finding]:
     """`findings` with the stream's own health findings added (its decisions
     of hit-rate causes are the hit-rate rule's: stated_by_stream)."""
     if not report:
@@ -101,7 +103,7 @@ def stream_findings(findings: list[Finding], report: dict[str, Any] | None, per_
     return findings + _health(report, target, window, t) if target is not None else findings
 
 
-def stated_by_stream(finding: Finding, report: dict[str, Any] | None, t: dict[str, Any]) -> Finding:
+def stated_by_stream(finding: Finding, report: KVEventsReport | None, t: Thresholds) -> Finding:
     """A low-hit-rate finding of the stream's engine (`report`, None where the
     engine has no stream) in the stream's words where it decided the cause;
     its numbers and why not where it did not. The hit-rate rule calls it on
@@ -111,7 +113,7 @@ def stated_by_stream(finding: Finding, report: dict[str, Any] | None, t: dict[st
     return _state(finding, report, t)
 
 
-def cleared_seconds_ago(report: dict[str, Any] | None) -> float | None:
+def cleared_seconds_ago(report: KVEventsReport | None) -> float | None:
     """How long ago the engine last cleared its whole prefix cache
     (AllBlocksCleared in its events: a reset, after which the cache refills
     from nothing), or None where the stream is not up or saw no clear."""
@@ -123,7 +125,7 @@ def cleared_seconds_ago(report: dict[str, Any] | None) -> float | None:
     return (report.get("time") or cleared[-1]["time"]) - cleared[-1]["time"]
 
 
-def stream_evidence(report: dict[str, Any]) -> dict[str, Any]:
+def stream_evidence(report: KVEventsReport) -> dict[str, Any]:
     """The stream's numbers a low-hit-rate finding of its engine carries."""
     recent, earlier, window = report["recent"], report["earlier"], report["window"]
     sizing = report.get("sizing") or {}
@@ -152,7 +154,7 @@ def stream_evidence(report: dict[str, Any]) -> dict[str, Any]:
     return evidence
 
 
-def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Finding:
+def _state(finding: Finding, report: KVEventsReport, t: Thresholds) -> Finding:
     """A low-hit-rate finding of the stream's engine, in the stream's words
     where it decided; its numbers and why not where it did not."""
     if not report.get("up"):
@@ -162,10 +164,10 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
     seconds = recent["seconds"]
     ratio = recent["stored_again_ratio"] or 0.0
     if finding.evidence.get("decided_by") != "kv_events":
-        if recent["stored"] < t["stream_min_blocks"]:
+        if recent["stored"] < t.stream_min_blocks:
             why = (f"the stream saw {recent['stored']:g} blocks stored in the last {seconds:.0f}s, fewer than "
-                   f"stream_min_blocks ({t['stream_min_blocks']:g}): it decides nothing yet")
-        elif t["stored_again_ratio_none"] < ratio < t["stored_again_ratio_high"]:
+                   f"stream_min_blocks ({t.stream_min_blocks:g}): it decides nothing yet")
+        elif t.stored_again_ratio_none < ratio < t.stored_again_ratio_high:
             why = (f"{ratio:.0%} of the blocks stored in the last {seconds:.0f}s came back after their eviction: "
                    "between stored_again_ratio_none and stored_again_ratio_high, the stream does not decide")
         else:
@@ -176,7 +178,7 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
     return _decided(finding, report, t, evidence)
 
 
-def _new_load(finding: Finding, report: dict[str, Any]) -> dict[str, float] | None:
+def _new_load(finding: Finding, report: KVEventsReport) -> KVEventsPause | None:
     """The pause in the engine's stores (as long as the judged part or more)
     that began the load judged now, where what the page or the stream's
     earlier part compares it with came before that pause: then that was
@@ -190,7 +192,7 @@ def _new_load(finding: Finding, report: dict[str, Any]) -> dict[str, float] | No
     return pause if baseline_ended >= pause["ended_seconds_ago"] else None
 
 
-def _decided(finding: Finding, report: dict[str, Any], t: dict[str, Any], evidence: dict[str, Any]) -> Finding:
+def _decided(finding: Finding, report: KVEventsReport, t: Thresholds, evidence: dict[str, Any]) -> Finding:
     """A low-hit-rate finding the stream decided, in the stream's words."""
     recent, earlier = report["recent"], report["earlier"]
     seconds = recent["seconds"]
@@ -202,8 +204,8 @@ def _decided(finding: Finding, report: dict[str, Any], t: dict[str, Any], eviden
         cause = "no_reuse"  # what was shared before the pause was another load's
         evidence.update(kv_events_quiet_seconds=new_load["seconds"],
                         kv_events_load_began_seconds_ago=new_load["ended_seconds_ago"])
-    elif (cause == "no_reuse" and earlier["stored"] >= t["stream_min_blocks"] and before is not None
-            and before >= t["stored_again_ratio_high"] and not finding.evidence.get("kv_cache_exhausted")
+    elif (cause == "no_reuse" and earlier["stored"] >= t.stream_min_blocks and before is not None
+            and before >= t.stored_again_ratio_high and not finding.evidence.get("kv_cache_exhausted")
             and not report.get("window_exhausted")):
         # (Blocks stored again while the cache ran out are preempted requests recomputed, no shared prefix.)
         cause = "prefix_changed"  # blocks returned, and stopped returning while stores go on
@@ -218,7 +220,7 @@ def _decided(finding: Finding, report: dict[str, Any], t: dict[str, Any], eviden
                    + (f"; about {extra:.0f} more blocks" + (f" ({in_bytes / 2**20:.0f} MiB)" if in_bytes else "")
                       + " would have kept half of them (estimate)" if extra else "") + "."
                    + _evictor(report, evidence))
-    elif cause == "prefix_changed" and before is not None and before >= t["stored_again_ratio_high"]:
+    elif cause == "prefix_changed" and before is not None and before >= t.stored_again_ratio_high:
         summary = (f"The prefix changed (the engine's KV-cache events decide it): before the last {seconds:.0f}s, "
                    f"{before:.0%} of the stored blocks came back after their eviction; since, none of the "
                    f"{recent['stored']:.0f} blocks stored has: the requests stopped sharing what they shared.")
@@ -242,7 +244,7 @@ def _decided(finding: Finding, report: dict[str, Any], t: dict[str, Any], eviden
     return replace(finding, **changes)
 
 
-def _evictor(report: dict[str, Any], evidence: dict[str, Any]) -> str:
+def _evictor(report: KVEventsReport, evidence: dict[str, Any]) -> str:
     """The tenant (LoRA adapter) whose stores evicted other tenants' reusable
     blocks most over the stream's window, into the evidence, and its sentence."""
     found = report.get("evictor")
@@ -256,10 +258,10 @@ def _evictor(report: dict[str, Any], evidence: dict[str, Any]) -> str:
             f"{found['reusable_evictions']:.0f} reusable blocks evicted in the window, of {victims}.")
 
 
-def _health(report: dict[str, Any], target: tuple[str, str], window, t: dict[str, Any]) -> list[Finding]:
+def _health(report: KVEventsReport, target: tuple[str, str], window, t: Thresholds) -> list[Finding]:
     model, engine = target
     found: list[Finding] = []
-    silence = t["kv_events_silence_seconds"]
+    silence = t.kv_events_silence_seconds
     age = report.get("last_message_age_seconds")
     quiet = report.get("silence") or {}
     intake = report.get("intake") or {}
@@ -297,7 +299,7 @@ def _health(report: dict[str, Any], target: tuple[str, str], window, t: dict[str
     return found
 
 
-def never_connected(report: dict[str, Any], silence_seconds: float) -> bool:
+def never_connected(report: KVEventsReport, silence_seconds: float) -> bool:
     """Configured for `silence_seconds` or more, and neither a publisher's
     handshake nor a message reached kvwatch (or it cannot listen at all)."""
     connected = (report.get("intake") or {}).get("connections")

@@ -71,7 +71,7 @@ def _judge(ctx: EngineContext) -> Stuck | None:
         return None
     if not (latest.running or latest.waiting or latest.usage):
         return None
-    limit = ctx.t["stuck_seconds"]
+    limit = ctx.t.stuck_seconds
     now = polls[-1].time
     start_index = None
     for index in range(len(polls) - 1, -1, -1):

@@ -389,7 +389,7 @@ def _fleet_step(at: float, results: list, timeline: StepSink, thresholds, step: 
     for model in sorted(by_model.keys() | fleet_holds.keys()):
         hold = fleet_holds.get(model)
         if hold is None:
-            hold = fleet_holds[model] = FindingHold(diagnosis.resolve_thresholds(thresholds)["finding_hold_seconds"])
+            hold = fleet_holds[model] = FindingHold(diagnosis.resolve_thresholds(thresholds).finding_hold_seconds)
         rows = by_model.get(model)
         held = hold.apply(at, fleet_findings(model, rows, thresholds) if rows else [])
         # A held finding about a replica with no data at this step is not

@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvwatch.kvevents.source import sizing_curve
+from kvwatch.pipeline.reports import KVEventsHits, KVEventsPageEngine, KVEventsReport, KVEventsWindow
 
 
-def with_page(report: dict[str, Any], per_engine) -> dict[str, Any]:
+def with_page(report: KVEventsReport, per_engine) -> KVEventsReport:
     """`per_engine`: the poll's Evaluated rows. The stream is one engine's
     (vLLM's data-parallel ranks publish on ports of their own): with one
     engine on the page its numbers are joined; with several, the first's
@@ -28,23 +29,23 @@ def with_page(report: dict[str, Any], per_engine) -> dict[str, Any]:
             block_size = int(view.block_size)
         counters = view.increase.counters
         hits, queries = counters.get("prefix_hits"), counters.get("prefix_queries")
-    report = dict(report)
+    report = report.copy()
     report["sizing"] = sizing_curve(report["window"], cache_blocks, block_size, bytes_per_block, hits, queries)
     report["hits"] = hits_beside(report["window"], block_size, hits, queries)
-    report["page_engine"] = None if row is None else {"model_name": row.model, "engine": row.engine}
+    report["page_engine"] = None if row is None else KVEventsPageEngine(model_name=row.model, engine=row.engine)
     return report
 
 
-def hits_beside(window: dict[str, Any], block_size: int | None, hits: float | None,
-                queries: float | None) -> dict[str, Any]:
+def hits_beside(window: KVEventsWindow, block_size: int | None, hits: float | None,
+                queries: float | None) -> KVEventsHits:
     """The hits the stream announced over the window (full report mode's
     reused blocks, in tokens at the block size) beside the page's prefix
     hits: their share is that of the hit tokens whose requests asked for
     full reports (0 in incremental mode, 1 when every request does)."""
     reused = window.get("reused") or 0.0
     tokens = reused * block_size if block_size else None
-    return {"stream_blocks": reused, "stream_tokens": tokens, "page_tokens": hits, "page_queries": queries,
-            "stream_share_of_page": (min(1.0, tokens / hits) if tokens is not None and hits else None)}
+    return KVEventsHits(stream_blocks=reused, stream_tokens=tokens, page_tokens=hits, page_queries=queries,
+                        stream_share_of_page=(min(1.0, tokens / hits) if tokens is not None and hits else None))
 
 
 # vLLM's default block size: the bound below when neither the page nor the
@@ -52,7 +53,7 @@ def hits_beside(window: dict[str, Any], block_size: int | None, hits: float | No
 DEFAULT_BLOCK_SIZE = 16
 
 
-def silence(report: dict[str, Any], per_engine, window, silence_seconds: float) -> dict[str, Any]:
+def silence(report: KVEventsReport, per_engine, window, silence_seconds: float) -> dict[str, Any]:
     """How long the stream has been quiet and the blocks the engine must have
     stored meanwhile, by its page: a lower bound, its prompt tokens not
     served from the prefix cache, less a partial block for each request that

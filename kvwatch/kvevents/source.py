@@ -36,6 +36,8 @@ from kvwatch.kvevents.endpoint import ipc_path_problem
 from kvwatch.kvevents.ledger import (DEFAULT_TABLE_BYTES, DISTANCE_BUCKETS, ENTRY_BYTES, RETURN_BOUNDS, Ledger,
                                      Totals, bucket_upper, curve)
 from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
+from kvwatch.pipeline.reports import (KVEventsChange, KVEventsIntake, KVEventsLabelRow, KVEventsPart, KVEventsPause,
+                                      KVEventsReport, KVEventsTable, KVEventsTierRow, KVEventsTotals, KVEventsWindow)
 from kvwatch.present import Throttle
 
 log = logging.getLogger("kvwatch")
@@ -516,20 +518,20 @@ class KVEventSource:
 
     # --- the window ------------------------------------------------------
 
-    def _intake(self) -> dict[str, Any]:
+    def _intake(self) -> KVEventsIntake:
         """The intake's and the decoder's counts (under the lock)."""
-        return {"messages": self.messages, "bytes": self.bytes, "batches": self.batches,
-                "dropped": self.dropped, "dropped_bytes": self.dropped_bytes, "missed": self.missed,
-                "restarts": self.restarts, "malformed": self.malformed, "absurd_events": self.absurd_events,
-                "replay_requests": self.replay_requests, "recovered": self.recovered,
-                "gaps": self.missed + self.recovered,  # found missing, ever (a counter: never goes back)
-                "skipped_events": self.skipped_events, "queued": len(self._queue),
-                "queued_bytes": self._queued_bytes, "jumps": self.jumps,
-                "labels_folded": self.ledger.labels.folded, "connections": self.connections,
-                "publishers": self.publishers}
+        return KVEventsIntake(messages=self.messages, bytes=self.bytes, batches=self.batches,
+                              dropped=self.dropped, dropped_bytes=self.dropped_bytes, missed=self.missed,
+                              restarts=self.restarts, malformed=self.malformed, absurd_events=self.absurd_events,
+                              replay_requests=self.replay_requests, recovered=self.recovered,
+                              gaps=self.missed + self.recovered,  # found missing, ever (a counter: never goes back)
+                              skipped_events=self.skipped_events, queued=len(self._queue),
+                              queued_bytes=self._queued_bytes, jumps=self.jumps,
+                              labels_folded=self.ledger.labels.folded, connections=self.connections,
+                              publishers=self.publishers)
 
     def report(self, now: float | None = None, bytes_per_block: float | None = None,
-               checkpoint: bool = True, recent_seconds: float | None = None) -> dict[str, Any]:
+               checkpoint: bool = True, recent_seconds: float | None = None) -> KVEventsReport:
         """The stream's state for one poll (it records the poll's checkpoint).
         `recent_seconds`: the recent part of the window the diagnosis judges
         (hit_recent_seconds; a third of the window by default), also counted
@@ -540,16 +542,16 @@ class KVEventSource:
         with self._lock:
             totals = self.ledger.totals.copy()
             ledger = self.ledger
-            table = {"entries": ledger.entries(), "capacity": ledger.capacity,
-                     "bytes": ledger.entries() * ENTRY_BYTES, "sampling_rate": ledger.rate,
-                     "forgotten": ledger.forgotten, "horizon_blocks": ledger.horizon}
+            table = KVEventsTable(entries=ledger.entries(), capacity=ledger.capacity,
+                                  bytes=ledger.entries() * ENTRY_BYTES, sampling_rate=ledger.rate,
+                                  forgotten=ledger.forgotten, horizon_blocks=ledger.horizon)
             cached_peak = ledger.peak_cached
             intake = self._intake()
             labels_note = ledger.labels.sentence
             last = self.last_message_time
             first = self.first_message_time
             last_malformed = self.last_malformed
-            changes = [{"time": t, "kind": k, "detail": d} for t, k, d in self._changes
+            changes = [KVEventsChange(time=t, kind=k, detail=d) for t, k, d in self._changes
                        if t >= now - self.window_seconds]
             ranks, pauses = sorted(self.ranks), list(self._pauses)
             flow = (self.missed, self.dropped, self.messages)
@@ -565,8 +567,8 @@ class KVEventSource:
         start_time, start, start_flow = checkpoints[0]
         seconds = now - start_time
         window = _window(start, totals, seconds)
-        window.update(missed=flow[0] - start_flow[0], dropped=flow[1] - start_flow[1],
-                      messages=flow[2] - start_flow[2])
+        window["missed"], window["dropped"] = flow[0] - start_flow[0], flow[1] - start_flow[1]
+        window["messages"] = flow[2] - start_flow[2]
         recent_seconds = self.window_seconds / 3 if recent_seconds is None else recent_seconds
         split_time, split = start_time, start
         for at, part, _ in checkpoints:
@@ -584,30 +586,30 @@ class KVEventSource:
             up, reason, detail = True, None, ""
         block_size = self.block_size
         sizing = sizing_curve(window, cached_peak, block_size, bytes_per_block)
-        return {
-            "endpoint": self.endpoint,
-            "mode": "connect" if self.connect else "bind",
-            "up": up,
-            "reason": reason,
-            "detail": detail,
-            "last_message_age_seconds": None if last is None else max(0.0, now - last),
-            "listening_seconds": None if first is None else max(0.0, now - first),
-            "last_malformed": last_malformed,
-            "labels_note": labels_note,
-            "intake": intake,
-            "table": table,
-            "totals": _totals_dict(totals),
-            "window": window,
-            "recent": recent,
-            "earlier": earlier,
-            "configured_seconds": max(0.0, now - self.created),
-            "block_size": block_size,
-            "cached_blocks_peak": cached_peak,
-            "ranks": ranks,
-            "sizing": sizing,
-            "changes": changes, "pause": _last_pause(pauses, recent_seconds, now),
-            "evictor": self._evictor(now, checkpoint), "time": now,
-        }
+        return KVEventsReport(
+            endpoint=self.endpoint,
+            mode="connect" if self.connect else "bind",
+            up=up,
+            reason=reason,
+            detail=detail,
+            last_message_age_seconds=None if last is None else max(0.0, now - last),
+            listening_seconds=None if first is None else max(0.0, now - first),
+            last_malformed=last_malformed,
+            labels_note=labels_note,
+            intake=intake,
+            table=table,
+            totals=_totals_dict(totals),
+            window=window,
+            recent=recent,
+            earlier=earlier,
+            configured_seconds=max(0.0, now - self.created),
+            block_size=block_size,
+            cached_blocks_peak=cached_peak,
+            ranks=ranks,
+            sizing=sizing,
+            changes=changes, pause=_last_pause(pauses, recent_seconds, now),
+            evictor=self._evictor(now, checkpoint), time=now,
+        )
 
     def _evictor(self, now: float, checkpoint: bool) -> dict[str, Any] | None:
         """Over the window: the tenant (LoRA adapter) whose stores evicted other
@@ -624,26 +626,26 @@ class KVEventSource:
             return self.evictions.finding(since=marks[0][1])
 
 
-def _last_pause(pauses: list[tuple[float, float]], shortest: float, now: float) -> dict[str, float] | None:
+def _last_pause(pauses: list[tuple[float, float]], shortest: float, now: float) -> KVEventsPause | None:
     """The latest pause in the engine's stores of `shortest` seconds or more
     (the judged part): its length and how long ago stores resumed."""
     for last, resumed in reversed(pauses):
         if resumed - last >= shortest:
-            return {"seconds": resumed - last, "ended_seconds_ago": max(0.0, now - resumed)}
+            return KVEventsPause(seconds=resumed - last, ended_seconds_ago=max(0.0, now - resumed))
     return None
 
 
-def _totals_dict(totals: Totals) -> dict[str, Any]:
-    return {
-        "stored": totals.stored, "evicted": totals.evicted, "stored_again": totals.again,
-        "return_seconds_sum": totals.again_seconds, "cleared": totals.cleared,
-        "reused": totals.reused,
-        "by_label": [{"medium": m, "lora_name": lora, "stored": row[0], "stored_again": row[1], "reused": row[2]}
-                     for (m, lora), row in sorted(totals.labels.items())],
-        "evicted_by_medium": dict(sorted(totals.evicted_by_medium.items())),
-        "tiers": _tier_rows(totals.tiers, {}, totals.removing),
-        "return_buckets": list(zip(RETURN_BOUNDS, _cumulative(totals.returns))),
-    }
+def _totals_dict(totals: Totals) -> KVEventsTotals:
+    return KVEventsTotals(
+        stored=totals.stored, evicted=totals.evicted, stored_again=totals.again,
+        return_seconds_sum=totals.again_seconds, cleared=totals.cleared,
+        reused=totals.reused,
+        by_label=[KVEventsLabelRow(medium=m, lora_name=lora, stored=row[0], stored_again=row[1], reused=row[2])
+                  for (m, lora), row in sorted(totals.labels.items())],
+        evicted_by_medium=dict(sorted(totals.evicted_by_medium.items())),
+        tiers=_tier_rows(totals.tiers, {}, totals.removing),
+        return_buckets=list(zip(RETURN_BOUNDS, _cumulative(totals.returns))),
+    )
 
 
 def _cumulative(values: list[float]) -> list[float]:
@@ -654,7 +656,7 @@ def _cumulative(values: list[float]) -> list[float]:
     return out
 
 
-def _window(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
+def _window(start: Totals, end: Totals, seconds: float) -> KVEventsWindow:
     stored = end.stored - start.stored
     evicted = end.evicted - start.evicted
     again = max(0.0, end.again - start.again)
@@ -664,52 +666,53 @@ def _window(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
     distance = [max(0.0, b - a) for a, b in zip(start.distance, end.distance)]
     returns = [max(0.0, b - a) for a, b in zip(start.returns, end.returns)]
     per = (lambda n: n / seconds) if seconds > 0 else (lambda n: None)
-    return {
-        "seconds": seconds,
-        "stored": stored, "evicted": evicted, "stored_again": again, "cleared": end.cleared - start.cleared,
-        "stored_per_second": per(stored), "evicted_per_second": per(evicted),
-        "stored_again_per_second": per(again),
+    return KVEventsWindow(
+        seconds=seconds,
+        stored=stored, evicted=evicted, stored_again=again, cleared=end.cleared - start.cleared,
+        stored_per_second=per(stored), evicted_per_second=per(evicted),
+        stored_again_per_second=per(again),
         # Hits the stream announced (full report mode): not new work, beside the page's prefix hits.
-        "reused": reused, "reused_per_second": per(reused),
-        "stored_again_ratio": (min(1.0, again / stored) if stored > 0 else None),
-        "return_seconds_mean": again_seconds / again if again > 0 else None,
-        "return_seconds_median": _median(returns),
-        "distance": distance,
-        "restarted": restarted,
-        "by_label": [_label_delta(m, lora, row, start.labels.get((m, lora), _NO_ROW))
-                     for (m, lora), row in sorted(end.labels.items())],
-        "tiers": _tier_rows(end.tiers, start.tiers, end.removing),
-        "tier_distance": {name: [max(0.0, b - a) for a, b in zip(start.tier_distance.get(name, _NO_DISTANCE), row)]
-                          for name, row in sorted(end.tier_distance.items())},
-    }
+        reused=reused, reused_per_second=per(reused),
+        stored_again_ratio=(min(1.0, again / stored) if stored > 0 else None),
+        return_seconds_mean=again_seconds / again if again > 0 else None,
+        return_seconds_median=_median(returns),
+        distance=distance,
+        restarted=restarted,
+        by_label=[_label_delta(m, lora, row, start.labels.get((m, lora), _NO_ROW))
+                  for (m, lora), row in sorted(end.labels.items())],
+        tiers=_tier_rows(end.tiers, start.tiers, end.removing),
+        tier_distance={name: [max(0.0, b - a) for a, b in zip(start.tier_distance.get(name, _NO_DISTANCE), row)]
+                       for name, row in sorted(end.tier_distance.items())},
+    )
 
 
 _NO_ROW = (0.0, 0.0, 0.0)
 _NO_DISTANCE = (0.0,) * DISTANCE_BUCKETS
 
 
-def _tier_rows(end: dict, start: dict, removing: set) -> list[dict[str, Any]]:
+def _tier_rows(end: dict, start: dict, removing: set) -> list[KVEventsTierRow]:
     """Stored, evicted and returned per (medium, locality) since `start`; a
     lower tier that never sent a BlockRemoved is store-only (its returned an
     upper bound: what it let go is not said)."""
-    return [{"medium": medium, "locality": locality, "stored": row[0] - start.get((medium, locality), _NO_ROW)[0],
-             "evicted": row[1] - start.get((medium, locality), _NO_ROW)[1],
-             "returned": row[2] - start.get((medium, locality), _NO_ROW)[2],
-             "store_only": medium != "GPU" and medium not in removing}
+    return [KVEventsTierRow(medium=medium, locality=locality,
+                            stored=row[0] - start.get((medium, locality), _NO_ROW)[0],
+                            evicted=row[1] - start.get((medium, locality), _NO_ROW)[1],
+                            returned=row[2] - start.get((medium, locality), _NO_ROW)[2],
+                            store_only=medium != "GPU" and medium not in removing)
             for (medium, locality), row in sorted(end.items())]
 
 
-def _label_delta(medium: str, lora: str, end, start) -> dict[str, Any]:
-    return {"medium": medium, "lora_name": lora, "stored": end[0] - start[0], "stored_again": end[1] - start[1],
-            "reused": end[2] - start[2]}
+def _label_delta(medium: str, lora: str, end, start) -> KVEventsLabelRow:
+    return KVEventsLabelRow(medium=medium, lora_name=lora, stored=end[0] - start[0], stored_again=end[1] - start[1],
+                            reused=end[2] - start[2])
 
 
-def _part(start: Totals, end: Totals, seconds: float) -> dict[str, Any]:
+def _part(start: Totals, end: Totals, seconds: float) -> KVEventsPart:
     stored = end.stored - start.stored
     again = max(0.0, end.again - start.again)
-    return {"seconds": seconds, "stored": stored, "evicted": end.evicted - start.evicted, "stored_again": again,
-            "stored_again_ratio": min(1.0, again / stored) if stored > 0 else None,
-            "reused": max(0.0, end.reused - start.reused)}
+    return KVEventsPart(seconds=seconds, stored=stored, evicted=end.evicted - start.evicted, stored_again=again,
+                        stored_again_ratio=min(1.0, again / stored) if stored > 0 else None,
+                        reused=max(0.0, end.reused - start.reused))
 
 
 def extra_for_share(distance: list[float], again: float, share: float) -> int | None:
@@ -737,7 +740,7 @@ def _median(buckets: list[float]) -> float | None:
     return None  # pragma: no cover
 
 
-def sizing_curve(window: dict[str, Any], cached_peak: float, block_size: int | None,
+def sizing_curve(window: KVEventsWindow, cached_peak: float, block_size: int | None,
                  bytes_per_block: float | None, hits: float | None = None,
                  queries: float | None = None) -> dict[str, Any]:
     """What more cache would have saved over the window: for each extra
@@ -781,7 +784,7 @@ def sizing_curve(window: dict[str, Any], cached_peak: float, block_size: int | N
     }
 
 
-def public_report(report: dict[str, Any] | None) -> dict[str, Any] | None:
+def public_report(report: KVEventsReport | None) -> dict[str, Any] | None:
     """The report as the API serves it: the distance histograms (256 buckets
     each) left out; the sizing curve is what they say."""
     if report is None:

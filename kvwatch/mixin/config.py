@@ -356,7 +356,7 @@ class MixinConfig:
     rule_interval: str | None = field(default=None, metadata=described(k.OPTIONAL_DURATION,
         "Evaluation interval of the generated rule groups; empty uses Prometheus' global evaluation_interval. "
         "Set it when the global one is longer than the rate window allows."))
-    finding_hold: str = field(default=prometheus_duration(DEFAULT_THRESHOLDS["finding_hold_seconds"]), metadata=described(k.DURATION,
+    finding_hold: str = field(default=prometheus_duration(DEFAULT_THRESHOLDS.finding_hold_seconds), metadata=described(k.DURATION,
         "`keep_firing_for` of the alerts that report a diagnosis symptom (exhaustion, hit rate, first token, "
         "fleet): a firing alert resolves only after its condition has been clear this long, so one evaluation "
         "that misses it neither resolves and re-fires it nor drops it. kvwatch's own findings (kvwatch_finding, "
@@ -383,12 +383,12 @@ class MixinConfig:
         "(not no reuse) until reuse comes back, someone silences the alert, or this span passes since the "
         "ratio was last healthy. Beyond hit_ratio_baseline_window, which only looks one span back."))
     # ---------------------------------------------------------------- thresholds
-    exhaustion_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["exhaustion_usage_ratio"], metadata=described(k.RATIO,
+    exhaustion_usage_ratio: float = field(default=DEFAULT_THRESHOLDS.exhaustion_usage_ratio, metadata=described(k.RATIO,
         "KV usage (0..1) above which the cache counts as full when requests also wait or are preempted. vLLM "
         "counts evictable prefix blocks as free, and a truly full cache reads 0.97-0.99; lower it only for "
         "engines whose usage gauge stops short of that."))
     long_request_capacity_share: float = field(
-        default=DEFAULT_THRESHOLDS["long_request_capacity_share"], metadata=described(k.RATIO,
+        default=DEFAULT_THRESHOLDS.long_request_capacity_share, metadata=described(k.RATIO,
             "A full cache is blamed on long requests when each running request holds at least this share of "
             "it (mean usage / mean running) and no more requests wait than run, and on concurrency otherwise "
             "(kvwatch's diagnosis uses the same definition). 0.2 means five or fewer requests fill the cache; "
@@ -398,29 +398,29 @@ class MixinConfig:
         "kvwatch_kv_cache_exhaustion_eta_seconds signal), reaches 1 within this many minutes, before any "
         "request is preempted. Longer than the alert's `for:`, or it could only fire after the forecast "
         "time; raise it when adding capacity takes longer (a replica that loads for ten minutes)."))
-    hit_ratio_low: float = field(default=DEFAULT_THRESHOLDS["hit_ratio_low"], metadata=described(k.RATIO,
+    hit_ratio_low: float = field(default=DEFAULT_THRESHOLDS.hit_ratio_low, metadata=described(k.RATIO,
         "Prefix-cache hit ratio (hit tokens / queried tokens) below which the hit rate is low. Raise it for "
         "workloads built on a long shared system prompt, where 0.5+ is normal."))
-    min_query_tokens: float = field(default=DEFAULT_THRESHOLDS["min_query_tokens"], metadata=described(k.POSITIVE,
+    min_query_tokens: float = field(default=DEFAULT_THRESHOLDS.min_query_tokens, metadata=described(k.POSITIVE,
         "Fewer prompt tokens queried in the rate window than this and the hit ratio is not judged (a handful "
         "of requests). Scale it with your traffic."))
-    eviction_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["eviction_usage_ratio"], metadata=described(k.RATIO,
+    eviction_usage_ratio: float = field(default=DEFAULT_THRESHOLDS.eviction_usage_ratio, metadata=described(k.RATIO,
         "Mean KV usage above which a hit ratio that fell from a healthy baseline is blamed on idle cached "
         "prefixes evicted before reuse (running requests crowd them out), when the cache is not exhausted. "
         "While it is exhausted the full cache explains a low ratio by itself and this cause is not named."))
-    ttft_mean_seconds: float = field(default=DEFAULT_THRESHOLDS["ttft_mean_seconds"], metadata=described(k.POSITIVE,
+    ttft_mean_seconds: float = field(default=DEFAULT_THRESHOLDS.ttft_mean_seconds, metadata=described(k.POSITIVE,
         "Mean time to first token (engine, plus the upstream stage when configured) above which the first "
         "token is slow. Means, not quantiles, because the parts (queue, prefill, front end, upstream) add "
         "up only as means. Set it from your latency objective."))
-    ttft_p95_seconds: float = field(default=DEFAULT_THRESHOLDS["ttft_p95_seconds"], metadata=described(k.POSITIVE,
+    ttft_p95_seconds: float = field(default=DEFAULT_THRESHOLDS.ttft_p95_seconds, metadata=described(k.POSITIVE,
         "p95 time to first token above which the overview's TTFT stat turns red: the diagnosis' objective of the "
         "same name (diagnosis: ttft_p95_seconds), so keep the two equal. No alert reads it; the alert compares "
         "means (ttft_mean_seconds)."))
-    fleet_room_usage_ratio: float = field(default=DEFAULT_THRESHOLDS["fleet_room_usage_ratio"], metadata=described(k.RATIO,
+    fleet_room_usage_ratio: float = field(default=DEFAULT_THRESHOLDS.fleet_room_usage_ratio, metadata=described(k.RATIO,
         "A replica whose KV usage peak over the rate window is at most this, with nothing waiting, has room: "
         "another replica of the same model exhausted or queueing beside it is a routing problem "
         "(VllmFleetReplicaOutlier, cause imbalance)."))
-    fleet_affinity_fraction: float = field(default=DEFAULT_THRESHOLDS["fleet_affinity_fraction"], metadata=described(k.RATIO,
+    fleet_affinity_fraction: float = field(default=DEFAULT_THRESHOLDS.fleet_affinity_fraction, metadata=described(k.RATIO,
         "A warm replica whose hit ratio is below this share of its warm peers' pooled ratio (peers at least "
         "hit_ratio_low) lost prefix affinity: requests sharing a prefix no longer reach it "
         "(VllmFleetReplicaOutlier, cause lost_prefix_affinity)."))

@@ -405,7 +405,7 @@ class Monitor:
             log.exception("polling the router failed")
             return []
 
-    def _report_kv_events(self, at: float, per_engine) -> dict[str, Any] | None:
+    def _report_kv_events(self, at: float, per_engine) -> KVEventsReport | None:
         """The stream's report for this poll, with the page's numbers it
         needs (bytes per block, prefix hits): its failure is its own."""
         if self.kv_events is None:
@@ -418,9 +418,9 @@ class Monitor:
             for when, kind, detail in new_changes:
                 self._event(Change(when, kind, model, engine, detail))
             thresholds = diagnosis.resolve_thresholds(self.settings.diagnosis)
-            recent = min(thresholds["hit_recent_seconds"], self.window.seconds / 2)
+            recent = min(thresholds.hit_recent_seconds, self.window.seconds / 2)
             report = with_page(self.kv_events.report(at, recent_seconds=recent), per_engine)
-            report["silence"] = silence(report, per_engine, self.window, thresholds["kv_events_silence_seconds"])
+            report["silence"] = silence(report, per_engine, self.window, thresholds.kv_events_silence_seconds)
             return with_worth(report, getattr(per_engine[0], "view", None) if per_engine else None)
         except Exception:  # pragma: no cover - defensive: the stream must not take the engine's poll down
             log.exception("reading the KV-cache event stream failed")
@@ -511,11 +511,11 @@ class Monitor:
             running = sum(e.gauges.get("running", 0.0) for e in snapshot.engines.values())
             waiting = sum(e.gauges.get("waiting", 0.0) for e in snapshot.engines.values())
             self._last_load = (snapshot.time, running, waiting)
-            busy = late >= self.thresholds["busy_late_seconds"] and running + waiting > 0
+            busy = late >= self.thresholds.busy_late_seconds and running + waiting > 0
         else:
             last = self._last_load
             busy = (last is not None and last[1] + last[2] > 0
-                    and at - last[0] <= self.thresholds["busy_timeout_seconds"])
+                    and at - last[0] <= self.thresholds.busy_timeout_seconds)
             running, waiting = (last[1], last[2]) if last is not None else (0.0, 0.0)
         if not busy:
             self._busy_since = None

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwatch.labels import OTHER, bounded_label
+from kvwatch.pipeline.reports import KVEventsReport
 
 KINDS = ("cache_salt", "fairness_id", "lora")
 DEFAULT_TOP_K = 10
@@ -149,16 +150,16 @@ def window_rows(kind: str, start: dict[str, list[float]], end: dict[str, list[fl
     return table.top(k)
 
 
-def lora_rows(kv_events: dict[str, Any] | None, k: int = DEFAULT_TOP_K) -> list[dict[str, Any]]:
+def lora_rows(kv_events: KVEventsReport | None, k: int = DEFAULT_TOP_K) -> list[dict[str, Any]]:
     """Per LoRA adapter over the stream's window (vLLM's BlockStored carries it;
     the stream's report sums its blocks stored and stored again by medium and
     adapter): the k adapters that stored most, and "other". "(base)" is the
     base model's own blocks. Recomputed tokens: the GPU's blocks stored again
     after their eviction times the events' block size (unknown, none counted)."""
-    window = (kv_events or {}).get("window") or {}
-    block_size = (kv_events or {}).get("block_size") or 0
+    window = kv_events.get("window") if kv_events else None
+    block_size = (kv_events.get("block_size") if kv_events else None) or 0
     table = TenantTable("lora")
-    for row in window.get("by_label") or ():
+    for row in (window.get("by_label") if window else None) or ():
         again = float(row.get("stored_again") or 0.0)
         recomputed = again * block_size if row.get("medium") in (None, "GPU") else 0.0
         table.add(row.get("lora_name") or "(base)", stored=float(row.get("stored") or 0.0), stored_again=again,

@@ -223,7 +223,7 @@ def signals_json(state, settings) -> dict[str, Any]:
         "events": [asdict(e) for e in state.events],
         # The diagnosis' thresholds in force (defaults overlaid with the
         # settings' `diagnosis:`): the page colours values by these.
-        "thresholds": resolve_thresholds(settings.diagnosis),
+        "thresholds": asdict(resolve_thresholds(settings.diagnosis)),
         # What the cache is worth per engine (kvwatch/signals/worth.py), in seconds and at the price.
         "worth": worth_json(state, settings) if snapshot else [],
         # The simulator's phase now and the next: only where demo_target is set (make run).

@@ -20,6 +20,7 @@ from kvwatch.signals.derivations import (
     CACHED_BY_SOURCE, HOST_SERVED, LOCAL_COMPUTE, OFFLOAD_SERVED, RETRACTED_PROMPT, View, _offload_added_seconds,
     _prefill_seconds_per_token, mean_tokens,
 )
+from kvwatch.pipeline.reports import KVEventsReport
 from kvwatch.window.steps import PREFILL_FIT
 
 # vLLM before 0.32 names two sources of cached prompt tokens (0.16+).
@@ -174,7 +175,7 @@ def bought(sizing: Mapping[str, Any], window_seconds: float, block_size: float |
     return rows, knee
 
 
-def with_worth(report: dict[str, Any], view: View | None) -> dict[str, Any]:
+def with_worth(report: KVEventsReport, view: View | None) -> KVEventsReport:
     """The stream's report with what it says the cache is worth: the window's
     prefill seconds lost to blocks stored again (`window.lost_prefill_seconds`),
     and each sizing step's GiB and seconds per hour (`sizing.points[]`,
@@ -182,13 +183,15 @@ def with_worth(report: dict[str, Any], view: View | None) -> dict[str, Any]:
     fields for this; a report without a view to price it at is left alone."""
     per_token = None if view is None else prefill_seconds_per_token(view)
     sizing = dict(report.get("sizing") or {})
-    window = dict(report.get("window") or {})
+    window = report["window"].copy()
     block_size = report.get("block_size") or (None if view is None else view.block_size)
     window["lost_prefill_seconds"] = stream_lost_seconds(window, block_size, per_token)
     rows, knee = bought(sizing, float(window.get("seconds") or 0.0), block_size, per_token)
     points = [dict(point, **row) for point, row in zip(sizing.get("points") or [], rows)]
     sizing.update(points=points, diminishing_returns=knee)
-    return dict(report, window=window, sizing=sizing)
+    out = report.copy()  # the keys keep their places: the JSON reads the same
+    out["window"], out["sizing"] = window, sizing
+    return out
 
 
 def currency(seconds: float | None, gpu_hour_price: float | None) -> float | None:
@@ -271,7 +274,7 @@ def _stream_lost(stream: Mapping[str, Any] | None, model: str, engine: str | Non
 
 
 def summary(model: str, engine: str | None, values: Mapping[str, Any], view: View,
-            stream: Mapping[str, Any] | None, gpu_hour_price: float | None) -> dict[str, Any] | None:
+            stream: KVEventsReport | None, gpu_hour_price: float | None) -> dict[str, Any] | None:
     """One engine's (or model's) worth over the window: saved by tier, lost
     and its basis (the stream's count where it is on, else the page's count
     or upper bound), the stream's sizing steps, their money at the price,
@@ -286,7 +289,7 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
         basis = "page_count" if counted is not None and counted[1] else "page_upper_bound"
     if saved is None and lost is None:
         return None
-    sizing = ((stream or {}).get("sizing") or {}) if basis == "stream" else {}
+    sizing = ((stream.get("sizing") if stream else None) or {}) if basis == "stream" else {}
     out = {"model_name": model, "engine": engine, "window_seconds": view.increase.seconds,
            "prefill_seconds_per_token": prefill_seconds_per_token(view),
            "saved_seconds": saved, "saved_by_tier": saved_by_tier,

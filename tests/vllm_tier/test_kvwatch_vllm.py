@@ -59,7 +59,7 @@ BURST_SECONDS = 15.0
 CLEAR_SLACK_SECONDS = 15.0
 # A finding whose condition cleared is held (marked clearing, kvwatch_finding
 # still 1) for finding_hold_seconds, as its alert keeps firing for as long.
-FINDING_HOLD_SECONDS = DEFAULT_THRESHOLDS["finding_hold_seconds"]
+FINDING_HOLD_SECONDS = DEFAULT_THRESHOLDS.finding_hold_seconds
 # What kvwatch's exhaustion finding says about the hit ratio while the cache is
 # exhausted and the prompts share nothing (kvwatch.diagnose).
 NO_REUSE_NOTE = ("With the cache exhausted, a low hit rate from a workload without shared prefixes is not a "
