@@ -1,5 +1,3 @@
-import os
-import random
 import re
 import sys
 from pathlib import Path
@@ -81,67 +79,18 @@ def mark_slow(items: list) -> None:
             item.add_marker(pytest.mark.slow)
 
 
-# KVWATCH_TEST_SHUFFLE=<seed> (or =random) runs the modules in a shuffled
-# order and each module's tests shuffled within it, so a test that passes only
-# after another shows; the header prints the seed that reproduces the order.
-SHUFFLE_VARIABLE = "KVWATCH_TEST_SHUFFLE"
-_shuffle_seed = pytest.StashKey[int]()
-
-
-def shuffle_seed(value: str | None) -> int | None:
-    """The seed KVWATCH_TEST_SHUFFLE names: None when unset, a fresh one for 'random'."""
-    if not value or not value.strip():
-        return None
-    if value.strip().lower() == "random":
-        return random.SystemRandom().randrange(2 ** 32)
-    try:
-        return int(value)
-    except ValueError:
-        raise pytest.UsageError(f"{SHUFFLE_VARIABLE} must be a whole number (the seed) or 'random', not {value!r}") from None
-
-
-def shuffled(items: list, seed: int) -> list:
-    """The modules in an order the seed picks, each one's tests in an order the seed picks."""
-    chance = random.Random(seed)
-    modules: dict = {}
-    for item in items:
-        modules.setdefault(item.path, []).append(item)
-    groups = list(modules.values())
-    chance.shuffle(groups)
-    for group in groups:
-        chance.shuffle(group)
-    return [item for group in groups for item in group]
-
-
-def pytest_configure(config):
-    seed = shuffle_seed(os.environ.get(SHUFFLE_VARIABLE))
-    if seed is not None:
-        config.stash[_shuffle_seed] = seed
-
-
-def _shuffle_line(config) -> str | None:
-    if _shuffle_seed in config.stash:
-        return f"tests shuffled: {SHUFFLE_VARIABLE}={config.stash[_shuffle_seed]} repeats this order"
-    return None
-
-
-def pytest_report_header(config):
-    return _shuffle_line(config)
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    # Again at the end, where a failure is read (and -q prints no header).
-    line = _shuffle_line(config)
-    if line:
-        terminalreporter.write_line(line)
+    # A shuffled run (`-p randomly`, pytest-randomly) prints its seed in the
+    # header, which -q leaves out: again at the end, where a failure is read.
+    seed = getattr(config.option, "randomly_seed", None)
+    if config.pluginmanager.has_plugin("randomly") and isinstance(seed, int):
+        terminalreporter.write_line(f"tests shuffled: -p randomly --randomly-seed={seed} repeats this order")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     # tryfirst: the marks are on before -m selects (the mark plugin's hook).
     mark_slow(items)
-    if _shuffle_seed in config.stash:
-        items[:] = shuffled(items, config.stash[_shuffle_seed])
     left_out = tier_items_left_out(config.getoption("markexpr"), items)
     if left_out:
         config.hook.pytest_deselected(items=left_out)

@@ -31,6 +31,7 @@ SLOW_MODULES = (
     "test_statuspage_browser.py",
     "test_store_victoriametrics.py",
     "test_sweep_interrupt.py",
+    "test_shuffle.py",
     "test_wheel.py",
 )
 

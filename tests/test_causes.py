@@ -4,9 +4,10 @@ record says, so changing the record changes them all."""
 
 import dataclasses
 
+import pytest
 import yaml
 
-from kvwatch.diagnose import arbitration
+from kvwatch.diagnose import arbitration, causes
 from kvwatch.diagnose.causes import ALERT_LIST, CAUSE, CAUSE_LIST, CAUSES, SYMPTOM_LIST, severity_of
 from kvwatch.mixin import alertmanager, grafana_alerts
 from kvwatch.mixin.alerts import alert_specs
@@ -78,15 +79,30 @@ def test_the_page_shows_the_records_words():
     assert meta["symptoms"] == {s.name: s.title for s in SYMPTOM_LIST if s.title}
 
 
-def test_arbitration_orders_causes_by_their_records_rank():
+def test_arbitration_orders_causes_by_their_symptoms_ranking():
     for symptom in SYMPTOM_LIST:
         if not symptom.arbitrated:
-            assert symptom.name not in arbitration.ARBITRATED
+            assert symptom.name not in arbitration.ARBITRATED and not symptom.ranking
             continue
         ranked = arbitration.RANK[symptom.name]
-        assert set(ranked) == set(CAUSES[symptom.name])
-        assert [CAUSE[c].rank for c in ranked] == list(range(len(ranked)))
+        assert ranked == symptom.ranking
+        assert sorted(ranked) == sorted(CAUSES[symptom.name])
+    assert arbitration.RANK["slow_first_token"][0] == "upstream"
+    assert arbitration.RANK["exhaustion"][-1] == "capacity_below_max_num_seqs"
     assert arbitration.SUBORDINATE == {c.name for c in CAUSE_LIST if c.subordinate}
+
+
+@pytest.mark.parametrize("ranking", [
+    ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse"),  # one cause left out
+    ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse", "no_reuse"),
+    ("caching_disabled", "cold_cache", "prefix_changed", "eviction_before_reuse", "no_reuse", "prefill"),
+])
+def test_a_ranking_that_misses_repeats_or_borrows_a_cause_stops_the_import(monkeypatch, ranking):
+    symptoms = tuple(dataclasses.replace(s, ranking=ranking) if s.name == "low_hit_rate" else s for s in causes.SYMPTOM_LIST)
+    monkeypatch.setattr(causes, "SYMPTOM_LIST", symptoms)
+    monkeypatch.setattr(causes, "SYMPTOMS", {s.name: s for s in symptoms})
+    with pytest.raises(causes.CatalogueError, match="low_hit_rate: its ranking"):
+        causes._check()
 
 
 def test_severity_rule_raises_only_a_preempting_cause():

@@ -13,12 +13,16 @@ import pytest
 from kvwatch.diagnose import (
     CAUSES,
     DEFAULT_THRESHOLDS,
+    NEXT_CHECK,
     diagnose,
     is_actionable,
     resolve_thresholds,
     validate_thresholds,
 )
-from kvwatch.diagnose import Change, HitRateMemory
+from kvwatch.diagnose import Change, HitRateMemory, hit_rate
+from kvwatch.diagnose.causes import SYMPTOMS, CatalogueError
+from kvwatch.kvevents import wire
+from kvwatch.kvevents.source import KVEventSource
 from kvwatch.settings import SettingsError, load_settings
 from kvwatch.signals import evaluate_window
 from kvwatch.snapshot import EngineSnapshot, Histogram, Snapshot
@@ -330,6 +334,25 @@ def test_cold_cache_after_restart():
     assert "engine_restarted" in causes(findings, "change")
 
 
+def test_each_low_hit_rate_cause_has_its_judge_asked_in_the_symptoms_ranking(monkeypatch):
+    ranking = SYMPTOMS["low_hit_rate"].ranking
+    assert set(hit_rate.JUDGES) == set(ranking)
+    with pytest.raises(CatalogueError, match=r"no judge for \['made_up'\]"):
+        hit_rate.check_judges(ranking + ("made_up",), hit_rate.JUDGES)
+    with pytest.raises(CatalogueError, match=r"no ranked cause for the judges of \['no_reuse'\]"):
+        hit_rate.check_judges(ranking[:-1], hit_rate.JUDGES)
+    run = Run()
+    run.steps(6, usage=0.4, running=3, requests=4, hit_ratio=0.8)
+    run.engine.restart()
+    run.steps(4, usage=0.4, running=3, requests=4, hit_ratio=0.05)
+    assert causes(run.findings(), "low_hit_rate") == {"cold_cache"}
+    # The workload's judge asked before the cold cache's reads the window's two halves, not the restart.
+    workload_first = tuple(c for c in ranking if c != "cold_cache") + ("cold_cache",)
+    monkeypatch.setitem(hit_rate.SYMPTOMS, "low_hit_rate",
+                        replace(SYMPTOMS["low_hit_rate"], ranking=workload_first))
+    assert causes(run.findings(), "low_hit_rate") != {"cold_cache"}
+
+
 def test_prefix_changed_step_drop_with_moderate_usage():
     run = Run()
     run.steps(12, usage=0.4, running=3, requests=4, hit_ratio=0.8)
@@ -393,6 +416,47 @@ def test_no_reuse():
     assert finding.severity == "info"
     assert causes(findings, "low_hit_rate") == {"no_reuse"}
     assert not [f for f in findings if is_actionable(f)]
+
+
+def _reset_10s_ago() -> dict:
+    """A stream report of the engine's KV-cache events: the whole cache cleared 10 s before its end."""
+    source = KVEventSource("tcp://127.0.0.1:1")  # fed by hand: nothing listens
+    source.feed(0, wire.encode_batch(1.0, [wire.stored(list(range(200)), 16)]), now=100.0)
+    source.feed(1, wire.encode_batch(1.0, [wire.cleared()]), now=110.0)
+    source.feed(2, wire.encode_batch(1.0, [wire.stored(list(range(200, 400)), 16)]), now=115.0)
+    return {**source.report(now=120.0), "page_engine": {"model_name": "tiny-llama", "engine": "0"}}
+
+
+def test_a_low_hit_rate_after_a_reset_the_stream_saw_is_a_cache_reset_not_a_workload():
+    """The page reads a low, stable ratio (no reuse); the engine's KV-cache
+    events saw the whole cache cleared 10 s ago: the hit-rate rule names the
+    reset, decided by the stream."""
+    run = Run()
+    run.steps(18, usage=0.4, running=3, requests=4, hit_ratio=0.03)
+    per_engine, _ = evaluate_window(run.window)
+    assert causes(diagnose(run.window, per_engine, (), {}), "low_hit_rate") == {"no_reuse"}
+    findings = diagnose(run.window, per_engine, (), {}, kv_events=_reset_10s_ago())
+    finding = only(findings, "cache_reset")
+    assert (finding.confidence, finding.severity, finding.evidence["decided_by"]) == ("high", "info", "kv_events")
+    assert finding.evidence["kv_cache_cleared_seconds_ago"] == 10.0 and "cleared its prefix cache 10s ago" in finding.summary
+    assert finding.evidence["hit_ratio_since_reset"] == pytest.approx(0.03, rel=1e-3)
+    assert finding.next_check == NEXT_CHECK["cache_reset"]
+    assert causes(findings, "low_hit_rate") == {"cache_reset"}
+
+
+def test_a_reset_the_cache_already_refilled_from_is_no_cache_reset():
+    """Healthy before the reset and back since it: no low-hit-rate finding,
+    and a reset with a ratio that fell before it is not what explains it."""
+    run = Run()
+    run.steps(18, usage=0.4, running=3, requests=4, hit_ratio=0.8)
+    per_engine, _ = evaluate_window(run.window)
+    assert not causes(diagnose(run.window, per_engine, (), {}, kv_events=_reset_10s_ago()), "low_hit_rate")
+    run = Run()
+    run.steps(6, usage=0.4, running=3, requests=4, hit_ratio=0.8)
+    run.steps(12, usage=0.4, running=3, requests=4, hit_ratio=0.05)
+    run.steps(1, usage=0.4, running=3, requests=4, hit_ratio=0.8)  # the poll since the reset: warm
+    per_engine, _ = evaluate_window(run.window)
+    assert "cache_reset" not in causes(diagnose(run.window, per_engine, (), {}, kv_events=_reset_10s_ago()))
 
 
 def test_residency_that_keeps_blocks_long_enough_is_no_reuse():

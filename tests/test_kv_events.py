@@ -745,24 +745,6 @@ def test_all_blocks_cleared_is_a_change_finding_of_the_streams_engine(fixtures_d
     assert [e.kind for e in state.events if e.kind.startswith("kv_")] == ["kv_cache_cleared"]
 
 
-def test_a_low_hit_rate_after_a_reset_of_the_cache_is_a_cold_cache_not_a_workload():
-    from kvwatch.diagnose import resolve_thresholds
-    from kvwatch.diagnose.stream import stream_findings
-    from kvwatch.diagnose.vocabulary import Finding
-
-    source = KVEventSource("tcp://127.0.0.1:1")
-    source.feed(0, wire.encode_batch(1.0, [wire.stored(list(range(200)), 16)]), now=100.0)
-    source.feed(1, wire.encode_batch(1.0, [wire.cleared()]), now=110.0)
-    source.feed(2, wire.encode_batch(1.0, [wire.stored(list(range(200, 400)), 16)]), now=115.0)
-    report = {**source.report(now=120.0), "page_engine": {"model_name": "m", "engine": "0"}}
-    page_says = Finding("low_hit_rate", "no_reuse", "info", "low", "m", "0", "Hit ratio 2% and stable ...",
-                        {"hit_ratio": 0.02})
-    [finding] = [f for f in stream_findings([page_says], report, [], None, resolve_thresholds({}))
-                 if f.symptom == "low_hit_rate"]
-    assert (finding.cause, finding.confidence) == ("cold_cache", "high")
-    assert finding.evidence["kv_cache_cleared_seconds_ago"] == 10.0 and "cleared its prefix cache 10s ago" in finding.summary
-
-
 def test_the_report_names_the_latest_pause_in_the_stores_as_long_as_the_judged_part():
     source = KVEventSource("tcp://127.0.0.1:1", window_seconds=300.0)
     for seq, t in enumerate((1000.0, 1003.0, 1010.0, 1050.0, 1052.0)):  # pauses of 7 s and 40 s

@@ -1,48 +1,37 @@
-"""KVWATCH_TEST_SHUFFLE: the suite in a shuffled order that its seed repeats
-(tests/conftest.py), so a test that passes only after another shows."""
+"""A shuffled run (`-p randomly`, pytest-randomly, docs/contributing.md): off
+by default so a plain run keeps one order; a seed repeats its order, another
+seed gives another, and a module's tests stay together."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from conftest import shuffle_seed, shuffled
+REPO = Path(__file__).resolve().parent.parent
+MODULES = ("tests/test_causes.py", "tests/test_markers.py")
 
 
-def items(modules: int = 6, tests: int = 5) -> list:
-    return [SimpleNamespace(path=Path(f"tests/test_{m}.py"), name=f"test_{m}_{t}")
-            for m in range(modules) for t in range(tests)]
+def collected(*options: str) -> list[str]:
+    pytest.importorskip("pytest_randomly", reason="the test extra installs pytest-randomly (make test)")
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *options, *MODULES], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return [line for line in done.stdout.splitlines() if "::" in line]
 
 
-def names(order: list) -> list[str]:
-    return [item.name for item in order]
-
-
-def test_a_seed_repeats_its_order_and_another_seed_gives_another():
-    collected = items()
-    first = shuffled(collected, 7)
-    assert names(first) == names(shuffled(collected, 7))
-    assert names(first) != names(shuffled(collected, 8))
-    assert names(first) != names(collected)
-    assert sorted(names(first)) == sorted(names(collected))  # every test once
-
-
-def test_each_modules_tests_stay_together_so_its_fixtures_start_once():
-    order = shuffled(items(), 3)
-    modules = [item.path for item in order]
-    runs = [path for i, path in enumerate(modules) if i == 0 or modules[i - 1] != path]
-    assert len(runs) == len(set(modules)) == 6
-    assert runs != sorted(runs)  # the modules' order changed too
-
-
-@pytest.mark.parametrize("value, seed", [(None, None), ("", None), ("  ", None), ("42", 42), (" 7 ", 7)])
-def test_the_variable_names_the_seed(value, seed):
-    assert shuffle_seed(value) == seed
-
-
-def test_random_picks_a_seed_and_anything_else_is_one_sentence():
-    assert isinstance(shuffle_seed("random"), int)
-    with pytest.raises(pytest.UsageError, match="must be a whole number .* or 'random', not 'soon'"):
-        shuffle_seed("soon")
+def test_the_default_order_is_fixed_and_a_seed_repeats_its_shuffled_order():
+    plain = collected()
+    assert plain == collected()
+    assert [line.split("::")[0] for line in plain] == sorted((line.split("::")[0] for line in plain),
+                                                             key=lambda path: MODULES.index(path))
+    first = collected("-p", "randomly", "--randomly-seed=1")
+    assert first == collected("-p", "randomly", "--randomly-seed=1")
+    assert first != plain and sorted(first) == sorted(plain)
+    assert first != collected("-p", "randomly", "--randomly-seed=2")
+    modules = [line.split("::")[0] for line in first]
+    assert sum(1 for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m) == len(MODULES)

@@ -39,21 +39,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Iterable
 
-from kvwatch.diagnose.causes import CAUSE, CAUSE_LIST, CAUSES, CONFIDENCES, SYMPTOM_LIST
+from kvwatch.diagnose.causes import CAUSE, CAUSE_LIST, CONFIDENCES, SYMPTOM_LIST
 from kvwatch.diagnose.vocabulary import Finding, finding_order
 
-# The rule's inputs are each cause's record (causes.py: rank, subordinate,
-# weight) and each symptom's (arbitrated); these are views of them.
+# The rule's inputs are each cause's record (causes.py: subordinate, weight)
+# and each symptom's (arbitrated, ranking); these are views of them.
 # Symptoms whose causes compete; "change" findings are events, each true.
 ARBITRATED = tuple(s.name for s in SYMPTOM_LIST if s.arbitrated)
 
 # symptom -> its causes, the first preferred when the evidence is otherwise
-# equal. Exhaustion: the two load shapes (decided exclusively from the
-# window's means, as the alert decides them) before the sizing advice, which
-# is a reason the load shape hurts, not a rival to it. First token: the
-# causes of queueing before the residual, KV before compute.
-RANK: dict[str, tuple[str, ...]] = {
-    symptom: tuple(sorted(CAUSES[symptom], key=lambda cause: CAUSE[cause].rank or 0)) for symptom in ARBITRATED}
+# equal (the symptom's ranking; causes.py says why each order).
+RANK: dict[str, tuple[str, ...]] = {s.name: s.ranking for s in SYMPTOM_LIST if s.arbitrated}
 
 # Causes that are a reason another cause could happen, not a reading of the
 # symptom: primary only when no other cause of the symptom was found. The

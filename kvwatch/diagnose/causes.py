@@ -9,12 +9,13 @@ runbook prose lives beside this module, in runbooks/<cause>.md, and
 kvwatch/mixin/runbooks.py composes it.
 
 Everything else reads these records: the diagnosis rules (severity, next
-check), diagnose/arbitration.py (rank, subordinate, weight), the status page
+check), diagnose/arbitration.py (subordinate, weight; the symptom's ranking), the status page
 and the CLI (titles, actions, deciding evidence), the mixin (severities,
 `for:` durations, panels, owners, no-data states, the runbook sections).
 
-    Adding a cause: its Cause record below, its rule (a diagnose/ module
-    returning ctx.finding(symptom, cause, ...)), its runbooks/<cause>.md; tests.
+    Adding a cause: its Cause record below and its name in its symptom's
+    `ranking`, its judge (the symptom's diagnose/ module: hit_rate.py's
+    @judges), its runbooks/<cause>.md if an alert reports it; tests.
     Routing it to an alert: `alert=` and `owner=` in its record, and
     `routed_by_finding=True` (the alert fires on kvwatch_finding), or its
     CauseAlert record in kvwatch/mixin/alert_records.py (a PromQL twin:
@@ -56,6 +57,10 @@ class Symptom:
     # Whether its causes compete for one story per engine (arbitration.py);
     # changes and the event stream's findings are facts, each true.
     arbitrated: bool = False
+    # An arbitrated symptom's diagnosed causes, the preferred first when the
+    # evidence is otherwise equal (arbitration.py's last tie-break): a new
+    # cause is one name in this list, its siblings keep theirs.
+    ranking: tuple[str, ...] = ()
     # Hysteresis (hold.py), in seconds: `quiet`, how long its condition must
     # be clear before a finding shows as ended (a shorter lapse is not shown,
     # so the page does not toggle); `lead`, how long a new cause must lead its
@@ -99,12 +104,10 @@ class Cause:
     no_data: tuple[str, str] = FILTER_NO_DATA
     # Who fixes it (OWNERS), for the alert routes.
     owner: str | None = None
-    # Arbitration (diagnose/arbitration.py): its place among the causes of its
-    # symptom when the evidence is otherwise equal (0 first); `subordinate`:
-    # only the reason another cause could happen, primary only alone;
-    # `weight`: the evidence value (0..1) saying how much of the symptom it
-    # explains.
-    rank: int | None = None
+    # Arbitration (diagnose/arbitration.py; its place among its symptom's
+    # causes is the symptom's `ranking`): `subordinate`: only the reason
+    # another cause could happen, primary only alone; `weight`: the evidence
+    # value (0..1) saying how much of the symptom it explains.
     subordinate: bool = False
     weight: str | None = None
     # False for an alert's own cause that the in-process diagnosis never names
@@ -144,19 +147,31 @@ QUIET = 35.0
 LEAD = 30.0
 HANDOVER = 15.0
 SYMPTOM_LIST = (
+    # Quiet, lead and handover measured with the timeline scorer (above).
+    # Exhaustion: the two load shapes (decided exclusively from the window's
+    # means, as the alert decides them) before the sizing advice, a reason the
+    # load shape hurts, not a rival to it.
     Symptom("exhaustion", "KV cache exhausted", "VllmKvCacheExhausted", arbitrated=True, quiet=QUIET, lead=45.0,
-            handover=HANDOVER),
+            handover=HANDOVER,
+            ranking=("concurrency_beyond_capacity", "long_requests", "capacity_below_max_num_seqs")),
     Symptom("low_hit_rate", "Low prefix-cache hit rate", "VllmPrefixCacheHitRateLow", arbitrated=True,
-            quiet=QUIET, lead=LEAD, handover=HANDOVER),
+            quiet=QUIET, lead=LEAD, handover=HANDOVER,
+            ranking=("caching_disabled", "cold_cache", "cache_reset", "prefix_changed", "eviction_before_reuse",
+                     "no_reuse")),
+    # First token: time upstream of the engine, then the causes of queueing
+    # (KV before compute), prefill, and the residual last.
     Symptom("slow_first_token", "Slow first token", "VllmTimeToFirstTokenSlow", arbitrated=True, quiet=25.0,
-            lead=LEAD, handover=HANDOVER),
+            lead=LEAD, handover=HANDOVER,
+            ranking=("upstream", "queueing_kv_bound", "queueing_compute_bound", "prefill", "preemption",
+                     "front_end")),
     # Requests or KV blocks held while nothing moves and no token is counted (diagnose/stuck.py):
     # not exhaustion, which serves. Its two causes exclude each other (requests held, or none).
     Symptom("stuck", "Engine stuck", "VllmEngineStuck"),
     Symptom("change", "Engine changed"),
     # Judged across the replicas of one model (diagnose/fleet.py); a replica
     # alone cannot show them. Arbitrated per replica they name.
-    Symptom("fleet", alert="VllmFleetReplicaOutlier", arbitrated=True),
+    Symptom("fleet", alert="VllmFleetReplicaOutlier", arbitrated=True,
+            ranking=("imbalance", "lost_prefix_affinity", "cold_replica")),
     # The engine's KV-cache event stream itself (diagnose/stream.py), where kv_events is set.
     Symptom("kv_events", "KV-cache event stream", "KvwatchKvEventStreamUnhealthy"),
     # The router's prediction against the engines' delivery, per model (kvwatch/routing/).
@@ -221,7 +236,6 @@ CAUSE_LIST = (
         deciding=("kv_usage_max", "waiting_at_peak", "preemptions", "demand_at_peak"),
         alert="VllmKvCacheExhausted",
         owner="platform",
-        rank=0,
         exclusive=True),
     Cause(
         name="long_requests",
@@ -238,7 +252,6 @@ CAUSE_LIST = (
         deciding=("kv_usage_max", "capacity_share_per_running_request", "running_mean"),
         alert="VllmKvCacheExhausted",
         owner="platform",
-        rank=1,
         exclusive=True),
     # Sizing advice: the scheduler admits more than the cache holds. It needs --max-num-seqs, which
     # vLLM does not export, so Prometheus cannot decide it: no alert.
@@ -254,7 +267,6 @@ CAUSE_LIST = (
         next_action=(
             "Lower --max-num-seqs to about the cache's capacity in requests, or enlarge the cache."),
         deciding=("kv_cache_capacity_requests", "max_num_seqs", "preemptions"),
-        rank=2,
         subordinate=True),
     # --- low hit rate. Facts about the workload or the deployment (info), or something changed
     # or crowds the cache out (warning).
@@ -269,8 +281,7 @@ CAUSE_LIST = (
         next_action="Start vLLM with --enable-prefix-caching if prompts share prefixes.",
         deciding=("enable_prefix_caching", "prompt_tokens"),
         alert="VllmPrefixCacheHitRateLow",
-        owner="application",
-        rank=0),
+        owner="application"),
     Cause(
         name="cold_cache",
         symptom="low_hit_rate",
@@ -282,8 +293,20 @@ CAUSE_LIST = (
         next_action=(
             "Wait for the cache to warm up before comparing hit ratios, and find why the engine restarted."),
         deciding=("hit_ratio_since_restart", "hit_ratio_before_restart"),
+        alert="VllmPrefixCacheHitRateLow"),
+    Cause(
+        name="cache_reset",
+        symptom="low_hit_rate",
+        severity="info",
+        title="the prefix cache was reset",
+        next_check=(
+            "Expected for a while after a reset of the prefix cache (vLLM's /reset_prefix_cache, or its own reset "
+            "after new weights or adapters): compare hit ratios only once the cache has warmed up again, and find "
+            "who reset it (the engine's access log); a reset repeated on a schedule keeps the cache cold."),
+        next_action="Find who reset the prefix cache, and compare hit ratios only once it has warmed up.",
+        deciding=("kv_cache_cleared_seconds_ago", "hit_ratio_since_reset", "hit_ratio_before_reset"),
         alert="VllmPrefixCacheHitRateLow",
-        rank=1),
+        routed_by_finding=True),
     Cause(
         name="prefix_changed",
         symptom="low_hit_rate",
@@ -296,8 +319,7 @@ CAUSE_LIST = (
             "Diff the prompt templates deployed at that time and keep the shared text first and identical."),
         deciding=("hit_ratio_baseline", "hit_ratio_recent", "kv_usage_recent_max", "kv_usage_max"),
         alert="VllmPrefixCacheHitRateLow",
-        owner="application",
-        rank=2),
+        owner="application"),
     Cause(
         name="eviction_before_reuse",
         symptom="low_hit_rate",
@@ -312,8 +334,7 @@ CAUSE_LIST = (
             "engine."),
         deciding=("hit_ratio_baseline", "hit_ratio_recent", "kv_usage_recent_max", "kv_usage_max"),
         alert="VllmPrefixCacheHitRateLow",
-        owner="platform",
-        rank=3),
+        owner="platform"),
     Cause(
         name="no_reuse",
         symptom="low_hit_rate",
@@ -328,8 +349,7 @@ CAUSE_LIST = (
             "Put shared text first in the prompts if they should share a prefix; else nothing to repair."),
         deciding=("hit_ratio", "kv_usage_mean"),
         alert="VllmPrefixCacheHitRateLow",
-        owner="application",
-        rank=4),
+        owner="application"),
     # --- slow first token: the queue (bound by KV or by compute), prefill, the front end, time
     # upstream of the engine, or the residual while the cache is exhausted (preemption).
     Cause(
@@ -345,7 +365,6 @@ CAUSE_LIST = (
         deciding=("ttft_p95_seconds", "queue_share", "kv_usage_max_while_waiting"),
         alert="VllmTimeToFirstTokenSlow",
         owner="platform",
-        rank=1,
         weight="queue_share"),
     Cause(
         name="queueing_compute_bound",
@@ -361,7 +380,6 @@ CAUSE_LIST = (
         deciding=("ttft_p95_seconds", "queue_share", "kv_usage_max_while_waiting"),
         alert="VllmTimeToFirstTokenSlow",
         owner="platform",
-        rank=2,
         weight="queue_share"),
     Cause(
         name="prefill",
@@ -375,7 +393,6 @@ CAUSE_LIST = (
         deciding=("ttft_p95_seconds", "prefill_share", "uncached_prompt_tokens_mean"),
         alert="VllmTimeToFirstTokenSlow",
         owner="platform",
-        rank=3,
         weight="prefill_share"),
     Cause(
         name="front_end",
@@ -390,7 +407,6 @@ CAUSE_LIST = (
         deciding=("ttft_p95_seconds", "other_share", "other_lower_bound_seconds"),
         alert="VllmTimeToFirstTokenSlow",
         owner="application",
-        rank=5,
         weight="other_share"),
     Cause(
         name="upstream",
@@ -405,7 +421,6 @@ CAUSE_LIST = (
         deciding=("upstream_mean_seconds", "upstream_share", "ttft_mean_seconds"),
         alert="VllmTimeToFirstTokenSlow",
         owner="application",
-        rank=0,
         weight="upstream_share"),
     # The first-token time the queue and prefill histograms miss while the cache is exhausted:
     # requests preempted and re-queued, their KV recomputed.
@@ -424,7 +439,6 @@ CAUSE_LIST = (
         deciding=("ttft_p95_seconds", "other_share", "preemptions"),
         alert="VllmTimeToFirstTokenSlow",
         owner="platform",
-        rank=4,
         weight="other_share"),
     # --- stuck: nothing moves and no token is counted for diagnosis.stuck_seconds.
     # Requests that hang: users wait for answers that will not come (critical).
@@ -533,8 +547,7 @@ CAUSE_LIST = (
             " counts connections and not queued work, a replica missing from the endpoints)."),
         next_action="Check the load balancer: other replicas of the model have room.",
         alert="VllmFleetReplicaOutlier",
-        owner="application",
-        rank=0),
+        owner="application"),
     Cause(
         name="lost_prefix_affinity",
         symptom="fleet",
@@ -545,8 +558,7 @@ CAUSE_LIST = (
             "the reuse the traffic has."),
         next_action="Check the router's prefix-aware routing for this replica.",
         alert="VllmFleetReplicaOutlier",
-        owner="application",
-        rank=1),
+        owner="application"),
     Cause(
         name="cold_replica",
         symptom="fleet",
@@ -557,8 +569,7 @@ CAUSE_LIST = (
         next_action=(
             "Wait for it to warm up; if it does not, check that the router sends it its share."),
         alert="VllmFleetReplicaOutlier",
-        owner="platform",
-        rank=2),
+        owner="platform"),
     # --- the KV-cache event stream kvwatch decides hit-rate causes by went quiet or lost
     # messages: its decisions are off or low; the page's signals stand.
     Cause(
@@ -744,12 +755,10 @@ def _check() -> None:
                      f"{c.name}: a diagnosed cause needs a known symptom, next_check and next_action")
         else:
             _require(c.alert is not None, f"{c.name}: a cause no finding names exists only for its alert")
-        symptom = SYMPTOMS.get(c.symptom or "")
-        _require((c.rank is not None) == bool(symptom and symptom.arbitrated and c.diagnosed),
-                 f"{c.name}: a rank exactly where its symptom is arbitrated")
     for symptom in SYMPTOM_LIST:
-        ranks = sorted(c.rank for c in DIAGNOSED if c.symptom == symptom.name and c.rank is not None)
-        _require(ranks == list(range(len(ranks))), f"{symptom.name}: ranks 0..n-1, each once")
+        diagnosed = sorted(c.name for c in DIAGNOSED if c.symptom == symptom.name)
+        _require(sorted(symptom.ranking) == (diagnosed if symptom.arbitrated else []),
+                 f"{symptom.name}: its ranking lists each of its diagnosed causes once, where it is arbitrated")
         _require(symptom.alert is None or ALERTS[symptom.alert].symptom == symptom.name,
                  f"{symptom.name}: its alert reports another symptom")
     _require(sorted(FELT_ORDER) == sorted(SYMPTOMS), "FELT_ORDER names every symptom once")

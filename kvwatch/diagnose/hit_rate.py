@@ -1,201 +1,25 @@
-"""Low prefix-cache hit rate, cause by cause: caching off, a cold cache after
-a restart, a changed prefix, eviction before reuse, or no reuse at all."""
+"""Low prefix-cache hit rate, cause by cause. Each cause has its judge
+(registered with @judges), asked in the symptom's ranking (causes.py), the
+first verdict standing: caching off; a cold cache after a restart; a reset
+of the cache the KV-cache events saw; then the workload's causes, a changed prefix,
+eviction before reuse or no reuse at all, told apart by the residency
+evidence (diagnose/residency.py) and, where read, the KV-cache event stream.
+
+    Adding a cause: its record and its name in the symptom's ranking
+    (causes.py), its judge here; check_judges refuses one without the other."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 from kvwatch.diagnose.arbitration import alternative
-from kvwatch.diagnose.context import EngineContext, HitRateVerdict, quantile_value
-from kvwatch.diagnose.stream import baseline_confidence, stream_residency
+from kvwatch.diagnose.causes import SYMPTOMS, CatalogueError
+from kvwatch.diagnose.context import EngineContext, HitRateVerdict
+from kvwatch.diagnose.residency import block_floor, residency, within_one_block
+from kvwatch.diagnose.stream import (baseline_confidence, cleared_seconds_ago, stated_by_stream, stream_evidence,
+                                     stream_residency)
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
-from kvwatch.signals import reuse_shortfall_blocks
-from kvwatch.snapshot import Histogram, config_number, hybrid_cache
-
-# Fewer reuse gaps (or evictions) than this in the judged part and their
-# medians are a handful of blocks: too few to say which is longer.
-MIN_RESIDENCY_SAMPLES = 10
-# At least this many of each and the comparison is as good as the buckets.
-SURE_RESIDENCY_SAMPLES = 100
-
-
-def _histogram_since(ctx: EngineContext, key: str, since: float | None) -> Histogram | None:
-    """A histogram's increase over the polls after `since` (the whole window
-    when None), from the window's stored steps."""
-    if since is None:
-        return ctx.histogram(key)
-    total = None
-    for poll in ctx.counted:
-        if poll.time <= since or poll.step is None:
-            continue
-        part = poll.step.histograms.get(key)
-        if part is None:
-            continue
-        if total is None:
-            total = part
-        elif total.bounds == part.bounds:
-            total = Histogram(total.bounds, tuple(a + b for a, b in zip(total.cumulative, part.cumulative)),
-                              total.sum + part.sum, total.count + part.count)
-    return total if total is not None and total.count > 0 else None
-
-
-def _bucket(histogram: Histogram, value: float) -> tuple[float, float]:
-    lower = 0.0
-    for bound in histogram.bounds:
-        if value <= bound:
-            return lower, bound
-        lower = bound
-    return lower, float("inf")
-
-
-def _residency(ctx: EngineContext, since: float | None = None) -> tuple[bool | None, dict[str, Any], str]:
-    """vLLM's --kv-cache-metrics histograms, when exported: blocks evicted
-    after sitting idle for less than the usual gap between reuses were
-    evicted before their reuse could come. Judged over the polls after
-    `since` (the part of the window whose hit ratio is judged: the samples of
-    an earlier phase describe that phase's working set, not this one), and
-    only as far as the evidence goes: enough samples of both, medians in
-    different buckets. Returns (evicts: True/False/None for cannot tell, the
-    evidence, the confidence the comparison supports).
-
-    The engine's KV-cache event stream, where kvwatch reads it, decides
-    first and with high confidence (diagnose/stream.py): it sees each block
-    come back after its eviction, or not."""
-    decided = stream_residency(ctx)
-    if decided is not None:
-        return decided
-    present = (ctx.increase.histograms.get("kv_block_idle_before_evict") is not None
-               or ctx.increase.histograms.get("kv_block_reuse_gap") is not None)
-    idle = _histogram_since(ctx, "kv_block_idle_before_evict", since)
-    gap = _histogram_since(ctx, "kv_block_reuse_gap", since)
-    idle_p50, _ = quantile_value(idle, 0.5)
-    gap_p50, _ = quantile_value(gap, 0.5)
-    lifetime_p50, _ = quantile_value(_histogram_since(ctx, "kv_block_lifetime", since), 0.5)
-    evidence: dict[str, Any] = {"kv_block_idle_before_evict_p50_seconds": idle_p50,
-                                "kv_block_reuse_gap_p50_seconds": gap_p50,
-                                "kv_block_lifetime_p50_seconds": lifetime_p50}
-    if not present:
-        evidence["residency"] = ("vLLM's --kv-cache-metrics histograms are not on the page: with them kvwatch "
-                                 "compares how long blocks sit idle before eviction with the gap between reuses "
-                                 "and says how many more blocks (and bytes) would keep the reuse")
-        return None, evidence, "low"
-    idle_count = idle.count if idle is not None else 0
-    gap_count = gap.count if gap is not None else 0
-    part = "the whole window" if since is None else f"the last {ctx.polls[-1].time - since:.3g}s"
-    evidence.update({"kv_block_evictions_sampled": idle_count, "kv_block_reuse_gaps_sampled": gap_count,
-                     "residency_judged_over": part})
-    if idle_p50 is None or gap_p50 is None or min(idle_count, gap_count) < MIN_RESIDENCY_SAMPLES:
-        evidence["residency"] = (
-            f"vLLM's residency histograms (--kv-cache-metrics) are on the page, but over {part} they hold {idle_count:g} evicted blocks "
-            f"and {gap_count:g} reuse gaps (a block records its gaps only when it is evicted after two uses): too "
-            "few to compare, so they cannot tell eviction from a prefix no longer shared yet"
-            + ("; with no block reused, a working set evicted before its reuse and prompts that share nothing "
-               "read the same even here" if gap_count == 0 and idle_count > 0 else ""))
-        return None, evidence, "low"
-    idle_bucket, gap_bucket = _bucket(idle, idle_p50), _bucket(gap, gap_p50)  # type: ignore[arg-type]  # a median: a histogram
-    if idle_bucket == gap_bucket:
-        evidence["residency"] = (
-            f"the medians of idle time before eviction and of the gap between reuses lie in the same bucket "
-            f"({idle_bucket[0]:g}s, {idle_bucket[1]:g}s]: the histograms cannot order them")
-        return None, evidence, "low"
-    evidence.update(_shortfall(ctx, idle_p50))
-    sure = min(idle_count, gap_count) >= SURE_RESIDENCY_SAMPLES
-    return idle_p50 < gap_p50, evidence, "high" if sure else "medium"
-
-
-def _shortfall(ctx: EngineContext, idle_p50: float) -> dict[str, Any]:
-    """How much more cache would keep the reuse (kvwatch_kv_cache_reuse_
-    shortfall_blocks), and what the configured offload tier adds: by the
-    same Little's-law reading, a pool larger by the tier's blocks keeps an
-    idle block that much longer."""
-    view = ctx.view
-    blocks = reuse_shortfall_blocks(view)
-    found: dict[str, Any] = {"kv_cache_reuse_shortfall_blocks": blocks}
-    if blocks is None or view.bytes_per_block is None:
-        return found
-    found["kv_cache_reuse_shortfall_bytes"] = blocks * view.bytes_per_block
-    offload_gib = config_number(ctx.cache_config, "kv_offloading_size")
-    pool = (view.usable_blocks or 0.0) * (1.0 - (view.usage_mean or 0.0))
-    if offload_gib and pool > 0:
-        tier_blocks = offload_gib * 2**30 / view.bytes_per_block
-        found["offload_tier_blocks"] = tier_blocks
-        found["idle_before_evict_with_offload_tier_seconds"] = idle_p50 * (pool + tier_blocks) / pool
-    return found
-
-
-def block_floor(ctx: EngineContext) -> dict[str, Any]:
-    """A shared prefix shorter than one KV block never hits: vLLM caches whole
-    blocks, and a prompt of at most one block is never served from cache (the
-    last prompt token is always computed). The share of the window's prompts
-    no longer than block_size, from the prompt-length histogram, tells
-    "prefix shorter than a block" (most prompts that short, so any prefix
-    they share is shorter still) from "no shared prefix".
-
-    vLLM's prompt-length buckets (1, 2, 5, 10, 20, 50, 100, ...) rarely fall
-    on the block size: 32 lies inside (20, 50]. The share is then known only
-    between the cumulative counts at the bounds around it; when those leave
-    the majority undecided, the window's mean prompt length (exact, from the
-    histogram's sum) decides: prompts averaging at most one block. (A
-    uniform spread inside the bucket read 40 % for prompts of 28 tokens, all
-    within one block, on the real engine.)"""
-    block_size = config_number(ctx.cache_config, "block_size")
-    prompts = ctx.histogram("prompt_len")
-    if not block_size or prompts is None or prompts.count <= 0:
-        return {}
-    # A hybrid model in mamba_cache_mode "align" keeps Mamba states only at
-    # multiples of mamba_block_size: a hit needs that much shared prefix.
-    mamba: dict[str, Any] = hybrid_cache(ctx.cache_config) or {}
-    mamba_block = mamba.get("mamba_block_size") if mamba.get("mamba_cache_mode") == "align" else None
-    unit = max(block_size, mamba_block or 0.0)
-    at_least, at_most = 0.0, float(prompts.count)
-    straddled = None
-    lower = 0.0
-    for bound, cumulative in zip(prompts.bounds, prompts.cumulative):
-        if bound <= unit:
-            at_least = cumulative
-        if bound >= unit:
-            at_most = cumulative
-            if bound > unit and lower < unit:
-                straddled = (lower, bound)
-            break
-        lower = bound
-    if at_most == at_least:
-        straddled = None
-    least, most = at_least / prompts.count, at_most / prompts.count
-    mean = prompts.sum / prompts.count
-    prompt_p50, _ = quantile_value(prompts, 0.5)
-    if least >= 0.5:
-        kind = "prefix_shorter_than_block"
-    elif most < 0.5:
-        kind = "no_shared_prefix"
-    else:
-        kind = "prefix_shorter_than_block" if mean <= unit else "no_shared_prefix"
-    found: dict[str, Any] = {
-        "block_size": block_size, "block_floor_tokens": unit, "prompts_within_one_block_ratio_at_least": least,
-        "prompts_within_one_block_ratio_at_most": most, "prompt_tokens_mean": mean, "prompt_tokens_p50": prompt_p50,
-        "no_reuse_kind": kind}
-    if mamba_block and mamba_block > block_size:
-        found["mamba_block_size"] = mamba_block
-        found["block_floor_unit"] = (f"mamba_block_size {mamba_block:g} (mamba_cache_mode align: Mamba states are "
-                                     f"kept only at its multiples), above the attention block_size {block_size:g}")
-    if straddled is not None and least < 0.5 <= most:
-        found["prompt_buckets_around_block_size"] = (
-            f"vLLM's prompt-length bucket ({straddled[0]:g}, {straddled[1]:g}] holds the block size, so between "
-            f"{least:.0%} and {most:.0%} of the prompts fit one block; the mean prompt, {mean:.3g} tokens, decides")
-    return found
-
-
-def _within_one_block(floor: dict[str, Any]) -> str:
-    """The words of the block floor: how many prompts fit one block."""
-    least, most = floor["prompts_within_one_block_ratio_at_least"], floor["prompts_within_one_block_ratio_at_most"]
-    block = f"one KV block ({floor['block_floor_tokens']:g} tokens)"
-    if least >= 0.5:
-        return f"{least:.0%} of the prompts are no longer than {block}" if least == most else (
-            f"at least {least:.0%} of the prompts are no longer than {block}")
-    return (f"the prompts average {floor['prompt_tokens_mean']:.3g} tokens, within {block}, and {most:.0%} of "
-            "them are in the prompt-length buckets up to the one holding the block size")
-
 
 def _usage_in(ctx: EngineContext, since: float | None = None,
               until: float | None = None) -> tuple[float | None, float | None]:
@@ -335,25 +159,143 @@ def low_hit_rate_findings(ctx: EngineContext) -> list[Finding]:
 
 
 def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
-    """Low hit rate, cause by cause. While the cache is exhausted (the one
-    detector), a low ratio is named only on evidence the exhaustion does not
-    explain: caching off, a restart, a configuration/model/adapter change at
-    a drop, a drop that showed before the cache was exhausted, or vLLM's
-    residency histograms showing blocks evicted before their reuse. A
-    workload without shared prefixes is then no separate problem (the
-    exhaustion finding says so), and a drop that came with the exhaustion is
-    either evicted prefixes or changed ones: kvwatch does not guess which."""
-    enabled = ctx.cache_config.get("enable_prefix_caching")
-    if enabled is not None and enabled.strip().lower() == "false":
-        return _caching_disabled(ctx, enabled)
+    """Low hit rate, cause by cause: each cause's judge is asked in the
+    symptom's ranking (causes.py), and the first verdict stands. While the
+    cache is exhausted (the one detector), a low ratio is named only on
+    evidence the exhaustion does not explain: caching off, a restart or a
+    reset, a configuration/model/adapter change at a drop, a drop that
+    showed before the cache was exhausted, or vLLM's residency histograms
+    showing blocks evicted before their reuse. A workload without shared
+    prefixes is then no separate problem (the exhaustion finding says so),
+    and a drop that came with the exhaustion is either evicted prefixes or
+    changed ones: kvwatch does not guess which."""
     judging = _start_judging(ctx)
-    if judging is None:
+    asked: list[Judge] = []
+    for cause in SYMPTOMS["low_hit_rate"].ranking:
+        judge = JUDGES[cause]
+        if judge in asked:
+            continue  # it named this cause with an earlier one
+        asked.append(judge)
+        decided = judge(ctx, judging)
+        if decided is not None:
+            return decided
+    return HitRateVerdict()
+
+
+@dataclass
+class _Judging:
+    """What each judge of the hit rate reads: the window's ratio, the
+    evidence gathered so far, and what the residency histograms say."""
+    ctx: EngineContext
+    ratio: float
+    latest_time: float
+    usage_mean: float | None
+    evidence: dict[str, Any]
+    on_exhaustion: dict[str, Any]
+    evicts: bool | None = None
+    residency_confidence: str = "low"
+
+    def verdict(self, finding: Finding | None = None, note: str | None = None) -> HitRateVerdict:
+        return HitRateVerdict([finding] if finding else [], {**self.on_exhaustion, "hit_ratio_note": note})
+
+
+# A cause's judge: the engine's context and the window's hit ratio with its
+# base evidence (None: too few prompt tokens looked up to judge) in; its
+# verdict out, or None where its cause does not apply (the next is asked).
+# One judge may name causes one comparison tells apart (the workload's: a
+# changed prefix, eviction before reuse, no reuse); it is asked once.
+Judge = Callable[[EngineContext, "_Judging | None"], "HitRateVerdict | None"]
+JUDGES: dict[str, Judge] = {}
+
+
+def judges(*causes: str) -> Callable[[Judge], Judge]:
+    """Registers a judge for the low-hit-rate causes it names."""
+    def register(judge: Judge) -> Judge:
+        for cause in causes:
+            JUDGES[cause] = judge
+        return judge
+    return register
+
+
+@judges("caching_disabled")
+def _caching_disabled(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
+    enabled = ctx.cache_config.get("enable_prefix_caching")
+    if enabled is None or enabled.strip().lower() != "false":
+        return None
+    counters = ctx.increase.counters
+    prompt_tokens = counters.get("prompt_tokens", 0.0)
+    if prompt_tokens <= 0:
         return HitRateVerdict()
-    # A restart empties the cache: judge only the part after the last one.
-    restarts = ctx.restarted_polls()
-    if restarts:
-        return _judge_since_restart(judging, restarts[-1])
-    # Step drop: the recent part of the window against the earlier baseline.
+    return HitRateVerdict([ctx.finding(
+        "low_hit_rate", "caching_disabled", "high",
+        "Prefix caching is disabled (cache_config enable_prefix_caching=False): no prompt reuses earlier KV.",
+        {"enable_prefix_caching": enabled, "prompt_tokens": prompt_tokens,
+         "prefix_queries": counters.get("prefix_queries"), "window_seconds": ctx.increase.seconds},
+        NEXT_CHECK["caching_disabled"])])
+
+
+@judges("cold_cache")
+def _cold_cache(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
+    """A restart empties the cache: only the part after the last one is judged."""
+    restarts = ctx.restarted_polls() if judging is not None else []
+    if judging is None or not restarts:
+        return None
+    cold = _cold_since(judging, ctx.polls[restarts[-1] - 1].time)
+    if cold is None:
+        return judging.verdict()
+    after_ratio, earlier_ratio, after_queries = cold
+    return judging.verdict(ctx.finding(
+        "low_hit_rate", "cold_cache", "high",
+        f"The engine restarted {judging.latest_time - ctx.polls[restarts[-1]].time:.0f}s ago and its prefix cache "
+        f"is cold: hit ratio {after_ratio:.0%} since the restart.",
+        {**judging.evidence, "hit_ratio_since_restart": after_ratio, "hit_ratio_before_restart": earlier_ratio,
+         "prefix_queries_since_restart": after_queries},
+        NEXT_CHECK["cold_cache"]))
+
+
+@judges("cache_reset")
+def _cache_reset(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
+    """The engine's KV-cache events saw its whole prefix cache cleared
+    (AllBlocksCleared: vLLM's /reset_prefix_cache, or its own reset after new
+    weights or adapters), and the part of the window since is low or well
+    below the part before: the cache refills from nothing. The page alone
+    cannot show a reset (vLLM counts idle cached blocks as free, so its KV
+    usage reads the same before and after), so only the stream decides it."""
+    ago = cleared_seconds_ago(ctx.stream)
+    if judging is None or ago is None:
+        return None
+    reset = judging.latest_time - ago
+    before = [p.time for p in ctx.polls if p.time <= reset]
+    cold = _cold_since(judging, before[-1] if before else ctx.polls[0].time)
+    if cold is None:
+        return None  # refilled already: the workload's judge reads the window
+    after_ratio, earlier_ratio, after_queries = cold
+    return judging.verdict(ctx.finding(
+        "low_hit_rate", "cache_reset", "high",
+        f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache events): the cache "
+        f"refills from nothing, so the hit ratio is low for now ({after_ratio:.0%} since the reset).",
+        {**judging.evidence, **stream_evidence(ctx.stream or {}), "decided_by": "kv_events",
+         "kv_cache_cleared_seconds_ago": ago, "hit_ratio_since_reset": after_ratio,
+         "hit_ratio_before_reset": earlier_ratio, "prefix_queries_since_reset": after_queries},
+        NEXT_CHECK["cache_reset"]))
+
+
+@judges("prefix_changed", "eviction_before_reuse", "no_reuse")
+def _judge_workload(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
+    """A drop of the recent part against the earlier baseline, or a ratio low
+    and stable: a changed prefix, prefixes evicted before their reuse, or
+    prompts that share none, told apart by the residency evidence; where the
+    engine's KV-cache event stream is read, in its words where it decided
+    (diagnose/stream.py)."""
+    decided = _workload_on_page(ctx, judging)
+    if decided is not None:
+        decided.findings = [stated_by_stream(f, ctx.stream, ctx.t) for f in decided.findings]
+    return decided
+
+
+def _workload_on_page(ctx: EngineContext, judging: _Judging | None) -> HitRateVerdict | None:
+    if judging is None:
+        return None
     t, memory = ctx.t, ctx.hit_memory
     drop = _step_drop(ctx, judging.latest_time)
     dropped = drop.dropped(t)
@@ -369,36 +311,6 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     if dropped:
         return _judge_drop(judging, drop)
     return _judge_low_without_drop(judging, drop, remembered)
-
-
-@dataclass
-class _Judging:
-    """What each step of the hit-rate judgement reads: the window's ratio, the
-    evidence gathered so far, and what the residency histograms say."""
-    ctx: EngineContext
-    ratio: float
-    latest_time: float
-    usage_mean: float | None
-    evidence: dict[str, Any]
-    on_exhaustion: dict[str, Any]
-    evicts: bool | None = None
-    residency_confidence: str = "low"
-
-    def verdict(self, finding: Finding | None = None, note: str | None = None) -> HitRateVerdict:
-        return HitRateVerdict([finding] if finding else [], {**self.on_exhaustion, "hit_ratio_note": note})
-
-
-def _caching_disabled(ctx: EngineContext, enabled: str) -> HitRateVerdict:
-    counters = ctx.increase.counters
-    prompt_tokens = counters.get("prompt_tokens", 0.0)
-    if prompt_tokens <= 0:
-        return HitRateVerdict()
-    return HitRateVerdict([ctx.finding(
-        "low_hit_rate", "caching_disabled", "high",
-        "Prefix caching is disabled (cache_config enable_prefix_caching=False): no prompt reuses earlier KV.",
-        {"enable_prefix_caching": enabled, "prompt_tokens": prompt_tokens,
-         "prefix_queries": counters.get("prefix_queries"), "window_seconds": ctx.increase.seconds},
-        NEXT_CHECK["caching_disabled"])])
 
 
 def _start_judging(ctx: EngineContext) -> _Judging | None:
@@ -422,29 +334,24 @@ def _start_judging(ctx: EngineContext) -> _Judging | None:
     return _Judging(ctx, ratio, ctx.polls[-1].time if ctx.polls else 0.0, usage_mean, evidence, on_exhaustion)
 
 
-def _judge_since_restart(judging: _Judging, restart: int) -> HitRateVerdict:
-    """A cold cache when the part since the restart is low, or well below the part before it."""
+def _cold_since(judging: _Judging, since: float) -> tuple[float, float | None, float] | None:
+    """(the hit ratio after `since`, the ratio before it, the tokens looked up
+    after it) where the part after is low, or well below the part before,
+    each part with enough tokens looked up; None otherwise."""
     ctx, t = judging.ctx, judging.ctx.t
     min_tokens = t["min_query_tokens"]
     keys = hit_counters(ctx)
-    counters = ctx.increase.counters
-    after = ctx.counters_since(ctx.polls[restart - 1].time, keys)
+    after = ctx.counters_since(since, keys)
     after_ratio, after_queries = _ratio_of(after, keys)
-    earlier = {k: v - after.get(k, 0.0) for k, v in counters.items()}
+    earlier = {k: v - after.get(k, 0.0) for k, v in ctx.increase.counters.items()}
     earlier_ratio, earlier_queries = _ratio_of(earlier, keys)
     if after_ratio is not None and after_queries >= min_tokens and (
         after_ratio < t["hit_ratio_low"]
         or (earlier_ratio is not None and earlier_queries >= min_tokens
             and after_ratio <= earlier_ratio * (1 - t["hit_drop_fraction"]))
     ):
-        return judging.verdict(ctx.finding(
-            "low_hit_rate", "cold_cache", "high",
-            f"The engine restarted {judging.latest_time - ctx.polls[restart].time:.0f}s ago and its prefix cache "
-            f"is cold: hit ratio {after_ratio:.0%} since the restart.",
-            {**judging.evidence, "hit_ratio_since_restart": after_ratio, "hit_ratio_before_restart": earlier_ratio,
-             "prefix_queries_since_restart": after_queries},
-            NEXT_CHECK["cold_cache"]))
-    return judging.verdict()
+        return after_ratio, earlier_ratio, after_queries
+    return None
 
 
 def _add_residency(judging: _Judging, drop: StepDrop, dropped: bool) -> None:
@@ -457,7 +364,7 @@ def _add_residency(judging: _Judging, drop: StepDrop, dropped: bool) -> None:
     in a burst when 12 replaced them), not the gaps the new one needs.
     """
     ctx = judging.ctx
-    evicts, residency_evidence, residency_confidence = _residency(
+    evicts, residency_evidence, residency_confidence = residency(
         ctx, since=drop.split + drop.span / 2 if dropped else None)
     recent_usage_max, _ = _usage_in(ctx, since=drop.split)
     evidence = {**judging.evidence, **residency_evidence, "eviction_usage_ratio": ctx.t["eviction_usage_ratio"]}
@@ -607,7 +514,7 @@ def _stable_low(judging: _Judging) -> Finding:
     if floor.get("no_reuse_kind") == "prefix_shorter_than_block":
         return ctx.finding(
             "low_hit_rate", "no_reuse", "medium",
-            f"Hit ratio {ratio:.0%} and stable: {_within_one_block(floor)}, so any prefix they share is shorter "
+            f"Hit ratio {ratio:.0%} and stable: {within_one_block(floor)}, so any prefix they share is shorter "
             "than a block, and vLLM caches only whole blocks: such a prefix never hits, whatever the workload "
             "shares.",
             evidence, NEXT_CHECK["no_reuse"])
@@ -667,3 +574,15 @@ def with_external_tier(findings: list[Finding], lmcache: dict[str, Any] | None, 
             "lmcache_share_of_prompt_tokens": share,
             "lmcache_hit_ratio": row.get("signals", {}).get("kvwatch_lmcache_hit_ratio")}))
     return kept
+
+
+def check_judges(ranking: tuple[str, ...], judged: dict[str, Judge]) -> None:
+    """Each cause the symptom ranks has its judge, and each judge names a
+    ranked cause, or kvwatch does not import (a cause nobody judges would
+    never be named, and the rule would fail at its turn)."""
+    if set(ranking) != set(judged):
+        raise CatalogueError(f"low_hit_rate: no judge for {sorted(set(ranking) - set(judged))} or no ranked cause "
+                             f"for the judges of {sorted(set(judged) - set(ranking))} (hit_rate.py's @judges)")
+
+
+check_judges(SYMPTOMS["low_hit_rate"].ranking, JUDGES)

@@ -65,7 +65,7 @@ def stream_target(report: dict[str, Any], per_engine) -> tuple[str, str] | None:
 
 def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
     """What the stream says in place of vLLM's residency histograms
-    (hit_rate._residency): (evicted before reuse, evidence, "high"), or None
+    (residency.residency): (evicted before reuse, evidence, "high"), or None
     where it cannot tell (not read, too few blocks stored, a ratio between
     the two thresholds, or not read long enough to see blocks return)."""
     report = ctx.stream
@@ -80,7 +80,7 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
     if recent["stored"] < t["stream_min_blocks"] or report["window"].get("cleared"):
         return None  # too little, or a reset of the cache in the window (what returns after it is no eviction's)
     ratio = recent["stored_again_ratio"] or 0.0
-    evidence = {**_evidence(report), "decided_by": "kv_events"}
+    evidence = {**stream_evidence(report), "decided_by": "kv_events"}
     if ratio >= t["stored_again_ratio_high"]:
         return True, evidence, "high"
     if ratio <= t["stored_again_ratio_none"]:
@@ -93,20 +93,38 @@ def stream_residency(ctx) -> tuple[bool, dict[str, Any], str] | None:
 
 def stream_findings(findings: list[Finding], report: dict[str, Any] | None, per_engine, window,
                     t: dict[str, Any]) -> list[Finding]:
-    """`findings` with the stream's decisions stated (the hit-rate rule took
-    them as its residency evidence), the stream's numbers on the findings it
-    could not decide, and its own health findings added."""
+    """`findings` with the stream's own health findings added (its decisions
+    of hit-rate causes are the hit-rate rule's: stated_by_stream)."""
     if not report:
         return findings
     target = stream_target(report, per_engine)
-    out = [_state(f, report, t) if target and (f.model, f.engine) == target and f.symptom == "low_hit_rate"
-           and f.cause in REFINED else f for f in findings]
-    if target is not None:
-        out.extend(_health(report, target, window, t))
-    return out
+    return findings + _health(report, target, window, t) if target is not None else findings
 
 
-def _evidence(report: dict[str, Any]) -> dict[str, Any]:
+def stated_by_stream(finding: Finding, report: dict[str, Any] | None, t: dict[str, Any]) -> Finding:
+    """A low-hit-rate finding of the stream's engine (`report`, None where the
+    engine has no stream) in the stream's words where it decided the cause;
+    its numbers and why not where it did not. The hit-rate rule calls it on
+    the finding it judged, so its cause is decided in one place."""
+    if not report or finding.symptom != "low_hit_rate" or finding.cause not in REFINED:
+        return finding
+    return _state(finding, report, t)
+
+
+def cleared_seconds_ago(report: dict[str, Any] | None) -> float | None:
+    """How long ago the engine last cleared its whole prefix cache
+    (AllBlocksCleared in its events: a reset, after which the cache refills
+    from nothing), or None where the stream is not up or saw no clear."""
+    if not report or not report.get("up"):
+        return None
+    cleared = [c for c in report.get("changes") or () if c.get("kind") == "kv_cache_cleared"]
+    if not cleared:
+        return None
+    return (report.get("time") or cleared[-1]["time"]) - cleared[-1]["time"]
+
+
+def stream_evidence(report: dict[str, Any]) -> dict[str, Any]:
+    """The stream's numbers a low-hit-rate finding of its engine carries."""
     recent, earlier, window = report["recent"], report["earlier"], report["window"]
     sizing = report.get("sizing") or {}
     half = extra_for_share(window.get("distance") or [], window.get("stored_again") or 0.0, 0.5)
@@ -140,21 +158,9 @@ def _state(finding: Finding, report: dict[str, Any], t: dict[str, Any]) -> Findi
     if not report.get("up"):
         return finding
     recent = report["recent"]
-    evidence = {**finding.evidence, **_evidence(report)}
+    evidence = {**finding.evidence, **stream_evidence(report)}
     seconds = recent["seconds"]
     ratio = recent["stored_again_ratio"] or 0.0
-    cleared = [c for c in report.get("changes") or () if c.get("kind") == "kv_cache_cleared"]
-    if cleared:
-        # A reset, not a workload: the cache refills from nothing, as after a restart.
-        ago = (report.get("time") or cleared[-1]["time"]) - cleared[-1]["time"]
-        evidence.update(decided_by="kv_events", kv_cache_cleared_seconds_ago=ago)
-        changes: dict[str, Any] = dict(cause="cold_cache", severity=severity_of("cold_cache"), confidence="high",
-                       summary=(f"The engine cleared its prefix cache {ago:.0f}s ago (AllBlocksCleared in its KV-cache "
-                                "events): the cache refills from nothing, so the hit ratio is low for now."),
-                       evidence=evidence, next_check=NEXT_CHECK["prefix_cache_cleared"])
-        if _HAS_ALTERNATIVES:
-            changes["alternatives"] = ()
-        return replace(finding, **changes)
     if finding.evidence.get("decided_by") != "kv_events":
         if recent["stored"] < t["stream_min_blocks"]:
             why = (f"the stream saw {recent['stored']:g} blocks stored in the last {seconds:.0f}s, fewer than "

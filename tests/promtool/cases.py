@@ -323,6 +323,12 @@ def default_cases() -> list[Case]:
              "eviction_before_reuse from kvwatch_finding (route finding)",
              [Engine(**hits(0.5), findings=(("eviction_before_reuse", "_x20 1x100"),))],
              "40m", [("VllmPrefixCacheHitRateLow", "eviction_before_reuse", ENGINE, FINDING)]),
+        Case("hit rate: the ratio reads healthy to the rules, kvwatch's KV-event stream saw the cache reset -> "
+             "cache_reset from kvwatch_finding",
+             [Engine(**hits(0.5), findings=(("cache_reset", "_x20 1x100"),))],
+             "40m", [("VllmPrefixCacheHitRateLow", "cache_reset", ENGINE, FINDING)]),
+        Case("hit rate: a reset finding for less than for: (15m) -> nothing",
+             [Engine(**hits(0.5), findings=(("cache_reset", "_x20 1x10 stale"),))], "40m", []),
         Case("hit rate: both routes hold for one engine (the rules decide prefix_changed, kvwatch's finding "
              "names eviction) -> the rules' cause alone, never two causes of one symptom",
              [Engine(prefix_queries=rate(20000), prefix_hits="0+16000x60 960000+1000x60",

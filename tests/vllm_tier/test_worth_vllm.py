@@ -1,47 +1,63 @@
-"""What the cache saved, against the engine (issue #51's 'Done means'):
-the same seeded load, a round robin over 4 prefixes of 512 tokens that the
-tier's cache holds, on a vLLM with prefix caching on (kvwatch reading it,
-its window covering the run) and on one with it off. kvwatch's saved
-prefill seconds from the on run, against the difference in vLLM's own
-prefill time (vllm:request_prefill_time_seconds sum) between the two:
-measured and REPORTED, not asserted within 15 %. That difference is itself
-unsteady on the shared cores: the same load measured 0.333 s and 0.092 s
-saved in two runs one after the other; three rounds in turns, 25, 12 and
-26 us a cached token in three runs (docs/capacity.md). A bound it meets one
-run and misses the next would be a flaky test; what is asserted is what
-holds on every run: kvwatch prices exactly the tokens the engine served
-from its cache, caching saved prefill time, and kvwatch's rate is the fit's
-(a request's fixed cost apart), below the plain mean per computed token.
+"""What the cache is worth, against the real vLLM 0.32 of the CPU tier: saved,
+lost and needed, each against what the engine itself measured.
 
-Both engines are up at once and the load goes to them in turns (a round on
-the one, then the same round on the other), so that whatever else runs on
-the cores slows both sides alike. Before the rounds each engine serves the
-same warm-up, prompts of 160 and 800 tokens sharing nothing (outside the
-truth, no hits): an engine's first requests carry first-use costs, and
-without requests of other sizes kvwatch's fit rested on the rotation's 4
-cold requests (it priced a token at 64 us where the engines' difference
-said 25 us).
+- Saved: the same seeded requests, one at a time, sent in turns to a vLLM
+  with prefix caching on (kvwatch reading it) and one with it off, both up
+  at once so that whatever else runs on the shared cores slows both alike.
+  Each prompt is a 1,920-token prefix they all share and a 64-token suffix
+  of its own, so a hit saves 30 blocks of prefill. The truth is the
+  difference in vLLM's own prefill time (vllm:request_prefill_time_seconds
+  sum) between the two; kvwatch's saved seconds are read from the on-run.
+- Lost: a burst far beyond the tier's 128 blocks, so vLLM preempts. vLLM
+  0.32 counts a request's prompt tokens once, at its first token (the prompt
+  counters, the prefill's computed tokens and the per-step token histogram
+  alike), so the only count of the prefill it did again is its KV-cache event
+  stream: blocks stored again after their eviction, kvwatch's `stream` basis.
+  kvwatch's lost is checked against that count at its rate, and the page's
+  bound (preemptions x the mean prompt, kvwatch's lost without the stream)
+  within 20 % of it.
+- Needed: a burst of requests, more than the tier's cache admits at once,
+  read the way `kvwatch capacity --prometheus` reads its store (running,
+  waiting, KV usage, first-token p95), inverted for an objective; then the
+  same burst on a vLLM with the blocks kvwatch says are needed and on one
+  with half of them.
 
-Its own module: two vLLM start-ups, one after the other, on the tier's cores."""
+The figures of each run are printed ([vllm-tier] lines) and kept in
+docs/capacity.md. Its own module: five vLLM start-ups, short loads. Saved's 15 % bar
+is reported beside the truth's own standard error, not asserted (docs/capacity.md says why)."""
 
 from __future__ import annotations
 
 import json
+import math
+import random
+import statistics
+import threading
 import time
 import urllib.request
 
 import pytest
 
-from .harness import read_metrics, vllm_server, wait_until_idle
-from .kvwatch_support import running_kvwatch, tier_reporter
-from .scenarios import prefix_rotation_load
-from .test_kv_events_vllm import free_port
+from kvwatch.capacity.needed import CacheShape, Step, needed
+
+from .harness import (
+    MODEL_NAME, TINY_MODEL_BLOCK_BYTES_PER_TOKEN, _post_json, burst_load, prompt_suffix, prompt_text, prompt_words,
+    read_metrics, vllm_server, wait_until_idle,
+)
+from .kvwatch_support import read_kvwatch_diagnosis, running_kvwatch, tier_reporter
+from .test_kv_events_vllm import events_config, free_port
 
 pytestmark = pytest.mark.vllm
 
 PREFILL = "vllm:request_prefill_time_seconds_sum"
-REQUESTS, ROUNDS, SEED = 32, 3, 51
+COMPUTED = "vllm:request_prefill_kv_computed_tokens_sum"
 STARTUP_S = 420.0
+BLOCK = 32
+# Saved: 2,048 positions is the tiny model's limit; 16 MiB of cache, 512 blocks, hold the prefix many times over.
+LONG_LEN, LONG_CACHE = 2048, 16 << 20
+PREFIX_TOKENS, SUFFIX_TOKENS, SAVED_REQUESTS, SEED = 1920, 64, 40, 51
+# The warm-up's cold prompts, of every size up to the longest: the fit's spread of computed tokens.
+WARM_SIZES = (128, 512, 1024, 1536, 1984)
 
 
 @pytest.fixture(scope="module")
@@ -49,52 +65,194 @@ def report(request):
     return tier_reporter(request.config)
 
 
-def prefill_seconds(server) -> float:
-    """One round's prefill time, vLLM's own count, from an idle engine to idle again."""
+def _complete(server, prompt: str) -> dict:
+    return _post_json(server.base_url + "/v1/completions",
+                      {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1}, 120.0)["usage"]
+
+
+def _prefill_of(server, prompt: str) -> float:
+    """One request alone on an idle engine: its prefill seconds, vLLM's own count."""
     before = read_metrics(server.metrics_url).value(PREFILL)
-    prefix_rotation_load(server.base_url, duration=600.0, phases=((0.0, 4),), seed=SEED,
-                         max_requests=REQUESTS).wait()
+    _complete(server, prompt)
     return wait_until_idle(server.metrics_url).value(PREFILL) - before
 
 
-def warm_up(server) -> None:
-    """Prompts no round shares (their own seed), 8 of 128 + 32 tokens and 8 of 768 + 32, each once."""
-    for prefix_tokens in (128, 768):
-        prefix_rotation_load(server.base_url, duration=600.0, phases=((0.0, 8),), seed=SEED + prefix_tokens,
-                             prefix_tokens=prefix_tokens, max_requests=8).wait()
-    wait_until_idle(server.metrics_url)
+def _worth(kvwatch_url: str) -> dict:
+    with urllib.request.urlopen(kvwatch_url + "/api/v1/signals", timeout=5) as response:
+        [worth] = json.loads(response.read())["worth"]
+    return worth
 
 
-@pytest.mark.timeout(1500)  # two vLLM start-ups (1-3 min each on the shared cores) and the rounds
-def test_saved_against_the_prefill_time_caching_saves(vllm_build, tmp_path_factory, report):
+@pytest.mark.timeout(900)  # two vLLM start-ups (1-3 min each on the shared cores) and 2 x 50 requests
+def test_saved_is_the_cached_tokens_at_the_fitted_rate_beside_the_prefill_time_caching_saves(vllm_build, tmp_path_factory, report):
     venv, model = vllm_build
     port = free_port()
-    on_log = tmp_path_factory.mktemp("vllm-worth-on") / "server.log"
-    off_log = tmp_path_factory.mktemp("vllm-worth-off") / "server.log"
-    spent_on = spent_off = 0.0
+    rng = random.Random(SEED)
+    words = prompt_words()
+    warm = [prompt_text(size, rng, words) for size in WARM_SIZES]
+    prefix = prompt_text(PREFIX_TOKENS, rng, words)
+    prompts = [prefix + prompt_suffix(SUFFIX_TOKENS, rng, words) for _ in range(SAVED_REQUESTS)]
+    on_times, off_times = [], []
     with running_kvwatch(f"http://127.0.0.1:{port}/metrics", window="15m") as kvwatch:
-        with vllm_server(port=port, model_dir=model, venv=venv, log_path=on_log, report=report,
-                         startup_timeout_s=STARTUP_S) as on, \
-             vllm_server(model_dir=model, venv=venv, log_path=off_log, report=report, startup_timeout_s=STARTUP_S,
-                         extra_args=("--no-enable-prefix-caching",)) as off:
+        with vllm_server(port=port, model_dir=model, venv=venv, max_model_len=LONG_LEN,
+                         kv_cache_memory_bytes=LONG_CACHE, startup_timeout_s=STARTUP_S, report=report,
+                         log_path=tmp_path_factory.mktemp("vllm-saved-on") / "server.log") as on, \
+             vllm_server(model_dir=model, venv=venv, max_model_len=LONG_LEN, kv_cache_memory_bytes=LONG_CACHE,
+                         startup_timeout_s=STARTUP_S, report=report, extra_args=("--no-enable-prefix-caching",),
+                         log_path=tmp_path_factory.mktemp("vllm-saved-off") / "server.log") as off:
             time.sleep(2)  # kvwatch's first polls of the idle engine
-            warm_up(on)
-            warm_up(off)
-            for _ in range(ROUNDS):
-                spent_on += prefill_seconds(on)
-                spent_off += prefill_seconds(off)
+            for prompt in warm:  # cold prompts sharing nothing: the fit's spread, and first-use costs paid
+                _prefill_of(on, prompt)
+                _prefill_of(off, prompt)
+            for prompt in prompts:  # in turns, one at a time: no queue mixes two requests' prefill
+                on_times.append(_prefill_of(on, prompt))
+                off_times.append(_prefill_of(off, prompt))
             time.sleep(2)
             engine = read_metrics(on.metrics_url)  # a new engine: its lifetime totals are the window's
-            with urllib.request.urlopen(kvwatch.url + "/api/v1/signals", timeout=5) as response:
-                [worth] = json.loads(response.read())["worth"]
-    truth = spent_off - spent_on
+            worth = _worth(kvwatch.url)
+    truth = sum(off_times) - sum(on_times)
+    paired = statistics.median(b - a for a, b in zip(on_times, off_times)) * len(prompts)
     saved, per_token = worth["saved_seconds"], worth["prefill_seconds_per_token"]
-    report(f"worth: {ROUNDS} x {REQUESTS} requests over 4 prefixes of 512 tokens, in turns; prefill time "
-           f"{spent_on:.3f} s with prefix caching, {spent_off:.3f} s without: {truth:.3f} s saved by vLLM's count; "
-           f"kvwatch says {saved:.3f} s ({worth['saved_by_tier']}, at {worth['prefill_seconds_per_token']:.3g} s "
-           f"a token; {100 * (saved - truth) / truth:+.1f} %)")
-    assert truth > 0
     hits = engine.value("vllm:prompt_tokens_cached_by_source_total", source="device")
-    assert hits > 0 and saved == pytest.approx(hits * per_token, rel=1e-9)
-    mean = engine.value(PREFILL) / engine.value("vllm:prompt_tokens_by_source_total", source="local_compute")
-    assert 0 < per_token < mean
+    report(f"saved: {len(prompts)} requests of {PREFIX_TOKENS} shared + {SUFFIX_TOKENS} own tokens, one at a time, "
+           f"in turns; prefill {sum(on_times):.3f} s with prefix caching, {sum(off_times):.3f} s without: "
+           f"{truth:.3f} s saved by vLLM's count (median pair x requests: {paired:.3f} s); kvwatch says "
+           f"{saved:.3f} s for {hits:.0f} cached tokens at {per_token * 1e6:.1f} us a token "
+           f"({100 * (saved - truth) / truth:+.1f} % of the sums' difference, {100 * (saved - paired) / paired:+.1f} %"
+           f" of the median pair's); per request on {statistics.median(on_times) * 1e3:.1f} ms, off "
+           f"{statistics.median(off_times) * 1e3:.1f} ms (medians)")
+    assert truth > 0 and paired > 0
+    assert hits == (len(prompts) - 1) * PREFIX_TOKENS  # the first request is cold, each later one hits the prefix
+    assert saved == pytest.approx(hits * per_token, rel=1e-9)
+    # The truth's own standard error: the pairs' spread x sqrt(requests), reported beside the comparison.
+    # The 15 % bar against vLLM's own difference is reported, not asserted: kvwatch prices a cached token
+    # at the fitted marginal rate, while a cached prefix saves its own attention too, which grows with
+    # its length (docs/capacity.md, "On the real vLLM"); measured -24 % here, so the bar is not met yet.
+    error = statistics.stdev(b - a for a, b in zip(on_times, off_times)) * math.sqrt(len(prompts))
+    report(f"saved: the truth's standard error {error:.3f} s ({100 * error / truth:.1f} % of it); kvwatch "
+           f"{100 * (saved - truth) / truth:+.1f} % against the 15 % bar")
+    assert saved > 0
+
+
+# ------------------------------------------------------------------ lost and needed
+
+
+@pytest.fixture(scope="module")
+def tier_engine(vllm_build, tmp_path_factory, report):
+    """The tier's vLLM (128 blocks of 32 tokens) admitting 16 requests at once, its
+    KV-cache events streamed to a kvwatch polling it (which binds the endpoint first)."""
+    venv, model = vllm_build
+    endpoint, port = f"tcp://127.0.0.1:{free_port()}", free_port()
+    with running_kvwatch(f"http://127.0.0.1:{port}/metrics", window="10m", kv_events=endpoint) as kvwatch:
+        with vllm_server(port=port, model_dir=model, venv=venv, max_num_seqs=16, startup_timeout_s=STARTUP_S,
+                         report=report, extra_args=events_config(endpoint),
+                         log_path=tmp_path_factory.mktemp("vllm-lost") / "server.log") as server:
+            yield server, kvwatch
+
+
+@pytest.mark.timeout(600)
+def test_lost_against_the_blocks_the_engine_stored_again(tier_engine, report):
+    server, kvwatch = tier_engine
+    before = wait_until_idle(server.metrics_url)
+    # 16 requests of 400 + 400 tokens at once: 25 blocks each at their end, 400 against 127 usable.
+    stats = burst_load(server.base_url, concurrency=16, duration=8.0, max_requests=16, seed=SEED).wait()
+    after = wait_until_idle(server.metrics_url, timeout_s=300)
+    time.sleep(3)  # the last events and a poll past the end
+    worth = _worth(kvwatch.url)
+    window = read_kvwatch_diagnosis(kvwatch.url)["kv_events"]["window"]
+
+    def d(name: str) -> float:
+        return after.value(name) - before.value(name)
+
+    preemptions = d("vllm:num_preemptions_total")
+    page_bound = preemptions * d("vllm:request_prompt_tokens_sum") / d("vllm:request_prompt_tokens_count")
+    again = window["stored_again"] * BLOCK
+    per_token, lost = worth["prefill_seconds_per_token"], worth["lost_seconds"]
+    report(f"lost: {stats.completed} requests of 400 + 400 tokens at once on 127 blocks, {preemptions:.0f} "
+           f"preemptions; the engine's events stored {again:.0f} tokens again ({window['stored_again']} blocks), "
+           f"kvwatch says {lost:.3f} s ({worth['lost_basis']}) at {per_token * 1e6:.1f} us a token; the page's "
+           f"bound, preemptions x the mean prompt: {page_bound:.0f} tokens, {page_bound * per_token:.3f} s "
+           f"({100 * (page_bound - again) / again:+.1f} % of the stream's count)")
+    assert stats.failed == 0, stats.errors
+    assert preemptions > 0 and again > 0  # the burst did what it is for
+    assert worth["lost_basis"] == "stream"
+    assert lost == pytest.approx(again * per_token, rel=1e-9)
+    # Without the stream kvwatch's lost is the page's bound: within 20 % of what the engine stored again
+    # (-1.0 % and +12.5 % in the two runs of docs/capacity.md).
+    assert page_bound == pytest.approx(again, rel=0.20)
+
+
+# Needed: 16 requests of 448 + 128 tokens sent at once; 14 blocks each at
+# admission, 18 at their end: the tier's 127 usable blocks admit 9.
+NEEDED_PROMPT, NEEDED_OUTPUT, NEEDED_REQUESTS = 448, 128, 16
+
+
+def _streamed_first_token(server, prompt: str, out: list[float]) -> None:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": NEEDED_OUTPUT, "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(server.base_url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.monotonic()
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            if line.startswith(b"data:") and b"[DONE]" not in line:
+                out.append(time.monotonic() - started)
+                break
+        for _ in response:  # the rest of the answer, read to its end
+            pass
+
+
+def _burst(server, seed: int, watch: list[Step] | None = None) -> float:
+    """NEEDED_REQUESTS streamed requests at once; the first-token p95 the clients saw.
+    With `watch`, the engine's running, waiting and KV usage every 0.25 s while they run."""
+    rng = random.Random(seed)
+    prompts = [prompt_text(NEEDED_PROMPT, rng) for _ in range(NEEDED_REQUESTS)]
+    firsts: list[float] = []
+    threads = [threading.Thread(target=_streamed_first_token, args=(server, p, firsts), daemon=True) for p in prompts]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 240
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        if watch is not None:
+            m = read_metrics(server.metrics_url)
+            watch.append(Step(time.time(), m.value("vllm:num_requests_running"), m.value("vllm:num_requests_waiting"),
+                              1.0, m.value("vllm:kv_cache_usage_perc"), None))
+        time.sleep(0.25)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert len(firsts) == NEEDED_REQUESTS, f"{NEEDED_REQUESTS - len(firsts)} requests got no first token"
+    return sorted(firsts)[math.ceil(0.95 * len(firsts)) - 1]
+
+
+@pytest.mark.timeout(900)  # the tier's engine, then two more start-ups at once
+def test_needed_cache_meets_the_objective_and_half_of_it_does_not(tier_engine, vllm_build, tmp_path_factory, report):
+    venv, model = vllm_build
+    tier_engine, _ = tier_engine
+    wait_until_idle(tier_engine.metrics_url)
+    steps: list[Step] = []
+    observed = _burst(tier_engine, SEED, steps)
+    usable = read_metrics(tier_engine.metrics_url).labels("vllm:cache_config_info")
+    shape = CacheShape(int(usable["num_gpu_blocks"]) - 1, BLOCK, TINY_MODEL_BLOCK_BYTES_PER_TOKEN * BLOCK, "tier")
+    # The objective: half the p95 observed, where half the burst waited for the first half's answers (128
+    # decode steps); all admitted at once, the first tokens wait for the prefills alone.
+    objective = observed / 2
+    result = needed(MODEL_NAME, steps, objective, shape)
+    blocks = result["estimate"]["blocks_per_replica"]
+    p95 = {}
+    for label, count in (("needed", blocks), ("half", blocks // 2)):
+        with vllm_server(model_dir=model, venv=venv, max_num_seqs=16, startup_timeout_s=STARTUP_S, report=report,
+                         kv_cache_memory_bytes=count * BLOCK * TINY_MODEL_BLOCK_BYTES_PER_TOKEN,
+                         log_path=tmp_path_factory.mktemp(f"vllm-{label}") / "server.log") as server:
+            _burst_one(server, SEED + 2)  # first-use costs paid before the burst
+            p95[label] = _burst(server, SEED + 3)
+    report(f"needed: {NEEDED_REQUESTS} requests of {NEEDED_PROMPT} + {NEEDED_OUTPUT} tokens at once; first-token "
+           f"p95 {observed:.2f} s on {shape.usable_blocks} blocks; objective "
+           f"{objective:.2f} s; kvwatch: {result['answer']} At {blocks} blocks p95 {p95['needed']:.2f} s, at "
+           f"{blocks // 2} blocks {p95['half']:.2f} s")
+    assert observed > objective  # the burst missed the objective where it was observed
+    assert p95["needed"] <= objective < p95["half"]
+
+
+def _burst_one(server, seed: int) -> float:
+    firsts: list[float] = []
+    _streamed_first_token(server, prompt_text(NEEDED_PROMPT, random.Random(seed)), firsts)
+    return firsts[0]
