@@ -127,6 +127,73 @@ def test_a_story_crossing_the_exhaustion_line_changes_at_once():
     assert [(f.cause, f.clearing_since) for f in out] == [("long_requests", None), ("queueing_compute_bound", 2.0)]
 
 
+def test_two_readings_of_one_exhausted_cache_change_only_after_the_lead():
+    """Queued for KV blocks and preempted are both named only while the cache
+    is exhausted (causes.Cause.while_exhausted): their shares trade places as
+    requests grow. In the demo's exhaustion phase (seed 1) the queue reading
+    lapsed for 22 s, preemption was read for 26 s and the queue again: the
+    page showed queue -> preemption -> queue. A shown one no longer found
+    beside the other is not found absent: the other must lead."""
+    lead = SYMPTOMS["slow_first_token"].lead
+    hold = FindingHold(60.0)
+    for t in range(0, 60, 2):
+        hold.apply(float(t), [finding("slow_first_token", "queueing_kv_bound")])
+    for t in range(60, 80, 2):  # a lapse hidden by the quiet
+        hold.apply(float(t), [])
+    shown = [hold.apply(80.0 + t, [finding("slow_first_token", "preemption")])[0].cause
+             for t in range(0, int(lead) - 2, 2)]
+    assert set(shown) == {"queueing_kv_bound"}, shown
+    shown = [hold.apply(80.0 + t, [finding("slow_first_token", "preemption")])[0].cause
+             for t in range(int(lead) - 2, int(lead) + 4, 2)]
+    assert shown[-1] == "preemption"  # led for its lead: the story changes
+
+
+def test_a_lapsed_finding_never_shown_is_not_shown_when_its_rival_ends():
+    """A cause found for one poll behind the shown one, then lapsed, must not
+    become the story when the shown one ends (seed 1 at the defaults: a
+    one-poll prefill reading stood in for the exhaustion's queue for 5 s,
+    then preemption: two cause changes); it is not true now."""
+    hold = FindingHold(60.0)
+    for t in range(0, 100, 5):
+        hold.apply(float(t), [finding("slow_first_token", "queueing_kv_bound")])
+    hold.apply(100.0, [])  # the shown one lapses
+    hold.apply(105.0, [])
+    out = hold.apply(110.0, [finding("slow_first_token", "prefill")])
+    assert [f.cause for f in out if f.clearing_since is None] == ["queueing_kv_bound"]
+    shown = [hold.apply(115.0 + t, []) for t in range(0, 30, 5)]
+    assert all(f.cause == "queueing_kv_bound" for out in shown for f in out), shown
+    assert shown[-1] and shown[-1][0].clearing_since == 100.0  # shown ended, from its own lapse
+
+
+def test_an_exhaustion_pausing_beside_its_advisory_is_one_episode():
+    """Intermittent exhaustion: in the demo's slow-prefill (seed 1) 4-7k-token
+    documents overlap about once a minute; between overlaps only the sizing
+    advisory is found (the cache still cannot hold what the scheduler
+    admits), and the exhaustion showed ended for 42 s and came back within
+    its hold. While its advisory stands, its lapse is a pause of one
+    condition, hidden for the hold (as its alert keeps firing); without the
+    advisory it shows ended after its quiet, as before."""
+    quiet = SYMPTOMS["exhaustion"].quiet
+    advisory = finding("exhaustion", "capacity_below_max_num_seqs", "info")
+
+    def run(between):
+        hold = FindingHold(60.0)
+        for t in range(0, 60, 2):
+            hold.apply(float(t), [finding("exhaustion", "long_requests")])
+        return [hold.apply(60.0 + t, between) for t in range(0, 58, 2)], hold
+
+    paused, hold = run([advisory])
+    assert all([(f.cause, f.clearing_since) for f in out] == [("long_requests", None)] for out in paused), paused
+    back = hold.apply(118.0, [finding("exhaustion", "long_requests")])
+    assert [(f.cause, f.clearing_since) for f in back] == [("long_requests", None)]
+    assert [f.cause for f in hold.apply(180.0, [advisory])] == ["long_requests"]  # still within the hold
+    assert [f.cause for f in hold.apply(240.0, [advisory])] == ["capacity_below_max_num_seqs"]  # the hold ended it
+    ended, hold = run([])
+    assert ended[int(quiet) // 2 + 1][0].clearing_since == 60.0  # no advisory: shown ended after its quiet
+    # Shown ended, it stays ended: its advisory coming back (seed 0's recovery-2) does not revive it.
+    assert [f.clearing_since for f in hold.apply(118.0, [advisory]) if f.cause == "long_requests"] == [60.0]
+
+
 def test_an_advisory_now_does_not_keep_the_harm_the_window_shows():
     window = [finding("exhaustion", "long_requests", "critical")]
     assert judged_now(window, [finding("exhaustion", "capacity_below_max_num_seqs", "info")]) == [
@@ -189,9 +256,11 @@ def test_blocks_stored_again_while_the_cache_is_exhausted_are_no_eviction_before
 DEMO_SETTINGS = str(Path(__file__).resolve().parent.parent / "scripts" / "demo-kvwatch.yaml")
 
 
-SEED_1_MISSES = ("seed 1 still misses two bars at both settings: an exhaustion that recurs within the hold in "
-                 "slow-prefill (documents overlapping about once a minute) toggles once, and two first-token causes "
-                 "change within the exhaustion and slow-prefill phases")
+SEED_1_MISSES = ("seed 1 still misses one bar at both settings: two first-token cause changes in slow-prefill, "
+                 "the queueing phase's draining queue (compute-bound) relabelled KV-bound at once when one 4-7k-token "
+                 "document is preempted (the detector holds, though the cache was at most 38 % full while those "
+                 "requests waited), then prefill after its handover")
+SEED_1_MISS = "2 cause changes in one phase"
 
 
 @pytest.mark.slow
@@ -216,6 +285,29 @@ def test_the_demo_loop_is_told_right_over_time(config, diagnosis, seed):
     assert result.failures() == [], said
     assert result.contradictions == 0, said  # no finding text contradicts the findings beside it
     assert result.start_seconds and result.clear_seconds, said  # the bars on start and end were measured
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, diagnosis", [(DEMO_SETTINGS, None), (None, {"max_num_seqs": 12})],
+                         ids=["demo-settings", "defaults"])
+def test_seed_1_misses_only_the_queue_relabelled_in_slow_prefill(config, diagnosis):
+    """What seed 1's expected failure leaves out: every other bar holds (it
+    toggled once and changed its first-token cause twice in the exhaustion
+    phase too), and the cause changes beyond one are slow-prefill's first-token
+    ones, compute-bound -> KV-bound -> prefill."""
+    demo = load_scenario("demo")
+    result = score(demo, run_scenario(demo, settings_for(config, diagnosis=diagnosis), demo.cycle_seconds, 1))
+    said = f"{result.figures()}; " + "; ".join(result.wrong_lines())
+    assert result.failures() == [SEED_1_MISS], said
+    per_phase: dict[tuple[str, str], list[str]] = {}
+    for key, (_, _, polls) in result.wrong.items():
+        name, _, what = key.partition(": ")
+        if what.startswith("cause change "):
+            symptom, _, change = what[len("cause change "):].partition(": ")
+            per_phase.setdefault((name, symptom), []).extend([change] * int(polls))
+    over = {where: changes for where, changes in per_phase.items() if len(changes) > 1}
+    assert over == {("slow-prefill (cycle 0)", "slow_first_token"): [
+        "queueing_compute_bound -> queueing_kv_bound", "queueing_kv_bound -> prefill"]}, said
 
 
 def test_a_critical_exhaustion_shows_the_figure_that_made_it_critical():

@@ -24,13 +24,16 @@ Hysteresis, written once, with each symptom's seconds in the cause
 catalogue (causes.Symptom `quiet`, `lead`, `handover`): a condition clear for
 less than `quiet` is not shown (the finding stays plain active as last seen,
 so a lapse does not toggle the page), but no longer than the finding stood
-before it and never less than `handover`; a new cause of a story replaces the
+before it and never less than `handover` (a harm whose lapse stands beside
+its own advisory, the warning sign seen without the harm, is intermittent:
+its lapse is hidden for the whole hold); a new cause of a story replaces the
 cause shown only once it has led for `lead` (until then the shown cause
 stays, as last seen), or, where the rules no longer find the shown cause at
 all, after its `handover` (unless both are exclusive readings of one
-evidence, causes.Cause.exclusive: then the new one must lead); and a finding
-is never first shown already clearing (one the last poll did not show, hidden
-behind an active rival, stays hidden).
+evidence, causes.Cause.exclusive, or two parts of one exhausted cache's harm,
+causes.Cause.while_exhausted: then the new one must lead); and a finding is
+never first shown already clearing, nor while its condition is clear (one the
+last poll did not show, hidden behind an active rival, stays hidden).
 
 A finding held while clearing is reported only while no other cause of its
 symptom on its engine is active (diagnose/arbitration.py), unless it was the
@@ -80,6 +83,7 @@ class FindingHold:
         # The hysteresis' memory: what the last poll showed (hold keys), each
         # story's cause shown active then, and since when another cause leads it.
         self._shown: set[tuple] = set()
+        self._ended: set[tuple] = set()  # those shown clearing then
         self._shown_cause: dict[tuple, Finding] = {}
         self._challengers: dict[tuple, float] = {}
 
@@ -104,6 +108,7 @@ class FindingHold:
         # Stories with a harm found now: a shown cause no longer found beside another one waits only its
         # handover (an advisory left once the harm ended is no successor: that is a lapse).
         found = {story: f.cause for f in current if (story := group_key(f)) is not None and is_actionable(f)}
+        advised = {story for f in current if (story := group_key(f)) is not None and _advisory(f)}
         for since, key, finding in clearing:
             held[key] = (finding, since)
             born[key] = self._born.get(key, since)
@@ -114,15 +119,24 @@ class FindingHold:
             # stays a blip), and never less than its handover (a one-poll lapse is never shown).
             wait = handover if successor else max(handover, min(self._symptom(finding.symptom, "quiet"),
                                                                   since - born[key]))
-            quiet = at - since < wait and not contradicted(finding)
+            if not successor and story in advised and is_actionable(finding) and self.hysteresis:
+                # Intermittent: the harm paused while its own warning sign stands (the cache still cannot
+                # hold what the scheduler admits), so it recurs; one episode, as its alert keeps firing.
+                wait = self.seconds
+            # Once shown ended it stays so until its condition holds again (a lapse shown is never taken back).
+            quiet = at - since < wait and not contradicted(finding) and key not in self._ended
             out.append(finding if quiet else replace(finding, clearing_since=since))
         self._held, self._born = held, born
         # One story per engine and symptom: a held finding never stands beside
         # an active cause of the same symptom (it is kept here and comes back
         # if its rival clears first); between held ones, the last primary stays.
-        out = arbitrate(out, self._primaries)
+        # Never first shown already clearing, nor while its condition is clear: a lapsed cause that stood
+        # behind the shown one must not become the story when that one ends (it is not true now).
+        lapsed = {key for _, key, _ in clearing} - self._shown
+        out = arbitrate([f for f in out if hold_key(f) not in lapsed], self._primaries)
         out = [f for f in out if f.clearing_since is None or hold_key(f) in self._shown]
         self._shown = {hold_key(f) for f in out}
+        self._ended = {hold_key(f) for f in out if f.clearing_since is not None}
         self._shown_cause = {story: f for f in out
                              if f.clearing_since is None and (story := group_key(f)) is not None}
         self._primaries = primaries(out)
@@ -216,9 +230,20 @@ def _across_exhaustion(shown: str, new: str) -> bool:
 
 def _rival_readings(shown: str, new: str) -> bool:
     """Both causes are exclusive readings of their symptom's evidence
-    (causes.Cause.exclusive): the one not named was not found absent."""
+    (causes.Cause.exclusive), or both are named only while the cache is
+    exhausted (causes.Cause.while_exhausted: queued for KV blocks, preempted),
+    two parts of one exhausted cache's harm whose shares trade places as
+    requests grow: the one not named was not found absent."""
     before, after = CAUSE.get(shown), CAUSE.get(new)
-    return before is not None and after is not None and before.exclusive and after.exclusive
+    return before is not None and after is not None and (
+        (before.exclusive and after.exclusive) or (before.while_exhausted is True and after.while_exhausted is True))
+
+
+def _advisory(finding: Finding) -> bool:
+    """A harm's warning sign, seen without the harm: a cause that is a
+    warning or critical where it harms, found at info (causes.Cause.severity)."""
+    record = CAUSE.get(finding.cause)
+    return not is_actionable(finding) and record is not None and record.severity in ("warning", "critical")
 
 
 def _rank(severity: str) -> int:
