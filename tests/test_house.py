@@ -20,8 +20,10 @@ from kvwatch.signals import ENGINE_SERIES, HEALTH, SIGNALS
 from pageserver import Answer, PageServer
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvwatch"
-# (The window, shared too, is a package: kvwatch/window/.)
-SHARED_PIPELINE = {"cli", "units", "scrape", "exposition", "snapshot", "settings", "present", "labels"}
+# (The window, shared too, is a package: kvwatch/window/.) The stream's report is the event
+# stream's counterpart of the page's Snapshot: a type every later stage reads.
+SHARED_PIPELINE = {"cli", "units", "scrape", "exposition", "snapshot", "stream_report", "settings", "present",
+                   "labels"}
 
 
 def module_name(path: Path) -> str:

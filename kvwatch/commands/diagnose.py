@@ -37,7 +37,7 @@ from kvwatch.settings import Settings, SettingsError, flag_help, load_settings, 
 from kvwatch.commands import failfast
 from kvwatch.signals import SIGNALS
 from kvwatch.present import TerminalText, TextOut, format_evidence, format_value, signal_columns, signal_label
-from kvwatch.pipeline.reports import KVEventsReport
+from kvwatch.stream_report import KVEventsReport
 
 if TYPE_CHECKING:
     from kvwatch.pipeline.monitor import Monitor, State

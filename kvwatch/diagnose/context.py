@@ -11,7 +11,7 @@ from itertools import islice
 from typing import Any
 
 from kvwatch.diagnose.thresholds import Thresholds
-from kvwatch.pipeline.reports import KVEventsReport
+from kvwatch.stream_report import KVEventsReport
 from kvwatch.diagnose.vocabulary import Change, Finding, severity_of
 from kvwatch.snapshot import EngineSnapshot, Histogram
 from kvwatch.window import EngineKey, EntryFollower, Entry, Increase, Step, Window

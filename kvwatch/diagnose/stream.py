@@ -33,7 +33,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from kvwatch.diagnose.thresholds import Thresholds
-from kvwatch.pipeline.reports import KVEventsPause, KVEventsReport
+from kvwatch.stream_report import KVEventsPause, KVEventsReport
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding, severity_of
 from kvwatch.kvevents.source import extra_for_share
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvwatch.kvevents.source import sizing_curve
-from kvwatch.pipeline.reports import KVEventsHits, KVEventsPageEngine, KVEventsReport, KVEventsWindow
+from kvwatch.stream_report import KVEventsHits, KVEventsPageEngine, KVEventsReport, KVEventsWindow
 
 
 def with_page(report: KVEventsReport, per_engine) -> KVEventsReport:

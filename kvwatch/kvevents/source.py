@@ -36,7 +36,7 @@ from kvwatch.kvevents.endpoint import ipc_path_problem
 from kvwatch.kvevents.ledger import (DEFAULT_TABLE_BYTES, DISTANCE_BUCKETS, ENTRY_BYTES, RETURN_BOUNDS, Ledger,
                                      Totals, bucket_upper, curve)
 from kvwatch.kvevents.wire import CLEARED, REMOVED, STORED, Decoder, Malformed
-from kvwatch.pipeline.reports import (KVEventsChange, KVEventsIntake, KVEventsLabelRow, KVEventsPart, KVEventsPause,
+from kvwatch.stream_report import (KVEventsChange, KVEventsIntake, KVEventsLabelRow, KVEventsPart, KVEventsPause,
                                       KVEventsReport, KVEventsTable, KVEventsTierRow, KVEventsTotals, KVEventsWindow)
 from kvwatch.present import Throttle
 

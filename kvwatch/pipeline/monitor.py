@@ -28,7 +28,8 @@ from kvwatch.kvevents.join import silence, with_page
 from kvwatch.kvevents.source import KVEventSource
 from kvwatch.pipeline.demo import DemoSource
 from kvwatch.pipeline.lmcache import LMCacheSource
-from kvwatch.pipeline.reports import BusyReport, DemoStatus, KVEventsReport, LMCacheReport, ReplayProgress, UpstreamReport
+from kvwatch.pipeline.reports import BusyReport, DemoStatus, LMCacheReport, ReplayProgress, UpstreamReport
+from kvwatch.stream_report import KVEventsReport
 from kvwatch.pipeline.router import RouterSource
 from kvwatch.pipeline.upstream import UpstreamSource
 from kvwatch.labels import LABEL_VALUE_MAX_BYTES

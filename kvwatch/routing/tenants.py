@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwatch.labels import OTHER, bounded_label
-from kvwatch.pipeline.reports import KVEventsReport
+from kvwatch.stream_report import KVEventsReport
 
 KINDS = ("cache_salt", "fairness_id", "lora")
 DEFAULT_TOP_K = 10

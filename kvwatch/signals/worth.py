@@ -20,7 +20,7 @@ from kvwatch.signals.derivations import (
     CACHED_BY_SOURCE, HOST_SERVED, LOCAL_COMPUTE, OFFLOAD_SERVED, RETRACTED_PROMPT, View, _offload_added_seconds,
     _prefill_seconds_per_token, mean_tokens,
 )
-from kvwatch.pipeline.reports import KVEventsReport
+from kvwatch.stream_report import KVEventsReport
 from kvwatch.window.steps import PREFILL_FIT
 
 # vLLM before 0.32 names two sources of cached prompt tokens (0.16+).
