@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvwatch import __version__
 from kvwatch.mixin import manifests
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.config import (CENTRAL_MEASURED_REPLICAS, CENTRAL_MEASURED_RESIDENT_MIB, DEPLOY_FIELDS,
@@ -84,11 +86,36 @@ def kustomize_command() -> list[str] | None:
     return None
 
 
-def kustomize_build(path: Path) -> list[dict]:
+# The image a user pushed and wrote into manifests.IMAGE_FILE, as each README says.
+PUSHED_IMAGE = "registry.example/kvwatch:" + __version__
+
+
+def write_image_files(root: Path, image: str = PUSHED_IMAGE) -> None:
+    """`image=...` into IMAGE_FILE beside every kustomization under `root` that reads it."""
+    for kustomization in root.rglob("kustomization.yaml"):
+        if manifests.IMAGE_FILE in kustomization.read_text():
+            (kustomization.parent / manifests.IMAGE_FILE).write_text(f"image={image}\n")
+
+
+def run_kustomize(path: Path) -> subprocess.CompletedProcess:
     command = kustomize_command()
     if command is None:
         pytest.skip("neither kustomize nor kubectl is installed (test_kustomizations_reference_existing_files still runs)")
-    result = subprocess.run(command + [str(path)], capture_output=True, text=True, timeout=60)
+    return subprocess.run(command + [str(path)], capture_output=True, text=True, timeout=60)
+
+
+def kustomize_build(path: Path, image: str = PUSHED_IMAGE) -> list[dict]:
+    """What kustomize builds at `path` once the image files are written: a copy
+    of the committed layouts (never the repository's own folders) or, for a
+    user's kustomization already in a temporary folder, in place."""
+    with tempfile.TemporaryDirectory() as scratch:
+        if path.is_relative_to(KUBE):
+            shutil.copytree(KUBE, Path(scratch) / "kubernetes")
+            path = Path(scratch) / "kubernetes" / path.relative_to(KUBE)
+            write_image_files(Path(scratch), image)
+        else:
+            write_image_files(path, image)
+        result = run_kustomize(path)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -358,6 +385,7 @@ def test_the_documented_overlay_rebases_every_runbook_link(tmp_path):
     kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
                      "resources": ["../base"], **recipe}
     (tmp_path / "overlay" / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    write_image_files(tmp_path)
     rule = one(kustomize_build(tmp_path / "overlay"), "PrometheusRule")
     links = [r["annotations"]["runbook_url"] for group in rule["spec"]["groups"] for r in group["rules"]
              if "alert" in r]
@@ -468,7 +496,8 @@ def test_sidecar_components_carry_the_same_container_as_the_base(directory, key)
     component = yaml.safe_load((KUBE / directory / "kustomization.yaml").read_text())
     assert component["kind"] == "Component"
     assert component["patches"] == [{"path": manifests.SIDECAR_PATCH_FILE}]
-    assert (patch["apiVersion"], patch["kind"], patch["metadata"]) == ("apps/v1", "Deployment", {"name": SETTINGS.name})
+    assert (patch["apiVersion"], patch["kind"], patch["metadata"]) == (
+        "apps/v1", "Deployment", {"name": SETTINGS.name, "annotations": {manifests.IMAGE_ANNOTATION: manifests.IMAGE_FILE}})
     assert patch["spec"]["template"]["metadata"] == {"labels": manifests.SIDECAR_POD_LABELS}
     spec = patch["spec"]["template"]["spec"]
     assert set(spec) == {key, "volumes"}
@@ -547,7 +576,7 @@ def test_sidecar_component_adds_kvwatch_to_a_deployment_named_by_the_user(tmp_pa
     assert deployment["metadata"]["name"] == name
     assert one(objects, "ConfigMap")["metadata"]["name"] == SETTINGS.config_map_name
     spec = deployment["spec"]["template"]["spec"]
-    expected = kvwatch_container(one(base_objects(), "Deployment"))
+    expected = {**kvwatch_container(one(base_objects(), "Deployment")), "image": PUSHED_IMAGE}
     if COMPONENTS[directory] == "initContainers":
         assert spec["initContainers"] == [expected]
         assert spec["containers"] == original["spec"]["template"]["spec"]["containers"]
@@ -579,6 +608,7 @@ def test_a_build_where_no_deployment_matches_fails_naming_the_deployment(tmp_pat
     if command is None:
         pytest.skip("neither kustomize nor kubectl is installed")
     path = user_kustomization(tmp_path, existing_deployment(name, namespace), directory)
+    write_image_files(path)
     result = subprocess.run(command + [str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0, "the build added kvwatch nowhere and said nothing"
     assert result.stdout == ""
@@ -587,6 +617,102 @@ def test_a_build_where_no_deployment_matches_fails_naming_the_deployment(tmp_pat
     assert sentence in result.stderr.replace("\\", ""), result.stderr
     # The README quotes that sentence, so a person who sees it finds what to do.
     assert sentence in (KUBE / directory / "README.md").read_text()
+
+
+# ---------------------------------------------------------------- the image
+
+
+# Every committed layout that runs kvwatch, as a user builds it: the example's
+# overlays, central mode, and the Components beside a Deployment of the user's.
+IMAGE_LAYOUTS = ["overlays/servicemonitor", "overlays/podmonitor", "central", "central-sharded", *COMPONENTS]
+
+
+def layout_as_built(tmp_path: Path, layout: str) -> Path:
+    if layout in COMPONENTS:
+        return user_kustomization(tmp_path, existing_deployment(SETTINGS.name), layout)
+    shutil.copytree(KUBE, tmp_path / "kubernetes")
+    return tmp_path / "kubernetes" / layout
+
+
+@pytest.mark.parametrize("layout", IMAGE_LAYOUTS)
+def test_no_default_kustomize_install_can_keep_vllm_from_starting(tmp_path, layout):
+    # No registry serves kvwatch under a default name: a build that names no
+    # image fails, naming the file to write, before any pod could wait on an
+    # image nobody can pull.
+    path = layout_as_built(tmp_path, layout)
+    result = run_kustomize(path)
+    assert result.returncode != 0 and result.stdout == "", result.stdout
+    assert manifests.IMAGE_FILE in result.stderr and "no such file" in result.stderr, result.stderr
+    # The README that comes with the layout says what to write there.
+    readme = (KUBE / layout / "README.md") if layout in COMPONENTS else (REPO / "docs" / "deploy.md")
+    assert f"`{manifests.IMAGE_FILE}`" in readme.read_text() and "image=REGISTRY/kvwatch:TAG" in readme.read_text()
+    # Written, the image is set on kvwatch's container alone, and the file's ConfigMap is not applied.
+    write_image_files(tmp_path)
+    result = run_kustomize(path)
+    assert result.returncode == 0, result.stderr
+    objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert not [doc for doc in objects if doc["metadata"]["name"].startswith(manifests.IMAGE_CONFIG_MAP)]
+    workloads = [doc for doc in objects if doc["kind"] in ("Deployment", "StatefulSet")]
+    images = {c["name"]: c.get("image") for w in workloads for key in ("initContainers", "containers")
+              for c in w["spec"]["template"]["spec"].get(key, [])}
+    assert images["kvwatch"] == PUSHED_IMAGE
+    assert all(image and image != PUSHED_IMAGE for name, image in images.items() if name != "kvwatch"), images
+
+
+@pytest.mark.parametrize("layout", ["base", "central", "central-sharded", *COMPONENTS])
+def test_a_manifest_applied_without_kustomize_names_no_image_so_the_api_server_refuses_it(layout):
+    # `kubectl apply -f` of the file alone: a Deployment or StatefulSet whose
+    # container has no image is refused whole ("...image: Required value"),
+    # so a running vLLM keeps its pods.
+    for path in (KUBE / layout).glob("*.yaml"):
+        for doc in load_docs(path):
+            if doc.get("kind") in ("Deployment", "StatefulSet"):
+                spec = doc["spec"]["template"]["spec"]
+                kvwatch = [c for key in ("initContainers", "containers") for c in spec.get(key, []) if c["name"] == "kvwatch"]
+                assert kvwatch and all("image" not in c for c in kvwatch), path
+                assert doc["metadata"]["annotations"] == {manifests.IMAGE_ANNOTATION: manifests.IMAGE_FILE}
+
+
+def test_the_base_built_alone_names_no_image_for_kvwatch():
+    # The base stays plain objects (an overlay of the user's sets the image): built alone, the API server refuses it.
+    deployment = one(kustomize_build(KUBE / "base"), "Deployment")
+    assert "image" not in kvwatch_container(deployment)
+
+
+def test_the_documented_patch_over_a_remote_base_sets_the_image(tmp_path):
+    # docs/deploy.md's recipe for a base that cannot be given a file, built over a copy of the base.
+    text = (REPO / "docs" / "deploy.md").read_text().split("A remote base (a git URL)", 1)[1]
+    recipe = yaml.safe_load(text.split("```yaml", 1)[1].split("```", 1)[0])
+    shutil.copytree(KUBE / "base", tmp_path / "base")
+    (tmp_path / "overlay").mkdir()
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                     **recipe, "resources": ["../base"]}
+    (tmp_path / "overlay" / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    deployment = one(kustomize_build(tmp_path / "overlay"), "Deployment")
+    assert kvwatch_container(deployment)["image"] == "REGISTRY/kvwatch:TAG"
+
+
+def test_the_image_file_sets_no_other_deployment_of_the_user(tmp_path):
+    path = user_kustomization(tmp_path, existing_deployment(SETTINGS.name), "sidecar-patch")
+    other = copy.deepcopy(EXISTING_VLLM)
+    other["metadata"] = {"name": "router", "labels": {"app": "router"}}
+    (path / "other.yaml").write_text(yaml.safe_dump(other))
+    kustomization = yaml.safe_load((path / "kustomization.yaml").read_text())
+    kustomization["resources"].append("other.yaml")
+    (path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    built = {doc["metadata"]["name"]: doc for doc in kustomize_build(path) if doc["kind"] == "Deployment"}
+    assert built["router"] == other
+    assert kvwatch_container(built[SETTINGS.name])["image"] == PUSHED_IMAGE
+
+
+def test_an_image_named_in_the_deploy_config_is_written_and_needs_no_file():
+    config = SimpleNamespace(deploy=SimpleNamespace(image="registry.example/kvwatch:1"))
+    files = render_manifests(config, prometheus_rule="", dashboards={})
+    for name, text in files.items():
+        assert manifests.IMAGE_FILE not in text, name
+    assert kvwatch_container(yaml.safe_load(files["kubernetes/base/vllm-deployment.yaml"]))["image"] == "registry.example/kvwatch:1"
+    (container,) = yaml.safe_load(files["kubernetes/central/deployment.yaml"])["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "registry.example/kvwatch:1"
 
 
 def test_scrape_config_for_prometheus_without_the_operator_is_valid(tmp_path):
@@ -785,7 +911,8 @@ def test_central_is_hardened_like_the_sidecar_and_sized_from_the_measured_figure
     container = central_container()
     sidecar = kvwatch_container(one(base_objects(), "Deployment"))
     assert container["securityContext"] == sidecar["securityContext"]
-    assert container["image"] == sidecar["image"]
+    # Neither names an image: each build reads it from manifests.IMAGE_FILE.
+    assert "image" not in container and "image" not in sidecar
     assert [m["mountPath"] for m in container["volumeMounts"]] == ["/tmp"]
     resources = container["resources"]
     assert resources == central_resources(SETTINGS.central_max_replicas)

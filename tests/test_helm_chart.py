@@ -25,7 +25,7 @@ from kvwatch.mixin import helm as chart_gen
 from kvwatch.mixin import manifests
 from kvwatch.mixin.config import DeploySettings, central_resources, kv_events_resources
 from kvwatch.settings import load_settings
-from test_deploy_manifests import kubectl_path
+from test_deploy_manifests import PUSHED_IMAGE, kubectl_path
 
 helm = pytest.importorskip(
     "helm_python",
@@ -49,8 +49,8 @@ RELEASE = "kvwatch"
 
 
 # The image a user pushed: the chart renders no kvwatch container without one (the test of the default
-# says why); the kustomize manifests' name, so the two render the same container.
-NAMED_IMAGE = chart_gen._image_parts(SETTINGS.image)[0]
+# says why); the one the kustomize tests write into manifests.IMAGE_FILE, so the two render the same container.
+NAMED_IMAGE = chart_gen._image_parts(PUSHED_IMAGE)[0]
 
 
 def named(values: dict | None) -> dict:
@@ -117,8 +117,9 @@ def sidecar_of(patch: dict) -> tuple[str, dict]:
 
 
 def kustomize_container(directory: str) -> dict:
+    """The Component's container, with the image a build takes from manifests.IMAGE_FILE."""
     patch = yaml.safe_load((KUBE / directory / manifests.SIDECAR_PATCH_FILE).read_text())
-    return sidecar_of(patch)[1]
+    return {**sidecar_of(patch)[1], "image": PUSHED_IMAGE}
 
 
 MODES = {
@@ -297,7 +298,7 @@ def test_chart_and_kustomize_render_the_same_central_container():
     deployment = one(docs, "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     kustomize = yaml.safe_load((KUBE / "central" / "deployment.yaml").read_text())
-    assert container == kustomize["spec"]["template"]["spec"]["containers"][0]
+    assert container == {**kustomize["spec"]["template"]["spec"]["containers"][0], "image": PUSHED_IMAGE}
     # Without a selector it reads the release's namespace.
     (container,) = one(objects({"mode": "central"}), "Deployment")["spec"]["template"]["spec"]["containers"]
     assert container["args"][container["args"].index("--selector") + 1] == f'{{namespace="{NAMESPACE}"}}'
@@ -315,7 +316,7 @@ def test_chart_and_kustomize_render_the_same_sharded_central():
     statefulset = one(docs, "StatefulSet")
     kustomize = yaml.safe_load((KUBE / "central-sharded" / "statefulset.yaml").read_text())
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
-    assert container == kustomize["spec"]["template"]["spec"]["containers"][0]
+    assert container == {**kustomize["spec"]["template"]["spec"]["containers"][0], "image": PUSHED_IMAGE}
     for key in ("replicas", "podManagementPolicy"):
         assert statefulset["spec"][key] == kustomize["spec"][key]
     # The governing Service is the chart's own, headless, and selects the shards.

@@ -128,7 +128,8 @@ class DeploySettings:
     namespace: str = "vllm"
     name: str = "vllm"
     replicas: int = 1
-    image: str = f"kvwatch:{__version__}"
+    # Empty: no registry serves kvwatch under a default name (manifests.IMAGE_FILE says what then).
+    image: str = ""
     image_pull_policy: str = "IfNotPresent"
     vllm_image: str = "vllm/vllm-openai:v0.32.0"
     vllm_model: str = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -195,7 +196,8 @@ DEPLOY_FIELDS = {
     "name": "name of the example vLLM Deployment and its Service; the sidecar Components patch the Deployment "
             "of this name (the one place it is set), and the build fails when there is none",
     "replicas": "vLLM pods in the example Deployment; each carries its own kvwatch",
-    "image": "kvwatch image as pushed to your registry (kustomize `images:` can override it)",
+    "image": "kvwatch image as pushed to your registry; empty (the default): each kustomization that runs kvwatch "
+             "reads it from `kvwatch-image.env` beside it, and fails to build without that file",
     "image_pull_policy": "pull policy of the kvwatch container",
     "vllm_image": "vLLM image of the example Deployment",
     "vllm_model": "model the example Deployment serves",

@@ -66,10 +66,8 @@ def _image_parts(image: str) -> tuple[str, str]:
 
 
 def values(s: DeploySettings, runbook_base: str = PUBLISHED_RUNBOOKS_URL, dashboard_base: str = "") -> dict:
-    repository, tag = _image_parts(s.image)
-    # The default name is served by no registry: the chart then has none, and refuses to render a container.
-    if s.image == DeploySettings.image:
-        repository = ""
+    # No image named: the chart has none either, and refuses to render a container (its tag stays the release's).
+    repository, tag = _image_parts(s.image) if s.image else ("", __version__)
     return {
         "mode": "sidecar",
         "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy},

@@ -89,7 +89,7 @@ def kvwatch_container(s: DeploySettings, native: bool | None = None) -> dict:
     makes it a native sidecar: an init container with restartPolicy Always
     (Kubernetes 1.29+), started before vLLM and stopped after it."""
     native = s.sidecar_native if native is None else native
-    container: dict[str, Any] = {"name": "kvwatch", "image": s.image, "imagePullPolicy": s.image_pull_policy}
+    container: dict[str, Any] = {"name": "kvwatch", **_image(s), "imagePullPolicy": s.image_pull_policy}
     if native:
         container["restartPolicy"] = "Always"
     container.update({
@@ -157,7 +157,7 @@ def vllm_deployment(s: DeploySettings) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": s.name, "labels": dict(s.labels)},
+        "metadata": _marked({"name": s.name, "labels": dict(s.labels)}, s),
         "spec": {
             "replicas": s.replicas,
             "selector": {"matchLabels": dict(s.labels)},
@@ -327,7 +327,7 @@ def central_container(s: DeploySettings) -> dict:
     sidecar = kvwatch_container(s)
     return {
         "name": "kvwatch",
-        "image": s.image,
+        **_image(s),
         "imagePullPolicy": s.image_pull_policy,
         "args": central_args(s),
         "env": [
@@ -352,7 +352,7 @@ def central_deployment(s: DeploySettings) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": s.central_name, "labels": dict(labels)},
+        "metadata": _marked({"name": s.central_name, "labels": dict(labels)}, s),
         "spec": {
             # One reader: two would each query the store and export every series twice.
             "replicas": 1,
@@ -473,6 +473,61 @@ SHARDED_NOTES = [
 ]
 
 
+# ---------------------------------------------------------------- the image
+
+
+# No registry serves kvwatch under a default name, and a native sidecar whose image
+# cannot be pulled keeps vLLM from starting. So with no image named (the default) a
+# kustomization that runs kvwatch reads it from IMAGE_FILE beside it: a build without
+# that file fails naming it, and a file applied without kustomize has no image, which
+# the API server refuses (docs/deploy.md, "A default that cannot keep vLLM from starting").
+IMAGE_FILE = "kvwatch-image.env"
+IMAGE_CONFIG_MAP = "kvwatch-image"
+# Marks the objects whose kvwatch container takes the image: a user's other Deployments are left alone.
+IMAGE_ANNOTATION = "kvwatch/image-from"
+
+
+def _image(s: DeploySettings) -> dict:
+    return {"image": s.image} if s.image else {}
+
+
+def _marked(metadata: dict, s: DeploySettings) -> dict:
+    """An object's metadata, with IMAGE_ANNOTATION where its kvwatch container's image comes from IMAGE_FILE."""
+    return metadata if s.image else {**metadata, "annotations": {IMAGE_ANNOTATION: IMAGE_FILE}}
+
+
+def _image_line(s: DeploySettings) -> str:
+    if s.image:
+        return f"the image `{s.image}`, as the deploy config names it."
+    return (f"the image: no registry serves kvwatch under a default name, so write the one you pushed into\n"
+            f"  `{IMAGE_FILE}` beside the Component's kustomization, as one line\n"
+            f"  `image=REGISTRY/kvwatch:TAG`. Without that file the build fails naming it, and a vLLM\n"
+            f"  pod never waits on an image nobody can pull (docs/deploy.md).")
+
+
+def image_requirement(s: DeploySettings, kind: str, key: str) -> dict:
+    """The kustomization fields that set the `kvwatch` container's image in the
+    `key` list (containers or initContainers) of each `kind` object marked with
+    IMAGE_ANNOTATION, from IMAGE_FILE's `image=` line; none when the image is named."""
+    if s.image:
+        return {}
+    return {
+        "configMapGenerator": [{
+            "name": IMAGE_CONFIG_MAP, "envs": [IMAGE_FILE],
+            # Read by the replacement, never applied.
+            "options": {"annotations": {"config.kubernetes.io/local-config": "true"}},
+        }],
+        "replacements": [{
+            "source": {"kind": "ConfigMap", "name": IMAGE_CONFIG_MAP, "fieldPath": "data.image"},
+            "targets": [{
+                "select": {"kind": kind, "annotationSelector": f"{IMAGE_ANNOTATION}={IMAGE_FILE}"},
+                "fieldPaths": [f"spec.template.spec.{key}.[name=kvwatch].image"],
+                "options": {"create": True},
+            }],
+        }],
+    }
+
+
 # ---------------------------------------------------------------- sidecar patch
 
 
@@ -495,7 +550,7 @@ def sidecar_patch(s: DeploySettings, native: bool) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": s.name},
+        "metadata": _marked({"name": s.name}, s),
         "spec": {"template": {
             # The PodMonitor selects this label: your pods are scraped whatever their own labels.
             "metadata": {"labels": dict(SIDECAR_POD_LABELS)},
@@ -504,12 +559,13 @@ def sidecar_patch(s: DeploySettings, native: bool) -> dict:
     }
 
 
-def sidecar_component() -> dict:
+def sidecar_component(s: DeploySettings, native: bool) -> dict:
     return {
         "apiVersion": "kustomize.config.k8s.io/v1alpha1",
         "kind": "Component",
         "resources": ["kvwatch-config.yaml"],
         "patches": [{"path": SIDECAR_PATCH_FILE}],
+        **image_requirement(s, "Deployment", "initContainers" if native else "containers"),
     }
 
 
@@ -557,7 +613,7 @@ Before applying, check:
 
 - `target` in `kvwatch-config.yaml`: `http://127.0.0.1:{vllm_port}/metrics`,
   the port your vLLM container listens on (the containers share the pod's network);
-- the image `{image}`: set yours with `kustomize edit set image kvwatch=REGISTRY/kvwatch:TAG`.
+- {image_line}
 
 kvwatch has no readiness probe, so it never takes a vLLM pod out of its
 Service; its liveness probe restarts it alone after five minutes without an
@@ -625,11 +681,13 @@ def _with_comments(text: str, notes: list[tuple[str, str]]) -> str:
     return "".join(out)
 
 
-def _kustomization(resources: list[str], namespace: str | None = None, kind: str = "Kustomization") -> str:
+def _kustomization(resources: list[str], namespace: str | None = None, kind: str = "Kustomization",
+                   image: dict | None = None) -> str:
     doc: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": kind}
     if namespace:
         doc["namespace"] = namespace
     doc["resources"] = resources
+    doc.update(image or {})
     return HEADER + to_yaml(doc)
 
 
@@ -676,22 +734,25 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
     if dashboards:
         files[base + "grafana-dashboards.yaml"] = HEADER + to_yaml(*dashboard_config_maps(s, dashboards))
         base_resources.append("grafana-dashboards.yaml")
+    # The base stays plain objects, so an overlay of a user's (a remote base too) can set the image its own way.
     files[base + "kustomization.yaml"] = _kustomization(base_resources, s.namespace)
+    sidecar_image = image_requirement(s, "Deployment", "initContainers" if s.sidecar_native else "containers")
 
     for monitor, builder in (("servicemonitor", service_monitor), ("podmonitor", pod_monitor)):
         overlay = f"kubernetes/overlays/{monitor}/"
         files[overlay + f"{monitor}.yaml"] = HEADER + to_yaml(builder(s))
         # The monitor lives beside the pods: monitors select in their own namespace by default.
-        files[overlay + "kustomization.yaml"] = _kustomization(["../../base", f"{monitor}.yaml"], s.namespace)
+        files[overlay + "kustomization.yaml"] = _kustomization(["../../base", f"{monitor}.yaml"], s.namespace,
+                                                               image=sidecar_image)
 
     for directory, native in SIDECAR_COMPONENTS.items():
         patch = f"kubernetes/{directory}/"
         files[patch + "kvwatch-config.yaml"] = files[base + "kvwatch-config.yaml"]
         files[patch + SIDECAR_PATCH_FILE] = HEADER + _with_comments(
             to_yaml(sidecar_patch(s, native)), [("metadata:", PATCH_NOTE)] + container_notes)
-        files[patch + "kustomization.yaml"] = HEADER + to_yaml(sidecar_component())
+        files[patch + "kustomization.yaml"] = HEADER + to_yaml(sidecar_component(s, native))
         files[patch + "README.md"] = SIDECAR_README.format(
-            vllm_port=s.vllm_port, name=s.name, image=s.image, port_name=s.port_name, patch=SIDECAR_PATCH_FILE,
+            vllm_port=s.vllm_port, name=s.name, image_line=_image_line(s), port_name=s.port_name, patch=SIDECAR_PATCH_FILE,
             kvwatch_port=s.kvwatch_port,
             pod_label=", ".join(f"`{k}={v}`" for k, v in SIDECAR_POD_LABELS.items()),
             directory=f"deploy/kubernetes/{directory}",
@@ -709,7 +770,8 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
     if central_rule:
         files[central + "prometheusrule.yaml"] = HEADER + to_yaml(prometheus_rule_object(s, central_rule))
         central_resources.append("prometheusrule.yaml")
-    files[central + "kustomization.yaml"] = _kustomization(central_resources, s.namespace)
+    files[central + "kustomization.yaml"] = _kustomization(central_resources, s.namespace,
+                                                           image=image_requirement(s, "Deployment", "containers"))
     files["prometheus/central-scrape-configs.yaml"] = HEADER + to_yaml(central_scrape_configs(s))
 
     sharded = "kubernetes/central-sharded/"
@@ -727,5 +789,6 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
         # The same rules: the union of the shards' exports is one unsharded instance's.
         files[sharded + "prometheusrule.yaml"] = files[central + "prometheusrule.yaml"]
         sharded_resources.append("prometheusrule.yaml")
-    files[sharded + "kustomization.yaml"] = _kustomization(sharded_resources, s.namespace)
+    files[sharded + "kustomization.yaml"] = _kustomization(sharded_resources, s.namespace,
+                                                           image=image_requirement(s, "StatefulSet", "containers"))
     return files
