@@ -108,6 +108,16 @@ def parse_number(value: Any, minimum: float | None = None) -> float:
     return number
 
 
+def finite_number(value: Any) -> float | None:
+    """A value as a float where it is a finite number (a sample as a store
+    wrote it, a figure read from a report), None where it is not."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def parse_size(value: Any) -> int:
     """Bytes from a whole number or a text such as `3GiB`, `16MiB`, `10MB`."""
     if isinstance(value, bool):

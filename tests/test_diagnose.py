@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import asdict, replace
 import math
+import re
 from collections import defaultdict
 
 import pytest
@@ -19,8 +20,9 @@ from kvwatch.diagnose import (
     resolve_thresholds,
     validate_thresholds,
 )
-from kvwatch.diagnose import Change, HitRateMemory, hit_rate
+from kvwatch.diagnose import Change, HitRateMemory, exhaustion, hit_rate
 from kvwatch.diagnose.causes import SYMPTOMS, CatalogueError
+from kvwatch.diagnose.judging import check_judges
 from kvwatch.kvevents import wire
 from kvwatch.kvevents.source import KVEventSource
 from kvwatch.settings import SettingsError, load_settings
@@ -282,6 +284,36 @@ def test_capacity_below_max_num_seqs_without_exhaustion_is_info():
     assert not causes(findings) - {"capacity_below_max_num_seqs"}
 
 
+def test_each_exhaustion_cause_has_its_judge_asked_in_the_symptoms_ranking(monkeypatch):
+    ranking = SYMPTOMS["exhaustion"].ranking
+    assert set(exhaustion.JUDGES) == set(ranking)
+    with pytest.raises(CatalogueError, match=r"exhaustion: no judge for \['made_up'\]"):
+        check_judges("exhaustion", exhaustion.JUDGES, ranking + ("made_up",))
+    with pytest.raises(CatalogueError, match=re.escape(f"no ranked cause for the judges of {[ranking[-1]]}")):
+        check_judges("exhaustion", exhaustion.JUDGES, ranking[:-1])
+    asked: list[str] = []
+
+    def recording(cause, judge):
+        def ask(ctx, judging):
+            asked.append(cause)
+            return judge(ctx, judging)
+        return ask
+
+    for cause, judge in list(exhaustion.JUDGES.items()):
+        monkeypatch.setitem(exhaustion.JUDGES, cause, recording(cause, judge))
+    run = Run(thresholds={"max_num_seqs": 16})
+    run.steps(4, usage=0.96, running=9, waiting=4, requests=4, **SHORT, preemptions=2)
+    findings = run.findings()
+    # Every verdict kept: the load shape and, beside it, the sizing advice.
+    assert causes(findings, "exhaustion") == {"concurrency_beyond_capacity"}
+    assert factor(findings, "capacity_below_max_num_seqs").severity == "warning"
+    assert tuple(asked) == ranking
+    asked.clear()
+    monkeypatch.setitem(SYMPTOMS, "exhaustion", replace(SYMPTOMS["exhaustion"], ranking=ranking[::-1]))
+    run.findings()
+    assert tuple(asked) == ranking[::-1]
+
+
 def test_high_usage_alone_is_not_exhaustion():
     # A busy cache with nobody waiting and no preemption is working, not full.
     run = Run()
@@ -338,9 +370,9 @@ def test_each_low_hit_rate_cause_has_its_judge_asked_in_the_symptoms_ranking(mon
     ranking = SYMPTOMS["low_hit_rate"].ranking
     assert set(hit_rate.JUDGES) == set(ranking)
     with pytest.raises(CatalogueError, match=r"no judge for \['made_up'\]"):
-        hit_rate.check_judges(ranking + ("made_up",), hit_rate.JUDGES)
+        check_judges("low_hit_rate", hit_rate.JUDGES, ranking + ("made_up",))
     with pytest.raises(CatalogueError, match=r"no ranked cause for the judges of \['no_reuse'\]"):
-        hit_rate.check_judges(ranking[:-1], hit_rate.JUDGES)
+        check_judges("low_hit_rate", hit_rate.JUDGES, ranking[:-1])
     run = Run()
     run.steps(6, usage=0.4, running=3, requests=4, hit_ratio=0.8)
     run.engine.restart()
@@ -348,7 +380,7 @@ def test_each_low_hit_rate_cause_has_its_judge_asked_in_the_symptoms_ranking(mon
     assert causes(run.findings(), "low_hit_rate") == {"cold_cache"}
     # The workload's judge asked before the cold cache's reads the window's two halves, not the restart.
     workload_first = tuple(c for c in ranking if c != "cold_cache") + ("cold_cache",)
-    monkeypatch.setitem(hit_rate.SYMPTOMS, "low_hit_rate",
+    monkeypatch.setitem(SYMPTOMS, "low_hit_rate",
                         replace(SYMPTOMS["low_hit_rate"], ranking=workload_first))
     assert causes(run.findings(), "low_hit_rate") != {"cold_cache"}
 

@@ -48,3 +48,15 @@ def test_a_replayed_stream_reports_the_recorded_json_byte_for_byte():
 
 if __name__ == "__main__":  # records the expected JSON (only where the report's content is meant to change)
     EXPECTED.write_text(as_served(replayed_reports()))
+
+
+def test_the_stream_families_read_keys_the_report_type_declares():
+    """The catalogue names the report's keys as strings (mypy cannot see
+    them): each is a key of the type the collector reads it from."""
+    from kvwatch.signals import STREAM_SERIES, STREAM_SIGNALS
+    from kvwatch.stream_report import KVEventsTotals, KVEventsWindow
+
+    window_keys = KVEventsWindow.__required_keys__ | KVEventsWindow.__optional_keys__
+    assert {signal.key for signal in STREAM_SIGNALS} <= window_keys, {s.key for s in STREAM_SIGNALS} - window_keys
+    totals_keys = KVEventsTotals.__required_keys__
+    assert {series.key for series in STREAM_SERIES} <= totals_keys, {s.key for s in STREAM_SERIES} - totals_keys

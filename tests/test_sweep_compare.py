@@ -415,3 +415,12 @@ def test_markup_a_sweep_recorded_is_text_in_compare_md(tmp_path):
     text = render_markdown(compare(_report(), after, force=True))
     assert "<script" not in text and "<img" not in text
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+
+
+def test_finite_number_reads_a_finite_number_and_nothing_else():
+    # One definition read by the sweep's comparison and central mode's router samples.
+    from kvwatch.units import finite_number
+
+    assert finite_number("2.5") == 2.5 and finite_number(3) == 3.0 and finite_number("1e3") == 1000.0
+    for value in (None, "", "abc", "NaN", "+Inf", float("-inf"), [1]):
+        assert finite_number(value) is None, value

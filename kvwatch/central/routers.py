@@ -19,7 +19,6 @@ hit ratios for that model gives way to it.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import deque
 from typing import Any
@@ -31,6 +30,7 @@ from kvwatch.pipeline.router import MAX_READINGS, model_windows
 from kvwatch.routing import RouterReading, judge_routing, read_router_page
 from kvwatch.routing.attribution import decides_affinity
 from kvwatch.routing.page import LLM_D_PREFIXES
+from kvwatch.units import finite_number
 from kvwatch.window import Window
 
 MAX_ROUTERS = 16
@@ -47,15 +47,6 @@ NAME_MATCHER = '__name__=~"(({prefixes})({llm_d}))|{others}"'.format(
 
 _NAME = re.compile(NAME_MATCHER[len('__name__=~"'):-1])
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-
-
-def _number(value: Any) -> float | None:
-    """A sample's time or value as the store wrote it, None where it is no finite number."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
 
 
 def _family(name: str) -> tuple[str, str]:
@@ -125,7 +116,7 @@ class StoreRouters:
                 continue  # a stand-in client may not apply keep itself
             at_steps = steps.setdefault(key, {})
             for at, value in pairs_of(series["values"]):
-                sample = _number(at), _number(value)
+                sample = finite_number(at), finite_number(value)
                 if sample[0] is not None and sample[1] is not None:
                     at_steps.setdefault(sample[0], []).append((name, metric, sample[1]))
         for key, by_time in sorted(steps.items()):

@@ -14,8 +14,8 @@ and the CLI (titles, actions, deciding evidence), the mixin (severities,
 `for:` durations, panels, owners, no-data states, the runbook sections).
 
     Adding a cause: its Cause record below and its name in its symptom's
-    `ranking`, its judge (the symptom's diagnose/ module: hit_rate.py's
-    @judges), its runbooks/<cause>.md if an alert reports it; tests.
+    `ranking`, its judge (@judges in the symptom's diagnose/ module:
+    hit_rate.py, exhaustion.py), its runbooks/<cause>.md if an alert reports it; tests.
     Routing it to an alert: `alert=` and `owner=` in its record, and
     `routed_by_finding=True` (the alert fires on kvwatch_finding), or its
     CauseAlert record in kvwatch/mixin/alert_records.py (a PromQL twin:

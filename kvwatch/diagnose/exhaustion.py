@@ -1,19 +1,26 @@
 """Exhaustion: the KV cache was full, and why (too many requests, a few long
-ones, or a scheduler that admits more than fit). Decided once per window from
-its means, as the generated alert rule decides it over its rate window, so the
-two agree and exactly one of concurrency_beyond_capacity and long_requests is
-named."""
+ones, or a scheduler that admits more than fit). Each cause has its judge
+(registered with @judges), asked in the symptom's ranking (causes.py), every
+verdict kept. The load shape is decided once per window from its means, as
+the generated alert rule decides it over its rate window, so the two agree
+and exactly one of concurrency_beyond_capacity and long_requests is named;
+the sizing advice (capacity_below_max_num_seqs) rides beside it.
+
+    Adding a cause: its record and its name in the symptom's ranking
+    (causes.py), its judge here; check_judges refuses one without the other."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvwatch.diagnose.arbitration import alternative
 from kvwatch.diagnose.causes import CAUSE
-from kvwatch.diagnose.context import EngineContext, Poll, max_num_seqs, quantile_value
+from kvwatch.diagnose.context import EngineContext, Exhaustion, Poll, max_num_seqs, quantile_value
 from kvwatch.diagnose.hit_rate import verdict as hit_rate_verdict
+from kvwatch.diagnose.judging import check_judges, in_ranking, registrar
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
 from kvwatch.snapshot import config_number, hybrid_cache
 
@@ -68,25 +75,91 @@ def _load_shape(ctx: EngineContext) -> dict[str, float | None]:
 
 
 def exhaustion_findings(ctx: EngineContext) -> list[Finding]:
-    capacity_requests = ctx.value("kvwatch_kv_cache_capacity_requests")
-    max_seqs, max_seqs_source = max_num_seqs(ctx)
-    stated_concurrency = config_number(ctx.cache_config, "kv_cache_max_concurrency")
-    bound = {"kv_cache_capacity_requests": capacity_requests, "max_num_seqs": max_seqs,
-             "max_num_seqs_source": max_seqs_source}
-    # An inferred bound only counts when strictly more requests ran than fit.
-    below = capacity_requests is not None and max_seqs is not None and capacity_requests < max_seqs
-    state = ctx.exhaustion
-    if state is None:
-        if below and ctx.t.max_num_seqs is not None:
-            return [_capacity_below_advisory(ctx, bound, stated_concurrency)]
-        return []
-    findings = [_severity_said(_full_cache_finding(ctx, state, capacity_requests), state)]
-    if below:
-        findings.append(_capacity_below_finding(ctx, state, bound, stated_concurrency))
-    return findings
+    """Every judge asked in the symptom's ranking, each verdict kept: the two
+    load shapes read one comparison, so at most one of them is named, and the
+    sizing advice rides beside it (a reason the shape hurts, not a rival)."""
+    judging = _Judging.of(ctx)
+    return [found for judge in in_ranking("exhaustion", JUDGES) if (found := judge(ctx, judging)) is not None]
 
 
-def _severity_said(finding: Finding, state) -> Finding:
+@dataclass
+class _FullCache:
+    """While the cache was exhausted: the window's load shape, read once for both shapes' judges."""
+
+    state: Exhaustion
+    shares: dict[str, Any]
+    common: dict[str, Any]  # what every full-cache finding carries
+    long: bool  # a few long requests filled it, not many
+    footprint_share: float | None
+    when: str
+    confidence: str
+
+
+@dataclass
+class _Judging:
+    """What each judge of the exhaustion reads: the one detector's state,
+    the cache's capacity in requests against the scheduler's bound, and
+    (while exhausted, read at the first judge that asks) the load shape."""
+
+    ctx: EngineContext
+    state: Exhaustion | None
+    bound: dict[str, Any]
+    stated_concurrency: float | None
+    below: bool  # an inferred bound only counts when strictly more requests ran than fit
+    _full: _FullCache | None = None
+
+    @classmethod
+    def of(cls, ctx: EngineContext) -> _Judging:
+        capacity_requests = ctx.value("kvwatch_kv_cache_capacity_requests")
+        max_seqs, max_seqs_source = max_num_seqs(ctx)
+        bound = {"kv_cache_capacity_requests": capacity_requests, "max_num_seqs": max_seqs,
+                 "max_num_seqs_source": max_seqs_source}
+        below = capacity_requests is not None and max_seqs is not None and capacity_requests < max_seqs
+        return cls(ctx, ctx.exhaustion, bound, config_number(ctx.cache_config, "kv_cache_max_concurrency"), below)
+
+    def full(self) -> _FullCache | None:
+        if self.state is not None and self._full is None:
+            self._full = _full_cache(self.ctx, self.state, self.bound["kv_cache_capacity_requests"])
+        return self._full
+
+
+# A cause's judge: the engine's context and the exhaustion's evidence in; its
+# finding out, or None where its cause does not apply.
+Judge = Callable[[EngineContext, _Judging], "Finding | None"]
+JUDGES: dict[str, Judge] = {}
+judges = registrar(JUDGES)
+
+
+@judges("concurrency_beyond_capacity")
+def _concurrency_beyond_capacity(ctx: EngineContext, judging: _Judging) -> Finding | None:
+    full = judging.full()
+    if full is None or full.long:
+        return None
+    return _severity_said(_concurrency_finding(ctx, full), full.state)
+
+
+@judges("long_requests")
+def _long_requests(ctx: EngineContext, judging: _Judging) -> Finding | None:
+    full = judging.full()
+    if full is None or not full.long:
+        return None
+    return _severity_said(_long_requests_finding(ctx, full), full.state)
+
+
+@judges("capacity_below_max_num_seqs")
+def _capacity_below_max_num_seqs(ctx: EngineContext, judging: _Judging) -> Finding | None:
+    """The scheduler admits more than the cache holds: a finding while
+    exhausted, an advisory before (only on a --max-num-seqs stated)."""
+    if not judging.below:
+        return None
+    if judging.state is not None:
+        return _capacity_below_finding(ctx, judging.state, judging.bound, judging.stated_concurrency)
+    if ctx.t.max_num_seqs is not None:
+        return _capacity_below_advisory(ctx, judging.bound, judging.stated_concurrency)
+    return None
+
+
+def _severity_said(finding: Finding, state: Exhaustion) -> Finding:
     """A critical exhaustion says the figure that made it critical: the
     preemptions its alert (critical with preemptions, the same record's
     preempting_severity) reads too."""
@@ -99,7 +172,7 @@ def _severity_said(finding: Finding, state) -> Finding:
     return replace(finding, evidence={"severity_because": note, **finding.evidence})
 
 
-def _capacity_below_advisory(ctx: EngineContext, bound: dict[str, Any], stated_concurrency) -> Finding:
+def _capacity_below_advisory(ctx: EngineContext, bound: dict[str, Any], stated_concurrency: float | None) -> Finding:
     capacity_requests, max_seqs = bound["kv_cache_capacity_requests"], bound["max_num_seqs"]
     return ctx.finding(
         "exhaustion", "capacity_below_max_num_seqs", "medium",
@@ -109,7 +182,8 @@ def _capacity_below_advisory(ctx: EngineContext, bound: dict[str, Any], stated_c
         NEXT_CHECK["capacity_below_max_num_seqs"], advisory=True)
 
 
-def _capacity_below_finding(ctx: EngineContext, state, bound: dict[str, Any], stated_concurrency) -> Finding:
+def _capacity_below_finding(ctx: EngineContext, state: Exhaustion, bound: dict[str, Any],
+                            stated_concurrency: float | None) -> Finding:
     capacity_requests, max_seqs = bound["kv_cache_capacity_requests"], bound["max_num_seqs"]
     stated = ctx.t.max_num_seqs is not None
     return ctx.finding(
@@ -150,7 +224,7 @@ def _request_tokens_mean(ctx: EngineContext) -> float | None:
     return prompt_mean + generated_mean if prompt_mean is not None and generated_mean is not None else None
 
 
-def _full_cache_evidence(ctx: EngineContext, state, shares: dict[str, Any]) -> dict[str, Any]:
+def _full_cache_evidence(ctx: EngineContext, state: Exhaustion, shares: dict[str, Any]) -> dict[str, Any]:
     """What every full-cache finding carries, whichever shape it names."""
     shape = shares["shape"]
     return {
@@ -236,31 +310,28 @@ def _when_full(usage_now: float | None, limit: float) -> str:
     return "earlier in the window"
 
 
-def _full_cache_finding(ctx: EngineContext, state, capacity_requests) -> Finding:
+def _full_cache(ctx: EngineContext, state: Exhaustion, capacity_requests: float | None) -> _FullCache:
     shares = _request_shares(ctx, capacity_requests)
     common = _full_cache_evidence(ctx, state, shares)
     long, footprint_share = _few_long_requests(ctx, shares)
     when = _when_full(common["kv_usage_now"], common["kv_usage_threshold"])
     peak = state.peak
     proven = state.full_polls and (state.preemptions > 0 or (peak and peak.gauge("waiting_by_reason/capacity")))
-    confidence = "high" if proven else "medium"
-    if long:
-        return _long_requests_finding(ctx, state, shares, common, when, confidence, footprint_share or 0.0)
-    return _concurrency_finding(ctx, state, shares, common, when, confidence)
+    return _FullCache(state, shares, common, long, footprint_share, when, "high" if proven else "medium")
 
 
-def _long_requests_finding(ctx: EngineContext, state, shares: dict[str, Any], common: dict[str, Any], when: str,
-                           confidence: str, footprint_share: float) -> Finding:
+def _long_requests_finding(ctx: EngineContext, full: _FullCache) -> Finding:
+    state, shares = full.state, full.shares
     share, final_share, shape = shares["share"], shares["final_share"], shares["shape"]
-    tokens = footprint_share * ctx.capacity_tokens if ctx.capacity_tokens else None
+    tokens = (full.footprint_share or 0.0) * ctx.capacity_tokens if ctx.capacity_tokens else None
     grows = final_share is not None and (share is None or final_share > share)
     return ctx.finding(
-        "exhaustion", "long_requests", confidence,
-        f"KV cache full {when} with few requests: {count_text(shape['running_mean'] or 0)} running on average, each "
+        "exhaustion", "long_requests", full.confidence,
+        f"KV cache full {full.when} with few requests: {count_text(shape['running_mean'] or 0)} running on average, each "
         + (f"ending at {final_share:.0%} of the cache" if grows else f"holding {share:.0%} of the cache")
         + (f" (about {tokens:.0f} tokens)" if tokens is not None else "")
         + f", and {count_text(shape['waiting_mean'] or 0)} waiting: a few very long requests fill it.",
-        {**common, **_at_peak(ctx, state.peak)},
+        {**full.common, **_at_peak(ctx, state.peak)},
         NEXT_CHECK["long_requests"], preempting=state.preemptions > 0)
 
 
@@ -286,21 +357,21 @@ def _concurrency_headline(state, demand, capacity_requests) -> tuple[str, tuple]
     return "", ()
 
 
-def _concurrency_finding(ctx: EngineContext, state, shares: dict[str, Any], common: dict[str, Any], when: str,
-                         confidence: str) -> Finding:
+def _concurrency_finding(ctx: EngineContext, full: _FullCache) -> Finding:
+    state, shares = full.state, full.shares
     share, shape, capacity_requests = shares["share"], shares["shape"], shares["capacity_requests"]
     demand = state.peak.demand if state.peak else None
     beyond = capacity_requests is not None and demand is not None and demand > capacity_requests
     headline, alternatives = _concurrency_headline(state, demand, capacity_requests)
-    summary = f"KV cache full {when}" + headline
+    summary = f"KV cache full {full.when}" + headline
     if share is not None:
         summary += (f"; each running request held {share:.0%} of it on average, with "
                     f"{count_text(shape['waiting_mean'])} waiting for {count_text(shape['running_mean'])} running"
                     + ("" if _whole(shape['waiting_mean']) and _whole(shape['running_mean']) else " on average"))
     return ctx.finding(
         "exhaustion", "concurrency_beyond_capacity",
-        confidence if (beyond or capacity_requests is None) else "low", summary + ".",
-        {**common, "demand_at_peak": demand, **_at_peak(ctx, state.peak)},
+        full.confidence if (beyond or capacity_requests is None) else "low", summary + ".",
+        {**full.common, "demand_at_peak": demand, **_at_peak(ctx, state.peak)},
         NEXT_CHECK["concurrency_beyond_capacity"], preempting=state.preemptions > 0, alternatives=alternatives)
 
 
@@ -333,3 +404,6 @@ def _preemption_shape(ctx) -> dict:
     if rejections:
         found["admission_rejections_per_second"] = rejections
     return found
+
+
+check_judges("exhaustion", JUDGES)

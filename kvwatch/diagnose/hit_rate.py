@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from kvwatch.diagnose.arbitration import alternative
-from kvwatch.diagnose.causes import SYMPTOMS, CatalogueError
 from kvwatch.diagnose.context import EngineContext, HitRateVerdict
+from kvwatch.diagnose.judging import check_judges, in_ranking, registrar
 from kvwatch.diagnose.residency import block_floor, residency, within_one_block
 from kvwatch.diagnose.stream import (baseline_confidence, cleared_seconds_ago, stated_by_stream, stream_evidence,
                                      stream_residency)
@@ -171,12 +171,7 @@ def _judge_hit_rate(ctx: EngineContext) -> HitRateVerdict:
     and a drop that came with the exhaustion is either evicted prefixes or
     changed ones: kvwatch does not guess which."""
     judging = _start_judging(ctx)
-    asked: list[Judge] = []
-    for cause in SYMPTOMS["low_hit_rate"].ranking:
-        judge = JUDGES[cause]
-        if judge in asked:
-            continue  # it named this cause with an earlier one
-        asked.append(judge)
+    for judge in in_ranking("low_hit_rate", JUDGES):
         decided = judge(ctx, judging)
         if decided is not None:
             return decided
@@ -207,15 +202,7 @@ class _Judging:
 # changed prefix, eviction before reuse, no reuse); it is asked once.
 Judge = Callable[[EngineContext, "_Judging | None"], "HitRateVerdict | None"]
 JUDGES: dict[str, Judge] = {}
-
-
-def judges(*causes: str) -> Callable[[Judge], Judge]:
-    """Registers a judge for the low-hit-rate causes it names."""
-    def register(judge: Judge) -> Judge:
-        for cause in causes:
-            JUDGES[cause] = judge
-        return judge
-    return register
+judges = registrar(JUDGES)
 
 
 @judges("caching_disabled")
@@ -577,13 +564,4 @@ def with_external_tier(findings: list[Finding], lmcache: dict[str, Any] | None, 
     return kept
 
 
-def check_judges(ranking: tuple[str, ...], judged: dict[str, Judge]) -> None:
-    """Each cause the symptom ranks has its judge, and each judge names a
-    ranked cause, or kvwatch does not import (a cause nobody judges would
-    never be named, and the rule would fail at its turn)."""
-    if set(ranking) != set(judged):
-        raise CatalogueError(f"low_hit_rate: no judge for {sorted(set(ranking) - set(judged))} or no ranked cause "
-                             f"for the judges of {sorted(set(judged) - set(ranking))} (hit_rate.py's @judges)")
-
-
-check_judges(SYMPTOMS["low_hit_rate"].ranking, JUDGES)
+check_judges("low_hit_rate", JUDGES)

@@ -11,6 +11,7 @@ from vLLM.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any, TypeGuard
 
 from prometheus_client.core import (
@@ -37,6 +38,7 @@ from kvwatch.signals.health import ROUTER_HEALTH
 from kvwatch.routing.tenants import DEFAULT_TOP_K, lora_rows
 from kvwatch.engines.plausible import FAULTS
 from kvwatch.snapshot import PINNED_LABELS, Histogram
+from kvwatch.stream_report import KVEventsIntake, KVEventsLabelRow, KVEventsReport, KVEventsTable, KVEventsTotals
 
 IDENTITY = list(IDENTITY_LABELS)
 POLL_ERROR_REASONS = (
@@ -59,8 +61,9 @@ class KvwatchCollector(Collector):
         yield from self._tier(state.lmcache)
         yield from self._router(getattr(state, "router", None))
         yield from self._tenants(state.lmcache, getattr(state, "router", None))
-        yield from self._adapters(getattr(state, "kv_events", None))
-        yield from self._stream(getattr(state, "kv_events", None))
+        stream: KVEventsReport | None = getattr(state, "kv_events", None)
+        yield from self._adapters(stream)
+        yield from self._stream(stream)
         yield from self._signals(state)
         yield from self._pinned(state)
         yield from self._findings(state)
@@ -167,7 +170,7 @@ class KvwatchCollector(Collector):
                     family.add_metric([window.model], value)
             yield family
 
-    def _adapters(self, kv_events):
+    def _adapters(self, kv_events: KVEventsReport | None):
         """Per LoRA adapter, the stream's window's stored-again share and recomputed tokens (top K and "other")."""
         if not kv_events or not kv_events.get("up"):
             return
@@ -230,66 +233,19 @@ class KvwatchCollector(Collector):
                     family.add_metric([row["model_name"]], value)
             yield family
 
-    def _stream(self, report):
+    def _stream(self, report: KVEventsReport | None):
         """The engine's KV-cache event stream (kvwatch/kvevents): its
         health whenever it is configured, its counts and signals once an
         event arrived."""
-        family: Any  # a gauge, counter or histogram family
         if report is None:
             return
-        health = {family.name: family for family in STREAM_HEALTH}
-        intake = report.get("intake") or {}
-        table = report.get("table") or {}
-        up = GaugeMetricFamily("kvwatch_kv_events_up", health["kvwatch_kv_events_up"].help, labels=[])
-        up.add_metric([], 1.0 if report.get("up") else 0.0)
-        yield up
-        for name, value in (("kvwatch_kv_events_messages", intake.get("messages")),
-                            ("kvwatch_kv_events_dropped_messages", intake.get("dropped")),
-                            ("kvwatch_kv_events_missed_messages", intake.get("gaps", intake.get("missed"))),
-                            ("kvwatch_kv_events_recovered_messages", intake.get("recovered")),
-                            ("kvwatch_kv_events_malformed_messages", intake.get("malformed")),
-                            ("kvwatch_kv_events_publisher_restarts", intake.get("restarts")),
-                            ("kvwatch_kv_events_connections", intake.get("connections"))):
-            family = CounterMetricFamily(name, health[name].help, labels=[])
-            family.add_metric([], float(value or 0))
-            yield family
-        for name, value in (("kvwatch_kv_events_tracked_blocks", table.get("entries")),
-                            ("kvwatch_kv_events_sampling_ratio", table.get("sampling_rate")),
-                            ("kvwatch_kv_events_last_message_age_seconds", report.get("last_message_age_seconds")),
-                            ("kvwatch_kv_events_publishers", intake.get("publishers")),
-                            ("kvwatch_kv_events_silent_blocks", (report.get("silence") or {}).get("blocks"))):
-            if _finite(value):
-                family = GaugeMetricFamily(name, health[name].help, labels=[])
-                family.add_metric([], float(value))
-                yield family
+        yield from _stream_health(report)
         if not report.get("up"):
             return
-        totals = report.get("totals") or {}
-        for series in STREAM_SERIES:
-            if series.kind == "histogram":
-                buckets = totals.get("return_buckets") or []
-                family = HistogramMetricFamily(series.name, series.help, labels=[])
-                family.add_metric([], [(_le(bound), count) for bound, count in buckets],
-                                  totals.get("return_seconds_sum") or 0.0)
-                yield family
-                continue
-            family = CounterMetricFamily(series.name, series.help, labels=list(series.labels))
-            if series.key in ("stored", "stored_again", "reused"):
-                for row in totals.get("by_label") or []:
-                    family.add_metric([row["medium"], row["lora_name"]], float(row[series.key]))
-            elif series.key == "tiers":
-                for row in totals.get("tiers") or []:
-                    for event in ("stored", "evicted", "returned"):
-                        family.add_metric([row["medium"], row["locality"], event], float(row[event]))
-            elif series.key == "evicted":
-                for medium, count in (totals.get("evicted_by_medium") or {}).items():
-                    family.add_metric([medium], float(count))
-            else:
-                family.add_metric([], float(totals.get(series.key) or 0))
-            yield family
-        window = report.get("window") or {}
+        yield from _stream_totals(report.get("totals"))
+        window = report.get("window")
         for signal in STREAM_SIGNALS:
-            value = window.get(signal.key)
+            value = window.get(signal.key) if window else None
             if _finite(value):
                 family = GaugeMetricFamily(signal.name, signal.help, labels=[])
                 family.add_metric([], float(value))
@@ -375,6 +331,73 @@ class QuantileMetricFamily(Metric):
     def add_metric(self, labels, value: float) -> None:
         self.samples.append(Sample(self.name, dict(zip(self._labelnames, labels)), value, None))
 
+
+
+def _stream_health(report: KVEventsReport) -> Iterator[Metric]:
+    """The stream's health: up, the intake's counters, the table's gauges."""
+    health = {family.name: family for family in STREAM_HEALTH}
+    # Read by key with .get: a report of an older build may lack a part (the union keeps mypy checking the keys).
+    intake: KVEventsIntake | dict[str, int] = report.get("intake") or {}
+    table: KVEventsTable | dict[str, float] = report.get("table") or {}
+    up = GaugeMetricFamily("kvwatch_kv_events_up", health["kvwatch_kv_events_up"].help, labels=[])
+    up.add_metric([], 1.0 if report.get("up") else 0.0)
+    yield up
+    for name, count in (("kvwatch_kv_events_messages", intake.get("messages")),
+                        ("kvwatch_kv_events_dropped_messages", intake.get("dropped")),
+                        ("kvwatch_kv_events_missed_messages", intake.get("gaps", intake.get("missed"))),
+                        ("kvwatch_kv_events_recovered_messages", intake.get("recovered")),
+                        ("kvwatch_kv_events_malformed_messages", intake.get("malformed")),
+                        ("kvwatch_kv_events_publisher_restarts", intake.get("restarts")),
+                        ("kvwatch_kv_events_connections", intake.get("connections"))):
+        counter = CounterMetricFamily(name, health[name].help, labels=[])
+        counter.add_metric([], float(count or 0))
+        yield counter
+    for name, value in (("kvwatch_kv_events_tracked_blocks", table.get("entries")),
+                        ("kvwatch_kv_events_sampling_ratio", table.get("sampling_rate")),
+                        ("kvwatch_kv_events_last_message_age_seconds", report.get("last_message_age_seconds")),
+                        ("kvwatch_kv_events_publishers", intake.get("publishers")),
+                        ("kvwatch_kv_events_silent_blocks", (report.get("silence") or {}).get("blocks"))):
+        if _finite(value):
+            gauge = GaugeMetricFamily(name, health[name].help, labels=[])
+            gauge.add_metric([], float(value))
+            yield gauge
+
+
+def _stream_totals(totals: KVEventsTotals | None) -> Iterator[Metric]:
+    """The stream's counts since it started, one family per STREAM_SERIES."""
+    family: Any  # a counter or histogram family
+    for series in STREAM_SERIES:
+        if series.kind == "histogram":
+            buckets = (totals.get("return_buckets") if totals else None) or []
+            family = HistogramMetricFamily(series.name, series.help, labels=[])
+            family.add_metric([], [(_le(math.inf if bound is None else bound), count) for bound, count in buckets],
+                              (totals.get("return_seconds_sum") if totals else None) or 0.0)
+            yield family
+            continue
+        family = CounterMetricFamily(series.name, series.help, labels=list(series.labels))
+        if series.key in ("stored", "stored_again", "reused"):
+            for row in (totals.get("by_label") if totals else None) or []:
+                family.add_metric([row["medium"], row["lora_name"]], float(_label_count(row, series.key)))
+        elif series.key == "tiers":
+            for tier in (totals.get("tiers") if totals else None) or []:
+                for event, count in (("stored", tier["stored"]), ("evicted", tier["evicted"]),
+                                     ("returned", tier["returned"])):
+                    family.add_metric([tier["medium"], tier["locality"], event], float(count))
+        elif series.key == "evicted":
+            for medium, evicted in ((totals.get("evicted_by_medium") if totals else None) or {}).items():
+                family.add_metric([medium], float(evicted))
+        elif series.key == "cleared":
+            family.add_metric([], float((totals.get("cleared") if totals else None) or 0))
+        else:
+            raise ValueError(f"{series.name}: no reading of the stream's totals for {series.key!r}")
+        yield family
+
+
+def _label_count(row: KVEventsLabelRow, key: str) -> float:
+    """One count of a (medium, LoRA adapter) row, by the series' key."""
+    if key == "stored":
+        return row["stored"]
+    return row["stored_again"] if key == "stored_again" else row["reused"]
 
 def _le(bound: float) -> str:
     if math.isinf(bound):

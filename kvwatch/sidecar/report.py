@@ -16,10 +16,23 @@ from kvwatch.signals import SIGNALS, WHOLE_BLOCK_SIGNALS, blocks_hold_capacity
 from kvwatch.signals import worth
 from kvwatch.signals.catalogue import caveats, unlit_reasons
 from kvwatch.snapshot import hybrid_cache
+from kvwatch.stream_report import KVEventsReport
 
 
-def public_report(report):
+def public_report(report: KVEventsReport | None) -> dict[str, Any] | None:
     return public(report)
+
+
+def kv_events_of(state) -> KVEventsReport | None:
+    """The State's KV-cache event stream report (None unless kv_events is set), typed for its readers."""
+    report: KVEventsReport | None = getattr(state, "kv_events", None)
+    return report
+
+
+def stream_status(stream: KVEventsReport) -> dict[str, Any]:
+    """The stream's own up and reason, as /api/v1/status says them."""
+    return {"endpoint": stream.get("endpoint"), "mode": stream.get("mode"), "up": stream.get("up"),
+            "reason": stream.get("reason"), "detail": stream.get("detail")}
 
 
 def _rows(rows) -> list[dict[str, Any]]:
@@ -74,8 +87,7 @@ def status_json(state, settings) -> dict[str, Any]:
         **({"lmcache": {key: tier.get(key) for key in ("target", "up", "reason", "detail", "families")}}
            if (tier := getattr(state, "lmcache", None)) else {}),
         # The KV-cache event stream (absent unless kv_events is set): its own up and reason.
-        **({"kv_events": {key: stream.get(key) for key in ("endpoint", "mode", "up", "reason", "detail")}}
-           if (stream := getattr(state, "kv_events", None)) else {}),
+        **({"kv_events": stream_status(stream)} if (stream := kv_events_of(state)) else {}),
     }
 
 
@@ -232,7 +244,7 @@ def signals_json(state, settings) -> dict[str, Any]:
 
 
 def worth_json(state, settings) -> list[dict[str, Any]]:
-    stream = getattr(state, "kv_events", None)
+    stream = kv_events_of(state)
     price = getattr(settings, "gpu_hour_price", None)
     found = (worth.summary(row.model, row.engine, row.values, row.view, stream, price) for row in state.per_engine)
     return [clean(item) for item in found if item is not None]
@@ -275,5 +287,5 @@ def diagnosis_json(state, settings) -> dict[str, Any]:
         "events": [asdict(e) for e in state.events],
         "upstream": clean(state.upstream),
         "lmcache": clean(getattr(state, "lmcache", None)),
-        "kv_events": clean(public_report(getattr(state, "kv_events", None))),
+        "kv_events": clean(public_report(kv_events_of(state))),
     }

@@ -29,12 +29,12 @@ on one axis.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from kvwatch.sweep.output import finish_plot
 from kvwatch.sweep.probe import ANSWERED
+from kvwatch.units import finite_number
 
 COMPARE_JSON = "compare.json"
 COMPARE_MD = "compare.md"
@@ -147,14 +147,6 @@ def _shape_problem(report: dict[str, Any]) -> str | None:
 # What each sweep recorded of its server.
 
 
-def _number(value: Any) -> float | None:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _engine_caches(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     caches = report["server"].get("cache_config") or {}
     return {str(k): v for k, v in caches.items() if isinstance(v, dict)}
@@ -163,10 +155,10 @@ def _engine_caches(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def kv_bytes_per_token(cache: dict[str, Any]) -> float | None:
     """Bytes the KV cache spends on one token: a property of the model and the
     cache's precision alone (the pool's size cancels out)."""
-    memory = _number(cache.get("kv_cache_memory_bytes"))
-    tokens = _number(cache.get("kv_cache_size_tokens"))
+    memory = finite_number(cache.get("kv_cache_memory_bytes"))
+    tokens = finite_number(cache.get("kv_cache_size_tokens"))
     if tokens is None:
-        blocks, block = _number(cache.get("num_gpu_blocks")), _number(cache.get("block_size"))
+        blocks, block = finite_number(cache.get("num_gpu_blocks")), finite_number(cache.get("block_size"))
         tokens = blocks * block if blocks and block else None
     if not memory or not tokens:
         return None
@@ -386,7 +378,7 @@ def _key(cell: dict[str, Any]) -> tuple[int, int, int]:
 
 def _prompt_tokens(cell: dict[str, Any]) -> float | None:
     for key in ("prompt_tokens_mean", "prompt_tokens_client_mean"):
-        value = _number(cell.get(key))
+        value = finite_number(cell.get(key))
         if value is not None:
             return value
     return None
@@ -417,7 +409,7 @@ def cell_conditions(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 
 def _change(before: Any, after: Any) -> dict[str, Any]:
-    b, a = _number(before), _number(after)
+    b, a = finite_number(before), finite_number(after)
     return {"before": b, "after": a,
             "delta": (a - b) if a is not None and b is not None else None,
             "ratio": (a / b) if a is not None and b not in (None, 0.0) else None}
