@@ -31,8 +31,9 @@ system-deps:
 run: $(RUN_STAMP)
 	scripts/run-demo.sh
 
+# The 25 slowest tests' times end the log: where the suite's time goes.
 test: $(STAMP) system-deps
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 test-vllm: $(STAMP) system-deps
 	scripts/test-vllm.sh

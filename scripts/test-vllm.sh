@@ -15,7 +15,11 @@ start=$(date +%s)
 status=0
 # A failed test gets two more tries on the same server; each try must pass
 # whole (see pyproject.toml on why the tier, and only the tier, reruns); the
-# summary names each rerun with the traceback that caused it.
-.venv/bin/pytest -m vllm tests/vllm_tier -v -rR --rerun-show-tracebacks --reruns 2 --reruns-delay 5 "$@" || status=$?
+# summary names each rerun with the traceback that caused it. --durations=0
+# lists every test's setup, call and teardown time (a shared engine's start
+# shows as the setup of the first test using it), so the log shows where the
+# tier's time goes.
+.venv/bin/pytest -m vllm tests/vllm_tier -v -rR --rerun-show-tracebacks --reruns 2 --reruns-delay 5 \
+    --durations=0 "$@" || status=$?
 echo "test-vllm: finished in $(( $(date +%s) - start )) s (exit $status)"
 exit "$status"

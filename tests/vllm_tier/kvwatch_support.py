@@ -184,6 +184,28 @@ def running_kvwatch(target: str, poll_interval: str | None = "0.5s", window: str
             monitor.stop()
 
 
+# A new kvwatch's first poll and the engine's publisher reconnecting to it (ZMQ retries every 0.1 s).
+LISTEN_TIMEOUT_S = 15.0
+
+
+@contextlib.contextmanager
+def listening_kvwatch(metrics_url: str, endpoint: str, window: str = "30s") -> Iterator[RunningKvwatch]:
+    """A kvwatch bound to a running engine's KV-event `endpoint`, yielded
+    once it has polled the engine and the engine's publisher has connected,
+    so a load started then is read from its first event."""
+    with running_kvwatch(metrics_url, window=window, kv_events=endpoint) as kvwatch:
+        events = kvwatch.monitor.kv_events
+        if events is None:
+            raise AssertionError("kvwatch started without its KV-event source")
+        deadline = time.monotonic() + LISTEN_TIMEOUT_S
+        while not (kvwatch.monitor.state.up and events.publishers > 0):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"within {LISTEN_TIMEOUT_S:g} s: kvwatch up {kvwatch.monitor.state.up}, "
+                                     f"publishers connected {events.publishers}")
+            time.sleep(0.1)
+        yield kvwatch
+
+
 def generate_rules(out_dir: Path, config: dict) -> Path:
     """Runs `kvwatch generate --config <config as YAML> --out <out_dir>`; returns the rules file."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ never gets ready must be reported with its log and stopped with its whole
 process group, and load drivers must stay within their bounds.
 """
 
+import contextlib
 import json
 import re
 import sys
@@ -360,3 +361,42 @@ def test_an_older_build_that_ignores_the_bytes_gets_its_cache_in_blocks(monkeypa
     assert harness.cache_size_args(4194304, 32) == ["--num-gpu-blocks-override", "128"]
     monkeypatch.setattr(harness, "VLLM_VERSION", "0.20.2")
     assert harness.cache_size_args(4194304, 32) == ["--kv-cache-memory-bytes", "4194304"]
+
+
+def test_a_shared_engine_starts_once_stops_on_close_and_starts_again_after():
+    entered, exited = [], []
+
+    @contextlib.contextmanager
+    def start():
+        entered.append(len(entered))
+        try:
+            yield f"engine {len(entered)}"
+        finally:
+            exited.append(len(exited))
+
+    shared = harness.SharedEngine(start)
+    assert entered == [] and shared.get() == "engine 1" and shared.get() == "engine 1"
+    assert len(entered) == 1 and exited == []
+    shared.close()
+    assert exited == [0]
+    shared.close()  # closed already: nothing to stop
+    assert exited == [0] and shared.get() == "engine 2" and len(entered) == 2
+    shared.close()
+    assert exited == [0, 1]
+
+
+def test_a_shared_engine_whose_start_fails_holds_nothing_and_tries_again():
+    tries = []
+
+    @contextlib.contextmanager
+    def start():
+        tries.append(1)
+        if len(tries) == 1:
+            raise VllmStartError("no start")
+        yield "engine"
+
+    shared = harness.SharedEngine(start)
+    with pytest.raises(VllmStartError):
+        shared.get()
+    shared.close()
+    assert shared.get() == "engine" and len(tries) == 2

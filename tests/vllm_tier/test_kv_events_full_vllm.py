@@ -8,7 +8,11 @@ reused (hit) blocks with a BlockStored too. kvwatch reads those as hits, so
 - a warm shared prefix in full mode reads as hits: none stored again, the
   blocks stored about one a request, the stream's hit tokens the page's.
 
-Its own module: its vLLM starts after test_kv_events_vllm.py's has stopped."""
+The engine is the tier's shared events engine (conftest.py's `events_vllm`):
+the full mode is asked per request, so the engine's flags are those of
+test_kv_events_vllm.py. The module's tests read it with one kvwatch, so the
+distinct prompts are judged after the rotations' quiet, as a kvwatch that
+read them would."""
 
 from __future__ import annotations
 
@@ -16,10 +20,10 @@ import time
 
 import pytest
 
-from .harness import vllm_server, wait_until_idle
-from .kvwatch_support import running_kvwatch, tier_reporter
+from .harness import wait_until_idle
+from .kvwatch_support import tier_reporter
 from .scenarios import changed_prefix_load, distinct_load, prefix_rotation_load
-from .test_kv_events_vllm import ROTATION_SEED, _named, _watch, events_config, free_port
+from .test_kv_events_vllm import ROTATION_SEED, _named, _watch
 
 pytestmark = pytest.mark.vllm
 
@@ -37,17 +41,6 @@ def half(index: int) -> dict:
 @pytest.fixture(scope="module")
 def report(request):
     return tier_reporter(request.config)
-
-
-@pytest.fixture(scope="module")
-def stream(vllm_build, tmp_path_factory, report):
-    venv, model = vllm_build
-    endpoint, port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    log = tmp_path_factory.mktemp("vllm-kv-events-full") / "server.log"
-    with running_kvwatch(f"http://127.0.0.1:{port}/metrics", window="30s", kv_events=endpoint) as kvwatch:
-        with vllm_server(port=port, model_dir=model, venv=venv, log_path=log, report=report,
-                         extra_args=events_config(endpoint)) as server:
-            yield server, kvwatch
 
 
 def _quiet(server):

@@ -1,32 +1,36 @@
 """The sizing estimate from vLLM's KV-cache events, checked against the
-engine: the same 48 requests (a round robin over 12 prefixes of 512 tokens)
-on the tier's cache, with kvwatch reading the stream and its window covering
-the whole run, and on a vLLM given twice the --kv-cache-memory-bytes, whose
-own counters give the hit ratio it then reaches. kvwatch's prediction for
-`extra_cache` 1 (a cache twice as large) and vLLM's count are printed and
-must agree within 10 percentage points.
+engine: loads run on the tier's cache (the shared events engine), each read
+by a kvwatch of its own whose window holds that load alone, then on vLLMs of
+1.25x, 1.5x, 2x and 3x the cache, whose own counters give the hit ratio they
+reach there. kvwatch's prediction for each size and vLLM's count are printed
+and must agree within 10 percentage points.
 
-Its own module, so that the other stream tests' server has stopped before
-these two start (one after the other) on the tier's two cores.
+- The three loads where the first-order estimate errs, at every size.
+- The round robin over 12 prefixes of 512 tokens (48 requests), its easy
+  case, at twice the cache (`extra_cache` 1): run last on each engine, after
+  the hard loads, which share no text with it, so what they leave cached is
+  evicted before any block of it, as from a cold cache.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from typing import Callable
 
 import pytest
 
 from .harness import LoadRun, prompt_suffix, prompt_text, prompt_words, read_metrics, vllm_server, wait_until_idle
-from .kvwatch_support import read_kvwatch_diagnosis, running_kvwatch, tier_reporter
+from .kvwatch_support import listening_kvwatch, read_kvwatch_diagnosis, tier_reporter
 from .scenarios import prefix_rotation_load
-from .test_kv_events_vllm import ROTATION_SEED, events_config, free_port
+from .test_kv_events_vllm import ROTATION_SEED
 
 pytestmark = pytest.mark.vllm
 
 KV_BYTES = 4194304  # the tier's cache: 128 blocks of 32 tokens
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
+ROTATION = "round robin over 12 prefixes"
 ROTATION_REQUESTS = 48
 STARTUP_S = 420.0  # two cores shared with the load of the rest of the tier
 
@@ -36,47 +40,8 @@ def report(request):
     return tier_reporter(request.config)
 
 
-def rotation(base_url):
+def rotation(base_url) -> LoadRun:
     return prefix_rotation_load(base_url, duration=600.0, seed=ROTATION_SEED, max_requests=ROTATION_REQUESTS)
-
-
-@pytest.mark.timeout(1500)  # two vLLM start-ups (2-3 min each on the shared cores) and two loads
-def test_the_sizing_estimate_against_a_vllm_with_twice_the_cache(vllm_build, tmp_path_factory, report):
-    """The same 48 requests on the tier's cache (kvwatch reading the stream,
-    its window covering the whole run) and on one twice as large (vLLM's own
-    counters): the hit ratio kvwatch predicts for `extra_cache` 1 against the
-    one vLLM counts."""
-    venv, model = vllm_build
-    endpoint, port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    log = tmp_path_factory.mktemp("vllm-kv-events-sizing") / "server.log"
-    with running_kvwatch(f"http://127.0.0.1:{port}/metrics", window="5m", kv_events=endpoint) as kvwatch:
-        with vllm_server(port=port, model_dir=model, venv=venv, log_path=log, report=report,
-                         extra_args=events_config(endpoint), startup_timeout_s=STARTUP_S) as server:
-            time.sleep(2)  # kvwatch's first polls of the engine
-            load = rotation(server.base_url)
-            load.wait()
-            wait_until_idle(server.metrics_url)
-            time.sleep(2)
-            stream = read_kvwatch_diagnosis(kvwatch.url)["kv_events"]
-    points = {p["extra_cache"]: p for p in stream["sizing"]["points"]}
-    now, doubled = stream["sizing"]["hit_ratio_now"], points[1]
-    report(f"kv events sizing: on 128 blocks, {stream['totals']['stored']} blocks stored, "
-           f"{stream['totals']['stored_again']:.0f} stored again, hit ratio {now}; kvwatch predicts "
-           f"{doubled['hit_ratio']} with {doubled['extra_blocks']} more blocks; curve "
-           + ", ".join(f"x{p['extra_cache']:g}: {p['hit_ratio']}" for p in stream["sizing"]["points"]))
-    log = tmp_path_factory.mktemp("vllm-twice") / "server.log"
-    with vllm_server(model_dir=model, venv=venv, log_path=log, report=report,
-                     kv_cache_memory_bytes=2 * KV_BYTES, startup_timeout_s=STARTUP_S) as bigger:
-        before = read_metrics(bigger.metrics_url)
-        rotation(bigger.base_url).wait()
-        after = wait_until_idle(bigger.metrics_url)
-    measured = (after.value(HITS) - before.value(HITS)) / (after.value(QUERIES) - before.value(QUERIES))
-    report(f"kv events sizing: 48 requests over 12 prefixes of 512 tokens; hit ratio {now:.3f} on 128 blocks; "
-           f"kvwatch predicts {doubled['hit_ratio']:.3f} with {doubled['extra_blocks']} more blocks "
-           f"({doubled['extra_bytes'] / 2**20:.1f} MiB); vLLM with twice --kv-cache-memory-bytes counts "
-           f"{measured:.3f} (difference {100 * (doubled['hit_ratio'] - measured):+.1f} pp)")
-    assert stream["intake"]["missed"] == 0
-    assert abs(doubled["hit_ratio"] - measured) <= 0.10
 
 
 # The loads where the first-order estimate errs (docs/kv-events.md; the
@@ -137,27 +102,27 @@ def counted_hit_ratio(metrics_url: str, load: LoadRun) -> float:
     return (after.value(HITS) - before.value(HITS)) / (after.value(QUERIES) - before.value(QUERIES))
 
 
-def predict_on_the_tier_cache(vllm_build, tmp_path_factory, report, loads: dict[str, list[str]]) -> dict:
-    """Each load on the tier's cache, read by a kvwatch of its own, started
-    before the load and its window covering that load alone (the engine's
-    publisher connects to each in turn, as ZMQ reconnects): load -> (the
-    stream's report with kvwatch's sizing, the hit ratio vLLM counted)."""
-    venv, model = vllm_build
-    endpoint, port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    log = tmp_path_factory.mktemp("vllm-sizing-base") / "server.log"
+Loads = dict[str, Callable[[str], LoadRun]]  # name -> the load started on a base URL
+
+
+def predict_on_the_tier_cache(engine, report, loads: Loads) -> dict:
+    """Each load on the tier's cache (the shared events engine), read by a
+    kvwatch of its own, started before the load and its window covering that
+    load alone (the engine's publisher connects to each in turn, as ZMQ
+    reconnects): load -> (the stream's report with kvwatch's sizing, the hit
+    ratio vLLM counted)."""
+    server = engine.server
     out = {}
-    with vllm_server(port=port, model_dir=model, venv=venv, log_path=log, report=report,
-                     extra_args=events_config(endpoint), startup_timeout_s=STARTUP_S) as server:
-        for name, prompts in loads.items():
-            with running_kvwatch(server.metrics_url, window="5m", kv_events=endpoint) as kvwatch:
-                time.sleep(3)  # the publisher's connection and kvwatch's first polls
-                counted = counted_hit_ratio(server.metrics_url, sent_in_turn(server.base_url, name, prompts))
-                time.sleep(2)  # the last events and a poll after them
-                out[name] = (read_kvwatch_diagnosis(kvwatch.url)["kv_events"], counted)
+    for name, start in loads.items():
+        wait_until_idle(server.metrics_url)
+        with listening_kvwatch(server.metrics_url, engine.endpoint, window="5m") as kvwatch:
+            counted = counted_hit_ratio(server.metrics_url, start(server.base_url))
+            time.sleep(2)  # the last events and a poll after them
+            out[name] = (read_kvwatch_diagnosis(kvwatch.url)["kv_events"], counted)
     return out
 
 
-def count_at_size(vllm_build, tmp_path_factory, report, loads: dict[str, list[str]], blocks: int) -> dict:
+def count_at_size(vllm_build, tmp_path_factory, report, loads: Loads, blocks: int) -> dict:
     """The same loads, in the same order, on a vLLM of `blocks` blocks: load
     -> the hit ratio it counts (the loads share no text, so what one leaves
     cached is evicted before anything of the next, as from a cold cache)."""
@@ -167,26 +132,48 @@ def count_at_size(vllm_build, tmp_path_factory, report, loads: dict[str, list[st
                      kv_cache_memory_bytes=blocks * BLOCK_BYTES, startup_timeout_s=STARTUP_S) as server:
         engine_blocks = read_metrics(server.metrics_url).labels("vllm:cache_config_info")["num_gpu_blocks"]
         assert int(engine_blocks) == blocks, f"asked for {blocks} blocks, vLLM made {engine_blocks}"
-        return {name: counted_hit_ratio(server.metrics_url, sent_in_turn(server.base_url, name, prompts))
-                for name, prompts in loads.items()}
+        return {name: counted_hit_ratio(server.metrics_url, start(server.base_url)) for name, start in loads.items()}
 
 
-@pytest.mark.timeout(2400)  # five vLLM start-ups (2-3 min each on the shared cores), three loads on each
-def test_the_sizing_estimate_on_the_hard_loads_against_vllm_at_each_size(vllm_build, tmp_path_factory, report):
+def in_turn(name: str, prompts: list[str]) -> Callable[[str], LoadRun]:
+    return lambda base_url: sent_in_turn(base_url, name, prompts)
+
+
+# Four vLLM start-ups (2-3 min each on the shared cores; the events engine's
+# too where this test is the first to use it), three or four loads on each.
+@pytest.mark.timeout(2400)
+def test_the_sizing_estimate_on_the_hard_loads_against_vllm_at_each_size(events_vllm, vllm_build, tmp_path_factory,
+                                                                        report):
     """The three loads where the first-order estimate errs, run on the
     tier's cache with kvwatch reading the stream, then on vLLMs of 1.25x,
     1.5x, 2x and 3x the cache: kvwatch's predicted hit ratio at each size is
-    within 10 points of the one vLLM counts there."""
+    within 10 points of the one vLLM counts there. The round robin runs last
+    on the tier's cache and on the 2x engine: kvwatch's prediction for
+    `extra_cache` 1 within 10 points of vLLM's count there."""
     words = prompt_words()
-    loads = {name: make(random.Random(seed), words) for name, (make, seed) in HARD_LOADS.items()}
-    base = predict_on_the_tier_cache(vllm_build, tmp_path_factory, report, loads)
-    extra = {p["extra_cache"]: p["extra_blocks"] for p in base[next(iter(loads))][0]["sizing"]["points"]}
+    hard = {name: in_turn(name, make(random.Random(seed), words)) for name, (make, seed) in HARD_LOADS.items()}
+    base = predict_on_the_tier_cache(events_vllm.get(), report, {**hard, ROTATION: rotation})
+    round_robin, round_robin_now = base.pop(ROTATION)
+    extra = {p["extra_cache"]: p["extra_blocks"] for p in base[next(iter(hard))][0]["sizing"]["points"]}
     for name, (stream, now) in base.items():  # said before the larger engines run, in case one fails
         report(f"kv events sizing, {name}: predicted " + ", ".join(
             f"{1 + p['extra_cache']:g}x {p['hit_ratio']:.3f}" for p in stream["sizing"]["points"]
             if p["extra_cache"] in SIZES) + f"; vLLM counted {now:.3f} on 128 blocks")
-    counted = {size: count_at_size(vllm_build, tmp_path_factory, report, loads, 128 + extra[size])
+    doubled = {p["extra_cache"]: p for p in round_robin["sizing"]["points"]}[1]
+    report(f"kv events sizing, {ROTATION}: on 128 blocks, {round_robin['totals']['stored']} blocks stored, "
+           f"{round_robin['totals']['stored_again']:.0f} stored again, hit ratio {round_robin_now:.3f}; kvwatch "
+           f"predicts {doubled['hit_ratio']:.3f} with {doubled['extra_blocks']} more blocks; curve "
+           + ", ".join(f"x{p['extra_cache']:g}: {p['hit_ratio']:.3f}" for p in round_robin["sizing"]["points"]))
+    counted = {size: count_at_size(vllm_build, tmp_path_factory, report,
+                                   {**hard, **({ROTATION: rotation} if size == 1.0 else {})}, 128 + extra[size])
                for size in SIZES}
+    measured = counted[1.0][ROTATION]
+    report(f"kv events sizing, {ROTATION}: {ROTATION_REQUESTS} requests over 12 prefixes of 512 tokens; kvwatch "
+           f"predicts {doubled['hit_ratio']:.3f} with {doubled['extra_blocks']} more blocks "
+           f"({doubled['extra_bytes'] / 2**20:.1f} MiB); vLLM of {128 + extra[1.0]} blocks counts {measured:.3f} "
+           f"(difference {100 * (doubled['hit_ratio'] - measured):+.1f} pp)")
+    assert round_robin["intake"]["missed"] == 0
+    assert abs(doubled["hit_ratio"] - measured) <= 0.10
     errors = {}
     for name, (stream, now) in base.items():
         sizing = stream["sizing"]

@@ -9,55 +9,34 @@ publisher connects to any endpoint that is not a wildcard).
 - Prompts that share nothing are named no shared prefix, decided by the stream.
 - A prefix that stops being shared mid-run is named a changed prefix.
 
-The sizing estimate against a vLLM with twice the cache is
-test_kv_events_sizing_vllm.py (its own module: its servers start after this
-module's has stopped).
+The engine is the tier's events engine (conftest.py's `events_vllm`), shared
+with test_kv_events_full_vllm.py and the sizing test; the module's tests read
+it with one kvwatch (conftest.py's `stream`), which remembers what one test's
+load left across the next one's quiet. The sizing estimate against vLLMs with
+more cache is test_kv_events_sizing_vllm.py.
 """
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 
 import pytest
 
-from .harness import vllm_server, wait_until_idle
-from .kvwatch_support import read_kvwatch_diagnosis, running_kvwatch, tier_reporter
+from .harness import _free_port, events_config, wait_until_idle
+from .kvwatch_support import read_kvwatch_diagnosis, tier_reporter
 from .scenarios import changed_prefix_load, distinct_load, prefix_rotation_load
 
 pytestmark = pytest.mark.vllm
 
 ROTATION_SEED = 34
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def events_config(endpoint: str) -> tuple[str, ...]:
-    return ("--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                              "endpoint": endpoint, "topic": "kv"}))
+# test_worth_vllm.py imports these two from here.
+free_port = _free_port
+__all__ = ["events_config", "free_port"]
 
 
 @pytest.fixture(scope="module")
 def report(request):
     return tier_reporter(request.config)
-
-
-@pytest.fixture(scope="module")
-def stream(vllm_build, tmp_path_factory, report):
-    """kvwatch bound to an endpoint, and a vLLM publishing its events there."""
-    venv, model = vllm_build
-    endpoint, port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    log = tmp_path_factory.mktemp("vllm-kv-events") / "server.log"
-    # kvwatch first: it binds the endpoint before the engine publishes (its polls fail until vLLM is up).
-    with running_kvwatch(f"http://127.0.0.1:{port}/metrics", window="30s", kv_events=endpoint) as kvwatch:
-        with vllm_server(port=port, model_dir=model, venv=venv, log_path=log, report=report,
-                         extra_args=events_config(endpoint)) as server:
-            yield server, kvwatch
 
 
 def _watch(kvwatch, load, symptom="low_hit_rate", settle_s=3.0):
