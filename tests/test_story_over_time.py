@@ -194,6 +194,22 @@ def test_an_exhaustion_pausing_beside_its_advisory_is_one_episode():
     assert [f.clearing_since for f in hold.apply(118.0, [advisory]) if f.cause == "long_requests"] == [60.0]
 
 
+def test_an_advisory_only_in_the_window_does_not_make_one_episode():
+    """The one-episode rule reads the advisory the now span finds: one the
+    window alone still shows (its 5 minutes hold the exhaustion that made it
+    so) is no warning sign standing now, and the harm ends after its quiet,
+    not the hold."""
+    quiet = SYMPTOMS["exhaustion"].quiet
+    harm, advisory = finding("exhaustion", "long_requests", "critical"), finding(
+        "exhaustion", "capacity_below_max_num_seqs", "info")
+    hold = FindingHold(60.0)
+    for t in range(0, 60, 5):
+        hold.apply(float(t), judged_now([harm, advisory], [harm]))
+    after = [hold.apply(60.0 + t, judged_now([harm, advisory], [])) for t in range(0, int(quiet) + 10, 5)]
+    ended = [out[0].clearing_since for out in after]
+    assert ended[int(quiet) // 5 - 1] is None and ended[int(quiet) // 5] == 60.0, after
+
+
 def test_an_advisory_now_does_not_keep_the_harm_the_window_shows():
     window = [finding("exhaustion", "long_requests", "critical")]
     assert judged_now(window, [finding("exhaustion", "capacity_below_max_num_seqs", "info")]) == [
