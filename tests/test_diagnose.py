@@ -632,6 +632,28 @@ def test_queueing_compute_bound_is_not_exhaustion():
     assert "queueing_kv_bound" not in causes(findings)
 
 
+def test_a_queue_that_waited_with_room_stays_compute_bound_when_a_long_request_is_preempted():
+    """The demo's slow-prefill (seed 1): the queueing phase's queue, which
+    waited with the cache at most 38 % full, was named KV-bound at once when
+    one long document was preempted, since the exhaustion detector held.
+    KV-bound is decided by the cache while the requests waited."""
+    run = Run(thresholds={"max_num_seqs": 12})
+    run.steps(8, usage=0.38, running=12, waiting=30, requests=8, prompt=300, generated=300, queue=3.0, prefill=0.05)
+    run.steps(2, usage=0.97, running=3, waiting=0, requests=2, prompt=300, generated=300, queue=3.0, prefill=0.05,
+              preemptions=1)
+    findings = run.findings()
+    assert causes(findings, "exhaustion")  # the preemption: the detector holds
+    finding = only(findings, "queueing_compute_bound")
+    assert finding.evidence["kv_usage_max_while_waiting"] == pytest.approx(0.38)
+    assert "not exhausted" not in finding.summary and "had room while they waited" in finding.summary
+    assert "queueing_kv_bound" not in causes(findings)
+    # The same preemption while the queue waited on a cache under pressure (85 %, below the full line): KV-bound.
+    run = Run(thresholds={"max_num_seqs": 12})
+    run.steps(10, usage=0.85, running=8, waiting=30, requests=8, prompt=300, generated=300, queue=3.0, prefill=0.05,
+              preemptions=1)
+    assert "queueing_kv_bound" in causes(run.findings(), "slow_first_token")
+
+
 def test_prefill():
     run = Run()
     run.steps(10, usage=0.5, running=2, requests=3, prompt=8000, generated=50, queue=0.05, prefill=2.4,

@@ -203,14 +203,25 @@ def _usage_while_waiting(ctx: EngineContext) -> float | None:
     return max((p.usage for p in waiting_polls if p.usage is not None), default=None)
 
 
+def kv_bound(ctx: EngineContext, usage_while_waiting: float | None) -> bool:
+    """The queue waits for KV blocks: the exhaustion detector holds and the
+    cache was under pressure (`eviction_usage_ratio`) while requests waited,
+    not a queue for slots that a later preemption happens to overlap. With
+    no poll that saw one waiting, the span cannot say the cache held them.
+    The PromQL twin: Fragments.kv_bound (mixin/promql.py)."""
+    return (ctx.exhaustion is not None and usage_while_waiting is not None
+            and usage_while_waiting >= ctx.t.eviction_usage_ratio)
+
+
 def _queue_finding(ctx: EngineContext, evidence: dict[str, Any], headline: str, share_text: str,
                    confidence: str) -> Finding:
     t = ctx.t
     usage_while_waiting = _usage_while_waiting(ctx)
     queue_evidence = {**evidence, "kv_usage_max_while_waiting": usage_while_waiting,
+                      "kv_usage_pressure_ratio": t.eviction_usage_ratio,
                       "kv_usage_threshold": t.exhaustion_usage_ratio,
                       "running_max": ctx.view.running_max, "preemptions": ctx.increase.counters.get("preemptions")}
-    if ctx.exhaustion is not None:
+    if kv_bound(ctx, usage_while_waiting):
         return ctx.finding(
             "slow_first_token", "queueing_kv_bound", confidence,
             f"{headline}; the queue is {share_text}, and the KV cache was exhausted while requests waited.",
@@ -219,12 +230,16 @@ def _queue_finding(ctx: EngineContext, evidence: dict[str, Any], headline: str, 
     configured = t.max_num_seqs
     if configured is not None and (ctx.view.running_max or 0) >= configured:
         why = f"the batch was full at max_num_seqs={configured}"
+    elif usage_while_waiting is None:
+        why = "no poll saw a request waiting"
     else:
-        why = f"KV usage at most {usage_while_waiting or 0:.0%} while requests waited"
+        why = f"KV usage at most {usage_while_waiting:.0%} while requests waited"
+    # The cache may run out meanwhile (a long request preempted): the queue still waited with room.
+    room = "had room while they waited" if ctx.exhaustion is not None else "was not exhausted"
     return ctx.finding(
         "slow_first_token", "queueing_compute_bound",
         confidence if usage_while_waiting is not None else "low",
-        f"{headline}; the queue is {share_text} while the KV cache was not exhausted ({why}): a bigger "
+        f"{headline}; the queue is {share_text} while the KV cache {room} ({why}): a bigger "
         "cache does not shorten this queue.",
         {**queue_evidence, "max_num_seqs": max_seqs, "max_num_seqs_source": source},
         NEXT_CHECK["queueing_compute_bound"])

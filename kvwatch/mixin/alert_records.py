@@ -260,7 +260,8 @@ CAUSE_ALERTS: tuple[CauseAlert, ...] = (
         summary="vLLM first token slow: requests queue for KV cache.",
         description=SLOW + (
             "; most of it is queueing, and the KV cache was exhausted (full while requests waited, or "
-            "preempting): requests wait for KV blocks (likely cause: KV-bound queueing).")),
+            "preempting) and above {eviction_usage_ratio:pct} while they waited: requests wait for KV blocks "
+            "(likely cause: KV-bound queueing).")),
     CauseAlert(
         cause="queueing_compute_bound",
         query=lambda f: [f.first_token_mean(), ("and", f.queue_largest()), ("unless", f.kv_bound())],

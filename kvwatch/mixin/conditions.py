@@ -52,6 +52,7 @@ CONDITIONS = {
     "queue_largest": "kvwatch_time_to_first_token_queue_largest",
     "prefill_largest": "kvwatch_time_to_first_token_prefill_largest",
     "front_end_largest": "kvwatch_time_to_first_token_front_end_largest",
+    "kv_bound": "kvwatch_time_to_first_token_kv_bound",
     # The fleet's parts, per replica engine.
     "pressed": "kvwatch_fleet_replica_pressed",
     "room": "kvwatch_fleet_replica_with_room",
@@ -122,9 +123,6 @@ class Recorded(Fragments):
     def hit_ratio_vs_peers(self) -> str:
         # The name rules.fleet_rules gives it; recorded in the alerts' group.
         return f"{self.level}:kvwatch_prefix_cache_hit_ratio_vs_peers:ratio_increase{self.s.w}"
-
-    def kv_bound(self) -> str:
-        return self.exhausted()
 
 
 def _recorded_method(method: str):

@@ -202,11 +202,19 @@ class Fragments:
                 f"\nor\n{paren(self.full_share_max())}\n>= {limit}\n)"
                 f"\nand\n{paren(self.waiting_avg())}\n<=\n{paren(self.running_avg())}")
 
+    def usage_while_waiting(self) -> str:
+        """The KV usage's peak at the moments requests waited (the diagnosis'
+        kv_usage_max_while_waiting), sampled by a subquery over the rate window."""
+        usage, waiting = self.s.m("kvwatch_engine_kv_cache_usage_ratio"), self.s.m("kvwatch_engine_requests_waiting")
+        return self.s.agg("max", f"max_over_time(({usage} and {waiting} > 0)[{self.s.w}:])")
+
     def kv_bound(self) -> str:
-        """The KV cache limits the engine: the exhaustion detector above, the
-        one the exhaustion alert uses, so KV-bound and compute-bound queueing
-        split exactly where exhaustion starts and are never reported together."""
-        return self.exhausted()
+        """The queue waits for KV blocks (first_token.kv_bound): the exhaustion
+        detector above holds and the cache was under pressure while requests
+        waited, so a queue for slots that a later preemption overlaps stays
+        compute-bound; KV-bound and compute-bound are never reported together."""
+        return (f"{paren(self.exhausted())}\nand\n"
+                f"{paren(self.usage_while_waiting())} >= {num(self.c.eviction_usage_ratio)}")
 
     def caching_disabled(self) -> str:
         # Over the rate window, not at this instant: kvwatch drops an engine's

@@ -377,6 +377,18 @@ def default_cases() -> list[Case]:
         Case("first token: queue with KV room -> queueing_compute_bound, never kv_bound",
              [Engine(usage=const(0.5), running=const(12), waiting=const(10), **latency(3.0, 2.5, 0.3))], "40m",
              [("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)]),
+        # KV-bound by the cache while the requests waited: a queue for slots that a long request's
+        # preemption overlaps waited with room (the demo's slow-prefill: at most 38 % full as 144 waited).
+        Case("first token: queue for slots with KV room while a long request is preempted -> queueing_compute_bound",
+             [Engine(usage=const(0.4), preemptions=rate(1), running=const(12), waiting=const(10),
+                     **latency(3.0, 2.5, 0.3))], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE, PREEMPTING),
+              ("VllmTimeToFirstTokenSlow", "queueing_compute_bound", ENGINE)]),
+        Case("first token: queue while preempting, the cache under pressure below the full line -> queueing_kv_bound",
+             [Engine(usage=const(0.85), preemptions=rate(6), running=const(8), waiting=const(12),
+                     **latency(3.0, 2.5, 0.3))], "40m",
+             [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE, PREEMPTING),
+              ("VllmTimeToFirstTokenSlow", "queueing_kv_bound", ENGINE)]),
         Case("first token: mostly prefill -> prefill",
              [Engine(**latency(3.0, 0.2, 2.5))], "40m", [("VllmTimeToFirstTokenSlow", "prefill", ENGINE)]),
         Case("first token: mostly outside queue and prefill -> front_end",
