@@ -4,10 +4,14 @@ read by the catalogue (the page's signals), the stream's report (bought,
 lost where the event stream is on), the status page, `kvwatch diagnose` and
 the capacity report.
 
-Every figure is tokens x the window's marginal prefill seconds per computed
-token (prefill_seconds_per_token: the slope of vLLM's prefill time fitted
-over the window's polls against requests and computed tokens; SGLang's
-extend forward passes' seconds over the tokens it computed). With
+Lost and bought are tokens x the window's marginal prefill seconds per
+computed token (prefill_seconds_per_token: the slope of vLLM's prefill time
+fitted over the window's polls against requests and computed tokens;
+SGLang's extend forward passes' seconds over the tokens it computed). Saved
+prices each cached token at its position in the prompt (cached_token_seconds:
+a token's cost taken to grow linearly with the context before it, fitted
+the same way with the positions as a third column), since a long prefix's
+tokens cost more than the short suffixes a cache-hit window computes. With
 batching those are request-seconds, not wall time: a cost in the engine's
 own measure, not a bill."""
 
@@ -74,6 +78,13 @@ def fitted_position_cost(view: View) -> tuple[float, float, float] | None:
     c*their positions' sum over the window's steps (PREFILL_FIT). None where
     the steps cannot tell the three apart (the prompts and their cached
     parts of one shape throughout) or a cost comes out below zero."""
+    fit = position_fit(view)
+    return fit if fit is not None and fit[0] >= 0 and fit[1] > 0 and fit[2] >= 0 else None
+
+
+def position_fit(view: View) -> tuple[float, float, float] | None:
+    """fitted_position_cost's least squares as they come out, signs unchecked;
+    None where the steps cannot tell the three columns apart."""
     c = view.increase.counters
     sums = [c.get(PREFILL_FIT + name) for name in ("nn", "nt", "nq", "tt", "tq", "qq", "np", "tp", "qp")]
     if any(value is None for value in sums):
@@ -87,9 +98,9 @@ def fitted_position_cost(view: View) -> tuple[float, float, float] | None:
     unit = [[gram[r][k] / (scale[r] * scale[k]) for k in range(3)] for r in range(3)]
     if _det3(unit) <= FIT_MIN_SPREAD:
         return None
-    solved = _solve3(unit, [rhs / scale[r] for r, rhs in enumerate((np_, tp, qp))])
-    a, b, per_position = (x / scale[r] for r, x in enumerate(solved))
-    return (a, b, per_position) if a >= 0 and b > 0 and per_position >= 0 else None
+    a, b, per_position = (x / scale[r] for r, x in enumerate(_solve3(unit, [rhs / scale[r] for r, rhs in
+                                                                            enumerate((np_, tp, qp))])))
+    return a, b, per_position
 
 
 def cached_token_seconds(view: View) -> float | None:
@@ -109,7 +120,8 @@ def cached_token_seconds(view: View) -> float | None:
 
 def prefill_seconds_per_token(view: View) -> float | None:
     """The window's marginal prefill seconds per computed prompt token (the
-    one rate every figure here is priced at). A request's prefill time holds
+    rate lost and bought are priced at, and saved where the positions cannot
+    be told apart). A request's prefill time holds
     a fixed cost whatever its prompt (on vLLM at least one engine step: its
     overhead and its batch-mates' decodes; on the CPU tier about 5.8 ms
     against 23 us a token), so a hit saves only the per-token part: the
