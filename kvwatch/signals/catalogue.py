@@ -367,9 +367,7 @@ SIGNALS: tuple[Signal, ...] = (
            "bytes.")),
     # --- what the cache is worth (kvwatch/signals/worth.py) ---
     Signal("kvwatch_cache_saved_prefill_seconds", "seconds",
-           "Prefill seconds the cache saved in the window, by tier: tokens served x what computing each would have "
-           "cost at its position in the prompt (an estimate: a token's cost taken to grow linearly with the context "
-           "before it).",
+           "Prefill seconds the cache saved in the window, by tier: tokens served x their cost at their position.",
            worth.saved_seconds, "prefix", worth.SAVED_PROMQL, label="tier", inexact_twin=_POSITION_PRICE,
            record=("kvwatch_cache_saved_prefill_seconds", "increase{w}"),
            needs=("prompt_tokens_by_source", "prefill_time|prefill_forward_seconds"),
