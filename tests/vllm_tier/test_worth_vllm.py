@@ -4,10 +4,12 @@ lost and needed, each against what the engine itself measured.
 - Saved: the same seeded requests, one at a time, sent in turns to a vLLM
   with prefix caching on (kvwatch reading it) and one with it off, both up
   at once so that whatever else runs on the shared cores slows both alike.
-  Each prompt is a 1,920-token prefix they all share and a 64-token suffix
-  of its own, so a hit saves 30 blocks of prefill. The truth is the
-  difference in vLLM's own prefill time (vllm:request_prefill_time_seconds
-  sum) between the two; kvwatch's saved seconds are read from the on-run.
+  Two load shapes, each after cold prompts of 128 to 1,984 tokens: a
+  1,920-token prefix all share and a 64-token suffix of each request's own
+  (a hit saves 60 blocks of prefill), then an 896-token prefix and 512-token
+  suffixes. The truth is the difference in vLLM's own prefill time
+  (vllm:request_prefill_time_seconds sum) between the two; kvwatch's saved
+  seconds are read from the on-run, a kvwatch of its own for each shape.
 - Lost: a burst far beyond the tier's 128 blocks, so vLLM preempts. vLLM
   0.32 counts a request's prompt tokens once, at its first token (the prompt
   counters, the prefill's computed tokens and the per-step token histogram
