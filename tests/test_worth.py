@@ -257,9 +257,10 @@ def test_the_twins_over_kvwatch_s_own_series_give_the_sidecar_s_figures(fixtures
     assert saved["device"] == pytest.approx(mine["device"]) and saved["host"] == 0
 
 
-def _prefill_page(idle: str, requests: int, computed: int, cached: int, seconds: float, itl: tuple[int, float]) -> str:
+def _prefill_page(idle: str, requests: int, computed: int, cached: int, seconds: float, itl: tuple[int, float],
+                  prompts: int | None = None) -> str:
     """The idle capture with these lifetime totals: every prefill under 0.3 s and 1,000 tokens, each request
-    one inter-token latency step (itl: count, sum)."""
+    one inter-token latency step (itl: count, sum); with `prompts`, the requests' prompt tokens observed too."""
     def histogram(page: str, family: str, from_le: float, count: int, total: float) -> str:
         def bucket(match: re.Match) -> str:
             le = match.group(2)
@@ -276,6 +277,8 @@ def _prefill_page(idle: str, requests: int, computed: int, cached: int, seconds:
                       'source="local_cache_hit"}', f"{cached}.0")
     page = with_value(page, 'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="tiny-llama",'
                       'source="device"}', f"{cached}.0")
+    if prompts is not None:
+        page = histogram(page, "vllm:request_prompt_tokens", 1e9, requests, prompts)
     page = with_value(page, "vllm:inter_token_latency_seconds_count", f"{itl[0]}.0")
     return with_value(page, "vllm:inter_token_latency_seconds_sum", repr(itl[1]))
 
@@ -315,3 +318,61 @@ def test_polls_of_one_shape_of_request_cannot_tell_the_fixed_cost_apart(fixtures
     [row] = polled(_rotation_pages(fixtures_dir, steps), engine="vllm").state.per_engine
     assert worth.fitted_prefill_cost(row.view) is None
     assert worth.prefill_seconds_per_token(row.view) == pytest.approx((FIXED - ITL + 100 * PER_TOKEN) / 100)
+
+
+# An engine whose token costs more the further into the context it sits (attention over every earlier
+# position): a token at position p costs PER_TOKEN + PER_POSITION x p, so a request of P prompt tokens, K of
+# them cached, costs FIXED + PER_TOKEN x (P - K) + PER_POSITION x (P^2 - K^2) / 2.
+PER_POSITION = 20e-9
+
+
+def _position_pages(fixtures_dir, steps, per_position=PER_POSITION):
+    """Pages after each step of (requests, prompt tokens a request, cached tokens a request), the prompts seen."""
+    [idle] = pages(fixtures_dir, "vllm-0.32-cpu", ("idle",))
+    out, totals = [idle], [0, 0, 0, 0.0, 0]
+    for requests, prompt, cached in steps:
+        cost = FIXED + PER_TOKEN * (prompt - cached) + per_position * (prompt * prompt - cached * cached) / 2
+        totals = [totals[0] + requests, totals[1] + requests * (prompt - cached), totals[2] + requests * cached,
+                  totals[3] + requests * cost, totals[4] + requests * prompt]
+        out.append(_prefill_page(idle, totals[0], totals[1], totals[2], totals[3], (totals[0], totals[0] * ITL),
+                                 prompts=totals[4]))
+    return out
+
+
+def test_a_hit_is_priced_at_the_position_it_sat_at_where_a_token_costs_more_deeper_into_the_context(fixtures_dir):
+    # Cold prompts of 128 to 1,984 tokens, then 2 x 8 requests of a 1,920-token prefix cached and 64 computed.
+    # Turning the cache off would add, a hit, what its 1,920 tokens cost at their positions: 1,920 x 23 us +
+    # 20 ns x 1,920^2 / 2 = 81.0 ms, 42.2 us a cached token. The linear fit's slope (what saved was priced at
+    # before) is a mean over the cold prompts' positions and reads the warm ones' deep suffixes as fixed cost:
+    # 39.2 us, 7.1 % under.
+    steps = ((1, 128, 0), (1, 512, 0), (1, 1024, 0), (1, 1536, 0), (1, 1984, 0), (8, 1984, 1920), (8, 1984, 1920))
+    [row] = polled(_position_pages(fixtures_dir, steps), engine="vllm").state.per_engine
+    fixed, per_token, per_position = worth.fitted_position_cost(row.view)
+    assert (fixed, per_token, per_position) == (pytest.approx(FIXED), pytest.approx(PER_TOKEN),
+                                                pytest.approx(PER_POSITION))
+    hit = 1920 * PER_TOKEN + PER_POSITION * 1920 ** 2 / 2
+    assert worth.cached_token_seconds(row.view) == pytest.approx(hit / 1920)
+    assert row.values[SAVED]["device"] == pytest.approx(16 * hit)
+    linear = worth.prefill_seconds_per_token(row.view)
+    assert linear * 1920 == pytest.approx(0.929 * hit, rel=1e-3)  # the linear price, the one saved read before
+
+
+def test_on_an_engine_of_one_cost_a_token_the_position_price_is_the_linear_one(fixtures_dir):
+    # The same polls on the fixed-pages engine of 23 us a token wherever it sits (PER_POSITION 0): the third
+    # term fits to nothing and a hit is priced at 23 us, as the linear fit prices it.
+    steps = ((1, 128, 0), (1, 1024, 0), (1, 1984, 0), (8, 1984, 1920), (4, 1408, 896))
+    [row] = polled(_position_pages(fixtures_dir, steps, per_position=0.0), engine="vllm").state.per_engine
+    fixed, per_token, per_position = worth.fitted_position_cost(row.view)
+    assert fixed == pytest.approx(FIXED) and per_token == pytest.approx(PER_TOKEN)
+    assert per_position == pytest.approx(0.0, abs=1e-15)
+    assert worth.cached_token_seconds(row.view) == pytest.approx(worth.prefill_seconds_per_token(row.view))
+    assert row.values[SAVED]["device"] == pytest.approx((8 * 1920 + 4 * 896) * PER_TOKEN)
+
+
+def test_prompts_of_one_shape_cannot_tell_the_position_apart_and_the_linear_price_stands(fixtures_dir):
+    # Cold prompts of two sizes and warm ones of one shape: requests, computed tokens and their positions
+    # take two shapes between them, so the third term is one of the others; the linear fit prices the hits.
+    steps = ((1, 1024, 0), (8, 1984, 1920), (2, 1024, 0), (8, 1984, 1920))
+    [row] = polled(_position_pages(fixtures_dir, steps), engine="vllm").state.per_engine
+    assert worth.fitted_position_cost(row.view) is None
+    assert worth.cached_token_seconds(row.view) == worth.prefill_seconds_per_token(row.view)

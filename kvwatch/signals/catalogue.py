@@ -48,6 +48,10 @@ from kvwatch.signals.series import ENGINE_SERIES, TIER_SERIES
 _FITTED_RATE = ("kvwatch prices a token at the slope of a least-squares fit over the window's polls (a request's "
                 "fixed prefill cost apart); the twin has no per-poll steps to fit and takes one mean inter-token "
                 "latency a request off the mean instead, kvwatch's own fallback where the polls cannot tell the two apart")
+_POSITION_PRICE = ("kvwatch prices a cached token at its position (a three-term fit over the window's polls of "
+                   "prefill time against requests, computed tokens and their positions); the twin has no per-poll "
+                   "steps to fit and prices it at the mean less one inter-token latency a request, kvwatch's own "
+                   "fallback where the polls cannot tell the terms apart")
 _PINNED_QUANTILE = ("a quantile in the first bucket is that bucket's bound in kvwatch (an upper bound, said as "
                     "pinned), where histogram_quantile interpolates from 0")
 
@@ -363,14 +367,23 @@ SIGNALS: tuple[Signal, ...] = (
            "bytes.")),
     # --- what the cache is worth (kvwatch/signals/worth.py) ---
     Signal("kvwatch_cache_saved_prefill_seconds", "seconds",
-           "Prefill seconds the cache saved in the window, by tier: tokens served x prefill seconds per computed token.",
-           worth.saved_seconds, "prefix", worth.SAVED_PROMQL, label="tier", inexact_twin=_FITTED_RATE,
+           "Prefill seconds the cache saved in the window, by tier: tokens served x their cost at their position.",
+           worth.saved_seconds, "prefix", worth.SAVED_PROMQL, label="tier", inexact_twin=_POSITION_PRICE,
            record=("kvwatch_cache_saved_prefill_seconds", "increase{w}"),
            needs=("prompt_tokens_by_source", "prefill_time|prefill_forward_seconds"),
            display="Prefill seconds the cache saved", good="high",
-           doc=("Prefill seconds the cache saved in the window, by tier: the prompt tokens each tier served x the "
-           "window's marginal prefill seconds per computed token, less the seconds that tier took to load them back "
-           "where the engine measures it. The rate is the engine's own: the slope b of vllm:request_prefill_time_seconds "
+           doc=("Prefill seconds the cache saved in the window, by tier: the prompt tokens each tier served x what "
+           "computing a cached token would have cost at its position, less the seconds that tier took to load them "
+           "back where the engine measures it. The ASSUMPTION: a token at position p of its prompt costs b + c x p "
+           "(its projections and MLP, and attention over the p before it), so a request of P prompt tokens, K "
+           "cached, costs a + b x (P - K) + c x (P^2 - K^2) / 2, fitted over the window's polls from "
+           "vllm:request_prefill_time_seconds, vllm:request_prefill_kv_computed_tokens and "
+           "vllm:request_prompt_tokens, all observed at the request's end (each poll's requests taken as one "
+           "shape, their means: exact where a poll holds one shape, a lower bound on the positions where shapes "
+           "mix); a cached token is priced b + c x the mean position of the window's cached tokens. On the real "
+           "vLLM of the CPU tier a long prefix's tokens cost more than the short suffixes computed after it, which "
+           "a price linear in the tokens undercounts. Where the polls cannot tell c apart (one shape of prompt "
+           "throughout) or it fits below zero, the marginal rate: the slope b of vllm:request_prefill_time_seconds "
            "= a x requests + b x computed tokens, fitted over the window's polls (tokens from "
            "vllm:request_prefill_kv_computed_tokens, observed with the time, 0.13+; else "
            "prompt_tokens_by_source_total{source=\"local_compute\"}), so a request's fixed cost a (an engine step, "

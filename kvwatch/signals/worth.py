@@ -4,10 +4,14 @@ read by the catalogue (the page's signals), the stream's report (bought,
 lost where the event stream is on), the status page, `kvwatch diagnose` and
 the capacity report.
 
-Every figure is tokens x the window's marginal prefill seconds per computed
-token (prefill_seconds_per_token: the slope of vLLM's prefill time fitted
-over the window's polls against requests and computed tokens; SGLang's
-extend forward passes' seconds over the tokens it computed). With
+Lost and bought are tokens x the window's marginal prefill seconds per
+computed token (prefill_seconds_per_token: the slope of vLLM's prefill time
+fitted over the window's polls against requests and computed tokens;
+SGLang's extend forward passes' seconds over the tokens it computed). Saved
+prices each cached token at its position in the prompt (cached_token_seconds:
+a token's cost taken to grow linearly with the context before it, fitted
+the same way with the positions as a third column), since a long prefix's
+tokens cost more than the short suffixes a cache-hit window computes. With
 batching those are request-seconds, not wall time: a cost in the engine's
 own measure, not a bill."""
 
@@ -55,9 +59,69 @@ def fitted_prefill_cost(view: View) -> tuple[float, float] | None:
     return (a, b) if a >= 0 and b > 0 else None
 
 
+def _det3(a: list[list[float]]) -> float:
+    return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+            + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> list[float]:
+    """x with m x = v (3 x 3, Cramer's rule); m is not singular."""
+    whole = _det3(m)
+    return [_det3([[v[r] if k == col else m[r][k] for k in range(3)] for r in range(3)]) / whole for col in range(3)]
+
+
+def fitted_position_cost(view: View) -> tuple[float, float, float] | None:
+    """(a, b, c): a request's fixed prefill seconds, a computed token's
+    seconds at position 0, and what each position further into the context
+    adds to a token (attention reads every earlier position), from the
+    least-squares fit of prefill seconds = a*requests + b*computed tokens +
+    c*their positions' sum over the window's steps (PREFILL_FIT). None where
+    the steps cannot tell the three apart (the prompts and their cached
+    parts of one shape throughout) or a cost comes out below zero."""
+    fit = position_fit(view)
+    return fit if fit is not None and fit[0] >= 0 and fit[1] > 0 and fit[2] >= 0 else None
+
+
+def position_fit(view: View) -> tuple[float, float, float] | None:
+    """fitted_position_cost's least squares as they come out, signs unchecked;
+    None where the steps cannot tell the three columns apart."""
+    c = view.increase.counters
+    sums = [c.get(PREFILL_FIT + name) for name in ("nn", "nt", "nq", "tt", "tq", "qq", "np", "tp", "qp")]
+    if any(value is None for value in sums):
+        return None
+    nn, nt, nq, tt, tq, qq, np_, tp, qp = (float(value or 0.0) for value in sums)
+    if nn <= 0 or tt <= 0 or qq <= 0:
+        return None
+    gram = [[nn, nt, nq], [nt, tt, tq], [nq, tq, qq]]
+    # The columns' spread as with two (FIT_MIN_SPREAD): the determinant over the diagonal's product.
+    scale = [value ** 0.5 for value in (nn, tt, qq)]
+    unit = [[gram[r][k] / (scale[r] * scale[k]) for k in range(3)] for r in range(3)]
+    if _det3(unit) <= FIT_MIN_SPREAD:
+        return None
+    a, b, per_position = (x / scale[r] for r, x in enumerate(_solve3(unit, [rhs / scale[r] for r, rhs in
+                                                                            enumerate((np_, tp, qp))])))
+    return a, b, per_position
+
+
+def cached_token_seconds(view: View) -> float | None:
+    """What one cached token saved: the seconds computing it would have
+    cost at the position it sat at. Attention makes a token's cost grow with
+    the context before it, so a token at position p costs b + c*p
+    (fitted_position_cost); the window's cached tokens sat at their mean
+    position (from the requests' prompt and computed lengths; each poll's
+    requests taken as one shape). Where the fit cannot tell c apart, the
+    marginal rate of a computed token (prefill_seconds_per_token)."""
+    fit, c = fitted_position_cost(view), view.increase.counters
+    cached, positions = c.get(PREFILL_FIT + "k"), c.get(PREFILL_FIT + "h")
+    if fit is None or not cached or positions is None:
+        return prefill_seconds_per_token(view)
+    return fit[1] + fit[2] * float(positions) / float(cached)
+
+
 def prefill_seconds_per_token(view: View) -> float | None:
     """The window's marginal prefill seconds per computed prompt token (the
-    one rate every figure here is priced at). A request's prefill time holds
+    rate lost and bought are priced at, and saved where the positions cannot
+    be told apart). A request's prefill time holds
     a fixed cost whatever its prompt (on vLLM at least one engine step: its
     overhead and its batch-mates' decodes; on the CPU tier about 5.8 ms
     against 23 us a token), so a hit saves only the per-token part: the
@@ -105,10 +169,11 @@ def _load_back_seconds(view: View, tiers: Mapping[str, float]) -> dict[str, floa
 
 def saved_seconds(view: View) -> dict[str, float] | None:
     """Prefill seconds the cache saved in the window, by tier: the tokens each
-    tier served x the window's prefill seconds per computed token, less the
-    seconds that tier took to load them back where measured. None without a
-    computed token or prefill time to price them at."""
-    per_token = prefill_seconds_per_token(view)
+    tier served x what a cached token saved (cached_token_seconds: its cost
+    at the position it sat at), less the seconds that tier took to load them
+    back where measured. None without a computed token or prefill time to
+    price them at."""
+    per_token = cached_token_seconds(view)
     tiers = _tier_tokens(view)
     if per_token is None or not tiers:
         return None
@@ -292,6 +357,7 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
     sizing = ((stream.get("sizing") if stream else None) or {}) if basis == "stream" else {}
     out = {"model_name": model, "engine": engine, "window_seconds": view.increase.seconds,
            "prefill_seconds_per_token": prefill_seconds_per_token(view),
+           "cached_token_seconds": cached_token_seconds(view),
            "saved_seconds": saved, "saved_by_tier": saved_by_tier,
            "lost_seconds": lost, "lost_basis": None if lost is None else basis,
            "bought": [{key: point.get(key) for key in ("extra_cache", "extra_gib", "saved_prefill_seconds_per_hour")}

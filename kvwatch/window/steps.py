@@ -153,6 +153,10 @@ def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float,
 # The step's prefill (requests n, computed tokens t, seconds p) as the cross
 # products a least-squares fit of p = a*n + b*t over the window's steps sums
 # (kvwatch.signals.worth): counters, so the window adds and takes them away.
+# Where the same requests' prompt lengths are observed too, the positions
+# the computed tokens sat at (q) join the fit, p = a*n + b*t + c*q, and the
+# positions of the cached tokens (k: their count, h: their positions' sum)
+# price a hit by where it sat in its prompt.
 PREFILL_FIT = "prefill_fit/"
 _COMPUTED = "prompt_tokens_by_source/local_compute"
 
@@ -161,11 +165,20 @@ def _add_prefill_fit(counters: dict[str, float], histograms: dict[str, Histogram
     # The tokens observed with the same requests' prefill time where the engine says (vLLM 0.13+); else
     # the step's computed tokens, counted at prefill, while the time is observed at the request's end.
     prefill, with_it = histograms.get("prefill_time"), histograms.get("prefill_computed")
-    computed = with_it.sum if with_it is not None and with_it.count == getattr(prefill, "count", None) \
-        else counters.get(_COMPUTED)
+    paired = with_it is not None and with_it.count == getattr(prefill, "count", None)
+    computed = with_it.sum if with_it is not None and paired else counters.get(_COMPUTED)
     if prefill is None or computed is None or prefill.count <= 0:
         return
     n, t, p = float(prefill.count), float(computed), float(prefill.sum)
     for name, value in (("nn", n * n), ("nt", n * t), ("tt", t * t), ("np", n * p), ("tp", t * p)):
         counters[PREFILL_FIT + name] = value
-
+    prompts = histograms.get("prompt_len")
+    if not paired or prompts is None or prompts.count != prefill.count or prompts.sum < t:
+        return
+    # A request of P prompt tokens, K of them cached, computes positions K..P-1 (their sum about
+    # (P^2 - K^2) / 2) and was spared 0..K-1 (K^2 / 2). The page gives the step's sums alone, so its
+    # requests are taken as one shape, their mean: exact where a step holds one shape of request.
+    prompt, cached = float(prompts.sum) / n, (float(prompts.sum) - t) / n
+    q, h = n * (prompt * prompt - cached * cached) / 2.0, n * cached * cached / 2.0
+    for name, value in (("nq", n * q), ("tq", t * q), ("qq", q * q), ("qp", q * p), ("k", n * cached), ("h", h)):
+        counters[PREFILL_FIT + name] = value

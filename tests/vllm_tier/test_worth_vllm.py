@@ -4,10 +4,12 @@ lost and needed, each against what the engine itself measured.
 - Saved: the same seeded requests, one at a time, sent in turns to a vLLM
   with prefix caching on (kvwatch reading it) and one with it off, both up
   at once so that whatever else runs on the shared cores slows both alike.
-  Each prompt is a 1,920-token prefix they all share and a 64-token suffix
-  of its own, so a hit saves 30 blocks of prefill. The truth is the
-  difference in vLLM's own prefill time (vllm:request_prefill_time_seconds
-  sum) between the two; kvwatch's saved seconds are read from the on-run.
+  Two load shapes, each after cold prompts of 128 to 1,984 tokens: a
+  1,920-token prefix all share and a 64-token suffix of each request's own
+  (a hit saves 60 blocks of prefill), then an 896-token prefix and 512-token
+  suffixes. The truth is the difference in vLLM's own prefill time
+  (vllm:request_prefill_time_seconds sum) between the two; kvwatch's saved
+  seconds are read from the on-run, a kvwatch of its own for each shape.
 - Lost: a burst far beyond the tier's 128 blocks, so vLLM preempts. vLLM
   0.32 counts a request's prompt tokens once, at its first token (the prompt
   counters, the prefill's computed tokens and the per-step token histogram
@@ -23,8 +25,11 @@ lost and needed, each against what the engine itself measured.
   with half of them.
 
 The figures of each run are printed ([vllm-tier] lines) and kept in
-docs/capacity.md. Its own module: five vLLM start-ups, short loads. Saved's 15 % bar
-is reported beside the truth's own standard error, not asserted (docs/capacity.md says why)."""
+docs/capacity.md. Its own module: five vLLM start-ups, short loads. Saved against the
+truth's 15 % bar is reported on two load shapes (a long prefix and a short suffix; a
+shorter prefix and a longer suffix), each beside the truth's own standard error and the
+fits kvwatch priced it by, not asserted: the truth on the shared cores is mostly stalls
+(SAVED_BAR says why; docs/capacity.md has the figures)."""
 
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ import urllib.request
 import pytest
 
 from kvwatch.capacity.needed import CacheShape, Step, needed
+from kvwatch.signals import worth as worth_of
 
 from .harness import (
     MODEL_NAME, TINY_MODEL_BLOCK_BYTES_PER_TOKEN, _post_json, burst_load, prompt_suffix, prompt_text, prompt_words,
@@ -57,7 +63,7 @@ BLOCK = 32
 LONG_LEN, LONG_CACHE = 2048, 16 << 20
 PREFIX_TOKENS, SUFFIX_TOKENS, SAVED_REQUESTS, SEED = 1920, 64, 40, 51
 # The warm-up's cold prompts, of every size up to the longest: the fit's spread of computed tokens.
-WARM_SIZES = (128, 512, 1024, 1536, 1984)
+WARM_SIZES, WARM_ROUNDS = (128, 512, 1024, 1536, 1984), 3
 
 
 @pytest.fixture(scope="module")
@@ -83,55 +89,96 @@ def _worth(kvwatch_url: str) -> dict:
     return worth
 
 
-@pytest.mark.timeout(900)  # two vLLM start-ups (1-3 min each on the shared cores) and 2 x 50 requests
+# The second load shape: a shorter prefix, a longer suffix of its own (its computed tokens sit deep in the
+# context, so a linear price and a price by position disagree the other way round).
+SHAPES = ((PREFIX_TOKENS, SUFFIX_TOKENS, SAVED_REQUESTS), (896, 512, 30))
+# Saved against vLLM's own difference: the bar, reported and not asserted. The truth is not the engines'
+# prefill work on the shared 2-core machine: two engines up at once, their prefill times are bimodal (a
+# 1,984-token prompt alone took 72-89 ms or 850-1,010 ms, a 128-token one 7 ms or 948 ms), and the same
+# seeded load gave a truth of 6.5 s in one run and 30.0 s in the next with the same 74,880 cached tokens
+# (docs/capacity.md). No price read from the on-engine's page can be within 15 % of both.
+SAVED_BAR = 0.15
+
+
+def _saved_shape(on, off, kvwatch, rng, words, shape, report, record) -> tuple[float, float]:
+    """One load shape on both engines, priced by a kvwatch that polled the on-engine from before it:
+    (kvwatch's saved seconds, vLLM's difference)."""
+    prefix_tokens, suffix_tokens, requests = shape
+    # Three rounds of the cold sizes: a fit of three terms over five cold prompts is one stall of the shared
+    # cores (0.3-0.9 s, docs/capacity.md) from any curvature.
+    warm = [prompt_text(size, rng, words) for size in WARM_SIZES * WARM_ROUNDS]
+    prefix = prompt_text(prefix_tokens, rng, words)
+    prompts = [prefix + prompt_suffix(suffix_tokens, rng, words) for _ in range(requests)]
+    on_times, off_times = [], []
+    before = read_metrics(on.metrics_url)
+    time.sleep(2)  # kvwatch's first polls of the idle engine
+    cold = []
+    for prompt in warm:  # cold prompts sharing nothing: the fit's spread, and first-use costs paid
+        cold.append((_prefill_of(on, prompt), _prefill_of(off, prompt)))
+    for prompt in prompts:  # in turns, one at a time: no queue mixes two requests' prefill
+        on_times.append(_prefill_of(on, prompt))
+        off_times.append(_prefill_of(off, prompt))
+    time.sleep(2)
+    hits = read_metrics(on.metrics_url).value("vllm:prompt_tokens_cached_by_source_total", source="device") \
+        - before.value("vllm:prompt_tokens_cached_by_source_total", source="device")
+    worth = _worth(kvwatch.url)
+    truth = sum(off_times) - sum(on_times)
+    paired = statistics.median(b - a for a, b in zip(on_times, off_times)) * len(prompts)
+    saved, per_token, cached = worth["saved_seconds"], worth["prefill_seconds_per_token"], worth["cached_token_seconds"]
+    linear = hits * per_token
+    view = kvwatch.monitor.state.per_engine[0].view
+    two, three = worth_of.fitted_prefill_cost(view), worth_of.position_fit(view)
+    # The truth's own standard error: the pairs' spread x sqrt(requests).
+    error = statistics.stdev(b - a for a, b in zip(on_times, off_times)) * math.sqrt(len(prompts))
+    report(f"saved: {len(prompts)} requests of {prefix_tokens} shared + {suffix_tokens} own tokens, one at a time, "
+           f"in turns; prefill {sum(on_times):.3f} s with prefix caching, {sum(off_times):.3f} s without: "
+           f"{truth:.3f} s saved by vLLM's count (standard error {error:.3f} s; median pair x requests: "
+           f"{paired:.3f} s); kvwatch says {saved:.3f} s for {hits:.0f} cached tokens at {cached * 1e6:.1f} us a "
+           f"cached token ({100 * (saved - truth) / truth:+.1f} % of the sums' difference, "
+           f"{100 * (saved - paired) / paired:+.1f} % of the median pair's); the linear price, {per_token * 1e6:.1f} "
+           f"us a computed token, said {linear:.3f} s ({100 * (linear - truth) / truth:+.1f} %); per request on "
+           f"{statistics.median(on_times) * 1e3:.1f} ms, off {statistics.median(off_times) * 1e3:.1f} ms (medians); "
+           f"fits: requests and tokens {_terms(two)}, and positions {_terms(three)}")
+    record.append({"shape": list(shape), "cold_sizes": list(WARM_SIZES * WARM_ROUNDS), "cold": cold, "on": on_times,
+                   "off": off_times, "saved": saved, "linear": linear, "fits": [two, three]})
+    assert truth > 0 and paired > 0
+    assert hits == (len(prompts) - 1) * prefix_tokens  # the first request is cold, each later one hits the prefix
+    assert saved == pytest.approx(hits * cached, rel=1e-9)
+    return saved, truth
+
+
+def _terms(fit) -> str:
+    """A fit's terms in ms a request, us a token and ns a position, for the report."""
+    if fit is None:
+        return "none (the polls cannot tell the terms apart)"
+    return ", ".join(f"{value * scale:.3g} {unit}" for value, (scale, unit) in
+                     zip(fit, ((1e3, "ms"), (1e6, "us"), (1e9, "ns"))))
+
+
+@pytest.mark.timeout(1200)  # two vLLM start-ups (1-3 min each on the shared cores) and 45 + 35 pairs of requests
 def test_saved_is_the_cached_tokens_at_the_fitted_rate_beside_the_prefill_time_caching_saves(vllm_build, tmp_path_factory, report):
     venv, model = vllm_build
     port = free_port()
     rng = random.Random(SEED)
     words = prompt_words()
-    warm = [prompt_text(size, rng, words) for size in WARM_SIZES]
-    prefix = prompt_text(PREFIX_TOKENS, rng, words)
-    prompts = [prefix + prompt_suffix(SUFFIX_TOKENS, rng, words) for _ in range(SAVED_REQUESTS)]
-    on_times, off_times = [], []
-    with running_kvwatch(f"http://127.0.0.1:{port}/metrics", window="15m") as kvwatch:
-        with vllm_server(port=port, model_dir=model, venv=venv, max_model_len=LONG_LEN,
-                         kv_cache_memory_bytes=LONG_CACHE, startup_timeout_s=STARTUP_S, report=report,
-                         log_path=tmp_path_factory.mktemp("vllm-saved-on") / "server.log") as on, \
-             vllm_server(model_dir=model, venv=venv, max_model_len=LONG_LEN, kv_cache_memory_bytes=LONG_CACHE,
-                         startup_timeout_s=STARTUP_S, report=report, extra_args=("--no-enable-prefix-caching",),
-                         log_path=tmp_path_factory.mktemp("vllm-saved-off") / "server.log") as off:
-            time.sleep(2)  # kvwatch's first polls of the idle engine
-            for prompt in warm:  # cold prompts sharing nothing: the fit's spread, and first-use costs paid
-                _prefill_of(on, prompt)
-                _prefill_of(off, prompt)
-            for prompt in prompts:  # in turns, one at a time: no queue mixes two requests' prefill
-                on_times.append(_prefill_of(on, prompt))
-                off_times.append(_prefill_of(off, prompt))
-            time.sleep(2)
-            engine = read_metrics(on.metrics_url)  # a new engine: its lifetime totals are the window's
-            worth = _worth(kvwatch.url)
-    truth = sum(off_times) - sum(on_times)
-    paired = statistics.median(b - a for a, b in zip(on_times, off_times)) * len(prompts)
-    saved, per_token = worth["saved_seconds"], worth["prefill_seconds_per_token"]
-    hits = engine.value("vllm:prompt_tokens_cached_by_source_total", source="device")
-    report(f"saved: {len(prompts)} requests of {PREFIX_TOKENS} shared + {SUFFIX_TOKENS} own tokens, one at a time, "
-           f"in turns; prefill {sum(on_times):.3f} s with prefix caching, {sum(off_times):.3f} s without: "
-           f"{truth:.3f} s saved by vLLM's count (median pair x requests: {paired:.3f} s); kvwatch says "
-           f"{saved:.3f} s for {hits:.0f} cached tokens at {per_token * 1e6:.1f} us a token "
-           f"({100 * (saved - truth) / truth:+.1f} % of the sums' difference, {100 * (saved - paired) / paired:+.1f} %"
-           f" of the median pair's); per request on {statistics.median(on_times) * 1e3:.1f} ms, off "
-           f"{statistics.median(off_times) * 1e3:.1f} ms (medians)")
-    assert truth > 0 and paired > 0
-    assert hits == (len(prompts) - 1) * PREFIX_TOKENS  # the first request is cold, each later one hits the prefix
-    assert saved == pytest.approx(hits * per_token, rel=1e-9)
-    # The truth's own standard error: the pairs' spread x sqrt(requests), reported beside the comparison.
-    # The 15 % bar against vLLM's own difference is reported, not asserted: kvwatch prices a cached token
-    # at the fitted marginal rate, while a cached prefix saves its own attention too, which grows with
-    # its length (docs/capacity.md, "On the real vLLM"); measured -24 % here, so the bar is not met yet.
-    error = statistics.stdev(b - a for a, b in zip(on_times, off_times)) * math.sqrt(len(prompts))
-    report(f"saved: the truth's standard error {error:.3f} s ({100 * error / truth:.1f} % of it); kvwatch "
-           f"{100 * (saved - truth) / truth:+.1f} % against the 15 % bar")
-    assert saved > 0
+    target = f"http://127.0.0.1:{port}/metrics"
+    with vllm_server(port=port, model_dir=model, venv=venv, max_model_len=LONG_LEN,
+                     kv_cache_memory_bytes=LONG_CACHE, startup_timeout_s=STARTUP_S, report=report,
+                     log_path=tmp_path_factory.mktemp("vllm-saved-on") / "server.log") as on, \
+         vllm_server(model_dir=model, venv=venv, max_model_len=LONG_LEN, kv_cache_memory_bytes=LONG_CACHE,
+                     startup_timeout_s=STARTUP_S, report=report, extra_args=("--no-enable-prefix-caching",),
+                     log_path=tmp_path_factory.mktemp("vllm-saved-off") / "server.log") as off:
+        figures, record = [], []
+        for shape in SHAPES:  # each shape its own kvwatch: its window holds that shape's requests alone
+            with running_kvwatch(target, window="15m") as kvwatch:
+                figures.append(_saved_shape(on, off, kvwatch, rng, words, shape, report, record))
+    kept = tmp_path_factory.mktemp("vllm-saved") / "requests.json"
+    kept.write_text(json.dumps(record))
+    report(f"saved: each request's prefill seconds in {kept}")
+    report("saved against the 15 % bar: " + ", ".join(
+        f"{100 * (saved - truth) / truth:+.1f} % ({'met' if abs(saved - truth) <= SAVED_BAR * truth else 'not met'})"
+        for saved, truth in figures))
+    assert all(saved > 0 for saved, _ in figures)
 
 
 # ------------------------------------------------------------------ lost and needed
