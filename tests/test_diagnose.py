@@ -20,7 +20,8 @@ from kvwatch.diagnose import (
     resolve_thresholds,
     validate_thresholds,
 )
-from kvwatch.diagnose import Change, HitRateMemory, exhaustion, hit_rate
+from kvwatch.diagnose import Change, HitRateMemory, exhaustion, first_token, hit_rate
+from kvwatch.diagnose.context import EngineContext
 from kvwatch.diagnose.causes import SYMPTOMS, CatalogueError
 from kvwatch.diagnose.judging import check_judges
 from kvwatch.kvevents import wire
@@ -652,6 +653,47 @@ def test_a_queue_that_waited_with_room_stays_compute_bound_when_a_long_request_i
     run.steps(10, usage=0.85, running=8, waiting=30, requests=8, prompt=300, generated=300, queue=3.0, prefill=0.05,
               preemptions=1)
     assert "queueing_kv_bound" in causes(run.findings(), "slow_first_token")
+
+
+def test_each_first_token_cause_has_its_judge_asked_in_the_symptoms_ranking(monkeypatch):
+    ranking = SYMPTOMS["slow_first_token"].ranking
+    assert set(first_token.JUDGES) == set(ranking)
+    with pytest.raises(CatalogueError, match=r"slow_first_token: no judge for \['made_up'\]"):
+        check_judges("slow_first_token", first_token.JUDGES, ranking + ("made_up",))
+    asked: list[str] = []
+
+    def recording(judge):
+        def ask(ctx, judging):
+            asked.append(judge.__name__)
+            return judge(ctx, judging)
+        ask.__name__ = judge.__name__
+        return ask
+
+    # One recorder per judge: causes told apart by one comparison share it, and it is asked once.
+    recorders = {judge: recording(judge) for judge in set(first_token.JUDGES.values())}
+    for cause, judge in list(first_token.JUDGES.items()):
+        monkeypatch.setitem(first_token.JUDGES, cause, recorders[judge])
+    # Upstream, a queue and prefill all slow (the queue the larger part): every verdict kept, upstream's
+    # first and the engine's parts by their share, whatever order the judges were asked in.
+    run = Run(thresholds={"max_num_seqs": 8})
+    run.steps(10, usage=0.5, running=8, waiting=30, requests=8, prompt=100, generated=50, queue=1.6, prefill=1.3,
+              hit_ratio=0.5)
+    upstream = {"histogram": "app_retrieval_seconds", "up": True, "mean_seconds": 4.0, "p95_seconds": 6.0,
+                "count": 40}
+    per_engine, _ = evaluate_window(run.window)
+    (row,) = [row for row in per_engine if row.engine is not None]
+
+    def judged():
+        ctx = EngineContext(run.window, row, resolve_thresholds(run.thresholds), [], None)
+        return [f.cause for f in first_token.slow_first_token_findings(ctx, upstream)]
+
+    found = judged()
+    assert found == ["upstream", "queueing_compute_bound", "prefill"]
+    assert asked == ["_upstream", "_queue", "_prefill", "_residual"]
+    asked.clear()
+    monkeypatch.setitem(SYMPTOMS, "slow_first_token", replace(SYMPTOMS["slow_first_token"], ranking=ranking[::-1]))
+    assert judged() == found
+    assert asked == ["_residual", "_prefill", "_queue", "_upstream"]
 
 
 def test_prefill():

@@ -1,18 +1,51 @@
 """Slow first token: the queue (bound by KV or by compute), prefill, the front
 end, preemption (the residual while the cache is exhausted), or time spent
-upstream of the engine (retrieval, a gateway). Each part found is a finding;
-diagnose/arbitration.py keeps one primary and carries the rest."""
+upstream of the engine (retrieval, a gateway). Each cause has its judge
+(registered with @judges), asked in the symptom's ranking (causes.py), every
+verdict kept: each part found is a finding, upstream's first and the engine's
+parts by their share, and diagnose/arbitration.py keeps one primary and
+carries the rest. The window's first-token times are read once for all
+judges (FirstTokenJudging)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
 from kvwatch.diagnose.stuck import PROGRESS
 from kvwatch.diagnose.context import EngineContext, max_num_seqs, quantile_value
 from kvwatch.diagnose.exhaustion import count_text
+from kvwatch.diagnose.judging import check_judges, in_ranking, registrar
 from kvwatch.signals import ttft_decomposition
 from kvwatch.diagnose.vocabulary import NEXT_CHECK, Finding
+
+
+@dataclass(frozen=True)
+class FirstTokenJudging:
+    """The window's slow first tokens, read once for every judge: the figures,
+    the evidence and headline each finding carries, and the engine's parts
+    large enough to name (none where the engine itself met the objective)."""
+
+    slow: dict[str, Any]
+    upstream: dict[str, Any] | None
+    evidence: dict[str, Any]
+    headline: str
+    shares: dict[str, float]
+    named: tuple[str, ...]
+    confidence: str
+
+    def share_text(self, part: str) -> str:
+        return f"{self.shares[part]:.0%} of it"
+
+
+Judge = Callable[[EngineContext, FirstTokenJudging], "Finding | None"]
+JUDGES: dict[str, Judge] = {}
+judges = registrar(JUDGES)
+# The part of the first-token time each engine-side cause explains (ttft_decomposition's names).
+PART = {"queueing_kv_bound": "queue", "queueing_compute_bound": "queue", "prefill": "prefill",
+        "preemption": "other", "front_end": "other"}
 
 
 def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | None) -> list[Finding]:
@@ -20,6 +53,15 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
     if slow is None:
         waiting = _waiting_now(ctx)
         return [waiting] if waiting is not None else []
+    judging = _judging(ctx, slow, upstream)
+    found = [finding for judge in in_ranking("slow_first_token", JUDGES)
+             if (finding := judge(ctx, judging)) is not None]
+    # Upstream's first, then the engine's parts, the largest share first.
+    order = ["upstream", *sorted(judging.named, key=lambda name: -judging.shares[name])]
+    return sorted(found, key=lambda finding: order.index(PART.get(finding.cause, finding.cause)))
+
+
+def _judging(ctx: EngineContext, slow: dict[str, Any], upstream: dict[str, Any] | None) -> FirstTokenJudging:
     evidence, shares, other_lower = _ttft_evidence(ctx, slow)
     # The span, said where the eye compares: the page's trend ends on shorter spans.
     t = ctx.t
@@ -27,22 +69,39 @@ def slow_first_token_findings(ctx: EngineContext, upstream: dict[str, Any] | Non
     headline = (f"Time to first token over the last {ctx.increase.seconds:.0f}s: p95 "
                 f"{(pinned + ' ') if pinned else ''}{slow['p95']:.2f}s, mean {slow['ttft_mean']:.2f}s "
                 f"(objective p95 {t.ttft_p95_seconds:g}s, mean {t.ttft_mean_seconds:g}s)")
-    findings = []
-    upstream_found = _upstream_finding(ctx, upstream, slow, evidence)
-    if upstream_found is not None:
-        findings.append(upstream_found)
-    if not slow["engine_slow"] or not shares:
-        return findings
-    named, confidence = _named_parts(t, shares, other_lower, slow["ttft_mean"])
-    for part in sorted(named, key=lambda name: -shares[name]):
-        share_text = f"{shares[part]:.0%} of it"
-        if part == "queue":
-            findings.append(_queue_finding(ctx, evidence, headline, share_text, confidence))
-        elif part == "prefill":
-            findings.append(_prefill_finding(ctx, evidence, headline, share_text, confidence))
-        else:
-            findings.append(_residual_finding(ctx, evidence, headline, share_text, confidence))
-    return findings
+    named: list[str] = []
+    confidence = "medium"
+    if slow["engine_slow"] and shares:
+        named, confidence = _named_parts(t, shares, other_lower, slow["ttft_mean"])
+    return FirstTokenJudging(slow, upstream, evidence, headline, shares, tuple(named), confidence)
+
+
+@judges("upstream")
+def _upstream(ctx: EngineContext, judging: FirstTokenJudging) -> Finding | None:
+    return _upstream_finding(ctx, judging.upstream, judging.slow, judging.evidence)
+
+
+@judges("queueing_kv_bound", "queueing_compute_bound")
+def _queue(ctx: EngineContext, judging: FirstTokenJudging) -> Finding | None:
+    if "queue" not in judging.named:
+        return None
+    return _queue_finding(ctx, judging.evidence, judging.headline, judging.share_text("queue"), judging.confidence)
+
+
+@judges("prefill")
+def _prefill(ctx: EngineContext, judging: FirstTokenJudging) -> Finding | None:
+    if "prefill" not in judging.named:
+        return None
+    return _prefill_finding(ctx, judging.evidence, judging.headline, judging.share_text("prefill"),
+                            judging.confidence)
+
+
+@judges("preemption", "front_end")
+def _residual(ctx: EngineContext, judging: FirstTokenJudging) -> Finding | None:
+    if "other" not in judging.named:
+        return None
+    return _residual_finding(ctx, judging.evidence, judging.headline, judging.share_text("other"),
+                             judging.confidence)
 
 
 def _slow_first_token(ctx: EngineContext, upstream: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -284,3 +343,6 @@ def _residual_finding(ctx: EngineContext, evidence: dict[str, Any], headline: st
         {**evidence, "preemptions": exhaustion.preemptions,
          "kv_usage_max": ctx.value("kvwatch_kv_cache_usage_max_ratio")},
         NEXT_CHECK["preemption"])
+
+
+check_judges("slow_first_token", JUDGES)
