@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from kvwatch import __version__
-from kvwatch.mixin import manifests
+from kvwatch.mixin import image_source, manifests
 from kvwatch.mixin.config import MixinConfig
 from kvwatch.mixin.config import (CENTRAL_MEASURED_REPLICAS, CENTRAL_MEASURED_RESIDENT_MIB, DEPLOY_FIELDS,
                                   DeploySettings, central_resources, deploy_settings)
@@ -86,15 +86,15 @@ def kustomize_command() -> list[str] | None:
     return None
 
 
-# The image a user pushed and wrote into manifests.IMAGE_FILE, as each README says.
+# The image a user pushed and wrote into image_source.IMAGE_FILE, as each README says.
 PUSHED_IMAGE = "registry.example/kvwatch:" + __version__
 
 
 def write_image_files(root: Path, image: str = PUSHED_IMAGE) -> None:
     """`image=...` into IMAGE_FILE beside every kustomization under `root` that reads it."""
     for kustomization in root.rglob("kustomization.yaml"):
-        if manifests.IMAGE_FILE in kustomization.read_text():
-            (kustomization.parent / manifests.IMAGE_FILE).write_text(f"image={image}\n")
+        if image_source.IMAGE_FILE in kustomization.read_text():
+            (kustomization.parent / image_source.IMAGE_FILE).write_text(f"image={image}\n")
 
 
 def run_kustomize(path: Path) -> subprocess.CompletedProcess:
@@ -497,7 +497,7 @@ def test_sidecar_components_carry_the_same_container_as_the_base(directory, key)
     assert component["kind"] == "Component"
     assert component["patches"] == [{"path": manifests.SIDECAR_PATCH_FILE}]
     assert (patch["apiVersion"], patch["kind"], patch["metadata"]) == (
-        "apps/v1", "Deployment", {"name": SETTINGS.name, "annotations": {manifests.IMAGE_ANNOTATION: manifests.IMAGE_FILE}})
+        "apps/v1", "Deployment", {"name": SETTINGS.name, "annotations": {image_source.IMAGE_ANNOTATION: image_source.IMAGE_FILE}})
     assert patch["spec"]["template"]["metadata"] == {"labels": manifests.SIDECAR_POD_LABELS}
     spec = patch["spec"]["template"]["spec"]
     assert set(spec) == {key, "volumes"}
@@ -642,16 +642,16 @@ def test_no_default_kustomize_install_can_keep_vllm_from_starting(tmp_path, layo
     path = layout_as_built(tmp_path, layout)
     result = run_kustomize(path)
     assert result.returncode != 0 and result.stdout == "", result.stdout
-    assert manifests.IMAGE_FILE in result.stderr and "no such file" in result.stderr, result.stderr
+    assert image_source.IMAGE_FILE in result.stderr and "no such file" in result.stderr, result.stderr
     # The README that comes with the layout says what to write there.
     readme = (KUBE / layout / "README.md") if layout in COMPONENTS else (REPO / "docs" / "deploy.md")
-    assert f"`{manifests.IMAGE_FILE}`" in readme.read_text() and "image=REGISTRY/kvwatch:TAG" in readme.read_text()
+    assert f"`{image_source.IMAGE_FILE}`" in readme.read_text() and "image=REGISTRY/kvwatch:TAG" in readme.read_text()
     # Written, the image is set on kvwatch's container alone, and the file's ConfigMap is not applied.
     write_image_files(tmp_path)
     result = run_kustomize(path)
     assert result.returncode == 0, result.stderr
     objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-    assert not [doc for doc in objects if doc["metadata"]["name"].startswith(manifests.IMAGE_CONFIG_MAP)]
+    assert not [doc for doc in objects if doc["metadata"]["name"].startswith(image_source.IMAGE_CONFIG_MAP)]
     workloads = [doc for doc in objects if doc["kind"] in ("Deployment", "StatefulSet")]
     images = {c["name"]: c.get("image") for w in workloads for key in ("initContainers", "containers")
               for c in w["spec"]["template"]["spec"].get(key, [])}
@@ -670,7 +670,7 @@ def test_a_manifest_applied_without_kustomize_names_no_image_so_the_api_server_r
                 spec = doc["spec"]["template"]["spec"]
                 kvwatch = [c for key in ("initContainers", "containers") for c in spec.get(key, []) if c["name"] == "kvwatch"]
                 assert kvwatch and all("image" not in c for c in kvwatch), path
-                assert doc["metadata"]["annotations"] == {manifests.IMAGE_ANNOTATION: manifests.IMAGE_FILE}
+                assert doc["metadata"]["annotations"] == {image_source.IMAGE_ANNOTATION: image_source.IMAGE_FILE}
 
 
 def test_the_base_built_alone_names_no_image_for_kvwatch():
@@ -709,7 +709,7 @@ def test_an_image_named_in_the_deploy_config_is_written_and_needs_no_file():
     config = SimpleNamespace(deploy=SimpleNamespace(image="registry.example/kvwatch:1"))
     files = render_manifests(config, prometheus_rule="", dashboards={})
     for name, text in files.items():
-        assert manifests.IMAGE_FILE not in text, name
+        assert image_source.IMAGE_FILE not in text, name
     assert kvwatch_container(yaml.safe_load(files["kubernetes/base/vllm-deployment.yaml"]))["image"] == "registry.example/kvwatch:1"
     (container,) = yaml.safe_load(files["kubernetes/central/deployment.yaml"])["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "registry.example/kvwatch:1"
@@ -911,7 +911,7 @@ def test_central_is_hardened_like_the_sidecar_and_sized_from_the_measured_figure
     container = central_container()
     sidecar = kvwatch_container(one(base_objects(), "Deployment"))
     assert container["securityContext"] == sidecar["securityContext"]
-    # Neither names an image: each build reads it from manifests.IMAGE_FILE.
+    # Neither names an image: each build reads it from image_source.IMAGE_FILE.
     assert "image" not in container and "image" not in sidecar
     assert [m["mountPath"] for m in container["volumeMounts"]] == ["/tmp"]
     resources = container["resources"]

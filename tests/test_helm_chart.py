@@ -49,7 +49,7 @@ RELEASE = "kvwatch"
 
 
 # The image a user pushed: the chart renders no kvwatch container without one (the test of the default
-# says why); the one the kustomize tests write into manifests.IMAGE_FILE, so the two render the same container.
+# says why); the one the kustomize tests write into image_source.IMAGE_FILE, so the two render the same container.
 NAMED_IMAGE = chart_gen._image_parts(PUSHED_IMAGE)[0]
 
 
@@ -117,7 +117,7 @@ def sidecar_of(patch: dict) -> tuple[str, dict]:
 
 
 def kustomize_container(directory: str) -> dict:
-    """The Component's container, with the image a build takes from manifests.IMAGE_FILE."""
+    """The Component's container, with the image a build takes from image_source.IMAGE_FILE."""
     patch = yaml.safe_load((KUBE / directory / manifests.SIDECAR_PATCH_FILE).read_text())
     return {**sidecar_of(patch)[1], "image": PUSHED_IMAGE}
 

@@ -128,7 +128,7 @@ class DeploySettings:
     namespace: str = "vllm"
     name: str = "vllm"
     replicas: int = 1
-    # Empty: no registry serves kvwatch under a default name (manifests.IMAGE_FILE says what then).
+    # Empty: no registry serves kvwatch under a default name (image_source.IMAGE_FILE says what then).
     image: str = ""
     image_pull_policy: str = "IfNotPresent"
     vllm_image: str = "vllm/vllm-openai:v0.32.0"

@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from kvwatch.mixin.config import SIDECAR_LIVENESS, DeploySettings, deploy_settings
+from kvwatch.mixin.image_source import image_field, image_line, image_requirement, marked
 
 PROMETHEUS_RULE_FILE = "alerts/kvwatch-prometheusrule.yaml"
 DASHBOARDS_DIR = "dashboards"
@@ -89,7 +90,7 @@ def kvwatch_container(s: DeploySettings, native: bool | None = None) -> dict:
     makes it a native sidecar: an init container with restartPolicy Always
     (Kubernetes 1.29+), started before vLLM and stopped after it."""
     native = s.sidecar_native if native is None else native
-    container: dict[str, Any] = {"name": "kvwatch", **_image(s), "imagePullPolicy": s.image_pull_policy}
+    container: dict[str, Any] = {"name": "kvwatch", **image_field(s), "imagePullPolicy": s.image_pull_policy}
     if native:
         container["restartPolicy"] = "Always"
     container.update({
@@ -157,7 +158,7 @@ def vllm_deployment(s: DeploySettings) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _marked({"name": s.name, "labels": dict(s.labels)}, s),
+        "metadata": marked({"name": s.name, "labels": dict(s.labels)}, s),
         "spec": {
             "replicas": s.replicas,
             "selector": {"matchLabels": dict(s.labels)},
@@ -327,7 +328,7 @@ def central_container(s: DeploySettings) -> dict:
     sidecar = kvwatch_container(s)
     return {
         "name": "kvwatch",
-        **_image(s),
+        **image_field(s),
         "imagePullPolicy": s.image_pull_policy,
         "args": central_args(s),
         "env": [
@@ -352,7 +353,7 @@ def central_deployment(s: DeploySettings) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _marked({"name": s.central_name, "labels": dict(labels)}, s),
+        "metadata": marked({"name": s.central_name, "labels": dict(labels)}, s),
         "spec": {
             # One reader: two would each query the store and export every series twice.
             "replicas": 1,
@@ -473,61 +474,6 @@ SHARDED_NOTES = [
 ]
 
 
-# ---------------------------------------------------------------- the image
-
-
-# No registry serves kvwatch under a default name, and a native sidecar whose image
-# cannot be pulled keeps vLLM from starting. So with no image named (the default) a
-# kustomization that runs kvwatch reads it from IMAGE_FILE beside it: a build without
-# that file fails naming it, and a file applied without kustomize has no image, which
-# the API server refuses (docs/deploy.md, "A default that cannot keep vLLM from starting").
-IMAGE_FILE = "kvwatch-image.env"
-IMAGE_CONFIG_MAP = "kvwatch-image"
-# Marks the objects whose kvwatch container takes the image: a user's other Deployments are left alone.
-IMAGE_ANNOTATION = "kvwatch/image-from"
-
-
-def _image(s: DeploySettings) -> dict:
-    return {"image": s.image} if s.image else {}
-
-
-def _marked(metadata: dict, s: DeploySettings) -> dict:
-    """An object's metadata, with IMAGE_ANNOTATION where its kvwatch container's image comes from IMAGE_FILE."""
-    return metadata if s.image else {**metadata, "annotations": {IMAGE_ANNOTATION: IMAGE_FILE}}
-
-
-def _image_line(s: DeploySettings) -> str:
-    if s.image:
-        return f"the image `{s.image}`, as the deploy config names it."
-    return (f"the image: no registry serves kvwatch under a default name, so write the one you pushed into\n"
-            f"  `{IMAGE_FILE}` beside the Component's kustomization, as one line\n"
-            f"  `image=REGISTRY/kvwatch:TAG`. Without that file the build fails naming it, and a vLLM\n"
-            f"  pod never waits on an image nobody can pull (docs/deploy.md).")
-
-
-def image_requirement(s: DeploySettings, kind: str, key: str) -> dict:
-    """The kustomization fields that set the `kvwatch` container's image in the
-    `key` list (containers or initContainers) of each `kind` object marked with
-    IMAGE_ANNOTATION, from IMAGE_FILE's `image=` line; none when the image is named."""
-    if s.image:
-        return {}
-    return {
-        "configMapGenerator": [{
-            "name": IMAGE_CONFIG_MAP, "envs": [IMAGE_FILE],
-            # Read by the replacement, never applied.
-            "options": {"annotations": {"config.kubernetes.io/local-config": "true"}},
-        }],
-        "replacements": [{
-            "source": {"kind": "ConfigMap", "name": IMAGE_CONFIG_MAP, "fieldPath": "data.image"},
-            "targets": [{
-                "select": {"kind": kind, "annotationSelector": f"{IMAGE_ANNOTATION}={IMAGE_FILE}"},
-                "fieldPaths": [f"spec.template.spec.{key}.[name=kvwatch].image"],
-                "options": {"create": True},
-            }],
-        }],
-    }
-
-
 # ---------------------------------------------------------------- sidecar patch
 
 
@@ -550,7 +496,7 @@ def sidecar_patch(s: DeploySettings, native: bool) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _marked({"name": s.name}, s),
+        "metadata": marked({"name": s.name}, s),
         "spec": {"template": {
             # The PodMonitor selects this label: your pods are scraped whatever their own labels.
             "metadata": {"labels": dict(SIDECAR_POD_LABELS)},
@@ -709,6 +655,23 @@ CONTAINER_NOTES = [
 ]
 
 
+def _sidecar_component_files(s: DeploySettings, directory: str, native: bool, config_map_text: str,
+                             container_notes: list[tuple[str, str]]) -> dict[str, str]:
+    patch = f"kubernetes/{directory}/"
+    return {
+        patch + "kvwatch-config.yaml": config_map_text,
+        patch + SIDECAR_PATCH_FILE: HEADER + _with_comments(
+            to_yaml(sidecar_patch(s, native)), [("metadata:", PATCH_NOTE)] + container_notes),
+        patch + "kustomization.yaml": HEADER + to_yaml(sidecar_component(s, native)),
+        patch + "README.md": SIDECAR_README.format(
+            vllm_port=s.vllm_port, name=s.name, image_line=image_line(s), port_name=s.port_name,
+            patch=SIDECAR_PATCH_FILE, kvwatch_port=s.kvwatch_port,
+            pod_label=", ".join(f"`{k}={v}`" for k, v in SIDECAR_POD_LABELS.items()),
+            directory=f"deploy/kubernetes/{directory}",
+            labels=", ".join(f"`{k}={v}`" for k, v in s.labels.items())),
+    }
+
+
 def render_manifests(config: Any = None, prometheus_rule: str | None = None,
                      dashboards: dict[str, str] | None = None, source_dir: str | Path | None = None,
                      central_rule: str | None = None) -> dict[str, str]:
@@ -746,17 +709,8 @@ def render_manifests(config: Any = None, prometheus_rule: str | None = None,
                                                                image=sidecar_image)
 
     for directory, native in SIDECAR_COMPONENTS.items():
-        patch = f"kubernetes/{directory}/"
-        files[patch + "kvwatch-config.yaml"] = files[base + "kvwatch-config.yaml"]
-        files[patch + SIDECAR_PATCH_FILE] = HEADER + _with_comments(
-            to_yaml(sidecar_patch(s, native)), [("metadata:", PATCH_NOTE)] + container_notes)
-        files[patch + "kustomization.yaml"] = HEADER + to_yaml(sidecar_component(s, native))
-        files[patch + "README.md"] = SIDECAR_README.format(
-            vllm_port=s.vllm_port, name=s.name, image_line=_image_line(s), port_name=s.port_name, patch=SIDECAR_PATCH_FILE,
-            kvwatch_port=s.kvwatch_port,
-            pod_label=", ".join(f"`{k}={v}`" for k, v in SIDECAR_POD_LABELS.items()),
-            directory=f"deploy/kubernetes/{directory}",
-            labels=", ".join(f"`{k}={v}`" for k, v in s.labels.items()))
+        files.update(_sidecar_component_files(s, directory, native, files[base + "kvwatch-config.yaml"],
+                                              container_notes))
 
     files["prometheus/scrape-configs.yaml"] = HEADER + to_yaml(prometheus_scrape_configs(s))
 
