@@ -46,6 +46,7 @@ import pytest
 
 from kvwatch.capacity.needed import CacheShape, Step, needed
 from kvwatch.signals import worth as worth_of
+from kvwatch.window.steps import PREFILL_FIT
 
 from .harness import (
     MODEL_NAME, TINY_MODEL_BLOCK_BYTES_PER_TOKEN, _post_json, burst_load, prompt_suffix, prompt_text, prompt_words,
@@ -120,7 +121,9 @@ def _run_shape(server, kvwatch, cold_prompts: list[str], prompts: list[str]) -> 
     source = "vllm:prompt_tokens_cached_by_source_total"
     hits = read_metrics(server.metrics_url).value(source, source="device") - before.value(source, source="device")
     view = kvwatch.monitor.state.per_engine[0].view
-    return {"cold": cold, "times": times, "hits": hits, "worth": _worth(kvwatch.url),
+    # The window's sums the fits solve (kept with the requests: why a fit was refused can be read from them).
+    sums = {key: value for key, value in view.increase.counters.items() if key.startswith(PREFILL_FIT)}
+    return {"cold": cold, "times": times, "hits": hits, "worth": _worth(kvwatch.url), "sums": sums,
             "fits": [worth_of.fitted_prefill_cost(view), worth_of.position_fit(view)]}
 
 
@@ -161,7 +164,8 @@ def _saved_figures(shape, on: dict, off: dict, report, record) -> tuple[float, f
            f"{_spread(on_times[1:])}, off {_spread(off_times[1:])}; each cold size's slowest of "
            f"{WARM_ROUNDS} rounds over its fastest: at most {cold_ratio['on']:.2f}x on, {cold_ratio['off']:.2f}x off")
     record.append({"shape": list(shape), "cold_sizes": cold_sizes, "cold": list(zip(on["cold"], off["cold"])),
-                   "on": on_times, "off": off_times, "saved": saved, "linear": linear, "fits": [two, three]})
+                   "on": on_times, "off": off_times, "saved": saved, "linear": linear, "fits": [two, three],
+                   "sums": on["sums"]})
     assert truth > 0 and paired > 0
     assert hits == (requests - 1) * prefix_tokens  # the first request is cold, each later one hits the prefix
     assert saved == pytest.approx(hits * cached, rel=1e-9)
