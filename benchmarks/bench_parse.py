@@ -86,6 +86,6 @@ def bench_parse(report: Report, capture: str, quick: bool) -> None:
     report.sections.append(
         "### Parse + adapt against prometheus_client\n\n"
         "Thread CPU time per page, median of interleaved rounds; kvwatch with the caches a running sidecar has "
-        "(the first poll's cold figure beside it). 'split floor' is issue 9's floor: splitting the page into "
+        "(the first poll's cold figure beside it). 'split floor' is the floor any parser pays: splitting the page into "
         "lines and reading each sample's name and value, no labels.\n\n" + table(header, rows))
     print(plain_table(header, rows), flush=True)

@@ -143,7 +143,7 @@ def bench_poll(report: Report, capture: str, fixtures: Path, quick: bool) -> Non
         "poll), thread CPU time as the monitor records it (state.poll_cpu_seconds), with the default 5 min "
         "window already full (301 polls at a simulated 1 s), median over the measured polls. Stages are "
         "medians of each stage's own CPU time; 'rest' is the monitor's own bookkeeping. The yardstick is "
-        "prometheus_client's parse of the same page, measured after every 10th poll: the targets (issue 40: "
-        "at most 0.15x of it at 1 engine and 0.13x at 8) scale with it, so a slower or busier machine "
+        "prometheus_client's parse of the same page, measured after every 10th poll: the targets (at "
+        "most 0.15x of it at 1 engine and 0.13x at 8) scale with it, so a slower or busier machine "
         "does not fail them, nor a faster one pass them.\n\n" + table(header, rows))
     print(plain_table(header, rows), flush=True)

@@ -1,4 +1,4 @@
-"""The timeline section: the demo loop told over time (issues #47, #55),
+"""The timeline section: the demo loop told over time,
 scored poll by poll against the story each phase states
 (kvwatch/sim/score.py), at the demo's settings (scripts/demo-kvwatch.yaml)
 and at the defaults, over three seeds on simulated time."""
@@ -43,7 +43,7 @@ def bench_timeline(report: Report, quick: bool) -> None:
         report.figure(f"timeline, demo loop at {label}: banner right (worst seed)", f"{worst_banner:.1%}",
                       f"{len(results)} seeds, from {75:.0f} s into each phase", f">= {BARS['banner_right_share']:.0%}",
                       worst_banner >= BARS["banner_right_share"])
-        report.figure(f"timeline, demo loop at {label}: every bar of issue 47", f"{sum(not r.failures() for _, r in results)} "
+        report.figure(f"timeline, demo loop at {label}: every bar of the story over time", f"{sum(not r.failures() for _, r in results)} "
                       f"of {len(results)} seeds", f"false findings up to {false:.2f} min a loop", "all",
                       all(not r.failures() for _, r in results))
     header = ["settings", "seed", "banner right", "false min", "false high-confidence min", "cause changes (most in a phase)",
@@ -52,7 +52,7 @@ def bench_timeline(report: Report, quick: bool) -> None:
         "### Timeline: the demo loop told over time\n\n"
         "One loop of kvwatch/scenarios/demo.yaml (27 min) per seed through the sidecar's Monitor on simulated time "
         "(the engine's page, its RAG service's page, its KV-cache events), every poll scored against the story its "
-        "phase states (kvwatch/sim/score.py; docs/diagnosis.md, \"The story over time, scored\"). Bars (issue 47): "
+        "phase states (kvwatch/sim/score.py; docs/diagnosis.md, \"The story over time, scored\"). Bars: "
         "banner right on 97 % of polls from 75 s into each phase, at most 0.5 min of false findings a loop and none "
         "at high confidence, at most one cause change a phase, no toggles, none born clearing, a finding within 45 s "
         "of its condition and gone within 75 s of its end.\n\n" + table(header, rows)

@@ -3,7 +3,7 @@ million tracked blocks, and a flood through the bounded intake.
 
     .venv/bin/python benchmarks/kv_events.py
 
-Prints its figures (one line each); targets from issue 34: >= 200,000 block
+Prints its figures (one line each); target: >= 200,000 block
 hashes per second decoded and accounted on one core.
 
 The load is vLLM's shape (kvwatch/kvevents/wire.py): one step's batch holds a

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 ENGINE_ZERO = 'engine="0"'
-# The capture of issue 9's baseline figures (53.6 KB, 440 samples): a burst
+# The capture of the parse's baseline figures (53.6 KB, 440 samples): a burst
 # of requests, so every family kvwatch reads is present and non-zero.
 CAPTURE = "vllm-0.32-cpu/metrics-load.txt"
 

@@ -334,7 +334,7 @@ def test_serve_replay_is_marked_as_a_replay_on_every_surface(fixtures_dir, tmp_p
     assert "replay" not in TestClient(create_app(Monitor(live), live)).get("/api/v1/signals").json()
 
 
-# --- hostile captures (issue 35): every member read with a byte cap, every
+# --- hostile captures: every member read with a byte cap, every
 # field checked, every failure one sentence ------------------------------------
 
 

@@ -362,7 +362,7 @@ def test_contradicting_causes_are_never_delivered(stack, alerts_delivered):
     both = prom_query(stack["prometheus"],
                       'count by (instance, engine) (max_over_time(ALERTS{cause=~"queueing_(kv|compute)_bound"}[10m])) > 1')
     assert both == [] or all(_never_simultaneous(stack, r["metric"]) for r in both)
-    # One story (issue 32): at no evaluation did two causes of one symptom fire for one engine
+    # One story: at no evaluation did two causes of one symptom fire for one engine
     # (the objective's burn alerts carry the symptom and no cause: they page, the cause explains).
     two = query_range(stack["prometheus"],
                       'count by (deployment, instance, engine, symptom) (count by (deployment, instance, engine, '

@@ -1,4 +1,4 @@
-"""Lag-aware first-token evidence (issue 55): vLLM observes a request's
+"""Lag-aware first-token evidence: vLLM observes a request's
 queue time and first token only once it is admitted, so while a burst's
 requests wait the histograms have not seen them. The first-token finding
 starts from what waits now, and never only after the incident ended."""

@@ -1,7 +1,7 @@
 """`promtool check metrics` (Prometheus' own lint, the real binary) passes
 on kvwatch's /metrics, in both serve modes, with every family present that
 real pages light: windowed quantiles, pinned quantiles, findings, process
-metrics (issue 35: it exited 3 with 30 lines of "non-summary metrics should
+metrics (it exited 3 with 30 lines of "non-summary metrics should
 not have "quantile" label")."""
 
 from __future__ import annotations

@@ -560,8 +560,8 @@ def test_a_flood_of_slow_bodies_leaves_both_probes_answerable(bounded_server):
     """100 connections (40 allowed) send whole headers declaring a 100 MB
     body, or a body under the cap that never ends, then one byte of it, on
     the probes' own paths and others: each is refused (413) or closed to
-    make room, and /healthz and /metrics answer 200 all along (on main
-    before issue 35 the body phase was never evicted: every probe got 503)."""
+    make room, and /healthz and /metrics answer 200 all along (before the
+    body phase had its own deadline it was never evicted: every probe got 503)."""
     import socket
 
     port = bounded_server

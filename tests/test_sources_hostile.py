@@ -1,5 +1,5 @@
 """The second sources beside the engine (the upstream histogram, LMCache)
-against hostile pages (issue 35): bounded in what they keep, one sentence
+against hostile pages: bounded in what they keep, one sentence
 for what they refuse, on the monitor's clock."""
 
 from __future__ import annotations

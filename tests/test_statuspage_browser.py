@@ -416,7 +416,7 @@ def test_a_finished_replay_reads_as_one_and_calm_figures_stay_calm(browser, fixt
 
 
 def test_the_banner_shows_the_worst_active_finding_and_clearing_ones_are_muted_below(browser):
-    """One story (issue 32): a critical finding held while clearing never
+    """One story: a critical finding held while clearing never
     leads the banner over an active one; it is drawn muted below the active
     cards; a finding's contributing factors and alternatives show on its card."""
     from dataclasses import replace as with_

@@ -2,7 +2,7 @@
 kvwatch's query client (`kvwatch diagnose --prometheus`, central mode):
 every answer is read with a byte cap (decompressed) and a deadline enforced
 while it is read, central mode recovers when the store does, and what the
-store says is never repeated on the open /readyz (issue 35)."""
+store says is never repeated on the open /readyz."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The incident told over time (issues #47, #55): the fixes the timeline
+"""The incident told over time: the fixes the timeline
 scorer exposed, each on hand-built findings or polls, and the scorer's bars
 on the simulated demo loop (kvwatch/sim/score.py)."""
 
@@ -227,7 +227,7 @@ def test_a_finding_is_never_first_shown_clearing():
 
 
 def test_a_finding_is_active_while_its_symptom_is_true_now():
-    """Now and the window apart (issue #55): a window finding whose symptom
+    """Now and the window apart: a window finding whose symptom
     the rules no longer find over the last now_seconds has ended; a symptom
     true now that the window does not show yet starts from the now finding;
     changes, the stream's own findings and stuck keep their own spans."""

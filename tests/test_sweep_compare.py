@@ -360,7 +360,7 @@ def test_a_sweep_with_a_baseline_repeats_its_prompts_and_compares_an_fp8_cache(t
 
 
 # ---------------------------------------------------------------------------
-# Crafted folders (issue 35): one sentence, never a traceback; no markup out.
+# Crafted folders: one sentence, never a traceback; no markup out.
 
 
 @pytest.mark.parametrize("edit, says", [

@@ -1,4 +1,4 @@
-"""The window is bounded in bytes across polls (issue 35): rotating model
+"""The window is bounded in bytes across polls: rotating model
 names (a gateway that sets one served name per request) brought max_series
 new pairs every poll and a 5-minute window kept all of them (61,000 pairs at
 max_series 1000: 493 MiB, against the pod's 384Mi). Memory and pairs are

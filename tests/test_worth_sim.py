@@ -1,5 +1,5 @@
 """The saved prefill seconds against the simulator's ground truth: the same
-seeded load with prefix caching on and off (issue #51's 'Done means', on the
+seeded load with prefix caching on and off (the bar set for the real engine, on the
 simulator, whose engine counts the GPU seconds it spent in prefill). kvwatch
 prices the on run's hits from its page alone; the truth is the difference in
 the prefill GPU seconds between the two runs."""

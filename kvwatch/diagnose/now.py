@@ -1,4 +1,4 @@
-"""Now and the window, apart (issue #55): whether a finding is active is
+"""Now and the window, apart: whether a finding is active is
 judged on what is true now, the rules run over the last `now_seconds` (the
 gauges as they stand, counters over the last few polls, the event stream's
 recent blocks), while the window's finding stays the evidence and the

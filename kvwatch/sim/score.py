@@ -6,7 +6,7 @@ The sidecar's Monitor polls the simulated engine's page, its RAG service's
 page (the upstream histogram) and its KV-cache events (fed as the stream's
 messages), exactly the sources `make run` gives it; only the clock and the
 transport are the simulation's. Per poll it takes the findings as
-`/api/v1/diagnosis` lists them, and scores (issue #47):
+`/api/v1/diagnosis` lists them, and scores:
 
 - the banner: the first active finding (changes aside, they are events) is
   the phase's `lead`, or nothing is active where the lead is `nothing`;
@@ -40,7 +40,7 @@ SIM_BASE = 1_700_000_000.0
 SETTLE_SECONDS = 75.0
 MAX_WRONG = 200
 FULL = 0.9  # usage of a full simulated cache (the diagnosis' exhaustion_usage_ratio)
-# The bars of issue #47 (per loop of the demo, and per phase).
+# The bars of the story over time (per loop of the demo, and per phase).
 BARS = {"banner_right_share": 0.97, "false_minutes": 0.5, "false_high_minutes": 0.0, "cause_changes_per_phase": 1,
         "toggles": 0, "born_clearing": 0, "start_seconds": 45.0, "clear_seconds": 75.0}
 

@@ -393,7 +393,7 @@ def default_cases() -> list[Case]:
              [Engine(**latency(3.0, 0.2, 2.5))], "40m", [("VllmTimeToFirstTokenSlow", "prefill", ENGINE)]),
         Case("first token: mostly outside queue and prefill -> front_end",
              [Engine(**latency(3.0, 0.2, 0.3))], "40m", [("VllmTimeToFirstTokenSlow", "front_end", ENGINE)]),
-        # One story (issue 32): a preempted request's re-queueing and recomputation are in neither
+        # One story: a preempted request's re-queueing and recomputation are in neither
         # histogram, so the residual grows exactly when the cache is the cause: preemption, never front_end.
         Case("first token: mostly outside queue and prefill while preempting -> preemption, not front_end",
              [Engine(**busy, **latency(3.0, 0.2, 0.3))], "40m",
@@ -403,7 +403,7 @@ def default_cases() -> list[Case]:
              [Engine(usage=const(0.98), running=const(8), waiting=const(12), **latency(3.0, 0.2, 0.3))], "40m",
              [("VllmKvCacheExhausted", "concurrency_beyond_capacity", ENGINE),
               ("VllmTimeToFirstTokenSlow", "preemption", ENGINE)]),
-        # One story through a change of cause (issue 32): at minute 30 the largest part moves from the
+        # One story through a change of cause: at minute 30 the largest part moves from the
         # queue to prefill. The queue's alert is kept firing for the hold (1m) while prefill is pending
         # (10m): never both firing.
         Case("first token: the largest part moves from queue to prefill -> the queue fires before",

@@ -90,7 +90,7 @@ def test_restart_cold_then_warm_and_a_restart_that_changes_config_dtype_model_an
             watch(kvwatch, 4.0, cold)
             warm_again: list = []
             # Warm for longer than the now span (now_seconds, 30 s: whether a finding is active is
-            # judged there, issue 55), then past its symptom's quiet (15 s) before reading the end.
+            # judged there), then past its symptom's quiet (15 s) before reading the end.
             again = rotation(second.base_url, duration=36.0)
             while again.running:
                 warm_again.append(findings(kvwatch))

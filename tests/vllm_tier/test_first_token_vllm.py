@@ -128,7 +128,7 @@ def test_a_queue_behind_a_full_cache_is_kv_bound(real_vllm, report):
               if f["symptom"] == "slow_first_token" and f["cause"] != "queueing_kv_bound"]
     assert "queueing_kv_bound" in causes(samples), shares(samples)
     # The queue's other reading, and prefill, never. `front_end` never either
-    # (issue 32): under the burst a request lives longer than the window, its
+    # (one story): under the burst a request lives longer than the window, its
     # queue and prefill times are observed only when it finishes, and a
     # preempted request's re-queueing and recomputation are in neither
     # histogram, so the residual can pass its share for a poll or two (it did
