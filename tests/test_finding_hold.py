@@ -238,3 +238,51 @@ def test_a_findings_severity_does_not_fall_while_it_lasts():
     assert seen[10] == [] and seen[12] == ["warning"]  # ended after the hold; a new episode
     # The held record is the episode's: it says critical while clearing too.
     assert out[3][0].clearing_since == SIM_BASE + 6.0
+
+
+def _exhaustion(severity: str = "critical", cause: str = "concurrency_beyond_capacity") -> Finding:
+    return Finding("exhaustion", cause, severity, "high", "m", "0", "full", {"preemptions": 3})
+
+
+def test_a_lapse_clearly_over_shows_ended_at_once_and_stays_so():
+    """A lapse near the threshold is hidden for its quiet; one the now span
+    says is clearly over (`over`, NowJudgment.CLEARLY_OVER) is shown ended at
+    its first clear poll. Once shown ended it stays ended through a later
+    lapse that is not clearly over (no flip back to active as last seen),
+    and a return of the condition is active again within one episode, at
+    the severity it had."""
+    where = {("exhaustion", "m", "0")}
+    quiet = SYMPTOMS["exhaustion"].quiet
+    assert quiet > 5.0
+    hold = FindingHold(60.0)
+    for i in range(6):
+        hold.apply(SIM_BASE + 5.0 * i, [_exhaustion()])
+    hidden = FindingHold(60.0)
+    for i in range(6):
+        hidden.apply(SIM_BASE + 5.0 * i, [_exhaustion()])
+    assert [f.clearing_since for f in hidden.apply(SIM_BASE + 30.0, [])] == [None]  # not over: hidden
+    ended = hold.apply(SIM_BASE + 30.0, [], over=where)
+    assert [(f.severity, f.clearing_since) for f in ended] == [("critical", SIM_BASE + 30.0)]
+    # Not clearly over at the next poll (the cache between the lines): still ended, from the same time.
+    assert [f.clearing_since for f in hold.apply(SIM_BASE + 35.0, [])] == [SIM_BASE + 30.0]
+    # `over` for another engine or symptom changes nothing here.
+    other = FindingHold(60.0)
+    for i in range(6):
+        other.apply(SIM_BASE + 5.0 * i, [_exhaustion()])
+    assert [f.clearing_since for f in other.apply(SIM_BASE + 30.0, [], over={("exhaustion", "m", "1"),
+                                                                               ("low_hit_rate", "m", "0")})] == [None]
+    # Back within the hold: active again, the episode's severity kept.
+    back = hold.apply(SIM_BASE + 40.0, [_exhaustion("warning")])
+    assert [(f.severity, f.clearing_since) for f in back] == [("critical", None)]
+
+
+def test_a_harm_clearly_over_beside_its_advisory_is_still_one_episode():
+    """The sizing advisory standing now says the cache still cannot hold what
+    the scheduler admits: the harm recurs (the demo's slow-prefill), so its
+    pause stays hidden for the hold even where the cache is empty now."""
+    advisory = _exhaustion("info", "capacity_below_max_num_seqs")
+    hold = FindingHold(60.0)
+    for i in range(6):
+        hold.apply(SIM_BASE + 5.0 * i, [_exhaustion()])
+    out = hold.apply(SIM_BASE + 30.0, [advisory], over={("exhaustion", "m", "0")})
+    assert [(f.cause, f.clearing_since) for f in out] == [("concurrency_beyond_capacity", None)]

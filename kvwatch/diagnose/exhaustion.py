@@ -159,6 +159,18 @@ def _capacity_below_max_num_seqs(ctx: EngineContext, judging: _Judging) -> Findi
     return None
 
 
+def clearly_over(ctx: EngineContext) -> bool:
+    """The exhaustion is clearly over on this span (the now span, diagnose/now.py): the detector finds
+    nothing (no full poll, no preemption), and its last poll has the cache below eviction_usage_ratio
+    with nothing waiting, well under the detector's line (exhaustion_usage_ratio with a queue), so its
+    lapse is no flicker near that line. Unknown is not zero: a poll without usage or waiting decides nothing."""
+    if not ctx.polls or ctx.exhaustion is not None:
+        return False
+    last = ctx.polls[-1]
+    return (last.usage is not None and last.usage < ctx.t.eviction_usage_ratio
+            and last.waiting is not None and last.waiting <= 0)
+
+
 def _severity_said(finding: Finding, state: Exhaustion) -> Finding:
     """A critical exhaustion says the figure that made it critical: the
     preemptions its alert (critical with preemptions, the same record's

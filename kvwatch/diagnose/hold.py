@@ -26,7 +26,10 @@ less than `quiet` is not shown (the finding stays plain active as last seen,
 so a lapse does not toggle the page), but no longer than the finding stood
 before it and never less than `handover` (a harm whose lapse stands beside
 its own advisory, the warning sign seen without the harm, is intermittent:
-its lapse is hidden for the whole hold); a new cause of a story replaces the
+its lapse is hidden for the whole hold), and not at all where the now span's
+evidence says the condition is clearly over (NowJudgment's `over`: for an
+exhaustion, nothing preempted or full and the cache well below the line with
+nothing waiting), which is no flicker near a threshold; a new cause of a story replaces the
 cause shown only once it has led for `lead` (until then the shown cause
 stays, as last seen), or, where the rules no longer find the shown cause at
 all, after its `handover` (unless both are exclusive readings of one
@@ -44,7 +47,7 @@ when the primary changes on stronger evidence, the story changes with it.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterable
+from typing import Collection, Iterable
 
 from kvwatch.diagnose.arbitration import arbitrate, group_key, primaries
 from kvwatch.diagnose.causes import CAUSE, SYMPTOMS
@@ -87,7 +90,9 @@ class FindingHold:
         self._shown_cause: dict[tuple, Finding] = {}
         self._challengers: dict[tuple, float] = {}
 
-    def apply(self, at: float, findings: Iterable[Finding]) -> list[Finding]:
+    def apply(self, at: float, findings: Iterable[Finding], over: Collection[tuple] = frozenset()) -> list[Finding]:
+        """`over`: the (symptom, model, engine) whose condition is clearly over now (NowJudgment's
+        CLEARLY_OVER): a lapse of theirs is shown ended at once, not hidden for the quiet."""
         current = self._led(at, [self._no_lower(f) for f in findings])
         seen = {hold_key(f) for f in current}
         held: dict[tuple, tuple[Finding, float | None]] = {hold_key(f): (f, None) for f in current}
@@ -119,6 +124,8 @@ class FindingHold:
             # stays a blip), and never less than its handover (a one-poll lapse is never shown).
             wait = handover if successor else max(handover, min(self._symptom(finding.symptom, "quiet"),
                                                                   since - born[key]))
+            if not successor and (finding.symptom, finding.model, finding.engine or "") in over:
+                wait = 0.0  # the evidence says it is over, far from the line a flicker crosses: nothing to hide
             if not successor and story in advised and is_actionable(finding) and self.hysteresis:
                 # Intermittent: the harm paused while its own warning sign stands (the cache still cannot
                 # hold what the scheduler admits), so it recurs; one episode, as its alert keeps firing.
@@ -179,6 +186,10 @@ class FindingHold:
     def _symptom(self, name: str, field: str) -> float:
         record = SYMPTOMS.get(name)
         return getattr(record, field) if record is not None and self.hysteresis else 0.0
+
+    def held_where(self) -> set[tuple[str, str, str]]:
+        """The (symptom, model, engine) of each finding held (active at the last poll, or clearing)."""
+        return {(f.symptom, f.model, f.engine or "") for f, _ in self._held.values()}
 
     def incumbents(self) -> set[tuple]:
         """The primary cause of each story at the last poll (active or held):

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from typing import Any, Iterable
 
 from kvwatch.diagnose import NOT_DIAGNOSED_KEYS, diagnose
-from kvwatch.diagnose.context import HitRateMemory
+from kvwatch.diagnose.context import EngineContext, HitRateMemory
+from kvwatch.diagnose.exhaustion import clearly_over
 from kvwatch.diagnose.hold import FindingHold
 from kvwatch.diagnose.thresholds import Thresholds, resolve_thresholds
 from kvwatch.diagnose.vocabulary import Finding, is_actionable
@@ -35,6 +36,11 @@ from kvwatch.window import Window
 # already asks that nothing moved for stuck_seconds.
 PREFER_NOW = True
 OWN_SPAN = frozenset({"change", "kv_events", "stuck", "fleet"})
+
+
+# Per symptom, whether its condition is clearly over on the now span of one engine (not merely
+# unfound there): the hold then shows its lapse ended at once instead of hiding it for the quiet.
+CLEARLY_OVER = {"exhaustion": clearly_over}
 
 
 def _where(finding: Finding) -> tuple[str, str, str]:
@@ -97,4 +103,16 @@ class NowJudgment:
             kv_events = {**kv_events, "window_exhausted": any(f.symptom == "exhaustion" for f in window_findings)}
         per_engine, _ = evaluate_window(self.window, lazy=True, models=False)
         now = diagnose(self.window, per_engine, events, self.thresholds, upstream, self.memory, lmcache, kv_events)
-        return self.hold.apply(at, judged_now(window_findings, now) + list(others))
+        return self.hold.apply(at, judged_now(window_findings, now) + list(others), self._over(per_engine))
+
+    def _over(self, per_engine) -> set[tuple[str, str, str]]:
+        """The held findings' (symptom, model, engine) whose condition the now span finds clearly over."""
+        wanted = {where for where in self.hold.held_where() if where[0] in CLEARLY_OVER}
+        over = set()
+        for row in per_engine:
+            symptoms = [s for s, model, engine in wanted if (model, engine) == (row.model, row.engine or "")]
+            if row.engine is None or not symptoms:
+                continue
+            ctx = EngineContext(self.window, row, self.thresholds)
+            over |= {(s, row.model, row.engine) for s in symptoms if CLEARLY_OVER[s](ctx)}
+        return over
