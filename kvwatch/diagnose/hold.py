@@ -54,6 +54,11 @@ from kvwatch.diagnose.causes import CAUSE, SYMPTOMS
 from kvwatch.diagnose.vocabulary import SEVERITIES, Finding, is_actionable
 
 
+def where(finding: Finding) -> tuple[str, str, str]:
+    """Where a finding's symptom stands: (symptom, model, engine); the now span judges each apart."""
+    return (finding.symptom, finding.model, finding.engine or "")
+
+
 def hold_key(finding: Finding) -> tuple:
     """What a finding is across polls: its symptom and cause where it is
     (model, engine, and the replica a fleet finding names)."""
@@ -124,7 +129,7 @@ class FindingHold:
             # stays a blip), and never less than its handover (a one-poll lapse is never shown).
             wait = handover if successor else max(handover, min(self._symptom(finding.symptom, "quiet"),
                                                                   since - born[key]))
-            if not successor and (finding.symptom, finding.model, finding.engine or "") in over:
+            if not successor and where(finding) in over:
                 wait = 0.0  # the evidence says it is over, far from the line a flicker crosses: nothing to hide
             if not successor and story in advised and is_actionable(finding) and self.hysteresis:
                 # Intermittent: the harm paused while its own warning sign stands (the cache still cannot
@@ -189,7 +194,7 @@ class FindingHold:
 
     def held_where(self) -> set[tuple[str, str, str]]:
         """The (symptom, model, engine) of each finding held (active at the last poll, or clearing)."""
-        return {(f.symptom, f.model, f.engine or "") for f, _ in self._held.values()}
+        return {where(f) for f, _ in self._held.values()}
 
     def incumbents(self) -> set[tuple]:
         """The primary cause of each story at the last poll (active or held):

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 from kvwatch.diagnose import NOT_DIAGNOSED_KEYS, diagnose
 from kvwatch.diagnose.context import EngineContext, HitRateMemory
 from kvwatch.diagnose.exhaustion import clearly_over
-from kvwatch.diagnose.hold import FindingHold
+from kvwatch.diagnose.hold import FindingHold, where
 from kvwatch.diagnose.thresholds import Thresholds, resolve_thresholds
 from kvwatch.diagnose.vocabulary import Finding, is_actionable
 from kvwatch.signals import evaluate_window
@@ -43,19 +43,15 @@ OWN_SPAN = frozenset({"change", "kv_events", "stuck", "fleet"})
 CLEARLY_OVER = {"exhaustion": clearly_over}
 
 
-def _where(finding: Finding) -> tuple[str, str, str]:
-    return (finding.symptom, finding.model, finding.engine or "")
-
-
 def judged_now(window: Iterable[Finding], now: Iterable[Finding]) -> list[Finding]:
     """The window's findings still true now, and the symptoms true now that
     the window does not show yet."""
     window, now = list(window), list(now)
-    true_now = {_where(f): f for f in now if f.symptom not in OWN_SPAN}
-    shown = {_where(f) for f in window}
+    true_now = {where(f): f for f in now if f.symptom not in OWN_SPAN}
+    shown = {where(f) for f in window}
     out = []
     for finding in window:
-        fresh = true_now.get(_where(finding))
+        fresh = true_now.get(where(finding))
         if finding.symptom in OWN_SPAN:
             out.append(finding)
         elif fresh is None:
@@ -64,7 +60,7 @@ def judged_now(window: Iterable[Finding], now: Iterable[Finding]) -> list[Findin
             out.append(fresh)  # an advisory now (a latent risk) is not the harm the window shows, still going on
         else:
             out.append(finding if not PREFER_NOW or fresh.cause == finding.cause else fresh)
-    out += [f for f in now if f.symptom not in OWN_SPAN and _where(f) not in shown]
+    out += [f for f in now if f.symptom not in OWN_SPAN and where(f) not in shown]
     return out
 
 
@@ -107,7 +103,7 @@ class NowJudgment:
 
     def _over(self, per_engine) -> set[tuple[str, str, str]]:
         """The held findings' (symptom, model, engine) whose condition the now span finds clearly over."""
-        wanted = {where for where in self.hold.held_where() if where[0] in CLEARLY_OVER}
+        wanted = {place for place in self.hold.held_where() if place[0] in CLEARLY_OVER}
         over = set()
         for row in per_engine:
             symptoms = [s for s, model, engine in wanted if (model, engine) == (row.model, row.engine or "")]
