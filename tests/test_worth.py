@@ -322,46 +322,56 @@ def test_polls_of_one_shape_of_request_cannot_tell_the_fixed_cost_apart(fixtures
 
 # An engine whose token costs more the further into the context it sits (attention over every earlier
 # position): a token at position p costs PER_TOKEN + PER_POSITION x p, so a request of P prompt tokens, K of
-# them cached, costs FIXED + PER_TOKEN x (P - K) + PER_POSITION x (P^2 - K^2) / 2.
+# them cached, costs FIXED + PER_TOKEN x (P - K) + PER_POSITION x (K + ... + P - 1), and its cache spared it
+# PER_TOKEN x K + PER_POSITION x (0 + ... + K - 1).
 PER_POSITION = 20e-9
 
 
-def _position_pages(fixtures_dir, steps, per_position=PER_POSITION):
-    """Pages after each step of (requests, prompt tokens a request, cached tokens a request), the prompts seen."""
+def _positions(start: int, end: int) -> float:
+    """start + ... + end - 1."""
+    return (end - start) * (start + end - 1) / 2
+
+
+def _position_pages(fixtures_dir, polls, per_position=PER_POSITION):
+    """Pages after each poll, a poll a list of its requests' (prompt tokens, cached tokens), the prompts seen."""
     [idle] = pages(fixtures_dir, "vllm-0.32-cpu", ("idle",))
     out, totals = [idle], [0, 0, 0, 0.0, 0]
-    for requests, prompt, cached in steps:
-        cost = FIXED + PER_TOKEN * (prompt - cached) + per_position * (prompt * prompt - cached * cached) / 2
-        totals = [totals[0] + requests, totals[1] + requests * (prompt - cached), totals[2] + requests * cached,
-                  totals[3] + requests * cost, totals[4] + requests * prompt]
+    for requests in polls:
+        for prompt, cached in requests:
+            cost = FIXED + PER_TOKEN * (prompt - cached) + per_position * _positions(cached, prompt)
+            totals = [totals[0] + 1, totals[1] + prompt - cached, totals[2] + cached, totals[3] + cost,
+                      totals[4] + prompt]
         out.append(_prefill_page(idle, totals[0], totals[1], totals[2], totals[3], (totals[0], totals[0] * ITL),
                                  prompts=totals[4]))
     return out
 
 
+# The CPU tier's saved check, one request a poll: cold prompts of 128 to 1,984 tokens, then 16 requests of a
+# 1,920-token prefix cached and 64 computed.
+COLD = [[(size, 0)] for size in (128, 512, 1024, 1536, 1984)]
+WARM = [[(1984, 1920)]] * 16
+
+
 def test_a_hit_is_priced_at_the_position_it_sat_at_where_a_token_costs_more_deeper_into_the_context(fixtures_dir):
-    # Cold prompts of 128 to 1,984 tokens, then 2 x 8 requests of a 1,920-token prefix cached and 64 computed.
     # Turning the cache off would add, a hit, what its 1,920 tokens cost at their positions: 1,920 x 23 us +
-    # 20 ns x 1,920^2 / 2 = 81.0 ms, 42.2 us a cached token. The linear fit's slope (what saved was priced at
-    # before) is a mean over the cold prompts' positions and reads the warm ones' deep suffixes as fixed cost:
-    # 39.2 us, 7.1 % under.
-    steps = ((1, 128, 0), (1, 512, 0), (1, 1024, 0), (1, 1536, 0), (1, 1984, 0), (8, 1984, 1920), (8, 1984, 1920))
-    [row] = polled(_position_pages(fixtures_dir, steps), engine="vllm").state.per_engine
+    # 20 ns x (0 + ... + 1,919) = 81.0 ms, 42.2 us a cached token. The linear fit's slope is a mean over the
+    # cold prompts' positions and reads the warm ones' deep suffixes as fixed cost: 39.2 us, 7.1 % under.
+    [row] = polled(_position_pages(fixtures_dir, COLD + WARM), engine="vllm", every=5.0).state.per_engine
     fixed, per_token, per_position = worth.fitted_position_cost(row.view)
     assert (fixed, per_token, per_position) == (pytest.approx(FIXED), pytest.approx(PER_TOKEN),
                                                 pytest.approx(PER_POSITION))
-    hit = 1920 * PER_TOKEN + PER_POSITION * 1920 ** 2 / 2
+    hit = 1920 * PER_TOKEN + PER_POSITION * _positions(0, 1920)
     assert worth.cached_token_seconds(row.view) == pytest.approx(hit / 1920)
     assert row.values[SAVED]["device"] == pytest.approx(16 * hit)
     linear = worth.prefill_seconds_per_token(row.view)
-    assert linear * 1920 == pytest.approx(0.929 * hit, rel=1e-3)  # the linear price, the one saved read before
+    assert linear * 1920 == pytest.approx(0.929 * hit, rel=1e-3)  # the linear price
 
 
 def test_on_an_engine_of_one_cost_a_token_the_position_price_is_the_linear_one(fixtures_dir):
-    # The same polls on the fixed-pages engine of 23 us a token wherever it sits (PER_POSITION 0): the third
-    # term fits to nothing and a hit is priced at 23 us, as the linear fit prices it.
-    steps = ((1, 128, 0), (1, 1024, 0), (1, 1984, 0), (8, 1984, 1920), (4, 1408, 896))
-    [row] = polled(_position_pages(fixtures_dir, steps, per_position=0.0), engine="vllm").state.per_engine
+    # The same kind of polls on the fixed-pages engine of 23 us a token wherever it sits (PER_POSITION 0): the
+    # third term fits to nothing and a hit is priced at 23 us, as the linear fit prices it.
+    polls = [[(128, 0)], [(1024, 0)], [(1984, 0)]] + [[(1984, 1920)]] * 8 + [[(1408, 896)]] * 4
+    [row] = polled(_position_pages(fixtures_dir, polls, per_position=0.0), engine="vllm", every=5.0).state.per_engine
     fixed, per_token, per_position = worth.fitted_position_cost(row.view)
     assert fixed == pytest.approx(FIXED) and per_token == pytest.approx(PER_TOKEN)
     assert per_position == pytest.approx(0.0, abs=1e-15)
@@ -370,9 +380,41 @@ def test_on_an_engine_of_one_cost_a_token_the_position_price_is_the_linear_one(f
 
 
 def test_prompts_of_one_shape_cannot_tell_the_position_apart_and_the_linear_price_stands(fixtures_dir):
-    # Cold prompts of two sizes and warm ones of one shape: requests, computed tokens and their positions
-    # take two shapes between them, so the third term is one of the others; the linear fit prices the hits.
-    steps = ((1, 1024, 0), (8, 1984, 1920), (2, 1024, 0), (8, 1984, 1920))
-    [row] = polled(_position_pages(fixtures_dir, steps), engine="vllm").state.per_engine
+    # Cold prompts of one size and warm ones of one shape: requests, computed tokens and their positions take
+    # two shapes between them, so the third term is one of the others; the linear fit prices the hits.
+    polls = [[(1024, 0)], [(1984, 1920)], [(1024, 0)], [(1984, 1920)]]
+    [row] = polled(_position_pages(fixtures_dir, polls), engine="vllm", every=5.0).state.per_engine
     assert worth.fitted_position_cost(row.view) is None
     assert worth.cached_token_seconds(row.view) == worth.prefill_seconds_per_token(row.view)
+
+
+def test_polls_of_several_requests_stay_out_of_the_position_fit(fixtures_dir):
+    # A poll's sums say where one request's tokens sat; of mixed requests they say only their mean, and the
+    # mean shape's positions are fewer than theirs (the square of a mean is at most the mean of squares). The
+    # singles' fit is exact beside polls of two mixed cold prompts; with those polls fitted from their means
+    # (the one-shape reading kvwatch had) the terms came out 6.2 ms, 32.8 us and 10.1 ns (5.8, 23 and 20).
+    mixed = [[(128, 0), (1984, 0)], [(512, 0), (1536, 0)]] * 4
+    [row] = polled(_position_pages(fixtures_dir, COLD + mixed + WARM), engine="vllm", every=5.0).state.per_engine
+    assert worth.fitted_position_cost(row.view) == (pytest.approx(FIXED), pytest.approx(PER_TOKEN),
+                                                    pytest.approx(PER_POSITION))
+    hit = 1920 * PER_TOKEN + PER_POSITION * _positions(0, 1920)
+    assert row.values[SAVED]["device"] == pytest.approx(16 * hit)
+    # Mixed polls alone: nothing to fit positions from, and the hits priced linearly.
+    [row] = polled(_position_pages(fixtures_dir, mixed + [[(1984, 1920), (1984, 1920)]] * 4),
+                   engine="vllm", every=5.0).state.per_engine
+    assert worth.position_fit(row.view) is None
+    assert worth.cached_token_seconds(row.view) == worth.prefill_seconds_per_token(row.view)
+
+
+def test_the_cached_tokens_mean_position_is_never_read_deeper_than_they_sat(fixtures_dir):
+    # A poll of a 1,920-token hit and a 128-token one: their positions' sum 0 + ... + 1,919 and 0 + ... + 127
+    # against the mean shape's 2 x (0 + ... + 1,023). The price reads the mean shape: under, never over.
+    polls = COLD + WARM + [[(1984, 1920), (192, 128)]]
+    [row] = polled(_position_pages(fixtures_dir, polls), engine="vllm", every=5.0).state.per_engine
+    fixed, per_token, per_position = worth.fitted_position_cost(row.view)
+    cached = 17 * 1920 + 128
+    exact = (cached * per_token + per_position * (17 * _positions(0, 1920) + _positions(0, 128))) / cached
+    read = worth.cached_token_seconds(row.view)
+    assert read < exact
+    assert read == pytest.approx((cached * per_token + per_position * (16 * _positions(0, 1920)
+                                                                       + 2 * _positions(0, 1024))) / cached)

@@ -10,7 +10,8 @@ fitted over the window's polls against requests and computed tokens;
 SGLang's extend forward passes' seconds over the tokens it computed). Saved
 prices each cached token at its position in the prompt (cached_token_seconds:
 a token's cost taken to grow linearly with the context before it, fitted
-the same way with the positions as a third column), since a long prefix's
+over the polls that finished one request with the positions as a third
+column), since a long prefix's
 tokens cost more than the short suffixes a cache-hit window computes. With
 batching those are request-seconds, not wall time: a cost in the engine's
 own measure, not a bill."""
@@ -25,7 +26,7 @@ from kvwatch.signals.derivations import (
     _prefill_seconds_per_token, mean_tokens,
 )
 from kvwatch.stream_report import KVEventsReport
-from kvwatch.window.steps import PREFILL_FIT
+from kvwatch.window.steps import POSITION_FIT, PREFILL_FIT
 
 # vLLM before 0.32 names two sources of cached prompt tokens (0.16+).
 _BY_SOURCE_TIERS = (("local", "prompt_tokens_by_source/local_cache_hit"), ("external", OFFLOAD_SERVED))
@@ -38,6 +39,9 @@ DIMINISHING_SHARE = 0.9
 # The fit's two columns (requests, computed tokens) must differ in shape
 # across the steps: below this share of det / (Snn * Stt) they are one column.
 FIT_MIN_SPREAD = 0.01
+# A cost a position below zero by less than this share of a token's is the
+# float rounding of a zero (the solve's terms run to 1e11), not a cost.
+POSITION_ROUNDING = 1e-9
 
 
 def fitted_prefill_cost(view: View) -> tuple[float, float] | None:
@@ -74,32 +78,37 @@ def fitted_position_cost(view: View) -> tuple[float, float, float] | None:
     """(a, b, c): a request's fixed prefill seconds, a computed token's
     seconds at position 0, and what each position further into the context
     adds to a token (attention reads every earlier position), from the
-    least-squares fit of prefill seconds = a*requests + b*computed tokens +
-    c*their positions' sum over the window's steps (PREFILL_FIT). None where
-    the steps cannot tell the three apart (the prompts and their cached
-    parts of one shape throughout) or a cost comes out below zero."""
+    least-squares fit of prefill seconds = a + b*computed tokens + c*their
+    positions' sum over the window's polls that finished one request
+    (POSITION_FIT: only there does the page say where a request's tokens
+    sat). None where those polls cannot tell the three apart (too few, or
+    their prompts and cached parts of one shape throughout) or a cost comes
+    out below zero."""
     fit = position_fit(view)
-    return fit if fit is not None and fit[0] >= 0 and fit[1] > 0 and fit[2] >= 0 else None
+    if fit is None or fit[0] < 0 or fit[1] <= 0 or fit[2] < -POSITION_ROUNDING * fit[1]:
+        return None
+    # An engine of one cost a token fits c to zero give or take the solve's rounding.
+    return fit[0], fit[1], max(fit[2], 0.0)
 
 
 def position_fit(view: View) -> tuple[float, float, float] | None:
     """fitted_position_cost's least squares as they come out, signs unchecked;
-    None where the steps cannot tell the three columns apart."""
+    None where the polls cannot tell the three columns apart."""
     c = view.increase.counters
-    sums = [c.get(PREFILL_FIT + name) for name in ("nn", "nt", "nq", "tt", "tq", "qq", "np", "tp", "qp")]
+    sums = [c.get(POSITION_FIT + name) for name in ("n", "t", "q", "tt", "tq", "qq", "p", "tp", "qp")]
     if any(value is None for value in sums):
         return None
-    nn, nt, nq, tt, tq, qq, np_, tp, qp = (float(value or 0.0) for value in sums)
-    if nn <= 0 or tt <= 0 or qq <= 0:
+    n, t, q, tt, tq, qq, p, tp, qp = (float(value or 0.0) for value in sums)
+    if n <= 0 or tt <= 0 or qq <= 0:
         return None
-    gram = [[nn, nt, nq], [nt, tt, tq], [nq, tq, qq]]
+    gram = [[n, t, q], [t, tt, tq], [q, tq, qq]]
     # The columns' spread as with two (FIT_MIN_SPREAD): the determinant over the diagonal's product.
-    scale = [value ** 0.5 for value in (nn, tt, qq)]
+    scale = [value ** 0.5 for value in (n, tt, qq)]
     unit = [[gram[r][k] / (scale[r] * scale[k]) for k in range(3)] for r in range(3)]
     if _det3(unit) <= FIT_MIN_SPREAD:
         return None
     a, b, per_position = (x / scale[r] for r, x in enumerate(_solve3(unit, [rhs / scale[r] for r, rhs in
-                                                                            enumerate((np_, tp, qp))])))
+                                                                            enumerate((p, tp, qp))])))
     return a, b, per_position
 
 
@@ -109,8 +118,9 @@ def cached_token_seconds(view: View) -> float | None:
     the context before it, so a token at position p costs b + c*p
     (fitted_position_cost); the window's cached tokens sat at their mean
     position (from the requests' prompt and computed lengths; each poll's
-    requests taken as one shape). Where the fit cannot tell c apart, the
-    marginal rate of a computed token (prefill_seconds_per_token)."""
+    requests taken as one shape, a lower bound where they mix). Where the
+    fit cannot tell c apart, the marginal rate of a computed token
+    (prefill_seconds_per_token)."""
     fit, c = fitted_position_cost(view), view.increase.counters
     cached, positions = c.get(PREFILL_FIT + "k"), c.get(PREFILL_FIT + "h")
     if fit is None or not cached or positions is None:

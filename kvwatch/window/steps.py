@@ -153,11 +153,14 @@ def step_between(earlier: EngineSnapshot, later: EngineSnapshot, seconds: float,
 # The step's prefill (requests n, computed tokens t, seconds p) as the cross
 # products a least-squares fit of p = a*n + b*t over the window's steps sums
 # (kvwatch.signals.worth): counters, so the window adds and takes them away.
-# Where the same requests' prompt lengths are observed too, the positions
-# the computed tokens sat at (q) join the fit, p = a*n + b*t + c*q, and the
-# positions of the cached tokens (k: their count, h: their positions' sum)
-# price a hit by where it sat in its prompt.
+# Where the same requests' prompt lengths are observed too, the positions of
+# the cached tokens (k: their count, h: their positions' sum) price a hit by
+# where it sat in its prompt, and the steps that finished one request join a
+# second fit, p = a + b*t + c*q, q the positions its computed tokens sat at
+# (POSITION_FIT): a step's sums give a request's positions only where it
+# holds one request.
 PREFILL_FIT = "prefill_fit/"
+POSITION_FIT = "position_fit/"
 _COMPUTED = "prompt_tokens_by_source/local_compute"
 
 
@@ -165,8 +168,8 @@ def _add_prefill_fit(counters: dict[str, float], histograms: dict[str, Histogram
     # The tokens observed with the same requests' prefill time where the engine says (vLLM 0.13+); else
     # the step's computed tokens, counted at prefill, while the time is observed at the request's end.
     prefill, with_it = histograms.get("prefill_time"), histograms.get("prefill_computed")
-    paired = with_it is not None and with_it.count == getattr(prefill, "count", None)
-    computed = with_it.sum if with_it is not None and paired else counters.get(_COMPUTED)
+    paired = prefill is not None and with_it is not None and with_it.count == prefill.count
+    computed = with_it.sum if paired and with_it is not None else counters.get(_COMPUTED)
     if prefill is None or computed is None or prefill.count <= 0:
         return
     n, t, p = float(prefill.count), float(computed), float(prefill.sum)
@@ -175,10 +178,16 @@ def _add_prefill_fit(counters: dict[str, float], histograms: dict[str, Histogram
     prompts = histograms.get("prompt_len")
     if not paired or prompts is None or prompts.count != prefill.count or prompts.sum < t:
         return
-    # A request of P prompt tokens, K of them cached, computes positions K..P-1 (their sum about
-    # (P^2 - K^2) / 2) and was spared 0..K-1 (K^2 / 2). The page gives the step's sums alone, so its
-    # requests are taken as one shape, their mean: exact where a step holds one shape of request.
+    # A request of P prompt tokens, K of them cached, computes positions K..P-1 and was spared 0..K-1.
+    # The page gives the step's sums alone: its requests are taken as one shape, their mean, for the
+    # cached tokens' positions (a lower bound where shapes mix: the mean of squares is at least the
+    # square of the mean, so a hit is never priced deeper than it sat).
     prompt, cached = float(prompts.sum) / n, (float(prompts.sum) - t) / n
-    q, h = n * (prompt * prompt - cached * cached) / 2.0, n * cached * cached / 2.0
-    for name, value in (("nq", n * q), ("tq", t * q), ("qq", q * q), ("qp", q * p), ("k", n * cached), ("h", h)):
-        counters[PREFILL_FIT + name] = value
+    counters[PREFILL_FIT + "k"], counters[PREFILL_FIT + "h"] = n * cached, n * cached * (cached - 1.0) / 2.0
+    if n != 1.0:
+        # Mixed requests' positions from their means read the spread of their sizes as cost: not fitted.
+        return
+    q = t * (prompt + cached - 1.0) / 2.0
+    for name, value in (("n", 1.0), ("t", t), ("q", q), ("tt", t * t), ("tq", t * q), ("qq", q * q),
+                        ("p", p), ("tp", t * p), ("qp", q * p)):
+        counters[POSITION_FIT + name] = value
