@@ -58,7 +58,7 @@ def test_polled_often_the_fitted_rate_prices_what_caching_saves(scenario, rel):
     _, spent_off = run(scenario, False, 240, every=5.0)
     fixed, per_token = worth.fitted_prefill_cost(on.view)
     assert fixed > 0 and worth.prefill_seconds_per_token(on.view) == per_token
-    # The simulator's token costs the same at any position, and its 5 s polls each hold one blend of its
-    # tenants' prompts: the positions are no third column (worth.position_fit), and a hit is priced linearly.
+    # The simulator's 5 s polls each finish many requests, never one alone: nothing says where a request's
+    # tokens sat (worth.position_fit), and a hit is priced linearly.
     assert worth.position_fit(on.view) is None and worth.cached_token_seconds(on.view) == per_token
     assert sum(on.values[SAVED].values()) == pytest.approx(spent_off - spent_on, rel=rel)
