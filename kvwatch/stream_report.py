@@ -98,6 +98,8 @@ class _KVEventsFlow(TypedDict, total=False):
     messages: int
     # The prefill seconds lost to blocks stored again, where the page prices them (kvwatch/signals/worth.py).
     lost_prefill_seconds: float | None
+    # The rate those seconds are priced at: each LoRA adapter's recomputed tokens are priced at it too.
+    prefill_seconds_per_token: float | None
 
 
 class KVEventsWindow(_KVEventsFlow):

@@ -56,6 +56,14 @@ def test_the_churning_tenant_is_named_the_evictor_with_its_share_from_the_live_s
     print("recomputed tokens per tenant:", recomputed)
     assert recomputed["team-a"] == by_label["team-a"]["stored_again"] * 16 > 0
     assert recomputed["batch"] == 0
+    # Priced at the rate the window's lost is: the steady tenant's recomputation costs it prefill seconds.
+    from kvwatch.signals import worth
+
+    rate = worth.priced_rate(state.kv_events)
+    lost = {s.labels["tenant"]: s.value for s in families["kvwatch_tenant_lost_prefill_seconds"].samples}
+    print("lost prefill seconds per tenant:", lost, "at", rate)
+    assert rate is not None and lost == pytest.approx({tenant: tokens * rate for tenant, tokens in recomputed.items()})
+    assert lost["team-a"] > 0 == lost["batch"]
 
 
 def test_a_window_counts_only_the_evictions_since_its_start():

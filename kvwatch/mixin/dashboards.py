@@ -618,6 +618,13 @@ def _router_row(b: Board, v: Views) -> None:
                     "event stream (--kv-events).", "short",
                     [(f"kvwatch_tenant_recomputed_tokens{{{TARGET_SEL}}}", "{{kind}} {{tenant}}")],
                     kind="table", width=24, height=8, runbook=ANCHOR_ROUTING, instant=True))
+    b.add(PanelSpec("tenant_lost_prefill_seconds", "Prefill seconds lost per tenant",
+                    "Per tenant (kind lora), over the stream's window: the prefill seconds its recomputed tokens "
+                    "cost, at the page's prefill seconds per computed token (the rate the window's lost is priced "
+                    "at, so the adapters' seconds split it); the same tenant_top_k adapters and other. Needs the "
+                    "event stream (--kv-events) and the page's prefill time.", "s",
+                    [(f"kvwatch_tenant_lost_prefill_seconds{{{TARGET_SEL}}}", "{{kind}} {{tenant}}")],
+                    kind="table", width=24, height=8, runbook=ANCHOR_ROUTING, instant=True))
 
 
 BUILDERS = {"overview": overview, "exhaustion": exhaustion, "prefix_cache": prefix_cache, "first_token": first_token,

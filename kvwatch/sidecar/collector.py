@@ -34,6 +34,7 @@ from kvwatch.signals import (
     engine_series_value,
 )
 from kvwatch.signals import IDENTITY as IDENTITY_LABELS
+from kvwatch.signals import worth
 from kvwatch.signals.health import ROUTER_HEALTH
 from kvwatch.routing.tenants import DEFAULT_TOP_K, lora_rows
 from kvwatch.engines.plausible import FAULTS
@@ -171,7 +172,8 @@ class KvwatchCollector(Collector):
             yield family
 
     def _adapters(self, kv_events: KVEventsReport | None):
-        """Per LoRA adapter, the stream's window's stored-again share and recomputed tokens (top K and "other")."""
+        """Per LoRA adapter, the stream's window's stored-again share, recomputed tokens and the prefill seconds
+        they cost (top K and "other"); the seconds only where the window was priced (worth.with_worth)."""
         if not kv_events or not kv_events.get("up"):
             return
         settings = getattr(self.monitor, "settings", None)
@@ -181,6 +183,14 @@ class KvwatchCollector(Collector):
             for row in rows:
                 if _finite(row[key]):
                     family.add_metric(["lora", row["tenant"]], row[key])
+            yield family
+        lost = worth.lost_by_tenant(rows, worth.priced_rate(kv_events))
+        if lost is not None:
+            health = ROUTER_HEALTH[7]
+            family = GaugeMetricFamily(health.name, health.help, labels=list(health.labels))
+            for item in lost:
+                if _finite(item["seconds"]):
+                    family.add_metric([item["kind"], item["tenant"]], item["seconds"])
             yield family
 
     def _tenants(self, *reports):

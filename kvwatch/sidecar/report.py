@@ -12,6 +12,7 @@ from kvwatch.engines import ENGINES
 from kvwatch.engines.plausible import faults_json
 from kvwatch.kvevents.source import public_report as public
 from kvwatch.present import clean, public_url
+from kvwatch.routing.tenants import DEFAULT_TOP_K, lora_rows
 from kvwatch.signals import SIGNALS, WHOLE_BLOCK_SIGNALS, blocks_hold_capacity
 from kvwatch.signals import worth
 from kvwatch.signals.catalogue import caveats, unlit_reasons
@@ -246,7 +247,9 @@ def signals_json(state, settings) -> dict[str, Any]:
 def worth_json(state, settings) -> list[dict[str, Any]]:
     stream = kv_events_of(state)
     price = getattr(settings, "gpu_hour_price", None)
-    found = (worth.summary(row.model, row.engine, row.values, row.view, stream, price) for row in state.per_engine)
+    adapters = lora_rows(stream, getattr(settings, "tenant_top_k", DEFAULT_TOP_K))
+    found = (worth.summary(row.model, row.engine, row.values, row.view, stream, price, adapters)
+             for row in state.per_engine)
     return [clean(item) for item in found if item is not None]
 
 

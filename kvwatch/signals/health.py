@@ -201,6 +201,12 @@ ROUTER_HEALTH: tuple[HealthFamily, ...] = (
                  "(GPU blocks stored again after their eviction times the events' block size); the "
                  "tenant_top_k adapters that stored most by name, the rest summed as tenant=\"other\": at most "
                  "tenant_top_k + 1 series.", good="low"),
+    HealthFamily("kvwatch_tenant_lost_prefill_seconds", "gauge", ("kind", "tenant"),
+                 "Per LoRA adapter (kind lora; (base) for the base model) over the stream's window: the prefill "
+                 "seconds its recomputed tokens cost (kvwatch_tenant_recomputed_tokens x the page's prefill seconds "
+                 "per computed token, the rate kvwatch_kv_events_lost_prefill_seconds is priced at); the same "
+                 "tenant_top_k adapters and other. Absent without the page's prefill time to price them at.",
+                 good="low"),
 )
 
 # Central mode (`kvwatch serve --prometheus`): its own health beside every

@@ -227,6 +227,25 @@ def stream_lost_seconds(window: Mapping[str, Any], block_size: float | None, per
     return float(again) * float(block_size) * per_token
 
 
+def lost_by_tenant(rows: list[dict[str, Any]], per_token: float | None) -> list[dict[str, Any]] | None:
+    """Per LoRA adapter (tenants.lora_rows: the top K and "other"), the
+    prefill seconds its recomputed tokens cost: the tokens x the per-token
+    rate the window's stream lost is priced at, so the adapters' seconds are
+    that lost split by who recomputed, never a second price. None without a
+    rate."""
+    if per_token is None:
+        return None
+    return [{"kind": "lora", "tenant": row["tenant"], "seconds": float(row["recomputed_tokens"]) * per_token}
+            for row in rows]
+
+
+def priced_rate(stream: Mapping[str, Any] | None) -> float | None:
+    """The prefill seconds per token with_worth priced the stream's window at
+    (`window.prefill_seconds_per_token`), None where it had none."""
+    rate = ((stream or {}).get("window") or {}).get("prefill_seconds_per_token")
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
+
+
 def bought(sizing: Mapping[str, Any], window_seconds: float, block_size: float | None,
            per_token: float | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Each sizing-curve step as the extra GiB it costs and the prefill
@@ -252,8 +271,9 @@ def bought(sizing: Mapping[str, Any], window_seconds: float, block_size: float |
 
 def with_worth(report: KVEventsReport, view: View | None) -> KVEventsReport:
     """The stream's report with what it says the cache is worth: the window's
-    prefill seconds lost to blocks stored again (`window.lost_prefill_seconds`),
-    and each sizing step's GiB and seconds per hour (`sizing.points[]`,
+    prefill seconds lost to blocks stored again (`window.lost_prefill_seconds`)
+    and the rate they are priced at (`window.prefill_seconds_per_token`, which
+    prices each adapter's share: lost_by_tenant), and each sizing step's GiB and seconds per hour (`sizing.points[]`,
     `sizing.diminishing_returns`). The one place kvwatch reads the report's
     fields for this; a report without a view to price it at is left alone."""
     per_token = None if view is None else prefill_seconds_per_token(view)
@@ -261,6 +281,7 @@ def with_worth(report: KVEventsReport, view: View | None) -> KVEventsReport:
     window = report["window"].copy()
     block_size = report.get("block_size") or (None if view is None else view.block_size)
     window["lost_prefill_seconds"] = stream_lost_seconds(window, block_size, per_token)
+    window["prefill_seconds_per_token"] = per_token
     rows, knee = bought(sizing, float(window.get("seconds") or 0.0), block_size, per_token)
     points = [dict(point, **row) for point, row in zip(sizing.get("points") or [], rows)]
     sizing.update(points=points, diminishing_returns=knee)
@@ -349,11 +370,14 @@ def _stream_lost(stream: Mapping[str, Any] | None, model: str, engine: str | Non
 
 
 def summary(model: str, engine: str | None, values: Mapping[str, Any], view: View,
-            stream: KVEventsReport | None, gpu_hour_price: float | None) -> dict[str, Any] | None:
+            stream: KVEventsReport | None, gpu_hour_price: float | None,
+            adapters: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """One engine's (or model's) worth over the window: saved by tier, lost
     and its basis (the stream's count where it is on, else the page's count
-    or upper bound), the stream's sizing steps, their money at the price,
-    and the sentences every surface prints. None with nothing priced."""
+    or upper bound), lost per LoRA adapter where the stream counts it
+    (`adapters`: tenants.lora_rows of that stream), the stream's sizing
+    steps, their money at the price, and the sentences every surface prints.
+    None with nothing priced."""
     by_tier = values.get(SAVED_SIGNAL)
     saved_by_tier = dict(by_tier) if isinstance(by_tier, Mapping) else None
     saved = sum(saved_by_tier.values()) if saved_by_tier is not None else None
@@ -370,6 +394,7 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
            "cached_token_seconds": cached_token_seconds(view),
            "saved_seconds": saved, "saved_by_tier": saved_by_tier,
            "lost_seconds": lost, "lost_basis": None if lost is None else basis,
+           "lost_by_tenant": lost_by_tenant(adapters or [], priced_rate(stream)) if basis == "stream" else None,
            "bought": [{key: point.get(key) for key in ("extra_cache", "extra_gib", "saved_prefill_seconds_per_hour")}
                       for point in sizing.get("points") or []],
            "diminishing_returns": sizing.get("diminishing_returns"),
@@ -394,6 +419,21 @@ _BASES = {"stream": "counted from the event stream's blocks stored again after t
           "page_upper_bound": "an upper bound from the page (preemptions x the mean prompt)"}
 
 
+# The adapters the sentence names, the most lost first; the JSON and the gauges carry them all.
+TENANTS_NAMED = 3
+
+
+def _tenants_line(rows: list[dict[str, Any]] | None) -> str | None:
+    """Lost by the adapters that lost most, where the stream names one beside
+    the base model (with the base model alone it is the whole of lost)."""
+    if not rows or all(row["tenant"] == "(base)" for row in rows):
+        return None
+    ranked = sorted(rows, key=lambda row: (-row["seconds"], row["tenant"]))
+    named = ", ".join(f"{row['tenant']} {_seconds(row['seconds'])}" for row in ranked[:TENANTS_NAMED])
+    rest = len(ranked) - TENANTS_NAMED
+    return f"Lost by adapter: {named}" + (f" and {rest} more" if rest > 0 else "") + "."
+
+
 def lines(worth: Mapping[str, Any]) -> list[str]:
     """The sentences the status page, `kvwatch diagnose` and the capacity
     report print, made once here."""
@@ -406,6 +446,9 @@ def lines(worth: Mapping[str, Any]) -> list[str]:
     if worth["lost_seconds"] is not None:
         out.append(f"Lost to recomputation: {_seconds(worth['lost_seconds'])} {window}, "
                    f"{_BASES[worth['lost_basis']]}" + _money(worth["lost_money"]) + ".")
+    tenants = _tenants_line(worth.get("lost_by_tenant"))
+    if tenants:
+        out.append(tenants)
     priced = [p for p in worth["bought"] if p.get("saved_prefill_seconds_per_hour") is not None]
     if priced:
         steps = "; ".join(f"x{p['extra_cache']:g}" + (f" (+{p['extra_gib']:.3g} GiB)" if p.get("extra_gib") else "")
