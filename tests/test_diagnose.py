@@ -1016,3 +1016,18 @@ def test_last_healthy_wording_follows_the_timing():
             if not before:
                 assert f"within the {covered:.0f}s window" in finding.summary
     assert seen["before"] and seen["within"]
+
+
+def test_ttft_parts_are_unknown_while_no_request_finished_to_time_its_queue_and_prefill():
+    # First tokens came (long requests still generating) but none finished: vLLM observes the queue and
+    # prefill times at a request's end, so they have no observation in the window. The split was queue 0 %,
+    # prefill 0 %, other 100 %, read by the page as a front end eating the whole first-token time.
+    run = Run()
+    run.steps(2, requests=4, queue=0.5, prefill=0.2)
+    run.window = Window(300.0)
+    for _ in range(3):
+        run.engine.observe("ttft", 3.0, 4)
+        run.step(requests=0, running=8)
+    per_engine, _ = evaluate_window(run.window)
+    assert per_engine[0].values.get("kvwatch_time_to_first_token_share_ratio") is None
+    assert per_engine[0].values["kvwatch_time_to_first_token_mean_seconds"] == pytest.approx(3.0)

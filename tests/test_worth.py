@@ -113,6 +113,33 @@ def test_the_stream_counts_what_eviction_before_reuse_cost_and_what_more_cache_b
     assert report["sizing"].get("diminishing_returns") is None  # the stream's own report is left as it was
 
 
+def test_a_curve_still_rising_at_its_largest_step_has_no_point_of_diminishing_returns():
+    # Kept blocks growing with every step: only the largest reaches 90 % of its own saving, which is no knee
+    # (the sentence had read "diminishing returns past x8 ... 90 % of what the largest step would").
+    points = [{"extra_cache": x, "extra_bytes": x * (1 << 30), "blocks_kept": kept}
+              for x, kept in ((1, 100), (2, 200), (4, 400), (8, 800))]
+    rows, knee = worth.bought({"points": points}, 60.0, 16, 1e-5)
+    assert knee is None and rows[-1]["saved_prefill_seconds_per_hour"] == pytest.approx(800 * 16 * 1e-5 * 60)
+    text = worth.lines({"window_seconds": 60.0, "saved_seconds": None, "lost_seconds": None, "bought": rows,
+                        "diminishing_returns": knee})
+    assert "No point of diminishing returns up to x8 more cache" in " ".join(text)
+    assert not any("Diminishing returns past" in line for line in text)
+    # Flat past x2: the knee is x2, and the sentence says so.
+    points[2]["blocks_kept"] = points[3]["blocks_kept"] = 200
+    rows, knee = worth.bought({"points": points}, 60.0, 16, 1e-5)
+    assert knee["extra_cache"] == 2
+
+
+def test_money_keeps_its_figures_below_a_cent_and_prices_what_more_cache_buys_an_hour():
+    # 1.35 s at 2.5 an hour is 0.00094: it printed as 0.00.
+    assert worth._money(worth.currency(1.35, 2.5)) == " (0.000937 at the price per GPU-hour)"
+    assert worth._money(worth.currency(7200.0, 2.5)) == " (5.00 at the price per GPU-hour)"
+    line = worth.lines({"window_seconds": 60.0, "saved_seconds": None, "lost_seconds": None, "diminishing_returns": None,
+                        "bought": [{"extra_cache": 1, "extra_gib": 0.5, "saved_prefill_seconds_per_hour": 1800.0,
+                                    "saved_money_per_hour": worth.currency(1800.0, 2.0)}]})[0]
+    assert line == "Bought by more cache (estimate): x1 (+0.5 GiB) 1,800 s/h (1.00/h at the price per GPU-hour)."
+
+
 def test_without_a_rate_to_price_at_the_stream_says_nothing_priced():
     out = worth.with_worth(stream_report(), None)
     assert out["window"]["lost_prefill_seconds"] is None
@@ -137,8 +164,8 @@ def test_the_status_page_and_the_api_say_what_the_cache_is_worth_at_the_price(fi
     assert item["lost_basis"] == "page_count" and item["lost_seconds"] == 0.0  # no preemption in the window
     html = render_status_page(monitor.state, settings)
     assert 'id="worth"' in html and "What the cache is worth" in html
-    assert "Saved: 25.5 s of prefill over 60 s (device 15 s, host 10.5 s) (0.03 at the price per GPU-hour)." in html
-    assert "not wall time or a bill" in html
+    assert "Saved: 25.5 s of prefill over 60 s (device 15 s, host 10.5 s) (0.0255 at the price per GPU-hour)." in html
+    assert "not wall time; at a price per GPU-hour, the cost of that work, not a bill" in html
 
 
 def test_a_price_that_is_not_a_positive_number_is_one_sentence():
@@ -211,6 +238,14 @@ def test_with_the_stream_lost_is_counted_and_kvwatch_capacity_prints_what_more_c
     [item] = signals["worth"]
     assert item["lost_basis"] == "stream" and item["lost_seconds"] == pytest.approx(540 * 16 * per_token)
     assert any("counted from the event stream" in line for line in item["lines"])
+    # The page's own figure stays beside the stream's count, named by its basis: two numbers, told apart.
+    lost_line = next(line for line in item["lines"] if line.startswith("Lost to recomputation"))
+    assert item["lost_page_basis"] in ("page_count", "page_upper_bound")
+    [engine] = signals["engines"]
+    page_lost = engine["signals"]["kvwatch_cache_lost_prefill_seconds"]
+    assert page_lost is not None and item["lost_page_seconds"] == pytest.approx(page_lost)
+    assert f"the page's own figure, from the page's counts (the engine's recomputed prompt tokens, or no " \
+           f"preemption), says {worth._seconds(page_lost)}." in lost_line
     assert stream["sizing"]["diminishing_returns"]["extra_cache"] == 1
     with PageServer([Answer(json.dumps(diagnosis), headers={"Content-Type": "application/json"})]) as served:
         report = capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))

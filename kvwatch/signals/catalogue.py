@@ -401,7 +401,7 @@ SIGNALS: tuple[Signal, ...] = (
            worth.lost_seconds, "exhaustion", worth.LOST_PROMQL, inexact_twin=_FITTED_RATE,
            record=("kvwatch_cache_lost_prefill_seconds", "increase{w}"),
            needs=("preemptions", "prompt_tokens_by_source", "prefill_time|prefill_forward_seconds"),
-           display="Prefill seconds lost to preemption", good="low",
+           display="Prefill seconds lost to recomputation, from the page (vLLM: upper bound)", good="low",
            doc=("Prefill seconds the window spent computing again the prompts of preempted (SGLang: retracted) "
            "requests, at the window's prefill seconds per computed token (as kvwatch_cache_saved_prefill_seconds). "
            "SGLang counts the tokens (num_retracted_input_tokens_total); on vLLM it is an UPPER BOUND from the "

@@ -295,9 +295,11 @@ def ttft_decomposition(view: View) -> TtftDecomposition | None:
 
 
 def ttft_parts(view: View) -> dict[str, float] | None:
-    """The shares of the one decomposition (see TtftDecomposition)."""
+    """The shares of the one decomposition (see TtftDecomposition); unknown
+    where the queue or prefill time is (no request finished in the window
+    while first tokens came: the whole TTFT is not "other")."""
     parts = ttft_decomposition(view)
-    if parts is None:
+    if parts is None or parts.queue_mean is None or parts.prefill_mean is None:
         return None
     if parts.note:
         view.notes.append(parts.note)

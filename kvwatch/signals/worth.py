@@ -266,7 +266,9 @@ def bought(sizing: Mapping[str, Any], window_seconds: float, block_size: float |
         return rows, None
     best = max(row["saved_prefill_seconds_per_hour"] for row in priced)
     knee = next(row for row in priced if row["saved_prefill_seconds_per_hour"] >= DIMINISHING_SHARE * best - 1e-12)
-    return rows, knee
+    # Reached only at the largest step, the curve is still rising there: no point of diminishing returns
+    # on it (the largest step measured against itself is no knee).
+    return rows, (None if knee is priced[-1] else knee)
 
 
 def with_worth(report: KVEventsReport, view: View | None) -> KVEventsReport:
@@ -355,8 +357,9 @@ LOST_PROMQL = (
 
 SAVED_SIGNAL = "kvwatch_cache_saved_prefill_seconds"
 LOST_SIGNAL = "kvwatch_cache_lost_prefill_seconds"
-CAVEAT = ("the engine's own prefill request-seconds at the window's rate per computed token: with batching they "
-          "overlap, so read them as work, not wall time or a bill")
+CAVEAT = ("the engine's own prefill request-seconds, priced from its own prefill times (a cached token at its "
+          "position where the polls tell it, else at the window's rate per computed token): with batching they "
+          "overlap, so read them as work, not wall time; at a price per GPU-hour, the cost of that work, not a bill")
 
 
 def _stream_lost(stream: Mapping[str, Any] | None, model: str, engine: str | None) -> float | None:
@@ -381,11 +384,12 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
     by_tier = values.get(SAVED_SIGNAL)
     saved_by_tier = dict(by_tier) if isinstance(by_tier, Mapping) else None
     saved = sum(saved_by_tier.values()) if saved_by_tier is not None else None
+    # The page's figure always; the stream's count, where it is on, is lost (the page's stays beside it).
+    page_lost, counted = values.get(LOST_SIGNAL), recomputed_prompt_tokens(view)
+    page_basis = "page_count" if counted is not None and counted[1] else "page_upper_bound"
     lost, basis = _stream_lost(stream, model, engine), "stream"
     if lost is None:
-        lost = values.get(LOST_SIGNAL)
-        counted = recomputed_prompt_tokens(view)
-        basis = "page_count" if counted is not None and counted[1] else "page_upper_bound"
+        lost, basis = page_lost, page_basis
     if saved is None and lost is None:
         return None
     sizing = ((stream.get("sizing") if stream else None) or {}) if basis == "stream" else {}
@@ -394,8 +398,11 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
            "cached_token_seconds": cached_token_seconds(view),
            "saved_seconds": saved, "saved_by_tier": saved_by_tier,
            "lost_seconds": lost, "lost_basis": None if lost is None else basis,
+           "lost_page_seconds": page_lost if basis == "stream" else None,
+           "lost_page_basis": (None if page_lost is None else page_basis) if basis == "stream" else None,
            "lost_by_tenant": lost_by_tenant(adapters or [], priced_rate(stream)) if basis == "stream" else None,
-           "bought": [{key: point.get(key) for key in ("extra_cache", "extra_gib", "saved_prefill_seconds_per_hour")}
+           "bought": [{**{key: point.get(key) for key in ("extra_cache", "extra_gib", "saved_prefill_seconds_per_hour")},
+                       "saved_money_per_hour": currency(point.get("saved_prefill_seconds_per_hour"), gpu_hour_price)}
                       for point in sizing.get("points") or []],
            "diminishing_returns": sizing.get("diminishing_returns"),
            "gpu_hour_price": gpu_hour_price,
@@ -410,8 +417,13 @@ def _seconds(value: float | None) -> str:
     return f"{value:.3g} s" if abs(value) < 100 else f"{value:,.0f} s"
 
 
-def _money(value: float | None) -> str:
-    return "" if value is None else f" ({value:,.2f} at the price per GPU-hour)"
+def _amount(value: float) -> str:
+    # Cents where there are any; three figures below that (a short window's work is a fraction of a cent).
+    return f"{value:,.2f}" if abs(value) >= 0.995 or value == 0 else f"{value:.3g}"
+
+
+def _money(value: float | None, per: str = "") -> str:
+    return "" if value is None else f" ({_amount(value)}{per} at the price per GPU-hour)"
 
 
 _BASES = {"stream": "counted from the event stream's blocks stored again after their eviction",
@@ -444,21 +456,28 @@ def lines(worth: Mapping[str, Any]) -> list[str]:
         out.append(f"Saved: {_seconds(worth['saved_seconds'])} of prefill {window}"
                    + (f" ({tiers})" if tiers else "") + _money(worth["saved_money"]) + ".")
     if worth["lost_seconds"] is not None:
+        page = worth.get("lost_page_seconds")
+        beside = (f"; the page's own figure, {_BASES[worth['lost_page_basis']]}, says {_seconds(page)}"
+                  if page is not None and worth.get("lost_page_basis") else "")
         out.append(f"Lost to recomputation: {_seconds(worth['lost_seconds'])} {window}, "
-                   f"{_BASES[worth['lost_basis']]}" + _money(worth["lost_money"]) + ".")
+                   f"{_BASES[worth['lost_basis']]}" + _money(worth["lost_money"]) + beside + ".")
     tenants = _tenants_line(worth.get("lost_by_tenant"))
     if tenants:
         out.append(tenants)
     priced = [p for p in worth["bought"] if p.get("saved_prefill_seconds_per_hour") is not None]
     if priced:
         steps = "; ".join(f"x{p['extra_cache']:g}" + (f" (+{p['extra_gib']:.3g} GiB)" if p.get("extra_gib") else "")
-                          + f" {_seconds(p['saved_prefill_seconds_per_hour'])}/h" for p in priced)
+                          + f" {_seconds(p['saved_prefill_seconds_per_hour'])}/h"
+                          + _money(p.get("saved_money_per_hour"), "/h") for p in priced)
         out.append(f"Bought by more cache (estimate): {steps}.")
         knee = worth.get("diminishing_returns")
         if knee:
             gib = f" (+{knee['extra_gib']:.3g} GiB)" if knee.get("extra_gib") else ""
             out.append(f"Diminishing returns past x{knee['extra_cache']:g} more cache{gib}: it buys "
                        f"{DIMINISHING_SHARE:.0%} of what the largest step would.")
+        elif max(p["saved_prefill_seconds_per_hour"] for p in priced) > 0:
+            out.append(f"No point of diminishing returns up to x{priced[-1]['extra_cache']:g} more cache: every "
+                       f"smaller step buys under {DIMINISHING_SHARE:.0%} of what it would.")
     if out:
         out.append(f"Seconds are {CAVEAT}.")
     return out
