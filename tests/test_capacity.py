@@ -679,7 +679,7 @@ def test_cli_target_errors(capsys, fixtures_dir):
     with _metrics_server(body) as server:
         assert main(["capacity", "--target", server.base_url + "/other", "--input-tokens", "1",
                      "--output-tokens", "1"]) == 2
-        assert "HTTP 404" in capsys.readouterr().err
+        assert "refused the request (wrong path" in capsys.readouterr().err
     assert main(["capacity", "--target", "ftp://x", "--input-tokens", "1",
                  "--output-tokens", "1"]) == 2
     assert "not an http(s) URL" in capsys.readouterr().err

@@ -529,7 +529,7 @@ def test_the_api_serves_the_sizing_curve_and_kvwatch_capacity_prints_it(fixtures
         report = capacity.build_report(args)
     assert report["mode"] == "kv-events" and report["sizing"]["points"] == points
     text = capacity.render_table(report)
-    assert "extra cache" in text and "recomputation avoided" in text and "x8" in text and "an estimate" in text
+    assert "extra cache" in text and "recomputation avoided" in text and "x8" in text and "blocks. An estimate: " in text
     with PageServer([Answer(json.dumps({"findings": []}), headers={"Content-Type": "application/json"})]) as served:
         with pytest.raises(capacity.CapacityInputError, match="does not read KV-cache events"):
             capacity.build_report(argparse.Namespace(kvwatch=served.base_url, json=False))

@@ -407,6 +407,31 @@ def test_the_prefix_cache_board_closes_with_what_the_cache_is_worth(dashboards):
     exprs = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in after}
     assert set(exprs) == {"Prefill seconds the cache saved, by tier", "Prefill seconds lost to recomputation",
                           "Prefill seconds per hour more cache would buy (estimate)"}
-    assert "kvwatch_engine_prompt_tokens_cached_by_source_total" in exprs["Prefill seconds the cache saved, by tier"]
+    assert "kvwatch_engine_prompt_tokens_cached_by_source_total" not in exprs["Prefill seconds the cache saved, by tier"]
     assert "kvwatch_kv_events_lost_prefill_seconds" in exprs["Prefill seconds lost to recomputation"]
-    assert all(p["fieldConfig"]["defaults"]["unit"] == "s" for p in after)
+    units = {p["title"]: p["fieldConfig"]["defaults"]["unit"] for p in after}
+    assert units == {"Prefill seconds the cache saved, by tier": "s", "Prefill seconds lost to recomputation": "s",
+                     "Prefill seconds per hour more cache would buy (estimate)": "suffix:s/h"}
+
+
+def test_the_worth_row_plots_the_sidecar_s_own_figures_over_its_window(dashboards):
+    # The saved panel plotted the PromQL twin (the fallback rate over the rate
+    # interval) under a description of the sidecar's position-priced figure,
+    # and the lost panel drew an increase over the rate interval beside the
+    # stream's gauge over kvwatch's window, the stream's ignoring $model/$engine.
+    board = dashboards["kvwatch-prefix-cache.json"]
+    panels = {p["title"]: p for p in iter_panels(board)}
+    saved, lost = panels["Prefill seconds the cache saved, by tier"], panels["Prefill seconds lost to recomputation"]
+    bought = panels["Prefill seconds per hour more cache would buy (estimate)"]
+    for panel in (saved, lost, bought):
+        assert "kvwatch's window" in panel["description"], panel["title"]
+        for target in panel["targets"]:
+            expr = target["expr"]
+            assert "$__rate_interval" not in expr and "increase(" not in expr, (panel["title"], expr)
+            assert 'model_name=~"$model"' in expr and 'engine=~"$engine"' in expr, (panel["title"], expr)
+    assert metric_names(saved["targets"][0]["expr"]) == {"kvwatch_cache_saved_prefill_seconds"}
+    assert "{{tier}}" in saved["targets"][0]["legendFormat"]
+    legends = {t["legendFormat"].split(" {{")[0]: metric_names(t["expr"]) for t in lost["targets"]}
+    assert legends == {"preempted, the page's upper bound": {"kvwatch_cache_lost_prefill_seconds"},
+                       "evicted before reuse, the stream's count": {"kvwatch_kv_events_lost_prefill_seconds",
+                                                                    "kvwatch_engine_info"}}

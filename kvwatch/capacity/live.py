@@ -29,7 +29,8 @@ def metrics_url(target: str) -> str:
 def fetch_page(url: str) -> str:
     result = Fetcher(url, FETCH_TIMEOUT_S, FETCH_MAX_BYTES).fetch()
     if not result.ok:
-        raise CapacityInputError(f"cannot fetch {url}: {result.detail or result.reason}")
+        # The sentence kvwatch diagnose says, not the exception's text.
+        raise CapacityInputError(f"cannot fetch {url}: {result.sentence}")
     return result.text or ""
 
 

@@ -13,13 +13,14 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvwatch.capacity import arithmetic as cap
 from kvwatch.capacity import hardware, live
 from kvwatch.capacity.arithmetic import CapacityInputError
 from kvwatch.capacity.model_config import load_model_config
-from kvwatch.present import printable
+from kvwatch.present import printable, public_host
 from kvwatch.units import parse_duration
 from kvwatch.signals import worth
 
@@ -203,6 +204,14 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _flag(flag: str, parse: Callable[[str], float], text: str) -> float:
+    """A flag's value parsed, or one sentence naming that flag alone."""
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise CapacityInputError(f"{flag}: {exc}") from None
+
+
 def _needed_range(args: argparse.Namespace) -> tuple[float, float, float, float]:
     """(objective, start, end, step) from the flags, or one sentence of what is wrong."""
     from kvwatch.commands.diagnose import _time
@@ -210,14 +219,11 @@ def _needed_range(args: argparse.Namespace) -> tuple[float, float, float, float]
 
     if args.ttft_p95 is None:
         raise CapacityInputError("--prometheus needs the objective: --ttft-p95 SECONDS (first-token p95 under it)")
-    try:
-        objective = parse_duration(args.ttft_p95)
-        end = _time(args.to) if args.to else time.time()
-        start = _time(args.from_) if args.from_ else end - parse_duration(args.since)
-        step = parse_duration(args.step) if args.step else choose_step(start, end)
-        parse_duration(args.rate_window)
-    except ValueError as exc:
-        raise CapacityInputError(f"--ttft-p95, --from/--to/--since, --step or --rate-window: {exc}") from None
+    objective = _flag("--ttft-p95", parse_duration, args.ttft_p95)
+    end = _flag("--to", _time, args.to) if args.to else time.time()
+    start = _flag("--from", _time, args.from_) if args.from_ else end - _flag("--since", parse_duration, args.since)
+    step = _flag("--step", parse_duration, args.step) if args.step else choose_step(start, end)
+    _flag("--rate-window", parse_duration, args.rate_window)
     problem = check_selector(args.selector)
     if problem or objective <= 0 or start >= end:
         raise CapacityInputError(problem or ("--ttft-p95 must be above 0" if objective <= 0 else
@@ -246,6 +252,10 @@ def _needed_report(args: argparse.Namespace) -> dict[str, Any]:
             "objective_ttft_p95_seconds": objective, "models": results}
 
 
+# Nothing listens at --kvwatch's address (scrape.SENTENCES' "refused", about kvwatch).
+KVWATCH_REFUSED = "connection refused by {host}: nothing listens there (is kvwatch running, and on that port?)"
+
+
 def _stream_report(url: str) -> dict[str, Any]:
     """The sizing curve a running kvwatch estimates from the engine's
     KV-cache events (kvwatch/kvevents/source.py: sizing_curve)."""
@@ -260,7 +270,10 @@ def _stream_report(url: str) -> dict[str, Any]:
 
     result = JsonFetcher(api, live.FETCH_TIMEOUT_S, live.FETCH_MAX_BYTES).fetch()
     if not result.ok:
-        raise CapacityInputError(f"cannot fetch {api}: {result.detail or result.reason}")
+        # The fetcher's sentence (as kvwatch diagnose says it), but with a hint
+        # about kvwatch where nothing listens: its hint is about an engine.
+        sentence = KVWATCH_REFUSED.format(host=public_host(api)) if result.reason == "refused" else result.sentence
+        raise CapacityInputError(f"cannot fetch {api}: {sentence}")
     try:
         diagnosis = json.loads(result.text or "")
     except (ValueError, RecursionError):  # RecursionError: brackets nested thousands deep
@@ -326,6 +339,14 @@ def _number_or_none(value: Any) -> bool:
         return False
 
 
+def _per_hour(value: float | None) -> str:
+    """Seconds per hour as the sentences below the table write them
+    (signals/worth.py: 3 significant digits under 100, whole from there)."""
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+
+
 def _stream_lines(report: dict[str, Any]) -> list[str]:
     window, sizing = report["window"], report["sizing"]
     out = [f"kvwatch at {report['kvwatch']}, engine {((report.get('page_engine') or {}).get('engine'))}: over the "
@@ -343,11 +364,13 @@ def _stream_lines(report: dict[str, Any]) -> list[str]:
                      f"{point['recomputation_avoided_ratio']:.0%}" if point.get("recomputation_avoided_ratio")
                      is not None else "-",
                      f"{point['hit_ratio']:.1%}" if point.get("hit_ratio") is not None else "-",
-                     f"{point['saved_prefill_seconds_per_hour']:,.3g}"
-                     if point.get("saved_prefill_seconds_per_hour") is not None else "-"])
+                     _per_hour(point.get("saved_prefill_seconds_per_hour"))])
     out += _table(rows[0], rows[1:])
     out += [""] + worth.stream_lines(window, sizing)
-    out += ["", f"Cache now: {_n(round(sizing.get('cache_blocks') or 0))} blocks. " + (sizing.get("note") or "") + "."]
+    note = sizing.get("note") or ""
+    # The note is a clause ("an estimate: ..."): here it opens a sentence.
+    out += ["", f"Cache now: {_n(round(sizing.get('cache_blocks') or 0))} blocks."
+            + (f" {note[:1].upper()}{note[1:].rstrip('.')}." if note else "")]
     if report.get("sampling_rate") not in (None, 1, 1.0):
         out.append(f"The ledger sampled {report['sampling_rate']:.3g} of the hash space; counts are scaled from it.")
     return out

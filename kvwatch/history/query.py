@@ -233,8 +233,11 @@ class PrometheusClient:
             raise QueryError(f"{path}: HTTP {status}, JSON but not an object")
         if status != 200 or body.get("status") != "success":
             text = f"{body.get('errorType', '')} {body.get('error', '')}".strip()
-            raise QueryError(f"{path}: HTTP {status}: {_printable(text, ERROR_TEXT_CHARS)}".strip(),
-                             refusal(status, text[:ERROR_TEXT_CHARS * 4]), status=status)
+            # An answer without its error's text still says what failed, not a bare "HTTP 404:".
+            said = (f": {_printable(text, ERROR_TEXT_CHARS)}" if text
+                    else ", an error answer that gives no reason (is this a Prometheus query API?)")
+            raise QueryError(f"{path}: HTTP {status}{said}", refusal(status, text[:ERROR_TEXT_CHARS * 4]),
+                             status=status)
         data = body.get("data")
         # Thanos answers a query some of its stores failed with success and
         # warnings (a partial response) where partial responses are on: part

@@ -6,7 +6,9 @@ throughput, failures, active findings) and one drill-down per symptom
 (exhaustion, prefix cache, first token). Every query comes from the
 catalogue's PromQL twins or from the alert conditions in promql.py, over
 `$__rate_interval` and the dashboard's variables, so the panel an alert links
-to shows the alert's own numbers. A thin house style on top of grafanalib
+to shows the alert's own numbers; the prefix-cache board's worth row plots
+the sidecar's own gauges instead, over kvwatch's window, the figures its
+status page shows. A thin house style on top of grafanalib
 sets what every panel must have: a unit, a description, a runbook link, the
 datasource variable, a stable id and a place in the grid (panels.py).
 """
@@ -31,6 +33,8 @@ ANCHOR_TTFT = runbook_anchor("VllmTimeToFirstTokenSlow")
 ANCHOR_DOWN = runbook_anchor("KvwatchDown")
 ANCHOR_UNREACHABLE = runbook_anchor("KvwatchEngineUnreachable")
 ANCHOR_THROUGHPUT = "throughput-and-failures"  # runbooks.THROUGHPUT_ANCHOR
+# Seconds per hour: a rate, so Grafana's `s` would read it as a duration.
+PER_HOUR_UNIT = "suffix:s/h"
 
 
 def _findings_panel(v: Views, key: str, symptom: str | None, anchor: str, width: int = 24) -> PanelSpec:
@@ -355,28 +359,49 @@ def prefix_cache(config: MixinConfig) -> Board:
 def _worth_row(b: Board, v: Views) -> None:
     """What the cache is worth, in the engine's own prefill seconds
     (kvwatch/signals/worth.py): saved by its hits, lost to recomputation,
-    bought by more memory. Laid out after the catalogue's cache panels."""
+    bought by more memory. Laid out after the catalogue's cache panels.
+    Each panel plots the sidecar's own gauges, over kvwatch's window: the
+    figures the status page and /metrics show, one number with one
+    definition (the PromQL twins price at the fallback rate over the rate
+    interval, a different number on the same axis)."""
     inst = b.config.instance_label
-    scope = Scope(TARGET_SEL, RATE, (inst,))
     e = v.engine_legend
+    window = " Over kvwatch's window (--window), not the rate interval; request-seconds, not wall time."
     empty = " Empty unless kvwatch reads the engine's KV-cache events (--kv-events)."
+    # The stream's series carry no model or engine label: kept where the
+    # replica serves a model and engine the dashboard's variables select.
+    stream_only = (" The stream's series name no model or engine: shown for the replicas that serve the selected "
+                   "$model and $engine.")
+
+    def gauge(name: str, *extra: str) -> str:
+        return f"max by ({', '.join((v.engine.by_text, *extra))}) ({v.engine.m(name)})"
+
+    def selected(expr: str) -> str:
+        return f"{expr}\nand on ({inst})\ngroup by ({inst}) (kvwatch_engine_info{{{ENGINE_SEL}}})"
+
+    def stream(name: str, *extra: str) -> str:
+        return selected(f"max by ({', '.join((inst, *extra))}) ({name}{{{TARGET_SEL}}})")
+
     b.row("What the cache is worth")
     b.add(PanelSpec("worth_saved", "Prefill seconds the cache saved, by tier",
-                    v.help("kvwatch_cache_saved_prefill_seconds") + " Over the rate interval; request-seconds, "
-                    "not wall time.", UNITS["seconds"].grafana,
-                    [(v.sig("kvwatch_cache_saved_prefill_seconds"), "{{tier}} " + e)], width=8, stacked=True,
-                    runbook=ANCHOR_HIT, signal="kvwatch_cache_saved_prefill_seconds"))
+                    "kvwatch_cache_saved_prefill_seconds, the sidecar's own figure (as on its status page): "
+                    + v.help("kvwatch_cache_saved_prefill_seconds") + window, UNITS["seconds"].grafana,
+                    [(gauge("kvwatch_cache_saved_prefill_seconds", "tier"), "{{tier}} " + e)], width=8,
+                    stacked=True, runbook=ANCHOR_HIT, signal="kvwatch_cache_saved_prefill_seconds"))
     b.add(PanelSpec("worth_lost", "Prefill seconds lost to recomputation",
-                    v.help("kvwatch_cache_lost_prefill_seconds") + " With the event stream, also the blocks "
-                    "evicted before their reuse and computed again (counted).", UNITS["seconds"].grafana,
-                    [(v.sig("kvwatch_cache_lost_prefill_seconds"), "preempted, page bound " + e),
-                     (STREAM_SIGNALS_BY_NAME["kvwatch_kv_events_lost_prefill_seconds"].promql.format(
-                         sel=scope.sel, w=scope.w, by=scope.by_text), "evicted before reuse, stream " + v.instance_legend)],
+                    "kvwatch_cache_lost_prefill_seconds, from the page: " + v.help("kvwatch_cache_lost_prefill_seconds")
+                    + " With the event stream, kvwatch_kv_events_lost_prefill_seconds counts the blocks stored again "
+                    "after their eviction instead (a preempted request's evicted prefix included)." + window
+                    + stream_only, UNITS["seconds"].grafana,
+                    [(gauge("kvwatch_cache_lost_prefill_seconds"), "preempted, the page's upper bound " + e),
+                     (stream("kvwatch_kv_events_lost_prefill_seconds"),
+                      "evicted before reuse, the stream's count " + v.instance_legend)],
                     width=8, runbook=ANCHOR_EXHAUSTED, signal="kvwatch_cache_lost_prefill_seconds"))
     b.add(PanelSpec("worth_bought", "Prefill seconds per hour more cache would buy (estimate)",
-                    next(s for s in STREAM_SIZING if s.key == "saved_prefill_seconds_per_hour").help + " Each line one size; its GiB: kvwatch_kv_events_sizing_extra_bytes."
-                    + empty, UNITS["seconds"].grafana,
-                    [(f"kvwatch_kv_events_sizing_saved_prefill_seconds_per_hour{{{TARGET_SEL}}}",
+                    next(s for s in STREAM_SIZING if s.key == "saved_prefill_seconds_per_hour").help
+                    + " From kvwatch's window (--window), in prefill seconds per hour (s/h). Each line one size; its GiB: "
+                    "kvwatch_kv_events_sizing_extra_bytes." + empty + stream_only, PER_HOUR_UNIT,
+                    [(stream("kvwatch_kv_events_sizing_saved_prefill_seconds_per_hour", "extra_cache"),
                       "x{{extra_cache}} more " + v.instance_legend)], width=8, runbook=ANCHOR_HIT,
                     signal="kvwatch_kv_events_sizing_saved_prefill_seconds_per_hour"))
 
