@@ -218,7 +218,11 @@ def test_a_scraped_exposition_has_the_next_one_rendered_ahead_by_the_poll_loop(c
             assert renders and renders[0] != "kvwatch-poll"
             polls = monitor.state.polls
             wait_for_polls(monitor, polls + 1)
-            time.sleep(0.05)
+            # The loop renders ahead after the poll counts it: wait for that
+            # render (a loaded machine may take longer than a fixed pause).
+            deadline = time.time() + 20
+            while "kvwatch-poll" not in renders and time.time() < deadline:
+                time.sleep(0.02)
             assert "kvwatch-poll" in renders
             body = client.get("/metrics").text
             assert "kvwatch_up 1.0" in body
