@@ -23,7 +23,7 @@ from kvwatch.central.refresh import Central
 from kvwatch.history.query import PrometheusClient
 from kvwatch.settings import load_settings
 from kvwatch.sim.server import start_background
-from promstack import _prometheus_in, wait_until
+from promstack import _prometheus_in, query, wait_until
 from test_e2e_alerting import PROMETHEUS
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not PROMETHEUS, reason="prometheus not installed")]
@@ -58,13 +58,38 @@ def _stack():
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _wait_for_the_window(prom, sims: dict) -> None:
+    """Waits, each wait with a deadline, for what the refresh needs rather
+    than for the times it takes an unloaded machine: every simulation past
+    its warm-up on its own clock (a loaded CPU makes it lag the wall clock),
+    then the store holding samples of every engine's and router's page from
+    then to a window later (a scrape missed under load only delays it)."""
+    def warm() -> bool:
+        behind = {policy: round(sim.sim.now, 1) for policy, sim in sims.items() if sim.sim.now < WARM_S * SPEED}
+        if behind:
+            raise AssertionError(f"simulated seconds of those behind: {behind}")  # wait_until shows the last one
+        return True
+
+    wait_until(warm, 4 * WARM_S, f"every simulation past its {WARM_S * SPEED:g} s of warm-up")
+    since = time.time() + WINDOW_S
+    jobs = {f"{kind}-{policy}" for policy in POLICIES for kind in ("vllm", "router")}
+
+    def stored() -> bool:
+        latest = {r["metric"]["job"]: float(r["value"][1]) for r in query(prom.url, "timestamp(up == 1)")}
+        late = {job: latest.get(job) for job in jobs if latest.get(job, 0.0) < since}
+        if late:
+            raise AssertionError(f"the latest samples of those behind {since:.0f}: {late}")
+        return True
+
+    wait_until(stored, 4 * WINDOW_S, "the store to hold every page's samples a window past the warm-up",
+               interval=1)
+
+
 def test_central_mode_names_each_router_policys_cause_and_no_other():
     settings = load_settings(overrides={"poll_interval": "1s", "window": f"{WINDOW_S:g}s"}, environ={})
     with _stack() as (prom, sims):
         client = PrometheusClient(prom.url, timeout=10)
-        wait_until(lambda: len(client.query_range('up{job=~"router-.*"} == 1', time.time() - 5, time.time(), 1))
-                   == len(POLICIES), 30, "the routers scraped")
-        time.sleep(WARM_S + WINDOW_S)
+        _wait_for_the_window(prom, sims)
         found = {}
         for policy in POLICIES:
             central = Central(client, settings, f'{{policy="{policy}"}}', step=1.0)
@@ -72,7 +97,7 @@ def test_central_mode_names_each_router_policys_cause_and_no_other():
             assert state.up, state.detail
             assert len(state.replicas) == 1 and len(next(iter(state.replicas.values())).state.per_engine) == 4
             found[policy] = [f for f, _since in state.fleet]
-            print(policy, [(f.cause, f.summary) for f in found[policy]])
+            print(policy, [(f.cause, f.summary) for f in found[policy]], f"simulated {sims[policy].sim.now:.0f} s")
     assert found["prefix"] == []
     # The router's finding (its window decides prefix affinity; the engines' peer comparison gives way).
     [affinity] = found["round_robin"]

@@ -137,12 +137,19 @@ def settle(server, source):
     """Wait until the events the simulation recorded reached kvwatch's ledger
     (tests/test_kv_events_diagnose.py: a poll then reads the stream as of the page)."""
     publisher = server.kv_publisher
+
+    def settled() -> bool:
+        # Every message sent was read, none waits in the queue, none is in the accountant's hands.
+        pending = any(e.pool.events.events for e in server.sim.engines)
+        return (not pending and (source._expected or 0) >= publisher.sequences[0] and not source._queue
+                and not source.accounting)
+
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        pending = any(e.pool.events.events for e in server.sim.engines)
-        if not pending and (source._expected or 0) >= publisher.sequences[0] and not source._queue:
-            time.sleep(0.02)  # the accountant finishes the batch it popped
-            return
+        if settled():
+            time.sleep(0.02)  # twice in a row: the receiver numbers a message just before it queues it
+            if settled():
+                return
         time.sleep(0.02)
     raise AssertionError("the KV-cache event stream did not settle")
 

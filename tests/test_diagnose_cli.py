@@ -19,6 +19,9 @@ def page(fixtures_dir, name: str) -> str:
 
 
 def diagnose_cli(url: str, *extra: str) -> int:
+    # Four polls (slots 0, 0.1, 0.2 and 0.3 s) however loaded the machine:
+    # the run counts its polls by their slots, not by the wall clock, and its
+    # window keeps every one however late they come (test_a_late_run_...).
     return main(["diagnose", "--target", url, "--duration", "0.3s", "--interval", "0.1s", *extra])
 
 
@@ -67,6 +70,48 @@ def test_json_for_scripts(fixtures_dir, capsys):
     assert body["engines"][0]["model_name"] == "tiny-llama"
     assert body["engines"][0]["signals"]["kvwatch_requests_waiting"] == 18
     assert {(f["symptom"], f["cause"]) for f in body["findings"]} >= {("exhaustion", "concurrency_beyond_capacity")}
+
+
+def test_a_late_run_keeps_every_poll_in_its_window(fixtures_dir, monkeypatch, capsys):
+    """A run of 0.3 s polls four times, 0.1 s apart, in a window planned at
+    0.4 s; a loaded machine or a slow engine that makes each poll 0.25 s late
+    stretches them over 0.75 s. The run's window widens to keep them all, so
+    the idle first page still counts; the sidecar's window (its last
+    `window` seconds) keeps what fits."""
+    from kvwatch.pipeline import monitor as monitor_module
+    from kvwatch.scrape import RenderedPage
+    from kvwatch.settings import load_settings
+
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics", "poll_interval": "0.1s",
+                                        "window": "0.4s"}, environ={})
+    covered = {}
+    for whole_run, kept in ((True, 4), (False, 3)):
+        now = [1000.0]
+        pages = [page(fixtures_dir, name) for name in ("idle", "load", "load", "load")]
+
+        def late(pages=pages, now=now) -> str:
+            now[0] += 0.25
+            return pages.pop(0)
+
+        monitor = monitor_module.Monitor(settings, fetcher=RenderedPage(late), clock=lambda now=now: now[0],
+                                         whole_run=whole_run)
+        states = [monitor.poll_once() for _ in range(4)]
+        assert [len(state.entries) for state in states] == [1, 2, 3, kept]
+        covered[whole_run] = (states[-1].window_seconds, monitor.judgment.window.seconds)
+    # The now span widens with the window (to now_seconds at most): the run's findings are judged on all of it.
+    assert covered == {True: (pytest.approx(0.75), pytest.approx(0.75)), False: (pytest.approx(0.5), 0.4)}
+    # `kvwatch diagnose` runs so.
+    runs = []
+
+    class Recorded(monitor_module.Monitor):
+        def __init__(self, *args, **kwargs):
+            runs.append(kwargs.get("whole_run"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(monitor_module, "Monitor", Recorded)
+    with PageServer([Answer(page(fixtures_dir, "idle"))]) as server:
+        assert diagnose_cli(server.url) == 0
+    assert runs == [True]
 
 
 def test_info_findings_alone_exit_0(fixtures_dir, tmp_path, capsys):

@@ -59,13 +59,20 @@ class Live:
     def settle(self):
         """Wait until what the simulation recorded reached the ledger."""
         publisher = self.sim.kv_publisher
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+
+        def settled() -> bool:
+            # Every message sent was read, none waits in the queue, none is in the accountant's hands.
             pending = any(e.pool.events.events for e in self.sim.sim.engines) if publisher else False
             sent = publisher.sequences[0] if publisher else 0
-            if not pending and (self.source._expected or 0) >= sent and not self.source._queue:
-                time.sleep(0.02)  # the accountant finishes the batch it popped
-                return
+            return (not pending and (self.source._expected or 0) >= sent and not self.source._queue
+                    and not self.source.accounting)
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if settled():
+                time.sleep(0.02)  # twice in a row: the receiver numbers a message just before it queues it
+                if settled():
+                    return
             time.sleep(0.02)
         raise AssertionError("the stream did not settle")
 

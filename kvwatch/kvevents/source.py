@@ -143,6 +143,7 @@ class KVEventSource:
         self._lock = threading.Lock()  # the ledger and the counters below
         self._queue: deque[bytes] = deque()
         self._queued_bytes = 0
+        self.accounting = False  # a batch off the queue, not yet in the ledger (queue empty and False: all in it)
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -423,6 +424,7 @@ class KVEventSource:
                     self._wake.wait(0.5)
                 if self._stop.is_set():
                     return
+                self.accounting = True  # before the queue empties, so that one of the two always says so
                 payload = self._queue.popleft()
                 self._queued_bytes -= len(payload)
             try:
@@ -430,6 +432,7 @@ class KVEventSource:
             except Exception:  # pragma: no cover - no batch may stop the accountant
                 with self._lock:
                     self._malformed("a batch kvwatch could not account")
+            self.accounting = False
 
     # --- accounting (also what tests and replays call) -----------------
 

@@ -166,8 +166,11 @@ class Monitor:
     times, and everything after the fetch is the same code as live."""
 
     def __init__(self, settings: Settings, fetcher: PageSource | None = None,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, whole_run: bool = False):
         self.settings = settings
+        # `kvwatch diagnose`: the window widens to keep every poll of the run
+        # (_add), however late a loaded machine or a slow engine made them.
+        self.whole_run = whole_run
         self.fetcher: PageSource = fetcher or Fetcher(
             settings.target,
             settings.fetch_timeout,
@@ -297,9 +300,7 @@ class Monitor:
             return self._no_engine_metrics(
                 result, f"no {adapter.name} engine metrics in a page of {result.size} bytes",
                 snapshot.parse_errors, started, started_cpu)
-        self.window.add(snapshot)
-        if self.window.trimmed and not self.state.window_trimmed:
-            log.warning("%s", self.window.trimmed)
+        self._add(snapshot)
         self._note_changes(previous, snapshot)
         per_engine, per_model = evaluate_window(self.window)
         source_faults = self._count_faults(snapshot, per_engine, adapter)
@@ -357,6 +358,30 @@ class Monitor:
             log.info("polling %s: up (%d %s)", public_url(self.settings.target), count,
                      "engine" if count == 1 else "engines")
         return self.state
+
+    def _add(self, snapshot: Snapshot) -> None:
+        """The snapshot into the window; in a whole run, the window first
+        widened to keep the run's first poll."""
+        earliest = self.window.earliest
+        if self.whole_run and earliest is not None:
+            self.widen(snapshot.time - earliest.time)
+        self.window.add(snapshot)
+        if self.window.trimmed and not self.state.window_trimmed:
+            log.warning("%s", self.window.trimmed)
+
+    def widen(self, seconds: float) -> None:
+        """The window, and the spans kept beside it (the now span, the
+        upstream's, LMCache's, the router's, the KV events'), at least
+        `seconds` long; never narrowed."""
+        if seconds <= self.window.seconds:
+            return
+        self.window.seconds = seconds
+        self.judgment.window.seconds = min(self.judgment.thresholds.now_seconds, seconds)
+        for source in (self.upstream, self.router, self.kv_events):
+            if source is not None:
+                source.window_seconds = seconds
+        if self.lmcache is not None:
+            self.lmcache.window.seconds = seconds
 
     def _answered_at(self, result: FetchResult, started: float) -> float:
         """The time the page is stamped with."""
