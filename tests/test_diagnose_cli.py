@@ -150,6 +150,15 @@ def test_bad_config_exits_2_listing_every_problem(tmp_path, capsys):
     assert "hit_ratio_low" in err and "nonsense" in err
 
 
+def test_a_window_asked_of_a_live_run_is_refused_not_ignored(capsys):
+    # A live run's window is its duration: --window 3s was taken silently and the run said "window 6s".
+    assert main(["diagnose", "--target", "http://127.0.0.1:1/metrics", "--duration", "1s", "--interval", "0.5s",
+                 "--window", "3s"]) == 2
+    err = capsys.readouterr().err
+    assert "--window (3s) applies to --replay and --prometheus: a live run's window is its --duration" in err
+    assert "Traceback" not in err
+
+
 def test_credentials_never_printed(fixtures_dir, capsys):
     with PageServer([Answer(page(fixtures_dir, "idle"))]) as server:
         url = server.url.replace("http://", "http://admin:hunter2@")

@@ -125,6 +125,10 @@ def _poll_arguments(args: argparse.Namespace) -> tuple[float, float, int | None]
     duration, interval = durations.get("--duration"), durations.get("--interval")
     if duration is not None and interval is not None and interval > duration:
         problems.append(f"--interval ({interval:g}s) must not exceed --duration ({duration:g}s)")
+    if getattr(args, "window", None):
+        # A live run's window is the run itself; a --window taken silently would say a span it did not read.
+        problems.append(f"--window ({args.window}) applies to --replay and --prometheus: a live run's window is "
+                        f"its --duration")
     max_failures, problem = failfast.limit_of(args)
     if problem:
         problems.append(problem)
