@@ -4,6 +4,7 @@ and summarise a stretch of simulated time the way a scraper would see it."""
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 from kvwatch.sim.render import render_app_metrics, render_metrics
@@ -253,3 +254,26 @@ def _openmetrics(series: dict) -> str:
         out.extend(series[key])
     out.append("# EOF")
     return "\n".join(out) + "\n"
+
+
+def settle(server, source) -> None:
+    """Wait until the KV-cache events a simulator server recorded reached
+    kvwatch's ledger (`source`: its KVEventSource), so a poll then reads the
+    stream as of the page."""
+    publisher = server.kv_publisher
+
+    def settled() -> bool:
+        # Every message sent was read, none waits in the queue, none is in the accountant's hands.
+        pending = any(e.pool.events.events for e in server.sim.engines) if publisher else False
+        sent = publisher.sequences[0] if publisher else 0
+        return (not pending and (source._expected or 0) >= sent and not source._queue
+                and not source.accounting)
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if settled():
+            time.sleep(0.02)  # twice in a row: the receiver numbers a message just before it queues it
+            if settled():
+                return
+        time.sleep(0.02)
+    raise AssertionError("the KV-cache event stream did not settle")

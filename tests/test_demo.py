@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from sim_support import settle
+
 from kvwatch.pipeline.demo import read_status
 from kvwatch.pipeline.monitor import Monitor
 from kvwatch.sidecar.report import signals_json
@@ -131,27 +133,6 @@ def demo_settings(server, kv_events: str):
     return load_settings(str(DEMO_CONFIG), {"target": server.metrics_url, "upstream_target": server.app_metrics_url,
                                             "demo_target": server.url + "/sim/phase", "kv_events": kv_events},
                          environ={})
-
-
-def settle(server, source):
-    """Wait until the events the simulation recorded reached kvwatch's ledger
-    (tests/test_kv_events_diagnose.py: a poll then reads the stream as of the page)."""
-    publisher = server.kv_publisher
-
-    def settled() -> bool:
-        # Every message sent was read, none waits in the queue, none is in the accountant's hands.
-        pending = any(e.pool.events.events for e in server.sim.engines)
-        return (not pending and (source._expected or 0) >= publisher.sequences[0] and not source._queue
-                and not source.accounting)
-
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if settled():
-            time.sleep(0.02)  # twice in a row: the receiver numbers a message just before it queues it
-            if settled():
-                return
-        time.sleep(0.02)
-    raise AssertionError("the KV-cache event stream did not settle")
 
 
 def lockstep(server, monitor, until: float, stop=lambda state: False):

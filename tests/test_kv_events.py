@@ -6,6 +6,7 @@ and a count each, never a crash or unbounded memory."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -28,6 +29,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def stream_fed(pages: list[str], batches: list[list]):
+    """kvwatch polling `pages` (served on loopback, one a poll) with its
+    KV-event stream fed `batches` between its first two polls: yields
+    (monitor, settings, client) after the second poll, and stops it."""
+    with PageServer([Answer(page) for page in pages]) as server:
+        settings = load_settings(overrides={"target": server.url, "poll_interval": "1s", "timeout": "1s",
+                                            "kv_events": f"tcp://127.0.0.1:{free_port()}"}, environ={})
+        monitor = Monitor(settings)
+        client = TestClient(create_app(monitor, settings))
+        try:
+            monitor.poll_once()
+            now = monitor.clock()
+            for seq, events in enumerate(batches):
+                monitor.kv_events.feed(seq, wire.encode_batch(now, events), now=now)
+            monitor.poll_once()
+            yield monitor, settings, client
+        finally:
+            monitor.stop()
 
 
 def rotation(prefixes: int, blocks: int, cache: int, rounds: int, start: int = 0) -> list[list]:
@@ -503,20 +525,8 @@ def test_the_api_serves_the_sizing_curve_and_kvwatch_capacity_prints_it(fixtures
     from kvwatch.commands import capacity
 
     page = (fixtures_dir / "vllm-0.32-cpu" / "metrics-load.txt").read_text()
-    with PageServer([Answer(page), Answer(page)]) as server:
-        settings = load_settings(overrides={"target": server.url, "poll_interval": "1s", "timeout": "1s",
-                                            "kv_events": f"tcp://127.0.0.1:{free_port()}"}, environ={})
-        monitor = Monitor(settings)
-        client = TestClient(create_app(monitor, settings))
-        try:
-            monitor.poll_once()
-            now = monitor.clock()
-            for seq, events in enumerate(rotation(prefixes=12, blocks=15, cache=100, rounds=4)):
-                monitor.kv_events.feed(seq, wire.encode_batch(now, events), now=now)
-            monitor.poll_once()
-            diagnosis = client.get("/api/v1/diagnosis").json()
-        finally:
-            monitor.stop()
+    with stream_fed([page, page], rotation(prefixes=12, blocks=15, cache=100, rounds=4)) as (_, _, client):
+        diagnosis = client.get("/api/v1/diagnosis").json()
     stream = diagnosis["kv_events"]
     assert stream["up"] and stream["window"]["stored_again"] == 540 and "distance" not in stream["window"]
     points = stream["sizing"]["points"]

@@ -13,6 +13,7 @@ import socket
 import time
 
 import pytest
+from sim_support import settle
 
 from kvwatch.pipeline.monitor import Monitor
 from kvwatch.settings import load_settings
@@ -58,23 +59,7 @@ class Live:
 
     def settle(self):
         """Wait until what the simulation recorded reached the ledger."""
-        publisher = self.sim.kv_publisher
-
-        def settled() -> bool:
-            # Every message sent was read, none waits in the queue, none is in the accountant's hands.
-            pending = any(e.pool.events.events for e in self.sim.sim.engines) if publisher else False
-            sent = publisher.sequences[0] if publisher else 0
-            return (not pending and (self.source._expected or 0) >= sent and not self.source._queue
-                    and not self.source.accounting)
-
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if settled():
-                time.sleep(0.02)  # twice in a row: the receiver numbers a message just before it queues it
-                if settled():
-                    return
-            time.sleep(0.02)
-        raise AssertionError("the stream did not settle")
+        settle(self.sim, self.source)
 
     def run(self, seconds, step=5.0):
         state = None

@@ -130,36 +130,19 @@ def test_the_base_model_alone_is_the_whole_of_lost_and_needs_no_sentence():
 
 def test_the_status_page_diagnose_and_the_api_show_the_adapters_lost(fixtures_dir):
     """The monitor's own path: the page polled, the adapters' events fed to its stream, polled again."""
-    from fastapi.testclient import TestClient
-    from pageserver import Answer, PageServer
-    from test_kv_events import free_port
+    from test_kv_events import stream_fed
 
     from kvwatch.commands.diagnose import _json_report, print_worth
-    from kvwatch.pipeline.monitor import Monitor
     from kvwatch.present import TerminalText
-    from kvwatch.settings import load_settings
-    from kvwatch.sidecar.app import create_app
     from kvwatch.sidecar.report import signals_json
     from kvwatch.sidecar.statuspage import render_status_page
 
-    idle, load = ((fixtures_dir / "vllm-0.32-cpu" / f"metrics-{name}.txt").read_text() for name in ("idle", "load"))
+    texts = [(fixtures_dir / "vllm-0.32-cpu" / f"metrics-{name}.txt").read_text() for name in ("idle", "load")]
     batches = as_adapter(rotation(prefixes=12, blocks=15, cache=100, rounds=4), "chat-lora")
     batches += as_adapter(rotation(prefixes=6, blocks=4, cache=16, rounds=3, start=500_000), None)
-    with PageServer([Answer(idle), Answer(load)]) as server:
-        settings = load_settings(overrides={"target": server.url, "poll_interval": "1s", "timeout": "1s",
-                                            "kv_events": f"tcp://127.0.0.1:{free_port()}"}, environ={})
-        monitor = Monitor(settings)
-        client = TestClient(create_app(monitor, settings))
-        try:
-            monitor.poll_once()
-            now = monitor.clock()
-            for seq, events in enumerate(batches):
-                monitor.kv_events.feed(seq, wire.encode_batch(now, events), now=now)
-            monitor.poll_once()
-            api = client.get("/api/v1/signals").json()["worth"][0]
-            metrics = client.get("/metrics").text
-        finally:
-            monitor.stop()
+    with stream_fed(texts, batches) as (monitor, settings, client):
+        api = client.get("/api/v1/signals").json()["worth"][0]
+        metrics = client.get("/metrics").text
     [row] = monitor.state.per_engine
     chat = f"chat-lora {540 * 16 * worth.prefill_seconds_per_token(row.view):.3g} s"
     assert any(line.startswith(f"Lost by adapter: {chat}, (base) ") for line in api["lines"])

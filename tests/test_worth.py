@@ -205,32 +205,15 @@ def test_with_the_stream_lost_is_counted_and_kvwatch_capacity_prints_what_more_c
     import argparse
     import json
 
-    from fastapi.testclient import TestClient
     from pageserver import Answer, PageServer
-    from test_kv_events import free_port
+    from test_kv_events import stream_fed
 
     from kvwatch.commands import capacity
-    from kvwatch.kvevents import wire
-    from kvwatch.pipeline.monitor import Monitor
-    from kvwatch.settings import load_settings
-    from kvwatch.sidecar.app import create_app
 
-    idle, load = pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load"))
-    with PageServer([Answer(idle), Answer(load)]) as server:
-        settings = load_settings(overrides={"target": server.url, "poll_interval": "1s", "timeout": "1s",
-                                            "kv_events": f"tcp://127.0.0.1:{free_port()}"}, environ={})
-        monitor = Monitor(settings)
-        client = TestClient(create_app(monitor, settings))
-        try:
-            monitor.poll_once()
-            now = monitor.clock()
-            for seq, events in enumerate(rotation(prefixes=12, blocks=15, cache=100, rounds=4)):
-                monitor.kv_events.feed(seq, wire.encode_batch(now, events), now=now)
-            monitor.poll_once()
-            diagnosis = client.get("/api/v1/diagnosis").json()
-            signals = client.get("/api/v1/signals").json()
-        finally:
-            monitor.stop()
+    texts = pages(fixtures_dir, "vllm-0.32-cpu", ("idle", "load"))
+    with stream_fed(texts, rotation(prefixes=12, blocks=15, cache=100, rounds=4)) as (_, _, client):
+        diagnosis = client.get("/api/v1/diagnosis").json()
+        signals = client.get("/api/v1/signals").json()
     per_token = LOAD_PER_TOKEN
     stream = diagnosis["kv_events"]
     # 540 blocks of 16 tokens stored again after their eviction, at the page's prefill seconds per token.
