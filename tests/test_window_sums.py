@@ -302,8 +302,26 @@ def test_a_window_that_follows_another_shares_its_entries_and_sums_its_span(sequ
         assert follower.bytes == 0
 
 
+def _restarted(counters, histograms=None):
+    return counters, histograms or {}, {"kv_usage": 0.0, "running": 0.0}, True
+
+
+# Found by the test in a CI run: the windows met counters a and b in other orders (a restart of the engine
+# whose odd histogram only the wider window sums step by step), and the dicts' reprs differed in order alone.
+_M0, _M1, _N0 = ENGINES
+_A = _restarted({"a": 0.0})
+KEY_ORDER = ([(1.0, {_M0: _A, _M1: _A}, True), (1.0, {_M0: _A, _N0: _A, _M1: _A}, True)]
+             + [(1.0, {_M0: _A}, True)] * 5 + [(1.0, {_M0: _A, _N0: _A, _M1: _A}, True)] * 2
+             + [(1.0, {_M1: _restarted({"b": 0.0, "a": 0.0}, {"h1": ((1.0, math.inf), [0.0, 0.0], 0.0),
+                                                           "h2": ((1.0, math.inf), [0.0, 0.0], 0.0)})}, False),
+                (1.0, {_M0: _A, _N0: _A,
+                       _M1: _restarted({"b": 0.0, "a": 0.0}, {"h2": ((1.0, math.inf), [0.0, 0.0], math.nan)})}, True),
+                (1.0, {_M0: _A}, True)])
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(polls(), st.sampled_from([2.0, 5.0]))
+@example(KEY_ORDER, 2.0)
 def test_a_window_that_leaves_histograms_out_sums_the_rest_alike(sequence, seconds):
     """The now span leaves out the histograms no rule reads (Window's
     `left_out`): its increases are those of a window that sums everything,
@@ -320,6 +338,9 @@ def test_a_window_that_leaves_histograms_out_sums_the_rest_alike(sequence, secon
         for key in ENGINES:
             whole, trimmed = everything.increase(key), fewer.increase(key)
             assert "h2" not in trimmed.histograms and "h2" not in fewer._summed_step_by_step(key).histograms
-            assert repr(trimmed.counters) == repr(whole.counters)
-            assert repr(trimmed.histograms) == repr({k: v for k, v in whole.histograms.items() if k != "h2"})
+            # repr: NaN equals NaN and -0.0 is told from 0.0; sorted: the two windows may meet the keys in
+            # another order (a restart's step summed step by step), which no reader depends on.
+            assert repr(sorted(trimmed.counters.items())) == repr(sorted(whole.counters.items()))
+            assert repr(sorted(trimmed.histograms.items())) == repr(sorted(
+                (k, v) for k, v in whole.histograms.items() if k != "h2"))
             assert (trimmed.seconds, trimmed.restarts, trimmed.steps) == (whole.seconds, whole.restarts, whole.steps)
