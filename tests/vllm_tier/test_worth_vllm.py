@@ -96,7 +96,7 @@ def _worth(kvwatch_url: str) -> dict:
 SHAPES = ((PREFIX_TOKENS, SUFFIX_TOKENS, SAVED_REQUESTS), (896, 512, 30))
 # Saved against vLLM's own difference: the bar, reported and not asserted. Each request alone in a kvwatch
 # poll, kvwatch prices a hit by its position: the long prefix +5.9, +0.1 and -7.3 % in three runs of this test
-# alone, but +38.9 and -15.4 % in two tries inside the whole tier (the fit's position term 24.5 and 16.6 ns,
+# alone, but +38.9 and -15.4 % in two tries inside the whole tier (-12.9 % in the third) (the fit's position term 24.5 and 16.6 ns,
 # its per-token term 16.2 and 8.87 us, from cold prompts whose rounds spread 1.5-1.7x there against 1.2-1.4x
 # alone). The shorter prefix -8.3, -2.5 and +48.6 % alone, +31.2 and -39.0 % in the tier. A price fitted
 # from one window's cold prompts is as steady as those few prompts' times (docs/capacity.md).
