@@ -340,11 +340,8 @@ def _number_or_none(value: Any) -> bool:
 
 
 def _per_hour(value: float | None) -> str:
-    """Seconds per hour as the sentences below the table write them
-    (signals/worth.py: 3 significant digits under 100, whole from there)."""
-    if value is None:
-        return "-"
-    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    """Seconds per hour as the sentences below the table write them."""
+    return "-" if value is None else worth.figure(value)
 
 
 def _stream_lines(report: dict[str, Any]) -> list[str]:

@@ -411,10 +411,14 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
     return out
 
 
+def figure(value: float) -> str:
+    """A worth figure as the sentences write it: 3 significant digits under
+    100, whole (grouped) from there; the capacity table writes it alike."""
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+
+
 def _seconds(value: float | None) -> str:
-    if value is None:
-        return "unknown"
-    return f"{value:.3g} s" if abs(value) < 100 else f"{value:,.0f} s"
+    return "unknown" if value is None else f"{figure(value)} s"
 
 
 def _amount(value: float) -> str:
