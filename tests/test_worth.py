@@ -85,6 +85,23 @@ def test_no_preemption_loses_nothing_and_no_prefill_time_prices_nothing(fixtures
     assert row.values[SAVED] is None and row.values[LOST] is None
 
 
+def test_an_engine_the_window_cannot_price_says_why_instead_of_dropping_out(fixtures_dir):
+    from kvwatch.settings import load_settings
+    from kvwatch.sidecar.report import signals_json
+    from kvwatch.sidecar.statuspage import render_status_page
+
+    settings = load_settings(overrides={"target": "http://127.0.0.1:9/metrics"}, environ={})
+    cases = (("vllm-0.32-cpu", ("idle", "idle"), "vllm", "no request finished its prefill in it"),
+             ("llamacpp-b11434-cpu", ("idle", "full"), "llamacpp",
+              "the engine reports no prefill time and computed tokens to price a token at"))
+    for folder, names, engine, why in cases:
+        monitor = polled(pages(fixtures_dir, folder, names), engine=engine)
+        [item] = signals_json(monitor.state, settings)["worth"]
+        assert item["lines"] == [f"Not priced over 60 s: {why}."]
+        assert item["saved_seconds"] is None and item["lost_seconds"] is None  # unknown, not zero
+        assert f"Not priced over 60 s: {why}." in render_status_page(monitor.state, settings)
+
+
 def stream_report():
     # 12 prefixes of 15 blocks of 16 tokens through a 100-block cache, 4 rounds: 540 blocks
     # stored again; 80 more blocks would have kept them all.

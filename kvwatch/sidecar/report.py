@@ -248,9 +248,8 @@ def worth_json(state, settings) -> list[dict[str, Any]]:
     stream = kv_events_of(state)
     price = getattr(settings, "gpu_hour_price", None)
     adapters = lora_rows(stream, getattr(settings, "tenant_top_k", DEFAULT_TOP_K))
-    found = (worth.summary(row.model, row.engine, row.values, row.view, stream, price, adapters)
-             for row in state.per_engine)
-    return [clean(item) for item in found if item is not None]
+    return [clean(worth.summary(row.model, row.engine, row.values, row.view, stream, price, adapters))
+            for row in state.per_engine]
 
 
 def finding_json(finding, since: float | None = None) -> dict[str, Any]:

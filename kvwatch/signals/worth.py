@@ -374,13 +374,14 @@ def _stream_lost(stream: Mapping[str, Any] | None, model: str, engine: str | Non
 
 def summary(model: str, engine: str | None, values: Mapping[str, Any], view: View,
             stream: KVEventsReport | None, gpu_hour_price: float | None,
-            adapters: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+            adapters: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One engine's (or model's) worth over the window: saved by tier, lost
     and its basis (the stream's count where it is on, else the page's count
     or upper bound), lost per LoRA adapter where the stream counts it
     (`adapters`: tenants.lora_rows of that stream), the stream's sizing
     steps, their money at the price, and the sentences every surface prints.
-    None with nothing priced."""
+    With nothing priced, a record whose one sentence says why (unpriced_line):
+    an engine does not drop out of the worth section while it warms up."""
     by_tier = values.get(SAVED_SIGNAL)
     saved_by_tier = dict(by_tier) if isinstance(by_tier, Mapping) else None
     saved = sum(saved_by_tier.values()) if saved_by_tier is not None else None
@@ -391,7 +392,8 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
     if lost is None:
         lost, basis = page_lost, page_basis
     if saved is None and lost is None:
-        return None
+        return {"model_name": model, "engine": engine, "window_seconds": view.increase.seconds,
+                "saved_seconds": None, "lost_seconds": None, "lines": [unpriced_line(view)]}
     sizing = ((stream.get("sizing") if stream else None) or {}) if basis == "stream" else {}
     out = {"model_name": model, "engine": engine, "window_seconds": view.increase.seconds,
            "prefill_seconds_per_token": prefill_seconds_per_token(view),
@@ -409,6 +411,18 @@ def summary(model: str, engine: str | None, values: Mapping[str, Any], view: Vie
            "saved_money": currency(saved, gpu_hour_price), "lost_money": currency(lost, gpu_hour_price)}
     out["lines"] = lines(out)
     return out
+
+
+def unpriced_line(view: View) -> str:
+    """Why a window prices neither saved nor lost, in one sentence."""
+    counters, histograms = view.increase.counters, view.increase.histograms
+    if prefill_seconds_per_token(view) is None:
+        measured = "prefill_time" in histograms or "prefill_forward_seconds" in counters
+        why = ("no request finished its prefill in it" if measured and LOCAL_COMPUTE in counters
+               else "the engine reports no prefill time and computed tokens to price a token at")
+    else:
+        why = "the engine reports neither the tokens its cache served nor its preemptions"
+    return f"Not priced over {view.increase.seconds:.0f} s: {why}."
 
 
 def figure(value: float) -> str:
