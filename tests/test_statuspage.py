@@ -483,6 +483,9 @@ def test_late_first_tokens_caused_by_the_exhausted_cache_are_one_story():
     assert len(diagnosis["findings"]) == len(found)  # every finding is still listed
     told = rows[("0", "preemption")]["caused_by"]
     assert (told["symptom"], told["cause"], told["summary"]) == ("exhaustion", "concurrency_beyond_capacity", "full now")
+    # What the card tells of its cause, no more: the cause's evidence is in its own row, listed beside it.
+    cause_row = rows[("0", "concurrency_beyond_capacity")]
+    assert told == {key: cause_row[key] for key in told} and "evidence" not in told and "evidence" in cause_row
     assert rows[("0", "concurrency_beyond_capacity")]["cause_of"] == {"symptom": "slow_first_token",
                                                                       "cause": "preemption"}
     assert [key for key, f in rows.items() if "caused_by" in f or "cause_of" in f] == [
