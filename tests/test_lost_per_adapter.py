@@ -125,13 +125,16 @@ def test_the_base_model_alone_is_the_whole_of_lost_and_needs_no_sentence():
         "Lost to recomputation: 2 s over 60 s, counted from the event stream's blocks stored again after their "
         "eviction.", f"Seconds are {worth.CAVEAT}."]
     many = [{"kind": "lora", "tenant": f"a{i}", "seconds": float(i)} for i in range(5)]
-    assert worth._tenants_line(many) == "Lost by adapter: a4 4 s, a3 3 s, a2 2 s and 2 more."
+    assert worth.tenants_line(many) == "Lost by adapter: a4 4 s, a3 3 s, a2 2 s and 2 more."
 
 
-def test_the_status_page_diagnose_and_the_api_show_the_adapters_lost(fixtures_dir):
+def test_the_status_page_diagnose_the_api_and_capacity_show_the_adapters_lost(fixtures_dir, capsys):
     """The monitor's own path: the page polled, the adapters' events fed to its stream, polled again."""
     from test_kv_events import stream_fed
 
+    from pageserver import Answer, PageServer
+
+    from kvwatch.cli import main
     from kvwatch.commands.diagnose import _json_report, print_worth
     from kvwatch.present import TerminalText
     from kvwatch.sidecar.report import signals_json
@@ -142,6 +145,7 @@ def test_the_status_page_diagnose_and_the_api_show_the_adapters_lost(fixtures_di
     batches += as_adapter(rotation(prefixes=6, blocks=4, cache=16, rounds=3, start=500_000), None)
     with stream_fed(texts, batches) as (monitor, settings, client):
         api = client.get("/api/v1/signals").json()["worth"][0]
+        diagnosis = client.get("/api/v1/diagnosis").text
         metrics = client.get("/metrics").text
     [row] = monitor.state.per_engine
     chat = f"chat-lora {540 * 16 * worth.prefill_seconds_per_token(row.view):.3g} s"
@@ -158,3 +162,7 @@ def test_the_status_page_diagnose_and_the_api_show_the_adapters_lost(fixtures_di
     served = _json_report(signals, {"findings": [], "events": [], "upstream": None, "lmcache": None}, 2,
                           monitor.state, None, monitor.state, 0)["worth"]
     assert served[0]["lost_by_tenant"] == api["lost_by_tenant"]
+    # `kvwatch capacity --kvwatch` reading that kvwatch's diagnosis prints the same split.
+    with PageServer([Answer(diagnosis, headers={"Content-Type": "application/json"})]) as other:
+        assert main(["capacity", "--kvwatch", other.base_url]) == 0
+    assert f"Lost by adapter: {chat}" in capsys.readouterr().out

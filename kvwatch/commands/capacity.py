@@ -14,13 +14,15 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from kvwatch.capacity import arithmetic as cap
 from kvwatch.capacity import hardware, live
 from kvwatch.capacity.arithmetic import CapacityInputError
 from kvwatch.capacity.model_config import load_model_config
 from kvwatch.present import printable, public_host
+from kvwatch.routing.tenants import lora_rows
+from kvwatch.stream_report import KVEventsReport
 from kvwatch.units import parse_duration
 from kvwatch.signals import worth
 
@@ -290,11 +292,17 @@ def _stream_report(url: str) -> dict[str, Any]:
         raise CapacityInputError(f"{api} is not kvwatch's diagnosis: its kv_events {wrong}")
     return {"mode": "kv-events", "kvwatch": base, "window": window, "sizing": sizing,
             "block_size": stream.get("block_size"), "sampling_rate": (stream.get("table") or {}).get("sampling_rate"),
-            "page_engine": stream.get("page_engine")}
+            "page_engine": stream.get("page_engine"),
+            # Lost per LoRA adapter, as that kvwatch's own worth section splits it (worth.lost_by_tenant).
+            # (the answer's shape checked above: the report as that kvwatch serves it)
+            "lost_by_tenant": worth.lost_by_tenant(lora_rows(cast(KVEventsReport, stream)), worth.priced_rate(stream))}
 
 
-_STREAM_NUMBERS = {"window": ("seconds", "stored", "stored_again", "stored_again_ratio", "lost_prefill_seconds"),
-                   "sizing": ("hit_ratio_now", "cache_blocks")}
+_STREAM_NUMBERS = {"window": ("seconds", "stored", "stored_again", "stored_again_ratio", "lost_prefill_seconds",
+                              "prefill_seconds_per_token"),
+                   "sizing": ("hit_ratio_now", "cache_blocks"), "stream": ("block_size",)}
+# A row of the window's blocks by medium and adapter (KVEventsLabelRow): its numbers and its names.
+_LABEL_NUMBERS, _LABEL_NAMES = ("stored", "stored_again", "reused"), ("medium", "lora_name")
 _POINT_NUMBERS = ("extra_cache", "extra_blocks", "extra_bytes", "blocks_kept", "recomputation_avoided_ratio",
                   "hit_ratio", "extra_gib", "saved_prefill_seconds_per_hour")
 
@@ -304,7 +312,7 @@ def _stream_shape_problem(stream: dict, window: Any, sizing: Any) -> str | None:
     (a number where one is printed, finite; lists and objects where they
     are read), or None."""
     parts = {"window": window, "sizing": sizing, "page_engine": stream.get("page_engine") or {},
-             "table": stream.get("table") or {}}
+             "table": stream.get("table") or {}, "stream": stream}
     for name, part in parts.items():
         if not isinstance(part, dict):
             return f"{name} is not an object"
@@ -314,6 +322,11 @@ def _stream_shape_problem(stream: dict, window: Any, sizing: Any) -> str | None:
                 return f"{name}.{key} is not a finite number"
     if not _number_or_none(parts["table"].get("sampling_rate")) or not isinstance(sizing.get("note") or "", str):
         return "table.sampling_rate or sizing.note is not of its type"
+    rows = window.get("by_label") or []
+    if not isinstance(rows, list) or not all(
+            isinstance(row, dict) and all(_number_or_none(row.get(key)) for key in _LABEL_NUMBERS)
+            and all(isinstance(row.get(key), (str, type(None))) for key in _LABEL_NAMES) for row in rows):
+        return "window.by_label is not a list of rows of names and finite numbers"
     points = sizing.get("points") or []
     if not isinstance(points, list) or not all(isinstance(point, dict) for point in points):
         return "sizing.points is not a list of objects"
@@ -364,6 +377,9 @@ def _stream_lines(report: dict[str, Any]) -> list[str]:
                      _per_hour(point.get("saved_prefill_seconds_per_hour"))])
     out += _table(rows[0], rows[1:])
     out += [""] + worth.stream_lines(window, sizing)
+    adapters = worth.tenants_line(report.get("lost_by_tenant"))
+    if adapters:
+        out.append(adapters)
     note = sizing.get("note") or ""
     # The note is a clause ("an estimate: ..."): here it opens a sentence.
     out += ["", f"Cache now: {_n(round(sizing.get('cache_blocks') or 0))} blocks."

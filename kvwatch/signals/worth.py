@@ -453,7 +453,7 @@ _BASES = {"stream": "counted from the event stream's blocks stored again after t
 TENANTS_NAMED = 3
 
 
-def _tenants_line(rows: list[dict[str, Any]] | None) -> str | None:
+def tenants_line(rows: list[dict[str, Any]] | None) -> str | None:
     """Lost by the adapters that lost most, where the stream names one beside
     the base model (with the base model alone it is the whole of lost)."""
     if not rows or all(row["tenant"] == "(base)" for row in rows):
@@ -479,7 +479,7 @@ def lines(worth: Mapping[str, Any]) -> list[str]:
                   if page is not None and worth.get("lost_page_basis") else "")
         out.append(f"Lost to recomputation: {_seconds(worth['lost_seconds'])} {window}, "
                    f"{_BASES[worth['lost_basis']]}" + _money(worth["lost_money"]) + beside + ".")
-    tenants = _tenants_line(worth.get("lost_by_tenant"))
+    tenants = tenants_line(worth.get("lost_by_tenant"))
     if tenants:
         out.append(tenants)
     priced = [p for p in worth["bought"] if p.get("saved_prefill_seconds_per_hour") is not None]
