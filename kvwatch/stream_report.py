@@ -100,6 +100,8 @@ class _KVEventsFlow(TypedDict, total=False):
     lost_prefill_seconds: float | None
     # The rate those seconds are priced at: each LoRA adapter's recomputed tokens are priced at it too.
     prefill_seconds_per_token: float | None
+    # Tokens a block, as lost counts them: the events' block size, else the page's (vLLM's events may omit it).
+    tokens_per_block: float | None
 
 
 class KVEventsWindow(_KVEventsFlow):

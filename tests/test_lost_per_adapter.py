@@ -76,6 +76,21 @@ def test_each_adapters_lost_seconds_are_its_recomputed_tokens_at_the_windows_rat
                                             for t in tokens})
 
 
+def test_events_without_a_block_size_count_an_adapters_tokens_in_the_pages(engine):
+    """vLLM's BlockStored may omit the block size: the window's lost then counts in the page's
+    (the view's), and each adapter's recomputed tokens in the same, so they still split it."""
+    [row] = engine.state.per_engine
+    raw = two_adapters()
+    raw["block_size"] = None
+    out = worth.with_worth(raw, row.view)
+    assert out["window"]["tokens_per_block"] == row.view.block_size and row.view.block_size
+    tokens = {r["tenant"]: r["recomputed_tokens"] for r in lora_rows(out)}
+    assert tokens["chat-lora"] == 540 * row.view.block_size
+    lost = worth.lost_by_tenant(lora_rows(out), worth.priced_rate(out))
+    assert sum(item["seconds"] for item in lost) == pytest.approx(out["window"]["lost_prefill_seconds"])
+    assert {r["recomputed_tokens"] for r in lora_rows(raw)} == {0}  # unpriced, no size: none counted
+
+
 def test_a_lower_tiers_returns_count_in_the_windows_lost_but_in_no_adapters(engine):
     """The window's stored again counts every medium's blocks stored again; an
     adapter's recomputed tokens only the GPU's. So the adapters sum to the

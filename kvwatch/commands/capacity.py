@@ -299,7 +299,7 @@ def _stream_report(url: str) -> dict[str, Any]:
 
 
 _STREAM_NUMBERS = {"window": ("seconds", "stored", "stored_again", "stored_again_ratio", "lost_prefill_seconds",
-                              "prefill_seconds_per_token"),
+                              "prefill_seconds_per_token", "tokens_per_block"),
                    "sizing": ("hit_ratio_now", "cache_blocks"), "stream": ("block_size",)}
 # A row of the window's blocks by medium and adapter (KVEventsLabelRow): its numbers and its names.
 _LABEL_NUMBERS, _LABEL_NAMES = ("stored", "stored_again", "reused"), ("medium", "lora_name")

@@ -155,9 +155,11 @@ def lora_rows(kv_events: KVEventsReport | None, k: int = DEFAULT_TOP_K) -> list[
     the stream's report sums its blocks stored and stored again by medium and
     adapter): the k adapters that stored most, and "other". "(base)" is the
     base model's own blocks. Recomputed tokens: the GPU's blocks stored again
-    after their eviction times the events' block size (unknown, none counted)."""
+    after their eviction times the block size the window's lost counts in (the
+    events', else the page's: worth.with_worth; unknown, none counted)."""
     window = kv_events.get("window") if kv_events else None
-    block_size = (kv_events.get("block_size") if kv_events else None) or 0
+    block_size = ((kv_events.get("block_size") if kv_events else None)
+                  or (window.get("tokens_per_block") if window else None) or 0)
     table = TenantTable("lora")
     for row in (window.get("by_label") if window else None) or ():
         again = float(row.get("stored_again") or 0.0)

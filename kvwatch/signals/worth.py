@@ -284,6 +284,7 @@ def with_worth(report: KVEventsReport, view: View | None) -> KVEventsReport:
     block_size = report.get("block_size") or (None if view is None else view.block_size)
     window["lost_prefill_seconds"] = stream_lost_seconds(window, block_size, per_token)
     window["prefill_seconds_per_token"] = per_token
+    window["tokens_per_block"] = block_size
     rows, knee = bought(sizing, float(window.get("seconds") or 0.0), block_size, per_token)
     points = [dict(point, **row) for point, row in zip(sizing.get("points") or [], rows)]
     sizing.update(points=points, diminishing_returns=knee)
