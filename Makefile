@@ -31,9 +31,11 @@ system-deps:
 run: $(RUN_STAMP)
 	scripts/run-demo.sh
 
-# The 25 slowest tests' times end the log: where the suite's time goes.
+# The 25 slowest tests' times end the log: where the suite's time goes. Two
+# workers, each test file on one (its module's fixtures started once), so a
+# file's tests keep their order (pyproject.toml says why two).
 test: $(STAMP) system-deps
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=25
 
 test-vllm: $(STAMP) system-deps
 	scripts/test-vllm.sh
