@@ -100,8 +100,8 @@ def _worth(kvwatch_url: str) -> dict:
 # Saved against vLLM's own difference, the bar. The truth: the same prompts on the same engine, each
 # with a salt of its own (vLLM's cache_salt: no request finds a cached block), against them without. An
 # engine restarted with prefix caching off is run too and reported: two engine processes on these two cores
-# disagreed on the cost of the same prompts by -4.5 to +7.4 %, and on the same-sized cold prompts by up to
-# 27 %, the bar's size (docs/capacity.md).
+# disagreed on the cost of same-sized cold prompts by up to 27 %, the bar's own size, in the runs of an
+# earlier probe (docs/capacity.md); on this load by -5.0 to +0.6 % in three runs.
 SAVED_BAR = 0.15
 
 
