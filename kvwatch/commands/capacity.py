@@ -293,8 +293,7 @@ def _stream_report(url: str) -> dict[str, Any]:
     return {"mode": "kv-events", "kvwatch": base, "window": window, "sizing": sizing,
             "block_size": stream.get("block_size"), "sampling_rate": (stream.get("table") or {}).get("sampling_rate"),
             "page_engine": stream.get("page_engine"),
-            # Lost per LoRA adapter, as that kvwatch's own worth section splits it (worth.lost_by_tenant).
-            # (the answer's shape checked above: the report as that kvwatch serves it)
+            # Lost per LoRA adapter, as that kvwatch's own worth section splits it (its shape checked above).
             "lost_by_tenant": worth.lost_by_tenant(lora_rows(cast(KVEventsReport, stream)), worth.priced_rate(stream))}
 
 
