@@ -72,21 +72,23 @@ def real_vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     venv, model = _prepare(request.config)
     # Kept under pytest's basetemp so a failing test's server log can be read afterwards.
     log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
-
-    @contextlib.contextmanager
-    def start():
-        try:
-            with vllm_server(model_dir=model, venv=venv, log_path=log_path,
-                             report=tier_reporter(request.config)) as server:
-                yield server
-        except HarnessError as err:  # raised by the start alone: nothing in the block raises it
-            pytest.fail(f"real vLLM did not start: {err}", pytrace=False)
-
-    shared = request.config.stash.setdefault(_real_engine, SharedEngine(start))
+    shared = request.config.stash.setdefault(_real_engine, SharedEngine(
+        lambda: _serving(model_dir=model, venv=venv, log_path=log_path, report=tier_reporter(request.config))))
     try:
         yield shared.get()
     finally:
         shared.close()
+
+
+@contextlib.contextmanager
+def _serving(**flags):
+    """vllm_server(**flags) for a shared engine: a start that fails fails the
+    test that asked for it, with the step that failed (never a skip)."""
+    try:
+        with vllm_server(**flags) as server:
+            yield server
+    except HarnessError as err:  # raised by the start alone: nothing in the block raises it
+        pytest.fail(f"real vLLM did not start: {err}", pytrace=False)
 
 
 _real_engine = pytest.StashKey[SharedEngine]()
@@ -109,12 +111,9 @@ def events_vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     def start():
         endpoint = f"tcp://127.0.0.1:{_free_port()}"
         log_path = tmp_path_factory.mktemp("vllm-kv-events") / "server.log"
-        try:
-            with vllm_server(model_dir=model, venv=venv, log_path=log_path, report=report,
-                             extra_args=events_config(endpoint), startup_timeout_s=EVENTS_STARTUP_S) as server:
-                yield EventsEngine(server, endpoint)
-        except HarnessError as err:  # raised by the start alone: nothing in the block raises it
-            pytest.fail(f"real vLLM did not start: {err}", pytrace=False)
+        with _serving(model_dir=model, venv=venv, log_path=log_path, report=report,
+                      extra_args=events_config(endpoint), startup_timeout_s=EVENTS_STARTUP_S) as server:
+            yield EventsEngine(server, endpoint)
 
     shared = request.config.stash.setdefault(_events_engine, SharedEngine(start))
     try:
